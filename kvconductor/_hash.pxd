@@ -1,0 +1,16 @@
+# cython: language_level=3
+"""C-level block hashing shared by the index and the wire parsers."""
+from libc.stdint cimport uint32_t, uint64_t
+
+ctypedef uint64_t (*xxh3_seeded_fn)(const void* data, size_t length, uint64_t seed) noexcept nogil
+
+cdef enum:
+    KVC_SEED = 1337       # same constant as NVIDIA Dynamo kv-router and the reference
+
+# Hash ``n_tokens`` u32 tokens in blocks of ``block_size`` into ``out`` (capacity
+# >= ceil(n/bs)); trailing partial block included. Returns the number of hashes.
+cdef size_t hash_token_blocks(const uint32_t* tokens, size_t n_tokens, size_t block_size,
+                              uint64_t seed, uint64_t* out) noexcept nogil
+
+# XXH3-64 of one byte range (the real xxHash function from the xxhash package).
+cdef uint64_t xxh3(const void* data, size_t length, uint64_t seed) noexcept nogil

@@ -1,0 +1,136 @@
+# cython: language_level=3
+"""LocalBlockHash: XXH3-64 (seed 1337) over little-endian u32 token blocks.
+
+The xxHash implementation is the one compiled into the ``xxhash`` package's own
+extension module: we ``dlopen`` that shared object (already loaded by
+``import xxhash``) and take ``XXH3_64bits_withSeed`` from it, so nothing of
+xxHash is vendored or rewritten here.
+
+Hashing runs without the GIL over a C buffer of u32 tokens.
+"""
+from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyObject_GetBuffer, PyBuffer_Release
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+from posix.dlfcn cimport RTLD_NOW, dlerror, dlopen, dlsym
+
+import array as _array
+import sys as _sys
+
+import xxhash._xxhash as _xx
+
+DEFAULT_SEED = KVC_SEED
+
+cdef xxh3_seeded_fn _XXH3 = NULL
+cdef bint _LITTLE = _sys.byteorder == "little"
+
+
+cdef void _load() except *:
+    global _XXH3
+    path = _xx.__file__.encode()
+    cdef void* handle = dlopen(path, RTLD_NOW)
+    if handle == NULL:
+        raise ImportError(f"cannot dlopen xxhash extension: {dlerror()!r}")
+    # PERF: the runtime-dispatched variant picks AVX2/SSE2 at first call.
+    cdef void* fn = dlsym(handle, b"XXH3_64bits_withSeed_dispatch")
+    if fn == NULL:
+        fn = dlsym(handle, b"XXH3_64bits_withSeed")
+    if fn == NULL:
+        raise ImportError("xxhash extension does not export XXH3_64bits_withSeed")
+    _XXH3 = <xxh3_seeded_fn>fn
+
+
+_load()
+
+
+cdef uint64_t xxh3(const void* data, size_t length, uint64_t seed) noexcept nogil:
+    return _XXH3(data, length, seed)
+
+
+cdef inline uint32_t _bswap32(uint32_t x) noexcept nogil:
+    return ((x & 0xFF) << 24) | ((x & 0xFF00) << 8) | ((x >> 8) & 0xFF00) | (x >> 24)
+
+
+cdef size_t hash_token_blocks(const uint32_t* tokens, size_t n_tokens, size_t block_size,
+                              uint64_t seed, uint64_t* out) noexcept nogil:
+    cdef size_t i = 0, k = 0, take
+    if block_size == 0 or n_tokens == 0:
+        return 0
+    while i < n_tokens:
+        take = block_size if n_tokens - i >= block_size else n_tokens - i
+        if _LITTLE:
+            out[k] = _XXH3(<const void*>(tokens + i), take * 4, seed)
+        else:
+            # NOTE: big-endian hosts byte-swap in bounded chunks; correctness only.
+            out[k] = _hash_swapped(tokens + i, take, seed)
+        k += 1
+        i += take
+    return k
+
+
+cdef uint64_t _hash_swapped(const uint32_t* tokens, size_t n, uint64_t seed) noexcept nogil:
+    cdef uint32_t* buf = <uint32_t*>malloc(n * 4 + 4)
+    cdef size_t j
+    cdef uint64_t h
+    for j in range(n):
+        buf[j] = _bswap32(tokens[j])
+    h = _XXH3(<const void*>buf, n * 4, seed)
+    free(buf)
+    return h
+
+
+def xxh3_64(data, unsigned long long seed=0):
+    """XXH3-64 of ``data`` (bytes-like) with ``seed``, via the shared C function."""
+    cdef const uint8_t[::1] view = data
+    cdef size_t n = view.shape[0]
+    cdef const void* ptr = NULL
+    if n:
+        ptr = &view[0]
+    with nogil:
+        h = _XXH3(ptr if n else <const void*>b"", n, seed)
+    return h
+
+
+def lora_seed(lora_name):
+    """Seed for blocks of a LoRA adapter: 1337 + XXH3-64(name, seed 0) mod 2^64.
+
+    ``None`` or ``""`` give the base seed 1337.
+    """
+    if not lora_name:
+        return KVC_SEED
+    if isinstance(lora_name, str):
+        lora_name = lora_name.encode("utf-8")
+    return (KVC_SEED + xxh3_64(lora_name, 0)) & 0xFFFFFFFFFFFFFFFF
+
+
+def to_u32_tokens(tokens):
+    """Return a contiguous u32 buffer of ``tokens``.
+
+    Buffers with format ``I``/``L`` of item size 4 pass through; any other
+    iterable of ints is truncated to the low 32 bits (``-1`` -> ``0xFFFFFFFF``).
+    """
+    if isinstance(tokens, (bytes, bytearray)):
+        raise TypeError("token buffers must be typed u32 arrays, not raw bytes")
+    try:
+        mv = memoryview(tokens)
+    except TypeError:
+        mv = None
+    if mv is not None and mv.itemsize == 4 and mv.format in ("I", "L", "=I", "<I") and mv.ndim == 1:
+        if mv.c_contiguous:
+            return mv
+        return memoryview(_array.array("I", mv.tobytes()))
+    return _array.array("I", [int(t) & 0xFFFFFFFF for t in tokens])
+
+
+def hash_blocks(tokens, size_t block_size, unsigned long long seed=KVC_SEED):
+    """LocalBlockHashes of ``tokens`` (u32 buffer or ints) as an ``array('Q')``."""
+    buf = to_u32_tokens(tokens)
+    cdef const uint32_t[::1] view = buf
+    cdef size_t n = view.shape[0]
+    cdef size_t nblocks = 0 if block_size == 0 else (n + block_size - 1) // block_size
+    out = _array.array("Q", bytes(8 * nblocks))
+    cdef uint64_t[::1] ov = out
+    if nblocks:
+        with nogil:
+            hash_token_blocks(&view[0], n, block_size, seed, &ov[0])
+    return out

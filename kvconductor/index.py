@@ -1,0 +1,197 @@
+"""One prefix index per (model, tenant), over the compiled core or its twin.
+
+:class:`Index` interns :class:`~kvconductor.keys.WorkerKey` values to the small
+integer worker ids of the core and ``(instance_id, dp_rank)`` pairs to group
+ids, and turns core answers into the V3 query shape.
+
+**Threading: exactly one writer thread (the ingest thread) calls the mutating
+methods; any number of threads may call** :meth:`Index.query`,
+:meth:`Index.query_by_hash` **and** :meth:`Index.summary` **concurrently.**
+The core serialises them with a C reader/writer lock taken without the GIL.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import kvconductor
+from kvconductor.keys import Medium, WorkerKey
+
+U32_MAX = 0xFFFFFFFF
+
+
+def _core_class(impl: str | None):
+    impl = impl or os.environ.get("KVCONDUCTOR_IMPL") or ("c" if kvconductor.is_available() else "py")
+    if impl == "c":
+        from kvconductor._index import CoreIndex
+    elif impl == "py":
+        from kvconductor._py.index import CoreIndex
+    else:
+        raise ValueError(f"unknown index implementation {impl!r}")
+    return CoreIndex
+
+
+class DpHit(NamedTuple):
+    """Exclusive per-tier block counts of one (instance, DP)."""
+
+    instance_id: str
+    dp_rank: int
+    npu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+
+
+class QueryResult:
+    """Per (instance, DP) hits of one query, in group order."""
+
+    __slots__ = ("hits",)
+
+    def __init__(self, hits: list[DpHit]) -> None:
+        self.hits = hits
+
+    def __len__(self) -> int:
+        return len(self.hits)
+
+    def to_dict(self, tenant: str, block_size: int) -> dict[str, Any]:
+        """The V3 response body ``{tenant: {instance: {...}}}``."""
+        out: dict[str, Any] = {}
+        for h in self.hits:
+            blocks = h.npu_blocks + h.cpu_blocks + h.disk_blocks
+            matched = min(blocks * block_size, U32_MAX)
+            inst = out.get(h.instance_id)
+            if inst is None:
+                inst = out[h.instance_id] = {"longest_matched": 0, "DP": {}}
+            inst["DP"][str(h.dp_rank)] = {
+                "matched_tokens": matched,
+                "npu_blocks": min(h.npu_blocks, U32_MAX),
+                "cpu_blocks": min(h.cpu_blocks, U32_MAX),
+                "disk_blocks": min(h.disk_blocks, U32_MAX),
+            }
+            if matched > inst["longest_matched"]:
+                inst["longest_matched"] = matched
+        return {tenant: out}
+
+
+class Index:
+    """The index of one (model, tenant): HBM tree, CPU and Disk tiers, two-phase state."""
+
+    def __init__(self, model: str, tenant: str, *, impl: str | None = None) -> None:
+        self.model = model
+        self.tenant = tenant
+        self.core = _core_class(impl)()
+        self._workers: dict[WorkerKey, int] = {}
+        self._worker_keys: list[WorkerKey] = []
+        self._groups: dict[tuple[str, int], int] = {}
+        self._group_keys: list[tuple[str, int]] = []
+
+    # -- interning ---------------------------------------------------------------
+    def worker_id(self, key: WorkerKey) -> int:
+        """The core's id of ``key``, created on first use (writer thread only)."""
+        wid = self._workers.get(key)
+        if wid is None:
+            g = (key.instance_id, key.dp_rank)
+            gid = self._groups.get(g)
+            if gid is None:
+                gid = len(self._group_keys)
+                self._groups[g] = gid
+                self._group_keys.append(g)
+            wid = len(self._worker_keys)
+            self.core.set_worker(wid, gid, Medium(key.medium).tier)
+            self._worker_keys.append(key)
+            self._workers[key] = wid
+        return wid
+
+    def workers_of(self, instance_id: str, dp_rank: int | None = None) -> list[WorkerKey]:
+        """Every known WorkerKey of an instance (optionally of one DP)."""
+        return [k for k in self._worker_keys
+                if k.instance_id == instance_id and (dp_rank is None or k.dp_rank == dp_rank)]
+
+    # -- direct mutations (HBM events and the HTTP /events path) -------------------
+    def store(self, key: WorkerKey, parent: int | None, engine_hashes: Sequence[int],
+              local_hashes: Sequence[int]) -> int:
+        """Store a chain of blocks for ``key`` under ``parent`` (or the root)."""
+        return self.core.store(self.worker_id(key), parent, engine_hashes, local_hashes)
+
+    def store_tokens(self, key: WorkerKey, parent: int | None, engine_hashes: Sequence[int],
+                     tokens, block_size: int, seed: int = 1337) -> int:
+        """Like :meth:`store`, hashing ``tokens`` (u32 buffer or ints) in C."""
+        return self.core.store_tokens(self.worker_id(key), parent, engine_hashes, tokens,
+                                      block_size, seed)
+
+    def remove(self, key: WorkerKey, engine_hashes: Sequence[int]) -> int:
+        """Remove blocks of ``key`` directly (no two-phase rule)."""
+        wid = self._workers.get(key)
+        return 0 if wid is None else self.core.remove(wid, engine_hashes)
+
+    def clear(self, key: WorkerKey) -> int:
+        """Drop every block and pending wait of ``key``."""
+        wid = self._workers.get(key)
+        return 0 if wid is None else self.core.clear(wid)
+
+    def remove_dp(self, instance_id: str, dp_rank: int) -> int:
+        """Drop everything of (instance, DP) on every medium (unregister)."""
+        return sum(self.clear(k) for k in self.workers_of(instance_id, dp_rank))
+
+    # -- two-phase offload / pool join ---------------------------------------------
+    def offload(self, engine_hashes: Sequence[int], local_hashes: Sequence[int],
+                parent: int | None, now: float | None = None) -> int:
+        """Phase 1: an engine moved blocks to CPU/Disk; wait for the pool's word."""
+        return self.core.offload(engine_hashes, local_hashes, parent,
+                                 time.monotonic() if now is None else now)
+
+    def pool_store(self, key: WorkerKey, engine_hashes: Sequence[int],
+                   now: float | None = None) -> tuple[int, int]:
+        """Phase 2: the pool confirms it holds ``engine_hashes`` for ``key``."""
+        return self.core.pool_store(self.worker_id(key), engine_hashes,
+                                    time.monotonic() if now is None else now)
+
+    def evict(self, key: WorkerKey, engine_hashes: Sequence[int]) -> int:
+        """Removal with the two-phase rule (engine BlockRemoved, pool removed)."""
+        return self.core.evict(self.worker_id(key), engine_hashes)
+
+    # -- queries ---------------------------------------------------------------------
+    def _result(self, rows) -> QueryResult:
+        gk = self._group_keys
+        return QueryResult([DpHit(gk[g][0], gk[g][1], n, c, d) for g, n, c, d in rows])
+
+    def query(self, tokens, block_size: int, seed: int = 1337) -> QueryResult:
+        """Match token ids (u32 buffer or ints) hashed with ``block_size``."""
+        return self._result(self.core.match_tokens(tokens, block_size, seed))
+
+    def query_by_hash(self, local_hashes: Sequence[int]) -> QueryResult:
+        """Match precomputed LocalBlockHashes."""
+        return self._result(self.core.match(local_hashes))
+
+    # -- maintenance and introspection ------------------------------------------------
+    def maintenance(self, now: float | None = None, pending_ttl: float = 60.0,
+                    content_ttl: float = 300.0, offload_ttl: float = 600.0) -> int:
+        """TTL sweeps of the two-phase state plus the HBM empty-node sweep."""
+        return self.core.sweep(time.monotonic() if now is None else now,
+                               pending_ttl, content_ttl, offload_ttl)
+
+    def is_empty(self) -> bool:
+        """No blocks in any tier and no two-phase entries."""
+        s = self.core.stats()
+        return not (s["hbm_pairs"] or s["cpu_blocks"] or s["disk_blocks"]
+                    or s["offload"] or s["content"] or s["pending"])
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for ``/workers``: workers, blocks per tier, two-phase sizes."""
+        s = self.core.stats()
+        holding = [k for k, w in self._workers.items() if self.core.worker_blocks(w)]
+        return {
+            "model_name": self.model,
+            "tenant_id": self.tenant,
+            "worker_count": len(holding),
+            "total_blocks": s["hbm_pairs"] + s["cpu_blocks"] + s["disk_blocks"],
+            "hbm_blocks": s["hbm_pairs"],
+            "cpu_blocks": s["cpu_blocks"],
+            "disk_blocks": s["disk_blocks"],
+            "hbm_nodes": s["nodes"],
+            "offload": s["offload"],
+            "pending_pool": s["pending"],
+            "content": s["content"],
+            "bytes": s["nbytes"],
+        }

@@ -1,0 +1,84 @@
+"""Worker identity, storage media and store backends (contract section 3)."""
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple
+
+
+class Medium(enum.IntEnum):
+    """Where a block lives. UNKNOWN is indexed like NPU (contract 3.1)."""
+
+    NPU = 0
+    CPU = 1
+    DISK = 2
+    UNKNOWN = 3
+
+    @property
+    def display(self) -> str:
+        return self.name
+
+    @property
+    def tier(self) -> int:
+        """0 = HBM tree, 1 = CPU tier, 2 = Disk tier."""
+        return 0 if self in (Medium.NPU, Medium.UNKNOWN) else int(self)
+
+
+_MEDIA = {}
+for _k in ("npu", "NPU", "gpu", "GPU", "xpu", "XPU", "hbm", "HBM", "device", "DEVICE"):
+    _MEDIA[_k] = Medium.NPU
+for _k in ("cpu", "CPU", "cpu_pinned", "CPU_PINNED", "host", "HOST", "memory", "MEMORY"):
+    _MEDIA[_k] = Medium.CPU
+for _k in ("disk", "DISK", "ssd", "SSD", "nvme", "NVME", "nof_ssd", "dfs", "DFS"):
+    _MEDIA[_k] = Medium.DISK
+
+
+def parse_medium(s: str | None) -> Medium:
+    """Parse a medium string with the reference's exact alias table.
+
+    ``None`` and ``""`` give NPU (the default); unknown strings give UNKNOWN.
+    """
+    if not s:
+        return Medium.NPU
+    return _MEDIA.get(s, Medium.UNKNOWN)
+
+
+def is_hbm_key(s: str | None) -> bool:
+    """True when ``s`` parses to NPU (GPU/XPU/HBM/... aliases)."""
+    return parse_medium(s) is Medium.NPU
+
+
+class WorkerKey(NamedTuple):
+    """(instance_id, backend_id, dp_rank, medium): one holder of blocks."""
+
+    instance_id: str
+    backend_id: str
+    dp_rank: int
+    medium: Medium
+
+
+class StoreBackend(enum.Enum):
+    MOONCAKE = "Mooncake"
+    MEMCACHE = "Memcache"
+    YUANRONG = "YuanRong"
+    UNKNOWN = "Unknown"
+
+    @classmethod
+    def parse(cls, s: str | None) -> "StoreBackend":
+        low = (s or "").lower()
+        for b in (cls.MOONCAKE, cls.MEMCACHE, cls.YUANRONG):
+            if low == b.value.lower():
+                return b
+        return cls.UNKNOWN
+
+    @property
+    def indexes_hbm_ip(self) -> bool:
+        return self in (StoreBackend.MOONCAKE, StoreBackend.MEMCACHE)
+
+    @property
+    def is_pool_backend(self) -> bool:
+        return self.indexes_hbm_ip
+
+    @property
+    def match_mode(self) -> str:
+        """"ip_only" for Mooncake/Memcache, "none" otherwise."""
+        return "ip_only" if self.indexes_hbm_ip else "none"

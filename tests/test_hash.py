@@ -1,0 +1,82 @@
+"""LocalBlockHash: golden vectors of contract 5.2 and agreement with xxhash."""
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvconductor import _hash
+
+GOLDEN = [
+    ([0, 1, 2, 3], 4, [9143094415614847814]),
+    ([1, 2, 3, 4], 4, [14643705804678351452]),
+    ([1, 2, 3, 4, 5, 6, 7, 8], 4, [14643705804678351452, 16777012769546811212]),
+    ([0, 1, 2, 3, 4, 5], 4, [9143094415614847814, 12189426826560619506]),
+    ([10, 20, 30, 40], 4, [16324159493528209483]),
+    ([1, 2, 3], 4, [15024015205894559313]),
+    ([-1], 1, [3109405589439059943]),
+    ([4294967295], 1, [3109405589439059943]),
+    ([1, 2, 3, 4, 5], 128, [1914873892905420881]),
+    (list(range(12)), 4, [9143094415614847814, 12124091508212882195, 1088361764653601668]),
+]
+
+
+@pytest.mark.parametrize("tokens,bs,expected", GOLDEN)
+def test_golden_vectors(tokens, bs, expected):
+    assert list(_hash.hash_blocks(tokens, bs)) == expected
+
+
+def test_golden_hex_forms():
+    assert _hash.hash_blocks([0, 1, 2, 3], 4)[0] == 0x7EE2CBEDC694AB46
+    assert _hash.hash_blocks([1, 2, 3, 4, 5], 128)[0] == 0x1A92FFA9004C0851
+
+
+def test_sanity_empty_input_hashes():
+    assert _hash.xxh3_64(b"", 0) == 0x2D06800538D394C2
+    assert _hash.xxh3_64(b"", 1337) == 0xD1F3E77444430AB9
+
+
+def test_empty_and_zero_block_size_give_no_hashes():
+    assert list(_hash.hash_blocks([], 4)) == []
+    assert list(_hash.hash_blocks([1, 2, 3], 0)) == []
+
+
+@pytest.mark.parametrize("n,bs,count", [(6, 4, 2), (1000, 128, 8), (100, 4, 25),
+                                        (10000, 4, 2500), (131072, 4, 32768)])
+def test_block_counts(n, bs, count):
+    assert len(_hash.hash_blocks(list(range(n)), bs)) == count
+
+
+def test_different_sequences_differ():
+    assert _hash.hash_blocks([1, 2, 3, 4], 4)[0] != _hash.hash_blocks([1, 2, 3, 5], 4)[0]
+    assert _hash.hash_blocks([1, 2, 3], 4)[0] != _hash.hash_blocks([1, 2, 3, 4], 4)[0]
+
+
+def test_u32_buffer_input_equals_list_input():
+    import array
+    toks = list(range(1000, 3000))
+    assert _hash.hash_blocks(array.array("I", toks), 16) == _hash.hash_blocks(toks, 16)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=300),
+       st.integers(min_value=1, max_value=70))
+def test_matches_xxhash_package(tokens, bs):
+    u32 = [t & 0xFFFFFFFF for t in tokens]
+    expected = []
+    for i in range(0, len(u32), bs):
+        chunk = u32[i:i + bs]
+        expected.append(xxhash.xxh3_64_intdigest(struct.pack(f"<{len(chunk)}I", *chunk), seed=1337))
+    assert list(_hash.hash_blocks(tokens, bs)) == expected
+
+
+def test_lora_seed():
+    assert _hash.lora_seed(None) == 1337
+    assert _hash.lora_seed("") == 1337
+    expected = (1337 + xxhash.xxh3_64_intdigest(b"adapter-a", seed=0)) % 2**64
+    assert _hash.lora_seed("adapter-a") == expected
+    toks = [1, 2, 3, 4]
+    salted = _hash.hash_blocks(toks, 4, _hash.lora_seed("adapter-a"))[0]
+    assert salted == xxhash.xxh3_64_intdigest(struct.pack("<4I", *toks), seed=expected)
+    assert salted != _hash.hash_blocks(toks, 4)[0]
