@@ -1,0 +1,1 @@
+"""The event plane: the ingest thread, ZeroMQ subscribers, decoders and replay."""

@@ -1,0 +1,24 @@
+"""What a subscription knows about the engine or pool it listens to."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvconductor.keys import Medium, StoreBackend
+
+
+@dataclass(frozen=True)
+class SubscriberContext:
+    """Registration facts a subscriber needs to apply events (contract 3.4 step 4)."""
+
+    instance_id: str                 # backend_id of HBM workers it feeds
+    dp_rank: int
+    url: str                         # ZMQ PUB endpoint
+    model: str
+    tenant: str
+    block_size: int
+    default_media: tuple[Medium, ...] = (Medium.NPU,)
+    store_backend: StoreBackend = StoreBackend.MOONCAKE
+    is_pool: bool = False            # a Mooncake/Memcache pool publisher (IpOnly worker resolution)
+    replay_endpoint: str | None = None
+    engine_type: str = "vLLM"
+    extra: dict = field(default_factory=dict, compare=False)
