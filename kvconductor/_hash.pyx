@@ -134,3 +134,22 @@ def hash_blocks(tokens, size_t block_size, unsigned long long seed=KVC_SEED):
         with nogil:
             hash_token_blocks(&view[0], n, block_size, seed, &ov[0])
     return out
+
+
+def as_u64(values):
+    """Return ``values`` as a contiguous u64 buffer (``array('Q')`` or memoryview).
+
+    u64 buffers pass through without a copy; other iterables are converted and
+    must hold ints in ``[0, 2**64)`` (else ``OverflowError``).
+    """
+    if isinstance(values, _array.array) and values.typecode == "Q":
+        return values
+    if not isinstance(values, (list, tuple, range)):
+        try:
+            mv = memoryview(values)
+        except TypeError:
+            mv = None
+        if (mv is not None and mv.ndim == 1 and mv.itemsize == 8
+                and mv.format.lstrip("<=@") in ("Q", "L") and mv.c_contiguous):
+            return mv
+    return _array.array("Q", values)

@@ -1,0 +1,388 @@
+# cython: language_level=3
+"""Open-addressing hash maps of u64 keys to u32 values, usable without the GIL.
+
+Linear probing, power-of-two capacity, load factor <= 3/4, backward-shift
+deletion (no tombstones). A value of ``HM_NIL`` marks an empty slot, so it can
+never be stored. Keys are mixed with the splitmix64 finalizer because engine
+hashes may be small integers.
+
+Every function is ``noexcept nogil``; the ones that allocate return -1 on
+out-of-memory and leave the map unchanged. The owner of a map (a ``cdef class``
+of ``_tree``/``_lower``/``_index``) frees it with ``*_free``.
+"""
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport free, malloc, realloc
+
+from kvconductor._hash cimport hash_token_blocks
+from libc.string cimport memset
+
+cdef enum:
+    HM_NIL = 0xFFFFFFFF           # "no value" / empty slot / no index
+
+# -- rwlock ---------------------------------------------------------------------
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_rwlock_t:
+        pass
+    ctypedef struct pthread_rwlockattr_t:
+        pass
+    int pthread_rwlock_init(pthread_rwlock_t* lock, const pthread_rwlockattr_t* attr)
+    int pthread_rwlock_destroy(pthread_rwlock_t* lock)
+    int pthread_rwlock_rdlock(pthread_rwlock_t* lock)
+    int pthread_rwlock_wrlock(pthread_rwlock_t* lock)
+    int pthread_rwlock_unlock(pthread_rwlock_t* lock)
+    int pthread_rwlockattr_init(pthread_rwlockattr_t* attr)
+    int pthread_rwlockattr_destroy(pthread_rwlockattr_t* attr)
+    int pthread_rwlockattr_setkind_np(pthread_rwlockattr_t* attr, int pref)
+    enum:
+        PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP
+
+
+cdef inline int rwlock_init(pthread_rwlock_t* lock) noexcept nogil:
+    """Writer-preferring, so a stream of readers cannot starve the ingest thread."""
+    cdef pthread_rwlockattr_t attr
+    pthread_rwlockattr_init(&attr)
+    pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP)
+    cdef int rc = pthread_rwlock_init(lock, &attr)
+    pthread_rwlockattr_destroy(&attr)
+    return rc
+
+
+cdef inline uint64_t hm_mix(uint64_t x) noexcept nogil:
+    x ^= x >> 30
+    x *= <uint64_t>0xbf58476d1ce4e5b9
+    x ^= x >> 27
+    x *= <uint64_t>0x94d049bb133111eb
+    x ^= x >> 31
+    return x
+
+
+# -- U64Map: u64 -> u32 ---------------------------------------------------------------
+cdef struct U64Map:
+    uint64_t* keys               # slot keys (valid where vals[i] != HM_NIL)
+    uint32_t* vals               # slot values, HM_NIL = empty
+    size_t mask                  # capacity - 1 (capacity a power of two; 0 when unallocated)
+    size_t size                  # live entries
+
+
+cdef inline void u64m_init(U64Map* m) noexcept nogil:
+    m.keys = NULL
+    m.vals = NULL
+    m.mask = 0
+    m.size = 0
+
+
+cdef inline void u64m_free(U64Map* m) noexcept nogil:
+    free(m.keys)
+    free(m.vals)
+    u64m_init(m)
+
+
+cdef inline size_t u64m_nbytes(const U64Map* m) noexcept nogil:
+    return 0 if m.keys == NULL else (m.mask + 1) * 12
+
+
+cdef inline uint32_t u64m_get(const U64Map* m, uint64_t key) noexcept nogil:
+    if m.keys == NULL:
+        return HM_NIL
+    cdef size_t i = hm_mix(key) & m.mask
+    cdef uint32_t v
+    while True:
+        v = m.vals[i]
+        if v == HM_NIL:
+            return HM_NIL
+        if m.keys[i] == key:
+            return v
+        i = (i + 1) & m.mask
+
+
+cdef inline int u64m_rehash(U64Map* m, size_t cap) noexcept nogil:
+    cdef uint64_t* nk = <uint64_t*>malloc(cap * sizeof(uint64_t))
+    cdef uint32_t* nv = <uint32_t*>malloc(cap * sizeof(uint32_t))
+    cdef size_t i, j, nmask = cap - 1
+    if nk == NULL or nv == NULL:
+        free(nk)
+        free(nv)
+        return -1
+    memset(nv, 0xFF, cap * sizeof(uint32_t))
+    if m.keys != NULL:
+        for i in range(m.mask + 1):
+            if m.vals[i] != HM_NIL:
+                j = hm_mix(m.keys[i]) & nmask
+                while nv[j] != HM_NIL:
+                    j = (j + 1) & nmask
+                nk[j] = m.keys[i]
+                nv[j] = m.vals[i]
+        free(m.keys)
+        free(m.vals)
+    m.keys = nk
+    m.vals = nv
+    m.mask = nmask
+    return 0
+
+
+cdef inline int u64m_put(U64Map* m, uint64_t key, uint32_t val) noexcept nogil:
+    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
+    if m.keys == NULL:
+        if u64m_rehash(m, 8) < 0:
+            return -1
+    elif (m.size + 1) * 4 > (m.mask + 1) * 3:
+        if u64m_rehash(m, (m.mask + 1) * 2) < 0:
+            return -1
+    cdef size_t i = hm_mix(key) & m.mask
+    while m.vals[i] != HM_NIL:
+        if m.keys[i] == key:
+            m.vals[i] = val
+            return 0
+        i = (i + 1) & m.mask
+    m.keys[i] = key
+    m.vals[i] = val
+    m.size += 1
+    return 1
+
+
+cdef inline uint32_t u64m_pop(U64Map* m, uint64_t key) noexcept nogil:
+    """Delete ``key``; return its value or HM_NIL when absent."""
+    if m.keys == NULL:
+        return HM_NIL
+    cdef size_t mask = m.mask
+    cdef size_t i = hm_mix(key) & mask, j, k
+    cdef uint32_t out
+    while True:
+        if m.vals[i] == HM_NIL:
+            return HM_NIL
+        if m.keys[i] == key:
+            break
+        i = (i + 1) & mask
+    out = m.vals[i]
+    m.vals[i] = HM_NIL
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if m.vals[j] == HM_NIL:
+            break
+        k = hm_mix(m.keys[j]) & mask
+        # the entry at j may stay iff its home k lies cyclically in (i, j]
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        m.keys[i] = m.keys[j]
+        m.vals[i] = m.vals[j]
+        m.vals[j] = HM_NIL
+        i = j
+    m.size -= 1
+    return out
+
+
+# -- PairMap: (u64, u64) -> u32 ---------------------------------------------------------
+cdef struct PairMap:
+    uint64_t* ka                 # first key half (tree: parent node; lower tier: parent engine hash)
+    uint64_t* kb                 # second key half (LocalBlockHash)
+    uint32_t* vals               # HM_NIL = empty
+    size_t mask
+    size_t size
+
+
+cdef inline uint64_t pm_hash(uint64_t a, uint64_t b) noexcept nogil:
+    return hm_mix(a * <uint64_t>0x9e3779b97f4a7c15 ^ b)
+
+
+cdef inline void pm_init(PairMap* m) noexcept nogil:
+    m.ka = NULL
+    m.kb = NULL
+    m.vals = NULL
+    m.mask = 0
+    m.size = 0
+
+
+cdef inline void pm_free(PairMap* m) noexcept nogil:
+    free(m.ka)
+    free(m.kb)
+    free(m.vals)
+    pm_init(m)
+
+
+cdef inline size_t pm_nbytes(const PairMap* m) noexcept nogil:
+    return 0 if m.ka == NULL else (m.mask + 1) * 20
+
+
+cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    if m.ka == NULL:
+        return HM_NIL
+    cdef size_t i = pm_hash(a, b) & m.mask
+    cdef uint32_t v
+    while True:
+        v = m.vals[i]
+        if v == HM_NIL:
+            return HM_NIL
+        if m.kb[i] == b and m.ka[i] == a:
+            return v
+        i = (i + 1) & m.mask
+
+
+cdef inline int pm_rehash(PairMap* m, size_t cap) noexcept nogil:
+    cdef uint64_t* na = <uint64_t*>malloc(cap * sizeof(uint64_t))
+    cdef uint64_t* nb = <uint64_t*>malloc(cap * sizeof(uint64_t))
+    cdef uint32_t* nv = <uint32_t*>malloc(cap * sizeof(uint32_t))
+    cdef size_t i, j, nmask = cap - 1
+    if na == NULL or nb == NULL or nv == NULL:
+        free(na)
+        free(nb)
+        free(nv)
+        return -1
+    memset(nv, 0xFF, cap * sizeof(uint32_t))
+    if m.ka != NULL:
+        for i in range(m.mask + 1):
+            if m.vals[i] != HM_NIL:
+                j = pm_hash(m.ka[i], m.kb[i]) & nmask
+                while nv[j] != HM_NIL:
+                    j = (j + 1) & nmask
+                na[j] = m.ka[i]
+                nb[j] = m.kb[i]
+                nv[j] = m.vals[i]
+        free(m.ka)
+        free(m.kb)
+        free(m.vals)
+    m.ka = na
+    m.kb = nb
+    m.vals = nv
+    m.mask = nmask
+    return 0
+
+
+cdef inline int pm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
+    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
+    if m.ka == NULL:
+        if pm_rehash(m, 8) < 0:
+            return -1
+    elif (m.size + 1) * 4 > (m.mask + 1) * 3:
+        if pm_rehash(m, (m.mask + 1) * 2) < 0:
+            return -1
+    cdef size_t i = pm_hash(a, b) & m.mask
+    while m.vals[i] != HM_NIL:
+        if m.kb[i] == b and m.ka[i] == a:
+            m.vals[i] = val
+            return 0
+        i = (i + 1) & m.mask
+    m.ka[i] = a
+    m.kb[i] = b
+    m.vals[i] = val
+    m.size += 1
+    return 1
+
+
+cdef inline uint32_t pm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    if m.ka == NULL:
+        return HM_NIL
+    cdef size_t mask = m.mask
+    cdef size_t i = pm_hash(a, b) & mask, j, k
+    cdef uint32_t out
+    while True:
+        if m.vals[i] == HM_NIL:
+            return HM_NIL
+        if m.kb[i] == b and m.ka[i] == a:
+            break
+        i = (i + 1) & mask
+    out = m.vals[i]
+    m.vals[i] = HM_NIL
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if m.vals[j] == HM_NIL:
+            break
+        k = pm_hash(m.ka[j], m.kb[j]) & mask
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        m.ka[i] = m.ka[j]
+        m.kb[i] = m.kb[j]
+        m.vals[i] = m.vals[j]
+        m.vals[j] = HM_NIL
+        i = j
+    m.size -= 1
+    return out
+
+
+# -- growable arrays ------------------------------------------------------------------
+cdef inline void* grow_array(void* ptr, size_t* cap, size_t need, size_t item) noexcept nogil:
+    """Return ``ptr`` grown (doubling) to hold ``need`` items; NULL on overflow/OOM
+    (then ``ptr`` is still valid and unchanged)."""
+    cdef size_t ncap = cap[0] if cap[0] else 16
+    while ncap < need:
+        if ncap > (<size_t>-1) // 2 // item:
+            return NULL
+        ncap *= 2
+    if ncap == cap[0]:
+        return ptr
+    cdef void* p = realloc(ptr, ncap * item)
+    if p == NULL:
+        return NULL
+    cap[0] = ncap
+    return p
+
+
+# -- lazily hashed query input -----------------------------------------------------------
+cdef struct HCursor:
+    const uint64_t* hashes       # precomputed LocalBlockHashes, or NULL to hash lazily
+    uint64_t* buf                # lazily filled hashes (n entries) when hashes == NULL
+    const uint32_t* tokens       # u32 tokens when hashing lazily
+    size_t ntok                  # number of tokens
+    size_t bs                    # block size (tokens per block)
+    size_t n                     # number of blocks (hashes)
+    size_t done                  # blocks hashed so far into buf
+    uint64_t seed                # XXH3 seed (1337 or LoRA-salted)
+
+
+cdef inline void hc_init_hashes(HCursor* c, const uint64_t* hashes, size_t n) noexcept nogil:
+    c.hashes = hashes
+    c.buf = NULL
+    c.tokens = NULL
+    c.ntok = 0
+    c.bs = 1
+    c.n = n
+    c.done = n
+    c.seed = 0
+
+
+cdef inline int hc_init_tokens(HCursor* c, const uint32_t* tokens, size_t ntok, size_t bs,
+                               uint64_t seed) noexcept nogil:
+    """Set up lazy hashing of ``tokens``; -1 on OOM. Free with ``hc_free``."""
+    c.hashes = NULL
+    c.tokens = tokens
+    c.ntok = ntok
+    c.bs = bs
+    c.seed = seed
+    c.done = 0
+    c.n = 0 if bs == 0 else (ntok + bs - 1) // bs
+    c.buf = NULL
+    if c.n:
+        c.buf = <uint64_t*>malloc(c.n * sizeof(uint64_t))
+        if c.buf == NULL:
+            return -1
+    return 0
+
+
+cdef inline void hc_free(HCursor* c) noexcept nogil:
+    free(c.buf)
+    c.buf = NULL
+
+
+cdef inline uint64_t hc_get(HCursor* c, size_t i) noexcept nogil:
+    """LocalBlockHash ``i`` (< c.n); hashes lazily in growing chunks."""
+    cdef size_t end, t0, t1
+    if c.hashes != NULL:
+        return c.hashes[i]
+    if i >= c.done:
+        # PERF: hash ahead in doubling chunks, so a short match hashes little and a
+        # long one amortises the call overhead.
+        end = c.done * 2
+        if end < 16:
+            end = 16
+        if end < i + 1:
+            end = i + 1
+        if end > c.n:
+            end = c.n
+        t0 = c.done * c.bs
+        t1 = end * c.bs
+        if t1 > c.ntok:
+            t1 = c.ntok
+        hash_token_blocks(c.tokens + t0, t1 - t0, c.bs, c.seed, c.buf + c.done)
+        c.done = end
+    return c.buf[i]

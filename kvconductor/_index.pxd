@@ -1,0 +1,89 @@
+# cython: language_level=3
+"""The index core of one (model, tenant): HBM tree, CPU/Disk tiers, two-phase state."""
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+
+from kvconductor._hmap cimport HCursor, U64Map, pthread_rwlock_t
+from kvconductor._lower cimport Lower
+from kvconductor._tree cimport Tree
+
+cdef struct TPRec:
+    uint64_t local              # LocalBlockHash of the offloaded block
+    uint64_t parent             # parent engine hash (when has_parent)
+    double t                    # insert time (caller's clock, seconds)
+    uint32_t has_parent         # 0: root block, 1: parent set
+    uint32_t next_free          # free-list link
+
+cdef struct TPWait:
+    double t                    # first insert time of this waiter
+    uint32_t worker             # waiting pool worker
+    uint32_t next               # next waiter on the same hash, or next free record
+
+cdef struct BP:
+    uint32_t group              # (instance, dp) group id
+    uint32_t end                # absolute end position (blocks)
+    uint64_t last               # engine hash of the last block covered
+
+
+cdef struct Scratch:
+    size_t W                    # worker-indexed capacity
+    uint32_t* hw                # tree results: worker
+    uint32_t* hd                # tree results: depth
+    uint64_t* hs                # tree: seq by worker
+    uint32_t* stamp             # tree scratch
+    uint32_t* idx               # walk scratch (HM_NIL filled)
+    uint32_t* cand              # walk candidates
+    size_t* oend                # walk results: end
+    uint64_t* olast             # walk results: last
+    BP* bps                     # breakpoints
+    size_t nbp
+    size_t bpcap
+    uint32_t* ends              # 3 * G: npu, cpu, disk ends per group
+
+
+cdef class CoreIndex:
+    cdef Tree tree              # HBM tier
+    cdef Lower tiers[2]         # [0] CPU, [1] Disk
+    cdef uint32_t* wgroup       # worker id -> group id
+    cdef uint8_t* wtier         # worker id -> 0 HBM / 1 CPU / 2 Disk
+    cdef size_t wcap            # allocated entries of wgroup/wtier
+    cdef size_t nworkers        # max worker id + 1
+    cdef size_t ngroups         # max group id + 1
+    cdef U64Map offload_m       # engine hash -> TPRec (unconfirmed engine offloads)
+    cdef U64Map content_m       # engine hash -> TPRec (confirmed content, kept for promotion)
+    cdef U64Map pending_m       # engine hash -> head TPWait (pool confirmations waiting)
+    cdef TPRec* recs            # record pool of offload/content entries
+    cdef size_t recs_cap
+    cdef uint32_t recs_used
+    cdef uint32_t free_rec
+    cdef TPWait* waits          # waiter pool
+    cdef size_t waits_cap
+    cdef uint32_t waits_used
+    cdef uint32_t free_wait
+    cdef size_t npending        # live waiters
+    cdef pthread_rwlock_t lock
+    cdef bint lock_ok
+
+    cdef int _tier(self, uint32_t worker) except -1
+    cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
+                       const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
+    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs, size_t n) noexcept nogil
+    cdef uint32_t _new_rec(self, uint64_t local, bint hp, uint64_t parent, double t) noexcept nogil
+    cdef void _free_rec(self, uint32_t r) noexcept nogil
+    cdef int _put_rec(self, U64Map* m, uint64_t h, uint64_t local, bint hp, uint64_t parent,
+                      double t) noexcept nogil
+    cdef uint32_t _new_wait(self, uint32_t worker, double t) noexcept nogil
+    cdef void _free_wait(self, uint32_t i) noexcept nogil
+    cdef long _apply(self, uint32_t worker, bint hp, uint64_t parent, uint64_t h,
+                     uint64_t local) noexcept nogil
+    cdef long _apply_rec(self, uint32_t worker, uint64_t h, uint32_t r) noexcept nogil
+    cdef long _drop_waits(self, uint32_t worker, double now, double ttl) noexcept nogil
+    cdef long _offload_c(self, const uint64_t* seqs, const uint64_t* locals, size_t n,
+                         bint hp0, uint64_t p0, double now) noexcept nogil
+    cdef int _pool_store_c(self, uint32_t worker, const uint64_t* hs, size_t n, double now,
+                           long* applied, long* queued) noexcept nogil
+    cdef long _evict_c(self, uint32_t worker, int tier, const uint64_t* hs, size_t n) noexcept nogil
+    cdef long _expire(self, U64Map* m, double now, double ttl) noexcept nogil
+    cdef int _tier_walk(self, int tier, HCursor* hc, Scratch* s, size_t nin,
+                        uint32_t* ends) noexcept nogil
+    cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil
+    cdef list _run_query(self, HCursor* hc)

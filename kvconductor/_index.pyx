@@ -1,0 +1,799 @@
+# cython: language_level=3
+"""CoreIndex: the whole index of one (model, tenant) in C.
+
+Holds the HBM tree, the CPU and Disk tiers and the two-phase offload/pool
+state, and answers tiered queries (hashing, HBM match and both lower-tier walks)
+in one ``nogil`` pass under a read lock. Semantics: ``docs/design.md``.
+"""
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+
+from kvconductor._hmap cimport (
+    HM_NIL, HCursor, grow_array, hc_free, hc_get, hc_init_hashes, hc_init_tokens,
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock,
+    pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get, u64m_init, u64m_nbytes,
+    u64m_pop, u64m_put,
+)
+from kvconductor._hash cimport hash_token_blocks
+from kvconductor._lower cimport (
+    lower_clear, lower_find, lower_free, lower_init, lower_lookup, lower_nbytes,
+    lower_remove, lower_store, lower_walk_multi, lower_worker_blocks,
+)
+from kvconductor._tree cimport (
+    T_ERR_OOM, T_ERR_PARENT, T_ERR_SEQUENCE, tree_clear, tree_free, tree_init, tree_match,
+    tree_nbytes, tree_remove, tree_store, tree_worker_blocks,
+)
+
+from kvconductor._hash import as_u64, to_u32_tokens
+from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+
+cdef enum:
+    ERR_OOM = -1
+
+
+cdef inline size_t _max(size_t a, size_t b) noexcept nogil:
+    return a if a > b else b
+
+
+# -- query scratch -------------------------------------------------------------------------
+cdef int _scratch_init(Scratch* s, size_t W, size_t G) noexcept nogil:
+    cdef size_t k
+    s.W = W
+    s.hw = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.hd = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.hs = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
+    s.stamp = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.idx = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.cand = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.oend = <size_t*>malloc(W * sizeof(size_t) + 1)
+    s.olast = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
+    s.ends = <uint32_t*>malloc(3 * G * sizeof(uint32_t) + 1)
+    s.bps = NULL
+    s.nbp = 0
+    s.bpcap = 0
+    if (s.hw == NULL or s.hd == NULL or s.hs == NULL or s.stamp == NULL or s.idx == NULL
+            or s.cand == NULL or s.oend == NULL or s.olast == NULL or s.ends == NULL):
+        return -1
+    for k in range(W):
+        s.idx[k] = HM_NIL
+    memset(s.ends, 0, 3 * G * sizeof(uint32_t))
+    return 0
+
+
+cdef void _scratch_free(Scratch* s) noexcept nogil:
+    free(s.hw)
+    free(s.hd)
+    free(s.hs)
+    free(s.stamp)
+    free(s.idx)
+    free(s.cand)
+    free(s.oend)
+    free(s.olast)
+    free(s.ends)
+    free(s.bps)
+
+
+cdef int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept nogil:
+    cdef void* p
+    if s.nbp >= s.bpcap:
+        p = grow_array(s.bps, &s.bpcap, s.nbp + 1, sizeof(BP))
+        if p == NULL:
+            return -1
+        s.bps = <BP*>p
+    s.bps[s.nbp].group = group
+    s.bps[s.nbp].end = <uint32_t>end if end < HM_NIL else HM_NIL
+    s.bps[s.nbp].last = last
+    s.nbp += 1
+    return 0
+
+
+cdef class CoreIndex:
+    """Index core of one (model, tenant); worker and group ids are small ints.
+
+    **Threading: exactly one writer thread calls set_worker/store/store_tokens/
+    remove/clear/offload/pool_store/evict/sweep; any number of threads may call
+    match/match_tokens/stats/worker_blocks concurrently. Every method holds one C
+    reader/writer lock for its whole duration (writers exclusive, writer
+    preferred) and runs its C part without the GIL.**
+    """
+
+    def __cinit__(self):
+        cdef int k
+        self.lock_ok = False
+        self.wgroup = NULL
+        self.wtier = NULL
+        self.wcap = 0
+        self.nworkers = 0
+        self.ngroups = 0
+        self.recs = NULL
+        self.recs_cap = 0
+        self.recs_used = 0
+        self.free_rec = HM_NIL
+        self.waits = NULL
+        self.waits_cap = 0
+        self.waits_used = 0
+        self.free_wait = HM_NIL
+        self.npending = 0
+        u64m_init(&self.offload_m)
+        u64m_init(&self.content_m)
+        u64m_init(&self.pending_m)
+        for k in range(2):
+            lower_init(&self.tiers[k])
+        if tree_init(&self.tree) < 0:
+            tree_free(&self.tree)
+            raise MemoryError()
+        if rwlock_init(&self.lock) != 0:
+            raise MemoryError("cannot initialise rwlock")
+        self.lock_ok = True
+
+    def __dealloc__(self):
+        cdef int k
+        tree_free(&self.tree)
+        for k in range(2):
+            lower_free(&self.tiers[k])
+        u64m_free(&self.offload_m)
+        u64m_free(&self.content_m)
+        u64m_free(&self.pending_m)
+        free(self.recs)
+        free(self.waits)
+        free(self.wgroup)
+        free(self.wtier)
+        self.recs = NULL
+        self.waits = NULL
+        self.wgroup = NULL
+        self.wtier = NULL
+        if self.lock_ok:
+            pthread_rwlock_destroy(&self.lock)
+            self.lock_ok = False
+
+    # -- workers ----------------------------------------------------------------------------
+    def set_worker(self, uint32_t worker, uint32_t group, int tier):
+        """Declare ``worker``'s (instance, DP) group and tier (0 HBM, 1 CPU, 2 Disk)."""
+        cdef size_t cap, k
+        cdef void* p
+        cdef void* q
+        if tier < 0 or tier > 2:
+            raise ValueError(f"tier must be 0, 1 or 2, not {tier}")
+        if worker == HM_NIL or group == HM_NIL:
+            raise ValueError("worker and group ids must be < 2**32 - 1")
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            if worker >= self.wcap:
+                cap = self.wcap
+                p = grow_array(self.wgroup, &cap, <size_t>worker + 1, sizeof(uint32_t))
+                if p != NULL:
+                    self.wgroup = <uint32_t*>p
+                    cap = self.wcap
+                    q = grow_array(self.wtier, &cap, <size_t>worker + 1, sizeof(uint8_t))
+                    if q != NULL:
+                        self.wtier = <uint8_t*>q
+                        for k in range(self.wcap, cap):
+                            self.wgroup[k] = HM_NIL
+                            self.wtier[k] = 0
+                        self.wcap = cap
+            if worker < self.wcap:
+                self.wgroup[worker] = group
+                self.wtier[worker] = <uint8_t>tier
+                if worker + 1 > self.nworkers:
+                    self.nworkers = worker + 1
+                if group + 1 > self.ngroups:
+                    self.ngroups = group + 1
+            pthread_rwlock_unlock(&self.lock)
+        if worker >= self.wcap:
+            raise MemoryError()
+
+    cdef int _tier(self, uint32_t worker) except -1:
+        if worker >= self.nworkers or self.wgroup[worker] == HM_NIL:
+            raise KeyError(f"unknown worker id {worker}: call set_worker first")
+        return self.wtier[worker]
+
+    # -- direct mutations ---------------------------------------------------------------------
+    cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
+                       const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil:
+        if tier == 0:
+            return tree_store(&self.tree, worker, hp, p, seqs, locals, n)
+        return lower_store(&self.tiers[tier - 1], worker, hp, p, seqs, locals, n)
+
+    def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
+        """Store a chain on ``worker``'s tier; returns blocks stored."""
+        cdef int tier = self._tier(worker)
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = min(sv.shape[0], lv.shape[0])
+        cdef bint hp = parent is not None
+        cdef uint64_t p = parent if hp else 0
+        cdef long rc
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = self._store_c(worker, tier, hp, p, &sv[0], &lv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        return _check(rc)
+
+    def store_tokens(self, uint32_t worker, parent, engine_hashes, tokens, size_t block_size,
+                     uint64_t seed=1337):
+        """Hash ``tokens`` in C (``block_size`` per block) and store like :meth:`store`."""
+        cdef int tier = self._tier(worker)
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef const uint32_t[::1] tv = to_u32_tokens(tokens)
+        cdef size_t ntok = tv.shape[0]
+        cdef size_t nb = 0 if block_size == 0 else (ntok + block_size - 1) // block_size
+        cdef size_t n = min(sv.shape[0], nb)
+        cdef bint hp = parent is not None
+        cdef uint64_t p = parent if hp else 0
+        cdef long rc = 0
+        cdef uint64_t* loc
+        if n == 0:
+            return 0
+        loc = <uint64_t*>malloc(n * sizeof(uint64_t))
+        if loc == NULL:
+            raise MemoryError()
+        with nogil:
+            hash_token_blocks(&tv[0], min(ntok, n * block_size), block_size, seed, loc)
+            pthread_rwlock_wrlock(&self.lock)
+            rc = self._store_c(worker, tier, hp, p, &sv[0], loc, n)
+            pthread_rwlock_unlock(&self.lock)
+        free(loc)
+        return _check(rc)
+
+    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs, size_t n) noexcept nogil:
+        if tier == 0:
+            return tree_remove(&self.tree, worker, seqs, n)
+        return lower_remove(&self.tiers[tier - 1], worker, seqs, n)
+
+    def remove(self, uint32_t worker, engine_hashes):
+        """Remove blocks of ``worker`` directly; returns how many it held."""
+        cdef int tier = self._tier(worker)
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef size_t n = sv.shape[0]
+        cdef long rc
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = self._remove_c(worker, tier, &sv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
+
+    def clear(self, uint32_t worker):
+        """Drop every block of ``worker`` and its pending waits; returns blocks removed."""
+        cdef int tier = self._tier(worker)
+        cdef long rc
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            if tier == 0:
+                rc = tree_clear(&self.tree, worker)
+            else:
+                rc = lower_clear(&self.tiers[tier - 1], worker)
+            self._drop_waits(worker, 0.0, -1.0)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
+
+    # -- two-phase records ---------------------------------------------------------------------
+    cdef uint32_t _new_rec(self, uint64_t local, bint hp, uint64_t parent, double t) noexcept nogil:
+        cdef uint32_t r
+        cdef void* p
+        if self.free_rec != HM_NIL:
+            r = self.free_rec
+            self.free_rec = self.recs[r].next_free
+        else:
+            if self.recs_used >= <uint32_t>(HM_NIL - 1):
+                return HM_NIL
+            if self.recs_used >= self.recs_cap:
+                p = grow_array(self.recs, &self.recs_cap, self.recs_used + 1, sizeof(TPRec))
+                if p == NULL:
+                    return HM_NIL
+                self.recs = <TPRec*>p
+            r = self.recs_used
+            self.recs_used += 1
+        self.recs[r].local = local
+        self.recs[r].parent = parent if hp else 0
+        self.recs[r].has_parent = 1 if hp else 0
+        self.recs[r].t = t
+        return r
+
+    cdef void _free_rec(self, uint32_t r) noexcept nogil:
+        if r != HM_NIL:
+            self.recs[r].next_free = self.free_rec
+            self.free_rec = r
+
+    cdef int _put_rec(self, U64Map* m, uint64_t h, uint64_t local, bint hp, uint64_t parent,
+                      double t) noexcept nogil:
+        """``m[h] = (local, parent, t)``, reusing an existing record."""
+        cdef uint32_t r = u64m_get(m, h)
+        if r == HM_NIL:
+            r = self._new_rec(local, hp, parent, t)
+            if r == HM_NIL:
+                return -1
+            if u64m_put(m, h, r) < 0:
+                self._free_rec(r)
+                return -1
+            return 0
+        self.recs[r].local = local
+        self.recs[r].parent = parent if hp else 0
+        self.recs[r].has_parent = 1 if hp else 0
+        self.recs[r].t = t
+        return 0
+
+    cdef uint32_t _new_wait(self, uint32_t worker, double t) noexcept nogil:
+        cdef uint32_t i
+        cdef void* p
+        if self.free_wait != HM_NIL:
+            i = self.free_wait
+            self.free_wait = self.waits[i].next
+        else:
+            if self.waits_used >= <uint32_t>(HM_NIL - 1):
+                return HM_NIL
+            if self.waits_used >= self.waits_cap:
+                p = grow_array(self.waits, &self.waits_cap, self.waits_used + 1, sizeof(TPWait))
+                if p == NULL:
+                    return HM_NIL
+                self.waits = <TPWait*>p
+            i = self.waits_used
+            self.waits_used += 1
+        self.waits[i].worker = worker
+        self.waits[i].t = t
+        self.waits[i].next = HM_NIL
+        return i
+
+    cdef void _free_wait(self, uint32_t i) noexcept nogil:
+        self.waits[i].next = self.free_wait
+        self.free_wait = i
+        self.npending -= 1
+
+    cdef long _apply(self, uint32_t worker, bint hp, uint64_t parent, uint64_t h,
+                     uint64_t local) noexcept nogil:
+        """Store one confirmed block for ``worker``; 1 if stored, 0 if refused, -1 OOM."""
+        cdef long rc = self._store_c(worker, self.wtier[worker], hp, parent, &h, &local, 1)
+        if rc == T_ERR_OOM:
+            return -1
+        return 1 if rc == 1 else 0
+
+    cdef long _apply_rec(self, uint32_t worker, uint64_t h, uint32_t r) noexcept nogil:
+        return self._apply(worker, self.recs[r].has_parent == 1, self.recs[r].parent, h,
+                           self.recs[r].local)
+
+    cdef long _drop_waits(self, uint32_t worker, double now, double ttl) noexcept nogil:
+        """Remove waiters of ``worker`` (ttl < 0) or waiters older than ``ttl`` (any
+        worker, ``worker`` ignored). Returns the number removed; -1 on OOM."""
+        cdef U64Map* m = &self.pending_m
+        cdef size_t i, nempty = 0, k
+        cdef uint32_t head, cur, prev, nxt
+        cdef long removed = 0
+        cdef uint64_t* empty = NULL
+        cdef bint drop
+        if m.keys == NULL or self.npending == 0:
+            return 0
+        empty = <uint64_t*>malloc((m.size + 1) * sizeof(uint64_t))
+        if empty == NULL:
+            return -1
+        for i in range(m.mask + 1):
+            head = m.vals[i]
+            if head == HM_NIL:
+                continue
+            prev = HM_NIL
+            cur = head
+            while cur != HM_NIL:
+                nxt = self.waits[cur].next
+                if ttl < 0:
+                    drop = self.waits[cur].worker == worker
+                else:
+                    drop = now - self.waits[cur].t >= ttl
+                if drop:
+                    if prev == HM_NIL:
+                        head = nxt
+                    else:
+                        self.waits[prev].next = nxt
+                    self._free_wait(cur)
+                    removed += 1
+                else:
+                    prev = cur
+                cur = nxt
+            m.vals[i] = head if head != HM_NIL else m.vals[i]
+            if head == HM_NIL:
+                empty[nempty] = m.keys[i]
+                nempty += 1
+        for k in range(nempty):
+            u64m_pop(m, empty[k])
+        free(empty)
+        return removed
+
+    # -- two-phase operations ------------------------------------------------------------------
+    def offload(self, engine_hashes, local_hashes, parent, double now):
+        """Phase 1 (engine offload to CPU/Disk); returns (worker, block) stores applied."""
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = min(sv.shape[0], lv.shape[0])
+        cdef bint hp0 = parent is not None
+        cdef uint64_t p0 = parent if hp0 else 0
+        cdef long rc = 0
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = self._offload_c(&sv[0], &lv[0], n, hp0, p0, now)
+            pthread_rwlock_unlock(&self.lock)
+        if rc < 0:
+            raise MemoryError()
+        return rc
+
+    cdef long _offload_c(self, const uint64_t* seqs, const uint64_t* locals, size_t n,
+                         bint hp0, uint64_t p0, double now) noexcept nogil:
+        cdef size_t i, nw, a, b
+        cdef uint64_t h, t, p
+        cdef bint hp
+        cdef uint32_t head, cur, r, tmp
+        cdef long applied = 0, rc
+        cdef uint32_t ws[64]
+        for i in range(n):
+            h = seqs[i]
+            t = locals[i]
+            hp = hp0 if i == 0 else True
+            p = p0 if i == 0 else seqs[i - 1]
+            head = u64m_pop(&self.pending_m, h)
+            if head != HM_NIL:
+                if self._put_rec(&self.content_m, h, t, hp, p, now) < 0:
+                    return -1
+                self._free_rec(u64m_pop(&self.offload_m, h))
+                # Apply to the waiters in increasing worker id (batches of 64).
+                while head != HM_NIL:
+                    nw = 0
+                    cur = head
+                    while cur != HM_NIL and nw < 64:
+                        ws[nw] = self.waits[cur].worker
+                        nw += 1
+                        tmp = self.waits[cur].next
+                        self._free_wait(cur)
+                        cur = tmp
+                    head = cur
+                    for a in range(1, nw):
+                        b = a
+                        while b > 0 and ws[b - 1] > ws[b]:
+                            ws[b - 1], ws[b] = ws[b], ws[b - 1]
+                            b -= 1
+                    for a in range(nw):
+                        rc = self._apply(ws[a], hp, p, h, t)
+                        if rc < 0:
+                            return -1
+                        applied += rc
+            else:
+                self._free_rec(u64m_pop(&self.content_m, h))
+                if self._put_rec(&self.offload_m, h, t, hp, p, now) < 0:
+                    return -1
+        return applied
+
+    def pool_store(self, uint32_t worker, engine_hashes, double now):
+        """Phase 2 (pool confirms blocks for ``worker``); returns (applied, queued)."""
+        self._tier(worker)
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef size_t n = sv.shape[0]
+        cdef long applied = 0, queued = 0
+        cdef int rc = 0
+        if n == 0:
+            return (0, 0)
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = self._pool_store_c(worker, &sv[0], n, now, &applied, &queued)
+            pthread_rwlock_unlock(&self.lock)
+        if rc < 0:
+            raise MemoryError()
+        return (applied, queued)
+
+    cdef int _pool_store_c(self, uint32_t worker, const uint64_t* hs, size_t n, double now,
+                           long* applied, long* queued) noexcept nogil:
+        cdef size_t i
+        cdef uint64_t h, p = 0, local = 0
+        cdef uint32_t r, head, cur
+        cdef bint hp = False
+        cdef long rc
+        for i in range(n):
+            h = hs[i]
+            r = u64m_pop(&self.offload_m, h)
+            if r != HM_NIL:
+                self.recs[r].t = now
+                self._free_rec(u64m_pop(&self.content_m, h))
+                if u64m_put(&self.content_m, h, r) < 0:
+                    self._free_rec(r)
+                    return -1
+            else:
+                r = u64m_get(&self.content_m, h)
+                if r == HM_NIL:
+                    if (lower_lookup(&self.tiers[0], h, &hp, &p, &local)
+                            or lower_lookup(&self.tiers[1], h, &hp, &p, &local)):
+                        if self._put_rec(&self.content_m, h, local, hp, p, now) < 0:
+                            return -1
+                        r = u64m_get(&self.content_m, h)
+            if r != HM_NIL:
+                rc = self._apply_rec(worker, h, r)
+                if rc < 0:
+                    return -1
+                applied[0] += rc
+                continue
+            head = u64m_get(&self.pending_m, h)
+            cur = head
+            while cur != HM_NIL and self.waits[cur].worker != worker:
+                cur = self.waits[cur].next
+            if cur != HM_NIL:
+                continue            # duplicate delivery: first insert time kept
+            cur = self._new_wait(worker, now)
+            if cur == HM_NIL:
+                return -1
+            self.waits[cur].next = head
+            if u64m_put(&self.pending_m, h, cur) < 0:
+                self.waits[cur].next = self.free_wait
+                self.free_wait = cur
+                return -1
+            self.npending += 1
+            queued[0] += 1
+        return 0
+
+    def evict(self, uint32_t worker, engine_hashes):
+        """Removal with the two-phase rule; returns index removals performed."""
+        cdef int tier = self._tier(worker)
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef size_t n = sv.shape[0]
+        cdef long rc = 0
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            if tier == 0:
+                rc = tree_remove(&self.tree, worker, &sv[0], n)
+            else:
+                rc = self._evict_c(worker, tier, &sv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
+
+    cdef long _evict_c(self, uint32_t worker, int tier, const uint64_t* hs, size_t n) noexcept nogil:
+        cdef size_t i
+        cdef uint64_t h
+        cdef uint32_t r, head, cur, prev
+        cdef long removed = 0
+        cdef bint waited
+        for i in range(n):
+            h = hs[i]
+            r = u64m_pop(&self.offload_m, h)
+            if r != HM_NIL:
+                self._free_rec(r)
+                self._free_rec(u64m_pop(&self.content_m, h))
+                continue
+            head = u64m_get(&self.pending_m, h)
+            prev = HM_NIL
+            cur = head
+            while cur != HM_NIL and self.waits[cur].worker != worker:
+                prev = cur
+                cur = self.waits[cur].next
+            waited = cur != HM_NIL
+            if waited:
+                if prev == HM_NIL:
+                    head = self.waits[cur].next
+                    if head == HM_NIL:
+                        u64m_pop(&self.pending_m, h)
+                    else:
+                        u64m_put(&self.pending_m, h, head)
+                else:
+                    self.waits[prev].next = self.waits[cur].next
+                self._free_wait(cur)
+                if u64m_get(&self.content_m, h) == HM_NIL:
+                    continue
+            removed += self._remove_c(worker, tier, &h, 1)
+        return removed
+
+    def sweep(self, double now, double pending_ttl, double content_ttl, double offload_ttl):
+        """Expire two-phase entries by age (>= TTL); returns entries removed."""
+        cdef long rc = 0, a, b, c
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            a = self._expire(&self.offload_m, now, offload_ttl)
+            b = self._expire(&self.content_m, now, content_ttl)
+            c = self._drop_waits(0, now, pending_ttl if pending_ttl >= 0 else 0.0)
+            pthread_rwlock_unlock(&self.lock)
+        if a < 0 or b < 0 or c < 0:
+            raise MemoryError()
+        # NOTE: the HBM tree prunes empty nodes eagerly; its sweep is always 0.
+        return a + b + c
+
+    cdef long _expire(self, U64Map* m, double now, double ttl) noexcept nogil:
+        cdef size_t i, k, nold = 0
+        cdef uint64_t* old
+        cdef uint32_t r
+        if m.keys == NULL or m.size == 0:
+            return 0
+        old = <uint64_t*>malloc(m.size * sizeof(uint64_t))
+        if old == NULL:
+            return -1
+        for i in range(m.mask + 1):
+            r = m.vals[i]
+            if r != HM_NIL and now - self.recs[r].t >= ttl:
+                old[nold] = m.keys[i]
+                nold += 1
+        for k in range(nold):
+            self._free_rec(u64m_pop(m, old[k]))
+        free(old)
+        return <long>nold
+
+    # -- query --------------------------------------------------------------------------------------
+    cdef int _tier_walk(self, int tier, HCursor* hc, Scratch* s, size_t nin,
+                        uint32_t* ends) noexcept nogil:
+        """Walk one lower tier from the root and from breakpoints ``s.bps[0:nin]``
+        of the same group; append its own breakpoints; max ends per group."""
+        cdef Lower* L = &self.tiers[tier]
+        cdef size_t n = hc.n, k, b, nc
+        cdef uint32_t e, o, w, g, start
+        cdef uint64_t last
+        if n == 0 or L.live_edges == 0:
+            return 0
+        # (a) the root walk, for every owner of edge (root, H[0])
+        e = lower_find(L, False, 0, hc_get(hc, 0))
+        if e != HM_NIL:
+            nc = 0
+            o = L.edges[e].owners
+            while o != HM_NIL:
+                w = L.own[o].worker
+                if w < self.nworkers and nc < s.W:
+                    s.cand[nc] = w
+                    nc += 1
+                o = L.own[o].next
+            lower_walk_multi(L, hc, 0, False, 0, s.cand, nc, s.idx, s.W, s.oend, s.olast)
+            for k in range(nc):
+                if s.oend[k] > 0:
+                    g = self.wgroup[s.cand[k]]
+                    if _bp_add(s, g, s.oend[k], s.olast[k]) < 0:
+                        return -1
+                    if s.oend[k] > ends[g]:
+                        ends[g] = <uint32_t>s.oend[k]
+        # (b) continuation from the same group's breakpoints (fix of 10.1 #7)
+        for b in range(nin):
+            start = s.bps[b].end
+            if start >= n:
+                continue
+            g = s.bps[b].group
+            last = s.bps[b].last
+            e = lower_find(L, True, last, hc_get(hc, start))
+            if e == HM_NIL:
+                continue
+            nc = 0
+            o = L.edges[e].owners
+            while o != HM_NIL:
+                w = L.own[o].worker
+                if w < self.nworkers and self.wgroup[w] == g and nc < s.W:
+                    s.cand[nc] = w
+                    nc += 1
+                o = L.own[o].next
+            if nc == 0:
+                continue
+            lower_walk_multi(L, hc, start, True, last, s.cand, nc, s.idx, s.W, s.oend, s.olast)
+            for k in range(nc):
+                if s.oend[k] > start:
+                    if _bp_add(s, g, s.oend[k], s.olast[k]) < 0:
+                        return -1
+                    if s.oend[k] > ends[g]:
+                        ends[g] = <uint32_t>s.oend[k]
+        return 0
+
+    cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil:
+        cdef size_t k, nh, ncpu_from
+        cdef uint32_t w, g
+        cdef size_t G = self.ngroups
+        cdef uint32_t* npu = s.ends
+        cdef uint32_t* cpu = s.ends + G
+        cdef uint32_t* dsk = s.ends + 2 * G
+        nh = tree_match(&self.tree, hc, s.hw, s.hd, s.hs, s.stamp)
+        for k in range(nh):
+            w = s.hw[k]
+            if w >= self.nworkers:
+                continue
+            g = self.wgroup[w]
+            if _bp_add(s, g, s.hd[k], s.hs[w]) < 0:
+                return -1
+            if s.hd[k] > npu[g]:
+                npu[g] = s.hd[k]
+        ncpu_from = s.nbp
+        if self._tier_walk(0, hc, s, ncpu_from, cpu) < 0:
+            return -1
+        # Disk continues from every HBM and CPU breakpoint of the same group.
+        if self._tier_walk(1, hc, s, s.nbp, dsk) < 0:
+            return -1
+        return 0
+
+    cdef list _run_query(self, HCursor* hc):
+        cdef Scratch s
+        cdef int rc = 0
+        cdef size_t W, G, g
+        cdef uint32_t n_, c_, d_, top
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            W = _max(_max(self.nworkers, self.tree.nrev),
+                     _max(self.tiers[0].nrev, self.tiers[1].nrev))
+            G = self.ngroups
+            rc = _scratch_init(&s, W, G)
+            if rc == 0:
+                rc = self._query_c(hc, &s)
+            pthread_rwlock_unlock(&self.lock)
+        try:
+            if rc < 0:
+                raise MemoryError()
+            out = []
+            for g in range(G):
+                n_ = s.ends[g]
+                c_ = s.ends[G + g]
+                d_ = s.ends[2 * G + g]
+                if n_ or c_ or d_:
+                    top = n_ if n_ > c_ else c_
+                    out.append((g, n_, c_ - n_ if c_ > n_ else 0, d_ - top if d_ > top else 0))
+            return out
+        finally:
+            _scratch_free(&s)
+
+    def match(self, local_hashes):
+        """``[(group, npu, cpu, disk)]`` exclusive block counts for LocalBlockHashes."""
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = lv.shape[0]
+        cdef HCursor hc
+        if n == 0:
+            return []
+        hc_init_hashes(&hc, &lv[0], n)
+        return self._run_query(&hc)
+
+    def match_tokens(self, tokens, size_t block_size, uint64_t seed=1337):
+        """Like :meth:`match`, hashing ``tokens`` lazily in C during the walk."""
+        cdef const uint32_t[::1] tv = to_u32_tokens(tokens)
+        cdef size_t ntok = tv.shape[0]
+        cdef HCursor hc
+        if ntok == 0 or block_size == 0:
+            return []
+        if hc_init_tokens(&hc, &tv[0], ntok, block_size, seed) < 0:
+            raise MemoryError()
+        try:
+            return self._run_query(&hc)
+        finally:
+            hc_free(&hc)
+
+    # -- introspection -----------------------------------------------------------------------------
+    def worker_blocks(self, uint32_t worker):
+        """Blocks ``worker`` holds on its tier."""
+        cdef size_t n = 0
+        cdef int tier
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            if worker < self.nworkers:
+                tier = self.wtier[worker]
+                if tier == 0:
+                    n = tree_worker_blocks(&self.tree, worker)
+                else:
+                    n = lower_worker_blocks(&self.tiers[tier - 1], worker)
+            pthread_rwlock_unlock(&self.lock)
+        return n
+
+    def stats(self):
+        """Sizes: nodes, hbm_pairs, cpu_blocks, disk_blocks, offload, content, pending, nbytes."""
+        cdef size_t nodes, pairs, cpu, disk, off, con, pen, nb
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            nodes = self.tree.live_nodes
+            pairs = self.tree.npairs
+            cpu = self.tiers[0].total
+            disk = self.tiers[1].total
+            off = self.offload_m.size
+            con = self.content_m.size
+            pen = self.npending
+            nb = (tree_nbytes(&self.tree) + lower_nbytes(&self.tiers[0])
+                  + lower_nbytes(&self.tiers[1]) + u64m_nbytes(&self.offload_m)
+                  + u64m_nbytes(&self.content_m) + u64m_nbytes(&self.pending_m)
+                  + self.recs_cap * sizeof(TPRec) + self.waits_cap * sizeof(TPWait)
+                  + self.wcap * (sizeof(uint32_t) + sizeof(uint8_t)))
+            pthread_rwlock_unlock(&self.lock)
+        return {"nodes": nodes, "hbm_pairs": pairs, "cpu_blocks": cpu, "disk_blocks": disk,
+                "offload": off, "content": con, "pending": pen, "nbytes": nb}
+
+
+def _check(long rc):
+    if rc >= 0:
+        return rc
+    if rc == T_ERR_PARENT:
+        raise ParentBlockNotFound()
+    if rc == T_ERR_SEQUENCE:
+        raise InvalidBlockSequence()
+    raise MemoryError()

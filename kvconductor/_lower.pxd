@@ -1,0 +1,61 @@
+# cython: language_level=3
+"""CPU/Disk edge tables: C structs and the nogil kernels shared with ``_index``."""
+from libc.stdint cimport uint32_t, uint64_t
+
+from kvconductor._hmap cimport HCursor, PairMap, U64Map, pthread_rwlock_t
+
+cdef struct LEdge:
+    uint64_t parent             # parent engine hash (meaningful when has_parent == 1)
+    uint64_t local              # LocalBlockHash of the block
+    uint64_t child              # engine hash of the block, fixed by the edge's creator
+    uint32_t owners             # head of the owner list in Lower.own (next free edge when free)
+    uint32_t nowners            # number of owner workers
+    uint32_t has_parent         # 1: parent set, 0: root edge, HM_NIL: free slot
+    uint32_t pad_               # keeps the struct 8-byte aligned
+
+cdef struct LOwner:
+    uint32_t worker             # owner worker id
+    uint32_t next               # next owner of the same edge, or next free record
+
+cdef struct Lower:
+    LEdge* edges                # edge array
+    size_t edges_cap            # allocated edges
+    uint32_t edges_used         # high-water mark of edge indices
+    uint32_t free_edge          # head of the free-edge list
+    size_t live_edges           # edges in use
+    LOwner* own                 # owner records
+    size_t own_cap              # allocated owner records
+    uint32_t own_used           # high-water mark of owner indices
+    uint32_t free_own           # head of the free-owner list
+    PairMap pairs               # (parent engine hash, local) -> edge, for non-root edges
+    U64Map roots                # local -> edge, for root edges
+    U64Map* rev                 # per worker: engine hash -> edge
+    size_t nrev                 # length of rev
+    size_t total                # sum of the reverse maps' sizes: (worker, block) pairs
+
+cdef void lower_init(Lower* L) noexcept nogil
+cdef void lower_free(Lower* L) noexcept nogil
+cdef size_t lower_nbytes(const Lower* L) noexcept nogil
+cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent, uint64_t local) noexcept nogil
+cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil
+cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,
+                      const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
+cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil
+cdef long lower_clear(Lower* L, uint32_t worker) noexcept nogil
+cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* parent,
+                       uint64_t* local) noexcept nogil
+cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil
+# Walk the chain from (start, parent) once for several candidate workers: for
+# candidate k, out_end[k] = start + consecutive owned edges, out_last[k] = the
+# last child walked (valid when out_end[k] > start). ``idx`` is scratch indexed
+# by worker id, of ``nidx`` entries, all HM_NIL on entry and on return.
+cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_parent,
+                           uint64_t parent, const uint32_t* cand, size_t ncand,
+                           uint32_t* idx, size_t nidx, size_t* out_end,
+                           uint64_t* out_last) noexcept nogil
+
+
+cdef class LowerTier:
+    cdef Lower L
+    cdef pthread_rwlock_t lock
+    cdef bint lock_ok

@@ -1,0 +1,423 @@
+# cython: language_level=3
+"""CPU and Disk tiers: edge tables keyed by (parent engine hash | root, LocalBlockHash).
+
+Edges live in one growable ``LEdge`` array; ``(parent, local) -> edge`` is a
+``PairMap`` and root edges ``local -> edge`` a ``U64Map``; owners are pooled
+linked lists; each worker has a reverse map ``engine hash -> edge``.
+Semantics: ``docs/design.md`` ("LowerTier"). The two-phase offload/pool state
+that feeds these tiers lives in ``_index.CoreIndex``.
+"""
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+
+from kvconductor._hmap cimport (
+    HM_NIL, HCursor, grow_array, hc_get, hc_init_hashes, pm_free, pm_get, pm_init,
+    pm_nbytes, pm_pop, pm_put, pthread_rwlock_destroy, pthread_rwlock_rdlock,
+    pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
+    u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+)
+
+from kvconductor._hash import as_u64
+
+
+cdef void lower_init(Lower* L) noexcept nogil:
+    L.edges = NULL
+    L.edges_cap = 0
+    L.edges_used = 0
+    L.free_edge = HM_NIL
+    L.live_edges = 0
+    L.own = NULL
+    L.own_cap = 0
+    L.own_used = 0
+    L.free_own = HM_NIL
+    pm_init(&L.pairs)
+    u64m_init(&L.roots)
+    L.rev = NULL
+    L.nrev = 0
+    L.total = 0
+
+
+cdef void lower_free(Lower* L) noexcept nogil:
+    cdef size_t w
+    if L.rev != NULL:
+        for w in range(L.nrev):
+            u64m_free(&L.rev[w])
+    free(L.rev)
+    free(L.edges)
+    free(L.own)
+    pm_free(&L.pairs)
+    u64m_free(&L.roots)
+    lower_init(L)
+
+
+cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
+    cdef size_t n = L.edges_cap * sizeof(LEdge) + L.own_cap * sizeof(LOwner)
+    cdef size_t w
+    n += pm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + L.nrev * sizeof(U64Map)
+    for w in range(L.nrev):
+        n += u64m_nbytes(&L.rev[w])
+    return n
+
+
+cdef inline uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
+                                uint64_t local) noexcept nogil:
+    if has_parent:
+        return pm_get(&L.pairs, parent, local)
+    return u64m_get(&L.roots, local)
+
+
+cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
+    cdef uint32_t o = L.edges[e].owners
+    while o != HM_NIL:
+        if L.own[o].worker == worker:
+            return True
+        o = L.own[o].next
+    return False
+
+
+cdef int _ensure_rev(Lower* L, uint32_t worker) noexcept nogil:
+    cdef size_t old = L.nrev, cap = L.nrev, w
+    cdef void* p
+    if worker < L.nrev:
+        return 0
+    p = grow_array(L.rev, &cap, <size_t>worker + 1, sizeof(U64Map))
+    if p == NULL:
+        return -1
+    L.rev = <U64Map*>p
+    for w in range(old, cap):
+        u64m_init(&L.rev[w])
+    L.nrev = cap
+    return 0
+
+
+cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t local,
+                        uint64_t child) noexcept nogil:
+    cdef uint32_t e
+    cdef void* p
+    cdef int rc
+    if L.free_edge != HM_NIL:
+        e = L.free_edge
+        L.free_edge = L.edges[e].owners
+    else:
+        if L.edges_used >= <uint32_t>(HM_NIL - 1):
+            return HM_NIL
+        if L.edges_used >= L.edges_cap:
+            p = grow_array(L.edges, &L.edges_cap, L.edges_used + 1, sizeof(LEdge))
+            if p == NULL:
+                return HM_NIL
+            L.edges = <LEdge*>p
+        e = L.edges_used
+        L.edges_used += 1
+    L.edges[e].parent = parent if has_parent else 0
+    L.edges[e].local = local
+    L.edges[e].child = child
+    L.edges[e].owners = HM_NIL
+    L.edges[e].nowners = 0
+    L.edges[e].has_parent = 1 if has_parent else 0
+    if has_parent:
+        rc = pm_put(&L.pairs, parent, local, e)
+    else:
+        rc = u64m_put(&L.roots, local, e)
+    if rc < 0:
+        _release_edge(L, e)
+        return HM_NIL
+    L.live_edges += 1
+    return e
+
+
+cdef inline void _release_edge(Lower* L, uint32_t e) noexcept nogil:
+    L.edges[e].has_parent = HM_NIL
+    L.edges[e].owners = L.free_edge
+    L.free_edge = e
+
+
+cdef void _drop_edge(Lower* L, uint32_t e) noexcept nogil:
+    if L.edges[e].has_parent:
+        pm_pop(&L.pairs, L.edges[e].parent, L.edges[e].local)
+    else:
+        u64m_pop(&L.roots, L.edges[e].local)
+    _release_edge(L, e)
+    L.live_edges -= 1
+
+
+cdef int _add_owner(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
+    cdef uint32_t o
+    cdef void* p
+    if L.free_own != HM_NIL:
+        o = L.free_own
+        L.free_own = L.own[o].next
+    else:
+        if L.own_used >= <uint32_t>(HM_NIL - 1):
+            return -1
+        if L.own_used >= L.own_cap:
+            p = grow_array(L.own, &L.own_cap, L.own_used + 1, sizeof(LOwner))
+            if p == NULL:
+                return -1
+            L.own = <LOwner*>p
+        o = L.own_used
+        L.own_used += 1
+    L.own[o].worker = worker
+    L.own[o].next = L.edges[e].owners
+    L.edges[e].owners = o
+    L.edges[e].nowners += 1
+    return 0
+
+
+cdef void _unown(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
+    """Drop ``worker`` from edge ``e``; delete the edge when nobody owns it."""
+    cdef uint32_t o = L.edges[e].owners, prev = HM_NIL
+    while o != HM_NIL:
+        if L.own[o].worker == worker:
+            if prev == HM_NIL:
+                L.edges[e].owners = L.own[o].next
+            else:
+                L.own[prev].next = L.own[o].next
+            L.own[o].next = L.free_own
+            L.free_own = o
+            L.edges[e].nowners -= 1
+            break
+        prev = o
+        o = L.own[o].next
+    if L.edges[e].nowners == 0:
+        _drop_edge(L, e)
+
+
+cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,
+                      const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil:
+    cdef size_t i
+    cdef long count = 0
+    cdef uint32_t e, old
+    cdef bint hp = has_parent
+    cdef uint64_t p = parent
+    if n == 0:
+        return 0
+    if _ensure_rev(L, worker) < 0:
+        return -1
+    cdef U64Map* rev = &L.rev[worker]
+    for i in range(n):
+        e = lower_find(L, hp, p, locals[i])
+        old = u64m_get(rev, seqs[i])
+        if old != HM_NIL and old != e:
+            break               # the worker maps this block to another key
+        if e != HM_NIL and L.edges[e].child != seqs[i]:
+            break               # the edge belongs to a different block (first writer wins)
+        if e == HM_NIL:
+            e = _new_edge(L, hp, p, locals[i], seqs[i])
+            if e == HM_NIL:
+                return -1
+        if old == HM_NIL:
+            if not lower_owns(L, e, worker):
+                if _add_owner(L, e, worker) < 0:
+                    if L.edges[e].nowners == 0:
+                        _drop_edge(L, e)
+                    return -1
+            if u64m_put(rev, seqs[i], e) < 0:
+                _unown(L, e, worker)
+                return -1
+            L.total += 1
+        p = seqs[i]
+        hp = True
+        count += 1
+    return count
+
+
+cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil:
+    cdef size_t i
+    cdef long count = 0
+    cdef uint32_t e
+    if worker >= L.nrev:
+        return 0
+    for i in range(n):
+        e = u64m_pop(&L.rev[worker], seqs[i])
+        if e == HM_NIL:
+            continue
+        _unown(L, e, worker)
+        L.total -= 1
+        count += 1
+    return count
+
+
+cdef long lower_clear(Lower* L, uint32_t worker) noexcept nogil:
+    cdef size_t i
+    cdef long count = 0
+    cdef U64Map* rev
+    if worker >= L.nrev:
+        return 0
+    rev = &L.rev[worker]
+    if rev.keys != NULL:
+        for i in range(rev.mask + 1):
+            if rev.vals[i] != HM_NIL:
+                _unown(L, rev.vals[i], worker)
+                count += 1
+    L.total -= rev.size
+    u64m_free(rev)
+    return count
+
+
+cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* parent,
+                       uint64_t* local) noexcept nogil:
+    cdef size_t w
+    cdef uint32_t e
+    for w in range(L.nrev):
+        e = u64m_get(&L.rev[w], h)
+        if e != HM_NIL:
+            has_parent[0] = L.edges[e].has_parent == 1
+            parent[0] = L.edges[e].parent
+            local[0] = L.edges[e].local
+            return True
+    return False
+
+
+cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil:
+    return L.rev[worker].size if worker < L.nrev else 0
+
+
+cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_parent,
+                           uint64_t parent, const uint32_t* cand, size_t ncand,
+                           uint32_t* idx, size_t nidx, size_t* out_end,
+                           uint64_t* out_last) noexcept nogil:
+    cdef size_t k, pos = start, alive = ncand
+    cdef uint32_t e, o, w, j
+    cdef bint hp = has_parent
+    cdef uint64_t p = parent
+    for k in range(ncand):
+        idx[cand[k]] = <uint32_t>k
+        out_end[k] = start
+        out_last[k] = 0
+    while alive and pos < hc.n:
+        e = lower_find(L, hp, p, hc_get(hc, pos))
+        if e == HM_NIL:
+            break
+        alive = 0
+        o = L.edges[e].owners
+        while o != HM_NIL:
+            w = L.own[o].worker
+            if w < nidx:
+                j = idx[w]
+                if j != HM_NIL and out_end[j] == pos:
+                    out_end[j] = pos + 1
+                    out_last[j] = L.edges[e].child
+                    alive += 1
+            o = L.own[o].next
+        p = L.edges[e].child
+        hp = True
+        pos += 1
+    for k in range(ncand):
+        idx[cand[k]] = HM_NIL
+
+
+cdef class LowerTier:
+    """One lower tier (CPU or Disk) of an index.
+
+    **Threading: one writer thread calls store/remove/clear; any number of
+    threads may call walk/lookup_block/stats concurrently. Each method holds a C
+    reader/writer lock (writers exclusive) and runs without the GIL.**
+    """
+
+    def __cinit__(self):
+        self.lock_ok = False
+        lower_init(&self.L)
+        if rwlock_init(&self.lock) != 0:
+            raise MemoryError("cannot initialise rwlock")
+        self.lock_ok = True
+
+    def __dealloc__(self):
+        lower_free(&self.L)
+        if self.lock_ok:
+            pthread_rwlock_destroy(&self.lock)
+            self.lock_ok = False
+
+    def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
+        """Store a chain for ``worker`` after ``parent`` (None = root); returns blocks accepted."""
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = min(sv.shape[0], lv.shape[0])
+        cdef bint hp = parent is not None
+        cdef uint64_t p = parent if hp else 0
+        cdef long rc
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = lower_store(&self.L, worker, hp, p, &sv[0], &lv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        if rc < 0:
+            raise MemoryError()
+        return rc
+
+    def remove(self, uint32_t worker, engine_hashes):
+        """Drop ``worker``'s ownership of blocks; returns how many it held."""
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef size_t n = sv.shape[0]
+        cdef long rc
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = lower_remove(&self.L, worker, &sv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
+
+    def clear(self, uint32_t worker):
+        """Drop every block of ``worker``; returns the count."""
+        cdef long rc
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = lower_clear(&self.L, worker)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
+
+    def lookup_block(self, uint64_t h):
+        """``(parent | None, local)`` of block ``h`` (lowest worker id), or None."""
+        cdef bint hp = False, found
+        cdef uint64_t p = 0, local = 0
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            found = lower_lookup(&self.L, h, &hp, &p, &local)
+            pthread_rwlock_unlock(&self.lock)
+        if not found:
+            return None
+        return (p if hp else None, local)
+
+    def walk(self, uint32_t worker, local_hashes, size_t start, parent):
+        """``(count, last_engine_hash | None)`` of ``worker``'s owned run from ``start``."""
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = lv.shape[0], nidx = <size_t>worker + 1, end = start
+        cdef bint hp = parent is not None
+        cdef uint64_t p = parent if hp else 0, last = 0
+        cdef HCursor hc
+        cdef uint32_t cand = worker
+        cdef uint32_t* idx
+        if start >= n:
+            return (0, None)
+        hc_init_hashes(&hc, &lv[0], n)
+        idx = <uint32_t*>malloc(nidx * sizeof(uint32_t))
+        if idx == NULL:
+            raise MemoryError()
+        for k in range(nidx):
+            idx[k] = HM_NIL
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            lower_walk_multi(&self.L, &hc, start, hp, p, &cand, 1, idx, nidx, &end, &last)
+            pthread_rwlock_unlock(&self.lock)
+        free(idx)
+        return (end - start, last if end > start else None)
+
+    def worker_blocks(self, uint32_t worker):
+        """Number of blocks ``worker`` holds in this tier."""
+        return lower_worker_blocks(&self.L, worker)
+
+    @property
+    def total_blocks(self):
+        """(worker, block) pairs held in this tier."""
+        return self.L.total
+
+    @property
+    def num_edges(self):
+        """Edges in the table."""
+        return self.L.live_edges
+
+    @property
+    def nbytes(self):
+        """Bytes allocated by the tier's C structures."""
+        return lower_nbytes(&self.L)

@@ -1,0 +1,58 @@
+# cython: language_level=3
+"""HBM radix tree: C structs and the nogil kernels shared with ``_index``."""
+from libc.stdint cimport uint32_t, uint64_t
+
+from kvconductor._hmap cimport HCursor, PairMap, U64Map, pthread_rwlock_t
+
+cdef enum:
+    T_ROOT = 0                  # index of the root node
+    T_ERR_OOM = -1              # out of memory
+    T_ERR_PARENT = -2           # ParentBlockNotFound
+    T_ERR_SEQUENCE = -3         # InvalidBlockSequence
+
+cdef struct TNode:
+    uint64_t local              # LocalBlockHash of the block (edge key under the parent)
+    uint32_t parent             # parent node index (HM_NIL for the root and free nodes)
+    uint32_t members            # head of this node's member list in Tree.mem (HM_NIL: none)
+    uint32_t nmembers           # number of members (workers holding the block)
+    uint32_t nchildren          # number of child edges; HM_NIL marks a free node
+
+cdef struct TMember:
+    uint64_t seq                # the member worker's engine hash for this block
+    uint32_t worker             # worker id
+    uint32_t next               # next member of the same node, or next free record
+
+cdef struct Tree:
+    TNode* nodes                # node array, node 0 = root
+    size_t nodes_cap            # allocated nodes
+    uint32_t nodes_used         # high-water mark of node indices
+    uint32_t free_node          # head of the free-node list (linked through TNode.members)
+    size_t live_nodes           # nodes in use, root excluded
+    TMember* mem                # member records
+    size_t mem_cap              # allocated member records
+    uint32_t mem_used           # high-water mark of member indices
+    uint32_t free_mem           # head of the free-member list
+    size_t npairs               # live (worker, block) pairs
+    PairMap edges               # (parent node, local) -> child node
+    U64Map* rev                 # per worker: engine hash -> node
+    size_t nrev                 # length of rev (max worker id + 1 seen)
+
+cdef int tree_init(Tree* t) noexcept nogil
+cdef void tree_free(Tree* t) noexcept nogil
+cdef size_t tree_nbytes(const Tree* t) noexcept nogil
+cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
+                     const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
+cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil
+cdef long tree_clear(Tree* t, uint32_t worker) noexcept nogil
+cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil
+# Match: fills out_worker[k]/out_depth[k] for result k and out_seq[w] (indexed by
+# worker id) -- all of capacity t.nrev; ``stamp`` is scratch of t.nrev entries.
+# Returns the number of results.
+cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
+                       uint64_t* out_seq, uint32_t* stamp) noexcept nogil
+
+
+cdef class RadixTree:
+    cdef Tree t
+    cdef pthread_rwlock_t lock
+    cdef bint lock_ok

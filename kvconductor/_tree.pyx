@@ -1,0 +1,482 @@
+# cython: language_level=3
+"""HBM radix tree: flat arrays of C structs linked by integer index.
+
+Nodes live in one growable ``TNode`` array (node 0 is the root); the edge table
+``(parent node, LocalBlockHash) -> child`` is one open-addressing ``PairMap``;
+each node's members ``(worker, engine hash)`` are a singly linked list in a
+pooled ``TMember`` array; each worker has a reverse map ``engine hash -> node``.
+Semantics: ``docs/design.md`` ("RadixTree").
+
+Every kernel here is ``noexcept nogil`` and reports errors by return code
+(``T_ERR_*``); the Python-facing methods map them to exceptions.
+"""
+from libc.stdint cimport uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memset
+
+from kvconductor._hmap cimport (
+    HM_NIL, HCursor, grow_array, hc_get, hc_init_hashes, pm_free, pm_get, pm_init,
+    pm_nbytes, pm_pop, pm_put, pthread_rwlock_destroy, pthread_rwlock_rdlock,
+    pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
+    u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+)
+
+from kvconductor._hash import as_u64
+from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+
+
+# -- allocation ---------------------------------------------------------------------------
+cdef int tree_init(Tree* t) noexcept nogil:
+    t.nodes = NULL
+    t.nodes_cap = 0
+    t.nodes_used = 0
+    t.free_node = HM_NIL
+    t.live_nodes = 0
+    t.mem = NULL
+    t.mem_cap = 0
+    t.mem_used = 0
+    t.free_mem = HM_NIL
+    t.npairs = 0
+    pm_init(&t.edges)
+    t.rev = NULL
+    t.nrev = 0
+    cdef void* p = grow_array(NULL, &t.nodes_cap, 64, sizeof(TNode))
+    if p == NULL:
+        return -1
+    t.nodes = <TNode*>p
+    t.nodes[0].local = 0
+    t.nodes[0].parent = HM_NIL
+    t.nodes[0].members = HM_NIL
+    t.nodes[0].nmembers = 0
+    t.nodes[0].nchildren = 0
+    t.nodes_used = 1
+    return 0
+
+
+cdef void tree_free(Tree* t) noexcept nogil:
+    cdef size_t w
+    if t.rev != NULL:
+        for w in range(t.nrev):
+            u64m_free(&t.rev[w])
+    free(t.rev)
+    t.rev = NULL
+    t.nrev = 0
+    free(t.nodes)
+    t.nodes = NULL
+    t.nodes_cap = 0
+    free(t.mem)
+    t.mem = NULL
+    t.mem_cap = 0
+    pm_free(&t.edges)
+
+
+cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
+    cdef size_t n = t.nodes_cap * sizeof(TNode) + t.mem_cap * sizeof(TMember)
+    cdef size_t w
+    n += pm_nbytes(&t.edges) + t.nrev * sizeof(U64Map)
+    for w in range(t.nrev):
+        n += u64m_nbytes(&t.rev[w])
+    return n
+
+
+cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nogil:
+    cdef uint32_t i
+    cdef void* p
+    if t.free_node != HM_NIL:
+        i = t.free_node
+        t.free_node = t.nodes[i].members
+    else:
+        if t.nodes_used >= <uint32_t>(HM_NIL - 1):
+            return HM_NIL
+        if t.nodes_used >= t.nodes_cap:
+            p = grow_array(t.nodes, &t.nodes_cap, t.nodes_used + 1, sizeof(TNode))
+            if p == NULL:
+                return HM_NIL
+            t.nodes = <TNode*>p
+        i = t.nodes_used
+        t.nodes_used += 1
+    t.nodes[i].local = local
+    t.nodes[i].parent = parent
+    t.nodes[i].members = HM_NIL
+    t.nodes[i].nmembers = 0
+    t.nodes[i].nchildren = 0
+    t.live_nodes += 1
+    return i
+
+
+cdef inline void _free_node(Tree* t, uint32_t i) noexcept nogil:
+    t.nodes[i].nchildren = HM_NIL
+    t.nodes[i].parent = HM_NIL
+    t.nodes[i].members = t.free_node
+    t.free_node = i
+    t.live_nodes -= 1
+
+
+cdef uint32_t _alloc_member(Tree* t) noexcept nogil:
+    cdef uint32_t i
+    cdef void* p
+    if t.free_mem != HM_NIL:
+        i = t.free_mem
+        t.free_mem = t.mem[i].next
+        return i
+    if t.mem_used >= <uint32_t>(HM_NIL - 1):
+        return HM_NIL
+    if t.mem_used >= t.mem_cap:
+        p = grow_array(t.mem, &t.mem_cap, t.mem_used + 1, sizeof(TMember))
+        if p == NULL:
+            return HM_NIL
+        t.mem = <TMember*>p
+    i = t.mem_used
+    t.mem_used += 1
+    return i
+
+
+cdef int _ensure_rev(Tree* t, uint32_t worker) noexcept nogil:
+    cdef size_t old = t.nrev, cap = t.nrev, w
+    cdef void* p
+    if worker < t.nrev:
+        return 0
+    p = grow_array(t.rev, &cap, <size_t>worker + 1, sizeof(U64Map))
+    if p == NULL:
+        return -1
+    t.rev = <U64Map*>p
+    for w in range(old, cap):
+        u64m_init(&t.rev[w])
+    t.nrev = cap
+    return 0
+
+
+# -- members ----------------------------------------------------------------------------------
+cdef inline uint32_t _find_member(const Tree* t, uint32_t node, uint32_t worker) noexcept nogil:
+    cdef uint32_t m = t.nodes[node].members
+    while m != HM_NIL:
+        if t.mem[m].worker == worker:
+            return m
+        m = t.mem[m].next
+    return HM_NIL
+
+
+cdef bint _unlink_member(Tree* t, uint32_t node, uint32_t worker) noexcept nogil:
+    cdef uint32_t m = t.nodes[node].members, prev = HM_NIL
+    while m != HM_NIL:
+        if t.mem[m].worker == worker:
+            if prev == HM_NIL:
+                t.nodes[node].members = t.mem[m].next
+            else:
+                t.mem[prev].next = t.mem[m].next
+            t.mem[m].next = t.free_mem
+            t.free_mem = m
+            t.nodes[node].nmembers -= 1
+            t.npairs -= 1
+            return True
+        prev = m
+        m = t.mem[m].next
+    return False
+
+
+cdef void _prune(Tree* t, uint32_t n) noexcept nogil:
+    """Delete ``n`` and its ancestors while they hold nothing and lead nowhere."""
+    cdef uint32_t p
+    while n != T_ROOT and t.nodes[n].nmembers == 0 and t.nodes[n].nchildren == 0:
+        p = t.nodes[n].parent
+        pm_pop(&t.edges, p, t.nodes[n].local)
+        t.nodes[p].nchildren -= 1
+        _free_node(t, n)
+        n = p
+
+
+# -- mutations -----------------------------------------------------------------------------------
+cdef bint _has_repeat(bint has_parent, uint64_t parent, const uint64_t* seqs, size_t n) noexcept nogil:
+    """True if ``[parent] + seqs`` repeats a value (-1 on OOM is reported as True)."""
+    cdef size_t i, j
+    cdef U64Map seen
+    cdef int rc
+    if n <= 32:
+        for i in range(n):
+            if has_parent and seqs[i] == parent:
+                return True
+            for j in range(i):
+                if seqs[j] == seqs[i]:
+                    return True
+        return False
+    u64m_init(&seen)
+    if has_parent:
+        u64m_put(&seen, parent, 0)
+    for i in range(n):
+        rc = u64m_put(&seen, seqs[i], 0)
+        if rc != 1:
+            u64m_free(&seen)
+            return True
+    u64m_free(&seen)
+    return False
+
+
+cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
+                     const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil:
+    cdef uint32_t node = T_ROOT, child, old, m
+    cdef size_t i
+    if n == 0:
+        return 0
+    if has_parent:
+        node = u64m_get(&t.rev[worker], parent) if worker < t.nrev else HM_NIL
+        if node == HM_NIL:
+            return T_ERR_PARENT
+    if _has_repeat(has_parent, parent, seqs, n):
+        return T_ERR_SEQUENCE
+    if _ensure_rev(t, worker) < 0:
+        return T_ERR_OOM
+    cdef U64Map* rev = &t.rev[worker]
+    for i in range(n):
+        child = pm_get(&t.edges, node, locals[i])
+        old = u64m_get(rev, seqs[i])
+        if old != HM_NIL and old != child:
+            # The worker announced this engine hash elsewhere before: it moved.
+            _unlink_member(t, old, worker)
+            u64m_pop(rev, seqs[i])
+            _prune(t, old)
+        if child == HM_NIL:
+            child = _alloc_node(t, locals[i], node)
+            if child == HM_NIL:
+                return T_ERR_OOM
+            if pm_put(&t.edges, node, locals[i], child) < 0:
+                _free_node(t, child)
+                return T_ERR_OOM
+            t.nodes[node].nchildren += 1
+        m = _find_member(t, child, worker)
+        if m != HM_NIL:
+            if t.mem[m].seq != seqs[i]:
+                u64m_pop(rev, t.mem[m].seq)
+                t.mem[m].seq = seqs[i]
+        if u64m_put(rev, seqs[i], child) < 0:
+            return T_ERR_OOM
+        if m == HM_NIL:
+            m = _alloc_member(t)
+            if m == HM_NIL:
+                u64m_pop(rev, seqs[i])
+                _prune(t, child)
+                return T_ERR_OOM
+            t.mem[m].seq = seqs[i]
+            t.mem[m].worker = worker
+            t.mem[m].next = t.nodes[child].members
+            t.nodes[child].members = m
+            t.nodes[child].nmembers += 1
+            t.npairs += 1
+        node = child
+    return <long>n
+
+
+cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil:
+    cdef size_t i
+    cdef long count = 0
+    cdef uint32_t node
+    if worker >= t.nrev:
+        return 0
+    for i in range(n):
+        node = u64m_pop(&t.rev[worker], seqs[i])
+        if node == HM_NIL:
+            continue
+        _unlink_member(t, node, worker)
+        _prune(t, node)
+        count += 1
+    return count
+
+
+cdef long tree_clear(Tree* t, uint32_t worker) noexcept nogil:
+    cdef size_t i
+    cdef long count = 0
+    cdef U64Map* rev
+    cdef uint32_t node
+    if worker >= t.nrev:
+        return 0
+    rev = &t.rev[worker]
+    if rev.keys != NULL:
+        for i in range(rev.mask + 1):
+            node = rev.vals[i]
+            if node != HM_NIL:
+                _unlink_member(t, node, worker)
+                _prune(t, node)
+                count += 1
+    u64m_free(rev)
+    return count
+
+
+cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
+    return t.rev[worker].size if worker < t.nrev else 0
+
+
+# -- match -----------------------------------------------------------------------------------------
+cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
+                       uint64_t* out_seq, uint32_t* stamp) noexcept nogil:
+    """Consecutive depth from the root of every worker on the first node.
+
+    ``stamp[w]`` is the last step at which ``w`` was still on the path; it is
+    HM_NIL for workers that are not candidates. Returns the number of results.
+    """
+    cdef size_t n = hc.n, cnt = 0, k
+    cdef uint32_t node, child, m, w, step, alive
+    if n == 0 or t.nrev == 0:
+        return 0
+    child = pm_get(&t.edges, T_ROOT, hc_get(hc, 0))
+    if child == HM_NIL:
+        return 0
+    memset(stamp, 0xFF, t.nrev * sizeof(uint32_t))
+    m = t.nodes[child].members
+    while m != HM_NIL:
+        w = t.mem[m].worker
+        stamp[w] = 0
+        out_worker[cnt] = w
+        out_seq[w] = t.mem[m].seq
+        cnt += 1
+        m = t.mem[m].next
+    node = child
+    step = 1
+    while cnt and step < n:
+        child = pm_get(&t.edges, node, hc_get(hc, step))
+        if child == HM_NIL:
+            break
+        alive = 0
+        m = t.nodes[child].members
+        while m != HM_NIL:
+            w = t.mem[m].worker
+            if stamp[w] == step - 1:
+                stamp[w] = step
+                out_seq[w] = t.mem[m].seq
+                alive += 1
+            m = t.mem[m].next
+        if alive == 0:
+            break
+        node = child
+        step += 1
+    for k in range(cnt):
+        out_depth[k] = stamp[out_worker[k]] + 1
+    return cnt
+
+
+# -- Python API ------------------------------------------------------------------------------------------
+cdef class RadixTree:
+    """HBM radix tree over LocalBlockHashes, shared by every HBM worker of an index.
+
+    **Threading: one writer thread calls store/remove/clear/sweep; any number of
+    threads may call match/stats concurrently. Each method holds a C
+    reader/writer lock (writers exclusive) and runs without the GIL.**
+    """
+
+    def __cinit__(self):
+        self.lock_ok = False
+        if tree_init(&self.t) < 0:
+            tree_free(&self.t)
+            raise MemoryError()
+        if rwlock_init(&self.lock) != 0:
+            tree_free(&self.t)
+            raise MemoryError("cannot initialise rwlock")
+        self.lock_ok = True
+
+    def __dealloc__(self):
+        tree_free(&self.t)
+        if self.lock_ok:
+            pthread_rwlock_destroy(&self.lock)
+            self.lock_ok = False
+
+    def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
+        """Store a chain for ``worker`` under ``parent`` (None = root); returns blocks stored."""
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = min(sv.shape[0], lv.shape[0])
+        cdef bint has_parent = parent is not None
+        cdef uint64_t p = parent if has_parent else 0
+        cdef long rc
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = tree_store(&self.t, worker, has_parent, p, &sv[0], &lv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        return _check(rc)
+
+    def remove(self, uint32_t worker, engine_hashes):
+        """Remove blocks of ``worker`` by engine hash; returns how many it held."""
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef size_t n = sv.shape[0]
+        cdef long rc
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = tree_remove(&self.t, worker, &sv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
+
+    def clear(self, uint32_t worker):
+        """Remove every block of ``worker``; returns the count."""
+        cdef long rc
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = tree_clear(&self.t, worker)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
+
+    def sweep(self):
+        """Empty nodes are pruned eagerly, so there is never anything to sweep."""
+        return 0
+
+    def match(self, local_hashes):
+        """``[(worker, depth, last_engine_hash)]`` sorted by worker."""
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = lv.shape[0], cnt = 0, k, nw
+        cdef HCursor hc
+        cdef uint32_t* ow = NULL
+        cdef uint32_t* od = NULL
+        cdef uint32_t* st = NULL
+        cdef uint64_t* os = NULL
+        if n == 0:
+            return []
+        hc_init_hashes(&hc, &lv[0], n)
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            nw = self.t.nrev
+            if nw:
+                ow = <uint32_t*>malloc(nw * sizeof(uint32_t))
+                od = <uint32_t*>malloc(nw * sizeof(uint32_t))
+                st = <uint32_t*>malloc(nw * sizeof(uint32_t))
+                os = <uint64_t*>malloc(nw * sizeof(uint64_t))
+                if ow != NULL and od != NULL and st != NULL and os != NULL:
+                    cnt = tree_match(&self.t, &hc, ow, od, os, st)
+            pthread_rwlock_unlock(&self.lock)
+        try:
+            if nw and (ow == NULL or od == NULL or st == NULL or os == NULL):
+                raise MemoryError()
+            return sorted([(ow[k], od[k], os[ow[k]]) for k in range(cnt)])
+        finally:
+            free(ow)
+            free(od)
+            free(st)
+            free(os)
+
+    def worker_blocks(self, uint32_t worker):
+        """Number of blocks ``worker`` holds."""
+        return tree_worker_blocks(&self.t, worker)
+
+    @property
+    def num_nodes(self):
+        """Nodes in the tree, root excluded."""
+        return self.t.live_nodes
+
+    @property
+    def num_pairs(self):
+        """(worker, block) pairs held."""
+        return self.t.npairs
+
+    @property
+    def nbytes(self):
+        """Bytes allocated by the tree's C structures."""
+        return tree_nbytes(&self.t)
+
+
+def _check(long rc):
+    if rc >= 0:
+        return rc
+    if rc == T_ERR_PARENT:
+        raise ParentBlockNotFound()
+    if rc == T_ERR_SEQUENCE:
+        raise InvalidBlockSequence()
+    raise MemoryError()
