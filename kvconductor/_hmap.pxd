@@ -172,11 +172,15 @@ cdef inline uint32_t u64m_pop(U64Map* m, uint64_t key) noexcept nogil:
     return out
 
 
-# -- PairMap: (u64, u64) -> u32 ---------------------------------------------------------
+# -- PairMap: (u64, u64) -> u32, slots as one struct array -------------------------------
+cdef struct PSlot:
+    uint64_t a                   # first key half (parent engine hash / parent node)
+    uint64_t b                   # second key half (LocalBlockHash)
+    uint32_t v                   # value, HM_NIL = empty slot
+    uint32_t pad_
+
 cdef struct PairMap:
-    uint64_t* ka                 # first key half (tree: parent node; lower tier: parent engine hash)
-    uint64_t* kb                 # second key half (LocalBlockHash)
-    uint32_t* vals               # HM_NIL = empty
+    PSlot* slots                 # PERF: one cache line holds key and value of a slot
     size_t mask
     size_t size
 
@@ -186,115 +190,214 @@ cdef inline uint64_t pm_hash(uint64_t a, uint64_t b) noexcept nogil:
 
 
 cdef inline void pm_init(PairMap* m) noexcept nogil:
-    m.ka = NULL
-    m.kb = NULL
-    m.vals = NULL
+    m.slots = NULL
     m.mask = 0
     m.size = 0
 
 
 cdef inline void pm_free(PairMap* m) noexcept nogil:
-    free(m.ka)
-    free(m.kb)
-    free(m.vals)
+    free(m.slots)
     pm_init(m)
 
 
 cdef inline size_t pm_nbytes(const PairMap* m) noexcept nogil:
-    return 0 if m.ka == NULL else (m.mask + 1) * 20
+    return 0 if m.slots == NULL else (m.mask + 1) * sizeof(PSlot)
 
 
 cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
-    if m.ka == NULL:
+    if m.slots == NULL:
         return HM_NIL
     cdef size_t i = pm_hash(a, b) & m.mask
-    cdef uint32_t v
+    cdef const PSlot* s
     while True:
-        v = m.vals[i]
-        if v == HM_NIL:
+        s = &m.slots[i]
+        if s.v == HM_NIL:
             return HM_NIL
-        if m.kb[i] == b and m.ka[i] == a:
-            return v
+        if s.b == b and s.a == a:
+            return s.v
         i = (i + 1) & m.mask
 
 
 cdef inline int pm_rehash(PairMap* m, size_t cap) noexcept nogil:
-    cdef uint64_t* na = <uint64_t*>malloc(cap * sizeof(uint64_t))
-    cdef uint64_t* nb = <uint64_t*>malloc(cap * sizeof(uint64_t))
-    cdef uint32_t* nv = <uint32_t*>malloc(cap * sizeof(uint32_t))
+    cdef PSlot* ns = <PSlot*>malloc(cap * sizeof(PSlot))
     cdef size_t i, j, nmask = cap - 1
-    if na == NULL or nb == NULL or nv == NULL:
-        free(na)
-        free(nb)
-        free(nv)
+    if ns == NULL:
         return -1
-    memset(nv, 0xFF, cap * sizeof(uint32_t))
-    if m.ka != NULL:
+    for i in range(cap):
+        ns[i].v = HM_NIL
+    if m.slots != NULL:
         for i in range(m.mask + 1):
-            if m.vals[i] != HM_NIL:
-                j = pm_hash(m.ka[i], m.kb[i]) & nmask
-                while nv[j] != HM_NIL:
+            if m.slots[i].v != HM_NIL:
+                j = pm_hash(m.slots[i].a, m.slots[i].b) & nmask
+                while ns[j].v != HM_NIL:
                     j = (j + 1) & nmask
-                na[j] = m.ka[i]
-                nb[j] = m.kb[i]
-                nv[j] = m.vals[i]
-        free(m.ka)
-        free(m.kb)
-        free(m.vals)
-    m.ka = na
-    m.kb = nb
-    m.vals = nv
+                ns[j] = m.slots[i]
+        free(m.slots)
+    m.slots = ns
     m.mask = nmask
     return 0
 
 
 cdef inline int pm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
     """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
-    if m.ka == NULL:
+    if m.slots == NULL:
         if pm_rehash(m, 8) < 0:
             return -1
     elif (m.size + 1) * 4 > (m.mask + 1) * 3:
         if pm_rehash(m, (m.mask + 1) * 2) < 0:
             return -1
     cdef size_t i = pm_hash(a, b) & m.mask
-    while m.vals[i] != HM_NIL:
-        if m.kb[i] == b and m.ka[i] == a:
-            m.vals[i] = val
+    while m.slots[i].v != HM_NIL:
+        if m.slots[i].b == b and m.slots[i].a == a:
+            m.slots[i].v = val
             return 0
         i = (i + 1) & m.mask
-    m.ka[i] = a
-    m.kb[i] = b
-    m.vals[i] = val
+    m.slots[i].a = a
+    m.slots[i].b = b
+    m.slots[i].v = val
     m.size += 1
     return 1
 
 
 cdef inline uint32_t pm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
-    if m.ka == NULL:
+    if m.slots == NULL:
         return HM_NIL
     cdef size_t mask = m.mask
     cdef size_t i = pm_hash(a, b) & mask, j, k
     cdef uint32_t out
     while True:
-        if m.vals[i] == HM_NIL:
+        if m.slots[i].v == HM_NIL:
             return HM_NIL
-        if m.kb[i] == b and m.ka[i] == a:
+        if m.slots[i].b == b and m.slots[i].a == a:
             break
         i = (i + 1) & mask
-    out = m.vals[i]
-    m.vals[i] = HM_NIL
+    out = m.slots[i].v
+    m.slots[i].v = HM_NIL
     j = i
     while True:
         j = (j + 1) & mask
-        if m.vals[j] == HM_NIL:
+        if m.slots[j].v == HM_NIL:
             break
-        k = pm_hash(m.ka[j], m.kb[j]) & mask
+        k = pm_hash(m.slots[j].a, m.slots[j].b) & mask
         if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
             continue
-        m.ka[i] = m.ka[j]
-        m.kb[i] = m.kb[j]
-        m.vals[i] = m.vals[j]
-        m.vals[j] = HM_NIL
+        m.slots[i] = m.slots[j]
+        m.slots[j].v = HM_NIL
+        i = j
+    m.size -= 1
+    return out
+
+
+# -- EdgeMap: (u32 node, u64 local) -> u32 node, 16-byte slots (the HBM tree's edges) ----------
+cdef struct ESlot:
+    uint64_t local               # LocalBlockHash
+    uint32_t parent              # parent node index
+    uint32_t child               # child node index, HM_NIL = empty slot
+
+cdef struct EdgeMap:
+    ESlot* slots
+    size_t mask
+    size_t size
+
+
+cdef inline uint64_t em_hash(uint32_t parent, uint64_t local) noexcept nogil:
+    return hm_mix((<uint64_t>parent) * <uint64_t>0x9e3779b97f4a7c15 ^ local)
+
+
+cdef inline void em_init(EdgeMap* m) noexcept nogil:
+    m.slots = NULL
+    m.mask = 0
+    m.size = 0
+
+
+cdef inline void em_free(EdgeMap* m) noexcept nogil:
+    free(m.slots)
+    em_init(m)
+
+
+cdef inline size_t em_nbytes(const EdgeMap* m) noexcept nogil:
+    return 0 if m.slots == NULL else (m.mask + 1) * sizeof(ESlot)
+
+
+cdef inline uint32_t em_get(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
+    if m.slots == NULL:
+        return HM_NIL
+    cdef size_t i = em_hash(parent, local) & m.mask
+    cdef const ESlot* s
+    while True:
+        s = &m.slots[i]
+        if s.child == HM_NIL:
+            return HM_NIL
+        if s.local == local and s.parent == parent:
+            return s.child
+        i = (i + 1) & m.mask
+
+
+cdef inline int em_rehash(EdgeMap* m, size_t cap) noexcept nogil:
+    cdef ESlot* ns = <ESlot*>malloc(cap * sizeof(ESlot))
+    cdef size_t i, j, nmask = cap - 1
+    if ns == NULL:
+        return -1
+    for i in range(cap):
+        ns[i].child = HM_NIL
+    if m.slots != NULL:
+        for i in range(m.mask + 1):
+            if m.slots[i].child != HM_NIL:
+                j = em_hash(m.slots[i].parent, m.slots[i].local) & nmask
+                while ns[j].child != HM_NIL:
+                    j = (j + 1) & nmask
+                ns[j] = m.slots[i]
+        free(m.slots)
+    m.slots = ns
+    m.mask = nmask
+    return 0
+
+
+cdef inline int em_put(EdgeMap* m, uint32_t parent, uint64_t local, uint32_t child) noexcept nogil:
+    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
+    if m.slots == NULL:
+        if em_rehash(m, 8) < 0:
+            return -1
+    elif (m.size + 1) * 4 > (m.mask + 1) * 3:
+        if em_rehash(m, (m.mask + 1) * 2) < 0:
+            return -1
+    cdef size_t i = em_hash(parent, local) & m.mask
+    while m.slots[i].child != HM_NIL:
+        if m.slots[i].local == local and m.slots[i].parent == parent:
+            m.slots[i].child = child
+            return 0
+        i = (i + 1) & m.mask
+    m.slots[i].parent = parent
+    m.slots[i].local = local
+    m.slots[i].child = child
+    m.size += 1
+    return 1
+
+
+cdef inline uint32_t em_pop(EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
+    if m.slots == NULL:
+        return HM_NIL
+    cdef size_t mask = m.mask
+    cdef size_t i = em_hash(parent, local) & mask, j, k
+    cdef uint32_t out
+    while True:
+        if m.slots[i].child == HM_NIL:
+            return HM_NIL
+        if m.slots[i].local == local and m.slots[i].parent == parent:
+            break
+        i = (i + 1) & mask
+    out = m.slots[i].child
+    m.slots[i].child = HM_NIL
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if m.slots[j].child == HM_NIL:
+            break
+        k = em_hash(m.slots[j].parent, m.slots[j].local) & mask
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        m.slots[i] = m.slots[j]
+        m.slots[j].child = HM_NIL
         i = j
     m.size -= 1
     return out
@@ -308,7 +411,7 @@ cdef inline void* grow_array(void* ptr, size_t* cap, size_t need, size_t item) n
     while ncap < need:
         if ncap > (<size_t>-1) // 2 // item:
             return NULL
-        ncap *= 2
+        ncap += ncap // 2     # 1.5x: less slack than doubling for the big arrays
     if ncap == cap[0]:
         return ptr
     cdef void* p = realloc(ptr, ncap * item)

@@ -2,7 +2,7 @@
 """HBM radix tree: C structs and the nogil kernels shared with ``_index``."""
 from libc.stdint cimport uint32_t, uint64_t
 
-from kvconductor._hmap cimport HCursor, PairMap, U64Map, pthread_rwlock_t
+from kvconductor._hmap cimport EdgeMap, HCursor, U64Map, pthread_rwlock_t
 
 cdef enum:
     T_ROOT = 0                  # index of the root node
@@ -33,7 +33,7 @@ cdef struct Tree:
     uint32_t mem_used           # high-water mark of member indices
     uint32_t free_mem           # head of the free-member list
     size_t npairs               # live (worker, block) pairs
-    PairMap edges               # (parent node, local) -> child node
+    EdgeMap edges               # (parent node, local) -> child node
     U64Map* rev                 # per worker: engine hash -> node
     size_t nrev                 # length of rev (max worker id + 1 seen)
 

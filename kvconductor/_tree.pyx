@@ -15,8 +15,8 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from kvconductor._hmap cimport (
-    HM_NIL, HCursor, grow_array, hc_get, hc_init_hashes, pm_free, pm_get, pm_init,
-    pm_nbytes, pm_pop, pm_put, pthread_rwlock_destroy, pthread_rwlock_rdlock,
+    HM_NIL, HCursor, em_free, em_get, em_init, em_nbytes, em_pop, em_put, grow_array,
+    hc_get, hc_init_hashes, pthread_rwlock_destroy, pthread_rwlock_rdlock,
     pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
     u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
@@ -37,7 +37,7 @@ cdef int tree_init(Tree* t) noexcept nogil:
     t.mem_used = 0
     t.free_mem = HM_NIL
     t.npairs = 0
-    pm_init(&t.edges)
+    em_init(&t.edges)
     t.rev = NULL
     t.nrev = 0
     cdef void* p = grow_array(NULL, &t.nodes_cap, 64, sizeof(TNode))
@@ -67,13 +67,13 @@ cdef void tree_free(Tree* t) noexcept nogil:
     free(t.mem)
     t.mem = NULL
     t.mem_cap = 0
-    pm_free(&t.edges)
+    em_free(&t.edges)
 
 
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
     cdef size_t n = t.nodes_cap * sizeof(TNode) + t.mem_cap * sizeof(TMember)
     cdef size_t w
-    n += pm_nbytes(&t.edges) + t.nrev * sizeof(U64Map)
+    n += em_nbytes(&t.edges) + t.nrev * sizeof(U64Map)
     for w in range(t.nrev):
         n += u64m_nbytes(&t.rev[w])
     return n
@@ -179,7 +179,7 @@ cdef void _prune(Tree* t, uint32_t n) noexcept nogil:
     cdef uint32_t p
     while n != T_ROOT and t.nodes[n].nmembers == 0 and t.nodes[n].nchildren == 0:
         p = t.nodes[n].parent
-        pm_pop(&t.edges, p, t.nodes[n].local)
+        em_pop(&t.edges, p, t.nodes[n].local)
         t.nodes[p].nchildren -= 1
         _free_node(t, n)
         n = p
@@ -227,18 +227,20 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
         return T_ERR_OOM
     cdef U64Map* rev = &t.rev[worker]
     for i in range(n):
-        child = pm_get(&t.edges, node, locals[i])
+        child = em_get(&t.edges, node, locals[i])
         old = u64m_get(rev, seqs[i])
         if old != HM_NIL and old != child:
             # The worker announced this engine hash elsewhere before: it moved.
             _unlink_member(t, old, worker)
             u64m_pop(rev, seqs[i])
             _prune(t, old)
+            # NOTE: pruning may have freed ``child`` (an emptied ancestor of ``old``).
+            child = em_get(&t.edges, node, locals[i])
         if child == HM_NIL:
             child = _alloc_node(t, locals[i], node)
             if child == HM_NIL:
                 return T_ERR_OOM
-            if pm_put(&t.edges, node, locals[i], child) < 0:
+            if em_put(&t.edges, node, locals[i], child) < 0:
                 _free_node(t, child)
                 return T_ERR_OOM
             t.nodes[node].nchildren += 1
@@ -316,7 +318,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
     cdef uint32_t node, child, m, w, step, alive
     if n == 0 or t.nrev == 0:
         return 0
-    child = pm_get(&t.edges, T_ROOT, hc_get(hc, 0))
+    child = em_get(&t.edges, T_ROOT, hc_get(hc, 0))
     if child == HM_NIL:
         return 0
     memset(stamp, 0xFF, t.nrev * sizeof(uint32_t))
@@ -331,7 +333,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
     node = child
     step = 1
     while cnt and step < n:
-        child = pm_get(&t.edges, node, hc_get(hc, step))
+        child = em_get(&t.edges, node, hc_get(hc, step))
         if child == HM_NIL:
             break
         alive = 0

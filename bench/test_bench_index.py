@@ -1,0 +1,75 @@
+"""In-process index benchmarks: hashing, store throughput, match latency, memory."""
+import array
+
+import pytest
+
+from bench.conftest import BLOCK, EVENT_BLOCKS, make_tokens
+
+pytestmark = pytest.mark.benchmark(group="index")
+
+
+@pytest.mark.parametrize("ntok", [1_000, 16_000, 128_000, 1_000_000])
+def test_hash_tokens(benchmark, ntok):
+    from kvconductor._hash import hash_blocks
+    toks = make_tokens(ntok, 7)
+    benchmark.group = "hash"
+    out = benchmark(hash_blocks, toks, BLOCK)
+    assert len(out) == -(-ntok // BLOCK)
+
+
+@pytest.mark.parametrize("ntok", [1_000, 16_000, 128_000, 1_000_000])
+def test_match_full_hit(benchmark, big_index, ntok):
+    """Match a prompt that 8 workers hold entirely (the worst case: a full walk)."""
+    ix, doc = big_index
+    prompt = array.array("I", doc[:ntok])
+    benchmark.group = "match (hash + HBM walk), 1M-pair index"
+    res = benchmark(ix.query, prompt, BLOCK)
+    assert len(res) == 8 and res.hits[0].npu_blocks == -(-ntok // BLOCK) - (1 if ntok % BLOCK else 0)
+
+
+def test_match_miss_1m(benchmark, big_index):
+    """A 1M-token prompt that matches nothing after 0 blocks: lazy hashing pays off."""
+    ix, _ = big_index
+    prompt = make_tokens(1_000_000, 99)
+    benchmark.group = "match (hash + HBM walk), 1M-pair index"
+    res = benchmark(ix.query, prompt, BLOCK)
+    assert len(res) == 0
+
+
+def test_store_throughput(benchmark):
+    """Blocks stored per second (32-block events, 64 workers, precomputed hashes)."""
+    from kvconductor._index import CoreIndex
+    from kvconductor._hash import hash_blocks
+    toks = make_tokens(4096 * BLOCK, 3)
+    hashes = hash_blocks(toks, BLOCK)
+    seqs = [array.array("Q", range((w + 1) << 32, ((w + 1) << 32) + len(hashes))) for w in range(64)]
+    events = []
+    for w in range(64):
+        for i in range(0, len(hashes), EVENT_BLOCKS):
+            parent = None if i == 0 else seqs[w][i - 1]
+            events.append((w, parent, seqs[w][i:i + EVENT_BLOCKS], hashes[i:i + EVENT_BLOCKS]))
+
+    def run():
+        core = CoreIndex()
+        for w in range(64):
+            core.set_worker(w, w, 0)
+        for w, parent, s, h in events:
+            core.store(w, parent, s, h)
+        return core
+
+    benchmark.group = "store"
+    core = benchmark.pedantic(run, rounds=3, iterations=1)
+    assert core.stats()["hbm_pairs"] == 64 * len(hashes)
+    benchmark.extra_info["blocks_per_round"] = 64 * len(hashes)
+
+
+def test_memory_per_pair(big_index, benchmark):
+    """Bytes of C structures per (worker, block) pair (reported in extra_info)."""
+    ix, _ = big_index
+    s = ix.core.stats()
+    per_pair = s["nbytes"] / s["hbm_pairs"]
+    benchmark.group = "memory"
+    benchmark.extra_info.update(pairs=s["hbm_pairs"], nodes=s["nodes"], nbytes=s["nbytes"],
+                                bytes_per_pair=round(per_pair, 1))
+    benchmark(ix.core.stats)
+    assert s["hbm_pairs"] > 900_000
