@@ -2,7 +2,10 @@
 """HBM radix tree: C structs and the nogil kernels shared with ``_index``."""
 from libc.stdint cimport uint32_t, uint64_t
 
-from kvconductor._hmap cimport EdgeMap, HCursor, U64Map, pthread_rwlock_t
+from kvconductor._hmap cimport EdgeMap, HCursor, U64Map, hm_mix, pthread_rwlock_t
+
+cdef inline uint64_t member_sig(uint32_t worker) noexcept nogil:
+    return hm_mix(<uint64_t>worker + 1)
 
 cdef enum:
     T_ROOT = 0                  # index of the root node
@@ -12,6 +15,7 @@ cdef enum:
 
 cdef struct TNode:
     uint64_t local              # LocalBlockHash of the block (edge key under the parent)
+    uint64_t sig                # sum of member_sig(worker) over members: set fingerprint
     uint32_t parent             # parent node index (HM_NIL for the root and free nodes)
     uint32_t members            # head of this node's member list in Tree.mem (HM_NIL: none)
     uint32_t nmembers           # number of members (workers holding the block)

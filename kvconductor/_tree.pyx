@@ -48,6 +48,7 @@ cdef int tree_init(Tree* t) noexcept nogil:
     t.nodes[0].parent = HM_NIL
     t.nodes[0].members = HM_NIL
     t.nodes[0].nmembers = 0
+    t.nodes[0].sig = 0
     t.nodes[0].nchildren = 0
     t.nodes_used = 1
     return 0
@@ -99,6 +100,7 @@ cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nog
     t.nodes[i].parent = parent
     t.nodes[i].members = HM_NIL
     t.nodes[i].nmembers = 0
+    t.nodes[i].sig = 0
     t.nodes[i].nchildren = 0
     t.live_nodes += 1
     return i
@@ -167,6 +169,7 @@ cdef bint _unlink_member(Tree* t, uint32_t node, uint32_t worker) noexcept nogil
             t.mem[m].next = t.free_mem
             t.free_mem = m
             t.nodes[node].nmembers -= 1
+            t.nodes[node].sig -= member_sig(worker)
             t.npairs -= 1
             return True
         prev = m
@@ -262,6 +265,7 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
             t.mem[m].next = t.nodes[child].members
             t.nodes[child].members = m
             t.nodes[child].nmembers += 1
+            t.nodes[child].sig += member_sig(worker)
             t.npairs += 1
         node = child
     return <long>n
@@ -307,15 +311,26 @@ cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
 
 
 # -- match -----------------------------------------------------------------------------------------
+cdef enum:
+    ST_ALIVE = 0xFFFFFFFE       # candidate still on the path
+    ST_KEEP = 0xFFFFFFFD        # candidate seen on the node of a slow step
+
+
 cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
                        uint64_t* out_seq, uint32_t* stamp) noexcept nogil:
     """Consecutive depth from the root of every worker on the first node.
 
-    ``stamp[w]`` is the last step at which ``w`` was still on the path; it is
-    HM_NIL for workers that are not candidates. Returns the number of results.
+    ``out_worker[0:alive]`` holds the candidates still on the path, the ones
+    that left follow. A step whose node has exactly the alive set (same size,
+    same ``sig`` fingerprint) costs O(1); otherwise the node's member list is
+    scanned and the workers that left get depth ``step`` and their breakpoint
+    seq from the previous node.
+    NOTE: the fingerprint is a 64-bit sum of mixed worker ids: the same order of
+    collision risk as the 64-bit block hashes the whole index is keyed by.
     """
-    cdef size_t n = hc.n, cnt = 0, k
-    cdef uint32_t node, child, m, w, step, alive
+    cdef size_t n = hc.n, cnt = 0, alive, k, j
+    cdef uint32_t node, child, m, w, step, tmp
+    cdef uint64_t asig = 0
     if n == 0 or t.nrev == 0:
         return 0
     child = em_get(&t.edges, T_ROOT, hc_get(hc, 0))
@@ -325,32 +340,68 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
     m = t.nodes[child].members
     while m != HM_NIL:
         w = t.mem[m].worker
-        stamp[w] = 0
+        stamp[w] = ST_ALIVE
         out_worker[cnt] = w
-        out_seq[w] = t.mem[m].seq
         cnt += 1
         m = t.mem[m].next
+    alive = cnt
+    asig = t.nodes[child].sig
     node = child
     step = 1
-    while cnt and step < n:
+    while step < n:
         child = em_get(&t.edges, node, hc_get(hc, step))
         if child == HM_NIL:
             break
-        alive = 0
+        if t.nodes[child].nmembers == alive and t.nodes[child].sig == asig:
+            node = child
+            step += 1
+            continue
+        # Slow step: mark the alive workers that are on ``child`` ...
         m = t.nodes[child].members
         while m != HM_NIL:
             w = t.mem[m].worker
-            if stamp[w] == step - 1:
-                stamp[w] = step
-                out_seq[w] = t.mem[m].seq
-                alive += 1
+            if stamp[w] == ST_ALIVE:
+                stamp[w] = ST_KEEP
             m = t.mem[m].next
+        # ... the others stop at depth ``step`` with their seq on ``node``.
+        m = t.nodes[node].members
+        while m != HM_NIL:
+            w = t.mem[m].worker
+            if stamp[w] == ST_ALIVE:
+                out_seq[w] = t.mem[m].seq
+                out_depth[w] = step
+                stamp[w] = HM_NIL
+            m = t.mem[m].next
+        j = 0
+        asig = 0
+        for k in range(alive):
+            w = out_worker[k]
+            if stamp[w] == ST_KEEP:
+                stamp[w] = ST_ALIVE
+                asig += member_sig(w)
+                tmp = out_worker[j]
+                out_worker[j] = w
+                out_worker[k] = tmp
+                j += 1
+        alive = j
         if alive == 0:
             break
         node = child
         step += 1
+    # The survivors end on ``node`` at depth ``step``.
+    if alive:
+        m = t.nodes[node].members
+        while m != HM_NIL:
+            w = t.mem[m].worker
+            if stamp[w] == ST_ALIVE:
+                out_seq[w] = t.mem[m].seq
+                out_depth[w] = step
+            m = t.mem[m].next
+    # out_depth was filled by worker id; convert it to result order.
     for k in range(cnt):
-        out_depth[k] = stamp[out_worker[k]] + 1
+        stamp[k] = out_depth[out_worker[k]]
+    for k in range(cnt):
+        out_depth[k] = stamp[k]
     return cnt
 
 

@@ -1,0 +1,385 @@
+"""KV-affinity scoring (contract 9.2) and its configuration (contract 9.3).
+
+Every expected value below is computed by hand in the comments.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import pytest
+
+from kvconductor.affinity import (
+    DEFAULT_LOAD_GATE_TOPN,
+    LEGACY_KEYS,
+    Candidate,
+    KvAffinityConfig,
+    Ranked,
+    affinity_matched,
+    migrate_legacy_keys,
+    needs_query,
+    rank,
+    score_candidates,
+)
+
+BS = 4      # block size
+ISL = 16    # prompt length: 4 blocks
+
+
+def dp(npu=0, cpu=0, disk=0, bs=BS):
+    return {"matched_tokens": (npu + cpu + disk) * bs, "npu_blocks": npu, "cpu_blocks": cpu, "disk_blocks": disk}
+
+
+# A V3 answer: instance a holds 2 blocks in HBM on DP 0, b 3 blocks in CPU on
+# DP 1, c 1 block on Disk on DP 0; d is not reported (no hit).
+RESPONSE = {
+    "default": {
+        "a": {"longest_matched": 8, "DP": {"0": dp(npu=2)}},
+        "b": {"longest_matched": 12, "DP": {"1": dp(cpu=3)}},
+        "c": {"longest_matched": 4, "DP": {"0": dp(disk=1)}},
+    }
+}
+CANDS = [
+    Candidate("a", 0, 1.0),
+    Candidate("b", 1, 10.0),
+    Candidate("c", 0, 0.0),
+    Candidate("d", 0, 2.0),
+]
+
+# Default weights (w_npu 1, w_cpu 1, w_disk 0), block size 4:
+#   affinity a = round((2*1) * 4) = 8     b = round((3*1) * 4) = 12
+#            c = round((1*0) * 4) = 0     d = 0 (unreported)
+#   matched = min(affinity, 16)         -> 8, 12, 0, 0
+#   prefill = max(0, 16 - 1*matched)    -> 8, 4, 16, 16
+UNIFIED_CASES = [
+    # (config kwargs, expected ranking)
+    # score = 1*prefill + 1*load: a 8+1=9, b 4+10=14, c 16+0=16, d 16+2=18
+    ({}, [("a", 0, 9.0), ("b", 1, 14.0), ("c", 0, 16.0), ("d", 0, 18.0)]),
+    # load_weight 0 = pure affinity: a 8, b 4, c 16, d 16 (c before d: input order)
+    ({"load_weight": 0}, [("b", 1, 4.0), ("a", 0, 8.0), ("c", 0, 16.0), ("d", 0, 16.0)]),
+    # overlap_credit 0: prefill 16 for all -> 16+load: c 16, a 17, d 18, b 26
+    ({"overlap_credit": 0}, [("c", 0, 16.0), ("a", 0, 17.0), ("d", 0, 18.0), ("b", 1, 26.0)]),
+    # scale 2, load_weight 0.5: a 2*8+0.5*1=16.5, b 2*4+0.5*10=13, c 2*16+0=32, d 2*16+0.5*2=33
+    ({"prefill_load_scale": 2, "load_weight": 0.5},
+     [("b", 1, 13.0), ("a", 0, 16.5), ("c", 0, 32.0), ("d", 0, 33.0)]),
+    # w_disk 1: c affinity round(1*1*4)=4 -> prefill 12 -> score 12+0=12
+    ({"w_disk": 1}, [("a", 0, 9.0), ("c", 0, 12.0), ("b", 1, 14.0), ("d", 0, 18.0)]),
+    # w_cpu 0.5: b affinity round(3*0.5*4)=6 -> prefill 10 -> score 10+10=20
+    ({"w_cpu": 0.5}, [("a", 0, 9.0), ("c", 0, 16.0), ("d", 0, 18.0), ("b", 1, 20.0)]),
+    # w_npu 0: a affinity 0 -> prefill 16 -> 17; b 14; c 16; d 18
+    ({"w_npu": 0}, [("b", 1, 14.0), ("c", 0, 16.0), ("a", 0, 17.0), ("d", 0, 18.0)]),
+]
+
+
+@pytest.mark.parametrize("kwargs,expected", UNIFIED_CASES)
+def test_unified_table(kwargs, expected):
+    assert rank(RESPONSE, CANDS, ISL, BS, KvAffinityConfig(**kwargs)) == expected
+
+
+# load_gated: stage 1 keeps the topn lowest loads, stage 2 orders by (-matched, load); score = load.
+# loads: c 0, a 1, d 2, b 10; matched: a 8, b 12, c 0, d 0.
+GATED_CASES = [
+    # topn 0 -> 2: {c, a} -> a (8), c (0)
+    (0, [("a", 0, 1.0), ("c", 0, 0.0)]),
+    # topn 1: {c}
+    (1, [("c", 0, 0.0)]),
+    # topn 3: {c, a, d} -> a (8), then c and d tie at 0 matched: lower load c (0) before d (2)
+    (3, [("a", 0, 1.0), ("c", 0, 0.0), ("d", 0, 2.0)]),
+    # topn 10 (> candidates): all -> b (12), a (8), c (0, load 0), d (0, load 2)
+    (10, [("b", 1, 10.0), ("a", 0, 1.0), ("c", 0, 0.0), ("d", 0, 2.0)]),
+]
+
+
+@pytest.mark.parametrize("topn,expected", GATED_CASES)
+def test_load_gated_table(topn, expected):
+    cfg = KvAffinityConfig(mode="load_gated", load_gate_topn=topn)
+    assert rank(RESPONSE, CANDS, ISL, BS, cfg) == expected
+
+
+def test_load_gated_ignores_unified_scalars():
+    # load_weight/prefill_load_scale play no part in load_gated; w_disk does (through matched):
+    # w_disk 1 -> c matched 4; topn 2 keeps {c, a}: a (8) before c (4).
+    cfg = KvAffinityConfig(mode="load_gated", load_weight=0, prefill_load_scale=7, w_disk=1)
+    assert rank(RESPONSE, CANDS, ISL, BS, cfg) == [("a", 0, 1.0), ("c", 0, 0.0)]
+    # w_npu 0 -> a matched 0, ties with c (0): lower load c (0) before a (1).
+    cfg = KvAffinityConfig(mode="load_gated", w_npu=0)
+    assert rank(RESPONSE, CANDS, ISL, BS, cfg) == [("c", 0, 0.0), ("a", 0, 1.0)]
+
+
+def test_top_k():
+    assert rank(RESPONSE, CANDS, ISL, BS, top_k=2) == [("a", 0, 9.0), ("b", 1, 14.0)]
+    assert rank(RESPONSE, CANDS, ISL, BS, top_k=0) == [("a", 0, 9.0)]   # < 1 counts as 1
+    cfg = KvAffinityConfig(mode="load_gated", load_gate_topn=3)
+    assert rank(RESPONSE, CANDS, ISL, BS, cfg, top_k=1) == [("a", 0, 1.0)]
+
+
+def test_results_are_named_tuples():
+    best = rank(RESPONSE, CANDS, ISL, BS)[0]
+    assert isinstance(best, Ranked)
+    assert (best.instance_id, best.dp_rank, best.score) == ("a", 0, 9.0)
+
+
+def test_plain_tuples_accepted_as_candidates():
+    assert rank(RESPONSE, [("a", 0, 1), ("b", 1, 10)], ISL, BS) == [("a", 0, 9.0), ("b", 1, 14.0)]
+
+
+def test_dp_rank_selects_the_dp_entry():
+    # b is reported only on DP 1; b on DP 0 has no entry -> 0 match -> prefill 16 -> 16+0 = 16.
+    resp = {"default": {"b": {"longest_matched": 12, "DP": {"1": dp(cpu=3)}}}}
+    assert rank(resp, [("b", 0, 0.0), ("b", 1, 0.0)], ISL, BS) == [("b", 1, 4.0), ("b", 0, 16.0)]
+
+
+def test_matched_capped_at_prompt_length():
+    # 5 blocks reported (20 tokens) for a 10-token prompt: matched = min(20, 10) = 10,
+    # prefill = max(0, 10 - 10) = 0, score = 0 + load 3 = 3.
+    resp = {"default": {"a": {"DP": {"0": dp(npu=5)}}}}
+    assert rank(resp, [("a", 0, 3.0)], 10, BS) == [("a", 0, 3.0)]
+    # overlap_credit 2 could make prefill negative: 10 - 2*10 = -10 -> clamped to 0.
+    dbg = {}
+    rank(resp, [("a", 0, 3.0)], 10, BS, KvAffinityConfig(overlap_credit=2), debug=dbg)
+    assert dbg == {("a", 0): (10, 3.0, 0.0)}
+
+
+def test_half_to_even_rounding():
+    cfg = KvAffinityConfig(w_cpu=0.125)
+    # 5 * 0.125 * 4 = 2.5 -> round half to even -> 2 (not 3)
+    assert affinity_matched(dp(cpu=5), 4, cfg) == 2
+    # 7 * 0.125 * 4 = 3.5 -> 4
+    assert affinity_matched(dp(cpu=7), 4, cfg) == 4
+    # 1 * 0.125 * 4 = 0.5 -> 0
+    assert affinity_matched(dp(cpu=1), 4, cfg) == 0
+    # through rank: matched 2 -> prefill 16 - 2 = 14 -> score 14 + 0 = 14
+    resp = {"default": {"x": {"DP": {"0": dp(cpu=5)}}}}
+    assert rank(resp, [("x", 0, 0.0)], ISL, BS, cfg) == [("x", 0, 14.0)]
+
+
+def test_tier_weights_mixed():
+    # npu 2, cpu 1, disk 1 at weights 1, 0.5, 0.25 and block 128:
+    # (2*1 + 1*0.5 + 1*0.25) * 128 = 2.75 * 128 = 352
+    cfg = KvAffinityConfig(w_npu=1, w_cpu=0.5, w_disk=0.25)
+    assert affinity_matched(dp(2, 1, 1, bs=128), 128, cfg) == 352
+    # default w_disk 0: (2 + 1 + 0) * 128 = 384, although matched_tokens says 512
+    assert affinity_matched(dp(2, 1, 1, bs=128), 128) == 384
+
+
+def test_affinity_matched_fallbacks():
+    # dict without any *_blocks key: matched_tokens
+    assert affinity_matched({"matched_tokens": 24}, 4) == 24
+    assert affinity_matched({}, 4) == 0
+    # block_size 0: the weighted form is skipped, matched_tokens used
+    assert affinity_matched(dp(npu=2), 0) == 8
+    # only one block key present, the others count 0: 3 * 1 * 4 = 12
+    assert affinity_matched({"cpu_blocks": 3}, 4) == 12
+    # version skew: old conductors send a plain int per DP
+    assert affinity_matched(40, 4) == 40
+    assert affinity_matched(None, 4) == 0
+    assert affinity_matched("7", 4) == 0
+
+
+def test_version_skew_int_dp_values():
+    # DP values as plain ints (tokens): a 12 -> min(12, 16) = 12 -> prefill 4 -> 4 + 1 = 5
+    #                                   b 20 -> min(20, 16) = 16 -> prefill 0 -> 0 + 10 = 10
+    resp = {"default": {"a": {"DP": {"0": 12}}, "b": {"DP": {"1": 20}}}}
+    assert rank(resp, [("a", 0, 1.0), ("b", 1, 10.0)], ISL, BS) == [("a", 0, 5.0), ("b", 1, 10.0)]
+
+
+def test_zero_prompt_length_means_zero_match():
+    # isl 0 (block_size 0 keeps needs_query true): matched 0, prefill 0, score = load
+    resp = {"default": {"a": {"DP": {"0": 99}}}}
+    assert rank(resp, [("a", 0, 5.0), ("b", 0, 1.0)], 0, 0) == [("b", 0, 1.0), ("a", 0, 5.0)]
+
+
+def test_needs_query():
+    assert needs_query(4, 4) is True
+    assert needs_query(3, 4) is False
+    assert needs_query(0, 4) is False
+    assert needs_query(0, 0) is True      # block_size 0: fast path off
+    assert needs_query(1000, 128) is True
+
+
+def test_fast_path_ignores_response_and_scores_zero_match():
+    # 3 tokens < block 4: no query needed; every candidate matched 0,
+    # prefill 3, score 3 + load: c 3, a 4, d 5, b 13
+    expected = [("c", 0, 3.0), ("a", 0, 4.0), ("d", 0, 5.0), ("b", 1, 13.0)]
+    assert rank(None, CANDS, 3, BS) == expected
+    assert rank(RESPONSE, CANDS, 3, BS) == expected
+    # even with include_unreported=False every candidate is kept
+    assert rank(None, CANDS, 3, BS, include_unreported=False) == expected
+
+
+@pytest.mark.parametrize("resp", [None, {}, {"other": {}}, {"default": None}, {"default": 3}, "x"])
+def test_fallback_none_without_tenant_answer(resp):
+    assert rank(resp, CANDS, ISL, BS) is None
+
+
+def test_tenant_id_selects_the_answer():
+    resp = {"t1": RESPONSE["default"]}
+    assert rank(resp, CANDS, ISL, BS) is None
+    assert rank(resp, CANDS, ISL, BS, tenant_id="t1")[0] == ("a", 0, 9.0)
+
+
+def test_empty_tenant_ranks_by_load():
+    # nothing matched anywhere: prefill 16 for all; score 16 + load -> c, a, d, b
+    resp = {"default": {}}
+    assert [r[:2] for r in rank(resp, CANDS, ISL, BS)] == [("c", 0), ("a", 0), ("d", 0), ("b", 1)]
+    # reference behaviour: unreported candidates are skipped -> nothing left -> fall back
+    assert rank(resp, CANDS, ISL, BS, include_unreported=False) is None
+
+
+def test_include_unreported_false_skips_unreported():
+    assert rank(RESPONSE, CANDS, ISL, BS, include_unreported=False) == [
+        ("a", 0, 9.0), ("b", 1, 14.0), ("c", 0, 16.0)
+    ]
+
+
+def test_no_candidates_is_none():
+    assert rank(RESPONSE, [], ISL, BS) is None
+
+
+def test_debug_stash_unified_and_gated():
+    dbg = {}
+    rank(RESPONSE, CANDS, ISL, BS, top_k=1, debug=dbg)
+    # every candidate is stashed, not only the returned one: (matched, load, prefill)
+    assert dbg == {
+        ("a", 0): (8, 1.0, 8.0),
+        ("b", 1): (12, 10.0, 4.0),
+        ("c", 0): (0, 0.0, 16.0),
+        ("d", 0): (0, 2.0, 16.0),
+    }
+    dbg = {}
+    rank(RESPONSE, CANDS, ISL, BS, KvAffinityConfig(mode="load_gated"), debug=dbg)
+    # load_gated: prefill_cost withheld (None), as in the reference
+    assert dbg[("a", 0)] == (8, 1.0, None)
+    assert len(dbg) == 4
+
+
+def test_score_candidates():
+    scored = score_candidates(RESPONSE["default"], CANDS, ISL, BS)
+    assert [(s.instance_id, s.matched, s.prefill_cost) for s in scored] == [
+        ("a", 8, 8.0), ("b", 12, 4.0), ("c", 0, 16.0), ("d", 0, 16.0)
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+
+
+def test_config_defaults():
+    cfg = KvAffinityConfig()
+    assert cfg.to_dict() == {
+        "mode": "unified", "load_weight": 1.0, "overlap_credit": 1.0, "prefill_load_scale": 1.0,
+        "load_gate_topn": 0, "w_npu": 1.0, "w_cpu": 1.0, "w_disk": 0.0,
+    }
+    assert cfg.effective_topn == DEFAULT_LOAD_GATE_TOPN == 2
+    assert KvAffinityConfig(load_gate_topn=5).effective_topn == 5
+
+
+@pytest.mark.parametrize("mode", ["LOAD_GATED", "Load_Gated", " load_gated "])
+def test_mode_case_insensitive(mode):
+    assert KvAffinityConfig(mode=mode).mode == "load_gated"
+
+
+def test_zero_and_integral_values_allowed():
+    cfg = KvAffinityConfig(load_weight=0, overlap_credit=0, prefill_load_scale=0, w_npu=0, w_cpu=0,
+                           w_disk=0, load_gate_topn=3.0)
+    assert cfg.load_gate_topn == 3 and isinstance(cfg.load_gate_topn, int)
+    assert cfg.load_weight == 0.0 and isinstance(cfg.load_weight, float)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    ({"mode": "round_robin"}, "mode must be one of"),
+    ({"mode": 3}, "mode must be a string"),
+    ({"load_weight": -1}, "load_weight must be a finite number >= 0"),
+    ({"overlap_credit": -0.01}, "overlap_credit"),
+    ({"prefill_load_scale": math.inf}, "prefill_load_scale"),
+    ({"w_npu": math.nan}, "w_npu"),
+    ({"w_cpu": "1.0"}, "w_cpu must be a number"),
+    ({"w_disk": True}, "w_disk must be a number"),
+    ({"load_gate_topn": -1}, "load_gate_topn"),
+    ({"load_gate_topn": 1.5}, "load_gate_topn must be an integer"),
+])
+def test_validation_errors(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        KvAffinityConfig(**kwargs)
+
+
+def test_from_dict_ignores_unknown_keys(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvconductor.affinity"):
+        cfg = KvAffinityConfig.from_dict({"mode": "load_gated", "hit_rate_threshold": 0.3})
+    assert cfg.mode == "load_gated"
+    assert "hit_rate_threshold" in caplog.text
+
+
+def test_from_dict_rejects_non_object():
+    with pytest.raises(ValueError, match="must be an object"):
+        KvAffinityConfig.from_dict(["unified"])
+
+
+LEGACY_VALUES = {
+    "kv_affinity_mode": "load_gated",
+    "kv_affinity_load_weight": 2.0,
+    "kv_affinity_overlap_credit": 0.5,
+    "kv_affinity_prefill_load_scale": 1.5,
+    "kv_affinity_load_gate_topn": 4,
+    "kv_affinity_w_npu": 0.9,
+    "kv_affinity_w_cpu": 0.6,
+    "kv_affinity_w_disk": 0.3,
+}
+
+
+@pytest.mark.parametrize("flat,nested", sorted(LEGACY_KEYS.items()))
+def test_legacy_key_migrates(flat, nested, caplog):
+    value = LEGACY_VALUES[flat]
+    sc = {"scheduler_type": "kv_cache_affinity", flat: value}
+    with caplog.at_level(logging.WARNING, logger="kvconductor.affinity"):
+        out = migrate_legacy_keys(sc)
+    assert out == {"scheduler_type": "kv_cache_affinity", "kv_affinity": {nested: value}}
+    assert flat in caplog.text and "deprecated" in caplog.text
+    assert getattr(KvAffinityConfig.from_scheduler_config(sc), nested) == value
+    assert flat in sc  # the caller's dict is left alone
+
+
+def test_legacy_all_keys_at_once():
+    cfg = KvAffinityConfig.from_scheduler_config(dict(LEGACY_VALUES))
+    assert cfg == KvAffinityConfig(mode="load_gated", load_weight=2.0, overlap_credit=0.5,
+                                   prefill_load_scale=1.5, load_gate_topn=4, w_npu=0.9, w_cpu=0.6, w_disk=0.3)
+
+
+def test_nested_wins_over_legacy():
+    sc = {
+        "kv_affinity_load_weight": 3.0,
+        "kv_affinity_mode": "load_gated",
+        "kv_affinity": {"load_weight": 2.0, "w_cpu": 0.5},
+    }
+    before = copy.deepcopy(sc)
+    out = migrate_legacy_keys(sc)
+    # load_weight: nested 2.0 wins; mode: only legacy -> taken; w_cpu: only nested -> kept
+    assert out == {"kv_affinity": {"load_weight": 2.0, "w_cpu": 0.5, "mode": "load_gated"}}
+    assert sc == before
+    cfg = KvAffinityConfig.from_scheduler_config(sc)
+    assert (cfg.load_weight, cfg.mode, cfg.w_cpu) == (2.0, "load_gated", 0.5)
+
+
+@pytest.mark.parametrize("bad", ["unified", 3, ["x"], True])
+def test_non_object_kv_affinity_replaced_by_legacy(bad, caplog):
+    sc = {"kv_affinity": bad, "kv_affinity_w_disk": 0.25}
+    with caplog.at_level(logging.WARNING, logger="kvconductor.affinity"):
+        out = migrate_legacy_keys(sc)
+    assert out == {"kv_affinity": {"w_disk": 0.25}}
+    assert "not an object" in caplog.text
+    assert KvAffinityConfig.from_scheduler_config(sc).w_disk == 0.25
+
+
+def test_no_legacy_keys_no_warning(caplog):
+    sc = {"kv_affinity": {"mode": "unified"}, "scheduler_type": "kv_cache_affinity"}
+    with caplog.at_level(logging.WARNING, logger="kvconductor.affinity"):
+        assert migrate_legacy_keys(sc) == sc
+    assert caplog.text == ""
+    assert KvAffinityConfig.from_scheduler_config({}) == KvAffinityConfig()
+    assert KvAffinityConfig.from_scheduler_config(None) == KvAffinityConfig()
+
+
+def test_migrated_invalid_value_fails_validation():
+    with pytest.raises(ValueError, match="load_weight"):
+        KvAffinityConfig.from_scheduler_config({"kv_affinity_load_weight": -2})
