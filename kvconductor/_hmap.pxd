@@ -174,10 +174,11 @@ cdef inline uint32_t u64m_pop(U64Map* m, uint64_t key) noexcept nogil:
 
 # -- PairMap: (u64, u64) -> u32, slots as one struct array -------------------------------
 cdef struct PSlot:
-    uint64_t a                   # first key half (parent engine hash / parent node)
+    uint64_t a                   # first key half (parent engine hash)
     uint64_t b                   # second key half (LocalBlockHash)
+    uint64_t c                   # payload carried in the slot (lower tier: the child hash)
     uint32_t v                   # value, HM_NIL = empty slot
-    uint32_t pad_
+    uint32_t hint                # payload (lower tier: the sole owner, or HM_NIL)
 
 cdef struct PairMap:
     PSlot* slots                 # PERF: one cache line holds key and value of a slot
@@ -218,6 +219,21 @@ cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept n
         i = (i + 1) & m.mask
 
 
+cdef inline PSlot* pm_find(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    """The slot of key (a, b), or NULL. PERF: walks read the payload from it."""
+    if m.slots == NULL:
+        return NULL
+    cdef size_t i = pm_hash(a, b) & m.mask
+    cdef PSlot* s
+    while True:
+        s = &m.slots[i]
+        if s.v == HM_NIL:
+            return NULL
+        if s.b == b and s.a == a:
+            return s
+        i = (i + 1) & m.mask
+
+
 cdef inline int pm_rehash(PairMap* m, size_t cap) noexcept nogil:
     cdef PSlot* ns = <PSlot*>malloc(cap * sizeof(PSlot))
     cdef size_t i, j, nmask = cap - 1
@@ -254,7 +270,9 @@ cdef inline int pm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcep
         i = (i + 1) & m.mask
     m.slots[i].a = a
     m.slots[i].b = b
+    m.slots[i].c = 0
     m.slots[i].v = val
+    m.slots[i].hint = HM_NIL
     m.size += 1
     return 1
 

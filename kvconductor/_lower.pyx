@@ -11,7 +11,7 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from kvconductor._hmap cimport (
-    HM_NIL, HCursor, grow_array, hc_get, hc_init_hashes, pm_free, pm_get, pm_init,
+    HM_NIL, HCursor, PSlot, grow_array, hc_get, hc_init_hashes, pm_find, pm_free, pm_get, pm_init,
     pm_nbytes, pm_pop, pm_put, pthread_rwlock_destroy, pthread_rwlock_rdlock,
     pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
     u64m_init, u64m_nbytes, u64m_pop, u64m_put,
@@ -116,6 +116,8 @@ cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t loc
     L.edges[e].has_parent = 1 if has_parent else 0
     if has_parent:
         rc = pm_put(&L.pairs, parent, local, e)
+        if rc >= 0:
+            pm_find(&L.pairs, parent, local).c = child
     else:
         rc = u64m_put(&L.roots, local, e)
     if rc < 0:
@@ -140,6 +142,16 @@ cdef void _drop_edge(Lower* L, uint32_t e) noexcept nogil:
     L.live_edges -= 1
 
 
+cdef void _sync_hint(Lower* L, uint32_t e) noexcept nogil:
+    """Keep the slot's sole-owner hint of a non-root edge in step with its owners."""
+    cdef PSlot* s
+    if L.edges[e].has_parent != 1:
+        return
+    s = pm_find(&L.pairs, L.edges[e].parent, L.edges[e].local)
+    if s != NULL:
+        s.hint = L.own[L.edges[e].owners].worker if L.edges[e].nowners == 1 else HM_NIL
+
+
 cdef int _add_owner(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
     cdef uint32_t o
     cdef void* p
@@ -160,6 +172,7 @@ cdef int _add_owner(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
     L.own[o].next = L.edges[e].owners
     L.edges[e].owners = o
     L.edges[e].nowners += 1
+    _sync_hint(L, e)
     return 0
 
 
@@ -180,6 +193,8 @@ cdef void _unown(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
         o = L.own[o].next
     if L.edges[e].nowners == 0:
         _drop_edge(L, e)
+    else:
+        _sync_hint(L, e)
 
 
 cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,
@@ -284,10 +299,33 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_p
         idx[cand[k]] = <uint32_t>k
         out_end[k] = start
         out_last[k] = 0
+    cdef const PSlot* sl
+    cdef uint64_t child
     while alive and pos < hc.n:
-        e = lower_find(L, hp, p, hc_get(hc, pos))
-        if e == HM_NIL:
-            break
+        if hp:
+            sl = pm_find(&L.pairs, p, hc_get(hc, pos))
+            if sl == NULL:
+                break
+            child = sl.c
+            if sl.hint != HM_NIL:
+                # PERF: a sole owner is answered from the slot's cache line.
+                w = sl.hint
+                alive = 0
+                if w < nidx:
+                    j = idx[w]
+                    if j != HM_NIL and out_end[j] == pos:
+                        out_end[j] = pos + 1
+                        out_last[j] = child
+                        alive = 1
+                p = child
+                pos += 1
+                continue
+            e = sl.v
+        else:
+            e = u64m_get(&L.roots, hc_get(hc, pos))
+            if e == HM_NIL:
+                break
+            child = L.edges[e].child
         alive = 0
         o = L.edges[e].owners
         while o != HM_NIL:
@@ -296,10 +334,10 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_p
                 j = idx[w]
                 if j != HM_NIL and out_end[j] == pos:
                     out_end[j] = pos + 1
-                    out_last[j] = L.edges[e].child
+                    out_last[j] = child
                     alive += 1
             o = L.own[o].next
-        p = L.edges[e].child
+        p = child
         hp = True
         pos += 1
     for k in range(ncand):
