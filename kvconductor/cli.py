@@ -1,21 +1,206 @@
-"""Command line: ``kv-conductor [--host H] [--port P] ...``."""
+"""Command line: ``kv-conductor [--host H] [--port P] ...`` (contract 1.1).
+
+Every bad flag value stops the process before anything starts, with one
+line on stderr (``kv-conductor: error: ...``) and exit status 2.
+"""
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
+import os
 import sys
+from dataclasses import dataclass
+from datetime import datetime
 
 from kvconductor import __version__
 
+DEFAULT_HOST = "::"
+DEFAULT_PORT = 13333
+LOG_ENV = "KV_CONDUCTOR_LOG"
+API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
+_LEVELS = {
+    "trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
+    "warn": logging.WARNING, "warning": logging.WARNING, "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+@dataclass
+class Settings:
+    """Parsed flags."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    maintenance_interval_secs: int = 30
+    pending_ttl_secs: int = 60
+    content_ttl_secs: int = 300
+    offload_ttl_secs: int = 600
+    log_level: str = "info"
+    max_body_mb: float = 64.0
+    api_key: str | None = None
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+    def conductor_config(self):
+        from kvconductor.service import ConductorConfig
+
+        return ConductorConfig(
+            maintenance_interval=max(1, self.maintenance_interval_secs),
+            pending_ttl=float(self.pending_ttl_secs),
+            content_ttl=float(self.content_ttl_secs),
+            offload_ttl=float(self.offload_ttl_secs),
+        )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit status 2, no usage dump
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _host(value: str) -> str:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid host address {value!r}: an IP literal is required "
+            "(e.g. :: or 0.0.0.0); hostnames are not accepted") from None
+    return value
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid port {value!r}: an integer is required") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: must be within 0..65535")
+    return port
+
+
+def _secs(value: str) -> int:
+    try:
+        secs = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: a whole number of seconds is required") from None
+    if not 0 <= secs < 2**64:
+        raise argparse.ArgumentTypeError(f"invalid value {secs}: must be >= 0")
+    return secs
+
+
+def _megabytes(value: str) -> float:
+    try:
+        mb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {value!r}: a number of MiB is required") \
+            from None
+    if not mb > 0 or mb != mb or mb == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid size {value!r}: must be > 0")
+    return mb
+
+
+def _level(value: str) -> str:
+    low = value.strip().lower()
+    if low not in _LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid log level {value!r}: one of {', '.join(sorted(_LEVELS))}")
+    return low
+
+
+def _env_level() -> tuple[str, str | None]:
+    """Default log level from ``KV_CONDUCTOR_LOG`` (first plain directive of ``info,x=y``)."""
+    raw = os.environ.get(LOG_ENV, "").strip()
+    if not raw:
+        return "info", None
+    for part in raw.split(","):
+        part = part.strip().lower()
+        if part and "=" not in part:
+            if part in _LEVELS:
+                return part, None
+            break
+    return "info", f"ignoring invalid {LOG_ENV}={raw!r}; using info"
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kv-conductor", description="KV-cache index service")
+    """The ``kv-conductor`` argument parser."""
+    level, _ = _env_level()
+    p = _Parser(prog="kv-conductor", description="KV-cache index service (V3 HTTP API)")
     p.add_argument("--version", action="version", version=f"kv-conductor {__version__}")
-    p.add_argument("--host", default="::")
-    p.add_argument("--port", "-p", type=int, default=13333)
+    p.add_argument("--host", type=_host, default=DEFAULT_HOST,
+                   help="IP address to bind (default :: dual-stack, 0.0.0.0 without IPv6)")
+    p.add_argument("--port", "-p", type=_port, default=DEFAULT_PORT,
+                   help="HTTP port (default 13333; 0 picks a free one)")
+    p.add_argument("--maintenance-interval-secs", type=_secs, default=30,
+                   help="maintenance period in seconds (default 30; effective max(1, n))")
+    p.add_argument("--pending-ttl-secs", type=_secs, default=60,
+                   help="TTL of pool confirmations waiting for an offload (default 60)")
+    p.add_argument("--content-ttl-secs", type=_secs, default=300,
+                   help="TTL of retained confirmed content (default 300)")
+    p.add_argument("--offload-ttl-secs", type=_secs, default=600,
+                   help="TTL of unconfirmed engine offloads (default 600)")
+    p.add_argument("--log-level", type=_level, default=level,
+                   help=f"trace|debug|info|warning|error (default info; env {LOG_ENV})")
+    p.add_argument("--max-body-mb", type=_megabytes, default=64.0,
+                   help="request body limit in MiB (default 64)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"require 'Authorization: Bearer <key>' on /register, /unregister and "
+                        f"/events (env {API_KEY_ENV})")
     return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return Settings(
+        host=args.host, port=args.port,
+        maintenance_interval_secs=args.maintenance_interval_secs,
+        pending_ttl_secs=args.pending_ttl_secs, content_ttl_secs=args.content_ttl_secs,
+        offload_ttl_secs=args.offload_ttl_secs, log_level=args.log_level,
+        max_body_mb=args.max_body_mb, api_key=args.api_key or None,
+    )
+
+
+_LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}
+
+
+class _Formatter(logging.Formatter):
+    """``<RFC 3339 local time> <LEVEL> <message>`` (the reference hides target names)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.fromtimestamp(record.created).astimezone().isoformat(timespec="microseconds")
+        level = _LEVEL_NAMES.get(record.levelno, record.levelname)
+        line = f"{ts} {level:>5} {record.getMessage()}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure_logging(level: str = "info") -> None:
+    """Log to stderr; uvicorn's own loggers only show warnings unless debugging."""
+    lvl = _LEVELS.get(level, logging.INFO)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_kvconductor", False):
+            root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    handler._kvconductor = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(lvl)
+    quiet = logging.DEBUG if lvl <= logging.DEBUG else logging.WARNING
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    print(f"kv-conductor {__version__}: server not built yet ({args.host}:{args.port})", file=sys.stderr)
-    return 1
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level)
+    _, warning = _env_level()
+    if warning and args.log_level == "info":
+        logging.getLogger("kvconductor").warning(warning)
+    from kvconductor.server import serve
+
+    return serve(settings)

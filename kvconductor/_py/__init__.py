@@ -1,0 +1,18 @@
+"""Pure-Python twins of the compiled index core (reference models).
+
+:class:`~kvconductor._py.tree.RadixTree`, :class:`~kvconductor._py.lower.LowerTier`
+and :class:`~kvconductor._py.index.CoreIndex` implement exactly the semantics of
+``docs/design.md`` with plain dicts and sets. They back the index when the
+compiled modules are unavailable and are the models the differential tests hold
+``kvconductor._tree``, ``kvconductor._lower`` and ``kvconductor._index`` to.
+Clarity beats speed here.
+
+**Threading: exactly one writer thread calls the mutating methods; any number of
+threads may call the matching and introspection methods concurrently.** Every
+public method holds the object's :class:`threading.Lock` for its whole duration.
+"""
+from kvconductor._py.index import CoreIndex
+from kvconductor._py.lower import LowerTier
+from kvconductor._py.tree import RadixTree
+
+__all__ = ["CoreIndex", "LowerTier", "RadixTree"]

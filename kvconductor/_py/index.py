@@ -1,0 +1,292 @@
+"""The index core of one (model, tenant): pure-Python twin of ``kvconductor._index.CoreIndex``.
+
+Semantics: ``docs/design.md``, sections "CoreIndex: two-phase state",
+"CoreIndex: query" and "Core API". Everything is ints: worker ids and group ids
+are small non-negative ints given out by :class:`kvconductor.index.Index`,
+hashes are u64.
+
+**Threading: exactly one writer thread (the ingest thread) calls the mutating
+methods** (``set_worker``, ``store``, ``store_tokens``, ``remove``, ``clear``,
+``offload``, ``pool_store``, ``evict``, ``sweep``); **any number of threads may
+call** ``match``, ``match_tokens``, ``worker_blocks`` **and** ``stats``
+**concurrently.** Every public method holds one :class:`threading.Lock` for its
+whole duration, so each call sees and leaves a consistent state of all tiers and
+of the two-phase maps.
+"""
+from __future__ import annotations
+
+import threading
+
+from kvconductor._hash import hash_blocks
+from kvconductor._py.lower import LowerTier
+from kvconductor._py.tree import RadixTree, u64_list, u64_or_none
+from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+
+HBM, CPU, DISK = 0, 1, 2
+
+
+class CoreIndex:
+    """HBM tree + CPU and Disk tiers + two-phase offload/pool state."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tree = RadixTree()
+        self._tiers = {CPU: LowerTier(), DISK: LowerTier()}
+        #: worker -> (group, tier)
+        self._workers: dict[int, tuple[int, int]] = {}
+        #: engine hash -> (local, parent, time): Phase-1 offloads awaiting the pool
+        self._offload: dict[int, tuple[int, int | None, float]] = {}
+        #: engine hash -> (local, parent, time): retained after the first confirmation
+        self._content: dict[int, tuple[int, int | None, float]] = {}
+        #: engine hash -> {worker: time of first insert}: pool confirmations awaiting Phase 1
+        self._pending: dict[int, dict[int, float]] = {}
+
+    # -- internals (caller holds the lock) ---------------------------------------------
+    def _tier_of(self, worker: int) -> int:
+        return self._workers[worker][1]
+
+    def _group_of(self, worker: int) -> int:
+        return self._workers[worker][0]
+
+    def _store(self, worker: int, parent, seqs, locs) -> int:
+        tier = self._tier_of(worker)
+        if tier == HBM:
+            return self._tree.store(worker, parent, seqs, locs)
+        return self._tiers[tier].store(worker, parent, seqs, locs)
+
+    def _remove(self, worker: int, hashes) -> int:
+        tier = self._tier_of(worker)
+        if tier == HBM:
+            return self._tree.remove(worker, hashes)
+        return self._tiers[tier].remove(worker, hashes)
+
+    def _apply(self, worker: int, parent: int | None, h: int, local: int) -> int:
+        """store(w, p, [h], [t]) on the worker's tier; HBM chain errors swallowed (0)."""
+        try:
+            return self._store(worker, parent, [h], [local])
+        except (ParentBlockNotFound, InvalidBlockSequence):
+            return 0
+
+    def _match(self, hs: list[int]) -> list[tuple[int, int, int, int]]:
+        n = len(hs)
+        if n == 0:
+            return []
+        group = self._group_of
+        npu_end: dict[int, int] = {}
+        cpu_end: dict[int, int] = {}
+        disk_end: dict[int, int] = {}
+
+        # 1. HBM breakpoints (group, end, last)
+        hbm_bps = []
+        for w, depth, last in self._tree.match(hs):
+            g = group(w)
+            hbm_bps.append((g, depth, last))
+            npu_end[g] = max(npu_end.get(g, 0), depth)
+
+        def lower(tier: LowerTier, upstream, ends: dict[int, int]):
+            """Root walks plus same-group continuations from ``upstream`` breakpoints."""
+            found = []
+            candidates = [(w, 0, None) for w in tier.owners(None, hs[0])]
+            for g, end, last in upstream:
+                if end < n:
+                    candidates += [(w, end, last) for w in tier.owners(last, hs[end])
+                                   if group(w) == g]   # fix of 10.1 #7: no cross-DP borrowing
+            for w, start, parent in candidates:
+                count, last_seq = tier.walk(w, hs, start, parent)
+                if count > 0:
+                    g = group(w)
+                    found.append((g, start + count, last_seq))
+                    ends[g] = max(ends.get(g, 0), start + count)
+            return found
+
+        # 2. CPU from the root and from HBM breakpoints of the same group
+        cpu_bps = lower(self._tiers[CPU], hbm_bps, cpu_end)
+        # 3. Disk from the root and from every HBM and CPU breakpoint of the same group
+        lower(self._tiers[DISK], hbm_bps + cpu_bps, disk_end)
+
+        # 4. exclusive partition per group
+        out = []
+        for g in sorted(set(npu_end) | set(cpu_end) | set(disk_end)):
+            ne, ce, de = npu_end.get(g, 0), cpu_end.get(g, 0), disk_end.get(g, 0)
+            npu = ne
+            cpu = max(0, ce - ne)
+            disk = max(0, de - max(ne, ce))
+            if npu + cpu + disk > 0:
+                out.append((g, npu, cpu, disk))
+        return out
+
+    # -- workers -------------------------------------------------------------------------
+    def set_worker(self, worker: int, group: int, tier: int) -> None:
+        """Declare ``worker``'s group and tier (0 HBM, 1 CPU, 2 DISK) before its first use."""
+        if tier not in (HBM, CPU, DISK):
+            raise ValueError(f"tier must be 0, 1 or 2, not {tier!r}")
+        if worker < 0 or group < 0:
+            raise OverflowError("worker and group ids are non-negative")
+        with self._lock:
+            self._workers[worker] = (group, tier)
+
+    # -- direct mutations ------------------------------------------------------------------
+    def store(self, worker: int, parent: int | None, engine_hashes, local_hashes) -> int:
+        """Store a chain on the worker's tier; returns blocks stored.
+
+        HBM workers raise ParentBlockNotFound / InvalidBlockSequence (nothing stored).
+        """
+        seqs, locs, p = u64_list(engine_hashes), u64_list(local_hashes), u64_or_none(parent)
+        with self._lock:
+            return self._store(worker, p, seqs, locs)
+
+    def store_tokens(self, worker: int, parent: int | None, engine_hashes, tokens,
+                     block_size: int, seed: int = 1337) -> int:
+        """:meth:`store` with local hashes computed from ``tokens`` (trailing partial block included)."""
+        locs = list(hash_blocks(tokens, block_size, seed))
+        return self.store(worker, parent, engine_hashes, locs)
+
+    def remove(self, worker: int, engine_hashes) -> int:
+        """Remove blocks of ``worker`` directly (no two-phase rule); returns blocks removed."""
+        hs = u64_list(engine_hashes)
+        with self._lock:
+            return self._remove(worker, hs)
+
+    def clear(self, worker: int) -> int:
+        """Remove every block of ``worker`` and its pending waits; returns the blocks removed."""
+        with self._lock:
+            tier = self._tier_of(worker)
+            removed = (self._tree if tier == HBM else self._tiers[tier]).clear(worker)
+            for h in list(self._pending):
+                waiters = self._pending[h]
+                waiters.pop(worker, None)
+                if not waiters:
+                    del self._pending[h]
+            return removed
+
+    # -- two-phase -------------------------------------------------------------------------
+    def offload(self, engine_hashes, local_hashes, parent: int | None, now: float) -> int:
+        """Phase 1 (one non-HBM engine BlockStored); returns the (worker, block) stores applied."""
+        seqs, locs, p = u64_list(engine_hashes), u64_list(local_hashes), u64_or_none(parent)
+        now = float(now)
+        with self._lock:
+            applied = 0
+            for h, t in zip(seqs, locs):
+                waiters = self._pending.pop(h, None)
+                if waiters is not None:
+                    self._content[h] = (t, p, now)
+                    self._offload.pop(h, None)
+                    for w in sorted(waiters):
+                        applied += self._apply(w, p, h, t)
+                else:
+                    self._content.pop(h, None)
+                    self._offload[h] = (t, p, now)
+                p = h
+            return applied
+
+    def pool_store(self, worker: int, engine_hashes, now: float) -> tuple[int, int]:
+        """Phase 2 (the pool confirms ``engine_hashes`` for ``worker``); returns (applied, queued)."""
+        hs = u64_list(engine_hashes)
+        now = float(now)
+        with self._lock:
+            applied = queued = 0
+            for h in hs:
+                if h in self._offload:
+                    t, p, _ = self._offload.pop(h)
+                    self._content[h] = (t, p, now)
+                elif h in self._content:
+                    t, p, _ = self._content[h]            # time not refreshed
+                else:
+                    key = self._tiers[CPU].lookup_block(h)
+                    if key is None:
+                        key = self._tiers[DISK].lookup_block(h)
+                    if key is None:
+                        waiters = self._pending.setdefault(h, {})
+                        if worker not in waiters:
+                            waiters[worker] = now           # the first insert time is kept
+                            queued += 1
+                        continue
+                    p, t = key
+                    self._content[h] = (t, p, now)
+                applied += self._apply(worker, p, h, t)
+            return applied, queued
+
+    def evict(self, worker: int, engine_hashes) -> int:
+        """Removal with the two-phase rule; returns the number of index removals."""
+        hs = u64_list(engine_hashes)
+        with self._lock:
+            if self._tier_of(worker) == HBM:
+                return self._tree.remove(worker, hs)   # deviation: HBM skips the offload rule
+            removed = 0
+            for h in hs:
+                if h in self._offload:
+                    del self._offload[h]
+                    self._content.pop(h, None)
+                elif worker in self._pending.get(h, ()):
+                    waiters = self._pending[h]
+                    del waiters[worker]
+                    if not waiters:
+                        del self._pending[h]
+                    if h in self._content:
+                        removed += self._remove(worker, [h])
+                else:
+                    removed += self._remove(worker, [h])
+            return removed
+
+    def sweep(self, now: float, pending_ttl: float, content_ttl: float, offload_ttl: float) -> int:
+        """Drop two-phase entries with ``now - t >= ttl``; plus the tree sweep. Returns the total."""
+        with self._lock:
+            removed = 0
+            for h in [h for h, (_, _, t) in self._offload.items() if now - t >= offload_ttl]:
+                del self._offload[h]
+                removed += 1
+            for h in [h for h, (_, _, t) in self._content.items() if now - t >= content_ttl]:
+                del self._content[h]
+                removed += 1
+            for h in list(self._pending):
+                waiters = self._pending[h]
+                for w in [w for w, t in waiters.items() if now - t >= pending_ttl]:
+                    del waiters[w]
+                    removed += 1
+                if not waiters:
+                    del self._pending[h]
+            return removed + self._tree.sweep()
+
+    # -- queries -------------------------------------------------------------------------
+    def match(self, local_hashes) -> list[tuple[int, int, int, int]]:
+        """``[(group, npu_blocks, cpu_blocks, disk_blocks)]`` sorted by group, hits only."""
+        hs = u64_list(local_hashes)
+        with self._lock:
+            return self._match(hs)
+
+    def match_tokens(self, tokens, block_size: int, seed: int = 1337
+                     ) -> list[tuple[int, int, int, int]]:
+        """:meth:`match` over the LocalBlockHashes of ``tokens``; ``block_size`` 0 matches nothing."""
+        return self.match(list(hash_blocks(tokens, block_size, seed)))
+
+    def worker_blocks(self, worker: int) -> int:
+        """Blocks ``worker`` holds on its tier (0 for an unknown worker)."""
+        with self._lock:
+            if worker not in self._workers:
+                return 0
+            tier = self._tier_of(worker)
+            return (self._tree if tier == HBM else self._tiers[tier]).worker_blocks(worker)
+
+    def stats(self) -> dict:
+        """Sizes: nodes, hbm_pairs, cpu_blocks, disk_blocks, offload, content, pending, nbytes."""
+        with self._lock:
+            return {
+                "nodes": self._tree.num_nodes,
+                "hbm_pairs": self._tree.num_pairs,
+                "cpu_blocks": self._tiers[CPU].total_blocks,
+                "disk_blocks": self._tiers[DISK].total_blocks,
+                "offload": len(self._offload),
+                "content": len(self._content),
+                "pending": sum(len(w) for w in self._pending.values()),
+                "nbytes": 0,
+            }
+
+    # -- testing aid ---------------------------------------------------------------------
+    def _check_invariants(self) -> None:
+        """Assert tier invariants and the two-phase invariants (for tests)."""
+        self._tree._check_invariants()
+        for tier in self._tiers.values():
+            tier._check_invariants()
+        with self._lock:
+            assert not (set(self._offload) & set(self._content)), "hash in offload and content"
+            assert all(self._pending.values()), "empty pending key survived"

@@ -1,0 +1,178 @@
+"""CPU / Disk lower tier: the pure-Python twin of ``kvconductor._lower.LowerTier``.
+
+Semantics: ``docs/design.md``, section "LowerTier (CPU, Disk)".
+
+**Threading: exactly one writer thread calls** :meth:`LowerTier.store`,
+:meth:`LowerTier.remove` **and** :meth:`LowerTier.clear`; **any number of
+threads may call** :meth:`LowerTier.walk`, :meth:`LowerTier.lookup_block`
+**and the introspection members concurrently.** Every public method holds one
+:class:`threading.Lock` for its whole duration.
+"""
+from __future__ import annotations
+
+import threading
+
+from kvconductor._py.tree import u64_list, u64_or_none
+
+EdgeKey = tuple  # (parent engine hash | None, LocalBlockHash)
+
+
+class _Edge:
+    __slots__ = ("child", "owners")
+
+    def __init__(self, child: int) -> None:
+        #: engine hash of the block this edge leads to, fixed by its creator
+        self.child = child
+        #: workers holding the block
+        self.owners: set[int] = set()
+
+
+class LowerTier:
+    """Edges ``(parent engine hash | None, LocalBlockHash) -> (child, owners)``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._edges: dict[EdgeKey, _Edge] = {}
+        #: worker -> {engine hash -> edge key}; the worker owns exactly these edges.
+        self._rev: dict[int, dict[int, EdgeKey]] = {}
+
+    # -- internals (caller holds the lock) ---------------------------------------------
+    def _remove_locked(self, worker: int, hashes) -> int:
+        rev = self._rev.get(worker)
+        if not rev:
+            return 0
+        removed = 0
+        for h in hashes:
+            key = rev.pop(h, None)
+            if key is None:
+                continue
+            edge = self._edges[key]
+            edge.owners.discard(worker)
+            if not edge.owners:
+                del self._edges[key]
+            removed += 1
+        if not rev:
+            del self._rev[worker]
+        return removed
+
+    def _owners(self, parent: int | None, local: int) -> list[int]:
+        edge = self._edges.get((parent, local))
+        return sorted(edge.owners) if edge is not None else []
+
+    # -- mutations (writer thread) -------------------------------------------------------
+    def store(self, worker: int, parent: int | None, engine_hashes, local_hashes) -> int:
+        """Store a chain; returns the number of blocks accepted. Never raises on content.
+
+        The chain stops at the first block the worker already maps under another
+        edge key, or whose edge exists with another child.
+        """
+        seqs = u64_list(engine_hashes)
+        locs = u64_list(local_hashes)
+        p = u64_or_none(parent)
+        n = min(len(seqs), len(locs))
+        with self._lock:
+            rev = self._rev.get(worker, {})
+            accepted = 0
+            for seq, local in zip(seqs[:n], locs[:n]):
+                key = (p, local)
+                mapped = rev.get(seq)
+                if mapped is not None and mapped != key:
+                    break
+                edge = self._edges.get(key)
+                if edge is not None and edge.child != seq:
+                    break
+                if edge is None:
+                    edge = self._edges[key] = _Edge(seq)
+                edge.owners.add(worker)
+                rev[seq] = key
+                p = seq
+                accepted += 1
+            if rev:
+                self._rev[worker] = rev
+            return accepted
+
+    def remove(self, worker: int, hashes) -> int:
+        """Drop the worker's ownership of these blocks; returns the number removed."""
+        hs = u64_list(hashes)
+        with self._lock:
+            return self._remove_locked(worker, hs)
+
+    def clear(self, worker: int) -> int:
+        """Drop every block of ``worker``; returns how many it held."""
+        with self._lock:
+            rev = self._rev.get(worker)
+            if not rev:
+                return 0
+            return self._remove_locked(worker, list(rev))
+
+    # -- queries (any thread) ------------------------------------------------------------
+    def lookup_block(self, h: int) -> tuple[int | None, int] | None:
+        """``(parent, local)`` of block ``h`` as the lowest worker id holding it maps it."""
+        h = u64_or_none(h)
+        with self._lock:
+            for w in sorted(self._rev):
+                key = self._rev[w].get(h)
+                if key is not None:
+                    return key
+            return None
+
+    def owners(self, parent: int | None, local: int) -> list[int]:
+        """Owners of edge ``(parent, local)`` in increasing worker id (twin-only helper)."""
+        with self._lock:
+            return self._owners(u64_or_none(parent), int(local))
+
+    def walk(self, worker: int, local_hashes, start: int, parent: int | None
+             ) -> tuple[int, int | None]:
+        """``(count, last_seq)`` of the worker's contiguous run from ``(start, parent)``.
+
+        Steps while edge ``(p, H[pos])`` exists and ``worker`` owns it;
+        ``last_seq`` is the last child walked, ``None`` when ``count`` is 0.
+        """
+        hs = u64_list(local_hashes)
+        p = u64_or_none(parent)
+        if start < 0:
+            raise OverflowError("start must be non-negative")
+        with self._lock:
+            pos = start
+            while pos < len(hs):
+                edge = self._edges.get((p, hs[pos]))
+                if edge is None or worker not in edge.owners:
+                    break
+                p = edge.child
+                pos += 1
+            count = max(0, pos - start)
+            return count, (p if count else None)
+
+    def worker_blocks(self, worker: int) -> int:
+        """Number of blocks ``worker`` holds."""
+        with self._lock:
+            return len(self._rev.get(worker, ()))
+
+    @property
+    def total_blocks(self) -> int:
+        """Sum over workers of the blocks each holds."""
+        with self._lock:
+            return sum(len(r) for r in self._rev.values())
+
+    @property
+    def num_edges(self) -> int:
+        """Edges with at least one owner."""
+        with self._lock:
+            return len(self._edges)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (the twin does not account memory: always 0)."""
+        return 0
+
+    # -- testing aid ---------------------------------------------------------------------
+    def _check_invariants(self) -> None:
+        """Assert that ownership and the reverse maps agree (for tests)."""
+        with self._lock:
+            owned: dict[int, dict[int, EdgeKey]] = {}
+            for key, edge in self._edges.items():
+                assert edge.owners, "ownerless edge survived"
+                for w in edge.owners:
+                    assert edge.child not in owned.setdefault(w, {})
+                    owned[w][edge.child] = key
+            assert owned == {w: r for w, r in self._rev.items() if r}

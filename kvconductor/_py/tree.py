@@ -1,0 +1,274 @@
+"""HBM radix tree: the pure-Python twin of ``kvconductor._tree.RadixTree``.
+
+Semantics: ``docs/design.md``, section "RadixTree (HBM)".
+
+**Threading: exactly one writer thread calls** :meth:`RadixTree.store`,
+:meth:`RadixTree.remove`, :meth:`RadixTree.clear` **and** :meth:`RadixTree.sweep`;
+**any number of threads may call** :meth:`RadixTree.match` **and the
+introspection members concurrently.** Every public method holds one
+:class:`threading.Lock` for its whole duration (the compiled tree uses a
+writer-preferring rwlock instead; this is a reference model, not a fast one).
+"""
+from __future__ import annotations
+
+import threading
+
+from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+
+U64_MAX = 0xFFFFFFFFFFFFFFFF
+
+
+def u64_list(values) -> list[int]:
+    """A list of Python ints from a sequence of ints or a u64 buffer.
+
+    Values outside ``[0, 2**64)`` raise :class:`OverflowError`, like the
+    compiled modules' conversion to ``uint64_t``.
+    """
+    out = [int(v) for v in values]
+    for v in out:
+        if v < 0 or v > U64_MAX:
+            raise OverflowError(f"hash {v} is not a u64")
+    return out
+
+
+def u64_or_none(value) -> int | None:
+    """``None`` or one u64 value (see :func:`u64_list`)."""
+    if value is None:
+        return None
+    return u64_list([value])[0]
+
+
+class _Node:
+    """One tree node: its content hash, its parent, children and members."""
+
+    __slots__ = ("local", "parent", "children", "members")
+
+    def __init__(self, local: int | None, parent: _Node | None) -> None:
+        self.local = local
+        self.parent = parent
+        #: LocalBlockHash -> child node (the edges ``(self, local) -> child``).
+        self.children: dict[int, _Node] = {}
+        #: worker -> that worker's engine hash ("seq") of this block.
+        self.members: dict[int, int] = {}
+
+
+class RadixTree:
+    """Prefix tree of LocalBlockHashes shared by all HBM workers.
+
+    Node 0 (the root) has no content and no members. Every other node has one
+    member per worker holding it, with that worker's own engine hash; per
+    worker a reverse map ``seq -> node`` gives O(1) parent lookup and removal.
+    Empty nodes (no members, no children) are pruned by the mutation that
+    empties them.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._root = _Node(None, None)
+        #: worker -> {engine hash -> node}; invariant: rev[w][s] is n iff n.members[w] == s.
+        self._rev: dict[int, dict[int, _Node]] = {}
+        self._num_nodes = 0
+        self._num_pairs = 0
+
+    # -- internals (caller holds the lock) ---------------------------------------------
+    def _prune(self, node: _Node) -> int:
+        """Delete ``node`` and then its ancestors while they are empty leaves."""
+        pruned = 0
+        while node is not self._root and not node.members and not node.children:
+            parent = node.parent
+            del parent.children[node.local]
+            node.parent = None
+            self._num_nodes -= 1
+            pruned += 1
+            node = parent
+        return pruned
+
+    def _drop_member(self, worker: int, node: _Node) -> None:
+        del node.members[worker]
+        self._num_pairs -= 1
+        self._prune(node)
+
+    def _remove_locked(self, worker: int, hashes) -> int:
+        rev = self._rev.get(worker)
+        if not rev:
+            return 0
+        removed = 0
+        for h in hashes:
+            node = rev.pop(h, None)
+            if node is None:
+                continue  # unknown (or already removed earlier in this call)
+            self._drop_member(worker, node)
+            removed += 1
+        if not rev:
+            del self._rev[worker]
+        return removed
+
+    # -- mutations (writer thread) -------------------------------------------------------
+    def store(self, worker: int, parent: int | None, engine_hashes, local_hashes) -> int:
+        """Store a chain of blocks for ``worker`` under ``parent`` (or the root).
+
+        Returns the number of blocks stored, ``min(len(engine_hashes),
+        len(local_hashes))``. Raises :class:`ParentBlockNotFound` when
+        ``parent`` is not a block of this worker and
+        :class:`InvalidBlockSequence` when ``[parent] + engine_hashes``
+        repeats a value; nothing is changed then.
+        """
+        seqs = u64_list(engine_hashes)
+        locs = u64_list(local_hashes)
+        parent = u64_or_none(parent)
+        n = min(len(seqs), len(locs))
+        if n == 0:
+            return 0
+        seqs, locs = seqs[:n], locs[:n]
+        with self._lock:
+            rev = self._rev.get(worker, {})
+            if parent is not None and parent not in rev:
+                raise ParentBlockNotFound(
+                    f"parent block {parent} not found for worker {worker}")
+            chain = ([parent] if parent is not None else []) + seqs
+            if len(set(chain)) != len(chain):
+                raise InvalidBlockSequence(
+                    f"block chain of worker {worker} repeats an engine hash")
+            self._rev[worker] = rev
+            node = rev[parent] if parent is not None else self._root
+            for seq, local in zip(seqs, locs):
+                # 1. the edge (node, local), created empty when absent
+                child = node.children.get(local)
+                if child is None:
+                    child = _Node(local, node)
+                    node.children[local] = child
+                    self._num_nodes += 1
+                old = rev.get(seq)
+                # 3. membership of the child, with this block's engine hash
+                cur = child.members.get(worker)
+                if cur is None:
+                    child.members[worker] = seq
+                    self._num_pairs += 1
+                elif cur != seq:
+                    del rev[cur]
+                    child.members[worker] = seq
+                # 4.
+                rev[seq] = child
+                # 2. the worker held ``seq`` on another node: leave it, prune from it.
+                # Done after step 3 so that the prune can never delete ``child``:
+                # ``child`` may be a memberless interior node whose only
+                # descendant is ``old`` (see the report on design.md).
+                if old is not None and old is not child:
+                    self._drop_member(worker, old)
+                node = child
+            return n
+
+    def remove(self, worker: int, hashes) -> int:
+        """Remove the worker's blocks with these engine hashes; unknown ones are ignored.
+
+        Returns the number removed. Descendants other workers hold stay reachable.
+        """
+        hs = u64_list(hashes)
+        with self._lock:
+            return self._remove_locked(worker, hs)
+
+    def clear(self, worker: int) -> int:
+        """Remove every block of ``worker``; returns how many it held."""
+        with self._lock:
+            rev = self._rev.get(worker)
+            if not rev:
+                return 0
+            return self._remove_locked(worker, list(rev))
+
+    def sweep(self) -> int:
+        """Prune empty leaf nodes; returns the number pruned.
+
+        Mutations never leave an empty node behind, so this finds nothing and
+        returns 0; it exists for the maintenance contract.
+        """
+        with self._lock:
+            pruned = 0
+            stack = [self._root]
+            leaves = []
+            while stack:
+                node = stack.pop()
+                if node is not self._root and not node.members and not node.children:
+                    leaves.append(node)
+                stack.extend(node.children.values())
+            for node in leaves:
+                if node.parent is not None:
+                    pruned += self._prune(node)
+            return pruned
+
+    # -- queries (any thread) ------------------------------------------------------------
+    def match(self, local_hashes) -> list[tuple[int, int, int]]:
+        """``[(worker, depth, last_seq)]`` sorted by worker.
+
+        The candidates are the members of the node ``edge(root, H[0])``; a
+        worker's depth counts the consecutive nodes from there on which it is a
+        member, ``last_seq`` is its own engine hash on the deepest of them.
+        """
+        hs = u64_list(local_hashes)
+        with self._lock:
+            if not hs:
+                return []
+            node = self._root.children.get(hs[0])
+            if node is None:
+                return []
+            depth = {w: 1 for w in node.members}
+            last = dict(node.members)
+            active = set(node.members)
+            for h in hs[1:]:
+                node = node.children.get(h)
+                if node is None:
+                    break
+                active = {w for w in active if w in node.members}
+                if not active:
+                    break
+                for w in active:
+                    depth[w] += 1
+                    last[w] = node.members[w]
+            return [(w, depth[w], last[w]) for w in sorted(depth)]
+
+    def worker_blocks(self, worker: int) -> int:
+        """Number of blocks ``worker`` holds (``len(rev[worker])``)."""
+        with self._lock:
+            return len(self._rev.get(worker, ()))
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, root excluded."""
+        with self._lock:
+            return self._num_nodes
+
+    @property
+    def num_pairs(self) -> int:
+        """Total (worker, block) memberships."""
+        with self._lock:
+            return self._num_pairs
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (the twin does not account memory: always 0)."""
+        return 0
+
+    # -- testing aid ---------------------------------------------------------------------
+    def _check_invariants(self) -> None:
+        """Assert the structural invariants of design.md (for tests)."""
+        with self._lock:
+            nodes = 0
+            pairs = 0
+            stack = [self._root]
+            seen: dict[int, dict[int, _Node]] = {}
+            while stack:
+                node = stack.pop()
+                for local, child in node.children.items():
+                    assert child.parent is node and child.local == local
+                    assert child.members or child.children, "empty node survived"
+                    nodes += 1
+                    pairs += len(child.members)
+                    for w, s in child.members.items():
+                        assert s not in seen.setdefault(w, {}), "seq on two nodes"
+                        seen[w][s] = child
+                    stack.append(child)
+            assert not self._root.members
+            assert nodes == self._num_nodes and pairs == self._num_pairs
+            assert {w: r for w, r in self._rev.items() if r} == seen
+            for w, r in self._rev.items():
+                for s, node in r.items():
+                    assert node.members.get(w) == s

@@ -1,0 +1,348 @@
+"""The HTTP API (contract section 2) as a Falcon ASGI app over a :class:`Conductor`.
+
+Routes: ``GET /health``, ``POST /register``, ``POST /unregister``,
+``POST /query``, ``POST /query_by_hash``, ``POST /events``, ``GET /workers``.
+
+Resources are thin: they read the body (bounded by ``max_body_bytes``: 413
+when ``Content-Length`` says so before anything is read, or as soon as a
+streamed body passes the limit), decode it with msgspec, and either answer a
+query from the index directly (large bodies in a worker thread, so the event
+loop never stalls) or hand the work to the ingest thread with
+``await conductor.run(...)``.
+
+Every error body is ``{"error": "..."}``; on the query routes it is encoded
+like the request (MessagePack when the request was), elsewhere JSON. Unlike
+the reference (axum), data errors are 400, not 422, and a non-JSON
+``Content-Type`` is not a 415: the body is parsed as JSON regardless.
+
+Two ways to serve it (one process, one worker: the process owns the index):
+
+* ``kv-conductor`` / ``python -m kvconductor`` (:mod:`kvconductor.server`);
+* gunicorn with the uvicorn worker, flags in ``KV_CONDUCTOR_ARGS`` or as
+  factory arguments::
+
+      gunicorn -w 1 -k uvicorn_worker.UvicornWorker -b '[::]:13333' \\
+          'kvconductor.app:gunicorn_app("--maintenance-interval-secs", "10")'
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import shlex
+from typing import Any
+
+import falcon
+import falcon.asgi
+import msgspec
+
+from kvconductor.registry import RegistrationError
+from kvconductor.schema import (
+    EventsResponse, events_decoder, json_encoder, register_decoder, unregister_decoder,
+)
+from kvconductor.service import Conductor, EventError, normalize_events
+from kvconductor.wire import (
+    JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, WireError, encode_error, encode_result,
+    is_msgpack_content_type, parse_query,
+)
+
+log = logging.getLogger("kvconductor.http")
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Query bodies above this size are parsed, hashed and matched in a worker thread.
+LARGE_BODY_BYTES = 256 * 1024
+QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
+_OK = json_encoder.encode({"status": "ok"})
+_EVENTS_NONE = json_encoder.encode({"status": "ok", "events_applied": 0})
+
+
+class BodyTooLarge(Exception):
+    """The request body exceeds the configured limit."""
+
+
+async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
+    """The whole request body; raises :class:`BodyTooLarge` past ``limit`` bytes."""
+    length = req.content_length
+    if length is not None:
+        if length > limit:
+            raise BodyTooLarge
+        return await req.stream.read()
+    chunks = []
+    total = 0
+    async for chunk in req.stream:
+        total += len(chunk)
+        if total > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json(resp: falcon.asgi.Response, status: int, data: bytes) -> None:
+    resp.status = status
+    resp.content_type = JSON_CONTENT_TYPE
+    resp.data = data
+
+
+def _error(resp: falcon.asgi.Response, status: int, message: str, msgpack: bool = False) -> None:
+    resp.status = status
+    resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
+    resp.data = encode_error(message, msgpack)
+
+
+class _Resource:
+    def __init__(self, conductor: Conductor, *, max_body_bytes: int, api_key: str | None,
+                 large_body_bytes: int) -> None:
+        self.conductor = conductor
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key or None
+        self.large_body_bytes = large_body_bytes
+
+    def _authorized(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, token = (req.get_header("Authorization") or "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+                token.strip().encode(), self.api_key.encode()):
+            return True
+        log.warning("unauthorized request method=%s path=%s", req.method, req.path)
+        resp.set_header("WWW-Authenticate", 'Bearer realm="kv-conductor"')
+        _error(resp, 401, "missing or invalid bearer token (Authorization: Bearer <api key>)")
+        return False
+
+    async def _body(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                    msgpack: bool = False) -> bytes | None:
+        try:
+            return await read_body(req, self.max_body_bytes)
+        except BodyTooLarge:
+            log.warning("request body too large method=%s path=%s limit=%d content_length=%s",
+                        req.method, req.path, self.max_body_bytes, req.content_length)
+            _error(resp, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
+                   msgpack)
+            # NOTE: the unread rest of the body is discarded by the server after the reply.
+            return None
+
+    def _bad(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, message: str,
+             msgpack: bool = False, status: int = 400) -> None:
+        log.warning("bad request method=%s path=%s status=%d error=%s",
+                    req.method, req.path, status, message)
+        _error(resp, status, message, msgpack)
+
+    async def _offload(self, body: bytes, fn, *args: Any) -> Any:
+        """``fn(*args)`` inline for small bodies, in a worker thread for large ones."""
+        if len(body) <= self.large_body_bytes:
+            return fn(*args)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.conductor.executor, fn, *args)
+
+
+class HealthResource:
+    """``GET /health``: 200 ``OK`` (text/plain)."""
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.content_type = falcon.MEDIA_TEXT
+        resp.text = "OK"
+
+    async def on_head(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.content_type = falcon.MEDIA_TEXT
+
+
+class RegisterResource(_Resource):
+    """``POST /register``: 201 ``{"status":"ok"}``."""
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if not self._authorized(req, resp):
+            return
+        body = await self._body(req, resp)
+        if body is None:
+            return
+        try:
+            request = register_decoder.decode(body)
+        except msgspec.DecodeError as ex:
+            return self._bad(req, resp, f"invalid JSON request body: {ex}")
+        try:
+            await self.conductor.run(self.conductor.register, request)
+        except RegistrationError as ex:
+            return self._bad(req, resp, str(ex))
+        _json(resp, 201, _OK)
+
+
+class UnregisterResource(_Resource):
+    """``POST /unregister``: 200, or 404 for an unknown instance."""
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if not self._authorized(req, resp):
+            return
+        body = await self._body(req, resp)
+        if body is None:
+            return
+        try:
+            request = unregister_decoder.decode(body)
+        except msgspec.DecodeError as ex:
+            return self._bad(req, resp, f"invalid JSON request body: {ex}")
+        if await self.conductor.run(self.conductor.unregister, request):
+            _json(resp, 200, _OK)
+        else:
+            _error(resp, 404, f"instance {request.instance_id} not found")
+
+
+class QueryResource(_Resource):
+    """``POST /query`` (``by_hash=False``) and ``POST /query_by_hash``."""
+
+    def __init__(self, conductor: Conductor, *, by_hash: bool, **kw: Any) -> None:
+        super().__init__(conductor, **kw)
+        self.by_hash = by_hash
+
+    def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
+        """Parse, match and encode: ``(status, body, log message or None)``."""
+        try:
+            model, block_size, tenant, values = parse_query(body, msgpack, self.by_hash)
+        except WireError as ex:
+            return 400, encode_error(
+                f"invalid {'msgpack' if msgpack else 'JSON'} request body: {ex}", msgpack), str(ex)
+        index = self.conductor.get_index(model, tenant)
+        if index is None:
+            msg = f"no indexer for model={model} tenant={tenant}"
+            return 404, encode_error(msg, msgpack), msg
+        if self.by_hash:
+            # NOTE: contract 2.5: the request's block_size is ignored; counts are in blocks.
+            return 200, encode_result(index.query_by_hash(values).hits, tenant, 1, msgpack), None
+        return 200, encode_result(index.query(values, block_size).hits, tenant, block_size,
+                                  msgpack), None
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        msgpack = is_msgpack_content_type(req.content_type)
+        body = await self._body(req, resp, msgpack)
+        if body is None:
+            return
+        status, data, problem = await self._offload(body, self.answer, body, msgpack)
+        if problem is not None:
+            if status == 404:
+                log.info("query for unknown indexer path=%s error=%s", req.path, problem)
+            else:
+                log.warning("bad request method=POST path=%s status=%d error=%s",
+                            req.path, status, problem)
+        resp.status = status
+        resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
+        resp.data = data
+
+
+class EventsResource(_Resource):
+    """``POST /events``: HTTP event ingestion (JSON)."""
+
+    @staticmethod
+    def parse(body: bytes):
+        batch = events_decoder.decode(body)
+        return batch, normalize_events(batch)
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if not self._authorized(req, resp):
+            return
+        body = await self._body(req, resp)
+        if body is None:
+            return
+        try:
+            batch, ops = await self._offload(body, self.parse, body)
+        except msgspec.DecodeError as ex:
+            return self._bad(req, resp, f"invalid JSON request body: {ex}")
+        except EventError as ex:
+            return self._bad(req, resp, str(ex))
+        if not ops:
+            if batch.shutdown:
+                log.info("shutdown flag set in events batch instance_id=%s", batch.instance_id)
+            return _json(resp, 200, _EVENTS_NONE)
+        applied, errors = await self.conductor.run(self.conductor.apply_events, batch, ops)
+        if errors:
+            out = EventsResponse(status="partial", events_applied=applied, errors=errors)
+            return _json(resp, 500, json_encoder.encode(out))
+        _json(resp, 200, json_encoder.encode(EventsResponse(status="ok", events_applied=applied)))
+
+
+class WorkersResource(_Resource):
+    """``GET /workers``: registrations, index summaries and subscription sources."""
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        doc = await self.conductor.run(self.conductor.workers)
+        _json(resp, 200, json_encoder.encode(doc))
+
+
+class _Lifecycle:
+    """ASGI lifespan: start the conductor on startup, stop it on shutdown."""
+
+    def __init__(self, conductor: Conductor) -> None:
+        self.conductor = conductor
+
+    async def process_startup(self, scope: dict, event: dict) -> None:
+        await asyncio.to_thread(self.conductor.start)
+        log.info("KV conductor started (lifespan)")
+
+    async def process_shutdown(self, scope: dict, event: dict) -> None:
+        await asyncio.to_thread(self.conductor.stop)
+        log.info("KV conductor shut down")
+
+
+async def _handle_http_error(req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                             ex: falcon.HTTPError, params: dict) -> None:
+    if isinstance(ex, falcon.HTTPRouteNotFound):
+        message = f"no route for {req.method} {req.path}"
+    elif isinstance(ex, falcon.HTTPMethodNotAllowed):
+        message = f"method {req.method} not allowed on {req.path}"
+    else:
+        message = ex.description or ex.title or str(ex.status)
+    log.warning("request rejected method=%s path=%s status=%s error=%s",
+                req.method, req.path, ex.status, message)
+    resp.status = ex.status
+    if ex.headers:
+        resp.set_headers(ex.headers)
+    msgpack = req.path in QUERY_PATHS and is_msgpack_content_type(req.content_type)
+    resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
+    resp.data = encode_error(message, msgpack)
+
+
+async def _handle_exception(req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                            ex: Exception, params: dict) -> None:
+    log.exception("internal error method=%s path=%s", req.method, req.path)
+    msgpack = req.path in QUERY_PATHS and is_msgpack_content_type(req.content_type)
+    _error(resp, 500, f"internal error: {ex}", msgpack)
+
+
+def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               api_key: str | None = None, large_body_bytes: int = LARGE_BODY_BYTES,
+               manage_lifecycle: bool = False) -> falcon.asgi.App:
+    """Build the ASGI app over ``conductor``.
+
+    With ``manage_lifecycle`` the app starts/stops the conductor on ASGI
+    lifespan events (gunicorn); otherwise the caller does (server, tests).
+    ``api_key`` protects ``/register``, ``/unregister`` and ``/events`` with
+    ``Authorization: Bearer <key>``; reads stay open.
+    """
+    middleware = [_Lifecycle(conductor)] if manage_lifecycle else []
+    app = falcon.asgi.App(middleware=middleware, cors_enable=True)
+    kw = dict(max_body_bytes=max_body_bytes, api_key=api_key, large_body_bytes=large_body_bytes)
+    app.add_route("/health", HealthResource())
+    app.add_route("/register", RegisterResource(conductor, **kw))
+    app.add_route("/unregister", UnregisterResource(conductor, **kw))
+    app.add_route("/query", QueryResource(conductor, by_hash=False, **kw))
+    app.add_route("/query_by_hash", QueryResource(conductor, by_hash=True, **kw))
+    app.add_route("/events", EventsResource(conductor, **kw))
+    app.add_route("/workers", WorkersResource(conductor, **kw))
+    app.add_error_handler(Exception, _handle_exception)
+    app.add_error_handler(falcon.HTTPError, _handle_http_error)
+    return app
+
+
+def gunicorn_app(*argv: str) -> falcon.asgi.App:
+    """App factory for ``gunicorn -w 1 -k uvicorn_worker.UvicornWorker``.
+
+    Flags are those of ``kv-conductor`` (``--host``/``--port`` are ignored:
+    gunicorn binds), taken from ``KV_CONDUCTOR_ARGS`` and then ``argv``. The
+    conductor starts on the ASGI lifespan startup, in the worker process.
+    """
+    from kvconductor.cli import build_parser, configure_logging, settings_from_args
+
+    args = shlex.split(os.environ.get("KV_CONDUCTOR_ARGS", "")) + list(argv)
+    settings = settings_from_args(build_parser().parse_args(args))
+    configure_logging(settings.log_level)
+    conductor = Conductor(settings.conductor_config())
+    return create_app(conductor, max_body_bytes=settings.max_body_bytes,
+                      api_key=settings.api_key, manage_lifecycle=True)

@@ -1,0 +1,365 @@
+"""Registered instances, their endpoints and the HBM-IP index (contract section 3).
+
+The registry is plain data mutated by the ingest thread only (through
+:class:`kvconductor.service.Conductor`). :meth:`Registry.register` and
+:meth:`Registry.unregister` change the registry and return an outcome that
+tells the conductor which side effects to run (subscriptions, index clean-up,
+replay); they touch no index and no socket themselves, so they are testable
+on their own.
+
+Deviations from the reference (contract 10.1):
+
+* #5: the HBM-IP index never holds a duplicate ``(instance, dp)`` under one IP,
+  and a re-registration first removes the DP's old IPs (a changed IP leaves no
+  stale mapping).
+* #6: each DP remembers the ``(model, tenant, block_size, backend)`` it was
+  registered with; clean-up always targets the index the DP was registered in.
+  Re-registration updates the instance's model/tenant/block_size; when the
+  backend, model, tenant or block size of a DP changes, its data in the old
+  index is dropped (it is stale: the engine re-announces under the new
+  identity).
+* #14: an empty endpoint URL (in ``endpoint`` or any ``medium_endpoints``
+  value) is rejected with :class:`RegistrationError` (HTTP 400).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.keys import Medium, StoreBackend, is_hbm_key, parse_medium
+from kvconductor.schema import RegisterRequest
+
+_ALL_MEDIA = (Medium.NPU, Medium.CPU, Medium.DISK)
+
+
+class RegistrationError(ValueError):
+    """A registration request that cannot be honoured (HTTP 400)."""
+
+
+def extract_ip(url: str) -> str | None:
+    """The host part of a ``tcp://host:port`` URL (contract 3.4 step 3).
+
+    ``tcp://10.0.0.1:5557`` -> ``10.0.0.1``; ``tcp://[::1]:5557`` -> ``::1``;
+    ``tcp://kv-conductor:13333`` -> ``kv-conductor`` (hostnames are kept);
+    anything without ``tcp://``, a host or a closing bracket -> ``None``.
+    """
+    if not url.startswith("tcp://"):
+        return None
+    rest = url[len("tcp://"):]
+    if rest.startswith("["):
+        end = rest.find("]")
+        if end <= 1:
+            return None
+        return rest[1:end]
+    host, sep, _ = rest.rpartition(":")
+    if not sep or not host:
+        return None
+    return host
+
+
+def medium_key(medium: Medium) -> str:
+    """The normalised ``medium_endpoints`` key shown by ``/workers`` (``npu``, ``cpu``...)."""
+    return medium.display.lower()
+
+
+def resolve_endpoints(medium_endpoints: dict[str, str] | None,
+                      endpoint: str | None) -> dict[str, tuple[Medium, ...]]:
+    """Group the registration's endpoints by URL (contract 3.3).
+
+    Returns ``{url: media}`` in first-seen order (media de-duplicated), ``{}``
+    for an HTTP-only registration. A legacy ``endpoint`` maps to
+    ``[NPU, CPU, DISK]``. Raises :class:`RegistrationError` for an empty URL.
+    """
+    groups: dict[str, list[Medium]] = {}
+    if medium_endpoints:
+        for key, url in medium_endpoints.items():
+            if not url or not url.strip():
+                raise RegistrationError(
+                    f"medium_endpoints[{key!r}] is empty; every medium endpoint needs a URL")
+            media = groups.setdefault(url, [])
+            m = parse_medium(key)
+            if m not in media:
+                media.append(m)
+        return {url: tuple(media) for url, media in groups.items()}
+    if endpoint is not None:
+        if not endpoint.strip():
+            raise RegistrationError(
+                "endpoint is empty; either medium_endpoints or a valid endpoint is required")
+        return {endpoint: _ALL_MEDIA}
+    return {}
+
+
+def normalize_medium_endpoints(medium_endpoints: dict[str, str] | None,
+                               endpoint: str | None) -> dict[str, str]:
+    """Medium keys lower-cased display names; a legacy endpoint fills all three."""
+    if medium_endpoints:
+        return {medium_key(parse_medium(k)): url for k, url in medium_endpoints.items()}
+    if endpoint:
+        return {medium_key(m): endpoint for m in _ALL_MEDIA}
+    return {}
+
+
+@dataclass
+class EndpointInfo:
+    """One registered DP of an instance, with the identity its data lives under."""
+
+    dp_rank: int
+    engine_type: str
+    medium_endpoints: dict[str, str]
+    replay_endpoint: str | None
+    model_name: str
+    tenant_id: str
+    block_size: int
+    store_backend: str
+    is_pool: bool = False
+    node_id: str | None = None
+
+    @property
+    def backend(self) -> StoreBackend:
+        return StoreBackend.parse(self.store_backend)
+
+    @property
+    def index_key(self) -> tuple[str, str]:
+        return (self.model_name, self.tenant_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``/workers`` shape of one endpoint (contract 2.7)."""
+        return {
+            "medium_endpoints": dict(self.medium_endpoints),
+            "engine_type": self.engine_type,
+            "dp_rank": self.dp_rank,
+            "replay_endpoint": self.replay_endpoint,
+        }
+
+
+@dataclass
+class WorkerEntry:
+    """A registered instance: its latest model/tenant/block size/backend and its DPs."""
+
+    instance_id: str
+    model_name: str
+    tenant_id: str
+    block_size: int
+    store_backend: str
+    endpoints: dict[int, EndpointInfo] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``/workers`` shape of one instance (``store_backend`` is not exposed)."""
+        return {
+            "instance_id": self.instance_id,
+            "model_name": self.model_name,
+            "tenant_id": self.tenant_id,
+            "block_size": self.block_size,
+            "endpoints": {str(dp): ep.to_dict() for dp, ep in sorted(self.endpoints.items())},
+        }
+
+    def info(self) -> dict[str, Any]:
+        """Registration facts for subscribers (``Conductor.instance_info``)."""
+        return {
+            "instance_id": self.instance_id,
+            "model_name": self.model_name,
+            "tenant_id": self.tenant_id,
+            "block_size": self.block_size,
+            "store_backend": self.store_backend,
+            "endpoints": {dp: ep.to_dict() | {"model_name": ep.model_name,
+                                              "tenant_id": ep.tenant_id,
+                                              "block_size": ep.block_size,
+                                              "store_backend": ep.store_backend,
+                                              "is_pool": ep.is_pool,
+                                              "node_id": ep.node_id}
+                          for dp, ep in self.endpoints.items()},
+        }
+
+
+@dataclass
+class RegisterOutcome:
+    """What :meth:`Registry.register` changed and what the conductor must do next."""
+
+    instance_id: str
+    dp_rank: int
+    model_name: str
+    tenant_id: str
+    #: The instance existed before this request (the replay gate, contract 3.4 step 9).
+    instance_existed: bool
+    #: The (instance, DP) existed before: stop its old subscriptions first.
+    reregistered: bool
+    #: Drop the DP's data from this (model, tenant) index (backend/identity change).
+    drop_from: tuple[str, str] | None
+    #: One subscription per distinct URL.
+    contexts: list[SubscriberContext]
+    #: Replay to request (first registration of the instance with a replay endpoint).
+    replay: SubscriberContext | None
+    ips_added: list[str]
+    ips_removed: list[str]
+    is_pool: bool
+
+
+@dataclass
+class UnregisterOutcome:
+    """What :meth:`Registry.unregister` changed."""
+
+    found: bool
+    dp_found: bool = False
+    #: The index holding the DP's data (registered identity, else the instance's).
+    index_key: tuple[str, str] | None = None
+    instance_removed: bool = False
+    ips_removed: list[str] = field(default_factory=list)
+
+
+class Registry:
+    """Instances, endpoints and the HBM-IP index (ingest thread only)."""
+
+    def __init__(self) -> None:
+        self.instances: dict[str, WorkerEntry] = {}
+        #: IP -> [(instance_id, dp_rank)], no duplicates (fix of 10.1 #5).
+        self.hbm_ip_index: dict[str, list[tuple[str, int]]] = {}
+        self._ips_of: dict[tuple[str, int], list[str]] = {}
+
+    # -- lookups ------------------------------------------------------------------------
+    def get(self, instance_id: str) -> WorkerEntry | None:
+        return self.instances.get(instance_id)
+
+    def hbm_ip_lookup(self, ip: str) -> list[tuple[str, int]]:
+        """(instance_id, dp_rank) pairs registered with HBM endpoints on ``ip``."""
+        return list(self.hbm_ip_index.get(ip, ()))
+
+    def protected(self) -> set[tuple[str, str]]:
+        """Every (model, tenant) a registration refers to (never reclaimed, contract 7)."""
+        keys = set()
+        for entry in self.instances.values():
+            keys.add((entry.model_name, entry.tenant_id))
+            for ep in entry.endpoints.values():
+                keys.add(ep.index_key)
+        return keys
+
+    def index_key_of(self, instance_id: str, dp_rank: int) -> tuple[str, str] | None:
+        """The (model, tenant) of a DP's data: registered DP first, else the instance's."""
+        entry = self.instances.get(instance_id)
+        if entry is None:
+            return None
+        ep = entry.endpoints.get(dp_rank)
+        return ep.index_key if ep is not None else (entry.model_name, entry.tenant_id)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """``/workers.workers``: instances sorted by id."""
+        return [self.instances[k].to_dict() for k in sorted(self.instances)]
+
+    # -- HBM-IP index -------------------------------------------------------------------------
+    def _add_ip(self, ip: str, instance_id: str, dp_rank: int) -> bool:
+        pairs = self.hbm_ip_index.setdefault(ip, [])
+        pair = (instance_id, dp_rank)
+        if pair in pairs:
+            return False
+        pairs.append(pair)
+        ips = self._ips_of.setdefault(pair, [])
+        if ip not in ips:
+            ips.append(ip)
+        return True
+
+    def remove_hbm_ips(self, instance_id: str, dp_rank: int) -> list[str]:
+        """Drop every HBM-IP entry of (instance, DP); returns the IPs it was under."""
+        pair = (instance_id, dp_rank)
+        ips = self._ips_of.pop(pair, [])
+        for ip in ips:
+            pairs = self.hbm_ip_index.get(ip)
+            if pairs is None:
+                continue
+            try:
+                pairs.remove(pair)
+            except ValueError:
+                pass
+            if not pairs:
+                del self.hbm_ip_index[ip]
+        return ips
+
+    # -- register / unregister --------------------------------------------------------
+    def register(self, req: RegisterRequest) -> RegisterOutcome:
+        """Apply a registration (contract 3.4 with fixes 10.1 #5, #6, #14).
+
+        Raises :class:`RegistrationError` before changing anything.
+        """
+        if not req.instance_id:
+            raise RegistrationError("instance_id must not be empty")
+        groups = resolve_endpoints(req.medium_endpoints, req.endpoint)
+        backend_name = req.store_backend or "Mooncake"
+        backend = StoreBackend.parse(backend_name)
+        tenant = req.tenant_id or "default"
+        is_pool = backend.is_pool_backend and not req.medium_endpoints and bool(req.endpoint)
+        replay_endpoint = req.replay_endpoint or None
+
+        entry = self.instances.get(req.instance_id)
+        instance_existed = entry is not None
+        old = entry.endpoints.get(req.dp_rank) if entry is not None else None
+
+        drop_from = None
+        ips_removed: list[str] = []
+        if old is not None:
+            ips_removed = self.remove_hbm_ips(req.instance_id, req.dp_rank)
+            changed = (old.store_backend.lower() != backend_name.lower()
+                       or old.index_key != (req.modelname, tenant)
+                       or old.block_size != req.block_size)
+            if changed:
+                drop_from = old.index_key
+
+        ips_added: list[str] = []
+        if backend.indexes_hbm_ip and not is_pool and req.medium_endpoints:
+            for key, url in req.medium_endpoints.items():
+                if not is_hbm_key(key):
+                    continue
+                ip = extract_ip(url)
+                if ip is not None and self._add_ip(ip, req.instance_id, req.dp_rank):
+                    ips_added.append(ip)
+
+        extra = {"node_id": req.node_id} if req.node_id else {}
+        contexts = [
+            SubscriberContext(
+                instance_id=req.instance_id, dp_rank=req.dp_rank, url=url,
+                model=req.modelname, tenant=tenant, block_size=req.block_size,
+                default_media=media, store_backend=backend, is_pool=is_pool,
+                replay_endpoint=replay_endpoint, engine_type=req.engine_type, extra=extra)
+            for url, media in groups.items()
+        ]
+
+        # Replay (contract 3.4 step 9) pairs with a live subscription: the one carrying
+        # NPU (the engine's own publisher), else the first. HTTP-only: nothing to replay into.
+        replay = None
+        if replay_endpoint and not instance_existed and contexts:
+            replay = next((c for c in contexts if Medium.NPU in c.default_media), contexts[0])
+
+        info = EndpointInfo(
+            dp_rank=req.dp_rank, engine_type=req.engine_type,
+            medium_endpoints=normalize_medium_endpoints(req.medium_endpoints, req.endpoint),
+            replay_endpoint=req.replay_endpoint, model_name=req.modelname, tenant_id=tenant,
+            block_size=req.block_size, store_backend=backend_name, is_pool=is_pool,
+            node_id=req.node_id)
+        if entry is None:
+            entry = self.instances[req.instance_id] = WorkerEntry(
+                instance_id=req.instance_id, model_name=req.modelname, tenant_id=tenant,
+                block_size=req.block_size, store_backend=backend_name)
+        else:
+            entry.model_name = req.modelname
+            entry.tenant_id = tenant
+            entry.block_size = req.block_size
+            entry.store_backend = backend_name
+        entry.endpoints[req.dp_rank] = info
+
+        return RegisterOutcome(
+            instance_id=req.instance_id, dp_rank=req.dp_rank, model_name=req.modelname,
+            tenant_id=tenant, instance_existed=instance_existed, reregistered=old is not None,
+            drop_from=drop_from, contexts=contexts, replay=replay, ips_added=ips_added,
+            ips_removed=ips_removed, is_pool=is_pool)
+
+    def unregister(self, instance_id: str, dp_rank: int) -> UnregisterOutcome:
+        """Remove one DP of an instance (contract 3.5); the instance goes with its last DP."""
+        entry = self.instances.get(instance_id)
+        if entry is None:
+            return UnregisterOutcome(found=False)
+        ips = self.remove_hbm_ips(instance_id, dp_rank)
+        index_key = self.index_key_of(instance_id, dp_rank)
+        ep = entry.endpoints.pop(dp_rank, None)
+        removed = not entry.endpoints
+        if removed:
+            del self.instances[instance_id]
+        return UnregisterOutcome(found=True, dp_found=ep is not None, index_key=index_key,
+                                 instance_removed=removed, ips_removed=ips)

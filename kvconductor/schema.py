@@ -1,0 +1,229 @@
+"""Every HTTP body of the V3 contract as a msgspec Struct (contract section 2).
+
+Requests are decoded with the module-level decoders below (thread-safe, reused).
+Field names, defaults and required fields follow the reference; where we are
+more lenient it is said on the field (``null`` accepted for a defaulted string,
+for example). Integer ranges that fit int64 are checked by msgspec; the u64
+ranges (hashes, ``event_id``) are checked after decoding because msgspec
+cannot express bounds beyond int64 (:func:`check_u64`, :func:`to_u64`).
+
+The ``/query`` and ``/query_by_hash`` hot path does not use these Structs: it
+goes through :mod:`kvconductor.wire`, which never builds a list of token ints
+when the compiled parser is present. :class:`QueryRequest` and
+:class:`QueryByHashRequest` document the shape and serve clients and tests.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+U32_MAX = 0xFFFFFFFF
+U64_MAX = 0xFFFFFFFFFFFFFFFF
+I64_MIN = -(1 << 63)
+I64_MAX = (1 << 63) - 1
+
+#: An unsigned 32-bit integer (dp ranks, block sizes).
+U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
+#: A block size that must be at least 1.
+PositiveU32 = Annotated[int, Meta(ge=1, le=U32_MAX)]
+#: A non-negative integer; the u64 upper bound is checked by :func:`check_u64`.
+U64 = Annotated[int, Meta(ge=0)]
+
+
+class WireValueError(ValueError):
+    """A decoded body holds a value outside its documented range."""
+
+
+def to_u64(value: int, what: str) -> int:
+    """Return ``value`` as u64; negative i64 values wrap (two's complement).
+
+    Raises :class:`WireValueError` outside ``[-2**63, 2**64)``.
+    """
+    if value < 0:
+        if value < I64_MIN:
+            raise WireValueError(f"{what} {value} is out of range (i64/u64 expected)")
+        return value & U64_MAX
+    if value > U64_MAX:
+        raise WireValueError(f"{what} {value} is out of range (i64/u64 expected)")
+    return value
+
+
+def check_u64(value: int, what: str) -> int:
+    """Raise :class:`WireValueError` unless ``0 <= value < 2**64``."""
+    if not 0 <= value <= U64_MAX:
+        raise WireValueError(f"{what} {value} is out of range (u64 expected)")
+    return value
+
+
+# ---------------------------------------------------------------------------------------
+# /register, /unregister (contract 2.2, 2.3)
+# ---------------------------------------------------------------------------------------
+
+class RegisterRequest(Struct, kw_only=True):
+    """``POST /register``.
+
+    ``block_size`` must be at least 1 here (the reference accepted 0, which no
+    engine publishes). ``null`` is accepted for every defaulted field.
+    """
+
+    instance_id: str
+    engine_type: str = field(name="type")
+    modelname: str
+    block_size: PositiveU32
+    dp_rank: U32
+    medium_endpoints: dict[str, str] | None = None
+    endpoint: str | None = None
+    store_backend: str | None = "Mooncake"
+    replay_endpoint: str | None = None
+    tenant_id: str | None = "default"
+    node_id: str | None = None
+
+
+class UnregisterRequest(Struct, kw_only=True):
+    """``POST /unregister``: every field but ``tenant_id`` is required (as in the reference)."""
+
+    instance_id: str
+    engine_type: str = field(name="type")
+    modelname: str
+    block_size: U32
+    dp_rank: U32
+    tenant_id: str | None = "default"
+
+
+class StatusResponse(Struct):
+    """``{"status": "ok"}``."""
+
+    status: str = "ok"
+
+
+class ErrorResponse(Struct):
+    """``{"error": "<message>"}``: every 4xx/5xx body except the /events partial one."""
+
+    error: str
+
+
+# ---------------------------------------------------------------------------------------
+# /query, /query_by_hash (contract 2.4, 2.5)
+# ---------------------------------------------------------------------------------------
+
+class QueryRequest(Struct, kw_only=True):
+    """``POST /query``. Also accepted positionally: ``[model, block_size, token_ids, tenant_id]``.
+
+    ``token_ids`` may also be a msgpack bin of little-endian u32 (packed tokens).
+    """
+
+    model: str
+    block_size: PositiveU32
+    token_ids: list[int]
+    tenant_id: str = "default"
+
+
+class QueryByHashRequest(Struct, kw_only=True):
+    """``POST /query_by_hash``; ``block_size`` is required but ignored (contract 2.5)."""
+
+    model: str
+    block_size: U32
+    block_hashes: list[int]
+    tenant_id: str = "default"
+
+
+class DpMatch(Struct):
+    """Per-DP counts of a query response (V3 exclusive partition)."""
+
+    matched_tokens: int
+    npu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+
+
+class InstanceMatch(Struct):
+    """Per-instance entry of a query response; ``DP`` is keyed by the decimal rank."""
+
+    longest_matched: int
+    DP: dict[str, DpMatch]
+
+
+#: ``{tenant: {instance_id: InstanceMatch}}`` (exactly one tenant key).
+QueryResponse = dict[str, dict[str, InstanceMatch]]
+
+
+# ---------------------------------------------------------------------------------------
+# /events (contract 2.6)
+# ---------------------------------------------------------------------------------------
+
+class StoredBlock(Struct):
+    """One stored block: engine hash and LocalBlockHash (u64, or negative i64 wrapped)."""
+
+    block_hash: int
+    tokens_hash: int
+
+
+class EventPayload(Struct, kw_only=True):
+    """The payload fields of an event: flat on the event, or inside its ``data`` object.
+
+    ``event_type`` has the alias ``type`` and ``parent_hash`` the alias
+    ``parent_block_hash``; both spellings are fields here and are merged by
+    :meth:`kind_name` and :meth:`parent`.
+    """
+
+    event_type: str | None = None
+    type_: str | None = field(default=None, name="type")
+    legacy_type: str | None = None
+    blocks: list[StoredBlock] | None = None
+    parent_hash: int | None = None
+    parent_block_hash: int | None = None
+    token_ids: list[int] | None = None
+    block_size: U32 = 0
+    seq_hashes: list[int] | None = None
+    block_hashes: list[int] | None = None
+    medium: str | None = None
+    backend_id: str | None = None
+
+    def kind_name(self) -> str:
+        """The declared type string (``event_type``, else ``type``, else ``legacy_type``)."""
+        return self.event_type or self.type_ or self.legacy_type or ""
+
+    def parent(self) -> int | None:
+        """``parent_hash`` (or its alias) as u64."""
+        p = self.parent_hash if self.parent_hash is not None else self.parent_block_hash
+        return None if p is None else to_u64(p, "parent_hash")
+
+
+class KvCacheEvent(EventPayload, kw_only=True):
+    """One event of ``POST /events``: flat payload fields or a nested ``data`` object."""
+
+    event_id: U64
+    dp_rank: U32 = 0
+    data: Any = None
+
+
+class KvEventBatch(Struct, kw_only=True):
+    """``POST /events``."""
+
+    instance_id: str
+    model_name: str | None = None
+    tenant_id: str | None = None
+    block_size: U32 = 128
+    events: list[KvCacheEvent] | None = None
+    shutdown: bool = False
+
+
+class EventsResponse(Struct, kw_only=True, omit_defaults=True):
+    """``{"status": "ok"|"partial", "events_applied": N[, "errors": [...]]}``."""
+
+    status: str
+    events_applied: int
+    errors: list[str] = []
+
+
+# ---------------------------------------------------------------------------------------
+# Shared decoders (msgspec decoders are thread-safe)
+# ---------------------------------------------------------------------------------------
+
+register_decoder = msgspec.json.Decoder(RegisterRequest)
+unregister_decoder = msgspec.json.Decoder(UnregisterRequest)
+events_decoder = msgspec.json.Decoder(KvEventBatch)
+json_encoder = msgspec.json.Encoder()
+msgpack_encoder = msgspec.msgpack.Encoder()

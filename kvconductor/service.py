@@ -1,0 +1,546 @@
+"""The conductor core: registry + one index per (model, tenant) + the single writer.
+
+:class:`Conductor` owns the :class:`~kvconductor.ingest.thread.IngestThread`.
+**Every mutation runs on that thread**: registration and unregistration
+(registry, HBM-IP index, subscriptions, index clean-up), HTTP ``/events``, the
+periodic maintenance sweep, and the ``/workers`` snapshot (so it never sees a
+half-applied change). HTTP handlers reach it with ``await conductor.run(fn,
+...)``. Queries do not go through the thread: :meth:`Conductor.get_index` is a
+plain dict lookup and :class:`~kvconductor.index.Index` is safe for
+concurrent readers.
+
+Subscriptions (ZeroMQ SUB sockets, replay) are delegated to
+``kvconductor.ingest.subscriber.SubscriptionManager`` (imported lazily; a
+:class:`NullSubscriptions` stands in when it is not there). It calls back
+:meth:`Conductor.get_or_create_index`, :meth:`Conductor.hbm_ip_lookup` and
+:meth:`Conductor.instance_info`, on the ingest thread.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kvconductor.errors import IndexError_, InvalidBlockSequence, ParentBlockNotFound
+from kvconductor.index import Index
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.thread import IngestThread
+from kvconductor.keys import Medium, WorkerKey, parse_medium
+from kvconductor.registry import Registry, RegistrationError
+from kvconductor.schema import (
+    U32_MAX, EventPayload, KvCacheEvent, KvEventBatch, RegisterRequest, UnregisterRequest,
+    WireValueError, to_u64,
+)
+
+log = logging.getLogger("kvconductor")
+
+__all__ = ["Conductor", "ConductorConfig", "EventError", "EventOp", "NullSubscriptions",
+           "RegistrationError", "normalize_events"]
+
+
+@dataclass
+class ConductorConfig:
+    """Runtime settings of the core (CLI flags of contract 1.1)."""
+
+    maintenance_interval: float = 30.0
+    pending_ttl: float = 60.0
+    content_ttl: float = 300.0
+    offload_ttl: float = 600.0
+    #: ``"c"`` / ``"py"`` / ``None`` (Index picks; env ``KVCONDUCTOR_IMPL``).
+    index_impl: str | None = None
+    #: Worker threads for large queries (parse + hash + match off the event loop).
+    query_threads: int = 2
+
+
+# ---------------------------------------------------------------------------------------
+# /events normalisation (contract 2.6, with fixes 10.1 #2 and #3)
+# ---------------------------------------------------------------------------------------
+
+class EventError(ValueError):
+    """An /events batch that cannot be applied at all (HTTP 400, nothing applied)."""
+
+
+STORED, REMOVED, CLEARED = 0, 1, 2
+_PAYLOAD_FIELDS = EventPayload.__struct_fields__
+# NOTE: every payload field has a default, so defaults align with fields one to one.
+assert len(EventPayload.__struct_defaults__) == len(_PAYLOAD_FIELDS)
+_PAYLOAD_DEFAULTS = dict(zip(_PAYLOAD_FIELDS, EventPayload.__struct_defaults__))
+_DYNAMO_KINDS = {"stored", "removed", "cleared", "blockstored", "blockremoved", "allblockscleared"}
+
+
+class EventOp(NamedTuple):
+    """One validated event, ready for the index (built off the ingest thread)."""
+
+    kind: int
+    event_id: int
+    dp_rank: int
+    backend_id: str | None
+    medium: Medium
+    parent: int | None
+    engine_hashes: array          # array('Q')
+    local_hashes: array | None    # array('Q'); None when ``tokens`` is set
+    tokens: array | None          # array('I') hashed with ``block_size`` by the index
+    block_size: int
+
+
+def _u64_array(values: list[int] | None, what: str) -> array:
+    if not values:
+        return array("Q")
+    try:
+        return array("Q", values)
+    except OverflowError:
+        return array("Q", [to_u64(v, what) for v in values])
+
+
+def _u32_tokens(values: list[int]) -> array:
+    try:
+        return array("I", values)
+    except OverflowError:
+        for v in values:
+            to_u64(v, "token id")  # range check: [-2**63, 2**64)
+        return array("I", [v & U32_MAX for v in values])
+
+
+def _merged_payload(ev: KvCacheEvent) -> EventPayload:
+    """The event's payload: the flat fields, overridden by a nested ``data`` object.
+
+    ``data`` may be a flat payload object, a Dynamo-style one-key object
+    (``{"stored": {...}}``, ``{"removed": {...}}``) or a type string
+    (``"cleared"``).
+    """
+    data = ev.data
+    if data is None:
+        return ev
+    kind_hint = None
+    if isinstance(data, str):
+        kind_hint, body = data, {}
+    elif isinstance(data, dict):
+        body = data
+        if len(data) == 1:
+            (key, value), = data.items()
+            if isinstance(key, str) and key.lower() in _DYNAMO_KINDS and (
+                    value is None or isinstance(value, dict)):
+                kind_hint, body = key, value or {}
+    else:
+        raise EventError(f"event_id={ev.event_id}: data must be an object or a string")
+    try:
+        inner = msgspec.convert(body, EventPayload)
+    except msgspec.ValidationError as ex:
+        raise EventError(f"event_id={ev.event_id}: invalid data: "
+                         f"{str(ex).replace('`$', '`$.data')}") from None
+    merged = {}
+    for name in _PAYLOAD_FIELDS:
+        value = getattr(inner, name)
+        merged[name] = value if value != _PAYLOAD_DEFAULTS[name] else getattr(ev, name)
+    payload = EventPayload(**merged)
+    if kind_hint and not payload.kind_name():
+        payload.event_type = kind_hint
+    return payload
+
+
+def _event_kind(ev: KvCacheEvent, payload: EventPayload) -> int:
+    name = payload.kind_name()
+    low = name.lower()
+    if "removed" in low:
+        return REMOVED
+    if "stored" in low:
+        return STORED
+    if "cleared" in low:
+        return CLEARED
+    if not name:
+        raise EventError(f"event_id={ev.event_id}: missing event type "
+                         "(event_type/type: BlockStored, BlockRemoved or AllBlocksCleared)")
+    # NOTE: fix of 10.1 #2: an unrecognised type is rejected, never applied as a Clear.
+    raise EventError(f"event_id={ev.event_id}: unknown event type {name!r} "
+                     "(expected BlockStored, BlockRemoved or AllBlocksCleared)")
+
+
+def normalize_event(ev: KvCacheEvent) -> EventOp:
+    """Validate one event and turn it into an :class:`EventOp`. Raises :class:`EventError`."""
+    if ev.event_id > 0xFFFFFFFFFFFFFFFF:
+        raise EventError(f"event_id {ev.event_id} is out of range (u64 expected)")
+    payload = _merged_payload(ev)
+    kind = _event_kind(ev, payload)
+    try:
+        parent = payload.parent()
+        blocks = payload.blocks or []
+        tokens = None
+        local = None
+        if kind == STORED:
+            if blocks:
+                engine = _u64_array([b.block_hash for b in blocks], "block_hash")
+                local = _u64_array([b.tokens_hash for b in blocks], "tokens_hash")
+            elif payload.token_ids and payload.block_size > 0:
+                engine = _u64_array(payload.block_hashes, "block_hashes")
+                tokens = _u32_tokens(payload.token_ids)
+            else:
+                # NOTE: pool-style fallback of the reference: tokens_hash = block_hash.
+                engine = _u64_array((payload.seq_hashes or []) + (payload.block_hashes or []),
+                                    "block_hashes")
+                local = engine
+        elif kind == REMOVED:
+            engine = _u64_array((payload.seq_hashes or []) + (payload.block_hashes or [])
+                                + [b.block_hash for b in blocks], "block_hashes")
+        else:
+            engine = array("Q")
+    except WireValueError as ex:
+        raise EventError(f"event_id={ev.event_id}: {ex}") from None
+    return EventOp(kind, ev.event_id, ev.dp_rank, payload.backend_id or None,
+                   parse_medium(payload.medium), parent, engine, local, tokens,
+                   payload.block_size)
+
+
+def normalize_events(batch: KvEventBatch) -> list[EventOp]:
+    """Validate every event of a batch (all or nothing), stably sorted by dp_rank."""
+    ops = [normalize_event(ev) for ev in batch.events or ()]
+    ops.sort(key=lambda op: op.dp_rank)
+    return ops
+
+
+def _error_text(ex: IndexError_) -> str:
+    """The reference's message of an index error (contract 2.8); details go to the log."""
+    if isinstance(ex, ParentBlockNotFound):
+        return "parent block not found"
+    if isinstance(ex, InvalidBlockSequence):
+        return "invalid block sequence"
+    return str(ex)
+
+
+class EventsOutcome(NamedTuple):
+    applied: int
+    errors: list[str]
+
+
+# ---------------------------------------------------------------------------------------
+# Subscriptions
+# ---------------------------------------------------------------------------------------
+
+class NullSubscriptions:
+    """Stand-in for ``SubscriptionManager`` when the ZMQ subscriber is unavailable.
+
+    Remembers subscriptions so ``/workers.sources`` shows them (state
+    ``"disabled"``) but opens no socket; only ``/events`` feeds the index.
+    """
+
+    def __init__(self, thread: IngestThread, conductor: "Conductor") -> None:
+        self._subs: dict[tuple[str, int, str], SubscriberContext] = {}
+
+    def subscribe(self, ctx: SubscriberContext) -> None:
+        self._subs[(ctx.instance_id, ctx.dp_rank, ctx.url)] = ctx
+
+    def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
+        keys = [k for k in self._subs if k[0] == instance_id and k[1] == dp_rank]
+        for k in keys:
+            del self._subs[k]
+        return len(keys)
+
+    def request_replay(self, ctx: SubscriberContext) -> None:
+        log.warning("replay not available (no subscriber) instance_id=%s replay_endpoint=%s",
+                    ctx.instance_id, ctx.replay_endpoint)
+
+    def sources(self) -> list[dict]:
+        return [{"instance_id": c.instance_id, "dp_rank": c.dp_rank, "url": c.url,
+                 "media": [m.display for m in c.default_media], "state": "disabled"}
+                for c in self._subs.values()]
+
+    def close(self) -> None:
+        self._subs.clear()
+
+
+def _default_subscriptions(thread: IngestThread, conductor: "Conductor"):
+    try:
+        from kvconductor.ingest.subscriber import SubscriptionManager
+    except ImportError as ex:
+        log.warning("ZMQ subscriptions unavailable (%s); only /events feeds the index", ex)
+        return NullSubscriptions(thread, conductor)
+    return SubscriptionManager(thread, conductor)
+
+
+# ---------------------------------------------------------------------------------------
+# The conductor
+# ---------------------------------------------------------------------------------------
+
+class Conductor:
+    """Registry, indexes per (model, tenant), the ingest thread and the maintenance timer.
+
+    Methods documented "ingest thread" must run there (``await self.run(fn,
+    ...)`` from async code, ``self.call(fn, ...)`` from plain threads).
+    """
+
+    def __init__(self, config: ConductorConfig | None = None, *,
+                 thread: IngestThread | None = None,
+                 subscriptions: Callable[[IngestThread, "Conductor"], Any] | None = None) -> None:
+        self.config = config or ConductorConfig()
+        self.thread = thread or IngestThread()
+        self.registry = Registry()
+        #: (model, tenant) -> Index. Mutated on the ingest thread; read anywhere.
+        self.indexes: dict[tuple[str, str], Index] = {}
+        self.subs: Any = None
+        self._subs_factory = subscriptions or _default_subscriptions
+        self._started = False
+        self._stopped = False
+        self._stopping = False
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Sweeps run so far (for tests and /workers).
+        self.maintenance_runs = 0
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the ingest thread, the subscription manager and the maintenance timer."""
+        if self._started:
+            return
+        self._started = True
+        if not self.thread.is_alive():
+            self.thread.start()
+        self.thread.call(self._start_on_thread)
+
+    def _start_on_thread(self) -> None:
+        self.subs = self._subs_factory(self.thread, self)
+        self.thread.call_later(self.interval, self._maintenance_tick)
+
+    @property
+    def interval(self) -> float:
+        """Effective maintenance period: ``max(1, n)`` seconds (contract 1.1)."""
+        return max(1.0, float(self.config.maintenance_interval))
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Close subscriptions, stop the ingest thread; True when it exited in time."""
+        if self._stopped:
+            return True
+        self._stopped = True
+        ok = True
+        if self._started and self.thread.is_alive():
+            deadline = time.monotonic() + timeout
+            try:
+                self.thread.call(self._stop_on_thread, timeout=timeout)
+            except Exception:  # noqa: BLE001 - shutdown must go on
+                log.exception("closing subscriptions failed")
+            ok = self.thread.stop(max(0.1, deadline - time.monotonic()))
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        return ok
+
+    def _stop_on_thread(self) -> None:
+        self._stopping = True
+        if self.subs is not None:
+            self.subs.close()
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Await ``fn(*args)`` on the ingest thread."""
+        return await self.thread.run(fn, *args)
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = 30.0) -> Any:
+        """Run ``fn(*args)`` on the ingest thread and wait (plain threads, tests)."""
+        return self.thread.call(fn, *args, timeout=timeout)
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Worker threads for large queries (created on first use)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, self.config.query_threads), thread_name_prefix="kv-query")
+        return self._executor
+
+    # -- readers (any thread) ------------------------------------------------------------------
+    def get_index(self, model: str, tenant: str) -> Index | None:
+        """The index of (model, tenant), or None (query: 404)."""
+        return self.indexes.get((model, tenant))
+
+    # -- callbacks for subscribers (ingest thread) ------------------------------------------------
+    def get_or_create_index(self, model: str, tenant: str) -> Index:
+        """The index of (model, tenant), created on first use (ingest thread)."""
+        key = (model, tenant)
+        idx = self.indexes.get(key)
+        if idx is None:
+            idx = self.indexes[key] = Index(model, tenant, impl=self.config.index_impl)
+            log.debug("indexer created model=%s tenant=%s", model, tenant)
+        return idx
+
+    def hbm_ip_lookup(self, ip: str) -> list[tuple[str, int]]:
+        """(instance_id, dp_rank) pairs registered with HBM endpoints on ``ip``."""
+        return self.registry.hbm_ip_lookup(ip)
+
+    def instance_info(self, instance_id: str) -> dict[str, Any] | None:
+        """Registered model/tenant/block_size/store_backend/endpoints of an instance."""
+        entry = self.registry.get(instance_id)
+        return None if entry is None else entry.info()
+
+    # -- registration (ingest thread) ---------------------------------------------------------
+    def register(self, req: RegisterRequest) -> None:
+        """Register (or re-register) one DP of an instance (contract 3.4).
+
+        Raises :class:`RegistrationError` (HTTP 400) before changing anything.
+        """
+        log.info("register request instance_id=%s dp_rank=%d type=%s modelname=%s tenant_id=%s "
+                 "block_size=%d store_backend=%s medium_endpoints=%s endpoint=%s "
+                 "replay_endpoint=%s",
+                 req.instance_id, req.dp_rank, req.engine_type, req.modelname,
+                 req.tenant_id or "default", req.block_size, req.store_backend,
+                 req.medium_endpoints or {}, req.endpoint, req.replay_endpoint)
+        out = self.registry.register(req)  # validates before changing anything
+        if out.reregistered:
+            log.info("re-registering existing worker instance_id=%s dp_rank=%d",
+                     req.instance_id, req.dp_rank)
+            # Stop the old subscriptions before new ones start (contract 3.4 step 2).
+            n = self.subs.unsubscribe(req.instance_id, req.dp_rank)
+            log.debug("subscriptions stopped instance_id=%s dp_rank=%d count=%d",
+                      req.instance_id, req.dp_rank, n)
+        for ip in out.ips_removed:
+            if ip not in out.ips_added:
+                log.info("HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
+                         ip, out.instance_id, out.dp_rank)
+        if out.drop_from is not None:
+            old = self.indexes.get(out.drop_from)
+            dropped = old.remove_dp(out.instance_id, out.dp_rank) if old is not None else 0
+            log.info("registration changed; dropped old data instance_id=%s dp_rank=%d "
+                     "model=%s tenant=%s blocks=%d", out.instance_id, out.dp_rank,
+                     out.drop_from[0], out.drop_from[1], dropped)
+        for ip in out.ips_added:
+            log.info("HBM IP indexed for pool auto-attach ip=%s instance_id=%s dp_rank=%d",
+                     ip, out.instance_id, out.dp_rank)
+        for ctx in out.contexts:
+            self.subs.subscribe(ctx)
+        self.get_or_create_index(out.model_name, out.tenant_id)
+        if out.drop_from is not None:
+            self._reclaim(out.drop_from)
+        if out.replay is not None:
+            self.subs.request_replay(out.replay)
+        log.info("worker registered instance_id=%s dp_rank=%d model=%s tenant=%s subscribers=%d "
+                 "is_pool=%s replay=%s", out.instance_id, out.dp_rank, out.model_name,
+                 out.tenant_id, len(out.contexts), out.is_pool, out.replay is not None)
+
+    def unregister(self, req: UnregisterRequest) -> bool:
+        """Unregister one DP (contract 3.5); False when the instance is unknown (404)."""
+        log.info("unregister request instance_id=%s dp_rank=%d", req.instance_id, req.dp_rank)
+        n = self.subs.unsubscribe(req.instance_id, req.dp_rank)
+        out = self.registry.unregister(req.instance_id, req.dp_rank)
+        if not out.found:
+            log.info("unregister: instance not found instance_id=%s", req.instance_id)
+            return False
+        for ip in out.ips_removed:
+            log.info("HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
+                     ip, req.instance_id, req.dp_rank)
+        dropped = 0
+        if out.index_key is not None:
+            idx = self.indexes.get(out.index_key)
+            if idx is not None:
+                dropped = idx.remove_dp(req.instance_id, req.dp_rank)
+            self._reclaim(out.index_key)
+        log.info("worker unregistered instance_id=%s dp_rank=%d subscribers_stopped=%d blocks=%d "
+                 "instance_removed=%s", req.instance_id, req.dp_rank, n, dropped,
+                 out.instance_removed)
+        return True
+
+    def _reclaim(self, key: tuple[str, str]) -> bool:
+        """Drop the index of ``key`` if it is empty and no registration refers to it."""
+        idx = self.indexes.get(key)
+        if idx is None or key in self.registry.protected() or not idx.is_empty():
+            return False
+        del self.indexes[key]
+        log.debug("indexer removed model=%s tenant=%s", key[0], key[1])
+        return True
+
+    # -- /events (ingest thread) --------------------------------------------------------------
+    def apply_events(self, batch: KvEventBatch, ops: list[EventOp]) -> EventsOutcome:
+        """Apply validated events per dp_rank group (contract 2.6).
+
+        A failing group stops at its first error and contributes 0 to the
+        applied count; other groups still apply.
+        """
+        if batch.shutdown:
+            log.info("shutdown flag set in events batch instance_id=%s", batch.instance_id)
+        entry = self.registry.get(batch.instance_id)
+        applied = 0
+        errors: list[str] = []
+        i = 0
+        while i < len(ops):
+            dp = ops[i].dp_rank
+            j = i
+            while j < len(ops) and ops[j].dp_rank == dp:
+                j += 1
+            group = ops[i:j]
+            i = j
+            model = batch.model_name or None
+            tenant = batch.tenant_id or None
+            if entry is not None:
+                ep = entry.endpoints.get(dp)
+                model = model or (ep.model_name if ep else entry.model_name)
+                tenant = tenant or (ep.tenant_id if ep else entry.tenant_id)
+            if model is None:
+                errors.append(f"dp_rank={dp}: instance {batch.instance_id} not found")
+                continue
+            idx = self.get_or_create_index(model, tenant or "default")
+            try:
+                for op in group:
+                    self._apply_op(idx, batch.instance_id, op)
+            except IndexError_ as ex:
+                log.debug("event group failed instance_id=%s dp_rank=%d detail=%s",
+                          batch.instance_id, dp, ex)
+                errors.append(f"dp_rank={dp}: {_error_text(ex)}")
+                continue
+            except Exception as ex:  # noqa: BLE001 - reported, never fatal to the thread
+                log.exception("failed to apply events instance_id=%s dp_rank=%d",
+                              batch.instance_id, dp)
+                errors.append(f"dp_rank={dp}: internal error: {ex}")
+                continue
+            applied += len(group)
+        if errors:
+            log.warning("failed to apply events instance_id=%s applied=%d errors=%s",
+                        batch.instance_id, applied, errors)
+        return EventsOutcome(applied, errors)
+
+    @staticmethod
+    def _apply_op(idx: Index, instance_id: str, op: EventOp) -> None:
+        key = WorkerKey(instance_id, op.backend_id or instance_id, op.dp_rank, op.medium)
+        if op.kind == STORED:
+            if op.tokens is not None:
+                idx.store_tokens(key, op.parent, op.engine_hashes, op.tokens, op.block_size)
+            else:
+                idx.store(key, op.parent, op.engine_hashes, op.local_hashes)
+        elif op.kind == REMOVED:
+            idx.remove(key, op.engine_hashes)
+        else:
+            idx.clear(key)
+
+    # -- maintenance (ingest thread) ------------------------------------------------------------
+    def _maintenance_tick(self) -> None:
+        if self._stopping:
+            return
+        try:
+            self.maintenance()
+        finally:
+            if not self._stopping:
+                self.thread.call_later(self.interval, self._maintenance_tick)
+
+    def maintenance(self, now: float | None = None) -> int:
+        """TTL sweeps on every index, then reclaim empty unprotected ones (contract 7)."""
+        now = time.monotonic() if now is None else now
+        cfg = self.config
+        pruned = 0
+        for idx in list(self.indexes.values()):
+            pruned += idx.maintenance(now, cfg.pending_ttl, cfg.content_ttl, cfg.offload_ttl)
+        protected = self.registry.protected()
+        reclaimed = 0
+        for key, idx in list(self.indexes.items()):
+            if key not in protected and idx.is_empty():
+                del self.indexes[key]
+                reclaimed += 1
+        self.maintenance_runs += 1
+        log.debug("cache maintenance completed pruned=%d reclaimed=%d indexers=%d",
+                  pruned, reclaimed, len(self.indexes))
+        return pruned + reclaimed
+
+    # -- introspection (ingest thread) ------------------------------------------------------------
+    def workers(self) -> dict[str, Any]:
+        """``GET /workers``: registrations, per-index summaries, subscription sources."""
+        return {
+            "workers": self.registry.snapshot(),
+            "indexer": [self.indexes[k].summary() for k in sorted(self.indexes)],
+            "sources": self.subs.sources() if self.subs is not None else [],
+        }

@@ -1,0 +1,234 @@
+"""Request parsing and response encoding of ``/query`` and ``/query_by_hash``.
+
+Two implementations with identical results:
+
+* ``kvconductor._wire`` (compiled, written separately): parses token ids
+  straight into a C buffer, never building a Python list of ints;
+* the msgspec fallback in this module (:func:`py_parse_query`,
+  :func:`py_encode_result`), always importable for differential tests.
+
+:func:`parse_query` and :func:`encode_result` pick the compiled one when it
+imports (set ``KVCONDUCTOR_NO_EXTENSIONS=1`` or ``KVCONDUCTOR_WIRE=py`` to
+force the fallback) and add the checks common to both.
+
+Accepted request shapes (contract 2.4/2.5):
+
+* a map ``{"model", "block_size", "token_ids" | "block_hashes", "tenant_id"?}``
+  (JSON object or MessagePack map); ``block_size`` may be omitted on
+  ``/query_by_hash`` (it is ignored there);
+* on MessagePack also the positional array
+  ``[model, block_size, token_ids | block_hashes, tenant_id?]``.
+
+``token_ids`` items are i64 integers truncated to u32; on
+MessagePack they may also be one bin of little-endian u32 (packed tokens).
+``block_hashes`` items are u64 (LocalBlockHash values, contract 5.5).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from array import array
+from collections.abc import Sequence
+
+import msgspec
+
+from kvconductor.schema import I64_MAX, I64_MIN, U32, U32_MAX
+
+__all__ = [
+    "IMPL", "WireError", "encode_error", "encode_result", "is_msgpack_content_type",
+    "parse_query", "py_encode_error", "py_encode_result", "py_parse_query",
+]
+
+MSGPACK_CONTENT_TYPE = "application/msgpack"
+JSON_CONTENT_TYPE = "application/json"
+_MSGPACK_TYPES = frozenset(("application/msgpack", "application/x-msgpack"))
+_LITTLE = sys.byteorder == "little"
+
+
+class WireError(ValueError):
+    """A malformed query body; the message is the detail after the encoding prefix."""
+
+
+def is_msgpack_content_type(content_type: str | None) -> bool:
+    """True for ``application/msgpack`` / ``application/x-msgpack`` (params and case ignored)."""
+    if not content_type:
+        return False
+    return content_type.split(";", 1)[0].strip().lower() in _MSGPACK_TYPES
+
+
+# ---------------------------------------------------------------------------------------
+# Pure-Python (msgspec) implementation
+# ---------------------------------------------------------------------------------------
+
+class _TokensMap(msgspec.Struct):
+    model: str
+    block_size: U32
+    token_ids: msgspec.Raw
+    tenant_id: str | None = "default"
+
+
+class _TokensArray(_TokensMap, array_like=True):
+    pass
+
+
+class _HashesMap(msgspec.Struct, kw_only=True):
+    model: str
+    block_size: U32 = 0
+    block_hashes: msgspec.Raw
+    tenant_id: str | None = "default"
+
+
+class _HashesArray(msgspec.Struct, array_like=True):
+    model: str
+    block_size: U32
+    block_hashes: msgspec.Raw
+    tenant_id: str | None = "default"
+
+
+_JSON = {False: msgspec.json.Decoder(_TokensMap), True: msgspec.json.Decoder(_HashesMap)}
+_MSGPACK = {
+    (False, False): msgspec.msgpack.Decoder(_TokensMap),
+    (False, True): msgspec.msgpack.Decoder(_TokensArray),
+    (True, False): msgspec.msgpack.Decoder(_HashesMap),
+    (True, True): msgspec.msgpack.Decoder(_HashesArray),
+}
+_JSON_INTS = msgspec.json.Decoder(list[int])
+_MSGPACK_INTS = msgspec.msgpack.Decoder(list[int])
+_MSGPACK_TOKENS = msgspec.msgpack.Decoder(list[int] | bytes)
+_JSON_ENCODE = msgspec.json.Encoder().encode
+_MSGPACK_ENCODE = msgspec.msgpack.Encoder().encode
+
+
+def _is_msgpack_array(body: bytes) -> bool:
+    return bool(body) and (0x90 <= body[0] <= 0x9F or body[0] in (0xDC, 0xDD))
+
+
+def _decode_ints(raw: msgspec.Raw, msgpack: bool, field: str) -> list[int] | bytes:
+    if not msgpack:
+        decoder = _JSON_INTS
+    else:
+        decoder = _MSGPACK_TOKENS if field == "token_ids" else _MSGPACK_INTS
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as ex:
+        raise WireError(str(ex).replace("`$", f"`$.{field}")) from None
+
+
+def _tokens_u32(values: list[int] | bytes) -> array:
+    if isinstance(values, bytes):
+        if len(values) % 4:
+            raise WireError(f"token_ids bin length {len(values)} is not a multiple of 4")
+        out = array("I")
+        out.frombytes(values)
+        if not _LITTLE:
+            out.byteswap()
+        return out
+    if values and (min(values) < I64_MIN or max(values) > I64_MAX):
+        raise WireError("token_ids: integer out of range (i64 expected)")
+    try:
+        return array("I", values)
+    except OverflowError:
+        # NOTE: negative or > u32 ids keep their low 32 bits (contract 5.1).
+        return array("I", [t & U32_MAX for t in values])
+
+
+def _hashes_u64(values: list[int]) -> array:
+    try:
+        return array("Q", values)
+    except OverflowError:
+        raise WireError("block_hashes: integer out of range (u64 expected)") from None
+
+
+def py_parse_query(body: bytes, msgpack: bool, by_hash: bool) -> tuple[str, int, str, array]:
+    """Parse a query body into ``(model, block_size, tenant, values)`` with msgspec.
+
+    ``values`` is ``array('I')`` of u32-truncated token ids, or ``array('Q')``
+    of hashes when ``by_hash``. Raises :class:`WireError`.
+    """
+    if msgpack:
+        decoder = _MSGPACK[by_hash, _is_msgpack_array(body)]
+    else:
+        decoder = _JSON[by_hash]
+    try:
+        req = decoder.decode(body)
+    except msgspec.DecodeError as ex:
+        raise WireError(str(ex)) from None
+    if by_hash:
+        values = _hashes_u64(_decode_ints(req.block_hashes, msgpack, "block_hashes"))
+    else:
+        values = _tokens_u32(_decode_ints(req.token_ids, msgpack, "token_ids"))
+    return req.model, req.block_size, req.tenant_id or "default", values
+
+
+def _result_dict(hits: Sequence, tenant: str, block_size: int) -> dict:
+    # NOTE: mirrors kvconductor.index.QueryResult.to_dict without importing the index.
+    out: dict = {}
+    for h in hits:
+        matched = min((h.npu_blocks + h.cpu_blocks + h.disk_blocks) * block_size, U32_MAX)
+        inst = out.get(h.instance_id)
+        if inst is None:
+            inst = out[h.instance_id] = {"longest_matched": 0, "DP": {}}
+        inst["DP"][str(h.dp_rank)] = {
+            "matched_tokens": matched,
+            "npu_blocks": min(h.npu_blocks, U32_MAX),
+            "cpu_blocks": min(h.cpu_blocks, U32_MAX),
+            "disk_blocks": min(h.disk_blocks, U32_MAX),
+        }
+        if matched > inst["longest_matched"]:
+            inst["longest_matched"] = matched
+    return {tenant: out}
+
+
+def py_encode_result(hits: Sequence, tenant: str, block_size: int, msgpack: bool) -> bytes:
+    """Encode ``QueryResult.to_dict(tenant, block_size)`` as JSON or MessagePack."""
+    doc = _result_dict(hits, tenant, block_size)
+    return _MSGPACK_ENCODE(doc) if msgpack else _JSON_ENCODE(doc)
+
+
+def py_encode_error(message: str, msgpack: bool) -> bytes:
+    """``{"error": message}`` as JSON or MessagePack."""
+    doc = {"error": message}
+    return _MSGPACK_ENCODE(doc) if msgpack else _JSON_ENCODE(doc)
+
+
+# ---------------------------------------------------------------------------------------
+# Implementation selection
+# ---------------------------------------------------------------------------------------
+
+def _load_compiled():
+    if os.environ.get("KVCONDUCTOR_NO_EXTENSIONS") or os.environ.get("KVCONDUCTOR_WIRE") == "py":
+        return None
+    try:
+        from kvconductor import _wire
+    except ImportError:
+        return None
+    if not (hasattr(_wire, "parse_query") and hasattr(_wire, "encode_result")):
+        return None
+    return _wire
+
+
+_compiled = _load_compiled()
+#: ``"c"`` when the compiled parser is in use, else ``"py"``.
+IMPL = "py" if _compiled is None else "c"
+_parse_impl = py_parse_query if _compiled is None else _compiled.parse_query
+encode_result = py_encode_result if _compiled is None else _compiled.encode_result
+encode_error = getattr(_compiled, "encode_error", py_encode_error)
+
+
+def parse_query(body: bytes, msgpack: bool, by_hash: bool) -> tuple[str, int, str, array]:
+    """Parse a ``/query`` (or ``/query_by_hash``) body; see :func:`py_parse_query`.
+
+    Also enforces ``block_size`` in ``[1, 2**32)`` for ``/query`` and in
+    ``[0, 2**32)`` for ``/query_by_hash`` (where it is ignored).
+    """
+    try:
+        model, block_size, tenant, values = _parse_impl(body, msgpack, by_hash)
+    except WireError:
+        raise
+    except (ValueError, TypeError, OverflowError) as ex:
+        raise WireError(str(ex)) from None
+    if not 0 <= block_size <= U32_MAX:
+        raise WireError(f"block_size {block_size} is out of range (u32 expected)")
+    if block_size < 1 and not by_hash:
+        raise WireError("block_size must be >= 1")
+    return model, block_size, tenant, values

@@ -1,0 +1,439 @@
+"""Differential tests: the compiled core against its pure-Python twins.
+
+Hypothesis rule-based machines drive one compiled and one pure-Python object
+with the same random interleaving of mutations and queries, over small
+alphabets of engine hashes, local hashes and token blocks so that prefixes are
+shared, engine hashes move between nodes and edges collide. Every step compares
+the answers (return values or exception types); after every step the
+introspection (stats without nbytes, worker_blocks of every worker, a few fixed
+matches) must agree and the twin's own structural invariants must hold.
+
+Some rules draw from the twin's current state (blocks a worker holds, hashes in
+the two-phase maps) so that removals hit, chains extend held blocks and engine
+hashes get re-announced elsewhere; uniform random hashes alone rarely do.
+"""
+from __future__ import annotations
+
+from array import array
+
+import pytest
+
+pytest.importorskip("kvconductor._index")
+pytest.importorskip("kvconductor._tree")
+pytest.importorskip("kvconductor._lower")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+from kvconductor import _index, _lower, _tree  # noqa: E402
+from kvconductor._hash import hash_blocks  # noqa: E402
+from kvconductor._py import index as py_index  # noqa: E402
+from kvconductor._py import lower as py_lower  # noqa: E402
+from kvconductor._py import tree as py_tree  # noqa: E402
+
+U64_MAX = 2**64 - 1
+
+SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+# Engine hashes include 0 and 2**64-1 (sentinel-prone values in C hash maps).
+SEQ_VALUES = [0, 1, 2, 3, 4, 5, 6, 7, U64_MAX]
+SEQ = st.sampled_from(SEQ_VALUES)
+PARENT = st.one_of(st.none(), SEQ)
+SEQS = st.lists(SEQ, max_size=4)
+
+# Token blocks of block size 2 over the tokens {0, 1}: 4 full blocks; their hashes
+# (plus 0) are the local-hash alphabet, so token and hash paths land on the same edges.
+BS = 2
+TOKEN_BLOCK_HASHES = list(hash_blocks([0, 0, 0, 1, 1, 0, 1, 1], BS))
+LOCAL = st.sampled_from(TOKEN_BLOCK_HASHES + [0])
+LOCALS = st.lists(LOCAL, max_size=4)
+CHAIN = st.lists(st.tuples(SEQ, LOCAL), min_size=1, max_size=4)   # (seq, local) per block
+QUERY = st.lists(LOCAL, max_size=6)
+TOKENS = st.lists(st.sampled_from([0, 1]), max_size=9)   # odd lengths: partial blocks
+BUF = st.booleans()                                     # pass a u64 buffer instead of a list
+
+# Fixed queries checked after every step.
+A_, B_, C_, D_ = TOKEN_BLOCK_HASHES
+FIXED_QUERIES = [[A_, B_, C_, D_], [A_, A_, A_, A_], [B_, A_, B_, A_], [A_, B_, 0, D_, C_],
+                 [0, A_, B_], [D_, C_, B_, A_], [C_, D_, A_, B_]]
+
+
+def buf(values, as_buffer: bool):
+    return array("Q", values) if as_buffer else list(values)
+
+
+def split(chain):
+    return [s for s, _ in chain], [t for _, t in chain]
+
+
+def outcome(fn, *args):
+    """("ok", normalised result) or ("err", exception type name)."""
+    try:
+        r = fn(*args)
+    except Exception as ex:   # noqa: BLE001 - the type itself is compared
+        return ("err", type(ex).__name__)
+    if isinstance(r, list):
+        r = [tuple(x) for x in r]
+    elif isinstance(r, tuple):
+        r = tuple(r)
+    return ("ok", r)
+
+
+class _Pair(RuleBasedStateMachine):
+    """Calls the same method on ``self.c`` and ``self.py`` and compares."""
+
+    c = py = None
+
+    def both(self, name, *args):
+        got_c = outcome(getattr(self.c, name), *args)
+        got_py = outcome(getattr(self.py, name), *args)
+        assert got_c == got_py, f"{name}{args}: C {got_c} != py {got_py}"
+        return got_py
+
+    def held(self, w) -> list[int]:
+        """Engine hashes ``w`` holds, from the twin."""
+        return sorted(self.py._rev.get(w, {}))
+
+
+# -- RadixTree -----------------------------------------------------------------------------------
+
+TREE_NW = 4
+TREE_WORKERS = st.integers(0, TREE_NW - 1)
+
+
+class TreeMachine(_Pair):
+    def __init__(self):
+        super().__init__()
+        self.c = _tree.RadixTree()
+        self.py = py_tree.RadixTree()
+
+    @rule(w=TREE_WORKERS, parent=PARENT, chain=CHAIN, b=BUF)
+    def store(self, w, parent, chain, b):
+        seqs, locs = split(chain)
+        self.both("store", w, parent, buf(seqs, b), buf(locs, b))
+
+    @rule(w=TREE_WORKERS, parent=PARENT, seqs=SEQS, locs=LOCALS)
+    def store_ragged(self, w, parent, seqs, locs):
+        self.both("store", w, parent, seqs, locs)
+
+    @rule(w=TREE_WORKERS, data=st.data(), chain=CHAIN)
+    def store_under_held(self, w, data, chain):
+        held = self.held(w)
+        parent = data.draw(st.sampled_from(held)) if held else None
+        self.both("store", w, parent, *split(chain))
+
+    @rule(w=TREE_WORKERS, data=st.data())
+    def store_moving_held(self, w, data):
+        # re-announce held engine hashes at other places: members move, nodes prune
+        held = self.held(w)
+        if not held:
+            return
+        seqs = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3, unique=True))
+        locs = data.draw(st.lists(LOCAL, min_size=len(seqs), max_size=len(seqs)))
+        parent = data.draw(st.one_of(st.none(), st.sampled_from(held)))
+        self.both("store", w, parent, seqs, locs)
+
+    @rule(w=TREE_WORKERS, data=st.data())
+    def store_at_existing_node(self, w, data):
+        # a chain through an existing node X (often memberless, or another worker's),
+        # from a parent the worker holds on X's parent, reusing held engine hashes
+        nodes = []
+        stack = [self.py._root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            nodes.append(n)
+        nodes = sorted(nodes[1:], key=lambda n: (n.local, sorted(n.members.items())))
+        if not nodes:
+            return
+        x = nodes[data.draw(st.integers(0, len(nodes) - 1), label="node")]
+        if x.parent is self.py._root:
+            parent = None
+        elif w in x.parent.members:
+            parent = x.parent.members[w]
+        else:
+            return
+        seq_pool = st.sampled_from(self.held(w) + SEQ_VALUES)
+        seqs = data.draw(st.lists(seq_pool, min_size=1, max_size=3, unique=True))
+        locs = [x.local] + data.draw(st.lists(LOCAL, min_size=len(seqs) - 1,
+                                              max_size=len(seqs) - 1))
+        self.both("store", w, parent, seqs, locs)
+
+    @rule(w=TREE_WORKERS, data=st.data())
+    def move_held_to_ancestor(self, w, data):
+        # re-announce a held block at the position of one of its ancestors (shorter
+        # prefix); with interior removals the ancestor is often memberless
+        rev = self.py._rev.get(w, {})
+        held = [s for s in sorted(rev) if rev[s].parent is not self.py._root]
+        if not held:
+            return
+        s = data.draw(st.sampled_from(held))
+        ancestors = []
+        a = rev[s].parent
+        while a is not self.py._root:
+            ancestors.append(a)
+            a = a.parent
+        x = ancestors[data.draw(st.integers(0, len(ancestors) - 1), label="ancestor")]
+        if x.parent is self.py._root:
+            parent = None
+        elif w in x.parent.members:
+            parent = x.parent.members[w]
+        else:
+            return
+        self.both("store", w, parent, [s], [x.local])
+
+    @rule(w=TREE_WORKERS, hashes=SEQS, b=BUF)
+    def remove(self, w, hashes, b):
+        self.both("remove", w, buf(hashes, b))
+
+    @rule(w=TREE_WORKERS, data=st.data())
+    def remove_held(self, w, data):
+        held = self.held(w)
+        if held:
+            self.both("remove", w, data.draw(st.lists(st.sampled_from(held), min_size=1,
+                                                      max_size=3)))
+
+    @rule(w=TREE_WORKERS)
+    def clear(self, w):
+        self.both("clear", w)
+
+    @rule(q=QUERY, b=BUF)
+    def match(self, q, b):
+        self.both("match", buf(q, b))
+
+    @invariant()
+    def agree(self):
+        self.both("sweep")
+        assert (self.c.num_nodes, self.c.num_pairs) == (self.py.num_nodes, self.py.num_pairs)
+        for w in range(TREE_NW + 1):
+            assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w
+        for q in FIXED_QUERIES:
+            assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
+        self.py._check_invariants()
+
+
+TestTreeDifferential = TreeMachine.TestCase
+TestTreeDifferential.settings = SETTINGS
+
+
+# -- LowerTier -----------------------------------------------------------------------------------
+
+LOWER_NW = 4
+LOWER_WORKERS = st.integers(0, LOWER_NW - 1)
+
+
+class LowerMachine(_Pair):
+    def __init__(self):
+        super().__init__()
+        self.c = _lower.LowerTier()
+        self.py = py_lower.LowerTier()
+
+    @rule(w=LOWER_WORKERS, parent=PARENT, chain=CHAIN, b=BUF)
+    def store(self, w, parent, chain, b):
+        seqs, locs = split(chain)
+        self.both("store", w, parent, buf(seqs, b), buf(locs, b))
+
+    @rule(w=LOWER_WORKERS, parent=PARENT, seqs=SEQS, locs=LOCALS)
+    def store_ragged(self, w, parent, seqs, locs):
+        self.both("store", w, parent, seqs, locs)
+
+    @rule(w=LOWER_WORKERS, data=st.data(), chain=CHAIN)
+    def store_under_held(self, w, data, chain):
+        held = self.held(data.draw(LOWER_WORKERS))      # anyone's block as the parent
+        parent = data.draw(st.sampled_from(held)) if held else None
+        self.both("store", w, parent, *split(chain))
+
+    @rule(w=LOWER_WORKERS, data=st.data())
+    def store_moving_held(self, w, data):
+        # a held engine hash under another key: the chain-stop rule
+        held = self.held(w)
+        if not held:
+            return
+        seqs = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3))
+        locs = data.draw(st.lists(LOCAL, min_size=len(seqs), max_size=len(seqs)))
+        self.both("store", w, data.draw(PARENT), seqs, locs)
+
+    @rule(w=LOWER_WORKERS, hashes=SEQS, b=BUF)
+    def remove(self, w, hashes, b):
+        self.both("remove", w, buf(hashes, b))
+
+    @rule(w=LOWER_WORKERS, data=st.data())
+    def remove_held(self, w, data):
+        held = self.held(w)
+        if held:
+            self.both("remove", w, data.draw(st.lists(st.sampled_from(held), min_size=1,
+                                                      max_size=3)))
+
+    @rule(w=LOWER_WORKERS)
+    def clear(self, w):
+        self.both("clear", w)
+
+    @rule(w=LOWER_WORKERS, q=QUERY, start=st.integers(0, 4), parent=PARENT, b=BUF)
+    def walk(self, w, q, start, parent, b):
+        self.both("walk", w, buf(q, b), start, parent)
+
+    @rule(h=SEQ)
+    def lookup_block(self, h):
+        self.both("lookup_block", h)
+
+    @invariant()
+    def agree(self):
+        assert (self.c.total_blocks, self.c.num_edges) == (self.py.total_blocks,
+                                                           self.py.num_edges)
+        for w in range(LOWER_NW + 1):
+            assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w
+            for q in FIXED_QUERIES:
+                for start, parent in ((0, None), (1, 1), (2, 0)):
+                    got = tuple(self.c.walk(w, q, start, parent))
+                    assert got == self.py.walk(w, q, start, parent), (w, q, start, parent)
+        for h in SEQ_VALUES:
+            c = self.c.lookup_block(h)
+            assert (None if c is None else tuple(c)) == self.py.lookup_block(h), h
+        self.py._check_invariants()
+
+
+TestLowerDifferential = LowerMachine.TestCase
+TestLowerDifferential.settings = SETTINGS
+
+
+# -- CoreIndex -----------------------------------------------------------------------------------
+
+# 8 workers, 4 groups, all three tiers: (group, tier)
+CORE_WORKERS = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 1), (2, 2), (3, 0)]
+CORE_W = st.integers(0, len(CORE_WORKERS) - 1)
+TTL = st.sampled_from([0.0, 1.0, 2.0, 5.0, 1000.0])
+
+
+class CoreMachine(_Pair):
+    def __init__(self):
+        super().__init__()
+        self.c = _index.CoreIndex()
+        self.py = py_index.CoreIndex()
+        for w, (g, tier) in enumerate(CORE_WORKERS):
+            self.c.set_worker(w, g, tier)
+            self.py.set_worker(w, g, tier)
+        self.now = 0.0
+
+    def held(self, w):
+        tier = CORE_WORKERS[w][1]
+        t = self.py._tree if tier == 0 else self.py._tiers[tier]
+        return sorted(t._rev.get(w, {}))
+
+    def in_flight(self):
+        return sorted(set(self.py._offload) | set(self.py._content) | set(self.py._pending))
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 3.0]))
+    def tick(self, dt):
+        self.now += dt
+
+    # direct stores / removals
+    @rule(w=CORE_W, parent=PARENT, chain=CHAIN, b=BUF)
+    def store(self, w, parent, chain, b):
+        seqs, locs = split(chain)
+        self.both("store", w, parent, buf(seqs, b), buf(locs, b))
+
+    @rule(w=CORE_W, parent=PARENT, seqs=SEQS, locs=LOCALS)
+    def store_ragged(self, w, parent, seqs, locs):
+        self.both("store", w, parent, seqs, locs)
+
+    @rule(w=CORE_W, data=st.data(), chain=CHAIN)
+    def store_under_held(self, w, data, chain):
+        held = self.held(data.draw(CORE_W))            # often another tier's block
+        parent = data.draw(st.sampled_from(held)) if held else None
+        self.both("store", w, parent, *split(chain))
+
+    @rule(w=CORE_W, data=st.data(), seqs=st.lists(SEQ, min_size=1, max_size=4),
+          tokens=TOKENS, tb=BUF)
+    def store_tokens(self, w, data, seqs, tokens, tb):
+        held = self.held(w)
+        parent = data.draw(st.one_of(st.none(), st.sampled_from(held))) if held else None
+        toks = array("I", tokens) if tb else tokens
+        self.both("store_tokens", w, parent, seqs, toks, BS)
+
+    @rule(w=CORE_W, hashes=SEQS, b=BUF, op=st.sampled_from(["remove", "evict"]))
+    def remove_or_evict(self, w, hashes, b, op):
+        self.both(op, w, buf(hashes, b))
+
+    @rule(w=CORE_W, data=st.data(), op=st.sampled_from(["remove", "evict"]))
+    def remove_or_evict_held(self, w, data, op):
+        held = self.held(w)
+        if held:
+            self.both(op, w, data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3)))
+
+    @rule(w=CORE_W)
+    def clear(self, w):
+        self.both("clear", w)
+
+    # two-phase
+    @rule(chain=CHAIN, parent=PARENT, b=BUF)
+    def offload(self, chain, parent, b):
+        seqs, locs = split(chain)
+        self.both("offload", buf(seqs, b), buf(locs, b), parent, self.now)
+
+    @rule(w=CORE_W, hashes=SEQS, b=BUF)
+    def pool_store(self, w, hashes, b):
+        self.both("pool_store", w, buf(hashes, b), self.now)
+
+    @rule(w=CORE_W, chain=CHAIN, parent=PARENT)
+    def offload_then_pool(self, w, chain, parent):
+        seqs, locs = split(chain)
+        self.both("offload", seqs, locs, parent, self.now)
+        self.both("pool_store", w, seqs, self.now)
+
+    @rule(ws=st.lists(CORE_W, min_size=1, max_size=3), chain=CHAIN, parent=PARENT)
+    def pool_then_offload(self, ws, chain, parent):
+        seqs, locs = split(chain)
+        for w in ws:
+            self.both("pool_store", w, seqs, self.now)
+        self.both("offload", seqs, locs, parent, self.now)
+
+    @rule(w=CORE_W, data=st.data(), op=st.sampled_from(["pool_store", "evict"]))
+    def two_phase_key_in_flight(self, w, data, op):
+        # confirm or remove hashes that sit in offload / content / pending
+        keys = self.in_flight()
+        if keys:
+            hashes = data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=3))
+            if op == "pool_store":
+                self.both(op, w, hashes, self.now)
+            else:
+                self.both(op, w, hashes)
+
+    @rule(w=CORE_W, data=st.data())
+    def pool_store_held_elsewhere(self, w, data):
+        # promotion: confirm a hash some tier holds (lookup_block / content paths)
+        held = self.held(data.draw(CORE_W))
+        if held:
+            self.both("pool_store", w, data.draw(st.lists(st.sampled_from(held), min_size=1,
+                                                          max_size=3)), self.now)
+
+    @rule(pending=TTL, content=TTL, offload=TTL)
+    def sweep(self, pending, content, offload):
+        self.both("sweep", self.now, pending, content, offload)
+
+    # queries
+    @rule(q=QUERY, b=BUF)
+    def match(self, q, b):
+        self.both("match", buf(q, b))
+
+    @rule(tokens=TOKENS, tb=BUF)
+    def match_tokens(self, tokens, tb):
+        toks = array("I", tokens) if tb else tokens
+        self.both("match_tokens", toks, BS)
+
+    @invariant()
+    def agree(self):
+        sc, sp = dict(self.c.stats()), dict(self.py.stats())
+        sc.pop("nbytes")
+        sp.pop("nbytes")
+        assert sc == sp
+        for w in range(len(CORE_WORKERS)):
+            assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w
+        for q in FIXED_QUERIES:
+            assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
+        self.py._check_invariants()
+
+
+TestCoreDifferential = CoreMachine.TestCase
+TestCoreDifferential.settings = SETTINGS

@@ -1,0 +1,686 @@
+"""CoreIndex and kvconductor.index.Index: contract 6.6, 8.7 (V3 values), 8.8 two-phase,
+maintenance and the V3 response shape, with the fixes of docs/design.md.
+
+All queries use block_size 4 over real token lists hashed with hash_blocks.
+Engine hashes ("seq") are opaque; blocks replicated on several tiers of one
+engine carry the same engine hashes (10.1 #8). Every expected value is worked
+out by hand in the comment above it.
+"""
+import pytest
+
+from kvconductor._hash import hash_blocks
+from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+from kvconductor.index import U32_MAX, DpHit, Index, QueryResult
+from kvconductor.keys import Medium, WorkerKey
+
+BS = 4
+TOK = list(range(1000, 1024))            # 6 full blocks of 4 tokens
+H = list(hash_blocks(TOK, BS))           # their LocalBlockHashes
+E = [11, 12, 13, 14, 15, 16]             # one engine's hashes of those blocks
+TENANT = "default"
+
+
+def toks(first, last=None):
+    """Tokens of blocks [first, last) (or [0, first) with one argument)."""
+    if last is None:
+        first, last = 0, first
+    return TOK[first * BS:last * BS]
+
+
+def key(inst, medium, dp=0, backend=None):
+    return WorkerKey(inst, backend or inst, dp, medium)
+
+
+NPU_A, CPU_A, DISK_A = (key("inst-a", m) for m in (Medium.NPU, Medium.CPU, Medium.DISK))
+NPU_B, CPU_B, DISK_B = (key("inst-b", m) for m in (Medium.NPU, Medium.CPU, Medium.DISK))
+
+
+def dp(npu, cpu, disk, block_size=BS):
+    return {"matched_tokens": (npu + cpu + disk) * block_size,
+            "npu_blocks": npu, "cpu_blocks": cpu, "disk_blocks": disk}
+
+
+def query(ix, nblocks):
+    """The tenant's part of the V3 /query answer for the first ``nblocks`` blocks."""
+    out = ix.query(toks(nblocks), BS).to_dict(TENANT, BS)
+    assert list(out) == [TENANT]
+    return out[TENANT]
+
+
+@pytest.fixture
+def ix(impl):
+    return Index("model", TENANT, impl=impl)
+
+
+# -- contract 8.7 (V3+ expectations) and 6.6 worked examples ----------------------------------
+
+
+def test_indexer_get_or_create_and_query(ix):
+    assert query(ix, 2) == {}
+    assert ix.store_tokens(NPU_A, None, E[:2], toks(2), BS) == 2
+    # 2 HBM blocks -> npu 2, 8 tokens; a longer prompt matches the same 2 blocks
+    expected = {"inst-a": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
+    assert query(ix, 2) == expected
+    assert query(ix, 4) == expected
+
+
+def test_per_tier_aggregation(ix):
+    a0_x = key("inst-a", Medium.NPU, dp=0, backend="x")
+    a0_y = key("inst-a", Medium.NPU, dp=0, backend="y")
+    ix.store_tokens(a0_x, None, E[:2], toks(2), BS)
+    ix.store_tokens(a0_y, None, E[:1], toks(1), BS)
+    ix.store_tokens(key("inst-a", Medium.CPU, dp=1), None, E[:3], toks(3), BS)
+    ix.store_tokens(DISK_B, None, E[:1], toks(1), BS)
+    # inst-a dp0: two HBM workers fold into one DP, max depth 2 -> 8 tokens
+    # inst-a dp1: CPU root chain of 3 -> 12 tokens; longest over the DPs 12
+    # inst-b dp0: Disk root block -> 4 tokens
+    assert query(ix, 4) == {
+        "inst-a": {"longest_matched": 12, "DP": {"0": dp(2, 0, 0), "1": dp(0, 3, 0)}},
+        "inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 0, 1)}},
+    }
+
+
+def test_cpu_continuation_from_hbm_breakpoint(ix):
+    # 6.6: NPU [0,2) + CPU tail chained after NPU block 2 -> 2/1/0, 12, longest 12
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    ix.store_tokens(CPU_A, E[1], E[2:3], toks(2, 3), BS)
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(2, 1, 0)}}}
+
+
+def test_cpu_replica_reported_when_hbm_hits_same_dp(ix):
+    # 6.6: same 1-block prefix on NPU and CPU -> npu 1, cpu max(0, 1-1) = 0, 4 tokens
+    ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
+    ix.store_tokens(CPU_A, None, E[:1], toks(1), BS)
+    assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}
+
+
+def test_cpu_root_used_when_no_hbm_on_dp(ix):
+    # 6.6: CPU only -> root walk, 0/1/0, 4 tokens
+    ix.store_tokens(CPU_A, None, E[:1], toks(1), BS)
+    assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
+
+
+def test_disk_continuation_from_cpu_breakpoint(ix):
+    # 6.6: NPU 1 + CPU 1 after it + Disk 1 after the CPU block -> 1/1/1, 12
+    ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
+    ix.store_tokens(CPU_A, E[0], E[1:2], toks(1, 2), BS)
+    ix.store_tokens(DISK_A, E[1], E[2:3], toks(2, 3), BS)
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(1, 1, 1)}}}
+
+
+def test_disk_continuation_from_cpu_root_walk(ix):
+    # CPU root chain [0,2) (end 2, last E1); Disk after E1 -> end 3: 0/2/1, 12
+    ix.store_tokens(CPU_A, None, E[:2], toks(2), BS)
+    ix.store_tokens(DISK_A, E[1], E[2:3], toks(2, 3), BS)
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(0, 2, 1)}}}
+
+
+def test_overlapping_npu_cpu_disk_replicas_do_not_inflate_matched_tokens(ix):
+    # 6.6: same 2-block chain on NPU, CPU, Disk -> ends 2, 2, 2 -> 2/0/0, 8
+    for k in (NPU_A, CPU_A, DISK_A):
+        ix.store_tokens(k, None, E[:2], toks(2), BS)
+    assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
+
+
+def test_shorter_hbm_breakpoint_does_not_overcount_cpu_overlap(ix):
+    # two HBM workers of one DP: depth 2 (last E1) and depth 1 (last E0); the CPU block
+    # continues after E0 -> CPU end 2 = npu end 2 -> cpu 0 (V2 said cpu 1); 8 tokens
+    ix.store_tokens(key("inst-a", Medium.NPU, backend="x"), None, E[:2], toks(2), BS)
+    ix.store_tokens(key("inst-a", Medium.NPU, backend="y"), None, E[:1], toks(1), BS)
+    ix.store_tokens(CPU_A, E[0], E[1:2], toks(1, 2), BS)
+    assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
+
+
+def test_disk_continuation_from_hbm_when_cpu_miss(ix):
+    # NPU [0,1), Disk block chained after E0 -> 1/0/1, 8
+    ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
+    ix.store_tokens(DISK_A, E[0], E[1:2], toks(1, 2), BS)
+    assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(1, 0, 1)}}}
+
+
+def test_disk_replica_reported_when_cpu_hits_same_dp(ix):
+    # CPU and Disk hold the same root block -> cpu 1, disk max(0, 1-1) = 0, 4
+    ix.store_tokens(CPU_A, None, E[:1], toks(1), BS)
+    ix.store_tokens(DISK_A, None, E[:1], toks(1), BS)
+    assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
+
+
+def test_disk_replica_reported_when_hbm_hits_same_dp(ix):
+    # NPU and Disk hold the same root block -> npu 1, disk 0, 4
+    ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
+    ix.store_tokens(DISK_A, None, E[:1], toks(1), BS)
+    assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}
+
+
+def test_lower_tier_longer_replica_extends_coverage(ix):
+    # 6.6: NPU 1 block + Disk full 3-block root chain -> npu 1, disk 3 - 1 = 2, 12
+    ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
+    ix.store_tokens(DISK_A, None, E[:3], toks(3), BS)
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(1, 0, 2)}}}
+
+
+def test_no_hits_gives_empty_tenant_map(ix):
+    # (8.7 test_no_indexer_error is the registry's 404; here: an index without hits)
+    assert query(ix, 3) == {}
+    ix.store_tokens(NPU_A, None, E[:1], toks(1, 2), BS)     # content of block 1 at the root
+    assert query(ix, 3) == {}
+    assert len(ix.query(toks(3), BS)) == 0
+
+
+def test_hbm_cleared_removes_empty_worker_lookup(ix):
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    assert ix.core.worker_blocks(ix.worker_id(NPU_A)) == 2
+    assert ix.clear(NPU_A) == 2
+    assert ix.core.worker_blocks(ix.worker_id(NPU_A)) == 0
+    assert ix.is_empty()
+    assert ix.summary()["worker_count"] == 0
+    assert query(ix, 2) == {}
+
+
+def test_maintenance_expires_offload_and_removes_empty_entry(ix):
+    ix.offload(E[:1], H[:1], None, now=100.0)
+    assert not ix.is_empty()
+    # offload_ttl 0: age 0 >= 0 -> removed; nothing else left
+    assert ix.maintenance(now=100.0, offload_ttl=0.0) == 1
+    assert ix.is_empty()
+
+
+def test_v4_readme_example_under_v3_semantics(ix):
+    # inst-a HBM [0,3); inst-b CPU [0,2) and [3,5) (gap at 2, the tail chained after E2).
+    # V4 pools ownership-blindly (a: 3+2, b: 0+2). Here (design.md): a's breakpoint (3, E2)
+    # is only continued by a's own CPU workers (none) -> a: 3/0/0 = 12; b: root walk
+    # stops at the gap -> 0/2/0 = 8.
+    ix.store_tokens(NPU_A, None, E[:3], toks(3), BS)
+    ix.store_tokens(CPU_B, None, E[:2], toks(2), BS)
+    ix.store_tokens(CPU_B, E[2], E[3:5], toks(3, 5), BS)
+    assert query(ix, 5) == {
+        "inst-a": {"longest_matched": 12, "DP": {"0": dp(3, 0, 0)}},
+        "inst-b": {"longest_matched": 8, "DP": {"0": dp(0, 2, 0)}},
+    }
+
+
+def test_hbm_breakpoint_not_shared_across_instances(ix):
+    # inst-a HBM [0,2); inst-b CPU tail chained after inst-a's E1 (fix of 10.1 #7):
+    # inst-a is not credited with inst-b's CPU block -> 2/0/0 = 8; inst-b has no root
+    # edge and borrows no breakpoint -> absent.
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    ix.store_tokens(CPU_B, E[1], E[2:3], toks(2, 3), BS)
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
+
+
+def test_hbm_breakpoint_not_shared_across_dps_of_one_instance(ix):
+    # a DP is the unit: inst-a dp1's CPU tail after dp0's HBM block -> dp1 absent
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    ix.store_tokens(key("inst-a", Medium.CPU, dp=1), E[1], E[2:3], toks(2, 3), BS)
+    ix.store_tokens(key("inst-a", Medium.DISK, dp=1), E[1], E[2:4], toks(2, 4), BS)
+    assert query(ix, 4) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
+
+
+def test_disk_walks_from_every_breakpoint_of_the_group(ix):
+    # One DP: HBM [0,2) (end 2, last E1); CPU root chain [0,3) with other engine hashes
+    # (end 3, last 23); Disk chain after E1 over blocks 2..4.
+    # Disk from the HBM breakpoint: end 5 (the farther CPU breakpoint (3, 23) finds none).
+    # npu 2, cpu 3-2 = 1, disk 5-3 = 2 -> 20 tokens.
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    ix.store_tokens(CPU_A, None, [21, 22, 23], toks(3), BS)
+    ix.store_tokens(DISK_A, E[1], E[2:5], toks(2, 5), BS)
+    assert query(ix, 5) == {"inst-a": {"longest_matched": 20, "DP": {"0": dp(2, 1, 2)}}}
+
+
+def test_lower_walk_needs_ownership(ix):
+    # CPU_A holds (None,H0)->E0 and CPU_B continues with (E0,H1)->E1: a's walk stops at 1
+    # (CPU_B does not own (None,H0) and its tail is not after a breakpoint of its group)
+    ix.store_tokens(CPU_A, None, E[:1], toks(1), BS)
+    ix.store_tokens(CPU_B, E[0], E[1:2], toks(1, 2), BS)
+    assert query(ix, 2) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
+
+
+# -- two-phase (contract 8.8) -------------------------------------------------------------------
+
+AAA, BBB, CCC = 0xAAA, 0xBBB, 0xCCC
+
+
+def stats(ix, *names):
+    s = ix.core.stats()
+    return tuple(s[n] for n in names)
+
+
+def blocks(ix, k):
+    return ix.core.worker_blocks(ix.worker_id(k))
+
+
+def test_non_hbm_event_cached_not_in_tree(ix):
+    assert ix.offload([AAA], H[:1], None, now=0.0) == 0
+    assert stats(ix, "offload", "content", "pending") == (1, 0, 0)
+    assert stats(ix, "nodes", "hbm_pairs", "cpu_blocks", "disk_blocks") == (0, 0, 0, 0)
+    assert query(ix, 1) == {}
+
+
+def test_pool_backend_store_matches_cached_block(ix):
+    ix.offload([AAA], H[:1], None, now=0.0)
+    # offload[AAA] moves to content and is applied for CPU_A at the root
+    assert ix.pool_store(CPU_A, [AAA], now=1.0) == (1, 0)
+    assert stats(ix, "offload", "content", "pending", "cpu_blocks") == (0, 1, 0, 1)
+    assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
+
+
+def test_pool_backend_store_ignores_unknown_hash(ix):
+    assert ix.pool_store(CPU_A, [CCC], now=0.0) == (0, 1)
+    assert stats(ix, "offload", "content", "pending", "cpu_blocks") == (0, 0, 1, 0)
+    assert query(ix, 1) == {}
+
+
+def test_pool_backend_remove_evicts_cache(ix):
+    ix.offload([AAA, BBB], H[:2], None, now=0.0)        # AAA at root, BBB after AAA
+    assert ix.pool_store(CPU_A, [AAA, BBB], now=1.0) == (2, 0)
+    assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 2, 0)}}}
+    # AAA is no longer in offload nor pending -> plain index removal
+    assert ix.evict(CPU_A, [AAA]) == 1
+    assert blocks(ix, CPU_A) == 1                       # BBB stays in the CPU tier
+    assert stats(ix, "cpu_blocks") == (1,)
+    assert query(ix, 2) == {}                           # root edge gone: chain broken
+
+
+def test_pool_arrives_before_offload(ix):
+    assert ix.pool_store(CPU_A, [AAA], now=0.0) == (0, 1)
+    # Phase 1 finds the waiter: content[AAA], applied for CPU_A
+    assert ix.offload([AAA], H[:1], None, now=1.0) == 1
+    assert stats(ix, "offload", "content", "pending", "cpu_blocks") == (0, 1, 0, 1)
+    assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
+
+
+def test_pool_arrives_before_offload_multi_worker(ix):
+    assert ix.pool_store(CPU_A, [AAA], now=0.0) == (0, 1)
+    assert ix.pool_store(CPU_B, [AAA], now=0.5) == (0, 1)
+    assert stats(ix, "pending") == (2,)
+    assert ix.offload([AAA], H[:1], None, now=1.0) == 2
+    assert stats(ix, "pending", "content", "cpu_blocks") == (0, 1, 2)
+    assert query(ix, 1) == {
+        "inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}},
+        "inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}},
+    }
+
+
+def test_pool_before_offload_chains_under_recorded_parent(ix):
+    # the pool confirms BBB first; Phase 1 of [AAA, BBB] applies BBB under parent AAA
+    assert ix.pool_store(CPU_A, [BBB], now=0.0) == (0, 1)
+    assert ix.offload([AAA, BBB], H[:2], None, now=1.0) == 1
+    assert stats(ix, "offload", "content", "pending") == (1, 1, 0)
+    assert query(ix, 2) == {}                           # no root edge yet
+    assert ix.pool_store(CPU_A, [AAA], now=2.0) == (1, 0)
+    assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 2, 0)}}}
+
+
+def test_offload_records_the_event_parent(ix):
+    # Phase 1 of [AAA, BBB] after engine block E0 held in HBM: AAA under E0, BBB under AAA
+    ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
+    assert ix.offload([AAA, BBB], H[1:3], E[0], now=0.0) == 0
+    assert ix.pool_store(CPU_A, [AAA, BBB], now=1.0) == (2, 0)
+    # npu 1, CPU continues from (1, E0) to end 3 -> cpu 2, 12 tokens
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(1, 2, 0)}}}
+
+
+def test_pool_removal_cleans_pending(ix):
+    ix.pool_store(CPU_A, [AAA], now=0.0)
+    # CPU_A waits on AAA, content[AAA] absent -> no index removal
+    assert ix.evict(CPU_A, [AAA]) == 0
+    assert stats(ix, "pending") == (0,)
+    # Phase 1 now finds nobody waiting
+    assert ix.offload([AAA], H[:1], None, now=1.0) == 0
+    assert stats(ix, "offload", "cpu_blocks") == (1, 0)
+
+
+def test_offload_then_vllm_removal(ix):
+    ix.offload([AAA], H[:1], None, now=0.0)
+    # offload[AAA] present: drop it (and content), no index removal
+    assert ix.evict(CPU_A, [AAA]) == 0
+    assert stats(ix, "offload", "content", "cpu_blocks") == (0, 0, 0)
+    # a later confirmation can no longer be resolved
+    assert ix.pool_store(CPU_A, [AAA], now=1.0) == (0, 1)
+    assert query(ix, 1) == {}
+
+
+def test_removal_after_both_matched(ix):
+    ix.offload([AAA], H[:1], None, now=0.0)
+    ix.pool_store(CPU_A, [AAA], now=1.0)
+    assert ix.evict(CPU_A, [AAA]) == 1
+    # removed from the index; content survives removals (migration window)
+    assert stats(ix, "cpu_blocks", "content", "offload") == (0, 1, 0)
+    assert query(ix, 1) == {}
+
+
+def test_vllm_removal_after_pool_queued(ix):
+    ix.pool_store(CPU_A, [AAA], now=0.0)
+    # another worker's removal: not pending there -> index removal of nothing, waiter kept
+    assert ix.evict(CPU_B, [AAA]) == 0
+    assert stats(ix, "pending") == (1,)
+    # the waiter's own removal: dropped from pending, content absent -> no index removal
+    assert ix.evict(CPU_A, [AAA]) == 0
+    assert stats(ix, "pending", "cpu_blocks") == (0, 0)
+
+
+def test_evict_of_pending_worker_with_content_removes_from_index(ix):
+    assert ix.pool_store(CPU_A, [AAA], now=0.0) == (0, 1)
+    assert ix.store(CPU_A, None, [AAA], H[:1]) == 1           # /events path, no two-phase
+    # CPU_B's confirmation resolves through the CPU tier's lookup_block -> content[AAA]
+    assert ix.pool_store(CPU_B, [AAA], now=1.0) == (1, 0)
+    assert stats(ix, "content", "pending", "cpu_blocks") == (1, 1, 2)
+    # CPU_A is pending on AAA and content[AAA] exists -> index removal for CPU_A
+    assert ix.evict(CPU_A, [AAA]) == 1
+    assert stats(ix, "content", "pending", "cpu_blocks") == (1, 0, 1)
+    assert query(ix, 1) == {"inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
+
+
+def test_duplicate_pool_stored_idempotent(ix):
+    assert ix.pool_store(CPU_A, [AAA], now=0.0) == (0, 1)
+    assert ix.pool_store(CPU_A, [AAA], now=30.0) == (0, 0)
+    assert stats(ix, "pending") == (1,)
+    # the first insert time (0.0) is kept: age 59.5 < 60 survives, age 60 goes
+    assert ix.maintenance(now=59.5) == 0
+    assert ix.maintenance(now=60.0) == 1
+    assert stats(ix, "pending") == (0,)
+
+
+def test_pending_worker_cleanup(ix):
+    ix.pool_store(CPU_A, [AAA], now=0.0)
+    ix.pool_store(CPU_B, [AAA], now=0.0)
+    assert stats(ix, "pending") == (2,)
+    # clear returns index blocks removed (CPU_A holds none); its wait is dropped
+    assert ix.clear(CPU_A) == 0
+    assert stats(ix, "pending") == (1,)
+    assert ix.offload([AAA], H[:1], None, now=1.0) == 1        # only CPU_B applied
+    assert query(ix, 1) == {"inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
+
+
+def test_cleared_cleans_pending(ix):
+    ix.store(CPU_A, None, [E[3]], H[3:4])
+    ix.pool_store(CPU_A, [AAA, BBB], now=0.0)
+    assert stats(ix, "pending", "cpu_blocks") == (2, 1)
+    assert ix.clear(CPU_A) == 1
+    assert stats(ix, "pending", "cpu_blocks") == (0, 0)
+    assert ix.offload([AAA], H[:1], None, now=1.0) == 0
+    assert stats(ix, "offload") == (1,)
+
+
+def test_sweep_stale_caches(ix):
+    ix.offload([AAA], H[:1], None, now=0.0)                    # stays in offload
+    ix.offload([BBB], H[1:2], None, now=0.0)
+    ix.pool_store(CPU_A, [BBB], now=0.0)                       # -> content
+    ix.pool_store(CPU_A, [CCC], now=0.0)                       # -> pending
+    assert stats(ix, "offload", "content", "pending", "cpu_blocks") == (1, 1, 1, 1)
+    assert ix.maintenance(now=0.0, pending_ttl=0.0, content_ttl=0.0, offload_ttl=0.0) == 3
+    # the applied CPU block is index state, not a cache: it stays
+    assert stats(ix, "offload", "content", "pending", "cpu_blocks") == (0, 0, 0, 1)
+    assert not ix.is_empty()
+    ix.evict(CPU_A, [BBB])
+    assert ix.is_empty()
+
+
+# -- Disk promotion ----------------------------------------------------------------------------
+
+
+def test_disk_promotion_resolves_through_content_after_cpu_eviction(ix):
+    ix.offload(E[:2], H[:2], None, now=0.0)
+    assert ix.pool_store(CPU_A, E[:2], now=1.0) == (2, 0)
+    assert ix.evict(CPU_A, E[:2]) == 2                         # CPU eviction
+    assert stats(ix, "cpu_blocks", "content") == (0, 2)        # content retained
+    # the Disk confirmation resolves each hash through content (local, parent)
+    assert ix.pool_store(DISK_A, E[:2], now=2.0) == (2, 0)
+    assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 0, 2)}}}
+
+
+def test_disk_promotion_resolves_through_cpu_tier_lookup(ix):
+    # no two-phase state: CPU_A got its blocks over /events
+    ix.store(CPU_A, None, E[:2], H[:2])
+    assert ix.pool_store(DISK_B, E[:2], now=5.0) == (2, 0)     # lookup_block on the CPU tier
+    assert stats(ix, "content", "disk_blocks") == (2, 2)
+    assert query(ix, 2) == {
+        "inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 2, 0)}},
+        "inst-b": {"longest_matched": 8, "DP": {"0": dp(0, 0, 2)}},
+    }
+
+
+def test_pool_store_resolves_through_disk_tier_lookup(ix):
+    ix.store(DISK_A, None, E[:1], H[:1])
+    # not in offload, content or the CPU tier: the Disk tier resolves it
+    assert ix.pool_store(CPU_B, E[:1], now=0.0) == (1, 0)
+    assert query(ix, 1) == {
+        "inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 0, 1)}},
+        "inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}},
+    }
+
+
+# -- TTLs with explicit times -------------------------------------------------------------------
+
+
+def test_ttl_sweeps_at_their_boundaries(ix):
+    ix.offload([AAA], H[:1], None, now=1000.0)                 # offload, t=1000
+    ix.offload([BBB], H[1:2], None, now=900.0)
+    ix.pool_store(CPU_A, [BBB], now=1000.0)                    # content, t=1000
+    ix.pool_store(CPU_B, [CCC], now=1000.0)                    # pending, t=1000
+    # defaults: pending 60, content 300, offload 600; removal when age >= ttl
+    assert ix.maintenance(now=1059.5) == 0
+    assert ix.maintenance(now=1060.0) == 1
+    assert stats(ix, "offload", "content", "pending") == (1, 1, 0)
+    assert ix.maintenance(now=1299.5) == 0
+    assert ix.maintenance(now=1300.0) == 1
+    assert stats(ix, "offload", "content", "pending") == (1, 0, 0)
+    assert ix.maintenance(now=1599.5) == 0
+    assert ix.maintenance(now=1600.0) == 1
+    assert stats(ix, "offload", "content", "pending") == (0, 0, 0)
+    assert stats(ix, "cpu_blocks") == (1,)
+
+
+def test_content_time_not_refreshed_on_reuse(ix):
+    ix.offload([AAA], H[:1], None, now=0.0)
+    ix.pool_store(CPU_A, [AAA], now=1000.0)                    # content at 1000
+    assert ix.pool_store(CPU_B, [AAA], now=1200.0) == (1, 0)   # reuse: time stays 1000
+    assert ix.maintenance(now=1299.5) == 0
+    assert ix.maintenance(now=1300.0) == 1
+
+
+def test_content_time_refreshed_on_tier_lookup(ix):
+    ix.offload([AAA], H[:1], None, now=0.0)
+    ix.pool_store(CPU_A, [AAA], now=0.0)                       # content at 0
+    assert ix.maintenance(now=300.0) == 1                      # content expired
+    # CPU_A still holds AAA: the lookup path re-creates content at 2000
+    assert ix.pool_store(DISK_A, [AAA], now=2000.0) == (1, 0)
+    assert stats(ix, "content") == (1,)
+    assert ix.maintenance(now=2299.5) == 0
+    assert ix.maintenance(now=2300.0) == 1
+
+
+def test_maintenance_and_is_empty(ix):
+    assert ix.is_empty()
+    assert ix.maintenance(now=0.0) == 0
+    ix.pool_store(CPU_A, [AAA], now=0.0)
+    assert not ix.is_empty()
+    assert ix.maintenance(now=59.0) == 0
+    assert ix.maintenance(now=61.0) == 1
+    assert ix.is_empty()
+    ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
+    assert not ix.is_empty()
+    assert ix.maintenance(now=1e9) == 0                        # index blocks have no TTL
+    ix.remove(NPU_A, E[:1])
+    assert ix.is_empty()
+
+
+# -- HBM workers in the two-phase paths (CoreIndex) ---------------------------------------------
+
+
+def test_hbm_waiter_with_unknown_parent_is_swallowed(CoreIndex):
+    c = CoreIndex()
+    c.set_worker(0, 0, 0)                                      # HBM worker 0, group 0
+    assert c.offload([AAA, BBB], H[:2], None, 0.0) == 0
+    # BBB's parent AAA is not a block of worker 0: ParentBlockNotFound swallowed, 0 applied,
+    # but BBB still moved from offload to content
+    assert c.pool_store(0, [BBB], 1.0) == (0, 0)
+    assert (c.stats()["offload"], c.stats()["content"]) == (1, 1)
+    # now AAA (root) then BBB (under AAA) both apply
+    assert c.pool_store(0, [AAA, BBB], 2.0) == (2, 0)
+    assert c.match(H[:2]) == [(0, 2, 0, 0)]
+    assert (c.stats()["nodes"], c.stats()["hbm_pairs"]) == (2, 2)
+
+
+def test_hbm_evict_is_a_plain_tree_remove(CoreIndex):
+    c = CoreIndex()
+    c.set_worker(0, 0, 0)
+    c.store(0, None, [AAA], H[:1])
+    c.offload([AAA], H[:1], None, 0.0)         # the same block also offloaded by the engine
+    # deviation from the reference: the HBM removal is not held back by offload[AAA]
+    assert c.evict(0, [AAA]) == 1
+    assert c.match(H[:1]) == []
+    assert c.stats()["offload"] == 1
+
+
+def test_direct_remove_ignores_two_phase_state(CoreIndex):
+    c = CoreIndex()
+    c.set_worker(1, 0, 1)                      # CPU worker
+    c.store(1, None, [AAA], H[:1])
+    c.offload([AAA], H[:1], None, 0.0)
+    # evict would only drop offload[AAA]; remove removes the block and leaves offload alone
+    assert c.remove(1, [AAA]) == 1
+    assert (c.stats()["cpu_blocks"], c.stats()["offload"]) == (0, 1)
+
+
+def test_evict_with_offload_present_drops_offload_only(CoreIndex):
+    c = CoreIndex()
+    c.set_worker(1, 0, 1)
+    c.store(1, None, [AAA], H[:1])
+    c.offload([AAA], H[:1], None, 0.0)
+    assert c.evict(1, [AAA]) == 0
+    assert (c.stats()["cpu_blocks"], c.stats()["offload"]) == (1, 0)
+
+
+def test_offload_replaces_stale_content(CoreIndex):
+    c = CoreIndex()
+    c.set_worker(1, 0, 1)
+    c.offload([AAA], H[:1], None, 0.0)
+    c.pool_store(1, [AAA], 1.0)                # content[AAA]
+    # a new Phase 1 for AAA with nobody waiting: content dropped, offload re-created
+    assert c.offload([AAA], H[1:2], None, 2.0) == 0
+    s = c.stats()
+    assert (s["offload"], s["content"]) == (1, 0)
+
+
+# -- CoreIndex API shape ------------------------------------------------------------------------
+
+
+def test_core_stats_keys_and_errors(CoreIndex):
+    c = CoreIndex()
+    assert set(c.stats()) == {"nodes", "hbm_pairs", "cpu_blocks", "disk_blocks", "offload",
+                              "content", "pending", "nbytes"}
+    c.set_worker(0, 0, 0)
+    c.set_worker(1, 0, 1)
+    c.set_worker(2, 0, 2)
+    with pytest.raises(ParentBlockNotFound):
+        c.store(0, 999, [1], H[:1])
+    with pytest.raises(InvalidBlockSequence):
+        c.store(0, None, [1, 1], H[:2])
+    # lower tiers never raise
+    assert c.store(1, 999, [1], H[:1]) == 1
+    assert c.store(2, None, [1, 1], H[:2]) == 1
+    s = c.stats()
+    assert (s["nodes"], s["hbm_pairs"], s["cpu_blocks"], s["disk_blocks"]) == (0, 0, 1, 1)
+    assert (c.worker_blocks(0), c.worker_blocks(1), c.worker_blocks(2)) == (0, 1, 1)
+
+
+def test_core_match_rows_sorted_by_group(CoreIndex):
+    c = CoreIndex()
+    c.set_worker(0, 5, 0)                      # HBM, group 5
+    c.set_worker(1, 2, 1)                      # CPU, group 2
+    c.set_worker(2, 5, 2)                      # Disk, group 5
+    c.store(0, None, E[:1], H[:1])
+    c.store(1, None, E[:3], H[:3])
+    c.store(2, E[0], E[1:2], H[1:2])
+    # group 2: cpu root walk 3 -> (2, 0, 3, 0); group 5: npu 1, disk after E0 -> end 2
+    assert [tuple(r) for r in c.match(H[:4])] == [(2, 0, 3, 0), (5, 1, 0, 1)]
+    assert c.match([]) == []
+
+
+def test_core_store_and_match_tokens(CoreIndex):
+    c = CoreIndex()
+    c.set_worker(0, 0, 0)
+    assert c.store_tokens(0, None, E[:2], toks(2), BS) == 2
+    assert c.store_tokens(0, None, E[:2], toks(2), 0) == 0    # block_size 0: no hashes
+    assert [tuple(r) for r in c.match_tokens(toks(3), BS)] == [(0, 2, 0, 0)]
+    assert c.match_tokens(toks(3), 0) == []
+    # another seed gives other hashes
+    assert c.match_tokens(toks(2), BS, 7) == []
+    assert c.store_tokens(0, None, [31], toks(1), BS, 7) == 1
+    assert [tuple(r) for r in c.match_tokens(toks(2), BS, 7)] == [(0, 1, 0, 0)]
+
+
+# -- query rendering ----------------------------------------------------------------------------
+
+
+def test_query_by_hash_equals_query(ix):
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    ix.store_tokens(CPU_A, E[1], E[2:3], toks(2, 3), BS)
+    ix.store_tokens(DISK_B, None, E[:4], toks(4), BS)
+    by_tokens = ix.query(toks(4), BS)
+    by_hash = ix.query_by_hash(H[:4])
+    assert by_hash.hits == by_tokens.hits
+    # a: 2/1/0; b: disk 4; /query_by_hash renders with block_size 1 (blocks)
+    assert by_hash.to_dict(TENANT, 1) == {TENANT: {
+        "inst-a": {"longest_matched": 3, "DP": {"0": dp(2, 1, 0, block_size=1)}},
+        "inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 0, 4, block_size=1)}},
+    }}
+    assert by_hash.hits == [DpHit("inst-a", 0, 2, 1, 0), DpHit("inst-b", 0, 0, 0, 4)]
+
+
+def test_partial_trailing_block_and_longer_prompt(ix):
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    # 10 tokens -> 3 hashes, the third of the partial block [8, 9]: still 2 blocks
+    out = ix.query(TOK[:10], BS).to_dict(TENANT, BS)
+    assert out == {TENANT: {"inst-a": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}}
+
+
+def test_tokens_truncated_to_u32(ix):
+    big = [t + 2**32 for t in toks(1)]                 # same low 32 bits
+    ix.store_tokens(NPU_A, None, E[:1], big, BS)
+    assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}
+    neg = [-1, -2, -3, -4]                             # = 2**32-1, 2**32-2, ...
+    ix.store_tokens(NPU_B, None, [99], neg, BS)
+    res = ix.query([2**32 - 1, 2**32 - 2, 2**32 - 3, 2**32 - 4], BS).to_dict(TENANT, BS)
+    assert res == {TENANT: {"inst-b": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}}
+
+
+def test_empty_input_gives_no_hits(ix):
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    assert len(ix.query([], BS)) == 0
+    assert ix.query([], BS).to_dict(TENANT, BS) == {TENANT: {}}
+    assert ix.query_by_hash([]).to_dict(TENANT, 1) == {TENANT: {}}
+    assert ix.query(toks(2), 0).to_dict(TENANT, 0) == {TENANT: {}}   # block_size 0
+
+
+def test_matched_tokens_saturate_in_u32(ix):
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    res = ix.query(toks(2), BS)
+    # 2 blocks x 2**31 = 2**32 > U32_MAX -> saturated; block counts are small
+    big = res.to_dict(TENANT, 2**31)[TENANT]["inst-a"]
+    assert big == {"longest_matched": U32_MAX, "DP": {"0": {
+        "matched_tokens": U32_MAX, "npu_blocks": 2, "cpu_blocks": 0, "disk_blocks": 0}}}
+    assert U32_MAX == 2**32 - 1
+    # 2 x (2**31 - 1) = 2**32 - 2 still fits
+    fits = res.to_dict(TENANT, 2**31 - 1)[TENANT]["inst-a"]
+    assert fits["longest_matched"] == 2**32 - 2
+    # block counts saturate too
+    huge = QueryResult([DpHit("x", 3, 2**33, 0, 0)]).to_dict(TENANT, 1)
+    assert huge == {TENANT: {"x": {"longest_matched": U32_MAX, "DP": {"3": {
+        "matched_tokens": U32_MAX, "npu_blocks": U32_MAX, "cpu_blocks": 0, "disk_blocks": 0}}}}}
+
+
+def test_summary_counts(ix):
+    ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
+    ix.store_tokens(NPU_B, None, E[:1], toks(1), BS)
+    ix.store_tokens(CPU_A, None, E[:3], toks(3), BS)
+    ix.offload([AAA], H[:1], None, now=0.0)
+    ix.pool_store(DISK_B, [CCC], now=0.0)
+    s = ix.summary()
+    # HBM: 2 nodes, 3 pairs; CPU 3 blocks; 3 workers hold blocks (DISK_B only waits)
+    assert {k: s[k] for k in ("worker_count", "total_blocks", "hbm_blocks", "cpu_blocks",
+                              "disk_blocks", "hbm_nodes", "offload", "pending_pool",
+                              "content")} == {
+        "worker_count": 3, "total_blocks": 6, "hbm_blocks": 3, "cpu_blocks": 3,
+        "disk_blocks": 0, "hbm_nodes": 2, "offload": 1, "pending_pool": 1, "content": 0}

@@ -1,0 +1,285 @@
+"""Registry: endpoint resolution, HBM-IP index, register/unregister outcomes (contract 3)."""
+from __future__ import annotations
+
+import pytest
+
+from kvconductor.keys import Medium, StoreBackend
+from kvconductor.registry import (
+    Registry, RegistrationError, extract_ip, normalize_medium_endpoints, resolve_endpoints,
+)
+from kvconductor.schema import RegisterRequest
+
+NPU, CPU, DISK, UNKNOWN = Medium.NPU, Medium.CPU, Medium.DISK, Medium.UNKNOWN
+
+
+def reg(instance_id="vllm-prefill-1", dp_rank=0, **kw) -> RegisterRequest:
+    kw.setdefault("engine_type", "vLLM")
+    kw.setdefault("modelname", "qwen")
+    kw.setdefault("block_size", 128)
+    return RegisterRequest(instance_id=instance_id, dp_rank=dp_rank, **kw)
+
+
+# -- extract_ip (contract 8.2) ----------------------------------------------------------------
+
+def test_extract_ip_ipv4():
+    assert extract_ip("tcp://10.0.0.1:5557") == "10.0.0.1"
+
+
+def test_extract_ip_ipv6_bracketed():
+    assert extract_ip("tcp://[::1]:5557") == "::1"
+    assert extract_ip("tcp://[2001:db8::1]:15557") == "2001:db8::1"
+
+
+def test_extract_ip_hostname():
+    assert extract_ip("tcp://kv-conductor:13333") == "kv-conductor"
+
+
+@pytest.mark.parametrize("url", ["invalid", "tcp://", "tcp://[:5557", "http://10.0.0.1:80",
+                                 "tcp://10.0.0.1", "tcp://[]:1", ""])
+def test_extract_ip_invalid(url):
+    assert extract_ip(url) is None
+
+
+# -- store backends (contract 8.3) ---------------------------------------------------------------
+
+def test_store_backend_from_str():
+    assert StoreBackend.parse("mooncake") is StoreBackend.MOONCAKE
+    assert StoreBackend.parse("MEMCACHE") is StoreBackend.MEMCACHE
+    assert StoreBackend.parse("YuanRong") is StoreBackend.YUANRONG
+    assert StoreBackend.parse("") is StoreBackend.UNKNOWN
+    assert StoreBackend.parse("unknown") is StoreBackend.UNKNOWN
+    assert [b.indexes_hbm_ip for b in StoreBackend] == [True, True, False, False]
+    assert [b.match_mode for b in StoreBackend] == ["ip_only", "ip_only", "none", "none"]
+
+
+# -- endpoint resolution (contract 3.3) ----------------------------------------------------
+
+def test_resolve_groups_keys_by_url():
+    groups = resolve_endpoints({"npu": "tcp://h:1", "cpu": "tcp://h:2", "disk": "tcp://h:2",
+                                "gpu": "tcp://h:1"}, None)
+    assert groups == {"tcp://h:1": (NPU,), "tcp://h:2": (CPU, DISK)}
+
+
+def test_resolve_unknown_medium_key():
+    assert resolve_endpoints({"STORAGE": "tcp://h:1"}, None) == {"tcp://h:1": (UNKNOWN,)}
+
+
+def test_resolve_legacy_endpoint_maps_all_media():
+    assert resolve_endpoints({}, "tcp://h:1") == {"tcp://h:1": (NPU, CPU, DISK)}
+    assert resolve_endpoints(None, "tcp://h:1") == {"tcp://h:1": (NPU, CPU, DISK)}
+
+
+def test_resolve_medium_endpoints_win_over_endpoint():
+    assert resolve_endpoints({"cpu": "tcp://h:2"}, "tcp://h:1") == {"tcp://h:2": (CPU,)}
+
+
+def test_resolve_http_only():
+    assert resolve_endpoints(None, None) == {}
+    assert resolve_endpoints({}, None) == {}
+
+
+@pytest.mark.parametrize("medium_endpoints,endpoint", [
+    (None, ""),
+    ({}, "  "),
+    ({"npu": "tcp://h:1", "cpu": ""}, None),
+    ({"disk": ""}, "tcp://h:1"),
+])
+def test_resolve_rejects_empty_urls(medium_endpoints, endpoint):
+    # Fix of 10.1 #14: an empty URL is a client error, not a subscriber that never connects.
+    with pytest.raises(RegistrationError, match="empty"):
+        resolve_endpoints(medium_endpoints, endpoint)
+
+
+def test_normalized_keys():
+    assert normalize_medium_endpoints({"gpu": "u1", "memory": "u2", "ssd": "u3", "fs": "u4"},
+                                      None) == {"npu": "u1", "cpu": "u2", "disk": "u3",
+                                                "unknown": "u4"}
+    assert normalize_medium_endpoints(None, "u") == {"npu": "u", "cpu": "u", "disk": "u"}
+    assert normalize_medium_endpoints(None, None) == {}
+
+
+# -- register -------------------------------------------------------------------------------------
+
+def test_register_new_instance_contexts_and_replay():
+    r = Registry()
+    out = r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"},
+                         replay_endpoint="tcp://10.0.0.1:6667"))
+    assert not out.instance_existed and not out.reregistered and out.drop_from is None
+    (ctx,) = out.contexts
+    assert ctx.url == "tcp://10.0.0.1:5557"
+    assert (ctx.instance_id, ctx.dp_rank, ctx.model, ctx.tenant, ctx.block_size) == \
+        ("vllm-prefill-1", 0, "qwen", "default", 128)
+    assert ctx.default_media == (NPU,)
+    assert ctx.store_backend is StoreBackend.MOONCAKE and not ctx.is_pool
+    assert ctx.replay_endpoint == "tcp://10.0.0.1:6667" and ctx.engine_type == "vLLM"
+    assert out.replay == ctx
+    assert out.ips_added == ["10.0.0.1"]
+    assert r.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
+
+
+def test_replay_only_on_first_registration_of_the_instance():
+    r = Registry()
+    rep = "tcp://10.0.0.1:6667"
+    npu = {"npu": "tcp://10.0.0.1:5557"}
+    assert r.register(reg(replay_endpoint=rep, medium_endpoints=npu)).replay is not None
+    assert r.register(reg(dp_rank=1, replay_endpoint=rep, medium_endpoints=npu)).replay is None
+    assert r.register(reg(replay_endpoint=rep, medium_endpoints=npu)).replay is None
+    assert Registry().register(reg(replay_endpoint="", medium_endpoints=npu)).replay is None
+    # HTTP-only registration: no live subscription to replay into.
+    assert Registry().register(reg(replay_endpoint=rep)).replay is None
+
+
+def test_replay_prefers_the_npu_subscription():
+    out = Registry().register(reg(store_backend="YuanRong", replay_endpoint="tcp://h:6667",
+                                  medium_endpoints={"cpu": "tcp://h:2", "npu": "tcp://h:1"}))
+    assert out.replay.url == "tcp://h:1"
+
+
+def test_pool_registration():
+    r = Registry()
+    out = r.register(reg(instance_id="mooncake-pool", endpoint="tcp://master:50001",
+                         modelname="default", store_backend="Mooncake"))
+    assert out.is_pool
+    (ctx,) = out.contexts
+    # NOTE: reference choice: a pool subscriber's default media are NPU, CPU and Disk.
+    assert ctx.is_pool and ctx.default_media == (NPU, CPU, DISK)
+    assert out.ips_added == [] and r.hbm_ip_index == {}
+    entry = r.get("mooncake-pool")
+    assert entry.endpoints[0].medium_endpoints == {"npu": "tcp://master:50001",
+                                                   "cpu": "tcp://master:50001",
+                                                   "disk": "tcp://master:50001"}
+
+
+@pytest.mark.parametrize("backend,medium_endpoints,endpoint,is_pool", [
+    ("Mooncake", None, "tcp://m:1", True),
+    ("memcache", None, "tcp://m:1", True),
+    ("YuanRong", None, "tcp://m:1", False),
+    ("Mooncake", {"npu": "tcp://m:1"}, "tcp://m:1", False),
+    ("Mooncake", None, None, False),
+])
+def test_is_pool(backend, medium_endpoints, endpoint, is_pool):
+    out = Registry().register(reg(store_backend=backend, medium_endpoints=medium_endpoints,
+                                  endpoint=endpoint))
+    assert out.is_pool is is_pool
+
+
+def test_hbm_ip_only_for_mooncake_memcache_hbm_keys():
+    r = Registry()
+    r.register(reg("a", store_backend="YuanRong", medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
+    r.register(reg("b", store_backend="Mooncake", medium_endpoints={"cpu": "tcp://10.0.0.2:1"}))
+    r.register(reg("c", store_backend="Memcache", medium_endpoints={"GPU": "tcp://10.0.0.3:1"}))
+    r.register(reg("d", medium_endpoints={"xpu": "tcp://[2001:db8::1]:15557"}))
+    assert r.hbm_ip_index == {"10.0.0.3": [("c", 0)], "2001:db8::1": [("d", 0)]}
+
+
+def test_hbm_ip_index_fans_out_dps_on_one_ip():
+    r = Registry()
+    r.register(reg("a", 0, medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
+    r.register(reg("a", 1, medium_endpoints={"npu": "tcp://10.0.0.1:5558"}))
+    r.register(reg("b", 0, medium_endpoints={"npu": "tcp://10.0.0.1:5559"}))
+    assert r.hbm_ip_lookup("10.0.0.1") == [("a", 0), ("a", 1), ("b", 0)]
+    assert r.hbm_ip_lookup("10.0.0.9") == []
+
+
+def test_reregistration_same_backend_dedups_hbm_ip():
+    # Fix of 10.1 #5: no duplicate entries after re-registering.
+    r = Registry()
+    for _ in range(3):
+        out = r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
+    assert out.reregistered and out.instance_existed and out.drop_from is None
+    assert r.hbm_ip_index == {"10.0.0.1": [("vllm-prefill-1", 0)]}
+
+
+def test_reregistration_with_new_ip_removes_stale_ip():
+    r = Registry()
+    r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
+    out = r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.2:5557"}))
+    assert out.ips_removed == ["10.0.0.1"] and out.ips_added == ["10.0.0.2"]
+    assert r.hbm_ip_index == {"10.0.0.2": [("vllm-prefill-1", 0)]}
+
+
+def test_backend_change_drops_from_the_registered_index():
+    r = Registry()
+    r.register(reg(store_backend="YuanRong", medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
+    out = r.register(reg(store_backend="mooncake", medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
+    assert out.drop_from == ("qwen", "default")
+    out = r.register(reg(store_backend="MOONCAKE", medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
+    assert out.drop_from is None  # case-insensitive comparison
+
+
+def test_model_change_updates_the_instance_and_drops_old_data():
+    # Fix of 10.1 #6: clean-up targets where the DP was registered, and the entry follows.
+    r = Registry()
+    r.register(reg(modelname="old", tenant_id="t1", block_size=16))
+    out = r.register(reg(modelname="new", tenant_id="t2", block_size=16))
+    assert out.drop_from == ("old", "t1")
+    entry = r.get("vllm-prefill-1")
+    assert (entry.model_name, entry.tenant_id, entry.block_size) == ("new", "t2", 16)
+    assert r.index_key_of("vllm-prefill-1", 0) == ("new", "t2")
+    out = r.register(reg(modelname="new", tenant_id="t2", block_size=32))
+    assert out.drop_from == ("new", "t2") and r.get("vllm-prefill-1").block_size == 32
+
+
+def test_each_dp_keeps_its_registered_index():
+    r = Registry()
+    r.register(reg(dp_rank=0, modelname="m1"))
+    r.register(reg(dp_rank=1, modelname="m2"))
+    assert r.index_key_of("vllm-prefill-1", 0) == ("m1", "default")
+    assert r.index_key_of("vllm-prefill-1", 1) == ("m2", "default")
+    assert r.index_key_of("vllm-prefill-1", 7) == ("m2", "default")  # unregistered DP
+    assert r.protected() == {("m1", "default"), ("m2", "default")}
+
+
+def test_register_validation_changes_nothing():
+    r = Registry()
+    r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
+    with pytest.raises(RegistrationError):
+        r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.2:1", "cpu": ""}))
+    with pytest.raises(RegistrationError):
+        r.register(reg(instance_id=""))
+    assert r.hbm_ip_index == {"10.0.0.1": [("vllm-prefill-1", 0)]}
+    assert r.get("vllm-prefill-1").endpoints[0].medium_endpoints == {"npu": "tcp://10.0.0.1:1"}
+
+
+def test_defaults_and_snapshot():
+    r = Registry()
+    r.register(reg(store_backend=None, tenant_id=None,
+                   medium_endpoints={"gpu": "tcp://10.0.0.1:5557"}))
+    entry = r.get("vllm-prefill-1")
+    assert entry.store_backend == "Mooncake" and entry.tenant_id == "default"
+    assert r.snapshot() == [{
+        "instance_id": "vllm-prefill-1", "model_name": "qwen", "tenant_id": "default",
+        "block_size": 128,
+        "endpoints": {"0": {"medium_endpoints": {"npu": "tcp://10.0.0.1:5557"},
+                            "engine_type": "vLLM", "dp_rank": 0, "replay_endpoint": None}}}]
+
+
+# -- unregister --------------------------------------------------------------------------------
+
+def test_unregister_unknown_instance():
+    out = Registry().unregister("nope", 0)
+    assert not out.found
+
+
+def test_unregister_last_dp_removes_instance_and_ips():
+    r = Registry()
+    r.register(reg(dp_rank=0, medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
+    r.register(reg(dp_rank=1, medium_endpoints={"npu": "tcp://10.0.0.1:5558"}))
+    out = r.unregister("vllm-prefill-1", 0)
+    assert out.found and out.dp_found and not out.instance_removed
+    assert out.ips_removed == ["10.0.0.1"] and out.index_key == ("qwen", "default")
+    assert r.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 1)]
+    out = r.unregister("vllm-prefill-1", 5)  # unregistered DP of a known instance
+    assert out.found and not out.dp_found and not out.instance_removed
+    out = r.unregister("vllm-prefill-1", 1)
+    assert out.instance_removed
+    assert r.instances == {} and r.hbm_ip_index == {} and r.protected() == set()
+
+
+def test_instance_info():
+    r = Registry()
+    r.register(reg(store_backend="YuanRong", medium_endpoints={"npu": "tcp://h:1"}))
+    info = r.get("vllm-prefill-1").info()
+    assert info["model_name"] == "qwen" and info["store_backend"] == "YuanRong"
+    assert info["endpoints"][0]["medium_endpoints"] == {"npu": "tcp://h:1"}
+    assert info["endpoints"][0]["model_name"] == "qwen"

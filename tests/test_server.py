@@ -1,0 +1,357 @@
+"""The real service in a subprocess (``python -m kvconductor --port N``), over real HTTP.
+
+Clients: httpx with JSON bodies and msgspec-encoded MessagePack bodies.
+Teardown sends SIGTERM and fails the test if the process had to be killed.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+pytestmark = pytest.mark.server
+
+ROOT = Path(__file__).resolve().parent.parent
+SHUTDOWN_BOUND = 5.0
+STARTUP_BOUND = 30.0
+
+
+def _has_ipv6() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+HAS_IPV6 = _has_ipv6()
+
+
+def free_port() -> int:
+    """A port free on IPv4 and (when available) IPv6."""
+    family, addr = (socket.AF_INET6, ("::", 0)) if HAS_IPV6 else (socket.AF_INET, ("", 0))
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.bind(addr)
+        return s.getsockname()[1]
+
+
+class Server:
+    """One ``python -m kvconductor`` process with its stderr captured in a file."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.log_path = tmp_path / f"kvc-{self.port}.log"
+        self._log = open(self.log_path, "wb")
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvconductor", "--port", str(self.port), *args],
+            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(base_url=self.url, timeout=10.0)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_BOUND
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited early:\n{self.log()}")
+            try:
+                if self.http.get("/health").text == "OK":
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready in {STARTUP_BOUND}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, sig: int = signal.SIGTERM) -> tuple[int, float]:
+        """Send ``sig``; returns (exit code, seconds). Kills and fails past the bound."""
+        self.http.close()
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(SHUTDOWN_BOUND)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            self._log.close()
+            pytest.fail(f"server ignored {signal.Signals(sig).name} for {SHUTDOWN_BOUND}s:\n"
+                        f"{self.log()}")
+        elapsed = time.monotonic() - t0
+        self._log.close()
+        return code, elapsed
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("srv"), "--maintenance-interval-secs", "1",
+                 "--max-body-mb", "1")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            code, _ = srv.terminate()
+            assert code == 0, srv.log()
+
+
+def register(http: httpx.Client, **kw) -> httpx.Response:
+    body = {"instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen",
+            "block_size": 4, "dp_rank": 0, **kw}
+    return http.post("/register", json=body)
+
+
+def msgpack_post(http: httpx.Client, path: str, body) -> tuple[int, str, object]:
+    r = http.post(path, content=msgspec.msgpack.encode(body),
+                  headers={"Content-Type": "application/msgpack"})
+    return r.status_code, r.headers["content-type"], msgspec.msgpack.decode(r.content)
+
+
+def test_health_on_dual_stack_default_host(server):
+    assert server.http.get("/health").text == "OK"
+    if HAS_IPV6:
+        r = httpx.get(f"http://[::1]:{server.port}/health", timeout=10)
+        assert r.status_code == 200 and r.text == "OK"
+    assert f"KV conductor starting on [::]:{server.port}" in server.log() or \
+        f"KV conductor starting on 0.0.0.0:{server.port}" in server.log()
+
+
+def test_json_and_msgpack_end_to_end(server):
+    http = server.http
+    r = register(http, medium_endpoints={"npu": "tcp://127.0.0.1:1"},
+                 store_backend="YuanRong")
+    assert r.status_code == 201 and r.json() == {"status": "ok"}
+    r = http.post("/events", json={"instance_id": "vllm-prefill-1", "events": [
+        {"event_id": 1, "dp_rank": 0, "type": "BlockStored", "block_hashes": [100, 200],
+         "parent_block_hash": None, "token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "block_size": 4,
+         "medium": "GPU"},
+        {"event_id": 2, "dp_rank": 0, "type": "BlockStored", "block_hashes": [300],
+         "parent_block_hash": 200, "token_ids": [9, 10, 11, 12], "block_size": 4,
+         "medium": "cpu"}]})
+    assert r.status_code == 200 and r.json() == {"status": "ok", "events_applied": 2}
+    query = {"model": "qwen", "block_size": 4, "token_ids": list(range(1, 17))}
+    r = http.post("/query", json=query)
+    expected = {"default": {"vllm-prefill-1": {"longest_matched": 12, "DP": {"0": {
+        "matched_tokens": 12, "npu_blocks": 2, "cpu_blocks": 1, "disk_blocks": 0}}}}}
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == expected
+    code, ct, doc = msgpack_post(http, "/query", query)
+    assert (code, ct, doc) == (200, "application/msgpack", expected)
+    code, ct, doc = msgpack_post(http, "/query", ["qwen", 4, list(range(1, 17)), "default"])
+    assert doc == expected
+    hashes = [14643705804678351452, 16777012769546811212]
+    code, ct, doc = msgpack_post(http, "/query_by_hash",
+                                 {"model": "qwen", "block_size": 4, "block_hashes": hashes})
+    assert code == 200 and doc["default"]["vllm-prefill-1"]["longest_matched"] == 2
+    code, ct, doc = msgpack_post(http, "/query", {"model": "x", "block_size": 4, "token_ids": []})
+    assert (code, ct, doc) == (404, "application/msgpack",
+                               {"error": "no indexer for model=x tenant=default"})
+    workers = http.get("/workers").json()
+    assert workers["workers"][0]["instance_id"] == "vllm-prefill-1"
+    assert workers["indexer"][0]["total_blocks"] == 3
+    assert [s["url"] for s in workers["sources"]] == ["tcp://127.0.0.1:1"]
+    r = http.post("/unregister", json={"instance_id": "vllm-prefill-1", "type": "vLLM",
+                                       "modelname": "qwen", "block_size": 4, "dp_rank": 0})
+    assert r.status_code == 200
+    assert http.get("/workers").json() == {"workers": [], "indexer": [], "sources": []}
+
+
+def test_large_msgpack_query(server):
+    http = server.http
+    assert register(http, instance_id="big").status_code == 201
+    tokens = list(range(1, 9)) + [7] * 200_000
+    r = http.post("/events", json={"instance_id": "big", "events": [
+        {"event_id": 1, "type": "BlockStored", "block_hashes": [1, 2],
+         "token_ids": list(range(1, 9)), "block_size": 4}]})
+    assert r.json()["events_applied"] == 1
+    code, _, doc = msgpack_post(http, "/query", {"model": "qwen", "block_size": 4,
+                                                "token_ids": tokens})
+    assert code == 200 and doc["default"]["big"]["DP"]["0"]["npu_blocks"] == 2
+    http.post("/unregister", json={"instance_id": "big", "type": "vLLM", "modelname": "qwen",
+                                   "block_size": 4, "dp_rank": 0})
+
+
+def test_errors_over_http(server):
+    http = server.http
+    r = http.get("/nope")
+    assert r.status_code == 404 and r.json()["error"]
+    r = http.put("/register")
+    assert r.status_code == 405 and r.json()["error"]
+    r = http.post("/register", content=b"{oops", headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"].startswith("invalid JSON request body")
+    r = http.post("/query", content=b"\xc1\xff\x00",
+                  headers={"Content-Type": "application/msgpack"})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/msgpack"
+    assert msgspec.msgpack.decode(r.content)["error"].startswith("invalid msgpack request body")
+    r = http.post("/events", json={"instance_id": "x", "events": [{"event_id": 1, "type": "?"}]})
+    assert r.status_code == 400
+    assert http.get("/health").text == "OK"
+
+
+def test_body_limit_over_http(server):
+    http = server.http
+    big = b"[" + b"1," * 600_000 + b"1]"  # > 1 MiB
+    r = http.post("/query", content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+
+    def chunks():
+        for _ in range(40):
+            yield b" " * 65536
+
+    r = http.post("/events", content=chunks())  # chunked: no Content-Length
+    assert r.status_code == 413 and r.json()["error"]
+    assert http.get("/health").text == "OK"
+
+
+def test_sigterm_drains_and_exits(tmp_path):
+    srv = Server(tmp_path, "--host", "127.0.0.1", "--api-key", "k")
+    srv.wait_ready()
+    assert register(srv.http).status_code == 401
+    assert srv.http.post("/register", headers={"Authorization": "Bearer k"}, json={
+        "instance_id": "a", "type": "vLLM", "modelname": "m", "block_size": 4,
+        "dp_rank": 0}).status_code == 201
+    code, elapsed = srv.terminate(signal.SIGTERM)
+    log = srv.log()
+    assert code == 0, log
+    assert elapsed < SHUTDOWN_BOUND
+    assert f"KV conductor starting on 127.0.0.1:{srv.port}" in log
+    assert "register request" in log and "worker registered" in log
+    assert "received shutdown signal, draining connections..." in log
+    assert "KV conductor shut down" in log
+    assert "Traceback" not in log
+
+
+def test_sigint_exits(tmp_path):
+    srv = Server(tmp_path, "--host", "127.0.0.1", env={"KV_CONDUCTOR_LOG": "debug"})
+    srv.wait_ready()
+    code, _ = srv.terminate(signal.SIGINT)
+    assert code == 0
+    assert "KV conductor shut down" in srv.log()
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvconductor", *args], cwd=ROOT, timeout=60,
+                          capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+
+
+def test_version():
+    r = run_cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == "kv-conductor 0.1.0"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--host", "localhost"], "invalid host address"),
+    (["--host", "10.0.0.300"], "invalid host address"),
+    (["--port", "70000"], "invalid port"),
+    (["-p", "abc"], "invalid port"),
+    (["--maintenance-interval-secs", "-1"], "must be >= 0"),
+    (["--pending-ttl-secs", "1.5"], "whole number"),
+    (["--max-body-mb", "0"], "must be > 0"),
+    (["--log-level", "loud"], "invalid log level"),
+    (["--frobnicate"], "unrecognized arguments"),
+])
+def test_bad_flags_exit_2_with_one_line(args, needle):
+    r = run_cli(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kv-conductor: error:"), r.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_port_in_use_fails_cleanly():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = run_cli("--host", "127.0.0.1", "--port", str(port))
+    assert r.returncode == 1
+    assert "failed to bind TCP listener" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gunicorn_factory(tmp_path):
+    pytest.importorskip("uvicorn_worker")
+    help_text = subprocess.run([sys.executable, "-m", "gunicorn", "--help"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=60).stdout
+    port = free_port()
+    cmd = [sys.executable, "-m", "gunicorn", "-w", "1", "-k", "uvicorn_worker.UvicornWorker",
+           "-b", f"127.0.0.1:{port}"]
+    if "--no-control-socket" in help_text:
+        cmd.append("--no-control-socket")
+    cmd.append('kvconductor.app:gunicorn_app("--maintenance-interval-secs", "1")')
+    log_path = tmp_path / "gunicorn.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+        deadline = time.monotonic() + STARTUP_BOUND
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                if http.get("/health").text == "OK":
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        assert register(http).status_code == 201
+        assert http.get("/workers").json()["workers"][0]["instance_id"] == "vllm-prefill-1"
+        http.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(SHUTDOWN_BOUND * 2) == 0
+        assert "KV conductor shut down" in log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):
+    import errno
+
+    from kvconductor import server as server_module
+
+    real_listen = server_module._listen
+
+    def no_ipv6(family, addr, dual_stack):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real_listen(family, addr, dual_stack)
+
+    monkeypatch.setattr(server_module, "_listen", no_ipv6)
+    sock = server_module.bind_socket("::", 0)
+    try:
+        assert sock.family == socket.AF_INET
+        assert server_module.format_address(sock).startswith("0.0.0.0:")
+        assert any("falling back to 0.0.0.0" in m for m in caplog.messages)
+    finally:
+        sock.close()
+    with pytest.raises(OSError):
+        server_module.bind_socket("::1", 0)  # an explicit IPv6 address does not fall back
+
+
+@pytest.mark.skipif(not HAS_IPV6, reason="no IPv6 on this host")
+def test_bind_dual_stack():
+    from kvconductor import server as server_module
+
+    sock = server_module.bind_socket("::", 0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 0
+        assert server_module.format_address(sock) == f"[::]:{sock.getsockname()[1]}"
+    finally:
+        sock.close()

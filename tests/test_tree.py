@@ -1,0 +1,327 @@
+"""RadixTree (HBM tier): contract 8.5 plus the design.md semantics.
+
+Workers are plain ints, engine hashes ("seq") are opaque u64s (here 100+),
+local hashes are LocalBlockHashes (small ints or real hash_blocks values).
+Expected values are worked out by hand from docs/design.md "RadixTree (HBM)".
+"""
+from array import array
+
+import pytest
+
+from kvconductor._hash import hash_blocks
+from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+
+W1, W2, W3 = 1, 2, 3
+
+
+def state(tree):
+    return tree.num_nodes, tree.num_pairs
+
+
+# -- contract 8.5 ---------------------------------------------------------------------------
+
+
+def test_concurrent_find_matches_empty(RadixTree):
+    t = RadixTree()
+    # nothing stored: no first node -> []
+    assert t.match([1, 2, 3]) == []
+    assert t.match([]) == []
+    assert state(t) == (0, 0)
+
+
+def test_store_and_find(RadixTree):
+    t = RadixTree()
+    assert t.store(W1, None, [100], [1]) == 1
+    # one node under the root, W1 member with seq 100
+    assert t.match([1]) == [(W1, 1, 100)]
+    assert t.worker_blocks(W1) == 1
+    assert state(t) == (1, 1)
+
+
+def test_multi_block_chain_concurrent(RadixTree):
+    t = RadixTree()
+    # three stores, each chained on the previous one's engine hash
+    assert t.store(W1, None, [101], [1]) == 1
+    assert t.store(W1, 101, [102], [2]) == 1
+    assert t.store(W1, 102, [103], [3]) == 1
+    assert t.match([1, 2, 3]) == [(W1, 3, 103)]
+    assert t.match([1, 2]) == [(W1, 2, 102)]
+    assert state(t) == (3, 3)
+
+
+def test_remove_blocks(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [1, 2])
+    assert t.worker_blocks(W1) == 2
+    # removing the tail: node 2 loses its only member and is pruned
+    assert t.remove(W1, [102]) == 1
+    assert t.match([1, 2]) == [(W1, 1, 101)]
+    assert t.worker_blocks(W1) == 1
+    assert state(t) == (1, 1)
+
+
+def test_clear_worker(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102, 103], [1, 2, 3])
+    assert t.clear(W1) == 3
+    assert t.worker_blocks(W1) == 0
+    assert t.match([1, 2, 3]) == []
+    assert state(t) == (0, 0)
+    assert t.clear(W1) == 0
+
+
+def test_two_workers_share_prefix(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [1, 2])
+    t.store(W2, None, [101], [1])
+    # node 1 holds both, node 2 only W1
+    assert t.match([1]) == [(W1, 1, 101), (W2, 1, 101)]
+    assert t.match([1, 2]) == [(W1, 2, 102), (W2, 1, 101)]
+    assert state(t) == (2, 3)
+
+
+# -- validation ---------------------------------------------------------------------------
+
+
+def test_parent_not_found_stores_nothing(RadixTree):
+    t = RadixTree()
+    with pytest.raises(ParentBlockNotFound):
+        t.store(W1, 999, [101, 102], [1, 2])
+    assert state(t) == (0, 0)
+    assert t.worker_blocks(W1) == 0
+    assert t.match([1]) == []
+
+
+def test_parent_must_be_the_workers_own_block(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101], [1])
+    # 101 is W1's block, not W2's
+    with pytest.raises(ParentBlockNotFound):
+        t.store(W2, 101, [102], [2])
+    assert state(t) == (1, 1)
+    assert t.worker_blocks(W2) == 0
+
+
+def test_empty_chain_stores_nothing_even_with_unknown_parent(RadixTree):
+    t = RadixTree()
+    assert t.store(W1, 999, [], []) == 0
+    assert t.store(W1, 999, [101], []) == 0      # n = min(1, 0) = 0
+    assert t.store(W1, None, [], [1, 2]) == 0
+    assert state(t) == (0, 0)
+
+
+def test_invalid_block_sequence_repeat_in_chain(RadixTree):
+    t = RadixTree()
+    with pytest.raises(InvalidBlockSequence):
+        t.store(W1, None, [101, 102, 101], [1, 2, 3])
+    assert state(t) == (0, 0)
+    assert t.worker_blocks(W1) == 0
+
+
+def test_invalid_block_sequence_repeat_of_parent(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101], [1])
+    # chain [101] + [102, 101] repeats 101
+    with pytest.raises(InvalidBlockSequence):
+        t.store(W1, 101, [102, 101], [2, 3])
+    with pytest.raises(InvalidBlockSequence):
+        t.store(W1, 101, [101], [2])
+    assert state(t) == (1, 1)
+    assert t.match([1, 2]) == [(W1, 1, 101)]
+
+
+def test_repeat_beyond_n_is_not_checked(RadixTree):
+    t = RadixTree()
+    # n = min(3, 2) = 2: only [101, 102] is the chain, the trailing 101 is ignored
+    assert t.store(W1, None, [101, 102, 101], [1, 2]) == 2
+    assert t.match([1, 2]) == [(W1, 2, 102)]
+
+
+def test_parent_not_found_checked_before_repeats(RadixTree):
+    t = RadixTree()
+    with pytest.raises(ParentBlockNotFound):
+        t.store(W1, 999, [101, 101], [1, 2])
+
+
+# -- store semantics ----------------------------------------------------------------------
+
+
+def test_idempotent_restore(RadixTree):
+    t = RadixTree()
+    assert t.store(W1, None, [101, 102, 103], [1, 2, 3]) == 3
+    t.store(W2, None, [201], [1])
+    before = (state(t), t.match([1, 2, 3]), t.worker_blocks(W1))
+    assert t.store(W1, None, [101, 102, 103], [1, 2, 3]) == 3
+    assert t.store(W1, 101, [102, 103], [2, 3]) == 2
+    assert (state(t), t.match([1, 2, 3]), t.worker_blocks(W1)) == before
+    assert before == ((3, 4), [(W1, 3, 103), (W2, 1, 201)], 3)
+
+
+def test_same_node_new_seq_replaces_member(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101], [1])
+    # step 3: W1 is already a member of node 1 with seq 101 -> re-keyed to 111
+    assert t.store(W1, None, [111], [1]) == 1
+    assert t.worker_blocks(W1) == 1
+    assert t.match([1]) == [(W1, 1, 111)]
+    assert t.remove(W1, [101]) == 0       # the old seq is gone
+    assert t.remove(W1, [111]) == 1
+    assert state(t) == (0, 0)
+
+
+def test_seq_moves_to_new_node_and_old_is_pruned(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101], [1])
+    # step 2: seq 101 now names content 2; its old node (content 1) empties and goes
+    assert t.store(W1, None, [101], [2]) == 1
+    assert t.match([1]) == []
+    assert t.match([2]) == [(W1, 1, 101)]
+    assert state(t) == (1, 1)
+
+
+def test_seq_moves_under_a_memberless_ancestor(RadixTree):
+    """Step 2 must not prune the node it is moving the block onto.
+
+    W1 holds 1 -> 2 (seqs 101, 102) and drops 101: node 1 is memberless with
+    one child. Storing seq 102 as content 1 at the root moves W1's member from
+    node 2 (pruned: no members, no children) onto node 1, which must survive.
+    """
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [1, 2])
+    t.remove(W1, [101])
+    assert state(t) == (2, 1)
+    assert t.store(W1, None, [102], [1]) == 1
+    assert t.match([1, 2]) == [(W1, 1, 102)]
+    assert t.worker_blocks(W1) == 1
+    assert state(t) == (1, 1)
+    assert t.remove(W1, [102]) == 1
+    assert state(t) == (0, 0)
+
+
+def test_other_workers_content_with_different_seq_is_shared(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [1, 2])
+    t.store(W2, None, [201, 202], [1, 2])
+    # one path of two nodes, two members each
+    assert state(t) == (2, 4)
+    # last_seq is each worker's OWN engine hash at its breakpoint
+    assert t.match([1, 2]) == [(W1, 2, 102), (W2, 2, 202)]
+    assert t.match([1]) == [(W1, 1, 101), (W2, 1, 201)]
+    assert t.match([1, 2, 3]) == [(W1, 2, 102), (W2, 2, 202)]
+
+
+def test_hash_buffers_accepted(RadixTree):
+    t = RadixTree()
+    locs = hash_blocks(list(range(12)), 4)           # array('Q') of 3 LocalBlockHashes
+    assert t.store(W1, None, array("Q", [101, 102, 103]), locs) == 3
+    assert t.match(memoryview(locs)) == [(W1, 3, 103)]
+    assert t.match(list(locs[:2])) == [(W1, 2, 102)]
+    assert t.remove(W1, array("Q", [103])) == 1
+    assert t.match(locs) == [(W1, 2, 102)]
+
+
+# -- remove / prune -----------------------------------------------------------------------
+
+
+def test_remove_ignores_unknown_and_duplicates(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [1, 2])
+    # 999 unknown, the second 102 already removed in this call
+    assert t.remove(W1, [999, 102, 102]) == 1
+    assert t.remove(W2, [101]) == 0            # not W2's block
+    assert t.remove(W1, []) == 0
+    assert t.match([1, 2]) == [(W1, 1, 101)]
+
+
+def test_interior_removal_keeps_other_workers_descendants(RadixTree):
+    """Fix of 10.1 #9: removing W1's interior block keeps W2's deeper blocks reachable."""
+    t = RadixTree()
+    t.store(W1, None, [101, 102, 103], [1, 2, 3])
+    t.store(W2, None, [201, 202, 203], [1, 2, 3])
+    # W1 drops its middle block: node 2 still has W2
+    assert t.remove(W1, [102]) == 1
+    assert t.match([1, 2, 3]) == [(W1, 1, 101), (W2, 3, 203)]
+    # W1's deeper block 103 stays a member of node 3 but is no longer contiguous for W1
+    assert t.worker_blocks(W1) == 2
+    assert state(t) == (3, 5)
+    # W1 drops its root block too: node 1 keeps W2
+    t.remove(W1, [101])
+    assert t.match([1, 2, 3]) == [(W2, 3, 203)]
+
+
+def test_interior_removal_of_only_member_keeps_node_with_children(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [1, 2])
+    t.store(W2, None, [201], [1])
+    t.store(W2, 201, [202, 203], [2, 3])
+    # node 2 has W1 and W2; node 3 only W2. W2 removes node 2: node 2 keeps W1.
+    t.remove(W2, [202])
+    assert t.match([1, 2, 3]) == [(W1, 2, 102), (W2, 1, 201)]
+    # W1 removes node 2 too: node 2 is memberless but has child 3 (W2) -> kept
+    t.remove(W1, [102])
+    assert state(t) == (3, 3)
+    assert t.match([1, 2, 3]) == [(W1, 1, 101), (W2, 1, 201)]
+    # W2 removes 203: nodes 3 and then 2 become empty leaves and are pruned
+    t.remove(W2, [203])
+    assert state(t) == (1, 2)
+
+
+def test_workers_joining_deeper_are_not_candidates(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102, 103], [1, 2, 3])
+    t.store(W3, None, [301, 302], [1, 2])
+    t.remove(W3, [301])          # W3 now holds only node 2
+    assert t.match([1, 2, 3]) == [(W1, 3, 103)]
+    assert t.match([2]) == []    # node 2 is not a child of the root
+
+
+def test_walk_stops_when_no_candidate_left(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [1, 2])
+    t.store(W2, None, [201], [1])
+    t.store(W2, 201, [202, 203], [5, 3])
+    # W1 continues with 2, W2 with 5; query 1,2,3: W2 drops at 2, W1 at 3 (no edge)
+    assert t.match([1, 2, 3]) == [(W1, 2, 102), (W2, 1, 201)]
+    assert t.match([1, 5, 3]) == [(W1, 1, 101), (W2, 3, 203)]
+    assert t.match([7, 1]) == []
+
+
+def test_pruning_back_to_zero(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102, 103], [1, 2, 3])
+    t.store(W2, None, [201, 202], [1, 4])
+    t.store(W3, None, [301], [9])
+    assert state(t) == (5, 6)
+    t.remove(W1, [101])                   # interior: node 1 keeps W2, nothing pruned
+    assert state(t) == (5, 5)
+    t.clear(W2)                           # node 4 pruned; node 1 memberless but has child 2
+    assert state(t) == (4, 3)
+    assert t.remove(W1, [103, 102]) == 2  # 3, 2 then 1 pruned
+    assert state(t) == (1, 1)
+    assert t.clear(W3) == 1
+    assert state(t) == (0, 0)
+    assert [t.worker_blocks(w) for w in (W1, W2, W3)] == [0, 0, 0]
+    assert t.sweep() == 0
+
+
+def test_sweep_finds_nothing(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [1, 2])
+    t.remove(W1, [101])
+    # node 1 is memberless but has a child: not prunable; empty leaves never survive
+    assert t.sweep() == 0
+    assert state(t) == (2, 1)
+
+
+def test_nbytes_is_an_int(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101], [1])
+    assert isinstance(t.nbytes, int) and t.nbytes >= 0
+
+
+def test_large_u64_values(RadixTree):
+    t = RadixTree()
+    top = 2**64 - 1
+    assert t.store(W1, None, [top, 0], [top, 0]) == 2
+    assert t.match([top, 0]) == [(W1, 2, 0)]
+    assert t.match([top]) == [(W1, 1, top)]
