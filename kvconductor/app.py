@@ -27,6 +27,7 @@ Two ways to serve it (one process, one worker: the process owns the index):
 from __future__ import annotations
 
 import asyncio
+import time
 import hmac
 import logging
 import os
@@ -211,11 +212,14 @@ class QueryResource(_Resource):
                                   msgpack), None
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        t0 = time.perf_counter()
         msgpack = is_msgpack_content_type(req.content_type)
         body = await self._body(req, resp, msgpack)
         if body is None:
             return
         status, data, problem = await self._offload(body, self.answer, body, msgpack)
+        # Server-side time (body read, parse, hash, match, encode) for clients and benches.
+        resp.set_header("Server-Timing", f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}")
         if problem is not None:
             if status == 404:
                 log.info("query for unknown indexer path=%s error=%s", req.path, problem)
