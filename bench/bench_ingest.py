@@ -1,0 +1,200 @@
+"""Ingest throughput: vLLM map-form batches over tcp loopback into a SubscriptionManager + Index.
+
+Pre-encodes realistic vLLM >= 0.24 batches (map events, uint64 hashes, ~32
+blocks per BlockStored, two stores per scheduler step plus an occasional
+eviction), pushes them from a PUB socket as fast as possible, and measures
+how many blocks per second the ingest thread decodes, hashes and applies
+(median of several runs, each with fresh chains). Then it leaves the thread
+idle for a few seconds and reports the CPU time the ingest thread used.
+
+    python bench/bench_ingest.py [--block-size 16 128] [--batches 1500] [--runs 5] [--impl c|py]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import threading
+import time
+
+import msgspec
+import zmq
+
+from kvconductor.index import Index
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.subscriber import SubscriptionManager
+from kvconductor.ingest.thread import IngestThread
+from kvconductor.keys import Medium
+
+IID = "vllm-prefill-bench"
+
+
+class Conductor:
+    def __init__(self, impl):
+        self.impl = impl
+        self.indexes = {}
+
+    def get_or_create_index(self, model, tenant):
+        idx = self.indexes.get((model, tenant))
+        if idx is None:
+            idx = self.indexes[(model, tenant)] = Index(model, tenant, impl=self.impl)
+        return idx
+
+    def hbm_ip_lookup(self, ip):
+        return []
+
+    def instance_info(self, iid):
+        return None
+
+
+class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list
+    parent_block_hash: object
+    token_ids: list
+    block_size: int
+    lora_id: object
+    medium: object
+    lora_name: object
+    extra_keys: object = None
+    group_idx: object = None
+    kv_cache_spec_kind: object = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    block_hashes: list
+    medium: object
+    group_idx: object = None
+
+
+class Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: object = None
+
+
+def make_batches(n: int, bs: int, blocks_per_event: int, rng: random.Random):
+    enc = msgspec.msgpack.Encoder()
+    out, blocks = [], 0
+    live_hashes = []
+    for _ in range(n):
+        evs = []
+        for _ in range(2):
+            hs = [rng.getrandbits(64) for _ in range(blocks_per_event)]
+            toks = [rng.randrange(150_000) for _ in range(bs * blocks_per_event)]
+            evs.append(BlockStored(hs, None, toks, bs, None, "GPU", None, [None] * blocks_per_event, 0,
+                                   "full_attention"))
+            blocks += blocks_per_event
+            live_hashes.append(hs[-1])
+        if rng.random() < 0.25 and live_hashes:
+            evs.append(BlockRemoved([live_hashes.pop(rng.randrange(len(live_hashes)))], "GPU", 0))
+        out.append(enc.encode(Batch(time.time(), evs, 0)))
+    return out, blocks
+
+
+def thread_cpu(tid: int) -> float:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | None, idle_s: float):
+    rng = random.Random(bs)
+    payload_sets = [make_batches(batches, bs, blocks_per_event, rng) for _ in range(runs + 1)]
+    zctx = zmq.Context.instance()
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 0)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    url = f"tcp://127.0.0.1:{port}"
+    conductor = Conductor(impl)
+    thread = IngestThread(zctx)
+    thread.start()
+    mgr = thread.call(lambda: SubscriptionManager(thread, conductor))
+    ctx = SubscriberContext(instance_id=IID, dp_rank=0, url=url, model="bench", tenant="default",
+                            block_size=bs, default_media=(Medium.NPU,))
+    thread.call(mgr.subscribe, ctx)
+    tid = thread.call(threading.get_native_id)
+    seq = 0
+
+    def src():
+        return thread.call(mgr.sources)[0]
+
+    def send(payload):
+        nonlocal seq
+        pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), payload])
+        seq += 1
+
+    # slow joiner: warm up until the subscription is live and receiving
+    deadline = time.monotonic() + 30
+    while src()["batches"] == 0:
+        send(msgspec.msgpack.encode([time.time(), [], 0]))
+        time.sleep(0.02)
+        if time.monotonic() > deadline:
+            raise SystemExit("subscriber never connected")
+    # one untimed run to warm caches, then the timed ones
+    rates, cpu_per_block = [], []
+    for r, (payloads, blocks) in enumerate(payload_sets):
+        target = seq + len(payloads) - 1
+        c0 = thread_cpu(tid)
+        t0 = time.perf_counter()
+        for p in payloads:
+            send(p)
+        while True:
+            s = src()
+            if s["last_seq"] == target:
+                break
+            time.sleep(0.001)
+        dt = time.perf_counter() - t0
+        c1 = thread_cpu(tid)
+        if r == 0:
+            continue
+        rates.append(blocks / dt)
+        cpu_per_block.append((c1 - c0) / blocks)
+    s = src()
+    assert s["gaps"] == 0, s
+    time.sleep(0.5)
+    c0, t0 = thread_cpu(tid), time.monotonic()
+    time.sleep(idle_s)
+    idle_cpu, idle_wall = thread_cpu(tid) - c0, time.monotonic() - t0
+    summary = conductor.indexes[("bench", "default")].summary()
+    thread.call(mgr.close)
+    thread.stop()
+    pub.close(linger=0)
+    impl_name = type(conductor.indexes[("bench", "default")].core).__module__
+    return {
+        "bs": bs, "impl": impl_name, "batches": batches, "blocks/run": payload_sets[0][1],
+        "median": statistics.median(rates), "min": min(rates), "max": max(rates),
+        "us_cpu_per_block": 1e6 * statistics.median(cpu_per_block),
+        "idle_cpu": idle_cpu, "idle_wall": idle_wall, "dropped": s["dropped"],
+        "hbm_blocks": summary["hbm_blocks"],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--block-size", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--batches", type=int, default=1500)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--blocks-per-event", type=int, default=32)
+    ap.add_argument("--impl", choices=["c", "py"], default=None)
+    ap.add_argument("--idle", type=float, default=3.0, help="idle seconds for the CPU measurement")
+    args = ap.parse_args()
+    rows = []
+    for bs in args.block_size:
+        n = args.batches if bs <= 16 else max(100, args.batches // 4)
+        rows.append(run(bs, n, args.runs, args.blocks_per_event, args.impl, args.idle))
+    hdr = (f"{'block_size':>10} {'core':>18} {'batches/run':>11} {'blocks/run':>10} "
+           f"{'blocks/s median':>15} {'min':>10} {'max':>10} {'cpu us/block':>12} "
+           f"{'idle cpu':>14} {'dropped':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['bs']:>10} {r['impl']:>18} {r['batches']:>11} {r['blocks/run']:>10} "
+              f"{r['median']:>15,.0f} {r['min']:>10,.0f} {r['max']:>10,.0f} "
+              f"{r['us_cpu_per_block']:>12.2f} "
+              f"{r['idle_cpu']:>6.3f}s/{r['idle_wall']:.1f}s {sum(r['dropped'].values()):>8}")
+
+
+if __name__ == "__main__":
+    main()

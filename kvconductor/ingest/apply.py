@@ -1,0 +1,406 @@
+"""Apply decoded engine and pool events to the index (contract 4.4, 4.5, 6.5).
+
+:func:`decode_payload` recognises the payload (vLLM/SGLang batch, pool tuple,
+Memcache map); :class:`Applier` applies it with one subscription's
+:class:`~kvconductor.ingest.context.SubscriberContext`. Everything here runs on
+the ingest thread (the index's single writer).
+
+Routing (deviations from the reference are marked FIX):
+
+* vLLM/SGLang ``BlockStored``: dropped when ``block_size`` is neither 0 nor the
+  registered one, or when ``kv_cache_spec_kind`` is a non-prefix-cacheable
+  attention kind. HBM medium (``GPU``/``NPU``/absent) -> ``Index.store_tokens`` on
+  ``WorkerKey(instance, instance, dp, NPU)``; anything else (``CPU``,
+  ``STORAGE``, ...) -> ``Index.offload`` (two-phase Phase 1). With ``lora_name``
+  the local hashes use ``lora_seed(lora_name)``. FIX: an event without medium
+  goes to the HBM worker only (the reference fanned it out to every default
+  medium of the URL, storing GPU blocks into the CPU/Disk tiers as well).
+* ``BlockRemoved`` -> ``Index.evict`` on ``WorkerKey(.., medium or NPU)``.
+* ``AllBlocksCleared`` -> ``Index.clear`` for the subscription's default media.
+* The DP is always the subscription's (FIX 10.1 #4: also during replay).
+* Pool events: IpOnly (Mooncake/Memcache pool publishers, ``ctx.is_pool``):
+  ``conductor.hbm_ip_lookup(event.backend_id)`` -> every (instance, dp) on that
+  IP x target media; otherwise the subscription's (instance, dp). Target media =
+  ``[event.medium]`` or the subscription's non-HBM default media (FIX 10.1 #15:
+  a pool never holds HBM blocks). Index = the event's ``model_name``/``tenant_id``
+  if present, else (FIX 10.1 #11, IpOnly only) the resolved instance's registered
+  model/tenant via ``conductor.instance_info``, else the subscription's.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from typing import Any
+
+import msgspec
+
+from kvconductor._hash import hash_blocks, lora_seed
+from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.pool import (CLEARED, REMOVED, STORED, PoolBatch, decode_memcache,
+                                     decode_pool_payload)
+from kvconductor.ingest.vllm import (KNOWN_TAGS, Cleared, DecodeError, Dropped, Removed, Stored,
+                                     VllmBatch, decode_vllm_batch, decode_vllm_fast, msgpack_kind,
+                                     split_batch)
+from kvconductor.keys import Medium, WorkerKey, parse_medium
+
+log = logging.getLogger("kvconductor.ingest")
+
+DEFAULT_SEED = 1337
+
+#: kv_cache_spec_kind values (lower-case, underscores removed) that are not a
+#: prefix cache a query can hit (contract 4.3); anything else is accepted.
+REJECTED_KINDS = frozenset(("slidingwindow", "slidingwindowmla", "mamba", "chunkedlocalattention",
+                            "encoderonlyattention", "crossattention"))
+
+_POOL_KEYS = ("event_type", "seq_hashes", "backend_id", "event_id")
+_ANY_DEC = msgspec.msgpack.Decoder()
+_KEYS_DEC = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+
+
+def kind_rejected(kind: str | None) -> bool:
+    """True for attention kinds whose blocks must not be indexed (contract 4.3)."""
+    if not kind:
+        return False
+    return kind.lower().replace("_", "") in REJECTED_KINDS
+
+
+def _looks_like_pool(elems: list, ei: int) -> bool:
+    try:
+        events = msgspec.msgpack.decode(elems[ei], type=list[msgspec.Raw])
+    except Exception:  # noqa: BLE001
+        return False
+    if not events:
+        return False
+    first = events[0]
+    if msgpack_kind(memoryview(first)[0]) != "map":
+        return False
+    try:
+        keys = _KEYS_DEC.decode(first)
+    except Exception:  # noqa: BLE001
+        return False
+    if any(k in keys for k in _POOL_KEYS):
+        return True
+    t = keys.get("type")
+    if t is None:
+        return True
+    try:
+        return _ANY_DEC.decode(t) not in KNOWN_TAGS
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def decode_payload(payload: bytes) -> VllmBatch | PoolBatch:
+    """Recognise and decode one payload (contract 4.2). Raises DecodeError."""
+    if not payload:
+        raise DecodeError("empty_payload")
+    kind = msgpack_kind(payload[0])
+    if kind == "map":
+        try:
+            obj = _ANY_DEC.decode(payload)
+        except Exception as ex:  # noqa: BLE001
+            raise DecodeError("undecodable", str(ex)) from None
+        return decode_memcache(obj)
+    if kind != "array":
+        raise DecodeError("not_a_batch", f"payload is a msgpack {kind}")
+    fast = decode_vllm_fast(payload)
+    if fast is not None:
+        return fast
+    elems, ei, di = split_batch(payload)
+    if _looks_like_pool(elems, ei):
+        return decode_pool_payload(payload)
+    return decode_vllm_batch(payload, (elems, ei, di))
+
+
+def registered_index(info: Any, dp: int) -> tuple[str | None, str | None]:
+    """(model, tenant) of a registration from ``conductor.instance_info``: a dict
+    (``model_name``/``tenant_id``, per-DP values under ``endpoints[dp]`` preferred)
+    or an object with ``model``/``tenant`` attributes; (None, None) if unknown."""
+    if info is None:
+        return None, None
+    if isinstance(info, dict):
+        eps = info.get("endpoints") or {}
+        ep = eps.get(dp) if isinstance(eps, dict) else None
+        if ep is None and isinstance(eps, dict):
+            ep = eps.get(str(dp))
+        src = ep if isinstance(ep, dict) and ep.get("model_name") else info
+        return (src.get("model_name") or src.get("model"),
+                src.get("tenant_id") or src.get("tenant"))
+    return (getattr(info, "model", None) or getattr(info, "model_name", None),
+            getattr(info, "tenant", None) or getattr(info, "tenant_id", None))
+
+
+def hex_preview(payload: bytes, n: int = 32) -> str:
+    b = bytes(payload[:n])
+    return b.hex(" ") + (" ..." if len(payload) > n else "")
+
+
+class SourceStats:
+    """Counters of one subscription (shown by ``sources()``)."""
+
+    __slots__ = ("batches", "events", "blocks", "dropped", "gaps", "replays", "replayed_batches",
+                 "restarts", "resyncs", "duplicates", "last_seq")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.events = 0
+        self.blocks = 0
+        self.dropped: dict[str, int] = {}
+        self.gaps = 0
+        self.replays = 0
+        self.replayed_batches = 0
+        self.restarts = 0
+        self.resyncs = 0
+        self.duplicates = 0
+        self.last_seq: int | None = None
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+
+class WarnLimiter:
+    """At most one WARN per (source, reason) every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last: dict[tuple, float] = {}
+        self._suppressed: dict[tuple, int] = {}
+
+    def warn(self, source: str, reason: str, detail: str, payload: bytes | None) -> None:
+        key = (source, reason)
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._last[key] = now
+        skipped = self._suppressed.pop(key, 0)
+        log.warning("%s: dropped (%s) %s%s%s", source, reason, detail[:200],
+                    f" payload[{len(payload)}B]={hex_preview(payload)}" if payload is not None else "",
+                    f" (+{skipped} similar suppressed)" if skipped else "")
+
+
+_WARN = WarnLimiter()
+
+
+class Applier:
+    """Decode and apply payloads for one subscription."""
+
+    def __init__(self, ctx: SubscriberContext, conductor: Any, stats: SourceStats | None = None,
+                 warn: WarnLimiter | None = None) -> None:
+        self.ctx = ctx
+        self.conductor = conductor
+        self.stats = stats or SourceStats()
+        self._warn = warn or _WARN
+        self.source = f"{ctx.instance_id}/dp{ctx.dp_rank}@{ctx.url}"
+        self.hbm_medium = next((m for m in ctx.default_media if Medium(m).tier == 0), Medium.NPU)
+        if self.hbm_medium is Medium.UNKNOWN:
+            self.hbm_medium = Medium.NPU
+        non_hbm = tuple(m for m in ctx.default_media if Medium(m).tier != 0)
+        self.pool_media = non_hbm or tuple(ctx.default_media)
+        #: (model, tenant) -> WorkerKeys this subscription has written (for resync clears).
+        self.touched: dict[tuple[str, str], set[WorkerKey]] = {}
+
+    # -- helpers ------------------------------------------------------------------------
+    def _drop(self, reason: str, detail: str = "", payload: bytes | None = None) -> None:
+        self.stats.drop(reason)
+        self._warn.warn(self.source, reason, detail, payload)
+
+    def _key(self, medium: Medium, instance_id: str | None = None, dp: int | None = None) -> WorkerKey:
+        iid = self.ctx.instance_id if instance_id is None else instance_id
+        return WorkerKey(iid, iid, self.ctx.dp_rank if dp is None else dp, medium)
+
+    def _touch(self, model: str, tenant: str, key: WorkerKey) -> None:
+        s = self.touched.get((model, tenant))
+        if s is None:
+            s = self.touched[(model, tenant)] = set()
+        s.add(key)
+
+    # -- entry points ---------------------------------------------------------------------
+    def apply_payload(self, payload: bytes) -> bool:
+        """Decode and apply one payload; False (counted, warned) if undecodable."""
+        try:
+            batch = decode_payload(payload)
+        except DecodeError as ex:
+            self._drop(ex.reason, ex.detail, payload)
+            return False
+        except Exception as ex:  # noqa: BLE001 - a decoder bug must not stop ingest
+            self._drop("decoder_error", repr(ex), payload)
+            return False
+        self.stats.batches += 1
+        if type(batch) is VllmBatch:
+            self.apply_vllm(batch, payload)
+        else:
+            self.apply_pool(batch, payload)
+        return True
+
+    def clear_all(self) -> int:
+        """Resync: drop every block this subscription fed (its workers), return the count."""
+        ctx = self.ctx
+        n = 0
+        targets = {k: set(v) for k, v in self.touched.items()}
+        if not ctx.is_pool:
+            base = targets.setdefault((ctx.model, ctx.tenant), set())
+            base.update(self._key(m) for m in ctx.default_media)
+            base.add(self._key(self.hbm_medium))
+        for (model, tenant), keys in targets.items():
+            try:
+                index = self.conductor.get_or_create_index(model, tenant)
+                for key in keys:
+                    n += index.clear(key)
+            except Exception as ex:  # noqa: BLE001
+                self._drop("apply_error", f"clear: {ex!r}")
+        self.touched.clear()
+        return n
+
+    # -- vLLM / SGLang ----------------------------------------------------------------------
+    def apply_vllm(self, batch: VllmBatch, payload: bytes | None = None) -> None:
+        ctx = self.ctx
+        stats = self.stats
+        index = None
+        for ev in batch.events:
+            stats.events += 1
+            t = type(ev)
+            if t is Dropped:
+                self._drop(ev.reason, ev.detail, payload)
+                continue
+            if index is None:
+                try:
+                    index = self.conductor.get_or_create_index(ctx.model, ctx.tenant)
+                except Exception as ex:  # noqa: BLE001
+                    self._drop("apply_error", f"get_or_create_index: {ex!r}", payload)
+                    return
+            try:
+                if t is Stored:
+                    self._stored(index, ev)
+                elif t is Removed:
+                    self._removed(index, ev)
+                elif t is Cleared:
+                    for m in ctx.default_media:
+                        key = self._key(Medium(m))
+                        index.clear(key)
+            except ParentBlockNotFound as ex:
+                self._drop("parent_not_found", str(ex))
+            except InvalidBlockSequence as ex:
+                self._drop("invalid_block_sequence", str(ex))
+            except Exception as ex:  # noqa: BLE001 - never stop the ingest thread
+                self._drop("apply_error", repr(ex), payload)
+
+    def _stored(self, index, ev: Stored) -> None:
+        ctx = self.ctx
+        bs = ev.block_size
+        if bs and ctx.block_size > 0 and bs != ctx.block_size:
+            self.stats.drop("block_size_mismatch")
+            return
+        if ev.kind and kind_rejected(ev.kind):
+            self.stats.drop("attention_kind")
+            return
+        hashes = ev.block_hashes
+        if not hashes:
+            return
+        seed = lora_seed(ev.lora_name) if ev.lora_name else DEFAULT_SEED
+        tokens = ev.tokens
+        medium = parse_medium(ev.medium) if ev.medium else self.hbm_medium
+        if medium is Medium.NPU:
+            key = self._key(medium)
+            self._touch(ctx.model, ctx.tenant, key)
+            if len(tokens) and bs:
+                n = index.store_tokens(key, ev.parent, hashes, tokens, bs, seed)
+            else:
+                n = index.store(key, ev.parent, hashes, hashes)
+            self.stats.blocks += n
+            return
+        # Phase 1 of the two-phase join: the pool's confirmation decides where it lives.
+        if len(tokens) and bs:
+            local = hash_blocks(tokens, bs, seed)
+            n = min(len(local), len(hashes))
+            if n < len(hashes):
+                hashes = hashes[:n]
+            elif n < len(local):
+                local = local[:n]
+        else:
+            local = hashes
+        index.offload(hashes, local, ev.parent)
+        self.stats.blocks += len(hashes)
+
+    def _removed(self, index, ev: Removed) -> None:
+        if not ev.block_hashes:
+            return
+        medium = parse_medium(ev.medium) if ev.medium else self.hbm_medium
+        key = self._key(medium)
+        index.evict(key, ev.block_hashes)
+
+    # -- pools ---------------------------------------------------------------------------------
+    def _pool_targets(self, ev, infos: dict) -> list[tuple[str, str, WorkerKey]] | None:
+        ctx = self.ctx
+        media = (parse_medium(ev.medium),) if ev.medium else self.pool_media
+        out = []
+        if ctx.is_pool:
+            ip = ev.backend_id
+            if not ip:
+                self.stats.drop("no_backend_id")
+                return None
+            pairs = self.conductor.hbm_ip_lookup(ip) or ()
+            if not pairs:
+                self.stats.drop("backend_id_not_in_hbm_ip_index")
+                return None
+            seen = set()
+            for iid, dp in pairs:
+                if (iid, dp) in seen:
+                    continue
+                seen.add((iid, dp))
+                model, tenant = ev.model_name, ev.tenant_id
+                if model is None or tenant is None:
+                    info = infos.get(iid, infos)
+                    if info is infos:
+                        info = infos[iid] = self.conductor.instance_info(iid)
+                    m0, t0 = registered_index(info, dp)
+                    model = model if model is not None else (m0 or ctx.model)
+                    tenant = tenant if tenant is not None else (t0 or ctx.tenant)
+                for m in media:
+                    out.append((model, tenant, self._key(Medium(m), iid, dp)))
+        else:
+            model = ev.model_name if ev.model_name is not None else ctx.model
+            tenant = ev.tenant_id if ev.tenant_id is not None else ctx.tenant
+            for m in media:
+                out.append((model, tenant, self._key(Medium(m))))
+        return out
+
+    def apply_pool(self, batch: PoolBatch, payload: bytes | None = None) -> None:
+        stats = self.stats
+        now = time.monotonic()
+        infos: dict = {}  # instance_info per batch
+        for ev in batch.events:
+            stats.events += 1
+            if type(ev) is Dropped:
+                self._drop(ev.reason, ev.detail, payload)
+                continue
+            kind = ev.kind
+            if kind not in (STORED, REMOVED, CLEARED):
+                stats.drop("unknown_event_type")
+                continue
+            if kind != CLEARED and not ev.hashes:
+                stats.drop("no_hashes")
+                continue
+            try:
+                targets = self._pool_targets(ev, infos)
+                if not targets:
+                    continue
+                hashes = array("Q", ev.hashes)
+                indexes: dict = {}
+                for model, tenant, key in targets:
+                    index = indexes.get((model, tenant))
+                    if index is None:
+                        index = indexes[(model, tenant)] = self.conductor.get_or_create_index(model, tenant)
+                    if kind == STORED:
+                        self._touch(model, tenant, key)
+                        index.pool_store(key, hashes, now)
+                    elif kind == REMOVED:
+                        index.evict(key, hashes)
+                    else:
+                        index.clear(key)
+                if kind == STORED:
+                    stats.blocks += len(hashes)
+            except Exception as ex:  # noqa: BLE001 - never stop the ingest thread
+                self._drop("apply_error", repr(ex), payload)

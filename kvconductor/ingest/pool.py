@@ -1,0 +1,170 @@
+"""Decoders for KV-pool events: Mooncake / Memcache / YuanRong (contract 4.5, 5.4).
+
+Containers:
+
+* tuple ``[ts_ms, [PoolEvent...], dp_rank]`` (Mooncake master, YuanRong ports,
+  anything using the tuple form; ``dp_rank`` may be missing or nil);
+* map ``{"events": [PoolEvent...]}`` (Memcache MetaService; missing ``events`` = empty).
+
+A PoolEvent is a msgpack map with the keys of :class:`PoolEvent`; unknown keys
+are ignored. Hashes go through :func:`flex_hash`. Unlike the reference, a bad
+hash (or a field of the wrong type) drops **that event** with a counted reason,
+not the whole batch, and negative integers are read as two's-complement u64
+(contract 10.4).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvconductor.ingest.vllm import MASK64, DecodeError, Dropped, parse_hash_str
+
+_ANY_DEC = msgspec.msgpack.Decoder()
+
+
+def flex_hash(h: Any) -> int:
+    """FlexHash (contract 5.4) with the 10.4 fix: u64; negative i64 -> two's complement;
+    string ``0x`` hex / decimal / bare hex; bytes up to 8, big-endian left-padded.
+
+    Raises ValueError ("hash bytes too long", "invalid hash ...") or TypeError.
+    """
+    if type(h) is int:
+        if h < 0:
+            if h < -(1 << 63):
+                raise ValueError(f"hash {h} below int64")
+            return h & MASK64
+        if h > MASK64:
+            raise ValueError(f"hash {h} above u64")
+        return h
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        b = bytes(h)
+        if len(b) > 8:
+            raise ValueError("hash bytes too long")
+        return int.from_bytes(b, "big")
+    if isinstance(h, str):
+        return parse_hash_str(h)
+    raise TypeError(f"hash of type {type(h).__name__}")
+
+
+STORED, REMOVED, CLEARED, OTHER = "stored", "removed", "cleared", "other"
+
+
+class PoolEvent:
+    """One decoded pool event. ``hashes`` = seq_hashes then block_hashes, de-duplicated."""
+
+    __slots__ = ("event_id", "kind", "type_str", "model_name", "tenant_id", "backend_id",
+                 "medium", "dp_rank", "hashes")
+
+    def __init__(self, event_id, kind, type_str, model_name, tenant_id, backend_id, medium,
+                 dp_rank, hashes) -> None:
+        self.event_id = event_id
+        self.kind = kind
+        self.type_str = type_str
+        self.model_name = model_name
+        self.tenant_id = tenant_id
+        self.backend_id = backend_id
+        self.medium = medium
+        self.dp_rank = dp_rank
+        self.hashes = hashes
+
+    def __repr__(self) -> str:
+        return (f"PoolEvent({self.kind}, backend_id={self.backend_id!r}, medium={self.medium!r}, "
+                f"dp={self.dp_rank}, hashes={self.hashes}, model={self.model_name!r})")
+
+
+class PoolBatch:
+    __slots__ = ("ts", "dp_rank", "events", "layout")
+
+    def __init__(self, ts, dp_rank, events, layout) -> None:
+        self.ts = ts
+        self.dp_rank = dp_rank
+        self.events = events
+        self.layout = layout  # "tuple" | "memcache"
+
+
+def classify(type_str: str) -> str:
+    """stored / removed / cleared / other, by substring (contract 4.5)."""
+    if "stored" in type_str or "Stored" in type_str:
+        return STORED
+    if "removed" in type_str or "Removed" in type_str:
+        return REMOVED
+    if "cleared" in type_str or "Cleared" in type_str:
+        return CLEARED
+    return OTHER
+
+
+def _opt_str(m: dict, key: str) -> str | None:
+    v = m.get(key)
+    if v is None or isinstance(v, str):
+        return v
+    raise DecodeError("invalid_event", f"{key} is {type(v).__name__}")
+
+
+def decode_pool_event(m: Any) -> PoolEvent | Dropped:
+    """A PoolEvent map (already decoded) -> PoolEvent, or Dropped with the reason."""
+    if not isinstance(m, dict):
+        return Dropped("invalid_event", f"pool event is {type(m).__name__}")
+    try:
+        et = _opt_str(m, "event_type")
+        legacy = _opt_str(m, "type")
+        type_str = et if et is not None else (legacy if legacy is not None else "unknown")
+        dp = m.get("dp_rank")
+        if dp is not None and (type(dp) is not int or not 0 <= dp <= 0xFFFFFFFF):
+            raise DecodeError("invalid_event", f"dp_rank {dp!r}"[:80])
+        eid = m.get("event_id", 0)
+        hashes: list[int] = []
+        for key in ("seq_hashes", "block_hashes"):
+            v = m.get(key)
+            if v is None:
+                continue
+            if not isinstance(v, list):
+                raise DecodeError("invalid_event", f"{key} is {type(v).__name__}")
+            for h in v:
+                try:
+                    hashes.append(flex_hash(h))
+                except (TypeError, ValueError) as ex:
+                    raise DecodeError("bad_hash", str(ex)) from None
+        if len(hashes) > 1:
+            hashes = list(dict.fromkeys(hashes))
+        return PoolEvent(eid, classify(type_str), type_str, _opt_str(m, "model_name"),
+                         _opt_str(m, "tenant_id"), _opt_str(m, "backend_id"),
+                         _opt_str(m, "medium"), dp, hashes)
+    except DecodeError as ex:
+        return Dropped(ex.reason, ex.detail)
+
+
+def decode_pool_tuple(obj: Any) -> PoolBatch:
+    """``[ts_ms, [events], dp_rank]`` (already decoded) -> PoolBatch."""
+    if not isinstance(obj, list) or len(obj) not in (2, 3):
+        raise DecodeError("not_a_batch", "pool tuple is not an array of 2 or 3")
+    ts, events = obj[0], obj[1]
+    dp = obj[2] if len(obj) == 3 else None
+    if type(ts) not in (int, float) or not isinstance(events, list):
+        raise DecodeError("not_a_batch", "pool tuple is not [ts_ms, [events], dp]")
+    if dp is not None and type(dp) is not int:
+        raise DecodeError("invalid_batch", f"dp_rank is {type(dp).__name__}")
+    return PoolBatch(ts, dp, [decode_pool_event(e) for e in events], "tuple")
+
+
+def decode_memcache(obj: Any) -> PoolBatch:
+    """``{"events": [...]}`` (already decoded) -> PoolBatch."""
+    if not isinstance(obj, dict):
+        raise DecodeError("not_a_batch", "memcache batch is not a map")
+    events = obj.get("events")
+    if events is None:
+        events = []
+    if not isinstance(events, list):
+        raise DecodeError("invalid_batch", "memcache 'events' is not an array")
+    return PoolBatch(None, None, [decode_pool_event(e) for e in events], "memcache")
+
+
+def decode_pool_payload(payload: bytes) -> PoolBatch:
+    """Either container, from the raw payload."""
+    try:
+        obj = _ANY_DEC.decode(payload)
+    except Exception as ex:  # noqa: BLE001 - msgspec.DecodeError, UnicodeDecodeError, ...
+        raise DecodeError("undecodable", str(ex)) from None
+    if isinstance(obj, dict):
+        return decode_memcache(obj)
+    return decode_pool_tuple(obj)

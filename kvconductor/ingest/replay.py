@@ -1,0 +1,132 @@
+"""The vLLM/SGLang replay client: one DEALER session on the ingest thread.
+
+Protocol (engine-events.md §6): send ``[b"", start_seq as 8-byte big-endian]`` to
+the publisher's ROUTER; it answers every buffered batch with ``seq >= start``,
+each as ``[b"", seq, payload]`` (vLLM <= 0.25, SGLang <= 0.5.21) or
+``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang >= 0.5.22; told apart by
+the frame count), then an end marker whose seq frame is ``ff`` x 8.
+
+The session never blocks: its DEALER is polled by the ingest thread like any
+SUB socket, and an inactivity timer (``IngestThread.call_later``) ends it when
+the ROUTER goes quiet (unreachable endpoint, lost tail under the ROUTER's send
+HWM, ...). A fresh DEALER per session means a late reply to an abandoned
+request can never be mistaken for the current one. What to do with the
+batches (ordering against the live stream, loss detection) is the
+subscription's business: see :mod:`kvconductor.ingest.subscriber`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+log = logging.getLogger("kvconductor.ingest")
+
+END_MARKER = b"\xff" * 8
+#: Messages handled per readiness callback, so one busy replay cannot starve the
+#: other sockets of the ingest thread.
+DRAIN_LIMIT = 512
+
+
+class ReplaySession:
+    """One replay request/response exchange.
+
+    ``on_batch(seq, payload)`` is called for every replayed batch in arrival
+    order; ``on_done(ok, why)`` exactly once (``ok`` = the end marker arrived).
+    """
+
+    def __init__(self, thread, endpoint: str, start_seq: int,
+                 on_batch: Callable[[int, bytes], None],
+                 on_done: Callable[[bool, str], None],
+                 timeout: float = 5.0) -> None:
+        self.thread = thread
+        self.endpoint = endpoint
+        self.start_seq = start_seq
+        self.on_batch = on_batch
+        self.on_done = on_done
+        self.timeout = timeout
+        self.sock: zmq.Socket | None = None
+        self.received = 0
+        self.layout: str | None = None  # "seq,payload" | "topic,seq,payload"
+        self.done = False
+        self._last_activity = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create the DEALER, send the request and start polling (ingest thread)."""
+        try:
+            sock = self.thread.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by buffer_steps batches
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as ex:
+            self._finish(False, f"connect {self.endpoint!r} failed: {ex}")
+            return
+        self.sock = sock
+        try:
+            sock.send_multipart([b"", self.start_seq.to_bytes(8, "big")], zmq.NOBLOCK)
+        except zmq.ZMQError as ex:
+            self._finish(False, f"request failed: {ex}")
+            return
+        self.thread.add_socket(sock, self._on_readable)
+        self._last_activity = time.monotonic()
+        self.thread.call_later(self.timeout, self._check_timeout)
+
+    def close(self) -> None:
+        """Stop polling and close the socket (no callback)."""
+        self.done = True
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            self.thread.remove_socket(sock)
+            sock.close(linger=0)
+
+    def _finish(self, ok: bool, why: str) -> None:
+        if self.done:
+            return
+        self.close()
+        self.on_done(ok, why)
+
+    def _check_timeout(self) -> None:
+        if self.done:
+            return
+        idle = time.monotonic() - self._last_activity
+        if idle >= self.timeout:
+            self._finish(False, f"no reply from {self.endpoint} for {idle:.1f}s "
+                                f"({self.received} batches received)")
+        else:
+            self.thread.call_later(self.timeout - idle, self._check_timeout)
+
+    # -- receive --------------------------------------------------------------------------
+    def _on_readable(self, sock) -> None:
+        for _ in range(DRAIN_LIMIT):
+            if self.done:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as ex:
+                self._finish(False, f"receive failed: {ex}")
+                return
+            self._last_activity = time.monotonic()
+            n = len(frames)
+            if n == 3 and frames[0] == b"":
+                seq_b, payload = frames[1], frames[2]
+                layout = "seq,payload"
+            elif n == 4 and frames[0] == b"":
+                seq_b, payload = frames[2], frames[3]
+                layout = "topic,seq,payload"
+            else:
+                self._finish(False, f"malformed replay reply ({n} frames)")
+                return
+            if seq_b == END_MARKER:
+                self._finish(True, "complete")
+                return
+            if len(seq_b) != 8:
+                self._finish(False, f"replay seq frame of {len(seq_b)} bytes")
+                return
+            self.layout = layout
+            self.received += 1
+            self.on_batch(int.from_bytes(seq_b, "big"), payload)

@@ -1,0 +1,484 @@
+"""ZeroMQ subscriptions to engine and pool publishers, with replay and gap recovery.
+
+:class:`SubscriptionManager` lives on the ingest thread
+(:class:`~kvconductor.ingest.thread.IngestThread`); **every method is called on
+that thread** (use ``thread.call(mgr.subscribe, ctx)`` / ``await
+thread.run(...)`` from elsewhere). Each :class:`Subscription` owns one SUB
+socket, its monitor socket and, while replaying, one DEALER
+(:class:`~kvconductor.ingest.replay.ReplaySession`); all are polled by the one
+ingest poller, which blocks when nothing happens (no busy spin, 10.1 #1).
+
+Sockets:
+
+* SUB ``RCVHWM = 1_000_000`` messages. The reference left ZMQ's default of 1000,
+  so a burst larger than that was dropped silently by ZMQ. vLLM's PUB side
+  queues up to ``hwm = 100_000`` per subscriber and its replay buffer holds
+  10 000 batches; a million batches is far beyond any burst we can still
+  recover, yet it stays bounded (0 = unlimited would let a stuck ingest thread
+  grow memory without limit). Loss beyond it shows up as a seq gap and is
+  recovered by replay.
+* Reconnects: ZMQ's own ``RECONNECT_IVL`` 100 ms doubling up to
+  ``RECONNECT_IVL_MAX`` 30 s (contract 3.7). ZMTP heartbeats and TCP keepalive
+  detect a silently dead peer. A connect that fails synchronously (bad URL) is
+  retried on a timer with the same 100 ms -> 30 s backoff.
+* The monitor socket reports CONNECTED/DISCONNECTED; a CONNECTED after a
+  disconnect is a *reconnect* and triggers a replay (when the subscription has
+  a replay endpoint).
+
+Sequence numbers (frame 1, 8-byte big-endian) per subscription:
+
+* ``seq == last + 1``: apply.
+* ``seq > last + 1`` (gap): with a replay endpoint, buffer live batches and
+  replay from ``last`` (one batch of overlap: if the replayed batch ``last``
+  is byte-identical to the one applied, the stream is continuous); otherwise
+  clear the subscription's workers and rebuild from what follows.
+* ``seq <= last``: a batch already applied by replay (identical digest) is
+  skipped; anything else means the publisher restarted: clear the workers and
+  (with a replay endpoint) replay the new incarnation from 0.
+* Replay result: first replayed seq > wanted (the ring buffer lost it), no reply,
+  or the overlap batch differs -> clear and rebuild (state
+  ``resynced_after_loss``). Live batches buffered meanwhile are merged by seq;
+  nothing is applied twice.
+
+Only subscriptions that feed HBM workers (engine PUB, ``not ctx.is_pool`` and a
+HBM medium in ``ctx.default_media``) use ``ctx.replay_endpoint``: a replay ROUTER
+serves the engine's sequence, not a pool port's.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvconductor._hash import xxh3_64
+from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.replay import ReplaySession
+from kvconductor.keys import Medium
+
+log = logging.getLogger("kvconductor.ingest")
+
+RCVHWM = 1_000_000
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 30_000
+#: Messages handled per readiness callback (fairness between sockets).
+DRAIN_LIMIT = 256
+#: Live batches kept while a replay runs; beyond that they are dropped and the
+#: gap they leave is handled as loss after the replay.
+MAX_REPLAY_BUFFER = 200_000
+
+_MON_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED
+               | zmq.EVENT_MONITOR_STOPPED)
+
+
+def _digest(payload: bytes) -> int:
+    return xxh3_64(payload, 0)
+
+
+class Subscription:
+    """One SUB socket to one publisher URL for one (instance, DP)."""
+
+    def __init__(self, manager: "SubscriptionManager", ctx: SubscriberContext) -> None:
+        self.manager = manager
+        self.thread = manager.thread
+        self.ctx = ctx
+        self.key = (ctx.instance_id, ctx.dp_rank, ctx.url)
+        self.stats = SourceStats()
+        self.applier = Applier(ctx, manager.conductor, self.stats, manager.warn)
+        feeds_hbm = any(Medium(m).tier == 0 for m in ctx.default_media)
+        self.replay_endpoint = ctx.replay_endpoint if (ctx.replay_endpoint and feeds_hbm
+                                                       and not ctx.is_pool) else None
+        self.sock: zmq.Socket | None = None
+        self.mon: zmq.Socket | None = None
+        self.connected = False
+        self.ever_connected = False
+        self.closed = False
+        self.backoff = RECONNECT_IVL_MS / 1000.0
+        self.last_seq: int | None = None
+        self.last_digest: int | None = None
+        self.resynced = False
+        # replay state
+        self.replay: ReplaySession | None = None
+        self.replay_verify = False
+        self.replay_first = True
+        self.replay_restart = False
+        self.buffer: list[tuple[int, bytes]] = []
+        self.dedup: dict[int, int] = {}
+        self.dedup_high = -1
+        self.connect_errors = 0
+        self._no_replay = False
+        self._replay_start = 0
+
+    # -- sockets ---------------------------------------------------------------------------
+    def open(self) -> None:
+        if self.closed:
+            return
+        url = self.ctx.url
+        sock = self.thread.ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, RCVHWM)
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            mon = sock.get_monitor_socket(_MON_EVENTS)
+            try:
+                if "*" in url:
+                    sock.bind(url)  # the engine PUB connects to us ("bind stable")
+                    self.connected = self.ever_connected = True
+                else:
+                    sock.connect(url)
+            except zmq.ZMQError:
+                sock.disable_monitor()
+                mon.close(linger=0)
+                raise
+        except zmq.ZMQError as ex:
+            sock.close(linger=0)
+            self.connect_errors += 1
+            self.stats.drop("connect_error")
+            self.manager.warn.warn(self._name(), "connect_error", f"{url!r}: {ex}", None)
+            delay = self.backoff
+            self.backoff = min(self.backoff * 2, RECONNECT_IVL_MAX_MS / 1000.0)
+            self.thread.call_later(delay, self.open)
+            return
+        self.backoff = RECONNECT_IVL_MS / 1000.0
+        self.sock, self.mon = sock, mon
+        self.thread.add_socket(mon, self._on_monitor)
+        self.thread.add_socket(sock, self._on_readable)
+
+    def close(self) -> None:
+        self.closed = True
+        if self.replay is not None:
+            self.replay.close()
+            self.replay = None
+        sock, mon = self.sock, self.mon
+        self.sock = self.mon = None
+        if mon is not None:
+            self.thread.remove_socket(mon)
+        if sock is not None:
+            self.thread.remove_socket(sock)
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            sock.close(linger=0)
+        if mon is not None:
+            mon.close(linger=0)
+        self.buffer = []
+        self.connected = False
+
+    def _name(self) -> str:
+        return f"{self.ctx.instance_id}/dp{self.ctx.dp_rank}@{self.ctx.url}"
+
+    def _on_monitor(self, mon) -> None:
+        while True:
+            try:
+                evt = recv_monitor_message(mon, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            e = evt["event"]
+            if e in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                reconnect = self.ever_connected and not self.connected
+                self.connected = self.ever_connected = True
+                if reconnect:
+                    log.info("%s: reconnected", self._name())
+                    self._on_reconnect()
+            elif e == zmq.EVENT_DISCONNECTED:
+                if self.connected:
+                    log.info("%s: disconnected", self._name())
+                self.connected = False
+            elif e == zmq.EVENT_MONITOR_STOPPED:
+                return
+
+    def _on_readable(self, sock) -> None:
+        for _ in range(DRAIN_LIMIT):
+            if self.closed:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as ex:
+                self.manager.warn.warn(self._name(), "receive_error", str(ex), None)
+                return
+            if not self.connected:  # data beat the monitor event
+                self.connected = self.ever_connected = True
+            if len(frames) < 3:
+                self.stats.drop("short_message")
+                self.manager.warn.warn(self._name(), "short_message", f"{len(frames)} frames",
+                                       frames[-1] if frames else b"")
+                continue
+            seq_b = frames[1]
+            if len(seq_b) != 8:
+                self.stats.drop("bad_seq_frame")
+                self.manager.warn.warn(self._name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
+                continue
+            self.on_live(int.from_bytes(seq_b, "big"), frames[2])
+
+    # -- sequence handling -------------------------------------------------------------------
+    def on_live(self, seq: int, payload: bytes) -> None:
+        if self.replay is not None:
+            if len(self.buffer) >= MAX_REPLAY_BUFFER:
+                self.stats.drop("replay_buffer_overflow")
+                return
+            self.buffer.append((seq, payload))
+            return
+        self._process(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes, live: bool = True) -> int:
+        self.applier.apply_payload(payload)
+        d = _digest(payload)
+        self.last_seq = self.stats.last_seq = seq
+        self.last_digest = d
+        if live and self.dedup and seq > self.dedup_high:
+            self.dedup.clear()  # the live stream has passed the replayed range
+        return d
+
+    def _process(self, seq: int, payload: bytes) -> None:
+        last = self.last_seq
+        if last is None or seq == last + 1:
+            self._apply(seq, payload)
+            return
+        if seq <= last:
+            d = self.dedup.get(seq)
+            if d is not None and d == _digest(payload):
+                self.stats.duplicates += 1
+                return
+            self._restarted(seq, payload, f"seq went back from {last} to {seq}")
+            return
+        self.stats.gaps += 1
+        if self.replay_endpoint and not self._no_replay:
+            log.info("%s: gap %d -> %d, replaying", self._name(), last, seq)
+            self.buffer.append((seq, payload))
+            self.start_replay(last, verify=True)
+            return
+        self._loss(f"gap {last} -> {seq} and no replay endpoint")
+        self._apply(seq, payload)
+
+    def _restarted(self, seq: int, payload: bytes, why: str) -> None:
+        """The publisher restarted: its cache is new; forget ours and catch up from 0."""
+        self.stats.restarts += 1
+        self._loss(f"publisher restarted ({why})")
+        if seq > 0 and self.replay_endpoint and not self._no_replay:
+            self.buffer.append((seq, payload))
+            self.start_replay(0, verify=False)
+            return
+        self._apply(seq, payload)
+
+    def _loss(self, why: str) -> None:
+        self.stats.resyncs += 1
+        n = self.applier.clear_all()
+        self.resynced = True
+        self.last_seq = self.last_digest = None
+        self.dedup.clear()
+        self.dedup_high = -1
+        log.warning("%s: %s; cleared %d blocks, rebuilding from the stream", self._name(), why, n)
+
+    def _on_reconnect(self) -> None:
+        if self.replay_endpoint and self.replay is None:
+            if self.last_seq is not None:
+                self.start_replay(self.last_seq, verify=True)
+            else:
+                self.start_replay(0, verify=False)
+
+    # -- replay ----------------------------------------------------------------------------------
+    def start_replay(self, start: int, verify: bool) -> bool:
+        """Ask the replay ROUTER for ``seq >= start`` (no-op if one is running)."""
+        if self.closed or not self.replay_endpoint or self.replay is not None:
+            return False
+        self.stats.replays += 1
+        self.replay_verify = verify and self.last_seq is not None and start == self.last_seq
+        self.replay_first = True
+        self.replay_restart = False
+        self._replay_start = start
+        session = ReplaySession(self.thread, self.replay_endpoint, start, self._on_replayed,
+                                self._on_replay_done, self.manager.replay_timeout)
+        self.replay = session
+        session.start()
+        return True
+
+    def _on_replayed(self, seq: int, payload: bytes) -> None:
+        self.stats.replayed_batches += 1
+        if self.replay_restart:
+            return  # a second replay from 0 follows
+        start = self._replay_start
+        if self.replay_first:
+            self.replay_first = False
+            if self.replay_verify:
+                if seq == start:
+                    if _digest(payload) == self.last_digest:
+                        return  # overlap batch identical: continuous
+                    self.stats.restarts += 1
+                    self._loss(f"replayed seq {seq} differs from the applied one (restart)")
+                    self.replay_restart = True
+                    return
+                if seq > start:
+                    self._loss(f"replay starts at {seq}, wanted {start + 1}: buffer exhausted")
+            elif seq > start:
+                self._loss(f"replay starts at {seq}, wanted {start}: buffer exhausted")
+        last = self.last_seq
+        if last is None or seq == last + 1:
+            d = self._apply(seq, payload, live=False)
+            self.dedup[seq] = d
+            self.dedup_high = seq
+        elif seq <= last:
+            self.stats.duplicates += 1
+        else:
+            self.stats.gaps += 1
+            self._loss(f"gap {last} -> {seq} inside the replay")
+            d = self._apply(seq, payload, live=False)
+            self.dedup[seq] = d
+            self.dedup_high = seq
+
+    def _on_replay_done(self, ok: bool, why: str) -> None:
+        self.replay = None
+        if self.closed:
+            return
+        if ok:
+            if self.replay_restart:
+                self.start_replay(0, verify=False)
+                return
+            if self.replay_first and self.replay_verify:
+                # Nothing at or after our last seq is buffered: the publisher's
+                # newest seq is below ours, so it restarted.
+                self.stats.restarts += 1
+                self._loss(f"replay from {self._replay_start} is empty (restart)")
+                self.start_replay(0, verify=False)
+                return
+            self._merge()
+            return
+        # Failed (no reply, malformed reply): merge what we have; a gap left in
+        # it is loss now (no second replay, or a dead ROUTER would stall us forever).
+        self.stats.drop("replay_failed")
+        self.manager.warn.warn(self._name(), "replay_failed", why, None)
+        self._no_replay = True
+        try:
+            self._merge()
+        finally:
+            self._no_replay = False
+
+    def _merge(self) -> None:
+        buf, self.buffer = self.buffer, []
+        if not buf:
+            return
+        buf.sort(key=lambda x: x[0])
+        for i, (seq, payload) in enumerate(buf):
+            if self.replay is not None:
+                self.buffer.extend(buf[i:])
+                return
+            self._process(seq, payload)
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        if self.replay is not None:
+            return "replaying"
+        if not self.connected:
+            return "connecting"
+        return "resynced_after_loss" if self.resynced else "live"
+
+    def info(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "instance_id": self.ctx.instance_id,
+            "dp_rank": self.ctx.dp_rank,
+            "url": self.ctx.url,
+            "model": self.ctx.model,
+            "tenant": self.ctx.tenant,
+            "is_pool": self.ctx.is_pool,
+            "replay_endpoint": self.replay_endpoint,
+            "state": self.state,
+            "connected": self.connected,
+            "last_seq": self.last_seq,
+            "batches": s.batches,
+            "events": s.events,
+            "blocks": s.blocks,
+            "gaps": s.gaps,
+            "replays": s.replays,
+            "replayed_batches": s.replayed_batches,
+            "restarts": s.restarts,
+            "resyncs": s.resyncs,
+            "duplicates": s.duplicates,
+            "buffered": len(self.buffer),
+            "dropped": dict(s.dropped),
+        }
+
+
+class SubscriptionManager:
+    """Lives on the ingest thread; every method is called on the ingest thread."""
+
+    def __init__(self, thread, conductor, *, replay_timeout: float = 5.0) -> None:
+        self.thread = thread
+        self.conductor = conductor
+        self.replay_timeout = replay_timeout
+        self.warn = WarnLimiter()
+        self._subs: dict[tuple[str, int, str], Subscription] = {}
+
+    def _check_thread(self) -> None:
+        if self.thread.is_alive() and not self.thread.on_thread():
+            raise RuntimeError("SubscriptionManager methods must run on the ingest thread")
+
+    def subscribe(self, ctx: SubscriberContext) -> None:
+        """One SUB per (instance_id, dp_rank, url); replaces an existing one."""
+        self._check_thread()
+        key = (ctx.instance_id, ctx.dp_rank, ctx.url)
+        old = self._subs.pop(key, None)
+        if old is not None:
+            old.close()
+        sub = Subscription(self, ctx)
+        self._subs[key] = sub
+        sub.open()
+        log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)", sub._name(),
+                 ctx.model, ctx.tenant, [Medium(m).name for m in ctx.default_media], ctx.is_pool,
+                 sub.replay_endpoint)
+
+    def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
+        """Close every subscription of (instance, dp); return how many."""
+        self._check_thread()
+        keys = [k for k in self._subs if k[0] == instance_id and k[1] == dp_rank]
+        for k in keys:
+            self._subs.pop(k).close()
+        return len(keys)
+
+    def request_replay(self, ctx: SubscriberContext) -> None:
+        """First registration of an instance with a replay endpoint: catch up from 0."""
+        self._check_thread()
+        if not ctx.replay_endpoint:
+            return
+        sub = self._subs.get((ctx.instance_id, ctx.dp_rank, ctx.url))
+        if sub is None or not sub.replay_endpoint:
+            sub = next((s for s in self._subs.values()
+                        if s.ctx.instance_id == ctx.instance_id and s.ctx.dp_rank == ctx.dp_rank
+                        and s.replay_endpoint), None)
+        if sub is None:
+            self.subscribe(ctx)
+            sub = self._subs[(ctx.instance_id, ctx.dp_rank, ctx.url)]
+        if sub.last_seq is not None:
+            sub.start_replay(sub.last_seq, verify=True)
+        else:
+            sub.start_replay(0, verify=False)
+
+    def sources(self) -> list[dict]:
+        """Per subscription: identity, state, last_seq and counters."""
+        self._check_thread()
+        return [s.info() for s in self._subs.values()]
+
+    def get(self, instance_id: str, dp_rank: int, url: str) -> Subscription | None:
+        return self._subs.get((instance_id, dp_rank, url))
+
+    def close(self) -> None:
+        """Close every subscription."""
+        self._check_thread()
+        for s in self._subs.values():
+            s.close()
+        self._subs.clear()
+
+    def __len__(self) -> int:
+        return len(self._subs)

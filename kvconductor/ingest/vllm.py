@@ -1,0 +1,515 @@
+"""Decoders for vLLM and SGLang ``KVEventBatch`` payloads (engine-events.md §4).
+
+A batch is a msgpack array ``[ts, events, dp]`` (vLLM >= 0.9.1, SGLang >= 0.4.7),
+``[ts, events]`` (vLLM 0.9.0, SGLang 0.4.6) or ``[ts, dp, events]`` (contract
+4.3 "format B"). Every event is dispatched on its own msgpack type:
+
+* array (vLLM <= 0.23, SGLang <= 0.5.19): decoded **by position**
+  (0 tag, 1 block_hashes, 2 parent_block_hash, 3 token_ids, 4 block_size,
+  5 lora_id, 6 medium, 7 lora_name, 8 extra_keys, 9 group_idx,
+  10 kv_cache_spec_kind, 11 kv_cache_spec_sliding_window; 12+ ignored;
+  trailing fields may be missing);
+* map (vLLM >= 0.24, SGLang >= 0.5.20): decoded by name, unknown keys ignored,
+  missing keys take their defaults.
+
+Decoding uses typed :mod:`msgspec` structs, so only the fields we use become
+Python objects (``extra_keys`` / ``lookahead_token_ids`` stay raw bytes). Token
+ids end up in an ``array('I')`` and block hashes in an ``array('Q')``, both
+handed to the index as C buffers.
+
+A malformed event is dropped alone (reason counted by the caller); a batch
+whose envelope cannot be read raises :class:`DecodeError`.
+"""
+from __future__ import annotations
+
+import os
+import re
+from array import array
+from typing import Any, Union
+
+import msgspec
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+_U32 = 0xFFFFFFFF
+
+
+class DecodeError(Exception):
+    """An undecodable payload or event; ``reason`` is the counter key."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+# ---------------------------------------------------------------------------------------
+# decoded events (what apply.py consumes)
+
+
+class Stored:
+    """One ``BlockStored``: hashes are u64 (array('Q')), tokens u32 (array('I'))."""
+
+    __slots__ = ("block_hashes", "parent", "tokens", "block_size", "medium", "lora_name",
+                 "lora_id", "group_idx", "kind", "sliding_window", "locality", "ownership",
+                 "session_id")
+
+    def __init__(self, block_hashes, parent, tokens, block_size, medium=None, lora_name=None,
+                 lora_id=None, group_idx=None, kind=None, sliding_window=None, locality=None,
+                 ownership=None, session_id=None) -> None:
+        self.block_hashes = block_hashes
+        self.parent = parent
+        self.tokens = tokens
+        self.block_size = block_size
+        self.medium = medium
+        self.lora_name = lora_name
+        self.lora_id = lora_id
+        self.group_idx = group_idx
+        self.kind = kind
+        self.sliding_window = sliding_window
+        self.locality = locality
+        self.ownership = ownership
+        self.session_id = session_id
+
+    def __repr__(self) -> str:
+        return (f"Stored(hashes={list(self.block_hashes)}, parent={self.parent}, "
+                f"tokens={list(self.tokens)}, block_size={self.block_size}, medium={self.medium!r}, "
+                f"lora_name={self.lora_name!r}, group_idx={self.group_idx}, kind={self.kind!r})")
+
+
+class Removed:
+    """One ``BlockRemoved``."""
+
+    __slots__ = ("block_hashes", "medium", "group_idx")
+
+    def __init__(self, block_hashes, medium=None, group_idx=None) -> None:
+        self.block_hashes = block_hashes
+        self.medium = medium
+        self.group_idx = group_idx
+
+    def __repr__(self) -> str:
+        return f"Removed(hashes={list(self.block_hashes)}, medium={self.medium!r})"
+
+
+class Cleared:
+    """``AllBlocksCleared``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "Cleared()"
+
+
+class Dropped:
+    """An event that could not be used; ``reason`` is counted by the caller."""
+
+    __slots__ = ("reason", "detail")
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+
+    def __repr__(self) -> str:
+        return f"Dropped({self.reason!r}, {self.detail!r})"
+
+
+class VllmBatch:
+    """A decoded batch: ``events`` holds Stored/Removed/Cleared/Dropped in wire order."""
+
+    __slots__ = ("ts", "dp_rank", "events", "layout")
+
+    def __init__(self, ts, dp_rank, events, layout) -> None:
+        self.ts = ts
+        self.dp_rank = dp_rank
+        self.events = events
+        self.layout = layout  # "ts,events,dp" | "ts,events" | "ts,dp,events"
+
+
+# ---------------------------------------------------------------------------------------
+# hash conversion
+
+
+_HEX = re.compile(r"[0-9a-fA-F]{1,16}")
+_DEC = re.compile(r"[0-9]{1,20}")
+
+
+def parse_hash_str(s: str) -> int:
+    """``0x``/``0X`` hex, else decimal u64, else bare hex (contract 5.4); else ValueError."""
+    t = s.strip()
+    if t[:2] in ("0x", "0X"):
+        if _HEX.fullmatch(t[2:]):
+            return int(t[2:], 16)
+    else:
+        if _DEC.fullmatch(t):
+            v = int(t)
+            if v <= MASK64:
+                return v
+        if _HEX.fullmatch(t):
+            return int(t, 16)
+    raise ValueError(f"invalid hash {s[:40]!r}: expected u64, hex, or 0x-prefixed")
+
+
+def engine_hash(h: Any) -> int:
+    """vLLM/SGLang block hash -> u64 (contract 4.3 with the 10.4 fixes).
+
+    non-negative int as is; negative int -> two's complement u64; bytes of up to
+    8 bytes big-endian, longer (16/32-byte digests) -> last 8 bytes big-endian
+    (= vLLM's integer form); strings ``0x..`` hex, decimal, or bare hex.
+    Raises ValueError/TypeError otherwise (nil, floats, bools, maps, ...).
+    """
+    if type(h) is int:
+        if h < 0:
+            if h < -(1 << 63):
+                raise ValueError(f"hash {h} below int64")
+            return h & MASK64
+        if h > MASK64:
+            raise ValueError(f"hash {h} above u64")
+        return h
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        b = bytes(h)
+        if not b:
+            raise ValueError("empty hash bytes")
+        return int.from_bytes(b[-8:], "big")
+    if isinstance(h, str):
+        return parse_hash_str(h)
+    raise TypeError(f"hash of type {type(h).__name__}")
+
+
+def engine_hashes(hs: list) -> array:
+    """A list of wire hashes as ``array('Q')`` (fast path: all non-negative ints)."""
+    try:
+        return array("Q", hs)
+    except (TypeError, OverflowError):
+        return array("Q", [engine_hash(h) for h in hs])
+
+
+def u32_tokens(tokens: list) -> array:
+    """Token ids -> ``array('I')``, truncating to the low 32 bits (contract 5.1)."""
+    try:
+        return array("I", tokens)
+    except OverflowError:
+        return array("I", [t & _U32 for t in tokens])
+
+
+try:  # the compiled msgpack int-array scanner of the query path (no Python int per token)
+    from kvconductor._wire import WireError as _WireError
+    from kvconductor._wire import parse_query as _wire_parse_query
+except ImportError:  # pragma: no cover - the msgspec fallback below is always correct
+    _wire_parse_query = None
+    _WireError = ValueError
+if os.environ.get("KVCONDUCTOR_NO_EXTENSIONS") or os.environ.get("KVCONDUCTOR_WIRE") == "py":
+    _wire_parse_query = None
+
+#: msgpack ``["", 0, <token_ids>]``: a positional /query body around the raw token array.
+_QUERY_PREFIX = b"\x93\xa0\x00"
+_INT_LIST_DEC = msgspec.msgpack.Decoder(list[int])
+
+
+def raw_tokens(raw: msgspec.Raw) -> array:
+    """A raw msgpack int array (or nil) -> ``array('I')`` of u32-truncated token ids.
+
+    With ``kvconductor._wire`` the ints are scanned in C straight into the array;
+    otherwise (or for ids outside the i64 range it rejects) msgspec decodes a list.
+    Raises DecodeError("invalid_event") for anything but an array of ints.
+    """
+    mv = memoryview(raw)
+    if not len(mv):
+        return array("I")
+    k = msgpack_kind(mv[0])
+    if k == "nil":
+        return array("I")
+    if k != "array":
+        raise DecodeError("invalid_event", f"token_ids is a msgpack {k}")
+    if _wire_parse_query is not None:
+        try:
+            return _wire_parse_query(b"".join((_QUERY_PREFIX, raw)), True, False)[3]
+        except _WireError:
+            pass  # e.g. ids >= 2**63: let msgspec decide (and truncate)
+    try:
+        return u32_tokens(_INT_LIST_DEC.decode(raw))
+    except Exception as ex:  # noqa: BLE001 - msgspec.ValidationError / DecodeError
+        raise DecodeError("invalid_event", f"token_ids: {ex}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# typed wire structs
+
+_RAW_NIL = msgspec.Raw(b"\xc0")
+_Str = Union[str, None]
+
+
+class _AStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: Any = None
+    parent_block_hash: Any = None
+    token_ids: msgspec.Raw = _RAW_NIL
+    block_size: Union[int, None] = None
+    lora_id: Any = None
+    medium: _Str = None
+    lora_name: _Str = None
+    extra_keys: msgspec.Raw = _RAW_NIL
+    group_idx: Any = None
+    kv_cache_spec_kind: _Str = None
+    kv_cache_spec_sliding_window: Any = None
+
+
+class _ARemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: Any = None
+    medium: _Str = None
+    group_idx: Any = None
+
+
+class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _MStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: Any = None
+    parent_block_hash: Any = None
+    token_ids: msgspec.Raw = _RAW_NIL
+    block_size: Union[int, None] = None
+    lora_id: Any = None
+    medium: _Str = None
+    lora_name: _Str = None
+    group_idx: Any = None
+    kv_cache_spec_kind: _Str = None
+    kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    # extra_keys, lookahead_token_ids, cache_salt: not declared, skipped by msgspec.
+    # Pool-event keys: present only when a pool map was mistaken for an engine event.
+    event_type: Any = None
+    seq_hashes: Any = None
+    backend_id: Any = None
+
+
+class _MRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: Any = None
+    medium: _Str = None
+    group_idx: Any = None
+    event_type: Any = None
+    seq_hashes: Any = None
+    backend_id: Any = None
+
+
+class _MCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+    pass
+
+
+_ARRAY_DEC = msgspec.msgpack.Decoder(Union[_AStored, _ARemoved, _ACleared])
+_MAP_DEC = msgspec.msgpack.Decoder(Union[_MStored, _MRemoved, _MCleared])
+_RAW_LIST_DEC = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_ANY_DEC = msgspec.msgpack.Decoder()
+
+KNOWN_TAGS = frozenset(("BlockStored", "BlockRemoved", "AllBlocksCleared"))
+
+
+def msgpack_kind(first_byte: int) -> str:
+    """The msgpack family of a value from its first byte."""
+    b = first_byte
+    if b <= 0x7F or b >= 0xE0 or 0xCC <= b <= 0xD3:
+        return "int"
+    if 0x80 <= b <= 0x8F or b in (0xDE, 0xDF):
+        return "map"
+    if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
+        return "array"
+    if 0xA0 <= b <= 0xBF or b in (0xD9, 0xDA, 0xDB):
+        return "str"
+    if b in (0xC4, 0xC5, 0xC6):
+        return "bin"
+    if b in (0xCA, 0xCB):
+        return "float"
+    if b == 0xC0:
+        return "nil"
+    if b in (0xC2, 0xC3):
+        return "bool"
+    return "ext"
+
+
+def _first(raw: msgspec.Raw) -> int:
+    mv = memoryview(raw)
+    return mv[0] if len(mv) else -1
+
+
+def _hashes_of(v: Any, what: str = "block_hashes") -> array:
+    if v is None:
+        return array("Q")
+    if not isinstance(v, list):
+        raise DecodeError("invalid_event", f"{what} is {type(v).__name__}")
+    try:
+        return engine_hashes(v)
+    except (TypeError, ValueError) as ex:
+        raise DecodeError("bad_hash", str(ex)) from None
+
+
+def _convert(ev: Any) -> Any:
+    cls = type(ev)
+    if cls is _AStored or cls is _MStored:
+        hashes = _hashes_of(ev.block_hashes)
+        parent = ev.parent_block_hash
+        if parent is not None:
+            try:
+                parent = engine_hash(parent)
+            except (TypeError, ValueError) as ex:
+                raise DecodeError("bad_hash", f"parent: {ex}") from None
+        tokens = raw_tokens(ev.token_ids)
+        bs = ev.block_size or 0
+        if bs < 0:
+            raise DecodeError("invalid_event", f"block_size {bs}")
+        if cls is _AStored:
+            return Stored(hashes, parent, tokens, bs, ev.medium, ev.lora_name, ev.lora_id,
+                          ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
+        return Stored(hashes, parent, tokens, bs, ev.medium, ev.lora_name, ev.lora_id,
+                      ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window,
+                      ev.locality, ev.ownership, ev.session_id)
+    if cls is _ARemoved or cls is _MRemoved:
+        return Removed(_hashes_of(ev.block_hashes), ev.medium, ev.group_idx)
+    return Cleared()
+
+
+def _why_invalid(raw: msgspec.Raw, kind: str, err: Exception) -> Dropped:
+    """Classify a failed typed decode: unknown tag vs wrong field types vs garbage."""
+    try:
+        obj = _ANY_DEC.decode(raw)
+    except Exception as ex:  # noqa: BLE001
+        return Dropped("undecodable_event", str(ex))
+    tag = None
+    if kind == "array" and obj:
+        tag = obj[0]
+    elif kind == "map":
+        tag = obj.get("type")
+    if not isinstance(tag, str) or tag not in KNOWN_TAGS:
+        return Dropped("unknown_event_type", repr(tag)[:64])
+    return Dropped("invalid_event", str(err))
+
+
+def decode_event(raw: msgspec.Raw | bytes) -> Any:
+    """One event (array or map form) -> Stored/Removed/Cleared/Dropped."""
+    b = _first(raw) if isinstance(raw, msgspec.Raw) else (raw[0] if raw else -1)
+    kind = msgpack_kind(b) if b >= 0 else "empty"
+    if kind == "array":
+        dec = _ARRAY_DEC
+    elif kind == "map":
+        dec = _MAP_DEC
+    else:
+        return Dropped("invalid_event", f"event is a msgpack {kind}")
+    try:
+        ev = dec.decode(raw)
+    except msgspec.ValidationError as ex:
+        return _why_invalid(raw, kind, ex)
+    except Exception as ex:  # noqa: BLE001 - msgspec.DecodeError, UnicodeDecodeError, ...
+        return Dropped("undecodable_event", str(ex))
+    try:
+        return _convert(ev)
+    except DecodeError as ex:
+        return Dropped(ex.reason, ex.detail)
+
+
+def _decode_int_or_nil(raw: msgspec.Raw) -> int | None:
+    v = _ANY_DEC.decode(raw)
+    if v is None:
+        return None
+    if type(v) is not int:
+        raise DecodeError("invalid_batch", f"dp_rank is {type(v).__name__}")
+    return v
+
+
+def split_batch(payload: bytes) -> tuple[list[msgspec.Raw], int, int | None]:
+    """Top-level ``[ts, events, dp]`` / ``[ts, events]`` / ``[ts, dp, events]``.
+
+    Returns ``(elements, events_index, dp_index_or_None)``; raises DecodeError.
+    """
+    try:
+        elems = _RAW_LIST_DEC.decode(payload)
+    except msgspec.ValidationError as ex:
+        raise DecodeError("not_a_batch", str(ex)) from None
+    except Exception as ex:  # noqa: BLE001 - msgspec.DecodeError and friends
+        raise DecodeError("undecodable", str(ex)) from None
+    n = len(elems)
+    if n not in (2, 3):
+        raise DecodeError("not_a_batch", f"array of {n} elements")
+    k1 = msgpack_kind(_first(elems[1]))
+    if k1 == "array":
+        return elems, 1, (2 if n == 3 else None)
+    if n == 3 and k1 in ("int", "nil") and msgpack_kind(_first(elems[2])) == "array":
+        return elems, 2, 1
+    raise DecodeError("not_a_batch", f"element 1 is a msgpack {k1}")
+
+
+def decode_vllm_batch(payload: bytes, parts: tuple | None = None) -> VllmBatch:
+    """Decode a vLLM/SGLang batch payload. Raises DecodeError if the envelope is bad."""
+    elems, ei, di = parts if parts is not None else split_batch(payload)
+    tk = msgpack_kind(_first(elems[0]))
+    if tk not in ("float", "int"):
+        raise DecodeError("not_a_batch", f"ts is a msgpack {tk}")
+    try:
+        ts = _ANY_DEC.decode(elems[0])
+        raw_events = _RAW_LIST_DEC.decode(elems[ei])
+        dp = _decode_int_or_nil(elems[di]) if di is not None else None
+    except DecodeError:
+        raise
+    except Exception as ex:  # noqa: BLE001 - msgspec.DecodeError/ValidationError, UnicodeDecodeError
+        raise DecodeError("invalid_batch", str(ex)) from None
+    layout = "ts,events" if di is None else ("ts,events,dp" if ei == 1 else "ts,dp,events")
+    return VllmBatch(ts, dp, [decode_event(r) for r in raw_events], layout)
+
+
+# ---------------------------------------------------------------------------------------
+# fast path: one typed pass over a whole well-formed batch
+
+
+class _ArrBatch(msgspec.Struct, array_like=True):
+    ts: Union[float, int]
+    events: list[Union[_AStored, _ARemoved, _ACleared]]
+    data_parallel_rank: Union[int, None] = None
+
+
+class _MapBatch(msgspec.Struct, array_like=True):
+    ts: Union[float, int]
+    events: list[Union[_MStored, _MRemoved, _MCleared]]
+    data_parallel_rank: Union[int, None] = None
+
+
+_FAST_ARR = msgspec.msgpack.Decoder(_ArrBatch)
+_FAST_MAP = msgspec.msgpack.Decoder(_MapBatch)
+
+
+def _convert_or_drop(ev: Any) -> Any:
+    try:
+        return _convert(ev)
+    except DecodeError as ex:
+        return Dropped(ex.reason, ex.detail)
+
+
+def decode_vllm_fast(payload: bytes) -> VllmBatch | None:
+    """``[float ts, events, dp?]`` whose events are all array-form or all map-form with
+    known tags and well-typed fields, decoded in one typed pass; ``None`` means "use
+    :func:`decode_vllm_batch`" (mixed forms, unknown tags, bad fields, other layouts)."""
+    n = len(payload)
+    if n < 12 or payload[0] not in (0x92, 0x93) or payload[1] != 0xCB:
+        return None
+    h = payload[10]
+    if 0x91 <= h <= 0x9F:
+        i = 11
+    elif h == 0xDC:
+        i = 13
+    elif h == 0xDD:
+        i = 15
+    else:
+        return None
+    if i >= n:
+        return None
+    k = msgpack_kind(payload[i])
+    dec = _FAST_MAP if k == "map" else (_FAST_ARR if k == "array" else None)
+    if dec is None:
+        return None
+    try:
+        b = dec.decode(payload)
+    except Exception:  # noqa: BLE001 - the general path classifies the problem
+        return None
+    if dec is _FAST_MAP:
+        for e in b.events:
+            if type(e) is not _MCleared and (e.event_type is not None or e.seq_hashes is not None
+                                             or e.backend_id is not None):
+                return None  # pool events with a legacy "type": not ours
+    layout = "ts,events,dp" if payload[0] == 0x93 else "ts,events"
+    return VllmBatch(b.ts, b.data_parallel_rank, [_convert_or_drop(e) for e in b.events], layout)

@@ -1,0 +1,479 @@
+"""SubscriptionManager over real tcp on 127.0.0.1: live ingest, replay, gaps, restarts, pools."""
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from publishers import (FakeConductor, FakePublisher, InstanceInfo, PoolPublisher,  # noqa: E402
+                        hits, mooncake_tuple, schema, wait_until)
+
+from kvconductor.ingest.apply import Applier  # noqa: E402
+from kvconductor.ingest.context import SubscriberContext  # noqa: E402
+from kvconductor.ingest.subscriber import SubscriptionManager  # noqa: E402
+from kvconductor.ingest.thread import IngestThread  # noqa: E402
+from kvconductor.keys import Medium, StoreBackend  # noqa: E402
+
+BS = 4
+V33 = schema("vllm", "0.33.0")
+V09 = schema("vllm", "0.9.0")
+IID = "vllm-prefill-a"
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.conductor = FakeConductor()
+        self.thread = IngestThread(context=zmq.Context.instance())
+        self.thread.start()
+        self.mgr = self.thread.call(lambda: SubscriptionManager(self.thread, self.conductor,
+                                                                replay_timeout=5.0), timeout=10)
+
+    def call(self, fn, *a):
+        return self.thread.call(fn, *a, timeout=10)
+
+    def subscribe(self, ctx, replay=False):
+        self.call(self.mgr.subscribe, ctx)
+        if replay:
+            self.call(self.mgr.request_replay, ctx)
+
+    def source(self, iid=IID, dp=0, url=None):
+        for s in self.call(self.mgr.sources):
+            if s["instance_id"] == iid and s["dp_rank"] == dp and (url is None or s["url"] == url):
+                return s
+        return None
+
+    def index(self, model="m", tenant="t"):
+        return self.conductor.indexes.get((model, tenant))
+
+    def hits(self, tokens, model="m", tenant="t"):
+        return hits(self.index(model, tenant), tokens, BS)
+
+    def close(self):
+        try:
+            self.call(self.mgr.close)
+        finally:
+            self.thread.stop()
+
+
+@pytest.fixture
+def h():
+    harness = Harness()
+    yield harness
+    harness.close()
+    assert harness.thread.errors == 0
+
+
+@pytest.fixture
+def pubs():
+    created = []
+
+    def make(*a, **kw):
+        p = FakePublisher(*a, **kw)
+        created.append(p)
+        return p
+    yield make
+    for p in created:
+        p.stop()
+
+
+def ctx(url, iid=IID, dp=0, replay=None, media=(Medium.NPU,), is_pool=False, model="m",
+        backend=StoreBackend.MOONCAKE):
+    return SubscriberContext(instance_id=iid, dp_rank=dp, url=url, model=model, tenant="t",
+                             block_size=BS, default_media=tuple(media), store_backend=backend,
+                             is_pool=is_pool, replay_endpoint=replay)
+
+
+def toks(i, nblocks=4):
+    return list(range(10_000 * (i + 1), 10_000 * (i + 1) + nblocks * BS))
+
+
+def stored(s, i, nblocks=4, medium="GPU", base=None, parent=None, start=0):
+    t = toks(i, start + nblocks)[start * BS:]
+    b = (i + 1) * 1000 if base is None else base
+    return s.stored([b + start + k for k in range(nblocks)], parent, t, BS, medium=medium, group_idx=0) \
+        if "medium" in s.stored_fields else s.stored([b + start + k for k in range(nblocks)], parent, t, BS)
+
+
+def warm_up(h, pub, s=V33, iid=IID, dp=0):
+    """PUB/SUB slow joiner: publish empty batches until one arrives."""
+    src0 = h.source(iid, dp, pub.url)
+    before = src0["batches"] if src0 else 0
+
+    def got():
+        src = h.source(iid, dp, pub.url)
+        if src and src["batches"] > before:
+            return True
+        pub.publish(s.batch([]))
+        return False
+    wait_until(got, msg="first live batch")
+
+
+# --- live ---------------------------------------------------------------------------------------
+
+def test_publish_reaches_index(h, pubs):
+    pub = pubs(topic=b"kv-events", replay=False)
+    h.subscribe(ctx(pub.url))
+    warm_up(h, pub)
+    pub.publish(V33.batch([stored(V33, 0), stored(V33, 1, 2)], dp=0))
+    wait_until(lambda: h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}, msg="blocks indexed")
+    assert h.hits(toks(1, 2)) == {(IID, 0): (2, 0, 0)}
+    src = h.source()
+    assert src["state"] == "live" and src["blocks"] == 6 and src["gaps"] == 0
+    assert src["last_seq"] == pub.seq - 1
+    assert set(src) >= {"instance_id", "dp_rank", "url", "state", "last_seq", "batches", "events",
+                        "blocks", "gaps", "replays", "restarts", "dropped"}
+
+
+def test_vllm_09_layout_over_tcp(h, pubs):
+    pub = pubs(replay=False)
+    h.subscribe(ctx(pub.url, dp=3))
+    warm_up(h, pub, V09, dp=3)
+    pub.publish(V09.batch([stored(V09, 0)]))
+    wait_until(lambda: h.hits(toks(0)) == {(IID, 3): (4, 0, 0)}, msg="0.9 batch indexed")
+
+
+def test_garbage_frames_never_stop_the_thread(h, pubs):
+    pub = pubs(replay=False)
+    h.subscribe(ctx(pub.url))
+    warm_up(h, pub)
+    raw = zmq.Context.instance().socket(zmq.PUB)
+    raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
+    url2 = f"tcp://127.0.0.1:{raw_port}"
+    h.subscribe(ctx(url2, dp=1))
+    rng = random.Random(5)
+    good = V33.batch([stored(V33, 2)])
+    try:
+        def send_junk():
+            raw.send_multipart([b"", (0).to_bytes(8, "big"), V33.batch([])])
+            src = h.source(IID, 1)
+            return src and src["batches"]
+        wait_until(send_junk, msg="raw publisher connected")
+        seq = 1
+        for i in range(300):
+            kind = i % 4
+            if kind == 0:
+                raw.send_multipart([b"x"])
+            elif kind == 1:
+                raw.send_multipart([b"", b"\x01\x02", good])
+            elif kind == 2:
+                raw.send_multipart([b"", seq.to_bytes(8, "big"), good[: rng.randrange(len(good))]])
+                seq += 1
+            else:
+                raw.send_multipart([b"", seq.to_bytes(8, "big"),
+                                    bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 40)))])
+                seq += 1
+        raw.send_multipart([b"", seq.to_bytes(8, "big"), good])
+        wait_until(lambda: h.hits(toks(2)) == {(IID, 1): (4, 0, 0)}, msg="good batch after junk")
+        src = h.source(IID, 1)
+        assert src["dropped"]["short_message"] == 75 and src["dropped"]["bad_seq_frame"] == 75
+        assert sum(src["dropped"].values()) >= 150 + 75
+        assert h.thread.is_alive()
+    finally:
+        raw.close(linger=0)
+
+
+def test_unsubscribe_and_replace(h, pubs):
+    pub = pubs(replay=False)
+    h.subscribe(ctx(pub.url))
+    h.subscribe(ctx(pub.url))                    # replaces, does not duplicate
+    h.subscribe(ctx("tcp://127.0.0.1:1", dp=0))  # second URL of the same DP
+    h.subscribe(ctx("", dp=0))                   # never connects; retried with backoff
+    assert len(h.call(h.mgr.sources)) == 3
+    wait_until(lambda: h.source(url="") and h.source(url="")["dropped"].get("connect_error", 0) >= 2,
+               msg="connect retries")
+    assert h.source(url="")["state"] == "connecting"
+    assert h.call(h.mgr.unsubscribe, IID, 0) == 3
+    assert h.call(h.mgr.unsubscribe, IID, 0) == 0
+    assert h.call(h.mgr.sources) == []
+
+
+def test_idle_thread_does_not_spin(h, pubs):
+    pub = pubs(replay=False)
+    h.subscribe(ctx(pub.url))
+    warm_up(h, pub)
+    tid = h.call(threading.get_native_id)
+
+    def cpu():
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(1.5)
+    used, wall = cpu() - c0, time.monotonic() - t0
+    assert used < 0.5 * wall, f"ingest thread used {used:.2f}s CPU in {wall:.2f}s idle"
+
+
+# --- replay, gaps, restarts ---------------------------------------------------------------------
+
+def _workload(seed=11, n=30):
+    """Realistic batches: new chains, continuations, removals, some clears of nothing."""
+    rng = random.Random(seed)
+    batches = []
+    for i in range(n):
+        evs = [stored(V33, i, rng.randrange(1, 5))]
+        if i >= 2 and rng.random() < 0.5:
+            j = rng.randrange(i)
+            evs.append(V33.removed([(j + 1) * 1000], medium="GPU", group_idx=0))
+        if i >= 1 and rng.random() < 0.3:
+            evs.append(stored(V33, i - 1, 2, start=4))  # continuation of chain i-1 (parent = last block)
+            evs[-1].parent_block_hash = i * 1000 + 3
+        batches.append(V33.batch(evs, dp=0))
+    return batches
+
+
+def _snapshot(index, n=30):
+    out = {i: hits(index, toks(i, 6), BS) for i in range(n)}
+    s = index.summary()
+    s.pop("bytes", None)
+    return out, s
+
+
+@pytest.mark.parametrize("layout", ["new", "old"])
+def test_gap_replay_matches_no_loss_run(h, pubs, layout):
+    batches = _workload()
+    ref = FakeConductor()
+    a = Applier(ctx("tcp://ref"), ref)
+    for b in batches:
+        assert a.apply_payload(b)
+    expected = _snapshot(ref.indexes[("m", "t")])
+
+    pub = pubs(topic=b"kv-events", layout=layout)
+    c = ctx(pub.url, replay=pub.replay_url)
+    h.subscribe(c, replay=True)                       # first registration: replay from 0
+    wait_until(lambda: h.source()["replays"] >= 1 and h.source()["state"] != "replaying",
+               msg="initial replay")
+    wait_until(lambda: h.source()["state"] == "live", msg="connected")
+    drop = {5, 6, 7, 15, 22}
+    for i, b in enumerate(batches):
+        pub.publish(b, drop=i in drop)
+    wait_until(lambda: h.source()["last_seq"] == len(batches) - 1 and h.source()["state"] == "live",
+               msg="all batches applied")
+    got = _snapshot(h.index())
+    assert got == expected
+    src = h.source()
+    assert src["gaps"] >= 1 and src["replays"] >= 2 and src["restarts"] == 0
+    assert src["resyncs"] == 0 and src["state"] == "live"
+    assert all(r >= 0 for r in pub.replay_requests)
+
+
+def test_initial_replay_catches_up_and_buffer_exhaustion(h, pubs):
+    pub = pubs(buffer_steps=3, layout="old")
+    for i in range(6):
+        pub.publish(V33.batch([stored(V33, i, 2)]))
+    h.subscribe(ctx(pub.url, replay=pub.replay_url), replay=True)
+    wait_until(lambda: h.source()["last_seq"] == 5, msg="replayed")
+    src = h.source()
+    # seqs 0..2 fell out of the 3-batch ring: resynchronised from seq 3 on
+    assert src["state"] in ("resynced_after_loss", "connecting") and src["resyncs"] == 1
+    assert [bool(h.hits(toks(i, 2))) for i in range(6)] == [False] * 3 + [True] * 3
+    assert pub.replay_requests[0] == 0
+
+
+def test_initial_replay_complete(h, pubs):
+    pub = pubs()
+    for i in range(5):
+        pub.publish(V33.batch([stored(V33, i, 2)]))
+    h.subscribe(ctx(pub.url, replay=pub.replay_url), replay=True)
+    wait_until(lambda: h.source()["last_seq"] == 4 and h.source()["state"] == "live", msg="replayed")
+    pub.publish(V33.batch([stored(V33, 5, 2)]))
+    wait_until(lambda: h.source()["last_seq"] == 5, msg="live after replay")
+    assert all(h.hits(toks(i, 2)) == {(IID, 0): (2, 0, 0)} for i in range(6))
+    src = h.source()
+    assert src["resyncs"] == 0 and src["gaps"] == 0 and src["replayed_batches"] == 5
+
+
+@pytest.mark.parametrize("with_replay", [True, False])
+def test_publisher_restart_clears_old_blocks(h, pubs, with_replay):
+    pub = pubs(replay=with_replay)
+    c = ctx(pub.url, replay=pub.replay_url)
+    h.subscribe(c, replay=with_replay)
+    if not with_replay:
+        warm_up(h, pub)
+    else:
+        wait_until(lambda: h.source()["state"] == "live", msg="live")
+    for i in range(5):
+        pub.publish(V33.batch([stored(V33, i, 2)]))
+    wait_until(lambda: h.hits(toks(4, 2)), msg="first incarnation indexed")
+    if with_replay:
+        wait_until(lambda: all(h.hits(toks(i, 2)) for i in range(5)), msg="all of incarnation 1")
+    port, rport = pub.port, pub.replay_port
+    pub.stop()
+    wait_until(lambda: h.source()["state"] == "connecting", msg="disconnect seen")
+    pub2 = pubs(port, rport, replay=with_replay)
+    if with_replay:
+        # published before we reconnect: recovered through the replay from 0
+        pub2.publish(V33.batch([stored(V33, 7, 2)]))
+    else:
+        warm_up(h, pub2)
+    pub2.publish(V33.batch([stored(V33, 8, 2)]))
+    wait_until(lambda: h.hits(toks(8, 2)) == {(IID, 0): (2, 0, 0)}, msg="second incarnation indexed")
+    wait_until(lambda: h.source()["state"] != "replaying", msg="replay done")
+    src = h.source()
+    assert src["restarts"] >= 1 and src["state"] == "resynced_after_loss"
+    assert all(h.hits(toks(i, 2)) == {} for i in range(5)), "old incarnation's blocks cleared"
+    if with_replay:
+        assert h.hits(toks(7, 2)) == {(IID, 0): (2, 0, 0)}
+        assert 0 in pub2.replay_requests
+
+
+def test_gap_without_replay_resyncs(h, pubs):
+    pub = pubs(replay=False)
+    h.subscribe(ctx(pub.url))
+    warm_up(h, pub)
+    pub.publish(V33.batch([stored(V33, 0, 2)]))
+    pub.publish(V33.batch([stored(V33, 1, 2)]), drop=True)
+    pub.publish(V33.batch([stored(V33, 2, 2)]))
+    wait_until(lambda: h.hits(toks(2, 2)), msg="after the gap")
+    src = h.source()
+    assert src["gaps"] == 1 and src["resyncs"] == 1 and src["state"] == "resynced_after_loss"
+    assert h.hits(toks(0, 2)) == {} and h.hits(toks(1, 2)) == {}
+
+
+def test_replay_endpoint_dead_falls_back_to_resync(h, pubs):
+    pub = pubs(replay=False)
+    from publishers import free_tcp_port
+    dead = f"tcp://127.0.0.1:{free_tcp_port()}"
+    h.call(lambda: setattr(h.mgr, "replay_timeout", 0.5))
+    h.subscribe(ctx(pub.url, replay=dead), replay=True)
+    wait_until(lambda: h.source()["dropped"].get("replay_failed"), msg="replay times out")
+    warm_up(h, pub)
+    pub.publish(V33.batch([stored(V33, 0, 2)]))
+    pub.publish(V33.batch([stored(V33, 1, 2)]), drop=True)
+    pub.publish(V33.batch([stored(V33, 2, 2)]))
+    wait_until(lambda: h.hits(toks(2, 2)) and h.source()["state"] != "replaying", msg="resynced")
+    src = h.source()
+    assert src["dropped"]["replay_failed"] >= 2 and src["resyncs"] >= 1
+    assert h.thread.is_alive()
+
+
+# --- pools --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["pool_first", "engine_first"])
+def test_mooncake_pool_confirmations(h, pubs, order):
+    h.conductor.ip_index["127.0.0.1"] = [(IID, 0), (IID, 1)]
+    h.conductor.instances[IID] = InstanceInfo("m", "t", BS)
+    eng = pubs(replay=False)
+    pool = PoolPublisher()
+    try:
+        h.subscribe(ctx(eng.url))
+        h.subscribe(ctx(pool.url, iid="mooncake-pool", model="default", is_pool=True,
+                        media=(Medium.NPU, Medium.CPU, Medium.DISK)))
+        warm_up(h, eng)
+
+        def pool_warm():
+            src = h.source("mooncake-pool", 0)
+            if src and src["batches"]:
+                return True
+            pool.publish(mooncake_tuple([]))
+            return False
+        wait_until(pool_warm, msg="pool subscriber connected")
+        eng.publish(V33.batch([stored(V33, 0, 2)]))                       # blocks 0,1 on GPU
+        wait_until(lambda: h.hits(toks(0, 4)) == {(IID, 0): (2, 0, 0)}, msg="gpu")
+        conf = mooncake_tuple([{"event_id": 1, "event_type": "stored", "backend_id": "127.0.0.1",
+                                "medium": "cpu", "seq_hashes": [1002, 1003]}])
+        off = V33.batch([stored(V33, 0, 2, medium="CPU", start=2, parent=1001)])
+        if order == "pool_first":
+            pool.publish(conf)
+            wait_until(lambda: h.index().summary()["pending_pool"] == 4, msg="pending x2 DPs")
+            eng.publish(off)
+        else:
+            eng.publish(off)
+            wait_until(lambda: h.index().summary()["offload"] == 2, msg="phase 1")
+            pool.publish(conf)
+        wait_until(lambda: h.hits(toks(0, 4)) == {(IID, 0): (2, 2, 0)}, msg="CPU hits")
+        assert ("default", "t") not in h.conductor.indexes
+    finally:
+        pool.stop()
+
+
+def test_yuanrong_per_port_media_over_tcp(h, pubs):
+    eng = pubs(replay=False)
+    cpu, disk = PoolPublisher(), PoolPublisher()
+    try:
+        yr = dict(iid="yr-1", dp=2, backend=StoreBackend.YUANRONG)
+        h.subscribe(ctx(eng.url, **yr))
+        h.subscribe(ctx(cpu.url, media=(Medium.CPU,), **yr))
+        h.subscribe(ctx(disk.url, media=(Medium.DISK,), **yr))
+        warm_up(h, eng, iid="yr-1", dp=2)
+        for p in (cpu, disk):
+            def warm(p=p):
+                src = h.source("yr-1", 2, p.url)
+                if src and src["batches"]:
+                    return True
+                p.publish(mooncake_tuple([]))
+                return False
+            wait_until(warm, msg="pool port connected")
+        eng.publish(V33.batch([stored(V33, 0, 1),
+                               stored(V33, 0, 3, medium="CPU", start=1, parent=1000)]))
+        wait_until(lambda: h.index() and h.index().summary()["offload"] == 3, msg="offload")
+        cpu.publish(mooncake_tuple([{"event_type": "stored", "seq_hashes": [1001, 1002]}], dp=0))
+        disk.publish(msgspec.msgpack.encode({"events": [{"event_type": "stored",
+                                                         "seq_hashes": ["0x3e9", "0x3ea", "0x3eb"]}]}))
+        wait_until(lambda: h.hits(toks(0, 4)) == {("yr-1", 2): (1, 2, 1)}, msg="per-port media")
+    finally:
+        cpu.stop()
+        disk.stop()
+
+
+def test_documented_payloads_over_tcp(h, pubs):
+    """The spec's byte-level examples, streamed by a publisher, end up in the index."""
+    from test_vllm import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0523
+
+    pub = pubs(topic=b"kv-events", replay=False)
+    c = SubscriberContext(instance_id=IID, dp_rank=0, url=pub.url, model="m", tenant="t",
+                          block_size=2, default_media=(Medium.NPU,))
+    h.call(h.mgr.subscribe, c)
+    warm_up(h, pub)
+    idx = lambda: h.index()  # noqa: E731
+
+    def q(tokens):
+        return hits(idx(), tokens, 2)
+    for payload in (EX_C_V092, b"\x92" + EX_C_V092[1:-1], EX_B_V023):
+        pub.publish(payload)
+        wait_until(lambda: q([1, 2, 3, 4]) == {(IID, 0): (2, 0, 0)}, msg="stored")
+        pub.publish(EX_A_V033)          # BlockRemoved(H2) + AllBlocksCleared
+        wait_until(lambda: q([1, 2, 3, 4]) == {}, msg="cleared")
+    s33 = V33
+    d1, d2 = bytes(range(32)), bytes(range(32, 64))
+    pub.publish(s33.batch([s33.stored([d1, d2], None, [1, 2, 3, 4], 2, medium="GPU", group_idx=0)]))
+    wait_until(lambda: q([1, 2, 3, 4]) == {(IID, 0): (2, 0, 0)}, msg="bytes hashes stored")
+    h2 = int.from_bytes(d2[-8:], "big")
+    pub.publish(s33.batch([s33.removed([h2], medium="GPU", group_idx=0)]))   # int form of the bin hash
+    wait_until(lambda: q([1, 2, 3, 4]) == {(IID, 0): (1, 0, 0)}, msg="removed by int form")
+    pub.publish(EX_E_SGL0523)  # SGLang: store -5, remove -5, clear
+    wait_until(lambda: h.source()["events"] == 14 and q([1, 2, 3, 4]) == {}, msg="sglang batch")
+    src = h.source()
+    assert src["dropped"] == {} and src["gaps"] == 0
+
+
+def test_bound_sub_for_connecting_publishers(h):
+    """A '*' URL is bound: the engine's PUB connects to the conductor."""
+    from publishers import free_tcp_port
+    port = free_tcp_port()
+    h.subscribe(ctx(f"tcp://*:{port}"))
+    # connect only once the SUB listens: a connect to a closed loopback port can
+    # pick that very port as its source port and hold it (TCP self-connect)
+    wait_until(lambda: h.source()["connected"], msg="SUB bound")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        seq = 0
+
+        def send(payload):
+            nonlocal seq
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+        wait_until(lambda: send(V33.batch([])) or h.source()["batches"], msg="bound SUB receives")
+        send(V33.batch([stored(V33, 0)]))
+        wait_until(lambda: h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}, msg="indexed via bound SUB")
+    finally:
+        pub.close(linger=0)
