@@ -1,0 +1,176 @@
+"""End to end through the real server: engines and pools publish over ZeroMQ/tcp,
+the Coordinator registers and queries over HTTP.
+
+Every expectation is computed by hand from the published chains (block_size 4).
+"""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvconductor._hash import hash_blocks
+from publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema, wait_until
+from test_server import Server
+
+pytestmark = pytest.mark.server
+
+BS = 4
+TOKENS = list(range(100, 124))          # 6 blocks of 4 tokens
+HASHES = [0xA000 + i for i in range(6)]  # engine block hashes, one per block
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path)
+    s.wait_ready()
+    yield s
+    s.terminate()
+
+
+def query(server, tokens, msgpack=False):
+    body = {"model": "qwen", "block_size": BS, "token_ids": tokens}
+    if msgpack:
+        r = server.http.post("/query", content=msgspec.msgpack.encode(body),
+                             headers={"Content-Type": "application/msgpack"})
+        assert r.headers["content-type"].startswith("application/msgpack")
+        return r.status_code, msgspec.msgpack.decode(r.content)
+    r = server.http.post("/query", json=body)
+    return r.status_code, r.json()
+
+
+def dp_entry(resp, instance, dp=0):
+    return resp.get("default", {}).get(instance, {}).get("DP", {}).get(str(dp))
+
+
+def test_vllm_publisher_to_query(server):
+    """register -> vLLM 0.33 map events over tcp -> /query reports the NPU hits."""
+    pub = FakePublisher(replay=False)
+    try:
+        r = server.http.post("/register", json={
+            "instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen",
+            "block_size": BS, "dp_rank": 0, "store_backend": "YuanRong",
+            "medium_endpoints": {"npu": pub.url}})
+        assert r.status_code == 201
+        v = schema("vllm", "0.33.0")
+        # Keep publishing until the SUB is connected (PUB drops before that).
+        first = v.batch([v.stored(HASHES[:4], None, TOKENS[:16], BS, medium="GPU")])
+
+        def indexed():
+            pub.publish(first)
+            st, body = query(server, TOKENS[:16])
+            e = dp_entry(body, "vllm-prefill-1") if st == 200 else None
+            return e is not None and e["npu_blocks"] == 4
+
+        wait_until(indexed, msg="first batch indexed")
+        pub.publish(v.batch([v.stored(HASHES[4:6], HASHES[3], TOKENS[16:24], BS, medium="GPU")]))
+        wait_until(lambda: (dp_entry(query(server, TOKENS)[1], "vllm-prefill-1") or {})
+                   .get("npu_blocks") == 6, msg="second batch indexed")
+        st, body = query(server, TOKENS + [1, 2, 3, 4], msgpack=True)
+        assert st == 200
+        # 6 cached blocks of 4 tokens; the 7th block is not cached.
+        assert body == {"default": {"vllm-prefill-1": {"longest_matched": 24, "DP": {"0": {
+            "matched_tokens": 24, "npu_blocks": 6, "cpu_blocks": 0, "disk_blocks": 0}}}}}
+        # An eviction of block 3 cuts the prefix to 3 blocks.
+        pub.publish(v.batch([v.removed([HASHES[3]], medium="GPU")]))
+        wait_until(lambda: (dp_entry(query(server, TOKENS)[1], "vllm-prefill-1") or {})
+                   .get("npu_blocks") == 3, msg="removal applied")
+        sources = server.http.get("/workers").json()["sources"]
+        assert any(s["instance_id"] == "vllm-prefill-1" and s["state"] == "live" for s in sources)
+    finally:
+        pub.stop()
+
+
+def test_gap_is_replayed_through_the_server(server):
+    """A batch lost on the PUB socket is fetched from the replay ROUTER."""
+    pub = FakePublisher()
+    try:
+        v = schema("vllm", "0.33.0")
+        warm = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
+        r = server.http.post("/register", json={
+            "instance_id": "vllm-prefill-2", "type": "vLLM", "modelname": "qwen",
+            "block_size": BS, "dp_rank": 0, "store_backend": "YuanRong",
+            "medium_endpoints": {"npu": pub.url}, "replay_endpoint": pub.replay_url})
+        assert r.status_code == 201
+
+        def warmed():
+            pub.publish(warm)
+            return (dp_entry(query(server, TOKENS[:4])[1], "vllm-prefill-2") or {}).get("npu_blocks") == 1
+
+        wait_until(warmed, msg="warm-up batch indexed")
+        # seq n+1 never reaches the subscriber; seq n+2 reveals the gap.
+        pub.publish(v.batch([v.stored(HASHES[1:3], HASHES[0], TOKENS[4:12], BS, medium="GPU")]), drop=True)
+        pub.publish(v.batch([v.stored(HASHES[3:4], HASHES[2], TOKENS[12:16], BS, medium="GPU")]))
+        wait_until(lambda: (dp_entry(query(server, TOKENS[:16])[1], "vllm-prefill-2") or {})
+                   .get("npu_blocks") == 4, msg="gap replayed")
+        src = [s for s in server.http.get("/workers").json()["sources"]
+               if s["instance_id"] == "vllm-prefill-2"]
+        assert src and src[0]["gaps"] >= 1 and src[0]["replays"] >= 1
+    finally:
+        pub.stop()
+
+
+def test_mooncake_pool_confirms_engine_offload(server):
+    """Engine offloads blocks 2..3 to CPU; the Mooncake master confirms them for the node."""
+    eng = FakePublisher(replay=False)
+    pool = PoolPublisher()
+    try:
+        assert server.http.post("/register", json={
+            "instance_id": "vllm-prefill-3", "type": "vLLM", "modelname": "qwen",
+            "block_size": BS, "dp_rank": 0, "store_backend": "Mooncake",
+            "medium_endpoints": {"npu": eng.url}}).status_code == 201
+        assert server.http.post("/register", json={
+            "instance_id": "mooncake-pool", "type": "vLLM", "modelname": "qwen",
+            "block_size": BS, "dp_rank": 0, "store_backend": "Mooncake",
+            "endpoint": pool.url}).status_code == 201
+        v = schema("vllm", "0.33.0")
+        hbm = v.batch([v.stored(HASHES[:2], None, TOKENS[:8], BS, medium="GPU")])
+
+        def hbm_indexed():
+            eng.publish(hbm)
+            return (dp_entry(query(server, TOKENS[:8])[1], "vllm-prefill-3") or {}).get("npu_blocks") == 2
+
+        wait_until(hbm_indexed, msg="HBM blocks indexed")
+        eng.publish(v.batch([v.stored(HASHES[2:4], HASHES[1], TOKENS[8:16], BS, medium="CPU")]))
+        confirm = mooncake_tuple([{"event_id": 1, "event_type": "stored", "backend_id": "127.0.0.1",
+                                   "medium": "cpu", "seq_hashes": HASHES[2:4]}])
+
+        def cpu_hit():
+            pool.publish(confirm)
+            e = dp_entry(query(server, TOKENS[:16])[1], "vllm-prefill-3") or {}
+            return e.get("cpu_blocks") == 2
+
+        wait_until(cpu_hit, msg="pool confirmation joined")
+        st, body = query(server, TOKENS[:16])
+        # NPU blocks 0..1, CPU blocks 2..3 chained after the engine's own HBM breakpoint.
+        assert body["default"]["vllm-prefill-3"] == {"longest_matched": 16, "DP": {"0": {
+            "matched_tokens": 16, "npu_blocks": 2, "cpu_blocks": 2, "disk_blocks": 0}}}
+    finally:
+        eng.stop()
+        pool.stop()
+
+
+def test_hash_golden_vectors_over_query_by_hash(server):
+    """/query_by_hash with the LocalBlockHashes of the contract agrees with /query."""
+    pub = FakePublisher(replay=False)
+    try:
+        assert server.http.post("/register", json={
+            "instance_id": "vllm-prefill-4", "type": "vLLM", "modelname": "qwen",
+            "block_size": BS, "dp_rank": 1, "store_backend": "YuanRong",
+            "medium_endpoints": {"gpu": pub.url}}).status_code == 201
+        v = schema("vllm", "0.9.2")
+        toks = list(range(12))
+        b = v.batch([v.stored([11, 12, 13], None, toks, BS)], dp=1)
+
+        def indexed():
+            pub.publish(b)
+            return dp_entry(query(server, toks)[1], "vllm-prefill-4", 1) is not None
+
+        wait_until(indexed, msg="0.9.2 array batch indexed")
+        hashes = list(hash_blocks(toks, BS))
+        assert hashes == [9143094415614847814, 12124091508212882195, 1088361764653601668]
+        r = server.http.post("/query_by_hash", json={"model": "qwen", "block_size": BS,
+                                                     "block_hashes": hashes})
+        assert r.json() == {"default": {"vllm-prefill-4": {"longest_matched": 3, "DP": {"1": {
+            "matched_tokens": 3, "npu_blocks": 3, "cpu_blocks": 0, "disk_blocks": 0}}}}}
+    finally:
+        pub.stop()
