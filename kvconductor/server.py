@@ -110,7 +110,8 @@ def _uvicorn_impls() -> tuple[str, str]:
 def serve(settings: Settings) -> int:
     """Serve until a shutdown signal; returns the process exit status."""
     conductor = Conductor(settings.conductor_config())
-    app = create_app(conductor, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key)
+    app = create_app(conductor, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key,
+                     fast_query=True)
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as ex:

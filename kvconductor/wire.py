@@ -157,7 +157,7 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool) -> tuple[str, int,
         values = _hashes_u64(_decode_ints(req.block_hashes, msgpack, "block_hashes"))
     else:
         values = _tokens_u32(_decode_ints(req.token_ids, msgpack, "token_ids"))
-    return req.model, req.block_size, req.tenant_id or "default", values
+    return req.model, req.block_size, "default" if req.tenant_id is None else req.tenant_id, values
 
 
 def _result_dict(hits: Sequence, tenant: str, block_size: int) -> dict:

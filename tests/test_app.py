@@ -56,9 +56,10 @@ def conductor(impl):
     assert c.stop(5.0)
 
 
-@pytest.fixture
-def client(conductor):
-    return ft.TestClient(create_app(conductor))
+@pytest.fixture(params=["falcon", "fastpath"])
+def client(request, conductor):
+    """The Falcon app alone, and fronted by QueryFastPath (what the server runs)."""
+    return ft.TestClient(create_app(conductor, fast_query=request.param == "fastpath"))
 
 
 @pytest.fixture(params=["py", "c"])

@@ -1,0 +1,1898 @@
+# cython: language_level=3
+"""Hot parsers and encoders of the query path (contract 2.4 / 2.5).
+
+``parse_query`` turns a ``/query`` or ``/query_by_hash`` body (JSON or
+MessagePack) into ``(model, block_size, tenant_id, values)``; token ids and
+hashes never become Python ints: they are scanned without the GIL straight into
+the C buffer of the output ``array('I')`` / ``array('Q')``, pre-sized from the
+msgpack array header or from a count of the commas of the JSON array.
+
+``encode_result`` / ``encode_error`` write the V3 response body
+(``QueryResult.to_dict``) as compact JSON or MessagePack, byte-identical to
+``msgspec.json.encode`` / ``msgspec.msgpack.encode`` of that dict.
+
+``kvconductor.wire`` holds the pure-Python (msgspec) twin of these three
+functions; both must agree exactly.
+"""
+from cpython cimport array
+from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize,
+                            PyBytes_GET_SIZE)
+from cpython.exc cimport PyErr_Clear, PyErr_Occurred
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize, PyUnicode_DecodeUTF8
+from libc.stdint cimport (int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t,
+                         uint64_t)
+from libc.stdlib cimport free, malloc, realloc
+from libc.string cimport memchr, memcmp, memcpy
+
+import array as _array
+import sys as _sys
+from operator import index as _index
+
+
+cdef extern from *:
+    """
+    static inline int kvw_ctz64(unsigned long long x) {
+    #if defined(__GNUC__) || defined(__clang__)
+        return __builtin_ctzll(x);
+    #else
+        int n = 0;
+        while (!(x & 1)) { x >>= 1; n++; }
+        return n;
+    #endif
+    }
+    """
+    int _ctz64 "kvw_ctz64"(unsigned long long x) noexcept nogil   # x != 0
+
+
+cdef extern from "Python.h":
+    # Exceptions are checked by hand (saturation instead of OverflowError).
+    unsigned long long PyLong_AsUnsignedLongLong(object o)
+    long long PyLong_AsLongLongAndOverflow(object o, int* overflow)
+    bint PyLong_CheckExact(object o)
+
+
+class WireError(ValueError):
+    """A malformed /query or /query_by_hash body; ``str(err)`` is a short detail."""
+
+
+cdef bint _LITTLE = _sys.byteorder == "little"
+cdef array.array _TMPL_U32 = _array.array("I")
+cdef array.array _TMPL_U64 = _array.array("Q")
+if _TMPL_U32.itemsize != 4 or _TMPL_U64.itemsize != 8:
+    raise ImportError("array('I') must have 4-byte items and array('Q') 8-byte items")
+
+cdef uint64_t _U32_MAX = 0xFFFFFFFF
+cdef uint64_t _I64_MAX = 0x7FFFFFFFFFFFFFFF
+# Inputs longer than this are scanned with the GIL released.
+cdef size_t _NOGIL_BYTES = 1 << 15
+
+# Field ids of the request.
+cdef enum:
+    F_UNKNOWN = 0
+    F_MODEL = 1
+    F_BLOCK_SIZE = 2
+    F_TOKEN_IDS = 3
+    F_BLOCK_HASHES = 4
+    F_TENANT = 5
+
+
+# =========================================================================================
+# Small C helpers
+# =========================================================================================
+
+cdef inline uint16_t _be16(const uint8_t* p) noexcept nogil:
+    return <uint16_t>((<uint16_t>p[0] << 8) | p[1])
+
+
+cdef inline uint32_t _be32(const uint8_t* p) noexcept nogil:
+    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | <uint32_t>p[3]
+
+
+cdef inline uint64_t _be64(const uint8_t* p) noexcept nogil:
+    return (<uint64_t>_be32(p) << 32) | <uint64_t>_be32(p + 4)
+
+
+cdef inline uint32_t _le32(const uint8_t* p) noexcept nogil:
+    return (<uint32_t>p[3] << 24) | (<uint32_t>p[2] << 16) | (<uint32_t>p[1] << 8) | <uint32_t>p[0]
+
+
+cdef inline size_t _left(const wcur* c) noexcept nogil:
+    return <size_t>(c.end - c.p)
+
+
+cdef inline bint _is_digit(uint8_t ch) noexcept nogil:
+    return <unsigned int>(ch - 48) <= 9
+
+
+cdef inline bint _is_hex(uint8_t ch) noexcept nogil:
+    return _is_digit(ch) or <unsigned int>((ch | 0x20) - 97) <= 5
+
+
+cdef inline int _hex_val(uint8_t ch) noexcept nogil:
+    if ch <= 57:
+        return ch - 48
+    return (ch | 0x20) - 87
+
+
+# =========================================================================================
+# JSON scanners (NUL sentinel at end[0])
+# =========================================================================================
+
+cdef inline uint32_t _hex4(const uint8_t* p) noexcept nogil:
+    return ((<uint32_t>_hex_val(p[0]) << 12) | (<uint32_t>_hex_val(p[1]) << 8)
+            | (<uint32_t>_hex_val(p[2]) << 4) | <uint32_t>_hex_val(p[3]))
+
+
+cdef inline const uint8_t* _ws(const uint8_t* p) noexcept nogil:
+    while p[0] == 32 or p[0] == 10 or p[0] == 13 or p[0] == 9:
+        p += 1
+    return p
+
+
+cdef inline int _bad(const wcur* c, const uint8_t* p) noexcept nogil:
+    """WIRE_EOF at the end of the input, else WIRE_SYNTAX."""
+    return WIRE_EOF if p >= c.end else WIRE_SYNTAX
+
+
+cdef int _json_string(wcur* c, const uint8_t** s, size_t* n, bint* esc) noexcept nogil:
+    """String at c.p (its opening quote): content extent, escapes validated; c.p past it."""
+    cdef const uint8_t* p = c.p + 1
+    cdef const uint8_t* start = p
+    cdef uint8_t ch
+    cdef int k
+    cdef uint32_t cp
+    cdef bint e = False
+    while True:
+        ch = p[0]
+        if ch == 34:            # '"'
+            break
+        if ch == 92:            # '\\'
+            e = True
+            ch = p[1]
+            if (ch == 34 or ch == 92 or ch == 47 or ch == 98 or ch == 102 or ch == 110
+                    or ch == 114 or ch == 116):
+                p += 2
+            elif ch == 117:     # 'u' + 4 hex digits (stops at the first non-hex: the NUL)
+                for k in range(2, 6):
+                    if not _is_hex(p[k]):
+                        c.p = p + k
+                        return _bad(c, p + k)
+                cp = _hex4(p + 2)
+                if 0xD800 <= cp <= 0xDBFF:
+                    # a high surrogate must be followed by an escaped low one
+                    if p[6] != 92 or p[7] != 117:
+                        c.p = p
+                        return _bad(c, p + 6)
+                    for k in range(8, 12):
+                        if not _is_hex(p[k]):
+                            c.p = p + k
+                            return _bad(c, p + k)
+                    cp = _hex4(p + 8)
+                    if not 0xDC00 <= cp <= 0xDFFF:
+                        c.p = p
+                        return WIRE_SYNTAX
+                    p += 12
+                elif 0xDC00 <= cp <= 0xDFFF:
+                    c.p = p
+                    return WIRE_SYNTAX
+                else:
+                    p += 6
+            else:
+                c.p = p
+                return _bad(c, p + 1)
+        elif ch < 32:
+            c.p = p
+            return _bad(c, p)
+        else:
+            p += 1
+    s[0] = start
+    n[0] = <size_t>(p - start)
+    esc[0] = e
+    c.p = p + 1
+    return WIRE_OK
+
+
+cdef inline uint8_t* _put_utf8(uint8_t* o, uint32_t cp) noexcept nogil:
+    if cp < 0x80:
+        o[0] = <uint8_t>cp
+        return o + 1
+    if cp < 0x800:
+        o[0] = <uint8_t>(0xC0 | (cp >> 6))
+        o[1] = <uint8_t>(0x80 | (cp & 0x3F))
+        return o + 2
+    if cp < 0x10000:
+        o[0] = <uint8_t>(0xE0 | (cp >> 12))
+        o[1] = <uint8_t>(0x80 | ((cp >> 6) & 0x3F))
+        o[2] = <uint8_t>(0x80 | (cp & 0x3F))
+        return o + 3
+    o[0] = <uint8_t>(0xF0 | (cp >> 18))
+    o[1] = <uint8_t>(0x80 | ((cp >> 12) & 0x3F))
+    o[2] = <uint8_t>(0x80 | ((cp >> 6) & 0x3F))
+    o[3] = <uint8_t>(0x80 | (cp & 0x3F))
+    return o + 4
+
+
+cdef Py_ssize_t _json_unescape(const uint8_t* s, size_t n, uint8_t* out) noexcept nogil:
+    """Decode the escapes of s[:n] (validated by _json_string) into out (>= n bytes).
+
+    Returns the output length, or -1 - offset on a lone surrogate (defensive)."""
+    cdef size_t i = 0
+    cdef uint8_t* o = out
+    cdef uint8_t ch
+    cdef uint32_t cp, lo
+    while i < n:
+        ch = s[i]
+        if ch != 92:
+            o[0] = ch
+            o += 1
+            i += 1
+            continue
+        ch = s[i + 1]
+        if ch == 117:
+            cp = _hex4(s + i + 2)
+            if 0xD800 <= cp <= 0xDBFF:
+                if i + 12 <= n and s[i + 6] == 92 and s[i + 7] == 117:
+                    lo = _hex4(s + i + 8)
+                    if 0xDC00 <= lo <= 0xDFFF:
+                        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00)
+                        o = _put_utf8(o, cp)
+                        i += 12
+                        continue
+                return -1 - <Py_ssize_t>i
+            if 0xDC00 <= cp <= 0xDFFF:
+                return -1 - <Py_ssize_t>i
+            o = _put_utf8(o, cp)
+            i += 6
+            continue
+        if ch == 98:
+            o[0] = 8
+        elif ch == 102:
+            o[0] = 12
+        elif ch == 110:
+            o[0] = 10
+        elif ch == 114:
+            o[0] = 13
+        elif ch == 116:
+            o[0] = 9
+        else:                   # '"', '\\', '/'
+            o[0] = ch
+        o += 1
+        i += 2
+    return <Py_ssize_t>(o - out)
+
+
+cdef int _json_skip_number(wcur* c) noexcept nogil:
+    cdef const uint8_t* p = c.p
+    if p[0] == 45:
+        p += 1
+    if p[0] == 48:
+        p += 1
+    elif _is_digit(p[0]):
+        while _is_digit(p[0]):
+            p += 1
+    else:
+        c.p = p
+        return _bad(c, p)
+    if p[0] == 46:
+        p += 1
+        if not _is_digit(p[0]):
+            c.p = p
+            return _bad(c, p)
+        while _is_digit(p[0]):
+            p += 1
+    if (p[0] | 0x20) == 101:
+        p += 1
+        if p[0] == 43 or p[0] == 45:
+            p += 1
+        if not _is_digit(p[0]):
+            c.p = p
+            return _bad(c, p)
+        while _is_digit(p[0]):
+            p += 1
+    c.p = p
+    return WIRE_OK
+
+
+cdef inline bint _lit(const uint8_t* p, char a, char b, char d, char e) noexcept nogil:
+    return p[0] == a and p[1] == b and p[2] == d and p[3] == e
+
+
+cdef int _json_scalar(wcur* c) noexcept nogil:
+    """Skip a string, number or literal at c.p."""
+    cdef const uint8_t* s = NULL
+    cdef size_t n = 0
+    cdef bint esc
+    cdef const uint8_t* p = c.p
+    cdef uint8_t ch = p[0]
+    if ch == 34:
+        return _json_string(c, &s, &n, &esc)
+    if ch == 45 or _is_digit(ch):
+        return _json_skip_number(c)
+    if _lit(p, b't', b'r', b'u', b'e') or _lit(p, b'n', b'u', b'l', b'l'):
+        c.p = p + 4
+        return WIRE_OK
+    if _lit(p, b'f', b'a', b'l', b's') and p[4] == b'e':
+        c.p = p + 5
+        return WIRE_OK
+    return _bad(c, p)
+
+
+cdef inline int _json_key(wcur* c) noexcept nogil:
+    """Skip `"key" :` at c.p (whitespace before allowed); c.p lands after the colon."""
+    cdef const uint8_t* s = NULL
+    cdef size_t n = 0
+    cdef bint esc
+    cdef int rc
+    c.p = _ws(c.p)
+    if c.p[0] != 34:
+        return _bad(c, c.p)
+    rc = _json_string(c, &s, &n, &esc)
+    if rc:
+        return rc
+    c.p = _ws(c.p)
+    if c.p[0] != 58:
+        return _bad(c, c.p)
+    c.p += 1
+    return WIRE_OK
+
+
+cdef int json_skip_value(wcur* c) noexcept nogil:
+    cdef uint8_t stack[WIRE_JSON_MAX_DEPTH]
+    cdef int depth = 0
+    cdef int rc
+    cdef uint8_t ch, top
+    cdef bint opened
+    while True:
+        # -- one value at c.p
+        c.p = _ws(c.p)
+        ch = c.p[0]
+        opened = False
+        if ch == 123 or ch == 91:           # '{' '['
+            c.p = _ws(c.p + 1)
+            if c.p[0] == ch + 2:            # '}' / ']' (empty container)
+                c.p += 1
+            else:
+                if depth >= WIRE_JSON_MAX_DEPTH:
+                    return WIRE_DEPTH
+                stack[depth] = ch
+                depth += 1
+                opened = True
+                if ch == 123:
+                    rc = _json_key(c)
+                    if rc:
+                        return rc
+        else:
+            rc = _json_scalar(c)
+            if rc:
+                return rc
+        if opened:
+            continue
+        # -- after a value: separators and closing brackets
+        while True:
+            if depth == 0:
+                return WIRE_OK
+            c.p = _ws(c.p)
+            ch = c.p[0]
+            top = stack[depth - 1]
+            if ch == 44:                    # ','
+                c.p += 1
+                if top == 123:
+                    rc = _json_key(c)
+                    if rc:
+                        return rc
+                break
+            if ch == top + 2:
+                c.p += 1
+                depth -= 1
+            else:
+                return _bad(c, c.p)
+
+
+cdef inline int _json_not_int(const wcur* c, const uint8_t* p) noexcept nogil:
+    """Classify a non-number where an integer was expected."""
+    cdef uint8_t ch = p[0]
+    if p >= c.end:
+        return WIRE_EOF
+    if ch == 34 or ch == 91 or ch == 123 or ch == 116 or ch == 102 or ch == 110:
+        return WIRE_NOT_INT
+    return WIRE_SYNTAX
+
+
+cdef inline int _json_int(const wcur* c, const uint8_t** pp, uint64_t* mag,
+                          bint* neg) noexcept nogil:
+    """Integer at *pp: magnitude (must fit u64) and sign; *pp moves past it.
+
+    Floats (fraction or exponent) give WIRE_NOT_INT, leading zeros WIRE_SYNTAX."""
+    cdef const uint8_t* p = pp[0]
+    cdef uint64_t v
+    cdef unsigned int d
+    cdef int k
+    cdef bint ng = p[0] == 45
+    if ng:
+        p += 1
+    d = <unsigned int>(p[0] - 48)
+    if d > 9:
+        pp[0] = p
+        return _bad(c, p) if ng else _json_not_int(c, p)
+    v = d
+    p += 1
+    if d == 0:
+        if _is_digit(p[0]):
+            pp[0] = p
+            return WIRE_SYNTAX
+    else:
+        k = 1
+        while k < 19:
+            d = <unsigned int>(p[0] - 48)
+            if d > 9:
+                break
+            v = v * 10 + d
+            p += 1
+            k += 1
+        if k == 19:
+            d = <unsigned int>(p[0] - 48)
+            if d <= 9:
+                if v > 1844674407370955161ULL or (v == 1844674407370955161ULL and d > 5):
+                    pp[0] = p
+                    return WIRE_RANGE
+                v = v * 10 + d
+                p += 1
+                if _is_digit(p[0]):
+                    pp[0] = p
+                    return WIRE_RANGE
+    if p[0] == 46 or (p[0] | 0x20) == 101:
+        pp[0] = p
+        return WIRE_NOT_INT
+    pp[0] = p
+    mag[0] = v
+    neg[0] = ng
+    return WIRE_OK
+
+
+cdef size_t json_count_upper(const uint8_t* p, const uint8_t* end) noexcept nogil:
+    cdef const uint8_t* q = <const uint8_t*>memchr(p, 93, <size_t>(end - p))
+    cdef size_t i, m, n = 1
+    if q == NULL:
+        q = end
+    m = <size_t>(q - p)
+    for i in range(m):
+        n += p[i] == 44
+    return n
+
+
+cdef inline int _json_after_elem(const wcur* c, const uint8_t** pp) noexcept nogil:
+    """After an element: 0 = another follows (*pp at it), 1 = array closed, else -code."""
+    cdef const uint8_t* p = pp[0]
+    if p[0] == 44:
+        pp[0] = _ws(p + 1)
+        return 0
+    if p[0] == 93:
+        pp[0] = p + 1
+        return 1
+    p = _ws(p)
+    if p[0] == 44:
+        pp[0] = _ws(p + 1)
+        return 0
+    if p[0] == 93:
+        pp[0] = p + 1
+        return 1
+    pp[0] = p
+    return -_bad(c, p)
+
+
+cdef inline uint64_t _le64(const uint8_t* p) noexcept nogil:
+    return ((<uint64_t>p[0]) | (<uint64_t>p[1] << 8) | (<uint64_t>p[2] << 16)
+            | (<uint64_t>p[3] << 24) | (<uint64_t>p[4] << 32) | (<uint64_t>p[5] << 40)
+            | (<uint64_t>p[6] << 48) | (<uint64_t>p[7] << 56))
+
+
+cdef int json_u32_array(wcur* c, uint32_t* out, size_t cap, size_t* count) noexcept nogil:
+    cdef const uint8_t* p = _ws(c.p)
+    cdef const uint8_t* q
+    cdef const uint8_t* end = c.end
+    cdef size_t n = 0
+    cdef uint64_t v = 0, x, t, nd
+    cdef unsigned int k
+    cdef bint neg = False
+    cdef int rc
+    if p[0] == 93:
+        c.p = p + 1
+        count[0] = 0
+        return WIRE_OK
+    while True:
+        if n >= cap:
+            rc = WIRE_CAPACITY
+            break
+        # SWAR fast path: an integer of 1..7 digits read as one 8-byte word (the digit
+        # count varies per token, so a per-digit loop mispredicts its exit branch).
+        neg = p[0] == 45
+        q = p + neg
+        if end - q >= 8:
+            x = _le64(q)
+            t = x ^ 0x3030303030303030ULL             # digit bytes -> 0..9
+            nd = (t & 0xF0F0F0F0F0F0F0F0ULL) | (
+                ((t & 0x0F0F0F0F0F0F0F0FULL) + 0x0606060606060606ULL) & 0x1010101010101010ULL)
+            if nd:
+                k = <unsigned int>_ctz64(nd) >> 3       # number of leading digits
+                q += k
+                if (k != 0 and (k == 1 or (x & 0xFF) != 0x30)
+                        and q[0] != 46 and (q[0] | 0x20) != 101):
+                    t <<= 64 - 8 * k
+                    t = ((t & 0x0F0F0F0F0F0F0F0FULL) * 2561) >> 8
+                    t = ((t & 0x00FF00FF00FF00FFULL) * 6553601) >> 16
+                    v = ((t & 0x0000FFFF0000FFFFULL) * 42949672960001ULL) >> 32
+                    out[n] = <uint32_t>(0 - v) if neg else <uint32_t>v
+                    n += 1
+                    p = q
+                    rc = _json_after_elem(c, &p)
+                    if rc == 0:
+                        continue
+                    if rc == 1:
+                        rc = WIRE_OK
+                    else:
+                        rc = -rc
+                    break
+        # general path: any length, range checks, precise errors
+        rc = _json_int(c, &p, &v, &neg)
+        if rc:
+            break
+        if neg:
+            if v > _I64_MAX + 1:
+                rc = WIRE_RANGE
+                break
+            v = 0 - v
+        elif v > _I64_MAX:
+            rc = WIRE_RANGE
+            break
+        out[n] = <uint32_t>v
+        n += 1
+        rc = _json_after_elem(c, &p)
+        if rc == 0:
+            continue
+        if rc == 1:
+            rc = WIRE_OK
+        else:
+            rc = -rc
+        break
+    c.p = p
+    count[0] = n
+    return rc
+
+
+cdef int json_u64_array(wcur* c, uint64_t* out, size_t cap, size_t* count) noexcept nogil:
+    cdef const uint8_t* p = _ws(c.p)
+    cdef size_t n = 0
+    cdef uint64_t v = 0
+    cdef bint neg = False
+    cdef int rc
+    if p[0] == 93:
+        c.p = p + 1
+        count[0] = 0
+        return WIRE_OK
+    while True:
+        rc = _json_int(c, &p, &v, &neg)
+        if rc:
+            break
+        if neg and v != 0:
+            rc = WIRE_RANGE
+            break
+        if n >= cap:
+            rc = WIRE_CAPACITY
+            break
+        out[n] = v
+        n += 1
+        rc = _json_after_elem(c, &p)
+        if rc == 0:
+            continue
+        if rc == 1:
+            rc = WIRE_OK
+        else:
+            rc = -rc
+        break
+    c.p = p
+    count[0] = n
+    return rc
+
+
+# =========================================================================================
+# MessagePack scanners
+# =========================================================================================
+
+cdef int mp_skip(wcur* c) noexcept nogil:
+    cdef uint64_t todo = 1          # values still to skip (containers add their children)
+    cdef const uint8_t* p = c.p
+    cdef const uint8_t* end = c.end
+    cdef uint8_t b
+    cdef size_t hdr, ln, left
+    while todo:
+        todo -= 1
+        left = <size_t>(end - p)
+        if todo >= left:            # every pending value needs at least one byte
+            c.p = end
+            return WIRE_EOF
+        b = p[0]
+        hdr = 1
+        ln = 0
+        if b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
+            pass
+        elif b <= 0x8f:
+            todo += 2 * <uint64_t>(b & 0x0f)
+        elif b <= 0x9f:
+            todo += b & 0x0f
+        elif b <= 0xbf:
+            ln = b & 0x1f
+        elif b == 0xc1:
+            c.p = p
+            return WIRE_BAD_BYTE
+        elif b == 0xc4 or b == 0xd9:        # bin8 / str8
+            hdr = 2
+            if left < 2:
+                c.p = end
+                return WIRE_EOF
+            ln = p[1]
+        elif b == 0xc5 or b == 0xda:        # bin16 / str16
+            hdr = 3
+            if left < 3:
+                c.p = end
+                return WIRE_EOF
+            ln = _be16(p + 1)
+        elif b == 0xc6 or b == 0xdb:        # bin32 / str32
+            hdr = 5
+            if left < 5:
+                c.p = end
+                return WIRE_EOF
+            ln = _be32(p + 1)
+        elif b == 0xc7:                     # ext8
+            hdr = 3
+            if left < 2:
+                c.p = end
+                return WIRE_EOF
+            ln = p[1]
+        elif b == 0xc8:                     # ext16
+            hdr = 4
+            if left < 3:
+                c.p = end
+                return WIRE_EOF
+            ln = _be16(p + 1)
+        elif b == 0xc9:                     # ext32
+            hdr = 6
+            if left < 5:
+                c.p = end
+                return WIRE_EOF
+            ln = _be32(p + 1)
+        elif b == 0xca or b == 0xce or b == 0xd2:
+            hdr = 5
+        elif b == 0xcb or b == 0xcf or b == 0xd3:
+            hdr = 9
+        elif b == 0xcc or b == 0xd0:
+            hdr = 2
+        elif b == 0xcd or b == 0xd1:
+            hdr = 3
+        elif b == 0xd4:                     # fixext 1/2/4/8/16: type byte + data
+            hdr = 3
+        elif b == 0xd5:
+            hdr = 4
+        elif b == 0xd6:
+            hdr = 6
+        elif b == 0xd7:
+            hdr = 10
+        elif b == 0xd8:
+            hdr = 18
+        elif b == 0xdc:                     # array16
+            hdr = 3
+            if left < 3:
+                c.p = end
+                return WIRE_EOF
+            todo += _be16(p + 1)
+        elif b == 0xdd:                     # array32
+            hdr = 5
+            if left < 5:
+                c.p = end
+                return WIRE_EOF
+            todo += _be32(p + 1)
+        elif b == 0xde:                     # map16
+            hdr = 3
+            if left < 3:
+                c.p = end
+                return WIRE_EOF
+            todo += 2 * <uint64_t>_be16(p + 1)
+        else:                               # 0xdf map32
+            hdr = 5
+            if left < 5:
+                c.p = end
+                return WIRE_EOF
+            todo += 2 * <uint64_t>_be32(p + 1)
+        if hdr > left or ln > left - hdr:
+            c.p = end
+            return WIRE_EOF
+        p += hdr + ln
+    c.p = p
+    return WIRE_OK
+
+
+cdef inline int _mp_int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
+    """Any msgpack int at c.p: bits (two's complement when neg) and sign."""
+    cdef const uint8_t* p = c.p
+    cdef size_t left = _left(c)
+    cdef uint8_t b
+    cdef int64_t s
+    if left == 0:
+        return WIRE_EOF
+    b = p[0]
+    if b <= 0x7f:
+        bits[0] = b
+        neg[0] = False
+        c.p = p + 1
+        return WIRE_OK
+    if b >= 0xe0:
+        bits[0] = <uint64_t><int64_t><int8_t>b
+        neg[0] = True
+        c.p = p + 1
+        return WIRE_OK
+    if b == 0xcc:
+        if left < 2:
+            return WIRE_EOF
+        bits[0] = p[1]
+        neg[0] = False
+        c.p = p + 2
+        return WIRE_OK
+    if b == 0xcd:
+        if left < 3:
+            return WIRE_EOF
+        bits[0] = _be16(p + 1)
+        neg[0] = False
+        c.p = p + 3
+        return WIRE_OK
+    if b == 0xce:
+        if left < 5:
+            return WIRE_EOF
+        bits[0] = _be32(p + 1)
+        neg[0] = False
+        c.p = p + 5
+        return WIRE_OK
+    if b == 0xcf:
+        if left < 9:
+            return WIRE_EOF
+        bits[0] = _be64(p + 1)
+        neg[0] = False
+        c.p = p + 9
+        return WIRE_OK
+    if b == 0xd0:
+        if left < 2:
+            return WIRE_EOF
+        s = <int8_t>p[1]
+        c.p = p + 2
+    elif b == 0xd1:
+        if left < 3:
+            return WIRE_EOF
+        s = <int16_t>_be16(p + 1)
+        c.p = p + 3
+    elif b == 0xd2:
+        if left < 5:
+            return WIRE_EOF
+        s = <int32_t>_be32(p + 1)
+        c.p = p + 5
+    elif b == 0xd3:
+        if left < 9:
+            return WIRE_EOF
+        s = <int64_t>_be64(p + 1)
+        c.p = p + 9
+    else:
+        return WIRE_BAD_BYTE if b == 0xc1 else WIRE_NOT_INT
+    bits[0] = <uint64_t>s
+    neg[0] = s < 0
+    return WIRE_OK
+
+
+# Branch-free decoding of the ints that fit 32 bits (fixints, uint8/16/32, int8/16/32):
+# value = be32(p + OFF[tag]) >> SH[tag], arithmetic shift when SGN[tag]; LEN[tag] = 0 for
+# every other tag (64-bit ints, errors). Random token ids mix uint16 and uint32
+# encodings, so a branch per tag would mispredict about half the time.
+cdef uint8_t _MP_LEN[256]
+cdef uint8_t _MP_OFF[256]
+cdef uint8_t _MP_SH[256]
+cdef uint32_t _MP_SGN[256]
+
+
+cdef void _init_mp_tables() noexcept:
+    cdef int b
+    for b in range(256):
+        _MP_LEN[b] = 0
+        _MP_OFF[b] = 1
+        _MP_SH[b] = 0
+        _MP_SGN[b] = 0
+        if b <= 0x7f or b >= 0xe0:
+            _MP_LEN[b] = 1
+            _MP_OFF[b] = 0
+            _MP_SH[b] = 24
+            _MP_SGN[b] = 0xFFFFFFFF if b >= 0xe0 else 0
+    _MP_LEN[0xcc] = 2
+    _MP_SH[0xcc] = 24
+    _MP_LEN[0xcd] = 3
+    _MP_SH[0xcd] = 16
+    _MP_LEN[0xce] = 5
+    _MP_LEN[0xd0] = 2
+    _MP_SH[0xd0] = 24
+    _MP_SGN[0xd0] = 0xFFFFFFFF
+    _MP_LEN[0xd1] = 3
+    _MP_SH[0xd1] = 16
+    _MP_SGN[0xd1] = 0xFFFFFFFF
+    _MP_LEN[0xd2] = 5
+    _MP_SGN[0xd2] = 0xFFFFFFFF
+
+
+_init_mp_tables()
+
+
+cdef int mp_u32_array(wcur* c, uint32_t* out, size_t n, size_t* count) noexcept nogil:
+    cdef const uint8_t* p = c.p
+    cdef const uint8_t* end = c.end
+    cdef size_t i = 0
+    cdef uint8_t b, ln, sh
+    cdef uint32_t w, m
+    cdef uint64_t v = 0
+    cdef bint neg = False
+    cdef int rc = WIRE_OK
+    while i < n:
+        if end - p >= 9:
+            # fast path: every encoding fits, no bounds checks
+            b = p[0]
+            ln = _MP_LEN[b]
+            if ln:
+                w = _be32(p + _MP_OFF[b])
+                sh = _MP_SH[b]
+                m = _MP_SGN[b]
+                out[i] = (<uint32_t>(<int32_t>w >> sh) & m) | ((w >> sh) & ~m)
+                p += ln
+            elif b == 0xcf:
+                v = _be64(p + 1)
+                if v > _I64_MAX:
+                    rc = WIRE_RANGE
+                    break
+                out[i] = <uint32_t>v
+                p += 9
+            elif b == 0xd3:
+                out[i] = <uint32_t>_be64(p + 1)
+                p += 9
+            else:
+                rc = WIRE_BAD_BYTE if b == 0xc1 else WIRE_NOT_INT
+                break
+        else:
+            c.p = p
+            rc = _mp_int(c, &v, &neg)
+            if rc:
+                break
+            if not neg and v > _I64_MAX:
+                rc = WIRE_RANGE
+                break
+            p = c.p
+            out[i] = <uint32_t>v
+        i += 1
+    c.p = p
+    count[0] = i
+    return rc
+
+
+cdef int mp_u64_array(wcur* c, uint64_t* out, size_t n, size_t* count) noexcept nogil:
+    cdef size_t i = 0
+    cdef uint64_t v = 0
+    cdef bint neg = False
+    cdef int rc = WIRE_OK
+    cdef const uint8_t* p
+    while i < n:
+        p = c.p
+        rc = _mp_int(c, &v, &neg)
+        if rc:
+            break
+        if neg:
+            c.p = p
+            rc = WIRE_RANGE
+            break
+        out[i] = v
+        i += 1
+    count[0] = i
+    return rc
+
+
+cdef inline int _mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    """str at c.p: WIRE_OK (c.p past it), WIRE_EOF, or WIRE_NOT_INT meaning 'not a str'."""
+    cdef const uint8_t* p = c.p
+    cdef size_t left = _left(c)
+    cdef size_t hdr, ln
+    cdef uint8_t b
+    if left == 0:
+        return WIRE_EOF
+    b = p[0]
+    if 0xa0 <= b <= 0xbf:
+        hdr = 1
+        ln = b & 0x1f
+    elif b == 0xd9:
+        hdr = 2
+        if left < 2:
+            return WIRE_EOF
+        ln = p[1]
+    elif b == 0xda:
+        hdr = 3
+        if left < 3:
+            return WIRE_EOF
+        ln = _be16(p + 1)
+    elif b == 0xdb:
+        hdr = 5
+        if left < 5:
+            return WIRE_EOF
+        ln = _be32(p + 1)
+    else:
+        return WIRE_NOT_INT
+    if ln > left - hdr:
+        return WIRE_EOF
+    s[0] = p + hdr
+    n[0] = ln
+    c.p = p + hdr + ln
+    return WIRE_OK
+
+
+cdef inline int _mp_container(wcur* c, uint8_t fix, uint8_t m16, size_t* n) noexcept nogil:
+    """Array (fix=0x90, m16=0xdc) or map (fix=0x80, m16=0xde) header at c.p.
+
+    WIRE_OK (c.p past the header), WIRE_EOF, or WIRE_NOT_INT meaning 'other type'."""
+    cdef const uint8_t* p = c.p
+    cdef size_t left = _left(c)
+    cdef uint8_t b
+    if left == 0:
+        return WIRE_EOF
+    b = p[0]
+    if (b & 0xf0) == fix:
+        n[0] = b & 0x0f
+        c.p = p + 1
+    elif b == m16:
+        if left < 3:
+            return WIRE_EOF
+        n[0] = _be16(p + 1)
+        c.p = p + 3
+    elif b == m16 + 1:
+        if left < 5:
+            return WIRE_EOF
+        n[0] = _be32(p + 1)
+        c.p = p + 5
+    else:
+        return WIRE_NOT_INT
+    return WIRE_OK
+
+
+cdef inline int _mp_bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    cdef const uint8_t* p = c.p
+    cdef size_t left = _left(c)
+    cdef size_t hdr, ln
+    cdef uint8_t b
+    if left == 0:
+        return WIRE_EOF
+    b = p[0]
+    if b == 0xc4:
+        hdr = 2
+        if left < 2:
+            return WIRE_EOF
+        ln = p[1]
+    elif b == 0xc5:
+        hdr = 3
+        if left < 3:
+            return WIRE_EOF
+        ln = _be16(p + 1)
+    elif b == 0xc6:
+        hdr = 5
+        if left < 5:
+            return WIRE_EOF
+        ln = _be32(p + 1)
+    else:
+        return WIRE_NOT_INT
+    if ln > left - hdr:
+        return WIRE_EOF
+    s[0] = p + hdr
+    n[0] = ln
+    c.p = p + hdr + ln
+    return WIRE_OK
+
+
+# =========================================================================================
+# Request parsing (with the GIL; the big scans release it)
+# =========================================================================================
+
+cdef inline bint _eq(const uint8_t* s, size_t n, const char* lit, size_t m) noexcept nogil:
+    return n == m and memcmp(s, lit, m) == 0
+
+
+cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
+    if _eq(s, n, b"model", 5):
+        return F_MODEL
+    if _eq(s, n, b"token_ids", 9):
+        return F_TOKEN_IDS
+    if _eq(s, n, b"block_size", 10):
+        return F_BLOCK_SIZE
+    if _eq(s, n, b"tenant_id", 9):
+        return F_TENANT
+    if _eq(s, n, b"block_hashes", 12):
+        return F_BLOCK_HASHES
+    return F_UNKNOWN
+
+
+cdef str _field_name(int fid):
+    if fid == F_MODEL:
+        return "model"
+    if fid == F_BLOCK_SIZE:
+        return "block_size"
+    if fid == F_TOKEN_IDS:
+        return "token_ids"
+    if fid == F_BLOCK_HASHES:
+        return "block_hashes"
+    if fid == F_TENANT:
+        return "tenant_id"
+    return ""
+
+
+cdef object _fail(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index):
+    """Raise the WireError of scanner code ``rc`` (field ``fid``, element ``index`` or -1)."""
+    cdef Py_ssize_t pos = c.p - c.base
+    cdef str name = _field_name(fid) if fid != F_UNKNOWN else ""
+    if rc == WIRE_EOF:
+        msg = "unexpected end of JSON input" if is_json else "truncated msgpack"
+    elif rc == WIRE_SYNTAX:
+        msg = f"invalid JSON at byte {pos}"
+    elif rc == WIRE_DEPTH:
+        msg = "nesting too deep"
+    elif rc == WIRE_BAD_BYTE:
+        msg = f"invalid msgpack byte 0xc1 at offset {pos}"
+    elif fid == F_BLOCK_SIZE:
+        if rc == WIRE_RANGE:
+            msg = "block_size out of range"
+        else:
+            msg = "expected an integer for `block_size`"
+    elif rc == WIRE_RANGE:
+        msg = f"integer out of range in `{name}` at index {index}"
+    elif rc == WIRE_NOT_INT:
+        msg = f"expected an integer in `{name}` at index {index}"
+    else:
+        msg = f"invalid `{name}` array"
+    raise WireError(msg)
+
+
+cdef inline int _check(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index) except -1:
+    if rc:
+        _fail(rc, c, is_json, fid, index)
+    return 0
+
+
+cdef str _decode_utf8(const uint8_t* s, size_t n, int fid):
+    try:
+        return PyUnicode_DecodeUTF8(<const char*>s, <Py_ssize_t>n, NULL)
+    except UnicodeDecodeError:
+        raise WireError(f"invalid UTF-8 in `{_field_name(fid)}`") from None
+
+
+cdef object _block_size(uint64_t v, bint neg):
+    if neg or v > _U32_MAX:
+        raise WireError("block_size out of range")
+    return <unsigned long>v
+
+
+cdef inline array.array _new_array(bint u64, size_t n):
+    return array.clone(_TMPL_U64 if u64 else _TMPL_U32, <Py_ssize_t>n, False)
+
+
+# -- JSON --------------------------------------------------------------------------------
+
+cdef str _json_str_value(wcur* c, int fid):
+    """The JSON string at c.p (a '"') as str; c.p moves past it."""
+    cdef const uint8_t* s = NULL
+    cdef size_t n = 0
+    cdef bint esc
+    cdef uint8_t* tmp
+    cdef Py_ssize_t m
+    _check(_json_string(c, &s, &n, &esc), c, True, F_UNKNOWN, -1)
+    if not esc:
+        return _decode_utf8(s, n, fid)
+    tmp = <uint8_t*>malloc(n + 1)
+    if tmp == NULL:
+        raise MemoryError()
+    try:
+        m = _json_unescape(s, n, tmp)
+        if m < 0:
+            raise WireError(f"invalid JSON at byte {(s - c.base) + (-1 - m)} (lone surrogate)")
+        return _decode_utf8(tmp, <size_t>m, fid)
+    finally:
+        free(tmp)
+
+
+cdef int _json_key_id(wcur* c, const uint8_t* s, size_t n, bint esc) except -1:
+    cdef uint8_t tmp[160]
+    cdef Py_ssize_t m
+    if not esc:
+        return _field_id(s, n)
+    if n > sizeof(tmp):
+        return F_UNKNOWN
+    m = _json_unescape(s, n, tmp)
+    if m < 0:
+        raise WireError(f"invalid JSON at byte {(s - c.base) + (-1 - m)} (lone surrogate)")
+    return _field_id(tmp, <size_t>m)
+
+
+cdef int _json_skip(wcur* c) noexcept:
+    cdef int rc
+    if _left(c) > _NOGIL_BYTES:
+        with nogil:
+            rc = json_skip_value(c)
+    else:
+        rc = json_skip_value(c)
+    return rc
+
+
+cdef object _json_type_error(wcur* c, int fid, str expected):
+    """A well-formed value of the wrong type -> type error; malformed -> syntax error."""
+    _check(_json_skip(c), c, True, F_UNKNOWN, -1)
+    raise WireError(f"invalid type for `{_field_name(fid)}`: expected {expected}")
+
+
+cdef array.array _json_values(wcur* c, bint u64, int fid):
+    """The integer array at c.p (a '[')."""
+    cdef size_t cap, n = 0
+    cdef int rc
+    cdef array.array arr
+    cdef bint big
+    c.p += 1
+    cap = json_count_upper(c.p, c.end)
+    arr = _new_array(u64, cap)
+    big = _left(c) > _NOGIL_BYTES
+    if u64:
+        if big:
+            with nogil:
+                rc = json_u64_array(c, <uint64_t*>arr.data.as_ulonglongs, cap, &n)
+        else:
+            rc = json_u64_array(c, <uint64_t*>arr.data.as_ulonglongs, cap, &n)
+    else:
+        if big:
+            with nogil:
+                rc = json_u32_array(c, arr.data.as_uints, cap, &n)
+        else:
+            rc = json_u32_array(c, arr.data.as_uints, cap, &n)
+    _check(rc, c, True, fid, <Py_ssize_t>n)
+    if n != cap:
+        array.resize(arr, <Py_ssize_t>n)
+    return arr
+
+
+cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
+    cdef wcur c
+    cdef const uint8_t* s = NULL
+    cdef size_t n = 0
+    cdef bint esc = False, neg = False, have_bs = False
+    cdef uint64_t v = 0
+    cdef int fid, rc
+    cdef int vfid = F_BLOCK_HASHES if by_hash else F_TOKEN_IDS
+    cdef const uint8_t* p
+    model = None
+    tenant = None
+    block_size = 0
+    values = None
+    c.base = buf
+    c.end = buf + size
+    c.p = _ws(buf)
+    if c.p[0] != 123:
+        if c.p >= c.end:
+            raise WireError("empty body")
+        _check(_json_skip(&c), &c, True, F_UNKNOWN, -1)
+        raise WireError("expected a JSON object")
+    c.p = _ws(c.p + 1)
+    if c.p[0] == 125:
+        c.p += 1
+    else:
+        while True:
+            if c.p[0] != 34:
+                _check(_bad(&c, c.p), &c, True, F_UNKNOWN, -1)
+            _check(_json_string(&c, &s, &n, &esc), &c, True, F_UNKNOWN, -1)
+            fid = _json_key_id(&c, s, n, esc)
+            c.p = _ws(c.p)
+            if c.p[0] != 58:
+                _check(_bad(&c, c.p), &c, True, F_UNKNOWN, -1)
+            c.p = _ws(c.p + 1)
+            if fid == F_MODEL:
+                if c.p[0] != 34:
+                    _json_type_error(&c, fid, "a string")
+                model = _json_str_value(&c, fid)
+            elif fid == F_TENANT:
+                if c.p[0] == 34:
+                    tenant = _json_str_value(&c, fid)
+                elif _lit(c.p, b'n', b'u', b'l', b'l'):
+                    c.p += 4
+                    tenant = None
+                else:
+                    _json_type_error(&c, fid, "a string or null")
+            elif fid == F_BLOCK_SIZE:
+                p = c.p
+                rc = _json_int(&c, &p, &v, &neg)
+                if rc == WIRE_NOT_INT:
+                    _json_type_error(&c, fid, "an integer")
+                c.p = p
+                _check(rc, &c, True, fid, -1)
+                block_size = _block_size(v, neg and v != 0)
+                have_bs = True
+            elif fid == vfid:
+                if c.p[0] != 91:
+                    _json_type_error(&c, fid, "an array of integers")
+                values = _json_values(&c, by_hash, fid)
+            else:
+                _check(_json_skip(&c), &c, True, F_UNKNOWN, -1)
+            c.p = _ws(c.p)
+            if c.p[0] == 44:
+                c.p = _ws(c.p + 1)
+                continue
+            if c.p[0] == 125:
+                c.p += 1
+                break
+            _check(_bad(&c, c.p), &c, True, F_UNKNOWN, -1)
+    c.p = _ws(c.p)
+    if c.p < c.end:
+        raise WireError("trailing data")
+    return _finish(model, block_size, have_bs, tenant, values, by_hash)
+
+
+cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash):
+    if model is None:
+        raise WireError("missing field `model`")
+    if not have_bs and not by_hash:
+        raise WireError("missing field `block_size`")
+    if values is None:
+        raise WireError("missing field `block_hashes`" if by_hash else "missing field `token_ids`")
+    return (model, block_size, "default" if tenant is None else tenant, values)
+
+
+# -- MessagePack -------------------------------------------------------------------------
+
+cdef str _mp_str_value(wcur* c, int fid, bint nullable):
+    """str (or nil when nullable -> None) at c.p."""
+    cdef const uint8_t* s = NULL
+    cdef size_t n = 0
+    cdef int rc
+    if nullable and _left(c) and c.p[0] == 0xc0:
+        c.p += 1
+        return None
+    rc = _mp_str(c, &s, &n)
+    if rc == WIRE_NOT_INT:
+        raise WireError(f"invalid type for `{_field_name(fid)}`: expected "
+                        + ("a string or nil" if nullable else "a string"))
+    _check(rc, c, False, fid, -1)
+    return _decode_utf8(s, n, fid)
+
+
+cdef object _mp_block_size(wcur* c):
+    cdef uint64_t v = 0
+    cdef bint neg = False
+    _check(_mp_int(c, &v, &neg), c, False, F_BLOCK_SIZE, -1)
+    return _block_size(v, neg)
+
+
+cdef array.array _mp_values(wcur* c, bint u64, int fid):
+    cdef size_t n = 0, cnt = 0
+    cdef const uint8_t* s = NULL
+    cdef int rc
+    cdef array.array arr
+    cdef uint32_t* o
+    cdef size_t i
+    rc = _mp_container(c, 0x90, 0xdc, &n)
+    if rc == WIRE_OK:
+        if n > _left(c):            # every element needs at least one byte
+            c.p = c.end
+            _check(WIRE_EOF, c, False, fid, -1)
+        arr = _new_array(u64, n)
+        if u64:
+            if n > _NOGIL_BYTES // 4:
+                with nogil:
+                    rc = mp_u64_array(c, <uint64_t*>arr.data.as_ulonglongs, n, &cnt)
+            else:
+                rc = mp_u64_array(c, <uint64_t*>arr.data.as_ulonglongs, n, &cnt)
+        else:
+            if n > _NOGIL_BYTES // 4:
+                with nogil:
+                    rc = mp_u32_array(c, arr.data.as_uints, n, &cnt)
+            else:
+                rc = mp_u32_array(c, arr.data.as_uints, n, &cnt)
+        _check(rc, c, False, fid, <Py_ssize_t>cnt)
+        return arr
+    if rc == WIRE_NOT_INT and not u64:
+        rc = _mp_bin(c, &s, &n)
+        if rc == WIRE_OK:
+            # packed tokens: little-endian u32
+            if n % 4:
+                raise WireError(f"packed `{_field_name(fid)}` length is not a multiple of 4")
+            n //= 4
+            arr = _new_array(False, n)
+            o = arr.data.as_uints
+            if _LITTLE:
+                if n:
+                    if n > _NOGIL_BYTES // 4:
+                        with nogil:
+                            memcpy(o, s, n * 4)
+                    else:
+                        memcpy(o, s, n * 4)
+            else:
+                for i in range(n):
+                    o[i] = _le32(s + 4 * i)
+            return arr
+    if rc == WIRE_NOT_INT:
+        if u64:
+            raise WireError(f"invalid type for `{_field_name(fid)}`: expected an array of integers")
+        raise WireError(
+            f"invalid type for `{_field_name(fid)}`: expected an array of integers or bin")
+    _check(rc, c, False, fid, -1)
+
+
+cdef int _mp_skip_checked(wcur* c) except -1:
+    cdef int rc
+    if _left(c) > _NOGIL_BYTES:
+        with nogil:
+            rc = mp_skip(c)
+    else:
+        rc = mp_skip(c)
+    return _check(rc, c, False, F_UNKNOWN, -1)
+
+
+cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
+    cdef wcur c
+    cdef const uint8_t* s = NULL
+    cdef size_t n = 0, i, klen = 0
+    cdef int fid, rc
+    cdef int vfid = F_BLOCK_HASHES if by_hash else F_TOKEN_IDS
+    cdef bint have_bs = False
+    model = None
+    tenant = None
+    block_size = 0
+    values = None
+    c.base = buf
+    c.p = buf
+    c.end = buf + size
+    if size == 0:
+        raise WireError("empty body")
+    rc = _mp_container(&c, 0x80, 0xde, &n)
+    if rc == WIRE_OK:
+        if n > _left(&c):
+            c.p = c.end
+            _check(WIRE_EOF, &c, False, F_UNKNOWN, -1)
+        for i in range(n):
+            rc = _mp_str(&c, &s, &klen)
+            if rc == WIRE_NOT_INT:
+                raise WireError("map keys must be strings")
+            _check(rc, &c, False, F_UNKNOWN, -1)
+            fid = _field_id(s, klen)
+            if fid == F_MODEL:
+                model = _mp_str_value(&c, fid, False)
+            elif fid == F_TENANT:
+                tenant = _mp_str_value(&c, fid, True)
+            elif fid == F_BLOCK_SIZE:
+                block_size = _mp_block_size(&c)
+                have_bs = True
+            elif fid == vfid:
+                values = _mp_values(&c, by_hash, fid)
+            else:
+                _mp_skip_checked(&c)
+    elif rc == WIRE_NOT_INT:
+        rc = _mp_container(&c, 0x90, 0xdc, &n)
+        if rc == WIRE_NOT_INT:
+            raise WireError("expected a map or an array")
+        _check(rc, &c, False, F_UNKNOWN, -1)
+        if n > _left(&c):
+            c.p = c.end
+            _check(WIRE_EOF, &c, False, F_UNKNOWN, -1)
+        # positional form [model, block_size, values, tenant_id, <ignored>...]
+        if n < 1:
+            raise WireError("missing field `model`")
+        model = _mp_str_value(&c, F_MODEL, False)
+        if n < 2:
+            raise WireError("missing field `block_size`")
+        block_size = _mp_block_size(&c)
+        have_bs = True
+        if n < 3:
+            raise WireError(f"missing field `{_field_name(vfid)}`")
+        values = _mp_values(&c, by_hash, vfid)
+        if n >= 4:
+            tenant = _mp_str_value(&c, F_TENANT, True)
+        for i in range(4, n):
+            _mp_skip_checked(&c)
+    else:
+        _check(rc, &c, False, F_UNKNOWN, -1)
+    if c.p != c.end:
+        raise WireError("trailing data")
+    return _finish(model, block_size, have_bs, tenant, values, by_hash)
+
+
+def parse_query(body, bint msgpack, bint by_hash):
+    """Parse a /query (``by_hash=False``) or /query_by_hash body.
+
+    Returns ``(model, block_size, tenant_id, values)``: ``values`` is an
+    ``array('I')`` of token ids truncated to 32 bits, or an ``array('Q')`` of
+    block hashes. ``block_size`` defaults to 0 for /query_by_hash. Raises
+    :class:`WireError` on any malformed body.
+    """
+    if not PyBytes_Check(body):
+        body = bytes(body)          # JSON scanners need the NUL sentinel of bytes
+    cdef const uint8_t* buf = <const uint8_t*>PyBytes_AS_STRING(body)
+    cdef size_t size = <size_t>PyBytes_GET_SIZE(body)
+    if msgpack:
+        return _parse_msgpack(buf, size, by_hash)
+    return _parse_json(buf, size, by_hash)
+
+
+# =========================================================================================
+# Response encoding
+# =========================================================================================
+
+ctypedef struct wbuf:
+    char* data
+    size_t len
+    size_t cap
+
+
+cdef int _wb_reserve(wbuf* b, size_t extra) except -1:
+    cdef size_t cap
+    cdef char* d
+    if b.len + extra <= b.cap:
+        return 0
+    cap = b.cap * 2 if b.cap else 256
+    while cap < b.len + extra:
+        cap *= 2
+    d = <char*>realloc(b.data, cap)
+    if d == NULL:
+        raise MemoryError()
+    b.data = d
+    b.cap = cap
+    return 0
+
+
+cdef inline int _wb_raw(wbuf* b, const char* s, size_t n) except -1:
+    _wb_reserve(b, n)
+    memcpy(b.data + b.len, s, n)
+    b.len += n
+    return 0
+
+
+cdef inline int _wb_byte(wbuf* b, char ch) except -1:
+    _wb_reserve(b, 1)
+    b.data[b.len] = ch
+    b.len += 1
+    return 0
+
+
+cdef int _wb_dec(wbuf* b, uint64_t v) except -1:
+    cdef char tmp[24]
+    cdef int i = 24
+    while True:
+        i -= 1
+        tmp[i] = <char>(48 + v % 10)
+        v //= 10
+        if v == 0:
+            break
+    return _wb_raw(b, tmp + i, 24 - i)
+
+
+cdef const char* _HEX = b"0123456789abcdef"
+
+
+cdef int _wb_json_bytes(wbuf* b, const uint8_t* u, size_t n) except -1:
+    """A JSON string of UTF-8 bytes, escaped like msgspec."""
+    cdef size_t i
+    cdef uint8_t ch
+    cdef char* o
+    _wb_reserve(b, 6 * n + 2)
+    o = b.data + b.len
+    o[0] = b'"'
+    o += 1
+    for i in range(n):
+        ch = u[i]
+        if ch == 34 or ch == 92:
+            o[0] = b'\\'
+            o[1] = <char>ch
+            o += 2
+        elif ch >= 32:
+            o[0] = <char>ch
+            o += 1
+        elif ch == 10:
+            o[0] = b'\\'
+            o[1] = b'n'
+            o += 2
+        elif ch == 9:
+            o[0] = b'\\'
+            o[1] = b't'
+            o += 2
+        elif ch == 13:
+            o[0] = b'\\'
+            o[1] = b'r'
+            o += 2
+        elif ch == 8:
+            o[0] = b'\\'
+            o[1] = b'b'
+            o += 2
+        elif ch == 12:
+            o[0] = b'\\'
+            o[1] = b'f'
+            o += 2
+        else:
+            o[0] = b'\\'
+            o[1] = b'u'
+            o[2] = b'0'
+            o[3] = b'0'
+            o[4] = _HEX[ch >> 4]
+            o[5] = _HEX[ch & 15]
+            o += 6
+    o[0] = b'"'
+    o += 1
+    b.len = <size_t>(o - b.data)
+    return 0
+
+
+cdef int _wb_mp_str_bytes(wbuf* b, const char* u, size_t n) except -1:
+    _wb_reserve(b, n + 5)
+    cdef char* o = b.data + b.len
+    if n < 32:
+        o[0] = <char>(0xa0 | n)
+        o += 1
+    elif n < 256:
+        o[0] = <char>0xd9
+        o[1] = <char>n
+        o += 2
+    elif n < 65536:
+        o[0] = <char>0xda
+        o[1] = <char>(n >> 8)
+        o[2] = <char>n
+        o += 3
+    else:
+        o[0] = <char>0xdb
+        o[1] = <char>(n >> 24)
+        o[2] = <char>(n >> 16)
+        o[3] = <char>(n >> 8)
+        o[4] = <char>n
+        o += 5
+    memcpy(o, u, n)
+    b.len = <size_t>(o - b.data) + n
+    return 0
+
+
+cdef int _wb_str(wbuf* b, str s, bint mp) except -1:
+    cdef Py_ssize_t n
+    cdef const char* u = PyUnicode_AsUTF8AndSize(s, &n)
+    if mp:
+        return _wb_mp_str_bytes(b, u, <size_t>n)
+    return _wb_json_bytes(b, <const uint8_t*>u, <size_t>n)
+
+
+cdef int _wb_mp_uint(wbuf* b, uint64_t v) except -1:
+    _wb_reserve(b, 9)
+    cdef char* o = b.data + b.len
+    cdef int k
+    if v < 128:
+        o[0] = <char>v
+        b.len += 1
+    elif v < 256:
+        o[0] = <char>0xcc
+        o[1] = <char>v
+        b.len += 2
+    elif v < 65536:
+        o[0] = <char>0xcd
+        o[1] = <char>(v >> 8)
+        o[2] = <char>v
+        b.len += 3
+    elif v <= 0xFFFFFFFF:
+        o[0] = <char>0xce
+        o[1] = <char>(v >> 24)
+        o[2] = <char>(v >> 16)
+        o[3] = <char>(v >> 8)
+        o[4] = <char>v
+        b.len += 5
+    else:
+        o[0] = <char>0xcf
+        for k in range(8):
+            o[1 + k] = <char>(v >> (56 - 8 * k))
+        b.len += 9
+    return 0
+
+
+cdef int _wb_mp_map(wbuf* b, size_t n) except -1:
+    _wb_reserve(b, 5)
+    cdef char* o = b.data + b.len
+    if n < 16:
+        o[0] = <char>(0x80 | n)
+        b.len += 1
+    elif n < 65536:
+        o[0] = <char>0xde
+        o[1] = <char>(n >> 8)
+        o[2] = <char>n
+        b.len += 3
+    else:
+        o[0] = <char>0xdf
+        o[1] = <char>(n >> 24)
+        o[2] = <char>(n >> 16)
+        o[3] = <char>(n >> 8)
+        o[4] = <char>n
+        b.len += 5
+    return 0
+
+
+cdef int _wb_key(wbuf* b, const char* k, size_t n, bint mp) except -1:
+    """A literal ASCII key (no escaping needed) followed by ':' in JSON."""
+    if mp:
+        return _wb_mp_str_bytes(b, k, n)
+    _wb_reserve(b, n + 3)
+    b.data[b.len] = b'"'
+    memcpy(b.data + b.len + 1, k, n)
+    b.data[b.len + 1 + n] = b'"'
+    b.data[b.len + 2 + n] = b':'
+    b.len += n + 3
+    return 0
+
+
+cdef inline int _wb_uint(wbuf* b, uint64_t v, bint mp) except -1:
+    if mp:
+        return _wb_mp_uint(b, v)
+    return _wb_dec(b, v)
+
+
+cdef uint64_t _count(object x) except? 0xFFFFFFFFFFFFFFFF:
+    """A non-negative int as u64, saturating at 2^64-1."""
+    cdef unsigned long long v
+    if not PyLong_CheckExact(x):
+        x = _index(x)
+    v = PyLong_AsUnsignedLongLong(x)
+    if v == <unsigned long long>-1 and PyErr_Occurred() != NULL:
+        PyErr_Clear()
+        if x < 0:
+            raise ValueError(f"negative count {x!r} in query result")
+        return 0xFFFFFFFFFFFFFFFF
+    return v
+
+
+cdef inline uint64_t _sat_add(uint64_t a, uint64_t b) noexcept nogil:
+    cdef uint64_t s = a + b
+    return s if s >= a else 0xFFFFFFFFFFFFFFFF
+
+
+cdef inline uint64_t _sat_u32_mul(uint64_t a, uint64_t b) noexcept nogil:
+    """min(a * b, 2^32-1)."""
+    if a == 0 or b == 0:
+        return 0
+    if a > _U32_MAX or b > _U32_MAX:
+        return _U32_MAX
+    a = a * b
+    return a if a < _U32_MAX else _U32_MAX
+
+
+ctypedef struct hit_t:
+    Py_ssize_t next         # next hit of the same instance, -1 at the end
+    int64_t dp              # dp_rank (when dp_text is unused)
+    bint dp_text            # dp key comes from str(dp_rank) (not a plain int64)
+    bint dead               # replaced by a later hit with the same (instance, dp key)
+    uint32_t matched, npu, cpu, disk
+
+
+ctypedef struct inst_t:
+    Py_ssize_t first, last
+    Py_ssize_t ndp
+    uint32_t longest
+
+
+cdef int _wb_dp_key(wbuf* b, const hit_t* h, Py_ssize_t i, dict dp_texts, bint mp) except -1:
+    cdef char tmp[24]
+    cdef int k = 24
+    cdef uint64_t v = 0
+    cdef bint neg = False
+    if h.dp_text:
+        return _wb_str(b, dp_texts[i], mp)
+    neg = h.dp < 0
+    v = <uint64_t>0 - <uint64_t>h.dp if neg else <uint64_t>h.dp
+    while True:
+        k -= 1
+        tmp[k] = <char>(48 + v % 10)
+        v //= 10
+        if v == 0:
+            break
+    if neg:
+        k -= 1
+        tmp[k] = b'-'
+    if mp:
+        return _wb_mp_str_bytes(b, tmp + k, 24 - k)
+    _wb_reserve(b, 24 - k + 2)
+    b.data[b.len] = b'"'
+    memcpy(b.data + b.len + 1, tmp + k, 24 - k)
+    b.data[b.len + 1 + 24 - k] = b'"'
+    b.len += 24 - k + 2
+    return 0
+
+
+cdef object _dp_key(hit_t* h, object dp_rank):
+    """Fill h.dp / h.dp_text for ``str(dp_rank)``; return the dedup key (int or str)."""
+    cdef int ovf = 0
+    cdef long long v
+    if PyLong_CheckExact(dp_rank):
+        v = PyLong_AsLongLongAndOverflow(dp_rank, &ovf)
+        if ovf == 0:
+            h.dp = v
+            h.dp_text = False
+            return dp_rank
+    text = str(dp_rank)
+    if not PyLong_CheckExact(dp_rank):
+        # an int-like object whose str() is the canonical decimal is the same key
+        try:
+            x = int(text)
+        except ValueError:
+            x = None
+        if x is not None and str(x) == text:
+            return _dp_key(h, x)
+    h.dp = 0
+    h.dp_text = True
+    return text
+
+
+cdef int _write_result(wbuf* b, list hits, str tenant, uint64_t bs, bint mp) except -1:
+    cdef Py_ssize_t nh = len(hits), i, j, ni = 0, g
+    cdef hit_t* hv = NULL
+    cdef inst_t* iv = NULL
+    cdef hit_t* h
+    cdef inst_t* ins
+    cdef uint64_t npu, cpu, disk, dpv
+    cdef dict inst_ids = {}
+    cdef dict dp_seen = {}
+    cdef dict dp_texts = {}
+    cdef list names = []
+    cdef bint first
+    try:
+        hv = <hit_t*>malloc(sizeof(hit_t) * (nh if nh else 1))
+        iv = <inst_t*>malloc(sizeof(inst_t) * (nh if nh else 1))
+        if hv == NULL or iv == NULL:
+            raise MemoryError()
+        for i in range(nh):
+            inst_id, dp_rank, n_, c_, d_ = hits[i]
+            if not isinstance(inst_id, str):
+                raise TypeError(f"instance_id must be a str, not {type(inst_id).__name__}")
+            h = &hv[i]
+            npu = _count(n_)
+            cpu = _count(c_)
+            disk = _count(d_)
+            h.npu = <uint32_t>(npu if npu < _U32_MAX else _U32_MAX)
+            h.cpu = <uint32_t>(cpu if cpu < _U32_MAX else _U32_MAX)
+            h.disk = <uint32_t>(disk if disk < _U32_MAX else _U32_MAX)
+            h.matched = <uint32_t>_sat_u32_mul(_sat_add(_sat_add(npu, cpu), disk), bs)
+            h.next = -1
+            h.dead = False
+            h.dp_text = False
+            dkey = _dp_key(h, dp_rank)
+            if h.dp_text:
+                dp_texts[i] = dkey
+            gobj = inst_ids.get(inst_id)
+            if gobj is None:
+                g = ni
+                ni += 1
+                inst_ids[inst_id] = g
+                names.append(inst_id)
+                ins = &iv[g]
+                ins.first = i
+                ins.last = i
+                ins.ndp = 1
+                ins.longest = h.matched
+                dp_seen[(g, dkey)] = i
+                continue
+            g = gobj
+            ins = &iv[g]
+            if h.matched > ins.longest:
+                ins.longest = h.matched
+            key = (g, dkey)
+            j = dp_seen.get(key, -1)
+            if j >= 0:
+                # same DP key again: the value replaces the earlier one in place
+                hv[j].matched = h.matched
+                hv[j].npu = h.npu
+                hv[j].cpu = h.cpu
+                hv[j].disk = h.disk
+                h.dead = True
+                continue
+            dp_seen[key] = i
+            hv[ins.last].next = i
+            ins.last = i
+            ins.ndp += 1
+        # -- write {tenant: {instance: {"longest_matched": n, "DP": {dp: {...}}}}}
+        if mp:
+            _wb_mp_map(b, 1)
+            _wb_str(b, tenant, True)
+            _wb_mp_map(b, <size_t>ni)
+        else:
+            _wb_byte(b, b'{')
+            _wb_str(b, tenant, False)
+            _wb_raw(b, b":{", 2)
+        for g in range(ni):
+            ins = &iv[g]
+            if not mp and g:
+                _wb_byte(b, b',')
+            _wb_str(b, names[g], mp)
+            if mp:
+                _wb_mp_map(b, 2)
+            else:
+                _wb_raw(b, b":{", 2)
+            _wb_key(b, b"longest_matched", 15, mp)
+            _wb_uint(b, ins.longest, mp)
+            if mp:
+                _wb_key(b, b"DP", 2, True)
+                _wb_mp_map(b, <size_t>ins.ndp)
+            else:
+                _wb_raw(b, b",\"DP\":{", 7)
+            i = ins.first
+            first = True
+            while i >= 0:
+                h = &hv[i]
+                if not first and not mp:
+                    _wb_byte(b, b',')
+                first = False
+                _wb_dp_key(b, h, i, dp_texts, mp)
+                if mp:
+                    _wb_mp_map(b, 4)
+                    _wb_key(b, b"matched_tokens", 14, True)
+                    _wb_mp_uint(b, h.matched)
+                    _wb_key(b, b"npu_blocks", 10, True)
+                    _wb_mp_uint(b, h.npu)
+                    _wb_key(b, b"cpu_blocks", 10, True)
+                    _wb_mp_uint(b, h.cpu)
+                    _wb_key(b, b"disk_blocks", 11, True)
+                    _wb_mp_uint(b, h.disk)
+                else:
+                    _wb_raw(b, b":{\"matched_tokens\":", 19)
+                    _wb_dec(b, h.matched)
+                    _wb_raw(b, b",\"npu_blocks\":", 14)
+                    _wb_dec(b, h.npu)
+                    _wb_raw(b, b",\"cpu_blocks\":", 14)
+                    _wb_dec(b, h.cpu)
+                    _wb_raw(b, b",\"disk_blocks\":", 15)
+                    _wb_dec(b, h.disk)
+                    _wb_byte(b, b'}')
+                i = h.next
+            if not mp:
+                _wb_raw(b, b"}}", 2)
+        if not mp:
+            _wb_raw(b, b"}}", 2)
+    finally:
+        free(hv)
+        free(iv)
+    return 0
+
+
+def encode_result(hits, str tenant not None, block_size, bint msgpack):
+    """``QueryResult(hits).to_dict(tenant, block_size)`` as JSON or MessagePack bytes.
+
+    ``hits``: sequence of ``(instance_id, dp_rank, npu_blocks, cpu_blocks,
+    disk_blocks)`` tuples (``DpHit`` works). Instances appear in first-seen
+    order with their DPs in hit order; counts saturate at 2^32-1.
+    """
+    cdef wbuf b
+    cdef uint64_t bs = _count(block_size)
+    if not isinstance(hits, list):
+        hits = list(hits)
+    b.data = NULL
+    b.len = 0
+    b.cap = 0
+    try:
+        _wb_reserve(&b, 64 + 160 * <size_t>len(hits))
+        _write_result(&b, hits, tenant, bs, msgpack)
+        return PyBytes_FromStringAndSize(b.data, <Py_ssize_t>b.len)
+    finally:
+        free(b.data)
+
+
+def encode_error(str message not None, bint msgpack):
+    """``{"error": message}`` as JSON or MessagePack bytes."""
+    cdef wbuf b
+    b.data = NULL
+    b.len = 0
+    b.cap = 0
+    try:
+        if msgpack:
+            _wb_mp_map(&b, 1)
+            _wb_key(&b, b"error", 5, True)
+            _wb_str(&b, message, True)
+        else:
+            _wb_raw(&b, b"{\"error\":", 9)
+            _wb_str(&b, message, False)
+            _wb_byte(&b, b'}')
+        return PyBytes_FromStringAndSize(b.data, <Py_ssize_t>b.len)
+    finally:
+        free(b.data)
