@@ -2,7 +2,8 @@
 
 Pre-encodes realistic vLLM >= 0.24 batches (map events, uint64 hashes, ~32
 blocks per BlockStored, two stores per scheduler step plus an occasional
-eviction), pushes them from a PUB socket as fast as possible, and measures
+eviction), pushes them from a PUB socket in a separate process (as a real engine
+would) as fast as possible, and measures
 how many blocks per second the ingest thread decodes, hashes and applies
 (median of several runs, each with fresh chains). Then it leaves the thread
 idle for a few seconds and reports the CPU time the ingest thread used.
@@ -12,6 +13,7 @@ idle for a few seconds and reports the CPU time the ingest thread used.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import random
 import statistics
@@ -98,59 +100,77 @@ def thread_cpu(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | None, idle_s: float):
+def _publisher(conn, bs: int, batches: int, runs: int, blocks_per_event: int) -> None:
+    """The engine side, in its own process (as a real engine is): PUB + payloads."""
     rng = random.Random(bs)
     payload_sets = [make_batches(batches, bs, blocks_per_event, rng) for _ in range(runs + 1)]
-    zctx = zmq.Context.instance()
+    zctx = zmq.Context()
     pub = zctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
+    conn.send((port, [b for _, b in payload_sets]))
+    seq = 0
+    while True:
+        cmd = conn.recv()
+        if cmd == "stop":
+            break
+        if cmd == "warm":
+            pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"),
+                                msgspec.msgpack.encode([time.time(), [], 0])])
+            seq += 1
+            conn.send(seq - 1)
+            continue
+        payloads = payload_sets[cmd][0]
+        for p in payloads:
+            pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), p])
+            seq += 1
+        conn.send(seq - 1)
+    pub.close(linger=0)
+    zctx.term()
+
+
+def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | None, idle_s: float):
+    parent, child = mp.Pipe()
+    proc = mp.Process(target=_publisher, args=(child, bs, batches, runs, blocks_per_event))
+    proc.start()
+    port, blocks_per_set = parent.recv()
     url = f"tcp://127.0.0.1:{port}"
     conductor = Conductor(impl)
-    thread = IngestThread(zctx)
+    thread = IngestThread(zmq.Context.instance())
     thread.start()
     mgr = thread.call(lambda: SubscriptionManager(thread, conductor))
     ctx = SubscriberContext(instance_id=IID, dp_rank=0, url=url, model="bench", tenant="default",
                             block_size=bs, default_media=(Medium.NPU,))
     thread.call(mgr.subscribe, ctx)
     tid = thread.call(threading.get_native_id)
-    seq = 0
 
     def src():
         return thread.call(mgr.sources)[0]
 
-    def send(payload):
-        nonlocal seq
-        pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), payload])
-        seq += 1
-
     # slow joiner: warm up until the subscription is live and receiving
     deadline = time.monotonic() + 30
     while src()["batches"] == 0:
-        send(msgspec.msgpack.encode([time.time(), [], 0]))
+        parent.send("warm")
+        parent.recv()
         time.sleep(0.02)
         if time.monotonic() > deadline:
             raise SystemExit("subscriber never connected")
     # one untimed run to warm caches, then the timed ones
     rates, cpu_per_block = [], []
-    for r, (payloads, blocks) in enumerate(payload_sets):
-        target = seq + len(payloads) - 1
+    for r in range(runs + 1):
         c0 = thread_cpu(tid)
         t0 = time.perf_counter()
-        for p in payloads:
-            send(p)
-        while True:
-            s = src()
-            if s["last_seq"] == target:
-                break
-            time.sleep(0.001)
+        parent.send(r)
+        target = parent.recv()
+        while src()["last_seq"] != target:
+            time.sleep(0.002)
         dt = time.perf_counter() - t0
         c1 = thread_cpu(tid)
         if r == 0:
             continue
-        rates.append(blocks / dt)
-        cpu_per_block.append((c1 - c0) / blocks)
+        rates.append(blocks_per_set[r] / dt)
+        cpu_per_block.append((c1 - c0) / blocks_per_set[r])
     s = src()
     assert s["gaps"] == 0, s
     time.sleep(0.5)
@@ -160,10 +180,11 @@ def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | Non
     summary = conductor.indexes[("bench", "default")].summary()
     thread.call(mgr.close)
     thread.stop()
-    pub.close(linger=0)
+    parent.send("stop")
+    proc.join(10)
     impl_name = type(conductor.indexes[("bench", "default")].core).__module__
     return {
-        "bs": bs, "impl": impl_name, "batches": batches, "blocks/run": payload_sets[0][1],
+        "bs": bs, "impl": impl_name, "batches": batches, "blocks/run": blocks_per_set[0],
         "median": statistics.median(rates), "min": min(rates), "max": max(rates),
         "us_cpu_per_block": 1e6 * statistics.median(cpu_per_block),
         "idle_cpu": idle_cpu, "idle_wall": idle_wall, "dropped": s["dropped"],

@@ -213,14 +213,12 @@ def main() -> None:
         rows.append(("4k queries while 1M queries run", f"{rps2:,.0f} req/s", f"p50 {p50b:.3f} ms",
                      f"p99 {p99b:.3f} ms", f"1M queries: {len(bigl)}"))
         if not args.skip_rss:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             before = rss_kb(proc.pid)
             pairs = 0
             for w in range(1, 64):
                 inst = f"vllm-prefill-{w // 8 + 1}"
-                if w % 8 == 0 or w < 8:
-                    register(conn, inst, w % 8)
-                else:
-                    register(conn, inst, w % 8)
+                register(conn, inst, w % 8)
                 toks = tokens(16_000 * BLOCK, 1000 + w)
                 load_chain(conn, inst, w % 8, toks, (w + 1) << 40)
                 pairs += 16_000
