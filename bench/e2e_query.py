@@ -137,7 +137,7 @@ def time_query(port, body, ctype, runs) -> tuple[float, float, float | None, int
 
 def _load_worker(port, body, ctype, seconds, q):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    lat = []
+    lat, srv = [], []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
@@ -145,21 +145,28 @@ def _load_worker(port, body, ctype, seconds, q):
         r = conn.getresponse()
         r.read()
         lat.append((time.perf_counter() - t0) * 1e3)
-    q.put(lat)
+        ms = server_ms(r.getheader("Server-Timing"))
+        if ms is not None:
+            srv.append(ms)
+    q.put((lat, srv))
 
 
-def load(port, body, ctype, conns, seconds) -> tuple[float, float, float]:
+def load(port, body, ctype, conns, seconds) -> tuple[float, float, float, float]:
     q = mp.Queue()
     ps = [mp.Process(target=_load_worker, args=(port, body, ctype, seconds, q)) for _ in range(conns)]
     for p in ps:
         p.start()
-    lat = []
+    lat, srv = [], []
     for _ in ps:
-        lat.extend(q.get())
+        a, b = q.get()
+        lat.extend(a)
+        srv.extend(b)
     for p in ps:
         p.join()
     lat.sort()
-    return (len(lat) / seconds, lat[len(lat) // 2], lat[int(len(lat) * 0.99)])
+    srv.sort()
+    srv99 = srv[int(len(srv) * 0.99)] if srv else float("nan")
+    return (len(lat) / seconds, lat[len(lat) // 2], lat[int(len(lat) * 0.99)], srv99)
 
 
 def rss_kb(pid: int) -> int:
@@ -195,9 +202,9 @@ def main() -> None:
                              f"best {best:.3f} ms", f"server {srv:.3f} ms" if srv else "-",
                              f"body {len(body):,} B"))
         b4 = bodies(doc[:4096])["msgpack"]
-        rps, p50, p99 = load(port, b4[0], b4[1], 4, args.seconds)
+        rps, p50, p99, s99 = load(port, b4[0], b4[1], 4, args.seconds)
         rows.append(("4k full hit, 4 conns (msgpack)", f"{rps:,.0f} req/s", f"p50 {p50:.3f} ms",
-                     f"p99 {p99:.3f} ms", ""))
+                     f"p99 {p99:.3f} ms", f"server p99 {s99:.3f} ms"))
         b32 = bodies(doc[:32768])["msgpack"]
         med, best, srv, _ = time_query(port, b32[0], b32[1], 50)
         rows.append(("32k full hit round trip (msgpack)", f"{med:.3f} ms", f"best {best:.3f} ms",
@@ -207,11 +214,11 @@ def main() -> None:
         q = mp.Queue()
         bigp = mp.Process(target=_load_worker, args=(port, big[0], big[1], args.seconds, q))
         bigp.start()
-        rps2, p50b, p99b = load(port, b4[0], b4[1], 2, args.seconds)
-        bigl = q.get()
+        rps2, p50b, p99b, s99b = load(port, b4[0], b4[1], 2, args.seconds)
+        bigl, _ = q.get()
         bigp.join()
         rows.append(("4k queries while 1M queries run", f"{rps2:,.0f} req/s", f"p50 {p50b:.3f} ms",
-                     f"p99 {p99b:.3f} ms", f"1M queries: {len(bigl)}"))
+                     f"p99 {p99b:.3f} ms", f"server p99 {s99b:.3f} ms; 1M queries: {len(bigl)}"))
         if not args.skip_rss:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             before = rss_kb(proc.pid)
