@@ -34,7 +34,7 @@ from kvconductor._py import tree as py_tree  # noqa: E402
 
 U64_MAX = 2**64 - 1
 
-SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None,
+SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 # Engine hashes include 0 and 2**64-1 (sentinel-prone values in C hash maps).
@@ -82,7 +82,11 @@ def outcome(fn, *args):
 
 
 class _Pair(RuleBasedStateMachine):
-    """Calls the same method on ``self.c`` and ``self.py`` and compares."""
+    """Calls the same method on ``self.c`` and ``self.py`` and compares.
+
+    NOTE: Hypothesis orders rules by name and favours the first one while
+    generating; destructive rules (clear) get names that do not sort first.
+    """
 
     c = py = None
 
@@ -196,7 +200,7 @@ class TreeMachine(_Pair):
                                                       max_size=3)))
 
     @rule(w=TREE_WORKERS)
-    def clear(self, w):
+    def worker_cleared(self, w):
         self.both("clear", w)
 
     @rule(q=QUERY, b=BUF)
@@ -267,7 +271,7 @@ class LowerMachine(_Pair):
                                                       max_size=3)))
 
     @rule(w=LOWER_WORKERS)
-    def clear(self, w):
+    def worker_cleared(self, w):
         self.both("clear", w)
 
     @rule(w=LOWER_WORKERS, q=QUERY, start=st.integers(0, 4), parent=PARENT, b=BUF)
@@ -303,7 +307,8 @@ TestLowerDifferential.settings = SETTINGS
 # 8 workers, 4 groups, all three tiers: (group, tier)
 CORE_WORKERS = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 1), (2, 2), (3, 0)]
 CORE_W = st.integers(0, len(CORE_WORKERS) - 1)
-TTL = st.sampled_from([0.0, 1.0, 2.0, 5.0, 1000.0])
+# each TTL is long half the time so that one kind expires while the others survive
+TTL = st.one_of(st.just(1000.0), st.sampled_from([0.0, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]))
 
 
 class CoreMachine(_Pair):
@@ -362,8 +367,11 @@ class CoreMachine(_Pair):
         if held:
             self.both(op, w, data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3)))
 
-    @rule(w=CORE_W)
-    def clear(self, w):
+    @rule(w=CORE_W, data=st.data(), a_waiter=st.booleans())
+    def worker_cleared(self, w, data, a_waiter):
+        pairs = self.waiters()
+        if a_waiter and pairs:
+            w = data.draw(st.sampled_from(pairs))[1]
         self.both("clear", w)
 
     # two-phase
@@ -408,9 +416,44 @@ class CoreMachine(_Pair):
             self.both("pool_store", w, data.draw(st.lists(st.sampled_from(held), min_size=1,
                                                           max_size=3)), self.now)
 
-    @rule(pending=TTL, content=TTL, offload=TTL)
-    def sweep(self, pending, content, offload):
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.0]), pending=TTL, content=TTL, offload=TTL)
+    def maintenance(self, dt, pending, content, offload):
+        self.now += dt
         self.both("sweep", self.now, pending, content, offload)
+
+    @rule(data=st.data(), kind=st.sampled_from(["pending", "content", "offload"]),
+          d=st.sampled_from([-0.25, 0.0, 0.25]))
+    def sweep_at_an_age(self, data, kind, d):
+        # a TTL at (or just around) the age of an existing entry of one kind
+        if kind == "pending":
+            times = [t for waiters in self.py._pending.values() for t in waiters.values()]
+        else:
+            times = [t for _, _, t in getattr(self.py, "_" + kind).values()]
+        if not times:
+            return
+        ttl = self.now - data.draw(st.sampled_from(sorted(times))) + d
+        ttls = {"pending": 1000.0, "content": 1000.0, "offload": 1000.0, kind: ttl}
+        self.both("sweep", self.now, ttls["pending"], ttls["content"], ttls["offload"])
+
+    def waiters(self):
+        return sorted((h, w) for h, ws in self.py._pending.items() for w in ws)
+
+    @rule(data=st.data(), w=st.one_of(st.none(), CORE_W), local=LOCAL)
+    def store_pending_hash(self, data, w, local):
+        # a hash somebody waits for shows up in a tier through a direct store
+        # (of the waiter itself when w is None)
+        pairs = self.waiters()
+        if pairs:
+            h, waiter = data.draw(st.sampled_from(pairs))
+            self.both("store", waiter if w is None else w, None, [h], [local])
+
+    @rule(data=st.data())
+    def evict_by_waiter(self, data):
+        # the waiter's own removal of a hash it waits for
+        pairs = self.waiters()
+        if pairs:
+            h, w = data.draw(st.sampled_from(pairs))
+            self.both("evict", w, [h])
 
     # queries
     @rule(q=QUERY, b=BUF)

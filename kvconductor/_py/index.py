@@ -137,7 +137,7 @@ class CoreIndex:
 
     def store_tokens(self, worker: int, parent: int | None, engine_hashes, tokens,
                      block_size: int, seed: int = 1337) -> int:
-        """:meth:`store` with local hashes computed from ``tokens`` (trailing partial block included)."""
+        """:meth:`store` with local hashes of ``tokens`` (trailing partial block included)."""
         locs = list(hash_blocks(tokens, block_size, seed))
         return self.store(worker, parent, engine_hashes, locs)
 
@@ -161,7 +161,7 @@ class CoreIndex:
 
     # -- two-phase -------------------------------------------------------------------------
     def offload(self, engine_hashes, local_hashes, parent: int | None, now: float) -> int:
-        """Phase 1 (one non-HBM engine BlockStored); returns the (worker, block) stores applied."""
+        """Phase 1 (one non-HBM engine BlockStored); returns the (worker, block) stores done."""
         seqs, locs, p = u64_list(engine_hashes), u64_list(local_hashes), u64_or_none(parent)
         now = float(now)
         with self._lock:
@@ -180,7 +180,7 @@ class CoreIndex:
             return applied
 
     def pool_store(self, worker: int, engine_hashes, now: float) -> tuple[int, int]:
-        """Phase 2 (the pool confirms ``engine_hashes`` for ``worker``); returns (applied, queued)."""
+        """Phase 2: the pool confirms ``engine_hashes`` for ``worker``; (applied, queued)."""
         hs = u64_list(engine_hashes)
         now = float(now)
         with self._lock:
@@ -229,7 +229,7 @@ class CoreIndex:
             return removed
 
     def sweep(self, now: float, pending_ttl: float, content_ttl: float, offload_ttl: float) -> int:
-        """Drop two-phase entries with ``now - t >= ttl``; plus the tree sweep. Returns the total."""
+        """Drop two-phase entries aged ``>= ttl``, then the tree sweep; returns the total."""
         with self._lock:
             removed = 0
             for h in [h for h, (_, _, t) in self._offload.items() if now - t >= offload_ttl]:
@@ -256,7 +256,7 @@ class CoreIndex:
 
     def match_tokens(self, tokens, block_size: int, seed: int = 1337
                      ) -> list[tuple[int, int, int, int]]:
-        """:meth:`match` over the LocalBlockHashes of ``tokens``; ``block_size`` 0 matches nothing."""
+        """:meth:`match` over the LocalBlockHashes of ``tokens``; block_size 0 matches nothing."""
         return self.match(list(hash_blocks(tokens, block_size, seed)))
 
     def worker_blocks(self, worker: int) -> int:
