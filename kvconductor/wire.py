@@ -32,6 +32,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from kvconductor.index import QueryResult
 from kvconductor.schema import I64_MAX, I64_MIN, U32, U32_MAX
 
 __all__ = [
@@ -161,22 +162,7 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool) -> tuple[str, int,
 
 
 def _result_dict(hits: Sequence, tenant: str, block_size: int) -> dict:
-    # NOTE: mirrors kvconductor.index.QueryResult.to_dict without importing the index.
-    out: dict = {}
-    for h in hits:
-        matched = min((h.npu_blocks + h.cpu_blocks + h.disk_blocks) * block_size, U32_MAX)
-        inst = out.get(h.instance_id)
-        if inst is None:
-            inst = out[h.instance_id] = {"longest_matched": 0, "DP": {}}
-        inst["DP"][str(h.dp_rank)] = {
-            "matched_tokens": matched,
-            "npu_blocks": min(h.npu_blocks, U32_MAX),
-            "cpu_blocks": min(h.cpu_blocks, U32_MAX),
-            "disk_blocks": min(h.disk_blocks, U32_MAX),
-        }
-        if matched > inst["longest_matched"]:
-            inst["longest_matched"] = matched
-    return {tenant: out}
+    return QueryResult(list(hits)).to_dict(tenant, block_size)
 
 
 def py_encode_result(hits: Sequence, tenant: str, block_size: int, msgpack: bool) -> bytes:

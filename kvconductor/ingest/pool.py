@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kvconductor.ingest.vllm import MASK64, DecodeError, Dropped, parse_hash_str
+from kvconductor.ingest.vllm import DecodeError, Dropped, int_hash, parse_hash_str
 
 _ANY_DEC = msgspec.msgpack.Decoder()
 
@@ -30,13 +30,7 @@ def flex_hash(h: Any) -> int:
     Raises ValueError ("hash bytes too long", "invalid hash ...") or TypeError.
     """
     if type(h) is int:
-        if h < 0:
-            if h < -(1 << 63):
-                raise ValueError(f"hash {h} below int64")
-            return h & MASK64
-        if h > MASK64:
-            raise ValueError(f"hash {h} above u64")
-        return h
+        return int_hash(h)
     if isinstance(h, (bytes, bytearray, memoryview)):
         b = bytes(h)
         if len(b) > 8:

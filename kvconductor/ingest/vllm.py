@@ -148,6 +148,17 @@ def parse_hash_str(s: str) -> int:
     raise ValueError(f"invalid hash {s[:40]!r}: expected u64, hex, or 0x-prefixed")
 
 
+def int_hash(h: int) -> int:
+    """An integer hash as u64: negative i64 -> two's complement (contract 10.4)."""
+    if h < 0:
+        if h < -(1 << 63):
+            raise ValueError(f"hash {h} below int64")
+        return h & MASK64
+    if h > MASK64:
+        raise ValueError(f"hash {h} above u64")
+    return h
+
+
 def engine_hash(h: Any) -> int:
     """vLLM/SGLang block hash -> u64 (contract 4.3 with the 10.4 fixes).
 
@@ -157,13 +168,7 @@ def engine_hash(h: Any) -> int:
     Raises ValueError/TypeError otherwise (nil, floats, bools, maps, ...).
     """
     if type(h) is int:
-        if h < 0:
-            if h < -(1 << 63):
-                raise ValueError(f"hash {h} below int64")
-            return h & MASK64
-        if h > MASK64:
-            raise ValueError(f"hash {h} above u64")
-        return h
+        return int_hash(h)
     if isinstance(h, (bytes, bytearray, memoryview)):
         b = bytes(h)
         if not b:
