@@ -1,7 +1,8 @@
 """Build script: the explicit list of compiled modules and their directives.
 
 Only the index (``_tree``, ``_lower``, ``_index``), the block hasher (``_hash``)
-and the hot wire parsers (``_wire``) are compiled. Everything else (Falcon app,
+and the hot parsers (``_wire`` for query bodies, ``_ingest`` for vLLM event
+batches) are compiled. Everything else (Falcon app,
 registry, ingest glue) stays plain Python on purpose.
 
 ``KVC_DEBUG=1`` turns bounds checks back on, builds with ``-O0 -g`` and
@@ -27,7 +28,7 @@ DIRECTIVES = {
 CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 CFLAGS += ["-Wno-unused-function", "-Wno-unreachable-code"]
 
-MODULES = ["_hash", "_tree", "_lower", "_index", "_wire"]
+MODULES = ["_hash", "_tree", "_lower", "_index", "_wire", "_ingest"]
 
 
 def _ext(name):
@@ -41,7 +42,7 @@ def _ext(name):
 
 setup(
     ext_modules=cythonize(
-        [_ext(m) for m in MODULES if os.path.exists(f"kvconductor/{m}.pyx")],
+        [_ext(m) for m in MODULES],
         compiler_directives=DIRECTIVES,
         force=DEBUG,
         nthreads=0,

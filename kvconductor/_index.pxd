@@ -24,6 +24,22 @@ cdef struct BP:
     uint64_t last               # engine hash of the last block covered
 
 
+cdef enum:
+    OP_STORE = 0                # store a chain (``_store_c``)
+    OP_EVICT = 1                # removal with the two-phase rule (``evict``)
+    OP_CLEAR = 2                # clear every worker of the ``clear`` list (``clear``)
+
+cdef struct BatchOp:
+    const uint64_t* seqs        # engine hashes (STORE, EVICT)
+    const uint64_t* locals      # LocalBlockHashes (STORE)
+    size_t n                    # number of hashes
+    uint64_t parent             # parent engine hash (STORE, when has_parent)
+    uint32_t worker             # target worker id (STORE, EVICT); validated by the caller
+    uint8_t kind                # OP_*
+    uint8_t has_parent
+    long rc                     # out: like the Python method's result; T_ERR_* (< 0) for STORE
+
+
 cdef struct Scratch:
     size_t W                    # worker-indexed capacity
     uint32_t* hw                # tree results: worker
@@ -67,6 +83,12 @@ cdef class CoreIndex:
     cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
                        const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
     cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs, size_t n) noexcept nogil
+    cdef long _clear_c(self, uint32_t worker) noexcept nogil
+    cdef long _evict_w(self, uint32_t worker, const uint64_t* hs, size_t n) noexcept nogil
+    # Apply ``ops`` in order under ONE write lock (the caller validated every worker id
+    # with ``_tier`` and holds no lock); OP_CLEAR clears each of ``clear[0:nclear]``.
+    cdef void _apply_ops(self, BatchOp* ops, size_t n, const uint32_t* clear,
+                         size_t nclear) noexcept nogil
     cdef uint32_t _new_rec(self, uint64_t local, bint hp, uint64_t parent, double t) noexcept nogil
     cdef void _free_rec(self, uint32_t r) noexcept nogil
     cdef int _put_rec(self, U64Map* m, uint64_t h, uint64_t local, bint hp, uint64_t parent,

@@ -257,19 +257,50 @@ cdef class CoreIndex:
             pthread_rwlock_unlock(&self.lock)
         return rc
 
+    cdef long _clear_c(self, uint32_t worker) noexcept nogil:
+        cdef int tier = self.wtier[worker]
+        cdef long rc
+        if tier == 0:
+            rc = tree_clear(&self.tree, worker)
+        else:
+            rc = lower_clear(&self.tiers[tier - 1], worker)
+        self._drop_waits(worker, 0.0, -1.0)
+        return rc
+
     def clear(self, uint32_t worker):
         """Drop every block of ``worker`` and its pending waits; returns blocks removed."""
-        cdef int tier = self._tier(worker)
+        self._tier(worker)
         cdef long rc
         with nogil:
             pthread_rwlock_wrlock(&self.lock)
-            if tier == 0:
-                rc = tree_clear(&self.tree, worker)
-            else:
-                rc = lower_clear(&self.tiers[tier - 1], worker)
-            self._drop_waits(worker, 0.0, -1.0)
+            rc = self._clear_c(worker)
             pthread_rwlock_unlock(&self.lock)
         return rc
+
+    cdef void _apply_ops(self, BatchOp* ops, size_t n, const uint32_t* clear,
+                         size_t nclear) noexcept nogil:
+        """A batch of stores/evictions/clears under one write lock (the ingest fast path).
+
+        Each op does exactly what the matching Python method does inside its lock
+        (``store``/``store_tokens``, ``evict``, ``clear`` per worker), so a batch
+        equals that sequence of calls; ``ops[i].rc`` gets the method's result."""
+        cdef size_t i, k
+        cdef BatchOp* op
+        cdef long rc
+        pthread_rwlock_wrlock(&self.lock)
+        for i in range(n):
+            op = &ops[i]
+            if op.kind == OP_STORE:
+                op.rc = self._store_c(op.worker, self.wtier[op.worker], op.has_parent != 0,
+                                      op.parent, op.seqs, op.locals, op.n)
+            elif op.kind == OP_EVICT:
+                op.rc = self._evict_w(op.worker, op.seqs, op.n)
+            else:
+                rc = 0
+                for k in range(nclear):
+                    rc += self._clear_c(clear[k])
+                op.rc = rc
+        pthread_rwlock_unlock(&self.lock)
 
     # -- two-phase records ---------------------------------------------------------------------
     cdef uint32_t _new_rec(self, uint64_t local, bint hp, uint64_t parent, double t) noexcept nogil:
@@ -531,7 +562,7 @@ cdef class CoreIndex:
 
     def evict(self, uint32_t worker, engine_hashes):
         """Removal with the two-phase rule; returns index removals performed."""
-        cdef int tier = self._tier(worker)
+        self._tier(worker)
         cdef const uint64_t[::1] sv = as_u64(engine_hashes)
         cdef size_t n = sv.shape[0]
         cdef long rc = 0
@@ -539,12 +570,15 @@ cdef class CoreIndex:
             return 0
         with nogil:
             pthread_rwlock_wrlock(&self.lock)
-            if tier == 0:
-                rc = tree_remove(&self.tree, worker, &sv[0], n)
-            else:
-                rc = self._evict_c(worker, tier, &sv[0], n)
+            rc = self._evict_w(worker, &sv[0], n)
             pthread_rwlock_unlock(&self.lock)
         return rc
+
+    cdef long _evict_w(self, uint32_t worker, const uint64_t* hs, size_t n) noexcept nogil:
+        cdef int tier = self.wtier[worker]
+        if tier == 0:
+            return tree_remove(&self.tree, worker, hs, n)
+        return self._evict_c(worker, tier, hs, n)
 
     cdef long _evict_c(self, uint32_t worker, int tier, const uint64_t* hs, size_t n) noexcept nogil:
         cdef size_t i

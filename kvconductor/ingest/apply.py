@@ -25,15 +25,27 @@ Routing (deviations from the reference are marked FIX):
   a pool never holds HBM blocks). Index = the event's ``model_name``/``tenant_id``
   if present, else (FIX 10.1 #11, IpOnly only) the resolved instance's registered
   model/tenant via ``conductor.instance_info``, else the subscription's.
+
+Compiled fast path (HBM subscriptions, ``kvconductor._ingest.FastBatch``): a
+vLLM/SGLang batch whose every event the fast path handles (HBM medium, ASCII
+LoRA name / attention kind, int or bin hashes, plain envelope) is parsed, hashed
+and applied in C under one write lock, with the same results, counters and
+``touched`` keys as the code below; anything else returns -1 from ``parse``
+before any mutation and takes the general path. ``KVCONDUCTOR_INGEST=py`` (or
+``Applier(..., fast=False)``) turns it off.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
+import weakref
 from array import array
 from typing import Any
 
 import msgspec
+
+import kvconductor
 
 from kvconductor._hash import hash_blocks, lora_seed
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
@@ -48,6 +60,15 @@ from kvconductor.keys import Medium, WorkerKey, parse_medium
 log = logging.getLogger("kvconductor.ingest")
 
 DEFAULT_SEED = 1337
+
+_FastBatch: Any = None
+_CCore: Any = None
+if kvconductor.is_available() and os.environ.get("KVCONDUCTOR_INGEST", "") != "py":
+    try:
+        from kvconductor._index import CoreIndex as _CCore
+        from kvconductor._ingest import FastBatch as _FastBatch
+    except ImportError:  # pragma: no cover - is_available() covers every compiled module
+        _FastBatch = None
 
 #: kv_cache_spec_kind values (lower-case, underscores removed) that are not a
 #: prefix cache a query can hit (contract 4.3); anything else is accepted.
@@ -188,7 +209,7 @@ class Applier:
     """Decode and apply payloads for one subscription."""
 
     def __init__(self, ctx: SubscriberContext, conductor: Any, stats: SourceStats | None = None,
-                 warn: WarnLimiter | None = None) -> None:
+                 warn: WarnLimiter | None = None, fast: bool = True) -> None:
         self.ctx = ctx
         self.conductor = conductor
         self.stats = stats or SourceStats()
@@ -201,6 +222,14 @@ class Applier:
         self.pool_media = non_hbm or tuple(ctx.default_media)
         #: (model, tenant) -> WorkerKeys this subscription has written (for resync clears).
         self.touched: dict[tuple[str, str], set[WorkerKey]] = {}
+        # Compiled fast path for HBM subscriptions (engine publishers, not pools).
+        feeds_hbm = any(Medium(m).tier == 0 for m in ctx.default_media)
+        self._fast = (_FastBatch(DEFAULT_SEED)
+                      if fast and _FastBatch is not None and feeds_hbm and not ctx.is_pool else None)
+        self._hbm_key = self._key(self.hbm_medium)
+        self._clear_keys = tuple(self._key(Medium(m)) for m in ctx.default_media)
+        self._fast_index: Any = None    # weakref of the index _fast_wid belongs to
+        self._fast_wid = -1
 
     # -- helpers ------------------------------------------------------------------------
     def _drop(self, reason: str, detail: str = "", payload: bytes | None = None) -> None:
@@ -220,6 +249,14 @@ class Applier:
     # -- entry points ---------------------------------------------------------------------
     def apply_payload(self, payload: bytes) -> bool:
         """Decode and apply one payload; False (counted, warned) if undecodable."""
+        fb = self._fast
+        if fb is not None:
+            n = fb.parse(payload, self.ctx.block_size)
+            if n >= 0:
+                return self._apply_fast(fb, n, payload)
+        return self._apply_general(payload)
+
+    def _apply_general(self, payload: bytes, index=None) -> bool:
         try:
             batch = decode_payload(payload)
         except DecodeError as ex:
@@ -230,9 +267,63 @@ class Applier:
             return False
         self.stats.batches += 1
         if type(batch) is VllmBatch:
-            self.apply_vllm(batch, payload)
+            self.apply_vllm(batch, payload, index)
         else:
             self.apply_pool(batch, payload)
+        return True
+
+    def _apply_fast(self, fb, n: int, payload: bytes) -> bool:
+        """Apply a batch ``fb.parse`` accepted (``n`` events) exactly as apply_vllm would."""
+        ctx = self.ctx
+        stats = self.stats
+        if n == 0:
+            stats.batches += 1
+            return True
+        try:
+            index = self.conductor.get_or_create_index(ctx.model, ctx.tenant)
+        except Exception as ex:  # noqa: BLE001 - as apply_vllm: first event counted, batch given up
+            stats.batches += 1
+            stats.events += 1
+            self._drop("apply_error", f"get_or_create_index: {ex!r}", payload)
+            return True
+        core = index.core
+        if type(core) is not _CCore:
+            self._fast = None  # pure-Python core: this subscription stays on the general path
+            return self._apply_general(payload, index)
+        try:
+            wid = -1
+            if fb.needs_worker:
+                ref = self._fast_index
+                if ref is not None and ref() is index:
+                    wid = self._fast_wid
+                else:
+                    wid = index.worker_id(self._hbm_key)
+                    self._fast_index = weakref.ref(index)
+                    self._fast_wid = wid
+            clear: Any = ()
+            if fb.has_clear:  # Index.clear skips keys it never saw; so do we
+                known = set(index.workers_of(ctx.instance_id, ctx.dp_rank))
+                clear = [index.worker_id(k) for k in self._clear_keys if k in known]
+            blocks, parent_nf, bad_seq, oom = fb.apply(core, wid, clear)
+        except Exception:  # noqa: BLE001 - nothing applied yet: the general path decides
+            return self._apply_general(payload, index)
+        stats.batches += 1
+        stats.events += n
+        stats.blocks += blocks
+        if fb.touches:
+            self._touch(ctx.model, ctx.tenant, self._hbm_key)
+        k = fb.size_mismatch
+        if k:
+            stats.drop("block_size_mismatch", k)
+        k = fb.kind_rejected
+        if k:
+            stats.drop("attention_kind", k)
+        for _ in range(parent_nf):
+            self._drop("parent_not_found", str(ParentBlockNotFound()))
+        for _ in range(bad_seq):
+            self._drop("invalid_block_sequence", str(InvalidBlockSequence()))
+        for _ in range(oom):
+            self._drop("apply_error", repr(MemoryError()), payload)
         return True
 
     def clear_all(self) -> int:
@@ -255,10 +346,9 @@ class Applier:
         return n
 
     # -- vLLM / SGLang ----------------------------------------------------------------------
-    def apply_vllm(self, batch: VllmBatch, payload: bytes | None = None) -> None:
+    def apply_vllm(self, batch: VllmBatch, payload: bytes | None = None, index=None) -> None:
         ctx = self.ctx
         stats = self.stats
-        index = None
         for ev in batch.events:
             stats.events += 1
             t = type(ev)

@@ -1,0 +1,967 @@
+# cython: language_level=3
+"""Compiled fast path of vLLM / SGLang ``KVEventBatch`` ingest (HBM subscriptions).
+
+:class:`FastBatch` parses one whole batch payload without the GIL and, when
+every event is one the fast path handles, applies it to a
+:class:`~kvconductor._index.CoreIndex` under one write lock. Anything else
+(another medium, a bad hash, a pool-looking map, an odd envelope, ...) makes
+:meth:`FastBatch.parse` return -1 *before anything is mutated*; the caller then
+uses the general Python path (``kvconductor.ingest.apply``), which stays the
+reference for the semantics. Exactly what is accepted is documented in
+``docs/events.md`` ("Compiled fast path") and fuzzed against the Python path in
+``tests/test_ingest.py``.
+
+Two calls per batch, so the Python side decides *between* them which index and
+which worker ids to use (``get_or_create_index`` is only called for batches with
+events, the HBM worker is only created when an event needs it, as the Python
+path does)::
+
+    n = fb.parse(payload, registered_block_size)      # -1: use the Python path
+    blocks, parent_not_found, invalid_sequence, oom = fb.apply(core, hbm_worker, clear_ids)
+"""
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcmp
+
+from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
+from kvconductor._hmap cimport HM_NIL, grow_array
+from kvconductor._index cimport OP_CLEAR, OP_EVICT, OP_STORE, BatchOp, CoreIndex
+from kvconductor._tree cimport T_ERR_OOM, T_ERR_PARENT, T_ERR_SEQUENCE
+from kvconductor._wire cimport WIRE_OK, mp_u32_array, wcur
+
+# -- result flags of a parsed batch ------------------------------------------------------
+cdef enum:
+    F_NEEDS_WORKER = 1          # a store or removal targets the HBM worker (create it)
+    F_TOUCHES = 2               # a store targets the HBM worker (Applier.touched)
+    F_HAS_CLEAR = 4             # an AllBlocksCleared (pass the default media's worker ids)
+
+# -- why parse() declined (reason codes) ----------------------------------------------------
+cdef enum:
+    R_OK = 0
+    R_ENVELOPE = 1
+    R_TRUNCATED = 2
+    R_EVENT = 3
+    R_MEDIUM = 4
+    R_HASH = 5
+    R_FIELD = 6
+    R_POOL_KEY = 7
+    R_DUPLICATE = 8
+    R_TOKENS = 9
+    R_BLOCK_SIZE = 10
+    R_SKIPPED_VALUE = 11
+    R_OOM = 12
+
+_REASONS = ("", "envelope", "truncated", "event", "medium", "hash", "field", "pool_key",
+            "duplicate_key", "tokens", "block_size", "skipped_value", "out_of_memory")
+
+# -- msgpack value classification (T_OTHER: another type, cursor unchanged) -------------
+cdef enum:
+    T_OK = 0
+    T_OTHER = 1
+    T_EOF = 2
+
+# -- event kinds and field ids -------------------------------------------------------------
+cdef enum:
+    K_STORED = 0
+    K_REMOVED = 1
+    K_CLEARED = 2
+
+cdef enum:
+    FID_TYPE = 0
+    FID_HASHES = 1
+    FID_PARENT = 2
+    FID_TOKENS = 3
+    FID_BLOCK_SIZE = 4
+    FID_LORA_ID = 5
+    FID_MEDIUM = 6
+    FID_LORA_NAME = 7
+    FID_GROUP = 8
+    FID_KIND = 9
+    FID_WINDOW = 10
+    FID_LOCALITY = 11
+    FID_OWNERSHIP = 12
+    FID_SESSION = 13
+    FID_POOL = 14               # event_type / seq_hashes / backend_id / event_id
+    FID_SKIP = 15               # ignored by the decoders (skipped as raw msgpack)
+
+# Map keys each event struct of kvconductor.ingest.vllm declares (others are skipped).
+cdef uint32_t _KNOWN_STORED = (1 << 14) - 1
+cdef uint32_t _KNOWN_REMOVED = (1 << FID_TYPE) | (1 << FID_HASHES) | (1 << FID_MEDIUM) | (1 << FID_GROUP)
+cdef uint32_t _KNOWN_CLEARED = 1 << FID_TYPE
+
+# Array (positional) events: field id of position 1, 2, ... (beyond the table: skipped).
+cdef int _POS_STORED[11]
+_POS_STORED[:] = [FID_HASHES, FID_PARENT, FID_TOKENS, FID_BLOCK_SIZE, FID_LORA_ID, FID_MEDIUM,
+                  FID_LORA_NAME, FID_SKIP, FID_GROUP, FID_KIND, FID_WINDOW]
+cdef int _POS_REMOVED[3]
+_POS_REMOVED[:] = [FID_HASHES, FID_MEDIUM, FID_GROUP]
+
+cdef enum:
+    MAX_DEPTH = 32              # deeper skipped values: the Python path (msgspec has a limit)
+    TRIM_ITEMS = 1 << 20        # scratch above this many items is freed after a batch
+
+
+cdef inline uint16_t _be16(const uint8_t* p) noexcept nogil:
+    return (<uint16_t>p[0] << 8) | p[1]
+
+
+cdef inline uint32_t _be32(const uint8_t* p) noexcept nogil:
+    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
+
+
+cdef inline uint64_t _be64(const uint8_t* p) noexcept nogil:
+    return (<uint64_t>_be32(p) << 32) | _be32(p + 4)
+
+
+cdef inline size_t _left(const wcur* c) noexcept nogil:
+    return <size_t>(c.end - c.p)
+
+
+cdef inline int _container(wcur* c, bint is_map, size_t* n) noexcept nogil:
+    """Array or map header; every element (map: key and value) needs >= 1 more byte."""
+    cdef size_t left = _left(c)
+    cdef uint8_t b
+    cdef size_t k
+    if left == 0:
+        return T_EOF
+    b = c.p[0]
+    if (b & 0xf0) == (0x80 if is_map else 0x90):
+        k = b & 0x0f
+        c.p += 1
+    elif b == (0xde if is_map else 0xdc):
+        if left < 3:
+            return T_EOF
+        k = _be16(c.p + 1)
+        c.p += 3
+    elif b == (0xdf if is_map else 0xdd):
+        if left < 5:
+            return T_EOF
+        k = _be32(c.p + 1)
+        c.p += 5
+    else:
+        return T_OTHER
+    n[0] = k
+    if (2 * k if is_map else k) > _left(c):
+        return T_EOF
+    return T_OK
+
+
+cdef inline int _str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    cdef size_t left = _left(c), hdr, ln
+    cdef uint8_t b
+    if left == 0:
+        return T_EOF
+    b = c.p[0]
+    if 0xa0 <= b <= 0xbf:
+        hdr = 1
+        ln = b & 0x1f
+    elif b == 0xd9:
+        if left < 2:
+            return T_EOF
+        hdr = 2
+        ln = c.p[1]
+    elif b == 0xda:
+        if left < 3:
+            return T_EOF
+        hdr = 3
+        ln = _be16(c.p + 1)
+    elif b == 0xdb:
+        if left < 5:
+            return T_EOF
+        hdr = 5
+        ln = _be32(c.p + 1)
+    else:
+        return T_OTHER
+    if ln > left - hdr:
+        return T_EOF
+    s[0] = c.p + hdr
+    n[0] = ln
+    c.p += hdr + ln
+    return T_OK
+
+
+cdef inline int _bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    cdef size_t left = _left(c), hdr, ln
+    cdef uint8_t b
+    if left == 0:
+        return T_EOF
+    b = c.p[0]
+    if b == 0xc4:
+        if left < 2:
+            return T_EOF
+        hdr = 2
+        ln = c.p[1]
+    elif b == 0xc5:
+        if left < 3:
+            return T_EOF
+        hdr = 3
+        ln = _be16(c.p + 1)
+    elif b == 0xc6:
+        if left < 5:
+            return T_EOF
+        hdr = 5
+        ln = _be32(c.p + 1)
+    else:
+        return T_OTHER
+    if ln > left - hdr:
+        return T_EOF
+    s[0] = c.p + hdr
+    n[0] = ln
+    c.p += hdr + ln
+    return T_OK
+
+
+cdef inline int _int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
+    """Any msgpack int: its 64 bits (two's complement when negative) and sign."""
+    cdef size_t left = _left(c)
+    cdef const uint8_t* p = c.p
+    cdef uint8_t b
+    cdef int64_t s
+    if left == 0:
+        return T_EOF
+    b = p[0]
+    neg[0] = False
+    if b <= 0x7f:
+        bits[0] = b
+        c.p += 1
+        return T_OK
+    if b >= 0xe0:
+        bits[0] = <uint64_t><int64_t><int8_t>b
+        neg[0] = True
+        c.p += 1
+        return T_OK
+    if b < 0xcc or b > 0xd3:
+        return T_OTHER
+    if b == 0xcc or b == 0xd0:
+        if left < 2:
+            return T_EOF
+        if b == 0xcc:
+            bits[0] = p[1]
+        else:
+            s = <int8_t>p[1]
+            bits[0] = <uint64_t>s
+            neg[0] = s < 0
+        c.p += 2
+    elif b == 0xcd or b == 0xd1:
+        if left < 3:
+            return T_EOF
+        if b == 0xcd:
+            bits[0] = _be16(p + 1)
+        else:
+            s = <int16_t>_be16(p + 1)
+            bits[0] = <uint64_t>s
+            neg[0] = s < 0
+        c.p += 3
+    elif b == 0xce or b == 0xd2:
+        if left < 5:
+            return T_EOF
+        if b == 0xce:
+            bits[0] = _be32(p + 1)
+        else:
+            s = <int32_t>_be32(p + 1)
+            bits[0] = <uint64_t>s
+            neg[0] = s < 0
+        c.p += 5
+    else:
+        if left < 9:
+            return T_EOF
+        bits[0] = _be64(p + 1)
+        if b == 0xd3:
+            neg[0] = <int64_t>bits[0] < 0
+        c.p += 9
+    return T_OK
+
+
+cdef inline bint _ascii(const uint8_t* s, size_t n) noexcept nogil:
+    cdef size_t i
+    for i in range(n):
+        if s[i] >= 0x80:
+            return False
+    return True
+
+
+cdef int _skip(wcur* c, int depth) noexcept nogil:
+    """Skip one value the decoders ignore (raw msgpack). Ext values, byte 0xc1 and
+    nesting deeper than MAX_DEPTH are left to the Python path."""
+    cdef size_t left = _left(c), n, i, hdr = 1
+    cdef const uint8_t* s
+    cdef uint8_t b
+    cdef int rc
+    if left == 0:
+        return R_TRUNCATED
+    b = c.p[0]
+    if b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
+        c.p += 1
+        return R_OK
+    if (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf or (b & 0xf0) == 0x90 or b == 0xdc or b == 0xdd:
+        if depth >= MAX_DEPTH:
+            return R_SKIPPED_VALUE
+        rc = _container(c, (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf, &n)
+        if rc != T_OK:
+            return R_TRUNCATED
+        if (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf:
+            n *= 2
+        for i in range(n):
+            rc = _skip(c, depth + 1)
+            if rc:
+                return rc
+        return R_OK
+    rc = _str(c, &s, &n)
+    if rc == T_OTHER:
+        rc = _bin(c, &s, &n)
+    if rc == T_OK:
+        return R_OK
+    if rc == T_EOF:
+        return R_TRUNCATED
+    if b == 0xca or b == 0xce or b == 0xd2:
+        hdr = 5
+    elif b == 0xcb or b == 0xcf or b == 0xd3:
+        hdr = 9
+    elif b == 0xcc or b == 0xd0:
+        hdr = 2
+    elif b == 0xcd or b == 0xd1:
+        hdr = 3
+    else:                       # 0xc1, ext types
+        return R_SKIPPED_VALUE
+    if left < hdr:
+        return R_TRUNCATED
+    c.p += hdr
+    return R_OK
+
+
+cdef int _any(wcur* c) noexcept nogil:
+    """A field the decoders type as ``Any`` (decoded to a Python object, then unused):
+    nil, bool, int, float, bin or ASCII str; anything else -> Python path."""
+    cdef size_t left = _left(c), n
+    cdef const uint8_t* s
+    cdef uint8_t b
+    cdef int rc
+    if left == 0:
+        return R_TRUNCATED
+    b = c.p[0]
+    if b == 0xc0 or b == 0xc2 or b == 0xc3 or b <= 0x7f or b >= 0xe0:
+        c.p += 1
+        return R_OK
+    if 0xca <= b <= 0xd3 or 0xc4 <= b <= 0xc6:
+        return _skip(c, 0)
+    rc = _str(c, &s, &n)
+    if rc == T_EOF:
+        return R_TRUNCATED
+    if rc == T_OK and _ascii(s, n):
+        return R_OK
+    return R_FIELD
+
+
+cdef inline int _nil(wcur* c) noexcept nogil:
+    if c.p < c.end and c.p[0] == 0xc0:
+        c.p += 1
+        return 1
+    return 0
+
+
+cdef inline int _hash(wcur* c, uint64_t* h) noexcept nogil:
+    """engine_hash: int (negative: two's complement) or non-empty bin (last 8 bytes BE)."""
+    cdef uint64_t v = 0
+    cdef bint neg
+    cdef const uint8_t* s
+    cdef size_t n, i
+    cdef int rc = _int(c, h, &neg)
+    if rc == T_OK:
+        return R_OK
+    if rc == T_EOF:
+        return R_TRUNCATED
+    rc = _bin(c, &s, &n)
+    if rc == T_EOF:
+        return R_TRUNCATED
+    if rc != T_OK or n == 0:
+        return R_HASH           # str (parse_hash_str), bool, float, nil, empty bin, ...
+    i = n - 8 if n > 8 else 0
+    while i < n:
+        v = (v << 8) | s[i]
+        i += 1
+    h[0] = v
+    return R_OK
+
+
+cdef inline int _tag(wcur* c, int* kind) noexcept nogil:
+    cdef const uint8_t* s
+    cdef size_t n
+    cdef int rc = _str(c, &s, &n)
+    if rc == T_EOF:
+        return R_TRUNCATED
+    if rc != T_OK:
+        return R_EVENT
+    if n == 11 and memcmp(s, b"BlockStored", 11) == 0:
+        kind[0] = K_STORED
+    elif n == 12 and memcmp(s, b"BlockRemoved", 12) == 0:
+        kind[0] = K_REMOVED
+    elif n == 16 and memcmp(s, b"AllBlocksCleared", 16) == 0:
+        kind[0] = K_CLEARED
+    else:
+        return R_EVENT
+    return R_OK
+
+
+cdef inline bint _eq(const uint8_t* s, size_t n, const char* lit, size_t m) noexcept nogil:
+    return n == m and memcmp(s, lit, m) == 0
+
+
+cdef int _fid(const uint8_t* s, size_t n) noexcept nogil:
+    """Field id of a map key (FID_SKIP for keys no decoder declares)."""
+    if n == 4:
+        return FID_TYPE if memcmp(s, b"type", 4) == 0 else FID_SKIP
+    if n == 12:
+        return FID_HASHES if memcmp(s, b"block_hashes", 12) == 0 else FID_SKIP
+    if n == 9:
+        if memcmp(s, b"token_ids", 9) == 0:
+            return FID_TOKENS
+        if memcmp(s, b"lora_name", 9) == 0:
+            return FID_LORA_NAME
+        if memcmp(s, b"group_idx", 9) == 0:
+            return FID_GROUP
+        if memcmp(s, b"ownership", 9) == 0:
+            return FID_OWNERSHIP
+        return FID_SKIP
+    if n == 10:
+        if memcmp(s, b"block_size", 10) == 0:
+            return FID_BLOCK_SIZE
+        if memcmp(s, b"session_id", 10) == 0:
+            return FID_SESSION
+        if (memcmp(s, b"event_type", 10) == 0 or memcmp(s, b"seq_hashes", 10) == 0
+                or memcmp(s, b"backend_id", 10) == 0):
+            return FID_POOL
+        return FID_SKIP
+    if n == 17:
+        return FID_PARENT if memcmp(s, b"parent_block_hash", 17) == 0 else FID_SKIP
+    if n == 6:
+        return FID_MEDIUM if memcmp(s, b"medium", 6) == 0 else FID_SKIP
+    if n == 7:
+        return FID_LORA_ID if memcmp(s, b"lora_id", 7) == 0 else FID_SKIP
+    if n == 8:
+        if memcmp(s, b"locality", 8) == 0:
+            return FID_LOCALITY
+        if memcmp(s, b"event_id", 8) == 0:
+            return FID_POOL
+        return FID_SKIP
+    if n == 18:
+        return FID_KIND if memcmp(s, b"kv_cache_spec_kind", 18) == 0 else FID_SKIP
+    if n == 28:
+        return FID_WINDOW if memcmp(s, b"kv_cache_spec_sliding_window", 28) == 0 else FID_SKIP
+    return FID_SKIP
+
+
+cdef bint _hbm_medium(const uint8_t* s, size_t n) noexcept nogil:
+    """Strings kvconductor.keys.parse_medium maps to NPU ("" counts as absent)."""
+    if n == 0:
+        return True
+    if n == 3:
+        return (memcmp(s, b"npu", 3) == 0 or memcmp(s, b"NPU", 3) == 0
+                or memcmp(s, b"gpu", 3) == 0 or memcmp(s, b"GPU", 3) == 0
+                or memcmp(s, b"xpu", 3) == 0 or memcmp(s, b"XPU", 3) == 0
+                or memcmp(s, b"hbm", 3) == 0 or memcmp(s, b"HBM", 3) == 0)
+    if n == 6:
+        return memcmp(s, b"device", 6) == 0 or memcmp(s, b"DEVICE", 6) == 0
+    return False
+
+
+cdef bint _kind_rejected(const uint8_t* s, size_t n) noexcept nogil:
+    """apply.kind_rejected for an ASCII kind: lower-case, '_' removed, in REJECTED_KINDS."""
+    cdef char k[32]
+    cdef size_t i, m = 0
+    cdef uint8_t ch
+    for i in range(n):
+        ch = s[i]
+        if ch == 0x5f:
+            continue
+        if m >= 32:
+            return False
+        if 0x41 <= ch <= 0x5a:
+            ch += 32
+        k[m] = <char>ch
+        m += 1
+    return (_eq(<const uint8_t*>k, m, b"slidingwindow", 13)
+            or _eq(<const uint8_t*>k, m, b"slidingwindowmla", 16)
+            or _eq(<const uint8_t*>k, m, b"mamba", 5)
+            or _eq(<const uint8_t*>k, m, b"chunkedlocalattention", 21)
+            or _eq(<const uint8_t*>k, m, b"encoderonlyattention", 20)
+            or _eq(<const uint8_t*>k, m, b"crossattention", 14))
+
+
+cdef class FastBatch:
+    """Parse buffer and applier of the vLLM/SGLang HBM fast path (one per subscription;
+    not thread-safe: the ingest thread only)."""
+
+    def __cinit__(self, uint64_t seed=KVC_SEED):
+        self.seed = seed
+        self.hs = NULL
+        self.loc = NULL
+        self.hs_cap = 0
+        self.hs_used = 0
+        self.tok = NULL
+        self.tok_cap = 0
+        self.recs = NULL
+        self.ops = NULL
+        self.rec_cap = 0
+        self.nrec = 0
+        self.clear = NULL
+        self.clear_cap = 0
+        self.flags = 0
+        self.nevents = -1
+        self.n_size_mismatch = 0
+        self.n_kind = 0
+        self.why = R_OK
+        self.parsed = 0
+        self.rejected = 0
+
+    def __dealloc__(self):
+        free(self.hs)
+        free(self.loc)
+        free(self.tok)
+        free(self.recs)
+        free(self.ops)
+        free(self.clear)
+
+    cdef int _reserve_hashes(self, size_t need) noexcept nogil:
+        cdef size_t cap
+        cdef void* p
+        if need <= self.hs_cap:
+            return 0
+        cap = self.hs_cap
+        p = grow_array(self.hs, &cap, need, sizeof(uint64_t))
+        if p == NULL:
+            return -1
+        self.hs = <uint64_t*>p
+        cap = self.hs_cap
+        p = grow_array(self.loc, &cap, need, sizeof(uint64_t))
+        if p == NULL:
+            return -1
+        self.loc = <uint64_t*>p
+        self.hs_cap = cap
+        return 0
+
+    cdef int _field(self, wcur* c, int fid, Ev* ev) noexcept nogil:
+        """Read one declared field of the current event into ``ev``."""
+        cdef size_t n, i, cnt
+        cdef const uint8_t* s
+        cdef uint64_t v
+        cdef bint neg
+        cdef int rc
+        cdef void* p
+        if fid == FID_SKIP:
+            return _skip(c, 0)
+        if fid == FID_HASHES:
+            ev.nh = 0
+            if _nil(c):
+                return R_OK
+            rc = _container(c, False, &n)
+            if rc != T_OK:
+                return R_TRUNCATED if rc == T_EOF else R_HASH
+            if self._reserve_hashes(self.hs_used + n) < 0:
+                return R_OOM
+            for i in range(n):
+                rc = _hash(c, &self.hs[self.hs_used + i])
+                if rc:
+                    return rc
+            ev.nh = n
+            return R_OK
+        if fid == FID_PARENT:
+            ev.has_parent = 0
+            if _nil(c):
+                return R_OK
+            rc = _hash(c, &ev.parent)
+            if rc == R_OK:
+                ev.has_parent = 1
+            return rc
+        if fid == FID_TOKENS:
+            ev.ntok = 0
+            if _nil(c):
+                return R_OK
+            rc = _container(c, False, &n)
+            if rc != T_OK:
+                return R_TRUNCATED if rc == T_EOF else R_TOKENS
+            if n > self.tok_cap:
+                p = grow_array(self.tok, &self.tok_cap, n, sizeof(uint32_t))
+                if p == NULL:
+                    return R_OOM
+                self.tok = <uint32_t*>p
+            if n and mp_u32_array(c, self.tok, n, &cnt) != WIRE_OK:
+                return R_TOKENS     # not an int, truncated, or >= 2**63 (msgspec's fallback)
+            ev.ntok = n
+            return R_OK
+        if fid == FID_BLOCK_SIZE:
+            ev.bs = 0
+            if _nil(c):
+                return R_OK
+            rc = _int(c, &v, &neg)
+            if rc == T_EOF:
+                return R_TRUNCATED
+            if rc != T_OK:
+                return R_FIELD
+            if neg or v > <uint64_t>0xFFFFFFFF:
+                return R_BLOCK_SIZE
+            ev.bs = v
+            return R_OK
+        if fid == FID_MEDIUM or fid == FID_LORA_NAME or fid == FID_KIND:
+            if _nil(c):
+                if fid == FID_LORA_NAME:
+                    ev.seed = self.seed
+                elif fid == FID_KIND:
+                    ev.kind_rejected = 0
+                return R_OK
+            rc = _str(c, &s, &n)
+            if rc == T_EOF:
+                return R_TRUNCATED
+            if rc != T_OK:
+                return R_FIELD
+            if fid == FID_MEDIUM:
+                return R_OK if _hbm_medium(s, n) else R_MEDIUM
+            if not _ascii(s, n):
+                return R_FIELD
+            if fid == FID_LORA_NAME:
+                ev.seed = <uint64_t>KVC_SEED + xxh3(s, n, 0) if n else self.seed
+            else:
+                ev.kind_rejected = _kind_rejected(s, n)
+            return R_OK
+        if fid == FID_POOL:
+            return R_POOL_KEY
+        return _any(c)          # lora_id, group_idx, sliding window, locality, ownership, session
+
+    cdef int _event(self, wcur* c, long long reg) noexcept nogil:
+        cdef Ev ev
+        cdef size_t n, i, pairs_done = 0, nb, nstore
+        cdef const uint8_t* s
+        cdef const uint8_t* save
+        cdef int kind = -1, rc, fid, k2
+        cdef uint32_t known, bit
+        cdef EvRec* r
+        ev.nh = 0
+        ev.ntok = 0
+        ev.parent = 0
+        ev.bs = 0
+        ev.seed = self.seed
+        ev.seen = 0
+        ev.has_parent = 0
+        ev.kind_rejected = 0
+        rc = _container(c, False, &n)
+        if rc == T_EOF:
+            return R_TRUNCATED
+        if rc == T_OK:
+            # -- array form: tag, then fields by position -----------------------------------
+            if n == 0:
+                return R_EVENT
+            rc = _tag(c, &kind)
+            if rc:
+                return rc
+            for i in range(1, n):
+                if kind == K_STORED and i <= 11:
+                    fid = _POS_STORED[i - 1]
+                elif kind == K_REMOVED and i <= 3:
+                    fid = _POS_REMOVED[i - 1]
+                else:
+                    fid = FID_SKIP
+                rc = self._field(c, fid, &ev)
+                if rc:
+                    return rc
+        else:
+            # -- map form: by name; "type" first in practice, anywhere per msgspec --------
+            rc = _container(c, True, &n)
+            if rc != T_OK:
+                return R_TRUNCATED if rc == T_EOF else R_EVENT
+            save = c.p
+            if n:
+                rc = _str(c, &s, &i)
+                if rc == T_OK and _eq(s, i, b"type", 4):
+                    rc = _tag(c, &kind)
+                    if rc:
+                        return rc
+                    pairs_done = 1
+                    ev.seen = 1 << FID_TYPE
+                else:
+                    c.p = save
+            if kind < 0:
+                for i in range(n):
+                    rc = _str(c, &s, &nb)
+                    if rc != T_OK:
+                        return R_TRUNCATED if rc == T_EOF else R_EVENT
+                    if _eq(s, nb, b"type", 4):
+                        if kind >= 0:
+                            return R_DUPLICATE
+                        rc = _tag(c, &kind)
+                    else:
+                        rc = _skip(c, 0)
+                    if rc:
+                        return rc
+                if kind < 0:
+                    return R_EVENT      # no "type": msgspec cannot pick the struct
+                c.p = save
+            known = _KNOWN_STORED if kind == K_STORED else (
+                _KNOWN_REMOVED if kind == K_REMOVED else _KNOWN_CLEARED)
+            for i in range(pairs_done, n):
+                rc = _str(c, &s, &nb)
+                if rc != T_OK:
+                    return R_TRUNCATED if rc == T_EOF else R_EVENT
+                fid = _fid(s, nb)
+                if fid == FID_POOL:
+                    return R_POOL_KEY   # a pool map (see apply._looks_like_pool)
+                if fid != FID_SKIP:
+                    bit = 1u << fid
+                    if ev.seen & bit:
+                        return R_DUPLICATE
+                    ev.seen |= bit
+                    if not (known & bit):
+                        fid = FID_SKIP
+                if fid == FID_TYPE:
+                    rc = _tag(c, &k2)
+                    if rc == R_OK and k2 != kind:
+                        rc = R_EVENT
+                else:
+                    rc = self._field(c, fid, &ev)
+                if rc:
+                    return rc
+        # -- what the Python path does with the decoded event (Applier._stored/_removed) ---
+        if kind == K_CLEARED:
+            self.flags |= F_HAS_CLEAR
+            r = &self.recs[self.nrec]
+            r.kind = OP_CLEAR
+            r.off = 0
+            r.n = 0
+            r.parent = 0
+            r.has_parent = 0
+            r.seq_locals = 1
+            self.nrec += 1
+            return R_OK
+        if kind == K_REMOVED:
+            if ev.nh == 0:
+                return R_OK
+            self.flags |= F_NEEDS_WORKER
+            r = &self.recs[self.nrec]
+            r.kind = OP_EVICT
+            r.off = self.hs_used
+            r.n = ev.nh
+            r.parent = 0
+            r.has_parent = 0
+            r.seq_locals = 1
+            self.hs_used += ev.nh
+            self.nrec += 1
+            return R_OK
+        if ev.bs and reg > 0 and ev.bs != <uint64_t>reg:
+            self.n_size_mismatch += 1
+            return R_OK
+        if ev.kind_rejected:
+            self.n_kind += 1
+            return R_OK
+        if ev.nh == 0:
+            return R_OK
+        self.flags |= F_NEEDS_WORKER | F_TOUCHES
+        r = &self.recs[self.nrec]
+        r.kind = OP_STORE
+        r.off = self.hs_used
+        r.has_parent = ev.has_parent
+        r.parent = ev.parent
+        if ev.ntok and ev.bs:
+            # CoreIndex.store_tokens: min(hashes, ceil(ntok / bs)) blocks, tail block included
+            nb = (ev.ntok + ev.bs - 1) // ev.bs
+            nstore = ev.nh if ev.nh < nb else nb
+            hash_token_blocks(self.tok, ev.ntok if ev.ntok < nstore * ev.bs else nstore * ev.bs,
+                              ev.bs, ev.seed, self.loc + self.hs_used)
+            r.n = nstore
+            r.seq_locals = 0
+        else:
+            r.n = ev.nh         # CoreIndex.store(engine hashes as local hashes)
+            r.seq_locals = 1
+        self.hs_used += ev.nh
+        self.nrec += 1
+        return R_OK
+
+    cdef int _parse(self, const uint8_t* buf, size_t size, long long reg) noexcept nogil:
+        cdef wcur c
+        cdef size_t nev, i
+        cdef void* p
+        cdef int rc
+        cdef uint64_t v
+        cdef bint neg
+        self.nrec = 0
+        self.hs_used = 0
+        self.flags = 0
+        self.n_size_mismatch = 0
+        self.n_kind = 0
+        if size < 11 or (buf[0] != 0x92 and buf[0] != 0x93) or buf[1] != 0xcb:
+            return -R_ENVELOPE  # [float64 ts, events] / [float64 ts, events, dp]
+        c.base = buf
+        c.p = buf + 10
+        c.end = buf + size
+        rc = _container(&c, False, &nev)
+        if rc != T_OK:
+            return -(R_TRUNCATED if rc == T_EOF else R_ENVELOPE)
+        if nev > self.rec_cap:
+            i = self.rec_cap
+            p = grow_array(self.recs, &i, nev, sizeof(EvRec))
+            if p == NULL:
+                return -R_OOM
+            self.recs = <EvRec*>p
+            i = self.rec_cap
+            p = grow_array(self.ops, &i, nev, sizeof(BatchOp))
+            if p == NULL:
+                return -R_OOM
+            self.ops = <BatchOp*>p
+            self.rec_cap = i
+        for i in range(nev):
+            rc = self._event(&c, reg)
+            if rc:
+                return -rc
+        if buf[0] == 0x93 and not _nil(&c):
+            rc = _int(&c, &v, &neg)
+            if rc != T_OK:
+                return -(R_TRUNCATED if rc == T_EOF else R_ENVELOPE)
+        if c.p != c.end:
+            return -R_ENVELOPE   # trailing bytes: msgspec rejects the payload
+        return <int>(nev if nev < 0x7FFFFFFF else 0x7FFFFFFF)
+
+    def parse(self, payload, long long registered_block_size):
+        """Parse one batch payload; its event count, or -1 when any part of it needs the
+        Python path (then :attr:`reason` says why and nothing may be applied)."""
+        cdef const uint8_t* buf
+        cdef size_t size
+        cdef const uint8_t[::1] view
+        cdef int rc
+        if PyBytes_Check(payload):
+            buf = <const uint8_t*>PyBytes_AS_STRING(payload)
+            size = <size_t>PyBytes_GET_SIZE(payload)
+        else:
+            view = payload
+            size = view.shape[0]
+            buf = &view[0] if size else NULL
+        self.nevents = -1
+        self._trim()
+        if size < 11:
+            rc = -R_ENVELOPE
+        else:
+            with nogil:
+                rc = self._parse(buf, size, registered_block_size)
+        if rc < 0:
+            self.why = -rc
+            self.rejected += 1
+            self.nrec = 0
+            return -1
+        self.why = R_OK
+        self.parsed += 1
+        self.nevents = rc
+        return rc
+
+    cdef void _trim(self) noexcept nogil:
+        """Free scratch that one huge batch grew (the next batch starts small)."""
+        if self.hs_cap > TRIM_ITEMS:
+            free(self.hs)
+            free(self.loc)
+            self.hs = self.loc = NULL
+            self.hs_cap = 0
+        if self.tok_cap > TRIM_ITEMS:
+            free(self.tok)
+            self.tok = NULL
+            self.tok_cap = 0
+        if self.rec_cap > TRIM_ITEMS:
+            free(self.recs)
+            free(self.ops)
+            self.recs = NULL
+            self.ops = NULL
+            self.rec_cap = 0
+
+    @property
+    def reason(self):
+        """Why the last :meth:`parse` returned -1 ("" after an accepted batch)."""
+        return _REASONS[self.why]
+
+    @property
+    def needs_worker(self):
+        """A store or removal of the parsed batch targets the HBM worker."""
+        return (self.flags & F_NEEDS_WORKER) != 0
+
+    @property
+    def touches(self):
+        """A store of the parsed batch targets the HBM worker."""
+        return (self.flags & F_TOUCHES) != 0
+
+    @property
+    def has_clear(self):
+        """The parsed batch has an AllBlocksCleared."""
+        return (self.flags & F_HAS_CLEAR) != 0
+
+    @property
+    def size_mismatch(self):
+        """BlockStored events of the parsed batch dropped for their block_size."""
+        return self.n_size_mismatch
+
+    @property
+    def kind_rejected(self):
+        """BlockStored events of the parsed batch dropped for their attention kind."""
+        return self.n_kind
+
+    def apply(self, CoreIndex core not None, long long hbm_worker=-1, clear_workers=()):
+        """Apply the parsed batch to ``core`` under one write lock.
+
+        ``hbm_worker``: the HBM worker id (required when :attr:`needs_worker`);
+        ``clear_workers``: ids cleared by each AllBlocksCleared. Returns
+        ``(blocks, parent_not_found, invalid_sequence, out_of_memory)``: blocks
+        stored and the stores that failed (counted and skipped, like the Python
+        path). Consumes the parse; raises before mutating anything on bad ids."""
+        cdef size_t i, nclear = 0, nops = 0
+        cdef void* p
+        cdef EvRec* r
+        cdef BatchOp* op
+        cdef long blocks = 0, pnf = 0, bad = 0, oom = 0
+        cdef long long x
+        cdef uint32_t w = 0
+        if self.nevents < 0:
+            raise RuntimeError("apply() needs a successful parse()")
+        self.nevents = -1
+        if self.flags & F_NEEDS_WORKER:
+            if (hbm_worker < 0 or hbm_worker >= <long long>HM_NIL
+                    or core._tier(<uint32_t>hbm_worker) != 0):
+                raise ValueError(f"hbm_worker {hbm_worker} is not an HBM worker of this index")
+            w = <uint32_t>hbm_worker
+        if self.flags & F_HAS_CLEAR:
+            ids = [int(v) for v in clear_workers]
+            nclear = len(ids)
+            if nclear > self.clear_cap:
+                i = self.clear_cap
+                p = grow_array(self.clear, &i, nclear, sizeof(uint32_t))
+                if p == NULL:
+                    raise MemoryError()
+                self.clear = <uint32_t*>p
+                self.clear_cap = i
+            for i in range(nclear):
+                x = ids[i]
+                if x < 0 or x >= <long long>HM_NIL:
+                    raise ValueError(f"bad worker id {x}")
+                core._tier(<uint32_t>x)
+                self.clear[i] = <uint32_t>x
+        with nogil:
+            for i in range(self.nrec):
+                r = &self.recs[i]
+                op = &self.ops[nops]
+                op.kind = r.kind
+                op.worker = w
+                op.n = r.n
+                op.seqs = self.hs + r.off
+                op.locals = op.seqs if r.seq_locals else self.loc + r.off
+                op.has_parent = r.has_parent
+                op.parent = r.parent
+                op.rc = 0
+                nops += 1
+            if nops:
+                core._apply_ops(self.ops, nops, self.clear, nclear)
+            for i in range(nops):
+                op = &self.ops[i]
+                if op.kind != OP_STORE:
+                    continue
+                if op.rc >= 0:
+                    blocks += op.rc
+                elif op.rc == T_ERR_PARENT:
+                    pnf += 1
+                elif op.rc == T_ERR_SEQUENCE:
+                    bad += 1
+                else:
+                    oom += 1
+        self.nrec = 0
+        return (blocks, pnf, bad, oom)
