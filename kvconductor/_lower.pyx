@@ -11,13 +11,24 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
 from kvconductor._hmap cimport (
-    HM_NIL, HCursor, PSlot, grow_array, hc_get, hc_init_hashes, pm_find, pm_free, pm_get, pm_init,
+    HM_NIL, HCursor, PSlot, grow_array, hc_get, hc_init_hashes, pm_find, pm_free, pm_get, pm_hash,
+    pm_init,
     pm_nbytes, pm_pop, pm_put, pthread_rwlock_destroy, pthread_rwlock_rdlock,
     pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
     u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
 
 from kvconductor._hash import as_u64
+
+
+cdef extern from *:
+    """
+    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
+    """
+    void _prefetch "kvc_prefetch"(const void* p) noexcept nogil
+
+cdef enum:
+    PREFETCH_AHEAD = 32          # edges ahead for the speculative table-slot prefetch
 
 
 cdef void lower_init(Lower* L) noexcept nogil:
@@ -301,12 +312,19 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_p
         out_last[k] = 0
     cdef const PSlot* sl
     cdef uint64_t child
+    cdef uint32_t g
     while alive and pos < hc.n:
         if hp:
             sl = pm_find(&L.pairs, p, hc_get(hc, pos))
             if sl == NULL:
                 break
             child = sl.c
+            g = sl.v + PREFETCH_AHEAD
+            if g < L.edges_used and L.edges[g].has_parent == 1:
+                # PERF: a chain stored in one go occupies consecutive edge slots, so
+                # edge sl.v + k is probably the one k steps on: prefetch its table slot.
+                _prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
+                                         & L.pairs.mask])
             if sl.hint != HM_NIL:
                 # PERF: a sole owner is answered from the slot's cache line.
                 w = sl.hint

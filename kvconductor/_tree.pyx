@@ -15,7 +15,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from kvconductor._hmap cimport (
-    HM_NIL, HCursor, em_free, em_get, em_init, em_nbytes, em_pop, em_put, grow_array,
+    HM_NIL, HCursor, em_free, em_get, em_hash, em_init, em_nbytes, em_pop, em_put, grow_array,
     hc_get, hc_init_hashes, pthread_rwlock_destroy, pthread_rwlock_rdlock,
     pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
     u64m_init, u64m_nbytes, u64m_pop, u64m_put,
@@ -311,7 +311,14 @@ cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
 
 
 # -- match -----------------------------------------------------------------------------------------
+cdef extern from *:
+    """
+    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
+    """
+    void _prefetch "kvc_prefetch"(const void* p) noexcept nogil
+
 cdef enum:
+    PREFETCH_AHEAD = 32          # blocks ahead for the speculative edge-slot prefetch
     ST_ALIVE = 0xFFFFFFFE       # candidate still on the path
     ST_KEEP = 0xFFFFFFFD        # candidate seen on the node of a slow step
 
@@ -352,6 +359,13 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
         child = em_get(&t.edges, node, hc_get(hc, step))
         if child == HM_NIL:
             break
+        if step + PREFETCH_AHEAD < n and t.edges.slots != NULL:
+            # PERF: a chain stored in one go has consecutive node indices, so the
+            # edge slot PREFETCH_AHEAD steps on is probably at (child + k, H[step + k]).
+            _prefetch(&t.edges.slots[em_hash(child + PREFETCH_AHEAD - 1,
+                                             hc_get(hc, step + PREFETCH_AHEAD)) & t.edges.mask])
+            _prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.nodes_used
+                      else &t.nodes[child])
         if t.nodes[child].nmembers == alive and t.nodes[child].sig == asig:
             node = child
             step += 1
