@@ -1,0 +1,78 @@
+"""Flag parsing of ``kv-conductor`` (contract 1.1), in process."""
+from __future__ import annotations
+
+import pytest
+
+from kvconductor import cli
+
+
+def parse(*argv):
+    return cli.settings_from_args(cli.build_parser().parse_args(list(argv)))
+
+
+def test_defaults_follow_the_contract(monkeypatch):
+    monkeypatch.delenv("KV_CONDUCTOR_LOG", raising=False)
+    monkeypatch.delenv("KV_CONDUCTOR_API_KEY", raising=False)
+    s = parse()
+    assert (s.host, s.port) == ("::", 13333)
+    assert (s.maintenance_interval_secs, s.pending_ttl_secs, s.content_ttl_secs,
+            s.offload_ttl_secs) == (30, 60, 300, 600)
+    assert s.log_level == "info" and s.api_key is None
+    assert s.max_body_bytes == 64 * 1024 * 1024
+
+
+def test_every_flag_is_taken():
+    s = parse("--host", "127.0.0.1", "-p", "0", "--maintenance-interval-secs", "5",
+              "--pending-ttl-secs", "1", "--content-ttl-secs", "2", "--offload-ttl-secs", "3",
+              "--log-level", "DEBUG", "--max-body-mb", "0.5", "--api-key", "k")
+    assert (s.host, s.port, s.maintenance_interval_secs) == ("127.0.0.1", 0, 5)
+    assert (s.pending_ttl_secs, s.content_ttl_secs, s.offload_ttl_secs) == (1, 2, 3)
+    assert (s.log_level, s.api_key) == ("debug", "k")
+    assert s.max_body_bytes == 512 * 1024
+
+
+def test_maintenance_interval_is_at_least_one_second():
+    cfg = parse("--maintenance-interval-secs", "0").conductor_config()
+    assert cfg.maintenance_interval == 1
+    cfg = parse("--pending-ttl-secs", "7").conductor_config()
+    assert (cfg.maintenance_interval, cfg.pending_ttl, cfg.content_ttl, cfg.offload_ttl) == \
+        (30, 7.0, 300.0, 600.0)
+
+
+def test_environment_defaults(monkeypatch):
+    monkeypatch.setenv("KV_CONDUCTOR_LOG", "warning,kv_event=trace")
+    monkeypatch.setenv("KV_CONDUCTOR_API_KEY", "secret")
+    s = parse()
+    assert (s.log_level, s.api_key) == ("warning", "secret")
+    # the flag wins over the environment
+    assert parse("--log-level", "error").log_level == "error"
+
+
+def test_invalid_log_env_falls_back_to_info(monkeypatch):
+    monkeypatch.setenv("KV_CONDUCTOR_LOG", "loud")
+    assert parse().log_level == "info"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--host", "localhost"], "invalid host address"),
+    (["--port", "70000"], "must be within 0..65535"),
+    (["--port", "x"], "invalid port"),
+    (["--pending-ttl-secs", "-1"], "must be >= 0"),
+    (["--content-ttl-secs", "1.5"], "whole number of seconds"),
+    (["--max-body-mb", "0"], "must be > 0"),
+    (["--log-level", "chatty"], "invalid log level"),
+    (["--bogus"], "unrecognized arguments"),
+])
+def test_bad_values_exit_2_with_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as ex:
+        cli.build_parser().parse_args(argv)
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as ex:
+        cli.build_parser().parse_args(["--version"])
+    assert ex.value.code == 0
+    assert capsys.readouterr().out.strip() == "kv-conductor 0.1.0"

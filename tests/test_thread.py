@@ -1,0 +1,110 @@
+"""The single ingest thread: ordering, errors, timers, sockets, stop, idle CPU."""
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import zmq
+
+from kvconductor.ingest.thread import IngestThread
+
+
+@pytest.fixture
+def thread():
+    t = IngestThread(zmq.Context.instance())
+    t.start()
+    yield t
+    t.stop(5)
+
+
+def test_work_runs_on_the_thread_in_order(thread):
+    seen = []
+    futs = [thread.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
+            for i in range(200)]
+    for f in futs:
+        f.result(5)
+    assert [i for i, _ in seen] == list(range(200))
+    assert {n for _, n in seen} == {"kv-ingest"}
+    assert thread.call(thread.on_thread) is True and not thread.on_thread()
+
+
+def test_exceptions_reach_the_caller_and_the_thread_survives(thread):
+    def boom():
+        raise ValueError("bad event")
+    with pytest.raises(ValueError, match="bad event"):
+        thread.call(boom, timeout=5)
+    assert thread.call(lambda: 42, timeout=5) == 42
+
+
+def test_async_run(thread):
+    async def main():
+        return await thread.run(lambda a, b: a * b, 6, 7)
+    assert asyncio.run(main()) == 42
+
+
+def test_timers_fire_in_deadline_order(thread):
+    fired = []
+    done = threading.Event()
+
+    def schedule():
+        thread.call_later(0.05, lambda: fired.append("b"))
+        thread.call_later(0.01, lambda: fired.append("a"))
+        thread.call_later(0.08, done.set)
+    thread.call(schedule)
+    assert done.wait(5)
+    assert fired == ["a", "b"]
+
+
+def test_socket_handlers_and_their_errors(thread):
+    ctx = zmq.Context.instance()
+    got = []
+
+    def setup():
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+
+        def on_msg(sock):
+            msg = sock.recv(zmq.NOBLOCK)
+            if msg == b"raise":
+                raise RuntimeError("handler bug")
+            got.append(msg)
+        thread.add_socket(pull, on_msg)
+        return port
+    port = thread.call(setup)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    for m in (b"one", b"raise", b"two"):
+        push.send(m)
+    deadline = time.monotonic() + 5
+    while len(got) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    push.close(linger=0)
+    assert got == [b"one", b"two"]
+    assert thread.errors == 1  # logged and counted, the thread kept going
+
+
+def test_stop_rejects_later_work():
+    t = IngestThread(zmq.Context.instance())
+    t.start()
+    assert t.stop(5)
+    assert not t.is_alive()
+    with pytest.raises(RuntimeError, match="stopped"):
+        t.submit(lambda: 1).result(1)
+
+
+def _thread_cpu(native_id: int) -> float:
+    with open(f"/proc/self/task/{native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc")
+def test_idle_thread_uses_no_cpu(thread):
+    """No busy spin (contract 10.1 #1): an idle second costs at most a few ticks."""
+    tid = thread.call(threading.get_native_id)
+    c0 = _thread_cpu(tid)
+    time.sleep(1.0)
+    assert _thread_cpu(tid) - c0 <= 0.05
