@@ -2,21 +2,21 @@
 """The index core of one (model, tenant): HBM tree, CPU/Disk tiers, two-phase state."""
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
-from kvconductor._hmap cimport HCursor, U64Map, pthread_rwlock_t
+from kvconductor._hmap cimport HCursor, Pool, U64Map, pthread_rwlock_t
 from kvconductor._lower cimport Lower
 from kvconductor._tree cimport Tree
 
 cdef struct TPRec:
+    uint32_t next_free          # free-list link (Pool convention: first field)
+    uint32_t has_parent         # 0: root block, 1: parent set
     uint64_t local              # LocalBlockHash of the offloaded block
     uint64_t parent             # parent engine hash (when has_parent)
     double t                    # insert time (caller's clock, seconds)
-    uint32_t has_parent         # 0: root block, 1: parent set
-    uint32_t next_free          # free-list link
 
 cdef struct TPWait:
-    double t                    # first insert time of this waiter
-    uint32_t worker             # waiting pool worker
     uint32_t next               # next waiter on the same hash, or next free record
+    uint32_t worker             # waiting pool worker
+    double t                    # first insert time of this waiter
 
 cdef struct BP:
     uint32_t group              # (instance, dp) group id
@@ -67,14 +67,10 @@ cdef class CoreIndex:
     cdef U64Map offload_m       # engine hash -> TPRec (unconfirmed engine offloads)
     cdef U64Map content_m       # engine hash -> TPRec (confirmed content, kept for promotion)
     cdef U64Map pending_m       # engine hash -> head TPWait (pool confirmations waiting)
-    cdef TPRec* recs            # record pool of offload/content entries
-    cdef size_t recs_cap
-    cdef uint32_t recs_used
-    cdef uint32_t free_rec
-    cdef TPWait* waits          # waiter pool
-    cdef size_t waits_cap
-    cdef uint32_t waits_used
-    cdef uint32_t free_wait
+    cdef TPRec* recs            # records of offload/content entries
+    cdef Pool rec_pool          # capacity, high-water mark and free list of ``recs``
+    cdef TPWait* waits          # pending-pool waiters
+    cdef Pool wait_pool         # capacity, high-water mark and free list of ``waits``
     cdef size_t npending        # live waiters
     cdef pthread_rwlock_t lock
     cdef bint lock_ok

@@ -10,7 +10,8 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from kvconductor._hmap cimport (
-    HM_NIL, HCursor, grow_array, hc_free, hc_get, hc_init_hashes, hc_init_tokens,
+    HM_NIL, HCursor, grow_array, hc_free, hc_get, hc_init_hashes, hc_init_tokens, pool_give,
+    pool_init, pool_take,
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock,
     pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get, u64m_init, u64m_nbytes,
     u64m_pop, u64m_put,
@@ -107,13 +108,9 @@ cdef class CoreIndex:
         self.nworkers = 0
         self.ngroups = 0
         self.recs = NULL
-        self.recs_cap = 0
-        self.recs_used = 0
-        self.free_rec = HM_NIL
+        pool_init(&self.rec_pool)
         self.waits = NULL
-        self.waits_cap = 0
-        self.waits_used = 0
-        self.free_wait = HM_NIL
+        pool_init(&self.wait_pool)
         self.npending = 0
         u64m_init(&self.offload_m)
         u64m_init(&self.content_m)
@@ -304,21 +301,9 @@ cdef class CoreIndex:
 
     # -- two-phase records ---------------------------------------------------------------------
     cdef uint32_t _new_rec(self, uint64_t local, bint hp, uint64_t parent, double t) noexcept nogil:
-        cdef uint32_t r
-        cdef void* p
-        if self.free_rec != HM_NIL:
-            r = self.free_rec
-            self.free_rec = self.recs[r].next_free
-        else:
-            if self.recs_used >= <uint32_t>(HM_NIL - 1):
-                return HM_NIL
-            if self.recs_used >= self.recs_cap:
-                p = grow_array(self.recs, &self.recs_cap, self.recs_used + 1, sizeof(TPRec))
-                if p == NULL:
-                    return HM_NIL
-                self.recs = <TPRec*>p
-            r = self.recs_used
-            self.recs_used += 1
+        cdef uint32_t r = pool_take(&self.rec_pool, <void**>&self.recs, sizeof(TPRec))
+        if r == HM_NIL:
+            return HM_NIL
         self.recs[r].local = local
         self.recs[r].parent = parent if hp else 0
         self.recs[r].has_parent = 1 if hp else 0
@@ -327,8 +312,7 @@ cdef class CoreIndex:
 
     cdef void _free_rec(self, uint32_t r) noexcept nogil:
         if r != HM_NIL:
-            self.recs[r].next_free = self.free_rec
-            self.free_rec = r
+            pool_give(&self.rec_pool, self.recs, r, sizeof(TPRec))
 
     cdef int _put_rec(self, U64Map* m, uint64_t h, uint64_t local, bint hp, uint64_t parent,
                       double t) noexcept nogil:
@@ -349,29 +333,16 @@ cdef class CoreIndex:
         return 0
 
     cdef uint32_t _new_wait(self, uint32_t worker, double t) noexcept nogil:
-        cdef uint32_t i
-        cdef void* p
-        if self.free_wait != HM_NIL:
-            i = self.free_wait
-            self.free_wait = self.waits[i].next
-        else:
-            if self.waits_used >= <uint32_t>(HM_NIL - 1):
-                return HM_NIL
-            if self.waits_used >= self.waits_cap:
-                p = grow_array(self.waits, &self.waits_cap, self.waits_used + 1, sizeof(TPWait))
-                if p == NULL:
-                    return HM_NIL
-                self.waits = <TPWait*>p
-            i = self.waits_used
-            self.waits_used += 1
+        cdef uint32_t i = pool_take(&self.wait_pool, <void**>&self.waits, sizeof(TPWait))
+        if i == HM_NIL:
+            return HM_NIL
         self.waits[i].worker = worker
         self.waits[i].t = t
         self.waits[i].next = HM_NIL
         return i
 
     cdef void _free_wait(self, uint32_t i) noexcept nogil:
-        self.waits[i].next = self.free_wait
-        self.free_wait = i
+        pool_give(&self.wait_pool, self.waits, i, sizeof(TPWait))
         self.npending -= 1
 
     cdef long _apply(self, uint32_t worker, bint hp, uint64_t parent, uint64_t h,
@@ -553,8 +524,7 @@ cdef class CoreIndex:
                 return -1
             self.waits[cur].next = head
             if u64m_put(&self.pending_m, h, cur) < 0:
-                self.waits[cur].next = self.free_wait
-                self.free_wait = cur
+                pool_give(&self.wait_pool, self.waits, cur, sizeof(TPWait))
                 return -1
             self.npending += 1
             queued[0] += 1
@@ -816,7 +786,7 @@ cdef class CoreIndex:
             nb = (tree_nbytes(&self.tree) + lower_nbytes(&self.tiers[0])
                   + lower_nbytes(&self.tiers[1]) + u64m_nbytes(&self.offload_m)
                   + u64m_nbytes(&self.content_m) + u64m_nbytes(&self.pending_m)
-                  + self.recs_cap * sizeof(TPRec) + self.waits_cap * sizeof(TPWait)
+                  + self.rec_pool.cap * sizeof(TPRec) + self.wait_pool.cap * sizeof(TPWait)
                   + self.wcap * (sizeof(uint32_t) + sizeof(uint8_t)))
             pthread_rwlock_unlock(&self.lock)
         return {"nodes": nodes, "hbm_pairs": pairs, "cpu_blocks": cpu, "disk_blocks": disk,

@@ -2,31 +2,27 @@
 """CPU/Disk edge tables: C structs and the nogil kernels shared with ``_index``."""
 from libc.stdint cimport uint32_t, uint64_t
 
-from kvconductor._hmap cimport HCursor, PairMap, U64Map, pthread_rwlock_t
+from kvconductor._hmap cimport HCursor, PairMap, Pool, U64Map, pthread_rwlock_t
 
 cdef struct LEdge:
+    uint32_t owners             # head of the owner list in Lower.own (next free edge when free)
+    uint32_t nowners            # number of owner workers
     uint64_t parent             # parent engine hash (meaningful when has_parent == 1)
     uint64_t local              # LocalBlockHash of the block
     uint64_t child              # engine hash of the block, fixed by the edge's creator
-    uint32_t owners             # head of the owner list in Lower.own (next free edge when free)
-    uint32_t nowners            # number of owner workers
     uint32_t has_parent         # 1: parent set, 0: root edge, HM_NIL: free slot
     uint32_t pad_               # keeps the struct 8-byte aligned
 
 cdef struct LOwner:
-    uint32_t worker             # owner worker id
     uint32_t next               # next owner of the same edge, or next free record
+    uint32_t worker             # owner worker id
 
 cdef struct Lower:
     LEdge* edges                # edge array
-    size_t edges_cap            # allocated edges
-    uint32_t edges_used         # high-water mark of edge indices
-    uint32_t free_edge          # head of the free-edge list
+    Pool edge_pool              # capacity, high-water mark and free list of ``edges``
     size_t live_edges           # edges in use
     LOwner* own                 # owner records
-    size_t own_cap              # allocated owner records
-    uint32_t own_used           # high-water mark of owner indices
-    uint32_t free_own           # head of the free-owner list
+    Pool own_pool               # capacity, high-water mark and free list of ``own``
     PairMap pairs               # (parent engine hash, local) -> edge, for non-root edges
     U64Map roots                # local -> edge, for root edges
     U64Map* rev                 # per worker: engine hash -> edge

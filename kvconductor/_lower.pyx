@@ -12,7 +12,7 @@ from libc.stdlib cimport free, malloc
 
 from kvconductor._hmap cimport (
     HM_NIL, HCursor, PSlot, grow_array, hc_get, hc_init_hashes, pm_find, pm_free, pm_get, pm_hash,
-    pm_init,
+    pm_init, pool_give, pool_init, pool_take,
     pm_nbytes, pm_pop, pm_put, pthread_rwlock_destroy, pthread_rwlock_rdlock,
     pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
     u64m_init, u64m_nbytes, u64m_pop, u64m_put,
@@ -33,14 +33,10 @@ cdef enum:
 
 cdef void lower_init(Lower* L) noexcept nogil:
     L.edges = NULL
-    L.edges_cap = 0
-    L.edges_used = 0
-    L.free_edge = HM_NIL
+    pool_init(&L.edge_pool)
     L.live_edges = 0
     L.own = NULL
-    L.own_cap = 0
-    L.own_used = 0
-    L.free_own = HM_NIL
+    pool_init(&L.own_pool)
     pm_init(&L.pairs)
     u64m_init(&L.roots)
     L.rev = NULL
@@ -62,7 +58,7 @@ cdef void lower_free(Lower* L) noexcept nogil:
 
 
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
-    cdef size_t n = L.edges_cap * sizeof(LEdge) + L.own_cap * sizeof(LOwner)
+    cdef size_t n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
     cdef size_t w
     n += pm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + L.nrev * sizeof(U64Map)
     for w in range(L.nrev):
@@ -103,22 +99,10 @@ cdef int _ensure_rev(Lower* L, uint32_t worker) noexcept nogil:
 
 cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t local,
                         uint64_t child) noexcept nogil:
-    cdef uint32_t e
-    cdef void* p
     cdef int rc
-    if L.free_edge != HM_NIL:
-        e = L.free_edge
-        L.free_edge = L.edges[e].owners
-    else:
-        if L.edges_used >= <uint32_t>(HM_NIL - 1):
-            return HM_NIL
-        if L.edges_used >= L.edges_cap:
-            p = grow_array(L.edges, &L.edges_cap, L.edges_used + 1, sizeof(LEdge))
-            if p == NULL:
-                return HM_NIL
-            L.edges = <LEdge*>p
-        e = L.edges_used
-        L.edges_used += 1
+    cdef uint32_t e = pool_take(&L.edge_pool, <void**>&L.edges, sizeof(LEdge))
+    if e == HM_NIL:
+        return HM_NIL
     L.edges[e].parent = parent if has_parent else 0
     L.edges[e].local = local
     L.edges[e].child = child
@@ -140,8 +124,7 @@ cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t loc
 
 cdef inline void _release_edge(Lower* L, uint32_t e) noexcept nogil:
     L.edges[e].has_parent = HM_NIL
-    L.edges[e].owners = L.free_edge
-    L.free_edge = e
+    pool_give(&L.edge_pool, L.edges, e, sizeof(LEdge))
 
 
 cdef void _drop_edge(Lower* L, uint32_t e) noexcept nogil:
@@ -164,21 +147,9 @@ cdef void _sync_hint(Lower* L, uint32_t e) noexcept nogil:
 
 
 cdef int _add_owner(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
-    cdef uint32_t o
-    cdef void* p
-    if L.free_own != HM_NIL:
-        o = L.free_own
-        L.free_own = L.own[o].next
-    else:
-        if L.own_used >= <uint32_t>(HM_NIL - 1):
-            return -1
-        if L.own_used >= L.own_cap:
-            p = grow_array(L.own, &L.own_cap, L.own_used + 1, sizeof(LOwner))
-            if p == NULL:
-                return -1
-            L.own = <LOwner*>p
-        o = L.own_used
-        L.own_used += 1
+    cdef uint32_t o = pool_take(&L.own_pool, <void**>&L.own, sizeof(LOwner))
+    if o == HM_NIL:
+        return -1
     L.own[o].worker = worker
     L.own[o].next = L.edges[e].owners
     L.edges[e].owners = o
@@ -196,8 +167,7 @@ cdef void _unown(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
                 L.edges[e].owners = L.own[o].next
             else:
                 L.own[prev].next = L.own[o].next
-            L.own[o].next = L.free_own
-            L.free_own = o
+            pool_give(&L.own_pool, L.own, o, sizeof(LOwner))
             L.edges[e].nowners -= 1
             break
         prev = o
@@ -320,7 +290,7 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_p
                 break
             child = sl.c
             g = sl.v + PREFETCH_AHEAD
-            if g < L.edges_used and L.edges[g].has_parent == 1:
+            if g < L.edge_pool.used and L.edges[g].has_parent == 1:
                 # PERF: a chain stored in one go occupies consecutive edge slots, so
                 # edge sl.v + k is probably the one k steps on: prefetch its table slot.
                 _prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)

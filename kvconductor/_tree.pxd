@@ -2,7 +2,7 @@
 """HBM radix tree: C structs and the nogil kernels shared with ``_index``."""
 from libc.stdint cimport uint32_t, uint64_t
 
-from kvconductor._hmap cimport EdgeMap, HCursor, U64Map, hm_mix, pthread_rwlock_t
+from kvconductor._hmap cimport EdgeMap, HCursor, Pool, U64Map, hm_mix, pthread_rwlock_t
 
 cdef inline uint64_t member_sig(uint32_t worker) noexcept nogil:
     return hm_mix(<uint64_t>worker + 1)
@@ -14,28 +14,25 @@ cdef enum:
     T_ERR_SEQUENCE = -3         # InvalidBlockSequence
 
 cdef struct TNode:
+    uint32_t members            # head of this node's member list in Tree.mem (HM_NIL: none);
+                                # the free-list link of a free node (Pool convention)
+    uint32_t parent             # parent node index (HM_NIL for the root and free nodes)
     uint64_t local              # LocalBlockHash of the block (edge key under the parent)
     uint64_t sig                # sum of member_sig(worker) over members: set fingerprint
-    uint32_t parent             # parent node index (HM_NIL for the root and free nodes)
-    uint32_t members            # head of this node's member list in Tree.mem (HM_NIL: none)
     uint32_t nmembers           # number of members (workers holding the block)
     uint32_t nchildren          # number of child edges; HM_NIL marks a free node
 
 cdef struct TMember:
-    uint64_t seq                # the member worker's engine hash for this block
-    uint32_t worker             # worker id
     uint32_t next               # next member of the same node, or next free record
+    uint32_t worker             # worker id
+    uint64_t seq                # the member worker's engine hash for this block
 
 cdef struct Tree:
     TNode* nodes                # node array, node 0 = root
-    size_t nodes_cap            # allocated nodes
-    uint32_t nodes_used         # high-water mark of node indices
-    uint32_t free_node          # head of the free-node list (linked through TNode.members)
+    Pool node_pool              # capacity, high-water mark and free list of ``nodes``
     size_t live_nodes           # nodes in use, root excluded
     TMember* mem                # member records
-    size_t mem_cap              # allocated member records
-    uint32_t mem_used           # high-water mark of member indices
-    uint32_t free_mem           # head of the free-member list
+    Pool mem_pool               # capacity, high-water mark and free list of ``mem``
     size_t npairs               # live (worker, block) pairs
     EdgeMap edges               # (parent node, local) -> child node
     U64Map* rev                 # per worker: engine hash -> node

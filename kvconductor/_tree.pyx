@@ -16,6 +16,7 @@ from libc.string cimport memset
 
 from kvconductor._hmap cimport (
     HM_NIL, HCursor, em_free, em_get, em_hash, em_init, em_nbytes, em_pop, em_put, grow_array,
+    pool_give, pool_init, pool_take,
     hc_get, hc_init_hashes, pthread_rwlock_destroy, pthread_rwlock_rdlock,
     pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
     u64m_init, u64m_nbytes, u64m_pop, u64m_put,
@@ -28,29 +29,22 @@ from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 # -- allocation ---------------------------------------------------------------------------
 cdef int tree_init(Tree* t) noexcept nogil:
     t.nodes = NULL
-    t.nodes_cap = 0
-    t.nodes_used = 0
-    t.free_node = HM_NIL
+    pool_init(&t.node_pool)
     t.live_nodes = 0
     t.mem = NULL
-    t.mem_cap = 0
-    t.mem_used = 0
-    t.free_mem = HM_NIL
+    pool_init(&t.mem_pool)
     t.npairs = 0
     em_init(&t.edges)
     t.rev = NULL
     t.nrev = 0
-    cdef void* p = grow_array(NULL, &t.nodes_cap, 64, sizeof(TNode))
-    if p == NULL:
+    if pool_take(&t.node_pool, <void**>&t.nodes, sizeof(TNode)) != T_ROOT:
         return -1
-    t.nodes = <TNode*>p
     t.nodes[0].local = 0
     t.nodes[0].parent = HM_NIL
     t.nodes[0].members = HM_NIL
     t.nodes[0].nmembers = 0
-    t.nodes[0].sig = 0
     t.nodes[0].nchildren = 0
-    t.nodes_used = 1
+    t.nodes[0].sig = 0
     return 0
 
 
@@ -64,15 +58,15 @@ cdef void tree_free(Tree* t) noexcept nogil:
     t.nrev = 0
     free(t.nodes)
     t.nodes = NULL
-    t.nodes_cap = 0
+    pool_init(&t.node_pool)
     free(t.mem)
     t.mem = NULL
-    t.mem_cap = 0
+    pool_init(&t.mem_pool)
     em_free(&t.edges)
 
 
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
-    cdef size_t n = t.nodes_cap * sizeof(TNode) + t.mem_cap * sizeof(TMember)
+    cdef size_t n = t.node_pool.cap * sizeof(TNode) + t.mem_pool.cap * sizeof(TMember)
     cdef size_t w
     n += em_nbytes(&t.edges) + t.nrev * sizeof(U64Map)
     for w in range(t.nrev):
@@ -81,21 +75,9 @@ cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
 
 
 cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nogil:
-    cdef uint32_t i
-    cdef void* p
-    if t.free_node != HM_NIL:
-        i = t.free_node
-        t.free_node = t.nodes[i].members
-    else:
-        if t.nodes_used >= <uint32_t>(HM_NIL - 1):
-            return HM_NIL
-        if t.nodes_used >= t.nodes_cap:
-            p = grow_array(t.nodes, &t.nodes_cap, t.nodes_used + 1, sizeof(TNode))
-            if p == NULL:
-                return HM_NIL
-            t.nodes = <TNode*>p
-        i = t.nodes_used
-        t.nodes_used += 1
+    cdef uint32_t i = pool_take(&t.node_pool, <void**>&t.nodes, sizeof(TNode))
+    if i == HM_NIL:
+        return HM_NIL
     t.nodes[i].local = local
     t.nodes[i].parent = parent
     t.nodes[i].members = HM_NIL
@@ -109,28 +91,12 @@ cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nog
 cdef inline void _free_node(Tree* t, uint32_t i) noexcept nogil:
     t.nodes[i].nchildren = HM_NIL
     t.nodes[i].parent = HM_NIL
-    t.nodes[i].members = t.free_node
-    t.free_node = i
+    pool_give(&t.node_pool, t.nodes, i, sizeof(TNode))
     t.live_nodes -= 1
 
 
-cdef uint32_t _alloc_member(Tree* t) noexcept nogil:
-    cdef uint32_t i
-    cdef void* p
-    if t.free_mem != HM_NIL:
-        i = t.free_mem
-        t.free_mem = t.mem[i].next
-        return i
-    if t.mem_used >= <uint32_t>(HM_NIL - 1):
-        return HM_NIL
-    if t.mem_used >= t.mem_cap:
-        p = grow_array(t.mem, &t.mem_cap, t.mem_used + 1, sizeof(TMember))
-        if p == NULL:
-            return HM_NIL
-        t.mem = <TMember*>p
-    i = t.mem_used
-    t.mem_used += 1
-    return i
+cdef inline uint32_t _alloc_member(Tree* t) noexcept nogil:
+    return pool_take(&t.mem_pool, <void**>&t.mem, sizeof(TMember))
 
 
 cdef int _ensure_rev(Tree* t, uint32_t worker) noexcept nogil:
@@ -166,8 +132,7 @@ cdef bint _unlink_member(Tree* t, uint32_t node, uint32_t worker) noexcept nogil
                 t.nodes[node].members = t.mem[m].next
             else:
                 t.mem[prev].next = t.mem[m].next
-            t.mem[m].next = t.free_mem
-            t.free_mem = m
+            pool_give(&t.mem_pool, t.mem, m, sizeof(TMember))
             t.nodes[node].nmembers -= 1
             t.nodes[node].sig -= member_sig(worker)
             t.npairs -= 1
@@ -364,7 +329,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
             # edge slot PREFETCH_AHEAD steps on is probably at (child + k, H[step + k]).
             _prefetch(&t.edges.slots[em_hash(child + PREFETCH_AHEAD - 1,
                                              hc_get(hc, step + PREFETCH_AHEAD)) & t.edges.mask])
-            _prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.nodes_used
+            _prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
                       else &t.nodes[child])
         if t.nodes[child].nmembers == alive and t.nodes[child].sig == asig:
             node = child
