@@ -626,28 +626,34 @@ cdef class CoreIndex:
         cdef Lower* L = &self.tiers[tier]
         cdef size_t n = hc.n, k, b, nc
         cdef uint32_t e, o, w, g, start
-        cdef uint64_t last
+        cdef uint64_t last, first
         if n == 0 or L.live_edges == 0:
             return 0
-        # (a) the root walk, for every owner of edge (root, H[0])
+        # (a) the root walks: every owner of a root edge of H[0] walks on from the
+        # oldest root edge it owns (one root edge per distinct first engine hash)
         e = lower_find(L, False, 0, hc_get(hc, 0))
         if e != HM_NIL:
+            memset(s.stamp, 0xFF, s.W * sizeof(uint32_t))
+        while e != HM_NIL:
             nc = 0
             o = L.edges[e].owners
             while o != HM_NIL:
                 w = L.own[o].worker
-                if w < self.nworkers and nc < s.W:
+                if w < self.nworkers and nc < s.W and s.stamp[w] == HM_NIL:
+                    s.stamp[w] = 0
                     s.cand[nc] = w
                     nc += 1
                 o = L.own[o].next
-            lower_walk_multi(L, hc, 0, False, 0, s.cand, nc, s.idx, s.W, s.oend, s.olast)
+            first = L.edges[e].child
+            lower_walk_multi(L, hc, 1, first, s.cand, nc, s.idx, s.W, s.oend, s.olast)
             for k in range(nc):
-                if s.oend[k] > 0:
-                    g = self.wgroup[s.cand[k]]
-                    if _bp_add(s, g, s.oend[k], s.olast[k]) < 0:
-                        return -1
-                    if s.oend[k] > ends[g]:
-                        ends[g] = <uint32_t>s.oend[k]
+                g = self.wgroup[s.cand[k]]
+                last = s.olast[k] if s.oend[k] > 1 else first
+                if _bp_add(s, g, s.oend[k], last) < 0:
+                    return -1
+                if s.oend[k] > ends[g]:
+                    ends[g] = <uint32_t>s.oend[k]
+            e = L.edges[e].next_root
         # (b) continuation from the same group's breakpoints (fix of 10.1 #7)
         for b in range(nin):
             start = s.bps[b].end
@@ -668,7 +674,7 @@ cdef class CoreIndex:
                 o = L.own[o].next
             if nc == 0:
                 continue
-            lower_walk_multi(L, hc, start, True, last, s.cand, nc, s.idx, s.W, s.oend, s.olast)
+            lower_walk_multi(L, hc, start, last, s.cand, nc, s.idx, s.W, s.oend, s.olast)
             for k in range(nc):
                 if s.oend[k] > start:
                     if _bp_add(s, g, s.oend[k], s.olast[k]) < 0:

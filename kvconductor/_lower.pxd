@@ -11,7 +11,7 @@ cdef struct LEdge:
     uint64_t local              # LocalBlockHash of the block
     uint64_t child              # engine hash of the block, fixed by the edge's creator
     uint32_t has_parent         # 1: parent set, 0: root edge, HM_NIL: free slot
-    uint32_t pad_               # keeps the struct 8-byte aligned
+    uint32_t next_root          # next root edge with the same LocalBlockHash (HM_NIL: last)
 
 cdef struct LOwner:
     uint32_t next               # next owner of the same edge, or next free record
@@ -24,7 +24,7 @@ cdef struct Lower:
     LOwner* own                 # owner records
     Pool own_pool               # capacity, high-water mark and free list of ``own``
     PairMap pairs               # (parent engine hash, local) -> edge, for non-root edges
-    U64Map roots                # local -> edge, for root edges
+    U64Map roots                # local -> first root edge; more via LEdge.next_root, oldest first
     U64Map* rev                 # per worker: engine hash -> edge
     size_t nrev                 # length of rev
     size_t total                # sum of the reverse maps' sizes: (worker, block) pairs
@@ -32,7 +32,11 @@ cdef struct Lower:
 cdef void lower_init(Lower* L) noexcept nogil
 cdef void lower_free(Lower* L) noexcept nogil
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil
+# Non-root edge (parent, local), or the FIRST root edge of ``local`` (has_parent false;
+# further root edges of the same content follow through LEdge.next_root).
 cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent, uint64_t local) noexcept nogil
+# The root edge of ``local`` owned by ``worker`` that was created first, or HM_NIL.
+cdef uint32_t lower_root_of(const Lower* L, uint64_t local, uint32_t worker) noexcept nogil
 cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil
 cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,
                       const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
@@ -41,11 +45,12 @@ cdef long lower_clear(Lower* L, uint32_t worker) noexcept nogil
 cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* parent,
                        uint64_t* local) noexcept nogil
 cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil
-# Walk the chain from (start, parent) once for several candidate workers: for
+# Walk the chain from (start, parent) -- parent is an engine hash, root edges are
+# entered by the caller -- once for several candidate workers: for
 # candidate k, out_end[k] = start + consecutive owned edges, out_last[k] = the
 # last child walked (valid when out_end[k] > start). ``idx`` is scratch indexed
 # by worker id, of ``nidx`` entries, all HM_NIL on entry and on return.
-cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_parent,
+cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
                            uint64_t parent, const uint32_t* cand, size_t ncand,
                            uint32_t* idx, size_t nidx, size_t* out_end,
                            uint64_t* out_last) noexcept nogil

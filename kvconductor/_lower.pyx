@@ -73,6 +73,21 @@ cdef inline uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent
     return u64m_get(&L.roots, local)
 
 
+cdef uint32_t lower_root_of(const Lower* L, uint64_t local, uint32_t worker) noexcept nogil:
+    cdef uint32_t e = u64m_get(&L.roots, local)
+    while e != HM_NIL and not lower_owns(L, e, worker):
+        e = L.edges[e].next_root
+    return e
+
+
+cdef uint32_t _root_edge(const Lower* L, uint64_t local, uint64_t child) noexcept nogil:
+    """The root edge (local, child), or HM_NIL."""
+    cdef uint32_t e = u64m_get(&L.roots, local)
+    while e != HM_NIL and L.edges[e].child != child:
+        e = L.edges[e].next_root
+    return e
+
+
 cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
     cdef uint32_t o = L.edges[e].owners
     while o != HM_NIL:
@@ -100,6 +115,7 @@ cdef int _ensure_rev(Lower* L, uint32_t worker) noexcept nogil:
 cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t local,
                         uint64_t child) noexcept nogil:
     cdef int rc
+    cdef uint32_t t
     cdef uint32_t e = pool_take(&L.edge_pool, <void**>&L.edges, sizeof(LEdge))
     if e == HM_NIL:
         return HM_NIL
@@ -114,7 +130,17 @@ cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t loc
         if rc >= 0:
             pm_find(&L.pairs, parent, local).c = child
     else:
-        rc = u64m_put(&L.roots, local, e)
+        # NOTE: engines with different hash seeds give the same first block different
+        # engine hashes; each gets its own root edge, appended so the oldest stays first.
+        L.edges[e].next_root = HM_NIL
+        t = u64m_get(&L.roots, local)
+        if t == HM_NIL:
+            rc = u64m_put(&L.roots, local, e)
+        else:
+            while L.edges[t].next_root != HM_NIL:
+                t = L.edges[t].next_root
+            L.edges[t].next_root = e
+            rc = 0
     if rc < 0:
         _release_edge(L, e)
         return HM_NIL
@@ -128,10 +154,21 @@ cdef inline void _release_edge(Lower* L, uint32_t e) noexcept nogil:
 
 
 cdef void _drop_edge(Lower* L, uint32_t e) noexcept nogil:
+    cdef uint32_t t
     if L.edges[e].has_parent:
         pm_pop(&L.pairs, L.edges[e].parent, L.edges[e].local)
     else:
-        u64m_pop(&L.roots, L.edges[e].local)
+        t = u64m_get(&L.roots, L.edges[e].local)
+        if t == e:
+            if L.edges[e].next_root == HM_NIL:
+                u64m_pop(&L.roots, L.edges[e].local)
+            else:
+                u64m_put(&L.roots, L.edges[e].local, L.edges[e].next_root)
+        else:
+            while t != HM_NIL and L.edges[t].next_root != e:
+                t = L.edges[t].next_root
+            if t != HM_NIL:
+                L.edges[t].next_root = L.edges[e].next_root
     _release_edge(L, e)
     L.live_edges -= 1
 
@@ -191,7 +228,7 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
         return -1
     cdef U64Map* rev = &L.rev[worker]
     for i in range(n):
-        e = lower_find(L, hp, p, locals[i])
+        e = pm_get(&L.pairs, p, locals[i]) if hp else _root_edge(L, locals[i], seqs[i])
         old = u64m_get(rev, seqs[i])
         if old != HM_NIL and old != e:
             break               # the worker maps this block to another key
@@ -268,13 +305,12 @@ cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil:
     return L.rev[worker].size if worker < L.nrev else 0
 
 
-cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_parent,
+cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
                            uint64_t parent, const uint32_t* cand, size_t ncand,
                            uint32_t* idx, size_t nidx, size_t* out_end,
                            uint64_t* out_last) noexcept nogil:
     cdef size_t k, pos = start, alive = ncand
     cdef uint32_t e, o, w, j
-    cdef bint hp = has_parent
     cdef uint64_t p = parent
     for k in range(ncand):
         idx[cand[k]] = <uint32_t>k
@@ -284,49 +320,38 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start, bint has_p
     cdef uint64_t child
     cdef uint32_t g
     while alive and pos < hc.n:
-        if hp:
-            sl = pm_find(&L.pairs, p, hc_get(hc, pos))
-            if sl == NULL:
-                break
-            child = sl.c
-            g = sl.v + PREFETCH_AHEAD
-            if g < L.edge_pool.used and L.edges[g].has_parent == 1:
-                # PERF: a chain stored in one go occupies consecutive edge slots, so
-                # edge sl.v + k is probably the one k steps on: prefetch its table slot.
-                _prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
-                                         & L.pairs.mask])
-            if sl.hint != HM_NIL:
-                # PERF: a sole owner is answered from the slot's cache line.
-                w = sl.hint
-                alive = 0
-                if w < nidx:
-                    j = idx[w]
-                    if j != HM_NIL and out_end[j] == pos:
-                        out_end[j] = pos + 1
-                        out_last[j] = child
-                        alive = 1
-                p = child
-                pos += 1
-                continue
-            e = sl.v
-        else:
-            e = u64m_get(&L.roots, hc_get(hc, pos))
-            if e == HM_NIL:
-                break
-            child = L.edges[e].child
+        sl = pm_find(&L.pairs, p, hc_get(hc, pos))
+        if sl == NULL:
+            break
+        child = sl.c
+        g = sl.v + PREFETCH_AHEAD
+        if g < L.edge_pool.used and L.edges[g].has_parent == 1:
+            # PERF: a chain stored in one go occupies consecutive edge slots, so
+            # edge sl.v + k is probably the one k steps on: prefetch its table slot.
+            _prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
+                                     & L.pairs.mask])
         alive = 0
-        o = L.edges[e].owners
-        while o != HM_NIL:
-            w = L.own[o].worker
+        if sl.hint != HM_NIL:
+            # PERF: a sole owner is answered from the slot's cache line.
+            w = sl.hint
             if w < nidx:
                 j = idx[w]
                 if j != HM_NIL and out_end[j] == pos:
                     out_end[j] = pos + 1
                     out_last[j] = child
-                    alive += 1
-            o = L.own[o].next
+                    alive = 1
+        else:
+            o = L.edges[sl.v].owners
+            while o != HM_NIL:
+                w = L.own[o].worker
+                if w < nidx:
+                    j = idx[w]
+                    if j != HM_NIL and out_end[j] == pos:
+                        out_end[j] = pos + 1
+                        out_last[j] = child
+                        alive += 1
+                o = L.own[o].next
         p = child
-        hp = True
         pos += 1
     for k in range(ncand):
         idx[cand[k]] = HM_NIL
@@ -406,13 +431,18 @@ cdef class LowerTier:
         return (p if hp else None, local)
 
     def walk(self, uint32_t worker, local_hashes, size_t start, parent):
-        """``(count, last_engine_hash | None)`` of ``worker``'s owned run from ``start``."""
+        """``(count, last_engine_hash | None)`` of ``worker``'s owned run from ``start``.
+
+        With ``parent`` None the run starts on the oldest root edge of
+        ``H[start]`` that ``worker`` owns.
+        """
         cdef const uint64_t[::1] lv = as_u64(local_hashes)
-        cdef size_t n = lv.shape[0], nidx = <size_t>worker + 1, end = start
+        cdef size_t n = lv.shape[0], nidx = <size_t>worker + 1, end = start, k
         cdef bint hp = parent is not None
-        cdef uint64_t p = parent if hp else 0, last = 0
+        cdef uint64_t p = parent if hp else 0, last = 0, first = 0
         cdef HCursor hc
-        cdef uint32_t cand = worker
+        cdef uint32_t cand = worker, e
+        cdef size_t begin = start
         cdef uint32_t* idx
         if start >= n:
             return (0, None)
@@ -424,10 +454,22 @@ cdef class LowerTier:
             idx[k] = HM_NIL
         with nogil:
             pthread_rwlock_rdlock(&self.lock)
-            lower_walk_multi(&self.L, &hc, start, hp, p, &cand, 1, idx, nidx, &end, &last)
+            e = HM_NIL
+            if not hp:
+                e = lower_root_of(&self.L, lv[start], worker)
+                if e != HM_NIL:
+                    first = self.L.edges[e].child
+                    p = first
+                    begin = start + 1
+            if hp or e != HM_NIL:
+                lower_walk_multi(&self.L, &hc, begin, p, &cand, 1, idx, nidx, &end, &last)
+                if end == begin and not hp:
+                    last = first
             pthread_rwlock_unlock(&self.lock)
         free(idx)
-        return (end - start, last if end > start else None)
+        if end == start:
+            return (0, None)
+        return (end - start, last)
 
     def worker_blocks(self, uint32_t worker):
         """Number of blocks ``worker`` holds in this tier."""

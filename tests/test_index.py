@@ -100,6 +100,25 @@ def test_cpu_root_used_when_no_hbm_on_dp(ix):
     assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
 
 
+def test_cpu_root_chains_of_differently_seeded_engines_both_count(ix):
+    """inst-a and inst-b hold the same 3 blocks on CPU under different engine hashes
+    (random NONE_HASH per process): both get their own root walk, 0/3/0 = 12 tokens,
+    however the stores interleave. The reference let the first writer own the root."""
+    cpu_b = key("inst-b", Medium.CPU)
+    other = [e + 1000 for e in E]
+    ix.store_tokens(CPU_A, None, E[:1], toks(1), BS)
+    ix.store_tokens(cpu_b, None, other[:2], toks(2), BS)
+    ix.store_tokens(CPU_A, E[0], E[1:3], toks(1, 3), BS)
+    ix.store_tokens(cpu_b, other[1], other[2:3], toks(2, 3), BS)
+    assert query(ix, 3) == {
+        "inst-a": {"longest_matched": 12, "DP": {"0": dp(0, 3, 0)}},
+        "inst-b": {"longest_matched": 12, "DP": {"0": dp(0, 3, 0)}},
+    }
+    # inst-a's root block is evicted: only inst-b still holds a root chain
+    ix.remove(CPU_A, E[:1])
+    assert query(ix, 3) == {"inst-b": {"longest_matched": 12, "DP": {"0": dp(0, 3, 0)}}}
+
+
 def test_disk_continuation_from_cpu_breakpoint(ix):
     # 6.6: NPU 1 + CPU 1 after it + Disk 1 after the CPU block -> 1/1/1, 12
     ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)

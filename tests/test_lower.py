@@ -58,11 +58,31 @@ def test_shared_edge_remove_preserves_other_owner(LowerTier):
 # -- store chain-stop rules -----------------------------------------------------------------
 
 
+def test_root_blocks_with_other_engine_hashes_get_their_own_root_edge(LowerTier):
+    """Engines seeded differently give the same first block different engine hashes
+    (vLLM 0.10.2-0.28 draw NONE_HASH at random). Each keeps its own root chain: the
+    reference's first-writer-wins root edge hid B's CPU copy entirely."""
+    lt = LowerTier()
+    lt.store(A, None, [101, 102], [1, 2])
+    assert lt.store(B, None, [201, 202], [1, 2]) == 2
+    assert lt.worker_blocks(B) == 2
+    # 4 edges: root (1)->101 and (1)->201, then (101,2) and (201,2); 4 (worker, block) pairs
+    assert counters(lt) == (4, 4)
+    assert lt.walk(A, [1, 2, 3], 0, None) == (2, 102)
+    assert lt.walk(B, [1, 2, 3], 0, None) == (2, 202)
+    assert lt.lookup_block(201) == (None, 1)
+    # B drops its root block: A's root edge and B's now-orphaned tail are unaffected
+    assert lt.remove(B, [201]) == 1
+    assert lt.walk(A, [1, 2], 0, None) == (2, 102)
+    assert lt.walk(B, [1, 2], 0, None) == (0, None)
+    assert counters(lt) == (3, 3)
+
+
 def test_store_stops_on_edge_with_other_child(LowerTier):
     lt = LowerTier()
-    lt.store(A, None, [101], [1])
-    # B's first block wants edge (None,1) with child 201, but its child is 101: nothing accepted
-    assert lt.store(B, None, [201, 202], [1, 2]) == 0
+    lt.store(A, 100, [101], [1])
+    # B's first block wants edge (100,1) with child 201, but its child is 101: nothing accepted
+    assert lt.store(B, 100, [201, 202], [1, 2]) == 0
     assert lt.worker_blocks(B) == 0
     assert counters(lt) == (1, 1)
 

@@ -14,7 +14,7 @@ import threading
 
 from kvconductor._py.tree import u64_list, u64_or_none
 
-EdgeKey = tuple  # (parent engine hash | None, LocalBlockHash)
+EdgeKey = tuple  # (parent engine hash, LocalBlockHash) or, for root edges, (None, local, child)
 
 
 class _Edge:
@@ -28,11 +28,14 @@ class _Edge:
 
 
 class LowerTier:
-    """Edges ``(parent engine hash | None, LocalBlockHash) -> (child, owners)``."""
+    """Edges ``(parent engine hash, LocalBlockHash) -> (child, owners)``; root edges
+    ``(None, LocalBlockHash, child)``: one per distinct first engine hash."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._edges: dict[EdgeKey, _Edge] = {}
+        #: LocalBlockHash -> children of its root edges, oldest first
+        self._roots: dict[int, list[int]] = {}
         #: worker -> {engine hash -> edge key}; the worker owns exactly these edges.
         self._rev: dict[int, dict[int, EdgeKey]] = {}
 
@@ -50,21 +53,37 @@ class LowerTier:
             edge.owners.discard(worker)
             if not edge.owners:
                 del self._edges[key]
+                if key[0] is None:
+                    children = self._roots[key[1]]
+                    children.remove(key[2])
+                    if not children:
+                        del self._roots[key[1]]
             removed += 1
         if not rev:
             del self._rev[worker]
         return removed
 
     def _owners(self, parent: int | None, local: int) -> list[int]:
+        if parent is None:
+            return sorted(set().union(*(self._edges[(None, local, c)].owners
+                                        for c in self._roots.get(local, ()))))
         edge = self._edges.get((parent, local))
         return sorted(edge.owners) if edge is not None else []
+
+    def _root_of(self, local: int, worker: int) -> int | None:
+        """Child of the oldest root edge of ``local`` that ``worker`` owns."""
+        for c in self._roots.get(local, ()):
+            if worker in self._edges[(None, local, c)].owners:
+                return c
+        return None
 
     # -- mutations (writer thread) -------------------------------------------------------
     def store(self, worker: int, parent: int | None, engine_hashes, local_hashes) -> int:
         """Store a chain; returns the number of blocks accepted. Never raises on content.
 
         The chain stops at the first block the worker already maps under another
-        edge key, or whose edge exists with another child.
+        edge key, or whose (non-root) edge exists with another child. A root block
+        with a new engine hash gets a root edge of its own.
         """
         seqs = u64_list(engine_hashes)
         locs = u64_list(local_hashes)
@@ -74,7 +93,7 @@ class LowerTier:
             rev = self._rev.get(worker, {})
             accepted = 0
             for seq, local in zip(seqs[:n], locs[:n]):
-                key = (p, local)
+                key = (p, local) if p is not None else (None, local, seq)
                 mapped = rev.get(seq)
                 if mapped is not None and mapped != key:
                     break
@@ -83,6 +102,8 @@ class LowerTier:
                     break
                 if edge is None:
                     edge = self._edges[key] = _Edge(seq)
+                    if p is None:
+                        self._roots.setdefault(local, []).append(seq)
                 edge.owners.add(worker)
                 rev[seq] = key
                 p = seq
@@ -113,7 +134,7 @@ class LowerTier:
             for w in sorted(self._rev):
                 key = self._rev[w].get(h)
                 if key is not None:
-                    return key
+                    return key[0], key[1]
             return None
 
     def owners(self, parent: int | None, local: int) -> list[int]:
@@ -125,8 +146,9 @@ class LowerTier:
              ) -> tuple[int, int | None]:
         """``(count, last_seq)`` of the worker's contiguous run from ``(start, parent)``.
 
-        Steps while edge ``(p, H[pos])`` exists and ``worker`` owns it;
-        ``last_seq`` is the last child walked, ``None`` when ``count`` is 0.
+        Steps while edge ``(p, H[pos])`` exists and ``worker`` owns it (with ``p``
+        None: the oldest root edge of ``H[pos]`` the worker owns); ``last_seq`` is
+        the last child walked, ``None`` when ``count`` is 0.
         """
         hs = u64_list(local_hashes)
         p = u64_or_none(parent)
@@ -135,6 +157,13 @@ class LowerTier:
         with self._lock:
             pos = start
             while pos < len(hs):
+                if p is None:
+                    child = self._root_of(hs[pos], worker)
+                    if child is None:
+                        break
+                    p = child
+                    pos += 1
+                    continue
                 edge = self._edges.get((p, hs[pos]))
                 if edge is None or worker not in edge.owners:
                     break
