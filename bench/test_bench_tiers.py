@@ -76,3 +76,26 @@ def test_lower_tier_memory(benchmark, tiered):
     benchmark.extra_info.update(lower_blocks=lower, nbytes=s["nbytes"])
     benchmark(ix.core.stats)
     assert lower == GROUPS * (DOC_BLOCKS - DOC_BLOCKS // 4)
+
+
+def test_lower_tier_store(benchmark):
+    """Blocks stored per second into one lower tier (64 workers, 32-block chained stores;
+    every worker has its own engine hashes for the same content)."""
+    from kvconductor._hash import hash_blocks
+    from kvconductor._lower import LowerTier
+    H = hash_blocks(make_tokens(4096 * BLOCK, 6), BLOCK)
+    seqs = [array.array("Q", range((w + 1) << 32, ((w + 1) << 32) + len(H))) for w in range(64)]
+    events = [(w, None if i == 0 else seqs[w][i - 1], seqs[w][i:i + EVENT_BLOCKS],
+               H[i:i + EVENT_BLOCKS])
+              for w in range(64) for i in range(0, len(H), EVENT_BLOCKS)]
+
+    def run():
+        tier = LowerTier()
+        for w, parent, s, h in events:
+            tier.store(w, parent, s, h)
+        return tier
+
+    benchmark.group = "store"
+    tier = benchmark.pedantic(run, rounds=3, iterations=1)
+    assert tier.total_blocks == 64 * len(H)
+    benchmark.extra_info["blocks_per_round"] = 64 * len(H)
