@@ -20,7 +20,7 @@ path does)::
     blocks, parent_not_found, invalid_sequence, oom = fb.apply(core, hbm_worker, clear_ids)
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
-from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcmp
 
@@ -28,7 +28,8 @@ from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
 from kvconductor._hmap cimport HM_NIL, grow_array
 from kvconductor._index cimport OP_CLEAR, OP_EVICT, OP_STORE, BatchOp, CoreIndex
 from kvconductor._tree cimport T_ERR_OOM, T_ERR_PARENT, T_ERR_SEQUENCE
-from kvconductor._wire cimport WIRE_OK, mp_u32_array, wcur
+from kvconductor._wire cimport (WIRE_EOF, WIRE_NOT_INT, WIRE_OK, _eq, _left, mp_bin,
+                                mp_container, mp_int, mp_num_size, mp_str, mp_u32_array, wcur)
 
 # -- result flags of a parsed batch ------------------------------------------------------
 cdef enum:
@@ -54,12 +55,6 @@ cdef enum:
 
 _REASONS = ("", "envelope", "truncated", "event", "medium", "hash", "field", "pool_key",
             "duplicate_key", "tokens", "block_size", "skipped_value", "out_of_memory")
-
-# -- msgpack value classification (T_OTHER: another type, cursor unchanged) -------------
-cdef enum:
-    T_OK = 0
-    T_OTHER = 1
-    T_EOF = 2
 
 # -- event kinds and field ids -------------------------------------------------------------
 cdef enum:
@@ -102,175 +97,26 @@ cdef enum:
     TRIM_ITEMS = 1 << 20        # scratch above this many items is freed after a batch
 
 
-cdef inline uint16_t _be16(const uint8_t* p) noexcept nogil:
-    return (<uint16_t>p[0] << 8) | p[1]
-
-
-cdef inline uint32_t _be32(const uint8_t* p) noexcept nogil:
-    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
-
-
-cdef inline uint64_t _be64(const uint8_t* p) noexcept nogil:
-    return (<uint64_t>_be32(p) << 32) | _be32(p + 4)
-
-
-cdef inline size_t _left(const wcur* c) noexcept nogil:
-    return <size_t>(c.end - c.p)
+cdef inline int _r(int rc, int other) noexcept nogil:
+    """The R_* code of a msgpack reader's WIRE_* result (the one place they are mapped):
+    R_OK, R_TRUNCATED, or ``other`` for a value of another type (cursor unchanged)."""
+    if rc == WIRE_OK:
+        return R_OK
+    return R_TRUNCATED if rc == WIRE_EOF else other
 
 
 cdef inline int _container(wcur* c, bint is_map, size_t* n) noexcept nogil:
-    """Array or map header; every element (map: key and value) needs >= 1 more byte."""
-    cdef size_t left = _left(c)
-    cdef uint8_t b
-    cdef size_t k
-    if left == 0:
-        return T_EOF
-    b = c.p[0]
-    if (b & 0xf0) == (0x80 if is_map else 0x90):
-        k = b & 0x0f
-        c.p += 1
-    elif b == (0xde if is_map else 0xdc):
-        if left < 3:
-            return T_EOF
-        k = _be16(c.p + 1)
-        c.p += 3
-    elif b == (0xdf if is_map else 0xdd):
-        if left < 5:
-            return T_EOF
-        k = _be32(c.p + 1)
-        c.p += 5
-    else:
-        return T_OTHER
-    n[0] = k
-    if (2 * k if is_map else k) > _left(c):
-        return T_EOF
-    return T_OK
+    """Array or map header (WIRE_* code); every element (map: key and value) needs >= 1
+    more byte, else WIRE_EOF."""
+    cdef int rc = mp_container(c, 0x80 if is_map else 0x90, 0xde if is_map else 0xdc, n)
+    if rc == WIRE_OK and (2 * n[0] if is_map else n[0]) > _left(c):
+        return WIRE_EOF
+    return rc
 
 
-cdef inline int _str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
-    cdef size_t left = _left(c), hdr, ln
-    cdef uint8_t b
-    if left == 0:
-        return T_EOF
-    b = c.p[0]
-    if 0xa0 <= b <= 0xbf:
-        hdr = 1
-        ln = b & 0x1f
-    elif b == 0xd9:
-        if left < 2:
-            return T_EOF
-        hdr = 2
-        ln = c.p[1]
-    elif b == 0xda:
-        if left < 3:
-            return T_EOF
-        hdr = 3
-        ln = _be16(c.p + 1)
-    elif b == 0xdb:
-        if left < 5:
-            return T_EOF
-        hdr = 5
-        ln = _be32(c.p + 1)
-    else:
-        return T_OTHER
-    if ln > left - hdr:
-        return T_EOF
-    s[0] = c.p + hdr
-    n[0] = ln
-    c.p += hdr + ln
-    return T_OK
-
-
-cdef inline int _bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
-    cdef size_t left = _left(c), hdr, ln
-    cdef uint8_t b
-    if left == 0:
-        return T_EOF
-    b = c.p[0]
-    if b == 0xc4:
-        if left < 2:
-            return T_EOF
-        hdr = 2
-        ln = c.p[1]
-    elif b == 0xc5:
-        if left < 3:
-            return T_EOF
-        hdr = 3
-        ln = _be16(c.p + 1)
-    elif b == 0xc6:
-        if left < 5:
-            return T_EOF
-        hdr = 5
-        ln = _be32(c.p + 1)
-    else:
-        return T_OTHER
-    if ln > left - hdr:
-        return T_EOF
-    s[0] = c.p + hdr
-    n[0] = ln
-    c.p += hdr + ln
-    return T_OK
-
-
-cdef inline int _int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
-    """Any msgpack int: its 64 bits (two's complement when negative) and sign."""
-    cdef size_t left = _left(c)
-    cdef const uint8_t* p = c.p
-    cdef uint8_t b
-    cdef int64_t s
-    if left == 0:
-        return T_EOF
-    b = p[0]
-    neg[0] = False
-    if b <= 0x7f:
-        bits[0] = b
-        c.p += 1
-        return T_OK
-    if b >= 0xe0:
-        bits[0] = <uint64_t><int64_t><int8_t>b
-        neg[0] = True
-        c.p += 1
-        return T_OK
-    if b < 0xcc or b > 0xd3:
-        return T_OTHER
-    if b == 0xcc or b == 0xd0:
-        if left < 2:
-            return T_EOF
-        if b == 0xcc:
-            bits[0] = p[1]
-        else:
-            s = <int8_t>p[1]
-            bits[0] = <uint64_t>s
-            neg[0] = s < 0
-        c.p += 2
-    elif b == 0xcd or b == 0xd1:
-        if left < 3:
-            return T_EOF
-        if b == 0xcd:
-            bits[0] = _be16(p + 1)
-        else:
-            s = <int16_t>_be16(p + 1)
-            bits[0] = <uint64_t>s
-            neg[0] = s < 0
-        c.p += 3
-    elif b == 0xce or b == 0xd2:
-        if left < 5:
-            return T_EOF
-        if b == 0xce:
-            bits[0] = _be32(p + 1)
-        else:
-            s = <int32_t>_be32(p + 1)
-            bits[0] = <uint64_t>s
-            neg[0] = s < 0
-        c.p += 5
-    else:
-        if left < 9:
-            return T_EOF
-        bits[0] = _be64(p + 1)
-        if b == 0xd3:
-            neg[0] = <int64_t>bits[0] < 0
-        c.p += 9
-    return T_OK
+cdef inline bint _one_byte(uint8_t b) noexcept nogil:
+    """nil, bool or fixint: a whole value in its first byte."""
+    return b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3
 
 
 cdef inline bint _ascii(const uint8_t* s, size_t n) noexcept nogil:
@@ -284,50 +130,44 @@ cdef inline bint _ascii(const uint8_t* s, size_t n) noexcept nogil:
 cdef int _skip(wcur* c, int depth) noexcept nogil:
     """Skip one value the decoders ignore (raw msgpack). Ext values, byte 0xc1 and
     nesting deeper than MAX_DEPTH are left to the Python path."""
-    cdef size_t left = _left(c), n, i, hdr = 1
+    cdef size_t n, i
     cdef const uint8_t* s
     cdef uint8_t b
+    cdef bint is_map
     cdef int rc
-    if left == 0:
+    if _left(c) == 0:
         return R_TRUNCATED
     b = c.p[0]
-    if b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
+    if _one_byte(b):
         c.p += 1
         return R_OK
-    if (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf or (b & 0xf0) == 0x90 or b == 0xdc or b == 0xdd:
+    if 0xca <= b <= 0xd3:       # int, float
+        n = mp_num_size(b)
+        if n > _left(c):
+            return R_TRUNCATED
+        c.p += n
+        return R_OK
+    is_map = (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf
+    if is_map or (b & 0xf0) == 0x90 or b == 0xdc or b == 0xdd:
         if depth >= MAX_DEPTH:
             return R_SKIPPED_VALUE
-        rc = _container(c, (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf, &n)
-        if rc != T_OK:
-            return R_TRUNCATED
-        if (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf:
+        rc = _r(_container(c, is_map, &n), R_TRUNCATED)
+        if rc:
+            return rc
+        if is_map:
             n *= 2
         for i in range(n):
+            if c.p < c.end and _one_byte(c.p[0]):
+                c.p += 1        # no call for the common [None, ...] / small ints
+                continue
             rc = _skip(c, depth + 1)
             if rc:
                 return rc
         return R_OK
-    rc = _str(c, &s, &n)
-    if rc == T_OTHER:
-        rc = _bin(c, &s, &n)
-    if rc == T_OK:
-        return R_OK
-    if rc == T_EOF:
-        return R_TRUNCATED
-    if b == 0xca or b == 0xce or b == 0xd2:
-        hdr = 5
-    elif b == 0xcb or b == 0xcf or b == 0xd3:
-        hdr = 9
-    elif b == 0xcc or b == 0xd0:
-        hdr = 2
-    elif b == 0xcd or b == 0xd1:
-        hdr = 3
-    else:                       # 0xc1, ext types
-        return R_SKIPPED_VALUE
-    if left < hdr:
-        return R_TRUNCATED
-    c.p += hdr
-    return R_OK
+    rc = mp_str(c, &s, &n)
+    if rc == WIRE_NOT_INT:
+        rc = mp_bin(c, &s, &n)
+    return _r(rc, R_SKIPPED_VALUE)     # not a str or bin: 0xc1, ext types
 
 
 cdef int _any(wcur* c) noexcept nogil:
@@ -340,17 +180,15 @@ cdef int _any(wcur* c) noexcept nogil:
     if left == 0:
         return R_TRUNCATED
     b = c.p[0]
-    if b == 0xc0 or b == 0xc2 or b == 0xc3 or b <= 0x7f or b >= 0xe0:
+    if _one_byte(b):
         c.p += 1
         return R_OK
     if 0xca <= b <= 0xd3 or 0xc4 <= b <= 0xc6:
         return _skip(c, 0)
-    rc = _str(c, &s, &n)
-    if rc == T_EOF:
-        return R_TRUNCATED
-    if rc == T_OK and _ascii(s, n):
-        return R_OK
-    return R_FIELD
+    rc = _r(mp_str(c, &s, &n), R_FIELD)
+    if rc == R_OK and not _ascii(s, n):
+        rc = R_FIELD
+    return rc
 
 
 cdef inline int _nil(wcur* c) noexcept nogil:
@@ -366,16 +204,14 @@ cdef inline int _hash(wcur* c, uint64_t* h) noexcept nogil:
     cdef bint neg
     cdef const uint8_t* s
     cdef size_t n, i
-    cdef int rc = _int(c, h, &neg)
-    if rc == T_OK:
-        return R_OK
-    if rc == T_EOF:
-        return R_TRUNCATED
-    rc = _bin(c, &s, &n)
-    if rc == T_EOF:
-        return R_TRUNCATED
-    if rc != T_OK or n == 0:
-        return R_HASH           # str (parse_hash_str), bool, float, nil, empty bin, ...
+    cdef int rc = _r(mp_int(c, h, &neg), R_HASH)
+    if rc != R_HASH:
+        return rc               # an int, or truncated
+    rc = _r(mp_bin(c, &s, &n), R_HASH)
+    if rc == R_OK and n == 0:
+        rc = R_HASH
+    if rc:
+        return rc               # str (parse_hash_str), bool, float, nil, empty bin, ...
     i = n - 8 if n > 8 else 0
     while i < n:
         v = (v << 8) | s[i]
@@ -387,11 +223,9 @@ cdef inline int _hash(wcur* c, uint64_t* h) noexcept nogil:
 cdef inline int _tag(wcur* c, int* kind) noexcept nogil:
     cdef const uint8_t* s
     cdef size_t n
-    cdef int rc = _str(c, &s, &n)
-    if rc == T_EOF:
-        return R_TRUNCATED
-    if rc != T_OK:
-        return R_EVENT
+    cdef int rc = _r(mp_str(c, &s, &n), R_EVENT)
+    if rc:
+        return rc
     if n == 11 and memcmp(s, b"BlockStored", 11) == 0:
         kind[0] = K_STORED
     elif n == 12 and memcmp(s, b"BlockRemoved", 12) == 0:
@@ -401,10 +235,6 @@ cdef inline int _tag(wcur* c, int* kind) noexcept nogil:
     else:
         return R_EVENT
     return R_OK
-
-
-cdef inline bint _eq(const uint8_t* s, size_t n, const char* lit, size_t m) noexcept nogil:
-    return n == m and memcmp(s, lit, m) == 0
 
 
 cdef int _fid(const uint8_t* s, size_t n) noexcept nogil:
@@ -554,9 +384,9 @@ cdef class FastBatch:
             ev.nh = 0
             if _nil(c):
                 return R_OK
-            rc = _container(c, False, &n)
-            if rc != T_OK:
-                return R_TRUNCATED if rc == T_EOF else R_HASH
+            rc = _r(_container(c, False, &n), R_HASH)
+            if rc:
+                return rc
             if self._reserve_hashes(self.hs_used + n) < 0:
                 return R_OOM
             for i in range(n):
@@ -577,9 +407,9 @@ cdef class FastBatch:
             ev.ntok = 0
             if _nil(c):
                 return R_OK
-            rc = _container(c, False, &n)
-            if rc != T_OK:
-                return R_TRUNCATED if rc == T_EOF else R_TOKENS
+            rc = _r(_container(c, False, &n), R_TOKENS)
+            if rc:
+                return rc
             if n > self.tok_cap:
                 p = grow_array(self.tok, &self.tok_cap, n, sizeof(uint32_t))
                 if p == NULL:
@@ -593,11 +423,9 @@ cdef class FastBatch:
             ev.bs = 0
             if _nil(c):
                 return R_OK
-            rc = _int(c, &v, &neg)
-            if rc == T_EOF:
-                return R_TRUNCATED
-            if rc != T_OK:
-                return R_FIELD
+            rc = _r(mp_int(c, &v, &neg), R_FIELD)
+            if rc:
+                return rc
             if neg or v > <uint64_t>0xFFFFFFFF:
                 return R_BLOCK_SIZE
             ev.bs = v
@@ -609,11 +437,9 @@ cdef class FastBatch:
                 elif fid == FID_KIND:
                     ev.kind_rejected = 0
                 return R_OK
-            rc = _str(c, &s, &n)
-            if rc == T_EOF:
-                return R_TRUNCATED
-            if rc != T_OK:
-                return R_FIELD
+            rc = _r(mp_str(c, &s, &n), R_FIELD)
+            if rc:
+                return rc
             if fid == FID_MEDIUM:
                 return R_OK if _hbm_medium(s, n) else R_MEDIUM
             if not _ascii(s, n):
@@ -643,10 +469,10 @@ cdef class FastBatch:
         ev.seen = 0
         ev.has_parent = 0
         ev.kind_rejected = 0
-        rc = _container(c, False, &n)
-        if rc == T_EOF:
-            return R_TRUNCATED
-        if rc == T_OK:
+        rc = _r(_container(c, False, &n), R_EVENT)     # R_EVENT: not an array, a map?
+        if rc == R_TRUNCATED:
+            return rc
+        if rc == R_OK:
             # -- array form: tag, then fields by position -----------------------------------
             if n == 0:
                 return R_EVENT
@@ -665,13 +491,12 @@ cdef class FastBatch:
                     return rc
         else:
             # -- map form: by name; "type" first in practice, anywhere per msgspec --------
-            rc = _container(c, True, &n)
-            if rc != T_OK:
-                return R_TRUNCATED if rc == T_EOF else R_EVENT
+            rc = _r(_container(c, True, &n), R_EVENT)
+            if rc:
+                return rc
             save = c.p
             if n:
-                rc = _str(c, &s, &i)
-                if rc == T_OK and _eq(s, i, b"type", 4):
+                if mp_str(c, &s, &i) == WIRE_OK and _eq(s, i, b"type", 4):
                     rc = _tag(c, &kind)
                     if rc:
                         return rc
@@ -681,9 +506,9 @@ cdef class FastBatch:
                     c.p = save
             if kind < 0:
                 for i in range(n):
-                    rc = _str(c, &s, &nb)
-                    if rc != T_OK:
-                        return R_TRUNCATED if rc == T_EOF else R_EVENT
+                    rc = _r(mp_str(c, &s, &nb), R_EVENT)
+                    if rc:
+                        return rc
                     if _eq(s, nb, b"type", 4):
                         if kind >= 0:
                             return R_DUPLICATE
@@ -698,9 +523,9 @@ cdef class FastBatch:
             known = _KNOWN_STORED if kind == K_STORED else (
                 _KNOWN_REMOVED if kind == K_REMOVED else _KNOWN_CLEARED)
             for i in range(pairs_done, n):
-                rc = _str(c, &s, &nb)
-                if rc != T_OK:
-                    return R_TRUNCATED if rc == T_EOF else R_EVENT
+                rc = _r(mp_str(c, &s, &nb), R_EVENT)
+                if rc:
+                    return rc
                 fid = _fid(s, nb)
                 if fid == FID_POOL:
                     return R_POOL_KEY   # a pool map (see apply._looks_like_pool)
@@ -791,9 +616,9 @@ cdef class FastBatch:
         c.base = buf
         c.p = buf + 10
         c.end = buf + size
-        rc = _container(&c, False, &nev)
-        if rc != T_OK:
-            return -(R_TRUNCATED if rc == T_EOF else R_ENVELOPE)
+        rc = _r(_container(&c, False, &nev), R_ENVELOPE)
+        if rc:
+            return -rc
         if nev > self.rec_cap:
             i = self.rec_cap
             p = grow_array(self.recs, &i, nev, sizeof(EvRec))
@@ -811,9 +636,9 @@ cdef class FastBatch:
             if rc:
                 return -rc
         if buf[0] == 0x93 and not _nil(&c):
-            rc = _int(&c, &v, &neg)
-            if rc != T_OK:
-                return -(R_TRUNCATED if rc == T_EOF else R_ENVELOPE)
+            rc = _r(mp_int(&c, &v, &neg), R_ENVELOPE)
+            if rc:
+                return -rc
         if c.p != c.end:
             return -R_ENVELOPE   # trailing bytes: msgspec rejects the payload
         return <int>(nev if nev < 0x7FFFFFFF else 0x7FFFFFFF)

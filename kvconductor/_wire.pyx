@@ -77,27 +77,11 @@ cdef enum:
 
 
 # =========================================================================================
-# Small C helpers
+# Small C helpers (_be16/_be32/_be64, _left and _eq are inline in _wire.pxd)
 # =========================================================================================
-
-cdef inline uint16_t _be16(const uint8_t* p) noexcept nogil:
-    return <uint16_t>((<uint16_t>p[0] << 8) | p[1])
-
-
-cdef inline uint32_t _be32(const uint8_t* p) noexcept nogil:
-    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | <uint32_t>p[3]
-
-
-cdef inline uint64_t _be64(const uint8_t* p) noexcept nogil:
-    return (<uint64_t>_be32(p) << 32) | <uint64_t>_be32(p + 4)
-
 
 cdef inline uint32_t _le32(const uint8_t* p) noexcept nogil:
     return (<uint32_t>p[3] << 24) | (<uint32_t>p[2] << 16) | (<uint32_t>p[1] << 8) | <uint32_t>p[0]
-
-
-cdef inline size_t _left(const wcur* c) noexcept nogil:
-    return <size_t>(c.end - c.p)
 
 
 cdef inline bint _is_digit(uint8_t ch) noexcept nogil:
@@ -595,7 +579,7 @@ cdef int json_u64_array(wcur* c, uint64_t* out, size_t cap, size_t* count) noexc
 
 
 # =========================================================================================
-# MessagePack scanners
+# MessagePack scanners (the small readers mp_int/mp_str/mp_bin/mp_container: _wire.pxd)
 # =========================================================================================
 
 cdef int mp_skip(wcur* c) noexcept nogil:
@@ -660,14 +644,8 @@ cdef int mp_skip(wcur* c) noexcept nogil:
                 c.p = end
                 return WIRE_EOF
             ln = _be32(p + 1)
-        elif b == 0xca or b == 0xce or b == 0xd2:
-            hdr = 5
-        elif b == 0xcb or b == 0xcf or b == 0xd3:
-            hdr = 9
-        elif b == 0xcc or b == 0xd0:
-            hdr = 2
-        elif b == 0xcd or b == 0xd1:
-            hdr = 3
+        elif b <= 0xd3:                     # float, int (0xca..0xd3)
+            hdr = mp_num_size(b)
         elif b == 0xd4:                     # fixext 1/2/4/8/16: type byte + data
             hdr = 3
         elif b == 0xd5:
@@ -707,80 +685,6 @@ cdef int mp_skip(wcur* c) noexcept nogil:
             return WIRE_EOF
         p += hdr + ln
     c.p = p
-    return WIRE_OK
-
-
-cdef inline int _mp_int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
-    """Any msgpack int at c.p: bits (two's complement when neg) and sign."""
-    cdef const uint8_t* p = c.p
-    cdef size_t left = _left(c)
-    cdef uint8_t b
-    cdef int64_t s
-    if left == 0:
-        return WIRE_EOF
-    b = p[0]
-    if b <= 0x7f:
-        bits[0] = b
-        neg[0] = False
-        c.p = p + 1
-        return WIRE_OK
-    if b >= 0xe0:
-        bits[0] = <uint64_t><int64_t><int8_t>b
-        neg[0] = True
-        c.p = p + 1
-        return WIRE_OK
-    if b == 0xcc:
-        if left < 2:
-            return WIRE_EOF
-        bits[0] = p[1]
-        neg[0] = False
-        c.p = p + 2
-        return WIRE_OK
-    if b == 0xcd:
-        if left < 3:
-            return WIRE_EOF
-        bits[0] = _be16(p + 1)
-        neg[0] = False
-        c.p = p + 3
-        return WIRE_OK
-    if b == 0xce:
-        if left < 5:
-            return WIRE_EOF
-        bits[0] = _be32(p + 1)
-        neg[0] = False
-        c.p = p + 5
-        return WIRE_OK
-    if b == 0xcf:
-        if left < 9:
-            return WIRE_EOF
-        bits[0] = _be64(p + 1)
-        neg[0] = False
-        c.p = p + 9
-        return WIRE_OK
-    if b == 0xd0:
-        if left < 2:
-            return WIRE_EOF
-        s = <int8_t>p[1]
-        c.p = p + 2
-    elif b == 0xd1:
-        if left < 3:
-            return WIRE_EOF
-        s = <int16_t>_be16(p + 1)
-        c.p = p + 3
-    elif b == 0xd2:
-        if left < 5:
-            return WIRE_EOF
-        s = <int32_t>_be32(p + 1)
-        c.p = p + 5
-    elif b == 0xd3:
-        if left < 9:
-            return WIRE_EOF
-        s = <int64_t>_be64(p + 1)
-        c.p = p + 9
-    else:
-        return WIRE_BAD_BYTE if b == 0xc1 else WIRE_NOT_INT
-    bits[0] = <uint64_t>s
-    neg[0] = s < 0
     return WIRE_OK
 
 
@@ -859,7 +763,7 @@ cdef int mp_u32_array(wcur* c, uint32_t* out, size_t n, size_t* count) noexcept 
                 break
         else:
             c.p = p
-            rc = _mp_int(c, &v, &neg)
+            rc = mp_int(c, &v, &neg)
             if rc:
                 break
             if not neg and v > _I64_MAX:
@@ -881,7 +785,7 @@ cdef int mp_u64_array(wcur* c, uint64_t* out, size_t n, size_t* count) noexcept 
     cdef const uint8_t* p
     while i < n:
         p = c.p
-        rc = _mp_int(c, &v, &neg)
+        rc = mp_int(c, &v, &neg)
         if rc:
             break
         if neg:
@@ -894,111 +798,9 @@ cdef int mp_u64_array(wcur* c, uint64_t* out, size_t n, size_t* count) noexcept 
     return rc
 
 
-cdef inline int _mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
-    """str at c.p: WIRE_OK (c.p past it), WIRE_EOF, or WIRE_NOT_INT meaning 'not a str'."""
-    cdef const uint8_t* p = c.p
-    cdef size_t left = _left(c)
-    cdef size_t hdr, ln
-    cdef uint8_t b
-    if left == 0:
-        return WIRE_EOF
-    b = p[0]
-    if 0xa0 <= b <= 0xbf:
-        hdr = 1
-        ln = b & 0x1f
-    elif b == 0xd9:
-        hdr = 2
-        if left < 2:
-            return WIRE_EOF
-        ln = p[1]
-    elif b == 0xda:
-        hdr = 3
-        if left < 3:
-            return WIRE_EOF
-        ln = _be16(p + 1)
-    elif b == 0xdb:
-        hdr = 5
-        if left < 5:
-            return WIRE_EOF
-        ln = _be32(p + 1)
-    else:
-        return WIRE_NOT_INT
-    if ln > left - hdr:
-        return WIRE_EOF
-    s[0] = p + hdr
-    n[0] = ln
-    c.p = p + hdr + ln
-    return WIRE_OK
-
-
-cdef inline int _mp_container(wcur* c, uint8_t fix, uint8_t m16, size_t* n) noexcept nogil:
-    """Array (fix=0x90, m16=0xdc) or map (fix=0x80, m16=0xde) header at c.p.
-
-    WIRE_OK (c.p past the header), WIRE_EOF, or WIRE_NOT_INT meaning 'other type'."""
-    cdef const uint8_t* p = c.p
-    cdef size_t left = _left(c)
-    cdef uint8_t b
-    if left == 0:
-        return WIRE_EOF
-    b = p[0]
-    if (b & 0xf0) == fix:
-        n[0] = b & 0x0f
-        c.p = p + 1
-    elif b == m16:
-        if left < 3:
-            return WIRE_EOF
-        n[0] = _be16(p + 1)
-        c.p = p + 3
-    elif b == m16 + 1:
-        if left < 5:
-            return WIRE_EOF
-        n[0] = _be32(p + 1)
-        c.p = p + 5
-    else:
-        return WIRE_NOT_INT
-    return WIRE_OK
-
-
-cdef inline int _mp_bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
-    cdef const uint8_t* p = c.p
-    cdef size_t left = _left(c)
-    cdef size_t hdr, ln
-    cdef uint8_t b
-    if left == 0:
-        return WIRE_EOF
-    b = p[0]
-    if b == 0xc4:
-        hdr = 2
-        if left < 2:
-            return WIRE_EOF
-        ln = p[1]
-    elif b == 0xc5:
-        hdr = 3
-        if left < 3:
-            return WIRE_EOF
-        ln = _be16(p + 1)
-    elif b == 0xc6:
-        hdr = 5
-        if left < 5:
-            return WIRE_EOF
-        ln = _be32(p + 1)
-    else:
-        return WIRE_NOT_INT
-    if ln > left - hdr:
-        return WIRE_EOF
-    s[0] = p + hdr
-    n[0] = ln
-    c.p = p + hdr + ln
-    return WIRE_OK
-
-
 # =========================================================================================
 # Request parsing (with the GIL; the big scans release it)
 # =========================================================================================
-
-cdef inline bint _eq(const uint8_t* s, size_t n, const char* lit, size_t m) noexcept nogil:
-    return n == m and memcmp(s, lit, m) == 0
-
 
 cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
     if _eq(s, n, b"model", 5):
@@ -1253,7 +1055,7 @@ cdef str _mp_str_value(wcur* c, int fid, bint nullable):
     if nullable and _left(c) and c.p[0] == 0xc0:
         c.p += 1
         return None
-    rc = _mp_str(c, &s, &n)
+    rc = mp_str(c, &s, &n)
     if rc == WIRE_NOT_INT:
         raise WireError(f"invalid type for `{_field_name(fid)}`: expected "
                         + ("a string or nil" if nullable else "a string"))
@@ -1264,7 +1066,7 @@ cdef str _mp_str_value(wcur* c, int fid, bint nullable):
 cdef object _mp_block_size(wcur* c):
     cdef uint64_t v = 0
     cdef bint neg = False
-    _check(_mp_int(c, &v, &neg), c, False, F_BLOCK_SIZE, -1)
+    _check(mp_int(c, &v, &neg), c, False, F_BLOCK_SIZE, -1)
     return _block_size(v, neg)
 
 
@@ -1275,7 +1077,7 @@ cdef array.array _mp_values(wcur* c, bint u64, int fid):
     cdef array.array arr
     cdef uint32_t* o
     cdef size_t i
-    rc = _mp_container(c, 0x90, 0xdc, &n)
+    rc = mp_container(c, 0x90, 0xdc, &n)
     if rc == WIRE_OK:
         if n > _left(c):            # every element needs at least one byte
             c.p = c.end
@@ -1296,7 +1098,7 @@ cdef array.array _mp_values(wcur* c, bint u64, int fid):
         _check(rc, c, False, fid, <Py_ssize_t>cnt)
         return arr
     if rc == WIRE_NOT_INT and not u64:
-        rc = _mp_bin(c, &s, &n)
+        rc = mp_bin(c, &s, &n)
         if rc == WIRE_OK:
             # packed tokens: little-endian u32
             if n % 4:
@@ -1349,13 +1151,13 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
     c.end = buf + size
     if size == 0:
         raise WireError("empty body")
-    rc = _mp_container(&c, 0x80, 0xde, &n)
+    rc = mp_container(&c, 0x80, 0xde, &n)
     if rc == WIRE_OK:
         if n > _left(&c):
             c.p = c.end
             _check(WIRE_EOF, &c, False, F_UNKNOWN, -1)
         for i in range(n):
-            rc = _mp_str(&c, &s, &klen)
+            rc = mp_str(&c, &s, &klen)
             if rc == WIRE_NOT_INT:
                 raise WireError("map keys must be strings")
             _check(rc, &c, False, F_UNKNOWN, -1)
@@ -1372,7 +1174,7 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
             else:
                 _mp_skip_checked(&c)
     elif rc == WIRE_NOT_INT:
-        rc = _mp_container(&c, 0x90, 0xdc, &n)
+        rc = mp_container(&c, 0x90, 0xdc, &n)
         if rc == WIRE_NOT_INT:
             raise WireError("expected a map or an array")
         _check(rc, &c, False, F_UNKNOWN, -1)
