@@ -21,17 +21,10 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    if config.getoption("--benchmark"):
-        config.option.benchmark_enable = True
-        config.option.benchmark_only = True
-
-
-def pytest_ignore_collect(collection_path, config):
-    if collection_path.parent != ROOT or not collection_path.is_dir():
-        return None
-    bench = config.getoption("--benchmark")
-    if collection_path.name == "bench" and not bench:
-        return True
-    if collection_path.name == "tests" and bench:
-        return True
-    return None
+    if not config.getoption("--benchmark"):
+        return
+    config.option.benchmark_enable = True
+    config.option.benchmark_only = True
+    # With no paths on the command line, collect bench/ instead of the testpaths.
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        config.args[:] = [str(ROOT / "bench")]
