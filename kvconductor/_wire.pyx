@@ -1211,6 +1211,13 @@ def parse_query(body, bint msgpack, bint by_hash):
     block hashes. ``block_size`` defaults to 0 for /query_by_hash. Raises
     :class:`WireError` on any malformed body.
     """
+    cdef const uint8_t[::1] view
+    if msgpack and not PyBytes_Check(body):
+        # PERF: msgpack scanners need no sentinel: read a bytearray/memoryview in place.
+        view = body
+        if view.shape[0] == 0:
+            return _parse_msgpack(<const uint8_t*>b"", 0, by_hash)
+        return _parse_msgpack(&view[0], <size_t>view.shape[0], by_hash)
     if not PyBytes_Check(body):
         body = bytes(body)          # JSON scanners need the NUL sentinel of bytes
     cdef const uint8_t* buf = <const uint8_t*>PyBytes_AS_STRING(body)
