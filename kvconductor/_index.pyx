@@ -22,12 +22,11 @@ from kvconductor._lower cimport (
     lower_remove, lower_store, lower_walk_multi, lower_worker_blocks,
 )
 from kvconductor._tree cimport (
-    T_ERR_OOM, T_ERR_PARENT, T_ERR_SEQUENCE, tree_clear, tree_free, tree_init, tree_match,
+    T_ERR_OOM, check_rc, tree_clear, tree_free, tree_init, tree_match,
     tree_nbytes, tree_remove, tree_store, tree_worker_blocks,
 )
 
 from kvconductor._hash import as_u64, to_u32_tokens
-from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 
 cdef enum:
     ERR_OOM = -1
@@ -207,7 +206,7 @@ cdef class CoreIndex:
             pthread_rwlock_wrlock(&self.lock)
             rc = self._store_c(worker, tier, hp, p, &sv[0], &lv[0], n)
             pthread_rwlock_unlock(&self.lock)
-        return _check(rc)
+        return check_rc(rc)
 
     def store_tokens(self, uint32_t worker, parent, engine_hashes, tokens, size_t block_size,
                      uint64_t seed=1337):
@@ -233,7 +232,7 @@ cdef class CoreIndex:
             rc = self._store_c(worker, tier, hp, p, &sv[0], loc, n)
             pthread_rwlock_unlock(&self.lock)
         free(loc)
-        return _check(rc)
+        return check_rc(rc)
 
     cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs, size_t n) noexcept nogil:
         if tier == 0:
@@ -797,13 +796,3 @@ cdef class CoreIndex:
             pthread_rwlock_unlock(&self.lock)
         return {"nodes": nodes, "hbm_pairs": pairs, "cpu_blocks": cpu, "disk_blocks": disk,
                 "offload": off, "content": con, "pending": pen, "nbytes": nb}
-
-
-def _check(long rc):
-    if rc >= 0:
-        return rc
-    if rc == T_ERR_PARENT:
-        raise ParentBlockNotFound()
-    if rc == T_ERR_SEQUENCE:
-        raise InvalidBlockSequence()
-    raise MemoryError()

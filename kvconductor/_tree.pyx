@@ -423,7 +423,7 @@ cdef class RadixTree:
             pthread_rwlock_wrlock(&self.lock)
             rc = tree_store(&self.t, worker, has_parent, p, &sv[0], &lv[0], n)
             pthread_rwlock_unlock(&self.lock)
-        return _check(rc)
+        return check_rc(rc)
 
     def remove(self, uint32_t worker, engine_hashes):
         """Remove blocks of ``worker`` by engine hash; returns how many it held."""
@@ -504,7 +504,8 @@ cdef class RadixTree:
         return tree_nbytes(&self.t)
 
 
-def _check(long rc):
+cdef long check_rc(long rc) except -1:
+    """Map a tree_store/_remove code to its exception (the one place that does)."""
     if rc >= 0:
         return rc
     if rc == T_ERR_PARENT:
