@@ -19,10 +19,15 @@ Deviations from the reference (contract 10.1):
   index is dropped (it is stale: the engine re-announces under the new
   identity).
 * #14: an empty endpoint URL (in ``endpoint`` or any ``medium_endpoints``
-  value) is rejected with :class:`RegistrationError` (HTTP 400).
+  value) never becomes a subscription. The real Coordinator's re-registration
+  path sends every medium key, unset ones as ``""``; those URLs are dropped
+  with one WARN line naming them and the rest are subscribed. A registration
+  left with no URL at all is HTTP-only, exactly as when ``medium_endpoints``
+  is absent (the reference answered 500 for ``endpoint: ""``).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +36,8 @@ from kvconductor.keys import Medium, StoreBackend, is_hbm_key, parse_medium
 from kvconductor.schema import RegisterRequest
 
 _ALL_MEDIA = (Medium.NPU, Medium.CPU, Medium.DISK)
+
+log = logging.getLogger("kvconductor")
 
 
 class RegistrationError(ValueError):
@@ -63,29 +70,48 @@ def medium_key(medium: Medium) -> str:
     return medium.display.lower()
 
 
+def _blank(url: str | None) -> bool:
+    return url is None or not url.strip()
+
+
+def drop_empty_urls(medium_endpoints: dict[str, str] | None, endpoint: str | None
+                    ) -> tuple[dict[str, str], str | None, list[str]]:
+    """``(medium_endpoints, endpoint, dropped)`` without empty or blank URLs.
+
+    ``dropped`` names what was removed (``medium_endpoints['cpu']``,
+    ``endpoint``) for the WARN line.
+    """
+    kept: dict[str, str] = {}
+    dropped: list[str] = []
+    for key, url in (medium_endpoints or {}).items():
+        if _blank(url):
+            dropped.append(f"medium_endpoints[{key!r}]")
+        else:
+            kept[key] = url
+    if endpoint is not None and _blank(endpoint):
+        dropped.append("endpoint")
+        endpoint = None
+    return kept, endpoint, dropped
+
+
 def resolve_endpoints(medium_endpoints: dict[str, str] | None,
                       endpoint: str | None) -> dict[str, tuple[Medium, ...]]:
     """Group the registration's endpoints by URL (contract 3.3).
 
     Returns ``{url: media}`` in first-seen order (media de-duplicated), ``{}``
     for an HTTP-only registration. A legacy ``endpoint`` maps to
-    ``[NPU, CPU, DISK]``. Raises :class:`RegistrationError` for an empty URL.
+    ``[NPU, CPU, DISK]``. Empty URLs must have been dropped
+    (:func:`drop_empty_urls`).
     """
     groups: dict[str, list[Medium]] = {}
     if medium_endpoints:
         for key, url in medium_endpoints.items():
-            if not url or not url.strip():
-                raise RegistrationError(
-                    f"medium_endpoints[{key!r}] is empty; every medium endpoint needs a URL")
             media = groups.setdefault(url, [])
             m = parse_medium(key)
             if m not in media:
                 media.append(m)
         return {url: tuple(media) for url, media in groups.items()}
-    if endpoint is not None:
-        if not endpoint.strip():
-            raise RegistrationError(
-                "endpoint is empty; either medium_endpoints or a valid endpoint is required")
+    if endpoint:
         return {endpoint: _ALL_MEDIA}
     return {}
 
@@ -114,6 +140,8 @@ class EndpointInfo:
     store_backend: str
     is_pool: bool = False
     node_id: str | None = None
+    #: ``((url, media), ...)``: the subscriptions this registration asked for.
+    sources: tuple = ()
 
     @property
     def backend(self) -> StoreBackend:
@@ -180,15 +208,17 @@ class RegisterOutcome:
     dp_rank: int
     model_name: str
     tenant_id: str
-    #: The instance existed before this request (the replay gate, contract 3.4 step 9).
+    #: The instance existed before this request.
     instance_existed: bool
     #: The (instance, DP) existed before: stop its old subscriptions first.
     reregistered: bool
+    #: An identical re-registration of a live DP: keep its subscriptions, replay nothing.
+    unchanged: bool
     #: Drop the DP's data from this (model, tenant) index (backend/identity change).
     drop_from: tuple[str, str] | None
     #: One subscription per distinct URL.
     contexts: list[SubscriberContext]
-    #: Replay to request (first registration of the instance with a replay endpoint).
+    #: Replay to request: a new or changed (instance, DP) registration with a replay endpoint.
     replay: SubscriberContext | None
     ips_added: list[str]
     ips_removed: list[str]
@@ -281,11 +311,16 @@ class Registry:
         """
         if not req.instance_id:
             raise RegistrationError("instance_id must not be empty")
-        groups = resolve_endpoints(req.medium_endpoints, req.endpoint)
+        medium_endpoints, endpoint, dropped = drop_empty_urls(req.medium_endpoints, req.endpoint)
+        if dropped:
+            log.warning("registration instance_id=%s dp_rank=%d: empty endpoint URLs ignored: %s%s",
+                        req.instance_id, req.dp_rank, ", ".join(dropped),
+                        "" if medium_endpoints or endpoint else " (HTTP-only registration)")
+        groups = resolve_endpoints(medium_endpoints, endpoint)
         backend_name = req.store_backend or "Mooncake"
         backend = StoreBackend.parse(backend_name)
         tenant = req.tenant_id or "default"
-        is_pool = backend.is_pool_backend and not req.medium_endpoints and bool(req.endpoint)
+        is_pool = backend.is_pool_backend and not medium_endpoints and bool(endpoint)
         replay_endpoint = req.replay_endpoint or None
 
         entry = self.instances.get(req.instance_id)
@@ -303,8 +338,8 @@ class Registry:
                 drop_from = old.index_key
 
         ips_added: list[str] = []
-        if backend.indexes_hbm_ip and not is_pool and req.medium_endpoints:
-            for key, url in req.medium_endpoints.items():
+        if backend.indexes_hbm_ip and not is_pool and medium_endpoints:
+            for key, url in medium_endpoints.items():
                 if not is_hbm_key(key):
                     continue
                 ip = extract_ip(url)
@@ -321,18 +356,22 @@ class Registry:
             for url, media in groups.items()
         ]
 
-        # Replay (contract 3.4 step 9) pairs with a live subscription: the one carrying
-        # NPU (the engine's own publisher), else the first. HTTP-only: nothing to replay into.
-        replay = None
-        if replay_endpoint and not instance_existed and contexts:
-            replay = next((c for c in contexts if Medium.NPU in c.default_media), contexts[0])
-
         info = EndpointInfo(
             dp_rank=req.dp_rank, engine_type=req.engine_type,
-            medium_endpoints=normalize_medium_endpoints(req.medium_endpoints, req.endpoint),
-            replay_endpoint=req.replay_endpoint, model_name=req.modelname, tenant_id=tenant,
+            medium_endpoints=normalize_medium_endpoints(medium_endpoints, endpoint),
+            replay_endpoint=replay_endpoint, model_name=req.modelname, tenant_id=tenant,
             block_size=req.block_size, store_backend=backend_name, is_pool=is_pool,
-            node_id=req.node_id)
+            node_id=req.node_id, sources=tuple((c.url, c.default_media) for c in contexts))
+        unchanged = old is not None and old == info
+
+        # Replay runs per (instance, DP): the reference replayed only the first DP of an
+        # instance. It pairs with a live subscription: the one carrying NPU (the engine's
+        # own publisher), else the first. HTTP-only: nothing to replay into. An identical
+        # re-registration keeps its subscription (and its sequence tracking): no replay.
+        replay = None
+        if replay_endpoint and contexts and not unchanged:
+            replay = next((c for c in contexts if Medium.NPU in c.default_media), contexts[0])
+
         if entry is None:
             entry = self.instances[req.instance_id] = WorkerEntry(
                 instance_id=req.instance_id, model_name=req.modelname, tenant_id=tenant,
@@ -347,7 +386,7 @@ class Registry:
         return RegisterOutcome(
             instance_id=req.instance_id, dp_rank=req.dp_rank, model_name=req.modelname,
             tenant_id=tenant, instance_existed=instance_existed, reregistered=old is not None,
-            drop_from=drop_from, contexts=contexts, replay=replay, ips_added=ips_added,
+            unchanged=unchanged, drop_from=drop_from, contexts=contexts, replay=replay, ips_added=ips_added,
             ips_removed=ips_removed, is_pool=is_pool)
 
     def unregister(self, instance_id: str, dp_rank: int) -> UnregisterOutcome:

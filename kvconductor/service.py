@@ -384,6 +384,13 @@ class Conductor:
                  req.tenant_id or "default", req.block_size, req.store_backend,
                  req.medium_endpoints or {}, req.endpoint, req.replay_endpoint)
         out = self.registry.register(req)  # validates before changing anything
+        if out.unchanged:
+            # The Coordinator's repair path and periodic re-register timer resend what we
+            # have: keep the live subscriptions (no batch lost, no replay).
+            log.info("re-registration unchanged; subscriptions kept instance_id=%s dp_rank=%d",
+                     req.instance_id, req.dp_rank)
+            self.get_or_create_index(out.model_name, out.tenant_id)
+            return
         if out.reregistered:
             log.info("re-registering existing worker instance_id=%s dp_rank=%d",
                      req.instance_id, req.dp_rank)

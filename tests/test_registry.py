@@ -5,7 +5,8 @@ import pytest
 
 from kvconductor.keys import Medium, StoreBackend
 from kvconductor.registry import (
-    Registry, RegistrationError, extract_ip, normalize_medium_endpoints, resolve_endpoints,
+    Registry, RegistrationError, drop_empty_urls, extract_ip, normalize_medium_endpoints,
+    resolve_endpoints,
 )
 from kvconductor.schema import RegisterRequest
 
@@ -78,16 +79,49 @@ def test_resolve_http_only():
     assert resolve_endpoints({}, None) == {}
 
 
-@pytest.mark.parametrize("medium_endpoints,endpoint", [
-    (None, ""),
-    ({}, "  "),
-    ({"npu": "tcp://h:1", "cpu": ""}, None),
-    ({"disk": ""}, "tcp://h:1"),
+@pytest.mark.parametrize("medium_endpoints,endpoint,kept,kept_endpoint,dropped", [
+    (None, "", {}, None, ["endpoint"]),
+    ({}, "  ", {}, None, ["endpoint"]),
+    ({"npu": "tcp://h:1", "cpu": ""}, None, {"npu": "tcp://h:1"}, None,
+     ["medium_endpoints['cpu']"]),
+    ({"disk": ""}, "tcp://h:1", {}, "tcp://h:1", ["medium_endpoints['disk']"]),
+    ({"xpu": "tcp://h:1", "cpu": "", "disk": " "}, None, {"xpu": "tcp://h:1"}, None,
+     ["medium_endpoints['cpu']", "medium_endpoints['disk']"]),
+    ({"npu": "tcp://h:1"}, "tcp://h:2", {"npu": "tcp://h:1"}, "tcp://h:2", []),
 ])
-def test_resolve_rejects_empty_urls(medium_endpoints, endpoint):
-    # Fix of 10.1 #14: an empty URL is a client error, not a subscriber that never connects.
-    with pytest.raises(RegistrationError, match="empty"):
-        resolve_endpoints(medium_endpoints, endpoint)
+def test_drop_empty_urls(medium_endpoints, endpoint, kept, kept_endpoint, dropped):
+    assert drop_empty_urls(medium_endpoints, endpoint) == (kept, kept_endpoint, dropped)
+
+
+def test_coordinator_register_post_with_empty_media_subscribes_the_rest(caplog):
+    # The real Coordinator's register_post sends every medium key, unset ones as "".
+    r = Registry()
+    with caplog.at_level("WARNING", logger="kvconductor"):
+        out = r.register(reg(medium_endpoints={"xpu": "tcp://10.0.0.1:5557", "cpu": "",
+                                               "disk": ""}))
+    assert [(c.url, c.default_media) for c in out.contexts] == [("tcp://10.0.0.1:5557", (NPU,))]
+    assert r.get("vllm-prefill-1").endpoints[0].medium_endpoints == {"npu": "tcp://10.0.0.1:5557"}
+    assert r.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
+    (line,) = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert "medium_endpoints['cpu'], medium_endpoints['disk']" in line
+    assert "HTTP-only" not in line
+
+
+@pytest.mark.parametrize("kw", [
+    {"medium_endpoints": {"xpu": "", "cpu": "", "disk": ""}},
+    {"endpoint": ""},
+    {"medium_endpoints": {"npu": " "}, "endpoint": ""},
+])
+def test_all_empty_urls_is_http_only(kw, caplog):
+    r = Registry()
+    with caplog.at_level("WARNING", logger="kvconductor"):
+        out = r.register(reg(replay_endpoint="tcp://10.0.0.1:6667", **kw))
+    assert out.contexts == [] and out.replay is None and not out.is_pool
+    assert r.get("vllm-prefill-1").endpoints[0].medium_endpoints == {}
+    assert "(HTTP-only registration)" in caplog.text
+    # Exactly as when medium_endpoints is absent.
+    plain = Registry().register(reg(replay_endpoint="tcp://10.0.0.1:6667"))
+    assert (plain.contexts, plain.replay, plain.is_pool) == ([], None, False)
 
 
 def test_normalized_keys():
@@ -117,16 +151,51 @@ def test_register_new_instance_contexts_and_replay():
     assert r.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
 
 
-def test_replay_only_on_first_registration_of_the_instance():
+def test_replay_per_instance_and_dp():
+    # Every (instance, DP) gets its own replay, whether or not another DP of the instance
+    # is registered (the reference replayed only the instance's first DP).
     r = Registry()
     rep = "tcp://10.0.0.1:6667"
-    npu = {"npu": "tcp://10.0.0.1:5557"}
-    assert r.register(reg(replay_endpoint=rep, medium_endpoints=npu)).replay is not None
-    assert r.register(reg(dp_rank=1, replay_endpoint=rep, medium_endpoints=npu)).replay is None
-    assert r.register(reg(replay_endpoint=rep, medium_endpoints=npu)).replay is None
-    assert Registry().register(reg(replay_endpoint="", medium_endpoints=npu)).replay is None
+    out0 = r.register(reg(replay_endpoint=rep, medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
+    out1 = r.register(reg(dp_rank=1, replay_endpoint="tcp://10.0.0.1:6668",
+                          medium_endpoints={"npu": "tcp://10.0.0.1:5558"}))
+    assert (out0.replay.dp_rank, out0.replay.url) == (0, "tcp://10.0.0.1:5557")
+    assert (out1.replay.dp_rank, out1.replay.url) == (1, "tcp://10.0.0.1:5558")
+    assert out1.instance_existed and not out1.reregistered
+    assert out1.replay.replay_endpoint == "tcp://10.0.0.1:6668"
+    assert Registry().register(reg(replay_endpoint="", medium_endpoints={"npu": "tcp://h:1"})
+                               ).replay is None
     # HTTP-only registration: no live subscription to replay into.
     assert Registry().register(reg(replay_endpoint=rep)).replay is None
+
+
+def test_identical_reregistration_is_unchanged_and_replays_nothing():
+    r = Registry()
+    kw = dict(replay_endpoint="tcp://10.0.0.1:6667", medium_endpoints={"npu": "tcp://10.0.0.1:5557"})
+    assert not r.register(reg(**kw)).unchanged
+    again = r.register(reg(**kw))
+    assert again.reregistered and again.unchanged and again.replay is None
+    assert again.drop_from is None
+    assert r.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
+    # The Coordinator's register_post form (same URL plus empty keys) is the same registration.
+    same = r.register(reg(replay_endpoint="tcp://10.0.0.1:6667",
+                          medium_endpoints={"xpu": "tcp://10.0.0.1:5557", "cpu": "", "disk": ""}))
+    assert same.unchanged and same.replay is None
+
+
+@pytest.mark.parametrize("change", [
+    {"medium_endpoints": {"npu": "tcp://10.0.0.1:5599"}},
+    {"replay_endpoint": "tcp://10.0.0.1:6699"},
+    {"block_size": 64},
+    {"modelname": "other"},
+])
+def test_changed_reregistration_resubscribes_and_replays(change):
+    r = Registry()
+    kw = dict(replay_endpoint="tcp://10.0.0.1:6667", medium_endpoints={"npu": "tcp://10.0.0.1:5557"})
+    r.register(reg(**kw))
+    out = r.register(reg(**(kw | change)))
+    assert out.reregistered and not out.unchanged
+    assert out.replay is not None and out.replay.dp_rank == 0
 
 
 def test_replay_prefers_the_npu_subscription():
@@ -234,9 +303,7 @@ def test_register_validation_changes_nothing():
     r = Registry()
     r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
     with pytest.raises(RegistrationError):
-        r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.2:1", "cpu": ""}))
-    with pytest.raises(RegistrationError):
-        r.register(reg(instance_id=""))
+        r.register(reg(instance_id="", medium_endpoints={"npu": "tcp://10.0.0.2:1"}))
     assert r.hbm_ip_index == {"10.0.0.1": [("vllm-prefill-1", 0)]}
     assert r.get("vllm-prefill-1").endpoints[0].medium_endpoints == {"npu": "tcp://10.0.0.1:1"}
 

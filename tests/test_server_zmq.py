@@ -174,3 +174,67 @@ def test_hash_golden_vectors_over_query_by_hash(server):
             "matched_tokens": 3, "npu_blocks": 3, "cpu_blocks": 0, "disk_blocks": 0}}}}}
     finally:
         pub.stop()
+
+
+def test_conductor_restart_replays_every_dp_of_an_instance(tmp_path):
+    """Two DP publishers of one instance keep publishing while the conductor restarts:
+    each DP's registration brings its own replay, so both DPs come back (the reference
+    replayed only the first DP of an instance). The registration is the Coordinator's
+    ``register_post`` shape, with the unset media as empty strings."""
+    v = schema("vllm", "0.33.0")
+    pubs = [FakePublisher() for _ in range(2)]
+    # DP d caches its own 3-block chain of distinct tokens.
+    chains = [[1000 * (d + 1) + i for i in range(12)] for d in range(2)]
+
+    def register(srv, d):
+        r = srv.http.post("/register", json={
+            "instance_id": "vllm-prefill-7", "type": "vLLM", "modelname": "qwen",
+            "block_size": BS, "dp_rank": d, "store_backend": "Mooncake",
+            "medium_endpoints": {"xpu": pubs[d].url, "cpu": "", "disk": ""},
+            "replay_endpoint": pubs[d].replay_url})
+        assert r.status_code == 201, r.text
+
+    def hits(srv, d):
+        return (dp_entry(query(srv, chains[d])[1], "vllm-prefill-7", d) or {}).get("npu_blocks")
+
+    try:
+        for d, pub in enumerate(pubs):
+            pub.publish(v.batch([v.stored([0xD000 + 16 * d + i for i in range(3)], None,
+                                          chains[d], BS, medium="GPU")], dp=d))
+        # The conductor starts after the engines published (a restart): only replay
+        # can bring these blocks back.
+        srv = Server(tmp_path)
+        try:
+            srv.wait_ready()
+            for d in range(2):
+                register(srv, d)
+            for d in range(2):
+                wait_until(lambda d=d: hits(srv, d) == 3, msg=f"DP {d} replayed")
+            assert query(srv, chains[0])[1] == {"default": {"vllm-prefill-7": {
+                "longest_matched": 12, "DP": {"0": {"matched_tokens": 12, "npu_blocks": 3,
+                                                    "cpu_blocks": 0, "disk_blocks": 0}}}}}
+            assert [p.replay_requests for p in pubs] == [[0], [0]]
+            log = srv.log()
+            assert "empty endpoint URLs ignored: medium_endpoints['cpu'], " \
+                   "medium_endpoints['disk']" in log
+        finally:
+            srv.terminate()
+        # A second restart: the same again, and the identical re-registration that the
+        # Coordinator's repair timer sends afterwards neither resubscribes nor replays.
+        srv = Server(tmp_path)
+        try:
+            srv.wait_ready()
+            for d in range(2):
+                register(srv, d)
+            for d in range(2):
+                wait_until(lambda d=d: hits(srv, d) == 3, msg=f"DP {d} replayed again")
+            register(srv, 1)
+            src = [s for s in srv.http.get("/workers").json()["sources"]
+                   if s["instance_id"] == "vllm-prefill-7"]
+            assert sorted((s["dp_rank"], s["replays"]) for s in src) == [(0, 1), (1, 1)]
+            assert [p.replay_requests for p in pubs] == [[0, 0], [0, 0]]
+        finally:
+            srv.terminate()
+    finally:
+        for p in pubs:
+            p.stop()

@@ -314,7 +314,7 @@ def test_backend_id_routes_to_its_own_worker(conductor):
 
 # -- registration side effects ----------------------------------------------------------------
 
-def test_register_subscribes_per_url_and_replays_once(conductor):
+def test_register_subscribes_per_url_and_replays(conductor):
     subs = conductor.subs
     conductor.call(conductor.register, reg(
         store_backend="YuanRong", replay_endpoint="tcp://h:6667",
@@ -328,8 +328,26 @@ def test_register_subscribes_per_url_and_replays_once(conductor):
     conductor.call(conductor.register, reg(
         store_backend="YuanRong", replay_endpoint="tcp://h:6667",
         medium_endpoints={"npu": "tcp://h:1"}))
-    assert [c[0] for c in subs.calls] == ["unsubscribe", "subscribe"]
+    # A changed registration hands over to new subscriptions and replays.
+    assert [c[0] for c in subs.calls] == ["unsubscribe", "subscribe", "replay"]
     assert subs.calls[0][1:] == ("vllm-prefill-1", 0)
+    subs.calls.clear()
+    # An identical one keeps the live subscription: nothing stopped, nothing replayed.
+    conductor.call(conductor.register, reg(
+        store_backend="YuanRong", replay_endpoint="tcp://h:6667",
+        medium_endpoints={"npu": "tcp://h:1", "cpu": ""}))
+    assert subs.calls == []
+
+
+def test_every_dp_of_an_instance_replays(conductor):
+    subs = conductor.subs
+    for dp in (0, 1):
+        conductor.call(conductor.register, reg(
+            dp_rank=dp, replay_endpoint=f"tcp://h:{6667 + dp}",
+            medium_endpoints={"npu": f"tcp://h:{5557 + dp}"}))
+    replays = [(c[1].dp_rank, c[1].url, c[1].replay_endpoint) for c in subs.calls
+               if c[0] == "replay"]
+    assert replays == [(0, "tcp://h:5557", "tcp://h:6667"), (1, "tcp://h:5558", "tcp://h:6668")]
 
 
 def test_register_creates_index_and_http_only_has_no_subscription(conductor):
@@ -344,7 +362,8 @@ def test_rejected_registration_has_no_side_effect(conductor):
     conductor.call(conductor.register, reg(medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
     conductor.subs.calls.clear()
     with pytest.raises(RegistrationError):
-        conductor.call(conductor.register, reg(medium_endpoints={"npu": ""}))
+        conductor.call(conductor.register, reg(instance_id="",
+                                               medium_endpoints={"npu": "tcp://10.0.0.2:1"}))
     assert conductor.subs.calls == []
     assert conductor.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
 
