@@ -27,6 +27,26 @@ def test_match_full_hit(benchmark, big_index, ntok):
     assert len(res) == 8 and res.hits[0].npu_blocks == -(-ntok // BLOCK) - (1 if ntok % BLOCK else 0)
 
 
+@pytest.mark.parametrize("ntok", [1_000_000])
+def test_match_full_hit_python_list(benchmark, big_index, ntok):
+    """The same full hit with the prompt as a Python list of ints (in-process callers):
+    the list becomes a u32 buffer through array's own C loop first."""
+    ix, doc = big_index
+    prompt = doc[:ntok].tolist()
+    benchmark.group = "match (hash + HBM walk), 1M-pair index"
+    res = benchmark(ix.query, prompt, BLOCK)
+    assert len(res) == 8 and res.hits[0].npu_blocks == ntok // BLOCK
+
+
+def test_tokens_from_python_list_1m(benchmark):
+    """1M Python ints -> u32 buffer (``to_u32_tokens``), alone."""
+    from kvconductor._hash import to_u32_tokens
+    toks = make_tokens(1_000_000, 5).tolist()
+    benchmark.group = "hash"
+    out = benchmark(to_u32_tokens, toks)
+    assert len(out) == 1_000_000 and out[0] == toks[0]
+
+
 def test_match_miss_1m(benchmark, big_index):
     """A 1M-token prompt that matches nothing after 0 blocks: lazy hashing pays off."""
     ix, _ = big_index

@@ -80,3 +80,29 @@ def test_lora_seed():
     salted = _hash.hash_blocks(toks, 4, _hash.lora_seed("adapter-a"))[0]
     assert salted == xxhash.xxh3_64_intdigest(struct.pack("<4I", *toks), seed=expected)
     assert salted != _hash.hash_blocks(toks, 4)[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(-(2**63), 2**64 - 1)),
+                max_size=200),
+       st.sampled_from(["list", "tuple", "iter", "range"]))
+def test_to_u32_tokens_fast_path_and_fallback(tokens, kind):
+    # Fast path (array's C loop) for in-range ids; the masking fallback otherwise. Both
+    # give the low 32 bits of each id, and an iterator survives a fallback.
+    import array
+    if kind == "range":
+        tokens = list(range(len(tokens)))
+    src = {"list": tokens, "tuple": tuple(tokens), "iter": iter(tokens),
+           "range": range(len(tokens))}[kind]
+    out = _hash.to_u32_tokens(src)
+    assert isinstance(out, array.array) and out.typecode == "I"
+    assert list(out) == [t & 0xFFFFFFFF for t in tokens]
+
+
+def test_to_u32_tokens_buffers_and_odd_items():
+    import array
+    buf = array.array("I", [1, 2, 3])
+    assert _hash.to_u32_tokens(buf).obj is buf            # no copy for u32 buffers
+    assert list(_hash.to_u32_tokens([True, 2.0, -1])) == [1, 2, 0xFFFFFFFF]
+    with pytest.raises(TypeError):
+        _hash.to_u32_tokens(b"\x01\x00\x00\x00")
