@@ -2,7 +2,7 @@
 """Hot parsers and encoders of the query path (contract 2.4 / 2.5).
 
 ``parse_query`` turns a ``/query`` or ``/query_by_hash`` body (JSON or
-MessagePack) into ``(model, block_size, tenant_id, values)``; token ids and
+MessagePack) into ``(model, block_size, tenant_id, values, lora_name)``; token ids and
 hashes never become Python ints: they are scanned without the GIL straight into
 the C buffer of the output ``array('I')`` / ``array('Q')``, pre-sized from the
 msgpack array header or from a count of the commas of the JSON array.
@@ -74,6 +74,7 @@ cdef enum:
     F_TOKEN_IDS = 3
     F_BLOCK_HASHES = 4
     F_TENANT = 5
+    F_LORA = 6
 
 
 # =========================================================================================
@@ -813,6 +814,8 @@ cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
         return F_TENANT
     if _eq(s, n, b"block_hashes", 12):
         return F_BLOCK_HASHES
+    if _eq(s, n, b"lora_name", 9):
+        return F_LORA
     return F_UNKNOWN
 
 
@@ -827,6 +830,8 @@ cdef str _field_name(int fid):
         return "block_hashes"
     if fid == F_TENANT:
         return "tenant_id"
+    if fid == F_LORA:
+        return "lora_name"
     return ""
 
 
@@ -971,6 +976,7 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
     cdef const uint8_t* p
     model = None
     tenant = None
+    lora = None
     block_size = 0
     values = None
     c.base = buf
@@ -998,14 +1004,18 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
                 if c.p[0] != 34:
                     _json_type_error(&c, fid, "a string")
                 model = _json_str_value(&c, fid)
-            elif fid == F_TENANT:
+            elif fid == F_TENANT or fid == F_LORA:
                 if c.p[0] == 34:
-                    tenant = _json_str_value(&c, fid)
+                    text = _json_str_value(&c, fid)
                 elif _lit(c.p, b'n', b'u', b'l', b'l'):
                     c.p += 4
-                    tenant = None
+                    text = None
                 else:
                     _json_type_error(&c, fid, "a string or null")
+                if fid == F_TENANT:
+                    tenant = text
+                else:
+                    lora = text
             elif fid == F_BLOCK_SIZE:
                 p = c.p
                 rc = _json_int(&c, &p, &v, &neg)
@@ -1032,17 +1042,17 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
     c.p = _ws(c.p)
     if c.p < c.end:
         raise WireError("trailing data")
-    return _finish(model, block_size, have_bs, tenant, values, by_hash)
+    return _finish(model, block_size, have_bs, tenant, values, by_hash, lora)
 
 
-cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash):
+cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash, lora):
     if model is None:
         raise WireError("missing field `model`")
     if not have_bs and not by_hash:
         raise WireError("missing field `block_size`")
     if values is None:
         raise WireError("missing field `block_hashes`" if by_hash else "missing field `token_ids`")
-    return (model, block_size, "default" if tenant is None else tenant, values)
+    return (model, block_size, "default" if tenant is None else tenant, values, lora or None)
 
 
 # -- MessagePack -------------------------------------------------------------------------
@@ -1144,6 +1154,7 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
     cdef bint have_bs = False
     model = None
     tenant = None
+    lora = None
     block_size = 0
     values = None
     c.base = buf
@@ -1166,6 +1177,8 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
                 model = _mp_str_value(&c, fid, False)
             elif fid == F_TENANT:
                 tenant = _mp_str_value(&c, fid, True)
+            elif fid == F_LORA:
+                lora = _mp_str_value(&c, fid, True)
             elif fid == F_BLOCK_SIZE:
                 block_size = _mp_block_size(&c)
                 have_bs = True
@@ -1181,7 +1194,7 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
         if n > _left(&c):
             c.p = c.end
             _check(WIRE_EOF, &c, False, F_UNKNOWN, -1)
-        # positional form [model, block_size, values, tenant_id, <ignored>...]
+        # positional form [model, block_size, values, tenant_id, lora_name, <ignored>...]
         if n < 1:
             raise WireError("missing field `model`")
         model = _mp_str_value(&c, F_MODEL, False)
@@ -1194,21 +1207,24 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
         values = _mp_values(&c, by_hash, vfid)
         if n >= 4:
             tenant = _mp_str_value(&c, F_TENANT, True)
-        for i in range(4, n):
+        if n >= 5:
+            lora = _mp_str_value(&c, F_LORA, True)
+        for i in range(5, n):
             _mp_skip_checked(&c)
     else:
         _check(rc, &c, False, F_UNKNOWN, -1)
     if c.p != c.end:
         raise WireError("trailing data")
-    return _finish(model, block_size, have_bs, tenant, values, by_hash)
+    return _finish(model, block_size, have_bs, tenant, values, by_hash, lora)
 
 
 def parse_query(body, bint msgpack, bint by_hash):
     """Parse a /query (``by_hash=False``) or /query_by_hash body.
 
-    Returns ``(model, block_size, tenant_id, values)``: ``values`` is an
-    ``array('I')`` of token ids truncated to 32 bits, or an ``array('Q')`` of
-    block hashes. ``block_size`` defaults to 0 for /query_by_hash. Raises
+    Returns ``(model, block_size, tenant_id, values, lora_name)``: ``values``
+    is an ``array('I')`` of token ids truncated to 32 bits, or an
+    ``array('Q')`` of block hashes; ``lora_name`` is ``None`` when absent,
+    null or empty. ``block_size`` defaults to 0 for /query_by_hash. Raises
     :class:`WireError` on any malformed body.
     """
     cdef const uint8_t[::1] view

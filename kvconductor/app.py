@@ -31,6 +31,7 @@ import hmac
 import logging
 import os
 import shlex
+import sys
 import time
 from typing import Any
 
@@ -38,6 +39,8 @@ import falcon
 import falcon.asgi
 import msgspec
 
+from kvconductor import __version__
+from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.registry import RegistrationError
 from kvconductor.schema import (
     EventsResponse, events_decoder, json_encoder, register_decoder, unregister_decoder,
@@ -197,7 +200,8 @@ class QueryResource(_Resource):
     def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
         """Parse, match and encode: ``(status, body, log message or None)``."""
         try:
-            model, block_size, tenant, values = parse_query(body, msgpack, self.by_hash)
+            model, block_size, tenant, values, lora_name = parse_query(body, msgpack,
+                                                                       self.by_hash)
         except WireError as ex:
             return 400, encode_error(
                 f"invalid {'msgpack' if msgpack else 'JSON'} request body: {ex}", msgpack), str(ex)
@@ -208,8 +212,11 @@ class QueryResource(_Resource):
         if self.by_hash:
             # NOTE: contract 2.5: the request's block_size is ignored; counts are in blocks.
             return 200, encode_result(index.query_by_hash(values).hits, tenant, 1, msgpack), None
-        return 200, encode_result(index.query(values, block_size).hits, tenant, block_size,
-                                  msgpack), None
+        # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
+        # them and the other way round.
+        seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
+        return 200, encode_result(index.query(values, block_size, seed).hits, tenant,
+                                  block_size, msgpack), None
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         t0 = time.perf_counter()
@@ -438,18 +445,61 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     return app
 
 
+def _gunicorn_workers() -> int | None:
+    """``workers`` of the gunicorn loading this app (``-w``, ``WEB_CONCURRENCY``, config).
+
+    gunicorn calls the factory from its worker (or, with ``--preload``, from
+    its application object); both hold the parsed ``cfg`` on the call stack.
+    ``None`` outside gunicorn.
+    """
+    try:
+        from gunicorn.config import Config
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        cfg = getattr(frame.f_locals.get("self"), "cfg", None)
+        if isinstance(cfg, Config):
+            return cfg.workers
+        frame = frame.f_back
+    return None
+
+
 def gunicorn_app(*argv: str) -> falcon.asgi.App:
     """App factory for ``gunicorn -w 1 -k uvicorn_worker.UvicornWorker``.
 
     Flags are those of ``kv-conductor`` (``--host``/``--port`` are ignored:
     gunicorn binds), taken from ``KV_CONDUCTOR_ARGS`` and then ``argv``. The
     conductor starts on the ASGI lifespan startup, in the worker process.
+
+    A bad flag, or more than one worker (each would hold its own partial
+    index), raises gunicorn's ``AppImportError``: the worker exits with
+    gunicorn's "app failed to load" status and the master stops with the
+    message, instead of restarting workers forever.
     """
-    from kvconductor.cli import build_parser, configure_logging, settings_from_args
+    from gunicorn.errors import AppImportError
+
+    from kvconductor.cli import FlagError, build_parser, configure_logging, settings_from_args
+    from kvconductor.server import SWITCH_INTERVAL
 
     args = shlex.split(os.environ.get("KV_CONDUCTOR_ARGS", "")) + list(argv)
-    settings = settings_from_args(build_parser().parse_args(args))
+    try:
+        settings = settings_from_args(build_parser(raise_errors=True).parse_args(args))
+    except FlagError as ex:
+        raise AppImportError(f"{ex} [flags from KV_CONDUCTOR_ARGS and the factory: "
+                             f"{shlex.join(args)}]") from None
+    workers = _gunicorn_workers()
+    if workers is not None and workers > 1:
+        raise AppImportError(
+            f"kv-conductor: error: gunicorn started with {workers} workers; the index lives in "
+            "one process, so each worker would hold a different, partial index. "
+            "Run with -w 1 (WEB_CONCURRENCY=1).")
     configure_logging(settings.log_level)
+    # Same GIL switch interval as `kv-conductor` (see kvconductor.server.serve).
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    log.info("KV conductor starting under gunicorn pid=%d workers=%s version=%s %s "
+             "switch_interval=%s", os.getpid(), workers, __version__, settings.describe(),
+             sys.getswitchinterval())
     conductor = Conductor(settings.conductor_config())
     return create_app(conductor, fast_query=True, max_body_bytes=settings.max_body_bytes,
                       api_key=settings.api_key, manage_lifecycle=True)

@@ -44,6 +44,13 @@ class Settings:
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
 
+    def describe(self) -> str:
+        """The settings as ``key=value`` pairs for the startup log line (no secrets)."""
+        return (f"maintenance_interval={max(1, self.maintenance_interval_secs)}s "
+                f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
+                f"offload_ttl={self.offload_ttl_secs}s max_body_bytes={self.max_body_bytes} "
+                f"log_level={self.log_level} auth={'on' if self.api_key else 'off'}")
+
     def conductor_config(self):
         from kvconductor.service import ConductorConfig
 
@@ -55,8 +62,16 @@ class Settings:
         )
 
 
+class FlagError(ValueError):
+    """A bad flag, from a parser built with ``raise_errors=True`` (gunicorn's factory)."""
+
+
 class _Parser(argparse.ArgumentParser):
+    raise_errors = False
+
     def error(self, message: str) -> None:  # one line, exit status 2, no usage dump
+        if self.raise_errors:
+            raise FlagError(f"{self.prog}: error: {message} (see --help)")
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -125,10 +140,17 @@ def _env_level() -> tuple[str, str | None]:
     return "info", f"ignoring invalid {LOG_ENV}={raw!r}; using info"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``kv-conductor`` argument parser."""
+def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
+    """The ``kv-conductor`` argument parser.
+
+    With ``raise_errors`` a bad flag raises :class:`FlagError` instead of
+    printing it and exiting with status 2.
+    """
     level, _ = _env_level()
-    p = _Parser(prog="kv-conductor", description="KV-cache index service (V3 HTTP API)")
+    # No abbreviations: a misspelt flag (--pending-ttl-sec) is an error, never a guess.
+    p = _Parser(prog="kv-conductor", description="KV-cache index service (V3 HTTP API)",
+                allow_abbrev=False)
+    p.raise_errors = raise_errors
     p.add_argument("--version", action="version", version=f"kv-conductor {__version__}")
     p.add_argument("--host", type=_host, default=DEFAULT_HOST,
                    help="IP address to bind (default :: dual-stack, 0.0.0.0 without IPv6)")

@@ -411,12 +411,18 @@ class _Core:
 
     # -- request builders --------------------------------------------------
 
-    def _query_req(self, model: str, token_ids: Any, block_size: int, tenant_id: str, packed: bool | None) -> _Req:
+    def _query_req(
+        self, model: str, token_ids: Any, block_size: int, tenant_id: str, packed: bool | None,
+        lora_name: str | None = None,
+    ) -> _Req:
         use_packed = self.packed if packed is None else bool(packed)
         if use_packed and self.query_encoding != "msgpack":
             raise ValueError("packed token bodies need query_encoding='msgpack'")
         tokens: Any = pack_tokens(token_ids) if use_packed else token_list(token_ids)
         body = {"model": model, "block_size": int(block_size), "token_ids": tokens, "tenant_id": tenant_id}
+        if lora_name:
+            # Only sent when set, so base-model queries stay byte-identical for older servers.
+            body["lora_name"] = lora_name
         return self._encoded("/query", body)
 
     def _query_by_hash_req(self, model: str, block_hashes: Any, tenant_id: str, block_size: int) -> _Req:
@@ -644,9 +650,14 @@ class ConductorClient(_Core):
         tenant_id: str = TENANT_ID,
         *,
         packed: bool | None = None,
+        lora_name: str | None = None,
     ) -> dict:
-        """``POST /query``; returns ``{tenant_id: {instance: {...}}}``. Raises ConductorError."""
-        req = self._query_req(model, token_ids, block_size, tenant_id, packed)
+        """``POST /query``; returns ``{tenant_id: {instance: {...}}}``. Raises ConductorError.
+
+        ``lora_name`` asks for the blocks of that LoRA adapter (engines publish them with
+        ``lora_name``); ``None`` or ``""`` asks for the base model's.
+        """
+        req = self._query_req(model, token_ids, block_size, tenant_id, packed, lora_name)
         data = self._expect_map(req, self._send(req))
         self._log_query(tenant_id, data)
         return data
@@ -796,8 +807,10 @@ class AsyncConductorClient(_Core):
         tenant_id: str = TENANT_ID,
         *,
         packed: bool | None = None,
+        lora_name: str | None = None,
     ) -> dict:
-        req = self._query_req(model, token_ids, block_size, tenant_id, packed)
+        """``POST /query`` (see :meth:`ConductorClient.query`)."""
+        req = self._query_req(model, token_ids, block_size, tenant_id, packed, lora_name)
         data = self._expect_map(req, await self._send(req))
         self._log_query(tenant_id, data)
         return data

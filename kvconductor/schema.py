@@ -180,6 +180,8 @@ class EventPayload(Struct, kw_only=True):
     block_hashes: list[int] | None = None
     medium: str | None = None
     backend_id: str | None = None
+    #: LoRA adapter of a ``token_ids`` store: its blocks are hashed with ``lora_seed(name)``.
+    lora_name: str | None = None
 
     def kind_name(self) -> str:
         """The declared type string (``event_type``, else ``type``, else ``legacy_type``)."""

@@ -133,11 +133,8 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=GRACEFUL_SECS, server_header=False,
     )
     server = _Server(config)
-    log.info("KV conductor starting on %s version=%s maintenance_interval=%ss pending_ttl=%ss "
-             "content_ttl=%ss offload_ttl=%ss max_body_bytes=%d auth=%s",
-             format_address(sock), _version(), conductor.interval, settings.pending_ttl_secs,
-             settings.content_ttl_secs, settings.offload_ttl_secs, settings.max_body_bytes,
-             "on" if settings.api_key else "off")
+    log.info("KV conductor starting on %s version=%s %s switch_interval=%s",
+             format_address(sock), _version(), settings.describe(), sys.getswitchinterval())
     conductor.start()
     try:
         server.run(sockets=[sock])

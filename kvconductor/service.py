@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.errors import IndexError_, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
 from kvconductor.ingest.context import SubscriberContext
@@ -87,6 +88,7 @@ class EventOp(NamedTuple):
     local_hashes: array | None    # array('Q'); None when ``tokens`` is set
     tokens: array | None          # array('I') hashed with ``block_size`` by the index
     block_size: int
+    seed: int                     # hash seed of ``tokens`` (LoRA adapters have their own)
 
 
 def _u64_array(values: list[int] | None, what: str) -> array:
@@ -191,9 +193,10 @@ def normalize_event(ev: KvCacheEvent) -> EventOp:
             engine = array("Q")
     except WireValueError as ex:
         raise EventError(f"event_id={ev.event_id}: {ex}") from None
+    seed = lora_seed(payload.lora_name) if payload.lora_name else DEFAULT_SEED
     return EventOp(kind, ev.event_id, ev.dp_rank, payload.backend_id or None,
                    parse_medium(payload.medium), parent, engine, local, tokens,
-                   payload.block_size)
+                   payload.block_size, seed)
 
 
 def normalize_events(batch: KvEventBatch) -> list[EventOp]:
@@ -507,7 +510,8 @@ class Conductor:
         key = WorkerKey(instance_id, op.backend_id or instance_id, op.dp_rank, op.medium)
         if op.kind == STORED:
             if op.tokens is not None:
-                idx.store_tokens(key, op.parent, op.engine_hashes, op.tokens, op.block_size)
+                idx.store_tokens(key, op.parent, op.engine_hashes, op.tokens, op.block_size,
+                                 op.seed)
             else:
                 idx.store(key, op.parent, op.engine_hashes, op.local_hashes)
         elif op.kind == REMOVED:

@@ -13,11 +13,14 @@ force the fallback) and add the checks common to both.
 
 Accepted request shapes (contract 2.4/2.5):
 
-* a map ``{"model", "block_size", "token_ids" | "block_hashes", "tenant_id"?}``
-  (JSON object or MessagePack map); ``block_size`` may be omitted on
-  ``/query_by_hash`` (it is ignored there);
+* a map ``{"model", "block_size", "token_ids" | "block_hashes", "tenant_id"?,
+  "lora_name"?}`` (JSON object or MessagePack map); ``block_size`` may be
+  omitted on ``/query_by_hash`` (it is ignored there);
 * on MessagePack also the positional array
-  ``[model, block_size, token_ids | block_hashes, tenant_id?]``.
+  ``[model, block_size, token_ids | block_hashes, tenant_id?, lora_name?]``.
+
+``lora_name`` (string or null) selects the LoRA adapter whose blocks the token
+ids are hashed for (``lora_seed``); null, absent or ``""`` is the base model.
 
 ``token_ids`` items are i64 integers truncated to u32; on
 MessagePack they may also be one bin of little-endian u32 (packed tokens).
@@ -66,6 +69,7 @@ class _TokensMap(msgspec.Struct):
     block_size: U32
     token_ids: msgspec.Raw
     tenant_id: str | None = "default"
+    lora_name: str | None = None
 
 
 class _TokensArray(_TokensMap, array_like=True):
@@ -77,6 +81,7 @@ class _HashesMap(msgspec.Struct, kw_only=True):
     block_size: U32 = 0
     block_hashes: msgspec.Raw
     tenant_id: str | None = "default"
+    lora_name: str | None = None
 
 
 class _HashesArray(msgspec.Struct, array_like=True):
@@ -84,6 +89,7 @@ class _HashesArray(msgspec.Struct, array_like=True):
     block_size: U32
     block_hashes: msgspec.Raw
     tenant_id: str | None = "default"
+    lora_name: str | None = None
 
 
 _JSON = {False: msgspec.json.Decoder(_TokensMap), True: msgspec.json.Decoder(_HashesMap)}
@@ -140,11 +146,13 @@ def _hashes_u64(values: list[int]) -> array:
         raise WireError("block_hashes: integer out of range (u64 expected)") from None
 
 
-def py_parse_query(body: bytes, msgpack: bool, by_hash: bool) -> tuple[str, int, str, array]:
-    """Parse a query body into ``(model, block_size, tenant, values)`` with msgspec.
+def py_parse_query(body: bytes, msgpack: bool, by_hash: bool
+                   ) -> tuple[str, int, str, array, str | None]:
+    """Parse a query body into ``(model, block_size, tenant, values, lora_name)`` with msgspec.
 
     ``values`` is ``array('I')`` of u32-truncated token ids, or ``array('Q')``
-    of hashes when ``by_hash``. Raises :class:`WireError`.
+    of hashes when ``by_hash``; ``lora_name`` is ``None`` when absent, null or
+    empty. Raises :class:`WireError`.
     """
     if msgpack:
         decoder = _MSGPACK[by_hash, _is_msgpack_array(body)]
@@ -158,7 +166,8 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool) -> tuple[str, int,
         values = _hashes_u64(_decode_ints(req.block_hashes, msgpack, "block_hashes"))
     else:
         values = _tokens_u32(_decode_ints(req.token_ids, msgpack, "token_ids"))
-    return req.model, req.block_size, "default" if req.tenant_id is None else req.tenant_id, values
+    tenant = "default" if req.tenant_id is None else req.tenant_id
+    return req.model, req.block_size, tenant, values, req.lora_name or None
 
 
 def _result_dict(hits: Sequence, tenant: str, block_size: int) -> dict:
@@ -201,14 +210,15 @@ encode_result = py_encode_result if _compiled is None else _compiled.encode_resu
 encode_error = getattr(_compiled, "encode_error", py_encode_error)
 
 
-def parse_query(body: bytes, msgpack: bool, by_hash: bool) -> tuple[str, int, str, array]:
+def parse_query(body: bytes, msgpack: bool, by_hash: bool
+                ) -> tuple[str, int, str, array, str | None]:
     """Parse a ``/query`` (or ``/query_by_hash``) body; see :func:`py_parse_query`.
 
     Also enforces ``block_size`` in ``[1, 2**32)`` for ``/query`` and in
     ``[0, 2**32)`` for ``/query_by_hash`` (where it is ignored).
     """
     try:
-        model, block_size, tenant, values = _parse_impl(body, msgpack, by_hash)
+        model, block_size, tenant, values, lora_name = _parse_impl(body, msgpack, by_hash)
     except WireError:
         raise
     except (ValueError, TypeError, OverflowError) as ex:
@@ -217,4 +227,4 @@ def parse_query(body: bytes, msgpack: bool, by_hash: bool) -> tuple[str, int, st
         raise WireError(f"block_size {block_size} is out of range (u32 expected)")
     if block_size < 1 and not by_hash:
         raise WireError("block_size must be >= 1")
-    return model, block_size, tenant, values
+    return model, block_size, tenant, values, lora_name

@@ -167,6 +167,37 @@ def test_tiers_exclusive_partition(client):
         "0": dp(1, 0, 0), "1": dp(1, 0, 0)}
 
 
+def test_lora_queries_hit_only_lora_blocks(client, wire_impl):
+    """Events with ``lora_name`` are hashed with that adapter's seed; ``/query`` takes the
+    same ``lora_name`` (JSON and msgpack, map and positional form)."""
+    from kvconductor._hash import hash_blocks, lora_seed
+    register(client)
+    toks = list(range(1, 13))
+    r = events(client, [stored(1, [100, 101, 102], toks) | {"lora_name": "sql-adapter"},
+                        stored(2, [200], toks[:4], dp_rank=1)])
+    assert r.status_code == 200 and r.json["events_applied"] == 2
+    lora_hit = {"default": {"vllm-prefill-1": {"longest_matched": 12, "DP": {"0": dp(3, 0, 0)}}}}
+    base_hit = {"default": {"vllm-prefill-1": {"longest_matched": 4, "DP": {"1": dp(1, 0, 0)}}}}
+    body = {"model": "qwen", "block_size": 4, "token_ids": toks}
+    for extra, want in (({}, base_hit), ({"lora_name": None}, base_hit),
+                        ({"lora_name": ""}, base_hit),
+                        ({"lora_name": "sql-adapter"}, lora_hit),
+                        ({"lora_name": "other-adapter"}, {"default": {}})):
+        r = client.simulate_post("/query", json=body | extra)
+        assert r.status_code == 200 and r.json == want, (extra, r.text)
+        assert query_msgpack(client, body | extra) == (200, want)
+    # Positional msgpack form: [model, block_size, token_ids, tenant_id, lora_name].
+    assert query_msgpack(client, ["qwen", 4, toks, None, "sql-adapter"]) == (200, lora_hit)
+    assert query_msgpack(client, ["qwen", 4, toks, "default", None]) == (200, base_hit)
+    # /query_by_hash takes precomputed hashes: the LoRA ones hit the LoRA blocks.
+    by_hash = {"model": "qwen", "block_size": 4,
+               "block_hashes": list(hash_blocks(toks, 4, lora_seed("sql-adapter")))}
+    r = client.simulate_post("/query_by_hash", json=by_hash)
+    assert r.json["default"]["vllm-prefill-1"]["DP"] == {"0": dp(3, 0, 0, block_size=1)}
+    r = client.simulate_post("/query", json=body | {"lora_name": 7})
+    assert r.status_code == 400 and "lora_name" in r.json["error"]
+
+
 def test_query_by_hash_counts_blocks(client, wire_impl):
     register(client)
     events(client, [stored(1, [100, 200], list(range(1, 9)))])

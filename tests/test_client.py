@@ -136,6 +136,26 @@ def test_query_json_on_request():
     assert json.loads(rec.last.content) == {"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4], "tenant_id": "t1"}
 
 
+@pytest.mark.parametrize("encoding", ["msgpack", "json"])
+def test_query_lora_name_sent_only_when_set(encoding):
+    client, rec = make(negotiated_reply(ANSWER), query_encoding=encoding)
+    client.query("qwen", [1, 2, 3, 4], 4, lora_name="sql-adapter")
+    assert decode_body(rec.last) == {"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4],
+                                     "tenant_id": "default", "lora_name": "sql-adapter"}
+    for base in (None, ""):
+        client.query("qwen", [1, 2, 3, 4], 4, lora_name=base)
+        assert "lora_name" not in decode_body(rec.last)
+
+    async def main():
+        arec = Recorder(negotiated_reply(ANSWER))
+        async with AsyncConductorClient(BASE, transport=httpx.MockTransport(arec),
+                                        query_encoding=encoding) as c:
+            await c.query("qwen", [5], 4, lora_name="a")
+        assert decode_body(arec.last)["lora_name"] == "a"
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("enc", ["JSON", " json "])
 def test_encoding_case_insensitive(enc):
     assert ConductorClient(BASE, query_encoding=enc).query_encoding == "json"

@@ -165,8 +165,8 @@ def test_is_msgpack_content_type(ct, expected):
 @pytest.mark.parametrize("parse", PARSERS)
 def test_parse_json_query(parse):
     body = b'{"model":"qwen","block_size":128,"token_ids":[1,2,3,4],"tenant_id":"t"}'
-    model, bs, tenant, values = parse(body, False, False)
-    assert (model, bs, tenant) == ("qwen", 128, "t")
+    model, bs, tenant, values, lora = parse(body, False, False)
+    assert (model, bs, tenant, lora) == ("qwen", 128, "t", None)
     assert isinstance(values, array) and values.typecode == "I"
     assert list(values) == [1, 2, 3, 4]
 
@@ -175,7 +175,7 @@ def test_parse_json_query(parse):
 def test_parse_tokens_truncate_to_u32(parse):
     body = b'{"model":"m","block_size":4,"token_ids":[-1,4294967296,4294967297,' \
            b'-9223372036854775808,9223372036854775807]}'
-    _, _, tenant, values = parse(body, False, False)
+    _, _, tenant, values, _ = parse(body, False, False)
     assert tenant == "default"
     assert list(values) == [0xFFFFFFFF, 0, 1, 0, 0xFFFFFFFF]
 
@@ -187,7 +187,7 @@ def test_parse_msgpack_map_and_positional_array(parse):
     as_array = msgspec.msgpack.encode(["m", 4, tokens, "default"])
     short_array = msgspec.msgpack.encode(["m", 4, tokens])
     for body in (as_map, as_array, short_array):
-        model, bs, tenant, values = parse(body, True, False)
+        model, bs, tenant, values, _ = parse(body, True, False)
         assert (model, bs, tenant) == ("m", 4, "default")
         assert values == array("I", tokens)
 
@@ -197,14 +197,14 @@ def test_parse_msgpack_packed_tokens(parse):
     tokens = array("I", [1, 2, 3, 0xFFFFFFFF])
     body = msgspec.msgpack.encode({"model": "m", "block_size": 4,
                                    "token_ids": tokens.tobytes(), "tenant_id": "x"})
-    assert parse(body, True, False) == ("m", 4, "x", tokens)
+    assert parse(body, True, False) == ("m", 4, "x", tokens, None)
 
 
 @pytest.mark.parametrize("parse", PARSERS)
 def test_parse_query_by_hash_roundtrip(parse):
     hashes = [(i * 0x9E3779B97F4A7C15) & U64_MAX for i in range(10_000)]
     body = msgspec.msgpack.encode({"model": "m", "block_size": 0, "block_hashes": hashes})
-    model, bs, tenant, values = parse(body, True, True)
+    model, bs, tenant, values, _ = parse(body, True, True)
     assert values.typecode == "Q" and list(values) == hashes
     jbody = msgspec.json.encode({"model": "m", "block_size": 7, "block_hashes": hashes})
     assert parse(jbody, False, True)[3] == values
@@ -265,6 +265,11 @@ def test_parse_twins_agree_on_valid_bodies():
         (False, False, b' {"tenant_id":"t","token_ids":[5,-5],"block_size":2,"model":"\\u00e9"} '),
         (True, False, msgspec.msgpack.encode(["m", 1, [1, 2, 3], "t"])),
         (True, False, msgspec.msgpack.encode(["m", 1, [1], None])),
+        (True, False, msgspec.msgpack.encode(["m", 1, [1], None, "lora-a", {"x": 1}])),
+        (True, False, msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1],
+                                              "lora_name": "é"})),
+        (False, False, b'{"model":"m","block_size":4,"token_ids":[1],"lora_name":"a\\u00e9"}'),
+        (False, False, b'{"model":"m","block_size":4,"token_ids":[1],"lora_name":""}'),
         (False, False, b'{"model":"m","block_size":4,"token_ids":[1],"tenant_id":null}'),
         (False, False, b'{"model":"m","x":{"y":[1e400,99999999999999999999]},"block_size":4,'
                        b'"token_ids":[-0]}'),

@@ -283,20 +283,26 @@ def test_port_in_use_fails_cleanly():
     assert "failed to bind TCP listener" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_gunicorn_factory(tmp_path):
+def _gunicorn_cmd(port: int, *extra: str, factory_args: str = '"--maintenance-interval-secs", "1"'):
     pytest.importorskip("uvicorn_worker")
     help_text = subprocess.run([sys.executable, "-m", "gunicorn", "--help"], cwd=ROOT,
                                capture_output=True, text=True, timeout=60).stdout
-    port = free_port()
-    cmd = [sys.executable, "-m", "gunicorn", "-w", "1", "-k", "uvicorn_worker.UvicornWorker",
-           "-b", f"127.0.0.1:{port}"]
+    cmd = [sys.executable, "-m", "gunicorn", "-k", "uvicorn_worker.UvicornWorker",
+           "-b", f"127.0.0.1:{port}", *extra]
     if "--no-control-socket" in help_text:
         cmd.append("--no-control-socket")
-    cmd.append('kvconductor.app:gunicorn_app("--maintenance-interval-secs", "1")')
+    cmd.append(f"kvconductor.app:gunicorn_app({factory_args})")
+    return cmd
+
+
+def test_gunicorn_factory(tmp_path):
+    port = free_port()
+    cmd = _gunicorn_cmd(port, "-w", "1")
     log_path = tmp_path / "gunicorn.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                env=dict(os.environ, PYTHONUNBUFFERED="1",
+                                         KV_CONDUCTOR_ARGS="--pending-ttl-secs 30"))
     try:
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
         deadline = time.monotonic() + STARTUP_BOUND
@@ -312,6 +318,12 @@ def test_gunicorn_factory(tmp_path):
         assert register(http).status_code == 201
         assert http.get("/workers").json()["workers"][0]["instance_id"] == "vllm-prefill-1"
         http.close()
+        # The settings (env flags, then factory flags) and the serving switch interval.
+        text = log_path.read_text()
+        assert "KV conductor starting under gunicorn" in text
+        assert ("workers=1 version=0.1.0 maintenance_interval=1s pending_ttl=30s "
+                "content_ttl=300s offload_ttl=600s max_body_bytes=67108864 log_level=info "
+                "auth=off switch_interval=0.0005") in text, text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0
         assert "KV conductor shut down" in log_path.read_text()
@@ -319,6 +331,53 @@ def test_gunicorn_factory(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize("extra,env,message", [
+    (("-w", "2"), {}, "gunicorn started with 2 workers"),
+    (("-w", "1"), {"WEB_CONCURRENCY": "3"}, None),   # -w wins over the environment
+    ((), {"WEB_CONCURRENCY": "2"}, "gunicorn started with 2 workers"),
+    (("-w", "1"), {"KV_CONDUCTOR_ARGS": "--pending-ttl-sec 5"},
+     "kv-conductor: error: unrecognized arguments: --pending-ttl-sec 5"),
+    (("-w", "1"), {"KV_CONDUCTOR_ARGS": "--max-body-mb -1"},
+     "kv-conductor: error: argument --max-body-mb: invalid size '-1'"),
+])
+def test_gunicorn_refuses_many_workers_and_bad_flags(tmp_path, extra, env, message):
+    """The master stops at once with the reason (no worker restart loop)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("KV_CONDUCTOR_ARGS", "WEB_CONCURRENCY")
+           } | {"PYTHONUNBUFFERED": "1"} | env
+    proc = subprocess.Popen(_gunicorn_cmd(port, *extra, factory_args=""), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        if message is None:
+            # Accepted: it serves; stop it.
+            http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+            deadline = time.monotonic() + STARTUP_BOUND
+            while True:
+                assert proc.poll() is None
+                try:
+                    if http.get("/health").text == "OK":
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            http.close()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(SHUTDOWN_BOUND * 2) == 0
+            return
+        out, _ = proc.communicate(timeout=STARTUP_BOUND)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 4, out          # gunicorn's "App failed to load."
+    assert message in out, out
+    assert "App failed to load" in out
+    # Each worker booted once; none was restarted.
+    workers = 2 if "2 workers" in message else 1
+    assert out.count("Booting worker") == workers, out
 
 
 def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):

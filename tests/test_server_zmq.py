@@ -238,3 +238,36 @@ def test_conductor_restart_replays_every_dp_of_an_instance(tmp_path):
     finally:
         for p in pubs:
             p.stop()
+
+
+def test_lora_events_over_zmq_and_lora_queries_through_the_client(server):
+    """vLLM 0.33 publishes one chain for a LoRA adapter and one for the base model over
+    ZeroMQ; the Coordinator client's ``lora_name`` selects which one it sees."""
+    from kvconductor.client import ConductorClient
+
+    pub = FakePublisher(replay=False)
+    v = schema("vllm", "0.33.0")
+    try:
+        r = server.http.post("/register", json={
+            "instance_id": "vllm-prefill-9", "type": "vLLM", "modelname": "qwen",
+            "block_size": BS, "dp_rank": 0, "medium_endpoints": {"npu": pub.url}})
+        assert r.status_code == 201
+        lora_batch = v.batch([v.stored(HASHES[:4], None, TOKENS[:16], BS, medium="GPU",
+                                       lora_name="sql-adapter")])
+        base_batch = v.batch([v.stored(HASHES[4:5], None, TOKENS[:4], BS, medium="GPU")])
+        with ConductorClient(server.url) as client:
+            def npu(lora, packed=False):
+                res = client.query("qwen", TOKENS[:16], BS, lora_name=lora, packed=packed)
+                return (dp_entry(res, "vllm-prefill-9") or {}).get("npu_blocks", 0)
+
+            def indexed():
+                pub.publish(lora_batch)
+                pub.publish(base_batch)
+                return npu("sql-adapter") == 4 and npu(None) == 1
+
+            wait_until(indexed, msg="LoRA and base chains indexed")
+            assert npu("sql-adapter", packed=True) == 4
+            assert npu("") == 1
+            assert npu("other-adapter") == 0
+    finally:
+        pub.stop()

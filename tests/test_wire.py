@@ -28,7 +28,7 @@ encode_error = _wire.encode_error
 U32 = 2**32 - 1
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 U64 = 2**64 - 1
-KNOWN = {"model", "block_size", "token_ids", "block_hashes", "tenant_id"}
+KNOWN = {"model", "block_size", "token_ids", "block_hashes", "tenant_id", "lora_name"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -40,6 +40,7 @@ class _JsonQuery(msgspec.Struct):
     block_size: int
     token_ids: list[int]
     tenant_id: str | None = None
+    lora_name: str | None = None
 
 
 class _JsonHashQuery(msgspec.Struct):
@@ -47,6 +48,7 @@ class _JsonHashQuery(msgspec.Struct):
     block_hashes: list[int]
     block_size: int = 0
     tenant_id: str | None = None
+    lora_name: str | None = None
 
 
 class _MpQuery(msgspec.Struct):
@@ -54,6 +56,7 @@ class _MpQuery(msgspec.Struct):
     block_size: int
     token_ids: list[int] | bytes
     tenant_id: str | None = None
+    lora_name: str | None = None
 
 
 class _MpQueryArray(msgspec.Struct, array_like=True):
@@ -61,6 +64,7 @@ class _MpQueryArray(msgspec.Struct, array_like=True):
     block_size: int
     token_ids: list[int] | bytes
     tenant_id: str | None = None
+    lora_name: str | None = None
 
 
 class _MpHashQuery(msgspec.Struct):
@@ -68,6 +72,7 @@ class _MpHashQuery(msgspec.Struct):
     block_hashes: list[int]
     block_size: int = 0
     tenant_id: str | None = None
+    lora_name: str | None = None
 
 
 class _MpHashQueryArray(msgspec.Struct, array_like=True):
@@ -75,6 +80,7 @@ class _MpHashQueryArray(msgspec.Struct, array_like=True):
     block_size: int
     block_hashes: list[int]
     tenant_id: str | None = None
+    lora_name: str | None = None
 
 
 class RefError(Exception):
@@ -82,7 +88,7 @@ class RefError(Exception):
 
 
 def reference(body: bytes, msgpack: bool, by_hash: bool):
-    """(model, block_size, tenant, typecode, values) or RefError."""
+    """(model, block_size, tenant, typecode, values, lora_name) or RefError."""
     try:
         if msgpack:
             positional = bool(body) and (0x90 <= body[0] <= 0x9F or body[0] in (0xDC, 0xDD))
@@ -110,14 +116,15 @@ def reference(body: bytes, msgpack: bool, by_hash: bool):
             raise RefError("token out of range")
         values = ("I", [t & 0xFFFFFFFF for t in q.token_ids])
     tenant = "default" if q.tenant_id is None else q.tenant_id
-    return (q.model, q.block_size, tenant) + values
+    return (q.model, q.block_size, tenant) + values + (q.lora_name or None,)
 
 
 def ours(body, msgpack, by_hash):
-    model, bs, tenant, values = parse_query(body, msgpack, by_hash)
+    model, bs, tenant, values, lora = parse_query(body, msgpack, by_hash)
+    assert lora is None or (type(lora) is str and lora)
     assert type(model) is str and type(tenant) is str and type(bs) is int
     assert isinstance(values, array)
-    return (model, bs, tenant, values.typecode, list(values))
+    return (model, bs, tenant, values.typecode, list(values), lora)
 
 
 def agree(body, msgpack, by_hash):
@@ -239,7 +246,8 @@ extra_key_st = text_st.filter(lambda k: k not in KNOWN)
 
 @st.composite
 def request_fields(draw, by_hash: bool, value_st):
-    """(ordered items of a request dict, model, block_size, values, tenant or None)."""
+    """(ordered items of a request dict, model, block_size, values, tenant or None,
+    lora_name or None)."""
     model = draw(wide_text_st)
     items = [("model", model)]
     bs = draw(st.one_of(st.integers(0, U32), st.sampled_from([1, 16, 128, U32])))
@@ -256,16 +264,25 @@ def request_fields(draw, by_hash: bool, value_st):
     elif tenant_kind == "str":
         tenant = draw(wide_text_st)
         items.append(("tenant_id", tenant))
+    lora_kind = draw(st.sampled_from(["absent", "null", "empty", "str"]))
+    lora = None
+    if lora_kind == "null":
+        items.append(("lora_name", None))
+    elif lora_kind == "empty":
+        items.append(("lora_name", ""))
+    elif lora_kind == "str":
+        lora = draw(wide_text_st.filter(bool))
+        items.append(("lora_name", lora))
     extras = draw(st.dictionaries(extra_key_st, value_st, max_size=3))
     items += list(extras.items())
     items = draw(st.permutations(items))
-    return items, model, bs, values, tenant
+    return items, model, bs, values, tenant, lora
 
 
-def expected_of(model, bs, values, tenant, by_hash):
+def expected_of(model, bs, values, tenant, by_hash, lora=None):
     vals = list(values) if by_hash else [t & 0xFFFFFFFF for t in values]
     return (model, bs or 0, "default" if tenant is None else tenant,
-            "Q" if by_hash else "I", vals)
+            "Q" if by_hash else "I", vals, lora)
 
 
 # ---------------------------------------------------------------------------------------
@@ -274,7 +291,8 @@ def expected_of(model, bs, values, tenant, by_hash):
 
 def test_contract_example():
     body = b'{"model":"qwen","block_size":128,"token_ids":[1,2,3,4],"tenant_id":"default"}'
-    model, bs, tenant, values = parse_query(body, False, False)
+    model, bs, tenant, values, lora = parse_query(body, False, False)
+    assert lora is None
     assert (model, bs, tenant) == ("qwen", 128, "default")
     assert values.typecode == "I" and list(values) == [1, 2, 3, 4]
 
@@ -283,7 +301,7 @@ def test_contract_example():
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_json_matches_msgspec(by_hash, data):
-    items, model, bs, values, tenant = data.draw(request_fields(by_hash, json_value_st))
+    items, model, bs, values, tenant, lora = data.draw(request_fields(by_hash, json_value_st))
     d = dict(items)
     style = data.draw(st.sampled_from(["msgspec", "dumps", "ascii", "indent", "ws"]))
     if style == "msgspec":
@@ -297,14 +315,14 @@ def test_json_matches_msgspec(by_hash, data):
     else:
         body = jdump(d, data.draw(st.randoms(use_true_random=False)))
     got = agree(body, False, by_hash)
-    assert got == expected_of(model, bs, values, tenant, by_hash)
+    assert got == expected_of(model, bs, values, tenant, by_hash, lora)
 
 
 @pytest.mark.parametrize("by_hash", [False, True])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_msgpack_matches_msgspec(by_hash, data):
-    items, model, bs, values, tenant = data.draw(request_fields(by_hash, mp_value_st))
+    items, model, bs, values, tenant, lora = data.draw(request_fields(by_hash, mp_value_st))
     rnd = data.draw(st.randoms(use_true_random=False))
     form = data.draw(st.sampled_from(["map", "msgspec", "array"] + ([] if by_hash else ["packed"])))
     if form == "packed":
@@ -318,12 +336,14 @@ def test_msgpack_matches_msgspec(by_hash, data):
         if bs is None:
             bs = data.draw(st.integers(0, U32))
         arr = [model, bs, values]
-        if tenant is not None or data.draw(st.booleans()):
+        if tenant is not None or lora is not None or data.draw(st.booleans()):
             arr.append(tenant)
-            arr += data.draw(st.lists(mp_value_st, max_size=2))    # ignored trailing items
+            if lora is not None or data.draw(st.booleans()):
+                arr.append(lora)    # [model, block_size, values, tenant_id, lora_name, ...]
+                arr += data.draw(st.lists(mp_value_st, max_size=2))    # ignored trailing items
         body = mpack(arr, rnd)
     got = agree(body, True, by_hash)
-    assert got == expected_of(model, bs, values, tenant, by_hash)
+    assert got == expected_of(model, bs, values, tenant, by_hash, lora)
 
 
 @pytest.mark.parametrize("fmt", ["json", "msgpack"])
@@ -339,7 +359,7 @@ def test_every_int_encoding_of_tokens(fmt):
             bodies.append(mpack({"model": "m", "block_size": 4, "token_ids": values},
                                 random.Random(i)))
     for body in bodies:
-        model, bs, tenant, got = parse_query(body, fmt == "msgpack", False)
+        model, bs, tenant, got, _ = parse_query(body, fmt == "msgpack", False)
         assert list(got) == [v & 0xFFFFFFFF for v in values]
 
 
@@ -379,34 +399,34 @@ def test_packed_tokens_are_little_endian_u32():
                                    "token_ids": struct.pack("<5I", *toks)})
     assert list(parse_query(body, True, False)[3]) == toks
     body = msgspec.msgpack.encode(["m", 2, b"", "t"])
-    assert parse_query(body, True, False) == ("m", 2, "t", array("I"))
+    assert parse_query(body, True, False) == ("m", 2, "t", array("I"), None)
 
 
 def test_hash_extremes_and_defaults():
     body = b'{"model":"m","block_hashes":[18446744073709551615,0,-0,9223372036854775808]}'
     assert parse_query(body, False, True) == ("m", 0, "default",
-                                              array("Q", [U64, 0, 0, 2**63]))
+                                              array("Q", [U64, 0, 0, 2**63]), None)
     body = msgspec.msgpack.encode({"model": "m", "block_hashes": [U64, 5], "block_size": 9})
-    assert parse_query(body, True, True) == ("m", 9, "default", array("Q", [U64, 5]))
+    assert parse_query(body, True, True) == ("m", 9, "default", array("Q", [U64, 5]), None)
 
 
 def test_json_string_escapes_and_unicode():
     body = (b'{"model":"a\\"b\\\\c\\/d\\b\\f\\n\\r\\t\\u00e9\\ud83d\\ude00\\u0000",'
             b'"tenant_id":"\xc3\xa9\xf0\x9f\x98\x80","block_size":1,"token_ids":[]}')
-    model, _, tenant, _ = parse_query(body, False, False)
+    model, _, tenant, _, _ = parse_query(body, False, False)
     assert model == 'a"b\\c/d\b\f\n\r\té\U0001F600\x00'
     assert tenant == "é\U0001F600"
 
 
 def test_escaped_key_names_are_recognised():
     body = b'{"mod\\u0065l":"m","block_s\\u0069ze":3,"token\\u005fids":[7]}'
-    assert parse_query(body, False, False) == ("m", 3, "default", array("I", [7]))
+    assert parse_query(body, False, False) == ("m", 3, "default", array("I", [7]), None)
 
 
 def test_duplicate_keys_last_wins():
     body = (b'{"model":"a","token_ids":[1],"model":"b","block_size":1,"token_ids":[2,3],'
             b'"tenant_id":"x","tenant_id":null}')
-    assert parse_query(body, False, False) == ("b", 1, "default", array("I", [2, 3]))
+    assert parse_query(body, False, False) == ("b", 1, "default", array("I", [2, 3]), None)
     agree(body, False, False)
 
 
@@ -422,12 +442,12 @@ def test_skipped_values_of_every_kind():
              b'"f":123456789012345678901234567890,"g":1E+400,"h":true,"i":false,"j":{},'
              b'"k":"\xff\xfe"')
     body = b'{' + extra + b',"model":"m","block_size":1,"token_ids":[1]}'
-    assert parse_query(body, False, False) == ("m", 1, "default", array("I", [1]))
+    assert parse_query(body, False, False) == ("m", 1, "default", array("I", [1]), None)
     agree(body, False, False)
     extras = {"a": {"b": [1, -2.5, {"c": None}], "d": []}, "e": b"\x00" * 300,
               "f": U64, "g": I64_MIN, "h": 1.5, "i": [[[[]]]], "j": "x" * 70000}
     body = msgspec.msgpack.encode({**extras, "model": "m", "block_size": 1, "token_ids": [1]})
-    assert parse_query(body, True, False) == ("m", 1, "default", array("I", [1]))
+    assert parse_query(body, True, False) == ("m", 1, "default", array("I", [1]), None)
     # ext types (fixext 1/2/4/8/16, ext8/16/32) and float32 in unknown fields
     exts = [msgspec.msgpack.Ext(1, b"x" * n) for n in (1, 2, 4, 8, 16, 3, 300, 70000)]
     body = msgspec.msgpack.encode({"x": exts, "y": [msgspec.msgpack.Ext(2, b"")],
@@ -441,7 +461,7 @@ def test_skipped_values_of_every_kind():
 def test_buffer_types_are_accepted():
     body = b'{"model":"m","block_size":1,"token_ids":[1,2]}'
     for b in (bytearray(body), memoryview(body)):
-        assert parse_query(b, False, False) == ("m", 1, "default", array("I", [1, 2]))
+        assert parse_query(b, False, False) == ("m", 1, "default", array("I", [1, 2]), None)
 
 
 @pytest.mark.parametrize("n", [5000, 200_000])
@@ -482,7 +502,7 @@ def _bodies():
     yield msgspec.json.encode(h), False, True
     yield mpack(d, rnd), True, False
     yield msgspec.msgpack.encode(d), True, False
-    yield msgspec.msgpack.encode(["m", 70000, [1, 2, -5], "t", {"x": [1]}]), True, False
+    yield msgspec.msgpack.encode(["m", 70000, [1, 2, -5], "t", "lora-a", {"x": [1]}]), True, False
     yield msgspec.msgpack.encode(["m", 1, struct.pack("<3I", 1, 2, 3)]), True, False
     yield msgspec.msgpack.encode({**d, "token_ids": struct.pack("<2I", 1, 2)}), True, False
     yield msgspec.msgpack.encode(h), True, True
@@ -828,7 +848,7 @@ def test_roundtrip_through_parse_and_query_shape():
     """The response of the contract example, and parse of the request, end to end."""
     req = msgspec.msgpack.encode({"model": "qwen", "block_size": 128,
                                   "token_ids": [1, 2, 3, 4], "tenant_id": "default"})
-    model, bs, tenant, toks = parse_query(req, True, False)
+    model, bs, tenant, toks, _ = parse_query(req, True, False)
     out = encode_result([DpHit("vllm-prefill-1", 0, 3, 2, 0)], tenant, bs, True)
     assert msgspec.msgpack.decode(out) == {"default": {"vllm-prefill-1": {
         "longest_matched": 640, "DP": {"0": {"matched_tokens": 640, "npu_blocks": 3,
