@@ -45,7 +45,7 @@ from kvconductor.registry import RegistrationError
 from kvconductor.schema import (
     EventsResponse, events_decoder, json_encoder, register_decoder, unregister_decoder,
 )
-from kvconductor.service import Conductor, EventError, normalize_events
+from kvconductor.service import Conductor, EventError, InstanceNotRegistered, normalize_events
 from kvconductor.wire import (
     JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, WireError, encode_error, encode_result,
     is_msgpack_content_type, parse_query,
@@ -86,6 +86,17 @@ def _json(resp: falcon.asgi.Response, status: int, data: bytes) -> None:
     resp.status = status
     resp.content_type = JSON_CONTENT_TYPE
     resp.data = data
+
+
+#: What a malformed JSON body raises in msgspec: a decode error, or (objects nested
+#: thousands deep) a RecursionError, which is the client's fault as much as any other.
+_BAD_JSON = (msgspec.DecodeError, RecursionError)
+
+
+def _bad_json(ex: Exception) -> str:
+    if isinstance(ex, RecursionError):
+        return "invalid JSON request body: nesting too deep"
+    return f"invalid JSON request body: {ex}"
 
 
 def _error(resp: falcon.asgi.Response, status: int, message: str, msgpack: bool = False) -> None:
@@ -162,8 +173,8 @@ class RegisterResource(_Resource):
             return
         try:
             request = register_decoder.decode(body)
-        except msgspec.DecodeError as ex:
-            return self._bad(req, resp, f"invalid JSON request body: {ex}")
+        except _BAD_JSON as ex:
+            return self._bad(req, resp, _bad_json(ex))
         try:
             await self.conductor.run(self.conductor.register, request)
         except RegistrationError as ex:
@@ -182,8 +193,8 @@ class UnregisterResource(_Resource):
             return
         try:
             request = unregister_decoder.decode(body)
-        except msgspec.DecodeError as ex:
-            return self._bad(req, resp, f"invalid JSON request body: {ex}")
+        except _BAD_JSON as ex:
+            return self._bad(req, resp, _bad_json(ex))
         if await self.conductor.run(self.conductor.unregister, request):
             _json(resp, 200, _OK)
         else:
@@ -254,15 +265,20 @@ class EventsResource(_Resource):
             return
         try:
             batch, ops = await self._offload(body, self.parse, body)
-        except msgspec.DecodeError as ex:
-            return self._bad(req, resp, f"invalid JSON request body: {ex}")
+        except _BAD_JSON as ex:
+            return self._bad(req, resp, _bad_json(ex))
         except EventError as ex:
             return self._bad(req, resp, str(ex))
         if not ops:
             if batch.shutdown:
                 log.info("shutdown flag set in events batch instance_id=%s", batch.instance_id)
             return _json(resp, 200, _EVENTS_NONE)
-        applied, errors = await self.conductor.run(self.conductor.apply_events, batch, ops)
+        try:
+            applied, errors = await self.conductor.run(self.conductor.apply_events, batch, ops)
+        except InstanceNotRegistered as ex:
+            # Register first: events of an unknown instance would build an index that no
+            # unregistration could remove.
+            return self._bad(req, resp, str(ex), status=404)
         if errors:
             out = EventsResponse(status="partial", events_applied=applied, errors=errors)
             return _json(resp, 500, json_encoder.encode(out))

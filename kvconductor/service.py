@@ -41,8 +41,8 @@ from kvconductor.schema import (
 
 log = logging.getLogger("kvconductor")
 
-__all__ = ["Conductor", "ConductorConfig", "EventError", "EventOp", "NullSubscriptions",
-           "RegistrationError", "normalize_events"]
+__all__ = ["Conductor", "ConductorConfig", "EventError", "EventOp", "InstanceNotRegistered",
+           "NullSubscriptions", "RegistrationError", "normalize_events"]
 
 
 @dataclass
@@ -65,6 +65,17 @@ class ConductorConfig:
 
 class EventError(ValueError):
     """An /events batch that cannot be applied at all (HTTP 400, nothing applied)."""
+
+
+class InstanceNotRegistered(LookupError):
+    """An /events batch for an instance that is not registered (HTTP 404, nothing applied).
+
+    The reference created a (model, tenant) index for it from ``model_name``:
+    an index no unregistration could ever remove.
+    """
+
+    def __init__(self, instance_id: str) -> None:
+        super().__init__(f"instance {instance_id} not found")
 
 
 STORED, REMOVED, CLEARED = 0, 1, 2
@@ -461,11 +472,14 @@ class Conductor:
         """Apply validated events per dp_rank group (contract 2.6).
 
         A failing group stops at its first error and contributes 0 to the
-        applied count; other groups still apply.
+        applied count; other groups still apply. Raises
+        :class:`InstanceNotRegistered` (nothing applied) for an unknown instance.
         """
         if batch.shutdown:
             log.info("shutdown flag set in events batch instance_id=%s", batch.instance_id)
         entry = self.registry.get(batch.instance_id)
+        if entry is None:
+            raise InstanceNotRegistered(batch.instance_id)
         applied = 0
         errors: list[str] = []
         i = 0
@@ -476,15 +490,9 @@ class Conductor:
                 j += 1
             group = ops[i:j]
             i = j
-            model = batch.model_name or None
-            tenant = batch.tenant_id or None
-            if entry is not None:
-                ep = entry.endpoints.get(dp)
-                model = model or (ep.model_name if ep else entry.model_name)
-                tenant = tenant or (ep.tenant_id if ep else entry.tenant_id)
-            if model is None:
-                errors.append(f"dp_rank={dp}: instance {batch.instance_id} not found")
-                continue
+            ep = entry.endpoints.get(dp)
+            model = batch.model_name or (ep.model_name if ep else entry.model_name)
+            tenant = batch.tenant_id or (ep.tenant_id if ep else entry.tenant_id)
             idx = self.get_or_create_index(model, tenant or "default")
             try:
                 for op in group:

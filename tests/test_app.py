@@ -421,11 +421,15 @@ def test_events_partial(client):
                       "errors": ["dp_rank=1: parent block not found"]}
 
 
-def test_events_unregistered_instance(client):
-    r = events(client, [stored(1, [100], [1, 2, 3, 4])], instance_id="ghost")
-    assert r.status_code == 500
-    assert r.json == {"status": "partial", "events_applied": 0,
-                      "errors": ["dp_rank=0: instance ghost not found"]}
+def test_events_unregistered_instance_is_404_and_creates_nothing(client):
+    for kw in ({}, {"model_name": "m"}, {"model_name": "m", "tenant_id": "t"}):
+        r = events(client, [stored(1, [100], [1, 2, 3, 4])], instance_id="ghost", **kw)
+        assert r.status_code == 404 and r.json == {"error": "instance ghost not found"}
+    assert query(client, [1, 2, 3, 4], model="m", expect=404) == {
+        "error": "no indexer for model=m tenant=default"}
+    assert client.simulate_get("/workers").json["indexer"] == []
+    # model_name still redirects a registered instance's events to another index.
+    register(client, "ghost")
     r = events(client, [stored(1, [100], [1, 2, 3, 4])], instance_id="ghost", model_name="m")
     assert r.json == {"status": "ok", "events_applied": 1}
     assert query(client, [1, 2, 3, 4], model="m")["default"]["ghost"]["DP"]["0"] == dp(1, 0, 0)
@@ -606,3 +610,20 @@ def test_with_the_real_subscription_manager(impl):
                                                         "sources": []}
     finally:
         assert c.stop(5.0)
+
+
+@pytest.mark.parametrize("path", ["/register", "/unregister", "/events"])
+@pytest.mark.parametrize("where", ["top", "field"])
+def test_deeply_nested_json_is_400(client, path, where):
+    """Nesting that exhausts the decoder's recursion is a bad body (400), never a 500."""
+    deep = b'{"a":' * 200_000 + b"1" + b"}" * 200_000
+    if where == "top":
+        body = deep
+    else:
+        body = (b'{"instance_id":"x","type":"vLLM","modelname":"m","block_size":4,"dp_rank":0,'
+                b'"events":[{"event_id":1,"data":' + deep + b'}],"medium_endpoints":' + deep
+                + b"}")
+    r = client.simulate_post(path, body=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json["error"].startswith("invalid JSON request body: ")
+    assert client.simulate_get("/health").status_code == 200

@@ -284,11 +284,14 @@ def test_invalid_block_sequence(conductor):
 
 
 def test_unregistered_instance(conductor):
-    out = post_events(conductor, "ghost", [stored(1, [1], [1, 2, 3, 4], dp_rank=0),
-                                           stored(2, [1], [1, 2, 3, 4], dp_rank=2)])
-    assert out == (0, ["dp_rank=0: instance ghost not found",
-                       "dp_rank=2: instance ghost not found"])
+    from kvconductor.service import InstanceNotRegistered
+
+    for kw in ({}, {"model_name": "m", "tenant_id": "t"}):
+        with pytest.raises(InstanceNotRegistered, match="instance ghost not found"):
+            post_events(conductor, "ghost", [stored(1, [1], [1, 2, 3, 4], dp_rank=0),
+                                             stored(2, [1], [1, 2, 3, 4], dp_rank=2)], **kw)
     assert conductor.indexes == {}
+    conductor.call(conductor.register, reg("ghost", modelname="m0"))
     out = post_events(conductor, "ghost", [stored(1, [1], [1, 2, 3, 4])], model_name="m",
                       tenant_id="t")
     assert out == (1, [])
