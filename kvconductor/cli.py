@@ -39,6 +39,9 @@ class Settings:
     log_level: str = "info"
     max_body_mb: float = 64.0
     api_key: str | None = None
+    allow_bind_endpoints: bool = False
+    allow_ipc_endpoints: bool = False
+    endpoint_networks: tuple = ()
 
     @property
     def max_body_bytes(self) -> int:
@@ -49,16 +52,32 @@ class Settings:
         return (f"maintenance_interval={max(1, self.maintenance_interval_secs)}s "
                 f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
                 f"offload_ttl={self.offload_ttl_secs}s max_body_bytes={self.max_body_bytes} "
-                f"log_level={self.log_level} auth={'on' if self.api_key else 'off'}")
+                f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
+                f"endpoints={self._endpoint_rule()}")
+
+    def _endpoint_rule(self) -> str:
+        rule = "tcp-connect"
+        if self.allow_bind_endpoints:
+            rule += "+bind"
+        if self.allow_ipc_endpoints:
+            rule += "+ipc"
+        if self.endpoint_networks:
+            rule += "@" + ",".join(str(n) for n in self.endpoint_networks)
+        return rule
 
     def conductor_config(self):
         from kvconductor.service import ConductorConfig
+
+        from kvconductor.urls import UrlPolicy
 
         return ConductorConfig(
             maintenance_interval=max(1, self.maintenance_interval_secs),
             pending_ttl=float(self.pending_ttl_secs),
             content_ttl=float(self.content_ttl_secs),
             offload_ttl=float(self.offload_ttl_secs),
+            url_policy=UrlPolicy(allow_bind=self.allow_bind_endpoints,
+                                 allow_ipc=self.allow_ipc_endpoints,
+                                 networks=self.endpoint_networks),
         )
 
 
@@ -118,6 +137,18 @@ def _megabytes(value: str) -> float:
     return mb
 
 
+def _networks(value: str) -> tuple:
+    from kvconductor.urls import parse_networks
+
+    try:
+        nets = parse_networks(value)
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(f"invalid network list {value!r}: {ex}") from None
+    if not nets:
+        raise argparse.ArgumentTypeError("expected at least one CIDR, e.g. 10.0.0.0/8")
+    return nets
+
+
 def _level(value: str) -> str:
     low = value.strip().lower()
     if low not in _LEVELS:
@@ -171,6 +202,14 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"require 'Authorization: Bearer <key>' on /register, /unregister and "
                         f"/events (env {API_KEY_ENV})")
+    p.add_argument("--allow-bind-endpoints", action="store_true",
+                   help="accept bind-mode endpoint URLs (tcp://*:PORT): the server then listens "
+                        "for publishers on that port (off by default)")
+    p.add_argument("--allow-ipc-endpoints", action="store_true",
+                   help="accept ipc:// endpoint URLs (off by default)")
+    p.add_argument("--endpoint-networks", type=_networks, default=(), metavar="CIDR[,CIDR...]",
+                   help="only accept TCP endpoint URLs whose IP address is in these networks "
+                        "(host names are then refused)")
     return p
 
 
@@ -181,6 +220,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         pending_ttl_secs=args.pending_ttl_secs, content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs, log_level=args.log_level,
         max_body_mb=args.max_body_mb, api_key=args.api_key or None,
+        allow_bind_endpoints=args.allow_bind_endpoints,
+        allow_ipc_endpoints=args.allow_ipc_endpoints, endpoint_networks=args.endpoint_networks,
     )
 
 

@@ -34,6 +34,7 @@ from typing import Any
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.keys import Medium, StoreBackend, is_hbm_key, parse_medium
 from kvconductor.schema import RegisterRequest
+from kvconductor.urls import UrlError, UrlPolicy, check_url
 
 _ALL_MEDIA = (Medium.NPU, Medium.CPU, Medium.DISK)
 
@@ -240,7 +241,9 @@ class UnregisterOutcome:
 class Registry:
     """Instances, endpoints and the HBM-IP index (ingest thread only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, url_policy: UrlPolicy | None = None) -> None:
+        #: Which endpoint URLs registrations may name (see :mod:`kvconductor.urls`).
+        self.url_policy = url_policy or UrlPolicy()
         self.instances: dict[str, WorkerEntry] = {}
         #: IP -> [(instance_id, dp_rank)], no duplicates (fix of 10.1 #5).
         self.hbm_ip_index: dict[str, list[tuple[str, int]]] = {}
@@ -316,6 +319,15 @@ class Registry:
             log.warning("registration instance_id=%s dp_rank=%d: empty endpoint URLs ignored: %s%s",
                         req.instance_id, req.dp_rank, ", ".join(dropped),
                         "" if medium_endpoints or endpoint else " (HTTP-only registration)")
+        try:
+            for key, url in medium_endpoints.items():
+                check_url(url, f"medium_endpoints[{key!r}]", self.url_policy)
+            if endpoint and not medium_endpoints:
+                check_url(endpoint, "endpoint", self.url_policy)
+            if req.replay_endpoint:
+                check_url(req.replay_endpoint, "replay_endpoint", self.url_policy, replay=True)
+        except UrlError as ex:
+            raise RegistrationError(str(ex)) from None
         groups = resolve_endpoints(medium_endpoints, endpoint)
         backend_name = req.store_backend or "Mooncake"
         backend = StoreBackend.parse(backend_name)

@@ -22,7 +22,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
@@ -34,6 +34,7 @@ from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium, WorkerKey, parse_medium
 from kvconductor.registry import Registry, RegistrationError
+from kvconductor.urls import UrlPolicy
 from kvconductor.schema import (
     U32_MAX, EventPayload, KvCacheEvent, KvEventBatch, RegisterRequest, UnregisterRequest,
     WireValueError, to_u64,
@@ -57,6 +58,8 @@ class ConductorConfig:
     index_impl: str | None = None
     #: Worker threads for large queries (parse + hash + match off the event loop).
     query_threads: int = 2
+    #: Which endpoint URLs registrations may name (bind mode, ipc://, networks).
+    url_policy: UrlPolicy = field(default_factory=UrlPolicy)
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,7 +295,7 @@ class Conductor:
                  subscriptions: Callable[[IngestThread, "Conductor"], Any] | None = None) -> None:
         self.config = config or ConductorConfig()
         self.thread = thread or IngestThread()
-        self.registry = Registry()
+        self.registry = Registry(self.config.url_policy)
         #: (model, tenant) -> Index. Mutated on the ingest thread; read anywhere.
         self.indexes: dict[tuple[str, str], Index] = {}
         self.subs: Any = None

@@ -627,3 +627,17 @@ def test_deeply_nested_json_is_400(client, path, where):
     assert r.status_code == 400, r.text
     assert r.json["error"].startswith("invalid JSON request body: ")
     assert client.simulate_get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("kw,field", [
+    ({"medium_endpoints": {"npu": "tcp://10.0.0.1"}}, "medium_endpoints['npu']"),
+    ({"medium_endpoints": {"npu": "tcp://*:5557"}}, "medium_endpoints['npu']"),
+    ({"medium_endpoints": {"npu": "ipc:///tmp/x"}}, "medium_endpoints['npu']"),
+    ({"endpoint": "inproc://x"}, "endpoint"),
+    ({"medium_endpoints": {"npu": "tcp://10.0.0.1:5557"}, "replay_endpoint": "tcp://h:0"},
+     "replay_endpoint"),
+])
+def test_register_rejects_unsafe_or_malformed_urls(client, kw, field):
+    r = register(client, expect=400, **kw)
+    assert r.json["error"].startswith(f"{field} "), r.json
+    assert client.simulate_get("/workers").json == {"workers": [], "indexer": [], "sources": []}

@@ -62,6 +62,9 @@ def test_invalid_log_env_falls_back_to_info(monkeypatch):
     (["--max-body-mb", "0"], "must be > 0"),
     (["--log-level", "chatty"], "invalid log level"),
     (["--bogus"], "unrecognized arguments"),
+    (["--pending-ttl-sec", "5"], "unrecognized arguments"),     # no abbreviations
+    (["--endpoint-networks", "10.0.0.0/33"], "invalid network list"),
+    (["--endpoint-networks", ","], "at least one CIDR"),
 ])
 def test_bad_values_exit_2_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as ex:
@@ -76,3 +79,17 @@ def test_version(capsys):
         cli.build_parser().parse_args(["--version"])
     assert ex.value.code == 0
     assert capsys.readouterr().out.strip() == "kv-conductor 0.1.0"
+
+
+def test_endpoint_policy_flags():
+    from kvconductor.cli import build_parser, settings_from_args
+    from kvconductor.urls import UrlPolicy, parse_networks
+
+    s = settings_from_args(build_parser().parse_args([]))
+    assert s.conductor_config().url_policy == UrlPolicy()
+    s = settings_from_args(build_parser().parse_args(
+        ["--allow-bind-endpoints", "--allow-ipc-endpoints", "--endpoint-networks",
+         "10.0.0.0/8,fd00::/8"]))
+    assert s.conductor_config().url_policy == UrlPolicy(
+        allow_bind=True, allow_ipc=True, networks=parse_networks("10.0.0.0/8,fd00::/8"))
+    assert "endpoints=tcp-connect+bind+ipc@10.0.0.0/8,fd00::/8" in s.describe()

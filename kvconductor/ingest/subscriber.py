@@ -56,6 +56,7 @@ from kvconductor._hash import xxh3_64
 from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.replay import ReplaySession
+from kvconductor.urls import is_bind_url
 from kvconductor.keys import Medium
 
 log = logging.getLogger("kvconductor.ingest")
@@ -128,8 +129,9 @@ class Subscription:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             mon = sock.get_monitor_socket(_MON_EVENTS)
             try:
-                if "*" in url:
-                    sock.bind(url)  # the engine PUB connects to us ("bind stable")
+                if is_bind_url(url):
+                    # --allow-bind-endpoints: the engine PUB connects to us ("bind stable").
+                    sock.bind(url)
                     self.connected = self.ever_connected = True
                 else:
                     sock.connect(url)

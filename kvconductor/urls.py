@@ -1,0 +1,144 @@
+"""Validation of the ZeroMQ endpoint URLs that registrations ask the server to use.
+
+A registration makes the conductor open sockets: SUB sockets that connect to
+engine and pool publishers, DEALER sockets that connect to vLLM replay
+routers. The URLs come from whoever can reach ``POST /register``, so they are
+checked before anything is opened:
+
+* ``tcp://HOST:PORT`` with HOST an IPv4 literal, a bracketed IPv6 literal or
+  a DNS name, and PORT in 1..65535. This is the only form accepted by default.
+* Bind mode (``tcp://*:PORT``, or an unspecified address such as
+  ``0.0.0.0``/``[::]``): the conductor would *listen* on all interfaces and
+  apply events from any publisher that connects. Only with
+  ``--allow-bind-endpoints``, and never for a replay endpoint.
+* ``ipc://PATH``: binding or connecting may unlink or touch a file of the
+  server's machine. Only with ``--allow-ipc-endpoints``.
+* Anything else (``inproc://``, ``udp://``, ``pgm://``, ZeroMQ's
+  ``tcp://iface;host:port`` source form, no port, port 0) is rejected.
+
+With ``--endpoint-networks CIDR[,CIDR...]`` a TCP endpoint must be an IP
+literal inside one of the networks (DNS names are refused then: what a name
+resolves to can change after the check).
+
+:func:`check_url` raises :class:`UrlError` (HTTP 400) with a message naming
+the field and the rule.
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass, field
+
+__all__ = ["UrlError", "UrlPolicy", "check_url", "is_bind_url", "parse_networks"]
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+
+
+class UrlError(ValueError):
+    """An endpoint URL that the server refuses to open (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class UrlPolicy:
+    """What endpoint URLs a registration may name (CLI flags)."""
+
+    allow_bind: bool = False
+    allow_ipc: bool = False
+    #: Empty: any address. Otherwise TCP endpoints must be IP literals in these networks.
+    networks: tuple = field(default=())
+
+
+def parse_networks(text: str) -> tuple:
+    """``"10.0.0.0/8, fd00::/8"`` -> networks; raises ValueError on a bad CIDR."""
+    nets = []
+    for part in text.split(","):
+        part = part.strip()
+        if part:
+            nets.append(ipaddress.ip_network(part, strict=False))
+    return tuple(nets)
+
+
+def _split_tcp(rest: str) -> tuple[str, str, bool]:
+    """``host:port`` -> (host, port, bracketed)."""
+    if rest.startswith("["):
+        end = rest.find("]")
+        if end < 0 or rest[end + 1:end + 2] != ":":
+            raise UrlError("expected tcp://[IPv6]:PORT")
+        return rest[1:end], rest[end + 2:], True
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        raise UrlError("expected tcp://HOST:PORT (the port is missing)")
+    return host, port, False
+
+
+def check_url(url: str, what: str, policy: UrlPolicy, *, replay: bool = False) -> str:
+    """Validate one endpoint URL; returns ``"connect"``, ``"bind"`` or ``"ipc"``.
+
+    ``what`` names the field in the error (``medium_endpoints['npu']``).
+    Raises :class:`UrlError`.
+    """
+    try:
+        return _check(url, policy, replay)
+    except UrlError as ex:
+        raise UrlError(f"{what} {url!r}: {ex}") from None
+
+
+def _check(url: str, policy: UrlPolicy, replay: bool) -> str:
+    if url != url.strip() or any(ord(ch) < 0x21 or ch == "\x7f" for ch in url):
+        raise UrlError("whitespace or control characters are not allowed")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise UrlError("expected tcp://HOST:PORT")
+    scheme = scheme.lower()
+    if scheme == "ipc":
+        if not rest:
+            raise UrlError("ipc:// needs a path")
+        if not policy.allow_ipc:
+            raise UrlError("ipc:// endpoints are disabled (start the server with "
+                           "--allow-ipc-endpoints)")
+        return "ipc"
+    if scheme != "tcp":
+        raise UrlError(f"scheme {scheme}:// is not supported (tcp:// only)")
+    if ";" in rest:
+        raise UrlError("the source-address form tcp://iface;host:port is not supported")
+    host, port, bracketed = _split_tcp(rest)
+    if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UrlError(f"invalid port {port!r} (1..65535)")
+    ip = None
+    if host == "*":
+        bind = True
+    else:
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            if bracketed or not _HOSTNAME.match(host):
+                raise UrlError(f"invalid host {host!r}") from None
+        else:
+            if bracketed != (ip.version == 6):
+                raise UrlError("IPv6 addresses must be bracketed, IPv4 ones not")
+        bind = ip is not None and ip.is_unspecified
+    if bind:
+        if replay:
+            raise UrlError("a replay endpoint is connected to, never bound")
+        if not policy.allow_bind:
+            raise UrlError("bind-mode endpoints (tcp://*:PORT, unspecified addresses) would make "
+                           "the server listen on all interfaces; they are disabled (start the "
+                           "server with --allow-bind-endpoints)")
+        return "bind"
+    if policy.networks:
+        if ip is None:
+            raise UrlError("host names are not accepted while --endpoint-networks is set; "
+                           "use an IP address")
+        if not any(ip.version == net.version and ip in net for net in policy.networks):
+            raise UrlError(f"address {ip} is outside --endpoint-networks "
+                           f"({', '.join(str(n) for n in policy.networks)})")
+    return "connect"
+
+
+def is_bind_url(url: str) -> bool:
+    """True for a URL the subscriber binds instead of connecting (already checked)."""
+    try:
+        return _check(url, UrlPolicy(allow_bind=True, allow_ipc=True), False) == "bind"
+    except UrlError:
+        return False
