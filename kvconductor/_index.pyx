@@ -5,6 +5,7 @@ Holds the HBM tree, the CPU and Disk tiers and the two-phase offload/pool
 state, and answers tiered queries (hashing, HBM match and both lower-tier walks)
 in one ``nogil`` pass under a read lock. Semantics: ``docs/design.md``.
 """
+from cpython cimport array
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
@@ -13,7 +14,7 @@ from kvconductor._hmap cimport (
     HM_NIL, HCursor, grow_array, hc_free, hc_get, hc_init_hashes, hc_init_tokens, pool_give,
     pool_init, pool_take,
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock,
-    pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get, u64m_init, u64m_nbytes,
+    pthread_rwlock_wrlock, rwlock_init, U64Map, u64m_free, u64m_get, u64m_init, u64m_nbytes,
     u64m_pop, u64m_put,
 )
 from kvconductor._hash cimport hash_token_blocks
@@ -25,6 +26,8 @@ from kvconductor._tree cimport (
     T_ERR_OOM, check_rc, tree_clear, tree_free, tree_init, tree_match,
     tree_nbytes, tree_remove, tree_store, tree_worker_blocks,
 )
+
+import array as _array
 
 from kvconductor._hash import as_u64, to_u32_tokens
 
@@ -775,6 +778,73 @@ cdef class CoreIndex:
                     n = lower_worker_blocks(&self.tiers[tier - 1], worker)
             pthread_rwlock_unlock(&self.lock)
         return n
+
+    def worker_hashes(self, uint32_t worker):
+        """The engine hashes ``worker`` holds on its tier, as ``array('Q')`` (any order)."""
+        cdef const U64Map* rev = NULL
+        cdef size_t i, k = 0, n = 0
+        cdef uint64_t* o
+        cdef int tier
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+        try:
+            if worker < self.nworkers:
+                tier = self.wtier[worker]
+                if tier == 0:
+                    if worker < self.tree.nrev:
+                        rev = &self.tree.rev[worker]
+                elif worker < self.tiers[tier - 1].nrev:
+                    rev = &self.tiers[tier - 1].rev[worker]
+            if rev != NULL:
+                n = rev.size
+            out = _array.array("Q", bytes(8 * n))
+            if n:
+                o = <uint64_t*>(<array.array>out).data.as_ulonglongs
+                for i in range(rev.mask + 1):
+                    if rev.vals[i] != HM_NIL:
+                        o[k] = rev.keys[i]
+                        k += 1
+            return out
+        finally:
+            pthread_rwlock_unlock(&self.lock)
+
+    def parent_of(self, uint32_t worker, uint64_t h):
+        """The engine hash of the parent of ``worker``'s block ``h`` on its tier.
+
+        ``None`` for a root block, or (HBM) when the worker no longer holds the
+        parent block. Raises ``KeyError`` when ``worker`` does not hold ``h``.
+        """
+        cdef uint32_t node = HM_NIL, p, m
+        cdef bint found = False, has_parent = False
+        cdef uint64_t parent = 0
+        cdef int tier = -1
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            if worker < self.nworkers:
+                tier = self.wtier[worker]
+            if tier == 0 and worker < self.tree.nrev:
+                node = u64m_get(&self.tree.rev[worker], h)
+                if node != HM_NIL:
+                    found = True
+                    p = self.tree.nodes[node].parent
+                    if p != 0 and p != HM_NIL:
+                        m = self.tree.nodes[p].members
+                        while m != HM_NIL:
+                            if self.tree.mem[m].worker == worker:
+                                has_parent = True
+                                parent = self.tree.mem[m].seq
+                                break
+                            m = self.tree.mem[m].next
+            elif tier > 0 and worker < self.tiers[tier - 1].nrev:
+                node = u64m_get(&self.tiers[tier - 1].rev[worker], h)
+                if node != HM_NIL:
+                    found = True
+                    has_parent = self.tiers[tier - 1].edges[node].has_parent == 1
+                    parent = self.tiers[tier - 1].edges[node].parent
+            pthread_rwlock_unlock(&self.lock)
+        if not found:
+            raise KeyError(h)
+        return parent if has_parent else None
 
     def stats(self):
         """Sizes: nodes, hbm_pairs, cpu_blocks, disk_blocks, offload, content, pending, nbytes."""

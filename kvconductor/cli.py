@@ -36,6 +36,7 @@ class Settings:
     pending_ttl_secs: int = 60
     content_ttl_secs: int = 300
     offload_ttl_secs: int = 600
+    loss_grace_secs: int = 600
     log_level: str = "info"
     max_body_mb: float = 64.0
     api_key: str | None = None
@@ -51,7 +52,8 @@ class Settings:
         """The settings as ``key=value`` pairs for the startup log line (no secrets)."""
         return (f"maintenance_interval={max(1, self.maintenance_interval_secs)}s "
                 f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
-                f"offload_ttl={self.offload_ttl_secs}s max_body_bytes={self.max_body_bytes} "
+                f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
+                f"max_body_bytes={self.max_body_bytes} "
                 f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
                 f"endpoints={self._endpoint_rule()}")
 
@@ -75,6 +77,7 @@ class Settings:
             pending_ttl=float(self.pending_ttl_secs),
             content_ttl=float(self.content_ttl_secs),
             offload_ttl=float(self.offload_ttl_secs),
+            loss_grace=float(self.loss_grace_secs),
             url_policy=UrlPolicy(allow_bind=self.allow_bind_endpoints,
                                  allow_ipc=self.allow_ipc_endpoints,
                                  networks=self.endpoint_networks),
@@ -195,6 +198,10 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
                    help="TTL of retained confirmed content (default 300)")
     p.add_argument("--offload-ttl-secs", type=_secs, default=600,
                    help="TTL of unconfirmed engine offloads (default 600)")
+    p.add_argument("--loss-grace-secs", type=_secs, default=600,
+                   help="after events from a source were lost for good, blocks it held then "
+                        "that are not announced again within this many seconds are dropped "
+                        "(default 600; nothing is dropped at the loss itself)")
     p.add_argument("--log-level", type=_level, default=level,
                    help=f"trace|debug|info|warning|error (default info; env {LOG_ENV})")
     p.add_argument("--max-body-mb", type=_megabytes, default=64.0,
@@ -218,7 +225,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         host=args.host, port=args.port,
         maintenance_interval_secs=args.maintenance_interval_secs,
         pending_ttl_secs=args.pending_ttl_secs, content_ttl_secs=args.content_ttl_secs,
-        offload_ttl_secs=args.offload_ttl_secs, log_level=args.log_level,
+        offload_ttl_secs=args.offload_ttl_secs, loss_grace_secs=args.loss_grace_secs,
+        log_level=args.log_level,
         max_body_mb=args.max_body_mb, api_key=args.api_key or None,
         allow_bind_endpoints=args.allow_bind_endpoints,
         allow_ipc_endpoints=args.allow_ipc_endpoints, endpoint_networks=args.endpoint_networks,

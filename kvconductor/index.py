@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from array import array
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -124,6 +125,19 @@ class Index:
         """Remove blocks of ``key`` directly (no two-phase rule)."""
         wid = self._workers.get(key)
         return 0 if wid is None else self.core.remove(wid, engine_hashes)
+
+    def worker_hashes(self, key: WorkerKey) -> array:
+        """The engine hashes ``key`` holds on its tier (``array('Q')``, any order)."""
+        wid = self._workers.get(key)
+        return array("Q") if wid is None else self.core.worker_hashes(wid)
+
+    def parent_of(self, key: WorkerKey, h: int) -> int | None:
+        """Parent engine hash of ``key``'s block ``h`` (None: a root, or the parent is no
+        longer held). Raises ``KeyError`` when ``key`` does not hold ``h``."""
+        wid = self._workers.get(key)
+        if wid is None:
+            raise KeyError(h)
+        return self.core.parent_of(wid, h)
 
     def clear(self, key: WorkerKey) -> int:
         """Drop every block and pending wait of ``key``."""

@@ -58,6 +58,8 @@ class ConductorConfig:
     index_impl: str | None = None
     #: Worker threads for large queries (parse + hash + match off the event loop).
     query_threads: int = 2
+    #: Seconds after a lost batch before blocks not announced again are dropped.
+    loss_grace: float = 600.0
     #: Which endpoint URLs registrations may name (bind mode, ipc://, networks).
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
 

@@ -473,6 +473,13 @@ class CoreMachine(_Pair):
         assert sc == sp
         for w in range(len(CORE_WORKERS)):
             assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w
+            held = sorted(self.c.worker_hashes(w))
+            assert held == sorted(self.py.worker_hashes(w)) == self.held(w), w
+            for h in held:
+                assert self.c.parent_of(w, h) == self.py.parent_of(w, h), (w, h)
+            for h in (0, 1 << 63):
+                if h not in held:
+                    assert outcome(self.c.parent_of, w, h) == outcome(self.py.parent_of, w, h)
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
         self.py._check_invariants()

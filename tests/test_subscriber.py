@@ -271,8 +271,8 @@ def test_initial_replay_catches_up_and_buffer_exhaustion(h, pubs):
     h.subscribe(ctx(pub.url, replay=pub.replay_url), replay=True)
     wait_until(lambda: h.source()["last_seq"] == 5, msg="replayed")
     src = h.source()
-    # seqs 0..2 fell out of the 3-batch ring: resynchronised from seq 3 on
-    assert src["state"] in ("resynced_after_loss", "connecting") and src["resyncs"] == 1
+    # seqs 0..2 fell out of the 3-batch ring: a loss; the stream goes on from seq 3
+    assert src["state"] in ("degraded", "connecting") and src["resyncs"] == 1
     assert [bool(h.hits(toks(i, 2))) for i in range(6)] == [False] * 3 + [True] * 3
     assert pub.replay_requests[0] == 0
 
@@ -291,7 +291,11 @@ def test_initial_replay_complete(h, pubs):
 
 
 @pytest.mark.parametrize("with_replay", [True, False])
-def test_publisher_restart_clears_old_blocks(h, pubs, with_replay):
+def test_publisher_restart_keeps_then_ages_out_old_blocks(h, pubs, with_replay):
+    """A restarted publisher is a loss: the old incarnation's blocks stay (nothing is wiped
+    at once), the new one's are applied, and after the grace period the old blocks that
+    nobody announced again are dropped."""
+    h.call(lambda: setattr(h.mgr, "loss_grace", 3.0))
     pub = pubs(replay=with_replay)
     c = ctx(pub.url, replay=pub.replay_url)
     h.subscribe(c, replay=with_replay)
@@ -317,24 +321,66 @@ def test_publisher_restart_clears_old_blocks(h, pubs, with_replay):
     wait_until(lambda: h.hits(toks(8, 2)) == {(IID, 0): (2, 0, 0)}, msg="second incarnation indexed")
     wait_until(lambda: h.source()["state"] != "replaying", msg="replay done")
     src = h.source()
-    assert src["restarts"] >= 1 and src["state"] == "resynced_after_loss"
-    assert all(h.hits(toks(i, 2)) == {} for i in range(5)), "old incarnation's blocks cleared"
+    assert src["restarts"] >= 1 and src["state"] == "degraded" and src["degraded_since"]
+    assert all(h.hits(toks(i, 2)) == {(IID, 0): (2, 0, 0)} for i in range(5)), "kept meanwhile"
+    wait_until(lambda: h.source()["state"] == "live", msg="grace period over")
+    assert all(h.hits(toks(i, 2)) == {} for i in range(5)), "old incarnation aged out"
+    assert h.source()["aged_out_blocks"] == 10 and h.source()["degraded_since"] is None
+    assert h.hits(toks(8, 2)) == {(IID, 0): (2, 0, 0)}
     if with_replay:
         assert h.hits(toks(7, 2)) == {(IID, 0): (2, 0, 0)}
         assert 0 in pub2.replay_requests
 
 
-def test_gap_without_replay_resyncs(h, pubs):
+def test_gap_without_replay_keeps_state_and_ages_out_the_unconfirmed(h, pubs):
+    """A lost batch costs no more than what it carried: what was indexed before stays, later
+    stores whose parents were indexed before the gap still apply (the reference cleared the
+    DP, so every later store failed as parent_not_found), and after the grace period only
+    the blocks that nothing announced again are dropped."""
+    h.call(lambda: setattr(h.mgr, "loss_grace", 1.5))
+    pub = pubs(replay=False)
+    h.subscribe(ctx(pub.url))
+    warm_up(h, pub)
+    pub.publish(V33.batch([stored(V33, 0, 2)]))                  # blocks 1000, 1001
+    pub.publish(V33.batch([stored(V33, 3, 2)]))                  # blocks 4000, 4001
+    pub.publish(V33.batch([stored(V33, 1, 2)]), drop=True)       # lost
+    pub.publish(V33.batch([stored(V33, 2, 2)]))
+    wait_until(lambda: h.hits(toks(2, 2)), msg="after the gap")
+    src = h.source()
+    assert src["gaps"] == 1 and src["resyncs"] == 1 and src["state"] == "degraded"
+    # Nothing was wiped: only the lost batch's blocks are missing.
+    assert h.hits(toks(0, 2)) == {(IID, 0): (2, 0, 0)} and h.hits(toks(3, 2)) == {(IID, 0): (2, 0, 0)}
+    assert h.hits(toks(1, 2)) == {}
+    # The engine extends chain 0 (parent 1001, cached before the gap): it applies.
+    pub.publish(V33.batch([stored(V33, 0, 2, parent=1001, start=2)]))
+    wait_until(lambda: h.hits(toks(0, 4)) == {(IID, 0): (4, 0, 0)}, msg="extension applied")
+    assert "parent_not_found" not in h.source()["dropped"]
+    wait_until(lambda: h.source()["state"] == "live", msg="grace period over")
+    # Chain 0 was confirmed through its child, chain 2 came after the loss; chain 3 was
+    # never announced again: dropped.
+    assert h.hits(toks(0, 4)) == {(IID, 0): (4, 0, 0)}
+    assert h.hits(toks(2, 2)) == {(IID, 0): (2, 0, 0)}
+    assert h.hits(toks(3, 2)) == {}
+    assert h.source()["aged_out_blocks"] == 2
+
+
+def test_second_loss_restarts_the_grace_period(h, pubs):
+    h.call(lambda: setattr(h.mgr, "loss_grace", 2.0))
     pub = pubs(replay=False)
     h.subscribe(ctx(pub.url))
     warm_up(h, pub)
     pub.publish(V33.batch([stored(V33, 0, 2)]))
-    pub.publish(V33.batch([stored(V33, 1, 2)]), drop=True)
+    pub.publish(V33.batch([]), drop=True)
+    pub.publish(V33.batch([stored(V33, 1, 2)]))
+    wait_until(lambda: h.source()["resyncs"] == 1, msg="first loss")
+    pub.publish(V33.batch([]), drop=True)
     pub.publish(V33.batch([stored(V33, 2, 2)]))
-    wait_until(lambda: h.hits(toks(2, 2)), msg="after the gap")
-    src = h.source()
-    assert src["gaps"] == 1 and src["resyncs"] == 1 and src["state"] == "resynced_after_loss"
+    wait_until(lambda: h.source()["resyncs"] == 2, msg="second loss")
+    # Chain 1 was stored between the losses: a suspect of the second one.
+    wait_until(lambda: h.source()["state"] == "live", msg="grace period over")
     assert h.hits(toks(0, 2)) == {} and h.hits(toks(1, 2)) == {}
+    assert h.hits(toks(2, 2)) == {(IID, 0): (2, 0, 0)}
+    assert h.source()["aged_out_blocks"] == 4
 
 
 def test_replay_endpoint_dead_falls_back_to_resync(h, pubs):

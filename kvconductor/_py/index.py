@@ -267,6 +267,24 @@ class CoreIndex:
             tier = self._tier_of(worker)
             return (self._tree if tier == HBM else self._tiers[tier]).worker_blocks(worker)
 
+    def worker_hashes(self, worker: int):
+        """The engine hashes ``worker`` holds on its tier, as ``array('Q')``."""
+        from array import array
+
+        with self._lock:
+            if worker not in self._workers:
+                return array("Q")
+            tier = self._tier_of(worker)
+            return array("Q", (self._tree if tier == HBM else self._tiers[tier]).hashes_of(worker))
+
+    def parent_of(self, worker: int, h: int) -> int | None:
+        """Parent engine hash of ``worker``'s block ``h`` (None: root, or parent not held)."""
+        with self._lock:
+            if worker not in self._workers:
+                raise KeyError(h)
+            tier = self._tier_of(worker)
+            return (self._tree if tier == HBM else self._tiers[tier]).parent_of(worker, h)
+
     def stats(self) -> dict:
         """Sizes: nodes, hbm_pairs, cpu_blocks, disk_blocks, offload, content, pending, nbytes."""
         with self._lock:

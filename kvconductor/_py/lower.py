@@ -172,6 +172,17 @@ class LowerTier:
             count = max(0, pos - start)
             return count, (p if count else None)
 
+    def hashes_of(self, worker: int) -> list[int]:
+        """The engine hashes ``worker`` holds."""
+        with self._lock:
+            return list(self._rev.get(worker, ()))
+
+    def parent_of(self, worker: int, h: int) -> int | None:
+        """Parent engine hash of ``worker``'s block ``h`` (None for a root edge)."""
+        with self._lock:
+            key = self._rev.get(worker, {})[h]
+            return key[0]
+
     def worker_blocks(self, worker: int) -> int:
         """Number of blocks ``worker`` holds."""
         with self._lock:

@@ -225,6 +225,21 @@ class RadixTree:
                     last[w] = node.members[w]
             return [(w, depth[w], last[w]) for w in sorted(depth)]
 
+    def hashes_of(self, worker: int) -> list[int]:
+        """The engine hashes ``worker`` holds."""
+        with self._lock:
+            return list(self._rev.get(worker, ()))
+
+    def parent_of(self, worker: int, h: int) -> int | None:
+        """Engine hash of the parent of ``worker``'s ``h``; None at the root or when the
+        worker no longer holds the parent. KeyError when it does not hold ``h``."""
+        with self._lock:
+            node = self._rev.get(worker, {})[h]
+            parent = node.parent
+            if parent is None or parent is self._root:
+                return None
+            return parent.members.get(worker)
+
     def worker_blocks(self, worker: int) -> int:
         """Number of blocks ``worker`` holds (``len(rev[worker])``)."""
         with self._lock:

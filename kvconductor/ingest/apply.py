@@ -161,7 +161,7 @@ class SourceStats:
     """Counters of one subscription (shown by ``sources()``)."""
 
     __slots__ = ("batches", "events", "blocks", "dropped", "gaps", "replays", "replayed_batches",
-                 "restarts", "resyncs", "duplicates", "last_seq")
+                 "restarts", "resyncs", "duplicates", "last_seq", "aged_out")
 
     def __init__(self) -> None:
         self.batches = 0
@@ -175,6 +175,8 @@ class SourceStats:
         self.resyncs = 0
         self.duplicates = 0
         self.last_seq: int | None = None
+        #: Blocks dropped because they were not re-announced after a loss.
+        self.aged_out = 0
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -230,6 +232,10 @@ class Applier:
         self._clear_keys = tuple(self._key(Medium(m)) for m in ctx.default_media)
         self._fast_index: Any = None    # weakref of the index _fast_wid belongs to
         self._fast_wid = -1
+        #: After a loss: (model, tenant, key) -> engine hashes held then (see begin_suspect).
+        self.suspects: dict[tuple[str, str, WorkerKey], array] | None = None
+        #: After a loss: key -> engine hashes announced since (stored, or named as parent).
+        self.confirmed: dict[WorkerKey, array] = {}
 
     # -- helpers ------------------------------------------------------------------------
     def _drop(self, reason: str, detail: str = "", payload: bytes | None = None) -> None:
@@ -246,11 +252,21 @@ class Applier:
             s = self.touched[(model, tenant)] = set()
         s.add(key)
 
+    def _confirm(self, key: WorkerKey, hashes, parent: int | None = None) -> None:
+        """After a loss: ``hashes`` (and ``parent``) of ``key`` were announced again."""
+        arr = self.confirmed.get(key)
+        if arr is None:
+            arr = self.confirmed[key] = array("Q")
+        arr.extend(hashes)
+        if parent is not None:
+            arr.append(parent)
+
     # -- entry points ---------------------------------------------------------------------
     def apply_payload(self, payload: bytes) -> bool:
         """Decode and apply one payload; False (counted, warned) if undecodable."""
         fb = self._fast
-        if fb is not None:
+        if fb is not None and self.suspects is None:
+            # After a loss the general path runs: it records what is re-announced.
             n = fb.parse(payload, self.ctx.block_size)
             if n >= 0:
                 return self._apply_fast(fb, n, payload)
@@ -326,16 +342,20 @@ class Applier:
             self._drop("apply_error", repr(MemoryError()), payload)
         return True
 
-    def clear_all(self) -> int:
-        """Resync: drop every block this subscription fed (its workers), return the count."""
+    def _targets(self) -> dict[tuple[str, str], set[WorkerKey]]:
+        """Every worker key this subscription feeds, per (model, tenant)."""
         ctx = self.ctx
-        n = 0
         targets = {k: set(v) for k, v in self.touched.items()}
         if not ctx.is_pool:
             base = targets.setdefault((ctx.model, ctx.tenant), set())
             base.update(self._key(m) for m in ctx.default_media)
             base.add(self._key(self.hbm_medium))
-        for (model, tenant), keys in targets.items():
+        return targets
+
+    def clear_all(self) -> int:
+        """Drop every block this subscription fed (its workers), return the count."""
+        n = 0
+        for (model, tenant), keys in self._targets().items():
             try:
                 index = self.conductor.get_or_create_index(model, tenant)
                 for key in keys:
@@ -344,6 +364,60 @@ class Applier:
                 self._drop("apply_error", f"clear: {ex!r}")
         self.touched.clear()
         return n
+
+    # -- after a loss: keep what we have, age out what is never re-announced ---------------
+    def begin_suspect(self) -> int:
+        """A batch was lost: keep every block, but remember what this subscription's
+        workers hold now (the suspects: the lost batch may have removed some of them) and
+        record from now on what the stream announces again. Returns the suspects.
+
+        A second loss before :meth:`end_suspect` starts over from the holdings then.
+        """
+        snap: dict[tuple[str, str, WorkerKey], array] = {}
+        n = 0
+        for (model, tenant), keys in self._targets().items():
+            try:
+                index = self.conductor.get_or_create_index(model, tenant)
+                for key in keys:
+                    hs = index.worker_hashes(key)
+                    if len(hs):
+                        snap[(model, tenant, key)] = hs
+                        n += len(hs)
+            except Exception as ex:  # noqa: BLE001
+                self._drop("apply_error", f"snapshot: {ex!r}")
+        self.suspects = snap
+        self.confirmed = {}
+        return n
+
+    def end_suspect(self) -> int:
+        """The grace period after a loss is over: drop the suspects that were neither
+        announced again nor are ancestors of a block announced since (a stored block's
+        prefix is still cached by the engine). Returns the blocks dropped."""
+        snap, self.suspects = self.suspects, None
+        confirmed, self.confirmed = self.confirmed, {}
+        if not snap:
+            return 0
+        dropped = 0
+        for (model, tenant, key), held in snap.items():
+            try:
+                index = self.conductor.get_or_create_index(model, tenant)
+                alive = set(confirmed.get(key, ()))
+                for h in list(alive):
+                    while True:
+                        try:
+                            h = index.parent_of(key, h)
+                        except KeyError:
+                            break
+                        if h is None or h in alive:
+                            break
+                        alive.add(h)
+                stale = array("Q", [h for h in held if h not in alive])
+                if stale:
+                    dropped += index.remove(key, stale)
+            except Exception as ex:  # noqa: BLE001
+                self._drop("apply_error", f"age out: {ex!r}")
+        self.stats.aged_out += dropped
+        return dropped
 
     # -- vLLM / SGLang ----------------------------------------------------------------------
     def apply_vllm(self, batch: VllmBatch, payload: bytes | None = None, index=None) -> None:
@@ -395,6 +469,8 @@ class Applier:
         if medium is Medium.NPU:
             key = self._key(medium)
             self._touch(ctx.model, ctx.tenant, key)
+            if self.suspects is not None:
+                self._confirm(key, hashes, ev.parent)
             if len(tokens) and bs:
                 n = index.store_tokens(key, ev.parent, hashes, tokens, bs, seed)
             else:
@@ -413,6 +489,11 @@ class Applier:
             local = hashes
         index.offload(hashes, local, ev.parent)
         self.stats.blocks += len(hashes)
+        if self.suspects is not None:
+            # The engine holds these on a lower tier now: its CPU/Disk blocks are confirmed.
+            for m in ctx.default_media:
+                if Medium(m).tier != 0:
+                    self._confirm(self._key(Medium(m)), hashes, ev.parent)
 
     def _removed(self, index, ev: Removed) -> None:
         if not ev.block_hashes:
@@ -486,6 +567,8 @@ class Applier:
                     if kind == STORED:
                         self._touch(model, tenant, key)
                         index.pool_store(key, hashes, now)
+                        if self.suspects is not None:
+                            self._confirm(key, hashes)
                     elif kind == REMOVED:
                         index.evict(key, hashes)
                     else:

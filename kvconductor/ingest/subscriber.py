@@ -31,14 +31,23 @@ Sequence numbers (frame 1, 8-byte big-endian) per subscription:
 * ``seq > last + 1`` (gap): with a replay endpoint, buffer live batches and
   replay from ``last`` (one batch of overlap: if the replayed batch ``last``
   is byte-identical to the one applied, the stream is continuous); otherwise
-  clear the subscription's workers and rebuild from what follows.
+  it is a *loss* (below) and the stream goes on from ``seq``.
 * ``seq <= last``: a batch already applied by replay (identical digest) is
-  skipped; anything else means the publisher restarted: clear the workers and
-  (with a replay endpoint) replay the new incarnation from 0.
+  skipped; anything else means the publisher restarted: a loss, and (with a
+  replay endpoint) the new incarnation is replayed from 0.
 * Replay result: first replayed seq > wanted (the ring buffer lost it), no reply,
-  or the overlap batch differs -> clear and rebuild (state
-  ``resynced_after_loss``). Live batches buffered meanwhile are merged by seq;
-  nothing is applied twice.
+  or the overlap batch differs -> a loss. Live batches buffered meanwhile are
+  merged by seq; nothing is applied twice.
+
+A loss never costs more than what the lost batches carried. Nothing is
+cleared: engines never re-announce the blocks they still cache, so a cleared
+DP would stay empty. Instead the source is marked ``degraded``; the blocks its
+workers hold at that moment become *suspects* and everything the stream
+announces from then on is applied as usual. After the grace period
+(``--loss-grace-secs``, default 600 s) the suspects that were neither
+announced again (stored, offloaded, pool-stored) nor are ancestors of a block
+announced since are dropped (the lost batches may have evicted them), and the
+source is ``live`` again. A new loss during the grace period starts it over.
 
 Only subscriptions that feed HBM workers (engine PUB, ``not ctx.is_pool`` and a
 HBM medium in ``ctx.default_media``) use ``ctx.replay_endpoint``: a replay ROUTER
@@ -47,6 +56,7 @@ serves the engine's sequence, not a pool port's.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import zmq
@@ -66,6 +76,8 @@ RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 30_000
 #: Messages handled per readiness callback (fairness between sockets).
 DRAIN_LIMIT = 256
+#: Default grace period after a loss (``--loss-grace-secs``).
+LOSS_GRACE = 600.0
 #: Live batches kept while a replay runs; beyond that they are dropped and the
 #: gap they leave is handled as loss after the replay.
 MAX_REPLAY_BUFFER = 200_000
@@ -99,7 +111,6 @@ class Subscription:
         self.backoff = RECONNECT_IVL_MS / 1000.0
         self.last_seq: int | None = None
         self.last_digest: int | None = None
-        self.resynced = False
         # replay state
         self.replay: ReplaySession | None = None
         self.replay_verify = False
@@ -111,6 +122,9 @@ class Subscription:
         self.connect_errors = 0
         self._no_replay = False
         self._replay_start = 0
+        #: Wall-clock time of the last loss while degraded (None: not degraded).
+        self.degraded_since: float | None = None
+        self._loss_epoch = 0
 
     # -- sockets ---------------------------------------------------------------------------
     def open(self) -> None:
@@ -275,13 +289,27 @@ class Subscription:
         self._apply(seq, payload)
 
     def _loss(self, why: str) -> None:
+        """Batches were lost for good: keep the state, degrade, age out later."""
         self.stats.resyncs += 1
-        n = self.applier.clear_all()
-        self.resynced = True
+        n = self.applier.begin_suspect()
+        self.degraded_since = time.time()
+        self._loss_epoch += 1
+        epoch = self._loss_epoch
+        grace = self.manager.loss_grace
+        self.thread.call_later(grace, lambda: self._end_degraded(epoch))
         self.last_seq = self.last_digest = None
         self.dedup.clear()
         self.dedup_high = -1
-        log.warning("%s: %s; cleared %d blocks, rebuilding from the stream", self._name(), why, n)
+        log.warning("%s: %s; source degraded: %d blocks kept, those not announced again "
+                    "within %gs will be dropped", self._name(), why, n, grace)
+
+    def _end_degraded(self, epoch: int) -> None:
+        if self.closed or epoch != self._loss_epoch or self.degraded_since is None:
+            return  # closed, or superseded by a later loss
+        n = self.applier.end_suspect()
+        self.degraded_since = None
+        log.info("%s: grace period after the loss is over; %d blocks not announced again "
+                 "were dropped; source live", self._name(), n)
 
     def _on_reconnect(self) -> None:
         if self.replay_endpoint and self.replay is None:
@@ -384,7 +412,7 @@ class Subscription:
             return "replaying"
         if not self.connected:
             return "connecting"
-        return "resynced_after_loss" if self.resynced else "live"
+        return "degraded" if self.degraded_since is not None else "live"
 
     def info(self) -> dict[str, Any]:
         s = self.stats
@@ -407,6 +435,9 @@ class Subscription:
             "replayed_batches": s.replayed_batches,
             "restarts": s.restarts,
             "resyncs": s.resyncs,
+            "losses": s.resyncs,
+            "degraded_since": self.degraded_since,
+            "aged_out_blocks": s.aged_out,
             "duplicates": s.duplicates,
             "buffered": len(self.buffer),
             "dropped": dict(s.dropped),
@@ -416,10 +447,15 @@ class Subscription:
 class SubscriptionManager:
     """Lives on the ingest thread; every method is called on the ingest thread."""
 
-    def __init__(self, thread, conductor, *, replay_timeout: float = 5.0) -> None:
+    def __init__(self, thread, conductor, *, replay_timeout: float = 5.0,
+                 loss_grace: float | None = None) -> None:
         self.thread = thread
         self.conductor = conductor
         self.replay_timeout = replay_timeout
+        if loss_grace is None:
+            loss_grace = getattr(getattr(conductor, "config", None), "loss_grace", LOSS_GRACE)
+        #: Seconds after a loss before blocks not announced again are dropped.
+        self.loss_grace = float(loss_grace)
         self.warn = WarnLimiter()
         self._subs: dict[tuple[str, int, str], Subscription] = {}
 
