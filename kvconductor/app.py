@@ -45,7 +45,10 @@ from kvconductor.registry import RegistrationError
 from kvconductor.schema import (
     EventsResponse, events_decoder, json_encoder, register_decoder, unregister_decoder,
 )
-from kvconductor.service import Conductor, EventError, InstanceNotRegistered, normalize_events
+from kvconductor.service import (
+    Conductor, EventError, InstanceNotRegistered, RegistrationUnavailable, fds_needed,
+    normalize_events, raise_fd_limit,
+)
 from kvconductor.wire import (
     JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, WireError, encode_error, encode_result,
     is_msgpack_content_type, parse_query,
@@ -179,6 +182,8 @@ class RegisterResource(_Resource):
             await self.conductor.run(self.conductor.register, request)
         except RegistrationError as ex:
             return self._bad(req, resp, str(ex))
+        except RegistrationUnavailable as ex:
+            return self._bad(req, resp, str(ex), status=503)
         _json(resp, 201, _OK)
 
 
@@ -511,8 +516,9 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "one process, so each worker would hold a different, partial index. "
             "Run with -w 1 (WEB_CONCURRENCY=1).")
     configure_logging(settings.log_level)
-    # Same GIL switch interval as `kv-conductor` (see kvconductor.server.serve).
+    # Same GIL switch interval and open-file limit as `kv-conductor` (kvconductor.server).
     sys.setswitchinterval(SWITCH_INTERVAL)
+    raise_fd_limit(fds_needed(settings.max_sources))
     log.info("KV conductor starting under gunicorn pid=%d workers=%s version=%s %s "
              "switch_interval=%s", os.getpid(), workers, __version__, settings.describe(),
              sys.getswitchinterval())

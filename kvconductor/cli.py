@@ -37,6 +37,7 @@ class Settings:
     content_ttl_secs: int = 300
     offload_ttl_secs: int = 600
     loss_grace_secs: int = 600
+    max_sources: int = 4096
     log_level: str = "info"
     max_body_mb: float = 64.0
     api_key: str | None = None
@@ -53,6 +54,7 @@ class Settings:
         return (f"maintenance_interval={max(1, self.maintenance_interval_secs)}s "
                 f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
                 f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
+                f"max_sources={self.max_sources} "
                 f"max_body_bytes={self.max_body_bytes} "
                 f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
                 f"endpoints={self._endpoint_rule()}")
@@ -78,6 +80,7 @@ class Settings:
             content_ttl=float(self.content_ttl_secs),
             offload_ttl=float(self.offload_ttl_secs),
             loss_grace=float(self.loss_grace_secs),
+            max_sources=self.max_sources,
             url_policy=UrlPolicy(allow_bind=self.allow_bind_endpoints,
                                  allow_ipc=self.allow_ipc_endpoints,
                                  networks=self.endpoint_networks),
@@ -127,6 +130,17 @@ def _secs(value: str) -> int:
     if not 0 <= secs < 2**64:
         raise argparse.ArgumentTypeError(f"invalid value {secs}: must be >= 0")
     return secs
+
+
+def _count(value: str) -> int:
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {value!r}: an integer is required") \
+            from None
+    if not 1 <= n <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"invalid count {n}: must be within 1..1000000")
+    return n
 
 
 def _megabytes(value: str) -> float:
@@ -202,6 +216,10 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
                    help="after events from a source were lost for good, blocks it held then "
                         "that are not announced again within this many seconds are dropped "
                         "(default 600; nothing is dropped at the loss itself)")
+    p.add_argument("--max-sources", type=_count, default=4096,
+                   help="ZeroMQ subscriptions (one per distinct registered URL) at most; "
+                        "registrations beyond get 503 (default 4096; the process needs about "
+                        "4 open files per source)")
     p.add_argument("--log-level", type=_level, default=level,
                    help=f"trace|debug|info|warning|error (default info; env {LOG_ENV})")
     p.add_argument("--max-body-mb", type=_megabytes, default=64.0,
@@ -226,6 +244,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         maintenance_interval_secs=args.maintenance_interval_secs,
         pending_ttl_secs=args.pending_ttl_secs, content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs, loss_grace_secs=args.loss_grace_secs,
+        max_sources=args.max_sources,
         log_level=args.log_level,
         max_body_mb=args.max_body_mb, api_key=args.api_key or None,
         allow_bind_endpoints=args.allow_bind_endpoints,

@@ -143,6 +143,8 @@ class EndpointInfo:
     node_id: str | None = None
     #: ``((url, media), ...)``: the subscriptions this registration asked for.
     sources: tuple = ()
+    #: The SubscriberContexts of those subscriptions (to re-create them on a rollback).
+    contexts: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def backend(self) -> StoreBackend:
@@ -373,7 +375,8 @@ class Registry:
             medium_endpoints=normalize_medium_endpoints(medium_endpoints, endpoint),
             replay_endpoint=replay_endpoint, model_name=req.modelname, tenant_id=tenant,
             block_size=req.block_size, store_backend=backend_name, is_pool=is_pool,
-            node_id=req.node_id, sources=tuple((c.url, c.default_media) for c in contexts))
+            node_id=req.node_id, sources=tuple((c.url, c.default_media) for c in contexts),
+            contexts=tuple(contexts))
         unchanged = old is not None and old == info
 
         # Replay runs per (instance, DP): the reference replayed only the first DP of an
@@ -400,6 +403,31 @@ class Registry:
             tenant_id=tenant, instance_existed=instance_existed, reregistered=old is not None,
             unchanged=unchanged, drop_from=drop_from, contexts=contexts, replay=replay, ips_added=ips_added,
             ips_removed=ips_removed, is_pool=is_pool)
+
+    def save_dp(self, instance_id: str, dp_rank: int) -> tuple:
+        """What :meth:`restore_dp` needs to undo a registration of (instance, DP)."""
+        entry = self.instances.get(instance_id)
+        if entry is None:
+            return (instance_id, dp_rank, None, None, [])
+        fields = (entry.model_name, entry.tenant_id, entry.block_size, entry.store_backend)
+        return (instance_id, dp_rank, fields, entry.endpoints.get(dp_rank),
+                list(self._ips_of.get((instance_id, dp_rank), ())))
+
+    def restore_dp(self, saved: tuple) -> None:
+        """Undo the registration made after :meth:`save_dp` returned ``saved``."""
+        instance_id, dp_rank, fields, old, ips = saved
+        self.remove_hbm_ips(instance_id, dp_rank)
+        if fields is None:
+            self.instances.pop(instance_id, None)
+            return
+        entry = self.instances[instance_id]
+        entry.model_name, entry.tenant_id, entry.block_size, entry.store_backend = fields
+        if old is None:
+            entry.endpoints.pop(dp_rank, None)
+        else:
+            entry.endpoints[dp_rank] = old
+        for ip in ips:
+            self._add_ip(ip, instance_id, dp_rank)
 
     def unregister(self, instance_id: str, dp_rank: int) -> UnregisterOutcome:
         """Remove one DP of an instance (contract 3.5); the instance goes with its last DP."""

@@ -27,7 +27,7 @@ import uvicorn
 
 from kvconductor.app import create_app
 from kvconductor.cli import Settings
-from kvconductor.service import Conductor
+from kvconductor.service import Conductor, fds_needed, raise_fd_limit
 
 log = logging.getLogger("kvconductor")
 
@@ -115,6 +115,7 @@ def serve(settings: Settings) -> int:
     # hand it back between steps; a short switch interval keeps the event loop's
     # small queries from waiting the default 5 ms for it.
     sys.setswitchinterval(SWITCH_INTERVAL)
+    raise_fd_limit(fds_needed(settings.max_sources))
     conductor = Conductor(settings.conductor_config())
     app = create_app(conductor, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key,
                      fast_query=True)

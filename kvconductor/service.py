@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
+import zmq
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.errors import IndexError_, InvalidBlockSequence, ParentBlockNotFound
@@ -43,7 +44,8 @@ from kvconductor.schema import (
 log = logging.getLogger("kvconductor")
 
 __all__ = ["Conductor", "ConductorConfig", "EventError", "EventOp", "InstanceNotRegistered",
-           "NullSubscriptions", "RegistrationError", "normalize_events"]
+           "NullSubscriptions", "RegistrationError", "RegistrationUnavailable",
+           "normalize_events"]
 
 
 @dataclass
@@ -60,6 +62,8 @@ class ConductorConfig:
     query_threads: int = 2
     #: Seconds after a lost batch before blocks not announced again are dropped.
     loss_grace: float = 600.0
+    #: ZeroMQ subscriptions (one per distinct registered URL) at most; more: 503.
+    max_sources: int = 4096
     #: Which endpoint URLs registrations may name (bind mode, ipc://, networks).
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
 
@@ -70,6 +74,10 @@ class ConductorConfig:
 
 class EventError(ValueError):
     """An /events batch that cannot be applied at all (HTTP 400, nothing applied)."""
+
+
+class RegistrationUnavailable(RuntimeError):
+    """A registration the server cannot take now (HTTP 503); nothing was changed."""
 
 
 class InstanceNotRegistered(LookupError):
@@ -259,6 +267,12 @@ class NullSubscriptions:
             del self._subs[k]
         return len(keys)
 
+    def count(self, instance_id: str, dp_rank: int) -> int:
+        return sum(1 for k in self._subs if k[0] == instance_id and k[1] == dp_rank)
+
+    def __len__(self) -> int:
+        return len(self._subs)
+
     def request_replay(self, ctx: SubscriberContext) -> None:
         log.warning("replay not available (no subscriber) instance_id=%s replay_endpoint=%s",
                     ctx.instance_id, ctx.replay_endpoint)
@@ -282,6 +296,55 @@ def _default_subscriptions(thread: IngestThread, conductor: "Conductor"):
 
 
 # ---------------------------------------------------------------------------------------
+# Resources
+# ---------------------------------------------------------------------------------------
+
+#: ZeroMQ sockets per subscription: the SUB, and the PAIR pair of its monitor.
+SOCKETS_PER_SOURCE = 3
+#: File descriptors per subscription: one per socket (its mailbox) and its TCP connection.
+FDS_PER_SOURCE = 4
+
+
+def zmq_context(max_sources: int) -> zmq.Context:
+    """A ZeroMQ context sized for ``max_sources`` subscriptions (plus replay DEALERs).
+
+    libzmq's default of 1023 sockets capped a process at 341 subscriptions.
+    """
+    ctx = zmq.Context()
+    ctx.set(zmq.MAX_SOCKETS, SOCKETS_PER_SOURCE * max_sources + 256)
+    return ctx
+
+
+def fds_needed(max_sources: int, max_connections: int = 1024) -> int:
+    """Open files the process needs: subscriptions, HTTP connections, headroom."""
+    return FDS_PER_SOURCE * max_sources + max_connections + 256
+
+
+def raise_fd_limit(needed: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE towards ``needed`` (never above the hard limit).
+
+    Returns ``(soft, hard)`` after the change; logs a WARN when the hard limit is
+    below ``needed``.
+    """
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as ex:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, want, ex)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        log.warning("open-file limit %d is below the %d that --max-sources needs; "
+                    "registrations past the limit will be refused with 503", soft, needed)
+    return soft, hard
+
+
+# ---------------------------------------------------------------------------------------
 # The conductor
 # ---------------------------------------------------------------------------------------
 
@@ -296,7 +359,7 @@ class Conductor:
                  thread: IngestThread | None = None,
                  subscriptions: Callable[[IngestThread, "Conductor"], Any] | None = None) -> None:
         self.config = config or ConductorConfig()
-        self.thread = thread or IngestThread()
+        self.thread = thread or IngestThread(context=zmq_context(self.config.max_sources))
         self.registry = Registry(self.config.url_policy)
         #: (model, tenant) -> Index. Mutated on the ingest thread; read anywhere.
         self.indexes: dict[tuple[str, str], Index] = {}
@@ -402,6 +465,7 @@ class Conductor:
                  req.instance_id, req.dp_rank, req.engine_type, req.modelname,
                  req.tenant_id or "default", req.block_size, req.store_backend,
                  req.medium_endpoints or {}, req.endpoint, req.replay_endpoint)
+        saved = self.registry.save_dp(req.instance_id, req.dp_rank)
         out = self.registry.register(req)  # validates before changing anything
         if out.unchanged:
             # The Coordinator's repair path and periodic re-register timer resend what we
@@ -410,13 +474,9 @@ class Conductor:
                      req.instance_id, req.dp_rank)
             self.get_or_create_index(out.model_name, out.tenant_id)
             return
-        if out.reregistered:
-            log.info("re-registering existing worker instance_id=%s dp_rank=%d",
-                     req.instance_id, req.dp_rank)
-            # Stop the old subscriptions before new ones start (contract 3.4 step 2).
-            n = self.subs.unsubscribe(req.instance_id, req.dp_rank)
-            log.debug("subscriptions stopped instance_id=%s dp_rank=%d count=%d",
-                      req.instance_id, req.dp_rank, n)
+        # Subscriptions first: the only step that can fail for want of resources. On a
+        # failure everything is put back as it was and the request gets a 503.
+        self._subscribe_or_roll_back(req, out, saved)
         for ip in out.ips_removed:
             if ip not in out.ips_added:
                 log.info("HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
@@ -430,8 +490,6 @@ class Conductor:
         for ip in out.ips_added:
             log.info("HBM IP indexed for pool auto-attach ip=%s instance_id=%s dp_rank=%d",
                      ip, out.instance_id, out.dp_rank)
-        for ctx in out.contexts:
-            self.subs.subscribe(ctx)
         self.get_or_create_index(out.model_name, out.tenant_id)
         if out.drop_from is not None:
             self._reclaim(out.drop_from)
@@ -440,6 +498,41 @@ class Conductor:
         log.info("worker registered instance_id=%s dp_rank=%d model=%s tenant=%s subscribers=%d "
                  "is_pool=%s replay=%s", out.instance_id, out.dp_rank, out.model_name,
                  out.tenant_id, len(out.contexts), out.is_pool, out.replay is not None)
+
+    def _subscribe_or_roll_back(self, req: RegisterRequest, out, saved: tuple) -> None:
+        """Replace (instance, DP)'s subscriptions by ``out.contexts``, or undo everything."""
+        iid, dp = req.instance_id, req.dp_rank
+        current = self.subs.count(iid, dp)
+        total = len(self.subs) - current + len(out.contexts)
+        if total > self.config.max_sources:
+            self.registry.restore_dp(saved)
+            msg = (f"source limit reached: this registration needs {len(out.contexts)} "
+                   f"ZeroMQ subscription(s) and {len(self.subs) - current} of at most "
+                   f"{self.config.max_sources} are in use (--max-sources)")
+            log.warning("registration refused instance_id=%s dp_rank=%d: %s", iid, dp, msg)
+            raise RegistrationUnavailable(msg)
+        if out.reregistered:
+            log.info("re-registering existing worker instance_id=%s dp_rank=%d", iid, dp)
+            # Stop the old subscriptions before new ones start.
+            n = self.subs.unsubscribe(iid, dp)
+            log.debug("subscriptions stopped instance_id=%s dp_rank=%d count=%d", iid, dp, n)
+        try:
+            for ctx in out.contexts:
+                self.subs.subscribe(ctx)
+        except (zmq.ZMQError, OSError) as ex:
+            self.subs.unsubscribe(iid, dp)
+            self.registry.restore_dp(saved)
+            old = saved[3]
+            for ctx in (old.contexts if old is not None else ()):
+                try:
+                    self.subs.subscribe(ctx)
+                except (zmq.ZMQError, OSError):
+                    log.exception("could not restore a subscription instance_id=%s dp_rank=%d "
+                                  "url=%s", iid, dp, ctx.url)
+            msg = (f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. "
+                   "Raise the process's open-file limit or lower --max-sources")
+            log.error("registration rolled back instance_id=%s dp_rank=%d: %s", iid, dp, msg)
+            raise RegistrationUnavailable(msg) from None
 
     def unregister(self, req: UnregisterRequest) -> bool:
         """Unregister one DP (contract 3.5); False when the instance is unknown (404)."""

@@ -39,6 +39,12 @@ class RecordingSubs:
     def request_replay(self, ctx) -> None:
         self.replays.append(ctx)
 
+    def count(self, instance_id: str, dp_rank: int) -> int:
+        return sum(1 for k in self.subs if k[:2] == (instance_id, dp_rank))
+
+    def __len__(self) -> int:
+        return len(self.subs)
+
     def sources(self) -> list[dict]:
         return [{"instance_id": k[0], "dp_rank": k[1], "url": k[2], "state": "test"}
                 for k in sorted(self.subs)]

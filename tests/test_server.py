@@ -51,14 +51,16 @@ def free_port() -> int:
 class Server:
     """One ``python -m kvconductor`` process with its stderr captured in a file."""
 
-    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None) -> None:
+    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None,
+                 preexec_fn=None) -> None:
         self.port = free_port()
         self.log_path = tmp_path / f"kvc-{self.port}.log"
         self._log = open(self.log_path, "wb")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvconductor", "--port", str(self.port), *args],
-            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn)
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(base_url=self.url, timeout=10.0)
 
@@ -322,7 +324,7 @@ def test_gunicorn_factory(tmp_path):
         text = log_path.read_text()
         assert "KV conductor starting under gunicorn" in text
         assert ("workers=1 version=0.1.0 maintenance_interval=1s pending_ttl=30s "
-                "content_ttl=300s offload_ttl=600s loss_grace=600s max_body_bytes=67108864 log_level=info "
+                "content_ttl=300s offload_ttl=600s loss_grace=600s max_sources=4096 max_body_bytes=67108864 log_level=info "
                 "auth=off endpoints=tcp-connect switch_interval=0.0005") in text, text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0

@@ -19,8 +19,8 @@ Sockets:
   recovered by replay.
 * Reconnects: ZMQ's own ``RECONNECT_IVL`` 100 ms doubling up to
   ``RECONNECT_IVL_MAX`` 30 s (contract 3.7). ZMTP heartbeats and TCP keepalive
-  detect a silently dead peer. A connect that fails synchronously (bad URL) is
-  retried on a timer with the same 100 ms -> 30 s backoff.
+  detect a silently dead peer. A socket that cannot be opened at all (out of
+  sockets or files) raises: the registration that asked for it is undone (503).
 * The monitor socket reports CONNECTED/DISCONNECTED; a CONNECTED after a
   disconnect is a *reconnect* and triggers a replay (when the subscription has
   a replay endpoint).
@@ -108,7 +108,6 @@ class Subscription:
         self.connected = False
         self.ever_connected = False
         self.closed = False
-        self.backoff = RECONNECT_IVL_MS / 1000.0
         self.last_seq: int | None = None
         self.last_digest: int | None = None
         # replay state
@@ -119,7 +118,6 @@ class Subscription:
         self.buffer: list[tuple[int, bytes]] = []
         self.dedup: dict[int, int] = {}
         self.dedup_high = -1
-        self.connect_errors = 0
         self._no_replay = False
         self._replay_start = 0
         #: Wall-clock time of the last loss while degraded (None: not degraded).
@@ -128,6 +126,12 @@ class Subscription:
 
     # -- sockets ---------------------------------------------------------------------------
     def open(self) -> None:
+        """Create and connect (or bind) the SUB socket and its monitor.
+
+        Raises ``zmq.ZMQError`` (nothing left open) when that fails: out of
+        sockets or files, or a bind-mode port in use. The registration is then
+        rolled back and answered 503. Once open, ZeroMQ reconnects by itself.
+        """
         if self.closed:
             return
         url = self.ctx.url
@@ -153,16 +157,9 @@ class Subscription:
                 sock.disable_monitor()
                 mon.close(linger=0)
                 raise
-        except zmq.ZMQError as ex:
+        except zmq.ZMQError:
             sock.close(linger=0)
-            self.connect_errors += 1
-            self.stats.drop("connect_error")
-            self.manager.warn.warn(self._name(), "connect_error", f"{url!r}: {ex}", None)
-            delay = self.backoff
-            self.backoff = min(self.backoff * 2, RECONNECT_IVL_MAX_MS / 1000.0)
-            self.thread.call_later(delay, self.open)
-            return
-        self.backoff = RECONNECT_IVL_MS / 1000.0
+            raise
         self.sock, self.mon = sock, mon
         self.thread.add_socket(mon, self._on_monitor)
         self.thread.add_socket(sock, self._on_readable)
@@ -471,8 +468,12 @@ class SubscriptionManager:
         if old is not None:
             old.close()
         sub = Subscription(self, ctx)
+        try:
+            sub.open()
+        except BaseException:
+            sub.close()
+            raise
         self._subs[key] = sub
-        sub.open()
         log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)", sub._name(),
                  ctx.model, ctx.tenant, [Medium(m).name for m in ctx.default_media], ctx.is_pool,
                  sub.replay_endpoint)
@@ -517,6 +518,10 @@ class SubscriptionManager:
         for s in self._subs.values():
             s.close()
         self._subs.clear()
+
+    def count(self, instance_id: str, dp_rank: int) -> int:
+        """Subscriptions of (instance, dp)."""
+        return sum(1 for k in self._subs if k[0] == instance_id and k[1] == dp_rank)
 
     def __len__(self) -> int:
         return len(self._subs)
