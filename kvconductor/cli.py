@@ -38,6 +38,7 @@ class Settings:
     offload_ttl_secs: int = 600
     loss_grace_secs: int = 600
     max_sources: int = 4096
+    replay_deadline_secs: int = 60
     log_level: str = "info"
     max_body_mb: float = 64.0
     api_key: str | None = None
@@ -55,6 +56,7 @@ class Settings:
                 f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
                 f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
                 f"max_sources={self.max_sources} "
+                f"replay_deadline={self.replay_deadline_secs}s "
                 f"max_body_bytes={self.max_body_bytes} "
                 f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
                 f"endpoints={self._endpoint_rule()}")
@@ -81,6 +83,7 @@ class Settings:
             offload_ttl=float(self.offload_ttl_secs),
             loss_grace=float(self.loss_grace_secs),
             max_sources=self.max_sources,
+            replay_deadline=float(max(1, self.replay_deadline_secs)),
             url_policy=UrlPolicy(allow_bind=self.allow_bind_endpoints,
                                  allow_ipc=self.allow_ipc_endpoints,
                                  networks=self.endpoint_networks),
@@ -216,6 +219,9 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
                    help="after events from a source were lost for good, blocks it held then "
                         "that are not announced again within this many seconds are dropped "
                         "(default 600; nothing is dropped at the loss itself)")
+    p.add_argument("--replay-deadline-secs", type=_secs, default=60,
+                   help="a vLLM replay not finished within this many seconds counts as lost "
+                        "(default 60; a replay also ends after 5 s without a reply)")
     p.add_argument("--max-sources", type=_count, default=4096,
                    help="ZeroMQ subscriptions (one per distinct registered URL) at most; "
                         "registrations beyond get 503 (default 4096; the process needs about "
@@ -244,7 +250,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         maintenance_interval_secs=args.maintenance_interval_secs,
         pending_ttl_secs=args.pending_ttl_secs, content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs, loss_grace_secs=args.loss_grace_secs,
-        max_sources=args.max_sources,
+        max_sources=args.max_sources, replay_deadline_secs=args.replay_deadline_secs,
         log_level=args.log_level,
         max_body_mb=args.max_body_mb, api_key=args.api_key or None,
         allow_bind_endpoints=args.allow_bind_endpoints,

@@ -62,6 +62,8 @@ class ConductorConfig:
     query_threads: int = 2
     #: Seconds after a lost batch before blocks not announced again are dropped.
     loss_grace: float = 600.0
+    #: Seconds a whole vLLM replay may take before it counts as a loss.
+    replay_deadline: float = 60.0
     #: ZeroMQ subscriptions (one per distinct registered URL) at most; more: 503.
     max_sources: int = 4096
     #: Which endpoint URLs registrations may name (bind mode, ipc://, networks).

@@ -324,7 +324,7 @@ def test_gunicorn_factory(tmp_path):
         text = log_path.read_text()
         assert "KV conductor starting under gunicorn" in text
         assert ("workers=1 version=0.1.0 maintenance_interval=1s pending_ttl=30s "
-                "content_ttl=300s offload_ttl=600s loss_grace=600s max_sources=4096 max_body_bytes=67108864 log_level=info "
+                "content_ttl=300s offload_ttl=600s loss_grace=600s max_sources=4096 replay_deadline=60s max_body_bytes=67108864 log_level=info "
                 "auth=off endpoints=tcp-connect switch_interval=0.0005") in text, text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0

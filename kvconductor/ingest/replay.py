@@ -9,7 +9,9 @@ the frame count), then an end marker whose seq frame is ``ff`` x 8.
 The session never blocks: its DEALER is polled by the ingest thread like any
 SUB socket, and an inactivity timer (``IngestThread.call_later``) ends it when
 the ROUTER goes quiet (unreachable endpoint, lost tail under the ROUTER's send
-HWM, ...). A fresh DEALER per session means a late reply to an abandoned
+HWM, ...); an overall deadline ends a ROUTER that trickles (one batch every few
+seconds would otherwise hold the source in ``replaying`` forever). Either ends
+the session with ``ok=False``, which the subscription treats as a loss. A fresh DEALER per session means a late reply to an abandoned
 request can never be mistaken for the current one. What to do with the
 batches (ordering against the live stream, loss detection) is the
 subscription's business: see :mod:`kvconductor.ingest.subscriber`.
@@ -40,13 +42,16 @@ class ReplaySession:
     def __init__(self, thread, endpoint: str, start_seq: int,
                  on_batch: Callable[[int, bytes], None],
                  on_done: Callable[[bool, str], None],
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, deadline: float = 60.0) -> None:
         self.thread = thread
         self.endpoint = endpoint
         self.start_seq = start_seq
         self.on_batch = on_batch
         self.on_done = on_done
         self.timeout = timeout
+        #: Seconds the whole replay may take.
+        self.deadline = deadline
+        self._ends_at = 0.0
         self.sock: zmq.Socket | None = None
         self.received = 0
         self.layout: str | None = None  # "seq,payload" | "topic,seq,payload"
@@ -72,7 +77,8 @@ class ReplaySession:
             return
         self.thread.add_socket(sock, self._on_readable)
         self._last_activity = time.monotonic()
-        self.thread.call_later(self.timeout, self._check_timeout)
+        self._ends_at = self._last_activity + self.deadline
+        self.thread.call_later(min(self.timeout, self.deadline), self._check_timeout)
 
     def close(self) -> None:
         """Stop polling and close the socket (no callback)."""
@@ -91,12 +97,17 @@ class ReplaySession:
     def _check_timeout(self) -> None:
         if self.done:
             return
-        idle = time.monotonic() - self._last_activity
+        now = time.monotonic()
+        idle = now - self._last_activity
         if idle >= self.timeout:
             self._finish(False, f"no reply from {self.endpoint} for {idle:.1f}s "
                                 f"({self.received} batches received)")
+        elif now >= self._ends_at:
+            self._finish(False, f"replay from {self.endpoint} not finished within "
+                                f"{self.deadline:g}s ({self.received} batches received)")
         else:
-            self.thread.call_later(self.timeout - idle, self._check_timeout)
+            self.thread.call_later(min(self.timeout - idle, self._ends_at - now),
+                                   self._check_timeout)
 
     # -- receive --------------------------------------------------------------------------
     def _on_readable(self, sock) -> None:

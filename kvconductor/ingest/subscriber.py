@@ -78,6 +78,8 @@ RECONNECT_IVL_MAX_MS = 30_000
 DRAIN_LIMIT = 256
 #: Default grace period after a loss (``--loss-grace-secs``).
 LOSS_GRACE = 600.0
+#: Default overall replay deadline (``--replay-deadline-secs``).
+REPLAY_DEADLINE = 60.0
 #: Live batches kept while a replay runs; beyond that they are dropped and the
 #: gap they leave is handled as loss after the replay.
 MAX_REPLAY_BUFFER = 200_000
@@ -326,7 +328,8 @@ class Subscription:
         self.replay_restart = False
         self._replay_start = start
         session = ReplaySession(self.thread, self.replay_endpoint, start, self._on_replayed,
-                                self._on_replay_done, self.manager.replay_timeout)
+                                self._on_replay_done, self.manager.replay_timeout,
+                                self.manager.replay_deadline)
         self.replay = session
         session.start()
         return True
@@ -381,10 +384,12 @@ class Subscription:
                 return
             self._merge()
             return
-        # Failed (no reply, malformed reply): merge what we have; a gap left in
-        # it is loss now (no second replay, or a dead ROUTER would stall us forever).
+        # Failed (no reply, malformed reply, past the deadline): whatever the replay did
+        # not deliver is lost; merge what we have (no second replay, or a dead or
+        # trickling ROUTER would stall us forever).
         self.stats.drop("replay_failed")
         self.manager.warn.warn(self._name(), "replay_failed", why, None)
+        self._loss(f"replay failed: {why}")
         self._no_replay = True
         try:
             self._merge()
@@ -445,12 +450,17 @@ class SubscriptionManager:
     """Lives on the ingest thread; every method is called on the ingest thread."""
 
     def __init__(self, thread, conductor, *, replay_timeout: float = 5.0,
-                 loss_grace: float | None = None) -> None:
+                 loss_grace: float | None = None, replay_deadline: float | None = None) -> None:
         self.thread = thread
         self.conductor = conductor
         self.replay_timeout = replay_timeout
+        config = getattr(conductor, "config", None)
         if loss_grace is None:
-            loss_grace = getattr(getattr(conductor, "config", None), "loss_grace", LOSS_GRACE)
+            loss_grace = getattr(config, "loss_grace", LOSS_GRACE)
+        if replay_deadline is None:
+            replay_deadline = getattr(config, "replay_deadline", REPLAY_DEADLINE)
+        #: Seconds a whole replay may take before it counts as failed (a loss).
+        self.replay_deadline = float(replay_deadline)
         #: Seconds after a loss before blocks not announced again are dropped.
         self.loss_grace = float(loss_grace)
         self.warn = WarnLimiter()
