@@ -90,7 +90,7 @@ class CoreIndex:
             for g, end, last in upstream:
                 if end < n:
                     candidates += [(w, end, last) for w in tier.owners(last, hs[end])
-                                   if group(w) == g]   # fix of 10.1 #7: no cross-DP borrowing
+                                   if group(w) == g]   # no cross-DP borrowing (unlike the reference)
             for w, start, parent in candidates:
                 count, last_seq = tier.walk(w, hs, start, parent)
                 if count > 0:

@@ -1,6 +1,6 @@
 """The vLLM/SGLang replay client: one DEALER session on the ingest thread.
 
-Protocol (engine-events.md §6): send ``[b"", start_seq as 8-byte big-endian]`` to
+Protocol (docs/events.md, "Sequence numbers, replay and loss"): send ``[b"", start_seq as 8-byte big-endian]`` to
 the publisher's ROUTER; it answers every buffered batch with ``seq >= start``,
 each as ``[b"", seq, payload]`` (vLLM <= 0.25, SGLang <= 0.5.21) or
 ``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang >= 0.5.22; told apart by
