@@ -83,7 +83,7 @@ def _check_number(name: str, value: Any) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class KvAffinityConfig:
-    """``scheduler_config.kv_affinity`` (docs/client.md, "Configuration"), validated on construction.
+    """``scheduler_config.kv_affinity``, validated on construction (docs/client.md).
 
     ``mode`` is case-insensitive and stored lower-case; every number must be
     finite and >= 0 (zero allowed); ``load_gate_topn`` must be an integer

@@ -457,7 +457,8 @@ class _Core:
         missing = [k for k in ("instance_id", "dp_rank") if k not in body]
         if missing:
             raise ValueError(f"unregister payload lacks required field(s): {', '.join(missing)}")
-        # The server requires these although it only uses instance_id/dp_rank (docs/api.md, POST /unregister).
+        # The server requires these although it only uses instance_id/dp_rank (docs/api.md,
+        # POST /unregister).
         body.setdefault("type", "vLLM")
         body.setdefault("modelname", "")
         body.setdefault("block_size", 0)
@@ -877,7 +878,10 @@ class AsyncConductorClient(_Core):
 
 @dataclasses.dataclass
 class KvConductorConfig:
-    """``scheduler_config.kv_conductor_config`` (docs/engines.md, "Coordinator configuration"); unknown keys are ignored."""
+    """``scheduler_config.kv_conductor_config``; unknown keys are ignored.
+
+    The keys are described in docs/engines.md, "Coordinator configuration".
+    """
 
     conductor_service: str = ""
     http_server_port: int = DEFAULT_PORT

@@ -258,7 +258,8 @@ class Registry:
         return list(self.hbm_ip_index.get(ip, ()))
 
     def protected(self) -> set[tuple[str, str]]:
-        """Every (model, tenant) a registration refers to (never reclaimed; docs/api.md, POST /unregister)."""
+        """Every (model, tenant) a registration refers to (never reclaimed; docs/api.md,
+        POST /unregister)."""
         keys = set()
         for entry in self.instances.values():
             keys.add((entry.model_name, entry.tenant_id))
@@ -402,7 +403,10 @@ class Registry:
             ips_removed=ips_removed, is_pool=is_pool)
 
     def unregister(self, instance_id: str, dp_rank: int) -> UnregisterOutcome:
-        """Remove one DP of an instance (docs/api.md, POST /unregister); the instance goes with its last DP."""
+        """Remove one DP of an instance; the instance goes with its last DP.
+
+        See docs/api.md, POST /unregister.
+        """
         entry = self.instances.get(instance_id)
         if entry is None:
             return UnregisterOutcome(found=False)

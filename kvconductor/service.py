@@ -445,7 +445,10 @@ class Conductor:
                  out.tenant_id, len(out.contexts), out.is_pool, out.replay is not None)
 
     def unregister(self, req: UnregisterRequest) -> bool:
-        """Unregister one DP (docs/api.md, POST /unregister); False when the instance is unknown (404)."""
+        """Unregister one DP; False when the instance is unknown (404).
+
+        See docs/api.md, POST /unregister.
+        """
         log.info("unregister request instance_id=%s dp_rank=%d", req.instance_id, req.dp_rank)
         n = self.subs.unsubscribe(req.instance_id, req.dp_rank)
         out = self.registry.unregister(req.instance_id, req.dp_rank)

@@ -118,7 +118,10 @@ def _looks_like_pool(elems: list, ei: int) -> bool:
 
 
 def decode_payload(payload: bytes) -> VllmBatch | PoolBatch:
-    """Recognise and decode one payload (docs/events.md, "Payload recognition"). Raises DecodeError."""
+    """Recognise and decode one payload (docs/events.md, "Payload recognition").
+
+    Raises DecodeError.
+    """
     if not payload:
         raise DecodeError("empty_payload")
     kind = msgpack_kind(payload[0])

@@ -1,4 +1,6 @@
-"""Decoders for KV-pool events: Mooncake / Memcache / YuanRong (docs/engines.md, "Pool event format").
+"""Decoders for KV-pool events: Mooncake / Memcache / YuanRong.
+
+Formats: docs/engines.md, "Pool event format".
 
 Containers:
 

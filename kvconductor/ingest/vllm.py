@@ -2,7 +2,8 @@
 
 A batch is a msgpack array ``[ts, events, dp]`` (vLLM >= 0.9.1, SGLang >= 0.4.7),
 ``[ts, events]`` (vLLM 0.9.0, SGLang 0.4.6) or ``[ts, dp, events]`` (also
-accepted, see docs/events.md, "Payload recognition"). Every event is dispatched on its own msgpack type:
+accepted, see docs/events.md, "Payload recognition"). Every event is dispatched
+on its own msgpack type:
 
 * array (vLLM <= 0.23, SGLang <= 0.5.19): decoded **by position**
   (0 tag, 1 block_hashes, 2 parent_block_hash, 3 token_ids, 4 block_size,
@@ -133,7 +134,8 @@ _DEC = re.compile(r"[0-9]{1,20}")
 
 
 def parse_hash_str(s: str) -> int:
-    """``0x``/``0X`` hex, else decimal u64, else bare hex (as the reference's FlexHash); else ValueError."""
+    """``0x``/``0X`` hex, else decimal u64, else bare hex (the reference's FlexHash forms);
+    else ValueError."""
     t = s.strip()
     if t[:2] in ("0x", "0X"):
         if _HEX.fullmatch(t[2:]):
