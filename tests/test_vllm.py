@@ -102,7 +102,7 @@ def test_fixture_sglang_bytes():
     assert s.batch(evs, dp=0) == EX_E_SGL0516
 
 
-# --- decoding the documented bytes -------------------------------------------------------------
+# --- decoding the example payloads -------------------------------------------------------------
 
 def test_decode_example_a_v033_map():
     b = decode_vllm_batch(EX_A_V033)
