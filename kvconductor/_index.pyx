@@ -656,7 +656,8 @@ cdef class CoreIndex:
                 if s.oend[k] > ends[g]:
                     ends[g] = <uint32_t>s.oend[k]
             e = L.edges[e].next_root
-        # (b) continuation from the same group's breakpoints (fix of 10.1 #7)
+        # (b) continuation from the same group's breakpoints only: no cross-DP borrowing
+        # (docs/design.md, "CoreIndex: query")
         for b in range(nin):
             start = s.bps[b].end
             if start >= n:

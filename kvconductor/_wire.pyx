@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Hot parsers and encoders of the query path (contract 2.4 / 2.5).
+"""Hot parsers and encoders of the query path (docs/api.md, POST /query and POST /query_by_hash).
 
 ``parse_query`` turns a ``/query`` or ``/query_by_hash`` body (JSON or
 MessagePack) into ``(model, block_size, tenant_id, values, lora_name)``; token ids and

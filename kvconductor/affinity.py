@@ -1,10 +1,10 @@
 """KV-affinity scoring: rank prefill candidates by cached prefix and load.
 
-This is the Coordinator-side policy of contract section 9.2, without the
+This is the Coordinator-side policy (docs/client.md, "Affinity scoring"), without the
 Coordinator's object model: candidates are plain ``(instance_id, dp_rank,
 load_cost)`` triples and the conductor answer is the decoded ``/query`` body.
 
-Two modes (contract 9.2, 9.3):
+Two modes (docs/client.md, "Affinity scoring" and "Configuration"):
 
 * ``unified`` (default): ``score = prefill_load_scale * prefill_cost +
   load_weight * load_cost``, ascending, where ``prefill_cost = max(0, isl -
@@ -56,7 +56,8 @@ _MODES = (MODE_UNIFIED, MODE_LOAD_GATED)
 #: What ``load_gate_topn <= 0`` means.
 DEFAULT_LOAD_GATE_TOPN = 2
 
-#: Legacy flat ``scheduler_config`` keys -> nested ``kv_affinity`` keys (contract 9.3).
+#: Legacy flat ``scheduler_config`` keys -> nested ``kv_affinity`` keys
+#: (docs/client.md, "Configuration").
 LEGACY_KEYS: dict[str, str] = {
     "kv_affinity_mode": "mode",
     "kv_affinity_load_weight": "load_weight",
@@ -82,7 +83,7 @@ def _check_number(name: str, value: Any) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class KvAffinityConfig:
-    """``scheduler_config.kv_affinity`` (contract 9.3), validated on construction.
+    """``scheduler_config.kv_affinity``, validated on construction (docs/client.md).
 
     ``mode`` is case-insensitive and stored lower-case; every number must be
     finite and >= 0 (zero allowed); ``load_gate_topn`` must be an integer

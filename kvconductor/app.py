@@ -1,4 +1,4 @@
-"""The HTTP API (contract section 2) as a Falcon ASGI app over a :class:`Conductor`.
+"""The HTTP API (docs/api.md) as a Falcon ASGI app over a :class:`Conductor`.
 
 Routes: ``GET /health``, ``POST /register``, ``POST /unregister``,
 ``POST /query``, ``POST /query_by_hash``, ``POST /events``, ``GET /workers``.
@@ -226,7 +226,8 @@ class QueryResource(_Resource):
             msg = f"no indexer for model={model} tenant={tenant}"
             return 404, encode_error(msg, msgpack), msg
         if self.by_hash:
-            # NOTE: contract 2.5: the request's block_size is ignored; counts are in blocks.
+            # NOTE: the request's block_size is ignored; counts are in blocks (docs/api.md,
+            # POST /query_by_hash).
             return 200, encode_result(index.query_by_hash(values).hits, tenant, 1, msgpack), None
         # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
         # them and the other way round.

@@ -1,4 +1,4 @@
-"""Command line: ``kv-conductor [--host H] [--port P] ...`` (contract 1.1).
+"""Command line: ``kv-conductor [--host H] [--port P] ...`` (docs/operations.md, "Starting it").
 
 Every bad flag value stops the process before anything starts, with one
 line on stderr (``kv-conductor: error: ...``) and exit status 2.

@@ -1,4 +1,4 @@
-"""Coordinator-side HTTP client of the conductor (contract sections 2 and 9.1).
+"""Coordinator-side HTTP client of the conductor (routes: docs/api.md; usage: docs/client.md).
 
 Two clients with the same methods: :class:`ConductorClient` (sync, one
 ``httpx.Client`` and its connection pool) and :class:`AsyncConductorClient`
@@ -26,7 +26,7 @@ is up: it resets the failure count (but the call still raises). The reference
 counts every exception, including a 404 for an unknown model.
 
 This module imports no Coordinator types; the helpers at the bottom build the
-registration payloads of section 9.1 from plain values.
+registration payloads (docs/client.md, "Registration helpers") from plain values.
 """
 from __future__ import annotations
 
@@ -457,7 +457,8 @@ class _Core:
         missing = [k for k in ("instance_id", "dp_rank") if k not in body]
         if missing:
             raise ValueError(f"unregister payload lacks required field(s): {', '.join(missing)}")
-        # The server requires these although it only uses instance_id/dp_rank (contract 2.3).
+        # The server requires these although it only uses instance_id/dp_rank (docs/api.md,
+        # POST /unregister).
         body.setdefault("type", "vLLM")
         body.setdefault("modelname", "")
         body.setdefault("block_size", 0)
@@ -683,7 +684,7 @@ class ConductorClient(_Core):
         return self._expect_map(req, self._send(req))
 
     def post_events(self, batch: Mapping[str, Any]) -> dict:
-        """``POST /events`` (JSON ``KvEventBatch``, contract 2.6)."""
+        """``POST /events`` (JSON ``KvEventBatch``, docs/api.md, POST /events)."""
         req = self._json_req("/events", batch, self.register_timeout)
         return self._send(req) or {}
 
@@ -871,12 +872,16 @@ class AsyncConductorClient(_Core):
 
 
 # ---------------------------------------------------------------------------
-# Configuration and registration helpers (contract 9.1, 9.3)
+# Configuration and registration helpers (docs/client.md, "Registration helpers";
+# docs/engines.md, "Coordinator configuration")
 
 
 @dataclasses.dataclass
 class KvConductorConfig:
-    """``scheduler_config.kv_conductor_config`` (contract 9.3); unknown keys are ignored."""
+    """``scheduler_config.kv_conductor_config``; unknown keys are ignored.
+
+    The keys are described in docs/engines.md, "Coordinator configuration".
+    """
 
     conductor_service: str = ""
     http_server_port: int = DEFAULT_PORT
@@ -1032,9 +1037,11 @@ def build_pool_registration(
 
     ``None`` when the backend is not a pool backend, ``pool_endpoint`` is
     empty, or it contains ``*`` and ``KVS_MASTER_SERVICE`` is unset (a
-    warning is logged). ``modelname`` is ``model_path or "default"``: it must
-    equal the engines' model name for pool hits to land in their index
-    (contract 10.1 #11).
+    warning is logged). ``modelname`` is ``model_path or "default"``. The
+    reference needed it to equal the engines' model name for pool hits to land
+    in their index; kvconductor applies a pool event to the index of each
+    engine DP it resolves to, so it need not (docs/client.md, "Registration
+    helpers").
     """
     cfg = KvConductorConfig.coerce(config)
     backend = resolve_store_backend(cfg.store_backend)
@@ -1073,7 +1080,7 @@ def build_dp_registration(
     *,
     tenant_id: str = TENANT_ID,
 ) -> dict:
-    """The ``/register`` payload of one engine DP (contract 9.1).
+    """The ``/register`` payload of one engine DP (docs/client.md, "Registration helpers").
 
     Without any endpoint pattern the payload has no ``medium_endpoints``: an
     "HTTP-only" registration fed by ``/events``. ``replay_endpoint`` is added

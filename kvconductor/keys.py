@@ -1,4 +1,4 @@
-"""Worker identity, storage media and store backends (contract section 3)."""
+"""Worker identity, storage media and store backends (docs/api.md, POST /register)."""
 from __future__ import annotations
 
 import enum
@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 
 class Medium(enum.IntEnum):
-    """Where a block lives. UNKNOWN is indexed like NPU (contract 3.1)."""
+    """Where a block lives. UNKNOWN is indexed like NPU (docs/api.md, "Medium keys")."""
 
     NPU = 0
     CPU = 1

@@ -1,4 +1,4 @@
-"""Registered instances, their endpoints and the HBM-IP index (contract section 3).
+"""Registered instances, their endpoints and the HBM-IP index (docs/api.md, POST /register).
 
 The registry is plain data mutated by the ingest thread only (through
 :class:`kvconductor.service.Conductor`). :meth:`Registry.register` and
@@ -7,18 +7,18 @@ tells the conductor which side effects to run (subscriptions, index clean-up,
 replay); they touch no index and no socket themselves, so they are testable
 on their own.
 
-Deviations from the reference (contract 10.1):
+Deviations from the reference (docs/api.md, "Differences from the reference"):
 
-* #5: the HBM-IP index never holds a duplicate ``(instance, dp)`` under one IP,
+* the HBM-IP index never holds a duplicate ``(instance, dp)`` under one IP,
   and a re-registration first removes the DP's old IPs (a changed IP leaves no
   stale mapping).
-* #6: each DP remembers the ``(model, tenant, block_size, backend)`` it was
+* each DP remembers the ``(model, tenant, block_size, backend)`` it was
   registered with; clean-up always targets the index the DP was registered in.
   Re-registration updates the instance's model/tenant/block_size; when the
   backend, model, tenant or block size of a DP changes, its data in the old
   index is dropped (it is stale: the engine re-announces under the new
   identity).
-* #14: an empty endpoint URL (in ``endpoint`` or any ``medium_endpoints``
+* an empty endpoint URL (in ``endpoint`` or any ``medium_endpoints``
   value) never becomes a subscription. The real Coordinator's re-registration
   path sends every medium key, unset ones as ``""``; those URLs are dropped
   with one WARN line naming them and the rest are subscribed. A registration
@@ -46,7 +46,7 @@ class RegistrationError(ValueError):
 
 
 def extract_ip(url: str) -> str | None:
-    """The host part of a ``tcp://host:port`` URL (contract 3.4 step 3).
+    """The host part of a ``tcp://host:port`` URL (docs/api.md, "HBM-IP index").
 
     ``tcp://10.0.0.1:5557`` -> ``10.0.0.1``; ``tcp://[::1]:5557`` -> ``::1``;
     ``tcp://kv-conductor:13333`` -> ``kv-conductor`` (hostnames are kept);
@@ -97,7 +97,7 @@ def drop_empty_urls(medium_endpoints: dict[str, str] | None, endpoint: str | Non
 
 def resolve_endpoints(medium_endpoints: dict[str, str] | None,
                       endpoint: str | None) -> dict[str, tuple[Medium, ...]]:
-    """Group the registration's endpoints by URL (contract 3.3).
+    """Group the registration's endpoints by URL (docs/api.md, "Endpoint resolution").
 
     Returns ``{url: media}`` in first-seen order (media de-duplicated), ``{}``
     for an HTTP-only registration. A legacy ``endpoint`` maps to
@@ -155,7 +155,7 @@ class EndpointInfo:
         return (self.model_name, self.tenant_id)
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``/workers`` shape of one endpoint (contract 2.7)."""
+        """The ``/workers`` shape of one endpoint (docs/api.md, GET /workers)."""
         return {
             "medium_endpoints": dict(self.medium_endpoints),
             "engine_type": self.engine_type,
@@ -247,7 +247,7 @@ class Registry:
         #: Which endpoint URLs registrations may name (see :mod:`kvconductor.urls`).
         self.url_policy = url_policy or UrlPolicy()
         self.instances: dict[str, WorkerEntry] = {}
-        #: IP -> [(instance_id, dp_rank)], no duplicates (fix of 10.1 #5).
+        #: IP -> [(instance_id, dp_rank)], no duplicates (the reference could hold some).
         self.hbm_ip_index: dict[str, list[tuple[str, int]]] = {}
         self._ips_of: dict[tuple[str, int], list[str]] = {}
 
@@ -260,7 +260,8 @@ class Registry:
         return list(self.hbm_ip_index.get(ip, ()))
 
     def protected(self) -> set[tuple[str, str]]:
-        """Every (model, tenant) a registration refers to (never reclaimed, contract 7)."""
+        """Every (model, tenant) a registration refers to (never reclaimed; docs/api.md,
+        POST /unregister)."""
         keys = set()
         for entry in self.instances.values():
             keys.add((entry.model_name, entry.tenant_id))
@@ -310,7 +311,7 @@ class Registry:
 
     # -- register / unregister --------------------------------------------------------
     def register(self, req: RegisterRequest) -> RegisterOutcome:
-        """Apply a registration (contract 3.4 with fixes 10.1 #5, #6, #14).
+        """Apply a registration (docs/api.md, POST /register; deviations: module docstring).
 
         Raises :class:`RegistrationError` before changing anything.
         """
@@ -430,7 +431,10 @@ class Registry:
             self._add_ip(ip, instance_id, dp_rank)
 
     def unregister(self, instance_id: str, dp_rank: int) -> UnregisterOutcome:
-        """Remove one DP of an instance (contract 3.5); the instance goes with its last DP."""
+        """Remove one DP of an instance; the instance goes with its last DP.
+
+        See docs/api.md, POST /unregister.
+        """
         entry = self.instances.get(instance_id)
         if entry is None:
             return UnregisterOutcome(found=False)

@@ -1,4 +1,4 @@
-"""Every HTTP body of the V3 contract as a msgspec Struct (contract section 2).
+"""Every HTTP body of the V3 API as a msgspec Struct (docs/api.md).
 
 Requests are decoded with the module-level decoders below (thread-safe, reused).
 Field names, defaults and required fields follow the reference; where we are
@@ -58,7 +58,7 @@ def check_u64(value: int, what: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# /register, /unregister (contract 2.2, 2.3)
+# /register, /unregister (docs/api.md, POST /register and POST /unregister)
 # ---------------------------------------------------------------------------------------
 
 class RegisterRequest(Struct, kw_only=True):
@@ -105,7 +105,7 @@ class ErrorResponse(Struct):
 
 
 # ---------------------------------------------------------------------------------------
-# /query, /query_by_hash (contract 2.4, 2.5)
+# /query, /query_by_hash (docs/api.md, POST /query and POST /query_by_hash)
 # ---------------------------------------------------------------------------------------
 
 class QueryRequest(Struct, kw_only=True):
@@ -121,7 +121,7 @@ class QueryRequest(Struct, kw_only=True):
 
 
 class QueryByHashRequest(Struct, kw_only=True):
-    """``POST /query_by_hash``; ``block_size`` is required but ignored (contract 2.5)."""
+    """``POST /query_by_hash``; ``block_size`` is required here but ignored (docs/api.md)."""
 
     model: str
     block_size: U32
@@ -150,7 +150,7 @@ QueryResponse = dict[str, dict[str, InstanceMatch]]
 
 
 # ---------------------------------------------------------------------------------------
-# /events (contract 2.6)
+# /events (docs/api.md, POST /events)
 # ---------------------------------------------------------------------------------------
 
 class StoredBlock(Struct):

@@ -50,7 +50,7 @@ __all__ = ["Conductor", "ConductorConfig", "EventError", "EventOp", "InstanceNot
 
 @dataclass
 class ConductorConfig:
-    """Runtime settings of the core (CLI flags of contract 1.1)."""
+    """Runtime settings of the core (the CLI flags, docs/operations.md "Starting it")."""
 
     maintenance_interval: float = 30.0
     pending_ttl: float = 60.0
@@ -71,7 +71,8 @@ class ConductorConfig:
 
 
 # ---------------------------------------------------------------------------------------
-# /events normalisation (contract 2.6, with fixes 10.1 #2 and #3)
+# /events normalisation (docs/api.md, POST /events). Unlike the reference, an unknown type or
+# a nested ``data`` event is never applied as a Clear, and hashes take the full u64 range.
 # ---------------------------------------------------------------------------------------
 
 class EventError(ValueError):
@@ -184,7 +185,8 @@ def _event_kind(ev: KvCacheEvent, payload: EventPayload) -> int:
     if not name:
         raise EventError(f"event_id={ev.event_id}: missing event type "
                          "(event_type/type: BlockStored, BlockRemoved or AllBlocksCleared)")
-    # NOTE: fix of 10.1 #2: an unrecognised type is rejected, never applied as a Clear.
+    # NOTE: an unrecognised type is rejected, never applied as a Clear (the reference cleared
+    # the worker).
     raise EventError(f"event_id={ev.event_id}: unknown event type {name!r} "
                      "(expected BlockStored, BlockRemoved or AllBlocksCleared)")
 
@@ -233,7 +235,8 @@ def normalize_events(batch: KvEventBatch) -> list[EventOp]:
 
 
 def _error_text(ex: IndexError_) -> str:
-    """The reference's message of an index error (contract 2.8); details go to the log."""
+    """The reference's message of an index error (docs/api.md, "Validation and answers");
+    details go to the log."""
     if isinstance(ex, ParentBlockNotFound):
         return "parent block not found"
     if isinstance(ex, InvalidBlockSequence):
@@ -390,7 +393,7 @@ class Conductor:
 
     @property
     def interval(self) -> float:
-        """Effective maintenance period: ``max(1, n)`` seconds (contract 1.1)."""
+        """Effective maintenance period: ``max(1, n)`` seconds (``--maintenance-interval-secs``)."""
         return max(1.0, float(self.config.maintenance_interval))
 
     def stop(self, timeout: float = 5.0) -> bool:
@@ -457,7 +460,7 @@ class Conductor:
 
     # -- registration (ingest thread) ---------------------------------------------------------
     def register(self, req: RegisterRequest) -> None:
-        """Register (or re-register) one DP of an instance (contract 3.4).
+        """Register (or re-register) one DP of an instance (docs/api.md, POST /register).
 
         Raises :class:`RegistrationError` (HTTP 400) before changing anything.
         """
@@ -537,7 +540,10 @@ class Conductor:
             raise RegistrationUnavailable(msg) from None
 
     def unregister(self, req: UnregisterRequest) -> bool:
-        """Unregister one DP (contract 3.5); False when the instance is unknown (404)."""
+        """Unregister one DP; False when the instance is unknown (404).
+
+        See docs/api.md, POST /unregister.
+        """
         log.info("unregister request instance_id=%s dp_rank=%d", req.instance_id, req.dp_rank)
         n = self.subs.unsubscribe(req.instance_id, req.dp_rank)
         out = self.registry.unregister(req.instance_id, req.dp_rank)
@@ -569,7 +575,7 @@ class Conductor:
 
     # -- /events (ingest thread) --------------------------------------------------------------
     def apply_events(self, batch: KvEventBatch, ops: list[EventOp]) -> EventsOutcome:
-        """Apply validated events per dp_rank group (contract 2.6).
+        """Apply validated events per dp_rank group (docs/api.md, "Validation and answers").
 
         A failing group stops at its first error and contributes 0 to the
         applied count; other groups still apply. Raises
@@ -638,7 +644,8 @@ class Conductor:
                 self.thread.call_later(self.interval, self._maintenance_tick)
 
     def maintenance(self, now: float | None = None) -> int:
-        """TTL sweeps on every index, then reclaim empty unprotected ones (contract 7)."""
+        """TTL sweeps on every index, then reclaim empty indexes no registration refers to
+        (docs/api.md, "Differences from the reference": index reclaim)."""
         now = time.monotonic() if now is None else now
         cfg = self.config
         pruned = 0

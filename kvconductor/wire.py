@@ -11,7 +11,7 @@ Two implementations with identical results:
 imports (set ``KVCONDUCTOR_NO_EXTENSIONS=1`` or ``KVCONDUCTOR_WIRE=py`` to
 force the fallback) and add the checks common to both.
 
-Accepted request shapes (contract 2.4/2.5):
+Accepted request shapes (docs/api.md: POST /query, its "MessagePack" section, POST /query_by_hash):
 
 * a map ``{"model", "block_size", "token_ids" | "block_hashes", "tenant_id"?,
   "lora_name"?}`` (JSON object or MessagePack map); ``block_size`` may be
@@ -24,7 +24,7 @@ ids are hashed for (``lora_seed``); null, absent or ``""`` is the base model.
 
 ``token_ids`` items are i64 integers truncated to u32; on
 MessagePack they may also be one bin of little-endian u32 (packed tokens).
-``block_hashes`` items are u64 (LocalBlockHash values, contract 5.5).
+``block_hashes`` items are u64 (LocalBlockHash values, docs/api.md "Block hashing").
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def _tokens_u32(values: list[int] | bytes) -> array:
     try:
         return array("I", values)
     except OverflowError:
-        # NOTE: negative or > u32 ids keep their low 32 bits (contract 5.1).
+        # NOTE: negative or > u32 ids keep their low 32 bits (docs/api.md, "Block hashing").
         return array("I", [t & U32_MAX for t in values])
 
 

@@ -1,9 +1,9 @@
-"""Byte-exact engine publisher fixtures (engine-events.md §2-§7).
+"""Byte-exact engine publisher fixtures (wire formats: docs/events.md).
 
 * :func:`schema` builds msgspec classes with the exact field order, defaults and
   struct options of a vLLM / SGLang release (array-tagged events until vLLM 0.23 /
   SGLang 0.5.19, maps after), so encoded payloads are byte-identical to what the
-  real classes emit (the tests check this against the hex in the spec).
+  real classes emit (tests/test_vllm.py checks this against hex example payloads).
 * :class:`FakePublisher` mimics ``ZmqEventPublisher``: a PUB socket sending
   ``[topic, seq(8B BE), payload]``, a ROUTER replay socket answering
   ``[b"", start_seq]`` in the old (``[seq, payload]``) or new

@@ -1,4 +1,4 @@
-"""KV-affinity scoring (contract 9.2) and its configuration (contract 9.3).
+"""KV-affinity scoring and its configuration (docs/client.md, "Affinity scoring", "Configuration").
 
 Every expected value below is computed by hand in the comments.
 """

@@ -1,6 +1,7 @@
-"""The HTTP API in-process with falcon.testing (contract section 2 and the 8.9 integration cases).
+"""The HTTP API in-process with falcon.testing (docs/api.md, and the reference's integration tests).
 
-Values are real: block size 4, hashes of contract 5.2, counts computed by hand.
+Values are real: block size 4, golden hashes of docs/api.md "Block hashing", counts computed
+by hand.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvconductor.app import BodyTooLarge, create_app, read_body
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.service import Conductor, ConductorConfig
 
-H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (contract 5.2)
+H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
 MSGPACK = {"Content-Type": "application/msgpack"}
 
 
@@ -128,7 +129,7 @@ def dp(npu, cpu, disk, block_size=4):
             "cpu_blocks": cpu, "disk_blocks": disk}
 
 
-# -- 2.1 / 8.9 basics ------------------------------------------------------------------------
+# -- basics (the reference's integration tests) ----------------------------------------------
 
 def test_health_endpoint(client):
     r = client.simulate_get("/health")
@@ -152,13 +153,14 @@ def test_query_after_kv_events(client, wire_impl):
         "longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}}
     assert query(client, [1, 2, 3, 4, 9, 9, 9, 9]) == {"default": {"vllm-prefill-1": {
         "longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}}
-    # Contract 8.9: events without instance_id are rejected.
+    # As in the reference's integration tests: events without instance_id are rejected.
     r = client.simulate_post("/events", json={"events": []})
     assert r.status_code == 400 and "instance_id" in r.json["error"]
 
 
 def test_tiers_exclusive_partition(client):
-    # 6.6: NPU 1 + CPU 1 (chained) + Disk 1 (chained after CPU) -> 1/1/1, matched 12.
+    # Exclusive partition (docs/api.md, "Tiers and counts"): NPU 1 + CPU 1 (chained) + Disk 1
+    # (chained after CPU) -> 1/1/1, matched 12.
     register(client, store_backend="YuanRong")
     r = events(client, [stored(1, [100], [1, 2, 3, 4]),
                         stored(2, [200], [5, 6, 7, 8], parent=100, medium="cpu"),
@@ -228,7 +230,7 @@ def test_query_tenants_are_isolated(client):
     assert r.json == {"error": "no indexer for model=qwen tenant=default"}
 
 
-# -- msgpack negotiation (2.4, V3 8.9) ----------------------------------------------------------
+# -- msgpack negotiation (docs/api.md, "MessagePack"; the reference's V3 tests) -----------------
 
 def test_query_msgpack_endpoint(client, wire_impl):
     register(client)
@@ -289,7 +291,7 @@ def test_large_queries_run_in_a_worker_thread(conductor):
     assert query(client, tokens)["default"]["vllm-prefill-1"]["DP"]["0"] == dp(2, 0, 0)
 
 
-# -- /register, /unregister, /workers (2.2, 2.3, 2.7, 8.9) ----------------------------------
+# -- /register, /unregister, /workers (docs/api.md; the reference's integration tests) ------
 
 def test_unregister(client):
     register(client)
@@ -408,7 +410,7 @@ def test_workers_indexer_and_sources(client):
                                "url": "tcp://10.0.0.1:5557", "state": "test"}]
 
 
-# -- /events (2.6 and fixes) ------------------------------------------------------------------
+# -- /events (docs/api.md, POST /events, with its differences from the reference) -------------
 
 def test_events_empty(client):
     r = events(client, [], instance_id="anyone")

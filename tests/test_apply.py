@@ -156,12 +156,12 @@ def test_two_phase_offload_then_pool(conductor, pool_first):
     else:
         eng.apply_payload(V33.batch([cpu]))
         pool.apply_payload(confirm)
-    # FIX 10.1 #11: pool registered with model "default" but confirmations land in the
-    # instance's index ("m") via instance_info
+    # FIX: pool registered with model "default" but confirmations land in the
+    # instance's index ("m") via instance_info (the reference used the pool's index)
     assert ("default", "t") not in conductor.indexes or conductor.indexes[("default", "t")].is_empty()
     idx = conductor.indexes[("m", "t")]
     # DP 1 on the same node got the CPU blocks too, but without its own HBM prefix they
-    # are not reachable (no cross-DP borrowing, 10.1 #7)
+    # are not reachable (no cross-DP borrowing, unlike the reference)
     assert hits(idx, TOK, BS) == {("vllm-prefill-a", 0): (2, 2, 0)}
     assert idx.summary()["cpu_blocks"] == 4
     # pool removal of block 3 for every DP on the node

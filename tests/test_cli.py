@@ -1,4 +1,4 @@
-"""Flag parsing of ``kv-conductor`` (contract 1.1), in process."""
+"""Flag parsing of ``kv-conductor`` (docs/operations.md, "Starting it"), in process."""
 from __future__ import annotations
 
 import pytest

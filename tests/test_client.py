@@ -657,7 +657,7 @@ def test_async_reregister_and_errors():
 
 
 # ---------------------------------------------------------------------------
-# Helpers of contract 9.1 / 8.10
+# Registration helpers (docs/client.md, "Registration helpers"; the reference client's helper tests)
 
 
 @pytest.mark.parametrize("pattern,host,dp,expected", [
@@ -957,7 +957,7 @@ def loaded(server):
     return model
 
 
-# Query tokens 1..16 = 4 blocks of 4 (V3 exclusive partition, contract 6.4):
+# Query tokens 1..16 = 4 blocks of 4 (V3 exclusive partition, docs/api.md "Tiers and counts"):
 #   prefill-1: HBM depth 2                          -> npu 2, matched 2*4 = 8
 #   prefill-2: CPU root walk over 3 edges           -> cpu 3 - npu 0 = 3, matched 12
 #   prefill-3: Disk root walk over 1 edge           -> disk 1 - max(0, 0) = 1, matched 4
@@ -996,7 +996,7 @@ def test_live_packed_token_inputs(server, loaded):
 
 @pytest.mark.server
 def test_live_query_by_hash(server, loaded):
-    # LocalBlockHash of [1,2,3,4] and [5,6,7,8] (contract 5.2); counts in blocks.
+    # LocalBlockHash of [1,2,3,4] and [5,6,7,8] (docs/api.md, "Block hashing"); counts in blocks.
     hashes = [14643705804678351452, 16777012769546811212]
     for enc in ("msgpack", "json"):
         with ConductorClient(server.url, query_encoding=enc) as c:

@@ -1,4 +1,4 @@
-"""LocalBlockHash: golden vectors of contract 5.2 and agreement with xxhash."""
+"""LocalBlockHash: golden vectors of docs/api.md "Block hashing" and agreement with xxhash."""
 import struct
 
 import pytest

@@ -1,9 +1,11 @@
-"""CoreIndex and kvconductor.index.Index: contract 6.6, 8.7 (V3 values), 8.8 two-phase,
-maintenance and the V3 response shape, with the fixes of docs/design.md.
+"""CoreIndex and kvconductor.index.Index: the reference's indexer tests (with V3 values) and
+two-phase tests, the worked examples of docs/api.md "Tiers and counts", maintenance and the
+V3 response shape, with the fixes of docs/design.md.
 
 All queries use block_size 4 over real token lists hashed with hash_blocks.
 Engine hashes ("seq") are opaque; blocks replicated on several tiers of one
-engine carry the same engine hashes (10.1 #8). Every expected value is worked
+engine carry the same engine hashes (a CPU/Disk chain continues an HBM run by engine
+hash, docs/design.md "CoreIndex: query"). Every expected value is worked
 out by hand in the comment above it.
 """
 import pytest
@@ -52,7 +54,7 @@ def ix(impl):
     return Index("model", TENANT, impl=impl)
 
 
-# -- contract 8.7 (V3+ expectations) and 6.6 worked examples ----------------------------------
+# -- the reference's indexer tests (V3+ expectations) and tier-partition worked examples ------
 
 
 def test_indexer_get_or_create_and_query(ix):
@@ -81,21 +83,21 @@ def test_per_tier_aggregation(ix):
 
 
 def test_cpu_continuation_from_hbm_breakpoint(ix):
-    # 6.6: NPU [0,2) + CPU tail chained after NPU block 2 -> 2/1/0, 12, longest 12
+    # NPU [0,2) + CPU tail chained after NPU block 2 -> 2/1/0, 12, longest 12
     ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
     ix.store_tokens(CPU_A, E[1], E[2:3], toks(2, 3), BS)
     assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(2, 1, 0)}}}
 
 
 def test_cpu_replica_reported_when_hbm_hits_same_dp(ix):
-    # 6.6: same 1-block prefix on NPU and CPU -> npu 1, cpu max(0, 1-1) = 0, 4 tokens
+    # same 1-block prefix on NPU and CPU -> npu 1, cpu max(0, 1-1) = 0, 4 tokens
     ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
     ix.store_tokens(CPU_A, None, E[:1], toks(1), BS)
     assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}
 
 
 def test_cpu_root_used_when_no_hbm_on_dp(ix):
-    # 6.6: CPU only -> root walk, 0/1/0, 4 tokens
+    # CPU only -> root walk, 0/1/0, 4 tokens
     ix.store_tokens(CPU_A, None, E[:1], toks(1), BS)
     assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
 
@@ -120,7 +122,7 @@ def test_cpu_root_chains_of_differently_seeded_engines_both_count(ix):
 
 
 def test_disk_continuation_from_cpu_breakpoint(ix):
-    # 6.6: NPU 1 + CPU 1 after it + Disk 1 after the CPU block -> 1/1/1, 12
+    # NPU 1 + CPU 1 after it + Disk 1 after the CPU block -> 1/1/1, 12
     ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
     ix.store_tokens(CPU_A, E[0], E[1:2], toks(1, 2), BS)
     ix.store_tokens(DISK_A, E[1], E[2:3], toks(2, 3), BS)
@@ -135,7 +137,7 @@ def test_disk_continuation_from_cpu_root_walk(ix):
 
 
 def test_overlapping_npu_cpu_disk_replicas_do_not_inflate_matched_tokens(ix):
-    # 6.6: same 2-block chain on NPU, CPU, Disk -> ends 2, 2, 2 -> 2/0/0, 8
+    # same 2-block chain on NPU, CPU, Disk -> ends 2, 2, 2 -> 2/0/0, 8
     for k in (NPU_A, CPU_A, DISK_A):
         ix.store_tokens(k, None, E[:2], toks(2), BS)
     assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
@@ -172,14 +174,14 @@ def test_disk_replica_reported_when_hbm_hits_same_dp(ix):
 
 
 def test_lower_tier_longer_replica_extends_coverage(ix):
-    # 6.6: NPU 1 block + Disk full 3-block root chain -> npu 1, disk 3 - 1 = 2, 12
+    # NPU 1 block + Disk full 3-block root chain -> npu 1, disk 3 - 1 = 2, 12
     ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
     ix.store_tokens(DISK_A, None, E[:3], toks(3), BS)
     assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(1, 0, 2)}}}
 
 
 def test_no_hits_gives_empty_tenant_map(ix):
-    # (8.7 test_no_indexer_error is the registry's 404; here: an index without hits)
+    # (the reference's test_no_indexer_error is the registry's 404; here: an index without hits)
     assert query(ix, 3) == {}
     ix.store_tokens(NPU_A, None, E[:1], toks(1, 2), BS)     # content of block 1 at the root
     assert query(ix, 3) == {}
@@ -219,7 +221,8 @@ def test_v4_readme_example_under_v3_semantics(ix):
 
 
 def test_hbm_breakpoint_not_shared_across_instances(ix):
-    # inst-a HBM [0,2); inst-b CPU tail chained after inst-a's E1 (fix of 10.1 #7):
+    # inst-a HBM [0,2); inst-b CPU tail chained after inst-a's E1 (no cross-DP
+    # borrowing, unlike the reference):
     # inst-a is not credited with inst-b's CPU block -> 2/0/0 = 8; inst-b has no root
     # edge and borrows no breakpoint -> absent.
     ix.store_tokens(NPU_A, None, E[:2], toks(2), BS)
@@ -254,7 +257,7 @@ def test_lower_walk_needs_ownership(ix):
     assert query(ix, 2) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
 
 
-# -- two-phase (contract 8.8) -------------------------------------------------------------------
+# -- two-phase (the reference's two-phase tests; docs/design.md "CoreIndex: two-phase state") ---
 
 AAA, BBB, CCC = 0xAAA, 0xBBB, 0xCCC
 

@@ -1,4 +1,4 @@
-"""LowerTier (CPU / Disk): contract 8.6 plus the design.md semantics.
+"""LowerTier (CPU / Disk): the reference's lower-tier tests plus the design.md semantics.
 
 Edges are keyed by (parent engine hash | None, LocalBlockHash); expected values
 are worked out by hand from docs/design.md "LowerTier (CPU, Disk)".
@@ -14,7 +14,7 @@ def counters(lt):
     return lt.total_blocks, lt.num_edges
 
 
-# -- contract 8.6 ---------------------------------------------------------------------------
+# -- the reference's lower-tier tests -------------------------------------------------------
 
 
 def test_root_chain_full_match(LowerTier):

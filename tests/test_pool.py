@@ -1,4 +1,5 @@
-"""Pool event decoding (Mooncake tuple, Memcache map, YuanRong) and FlexHash (contract 4.5, 5.4)."""
+"""Pool event decoding (Mooncake tuple, Memcache map, YuanRong) and FlexHash
+(docs/engines.md, "Pool event format")."""
 from __future__ import annotations
 
 import json
@@ -14,14 +15,14 @@ from kvconductor.ingest.vllm import DecodeError, Dropped, VllmBatch
 
 M64 = (1 << 64) - 1
 
-# contract 4.5 example, shown there as JSON
+# a Mooncake master batch (docs/engines.md, "Pool event format"), written as JSON
 MOONCAKE_EXAMPLE = json.loads('[1782281033484, [{"event_id":7,"event_type":"stored",'
                               '"backend_id":"10.0.0.1","medium":"cpu","seq_hashes":[48879,51966]}], 0]')
 
 
 def test_flex_hash_rules():
     assert flex_hash(0) == 0 and flex_hash(M64) == M64
-    assert flex_hash(-1) == M64                       # 10.4: two's complement, not an error
+    assert flex_hash(-1) == M64                       # two's complement (the reference: an error)
     assert flex_hash("0xBEEF") == 0xBEEF and flex_hash("  48879 ") == 48879
     assert flex_hash("beef") == 0xBEEF
     assert flex_hash(b"\x01\x00") == 256 and flex_hash(b"") == 0

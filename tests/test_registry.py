@@ -1,4 +1,5 @@
-"""Registry: endpoint resolution, HBM-IP index, register/unregister outcomes (contract 3)."""
+"""Registry: endpoint resolution, HBM-IP index, register/unregister outcomes
+(docs/api.md, POST /register)."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ def reg(instance_id="vllm-prefill-1", dp_rank=0, **kw) -> RegisterRequest:
     return RegisterRequest(instance_id=instance_id, dp_rank=dp_rank, **kw)
 
 
-# -- extract_ip (contract 8.2) ----------------------------------------------------------------
+# -- extract_ip (the reference's tests) -------------------------------------------------------
 
 def test_extract_ip_ipv4():
     assert extract_ip("tcp://10.0.0.1:5557") == "10.0.0.1"
@@ -41,7 +42,7 @@ def test_extract_ip_invalid(url):
     assert extract_ip(url) is None
 
 
-# -- store backends (contract 8.3) ---------------------------------------------------------------
+# -- store backends (the reference's tests) ------------------------------------------------------
 
 def test_store_backend_from_str():
     assert StoreBackend.parse("mooncake") is StoreBackend.MOONCAKE
@@ -53,7 +54,7 @@ def test_store_backend_from_str():
     assert [b.match_mode for b in StoreBackend] == ["ip_only", "ip_only", "none", "none"]
 
 
-# -- endpoint resolution (contract 3.3) ----------------------------------------------------
+# -- endpoint resolution (docs/api.md, "Endpoint resolution") ------------------------------
 
 def test_resolve_groups_keys_by_url():
     groups = resolve_endpoints({"npu": "tcp://h:1", "cpu": "tcp://h:2", "disk": "tcp://h:2",
@@ -251,7 +252,7 @@ def test_hbm_ip_index_fans_out_dps_on_one_ip():
 
 
 def test_reregistration_same_backend_dedups_hbm_ip():
-    # Fix of 10.1 #5: no duplicate entries after re-registering.
+    # Unlike the reference: no duplicate entries after re-registering.
     r = Registry()
     for _ in range(3):
         out = r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
@@ -277,7 +278,7 @@ def test_backend_change_drops_from_the_registered_index():
 
 
 def test_model_change_updates_the_instance_and_drops_old_data():
-    # Fix of 10.1 #6: clean-up targets where the DP was registered, and the entry follows.
+    # Unlike the reference: clean-up targets where the DP was registered, and the entry follows.
     r = Registry()
     r.register(reg(modelname="old", tenant_id="t1", block_size=16))
     out = r.register(reg(modelname="new", tenant_id="t2", block_size=16))

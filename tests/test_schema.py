@@ -143,7 +143,7 @@ def test_to_u64_ranges():
         to_u64(-(2**63) - 1, "h")
 
 
-# -- content negotiation (contract 8.1 test_is_msgpack_content_type) ---------------------------
+# -- content negotiation (the reference's test_is_msgpack_content_type) ------------------------
 
 @pytest.mark.parametrize("ct,expected", [
     ("application/msgpack", True),

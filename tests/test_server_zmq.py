@@ -150,7 +150,8 @@ def test_mooncake_pool_confirms_engine_offload(server):
 
 
 def test_hash_golden_vectors_over_query_by_hash(server):
-    """/query_by_hash with the LocalBlockHashes of the contract agrees with /query."""
+    """/query_by_hash with the golden LocalBlockHashes of docs/api.md "Block hashing" agrees
+    with /query."""
     pub = FakePublisher(replay=False)
     try:
         assert server.http.post("/register", json={

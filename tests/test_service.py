@@ -21,7 +21,7 @@ from kvconductor.service import (
 )
 
 U64_MAX = 2**64 - 1
-H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (contract 5.2)
+H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
 
 
 class RecordingSubs:
@@ -115,7 +115,7 @@ def dp(npu, cpu, disk, block_size=4) -> dict:
             "cpu_blocks": cpu, "disk_blocks": disk}
 
 
-# -- normalisation (contract 8.1 normalize tests, fixes 10.1 #2/#3) ---------------------------
+# -- normalisation (the reference's normalize tests; no implicit clear; u64 hashes) -----------
 
 def one(ev: dict):
     return normalize_event(batch_of("i", [ev]).events[0])

@@ -103,7 +103,8 @@ def _thread_cpu(native_id: int) -> float:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs /proc")
 def test_idle_thread_uses_no_cpu(thread):
-    """No busy spin (contract 10.1 #1): an idle second costs at most a few ticks."""
+    """No busy spin (the reference spun one core per subscriber): an idle second costs at most
+    a few ticks."""
     tid = thread.call(threading.get_native_id)
     c0 = _thread_cpu(tid)
     time.sleep(1.0)

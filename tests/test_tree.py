@@ -1,4 +1,4 @@
-"""RadixTree (HBM tier): contract 8.5 plus the design.md semantics.
+"""RadixTree (HBM tier): the reference's radix-tree tests plus the design.md semantics.
 
 Workers are plain ints, engine hashes ("seq") are opaque u64s (here 100+),
 local hashes are LocalBlockHashes (small ints or real hash_blocks values).
@@ -18,7 +18,7 @@ def state(tree):
     return tree.num_nodes, tree.num_pairs
 
 
-# -- contract 8.5 ---------------------------------------------------------------------------
+# -- the reference's radix-tree tests -------------------------------------------------------
 
 
 def test_concurrent_find_matches_empty(RadixTree):
@@ -234,7 +234,8 @@ def test_remove_ignores_unknown_and_duplicates(RadixTree):
 
 
 def test_interior_removal_keeps_other_workers_descendants(RadixTree):
-    """Fix of 10.1 #9: removing W1's interior block keeps W2's deeper blocks reachable."""
+    """Removing W1's interior block keeps W2's deeper blocks reachable (the reference
+    cleared the children and orphaned them; docs/design.md "RadixTree (HBM)")."""
     t = RadixTree()
     t.store(W1, None, [101, 102, 103], [1, 2, 3])
     t.store(W2, None, [201, 202, 203], [1, 2, 3])

@@ -1,4 +1,4 @@
-"""vLLM / SGLang batch decoding against the byte-level examples of engine-events.md §7."""
+"""vLLM / SGLang batch decoding against byte-level example payloads of vLLM / SGLang releases."""
 from __future__ import annotations
 
 import os
@@ -17,7 +17,7 @@ from kvconductor.ingest.vllm import (Cleared, DecodeError, Dropped, Removed, Sto
                                      decode_event, decode_vllm_batch, engine_hash,
                                      parse_hash_str)
 
-# --- the documented bytes ------------------------------------------------------------------
+# --- example payloads (hex, byte by byte) --------------------------------------------------
 
 EX_A_V033 = hexbytes('''
 93 cb 41 d9 54 fc 40 20 00 00 92
@@ -102,7 +102,7 @@ def test_fixture_sglang_bytes():
     assert s.batch(evs, dp=0) == EX_E_SGL0516
 
 
-# --- decoding the documented bytes -------------------------------------------------------------
+# --- decoding the example payloads -------------------------------------------------------------
 
 def test_decode_example_a_v033_map():
     b = decode_vllm_batch(EX_A_V033)
@@ -190,7 +190,8 @@ def test_layout_ts_dp_events():
 
 
 def test_array_event_positions_not_types():
-    """medium absent but lora_name / kind present: positions decide (reference bug 10.1 #13)."""
+    """medium absent but lora_name / kind present: positions decide (the reference assigned
+    fields by type and read lora_name as the medium)."""
     ev = ["BlockStored", [1], None, [1, 2], 2, None, None, "my-lora", None, 0, "full_attention"]
     e = decode_event(msgspec.msgpack.encode(ev))
     assert e.medium is None and e.lora_name == "my-lora" and e.kind == "full_attention"

@@ -845,7 +845,8 @@ def test_encode_matches_to_dict(hits, tenant, block_size):
 
 
 def test_roundtrip_through_parse_and_query_shape():
-    """The response of the contract example, and parse of the request, end to end."""
+    """The response to the example query (qwen, block_size 128, tokens 1..4), and parse of the
+    request, end to end."""
     req = msgspec.msgpack.encode({"model": "qwen", "block_size": 128,
                                   "token_ids": [1, 2, 3, 4], "tenant_id": "default"})
     model, bs, tenant, toks, _ = parse_query(req, True, False)

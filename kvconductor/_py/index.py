@@ -89,8 +89,9 @@ class CoreIndex:
             candidates = [(w, 0, None) for w in tier.owners(None, hs[0])]
             for g, end, last in upstream:
                 if end < n:
+                    # Same group only: no cross-DP borrowing (the reference borrowed).
                     candidates += [(w, end, last) for w in tier.owners(last, hs[end])
-                                   if group(w) == g]   # fix of 10.1 #7: no cross-DP borrowing
+                                   if group(w) == g]
             for w, start, parent in candidates:
                 count, last_seq = tier.walk(w, hs, start, parent)
                 if count > 0:

@@ -1,4 +1,4 @@
-"""Apply decoded engine and pool events to the index (contract 4.4, 4.5, 6.5).
+"""Apply decoded engine and pool events to the index (docs/events.md, "Applying").
 
 :func:`decode_payload` recognises the payload (vLLM/SGLang batch, pool tuple,
 Memcache map); :class:`Applier` applies it with one subscription's
@@ -17,14 +17,18 @@ Routing (deviations from the reference are marked FIX):
   medium of the URL, storing GPU blocks into the CPU/Disk tiers as well).
 * ``BlockRemoved`` -> ``Index.evict`` on ``WorkerKey(.., medium or NPU)``.
 * ``AllBlocksCleared`` -> ``Index.clear`` for the subscription's default media.
-* The DP is always the subscription's (FIX 10.1 #4: also during replay).
+* The DP is always the subscription's (FIX: also during replay; the reference used
+  the batch's rank there).
 * Pool events: IpOnly (Mooncake/Memcache pool publishers, ``ctx.is_pool``):
   ``conductor.hbm_ip_lookup(event.backend_id)`` -> every (instance, dp) on that
   IP x target media; otherwise the subscription's (instance, dp). Target media =
-  ``[event.medium]`` or the subscription's non-HBM default media (FIX 10.1 #15:
-  a pool never holds HBM blocks). Index = the event's ``model_name``/``tenant_id``
-  if present, else (FIX 10.1 #11, IpOnly only) the resolved instance's registered
-  model/tenant via ``conductor.instance_info``, else the subscription's.
+  ``[event.medium]`` or the subscription's non-HBM default media (FIX: a pool
+  never holds HBM blocks; the reference also put medium-less pool blocks in the
+  HBM tree). Index = the event's ``model_name``/``tenant_id`` if present, else
+  (FIX, IpOnly only) the resolved instance's registered model/tenant via
+  ``conductor.instance_info`` (pools register with ``model_path or "default"``, so
+  with the reference their confirmations landed in another index), else the
+  subscription's.
 
 Compiled fast path (HBM subscriptions, ``kvconductor._ingest.FastBatch``): a
 vLLM/SGLang batch whose every event the fast path handles (HBM medium, ASCII
@@ -71,7 +75,8 @@ if kvconductor.is_available() and os.environ.get("KVCONDUCTOR_INGEST", "") != "p
         _FastBatch = None
 
 #: kv_cache_spec_kind values (lower-case, underscores removed) that are not a
-#: prefix cache a query can hit (contract 4.3); anything else is accepted.
+#: prefix cache a query can hit (docs/engines.md, "Engine settings that matter");
+#: anything else is accepted.
 REJECTED_KINDS = frozenset(("slidingwindow", "slidingwindowmla", "mamba", "chunkedlocalattention",
                             "encoderonlyattention", "crossattention"))
 
@@ -81,7 +86,7 @@ _KEYS_DEC = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 
 
 def kind_rejected(kind: str | None) -> bool:
-    """True for attention kinds whose blocks must not be indexed (contract 4.3)."""
+    """True for attention kinds whose blocks must not be indexed (see REJECTED_KINDS)."""
     if not kind:
         return False
     return kind.lower().replace("_", "") in REJECTED_KINDS
@@ -113,7 +118,10 @@ def _looks_like_pool(elems: list, ei: int) -> bool:
 
 
 def decode_payload(payload: bytes) -> VllmBatch | PoolBatch:
-    """Recognise and decode one payload (contract 4.2). Raises DecodeError."""
+    """Recognise and decode one payload (docs/events.md, "Payload recognition").
+
+    Raises DecodeError.
+    """
     if not payload:
         raise DecodeError("empty_payload")
     kind = msgpack_kind(payload[0])

@@ -8,7 +8,8 @@ from kvconductor.keys import Medium, StoreBackend
 
 @dataclass(frozen=True)
 class SubscriberContext:
-    """Registration facts a subscriber needs to apply events (contract 3.4 step 4)."""
+    """Registration facts a subscriber needs to apply events (docs/events.md,
+    "Service interface")."""
 
     instance_id: str                 # backend_id of HBM workers it feeds
     dp_rank: int

@@ -1,4 +1,6 @@
-"""Decoders for KV-pool events: Mooncake / Memcache / YuanRong (contract 4.5, 5.4).
+"""Decoders for KV-pool events: Mooncake / Memcache / YuanRong.
+
+Formats: docs/engines.md, "Pool event format".
 
 Containers:
 
@@ -10,7 +12,7 @@ A PoolEvent is a msgpack map with the keys of :class:`PoolEvent`; unknown keys
 are ignored. Hashes go through :func:`flex_hash`. Unlike the reference, a bad
 hash (or a field of the wrong type) drops **that event** with a counted reason,
 not the whole batch, and negative integers are read as two's-complement u64
-(contract 10.4).
+(the reference failed the whole batch on them; docs/events.md, "Applying").
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ _ANY_DEC = msgspec.msgpack.Decoder()
 
 
 def flex_hash(h: Any) -> int:
-    """FlexHash (contract 5.4) with the 10.4 fix: u64; negative i64 -> two's complement;
+    """The reference's FlexHash, fixed: u64; negative i64 -> two's complement (not an error);
     string ``0x`` hex / decimal / bare hex; bytes up to 8, big-endian left-padded.
 
     Raises ValueError ("hash bytes too long", "invalid hash ...") or TypeError.
@@ -78,7 +80,7 @@ class PoolBatch:
 
 
 def classify(type_str: str) -> str:
-    """stored / removed / cleared / other, by substring (contract 4.5)."""
+    """stored / removed / cleared / other, by substring (docs/engines.md, "Pool event format")."""
     if "stored" in type_str or "Stored" in type_str:
         return STORED
     if "removed" in type_str or "Removed" in type_str:

@@ -1,10 +1,11 @@
 """The vLLM/SGLang replay client: one DEALER session on the ingest thread.
 
-Protocol (engine-events.md §6): send ``[b"", start_seq as 8-byte big-endian]`` to
-the publisher's ROUTER; it answers every buffered batch with ``seq >= start``,
-each as ``[b"", seq, payload]`` (vLLM <= 0.25, SGLang <= 0.5.21) or
-``[b"", topic, seq, payload]`` (vLLM >= 0.26, SGLang >= 0.5.22; told apart by
-the frame count), then an end marker whose seq frame is ``ff`` x 8.
+Protocol (docs/events.md, "Sequence numbers, replay and loss"): send
+``[b"", start_seq as 8-byte big-endian]`` to the publisher's ROUTER; it answers
+every buffered batch with ``seq >= start``, each as ``[b"", seq, payload]``
+(vLLM <= 0.25, SGLang <= 0.5.21) or ``[b"", topic, seq, payload]`` (vLLM >= 0.26,
+SGLang >= 0.5.22; told apart by the frame count), then an end marker whose seq
+frame is ``ff`` x 8.
 
 The session never blocks: its DEALER is polled by the ingest thread like any
 SUB socket, and an inactivity timer (``IngestThread.call_later``) ends it when

@@ -6,7 +6,8 @@ that thread** (use ``thread.call(mgr.subscribe, ctx)`` / ``await
 thread.run(...)`` from elsewhere). Each :class:`Subscription` owns one SUB
 socket, its monitor socket and, while replaying, one DEALER
 (:class:`~kvconductor.ingest.replay.ReplaySession`); all are polled by the one
-ingest poller, which blocks when nothing happens (no busy spin, 10.1 #1).
+ingest poller, which blocks when nothing happens (no busy spin; the reference
+busy-spun one core per subscriber).
 
 Sockets:
 
@@ -18,7 +19,7 @@ Sockets:
   grow memory without limit). Loss beyond it shows up as a seq gap and is
   recovered by replay.
 * Reconnects: ZMQ's own ``RECONNECT_IVL`` 100 ms doubling up to
-  ``RECONNECT_IVL_MAX`` 30 s (contract 3.7). ZMTP heartbeats and TCP keepalive
+  ``RECONNECT_IVL_MAX`` 30 s, as the reference. ZMTP heartbeats and TCP keepalive
   detect a silently dead peer. A socket that cannot be opened at all (out of
   sockets or files) raises: the registration that asked for it is undone (503).
 * The monitor socket reports CONNECTED/DISCONNECTED; a CONNECTED after a

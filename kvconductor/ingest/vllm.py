@@ -1,8 +1,9 @@
-"""Decoders for vLLM and SGLang ``KVEventBatch`` payloads (engine-events.md §4).
+"""Decoders for vLLM and SGLang ``KVEventBatch`` payloads (docs/events.md, "vLLM / SGLang events").
 
 A batch is a msgpack array ``[ts, events, dp]`` (vLLM >= 0.9.1, SGLang >= 0.4.7),
-``[ts, events]`` (vLLM 0.9.0, SGLang 0.4.6) or ``[ts, dp, events]`` (contract
-4.3 "format B"). Every event is dispatched on its own msgpack type:
+``[ts, events]`` (vLLM 0.9.0, SGLang 0.4.6) or ``[ts, dp, events]`` (also
+accepted, see docs/events.md, "Payload recognition"). Every event is dispatched
+on its own msgpack type:
 
 * array (vLLM <= 0.23, SGLang <= 0.5.19): decoded **by position**
   (0 tag, 1 block_hashes, 2 parent_block_hash, 3 token_ids, 4 block_size,
@@ -133,7 +134,8 @@ _DEC = re.compile(r"[0-9]{1,20}")
 
 
 def parse_hash_str(s: str) -> int:
-    """``0x``/``0X`` hex, else decimal u64, else bare hex (contract 5.4); else ValueError."""
+    """``0x``/``0X`` hex, else decimal u64, else bare hex (the reference's FlexHash forms);
+    else ValueError."""
     t = s.strip()
     if t[:2] in ("0x", "0X"):
         if _HEX.fullmatch(t[2:]):
@@ -149,7 +151,7 @@ def parse_hash_str(s: str) -> int:
 
 
 def int_hash(h: int) -> int:
-    """An integer hash as u64: negative i64 -> two's complement (contract 10.4)."""
+    """An integer hash as u64: negative i64 -> two's complement (the reference rejected them)."""
     if h < 0:
         if h < -(1 << 63):
             raise ValueError(f"hash {h} below int64")
@@ -160,10 +162,11 @@ def int_hash(h: int) -> int:
 
 
 def engine_hash(h: Any) -> int:
-    """vLLM/SGLang block hash -> u64 (contract 4.3 with the 10.4 fixes).
+    """vLLM/SGLang block hash -> u64 (docs/events.md, "vLLM / SGLang events").
 
-    non-negative int as is; negative int -> two's complement u64; bytes of up to
-    8 bytes big-endian, longer (16/32-byte digests) -> last 8 bytes big-endian
+    non-negative int as is; negative int -> two's complement u64 (the reference
+    dropped those of vLLM 0.9 ``hash()`` and SGLang's int64); bytes of up to 8
+    bytes big-endian, longer (16/32-byte digests) -> last 8 bytes big-endian
     (= vLLM's integer form); strings ``0x..`` hex, decimal, or bare hex.
     Raises ValueError/TypeError otherwise (nil, floats, bools, maps, ...).
     """
@@ -188,7 +191,7 @@ def engine_hashes(hs: list) -> array:
 
 
 def u32_tokens(tokens: list) -> array:
-    """Token ids -> ``array('I')``, truncating to the low 32 bits (contract 5.1)."""
+    """Token ids -> ``array('I')``, truncating to the low 32 bits (docs/api.md, "Block hashing")."""
     try:
         return array("I", tokens)
     except OverflowError:
