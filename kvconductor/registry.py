@@ -143,8 +143,6 @@ class EndpointInfo:
     node_id: str | None = None
     #: ``((url, media), ...)``: the subscriptions this registration asked for.
     sources: tuple = ()
-    #: The SubscriberContexts of those subscriptions (to re-create them on a rollback).
-    contexts: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def backend(self) -> StoreBackend:
@@ -376,8 +374,7 @@ class Registry:
             medium_endpoints=normalize_medium_endpoints(medium_endpoints, endpoint),
             replay_endpoint=replay_endpoint, model_name=req.modelname, tenant_id=tenant,
             block_size=req.block_size, store_backend=backend_name, is_pool=is_pool,
-            node_id=req.node_id, sources=tuple((c.url, c.default_media) for c in contexts),
-            contexts=tuple(contexts))
+            node_id=req.node_id, sources=tuple((c.url, c.default_media) for c in contexts))
         unchanged = old is not None and old == info
 
         # Replay runs per (instance, DP): the reference replayed only the first DP of an

@@ -278,6 +278,13 @@ class NullSubscriptions:
     def __len__(self) -> int:
         return len(self._subs)
 
+    def replace(self, instance_id: str, dp_rank: int, contexts) -> set[str]:
+        before = {k[2] for k in self._subs if k[0] == instance_id and k[1] == dp_rank}
+        self.unsubscribe(instance_id, dp_rank)
+        for ctx in contexts:
+            self.subscribe(ctx)
+        return {c.url for c in contexts} - before
+
     def request_replay(self, ctx: SubscriberContext) -> None:
         log.warning("replay not available (no subscriber) instance_id=%s replay_endpoint=%s",
                     ctx.instance_id, ctx.replay_endpoint)
@@ -481,7 +488,7 @@ class Conductor:
             return
         # Subscriptions first: the only step that can fail for want of resources. On a
         # failure everything is put back as it was and the request gets a 503.
-        self._subscribe_or_roll_back(req, out, saved)
+        opened = self._subscribe_or_roll_back(req, out, saved)
         for ip in out.ips_removed:
             if ip not in out.ips_added:
                 log.info("HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
@@ -498,14 +505,17 @@ class Conductor:
         self.get_or_create_index(out.model_name, out.tenant_id)
         if out.drop_from is not None:
             self._reclaim(out.drop_from)
-        if out.replay is not None:
+        if out.replay is not None and out.replay.url in opened:
+            # A new subscription: catch up from the engine's replay buffer. A URL that was
+            # already subscribed kept its socket and lost nothing.
             self.subs.request_replay(out.replay)
         log.info("worker registered instance_id=%s dp_rank=%d model=%s tenant=%s subscribers=%d "
                  "is_pool=%s replay=%s", out.instance_id, out.dp_rank, out.model_name,
                  out.tenant_id, len(out.contexts), out.is_pool, out.replay is not None)
 
-    def _subscribe_or_roll_back(self, req: RegisterRequest, out, saved: tuple) -> None:
-        """Replace (instance, DP)'s subscriptions by ``out.contexts``, or undo everything."""
+    def _subscribe_or_roll_back(self, req: RegisterRequest, out, saved: tuple) -> set[str]:
+        """Replace (instance, DP)'s subscriptions by ``out.contexts`` (returns the URLs
+        opened), or undo everything and raise :class:`RegistrationUnavailable`."""
         iid, dp = req.instance_id, req.dp_rank
         current = self.subs.count(iid, dp)
         total = len(self.subs) - current + len(out.contexts)
@@ -518,26 +528,18 @@ class Conductor:
             raise RegistrationUnavailable(msg)
         if out.reregistered:
             log.info("re-registering existing worker instance_id=%s dp_rank=%d", iid, dp)
-            # Stop the old subscriptions before new ones start.
-            n = self.subs.unsubscribe(iid, dp)
-            log.debug("subscriptions stopped instance_id=%s dp_rank=%d count=%d", iid, dp, n)
+        if not out.contexts and not current:
+            return set()     # HTTP-only, and was: no sockets to touch
         try:
-            for ctx in out.contexts:
-                self.subs.subscribe(ctx)
+            # URLs kept keep their sockets (no batch lost); new ones open first.
+            opened = self.subs.replace(iid, dp, out.contexts)
         except (zmq.ZMQError, OSError) as ex:
-            self.subs.unsubscribe(iid, dp)
             self.registry.restore_dp(saved)
-            old = saved[3]
-            for ctx in (old.contexts if old is not None else ()):
-                try:
-                    self.subs.subscribe(ctx)
-                except (zmq.ZMQError, OSError):
-                    log.exception("could not restore a subscription instance_id=%s dp_rank=%d "
-                                  "url=%s", iid, dp, ctx.url)
             msg = (f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. "
                    "Raise the process's open-file limit or lower --max-sources")
             log.error("registration rolled back instance_id=%s dp_rank=%d: %s", iid, dp, msg)
             raise RegistrationUnavailable(msg) from None
+        return opened
 
     def unregister(self, req: UnregisterRequest) -> bool:
         """Unregister one DP; False when the instance is unknown (404).

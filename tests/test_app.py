@@ -43,6 +43,13 @@ class RecordingSubs:
     def count(self, instance_id: str, dp_rank: int) -> int:
         return sum(1 for k in self.subs if k[:2] == (instance_id, dp_rank))
 
+    def replace(self, instance_id: str, dp_rank: int, contexts) -> set[str]:
+        before = {k[2] for k in self.subs if k[:2] == (instance_id, dp_rank)}
+        self.unsubscribe(instance_id, dp_rank)
+        for ctx in contexts:
+            self.subscribe(ctx)
+        return {c.url for c in contexts} - before
+
     def __len__(self) -> int:
         return len(self.subs)
 

@@ -33,6 +33,8 @@ class RecordingSubs:
         self.thread = thread
         self.calls: list[tuple] = []
         self.closed = False
+        #: (instance, dp, url) -> context of the live (fake) subscriptions.
+        self.live: dict = {}
         RecordingSubs.instances.append(self)
 
     def _rec(self, *call) -> None:
@@ -41,9 +43,21 @@ class RecordingSubs:
 
     def subscribe(self, ctx) -> None:
         self._rec("subscribe", ctx)
+        self.live[(ctx.instance_id, ctx.dp_rank, ctx.url)] = ctx
+
+    def replace(self, instance_id: str, dp_rank: int, contexts) -> set[str]:
+        self._rec("replace", instance_id, dp_rank, tuple(c.url for c in contexts))
+        before = {k[2] for k in self.live if k[:2] == (instance_id, dp_rank)}
+        for k in [k for k in self.live if k[:2] == (instance_id, dp_rank)]:
+            del self.live[k]
+        for c in contexts:
+            self.live[(instance_id, dp_rank, c.url)] = c
+        return {c.url for c in contexts} - before
 
     def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
         self._rec("unsubscribe", instance_id, dp_rank)
+        for k in [k for k in self.live if k[:2] == (instance_id, dp_rank)]:
+            del self.live[k]
         return 1
 
     def request_replay(self, ctx) -> None:
@@ -51,15 +65,14 @@ class RecordingSubs:
 
     def count(self, instance_id: str, dp_rank: int) -> int:
         # Not recorded: only the mutations are asserted.
-        return 0
+        return sum(1 for k in self.live if k[:2] == (instance_id, dp_rank))
 
     def __len__(self) -> int:
-        return 0
+        return len(self.live)
 
     def sources(self) -> list[dict]:
         self._rec("sources")
-        return [{"instance_id": c[1].instance_id, "url": c[1].url}
-                for c in self.calls if c[0] == "subscribe"]
+        return [{"instance_id": c.instance_id, "url": c.url} for c in self.live.values()]
 
     def close(self) -> None:
         self._rec("close")
@@ -329,24 +342,29 @@ def test_register_subscribes_per_url_and_replays(conductor):
     conductor.call(conductor.register, reg(
         store_backend="YuanRong", replay_endpoint="tcp://h:6667",
         medium_endpoints={"npu": "tcp://h:1", "cpu": "tcp://h:2", "disk": "tcp://h:2"}))
-    kinds = [c[0] for c in subs.calls]
-    assert kinds == ["subscribe", "subscribe", "replay"]
-    assert {c[1].url: c[1].default_media for c in subs.calls[:2]} == {
+    assert [c[0] for c in subs.calls] == ["replace", "replay"]
+    assert subs.calls[0][1:] == ("vllm-prefill-1", 0, ("tcp://h:1", "tcp://h:2"))
+    assert {url: c.default_media for (_, _, url), c in subs.live.items()} == {
         "tcp://h:1": (Medium.NPU,), "tcp://h:2": (Medium.CPU, Medium.DISK)}
-    assert subs.calls[2][1].url == "tcp://h:1"
+    assert subs.calls[1][1].url == "tcp://h:1"
     subs.calls.clear()
+    # A changed registration that keeps the engine's URL keeps that socket: no replay.
     conductor.call(conductor.register, reg(
         store_backend="YuanRong", replay_endpoint="tcp://h:6667",
         medium_endpoints={"npu": "tcp://h:1"}))
-    # A changed registration hands over to new subscriptions and replays.
-    assert [c[0] for c in subs.calls] == ["unsubscribe", "subscribe", "replay"]
-    assert subs.calls[0][1:] == ("vllm-prefill-1", 0)
+    assert subs.calls == [("replace", "vllm-prefill-1", 0, ("tcp://h:1",))]
     subs.calls.clear()
     # An identical one keeps the live subscription: nothing stopped, nothing replayed.
     conductor.call(conductor.register, reg(
         store_backend="YuanRong", replay_endpoint="tcp://h:6667",
         medium_endpoints={"npu": "tcp://h:1", "cpu": ""}))
     assert subs.calls == []
+    # A new engine URL is a new subscription: it replays.
+    conductor.call(conductor.register, reg(
+        store_backend="YuanRong", replay_endpoint="tcp://h:6667",
+        medium_endpoints={"npu": "tcp://h:3"}))
+    assert [c[0] for c in subs.calls] == ["replace", "replay"]
+    assert subs.calls[1][1].url == "tcp://h:3"
 
 
 def test_every_dp_of_an_instance_replays(conductor):

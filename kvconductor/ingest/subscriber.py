@@ -103,9 +103,7 @@ class Subscription:
         self.key = (ctx.instance_id, ctx.dp_rank, ctx.url)
         self.stats = SourceStats()
         self.applier = Applier(ctx, manager.conductor, self.stats, manager.warn)
-        feeds_hbm = any(Medium(m).tier == 0 for m in ctx.default_media)
-        self.replay_endpoint = ctx.replay_endpoint if (ctx.replay_endpoint and feeds_hbm
-                                                       and not ctx.is_pool) else None
+        self.replay_endpoint = self._replay_endpoint_of(ctx)
         self.sock: zmq.Socket | None = None
         self.mon: zmq.Socket | None = None
         self.connected = False
@@ -126,6 +124,22 @@ class Subscription:
         #: Wall-clock time of the last loss while degraded (None: not degraded).
         self.degraded_since: float | None = None
         self._loss_epoch = 0
+
+    @staticmethod
+    def _replay_endpoint_of(ctx: SubscriberContext) -> str | None:
+        feeds_hbm = any(Medium(m).tier == 0 for m in ctx.default_media)
+        return ctx.replay_endpoint if (ctx.replay_endpoint and feeds_hbm
+                                       and not ctx.is_pool) else None
+
+    def retarget(self, ctx: SubscriberContext) -> None:
+        """A changed registration of the same URL: apply what comes next under ``ctx``,
+        on the same socket, so no batch is lost in a hand-over."""
+        old = self.applier
+        self.ctx = ctx
+        self.applier = Applier(ctx, self.manager.conductor, self.stats, self.manager.warn)
+        self.applier.touched = old.touched
+        self.applier.suspects, self.applier.confirmed = old.suspects, old.confirmed
+        self.replay_endpoint = self._replay_endpoint_of(ctx)
 
     # -- sockets ---------------------------------------------------------------------------
     def open(self) -> None:
@@ -488,6 +502,43 @@ class SubscriptionManager:
         log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)", sub._name(),
                  ctx.model, ctx.tenant, [Medium(m).name for m in ctx.default_media], ctx.is_pool,
                  sub.replay_endpoint)
+
+    def replace(self, instance_id: str, dp_rank: int,
+                contexts: list[SubscriberContext]) -> set[str]:
+        """Make (instance, dp)'s subscriptions exactly ``contexts``; returns the URLs opened.
+
+        A URL already subscribed keeps its socket and its sequence tracking (the
+        hand-over loses no batch); new URLs are opened first, and if one cannot be
+        opened, everything opened here is closed again and nothing changes (the
+        ``zmq.ZMQError`` propagates). URLs no longer wanted are closed last.
+        """
+        self._check_thread()
+        old = {k[2]: s for k, s in self._subs.items() if k[0] == instance_id and k[1] == dp_rank}
+        wanted = {c.url: c for c in contexts}
+        opened: list[Subscription] = []
+        try:
+            for url, c in wanted.items():
+                if url not in old:
+                    sub = Subscription(self, c)
+                    opened.append(sub)
+                    sub.open()
+        except BaseException:
+            for sub in opened:
+                sub.close()
+            raise
+        for sub in opened:
+            self._subs[sub.key] = sub
+        for url, sub in old.items():
+            if url in wanted:
+                sub.retarget(wanted[url])
+            else:
+                self._subs.pop(sub.key).close()
+        for sub in opened:
+            log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)",
+                     sub._name(), sub.ctx.model, sub.ctx.tenant,
+                     [Medium(m).name for m in sub.ctx.default_media], sub.ctx.is_pool,
+                     sub.replay_endpoint)
+        return {sub.ctx.url for sub in opened}
 
     def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
         """Close every subscription of (instance, dp); return how many."""
