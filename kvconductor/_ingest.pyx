@@ -693,6 +693,11 @@ cdef class FastBatch:
             self.rec_cap = 0
 
     @property
+    def nhashes(self):
+        """Engine hashes (stored and removed blocks) of the parsed batch."""
+        return self.hs_used if self.nevents >= 0 else 0
+
+    @property
     def reason(self):
         """Why the last :meth:`parse` returned -1 ("" after an accepted batch)."""
         return _REASONS[self.why]

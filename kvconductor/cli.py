@@ -39,6 +39,9 @@ class Settings:
     loss_grace_secs: int = 600
     max_sources: int = 4096
     replay_deadline_secs: int = 60
+    max_message_mb: float = 256.0
+    max_blocks_per_message: int = 1_000_000
+    max_blocks_per_source: int = 4_000_000
     log_level: str = "info"
     max_body_mb: float = 64.0
     api_key: str | None = None
@@ -57,6 +60,9 @@ class Settings:
                 f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
                 f"max_sources={self.max_sources} "
                 f"replay_deadline={self.replay_deadline_secs}s "
+                f"max_message_mb={self.max_message_mb:g} "
+                f"max_blocks_per_message={self.max_blocks_per_message} "
+                f"max_blocks_per_source={self.max_blocks_per_source} "
                 f"max_body_bytes={self.max_body_bytes} "
                 f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
                 f"endpoints={self._endpoint_rule()}")
@@ -84,6 +90,9 @@ class Settings:
             loss_grace=float(self.loss_grace_secs),
             max_sources=self.max_sources,
             replay_deadline=float(max(1, self.replay_deadline_secs)),
+            max_message_bytes=int(self.max_message_mb * 1024 * 1024),
+            max_blocks_per_message=self.max_blocks_per_message,
+            max_blocks_per_source=self.max_blocks_per_source,
             url_policy=UrlPolicy(allow_bind=self.allow_bind_endpoints,
                                  allow_ipc=self.allow_ipc_endpoints,
                                  networks=self.endpoint_networks),
@@ -143,6 +152,17 @@ def _count(value: str) -> int:
             from None
     if not 1 <= n <= 1_000_000:
         raise argparse.ArgumentTypeError(f"invalid count {n}: must be within 1..1000000")
+    return n
+
+
+def _blocks(value: str) -> int:
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {value!r}: an integer is required") \
+            from None
+    if not 1 <= n < 2**32:
+        raise argparse.ArgumentTypeError(f"invalid count {n}: must be within 1..4294967295")
     return n
 
 
@@ -222,6 +242,15 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--replay-deadline-secs", type=_secs, default=60,
                    help="a vLLM replay not finished within this many seconds counts as lost "
                         "(default 60; a replay also ends after 5 s without a reply)")
+    p.add_argument("--max-message-mb", type=_megabytes, default=256.0,
+                   help="a ZeroMQ event message larger than this is refused and counted "
+                        "(default 256)")
+    p.add_argument("--max-blocks-per-message", type=_blocks, default=1_000_000,
+                   help="a message storing or removing more blocks is refused and counted "
+                        "(default 1000000)")
+    p.add_argument("--max-blocks-per-source", type=_blocks, default=4_000_000,
+                   help="an engine source's HBM blocks at most; messages that would pass it "
+                        "are refused and counted (default 4000000)")
     p.add_argument("--max-sources", type=_count, default=4096,
                    help="ZeroMQ subscriptions (one per distinct registered URL) at most; "
                         "registrations beyond get 503 (default 4096; the process needs about "
@@ -251,6 +280,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         pending_ttl_secs=args.pending_ttl_secs, content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs, loss_grace_secs=args.loss_grace_secs,
         max_sources=args.max_sources, replay_deadline_secs=args.replay_deadline_secs,
+        max_message_mb=args.max_message_mb, max_blocks_per_message=args.max_blocks_per_message,
+        max_blocks_per_source=args.max_blocks_per_source,
         log_level=args.log_level,
         max_body_mb=args.max_body_mb, api_key=args.api_key or None,
         allow_bind_endpoints=args.allow_bind_endpoints,

@@ -126,6 +126,11 @@ class Index:
         wid = self._workers.get(key)
         return 0 if wid is None else self.core.remove(wid, engine_hashes)
 
+    def worker_blocks(self, key: WorkerKey) -> int:
+        """Blocks ``key`` holds on its tier."""
+        wid = self._workers.get(key)
+        return 0 if wid is None else self.core.worker_blocks(wid)
+
     def worker_hashes(self, key: WorkerKey) -> array:
         """The engine hashes ``key`` holds on its tier (``array('Q')``, any order)."""
         wid = self._workers.get(key)

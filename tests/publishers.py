@@ -374,7 +374,7 @@ class InstanceInfo:
 
 
 class FakeConductor:
-    """The three callbacks the SubscriptionManager uses, over a dict of Index objects."""
+    """The callbacks the SubscriptionManager uses, over a dict of Index objects."""
 
     def __init__(self, impl: str | None = None) -> None:
         self.impl = impl
@@ -388,6 +388,9 @@ class FakeConductor:
         if idx is None:
             idx = self.indexes[(model, tenant)] = Index(model, tenant, impl=self.impl)
         return idx
+
+    def get_index(self, model: str, tenant: str):
+        return self.indexes.get((model, tenant))
 
     def hbm_ip_lookup(self, ip: str) -> list[tuple[str, int]]:
         return list(self.ip_index.get(ip, ()))

@@ -256,3 +256,34 @@ def test_instance_info_dict_form(conductor):
     assert registered_index({"model_name": "a", "tenant_id": "b",
                              "endpoints": {"3": {"model_name": "c", "tenant_id": "d"}}}, 3) == ("c", "d")
     assert registered_index(InstanceInfo("x", "y", 4), 0) == ("x", "y")
+
+
+# -- bounds on one message and one source -------------------------------------------------------
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_message_and_source_limits_refuse_whole_messages(conductor, fast):
+    from kvconductor.ingest.apply import Limits
+
+    lim = Limits(max_message_bytes=4096, max_blocks_per_message=4, max_blocks_per_source=6)
+    a = Applier(ctx(), conductor, fast=fast, limits=lim)
+    big = list(range(1000, 1000 + 5 * BS))
+    assert not a.apply_payload(V33.batch([chain(V33, big, medium="GPU")]))   # 5 blocks > 4
+    assert a.stats.dropped == {"message_too_many_blocks": 1}
+    assert ("m", "t") not in conductor.indexes or hits(conductor.indexes[("m", "t")], big, BS) == {}
+    assert a.apply_payload(V33.batch([chain(V33, medium="GPU")]))             # 4 blocks: ok
+    idx = conductor.indexes[("m", "t")]
+    assert hits(idx, TOK, BS) == {("vllm-prefill-a", 0): (4, 0, 0)}
+    more = list(range(500, 500 + 3 * BS))
+    # 4 held + 3 > 6: the whole message is refused, nothing of it applied
+    assert not a.apply_payload(V33.batch([V33.stored([2000, 2001, 2002], 1003, more, BS,
+                                                     medium="GPU")]))
+    assert a.stats.dropped["source_block_limit"] == 1
+    assert hits(idx, TOK + more, BS) == {("vllm-prefill-a", 0): (4, 0, 0)}
+    assert a.apply_payload(V33.batch([V33.stored([2000, 2001], 1003, more[:8], BS,
+                                                 medium="GPU")]))            # 4 + 2 = 6: ok
+    assert hits(idx, TOK + more, BS) == {("vllm-prefill-a", 0): (6, 0, 0)}
+    # Bytes are checked before anything is decoded.
+    huge = V33.batch([chain(V33, medium="GPU")] * 200)
+    assert len(huge) > 4096 and not a.apply_payload(huge)
+    assert a.stats.dropped["message_too_large"] == 1
+    assert a.stats.blocks == 6

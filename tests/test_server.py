@@ -324,7 +324,7 @@ def test_gunicorn_factory(tmp_path):
         text = log_path.read_text()
         assert "KV conductor starting under gunicorn" in text
         assert ("workers=1 version=0.1.0 maintenance_interval=1s pending_ttl=30s "
-                "content_ttl=300s offload_ttl=600s loss_grace=600s max_sources=4096 replay_deadline=60s max_body_bytes=67108864 log_level=info "
+                "content_ttl=300s offload_ttl=600s loss_grace=600s max_sources=4096 replay_deadline=60s max_message_mb=256 max_blocks_per_message=1000000 max_blocks_per_source=4000000 max_body_bytes=67108864 log_level=info "
                 "auth=off endpoints=tcp-connect switch_interval=0.0005") in text, text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0
@@ -377,9 +377,10 @@ def test_gunicorn_refuses_many_workers_and_bad_flags(tmp_path, extra, env, messa
     assert proc.returncode == 4, out          # gunicorn's "App failed to load."
     assert message in out, out
     assert "App failed to load" in out
-    # Each worker booted once; none was restarted.
+    # Each worker booted at most once: none was restarted (the master may halt on the first
+    # worker's failure before it spawned the second).
     workers = 2 if "2 workers" in message else 1
-    assert out.count("Booting worker") == workers, out
+    assert 1 <= out.count("Booting worker") <= workers, out
 
 
 def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):

@@ -504,8 +504,15 @@ def test_documented_payloads_over_tcp(h, pubs):
 def test_bound_sub_for_connecting_publishers(h):
     """A '*' URL is bound: the engine's PUB connects to the conductor."""
     from publishers import free_tcp_port
-    port = free_tcp_port()
-    h.subscribe(ctx(f"tcp://*:{port}"))
+    for _ in range(5):      # another process may take the free port first
+        port = free_tcp_port()
+        try:
+            h.subscribe(ctx(f"tcp://*:{port}"))
+            break
+        except zmq.ZMQError:
+            assert h.call(h.mgr.sources) == []      # a failed open leaves nothing behind
+    else:
+        pytest.fail("no free port could be bound")
     # connect only once the SUB listens: a connect to a closed loopback port can
     # pick that very port as its source port and hold it (TCP self-connect)
     wait_until(lambda: h.source()["connected"], msg="SUB bound")

@@ -215,13 +215,43 @@ class WarnLimiter:
 _WARN = WarnLimiter()
 
 
+class Limits:
+    """Bounds on what one ZeroMQ message and one source may add to the index.
+
+    A message over a bound is refused whole (nothing of it applied) and counted
+    in the source's ``dropped``: ``message_too_large``,
+    ``message_too_many_blocks`` or ``source_block_limit`` (the engine source's
+    HBM worker would hold more blocks than ``max_blocks_per_source``).
+    """
+
+    __slots__ = ("max_message_bytes", "max_blocks_per_message", "max_blocks_per_source")
+
+    def __init__(self, max_message_bytes: int = 256 << 20,
+                 max_blocks_per_message: int = 1_000_000,
+                 max_blocks_per_source: int = 4_000_000) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.max_blocks_per_message = max_blocks_per_message
+        self.max_blocks_per_source = max_blocks_per_source
+
+    @classmethod
+    def of(cls, conductor: Any) -> "Limits":
+        """The limits of ``conductor.config`` (defaults when it has none)."""
+        cfg = getattr(conductor, "config", None)
+        d = cls()
+        return cls(getattr(cfg, "max_message_bytes", d.max_message_bytes),
+                   getattr(cfg, "max_blocks_per_message", d.max_blocks_per_message),
+                   getattr(cfg, "max_blocks_per_source", d.max_blocks_per_source))
+
+
 class Applier:
     """Decode and apply payloads for one subscription."""
 
     def __init__(self, ctx: SubscriberContext, conductor: Any, stats: SourceStats | None = None,
-                 warn: WarnLimiter | None = None, fast: bool = True) -> None:
+                 warn: WarnLimiter | None = None, fast: bool = True,
+                 limits: Limits | None = None) -> None:
         self.ctx = ctx
         self.conductor = conductor
+        self.limits = limits or Limits.of(conductor)
         self.stats = stats or SourceStats()
         self._warn = warn or _WARN
         self.source = f"{ctx.instance_id}/dp{ctx.dp_rank}@{ctx.url}"
@@ -271,14 +301,42 @@ class Applier:
 
     # -- entry points ---------------------------------------------------------------------
     def apply_payload(self, payload: bytes) -> bool:
-        """Decode and apply one payload; False (counted, warned) if undecodable."""
+        """Decode and apply one payload; False (counted, warned) if undecodable or over a
+        bound of :class:`Limits`."""
+        lim = self.limits
+        if len(payload) > lim.max_message_bytes:
+            self._drop("message_too_large",
+                       f"{len(payload)} bytes > {lim.max_message_bytes} (--max-message-mb)")
+            return False
         fb = self._fast
         if fb is not None and self.suspects is None:
             # After a loss the general path runs: it records what is re-announced.
             n = fb.parse(payload, self.ctx.block_size)
             if n >= 0:
+                if not self._within_limits(fb.nhashes):
+                    return False
                 return self._apply_fast(fb, n, payload)
         return self._apply_general(payload)
+
+    def _within_limits(self, nblocks: int, index=None) -> bool:
+        """False (counted, warned) when a message of ``nblocks`` blocks is over a bound."""
+        lim = self.limits
+        if nblocks > lim.max_blocks_per_message:
+            self._drop("message_too_many_blocks", f"{nblocks} blocks > "
+                       f"{lim.max_blocks_per_message} (--max-blocks-per-message)")
+            return False
+        if nblocks and not self.ctx.is_pool:
+            try:
+                if index is None:
+                    index = self.conductor.get_index(self.ctx.model, self.ctx.tenant)
+                held = index.worker_blocks(self._hbm_key) if index is not None else 0
+            except Exception:  # noqa: BLE001 - a fake or missing index: nothing held
+                held = 0
+            if held + nblocks > lim.max_blocks_per_source:
+                self._drop("source_block_limit", f"{held} held + {nblocks} > "
+                           f"{lim.max_blocks_per_source} (--max-blocks-per-source)")
+                return False
+        return True
 
     def _apply_general(self, payload: bytes, index=None) -> bool:
         try:
@@ -288,6 +346,10 @@ class Applier:
             return False
         except Exception as ex:  # noqa: BLE001 - a decoder bug must not stop ingest
             self._drop("decoder_error", repr(ex), payload)
+            return False
+        nblocks = sum(len(getattr(ev, "block_hashes", None) or getattr(ev, "hashes", None) or ())
+                      for ev in batch.events)
+        if not self._within_limits(nblocks, index):
             return False
         self.stats.batches += 1
         if type(batch) is VllmBatch:

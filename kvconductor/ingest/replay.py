@@ -43,7 +43,7 @@ class ReplaySession:
     def __init__(self, thread, endpoint: str, start_seq: int,
                  on_batch: Callable[[int, bytes], None],
                  on_done: Callable[[bool, str], None],
-                 timeout: float = 5.0, deadline: float = 60.0) -> None:
+                 timeout: float = 5.0, deadline: float = 60.0, max_msg: int = -1) -> None:
         self.thread = thread
         self.endpoint = endpoint
         self.start_seq = start_seq
@@ -52,6 +52,8 @@ class ReplaySession:
         self.timeout = timeout
         #: Seconds the whole replay may take.
         self.deadline = deadline
+        #: ZMQ_MAXMSGSIZE of the DEALER (-1: unlimited).
+        self.max_msg = max_msg
         self._ends_at = 0.0
         self.sock: zmq.Socket | None = None
         self.received = 0
@@ -66,6 +68,7 @@ class ReplaySession:
             sock = self.thread.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, 0)  # a replay is bounded by buffer_steps batches
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_msg)
             sock.connect(self.endpoint)
         except zmq.ZMQError as ex:
             self._finish(False, f"connect {self.endpoint!r} failed: {ex}")

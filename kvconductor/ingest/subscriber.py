@@ -162,6 +162,9 @@ class Subscription:
             sock.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
+            # Hard guard: libzmq drops a peer that sends more than twice the limit before
+            # it is ever buffered; messages up to that are refused and counted (Limits).
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.applier.limits.max_message_bytes)
             mon = sock.get_monitor_socket(_MON_EVENTS)
             try:
                 if is_bind_url(url):
@@ -344,7 +347,8 @@ class Subscription:
         self._replay_start = start
         session = ReplaySession(self.thread, self.replay_endpoint, start, self._on_replayed,
                                 self._on_replay_done, self.manager.replay_timeout,
-                                self.manager.replay_deadline)
+                                self.manager.replay_deadline,
+                                2 * self.applier.limits.max_message_bytes)
         self.replay = session
         session.start()
         return True
