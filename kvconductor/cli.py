@@ -144,26 +144,18 @@ def _secs(value: str) -> int:
     return secs
 
 
-def _count(value: str) -> int:
-    try:
-        n = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {value!r}: an integer is required") \
-            from None
-    if not 1 <= n <= 1_000_000:
-        raise argparse.ArgumentTypeError(f"invalid count {n}: must be within 1..1000000")
-    return n
-
-
-def _blocks(value: str) -> int:
-    try:
-        n = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {value!r}: an integer is required") \
-            from None
-    if not 1 <= n < 2**32:
-        raise argparse.ArgumentTypeError(f"invalid count {n}: must be within 1..4294967295")
-    return n
+def _int_in(lo: int, hi: int):
+    """A flag type: an integer within ``lo..hi``."""
+    def parse(value: str) -> int:
+        try:
+            n = int(value, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid count {value!r}: an integer is required") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"invalid count {n}: must be within {lo}..{hi}")
+        return n
+    return parse
 
 
 def _megabytes(value: str) -> float:
@@ -245,13 +237,13 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--max-message-mb", type=_megabytes, default=256.0,
                    help="a ZeroMQ event message larger than this is refused and counted "
                         "(default 256)")
-    p.add_argument("--max-blocks-per-message", type=_blocks, default=1_000_000,
+    p.add_argument("--max-blocks-per-message", type=_int_in(1, 2**32 - 1), default=1_000_000,
                    help="a message storing or removing more blocks is refused and counted "
                         "(default 1000000)")
-    p.add_argument("--max-blocks-per-source", type=_blocks, default=4_000_000,
+    p.add_argument("--max-blocks-per-source", type=_int_in(1, 2**32 - 1), default=4_000_000,
                    help="an engine source's HBM blocks at most; messages that would pass it "
                         "are refused and counted (default 4000000)")
-    p.add_argument("--max-sources", type=_count, default=4096,
+    p.add_argument("--max-sources", type=_int_in(1, 1_000_000), default=4096,
                    help="ZeroMQ subscriptions (one per distinct registered URL) at most; "
                         "registrations beyond get 503 (default 4096; the process needs about "
                         "4 open files per source)")

@@ -10,11 +10,8 @@ import signal
 
 import pytest
 
-from publishers import FakePublisher, schema, wait_until
-from test_server import Server
-
-BS = 4
-V33 = schema("vllm", "0.33.0")
+from publishers import FakePublisher, wait_until
+from rig import BS, V33, Rig
 
 
 def toks(i: int, n: int = 2) -> list[int]:
@@ -26,46 +23,6 @@ def chain(i: int, n: int = 2, parent=None, start: int = 0) -> bytes:
     t = toks(i, start + n)[start * BS:]
     return V33.batch([V33.stored([100 * (i + 1) + start + k for k in range(n)], parent, t, BS,
                                  medium="GPU")])
-
-
-class Rig:
-    def __init__(self, tmp_path, *args, replay=False):
-        self.pub = FakePublisher(replay=replay)
-        self.tmp_path, self.args = tmp_path, args
-        self.srv = self.start()
-
-    def start(self):
-        srv = Server(self.tmp_path, *self.args)
-        srv.wait_ready()
-        body = {"instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen",
-                "block_size": BS, "dp_rank": 0, "store_backend": "YuanRong",
-                "medium_endpoints": {"npu": self.pub.url}}
-        if self.pub.replay_url:
-            body["replay_endpoint"] = self.pub.replay_url
-        assert srv.http.post("/register", json=body).status_code == 201
-        return srv
-
-    def source(self):
-        return self.srv.http.get("/workers").json()["sources"][0]
-
-    def npu(self, tokens) -> int:
-        r = self.srv.http.post("/query", json={"model": "qwen", "block_size": BS,
-                                               "token_ids": tokens}).json()
-        return r["default"].get("vllm-prefill-1", {}).get("DP", {}).get("0", {}).get(
-            "npu_blocks", 0)
-
-    def join(self):
-        """Publish empty batches until one arrives (PUB/SUB slow joiner)."""
-        before = self.source()["batches"]
-
-        def joined():
-            self.pub.publish(V33.batch([]))
-            return self.source()["batches"] > before
-        wait_until(joined, msg="subscriber joined")
-
-    def close(self):
-        self.srv.terminate()
-        self.pub.stop()
 
 
 @pytest.fixture
