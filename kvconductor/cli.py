@@ -59,7 +59,7 @@ class Settings:
                 f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
                 f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
                 f"max_sources={self.max_sources} "
-                f"replay_deadline={self.replay_deadline_secs}s "
+                f"replay_deadline={max(1, self.replay_deadline_secs)}s "
                 f"max_message_mb={self.max_message_mb:g} "
                 f"max_blocks_per_message={self.max_blocks_per_message} "
                 f"max_blocks_per_source={self.max_blocks_per_source} "
@@ -244,7 +244,7 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
                    help="an engine source's HBM blocks at most; messages that would pass it "
                         "are refused and counted (default 4000000)")
     p.add_argument("--max-sources", type=_int_in(1, 1_000_000), default=4096,
-                   help="ZeroMQ subscriptions (one per distinct registered URL) at most; "
+                   help="ZeroMQ subscriptions (one per registered instance, DP and URL) at most; "
                         "registrations beyond get 503 (default 4096; the process needs about "
                         "4 open files per source)")
     p.add_argument("--log-level", type=_level, default=level,

@@ -64,7 +64,7 @@ class ConductorConfig:
     loss_grace: float = 600.0
     #: Seconds a whole vLLM replay may take before it counts as a loss.
     replay_deadline: float = 60.0
-    #: ZeroMQ subscriptions (one per distinct registered URL) at most; more: 503.
+    #: ZeroMQ subscriptions (one per registered instance, DP and URL) at most; more: 503.
     max_sources: int = 4096
     #: A ZeroMQ message larger than this is refused (counted ``message_too_large``).
     max_message_bytes: int = 256 << 20

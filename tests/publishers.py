@@ -173,12 +173,13 @@ def hexbytes(s: str) -> bytes:
 
 
 def free_tcp_port() -> int:
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.REP)
-    try:
-        return s.bind_to_random_port("tcp://127.0.0.1")
-    finally:
-        s.close(linger=0)
+    """A loopback port free right now (a plain socket: closed at once, unlike ZeroMQ's,
+    which its reaper thread closes later)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _bind_retry(sock, url: str, deadline: float = 10.0) -> None:

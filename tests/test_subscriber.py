@@ -504,15 +504,17 @@ def test_documented_payloads_over_tcp(h, pubs):
 def test_bound_sub_for_connecting_publishers(h):
     """A '*' URL is bound: the engine's PUB connects to the conductor."""
     from publishers import free_tcp_port
+    errors = []
     for _ in range(5):      # another process may take the free port first
         port = free_tcp_port()
         try:
             h.subscribe(ctx(f"tcp://*:{port}"))
             break
-        except zmq.ZMQError:
+        except zmq.ZMQError as ex:
+            errors.append(repr(ex))
             assert h.call(h.mgr.sources) == []      # a failed open leaves nothing behind
     else:
-        pytest.fail("no free port could be bound")
+        pytest.fail(f"no free port could be bound: {errors}")
     # connect only once the SUB listens: a connect to a closed loopback port can
     # pick that very port as its source port and hold it (TCP self-connect)
     wait_until(lambda: h.source()["connected"], msg="SUB bound")
@@ -531,3 +533,20 @@ def test_bound_sub_for_connecting_publishers(h):
         wait_until(lambda: h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}, msg="indexed via bound SUB")
     finally:
         pub.close(linger=0)
+
+
+def test_replay_retried_when_the_engine_comes_up_after_registration(h, pubs):
+    """The registration's replay fails while the engine is down; the first connection
+    to the engine asks again, so what it published before we connected is recovered."""
+    from publishers import free_tcp_port
+    h.call(lambda: setattr(h.mgr, "replay_timeout", 0.5))
+    port, rport = free_tcp_port(), free_tcp_port()
+    c = ctx(f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{rport}")
+    h.subscribe(c, replay=True)
+    wait_until(lambda: h.source()["dropped"].get("replay_failed"), msg="first replay fails")
+    pub = pubs(port, rport)
+    for i in range(3):
+        pub.publish(V33.batch([stored(V33, i, 2)]))
+    wait_until(lambda: all(h.hits(toks(i, 2)) == {(IID, 0): (2, 0, 0)} for i in range(3)),
+               msg="replayed on the first connect")
+    assert 0 in pub.replay_requests

@@ -264,8 +264,10 @@ class Applier:
         self.touched: dict[tuple[str, str], set[WorkerKey]] = {}
         # Compiled fast path for HBM subscriptions (engine publishers, not pools).
         feeds_hbm = any(Medium(m).tier == 0 for m in ctx.default_media)
+        #: An engine's own publisher (HBM worker): the per-source block bound applies.
+        self._engine_hbm = feeds_hbm and not ctx.is_pool
         self._fast = (_FastBatch(DEFAULT_SEED)
-                      if fast and _FastBatch is not None and feeds_hbm and not ctx.is_pool else None)
+                      if fast and _FastBatch is not None and self._engine_hbm else None)
         self._hbm_key = self._key(self.hbm_medium)
         self._clear_keys = tuple(self._key(Medium(m)) for m in ctx.default_media)
         self._fast_index: Any = None    # weakref of the index _fast_wid belongs to
@@ -325,7 +327,7 @@ class Applier:
             self._drop("message_too_many_blocks", f"{nblocks} blocks > "
                        f"{lim.max_blocks_per_message} (--max-blocks-per-message)")
             return False
-        if nblocks and not self.ctx.is_pool:
+        if nblocks and self._engine_hbm:
             try:
                 if index is None:
                     index = self.conductor.get_index(self.ctx.model, self.ctx.tenant)

@@ -124,6 +124,8 @@ class Subscription:
         #: Wall-clock time of the last loss while degraded (None: not degraded).
         self.degraded_since: float | None = None
         self._loss_epoch = 0
+        #: A replay failed before the SUB ever connected: retry it on the first connect.
+        self._replay_before_connect_failed = False
 
     @staticmethod
     def _replay_endpoint_of(ctx: SubscriberContext) -> str | None:
@@ -218,17 +220,26 @@ class Subscription:
                 return
             e = evt["event"]
             if e in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
-                reconnect = self.ever_connected and not self.connected
-                self.connected = self.ever_connected = True
-                if reconnect:
-                    log.info("%s: reconnected", self._name())
-                    self._on_reconnect()
+                if not self.connected:
+                    self._now_connected()
             elif e == zmq.EVENT_DISCONNECTED:
                 if self.connected:
                     log.info("%s: disconnected", self._name())
                 self.connected = False
             elif e == zmq.EVENT_MONITOR_STOPPED:
                 return
+
+    def _now_connected(self) -> None:
+        reconnect = self.ever_connected
+        self.connected = self.ever_connected = True
+        if reconnect:
+            log.info("%s: reconnected", self._name())
+            self._on_reconnect()
+        elif self._replay_before_connect_failed:
+            # The registration's replay failed while the engine was not up yet: now that
+            # it is, ask again.
+            self._replay_before_connect_failed = False
+            self._on_reconnect()
 
     def _on_readable(self, sock) -> None:
         for _ in range(DRAIN_LIMIT):
@@ -242,7 +253,7 @@ class Subscription:
                 self.manager.warn.warn(self._name(), "receive_error", str(ex), None)
                 return
             if not self.connected:  # data beat the monitor event
-                self.connected = self.ever_connected = True
+                self._now_connected()
             if len(frames) < 3:
                 self.stats.drop("short_message")
                 self.manager.warn.warn(self._name(), "short_message", f"{len(frames)} frames",
@@ -292,7 +303,8 @@ class Subscription:
             self.buffer.append((seq, payload))
             self.start_replay(last, verify=True)
             return
-        self._loss(f"gap {last} -> {seq} and no replay endpoint")
+        self._loss(f"gap {last} -> {seq} and "
+                   + ("the replay failed" if self.replay_endpoint else "no replay endpoint"))
         self._apply(seq, payload)
 
     def _restarted(self, seq: int, payload: bytes, why: str) -> None:
@@ -408,6 +420,8 @@ class Subscription:
         # trickling ROUTER would stall us forever).
         self.stats.drop("replay_failed")
         self.manager.warn.warn(self._name(), "replay_failed", why, None)
+        if not self.ever_connected:
+            self._replay_before_connect_failed = True
         self._loss(f"replay failed: {why}")
         self._no_replay = True
         try:
@@ -553,7 +567,8 @@ class SubscriptionManager:
         return len(keys)
 
     def request_replay(self, ctx: SubscriberContext) -> None:
-        """First registration of an instance with a replay endpoint: catch up from 0."""
+        """A new subscription of an (instance, DP) with a replay endpoint: catch up from 0
+        (or verify from the last applied seq)."""
         self._check_thread()
         if not ctx.replay_endpoint:
             return
