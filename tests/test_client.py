@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import asyncio
 import json
 import logging
 import os
@@ -44,6 +43,10 @@ from kvconductor.client import (
     strip_decode_instances,
     token_list,
 )
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from coro import run_coro  # noqa: E402
 
 BASE = "http://conductor.test:13333"
 
@@ -613,7 +616,7 @@ def test_async_client_query_and_breaker():
             assert len(bad.requests) == 3
             assert await c.health() is False
 
-    asyncio.run(main())
+    run_coro(main())
 
 
 def test_async_reregister_and_errors():
@@ -633,7 +636,7 @@ def test_async_reregister_and_errors():
                 await c.unregister(instance_id="x", dp_rank=0)
             assert (await c.workers()) == WORKERS
 
-    asyncio.run(main())
+    run_coro(main())
 
 
 # ---------------------------------------------------------------------------
@@ -1061,7 +1064,7 @@ def test_live_async_client(server, loaded):
             assert await c.health() is True
             assert await c.query(loaded, PROMPT, 4) == {"default": EXPECTED}
 
-    asyncio.run(main())
+    run_coro(main())
 
 
 @pytest.mark.server
