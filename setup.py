@@ -5,13 +5,17 @@ and the hot parsers (``_wire`` for query bodies, ``_ingest`` for vLLM event
 batches) are compiled. Everything else (Falcon app,
 registry, ingest glue) stays plain Python on purpose.
 
+The extensions list their ``.pyx`` sources and are cythonized by ``build_ext``
+at build time (Cython is a build requirement), so ``sdist`` ships the ``.pyx``
+files and never generated C.
+
 ``KVC_DEBUG=1`` turns bounds checks back on, builds with ``-O0 -g`` and
 re-cythonizes everything.
 """
 import os
 
-from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext as _build_ext
 
 DEBUG = os.environ.get("KVC_DEBUG", "") not in ("", "0")
 
@@ -40,11 +44,23 @@ def _ext(name):
     )
 
 
+class build_ext(_build_ext):
+    """Cythonize the ``.pyx`` sources right before compiling them."""
+
+    def build_extensions(self):
+        from Cython.Build import cythonize
+
+        # Not in finalize_options: sdist finalizes build_ext to list the sources and
+        # must see the .pyx files. cythonize() returns new Extension objects; only
+        # their sources (.pyx -> .c) are taken, setuptools' own state stays on ours.
+        generated = {e.name: e.sources for e in cythonize(
+            self.extensions, compiler_directives=DIRECTIVES, force=DEBUG or self.force)}
+        for ext in self.extensions:
+            ext.sources = generated[ext.name]
+        super().build_extensions()
+
+
 setup(
-    ext_modules=cythonize(
-        [_ext(m) for m in MODULES],
-        compiler_directives=DIRECTIVES,
-        force=DEBUG,
-        nthreads=0,
-    ),
+    ext_modules=[_ext(m) for m in MODULES],
+    cmdclass={"build_ext": build_ext},
 )

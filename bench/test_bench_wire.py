@@ -40,7 +40,7 @@ def _body(fmt: str, n: int) -> bytes:
 def test_parse_query(benchmark, fmt, n):
     body = _body(fmt, n)
     benchmark.extra_info["body_bytes"] = len(body)
-    model, bs, tenant, values = benchmark(_wire.parse_query, body, fmt != "json", False)
+    model, bs, tenant, values, lora = benchmark(_wire.parse_query, body, fmt != "json", False)
     assert len(values) == n
 
 
@@ -50,7 +50,7 @@ def test_parse_query_by_hash(benchmark, fmt, n):
     rnd = random.Random(n)
     d = {"model": "m", "block_hashes": [rnd.randrange(0, 2**64) for _ in range(n // 128)]}
     body = msgspec.json.encode(d) if fmt == "json" else msgspec.msgpack.encode(d)
-    model, bs, tenant, values = benchmark(_wire.parse_query, body, fmt != "json", True)
+    model, bs, tenant, values, lora = benchmark(_wire.parse_query, body, fmt != "json", True)
     assert len(values) == n // 128
 
 

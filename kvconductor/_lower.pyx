@@ -23,7 +23,11 @@ from kvconductor._hash import as_u64
 
 cdef extern from *:
     """
+    #if defined(__GNUC__) || defined(__clang__)
     #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
+    #else
+    #define kvc_prefetch(p) ((void)(p))
+    #endif
     """
     void _prefetch "kvc_prefetch"(const void* p) noexcept nogil
 

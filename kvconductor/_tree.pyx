@@ -278,7 +278,11 @@ cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
 # -- match -----------------------------------------------------------------------------------------
 cdef extern from *:
     """
+    #if defined(__GNUC__) || defined(__clang__)
     #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
+    #else
+    #define kvc_prefetch(p) ((void)(p))
+    #endif
     """
     void _prefetch "kvc_prefetch"(const void* p) noexcept nogil
 

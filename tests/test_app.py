@@ -5,7 +5,8 @@ by hand.
 """
 from __future__ import annotations
 
-import asyncio
+import os
+import sys
 
 import falcon.testing as ft
 import msgspec
@@ -16,6 +17,10 @@ from kvconductor import _hash, wire
 from kvconductor.app import BodyTooLarge, create_app, read_body
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.service import Conductor, ConductorConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from coro import run_coro  # noqa: E402
 
 H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -600,9 +605,9 @@ class _Req:
 def test_body_limit_while_streaming():
     req = _Req([b"x" * 60] * 10)
     with pytest.raises(BodyTooLarge):
-        asyncio.run(read_body(req, 100))
+        run_coro(read_body(req, 100))
     assert req.stream.consumed == 2  # stopped as soon as the limit was passed
-    assert asyncio.run(read_body(_Req([b"ab", b"cd"]), 4)) == b"abcd"
+    assert run_coro(read_body(_Req([b"ab", b"cd"]), 4)) == b"abcd"
 
 
 def test_with_the_real_subscription_manager(impl):

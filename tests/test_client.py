@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import array
-import asyncio
 import json
 import logging
 import os
@@ -44,6 +43,10 @@ from kvconductor.client import (
     strip_decode_instances,
     token_list,
 )
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from coro import run_coro  # noqa: E402
 
 BASE = "http://conductor.test:13333"
 
@@ -153,7 +156,7 @@ def test_query_lora_name_sent_only_when_set(encoding):
             await c.query("qwen", [5], 4, lora_name="a")
         assert decode_body(arec.last)["lora_name"] == "a"
 
-    asyncio.run(main())
+    run_coro(main())
 
 
 @pytest.mark.parametrize("enc", ["JSON", " json "])
@@ -633,7 +636,7 @@ def test_async_client_query_and_breaker():
             assert len(bad.requests) == 3
             assert await c.health() is False
 
-    asyncio.run(main())
+    run_coro(main())
 
 
 def test_async_reregister_and_errors():
@@ -653,7 +656,7 @@ def test_async_reregister_and_errors():
                 await c.unregister(instance_id="x", dp_rank=0)
             assert (await c.workers()) == WORKERS
 
-    asyncio.run(main())
+    run_coro(main())
 
 
 # ---------------------------------------------------------------------------
@@ -1081,7 +1084,7 @@ def test_live_async_client(server, loaded):
             assert await c.health() is True
             assert await c.query(loaded, PROMPT, 4) == {"default": EXPECTED}
 
-    asyncio.run(main())
+    run_coro(main())
 
 
 @pytest.mark.server

@@ -1,8 +1,8 @@
 """The single ingest thread: ordering, errors, timers, sockets, stop, idle CPU."""
 from __future__ import annotations
 
-import asyncio
 import os
+import sys
 import threading
 import time
 
@@ -10,6 +10,10 @@ import pytest
 import zmq
 
 from kvconductor.ingest.thread import IngestThread
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from coro import run_coro  # noqa: E402
 
 
 @pytest.fixture
@@ -42,7 +46,7 @@ def test_exceptions_reach_the_caller_and_the_thread_survives(thread):
 def test_async_run(thread):
     async def main():
         return await thread.run(lambda a, b: a * b, 6, 7)
-    assert asyncio.run(main()) == 42
+    assert run_coro(main()) == 42
 
 
 def test_timers_fire_in_deadline_order(thread):
