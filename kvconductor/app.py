@@ -65,13 +65,23 @@ class BodyTooLarge(Exception):
     """The request body exceeds the configured limit."""
 
 
+class BodyIncomplete(Exception):
+    """The connection closed (or was closed by the request deadline) before the whole
+    ``Content-Length`` arrived."""
+
+
 async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
-    """The whole request body; raises :class:`BodyTooLarge` past ``limit`` bytes."""
+    """The whole request body; raises :class:`BodyTooLarge` past ``limit`` bytes and
+    :class:`BodyIncomplete` when fewer than ``Content-Length`` bytes arrived."""
     length = req.content_length
     if length is not None:
         if length > limit:
             raise BodyTooLarge
-        return await req.stream.read()
+        body = await req.stream.read()
+        if len(body) < length:
+            # Falcon hands over what arrived when the client disconnects: never act on it.
+            raise BodyIncomplete
+        return body
     chunks = []
     total = 0
     async for chunk in req.stream:
@@ -135,6 +145,11 @@ class _Resource:
             _error(resp, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
                    msgpack)
             # NOTE: the unread rest of the body is discarded by the server after the reply.
+            return None
+        except BodyIncomplete:
+            log.debug("request body incomplete (client gone) method=%s path=%s "
+                      "content_length=%s", req.method, req.path, req.content_length)
+            _error(resp, 400, "request body shorter than its Content-Length", msgpack)
             return None
 
     def _bad(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, message: str,
@@ -461,12 +476,11 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     return app
 
 
-def _gunicorn_workers() -> int | None:
-    """``workers`` of the gunicorn loading this app (``-w``, ``WEB_CONCURRENCY``, config).
+def _gunicorn_cfg() -> Any:
+    """The parsed ``cfg`` of the gunicorn loading this app; ``None`` outside gunicorn.
 
     gunicorn calls the factory from its worker (or, with ``--preload``, from
-    its application object); both hold the parsed ``cfg`` on the call stack.
-    ``None`` outside gunicorn.
+    its application object); both hold it on the call stack.
     """
     try:
         from gunicorn.config import Config
@@ -476,17 +490,38 @@ def _gunicorn_workers() -> int | None:
     while frame is not None:
         cfg = getattr(frame.f_locals.get("self"), "cfg", None)
         if isinstance(cfg, Config):
-            return cfg.workers
+            return cfg
         frame = frame.f_back
     return None
 
 
+def _gunicorn_workers() -> int | None:
+    """``workers`` of the gunicorn loading this app (``-w``, ``WEB_CONCURRENCY``, config)."""
+    cfg = _gunicorn_cfg()
+    return None if cfg is None else cfg.workers
+
+
+def __getattr__(name: str) -> Any:
+    # `gunicorn -k kvconductor.app.KvConductorWorker`; imported on use only, so the app
+    # module does not need gunicorn.
+    if name == "KvConductorWorker":
+        from kvconductor.worker import KvConductorWorker
+
+        return KvConductorWorker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def gunicorn_app(*argv: str) -> falcon.asgi.App:
-    """App factory for ``gunicorn -w 1 -k uvicorn_worker.UvicornWorker``.
+    """App factory for ``gunicorn -w 1 -k kvconductor.app.KvConductorWorker``.
 
     Flags are those of ``kv-conductor`` (``--host``/``--port`` are ignored:
     gunicorn binds), taken from ``KV_CONDUCTOR_ARGS`` and then ``argv``. The
     conductor starts on the ASGI lifespan startup, in the worker process.
+
+    The HTTP limits and TLS flags are applied by :class:`KvConductorWorker`
+    (kept on the returned app as ``kvc_settings``); under the stock
+    ``uvicorn_worker.UvicornWorker`` the limits are not enforced (logged as a
+    warning).
 
     A bad flag, or more than one worker (each would hold its own partial
     index), raises gunicorn's ``AppImportError``: the worker exits with
@@ -511,11 +546,27 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "one process, so each worker would hold a different, partial index. "
             "Run with -w 1 (WEB_CONCURRENCY=1).")
     configure_logging(settings.log_level)
+    worker_class = getattr(_gunicorn_cfg(), "worker_class", None)
+    if worker_class is not None and not _is_kv_worker(worker_class):
+        log.warning("worker class %s does not enforce the HTTP limits (--max-header-kb, "
+                    "--request-timeout-secs, --keep-alive-secs, --max-connections); run "
+                    "gunicorn with -k kvconductor.app.KvConductorWorker",
+                    getattr(worker_class, "__qualname__", worker_class))
     # Same GIL switch interval as `kv-conductor` (see kvconductor.server.serve).
     sys.setswitchinterval(SWITCH_INTERVAL)
     log.info("KV conductor starting under gunicorn pid=%d workers=%s version=%s %s "
              "switch_interval=%s", os.getpid(), workers, __version__, settings.describe(),
              sys.getswitchinterval())
     conductor = Conductor(settings.conductor_config())
-    return create_app(conductor, fast_query=True, max_body_bytes=settings.max_body_bytes,
-                      api_key=settings.api_key, manage_lifecycle=True)
+    app = create_app(conductor, fast_query=True, max_body_bytes=settings.max_body_bytes,
+                     api_key=settings.api_key, manage_lifecycle=True)
+    app.kvc_settings = settings  # read by KvConductorWorker
+    return app
+
+
+def _is_kv_worker(worker_class: Any) -> bool:
+    try:
+        from kvconductor.worker import KvConductorWorker
+    except ImportError:
+        return False
+    return isinstance(worker_class, type) and issubclass(worker_class, KvConductorWorker)

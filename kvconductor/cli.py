@@ -39,6 +39,11 @@ class Settings:
     log_level: str = "info"
     max_body_mb: float = 64.0
     api_key: str | None = None
+    # HTTP limits and network security (docs/security.md)
+    max_header_kb: int = 64
+    request_timeout_secs: float = 30.0
+    keep_alive_secs: float = 5.0
+    max_connections: int = 1000
 
     @property
     def max_body_bytes(self) -> int:
@@ -50,6 +55,15 @@ class Settings:
                 f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
                 f"offload_ttl={self.offload_ttl_secs}s max_body_bytes={self.max_body_bytes} "
                 f"log_level={self.log_level} auth={'on' if self.api_key else 'off'}")
+
+    def http_limits(self):
+        """The :class:`kvconductor.protocol.HttpLimits` of these flags."""
+        from kvconductor.protocol import HttpLimits
+
+        return HttpLimits(max_head_bytes=self.max_header_kb * 1024,
+                          request_timeout=float(self.request_timeout_secs),
+                          keep_alive=float(self.keep_alive_secs),
+                          max_connections=self.max_connections)
 
     def conductor_config(self):
         from kvconductor.service import ConductorConfig
@@ -118,6 +132,28 @@ def _megabytes(value: str) -> float:
     return mb
 
 
+def _count(value: str) -> int:
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: an integer is required") \
+            from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {n}: must be >= 1")
+    return n
+
+
+def _timeout(value: str) -> float:
+    try:
+        secs = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: a number of seconds is required") from None
+    if not 0 < secs < 86400 * 365:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be > 0")
+    return secs
+
+
 def _level(value: str) -> str:
     low = value.strip().lower()
     if low not in _LEVELS:
@@ -171,6 +207,21 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"require 'Authorization: Bearer <key>' on /register, /unregister and "
                         f"/events (env {API_KEY_ENV})")
+    # HTTP limits and network security (docs/security.md)
+    p.add_argument("--max-header-kb", type=_count, default=64,
+                   help="limit of a request's line and headers in KiB; over it: 431 and close "
+                        "(default 64)")
+    p.add_argument("--request-timeout-secs", type=_timeout, default=30.0,
+                   help="a connection that has not sent a complete request (head and body) "
+                        "within this many seconds of its first byte, or of opening, is closed "
+                        "(408 if it sent part of one; default 30)")
+    p.add_argument("--keep-alive-secs", type=_timeout, default=5.0,
+                   help="idle keep-alive connections are closed after this many seconds "
+                        "between requests (default 5)")
+    p.add_argument("--max-connections", type=_count, default=1000,
+                   help="open HTTP connections at most; at the cap the longest-idle one is "
+                        "closed for a new one, or the new one gets 503 when none is idle "
+                        "(default 1000; lowered to fit the open-file limit)")
     return p
 
 
@@ -181,6 +232,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         pending_ttl_secs=args.pending_ttl_secs, content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs, log_level=args.log_level,
         max_body_mb=args.max_body_mb, api_key=args.api_key or None,
+        **_http_fields(args),
+    )
+
+
+def _http_fields(args: argparse.Namespace) -> dict:
+    """The HTTP limit and security settings among ``args``."""
+    return dict(
+        max_header_kb=args.max_header_kb, request_timeout_secs=args.request_timeout_secs,
+        keep_alive_secs=args.keep_alive_secs, max_connections=args.max_connections,
     )
 
 

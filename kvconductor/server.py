@@ -12,6 +12,7 @@ subscriptions and stops the ingest thread; a second signal forces the exit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import importlib.util
 import ipaddress
@@ -27,6 +28,7 @@ import uvicorn
 
 from kvconductor.app import create_app
 from kvconductor.cli import Settings
+from kvconductor.protocol import HttpLimits, h11_buffer_limit, protocol_class
 from kvconductor.service import Conductor
 
 log = logging.getLogger("kvconductor")
@@ -38,6 +40,10 @@ GRACEFUL_SECS = 3
 #: Seconds the conductor gets to close subscriptions and stop the ingest thread.
 STOP_SECS = 3.0
 _NO_IPV6 = {errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT}
+#: File descriptors kept for everything but HTTP connections: listener, epoll, log
+#: files, threads, and the ZeroMQ context and sockets of the subscriptions (about 4
+#: per subscribed URL). See docs/security.md, "File descriptors".
+FD_RESERVE = 256
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -78,7 +84,7 @@ def format_address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
 
 
-class _Server(uvicorn.Server):
+class KvServer(uvicorn.Server):
     """uvicorn server that logs the signal and does not re-raise it after draining."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -99,6 +105,60 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+
+def fit_fd_limit(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
+    """``limits`` with ``max_connections`` fitted to the open-file limit, and that
+    limit (``None``: unlimited or unknown).
+
+    Like Go's runtime, the soft ``RLIMIT_NOFILE`` is raised to the hard limit
+    first. If ``max_connections + FD_RESERVE`` still does not fit, the cap is
+    lowered (to ``max(limit - FD_RESERVE, limit // 2)``) with a warning, so a
+    flood of connections meets the cap before accept() fails with EMFILE.
+    """
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return limits, None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    inf = resource.RLIM_INFINITY
+    if soft != inf and (hard == inf or soft < hard):
+        for target in ((hard,) if hard != inf else ()) + (limits.max_connections + FD_RESERVE,):
+            if target <= soft:
+                continue
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError):
+                continue
+            log.info("raised the open-file limit from %d to %d", soft, target)
+            soft = target
+            break
+    if soft == inf:
+        return limits, None
+    if limits.max_connections + FD_RESERVE <= soft:
+        return limits, soft
+    room = max(soft - FD_RESERVE, soft // 2, 1)
+    log.warning("the open-file limit %d (hard %s) leaves room for %d HTTP connections; "
+                "--max-connections lowered from %d to %d (raise it with ulimit -n or "
+                "LimitNOFILE=)", soft, "unlimited" if hard == inf else hard, room,
+                limits.max_connections, room)
+    return dataclasses.replace(limits, max_connections=room), soft
+
+
+def uvicorn_options(settings: Settings, http: str) -> dict:
+    """The ``uvicorn.Config`` options of the HTTP limits (and TLS) of ``settings``.
+
+    ``http``: ``"httptools"`` or ``"h11"``, the parser the protocol builds on.
+    """
+    limits, fd_limit = fit_fd_limit(settings.http_limits())
+    log.info("HTTP limits %s fd_limit=%s", limits.describe(),
+             "unlimited" if fd_limit is None else fd_limit)
+    return dict(
+        http=protocol_class(limits, http),
+        ws="none",  # no WebSocket routes: upgrades are plain requests
+        timeout_keep_alive=limits.keep_alive,
+        h11_max_incomplete_event_size=h11_buffer_limit(limits),
+    )
 
 
 def _uvicorn_impls() -> tuple[str, str]:
@@ -128,11 +188,12 @@ def serve(settings: Settings) -> int:
         return 1
     loop, http = _uvicorn_impls()
     config = uvicorn.Config(
-        app, loop=loop, http=http, lifespan="off", log_config=None,
+        app, loop=loop, lifespan="off", log_config=None,
         access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
         timeout_graceful_shutdown=GRACEFUL_SECS, server_header=False,
+        **uvicorn_options(settings, http),
     )
-    server = _Server(config)
+    server = KvServer(config)
     log.info("KV conductor starting on %s version=%s %s switch_interval=%s",
              format_address(sock), _version(), settings.describe(), sys.getswitchinterval())
     conductor.start()

@@ -76,3 +76,30 @@ def test_version(capsys):
         cli.build_parser().parse_args(["--version"])
     assert ex.value.code == 0
     assert capsys.readouterr().out.strip() == "kv-conductor 0.1.0"
+
+
+def test_http_limit_flags():
+    s = parse()
+    assert (s.max_header_kb, s.request_timeout_secs, s.keep_alive_secs, s.max_connections) == \
+        (64, 30.0, 5.0, 1000)
+    limits = s.http_limits()
+    assert (limits.max_head_bytes, limits.request_timeout, limits.keep_alive,
+            limits.max_connections) == (65536, 30.0, 5.0, 1000)
+    s = parse("--max-header-kb", "8", "--request-timeout-secs", "1.5", "--keep-alive-secs", "2",
+              "--max-connections", "50")
+    assert (s.http_limits().max_head_bytes, s.request_timeout_secs, s.keep_alive_secs,
+            s.max_connections) == (8192, 1.5, 2.0, 50)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-header-kb", "0"], "must be >= 1"),
+    (["--max-connections", "x"], "an integer is required"),
+    (["--request-timeout-secs", "0"], "must be > 0"),
+    (["--keep-alive-secs", "nan"], "must be > 0"),
+])
+def test_bad_http_limit_values(argv, needle, capsys):
+    with pytest.raises(SystemExit) as ex:
+        cli.build_parser().parse_args(argv)
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
