@@ -6,11 +6,13 @@ process owns the index, so there is nothing to share between workers.
 ``::`` binds one dual-stack socket (``IPV6_V6ONLY`` off) so IPv4 clients
 reach it too; when the host has no IPv6 it falls back to ``0.0.0.0`` and
 logs it. On SIGTERM/SIGINT uvicorn stops accepting, lets in-flight requests
-finish (at most :data:`GRACEFUL_SECS`), then the conductor closes its
-subscriptions and stops the ingest thread; a second signal forces the exit.
+finish (at most :data:`GRACEFUL_SECS`), closes what is left (one WARN line, no
+tracebacks), then the conductor closes its subscriptions and stops the ingest
+thread; a second signal ends the drain at once. Exit status 0 either way.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -23,6 +25,7 @@ import sys
 import threading
 from collections.abc import Generator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -85,13 +88,33 @@ def format_address(sock: socket.socket) -> str:
 
 
 class KvServer(uvicorn.Server):
-    """uvicorn server that logs the signal and does not re-raise it after draining."""
+    """uvicorn server with a quiet shutdown.
+
+    * The first SIGTERM/SIGINT logs ``received shutdown signal, draining
+      connections...`` and starts the drain; a second one (either signal) logs
+      a warning and ends the drain at once. Signals are not re-raised after.
+    * :meth:`shutdown` replaces uvicorn's: stop accepting, close idle
+      connections, wait up to ``timeout_graceful_shutdown`` for requests in
+      flight, then close the remaining connections (their requests read a
+      disconnect and end) and cancel what still runs. One WARN line says so;
+      uvicorn's ERROR lines and the CancelledError tracebacks of cancelled
+      requests (see :class:`_EndQuietlyOnShutdown`) are not produced.
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        if not isinstance(config.app, str):
+            config.app = _EndQuietlyOnShutdown(config.app, self)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        name = signal.Signals(sig).name
         if not self.should_exit:
-            log.info("received shutdown signal, draining connections... signal=%s",
-                     signal.Signals(sig).name)
-        super().handle_exit(sig, frame)
+            log.info("received shutdown signal, draining connections... signal=%s", name)
+            self.should_exit = True
+        elif not self.force_exit:
+            log.warning("second shutdown signal (%s): closing connections without waiting for "
+                        "requests in flight", name)
+            self.force_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -105,6 +128,66 @@ class KvServer(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        state = self.server_state
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for conn in list(state.connections):
+            conn.shutdown()  # idle: closed now; busy: closed after its response
+        grace = self.config.timeout_graceful_shutdown
+        deadline = loop.time() + (grace if grace is not None else GRACEFUL_SECS)
+        while (state.connections or state.tasks) and not self.force_exit \
+                and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if state.connections:
+            why = "second signal" if self.force_exit else f"drain exceeded {grace:g}s"
+            log.warning("shutdown: closing %d connection(s) with requests in flight (%s)",
+                        len(state.connections), why)
+            for conn in list(state.connections):
+                transport = getattr(conn, "transport", None)
+                if transport is not None:
+                    transport.abort()
+            await asyncio.sleep(0.05)  # connection_lost: requests now read a disconnect
+        deadline = loop.time() + STOP_SECS / 3
+        while state.tasks and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if state.tasks:
+            tasks = list(state.tasks)
+            log.warning("shutdown: cancelling %d request(s) still running", len(tasks))
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=STOP_SECS / 3)
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        # Always (uvicorn skips it on a forced exit): under gunicorn this stops the conductor.
+        await self.lifespan.shutdown()
+
+
+class _EndQuietlyOnShutdown:
+    """ASGI wrapper: a request cancelled by a stopping server ends with an INFO line.
+
+    uvicorn logs an app that raises ``CancelledError`` at ERROR with a
+    traceback; at shutdown that is the expected end of a request whose client
+    was cut off.
+    """
+
+    def __init__(self, app: Any, server: uvicorn.Server) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.server.should_exit:
+                raise
+            log.info("request cancelled by shutdown method=%s path=%s",
+                     scope.get("method"), scope.get("path"))
 
 
 def fit_fd_limit(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
