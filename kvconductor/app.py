@@ -33,6 +33,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import falcon
@@ -57,6 +58,10 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Query bodies above this size are parsed, hashed and matched in a worker thread.
 LARGE_BODY_BYTES = 256 * 1024
 QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
+#: Routes that change state: a request with an ``Origin`` not in the allow-list is 403.
+MUTATING_PATHS = frozenset(("/register", "/unregister", "/events"))
+#: Routes any web page may read (``Access-Control-Allow-Origin: *``).
+PUBLIC_READ_PATHS = frozenset(("/health", "/query", "/query_by_hash"))
 _OK = json_encoder.encode({"status": "ok"})
 _EVENTS_NONE = json_encoder.encode({"status": "ok", "events_applied": 0})
 
@@ -308,6 +313,65 @@ class WorkersResource(_Resource):
         _json(resp, 200, json_encoder.encode(doc))
 
 
+class OriginPolicy:
+    """Origin checks and CORS headers (replaces Falcon's allow-everything CORS).
+
+    Browsers send ``Origin`` on every cross-site POST, including the "simple"
+    ``text/plain`` ones that need no preflight; curl, the Coordinator and other
+    programs send none. So:
+
+    * ``/register``, ``/unregister``, ``/events``: a request whose ``Origin``
+      is present and not in ``allow_origins`` (``--allow-origin``) gets 403
+      ``{"error": ...}`` and a WARN line, before authentication or the body;
+      preflights (OPTIONS) included. Allowed origins get
+      ``Access-Control-Allow-Origin: <origin>`` and ``Vary: Origin``; no
+      wildcard, ever;
+    * ``/health``, ``/query``, ``/query_by_hash`` (reads) keep
+      ``Access-Control-Allow-Origin: *`` for any origin, preflights included
+      (:class:`QueryFastPath` adds it on its POSTs);
+    * ``/workers`` (it lists every endpoint) and anything else: CORS headers
+      only for allowed origins, so other sites' pages cannot read them.
+    """
+
+    def __init__(self, allow_origins: Iterable[str] = ()) -> None:
+        self.allow_origins = frozenset(allow_origins)
+
+    async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        origin = req.get_header("Origin")
+        if origin is None or req.path not in MUTATING_PATHS or origin in self.allow_origins:
+            return
+        log.warning("cross-origin request refused method=%s path=%s origin=%s",
+                    req.method, req.path, origin)
+        _error(resp, 403, f"origin {origin} is not allowed to call {req.path} "
+                          "(requests from web pages need --allow-origin)")
+        resp.complete = True
+
+    async def process_response(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                               resource: object, req_succeeded: bool) -> None:
+        origin = req.get_header("Origin")
+        if origin is None:
+            return
+        if req.path in PUBLIC_READ_PATHS:
+            allow = "*"
+        elif origin in self.allow_origins:
+            allow = origin
+            resp.append_header("Vary", "Origin")
+        else:
+            return
+        resp.set_header("Access-Control-Allow-Origin", allow)
+        if req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method"):
+            # Preflight: the methods of the route (Falcon's OPTIONS responder sets Allow).
+            methods = resp.get_header("Allow")
+            if methods is None:
+                resp.delete_header("Access-Control-Allow-Origin")
+                return
+            resp.delete_header("Allow")
+            resp.set_header("Access-Control-Allow-Methods", methods)
+            resp.set_header("Access-Control-Allow-Headers",
+                            req.get_header("Access-Control-Request-Headers", default="*"))
+            resp.set_header("Access-Control-Max-Age", "86400")
+
+
 class _Lifecycle:
     """ASGI lifespan: start the conductor on startup, stop it on shutdown."""
 
@@ -447,7 +511,8 @@ class QueryFastPath:
 
 def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                api_key: str | None = None, large_body_bytes: int = LARGE_BODY_BYTES,
-               manage_lifecycle: bool = False, fast_query: bool = False) -> Any:
+               manage_lifecycle: bool = False, fast_query: bool = False,
+               allow_origins: Iterable[str] = ()) -> Any:
     """Build the ASGI app over ``conductor``.
 
     With ``manage_lifecycle`` the app starts/stops the conductor on ASGI
@@ -455,9 +520,13 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     ``api_key`` protects ``/register``, ``/unregister`` and ``/events`` with
     ``Authorization: Bearer <key>``; reads stay open. With ``fast_query`` the
     Falcon app is fronted by :class:`QueryFastPath` (what the server runs).
+    ``allow_origins``: web origins allowed on the mutating routes
+    (:class:`OriginPolicy`).
     """
-    middleware = [_Lifecycle(conductor)] if manage_lifecycle else []
-    app = falcon.asgi.App(middleware=middleware, cors_enable=True)
+    middleware: list[Any] = [OriginPolicy(allow_origins)]
+    if manage_lifecycle:
+        middleware.append(_Lifecycle(conductor))
+    app = falcon.asgi.App(middleware=middleware, cors_enable=False)
     kw = dict(max_body_bytes=max_body_bytes, api_key=api_key, large_body_bytes=large_body_bytes)
     app.add_route("/health", HealthResource())
     app.add_route("/register", RegisterResource(conductor, **kw))
@@ -559,7 +628,8 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
              sys.getswitchinterval())
     conductor = Conductor(settings.conductor_config())
     app = create_app(conductor, fast_query=True, max_body_bytes=settings.max_body_bytes,
-                     api_key=settings.api_key, manage_lifecycle=True)
+                     api_key=settings.api_key, manage_lifecycle=True,
+                     allow_origins=settings.allow_origins)
     app.kvc_settings = settings  # read by KvConductorWorker
     return app
 

@@ -44,6 +44,7 @@ class Settings:
     request_timeout_secs: float = 30.0
     keep_alive_secs: float = 5.0
     max_connections: int = 1000
+    allow_origins: tuple[str, ...] = ()
 
     @property
     def max_body_bytes(self) -> int:
@@ -154,6 +155,18 @@ def _timeout(value: str) -> float:
     return secs
 
 
+def _origin(value: str) -> str:
+    scheme, sep, rest = value.partition("://")
+    if value == "*":
+        raise argparse.ArgumentTypeError(
+            "invalid origin '*': list each allowed origin (mutating routes never allow all)")
+    if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
+        raise argparse.ArgumentTypeError(
+            f"invalid origin {value!r}: scheme://host[:port] is required, e.g. "
+            "https://ui.example.com (no path, no trailing slash)")
+    return value.lower()  # browsers send scheme and host in lower case
+
+
 def _level(value: str) -> str:
     low = value.strip().lower()
     if low not in _LEVELS:
@@ -222,6 +235,11 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
                    help="open HTTP connections at most; at the cap the longest-idle one is "
                         "closed for a new one, or the new one gets 503 when none is idle "
                         "(default 1000; lowered to fit the open-file limit)")
+    p.add_argument("--allow-origin", dest="allow_origins", action="append", type=_origin,
+                   default=[], metavar="ORIGIN",
+                   help="web origin (scheme://host[:port]) allowed to call /register, "
+                        "/unregister and /events from a browser; repeatable. Requests with any "
+                        "other Origin header get 403 (default: none; programs send no Origin)")
     return p
 
 
@@ -241,6 +259,7 @@ def _http_fields(args: argparse.Namespace) -> dict:
     return dict(
         max_header_kb=args.max_header_kb, request_timeout_secs=args.request_timeout_secs,
         keep_alive_secs=args.keep_alive_secs, max_connections=args.max_connections,
+        allow_origins=tuple(args.allow_origins),
     )
 
 

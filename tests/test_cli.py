@@ -103,3 +103,23 @@ def test_bad_http_limit_values(argv, needle, capsys):
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_allow_origin_flag():
+    assert parse().allow_origins == ()
+    s = parse("--allow-origin", "https://UI.example", "--allow-origin", "http://localhost:3000")
+    assert s.allow_origins == ("https://ui.example", "http://localhost:3000")
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("*", "never allow all"),
+    ("ui.example", "scheme://host[:port] is required"),
+    ("https://ui.example/", "no path"),
+    ("ftp://ui.example", "scheme://host[:port] is required"),
+])
+def test_bad_allow_origin(value, needle, capsys):
+    with pytest.raises(SystemExit) as ex:
+        cli.build_parser().parse_args(["--allow-origin", value])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
