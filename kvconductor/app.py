@@ -306,9 +306,19 @@ class EventsResource(_Resource):
 
 
 class WorkersResource(_Resource):
-    """``GET /workers``: registrations, index summaries and subscription sources."""
+    """``GET /workers``: registrations, index summaries and subscription sources.
+
+    It lists every engine and pool endpoint, so with an API key it needs the
+    bearer token too, unless ``open_workers`` (``--open-workers``).
+    """
+
+    def __init__(self, conductor: Conductor, *, open_workers: bool = False, **kw: Any) -> None:
+        super().__init__(conductor, **kw)
+        self.open_workers = open_workers
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if not self.open_workers and not self._authorized(req, resp):
+            return
         doc = await self.conductor.run(self.conductor.workers)
         _json(resp, 200, json_encoder.encode(doc))
 
@@ -512,13 +522,14 @@ class QueryFastPath:
 def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                api_key: str | None = None, large_body_bytes: int = LARGE_BODY_BYTES,
                manage_lifecycle: bool = False, fast_query: bool = False,
-               allow_origins: Iterable[str] = ()) -> Any:
+               allow_origins: Iterable[str] = (), open_workers: bool = False) -> Any:
     """Build the ASGI app over ``conductor``.
 
     With ``manage_lifecycle`` the app starts/stops the conductor on ASGI
     lifespan events (gunicorn); otherwise the caller does (server, tests).
-    ``api_key`` protects ``/register``, ``/unregister`` and ``/events`` with
-    ``Authorization: Bearer <key>``; reads stay open. With ``fast_query`` the
+    ``api_key`` protects ``/register``, ``/unregister``, ``/events`` and
+    ``/workers`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
+    ``/health`` and the queries stay open. With ``fast_query`` the
     Falcon app is fronted by :class:`QueryFastPath` (what the server runs).
     ``allow_origins``: web origins allowed on the mutating routes
     (:class:`OriginPolicy`).
@@ -536,7 +547,7 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     app.add_route("/query", query)
     app.add_route("/query_by_hash", query_by_hash)
     app.add_route("/events", EventsResource(conductor, **kw))
-    app.add_route("/workers", WorkersResource(conductor, **kw))
+    app.add_route("/workers", WorkersResource(conductor, open_workers=open_workers, **kw))
     app.add_error_handler(Exception, _handle_exception)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     if fast_query:
@@ -629,7 +640,7 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
     conductor = Conductor(settings.conductor_config())
     app = create_app(conductor, fast_query=True, max_body_bytes=settings.max_body_bytes,
                      api_key=settings.api_key, manage_lifecycle=True,
-                     allow_origins=settings.allow_origins)
+                     allow_origins=settings.allow_origins, open_workers=settings.open_workers)
     app.kvc_settings = settings  # read by KvConductorWorker
     return app
 

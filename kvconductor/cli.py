@@ -45,6 +45,7 @@ class Settings:
     keep_alive_secs: float = 5.0
     max_connections: int = 1000
     allow_origins: tuple[str, ...] = ()
+    open_workers: bool = False
 
     @property
     def max_body_bytes(self) -> int:
@@ -218,8 +219,8 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=_megabytes, default=64.0,
                    help="request body limit in MiB (default 64)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require 'Authorization: Bearer <key>' on /register, /unregister and "
-                        f"/events (env {API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer <key>' on /register, /unregister, "
+                        f"/events and /workers (env {API_KEY_ENV})")
     # HTTP limits and network security (docs/security.md)
     p.add_argument("--max-header-kb", type=_count, default=64,
                    help="limit of a request's line and headers in KiB; over it: 431 and close "
@@ -240,6 +241,9 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
                    help="web origin (scheme://host[:port]) allowed to call /register, "
                         "/unregister and /events from a browser; repeatable. Requests with any "
                         "other Origin header get 403 (default: none; programs send no Origin)")
+    p.add_argument("--open-workers", action="store_true",
+                   help="with --api-key, leave GET /workers (it lists every endpoint) open "
+                        "(default: it needs the bearer token too)")
     return p
 
 
@@ -259,7 +263,7 @@ def _http_fields(args: argparse.Namespace) -> dict:
     return dict(
         max_header_kb=args.max_header_kb, request_timeout_secs=args.request_timeout_secs,
         keep_alive_secs=args.keep_alive_secs, max_connections=args.max_connections,
-        allow_origins=tuple(args.allow_origins),
+        allow_origins=tuple(args.allow_origins), open_workers=args.open_workers,
     )
 
 

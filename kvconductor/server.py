@@ -260,7 +260,8 @@ def serve(settings: Settings) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL)
     conductor = Conductor(settings.conductor_config())
     app = create_app(conductor, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key,
-                     fast_query=True, allow_origins=settings.allow_origins)
+                     fast_query=True, allow_origins=settings.allow_origins,
+                     open_workers=settings.open_workers)
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as ex:

@@ -105,8 +105,9 @@ def test_bad_http_limit_values(argv, needle, capsys):
     assert needle in err and err.count("\n") == 1
 
 
-def test_allow_origin_flag():
-    assert parse().allow_origins == ()
+def test_allow_origin_and_open_workers_flags():
+    assert parse().allow_origins == () and parse().open_workers is False
+    assert parse("--open-workers").open_workers is True
     s = parse("--allow-origin", "https://UI.example", "--allow-origin", "http://localhost:3000")
     assert s.allow_origins == ("https://ui.example", "http://localhost:3000")
 

@@ -110,3 +110,24 @@ def test_workers_is_not_readable_cross_site(origin_server):
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     r = origin_server.http.get("/workers", headers={"Origin": UI})
     assert r.headers["access-control-allow-origin"] == UI
+
+
+@pytest.mark.parametrize("open_workers", [False, True])
+def test_workers_needs_the_api_key(tmp_path, open_workers):
+    args = ["--host", "127.0.0.1", "--api-key", "k"] + (["--open-workers"] if open_workers else [])
+    srv = Server(tmp_path, *args)
+    try:
+        srv.wait_ready()
+        r = srv.http.get("/workers")
+        if open_workers:
+            assert r.status_code == 200
+        else:
+            assert r.status_code == 401 and r.json()["error"]
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            assert "unauthorized request method=GET path=/workers" in srv.log()
+        r = srv.http.get("/workers", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["workers"] == []
+        assert srv.http.get("/health").status_code == 200  # reads stay open
+    finally:
+        code, _ = srv.terminate()
+        assert code == 0, srv.log()
