@@ -627,6 +627,10 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "Run with -w 1 (WEB_CONCURRENCY=1).")
     configure_logging(settings.log_level)
     worker_class = getattr(_gunicorn_cfg(), "worker_class", None)
+    if worker_class is not None and not _is_kv_worker(worker_class) and settings.tls_cert:
+        raise AppImportError(
+            "kv-conductor: error: --tls-cert needs gunicorn -k kvconductor.app.KvConductorWorker "
+            "(other workers would serve plain HTTP; or use gunicorn's --certfile/--keyfile)")
     if worker_class is not None and not _is_kv_worker(worker_class):
         log.warning("worker class %s does not enforce the HTTP limits (--max-header-kb, "
                     "--request-timeout-secs, --keep-alive-secs, --max-connections); run "

@@ -46,6 +46,9 @@ class Settings:
     max_connections: int = 1000
     allow_origins: tuple[str, ...] = ()
     open_workers: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     @property
     def max_body_bytes(self) -> int:
@@ -66,6 +69,13 @@ class Settings:
                           request_timeout=float(self.request_timeout_secs),
                           keep_alive=float(self.keep_alive_secs),
                           max_connections=self.max_connections)
+
+    def describe_http(self) -> str:
+        """The network-security settings as ``key=value`` pairs (no secrets)."""
+        return (f"tls={'on' if self.tls_cert else 'off'} "
+                f"client_certs={'on' if self.tls_client_ca else 'off'} "
+                f"allow_origins={','.join(self.allow_origins) or '-'} "
+                f"workers={'open' if self.open_workers or not self.api_key else 'token'}")
 
     def conductor_config(self):
         from kvconductor.service import ConductorConfig
@@ -89,6 +99,13 @@ class _Parser(argparse.ArgumentParser):
         if self.raise_errors:
             raise FlagError(f"{self.prog}: error: {message} (see --help)")
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns = super().parse_args(args, namespace)
+        problem = _tls_problem(ns)  # flags that are wrong together
+        if problem:
+            self.error(problem)
+        return ns
 
 
 def _host(value: str) -> str:
@@ -168,6 +185,15 @@ def _origin(value: str) -> str:
     return value.lower()  # browsers send scheme and host in lower case
 
 
+def _readable(value: str) -> str:
+    try:
+        with open(value, "rb"):
+            pass
+    except OSError as ex:
+        raise argparse.ArgumentTypeError(f"cannot read {value}: {ex.strerror or ex}") from None
+    return value
+
+
 def _level(value: str) -> str:
     low = value.strip().lower()
     if low not in _LEVELS:
@@ -244,6 +270,14 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--open-workers", action="store_true",
                    help="with --api-key, leave GET /workers (it lists every endpoint) open "
                         "(default: it needs the bearer token too)")
+    p.add_argument("--tls-cert", type=_readable, metavar="FILE",
+                   help="serve HTTPS with this PEM certificate chain (the key may be in the same "
+                        "file; unencrypted)")
+    p.add_argument("--tls-key", type=_readable, metavar="FILE",
+                   help="PEM private key of --tls-cert (unencrypted)")
+    p.add_argument("--tls-client-ca", type=_readable, metavar="FILE",
+                   help="require client certificates signed by these PEM CA certificates "
+                        "(mutual TLS; needs --tls-cert)")
     return p
 
 
@@ -264,7 +298,55 @@ def _http_fields(args: argparse.Namespace) -> dict:
         max_header_kb=args.max_header_kb, request_timeout_secs=args.request_timeout_secs,
         keep_alive_secs=args.keep_alive_secs, max_connections=args.max_connections,
         allow_origins=tuple(args.allow_origins), open_workers=args.open_workers,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
     )
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_password() -> str:
+    raise _EncryptedKey
+
+
+def _tls_problem(args: argparse.Namespace) -> str | None:
+    """Why the ``--tls-*`` flags cannot work together, or ``None``.
+
+    Loads the certificate, key and client CAs the way the server will, so a
+    wrong file stops the process at startup (exit 2), not at the first client.
+    """
+    import ssl
+
+    cert, key, ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if key and not cert:
+        return "--tls-key needs --tls-cert"
+    if ca and not cert:
+        return "--tls-client-ca needs --tls-cert (client certificates are checked over TLS only)"
+    if not cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key, password=_no_password)
+    except _EncryptedKey:
+        return f"the private key in {key or cert} is encrypted; give an unencrypted key " \
+               "(protect it with file permissions)"
+    except (ssl.SSLError, OSError, ValueError) as ex:
+        return (f"--tls-cert/--tls-key: cannot load the certificate and key ({cert}, "
+                f"{key or 'no --tls-key: key expected in the same file'}): {_ssl_reason(ex)}")
+    if ca:
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, OSError, ValueError) as ex:
+            return f"--tls-client-ca {ca}: cannot load CA certificates: {_ssl_reason(ex)}"
+    return None
+
+
+def _ssl_reason(ex: Exception) -> str:
+    reason = getattr(ex, "reason", None) or str(ex)
+    if reason == "PEM lib":
+        reason = "not a PEM certificate/key, or the key is missing"
+    return str(reason).replace("_", " ").lower()
 
 
 _LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}

@@ -21,6 +21,7 @@ import ipaddress
 import logging
 import signal
 import socket
+import ssl
 import sys
 import threading
 from collections.abc import Generator
@@ -93,6 +94,8 @@ class KvServer(uvicorn.Server):
     * The first SIGTERM/SIGINT logs ``received shutdown signal, draining
       connections...`` and starts the drain; a second one (either signal) logs
       a warning and ends the drain at once. Signals are not re-raised after.
+    * Over TLS, a handshake must finish within the request deadline
+      (:meth:`startup`).
     * :meth:`shutdown` replaces uvicorn's: stop accepting, close idle
       connections, wait up to ``timeout_graceful_shutdown`` for requests in
       flight, then close the remaining connections (their requests read a
@@ -128,6 +131,34 @@ class KvServer(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, with a TLS handshake deadline of ``--request-timeout-secs``.
+
+        asyncio gives a TLS handshake 60 s, and the protocol (so the request
+        deadline and the connection cap) only sees a connection once its
+        handshake is done.
+        """
+        config = self.config
+        limits = getattr(getattr(config, "http_protocol_class", None), "limits", None)
+        if config.ssl is None or sockets is None or not isinstance(limits, HttpLimits):
+            return await super().startup(sockets=sockets)
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            sys.exit(3)  # uvicorn's STARTUP_FAILURE
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state,
+                _loop=_loop)
+
+        loop = asyncio.get_running_loop()
+        self.servers = []
+        for sock in sockets:
+            self.servers.append(await loop.create_server(
+                create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog,
+                ssl_handshake_timeout=limits.request_timeout))
+        self.started = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -234,14 +265,21 @@ def uvicorn_options(settings: Settings, http: str) -> dict:
     ``http``: ``"httptools"`` or ``"h11"``, the parser the protocol builds on.
     """
     limits, fd_limit = fit_fd_limit(settings.http_limits())
-    log.info("HTTP limits %s fd_limit=%s", limits.describe(),
-             "unlimited" if fd_limit is None else fd_limit)
-    return dict(
+    log.info("HTTP limits %s fd_limit=%s %s", limits.describe(),
+             "unlimited" if fd_limit is None else fd_limit, settings.describe_http())
+    options: dict = dict(
         http=protocol_class(limits, http),
         ws="none",  # no WebSocket routes: upgrades are plain requests
         timeout_keep_alive=limits.keep_alive,
         h11_max_incomplete_event_size=h11_buffer_limit(limits),
     )
+    if settings.tls_cert:
+        options.update(
+            ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key,
+            ssl_ca_certs=settings.tls_client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if settings.tls_client_ca else ssl.CERT_NONE,
+        )
+    return options
 
 
 def _uvicorn_impls() -> tuple[str, str]:

@@ -124,3 +124,20 @@ def test_bad_allow_origin(value, needle, capsys):
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1
+
+
+def test_tls_flags(tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    chain, key, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    chain.write_bytes(b"".join(b.bytes() for b in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(key)
+    ca.cert_pem.write_to_path(cafile)
+    s = parse()
+    assert (s.tls_cert, s.tls_key, s.tls_client_ca) == (None, None, None)
+    s = parse("--tls-cert", str(chain), "--tls-key", str(key), "--tls-client-ca", str(cafile))
+    assert (s.tls_cert, s.tls_key, s.tls_client_ca) == (str(chain), str(key), str(cafile))
+    assert "tls=on client_certs=on" in s.describe_http()
+    with pytest.raises(cli.FlagError, match="--tls-key needs --tls-cert"):
+        cli.build_parser(raise_errors=True).parse_args(["--tls-key", str(key)])

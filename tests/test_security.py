@@ -4,8 +4,14 @@ Every test talks to ``python -m kvconductor`` over loopback HTTP(S).
 """
 from __future__ import annotations
 
+import signal
+import socket
+import ssl
+import time
+
+import httpx
 import pytest
-from test_server import Server
+from test_server import Server, run_cli
 
 pytestmark = pytest.mark.server
 
@@ -131,3 +137,159 @@ def test_workers_needs_the_api_key(tmp_path, open_workers):
     finally:
         code, _ = srv.terminate()
         assert code == 0, srv.log()
+
+
+# -- TLS ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A server CA and certificate (127.0.0.1, localhost), and a client CA and certificate."""
+    trustme = pytest.importorskip("trustme")
+    d = tmp_path_factory.mktemp("pki")
+    ca, client_ca = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = client_ca.issue_cert("coordinator@kv.example")
+    files = {name: d / f"{name}.pem" for name in
+             ("ca", "cert", "key", "combined", "client_ca", "client", "other_client")}
+    ca.cert_pem.write_to_path(files["ca"])
+    files["cert"].write_bytes(b"".join(b.bytes() for b in server.cert_chain_pems))
+    server.private_key_pem.write_to_path(files["key"])
+    server.private_key_and_cert_chain_pem.write_to_path(files["combined"])
+    client_ca.cert_pem.write_to_path(files["client_ca"])
+    client.private_key_and_cert_chain_pem.write_to_path(files["client"])
+    ca.issue_cert("intruder@kv.example").private_key_and_cert_chain_pem.write_to_path(
+        files["other_client"])  # signed by a CA the server does not trust for clients
+    return {k: str(v) for k, v in files.items()}
+
+
+def tls_server(tmp_path, pki, *extra: str) -> Server:
+    srv = Server(tmp_path, "--host", "127.0.0.1", "--tls-cert", pki["cert"], "--tls-key",
+                 pki["key"], *extra)
+    srv.url = f"https://127.0.0.1:{srv.port}"
+    srv.http.close()
+    srv.http = httpx.Client(base_url=srv.url, timeout=10.0, verify=trusting(pki))
+    return srv
+
+
+def trusting(pki, client: str | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=pki["ca"])
+    if client:
+        ctx.load_cert_chain(client)
+    return ctx
+
+
+def test_https(tmp_path, pki):
+    srv = tls_server(tmp_path, pki, "--request-timeout-secs", "1")
+    try:
+        srv.wait_ready()
+        r = srv.http.get("/health")
+        assert r.status_code == 200 and r.text == "OK"
+        assert r.http_version == "HTTP/1.1"
+        with pytest.raises(httpx.TransportError):  # plain HTTP on the TLS port
+            httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA
+            httpx.get(f"{srv.url}/health", timeout=5)
+        # A TCP connection that never starts the handshake is closed by the request deadline.
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        t0 = time.monotonic()
+        assert s.recv(1) == b""
+        assert time.monotonic() - t0 < 3.0
+        s.close()
+        assert "HTTP limits" in srv.log() and "tls=on client_certs=off" in srv.log()
+    finally:
+        code, _ = srv.terminate()
+        assert code == 0, srv.log()
+
+
+def test_cert_file_holding_the_key(tmp_path, pki):
+    srv = Server(tmp_path, "--host", "127.0.0.1", "--tls-cert", pki["combined"])
+    srv.url = f"https://127.0.0.1:{srv.port}"
+    srv.http = httpx.Client(base_url=srv.url, timeout=10.0, verify=trusting(pki))
+    try:
+        srv.wait_ready()
+    finally:
+        code, _ = srv.terminate()
+        assert code == 0, srv.log()
+
+
+def test_client_certificates(tmp_path, pki):
+    srv = tls_server(tmp_path, pki, "--tls-client-ca", pki["client_ca"])
+    srv.http = httpx.Client(base_url=srv.url, timeout=10.0,
+                            verify=trusting(pki, pki["client"]))
+    try:
+        srv.wait_ready()
+        assert srv.http.get("/health").status_code == 200
+        for ctx in (trusting(pki), trusting(pki, pki["other_client"])):
+            with pytest.raises(httpx.TransportError):
+                with httpx.Client(verify=ctx, timeout=5) as http:
+                    http.get(f"{srv.url}/health")
+        # The Python client passes verify= and cert= through.
+        from kvconductor.client import ConductorClient
+
+        with ConductorClient(srv.url, verify=pki["ca"], cert=pki["client"]) as c:
+            assert c.health() and c.workers()["workers"] == []
+        with ConductorClient(srv.url, verify=pki["ca"]) as c:
+            assert not c.health()
+        assert "Traceback" not in srv.log()
+    finally:
+        code, _ = srv.terminate()
+        assert code == 0, srv.log()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--tls-key", "{key}"], "--tls-key needs --tls-cert"),
+    (["--tls-client-ca", "{client_ca}"], "--tls-client-ca needs --tls-cert"),
+    (["--tls-cert", "{cert}", "--tls-key", "/nonexistent/key.pem"], "cannot read"),
+    (["--tls-cert", "{cert}"], "cannot load the certificate and key"),      # no key anywhere
+    (["--tls-cert", "{cert}", "--tls-key", "{ca}"], "cannot load the certificate and key"),
+    (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{key}"],
+     "cannot load CA certificates"),
+])
+def test_bad_tls_flags_exit_2_with_one_line(pki, flags, needle):
+    r = run_cli(*[f.format(**pki) for f in flags])
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kv-conductor: error:"), r.stderr
+    assert needle in lines[0], lines[0]
+
+
+def test_gunicorn_tls(tmp_path, pki):
+    """KvConductorWorker serves the --tls-* flags; the stock worker refuses them at load."""
+    import os
+    import subprocess
+
+    from test_server import ROOT, SHUTDOWN_BOUND, _gunicorn_cmd, free_port
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               KV_CONDUCTOR_ARGS=f"--tls-cert {pki['cert']} --tls-key {pki['key']}")
+    port = free_port()
+    out = subprocess.run(_gunicorn_cmd(port, "-w", "1", factory_args=""), cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert "--tls-cert needs gunicorn -k kvconductor.app.KvConductorWorker" in out.stderr
+
+    port = free_port()
+    log_path = tmp_path / "gunicorn-tls.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(_gunicorn_cmd(port, "-w", "1", "-k",
+                                              "kvconductor.app.KvConductorWorker",
+                                              factory_args=""),
+                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            try:
+                r = httpx.get(f"https://127.0.0.1:{port}/health", verify=trusting(pki), timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(SHUTDOWN_BOUND * 2) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "tls=on" in log_path.read_text()
