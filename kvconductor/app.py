@@ -18,11 +18,15 @@ the reference (axum), data errors are 400, not 422, and a non-JSON
 Two ways to serve it (one process, one worker: the process owns the index):
 
 * ``kv-conductor`` / ``python -m kvconductor`` (:mod:`kvconductor.server`);
-* gunicorn with the uvicorn worker, flags in ``KV_CONDUCTOR_ARGS`` or as
-  factory arguments::
+* gunicorn with the kv-conductor worker (uvicorn's, plus the HTTP limits,
+  TLS flags and quiet shutdown of ``kv-conductor``), flags in
+  ``KV_CONDUCTOR_ARGS`` or as factory arguments::
 
-      gunicorn -w 1 -k uvicorn_worker.UvicornWorker -b '[::]:13333' \\
+      gunicorn -w 1 -k kvconductor.app.KvConductorWorker -b '[::]:13333' \\
           'kvconductor.app:gunicorn_app("--maintenance-interval-secs", "10")'
+
+Network security (Origin rule, CORS, ``/workers`` token, limits, TLS):
+``docs/security.md``.
 """
 from __future__ import annotations
 

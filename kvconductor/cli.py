@@ -248,17 +248,18 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
                    help=f"require 'Authorization: Bearer <key>' on /register, /unregister, "
                         f"/events and /workers (env {API_KEY_ENV})")
     # HTTP limits and network security (docs/security.md)
-    p.add_argument("--max-header-kb", type=_count, default=64,
+    p.add_argument("--max-header-kb", type=_count, default=64, metavar="KIB",
                    help="limit of a request's line and headers in KiB; over it: 431 and close "
                         "(default 64)")
-    p.add_argument("--request-timeout-secs", type=_timeout, default=30.0,
-                   help="a connection that has not sent a complete request (head and body) "
-                        "within this many seconds of its first byte, or of opening, is closed "
-                        "(408 if it sent part of one; default 30)")
-    p.add_argument("--keep-alive-secs", type=_timeout, default=5.0,
+    p.add_argument("--request-timeout-secs", type=_timeout, default=30.0, metavar="SECS",
+                   help="seconds a connection has to send a complete request (head and body), "
+                        "counted from the request's first byte or from opening; then it is "
+                        "closed, with 408 if it sent part of one (default 30; also the TLS "
+                        "handshake deadline)")
+    p.add_argument("--keep-alive-secs", type=_timeout, default=5.0, metavar="SECS",
                    help="idle keep-alive connections are closed after this many seconds "
                         "between requests (default 5)")
-    p.add_argument("--max-connections", type=_count, default=1000,
+    p.add_argument("--max-connections", type=_count, default=1000, metavar="N",
                    help="open HTTP connections at most; at the cap the longest-idle one is "
                         "closed for a new one, or the new one gets 503 when none is idle "
                         "(default 1000; lowered to fit the open-file limit)")

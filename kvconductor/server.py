@@ -170,7 +170,9 @@ class KvServer(uvicorn.Server):
         for conn in list(state.connections):
             conn.shutdown()  # idle: closed now; busy: closed after its response
         grace = self.config.timeout_graceful_shutdown
-        deadline = loop.time() + (grace if grace is not None else GRACEFUL_SECS)
+        if grace is None:  # gunicorn's worker leaves it unset
+            grace = GRACEFUL_SECS
+        deadline = loop.time() + grace
         while (state.connections or state.tasks) and not self.force_exit \
                 and loop.time() < deadline:
             await asyncio.sleep(0.05)

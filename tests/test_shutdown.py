@@ -148,3 +148,35 @@ def test_request_that_ignores_the_disconnect_is_cancelled_quietly(caplog):
     assert any("cancelling 1 request(s) still running" in m for m in messages), messages
     assert any("request cancelled by shutdown" in m for m in messages), messages
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], messages
+
+
+def test_gunicorn_worker_shutdown_with_request_in_flight_is_quiet(tmp_path):
+    import os
+    import subprocess
+
+    from test_http_limits import _wait_health
+    from test_server import ROOT, SHUTDOWN_BOUND, _gunicorn_cmd, free_port
+
+    port = free_port()
+    log_path = tmp_path / "gunicorn.log"
+    cmd = _gunicorn_cmd(port, "-w", "1", "-k", "kvconductor.app.KvConductorWorker",
+                        factory_args="")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    slow = None
+    try:
+        _wait_health(proc, f"http://127.0.0.1:{port}", log_path)
+        slow = SlowBody(port, "/register")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(GRACEFUL + SHUTDOWN_BOUND) == 0
+    finally:
+        if slow is not None:
+            slow.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    log = log_path.read_text()
+    assert "closing 1 connection(s) with requests in flight (drain exceeded 3s)" in log, log
+    assert_quiet(log)
