@@ -34,10 +34,10 @@ The protocols here (:func:`protocol_class`, a subclass of uvicorn's
 Between requests, uvicorn's ``timeout_keep_alive`` closes idle keep-alive
 connections (:attr:`HttpLimits.keep_alive`).
 
-Refusals (431, 408, 503) are sent with ``Connection: close``, then the write
-side is shut and what the client still sends is read and dropped for at most
-:data:`LINGER_SECS` before the socket is closed, so the client can read the
-answer instead of getting a reset.
+Refusals (431, 408, 503, and 400 for a request the parser rejects) are sent
+with ``Connection: close``, then the write side is shut and what the client
+still sends is read and dropped for at most :data:`LINGER_SECS` before the
+socket is closed, so the client can read the answer instead of getting a reset.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ log = logging.getLogger("kvconductor.http")
 
 #: Seconds a refused connection is drained (its input dropped) before it is closed.
 LINGER_SECS = 1.0
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
-            503: b"Service Unavailable"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout",
+            431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 
 
 @dataclass(frozen=True)
@@ -318,6 +318,10 @@ class _Limits:
             self._linger = self.loop.call_later(LINGER_SECS, self._close_now)  # type: ignore
         else:
             transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse, as ``{"error": ...}``."""
+        self._reject(400, f"invalid HTTP request: {msg}")
 
     def _evict(self, count: int, limit: int) -> None:
         _throttle("evict", logging.WARNING,

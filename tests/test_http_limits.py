@@ -123,6 +123,17 @@ def test_oversized_request_line_is_431(limited):
     assert closed and status_and_json(data)[0] == 431
 
 
+def test_malformed_request_is_a_json_400(limited):
+    """uvicorn's own answer to a request it cannot parse was text/plain."""
+    s = connect(limited.port)
+    s.sendall(b"GARBAGE\x01 / HTTP/1.1\r\nHost: x\r\n\r\n")
+    data, _, closed = read_until_closed(s, 5.0)
+    s.close()
+    status, headers, body = status_and_json(data)
+    assert closed and status == 400, data
+    assert headers["content-type"] == "application/json" and b'"error"' in body
+
+
 def test_connection_sending_nothing_is_closed(limited):
     s = connect(limited.port)
     data, elapsed, closed = read_until_closed(s, 5.0)
@@ -297,6 +308,12 @@ def test_h11_fallback_has_the_same_limits(tmp_path):
         data, elapsed, closed = read_until_closed(s, 5.0)
         s.close()
         assert closed and elapsed < 3.0 and status_and_json(data)[0] == 408
+        s = connect(port)
+        s.sendall(b"GARBAGE\x01 / HTTP/1.1\r\nHost: x\r\n\r\n")
+        data, _, closed = read_until_closed(s, 5.0)
+        s.close()
+        status, headers, _ = status_and_json(data)
+        assert closed and status == 400 and headers["content-type"] == "application/json"
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
