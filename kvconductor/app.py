@@ -18,11 +18,15 @@ the reference (axum), data errors are 400, not 422, and a non-JSON
 Two ways to serve it (one process, one worker: the process owns the index):
 
 * ``kv-conductor`` / ``python -m kvconductor`` (:mod:`kvconductor.server`);
-* gunicorn with the uvicorn worker, flags in ``KV_CONDUCTOR_ARGS`` or as
-  factory arguments::
+* gunicorn with the kv-conductor worker (uvicorn's, plus the HTTP limits,
+  TLS flags and quiet shutdown of ``kv-conductor``), flags in
+  ``KV_CONDUCTOR_ARGS`` or as factory arguments::
 
-      gunicorn -w 1 -k uvicorn_worker.UvicornWorker -b '[::]:13333' \\
+      gunicorn -w 1 -k kvconductor.app.KvConductorWorker -b '[::]:13333' \\
           'kvconductor.app:gunicorn_app("--maintenance-interval-secs", "10")'
+
+Network security (Origin rule, CORS, ``/workers`` token, limits, TLS):
+``docs/security.md``.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import falcon
@@ -60,6 +65,10 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Query bodies above this size are parsed, hashed and matched in a worker thread.
 LARGE_BODY_BYTES = 256 * 1024
 QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
+#: Routes that change state: a request with an ``Origin`` not in the allow-list is 403.
+MUTATING_PATHS = frozenset(("/register", "/unregister", "/events"))
+#: Routes any web page may read (``Access-Control-Allow-Origin: *``).
+PUBLIC_READ_PATHS = frozenset(("/health", "/query", "/query_by_hash"))
 _OK = json_encoder.encode({"status": "ok"})
 _EVENTS_NONE = json_encoder.encode({"status": "ok", "events_applied": 0})
 
@@ -68,13 +77,23 @@ class BodyTooLarge(Exception):
     """The request body exceeds the configured limit."""
 
 
+class BodyIncomplete(Exception):
+    """The connection closed (or was closed by the request deadline) before the whole
+    ``Content-Length`` arrived."""
+
+
 async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
-    """The whole request body; raises :class:`BodyTooLarge` past ``limit`` bytes."""
+    """The whole request body; raises :class:`BodyTooLarge` past ``limit`` bytes and
+    :class:`BodyIncomplete` when fewer than ``Content-Length`` bytes arrived."""
     length = req.content_length
     if length is not None:
         if length > limit:
             raise BodyTooLarge
-        return await req.stream.read()
+        body = await req.stream.read()
+        if len(body) < length:
+            # Falcon hands over what arrived when the client disconnects: never act on it.
+            raise BodyIncomplete
+        return body
     chunks = []
     total = 0
     async for chunk in req.stream:
@@ -138,6 +157,11 @@ class _Resource:
             _error(resp, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
                    msgpack)
             # NOTE: the unread rest of the body is discarded by the server after the reply.
+            return None
+        except BodyIncomplete:
+            log.debug("request body incomplete (client gone) method=%s path=%s "
+                      "content_length=%s", req.method, req.path, req.content_length)
+            _error(resp, 400, "request body shorter than its Content-Length", msgpack)
             return None
 
     def _bad(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, message: str,
@@ -292,11 +316,80 @@ class EventsResource(_Resource):
 
 
 class WorkersResource(_Resource):
-    """``GET /workers``: registrations, index summaries and subscription sources."""
+    """``GET /workers``: registrations, index summaries and subscription sources.
+
+    It lists every engine and pool endpoint, so with an API key it needs the
+    bearer token too, unless ``open_workers`` (``--open-workers``).
+    """
+
+    def __init__(self, conductor: Conductor, *, open_workers: bool = False, **kw: Any) -> None:
+        super().__init__(conductor, **kw)
+        self.open_workers = open_workers
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if not self.open_workers and not self._authorized(req, resp):
+            return
         doc = await self.conductor.run(self.conductor.workers)
         _json(resp, 200, json_encoder.encode(doc))
+
+
+class OriginPolicy:
+    """Origin checks and CORS headers (replaces Falcon's allow-everything CORS).
+
+    Browsers send ``Origin`` on every cross-site POST, including the "simple"
+    ``text/plain`` ones that need no preflight; curl, the Coordinator and other
+    programs send none. So:
+
+    * ``/register``, ``/unregister``, ``/events``: a request whose ``Origin``
+      is present and not in ``allow_origins`` (``--allow-origin``) gets 403
+      ``{"error": ...}`` and a WARN line, before authentication or the body;
+      preflights (OPTIONS) included. Allowed origins get
+      ``Access-Control-Allow-Origin: <origin>`` and ``Vary: Origin``; no
+      wildcard, ever;
+    * ``/health``, ``/query``, ``/query_by_hash`` (reads) keep
+      ``Access-Control-Allow-Origin: *`` for any origin, preflights included
+      (:class:`QueryFastPath` adds it on its POSTs);
+    * ``/workers`` (it lists every endpoint) and anything else: CORS headers
+      only for allowed origins, so other sites' pages cannot read them.
+    """
+
+    def __init__(self, allow_origins: Iterable[str] = ()) -> None:
+        self.allow_origins = frozenset(allow_origins)
+
+    async def process_request(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        origin = req.get_header("Origin")
+        if origin is None or req.path not in MUTATING_PATHS or origin in self.allow_origins:
+            return
+        log.warning("cross-origin request refused method=%s path=%s origin=%s",
+                    req.method, req.path, origin)
+        _error(resp, 403, f"origin {origin} is not allowed to call {req.path} "
+                          "(requests from web pages need --allow-origin)")
+        resp.complete = True
+
+    async def process_response(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
+                               resource: object, req_succeeded: bool) -> None:
+        origin = req.get_header("Origin")
+        if origin is None:
+            return
+        if req.path in PUBLIC_READ_PATHS:
+            allow = "*"
+        elif origin in self.allow_origins:
+            allow = origin
+            resp.append_header("Vary", "Origin")
+        else:
+            return
+        resp.set_header("Access-Control-Allow-Origin", allow)
+        if req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method"):
+            # Preflight: the methods of the route (Falcon's OPTIONS responder sets Allow).
+            methods = resp.get_header("Allow")
+            if methods is None:
+                resp.delete_header("Access-Control-Allow-Origin")
+                return
+            resp.delete_header("Allow")
+            resp.set_header("Access-Control-Allow-Methods", methods)
+            resp.set_header("Access-Control-Allow-Headers",
+                            req.get_header("Access-Control-Request-Headers", default="*"))
+            resp.set_header("Access-Control-Max-Age", "86400")
 
 
 class _Lifecycle:
@@ -438,17 +531,23 @@ class QueryFastPath:
 
 def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                api_key: str | None = None, large_body_bytes: int = LARGE_BODY_BYTES,
-               manage_lifecycle: bool = False, fast_query: bool = False) -> Any:
+               manage_lifecycle: bool = False, fast_query: bool = False,
+               allow_origins: Iterable[str] = (), open_workers: bool = False) -> Any:
     """Build the ASGI app over ``conductor``.
 
     With ``manage_lifecycle`` the app starts/stops the conductor on ASGI
     lifespan events (gunicorn); otherwise the caller does (server, tests).
-    ``api_key`` protects ``/register``, ``/unregister`` and ``/events`` with
-    ``Authorization: Bearer <key>``; reads stay open. With ``fast_query`` the
+    ``api_key`` protects ``/register``, ``/unregister``, ``/events`` and
+    ``/workers`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
+    ``/health`` and the queries stay open. With ``fast_query`` the
     Falcon app is fronted by :class:`QueryFastPath` (what the server runs).
+    ``allow_origins``: web origins allowed on the mutating routes
+    (:class:`OriginPolicy`).
     """
-    middleware = [_Lifecycle(conductor)] if manage_lifecycle else []
-    app = falcon.asgi.App(middleware=middleware, cors_enable=True)
+    middleware: list[Any] = [OriginPolicy(allow_origins)]
+    if manage_lifecycle:
+        middleware.append(_Lifecycle(conductor))
+    app = falcon.asgi.App(middleware=middleware, cors_enable=False)
     kw = dict(max_body_bytes=max_body_bytes, api_key=api_key, large_body_bytes=large_body_bytes)
     app.add_route("/health", HealthResource())
     app.add_route("/register", RegisterResource(conductor, **kw))
@@ -458,7 +557,7 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     app.add_route("/query", query)
     app.add_route("/query_by_hash", query_by_hash)
     app.add_route("/events", EventsResource(conductor, **kw))
-    app.add_route("/workers", WorkersResource(conductor, **kw))
+    app.add_route("/workers", WorkersResource(conductor, open_workers=open_workers, **kw))
     app.add_error_handler(Exception, _handle_exception)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     if fast_query:
@@ -467,12 +566,11 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     return app
 
 
-def _gunicorn_workers() -> int | None:
-    """``workers`` of the gunicorn loading this app (``-w``, ``WEB_CONCURRENCY``, config).
+def _gunicorn_cfg() -> Any:
+    """The parsed ``cfg`` of the gunicorn loading this app; ``None`` outside gunicorn.
 
     gunicorn calls the factory from its worker (or, with ``--preload``, from
-    its application object); both hold the parsed ``cfg`` on the call stack.
-    ``None`` outside gunicorn.
+    its application object); both hold it on the call stack.
     """
     try:
         from gunicorn.config import Config
@@ -482,17 +580,38 @@ def _gunicorn_workers() -> int | None:
     while frame is not None:
         cfg = getattr(frame.f_locals.get("self"), "cfg", None)
         if isinstance(cfg, Config):
-            return cfg.workers
+            return cfg
         frame = frame.f_back
     return None
 
 
+def _gunicorn_workers() -> int | None:
+    """``workers`` of the gunicorn loading this app (``-w``, ``WEB_CONCURRENCY``, config)."""
+    cfg = _gunicorn_cfg()
+    return None if cfg is None else cfg.workers
+
+
+def __getattr__(name: str) -> Any:
+    # `gunicorn -k kvconductor.app.KvConductorWorker`; imported on use only, so the app
+    # module does not need gunicorn.
+    if name == "KvConductorWorker":
+        from kvconductor.worker import KvConductorWorker
+
+        return KvConductorWorker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def gunicorn_app(*argv: str) -> falcon.asgi.App:
-    """App factory for ``gunicorn -w 1 -k uvicorn_worker.UvicornWorker``.
+    """App factory for ``gunicorn -w 1 -k kvconductor.app.KvConductorWorker``.
 
     Flags are those of ``kv-conductor`` (``--host``/``--port`` are ignored:
     gunicorn binds), taken from ``KV_CONDUCTOR_ARGS`` and then ``argv``. The
     conductor starts on the ASGI lifespan startup, in the worker process.
+
+    The HTTP limits and TLS flags are applied by :class:`KvConductorWorker`
+    (kept on the returned app as ``kvc_settings``); under the stock
+    ``uvicorn_worker.UvicornWorker`` the limits are not enforced (logged as a
+    warning).
 
     A bad flag, or more than one worker (each would hold its own partial
     index), raises gunicorn's ``AppImportError``: the worker exits with
@@ -517,12 +636,33 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "one process, so each worker would hold a different, partial index. "
             "Run with -w 1 (WEB_CONCURRENCY=1).")
     configure_logging(settings.log_level)
+    worker_class = getattr(_gunicorn_cfg(), "worker_class", None)
+    if worker_class is not None and not _is_kv_worker(worker_class) and settings.tls_cert:
+        raise AppImportError(
+            "kv-conductor: error: --tls-cert needs gunicorn -k kvconductor.app.KvConductorWorker "
+            "(other workers would serve plain HTTP; or use gunicorn's --certfile/--keyfile)")
+    if worker_class is not None and not _is_kv_worker(worker_class):
+        log.warning("worker class %s does not enforce the HTTP limits (--max-header-kb, "
+                    "--request-timeout-secs, --keep-alive-secs, --max-connections); run "
+                    "gunicorn with -k kvconductor.app.KvConductorWorker",
+                    getattr(worker_class, "__qualname__", worker_class))
     # Same GIL switch interval and open-file limit as `kv-conductor` (kvconductor.server).
     sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(fds_needed(settings.max_sources))
+    raise_fd_limit(fds_needed(settings.max_sources, settings.max_connections))
     log.info("KV conductor starting under gunicorn pid=%d workers=%s version=%s %s "
              "switch_interval=%s", os.getpid(), workers, __version__, settings.describe(),
              sys.getswitchinterval())
     conductor = Conductor(settings.conductor_config())
-    return create_app(conductor, fast_query=True, max_body_bytes=settings.max_body_bytes,
-                      api_key=settings.api_key, manage_lifecycle=True)
+    app = create_app(conductor, fast_query=True, max_body_bytes=settings.max_body_bytes,
+                     api_key=settings.api_key, manage_lifecycle=True,
+                     allow_origins=settings.allow_origins, open_workers=settings.open_workers)
+    app.kvc_settings = settings  # read by KvConductorWorker
+    return app
+
+
+def _is_kv_worker(worker_class: Any) -> bool:
+    try:
+        from kvconductor.worker import KvConductorWorker
+    except ImportError:
+        return False
+    return isinstance(worker_class, type) and issubclass(worker_class, KvConductorWorker)

@@ -48,6 +48,16 @@ class Settings:
     allow_bind_endpoints: bool = False
     allow_ipc_endpoints: bool = False
     endpoint_networks: tuple = ()
+    # HTTP limits and network security (docs/security.md)
+    max_header_kb: int = 64
+    request_timeout_secs: float = 30.0
+    keep_alive_secs: float = 5.0
+    max_connections: int = 1000
+    allow_origins: tuple[str, ...] = ()
+    open_workers: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     @property
     def max_body_bytes(self) -> int:
@@ -76,6 +86,22 @@ class Settings:
         if self.endpoint_networks:
             rule += "@" + ",".join(str(n) for n in self.endpoint_networks)
         return rule
+
+    def http_limits(self):
+        """The :class:`kvconductor.protocol.HttpLimits` of these flags."""
+        from kvconductor.protocol import HttpLimits
+
+        return HttpLimits(max_head_bytes=self.max_header_kb * 1024,
+                          request_timeout=float(self.request_timeout_secs),
+                          keep_alive=float(self.keep_alive_secs),
+                          max_connections=self.max_connections)
+
+    def describe_http(self) -> str:
+        """The network-security settings as ``key=value`` pairs (no secrets)."""
+        return (f"tls={'on' if self.tls_cert else 'off'} "
+                f"client_certs={'on' if self.tls_client_ca else 'off'} "
+                f"allow_origins={','.join(self.allow_origins) or '-'} "
+                f"workers={'open' if self.open_workers or not self.api_key else 'token'}")
 
     def conductor_config(self):
         from kvconductor.service import ConductorConfig
@@ -110,6 +136,13 @@ class _Parser(argparse.ArgumentParser):
         if self.raise_errors:
             raise FlagError(f"{self.prog}: error: {message} (see --help)")
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns = super().parse_args(args, namespace)
+        problem = _tls_problem(ns)  # flags that are wrong together
+        if problem:
+            self.error(problem)
+        return ns
 
 
 def _host(value: str) -> str:
@@ -179,6 +212,47 @@ def _networks(value: str) -> tuple:
     if not nets:
         raise argparse.ArgumentTypeError("expected at least one CIDR, e.g. 10.0.0.0/8")
     return nets
+def _count(value: str) -> int:
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: an integer is required") \
+            from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {n}: must be >= 1")
+    return n
+
+
+def _timeout(value: str) -> float:
+    try:
+        secs = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: a number of seconds is required") from None
+    if not 0 < secs < 86400 * 365:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be > 0")
+    return secs
+
+
+def _origin(value: str) -> str:
+    scheme, sep, rest = value.partition("://")
+    if value == "*":
+        raise argparse.ArgumentTypeError(
+            "invalid origin '*': list each allowed origin (mutating routes never allow all)")
+    if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
+        raise argparse.ArgumentTypeError(
+            f"invalid origin {value!r}: scheme://host[:port] is required, e.g. "
+            "https://ui.example.com (no path, no trailing slash)")
+    return value.lower()  # browsers send scheme and host in lower case
+
+
+def _readable(value: str) -> str:
+    try:
+        with open(value, "rb"):
+            pass
+    except OSError as ex:
+        raise argparse.ArgumentTypeError(f"cannot read {value}: {ex.strerror or ex}") from None
+    return value
 
 
 def _level(value: str) -> str:
@@ -252,8 +326,8 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=_megabytes, default=64.0,
                    help="request body limit in MiB (default 64)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require 'Authorization: Bearer <key>' on /register, /unregister and "
-                        f"/events (env {API_KEY_ENV})")
+                   help=f"require 'Authorization: Bearer <key>' on /register, /unregister, "
+                        f"/events and /workers (env {API_KEY_ENV})")
     p.add_argument("--allow-bind-endpoints", action="store_true",
                    help="accept bind-mode endpoint URLs (tcp://*:PORT): the server then listens "
                         "for publishers on that port (off by default)")
@@ -262,6 +336,38 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--endpoint-networks", type=_networks, default=(), metavar="CIDR[,CIDR...]",
                    help="only accept TCP endpoint URLs whose IP address is in these networks "
                         "(host names are then refused)")
+    # HTTP limits and network security (docs/security.md)
+    p.add_argument("--max-header-kb", type=_count, default=64, metavar="KIB",
+                   help="limit of a request's line and headers in KiB; over it: 431 and close "
+                        "(default 64)")
+    p.add_argument("--request-timeout-secs", type=_timeout, default=30.0, metavar="SECS",
+                   help="seconds a connection has to send a complete request (head and body), "
+                        "counted from the request's first byte or from opening; then it is "
+                        "closed, with 408 if it sent part of one (default 30; also the TLS "
+                        "handshake deadline)")
+    p.add_argument("--keep-alive-secs", type=_timeout, default=5.0, metavar="SECS",
+                   help="idle keep-alive connections are closed after this many seconds "
+                        "between requests (default 5)")
+    p.add_argument("--max-connections", type=_count, default=1000, metavar="N",
+                   help="open HTTP connections at most; at the cap the longest-idle one is "
+                        "closed for a new one, or the new one gets 503 when none is idle "
+                        "(default 1000; lowered to fit the open-file limit)")
+    p.add_argument("--allow-origin", dest="allow_origins", action="append", type=_origin,
+                   default=[], metavar="ORIGIN",
+                   help="web origin (scheme://host[:port]) allowed to call /register, "
+                        "/unregister and /events from a browser; repeatable. Requests with any "
+                        "other Origin header get 403 (default: none; programs send no Origin)")
+    p.add_argument("--open-workers", action="store_true",
+                   help="with --api-key, leave GET /workers (it lists every endpoint) open "
+                        "(default: it needs the bearer token too)")
+    p.add_argument("--tls-cert", type=_readable, metavar="FILE",
+                   help="serve HTTPS with this PEM certificate chain (the key may be in the same "
+                        "file; unencrypted)")
+    p.add_argument("--tls-key", type=_readable, metavar="FILE",
+                   help="PEM private key of --tls-cert (unencrypted)")
+    p.add_argument("--tls-client-ca", type=_readable, metavar="FILE",
+                   help="require client certificates signed by these PEM CA certificates "
+                        "(mutual TLS; needs --tls-cert)")
     return p
 
 
@@ -278,7 +384,65 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_body_mb=args.max_body_mb, api_key=args.api_key or None,
         allow_bind_endpoints=args.allow_bind_endpoints,
         allow_ipc_endpoints=args.allow_ipc_endpoints, endpoint_networks=args.endpoint_networks,
+        **_http_fields(args),
     )
+
+
+def _http_fields(args: argparse.Namespace) -> dict:
+    """The HTTP limit and security settings among ``args``."""
+    return dict(
+        max_header_kb=args.max_header_kb, request_timeout_secs=args.request_timeout_secs,
+        keep_alive_secs=args.keep_alive_secs, max_connections=args.max_connections,
+        allow_origins=tuple(args.allow_origins), open_workers=args.open_workers,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+    )
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_password() -> str:
+    raise _EncryptedKey
+
+
+def _tls_problem(args: argparse.Namespace) -> str | None:
+    """Why the ``--tls-*`` flags cannot work together, or ``None``.
+
+    Loads the certificate, key and client CAs the way the server will, so a
+    wrong file stops the process at startup (exit 2), not at the first client.
+    """
+    import ssl
+
+    cert, key, ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if key and not cert:
+        return "--tls-key needs --tls-cert"
+    if ca and not cert:
+        return "--tls-client-ca needs --tls-cert (client certificates are checked over TLS only)"
+    if not cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key, password=_no_password)
+    except _EncryptedKey:
+        return f"the private key in {key or cert} is encrypted; give an unencrypted key " \
+               "(protect it with file permissions)"
+    except (ssl.SSLError, OSError, ValueError) as ex:
+        return (f"--tls-cert/--tls-key: cannot load the certificate and key ({cert}, "
+                f"{key or 'no --tls-key: key expected in the same file'}): {_ssl_reason(ex)}")
+    if ca:
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, OSError, ValueError) as ex:
+            return f"--tls-client-ca {ca}: cannot load CA certificates: {_ssl_reason(ex)}"
+    return None
+
+
+def _ssl_reason(ex: Exception) -> str:
+    reason = getattr(ex, "reason", None) or str(ex)
+    if reason == "PEM lib":
+        reason = "not a PEM certificate/key, or the key is missing"
+    return str(reason).replace("_", " ").lower()
 
 
 _LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}

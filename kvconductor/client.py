@@ -34,6 +34,7 @@ import array
 import dataclasses
 import logging
 import os
+import ssl
 import sys
 import threading
 import time
@@ -54,6 +55,7 @@ __all__ = [
     "ReregisterResult",
     "format_host",
     "conductor_base_url",
+    "tls_verify",
     "resolve_endpoint",
     "instance_name",
     "strip_decode_instances",
@@ -545,6 +547,41 @@ class ReregisterResult:
     failed: list[tuple[dict, ConductorError]]
 
 
+def tls_verify(verify: Any = True, cert: Any = None) -> Any:
+    """The ``verify=`` for httpx of a ``verify`` and a client ``cert``.
+
+    ``verify``: ``True`` (the default CAs), ``False``, a CA bundle path or an
+    ``ssl.SSLContext``. ``cert``: a PEM file holding the client certificate and
+    key, or ``(cert_file, key_file)`` / ``(cert_file, key_file, password)``, for
+    a server started with ``--tls-client-ca``. httpx 0.28 deprecates its own
+    ``cert=`` and string ``verify=``, so both become one ``SSLContext`` here.
+    """
+    if cert is None and not isinstance(verify, (str, os.PathLike)):
+        return verify
+    if isinstance(verify, ssl.SSLContext):
+        ctx = verify
+    elif verify is False:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    elif isinstance(verify, (str, os.PathLike)):
+        path = os.fspath(verify)
+        ctx = ssl.create_default_context(capath=path) if os.path.isdir(path) else \
+            ssl.create_default_context(cafile=path)
+    else:
+        try:
+            import certifi  # what httpx trusts by default
+            ctx = ssl.create_default_context(cafile=certifi.where())
+        except ImportError:  # pragma: no cover
+            ctx = ssl.create_default_context()
+    if cert is not None:
+        if isinstance(cert, (str, os.PathLike)):
+            ctx.load_cert_chain(cert)
+        else:
+            ctx.load_cert_chain(*cert)
+    return ctx
+
+
 def _limits(pool_size: int) -> httpx.Limits:
     return httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size, keepalive_expiry=30.0)
 
@@ -560,7 +597,9 @@ class ConductorClient(_Core):
     ``trust_env`` is off by default so proxy variables cannot capture
     cluster-internal traffic. ``clock`` drives the breaker (tests).
     ``api_key``: sent as ``Authorization: Bearer <key>`` (a server started
-    with ``--api-key`` requires it on ``/register``, ``/unregister``, ``/events``).
+    with ``--api-key`` requires it on ``/register``, ``/unregister``, ``/events``
+    and ``/workers``). ``verify`` / ``cert``: for an HTTPS server (``--tls-cert``;
+    ``cert`` for ``--tls-client-ca``), see :func:`tls_verify`.
     """
 
     def __init__(
@@ -571,6 +610,7 @@ class ConductorClient(_Core):
         transport: httpx.BaseTransport | None = None,
         trust_env: bool = False,
         verify: Any = True,
+        cert: Any = None,
         **options: Any,
     ) -> None:
         super().__init__(base_url, **options)
@@ -580,7 +620,7 @@ class ConductorClient(_Core):
             timeout=self.register_timeout,
             transport=transport,
             trust_env=trust_env,
-            verify=verify,
+            verify=tls_verify(verify, cert),
             headers=self._default_headers,
         )
 
@@ -737,6 +777,7 @@ class AsyncConductorClient(_Core):
         transport: httpx.AsyncBaseTransport | None = None,
         trust_env: bool = False,
         verify: Any = True,
+        cert: Any = None,
         **options: Any,
     ) -> None:
         super().__init__(base_url, **options)
@@ -746,7 +787,7 @@ class AsyncConductorClient(_Core):
             timeout=self.register_timeout,
             transport=transport,
             trust_env=trust_env,
-            verify=verify,
+            verify=tls_verify(verify, cert),
             headers=self._default_headers,
         )
 

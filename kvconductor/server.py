@@ -6,27 +6,33 @@ process owns the index, so there is nothing to share between workers.
 ``::`` binds one dual-stack socket (``IPV6_V6ONLY`` off) so IPv4 clients
 reach it too; when the host has no IPv6 it falls back to ``0.0.0.0`` and
 logs it. On SIGTERM/SIGINT uvicorn stops accepting, lets in-flight requests
-finish (at most :data:`GRACEFUL_SECS`), then the conductor closes its
-subscriptions and stops the ingest thread; a second signal forces the exit.
+finish (at most :data:`GRACEFUL_SECS`), closes what is left (one WARN line, no
+tracebacks), then the conductor closes its subscriptions and stops the ingest
+thread; a second signal ends the drain at once. Exit status 0 either way.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import errno
 import importlib.util
 import ipaddress
 import logging
 import signal
 import socket
+import ssl
 import sys
 import threading
 from collections.abc import Generator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from kvconductor.app import create_app
 from kvconductor.cli import Settings
+from kvconductor.protocol import HttpLimits, h11_buffer_limit, protocol_class
 from kvconductor.service import Conductor, fds_needed, raise_fd_limit
 
 log = logging.getLogger("kvconductor")
@@ -38,6 +44,10 @@ GRACEFUL_SECS = 3
 #: Seconds the conductor gets to close subscriptions and stop the ingest thread.
 STOP_SECS = 3.0
 _NO_IPV6 = {errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT}
+#: File descriptors kept for everything but HTTP connections: listener, epoll, log
+#: files, threads, and the ZeroMQ context and sockets of the subscriptions (about 4
+#: per subscribed URL). See docs/security.md, "File descriptors".
+FD_RESERVE = 256
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -78,14 +88,36 @@ def format_address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
 
 
-class _Server(uvicorn.Server):
-    """uvicorn server that logs the signal and does not re-raise it after draining."""
+class KvServer(uvicorn.Server):
+    """uvicorn server with a quiet shutdown.
+
+    * The first SIGTERM/SIGINT logs ``received shutdown signal, draining
+      connections...`` and starts the drain; a second one (either signal) logs
+      a warning and ends the drain at once. Signals are not re-raised after.
+    * Over TLS, a handshake must finish within the request deadline
+      (:meth:`startup`).
+    * :meth:`shutdown` replaces uvicorn's: stop accepting, close idle
+      connections, wait up to ``timeout_graceful_shutdown`` for requests in
+      flight, then close the remaining connections (their requests read a
+      disconnect and end) and cancel what still runs. One WARN line says so;
+      uvicorn's ERROR lines and the CancelledError tracebacks of cancelled
+      requests (see :class:`_EndQuietlyOnShutdown`) are not produced.
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        if not isinstance(config.app, str):
+            config.app = _EndQuietlyOnShutdown(config.app, self)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        name = signal.Signals(sig).name
         if not self.should_exit:
-            log.info("received shutdown signal, draining connections... signal=%s",
-                     signal.Signals(sig).name)
-        super().handle_exit(sig, frame)
+            log.info("received shutdown signal, draining connections... signal=%s", name)
+            self.should_exit = True
+        elif not self.force_exit:
+            log.warning("second shutdown signal (%s): closing connections without waiting for "
+                        "requests in flight", name)
+            self.force_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -99,6 +131,157 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's startup, with a TLS handshake deadline of ``--request-timeout-secs``.
+
+        asyncio gives a TLS handshake 60 s, and the protocol (so the request
+        deadline and the connection cap) only sees a connection once its
+        handshake is done.
+        """
+        config = self.config
+        limits = getattr(getattr(config, "http_protocol_class", None), "limits", None)
+        if config.ssl is None or sockets is None or not isinstance(limits, HttpLimits):
+            return await super().startup(sockets=sockets)
+        await self.lifespan.startup()
+        if self.lifespan.should_exit:
+            sys.exit(3)  # uvicorn's STARTUP_FAILURE
+
+        def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state,
+                _loop=_loop)
+
+        loop = asyncio.get_running_loop()
+        self.servers = []
+        for sock in sockets:
+            self.servers.append(await loop.create_server(
+                create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog,
+                ssl_handshake_timeout=limits.request_timeout))
+        self.started = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        state = self.server_state
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for conn in list(state.connections):
+            conn.shutdown()  # idle: closed now; busy: closed after its response
+        grace = self.config.timeout_graceful_shutdown
+        if grace is None:  # gunicorn's worker leaves it unset
+            grace = GRACEFUL_SECS
+        deadline = loop.time() + grace
+        while (state.connections or state.tasks) and not self.force_exit \
+                and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if state.connections:
+            why = "second signal" if self.force_exit else f"drain exceeded {grace:g}s"
+            log.warning("shutdown: closing %d connection(s) with requests in flight (%s)",
+                        len(state.connections), why)
+            for conn in list(state.connections):
+                transport = getattr(conn, "transport", None)
+                if transport is not None:
+                    transport.abort()
+            await asyncio.sleep(0.05)  # connection_lost: requests now read a disconnect
+        deadline = loop.time() + STOP_SECS / 3
+        while state.tasks and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if state.tasks:
+            tasks = list(state.tasks)
+            log.warning("shutdown: cancelling %d request(s) still running", len(tasks))
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=STOP_SECS / 3)
+        for server in self.servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+        # Always (uvicorn skips it on a forced exit): under gunicorn this stops the conductor.
+        await self.lifespan.shutdown()
+
+
+class _EndQuietlyOnShutdown:
+    """ASGI wrapper: a request cancelled by a stopping server ends with an INFO line.
+
+    uvicorn logs an app that raises ``CancelledError`` at ERROR with a
+    traceback; at shutdown that is the expected end of a request whose client
+    was cut off.
+    """
+
+    def __init__(self, app: Any, server: uvicorn.Server) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.server.should_exit:
+                raise
+            log.info("request cancelled by shutdown method=%s path=%s",
+                     scope.get("method"), scope.get("path"))
+
+
+def fit_fd_limit(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
+    """``limits`` with ``max_connections`` fitted to the open-file limit, and that
+    limit (``None``: unlimited or unknown).
+
+    Like Go's runtime, the soft ``RLIMIT_NOFILE`` is raised to the hard limit
+    first. If ``max_connections + FD_RESERVE`` still does not fit, the cap is
+    lowered (to ``max(limit - FD_RESERVE, limit // 2)``) with a warning, so a
+    flood of connections meets the cap before accept() fails with EMFILE.
+    """
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return limits, None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    inf = resource.RLIM_INFINITY
+    if soft != inf and (hard == inf or soft < hard):
+        for target in ((hard,) if hard != inf else ()) + (limits.max_connections + FD_RESERVE,):
+            if target <= soft:
+                continue
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError):
+                continue
+            log.info("raised the open-file limit from %d to %d", soft, target)
+            soft = target
+            break
+    if soft == inf:
+        return limits, None
+    if limits.max_connections + FD_RESERVE <= soft:
+        return limits, soft
+    room = max(soft - FD_RESERVE, soft // 2, 1)
+    log.warning("the open-file limit %d (hard %s) leaves room for %d HTTP connections; "
+                "--max-connections lowered from %d to %d (raise it with ulimit -n or "
+                "LimitNOFILE=)", soft, "unlimited" if hard == inf else hard, room,
+                limits.max_connections, room)
+    return dataclasses.replace(limits, max_connections=room), soft
+
+
+def uvicorn_options(settings: Settings, http: str) -> dict:
+    """The ``uvicorn.Config`` options of the HTTP limits (and TLS) of ``settings``.
+
+    ``http``: ``"httptools"`` or ``"h11"``, the parser the protocol builds on.
+    """
+    limits, fd_limit = fit_fd_limit(settings.http_limits())
+    log.info("HTTP limits %s fd_limit=%s %s", limits.describe(),
+             "unlimited" if fd_limit is None else fd_limit, settings.describe_http())
+    options: dict = dict(
+        http=protocol_class(limits, http),
+        ws="none",  # no WebSocket routes: upgrades are plain requests
+        timeout_keep_alive=limits.keep_alive,
+        h11_max_incomplete_event_size=h11_buffer_limit(limits),
+    )
+    if settings.tls_cert:
+        options.update(
+            ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key,
+            ssl_ca_certs=settings.tls_client_ca,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if settings.tls_client_ca else ssl.CERT_NONE,
+        )
+    return options
 
 
 def _uvicorn_impls() -> tuple[str, str]:
@@ -115,10 +298,11 @@ def serve(settings: Settings) -> int:
     # hand it back between steps; a short switch interval keeps the event loop's
     # small queries from waiting the default 5 ms for it.
     sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(fds_needed(settings.max_sources))
+    raise_fd_limit(fds_needed(settings.max_sources, settings.max_connections))
     conductor = Conductor(settings.conductor_config())
     app = create_app(conductor, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key,
-                     fast_query=True)
+                     fast_query=True, allow_origins=settings.allow_origins,
+                     open_workers=settings.open_workers)
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as ex:
@@ -129,11 +313,12 @@ def serve(settings: Settings) -> int:
         return 1
     loop, http = _uvicorn_impls()
     config = uvicorn.Config(
-        app, loop=loop, http=http, lifespan="off", log_config=None,
+        app, loop=loop, lifespan="off", log_config=None,
         access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
         timeout_graceful_shutdown=GRACEFUL_SECS, server_header=False,
+        **uvicorn_options(settings, http),
     )
-    server = _Server(config)
+    server = KvServer(config)
     log.info("KV conductor starting on %s version=%s %s switch_interval=%s",
              format_address(sock), _version(), settings.describe(), sys.getswitchinterval())
     conductor.start()

@@ -503,10 +503,18 @@ def test_api_key(conductor):
         assert events(client, [], headers=bad).status_code == 401
     register(client, headers=good)
     assert events(client, [stored(1, [100], [1, 2, 3, 4])], headers=good).status_code == 200
-    assert client.simulate_get("/workers").status_code == 200
+    r = client.simulate_get("/workers")  # it lists every endpoint: protected too
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+    assert client.simulate_get("/workers", headers=good).status_code == 200
     assert client.simulate_get("/health").status_code == 200
     assert query(client, [1, 2, 3, 4])["default"]["vllm-prefill-1"]["DP"]["0"] == dp(1, 0, 0)
     assert unregister(client, headers={"Authorization": "bearer s3cret"}).status_code == 200
+
+
+def test_open_workers(conductor):
+    client = ft.TestClient(create_app(conductor, api_key="s3cret", open_workers=True))
+    assert client.simulate_get("/workers").status_code == 200
+    assert register(client, expect=401).status_code == 401
 
 
 def test_cors(client):

@@ -93,3 +93,68 @@ def test_endpoint_policy_flags():
     assert s.conductor_config().url_policy == UrlPolicy(
         allow_bind=True, allow_ipc=True, networks=parse_networks("10.0.0.0/8,fd00::/8"))
     assert "endpoints=tcp-connect+bind+ipc@10.0.0.0/8,fd00::/8" in s.describe()
+
+
+def test_http_limit_flags():
+    s = parse()
+    assert (s.max_header_kb, s.request_timeout_secs, s.keep_alive_secs, s.max_connections) == \
+        (64, 30.0, 5.0, 1000)
+    limits = s.http_limits()
+    assert (limits.max_head_bytes, limits.request_timeout, limits.keep_alive,
+            limits.max_connections) == (65536, 30.0, 5.0, 1000)
+    s = parse("--max-header-kb", "8", "--request-timeout-secs", "1.5", "--keep-alive-secs", "2",
+              "--max-connections", "50")
+    assert (s.http_limits().max_head_bytes, s.request_timeout_secs, s.keep_alive_secs,
+            s.max_connections) == (8192, 1.5, 2.0, 50)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-header-kb", "0"], "must be >= 1"),
+    (["--max-connections", "x"], "an integer is required"),
+    (["--request-timeout-secs", "0"], "must be > 0"),
+    (["--keep-alive-secs", "nan"], "must be > 0"),
+])
+def test_bad_http_limit_values(argv, needle, capsys):
+    with pytest.raises(SystemExit) as ex:
+        cli.build_parser().parse_args(argv)
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_allow_origin_and_open_workers_flags():
+    assert parse().allow_origins == () and parse().open_workers is False
+    assert parse("--open-workers").open_workers is True
+    s = parse("--allow-origin", "https://UI.example", "--allow-origin", "http://localhost:3000")
+    assert s.allow_origins == ("https://ui.example", "http://localhost:3000")
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("*", "never allow all"),
+    ("ui.example", "scheme://host[:port] is required"),
+    ("https://ui.example/", "no path"),
+    ("ftp://ui.example", "scheme://host[:port] is required"),
+])
+def test_bad_allow_origin(value, needle, capsys):
+    with pytest.raises(SystemExit) as ex:
+        cli.build_parser().parse_args(["--allow-origin", value])
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
+
+
+def test_tls_flags(tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    chain, key, cafile = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    chain.write_bytes(b"".join(b.bytes() for b in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(key)
+    ca.cert_pem.write_to_path(cafile)
+    s = parse()
+    assert (s.tls_cert, s.tls_key, s.tls_client_ca) == (None, None, None)
+    s = parse("--tls-cert", str(chain), "--tls-key", str(key), "--tls-client-ca", str(cafile))
+    assert (s.tls_cert, s.tls_key, s.tls_client_ca) == (str(chain), str(key), str(cafile))
+    assert "tls=on client_certs=on" in s.describe_http()
+    with pytest.raises(cli.FlagError, match="--tls-key needs --tls-cert"):
+        cli.build_parser(raise_errors=True).parse_args(["--tls-key", str(key)])

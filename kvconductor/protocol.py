@@ -1,0 +1,423 @@
+"""HTTP/1.1 connection limits on top of uvicorn's protocols.
+
+uvicorn (0.30+) leaves three holes that a client, broken or hostile, can use
+to take the service down:
+
+* **no bound on a request head** with httptools (llhttp): a 256 MB header line
+  is buffered whole and the request is served;
+* **no deadline for a request**: its keep-alive timer only runs *between*
+  requests, so a connection that never sends anything, sends its head one
+  byte at a time, or sends a body shorter than its ``Content-Length`` stays
+  open forever (1,100 such sockets exhaust a 1024-fd limit);
+* ``limit_concurrency`` counts idle sockets too and answers 503 only after
+  reading a head, so idle sockets are enough to make ``/health`` fail.
+
+The protocols here (:func:`protocol_class`, a subclass of uvicorn's
+``HttpToolsProtocol`` or ``H11Protocol``) add, per connection:
+
+* a **head limit** (:attr:`HttpLimits.max_head_bytes`, request line plus
+  headers): bytes are counted as they arrive, before the parser buffers them;
+  past the limit the connection gets ``431`` ``{"error": ...}`` and is closed;
+  the rest of the head is never read into memory;
+* a **request deadline** (:attr:`HttpLimits.request_timeout`): armed when a
+  connection opens and when the first byte of each further request arrives,
+  cleared when the request (head and body) is complete. When it fires, a
+  connection that has sent part of a request gets ``408`` ``{"error": ...}``;
+  one that sent nothing is just closed. The request, if it reached the app,
+  sees a disconnect and is not acted on;
+* a **connection cap** (:attr:`HttpLimits.max_connections`, one
+  :class:`ConnectionPool` per server): at the cap a new connection evicts the
+  connection with no request in the app (idle keep-alive, or a head still
+  arriving) that was active least recently; when every connection has a
+  request in the app it is refused with ``503`` ``{"error": ...}``.
+
+Between requests, uvicorn's ``timeout_keep_alive`` closes idle keep-alive
+connections (:attr:`HttpLimits.keep_alive`).
+
+Refusals (431, 408, 503, and 400 for a request the parser rejects) are sent
+with ``Connection: close``, then the write side is shut and what the client
+still sends is read and dropped for at most :data:`LINGER_SECS` before the
+socket is closed, so the client can read the answer instead of getting a reset.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from kvconductor.wire import encode_error
+
+log = logging.getLogger("kvconductor.http")
+
+#: Seconds a refused connection is drained (its input dropped) before it is closed.
+LINGER_SECS = 1.0
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout",
+            431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Per-server HTTP limits (flags ``--max-header-kb``, ``--request-timeout-secs``,
+    ``--keep-alive-secs``, ``--max-connections``)."""
+
+    max_head_bytes: int = 64 * 1024
+    request_timeout: float = 30.0
+    keep_alive: float = 5.0
+    max_connections: int = 1000
+
+    def describe(self) -> str:
+        return (f"max_header_bytes={self.max_head_bytes} request_timeout={self.request_timeout:g}s "
+                f"keep_alive={self.keep_alive:g}s max_connections={self.max_connections}")
+
+
+class _Throttle:
+    """At most one log line per ``interval`` seconds per kind; counts the rest."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def __call__(self, kind: str, level: int, msg: str, *args: Any) -> None:
+        if not log.isEnabledFor(level):
+            return
+        now = time.monotonic()
+        if now - self._last.get(kind, -1e9) < self.interval:
+            self._skipped[kind] = self._skipped.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        skipped = self._skipped.pop(kind, 0)
+        if skipped:
+            msg += " (%d more like this in the last %gs)"
+            args = (*args, skipped, self.interval)
+        log.log(level, msg, *args)
+
+
+_throttle = _Throttle()
+
+
+class ConnectionPool:
+    """The admitted connections of one server and, in LRU order, the evictable ones.
+
+    A connection is *evictable* while it has no request in the app: from the
+    moment it opens, or its last response is complete, until a request head
+    is complete. Activity (bytes received) moves it to the back.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.members: set[Any] = set()
+        self.evictable: OrderedDict[Any, None] = OrderedDict()
+        self.evicted = 0
+        self.refused = 0
+
+    def admit(self, conn: Any) -> bool:
+        """Add ``conn``, evicting the least recently active evictable one at the cap."""
+        if len(self.members) >= self.limit:
+            if not self.evictable:
+                self.refused += 1
+                return False
+            victim, _ = self.evictable.popitem(last=False)
+            self.members.discard(victim)
+            self.evicted += 1
+            victim._evict(len(self.members) + 1, self.limit)
+        self.members.add(conn)
+        self.evictable[conn] = None
+        return True
+
+    def idle(self, conn: Any) -> None:
+        if conn in self.members:
+            self.evictable[conn] = None
+            self.evictable.move_to_end(conn)
+
+    def touch(self, conn: Any) -> None:
+        if conn in self.evictable:
+            self.evictable.move_to_end(conn)
+
+    def busy(self, conn: Any) -> None:
+        self.evictable.pop(conn, None)
+
+    def remove(self, conn: Any) -> None:
+        self.members.discard(conn)
+        self.evictable.pop(conn, None)
+
+
+def _pool(server_state: Any, limit: int) -> ConnectionPool:
+    pool = getattr(server_state, "kvc_pool", None)
+    if pool is None:
+        pool = server_state.kvc_pool = ConnectionPool(limit)
+    return pool
+
+
+def error_response(status: int, message: str) -> bytes:
+    """A complete ``Connection: close`` HTTP/1.1 response with a JSON error body."""
+    body = encode_error(message, False)
+    return b"".join([
+        b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Error")),
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"connection: close\r\n",
+        b"retry-after: 1\r\n" if status == 503 else b"",
+        b"\r\n", body,
+    ])
+
+
+class _Limits:
+    """The limits, as a mixin over uvicorn's ``HttpToolsProtocol`` / ``H11Protocol``.
+
+    Hooks for the subclasses: :meth:`_head_complete` (a request head was
+    parsed and handed to the app), :meth:`_request_complete` (its body is
+    complete too) and :meth:`_in_app` (a request is in the app).
+    """
+
+    limits: HttpLimits = HttpLimits()
+
+    # -- connection -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        self._deadline: asyncio.TimerHandle | None = None
+        self._linger: asyncio.TimerHandle | None = None
+        self._rejected = False
+        self._head_open = True      # waiting for (the rest of) a request head
+        self._head_bytes = 0        # bytes of that head so far
+        self._pool = _pool(self.server_state, self.limits.max_connections)  # type: ignore[attr-defined]
+        if not self._pool.admit(self):
+            _throttle("refused", logging.WARNING,
+                      "connection refused: %d connections open, each with a request in "
+                      "progress (--max-connections %d) client=%s",
+                      len(self._pool.members), self._pool.limit, _peer(self))
+            self._reject(503, f"too many open connections (limit {self._pool.limit}); "
+                              "try again later")
+            return
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        self._pool.remove(self)
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return  # draining before close
+        if not self._head_open:
+            return self._feed(data)
+        if self._deadline is None:
+            self._arm()  # first bytes of the next request on a keep-alive connection
+        self._pool.touch(self)
+        # Feed at most the rest of the head budget; if the head is not complete within
+        # it, the request is refused without the parser ever buffering more.
+        while data and self._head_open:
+            budget = self.limits.max_head_bytes - self._head_bytes
+            if budget <= 0:
+                return self._head_too_large()
+            piece, data = (data, b"") if len(data) <= budget else (data[:budget], data[budget:])
+            self._head_bytes += len(piece)
+            self._feed(piece)
+            if self._rejected or self.transport.is_closing():  # type: ignore[attr-defined]
+                return
+        if data:
+            self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        super().data_received(data)  # type: ignore[misc]
+
+    # -- request progress (called by the subclasses) -----------------------------------------
+    def _head_complete(self) -> None:
+        self._head_open = False
+        self._pool.busy(self)
+
+    def _request_complete(self) -> None:
+        self._disarm()
+        self._head_open = True
+        self._head_bytes = 0
+
+    def _response_complete(self) -> None:
+        if not self._rejected and not self._in_app():
+            self._pool.idle(self)
+
+    def _in_app(self) -> bool:
+        cycle = self.cycle  # type: ignore[attr-defined]
+        return cycle is not None and not cycle.response_complete
+
+    # -- deadline -----------------------------------------------------------------------------
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(  # type: ignore[attr-defined]
+            self.limits.request_timeout, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _timed_out(self) -> None:
+        self._deadline = None
+        if self._rejected or self.transport.is_closing():  # type: ignore[attr-defined]
+            return
+        secs = self.limits.request_timeout
+        if self._head_open and self._head_bytes == 0:
+            # Nothing of a request arrived: just close (what a client's pool expects).
+            log.debug("closing connection that sent no request within %gs client=%s",
+                      secs, _peer(self))
+            self._close_now()
+            return
+        part = "head" if self._head_open else "body"
+        _throttle("timeout", logging.WARNING,
+                  "request timeout: request %s not complete within %gs, closing connection "
+                  "client=%s", part, secs, _peer(self))
+        self._reject(408, f"request not complete within {secs:g} s (request {part} "
+                          "incomplete); connection closed")
+
+    # -- refusals -----------------------------------------------------------------------------
+    def _head_too_large(self) -> None:
+        _throttle("head", logging.WARNING,
+                  "request head too large: over %d bytes (--max-header-kb), answering 431 "
+                  "client=%s", self.limits.max_head_bytes, _peer(self))
+        self._reject(431, f"request line and headers exceed the limit of "
+                          f"{self.limits.max_head_bytes} bytes")
+
+    def _can_answer(self) -> bool:
+        """True when a refusal may be written: nothing else is being answered and the
+        request being refused has not been answered yet."""
+        if getattr(self, "pipeline", None):
+            return False  # an earlier pipelined response is still pending
+        cycle = self.cycle  # type: ignore[attr-defined]
+        if self._head_open:  # the refused request has no cycle yet; the last one must be done
+            return cycle is None or cycle.response_complete
+        return cycle is not None and not cycle.response_started
+
+    def _reject(self, status: int, message: str) -> None:
+        """Answer ``status`` (when nothing else is being answered), shut, drain, close."""
+        self._rejected = True
+        self._disarm()
+        self._pool.remove(self)
+        transport = self.transport  # type: ignore[attr-defined]
+        answer = self._can_answer()
+        cycle = self.cycle  # type: ignore[attr-defined]
+        if cycle is not None and not cycle.response_complete:
+            # The app's request will never complete: it reads a disconnect, sends nothing.
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if not answer:
+            self._close_now()
+            return
+        transport.write(error_response(status, message))
+        if transport.can_write_eof():
+            try:
+                transport.write_eof()
+                transport.resume_reading()
+            except (OSError, RuntimeError):
+                self._close_now()
+                return
+            self._linger = self.loop.call_later(LINGER_SECS, self._close_now)  # type: ignore
+        else:
+            transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse, as ``{"error": ...}``."""
+        self._reject(400, f"invalid HTTP request: {msg}")
+
+    def _evict(self, count: int, limit: int) -> None:
+        _throttle("evict", logging.WARNING,
+                  "evicted idle connection: %d connections open (--max-connections %d) "
+                  "client=%s", count, limit, _peer(self))
+        self._rejected = True
+        self._disarm()
+        self._close_now()
+
+    def _close_now(self) -> None:
+        self._linger = None
+        transport = self.transport  # type: ignore[attr-defined]
+        if not transport.is_closing():
+            transport.close()
+
+
+def _peer(conn: Any) -> str:
+    client = getattr(conn, "client", None)
+    if not client:
+        return "-"
+    host, port = client[0], client[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def _httptools_class() -> type:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class LimitedHttpToolsProtocol(_Limits, HttpToolsProtocol):
+        """``HttpToolsProtocol`` with kv-conductor's head limit, deadline and cap."""
+
+        def on_headers_complete(self) -> None:
+            self._head_complete()
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._request_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._response_complete()
+
+    return LimitedHttpToolsProtocol
+
+
+def _h11_class() -> type:
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    done = (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+
+    class LimitedH11Protocol(_Limits, H11Protocol):
+        """``H11Protocol`` with kv-conductor's head limit, deadline and cap.
+
+        h11 has no parser callbacks: progress is read from the connection's
+        state after each batch of events (a new ``cycle`` is a new request head;
+        ``their_state`` DONE means its body is complete).
+        """
+
+        _seen: Any = None
+        _body_done = True
+
+        def _feed(self, data: bytes) -> None:
+            super()._feed(data)
+            self._sync()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # may start a pipelined request
+            self._sync()
+            self._response_complete()
+
+        def _sync(self) -> None:
+            if self._rejected:
+                return
+            cycle = self.cycle
+            if cycle is not None and cycle is not self._seen:
+                self._seen = cycle
+                self._body_done = False
+                self._head_complete()
+            if cycle is not None and not self._body_done and self.conn.their_state in done:
+                self._body_done = True
+                self._request_complete()
+
+    return LimitedH11Protocol
+
+
+def protocol_class(limits: HttpLimits, http: str = "httptools") -> type:
+    """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits``.
+
+    ``http``: ``"httptools"`` or ``"h11"``. With h11 set the Config's
+    ``h11_max_incomplete_event_size`` to :func:`h11_buffer_limit` as well.
+    """
+    base = _httptools_class() if http == "httptools" else _h11_class()
+    return type(base.__name__, (base,), {"limits": limits, "__module__": __name__})
+
+
+def h11_buffer_limit(limits: HttpLimits) -> int:
+    """h11's own head-buffer bound: just above ours, so ours answers first (431 JSON)."""
+    return limits.max_head_bytes + 1024
