@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from test_server import ROOT, SHUTDOWN_BOUND, STARTUP_BOUND, Server, free_port
+from test_server import ROOT, SHUTDOWN_BOUND, STARTUP_BOUND, Server, free_port, running
 
 pytestmark = pytest.mark.server
 
@@ -77,17 +77,11 @@ def send_until_refused(sock: socket.socket, chunks, bound: float) -> int:
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("limits"), "--host", "127.0.0.1", "--max-body-mb", "1",
-                 "--request-timeout-secs", "1", "--keep-alive-secs", "1",
-                 "--max-header-kb", "16")
-    try:
-        srv.wait_ready()
+    with running(tmp_path_factory.mktemp("limits"), "--host", "127.0.0.1", "--max-body-mb",
+                 "1", "--request-timeout-secs", "1", "--keep-alive-secs", "1",
+                 "--max-header-kb", "16") as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            code, _ = srv.terminate()
-            assert code == 0, srv.log()
-        assert "Traceback" not in srv.log()
+    assert "Traceback" not in srv.log()
 
 
 def test_oversized_head_is_431_and_not_buffered(limited):
@@ -297,12 +291,7 @@ def test_h11_fallback_has_the_same_limits(tmp_path):
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         _wait_health(proc, f"http://127.0.0.1:{port}", log_path)
-        s = connect(port)
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
-        send_until_refused(s, (b"a" * 4096 for _ in range(16)), 5.0)
-        data, _, closed = read_until_closed(s, 5.0)
-        s.close()
-        assert closed and status_and_json(data)[0] == 431, data[:200]
+        _assert_431_on_a_big_header(port)
         s = connect(port)
         s.sendall(b"GET /health HTTP/1.1\r\nHo")
         data, elapsed, closed = read_until_closed(s, 5.0)
@@ -324,6 +313,16 @@ def test_h11_fallback_has_the_same_limits(tmp_path):
                 proc.kill()
                 proc.wait(10)
     assert "Traceback" not in log_path.read_text()
+
+
+def _assert_431_on_a_big_header(port: int) -> None:
+    """A 64 KiB header against --max-header-kb 8: 431, then the server closes."""
+    s = connect(port)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    send_until_refused(s, (b"a" * 4096 for _ in range(16)), 5.0)
+    data, _, closed = read_until_closed(s, 5.0)
+    s.close()
+    assert closed and status_and_json(data)[0] == 431, data[:200]
 
 
 def _wait_health(proc: subprocess.Popen, url: str, log_path) -> None:
@@ -352,12 +351,7 @@ def test_gunicorn_worker_enforces_limits(tmp_path):
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         _wait_health(proc, f"http://127.0.0.1:{port}", log_path)
-        s = connect(port)
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
-        send_until_refused(s, (b"a" * 4096 for _ in range(16)), 5.0)
-        data, _, closed = read_until_closed(s, 5.0)
-        s.close()
-        assert closed and status_and_json(data)[0] == 431, data[:200]
+        _assert_431_on_a_big_header(port)
         s = connect(port)
         data, elapsed, closed = read_until_closed(s, 5.0)
         s.close()

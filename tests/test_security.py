@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from test_server import Server, run_cli
+from test_server import Server, run_cli, running
 
 pytestmark = pytest.mark.server
 
@@ -24,15 +24,9 @@ EVENTS = {"instance_id": "w1", "events": []}
 
 @pytest.fixture(scope="module")
 def origin_server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("origin"), "--host", "127.0.0.1",
-                 "--allow-origin", UI, "--allow-origin", "http://localhost:3000")
-    try:
-        srv.wait_ready()
+    with running(tmp_path_factory.mktemp("origin"), "--host", "127.0.0.1",
+                 "--allow-origin", UI, "--allow-origin", "http://localhost:3000") as srv:
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            code, _ = srv.terminate()
-            assert code == 0, srv.log()
 
 
 @pytest.mark.parametrize("path,body", [("/register", REG), ("/unregister", UNREG),

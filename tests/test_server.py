@@ -5,6 +5,7 @@ Teardown sends SIGTERM and fails the test if the process had to be killed.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -98,10 +99,10 @@ class Server:
         return code, elapsed
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("srv"), "--maintenance-interval-secs", "1",
-                 "--max-body-mb", "1")
+@contextlib.contextmanager
+def running(tmp_dir: Path, *args: str, **kw):
+    """A started :class:`Server`; on leaving it must stop with exit code 0."""
+    srv = Server(tmp_dir, *args, **kw)
     try:
         srv.wait_ready()
         yield srv
@@ -109,6 +110,13 @@ def server(tmp_path_factory):
         if srv.proc.poll() is None:
             code, _ = srv.terminate()
             assert code == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running(tmp_path_factory.mktemp("srv"), "--maintenance-interval-secs", "1",
+                 "--max-body-mb", "1") as srv:
+        yield srv
 
 
 def register(http: httpx.Client, **kw) -> httpx.Response:
