@@ -99,6 +99,20 @@ class Server:
         return code, elapsed
 
 
+def wait_health(proc: subprocess.Popen, url: str, log_path: Path) -> None:
+    """Wait until ``proc`` (any server command) answers ``GET /health``; fail with its log."""
+    deadline = time.monotonic() + STARTUP_BOUND
+    while True:
+        assert proc.poll() is None, log_path.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=5).text == "OK":
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def running(tmp_dir: Path, *args: str, **kw):
     """A started :class:`Server`; on leaving it must stop with exit code 0."""
@@ -314,17 +328,8 @@ def test_gunicorn_factory(tmp_path):
                                 env=dict(os.environ, PYTHONUNBUFFERED="1",
                                          KV_CONDUCTOR_ARGS="--pending-ttl-secs 30"))
     try:
+        wait_health(proc, f"http://127.0.0.1:{port}", log_path)
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
-        deadline = time.monotonic() + STARTUP_BOUND
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            try:
-                if http.get("/health").text == "OK":
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
         assert register(http).status_code == 201
         assert http.get("/workers").json()["workers"][0]["instance_id"] == "vllm-prefill-1"
         http.close()

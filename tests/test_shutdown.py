@@ -154,8 +154,7 @@ def test_gunicorn_worker_shutdown_with_request_in_flight_is_quiet(tmp_path):
     import os
     import subprocess
 
-    from test_http_limits import _wait_health
-    from test_server import ROOT, SHUTDOWN_BOUND, _gunicorn_cmd, free_port
+    from test_server import ROOT, SHUTDOWN_BOUND, _gunicorn_cmd, free_port, wait_health
 
     port = free_port()
     log_path = tmp_path / "gunicorn.log"
@@ -166,7 +165,7 @@ def test_gunicorn_worker_shutdown_with_request_in_flight_is_quiet(tmp_path):
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     slow = None
     try:
-        _wait_health(proc, f"http://127.0.0.1:{port}", log_path)
+        wait_health(proc, f"http://127.0.0.1:{port}", log_path)
         slow = SlowBody(port, "/register")
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)

@@ -8,6 +8,15 @@ BS = 4
 V33 = schema("vllm", "0.33.0")
 
 
+def rss_kb(pid: int) -> int:
+    """Resident set size of process ``pid`` in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
 class Rig:
     """``Rig(tmp_path, *server_flags, replay=...)``: ``pub``, ``srv`` and the registration
     ``body`` of instance ``vllm-prefill-1`` DP 0; :meth:`start` restarts the server."""

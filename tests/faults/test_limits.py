@@ -2,15 +2,7 @@
 from __future__ import annotations
 
 from publishers import wait_until
-from rig import BS, V33, Rig
-
-
-def rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+from rig import BS, V33, Rig, rss_kb
 
 
 def test_oversized_messages_are_refused_and_counted(tmp_path):

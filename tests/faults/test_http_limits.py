@@ -16,17 +16,12 @@ import time
 
 import httpx
 import pytest
-from test_server import ROOT, SHUTDOWN_BOUND, STARTUP_BOUND, Server, free_port, running
-
-pytestmark = pytest.mark.server
+from rig import rss_kb
+from test_server import ROOT, SHUTDOWN_BOUND, Server, free_port, running, wait_health
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return rss_kb(pid) / 1024
 
 
 def connect(port: int, timeout: float = 5.0) -> socket.socket:
@@ -195,7 +190,11 @@ def test_body_shorter_than_content_length_is_closed_and_not_applied(limited, pat
 def test_keep_alive_idle_connection_is_closed(limited):
     s = connect(limited.port)
     s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-    first = s.recv(65536)
+    first = b""
+    while not first.endswith(b"\r\n\r\nOK"):        # the whole answer, head and body
+        chunk = s.recv(65536)
+        assert chunk, first
+        first += chunk
     assert first.startswith(b"HTTP/1.1 200")
     data, elapsed, closed = read_until_closed(s, 5.0)
     s.close()
@@ -290,7 +289,7 @@ def test_h11_fallback_has_the_same_limits(tmp_path):
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        _wait_health(proc, f"http://127.0.0.1:{port}", log_path)
+        wait_health(proc, f"http://127.0.0.1:{port}", log_path)
         _assert_431_on_a_big_header(port)
         s = connect(port)
         s.sendall(b"GET /health HTTP/1.1\r\nHo")
@@ -325,19 +324,6 @@ def _assert_431_on_a_big_header(port: int) -> None:
     assert closed and status_and_json(data)[0] == 431, data[:200]
 
 
-def _wait_health(proc: subprocess.Popen, url: str, log_path) -> None:
-    deadline = time.monotonic() + STARTUP_BOUND
-    while True:
-        assert proc.poll() is None, log_path.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=5).text == "OK":
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, log_path.read_text()
-        time.sleep(0.1)
-
-
 def test_gunicorn_worker_enforces_limits(tmp_path):
     """``-k kvconductor.app.KvConductorWorker`` applies the flags of the factory."""
     from test_server import _gunicorn_cmd
@@ -350,7 +336,7 @@ def test_gunicorn_worker_enforces_limits(tmp_path):
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
-        _wait_health(proc, f"http://127.0.0.1:{port}", log_path)
+        wait_health(proc, f"http://127.0.0.1:{port}", log_path)
         _assert_431_on_a_big_header(port)
         s = connect(port)
         data, elapsed, closed = read_until_closed(s, 5.0)
@@ -385,7 +371,7 @@ def test_fd_limit_lowers_the_connection_cap(tmp_path):
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     socks = []
     try:
-        _wait_health(proc, f"http://127.0.0.1:{port}", log_path)
+        wait_health(proc, f"http://127.0.0.1:{port}", log_path)
         for _ in range(320):  # more sockets than the process may open
             socks.append(connect(port))
         r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
