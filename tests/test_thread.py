@@ -113,3 +113,27 @@ def test_idle_thread_uses_no_cpu(thread):
     c0 = _thread_cpu(tid)
     time.sleep(1.0)
     assert _thread_cpu(tid) - c0 <= 0.05
+
+
+def test_wake_after_stop_never_writes_to_a_reused_fd():
+    """After the thread exits its wake pipe's numbers go back to the OS; a late wake-up
+    (a submit racing the stop) must not write into whatever file reuses them."""
+    t = IngestThread()
+    t.start()
+    old_w = t._wake_w
+    assert t.stop(5.0)
+    pipes = []
+    try:
+        while not any(old_w in p for p in pipes) and len(pipes) < 64:
+            pipes.append(os.pipe())
+        (r, w), = [p for p in pipes if old_w in p]
+        t._wake()
+        assert t.submit(lambda: 1).exception(1) is not None
+        os.set_blocking(r, False)
+        if w == old_w:          # the old write end is now a live pipe: nothing arrived
+            with pytest.raises(BlockingIOError):
+                os.read(r, 16)
+    finally:
+        for p in pipes:
+            for fd in p:
+                os.close(fd)

@@ -41,6 +41,9 @@ class IngestThread:
         self.ctx = context or zmq.Context.instance()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
+        #: Guards ``_wake_w``: once the thread closed it (-1), the number may belong to
+        #: another file of the process, so nothing may write to it any more.
+        self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
@@ -96,12 +99,13 @@ class IngestThread:
         return not self._thread.is_alive()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # NOTE: the pipe is full, so a wake-up is already pending.
-        except OSError:
-            pass  # closed during shutdown
+        with self._wake_lock:
+            if self._wake_w < 0:
+                return  # the thread has exited
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # NOTE: the pipe is full, so a wake-up is already pending.
 
     # -- ingest thread only ----------------------------------------------------------
     def add_socket(self, sock: Any, handler: Callable[[Any], None]) -> None:
@@ -194,6 +198,8 @@ class IngestThread:
                 break
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("ingest thread is stopped"))
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        with self._wake_lock:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
         self._stopped.set()
