@@ -10,8 +10,7 @@ plain dict lookup and :class:`~kvconductor.index.Index` is safe for
 concurrent readers.
 
 Subscriptions (ZeroMQ SUB sockets, replay) are delegated to
-``kvconductor.ingest.subscriber.SubscriptionManager`` (imported lazily; a
-:class:`NullSubscriptions` stands in when it is not there). It calls back
+``kvconductor.ingest.subscriber.SubscriptionManager``. It calls back
 :meth:`Conductor.get_or_create_index`, :meth:`Conductor.hbm_ip_lookup` and
 :meth:`Conductor.instance_info`, on the ingest thread.
 """
@@ -31,7 +30,6 @@ import zmq
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.errors import IndexError_, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
-from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium, WorkerKey, parse_medium
 from kvconductor.registry import Registry, RegistrationError
@@ -44,8 +42,7 @@ from kvconductor.schema import (
 log = logging.getLogger("kvconductor")
 
 __all__ = ["Conductor", "ConductorConfig", "EventError", "EventOp", "InstanceNotRegistered",
-           "NullSubscriptions", "RegistrationError", "RegistrationUnavailable",
-           "normalize_events"]
+           "RegistrationError", "RegistrationUnavailable", "normalize_events"]
 
 
 @dataclass
@@ -259,57 +256,12 @@ class EventsOutcome(NamedTuple):
 # Subscriptions
 # ---------------------------------------------------------------------------------------
 
-class NullSubscriptions:
-    """Stand-in for ``SubscriptionManager`` when the ZMQ subscriber is unavailable.
-
-    Remembers subscriptions so ``/workers.sources`` shows them (state
-    ``"disabled"``) but opens no socket; only ``/events`` feeds the index.
-    """
-
-    def __init__(self, thread: IngestThread, conductor: "Conductor") -> None:
-        self._subs: dict[tuple[str, int, str], SubscriberContext] = {}
-
-    def subscribe(self, ctx: SubscriberContext) -> None:
-        self._subs[(ctx.instance_id, ctx.dp_rank, ctx.url)] = ctx
-
-    def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
-        keys = [k for k in self._subs if k[0] == instance_id and k[1] == dp_rank]
-        for k in keys:
-            del self._subs[k]
-        return len(keys)
-
-    def count(self, instance_id: str, dp_rank: int) -> int:
-        return sum(1 for k in self._subs if k[0] == instance_id and k[1] == dp_rank)
-
-    def __len__(self) -> int:
-        return len(self._subs)
-
-    def replace(self, instance_id: str, dp_rank: int, contexts) -> set[str]:
-        before = {k[2] for k in self._subs if k[0] == instance_id and k[1] == dp_rank}
-        self.unsubscribe(instance_id, dp_rank)
-        for ctx in contexts:
-            self.subscribe(ctx)
-        return {c.url for c in contexts} - before
-
-    def request_replay(self, ctx: SubscriberContext) -> None:
-        log.warning("replay not available (no subscriber) instance_id=%s replay_endpoint=%s",
-                    ctx.instance_id, ctx.replay_endpoint)
-
-    def sources(self) -> list[dict]:
-        return [{"instance_id": c.instance_id, "dp_rank": c.dp_rank, "url": c.url,
-                 "media": [m.display for m in c.default_media], "state": "disabled"}
-                for c in self._subs.values()]
-
-    def close(self) -> None:
-        self._subs.clear()
-
-
 def _default_subscriptions(thread: IngestThread, conductor: "Conductor"):
-    try:
-        from kvconductor.ingest.subscriber import SubscriptionManager
-    except ImportError as ex:
-        log.warning("ZMQ subscriptions unavailable (%s); only /events feeds the index", ex)
-        return NullSubscriptions(thread, conductor)
+    # Imported here, not at the top: the subscriber imports the ingest package, which
+    # tests load without a conductor. An ImportError is never swallowed: a service
+    # without its ZeroMQ ingest would answer 0 hits for every engine and say nothing.
+    from kvconductor.ingest.subscriber import SubscriptionManager
+
     return SubscriptionManager(thread, conductor)
 
 

@@ -16,7 +16,7 @@ from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium
 from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
 from kvconductor.service import (
-    CLEARED, REMOVED, STORED, Conductor, ConductorConfig, EventError, NullSubscriptions,
+    CLEARED, REMOVED, STORED, Conductor, ConductorConfig, EventError,
     normalize_event, normalize_events,
 )
 
@@ -521,18 +521,14 @@ def test_stop_closes_subscriptions_and_thread(impl):
     assert subs.closed and not c.thread.is_alive()
 
 
-def test_null_subscriptions_when_subscriber_missing(monkeypatch, impl):
+def test_missing_subscriber_module_is_an_error_not_a_silent_fallback(monkeypatch, impl):
+    # A half-built install must not run without its ZeroMQ ingest (every engine would
+    # silently show 0 hits): starting the conductor fails with the ImportError.
     monkeypatch.setitem(sys.modules, "kvconductor.ingest.subscriber", None)
     c = Conductor(ConductorConfig(index_impl=impl))
-    c.start()
-    try:
-        assert isinstance(c.subs, NullSubscriptions)
-        c.call(c.register, reg(medium_endpoints={"npu": "tcp://h:1"}, replay_endpoint="tcp://h:2"))
-        assert c.call(c.workers)["sources"][0]["state"] == "disabled"
-        c.call(c.unregister, unreg())
-        assert c.call(c.workers)["sources"] == []
-    finally:
-        assert c.stop(5.0)
+    with pytest.raises(ImportError):
+        c.start()
+    c.stop(5.0)
 
 
 def test_concurrent_readers_while_writing(conductor):
