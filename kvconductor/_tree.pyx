@@ -154,43 +154,46 @@ cdef void _prune(Tree* t, uint32_t n) noexcept nogil:
 
 
 # -- mutations -----------------------------------------------------------------------------------
-cdef bint _has_repeat(bint has_parent, uint64_t parent, const uint64_t* seqs, size_t n) noexcept nogil:
-    """True if ``[parent] + seqs`` repeats a value (-1 on OOM is reported as True)."""
+cdef int _has_repeat(bint has_parent, uint64_t parent, const uint64_t* seqs, size_t n) noexcept nogil:
+    """1 if ``[parent] + seqs`` repeats a value, 0 if not, -1 out of memory."""
     cdef size_t i, j
     cdef U64Map seen
     cdef int rc
     if n <= 32:
         for i in range(n):
             if has_parent and seqs[i] == parent:
-                return True
+                return 1
             for j in range(i):
                 if seqs[j] == seqs[i]:
-                    return True
-        return False
+                    return 1
+        return 0
     u64m_init(&seen)
-    if has_parent:
-        u64m_put(&seen, parent, 0)
+    if has_parent and u64m_put(&seen, parent, 0) < 0:
+        u64m_free(&seen)
+        return -1
     for i in range(n):
         rc = u64m_put(&seen, seqs[i], 0)
         if rc != 1:
             u64m_free(&seen)
-            return True
+            return -1 if rc < 0 else 1
     u64m_free(&seen)
-    return False
+    return 0
 
 
 cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
                      const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil:
     cdef uint32_t node = T_ROOT, child, old, m
     cdef size_t i
+    cdef int rc
     if n == 0:
         return 0
     if has_parent:
         node = u64m_get(&t.rev[worker], parent) if worker < t.nrev else HM_NIL
         if node == HM_NIL:
             return T_ERR_PARENT
-    if _has_repeat(has_parent, parent, seqs, n):
-        return T_ERR_SEQUENCE
+    rc = _has_repeat(has_parent, parent, seqs, n)
+    if rc != 0:
+        return T_ERR_OOM if rc < 0 else T_ERR_SEQUENCE
     if _ensure_rev(t, worker) < 0:
         return T_ERR_OOM
     cdef U64Map* rev = &t.rev[worker]

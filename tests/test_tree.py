@@ -130,6 +130,21 @@ def test_invalid_block_sequence_repeat_of_parent(RadixTree):
     assert t.match([1, 2]) == [(W1, 1, 101)]
 
 
+@pytest.mark.parametrize("n", [33, 100])
+def test_invalid_block_sequence_in_long_chains(RadixTree, n):
+    """Chains over 32 blocks are checked through a hash set (the short ones pairwise)."""
+    t = RadixTree()
+    t.store(W1, None, [7], [7])
+    seqs = list(range(1000, 1000 + n))
+    locs = list(range(1, n + 1))
+    for bad in (seqs[:-1] + [seqs[0]], seqs[:-1] + [7]):      # repeat in chain, of parent
+        with pytest.raises(InvalidBlockSequence):
+            t.store(W1, 7, bad, locs)
+    assert state(t) == (1, 1)
+    assert t.store(W1, 7, seqs, locs) == n
+    assert t.worker_blocks(W1) == n + 1
+
+
 def test_repeat_beyond_n_is_not_checked(RadixTree):
     t = RadixTree()
     # n = min(3, 2) = 2: only [101, 102] is the chain, the trailing 101 is ignored
