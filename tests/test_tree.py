@@ -329,10 +329,20 @@ def test_sweep_finds_nothing(RadixTree):
     assert state(t) == (2, 1)
 
 
-def test_nbytes_is_an_int(RadixTree):
-    t = RadixTree()
-    t.store(W1, None, [101], [1])
-    assert isinstance(t.nbytes, int) and t.nbytes >= 0
+def test_nbytes_accounts_the_c_arrays():
+    """The compiled tree reports at least its node and member records (32 B + 16 B per
+    block of a one-worker chain); the twin does not account memory (0)."""
+    from kvconductor._py.tree import RadixTree as PyTree
+    from kvconductor._tree import RadixTree as CTree
+
+    n = 10_000
+    t = CTree()
+    empty = t.nbytes
+    t.store(W1, None, list(range(1, n + 1)), list(range(1, n + 1)))
+    assert t.nbytes >= empty + n * (32 + 16)
+    t.store(W2, None, list(range(1, n + 1)), list(range(1, n + 1)))   # members only
+    assert t.nbytes >= empty + n * (32 + 2 * 16)
+    assert PyTree().nbytes == 0
 
 
 def test_large_u64_values(RadixTree):
