@@ -475,21 +475,43 @@ cdef class LowerTier:
             return (0, None)
         return (end - start, last)
 
+    # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
+    # it takes the read lock like the walks do.
     def worker_blocks(self, uint32_t worker):
         """Number of blocks ``worker`` holds in this tier."""
-        return lower_worker_blocks(&self.L, worker)
+        cdef size_t n
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            n = lower_worker_blocks(&self.L, worker)
+            pthread_rwlock_unlock(&self.lock)
+        return n
 
     @property
     def total_blocks(self):
         """(worker, block) pairs held in this tier."""
-        return self.L.total
+        cdef size_t n
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            n = self.L.total
+            pthread_rwlock_unlock(&self.lock)
+        return n
 
     @property
     def num_edges(self):
         """Edges in the table."""
-        return self.L.live_edges
+        cdef size_t n
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            n = self.L.live_edges
+            pthread_rwlock_unlock(&self.lock)
+        return n
 
     @property
     def nbytes(self):
         """Bytes allocated by the tier's C structures."""
-        return lower_nbytes(&self.L)
+        cdef size_t n
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            n = lower_nbytes(&self.L)
+            pthread_rwlock_unlock(&self.lock)
+        return n

@@ -491,24 +491,46 @@ cdef class RadixTree:
             free(st)
             free(os)
 
+    # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
+    # it takes the read lock like match does.
     def worker_blocks(self, uint32_t worker):
         """Number of blocks ``worker`` holds."""
-        return tree_worker_blocks(&self.t, worker)
+        cdef size_t n
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            n = tree_worker_blocks(&self.t, worker)
+            pthread_rwlock_unlock(&self.lock)
+        return n
 
     @property
     def num_nodes(self):
         """Nodes in the tree, root excluded."""
-        return self.t.live_nodes
+        cdef size_t n
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            n = self.t.live_nodes
+            pthread_rwlock_unlock(&self.lock)
+        return n
 
     @property
     def num_pairs(self):
         """(worker, block) pairs held."""
-        return self.t.npairs
+        cdef size_t n
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            n = self.t.npairs
+            pthread_rwlock_unlock(&self.lock)
+        return n
 
     @property
     def nbytes(self):
         """Bytes allocated by the tree's C structures."""
-        return tree_nbytes(&self.t)
+        cdef size_t n
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            n = tree_nbytes(&self.t)
+            pthread_rwlock_unlock(&self.lock)
+        return n
 
 
 cdef long check_rc(long rc) except -1:

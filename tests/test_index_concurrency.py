@@ -136,3 +136,42 @@ def test_match_releases_the_gil():
     done.set()
     t.join()
     assert len(ticks) > 5
+
+
+@pytest.mark.parametrize("kind", ["tree", "lower"])
+def test_introspection_while_the_writer_grows_the_arrays(kind):
+    """``worker_blocks``/``nbytes`` read the per-worker arrays that the writer realloc-s as
+    workers appear: they take the read lock, so a reader sees 0 or 1 block for a worker,
+    never freed memory (the ASan CI pass runs this)."""
+    import random
+
+    from kvconductor._lower import LowerTier
+    from kvconductor._tree import RadixTree
+
+    t = RadixTree() if kind == "tree" else LowerTier()
+    nworkers = 3000
+    done = threading.Event()
+    bad: list = []
+
+    def reader(seed):
+        rnd = random.Random(seed)
+        last = 0
+        while not done.is_set():
+            n = t.worker_blocks(rnd.randrange(nworkers))
+            size = t.nbytes
+            if n not in (0, 1) or size < last:
+                bad.append((n, size, last))
+            last = size
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    try:
+        for w in range(nworkers):
+            t.store(w, None, [w + 1], [w + 1])
+    finally:
+        done.set()
+        for th in threads:
+            th.join(10)
+    assert bad == []
+    assert all(t.worker_blocks(w) == 1 for w in range(0, nworkers, 97))
