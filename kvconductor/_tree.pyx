@@ -395,7 +395,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
 cdef class RadixTree:
     """HBM radix tree over LocalBlockHashes, shared by every HBM worker of an index.
 
-    **Threading: one writer thread calls store/remove/clear/sweep; any number of
+    **Threading: one writer thread calls store/remove/clear; any number of
     threads may call match/stats concurrently. Each method holds a C
     reader/writer lock (writers exclusive) and runs without the GIL.**
     """
@@ -453,10 +453,6 @@ cdef class RadixTree:
             rc = tree_clear(&self.t, worker)
             pthread_rwlock_unlock(&self.lock)
         return rc
-
-    def sweep(self):
-        """Empty nodes are pruned eagerly, so there is never anything to sweep."""
-        return 0
 
     def match(self, local_hashes):
         """``[(worker, depth, last_engine_hash)]`` sorted by worker."""

@@ -209,7 +209,6 @@ class TreeMachine(_Pair):
 
     @invariant()
     def agree(self):
-        self.both("sweep")
         assert (self.c.num_nodes, self.c.num_pairs) == (self.py.num_nodes, self.py.num_pairs)
         for w in range(TREE_NW + 1):
             assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w

@@ -532,17 +532,23 @@ def test_missing_subscriber_module_is_an_error_not_a_silent_fallback(monkeypatch
 
 
 def test_concurrent_readers_while_writing(conductor):
+    """Readers query while the writer stores and removes block 2 under block 1 again and
+    again: every answer is one the writer could have produced (1 or 2 blocks, counts
+    consistent), never a torn or failed one, and both states are seen."""
     conductor.call(conductor.register, reg())
     post_events(conductor, events=[stored(0, [1], [1, 2, 3, 4])])
-    errors = []
+    errors: list = []
+    seen: set = set()
     stop = threading.Event()
 
     def reader():
         idx = conductor.get_index("qwen", "default")
         while not stop.is_set():
             try:
-                d = idx.query([1, 2, 3, 4], 4).to_dict("default", 4)
-                assert d["default"]["vllm-prefill-1"]["DP"]["0"]["npu_blocks"] == 1
+                d = idx.query(list(range(1, 9)), 4).to_dict("default", 4)
+                e = d["default"]["vllm-prefill-1"]["DP"]["0"]
+                assert e["npu_blocks"] in (1, 2) and e["matched_tokens"] == 4 * e["npu_blocks"]
+                seen.add(e["npu_blocks"])
             except Exception as ex:  # noqa: BLE001
                 errors.append(ex)
                 return
@@ -551,13 +557,19 @@ def test_concurrent_readers_while_writing(conductor):
     for t in threads:
         t.start()
     try:
-        for i in range(1, 200):
-            post_events(conductor, events=[stored(i, [1000 + i], [i, i, i, i], parent=1)])
+        for i in range(1, 400):
+            if i % 2:
+                post_events(conductor, events=[stored(i, [2], [5, 6, 7, 8], parent=1)])
+            else:
+                post_events(conductor, events=[{"event_id": i, "dp_rank": 0,
+                                                "type": "BlockRemoved", "block_hashes": [2]}])
+            if i > 200 and seen == {1, 2}:
+                break
     finally:
         stop.set()
         for t in threads:
             t.join(10)
-    assert errors == []
+    assert errors == [] and seen == {1, 2}
 
 
 def test_hash_vectors_used_here():

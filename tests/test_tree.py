@@ -317,16 +317,17 @@ def test_pruning_back_to_zero(RadixTree):
     assert t.clear(W3) == 1
     assert state(t) == (0, 0)
     assert [t.worker_blocks(w) for w in (W1, W2, W3)] == [0, 0, 0]
-    assert t.sweep() == 0
 
 
-def test_sweep_finds_nothing(RadixTree):
+def test_memberless_node_with_a_child_stays_empty_leaves_go(RadixTree):
     t = RadixTree()
     t.store(W1, None, [101, 102], [1, 2])
     t.remove(W1, [101])
-    # node 1 is memberless but has a child: not prunable; empty leaves never survive
-    assert t.sweep() == 0
+    # node 1 is memberless but has a child: it stays; the leaf below it is still held
     assert state(t) == (2, 1)
+    t.remove(W1, [102])
+    # the leaf emptied: pruned, and its memberless parent with it
+    assert state(t) == (0, 0)
 
 
 def test_nbytes_accounts_the_c_arrays():

@@ -246,7 +246,7 @@ class CoreIndex:
                     removed += 1
                 if not waiters:
                     del self._pending[h]
-            return removed + self._tree.sweep()
+            return removed  # the HBM tree prunes empty nodes as it goes: nothing to sweep
 
     # -- queries -------------------------------------------------------------------------
     def match(self, local_hashes) -> list[tuple[int, int, int, int]]:

@@ -3,7 +3,7 @@
 Semantics: ``docs/design.md``, section "RadixTree (HBM)".
 
 **Threading: exactly one writer thread calls** :meth:`RadixTree.store`,
-:meth:`RadixTree.remove`, :meth:`RadixTree.clear` **and** :meth:`RadixTree.sweep`;
+:meth:`RadixTree.remove` **and** :meth:`RadixTree.clear`;
 **any number of threads may call** :meth:`RadixTree.match` **and the
 introspection members concurrently.** Every public method holds one
 :class:`threading.Lock` for its whole duration (the compiled tree uses a
@@ -174,26 +174,6 @@ class RadixTree:
             if not rev:
                 return 0
             return self._remove_locked(worker, list(rev))
-
-    def sweep(self) -> int:
-        """Prune empty leaf nodes; returns the number pruned.
-
-        Mutations never leave an empty node behind, so this finds nothing and
-        returns 0; it exists for the maintenance contract.
-        """
-        with self._lock:
-            pruned = 0
-            stack = [self._root]
-            leaves = []
-            while stack:
-                node = stack.pop()
-                if node is not self._root and not node.members and not node.children:
-                    leaves.append(node)
-                stack.extend(node.children.values())
-            for node in leaves:
-                if node.parent is not None:
-                    pruned += self._prune(node)
-            return pruned
 
     # -- queries (any thread) ------------------------------------------------------------
     def match(self, local_hashes) -> list[tuple[int, int, int]]:
