@@ -31,7 +31,7 @@ from typing import Any
 import uvicorn
 
 from kvconductor.app import create_app
-from kvconductor.cli import Settings
+from kvconductor.settings import Settings
 from kvconductor.protocol import HttpLimits, h11_buffer_limit, protocol_class
 from kvconductor.service import Conductor, fds_needed, raise_fd_limit
 

@@ -1,0 +1,110 @@
+"""The service's settings: what the ``kv-conductor`` flags (or gunicorn's factory
+arguments) resolve to, apart from the parser in :mod:`kvconductor.cli`.
+
+Kept in its own module so that the server, the app factory and the CLI all
+import it without importing each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_HOST = "::"
+DEFAULT_PORT = 13333
+
+
+@dataclass
+class Settings:
+    """Parsed flags."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    maintenance_interval_secs: int = 30
+    pending_ttl_secs: int = 60
+    content_ttl_secs: int = 300
+    offload_ttl_secs: int = 600
+    loss_grace_secs: int = 600
+    max_sources: int = 4096
+    replay_deadline_secs: int = 60
+    max_message_mb: float = 256.0
+    max_blocks_per_message: int = 1_000_000
+    max_blocks_per_source: int = 4_000_000
+    log_level: str = "info"
+    max_body_mb: float = 64.0
+    api_key: str | None = None
+    allow_bind_endpoints: bool = False
+    allow_ipc_endpoints: bool = False
+    endpoint_networks: tuple = ()
+    # HTTP limits and network security (docs/security.md)
+    max_header_kb: int = 64
+    request_timeout_secs: float = 30.0
+    keep_alive_secs: float = 5.0
+    max_connections: int = 1000
+    allow_origins: tuple[str, ...] = ()
+    open_workers: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
+
+    def describe(self) -> str:
+        """The settings as ``key=value`` pairs for the startup log line (no secrets)."""
+        return (f"maintenance_interval={max(1, self.maintenance_interval_secs)}s "
+                f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
+                f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
+                f"max_sources={self.max_sources} "
+                f"replay_deadline={max(1, self.replay_deadline_secs)}s "
+                f"max_message_mb={self.max_message_mb:g} "
+                f"max_blocks_per_message={self.max_blocks_per_message} "
+                f"max_blocks_per_source={self.max_blocks_per_source} "
+                f"max_body_bytes={self.max_body_bytes} "
+                f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
+                f"endpoints={self._endpoint_rule()}")
+
+    def _endpoint_rule(self) -> str:
+        rule = "tcp-connect"
+        if self.allow_bind_endpoints:
+            rule += "+bind"
+        if self.allow_ipc_endpoints:
+            rule += "+ipc"
+        if self.endpoint_networks:
+            rule += "@" + ",".join(str(n) for n in self.endpoint_networks)
+        return rule
+
+    def http_limits(self):
+        """The :class:`kvconductor.protocol.HttpLimits` of these flags."""
+        from kvconductor.protocol import HttpLimits
+
+        return HttpLimits(max_head_bytes=self.max_header_kb * 1024,
+                          request_timeout=float(self.request_timeout_secs),
+                          keep_alive=float(self.keep_alive_secs),
+                          max_connections=self.max_connections)
+
+    def describe_http(self) -> str:
+        """The network-security settings as ``key=value`` pairs (no secrets)."""
+        return (f"tls={'on' if self.tls_cert else 'off'} "
+                f"client_certs={'on' if self.tls_client_ca else 'off'} "
+                f"allow_origins={','.join(self.allow_origins) or '-'} "
+                f"workers={'open' if self.open_workers or not self.api_key else 'token'}")
+
+    def conductor_config(self):
+        from kvconductor.service import ConductorConfig
+        from kvconductor.urls import UrlPolicy
+
+        return ConductorConfig(
+            maintenance_interval=max(1, self.maintenance_interval_secs),
+            pending_ttl=float(self.pending_ttl_secs),
+            content_ttl=float(self.content_ttl_secs),
+            offload_ttl=float(self.offload_ttl_secs),
+            loss_grace=float(self.loss_grace_secs),
+            max_sources=self.max_sources,
+            replay_deadline=float(max(1, self.replay_deadline_secs)),
+            max_message_bytes=int(self.max_message_mb * 1024 * 1024),
+            max_blocks_per_message=self.max_blocks_per_message,
+            max_blocks_per_source=self.max_blocks_per_source,
+            url_policy=UrlPolicy(allow_bind=self.allow_bind_endpoints,
+                                 allow_ipc=self.allow_ipc_endpoints,
+                                 networks=self.endpoint_networks),
+        )
