@@ -50,9 +50,9 @@ from kvconductor.registry import RegistrationError
 from kvconductor.schema import (
     EventsResponse, events_decoder, json_encoder, register_decoder, unregister_decoder,
 )
+from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.service import (
-    Conductor, EventError, InstanceNotRegistered, RegistrationUnavailable, fds_needed,
-    normalize_events, raise_fd_limit,
+    Conductor, InstanceNotRegistered, RegistrationUnavailable, fds_needed, raise_fd_limit,
 )
 from kvconductor.wire import (
     JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, WireError, encode_error, encode_result,

@@ -15,10 +15,10 @@ from kvconductor import _hash
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium
 from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
-from kvconductor.service import (
-    CLEARED, REMOVED, STORED, Conductor, ConductorConfig, EventError,
-    normalize_event, normalize_events,
+from kvconductor.ingest.http_events import (
+    CLEARED, REMOVED, STORED, EventError, normalize_event, normalize_events,
 )
+from kvconductor.service import Conductor, ConductorConfig
 
 U64_MAX = 2**64 - 1
 H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
