@@ -476,42 +476,34 @@ cdef class LowerTier:
         return (end - start, last)
 
     # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
-    # it takes the read lock like the walks do.
-    def worker_blocks(self, uint32_t worker):
-        """Number of blocks ``worker`` holds in this tier."""
-        cdef size_t n
+    # it takes the read lock like the walks do: one snapshot of every size.
+    def sizes(self, uint32_t worker=0):
+        """``(total_blocks, num_edges, nbytes, worker_blocks(worker))`` under one lock."""
+        cdef size_t total, edges, nb, wb
         with nogil:
             pthread_rwlock_rdlock(&self.lock)
-            n = lower_worker_blocks(&self.L, worker)
+            total = self.L.total
+            edges = self.L.live_edges
+            nb = lower_nbytes(&self.L)
+            wb = lower_worker_blocks(&self.L, worker)
             pthread_rwlock_unlock(&self.lock)
-        return n
+        return total, edges, nb, wb
+
+    def worker_blocks(self, uint32_t worker):
+        """Number of blocks ``worker`` holds in this tier."""
+        return self.sizes(worker)[3]
 
     @property
     def total_blocks(self):
         """(worker, block) pairs held in this tier."""
-        cdef size_t n
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            n = self.L.total
-            pthread_rwlock_unlock(&self.lock)
-        return n
+        return self.sizes()[0]
 
     @property
     def num_edges(self):
         """Edges in the table."""
-        cdef size_t n
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            n = self.L.live_edges
-            pthread_rwlock_unlock(&self.lock)
-        return n
+        return self.sizes()[1]
 
     @property
     def nbytes(self):
         """Bytes allocated by the tier's C structures."""
-        cdef size_t n
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            n = lower_nbytes(&self.L)
-            pthread_rwlock_unlock(&self.lock)
-        return n
+        return self.sizes()[2]

@@ -488,45 +488,37 @@ cdef class RadixTree:
             free(os)
 
     # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
-    # it takes the read lock like match does.
-    def worker_blocks(self, uint32_t worker):
-        """Number of blocks ``worker`` holds."""
-        cdef size_t n
+    # it takes the read lock like match does: one snapshot of every size.
+    def sizes(self, uint32_t worker=0):
+        """``(num_nodes, num_pairs, nbytes, worker_blocks(worker))`` read under one lock."""
+        cdef size_t nodes, pairs, nb, wb
         with nogil:
             pthread_rwlock_rdlock(&self.lock)
-            n = tree_worker_blocks(&self.t, worker)
+            nodes = self.t.live_nodes
+            pairs = self.t.npairs
+            nb = tree_nbytes(&self.t)
+            wb = tree_worker_blocks(&self.t, worker)
             pthread_rwlock_unlock(&self.lock)
-        return n
+        return nodes, pairs, nb, wb
+
+    def worker_blocks(self, uint32_t worker):
+        """Number of blocks ``worker`` holds."""
+        return self.sizes(worker)[3]
 
     @property
     def num_nodes(self):
         """Nodes in the tree, root excluded."""
-        cdef size_t n
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            n = self.t.live_nodes
-            pthread_rwlock_unlock(&self.lock)
-        return n
+        return self.sizes()[0]
 
     @property
     def num_pairs(self):
         """(worker, block) pairs held."""
-        cdef size_t n
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            n = self.t.npairs
-            pthread_rwlock_unlock(&self.lock)
-        return n
+        return self.sizes()[1]
 
     @property
     def nbytes(self):
         """Bytes allocated by the tree's C structures."""
-        cdef size_t n
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            n = tree_nbytes(&self.t)
-            pthread_rwlock_unlock(&self.lock)
-        return n
+        return self.sizes()[2]
 
 
 cdef long check_rc(long rc) except -1:
