@@ -287,3 +287,22 @@ def test_message_and_source_limits_refuse_whole_messages(conductor, fast):
     assert len(huge) > 4096 and not a.apply_payload(huge)
     assert a.stats.dropped["message_too_large"] == 1
     assert a.stats.blocks == 6
+
+
+def test_source_limit_counts_blocks_held_before_this_applier(conductor):
+    """A new Applier (a re-registration's hand-over) reads what its worker already holds
+    on its first message: the per-source bound is not reset by a hand-over."""
+    from kvconductor.ingest.apply import Limits
+
+    a1 = Applier(ctx(), conductor, limits=Limits(max_blocks_per_source=100))
+    assert a1.apply_payload(V33.batch([chain(V33, medium="GPU")]))           # 4 held
+    a2 = Applier(ctx(), conductor, limits=Limits(max_blocks_per_source=6))
+    more = list(range(500, 500 + 3 * BS))
+    assert not a2.apply_payload(V33.batch([V33.stored([2000, 2001, 2002], 1003, more, BS,
+                                                      medium="GPU")]))       # 4 + 3 > 6
+    assert a2.stats.dropped == {"source_block_limit": 1}
+    assert a2.apply_payload(V33.batch([V33.stored([2000, 2001], 1003, more[:8], BS,
+                                                  medium="GPU")]))           # 4 + 2 = 6
+    assert not a2.apply_payload(V33.batch([V33.stored([2002], 2001, more[8:], BS,
+                                                      medium="GPU")]))       # 6 + 1 > 6
+    assert a2.stats.dropped == {"source_block_limit": 2}
