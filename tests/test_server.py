@@ -387,7 +387,10 @@ def test_gunicorn_refuses_many_workers_and_bad_flags(tmp_path, extra, env, messa
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    assert proc.returncode == 4, out          # gunicorn's "App failed to load."
+    # gunicorn's "App failed to load." (4). With two workers failing at once the master
+    # can meet the second exit while halting and end with a HaltServer traceback (1):
+    # stopped all the same, with the message.
+    assert proc.returncode in ((4, 1) if "2 workers" in message else (4,)), out
     assert message in out, out
     assert "App failed to load" in out
     # Each worker booted at most once: none was restarted (the master may halt on the first
