@@ -27,6 +27,7 @@ import zmq
 
 from kvconductor.errors import IndexError_, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
+from kvconductor.ingest.apply import Limits
 from kvconductor.ingest.http_events import CLEARED, REMOVED, STORED, EventOp
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
@@ -58,12 +59,8 @@ class ConductorConfig:
     replay_deadline: float = 60.0
     #: ZeroMQ subscriptions (one per registered instance, DP and URL) at most; more: 503.
     max_sources: int = 4096
-    #: A ZeroMQ message larger than this is refused (counted ``message_too_large``).
-    max_message_bytes: int = 256 << 20
-    #: A message storing/removing more blocks is refused (``message_too_many_blocks``).
-    max_blocks_per_message: int = 1_000_000
-    #: An engine source's HBM worker holds at most this many blocks (``source_block_limit``).
-    max_blocks_per_source: int = 4_000_000
+    #: Bounds on one ZeroMQ message and one engine source (refused whole, counted).
+    limits: Limits = field(default_factory=Limits)
     #: Which endpoint URLs registrations may name (bind mode, ipc://, networks).
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
 

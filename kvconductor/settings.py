@@ -90,6 +90,7 @@ class Settings:
                 f"workers={'open' if self.open_workers or not self.api_key else 'token'}")
 
     def conductor_config(self):
+        from kvconductor.ingest.apply import Limits
         from kvconductor.service import ConductorConfig
         from kvconductor.urls import UrlPolicy
 
@@ -101,9 +102,9 @@ class Settings:
             loss_grace=float(self.loss_grace_secs),
             max_sources=self.max_sources,
             replay_deadline=float(max(1, self.replay_deadline_secs)),
-            max_message_bytes=int(self.max_message_mb * 1024 * 1024),
-            max_blocks_per_message=self.max_blocks_per_message,
-            max_blocks_per_source=self.max_blocks_per_source,
+            limits=Limits(max_message_bytes=int(self.max_message_mb * 1024 * 1024),
+                          max_blocks_per_message=self.max_blocks_per_message,
+                          max_blocks_per_source=self.max_blocks_per_source),
             url_policy=UrlPolicy(allow_bind=self.allow_bind_endpoints,
                                  allow_ipc=self.allow_ipc_endpoints,
                                  networks=self.endpoint_networks),

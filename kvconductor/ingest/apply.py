@@ -234,14 +234,10 @@ class Limits:
         self.max_blocks_per_message = max_blocks_per_message
         self.max_blocks_per_source = max_blocks_per_source
 
-    @classmethod
-    def of(cls, conductor: Any) -> "Limits":
-        """The limits of ``conductor.config`` (defaults when it has none)."""
-        cfg = getattr(conductor, "config", None)
-        d = cls()
-        return cls(getattr(cfg, "max_message_bytes", d.max_message_bytes),
-                   getattr(cfg, "max_blocks_per_message", d.max_blocks_per_message),
-                   getattr(cfg, "max_blocks_per_source", d.max_blocks_per_source))
+    @staticmethod
+    def of(conductor: Any) -> "Limits":
+        """``conductor.config.limits``, or the defaults (test conductors have no config)."""
+        return getattr(getattr(conductor, "config", None), "limits", None) or Limits()
 
 
 class Applier:
