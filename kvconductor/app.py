@@ -38,6 +38,7 @@ import shlex
 import sys
 import time
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 import falcon
@@ -170,7 +171,7 @@ class _Resource:
                     req.method, req.path, status, message)
         _error(resp, status, message, msgpack)
 
-    async def _offload(self, body: bytes, fn, *args: Any) -> Any:
+    async def _offload(self, body: bytes | bytearray, fn, *args: Any) -> Any:
         """``fn(*args)`` inline for small bodies, in a worker thread for large ones."""
         if len(body) <= self.large_body_bytes:
             return fn(*args)
@@ -548,7 +549,8 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     if manage_lifecycle:
         middleware.append(_Lifecycle(conductor))
     app = falcon.asgi.App(middleware=middleware, cors_enable=False)
-    kw = dict(max_body_bytes=max_body_bytes, api_key=api_key, large_body_bytes=large_body_bytes)
+    kw: dict[str, Any] = dict(max_body_bytes=max_body_bytes, api_key=api_key,
+                              large_body_bytes=large_body_bytes)
     app.add_route("/health", HealthResource())
     app.add_route("/register", RegisterResource(conductor, **kw))
     app.add_route("/unregister", UnregisterResource(conductor, **kw))
@@ -576,7 +578,7 @@ def _gunicorn_cfg() -> Any:
         from gunicorn.config import Config
     except ImportError:
         return None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         cfg = getattr(frame.f_locals.get("self"), "cfg", None)
         if isinstance(cfg, Config):

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from datetime import datetime
+from typing import NoReturn
 
 from kvconductor import __version__
 from kvconductor.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
@@ -31,12 +32,12 @@ class FlagError(ValueError):
 class _Parser(argparse.ArgumentParser):
     raise_errors = False
 
-    def error(self, message: str) -> None:  # one line, exit status 2, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, exit status 2, no usage dump
         if self.raise_errors:
             raise FlagError(f"{self.prog}: error: {message} (see --help)")
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
         problem = _tls_problem(ns)  # flags that are wrong together
         if problem:

@@ -176,7 +176,7 @@ class _Limits:
     limits: HttpLimits = HttpLimits()
 
     # -- connection -----------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._deadline: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
