@@ -4,6 +4,7 @@
 benchmark suite in ``bench/`` instead, with pytest-benchmark's timing on (the
 project's default ``addopts`` disable it so tests never time anything).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,9 +15,13 @@ ROOT = Path(__file__).resolve().parent
 
 
 def pytest_addoption(parser):
-    parser.addoption("--benchmark", action="store_true", default=False,
-                     help="run the benchmark suite in bench/ with timing on "
-                          "(same as: pytest bench --benchmark-enable --benchmark-only)")
+    parser.addoption(
+        "--benchmark",
+        action="store_true",
+        default=False,
+        help="run the benchmark suite in bench/ with timing on "
+        "(same as: pytest bench --benchmark-enable --benchmark-only)",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -12,6 +12,7 @@ files and never generated C.
 ``KVC_DEBUG=1`` turns bounds checks back on, builds with ``-O0 -g`` and
 re-cythonizes everything.
 """
+
 import os
 
 from setuptools import Extension, setup
@@ -53,8 +54,12 @@ class build_ext(_build_ext):
         # Not in finalize_options: sdist finalizes build_ext to list the sources and
         # must see the .pyx files. cythonize() returns new Extension objects; only
         # their sources (.pyx -> .c) are taken, setuptools' own state stays on ours.
-        generated = {e.name: e.sources for e in cythonize(
-            self.extensions, compiler_directives=DIRECTIVES, force=DEBUG or self.force)}
+        generated = {
+            e.name: e.sources
+            for e in cythonize(
+                self.extensions, compiler_directives=DIRECTIVES, force=DEBUG or self.force
+            )
+        }
         for ext in self.extensions:
             ext.sources = generated[ext.name]
         super().build_extensions()

@@ -4,12 +4,14 @@ run from outside the source tree.
 Usage: python smoke_installed.py SOURCE_TREE DIST_DIR
 
 Checks that the sdist in DIST_DIR carries the Cython sources and no generated C, that the
-wheel carries the compiled modules, stubs and declarations and no C/Cython sources, that the package imported is the installed one (not SOURCE_TREE), that every
+wheel carries the compiled modules, stubs and declarations and no C/Cython sources, that
+the package imported is the installed one (not SOURCE_TREE), that every
 compiled module loaded from a shared object, that the typing files were installed and
 no build leftovers were, that the ``kv-conductor`` script answers ``--version`` and
 ``--help``, and that a real server started by that script stores a block from
 ``/events`` and finds it with ``/query``. Exits non-zero on any failure.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,8 +35,9 @@ def check(cond: bool, what: str) -> None:
 
 
 def post(base: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return r.status, json.loads(r.read())
 
@@ -43,8 +46,15 @@ def check_dists(dist: Path, modules: tuple[str, ...], version: str) -> None:
     (sdist,) = dist.glob(f"kvconductor-{version}.tar.gz")
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    need = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "kvconductor/py.typed",
-            "kvconductor/_hmap.pxd", "tests/conftest.py"}
+    need = {
+        "LICENSE",
+        "README.md",
+        "pyproject.toml",
+        "setup.py",
+        "kvconductor/py.typed",
+        "kvconductor/_hmap.pxd",
+        "tests/conftest.py",
+    }
     for m in modules:
         need |= {f"kvconductor/{m}.pyx", f"kvconductor/{m}.pxd", f"kvconductor/{m}.pyi"}
     check(need <= names, f"{sdist.name} has the sources to compile {sorted(need - names)}")
@@ -56,13 +66,21 @@ def check_dists(dist: Path, modules: tuple[str, ...], version: str) -> None:
         names = set(zf.namelist())
     so = {n.split(".", 1)[0] for n in names if n.startswith("kvconductor/_") and n.endswith(".so")}
     check(so == {f"kvconductor/{m}" for m in modules}, f"{wheel.name} has every compiled module")
-    need = {"kvconductor/py.typed", "kvconductor/_hmap.pxd",
-            f"kvconductor-{version}.dist-info/entry_points.txt"}
+    need = {
+        "kvconductor/py.typed",
+        "kvconductor/_hmap.pxd",
+        f"kvconductor-{version}.dist-info/entry_points.txt",
+    }
     for m in modules:
         need |= {f"kvconductor/{m}.pxd", f"kvconductor/{m}.pyi"}
     check(need <= names, f"{wheel.name} has the stubs and declarations {sorted(need - names)}")
-    check(any(n.startswith(f"kvconductor-{version}.dist-info/") and n.endswith("LICENSE")
-              for n in names), f"{wheel.name} has the LICENSE")
+    check(
+        any(
+            n.startswith(f"kvconductor-{version}.dist-info/") and n.endswith("LICENSE")
+            for n in names
+        ),
+        f"{wheel.name} has the LICENSE",
+    )
     junk = sorted(n for n in names if n.endswith((".c", ".pyx", ".html")))
     check(not junk, f"{wheel.name} has no C or Cython sources {junk}")
 
@@ -75,14 +93,20 @@ def main() -> None:
 
     pkg = Path(kvconductor.__file__).resolve().parent
     check(source not in pkg.parents, f"kvconductor imported from the install ({pkg})")
-    check(kvconductor.is_available(),
-          f"kvconductor.is_available() ({kvconductor.unavailable_reason()})")
+    check(
+        kvconductor.is_available(),
+        f"kvconductor.is_available() ({kvconductor.unavailable_reason()})",
+    )
     for name in kvconductor.COMPILED_MODULES:
         mod = sys.modules[f"kvconductor.{name}"]
-        check(Path(mod.__file__).parent == pkg and mod.__file__.endswith(".so"),
-              f"kvconductor.{name} is a compiled module in the install")
-        check((pkg / f"{name}.pyi").is_file() and (pkg / f"{name}.pxd").is_file(),
-              f"{name}.pyi and {name}.pxd installed")
+        check(
+            Path(mod.__file__).parent == pkg and mod.__file__.endswith(".so"),
+            f"kvconductor.{name} is a compiled module in the install",
+        )
+        check(
+            (pkg / f"{name}.pyi").is_file() and (pkg / f"{name}.pxd").is_file(),
+            f"{name}.pyi and {name}.pxd installed",
+        )
     check((pkg / "py.typed").is_file(), "py.typed installed")
     leftovers = sorted(p.name for p in pkg.rglob("*") if p.suffix in (".c", ".pyx", ".html"))
     check(not leftovers, f"no build leftovers installed {leftovers}")
@@ -90,13 +114,16 @@ def main() -> None:
     exe = str(Path(sys.executable).parent / "kv-conductor")
     check(os.access(exe, os.X_OK), f"kv-conductor script installed next to this python ({exe})")
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
-    check(out.returncode == 0 and out.stdout.strip() == f"kv-conductor {kvconductor.__version__}",
-          f"kv-conductor --version -> {out.stdout.strip()!r}")
+    check(
+        out.returncode == 0 and out.stdout.strip() == f"kv-conductor {kvconductor.__version__}",
+        f"kv-conductor --version -> {out.stdout.strip()!r}",
+    )
     out = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     check(out.returncode == 0 and "--port" in out.stdout, "kv-conductor --help")
 
-    proc = subprocess.Popen([exe, "--host", "127.0.0.1", "--port", "0"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [exe, "--host", "127.0.0.1", "--port", "0"], stderr=subprocess.PIPE, text=True
+    )
     try:
         port: list[int] = []
         started = threading.Event()
@@ -123,18 +150,56 @@ def main() -> None:
                     raise
                 time.sleep(0.1)
         check(health == (200, b"OK"), f"GET /health -> {health}")
-        reg = post(base, "/register", {"instance_id": "smoke-1", "type": "vLLM",
-                                       "modelname": "qwen", "block_size": 4, "dp_rank": 0})
+        reg = post(
+            base,
+            "/register",
+            {
+                "instance_id": "smoke-1",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": 4,
+                "dp_rank": 0,
+            },
+        )
         check(reg == (201, {"status": "ok"}), f"POST /register -> {reg}")
-        ev = post(base, "/events", {"instance_id": "smoke-1", "events": [{
-            "event_id": 1, "dp_rank": 0, "type": "BlockStored", "block_hashes": [100, 200],
-            "parent_block_hash": None, "token_ids": list(range(1, 9)), "block_size": 4,
-            "medium": "GPU"}]})
+        ev = post(
+            base,
+            "/events",
+            {
+                "instance_id": "smoke-1",
+                "events": [
+                    {
+                        "event_id": 1,
+                        "dp_rank": 0,
+                        "type": "BlockStored",
+                        "block_hashes": [100, 200],
+                        "parent_block_hash": None,
+                        "token_ids": list(range(1, 9)),
+                        "block_size": 4,
+                        "medium": "GPU",
+                    }
+                ],
+            },
+        )
         check(ev == (200, {"status": "ok", "events_applied": 1}), f"POST /events -> {ev}")
-        q = post(base, "/query", {"model": "qwen", "block_size": 4,
-                                  "token_ids": list(range(1, 11))})
-        want = {"default": {"smoke-1": {"longest_matched": 8, "DP": {"0": {
-            "matched_tokens": 8, "npu_blocks": 2, "cpu_blocks": 0, "disk_blocks": 0}}}}}
+        q = post(
+            base, "/query", {"model": "qwen", "block_size": 4, "token_ids": list(range(1, 11))}
+        )
+        want = {
+            "default": {
+                "smoke-1": {
+                    "longest_matched": 8,
+                    "DP": {
+                        "0": {
+                            "matched_tokens": 8,
+                            "npu_blocks": 2,
+                            "cpu_blocks": 0,
+                            "disk_blocks": 0,
+                        }
+                    },
+                }
+            }
+        }
         check(q == (200, want), f"POST /query -> {q}")
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -10,6 +10,7 @@ idle for a few seconds and reports the CPU time the ingest thread used.
 
     python bench/bench_ingest.py [--block-size 16 128] [--batches 1500] [--runs 5] [--impl c|py]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,8 +85,20 @@ def make_batches(n: int, bs: int, blocks_per_event: int, rng: random.Random):
         for _ in range(2):
             hs = [rng.getrandbits(64) for _ in range(blocks_per_event)]
             toks = [rng.randrange(150_000) for _ in range(bs * blocks_per_event)]
-            evs.append(BlockStored(hs, None, toks, bs, None, "GPU", None, [None] * blocks_per_event, 0,
-                                   "full_attention"))
+            evs.append(
+                BlockStored(
+                    hs,
+                    None,
+                    toks,
+                    bs,
+                    None,
+                    "GPU",
+                    None,
+                    [None] * blocks_per_event,
+                    0,
+                    "full_attention",
+                )
+            )
             blocks += blocks_per_event
             live_hashes.append(hs[-1])
         if rng.random() < 0.25 and live_hashes:
@@ -116,8 +129,9 @@ def _publisher(conn, bs: int, batches: int, runs: int, blocks_per_event: int) ->
         if cmd == "stop":
             break
         if cmd == "warm":
-            pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"),
-                                msgspec.msgpack.encode([time.time(), [], 0])])
+            pub.send_multipart(
+                [b"kv-events", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [], 0])]
+            )
             seq += 1
             conn.send(seq - 1)
             continue
@@ -140,8 +154,15 @@ def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | Non
     thread = IngestThread(zmq.Context.instance())
     thread.start()
     mgr = thread.call(lambda: SubscriptionManager(thread, conductor))
-    ctx = SubscriberContext(instance_id=IID, dp_rank=0, url=url, model="bench", tenant="default",
-                            block_size=bs, default_media=(Medium.NPU,))
+    ctx = SubscriberContext(
+        instance_id=IID,
+        dp_rank=0,
+        url=url,
+        model="bench",
+        tenant="default",
+        block_size=bs,
+        default_media=(Medium.NPU,),
+    )
     thread.call(mgr.subscribe, ctx)
     tid = thread.call(threading.get_native_id)
 
@@ -184,10 +205,17 @@ def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | Non
     proc.join(10)
     impl_name = type(conductor.indexes[("bench", "default")].core).__module__
     return {
-        "bs": bs, "impl": impl_name, "batches": batches, "blocks/run": blocks_per_set[0],
-        "median": statistics.median(rates), "min": min(rates), "max": max(rates),
+        "bs": bs,
+        "impl": impl_name,
+        "batches": batches,
+        "blocks/run": blocks_per_set[0],
+        "median": statistics.median(rates),
+        "min": min(rates),
+        "max": max(rates),
         "us_cpu_per_block": 1e6 * statistics.median(cpu_per_block),
-        "idle_cpu": idle_cpu, "idle_wall": idle_wall, "dropped": s["dropped"],
+        "idle_cpu": idle_cpu,
+        "idle_wall": idle_wall,
+        "dropped": s["dropped"],
         "hbm_blocks": summary["hbm_blocks"],
     }
 
@@ -205,16 +233,20 @@ def main():
     for bs in args.block_size:
         n = args.batches if bs <= 16 else max(100, args.batches // 4)
         rows.append(run(bs, n, args.runs, args.blocks_per_event, args.impl, args.idle))
-    hdr = (f"{'block_size':>10} {'core':>18} {'batches/run':>11} {'blocks/run':>10} "
-           f"{'blocks/s median':>15} {'min':>10} {'max':>10} {'cpu us/block':>12} "
-           f"{'idle cpu':>14} {'dropped':>8}")
+    hdr = (
+        f"{'block_size':>10} {'core':>18} {'batches/run':>11} {'blocks/run':>10} "
+        f"{'blocks/s median':>15} {'min':>10} {'max':>10} {'cpu us/block':>12} "
+        f"{'idle cpu':>14} {'dropped':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['bs']:>10} {r['impl']:>18} {r['batches']:>11} {r['blocks/run']:>10} "
-              f"{r['median']:>15,.0f} {r['min']:>10,.0f} {r['max']:>10,.0f} "
-              f"{r['us_cpu_per_block']:>12.2f} "
-              f"{r['idle_cpu']:>6.3f}s/{r['idle_wall']:.1f}s {sum(r['dropped'].values()):>8}")
+        print(
+            f"{r['bs']:>10} {r['impl']:>18} {r['batches']:>11} {r['blocks/run']:>10} "
+            f"{r['median']:>15,.0f} {r['min']:>10,.0f} {r['max']:>10,.0f} "
+            f"{r['us_cpu_per_block']:>12.2f} "
+            f"{r['idle_cpu']:>6.3f}s/{r['idle_wall']:.1f}s {sum(r['dropped'].values()):>8}"
+        )
 
 
 if __name__ == "__main__":

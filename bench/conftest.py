@@ -1,14 +1,15 @@
 """Shared benchmark fixtures (pytest-benchmark; run with ``pytest bench --benchmark-only``)."""
+
 import array
 import random
 
 import pytest
 
-BLOCK = 16            # tokens per block (vLLM's default)
-DOC_BLOCKS = 62_500   # 1M tokens
-FULL_HOLDERS = 8      # workers holding the whole 1M-token document
+BLOCK = 16  # tokens per block (vLLM's default)
+DOC_BLOCKS = 62_500  # 1M tokens
+FULL_HOLDERS = 8  # workers holding the whole 1M-token document
 WORKERS = 64
-EVENT_BLOCKS = 32     # blocks per BlockStored event, as engines publish them
+EVENT_BLOCKS = 32  # blocks per BlockStored event, as engines publish them
 
 
 def make_tokens(n, seed):
@@ -26,6 +27,7 @@ def build_index(impl="c"):
     from kvconductor._hash import hash_blocks
     from kvconductor.index import Index
     from kvconductor.keys import Medium, WorkerKey
+
     ix = Index("bench", "default", impl=impl)
     doc = make_tokens(DOC_BLOCKS * BLOCK, 1)
     doc_h = hash_blocks(doc, BLOCK)
@@ -41,10 +43,12 @@ def build_index(impl="c"):
                 chains.append(hash_blocks(system + body, BLOCK))
         base = (w + 1) << 40
         for c, hashes in enumerate(chains):
-            seqs = array.array("Q", range(base + c * 10_000_000, base + c * 10_000_000 + len(hashes)))
+            seqs = array.array(
+                "Q", range(base + c * 10_000_000, base + c * 10_000_000 + len(hashes))
+            )
             parent = None
             for i in range(0, len(hashes), EVENT_BLOCKS):
-                ix.store(key, parent, seqs[i:i + EVENT_BLOCKS], hashes[i:i + EVENT_BLOCKS])
+                ix.store(key, parent, seqs[i : i + EVENT_BLOCKS], hashes[i : i + EVENT_BLOCKS])
                 parent = seqs[min(i + EVENT_BLOCKS, len(hashes)) - 1]
     return ix, doc
 

@@ -14,6 +14,7 @@ HBM chain through ``POST /events``, then measures:
 
 Every number is printed in one table; nothing here asserts timings.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,9 @@ def free_port() -> int:
 
 def start_server(port: int) -> subprocess.Popen:
     env = dict(os.environ, KV_CONDUCTOR_LOG="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "kvconductor", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)], env=env
+    )
     deadline = time.time() + 30
     while time.time() < deadline:
         try:
@@ -77,12 +79,17 @@ def load_chain(conn, instance: str, dp: int, toks: array.array, base: int) -> No
     parent = None
     for i in range(0, nb, step):
         j = min(i + step, nb)
-        ev = {"event_id": i, "dp_rank": dp, "type": "BlockStored",
-              "block_hashes": list(range(base + i, base + j)), "parent_block_hash": parent,
-              "token_ids": toks[i * BLOCK:j * BLOCK].tolist(), "block_size": BLOCK,
-              "medium": "GPU"}
-        body = json.dumps({"instance_id": instance, "model_name": MODEL,
-                           "events": [ev]}).encode()
+        ev = {
+            "event_id": i,
+            "dp_rank": dp,
+            "type": "BlockStored",
+            "block_hashes": list(range(base + i, base + j)),
+            "parent_block_hash": parent,
+            "token_ids": toks[i * BLOCK : j * BLOCK].tolist(),
+            "block_size": BLOCK,
+            "medium": "GPU",
+        }
+        body = json.dumps({"instance_id": instance, "model_name": MODEL, "events": [ev]}).encode()
         st, data, _ = post(conn, "/events", body)
         if st != 200:
             raise SystemExit(f"/events failed: {st} {data[:200]!r}")
@@ -90,8 +97,15 @@ def load_chain(conn, instance: str, dp: int, toks: array.array, base: int) -> No
 
 
 def register(conn, instance: str, dp: int) -> None:
-    body = json.dumps({"instance_id": instance, "type": "vLLM", "modelname": MODEL,
-                       "block_size": BLOCK, "dp_rank": dp}).encode()
+    body = json.dumps(
+        {
+            "instance_id": instance,
+            "type": "vLLM",
+            "modelname": MODEL,
+            "block_size": BLOCK,
+            "dp_rank": dp,
+        }
+    ).encode()
     st, data, _ = post(conn, "/register", body)
     if st != 201:
         raise SystemExit(f"/register failed: {st} {data!r}")
@@ -101,9 +115,11 @@ def bodies(toks: array.array) -> dict[str, tuple[bytes, str]]:
     lst = toks.tolist()
     q = {"model": MODEL, "block_size": BLOCK, "token_ids": lst}
     packed = {"model": MODEL, "block_size": BLOCK, "token_ids": toks.tobytes()}
-    return {"json": (msgspec.json.encode(q), "application/json"),
-            "msgpack": (msgspec.msgpack.encode(q), "application/msgpack"),
-            "packed": (msgspec.msgpack.encode(packed), "application/msgpack")}
+    return {
+        "json": (msgspec.json.encode(q), "application/json"),
+        "msgpack": (msgspec.msgpack.encode(q), "application/msgpack"),
+        "packed": (msgspec.msgpack.encode(packed), "application/msgpack"),
+    }
 
 
 def server_ms(header: str | None) -> float | None:
@@ -153,7 +169,9 @@ def _load_worker(port, body, ctype, seconds, q):
 
 def load(port, body, ctype, conns, seconds) -> tuple[float, float, float, float]:
     q = mp.Queue()
-    ps = [mp.Process(target=_load_worker, args=(port, body, ctype, seconds, q)) for _ in range(conns)]
+    ps = [
+        mp.Process(target=_load_worker, args=(port, body, ctype, seconds, q)) for _ in range(conns)
+    ]
     for p in ps:
         p.start()
     lat, srv = [], []
@@ -198,17 +216,37 @@ def main() -> None:
             for enc, (body, ctype) in bodies(doc[:n]).items():
                 runs = args.runs if n < 1_000_000 else max(3, args.runs // 2)
                 med, best, srv, size = time_query(port, body, ctype, runs)
-                rows.append((f"/query {n:>9,} tokens {enc}", f"{med:.3f} ms",
-                             f"best {best:.3f} ms", f"server {srv:.3f} ms" if srv else "-",
-                             f"body {len(body):,} B"))
+                rows.append(
+                    (
+                        f"/query {n:>9,} tokens {enc}",
+                        f"{med:.3f} ms",
+                        f"best {best:.3f} ms",
+                        f"server {srv:.3f} ms" if srv else "-",
+                        f"body {len(body):,} B",
+                    )
+                )
         b4 = bodies(doc[:4096])["msgpack"]
         rps, p50, p99, s99 = load(port, b4[0], b4[1], 4, args.seconds)
-        rows.append(("4k full hit, 4 conns (msgpack)", f"{rps:,.0f} req/s", f"p50 {p50:.3f} ms",
-                     f"p99 {p99:.3f} ms", f"server p99 {s99:.3f} ms"))
+        rows.append(
+            (
+                "4k full hit, 4 conns (msgpack)",
+                f"{rps:,.0f} req/s",
+                f"p50 {p50:.3f} ms",
+                f"p99 {p99:.3f} ms",
+                f"server p99 {s99:.3f} ms",
+            )
+        )
         b32 = bodies(doc[:32768])["msgpack"]
         med, best, srv, _ = time_query(port, b32[0], b32[1], 50)
-        rows.append(("32k full hit round trip (msgpack)", f"{med:.3f} ms", f"best {best:.3f} ms",
-                     f"server {srv:.3f} ms" if srv else "-", ""))
+        rows.append(
+            (
+                "32k full hit round trip (msgpack)",
+                f"{med:.3f} ms",
+                f"best {best:.3f} ms",
+                f"server {srv:.3f} ms" if srv else "-",
+                "",
+            )
+        )
         # small-query p99 while 1M-token queries keep running
         big = bodies(doc[:1_000_000])["packed"]
         q = mp.Queue()
@@ -217,8 +255,15 @@ def main() -> None:
         rps2, p50b, p99b, s99b = load(port, b4[0], b4[1], 2, args.seconds)
         bigl, _ = q.get()
         bigp.join()
-        rows.append(("4k queries while 1M queries run", f"{rps2:,.0f} req/s", f"p50 {p50b:.3f} ms",
-                     f"p99 {p99b:.3f} ms", f"server p99 {s99b:.3f} ms; 1M queries: {len(bigl)}"))
+        rows.append(
+            (
+                "4k queries while 1M queries run",
+                f"{rps2:,.0f} req/s",
+                f"p50 {p50b:.3f} ms",
+                f"p99 {p99b:.3f} ms",
+                f"server p99 {s99b:.3f} ms; 1M queries: {len(bigl)}",
+            )
+        )
         if not args.skip_rss:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             before = rss_kb(proc.pid)
@@ -230,9 +275,15 @@ def main() -> None:
                 load_chain(conn, inst, w % 8, toks, (w + 1) << 40)
                 pairs += 16_000
             after = rss_kb(proc.pid)
-            rows.append(("RSS per (worker, block), 63 workers x 16k blocks",
-                         f"{(after - before) * 1024 / pairs:.1f} B", f"pairs {pairs:,}",
-                         f"RSS {after / 1024:.0f} MiB", ""))
+            rows.append(
+                (
+                    "RSS per (worker, block), 63 workers x 16k blocks",
+                    f"{(after - before) * 1024 / pairs:.1f} B",
+                    f"pairs {pairs:,}",
+                    f"RSS {after / 1024:.0f} MiB",
+                    "",
+                )
+            )
     finally:
         proc.terminate()
         try:

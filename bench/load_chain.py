@@ -8,6 +8,7 @@ default).
 
     python bench/load_chain.py [--url http://127.0.0.1:13333] [--tokens 5000000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,8 @@ from urllib.parse import urlsplit
 from e2e_query import BLOCK, MODEL, load_chain, register, tokens
 
 INSTANCE = "vllm-prefill-0"
-DOC_SEED = 1          # e2e_query.py's document
-BASE_HASH = 1 << 40   # e2e_query.py's engine hashes
+DOC_SEED = 1  # e2e_query.py's document
+BASE_HASH = 1 << 40  # e2e_query.py's engine hashes
 
 
 def main() -> None:
@@ -35,8 +36,10 @@ def main() -> None:
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=120)
     register(conn, INSTANCE, 0)
     load_chain(conn, INSTANCE, 0, doc, BASE_HASH)
-    print(f"loaded {args.tokens // BLOCK:,} blocks of model {MODEL!r} (block size {BLOCK}) "
-          f"for {INSTANCE} dp 0 in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"loaded {args.tokens // BLOCK:,} blocks of model {MODEL!r} (block size {BLOCK}) "
+        f"for {INSTANCE} dp 0 in {time.perf_counter() - t0:.1f} s"
+    )
 
 
 if __name__ == "__main__":

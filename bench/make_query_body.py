@@ -9,6 +9,7 @@ is one bin of little-endian u32); both msgpack forms go with
 
     python bench/make_query_body.py --tokens 4096 --format msgpack -o bench/wrk/q4k.body
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ def main() -> None:
     body, ctype = bodies(tokens(args.tokens, DOC_SEED))[args.format]
     with open(args.output, "wb") as f:
         f.write(body)
-    print(f"{args.output}: {len(body):,} bytes, {args.tokens:,} tokens, model {MODEL!r}, "
-          f"block size {BLOCK}, Content-Type: {ctype}")
+    print(
+        f"{args.output}: {len(body):,} bytes, {args.tokens:,} tokens, model {MODEL!r}, "
+        f"block size {BLOCK}, Content-Type: {ctype}"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ requests, their rate, and the median round trip and server time
 
     python bench/post_loop.py --body bench/wrk/q1m.body --seconds 6
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,9 +45,11 @@ def main() -> None:
         if ms is not None:
             srv.append(ms)
     conn.close()
-    print(f"{len(rt)} requests in {args.seconds:g} s ({len(rt) / args.seconds:.1f}/s), "
-          f"round trip median {statistics.median(rt):.2f} ms"
-          + (f", server median {statistics.median(srv):.2f} ms" if srv else ""))
+    print(
+        f"{len(rt)} requests in {args.seconds:g} s ({len(rt) / args.seconds:.1f}/s), "
+        f"round trip median {statistics.median(rt):.2f} ms"
+        + (f", server median {statistics.median(srv):.2f} ms" if srv else "")
+    )
 
 
 if __name__ == "__main__":

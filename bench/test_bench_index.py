@@ -1,4 +1,5 @@
 """In-process index benchmarks: hashing, store throughput, match latency, memory."""
+
 import array
 
 import pytest
@@ -11,6 +12,7 @@ pytestmark = pytest.mark.benchmark(group="index")
 @pytest.mark.parametrize("ntok", [1_000, 16_000, 128_000, 1_000_000])
 def test_hash_tokens(benchmark, ntok):
     from kvconductor._hash import hash_blocks
+
     toks = make_tokens(ntok, 7)
     benchmark.group = "hash"
     out = benchmark(hash_blocks, toks, BLOCK)
@@ -24,7 +26,9 @@ def test_match_full_hit(benchmark, big_index, ntok):
     prompt = array.array("I", doc[:ntok])
     benchmark.group = "match (hash + HBM walk), 1M-pair index"
     res = benchmark(ix.query, prompt, BLOCK)
-    assert len(res) == 8 and res.hits[0].npu_blocks == -(-ntok // BLOCK) - (1 if ntok % BLOCK else 0)
+    assert len(res) == 8 and res.hits[0].npu_blocks == -(-ntok // BLOCK) - (
+        1 if ntok % BLOCK else 0
+    )
 
 
 @pytest.mark.parametrize("ntok", [1_000_000])
@@ -41,6 +45,7 @@ def test_match_full_hit_python_list(benchmark, big_index, ntok):
 def test_tokens_from_python_list_1m(benchmark):
     """1M Python ints -> u32 buffer (``to_u32_tokens``), alone."""
     from kvconductor._hash import to_u32_tokens
+
     toks = make_tokens(1_000_000, 5).tolist()
     benchmark.group = "hash"
     out = benchmark(to_u32_tokens, toks)
@@ -58,16 +63,19 @@ def test_match_miss_1m(benchmark, big_index):
 
 def test_store_throughput(benchmark):
     """Blocks stored per second (32-block events, 64 workers, precomputed hashes)."""
-    from kvconductor._index import CoreIndex
     from kvconductor._hash import hash_blocks
+    from kvconductor._index import CoreIndex
+
     toks = make_tokens(4096 * BLOCK, 3)
     hashes = hash_blocks(toks, BLOCK)
-    seqs = [array.array("Q", range((w + 1) << 32, ((w + 1) << 32) + len(hashes))) for w in range(64)]
+    seqs = [
+        array.array("Q", range((w + 1) << 32, ((w + 1) << 32) + len(hashes))) for w in range(64)
+    ]
     events = []
     for w in range(64):
         for i in range(0, len(hashes), EVENT_BLOCKS):
             parent = None if i == 0 else seqs[w][i - 1]
-            events.append((w, parent, seqs[w][i:i + EVENT_BLOCKS], hashes[i:i + EVENT_BLOCKS]))
+            events.append((w, parent, seqs[w][i : i + EVENT_BLOCKS], hashes[i : i + EVENT_BLOCKS]))
 
     def run():
         core = CoreIndex()
@@ -89,7 +97,11 @@ def test_memory_per_pair(big_index, benchmark):
     s = ix.core.stats()
     per_pair = s["nbytes"] / s["hbm_pairs"]
     benchmark.group = "memory"
-    benchmark.extra_info.update(pairs=s["hbm_pairs"], nodes=s["nodes"], nbytes=s["nbytes"],
-                                bytes_per_pair=round(per_pair, 1))
+    benchmark.extra_info.update(
+        pairs=s["hbm_pairs"],
+        nodes=s["nodes"],
+        nbytes=s["nbytes"],
+        bytes_per_pair=round(per_pair, 1),
+    )
     benchmark(ix.core.stats)
     assert s["hbm_pairs"] > 900_000

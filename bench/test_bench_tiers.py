@@ -1,4 +1,5 @@
 """Tiered query (HBM + CPU + Disk), two-phase join throughput, lower-tier memory."""
+
 import array
 
 import pytest
@@ -14,13 +15,18 @@ def _tiered_index():
     from kvconductor._hash import hash_blocks
     from kvconductor.index import Index
     from kvconductor.keys import Medium, WorkerKey
+
     ix = Index("bench", "default")
     doc = make_tokens(DOC_BLOCKS * BLOCK, 1)
     H = hash_blocks(doc, BLOCK)
     q1, q2 = DOC_BLOCKS // 4, DOC_BLOCKS // 2
     for g in range(GROUPS):
         seqs = array.array("Q", range((g + 1) << 40, ((g + 1) << 40) + DOC_BLOCKS))
-        for medium, lo, hi in ((Medium.NPU, 0, q1), (Medium.CPU, q1, q2), (Medium.DISK, q2, DOC_BLOCKS)):
+        for medium, lo, hi in (
+            (Medium.NPU, 0, q1),
+            (Medium.CPU, q1, q2),
+            (Medium.DISK, q2, DOC_BLOCKS),
+        ):
             key = WorkerKey("inst", "inst", g, medium)
             for i in range(lo, hi, EVENT_BLOCKS):
                 j = min(i + EVENT_BLOCKS, hi)
@@ -41,13 +47,16 @@ def test_tiered_query(benchmark, tiered, ntok):
     res = benchmark(ix.query, prompt, BLOCK)
     full = ntok // BLOCK
     h = res.hits[0]
-    assert len(res) == GROUPS and h.npu_blocks + h.cpu_blocks + h.disk_blocks == min(full, DOC_BLOCKS)
+    assert len(res) == GROUPS and h.npu_blocks + h.cpu_blocks + h.disk_blocks == min(
+        full, DOC_BLOCKS
+    )
 
 
 def test_two_phase_join(benchmark):
     """Engine offload of 32-block events, then the pool confirms them for 8 DPs."""
     from kvconductor._hash import hash_blocks
     from kvconductor._index import CoreIndex
+
     H = hash_blocks(make_tokens(8192 * BLOCK, 5), BLOCK)
     seqs = array.array("Q", range(1 << 40, (1 << 40) + len(H)))
 
@@ -83,11 +92,19 @@ def test_lower_tier_store(benchmark):
     every worker has its own engine hashes for the same content)."""
     from kvconductor._hash import hash_blocks
     from kvconductor._lower import LowerTier
+
     H = hash_blocks(make_tokens(4096 * BLOCK, 6), BLOCK)
     seqs = [array.array("Q", range((w + 1) << 32, ((w + 1) << 32) + len(H))) for w in range(64)]
-    events = [(w, None if i == 0 else seqs[w][i - 1], seqs[w][i:i + EVENT_BLOCKS],
-               H[i:i + EVENT_BLOCKS])
-              for w in range(64) for i in range(0, len(H), EVENT_BLOCKS)]
+    events = [
+        (
+            w,
+            None if i == 0 else seqs[w][i - 1],
+            seqs[w][i : i + EVENT_BLOCKS],
+            H[i : i + EVENT_BLOCKS],
+        )
+        for w in range(64)
+        for i in range(0, len(H), EVENT_BLOCKS)
+    ]
 
     def run():
         tier = LowerTier()

@@ -4,6 +4,7 @@ Run: python -m pytest bench/test_bench_wire.py --benchmark-enable -q
 (pyproject's addopts disables benchmarks by default; nothing here asserts on time.)
 The msgspec rows are the baseline that the pure-Python twin would pay.
 """
+
 from __future__ import annotations
 
 import random
@@ -73,8 +74,15 @@ def _hits(n_inst: int = 64) -> list[DpHit]:
     hits = []
     for i in range(n_inst):
         for dp in range(rnd.choice([1, 1, 2, 4])):
-            hits.append(DpHit(f"vllm-prefill-{i}", dp, rnd.randrange(0, 4000),
-                              rnd.randrange(0, 2000), rnd.randrange(0, 500)))
+            hits.append(
+                DpHit(
+                    f"vllm-prefill-{i}",
+                    dp,
+                    rnd.randrange(0, 4000),
+                    rnd.randrange(0, 2000),
+                    rnd.randrange(0, 500),
+                )
+            )
     return hits
 
 

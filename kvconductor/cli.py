@@ -3,6 +3,7 @@
 Every bad flag value stops the process before anything starts, with one
 line on stderr (``kv-conductor: error: ...``) and exit status 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,12 @@ from kvconductor.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
 LOG_ENV = "KV_CONDUCTOR_LOG"
 API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
 _LEVELS = {
-    "trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO,
-    "warn": logging.WARNING, "warning": logging.WARNING, "error": logging.ERROR,
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
     "critical": logging.CRITICAL,
 }
 
@@ -51,7 +56,8 @@ def _host(value: str) -> str:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"invalid host address {value!r}: an IP literal is required "
-            "(e.g. :: or 0.0.0.0); hostnames are not accepted") from None
+            "(e.g. :: or 0.0.0.0); hostnames are not accepted"
+        ) from None
     return value
 
 
@@ -60,7 +66,8 @@ def _port(value: str) -> int:
         port = int(value, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"invalid port {value!r}: an integer is required") from None
+            f"invalid port {value!r}: an integer is required"
+        ) from None
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"invalid port {port}: must be within 0..65535")
     return port
@@ -71,7 +78,8 @@ def _secs(value: str) -> int:
         secs = int(value, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"invalid value {value!r}: a whole number of seconds is required") from None
+            f"invalid value {value!r}: a whole number of seconds is required"
+        ) from None
     if not 0 <= secs < 2**64:
         raise argparse.ArgumentTypeError(f"invalid value {secs}: must be >= 0")
     return secs
@@ -79,17 +87,22 @@ def _secs(value: str) -> int:
 
 def _int_in(lo: int, hi: int | None = None):
     """A flag type: an integer ``>= lo`` (and ``<= hi`` when given)."""
+
     def parse(value: str) -> int:
         try:
             n = int(value, 10)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"invalid value {value!r}: an integer is required") from None
+                f"invalid value {value!r}: an integer is required"
+            ) from None
         if n < lo or (hi is not None and n > hi):
             raise argparse.ArgumentTypeError(
-                f"invalid value {n}: must be >= {lo}" if hi is None
-                else f"invalid value {n}: must be within {lo}..{hi}")
+                f"invalid value {n}: must be >= {lo}"
+                if hi is None
+                else f"invalid value {n}: must be within {lo}..{hi}"
+            )
         return n
+
     return parse
 
 
@@ -97,8 +110,9 @@ def _megabytes(value: str) -> float:
     try:
         mb = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {value!r}: a number of MiB is required") \
-            from None
+        raise argparse.ArgumentTypeError(
+            f"invalid size {value!r}: a number of MiB is required"
+        ) from None
     if not mb > 0 or mb != mb or mb == float("inf"):
         raise argparse.ArgumentTypeError(f"invalid size {value!r}: must be > 0")
     return mb
@@ -121,7 +135,8 @@ def _timeout(value: str) -> float:
         secs = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"invalid value {value!r}: a number of seconds is required") from None
+            f"invalid value {value!r}: a number of seconds is required"
+        ) from None
     if not 0 < secs < 86400 * 365:
         raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be > 0")
     return secs
@@ -131,11 +146,13 @@ def _origin(value: str) -> str:
     scheme, sep, rest = value.partition("://")
     if value == "*":
         raise argparse.ArgumentTypeError(
-            "invalid origin '*': list each allowed origin (mutating routes never allow all)")
+            "invalid origin '*': list each allowed origin (mutating routes never allow all)"
+        )
     if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
         raise argparse.ArgumentTypeError(
             f"invalid origin {value!r}: scheme://host[:port] is required, e.g. "
-            "https://ui.example.com (no path, no trailing slash)")
+            "https://ui.example.com (no path, no trailing slash)"
+        )
     return value.lower()  # browsers send scheme and host in lower case
 
 
@@ -152,7 +169,8 @@ def _level(value: str) -> str:
     low = value.strip().lower()
     if low not in _LEVELS:
         raise argparse.ArgumentTypeError(
-            f"invalid log level {value!r}: one of {', '.join(sorted(_LEVELS))}")
+            f"invalid log level {value!r}: one of {', '.join(sorted(_LEVELS))}"
+        )
     return low
 
 
@@ -178,117 +196,239 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     """
     level, _ = _env_level()
     # No abbreviations: a misspelt flag (--pending-ttl-sec) is an error, never a guess.
-    p = _Parser(prog="kv-conductor", description="KV-cache index service (V3 HTTP API)",
-                allow_abbrev=False)
+    p = _Parser(
+        prog="kv-conductor", description="KV-cache index service (V3 HTTP API)", allow_abbrev=False
+    )
     p.raise_errors = raise_errors
     p.add_argument("--version", action="version", version=f"kv-conductor {__version__}")
-    p.add_argument("--host", type=_host, default=DEFAULT_HOST,
-                   help="IP address to bind (default :: dual-stack, 0.0.0.0 without IPv6)")
-    p.add_argument("--port", "-p", type=_port, default=DEFAULT_PORT,
-                   help="HTTP port (default 13333; 0 picks a free one)")
-    p.add_argument("--maintenance-interval-secs", type=_secs, default=30,
-                   help="maintenance period in seconds (default 30; effective max(1, n))")
-    p.add_argument("--pending-ttl-secs", type=_secs, default=60,
-                   help="TTL of pool confirmations waiting for an offload (default 60)")
-    p.add_argument("--content-ttl-secs", type=_secs, default=300,
-                   help="TTL of retained confirmed content (default 300)")
-    p.add_argument("--offload-ttl-secs", type=_secs, default=600,
-                   help="TTL of unconfirmed engine offloads (default 600)")
-    p.add_argument("--loss-grace-secs", type=_secs, default=600,
-                   help="after events from a source were lost for good, blocks it held then "
-                        "that are not announced again within this many seconds are dropped "
-                        "(default 600; nothing is dropped at the loss itself)")
-    p.add_argument("--replay-deadline-secs", type=_secs, default=60,
-                   help="a vLLM replay not finished within this many seconds counts as lost "
-                        "(default 60; a replay also ends after 5 s without a reply)")
-    p.add_argument("--max-message-mb", type=_megabytes, default=256.0,
-                   help="a ZeroMQ event message larger than this is refused and counted "
-                        "(default 256)")
-    p.add_argument("--max-blocks-per-message", type=_int_in(1, 2**32 - 1), default=1_000_000,
-                   help="a message storing or removing more blocks is refused and counted "
-                        "(default 1000000)")
-    p.add_argument("--max-blocks-per-source", type=_int_in(1, 2**32 - 1), default=4_000_000,
-                   help="an engine source's HBM blocks at most; messages that would pass it "
-                        "are refused and counted (default 4000000)")
-    p.add_argument("--max-sources", type=_int_in(1, 1_000_000), default=4096,
-                   help="ZeroMQ subscriptions (one per registered instance, DP and URL) at most; "
-                        "registrations beyond get 503 (default 4096; the process needs about "
-                        "4 open files per source)")
-    p.add_argument("--log-level", type=_level, default=level,
-                   help=f"trace|debug|info|warning|error (default info; env {LOG_ENV})")
-    p.add_argument("--max-body-mb", type=_megabytes, default=64.0,
-                   help="request body limit in MiB (default 64)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require 'Authorization: Bearer <key>' on /register, /unregister, "
-                        f"/events and /workers (env {API_KEY_ENV})")
-    p.add_argument("--allow-bind-endpoints", action="store_true",
-                   help="accept bind-mode endpoint URLs (tcp://*:PORT): the server then listens "
-                        "for publishers on that port (off by default)")
-    p.add_argument("--allow-ipc-endpoints", action="store_true",
-                   help="accept ipc:// endpoint URLs (off by default)")
-    p.add_argument("--endpoint-networks", type=_networks, default=(), metavar="CIDR[,CIDR...]",
-                   help="only accept TCP endpoint URLs whose IP address is in these networks "
-                        "(host names are then refused)")
+    p.add_argument(
+        "--host",
+        type=_host,
+        default=DEFAULT_HOST,
+        help="IP address to bind (default :: dual-stack, 0.0.0.0 without IPv6)",
+    )
+    p.add_argument(
+        "--port",
+        "-p",
+        type=_port,
+        default=DEFAULT_PORT,
+        help="HTTP port (default 13333; 0 picks a free one)",
+    )
+    p.add_argument(
+        "--maintenance-interval-secs",
+        type=_secs,
+        default=30,
+        help="maintenance period in seconds (default 30; effective max(1, n))",
+    )
+    p.add_argument(
+        "--pending-ttl-secs",
+        type=_secs,
+        default=60,
+        help="TTL of pool confirmations waiting for an offload (default 60)",
+    )
+    p.add_argument(
+        "--content-ttl-secs",
+        type=_secs,
+        default=300,
+        help="TTL of retained confirmed content (default 300)",
+    )
+    p.add_argument(
+        "--offload-ttl-secs",
+        type=_secs,
+        default=600,
+        help="TTL of unconfirmed engine offloads (default 600)",
+    )
+    p.add_argument(
+        "--loss-grace-secs",
+        type=_secs,
+        default=600,
+        help="after events from a source were lost for good, blocks it held then "
+        "that are not announced again within this many seconds are dropped "
+        "(default 600; nothing is dropped at the loss itself)",
+    )
+    p.add_argument(
+        "--replay-deadline-secs",
+        type=_secs,
+        default=60,
+        help="a vLLM replay not finished within this many seconds counts as lost "
+        "(default 60; a replay also ends after 5 s without a reply)",
+    )
+    p.add_argument(
+        "--max-message-mb",
+        type=_megabytes,
+        default=256.0,
+        help="a ZeroMQ event message larger than this is refused and counted (default 256)",
+    )
+    p.add_argument(
+        "--max-blocks-per-message",
+        type=_int_in(1, 2**32 - 1),
+        default=1_000_000,
+        help="a message storing or removing more blocks is refused and counted (default 1000000)",
+    )
+    p.add_argument(
+        "--max-blocks-per-source",
+        type=_int_in(1, 2**32 - 1),
+        default=4_000_000,
+        help="an engine source's HBM blocks at most; messages that would pass it "
+        "are refused and counted (default 4000000)",
+    )
+    p.add_argument(
+        "--max-sources",
+        type=_int_in(1, 1_000_000),
+        default=4096,
+        help="ZeroMQ subscriptions (one per registered instance, DP and URL) at most; "
+        "registrations beyond get 503 (default 4096; the process needs about "
+        "4 open files per source)",
+    )
+    p.add_argument(
+        "--log-level",
+        type=_level,
+        default=level,
+        help=f"trace|debug|info|warning|error (default info; env {LOG_ENV})",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=_megabytes,
+        default=64.0,
+        help="request body limit in MiB (default 64)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer <key>' on /register, /unregister, "
+        f"/events and /workers (env {API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--allow-bind-endpoints",
+        action="store_true",
+        help="accept bind-mode endpoint URLs (tcp://*:PORT): the server then listens "
+        "for publishers on that port (off by default)",
+    )
+    p.add_argument(
+        "--allow-ipc-endpoints",
+        action="store_true",
+        help="accept ipc:// endpoint URLs (off by default)",
+    )
+    p.add_argument(
+        "--endpoint-networks",
+        type=_networks,
+        default=(),
+        metavar="CIDR[,CIDR...]",
+        help="only accept TCP endpoint URLs whose IP address is in these networks "
+        "(host names are then refused)",
+    )
     # HTTP limits and network security (docs/security.md)
-    p.add_argument("--max-header-kb", type=_int_in(1), default=64, metavar="KIB",
-                   help="limit of a request's line and headers in KiB; over it: 431 and close "
-                        "(default 64)")
-    p.add_argument("--request-timeout-secs", type=_timeout, default=30.0, metavar="SECS",
-                   help="seconds a connection has to send a complete request (head and body), "
-                        "counted from the request's first byte or from opening; then it is "
-                        "closed, with 408 if it sent part of one (default 30; also the TLS "
-                        "handshake deadline)")
-    p.add_argument("--keep-alive-secs", type=_timeout, default=5.0, metavar="SECS",
-                   help="idle keep-alive connections are closed after this many seconds "
-                        "between requests (default 5)")
-    p.add_argument("--max-connections", type=_int_in(1), default=1000, metavar="N",
-                   help="open HTTP connections at most; at the cap the longest-idle one is "
-                        "closed for a new one, or the new one gets 503 when none is idle "
-                        "(default 1000; lowered to fit the open-file limit)")
-    p.add_argument("--allow-origin", dest="allow_origins", action="append", type=_origin,
-                   default=[], metavar="ORIGIN",
-                   help="web origin (scheme://host[:port]) allowed to call /register, "
-                        "/unregister and /events from a browser; repeatable. Requests with any "
-                        "other Origin header get 403 (default: none; programs send no Origin)")
-    p.add_argument("--open-workers", action="store_true",
-                   help="with --api-key, leave GET /workers (it lists every endpoint) open "
-                        "(default: it needs the bearer token too)")
-    p.add_argument("--tls-cert", type=_readable, metavar="FILE",
-                   help="serve HTTPS with this PEM certificate chain (the key may be in the same "
-                        "file; unencrypted)")
-    p.add_argument("--tls-key", type=_readable, metavar="FILE",
-                   help="PEM private key of --tls-cert (unencrypted)")
-    p.add_argument("--tls-client-ca", type=_readable, metavar="FILE",
-                   help="require client certificates signed by these PEM CA certificates "
-                        "(mutual TLS; needs --tls-cert)")
+    p.add_argument(
+        "--max-header-kb",
+        type=_int_in(1),
+        default=64,
+        metavar="KIB",
+        help="limit of a request's line and headers in KiB; over it: 431 and close (default 64)",
+    )
+    p.add_argument(
+        "--request-timeout-secs",
+        type=_timeout,
+        default=30.0,
+        metavar="SECS",
+        help="seconds a connection has to send a complete request (head and body), "
+        "counted from the request's first byte or from opening; then it is "
+        "closed, with 408 if it sent part of one (default 30; also the TLS "
+        "handshake deadline)",
+    )
+    p.add_argument(
+        "--keep-alive-secs",
+        type=_timeout,
+        default=5.0,
+        metavar="SECS",
+        help="idle keep-alive connections are closed after this many seconds "
+        "between requests (default 5)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_int_in(1),
+        default=1000,
+        metavar="N",
+        help="open HTTP connections at most; at the cap the longest-idle one is "
+        "closed for a new one, or the new one gets 503 when none is idle "
+        "(default 1000; lowered to fit the open-file limit)",
+    )
+    p.add_argument(
+        "--allow-origin",
+        dest="allow_origins",
+        action="append",
+        type=_origin,
+        default=[],
+        metavar="ORIGIN",
+        help="web origin (scheme://host[:port]) allowed to call /register, "
+        "/unregister and /events from a browser; repeatable. Requests with any "
+        "other Origin header get 403 (default: none; programs send no Origin)",
+    )
+    p.add_argument(
+        "--open-workers",
+        action="store_true",
+        help="with --api-key, leave GET /workers (it lists every endpoint) open "
+        "(default: it needs the bearer token too)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        type=_readable,
+        metavar="FILE",
+        help="serve HTTPS with this PEM certificate chain (the key may be in the same "
+        "file; unencrypted)",
+    )
+    p.add_argument(
+        "--tls-key",
+        type=_readable,
+        metavar="FILE",
+        help="PEM private key of --tls-cert (unencrypted)",
+    )
+    p.add_argument(
+        "--tls-client-ca",
+        type=_readable,
+        metavar="FILE",
+        help="require client certificates signed by these PEM CA certificates "
+        "(mutual TLS; needs --tls-cert)",
+    )
     return p
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(
-        host=args.host, port=args.port,
+        host=args.host,
+        port=args.port,
         maintenance_interval_secs=args.maintenance_interval_secs,
-        pending_ttl_secs=args.pending_ttl_secs, content_ttl_secs=args.content_ttl_secs,
-        offload_ttl_secs=args.offload_ttl_secs, loss_grace_secs=args.loss_grace_secs,
-        max_sources=args.max_sources, replay_deadline_secs=args.replay_deadline_secs,
-        max_message_mb=args.max_message_mb, max_blocks_per_message=args.max_blocks_per_message,
+        pending_ttl_secs=args.pending_ttl_secs,
+        content_ttl_secs=args.content_ttl_secs,
+        offload_ttl_secs=args.offload_ttl_secs,
+        loss_grace_secs=args.loss_grace_secs,
+        max_sources=args.max_sources,
+        replay_deadline_secs=args.replay_deadline_secs,
+        max_message_mb=args.max_message_mb,
+        max_blocks_per_message=args.max_blocks_per_message,
         max_blocks_per_source=args.max_blocks_per_source,
         log_level=args.log_level,
-        max_body_mb=args.max_body_mb, api_key=args.api_key or None,
+        max_body_mb=args.max_body_mb,
+        api_key=args.api_key or None,
         allow_bind_endpoints=args.allow_bind_endpoints,
-        allow_ipc_endpoints=args.allow_ipc_endpoints, endpoint_networks=args.endpoint_networks,
+        allow_ipc_endpoints=args.allow_ipc_endpoints,
+        endpoint_networks=args.endpoint_networks,
         **_http_fields(args),
     )
 
 
 def _http_fields(args: argparse.Namespace) -> dict:
     """The HTTP limit and security settings among ``args``."""
-    return dict(
-        max_header_kb=args.max_header_kb, request_timeout_secs=args.request_timeout_secs,
-        keep_alive_secs=args.keep_alive_secs, max_connections=args.max_connections,
-        allow_origins=tuple(args.allow_origins), open_workers=args.open_workers,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-    )
+    return {
+        "max_header_kb": args.max_header_kb,
+        "request_timeout_secs": args.request_timeout_secs,
+        "keep_alive_secs": args.keep_alive_secs,
+        "max_connections": args.max_connections,
+        "allow_origins": tuple(args.allow_origins),
+        "open_workers": args.open_workers,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+    }
 
 
 class _EncryptedKey(Exception):
@@ -318,11 +458,15 @@ def _tls_problem(args: argparse.Namespace) -> str | None:
     try:
         ctx.load_cert_chain(cert, key, password=_no_password)
     except _EncryptedKey:
-        return f"the private key in {key or cert} is encrypted; give an unencrypted key " \
-               "(protect it with file permissions)"
+        return (
+            f"the private key in {key or cert} is encrypted; give an unencrypted key "
+            "(protect it with file permissions)"
+        )
     except (ssl.SSLError, OSError, ValueError) as ex:
-        return (f"--tls-cert/--tls-key: cannot load the certificate and key ({cert}, "
-                f"{key or 'no --tls-key: key expected in the same file'}): {_ssl_reason(ex)}")
+        return (
+            f"--tls-cert/--tls-key: cannot load the certificate and key ({cert}, "
+            f"{key or 'no --tls-key: key expected in the same file'}): {_ssl_reason(ex)}"
+        )
     if ca:
         try:
             ctx.load_verify_locations(cafile=ca)

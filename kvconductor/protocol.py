@@ -39,6 +39,7 @@ with ``Connection: close``, then the write side is shut and what the client
 still sends is read and dropped for at most :data:`LINGER_SECS` before the
 socket is closed, so the client can read the answer instead of getting a reset.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,12 @@ log = logging.getLogger("kvconductor.http")
 
 #: Seconds a refused connection is drained (its input dropped) before it is closed.
 LINGER_SECS = 1.0
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout",
-            431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+_REASONS = {
+    400: b"Bad Request",
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
 
 
 @dataclass(frozen=True)
@@ -69,8 +74,10 @@ class HttpLimits:
     max_connections: int = 1000
 
     def describe(self) -> str:
-        return (f"max_header_bytes={self.max_head_bytes} request_timeout={self.request_timeout:g}s "
-                f"keep_alive={self.keep_alive:g}s max_connections={self.max_connections}")
+        return (
+            f"max_header_bytes={self.max_head_bytes} request_timeout={self.request_timeout:g}s "
+            f"keep_alive={self.keep_alive:g}s max_connections={self.max_connections}"
+        )
 
 
 class _Throttle:
@@ -155,14 +162,17 @@ def _pool(server_state: Any, limit: int) -> ConnectionPool:
 def error_response(status: int, message: str) -> bytes:
     """A complete ``Connection: close`` HTTP/1.1 response with a JSON error body."""
     body = encode_error(message, False)
-    return b"".join([
-        b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Error")),
-        b"content-type: application/json\r\n",
-        b"content-length: %d\r\n" % len(body),
-        b"connection: close\r\n",
-        b"retry-after: 1\r\n" if status == 503 else b"",
-        b"\r\n", body,
-    ])
+    return b"".join(
+        [
+            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Error")),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"connection: close\r\n",
+            b"retry-after: 1\r\n" if status == 503 else b"",
+            b"\r\n",
+            body,
+        ]
+    )
 
 
 class _Limits:
@@ -181,16 +191,22 @@ class _Limits:
         self._deadline: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
         self._rejected = False
-        self._head_open = True      # waiting for (the rest of) a request head
-        self._head_bytes = 0        # bytes of that head so far
+        self._head_open = True  # waiting for (the rest of) a request head
+        self._head_bytes = 0  # bytes of that head so far
         self._pool = _pool(self.server_state, self.limits.max_connections)  # type: ignore[attr-defined]
         if not self._pool.admit(self):
-            _throttle("refused", logging.WARNING,
-                      "connection refused: %d connections open, each with a request in "
-                      "progress (--max-connections %d) client=%s",
-                      len(self._pool.members), self._pool.limit, _peer(self))
-            self._reject(503, f"too many open connections (limit {self._pool.limit}); "
-                              "try again later")
+            _throttle(
+                "refused",
+                logging.WARNING,
+                "connection refused: %d connections open, each with a request in "
+                "progress (--max-connections %d) client=%s",
+                len(self._pool.members),
+                self._pool.limit,
+                _peer(self),
+            )
+            self._reject(
+                503, f"too many open connections (limit {self._pool.limit}); try again later"
+            )
             return
         self._arm()
 
@@ -249,7 +265,8 @@ class _Limits:
     def _arm(self) -> None:
         self._disarm()
         self._deadline = self.loop.call_later(  # type: ignore[attr-defined]
-            self.limits.request_timeout, self._timed_out)
+            self.limits.request_timeout, self._timed_out
+        )
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -263,24 +280,38 @@ class _Limits:
         secs = self.limits.request_timeout
         if self._head_open and self._head_bytes == 0:
             # Nothing of a request arrived: just close (what a client's pool expects).
-            log.debug("closing connection that sent no request within %gs client=%s",
-                      secs, _peer(self))
+            log.debug(
+                "closing connection that sent no request within %gs client=%s", secs, _peer(self)
+            )
             self._close_now()
             return
         part = "head" if self._head_open else "body"
-        _throttle("timeout", logging.WARNING,
-                  "request timeout: request %s not complete within %gs, closing connection "
-                  "client=%s", part, secs, _peer(self))
-        self._reject(408, f"request not complete within {secs:g} s (request {part} "
-                          "incomplete); connection closed")
+        _throttle(
+            "timeout",
+            logging.WARNING,
+            "request timeout: request %s not complete within %gs, closing connection client=%s",
+            part,
+            secs,
+            _peer(self),
+        )
+        self._reject(
+            408,
+            f"request not complete within {secs:g} s (request {part} "
+            "incomplete); connection closed",
+        )
 
     # -- refusals -----------------------------------------------------------------------------
     def _head_too_large(self) -> None:
-        _throttle("head", logging.WARNING,
-                  "request head too large: over %d bytes (--max-header-kb), answering 431 "
-                  "client=%s", self.limits.max_head_bytes, _peer(self))
-        self._reject(431, f"request line and headers exceed the limit of "
-                          f"{self.limits.max_head_bytes} bytes")
+        _throttle(
+            "head",
+            logging.WARNING,
+            "request head too large: over %d bytes (--max-header-kb), answering 431 client=%s",
+            self.limits.max_head_bytes,
+            _peer(self),
+        )
+        self._reject(
+            431, f"request line and headers exceed the limit of {self.limits.max_head_bytes} bytes"
+        )
 
     def _can_answer(self) -> bool:
         """True when a refusal may be written: nothing else is being answered and the
@@ -324,9 +355,14 @@ class _Limits:
         self._reject(400, f"invalid HTTP request: {msg}")
 
     def _evict(self, count: int, limit: int) -> None:
-        _throttle("evict", logging.WARNING,
-                  "evicted idle connection: %d connections open (--max-connections %d) "
-                  "client=%s", count, limit, _peer(self))
+        _throttle(
+            "evict",
+            logging.WARNING,
+            "evicted idle connection: %d connections open (--max-connections %d) client=%s",
+            count,
+            limit,
+            _peer(self),
+        )
         self._rejected = True
         self._disarm()
         self._close_now()

@@ -4,6 +4,7 @@ arguments) resolve to, apart from the parser in :mod:`kvconductor.cli`.
 Kept in its own module so that the server, the app factory and the CLI all
 import it without importing each other.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,17 +52,19 @@ class Settings:
 
     def describe(self) -> str:
         """The settings as ``key=value`` pairs for the startup log line (no secrets)."""
-        return (f"maintenance_interval={max(1, self.maintenance_interval_secs)}s "
-                f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
-                f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
-                f"max_sources={self.max_sources} "
-                f"replay_deadline={max(1, self.replay_deadline_secs)}s "
-                f"max_message_mb={self.max_message_mb:g} "
-                f"max_blocks_per_message={self.max_blocks_per_message} "
-                f"max_blocks_per_source={self.max_blocks_per_source} "
-                f"max_body_bytes={self.max_body_bytes} "
-                f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
-                f"endpoints={self._endpoint_rule()}")
+        return (
+            f"maintenance_interval={max(1, self.maintenance_interval_secs)}s "
+            f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
+            f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
+            f"max_sources={self.max_sources} "
+            f"replay_deadline={max(1, self.replay_deadline_secs)}s "
+            f"max_message_mb={self.max_message_mb:g} "
+            f"max_blocks_per_message={self.max_blocks_per_message} "
+            f"max_blocks_per_source={self.max_blocks_per_source} "
+            f"max_body_bytes={self.max_body_bytes} "
+            f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
+            f"endpoints={self._endpoint_rule()}"
+        )
 
     def _endpoint_rule(self) -> str:
         rule = "tcp-connect"
@@ -77,17 +80,21 @@ class Settings:
         """The :class:`kvconductor.protocol.HttpLimits` of these flags."""
         from kvconductor.protocol import HttpLimits
 
-        return HttpLimits(max_head_bytes=self.max_header_kb * 1024,
-                          request_timeout=float(self.request_timeout_secs),
-                          keep_alive=float(self.keep_alive_secs),
-                          max_connections=self.max_connections)
+        return HttpLimits(
+            max_head_bytes=self.max_header_kb * 1024,
+            request_timeout=float(self.request_timeout_secs),
+            keep_alive=float(self.keep_alive_secs),
+            max_connections=self.max_connections,
+        )
 
     def describe_http(self) -> str:
         """The network-security settings as ``key=value`` pairs (no secrets)."""
-        return (f"tls={'on' if self.tls_cert else 'off'} "
-                f"client_certs={'on' if self.tls_client_ca else 'off'} "
-                f"allow_origins={','.join(self.allow_origins) or '-'} "
-                f"workers={'open' if self.open_workers or not self.api_key else 'token'}")
+        return (
+            f"tls={'on' if self.tls_cert else 'off'} "
+            f"client_certs={'on' if self.tls_client_ca else 'off'} "
+            f"allow_origins={','.join(self.allow_origins) or '-'} "
+            f"workers={'open' if self.open_workers or not self.api_key else 'token'}"
+        )
 
     def conductor_config(self):
         from kvconductor.ingest.apply import Limits
@@ -102,10 +109,14 @@ class Settings:
             loss_grace=float(self.loss_grace_secs),
             max_sources=self.max_sources,
             replay_deadline=float(max(1, self.replay_deadline_secs)),
-            limits=Limits(max_message_bytes=int(self.max_message_mb * 1024 * 1024),
-                          max_blocks_per_message=self.max_blocks_per_message,
-                          max_blocks_per_source=self.max_blocks_per_source),
-            url_policy=UrlPolicy(allow_bind=self.allow_bind_endpoints,
-                                 allow_ipc=self.allow_ipc_endpoints,
-                                 networks=self.endpoint_networks),
+            limits=Limits(
+                max_message_bytes=int(self.max_message_mb * 1024 * 1024),
+                max_blocks_per_message=self.max_blocks_per_message,
+                max_blocks_per_source=self.max_blocks_per_source,
+            ),
+            url_policy=UrlPolicy(
+                allow_bind=self.allow_bind_endpoints,
+                allow_ipc=self.allow_ipc_endpoints,
+                networks=self.endpoint_networks,
+            ),
         )

@@ -23,6 +23,7 @@ resolves to can change after the check).
 :func:`check_url` raises :class:`UrlError` (HTTP 400) with a message naming
 the field and the rule.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -31,8 +32,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["UrlError", "UrlPolicy", "check_url", "is_bind_url", "parse_networks"]
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
-                       r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)"
+    r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
 
 
 class UrlError(ValueError):
@@ -63,9 +66,9 @@ def _split_tcp(rest: str) -> tuple[str, str, bool]:
     """``host:port`` -> (host, port, bracketed)."""
     if rest.startswith("["):
         end = rest.find("]")
-        if end < 0 or rest[end + 1:end + 2] != ":":
+        if end < 0 or rest[end + 1 : end + 2] != ":":
             raise UrlError("expected tcp://[IPv6]:PORT")
-        return rest[1:end], rest[end + 2:], True
+        return rest[1:end], rest[end + 2 :], True
     host, sep, port = rest.rpartition(":")
     if not sep:
         raise UrlError("expected tcp://HOST:PORT (the port is missing)")
@@ -95,8 +98,9 @@ def _check(url: str, policy: UrlPolicy, replay: bool) -> str:
         if not rest:
             raise UrlError("ipc:// needs a path")
         if not policy.allow_ipc:
-            raise UrlError("ipc:// endpoints are disabled (start the server with "
-                           "--allow-ipc-endpoints)")
+            raise UrlError(
+                "ipc:// endpoints are disabled (start the server with --allow-ipc-endpoints)"
+            )
         return "ipc"
     if scheme != "tcp":
         raise UrlError(f"scheme {scheme}:// is not supported (tcp:// only)")
@@ -122,17 +126,22 @@ def _check(url: str, policy: UrlPolicy, replay: bool) -> str:
         if replay:
             raise UrlError("a replay endpoint is connected to, never bound")
         if not policy.allow_bind:
-            raise UrlError("bind-mode endpoints (tcp://*:PORT, unspecified addresses) would make "
-                           "the server listen on all interfaces; they are disabled (start the "
-                           "server with --allow-bind-endpoints)")
+            raise UrlError(
+                "bind-mode endpoints (tcp://*:PORT, unspecified addresses) would make "
+                "the server listen on all interfaces; they are disabled (start the "
+                "server with --allow-bind-endpoints)"
+            )
         return "bind"
     if policy.networks:
         if ip is None:
-            raise UrlError("host names are not accepted while --endpoint-networks is set; "
-                           "use an IP address")
+            raise UrlError(
+                "host names are not accepted while --endpoint-networks is set; use an IP address"
+            )
         if not any(ip.version == net.version and ip in net for net in policy.networks):
-            raise UrlError(f"address {ip} is outside --endpoint-networks "
-                           f"({', '.join(str(n) for n in policy.networks)})")
+            raise UrlError(
+                f"address {ip} is outside --endpoint-networks "
+                f"({', '.join(str(n) for n in policy.networks)})"
+            )
     return "connect"
 
 

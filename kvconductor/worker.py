@@ -13,6 +13,7 @@ gunicorn's own ``--keep-alive`` is replaced by ``--keep-alive-secs``; its
 ``--certfile``/``--keyfile``/``--ca-certs`` still work when no ``--tls-*``
 flag is given.
 """
+
 from __future__ import annotations
 
 import importlib.util

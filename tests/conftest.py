@@ -1,5 +1,6 @@
 """Shared fixtures: every semantic test runs on the pure-Python twins ("py") and
 on the compiled core ("c"; skipped while ``kvconductor._index`` is not built)."""
+
 from __future__ import annotations
 
 import importlib
@@ -9,10 +10,16 @@ import pytest
 IMPLS = ("py", "c")
 
 _MODULES = {
-    "py": {"tree": "kvconductor._py.tree", "lower": "kvconductor._py.lower",
-           "index": "kvconductor._py.index"},
-    "c": {"tree": "kvconductor._tree", "lower": "kvconductor._lower",
-          "index": "kvconductor._index"},
+    "py": {
+        "tree": "kvconductor._py.tree",
+        "lower": "kvconductor._py.lower",
+        "index": "kvconductor._py.index",
+    },
+    "c": {
+        "tree": "kvconductor._tree",
+        "lower": "kvconductor._lower",
+        "index": "kvconductor._index",
+    },
 }
 _CLASSES = {"tree": "RadixTree", "lower": "LowerTier", "index": "CoreIndex"}
 
@@ -33,7 +40,7 @@ def require_impl(impl: str) -> None:
 
 @pytest.fixture(params=IMPLS)
 def impl(request) -> str:
-    """"py" or "c"; the compiled variant is skipped until the modules exist."""
+    """ "py" or "c"; the compiled variant is skipped until the modules exist."""
     require_impl(request.param)
     return request.param
 

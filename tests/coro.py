@@ -11,6 +11,7 @@ event loop in thread 'MainThread'" once the loop was set to None. So on 3.10 one
 (pending tasks cancelled, async generators and the default executor shut down) but
 never sets or clears the thread's current loop.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -13,12 +13,13 @@
 * :class:`PoolPublisher`: a plain PUB for pool events (Mooncake tuple, Memcache
   map, YuanRong per-port publishers).
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 import zmq
@@ -36,24 +37,24 @@ _STORED_FIELDS = [
     ("parent_block_hash", Any, (0, 9, 0), True),
     ("token_ids", list, (0, 9, 0), True),
     ("block_size", int, (0, 9, 0), True),
-    ("lora_id", Optional[int], (0, 9, 0), True),
-    ("medium", Optional[str], (0, 10, 2), True),
-    ("lora_name", Optional[str], (0, 14, 0), True),
+    ("lora_id", int | None, (0, 9, 0), True),
+    ("medium", str | None, (0, 10, 2), True),
+    ("lora_name", str | None, (0, 14, 0), True),
     ("extra_keys", Any, (0, 17, 0), False),
-    ("group_idx", Optional[int], (0, 20, 0), False),
-    ("kv_cache_spec_kind", Optional[str], (0, 22, 0), False),
-    ("kv_cache_spec_sliding_window", Optional[int], (0, 22, 0), False),
-    ("locality", Optional[str], (0, 26, 0), False),
-    ("ownership", Optional[str], (0, 29, 0), False),
-    ("session_id", Optional[str], (0, 30, 0), False),
+    ("group_idx", int | None, (0, 20, 0), False),
+    ("kv_cache_spec_kind", str | None, (0, 22, 0), False),
+    ("kv_cache_spec_sliding_window", int | None, (0, 22, 0), False),
+    ("locality", str | None, (0, 26, 0), False),
+    ("ownership", str | None, (0, 29, 0), False),
+    ("session_id", str | None, (0, 30, 0), False),
     ("lookahead_token_ids", Any, (0, 33, 0), False),
 ]
 _REMOVED_FIELDS = [
     ("block_hashes", list, (0, 9, 0), True),
-    ("medium", Optional[str], (0, 10, 2), True),
-    ("group_idx", Optional[int], (0, 20, 0), False),
-    ("locality", Optional[str], (0, 26, 0), False),
-    ("ownership", Optional[str], (0, 29, 0), False),
+    ("medium", str | None, (0, 10, 2), True),
+    ("group_idx", int | None, (0, 20, 0), False),
+    ("locality", str | None, (0, 26, 0), False),
+    ("ownership", str | None, (0, 29, 0), False),
 ]
 # SGLang (kv_events.py): medium (default None) from 0.5.9; maps from 0.5.20.
 _SGL_STORED_FIELDS = [
@@ -61,15 +62,15 @@ _SGL_STORED_FIELDS = [
     ("parent_block_hash", Any, (0, 4, 6), True),
     ("token_ids", list, (0, 4, 6), True),
     ("block_size", int, (0, 4, 6), True),
-    ("lora_id", Optional[int], (0, 4, 6), True),
-    ("medium", Optional[str], (0, 5, 9), False),
-    ("cache_salt", Optional[str], (0, 5, 20), False),
-    ("session_id", Optional[str], (0, 5, 20), False),
-    ("lora_name", Optional[str], (0, 5, 22), False),
+    ("lora_id", int | None, (0, 4, 6), True),
+    ("medium", str | None, (0, 5, 9), False),
+    ("cache_salt", str | None, (0, 5, 20), False),
+    ("session_id", str | None, (0, 5, 20), False),
+    ("lora_name", str | None, (0, 5, 22), False),
 ]
 _SGL_REMOVED_FIELDS = [
     ("block_hashes", list, (0, 4, 6), True),
-    ("medium", Optional[str], (0, 5, 9), False),
+    ("medium", str | None, (0, 5, 9), False),
 ]
 
 
@@ -96,7 +97,7 @@ class Schema:
             raise ValueError(engine)
         self.array_events = array_events
         self.has_dp = has_dp
-        opts = dict(omit_defaults=True, gc=False, tag=True, array_like=array_events)
+        opts = {"omit_defaults": True, "gc": False, "tag": True, "array_like": array_events}
         base = msgspec.defstruct("KVCacheEvent", [], **opts)
 
         def fields(table):
@@ -112,17 +113,21 @@ class Schema:
         self.BlockStored = msgspec.defstruct("BlockStored", fields(sf), bases=(base,))
         self.BlockRemoved = msgspec.defstruct("BlockRemoved", fields(rf), bases=(base,))
         self.AllBlocksCleared = msgspec.defstruct("AllBlocksCleared", [], bases=(base,))
-        bopts = dict(array_like=True, omit_defaults=True, gc=False)
+        bopts = {"array_like": True, "omit_defaults": True, "gc": False}
         bf = [("ts", float), ("events", list)]
         if has_dp:
-            bf.append(("data_parallel_rank", Optional[int], None))
+            bf.append(("data_parallel_rank", int | None, None))
         self.Batch = msgspec.defstruct("KVEventBatch", bf, **bopts)
         self.encoder = msgspec.msgpack.Encoder()
 
     def stored(self, block_hashes, parent_block_hash, token_ids, block_size, **kw):
         """A BlockStored; required fields not given default to nil (as the engines send them)."""
-        args = dict(block_hashes=block_hashes, parent_block_hash=parent_block_hash,
-                    token_ids=token_ids, block_size=block_size)
+        args = {
+            "block_hashes": block_hashes,
+            "parent_block_hash": parent_block_hash,
+            "token_ids": token_ids,
+            "block_size": block_size,
+        }
         for name in self.stored_fields:
             if name in kw:
                 args[name] = kw.pop(name)
@@ -133,7 +138,7 @@ class Schema:
         return self.BlockStored(**args)
 
     def removed(self, block_hashes, **kw):
-        args = dict(block_hashes=block_hashes)
+        args = {"block_hashes": block_hashes}
         for name in self.removed_fields:
             if name in kw:
                 args[name] = kw.pop(name)
@@ -197,9 +202,18 @@ def _bind_retry(sock, url: str, deadline: float = 10.0) -> None:
 class FakePublisher:
     """vLLM's ZmqEventPublisher, in miniature (one thread owns PUB and ROUTER)."""
 
-    def __init__(self, port: int | None = None, replay_port: int | None = None, *,
-                 topic: bytes = b"", replay: bool = True, layout: str = "new",
-                 buffer_steps: int = 10_000, start_seq: int = 0, sndhwm: int = 0) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        replay_port: int | None = None,
+        *,
+        topic: bytes = b"",
+        replay: bool = True,
+        layout: str = "new",
+        buffer_steps: int = 10_000,
+        start_seq: int = 0,
+        sndhwm: int = 0,
+    ) -> None:
         self.ctx = zmq.Context.instance()
         self.topic = topic
         self.layout = layout
@@ -246,7 +260,7 @@ class FakePublisher:
                     _bind_retry(router, f"tcp://127.0.0.1:{self.replay_port}")
                 else:
                     self.replay_port = router.bind_to_random_port("tcp://127.0.0.1")
-        except BaseException as ex:  # noqa: BLE001
+        except BaseException as ex:
             self._err = ex
             self._ready.set()
             return
@@ -361,7 +375,6 @@ def wait_until(cond, timeout: float = 20.0, interval: float = 0.02, msg: str = "
         time.sleep(interval)
 
 
-
 # ---------------------------------------------------------------------------------------
 # a tiny conductor for the subscriber/applier tests
 
@@ -385,6 +398,7 @@ class FakeConductor:
 
     def get_or_create_index(self, model: str, tenant: str):
         from kvconductor.index import Index
+
         idx = self.indexes.get((model, tenant))
         if idx is None:
             idx = self.indexes[(model, tenant)] = Index(model, tenant, impl=self.impl)
@@ -404,5 +418,7 @@ def hits(index, tokens, block_size: int, seed: int = 1337) -> dict:
     """{(instance, dp): (npu, cpu, disk)} of a token query."""
     if index is None:
         return {}
-    return {(h.instance_id, h.dp_rank): (h.npu_blocks, h.cpu_blocks, h.disk_blocks)
-            for h in index.query(tokens, block_size, seed).hits}
+    return {
+        (h.instance_id, h.dp_rank): (h.npu_blocks, h.cpu_blocks, h.disk_blocks)
+        for h in index.query(tokens, block_size, seed).hits
+    }

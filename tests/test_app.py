@@ -3,6 +3,7 @@
 Values are real: block size 4, golden hashes of docs/api.md "Block hashing", counts computed
 by hand.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ from kvconductor.service import Conductor, ConductorConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from coro import run_coro  # noqa: E402
+from coro import run_coro
 
 H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
 MSGPACK = {"Content-Type": "application/msgpack"}
@@ -59,8 +60,10 @@ class RecordingSubs:
         return len(self.subs)
 
     def sources(self) -> list[dict]:
-        return [{"instance_id": k[0], "dp_rank": k[1], "url": k[2], "state": "test"}
-                for k in sorted(self.subs)]
+        return [
+            {"instance_id": k[0], "dp_rank": k[1], "url": k[2], "state": "test"}
+            for k in sorted(self.subs)
+        ]
 
     def close(self) -> None:
         self.subs.clear()
@@ -68,8 +71,9 @@ class RecordingSubs:
 
 @pytest.fixture
 def conductor(impl):
-    c = Conductor(ConductorConfig(index_impl=impl, maintenance_interval=3600),
-                  subscriptions=RecordingSubs)
+    c = Conductor(
+        ConductorConfig(index_impl=impl, maintenance_interval=3600), subscriptions=RecordingSubs
+    )
     c.start()
     yield c
     assert c.stop(5.0)
@@ -95,28 +99,50 @@ def wire_impl(request, monkeypatch):
 
 
 def register(client, instance_id="vllm-prefill-1", dp_rank=0, expect=201, headers=None, **kw):
-    body = {"instance_id": instance_id, "type": "vLLM", "modelname": "qwen", "block_size": 4,
-            "dp_rank": dp_rank, **kw}
+    body = {
+        "instance_id": instance_id,
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": 4,
+        "dp_rank": dp_rank,
+        **kw,
+    }
     r = client.simulate_post("/register", json=body, headers=headers)
     assert r.status_code == expect, r.text
     return r
 
 
 def unregister(client, instance_id="vllm-prefill-1", dp_rank=0, headers=None):
-    return client.simulate_post("/unregister", json={
-        "instance_id": instance_id, "type": "vLLM", "modelname": "qwen", "block_size": 4,
-        "dp_rank": dp_rank}, headers=headers)
+    return client.simulate_post(
+        "/unregister",
+        json={
+            "instance_id": instance_id,
+            "type": "vLLM",
+            "modelname": "qwen",
+            "block_size": 4,
+            "dp_rank": dp_rank,
+        },
+        headers=headers,
+    )
 
 
 def events(client, events, instance_id="vllm-prefill-1", headers=None, **kw):
-    return client.simulate_post("/events", json={"instance_id": instance_id, "events": events,
-                                                 **kw}, headers=headers)
+    return client.simulate_post(
+        "/events", json={"instance_id": instance_id, "events": events, **kw}, headers=headers
+    )
 
 
 def stored(event_id, hashes, tokens, parent=None, medium="GPU", dp_rank=0):
-    return {"event_id": event_id, "dp_rank": dp_rank, "type": "BlockStored",
-            "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": 4, "medium": medium}
+    return {
+        "event_id": event_id,
+        "dp_rank": dp_rank,
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 4,
+        "medium": medium,
+    }
 
 
 def query(client, tokens, model="qwen", tenant=None, block_size=4, expect=200):
@@ -130,18 +156,24 @@ def query(client, tokens, model="qwen", tenant=None, block_size=4, expect=200):
 
 
 def query_msgpack(client, body: dict, path="/query", content_type="application/msgpack"):
-    r = client.simulate_post(path, body=msgspec.msgpack.encode(body),
-                             headers={"Content-Type": content_type})
+    r = client.simulate_post(
+        path, body=msgspec.msgpack.encode(body), headers={"Content-Type": content_type}
+    )
     assert r.headers["content-type"] == "application/msgpack"
     return r.status_code, msgspec.msgpack.decode(r.content)
 
 
 def dp(npu, cpu, disk, block_size=4):
-    return {"matched_tokens": (npu + cpu + disk) * block_size, "npu_blocks": npu,
-            "cpu_blocks": cpu, "disk_blocks": disk}
+    return {
+        "matched_tokens": (npu + cpu + disk) * block_size,
+        "npu_blocks": npu,
+        "cpu_blocks": cpu,
+        "disk_blocks": disk,
+    }
 
 
 # -- basics (the reference's integration tests) ----------------------------------------------
+
 
 def test_health_endpoint(client):
     r = client.simulate_get("/health")
@@ -161,10 +193,12 @@ def test_query_after_kv_events(client, wire_impl):
     register(client)
     r = events(client, [stored(1, [100, 200], list(range(1, 9)))])
     assert r.status_code == 200 and r.json == {"status": "ok", "events_applied": 1}
-    assert query(client, list(range(1, 11))) == {"default": {"vllm-prefill-1": {
-        "longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}}
-    assert query(client, [1, 2, 3, 4, 9, 9, 9, 9]) == {"default": {"vllm-prefill-1": {
-        "longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}}
+    assert query(client, list(range(1, 11))) == {
+        "default": {"vllm-prefill-1": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
+    }
+    assert query(client, [1, 2, 3, 4, 9, 9, 9, 9]) == {
+        "default": {"vllm-prefill-1": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}
+    }
     # As in the reference's integration tests: events without instance_id are rejected.
     r = client.simulate_post("/events", json={"events": []})
     assert r.status_code == 400 and "instance_id" in r.json["error"]
@@ -174,35 +208,58 @@ def test_tiers_exclusive_partition(client):
     # Exclusive partition (docs/api.md, "Tiers and counts"): NPU 1 + CPU 1 (chained) + Disk 1
     # (chained after CPU) -> 1/1/1, matched 12.
     register(client, store_backend="YuanRong")
-    r = events(client, [stored(1, [100], [1, 2, 3, 4]),
-                        stored(2, [200], [5, 6, 7, 8], parent=100, medium="cpu"),
-                        stored(3, [300], [9, 10, 11, 12], parent=200, medium="disk")])
+    r = events(
+        client,
+        [
+            stored(1, [100], [1, 2, 3, 4]),
+            stored(2, [200], [5, 6, 7, 8], parent=100, medium="cpu"),
+            stored(3, [300], [9, 10, 11, 12], parent=200, medium="disk"),
+        ],
+    )
     assert r.json == {"status": "ok", "events_applied": 3}
     assert query(client, list(range(1, 13)))["default"]["vllm-prefill-1"] == {
-        "longest_matched": 12, "DP": {"0": dp(1, 1, 1)}}
+        "longest_matched": 12,
+        "DP": {"0": dp(1, 1, 1)},
+    }
     # Same block on NPU and CPU counts once, on NPU.
-    r = events(client, [stored(4, [100], [1, 2, 3, 4], medium="cpu", dp_rank=1),
-                        stored(5, [100], [1, 2, 3, 4], dp_rank=1)])
+    r = events(
+        client,
+        [
+            stored(4, [100], [1, 2, 3, 4], medium="cpu", dp_rank=1),
+            stored(5, [100], [1, 2, 3, 4], dp_rank=1),
+        ],
+    )
     assert query(client, [1, 2, 3, 4])["default"]["vllm-prefill-1"]["DP"] == {
-        "0": dp(1, 0, 0), "1": dp(1, 0, 0)}
+        "0": dp(1, 0, 0),
+        "1": dp(1, 0, 0),
+    }
 
 
 def test_lora_queries_hit_only_lora_blocks(client, wire_impl):
     """Events with ``lora_name`` are hashed with that adapter's seed; ``/query`` takes the
     same ``lora_name`` (JSON and msgpack, map and positional form)."""
     from kvconductor._hash import hash_blocks, lora_seed
+
     register(client)
     toks = list(range(1, 13))
-    r = events(client, [stored(1, [100, 101, 102], toks) | {"lora_name": "sql-adapter"},
-                        stored(2, [200], toks[:4], dp_rank=1)])
+    r = events(
+        client,
+        [
+            stored(1, [100, 101, 102], toks) | {"lora_name": "sql-adapter"},
+            stored(2, [200], toks[:4], dp_rank=1),
+        ],
+    )
     assert r.status_code == 200 and r.json["events_applied"] == 2
     lora_hit = {"default": {"vllm-prefill-1": {"longest_matched": 12, "DP": {"0": dp(3, 0, 0)}}}}
     base_hit = {"default": {"vllm-prefill-1": {"longest_matched": 4, "DP": {"1": dp(1, 0, 0)}}}}
     body = {"model": "qwen", "block_size": 4, "token_ids": toks}
-    for extra, want in (({}, base_hit), ({"lora_name": None}, base_hit),
-                        ({"lora_name": ""}, base_hit),
-                        ({"lora_name": "sql-adapter"}, lora_hit),
-                        ({"lora_name": "other-adapter"}, {"default": {}})):
+    for extra, want in (
+        ({}, base_hit),
+        ({"lora_name": None}, base_hit),
+        ({"lora_name": ""}, base_hit),
+        ({"lora_name": "sql-adapter"}, lora_hit),
+        ({"lora_name": "other-adapter"}, {"default": {}}),
+    ):
         r = client.simulate_post("/query", json=body | extra)
         assert r.status_code == 200 and r.json == want, (extra, r.text)
         assert query_msgpack(client, body | extra) == (200, want)
@@ -210,8 +267,11 @@ def test_lora_queries_hit_only_lora_blocks(client, wire_impl):
     assert query_msgpack(client, ["qwen", 4, toks, None, "sql-adapter"]) == (200, lora_hit)
     assert query_msgpack(client, ["qwen", 4, toks, "default", None]) == (200, base_hit)
     # /query_by_hash takes precomputed hashes: the LoRA ones hit the LoRA blocks.
-    by_hash = {"model": "qwen", "block_size": 4,
-               "block_hashes": list(hash_blocks(toks, 4, lora_seed("sql-adapter")))}
+    by_hash = {
+        "model": "qwen",
+        "block_size": 4,
+        "block_hashes": list(hash_blocks(toks, 4, lora_seed("sql-adapter"))),
+    }
     r = client.simulate_post("/query_by_hash", json=by_hash)
     assert r.json["default"]["vllm-prefill-1"]["DP"] == {"0": dp(3, 0, 0, block_size=1)}
     r = client.simulate_post("/query", json=body | {"lora_name": 7})
@@ -221,28 +281,38 @@ def test_lora_queries_hit_only_lora_blocks(client, wire_impl):
 def test_query_by_hash_counts_blocks(client, wire_impl):
     register(client)
     events(client, [stored(1, [100, 200], list(range(1, 9)))])
-    r = client.simulate_post("/query_by_hash", json={
-        "model": "qwen", "block_size": 128, "block_hashes": [H1, H2, 12345]})
+    r = client.simulate_post(
+        "/query_by_hash", json={"model": "qwen", "block_size": 128, "block_hashes": [H1, H2, 12345]}
+    )
     assert r.status_code == 200
-    assert r.json == {"default": {"vllm-prefill-1": {"longest_matched": 2,
-                                                     "DP": {"0": dp(2, 0, 0, block_size=1)}}}}
+    assert r.json == {
+        "default": {
+            "vllm-prefill-1": {"longest_matched": 2, "DP": {"0": dp(2, 0, 0, block_size=1)}}
+        }
+    }
     hashes = list(_hash.hash_blocks(list(range(1, 9)), 4))
-    code, doc = query_msgpack(client, {"model": "qwen", "block_size": 4, "block_hashes": hashes},
-                              "/query_by_hash", "application/x-msgpack")
+    code, doc = query_msgpack(
+        client,
+        {"model": "qwen", "block_size": 4, "block_hashes": hashes},
+        "/query_by_hash",
+        "application/x-msgpack",
+    )
     assert code == 200 and doc == r.json
 
 
 def test_query_tenants_are_isolated(client):
     register(client, tenant_id="t1")
     events(client, [stored(1, [100], [1, 2, 3, 4])])
-    assert query(client, [1, 2, 3, 4], tenant="t1")["t1"]["vllm-prefill-1"]["DP"]["0"] == \
-        dp(1, 0, 0)
+    assert query(client, [1, 2, 3, 4], tenant="t1")["t1"]["vllm-prefill-1"]["DP"]["0"] == dp(
+        1, 0, 0
+    )
     r = client.simulate_post("/query", json={"model": "qwen", "block_size": 4, "token_ids": [1]})
     assert r.status_code == 404
     assert r.json == {"error": "no indexer for model=qwen tenant=default"}
 
 
 # -- msgpack negotiation (docs/api.md, "MessagePack"; the reference's V3 tests) -----------------
+
 
 def test_query_msgpack_endpoint(client, wire_impl):
     register(client)
@@ -256,8 +326,11 @@ def test_query_msgpack_endpoint(client, wire_impl):
     # Positional array form and packed u32 tokens.
     code, doc = query_msgpack(client, ["qwen", 4, list(range(1, 13)), "default"])
     assert code == 200 and doc == as_json
-    packed = {"model": "qwen", "block_size": 4,
-              "token_ids": b"".join(t.to_bytes(4, "little") for t in range(1, 13))}
+    packed = {
+        "model": "qwen",
+        "block_size": 4,
+        "token_ids": b"".join(t.to_bytes(4, "little") for t in range(1, 13)),
+    }
     code, doc = query_msgpack(client, packed)
     assert code == 200 and doc == as_json
     code, doc = query_msgpack(client, {"model": "qwen", "block_size": 4, "token_ids": [7]})
@@ -271,8 +344,9 @@ def test_query_msgpack_error_paths(client, wire_impl):
     r = client.simulate_post("/query", body=b"\xc1\xff\x00", headers=MSGPACK)
     assert r.status_code == 400 and r.headers["content-type"] == "application/msgpack"
     assert msgspec.msgpack.decode(r.content)["error"].startswith("invalid msgpack request body: ")
-    r = client.simulate_post("/query", body=b"\xc1\xff\x00",
-                             headers={"Content-Type": "application/json"})
+    r = client.simulate_post(
+        "/query", body=b"\xc1\xff\x00", headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and r.headers["content-type"] == "application/json"
     assert r.json["error"].startswith("invalid JSON request body: ")
     # No Content-Type at all: JSON (no 415 on query endpoints).
@@ -287,8 +361,9 @@ def test_query_msgpack_error_paths(client, wire_impl):
 @pytest.mark.parametrize("block_size", [0, -1, 2**32, "4", None])
 def test_query_block_size_must_be_positive_u32(client, block_size):
     register(client)
-    r = client.simulate_post("/query", json={"model": "qwen", "block_size": block_size,
-                                             "token_ids": [1, 2]})
+    r = client.simulate_post(
+        "/query", json={"model": "qwen", "block_size": block_size, "token_ids": [1, 2]}
+    )
     assert r.status_code == 400 and r.json["error"].startswith("invalid JSON request body: ")
 
 
@@ -304,6 +379,7 @@ def test_large_queries_run_in_a_worker_thread(conductor):
 
 
 # -- /register, /unregister, /workers (docs/api.md; the reference's integration tests) ------
+
 
 def test_unregister(client):
     register(client)
@@ -348,43 +424,78 @@ def test_reregister_different_backend_drops_tree(client):
 
 @pytest.mark.parametrize("backend", ["Mooncake", "Memcache"])
 def test_hbm_plus_pool_registration(client, conductor, backend):
-    register(client, "vllm-prefill-1", store_backend=backend,
-             medium_endpoints={"npu": "tcp://10.0.0.1:5557"}, replay_endpoint="tcp://10.0.0.1:6667")
-    register(client, f"{backend.lower()}-pool", store_backend=backend,
-             endpoint="tcp://10.0.0.9:50001", modelname="default")
+    register(
+        client,
+        "vllm-prefill-1",
+        store_backend=backend,
+        medium_endpoints={"npu": "tcp://10.0.0.1:5557"},
+        replay_endpoint="tcp://10.0.0.1:6667",
+    )
+    register(
+        client,
+        f"{backend.lower()}-pool",
+        store_backend=backend,
+        endpoint="tcp://10.0.0.9:50001",
+        modelname="default",
+    )
     doc = client.simulate_get("/workers").json
-    assert [w["instance_id"] for w in doc["workers"]] == [f"{backend.lower()}-pool",
-                                                          "vllm-prefill-1"]
+    assert [w["instance_id"] for w in doc["workers"]] == [
+        f"{backend.lower()}-pool",
+        "vllm-prefill-1",
+    ]
     pool = doc["workers"][0]["endpoints"]["0"]
-    assert pool["medium_endpoints"] == {m: "tcp://10.0.0.9:50001" for m in ("npu", "cpu", "disk")}
+    assert pool["medium_endpoints"] == dict.fromkeys(("npu", "cpu", "disk"), "tcp://10.0.0.9:50001")
     assert conductor.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
     assert conductor.hbm_ip_lookup("10.0.0.9") == []
     assert {s["url"] for s in doc["sources"]} == {"tcp://10.0.0.1:5557", "tcp://10.0.0.9:50001"}
     assert {i["model_name"] for i in doc["indexer"]} == {"qwen", "default"}
     # Duplicate registrations are accepted, and the IP index stays de-duplicated.
-    register(client, "vllm-prefill-1", store_backend=backend,
-             medium_endpoints={"npu": "tcp://10.0.0.1:5557"})
-    register(client, f"{backend.lower()}-pool", store_backend=backend,
-             endpoint="tcp://10.0.0.9:50001", modelname="default")
+    register(
+        client,
+        "vllm-prefill-1",
+        store_backend=backend,
+        medium_endpoints={"npu": "tcp://10.0.0.1:5557"},
+    )
+    register(
+        client,
+        f"{backend.lower()}-pool",
+        store_backend=backend,
+        endpoint="tcp://10.0.0.9:50001",
+        modelname="default",
+    )
     assert conductor.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
     assert len(conductor.subs.replays) == 1
     # Unregistering the HBM worker removes it and its IP.
     assert unregister(client, "vllm-prefill-1").status_code == 200
-    assert [w["instance_id"] for w in client.simulate_get("/workers").json["workers"]] == \
-        [f"{backend.lower()}-pool"]
+    assert [w["instance_id"] for w in client.simulate_get("/workers").json["workers"]] == [
+        f"{backend.lower()}-pool"
+    ]
     assert conductor.hbm_ip_lookup("10.0.0.1") == []
 
 
 def test_yuanrong_multi_port_registration(client):
-    eps = {"npu": "tcp://10.0.0.1:5557", "cpu": "tcp://10.0.0.1:5600",
-           "disk": "tcp://10.0.0.1:5600"}
+    eps = {
+        "npu": "tcp://10.0.0.1:5557",
+        "cpu": "tcp://10.0.0.1:5600",
+        "disk": "tcp://10.0.0.1:5600",
+    }
     register(client, store_backend="YuanRong", medium_endpoints=eps, dp_rank=2)
     doc = client.simulate_get("/workers").json
     (w,) = doc["workers"]
-    assert w == {"instance_id": "vllm-prefill-1", "model_name": "qwen", "tenant_id": "default",
-                 "block_size": 4, "endpoints": {"2": {"medium_endpoints": eps,
-                                                      "engine_type": "vLLM", "dp_rank": 2,
-                                                      "replay_endpoint": None}}}
+    assert w == {
+        "instance_id": "vllm-prefill-1",
+        "model_name": "qwen",
+        "tenant_id": "default",
+        "block_size": 4,
+        "endpoints": {
+            "2": {
+                "medium_endpoints": eps,
+                "engine_type": "vLLM",
+                "dp_rank": 2,
+                "replay_endpoint": None,
+            }
+        },
+    }
     assert len(doc["sources"]) == 2  # one subscriber per distinct URL
 
 
@@ -395,13 +506,18 @@ def test_unknown_backend_and_http_only(client):
     assert names == ["vllm-prefill-1", "vllm-union-2"]
 
 
-@pytest.mark.parametrize("kw,media", [
-    ({"endpoint": ""}, {}),
-    ({"medium_endpoints": {"xpu": "", "cpu": "", "disk": ""}}, {}),
-    ({"medium_endpoints": {"npu": "tcp://h:1", "cpu": ""}}, {"npu": "tcp://h:1"}),
-    ({"medium_endpoints": {"disk": ""}, "endpoint": "tcp://h:1"},
-     {"npu": "tcp://h:1", "cpu": "tcp://h:1", "disk": "tcp://h:1"}),
-])
+@pytest.mark.parametrize(
+    "kw,media",
+    [
+        ({"endpoint": ""}, {}),
+        ({"medium_endpoints": {"xpu": "", "cpu": "", "disk": ""}}, {}),
+        ({"medium_endpoints": {"npu": "tcp://h:1", "cpu": ""}}, {"npu": "tcp://h:1"}),
+        (
+            {"medium_endpoints": {"disk": ""}, "endpoint": "tcp://h:1"},
+            {"npu": "tcp://h:1", "cpu": "tcp://h:1", "disk": "tcp://h:1"},
+        ),
+    ],
+)
 def test_register_empty_urls_are_dropped(client, kw, media):
     # The Coordinator's register_post sends unset media as "": 201, the rest subscribed.
     register(client, expect=201, **kw)
@@ -411,18 +527,30 @@ def test_register_empty_urls_are_dropped(client, kw, media):
 
 def test_workers_indexer_and_sources(client):
     register(client, medium_endpoints={"gpu": "tcp://10.0.0.1:5557"})
-    events(client, [stored(1, [100, 200], list(range(1, 9))),
-                    stored(2, [300], [9, 9, 9, 9], parent=200, medium="cpu")])
+    events(
+        client,
+        [
+            stored(1, [100, 200], list(range(1, 9))),
+            stored(2, [300], [9, 9, 9, 9], parent=200, medium="cpu"),
+        ],
+    )
     doc = client.simulate_get("/workers").json
     assert doc["workers"][0]["endpoints"]["0"]["medium_endpoints"] == {"npu": "tcp://10.0.0.1:5557"}
     (idx,) = doc["indexer"]
     assert idx["worker_count"] == 2 and idx["total_blocks"] == 3
     assert idx["hbm_blocks"] == 2 and idx["cpu_blocks"] == 1
-    assert doc["sources"] == [{"instance_id": "vllm-prefill-1", "dp_rank": 0,
-                               "url": "tcp://10.0.0.1:5557", "state": "test"}]
+    assert doc["sources"] == [
+        {
+            "instance_id": "vllm-prefill-1",
+            "dp_rank": 0,
+            "url": "tcp://10.0.0.1:5557",
+            "state": "test",
+        }
+    ]
 
 
 # -- /events (docs/api.md, POST /events, with its differences from the reference) -------------
+
 
 def test_events_empty(client):
     r = events(client, [], instance_id="anyone")
@@ -433,12 +561,20 @@ def test_events_empty(client):
 
 def test_events_partial(client):
     register(client)
-    r = events(client, [stored(1, [100], [1, 2, 3, 4]),
-                        stored(2, [300], [1, 2, 3, 4], dp_rank=1),
-                        stored(3, [400], [5, 6, 7, 8], parent=0xDEAD, dp_rank=1)])
+    r = events(
+        client,
+        [
+            stored(1, [100], [1, 2, 3, 4]),
+            stored(2, [300], [1, 2, 3, 4], dp_rank=1),
+            stored(3, [400], [5, 6, 7, 8], parent=0xDEAD, dp_rank=1),
+        ],
+    )
     assert r.status_code == 500
-    assert r.json == {"status": "partial", "events_applied": 1,
-                      "errors": ["dp_rank=1: parent block not found"]}
+    assert r.json == {
+        "status": "partial",
+        "events_applied": 1,
+        "errors": ["dp_rank=1: parent block not found"],
+    }
 
 
 def test_events_unregistered_instance_is_404_and_creates_nothing(client):
@@ -446,7 +582,8 @@ def test_events_unregistered_instance_is_404_and_creates_nothing(client):
         r = events(client, [stored(1, [100], [1, 2, 3, 4])], instance_id="ghost", **kw)
         assert r.status_code == 404 and r.json == {"error": "instance ghost not found"}
     assert query(client, [1, 2, 3, 4], model="m", expect=404) == {
-        "error": "no indexer for model=m tenant=default"}
+        "error": "no indexer for model=m tenant=default"
+    }
     assert client.simulate_get("/workers").json["indexer"] == []
     # model_name still redirects a registered instance's events to another index.
     register(client, "ghost")
@@ -458,19 +595,36 @@ def test_events_unregistered_instance_is_404_and_creates_nothing(client):
 def test_events_nested_shape(client):
     register(client)
     events(client, [stored(1, [100, 200], list(range(1, 9)))])
-    r = events(client, [{"event_id": 2, "dp_rank": 0, "data": {
-        "stored": {"parent_hash": 200, "blocks": [
-            {"block_hash": 300, "tokens_hash": _hash.hash_blocks([9, 10, 11, 12], 4)[0]}]}}}])
+    r = events(
+        client,
+        [
+            {
+                "event_id": 2,
+                "dp_rank": 0,
+                "data": {
+                    "stored": {
+                        "parent_hash": 200,
+                        "blocks": [
+                            {
+                                "block_hash": 300,
+                                "tokens_hash": _hash.hash_blocks([9, 10, 11, 12], 4)[0],
+                            }
+                        ],
+                    }
+                },
+            }
+        ],
+    )
     assert r.json == {"status": "ok", "events_applied": 1}
-    assert query(client, list(range(1, 13)))["default"]["vllm-prefill-1"]["DP"]["0"] == \
-        dp(3, 0, 0)
+    assert query(client, list(range(1, 13)))["default"]["vllm-prefill-1"]["DP"]["0"] == dp(3, 0, 0)
 
 
 def test_events_unknown_type_is_400_and_applies_nothing(client):
     register(client)
     events(client, [stored(1, [100], [1, 2, 3, 4])])
-    r = events(client, [{"event_id": 2, "type": "AllBlocksCleared"},
-                        {"event_id": 3, "type": "Mystery"}])
+    r = events(
+        client, [{"event_id": 2, "type": "AllBlocksCleared"}, {"event_id": 3, "type": "Mystery"}]
+    )
     assert r.status_code == 400 and "'Mystery'" in r.json["error"]
     r = events(client, [{"event_id": 4, "data": {"event_id": 9}}])
     assert r.status_code == 400 and "missing event type" in r.json["error"]
@@ -479,19 +633,26 @@ def test_events_unknown_type_is_400_and_applies_nothing(client):
 
 def test_events_full_u64_parent(client):
     register(client)
-    r = events(client, [stored(1, [2**64 - 1], [1, 2, 3, 4]),
-                        stored(2, [5], [5, 6, 7, 8], parent=2**64 - 1),
-                        stored(3, [2**63], [9, 9, 9, 9], parent=5)])
+    r = events(
+        client,
+        [
+            stored(1, [2**64 - 1], [1, 2, 3, 4]),
+            stored(2, [5], [5, 6, 7, 8], parent=2**64 - 1),
+            stored(3, [2**63], [9, 9, 9, 9], parent=5),
+        ],
+    )
     assert r.json == {"status": "ok", "events_applied": 3}
     r = events(client, [stored(4, [6], [7, 7, 7, 7], parent=-(2**63))])  # == 2**63
     assert r.json == {"status": "ok", "events_applied": 1}
     assert query(client, [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 7, 7, 7, 7])["default"][
-        "vllm-prefill-1"]["DP"]["0"] == dp(4, 0, 0)
+        "vllm-prefill-1"
+    ]["DP"]["0"] == dp(4, 0, 0)
     r = events(client, [stored(5, [1], [1, 2, 3, 4], parent=2**64)])
     assert r.status_code == 400 and "out of range" in r.json["error"]
 
 
 # -- auth -----------------------------------------------------------------------------------
+
 
 def test_api_key(conductor):
     client = ft.TestClient(create_app(conductor, api_key="s3cret"))
@@ -533,30 +694,92 @@ BAD = [
     ("POST", "/register", {"body": b""}, 400),
     ("POST", "/register", {"json": [1, 2]}, 400),
     ("POST", "/register", {"json": {"instance_id": "a"}}, 400),
-    ("POST", "/register", {"json": {"instance_id": "a", "type": "v", "modelname": "m",
-                                    "block_size": 0, "dp_rank": 0}}, 400),
-    ("POST", "/register", {"json": {"instance_id": "a", "type": "v", "modelname": "m",
-                                    "block_size": 4, "dp_rank": 2**40}}, 400),
-    ("POST", "/register", {"json": {"instance_id": "", "type": "v", "modelname": "m",
-                                    "block_size": 4, "dp_rank": 0}}, 400),
+    (
+        "POST",
+        "/register",
+        {
+            "json": {
+                "instance_id": "a",
+                "type": "v",
+                "modelname": "m",
+                "block_size": 0,
+                "dp_rank": 0,
+            }
+        },
+        400,
+    ),
+    (
+        "POST",
+        "/register",
+        {
+            "json": {
+                "instance_id": "a",
+                "type": "v",
+                "modelname": "m",
+                "block_size": 4,
+                "dp_rank": 2**40,
+            }
+        },
+        400,
+    ),
+    (
+        "POST",
+        "/register",
+        {"json": {"instance_id": "", "type": "v", "modelname": "m", "block_size": 4, "dp_rank": 0}},
+        400,
+    ),
     ("POST", "/unregister", {"body": b"\x00\x01"}, 400),
     ("POST", "/events", {"body": b"{"}, 400),
     ("POST", "/events", {"json": {"instance_id": "a", "events": [{"type": "stored"}]}}, 400),
     ("POST", "/events", {"json": {"instance_id": "a", "events": [{"event_id": -1}]}}, 400),
     ("POST", "/events", {"json": {"instance_id": "a", "events": "x"}}, 400),
-    ("POST", "/events", {"json": {"instance_id": "a", "events": [
-        {"event_id": 1, "type": "stored", "block_hashes": [10**30]}]}}, 400),
-    ("POST", "/events", {"json": {"instance_id": "a", "events": [
-        {"event_id": 1, "type": "stored", "token_ids": [1.5], "block_size": 4}]}}, 400),
-    ("POST", "/events", {"json": {"instance_id": "a", "events": [
-        {"event_id": 1, "type": "stored", "block_size": -4}]}}, 400),
-    ("POST", "/events", {"json": {"instance_id": "a", "events": [
-        {"event_id": 1, "type": "bogus"}]}}, 400),
-    ("POST", "/events", {"json": {"instance_id": "a", "events": [
-        {"event_id": 1, "data": 5}]}}, 400),
+    (
+        "POST",
+        "/events",
+        {
+            "json": {
+                "instance_id": "a",
+                "events": [{"event_id": 1, "type": "stored", "block_hashes": [10**30]}],
+            }
+        },
+        400,
+    ),
+    (
+        "POST",
+        "/events",
+        {
+            "json": {
+                "instance_id": "a",
+                "events": [{"event_id": 1, "type": "stored", "token_ids": [1.5], "block_size": 4}],
+            }
+        },
+        400,
+    ),
+    (
+        "POST",
+        "/events",
+        {
+            "json": {
+                "instance_id": "a",
+                "events": [{"event_id": 1, "type": "stored", "block_size": -4}],
+            }
+        },
+        400,
+    ),
+    (
+        "POST",
+        "/events",
+        {"json": {"instance_id": "a", "events": [{"event_id": 1, "type": "bogus"}]}},
+        400,
+    ),
+    (
+        "POST",
+        "/events",
+        {"json": {"instance_id": "a", "events": [{"event_id": 1, "data": 5}]}},
+        400,
+    ),
     ("POST", "/query", {"body": b"[]"}, 400),
-    ("POST", "/query", {"json": {"model": "qwen", "block_size": 4,
-                                 "token_ids": [10**30]}}, 400),
+    ("POST", "/query", {"json": {"model": "qwen", "block_size": 4, "token_ids": [10**30]}}, 400),
     ("POST", "/query", {"json": {"model": "qwen", "block_size": 4, "token_ids": None}}, 400),
     ("POST", "/query_by_hash", {"json": {"model": "qwen", "block_hashes": [-5]}}, 400),
     ("POST", "/query_by_hash", {"json": {"model": "qwen", "block_hashes": [2**64]}}, 400),
@@ -626,16 +849,19 @@ def test_with_the_real_subscription_manager(impl):
         client = ft.TestClient(create_app(c))
         eps = {"npu": "tcp://127.0.0.1:1", "cpu": "tcp://127.0.0.1:2"}
         for _ in range(2):
-            register(client, store_backend="YuanRong", medium_endpoints=eps,
-                     replay_endpoint="tcp://127.0.0.1:3")
+            register(
+                client,
+                store_backend="YuanRong",
+                medium_endpoints=eps,
+                replay_endpoint="tcp://127.0.0.1:3",
+            )
         sources = client.simulate_get("/workers").json["sources"]
         assert sorted(s["url"] for s in sources) == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
         assert all(s["instance_id"] == "vllm-prefill-1" and s["dp_rank"] == 0 for s in sources)
         events(client, [stored(1, [100], [1, 2, 3, 4])])
         assert query(client, [1, 2, 3, 4])["default"]["vllm-prefill-1"]["DP"]["0"] == dp(1, 0, 0)
         assert unregister(client).status_code == 200
-        assert client.simulate_get("/workers").json == {"workers": [], "indexer": [],
-                                                        "sources": []}
+        assert client.simulate_get("/workers").json == {"workers": [], "indexer": [], "sources": []}
     finally:
         assert c.stop(5.0)
 
@@ -648,23 +874,29 @@ def test_deeply_nested_json_is_400(client, path, where):
     if where == "top":
         body = deep
     else:
-        body = (b'{"instance_id":"x","type":"vLLM","modelname":"m","block_size":4,"dp_rank":0,'
-                b'"events":[{"event_id":1,"data":' + deep + b'}],"medium_endpoints":' + deep
-                + b"}")
+        body = (
+            b'{"instance_id":"x","type":"vLLM","modelname":"m","block_size":4,"dp_rank":0,'
+            b'"events":[{"event_id":1,"data":' + deep + b'}],"medium_endpoints":' + deep + b"}"
+        )
     r = client.simulate_post(path, body=body, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     assert r.json["error"].startswith("invalid JSON request body: ")
     assert client.simulate_get("/health").status_code == 200
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"medium_endpoints": {"npu": "tcp://10.0.0.1"}}, "medium_endpoints['npu']"),
-    ({"medium_endpoints": {"npu": "tcp://*:5557"}}, "medium_endpoints['npu']"),
-    ({"medium_endpoints": {"npu": "ipc:///tmp/x"}}, "medium_endpoints['npu']"),
-    ({"endpoint": "inproc://x"}, "endpoint"),
-    ({"medium_endpoints": {"npu": "tcp://10.0.0.1:5557"}, "replay_endpoint": "tcp://h:0"},
-     "replay_endpoint"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"medium_endpoints": {"npu": "tcp://10.0.0.1"}}, "medium_endpoints['npu']"),
+        ({"medium_endpoints": {"npu": "tcp://*:5557"}}, "medium_endpoints['npu']"),
+        ({"medium_endpoints": {"npu": "ipc:///tmp/x"}}, "medium_endpoints['npu']"),
+        ({"endpoint": "inproc://x"}, "endpoint"),
+        (
+            {"medium_endpoints": {"npu": "tcp://10.0.0.1:5557"}, "replay_endpoint": "tcp://h:0"},
+            "replay_endpoint",
+        ),
+    ],
+)
 def test_register_rejects_unsafe_or_malformed_urls(client, kw, field):
     r = register(client, expect=400, **kw)
     assert r.json["error"].startswith(f"{field} "), r.json

@@ -1,4 +1,5 @@
 """Applying decoded events to a real Index (both implementations) via a fake conductor."""
+
 from __future__ import annotations
 
 import os
@@ -10,12 +11,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from publishers import FakeConductor, InstanceInfo, hits, schema  # noqa: E402
+from publishers import FakeConductor, InstanceInfo, hits, schema
 
-from kvconductor._hash import lora_seed  # noqa: E402
-from kvconductor.ingest.apply import Applier, kind_rejected  # noqa: E402
-from kvconductor.ingest.context import SubscriberContext  # noqa: E402
-from kvconductor.keys import Medium, StoreBackend, WorkerKey  # noqa: E402
+from kvconductor._hash import lora_seed
+from kvconductor.ingest.apply import Applier, kind_rejected
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.keys import Medium, StoreBackend, WorkerKey
 
 BS = 4
 V23 = schema("vllm", "0.23.0")
@@ -29,31 +30,54 @@ def conductor(impl):
     return FakeConductor(impl)
 
 
-def ctx(iid="vllm-prefill-a", dp=0, media=(Medium.NPU,), is_pool=False, model="m", tenant="t",
-        backend=StoreBackend.MOONCAKE, bs=BS):
-    return SubscriberContext(instance_id=iid, dp_rank=dp, url="tcp://127.0.0.1:1", model=model,
-                             tenant=tenant, block_size=bs, default_media=tuple(media),
-                             store_backend=backend, is_pool=is_pool)
+def ctx(
+    iid="vllm-prefill-a",
+    dp=0,
+    media=(Medium.NPU,),
+    is_pool=False,
+    model="m",
+    tenant="t",
+    backend=StoreBackend.MOONCAKE,
+    bs=BS,
+):
+    return SubscriberContext(
+        instance_id=iid,
+        dp_rank=dp,
+        url="tcp://127.0.0.1:1",
+        model=model,
+        tenant=tenant,
+        block_size=bs,
+        default_media=tuple(media),
+        store_backend=backend,
+        is_pool=is_pool,
+    )
 
 
 def chain(s, tokens=TOK, start=0, n=None, parent=None, base=1000, **kw):
     """A BlockStored of blocks [start, start+n) of ``tokens`` with hashes base+i."""
     nb = len(tokens) // BS if n is None else n
     hs = [base + i for i in range(start, start + nb)]
-    return s.stored(hs, parent, tokens[start * BS:(start + nb) * BS], BS, **kw)
+    return s.stored(hs, parent, tokens[start * BS : (start + nb) * BS], BS, **kw)
 
 
 def test_hbm_store_and_query(conductor):
     a = Applier(ctx(dp=2), conductor)
-    assert a.apply_payload(V23.batch([chain(V23, medium="GPU", group_idx=0,
-                                            kv_cache_spec_kind="full_attention")], dp=7))
+    assert a.apply_payload(
+        V23.batch(
+            [chain(V23, medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention")], dp=7
+        )
+    )
     idx = conductor.indexes[("m", "t")]
-    assert hits(idx, TOK, BS) == {("vllm-prefill-a", 2): (4, 0, 0)}   # subscription's DP, not the batch's
+    assert hits(idx, TOK, BS) == {
+        ("vllm-prefill-a", 2): (4, 0, 0)
+    }  # subscription's DP, not the batch's
     assert hits(idx, TOK[:8] + [1, 2, 3, 4], BS) == {("vllm-prefill-a", 2): (2, 0, 0)}
     assert a.stats.batches == 1 and a.stats.events == 1 and a.stats.blocks == 4
     # chained continuation under a parent
     more = list(range(500, 508))
-    a.apply_payload(V33.batch([V33.stored([2000, 2001], 1003, more, BS, medium="GPU", group_idx=0)]))
+    a.apply_payload(
+        V33.batch([V33.stored([2000, 2001], 1003, more, BS, medium="GPU", group_idx=0)])
+    )
     assert hits(idx, TOK + more, BS) == {("vllm-prefill-a", 2): (6, 0, 0)}
 
 
@@ -79,11 +103,22 @@ def test_block_size_filter_and_zero(conductor):
     assert {h.npu_blocks for h in idx.query_by_hash([11, 12]).hits} == {2}
 
 
-@pytest.mark.parametrize("kind,accepted", [
-    (None, True), ("full_attention", True), ("mla_attention", True), ("sink_full_attention", True),
-    ("something_new", True), ("sliding_window", False), ("SlidingWindow_MLA", False), ("mamba", False),
-    ("chunked_local_attention", False), ("encoder_only_attention", False), ("cross_attention", False),
-])
+@pytest.mark.parametrize(
+    "kind,accepted",
+    [
+        (None, True),
+        ("full_attention", True),
+        ("mla_attention", True),
+        ("sink_full_attention", True),
+        ("something_new", True),
+        ("sliding_window", False),
+        ("SlidingWindow_MLA", False),
+        ("mamba", False),
+        ("chunked_local_attention", False),
+        ("encoder_only_attention", False),
+        ("cross_attention", False),
+    ],
+)
 def test_attention_kind_filter(conductor, kind, accepted):
     assert kind_rejected(kind) is (not accepted)
     a = Applier(ctx(), conductor)
@@ -113,8 +148,10 @@ def test_removed_and_cleared(conductor):
 
 def test_sglang_negative_hashes_roundtrip(conductor):
     a = Applier(ctx(), conductor)
-    evs = [SGL.stored([-5], None, TOK[:4], BS, medium="GPU"),
-           SGL.stored([-6], -5, TOK[4:8], BS, medium="GPU")]
+    evs = [
+        SGL.stored([-5], None, TOK[:4], BS, medium="GPU"),
+        SGL.stored([-6], -5, TOK[4:8], BS, medium="GPU"),
+    ]
     a.apply_payload(SGL.batch(evs))
     idx = conductor.indexes[("m", "t")]
     assert hits(idx, TOK[:8], BS) == {("vllm-prefill-a", 0): (2, 0, 0)}
@@ -129,8 +166,13 @@ def test_parent_not_found_is_counted(conductor):
 
 
 def _pool_ctx(**kw):
-    return ctx(iid="mooncake-pool", media=(Medium.NPU, Medium.CPU, Medium.DISK), is_pool=True,
-               model="default", **kw)
+    return ctx(
+        iid="mooncake-pool",
+        media=(Medium.NPU, Medium.CPU, Medium.DISK),
+        is_pool=True,
+        model="default",
+        **kw,
+    )
 
 
 def _mooncake(events, dp=0):
@@ -140,15 +182,28 @@ def _mooncake(events, dp=0):
 @pytest.mark.parametrize("pool_first", [False, True])
 def test_two_phase_offload_then_pool(conductor, pool_first):
     """Engine offload (Phase 1) + Mooncake pool confirmation (Phase 2) in either order."""
-    conductor.ip_index["10.0.0.1"] = [("vllm-prefill-a", 0), ("vllm-prefill-a", 1), ("vllm-prefill-a", 0)]
+    conductor.ip_index["10.0.0.1"] = [
+        ("vllm-prefill-a", 0),
+        ("vllm-prefill-a", 1),
+        ("vllm-prefill-a", 0),
+    ]
     conductor.instances["vllm-prefill-a"] = InstanceInfo("m", "t", BS)
     eng = Applier(ctx(), conductor)
     pool = Applier(_pool_ctx(), conductor)
     # blocks 0-1 on GPU, 2-3 offloaded to CPU
     gpu = chain(V33, n=2, medium="GPU")
     cpu = chain(V33, start=2, n=2, parent=1001, medium="CPU")
-    confirm = _mooncake([{"event_id": 1, "event_type": "stored", "backend_id": "10.0.0.1",
-                          "medium": "cpu", "seq_hashes": [1002, 1003]}])
+    confirm = _mooncake(
+        [
+            {
+                "event_id": 1,
+                "event_type": "stored",
+                "backend_id": "10.0.0.1",
+                "medium": "cpu",
+                "seq_hashes": [1002, 1003],
+            }
+        ]
+    )
     eng.apply_payload(V33.batch([gpu]))
     if pool_first:
         pool.apply_payload(confirm)
@@ -158,50 +213,105 @@ def test_two_phase_offload_then_pool(conductor, pool_first):
         pool.apply_payload(confirm)
     # FIX: pool registered with model "default" but confirmations land in the
     # instance's index ("m") via instance_info (the reference used the pool's index)
-    assert ("default", "t") not in conductor.indexes or conductor.indexes[("default", "t")].is_empty()
+    assert ("default", "t") not in conductor.indexes or conductor.indexes[
+        ("default", "t")
+    ].is_empty()
     idx = conductor.indexes[("m", "t")]
     # DP 1 on the same node got the CPU blocks too, but without its own HBM prefix they
     # are not reachable (no cross-DP borrowing, unlike the reference)
     assert hits(idx, TOK, BS) == {("vllm-prefill-a", 0): (2, 2, 0)}
     assert idx.summary()["cpu_blocks"] == 4
     # pool removal of block 3 for every DP on the node
-    pool.apply_payload(_mooncake([{"event_type": "removed", "backend_id": "10.0.0.1",
-                                   "medium": "cpu", "seq_hashes": [1003]}]))
+    pool.apply_payload(
+        _mooncake(
+            [
+                {
+                    "event_type": "removed",
+                    "backend_id": "10.0.0.1",
+                    "medium": "cpu",
+                    "seq_hashes": [1003],
+                }
+            ]
+        )
+    )
     assert hits(idx, TOK, BS)[("vllm-prefill-a", 0)] == (2, 1, 0)
-    pool.apply_payload(_mooncake([{"event_type": "cleared", "backend_id": "10.0.0.1", "medium": "cpu"}]))
+    pool.apply_payload(
+        _mooncake([{"event_type": "cleared", "backend_id": "10.0.0.1", "medium": "cpu"}])
+    )
     assert hits(idx, TOK, BS)[("vllm-prefill-a", 0)] == (2, 0, 0)
 
 
 def test_pool_unknown_ip_and_model_override(conductor):
     conductor.ip_index["10.0.0.1"] = [("vllm-prefill-a", 0)]
     pool = Applier(_pool_ctx(), conductor)
-    pool.apply_payload(_mooncake([{"event_type": "stored", "backend_id": "10.9.9.9", "seq_hashes": [1]},
-                                  {"event_type": "stored", "seq_hashes": [1]},
-                                  {"event_type": "stored", "backend_id": "10.0.0.1"},
-                                  {"event_type": "updated", "backend_id": "10.0.0.1", "seq_hashes": [1]}]))
-    assert pool.stats.dropped == {"backend_id_not_in_hbm_ip_index": 1, "no_backend_id": 1,
-                                  "no_hashes": 1, "unknown_event_type": 1}
+    pool.apply_payload(
+        _mooncake(
+            [
+                {"event_type": "stored", "backend_id": "10.9.9.9", "seq_hashes": [1]},
+                {"event_type": "stored", "seq_hashes": [1]},
+                {"event_type": "stored", "backend_id": "10.0.0.1"},
+                {"event_type": "updated", "backend_id": "10.0.0.1", "seq_hashes": [1]},
+            ]
+        )
+    )
+    assert pool.stats.dropped == {
+        "backend_id_not_in_hbm_ip_index": 1,
+        "no_backend_id": 1,
+        "no_hashes": 1,
+        "unknown_event_type": 1,
+    }
     # explicit model_name/tenant_id win; no medium -> the pool's non-HBM default media
-    pool.apply_payload(msgspec.msgpack.encode({"events": [
-        {"event_type": "stored", "backend_id": "10.0.0.1", "seq_hashes": ["0x10"],
-         "model_name": "other", "tenant_id": "x"}]}))
+    pool.apply_payload(
+        msgspec.msgpack.encode(
+            {
+                "events": [
+                    {
+                        "event_type": "stored",
+                        "backend_id": "10.0.0.1",
+                        "seq_hashes": ["0x10"],
+                        "model_name": "other",
+                        "tenant_id": "x",
+                    }
+                ]
+            }
+        )
+    )
     idx = conductor.indexes[("other", "x")]
-    assert idx.summary()["pending_pool"] == 2   # waiting on CPU and DISK workers, none on NPU
+    assert idx.summary()["pending_pool"] == 2  # waiting on CPU and DISK workers, none on NPU
     keys = set(idx.workers_of("vllm-prefill-a", 0))
-    assert keys == {WorkerKey("vllm-prefill-a", "vllm-prefill-a", 0, Medium.CPU),
-                    WorkerKey("vllm-prefill-a", "vllm-prefill-a", 0, Medium.DISK)}
+    assert keys == {
+        WorkerKey("vllm-prefill-a", "vllm-prefill-a", 0, Medium.CPU),
+        WorkerKey("vllm-prefill-a", "vllm-prefill-a", 0, Medium.DISK),
+    }
 
 
 def test_yuanrong_per_port_media(conductor):
     """YuanRong: the cpu port and the disk port publish pool events tied to the registration."""
     eng = Applier(ctx(iid="yr-1", dp=1, backend=StoreBackend.YUANRONG), conductor)
-    cpu_port = Applier(ctx(iid="yr-1", dp=1, media=(Medium.CPU,), backend=StoreBackend.YUANRONG), conductor)
-    disk_port = Applier(ctx(iid="yr-1", dp=1, media=(Medium.DISK,), backend=StoreBackend.YUANRONG), conductor)
-    eng.apply_payload(V33.batch([chain(V33, n=1, medium="GPU"),
-                                 chain(V33, start=1, n=3, parent=1000, medium="CPU")]))
+    cpu_port = Applier(
+        ctx(iid="yr-1", dp=1, media=(Medium.CPU,), backend=StoreBackend.YUANRONG), conductor
+    )
+    disk_port = Applier(
+        ctx(iid="yr-1", dp=1, media=(Medium.DISK,), backend=StoreBackend.YUANRONG), conductor
+    )
+    eng.apply_payload(
+        V33.batch(
+            [chain(V33, n=1, medium="GPU"), chain(V33, start=1, n=3, parent=1000, medium="CPU")]
+        )
+    )
     # backend_id and dp_rank of the event are ignored: the port belongs to (yr-1, dp 1)
-    cpu_port.apply_payload(_mooncake([{"event_type": "stored", "backend_id": "whatever", "dp_rank": 5,
-                                       "seq_hashes": [1001, 1002]}]))
+    cpu_port.apply_payload(
+        _mooncake(
+            [
+                {
+                    "event_type": "stored",
+                    "backend_id": "whatever",
+                    "dp_rank": 5,
+                    "seq_hashes": [1001, 1002],
+                }
+            ]
+        )
+    )
     disk_port.apply_payload(_mooncake([{"event_type": "stored", "seq_hashes": [1001, 1002, 1003]}]))
     idx = conductor.indexes[("m", "t")]
     assert hits(idx, TOK, BS) == {("yr-1", 1): (1, 2, 1)}
@@ -230,8 +340,18 @@ def test_clear_all(conductor):
     conductor.instances["vllm-prefill-a"] = InstanceInfo("m", "t", BS)
     pool = Applier(_pool_ctx(), conductor)
     eng.apply_payload(V33.batch([chain(V33, medium="CPU")]))
-    pool.apply_payload(_mooncake([{"event_type": "stored", "backend_id": "10.0.0.1", "medium": "cpu",
-                                   "seq_hashes": [1000, 1001, 1002, 1003]}]))
+    pool.apply_payload(
+        _mooncake(
+            [
+                {
+                    "event_type": "stored",
+                    "backend_id": "10.0.0.1",
+                    "medium": "cpu",
+                    "seq_hashes": [1000, 1001, 1002, 1003],
+                }
+            ]
+        )
+    )
     assert hits(conductor.indexes[("m", "t")], TOK, BS) == {("vllm-prefill-a", 0): (0, 4, 0)}
     assert pool.clear_all() == 4
     assert hits(conductor.indexes[("m", "t")], TOK, BS) == {}
@@ -243,22 +363,37 @@ def test_instance_info_dict_form(conductor):
 
     class DictConductor(FakeConductor):
         def instance_info(self, iid):
-            return {"instance_id": iid, "model_name": "m-old", "tenant_id": "t",
-                    "endpoints": {0: {"model_name": "m", "tenant_id": "t"}}}
+            return {
+                "instance_id": iid,
+                "model_name": "m-old",
+                "tenant_id": "t",
+                "endpoints": {0: {"model_name": "m", "tenant_id": "t"}},
+            }
+
     c = DictConductor(conductor.impl)
     c.ip_index["10.0.0.1"] = [("vllm-prefill-a", 0)]
     pool = Applier(_pool_ctx(), c)
-    pool.apply_payload(_mooncake([{"event_type": "stored", "backend_id": "10.0.0.1", "medium": "cpu",
-                                   "seq_hashes": [5]}]))
+    pool.apply_payload(
+        _mooncake(
+            [{"event_type": "stored", "backend_id": "10.0.0.1", "medium": "cpu", "seq_hashes": [5]}]
+        )
+    )
     assert set(c.indexes) == {("m", "t")} and c.indexes[("m", "t")].summary()["pending_pool"] == 1
     assert registered_index(None, 0) == (None, None)
     assert registered_index({"model_name": "a", "tenant_id": "b"}, 3) == ("a", "b")
-    assert registered_index({"model_name": "a", "tenant_id": "b",
-                             "endpoints": {"3": {"model_name": "c", "tenant_id": "d"}}}, 3) == ("c", "d")
+    assert registered_index(
+        {
+            "model_name": "a",
+            "tenant_id": "b",
+            "endpoints": {"3": {"model_name": "c", "tenant_id": "d"}},
+        },
+        3,
+    ) == ("c", "d")
     assert registered_index(InstanceInfo("x", "y", 4), 0) == ("x", "y")
 
 
 # -- bounds on one message and one source -------------------------------------------------------
+
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_message_and_source_limits_refuse_whole_messages(conductor, fast):
@@ -267,20 +402,22 @@ def test_message_and_source_limits_refuse_whole_messages(conductor, fast):
     lim = Limits(max_message_bytes=4096, max_blocks_per_message=4, max_blocks_per_source=6)
     a = Applier(ctx(), conductor, fast=fast, limits=lim)
     big = list(range(1000, 1000 + 5 * BS))
-    assert not a.apply_payload(V33.batch([chain(V33, big, medium="GPU")]))   # 5 blocks > 4
+    assert not a.apply_payload(V33.batch([chain(V33, big, medium="GPU")]))  # 5 blocks > 4
     assert a.stats.dropped == {"message_too_many_blocks": 1}
     assert ("m", "t") not in conductor.indexes or hits(conductor.indexes[("m", "t")], big, BS) == {}
-    assert a.apply_payload(V33.batch([chain(V33, medium="GPU")]))             # 4 blocks: ok
+    assert a.apply_payload(V33.batch([chain(V33, medium="GPU")]))  # 4 blocks: ok
     idx = conductor.indexes[("m", "t")]
     assert hits(idx, TOK, BS) == {("vllm-prefill-a", 0): (4, 0, 0)}
     more = list(range(500, 500 + 3 * BS))
     # 4 held + 3 > 6: the whole message is refused, nothing of it applied
-    assert not a.apply_payload(V33.batch([V33.stored([2000, 2001, 2002], 1003, more, BS,
-                                                     medium="GPU")]))
+    assert not a.apply_payload(
+        V33.batch([V33.stored([2000, 2001, 2002], 1003, more, BS, medium="GPU")])
+    )
     assert a.stats.dropped["source_block_limit"] == 1
     assert hits(idx, TOK + more, BS) == {("vllm-prefill-a", 0): (4, 0, 0)}
-    assert a.apply_payload(V33.batch([V33.stored([2000, 2001], 1003, more[:8], BS,
-                                                 medium="GPU")]))            # 4 + 2 = 6: ok
+    assert a.apply_payload(
+        V33.batch([V33.stored([2000, 2001], 1003, more[:8], BS, medium="GPU")])
+    )  # 4 + 2 = 6: ok
     assert hits(idx, TOK + more, BS) == {("vllm-prefill-a", 0): (6, 0, 0)}
     # Bytes are checked before anything is decoded.
     huge = V33.batch([chain(V33, medium="GPU")] * 200)
@@ -295,14 +432,17 @@ def test_source_limit_counts_blocks_held_before_this_applier(conductor):
     from kvconductor.ingest.apply import Limits
 
     a1 = Applier(ctx(), conductor, limits=Limits(max_blocks_per_source=100))
-    assert a1.apply_payload(V33.batch([chain(V33, medium="GPU")]))           # 4 held
+    assert a1.apply_payload(V33.batch([chain(V33, medium="GPU")]))  # 4 held
     a2 = Applier(ctx(), conductor, limits=Limits(max_blocks_per_source=6))
     more = list(range(500, 500 + 3 * BS))
-    assert not a2.apply_payload(V33.batch([V33.stored([2000, 2001, 2002], 1003, more, BS,
-                                                      medium="GPU")]))       # 4 + 3 > 6
+    assert not a2.apply_payload(
+        V33.batch([V33.stored([2000, 2001, 2002], 1003, more, BS, medium="GPU")])
+    )  # 4 + 3 > 6
     assert a2.stats.dropped == {"source_block_limit": 1}
-    assert a2.apply_payload(V33.batch([V33.stored([2000, 2001], 1003, more[:8], BS,
-                                                  medium="GPU")]))           # 4 + 2 = 6
-    assert not a2.apply_payload(V33.batch([V33.stored([2002], 2001, more[8:], BS,
-                                                      medium="GPU")]))       # 6 + 1 > 6
+    assert a2.apply_payload(
+        V33.batch([V33.stored([2000, 2001], 1003, more[:8], BS, medium="GPU")])
+    )  # 4 + 2 = 6
+    assert not a2.apply_payload(
+        V33.batch([V33.stored([2002], 2001, more[8:], BS, medium="GPU")])
+    )  # 6 + 1 > 6
     assert a2.stats.dropped == {"source_block_limit": 2}

@@ -1,4 +1,5 @@
 """Flag parsing of ``kv-conductor`` (docs/operations.md, "Starting it"), in process."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,16 +16,37 @@ def test_defaults_follow_the_contract(monkeypatch):
     monkeypatch.delenv("KV_CONDUCTOR_API_KEY", raising=False)
     s = parse()
     assert (s.host, s.port) == ("::", 13333)
-    assert (s.maintenance_interval_secs, s.pending_ttl_secs, s.content_ttl_secs,
-            s.offload_ttl_secs) == (30, 60, 300, 600)
+    assert (
+        s.maintenance_interval_secs,
+        s.pending_ttl_secs,
+        s.content_ttl_secs,
+        s.offload_ttl_secs,
+    ) == (30, 60, 300, 600)
     assert s.log_level == "info" and s.api_key is None
     assert s.max_body_bytes == 64 * 1024 * 1024
 
 
 def test_every_flag_is_taken():
-    s = parse("--host", "127.0.0.1", "-p", "0", "--maintenance-interval-secs", "5",
-              "--pending-ttl-secs", "1", "--content-ttl-secs", "2", "--offload-ttl-secs", "3",
-              "--log-level", "DEBUG", "--max-body-mb", "0.5", "--api-key", "k")
+    s = parse(
+        "--host",
+        "127.0.0.1",
+        "-p",
+        "0",
+        "--maintenance-interval-secs",
+        "5",
+        "--pending-ttl-secs",
+        "1",
+        "--content-ttl-secs",
+        "2",
+        "--offload-ttl-secs",
+        "3",
+        "--log-level",
+        "DEBUG",
+        "--max-body-mb",
+        "0.5",
+        "--api-key",
+        "k",
+    )
     assert (s.host, s.port, s.maintenance_interval_secs) == ("127.0.0.1", 0, 5)
     assert (s.pending_ttl_secs, s.content_ttl_secs, s.offload_ttl_secs) == (1, 2, 3)
     assert (s.log_level, s.api_key) == ("debug", "k")
@@ -35,8 +57,12 @@ def test_maintenance_interval_is_at_least_one_second():
     cfg = parse("--maintenance-interval-secs", "0").conductor_config()
     assert cfg.maintenance_interval == 1
     cfg = parse("--pending-ttl-secs", "7").conductor_config()
-    assert (cfg.maintenance_interval, cfg.pending_ttl, cfg.content_ttl, cfg.offload_ttl) == \
-        (30, 7.0, 300.0, 600.0)
+    assert (cfg.maintenance_interval, cfg.pending_ttl, cfg.content_ttl, cfg.offload_ttl) == (
+        30,
+        7.0,
+        300.0,
+        600.0,
+    )
 
 
 def test_environment_defaults(monkeypatch):
@@ -53,19 +79,22 @@ def test_invalid_log_env_falls_back_to_info(monkeypatch):
     assert parse().log_level == "info"
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--host", "localhost"], "invalid host address"),
-    (["--port", "70000"], "must be within 0..65535"),
-    (["--port", "x"], "invalid port"),
-    (["--pending-ttl-secs", "-1"], "must be >= 0"),
-    (["--content-ttl-secs", "1.5"], "whole number of seconds"),
-    (["--max-body-mb", "0"], "must be > 0"),
-    (["--log-level", "chatty"], "invalid log level"),
-    (["--bogus"], "unrecognized arguments"),
-    (["--pending-ttl-sec", "5"], "unrecognized arguments"),     # no abbreviations
-    (["--endpoint-networks", "10.0.0.0/33"], "invalid network list"),
-    (["--endpoint-networks", ","], "at least one CIDR"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--host", "localhost"], "invalid host address"),
+        (["--port", "70000"], "must be within 0..65535"),
+        (["--port", "x"], "invalid port"),
+        (["--pending-ttl-secs", "-1"], "must be >= 0"),
+        (["--content-ttl-secs", "1.5"], "whole number of seconds"),
+        (["--max-body-mb", "0"], "must be > 0"),
+        (["--log-level", "chatty"], "invalid log level"),
+        (["--bogus"], "unrecognized arguments"),
+        (["--pending-ttl-sec", "5"], "unrecognized arguments"),  # no abbreviations
+        (["--endpoint-networks", "10.0.0.0/33"], "invalid network list"),
+        (["--endpoint-networks", ","], "at least one CIDR"),
+    ],
+)
 def test_bad_values_exit_2_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as ex:
         cli.build_parser().parse_args(argv)
@@ -87,33 +116,64 @@ def test_endpoint_policy_flags():
 
     s = settings_from_args(build_parser().parse_args([]))
     assert s.conductor_config().url_policy == UrlPolicy()
-    s = settings_from_args(build_parser().parse_args(
-        ["--allow-bind-endpoints", "--allow-ipc-endpoints", "--endpoint-networks",
-         "10.0.0.0/8,fd00::/8"]))
+    s = settings_from_args(
+        build_parser().parse_args(
+            [
+                "--allow-bind-endpoints",
+                "--allow-ipc-endpoints",
+                "--endpoint-networks",
+                "10.0.0.0/8,fd00::/8",
+            ]
+        )
+    )
     assert s.conductor_config().url_policy == UrlPolicy(
-        allow_bind=True, allow_ipc=True, networks=parse_networks("10.0.0.0/8,fd00::/8"))
+        allow_bind=True, allow_ipc=True, networks=parse_networks("10.0.0.0/8,fd00::/8")
+    )
     assert "endpoints=tcp-connect+bind+ipc@10.0.0.0/8,fd00::/8" in s.describe()
 
 
 def test_http_limit_flags():
     s = parse()
-    assert (s.max_header_kb, s.request_timeout_secs, s.keep_alive_secs, s.max_connections) == \
-        (64, 30.0, 5.0, 1000)
+    assert (s.max_header_kb, s.request_timeout_secs, s.keep_alive_secs, s.max_connections) == (
+        64,
+        30.0,
+        5.0,
+        1000,
+    )
     limits = s.http_limits()
-    assert (limits.max_head_bytes, limits.request_timeout, limits.keep_alive,
-            limits.max_connections) == (65536, 30.0, 5.0, 1000)
-    s = parse("--max-header-kb", "8", "--request-timeout-secs", "1.5", "--keep-alive-secs", "2",
-              "--max-connections", "50")
-    assert (s.http_limits().max_head_bytes, s.request_timeout_secs, s.keep_alive_secs,
-            s.max_connections) == (8192, 1.5, 2.0, 50)
+    assert (
+        limits.max_head_bytes,
+        limits.request_timeout,
+        limits.keep_alive,
+        limits.max_connections,
+    ) == (65536, 30.0, 5.0, 1000)
+    s = parse(
+        "--max-header-kb",
+        "8",
+        "--request-timeout-secs",
+        "1.5",
+        "--keep-alive-secs",
+        "2",
+        "--max-connections",
+        "50",
+    )
+    assert (
+        s.http_limits().max_head_bytes,
+        s.request_timeout_secs,
+        s.keep_alive_secs,
+        s.max_connections,
+    ) == (8192, 1.5, 2.0, 50)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--max-header-kb", "0"], "must be >= 1"),
-    (["--max-connections", "x"], "an integer is required"),
-    (["--request-timeout-secs", "0"], "must be > 0"),
-    (["--keep-alive-secs", "nan"], "must be > 0"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--max-header-kb", "0"], "must be >= 1"),
+        (["--max-connections", "x"], "an integer is required"),
+        (["--request-timeout-secs", "0"], "must be > 0"),
+        (["--keep-alive-secs", "nan"], "must be > 0"),
+    ],
+)
 def test_bad_http_limit_values(argv, needle, capsys):
     with pytest.raises(SystemExit) as ex:
         cli.build_parser().parse_args(argv)
@@ -129,12 +189,15 @@ def test_allow_origin_and_open_workers_flags():
     assert s.allow_origins == ("https://ui.example", "http://localhost:3000")
 
 
-@pytest.mark.parametrize("value,needle", [
-    ("*", "never allow all"),
-    ("ui.example", "scheme://host[:port] is required"),
-    ("https://ui.example/", "no path"),
-    ("ftp://ui.example", "scheme://host[:port] is required"),
-])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        ("*", "never allow all"),
+        ("ui.example", "scheme://host[:port] is required"),
+        ("https://ui.example/", "no path"),
+        ("ftp://ui.example", "scheme://host[:port] is required"),
+    ],
+)
 def test_bad_allow_origin(value, needle, capsys):
     with pytest.raises(SystemExit) as ex:
         cli.build_parser().parse_args(["--allow-origin", value])

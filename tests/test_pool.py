@@ -1,5 +1,6 @@
 """Pool event decoding (Mooncake tuple, Memcache map, YuanRong) and FlexHash
 (docs/engines.md, "Pool event format")."""
+
 from __future__ import annotations
 
 import json
@@ -9,20 +10,31 @@ import msgspec
 import pytest
 
 from kvconductor.ingest.apply import decode_payload
-from kvconductor.ingest.pool import (CLEARED, OTHER, REMOVED, STORED, PoolBatch, PoolEvent,
-                                     classify, decode_pool_payload, flex_hash)
+from kvconductor.ingest.pool import (
+    CLEARED,
+    OTHER,
+    REMOVED,
+    STORED,
+    PoolBatch,
+    PoolEvent,
+    classify,
+    decode_pool_payload,
+    flex_hash,
+)
 from kvconductor.ingest.vllm import DecodeError, Dropped, VllmBatch
 
 M64 = (1 << 64) - 1
 
 # a Mooncake master batch (docs/engines.md, "Pool event format"), written as JSON
-MOONCAKE_EXAMPLE = json.loads('[1782281033484, [{"event_id":7,"event_type":"stored",'
-                              '"backend_id":"10.0.0.1","medium":"cpu","seq_hashes":[48879,51966]}], 0]')
+MOONCAKE_EXAMPLE = json.loads(
+    '[1782281033484, [{"event_id":7,"event_type":"stored",'
+    '"backend_id":"10.0.0.1","medium":"cpu","seq_hashes":[48879,51966]}], 0]'
+)
 
 
 def test_flex_hash_rules():
     assert flex_hash(0) == 0 and flex_hash(M64) == M64
-    assert flex_hash(-1) == M64                       # two's complement (the reference: an error)
+    assert flex_hash(-1) == M64  # two's complement (the reference: an error)
     assert flex_hash("0xBEEF") == 0xBEEF and flex_hash("  48879 ") == 48879
     assert flex_hash("beef") == 0xBEEF
     assert flex_hash(b"\x01\x00") == 256 and flex_hash(b"") == 0
@@ -54,16 +66,27 @@ def test_mooncake_tuple_example():
 
 
 def test_memcache_map_and_defaults():
-    payload = msgspec.msgpack.encode({"events": [
-        {"event_type": "removed", "backend_id": "10.0.0.2", "seq_hashes": ["0xff", "255", 7],
-         "block_hashes": [7, 8], "model_name": "m", "tenant_id": "t", "dp_rank": 3},
-        {"type": "cleared"},
-        {"timestamp": None},
-    ]})
+    payload = msgspec.msgpack.encode(
+        {
+            "events": [
+                {
+                    "event_type": "removed",
+                    "backend_id": "10.0.0.2",
+                    "seq_hashes": ["0xff", "255", 7],
+                    "block_hashes": [7, 8],
+                    "model_name": "m",
+                    "tenant_id": "t",
+                    "dp_rank": 3,
+                },
+                {"type": "cleared"},
+                {"timestamp": None},
+            ]
+        }
+    )
     b = decode_payload(payload)
     assert b.layout == "memcache"
     e1, e2, e3 = b.events
-    assert e1.kind == REMOVED and e1.hashes == [255, 7, 8]     # de-duplicated, first kept
+    assert e1.kind == REMOVED and e1.hashes == [255, 7, 8]  # de-duplicated, first kept
     assert (e1.model_name, e1.tenant_id, e1.dp_rank) == ("m", "t", 3)
     assert e2.kind == CLEARED and e2.type_str == "cleared"
     assert e3.kind == OTHER and e3.type_str == "unknown"
@@ -72,20 +95,34 @@ def test_memcache_map_and_defaults():
 
 
 def test_bad_hash_drops_only_that_event():
-    payload = msgspec.msgpack.encode([1, [
-        {"event_type": "stored", "seq_hashes": [1, -2]},             # negative: fine
-        {"event_type": "stored", "seq_hashes": [1, b"\x00" * 9]},     # too long
-        {"event_type": "stored", "seq_hashes": ["zz"]},               # not a hash
-        {"event_type": "stored", "seq_hashes": 5},                    # not a list
-        {"event_type": 5},                                            # wrong type
-        {"event_type": "stored", "dp_rank": -1, "seq_hashes": [1]},   # bad dp
-        "not-a-map",
-        {"event_type": "stored", "block_hashes": [3]},
-    ], 0])
+    payload = msgspec.msgpack.encode(
+        [
+            1,
+            [
+                {"event_type": "stored", "seq_hashes": [1, -2]},  # negative: fine
+                {"event_type": "stored", "seq_hashes": [1, b"\x00" * 9]},  # too long
+                {"event_type": "stored", "seq_hashes": ["zz"]},  # not a hash
+                {"event_type": "stored", "seq_hashes": 5},  # not a list
+                {"event_type": 5},  # wrong type
+                {"event_type": "stored", "dp_rank": -1, "seq_hashes": [1]},  # bad dp
+                "not-a-map",
+                {"event_type": "stored", "block_hashes": [3]},
+            ],
+            0,
+        ]
+    )
     evs = decode_payload(payload).events
     reasons = [e.reason if isinstance(e, Dropped) else e.kind for e in evs]
-    assert reasons == [STORED, "bad_hash", "bad_hash", "invalid_event", "invalid_event",
-                       "invalid_event", "invalid_event", STORED]
+    assert reasons == [
+        STORED,
+        "bad_hash",
+        "bad_hash",
+        "invalid_event",
+        "invalid_event",
+        "invalid_event",
+        "invalid_event",
+        STORED,
+    ]
     assert evs[0].hashes == [1, M64 - 1]
 
 
@@ -94,7 +131,9 @@ def test_dispatch_vllm_vs_pool():
     vl = msgspec.msgpack.encode([1700000000, [{"type": "BlockRemoved", "block_hashes": [1]}], 0])
     assert isinstance(decode_payload(vl), VllmBatch)
     # pool maps with a legacy "type" and pool keys are pool events
-    pl = msgspec.msgpack.encode([17, [{"type": "BlockStored", "seq_hashes": [1], "backend_id": "x"}], 0])
+    pl = msgspec.msgpack.encode(
+        [17, [{"type": "BlockStored", "seq_hashes": [1], "backend_id": "x"}], 0]
+    )
     assert isinstance(decode_payload(pl), PoolBatch)
     # a legacy pool "type" that is not a vLLM tag
     pl = msgspec.msgpack.encode([17, [{"type": "stored", "block_hashes": [1]}]])
@@ -104,11 +143,18 @@ def test_dispatch_vllm_vs_pool():
     assert decode_payload(msgspec.msgpack.encode([17, [], 0])).events == []
 
 
-@pytest.mark.parametrize("payload", [
-    b"", b"\xc1", msgspec.msgpack.encode("x"), msgspec.msgpack.encode([1]),
-    msgspec.msgpack.encode([1, 2, 3]), msgspec.msgpack.encode({"events": 5}),
-    msgspec.msgpack.encode([1, [{"event_type": "stored"}], "dp"]),
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",
+        msgspec.msgpack.encode("x"),
+        msgspec.msgpack.encode([1]),
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"events": 5}),
+        msgspec.msgpack.encode([1, [{"event_type": "stored"}], "dp"]),
+    ],
+)
 def test_bad_containers(payload):
     with pytest.raises(DecodeError):
         decode_payload(payload)
@@ -116,8 +162,10 @@ def test_bad_containers(payload):
 
 def test_fuzz_pool():
     rng = random.Random(7)
-    base = [msgspec.msgpack.encode(MOONCAKE_EXAMPLE),
-            msgspec.msgpack.encode({"events": MOONCAKE_EXAMPLE[1]})]
+    base = [
+        msgspec.msgpack.encode(MOONCAKE_EXAMPLE),
+        msgspec.msgpack.encode({"events": MOONCAKE_EXAMPLE[1]}),
+    ]
     for i in range(3000):
         b = bytearray(rng.choice(base))
         if i % 3 == 0:

@@ -3,6 +3,7 @@
 Wire tests run against the msgspec fallback and, when it is built, the
 compiled ``kvconductor._wire``; both must give identical results.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -13,8 +14,15 @@ import pytest
 from kvconductor import wire
 from kvconductor.index import DpHit, QueryResult
 from kvconductor.schema import (
-    KvEventBatch, QueryRequest, RegisterRequest, UnregisterRequest, WireValueError,
-    events_decoder, register_decoder, to_u64, unregister_decoder,
+    KvEventBatch,
+    QueryRequest,
+    RegisterRequest,
+    UnregisterRequest,
+    WireValueError,
+    events_decoder,
+    register_decoder,
+    to_u64,
+    unregister_decoder,
 )
 
 try:
@@ -33,12 +41,19 @@ U64_MAX = 2**64 - 1
 
 # -- register / unregister -------------------------------------------------------------
 
+
 def test_register_defaults():
     req = register_decoder.decode(
         b'{"instance_id":"vllm-prefill-1","type":"vLLM","modelname":"qwen",'
-        b'"block_size":128,"dp_rank":0}')
-    assert req == RegisterRequest(instance_id="vllm-prefill-1", engine_type="vLLM",
-                                  modelname="qwen", block_size=128, dp_rank=0)
+        b'"block_size":128,"dp_rank":0}'
+    )
+    assert req == RegisterRequest(
+        instance_id="vllm-prefill-1",
+        engine_type="vLLM",
+        modelname="qwen",
+        block_size=128,
+        dp_rank=0,
+    )
     assert req.store_backend == "Mooncake"
     assert req.tenant_id == "default"
     assert req.medium_endpoints is None and req.endpoint is None
@@ -50,27 +65,45 @@ def test_register_full_example_of_the_contract():
         b'{"instance_id":"vllm-prefill-1","type":"vLLM","store_backend":"Mooncake",'
         b'"modelname":"qwen","block_size":128,"dp_rank":0,'
         b'"medium_endpoints":{"npu":"tcp://10.0.0.1:5557"},'
-        b'"replay_endpoint":"tcp://10.0.0.1:6667","unknown_field":1}')
+        b'"replay_endpoint":"tcp://10.0.0.1:6667","unknown_field":1}'
+    )
     assert req.medium_endpoints == {"npu": "tcp://10.0.0.1:5557"}
     assert req.replay_endpoint == "tcp://10.0.0.1:6667"
 
 
-@pytest.mark.parametrize("body,needle", [
-    (b'{"type":"vLLM","modelname":"q","block_size":4,"dp_rank":0}', "instance_id"),
-    (b'{"instance_id":"a","modelname":"q","block_size":4,"dp_rank":0}', "type"),
-    (b'{"instance_id":"a","type":"v","block_size":4,"dp_rank":0}', "modelname"),
-    (b'{"instance_id":"a","type":"v","modelname":"q","dp_rank":0}', "block_size"),
-    (b'{"instance_id":"a","type":"v","modelname":"q","block_size":4}', "dp_rank"),
-    (b'{"instance_id":"a","type":"v","modelname":"q","block_size":0,"dp_rank":0}', "block_size"),
-    (b'{"instance_id":"a","type":"v","modelname":"q","block_size":-4,"dp_rank":0}', "block_size"),
-    (b'{"instance_id":"a","type":"v","modelname":"q","block_size":4,"dp_rank":-1}', "dp_rank"),
-    (b'{"instance_id":"a","type":"v","modelname":"q","block_size":4,"dp_rank":4294967296}',
-     "dp_rank"),
-    (b'{"instance_id":"a","type":"v","modelname":"q","block_size":"4","dp_rank":0}', "block_size"),
-    (b'{"instance_id":1,"type":"v","modelname":"q","block_size":4,"dp_rank":0}', "instance_id"),
-    (b'{"instance_id":"a","type":"v","modelname":"q","block_size":4,"dp_rank":0,'
-     b'"medium_endpoints":{"npu":1}}', "medium_endpoints"),
-])
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        (b'{"type":"vLLM","modelname":"q","block_size":4,"dp_rank":0}', "instance_id"),
+        (b'{"instance_id":"a","modelname":"q","block_size":4,"dp_rank":0}', "type"),
+        (b'{"instance_id":"a","type":"v","block_size":4,"dp_rank":0}', "modelname"),
+        (b'{"instance_id":"a","type":"v","modelname":"q","dp_rank":0}', "block_size"),
+        (b'{"instance_id":"a","type":"v","modelname":"q","block_size":4}', "dp_rank"),
+        (
+            b'{"instance_id":"a","type":"v","modelname":"q","block_size":0,"dp_rank":0}',
+            "block_size",
+        ),
+        (
+            b'{"instance_id":"a","type":"v","modelname":"q","block_size":-4,"dp_rank":0}',
+            "block_size",
+        ),
+        (b'{"instance_id":"a","type":"v","modelname":"q","block_size":4,"dp_rank":-1}', "dp_rank"),
+        (
+            b'{"instance_id":"a","type":"v","modelname":"q","block_size":4,"dp_rank":4294967296}',
+            "dp_rank",
+        ),
+        (
+            b'{"instance_id":"a","type":"v","modelname":"q","block_size":"4","dp_rank":0}',
+            "block_size",
+        ),
+        (b'{"instance_id":1,"type":"v","modelname":"q","block_size":4,"dp_rank":0}', "instance_id"),
+        (
+            b'{"instance_id":"a","type":"v","modelname":"q","block_size":4,"dp_rank":0,'
+            b'"medium_endpoints":{"npu":1}}',
+            "medium_endpoints",
+        ),
+    ],
+)
 def test_register_rejects_bad_fields(body, needle):
     with pytest.raises(msgspec.ValidationError, match=needle):
         register_decoder.decode(body)
@@ -79,15 +112,22 @@ def test_register_rejects_bad_fields(body, needle):
 def test_register_accepts_null_defaults():
     req = register_decoder.decode(
         b'{"instance_id":"a","type":"v","modelname":"q","block_size":4,"dp_rank":0,'
-        b'"store_backend":null,"tenant_id":null,"medium_endpoints":null,"endpoint":null}')
+        b'"store_backend":null,"tenant_id":null,"medium_endpoints":null,"endpoint":null}'
+    )
     assert req.store_backend is None and req.tenant_id is None
 
 
 def test_unregister_requires_every_field_but_tenant():
-    full = (b'{"instance_id":"a","type":"vLLM","modelname":"q","block_size":0,"dp_rank":3}')
+    full = b'{"instance_id":"a","type":"vLLM","modelname":"q","block_size":0,"dp_rank":3}'
     req = unregister_decoder.decode(full)
-    assert req == UnregisterRequest(instance_id="a", engine_type="vLLM", modelname="q",
-                                    block_size=0, dp_rank=3, tenant_id="default")
+    assert req == UnregisterRequest(
+        instance_id="a",
+        engine_type="vLLM",
+        modelname="q",
+        block_size=0,
+        dp_rank=3,
+        tenant_id="default",
+    )
     for field in ("type", "modelname", "block_size", "dp_rank", "instance_id"):
         doc = msgspec.json.decode(full)
         del doc[field]
@@ -97,11 +137,13 @@ def test_unregister_requires_every_field_but_tenant():
 
 # -- events -------------------------------------------------------------------------------
 
+
 def test_events_batch_flat_shape_and_aliases():
     batch = events_decoder.decode(
         b'{"instance_id":"i","events":[{"event_id":1,"dp_rank":2,"type":"BlockStored",'
         b'"block_hashes":[100,200],"parent_block_hash":18446744073709551615,'
-        b'"token_ids":[1,2,3,4,5,6,7,8],"block_size":4,"medium":"GPU"}]}')
+        b'"token_ids":[1,2,3,4,5,6,7,8],"block_size":4,"medium":"GPU"}]}'
+    )
     assert batch.model_name is None and batch.tenant_id is None
     assert batch.block_size == 128 and batch.shutdown is False
     (ev,) = batch.events
@@ -112,7 +154,8 @@ def test_events_batch_flat_shape_and_aliases():
 
 def test_events_parent_negative_i64_is_twos_complement():
     batch = events_decoder.decode(
-        b'{"instance_id":"i","events":[{"event_id":1,"type":"stored","parent_hash":-1}]}')
+        b'{"instance_id":"i","events":[{"event_id":1,"type":"stored","parent_hash":-1}]}'
+    )
     assert batch.events[0].parent() == U64_MAX
 
 
@@ -145,22 +188,27 @@ def test_to_u64_ranges():
 
 # -- content negotiation (the reference's test_is_msgpack_content_type) ------------------------
 
-@pytest.mark.parametrize("ct,expected", [
-    ("application/msgpack", True),
-    ("application/x-msgpack", True),
-    ("application/msgpack; charset=utf-8", True),
-    ("Application/MSGPACK", True),
-    ("  application/x-msgpack ;q=1", True),
-    ("application/json", False),
-    (None, False),
-    ("", False),
-    ("text/plain", False),
-])
+
+@pytest.mark.parametrize(
+    "ct,expected",
+    [
+        ("application/msgpack", True),
+        ("application/x-msgpack", True),
+        ("application/msgpack; charset=utf-8", True),
+        ("Application/MSGPACK", True),
+        ("  application/x-msgpack ;q=1", True),
+        ("application/json", False),
+        (None, False),
+        ("", False),
+        ("text/plain", False),
+    ],
+)
 def test_is_msgpack_content_type(ct, expected):
     assert wire.is_msgpack_content_type(ct) is expected
 
 
 # -- parse_query ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("parse", PARSERS)
 def test_parse_json_query(parse):
@@ -173,8 +221,10 @@ def test_parse_json_query(parse):
 
 @pytest.mark.parametrize("parse", PARSERS)
 def test_parse_tokens_truncate_to_u32(parse):
-    body = b'{"model":"m","block_size":4,"token_ids":[-1,4294967296,4294967297,' \
-           b'-9223372036854775808,9223372036854775807]}'
+    body = (
+        b'{"model":"m","block_size":4,"token_ids":[-1,4294967296,4294967297,'
+        b"-9223372036854775808,9223372036854775807]}"
+    )
     _, _, tenant, values, _ = parse(body, False, False)
     assert tenant == "default"
     assert list(values) == [0xFFFFFFFF, 0, 1, 0, 0xFFFFFFFF]
@@ -195,8 +245,9 @@ def test_parse_msgpack_map_and_positional_array(parse):
 @pytest.mark.parametrize("parse", PARSERS)
 def test_parse_msgpack_packed_tokens(parse):
     tokens = array("I", [1, 2, 3, 0xFFFFFFFF])
-    body = msgspec.msgpack.encode({"model": "m", "block_size": 4,
-                                   "token_ids": tokens.tobytes(), "tenant_id": "x"})
+    body = msgspec.msgpack.encode(
+        {"model": "m", "block_size": 4, "token_ids": tokens.tobytes(), "tenant_id": "x"}
+    )
     assert parse(body, True, False) == ("m", 4, "x", tokens, None)
 
 
@@ -211,30 +262,33 @@ def test_parse_query_by_hash_roundtrip(parse):
 
 
 @pytest.mark.parametrize("parse", PARSERS)
-@pytest.mark.parametrize("msgpack,body", [
-    (False, b""),
-    (False, b"{"),
-    (False, b"not json"),
-    (False, b'{"model":"m","block_size":4}'),
-    (False, b'{"block_size":4,"token_ids":[]}'),
-    (False, b'{"model":"m","token_ids":[]}'),
-    (False, b'{"model":"m","block_size":4,"token_ids":[1,"x"]}'),
-    (False, b'{"model":"m","block_size":4,"token_ids":[1.5]}'),
-    (False, b'{"model":"m","block_size":4,"token_ids":"abc"}'),
-    (False, b'{"model":"m","block_size":-1,"token_ids":[]}'),
-    (False, b'{"model":"m","block_size":4294967296,"token_ids":[]}'),
-    (False, b'{"model":"m","block_size":4,"token_ids":[9223372036854775808]}'),
-    (False, b'{"model":"m","block_size":4,"token_ids":[-9223372036854775809]}'),
-    (False, b'{"model":5,"block_size":4,"token_ids":[]}'),
-    (False, b'{"model":"m","block_size":4,"token_ids":[]} trailing'),
-    (True, b"\xc1\xff\x00"),
-    (True, b""),
-    (True, msgspec.msgpack.encode({"model": "m", "block_size": 4})),
-    (True, msgspec.msgpack.encode({"model": "m", "block_size": 4, "token_ids": b"abc"})),
-    (True, msgspec.msgpack.encode({"model": "m", "block_size": 4, "token_ids": ["x"]})),
-    (True, msgspec.msgpack.encode(["m"])),
-    (True, msgspec.msgpack.encode(5)),
-])
+@pytest.mark.parametrize(
+    "msgpack,body",
+    [
+        (False, b""),
+        (False, b"{"),
+        (False, b"not json"),
+        (False, b'{"model":"m","block_size":4}'),
+        (False, b'{"block_size":4,"token_ids":[]}'),
+        (False, b'{"model":"m","token_ids":[]}'),
+        (False, b'{"model":"m","block_size":4,"token_ids":[1,"x"]}'),
+        (False, b'{"model":"m","block_size":4,"token_ids":[1.5]}'),
+        (False, b'{"model":"m","block_size":4,"token_ids":"abc"}'),
+        (False, b'{"model":"m","block_size":-1,"token_ids":[]}'),
+        (False, b'{"model":"m","block_size":4294967296,"token_ids":[]}'),
+        (False, b'{"model":"m","block_size":4,"token_ids":[9223372036854775808]}'),
+        (False, b'{"model":"m","block_size":4,"token_ids":[-9223372036854775809]}'),
+        (False, b'{"model":5,"block_size":4,"token_ids":[]}'),
+        (False, b'{"model":"m","block_size":4,"token_ids":[]} trailing'),
+        (True, b"\xc1\xff\x00"),
+        (True, b""),
+        (True, msgspec.msgpack.encode({"model": "m", "block_size": 4})),
+        (True, msgspec.msgpack.encode({"model": "m", "block_size": 4, "token_ids": b"abc"})),
+        (True, msgspec.msgpack.encode({"model": "m", "block_size": 4, "token_ids": ["x"]})),
+        (True, msgspec.msgpack.encode(["m"])),
+        (True, msgspec.msgpack.encode(5)),
+    ],
+)
 def test_parse_rejects_malformed(parse, msgpack, body):
     with pytest.raises(ValueError):
         parse(body, msgpack, False)
@@ -252,8 +306,7 @@ def test_parse_query_wrapper_raises_wire_error_and_checks_block_size():
     with pytest.raises(wire.WireError, match="block_size must be >= 1"):
         wire.parse_query(b'{"model":"m","block_size":0,"token_ids":[1]}', False, False)
     # /query_by_hash ignores block_size: 0 and absent are fine there.
-    assert wire.parse_query(b'{"model":"m","block_size":0,"block_hashes":[1]}',
-                            False, True)[1] == 0
+    assert wire.parse_query(b'{"model":"m","block_size":0,"block_hashes":[1]}', False, True)[1] == 0
     assert wire.parse_query(b'{"model":"m","block_hashes":[1]}', False, True)[1] == 0
 
 
@@ -266,25 +319,40 @@ def test_parse_twins_agree_on_valid_bodies():
         (True, False, msgspec.msgpack.encode(["m", 1, [1, 2, 3], "t"])),
         (True, False, msgspec.msgpack.encode(["m", 1, [1], None])),
         (True, False, msgspec.msgpack.encode(["m", 1, [1], None, "lora-a", {"x": 1}])),
-        (True, False, msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1],
-                                              "lora_name": "é"})),
+        (
+            True,
+            False,
+            msgspec.msgpack.encode(
+                {"model": "m", "block_size": 1, "token_ids": [1], "lora_name": "é"}
+            ),
+        ),
         (False, False, b'{"model":"m","block_size":4,"token_ids":[1],"lora_name":"a\\u00e9"}'),
         (False, False, b'{"model":"m","block_size":4,"token_ids":[1],"lora_name":""}'),
         (False, False, b'{"model":"m","block_size":4,"token_ids":[1],"tenant_id":null}'),
-        (False, False, b'{"model":"m","x":{"y":[1e400,99999999999999999999]},"block_size":4,'
-                       b'"token_ids":[-0]}'),
-        (True, True, msgspec.msgpack.encode({"model": "m", "block_size": 1,
-                                             "block_hashes": [0, U64_MAX]})),
+        (
+            False,
+            False,
+            b'{"model":"m","x":{"y":[1e400,99999999999999999999]},"block_size":4,"token_ids":[-0]}',
+        ),
+        (
+            True,
+            True,
+            msgspec.msgpack.encode({"model": "m", "block_size": 1, "block_hashes": [0, U64_MAX]}),
+        ),
     ]
     for msgpack, by_hash, body in bodies:
-        assert _wire.parse_query(body, msgpack, by_hash) == \
-            wire.py_parse_query(body, msgpack, by_hash)
+        assert _wire.parse_query(body, msgpack, by_hash) == wire.py_parse_query(
+            body, msgpack, by_hash
+        )
 
 
 # -- encode_result / encode_error -----------------------------------------------------------
 
-HITS = [DpHit("vllm-prefill-1", 0, 3, 2, 0), DpHit("vllm-prefill-1", 1, 1, 0, 4),
-        DpHit("vllm-union-2", 0, 0, 1, 0)]
+HITS = [
+    DpHit("vllm-prefill-1", 0, 3, 2, 0),
+    DpHit("vllm-prefill-1", 1, 1, 0, 4),
+    DpHit("vllm-union-2", 0, 0, 1, 0),
+]
 
 
 @pytest.mark.parametrize("encode", ENCODERS)
@@ -294,8 +362,11 @@ def test_encode_result_matches_to_dict(encode):
     assert msgspec.msgpack.decode(encode(HITS, "default", 128, True)) == expected
     assert expected["default"]["vllm-prefill-1"] == {
         "longest_matched": 640,
-        "DP": {"0": {"matched_tokens": 640, "npu_blocks": 3, "cpu_blocks": 2, "disk_blocks": 0},
-               "1": {"matched_tokens": 640, "npu_blocks": 1, "cpu_blocks": 0, "disk_blocks": 4}}}
+        "DP": {
+            "0": {"matched_tokens": 640, "npu_blocks": 3, "cpu_blocks": 2, "disk_blocks": 0},
+            "1": {"matched_tokens": 640, "npu_blocks": 1, "cpu_blocks": 0, "disk_blocks": 4},
+        },
+    }
 
 
 @pytest.mark.parametrize("encode", ENCODERS)
@@ -331,7 +402,7 @@ def test_encode_error():
         assert msgspec.msgpack.decode(encode("boom", True)) == {"error": "boom"}
     if _wire is not None:
         for mp in (False, True):
-            msg = "boom \u00e9\"\n\x01"
+            msg = 'boom \u00e9"\n\x01'
             assert _wire.encode_error(msg, mp) == wire.py_encode_error(msg, mp)
 
 

@@ -2,6 +2,7 @@
 
 Every test talks to ``python -m kvconductor`` over loopback HTTP(S).
 """
+
 from __future__ import annotations
 
 import signal
@@ -24,26 +25,36 @@ EVENTS = {"instance_id": "w1", "events": []}
 
 @pytest.fixture(scope="module")
 def origin_server(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("origin"), "--host", "127.0.0.1",
-                 "--allow-origin", UI, "--allow-origin", "http://localhost:3000") as srv:
+    with running(
+        tmp_path_factory.mktemp("origin"),
+        "--host",
+        "127.0.0.1",
+        "--allow-origin",
+        UI,
+        "--allow-origin",
+        "http://localhost:3000",
+    ) as srv:
         yield srv
 
 
-@pytest.mark.parametrize("path,body", [("/register", REG), ("/unregister", UNREG),
-                                       ("/events", EVENTS)])
+@pytest.mark.parametrize(
+    "path,body", [("/register", REG), ("/unregister", UNREG), ("/events", EVENTS)]
+)
 def test_cross_site_simple_post_is_refused(origin_server, path, body):
     """What a page on another site can send without a preflight: text/plain, any body."""
     import json
 
-    r = origin_server.http.post(path, content=json.dumps(body),
-                                headers={"Origin": EVIL, "Content-Type": "text/plain"})
+    r = origin_server.http.post(
+        path, content=json.dumps(body), headers={"Origin": EVIL, "Content-Type": "text/plain"}
+    )
     assert r.status_code == 403, r.text
     assert r.headers["content-type"] == "application/json"
     assert "not allowed" in r.json()["error"] and EVIL in r.json()["error"]
     assert "access-control-allow-origin" not in r.headers
     assert origin_server.http.get("/workers").json()["workers"] == []
-    assert f"cross-origin request refused method=POST path={path} origin={EVIL}" in \
-        origin_server.log()
+    assert (
+        f"cross-origin request refused method=POST path={path} origin={EVIL}" in origin_server.log()
+    )
 
 
 def test_null_origin_is_refused(origin_server):
@@ -55,12 +66,18 @@ def test_requests_without_origin_work_like_curl(origin_server):
     """curl -d '{...}' sends application/x-www-form-urlencoded and no Origin."""
     import json
 
-    r = origin_server.http.post("/register", content=json.dumps(REG),
-                                headers={"Content-Type": "application/x-www-form-urlencoded"})
+    r = origin_server.http.post(
+        "/register",
+        content=json.dumps(REG),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 201, r.text
     assert "access-control-allow-origin" not in r.headers
-    r = origin_server.http.post("/events", content=json.dumps(EVENTS),
-                                headers={"Content-Type": "application/x-www-form-urlencoded"})
+    r = origin_server.http.post(
+        "/events",
+        content=json.dumps(EVENTS),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 200
     r = origin_server.http.post("/unregister", content=json.dumps(UNREG))
     assert r.status_code == 200
@@ -71,15 +88,18 @@ def test_allowed_origin_gets_its_own_cors_headers(origin_server):
     assert r.status_code == 201
     assert r.headers["access-control-allow-origin"] == UI
     assert "origin" in r.headers["vary"].lower()
-    r = origin_server.http.post("/unregister", json=UNREG,
-                                headers={"Origin": "http://localhost:3000"})
+    r = origin_server.http.post(
+        "/unregister", json=UNREG, headers={"Origin": "http://localhost:3000"}
+    )
     assert r.status_code == 200
     assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
 
 
 def test_preflight_of_mutating_routes(origin_server):
-    pre = {"Access-Control-Request-Method": "POST",
-           "Access-Control-Request-Headers": "content-type, authorization"}
+    pre = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type, authorization",
+    }
     for path in ("/register", "/unregister", "/events"):
         r = origin_server.http.options(path, headers={"Origin": EVIL, **pre})
         assert r.status_code == 403 and r.json()["error"]
@@ -96,11 +116,20 @@ def test_read_routes_keep_cors_for_any_origin(origin_server):
     r = http.get("/health", headers={"Origin": EVIL})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     for path in ("/query", "/query_by_hash"):  # QueryFastPath
-        r = http.post(path, json={"model": "m", "block_size": 4, "token_ids": [1],
-                                  "block_hashes": [1]}, headers={"Origin": EVIL})
+        r = http.post(
+            path,
+            json={"model": "m", "block_size": 4, "token_ids": [1], "block_hashes": [1]},
+            headers={"Origin": EVIL},
+        )
         assert r.status_code == 404 and r.headers["access-control-allow-origin"] == "*"
-        r = http.options(path, headers={"Origin": EVIL, "Access-Control-Request-Method": "POST",
-                                        "Access-Control-Request-Headers": "content-type"})
+        r = http.options(
+            path,
+            headers={
+                "Origin": EVIL,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "content-type",
+            },
+        )
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
         assert "POST" in r.headers["access-control-allow-methods"]
 
@@ -135,6 +164,7 @@ def test_workers_needs_the_api_key(tmp_path, open_workers):
 
 # -- TLS ------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """A server CA and certificate (127.0.0.1, localhost), and a client CA and certificate."""
@@ -143,8 +173,10 @@ def pki(tmp_path_factory):
     ca, client_ca = trustme.CA(), trustme.CA()
     server = ca.issue_cert("127.0.0.1", "localhost")
     client = client_ca.issue_cert("coordinator@kv.example")
-    files = {name: d / f"{name}.pem" for name in
-             ("ca", "cert", "key", "combined", "client_ca", "client", "other_client")}
+    files = {
+        name: d / f"{name}.pem"
+        for name in ("ca", "cert", "key", "combined", "client_ca", "client", "other_client")
+    }
     ca.cert_pem.write_to_path(files["ca"])
     files["cert"].write_bytes(b"".join(b.bytes() for b in server.cert_chain_pems))
     server.private_key_pem.write_to_path(files["key"])
@@ -152,13 +184,15 @@ def pki(tmp_path_factory):
     client_ca.cert_pem.write_to_path(files["client_ca"])
     client.private_key_and_cert_chain_pem.write_to_path(files["client"])
     ca.issue_cert("intruder@kv.example").private_key_and_cert_chain_pem.write_to_path(
-        files["other_client"])  # signed by a CA the server does not trust for clients
+        files["other_client"]
+    )  # signed by a CA the server does not trust for clients
     return {k: str(v) for k, v in files.items()}
 
 
 def tls_server(tmp_path, pki, *extra: str) -> Server:
-    srv = Server(tmp_path, "--host", "127.0.0.1", "--tls-cert", pki["cert"], "--tls-key",
-                 pki["key"], *extra)
+    srv = Server(
+        tmp_path, "--host", "127.0.0.1", "--tls-cert", pki["cert"], "--tls-key", pki["key"], *extra
+    )
     srv.url = f"https://127.0.0.1:{srv.port}"
     srv.http.close()
     srv.http = httpx.Client(base_url=srv.url, timeout=10.0, verify=trusting(pki))
@@ -208,15 +242,13 @@ def test_cert_file_holding_the_key(tmp_path, pki):
 
 def test_client_certificates(tmp_path, pki):
     srv = tls_server(tmp_path, pki, "--tls-client-ca", pki["client_ca"])
-    srv.http = httpx.Client(base_url=srv.url, timeout=10.0,
-                            verify=trusting(pki, pki["client"]))
+    srv.http = httpx.Client(base_url=srv.url, timeout=10.0, verify=trusting(pki, pki["client"]))
     try:
         srv.wait_ready()
         assert srv.http.get("/health").status_code == 200
         for ctx in (trusting(pki), trusting(pki, pki["other_client"])):
-            with pytest.raises(httpx.TransportError):
-                with httpx.Client(verify=ctx, timeout=5) as http:
-                    http.get(f"{srv.url}/health")
+            with pytest.raises(httpx.TransportError), httpx.Client(verify=ctx, timeout=5) as http:
+                http.get(f"{srv.url}/health")
         # The Python client passes verify= and cert= through.
         from kvconductor.client import ConductorClient
 
@@ -230,15 +262,20 @@ def test_client_certificates(tmp_path, pki):
         assert code == 0, srv.log()
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--tls-key", "{key}"], "--tls-key needs --tls-cert"),
-    (["--tls-client-ca", "{client_ca}"], "--tls-client-ca needs --tls-cert"),
-    (["--tls-cert", "{cert}", "--tls-key", "/nonexistent/key.pem"], "cannot read"),
-    (["--tls-cert", "{cert}"], "cannot load the certificate and key"),      # no key anywhere
-    (["--tls-cert", "{cert}", "--tls-key", "{ca}"], "cannot load the certificate and key"),
-    (["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{key}"],
-     "cannot load CA certificates"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--tls-key", "{key}"], "--tls-key needs --tls-cert"),
+        (["--tls-client-ca", "{client_ca}"], "--tls-client-ca needs --tls-cert"),
+        (["--tls-cert", "{cert}", "--tls-key", "/nonexistent/key.pem"], "cannot read"),
+        (["--tls-cert", "{cert}"], "cannot load the certificate and key"),  # no key anywhere
+        (["--tls-cert", "{cert}", "--tls-key", "{ca}"], "cannot load the certificate and key"),
+        (
+            ["--tls-cert", "{cert}", "--tls-key", "{key}", "--tls-client-ca", "{key}"],
+            "cannot load CA certificates",
+        ),
+    ],
+)
 def test_bad_tls_flags_exit_2_with_one_line(pki, flags, needle):
     r = run_cli(*[f.format(**pki) for f in flags])
     assert r.returncode == 2, r.stderr
@@ -254,21 +291,35 @@ def test_gunicorn_tls(tmp_path, pki):
 
     from test_server import ROOT, SHUTDOWN_BOUND, _gunicorn_cmd, free_port
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               KV_CONDUCTOR_ARGS=f"--tls-cert {pki['cert']} --tls-key {pki['key']}")
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        KV_CONDUCTOR_ARGS=f"--tls-cert {pki['cert']} --tls-key {pki['key']}",
+    )
     port = free_port()
-    out = subprocess.run(_gunicorn_cmd(port, "-w", "1", factory_args=""), cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        _gunicorn_cmd(port, "-w", "1", factory_args=""),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 4, out.stdout + out.stderr
     assert "--tls-cert needs gunicorn -k kvconductor.app.KvConductorWorker" in out.stderr
 
     port = free_port()
     log_path = tmp_path / "gunicorn-tls.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(_gunicorn_cmd(port, "-w", "1", "-k",
-                                              "kvconductor.app.KvConductorWorker",
-                                              factory_args=""),
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            _gunicorn_cmd(
+                port, "-w", "1", "-k", "kvconductor.app.KvConductorWorker", factory_args=""
+            ),
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 30
         while True:

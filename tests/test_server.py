@@ -3,6 +3,7 @@
 Clients: httpx with JSON bodies and msgspec-encoded MessagePack bodies.
 Teardown sends SIGTERM and fails the test if the process had to be killed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,16 +53,21 @@ def free_port() -> int:
 class Server:
     """One ``python -m kvconductor`` process with its stderr captured in a file."""
 
-    def __init__(self, tmp_path: Path, *args: str, env: dict | None = None,
-                 preexec_fn=None) -> None:
+    def __init__(
+        self, tmp_path: Path, *args: str, env: dict | None = None, preexec_fn=None
+    ) -> None:
         self.port = free_port()
         self.log_path = tmp_path / f"kvc-{self.port}.log"
         self._log = open(self.log_path, "wb")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvconductor", "--port", str(self.port), *args],
-            cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT,
-            preexec_fn=preexec_fn)
+            cwd=ROOT,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
+        )
         self.url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(base_url=self.url, timeout=10.0)
 
@@ -92,8 +98,9 @@ class Server:
             self.proc.kill()
             self.proc.wait(10)
             self._log.close()
-            pytest.fail(f"server ignored {signal.Signals(sig).name} for {SHUTDOWN_BOUND}s:\n"
-                        f"{self.log()}")
+            pytest.fail(
+                f"server ignored {signal.Signals(sig).name} for {SHUTDOWN_BOUND}s:\n{self.log()}"
+            )
         elapsed = time.monotonic() - t0
         self._log.close()
         return code, elapsed
@@ -128,20 +135,28 @@ def running(tmp_dir: Path, *args: str, **kw):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("srv"), "--maintenance-interval-secs", "1",
-                 "--max-body-mb", "1") as srv:
+    with running(
+        tmp_path_factory.mktemp("srv"), "--maintenance-interval-secs", "1", "--max-body-mb", "1"
+    ) as srv:
         yield srv
 
 
 def register(http: httpx.Client, **kw) -> httpx.Response:
-    body = {"instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen",
-            "block_size": 4, "dp_rank": 0, **kw}
+    body = {
+        "instance_id": "vllm-prefill-1",
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": 4,
+        "dp_rank": 0,
+        **kw,
+    }
     return http.post("/register", json=body)
 
 
 def msgpack_post(http: httpx.Client, path: str, body) -> tuple[int, str, object]:
-    r = http.post(path, content=msgspec.msgpack.encode(body),
-                  headers={"Content-Type": "application/msgpack"})
+    r = http.post(
+        path, content=msgspec.msgpack.encode(body), headers={"Content-Type": "application/msgpack"}
+    )
     return r.status_code, r.headers["content-type"], msgspec.msgpack.decode(r.content)
 
 
@@ -150,27 +165,57 @@ def test_health_on_dual_stack_default_host(server):
     if HAS_IPV6:
         r = httpx.get(f"http://[::1]:{server.port}/health", timeout=10)
         assert r.status_code == 200 and r.text == "OK"
-    assert f"KV conductor starting on [::]:{server.port}" in server.log() or \
-        f"KV conductor starting on 0.0.0.0:{server.port}" in server.log()
+    assert (
+        f"KV conductor starting on [::]:{server.port}" in server.log()
+        or f"KV conductor starting on 0.0.0.0:{server.port}" in server.log()
+    )
 
 
 def test_json_and_msgpack_end_to_end(server):
     http = server.http
-    r = register(http, medium_endpoints={"npu": "tcp://127.0.0.1:1"},
-                 store_backend="YuanRong")
+    r = register(http, medium_endpoints={"npu": "tcp://127.0.0.1:1"}, store_backend="YuanRong")
     assert r.status_code == 201 and r.json() == {"status": "ok"}
-    r = http.post("/events", json={"instance_id": "vllm-prefill-1", "events": [
-        {"event_id": 1, "dp_rank": 0, "type": "BlockStored", "block_hashes": [100, 200],
-         "parent_block_hash": None, "token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "block_size": 4,
-         "medium": "GPU"},
-        {"event_id": 2, "dp_rank": 0, "type": "BlockStored", "block_hashes": [300],
-         "parent_block_hash": 200, "token_ids": [9, 10, 11, 12], "block_size": 4,
-         "medium": "cpu"}]})
+    r = http.post(
+        "/events",
+        json={
+            "instance_id": "vllm-prefill-1",
+            "events": [
+                {
+                    "event_id": 1,
+                    "dp_rank": 0,
+                    "type": "BlockStored",
+                    "block_hashes": [100, 200],
+                    "parent_block_hash": None,
+                    "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+                    "block_size": 4,
+                    "medium": "GPU",
+                },
+                {
+                    "event_id": 2,
+                    "dp_rank": 0,
+                    "type": "BlockStored",
+                    "block_hashes": [300],
+                    "parent_block_hash": 200,
+                    "token_ids": [9, 10, 11, 12],
+                    "block_size": 4,
+                    "medium": "cpu",
+                },
+            ],
+        },
+    )
     assert r.status_code == 200 and r.json() == {"status": "ok", "events_applied": 2}
     query = {"model": "qwen", "block_size": 4, "token_ids": list(range(1, 17))}
     r = http.post("/query", json=query)
-    expected = {"default": {"vllm-prefill-1": {"longest_matched": 12, "DP": {"0": {
-        "matched_tokens": 12, "npu_blocks": 2, "cpu_blocks": 1, "disk_blocks": 0}}}}}
+    expected = {
+        "default": {
+            "vllm-prefill-1": {
+                "longest_matched": 12,
+                "DP": {
+                    "0": {"matched_tokens": 12, "npu_blocks": 2, "cpu_blocks": 1, "disk_blocks": 0}
+                },
+            }
+        }
+    }
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     assert r.json() == expected
     code, ct, doc = msgpack_post(http, "/query", query)
@@ -178,18 +223,30 @@ def test_json_and_msgpack_end_to_end(server):
     code, ct, doc = msgpack_post(http, "/query", ["qwen", 4, list(range(1, 17)), "default"])
     assert doc == expected
     hashes = [14643705804678351452, 16777012769546811212]
-    code, ct, doc = msgpack_post(http, "/query_by_hash",
-                                 {"model": "qwen", "block_size": 4, "block_hashes": hashes})
+    code, ct, doc = msgpack_post(
+        http, "/query_by_hash", {"model": "qwen", "block_size": 4, "block_hashes": hashes}
+    )
     assert code == 200 and doc["default"]["vllm-prefill-1"]["longest_matched"] == 2
     code, ct, doc = msgpack_post(http, "/query", {"model": "x", "block_size": 4, "token_ids": []})
-    assert (code, ct, doc) == (404, "application/msgpack",
-                               {"error": "no indexer for model=x tenant=default"})
+    assert (code, ct, doc) == (
+        404,
+        "application/msgpack",
+        {"error": "no indexer for model=x tenant=default"},
+    )
     workers = http.get("/workers").json()
     assert workers["workers"][0]["instance_id"] == "vllm-prefill-1"
     assert workers["indexer"][0]["total_blocks"] == 3
     assert [s["url"] for s in workers["sources"]] == ["tcp://127.0.0.1:1"]
-    r = http.post("/unregister", json={"instance_id": "vllm-prefill-1", "type": "vLLM",
-                                       "modelname": "qwen", "block_size": 4, "dp_rank": 0})
+    r = http.post(
+        "/unregister",
+        json={
+            "instance_id": "vllm-prefill-1",
+            "type": "vLLM",
+            "modelname": "qwen",
+            "block_size": 4,
+            "dp_rank": 0,
+        },
+    )
     assert r.status_code == 200
     assert http.get("/workers").json() == {"workers": [], "indexer": [], "sources": []}
 
@@ -198,15 +255,36 @@ def test_large_msgpack_query(server):
     http = server.http
     assert register(http, instance_id="big").status_code == 201
     tokens = list(range(1, 9)) + [7] * 200_000
-    r = http.post("/events", json={"instance_id": "big", "events": [
-        {"event_id": 1, "type": "BlockStored", "block_hashes": [1, 2],
-         "token_ids": list(range(1, 9)), "block_size": 4}]})
+    r = http.post(
+        "/events",
+        json={
+            "instance_id": "big",
+            "events": [
+                {
+                    "event_id": 1,
+                    "type": "BlockStored",
+                    "block_hashes": [1, 2],
+                    "token_ids": list(range(1, 9)),
+                    "block_size": 4,
+                }
+            ],
+        },
+    )
     assert r.json()["events_applied"] == 1
-    code, _, doc = msgpack_post(http, "/query", {"model": "qwen", "block_size": 4,
-                                                "token_ids": tokens})
+    code, _, doc = msgpack_post(
+        http, "/query", {"model": "qwen", "block_size": 4, "token_ids": tokens}
+    )
     assert code == 200 and doc["default"]["big"]["DP"]["0"]["npu_blocks"] == 2
-    http.post("/unregister", json={"instance_id": "big", "type": "vLLM", "modelname": "qwen",
-                                   "block_size": 4, "dp_rank": 0})
+    http.post(
+        "/unregister",
+        json={
+            "instance_id": "big",
+            "type": "vLLM",
+            "modelname": "qwen",
+            "block_size": 4,
+            "dp_rank": 0,
+        },
+    )
 
 
 def test_errors_over_http(server):
@@ -217,8 +295,9 @@ def test_errors_over_http(server):
     assert r.status_code == 405 and r.json()["error"]
     r = http.post("/register", content=b"{oops", headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"].startswith("invalid JSON request body")
-    r = http.post("/query", content=b"\xc1\xff\x00",
-                  headers={"Content-Type": "application/msgpack"})
+    r = http.post(
+        "/query", content=b"\xc1\xff\x00", headers={"Content-Type": "application/msgpack"}
+    )
     assert r.status_code == 400 and r.headers["content-type"] == "application/msgpack"
     assert msgspec.msgpack.decode(r.content)["error"].startswith("invalid msgpack request body")
     r = http.post("/events", json={"instance_id": "x", "events": [{"event_id": 1, "type": "?"}]})
@@ -245,9 +324,20 @@ def test_sigterm_drains_and_exits(tmp_path):
     srv = Server(tmp_path, "--host", "127.0.0.1", "--api-key", "k")
     srv.wait_ready()
     assert register(srv.http).status_code == 401
-    assert srv.http.post("/register", headers={"Authorization": "Bearer k"}, json={
-        "instance_id": "a", "type": "vLLM", "modelname": "m", "block_size": 4,
-        "dp_rank": 0}).status_code == 201
+    assert (
+        srv.http.post(
+            "/register",
+            headers={"Authorization": "Bearer k"},
+            json={
+                "instance_id": "a",
+                "type": "vLLM",
+                "modelname": "m",
+                "block_size": 4,
+                "dp_rank": 0,
+            },
+        ).status_code
+        == 201
+    )
     code, elapsed = srv.terminate(signal.SIGTERM)
     log = srv.log()
     assert code == 0, log
@@ -268,8 +358,14 @@ def test_sigint_exits(tmp_path):
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvconductor", *args], cwd=ROOT, timeout=60,
-                          capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+    return subprocess.run(
+        [sys.executable, "-m", "kvconductor", *args],
+        cwd=ROOT,
+        timeout=60,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, **(env or {})),
+    )
 
 
 def test_version():
@@ -277,17 +373,20 @@ def test_version():
     assert r.returncode == 0 and r.stdout.strip() == "kv-conductor 0.1.0"
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--host", "localhost"], "invalid host address"),
-    (["--host", "10.0.0.300"], "invalid host address"),
-    (["--port", "70000"], "invalid port"),
-    (["-p", "abc"], "invalid port"),
-    (["--maintenance-interval-secs", "-1"], "must be >= 0"),
-    (["--pending-ttl-secs", "1.5"], "whole number"),
-    (["--max-body-mb", "0"], "must be > 0"),
-    (["--log-level", "loud"], "invalid log level"),
-    (["--frobnicate"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--host", "localhost"], "invalid host address"),
+        (["--host", "10.0.0.300"], "invalid host address"),
+        (["--port", "70000"], "invalid port"),
+        (["-p", "abc"], "invalid port"),
+        (["--maintenance-interval-secs", "-1"], "must be >= 0"),
+        (["--pending-ttl-secs", "1.5"], "whole number"),
+        (["--max-body-mb", "0"], "must be > 0"),
+        (["--log-level", "loud"], "invalid log level"),
+        (["--frobnicate"], "unrecognized arguments"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(args, needle):
     r = run_cli(*args)
     assert r.returncode == 2
@@ -309,10 +408,23 @@ def test_port_in_use_fails_cleanly():
 
 def _gunicorn_cmd(port: int, *extra: str, factory_args: str = '"--maintenance-interval-secs", "1"'):
     pytest.importorskip("uvicorn_worker")
-    help_text = subprocess.run([sys.executable, "-m", "gunicorn", "--help"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=60).stdout
-    cmd = [sys.executable, "-m", "gunicorn", "-k", "uvicorn_worker.UvicornWorker",
-           "-b", f"127.0.0.1:{port}", *extra]
+    help_text = subprocess.run(
+        [sys.executable, "-m", "gunicorn", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    cmd = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-k",
+        "uvicorn_worker.UvicornWorker",
+        "-b",
+        f"127.0.0.1:{port}",
+        *extra,
+    ]
     if "--no-control-socket" in help_text:
         cmd.append("--no-control-socket")
     cmd.append(f"kvconductor.app:gunicorn_app({factory_args})")
@@ -324,9 +436,13 @@ def test_gunicorn_factory(tmp_path):
     cmd = _gunicorn_cmd(port, "-w", "1")
     log_path = tmp_path / "gunicorn.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1",
-                                         KV_CONDUCTOR_ARGS="--pending-ttl-secs 30"))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", KV_CONDUCTOR_ARGS="--pending-ttl-secs 30"),
+        )
     try:
         wait_health(proc, f"http://127.0.0.1:{port}", log_path)
         http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
@@ -336,9 +452,13 @@ def test_gunicorn_factory(tmp_path):
         # The settings (env flags, then factory flags) and the serving switch interval.
         text = log_path.read_text()
         assert "KV conductor starting under gunicorn" in text
-        assert ("workers=1 version=0.1.0 maintenance_interval=1s pending_ttl=30s "
-                "content_ttl=300s offload_ttl=600s loss_grace=600s max_sources=4096 replay_deadline=60s max_message_mb=256 max_blocks_per_message=1000000 max_blocks_per_source=4000000 max_body_bytes=67108864 log_level=info "
-                "auth=off endpoints=tcp-connect switch_interval=0.0005") in text, text
+        assert (
+            "workers=1 version=0.1.0 maintenance_interval=1s pending_ttl=30s "
+            "content_ttl=300s offload_ttl=600s loss_grace=600s max_sources=4096 "
+            "replay_deadline=60s max_message_mb=256 max_blocks_per_message=1000000 "
+            "max_blocks_per_source=4000000 max_body_bytes=67108864 log_level=info "
+            "auth=off endpoints=tcp-connect switch_interval=0.0005"
+        ) in text, text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0
         assert "KV conductor shut down" in log_path.read_text()
@@ -348,22 +468,40 @@ def test_gunicorn_factory(tmp_path):
             proc.wait(10)
 
 
-@pytest.mark.parametrize("extra,env,message", [
-    (("-w", "2"), {}, "gunicorn started with 2 workers"),
-    (("-w", "1"), {"WEB_CONCURRENCY": "3"}, None),   # -w wins over the environment
-    ((), {"WEB_CONCURRENCY": "2"}, "gunicorn started with 2 workers"),
-    (("-w", "1"), {"KV_CONDUCTOR_ARGS": "--pending-ttl-sec 5"},
-     "kv-conductor: error: unrecognized arguments: --pending-ttl-sec 5"),
-    (("-w", "1"), {"KV_CONDUCTOR_ARGS": "--max-body-mb -1"},
-     "kv-conductor: error: argument --max-body-mb: invalid size '-1'"),
-])
+@pytest.mark.parametrize(
+    "extra,env,message",
+    [
+        (("-w", "2"), {}, "gunicorn started with 2 workers"),
+        (("-w", "1"), {"WEB_CONCURRENCY": "3"}, None),  # -w wins over the environment
+        ((), {"WEB_CONCURRENCY": "2"}, "gunicorn started with 2 workers"),
+        (
+            ("-w", "1"),
+            {"KV_CONDUCTOR_ARGS": "--pending-ttl-sec 5"},
+            "kv-conductor: error: unrecognized arguments: --pending-ttl-sec 5",
+        ),
+        (
+            ("-w", "1"),
+            {"KV_CONDUCTOR_ARGS": "--max-body-mb -1"},
+            "kv-conductor: error: argument --max-body-mb: invalid size '-1'",
+        ),
+    ],
+)
 def test_gunicorn_refuses_many_workers_and_bad_flags(tmp_path, extra, env, message):
     """The master stops at once with the reason (no worker restart loop)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("KV_CONDUCTOR_ARGS", "WEB_CONCURRENCY")
-           } | {"PYTHONUNBUFFERED": "1"} | env
-    proc = subprocess.Popen(_gunicorn_cmd(port, *extra, factory_args=""), cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = (
+        {k: v for k, v in os.environ.items() if k not in ("KV_CONDUCTOR_ARGS", "WEB_CONCURRENCY")}
+        | {"PYTHONUNBUFFERED": "1"}
+        | env
+    )
+    proc = subprocess.Popen(
+        _gunicorn_cmd(port, *extra, factory_args=""),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         if message is None:
             # Accepted: it serves; stop it.

@@ -4,6 +4,7 @@ A slow client keeps a request in flight (a body sent a few bytes at a time);
 the server gets SIGTERM (and a second signal during the drain). It must exit
 0 without an ERROR line or a traceback, within the documented bounds.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,8 +26,11 @@ class SlowBody:
 
     def __init__(self, port: int, path: str, content_type: str = "application/json") -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        self.sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
-                          f"Content-Length: 1000000\r\n\r\n".encode() + b'{"model": "m", "x": "')
+        self.sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: 1000000\r\n\r\n".encode()
+            + b'{"model": "m", "x": "'
+        )
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -52,11 +56,14 @@ def assert_quiet(log: str) -> None:
     assert "KV conductor shut down" in log, log
 
 
-@pytest.mark.parametrize("first,second", [
-    (signal.SIGTERM, signal.SIGTERM),
-    (signal.SIGINT, signal.SIGINT),
-    (signal.SIGTERM, signal.SIGINT),
-])
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        (signal.SIGTERM, signal.SIGTERM),
+        (signal.SIGINT, signal.SIGINT),
+        (signal.SIGTERM, signal.SIGINT),
+    ],
+)
 def test_second_signal_during_drain_exits_quietly(tmp_path, first, second):
     srv = Server(tmp_path, "--host", "127.0.0.1")
     srv.wait_ready()
@@ -120,8 +127,14 @@ def test_request_that_ignores_the_disconnect_is_cancelled_quietly(caplog):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(8)
-    config = uvicorn.Config(stuck_app, lifespan="off", log_config=None, loop="asyncio",
-                            http="h11", timeout_graceful_shutdown=0.5)
+    config = uvicorn.Config(
+        stuck_app,
+        lifespan="off",
+        log_config=None,
+        loop="asyncio",
+        http="h11",
+        timeout_graceful_shutdown=0.5,
+    )
     server = KvServer(config)
     caplog.set_level(logging.INFO)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -158,11 +171,15 @@ def test_gunicorn_worker_shutdown_with_request_in_flight_is_quiet(tmp_path):
 
     port = free_port()
     log_path = tmp_path / "gunicorn.log"
-    cmd = _gunicorn_cmd(port, "-w", "1", "-k", "kvconductor.app.KvConductorWorker",
-                        factory_args="")
+    cmd = _gunicorn_cmd(port, "-w", "1", "-k", "kvconductor.app.KvConductorWorker", factory_args="")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
     slow = None
     try:
         wait_health(proc, f"http://127.0.0.1:{port}", log_path)

@@ -1,4 +1,5 @@
 """The single ingest thread: ordering, errors, timers, sockets, stop, idle CPU."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,7 @@ from kvconductor.ingest.thread import IngestThread
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from coro import run_coro  # noqa: E402
+from coro import run_coro
 
 
 @pytest.fixture
@@ -26,8 +27,10 @@ def thread():
 
 def test_work_runs_on_the_thread_in_order(thread):
     seen = []
-    futs = [thread.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
-            for i in range(200)]
+    futs = [
+        thread.submit(lambda i=i: seen.append((i, threading.current_thread().name)))
+        for i in range(200)
+    ]
     for f in futs:
         f.result(5)
     assert [i for i, _ in seen] == list(range(200))
@@ -38,6 +41,7 @@ def test_work_runs_on_the_thread_in_order(thread):
 def test_exceptions_reach_the_caller_and_the_thread_survives(thread):
     def boom():
         raise ValueError("bad event")
+
     with pytest.raises(ValueError, match="bad event"):
         thread.call(boom, timeout=5)
     assert thread.call(lambda: 42, timeout=5) == 42
@@ -46,6 +50,7 @@ def test_exceptions_reach_the_caller_and_the_thread_survives(thread):
 def test_async_run(thread):
     async def main():
         return await thread.run(lambda a, b: a * b, 6, 7)
+
     assert run_coro(main()) == 42
 
 
@@ -57,6 +62,7 @@ def test_timers_fire_in_deadline_order(thread):
         thread.call_later(0.05, lambda: fired.append("b"))
         thread.call_later(0.01, lambda: fired.append("a"))
         thread.call_later(0.08, done.set)
+
     thread.call(schedule)
     assert done.wait(5)
     assert fired == ["a", "b"]
@@ -75,8 +81,10 @@ def test_socket_handlers_and_their_errors(thread):
             if msg == b"raise":
                 raise RuntimeError("handler bug")
             got.append(msg)
+
         thread.add_socket(pull, on_msg)
         return port
+
     port = thread.call(setup)
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
@@ -126,11 +134,11 @@ def test_wake_after_stop_never_writes_to_a_reused_fd():
     try:
         while not any(old_w in p for p in pipes) and len(pipes) < 64:
             pipes.append(os.pipe())
-        (r, w), = [p for p in pipes if old_w in p]
+        ((r, w),) = [p for p in pipes if old_w in p]
         t._wake()
         assert t.submit(lambda: 1).exception(1) is not None
         os.set_blocking(r, False)
-        if w == old_w:          # the old write end is now a live pipe: nothing arrived
+        if w == old_w:  # the old write end is now a live pipe: nothing arrived
             with pytest.raises(BlockingIOError):
                 os.read(r, 16)
     finally:

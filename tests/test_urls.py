@@ -1,4 +1,5 @@
 """Endpoint URL validation: what a registration may make the server open."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -11,38 +12,48 @@ DEFAULT = UrlPolicy()
 OPEN = UrlPolicy(allow_bind=True, allow_ipc=True)
 
 
-@pytest.mark.parametrize("url", [
-    "tcp://10.0.0.1:5557", "tcp://127.0.0.1:1", "tcp://[::1]:65535", "tcp://[2001:db8::1]:15557",
-    "tcp://vllm-prefill-0.engines.svc.cluster.local:5557", "tcp://kv-conductor:13333",
-    "TCP://10.0.0.1:5557",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "tcp://10.0.0.1:5557",
+        "tcp://127.0.0.1:1",
+        "tcp://[::1]:65535",
+        "tcp://[2001:db8::1]:15557",
+        "tcp://vllm-prefill-0.engines.svc.cluster.local:5557",
+        "tcp://kv-conductor:13333",
+        "TCP://10.0.0.1:5557",
+    ],
+)
 def test_connect_urls_accepted(url):
     assert check_url(url, "endpoint", DEFAULT) == "connect"
     assert not is_bind_url(url)
 
 
-@pytest.mark.parametrize("url,why", [
-    ("", "expected tcp://HOST:PORT"),
-    ("10.0.0.1:5557", "expected tcp://HOST:PORT"),
-    ("tcp://10.0.0.1", "the port is missing"),
-    ("tcp://10.0.0.1:", "invalid port ''"),
-    ("tcp://10.0.0.1:0", "invalid port '0'"),
-    ("tcp://10.0.0.1:65536", "invalid port '65536'"),
-    ("tcp://10.0.0.1:55x", "invalid port '55x'"),
-    ("tcp://10.0.0.1:５５５", "invalid port"),
-    ("tcp://:5557", "invalid host ''"),
-    ("tcp://bad_host:5557", "invalid host 'bad_host'"),
-    ("tcp://[10.0.0.1]:5557", "must be bracketed"),
-    ("tcp://::1:5557", "must be bracketed"),
-    ("tcp://[::1:5557", "expected tcp://[IPv6]:PORT"),
-    ("tcp://eth0;10.0.0.1:5557", "source-address form"),
-    (" tcp://10.0.0.1:5557", "whitespace"),
-    ("tcp://10.0.0.1:5557\n", "whitespace"),
-    ("inproc://x", "scheme inproc:// is not supported"),
-    ("udp://10.0.0.1:5557", "scheme udp:// is not supported"),
-    ("epgm://eth0;239.0.0.1:5555", "scheme epgm://"),
-    ("ipc://", "ipc:// needs a path"),
-])
+@pytest.mark.parametrize(
+    "url,why",
+    [
+        ("", "expected tcp://HOST:PORT"),
+        ("10.0.0.1:5557", "expected tcp://HOST:PORT"),
+        ("tcp://10.0.0.1", "the port is missing"),
+        ("tcp://10.0.0.1:", "invalid port ''"),
+        ("tcp://10.0.0.1:0", "invalid port '0'"),
+        ("tcp://10.0.0.1:65536", "invalid port '65536'"),
+        ("tcp://10.0.0.1:55x", "invalid port '55x'"),
+        ("tcp://10.0.0.1:５５５", "invalid port"),
+        ("tcp://:5557", "invalid host ''"),
+        ("tcp://bad_host:5557", "invalid host 'bad_host'"),
+        ("tcp://[10.0.0.1]:5557", "must be bracketed"),
+        ("tcp://::1:5557", "must be bracketed"),
+        ("tcp://[::1:5557", "expected tcp://[IPv6]:PORT"),
+        ("tcp://eth0;10.0.0.1:5557", "source-address form"),
+        (" tcp://10.0.0.1:5557", "whitespace"),
+        ("tcp://10.0.0.1:5557\n", "whitespace"),
+        ("inproc://x", "scheme inproc:// is not supported"),
+        ("udp://10.0.0.1:5557", "scheme udp:// is not supported"),
+        ("epgm://eth0;239.0.0.1:5555", "scheme epgm://"),
+        ("ipc://", "ipc:// needs a path"),
+    ],
+)
 def test_malformed_urls_rejected(url, why):
     with pytest.raises(UrlError, match="^medium_endpoints\\['npu'\\] ") as ex:
         check_url(url, "medium_endpoints['npu']", OPEN)
@@ -69,16 +80,20 @@ def test_network_allow_list():
     policy = UrlPolicy(networks=parse_networks("10.0.0.0/8, fd00::/8"))
     assert check_url("tcp://10.1.2.3:5557", "endpoint", policy) == "connect"
     assert check_url("tcp://[fd00::5]:5557", "endpoint", policy) == "connect"
-    for url, why in (("tcp://192.168.0.1:5557", "outside --endpoint-networks"),
-                     ("tcp://[2001:db8::1]:5557", "outside --endpoint-networks"),
-                     ("tcp://engine-0:5557", "host names are not accepted")):
+    for url, why in (
+        ("tcp://192.168.0.1:5557", "outside --endpoint-networks"),
+        ("tcp://[2001:db8::1]:5557", "outside --endpoint-networks"),
+        ("tcp://engine-0:5557", "host names are not accepted"),
+    ):
         with pytest.raises(UrlError, match=why):
             check_url(url, "endpoint", policy)
 
 
 def test_parse_networks():
-    assert parse_networks("10.0.0.0/8,127.0.0.1") == (ipaddress.ip_network("10.0.0.0/8"),
-                                                      ipaddress.ip_network("127.0.0.1/32"))
+    assert parse_networks("10.0.0.0/8,127.0.0.1") == (
+        ipaddress.ip_network("10.0.0.0/8"),
+        ipaddress.ip_network("127.0.0.1/32"),
+    )
     assert parse_networks(" ") == ()
     with pytest.raises(ValueError):
         parse_networks("10.0.0.0/33")

@@ -8,6 +8,7 @@ on the ingest thread. It runs off that thread (in the HTTP handler).
 Unlike the reference, an unknown type or a nested ``data`` event is never applied
 as a Clear, and hashes take the full u64 range.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -18,11 +19,23 @@ import msgspec
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.keys import Medium, parse_medium
 from kvconductor.schema import (
-    U32_MAX, EventPayload, KvCacheEvent, KvEventBatch, WireValueError, to_u64,
+    U32_MAX,
+    EventPayload,
+    KvCacheEvent,
+    KvEventBatch,
+    WireValueError,
+    to_u64,
 )
 
-__all__ = ["CLEARED", "REMOVED", "STORED", "EventError", "EventOp", "normalize_event",
-           "normalize_events"]
+__all__ = [
+    "CLEARED",
+    "REMOVED",
+    "STORED",
+    "EventError",
+    "EventOp",
+    "normalize_event",
+    "normalize_events",
+]
 
 
 class EventError(ValueError):
@@ -33,7 +46,7 @@ STORED, REMOVED, CLEARED = 0, 1, 2
 _PAYLOAD_FIELDS = EventPayload.__struct_fields__
 # NOTE: every payload field has a default, so defaults align with fields one to one.
 assert len(EventPayload.__struct_defaults__) == len(_PAYLOAD_FIELDS)
-_PAYLOAD_DEFAULTS = dict(zip(_PAYLOAD_FIELDS, EventPayload.__struct_defaults__))
+_PAYLOAD_DEFAULTS = dict(zip(_PAYLOAD_FIELDS, EventPayload.__struct_defaults__, strict=True))
 _DYNAMO_KINDS = {"stored", "removed", "cleared", "blockstored", "blockremoved", "allblockscleared"}
 
 
@@ -46,11 +59,11 @@ class EventOp(NamedTuple):
     backend_id: str | None
     medium: Medium
     parent: int | None
-    engine_hashes: array          # array('Q')
-    local_hashes: array | None    # array('Q'); None when ``tokens`` is set
-    tokens: array | None          # array('I') hashed with ``block_size`` by the index
+    engine_hashes: array  # array('Q')
+    local_hashes: array | None  # array('Q'); None when ``tokens`` is set
+    tokens: array | None  # array('I') hashed with ``block_size`` by the index
     block_size: int
-    seed: int                     # hash seed of ``tokens`` (LoRA adapters have their own)
+    seed: int  # hash seed of ``tokens`` (LoRA adapters have their own)
 
 
 def _u64_array(values: list[int] | None, what: str) -> array:
@@ -87,17 +100,21 @@ def _merged_payload(ev: KvCacheEvent) -> EventPayload:
     elif isinstance(data, dict):
         body = data
         if len(data) == 1:
-            (key, value), = data.items()
-            if isinstance(key, str) and key.lower() in _DYNAMO_KINDS and (
-                    value is None or isinstance(value, dict)):
+            ((key, value),) = data.items()
+            if (
+                isinstance(key, str)
+                and key.lower() in _DYNAMO_KINDS
+                and (value is None or isinstance(value, dict))
+            ):
                 kind_hint, body = key, value or {}
     else:
         raise EventError(f"event_id={ev.event_id}: data must be an object or a string")
     try:
         inner = msgspec.convert(body, EventPayload)
     except msgspec.ValidationError as ex:
-        raise EventError(f"event_id={ev.event_id}: invalid data: "
-                         f"{str(ex).replace('`$', '`$.data')}") from None
+        raise EventError(
+            f"event_id={ev.event_id}: invalid data: {str(ex).replace('`$', '`$.data')}"
+        ) from None
     merged = {}
     for name in _PAYLOAD_FIELDS:
         value = getattr(inner, name)
@@ -118,12 +135,16 @@ def _event_kind(ev: KvCacheEvent, payload: EventPayload) -> int:
     if "cleared" in low:
         return CLEARED
     if not name:
-        raise EventError(f"event_id={ev.event_id}: missing event type "
-                         "(event_type/type: BlockStored, BlockRemoved or AllBlocksCleared)")
+        raise EventError(
+            f"event_id={ev.event_id}: missing event type "
+            "(event_type/type: BlockStored, BlockRemoved or AllBlocksCleared)"
+        )
     # NOTE: an unrecognised type is rejected, never applied as a Clear (the reference cleared
     # the worker).
-    raise EventError(f"event_id={ev.event_id}: unknown event type {name!r} "
-                     "(expected BlockStored, BlockRemoved or AllBlocksCleared)")
+    raise EventError(
+        f"event_id={ev.event_id}: unknown event type {name!r} "
+        "(expected BlockStored, BlockRemoved or AllBlocksCleared)"
+    )
 
 
 def normalize_event(ev: KvCacheEvent) -> EventOp:
@@ -146,20 +167,35 @@ def normalize_event(ev: KvCacheEvent) -> EventOp:
                 tokens = _u32_tokens(payload.token_ids)
             else:
                 # NOTE: pool-style fallback of the reference: tokens_hash = block_hash.
-                engine = _u64_array((payload.seq_hashes or []) + (payload.block_hashes or []),
-                                    "block_hashes")
+                engine = _u64_array(
+                    (payload.seq_hashes or []) + (payload.block_hashes or []), "block_hashes"
+                )
                 local = engine
         elif kind == REMOVED:
-            engine = _u64_array((payload.seq_hashes or []) + (payload.block_hashes or [])
-                                + [b.block_hash for b in blocks], "block_hashes")
+            engine = _u64_array(
+                (payload.seq_hashes or [])
+                + (payload.block_hashes or [])
+                + [b.block_hash for b in blocks],
+                "block_hashes",
+            )
         else:
             engine = array("Q")
     except WireValueError as ex:
         raise EventError(f"event_id={ev.event_id}: {ex}") from None
     seed = lora_seed(payload.lora_name) if payload.lora_name else DEFAULT_SEED
-    return EventOp(kind, ev.event_id, ev.dp_rank, payload.backend_id or None,
-                   parse_medium(payload.medium), parent, engine, local, tokens,
-                   payload.block_size, seed)
+    return EventOp(
+        kind,
+        ev.event_id,
+        ev.dp_rank,
+        payload.backend_id or None,
+        parse_medium(payload.medium),
+        parent,
+        engine,
+        local,
+        tokens,
+        payload.block_size,
+        seed,
+    )
 
 
 def normalize_events(batch: KvEventBatch) -> list[EventOp]:

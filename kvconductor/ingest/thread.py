@@ -13,6 +13,7 @@ thread; ``add_socket``/``remove_socket``/``call_later`` only from the ingest
 thread (i.e. from submitted work or socket handlers).** When nothing is due the
 poll blocks without a timeout, so an idle ingest thread uses no CPU.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -133,7 +134,7 @@ class IngestThread:
                 continue
             try:
                 fut.set_result(fn(*args))
-            except BaseException as ex:  # noqa: BLE001 - handed to the caller
+            except BaseException as ex:
                 fut.set_exception(ex)
 
     def _run_timers(self) -> float | None:
@@ -149,7 +150,7 @@ class IngestThread:
     def _guard(self, fn: Callable[..., None], *args: Any) -> None:
         try:
             fn(*args)
-        except Exception:  # noqa: BLE001 - nothing may kill the ingest thread
+        except Exception:
             self.errors += 1
             log.exception("ingest handler failed")
 
@@ -188,7 +189,7 @@ class IngestThread:
             if hasattr(sock, "close"):
                 try:
                     sock.close(linger=0)
-                except Exception:  # noqa: BLE001
+                except Exception:
                     pass
         # Fail whatever was submitted after the stop request.
         while True:

@@ -5,6 +5,7 @@ Every test here starts ``python -m kvconductor`` (``tests/test_server.py``'s
 (``tests/publishers.py``); loops are bounded in count and time and talk to
 loopback only. All tests carry the ``faults`` marker (``pytest -m faults``).
 """
+
 from __future__ import annotations
 
 import sys

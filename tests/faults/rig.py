@@ -1,4 +1,5 @@
 """One engine publisher registered with one real server (``python -m kvconductor``)."""
+
 from __future__ import annotations
 
 from publishers import FakePublisher, schema, wait_until
@@ -29,9 +30,15 @@ class Rig:
     def start(self):
         srv = Server(self.tmp_path, *self.args)
         srv.wait_ready()
-        body = {"instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen",
-                "block_size": BS, "dp_rank": 0, "store_backend": "YuanRong",
-                "medium_endpoints": {"npu": self.pub.url}}
+        body = {
+            "instance_id": "vllm-prefill-1",
+            "type": "vLLM",
+            "modelname": "qwen",
+            "block_size": BS,
+            "dp_rank": 0,
+            "store_backend": "YuanRong",
+            "medium_endpoints": {"npu": self.pub.url},
+        }
         if self.pub.replay_url:
             body["replay_endpoint"] = self.pub.replay_url
         assert srv.http.post("/register", json=body).status_code == 201
@@ -42,10 +49,12 @@ class Rig:
         return self.srv.http.get("/workers").json()["sources"][0]
 
     def npu(self, tokens) -> int:
-        r = self.srv.http.post("/query", json={"model": "qwen", "block_size": BS,
-                                               "token_ids": tokens}).json()
-        return r["default"].get("vllm-prefill-1", {}).get("DP", {}).get("0", {}).get(
-            "npu_blocks", 0)
+        r = self.srv.http.post(
+            "/query", json={"model": "qwen", "block_size": BS, "token_ids": tokens}
+        ).json()
+        return (
+            r["default"].get("vllm-prefill-1", {}).get("DP", {}).get("0", {}).get("npu_blocks", 0)
+        )
 
     def join(self):
         """Publish empty batches until one arrives (PUB/SUB slow joiner)."""
@@ -54,6 +63,7 @@ class Rig:
         def joined():
             self.pub.publish(V33.batch([]))
             return self.source()["batches"] > before
+
         wait_until(joined, msg="subscriber joined")
 
     def close(self):

@@ -5,6 +5,7 @@ Request-head size (``--max-header-kb``), the deadline for a whole request
 and the connection cap (``--max-connections``). Loopback only; every loop is
 bounded in count and time.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,7 +37,7 @@ def read_until_closed(sock: socket.socket, bound: float) -> tuple[bytes, float, 
     while time.monotonic() - t0 < bound:
         try:
             chunk = sock.recv(65536)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except (ConnectionResetError, BrokenPipeError):
             return data, time.monotonic() - t0, True
@@ -72,9 +73,19 @@ def send_until_refused(sock: socket.socket, chunks, bound: float) -> int:
 
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
-    with running(tmp_path_factory.mktemp("limits"), "--host", "127.0.0.1", "--max-body-mb",
-                 "1", "--request-timeout-secs", "1", "--keep-alive-secs", "1",
-                 "--max-header-kb", "16") as srv:
+    with running(
+        tmp_path_factory.mktemp("limits"),
+        "--host",
+        "127.0.0.1",
+        "--max-body-mb",
+        "1",
+        "--request-timeout-secs",
+        "1",
+        "--keep-alive-secs",
+        "1",
+        "--max-header-kb",
+        "16",
+    ) as srv:
         yield srv
     assert "Traceback" not in srv.log()
 
@@ -140,7 +151,7 @@ def test_slowloris_head_is_closed(limited):
     data = b""
     for i in range(len(head)):  # bounded: at most ~100 x 0.25 s, but the server closes first
         try:
-            s.sendall(head[i:i + 1])
+            s.sendall(head[i : i + 1])
         except OSError:
             closed = True
             break
@@ -174,11 +185,16 @@ def test_slowloris_head_is_closed(limited):
 @pytest.mark.parametrize("path", ["/register", "/query"])
 def test_body_shorter_than_content_length_is_closed_and_not_applied(limited, path):
     """A lying Content-Length: the (valid JSON) body is never acted on; 408 and close."""
-    body = (b'{"instance_id":"liar","type":"vLLM","modelname":"m","block_size":4,"dp_rank":0}'
-            if path == "/register" else b'{"model":"m","block_size":4,"token_ids":[1,2,3,4]}')
+    body = (
+        b'{"instance_id":"liar","type":"vLLM","modelname":"m","block_size":4,"dp_rank":0}'
+        if path == "/register"
+        else b'{"model":"m","block_size":4,"token_ids":[1,2,3,4]}'
+    )
     s = connect(limited.port)
-    s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-              b"\r\nContent-Length: " + str(len(body) + 50).encode() + b"\r\n\r\n" + body)
+    s.sendall(
+        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nContent-Length: " + str(len(body) + 50).encode() + b"\r\n\r\n" + body
+    )
     data, elapsed, closed = read_until_closed(s, 5.0)
     s.close()
     assert closed and 0.8 < elapsed < 3.0, elapsed
@@ -191,7 +207,7 @@ def test_keep_alive_idle_connection_is_closed(limited):
     s = connect(limited.port)
     s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     first = b""
-    while not first.endswith(b"\r\n\r\nOK"):        # the whole answer, head and body
+    while not first.endswith(b"\r\n\r\nOK"):  # the whole answer, head and body
         chunk = s.recv(65536)
         assert chunk, first
         first += chunk
@@ -244,7 +260,7 @@ def test_connection_cap_refuses_with_503_when_all_are_busy(tmp_path):
     busy = []
     try:
         srv.wait_ready()
-        for i in range(4):  # requests in progress (bodies not complete): never evicted
+        for _ in range(4):  # requests in progress (bodies not complete): never evicted
             s = connect(srv.port)
             s.sendall(b"POST /register HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
             busy.append(s)
@@ -280,14 +296,30 @@ def test_h11_fallback_has_the_same_limits(tmp_path):
     """Without httptools uvicorn uses h11: same 431, deadline and cap."""
     port = free_port()
     log_path = tmp_path / "h11.log"
-    code = ("import sys, kvconductor.server as s; s._uvicorn_impls = lambda: ('asyncio', 'h11'); "
-            "from kvconductor.cli import main; sys.exit(main(sys.argv[1:]))")
+    code = (
+        "import sys, kvconductor.server as s; s._uvicorn_impls = lambda: ('asyncio', 'h11'); "
+        "from kvconductor.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", code, "--host", "127.0.0.1", "--port", str(port),
-             "--request-timeout-secs", "1", "--max-header-kb", "8"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            [
+                sys.executable,
+                "-c",
+                code,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--request-timeout-secs",
+                "1",
+                "--max-header-kb",
+                "8",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
     try:
         wait_health(proc, f"http://127.0.0.1:{port}", log_path)
         _assert_431_on_a_big_header(port)
@@ -329,12 +361,23 @@ def test_gunicorn_worker_enforces_limits(tmp_path):
     from test_server import _gunicorn_cmd
 
     port = free_port()
-    cmd = _gunicorn_cmd(port, "-w", "1", "-k", "kvconductor.app.KvConductorWorker",
-                        factory_args='"--request-timeout-secs", "1", "--max-header-kb", "8"')
+    cmd = _gunicorn_cmd(
+        port,
+        "-w",
+        "1",
+        "-k",
+        "kvconductor.app.KvConductorWorker",
+        factory_args='"--request-timeout-secs", "1", "--max-header-kb", "8"',
+    )
     log_path = tmp_path / "gunicorn.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
     try:
         wait_health(proc, f"http://127.0.0.1:{port}", log_path)
         _assert_431_on_a_big_header(port)
@@ -367,8 +410,12 @@ def test_fd_limit_lowers_the_connection_cap(tmp_path):
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, preexec_fn=low_fd_limit,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=low_fd_limit,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
     socks = []
     try:
         wait_health(proc, f"http://127.0.0.1:{port}", log_path)

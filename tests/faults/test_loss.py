@@ -4,12 +4,12 @@ A lost batch costs at most what it carried: state is kept, the source is
 ``degraded`` in /workers, and after ``--loss-grace-secs`` only the blocks that
 nothing announced again are dropped (docs/operations.md, "Faults").
 """
+
 from __future__ import annotations
 
 import signal
 
 import pytest
-
 from publishers import FakePublisher, wait_until
 from rig import BS, V33, Rig
 
@@ -20,9 +20,10 @@ def toks(i: int, n: int = 2) -> list[int]:
 
 def chain(i: int, n: int = 2, parent=None, start: int = 0) -> bytes:
     """Blocks [start, start+n) of prompt i, engine hashes 100*(i+1)+k."""
-    t = toks(i, start + n)[start * BS:]
-    return V33.batch([V33.stored([100 * (i + 1) + start + k for k in range(n)], parent, t, BS,
-                                 medium="GPU")])
+    t = toks(i, start + n)[start * BS :]
+    return V33.batch(
+        [V33.stored([100 * (i + 1) + start + k for k in range(n)], parent, t, BS, medium="GPU")]
+    )
 
 
 @pytest.fixture
@@ -38,7 +39,7 @@ def test_loss_without_replay_keeps_state(rig):
     rig.join()
     rig.pub.publish(chain(0))
     rig.pub.publish(chain(3))
-    rig.pub.publish(chain(1), drop=True)                      # lost on the wire
+    rig.pub.publish(chain(1), drop=True)  # lost on the wire
     rig.pub.publish(chain(2))
     wait_until(lambda: rig.npu(toks(2)) == 2, msg="after the gap")
     src = rig.source()
@@ -77,11 +78,12 @@ def test_publisher_restart_without_replay(rig):
         # reconnects, so the restart shows as the seq going back (without a replay
         # endpoint a new incarnation that happens to continue at last + 1 is invisible).
         rig.pub.publish(V33.batch([]))
-    wait_until(lambda: rig.npu(toks(2)) == 2 and rig.source()["last_seq"] >= 40,
-               msg="first incarnation")
+    wait_until(
+        lambda: rig.npu(toks(2)) == 2 and rig.source()["last_seq"] >= 40, msg="first incarnation"
+    )
     port = rig.pub.port
     rig.pub.stop()
-    rig.pub = FakePublisher(port, replay=False)               # restarted engine: seq 0 again
+    rig.pub = FakePublisher(port, replay=False)  # restarted engine: seq 0 again
     rig.join()
     rig.pub.publish(chain(5))
     wait_until(lambda: rig.npu(toks(5)) == 2, msg="second incarnation")
@@ -90,8 +92,10 @@ def test_publisher_restart_without_replay(rig):
     assert rig.source()["losses"] >= 1
     # Kept meanwhile (the reference cleared them), aged out after the grace period.
     assert rig.npu(toks(0)) == 2
-    wait_until(lambda: rig.source()["state"] == "live" and rig.npu(toks(0)) == 0,
-               msg="old incarnation aged out")
+    wait_until(
+        lambda: rig.source()["state"] == "live" and rig.npu(toks(0)) == 0,
+        msg="old incarnation aged out",
+    )
     assert rig.npu(toks(5)) == 2
 
 
@@ -104,7 +108,7 @@ def test_conductor_killed_and_restarted(rig):
     rig.srv.proc.send_signal(signal.SIGKILL)
     rig.srv.proc.wait(10)
     rig.srv._log.close()
-    rig.pub.publish(chain(4))                                 # while the conductor is down
-    rig.srv = rig.start()                                     # registration brings replay
+    rig.pub.publish(chain(4))  # while the conductor is down
+    rig.srv = rig.start()  # registration brings replay
     wait_until(lambda: all(rig.npu(toks(i)) == 2 for i in (0, 1, 2, 4)), msg="replayed")
     assert rig.source()["state"] == "live"

@@ -1,11 +1,11 @@
 """A replay ROUTER that trickles: the overall deadline ends it (a loss, not a stall)."""
+
 from __future__ import annotations
 
 import threading
 import time
 
 import zmq
-
 from publishers import FakePublisher, schema, wait_until
 from test_server import Server
 
@@ -37,7 +37,7 @@ class TricklingRouter:
             return
         ident = self.sock.recv_multipart()[0]
         while not self._stop.is_set() and self.sent < self.limit:
-        # seq i stores a fresh root block i
+            # seq i stores a fresh root block i
             toks = list(range(100 * (self.sent + 1), 100 * (self.sent + 1) + BS))
             payload = V33.batch([V33.stored([0x5000 + self.sent], None, toks, BS, medium="GPU")])
             self.sock.send_multipart([ident, b"", b"", self.sent.to_bytes(8, "big"), payload])
@@ -57,18 +57,33 @@ def test_trickling_replay_hits_the_deadline(tmp_path):
     try:
         srv.wait_ready()
         t0 = time.monotonic()
-        r = srv.http.post("/register", json={
-            "instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen",
-            "block_size": BS, "dp_rank": 0, "store_backend": "YuanRong",
-            "medium_endpoints": {"npu": pub.url}, "replay_endpoint": router.url})
+        r = srv.http.post(
+            "/register",
+            json={
+                "instance_id": "vllm-prefill-1",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": BS,
+                "dp_rank": 0,
+                "store_backend": "YuanRong",
+                "medium_endpoints": {"npu": pub.url},
+                "replay_endpoint": router.url,
+            },
+        )
         assert r.status_code == 201
 
         def source():
             return srv.http.get("/workers").json()["sources"][0]
 
-        wait_until(lambda: source()["replays"] >= 1 and source()["state"] != "replaying"
-                   and source()["dropped"].get("replay_failed"), timeout=15,
-                   msg="replay ended by the deadline")
+        wait_until(
+            lambda: (
+                source()["replays"] >= 1
+                and source()["state"] != "replaying"
+                and source()["dropped"].get("replay_failed")
+            ),
+            timeout=15,
+            msg="replay ended by the deadline",
+        )
         elapsed = time.monotonic() - t0
         src = source()
         # The ROUTER never went quiet for 5 s: only the 2 s deadline could end it.
@@ -77,8 +92,12 @@ def test_trickling_replay_hits_the_deadline(tmp_path):
         assert "not finished within 2s" in srv.log()
         # What did arrive was applied, and the live stream goes on.
         body = {"model": "qwen", "block_size": BS, "token_ids": list(range(100, 100 + BS))}
-        assert srv.http.post("/query", json=body).json()["default"]["vllm-prefill-1"]["DP"][
-            "0"]["npu_blocks"] == 1
+        assert (
+            srv.http.post("/query", json=body).json()["default"]["vllm-prefill-1"]["DP"]["0"][
+                "npu_blocks"
+            ]
+            == 1
+        )
     finally:
         srv.terminate()
         pub.stop()

@@ -1,4 +1,5 @@
 """Re-registering a live DP while its engine publishes: no batch is lost."""
+
 from __future__ import annotations
 
 import threading
@@ -23,12 +24,14 @@ def test_reregistrations_during_a_stream_lose_nothing(tmp_path):
             for i in range(30):
                 r = rig.srv.http.post("/register", json=variants[i % 3])
                 assert r.status_code == 201, r.text
+
         t = threading.Thread(target=reregister)
         t.start()
         for i in range(N):
             toks = list(range(BS * (i + 1), BS * (i + 2)))
-            rig.pub.publish(V33.batch([V33.stored([0x10000 + i], None, toks, BS, medium="GPU")]),
-                            wait=False)
+            rig.pub.publish(
+                V33.batch([V33.stored([0x10000 + i], None, toks, BS, medium="GPU")]), wait=False
+            )
         t.join(60)
         wait_until(lambda: rig.source()["last_seq"] == base + N, timeout=30, msg="all applied")
         src = rig.source()

@@ -1,19 +1,26 @@
 """Thousands of ZeroMQ sources, the --max-sources cap and open-file exhaustion: a
 registration either fully applies or leaves nothing behind (503)."""
+
 from __future__ import annotations
 
 import resource
 import time
 
 import pytest
-
 from test_server import Server
 
 
 def body(i: int, dp: int = 0, urls: dict | None = None, **kw) -> dict:
-    return {"instance_id": f"vllm-prefill-{i}", "type": "vLLM", "modelname": "qwen",
-            "block_size": 16, "dp_rank": dp, "store_backend": "YuanRong",
-            "medium_endpoints": urls or {"npu": f"tcp://127.0.0.1:{20000 + i % 40000}"}, **kw}
+    return {
+        "instance_id": f"vllm-prefill-{i}",
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": 16,
+        "dp_rank": dp,
+        "store_backend": "YuanRong",
+        "medium_endpoints": urls or {"npu": f"tcp://127.0.0.1:{20000 + i % 40000}"},
+        **kw,
+    }
 
 
 def consistent(srv) -> tuple[int, int]:
@@ -44,8 +51,9 @@ def test_two_thousand_sources(server):
         assert r.status_code == 201, (i, r.text)
     assert consistent(server) == (2000, 2000)
     assert server.http.get("/health").text == "OK"
-    assert server.http.post("/query", json={"model": "qwen", "block_size": 16,
-                                            "token_ids": list(range(64))}).json() == {"default": {}}
+    assert server.http.post(
+        "/query", json={"model": "qwen", "block_size": 16, "token_ids": list(range(64))}
+    ).json() == {"default": {}}
 
 
 @pytest.mark.parametrize("server", [("--max-sources", "5")], indirect=True)
@@ -54,23 +62,41 @@ def test_source_cap_refuses_with_503_and_changes_nothing(server):
         assert server.http.post("/register", json=body(i)).status_code == 201
     r = server.http.post("/register", json=body(5))
     assert r.status_code == 503
-    assert r.json()["error"] == ("source limit reached: this registration needs 1 ZeroMQ "
-                                 "subscription(s) and 5 of at most 5 are in use (--max-sources)")
+    assert r.json()["error"] == (
+        "source limit reached: this registration needs 1 ZeroMQ "
+        "subscription(s) and 5 of at most 5 are in use (--max-sources)"
+    )
     assert consistent(server) == (5, 5)
     # A re-registration that replaces a DP's subscription fits; one that adds a URL does not.
-    assert server.http.post("/register", json=body(0, urls={
-        "npu": "tcp://127.0.0.1:31000"})).status_code == 201
-    r = server.http.post("/register", json=body(1, urls={
-        "npu": "tcp://127.0.0.1:31001", "cpu": "tcp://127.0.0.1:31002"}))
+    assert (
+        server.http.post(
+            "/register", json=body(0, urls={"npu": "tcp://127.0.0.1:31000"})
+        ).status_code
+        == 201
+    )
+    r = server.http.post(
+        "/register",
+        json=body(1, urls={"npu": "tcp://127.0.0.1:31001", "cpu": "tcp://127.0.0.1:31002"}),
+    )
     assert r.status_code == 503
     doc = server.http.get("/workers").json()
     kept = [w for w in doc["workers"] if w["instance_id"] == "vllm-prefill-1"][0]
     assert kept["endpoints"]["0"]["medium_endpoints"] == {"npu": "tcp://127.0.0.1:20001"}
     assert consistent(server) == (5, 5)
     # Room again after an unregistration.
-    assert server.http.post("/unregister", json={
-        "instance_id": "vllm-prefill-4", "type": "vLLM", "modelname": "qwen", "block_size": 16,
-        "dp_rank": 0}).status_code == 200
+    assert (
+        server.http.post(
+            "/unregister",
+            json={
+                "instance_id": "vllm-prefill-4",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": 16,
+                "dp_rank": 0,
+            },
+        ).status_code
+        == 200
+    )
     assert server.http.post("/register", json=body(5)).status_code == 201
     assert consistent(server) == (5, 5)
 
@@ -98,9 +124,19 @@ def test_open_file_exhaustion_rolls_back(tmp_path):
         assert consistent(srv) == (n, n)
         assert srv.http.get("/health").text == "OK"
         for i in range(3):
-            assert srv.http.post("/unregister", json={
-                "instance_id": f"vllm-prefill-{i}", "type": "vLLM", "modelname": "qwen",
-                "block_size": 16, "dp_rank": 0}).status_code == 200
+            assert (
+                srv.http.post(
+                    "/unregister",
+                    json={
+                        "instance_id": f"vllm-prefill-{i}",
+                        "type": "vLLM",
+                        "modelname": "qwen",
+                        "block_size": 16,
+                        "dp_rank": 0,
+                    },
+                ).status_code
+                == 200
+            )
         # ZeroMQ closes sockets on its reaper thread: the files come back shortly after.
         deadline = time.monotonic() + 10
         while (r := srv.http.post("/register", json=body(n))).status_code == 503:
