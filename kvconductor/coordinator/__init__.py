@@ -1,17 +1,24 @@
 """The Coordinator side of kvconductor (docs/client.md): what a request router in
 front of the engines uses to talk to the conductor and to pick a prefill endpoint.
 
+* :mod:`~kvconductor.coordinator.core`: the sans-I/O client core (requests built,
+  answers decoded and mapped to errors, the circuit breaker, the route plans);
+* :mod:`~kvconductor.coordinator.clients`: ``ConductorClient`` and
+  ``AsyncConductorClient``, which only send what the core builds (``httpx``);
+* :mod:`~kvconductor.coordinator.tokens`: token-id encodings of query bodies;
+* :mod:`~kvconductor.coordinator.registration`: the Coordinator configuration
+  and its registration payloads;
 * :mod:`~kvconductor.coordinator.affinity`: KV-affinity ranking (standard library only).
 
-Their names are importable from here; they are loaded on first use, so
-``import kvconductor.coordinator.affinity`` imports nothing else.
+The names of all five are importable from here; they are loaded on first use, so
+``import kvconductor.coordinator.affinity`` does not import ``httpx``.
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-_MODULES = ("affinity",)
+_MODULES = ("core", "clients", "tokens", "registration", "affinity")
 
 
 def __getattr__(name: str) -> Any:

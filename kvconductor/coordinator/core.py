@@ -1,0 +1,628 @@
+"""The sans-I/O core of the Coordinator client: requests built, answers judged.
+
+Nothing here opens a socket. Every route is a *plan*: a generator that yields
+the :class:`Request` objects it needs sent and receives each answer as a
+:class:`Reply` (or a :class:`TransportFailure` thrown in), and returns the
+route's result. :mod:`kvconductor.coordinator.clients` drives the plans over
+``httpx`` (sync and async); a test can drive them by hand::
+
+    core = ConductorCore("http://conductor:13333", query_encoding="json")
+    plan = core.query_plan("qwen", [1, 2, 3], 128)
+    req = next(plan)                               # Request("POST", "/query", ...)
+    try:
+        plan.send(Reply(200, "application/json", b'{"default": {}}'))
+    except StopIteration as done:
+        answer = done.value                        # {"default": {}}
+
+Error contract (docs/client.md):
+
+* ``query``/``query_by_hash``/``register``/``unregister``/``workers``/
+  ``post_events`` raise :class:`ConductorError` on any failure: transport
+  error, timeout, HTTP status >= 400, undecodable body, open circuit
+  (:class:`CircuitOpenError`, a subclass).
+* ``query_or_empty`` returns ``{}`` instead of raising, like the reference
+  client's ``query_conductor``.
+* ``health`` returns ``True``/``False`` and never raises.
+* ``registered_services`` returns ``[]`` when neither ``/workers`` nor a
+  Mooncake master's ``/services`` answers (as the reference does).
+
+Circuit breaker (one per client, shared by all routes except ``/health``):
+3 consecutive failures open it for 30 s; calls made while it is open raise
+:class:`CircuitOpenError` without touching the network; after the cooldown
+exactly one call goes through (half-open); its success closes the breaker, its
+failure re-opens it for another cooldown. A failure is a transport error, a
+timeout, an HTTP 5xx or an undecodable 2xx body. A 4xx answer proves the server
+is up: it resets the failure count (but the call still raises). The reference
+counts every exception, including a 404 for an unknown model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable, Generator, Iterable, Mapping, NamedTuple, TypeVar
+
+import msgspec
+
+from kvconductor.coordinator.tokens import hash_list, pack_tokens, token_list
+from kvconductor.schema import QueryByHashRequest, QueryRequest, RegisterRequest
+from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, is_msgpack_content_type
+
+__all__ = [
+    "TENANT_ID",
+    "ConductorError",
+    "CircuitOpenError",
+    "CircuitBreaker",
+    "ConductorCore",
+    "Plan",
+    "Reply",
+    "Request",
+    "ReregisterResult",
+    "TransportFailure",
+    "resume",
+]
+
+# The logger keeps the name of the module this code lived in (kvconductor.client).
+logger = logging.getLogger("kvconductor.client")
+
+TENANT_ID = "default"
+
+QUERY_TIMEOUT = 3.0
+REGISTER_TIMEOUT = 15.0
+HEALTH_TIMEOUT = 3.0
+BREAKER_THRESHOLD = 3
+BREAKER_COOLDOWN = 30.0
+
+_MSGPACK_ENCODER = msgspec.msgpack.Encoder()
+_JSON_ENCODER = msgspec.json.Encoder()
+
+#: The fields ``/register`` requires, by their wire names (from :class:`RegisterRequest`).
+REGISTER_REQUIRED = tuple(f.encode_name for f in msgspec.structs.fields(RegisterRequest) if f.required)
+
+
+# ---------------------------------------------------------------------------
+# Errors and the circuit breaker
+
+
+class ConductorError(Exception):
+    """A conductor call failed.
+
+    Attributes: ``route`` (``"POST /query"``), ``status_code`` (``None`` when
+    no HTTP answer was received), ``server_error`` (the server's ``error``
+    field or body text), ``url`` (base URL of the conductor).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        route: str,
+        status_code: int | None = None,
+        server_error: str | None = None,
+        url: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.route = route
+        self.status_code = status_code
+        self.server_error = server_error
+        self.url = url
+
+
+class CircuitOpenError(ConductorError):
+    """The call was not attempted: the circuit breaker is open."""
+
+
+class CircuitBreaker:
+    """Consecutive-failure breaker: closed -> open -> half-open -> closed/open.
+
+    ``clock`` returns seconds (monotonic); inject a fake one in tests.
+    Thread-safe; the async client uses it from one event loop.
+    """
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+    def __init__(
+        self,
+        threshold: int = BREAKER_THRESHOLD,
+        cooldown: float = BREAKER_COOLDOWN,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if threshold < 1:
+            raise ValueError("breaker threshold must be >= 1")
+        if cooldown < 0:
+            raise ValueError("breaker cooldown must be >= 0")
+        self.threshold = threshold
+        self.cooldown = cooldown
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._opened_at = 0.0
+        self._probing = False
+        self._state = self.CLOSED
+
+    @property
+    def state(self) -> str:
+        """Current state; an open breaker whose cooldown passed still reads ``open``
+        until a call takes the half-open slot."""
+        return self._state
+
+    @property
+    def failures(self) -> int:
+        return self._failures
+
+    def retry_in(self) -> float:
+        """Seconds until the half-open attempt is allowed (0 when not open)."""
+        with self._lock:
+            if self._state != self.OPEN:
+                return 0.0
+            return max(0.0, self._opened_at + self.cooldown - self._clock())
+
+    def allow(self) -> bool:
+        """May a call go out now? Takes the single half-open slot when due."""
+        with self._lock:
+            if self._state == self.CLOSED:
+                return True
+            if self._state == self.OPEN:
+                if self._clock() - self._opened_at >= self.cooldown:
+                    self._state = self.HALF_OPEN
+                    self._probing = True
+                    logger.info("conductor circuit half-open: trying one call")
+                    return True
+                return False
+            # HALF_OPEN: one probe at a time.
+            if self._probing:
+                return False
+            self._probing = True
+            return True
+
+    def record_success(self) -> None:
+        with self._lock:
+            if self._state != self.CLOSED:
+                logger.info("conductor circuit closed")
+            self._state = self.CLOSED
+            self._failures = 0
+            self._probing = False
+
+    def record_failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+            self._probing = False
+            if self._state == self.HALF_OPEN or self._failures >= self.threshold:
+                if self._state != self.OPEN:
+                    logger.warning(
+                        "conductor circuit OPEN after %d consecutive failures (cooldown %.0f s)",
+                        self._failures, self.cooldown,
+                    )
+                self._state = self.OPEN
+                self._opened_at = self._clock()
+
+    def release(self) -> None:
+        """The half-open probe ended without a verdict (e.g. cancelled): free the slot."""
+        with self._lock:
+            self._probing = False
+
+
+# ---------------------------------------------------------------------------
+# Requests, replies and plans
+
+
+@dataclasses.dataclass
+class Request:
+    """One HTTP request to send (path relative to the client's base URL)."""
+
+    method: str
+    path: str
+    content: bytes | None
+    headers: dict[str, str]
+    timeout: float
+    breaker: bool = True
+
+    @property
+    def route(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+class Reply(NamedTuple):
+    """What came back: status, ``Content-Type`` header (``""`` when absent) and body."""
+
+    status: int
+    content_type: str
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        """The body as text: the ``charset`` of the Content-Type, else UTF-8 (bad bytes replaced)."""
+        charset = "utf-8"
+        for param in self.content_type.split(";")[1:]:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "charset" and value.strip():
+                charset = value.strip().strip('"')
+        try:
+            return self.body.decode(charset, errors="replace")
+        except LookupError:
+            return self.body.decode("utf-8", errors="replace")
+
+
+class TransportFailure(Exception):
+    """Thrown into a plan by its driver: no HTTP answer (``error``: the transport's exception)."""
+
+    def __init__(self, error: BaseException, timed_out: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.timed_out = timed_out
+
+
+T = TypeVar("T")
+#: A route: yields requests, is sent a :class:`Reply` for each, returns the result.
+Plan = Generator[Request, Reply, T]
+
+
+def resume(plan: Plan[T], answer: Reply | TransportFailure | None = None) -> tuple[bool, Any]:
+    """Advance ``plan`` with the answer to its last request (``None`` to start it): a
+    :class:`Reply`, or the :class:`TransportFailure` that stands for no answer.
+
+    Returns ``(True, next Request)`` or ``(False, the plan's result)``; a plan's
+    exception propagates.
+    """
+    try:
+        return True, (plan.throw(answer) if isinstance(answer, TransportFailure) else plan.send(answer))
+    except StopIteration as done:
+        return False, done.value
+
+
+def _content_type(reply: Reply) -> str:
+    return reply.content_type.strip().lower()
+
+
+def _decode(reply: Reply) -> Any:
+    """Body by Content-Type: msgpack when it is application/(x-)msgpack, else JSON."""
+    if not reply.body:
+        return None
+    if is_msgpack_content_type(_content_type(reply)):
+        return msgspec.msgpack.decode(reply.body)
+    return msgspec.json.decode(reply.body)
+
+
+def _server_error(reply: Reply) -> str:
+    try:
+        data = _decode(reply)
+    except (msgspec.DecodeError, ValueError):
+        data = None
+    if isinstance(data, Mapping):
+        err = data.get("error")
+        if isinstance(err, str):
+            return err
+        if "errors" in data:  # /events partial failure
+            return f"{data.get('status', 'error')}: {data.get('errors')}"
+        return str(data)
+    text = reply.text.strip()
+    if len(text) > 500:
+        text = text[:500] + "..."
+    return text or "(empty body)"
+
+
+@dataclasses.dataclass
+class ReregisterResult:
+    """Outcome of :meth:`ConductorClient.reregister_missing`."""
+
+    present: list[dict]
+    registered: list[dict]
+    failed: list[tuple[dict, ConductorError]]
+
+
+# ---------------------------------------------------------------------------
+# The core: options, request builders, answer handling and the route plans
+
+
+class ConductorCore:
+    """Options and route plans shared by :class:`ConductorClient` and
+    :class:`AsyncConductorClient` (which only send the requests)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        query_encoding: str = "msgpack",
+        packed: bool = False,
+        query_timeout: float = QUERY_TIMEOUT,
+        register_timeout: float = REGISTER_TIMEOUT,
+        workers_timeout: float = REGISTER_TIMEOUT,
+        health_timeout: float = HEALTH_TIMEOUT,
+        breaker: CircuitBreaker | None = None,
+        breaker_threshold: int = BREAKER_THRESHOLD,
+        breaker_cooldown: float = BREAKER_COOLDOWN,
+        clock: Callable[[], float] = time.monotonic,
+        api_key: str | None = None,
+    ) -> None:
+        if "://" not in base_url:
+            base_url = "http://" + base_url
+        self.base_url = base_url.rstrip("/")
+        enc = (query_encoding or "").strip().lower()
+        if enc not in ("msgpack", "json"):
+            logger.warning("query_encoding %r is not msgpack|json; using msgpack", query_encoding)
+            enc = "msgpack"
+        self.query_encoding = enc
+        if packed and enc != "msgpack":
+            raise ValueError("packed token bodies need query_encoding='msgpack'")
+        self.packed = bool(packed)
+        for name, value in (
+            ("query_timeout", query_timeout),
+            ("register_timeout", register_timeout),
+            ("workers_timeout", workers_timeout),
+            ("health_timeout", health_timeout),
+        ):
+            if not value or value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        self.query_timeout = float(query_timeout)
+        self.register_timeout = float(register_timeout)
+        self.workers_timeout = float(workers_timeout)
+        self.health_timeout = float(health_timeout)
+        self.breaker = breaker or CircuitBreaker(breaker_threshold, breaker_cooldown, clock)
+        # Sent on every request; the server checks it on /register, /unregister and /events.
+        self.default_headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | Any, **options: Any) -> Any:
+        """Client for a ``kv_conductor_config``; ``None`` when ``conductor_service`` is empty (disabled)."""
+        from kvconductor.coordinator.registration import KvConductorConfig, conductor_base_url
+
+        cfg = KvConductorConfig.coerce(config)
+        if not cfg.conductor_service:
+            return None
+        options.setdefault("query_encoding", cfg.query_encoding)
+        return cls(conductor_base_url(cfg.conductor_service, cfg.http_server_port), **options)
+
+    # -- request builders --------------------------------------------------
+
+    def _query_req(
+        self, model: str, token_ids: Any, block_size: int, tenant_id: str, packed: bool | None,
+        lora_name: str | None = None,
+    ) -> Request:
+        use_packed = self.packed if packed is None else bool(packed)
+        if use_packed and self.query_encoding != "msgpack":
+            raise ValueError("packed token bodies need query_encoding='msgpack'")
+        tokens: Any = pack_tokens(token_ids) if use_packed else token_list(token_ids)
+        body: Any = QueryRequest(model=model, block_size=int(block_size), token_ids=tokens, tenant_id=tenant_id)
+        if lora_name:
+            # Only sent when set, so base-model queries stay byte-identical for older servers.
+            body = {**msgspec.structs.asdict(body), "lora_name": lora_name}
+        return self._encoded("/query", body)
+
+    def _query_by_hash_req(self, model: str, block_hashes: Any, tenant_id: str, block_size: int) -> Request:
+        # Always an array of integers: the server takes no packed form for hashes.
+        body = QueryByHashRequest(model=model, block_size=int(block_size),
+                                  block_hashes=hash_list(block_hashes), tenant_id=tenant_id)
+        return self._encoded("/query_by_hash", body)
+
+    def _encoded(self, path: str, body: Any) -> Request:
+        if self.query_encoding == "msgpack":
+            content, ct = _MSGPACK_ENCODER.encode(body), MSGPACK_CONTENT_TYPE
+        else:
+            content, ct = _JSON_ENCODER.encode(body), JSON_CONTENT_TYPE
+        return Request("POST", path, content, {"content-type": ct, "accept": f"{ct}, {JSON_CONTENT_TYPE}"},
+                       self.query_timeout)
+
+    def _json_req(self, path: str, body: Any, timeout: float) -> Request:
+        return Request("POST", path, _JSON_ENCODER.encode(body), {"content-type": JSON_CONTENT_TYPE}, timeout)
+
+    def _get_req(self, path: str) -> Request:
+        return Request("GET", path, None, {"accept": JSON_CONTENT_TYPE}, self.workers_timeout)
+
+    def _register_req(self, payload: Mapping[str, Any] | None, kwargs: dict) -> Request:
+        body = {**(payload or {}), **kwargs}
+        missing = [k for k in REGISTER_REQUIRED if k not in body]
+        if missing:
+            raise ValueError(f"register payload lacks required field(s): {', '.join(missing)}")
+        return self._json_req("/register", body, self.register_timeout)
+
+    def _unregister_req(self, payload: Mapping[str, Any] | None, kwargs: dict) -> Request:
+        body = {**(payload or {}), **kwargs}
+        missing = [k for k in ("instance_id", "dp_rank") if k not in body]
+        if missing:
+            raise ValueError(f"unregister payload lacks required field(s): {', '.join(missing)}")
+        # The server requires these although it only uses instance_id/dp_rank (docs/api.md,
+        # POST /unregister).
+        body.setdefault("type", "vLLM")
+        body.setdefault("modelname", "")
+        body.setdefault("block_size", 0)
+        return self._json_req("/unregister", body, self.register_timeout)
+
+    # -- one exchange: breaker and answer handling ----------------------------
+
+    def _exchange(self, req: Request) -> Plan[Any]:
+        """Send ``req`` (through the breaker) and return its decoded body; raises ConductorError."""
+        self._admit(req)
+        verdict = False
+        try:
+            try:
+                reply = yield req
+            except TransportFailure as failure:
+                if req.breaker:
+                    self.breaker.record_failure()
+                verdict = True
+                raise self._transport_error(req, failure) from failure.error
+            verdict = True
+            return self._finish(req, reply)
+        finally:
+            if req.breaker and not verdict:
+                self.breaker.release()  # the exchange was abandoned (e.g. cancelled)
+
+    def _admit(self, req: Request) -> None:
+        if req.breaker and not self.breaker.allow():
+            wait = self.breaker.retry_in()
+            raise CircuitOpenError(
+                f"{req.route} not sent: conductor circuit open after {self.breaker.failures} "
+                f"consecutive failures (next try in {wait:.1f} s) [{self.base_url}]",
+                route=req.route,
+                url=self.base_url,
+            )
+
+    def _transport_error(self, req: Request, failure: TransportFailure) -> ConductorError:
+        exc = failure.error
+        if failure.timed_out:
+            what = f"timed out after {req.timeout:g} s ({type(exc).__name__})"
+        else:
+            what = f"failed: {type(exc).__name__}: {exc}"
+        return ConductorError(f"{req.route} {what} [{self.base_url}]", route=req.route, url=self.base_url)
+
+    def _finish(self, req: Request, reply: Reply) -> Any:
+        """Decode a reply; raise ConductorError on a bad status or body. Feeds the breaker."""
+        status = reply.status
+        if status >= 400:
+            if req.breaker:
+                if status >= 500:
+                    self.breaker.record_failure()
+                else:
+                    self.breaker.record_success()
+            err = _server_error(reply)
+            raise ConductorError(
+                f"{req.route} -> HTTP {status}: {err} [{self.base_url}]",
+                route=req.route,
+                status_code=status,
+                server_error=err,
+                url=self.base_url,
+            )
+        try:
+            data = _decode(reply)
+        except (msgspec.DecodeError, ValueError) as exc:
+            if req.breaker:
+                self.breaker.record_failure()
+            ct = _content_type(reply) or "no content-type"
+            raise ConductorError(
+                f"{req.route} -> HTTP {status}: undecodable body ({ct}): {exc} [{self.base_url}]",
+                route=req.route,
+                status_code=status,
+                url=self.base_url,
+            ) from None
+        if req.breaker:
+            self.breaker.record_success()
+        return data
+
+    def _expect_map(self, req: Request, data: Any, status: int = 200) -> dict:
+        if not isinstance(data, dict):
+            raise ConductorError(
+                f"{req.route}: expected an object, got {type(data).__name__} [{self.base_url}]",
+                route=req.route,
+                status_code=status,
+                url=self.base_url,
+            )
+        return data
+
+    def _map_exchange(self, req: Request) -> Plan[dict]:
+        return self._expect_map(req, (yield from self._exchange(req)))
+
+    def _log_query(self, tenant_id: str, data: dict) -> None:
+        if logger.isEnabledFor(logging.DEBUG):
+            tenant = data.get(tenant_id) or {}
+            logger.debug(
+                "conductor query: %d instance(s) hit: %s",
+                len(tenant),
+                ", ".join(f"{k}={v.get('longest_matched', 0)}" for k, v in tenant.items() if isinstance(v, dict)),
+            )
+
+    # -- route plans (the clients expose each as the method without ``_plan``) ----
+
+    def health_plan(self) -> Plan[bool]:
+        """``GET /health`` answered 200; never raises, does not touch the breaker."""
+        try:
+            reply = yield Request("GET", "/health", None, {}, self.health_timeout, breaker=False)
+        except TransportFailure as failure:
+            logger.debug("conductor health check failed: %s", failure.error)
+            return False
+        return reply.status == 200
+
+    def register_plan(self, payload: Mapping[str, Any] | None = None, **kwargs: Any) -> Plan[dict]:
+        """``POST /register`` (JSON). ``payload`` and ``kwargs`` are merged (kwargs win)."""
+        req = self._register_req(payload, kwargs)
+        return (yield from self._exchange(req)) or {}
+
+    def unregister_plan(self, payload: Mapping[str, Any] | None = None, **kwargs: Any) -> Plan[dict]:
+        """``POST /unregister`` (JSON). Only ``instance_id`` and ``dp_rank`` are needed;
+        ``type``/``modelname``/``block_size`` get placeholders when absent."""
+        req = self._unregister_req(payload, kwargs)
+        return (yield from self._exchange(req)) or {}
+
+    def query_plan(
+        self,
+        model: str,
+        token_ids: Any,
+        block_size: int,
+        tenant_id: str = TENANT_ID,
+        *,
+        packed: bool | None = None,
+        lora_name: str | None = None,
+    ) -> Plan[dict]:
+        """``POST /query``; returns ``{tenant_id: {instance: {...}}}``. Raises ConductorError.
+
+        ``lora_name`` asks for the blocks of that LoRA adapter (engines publish them with
+        ``lora_name``); ``None`` or ``""`` asks for the base model's.
+        """
+        req = self._query_req(model, token_ids, block_size, tenant_id, packed, lora_name)
+        data = yield from self._map_exchange(req)
+        self._log_query(tenant_id, data)
+        return data
+
+    def query_or_empty_plan(
+        self, model: str, token_ids: Any, block_size: int, tenant_id: str = TENANT_ID, **kw: Any
+    ) -> Plan[dict]:
+        """Like ``query`` but returns ``{}`` on any ConductorError (reference behaviour)."""
+        try:
+            return (yield from self.query_plan(model, token_ids, block_size, tenant_id, **kw))
+        except ConductorError as exc:
+            logger.warning("%s", exc)
+            return {}
+
+    def query_by_hash_plan(
+        self, model: str, block_hashes: Any, tenant_id: str = TENANT_ID, *, block_size: int = 1
+    ) -> Plan[dict]:
+        """``POST /query_by_hash``: counts are in blocks (the server ignores ``block_size``)."""
+        return (yield from self._map_exchange(self._query_by_hash_req(model, block_hashes, tenant_id, block_size)))
+
+    def workers_plan(self) -> Plan[dict]:
+        """``GET /workers`` (debug view of registrations and indexes)."""
+        return (yield from self._map_exchange(self._get_req("/workers")))
+
+    def post_events_plan(self, batch: Mapping[str, Any]) -> Plan[dict]:
+        """``POST /events`` (JSON ``KvEventBatch``, docs/api.md, POST /events)."""
+        return (yield from self._exchange(self._json_req("/events", batch, self.register_timeout))) or {}
+
+    def registered_services_plan(self) -> Plan[list]:
+        """Entries of ``GET /workers``, else of a Mooncake master's ``GET /services``, else ``[]``."""
+        try:
+            workers = (yield from self.workers_plan()).get("workers")
+            if isinstance(workers, list) and workers:
+                return workers
+        except ConductorError as exc:
+            logger.info("GET /workers failed (%s); trying /services", exc)
+        try:
+            services = yield from self._exchange(self._get_req("/services"))
+            if isinstance(services, dict) and isinstance(services.get("services"), list):
+                return services["services"]
+        except ConductorError as exc:
+            logger.info("GET /services failed: %s", exc)
+        return []
+
+    def reregister_missing_plan(self, local: Iterable[Mapping[str, Any]]) -> Plan[ReregisterResult]:
+        """Register every payload in ``local`` whose ``(instance_id, dp_rank)`` the conductor lacks.
+
+        Failures are collected, not raised.
+        """
+        from kvconductor.coordinator.registration import missing_registrations
+
+        local = [p for p in local if p]
+        missing = missing_registrations((yield from self.registered_services_plan()), local)
+        missing_ids = {id(p) for p in missing}
+        result = ReregisterResult([p for p in local if id(p) not in missing_ids], [], [])
+        for payload in missing:
+            logger.info("re-registering %s dp_rank=%s", payload.get("instance_id"), payload.get("dp_rank"))
+            try:
+                yield from self.register_plan(payload)
+                result.registered.append(payload)
+            except ConductorError as exc:
+                logger.error("re-registration of %s dp_rank=%s failed: %s",
+                             payload.get("instance_id"), payload.get("dp_rank"), exc)
+                result.failed.append((payload, exc))
+        return result

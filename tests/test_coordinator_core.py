@@ -1,0 +1,90 @@
+"""The sans-I/O client core driven by hand: requests out, replies in, no HTTP."""
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvconductor.coordinator.core import (
+    CircuitBreaker,
+    CircuitOpenError,
+    ConductorCore,
+    ConductorError,
+    Reply,
+    TransportFailure,
+    resume,
+)
+
+JSON = "application/json"
+
+
+def json_reply(body, status=200):
+    return Reply(status, JSON, msgspec.json.encode(body))
+
+
+def test_query_plan_builds_one_request_and_returns_the_decoded_answer():
+    core = ConductorCore("conductor:13333", query_encoding="json")
+    plan = core.query_plan("qwen", [1, 2, 3], 128, lora_name="a")
+    more, req = resume(plan)
+    assert more and (req.method, req.path, req.timeout) == ("POST", "/query", 3.0)
+    assert req.headers == {"content-type": JSON, "accept": f"{JSON}, {JSON}"}
+    assert msgspec.json.decode(req.content) == {"model": "qwen", "block_size": 128, "token_ids": [1, 2, 3],
+                                                "tenant_id": "default", "lora_name": "a"}
+    assert resume(plan, json_reply({"default": {}})) == (False, {"default": {}})
+
+
+def test_a_transport_failure_becomes_a_conductor_error_and_counts_for_the_breaker():
+    core = ConductorCore("http://c", breaker=CircuitBreaker(threshold=1))
+    plan = core.workers_plan()
+    resume(plan)
+    with pytest.raises(ConductorError, match=r"GET /workers timed out after 15 s \(TimeoutError\) \[http://c\]"):
+        resume(plan, TransportFailure(TimeoutError("slow"), timed_out=True))
+    with pytest.raises(CircuitOpenError):
+        resume(core.workers_plan())  # refused before any request is yielded
+
+
+def test_an_abandoned_exchange_frees_the_half_open_slot():
+    now = [0.0]
+    core = ConductorCore("http://c", breaker=CircuitBreaker(threshold=1, cooldown=1, clock=lambda: now[0]))
+    core.breaker.record_failure()
+    now[0] = 2.0
+    plan = core.workers_plan()
+    resume(plan)  # takes the half-open slot
+    assert not core.breaker.allow()
+    plan.close()  # the driver was cancelled
+    assert core.breaker.allow()
+
+
+def test_status_errors_map_to_conductor_error_with_the_server_message():
+    core = ConductorCore("http://c")
+    plan = core.query_by_hash_plan("m", [7])
+    resume(plan)
+    with pytest.raises(ConductorError) as info:
+        resume(plan, json_reply({"error": "no indexer"}, status=404))
+    assert (info.value.status_code, info.value.server_error) == (404, "no indexer")
+    assert core.breaker.failures == 0
+
+
+def test_health_plan_never_raises():
+    core = ConductorCore("http://c")
+    plan = core.health_plan()
+    _, req = resume(plan)
+    assert (req.path, req.breaker) == ("/health", False)
+    assert resume(plan, TransportFailure(OSError("refused"), timed_out=False)) == (False, False)
+
+
+def test_reregister_missing_plan_asks_workers_then_registers_what_is_missing():
+    core = ConductorCore("http://c")
+    have = {"instance_id": "a", "type": "vLLM", "modelname": "m", "block_size": 4, "dp_rank": 0}
+    lack = {**have, "instance_id": "b"}
+    plan = core.reregister_missing_plan([have, lack])
+    _, req = resume(plan)
+    assert req.path == "/workers"
+    _, req = resume(plan, json_reply({"workers": [{"instance_id": "a", "endpoints": {"0": {}}}]}))
+    assert req.path == "/register" and msgspec.json.decode(req.content)["instance_id"] == "b"
+    more, result = resume(plan, json_reply({"status": "ok"}))
+    assert not more and (result.present, result.registered, result.failed) == ([have], [lack], [])
+
+
+def test_reply_text_honours_the_charset():
+    assert Reply(500, "text/plain; charset=latin-1", "é".encode("latin-1")).text == "é"
+    assert Reply(500, "", b"\xff").text == "\ufffd"
