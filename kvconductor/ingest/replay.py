@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import zmq
 
@@ -31,6 +31,24 @@ END_MARKER = b"\xff" * 8
 #: Messages handled per readiness callback, so one busy replay cannot starve the
 #: other sockets of the ingest thread.
 DRAIN_LIMIT = 512
+
+
+def drain(sock: zmq.Socket, limit: int, stopped: Callable[[], bool],
+          on_error: Callable[[zmq.ZMQError], None]) -> Iterator[list[bytes]]:
+    """The multipart messages already queued on ``sock``, at most ``limit`` (one
+    readiness callback's share), until ``stopped()`` is true. A receive error is
+    passed to ``on_error`` and ends the draining. Used by the SUB sockets too."""
+    for _ in range(limit):
+        if stopped():
+            return
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        except zmq.ZMQError as ex:
+            on_error(ex)
+            return
+        yield frames
 
 
 class ReplaySession:
@@ -114,17 +132,11 @@ class ReplaySession:
                                    self._check_timeout)
 
     # -- receive --------------------------------------------------------------------------
+    def _receive_error(self, ex: zmq.ZMQError) -> None:
+        self._finish(False, f"receive failed: {ex}")
+
     def _on_readable(self, sock) -> None:
-        for _ in range(DRAIN_LIMIT):
-            if self.done:
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as ex:
-                self._finish(False, f"receive failed: {ex}")
-                return
+        for frames in drain(sock, DRAIN_LIMIT, lambda: self.done, self._receive_error):
             self._last_activity = time.monotonic()
             n = len(frames)
             if n == 3 and frames[0] == b"":

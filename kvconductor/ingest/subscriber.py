@@ -66,7 +66,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvconductor._hash import xxh3_64
 from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
 from kvconductor.ingest.context import SubscriberContext
-from kvconductor.ingest.replay import ReplaySession
+from kvconductor.ingest.replay import ReplaySession, drain
 from kvconductor.urls import is_bind_url
 from kvconductor.keys import Medium
 
@@ -241,17 +241,11 @@ class Subscription:
             self._replay_before_connect_failed = False
             self._on_reconnect()
 
+    def _receive_error(self, ex: zmq.ZMQError) -> None:
+        self.manager.warn.warn(self._name(), "receive_error", str(ex), None)
+
     def _on_readable(self, sock) -> None:
-        for _ in range(DRAIN_LIMIT):
-            if self.closed:
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError as ex:
-                self.manager.warn.warn(self._name(), "receive_error", str(ex), None)
-                return
+        for frames in drain(sock, DRAIN_LIMIT, lambda: self.closed, self._receive_error):
             if not self.connected:  # data beat the monitor event
                 self._now_connected()
             if len(frames) < 3:
