@@ -26,19 +26,10 @@ Sockets:
   disconnect is a *reconnect* and triggers a replay (when the subscription has
   a replay endpoint).
 
-Sequence numbers (frame 1, 8-byte big-endian) per subscription:
-
-* ``seq == last + 1``: apply.
-* ``seq > last + 1`` (gap): with a replay endpoint, buffer live batches and
-  replay from ``last`` (one batch of overlap: if the replayed batch ``last``
-  is byte-identical to the one applied, the stream is continuous); otherwise
-  it is a *loss* (below) and the stream goes on from ``seq``.
-* ``seq <= last``: a batch already applied by replay (identical digest) is
-  skipped; anything else means the publisher restarted: a loss, and (with a
-  replay endpoint) the new incarnation is replayed from 0.
-* Replay result: first replayed seq > wanted (the ring buffer lost it), no reply,
-  or the overlap batch differs -> a loss. Live batches buffered meanwhile are
-  merged by seq; nothing is applied twice.
+Sequence numbers (frame 1, 8-byte big-endian) per subscription: in order,
+gap, duplicate, publisher restart, replay and its merge with the live batches
+buffered meanwhile are decided by :class:`~kvconductor.ingest.tracker.SequenceTracker`
+(no sockets, no clock); the subscription feeds it and carries out what it decides.
 
 A loss never costs more than what the lost batches carried. Nothing is
 cleared: engines never re-announce the blocks they still cache, so a cleared
@@ -63,10 +54,10 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvconductor._hash import xxh3_64
 from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.replay import ReplaySession, drain
+from kvconductor.ingest.tracker import SequenceTracker
 from kvconductor.urls import is_bind_url
 from kvconductor.keys import Medium
 
@@ -81,20 +72,18 @@ DRAIN_LIMIT = 256
 LOSS_GRACE = 600.0
 #: Default overall replay deadline (``--replay-deadline-secs``).
 REPLAY_DEADLINE = 60.0
-#: Live batches kept while a replay runs; beyond that they are dropped and the
-#: gap they leave is handled as loss after the replay.
-MAX_REPLAY_BUFFER = 200_000
 
 _MON_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED
                | zmq.EVENT_MONITOR_STOPPED)
 
 
-def _digest(payload: bytes) -> int:
-    return xxh3_64(payload, 0)
-
-
 class Subscription:
-    """One SUB socket to one publisher URL for one (instance, DP)."""
+    """One SUB socket to one publisher URL for one (instance, DP).
+
+    The sockets are here; what to do with each batch is decided by its
+    :class:`~kvconductor.ingest.tracker.SequenceTracker`, for which this is the
+    :class:`~kvconductor.ingest.tracker.TrackerHost`.
+    """
 
     def __init__(self, manager: "SubscriptionManager", ctx: SubscriberContext) -> None:
         self.manager = manager
@@ -107,25 +96,9 @@ class Subscription:
         self.sock: zmq.Socket | None = None
         self.mon: zmq.Socket | None = None
         self.connected = False
-        self.ever_connected = False
         self.closed = False
-        self.last_seq: int | None = None
-        self.last_digest: int | None = None
-        # replay state
         self.replay: ReplaySession | None = None
-        self.replay_verify = False
-        self.replay_first = True
-        self.replay_restart = False
-        self.buffer: list[tuple[int, bytes]] = []
-        self.dedup: dict[int, int] = {}
-        self.dedup_high = -1
-        self._no_replay = False
-        self._replay_start = 0
-        #: Wall-clock time of the last loss while degraded (None: not degraded).
-        self.degraded_since: float | None = None
-        self._loss_epoch = 0
-        #: A replay failed before the SUB ever connected: retry it on the first connect.
-        self._replay_before_connect_failed = False
+        self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
 
     @staticmethod
     def _replay_endpoint_of(ctx: SubscriberContext) -> str | None:
@@ -142,6 +115,11 @@ class Subscription:
         self.applier.touched = old.touched
         self.applier.suspects, self.applier.confirmed = old.suspects, old.confirmed
         self.replay_endpoint = self._replay_endpoint_of(ctx)
+        self.tracker.replay_enabled = self.replay_endpoint is not None
+
+    @property
+    def last_seq(self) -> int | None:
+        return self.tracker.last_seq
 
     # -- sockets ---------------------------------------------------------------------------
     def open(self) -> None:
@@ -172,7 +150,7 @@ class Subscription:
                 if is_bind_url(url):
                     # --allow-bind-endpoints: the engine PUB connects to us ("bind stable").
                     sock.bind(url)
-                    self.connected = self.ever_connected = True
+                    self.connected = self.tracker.ever_connected = True
                 else:
                     sock.connect(url)
             except zmq.ZMQError:
@@ -204,10 +182,10 @@ class Subscription:
             sock.close(linger=0)
         if mon is not None:
             mon.close(linger=0)
-        self.buffer = []
+        self.tracker.close()
         self.connected = False
 
-    def _name(self) -> str:
+    def name(self) -> str:
         return f"{self.ctx.instance_id}/dp{self.ctx.dp_rank}@{self.ctx.url}"
 
     def _on_monitor(self, mon) -> None:
@@ -224,25 +202,19 @@ class Subscription:
                     self._now_connected()
             elif e == zmq.EVENT_DISCONNECTED:
                 if self.connected:
-                    log.info("%s: disconnected", self._name())
+                    log.info("%s: disconnected", self.name())
                 self.connected = False
             elif e == zmq.EVENT_MONITOR_STOPPED:
                 return
 
     def _now_connected(self) -> None:
-        reconnect = self.ever_connected
-        self.connected = self.ever_connected = True
-        if reconnect:
-            log.info("%s: reconnected", self._name())
-            self._on_reconnect()
-        elif self._replay_before_connect_failed:
-            # The registration's replay failed while the engine was not up yet: now that
-            # it is, ask again.
-            self._replay_before_connect_failed = False
-            self._on_reconnect()
+        self.connected = True
+        if self.tracker.ever_connected:
+            log.info("%s: reconnected", self.name())
+        self.tracker.connected()
 
     def _receive_error(self, ex: zmq.ZMQError) -> None:
-        self.manager.warn.warn(self._name(), "receive_error", str(ex), None)
+        self.manager.warn.warn(self.name(), "receive_error", str(ex), None)
 
     def _on_readable(self, sock) -> None:
         for frames in drain(sock, DRAIN_LIMIT, lambda: self.closed, self._receive_error):
@@ -250,198 +222,56 @@ class Subscription:
                 self._now_connected()
             if len(frames) < 3:
                 self.stats.drop("short_message")
-                self.manager.warn.warn(self._name(), "short_message", f"{len(frames)} frames",
+                self.manager.warn.warn(self.name(), "short_message", f"{len(frames)} frames",
                                        frames[-1] if frames else b"")
                 continue
             seq_b = frames[1]
             if len(seq_b) != 8:
                 self.stats.drop("bad_seq_frame")
-                self.manager.warn.warn(self._name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
+                self.manager.warn.warn(self.name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
                 continue
-            self.on_live(int.from_bytes(seq_b, "big"), frames[2])
+            self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], time.time())
 
-    # -- sequence handling -------------------------------------------------------------------
-    def on_live(self, seq: int, payload: bytes) -> None:
-        if self.replay is not None:
-            if len(self.buffer) >= MAX_REPLAY_BUFFER:
-                self.stats.drop("replay_buffer_overflow")
-                return
-            self.buffer.append((seq, payload))
-            return
-        self._process(seq, payload)
-
-    def _apply(self, seq: int, payload: bytes, live: bool = True) -> int:
+    # -- the tracker's host ----------------------------------------------------------------
+    def apply(self, payload: bytes) -> None:
         self.applier.apply_payload(payload)
-        d = _digest(payload)
-        self.last_seq = self.stats.last_seq = seq
-        self.last_digest = d
-        if live and self.dedup and seq > self.dedup_high:
-            self.dedup.clear()  # the live stream has passed the replayed range
-        return d
 
-    def _process(self, seq: int, payload: bytes) -> None:
-        last = self.last_seq
-        if last is None or seq == last + 1:
-            self._apply(seq, payload)
-            return
-        if seq <= last:
-            d = self.dedup.get(seq)
-            if d is not None and d == _digest(payload):
-                self.stats.duplicates += 1
-                return
-            self._restarted(seq, payload, f"seq went back from {last} to {seq}")
-            return
-        self.stats.gaps += 1
-        if self.replay_endpoint and not self._no_replay:
-            log.info("%s: gap %d -> %d, replaying", self._name(), last, seq)
-            self.buffer.append((seq, payload))
-            self.start_replay(last, verify=True)
-            return
-        self._loss(f"gap {last} -> {seq} and "
-                   + ("the replay failed" if self.replay_endpoint else "no replay endpoint"))
-        self._apply(seq, payload)
-
-    def _restarted(self, seq: int, payload: bytes, why: str) -> None:
-        """The publisher restarted: its cache is new; forget ours and catch up from 0."""
-        self.stats.restarts += 1
-        self._loss(f"publisher restarted ({why})")
-        if seq > 0 and self.replay_endpoint and not self._no_replay:
-            self.buffer.append((seq, payload))
-            self.start_replay(0, verify=False)
-            return
-        self._apply(seq, payload)
-
-    def _loss(self, why: str) -> None:
-        """Batches were lost for good: keep the state, degrade, age out later."""
-        self.stats.resyncs += 1
-        n = self.applier.begin_suspect()
-        self.degraded_since = time.time()
-        self._loss_epoch += 1
-        epoch = self._loss_epoch
-        grace = self.manager.loss_grace
-        self.thread.call_later(grace, lambda: self._end_degraded(epoch))
-        self.last_seq = self.last_digest = None
-        self.dedup.clear()
-        self.dedup_high = -1
-        log.warning("%s: %s; source degraded: %d blocks kept, those not announced again "
-                    "within %gs will be dropped", self._name(), why, n, grace)
-
-    def _end_degraded(self, epoch: int) -> None:
-        if self.closed or epoch != self._loss_epoch or self.degraded_since is None:
-            return  # closed, or superseded by a later loss
-        n = self.applier.end_suspect()
-        self.degraded_since = None
-        log.info("%s: grace period after the loss is over; %d blocks not announced again "
-                 "were dropped; source live", self._name(), n)
-
-    def _on_reconnect(self) -> None:
-        if self.replay_endpoint and self.replay is None:
-            if self.last_seq is not None:
-                self.start_replay(self.last_seq, verify=True)
-            else:
-                self.start_replay(0, verify=False)
-
-    # -- replay ----------------------------------------------------------------------------------
-    def start_replay(self, start: int, verify: bool) -> bool:
-        """Ask the replay ROUTER for ``seq >= start`` (no-op if one is running)."""
-        if self.closed or not self.replay_endpoint or self.replay is not None:
-            return False
-        self.stats.replays += 1
-        self.replay_verify = verify and self.last_seq is not None and start == self.last_seq
-        self.replay_first = True
-        self.replay_restart = False
-        self._replay_start = start
+    def open_replay(self, start: int) -> None:
         session = ReplaySession(self.thread, self.replay_endpoint, start, self._on_replayed,
                                 self._on_replay_done, self.manager.replay_timeout,
                                 self.manager.replay_deadline,
                                 2 * self.applier.limits.max_message_bytes)
         self.replay = session
         session.start()
-        return True
+
+    def lost(self, why: str, epoch: int) -> None:
+        """Keep the state, degrade, age out later (module docstring)."""
+        n = self.applier.begin_suspect()
+        grace = self.manager.loss_grace
+        self.thread.call_later(grace, lambda: self._end_degraded(epoch))
+        log.warning("%s: %s; source degraded: %d blocks kept, those not announced again "
+                    "within %gs will be dropped", self.name(), why, n, grace)
+
+    def _end_degraded(self, epoch: int) -> None:
+        if not self.tracker.end_degraded(epoch):
+            return  # closed, or superseded by a later loss
+        n = self.applier.end_suspect()
+        log.info("%s: grace period after the loss is over; %d blocks not announced again "
+                 "were dropped; source live", self.name(), n)
 
     def _on_replayed(self, seq: int, payload: bytes) -> None:
-        self.stats.replayed_batches += 1
-        if self.replay_restart:
-            return  # a second replay from 0 follows
-        start = self._replay_start
-        if self.replay_first:
-            self.replay_first = False
-            if self.replay_verify:
-                if seq == start:
-                    if _digest(payload) == self.last_digest:
-                        return  # overlap batch identical: continuous
-                    self.stats.restarts += 1
-                    self._loss(f"replayed seq {seq} differs from the applied one (restart)")
-                    self.replay_restart = True
-                    return
-                if seq > start:
-                    self._loss(f"replay starts at {seq}, wanted {start + 1}: buffer exhausted")
-            elif seq > start:
-                self._loss(f"replay starts at {seq}, wanted {start}: buffer exhausted")
-        last = self.last_seq
-        if last is None or seq == last + 1:
-            d = self._apply(seq, payload, live=False)
-            self.dedup[seq] = d
-            self.dedup_high = seq
-        elif seq <= last:
-            self.stats.duplicates += 1
-        else:
-            self.stats.gaps += 1
-            self._loss(f"gap {last} -> {seq} inside the replay")
-            d = self._apply(seq, payload, live=False)
-            self.dedup[seq] = d
-            self.dedup_high = seq
+        self.tracker.replayed(seq, payload, time.time())
 
     def _on_replay_done(self, ok: bool, why: str) -> None:
         self.replay = None
-        if self.closed:
-            return
-        if ok:
-            if self.replay_restart:
-                self.start_replay(0, verify=False)
-                return
-            if self.replay_first and self.replay_verify:
-                # Nothing at or after our last seq is buffered: the publisher's
-                # newest seq is below ours, so it restarted.
-                self.stats.restarts += 1
-                self._loss(f"replay from {self._replay_start} is empty (restart)")
-                self.start_replay(0, verify=False)
-                return
-            self._merge()
-            return
-        # Failed (no reply, malformed reply, past the deadline): whatever the replay did
-        # not deliver is lost; merge what we have (no second replay, or a dead or
-        # trickling ROUTER would stall us forever).
-        self.stats.drop("replay_failed")
-        self.manager.warn.warn(self._name(), "replay_failed", why, None)
-        if not self.ever_connected:
-            self._replay_before_connect_failed = True
-        self._loss(f"replay failed: {why}")
-        self._no_replay = True
-        try:
-            self._merge()
-        finally:
-            self._no_replay = False
-
-    def _merge(self) -> None:
-        buf, self.buffer = self.buffer, []
-        if not buf:
-            return
-        buf.sort(key=lambda x: x[0])
-        for i, (seq, payload) in enumerate(buf):
-            if self.replay is not None:
-                self.buffer.extend(buf[i:])
-                return
-            self._process(seq, payload)
+        if not ok and not self.closed:
+            self.manager.warn.warn(self.name(), "replay_failed", why, None)
+        self.tracker.replay_done(ok, why, time.time())
 
     # -- introspection ---------------------------------------------------------------------------
     @property
     def state(self) -> str:
-        if self.replay is not None:
-            return "replaying"
-        if not self.connected:
-            return "connecting"
-        return "degraded" if self.degraded_since is not None else "live"
+        return self.tracker.state(self.connected)
 
     def info(self) -> dict[str, Any]:
         s = self.stats
@@ -465,10 +295,10 @@ class Subscription:
             "restarts": s.restarts,
             "resyncs": s.resyncs,
             "losses": s.resyncs,
-            "degraded_since": self.degraded_since,
+            "degraded_since": self.tracker.degraded_since,
             "aged_out_blocks": s.aged_out,
             "duplicates": s.duplicates,
-            "buffered": len(self.buffer),
+            "buffered": len(self.tracker.buffer),
             "dropped": dict(s.dropped),
         }
 
@@ -511,7 +341,7 @@ class SubscriptionManager:
             sub.close()
             raise
         self._subs[key] = sub
-        log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)", sub._name(),
+        log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)", sub.name(),
                  ctx.model, ctx.tenant, [Medium(m).name for m in ctx.default_media], ctx.is_pool,
                  sub.replay_endpoint)
 
@@ -547,7 +377,7 @@ class SubscriptionManager:
                 self._subs.pop(sub.key).close()
         for sub in opened:
             log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)",
-                     sub._name(), sub.ctx.model, sub.ctx.tenant,
+                     sub.name(), sub.ctx.model, sub.ctx.tenant,
                      [Medium(m).name for m in sub.ctx.default_media], sub.ctx.is_pool,
                      sub.replay_endpoint)
         return {sub.ctx.url for sub in opened}
@@ -574,10 +404,7 @@ class SubscriptionManager:
         if sub is None:
             self.subscribe(ctx)
             sub = self._subs[(ctx.instance_id, ctx.dp_rank, ctx.url)]
-        if sub.last_seq is not None:
-            sub.start_replay(sub.last_seq, verify=True)
-        else:
-            sub.start_replay(0, verify=False)
+        sub.tracker.catch_up()
 
     def sources(self) -> list[dict]:
         """Per subscription: identity, state, last_seq and counters."""

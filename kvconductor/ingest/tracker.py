@@ -1,0 +1,297 @@
+"""Sequence tracking of one ZeroMQ subscription: order, gaps, replay, restarts, loss.
+
+:class:`SequenceTracker` decides what happens to each batch of one publisher's
+stream; it owns no socket and no clock (every input that may start a loss
+carries ``now``, the wall-clock time). What it decides is carried out by its
+host (:class:`TrackerHost`, the :class:`~kvconductor.ingest.subscriber.Subscription`):
+apply a payload to the index, open a replay session, start the grace period of a
+loss. A host may finish a replay inside :meth:`TrackerHost.open_replay` (the
+session failed at once); the tracker expects that.
+
+The rules (docs/events.md, "Sequence numbers, replay and loss"), ``last`` being
+the seq of the last applied batch:
+
+* ``seq == last + 1`` (or nothing applied yet): apply.
+* ``seq > last + 1`` (gap): with replay, buffer the batch and replay from
+  ``last`` (one batch of overlap: if the replayed batch ``last`` is
+  byte-identical to the one applied, the stream is continuous); without, a loss
+  and the stream goes on from ``seq``.
+* ``seq <= last``: a batch already applied by replay (identical digest) is a
+  duplicate and skipped; anything else means the publisher restarted: a loss,
+  and (with replay) the new incarnation is replayed from 0.
+* While a replay runs, live batches are buffered (at most ``max_buffer``;
+  beyond that they are dropped and counted, the gap they leave is a loss after
+  the replay) and merged by seq when it ends; nothing is applied twice.
+* Replay result: first replayed seq > wanted (the ring buffer lost it), an
+  overlap batch that differs (restart: replay again from 0), an empty replay
+  when verifying (restart), or a failed replay -> a loss. A replay that failed
+  before the first connect is asked again on the first connect.
+
+A loss resets the sequence (the next batch is applied whatever its seq), marks
+the source degraded since ``now`` and hands an *epoch* to the host; the
+degradation ends with :meth:`SequenceTracker.end_degraded` of the newest epoch.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from kvconductor._hash import xxh3_64
+from kvconductor.ingest.apply import SourceStats
+
+log = logging.getLogger("kvconductor.ingest")
+
+#: Live batches kept while a replay runs; beyond that they are dropped and the
+#: gap they leave is handled as loss after the replay.
+MAX_REPLAY_BUFFER = 200_000
+
+
+def digest(payload: bytes) -> int:
+    """What tells two batches of the same seq apart (XXH3-64 of the payload)."""
+    return xxh3_64(payload, 0)
+
+
+class TrackerHost(Protocol):
+    """What a :class:`SequenceTracker` asks of its subscription."""
+
+    def name(self) -> str:
+        """The source, for log lines."""
+
+    def apply(self, payload: bytes) -> None:
+        """Apply one batch to the index."""
+
+    def open_replay(self, start: int) -> None:
+        """Ask the replay endpoint for ``seq >= start``; report through
+        :meth:`SequenceTracker.replayed` and :meth:`SequenceTracker.replay_done`."""
+
+    def lost(self, why: str, epoch: int) -> None:
+        """Batches were lost for good: start the grace period that ends with
+        ``end_degraded(epoch)``."""
+
+
+class SequenceTracker:
+    """The sequence and replay state of one subscription (see the module docstring)."""
+
+    def __init__(self, host: TrackerHost, stats: SourceStats, *, replay: bool,
+                 max_buffer: int = MAX_REPLAY_BUFFER) -> None:
+        self.host = host
+        self.stats = stats
+        #: The subscription has a replay endpoint.
+        self.replay_enabled = replay
+        self.max_buffer = max_buffer
+        self.closed = False
+        self.ever_connected = False
+        self.last_seq: int | None = None
+        self.last_digest: int | None = None
+        #: A replay session is open; live batches go to :attr:`buffer`.
+        self.replaying = False
+        self.buffer: list[tuple[int, bytes]] = []
+        #: Digests of the batches applied by replay, while the live stream may repeat them.
+        self.dedup: dict[int, int] = {}
+        self.dedup_high = -1
+        #: Wall-clock time of the last loss while degraded (None: not degraded).
+        self.degraded_since: float | None = None
+        self.loss_epoch = 0
+        # The running replay: where it started, whether its first batch must be the
+        # overlap batch ``last_seq``, whether it has delivered a batch, whether a
+        # restart was seen (its batches are ignored, a replay from 0 follows).
+        self._replay_start = 0
+        self._verify = False
+        self._first = True
+        self._restart = False
+        #: While merging after a failed replay: a gap is a loss, no second replay.
+        self._no_replay = False
+        #: A replay failed before the first connect: ask again on the first connect.
+        self._retry_on_connect = False
+
+    # -- inputs from the subscription ---------------------------------------------------
+    def live(self, seq: int, payload: bytes, now: float) -> None:
+        """A batch of the live stream."""
+        if self.replaying:
+            if len(self.buffer) >= self.max_buffer:
+                self.stats.drop("replay_buffer_overflow")
+                return
+            self.buffer.append((seq, payload))
+            return
+        self._process(seq, payload, now)
+
+    def connected(self) -> None:
+        """The SUB socket (re)connected: a reconnect, or a first connect after a replay
+        that failed before it, asks for a replay."""
+        reconnect = self.ever_connected
+        self.ever_connected = True
+        if reconnect:
+            self.catch_up()
+        elif self._retry_on_connect:
+            # The registration's replay failed while the engine was not up yet: now that
+            # it is, ask again.
+            self._retry_on_connect = False
+            self.catch_up()
+
+    def catch_up(self) -> bool:
+        """Replay what we may have missed: verify from the last applied seq, or all from 0."""
+        if self.last_seq is not None:
+            return self.start_replay(self.last_seq, verify=True)
+        return self.start_replay(0, verify=False)
+
+    def start_replay(self, start: int, verify: bool) -> bool:
+        """Ask for ``seq >= start`` (no-op if closed, without replay, or one is running)."""
+        if self.closed or not self.replay_enabled or self.replaying:
+            return False
+        self.stats.replays += 1
+        self._verify = verify and self.last_seq is not None and start == self.last_seq
+        self._first = True
+        self._restart = False
+        self._replay_start = start
+        self.replaying = True
+        self.host.open_replay(start)
+        return True
+
+    def replayed(self, seq: int, payload: bytes, now: float) -> None:
+        """A batch of the running replay, in the replay's order."""
+        self.stats.replayed_batches += 1
+        if self._restart:
+            return  # a second replay from 0 follows
+        start = self._replay_start
+        if self._first:
+            self._first = False
+            if self._verify:
+                if seq == start:
+                    if digest(payload) == self.last_digest:
+                        return  # overlap batch identical: continuous
+                    self.stats.restarts += 1
+                    self._loss(f"replayed seq {seq} differs from the applied one (restart)", now)
+                    self._restart = True
+                    return
+                if seq > start:
+                    self._loss(f"replay starts at {seq}, wanted {start + 1}: buffer exhausted", now)
+            elif seq > start:
+                self._loss(f"replay starts at {seq}, wanted {start}: buffer exhausted", now)
+        last = self.last_seq
+        if last is None or seq == last + 1:
+            self._apply_replayed(seq, payload)
+        elif seq <= last:
+            self.stats.duplicates += 1
+        else:
+            self.stats.gaps += 1
+            self._loss(f"gap {last} -> {seq} inside the replay", now)
+            self._apply_replayed(seq, payload)
+
+    def replay_done(self, ok: bool, why: str, now: float) -> None:
+        """The replay ended: ``ok`` when its end marker arrived; else ``why`` it failed."""
+        self.replaying = False
+        if self.closed:
+            return
+        if ok:
+            if self._restart:
+                self.start_replay(0, verify=False)
+                return
+            if self._first and self._verify:
+                # Nothing at or after our last seq is buffered: the publisher's
+                # newest seq is below ours, so it restarted.
+                self.stats.restarts += 1
+                self._loss(f"replay from {self._replay_start} is empty (restart)", now)
+                self.start_replay(0, verify=False)
+                return
+            self._merge(now)
+            return
+        # Failed (no reply, malformed reply, past the deadline): whatever the replay did
+        # not deliver is lost; merge what we have (no second replay, or a dead or
+        # trickling ROUTER would stall us forever).
+        self.stats.drop("replay_failed")
+        if not self.ever_connected:
+            self._retry_on_connect = True
+        self._loss(f"replay failed: {why}", now)
+        self._no_replay = True
+        try:
+            self._merge(now)
+        finally:
+            self._no_replay = False
+
+    def end_degraded(self, epoch: int) -> bool:
+        """The grace period of loss ``epoch`` is over: True if the source is live again
+        (False: closed, not degraded, or superseded by a later loss)."""
+        if self.closed or epoch != self.loss_epoch or self.degraded_since is None:
+            return False
+        self.degraded_since = None
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self.replaying = False
+        self.buffer = []
+
+    def state(self, connected: bool) -> str:
+        """``replaying``, ``connecting``, ``degraded`` or ``live``."""
+        if self.replaying:
+            return "replaying"
+        if not connected:
+            return "connecting"
+        return "degraded" if self.degraded_since is not None else "live"
+
+    # -- decisions ------------------------------------------------------------------------
+    def _apply(self, seq: int, payload: bytes, live: bool = True) -> int:
+        self.host.apply(payload)
+        d = digest(payload)
+        self.last_seq = self.stats.last_seq = seq
+        self.last_digest = d
+        if live and self.dedup and seq > self.dedup_high:
+            self.dedup.clear()  # the live stream has passed the replayed range
+        return d
+
+    def _apply_replayed(self, seq: int, payload: bytes) -> None:
+        self.dedup[seq] = self._apply(seq, payload, live=False)
+        self.dedup_high = seq
+
+    def _process(self, seq: int, payload: bytes, now: float) -> None:
+        last = self.last_seq
+        if last is None or seq == last + 1:
+            self._apply(seq, payload)
+            return
+        if seq <= last:
+            d = self.dedup.get(seq)
+            if d is not None and d == digest(payload):
+                self.stats.duplicates += 1
+                return
+            self._restarted(seq, payload, f"seq went back from {last} to {seq}", now)
+            return
+        self.stats.gaps += 1
+        if self.replay_enabled and not self._no_replay:
+            log.info("%s: gap %d -> %d, replaying", self.host.name(), last, seq)
+            self.buffer.append((seq, payload))
+            self.start_replay(last, verify=True)
+            return
+        self._loss(f"gap {last} -> {seq} and "
+                   + ("the replay failed" if self.replay_enabled else "no replay endpoint"), now)
+        self._apply(seq, payload)
+
+    def _restarted(self, seq: int, payload: bytes, why: str, now: float) -> None:
+        """The publisher restarted: its cache is new; forget ours and catch up from 0."""
+        self.stats.restarts += 1
+        self._loss(f"publisher restarted ({why})", now)
+        if seq > 0 and self.replay_enabled and not self._no_replay:
+            self.buffer.append((seq, payload))
+            self.start_replay(0, verify=False)
+            return
+        self._apply(seq, payload)
+
+    def _loss(self, why: str, now: float) -> None:
+        """Batches were lost for good: forget the sequence, degrade, let the host age out."""
+        self.stats.resyncs += 1
+        self.degraded_since = now
+        self.loss_epoch += 1
+        self.last_seq = self.last_digest = None
+        self.dedup.clear()
+        self.dedup_high = -1
+        self.host.lost(why, self.loss_epoch)
+
+    def _merge(self, now: float) -> None:
+        buf, self.buffer = self.buffer, []
+        if not buf:
+            return
+        buf.sort(key=lambda x: x[0])
+        for i, (seq, payload) in enumerate(buf):
+            if self.replaying:
+                self.buffer.extend(buf[i:])
+                return
+            self._process(seq, payload, now)
