@@ -53,7 +53,7 @@ from kvconductor.schema import (
 )
 from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.service import (
-    Conductor, InstanceNotRegistered, RegistrationUnavailable, fds_needed, raise_fd_limit,
+    Conductor, InstanceNotRegistered, RegistrationUnavailable, raise_fd_limit,
 )
 from kvconductor.wire import (
     JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, WireError, encode_error, encode_result,
@@ -650,7 +650,7 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
                     getattr(worker_class, "__qualname__", worker_class))
     # Same GIL switch interval and open-file limit as `kv-conductor` (kvconductor.server).
     sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(fds_needed(settings.max_sources, settings.max_connections))
+    raise_fd_limit(settings.max_sources, settings.max_connections)
     log.info("KV conductor starting under gunicorn pid=%d workers=%s version=%s %s "
              "switch_interval=%s", os.getpid(), workers, __version__, settings.describe(),
              sys.getswitchinterval())

@@ -33,7 +33,7 @@ import uvicorn
 from kvconductor.app import create_app
 from kvconductor.settings import Settings
 from kvconductor.protocol import HttpLimits, h11_buffer_limit, protocol_class
-from kvconductor.service import Conductor, fds_needed, raise_fd_limit
+from kvconductor.service import Conductor, open_file_limits, raise_fd_limit
 
 log = logging.getLogger("kvconductor")
 
@@ -223,40 +223,24 @@ class _EndQuietlyOnShutdown:
                      scope.get("method"), scope.get("path"))
 
 
-def fit_fd_limit(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
+def fit_connection_cap(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
     """``limits`` with ``max_connections`` fitted to the open-file limit, and that
     limit (``None``: unlimited or unknown).
 
-    Like Go's runtime, the soft ``RLIMIT_NOFILE`` is raised to the hard limit
-    first. If ``max_connections + FD_RESERVE`` still does not fit, the cap is
-    lowered (to ``max(limit - FD_RESERVE, limit // 2)``) with a warning, so a
-    flood of connections meets the cap before accept() fails with EMFILE.
+    The limit was raised at start (:func:`~kvconductor.service.raise_fd_limit`). If
+    ``max_connections + FD_RESERVE`` does not fit in it, the cap is lowered (to
+    ``max(limit - FD_RESERVE, limit // 2)``) with a warning, so a flood of connections
+    meets the cap before accept() fails with EMFILE.
     """
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return limits, None
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    inf = resource.RLIM_INFINITY
-    if soft != inf and (hard == inf or soft < hard):
-        for target in ((hard,) if hard != inf else ()) + (limits.max_connections + FD_RESERVE,):
-            if target <= soft:
-                continue
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            except (ValueError, OSError):
-                continue
-            log.info("raised the open-file limit from %d to %d", soft, target)
-            soft = target
-            break
-    if soft == inf:
+    soft, hard = open_file_limits()
+    if soft is None:
         return limits, None
     if limits.max_connections + FD_RESERVE <= soft:
         return limits, soft
     room = max(soft - FD_RESERVE, soft // 2, 1)
     log.warning("the open-file limit %d (hard %s) leaves room for %d HTTP connections; "
                 "--max-connections lowered from %d to %d (raise it with ulimit -n or "
-                "LimitNOFILE=)", soft, "unlimited" if hard == inf else hard, room,
+                "LimitNOFILE=)", soft, "unlimited" if hard is None else hard, room,
                 limits.max_connections, room)
     return dataclasses.replace(limits, max_connections=room), soft
 
@@ -266,7 +250,7 @@ def uvicorn_options(settings: Settings, http: str) -> dict:
 
     ``http``: ``"httptools"`` or ``"h11"``, the parser the protocol builds on.
     """
-    limits, fd_limit = fit_fd_limit(settings.http_limits())
+    limits, fd_limit = fit_connection_cap(settings.http_limits())
     log.info("HTTP limits %s fd_limit=%s %s", limits.describe(),
              "unlimited" if fd_limit is None else fd_limit, settings.describe_http())
     options: dict = dict(
@@ -298,7 +282,7 @@ def serve(settings: Settings) -> int:
     # hand it back between steps; a short switch interval keeps the event loop's
     # small queries from waiting the default 5 ms for it.
     sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(fds_needed(settings.max_sources, settings.max_connections))
+    raise_fd_limit(settings.max_sources, settings.max_connections)
     conductor = Conductor(settings.conductor_config())
     app = create_app(conductor, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key,
                      fast_query=True, allow_origins=settings.allow_origins,

@@ -120,6 +120,8 @@ def _default_subscriptions(thread: IngestThread, conductor: "Conductor"):
 SOCKETS_PER_SOURCE = 3
 #: File descriptors per subscription: one per socket (its mailbox) and its TCP connection.
 FDS_PER_SOURCE = 4
+#: File descriptors of the process itself (listener, epoll, logs, threads), with room to spare.
+FD_HEADROOM = 256
 
 
 def zmq_context(max_sources: int) -> zmq.Context:
@@ -134,31 +136,61 @@ def zmq_context(max_sources: int) -> zmq.Context:
 
 def fds_needed(max_sources: int, max_connections: int = 1024) -> int:
     """Open files the process needs: subscriptions, HTTP connections, headroom."""
-    return FDS_PER_SOURCE * max_sources + max_connections + 256
+    return FDS_PER_SOURCE * max_sources + max_connections + FD_HEADROOM
 
 
-def raise_fd_limit(needed: int) -> tuple[int, int]:
-    """Raise the soft RLIMIT_NOFILE towards ``needed`` (never above the hard limit).
-
-    Returns ``(soft, hard)`` after the change; logs a WARN when the hard limit is
-    below ``needed``.
-    """
+def open_file_limits() -> tuple[int | None, int | None]:
+    """The soft and hard ``RLIMIT_NOFILE`` (``None``: unlimited, or not POSIX)."""
     try:
         import resource
     except ImportError:  # not POSIX
-        return (-1, -1)
+        return None, None
+    inf = resource.RLIM_INFINITY
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    return (None if soft == inf else soft), (None if hard == inf else hard)
+
+
+def raise_fd_limit(max_sources: int, max_connections: int) -> int | None:
+    """Raise the soft ``RLIMIT_NOFILE`` for ``--max-sources`` and ``--max-connections``
+    (docs/operations.md, "Open files"); both ``kv-conductor`` and the gunicorn app call it
+    at start. Returns the soft limit after the change (``None``: unlimited or not POSIX).
+
+    Like Go's runtime, the soft limit is raised to the hard limit (to
+    :func:`fds_needed` when the hard limit is unlimited). When it stays below what is
+    needed, one WARN says so; the HTTP connection cap is then fitted by
+    :func:`kvconductor.server.fit_connection_cap`.
+    """
+    soft, hard = open_file_limits()
+    if soft is None:
+        return None
+    import resource
+
+    needed = fds_needed(max_sources, max_connections)
+    preferred = needed if hard is None else hard
+    # Fallbacks for a system that refuses the preferred value (a soft limit above
+    # OPEN_MAX, say): what is needed, then at least the HTTP connections.
+    targets: list[int] = []
+    for t in (preferred, needed, max_connections + FD_HEADROOM):
+        if soft < t and (hard is None or t <= hard) and t not in targets:
+            targets.append(t)
+    error = None
+    for target in targets:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (target, resource.RLIM_INFINITY if hard is None else hard))
         except (ValueError, OSError) as ex:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, want, ex)
-    if soft != resource.RLIM_INFINITY and soft < needed:
+            error = error or ex
+            continue
+        log.info("raised the open-file limit from %d to %d", soft, target)
+        soft = target
+        break
+    else:
+        if error is not None:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, preferred, error)
+    if soft < needed:
         log.warning("open-file limit %d is below the %d that --max-sources needs; "
                     "registrations past the limit will be refused with 503", soft, needed)
-    return soft, hard
+    return soft
 
 
 # ---------------------------------------------------------------------------------------
