@@ -209,8 +209,6 @@ class RegisterOutcome:
     dp_rank: int
     model_name: str
     tenant_id: str
-    #: The instance existed before this request.
-    instance_existed: bool
     #: The (instance, DP) existed before: stop its old subscriptions first.
     reregistered: bool
     #: An identical re-registration of a live DP: keep its subscriptions, replay nothing.
@@ -231,7 +229,6 @@ class UnregisterOutcome:
     """What :meth:`Registry.unregister` changed."""
 
     found: bool
-    dp_found: bool = False
     #: The index holding the DP's data (registered identity, else the instance's).
     index_key: tuple[str, str] | None = None
     instance_removed: bool = False
@@ -337,7 +334,6 @@ class Registry:
         replay_endpoint = req.replay_endpoint or None
 
         entry = self.instances.get(req.instance_id)
-        instance_existed = entry is not None
         old = entry.endpoints.get(req.dp_rank) if entry is not None else None
 
         drop_from = None
@@ -398,7 +394,7 @@ class Registry:
 
         return RegisterOutcome(
             instance_id=req.instance_id, dp_rank=req.dp_rank, model_name=req.modelname,
-            tenant_id=tenant, instance_existed=instance_existed, reregistered=old is not None,
+            tenant_id=tenant, reregistered=old is not None,
             unchanged=unchanged, drop_from=drop_from, contexts=contexts, replay=replay, ips_added=ips_added,
             ips_removed=ips_removed, is_pool=is_pool)
 
@@ -437,9 +433,9 @@ class Registry:
             return UnregisterOutcome(found=False)
         ips = self.remove_hbm_ips(instance_id, dp_rank)
         index_key = self.index_key_of(instance_id, dp_rank)
-        ep = entry.endpoints.pop(dp_rank, None)
+        entry.endpoints.pop(dp_rank, None)
         removed = not entry.endpoints
         if removed:
             del self.instances[instance_id]
-        return UnregisterOutcome(found=True, dp_found=ep is not None, index_key=index_key,
-                                 instance_removed=removed, ips_removed=ips)
+        return UnregisterOutcome(found=True, index_key=index_key, instance_removed=removed,
+                                 ips_removed=ips)

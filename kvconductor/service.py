@@ -28,7 +28,7 @@ import zmq
 from kvconductor.errors import IndexError_, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
 from kvconductor.ingest.apply import Limits
-from kvconductor.ingest.http_events import CLEARED, REMOVED, STORED, EventOp
+from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
 from kvconductor.registry import Registry, RegistrationError
@@ -218,8 +218,6 @@ class Conductor:
         self._stopped = False
         self._stopping = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        #: Sweeps run so far (for tests and /workers).
-        self.maintenance_runs = 0
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -496,7 +494,6 @@ class Conductor:
             if key not in protected and idx.is_empty():
                 del self.indexes[key]
                 reclaimed += 1
-        self.maintenance_runs += 1
         log.debug("cache maintenance completed pruned=%d reclaimed=%d indexers=%d",
                   pruned, reclaimed, len(self.indexes))
         return pruned + reclaimed

@@ -139,7 +139,7 @@ def test_register_new_instance_contexts_and_replay():
     r = Registry()
     out = r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"},
                          replay_endpoint="tcp://10.0.0.1:6667"))
-    assert not out.instance_existed and not out.reregistered and out.drop_from is None
+    assert not out.reregistered and not out.unchanged and out.drop_from is None
     (ctx,) = out.contexts
     assert ctx.url == "tcp://10.0.0.1:5557"
     assert (ctx.instance_id, ctx.dp_rank, ctx.model, ctx.tenant, ctx.block_size) == \
@@ -162,7 +162,7 @@ def test_replay_per_instance_and_dp():
                           medium_endpoints={"npu": "tcp://10.0.0.1:5558"}))
     assert (out0.replay.dp_rank, out0.replay.url) == (0, "tcp://10.0.0.1:5557")
     assert (out1.replay.dp_rank, out1.replay.url) == (1, "tcp://10.0.0.1:5558")
-    assert out1.instance_existed and not out1.reregistered
+    assert not out1.reregistered and not out1.unchanged and out1.drop_from is None
     assert out1.replay.replay_endpoint == "tcp://10.0.0.1:6668"
     assert Registry().register(reg(replay_endpoint="", medium_endpoints={"npu": "tcp://h:1"})
                                ).replay is None
@@ -256,7 +256,7 @@ def test_reregistration_same_backend_dedups_hbm_ip():
     r = Registry()
     for _ in range(3):
         out = r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
-    assert out.reregistered and out.instance_existed and out.drop_from is None
+    assert out.reregistered and out.drop_from is None
     assert r.hbm_ip_index == {"10.0.0.1": [("vllm-prefill-1", 0)]}
 
 
@@ -334,11 +334,11 @@ def test_unregister_last_dp_removes_instance_and_ips():
     r.register(reg(dp_rank=0, medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
     r.register(reg(dp_rank=1, medium_endpoints={"npu": "tcp://10.0.0.1:5558"}))
     out = r.unregister("vllm-prefill-1", 0)
-    assert out.found and out.dp_found and not out.instance_removed
+    assert out.found and not out.instance_removed
     assert out.ips_removed == ["10.0.0.1"] and out.index_key == ("qwen", "default")
     assert r.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 1)]
     out = r.unregister("vllm-prefill-1", 5)  # unregistered DP of a known instance
-    assert out.found and not out.dp_found and not out.instance_removed
+    assert out.found and out.ips_removed == [] and not out.instance_removed
     out = r.unregister("vllm-prefill-1", 1)
     assert out.instance_removed
     assert r.instances == {} and r.hbm_ip_index == {} and r.protected() == set()
