@@ -102,7 +102,7 @@ def _route(plan: Callable[..., Any], method: Callable[..., Any]) -> Any:
     sig = inspect.signature(plan)
     result = sig.return_annotation  # "Plan[dict]": the method returns (or awaits) a dict
     if isinstance(result, str) and result.startswith("Plan[") and result.endswith("]"):
-        method.__signature__ = sig.replace(return_annotation=result[5:-1])
+        method.__signature__ = sig.replace(return_annotation=result[5:-1])  # type: ignore[attr-defined]
     return method
 
 

@@ -268,7 +268,9 @@ def resume(plan: Plan[T], answer: Reply | TransportFailure | None = None) -> tup
     exception propagates.
     """
     try:
-        return True, (plan.throw(answer) if isinstance(answer, TransportFailure) else plan.send(answer))
+        if isinstance(answer, TransportFailure):
+            return True, plan.throw(answer)
+        return True, (next(plan) if answer is None else plan.send(answer))
     except StopIteration as done:
         return False, done.value
 
@@ -308,9 +310,9 @@ def _server_error(reply: Reply) -> str:
 class ReregisterResult:
     """Outcome of :meth:`ConductorClient.reregister_missing`."""
 
-    present: list[dict]
-    registered: list[dict]
-    failed: list[tuple[dict, ConductorError]]
+    present: list[Mapping[str, Any]]
+    registered: list[Mapping[str, Any]]
+    failed: list[tuple[Mapping[str, Any], ConductorError]]
 
 
 # ---------------------------------------------------------------------------

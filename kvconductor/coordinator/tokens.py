@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import array
+import importlib
 import sys
 from typing import Any, Iterable
 
@@ -61,8 +62,7 @@ def pack_tokens(tokens: Any) -> bytes:
             return _le_bytes(tokens)
         return _le_bytes(_u32_array(tokens.tolist()))
     if _is_numpy(tokens):
-        import numpy as np  # optional dependency, only when given a numpy array
-
+        np = importlib.import_module("numpy")  # optional dependency, only when given a numpy array
         arr = np.asarray(tokens)
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
             raise TypeError(f"token array must be 1-D integer, got shape {arr.shape} dtype {arr.dtype}")

@@ -237,6 +237,8 @@ class Subscription:
         self.applier.apply_payload(payload)
 
     def open_replay(self, start: int) -> None:
+        # The tracker replays only when replay_enabled, i.e. with a replay endpoint.
+        assert self.replay_endpoint is not None
         session = ReplaySession(self.thread, self.replay_endpoint, start, self._on_replayed,
                                 self._on_replay_done, self.manager.replay_timeout,
                                 self.manager.replay_deadline,
