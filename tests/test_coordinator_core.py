@@ -88,3 +88,15 @@ def test_reregister_missing_plan_asks_workers_then_registers_what_is_missing():
 def test_reply_text_honours_the_charset():
     assert Reply(500, "text/plain; charset=latin-1", "é".encode("latin-1")).text == "é"
     assert Reply(500, "", b"\xff").text == "\ufffd"
+
+
+def test_the_affinity_module_and_the_old_names_stay_light():
+    """``kvconductor.affinity`` needs only the standard library (docs/client.md)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvconductor.affinity, kvconductor.coordinator.affinity; "
+            "from kvconductor.coordinator import affinity, rank; "
+            "print('httpx' in sys.modules, 'msgspec' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

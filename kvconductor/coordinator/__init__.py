@@ -18,10 +18,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_MODULES = ("core", "clients", "tokens", "registration", "affinity")
+# Searched in this order: the ones that import less first.
+_MODULES = ("affinity", "tokens", "registration", "core", "clients")
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:  # ``from kvconductor.coordinator import affinity``
+        return importlib.import_module(f"{__name__}.{name}")
     for mod in _MODULES:
         module = importlib.import_module(f"{__name__}.{mod}")
         if name in module.__all__:
