@@ -25,6 +25,7 @@ Deviations from the reference (docs/api.md, "Differences from the reference"):
   left with no URL at all is HTTP-only, exactly as when ``medium_endpoints``
   is absent (the reference answered 500 for ``endpoint: ""``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,7 +55,7 @@ def extract_ip(url: str) -> str | None:
     """
     if not url.startswith("tcp://"):
         return None
-    rest = url[len("tcp://"):]
+    rest = url[len("tcp://") :]
     if rest.startswith("["):
         end = rest.find("]")
         if end <= 1:
@@ -75,8 +76,9 @@ def _blank(url: str | None) -> bool:
     return url is None or not url.strip()
 
 
-def drop_empty_urls(medium_endpoints: dict[str, str] | None, endpoint: str | None
-                    ) -> tuple[dict[str, str], str | None, list[str]]:
+def drop_empty_urls(
+    medium_endpoints: dict[str, str] | None, endpoint: str | None
+) -> tuple[dict[str, str], str | None, list[str]]:
     """``(medium_endpoints, endpoint, dropped)`` without empty or blank URLs.
 
     ``dropped`` names what was removed (``medium_endpoints['cpu']``,
@@ -95,8 +97,9 @@ def drop_empty_urls(medium_endpoints: dict[str, str] | None, endpoint: str | Non
     return kept, endpoint, dropped
 
 
-def resolve_endpoints(medium_endpoints: dict[str, str] | None,
-                      endpoint: str | None) -> dict[str, tuple[Medium, ...]]:
+def resolve_endpoints(
+    medium_endpoints: dict[str, str] | None, endpoint: str | None
+) -> dict[str, tuple[Medium, ...]]:
     """Group the registration's endpoints by URL (docs/api.md, "Endpoint resolution").
 
     Returns ``{url: media}`` in first-seen order (media de-duplicated), ``{}``
@@ -117,8 +120,9 @@ def resolve_endpoints(medium_endpoints: dict[str, str] | None,
     return {}
 
 
-def normalize_medium_endpoints(medium_endpoints: dict[str, str] | None,
-                               endpoint: str | None) -> dict[str, str]:
+def normalize_medium_endpoints(
+    medium_endpoints: dict[str, str] | None, endpoint: str | None
+) -> dict[str, str]:
     """Medium keys lower-cased display names; a legacy endpoint fills all three."""
     if medium_endpoints:
         return {medium_key(parse_medium(k)): url for k, url in medium_endpoints.items()}
@@ -191,13 +195,18 @@ class WorkerEntry:
             "tenant_id": self.tenant_id,
             "block_size": self.block_size,
             "store_backend": self.store_backend,
-            "endpoints": {dp: ep.to_dict() | {"model_name": ep.model_name,
-                                              "tenant_id": ep.tenant_id,
-                                              "block_size": ep.block_size,
-                                              "store_backend": ep.store_backend,
-                                              "is_pool": ep.is_pool,
-                                              "node_id": ep.node_id}
-                          for dp, ep in self.endpoints.items()},
+            "endpoints": {
+                dp: ep.to_dict()
+                | {
+                    "model_name": ep.model_name,
+                    "tenant_id": ep.tenant_id,
+                    "block_size": ep.block_size,
+                    "store_backend": ep.store_backend,
+                    "is_pool": ep.is_pool,
+                    "node_id": ep.node_id,
+                }
+                for dp, ep in self.endpoints.items()
+            },
         }
 
 
@@ -314,9 +323,13 @@ class Registry:
             raise RegistrationError("instance_id must not be empty")
         medium_endpoints, endpoint, dropped = drop_empty_urls(req.medium_endpoints, req.endpoint)
         if dropped:
-            log.warning("registration instance_id=%s dp_rank=%d: empty endpoint URLs ignored: %s%s",
-                        req.instance_id, req.dp_rank, ", ".join(dropped),
-                        "" if medium_endpoints or endpoint else " (HTTP-only registration)")
+            log.warning(
+                "registration instance_id=%s dp_rank=%d: empty endpoint URLs ignored: %s%s",
+                req.instance_id,
+                req.dp_rank,
+                ", ".join(dropped),
+                "" if medium_endpoints or endpoint else " (HTTP-only registration)",
+            )
         try:
             for key, url in medium_endpoints.items():
                 check_url(url, f"medium_endpoints[{key!r}]", self.url_policy)
@@ -340,9 +353,11 @@ class Registry:
         ips_removed: list[str] = []
         if old is not None:
             ips_removed = self.remove_hbm_ips(req.instance_id, req.dp_rank)
-            changed = (old.store_backend.lower() != backend_name.lower()
-                       or old.index_key != (req.modelname, tenant)
-                       or old.block_size != req.block_size)
+            changed = (
+                old.store_backend.lower() != backend_name.lower()
+                or old.index_key != (req.modelname, tenant)
+                or old.block_size != req.block_size
+            )
             if changed:
                 drop_from = old.index_key
 
@@ -358,19 +373,35 @@ class Registry:
         extra = {"node_id": req.node_id} if req.node_id else {}
         contexts = [
             SubscriberContext(
-                instance_id=req.instance_id, dp_rank=req.dp_rank, url=url,
-                model=req.modelname, tenant=tenant, block_size=req.block_size,
-                default_media=media, store_backend=backend, is_pool=is_pool,
-                replay_endpoint=replay_endpoint, engine_type=req.engine_type, extra=extra)
+                instance_id=req.instance_id,
+                dp_rank=req.dp_rank,
+                url=url,
+                model=req.modelname,
+                tenant=tenant,
+                block_size=req.block_size,
+                default_media=media,
+                store_backend=backend,
+                is_pool=is_pool,
+                replay_endpoint=replay_endpoint,
+                engine_type=req.engine_type,
+                extra=extra,
+            )
             for url, media in groups.items()
         ]
 
         info = EndpointInfo(
-            dp_rank=req.dp_rank, engine_type=req.engine_type,
+            dp_rank=req.dp_rank,
+            engine_type=req.engine_type,
             medium_endpoints=normalize_medium_endpoints(medium_endpoints, endpoint),
-            replay_endpoint=replay_endpoint, model_name=req.modelname, tenant_id=tenant,
-            block_size=req.block_size, store_backend=backend_name, is_pool=is_pool,
-            node_id=req.node_id, sources=tuple((c.url, c.default_media) for c in contexts))
+            replay_endpoint=replay_endpoint,
+            model_name=req.modelname,
+            tenant_id=tenant,
+            block_size=req.block_size,
+            store_backend=backend_name,
+            is_pool=is_pool,
+            node_id=req.node_id,
+            sources=tuple((c.url, c.default_media) for c in contexts),
+        )
         unchanged = old is not None and old == info
 
         # Replay runs per (instance, DP): the reference replayed only the first DP of an
@@ -383,8 +414,12 @@ class Registry:
 
         if entry is None:
             entry = self.instances[req.instance_id] = WorkerEntry(
-                instance_id=req.instance_id, model_name=req.modelname, tenant_id=tenant,
-                block_size=req.block_size, store_backend=backend_name)
+                instance_id=req.instance_id,
+                model_name=req.modelname,
+                tenant_id=tenant,
+                block_size=req.block_size,
+                store_backend=backend_name,
+            )
         else:
             entry.model_name = req.modelname
             entry.tenant_id = tenant
@@ -393,10 +428,19 @@ class Registry:
         entry.endpoints[req.dp_rank] = info
 
         return RegisterOutcome(
-            instance_id=req.instance_id, dp_rank=req.dp_rank, model_name=req.modelname,
-            tenant_id=tenant, reregistered=old is not None,
-            unchanged=unchanged, drop_from=drop_from, contexts=contexts, replay=replay, ips_added=ips_added,
-            ips_removed=ips_removed, is_pool=is_pool)
+            instance_id=req.instance_id,
+            dp_rank=req.dp_rank,
+            model_name=req.modelname,
+            tenant_id=tenant,
+            reregistered=old is not None,
+            unchanged=unchanged,
+            drop_from=drop_from,
+            contexts=contexts,
+            replay=replay,
+            ips_added=ips_added,
+            ips_removed=ips_removed,
+            is_pool=is_pool,
+        )
 
     def save_dp(self, instance_id: str, dp_rank: int) -> tuple:
         """What :meth:`restore_dp` needs to undo a registration of (instance, DP)."""
@@ -404,8 +448,13 @@ class Registry:
         if entry is None:
             return (instance_id, dp_rank, None, None, [])
         fields = (entry.model_name, entry.tenant_id, entry.block_size, entry.store_backend)
-        return (instance_id, dp_rank, fields, entry.endpoints.get(dp_rank),
-                list(self._ips_of.get((instance_id, dp_rank), ())))
+        return (
+            instance_id,
+            dp_rank,
+            fields,
+            entry.endpoints.get(dp_rank),
+            list(self._ips_of.get((instance_id, dp_rank), ())),
+        )
 
     def restore_dp(self, saved: tuple) -> None:
         """Undo the registration made after :meth:`save_dp` returned ``saved``."""
@@ -437,5 +486,6 @@ class Registry:
         removed = not entry.endpoints
         if removed:
             del self.instances[instance_id]
-        return UnregisterOutcome(found=True, index_key=index_key, instance_removed=removed,
-                                 ips_removed=ips)
+        return UnregisterOutcome(
+            found=True, index_key=index_key, instance_removed=removed, ips_removed=ips
+        )

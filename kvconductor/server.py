@@ -10,6 +10,7 @@ finish (at most :data:`GRACEFUL_SECS`), closes what is left (one WARN line, no
 tracebacks), then the conductor closes its subscriptions and stops the ingest
 thread; a second signal ends the drain at once. Exit status 0 either way.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -115,8 +116,11 @@ class KvServer(uvicorn.Server):
             log.info("received shutdown signal, draining connections... signal=%s", name)
             self.should_exit = True
         elif not self.force_exit:
-            log.warning("second shutdown signal (%s): closing connections without waiting for "
-                        "requests in flight", name)
+            log.warning(
+                "second shutdown signal (%s): closing connections without waiting for "
+                "requests in flight",
+                name,
+            )
             self.force_exit = True
 
     @contextlib.contextmanager
@@ -149,15 +153,24 @@ class KvServer(uvicorn.Server):
 
         def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
             return config.http_protocol_class(  # type: ignore[call-arg]
-                config=config, server_state=self.server_state, app_state=self.lifespan.state,
-                _loop=_loop)
+                config=config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+                _loop=_loop,
+            )
 
         loop = asyncio.get_running_loop()
         self.servers = []
         for sock in sockets:
-            self.servers.append(await loop.create_server(
-                create_protocol, sock=sock, ssl=config.ssl, backlog=config.backlog,
-                ssl_handshake_timeout=limits.request_timeout))
+            self.servers.append(
+                await loop.create_server(
+                    create_protocol,
+                    sock=sock,
+                    ssl=config.ssl,
+                    backlog=config.backlog,
+                    ssl_handshake_timeout=limits.request_timeout,
+                )
+            )
         self.started = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -173,13 +186,15 @@ class KvServer(uvicorn.Server):
         if grace is None:  # gunicorn's worker leaves it unset
             grace = GRACEFUL_SECS
         deadline = loop.time() + grace
-        while (state.connections or state.tasks) and not self.force_exit \
-                and loop.time() < deadline:
+        while (state.connections or state.tasks) and not self.force_exit and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if state.connections:
             why = "second signal" if self.force_exit else f"drain exceeded {grace:g}s"
-            log.warning("shutdown: closing %d connection(s) with requests in flight (%s)",
-                        len(state.connections), why)
+            log.warning(
+                "shutdown: closing %d connection(s) with requests in flight (%s)",
+                len(state.connections),
+                why,
+            )
             for conn in list(state.connections):
                 transport = getattr(conn, "transport", None)
                 if transport is not None:
@@ -219,8 +234,11 @@ class _EndQuietlyOnShutdown:
         except asyncio.CancelledError:
             if not self.server.should_exit:
                 raise
-            log.info("request cancelled by shutdown method=%s path=%s",
-                     scope.get("method"), scope.get("path"))
+            log.info(
+                "request cancelled by shutdown method=%s path=%s",
+                scope.get("method"),
+                scope.get("path"),
+            )
 
 
 def fit_connection_cap(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
@@ -238,10 +256,16 @@ def fit_connection_cap(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
     if limits.max_connections + FD_RESERVE <= soft:
         return limits, soft
     room = max(soft - FD_RESERVE, soft // 2, 1)
-    log.warning("the open-file limit %d (hard %s) leaves room for %d HTTP connections; "
-                "--max-connections lowered from %d to %d (raise it with ulimit -n or "
-                "LimitNOFILE=)", soft, "unlimited" if hard is None else hard, room,
-                limits.max_connections, room)
+    log.warning(
+        "the open-file limit %d (hard %s) leaves room for %d HTTP connections; "
+        "--max-connections lowered from %d to %d (raise it with ulimit -n or "
+        "LimitNOFILE=)",
+        soft,
+        "unlimited" if hard is None else hard,
+        room,
+        limits.max_connections,
+        room,
+    )
     return dataclasses.replace(limits, max_connections=room), soft
 
 
@@ -251,8 +275,12 @@ def uvicorn_options(settings: Settings, http: str) -> dict:
     ``http``: ``"httptools"`` or ``"h11"``, the parser the protocol builds on.
     """
     limits, fd_limit = fit_connection_cap(settings.http_limits())
-    log.info("HTTP limits %s fd_limit=%s %s", limits.describe(),
-             "unlimited" if fd_limit is None else fd_limit, settings.describe_http())
+    log.info(
+        "HTTP limits %s fd_limit=%s %s",
+        limits.describe(),
+        "unlimited" if fd_limit is None else fd_limit,
+        settings.describe_http(),
+    )
     options: dict = dict(
         http=protocol_class(limits, http),
         ws="none",  # no WebSocket routes: upgrades are plain requests
@@ -261,7 +289,8 @@ def uvicorn_options(settings: Settings, http: str) -> dict:
     )
     if settings.tls_cert:
         options.update(
-            ssl_certfile=settings.tls_cert, ssl_keyfile=settings.tls_key,
+            ssl_certfile=settings.tls_cert,
+            ssl_keyfile=settings.tls_key,
             ssl_ca_certs=settings.tls_client_ca,
             ssl_cert_reqs=ssl.CERT_REQUIRED if settings.tls_client_ca else ssl.CERT_NONE,
         )
@@ -284,27 +313,45 @@ def serve(settings: Settings) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(settings.max_sources, settings.max_connections)
     conductor = Conductor(settings.conductor_config())
-    app = create_app(conductor, max_body_bytes=settings.max_body_bytes, api_key=settings.api_key,
-                     fast_query=True, allow_origins=settings.allow_origins,
-                     open_workers=settings.open_workers)
+    app = create_app(
+        conductor,
+        max_body_bytes=settings.max_body_bytes,
+        api_key=settings.api_key,
+        fast_query=True,
+        allow_origins=settings.allow_origins,
+        open_workers=settings.open_workers,
+    )
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as ex:
-        log.error("failed to bind TCP listener host=%s port=%d error=%s",
-                  settings.host, settings.port, ex)
-        print(f"kv-conductor: error: failed to bind TCP listener on {settings.host} port "
-              f"{settings.port}: {ex.strerror or ex}", file=sys.stderr)
+        log.error(
+            "failed to bind TCP listener host=%s port=%d error=%s", settings.host, settings.port, ex
+        )
+        print(
+            f"kv-conductor: error: failed to bind TCP listener on {settings.host} port "
+            f"{settings.port}: {ex.strerror or ex}",
+            file=sys.stderr,
+        )
         return 1
     loop, http = _uvicorn_impls()
     config = uvicorn.Config(
-        app, loop=loop, lifespan="off", log_config=None,
+        app,
+        loop=loop,
+        lifespan="off",
+        log_config=None,
         access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
-        timeout_graceful_shutdown=GRACEFUL_SECS, server_header=False,
+        timeout_graceful_shutdown=GRACEFUL_SECS,
+        server_header=False,
         **uvicorn_options(settings, http),
     )
     server = KvServer(config)
-    log.info("KV conductor starting on %s version=%s %s switch_interval=%s",
-             format_address(sock), _version(), settings.describe(), sys.getswitchinterval())
+    log.info(
+        "KV conductor starting on %s version=%s %s switch_interval=%s",
+        format_address(sock),
+        _version(),
+        settings.describe(),
+        sys.getswitchinterval(),
+    )
     conductor.start()
     try:
         server.run(sockets=[sock])

@@ -14,6 +14,7 @@ Subscriptions (ZeroMQ SUB sockets, replay) are delegated to
 :meth:`Conductor.get_or_create_index`, :meth:`Conductor.hbm_ip_lookup` and
 :meth:`Conductor.instance_info`, on the ingest thread.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -37,8 +38,13 @@ from kvconductor.urls import UrlPolicy
 
 log = logging.getLogger("kvconductor")
 
-__all__ = ["Conductor", "ConductorConfig", "InstanceNotRegistered", "RegistrationError",
-           "RegistrationUnavailable"]
+__all__ = [
+    "Conductor",
+    "ConductorConfig",
+    "InstanceNotRegistered",
+    "RegistrationError",
+    "RegistrationUnavailable",
+]
 
 
 @dataclass
@@ -68,6 +74,7 @@ class ConductorConfig:
 # ---------------------------------------------------------------------------------------
 # Errors the HTTP layer maps to status codes
 # ---------------------------------------------------------------------------------------
+
 
 class RegistrationUnavailable(RuntimeError):
     """A registration the server cannot take now (HTTP 503); nothing was changed."""
@@ -102,6 +109,7 @@ class EventsOutcome(NamedTuple):
 # ---------------------------------------------------------------------------------------
 # Subscriptions
 # ---------------------------------------------------------------------------------------
+
 
 def _default_subscriptions(thread: IngestThread, conductor: "Conductor"):
     # Imported here, not at the top: the subscriber imports the ingest package, which
@@ -176,8 +184,9 @@ def raise_fd_limit(max_sources: int, max_connections: int) -> int | None:
     error = None
     for target in targets:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE,
-                               (target, resource.RLIM_INFINITY if hard is None else hard))
+            resource.setrlimit(
+                resource.RLIMIT_NOFILE, (target, resource.RLIM_INFINITY if hard is None else hard)
+            )
         except (ValueError, OSError) as ex:
             error = error or ex
             continue
@@ -186,16 +195,23 @@ def raise_fd_limit(max_sources: int, max_connections: int) -> int | None:
         break
     else:
         if error is not None:
-            log.warning("could not raise the open-file limit from %d to %d: %s", soft, preferred, error)
+            log.warning(
+                "could not raise the open-file limit from %d to %d: %s", soft, preferred, error
+            )
     if soft < needed:
-        log.warning("open-file limit %d is below the %d that --max-sources needs; "
-                    "registrations past the limit will be refused with 503", soft, needed)
+        log.warning(
+            "open-file limit %d is below the %d that --max-sources needs; "
+            "registrations past the limit will be refused with 503",
+            soft,
+            needed,
+        )
     return soft
 
 
 # ---------------------------------------------------------------------------------------
 # The conductor
 # ---------------------------------------------------------------------------------------
+
 
 class Conductor:
     """Registry, indexes per (model, tenant), the ingest thread and the maintenance timer.
@@ -204,9 +220,13 @@ class Conductor:
     ...)`` from async code, ``self.call(fn, ...)`` from plain threads).
     """
 
-    def __init__(self, config: ConductorConfig | None = None, *,
-                 thread: IngestThread | None = None,
-                 subscriptions: Callable[[IngestThread, "Conductor"], Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: ConductorConfig | None = None,
+        *,
+        thread: IngestThread | None = None,
+        subscriptions: Callable[[IngestThread, "Conductor"], Any] | None = None,
+    ) -> None:
         self.config = config or ConductorConfig()
         self.thread = thread or IngestThread(context=zmq_context(self.config.max_sources))
         self.registry = Registry(self.config.url_policy)
@@ -273,7 +293,8 @@ class Conductor:
         """Worker threads for large queries (created on first use)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=max(1, self.config.query_threads), thread_name_prefix="kv-query")
+                max_workers=max(1, self.config.query_threads), thread_name_prefix="kv-query"
+            )
         return self._executor
 
     # -- readers (any thread) ------------------------------------------------------------------
@@ -306,19 +327,31 @@ class Conductor:
 
         Raises :class:`RegistrationError` (HTTP 400) before changing anything.
         """
-        log.info("register request instance_id=%s dp_rank=%d type=%s modelname=%s tenant_id=%s "
-                 "block_size=%d store_backend=%s medium_endpoints=%s endpoint=%s "
-                 "replay_endpoint=%s",
-                 req.instance_id, req.dp_rank, req.engine_type, req.modelname,
-                 req.tenant_id or "default", req.block_size, req.store_backend,
-                 req.medium_endpoints or {}, req.endpoint, req.replay_endpoint)
+        log.info(
+            "register request instance_id=%s dp_rank=%d type=%s modelname=%s tenant_id=%s "
+            "block_size=%d store_backend=%s medium_endpoints=%s endpoint=%s "
+            "replay_endpoint=%s",
+            req.instance_id,
+            req.dp_rank,
+            req.engine_type,
+            req.modelname,
+            req.tenant_id or "default",
+            req.block_size,
+            req.store_backend,
+            req.medium_endpoints or {},
+            req.endpoint,
+            req.replay_endpoint,
+        )
         saved = self.registry.save_dp(req.instance_id, req.dp_rank)
         out = self.registry.register(req)  # validates before changing anything
         if out.unchanged:
             # The Coordinator's repair path and periodic re-register timer resend what we
             # have: keep the live subscriptions (no batch lost, no replay).
-            log.info("re-registration unchanged; subscriptions kept instance_id=%s dp_rank=%d",
-                     req.instance_id, req.dp_rank)
+            log.info(
+                "re-registration unchanged; subscriptions kept instance_id=%s dp_rank=%d",
+                req.instance_id,
+                req.dp_rank,
+            )
             self.get_or_create_index(out.model_name, out.tenant_id)
             return
         # Subscriptions first: the only step that can fail for want of resources. On a
@@ -326,17 +359,31 @@ class Conductor:
         opened = self._subscribe_or_roll_back(req, out, saved)
         for ip in out.ips_removed:
             if ip not in out.ips_added:
-                log.info("HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
-                         ip, out.instance_id, out.dp_rank)
+                log.info(
+                    "HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
+                    ip,
+                    out.instance_id,
+                    out.dp_rank,
+                )
         if out.drop_from is not None:
             old = self.indexes.get(out.drop_from)
             dropped = old.remove_dp(out.instance_id, out.dp_rank) if old is not None else 0
-            log.info("registration changed; dropped old data instance_id=%s dp_rank=%d "
-                     "model=%s tenant=%s blocks=%d", out.instance_id, out.dp_rank,
-                     out.drop_from[0], out.drop_from[1], dropped)
+            log.info(
+                "registration changed; dropped old data instance_id=%s dp_rank=%d "
+                "model=%s tenant=%s blocks=%d",
+                out.instance_id,
+                out.dp_rank,
+                out.drop_from[0],
+                out.drop_from[1],
+                dropped,
+            )
         for ip in out.ips_added:
-            log.info("HBM IP indexed for pool auto-attach ip=%s instance_id=%s dp_rank=%d",
-                     ip, out.instance_id, out.dp_rank)
+            log.info(
+                "HBM IP indexed for pool auto-attach ip=%s instance_id=%s dp_rank=%d",
+                ip,
+                out.instance_id,
+                out.dp_rank,
+            )
         self.get_or_create_index(out.model_name, out.tenant_id)
         if out.drop_from is not None:
             self._reclaim(out.drop_from)
@@ -344,9 +391,17 @@ class Conductor:
             # A new subscription: catch up from the engine's replay buffer. A URL that was
             # already subscribed kept its socket and lost nothing.
             self.subs.request_replay(out.replay)
-        log.info("worker registered instance_id=%s dp_rank=%d model=%s tenant=%s subscribers=%d "
-                 "is_pool=%s replay=%s", out.instance_id, out.dp_rank, out.model_name,
-                 out.tenant_id, len(out.contexts), out.is_pool, out.replay is not None)
+        log.info(
+            "worker registered instance_id=%s dp_rank=%d model=%s tenant=%s subscribers=%d "
+            "is_pool=%s replay=%s",
+            out.instance_id,
+            out.dp_rank,
+            out.model_name,
+            out.tenant_id,
+            len(out.contexts),
+            out.is_pool,
+            out.replay is not None,
+        )
 
     def _subscribe_or_roll_back(self, req: RegisterRequest, out, saved: tuple) -> set[str]:
         """Replace (instance, DP)'s subscriptions by ``out.contexts`` (returns the URLs
@@ -356,22 +411,26 @@ class Conductor:
         total = len(self.subs) - current + len(out.contexts)
         if total > self.config.max_sources:
             self.registry.restore_dp(saved)
-            msg = (f"source limit reached: this registration needs {len(out.contexts)} "
-                   f"ZeroMQ subscription(s) and {len(self.subs) - current} of at most "
-                   f"{self.config.max_sources} are in use (--max-sources)")
+            msg = (
+                f"source limit reached: this registration needs {len(out.contexts)} "
+                f"ZeroMQ subscription(s) and {len(self.subs) - current} of at most "
+                f"{self.config.max_sources} are in use (--max-sources)"
+            )
             log.warning("registration refused instance_id=%s dp_rank=%d: %s", iid, dp, msg)
             raise RegistrationUnavailable(msg)
         if out.reregistered:
             log.info("re-registering existing worker instance_id=%s dp_rank=%d", iid, dp)
         if not out.contexts and not current:
-            return set()     # HTTP-only, and was: no sockets to touch
+            return set()  # HTTP-only, and was: no sockets to touch
         try:
             # URLs kept keep their sockets (no batch lost); new ones open first.
             opened = self.subs.replace(iid, dp, out.contexts)
         except (zmq.ZMQError, OSError) as ex:
             self.registry.restore_dp(saved)
-            msg = (f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. "
-                   "Raise the process's open-file limit or lower --max-sources")
+            msg = (
+                f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. "
+                "Raise the process's open-file limit or lower --max-sources"
+            )
             log.error("registration rolled back instance_id=%s dp_rank=%d: %s", iid, dp, msg)
             raise RegistrationUnavailable(msg) from None
         return opened
@@ -388,17 +447,27 @@ class Conductor:
             log.info("unregister: instance not found instance_id=%s", req.instance_id)
             return False
         for ip in out.ips_removed:
-            log.info("HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
-                     ip, req.instance_id, req.dp_rank)
+            log.info(
+                "HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
+                ip,
+                req.instance_id,
+                req.dp_rank,
+            )
         dropped = 0
         if out.index_key is not None:
             idx = self.indexes.get(out.index_key)
             if idx is not None:
                 dropped = idx.remove_dp(req.instance_id, req.dp_rank)
             self._reclaim(out.index_key)
-        log.info("worker unregistered instance_id=%s dp_rank=%d subscribers_stopped=%d blocks=%d "
-                 "instance_removed=%s", req.instance_id, req.dp_rank, n, dropped,
-                 out.instance_removed)
+        log.info(
+            "worker unregistered instance_id=%s dp_rank=%d subscribers_stopped=%d blocks=%d "
+            "instance_removed=%s",
+            req.instance_id,
+            req.dp_rank,
+            n,
+            dropped,
+            out.instance_removed,
+        )
         return True
 
     def _reclaim(self, key: tuple[str, str]) -> bool:
@@ -441,19 +510,28 @@ class Conductor:
                 for op in group:
                     self._apply_op(idx, batch.instance_id, op)
             except IndexError_ as ex:
-                log.debug("event group failed instance_id=%s dp_rank=%d detail=%s",
-                          batch.instance_id, dp, ex)
+                log.debug(
+                    "event group failed instance_id=%s dp_rank=%d detail=%s",
+                    batch.instance_id,
+                    dp,
+                    ex,
+                )
                 errors.append(f"dp_rank={dp}: {_error_text(ex)}")
                 continue
             except Exception as ex:  # noqa: BLE001 - reported, never fatal to the thread
-                log.exception("failed to apply events instance_id=%s dp_rank=%d",
-                              batch.instance_id, dp)
+                log.exception(
+                    "failed to apply events instance_id=%s dp_rank=%d", batch.instance_id, dp
+                )
                 errors.append(f"dp_rank={dp}: internal error: {ex}")
                 continue
             applied += len(group)
         if errors:
-            log.warning("failed to apply events instance_id=%s applied=%d errors=%s",
-                        batch.instance_id, applied, errors)
+            log.warning(
+                "failed to apply events instance_id=%s applied=%d errors=%s",
+                batch.instance_id,
+                applied,
+                errors,
+            )
         return EventsOutcome(applied, errors)
 
     @staticmethod
@@ -461,8 +539,9 @@ class Conductor:
         key = WorkerKey(instance_id, op.backend_id or instance_id, op.dp_rank, op.medium)
         if op.kind == STORED:
             if op.tokens is not None:
-                idx.store_tokens(key, op.parent, op.engine_hashes, op.tokens, op.block_size,
-                                 op.seed)
+                idx.store_tokens(
+                    key, op.parent, op.engine_hashes, op.tokens, op.block_size, op.seed
+                )
             else:
                 idx.store(key, op.parent, op.engine_hashes, op.local_hashes)
         elif op.kind == REMOVED:
@@ -494,8 +573,12 @@ class Conductor:
             if key not in protected and idx.is_empty():
                 del self.indexes[key]
                 reclaimed += 1
-        log.debug("cache maintenance completed pruned=%d reclaimed=%d indexers=%d",
-                  pruned, reclaimed, len(self.indexes))
+        log.debug(
+            "cache maintenance completed pruned=%d reclaimed=%d indexers=%d",
+            pruned,
+            reclaimed,
+            len(self.indexes),
+        )
         return pruned + reclaimed
 
     # -- introspection (ingest thread) ------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 Every expected value below is computed by hand in the comments.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,12 +24,17 @@ from kvconductor.affinity import (
     score_candidates,
 )
 
-BS = 4      # block size
-ISL = 16    # prompt length: 4 blocks
+BS = 4  # block size
+ISL = 16  # prompt length: 4 blocks
 
 
 def dp(npu=0, cpu=0, disk=0, bs=BS):
-    return {"matched_tokens": (npu + cpu + disk) * bs, "npu_blocks": npu, "cpu_blocks": cpu, "disk_blocks": disk}
+    return {
+        "matched_tokens": (npu + cpu + disk) * bs,
+        "npu_blocks": npu,
+        "cpu_blocks": cpu,
+        "disk_blocks": disk,
+    }
 
 
 # A V3 answer: instance a holds 2 blocks in HBM on DP 0, b 3 blocks in CPU on
@@ -61,8 +67,10 @@ UNIFIED_CASES = [
     # overlap_credit 0: prefill 16 for all -> 16+load: c 16, a 17, d 18, b 26
     ({"overlap_credit": 0}, [("c", 0, 16.0), ("a", 0, 17.0), ("d", 0, 18.0), ("b", 1, 26.0)]),
     # scale 2, load_weight 0.5: a 2*8+0.5*1=16.5, b 2*4+0.5*10=13, c 2*16+0=32, d 2*16+0.5*2=33
-    ({"prefill_load_scale": 2, "load_weight": 0.5},
-     [("b", 1, 13.0), ("a", 0, 16.5), ("c", 0, 32.0), ("d", 0, 33.0)]),
+    (
+        {"prefill_load_scale": 2, "load_weight": 0.5},
+        [("b", 1, 13.0), ("a", 0, 16.5), ("c", 0, 32.0), ("d", 0, 33.0)],
+    ),
     # w_disk 1: c affinity round(1*1*4)=4 -> prefill 12 -> score 12+0=12
     ({"w_disk": 1}, [("a", 0, 9.0), ("c", 0, 12.0), ("b", 1, 14.0), ("d", 0, 18.0)]),
     # w_cpu 0.5: b affinity round(3*0.5*4)=6 -> prefill 10 -> score 10+10=20
@@ -109,7 +117,7 @@ def test_load_gated_ignores_unified_scalars():
 
 def test_top_k():
     assert rank(RESPONSE, CANDS, ISL, BS, top_k=2) == [("a", 0, 9.0), ("b", 1, 14.0)]
-    assert rank(RESPONSE, CANDS, ISL, BS, top_k=0) == [("a", 0, 9.0)]   # < 1 counts as 1
+    assert rank(RESPONSE, CANDS, ISL, BS, top_k=0) == [("a", 0, 9.0)]  # < 1 counts as 1
     cfg = KvAffinityConfig(mode="load_gated", load_gate_topn=3)
     assert rank(RESPONSE, CANDS, ISL, BS, cfg, top_k=1) == [("a", 0, 1.0)]
 
@@ -194,7 +202,7 @@ def test_needs_query():
     assert needs_query(4, 4) is True
     assert needs_query(3, 4) is False
     assert needs_query(0, 4) is False
-    assert needs_query(0, 0) is True      # block_size 0: fast path off
+    assert needs_query(0, 0) is True  # block_size 0: fast path off
     assert needs_query(1000, 128) is True
 
 
@@ -229,7 +237,9 @@ def test_empty_tenant_ranks_by_load():
 
 def test_include_unreported_false_skips_unreported():
     assert rank(RESPONSE, CANDS, ISL, BS, include_unreported=False) == [
-        ("a", 0, 9.0), ("b", 1, 14.0), ("c", 0, 16.0)
+        ("a", 0, 9.0),
+        ("b", 1, 14.0),
+        ("c", 0, 16.0),
     ]
 
 
@@ -257,7 +267,10 @@ def test_debug_stash_unified_and_gated():
 def test_score_candidates():
     scored = score_candidates(RESPONSE["default"], CANDS, ISL, BS)
     assert [(s.instance_id, s.matched, s.prefill_cost) for s in scored] == [
-        ("a", 8, 8.0), ("b", 12, 4.0), ("c", 0, 16.0), ("d", 0, 16.0)
+        ("a", 8, 8.0),
+        ("b", 12, 4.0),
+        ("c", 0, 16.0),
+        ("d", 0, 16.0),
     ]
 
 
@@ -268,8 +281,14 @@ def test_score_candidates():
 def test_config_defaults():
     cfg = KvAffinityConfig()
     assert cfg.to_dict() == {
-        "mode": "unified", "load_weight": 1.0, "overlap_credit": 1.0, "prefill_load_scale": 1.0,
-        "load_gate_topn": 0, "w_npu": 1.0, "w_cpu": 1.0, "w_disk": 0.0,
+        "mode": "unified",
+        "load_weight": 1.0,
+        "overlap_credit": 1.0,
+        "prefill_load_scale": 1.0,
+        "load_gate_topn": 0,
+        "w_npu": 1.0,
+        "w_cpu": 1.0,
+        "w_disk": 0.0,
     }
     assert cfg.effective_topn == DEFAULT_LOAD_GATE_TOPN == 2
     assert KvAffinityConfig(load_gate_topn=5).effective_topn == 5
@@ -281,24 +300,34 @@ def test_mode_case_insensitive(mode):
 
 
 def test_zero_and_integral_values_allowed():
-    cfg = KvAffinityConfig(load_weight=0, overlap_credit=0, prefill_load_scale=0, w_npu=0, w_cpu=0,
-                           w_disk=0, load_gate_topn=3.0)
+    cfg = KvAffinityConfig(
+        load_weight=0,
+        overlap_credit=0,
+        prefill_load_scale=0,
+        w_npu=0,
+        w_cpu=0,
+        w_disk=0,
+        load_gate_topn=3.0,
+    )
     assert cfg.load_gate_topn == 3 and isinstance(cfg.load_gate_topn, int)
     assert cfg.load_weight == 0.0 and isinstance(cfg.load_weight, float)
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    ({"mode": "round_robin"}, "mode must be one of"),
-    ({"mode": 3}, "mode must be a string"),
-    ({"load_weight": -1}, "load_weight must be a finite number >= 0"),
-    ({"overlap_credit": -0.01}, "overlap_credit"),
-    ({"prefill_load_scale": math.inf}, "prefill_load_scale"),
-    ({"w_npu": math.nan}, "w_npu"),
-    ({"w_cpu": "1.0"}, "w_cpu must be a number"),
-    ({"w_disk": True}, "w_disk must be a number"),
-    ({"load_gate_topn": -1}, "load_gate_topn"),
-    ({"load_gate_topn": 1.5}, "load_gate_topn must be an integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        ({"mode": "round_robin"}, "mode must be one of"),
+        ({"mode": 3}, "mode must be a string"),
+        ({"load_weight": -1}, "load_weight must be a finite number >= 0"),
+        ({"overlap_credit": -0.01}, "overlap_credit"),
+        ({"prefill_load_scale": math.inf}, "prefill_load_scale"),
+        ({"w_npu": math.nan}, "w_npu"),
+        ({"w_cpu": "1.0"}, "w_cpu must be a number"),
+        ({"w_disk": True}, "w_disk must be a number"),
+        ({"load_gate_topn": -1}, "load_gate_topn"),
+        ({"load_gate_topn": 1.5}, "load_gate_topn must be an integer"),
+    ],
+)
 def test_validation_errors(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         KvAffinityConfig(**kwargs)
@@ -342,8 +371,16 @@ def test_legacy_key_migrates(flat, nested, caplog):
 
 def test_legacy_all_keys_at_once():
     cfg = KvAffinityConfig.from_scheduler_config(dict(LEGACY_VALUES))
-    assert cfg == KvAffinityConfig(mode="load_gated", load_weight=2.0, overlap_credit=0.5,
-                                   prefill_load_scale=1.5, load_gate_topn=4, w_npu=0.9, w_cpu=0.6, w_disk=0.3)
+    assert cfg == KvAffinityConfig(
+        mode="load_gated",
+        load_weight=2.0,
+        overlap_credit=0.5,
+        prefill_load_scale=1.5,
+        load_gate_topn=4,
+        w_npu=0.9,
+        w_cpu=0.6,
+        w_disk=0.3,
+    )
 
 
 def test_nested_wins_over_legacy():

@@ -1,5 +1,6 @@
 """Conductor client: offline tests on httpx.MockTransport, and live tests
 (marker ``server``) against ``python -m kvconductor`` in a subprocess."""
+
 from __future__ import annotations
 
 import array
@@ -88,7 +89,9 @@ class Recorder:
 
 
 def msgpack_reply(obj, status=200, ct="application/msgpack"):
-    return lambda req: httpx.Response(status, content=msgspec.msgpack.encode(obj), headers={"content-type": ct})
+    return lambda req: httpx.Response(
+        status, content=msgspec.msgpack.encode(obj), headers={"content-type": ct}
+    )
 
 
 def json_reply(obj, status=200):
@@ -97,10 +100,12 @@ def json_reply(obj, status=200):
 
 def negotiated_reply(obj):
     """Like the V3 server: msgpack answer to a msgpack request, JSON otherwise."""
+
     def reply(req):
         if req.headers["content-type"].startswith("application/msgpack"):
             return msgpack_reply(obj)(req)
         return json_reply(obj)(req)
+
     return reply
 
 
@@ -129,30 +134,46 @@ def test_query_msgpack_by_default():
     req = rec.last
     assert (req.method, req.url.path) == ("POST", "/query")
     assert req.headers["content-type"] == "application/msgpack"
-    assert decode_body(req) == {"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4, 5], "tenant_id": "default"}
+    assert decode_body(req) == {
+        "model": "qwen",
+        "block_size": 4,
+        "token_ids": [1, 2, 3, 4, 5],
+        "tenant_id": "default",
+    }
 
 
 def test_query_json_on_request():
     client, rec = make(negotiated_reply(ANSWER), query_encoding="json")
     assert client.query("qwen", (1, 2, 3, 4), 4, tenant_id="t1") == ANSWER
     assert rec.last.headers["content-type"] == "application/json"
-    assert json.loads(rec.last.content) == {"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4], "tenant_id": "t1"}
+    assert json.loads(rec.last.content) == {
+        "model": "qwen",
+        "block_size": 4,
+        "token_ids": [1, 2, 3, 4],
+        "tenant_id": "t1",
+    }
 
 
 @pytest.mark.parametrize("encoding", ["msgpack", "json"])
 def test_query_lora_name_sent_only_when_set(encoding):
     client, rec = make(negotiated_reply(ANSWER), query_encoding=encoding)
     client.query("qwen", [1, 2, 3, 4], 4, lora_name="sql-adapter")
-    assert decode_body(rec.last) == {"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4],
-                                     "tenant_id": "default", "lora_name": "sql-adapter"}
+    assert decode_body(rec.last) == {
+        "model": "qwen",
+        "block_size": 4,
+        "token_ids": [1, 2, 3, 4],
+        "tenant_id": "default",
+        "lora_name": "sql-adapter",
+    }
     for base in (None, ""):
         client.query("qwen", [1, 2, 3, 4], 4, lora_name=base)
         assert "lora_name" not in decode_body(rec.last)
 
     async def main():
         arec = Recorder(negotiated_reply(ANSWER))
-        async with AsyncConductorClient(BASE, transport=httpx.MockTransport(arec),
-                                        query_encoding=encoding) as c:
+        async with AsyncConductorClient(
+            BASE, transport=httpx.MockTransport(arec), query_encoding=encoding
+        ) as c:
             await c.query("qwen", [5], 4, lora_name="a")
         assert decode_body(arec.last)["lora_name"] == "a"
 
@@ -174,8 +195,15 @@ def test_unknown_encoding_warns_and_uses_msgpack(enc, caplog):
     assert rec.last.headers["content-type"] == "application/msgpack"
 
 
-@pytest.mark.parametrize("ct", ["application/msgpack", "application/msgpack; charset=binary", "application/x-msgpack",
-                                "Application/MsgPack"])
+@pytest.mark.parametrize(
+    "ct",
+    [
+        "application/msgpack",
+        "application/msgpack; charset=binary",
+        "application/x-msgpack",
+        "Application/MsgPack",
+    ],
+)
 def test_response_decoded_as_msgpack_by_content_type(ct):
     client, _ = make(msgpack_reply(ANSWER, ct=ct), query_encoding="json")
     assert client.query("m", [1, 2, 3, 4], 4) == ANSWER
@@ -191,8 +219,12 @@ def test_query_by_hash_body():
     client, rec = make(negotiated_reply({"default": {}}))
     assert client.query_by_hash("qwen", [14643705804678351452, 7]) == {"default": {}}
     assert rec.last.url.path == "/query_by_hash"
-    assert decode_body(rec.last) == {"model": "qwen", "block_size": 1,
-                                     "block_hashes": [14643705804678351452, 7], "tenant_id": "default"}
+    assert decode_body(rec.last) == {
+        "model": "qwen",
+        "block_size": 1,
+        "block_hashes": [14643705804678351452, 7],
+        "tenant_id": "default",
+    }
     client.query_by_hash("qwen", array.array("Q", [5, 6]), tenant_id="t")
     assert decode_body(rec.last)["block_hashes"] == [5, 6]
 
@@ -223,23 +255,36 @@ def _packed_body(tokens):
     client, rec = make(negotiated_reply(ANSWER), packed=True)
     client.query("m", tokens, 4)
     body = msgspec.msgpack.decode(rec.last.content)
-    assert isinstance(body["token_ids"], bytes)   # a msgpack bin, not an array
+    assert isinstance(body["token_ids"], bytes)  # a msgpack bin, not an array
     return body["token_ids"]
 
 
 VALS = [1, 2, 3, 4, 5, 6, 7, 8, 0, 4294967295]
 
 
-@pytest.mark.parametrize("make_tokens", [
-    lambda: list(VALS),
-    lambda: tuple(VALS),
-    lambda: array.array("I", VALS),
-    lambda: array.array("q", VALS),
-    lambda: memoryview(array.array("I", VALS)),
-    lambda: memoryview(struct.pack(f"<{len(VALS)}I", *VALS)),
-    lambda: struct.pack(f"<{len(VALS)}I", *VALS),
-    lambda: (v for v in VALS),
-], ids=["list", "tuple", "array-I", "array-q", "memoryview-I", "memoryview-bytes", "bytes", "generator"])
+@pytest.mark.parametrize(
+    "make_tokens",
+    [
+        lambda: list(VALS),
+        lambda: tuple(VALS),
+        lambda: array.array("I", VALS),
+        lambda: array.array("q", VALS),
+        lambda: memoryview(array.array("I", VALS)),
+        lambda: memoryview(struct.pack(f"<{len(VALS)}I", *VALS)),
+        lambda: struct.pack(f"<{len(VALS)}I", *VALS),
+        lambda: (v for v in VALS),
+    ],
+    ids=[
+        "list",
+        "tuple",
+        "array-I",
+        "array-q",
+        "memoryview-I",
+        "memoryview-bytes",
+        "bytes",
+        "generator",
+    ],
+)
 def test_packed_tokens_exact_bytes(make_tokens):
     assert _packed_body(make_tokens()) == struct.pack(f"<{len(VALS)}I", *VALS)
 
@@ -308,7 +353,11 @@ def _timeouts(req):
 
 
 def test_timeouts_default():
-    client, rec = make(lambda req: httpx.Response(201 if req.url.path == "/register" else 200, json={"status": "ok"}))
+    client, rec = make(
+        lambda req: httpx.Response(
+            201 if req.url.path == "/register" else 200, json={"status": "ok"}
+        )
+    )
     client.query("m", [1], 4)
     assert _timeouts(rec.last) == {"connect": 3.0, "read": 3.0, "write": 3.0, "pool": 3.0}
     client.query_by_hash("m", [1])
@@ -320,8 +369,13 @@ def test_timeouts_default():
 
 
 def test_timeouts_configurable():
-    client, rec = make(json_reply({"status": "ok"}), query_timeout=0.25, register_timeout=2, workers_timeout=4,
-                       health_timeout=0.5)
+    client, rec = make(
+        json_reply({"status": "ok"}),
+        query_timeout=0.25,
+        register_timeout=2,
+        workers_timeout=4,
+        health_timeout=0.5,
+    )
     client.query("m", [1], 4)
     assert _timeouts(rec.last)["read"] == 0.25
     client.unregister(instance_id="i", dp_rank=0)
@@ -337,6 +391,7 @@ def test_timeouts_configurable():
 def test_timeout_error_message():
     def slow(req):
         raise httpx.ReadTimeout("timed out", request=req)
+
     client, _ = make(slow)
     with pytest.raises(ConductorError) as ei:
         client.query("m", [1], 4)
@@ -361,7 +416,11 @@ def test_error_404_msgpack_body():
 
 
 def test_error_plain_text_body():
-    client, _ = make(lambda req: httpx.Response(415, text="Expected request with `Content-Type: application/json`"))
+    client, _ = make(
+        lambda req: httpx.Response(
+            415, text="Expected request with `Content-Type: application/json`"
+        )
+    )
     with pytest.raises(ConductorError) as ei:
         client.register(instance_id="i", type="vLLM", modelname="m", block_size=4, dp_rank=0)
     assert ei.value.status_code == 415
@@ -370,12 +429,24 @@ def test_error_plain_text_body():
 
 
 def test_error_500_json_body_and_events_partial():
-    msg = "internal error: endpoint is empty; either medium_endpoints or a valid endpoint is required"
+    msg = (
+        "internal error: endpoint is empty; either medium_endpoints or a valid endpoint is required"
+    )
     client, _ = make(json_reply({"error": msg}, status=500))
     with pytest.raises(ConductorError, match="HTTP 500: internal error: endpoint is empty"):
-        client.register(instance_id="i", type="vLLM", modelname="m", block_size=4, dp_rank=0, endpoint="")
-    client, _ = make(json_reply({"status": "partial", "events_applied": 0, "errors": ["dp_rank=0: parent block not found"]},
-                                status=500))
+        client.register(
+            instance_id="i", type="vLLM", modelname="m", block_size=4, dp_rank=0, endpoint=""
+        )
+    client, _ = make(
+        json_reply(
+            {
+                "status": "partial",
+                "events_applied": 0,
+                "errors": ["dp_rank=0: parent block not found"],
+            },
+            status=500,
+        )
+    )
     with pytest.raises(ConductorError, match="parent block not found"):
         client.post_events({"instance_id": "i", "events": []})
 
@@ -389,7 +460,11 @@ def test_connection_error_message():
 
 
 def test_undecodable_body():
-    client, _ = make(lambda req: httpx.Response(200, content=b"\xc1garbage", headers={"content-type": "application/msgpack"}))
+    client, _ = make(
+        lambda req: httpx.Response(
+            200, content=b"\xc1garbage", headers={"content-type": "application/msgpack"}
+        )
+    )
     with pytest.raises(ConductorError, match="undecodable body"):
         client.query("m", [1], 4)
 
@@ -482,7 +557,9 @@ def test_breaker_success_resets_count():
 
 def test_breaker_counts_5xx_not_4xx():
     statuses = iter([500, 503, 404, 500, 500, 500])
-    client, _ = make(lambda req: httpx.Response(next(statuses), json={"error": "x"}), clock=FakeClock())
+    client, _ = make(
+        lambda req: httpx.Response(next(statuses), json={"error": "x"}), clock=FakeClock()
+    )
     for _ in range(5):
         client.query_or_empty("m", [1], 4)
     # 500, 503 -> 2 failures; 404 resets; 500, 500 -> 2 failures: still closed
@@ -500,8 +577,8 @@ def test_breaker_half_open_admits_one_probe():
     assert br.state == "open" and not br.allow()
     clock.advance(5)
     assert br.allow() and br.state == "half_open"
-    assert not br.allow()          # a second caller while the probe is out
-    br.release()                   # probe abandoned (e.g. cancelled)
+    assert not br.allow()  # a second caller while the probe is out
+    br.release()  # probe abandoned (e.g. cancelled)
     assert br.allow()
     br.record_success()
     assert br.state == "closed" and br.allow()
@@ -532,8 +609,14 @@ def test_health_bypasses_breaker():
 
 def test_register_payload_and_kwargs():
     client, rec = make(lambda req: httpx.Response(201, json={"status": "ok"}))
-    payload = {"instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen", "block_size": 128, "dp_rank": 0,
-               "medium_endpoints": {"npu": "tcp://10.0.0.1:5557"}}
+    payload = {
+        "instance_id": "vllm-prefill-1",
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": 128,
+        "dp_rank": 0,
+        "medium_endpoints": {"npu": "tcp://10.0.0.1:5557"},
+    }
     assert client.register(payload, dp_rank=1) == {"status": "ok"}
     assert json.loads(rec.last.content) == {**payload, "dp_rank": 1}
     assert rec.last.headers["content-type"] == "application/json"
@@ -550,8 +633,13 @@ def test_register_missing_fields():
 def test_unregister_fills_required_placeholders():
     client, rec = make(json_reply({"status": "ok"}))
     client.unregister(instance_id="vllm-prefill-1", dp_rank=2)
-    assert json.loads(rec.last.content) == {"instance_id": "vllm-prefill-1", "dp_rank": 2, "type": "vLLM",
-                                            "modelname": "", "block_size": 0}
+    assert json.loads(rec.last.content) == {
+        "instance_id": "vllm-prefill-1",
+        "dp_rank": 2,
+        "type": "vLLM",
+        "modelname": "",
+        "block_size": 0,
+    }
     with pytest.raises(ValueError, match="dp_rank"):
         client.unregister(instance_id="x")
 
@@ -565,9 +653,20 @@ def test_unregister_unknown_is_404_error():
 
 WORKERS = {
     "workers": [
-        {"instance_id": "vllm-prefill-1", "model_name": "qwen", "tenant_id": "default", "block_size": 128,
-         "endpoints": {"0": {"medium_endpoints": {"npu": "tcp://10.0.0.1:5557"}, "engine_type": "vLLM", "dp_rank": 0,
-                             "replay_endpoint": None}}}
+        {
+            "instance_id": "vllm-prefill-1",
+            "model_name": "qwen",
+            "tenant_id": "default",
+            "block_size": 128,
+            "endpoints": {
+                "0": {
+                    "medium_endpoints": {"npu": "tcp://10.0.0.1:5557"},
+                    "engine_type": "vLLM",
+                    "dp_rank": 0,
+                    "replay_endpoint": None,
+                }
+            },
+        }
     ],
     "indexer": [],
 }
@@ -580,14 +679,23 @@ def test_reregister_missing():
         return httpx.Response(201, json={"status": "ok"})
 
     client, rec = make(reply)
-    p0 = {"instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen", "block_size": 128, "dp_rank": 0}
+    p0 = {
+        "instance_id": "vllm-prefill-1",
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": 128,
+        "dp_rank": 0,
+    }
     p1 = {**p0, "dp_rank": 1}
     p2 = {**p0, "instance_id": "vllm-union-2", "dp_rank": 0}
     result = client.reregister_missing([p0, p1, p2])
     assert result.present == [p0]
     assert result.registered == [p1, p2] and result.failed == []
     assert [(r.method, r.url.path) for r in rec.requests] == [
-        ("GET", "/workers"), ("POST", "/register"), ("POST", "/register")]
+        ("GET", "/workers"),
+        ("POST", "/register"),
+        ("POST", "/register"),
+    ]
     assert [json.loads(r.content) for r in rec.requests[1:]] == [p1, p2]
 
 
@@ -596,11 +704,19 @@ def test_reregister_falls_back_to_services_and_collects_failures():
         if req.url.path == "/workers":
             return httpx.Response(200, json={"workers": [], "indexer": []})
         if req.url.path == "/services":
-            return httpx.Response(200, json={"services": [{"InstanceID": "vllm-prefill-1", "DPRank": 0}]})
+            return httpx.Response(
+                200, json={"services": [{"InstanceID": "vllm-prefill-1", "DPRank": 0}]}
+            )
         return httpx.Response(500, json={"error": "boom"})
 
     client, rec = make(reply)
-    p0 = {"instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "q", "block_size": 4, "dp_rank": 0}
+    p0 = {
+        "instance_id": "vllm-prefill-1",
+        "type": "vLLM",
+        "modelname": "q",
+        "block_size": 4,
+        "dp_rank": 0,
+    }
     p1 = {**p0, "dp_rank": 1}
     result = client.reregister_missing([p0, p1, {}])
     assert result.present == [p0] and result.registered == []
@@ -622,9 +738,13 @@ def test_async_client_query_and_breaker():
     async def main():
         clock = FakeClock()
         rec = Recorder(negotiated_reply(ANSWER))
-        async with AsyncConductorClient(BASE, transport=httpx.MockTransport(rec), clock=clock, packed=True) as c:
+        async with AsyncConductorClient(
+            BASE, transport=httpx.MockTransport(rec), clock=clock, packed=True
+        ) as c:
             assert await c.query("m", [1, 2, 3, 4], 4) == ANSWER
-            assert msgspec.msgpack.decode(rec.last.content)["token_ids"] == struct.pack("<4I", 1, 2, 3, 4)
+            assert msgspec.msgpack.decode(rec.last.content)["token_ids"] == struct.pack(
+                "<4I", 1, 2, 3, 4
+            )
             assert rec.last.extensions["timeout"]["read"] == 3.0
             assert await c.query_by_hash("m", [1]) == ANSWER
         bad = Recorder(refuse)
@@ -647,9 +767,16 @@ def test_async_reregister_and_errors():
             if req.url.path == "/unregister":
                 return httpx.Response(404, json={"error": "instance x not found"})
             return httpx.Response(201, json={"status": "ok"})
+
         rec = Recorder(reply)
         async with AsyncConductorClient(BASE, transport=httpx.MockTransport(rec)) as c:
-            p = {"instance_id": "vllm-prefill-9", "type": "vLLM", "modelname": "q", "block_size": 4, "dp_rank": 0}
+            p = {
+                "instance_id": "vllm-prefill-9",
+                "type": "vLLM",
+                "modelname": "q",
+                "block_size": 4,
+                "dp_rank": 0,
+            }
             result = await c.reregister_missing([p])
             assert result.registered == [p]
             with pytest.raises(ConductorError, match="HTTP 404: instance x not found"):
@@ -663,32 +790,38 @@ def test_async_reregister_and_errors():
 # Registration helpers (docs/client.md, "Registration helpers"; the reference client's helper tests)
 
 
-@pytest.mark.parametrize("pattern,host,dp,expected", [
-    ("tcp://*:5557", "10.0.0.1", 0, "tcp://10.0.0.1:5557"),
-    ("tcp://*:6667", "10.0.0.1", 1, "tcp://10.0.0.1:6668"),
-    ("tcp://*:5557", "10.0.0.3", 5, "tcp://10.0.0.3:5562"),
-    ("tcp://*:5557", "2001:db8::1", 0, "tcp://[2001:db8::1]:5557"),
-    ("tcp://*:5557", "[2001:db8::1]", 2, "tcp://[2001:db8::1]:5559"),
-    ("tcp://*:5557", "node-a.svc", 1, "tcp://node-a.svc:5558"),
-    ("tcp://10.0.0.1:5557", "10.0.0.1", 0, None),   # no "*:" -> one part
-    ("tcp://*:*:5557", "10.0.0.1", 0, None),        # three parts
-    ("tcp://*:abc", "10.0.0.1", 0, None),           # port not an integer
-    ("", "10.0.0.1", 0, None),
-    (None, "10.0.0.1", 0, None),
-])
+@pytest.mark.parametrize(
+    "pattern,host,dp,expected",
+    [
+        ("tcp://*:5557", "10.0.0.1", 0, "tcp://10.0.0.1:5557"),
+        ("tcp://*:6667", "10.0.0.1", 1, "tcp://10.0.0.1:6668"),
+        ("tcp://*:5557", "10.0.0.3", 5, "tcp://10.0.0.3:5562"),
+        ("tcp://*:5557", "2001:db8::1", 0, "tcp://[2001:db8::1]:5557"),
+        ("tcp://*:5557", "[2001:db8::1]", 2, "tcp://[2001:db8::1]:5559"),
+        ("tcp://*:5557", "node-a.svc", 1, "tcp://node-a.svc:5558"),
+        ("tcp://10.0.0.1:5557", "10.0.0.1", 0, None),  # no "*:" -> one part
+        ("tcp://*:*:5557", "10.0.0.1", 0, None),  # three parts
+        ("tcp://*:abc", "10.0.0.1", 0, None),  # port not an integer
+        ("", "10.0.0.1", 0, None),
+        (None, "10.0.0.1", 0, None),
+    ],
+)
 def test_resolve_endpoint(pattern, host, dp, expected):
     assert resolve_endpoint(pattern, host, dp) == expected
 
 
-@pytest.mark.parametrize("role,iid,expected", [
-    ("U", 7, "vllm-union-7"),
-    ("P", 3, "vllm-prefill-3"),
-    ("E", 5, "vllm-prefill-5"),
-    ("D", 9, "vllm-decode-9"),
-    ("p", 1, "vllm-prefill-1"),
-    ("ROLE_U", 2, "vllm-union-2"),
-    ("decode", 4, "vllm-decode-4"),
-])
+@pytest.mark.parametrize(
+    "role,iid,expected",
+    [
+        ("U", 7, "vllm-union-7"),
+        ("P", 3, "vllm-prefill-3"),
+        ("E", 5, "vllm-prefill-5"),
+        ("D", 9, "vllm-decode-9"),
+        ("p", 1, "vllm-prefill-1"),
+        ("ROLE_U", 2, "vllm-union-2"),
+        ("decode", 4, "vllm-decode-4"),
+    ],
+)
 def test_instance_name(role, iid, expected):
     assert instance_name(role, iid) == expected
 
@@ -723,20 +856,25 @@ def test_format_host_and_base_url():
 
 def test_from_config():
     assert ConductorClient.from_config({"conductor_service": ""}) is None
-    c = ConductorClient.from_config({"conductor_service": "::1", "http_server_port": 15555, "query_encoding": "json"})
+    c = ConductorClient.from_config(
+        {"conductor_service": "::1", "http_server_port": 15555, "query_encoding": "json"}
+    )
     assert c.base_url == "http://[::1]:15555" and c.query_encoding == "json"
     assert AsyncConductorClient.from_config(KvConductorConfig()) is None
 
 
-@pytest.mark.parametrize("raw,canon,resolved,mode", [
-    ("Mooncake", "Mooncake", "Mooncake", "pool"),
-    ("MOONCAKE", "Mooncake", "Mooncake", "pool"),
-    ("memcache", "Memcache", "Memcache", "pool"),
-    ("yuanrong", "YuanRong", "YuanRong", "per_dp"),
-    ("", "", "Mooncake", "per_dp"),
-    (None, "", "Mooncake", "per_dp"),
-    (" Redis ", "Redis", "Redis", "per_dp"),
-])
+@pytest.mark.parametrize(
+    "raw,canon,resolved,mode",
+    [
+        ("Mooncake", "Mooncake", "Mooncake", "pool"),
+        ("MOONCAKE", "Mooncake", "Mooncake", "pool"),
+        ("memcache", "Memcache", "Memcache", "pool"),
+        ("yuanrong", "YuanRong", "YuanRong", "per_dp"),
+        ("", "", "Mooncake", "per_dp"),
+        (None, "", "Mooncake", "per_dp"),
+        (" Redis ", "Redis", "Redis", "per_dp"),
+    ],
+)
 def test_backend_canonicalisation(raw, canon, resolved, mode):
     assert canonical_store_backend(raw) == canon
     assert resolve_store_backend(raw) == resolved
@@ -754,64 +892,127 @@ def test_medium_endpoints():
     assert build_medium_endpoints({}, "10.0.0.1", 0) == {}
     assert build_medium_endpoints({"store_backend": "YuanRong"}, "10.0.0.1", 0) == {}
     # pool mode: npu only, npu > xpu > endpoint
-    assert build_medium_endpoints({"store_backend": "Mooncake", "npu_endpoint": "tcp://*:5557",
-                                   "cpu_endpoint": "tcp://*:7000"}, "10.0.0.1", 1) == {"npu": "tcp://10.0.0.1:5558"}
-    assert build_medium_endpoints({"xpu_endpoint": "tcp://*:5600", "endpoint": "tcp://*:5557"},
-                                  "10.0.0.1", 0) == {"npu": "tcp://10.0.0.1:5600"}
-    assert build_medium_endpoints({"endpoint": "tcp://*:5557"}, "10.0.0.1", 0) == {"npu": "tcp://10.0.0.1:5557"}
+    assert build_medium_endpoints(
+        {
+            "store_backend": "Mooncake",
+            "npu_endpoint": "tcp://*:5557",
+            "cpu_endpoint": "tcp://*:7000",
+        },
+        "10.0.0.1",
+        1,
+    ) == {"npu": "tcp://10.0.0.1:5558"}
+    assert build_medium_endpoints(
+        {"xpu_endpoint": "tcp://*:5600", "endpoint": "tcp://*:5557"}, "10.0.0.1", 0
+    ) == {"npu": "tcp://10.0.0.1:5600"}
+    assert build_medium_endpoints({"endpoint": "tcp://*:5557"}, "10.0.0.1", 0) == {
+        "npu": "tcp://10.0.0.1:5557"
+    }
     # per-DP (YuanRong): each medium falls back to endpoint
-    assert build_medium_endpoints({"store_backend": "YuanRong", "npu_endpoint": "tcp://*:5557",
-                                   "cpu_endpoint": "tcp://*:7000", "disk_endpoint": "tcp://*:7000"},
-                                  "10.0.0.2", 2) == {
-        "npu": "tcp://10.0.0.2:5559", "cpu": "tcp://10.0.0.2:7002", "disk": "tcp://10.0.0.2:7002"}
-    assert build_medium_endpoints({"store_backend": "yuanrong", "endpoint": "tcp://*:5557",
-                                   "cpu_endpoint": "tcp://*:7000"}, "10.0.0.2", 0) == {
-        "npu": "tcp://10.0.0.2:5557", "cpu": "tcp://10.0.0.2:7000", "disk": "tcp://10.0.0.2:5557"}
-    assert build_medium_endpoints({"store_backend": "YuanRong", "cpu_endpoint": "tcp://*:7000"},
-                                  "10.0.0.2", 0) == {"cpu": "tcp://10.0.0.2:7000"}
+    assert build_medium_endpoints(
+        {
+            "store_backend": "YuanRong",
+            "npu_endpoint": "tcp://*:5557",
+            "cpu_endpoint": "tcp://*:7000",
+            "disk_endpoint": "tcp://*:7000",
+        },
+        "10.0.0.2",
+        2,
+    ) == {"npu": "tcp://10.0.0.2:5559", "cpu": "tcp://10.0.0.2:7002", "disk": "tcp://10.0.0.2:7002"}
+    assert build_medium_endpoints(
+        {"store_backend": "yuanrong", "endpoint": "tcp://*:5557", "cpu_endpoint": "tcp://*:7000"},
+        "10.0.0.2",
+        0,
+    ) == {"npu": "tcp://10.0.0.2:5557", "cpu": "tcp://10.0.0.2:7000", "disk": "tcp://10.0.0.2:5557"}
+    assert build_medium_endpoints(
+        {"store_backend": "YuanRong", "cpu_endpoint": "tcp://*:7000"}, "10.0.0.2", 0
+    ) == {"cpu": "tcp://10.0.0.2:7000"}
 
 
 def test_dp_registration_pool_mode():
-    cfg = {"store_backend": "mooncake", "npu_endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:6667",
-           "block_size": 128, "engine_type": "vLLM"}
+    cfg = {
+        "store_backend": "mooncake",
+        "npu_endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://*:6667",
+        "block_size": 128,
+        "engine_type": "vLLM",
+    }
     assert build_dp_registration(cfg, "vllm-prefill-1", "qwen", 1, "10.0.0.1") == {
-        "instance_id": "vllm-prefill-1", "type": "vLLM", "store_backend": "Mooncake", "modelname": "qwen",
-        "block_size": 128, "dp_rank": 1, "medium_endpoints": {"npu": "tcp://10.0.0.1:5558"},
-        "replay_endpoint": "tcp://10.0.0.1:6668"}
+        "instance_id": "vllm-prefill-1",
+        "type": "vLLM",
+        "store_backend": "Mooncake",
+        "modelname": "qwen",
+        "block_size": 128,
+        "dp_rank": 1,
+        "medium_endpoints": {"npu": "tcp://10.0.0.1:5558"},
+        "replay_endpoint": "tcp://10.0.0.1:6668",
+    }
 
 
 def test_dp_registration_http_only_and_malformed_replay():
     cfg = KvConductorConfig(store_backend="Memcache", replay_endpoint="tcp://10.0.0.1:6667")
     assert build_dp_registration(cfg, "vllm-union-2", "qwen", 0, "10.0.0.1", tenant_id="t") == {
-        "instance_id": "vllm-union-2", "type": "vLLM", "store_backend": "Memcache", "modelname": "qwen",
-        "block_size": 128, "dp_rank": 0, "tenant_id": "t"}
+        "instance_id": "vllm-union-2",
+        "type": "vLLM",
+        "store_backend": "Memcache",
+        "modelname": "qwen",
+        "block_size": 128,
+        "dp_rank": 0,
+        "tenant_id": "t",
+    }
 
 
 def test_dp_registration_yuanrong_ipv6():
     cfg = {"store_backend": "YuanRong", "endpoint": "tcp://*:5557", "disk_endpoint": "tcp://*:9000"}
-    assert build_dp_registration(cfg, "vllm-prefill-4", "m", 0, "2001:db8::1")["medium_endpoints"] == {
-        "npu": "tcp://[2001:db8::1]:5557", "cpu": "tcp://[2001:db8::1]:5557", "disk": "tcp://[2001:db8::1]:9000"}
+    assert build_dp_registration(cfg, "vllm-prefill-4", "m", 0, "2001:db8::1")[
+        "medium_endpoints"
+    ] == {
+        "npu": "tcp://[2001:db8::1]:5557",
+        "cpu": "tcp://[2001:db8::1]:5557",
+        "disk": "tcp://[2001:db8::1]:9000",
+    }
 
 
 def test_pool_registration():
-    cfg = {"store_backend": "Mooncake", "pool_endpoint": "tcp://master:50051", "block_size": 64,
-           "model_path": "/models/qwen"}
+    cfg = {
+        "store_backend": "Mooncake",
+        "pool_endpoint": "tcp://master:50051",
+        "block_size": 64,
+        "model_path": "/models/qwen",
+    }
     assert build_pool_registration(cfg) == {
-        "instance_id": "mooncake-pool", "endpoint": "tcp://master:50051", "type": "vLLM",
-        "store_backend": "Mooncake", "modelname": "/models/qwen", "block_size": 64, "dp_rank": 0}
+        "instance_id": "mooncake-pool",
+        "endpoint": "tcp://master:50051",
+        "type": "vLLM",
+        "store_backend": "Mooncake",
+        "modelname": "/models/qwen",
+        "block_size": 64,
+        "dp_rank": 0,
+    }
     # no model_path -> "default"; Memcache name; empty backend means Mooncake
     p = build_pool_registration({"store_backend": "memcache", "pool_endpoint": "tcp://m:1"})
-    assert (p["instance_id"], p["modelname"], p["store_backend"]) == ("memcache-pool", "default", "Memcache")
+    assert (p["instance_id"], p["modelname"], p["store_backend"]) == (
+        "memcache-pool",
+        "default",
+        "Memcache",
+    )
     assert build_pool_registration({"pool_endpoint": "tcp://m:1"})["instance_id"] == "mooncake-pool"
     # not a pool backend / no endpoint -> None
-    assert build_pool_registration({"store_backend": "YuanRong", "pool_endpoint": "tcp://m:1"}) is None
+    assert (
+        build_pool_registration({"store_backend": "YuanRong", "pool_endpoint": "tcp://m:1"}) is None
+    )
     assert build_pool_registration({"store_backend": "Mooncake"}) is None
 
 
 def test_pool_registration_master_service_env(caplog):
     cfg = {"store_backend": "Mooncake", "pool_endpoint": "tcp://*:50051"}
-    assert build_pool_registration(cfg, env={"KVS_MASTER_SERVICE": "mc-master"})["endpoint"] == "tcp://mc-master:50051"
-    assert build_pool_registration(cfg, env={"KVS_MASTER_SERVICE": "fd00::5"})["endpoint"] == "tcp://[fd00::5]:50051"
+    assert (
+        build_pool_registration(cfg, env={"KVS_MASTER_SERVICE": "mc-master"})["endpoint"]
+        == "tcp://mc-master:50051"
+    )
+    assert (
+        build_pool_registration(cfg, env={"KVS_MASTER_SERVICE": "fd00::5"})["endpoint"]
+        == "tcp://[fd00::5]:50051"
+    )
     with caplog.at_level(logging.WARNING, logger="kvconductor.client"):
         assert build_pool_registration(cfg, env={}) is None
     assert "KVS_MASTER_SERVICE" in caplog.text
@@ -819,7 +1020,12 @@ def test_pool_registration_master_service_env(caplog):
 
 def test_unregister_payload():
     assert build_unregister_payload({"block_size": 16}, "vllm-prefill-1", "qwen", 3) == {
-        "type": "vLLM", "modelname": "qwen", "block_size": 16, "instance_id": "vllm-prefill-1", "dp_rank": 3}
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": 16,
+        "instance_id": "vllm-prefill-1",
+        "dp_rank": 3,
+    }
 
 
 def test_config_coerce_from_object():
@@ -832,26 +1038,36 @@ def test_config_coerce_from_object():
     assert (cfg.conductor_service, cfg.block_size, cfg.replay_endpoint) == ("svc", 512, "")
 
 
-@pytest.mark.parametrize("entry,expected", [
-    (WORKERS["workers"][0], {("vllm-prefill-1", 0)}),
-    ({"instance_id": "a", "endpoints": {"0": {}, "3": {}, "x": {}}}, {("a", 0), ("a", 3)}),
-    ({"InstanceID": "b", "DPRank": 2}, {("b", 2)}),
-    ({"InstanceID": "b", "DPRank": "4"}, {("b", 4)}),
-    ({"InstanceID": "b"}, {("b", -1)}),
-    ({"InstanceID": "b", "DPRank": "?"}, {("b", -1)}),
-    ({"instance_id": "a", "endpoints": {}}, set()),
-    ({}, set()),
-    ("junk", set()),
-])
+@pytest.mark.parametrize(
+    "entry,expected",
+    [
+        (WORKERS["workers"][0], {("vllm-prefill-1", 0)}),
+        ({"instance_id": "a", "endpoints": {"0": {}, "3": {}, "x": {}}}, {("a", 0), ("a", 3)}),
+        ({"InstanceID": "b", "DPRank": 2}, {("b", 2)}),
+        ({"InstanceID": "b", "DPRank": "4"}, {("b", 4)}),
+        ({"InstanceID": "b"}, {("b", -1)}),
+        ({"InstanceID": "b", "DPRank": "?"}, {("b", -1)}),
+        ({"instance_id": "a", "endpoints": {}}, set()),
+        ({}, set()),
+        ("junk", set()),
+    ],
+)
 def test_normalize_service_key(entry, expected):
     assert normalize_service_key(entry) == expected
 
 
 def test_missing_registrations():
-    local = [{"instance_id": "vllm-prefill-1", "dp_rank": 0}, {"instance_id": "vllm-prefill-1", "dp_rank": 1}]
+    local = [
+        {"instance_id": "vllm-prefill-1", "dp_rank": 0},
+        {"instance_id": "vllm-prefill-1", "dp_rank": 1},
+    ]
     assert missing_registrations(WORKERS, local) == [local[1]]
-    assert missing_registrations({"services": [{"InstanceID": "vllm-prefill-1", "DPRank": 1}]}, local) == [local[0]]
-    assert missing_registrations(WORKERS["workers"], [("vllm-prefill-1", 0), ("x", 0)]) == [("x", 0)]
+    assert missing_registrations(
+        {"services": [{"InstanceID": "vllm-prefill-1", "DPRank": 1}]}, local
+    ) == [local[0]]
+    assert missing_registrations(WORKERS["workers"], [("vllm-prefill-1", 0), ("x", 0)]) == [
+        ("x", 0)
+    ]
     assert missing_registrations({}, local) == local
     assert missing_registrations([], []) == []
 
@@ -882,8 +1098,20 @@ class Server:
         env.pop("KV_CONDUCTOR_API_KEY", None)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(self.port), *extra],
-            cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "kvconductor",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                *extra,
+            ],
+            cwd=str(REPO),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + STARTUP_TIMEOUT
         with httpx.Client(trust_env=False) as http:
@@ -916,8 +1144,11 @@ class Server:
 
     def why(self) -> str:
         tail = self.log.decode(errors="replace").strip().splitlines()[-3:]
-        return (f"`python -m kvconductor --port {self.port}` did not become healthy within "
-                f"{STARTUP_TIMEOUT:g} s (the service may not be built yet)" + (f": {' | '.join(tail)}" if tail else ""))
+        return (
+            f"`python -m kvconductor --port {self.port}` did not become healthy within "
+            f"{STARTUP_TIMEOUT:g} s (the service may not be built yet)"
+            + (f": {' | '.join(tail)}" if tail else "")
+        )
 
 
 @pytest.fixture(scope="module")
@@ -930,14 +1161,34 @@ def server():
 
 
 def _register_http_only(client: ConductorClient, iid: str, model: str, dp_rank: int) -> None:
-    assert client.register(instance_id=iid, type="vLLM", modelname=model, block_size=4, dp_rank=dp_rank,
-                           store_backend="YuanRong") == {"status": "ok"}
+    assert client.register(
+        instance_id=iid,
+        type="vLLM",
+        modelname=model,
+        block_size=4,
+        dp_rank=dp_rank,
+        store_backend="YuanRong",
+    ) == {"status": "ok"}
 
 
-def _store(client: ConductorClient, iid: str, dp_rank: int, hashes, tokens, medium: str, parent=None) -> None:
-    batch = {"instance_id": iid, "events": [{
-        "event_id": 1, "dp_rank": dp_rank, "type": "BlockStored", "block_hashes": hashes,
-        "parent_block_hash": parent, "token_ids": tokens, "block_size": 4, "medium": medium}]}
+def _store(
+    client: ConductorClient, iid: str, dp_rank: int, hashes, tokens, medium: str, parent=None
+) -> None:
+    batch = {
+        "instance_id": iid,
+        "events": [
+            {
+                "event_id": 1,
+                "dp_rank": dp_rank,
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "parent_block_hash": parent,
+                "token_ids": tokens,
+                "block_size": 4,
+                "medium": medium,
+            }
+        ],
+    }
     assert client.post_events(batch) == {"status": "ok", "events_applied": 1}
 
 
@@ -965,12 +1216,18 @@ def loaded(server):
 #   prefill-2: CPU root walk over 3 edges           -> cpu 3 - npu 0 = 3, matched 12
 #   prefill-3: Disk root walk over 1 edge           -> disk 1 - max(0, 0) = 1, matched 4
 EXPECTED = {
-    "vllm-prefill-1": {"longest_matched": 8,
-                       "DP": {"0": {"matched_tokens": 8, "npu_blocks": 2, "cpu_blocks": 0, "disk_blocks": 0}}},
-    "vllm-prefill-2": {"longest_matched": 12,
-                       "DP": {"1": {"matched_tokens": 12, "npu_blocks": 0, "cpu_blocks": 3, "disk_blocks": 0}}},
-    "vllm-prefill-3": {"longest_matched": 4,
-                       "DP": {"0": {"matched_tokens": 4, "npu_blocks": 0, "cpu_blocks": 0, "disk_blocks": 1}}},
+    "vllm-prefill-1": {
+        "longest_matched": 8,
+        "DP": {"0": {"matched_tokens": 8, "npu_blocks": 2, "cpu_blocks": 0, "disk_blocks": 0}},
+    },
+    "vllm-prefill-2": {
+        "longest_matched": 12,
+        "DP": {"1": {"matched_tokens": 12, "npu_blocks": 0, "cpu_blocks": 3, "disk_blocks": 0}},
+    },
+    "vllm-prefill-3": {
+        "longest_matched": 4,
+        "DP": {"0": {"matched_tokens": 4, "npu_blocks": 0, "cpu_blocks": 0, "disk_blocks": 1}},
+    },
 }
 PROMPT = list(range(1, 17))
 
@@ -984,7 +1241,9 @@ def test_live_health_and_workers(server, loaded):
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("encoding,packed", [("msgpack", False), ("json", False), ("msgpack", True)])
+@pytest.mark.parametrize(
+    "encoding,packed", [("msgpack", False), ("json", False), ("msgpack", True)]
+)
 def test_live_query_encodings_agree(server, loaded, encoding, packed):
     with ConductorClient(server.url, query_encoding=encoding, packed=packed) as c:
         assert c.query(loaded, PROMPT, 4) == {"default": EXPECTED}
@@ -1003,14 +1262,43 @@ def test_live_query_by_hash(server, loaded):
     hashes = [14643705804678351452, 16777012769546811212]
     for enc in ("msgpack", "json"):
         with ConductorClient(server.url, query_encoding=enc) as c:
-            assert c.query_by_hash(loaded, hashes) == {"default": {
-                "vllm-prefill-1": {"longest_matched": 2,
-                                   "DP": {"0": {"matched_tokens": 2, "npu_blocks": 2, "cpu_blocks": 0, "disk_blocks": 0}}},
-                "vllm-prefill-2": {"longest_matched": 2,
-                                   "DP": {"1": {"matched_tokens": 2, "npu_blocks": 0, "cpu_blocks": 2, "disk_blocks": 0}}},
-                "vllm-prefill-3": {"longest_matched": 1,
-                                   "DP": {"0": {"matched_tokens": 1, "npu_blocks": 0, "cpu_blocks": 0, "disk_blocks": 1}}},
-            }}
+            assert c.query_by_hash(loaded, hashes) == {
+                "default": {
+                    "vllm-prefill-1": {
+                        "longest_matched": 2,
+                        "DP": {
+                            "0": {
+                                "matched_tokens": 2,
+                                "npu_blocks": 2,
+                                "cpu_blocks": 0,
+                                "disk_blocks": 0,
+                            }
+                        },
+                    },
+                    "vllm-prefill-2": {
+                        "longest_matched": 2,
+                        "DP": {
+                            "1": {
+                                "matched_tokens": 2,
+                                "npu_blocks": 0,
+                                "cpu_blocks": 2,
+                                "disk_blocks": 0,
+                            }
+                        },
+                    },
+                    "vllm-prefill-3": {
+                        "longest_matched": 1,
+                        "DP": {
+                            "0": {
+                                "matched_tokens": 1,
+                                "npu_blocks": 0,
+                                "cpu_blocks": 0,
+                                "disk_blocks": 1,
+                            }
+                        },
+                    },
+                }
+            }
 
 
 @pytest.mark.server
@@ -1031,17 +1319,28 @@ def test_live_errors_and_empty(server, loaded):
 def test_live_rank_both_modes(server, loaded):
     with ConductorClient(server.url) as c:
         resp = c.query(loaded, PROMPT, 4)
-    cands = [Candidate("vllm-prefill-1", 0, 1.0), Candidate("vllm-prefill-2", 1, 10.0),
-             Candidate("vllm-prefill-3", 0, 0.0)]
+    cands = [
+        Candidate("vllm-prefill-1", 0, 1.0),
+        Candidate("vllm-prefill-2", 1, 10.0),
+        Candidate("vllm-prefill-3", 0, 0.0),
+    ]
     # unified, defaults (w_disk 0): matched 8, 12, 0 -> prefill 8, 4, 16 -> score 9, 14, 16
-    assert rank(resp, cands, 16, 4) == [("vllm-prefill-1", 0, 9.0), ("vllm-prefill-2", 1, 14.0),
-                                        ("vllm-prefill-3", 0, 16.0)]
+    assert rank(resp, cands, 16, 4) == [
+        ("vllm-prefill-1", 0, 9.0),
+        ("vllm-prefill-2", 1, 14.0),
+        ("vllm-prefill-3", 0, 16.0),
+    ]
     # w_disk 1: prefill-3 matched 4 -> prefill 12 -> 12; order 9, 12, 14
     assert [r[0] for r in rank(resp, cands, 16, 4, KvAffinityConfig(w_disk=1))] == [
-        "vllm-prefill-1", "vllm-prefill-3", "vllm-prefill-2"]
+        "vllm-prefill-1",
+        "vllm-prefill-3",
+        "vllm-prefill-2",
+    ]
     # load_gated (topn 2): the two lightest are prefill-3 (0) and prefill-1 (1); by matched: 1 (8), 3 (0)
     assert rank(resp, cands, 16, 4, KvAffinityConfig(mode="load_gated")) == [
-        ("vllm-prefill-1", 0, 1.0), ("vllm-prefill-3", 0, 0.0)]
+        ("vllm-prefill-1", 0, 1.0),
+        ("vllm-prefill-3", 0, 0.0),
+    ]
 
 
 @pytest.mark.server
@@ -1052,8 +1351,14 @@ def test_live_reregister_after_unregister(server):
     with ConductorClient(server.url) as c:
         c.register(payloads[0])
         result = c.reregister_missing(payloads)
-        assert result.present == [payloads[0]] and result.registered == [payloads[1]] and not result.failed
-        assert c.unregister(build_unregister_payload(cfg, "vllm-union-5", model, 1)) == {"status": "ok"}
+        assert (
+            result.present == [payloads[0]]
+            and result.registered == [payloads[1]]
+            and not result.failed
+        )
+        assert c.unregister(build_unregister_payload(cfg, "vllm-union-5", model, 1)) == {
+            "status": "ok"
+        }
         assert c.reregister_missing(payloads).registered == [payloads[1]]
         for dp in (0, 1):
             c.unregister(build_unregister_payload(cfg, "vllm-union-5", model, dp))
@@ -1065,7 +1370,13 @@ def test_live_api_key():
     if not srv.start("--api-key", "s3cret"):
         pytest.skip(srv.why())
     try:
-        reg = {"instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "m", "block_size": 4, "dp_rank": 0}
+        reg = {
+            "instance_id": "vllm-prefill-1",
+            "type": "vLLM",
+            "modelname": "m",
+            "block_size": 4,
+            "dp_rank": 0,
+        }
         with ConductorClient(srv.url) as c:
             with pytest.raises(ConductorError) as ei:
                 c.register(reg)
@@ -1095,7 +1406,7 @@ def test_live_breaker_against_stopped_server():
     clock = FakeClock()
     try:
         with ConductorClient(srv.url, clock=clock) as c:
-            assert c.query_or_empty("none", PROMPT, 4) == {}          # 404: server up, no failure
+            assert c.query_or_empty("none", PROMPT, 4) == {}  # 404: server up, no failure
             assert c.breaker.failures == 0
             srv.stop()
             for i in range(3):

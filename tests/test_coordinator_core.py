@@ -1,4 +1,5 @@
 """The sans-I/O client core driven by hand: requests out, replies in, no HTTP."""
+
 from __future__ import annotations
 
 import msgspec
@@ -27,8 +28,13 @@ def test_query_plan_builds_one_request_and_returns_the_decoded_answer():
     more, req = resume(plan)
     assert more and (req.method, req.path, req.timeout) == ("POST", "/query", 3.0)
     assert req.headers == {"content-type": JSON, "accept": f"{JSON}, {JSON}"}
-    assert msgspec.json.decode(req.content) == {"model": "qwen", "block_size": 128, "token_ids": [1, 2, 3],
-                                                "tenant_id": "default", "lora_name": "a"}
+    assert msgspec.json.decode(req.content) == {
+        "model": "qwen",
+        "block_size": 128,
+        "token_ids": [1, 2, 3],
+        "tenant_id": "default",
+        "lora_name": "a",
+    }
     assert resume(plan, json_reply({"default": {}})) == (False, {"default": {}})
 
 
@@ -36,7 +42,9 @@ def test_a_transport_failure_becomes_a_conductor_error_and_counts_for_the_breake
     core = ConductorCore("http://c", breaker=CircuitBreaker(threshold=1))
     plan = core.workers_plan()
     resume(plan)
-    with pytest.raises(ConductorError, match=r"GET /workers timed out after 15 s \(TimeoutError\) \[http://c\]"):
+    with pytest.raises(
+        ConductorError, match=r"GET /workers timed out after 15 s \(TimeoutError\) \[http://c\]"
+    ):
         resume(plan, TransportFailure(TimeoutError("slow"), timed_out=True))
     with pytest.raises(CircuitOpenError):
         resume(core.workers_plan())  # refused before any request is yielded
@@ -44,7 +52,9 @@ def test_a_transport_failure_becomes_a_conductor_error_and_counts_for_the_breake
 
 def test_an_abandoned_exchange_frees_the_half_open_slot():
     now = [0.0]
-    core = ConductorCore("http://c", breaker=CircuitBreaker(threshold=1, cooldown=1, clock=lambda: now[0]))
+    core = ConductorCore(
+        "http://c", breaker=CircuitBreaker(threshold=1, cooldown=1, clock=lambda: now[0])
+    )
     core.breaker.record_failure()
     now[0] = 2.0
     plan = core.workers_plan()
@@ -95,8 +105,10 @@ def test_the_affinity_module_and_the_old_names_stay_light():
     import subprocess
     import sys
 
-    code = ("import sys, kvconductor.affinity, kvconductor.coordinator.affinity; "
-            "from kvconductor.coordinator import affinity, rank; "
-            "print('httpx' in sys.modules, 'msgspec' in sys.modules)")
+    code = (
+        "import sys, kvconductor.affinity, kvconductor.coordinator.affinity; "
+        "from kvconductor.coordinator import affinity, rank; "
+        "print('httpx' in sys.modules, 'msgspec' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -1,6 +1,7 @@
 """The open-file limit: raised once at start (service.raise_fd_limit), the HTTP
 connection cap fitted to it (server.fit_connection_cap); docs/operations.md,
 "Open files", and docs/security.md."""
+
 from __future__ import annotations
 
 import logging
@@ -55,8 +56,10 @@ def test_hard_limit_below_the_need_warns_with_the_documented_message(rlimit, cap
     rlimit["limit"] = (256, 1024)
     with caplog.at_level(logging.WARNING, logger="kvconductor"):
         assert raise_fd_limit(4096, 1024) == 1024
-    assert ("open-file limit 1024 is below the 17664 that --max-sources needs; "
-            "registrations past the limit will be refused with 503") in caplog.text
+    assert (
+        "open-file limit 1024 is below the 17664 that --max-sources needs; "
+        "registrations past the limit will be refused with 503"
+    ) in caplog.text
 
 
 def test_a_refused_value_falls_back_to_what_is_needed(rlimit, caplog):
@@ -81,9 +84,15 @@ def test_unlimited_soft_limit_is_left_alone(rlimit):
 
 def test_connection_cap_is_kept_when_it_fits(rlimit):
     rlimit["limit"] = (2000, 2000)
-    assert fit_connection_cap(HttpLimits(max_connections=1000)) == (HttpLimits(max_connections=1000), 2000)
+    assert fit_connection_cap(HttpLimits(max_connections=1000)) == (
+        HttpLimits(max_connections=1000),
+        2000,
+    )
     rlimit["limit"] = (INF, INF)
-    assert fit_connection_cap(HttpLimits(max_connections=1000)) == (HttpLimits(max_connections=1000), None)
+    assert fit_connection_cap(HttpLimits(max_connections=1000)) == (
+        HttpLimits(max_connections=1000),
+        None,
+    )
 
 
 def test_connection_cap_is_lowered_to_fit_the_limit(rlimit, caplog):

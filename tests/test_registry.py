@@ -1,12 +1,17 @@
 """Registry: endpoint resolution, HBM-IP index, register/unregister outcomes
 (docs/api.md, POST /register)."""
+
 from __future__ import annotations
 
 import pytest
 
 from kvconductor.keys import Medium, StoreBackend
 from kvconductor.registry import (
-    Registry, RegistrationError, drop_empty_urls, extract_ip, normalize_medium_endpoints,
+    Registry,
+    RegistrationError,
+    drop_empty_urls,
+    extract_ip,
+    normalize_medium_endpoints,
     resolve_endpoints,
 )
 from kvconductor.schema import RegisterRequest
@@ -23,6 +28,7 @@ def reg(instance_id="vllm-prefill-1", dp_rank=0, **kw) -> RegisterRequest:
 
 # -- extract_ip (the reference's tests) -------------------------------------------------------
 
+
 def test_extract_ip_ipv4():
     assert extract_ip("tcp://10.0.0.1:5557") == "10.0.0.1"
 
@@ -36,13 +42,16 @@ def test_extract_ip_hostname():
     assert extract_ip("tcp://kv-conductor:13333") == "kv-conductor"
 
 
-@pytest.mark.parametrize("url", ["invalid", "tcp://", "tcp://[:5557", "http://10.0.0.1:80",
-                                 "tcp://10.0.0.1", "tcp://[]:1", ""])
+@pytest.mark.parametrize(
+    "url",
+    ["invalid", "tcp://", "tcp://[:5557", "http://10.0.0.1:80", "tcp://10.0.0.1", "tcp://[]:1", ""],
+)
 def test_extract_ip_invalid(url):
     assert extract_ip(url) is None
 
 
 # -- store backends (the reference's tests) ------------------------------------------------------
+
 
 def test_store_backend_from_str():
     assert StoreBackend.parse("mooncake") is StoreBackend.MOONCAKE
@@ -56,9 +65,11 @@ def test_store_backend_from_str():
 
 # -- endpoint resolution (docs/api.md, "Endpoint resolution") ------------------------------
 
+
 def test_resolve_groups_keys_by_url():
-    groups = resolve_endpoints({"npu": "tcp://h:1", "cpu": "tcp://h:2", "disk": "tcp://h:2",
-                                "gpu": "tcp://h:1"}, None)
+    groups = resolve_endpoints(
+        {"npu": "tcp://h:1", "cpu": "tcp://h:2", "disk": "tcp://h:2", "gpu": "tcp://h:1"}, None
+    )
     assert groups == {"tcp://h:1": (NPU,), "tcp://h:2": (CPU, DISK)}
 
 
@@ -80,16 +91,29 @@ def test_resolve_http_only():
     assert resolve_endpoints({}, None) == {}
 
 
-@pytest.mark.parametrize("medium_endpoints,endpoint,kept,kept_endpoint,dropped", [
-    (None, "", {}, None, ["endpoint"]),
-    ({}, "  ", {}, None, ["endpoint"]),
-    ({"npu": "tcp://h:1", "cpu": ""}, None, {"npu": "tcp://h:1"}, None,
-     ["medium_endpoints['cpu']"]),
-    ({"disk": ""}, "tcp://h:1", {}, "tcp://h:1", ["medium_endpoints['disk']"]),
-    ({"xpu": "tcp://h:1", "cpu": "", "disk": " "}, None, {"xpu": "tcp://h:1"}, None,
-     ["medium_endpoints['cpu']", "medium_endpoints['disk']"]),
-    ({"npu": "tcp://h:1"}, "tcp://h:2", {"npu": "tcp://h:1"}, "tcp://h:2", []),
-])
+@pytest.mark.parametrize(
+    "medium_endpoints,endpoint,kept,kept_endpoint,dropped",
+    [
+        (None, "", {}, None, ["endpoint"]),
+        ({}, "  ", {}, None, ["endpoint"]),
+        (
+            {"npu": "tcp://h:1", "cpu": ""},
+            None,
+            {"npu": "tcp://h:1"},
+            None,
+            ["medium_endpoints['cpu']"],
+        ),
+        ({"disk": ""}, "tcp://h:1", {}, "tcp://h:1", ["medium_endpoints['disk']"]),
+        (
+            {"xpu": "tcp://h:1", "cpu": "", "disk": " "},
+            None,
+            {"xpu": "tcp://h:1"},
+            None,
+            ["medium_endpoints['cpu']", "medium_endpoints['disk']"],
+        ),
+        ({"npu": "tcp://h:1"}, "tcp://h:2", {"npu": "tcp://h:1"}, "tcp://h:2", []),
+    ],
+)
 def test_drop_empty_urls(medium_endpoints, endpoint, kept, kept_endpoint, dropped):
     assert drop_empty_urls(medium_endpoints, endpoint) == (kept, kept_endpoint, dropped)
 
@@ -98,8 +122,9 @@ def test_coordinator_register_post_with_empty_media_subscribes_the_rest(caplog):
     # The real Coordinator's register_post sends every medium key, unset ones as "".
     r = Registry()
     with caplog.at_level("WARNING", logger="kvconductor"):
-        out = r.register(reg(medium_endpoints={"xpu": "tcp://10.0.0.1:5557", "cpu": "",
-                                               "disk": ""}))
+        out = r.register(
+            reg(medium_endpoints={"xpu": "tcp://10.0.0.1:5557", "cpu": "", "disk": ""})
+        )
     assert [(c.url, c.default_media) for c in out.contexts] == [("tcp://10.0.0.1:5557", (NPU,))]
     assert r.get("vllm-prefill-1").endpoints[0].medium_endpoints == {"npu": "tcp://10.0.0.1:5557"}
     assert r.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
@@ -108,11 +133,14 @@ def test_coordinator_register_post_with_empty_media_subscribes_the_rest(caplog):
     assert "HTTP-only" not in line
 
 
-@pytest.mark.parametrize("kw", [
-    {"medium_endpoints": {"xpu": "", "cpu": "", "disk": ""}},
-    {"endpoint": ""},
-    {"medium_endpoints": {"npu": " "}, "endpoint": ""},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"medium_endpoints": {"xpu": "", "cpu": "", "disk": ""}},
+        {"endpoint": ""},
+        {"medium_endpoints": {"npu": " "}, "endpoint": ""},
+    ],
+)
 def test_all_empty_urls_is_http_only(kw, caplog):
     r = Registry()
     with caplog.at_level("WARNING", logger="kvconductor"):
@@ -126,24 +154,31 @@ def test_all_empty_urls_is_http_only(kw, caplog):
 
 
 def test_normalized_keys():
-    assert normalize_medium_endpoints({"gpu": "u1", "memory": "u2", "ssd": "u3", "fs": "u4"},
-                                      None) == {"npu": "u1", "cpu": "u2", "disk": "u3",
-                                                "unknown": "u4"}
+    assert normalize_medium_endpoints(
+        {"gpu": "u1", "memory": "u2", "ssd": "u3", "fs": "u4"}, None
+    ) == {"npu": "u1", "cpu": "u2", "disk": "u3", "unknown": "u4"}
     assert normalize_medium_endpoints(None, "u") == {"npu": "u", "cpu": "u", "disk": "u"}
     assert normalize_medium_endpoints(None, None) == {}
 
 
 # -- register -------------------------------------------------------------------------------------
 
+
 def test_register_new_instance_contexts_and_replay():
     r = Registry()
-    out = r.register(reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"},
-                         replay_endpoint="tcp://10.0.0.1:6667"))
+    out = r.register(
+        reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"}, replay_endpoint="tcp://10.0.0.1:6667")
+    )
     assert not out.reregistered and not out.unchanged and out.drop_from is None
     (ctx,) = out.contexts
     assert ctx.url == "tcp://10.0.0.1:5557"
-    assert (ctx.instance_id, ctx.dp_rank, ctx.model, ctx.tenant, ctx.block_size) == \
-        ("vllm-prefill-1", 0, "qwen", "default", 128)
+    assert (ctx.instance_id, ctx.dp_rank, ctx.model, ctx.tenant, ctx.block_size) == (
+        "vllm-prefill-1",
+        0,
+        "qwen",
+        "default",
+        128,
+    )
     assert ctx.default_media == (NPU,)
     assert ctx.store_backend is StoreBackend.MOONCAKE and not ctx.is_pool
     assert ctx.replay_endpoint == "tcp://10.0.0.1:6667" and ctx.engine_type == "vLLM"
@@ -158,41 +193,59 @@ def test_replay_per_instance_and_dp():
     r = Registry()
     rep = "tcp://10.0.0.1:6667"
     out0 = r.register(reg(replay_endpoint=rep, medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
-    out1 = r.register(reg(dp_rank=1, replay_endpoint="tcp://10.0.0.1:6668",
-                          medium_endpoints={"npu": "tcp://10.0.0.1:5558"}))
+    out1 = r.register(
+        reg(
+            dp_rank=1,
+            replay_endpoint="tcp://10.0.0.1:6668",
+            medium_endpoints={"npu": "tcp://10.0.0.1:5558"},
+        )
+    )
     assert (out0.replay.dp_rank, out0.replay.url) == (0, "tcp://10.0.0.1:5557")
     assert (out1.replay.dp_rank, out1.replay.url) == (1, "tcp://10.0.0.1:5558")
     assert not out1.reregistered and not out1.unchanged and out1.drop_from is None
     assert out1.replay.replay_endpoint == "tcp://10.0.0.1:6668"
-    assert Registry().register(reg(replay_endpoint="", medium_endpoints={"npu": "tcp://h:1"})
-                               ).replay is None
+    assert (
+        Registry().register(reg(replay_endpoint="", medium_endpoints={"npu": "tcp://h:1"})).replay
+        is None
+    )
     # HTTP-only registration: no live subscription to replay into.
     assert Registry().register(reg(replay_endpoint=rep)).replay is None
 
 
 def test_identical_reregistration_is_unchanged_and_replays_nothing():
     r = Registry()
-    kw = dict(replay_endpoint="tcp://10.0.0.1:6667", medium_endpoints={"npu": "tcp://10.0.0.1:5557"})
+    kw = dict(
+        replay_endpoint="tcp://10.0.0.1:6667", medium_endpoints={"npu": "tcp://10.0.0.1:5557"}
+    )
     assert not r.register(reg(**kw)).unchanged
     again = r.register(reg(**kw))
     assert again.reregistered and again.unchanged and again.replay is None
     assert again.drop_from is None
     assert r.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
     # The Coordinator's register_post form (same URL plus empty keys) is the same registration.
-    same = r.register(reg(replay_endpoint="tcp://10.0.0.1:6667",
-                          medium_endpoints={"xpu": "tcp://10.0.0.1:5557", "cpu": "", "disk": ""}))
+    same = r.register(
+        reg(
+            replay_endpoint="tcp://10.0.0.1:6667",
+            medium_endpoints={"xpu": "tcp://10.0.0.1:5557", "cpu": "", "disk": ""},
+        )
+    )
     assert same.unchanged and same.replay is None
 
 
-@pytest.mark.parametrize("change", [
-    {"medium_endpoints": {"npu": "tcp://10.0.0.1:5599"}},
-    {"replay_endpoint": "tcp://10.0.0.1:6699"},
-    {"block_size": 64},
-    {"modelname": "other"},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"medium_endpoints": {"npu": "tcp://10.0.0.1:5599"}},
+        {"replay_endpoint": "tcp://10.0.0.1:6699"},
+        {"block_size": 64},
+        {"modelname": "other"},
+    ],
+)
 def test_changed_reregistration_resubscribes_and_replays(change):
     r = Registry()
-    kw = dict(replay_endpoint="tcp://10.0.0.1:6667", medium_endpoints={"npu": "tcp://10.0.0.1:5557"})
+    kw = dict(
+        replay_endpoint="tcp://10.0.0.1:6667", medium_endpoints={"npu": "tcp://10.0.0.1:5557"}
+    )
     r.register(reg(**kw))
     out = r.register(reg(**(kw | change)))
     assert out.reregistered and not out.unchanged
@@ -200,36 +253,53 @@ def test_changed_reregistration_resubscribes_and_replays(change):
 
 
 def test_replay_prefers_the_npu_subscription():
-    out = Registry().register(reg(store_backend="YuanRong", replay_endpoint="tcp://h:6667",
-                                  medium_endpoints={"cpu": "tcp://h:2", "npu": "tcp://h:1"}))
+    out = Registry().register(
+        reg(
+            store_backend="YuanRong",
+            replay_endpoint="tcp://h:6667",
+            medium_endpoints={"cpu": "tcp://h:2", "npu": "tcp://h:1"},
+        )
+    )
     assert out.replay.url == "tcp://h:1"
 
 
 def test_pool_registration():
     r = Registry()
-    out = r.register(reg(instance_id="mooncake-pool", endpoint="tcp://master:50001",
-                         modelname="default", store_backend="Mooncake"))
+    out = r.register(
+        reg(
+            instance_id="mooncake-pool",
+            endpoint="tcp://master:50001",
+            modelname="default",
+            store_backend="Mooncake",
+        )
+    )
     assert out.is_pool
     (ctx,) = out.contexts
     # NOTE: reference choice: a pool subscriber's default media are NPU, CPU and Disk.
     assert ctx.is_pool and ctx.default_media == (NPU, CPU, DISK)
     assert out.ips_added == [] and r.hbm_ip_index == {}
     entry = r.get("mooncake-pool")
-    assert entry.endpoints[0].medium_endpoints == {"npu": "tcp://master:50001",
-                                                   "cpu": "tcp://master:50001",
-                                                   "disk": "tcp://master:50001"}
+    assert entry.endpoints[0].medium_endpoints == {
+        "npu": "tcp://master:50001",
+        "cpu": "tcp://master:50001",
+        "disk": "tcp://master:50001",
+    }
 
 
-@pytest.mark.parametrize("backend,medium_endpoints,endpoint,is_pool", [
-    ("Mooncake", None, "tcp://m:1", True),
-    ("memcache", None, "tcp://m:1", True),
-    ("YuanRong", None, "tcp://m:1", False),
-    ("Mooncake", {"npu": "tcp://m:1"}, "tcp://m:1", False),
-    ("Mooncake", None, None, False),
-])
+@pytest.mark.parametrize(
+    "backend,medium_endpoints,endpoint,is_pool",
+    [
+        ("Mooncake", None, "tcp://m:1", True),
+        ("memcache", None, "tcp://m:1", True),
+        ("YuanRong", None, "tcp://m:1", False),
+        ("Mooncake", {"npu": "tcp://m:1"}, "tcp://m:1", False),
+        ("Mooncake", None, None, False),
+    ],
+)
 def test_is_pool(backend, medium_endpoints, endpoint, is_pool):
-    out = Registry().register(reg(store_backend=backend, medium_endpoints=medium_endpoints,
-                                  endpoint=endpoint))
+    out = Registry().register(
+        reg(store_backend=backend, medium_endpoints=medium_endpoints, endpoint=endpoint)
+    )
     assert out.is_pool is is_pool
 
 
@@ -311,18 +381,31 @@ def test_register_validation_changes_nothing():
 
 def test_defaults_and_snapshot():
     r = Registry()
-    r.register(reg(store_backend=None, tenant_id=None,
-                   medium_endpoints={"gpu": "tcp://10.0.0.1:5557"}))
+    r.register(
+        reg(store_backend=None, tenant_id=None, medium_endpoints={"gpu": "tcp://10.0.0.1:5557"})
+    )
     entry = r.get("vllm-prefill-1")
     assert entry.store_backend == "Mooncake" and entry.tenant_id == "default"
-    assert r.snapshot() == [{
-        "instance_id": "vllm-prefill-1", "model_name": "qwen", "tenant_id": "default",
-        "block_size": 128,
-        "endpoints": {"0": {"medium_endpoints": {"npu": "tcp://10.0.0.1:5557"},
-                            "engine_type": "vLLM", "dp_rank": 0, "replay_endpoint": None}}}]
+    assert r.snapshot() == [
+        {
+            "instance_id": "vllm-prefill-1",
+            "model_name": "qwen",
+            "tenant_id": "default",
+            "block_size": 128,
+            "endpoints": {
+                "0": {
+                    "medium_endpoints": {"npu": "tcp://10.0.0.1:5557"},
+                    "engine_type": "vLLM",
+                    "dp_rank": 0,
+                    "replay_endpoint": None,
+                }
+            },
+        }
+    ]
 
 
 # -- unregister --------------------------------------------------------------------------------
+
 
 def test_unregister_unknown_instance():
     out = Registry().unregister("nope", 0)

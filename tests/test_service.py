@@ -2,6 +2,7 @@
 
 Runs on both index implementations (``impl`` fixture of conftest.py).
 """
+
 from __future__ import annotations
 
 import sys
@@ -16,7 +17,12 @@ from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium
 from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
 from kvconductor.ingest.http_events import (
-    CLEARED, REMOVED, STORED, EventError, normalize_event, normalize_events,
+    CLEARED,
+    REMOVED,
+    STORED,
+    EventError,
+    normalize_event,
+    normalize_events,
 )
 from kvconductor.service import Conductor, ConductorConfig
 
@@ -81,8 +87,9 @@ class RecordingSubs:
 
 @pytest.fixture
 def conductor(impl):
-    c = Conductor(ConductorConfig(index_impl=impl, maintenance_interval=3600),
-                  subscriptions=RecordingSubs)
+    c = Conductor(
+        ConductorConfig(index_impl=impl, maintenance_interval=3600), subscriptions=RecordingSubs
+    )
     c.start()
     yield c
     assert c.stop(5.0)
@@ -96,8 +103,9 @@ def reg(instance_id="vllm-prefill-1", dp_rank=0, **kw) -> RegisterRequest:
 
 
 def unreg(instance_id="vllm-prefill-1", dp_rank=0) -> UnregisterRequest:
-    return UnregisterRequest(instance_id=instance_id, engine_type="vLLM", modelname="qwen",
-                             block_size=4, dp_rank=dp_rank)
+    return UnregisterRequest(
+        instance_id=instance_id, engine_type="vLLM", modelname="qwen", block_size=4, dp_rank=dp_rank
+    )
 
 
 def batch_of(instance_id="vllm-prefill-1", events=(), **kw):
@@ -111,9 +119,16 @@ def post_events(c: Conductor, instance_id="vllm-prefill-1", events=(), **kw):
 
 
 def stored(event_id, hashes, tokens, parent=None, medium=None, dp_rank=0, **kw):
-    ev = {"event_id": event_id, "dp_rank": dp_rank, "type": "BlockStored",
-          "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-          "block_size": 4, **kw}
+    ev = {
+        "event_id": event_id,
+        "dp_rank": dp_rank,
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 4,
+        **kw,
+    }
     if medium:
         ev["medium"] = medium
     return ev
@@ -124,28 +139,48 @@ def query(c: Conductor, tokens, model="qwen", tenant="default", block_size=4) ->
 
 
 def dp(npu, cpu, disk, block_size=4) -> dict:
-    return {"matched_tokens": (npu + cpu + disk) * block_size, "npu_blocks": npu,
-            "cpu_blocks": cpu, "disk_blocks": disk}
+    return {
+        "matched_tokens": (npu + cpu + disk) * block_size,
+        "npu_blocks": npu,
+        "cpu_blocks": cpu,
+        "disk_blocks": disk,
+    }
 
 
 # -- normalisation (the reference's normalize tests; no implicit clear; u64 hashes) -----------
+
 
 def one(ev: dict):
     return normalize_event(batch_of("i", [ev]).events[0])
 
 
 def test_normalize_engine_stored_event_with_blocks():
-    op = one({"event_id": 1, "type": "stored",
-              "blocks": [{"block_hash": 10, "tokens_hash": 11},
-                         {"block_hash": 20, "tokens_hash": -1}]})
+    op = one(
+        {
+            "event_id": 1,
+            "type": "stored",
+            "blocks": [
+                {"block_hash": 10, "tokens_hash": 11},
+                {"block_hash": 20, "tokens_hash": -1},
+            ],
+        }
+    )
     assert op.kind == STORED and op.medium is Medium.NPU and op.backend_id is None
     assert list(op.engine_hashes) == [10, 20] and list(op.local_hashes) == [11, U64_MAX]
     assert op.parent is None and op.tokens is None
 
 
 def test_normalize_rfc_removed_event():
-    op = one({"event_id": 2, "event_type": "removed", "seq_hashes": [1, 2], "block_hashes": [3],
-              "medium": "cpu", "backend_id": "master-1"})
+    op = one(
+        {
+            "event_id": 2,
+            "event_type": "removed",
+            "seq_hashes": [1, 2],
+            "block_hashes": [3],
+            "medium": "cpu",
+            "backend_id": "master-1",
+        }
+    )
     assert op.kind == REMOVED and list(op.engine_hashes) == [1, 2, 3]
     assert op.medium is Medium.CPU and op.backend_id == "master-1"
 
@@ -171,18 +206,33 @@ def test_normalize_parent_alias_and_full_u64_range():
 
 
 def test_normalize_pool_fallback_uses_block_hash_as_tokens_hash():
-    op = one({"event_id": 9, "type": "stored", "seq_hashes": [5], "block_hashes": [6],
-              "medium": "disk"})
+    op = one(
+        {"event_id": 9, "type": "stored", "seq_hashes": [5], "block_hashes": [6], "medium": "disk"}
+    )
     assert list(op.engine_hashes) == [5, 6] and list(op.local_hashes) == [5, 6]
     assert op.medium is Medium.DISK
 
 
-@pytest.mark.parametrize("data", [
-    {"type": "BlockStored", "block_hashes": [100, 200], "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
-     "block_size": 4},
-    {"stored": {"parent_hash": None, "blocks": [{"block_hash": 100, "tokens_hash": H1},
-                                                {"block_hash": 200, "tokens_hash": H2}]}},
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {
+            "type": "BlockStored",
+            "block_hashes": [100, 200],
+            "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+            "block_size": 4,
+        },
+        {
+            "stored": {
+                "parent_hash": None,
+                "blocks": [
+                    {"block_hash": 100, "tokens_hash": H1},
+                    {"block_hash": 200, "tokens_hash": H2},
+                ],
+            }
+        },
+    ],
+)
 def test_normalize_nested_shape_is_not_a_clear(data):
     op = one({"event_id": 10, "dp_rank": 1, "data": data})
     assert op.kind == STORED and op.dp_rank == 1
@@ -196,52 +246,78 @@ def test_normalize_nested_removed_and_cleared():
     assert one({"event_id": 12, "data": {"cleared": None}}).kind == CLEARED
 
 
-@pytest.mark.parametrize("ev,needle", [
-    ({"event_id": 1, "type": "Frobnicated"}, "'Frobnicated'"),
-    ({"event_id": 2}, "missing event type"),
-    ({"event_id": 3, "data": {}}, "missing event type"),
-    ({"event_id": 4, "data": {"blocks": "x", "type": "stored"}}, "invalid data"),
-    ({"event_id": 5, "data": [1]}, "data must be"),
-    ({"event_id": 6, "type": "stored", "parent_hash": 2**64}, "out of range"),
-    ({"event_id": 7, "type": "removed", "block_hashes": [-(2**63) - 1]}, "out of range"),
-    ({"event_id": 8, "type": "stored", "block_hashes": [1], "block_size": 4,
-      "token_ids": [2**64]}, "out of range"),
-    ({"event_id": 2**64, "type": "stored"}, "event_id"),
-])
+@pytest.mark.parametrize(
+    "ev,needle",
+    [
+        ({"event_id": 1, "type": "Frobnicated"}, "'Frobnicated'"),
+        ({"event_id": 2}, "missing event type"),
+        ({"event_id": 3, "data": {}}, "missing event type"),
+        ({"event_id": 4, "data": {"blocks": "x", "type": "stored"}}, "invalid data"),
+        ({"event_id": 5, "data": [1]}, "data must be"),
+        ({"event_id": 6, "type": "stored", "parent_hash": 2**64}, "out of range"),
+        ({"event_id": 7, "type": "removed", "block_hashes": [-(2**63) - 1]}, "out of range"),
+        (
+            {
+                "event_id": 8,
+                "type": "stored",
+                "block_hashes": [1],
+                "block_size": 4,
+                "token_ids": [2**64],
+            },
+            "out of range",
+        ),
+        ({"event_id": 2**64, "type": "stored"}, "event_id"),
+    ],
+)
 def test_normalize_rejects(ev, needle):
     with pytest.raises(EventError, match=needle):
         one(ev)
 
 
 def test_normalize_events_sorts_stably_by_dp_rank():
-    batch = batch_of("i", [{"event_id": i, "dp_rank": r, "type": "cleared"}
-                           for i, r in enumerate([2, 0, 1, 0, 2])])
-    assert [(op.dp_rank, op.event_id) for op in normalize_events(batch)] == \
-        [(0, 1), (0, 3), (1, 2), (2, 0), (2, 4)]
+    batch = batch_of(
+        "i",
+        [{"event_id": i, "dp_rank": r, "type": "cleared"} for i, r in enumerate([2, 0, 1, 0, 2])],
+    )
+    assert [(op.dp_rank, op.event_id) for op in normalize_events(batch)] == [
+        (0, 1),
+        (0, 3),
+        (1, 2),
+        (2, 0),
+        (2, 4),
+    ]
 
 
 # -- events applied to the index ----------------------------------------------------------------
+
 
 def test_events_then_query_exact_values(conductor):
     conductor.call(conductor.register, reg())
     out = post_events(conductor, events=[stored(1, [100, 200], list(range(1, 9)))])
     assert out == (1, [])
     assert query(conductor, list(range(1, 13))) == {
-        "default": {"vllm-prefill-1": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}}
-    assert conductor.get_index("qwen", "default").query_by_hash([H1, H2, 5]) \
-        .to_dict("default", 1)["default"]["vllm-prefill-1"]["DP"]["0"] == dp(2, 0, 0, 1)
+        "default": {"vllm-prefill-1": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
+    }
+    assert conductor.get_index("qwen", "default").query_by_hash([H1, H2, 5]).to_dict("default", 1)[
+        "default"
+    ]["vllm-prefill-1"]["DP"]["0"] == dp(2, 0, 0, 1)
 
 
 def test_cpu_and_disk_continuations(conductor):
     conductor.call(conductor.register, reg())
-    out = post_events(conductor, events=[
-        stored(1, [100], [1, 2, 3, 4], medium="GPU"),
-        stored(2, [200], [5, 6, 7, 8], parent=100, medium="cpu"),
-        stored(3, [300], [9, 10, 11, 12], parent=200, medium="SSD"),
-    ])
+    out = post_events(
+        conductor,
+        events=[
+            stored(1, [100], [1, 2, 3, 4], medium="GPU"),
+            stored(2, [200], [5, 6, 7, 8], parent=100, medium="cpu"),
+            stored(3, [300], [9, 10, 11, 12], parent=200, medium="SSD"),
+        ],
+    )
     assert out == (3, [])
-    assert query(conductor, list(range(1, 13)))["default"]["vllm-prefill-1"] == \
-        {"longest_matched": 12, "DP": {"0": dp(1, 1, 1)}}
+    assert query(conductor, list(range(1, 13)))["default"]["vllm-prefill-1"] == {
+        "longest_matched": 12,
+        "DP": {"0": dp(1, 1, 1)},
+    }
 
 
 def test_cpu_only_dp(conductor):
@@ -263,34 +339,54 @@ def test_removed_and_cleared(conductor):
 def test_nested_event_is_applied_not_cleared(conductor):
     conductor.call(conductor.register, reg())
     post_events(conductor, events=[stored(1, [100, 200], list(range(1, 9)))])
-    out = post_events(conductor, events=[{"event_id": 2, "dp_rank": 0, "data": {
-        "type": "BlockStored", "block_hashes": [300], "parent_block_hash": 200,
-        "token_ids": [9, 10, 11, 12], "block_size": 4}}])
+    out = post_events(
+        conductor,
+        events=[
+            {
+                "event_id": 2,
+                "dp_rank": 0,
+                "data": {
+                    "type": "BlockStored",
+                    "block_hashes": [300],
+                    "parent_block_hash": 200,
+                    "token_ids": [9, 10, 11, 12],
+                    "block_size": 4,
+                },
+            }
+        ],
+    )
     assert out == (1, [])
-    assert query(conductor, list(range(1, 13)))["default"]["vllm-prefill-1"]["DP"]["0"] == \
-        dp(3, 0, 0)
+    assert query(conductor, list(range(1, 13)))["default"]["vllm-prefill-1"]["DP"]["0"] == dp(
+        3, 0, 0
+    )
 
 
 def test_parent_hash_beyond_i64(conductor):
     conductor.call(conductor.register, reg())
     big = 2**63 + 5
-    out = post_events(conductor, events=[stored(1, [big], [1, 2, 3, 4]),
-                                         stored(2, [U64_MAX], [5, 6, 7, 8], parent=big)])
+    out = post_events(
+        conductor,
+        events=[stored(1, [big], [1, 2, 3, 4]), stored(2, [U64_MAX], [5, 6, 7, 8], parent=big)],
+    )
     assert out == (2, [])
     out = post_events(conductor, events=[stored(3, [7], [9, 10, 11, 12], parent=-1)])
     assert out == (1, [])  # -1 is U64_MAX in two's complement
-    assert query(conductor, list(range(1, 13)))["default"]["vllm-prefill-1"]["DP"]["0"] == \
-        dp(3, 0, 0)
+    assert query(conductor, list(range(1, 13)))["default"]["vllm-prefill-1"]["DP"]["0"] == dp(
+        3, 0, 0
+    )
 
 
 def test_partial_failure_per_dp_group(conductor):
     conductor.call(conductor.register, reg())
-    out = post_events(conductor, events=[
-        stored(1, [100], [1, 2, 3, 4], dp_rank=0),
-        stored(2, [200], [5, 6, 7, 8], parent=100, dp_rank=0),
-        stored(3, [300], [1, 2, 3, 4], dp_rank=1),
-        stored(4, [400], [5, 6, 7, 8], parent=0xDEAD, dp_rank=1),
-    ])
+    out = post_events(
+        conductor,
+        events=[
+            stored(1, [100], [1, 2, 3, 4], dp_rank=0),
+            stored(2, [200], [5, 6, 7, 8], parent=100, dp_rank=0),
+            stored(3, [300], [1, 2, 3, 4], dp_rank=1),
+            stored(4, [400], [5, 6, 7, 8], parent=0xDEAD, dp_rank=1),
+        ],
+    )
     assert out == (2, ["dp_rank=1: parent block not found"])
     # The failing group's first event was applied (reference semantics) but not counted.
     hits = query(conductor, list(range(1, 9)))["default"]["vllm-prefill-1"]["DP"]
@@ -308,12 +404,17 @@ def test_unregistered_instance(conductor):
 
     for kw in ({}, {"model_name": "m", "tenant_id": "t"}):
         with pytest.raises(InstanceNotRegistered, match="instance ghost not found"):
-            post_events(conductor, "ghost", [stored(1, [1], [1, 2, 3, 4], dp_rank=0),
-                                             stored(2, [1], [1, 2, 3, 4], dp_rank=2)], **kw)
+            post_events(
+                conductor,
+                "ghost",
+                [stored(1, [1], [1, 2, 3, 4], dp_rank=0), stored(2, [1], [1, 2, 3, 4], dp_rank=2)],
+                **kw,
+            )
     assert conductor.indexes == {}
     conductor.call(conductor.register, reg("ghost", modelname="m0"))
-    out = post_events(conductor, "ghost", [stored(1, [1], [1, 2, 3, 4])], model_name="m",
-                      tenant_id="t")
+    out = post_events(
+        conductor, "ghost", [stored(1, [1], [1, 2, 3, 4])], model_name="m", tenant_id="t"
+    )
     assert out == (1, [])
     assert query(conductor, [1, 2, 3, 4], "m", "t")["t"]["ghost"]["DP"]["0"] == dp(1, 0, 0)
 
@@ -321,8 +422,10 @@ def test_unregistered_instance(conductor):
 def test_events_use_the_registered_tenant_and_dp_model(conductor):
     conductor.call(conductor.register, reg(dp_rank=0, modelname="m0", tenant_id="t"))
     conductor.call(conductor.register, reg(dp_rank=1, modelname="m1", tenant_id="t"))
-    post_events(conductor, events=[stored(1, [1], [1, 2, 3, 4], dp_rank=0),
-                                   stored(2, [1], [1, 2, 3, 4], dp_rank=1)])
+    post_events(
+        conductor,
+        events=[stored(1, [1], [1, 2, 3, 4], dp_rank=0), stored(2, [1], [1, 2, 3, 4], dp_rank=1)],
+    )
     assert list(query(conductor, [1, 2, 3, 4], "m0", "t")["t"]["vllm-prefill-1"]["DP"]) == ["0"]
     assert list(query(conductor, [1, 2, 3, 4], "m1", "t")["t"]["vllm-prefill-1"]["DP"]) == ["1"]
 
@@ -337,32 +440,55 @@ def test_backend_id_routes_to_its_own_worker(conductor):
 
 # -- registration side effects ----------------------------------------------------------------
 
+
 def test_register_subscribes_per_url_and_replays(conductor):
     subs = conductor.subs
-    conductor.call(conductor.register, reg(
-        store_backend="YuanRong", replay_endpoint="tcp://h:6667",
-        medium_endpoints={"npu": "tcp://h:1", "cpu": "tcp://h:2", "disk": "tcp://h:2"}))
+    conductor.call(
+        conductor.register,
+        reg(
+            store_backend="YuanRong",
+            replay_endpoint="tcp://h:6667",
+            medium_endpoints={"npu": "tcp://h:1", "cpu": "tcp://h:2", "disk": "tcp://h:2"},
+        ),
+    )
     assert [c[0] for c in subs.calls] == ["replace", "replay"]
     assert subs.calls[0][1:] == ("vllm-prefill-1", 0, ("tcp://h:1", "tcp://h:2"))
     assert {url: c.default_media for (_, _, url), c in subs.live.items()} == {
-        "tcp://h:1": (Medium.NPU,), "tcp://h:2": (Medium.CPU, Medium.DISK)}
+        "tcp://h:1": (Medium.NPU,),
+        "tcp://h:2": (Medium.CPU, Medium.DISK),
+    }
     assert subs.calls[1][1].url == "tcp://h:1"
     subs.calls.clear()
     # A changed registration that keeps the engine's URL keeps that socket: no replay.
-    conductor.call(conductor.register, reg(
-        store_backend="YuanRong", replay_endpoint="tcp://h:6667",
-        medium_endpoints={"npu": "tcp://h:1"}))
+    conductor.call(
+        conductor.register,
+        reg(
+            store_backend="YuanRong",
+            replay_endpoint="tcp://h:6667",
+            medium_endpoints={"npu": "tcp://h:1"},
+        ),
+    )
     assert subs.calls == [("replace", "vllm-prefill-1", 0, ("tcp://h:1",))]
     subs.calls.clear()
     # An identical one keeps the live subscription: nothing stopped, nothing replayed.
-    conductor.call(conductor.register, reg(
-        store_backend="YuanRong", replay_endpoint="tcp://h:6667",
-        medium_endpoints={"npu": "tcp://h:1", "cpu": ""}))
+    conductor.call(
+        conductor.register,
+        reg(
+            store_backend="YuanRong",
+            replay_endpoint="tcp://h:6667",
+            medium_endpoints={"npu": "tcp://h:1", "cpu": ""},
+        ),
+    )
     assert subs.calls == []
     # A new engine URL is a new subscription: it replays.
-    conductor.call(conductor.register, reg(
-        store_backend="YuanRong", replay_endpoint="tcp://h:6667",
-        medium_endpoints={"npu": "tcp://h:3"}))
+    conductor.call(
+        conductor.register,
+        reg(
+            store_backend="YuanRong",
+            replay_endpoint="tcp://h:6667",
+            medium_endpoints={"npu": "tcp://h:3"},
+        ),
+    )
     assert [c[0] for c in subs.calls] == ["replace", "replay"]
     assert subs.calls[1][1].url == "tcp://h:3"
 
@@ -370,11 +496,17 @@ def test_register_subscribes_per_url_and_replays(conductor):
 def test_every_dp_of_an_instance_replays(conductor):
     subs = conductor.subs
     for dp in (0, 1):
-        conductor.call(conductor.register, reg(
-            dp_rank=dp, replay_endpoint=f"tcp://h:{6667 + dp}",
-            medium_endpoints={"npu": f"tcp://h:{5557 + dp}"}))
-    replays = [(c[1].dp_rank, c[1].url, c[1].replay_endpoint) for c in subs.calls
-               if c[0] == "replay"]
+        conductor.call(
+            conductor.register,
+            reg(
+                dp_rank=dp,
+                replay_endpoint=f"tcp://h:{6667 + dp}",
+                medium_endpoints={"npu": f"tcp://h:{5557 + dp}"},
+            ),
+        )
+    replays = [
+        (c[1].dp_rank, c[1].url, c[1].replay_endpoint) for c in subs.calls if c[0] == "replay"
+    ]
     assert replays == [(0, "tcp://h:5557", "tcp://h:6667"), (1, "tcp://h:5558", "tcp://h:6668")]
 
 
@@ -390,8 +522,9 @@ def test_rejected_registration_has_no_side_effect(conductor):
     conductor.call(conductor.register, reg(medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
     conductor.subs.calls.clear()
     with pytest.raises(RegistrationError):
-        conductor.call(conductor.register, reg(instance_id="",
-                                               medium_endpoints={"npu": "tcp://10.0.0.2:1"}))
+        conductor.call(
+            conductor.register, reg(instance_id="", medium_endpoints={"npu": "tcp://10.0.0.2:1"})
+        )
     assert conductor.subs.calls == []
     assert conductor.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0)]
 
@@ -405,8 +538,10 @@ def test_same_backend_reregistration_keeps_data(conductor):
 
 def test_backend_change_drops_data(conductor):
     conductor.call(conductor.register, reg(store_backend="YuanRong"))
-    post_events(conductor, events=[stored(1, [100], [1, 2, 3, 4]),
-                                   stored(2, [100], [1, 2, 3, 4], medium="cpu")])
+    post_events(
+        conductor,
+        events=[stored(1, [100], [1, 2, 3, 4]), stored(2, [100], [1, 2, 3, 4], medium="cpu")],
+    )
     conductor.call(conductor.register, reg(store_backend="Mooncake"))
     assert query(conductor, [1, 2, 3, 4]) == {"default": {}}
 
@@ -417,8 +552,9 @@ def test_model_change_moves_the_dp(conductor):
     conductor.call(conductor.register, reg(modelname="new"))
     assert conductor.get_index("old", "default") is None  # emptied and unprotected: reclaimed
     post_events(conductor, events=[stored(2, [100], [1, 2, 3, 4])])
-    assert query(conductor, [1, 2, 3, 4], "new")["default"]["vllm-prefill-1"]["DP"]["0"] == \
-        dp(1, 0, 0)
+    assert query(conductor, [1, 2, 3, 4], "new")["default"]["vllm-prefill-1"]["DP"]["0"] == dp(
+        1, 0, 0
+    )
     assert conductor.instance_info("vllm-prefill-1")["model_name"] == "new"
 
 
@@ -426,8 +562,13 @@ def test_unregister(conductor):
     subs = conductor.subs
     conductor.call(conductor.register, reg(dp_rank=0))
     conductor.call(conductor.register, reg(dp_rank=1))
-    post_events(conductor, events=[stored(1, [100], [1, 2, 3, 4], dp_rank=0),
-                                   stored(2, [100], [1, 2, 3, 4], dp_rank=1, medium="cpu")])
+    post_events(
+        conductor,
+        events=[
+            stored(1, [100], [1, 2, 3, 4], dp_rank=0),
+            stored(2, [100], [1, 2, 3, 4], dp_rank=1, medium="cpu"),
+        ],
+    )
     subs.calls.clear()
     assert conductor.call(conductor.unregister, unreg(dp_rank=1)) is True
     assert subs.calls == [("unsubscribe", "vllm-prefill-1", 1)]
@@ -451,8 +592,9 @@ def test_index_kept_while_another_registration_uses_it(conductor):
 
 def test_callbacks_for_subscribers(conductor):
     conductor.call(conductor.register, reg(medium_endpoints={"npu": "tcp://10.0.0.1:5557"}))
-    conductor.call(conductor.register,
-                   reg(dp_rank=1, medium_endpoints={"npu": "tcp://10.0.0.1:5558"}))
+    conductor.call(
+        conductor.register, reg(dp_rank=1, medium_endpoints={"npu": "tcp://10.0.0.1:5558"})
+    )
     assert conductor.hbm_ip_lookup("10.0.0.1") == [("vllm-prefill-1", 0), ("vllm-prefill-1", 1)]
     info = conductor.instance_info("vllm-prefill-1")
     assert info["store_backend"] == "Mooncake" and set(info["endpoints"]) == {0, 1}
@@ -462,9 +604,11 @@ def test_callbacks_for_subscribers(conductor):
 
 # -- maintenance ---------------------------------------------------------------------------------
 
+
 def test_maintenance_expires_offload_and_reclaims_empty_entry(conductor):
     def offload():
         conductor.get_or_create_index("m", "t").offload([1], [2], None, now=0.0)
+
     conductor.call(offload)
     conductor.call(conductor.maintenance, 1.0)
     assert conductor.get_index("m", "t") is not None  # offload TTL not reached yet
@@ -479,8 +623,9 @@ def test_maintenance_keeps_registered_empty_entry(conductor):
 
 
 def test_maintenance_timer_runs_on_the_ingest_thread(impl):
-    c = Conductor(ConductorConfig(index_impl=impl, maintenance_interval=0),
-                  subscriptions=RecordingSubs)
+    c = Conductor(
+        ConductorConfig(index_impl=impl, maintenance_interval=0), subscriptions=RecordingSubs
+    )
     assert c.interval == 1.0
     seen = []
     orig = c.maintenance
@@ -502,14 +647,19 @@ def test_maintenance_timer_runs_on_the_ingest_thread(impl):
 
 # -- lifecycle, introspection --------------------------------------------------------------------
 
+
 def test_workers_snapshot(conductor):
     conductor.call(conductor.register, reg(medium_endpoints={"gpu": "tcp://10.0.0.1:5557"}))
     post_events(conductor, events=[stored(1, [100, 200], list(range(1, 9)))])
     doc = conductor.call(conductor.workers)
     assert doc["workers"][0]["endpoints"]["0"]["medium_endpoints"] == {"npu": "tcp://10.0.0.1:5557"}
     (summary,) = doc["indexer"]
-    assert (summary["model_name"], summary["tenant_id"], summary["worker_count"],
-            summary["total_blocks"]) == ("qwen", "default", 1, 2)
+    assert (
+        summary["model_name"],
+        summary["tenant_id"],
+        summary["worker_count"],
+        summary["total_blocks"],
+    ) == ("qwen", "default", 1, 2)
     assert doc["sources"] == [{"instance_id": "vllm-prefill-1", "url": "tcp://10.0.0.1:5557"}]
 
 
@@ -561,8 +711,12 @@ def test_concurrent_readers_while_writing(conductor):
             if i % 2:
                 post_events(conductor, events=[stored(i, [2], [5, 6, 7, 8], parent=1)])
             else:
-                post_events(conductor, events=[{"event_id": i, "dp_rank": 0,
-                                                "type": "BlockRemoved", "block_hashes": [2]}])
+                post_events(
+                    conductor,
+                    events=[
+                        {"event_id": i, "dp_rank": 0, "type": "BlockRemoved", "block_hashes": [2]}
+                    ],
+                )
             if i > 200 and seen == {1, 2}:
                 break
     finally:

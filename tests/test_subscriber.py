@@ -1,4 +1,5 @@
 """SubscriptionManager over real tcp on 127.0.0.1: live ingest, replay, gaps, restarts, pools."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,16 @@ import zmq
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from publishers import (FakeConductor, FakePublisher, InstanceInfo, PoolPublisher,  # noqa: E402
-                        hits, mooncake_tuple, schema, wait_until)
+from publishers import (
+    FakeConductor,
+    FakePublisher,
+    InstanceInfo,
+    PoolPublisher,  # noqa: E402
+    hits,
+    mooncake_tuple,
+    schema,
+    wait_until,
+)
 
 from kvconductor.ingest.apply import Applier  # noqa: E402
 from kvconductor.ingest.context import SubscriberContext  # noqa: E402
@@ -33,8 +42,9 @@ class Harness:
         self.conductor = FakeConductor()
         self.thread = IngestThread(context=zmq.Context.instance())
         self.thread.start()
-        self.mgr = self.thread.call(lambda: SubscriptionManager(self.thread, self.conductor,
-                                                                replay_timeout=5.0), timeout=10)
+        self.mgr = self.thread.call(
+            lambda: SubscriptionManager(self.thread, self.conductor, replay_timeout=5.0), timeout=10
+        )
 
     def call(self, fn, *a):
         return self.thread.call(fn, *a, timeout=10)
@@ -79,16 +89,34 @@ def pubs():
         p = FakePublisher(*a, **kw)
         created.append(p)
         return p
+
     yield make
     for p in created:
         p.stop()
 
 
-def ctx(url, iid=IID, dp=0, replay=None, media=(Medium.NPU,), is_pool=False, model="m",
-        backend=StoreBackend.MOONCAKE):
-    return SubscriberContext(instance_id=iid, dp_rank=dp, url=url, model=model, tenant="t",
-                             block_size=BS, default_media=tuple(media), store_backend=backend,
-                             is_pool=is_pool, replay_endpoint=replay)
+def ctx(
+    url,
+    iid=IID,
+    dp=0,
+    replay=None,
+    media=(Medium.NPU,),
+    is_pool=False,
+    model="m",
+    backend=StoreBackend.MOONCAKE,
+):
+    return SubscriberContext(
+        instance_id=iid,
+        dp_rank=dp,
+        url=url,
+        model=model,
+        tenant="t",
+        block_size=BS,
+        default_media=tuple(media),
+        store_backend=backend,
+        is_pool=is_pool,
+        replay_endpoint=replay,
+    )
 
 
 def toks(i, nblocks=4):
@@ -96,10 +124,13 @@ def toks(i, nblocks=4):
 
 
 def stored(s, i, nblocks=4, medium="GPU", base=None, parent=None, start=0):
-    t = toks(i, start + nblocks)[start * BS:]
+    t = toks(i, start + nblocks)[start * BS :]
     b = (i + 1) * 1000 if base is None else base
-    return s.stored([b + start + k for k in range(nblocks)], parent, t, BS, medium=medium, group_idx=0) \
-        if "medium" in s.stored_fields else s.stored([b + start + k for k in range(nblocks)], parent, t, BS)
+    return (
+        s.stored([b + start + k for k in range(nblocks)], parent, t, BS, medium=medium, group_idx=0)
+        if "medium" in s.stored_fields
+        else s.stored([b + start + k for k in range(nblocks)], parent, t, BS)
+    )
 
 
 def warm_up(h, pub, s=V33, iid=IID, dp=0):
@@ -113,10 +144,12 @@ def warm_up(h, pub, s=V33, iid=IID, dp=0):
             return True
         pub.publish(s.batch([]))
         return False
+
     wait_until(got, msg="first live batch")
 
 
 # --- live ---------------------------------------------------------------------------------------
+
 
 def test_publish_reaches_index(h, pubs):
     pub = pubs(topic=b"kv-events", replay=False)
@@ -128,8 +161,20 @@ def test_publish_reaches_index(h, pubs):
     src = h.source()
     assert src["state"] == "live" and src["blocks"] == 6 and src["gaps"] == 0
     assert src["last_seq"] == pub.seq - 1
-    assert set(src) >= {"instance_id", "dp_rank", "url", "state", "last_seq", "batches", "events",
-                        "blocks", "gaps", "replays", "restarts", "dropped"}
+    assert set(src) >= {
+        "instance_id",
+        "dp_rank",
+        "url",
+        "state",
+        "last_seq",
+        "batches",
+        "events",
+        "blocks",
+        "gaps",
+        "replays",
+        "restarts",
+        "dropped",
+    }
 
 
 def test_vllm_09_layout_over_tcp(h, pubs):
@@ -151,10 +196,12 @@ def test_garbage_frames_never_stop_the_thread(h, pubs):
     rng = random.Random(5)
     good = V33.batch([stored(V33, 2)])
     try:
+
         def send_junk():
             raw.send_multipart([b"", (0).to_bytes(8, "big"), V33.batch([])])
             src = h.source(IID, 1)
             return src and src["batches"]
+
         wait_until(send_junk, msg="raw publisher connected")
         seq = 1
         for i in range(300):
@@ -167,8 +214,13 @@ def test_garbage_frames_never_stop_the_thread(h, pubs):
                 raw.send_multipart([b"", seq.to_bytes(8, "big"), good[: rng.randrange(len(good))]])
                 seq += 1
             else:
-                raw.send_multipart([b"", seq.to_bytes(8, "big"),
-                                    bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 40)))])
+                raw.send_multipart(
+                    [
+                        b"",
+                        seq.to_bytes(8, "big"),
+                        bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 40))),
+                    ]
+                )
                 seq += 1
         raw.send_multipart([b"", seq.to_bytes(8, "big"), good])
         wait_until(lambda: h.hits(toks(2)) == {(IID, 1): (4, 0, 0)}, msg="good batch after junk")
@@ -183,7 +235,7 @@ def test_garbage_frames_never_stop_the_thread(h, pubs):
 def test_unsubscribe_and_replace(h, pubs):
     pub = pubs(replay=False)
     h.subscribe(ctx(pub.url))
-    h.subscribe(ctx(pub.url))                    # replaces, does not duplicate
+    h.subscribe(ctx(pub.url))  # replaces, does not duplicate
     h.subscribe(ctx("tcp://127.0.0.1:1", dp=0))  # second URL of the same DP: connecting
     # A socket that cannot be opened raises and leaves nothing behind (the registration
     # that asked for it is rolled back).
@@ -206,6 +258,7 @@ def test_idle_thread_does_not_spin(h, pubs):
         with open(f"/proc/self/task/{tid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     c0, t0 = cpu(), time.monotonic()
     time.sleep(1.5)
     used, wall = cpu() - c0, time.monotonic() - t0
@@ -213,6 +266,7 @@ def test_idle_thread_does_not_spin(h, pubs):
 
 
 # --- replay, gaps, restarts ---------------------------------------------------------------------
+
 
 def _workload(seed=11, n=30):
     """Realistic batches: new chains, continuations, removals, some clears of nothing."""
@@ -224,7 +278,9 @@ def _workload(seed=11, n=30):
             j = rng.randrange(i)
             evs.append(V33.removed([(j + 1) * 1000], medium="GPU", group_idx=0))
         if i >= 1 and rng.random() < 0.3:
-            evs.append(stored(V33, i - 1, 2, start=4))  # continuation of chain i-1 (parent = last block)
+            evs.append(
+                stored(V33, i - 1, 2, start=4)
+            )  # continuation of chain i-1 (parent = last block)
             evs[-1].parent_block_hash = i * 1000 + 3
         batches.append(V33.batch(evs, dp=0))
     return batches
@@ -248,15 +304,19 @@ def test_gap_replay_matches_no_loss_run(h, pubs, layout):
 
     pub = pubs(topic=b"kv-events", layout=layout)
     c = ctx(pub.url, replay=pub.replay_url)
-    h.subscribe(c, replay=True)                       # first registration: replay from 0
-    wait_until(lambda: h.source()["replays"] >= 1 and h.source()["state"] != "replaying",
-               msg="initial replay")
+    h.subscribe(c, replay=True)  # first registration: replay from 0
+    wait_until(
+        lambda: h.source()["replays"] >= 1 and h.source()["state"] != "replaying",
+        msg="initial replay",
+    )
     wait_until(lambda: h.source()["state"] == "live", msg="connected")
     drop = {5, 6, 7, 15, 22}
     for i, b in enumerate(batches):
         pub.publish(b, drop=i in drop)
-    wait_until(lambda: h.source()["last_seq"] == len(batches) - 1 and h.source()["state"] == "live",
-               msg="all batches applied")
+    wait_until(
+        lambda: h.source()["last_seq"] == len(batches) - 1 and h.source()["state"] == "live",
+        msg="all batches applied",
+    )
     got = _snapshot(h.index())
     assert got == expected
     src = h.source()
@@ -283,7 +343,9 @@ def test_initial_replay_complete(h, pubs):
     for i in range(5):
         pub.publish(V33.batch([stored(V33, i, 2)]))
     h.subscribe(ctx(pub.url, replay=pub.replay_url), replay=True)
-    wait_until(lambda: h.source()["last_seq"] == 4 and h.source()["state"] == "live", msg="replayed")
+    wait_until(
+        lambda: h.source()["last_seq"] == 4 and h.source()["state"] == "live", msg="replayed"
+    )
     pub.publish(V33.batch([stored(V33, 5, 2)]))
     wait_until(lambda: h.source()["last_seq"] == 5, msg="live after replay")
     assert all(h.hits(toks(i, 2)) == {(IID, 0): (2, 0, 0)} for i in range(6))
@@ -326,7 +388,9 @@ def test_publisher_restart_keeps_then_ages_out_old_blocks(h, pubs, with_replay):
     else:
         warm_up(h, pub2)
     pub2.publish(V33.batch([stored(V33, 8, 2)]))
-    wait_until(lambda: h.hits(toks(8, 2)) == {(IID, 0): (2, 0, 0)}, msg="second incarnation indexed")
+    wait_until(
+        lambda: h.hits(toks(8, 2)) == {(IID, 0): (2, 0, 0)}, msg="second incarnation indexed"
+    )
     wait_until(lambda: h.source()["state"] != "replaying", msg="replay done")
     src = h.source()
     assert src["restarts"] >= 1 and src["state"] == "degraded" and src["degraded_since"]
@@ -349,15 +413,17 @@ def test_gap_without_replay_keeps_state_and_ages_out_the_unconfirmed(h, pubs):
     pub = pubs(replay=False)
     h.subscribe(ctx(pub.url))
     warm_up(h, pub)
-    pub.publish(V33.batch([stored(V33, 0, 2)]))                  # blocks 1000, 1001
-    pub.publish(V33.batch([stored(V33, 3, 2)]))                  # blocks 4000, 4001
-    pub.publish(V33.batch([stored(V33, 1, 2)]), drop=True)       # lost
+    pub.publish(V33.batch([stored(V33, 0, 2)]))  # blocks 1000, 1001
+    pub.publish(V33.batch([stored(V33, 3, 2)]))  # blocks 4000, 4001
+    pub.publish(V33.batch([stored(V33, 1, 2)]), drop=True)  # lost
     pub.publish(V33.batch([stored(V33, 2, 2)]))
     wait_until(lambda: h.hits(toks(2, 2)), msg="after the gap")
     src = h.source()
     assert src["gaps"] == 1 and src["resyncs"] == 1 and src["state"] == "degraded"
     # Nothing was wiped: only the lost batch's blocks are missing.
-    assert h.hits(toks(0, 2)) == {(IID, 0): (2, 0, 0)} and h.hits(toks(3, 2)) == {(IID, 0): (2, 0, 0)}
+    assert h.hits(toks(0, 2)) == {(IID, 0): (2, 0, 0)} and h.hits(toks(3, 2)) == {
+        (IID, 0): (2, 0, 0)
+    }
     assert h.hits(toks(1, 2)) == {}
     # The engine extends chain 0 (parent 1001, cached before the gap): it applies.
     pub.publish(V33.batch([stored(V33, 0, 2, parent=1001, start=2)]))
@@ -394,6 +460,7 @@ def test_second_loss_restarts_the_grace_period(h, pubs):
 def test_replay_endpoint_dead_falls_back_to_resync(h, pubs):
     pub = pubs(replay=False)
     from publishers import free_tcp_port
+
     dead = f"tcp://127.0.0.1:{free_tcp_port()}"
     h.call(lambda: setattr(h.mgr, "replay_timeout", 0.5))
     h.subscribe(ctx(pub.url, replay=dead), replay=True)
@@ -410,6 +477,7 @@ def test_replay_endpoint_dead_falls_back_to_resync(h, pubs):
 
 # --- pools --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("order", ["pool_first", "engine_first"])
 def test_mooncake_pool_confirmations(h, pubs, order):
     h.conductor.ip_index["127.0.0.1"] = [(IID, 0), (IID, 1)]
@@ -418,8 +486,15 @@ def test_mooncake_pool_confirmations(h, pubs, order):
     pool = PoolPublisher()
     try:
         h.subscribe(ctx(eng.url))
-        h.subscribe(ctx(pool.url, iid="mooncake-pool", model="default", is_pool=True,
-                        media=(Medium.NPU, Medium.CPU, Medium.DISK)))
+        h.subscribe(
+            ctx(
+                pool.url,
+                iid="mooncake-pool",
+                model="default",
+                is_pool=True,
+                media=(Medium.NPU, Medium.CPU, Medium.DISK),
+            )
+        )
         warm_up(h, eng)
 
         def pool_warm():
@@ -428,11 +503,21 @@ def test_mooncake_pool_confirmations(h, pubs, order):
                 return True
             pool.publish(mooncake_tuple([]))
             return False
+
         wait_until(pool_warm, msg="pool subscriber connected")
-        eng.publish(V33.batch([stored(V33, 0, 2)]))                       # blocks 0,1 on GPU
+        eng.publish(V33.batch([stored(V33, 0, 2)]))  # blocks 0,1 on GPU
         wait_until(lambda: h.hits(toks(0, 4)) == {(IID, 0): (2, 0, 0)}, msg="gpu")
-        conf = mooncake_tuple([{"event_id": 1, "event_type": "stored", "backend_id": "127.0.0.1",
-                                "medium": "cpu", "seq_hashes": [1002, 1003]}])
+        conf = mooncake_tuple(
+            [
+                {
+                    "event_id": 1,
+                    "event_type": "stored",
+                    "backend_id": "127.0.0.1",
+                    "medium": "cpu",
+                    "seq_hashes": [1002, 1003],
+                }
+            ]
+        )
         off = V33.batch([stored(V33, 0, 2, medium="CPU", start=2, parent=1001)])
         if order == "pool_first":
             pool.publish(conf)
@@ -458,19 +543,25 @@ def test_yuanrong_per_port_media_over_tcp(h, pubs):
         h.subscribe(ctx(disk.url, media=(Medium.DISK,), **yr))
         warm_up(h, eng, iid="yr-1", dp=2)
         for p in (cpu, disk):
+
             def warm(p=p):
                 src = h.source("yr-1", 2, p.url)
                 if src and src["batches"]:
                     return True
                 p.publish(mooncake_tuple([]))
                 return False
+
             wait_until(warm, msg="pool port connected")
-        eng.publish(V33.batch([stored(V33, 0, 1),
-                               stored(V33, 0, 3, medium="CPU", start=1, parent=1000)]))
+        eng.publish(
+            V33.batch([stored(V33, 0, 1), stored(V33, 0, 3, medium="CPU", start=1, parent=1000)])
+        )
         wait_until(lambda: h.index() and h.index().summary()["offload"] == 3, msg="offload")
         cpu.publish(mooncake_tuple([{"event_type": "stored", "seq_hashes": [1001, 1002]}], dp=0))
-        disk.publish(msgspec.msgpack.encode({"events": [{"event_type": "stored",
-                                                         "seq_hashes": ["0x3e9", "0x3ea", "0x3eb"]}]}))
+        disk.publish(
+            msgspec.msgpack.encode(
+                {"events": [{"event_type": "stored", "seq_hashes": ["0x3e9", "0x3ea", "0x3eb"]}]}
+            )
+        )
         wait_until(lambda: h.hits(toks(0, 4)) == {("yr-1", 2): (1, 2, 1)}, msg="per-port media")
     finally:
         cpu.stop()
@@ -482,25 +573,35 @@ def test_documented_payloads_over_tcp(h, pubs):
     from test_vllm import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0523
 
     pub = pubs(topic=b"kv-events", replay=False)
-    c = SubscriberContext(instance_id=IID, dp_rank=0, url=pub.url, model="m", tenant="t",
-                          block_size=2, default_media=(Medium.NPU,))
+    c = SubscriberContext(
+        instance_id=IID,
+        dp_rank=0,
+        url=pub.url,
+        model="m",
+        tenant="t",
+        block_size=2,
+        default_media=(Medium.NPU,),
+    )
     h.call(h.mgr.subscribe, c)
     warm_up(h, pub)
     idx = lambda: h.index()  # noqa: E731
 
     def q(tokens):
         return hits(idx(), tokens, 2)
+
     for payload in (EX_C_V092, b"\x92" + EX_C_V092[1:-1], EX_B_V023):
         pub.publish(payload)
         wait_until(lambda: q([1, 2, 3, 4]) == {(IID, 0): (2, 0, 0)}, msg="stored")
-        pub.publish(EX_A_V033)          # BlockRemoved(H2) + AllBlocksCleared
+        pub.publish(EX_A_V033)  # BlockRemoved(H2) + AllBlocksCleared
         wait_until(lambda: q([1, 2, 3, 4]) == {}, msg="cleared")
     s33 = V33
     d1, d2 = bytes(range(32)), bytes(range(32, 64))
     pub.publish(s33.batch([s33.stored([d1, d2], None, [1, 2, 3, 4], 2, medium="GPU", group_idx=0)]))
     wait_until(lambda: q([1, 2, 3, 4]) == {(IID, 0): (2, 0, 0)}, msg="bytes hashes stored")
     h2 = int.from_bytes(d2[-8:], "big")
-    pub.publish(s33.batch([s33.removed([h2], medium="GPU", group_idx=0)]))   # int form of the bin hash
+    pub.publish(
+        s33.batch([s33.removed([h2], medium="GPU", group_idx=0)])
+    )  # int form of the bin hash
     wait_until(lambda: q([1, 2, 3, 4]) == {(IID, 0): (1, 0, 0)}, msg="removed by int form")
     pub.publish(EX_E_SGL0523)  # SGLang: store -5, remove -5, clear
     wait_until(lambda: h.source()["events"] == 14 and q([1, 2, 3, 4]) == {}, msg="sglang batch")
@@ -511,15 +612,16 @@ def test_documented_payloads_over_tcp(h, pubs):
 def test_bound_sub_for_connecting_publishers(h):
     """A '*' URL is bound: the engine's PUB connects to the conductor."""
     from publishers import free_tcp_port
+
     errors = []
-    for _ in range(5):      # another process may take the free port first
+    for _ in range(5):  # another process may take the free port first
         port = free_tcp_port()
         try:
             h.subscribe(ctx(f"tcp://*:{port}"))
             break
         except zmq.ZMQError as ex:
             errors.append(repr(ex))
-            assert h.call(h.mgr.sources) == []      # a failed open leaves nothing behind
+            assert h.call(h.mgr.sources) == []  # a failed open leaves nothing behind
     else:
         pytest.fail(f"no free port could be bound: {errors}")
     # connect only once the SUB listens: a connect to a closed loopback port can
@@ -535,6 +637,7 @@ def test_bound_sub_for_connecting_publishers(h):
             nonlocal seq
             pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
             seq += 1
+
         wait_until(lambda: send(V33.batch([])) or h.source()["batches"], msg="bound SUB receives")
         send(V33.batch([stored(V33, 0)]))
         wait_until(lambda: h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}, msg="indexed via bound SUB")
@@ -546,6 +649,7 @@ def test_replay_retried_when_the_engine_comes_up_after_registration(h, pubs):
     """The registration's replay fails while the engine is down; the first connection
     to the engine asks again, so what it published before we connected is recovered."""
     from publishers import free_tcp_port
+
     h.call(lambda: setattr(h.mgr, "replay_timeout", 0.5))
     port, rport = free_tcp_port(), free_tcp_port()
     c = ctx(f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{rport}")
@@ -554,6 +658,8 @@ def test_replay_retried_when_the_engine_comes_up_after_registration(h, pubs):
     pub = pubs(port, rport)
     for i in range(3):
         pub.publish(V33.batch([stored(V33, i, 2)]))
-    wait_until(lambda: all(h.hits(toks(i, 2)) == {(IID, 0): (2, 0, 0)} for i in range(3)),
-               msg="replayed on the first connect")
+    wait_until(
+        lambda: all(h.hits(toks(i, 2)) == {(IID, 0): (2, 0, 0)} for i in range(3)),
+        msg="replayed on the first connect",
+    )
     assert 0 in pub.replay_requests

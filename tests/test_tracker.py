@@ -4,6 +4,7 @@ The host below records what the tracker asks for; the behaviour over real ZeroMQ
 sockets is proven by tests/test_subscriber.py, tests/test_server_zmq.py and
 tests/faults/test_replay.py / test_loss.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -58,7 +59,13 @@ def test_in_order_batches_are_applied_from_whatever_seq_comes_first():
     t, host, stats = make()
     feed(t, 41, 42, 43)
     assert host.applied == [b(41), b(42), b(43)]
-    assert (t.last_seq, stats.last_seq, stats.gaps, host.replays, host.losses) == (43, 43, 0, [], [])
+    assert (t.last_seq, stats.last_seq, stats.gaps, host.replays, host.losses) == (
+        43,
+        43,
+        0,
+        [],
+        [],
+    )
     assert t.state(connected=True) == "live"
 
 
@@ -74,25 +81,25 @@ def test_gap_requests_a_verifying_replay_from_the_last_seq_and_buffers_live_batc
 def test_replay_success_merges_the_buffer_without_applying_anything_twice():
     t, host, stats = make()
     feed(t, 1, 2)
-    feed(t, 5)                       # gap: replay from 2
-    for s in (2, 3, 4, 5):           # overlap batch 2 identical, then 3..5
+    feed(t, 5)  # gap: replay from 2
+    for s in (2, 3, 4, 5):  # overlap batch 2 identical, then 3..5
         t.replayed(s, b(s), 2.0)
-    feed(t, 6)                       # live while the replay still runs
+    feed(t, 6)  # live while the replay still runs
     t.replay_done(True, "complete", 3.0)
     assert host.applied == [b(1), b(2), b(3), b(4), b(5), b(6)]
-    assert stats.duplicates == 1     # the buffered live 5, already applied by replay
+    assert stats.duplicates == 1  # the buffered live 5, already applied by replay
     assert (t.last_seq, t.replaying, t.buffer, host.losses) == (6, False, [], [])
     assert stats.replayed_batches == 4 and t.degraded_since is None
 
 
 def test_duplicate_live_batch_after_replay_is_skipped_and_dedup_ends_past_the_replayed_range():
     t, host, stats = make()
-    t.catch_up()                     # registration: replay from 0
+    t.catch_up()  # registration: replay from 0
     assert host.replays == [0]
     for s in (0, 1, 2):
         t.replayed(s, b(s), 1.0)
     t.replay_done(True, "complete", 1.0)
-    feed(t, 2)                       # the live copy of a replayed batch
+    feed(t, 2)  # the live copy of a replayed batch
     assert stats.duplicates == 1 and host.applied == [b(0), b(1), b(2)]
     feed(t, 3)
     assert t.dedup == {} and t.last_seq == 3
@@ -103,7 +110,9 @@ def test_replay_failure_is_a_loss_with_its_reason_and_the_buffer_is_applied_with
     feed(t, 1)
     feed(t, 4, 5)
     t.replay_done(False, "no reply from tcp://h:6667 for 5.0s (0 batches received)", 7.5)
-    assert host.losses == [("replay failed: no reply from tcp://h:6667 for 5.0s (0 batches received)", 1)]
+    assert host.losses == [
+        ("replay failed: no reply from tcp://h:6667 for 5.0s (0 batches received)", 1)
+    ]
     assert host.applied == [b(1), b(4), b(5)] and host.replays == [1]
     assert t.degraded_since == 7.5 and t.state(connected=True) == "degraded"
     assert stats.dropped == {"replay_failed": 1} and stats.resyncs == 1
@@ -120,13 +129,13 @@ def test_gap_without_replay_endpoint_is_a_loss_and_the_stream_goes_on():
 
 def test_replay_failing_before_the_first_connect_is_asked_again_on_the_first_connect():
     t, host, _ = make()
-    t.catch_up()                                  # registration, engine not up yet
+    t.catch_up()  # registration, engine not up yet
     t.replay_done(False, "connect refused", 1.0)
     assert host.replays == [0] and host.losses[0][0] == "replay failed: connect refused"
-    t.connected()                                 # the engine came up
+    t.connected()  # the engine came up
     assert host.replays == [0, 0]
     t.replay_done(True, "complete", 2.0)
-    t.connected()                                 # a reconnect: replay again (nothing applied yet)
+    t.connected()  # a reconnect: replay again (nothing applied yet)
     assert host.replays == [0, 0, 0]
 
 
@@ -169,7 +178,7 @@ def test_engine_restart_without_replay_applies_the_batch():
 def test_overlap_batch_that_differs_means_a_restart_and_a_replay_from_0():
     t, host, stats = make()
     feed(t, 1, 2)
-    feed(t, 4)                         # gap: replay from 2, verifying
+    feed(t, 4)  # gap: replay from 2, verifying
     t.replayed(2, b(2, "-other"), 3.0)
     t.replayed(3, b(3, "-other"), 3.0)  # ignored: a replay from 0 follows
     assert host.losses == [("replayed seq 2 differs from the applied one (restart)", 1)]
@@ -181,7 +190,7 @@ def test_empty_verifying_replay_means_the_publisher_restarted():
     t, host, stats = make()
     feed(t, 1, 2)
     t.connected()
-    t.connected()                      # reconnect: verify from 2
+    t.connected()  # reconnect: verify from 2
     t.replay_done(True, "complete", 3.0)
     assert host.losses == [("replay from 2 is empty (restart)", 1)] and host.replays == [2, 0]
     assert stats.restarts == 1
@@ -192,9 +201,9 @@ def test_replay_starting_after_the_wanted_seq_is_a_loss(verify, first, wanted):
     t, host, _ = make()
     if verify:
         feed(t, 1, 2)
-        feed(t, 9)                     # replay from 2
+        feed(t, 9)  # replay from 2
     else:
-        t.catch_up()                   # replay from 0
+        t.catch_up()  # replay from 0
     t.replayed(first, b(first), 2.0)
     assert host.losses == [(f"replay starts at {first}, wanted {wanted}: buffer exhausted", 1)]
     assert host.applied[-1] == b(first) and t.last_seq == first
@@ -231,19 +240,19 @@ def test_degradation_ends_only_with_the_newest_loss_epoch():
     feed(t, 3, now=10.0)
     feed(t, 5, now=20.0)
     assert [e for _, e in host.losses] == [1, 2] and t.degraded_since == 20.0
-    assert not t.end_degraded(1)       # superseded by the second loss
+    assert not t.end_degraded(1)  # superseded by the second loss
     assert t.end_degraded(2) and t.degraded_since is None
-    assert not t.end_degraded(2)       # already live
+    assert not t.end_degraded(2)  # already live
 
 
 def test_hand_over_keeps_the_sequence_when_the_replay_endpoint_goes_away():
     t, host, _ = make()
     feed(t, 1, 2)
-    t.replay_enabled = False           # retarget: the new registration has no replay endpoint
-    feed(t, 3)                         # the same socket goes on: no loss
+    t.replay_enabled = False  # retarget: the new registration has no replay endpoint
+    feed(t, 3)  # the same socket goes on: no loss
     feed(t, 5)
     assert host.losses == [("gap 3 -> 5 and no replay endpoint", 1)] and host.replays == []
-    t.replay_enabled = True            # and back
+    t.replay_enabled = True  # and back
     feed(t, 7)
     assert host.replays == [5]
 

@@ -13,6 +13,7 @@ front of the engines uses to talk to the conductor and to pick a prefill endpoin
 The names of all five are importable from here; they are loaded on first use, so
 ``import kvconductor.coordinator.affinity`` does not import ``httpx``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -33,4 +34,6 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(n for mod in _MODULES for n in importlib.import_module(f"{__name__}.{mod}").__all__)
+    return sorted(
+        n for mod in _MODULES for n in importlib.import_module(f"{__name__}.{mod}").__all__
+    )

@@ -24,6 +24,7 @@ Differences from the reference, all deliberate:
 * An empty tenant map (nothing matched anywhere) is therefore ranked by load
   like any other answer rather than returning ``None``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -106,7 +107,9 @@ class KvAffinityConfig:
             raise ValueError(f"kv_affinity.mode must be a string, got {self.mode!r}")
         mode = self.mode.strip().lower()
         if mode not in _MODES:
-            raise ValueError(f"kv_affinity.mode must be one of {', '.join(_MODES)}, got {self.mode!r}")
+            raise ValueError(
+                f"kv_affinity.mode must be one of {', '.join(_MODES)}, got {self.mode!r}"
+            )
         object.__setattr__(self, "mode", mode)
         for name in _FLOAT_FIELDS:
             object.__setattr__(self, name, float(_check_number(name, getattr(self, name))))
@@ -136,7 +139,9 @@ class KvAffinityConfig:
         return cls(**{k: v for k, v in data.items() if k in names})
 
     @classmethod
-    def from_scheduler_config(cls, scheduler_config: Mapping[str, Any] | None) -> "KvAffinityConfig":
+    def from_scheduler_config(
+        cls, scheduler_config: Mapping[str, Any] | None
+    ) -> "KvAffinityConfig":
         """Build from a whole ``scheduler_config``, migrating legacy flat keys first.
 
         The argument is not modified; see :func:`migrate_legacy_keys`.
@@ -168,7 +173,10 @@ def migrate_legacy_keys(scheduler_config: Mapping[str, Any]) -> dict[str, Any]:
     )
     nested = out.get("kv_affinity")
     if nested is not None and not isinstance(nested, Mapping):
-        logger.warning("scheduler_config.kv_affinity is not an object (%r); replaced by the legacy keys", nested)
+        logger.warning(
+            "scheduler_config.kv_affinity is not an object (%r); replaced by the legacy keys",
+            nested,
+        )
         nested = None
     merged = dict(nested or {})
     for key, value in legacy.items():
@@ -320,7 +328,9 @@ def rank(
     else:
         found = _tenant_map(query_response, tenant_id)
         if found is None:
-            logger.warning("kv_affinity: conductor returned no data for tenant %r; falling back", tenant_id)
+            logger.warning(
+                "kv_affinity: conductor returned no data for tenant %r; falling back", tenant_id
+            )
             return None
         tenant = found
     scored = score_candidates(
@@ -336,18 +346,30 @@ def rank(
         ordered = sorted(gated, key=lambda s: (-s.matched, s.load_cost))[:limit]
         result = [Ranked(s.instance_id, s.dp_rank, s.load_cost) for s in ordered]
     else:
-        keyed = [(cfg.prefill_load_scale * s.prefill_cost + cfg.load_weight * s.load_cost, s) for s in scored]
+        keyed = [
+            (cfg.prefill_load_scale * s.prefill_cost + cfg.load_weight * s.load_cost, s)
+            for s in scored
+        ]
         keyed.sort(key=lambda t: t[0])
         result = [Ranked(s.instance_id, s.dp_rank, score) for score, s in keyed[:limit]]
 
     if debug is not None:
         gated_mode = cfg.mode == MODE_LOAD_GATED
         for s in scored:
-            debug[(s.instance_id, s.dp_rank)] = (s.matched, s.load_cost, None if gated_mode else s.prefill_cost)
+            debug[(s.instance_id, s.dp_rank)] = (
+                s.matched,
+                s.load_cost,
+                None if gated_mode else s.prefill_cost,
+            )
     if logger.isEnabledFor(logging.DEBUG):
         best = result[0]
         logger.debug(
             "kv_affinity(%s): best %s dp=%d score=%.2f (%d ranked of %d)",
-            cfg.mode, best.instance_id, best.dp_rank, best.score, len(result), len(scored),
+            cfg.mode,
+            best.instance_id,
+            best.dp_rank,
+            best.score,
+            len(result),
+            len(scored),
         )
     return result

@@ -6,6 +6,7 @@ Everything but sending lives in :class:`~kvconductor.coordinator.core.ConductorC
 each route method here runs the core's plan of the same name (``query`` runs
 ``query_plan``) and does nothing but the HTTP exchanges the plan asks for.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,11 +52,15 @@ def tls_verify(verify: Any = True, cert: Any = None) -> Any:
         ctx.verify_mode = ssl.CERT_NONE
     elif isinstance(verify, (str, os.PathLike)):
         path = os.fspath(verify)
-        ctx = ssl.create_default_context(capath=path) if os.path.isdir(path) else \
-            ssl.create_default_context(cafile=path)
+        ctx = (
+            ssl.create_default_context(capath=path)
+            if os.path.isdir(path)
+            else ssl.create_default_context(cafile=path)
+        )
     else:
         try:
             import certifi  # what httpx trusts by default
+
             ctx = ssl.create_default_context(cafile=certifi.where())
         except ImportError:  # pragma: no cover
             ctx = ssl.create_default_context()
@@ -67,13 +72,15 @@ def tls_verify(verify: Any = True, cert: Any = None) -> Any:
     return ctx
 
 
-def _http_options(core: ConductorCore, pool_size: int, transport: Any, trust_env: bool,
-                  verify: Any, cert: Any) -> dict[str, Any]:
+def _http_options(
+    core: ConductorCore, pool_size: int, transport: Any, trust_env: bool, verify: Any, cert: Any
+) -> dict[str, Any]:
     """The keyword arguments of ``httpx.Client``/``httpx.AsyncClient`` for a client."""
     return dict(
         base_url=core.base_url,
-        limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size,
-                            keepalive_expiry=30.0),
+        limits=httpx.Limits(
+            max_connections=pool_size, max_keepalive_connections=pool_size, keepalive_expiry=30.0
+        ),
         timeout=core.register_timeout,
         transport=transport,
         trust_env=trust_env,
@@ -106,15 +113,21 @@ def _route(plan: Callable[..., Any], method: Callable[..., Any]) -> Any:
     return method
 
 
-def _sync(plan: Callable[Concatenate[ConductorCore, P], Plan[T]]) -> Callable[Concatenate[Any, P], T]:
+def _sync(
+    plan: Callable[Concatenate[ConductorCore, P], Plan[T]],
+) -> Callable[Concatenate[Any, P], T]:
     def method(self: ConductorClient, *args: P.args, **kwargs: P.kwargs) -> T:
         return self._run(plan(self, *args, **kwargs))
+
     return _route(plan, method)
 
 
-def _async(plan: Callable[Concatenate[ConductorCore, P], Plan[T]]) -> Callable[Concatenate[Any, P], Awaitable[T]]:
+def _async(
+    plan: Callable[Concatenate[ConductorCore, P], Plan[T]],
+) -> Callable[Concatenate[Any, P], Awaitable[T]]:
     async def method(self: AsyncConductorClient, *args: P.args, **kwargs: P.kwargs) -> T:
         return await self._run(plan(self, *args, **kwargs))
+
     return _route(plan, method)
 
 
@@ -134,10 +147,21 @@ class ConductorClient(ConductorCore):
     ``cert`` for ``--tls-client-ca``), see :func:`tls_verify`.
     """
 
-    def __init__(self, base_url: str, *, pool_size: int = 32, transport: httpx.BaseTransport | None = None,
-                 trust_env: bool = False, verify: Any = True, cert: Any = None, **options: Any) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        pool_size: int = 32,
+        transport: httpx.BaseTransport | None = None,
+        trust_env: bool = False,
+        verify: Any = True,
+        cert: Any = None,
+        **options: Any,
+    ) -> None:
         super().__init__(base_url, **options)
-        self._http = httpx.Client(**_http_options(self, pool_size, transport, trust_env, verify, cert))
+        self._http = httpx.Client(
+            **_http_options(self, pool_size, transport, trust_env, verify, cert)
+        )
 
     def close(self) -> None:
         self._http.close()
@@ -176,10 +200,21 @@ class ConductorClient(ConductorCore):
 class AsyncConductorClient(ConductorCore):
     """``asyncio`` twin of :class:`ConductorClient` over one ``httpx.AsyncClient``."""
 
-    def __init__(self, base_url: str, *, pool_size: int = 32, transport: httpx.AsyncBaseTransport | None = None,
-                 trust_env: bool = False, verify: Any = True, cert: Any = None, **options: Any) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        pool_size: int = 32,
+        transport: httpx.AsyncBaseTransport | None = None,
+        trust_env: bool = False,
+        verify: Any = True,
+        cert: Any = None,
+        **options: Any,
+    ) -> None:
         super().__init__(base_url, **options)
-        self._http = httpx.AsyncClient(**_http_options(self, pool_size, transport, trust_env, verify, cert))
+        self._http = httpx.AsyncClient(
+            **_http_options(self, pool_size, transport, trust_env, verify, cert)
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()

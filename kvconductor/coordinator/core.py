@@ -35,6 +35,7 @@ timeout, an HTTP 5xx or an undecodable 2xx body. A 4xx answer proves the server
 is up: it resets the failure count (but the call still raises). The reference
 counts every exception, including a 404 for an unknown model.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,7 +79,9 @@ _MSGPACK_ENCODER = msgspec.msgpack.Encoder()
 _JSON_ENCODER = msgspec.json.Encoder()
 
 #: The fields ``/register`` requires, by their wire names (from :class:`RegisterRequest`).
-REGISTER_REQUIRED = tuple(f.encode_name for f in msgspec.structs.fields(RegisterRequest) if f.required)
+REGISTER_REQUIRED = tuple(
+    f.encode_name for f in msgspec.structs.fields(RegisterRequest) if f.required
+)
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +197,8 @@ class CircuitBreaker:
                 if self._state != self.OPEN:
                     logger.warning(
                         "conductor circuit OPEN after %d consecutive failures (cooldown %.0f s)",
-                        self._failures, self.cooldown,
+                        self._failures,
+                        self.cooldown,
                     )
                 self._state = self.OPEN
                 self._opened_at = self._clock()
@@ -380,23 +384,36 @@ class ConductorCore:
     # -- request builders --------------------------------------------------
 
     def _query_req(
-        self, model: str, token_ids: Any, block_size: int, tenant_id: str, packed: bool | None,
+        self,
+        model: str,
+        token_ids: Any,
+        block_size: int,
+        tenant_id: str,
+        packed: bool | None,
         lora_name: str | None = None,
     ) -> Request:
         use_packed = self.packed if packed is None else bool(packed)
         if use_packed and self.query_encoding != "msgpack":
             raise ValueError("packed token bodies need query_encoding='msgpack'")
         tokens: Any = pack_tokens(token_ids) if use_packed else token_list(token_ids)
-        body: Any = QueryRequest(model=model, block_size=int(block_size), token_ids=tokens, tenant_id=tenant_id)
+        body: Any = QueryRequest(
+            model=model, block_size=int(block_size), token_ids=tokens, tenant_id=tenant_id
+        )
         if lora_name:
             # Only sent when set, so base-model queries stay byte-identical for older servers.
             body = {**msgspec.structs.asdict(body), "lora_name": lora_name}
         return self._encoded("/query", body)
 
-    def _query_by_hash_req(self, model: str, block_hashes: Any, tenant_id: str, block_size: int) -> Request:
+    def _query_by_hash_req(
+        self, model: str, block_hashes: Any, tenant_id: str, block_size: int
+    ) -> Request:
         # Always an array of integers: the server takes no packed form for hashes.
-        body = QueryByHashRequest(model=model, block_size=int(block_size),
-                                  block_hashes=hash_list(block_hashes), tenant_id=tenant_id)
+        body = QueryByHashRequest(
+            model=model,
+            block_size=int(block_size),
+            block_hashes=hash_list(block_hashes),
+            tenant_id=tenant_id,
+        )
         return self._encoded("/query_by_hash", body)
 
     def _encoded(self, path: str, body: Any) -> Request:
@@ -404,11 +421,18 @@ class ConductorCore:
             content, ct = _MSGPACK_ENCODER.encode(body), MSGPACK_CONTENT_TYPE
         else:
             content, ct = _JSON_ENCODER.encode(body), JSON_CONTENT_TYPE
-        return Request("POST", path, content, {"content-type": ct, "accept": f"{ct}, {JSON_CONTENT_TYPE}"},
-                       self.query_timeout)
+        return Request(
+            "POST",
+            path,
+            content,
+            {"content-type": ct, "accept": f"{ct}, {JSON_CONTENT_TYPE}"},
+            self.query_timeout,
+        )
 
     def _json_req(self, path: str, body: Any, timeout: float) -> Request:
-        return Request("POST", path, _JSON_ENCODER.encode(body), {"content-type": JSON_CONTENT_TYPE}, timeout)
+        return Request(
+            "POST", path, _JSON_ENCODER.encode(body), {"content-type": JSON_CONTENT_TYPE}, timeout
+        )
 
     def _get_req(self, path: str) -> Request:
         return Request("GET", path, None, {"accept": JSON_CONTENT_TYPE}, self.workers_timeout)
@@ -468,7 +492,9 @@ class ConductorCore:
             what = f"timed out after {req.timeout:g} s ({type(exc).__name__})"
         else:
             what = f"failed: {type(exc).__name__}: {exc}"
-        return ConductorError(f"{req.route} {what} [{self.base_url}]", route=req.route, url=self.base_url)
+        return ConductorError(
+            f"{req.route} {what} [{self.base_url}]", route=req.route, url=self.base_url
+        )
 
     def _finish(self, req: Request, reply: Reply) -> Any:
         """Decode a reply; raise ConductorError on a bad status or body. Feeds the breaker."""
@@ -522,7 +548,11 @@ class ConductorCore:
             logger.debug(
                 "conductor query: %d instance(s) hit: %s",
                 len(tenant),
-                ", ".join(f"{k}={v.get('longest_matched', 0)}" for k, v in tenant.items() if isinstance(v, dict)),
+                ", ".join(
+                    f"{k}={v.get('longest_matched', 0)}"
+                    for k, v in tenant.items()
+                    if isinstance(v, dict)
+                ),
             )
 
     # -- route plans (the clients expose each as the method without ``_plan``) ----
@@ -541,7 +571,9 @@ class ConductorCore:
         req = self._register_req(payload, kwargs)
         return (yield from self._exchange(req)) or {}
 
-    def unregister_plan(self, payload: Mapping[str, Any] | None = None, **kwargs: Any) -> Plan[dict]:
+    def unregister_plan(
+        self, payload: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Plan[dict]:
         """``POST /unregister`` (JSON). Only ``instance_id`` and ``dp_rank`` are needed;
         ``type``/``modelname``/``block_size`` get placeholders when absent."""
         req = self._unregister_req(payload, kwargs)
@@ -581,7 +613,11 @@ class ConductorCore:
         self, model: str, block_hashes: Any, tenant_id: str = TENANT_ID, *, block_size: int = 1
     ) -> Plan[dict]:
         """``POST /query_by_hash``: counts are in blocks (the server ignores ``block_size``)."""
-        return (yield from self._map_exchange(self._query_by_hash_req(model, block_hashes, tenant_id, block_size)))
+        return (
+            yield from self._map_exchange(
+                self._query_by_hash_req(model, block_hashes, tenant_id, block_size)
+            )
+        )
 
     def workers_plan(self) -> Plan[dict]:
         """``GET /workers`` (debug view of registrations and indexes)."""
@@ -589,7 +625,9 @@ class ConductorCore:
 
     def post_events_plan(self, batch: Mapping[str, Any]) -> Plan[dict]:
         """``POST /events`` (JSON ``KvEventBatch``, docs/api.md, POST /events)."""
-        return (yield from self._exchange(self._json_req("/events", batch, self.register_timeout))) or {}
+        return (
+            yield from self._exchange(self._json_req("/events", batch, self.register_timeout))
+        ) or {}
 
     def registered_services_plan(self) -> Plan[list]:
         """Entries of ``GET /workers``, else of a Mooncake master's ``GET /services``, else ``[]``."""
@@ -619,12 +657,18 @@ class ConductorCore:
         missing_ids = {id(p) for p in missing}
         result = ReregisterResult([p for p in local if id(p) not in missing_ids], [], [])
         for payload in missing:
-            logger.info("re-registering %s dp_rank=%s", payload.get("instance_id"), payload.get("dp_rank"))
+            logger.info(
+                "re-registering %s dp_rank=%s", payload.get("instance_id"), payload.get("dp_rank")
+            )
             try:
                 yield from self.register_plan(payload)
                 result.registered.append(payload)
             except ConductorError as exc:
-                logger.error("re-registration of %s dp_rank=%s failed: %s",
-                             payload.get("instance_id"), payload.get("dp_rank"), exc)
+                logger.error(
+                    "re-registration of %s dp_rank=%s failed: %s",
+                    payload.get("instance_id"),
+                    payload.get("dp_rank"),
+                    exc,
+                )
                 result.failed.append((payload, exc))
         return result

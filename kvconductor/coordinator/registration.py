@@ -3,6 +3,7 @@
 
 Plain values in, plain dicts out: no HTTP here and no Coordinator types.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -108,10 +109,14 @@ def resolve_endpoint(pattern: str | None, host: str, dp_rank: int) -> str | None
 
 
 _ROLE_PREFIX = {
-    "P": "vllm-prefill", "PREFILL": "vllm-prefill",
-    "E": "vllm-prefill", "ENCODE": "vllm-prefill",
-    "U": "vllm-union", "UNION": "vllm-union",
-    "D": "vllm-decode", "DECODE": "vllm-decode",
+    "P": "vllm-prefill",
+    "PREFILL": "vllm-prefill",
+    "E": "vllm-prefill",
+    "ENCODE": "vllm-prefill",
+    "U": "vllm-union",
+    "UNION": "vllm-union",
+    "D": "vllm-decode",
+    "DECODE": "vllm-decode",
 }
 
 
@@ -221,7 +226,10 @@ def build_pool_registration(
     if "*" in endpoint:
         master = (os.environ if env is None else env).get("KVS_MASTER_SERVICE", "")
         if not master:
-            logger.warning("pool_endpoint %r needs KVS_MASTER_SERVICE, which is unset; pool not registered", endpoint)
+            logger.warning(
+                "pool_endpoint %r needs KVS_MASTER_SERVICE, which is unset; pool not registered",
+                endpoint,
+            )
             return None
         endpoint = endpoint.replace("*", format_host(master))
     payload = {

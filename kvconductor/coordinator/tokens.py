@@ -1,4 +1,5 @@
 """Token-id and block-hash encodings of the Coordinator client's query bodies."""
+
 from __future__ import annotations
 
 import array
@@ -65,7 +66,9 @@ def pack_tokens(tokens: Any) -> bytes:
         np = importlib.import_module("numpy")  # optional dependency, only when given a numpy array
         arr = np.asarray(tokens)
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise TypeError(f"token array must be 1-D integer, got shape {arr.shape} dtype {arr.dtype}")
+            raise TypeError(
+                f"token array must be 1-D integer, got shape {arr.shape} dtype {arr.dtype}"
+            )
         return arr.astype("<u4", copy=False).tobytes()
     return _le_bytes(_u32_array(tokens))
 

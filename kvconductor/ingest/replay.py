@@ -17,6 +17,7 @@ request can never be mistaken for the current one. What to do with the
 batches (ordering against the live stream, loss detection) is the
 subscription's business: see :mod:`kvconductor.ingest.subscriber`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,8 +34,12 @@ END_MARKER = b"\xff" * 8
 DRAIN_LIMIT = 512
 
 
-def drain(sock: zmq.Socket, limit: int, stopped: Callable[[], bool],
-          on_error: Callable[[zmq.ZMQError], None]) -> Iterator[list[bytes]]:
+def drain(
+    sock: zmq.Socket,
+    limit: int,
+    stopped: Callable[[], bool],
+    on_error: Callable[[zmq.ZMQError], None],
+) -> Iterator[list[bytes]]:
     """The multipart messages already queued on ``sock``, at most ``limit`` (one
     readiness callback's share), until ``stopped()`` is true. A receive error is
     passed to ``on_error`` and ends the draining. Used by the SUB sockets too."""
@@ -58,10 +63,17 @@ class ReplaySession:
     order; ``on_done(ok, why)`` exactly once (``ok`` = the end marker arrived).
     """
 
-    def __init__(self, thread, endpoint: str, start_seq: int,
-                 on_batch: Callable[[int, bytes], None],
-                 on_done: Callable[[bool, str], None],
-                 timeout: float = 5.0, deadline: float = 60.0, max_msg: int = -1) -> None:
+    def __init__(
+        self,
+        thread,
+        endpoint: str,
+        start_seq: int,
+        on_batch: Callable[[int, bytes], None],
+        on_done: Callable[[bool, str], None],
+        timeout: float = 5.0,
+        deadline: float = 60.0,
+        max_msg: int = -1,
+    ) -> None:
         self.thread = thread
         self.endpoint = endpoint
         self.start_seq = start_seq
@@ -122,14 +134,20 @@ class ReplaySession:
         now = time.monotonic()
         idle = now - self._last_activity
         if idle >= self.timeout:
-            self._finish(False, f"no reply from {self.endpoint} for {idle:.1f}s "
-                                f"({self.received} batches received)")
+            self._finish(
+                False,
+                f"no reply from {self.endpoint} for {idle:.1f}s ({self.received} batches received)",
+            )
         elif now >= self._ends_at:
-            self._finish(False, f"replay from {self.endpoint} not finished within "
-                                f"{self.deadline:g}s ({self.received} batches received)")
+            self._finish(
+                False,
+                f"replay from {self.endpoint} not finished within "
+                f"{self.deadline:g}s ({self.received} batches received)",
+            )
         else:
-            self.thread.call_later(min(self.timeout - idle, self._ends_at - now),
-                                   self._check_timeout)
+            self.thread.call_later(
+                min(self.timeout - idle, self._ends_at - now), self._check_timeout
+            )
 
     # -- receive --------------------------------------------------------------------------
     def _receive_error(self, ex: zmq.ZMQError) -> None:

@@ -45,6 +45,7 @@ Only subscriptions that feed HBM workers (engine PUB, ``not ctx.is_pool`` and a
 HBM medium in ``ctx.default_media``) use ``ctx.replay_endpoint``: a replay ROUTER
 serves the engine's sequence, not a pool port's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,8 +74,9 @@ LOSS_GRACE = 600.0
 #: Default overall replay deadline (``--replay-deadline-secs``).
 REPLAY_DEADLINE = 60.0
 
-_MON_EVENTS = (zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED
-               | zmq.EVENT_MONITOR_STOPPED)
+_MON_EVENTS = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_MONITOR_STOPPED
+)
 
 
 class Subscription:
@@ -103,8 +105,9 @@ class Subscription:
     @staticmethod
     def _replay_endpoint_of(ctx: SubscriberContext) -> str | None:
         feeds_hbm = any(Medium(m).tier == 0 for m in ctx.default_media)
-        return ctx.replay_endpoint if (ctx.replay_endpoint and feeds_hbm
-                                       and not ctx.is_pool) else None
+        return (
+            ctx.replay_endpoint if (ctx.replay_endpoint and feeds_hbm and not ctx.is_pool) else None
+        )
 
     def retarget(self, ctx: SubscriberContext) -> None:
         """A changed registration of the same URL: apply what comes next under ``ctx``,
@@ -222,8 +225,12 @@ class Subscription:
                 self._now_connected()
             if len(frames) < 3:
                 self.stats.drop("short_message")
-                self.manager.warn.warn(self.name(), "short_message", f"{len(frames)} frames",
-                                       frames[-1] if frames else b"")
+                self.manager.warn.warn(
+                    self.name(),
+                    "short_message",
+                    f"{len(frames)} frames",
+                    frames[-1] if frames else b"",
+                )
                 continue
             seq_b = frames[1]
             if len(seq_b) != 8:
@@ -239,10 +246,16 @@ class Subscription:
     def open_replay(self, start: int) -> None:
         # The tracker replays only when replay_enabled, i.e. with a replay endpoint.
         assert self.replay_endpoint is not None
-        session = ReplaySession(self.thread, self.replay_endpoint, start, self._on_replayed,
-                                self._on_replay_done, self.manager.replay_timeout,
-                                self.manager.replay_deadline,
-                                2 * self.applier.limits.max_message_bytes)
+        session = ReplaySession(
+            self.thread,
+            self.replay_endpoint,
+            start,
+            self._on_replayed,
+            self._on_replay_done,
+            self.manager.replay_timeout,
+            self.manager.replay_deadline,
+            2 * self.applier.limits.max_message_bytes,
+        )
         self.replay = session
         session.start()
 
@@ -251,15 +264,25 @@ class Subscription:
         n = self.applier.begin_suspect()
         grace = self.manager.loss_grace
         self.thread.call_later(grace, lambda: self._end_degraded(epoch))
-        log.warning("%s: %s; source degraded: %d blocks kept, those not announced again "
-                    "within %gs will be dropped", self.name(), why, n, grace)
+        log.warning(
+            "%s: %s; source degraded: %d blocks kept, those not announced again "
+            "within %gs will be dropped",
+            self.name(),
+            why,
+            n,
+            grace,
+        )
 
     def _end_degraded(self, epoch: int) -> None:
         if not self.tracker.end_degraded(epoch):
             return  # closed, or superseded by a later loss
         n = self.applier.end_suspect()
-        log.info("%s: grace period after the loss is over; %d blocks not announced again "
-                 "were dropped; source live", self.name(), n)
+        log.info(
+            "%s: grace period after the loss is over; %d blocks not announced again "
+            "were dropped; source live",
+            self.name(),
+            n,
+        )
 
     def _on_replayed(self, seq: int, payload: bytes) -> None:
         self.tracker.replayed(seq, payload, time.time())
@@ -308,8 +331,15 @@ class Subscription:
 class SubscriptionManager:
     """Lives on the ingest thread; every method is called on the ingest thread."""
 
-    def __init__(self, thread, conductor, *, replay_timeout: float = 5.0,
-                 loss_grace: float | None = None, replay_deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        thread,
+        conductor,
+        *,
+        replay_timeout: float = 5.0,
+        loss_grace: float | None = None,
+        replay_deadline: float | None = None,
+    ) -> None:
         self.thread = thread
         self.conductor = conductor
         self.replay_timeout = replay_timeout
@@ -343,12 +373,19 @@ class SubscriptionManager:
             sub.close()
             raise
         self._subs[key] = sub
-        log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)", sub.name(),
-                 ctx.model, ctx.tenant, [Medium(m).name for m in ctx.default_media], ctx.is_pool,
-                 sub.replay_endpoint)
+        log.info(
+            "subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)",
+            sub.name(),
+            ctx.model,
+            ctx.tenant,
+            [Medium(m).name for m in ctx.default_media],
+            ctx.is_pool,
+            sub.replay_endpoint,
+        )
 
-    def replace(self, instance_id: str, dp_rank: int,
-                contexts: list[SubscriberContext]) -> set[str]:
+    def replace(
+        self, instance_id: str, dp_rank: int, contexts: list[SubscriberContext]
+    ) -> set[str]:
         """Make (instance, dp)'s subscriptions exactly ``contexts``; returns the URLs opened.
 
         A URL already subscribed keeps its socket and its sequence tracking (the
@@ -378,10 +415,15 @@ class SubscriptionManager:
             else:
                 self._subs.pop(sub.key).close()
         for sub in opened:
-            log.info("subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)",
-                     sub.name(), sub.ctx.model, sub.ctx.tenant,
-                     [Medium(m).name for m in sub.ctx.default_media], sub.ctx.is_pool,
-                     sub.replay_endpoint)
+            log.info(
+                "subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)",
+                sub.name(),
+                sub.ctx.model,
+                sub.ctx.tenant,
+                [Medium(m).name for m in sub.ctx.default_media],
+                sub.ctx.is_pool,
+                sub.replay_endpoint,
+            )
         return {sub.ctx.url for sub in opened}
 
     def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
@@ -400,9 +442,16 @@ class SubscriptionManager:
             return
         sub = self._subs.get((ctx.instance_id, ctx.dp_rank, ctx.url))
         if sub is None or not sub.replay_endpoint:
-            sub = next((s for s in self._subs.values()
-                        if s.ctx.instance_id == ctx.instance_id and s.ctx.dp_rank == ctx.dp_rank
-                        and s.replay_endpoint), None)
+            sub = next(
+                (
+                    s
+                    for s in self._subs.values()
+                    if s.ctx.instance_id == ctx.instance_id
+                    and s.ctx.dp_rank == ctx.dp_rank
+                    and s.replay_endpoint
+                ),
+                None,
+            )
         if sub is None:
             self.subscribe(ctx)
             sub = self._subs[(ctx.instance_id, ctx.dp_rank, ctx.url)]

@@ -31,6 +31,7 @@ A loss resets the sequence (the next batch is applied whatever its seq), marks
 the source degraded since ``now`` and hands an *epoch* to the host; the
 degradation ends with :meth:`SequenceTracker.end_degraded` of the newest epoch.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,8 +73,14 @@ class TrackerHost(Protocol):
 class SequenceTracker:
     """The sequence and replay state of one subscription (see the module docstring)."""
 
-    def __init__(self, host: TrackerHost, stats: SourceStats, *, replay: bool,
-                 max_buffer: int = MAX_REPLAY_BUFFER) -> None:
+    def __init__(
+        self,
+        host: TrackerHost,
+        stats: SourceStats,
+        *,
+        replay: bool,
+        max_buffer: int = MAX_REPLAY_BUFFER,
+    ) -> None:
         self.host = host
         self.stats = stats
         #: The subscription has a replay endpoint.
@@ -261,8 +268,11 @@ class SequenceTracker:
             self.buffer.append((seq, payload))
             self.start_replay(last, verify=True)
             return
-        self._loss(f"gap {last} -> {seq} and "
-                   + ("the replay failed" if self.replay_enabled else "no replay endpoint"), now)
+        self._loss(
+            f"gap {last} -> {seq} and "
+            + ("the replay failed" if self.replay_enabled else "no replay endpoint"),
+            now,
+        )
         self._apply(seq, payload)
 
     def _restarted(self, seq: int, payload: bytes, why: str, now: float) -> None:
