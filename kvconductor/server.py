@@ -32,9 +32,9 @@ from typing import Any
 import uvicorn
 
 from kvconductor.app import create_app
-from kvconductor.settings import Settings
 from kvconductor.protocol import HttpLimits, h11_buffer_limit, protocol_class
 from kvconductor.service import Conductor, open_file_limits, raise_fd_limit
+from kvconductor.settings import Settings
 
 log = logging.getLogger("kvconductor")
 
@@ -281,12 +281,12 @@ def uvicorn_options(settings: Settings, http: str) -> dict:
         "unlimited" if fd_limit is None else fd_limit,
         settings.describe_http(),
     )
-    options: dict = dict(
-        http=protocol_class(limits, http),
-        ws="none",  # no WebSocket routes: upgrades are plain requests
-        timeout_keep_alive=limits.keep_alive,
-        h11_max_incomplete_event_size=h11_buffer_limit(limits),
-    )
+    options: dict = {
+        "http": protocol_class(limits, http),
+        "ws": "none",  # no WebSocket routes: upgrades are plain requests
+        "timeout_keep_alive": limits.keep_alive,
+        "h11_max_incomplete_event_size": h11_buffer_limit(limits),
+    }
     if settings.tls_cert:
         options.update(
             ssl_certfile=settings.tls_cert,

@@ -32,7 +32,7 @@ from kvconductor.ingest.apply import Limits
 from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
-from kvconductor.registry import Registry, RegistrationError
+from kvconductor.registry import RegistrationError, Registry
 from kvconductor.schema import KvEventBatch, RegisterRequest, UnregisterRequest
 from kvconductor.urls import UrlPolicy
 
@@ -111,7 +111,7 @@ class EventsOutcome(NamedTuple):
 # ---------------------------------------------------------------------------------------
 
 
-def _default_subscriptions(thread: IngestThread, conductor: "Conductor"):
+def _default_subscriptions(thread: IngestThread, conductor: Conductor):
     # Imported here, not at the top: the subscriber imports the ingest package, which
     # tests load without a conductor. An ImportError is never swallowed: a service
     # without its ZeroMQ ingest would answer 0 hits for every engine and say nothing.
@@ -225,7 +225,7 @@ class Conductor:
         config: ConductorConfig | None = None,
         *,
         thread: IngestThread | None = None,
-        subscriptions: Callable[[IngestThread, "Conductor"], Any] | None = None,
+        subscriptions: Callable[[IngestThread, Conductor], Any] | None = None,
     ) -> None:
         self.config = config or ConductorConfig()
         self.thread = thread or IngestThread(context=zmq_context(self.config.max_sources))
@@ -268,7 +268,7 @@ class Conductor:
             deadline = time.monotonic() + timeout
             try:
                 self.thread.call(self._stop_on_thread, timeout=timeout)
-            except Exception:  # noqa: BLE001 - shutdown must go on
+            except Exception:  # shutdown must go on
                 log.exception("closing subscriptions failed")
             ok = self.thread.stop(max(0.1, deadline - time.monotonic()))
         if self._executor is not None:
@@ -518,7 +518,7 @@ class Conductor:
                 )
                 errors.append(f"dp_rank={dp}: {_error_text(ex)}")
                 continue
-            except Exception as ex:  # noqa: BLE001 - reported, never fatal to the thread
+            except Exception as ex:  # reported, never fatal to the thread
                 log.exception(
                     "failed to apply events instance_id=%s dp_rank=%d", batch.instance_id, dp
                 )

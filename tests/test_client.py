@@ -47,7 +47,7 @@ from kvconductor.client import (
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from coro import run_coro  # noqa: E402
+from coro import run_coro
 
 BASE = "http://conductor.test:13333"
 
@@ -499,7 +499,7 @@ def test_breaker_transitions_with_fake_clock():
 
     client, rec = make(reply, clock=clock)
     br = client.breaker
-    for i in range(3):
+    for _i in range(3):
         assert br.state == "closed"
         with pytest.raises(ConductorError) as ei:
             client.query("m", [1], 4)
@@ -1336,7 +1336,8 @@ def test_live_rank_both_modes(server, loaded):
         "vllm-prefill-3",
         "vllm-prefill-2",
     ]
-    # load_gated (topn 2): the two lightest are prefill-3 (0) and prefill-1 (1); by matched: 1 (8), 3 (0)
+    # load_gated (topn 2): the two lightest are prefill-3 (0) and prefill-1 (1);
+    # by matched: 1 (8), 3 (0)
     assert rank(resp, cands, 16, 4, KvAffinityConfig(mode="load_gated")) == [
         ("vllm-prefill-1", 0, 1.0),
         ("vllm-prefill-3", 0, 0.0),
@@ -1409,7 +1410,7 @@ def test_live_breaker_against_stopped_server():
             assert c.query_or_empty("none", PROMPT, 4) == {}  # 404: server up, no failure
             assert c.breaker.failures == 0
             srv.stop()
-            for i in range(3):
+            for _i in range(3):
                 with pytest.raises(ConductorError) as ei:
                     c.query("none", PROMPT, 4)
                 assert not isinstance(ei.value, CircuitOpenError)
@@ -1417,7 +1418,8 @@ def test_live_breaker_against_stopped_server():
             assert c.breaker.state == "open"
             with pytest.raises(CircuitOpenError):
                 c.query("none", PROMPT, 4)
-            # bring it back on the same port; after the cooldown the half-open try closes the breaker
+            # bring it back on the same port; after the cooldown the half-open try closes
+            # the breaker
             srv2 = Server(srv.port)
             if not srv2.start():
                 pytest.skip(srv2.why())

@@ -7,8 +7,8 @@ import pytest
 
 from kvconductor.keys import Medium, StoreBackend
 from kvconductor.registry import (
-    Registry,
     RegistrationError,
+    Registry,
     drop_empty_urls,
     extract_ip,
     normalize_medium_endpoints,
@@ -214,9 +214,10 @@ def test_replay_per_instance_and_dp():
 
 def test_identical_reregistration_is_unchanged_and_replays_nothing():
     r = Registry()
-    kw = dict(
-        replay_endpoint="tcp://10.0.0.1:6667", medium_endpoints={"npu": "tcp://10.0.0.1:5557"}
-    )
+    kw = {
+        "replay_endpoint": "tcp://10.0.0.1:6667",
+        "medium_endpoints": {"npu": "tcp://10.0.0.1:5557"},
+    }
     assert not r.register(reg(**kw)).unchanged
     again = r.register(reg(**kw))
     assert again.reregistered and again.unchanged and again.replay is None
@@ -243,9 +244,10 @@ def test_identical_reregistration_is_unchanged_and_replays_nothing():
 )
 def test_changed_reregistration_resubscribes_and_replays(change):
     r = Registry()
-    kw = dict(
-        replay_endpoint="tcp://10.0.0.1:6667", medium_endpoints={"npu": "tcp://10.0.0.1:5557"}
-    )
+    kw = {
+        "replay_endpoint": "tcp://10.0.0.1:6667",
+        "medium_endpoints": {"npu": "tcp://10.0.0.1:5557"},
+    }
     r.register(reg(**kw))
     out = r.register(reg(**(kw | change)))
     assert out.reregistered and not out.unchanged

@@ -13,9 +13,6 @@ import msgspec
 import pytest
 
 from kvconductor import _hash
-from kvconductor.ingest.thread import IngestThread
-from kvconductor.keys import Medium
-from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
 from kvconductor.ingest.http_events import (
     CLEARED,
     REMOVED,
@@ -24,6 +21,9 @@ from kvconductor.ingest.http_events import (
     normalize_event,
     normalize_events,
 )
+from kvconductor.ingest.thread import IngestThread
+from kvconductor.keys import Medium
+from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
 from kvconductor.service import Conductor, ConductorConfig
 
 U64_MAX = 2**64 - 1
@@ -33,7 +33,7 @@ H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/a
 class RecordingSubs:
     """Subscription manager double: records calls, checks they run on the ingest thread."""
 
-    instances: list["RecordingSubs"] = []
+    instances: list[RecordingSubs] = []
 
     def __init__(self, thread: IngestThread, conductor: Conductor) -> None:
         self.thread = thread
@@ -699,7 +699,7 @@ def test_concurrent_readers_while_writing(conductor):
                 e = d["default"]["vllm-prefill-1"]["DP"]["0"]
                 assert e["npu_blocks"] in (1, 2) and e["matched_tokens"] == 4 * e["npu_blocks"]
                 seen.add(e["npu_blocks"])
-            except Exception as ex:  # noqa: BLE001
+            except Exception as ex:
                 errors.append(ex)
                 return
 

@@ -18,18 +18,18 @@ from publishers import (
     FakeConductor,
     FakePublisher,
     InstanceInfo,
-    PoolPublisher,  # noqa: E402
+    PoolPublisher,
     hits,
     mooncake_tuple,
     schema,
     wait_until,
 )
 
-from kvconductor.ingest.apply import Applier  # noqa: E402
-from kvconductor.ingest.context import SubscriberContext  # noqa: E402
-from kvconductor.ingest.subscriber import SubscriptionManager  # noqa: E402
-from kvconductor.ingest.thread import IngestThread  # noqa: E402
-from kvconductor.keys import Medium, StoreBackend  # noqa: E402
+from kvconductor.ingest.apply import Applier
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.subscriber import SubscriptionManager
+from kvconductor.ingest.thread import IngestThread
+from kvconductor.keys import Medium, StoreBackend
 
 BS = 4
 V33 = schema("vllm", "0.33.0")
@@ -537,7 +537,7 @@ def test_yuanrong_per_port_media_over_tcp(h, pubs):
     eng = pubs(replay=False)
     cpu, disk = PoolPublisher(), PoolPublisher()
     try:
-        yr = dict(iid="yr-1", dp=2, backend=StoreBackend.YUANRONG)
+        yr = {"iid": "yr-1", "dp": 2, "backend": StoreBackend.YUANRONG}
         h.subscribe(ctx(eng.url, **yr))
         h.subscribe(ctx(cpu.url, media=(Medium.CPU,), **yr))
         h.subscribe(ctx(disk.url, media=(Medium.DISK,), **yr))
@@ -584,7 +584,7 @@ def test_documented_payloads_over_tcp(h, pubs):
     )
     h.call(h.mgr.subscribe, c)
     warm_up(h, pub)
-    idx = lambda: h.index()  # noqa: E731
+    idx = lambda: h.index()
 
     def q(tokens):
         return hits(idx(), tokens, 2)

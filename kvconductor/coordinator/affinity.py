@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 __all__ = [
     "MODE_UNIFIED",
@@ -126,7 +127,7 @@ class KvAffinityConfig:
         return self.load_gate_topn if self.load_gate_topn > 0 else DEFAULT_LOAD_GATE_TOPN
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "KvAffinityConfig":
+    def from_dict(cls, data: Mapping[str, Any] | None) -> KvAffinityConfig:
         """Build from a nested ``kv_affinity`` object; unknown keys are ignored with a warning."""
         if not data:
             return cls()
@@ -139,9 +140,7 @@ class KvAffinityConfig:
         return cls(**{k: v for k, v in data.items() if k in names})
 
     @classmethod
-    def from_scheduler_config(
-        cls, scheduler_config: Mapping[str, Any] | None
-    ) -> "KvAffinityConfig":
+    def from_scheduler_config(cls, scheduler_config: Mapping[str, Any] | None) -> KvAffinityConfig:
         """Build from a whole ``scheduler_config``, migrating legacy flat keys first.
 
         The argument is not modified; see :func:`migrate_legacy_keys`.

@@ -14,7 +14,8 @@ import functools
 import inspect
 import os
 import ssl
-from typing import Any, Awaitable, Callable, Concatenate, ParamSpec, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
 
@@ -26,6 +27,9 @@ from kvconductor.coordinator.core import (
     TransportFailure,
     resume,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["ConductorClient", "AsyncConductorClient", "tls_verify"]
 
@@ -76,17 +80,17 @@ def _http_options(
     core: ConductorCore, pool_size: int, transport: Any, trust_env: bool, verify: Any, cert: Any
 ) -> dict[str, Any]:
     """The keyword arguments of ``httpx.Client``/``httpx.AsyncClient`` for a client."""
-    return dict(
-        base_url=core.base_url,
-        limits=httpx.Limits(
+    return {
+        "base_url": core.base_url,
+        "limits": httpx.Limits(
             max_connections=pool_size, max_keepalive_connections=pool_size, keepalive_expiry=30.0
         ),
-        timeout=core.register_timeout,
-        transport=transport,
-        trust_env=trust_env,
-        verify=tls_verify(verify, cert),
-        headers=core.default_headers,
-    )
+        "timeout": core.register_timeout,
+        "transport": transport,
+        "trust_env": trust_env,
+        "verify": tls_verify(verify, cert),
+        "headers": core.default_headers,
+    }
 
 
 def _request_options(req: Request) -> dict[str, Any]:
@@ -166,10 +170,10 @@ class ConductorClient(ConductorCore):
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "ConductorClient":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _run(self, plan: Plan[T]) -> T:
@@ -219,10 +223,10 @@ class AsyncConductorClient(ConductorCore):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncConductorClient":
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def _run(self, plan: Plan[T]) -> T:

@@ -42,7 +42,8 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Generator, Iterable, Mapping, NamedTuple, TypeVar
+from collections.abc import Callable, Generator, Iterable, Mapping
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -238,7 +239,8 @@ class Reply(NamedTuple):
 
     @property
     def text(self) -> str:
-        """The body as text: the ``charset`` of the Content-Type, else UTF-8 (bad bytes replaced)."""
+        """The body as text: the ``charset`` of the Content-Type, else UTF-8 (bad bytes
+        replaced)."""
         charset = "utf-8"
         for param in self.content_type.split(";")[1:]:
             key, _, value = param.partition("=")
@@ -372,7 +374,8 @@ class ConductorCore:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | Any, **options: Any) -> Any:
-        """Client for a ``kv_conductor_config``; ``None`` when ``conductor_service`` is empty (disabled)."""
+        """Client for a ``kv_conductor_config``; ``None`` when ``conductor_service`` is
+        empty (disabled)."""
         from kvconductor.coordinator.registration import KvConductorConfig, conductor_base_url
 
         cfg = KvConductorConfig.coerce(config)
@@ -630,7 +633,8 @@ class ConductorCore:
         ) or {}
 
     def registered_services_plan(self) -> Plan[list]:
-        """Entries of ``GET /workers``, else of a Mooncake master's ``GET /services``, else ``[]``."""
+        """Entries of ``GET /workers``, else of a Mooncake master's ``GET /services``,
+        else ``[]``."""
         try:
             workers = (yield from self.workers_plan()).get("workers")
             if isinstance(workers, list) and workers:

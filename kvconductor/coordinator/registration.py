@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from kvconductor.coordinator.core import TENANT_ID
 from kvconductor.settings import DEFAULT_PORT
@@ -61,7 +62,7 @@ class KvConductorConfig:
     re_register_interval_sec: float = 0
 
     @classmethod
-    def coerce(cls, config: Mapping[str, Any] | "KvConductorConfig" | Any) -> "KvConductorConfig":
+    def coerce(cls, config: Mapping[str, Any] | KvConductorConfig | Any) -> KvConductorConfig:
         """Accept this dataclass, a mapping, or any object with the same attribute names."""
         if isinstance(config, cls):
             return config
@@ -89,7 +90,8 @@ def conductor_base_url(service: str, port: int = DEFAULT_PORT, scheme: str = "ht
 
 
 def resolve_endpoint(pattern: str | None, host: str, dp_rank: int) -> str | None:
-    """Resolve an engine bind pattern for one DP: ``tcp://*:5557`` -> ``tcp://<host>:<5557 + dp_rank>``.
+    """Resolve an engine bind pattern for one DP: ``tcp://*:5557`` ->
+    ``tcp://<host>:<5557 + dp_rank>``.
 
     ``None`` when the pattern is empty, does not split into exactly two parts
     on ``"*:"``, or its port is not an integer.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import array
 import importlib
 import sys
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 __all__ = ["pack_tokens", "token_list", "hash_list"]
 

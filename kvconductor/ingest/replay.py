@@ -12,8 +12,9 @@ SUB socket, and an inactivity timer (``IngestThread.call_later``) ends it when
 the ROUTER goes quiet (unreachable endpoint, lost tail under the ROUTER's send
 HWM, ...); an overall deadline ends a ROUTER that trickles (one batch every few
 seconds would otherwise hold the source in ``replaying`` forever). Either ends
-the session with ``ok=False``, which the subscription treats as a loss. A fresh DEALER per session means a late reply to an abandoned
-request can never be mistaken for the current one. What to do with the
+the session with ``ok=False``, which the subscription treats as a loss. A fresh
+DEALER per session means a late reply to an abandoned request can never be
+mistaken for the current one. What to do with the
 batches (ordering against the live stream, loss detection) is the
 subscription's business: see :mod:`kvconductor.ingest.subscriber`.
 """

@@ -59,8 +59,8 @@ from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.replay import ReplaySession, drain
 from kvconductor.ingest.tracker import SequenceTracker
-from kvconductor.urls import is_bind_url
 from kvconductor.keys import Medium
+from kvconductor.urls import is_bind_url
 
 log = logging.getLogger("kvconductor.ingest")
 
@@ -87,7 +87,7 @@ class Subscription:
     :class:`~kvconductor.ingest.tracker.TrackerHost`.
     """
 
-    def __init__(self, manager: "SubscriptionManager", ctx: SubscriberContext) -> None:
+    def __init__(self, manager: SubscriptionManager, ctx: SubscriberContext) -> None:
         self.manager = manager
         self.thread = manager.thread
         self.ctx = ctx
