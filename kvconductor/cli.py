@@ -212,7 +212,7 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "-p",
         type=_port,
         default=DEFAULT_PORT,
-        help="HTTP port (default 13333; 0 picks a free one)",
+        help=f"HTTP port (default {DEFAULT_PORT}; 0 picks a free one)",
     )
     p.add_argument(
         "--maintenance-interval-secs",
