@@ -1,9 +1,9 @@
 """Build script: the explicit list of compiled modules and their directives.
 
 Only the index (``_tree``, ``_lower``, ``_index``), the block hasher (``_hash``)
-and the hot parsers (``_wire`` for query bodies, ``_ingest`` for vLLM event
-batches) are compiled. Everything else (Falcon app,
-registry, ingest glue) stays plain Python on purpose.
+and the hot parsers and encoder (``_wire`` for query bodies, ``_encode`` for query
+responses, ``_ingest`` for vLLM event batches) are compiled. Everything else
+(Falcon app, registry, ingest glue) stays plain Python on purpose.
 
 The extensions list their ``.pyx`` sources and are cythonized by ``build_ext``
 at build time (Cython is a build requirement), so ``sdist`` ships the ``.pyx``
@@ -33,7 +33,7 @@ DIRECTIVES = {
 CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 CFLAGS += ["-Wno-unused-function", "-Wno-unreachable-code"]
 
-MODULES = ["_hash", "_tree", "_lower", "_index", "_wire", "_ingest"]
+MODULES = ["_hash", "_tree", "_lower", "_index", "_wire", "_encode", "_ingest"]
 
 
 def _ext(name):

@@ -1,4 +1,4 @@
-"""Benchmarks of the compiled query-path wire code (kvconductor._wire).
+"""Benchmarks of the compiled query-path wire code (kvconductor._wire, kvconductor._encode).
 
 Run: python -m pytest bench/test_bench_wire.py --benchmark-enable -q
 (pyproject's addopts disables benchmarks by default; nothing here asserts on time.)
@@ -13,9 +13,8 @@ import struct
 import msgspec
 import pytest
 
+from kvconductor import _encode, _wire
 from kvconductor.index import DpHit
-
-_wire = pytest.importorskip("kvconductor._wire")
 
 SIZES = [1_000, 16_000, 128_000, 1_000_000]
 
@@ -89,7 +88,7 @@ def _hits(n_inst: int = 64) -> list[DpHit]:
 @pytest.mark.parametrize("fmt", ["json", "msgpack"])
 def test_encode_result_64_instances(benchmark, fmt):
     hits = _hits()
-    out = benchmark(_wire.encode_result, hits, "default", 128, fmt == "msgpack")
+    out = benchmark(_encode.encode_result, hits, "default", 128, fmt == "msgpack")
     assert out
 
 

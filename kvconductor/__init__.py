@@ -7,7 +7,7 @@ import os
 __version__ = "0.1.0"
 
 #: The compiled modules; all must load for :func:`is_available` to be true.
-COMPILED_MODULES = ("_hash", "_tree", "_lower", "_index", "_wire", "_ingest")
+COMPILED_MODULES = ("_hash", "_tree", "_lower", "_index", "_wire", "_encode", "_ingest")
 
 
 def _load_compiled() -> tuple[bool, str | None]:

@@ -192,22 +192,20 @@ def py_encode_error(message: str, msgpack: bool) -> bytes:
 
 def _load_compiled():
     if os.environ.get("KVCONDUCTOR_NO_EXTENSIONS") or os.environ.get("KVCONDUCTOR_WIRE") == "py":
-        return None
+        return None, None
     try:
-        from kvconductor import _wire
+        from kvconductor import _encode, _wire
     except ImportError:
-        return None
-    if not (hasattr(_wire, "parse_query") and hasattr(_wire, "encode_result")):
-        return None
-    return _wire
+        return None, None
+    return _wire, _encode
 
 
-_compiled = _load_compiled()
+_compiled, _compiled_encode = _load_compiled()
 #: ``"c"`` when the compiled parser is in use, else ``"py"``.
 IMPL = "py" if _compiled is None else "c"
 _parse_impl = py_parse_query if _compiled is None else _compiled.parse_query
-encode_result = py_encode_result if _compiled is None else _compiled.encode_result
-encode_error = getattr(_compiled, "encode_error", py_encode_error)
+encode_result = py_encode_result if _compiled_encode is None else _compiled_encode.encode_result
+encode_error = py_encode_error if _compiled_encode is None else _compiled_encode.encode_error
 
 
 def parse_query(body: bytes, msgpack: bool, by_hash: bool

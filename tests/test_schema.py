@@ -11,7 +11,7 @@ from array import array
 import msgspec
 import pytest
 
-from kvconductor import wire
+from kvconductor import _encode, _wire, wire
 from kvconductor.index import DpHit, QueryResult
 from kvconductor.schema import (
     KvEventBatch,
@@ -25,16 +25,11 @@ from kvconductor.schema import (
     unregister_decoder,
 )
 
-try:
-    from kvconductor import _wire
-except ImportError:  # pragma: no cover - compiled module not built
-    _wire = None
-
-PARSERS = [pytest.param(wire.py_parse_query, id="py")]
-ENCODERS = [pytest.param(wire.py_encode_result, id="py")]
-if _wire is not None:
-    PARSERS.append(pytest.param(_wire.parse_query, id="c"))
-    ENCODERS.append(pytest.param(_wire.encode_result, id="c"))
+PARSERS = [pytest.param(wire.py_parse_query, id="py"), pytest.param(_wire.parse_query, id="c")]
+ENCODERS = [
+    pytest.param(wire.py_encode_result, id="py"),
+    pytest.param(_encode.encode_result, id="c"),
+]
 
 U64_MAX = 2**64 - 1
 
@@ -311,8 +306,6 @@ def test_parse_query_wrapper_raises_wire_error_and_checks_block_size():
 
 
 def test_parse_twins_agree_on_valid_bodies():
-    if _wire is None:
-        pytest.skip("kvconductor._wire not built")
     bodies = [
         (False, False, b'{"model":"m","block_size":4,"token_ids":[]}'),
         (False, False, b' {"tenant_id":"t","token_ids":[5,-5],"block_size":2,"model":"\\u00e9"} '),
@@ -400,10 +393,9 @@ def test_encode_error():
     for encode in (wire.encode_error, wire.py_encode_error):
         assert msgspec.json.decode(encode("boom", False)) == {"error": "boom"}
         assert msgspec.msgpack.decode(encode("boom", True)) == {"error": "boom"}
-    if _wire is not None:
-        for mp in (False, True):
-            msg = 'boom \u00e9"\n\x01'
-            assert _wire.encode_error(msg, mp) == wire.py_encode_error(msg, mp)
+    for mp in (False, True):
+        msg = 'boom \u00e9"\n\x01'
+        assert _encode.encode_error(msg, mp) == wire.py_encode_error(msg, mp)
 
 
 def test_query_request_struct_documents_the_shape():

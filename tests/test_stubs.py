@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from kvconductor import COMPILED_MODULES
+
 PKG = Path(__file__).resolve().parent.parent / "kvconductor"
-MODULES = ["_hash", "_tree", "_lower", "_index", "_wire", "_ingest"]
+MODULES = list(COMPILED_MODULES)
 
 
 def stub_names(name: str) -> set[str]:

@@ -1,4 +1,4 @@
-"""kvconductor._wire: /query body parsers and response encoders, held to msgspec.
+"""kvconductor._wire (/query body parser) and kvconductor._encode (response encoder), held to msgspec.
 
 The reference for ``parse_query`` is the straightforward msgspec decoding of the
 body into a Struct (what the pure-Python twin in ``kvconductor.wire`` does),
@@ -19,11 +19,12 @@ from hypothesis import strategies as st
 
 from kvconductor.index import DpHit, QueryResult
 
-_wire = pytest.importorskip("kvconductor._wire")
+from kvconductor import _encode, _wire
+
 WireError = _wire.WireError
 parse_query = _wire.parse_query
-encode_result = _wire.encode_result
-encode_error = _wire.encode_error
+encode_result = _encode.encode_result
+encode_error = _encode.encode_error
 
 U32 = 2**32 - 1
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1

@@ -1,0 +1,6 @@
+from collections.abc import Sequence
+
+def encode_result(
+    hits: Sequence[tuple[str, int, int, int, int]], tenant: str, block_size: int, msgpack: bool
+) -> bytes: ...
+def encode_error(message: str, msgpack: bool) -> bytes: ...
