@@ -3,7 +3,7 @@
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
 from kvconductor._index cimport BatchOp
-from kvconductor._wire cimport wcur
+from kvconductor._readers cimport wcur
 
 cdef struct EvRec:
     size_t off                  # first hash of the event in FastBatch.hs / .loc

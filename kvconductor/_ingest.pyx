@@ -28,8 +28,8 @@ from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
 from kvconductor._hmap cimport HM_NIL, grow_array
 from kvconductor._index cimport OP_CLEAR, OP_EVICT, OP_STORE, BatchOp, CoreIndex
 from kvconductor._tree cimport T_ERR_OOM, T_ERR_PARENT, T_ERR_SEQUENCE
-from kvconductor._wire cimport (WIRE_EOF, WIRE_NOT_INT, WIRE_OK, _eq, _left, mp_bin,
-                                mp_container, mp_int, mp_num_size, mp_str, mp_u32_array, wcur)
+from kvconductor._readers cimport (WIRE_EOF, WIRE_OK, WIRE_TYPE, _eq, _left, mp_bin,
+                                   mp_container, mp_int, mp_skip, mp_str, mp_u32_array, wcur)
 
 # -- result flags of a parsed batch ------------------------------------------------------
 cdef enum:
@@ -93,7 +93,8 @@ cdef int _POS_REMOVED[3]
 _POS_REMOVED[:] = [FID_HASHES, FID_MEDIUM, FID_GROUP]
 
 cdef enum:
-    MAX_DEPTH = 32              # deeper skipped values: the Python path (msgspec has a limit)
+    MAX_DEPTH = 32              # deeper skipped values: the Python path (msgspec has a limit;
+                                # at most _readers.MP_SKIP_MAX_DEPTH)
     TRIM_ITEMS = 1 << 20        # scratch above this many items is freed after a batch
 
 
@@ -127,47 +128,10 @@ cdef inline bint _ascii(const uint8_t* s, size_t n) noexcept nogil:
     return True
 
 
-cdef int _skip(wcur* c, int depth) noexcept nogil:
+cdef inline int _skip(wcur* c) noexcept nogil:
     """Skip one value the decoders ignore (raw msgpack). Ext values, byte 0xc1 and
     nesting deeper than MAX_DEPTH are left to the Python path."""
-    cdef size_t n, i
-    cdef const uint8_t* s
-    cdef uint8_t b
-    cdef bint is_map
-    cdef int rc
-    if _left(c) == 0:
-        return R_TRUNCATED
-    b = c.p[0]
-    if _one_byte(b):
-        c.p += 1
-        return R_OK
-    if 0xca <= b <= 0xd3:       # int, float
-        n = mp_num_size(b)
-        if n > _left(c):
-            return R_TRUNCATED
-        c.p += n
-        return R_OK
-    is_map = (b & 0xf0) == 0x80 or b == 0xde or b == 0xdf
-    if is_map or (b & 0xf0) == 0x90 or b == 0xdc or b == 0xdd:
-        if depth >= MAX_DEPTH:
-            return R_SKIPPED_VALUE
-        rc = _r(_container(c, is_map, &n), R_TRUNCATED)
-        if rc:
-            return rc
-        if is_map:
-            n *= 2
-        for i in range(n):
-            if c.p < c.end and _one_byte(c.p[0]):
-                c.p += 1        # no call for the common [None, ...] / small ints
-                continue
-            rc = _skip(c, depth + 1)
-            if rc:
-                return rc
-        return R_OK
-    rc = mp_str(c, &s, &n)
-    if rc == WIRE_NOT_INT:
-        rc = mp_bin(c, &s, &n)
-    return _r(rc, R_SKIPPED_VALUE)     # not a str or bin: 0xc1, ext types
+    return _r(mp_skip(c, MAX_DEPTH, False), R_SKIPPED_VALUE)
 
 
 cdef int _any(wcur* c) noexcept nogil:
@@ -184,7 +148,7 @@ cdef int _any(wcur* c) noexcept nogil:
         c.p += 1
         return R_OK
     if 0xca <= b <= 0xd3 or 0xc4 <= b <= 0xc6:
-        return _skip(c, 0)
+        return _skip(c)
     rc = _r(mp_str(c, &s, &n), R_FIELD)
     if rc == R_OK and not _ascii(s, n):
         rc = R_FIELD
@@ -379,7 +343,7 @@ cdef class FastBatch:
         cdef int rc
         cdef void* p
         if fid == FID_SKIP:
-            return _skip(c, 0)
+            return _skip(c)
         if fid == FID_HASHES:
             ev.nh = 0
             if _nil(c):
@@ -514,7 +478,7 @@ cdef class FastBatch:
                             return R_DUPLICATE
                         rc = _tag(c, &kind)
                     else:
-                        rc = _skip(c, 0)
+                        rc = _skip(c)
                     if rc:
                         return rc
                 if kind < 0:

@@ -1,5 +1,5 @@
 # cython: language_level=3
-"""Hot parsers of the query path (docs/api.md, POST /query and POST /query_by_hash).
+"""The query parser (docs/api.md, POST /query and POST /query_by_hash).
 
 ``parse_query`` turns a ``/query`` or ``/query_by_hash`` body (JSON or
 MessagePack) into ``(model, block_size, tenant_id, values, lora_name)``; token ids and
@@ -7,36 +7,27 @@ hashes never become Python ints: they are scanned without the GIL straight into
 the C buffer of the output ``array('I')`` / ``array('Q')``, pre-sized from the
 msgpack array header or from a count of the commas of the JSON array.
 
-Response encoding is the separate module ``kvconductor._encode``.
+The low-level msgpack readers shared with ``_ingest`` are the ``cdef inline``
+functions of ``_readers.pxd``. Response encoding is the separate module
+``kvconductor._encode``.
 
-``kvconductor.wire`` holds the pure-Python (msgspec) twin of ``parse_query``;
-both must agree exactly.
+``kvconductor.wire.py_parse_query`` is the pure-Python (msgspec) oracle of
+``parse_query``; both must agree exactly (tests/test_wire.py).
 """
 from cpython cimport array
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
-from libc.stdint cimport (int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t,
-                         uint64_t)
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memchr, memcmp, memcpy
+from libc.string cimport memchr, memcpy
+
+from kvconductor._readers cimport (WIRE_BAD_BYTE, WIRE_CAPACITY, WIRE_DEPTH, WIRE_EOF,
+                                   WIRE_JSON_MAX_DEPTH, WIRE_OK, WIRE_RANGE, WIRE_SYNTAX,
+                                   WIRE_TYPE, _be16, _be32, _be64, _eq, _left, mp_bin,
+                                   mp_container, mp_int, mp_skip, mp_str, mp_u32_array, wcur)
 
 import array as _array
 import sys as _sys
-
-
-cdef extern from *:
-    """
-    static inline int kvw_ctz64(unsigned long long x) {
-    #if defined(__GNUC__) || defined(__clang__)
-        return __builtin_ctzll(x);
-    #else
-        int n = 0;
-        while (!(x & 1)) { x >>= 1; n++; }
-        return n;
-    #endif
-    }
-    """
-    int _ctz64 "kvw_ctz64"(unsigned long long x) noexcept nogil   # x != 0
 
 
 class WireError(ValueError):
@@ -66,11 +57,117 @@ cdef enum:
 
 
 # =========================================================================================
-# Small C helpers (_be16/_be32/_be64, _left and _eq are inline in _wire.pxd)
+# Request parsing (with the GIL; the big scans release it)
 # =========================================================================================
 
-cdef inline uint32_t _le32(const uint8_t* p) noexcept nogil:
-    return (<uint32_t>p[3] << 24) | (<uint32_t>p[2] << 16) | (<uint32_t>p[1] << 8) | <uint32_t>p[0]
+cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
+    if _eq(s, n, b"model", 5):
+        return F_MODEL
+    if _eq(s, n, b"token_ids", 9):
+        return F_TOKEN_IDS
+    if _eq(s, n, b"block_size", 10):
+        return F_BLOCK_SIZE
+    if _eq(s, n, b"tenant_id", 9):
+        return F_TENANT
+    if _eq(s, n, b"block_hashes", 12):
+        return F_BLOCK_HASHES
+    if _eq(s, n, b"lora_name", 9):
+        return F_LORA
+    return F_UNKNOWN
+
+
+cdef str _field_name(int fid):
+    if fid == F_MODEL:
+        return "model"
+    if fid == F_BLOCK_SIZE:
+        return "block_size"
+    if fid == F_TOKEN_IDS:
+        return "token_ids"
+    if fid == F_BLOCK_HASHES:
+        return "block_hashes"
+    if fid == F_TENANT:
+        return "tenant_id"
+    if fid == F_LORA:
+        return "lora_name"
+    return ""
+
+
+cdef object _fail(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index):
+    """Raise the WireError of scanner code ``rc`` (field ``fid``, element ``index`` or -1)."""
+    cdef Py_ssize_t pos = c.p - c.base
+    cdef str name = _field_name(fid) if fid != F_UNKNOWN else ""
+    if rc == WIRE_EOF:
+        msg = "unexpected end of JSON input" if is_json else "truncated msgpack"
+    elif rc == WIRE_SYNTAX:
+        msg = f"invalid JSON at byte {pos}"
+    elif rc == WIRE_DEPTH:
+        msg = "nesting too deep"
+    elif rc == WIRE_BAD_BYTE:
+        msg = f"invalid msgpack byte 0xc1 at offset {pos}"
+    elif fid == F_BLOCK_SIZE:
+        if rc == WIRE_RANGE:
+            msg = "block_size out of range"
+        else:
+            msg = "expected an integer for `block_size`"
+    elif rc == WIRE_RANGE:
+        msg = f"integer out of range in `{name}` at index {index}"
+    elif rc == WIRE_TYPE:
+        msg = f"expected an integer in `{name}` at index {index}"
+    else:
+        msg = f"invalid `{name}` array"
+    raise WireError(msg)
+
+
+cdef inline int _check(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index) except -1:
+    if rc:
+        _fail(rc, c, is_json, fid, index)
+    return 0
+
+
+cdef str _decode_utf8(const uint8_t* s, size_t n, int fid):
+    try:
+        return PyUnicode_DecodeUTF8(<const char*>s, <Py_ssize_t>n, NULL)
+    except UnicodeDecodeError:
+        raise WireError(f"invalid UTF-8 in `{_field_name(fid)}`") from None
+
+
+cdef object _block_size(uint64_t v, bint neg):
+    if neg or v > _U32_MAX:
+        raise WireError("block_size out of range")
+    return <unsigned long>v
+
+
+cdef inline array.array _new_array(bint u64, size_t n):
+    return array.clone(_TMPL_U64 if u64 else _TMPL_U32, <Py_ssize_t>n, False)
+
+
+cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash, lora):
+    if model is None:
+        raise WireError("missing field `model`")
+    if not have_bs and not by_hash:
+        raise WireError("missing field `block_size`")
+    if values is None:
+        raise WireError("missing field `block_hashes`" if by_hash else "missing field `token_ids`")
+    return (model, block_size, "default" if tenant is None else tenant, values, lora or None)
+
+
+# =========================================================================================
+# JSON scanners (NUL sentinel at end[0]) and the JSON request parser
+# =========================================================================================
+
+cdef extern from *:
+    """
+    static inline int kvw_ctz64(unsigned long long x) {
+    #if defined(__GNUC__) || defined(__clang__)
+        return __builtin_ctzll(x);
+    #else
+        int n = 0;
+        while (!(x & 1)) { x >>= 1; n++; }
+        return n;
+    #endif
+    }
+    """
+    int _ctz64 "kvw_ctz64"(unsigned long long x) noexcept nogil   # x != 0
 
 
 cdef inline bint _is_digit(uint8_t ch) noexcept nogil:
@@ -86,10 +183,6 @@ cdef inline int _hex_val(uint8_t ch) noexcept nogil:
         return ch - 48
     return (ch | 0x20) - 87
 
-
-# =========================================================================================
-# JSON scanners (NUL sentinel at end[0])
-# =========================================================================================
 
 cdef inline uint32_t _hex4(const uint8_t* p) noexcept nogil:
     return ((<uint32_t>_hex_val(p[0]) << 12) | (<uint32_t>_hex_val(p[1]) << 8)
@@ -367,7 +460,7 @@ cdef inline int _json_not_int(const wcur* c, const uint8_t* p) noexcept nogil:
     if p >= c.end:
         return WIRE_EOF
     if ch == 34 or ch == 91 or ch == 123 or ch == 116 or ch == 102 or ch == 110:
-        return WIRE_NOT_INT
+        return WIRE_TYPE
     return WIRE_SYNTAX
 
 
@@ -375,7 +468,7 @@ cdef inline int _json_int(const wcur* c, const uint8_t** pp, uint64_t* mag,
                           bint* neg) noexcept nogil:
     """Integer at *pp: magnitude (must fit u64) and sign; *pp moves past it.
 
-    Floats (fraction or exponent) give WIRE_NOT_INT, leading zeros WIRE_SYNTAX."""
+    Floats (fraction or exponent) give WIRE_TYPE, leading zeros WIRE_SYNTAX."""
     cdef const uint8_t* p = pp[0]
     cdef uint64_t v
     cdef unsigned int d
@@ -415,7 +508,7 @@ cdef inline int _json_int(const wcur* c, const uint8_t** pp, uint64_t* mag,
                     return WIRE_RANGE
     if p[0] == 46 or (p[0] | 0x20) == 101:
         pp[0] = p
-        return WIRE_NOT_INT
+        return WIRE_TYPE
     pp[0] = p
     mag[0] = v
     neg[0] = ng
@@ -568,311 +661,8 @@ cdef int json_u64_array(wcur* c, uint64_t* out, size_t cap, size_t* count) noexc
 
 
 # =========================================================================================
-# MessagePack scanners (the small readers mp_int/mp_str/mp_bin/mp_container: _wire.pxd)
+# JSON request parsing (with the GIL; the big scans release it)
 # =========================================================================================
-
-cdef int mp_skip(wcur* c) noexcept nogil:
-    cdef uint64_t todo = 1          # values still to skip (containers add their children)
-    cdef const uint8_t* p = c.p
-    cdef const uint8_t* end = c.end
-    cdef uint8_t b
-    cdef size_t hdr, ln, left
-    while todo:
-        todo -= 1
-        left = <size_t>(end - p)
-        if todo >= left:            # every pending value needs at least one byte
-            c.p = end
-            return WIRE_EOF
-        b = p[0]
-        hdr = 1
-        ln = 0
-        if b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
-            pass
-        elif b <= 0x8f:
-            todo += 2 * <uint64_t>(b & 0x0f)
-        elif b <= 0x9f:
-            todo += b & 0x0f
-        elif b <= 0xbf:
-            ln = b & 0x1f
-        elif b == 0xc1:
-            c.p = p
-            return WIRE_BAD_BYTE
-        elif b == 0xc4 or b == 0xd9:        # bin8 / str8
-            hdr = 2
-            if left < 2:
-                c.p = end
-                return WIRE_EOF
-            ln = p[1]
-        elif b == 0xc5 or b == 0xda:        # bin16 / str16
-            hdr = 3
-            if left < 3:
-                c.p = end
-                return WIRE_EOF
-            ln = _be16(p + 1)
-        elif b == 0xc6 or b == 0xdb:        # bin32 / str32
-            hdr = 5
-            if left < 5:
-                c.p = end
-                return WIRE_EOF
-            ln = _be32(p + 1)
-        elif b == 0xc7:                     # ext8
-            hdr = 3
-            if left < 2:
-                c.p = end
-                return WIRE_EOF
-            ln = p[1]
-        elif b == 0xc8:                     # ext16
-            hdr = 4
-            if left < 3:
-                c.p = end
-                return WIRE_EOF
-            ln = _be16(p + 1)
-        elif b == 0xc9:                     # ext32
-            hdr = 6
-            if left < 5:
-                c.p = end
-                return WIRE_EOF
-            ln = _be32(p + 1)
-        elif b <= 0xd3:                     # float, int (0xca..0xd3)
-            hdr = mp_num_size(b)
-        elif b == 0xd4:                     # fixext 1/2/4/8/16: type byte + data
-            hdr = 3
-        elif b == 0xd5:
-            hdr = 4
-        elif b == 0xd6:
-            hdr = 6
-        elif b == 0xd7:
-            hdr = 10
-        elif b == 0xd8:
-            hdr = 18
-        elif b == 0xdc:                     # array16
-            hdr = 3
-            if left < 3:
-                c.p = end
-                return WIRE_EOF
-            todo += _be16(p + 1)
-        elif b == 0xdd:                     # array32
-            hdr = 5
-            if left < 5:
-                c.p = end
-                return WIRE_EOF
-            todo += _be32(p + 1)
-        elif b == 0xde:                     # map16
-            hdr = 3
-            if left < 3:
-                c.p = end
-                return WIRE_EOF
-            todo += 2 * <uint64_t>_be16(p + 1)
-        else:                               # 0xdf map32
-            hdr = 5
-            if left < 5:
-                c.p = end
-                return WIRE_EOF
-            todo += 2 * <uint64_t>_be32(p + 1)
-        if hdr > left or ln > left - hdr:
-            c.p = end
-            return WIRE_EOF
-        p += hdr + ln
-    c.p = p
-    return WIRE_OK
-
-
-# Branch-free decoding of the ints that fit 32 bits (fixints, uint8/16/32, int8/16/32):
-# value = be32(p + OFF[tag]) >> SH[tag], arithmetic shift when SGN[tag]; LEN[tag] = 0 for
-# every other tag (64-bit ints, errors). Random token ids mix uint16 and uint32
-# encodings, so a branch per tag would mispredict about half the time.
-cdef uint8_t _MP_LEN[256]
-cdef uint8_t _MP_OFF[256]
-cdef uint8_t _MP_SH[256]
-cdef uint32_t _MP_SGN[256]
-
-
-cdef void _init_mp_tables() noexcept:
-    cdef int b
-    for b in range(256):
-        _MP_LEN[b] = 0
-        _MP_OFF[b] = 1
-        _MP_SH[b] = 0
-        _MP_SGN[b] = 0
-        if b <= 0x7f or b >= 0xe0:
-            _MP_LEN[b] = 1
-            _MP_OFF[b] = 0
-            _MP_SH[b] = 24
-            _MP_SGN[b] = 0xFFFFFFFF if b >= 0xe0 else 0
-    _MP_LEN[0xcc] = 2
-    _MP_SH[0xcc] = 24
-    _MP_LEN[0xcd] = 3
-    _MP_SH[0xcd] = 16
-    _MP_LEN[0xce] = 5
-    _MP_LEN[0xd0] = 2
-    _MP_SH[0xd0] = 24
-    _MP_SGN[0xd0] = 0xFFFFFFFF
-    _MP_LEN[0xd1] = 3
-    _MP_SH[0xd1] = 16
-    _MP_SGN[0xd1] = 0xFFFFFFFF
-    _MP_LEN[0xd2] = 5
-    _MP_SGN[0xd2] = 0xFFFFFFFF
-
-
-_init_mp_tables()
-
-
-cdef int mp_u32_array(wcur* c, uint32_t* out, size_t n, size_t* count) noexcept nogil:
-    cdef const uint8_t* p = c.p
-    cdef const uint8_t* end = c.end
-    cdef size_t i = 0
-    cdef uint8_t b, ln, sh
-    cdef uint32_t w, m
-    cdef uint64_t v = 0
-    cdef bint neg = False
-    cdef int rc = WIRE_OK
-    while i < n:
-        if end - p >= 9:
-            # fast path: every encoding fits, no bounds checks
-            b = p[0]
-            ln = _MP_LEN[b]
-            if ln:
-                w = _be32(p + _MP_OFF[b])
-                sh = _MP_SH[b]
-                m = _MP_SGN[b]
-                out[i] = (<uint32_t>(<int32_t>w >> sh) & m) | ((w >> sh) & ~m)
-                p += ln
-            elif b == 0xcf:
-                v = _be64(p + 1)
-                if v > _I64_MAX:
-                    rc = WIRE_RANGE
-                    break
-                out[i] = <uint32_t>v
-                p += 9
-            elif b == 0xd3:
-                out[i] = <uint32_t>_be64(p + 1)
-                p += 9
-            else:
-                rc = WIRE_BAD_BYTE if b == 0xc1 else WIRE_NOT_INT
-                break
-        else:
-            c.p = p
-            rc = mp_int(c, &v, &neg)
-            if rc:
-                break
-            if not neg and v > _I64_MAX:
-                rc = WIRE_RANGE
-                break
-            p = c.p
-            out[i] = <uint32_t>v
-        i += 1
-    c.p = p
-    count[0] = i
-    return rc
-
-
-cdef int mp_u64_array(wcur* c, uint64_t* out, size_t n, size_t* count) noexcept nogil:
-    cdef size_t i = 0
-    cdef uint64_t v = 0
-    cdef bint neg = False
-    cdef int rc = WIRE_OK
-    cdef const uint8_t* p
-    while i < n:
-        p = c.p
-        rc = mp_int(c, &v, &neg)
-        if rc:
-            break
-        if neg:
-            c.p = p
-            rc = WIRE_RANGE
-            break
-        out[i] = v
-        i += 1
-    count[0] = i
-    return rc
-
-
-# =========================================================================================
-# Request parsing (with the GIL; the big scans release it)
-# =========================================================================================
-
-cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
-    if _eq(s, n, b"model", 5):
-        return F_MODEL
-    if _eq(s, n, b"token_ids", 9):
-        return F_TOKEN_IDS
-    if _eq(s, n, b"block_size", 10):
-        return F_BLOCK_SIZE
-    if _eq(s, n, b"tenant_id", 9):
-        return F_TENANT
-    if _eq(s, n, b"block_hashes", 12):
-        return F_BLOCK_HASHES
-    if _eq(s, n, b"lora_name", 9):
-        return F_LORA
-    return F_UNKNOWN
-
-
-cdef str _field_name(int fid):
-    if fid == F_MODEL:
-        return "model"
-    if fid == F_BLOCK_SIZE:
-        return "block_size"
-    if fid == F_TOKEN_IDS:
-        return "token_ids"
-    if fid == F_BLOCK_HASHES:
-        return "block_hashes"
-    if fid == F_TENANT:
-        return "tenant_id"
-    if fid == F_LORA:
-        return "lora_name"
-    return ""
-
-
-cdef object _fail(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index):
-    """Raise the WireError of scanner code ``rc`` (field ``fid``, element ``index`` or -1)."""
-    cdef Py_ssize_t pos = c.p - c.base
-    cdef str name = _field_name(fid) if fid != F_UNKNOWN else ""
-    if rc == WIRE_EOF:
-        msg = "unexpected end of JSON input" if is_json else "truncated msgpack"
-    elif rc == WIRE_SYNTAX:
-        msg = f"invalid JSON at byte {pos}"
-    elif rc == WIRE_DEPTH:
-        msg = "nesting too deep"
-    elif rc == WIRE_BAD_BYTE:
-        msg = f"invalid msgpack byte 0xc1 at offset {pos}"
-    elif fid == F_BLOCK_SIZE:
-        if rc == WIRE_RANGE:
-            msg = "block_size out of range"
-        else:
-            msg = "expected an integer for `block_size`"
-    elif rc == WIRE_RANGE:
-        msg = f"integer out of range in `{name}` at index {index}"
-    elif rc == WIRE_NOT_INT:
-        msg = f"expected an integer in `{name}` at index {index}"
-    else:
-        msg = f"invalid `{name}` array"
-    raise WireError(msg)
-
-
-cdef inline int _check(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index) except -1:
-    if rc:
-        _fail(rc, c, is_json, fid, index)
-    return 0
-
-
-cdef str _decode_utf8(const uint8_t* s, size_t n, int fid):
-    try:
-        return PyUnicode_DecodeUTF8(<const char*>s, <Py_ssize_t>n, NULL)
-    except UnicodeDecodeError:
-        raise WireError(f"invalid UTF-8 in `{_field_name(fid)}`") from None
-
-
-cdef object _block_size(uint64_t v, bint neg):
-    if neg or v > _U32_MAX:
-        raise WireError("block_size out of range")
-    return <unsigned long>v
-
-
-cdef inline array.array _new_array(bint u64, size_t n):
-    return array.clone(_TMPL_U64 if u64 else _TMPL_U32, <Py_ssize_t>n, False)
-
-
-# -- JSON --------------------------------------------------------------------------------
 
 cdef str _json_str_value(wcur* c, int fid):
     """The JSON string at c.p (a '"') as str; c.p moves past it."""
@@ -1007,7 +797,7 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
             elif fid == F_BLOCK_SIZE:
                 p = c.p
                 rc = _json_int(&c, &p, &v, &neg)
-                if rc == WIRE_NOT_INT:
+                if rc == WIRE_TYPE:
                     _json_type_error(&c, fid, "an integer")
                 c.p = p
                 _check(rc, &c, True, fid, -1)
@@ -1033,17 +823,38 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
     return _finish(model, block_size, have_bs, tenant, values, by_hash, lora)
 
 
-cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash, lora):
-    if model is None:
-        raise WireError("missing field `model`")
-    if not have_bs and not by_hash:
-        raise WireError("missing field `block_size`")
-    if values is None:
-        raise WireError("missing field `block_hashes`" if by_hash else "missing field `token_ids`")
-    return (model, block_size, "default" if tenant is None else tenant, values, lora or None)
+# =========================================================================================
+# MessagePack scanner (readers: _readers.pxd) and the msgpack request parser
+# =========================================================================================
+
+cdef inline uint32_t _le32(const uint8_t* p) noexcept nogil:
+    return (<uint32_t>p[3] << 24) | (<uint32_t>p[2] << 16) | (<uint32_t>p[1] << 8) | <uint32_t>p[0]
 
 
-# -- MessagePack -------------------------------------------------------------------------
+cdef int mp_u64_array(wcur* c, uint64_t* out, size_t n, size_t* count) noexcept nogil:
+    cdef size_t i = 0
+    cdef uint64_t v = 0
+    cdef bint neg = False
+    cdef int rc = WIRE_OK
+    cdef const uint8_t* p
+    while i < n:
+        p = c.p
+        rc = mp_int(c, &v, &neg)
+        if rc:
+            break
+        if neg:
+            c.p = p
+            rc = WIRE_RANGE
+            break
+        out[i] = v
+        i += 1
+    count[0] = i
+    return rc
+
+
+# =========================================================================================
+# MessagePack request parsing (with the GIL; the big scans release it)
+# =========================================================================================
 
 cdef str _mp_str_value(wcur* c, int fid, bint nullable):
     """str (or nil when nullable -> None) at c.p."""
@@ -1054,7 +865,7 @@ cdef str _mp_str_value(wcur* c, int fid, bint nullable):
         c.p += 1
         return None
     rc = mp_str(c, &s, &n)
-    if rc == WIRE_NOT_INT:
+    if rc == WIRE_TYPE:
         raise WireError(f"invalid type for `{_field_name(fid)}`: expected "
                         + ("a string or nil" if nullable else "a string"))
     _check(rc, c, False, fid, -1)
@@ -1095,7 +906,7 @@ cdef array.array _mp_values(wcur* c, bint u64, int fid):
                 rc = mp_u32_array(c, arr.data.as_uints, n, &cnt)
         _check(rc, c, False, fid, <Py_ssize_t>cnt)
         return arr
-    if rc == WIRE_NOT_INT and not u64:
+    if rc == WIRE_TYPE and not u64:
         rc = mp_bin(c, &s, &n)
         if rc == WIRE_OK:
             # packed tokens: little-endian u32
@@ -1115,7 +926,7 @@ cdef array.array _mp_values(wcur* c, bint u64, int fid):
                 for i in range(n):
                     o[i] = _le32(s + 4 * i)
             return arr
-    if rc == WIRE_NOT_INT:
+    if rc == WIRE_TYPE:
         if u64:
             raise WireError(f"invalid type for `{_field_name(fid)}`: expected an array of integers")
         raise WireError(
@@ -1127,9 +938,9 @@ cdef int _mp_skip_checked(wcur* c) except -1:
     cdef int rc
     if _left(c) > _NOGIL_BYTES:
         with nogil:
-            rc = mp_skip(c)
+            rc = mp_skip(c, 0, True)
     else:
-        rc = mp_skip(c)
+        rc = mp_skip(c, 0, True)
     return _check(rc, c, False, F_UNKNOWN, -1)
 
 
@@ -1157,7 +968,7 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
             _check(WIRE_EOF, &c, False, F_UNKNOWN, -1)
         for i in range(n):
             rc = mp_str(&c, &s, &klen)
-            if rc == WIRE_NOT_INT:
+            if rc == WIRE_TYPE:
                 raise WireError("map keys must be strings")
             _check(rc, &c, False, F_UNKNOWN, -1)
             fid = _field_id(s, klen)
@@ -1174,9 +985,9 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
                 values = _mp_values(&c, by_hash, fid)
             else:
                 _mp_skip_checked(&c)
-    elif rc == WIRE_NOT_INT:
+    elif rc == WIRE_TYPE:
         rc = mp_container(&c, 0x90, 0xdc, &n)
-        if rc == WIRE_NOT_INT:
+        if rc == WIRE_TYPE:
             raise WireError("expected a map or an array")
         _check(rc, &c, False, F_UNKNOWN, -1)
         if n > _left(&c):

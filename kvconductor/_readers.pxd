@@ -1,0 +1,430 @@
+# cython: language_level=3
+"""Low-level MessagePack readers shared by the compiled parsers (``_wire``, ``_ingest``).
+
+Everything here is ``cdef inline`` (the lookup tables are ``static`` C arrays), so
+every module that cimports it compiles its own copy: no cross-module call on the
+hot path, and no module has to be imported first.
+
+Every reader works on a :c:type:`wcur` over a byte range, runs without the GIL,
+never allocates and returns one of the ``WIRE_*`` codes. Each one takes the value
+at ``c.p`` and, on ``WIRE_OK``, moves ``c.p`` past it; on ``WIRE_EOF`` (truncated
+input) or ``WIRE_TYPE`` (a value of another type; :func:`mp_int`: ``WIRE_BAD_BYTE``
+for 0xc1) it leaves ``c.p`` unchanged unless said otherwise. MessagePack readers
+check lengths and need no sentinel (the JSON scanners of ``_wire`` do).
+"""
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcmp
+
+cdef enum:
+    WIRE_OK = 0
+    WIRE_EOF = 1          # input ends inside a value (JSON) / truncated msgpack
+    WIRE_SYNTAX = 2       # malformed JSON at c.p
+    WIRE_TYPE = 3         # a well-formed value of another type than the one expected
+    WIRE_RANGE = 4        # integer outside the allowed range
+    WIRE_DEPTH = 5        # nesting deeper than allowed (JSON: WIRE_JSON_MAX_DEPTH)
+    WIRE_BAD_BYTE = 6     # msgpack byte 0xc1 (never used)
+    WIRE_CAPACITY = 7     # more elements than the output holds (malformed input only)
+    WIRE_EXT = 8          # a msgpack ext value where none is allowed (mp_skip)
+    WIRE_JSON_MAX_DEPTH = 1000
+    MP_SKIP_MAX_DEPTH = 32  # largest max_depth mp_skip accepts
+
+ctypedef struct wcur:
+    const uint8_t* base   # start of the body (for byte offsets)
+    const uint8_t* p      # current position
+    const uint8_t* end    # one past the last byte
+
+
+# Big-endian loads.
+cdef inline uint16_t _be16(const uint8_t* p) noexcept nogil:
+    return <uint16_t>((<uint16_t>p[0] << 8) | p[1])
+
+
+cdef inline uint32_t _be32(const uint8_t* p) noexcept nogil:
+    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | <uint32_t>p[3]
+
+
+cdef inline uint64_t _be64(const uint8_t* p) noexcept nogil:
+    return (<uint64_t>_be32(p) << 32) | <uint64_t>_be32(p + 4)
+
+
+# Size of the float or int value with tag b, 0xca <= b <= 0xd3 (float32/64, uint8..64,
+# int8..64): the tag and 4, 8, 1, 2, 4, 8, 1, 2, 4, 8 bytes.
+cdef inline size_t mp_num_size(uint8_t b) noexcept nogil:
+    return 1 + (<size_t>1 << (b & 3))
+
+
+# Bytes left after c.p.
+cdef inline size_t _left(const wcur* c) noexcept nogil:
+    return <size_t>(c.end - c.p)
+
+
+# Bytes s[:n] equal to the literal lit[:m].
+cdef inline bint _eq(const uint8_t* s, size_t n, const char* lit, size_t m) noexcept nogil:
+    return n == m and memcmp(s, lit, m) == 0
+
+
+# Any msgpack int: its 64 bits (two's complement when *neg) and sign.
+cdef inline int mp_int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
+    cdef const uint8_t* p = c.p
+    cdef size_t left = _left(c)
+    cdef uint8_t b
+    cdef int64_t s
+    if left == 0:
+        return WIRE_EOF
+    b = p[0]
+    if b <= 0x7f:
+        bits[0] = b
+        neg[0] = False
+        c.p = p + 1
+        return WIRE_OK
+    if b >= 0xe0:
+        bits[0] = <uint64_t><int64_t><int8_t>b
+        neg[0] = True
+        c.p = p + 1
+        return WIRE_OK
+    if b == 0xcc:
+        if left < 2:
+            return WIRE_EOF
+        bits[0] = p[1]
+        neg[0] = False
+        c.p = p + 2
+        return WIRE_OK
+    if b == 0xcd:
+        if left < 3:
+            return WIRE_EOF
+        bits[0] = _be16(p + 1)
+        neg[0] = False
+        c.p = p + 3
+        return WIRE_OK
+    if b == 0xce:
+        if left < 5:
+            return WIRE_EOF
+        bits[0] = _be32(p + 1)
+        neg[0] = False
+        c.p = p + 5
+        return WIRE_OK
+    if b == 0xcf:
+        if left < 9:
+            return WIRE_EOF
+        bits[0] = _be64(p + 1)
+        neg[0] = False
+        c.p = p + 9
+        return WIRE_OK
+    if b == 0xd0:
+        if left < 2:
+            return WIRE_EOF
+        s = <int8_t>p[1]
+        c.p = p + 2
+    elif b == 0xd1:
+        if left < 3:
+            return WIRE_EOF
+        s = <int16_t>_be16(p + 1)
+        c.p = p + 3
+    elif b == 0xd2:
+        if left < 5:
+            return WIRE_EOF
+        s = <int32_t>_be32(p + 1)
+        c.p = p + 5
+    elif b == 0xd3:
+        if left < 9:
+            return WIRE_EOF
+        s = <int64_t>_be64(p + 1)
+        c.p = p + 9
+    else:
+        return WIRE_BAD_BYTE if b == 0xc1 else WIRE_TYPE
+    bits[0] = <uint64_t>s
+    neg[0] = s < 0
+    return WIRE_OK
+
+
+# str: *s, *n = its UTF-8 bytes (not validated).
+cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    cdef const uint8_t* p = c.p
+    cdef size_t left = _left(c)
+    cdef size_t hdr, ln
+    cdef uint8_t b
+    if left == 0:
+        return WIRE_EOF
+    b = p[0]
+    if 0xa0 <= b <= 0xbf:
+        hdr = 1
+        ln = b & 0x1f
+    elif b == 0xd9:
+        hdr = 2
+        if left < 2:
+            return WIRE_EOF
+        ln = p[1]
+    elif b == 0xda:
+        hdr = 3
+        if left < 3:
+            return WIRE_EOF
+        ln = _be16(p + 1)
+    elif b == 0xdb:
+        hdr = 5
+        if left < 5:
+            return WIRE_EOF
+        ln = _be32(p + 1)
+    else:
+        return WIRE_TYPE
+    if ln > left - hdr:
+        return WIRE_EOF
+    s[0] = p + hdr
+    n[0] = ln
+    c.p = p + hdr + ln
+    return WIRE_OK
+
+
+# Array (fix=0x90, m16=0xdc) or map (fix=0x80, m16=0xde) header: *n = elements (map:
+# pairs). The count is not checked against the bytes left.
+cdef inline int mp_container(wcur* c, uint8_t fix, uint8_t m16, size_t* n) noexcept nogil:
+    cdef const uint8_t* p = c.p
+    cdef size_t left = _left(c)
+    cdef uint8_t b
+    if left == 0:
+        return WIRE_EOF
+    b = p[0]
+    if (b & 0xf0) == fix:
+        n[0] = b & 0x0f
+        c.p = p + 1
+    elif b == m16:
+        if left < 3:
+            return WIRE_EOF
+        n[0] = _be16(p + 1)
+        c.p = p + 3
+    elif b == m16 + 1:
+        if left < 5:
+            return WIRE_EOF
+        n[0] = _be32(p + 1)
+        c.p = p + 5
+    else:
+        return WIRE_TYPE
+    return WIRE_OK
+
+
+# bin: *s, *n = its bytes.
+cdef inline int mp_bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    cdef const uint8_t* p = c.p
+    cdef size_t left = _left(c)
+    cdef size_t hdr, ln
+    cdef uint8_t b
+    if left == 0:
+        return WIRE_EOF
+    b = p[0]
+    if b == 0xc4:
+        hdr = 2
+        if left < 2:
+            return WIRE_EOF
+        ln = p[1]
+    elif b == 0xc5:
+        hdr = 3
+        if left < 3:
+            return WIRE_EOF
+        ln = _be16(p + 1)
+    elif b == 0xc6:
+        hdr = 5
+        if left < 5:
+            return WIRE_EOF
+        ln = _be32(p + 1)
+    else:
+        return WIRE_TYPE
+    if ln > left - hdr:
+        return WIRE_EOF
+    s[0] = p + hdr
+    n[0] = ln
+    c.p = p + hdr + ln
+    return WIRE_OK
+
+
+# Skip one complete msgpack value of any type, nested ones included, without
+# recursion. max_depth > 0 (at most MP_SKIP_MAX_DEPTH): a container nested max_depth
+# levels deep (the value itself is level 0) gives WIRE_DEPTH; ext_ok false: an ext
+# value gives WIRE_EXT. Byte 0xc1 gives WIRE_BAD_BYTE. On WIRE_EOF c.p is c.end, on
+# the other errors the offending byte.
+cdef inline int mp_skip(wcur* c, int max_depth, bint ext_ok) noexcept nogil:
+    cdef uint64_t todo = 1          # values still to skip (containers add their children)
+    cdef uint64_t marks[MP_SKIP_MAX_DEPTH]  # todo when each open container is done
+    cdef uint64_t kids
+    cdef int depth = 0
+    cdef const uint8_t* p = c.p
+    cdef const uint8_t* end = c.end
+    cdef uint8_t b
+    cdef size_t hdr, ln, left
+    while todo:
+        if max_depth:
+            while depth and todo == marks[depth - 1]:
+                depth -= 1
+        todo -= 1
+        left = <size_t>(end - p)
+        if todo >= left:            # every pending value needs at least one byte
+            c.p = end
+            return WIRE_EOF
+        b = p[0]
+        hdr = 1
+        ln = 0
+        kids = 0
+        if b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
+            p += 1
+            continue
+        if 0xa0 <= b <= 0xbf:
+            ln = b & 0x1f
+        elif b == 0xc1:
+            c.p = p
+            return WIRE_BAD_BYTE
+        elif b == 0xc4 or b == 0xd9:        # bin8 / str8
+            hdr = 2
+            if left < 2:
+                c.p = end
+                return WIRE_EOF
+            ln = p[1]
+        elif b == 0xc5 or b == 0xda:        # bin16 / str16
+            hdr = 3
+            if left < 3:
+                c.p = end
+                return WIRE_EOF
+            ln = _be16(p + 1)
+        elif b == 0xc6 or b == 0xdb:        # bin32 / str32
+            hdr = 5
+            if left < 5:
+                c.p = end
+                return WIRE_EOF
+            ln = _be32(p + 1)
+        elif 0xca <= b <= 0xd3:             # float, int
+            hdr = mp_num_size(b)
+        elif (0xc7 <= b <= 0xc9) or (0xd4 <= b <= 0xd8):
+            if not ext_ok:
+                c.p = p
+                return WIRE_EXT
+            if b == 0xc7:                   # ext8
+                hdr = 3
+                if left < 2:
+                    c.p = end
+                    return WIRE_EOF
+                ln = p[1]
+            elif b == 0xc8:                 # ext16
+                hdr = 4
+                if left < 3:
+                    c.p = end
+                    return WIRE_EOF
+                ln = _be16(p + 1)
+            elif b == 0xc9:                 # ext32
+                hdr = 6
+                if left < 5:
+                    c.p = end
+                    return WIRE_EOF
+                ln = _be32(p + 1)
+            else:                           # fixext 1/2/4/8/16: type byte + data
+                hdr = 2 + (<size_t>1 << (b - 0xd4))
+        else:                               # array or map (fix, 16, 32)
+            if max_depth:
+                if depth >= max_depth:
+                    c.p = p
+                    return WIRE_DEPTH
+                marks[depth] = todo
+                depth += 1
+            if b <= 0x8f:                   # fixmap: pairs
+                kids = 2 * <uint64_t>(b & 0x0f)
+            elif b <= 0x9f:                 # fixarray
+                kids = b & 0x0f
+            elif b == 0xdc or b == 0xde:    # array16 / map16
+                hdr = 3
+                if left < 3:
+                    c.p = end
+                    return WIRE_EOF
+                kids = _be16(p + 1)
+            else:                           # array32 / map32
+                hdr = 5
+                if left < 5:
+                    c.p = end
+                    return WIRE_EOF
+                kids = _be32(p + 1)
+            if b >= 0xde:                   # map16 / map32: pairs
+                kids *= 2
+            if kids > left - hdr:           # every element needs at least one byte
+                c.p = end
+                return WIRE_EOF
+            todo += kids
+        if hdr > left or ln > left - hdr:
+            c.p = end
+            return WIRE_EOF
+        p += hdr + ln
+    c.p = p
+    return WIRE_OK
+
+
+# Branch-free decoding of the ints that fit 32 bits (fixints, uint8/16/32, int8/16/32):
+# value = be32(p + OFF[tag]) >> SH[tag], arithmetic shift when SGN[tag]; LEN[tag] = 0 for
+# every other tag (64-bit ints, errors). Random token ids mix uint16 and uint32
+# encodings, so a branch per tag would mispredict about half the time.
+cdef extern from *:
+    """
+    #define KVR_X16(x) x,x,x,x,x,x,x,x,x,x,x,x,x,x,x,x
+    #define KVR_X32(x) KVR_X16(x),KVR_X16(x)
+    #define KVR_X128(x) KVR_X32(x),KVR_X32(x),KVR_X32(x),KVR_X32(x)
+    #define KVR_S 0xFFFFFFFFu
+    /* tag:        0x00-0x7f   0x80-0xbf    0xc0 .. 0xcf (uint8 16 32 at 0xcc..0xce)  0xd0 .. 0xdf (int8 16 32)  0xe0-0xff */
+    static const uint8_t kvr_mp_len[256] = {KVR_X128(1), KVR_X32(0), KVR_X32(0),
+        0,0,0,0, 0,0,0,0, 0,0,0,0, 2,3,5,0,  2,3,5,0, 0,0,0,0, 0,0,0,0, 0,0,0,0,  KVR_X32(1)};
+    static const uint8_t kvr_mp_off[256] = {KVR_X128(0), KVR_X32(1), KVR_X32(1),
+        KVR_X32(1), KVR_X32(0)};
+    static const uint8_t kvr_mp_sh[256] = {KVR_X128(24), KVR_X32(0), KVR_X32(0),
+        0,0,0,0, 0,0,0,0, 0,0,0,0, 24,16,0,0,  24,16,0,0, 0,0,0,0, 0,0,0,0, 0,0,0,0,  KVR_X32(24)};
+    static const uint32_t kvr_mp_sgn[256] = {KVR_X128(0), KVR_X32(0), KVR_X32(0),
+        0,0,0,0, 0,0,0,0, 0,0,0,0, 0,0,0,0,  KVR_S,KVR_S,KVR_S,0, 0,0,0,0, 0,0,0,0, 0,0,0,0,
+        KVR_X32(KVR_S)};
+    """
+    const uint8_t _MP_LEN "kvr_mp_len"[256]
+    const uint8_t _MP_OFF "kvr_mp_off"[256]
+    const uint8_t _MP_SH "kvr_mp_sh"[256]
+    const uint32_t _MP_SGN "kvr_mp_sgn"[256]
+
+
+# Parse n msgpack ints at c.p into out, truncated to their low 32 bits; ints of 2**63
+# or more give WIRE_RANGE (as i64 would not hold them). *count = elements stored (on
+# error: index of the offending element).
+cdef inline int mp_u32_array(wcur* c, uint32_t* out, size_t n, size_t* count) noexcept nogil:
+    cdef const uint8_t* p = c.p
+    cdef const uint8_t* end = c.end
+    cdef size_t i = 0
+    cdef uint8_t b, ln, sh
+    cdef uint32_t w, m
+    cdef uint64_t v = 0
+    cdef bint neg = False
+    cdef int rc = WIRE_OK
+    while i < n:
+        if end - p >= 9:
+            # fast path: every encoding fits, no bounds checks
+            b = p[0]
+            ln = _MP_LEN[b]
+            if ln:
+                w = _be32(p + _MP_OFF[b])
+                sh = _MP_SH[b]
+                m = _MP_SGN[b]
+                out[i] = (<uint32_t>(<int32_t>w >> sh) & m) | ((w >> sh) & ~m)
+                p += ln
+            elif b == 0xcf:
+                v = _be64(p + 1)
+                if v > <uint64_t>0x7FFFFFFFFFFFFFFF:
+                    rc = WIRE_RANGE
+                    break
+                out[i] = <uint32_t>v
+                p += 9
+            elif b == 0xd3:
+                out[i] = <uint32_t>_be64(p + 1)
+                p += 9
+            else:
+                rc = WIRE_BAD_BYTE if b == 0xc1 else WIRE_TYPE
+                break
+        else:
+            c.p = p
+            rc = mp_int(c, &v, &neg)
+            if rc:
+                break
+            if not neg and v > <uint64_t>0x7FFFFFFFFFFFFFFF:
+                rc = WIRE_RANGE
+                break
+            p = c.p
+            out[i] = <uint32_t>v
+        i += 1
+    c.p = p
+    count[0] = i
+    return rc
