@@ -6,6 +6,7 @@ MessagePack) into ``(model, block_size, tenant_id, values, lora_name)``; token i
 hashes never become Python ints: they are scanned without the GIL straight into
 the C buffer of the output ``array('I')`` / ``array('Q')``, pre-sized from the
 msgpack array header or from a count of the commas of the JSON array.
+``read_u32_array`` reads one msgpack int array the same way (vLLM ``token_ids``).
 
 Layout: the request field table, error messages and entry points are here; the
 JSON scanner and request parser are in ``_wire_json.pxi``, the MessagePack ones in
@@ -180,3 +181,29 @@ def parse_query(body, bint msgpack, bint by_hash):
     if msgpack:
         return _parse_msgpack(buf, size, by_hash)
     return _parse_json(buf, size, by_hash)
+
+
+def read_u32_array(buf):
+    """One msgpack array of ints (a vLLM ``token_ids`` value) as ``array('I')``.
+
+    Same rules as the ``token_ids`` array of :func:`parse_query`: i64 values keep
+    their low 32 bits, ints of 2**63 or more are rejected. Raises
+    :class:`WireError` for anything else: not an array (a bin included), an
+    element that is not an int, truncated input or bytes after the array.
+    """
+    cdef const uint8_t[::1] view = buf
+    cdef size_t size = <size_t>view.shape[0]
+    cdef wcur c
+    cdef uint8_t b
+    if size == 0:
+        raise WireError("truncated msgpack")
+    b = view[0]
+    if not (0x90 <= b <= 0x9f or b == 0xdc or b == 0xdd):
+        raise WireError("expected a msgpack array of integers")
+    c.base = &view[0]
+    c.p = c.base
+    c.end = c.base + size
+    values = _mp_values(&c, False, F_TOKEN_IDS)
+    if c.p != c.end:
+        raise WireError("trailing data")
+    return values

@@ -855,3 +855,37 @@ def test_roundtrip_through_parse_and_query_shape():
     assert msgspec.msgpack.decode(out) == {"default": {"vllm-prefill-1": {
         "longest_matched": 640, "DP": {"0": {"matched_tokens": 640, "npu_blocks": 3,
                                              "cpu_blocks": 2, "disk_blocks": 0}}}}}
+
+
+# ---------------------------------------------------------------------------------------
+# read_u32_array: one msgpack int array, the token_ids rules of parse_query
+# ---------------------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=I64_MIN, max_value=U64), max_size=40))
+def test_read_u32_array_matches_parse_query(tokens):
+    raw = msgspec.msgpack.encode(tokens)
+    try:
+        want = parse_query(msgspec.msgpack.encode(["m", 1, tokens]), True, False)[3]
+    except WireError:
+        want = None
+    try:
+        got = _wire.read_u32_array(raw)
+    except WireError:
+        got = None
+    assert got == want
+    if want is not None:
+        assert list(got) == [t & U32 for t in tokens]
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc0", b"\xa1x", b"\xc4\x04\x01\x00\x00\x00", b"\x92\x01",
+                                 b"\x91\x01\x02", b"\x91\xa1x", b"\x91\xc1", b"\x91\xcf" + b"\xff" * 8])
+def test_read_u32_array_rejects(raw):
+    with pytest.raises(WireError):
+        _wire.read_u32_array(raw)
+
+
+def test_read_u32_array_takes_raw_and_memoryview():
+    raw = msgspec.Raw(msgspec.msgpack.encode([1, 2**32 + 3, -1]))
+    assert list(_wire.read_u32_array(raw)) == [1, 3, 2**32 - 1]
+    assert list(_wire.read_u32_array(memoryview(bytes(raw)))) == [1, 3, 2**32 - 1]

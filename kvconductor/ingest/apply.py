@@ -84,6 +84,7 @@ REJECTED_KINDS = frozenset(("slidingwindow", "slidingwindowmla", "mamba", "chunk
 _POOL_KEYS = ("event_type", "seq_hashes", "backend_id", "event_id")
 _ANY_DEC = msgspec.msgpack.Decoder()
 _KEYS_DEC = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_RAW_LIST_DEC = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 
 def kind_rejected(kind: str | None) -> bool:
@@ -93,11 +94,7 @@ def kind_rejected(kind: str | None) -> bool:
     return kind.lower().replace("_", "") in REJECTED_KINDS
 
 
-def _looks_like_pool(elems: list, ei: int) -> bool:
-    try:
-        events = msgspec.msgpack.decode(elems[ei], type=list[msgspec.Raw])
-    except Exception:  # noqa: BLE001
-        return False
+def _looks_like_pool(events: list[msgspec.Raw]) -> bool:
     if not events:
         return False
     first = events[0]
@@ -138,9 +135,13 @@ def decode_payload(payload: bytes) -> VllmBatch | PoolBatch:
     if fast is not None:
         return fast
     elems, ei, di = split_batch(payload)
-    if _looks_like_pool(elems, ei):
+    try:  # once for the pool check and the decoder
+        raw_events = _RAW_LIST_DEC.decode(elems[ei])
+    except Exception:  # noqa: BLE001 - decode_vllm_batch decodes again and reports it
+        raw_events = None
+    if raw_events is not None and _looks_like_pool(raw_events):
         return decode_pool_payload(payload)
-    return decode_vllm_batch(payload, (elems, ei, di))
+    return decode_vllm_batch(payload, (elems, ei, di), raw_events)
 
 
 def registered_index(info: Any, dp: int) -> tuple[str | None, str | None]:

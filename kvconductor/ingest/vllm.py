@@ -30,6 +30,9 @@ from typing import Any, Union
 
 import msgspec
 
+from kvconductor._wire import WireError as _WireError
+from kvconductor._wire import read_u32_array as _read_u32_array
+
 MASK64 = 0xFFFFFFFFFFFFFFFF
 _U32 = 0xFFFFFFFF
 
@@ -198,26 +201,18 @@ def u32_tokens(tokens: list) -> array:
         return array("I", [t & _U32 for t in tokens])
 
 
-try:  # the compiled msgpack int-array scanner of the query path (no Python int per token)
-    from kvconductor._wire import WireError as _WireError
-    from kvconductor._wire import parse_query as _wire_parse_query
-except ImportError:  # pragma: no cover - the msgspec fallback below is always correct
-    _wire_parse_query = None
-    _WireError = ValueError
 if os.environ.get("KVCONDUCTOR_NO_EXTENSIONS") or os.environ.get("KVCONDUCTOR_WIRE") == "py":
-    _wire_parse_query = None
-
-#: msgpack ``["", 0, <token_ids>]``: a positional /query body around the raw token array.
-_QUERY_PREFIX = b"\x93\xa0\x00"
+    _read_u32_array = None
 _INT_LIST_DEC = msgspec.msgpack.Decoder(list[int])
 
 
 def raw_tokens(raw: msgspec.Raw) -> array:
     """A raw msgpack int array (or nil) -> ``array('I')`` of u32-truncated token ids.
 
-    With ``kvconductor._wire`` the ints are scanned in C straight into the array;
-    otherwise (or for ids outside the i64 range it rejects) msgspec decodes a list.
-    Raises DecodeError("invalid_event") for anything but an array of ints.
+    :func:`kvconductor._wire.read_u32_array` scans the ints in C straight into the
+    array; for ids outside the i64 range it rejects, msgspec decodes a list (and the
+    ids are truncated). Raises DecodeError("invalid_event") for anything but an
+    array of ints.
     """
     mv = memoryview(raw)
     if not len(mv):
@@ -227,9 +222,9 @@ def raw_tokens(raw: msgspec.Raw) -> array:
         return array("I")
     if k != "array":
         raise DecodeError("invalid_event", f"token_ids is a msgpack {k}")
-    if _wire_parse_query is not None:
+    if _read_u32_array is not None:
         try:
-            return _wire_parse_query(b"".join((_QUERY_PREFIX, raw)), True, False)[3]
+            return _read_u32_array(mv)
         except _WireError:
             pass  # e.g. ids >= 2**63: let msgspec decide (and truncate)
     try:
@@ -443,15 +438,21 @@ def split_batch(payload: bytes) -> tuple[list[msgspec.Raw], int, int | None]:
     raise DecodeError("not_a_batch", f"element 1 is a msgpack {k1}")
 
 
-def decode_vllm_batch(payload: bytes, parts: tuple | None = None) -> VllmBatch:
-    """Decode a vLLM/SGLang batch payload. Raises DecodeError if the envelope is bad."""
+def decode_vllm_batch(payload: bytes, parts: tuple | None = None,
+                      raw_events: list[msgspec.Raw] | None = None) -> VllmBatch:
+    """Decode a vLLM/SGLang batch payload. Raises DecodeError if the envelope is bad.
+
+    ``parts``: :func:`split_batch` of the payload and ``raw_events`` its events
+    element decoded as ``list[msgspec.Raw]``, when the caller has them already.
+    """
     elems, ei, di = parts if parts is not None else split_batch(payload)
     tk = msgpack_kind(_first(elems[0]))
     if tk not in ("float", "int"):
         raise DecodeError("not_a_batch", f"ts is a msgpack {tk}")
     try:
         ts = _ANY_DEC.decode(elems[0])
-        raw_events = _RAW_LIST_DEC.decode(elems[ei])
+        if raw_events is None:
+            raw_events = _RAW_LIST_DEC.decode(elems[ei])
         dp = _decode_int_or_nil(elems[di]) if di is not None else None
     except DecodeError:
         raise
