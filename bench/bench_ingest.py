@@ -9,6 +9,11 @@ how many blocks per second the ingest thread decodes, hashes and applies
 idle for a few seconds and reports the CPU time the ingest thread used.
 
     python bench/bench_ingest.py [--block-size 16 128] [--batches 1500] [--runs 5] [--impl c|py]
+                                 [--general]
+
+``--impl`` picks the index core (default: ``KVCONDUCTOR_IMPL``, i.e. compiled);
+``--general`` turns the compiled batch fast path off (the Python decoders feed the
+index, what ``Applier(..., fast=False)`` does).
 """
 
 from __future__ import annotations
@@ -228,7 +233,12 @@ def main():
     ap.add_argument("--blocks-per-event", type=int, default=32)
     ap.add_argument("--impl", choices=["c", "py"], default=None)
     ap.add_argument("--idle", type=float, default=3.0, help="idle seconds for the CPU measurement")
+    ap.add_argument("--general", action="store_true",
+                    help="no compiled batch fast path (the Python decoders)")
     args = ap.parse_args()
+    if args.general:
+        from kvconductor.ingest import apply
+        apply._FastBatch = None     # read by every Applier when it is created
     rows = []
     for bs in args.block_size:
         n = args.batches if bs <= 16 else max(100, args.batches // 4)

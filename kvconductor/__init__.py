@@ -1,4 +1,15 @@
-"""kvconductor: a KV-cache index service for LLM inference clusters."""
+"""kvconductor: a KV-cache index service for LLM inference clusters.
+
+The compiled modules are mandatory: they are imported here, and an install
+without them (or with a broken one) fails at this import. The pure-Python twins
+(``kvconductor._py``, ``kvconductor.wire.py_*``, the general ingest path) are test
+oracles, not a runtime fallback; they still use the compiled block hasher.
+
+Which implementation serves is chosen here, once, for the whole package:
+``KVCONDUCTOR_IMPL=c`` (the default) or ``py`` (the twins: index core, query
+parser and encoder, token scanner, ingest fast path off), read at import into
+:data:`IMPL`. ``Index(impl=...)`` and ``Applier(..., fast=False)`` pick per object.
+"""
 from __future__ import annotations
 
 import importlib
@@ -6,29 +17,31 @@ import os
 
 __version__ = "0.1.0"
 
-#: The compiled modules; all must load for :func:`is_available` to be true.
+#: The compiled modules (setup.py ``MODULES``); every one is imported here.
 COMPILED_MODULES = ("_hash", "_tree", "_lower", "_index", "_wire", "_encode", "_ingest")
 
-
-def _load_compiled() -> tuple[bool, str | None]:
-    if os.environ.get("KVCONDUCTOR_NO_EXTENSIONS"):
-        return False, "KVCONDUCTOR_NO_EXTENSIONS is set"
-    for name in COMPILED_MODULES:
-        try:
-            importlib.import_module(f"kvconductor.{name}")
-        except ImportError as ex:
-            return False, f"kvconductor.{name}: {ex}"
-    return True, None
+for _name in COMPILED_MODULES:
+    # NOTE: an ImportError here is a broken install; it must never be swallowed.
+    importlib.import_module(f"kvconductor.{_name}")
+del _name
 
 
-_AVAILABLE, _UNAVAILABLE_REASON = _load_compiled()
+def _impl_from_env() -> str:
+    impl = os.environ.get("KVCONDUCTOR_IMPL") or "c"
+    if impl not in ("c", "py"):
+        raise ValueError(f"KVCONDUCTOR_IMPL={impl!r}: expected 'c' or 'py'")
+    return impl
+
+
+#: ``"c"``: the compiled modules serve; ``"py"``: the pure-Python twins (tests, bench).
+IMPL = _impl_from_env()
 
 
 def is_available() -> bool:
-    """True only when every compiled module of the index loaded."""
-    return _AVAILABLE
+    """True when every compiled module loaded (always, once this package imported)."""
+    return True
 
 
 def unavailable_reason() -> str | None:
-    """Why the compiled modules did not load, or ``None``."""
-    return _UNAVAILABLE_REASON
+    """Why the compiled modules did not load: ``None`` (a failed load fails the import)."""
+    return None

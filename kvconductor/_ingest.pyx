@@ -380,7 +380,7 @@ cdef class FastBatch:
                     return R_OOM
                 self.tok = <uint32_t*>p
             if n and mp_u32_array(c, self.tok, n, &cnt) != WIRE_OK:
-                return R_TOKENS     # not an int, truncated, or >= 2**63 (msgspec's fallback)
+                return R_TOKENS     # not an int, truncated, or >= 2**63 (the Python path decides)
             ev.ntok = n
             return R_OK
         if fid == FID_BLOCK_SIZE:

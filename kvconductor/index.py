@@ -11,7 +11,6 @@ The core serialises them with a C reader/writer lock taken without the GIL.
 """
 from __future__ import annotations
 
-import os
 import time
 from array import array
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ U32_MAX = 0xFFFFFFFF
 
 
 def _core_class(impl: str | None):
-    impl = impl or os.environ.get("KVCONDUCTOR_IMPL") or ("c" if kvconductor.is_available() else "py")
+    impl = impl or kvconductor.IMPL
     if impl == "c":
         from kvconductor._index import CoreIndex
     elif impl == "py":

@@ -8,9 +8,9 @@ ranges (hashes, ``event_id``) are checked after decoding because msgspec
 cannot express bounds beyond int64 (:func:`check_u64`, :func:`to_u64`).
 
 The ``/query`` and ``/query_by_hash`` hot path does not use these Structs: it
-goes through :mod:`kvconductor.wire`, which never builds a list of token ints
-when the compiled parser is present. :class:`QueryRequest` and
-:class:`QueryByHashRequest` document the shape and serve clients and tests.
+goes through :mod:`kvconductor.wire`, whose compiled parser never builds a list of
+token ints. :class:`QueryRequest` and :class:`QueryByHashRequest` document the shape
+and serve clients and tests.
 """
 from __future__ import annotations
 

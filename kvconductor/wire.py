@@ -2,14 +2,16 @@
 
 Two implementations with identical results:
 
-* ``kvconductor._wire`` (compiled, written separately): parses token ids
-  straight into a C buffer, never building a Python list of ints;
-* the msgspec fallback in this module (:func:`py_parse_query`,
-  :func:`py_encode_result`), always importable for differential tests.
+* ``kvconductor._wire`` and ``kvconductor._encode`` (compiled, written
+  separately): parse token ids straight into a C buffer, never building a Python
+  list of ints, and write the response bytes;
+* the msgspec oracle in this module (:func:`py_parse_query`,
+  :func:`py_encode_result`, :func:`py_encode_error`): the reference the compiled
+  ones are diffed against (tests/test_wire.py), not a runtime fallback.
 
-:func:`parse_query` and :func:`encode_result` pick the compiled one when it
-imports (set ``KVCONDUCTOR_NO_EXTENSIONS=1`` or ``KVCONDUCTOR_WIRE=py`` to
-force the fallback) and add the checks common to both.
+:func:`parse_query`, :func:`encode_result` and :func:`encode_error` are the
+compiled ones unless ``KVCONDUCTOR_IMPL=py`` (:data:`kvconductor.IMPL`) selects
+the oracle; :func:`parse_query` adds the checks common to both.
 
 Accepted request shapes (docs/api.md: POST /query, its "MessagePack" section, POST /query_by_hash):
 
@@ -28,13 +30,14 @@ MessagePack they may also be one bin of little-endian u32 (packed tokens).
 """
 from __future__ import annotations
 
-import os
 import sys
 from array import array
 from collections.abc import Sequence
 
 import msgspec
 
+import kvconductor
+from kvconductor import _encode, _wire
 from kvconductor.index import QueryResult
 from kvconductor.schema import I64_MAX, I64_MIN, U32, U32_MAX
 
@@ -61,7 +64,7 @@ def is_msgpack_content_type(content_type: str | None) -> bool:
 
 
 # ---------------------------------------------------------------------------------------
-# Pure-Python (msgspec) implementation
+# Pure-Python (msgspec) oracle of kvconductor._wire / kvconductor._encode
 # ---------------------------------------------------------------------------------------
 
 class _TokensMap(msgspec.Struct):
@@ -190,22 +193,16 @@ def py_encode_error(message: str, msgpack: bool) -> bytes:
 # Implementation selection
 # ---------------------------------------------------------------------------------------
 
-def _load_compiled():
-    if os.environ.get("KVCONDUCTOR_NO_EXTENSIONS") or os.environ.get("KVCONDUCTOR_WIRE") == "py":
-        return None, None
-    try:
-        from kvconductor import _encode, _wire
-    except ImportError:
-        return None, None
-    return _wire, _encode
-
-
-_compiled, _compiled_encode = _load_compiled()
-#: ``"c"`` when the compiled parser is in use, else ``"py"``.
-IMPL = "py" if _compiled is None else "c"
-_parse_impl = py_parse_query if _compiled is None else _compiled.parse_query
-encode_result = py_encode_result if _compiled_encode is None else _compiled_encode.encode_result
-encode_error = py_encode_error if _compiled_encode is None else _compiled_encode.encode_error
+#: ``"c"`` when the compiled parser and encoder serve, ``"py"`` for the oracle.
+IMPL = kvconductor.IMPL
+if IMPL == "py":
+    _parse_impl = py_parse_query
+    encode_result = py_encode_result
+    encode_error = py_encode_error
+else:
+    _parse_impl = _wire.parse_query
+    encode_result = _encode.encode_result
+    encode_error = _encode.encode_error
 
 
 def parse_query(body: bytes, msgpack: bool, by_hash: bool

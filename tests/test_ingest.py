@@ -32,7 +32,7 @@ from test_vllm import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0516, EX_E_SGL052
 
 from kvconductor.ingest import apply as _apply_mod  # noqa: E402
 
-if _apply_mod._FastBatch is None:  # KVCONDUCTOR_NO_EXTENSIONS / KVCONDUCTOR_INGEST=py
+if _apply_mod._FastBatch is None:  # KVCONDUCTOR_IMPL=py
     pytest.skip("ingest fast path disabled", allow_module_level=True)
 
 from kvconductor._hash import lora_seed  # noqa: E402

@@ -2,10 +2,11 @@
 
 :class:`~kvconductor._py.tree.RadixTree`, :class:`~kvconductor._py.lower.LowerTier`
 and :class:`~kvconductor._py.index.CoreIndex` implement exactly the semantics of
-``docs/design.md`` with plain dicts and sets. They back the index when the
-compiled modules are unavailable and are the models the differential tests hold
-``kvconductor._tree``, ``kvconductor._lower`` and ``kvconductor._index`` to.
-Clarity beats speed here.
+``docs/design.md`` with plain dicts and sets. They are a test oracle, not a
+runtime fallback: the models the differential tests hold ``kvconductor._tree``,
+``kvconductor._lower`` and ``kvconductor._index`` to (they use the compiled
+``kvconductor._hash`` too); ``KVCONDUCTOR_IMPL=py`` or ``Index(impl="py")`` makes
+an index use them. Clarity beats speed here.
 
 **Threading: exactly one writer thread calls the mutating methods; any number of
 threads may call the matching and introspection methods concurrently.** Every

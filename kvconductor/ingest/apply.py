@@ -35,13 +35,12 @@ vLLM/SGLang batch whose every event the fast path handles (HBM medium, ASCII
 LoRA name / attention kind, int or bin hashes, plain envelope) is parsed, hashed
 and applied in C under one write lock, with the same results, counters and
 ``touched`` keys as the code below; anything else returns -1 from ``parse``
-before any mutation and takes the general path. ``KVCONDUCTOR_INGEST=py`` (or
+before any mutation and takes the general path. ``KVCONDUCTOR_IMPL=py`` (or
 ``Applier(..., fast=False)``) turns it off.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
 from array import array
@@ -50,8 +49,9 @@ from typing import Any
 import msgspec
 
 import kvconductor
-
 from kvconductor._hash import hash_blocks, lora_seed
+from kvconductor._index import CoreIndex as _CCore
+from kvconductor._ingest import FastBatch
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.pool import (CLEARED, REMOVED, STORED, PoolBatch, decode_memcache,
@@ -66,14 +66,8 @@ log = logging.getLogger("kvconductor.ingest")
 DEFAULT_SEED = 1337
 _UNKNOWN = 1 << 62
 
-_FastBatch: Any = None
-_CCore: Any = None
-if kvconductor.is_available() and os.environ.get("KVCONDUCTOR_INGEST", "") != "py":
-    try:
-        from kvconductor._index import CoreIndex as _CCore
-        from kvconductor._ingest import FastBatch as _FastBatch
-    except ImportError:  # pragma: no cover - is_available() covers every compiled module
-        _FastBatch = None
+#: The compiled fast path; off (``None``) when ``KVCONDUCTOR_IMPL=py``.
+_FastBatch: Any = None if kvconductor.IMPL == "py" else FastBatch
 
 #: kv_cache_spec_kind values (lower-case, underscores removed) that are not a
 #: prefix cache a query can hit (docs/engines.md, "Engine settings that matter");

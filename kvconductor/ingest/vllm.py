@@ -23,13 +23,13 @@ whose envelope cannot be read raises :class:`DecodeError`.
 """
 from __future__ import annotations
 
-import os
 import re
 from array import array
 from typing import Any, Union
 
 import msgspec
 
+import kvconductor
 from kvconductor._wire import WireError as _WireError
 from kvconductor._wire import read_u32_array as _read_u32_array
 
@@ -201,7 +201,7 @@ def u32_tokens(tokens: list) -> array:
         return array("I", [t & _U32 for t in tokens])
 
 
-if os.environ.get("KVCONDUCTOR_NO_EXTENSIONS") or os.environ.get("KVCONDUCTOR_WIRE") == "py":
+if kvconductor.IMPL == "py":  # the msgspec path below only
     _read_u32_array = None
 _INT_LIST_DEC = msgspec.msgpack.Decoder(list[int])
 
