@@ -95,6 +95,20 @@ cdef str _field_name(int fid):
     return ""
 
 
+def _field_table():
+    """``(id, name, id of name)`` for every request field id: ``_field_name`` and
+    ``_field_id`` of the C table, tied to ``kvconductor.schema`` by the tests."""
+    cdef int fid
+    cdef bytes key
+    out = []
+    for fid in range(F_MODEL, F_LORA + 1):
+        name = _field_name(fid)
+        key = name.encode()
+        out.append((fid, name, _field_id(<const uint8_t*>PyBytes_AS_STRING(key),
+                                         <size_t>PyBytes_GET_SIZE(key))))
+    return tuple(out)
+
+
 cdef object _fail(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index):
     """Raise the WireError of scanner code ``rc`` (field ``fid``, element ``index`` or -1)."""
     cdef Py_ssize_t pos = c.p - c.base

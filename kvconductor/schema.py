@@ -109,9 +109,11 @@ class ErrorResponse(Struct):
 # ---------------------------------------------------------------------------------------
 
 class QueryRequest(Struct, kw_only=True):
-    """``POST /query``. Also accepted positionally: ``[model, block_size, token_ids, tenant_id]``.
+    """``POST /query``; with :data:`QUERY_FIELDS`, the one declaration of its fields.
 
-    ``token_ids`` may also be a msgpack bin of little-endian u32 (packed tokens).
+    Also accepted positionally on MessagePack, in the order of :data:`QUERY_FIELDS`:
+    ``[model, block_size, token_ids, tenant_id?, lora_name?]``. ``token_ids`` may
+    also be a msgpack bin of little-endian u32 (packed tokens).
     """
 
     model: str
@@ -127,6 +129,16 @@ class QueryByHashRequest(Struct, kw_only=True):
     block_size: U32
     block_hashes: list[int]
     tenant_id: str = "default"
+
+
+#: The optional last field of both query bodies (string or null; null, absent or ``""``
+#: mean the base model). Not a Struct field: clients add it only when set, so their
+#: base-model bodies carry no ``lora_name`` key.
+LORA_FIELD = "lora_name"
+#: Field names of a ``/query`` body, in the order of the positional MessagePack form.
+QUERY_FIELDS: tuple[str, ...] = (*QueryRequest.__struct_fields__, LORA_FIELD)
+#: Field names of a ``/query_by_hash`` body, in the order of the positional form.
+QUERY_BY_HASH_FIELDS: tuple[str, ...] = (*QueryByHashRequest.__struct_fields__, LORA_FIELD)
 
 
 class DpMatch(Struct):
@@ -147,6 +159,11 @@ class InstanceMatch(Struct):
 
 #: ``{tenant: {instance_id: InstanceMatch}}`` (exactly one tenant key).
 QueryResponse = dict[str, dict[str, InstanceMatch]]
+#: Keys of a response's per-instance and per-DP maps (what ``kvconductor._encode`` writes).
+INSTANCE_MATCH_KEYS: tuple[str, ...] = InstanceMatch.__struct_fields__
+DP_MATCH_KEYS: tuple[str, ...] = DpMatch.__struct_fields__
+#: The key of every error body.
+ERROR_KEY: str = ErrorResponse.__struct_fields__[0]
 
 
 # ---------------------------------------------------------------------------------------

@@ -165,6 +165,10 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool
         req = decoder.decode(body)
     except msgspec.DecodeError as ex:
         raise WireError(str(ex)) from None
+    except RecursionError:
+        # NOTE: msgspec recurses; the compiled parser rejects JSON deeper than 1000 levels
+        # and skips msgpack of any depth, so the two differ on bodies ~950+ levels deep.
+        raise WireError("nesting too deep") from None
     if by_hash:
         values = _hashes_u64(_decode_ints(req.block_hashes, msgpack, "block_hashes"))
     else:
