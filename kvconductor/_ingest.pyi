@@ -1,5 +1,14 @@
 from kvconductor._index import CoreIndex
 
+HBM_MEDIA: tuple[str, ...]
+REJECTED_KINDS: tuple[str, ...]
+STORED_POSITIONS: tuple[str | None, ...]
+REMOVED_POSITIONS: tuple[str | None, ...]
+STORED_KEYS: tuple[str, ...]
+REMOVED_KEYS: tuple[str, ...]
+CLEARED_KEYS: tuple[str, ...]
+POOL_KEYS: tuple[str, ...]
+
 class FastBatch:
     """Parse buffer and applier of the vLLM/SGLang HBM ingest fast path (ingest thread only)."""
     parsed: int

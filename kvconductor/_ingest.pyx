@@ -92,6 +92,63 @@ _POS_STORED[:] = [FID_HASHES, FID_PARENT, FID_TOKENS, FID_BLOCK_SIZE, FID_LORA_I
 cdef int _POS_REMOVED[3]
 _POS_REMOVED[:] = [FID_HASHES, FID_MEDIUM, FID_GROUP]
 
+# String tables. Their Python twins (kvconductor.keys, kvconductor.ingest.apply and
+# the structs of kvconductor.ingest.vllm) are tied to them by tests/test_shapes.py
+# through the module-level tuples below.
+cdef extern from *:
+    """
+    typedef struct { const char* s; size_t n; } kvi_lit;
+    #define KVI_LIT(x) {x, sizeof(x) - 1}
+    /* kvconductor.keys.parse_medium aliases of NPU ("" counts as absent, also NPU) */
+    static const kvi_lit kvi_hbm_media[] = {
+        KVI_LIT("npu"), KVI_LIT("NPU"), KVI_LIT("gpu"), KVI_LIT("GPU"), KVI_LIT("xpu"),
+        KVI_LIT("XPU"), KVI_LIT("hbm"), KVI_LIT("HBM"), KVI_LIT("device"), KVI_LIT("DEVICE")};
+    /* kvconductor.ingest.apply.REJECTED_KINDS (lower-case, '_' removed) */
+    static const kvi_lit kvi_rejected_kinds[] = {
+        KVI_LIT("slidingwindow"), KVI_LIT("slidingwindowmla"), KVI_LIT("mamba"),
+        KVI_LIT("chunkedlocalattention"), KVI_LIT("encoderonlyattention"),
+        KVI_LIT("crossattention")};
+    """
+    ctypedef struct lit_t "kvi_lit":
+        const char* s
+        size_t n
+    const lit_t _HBM_MEDIA "kvi_hbm_media"[10]
+    const lit_t _REJECTED_KINDS "kvi_rejected_kinds"[6]
+
+# Map key of each field id FID_TYPE .. FID_SESSION (what _fid recognises), and the
+# pool-event keys that make it FID_POOL.
+cdef const char* _FID_NAMES[14]
+_FID_NAMES[:] = [b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size",
+                 b"lora_id", b"medium", b"lora_name", b"group_idx", b"kv_cache_spec_kind",
+                 b"kv_cache_spec_sliding_window", b"locality", b"ownership", b"session_id"]
+cdef const char* _POOL_NAMES[4]
+_POOL_NAMES[:] = [b"event_type", b"seq_hashes", b"backend_id", b"event_id"]
+
+
+cdef tuple _names(const int* fids, int n):
+    return tuple([None if fids[i] == FID_SKIP else _FID_NAMES[fids[i]].decode()
+                  for i in range(n)])
+
+
+cdef tuple _known(uint32_t mask):
+    return tuple([_FID_NAMES[i].decode() for i in range(14) if mask & (1u << i)])
+
+
+#: Medium strings the fast path takes as HBM ("" too); keys.parse_medium's NPU aliases.
+HBM_MEDIA = tuple([_HBM_MEDIA[i].s[:_HBM_MEDIA[i].n].decode() for i in range(10)])
+#: apply.REJECTED_KINDS, from the C table the fast path uses.
+REJECTED_KINDS = tuple([_REJECTED_KINDS[i].s[:_REJECTED_KINDS[i].n].decode() for i in range(6)])
+#: Fields of positions 1, 2, ... of an array-form BlockStored / BlockRemoved (None: skipped).
+STORED_POSITIONS = _names(_POS_STORED, 11)
+REMOVED_POSITIONS = _names(_POS_REMOVED, 3)
+#: Map keys a map-form BlockStored / BlockRemoved / AllBlocksCleared reads ("type" included).
+STORED_KEYS = _known(_KNOWN_STORED)
+REMOVED_KEYS = _known(_KNOWN_REMOVED)
+CLEARED_KEYS = _known(_KNOWN_CLEARED)
+#: Keys that make a map a pool event (apply._POOL_KEYS).
+POOL_KEYS = tuple([_POOL_NAMES[i].decode() for i in range(4)])
+
+
 cdef enum:
     MAX_DEPTH = 32              # deeper skipped values: the Python path (msgspec has a limit;
                                 # at most _readers.MP_SKIP_MAX_DEPTH)
@@ -247,15 +304,12 @@ cdef int _fid(const uint8_t* s, size_t n) noexcept nogil:
 
 cdef bint _hbm_medium(const uint8_t* s, size_t n) noexcept nogil:
     """Strings kvconductor.keys.parse_medium maps to NPU ("" counts as absent)."""
+    cdef int i
     if n == 0:
         return True
-    if n == 3:
-        return (memcmp(s, b"npu", 3) == 0 or memcmp(s, b"NPU", 3) == 0
-                or memcmp(s, b"gpu", 3) == 0 or memcmp(s, b"GPU", 3) == 0
-                or memcmp(s, b"xpu", 3) == 0 or memcmp(s, b"XPU", 3) == 0
-                or memcmp(s, b"hbm", 3) == 0 or memcmp(s, b"HBM", 3) == 0)
-    if n == 6:
-        return memcmp(s, b"device", 6) == 0 or memcmp(s, b"DEVICE", 6) == 0
+    for i in range(10):
+        if _eq(s, n, _HBM_MEDIA[i].s, _HBM_MEDIA[i].n):
+            return True
     return False
 
 
@@ -264,6 +318,7 @@ cdef bint _kind_rejected(const uint8_t* s, size_t n) noexcept nogil:
     cdef char k[32]
     cdef size_t i, m = 0
     cdef uint8_t ch
+    cdef int j
     for i in range(n):
         ch = s[i]
         if ch == 0x5f:
@@ -274,12 +329,16 @@ cdef bint _kind_rejected(const uint8_t* s, size_t n) noexcept nogil:
             ch += 32
         k[m] = <char>ch
         m += 1
-    return (_eq(<const uint8_t*>k, m, b"slidingwindow", 13)
-            or _eq(<const uint8_t*>k, m, b"slidingwindowmla", 16)
-            or _eq(<const uint8_t*>k, m, b"mamba", 5)
-            or _eq(<const uint8_t*>k, m, b"chunkedlocalattention", 21)
-            or _eq(<const uint8_t*>k, m, b"encoderonlyattention", 20)
-            or _eq(<const uint8_t*>k, m, b"crossattention", 14))
+    for j in range(6):
+        if _eq(<const uint8_t*>k, m, _REJECTED_KINDS[j].s, _REJECTED_KINDS[j].n):
+            return True
+    return False
+
+
+def _fid_of(str name):
+    """_fid of a map key (tests tie it to the names table)."""
+    cdef bytes b = name.encode()
+    return _fid(<const uint8_t*>PyBytes_AS_STRING(b), <size_t>PyBytes_GET_SIZE(b))
 
 
 cdef class FastBatch:

@@ -47,3 +47,42 @@ def test_encoded_response_keys_are_the_schema():
         for encode in (_encode.encode_error, wire.py_encode_error):
             assert tuple(decode(encode("x", mp))) == (schema.ERROR_KEY,)
     assert tuple(QueryResult(HITS).to_dict("t", 16)["t"]["a"]) == schema.INSTANCE_MATCH_KEYS
+
+
+# ---------------------------------------------------------------------------------------
+# the ingest fast path's C tables and their Python twins
+# ---------------------------------------------------------------------------------------
+
+def test_hbm_media_are_the_npu_aliases_of_keys():
+    from kvconductor import _ingest, keys
+    assert set(_ingest.HBM_MEDIA) == {k for k, m in keys._MEDIA.items() if m is keys.Medium.NPU}
+    assert len(set(_ingest.HBM_MEDIA)) == len(_ingest.HBM_MEDIA)
+
+
+def test_rejected_kinds_are_apply_s():
+    from kvconductor import _ingest
+    from kvconductor.ingest import apply
+    assert frozenset(_ingest.REJECTED_KINDS) == apply.REJECTED_KINDS
+    assert len(set(_ingest.REJECTED_KINDS)) == len(_ingest.REJECTED_KINDS)
+
+
+def test_vllm_positions_and_keys_are_the_decoder_structs():
+    from kvconductor import _ingest
+    from kvconductor.ingest import apply, vllm
+    stored = vllm._AStored.__struct_fields__
+    assert len(_ingest.STORED_POSITIONS) == len(stored)
+    for c_name, py_name in zip(_ingest.STORED_POSITIONS, stored):
+        assert c_name == py_name or (c_name is None and py_name == "extra_keys"), py_name
+    assert _ingest.REMOVED_POSITIONS == vllm._ARemoved.__struct_fields__
+    pool = set(apply._POOL_KEYS)
+    assert set(_ingest.POOL_KEYS) == pool
+    assert set(_ingest.STORED_KEYS) == {"type"} | set(vllm._MStored.__struct_fields__) - pool
+    assert set(_ingest.REMOVED_KEYS) == {"type"} | set(vllm._MRemoved.__struct_fields__) - pool
+    assert set(_ingest.CLEARED_KEYS) == {"type"} | set(vllm._MCleared.__struct_fields__)
+    # the length-switch of _fid recognises exactly the names of the table
+    names = set(_ingest.STORED_KEYS) | set(_ingest.REMOVED_KEYS)
+    ids = {n: _ingest._fid_of(n) for n in names}
+    assert len(set(ids.values())) == len(names)
+    assert len({_ingest._fid_of(k) for k in pool}) == 1
+    assert _ingest._fid_of(next(iter(pool))) not in ids.values()
+    assert _ingest._fid_of("extra_keys") == _ingest._fid_of("nope") not in ids.values()
