@@ -333,7 +333,7 @@ cdef int _write_result(wbuf* b, list hits, str tenant, uint64_t bs, bint mp) exc
     cdef inst_t* iv = NULL
     cdef hit_t* h
     cdef inst_t* ins
-    cdef uint64_t npu, cpu, disk, dpv
+    cdef uint64_t npu, cpu, disk
     cdef dict inst_ids = {}
     cdef dict dp_seen = {}
     cdef dict dp_texts = {}

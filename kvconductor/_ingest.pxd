@@ -38,7 +38,7 @@ cdef class FastBatch:
     cdef size_t nrec
     cdef uint32_t* clear        # worker ids cleared by AllBlocksCleared
     cdef size_t clear_cap
-    cdef int flags              # F_* of the parsed batch
+    cdef int flags              # BATCH_* flags of the parsed batch
     cdef long nevents           # events of the parsed batch (-1: nothing parsed)
     cdef long n_size_mismatch   # BlockStored dropped: block_size != registered
     cdef long n_kind            # BlockStored dropped: non-prefix attention kind

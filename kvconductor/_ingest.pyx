@@ -21,21 +21,21 @@ path does)::
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport free
 from libc.string cimport memcmp
 
 from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
 from kvconductor._hmap cimport HM_NIL, grow_array
 from kvconductor._index cimport OP_CLEAR, OP_EVICT, OP_STORE, BatchOp, CoreIndex
 from kvconductor._tree cimport T_ERR_OOM, T_ERR_PARENT, T_ERR_SEQUENCE
-from kvconductor._readers cimport (WIRE_EOF, WIRE_OK, WIRE_TYPE, _eq, _left, mp_bin,
-                                   mp_container, mp_int, mp_skip, mp_str, mp_u32_array, wcur)
+from kvconductor._readers cimport (WIRE_EOF, WIRE_OK, _eq, _left, mp_bin, mp_container, mp_int,
+                                   mp_skip, mp_str, mp_u32_array, wcur)
 
 # -- result flags of a parsed batch ------------------------------------------------------
 cdef enum:
-    F_NEEDS_WORKER = 1          # a store or removal targets the HBM worker (create it)
-    F_TOUCHES = 2               # a store targets the HBM worker (Applier.touched)
-    F_HAS_CLEAR = 4             # an AllBlocksCleared (pass the default media's worker ids)
+    BATCH_NEEDS_WORKER = 1          # a store or removal targets the HBM worker (create it)
+    BATCH_TOUCHES = 2               # a store targets the HBM worker (Applier.touched)
+    BATCH_HAS_CLEAR = 4             # an AllBlocksCleared (pass the default media's worker ids)
 
 # -- why parse() declined (reason codes) ----------------------------------------------------
 cdef enum:
@@ -569,7 +569,7 @@ cdef class FastBatch:
                     return rc
         # -- what the Python path does with the decoded event (Applier._stored/_removed) ---
         if kind == K_CLEARED:
-            self.flags |= F_HAS_CLEAR
+            self.flags |= BATCH_HAS_CLEAR
             r = &self.recs[self.nrec]
             r.kind = OP_CLEAR
             r.off = 0
@@ -582,7 +582,7 @@ cdef class FastBatch:
         if kind == K_REMOVED:
             if ev.nh == 0:
                 return R_OK
-            self.flags |= F_NEEDS_WORKER
+            self.flags |= BATCH_NEEDS_WORKER
             r = &self.recs[self.nrec]
             r.kind = OP_EVICT
             r.off = self.hs_used
@@ -601,7 +601,7 @@ cdef class FastBatch:
             return R_OK
         if ev.nh == 0:
             return R_OK
-        self.flags |= F_NEEDS_WORKER | F_TOUCHES
+        self.flags |= BATCH_NEEDS_WORKER | BATCH_TOUCHES
         r = &self.recs[self.nrec]
         r.kind = OP_STORE
         r.off = self.hs_used
@@ -728,17 +728,17 @@ cdef class FastBatch:
     @property
     def needs_worker(self):
         """A store or removal of the parsed batch targets the HBM worker."""
-        return (self.flags & F_NEEDS_WORKER) != 0
+        return (self.flags & BATCH_NEEDS_WORKER) != 0
 
     @property
     def touches(self):
         """A store of the parsed batch targets the HBM worker."""
-        return (self.flags & F_TOUCHES) != 0
+        return (self.flags & BATCH_TOUCHES) != 0
 
     @property
     def has_clear(self):
         """The parsed batch has an AllBlocksCleared."""
-        return (self.flags & F_HAS_CLEAR) != 0
+        return (self.flags & BATCH_HAS_CLEAR) != 0
 
     @property
     def size_mismatch(self):
@@ -768,12 +768,12 @@ cdef class FastBatch:
         if self.nevents < 0:
             raise RuntimeError("apply() needs a successful parse()")
         self.nevents = -1
-        if self.flags & F_NEEDS_WORKER:
+        if self.flags & BATCH_NEEDS_WORKER:
             if (hbm_worker < 0 or hbm_worker >= <long long>HM_NIL
                     or core._tier(<uint32_t>hbm_worker) != 0):
                 raise ValueError(f"hbm_worker {hbm_worker} is not an HBM worker of this index")
             w = <uint32_t>hbm_worker
-        if self.flags & F_HAS_CLEAR:
+        if self.flags & BATCH_HAS_CLEAR:
             ids = [int(v) for v in clear_workers]
             nclear = len(ids)
             if nclear > self.clear_cap:

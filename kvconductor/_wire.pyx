@@ -26,8 +26,8 @@ from libc.string cimport memchr, memcpy
 
 from kvconductor._readers cimport (WIRE_BAD_BYTE, WIRE_CAPACITY, WIRE_DEPTH, WIRE_EOF,
                                    WIRE_JSON_MAX_DEPTH, WIRE_OK, WIRE_RANGE, WIRE_SYNTAX,
-                                   WIRE_TYPE, _be16, _be32, _be64, _eq, _left, mp_bin,
-                                   mp_container, mp_int, mp_skip, mp_str, mp_u32_array, wcur)
+                                   WIRE_TYPE, _eq, _left, mp_bin, mp_container, mp_int, mp_skip,
+                                   mp_str, mp_u32_array, wcur)
 
 import array as _array
 import sys as _sys
@@ -48,15 +48,15 @@ cdef uint64_t _I64_MAX = 0x7FFFFFFFFFFFFFFF
 # Inputs longer than this are scanned with the GIL released.
 cdef size_t _NOGIL_BYTES = 1 << 15
 
-# Field ids of the request.
+# Field ids of the request (names: _field_name; schema.QUERY_FIELDS is the declaration).
 cdef enum:
-    F_UNKNOWN = 0
-    F_MODEL = 1
-    F_BLOCK_SIZE = 2
-    F_TOKEN_IDS = 3
-    F_BLOCK_HASHES = 4
-    F_TENANT = 5
-    F_LORA = 6
+    FIELD_UNKNOWN = 0
+    FIELD_MODEL = 1
+    FIELD_BLOCK_SIZE = 2
+    FIELD_TOKEN_IDS = 3
+    FIELD_BLOCK_HASHES = 4
+    FIELD_TENANT = 5
+    FIELD_LORA = 6
 
 
 # =========================================================================================
@@ -65,32 +65,32 @@ cdef enum:
 
 cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
     if _eq(s, n, b"model", 5):
-        return F_MODEL
+        return FIELD_MODEL
     if _eq(s, n, b"token_ids", 9):
-        return F_TOKEN_IDS
+        return FIELD_TOKEN_IDS
     if _eq(s, n, b"block_size", 10):
-        return F_BLOCK_SIZE
+        return FIELD_BLOCK_SIZE
     if _eq(s, n, b"tenant_id", 9):
-        return F_TENANT
+        return FIELD_TENANT
     if _eq(s, n, b"block_hashes", 12):
-        return F_BLOCK_HASHES
+        return FIELD_BLOCK_HASHES
     if _eq(s, n, b"lora_name", 9):
-        return F_LORA
-    return F_UNKNOWN
+        return FIELD_LORA
+    return FIELD_UNKNOWN
 
 
 cdef str _field_name(int fid):
-    if fid == F_MODEL:
+    if fid == FIELD_MODEL:
         return "model"
-    if fid == F_BLOCK_SIZE:
+    if fid == FIELD_BLOCK_SIZE:
         return "block_size"
-    if fid == F_TOKEN_IDS:
+    if fid == FIELD_TOKEN_IDS:
         return "token_ids"
-    if fid == F_BLOCK_HASHES:
+    if fid == FIELD_BLOCK_HASHES:
         return "block_hashes"
-    if fid == F_TENANT:
+    if fid == FIELD_TENANT:
         return "tenant_id"
-    if fid == F_LORA:
+    if fid == FIELD_LORA:
         return "lora_name"
     return ""
 
@@ -101,7 +101,7 @@ def _field_table():
     cdef int fid
     cdef bytes key
     out = []
-    for fid in range(F_MODEL, F_LORA + 1):
+    for fid in range(FIELD_MODEL, FIELD_LORA + 1):
         name = _field_name(fid)
         key = name.encode()
         out.append((fid, name, _field_id(<const uint8_t*>PyBytes_AS_STRING(key),
@@ -112,7 +112,7 @@ def _field_table():
 cdef object _fail(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index):
     """Raise the WireError of scanner code ``rc`` (field ``fid``, element ``index`` or -1)."""
     cdef Py_ssize_t pos = c.p - c.base
-    cdef str name = _field_name(fid) if fid != F_UNKNOWN else ""
+    cdef str name = _field_name(fid) if fid != FIELD_UNKNOWN else ""
     if rc == WIRE_EOF:
         msg = "unexpected end of JSON input" if is_json else "truncated msgpack"
     elif rc == WIRE_SYNTAX:
@@ -121,7 +121,7 @@ cdef object _fail(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index
         msg = "nesting too deep"
     elif rc == WIRE_BAD_BYTE:
         msg = f"invalid msgpack byte 0xc1 at offset {pos}"
-    elif fid == F_BLOCK_SIZE:
+    elif fid == FIELD_BLOCK_SIZE:
         if rc == WIRE_RANGE:
             msg = "block_size out of range"
         else:
@@ -217,7 +217,7 @@ def read_u32_array(buf):
     c.base = &view[0]
     c.p = c.base
     c.end = c.base + size
-    values = _mp_values(&c, False, F_TOKEN_IDS)
+    values = _mp_values(&c, False, FIELD_TOKEN_IDS)
     if c.p != c.end:
         raise WireError("trailing data")
     return values

@@ -522,7 +522,7 @@ cdef str _json_str_value(wcur* c, int fid):
     cdef bint esc
     cdef uint8_t* tmp
     cdef Py_ssize_t m
-    _check(_json_string(c, &s, &n, &esc), c, True, F_UNKNOWN, -1)
+    _check(_json_string(c, &s, &n, &esc), c, True, FIELD_UNKNOWN, -1)
     if not esc:
         return _decode_utf8(s, n, fid)
     tmp = <uint8_t*>malloc(n + 1)
@@ -543,7 +543,7 @@ cdef int _json_key_id(wcur* c, const uint8_t* s, size_t n, bint esc) except -1:
     if not esc:
         return _field_id(s, n)
     if n > sizeof(tmp):
-        return F_UNKNOWN
+        return FIELD_UNKNOWN
     m = _json_unescape(s, n, tmp)
     if m < 0:
         raise WireError(f"invalid JSON at byte {(s - c.base) + (-1 - m)} (lone surrogate)")
@@ -562,7 +562,7 @@ cdef int _json_skip(wcur* c) noexcept:
 
 cdef object _json_type_error(wcur* c, int fid, str expected):
     """A well-formed value of the wrong type -> type error; malformed -> syntax error."""
-    _check(_json_skip(c), c, True, F_UNKNOWN, -1)
+    _check(_json_skip(c), c, True, FIELD_UNKNOWN, -1)
     raise WireError(f"invalid type for `{_field_name(fid)}`: expected {expected}")
 
 
@@ -601,7 +601,7 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
     cdef bint esc = False, neg = False, have_bs = False
     cdef uint64_t v = 0
     cdef int fid, rc
-    cdef int vfid = F_BLOCK_HASHES if by_hash else F_TOKEN_IDS
+    cdef int vfid = FIELD_BLOCK_HASHES if by_hash else FIELD_TOKEN_IDS
     cdef const uint8_t* p
     model = None
     tenant = None
@@ -614,7 +614,7 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
     if c.p[0] != 123:
         if c.p >= c.end:
             raise WireError("empty body")
-        _check(_json_skip(&c), &c, True, F_UNKNOWN, -1)
+        _check(_json_skip(&c), &c, True, FIELD_UNKNOWN, -1)
         raise WireError("expected a JSON object")
     c.p = _ws(c.p + 1)
     if c.p[0] == 125:
@@ -622,18 +622,18 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
     else:
         while True:
             if c.p[0] != 34:
-                _check(_bad(&c, c.p), &c, True, F_UNKNOWN, -1)
-            _check(_json_string(&c, &s, &n, &esc), &c, True, F_UNKNOWN, -1)
+                _check(_bad(&c, c.p), &c, True, FIELD_UNKNOWN, -1)
+            _check(_json_string(&c, &s, &n, &esc), &c, True, FIELD_UNKNOWN, -1)
             fid = _json_key_id(&c, s, n, esc)
             c.p = _ws(c.p)
             if c.p[0] != 58:
-                _check(_bad(&c, c.p), &c, True, F_UNKNOWN, -1)
+                _check(_bad(&c, c.p), &c, True, FIELD_UNKNOWN, -1)
             c.p = _ws(c.p + 1)
-            if fid == F_MODEL:
+            if fid == FIELD_MODEL:
                 if c.p[0] != 34:
                     _json_type_error(&c, fid, "a string")
                 model = _json_str_value(&c, fid)
-            elif fid == F_TENANT or fid == F_LORA:
+            elif fid == FIELD_TENANT or fid == FIELD_LORA:
                 if c.p[0] == 34:
                     text = _json_str_value(&c, fid)
                 elif _lit(c.p, b'n', b'u', b'l', b'l'):
@@ -641,11 +641,11 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
                     text = None
                 else:
                     _json_type_error(&c, fid, "a string or null")
-                if fid == F_TENANT:
+                if fid == FIELD_TENANT:
                     tenant = text
                 else:
                     lora = text
-            elif fid == F_BLOCK_SIZE:
+            elif fid == FIELD_BLOCK_SIZE:
                 p = c.p
                 rc = _json_int(&c, &p, &v, &neg)
                 if rc == WIRE_TYPE:
@@ -659,7 +659,7 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
                     _json_type_error(&c, fid, "an array of integers")
                 values = _json_values(&c, by_hash, fid)
             else:
-                _check(_json_skip(&c), &c, True, F_UNKNOWN, -1)
+                _check(_json_skip(&c), &c, True, FIELD_UNKNOWN, -1)
             c.p = _ws(c.p)
             if c.p[0] == 44:
                 c.p = _ws(c.p + 1)
@@ -667,7 +667,7 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
             if c.p[0] == 125:
                 c.p += 1
                 break
-            _check(_bad(&c, c.p), &c, True, F_UNKNOWN, -1)
+            _check(_bad(&c, c.p), &c, True, FIELD_UNKNOWN, -1)
     c.p = _ws(c.p)
     if c.p < c.end:
         raise WireError("trailing data")

@@ -51,7 +51,7 @@ cdef str _mp_str_value(wcur* c, int fid, bint nullable):
 cdef object _mp_block_size(wcur* c):
     cdef uint64_t v = 0
     cdef bint neg = False
-    _check(mp_int(c, &v, &neg), c, False, F_BLOCK_SIZE, -1)
+    _check(mp_int(c, &v, &neg), c, False, FIELD_BLOCK_SIZE, -1)
     return _block_size(v, neg)
 
 
@@ -117,7 +117,7 @@ cdef int _mp_skip_checked(wcur* c) except -1:
             rc = mp_skip(c, 0, True)
     else:
         rc = mp_skip(c, 0, True)
-    return _check(rc, c, False, F_UNKNOWN, -1)
+    return _check(rc, c, False, FIELD_UNKNOWN, -1)
 
 
 cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
@@ -125,7 +125,7 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
     cdef const uint8_t* s = NULL
     cdef size_t n = 0, i, klen = 0
     cdef int fid, rc
-    cdef int vfid = F_BLOCK_HASHES if by_hash else F_TOKEN_IDS
+    cdef int vfid = FIELD_BLOCK_HASHES if by_hash else FIELD_TOKEN_IDS
     cdef bint have_bs = False
     model = None
     tenant = None
@@ -141,20 +141,20 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
     if rc == WIRE_OK:
         if n > _left(&c):
             c.p = c.end
-            _check(WIRE_EOF, &c, False, F_UNKNOWN, -1)
+            _check(WIRE_EOF, &c, False, FIELD_UNKNOWN, -1)
         for i in range(n):
             rc = mp_str(&c, &s, &klen)
             if rc == WIRE_TYPE:
                 raise WireError("map keys must be strings")
-            _check(rc, &c, False, F_UNKNOWN, -1)
+            _check(rc, &c, False, FIELD_UNKNOWN, -1)
             fid = _field_id(s, klen)
-            if fid == F_MODEL:
+            if fid == FIELD_MODEL:
                 model = _mp_str_value(&c, fid, False)
-            elif fid == F_TENANT:
+            elif fid == FIELD_TENANT:
                 tenant = _mp_str_value(&c, fid, True)
-            elif fid == F_LORA:
+            elif fid == FIELD_LORA:
                 lora = _mp_str_value(&c, fid, True)
-            elif fid == F_BLOCK_SIZE:
+            elif fid == FIELD_BLOCK_SIZE:
                 block_size = _mp_block_size(&c)
                 have_bs = True
             elif fid == vfid:
@@ -165,14 +165,14 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
         rc = mp_container(&c, 0x90, 0xdc, &n)
         if rc == WIRE_TYPE:
             raise WireError("expected a map or an array")
-        _check(rc, &c, False, F_UNKNOWN, -1)
+        _check(rc, &c, False, FIELD_UNKNOWN, -1)
         if n > _left(&c):
             c.p = c.end
-            _check(WIRE_EOF, &c, False, F_UNKNOWN, -1)
+            _check(WIRE_EOF, &c, False, FIELD_UNKNOWN, -1)
         # positional form [model, block_size, values, tenant_id, lora_name, <ignored>...]
         if n < 1:
             raise WireError("missing field `model`")
-        model = _mp_str_value(&c, F_MODEL, False)
+        model = _mp_str_value(&c, FIELD_MODEL, False)
         if n < 2:
             raise WireError("missing field `block_size`")
         block_size = _mp_block_size(&c)
@@ -181,13 +181,13 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
             raise WireError(f"missing field `{_field_name(vfid)}`")
         values = _mp_values(&c, by_hash, vfid)
         if n >= 4:
-            tenant = _mp_str_value(&c, F_TENANT, True)
+            tenant = _mp_str_value(&c, FIELD_TENANT, True)
         if n >= 5:
-            lora = _mp_str_value(&c, F_LORA, True)
+            lora = _mp_str_value(&c, FIELD_LORA, True)
         for i in range(5, n):
             _mp_skip_checked(&c)
     else:
-        _check(rc, &c, False, F_UNKNOWN, -1)
+        _check(rc, &c, False, FIELD_UNKNOWN, -1)
     if c.p != c.end:
         raise WireError("trailing data")
     return _finish(model, block_size, have_bs, tenant, values, by_hash, lora)

@@ -5,7 +5,8 @@ Field names, defaults and required fields follow the reference; where we are
 more lenient it is said on the field (``null`` accepted for a defaulted string,
 for example). Integer ranges that fit int64 are checked by msgspec; the u64
 ranges (hashes, ``event_id``) are checked after decoding because msgspec
-cannot express bounds beyond int64 (:func:`check_u64`, :func:`to_u64`).
+cannot express bounds beyond int64 (:func:`to_u64`, and the ``event_id`` check of
+:mod:`kvconductor.ingest.http_events`).
 
 The ``/query`` and ``/query_by_hash`` hot path does not use these Structs: it
 goes through :mod:`kvconductor.wire`, whose compiled parser never builds a list of
@@ -28,7 +29,7 @@ I64_MAX = (1 << 63) - 1
 U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
 #: A block size that must be at least 1.
 PositiveU32 = Annotated[int, Meta(ge=1, le=U32_MAX)]
-#: A non-negative integer; the u64 upper bound is checked by :func:`check_u64`.
+#: A non-negative integer; the u64 upper bound is checked after decoding (see above).
 U64 = Annotated[int, Meta(ge=0)]
 
 
@@ -47,13 +48,6 @@ def to_u64(value: int, what: str) -> int:
         return value & U64_MAX
     if value > U64_MAX:
         raise WireValueError(f"{what} {value} is out of range (i64/u64 expected)")
-    return value
-
-
-def check_u64(value: int, what: str) -> int:
-    """Raise :class:`WireValueError` unless ``0 <= value < 2**64``."""
-    if not 0 <= value <= U64_MAX:
-        raise WireValueError(f"{what} {value} is out of range (u64 expected)")
     return value
 
 
