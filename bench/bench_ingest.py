@@ -233,12 +233,14 @@ def main():
     ap.add_argument("--blocks-per-event", type=int, default=32)
     ap.add_argument("--impl", choices=["c", "py"], default=None)
     ap.add_argument("--idle", type=float, default=3.0, help="idle seconds for the CPU measurement")
-    ap.add_argument("--general", action="store_true",
-                    help="no compiled batch fast path (the Python decoders)")
+    ap.add_argument(
+        "--general", action="store_true", help="no compiled batch fast path (the Python decoders)"
+    )
     args = ap.parse_args()
     if args.general:
         from kvconductor.ingest import apply
-        apply._FastBatch = None     # read by every Applier when it is created
+
+        apply._FastBatch = None  # read by every Applier when it is created
     rows = []
     for bs in args.block_size:
         n = args.batches if bs <= 16 else max(100, args.batches // 4)

@@ -27,7 +27,7 @@ from libc.string cimport memcmp
 from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
 from kvconductor._hmap cimport HM_NIL, grow_array
 from kvconductor._index cimport OP_CLEAR, OP_EVICT, OP_STORE, BatchOp, CoreIndex
-from kvconductor._tree cimport T_ERR_OOM, T_ERR_PARENT, T_ERR_SEQUENCE
+from kvconductor._tree cimport T_ERR_PARENT, T_ERR_SEQUENCE
 from kvconductor._readers cimport (WIRE_EOF, WIRE_OK, _eq, _left, mp_bin, mp_container, mp_int,
                                    mp_skip, mp_str, mp_u32_array, wcur)
 
@@ -82,7 +82,8 @@ cdef enum:
 
 # Map keys each event struct of kvconductor.ingest.vllm declares (others are skipped).
 cdef uint32_t _KNOWN_STORED = (1 << 14) - 1
-cdef uint32_t _KNOWN_REMOVED = (1 << FID_TYPE) | (1 << FID_HASHES) | (1 << FID_MEDIUM) | (1 << FID_GROUP)
+cdef uint32_t _KNOWN_REMOVED = ((1 << FID_TYPE) | (1 << FID_HASHES) | (1 << FID_MEDIUM)
+                                | (1 << FID_GROUP))
 cdef uint32_t _KNOWN_CLEARED = 1 << FID_TYPE
 
 # Array (positional) events: field id of position 1, 2, ... (beyond the table: skipped).
@@ -150,8 +151,9 @@ POOL_KEYS = tuple([_POOL_NAMES[i].decode() for i in range(4)])
 
 
 cdef enum:
-    MAX_DEPTH = 32              # deeper skipped values: the Python path (msgspec has a limit;
-                                # at most _readers.MP_SKIP_MAX_DEPTH)
+    # deeper skipped values: the Python path (msgspec has a limit); at most
+    # _readers.MP_SKIP_MAX_DEPTH
+    MAX_DEPTH = 32
     TRIM_ITEMS = 1 << 20        # scratch above this many items is freed after a batch
 
 

@@ -361,7 +361,8 @@ cdef extern from *:
     #define KVR_X32(x) KVR_X16(x),KVR_X16(x)
     #define KVR_X128(x) KVR_X32(x),KVR_X32(x),KVR_X32(x),KVR_X32(x)
     #define KVR_S 0xFFFFFFFFu
-    /* tag:        0x00-0x7f   0x80-0xbf    0xc0 .. 0xcf (uint8 16 32 at 0xcc..0xce)  0xd0 .. 0xdf (int8 16 32)  0xe0-0xff */
+    /* by tag: 0x00-0x7f, 0x80-0xbf, 0xc0-0xcf (uint8/16/32 at 0xcc-0xce),
+       0xd0-0xdf (int8/16/32 at 0xd0-0xd2), 0xe0-0xff */
     static const uint8_t kvr_mp_len[256] = {KVR_X128(1), KVR_X32(0), KVR_X32(0),
         0,0,0,0, 0,0,0,0, 0,0,0,0, 2,3,5,0,  2,3,5,0, 0,0,0,0, 0,0,0,0, 0,0,0,0,  KVR_X32(1)};
     static const uint8_t kvr_mp_off[256] = {KVR_X128(0), KVR_X32(1), KVR_X32(1),

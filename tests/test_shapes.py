@@ -1,4 +1,5 @@
 """One declaration per shape: the C tables and the Python twins are tied to kvconductor.schema."""
+
 from __future__ import annotations
 
 import msgspec
@@ -11,7 +12,8 @@ HITS = [DpHit("a", 0, 1, 2, 3), DpHit("a", 1, 0, 0, 1), DpHit("b", 7, 4, 0, 0)]
 
 def test_c_request_field_table_is_the_schema():
     table = _wire._field_table()
-    assert {name for _, name, _ in table} == set(schema.QUERY_FIELDS) | set(schema.QUERY_BY_HASH_FIELDS)
+    names = set(schema.QUERY_FIELDS) | set(schema.QUERY_BY_HASH_FIELDS)
+    assert {name for _, name, _ in table} == names
     for fid, name, back in table:
         assert back == fid, name
     assert len({fid for fid, _, _ in table}) == len(table)
@@ -26,11 +28,18 @@ def test_oracle_structs_are_the_schema():
 
 def test_positional_order_is_the_schema_order():
     for by_hash, names in ((False, schema.QUERY_FIELDS), (True, schema.QUERY_BY_HASH_FIELDS)):
-        row = {"model": "m", "block_size": 2, "token_ids": [5], "block_hashes": [5],
-               "tenant_id": "t", "lora_name": "l"}
+        row = {
+            "model": "m",
+            "block_size": 2,
+            "token_ids": [5],
+            "block_hashes": [5],
+            "tenant_id": "t",
+            "lora_name": "l",
+        }
         body = msgspec.msgpack.encode([row[n] for n in names])
-        assert _wire.parse_query(body, True, by_hash) == \
-            wire.py_parse_query(msgspec.msgpack.encode(row), True, by_hash)
+        assert _wire.parse_query(body, True, by_hash) == wire.py_parse_query(
+            msgspec.msgpack.encode(row), True, by_hash
+        )
 
 
 def test_encoded_response_keys_are_the_schema():
@@ -53,8 +62,10 @@ def test_encoded_response_keys_are_the_schema():
 # the ingest fast path's C tables and their Python twins
 # ---------------------------------------------------------------------------------------
 
+
 def test_hbm_media_are_the_npu_aliases_of_keys():
     from kvconductor import _ingest, keys
+
     assert set(_ingest.HBM_MEDIA) == {k for k, m in keys._MEDIA.items() if m is keys.Medium.NPU}
     assert len(set(_ingest.HBM_MEDIA)) == len(_ingest.HBM_MEDIA)
 
@@ -62,6 +73,7 @@ def test_hbm_media_are_the_npu_aliases_of_keys():
 def test_rejected_kinds_are_apply_s():
     from kvconductor import _ingest
     from kvconductor.ingest import apply
+
     assert frozenset(_ingest.REJECTED_KINDS) == apply.REJECTED_KINDS
     assert len(set(_ingest.REJECTED_KINDS)) == len(_ingest.REJECTED_KINDS)
 
@@ -69,11 +81,12 @@ def test_rejected_kinds_are_apply_s():
 def test_vllm_positions_and_keys_are_the_decoder_structs():
     from kvconductor import _ingest
     from kvconductor.ingest import apply, vllm
+
     stored = vllm._AStored.__struct_fields__
     assert len(_ingest.STORED_POSITIONS) == len(stored)
-    for c_name, py_name in zip(_ingest.STORED_POSITIONS, stored):
+    for c_name, py_name in zip(_ingest.STORED_POSITIONS, stored, strict=True):
         assert c_name == py_name or (c_name is None and py_name == "extra_keys"), py_name
-    assert _ingest.REMOVED_POSITIONS == vllm._ARemoved.__struct_fields__
+    assert vllm._ARemoved.__struct_fields__ == _ingest.REMOVED_POSITIONS
     pool = set(apply._POOL_KEYS)
     assert set(_ingest.POOL_KEYS) == pool
     assert set(_ingest.STORED_KEYS) == {"type"} | set(vllm._MStored.__struct_fields__) - pool
@@ -85,4 +98,6 @@ def test_vllm_positions_and_keys_are_the_decoder_structs():
     assert len(set(ids.values())) == len(names)
     assert len({_ingest._fid_of(k) for k in pool}) == 1
     assert _ingest._fid_of(next(iter(pool))) not in ids.values()
-    assert _ingest._fid_of("extra_keys") == _ingest._fid_of("nope") not in ids.values()
+    skip = _ingest._fid_of("nope")
+    assert _ingest._fid_of("extra_keys") == skip
+    assert skip not in ids.values()

@@ -7,6 +7,7 @@ and MessagePack; ``/query`` and ``/query_by_hash``. Through
 :func:`kvconductor.wire.parse_query` (the range checks common to both), the two
 must give equal results or both raise :class:`kvconductor.wire.WireError`.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,22 +20,47 @@ from hypothesis import strategies as st
 from kvconductor import _wire, wire
 from kvconductor.schema import QUERY_BY_HASH_FIELDS, QUERY_FIELDS
 
-_EDGES = [0, 1, 2**32 - 1, 2**32, 2**32 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**64 + 1,
-          -1, -(2**32), -(2**63), -(2**63) - 1, -(2**64)]
-ints = st.one_of(st.sampled_from(_EDGES), st.integers(-(2**65), 2**65),
-                 st.integers(0, 200_000))
-texts = st.one_of(st.text(max_size=12), st.sampled_from(["", "default", "é\"\\\n\x01", "\U0001f600"]))
+_EDGES = [
+    0,
+    1,
+    2**32 - 1,
+    2**32,
+    2**32 + 1,
+    2**63 - 1,
+    2**63,
+    2**64 - 1,
+    2**64,
+    2**64 + 1,
+    -1,
+    -(2**32),
+    -(2**63),
+    -(2**63) - 1,
+    -(2**64),
+]
+ints = st.one_of(st.sampled_from(_EDGES), st.integers(-(2**65), 2**65), st.integers(0, 200_000))
+_ODD_TEXTS = ["", "default", 'é"\\\n\x01', "\U0001f600"]
+texts = st.one_of(st.text(max_size=12), st.sampled_from(_ODD_TEXTS))
 scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=False), texts)
-nested = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=3), st.dictionaries(texts, inner, max_size=3)), max_leaves=8)
+nested = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(texts, inner, max_size=3)),
+    max_leaves=8,
+)
 int_lists = st.lists(ints, max_size=8)
 values = st.one_of(int_lists, int_lists, int_lists, nested, st.lists(scalars, max_size=3))
 # well-typed values (edges included), for bodies that should parse
 good_sizes = st.one_of(st.sampled_from([1, 16, 2**32 - 1]), st.integers(1, 2**32 - 1))
-good_tokens = st.lists(st.one_of(st.sampled_from([e for e in _EDGES if -(2**63) <= e < 2**63]),
-                                 st.integers(-(2**63), 2**63 - 1)), max_size=8)
-good_hashes = st.lists(st.one_of(st.sampled_from([e for e in _EDGES if 0 <= e < 2**64]),
-                                 st.integers(0, 2**64 - 1)), max_size=8)
+good_tokens = st.lists(
+    st.one_of(
+        st.sampled_from([e for e in _EDGES if -(2**63) <= e < 2**63]),
+        st.integers(-(2**63), 2**63 - 1),
+    ),
+    max_size=8,
+)
+good_hashes = st.lists(
+    st.one_of(st.sampled_from([e for e in _EDGES if 0 <= e < 2**64]), st.integers(0, 2**64 - 1)),
+    max_size=8,
+)
 good_names = st.one_of(st.none(), texts)
 
 
@@ -62,20 +88,25 @@ def bodies(draw):
     by_hash = draw(st.booleans())
     fmt = draw(st.sampled_from(["json", "json_ascii", "msgpack", "msgpack_array"]))
     names = list(QUERY_BY_HASH_FIELDS if by_hash else QUERY_FIELDS)
-    good = draw(st.integers(0, 2)) > 0           # 2/3: well-typed but for one field
+    good = draw(st.integers(0, 2)) > 0  # 2/3: well-typed but for one field
     bad = draw(st.one_of(st.none(), st.sampled_from(names))) if good else None
     if fmt == "msgpack_array":
         n = draw(st.integers(3, len(names) + 2) if good else st.integers(0, len(names) + 2))
-        doc = [_field(draw, names[i], by_hash, good and names[i] != bad) if i < len(names)
-               else draw(nested) for i in range(n)]
+        doc = [
+            _field(draw, names[i], by_hash, good and names[i] != bad)
+            if i < len(names)
+            else draw(nested)
+            for i in range(n)
+        ]
     else:
         doc = {}
         for name in draw(st.permutations(names)):
             if draw(st.integers(0, 19 if good else 5)) == 0:
-                continue                        # a missing field
+                continue  # a missing field
             doc[name] = _field(draw, name, by_hash, good and name != bad)
-        for key in draw(st.lists(st.sampled_from(["extra", "x", "token_ids", "block_hashes", "é"]),
-                                 max_size=2)):
+        for key in draw(
+            st.lists(st.sampled_from(["extra", "x", "token_ids", "block_hashes", "é"]), max_size=2)
+        ):
             if key not in doc:
                 doc[key] = draw(nested)
     msgpack = fmt.startswith("msgpack")
@@ -91,7 +122,7 @@ def bodies(draw):
     else:
         body = json.dumps(doc, ensure_ascii=False).encode()
     if draw(st.integers(0, 6)) == 0 and body:
-        body = body[:draw(st.integers(0, len(body) - 1))]     # truncated
+        body = body[: draw(st.integers(0, len(body) - 1))]  # truncated
     return body, msgpack, by_hash
 
 
@@ -108,8 +139,9 @@ def _parse(impl, body, msgpack, by_hash):
 
 
 def _assert_same(body, msgpack, by_hash):
-    assert _parse(_wire.parse_query, body, msgpack, by_hash) == \
-        _parse(wire.py_parse_query, body, msgpack, by_hash), body
+    assert _parse(_wire.parse_query, body, msgpack, by_hash) == _parse(
+        wire.py_parse_query, body, msgpack, by_hash
+    ), body
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
@@ -118,6 +150,9 @@ def test_compiled_parser_matches_the_oracle(case):
     _assert_same(*case)
 
 
+_DEEP = b"[" * 1100 + b"]" * 1100
+_HEAD = b"\x83\xa5model\xa1m\xaablock_size\x01"  # msgpack map of 3: model, block_size, ...
+_HEAD4 = b"\x84" + _HEAD[1:]
 _EDGE_BODIES = [
     (False, False, b'{"model":"m","block_size":4,"tok\\u0065n_ids":[1]}'),
     (False, False, b'{"model":"m","block_size":4,"token_ids":[1],"token_ids":[2]}'),
@@ -129,30 +164,37 @@ _EDGE_BODIES = [
     (False, False, b'{"model":"\\ud800","block_size":1,"token_ids":[]}'),
     (False, False, b'{"model":"\\ud83d\\ude00","block_size":1,"token_ids":[]}'),
     (False, False, b'{"model":"\xff","block_size":1,"token_ids":[]}'),
-    (False, False, b'{"model":"m","block_size":1,"token_ids":[],"x":' + b"[" * 1100 + b"]" * 1100 + b"}"),
+    (False, False, b'{"model":"m","block_size":1,"token_ids":[],"x":' + _DEEP + b"}"),
     (False, False, b'{"model":"m","block_size":1,"token_ids":[18446744073709551616]}'),
     (False, False, b'{"model":"m","block_size":1,"token_ids":[-9223372036854775809]}'),
     (False, False, b' {"model":"m","block_size":1,"token_ids":[ 1 , 2 ] } '),
     (False, False, b'{"model":"m","block_size":1,"token_ids":[1,]}'),
     (False, False, b'{"model":"m","block_size":1,"token_ids":[1]} x'),
-    (False, False, b''),
-    (True, False, b''),
+    (False, False, b""),
+    (True, False, b""),
     (True, False, msgspec.msgpack.encode({"model": "m", "block_size": 1.0, "token_ids": [1]})),
-    (True, False, b"\x83\xa5model\xa1m\xaablock_size\x01\xa9token_ids\x91\xc1"),
-    (True, False, b"\x84\xa5model\xa1m\xaablock_size\x01\xa9token_ids\x91\x01\xa1x\xc7\x01\x05\x00"),
-    (True, False, b"\x83\xa5model\xa1m\xaablock_size\x01\xa9token_ids\xc4\x03\x01\x02\x03"),
-    (True, False, b"\x84\xa5model\xa1m\xaablock_size\x01\xa9token_ids\x91\x01\xa9token_ids\x91\x02"),
+    (True, False, _HEAD + b"\xa9token_ids\x91\xc1"),
+    (True, False, _HEAD4 + b"\xa9token_ids\x91\x01\xa1x\xc7\x01\x05\x00"),
+    (True, False, _HEAD + b"\xa9token_ids\xc4\x03\x01\x02\x03"),
+    (True, False, _HEAD4 + b"\xa9token_ids\x91\x01\xa9token_ids\x91\x02"),
     (True, False, b"\x83\xa5model\xa2\xff\xfe\xaablock_size\x01\xa9token_ids\x90"),
-    (True, False, b"\x84\xa5model\xa1m\xaablock_size\x01\xa9token_ids\x90\x01\x02"),
+    (True, False, _HEAD4 + b"\xa9token_ids\x90\x01\x02"),
     (True, True, msgspec.msgpack.encode(["m", 1, [2**64 - 1], None, ""])),
     (True, True, msgspec.msgpack.encode(["m", 1, [-1]])),
     (True, False, msgspec.msgpack.encode(["m", 0, [1]])),
     (True, True, msgspec.msgpack.encode(["m", 0, [1]])),
     (True, True, msgspec.msgpack.encode({"model": "m", "block_hashes": [1]})),
     (True, False, msgspec.msgpack.encode({"model": "m", "token_ids": [1]})),
-] + [(True, False, msgspec.msgpack.encode({"model": "m", "block_size": 1,
-                                           "token_ids": struct.pack(f"<{n}I", *range(n))}))
-     for n in (0, 1, 3)]
+] + [
+    (
+        True,
+        False,
+        msgspec.msgpack.encode(
+            {"model": "m", "block_size": 1, "token_ids": struct.pack(f"<{n}I", *range(n))}
+        ),
+    )
+    for n in (0, 1, 3)
+]
 
 
 def test_edge_bodies_match_the_oracle():
