@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import re
 from array import array
+from collections.abc import Callable
 from typing import Any, Union
 
 import msgspec
 
 import kvconductor
 from kvconductor._wire import WireError as _WireError
-from kvconductor._wire import read_u32_array as _read_u32_array
+from kvconductor._wire import read_u32_array
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 _U32 = 0xFFFFFFFF
@@ -201,8 +202,9 @@ def u32_tokens(tokens: list) -> array:
         return array("I", [t & _U32 for t in tokens])
 
 
-if kvconductor.IMPL == "py":  # the msgspec path below only
-    _read_u32_array = None
+#: The compiled token-array reader; ``None`` (the msgspec path only) when ``KVCONDUCTOR_IMPL=py``.
+_read_u32_array: Callable[[Any], array] | None = (
+    None if kvconductor.IMPL == "py" else read_u32_array)
 _INT_LIST_DEC = msgspec.msgpack.Decoder(list[int])
 
 
