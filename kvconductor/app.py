@@ -61,6 +61,8 @@ from kvconductor.wire import (
 )
 
 log = logging.getLogger("kvconductor.http")
+_CT_MSGPACK = MSGPACK_CONTENT_TYPE.encode()
+_CT_JSON = JSON_CONTENT_TYPE.encode()
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Query bodies above this size are parsed, hashed and matched in a worker thread.
@@ -520,7 +522,7 @@ class QueryFastPath:
     async def _send(send: Any, status: int, data: bytes, msgpack: bool, cors: bool,
                     t0: float) -> None:
         headers = [
-            (b"content-type", b"application/msgpack" if msgpack else b"application/json"),
+            (b"content-type", _CT_MSGPACK if msgpack else _CT_JSON),
             (b"content-length", str(len(data)).encode()),
             (b"server-timing", f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}".encode()),
         ]

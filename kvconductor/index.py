@@ -17,9 +17,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import kvconductor
+from kvconductor._hash import DEFAULT_SEED
 from kvconductor.keys import Medium, WorkerKey
+from kvconductor.schema import U32_MAX
 
-U32_MAX = 0xFFFFFFFF
 
 
 def _core_class(impl: str | None):
@@ -115,7 +116,7 @@ class Index:
         return self.core.store(self.worker_id(key), parent, engine_hashes, local_hashes)
 
     def store_tokens(self, key: WorkerKey, parent: int | None, engine_hashes: Sequence[int],
-                     tokens, block_size: int, seed: int = 1337) -> int:
+                     tokens, block_size: int, seed: int = DEFAULT_SEED) -> int:
         """Like :meth:`store`, hashing ``tokens`` (u32 buffer or ints) in C."""
         return self.core.store_tokens(self.worker_id(key), parent, engine_hashes, tokens,
                                       block_size, seed)
@@ -174,7 +175,7 @@ class Index:
         gk = self._group_keys
         return QueryResult([DpHit(gk[g][0], gk[g][1], n, c, d) for g, n, c, d in rows])
 
-    def query(self, tokens, block_size: int, seed: int = 1337) -> QueryResult:
+    def query(self, tokens, block_size: int, seed: int = DEFAULT_SEED) -> QueryResult:
         """Match token ids (u32 buffer or ints) hashed with ``block_size``."""
         return self._result(self.core.match_tokens(tokens, block_size, seed))
 

@@ -49,7 +49,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from kvconductor.wire import encode_error
+from kvconductor.wire import JSON_CONTENT_TYPE, encode_error
 
 log = logging.getLogger("kvconductor.http")
 
@@ -165,7 +165,7 @@ def error_response(status: int, message: str) -> bytes:
     return b"".join(
         [
             b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Error")),
-            b"content-type: application/json\r\n",
+            b"content-type: %s\r\n" % JSON_CONTENT_TYPE.encode(),
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n",
             b"retry-after: 1\r\n" if status == 503 else b"",

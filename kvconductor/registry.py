@@ -34,7 +34,7 @@ from typing import Any
 
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.keys import Medium, StoreBackend, is_hbm_key, parse_medium
-from kvconductor.schema import RegisterRequest
+from kvconductor.schema import DEFAULT_TENANT, RegisterRequest
 from kvconductor.urls import UrlError, UrlPolicy, check_url
 
 _ALL_MEDIA = (Medium.NPU, Medium.CPU, Medium.DISK)
@@ -342,7 +342,7 @@ class Registry:
         groups = resolve_endpoints(medium_endpoints, endpoint)
         backend_name = req.store_backend or "Mooncake"
         backend = StoreBackend.parse(backend_name)
-        tenant = req.tenant_id or "default"
+        tenant = req.tenant_id or DEFAULT_TENANT
         is_pool = backend.is_pool_backend and not medium_endpoints and bool(endpoint)
         replay_endpoint = req.replay_endpoint or None
 

@@ -21,6 +21,8 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 U32_MAX = 0xFFFFFFFF
+#: The tenant of a request or registration that names none.
+DEFAULT_TENANT = "default"
 U64_MAX = 0xFFFFFFFFFFFFFFFF
 I64_MIN = -(1 << 63)
 I64_MAX = (1 << 63) - 1
@@ -71,7 +73,7 @@ class RegisterRequest(Struct, kw_only=True):
     endpoint: str | None = None
     store_backend: str | None = "Mooncake"
     replay_endpoint: str | None = None
-    tenant_id: str | None = "default"
+    tenant_id: str | None = DEFAULT_TENANT
     node_id: str | None = None
 
 
@@ -83,7 +85,7 @@ class UnregisterRequest(Struct, kw_only=True):
     modelname: str
     block_size: U32
     dp_rank: U32
-    tenant_id: str | None = "default"
+    tenant_id: str | None = DEFAULT_TENANT
 
 
 class StatusResponse(Struct):
@@ -113,7 +115,7 @@ class QueryRequest(Struct, kw_only=True):
     model: str
     block_size: PositiveU32
     token_ids: list[int]
-    tenant_id: str = "default"
+    tenant_id: str = DEFAULT_TENANT
 
 
 class QueryByHashRequest(Struct, kw_only=True):
@@ -122,7 +124,7 @@ class QueryByHashRequest(Struct, kw_only=True):
     model: str
     block_size: U32
     block_hashes: list[int]
-    tenant_id: str = "default"
+    tenant_id: str = DEFAULT_TENANT
 
 
 #: The optional last field of both query bodies (string or null; null, absent or ``""``

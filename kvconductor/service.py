@@ -26,14 +26,14 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from kvconductor.errors import IndexError_, InvalidBlockSequence, ParentBlockNotFound
+from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
 from kvconductor.ingest.apply import Limits
 from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
 from kvconductor.registry import RegistrationError, Registry
-from kvconductor.schema import KvEventBatch, RegisterRequest, UnregisterRequest
+from kvconductor.schema import DEFAULT_TENANT, KvEventBatch, RegisterRequest, UnregisterRequest
 from kvconductor.urls import UrlPolicy
 
 log = logging.getLogger("kvconductor")
@@ -91,7 +91,7 @@ class InstanceNotRegistered(LookupError):
         super().__init__(f"instance {instance_id} not found")
 
 
-def _error_text(ex: IndexError_) -> str:
+def _error_text(ex: IndexUpdateError) -> str:
     """The reference's message of an index error (docs/api.md, "Validation and answers");
     details go to the log."""
     if isinstance(ex, ParentBlockNotFound):
@@ -335,7 +335,7 @@ class Conductor:
             req.dp_rank,
             req.engine_type,
             req.modelname,
-            req.tenant_id or "default",
+            req.tenant_id or DEFAULT_TENANT,
             req.block_size,
             req.store_backend,
             req.medium_endpoints or {},
@@ -505,11 +505,11 @@ class Conductor:
             ep = entry.endpoints.get(dp)
             model = batch.model_name or (ep.model_name if ep else entry.model_name)
             tenant = batch.tenant_id or (ep.tenant_id if ep else entry.tenant_id)
-            idx = self.get_or_create_index(model, tenant or "default")
+            idx = self.get_or_create_index(model, tenant or DEFAULT_TENANT)
             try:
                 for op in group:
                     self._apply_op(idx, batch.instance_id, op)
-            except IndexError_ as ex:
+            except IndexUpdateError as ex:
                 log.debug(
                     "event group failed instance_id=%s dp_rank=%d detail=%s",
                     batch.instance_id,

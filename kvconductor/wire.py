@@ -39,7 +39,7 @@ import msgspec
 import kvconductor
 from kvconductor import _encode, _wire
 from kvconductor.index import QueryResult
-from kvconductor.schema import I64_MAX, I64_MIN, U32, U32_MAX
+from kvconductor.schema import DEFAULT_TENANT, I64_MAX, I64_MIN, U32, U32_MAX
 
 __all__ = [
     "IMPL", "WireError", "encode_error", "encode_result", "is_msgpack_content_type",
@@ -48,7 +48,7 @@ __all__ = [
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
 JSON_CONTENT_TYPE = "application/json"
-_MSGPACK_TYPES = frozenset(("application/msgpack", "application/x-msgpack"))
+_MSGPACK_TYPES = frozenset((MSGPACK_CONTENT_TYPE, "application/x-msgpack"))
 _LITTLE = sys.byteorder == "little"
 
 
@@ -71,7 +71,7 @@ class _TokensMap(msgspec.Struct):
     model: str
     block_size: U32
     token_ids: msgspec.Raw
-    tenant_id: str | None = "default"
+    tenant_id: str | None = DEFAULT_TENANT
     lora_name: str | None = None
 
 
@@ -83,7 +83,7 @@ class _HashesMap(msgspec.Struct, kw_only=True):
     model: str
     block_size: U32 = 0
     block_hashes: msgspec.Raw
-    tenant_id: str | None = "default"
+    tenant_id: str | None = DEFAULT_TENANT
     lora_name: str | None = None
 
 
@@ -91,7 +91,7 @@ class _HashesArray(msgspec.Struct, array_like=True):
     model: str
     block_size: U32
     block_hashes: msgspec.Raw
-    tenant_id: str | None = "default"
+    tenant_id: str | None = DEFAULT_TENANT
     lora_name: str | None = None
 
 
@@ -173,7 +173,7 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool
         values = _hashes_u64(_decode_ints(req.block_hashes, msgpack, "block_hashes"))
     else:
         values = _tokens_u32(_decode_ints(req.token_ids, msgpack, "token_ids"))
-    tenant = "default" if req.tenant_id is None else req.tenant_id
+    tenant = DEFAULT_TENANT if req.tenant_id is None else req.tenant_id
     return req.model, req.block_size, tenant, values, req.lora_name or None
 
 

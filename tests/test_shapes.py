@@ -101,3 +101,18 @@ def test_vllm_positions_and_keys_are_the_decoder_structs():
     skip = _ingest._fid_of("nope")
     assert _ingest._fid_of("extra_keys") == skip
     assert skip not in ids.values()
+
+
+def test_default_tenant_is_the_schema_s_everywhere():
+    """The affinity ranking spells the default tenant itself (it stays free of msgspec)."""
+    import inspect
+
+    from kvconductor.coordinator import affinity
+    from kvconductor.coordinator.core import TENANT_ID
+
+    assert schema.DEFAULT_TENANT == "default"
+    assert inspect.signature(affinity.rank).parameters["tenant_id"].default == (
+        schema.DEFAULT_TENANT
+    )
+    assert TENANT_ID == schema.DEFAULT_TENANT
+    assert schema.QueryRequest(model="m", block_size=1, token_ids=[]).tenant_id == "default"

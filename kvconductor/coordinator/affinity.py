@@ -298,7 +298,7 @@ def rank(
     config: KvAffinityConfig | None = None,
     top_k: int | None = None,
     *,
-    tenant_id: str = "default",
+    tenant_id: str = "default",  # schema.DEFAULT_TENANT (this module imports no msgspec)
     include_unreported: bool = True,
     debug: dict | None = None,
 ) -> list[Ranked] | None:

@@ -48,7 +48,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 
 from kvconductor.coordinator.tokens import hash_list, pack_tokens, token_list
-from kvconductor.schema import QueryByHashRequest, QueryRequest, RegisterRequest
+from kvconductor.schema import DEFAULT_TENANT, QueryByHashRequest, QueryRequest, RegisterRequest
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, is_msgpack_content_type
 
 __all__ = [
@@ -68,7 +68,7 @@ __all__ = [
 # The logger keeps the name of the module this code lived in (kvconductor.client).
 logger = logging.getLogger("kvconductor.client")
 
-TENANT_ID = "default"
+TENANT_ID = DEFAULT_TENANT
 
 QUERY_TIMEOUT = 3.0
 REGISTER_TIMEOUT = 15.0

@@ -49,7 +49,7 @@ from typing import Any
 import msgspec
 
 import kvconductor
-from kvconductor._hash import hash_blocks, lora_seed
+from kvconductor._hash import DEFAULT_SEED, hash_blocks, lora_seed
 from kvconductor._index import CoreIndex as _CCore
 from kvconductor._ingest import FastBatch
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
@@ -63,7 +63,6 @@ from kvconductor.keys import Medium, WorkerKey, parse_medium
 
 log = logging.getLogger("kvconductor.ingest")
 
-DEFAULT_SEED = 1337
 _UNKNOWN = 1 << 62
 
 #: The compiled fast path; off (``None``) when ``KVCONDUCTOR_IMPL=py``.
