@@ -48,7 +48,13 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 
 from kvconductor.coordinator.tokens import hash_list, pack_tokens, token_list
-from kvconductor.schema import DEFAULT_TENANT, QueryByHashRequest, QueryRequest, RegisterRequest
+from kvconductor.schema import (
+    DEFAULT_TENANT,
+    LORA_FIELD,
+    QueryByHashRequest,
+    QueryRequest,
+    RegisterRequest,
+)
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, is_msgpack_content_type
 
 __all__ = [
@@ -404,7 +410,7 @@ class ConductorCore:
         )
         if lora_name:
             # Only sent when set, so base-model queries stay byte-identical for older servers.
-            body = {**msgspec.structs.asdict(body), "lora_name": lora_name}
+            body = {**msgspec.structs.asdict(body), LORA_FIELD: lora_name}
         return self._encoded("/query", body)
 
     def _query_by_hash_req(
