@@ -10,6 +10,7 @@ Which implementation serves is chosen here, once, for the whole package:
 parser and encoder, token scanner, ingest fast path off), read at import into
 :data:`IMPL`. ``Index(impl=...)`` and ``Applier(..., fast=False)`` pick per object.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """``python -m kvconductor``: same as the ``kv-conductor`` command."""
+
 from kvconductor.cli import main
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ POOL_KEYS: tuple[str, ...]
 
 class FastBatch:
     """Parse buffer and applier of the vLLM/SGLang HBM ingest fast path (ingest thread only)."""
+
     parsed: int
     rejected: int
     def __init__(self, seed: int = 1337) -> None: ...
     def parse(self, payload: bytes | bytearray | memoryview, registered_block_size: int) -> int: ...
-    def apply(self, core: CoreIndex, hbm_worker: int = -1,
-              clear_workers: object = ()) -> tuple[int, int, int, int]: ...
+    def apply(
+        self, core: CoreIndex, hbm_worker: int = -1, clear_workers: object = ()
+    ) -> tuple[int, int, int, int]: ...
     @property
     def nhashes(self) -> int: ...
     @property

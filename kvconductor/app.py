@@ -28,6 +28,7 @@ Two ways to serve it (one process, one worker: the process owns the index):
 Network security (Origin rule, CORS, ``/workers`` token, limits, TLS):
 ``docs/security.md``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,17 +48,29 @@ import msgspec
 
 from kvconductor import __version__
 from kvconductor._hash import DEFAULT_SEED, lora_seed
+from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.registry import RegistrationError
 from kvconductor.schema import (
-    EventsResponse, events_decoder, json_encoder, register_decoder, unregister_decoder,
+    EventsResponse,
+    events_decoder,
+    json_encoder,
+    register_decoder,
+    unregister_decoder,
 )
-from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.service import (
-    Conductor, InstanceNotRegistered, RegistrationUnavailable, raise_fd_limit,
+    Conductor,
+    InstanceNotRegistered,
+    RegistrationUnavailable,
+    raise_fd_limit,
 )
 from kvconductor.wire import (
-    JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, WireError, encode_error, encode_result,
-    is_msgpack_content_type, parse_query,
+    JSON_CONTENT_TYPE,
+    MSGPACK_CONTENT_TYPE,
+    WireError,
+    encode_error,
+    encode_result,
+    is_msgpack_content_type,
+    parse_query,
 )
 
 log = logging.getLogger("kvconductor.http")
@@ -131,8 +144,14 @@ def _error(resp: falcon.asgi.Response, status: int, message: str, msgpack: bool 
 
 
 class _Resource:
-    def __init__(self, conductor: Conductor, *, max_body_bytes: int, api_key: str | None,
-                 large_body_bytes: int) -> None:
+    def __init__(
+        self,
+        conductor: Conductor,
+        *,
+        max_body_bytes: int,
+        api_key: str | None,
+        large_body_bytes: int,
+    ) -> None:
         self.conductor = conductor
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key or None
@@ -143,34 +162,57 @@ class _Resource:
             return True
         scheme, _, token = (req.get_header("Authorization") or "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(
-                token.strip().encode(), self.api_key.encode()):
+            token.strip().encode(), self.api_key.encode()
+        ):
             return True
         log.warning("unauthorized request method=%s path=%s", req.method, req.path)
         resp.set_header("WWW-Authenticate", 'Bearer realm="kv-conductor"')
         _error(resp, 401, "missing or invalid bearer token (Authorization: Bearer <api key>)")
         return False
 
-    async def _body(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
-                    msgpack: bool = False) -> bytes | None:
+    async def _body(
+        self, req: falcon.asgi.Request, resp: falcon.asgi.Response, msgpack: bool = False
+    ) -> bytes | None:
         try:
             return await read_body(req, self.max_body_bytes)
         except BodyTooLarge:
-            log.warning("request body too large method=%s path=%s limit=%d content_length=%s",
-                        req.method, req.path, self.max_body_bytes, req.content_length)
-            _error(resp, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes",
-                   msgpack)
+            log.warning(
+                "request body too large method=%s path=%s limit=%d content_length=%s",
+                req.method,
+                req.path,
+                self.max_body_bytes,
+                req.content_length,
+            )
+            _error(
+                resp, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes", msgpack
+            )
             # NOTE: the unread rest of the body is discarded by the server after the reply.
             return None
         except BodyIncomplete:
-            log.debug("request body incomplete (client gone) method=%s path=%s "
-                      "content_length=%s", req.method, req.path, req.content_length)
+            log.debug(
+                "request body incomplete (client gone) method=%s path=%s content_length=%s",
+                req.method,
+                req.path,
+                req.content_length,
+            )
             _error(resp, 400, "request body shorter than its Content-Length", msgpack)
             return None
 
-    def _bad(self, req: falcon.asgi.Request, resp: falcon.asgi.Response, message: str,
-             msgpack: bool = False, status: int = 400) -> None:
-        log.warning("bad request method=%s path=%s status=%d error=%s",
-                    req.method, req.path, status, message)
+    def _bad(
+        self,
+        req: falcon.asgi.Request,
+        resp: falcon.asgi.Response,
+        message: str,
+        msgpack: bool = False,
+        status: int = 400,
+    ) -> None:
+        log.warning(
+            "bad request method=%s path=%s status=%d error=%s",
+            req.method,
+            req.path,
+            status,
+            message,
+        )
         _error(resp, status, message, msgpack)
 
     async def _offload(self, body: bytes | bytearray, fn, *args: Any) -> Any:
@@ -243,11 +285,15 @@ class QueryResource(_Resource):
     def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
         """Parse, match and encode: ``(status, body, log message or None)``."""
         try:
-            model, block_size, tenant, values, lora_name = parse_query(body, msgpack,
-                                                                       self.by_hash)
+            model, block_size, tenant, values, lora_name = parse_query(body, msgpack, self.by_hash)
         except WireError as ex:
-            return 400, encode_error(
-                f"invalid {'msgpack' if msgpack else 'JSON'} request body: {ex}", msgpack), str(ex)
+            return (
+                400,
+                encode_error(
+                    f"invalid {'msgpack' if msgpack else 'JSON'} request body: {ex}", msgpack
+                ),
+                str(ex),
+            )
         index = self.conductor.get_index(model, tenant)
         if index is None:
             msg = f"no indexer for model={model} tenant={tenant}"
@@ -259,8 +305,11 @@ class QueryResource(_Resource):
         # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
         # them and the other way round.
         seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
-        return 200, encode_result(index.query(values, block_size, seed).hits, tenant,
-                                  block_size, msgpack), None
+        return (
+            200,
+            encode_result(index.query(values, block_size, seed).hits, tenant, block_size, msgpack),
+            None,
+        )
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         t0 = time.perf_counter()
@@ -275,8 +324,9 @@ class QueryResource(_Resource):
             if status == 404:
                 log.info("query for unknown indexer path=%s error=%s", req.path, problem)
             else:
-                log.warning("bad request method=POST path=%s status=%d error=%s",
-                            req.path, status, problem)
+                log.warning(
+                    "bad request method=POST path=%s status=%d error=%s", req.path, status, problem
+                )
         resp.status = status
         resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
         resp.data = data
@@ -363,14 +413,24 @@ class OriginPolicy:
         origin = req.get_header("Origin")
         if origin is None or req.path not in MUTATING_PATHS or origin in self.allow_origins:
             return
-        log.warning("cross-origin request refused method=%s path=%s origin=%s",
-                    req.method, req.path, origin)
-        _error(resp, 403, f"origin {origin} is not allowed to call {req.path} "
-                          "(requests from web pages need --allow-origin)")
+        log.warning(
+            "cross-origin request refused method=%s path=%s origin=%s", req.method, req.path, origin
+        )
+        _error(
+            resp,
+            403,
+            f"origin {origin} is not allowed to call {req.path} "
+            "(requests from web pages need --allow-origin)",
+        )
         resp.complete = True
 
-    async def process_response(self, req: falcon.asgi.Request, resp: falcon.asgi.Response,
-                               resource: object, req_succeeded: bool) -> None:
+    async def process_response(
+        self,
+        req: falcon.asgi.Request,
+        resp: falcon.asgi.Response,
+        resource: object,
+        req_succeeded: bool,
+    ) -> None:
         origin = req.get_header("Origin")
         if origin is None:
             return
@@ -390,8 +450,10 @@ class OriginPolicy:
                 return
             resp.delete_header("Allow")
             resp.set_header("Access-Control-Allow-Methods", methods)
-            resp.set_header("Access-Control-Allow-Headers",
-                            req.get_header("Access-Control-Request-Headers", default="*"))
+            resp.set_header(
+                "Access-Control-Allow-Headers",
+                req.get_header("Access-Control-Request-Headers", default="*"),
+            )
             resp.set_header("Access-Control-Max-Age", "86400")
 
 
@@ -410,16 +472,22 @@ class _Lifecycle:
         log.info("KV conductor shut down")
 
 
-async def _handle_http_error(req: falcon.asgi.Request, resp: falcon.asgi.Response,
-                             ex: falcon.HTTPError, params: dict) -> None:
+async def _handle_http_error(
+    req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: falcon.HTTPError, params: dict
+) -> None:
     if isinstance(ex, falcon.HTTPRouteNotFound):
         message = f"no route for {req.method} {req.path}"
     elif isinstance(ex, falcon.HTTPMethodNotAllowed):
         message = f"method {req.method} not allowed on {req.path}"
     else:
         message = ex.description or ex.title or str(ex.status)
-    log.warning("request rejected method=%s path=%s status=%s error=%s",
-                req.method, req.path, ex.status, message)
+    log.warning(
+        "request rejected method=%s path=%s status=%s error=%s",
+        req.method,
+        req.path,
+        ex.status,
+        message,
+    )
     resp.status = ex.status
     if ex.headers:
         resp.set_headers(ex.headers)
@@ -428,8 +496,9 @@ async def _handle_http_error(req: falcon.asgi.Request, resp: falcon.asgi.Respons
     resp.data = encode_error(message, msgpack)
 
 
-async def _handle_exception(req: falcon.asgi.Request, resp: falcon.asgi.Response,
-                            ex: Exception, params: dict) -> None:
+async def _handle_exception(
+    req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: Exception, params: dict
+) -> None:
     log.exception("internal error method=%s path=%s", req.method, req.path)
     msgpack = req.path in QUERY_PATHS and is_msgpack_content_type(req.content_type)
     _error(resp, 500, f"internal error: {ex}", msgpack)
@@ -446,8 +515,9 @@ class QueryFastPath:
     Falcon app unchanged.
     """
 
-    def __init__(self, app: falcon.asgi.App, routes: dict[str, QueryResource],
-                 max_body_bytes: int) -> None:
+    def __init__(
+        self, app: falcon.asgi.App, routes: dict[str, QueryResource], max_body_bytes: int
+    ) -> None:
         self.app = app
         self.routes = routes
         self.max_body_bytes = max_body_bytes
@@ -499,28 +569,36 @@ class QueryFastPath:
         body = first if buf is None else buf  # PERF: no 4 MB copy; parsers take bytearray
         try:
             status, data, problem = await res._offload(body, res.answer, body, msgpack)
-        except Exception as ex:  # noqa: BLE001 - reported like Falcon's handler does
+        except Exception as ex:
             log.exception("internal error method=POST path=%s", path)
             status, data, problem = 500, encode_error(f"internal error: {ex}", msgpack), None
         if problem is not None:
             if status == 404:
                 log.info("query for unknown indexer path=%s error=%s", path, problem)
             else:
-                log.warning("bad request method=POST path=%s status=%d error=%s",
-                            path, status, problem)
+                log.warning(
+                    "bad request method=POST path=%s status=%d error=%s", path, status, problem
+                )
         await self._send(send, status, data, msgpack, cors, t0)
 
-    async def _too_large(self, send: Any, path: str, length: int | None, msgpack: bool,
-                         cors: bool, t0: float) -> None:
-        log.warning("request body too large method=POST path=%s limit=%d content_length=%s",
-                    path, self.max_body_bytes, length)
-        data = encode_error(f"request body exceeds the limit of {self.max_body_bytes} bytes",
-                            msgpack)
+    async def _too_large(
+        self, send: Any, path: str, length: int | None, msgpack: bool, cors: bool, t0: float
+    ) -> None:
+        log.warning(
+            "request body too large method=POST path=%s limit=%d content_length=%s",
+            path,
+            self.max_body_bytes,
+            length,
+        )
+        data = encode_error(
+            f"request body exceeds the limit of {self.max_body_bytes} bytes", msgpack
+        )
         await self._send(send, 413, data, msgpack, cors, t0)
 
     @staticmethod
-    async def _send(send: Any, status: int, data: bytes, msgpack: bool, cors: bool,
-                    t0: float) -> None:
+    async def _send(
+        send: Any, status: int, data: bytes, msgpack: bool, cors: bool, t0: float
+    ) -> None:
         headers = [
             (b"content-type", _CT_MSGPACK if msgpack else _CT_JSON),
             (b"content-length", str(len(data)).encode()),
@@ -532,10 +610,17 @@ class QueryFastPath:
         await send({"type": "http.response.body", "body": data})
 
 
-def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               api_key: str | None = None, large_body_bytes: int = LARGE_BODY_BYTES,
-               manage_lifecycle: bool = False, fast_query: bool = False,
-               allow_origins: Iterable[str] = (), open_workers: bool = False) -> Any:
+def create_app(
+    conductor: Conductor,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
+    large_body_bytes: int = LARGE_BODY_BYTES,
+    manage_lifecycle: bool = False,
+    fast_query: bool = False,
+    allow_origins: Iterable[str] = (),
+    open_workers: bool = False,
+) -> Any:
     """Build the ASGI app over ``conductor``.
 
     With ``manage_lifecycle`` the app starts/stops the conductor on ASGI
@@ -551,8 +636,11 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     if manage_lifecycle:
         middleware.append(_Lifecycle(conductor))
     app = falcon.asgi.App(middleware=middleware, cors_enable=False)
-    kw: dict[str, Any] = dict(max_body_bytes=max_body_bytes, api_key=api_key,
-                              large_body_bytes=large_body_bytes)
+    kw: dict[str, Any] = {
+        "max_body_bytes": max_body_bytes,
+        "api_key": api_key,
+        "large_body_bytes": large_body_bytes,
+    }
     app.add_route("/health", HealthResource())
     app.add_route("/register", RegisterResource(conductor, **kw))
     app.add_route("/unregister", UnregisterResource(conductor, **kw))
@@ -565,8 +653,9 @@ def create_app(conductor: Conductor, *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     app.add_error_handler(Exception, _handle_exception)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     if fast_query:
-        return QueryFastPath(app, {"/query": query, "/query_by_hash": query_by_hash},
-                             max_body_bytes)
+        return QueryFastPath(
+            app, {"/query": query, "/query_by_hash": query_by_hash}, max_body_bytes
+        )
     return app
 
 
@@ -631,35 +720,51 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
     try:
         settings = settings_from_args(build_parser(raise_errors=True).parse_args(args))
     except FlagError as ex:
-        raise AppImportError(f"{ex} [flags from KV_CONDUCTOR_ARGS and the factory: "
-                             f"{shlex.join(args)}]") from None
+        raise AppImportError(
+            f"{ex} [flags from KV_CONDUCTOR_ARGS and the factory: {shlex.join(args)}]"
+        ) from None
     workers = _gunicorn_workers()
     if workers is not None and workers > 1:
         raise AppImportError(
             f"kv-conductor: error: gunicorn started with {workers} workers; the index lives in "
             "one process, so each worker would hold a different, partial index. "
-            "Run with -w 1 (WEB_CONCURRENCY=1).")
+            "Run with -w 1 (WEB_CONCURRENCY=1)."
+        )
     configure_logging(settings.log_level)
     worker_class = getattr(_gunicorn_cfg(), "worker_class", None)
     if worker_class is not None and not _is_kv_worker(worker_class) and settings.tls_cert:
         raise AppImportError(
             "kv-conductor: error: --tls-cert needs gunicorn -k kvconductor.app.KvConductorWorker "
-            "(other workers would serve plain HTTP; or use gunicorn's --certfile/--keyfile)")
+            "(other workers would serve plain HTTP; or use gunicorn's --certfile/--keyfile)"
+        )
     if worker_class is not None and not _is_kv_worker(worker_class):
-        log.warning("worker class %s does not enforce the HTTP limits (--max-header-kb, "
-                    "--request-timeout-secs, --keep-alive-secs, --max-connections); run "
-                    "gunicorn with -k kvconductor.app.KvConductorWorker",
-                    getattr(worker_class, "__qualname__", worker_class))
+        log.warning(
+            "worker class %s does not enforce the HTTP limits (--max-header-kb, "
+            "--request-timeout-secs, --keep-alive-secs, --max-connections); run "
+            "gunicorn with -k kvconductor.app.KvConductorWorker",
+            getattr(worker_class, "__qualname__", worker_class),
+        )
     # Same GIL switch interval and open-file limit as `kv-conductor` (kvconductor.server).
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(settings.max_sources, settings.max_connections)
-    log.info("KV conductor starting under gunicorn pid=%d workers=%s version=%s %s "
-             "switch_interval=%s", os.getpid(), workers, __version__, settings.describe(),
-             sys.getswitchinterval())
+    log.info(
+        "KV conductor starting under gunicorn pid=%d workers=%s version=%s %s switch_interval=%s",
+        os.getpid(),
+        workers,
+        __version__,
+        settings.describe(),
+        sys.getswitchinterval(),
+    )
     conductor = Conductor(settings.conductor_config())
-    app = create_app(conductor, fast_query=True, max_body_bytes=settings.max_body_bytes,
-                     api_key=settings.api_key, manage_lifecycle=True,
-                     allow_origins=settings.allow_origins, open_workers=settings.open_workers)
+    app = create_app(
+        conductor,
+        fast_query=True,
+        max_body_bytes=settings.max_body_bytes,
+        api_key=settings.api_key,
+        manage_lifecycle=True,
+        allow_origins=settings.allow_origins,
+        open_workers=settings.open_workers,
+    )
     app.kvc_settings = settings  # read by KvConductorWorker
     return app
 

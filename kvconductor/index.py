@@ -9,6 +9,7 @@ methods; any number of threads may call** :meth:`Index.query`,
 :meth:`Index.query_by_hash` **and** :meth:`Index.summary` **concurrently.**
 The core serialises them with a C reader/writer lock taken without the GIL.
 """
+
 from __future__ import annotations
 
 import time
@@ -20,7 +21,6 @@ import kvconductor
 from kvconductor._hash import DEFAULT_SEED
 from kvconductor.keys import Medium, WorkerKey
 from kvconductor.schema import U32_MAX
-
 
 
 def _core_class(impl: str | None):
@@ -106,20 +106,36 @@ class Index:
 
     def workers_of(self, instance_id: str, dp_rank: int | None = None) -> list[WorkerKey]:
         """Every known WorkerKey of an instance (optionally of one DP)."""
-        return [k for k in self._worker_keys
-                if k.instance_id == instance_id and (dp_rank is None or k.dp_rank == dp_rank)]
+        return [
+            k
+            for k in self._worker_keys
+            if k.instance_id == instance_id and (dp_rank is None or k.dp_rank == dp_rank)
+        ]
 
     # -- direct mutations (HBM events and the HTTP /events path) -------------------
-    def store(self, key: WorkerKey, parent: int | None, engine_hashes: Sequence[int],
-              local_hashes: Sequence[int]) -> int:
+    def store(
+        self,
+        key: WorkerKey,
+        parent: int | None,
+        engine_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+    ) -> int:
         """Store a chain of blocks for ``key`` under ``parent`` (or the root)."""
         return self.core.store(self.worker_id(key), parent, engine_hashes, local_hashes)
 
-    def store_tokens(self, key: WorkerKey, parent: int | None, engine_hashes: Sequence[int],
-                     tokens, block_size: int, seed: int = DEFAULT_SEED) -> int:
+    def store_tokens(
+        self,
+        key: WorkerKey,
+        parent: int | None,
+        engine_hashes: Sequence[int],
+        tokens,
+        block_size: int,
+        seed: int = DEFAULT_SEED,
+    ) -> int:
         """Like :meth:`store`, hashing ``tokens`` (u32 buffer or ints) in C."""
-        return self.core.store_tokens(self.worker_id(key), parent, engine_hashes, tokens,
-                                      block_size, seed)
+        return self.core.store_tokens(
+            self.worker_id(key), parent, engine_hashes, tokens, block_size, seed
+        )
 
     def remove(self, key: WorkerKey, engine_hashes: Sequence[int]) -> int:
         """Remove blocks of ``key`` directly (no two-phase rule)."""
@@ -154,17 +170,25 @@ class Index:
         return sum(self.clear(k) for k in self.workers_of(instance_id, dp_rank))
 
     # -- two-phase offload / pool join ---------------------------------------------
-    def offload(self, engine_hashes: Sequence[int], local_hashes: Sequence[int],
-                parent: int | None, now: float | None = None) -> int:
+    def offload(
+        self,
+        engine_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        parent: int | None,
+        now: float | None = None,
+    ) -> int:
         """Phase 1: an engine moved blocks to CPU/Disk; wait for the pool's word."""
-        return self.core.offload(engine_hashes, local_hashes, parent,
-                                 time.monotonic() if now is None else now)
+        return self.core.offload(
+            engine_hashes, local_hashes, parent, time.monotonic() if now is None else now
+        )
 
-    def pool_store(self, key: WorkerKey, engine_hashes: Sequence[int],
-                   now: float | None = None) -> tuple[int, int]:
+    def pool_store(
+        self, key: WorkerKey, engine_hashes: Sequence[int], now: float | None = None
+    ) -> tuple[int, int]:
         """Phase 2: the pool confirms it holds ``engine_hashes`` for ``key``."""
-        return self.core.pool_store(self.worker_id(key), engine_hashes,
-                                    time.monotonic() if now is None else now)
+        return self.core.pool_store(
+            self.worker_id(key), engine_hashes, time.monotonic() if now is None else now
+        )
 
     def evict(self, key: WorkerKey, engine_hashes: Sequence[int]) -> int:
         """Removal with the two-phase rule (engine BlockRemoved, pool removed)."""
@@ -184,17 +208,29 @@ class Index:
         return self._result(self.core.match(local_hashes))
 
     # -- maintenance and introspection ------------------------------------------------
-    def maintenance(self, now: float | None = None, pending_ttl: float = 60.0,
-                    content_ttl: float = 300.0, offload_ttl: float = 600.0) -> int:
+    def maintenance(
+        self,
+        now: float | None = None,
+        pending_ttl: float = 60.0,
+        content_ttl: float = 300.0,
+        offload_ttl: float = 600.0,
+    ) -> int:
         """TTL sweeps of the two-phase state plus the HBM empty-node sweep."""
-        return self.core.sweep(time.monotonic() if now is None else now,
-                               pending_ttl, content_ttl, offload_ttl)
+        return self.core.sweep(
+            time.monotonic() if now is None else now, pending_ttl, content_ttl, offload_ttl
+        )
 
     def is_empty(self) -> bool:
         """No blocks in any tier and no two-phase entries."""
         s = self.core.stats()
-        return not (s["hbm_pairs"] or s["cpu_blocks"] or s["disk_blocks"]
-                    or s["offload"] or s["content"] or s["pending"])
+        return not (
+            s["hbm_pairs"]
+            or s["cpu_blocks"]
+            or s["disk_blocks"]
+            or s["offload"]
+            or s["content"]
+            or s["pending"]
+        )
 
     def summary(self) -> dict[str, Any]:
         """Counts for ``/workers``: workers, blocks per tier, two-phase sizes."""

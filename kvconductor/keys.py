@@ -1,4 +1,5 @@
 """Worker identity, storage media and store backends (docs/api.md, POST /register)."""
+
 from __future__ import annotations
 
 import enum
@@ -63,7 +64,7 @@ class StoreBackend(enum.Enum):
     UNKNOWN = "Unknown"
 
     @classmethod
-    def parse(cls, s: str | None) -> "StoreBackend":
+    def parse(cls, s: str | None) -> StoreBackend:
         low = (s or "").lower()
         for b in (cls.MOONCAKE, cls.MEMCACHE, cls.YUANRONG):
             if low == b.value.lower():
@@ -80,5 +81,5 @@ class StoreBackend(enum.Enum):
 
     @property
     def match_mode(self) -> str:
-        """"ip_only" for Mooncake/Memcache, "none" otherwise."""
+        """ "ip_only" for Mooncake/Memcache, "none" otherwise."""
         return "ip_only" if self.indexes_hbm_ip else "none"

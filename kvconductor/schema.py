@@ -13,6 +13,7 @@ goes through :mod:`kvconductor.wire`, whose compiled parser never builds a list 
 token ints. :class:`QueryRequest` and :class:`QueryByHashRequest` document the shape
 and serve clients and tests.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -56,6 +57,7 @@ def to_u64(value: int, what: str) -> int:
 # ---------------------------------------------------------------------------------------
 # /register, /unregister (docs/api.md, POST /register and POST /unregister)
 # ---------------------------------------------------------------------------------------
+
 
 class RegisterRequest(Struct, kw_only=True):
     """``POST /register``.
@@ -103,6 +105,7 @@ class ErrorResponse(Struct):
 # ---------------------------------------------------------------------------------------
 # /query, /query_by_hash (docs/api.md, POST /query and POST /query_by_hash)
 # ---------------------------------------------------------------------------------------
+
 
 class QueryRequest(Struct, kw_only=True):
     """``POST /query``; with :data:`QUERY_FIELDS`, the one declaration of its fields.
@@ -165,6 +168,7 @@ ERROR_KEY: str = ErrorResponse.__struct_fields__[0]
 # ---------------------------------------------------------------------------------------
 # /events (docs/api.md, POST /events)
 # ---------------------------------------------------------------------------------------
+
 
 class StoredBlock(Struct):
     """One stored block: engine hash and LocalBlockHash (u64, or negative i64 wrapped)."""

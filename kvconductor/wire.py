@@ -28,6 +28,7 @@ ids are hashed for (``lora_seed``); null, absent or ``""`` is the base model.
 MessagePack they may also be one bin of little-endian u32 (packed tokens).
 ``block_hashes`` items are u64 (LocalBlockHash values, docs/api.md "Block hashing").
 """
+
 from __future__ import annotations
 
 import sys
@@ -42,8 +43,15 @@ from kvconductor.index import QueryResult
 from kvconductor.schema import DEFAULT_TENANT, I64_MAX, I64_MIN, U32, U32_MAX
 
 __all__ = [
-    "IMPL", "WireError", "encode_error", "encode_result", "is_msgpack_content_type",
-    "parse_query", "py_encode_error", "py_encode_result", "py_parse_query",
+    "IMPL",
+    "WireError",
+    "encode_error",
+    "encode_result",
+    "is_msgpack_content_type",
+    "parse_query",
+    "py_encode_error",
+    "py_encode_result",
+    "py_parse_query",
 ]
 
 MSGPACK_CONTENT_TYPE = "application/msgpack"
@@ -66,6 +74,7 @@ def is_msgpack_content_type(content_type: str | None) -> bool:
 # ---------------------------------------------------------------------------------------
 # Pure-Python (msgspec) oracle of kvconductor._wire / kvconductor._encode
 # ---------------------------------------------------------------------------------------
+
 
 class _TokensMap(msgspec.Struct):
     model: str
@@ -149,8 +158,9 @@ def _hashes_u64(values: list[int]) -> array:
         raise WireError("block_hashes: integer out of range (u64 expected)") from None
 
 
-def py_parse_query(body: bytes, msgpack: bool, by_hash: bool
-                   ) -> tuple[str, int, str, array, str | None]:
+def py_parse_query(
+    body: bytes, msgpack: bool, by_hash: bool
+) -> tuple[str, int, str, array, str | None]:
     """Parse a query body into ``(model, block_size, tenant, values, lora_name)`` with msgspec.
 
     ``values`` is ``array('I')`` of u32-truncated token ids, or ``array('Q')``
@@ -209,8 +219,9 @@ else:
     encode_error = _encode.encode_error
 
 
-def parse_query(body: bytes, msgpack: bool, by_hash: bool
-                ) -> tuple[str, int, str, array, str | None]:
+def parse_query(
+    body: bytes, msgpack: bool, by_hash: bool
+) -> tuple[str, int, str, array, str | None]:
     """Parse a ``/query`` (or ``/query_by_hash``) body; see :func:`py_parse_query`.
 
     Also enforces ``block_size`` in ``[1, 2**32)`` for ``/query`` and in

@@ -1,4 +1,5 @@
 """Fails when the compiled modules did not load (CI must run the C code)."""
+
 import importlib
 import importlib.machinery
 import os
@@ -23,21 +24,29 @@ def test_compiled_modules_match_setup_py():
 def test_index_uses_compiled_core_by_default():
     from kvconductor._index import CoreIndex as CCore
     from kvconductor.index import Index
+
     if kvconductor.IMPL == "c":
         assert type(Index("m", "t").core) is CCore
     assert type(Index("m", "t", impl="c").core) is CCore
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
 
 
 def test_impl_env_selects_the_twins_everywhere():
-    code = ("import kvconductor, kvconductor.wire as w, kvconductor.ingest.apply as a, "
-            "kvconductor.ingest.vllm as v; from kvconductor.index import Index; "
-            "print(kvconductor.IMPL, w.IMPL, a._FastBatch is None, v._read_u32_array is None, "
-            "type(Index('m', 't').core).__module__)")
+    code = (
+        "import kvconductor, kvconductor.wire as w, kvconductor.ingest.apply as a, "
+        "kvconductor.ingest.vllm as v; from kvconductor.index import Index; "
+        "print(kvconductor.IMPL, w.IMPL, a._FastBatch is None, v._read_u32_array is None, "
+        "type(Index('m', 't').core).__module__)"
+    )
     out = _run(code, KVCONDUCTOR_IMPL="py")
     assert out.stdout.split() == ["py", "py", "True", "True", "kvconductor._py.index"], out.stderr
     out = _run(code, KVCONDUCTOR_IMPL="c")

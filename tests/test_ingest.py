@@ -10,6 +10,7 @@ block sizes, parents that exist or not, removals, clears, int / negative / bin /
 bad hashes, junk and pool-looking events) drives a Hypothesis test, a seeded loop
 and a byte-mutation fuzz.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,25 +23,25 @@ import pytest
 pytest.importorskip("kvconductor._ingest")
 pytest.importorskip("kvconductor._index")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from publishers import H1, H2, FakeConductor, schema  # noqa: E402
-from test_vllm import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0516, EX_E_SGL0523  # noqa: E402
+from publishers import H1, H2, FakeConductor, schema
+from test_vllm import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0516, EX_E_SGL0523
 
-from kvconductor.ingest import apply as _apply_mod  # noqa: E402
+from kvconductor.ingest import apply as _apply_mod
 
 if _apply_mod._FastBatch is None:  # KVCONDUCTOR_IMPL=py
     pytest.skip("ingest fast path disabled", allow_module_level=True)
 
-from kvconductor._hash import lora_seed  # noqa: E402
-from kvconductor._index import CoreIndex  # noqa: E402
-from kvconductor._ingest import FastBatch  # noqa: E402
-from kvconductor.ingest.apply import Applier  # noqa: E402
-from kvconductor.ingest.context import SubscriberContext  # noqa: E402
-from kvconductor.keys import Medium  # noqa: E402
+from kvconductor._hash import lora_seed
+from kvconductor._index import CoreIndex
+from kvconductor._ingest import FastBatch
+from kvconductor.ingest.apply import Applier
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.keys import Medium
 
 BS = 4
 IID = "vllm-a"
@@ -50,23 +51,55 @@ ABSENT = object()
 
 # Token blocks of BS tokens: every stored chain and every query is built from them.
 BLOCKS = [list(range(100 + BS * i, 100 + BS * (i + 1))) for i in range(4)]
-QUERIES = ([[*a] for a in BLOCKS] + [a + b for a in BLOCKS for b in BLOCKS]
-           + [a + b + c for a in BLOCKS[:3] for b in BLOCKS[:3] for c in BLOCKS[:3]])
+QUERIES = (
+    [[*a] for a in BLOCKS]
+    + [a + b for a in BLOCKS for b in BLOCKS]
+    + [a + b + c for a in BLOCKS[:3] for b in BLOCKS[:3] for c in BLOCKS[:3]]
+)
 SEEDS = [1337, lora_seed("sql-adapter"), lora_seed("lora-é")]
 # Engine hashes; several encodings of the same u64 (int / bin / digest tail) on purpose.
-GOOD_HASHES = [1, 2, 3, 7, -1, -5, 2**64 - 1, H1, H2, (2).to_bytes(8, "big"), b"\x03",
-               bytes(24) + (7).to_bytes(8, "big"), bytes(range(16))]
+GOOD_HASHES = [
+    1,
+    2,
+    3,
+    7,
+    -1,
+    -5,
+    2**64 - 1,
+    H1,
+    H2,
+    (2).to_bytes(8, "big"),
+    b"\x03",
+    bytes(24) + (7).to_bytes(8, "big"),
+    bytes(range(16)),
+]
 BAD_HASHES = ["0x10", "12", True, 1.5, None, b""]
 HASH_QUERIES = [[h] for h in (1, 2, 3, 7, 2**64 - 1, 2**64 - 5)] + [
-    [a, b] for a in (1, 2, 3, 7) for b in (1, 2, 3, 7, 2**64 - 1)]
+    [a, b] for a in (1, 2, 3, 7) for b in (1, 2, 3, 7, 2**64 - 1)
+]
 # (common values, rare values): a rare value is drawn with probability RARE.
 RARE = 0.06
-MEDIA = ([ABSENT, None, "GPU", "GPU", "GPU", "gpu", "NPU", "DEVICE", ""],
-         ["CPU", "STORAGE", "cpu_pinned", "weird", 7])
+MEDIA = (
+    [ABSENT, None, "GPU", "GPU", "GPU", "gpu", "NPU", "DEVICE", ""],
+    ["CPU", "STORAGE", "cpu_pinned", "weird", 7],
+)
 LORAS = ([ABSENT, None, None, None, "", "sql-adapter"], ["lora-é", 5])
-KINDS = ([ABSENT, ABSENT, None, "full_attention", "mla_attention", "", "sliding_window",
-          "SlidingWindow_MLA", "MAMBA", "chunked_local_attention", "sink_full_attention"],
-         ["Ünknown", 3])
+KINDS = (
+    [
+        ABSENT,
+        ABSENT,
+        None,
+        "full_attention",
+        "mla_attention",
+        "",
+        "sliding_window",
+        "SlidingWindow_MLA",
+        "MAMBA",
+        "chunked_local_attention",
+        "sink_full_attention",
+    ],
+    ["Ünknown", 3],
+)
 BLOCK_SIZES = ([BS, BS, BS, BS, BS, 0, None, 8, 2], [-1, True, 2**40])
 EXTRA = {
     "group_idx": ([0, 0, 1, None, "g", 1.5], [[1]]),
@@ -74,16 +107,25 @@ EXTRA = {
     "session_id": (["s-1", None], ["ß"]),
     "locality": (["LOCAL", "REMOTE"], [{}]),
     "ownership": (["tier-2"], []),
-    "extra_keys": ([[None, None], [["a", 1]], None, [[[[]]]], b"\x00"], [msgspec.msgpack.Ext(1, b"")]),
+    "extra_keys": (
+        [[None, None], [["a", 1]], None, [[[[]]]], b"\x00"],
+        [msgspec.msgpack.Ext(1, b"")],
+    ),
     "lookahead_token_ids": ([[[1, 2], [3]]], []),
     "kv_cache_spec_sliding_window": ([None, 128], []),
     "cache_salt": (["salt", "é"], []),
     "whatever": ([{"x": [1, {"y": None}]}], [msgspec.msgpack.Ext(1, b"x")]),
 }
-JUNK = [42, ["Nope", 1], [], {"type": "Nope"}, {"block_hashes": [1]},
-        {"event_type": "stored", "seq_hashes": [1], "backend_id": "10.0.0.1"},
-        {"type": "BlockStored", "block_hashes": [1], "event_id": 3},
-        {"type": "BlockRemoved", "block_hashes": [2], "seq_hashes": None}]
+JUNK = [
+    42,
+    ["Nope", 1],
+    [],
+    {"type": "Nope"},
+    {"block_hashes": [1]},
+    {"event_type": "stored", "seq_hashes": [1], "backend_id": "10.0.0.1"},
+    {"type": "BlockStored", "block_hashes": [1], "event_id": 3},
+    {"type": "BlockRemoved", "block_hashes": [2], "seq_hashes": None},
+]
 
 
 # --------------------------------------------------------------------------------------
@@ -118,7 +160,7 @@ def _hash(r):
 def _tokens(r, nblocks: int) -> list:
     toks = [t for _ in range(nblocks) for t in r.choice(BLOCKS)]
     if toks and r.random() < 0.15:
-        del toks[-r.randint(1, BS - 1):]         # a partial tail block
+        del toks[-r.randint(1, BS - 1) :]  # a partial tail block
     if r.random() < 0.04:
         toks.append(r.choice([2**32 + 100, -1, 2**63 + 5, 2**64 - 1]))
     if r.random() < 0.02:
@@ -133,20 +175,44 @@ def _stored(r, as_map: bool):
         hashes = r.choice([None, "x", 5])
     parent = None if r.random() < 0.6 else _hash(r)
     nb = n if r.random() < 0.85 else r.randint(0, 5)
-    fields = {"block_hashes": hashes, "parent_block_hash": parent, "token_ids": _tokens(r, nb),
-              "block_size": _pick(r, BLOCK_SIZES), "lora_id": None, "medium": _pick(r, MEDIA),
-              "lora_name": _pick(r, LORAS), "extra_keys": None, "group_idx": 0,
-              "kv_cache_spec_kind": _pick(r, KINDS), "kv_cache_spec_sliding_window": None,
-              "locality": None, "ownership": None, "session_id": None}
+    fields = {
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": _tokens(r, nb),
+        "block_size": _pick(r, BLOCK_SIZES),
+        "lora_id": None,
+        "medium": _pick(r, MEDIA),
+        "lora_name": _pick(r, LORAS),
+        "extra_keys": None,
+        "group_idx": 0,
+        "kv_cache_spec_kind": _pick(r, KINDS),
+        "kv_cache_spec_sliding_window": None,
+        "locality": None,
+        "ownership": None,
+        "session_id": None,
+    }
     for k, vals in EXTRA.items():
         if r.random() < 0.12:
             fields[k] = _pick(r, vals)
     if not as_map:
-        order = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                 "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                 "kv_cache_spec_sliding_window", "locality", "ownership", "session_id"]
+        order = [
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind",
+            "kv_cache_spec_sliding_window",
+            "locality",
+            "ownership",
+            "session_id",
+        ]
         arr = ["BlockStored"] + [None if fields[k] is ABSENT else fields[k] for k in order]
-        return arr[:r.choice([2, 5, 6, 7, 8, 10, 12, 12, 12, 12, 15])]
+        return arr[: r.choice([2, 5, 6, 7, 8, 10, 12, 12, 12, 12, 15])]
     d = {"type": "BlockStored"}
     for k, v in fields.items():
         if v is ABSENT or (v is None and r.random() < 0.3):
@@ -172,16 +238,21 @@ def _removed(r, as_map: bool):
     hashes = [_hash(r) for _ in range(r.randint(0, 2))]
     medium = _pick(r, MEDIA)
     if not as_map:
-        arr = ["BlockRemoved", hashes, None if medium is ABSENT else medium, _pick(r, EXTRA["group_idx"]),
-               "LOCAL"]
-        return arr[:r.choice([2, 3, 4, 4, 5])]
+        arr = [
+            "BlockRemoved",
+            hashes,
+            None if medium is ABSENT else medium,
+            _pick(r, EXTRA["group_idx"]),
+            "LOCAL",
+        ]
+        return arr[: r.choice([2, 3, 4, 4, 5])]
     d = {"type": "BlockRemoved", "block_hashes": hashes}
     if medium is not ABSENT:
         d["medium"] = medium
     if r.random() < 0.5:
         d["group_idx"] = _pick(r, EXTRA["group_idx"])
     if r.random() < 0.1:
-        d["lora_id"] = r.choice(["x", [1], {"a": 1}])    # not a field of BlockRemoved: skipped
+        d["lora_id"] = r.choice(["x", [1], {"a": 1}])  # not a field of BlockRemoved: skipped
     return _maybe_move_type(r, d)
 
 
@@ -190,7 +261,7 @@ def _cleared(r, as_map: bool):
         return ["AllBlocksCleared"] if r.random() < 0.9 else ["AllBlocksCleared", 1, [2]]
     d = {"type": "AllBlocksCleared"}
     if r.random() < 0.1:
-        d["medium"] = "CPU"        # not a field of AllBlocksCleared: skipped
+        d["medium"] = "CPU"  # not a field of AllBlocksCleared: skipped
     return d
 
 
@@ -236,8 +307,16 @@ def gen_payload(r) -> bytes:
 
 
 def make_ctx(media=(Medium.NPU,), bs=BS, dp=0, iid=IID, is_pool=False):
-    return SubscriberContext(instance_id=iid, dp_rank=dp, url="tcp://127.0.0.1:1", model="m",
-                             tenant="t", block_size=bs, default_media=tuple(media), is_pool=is_pool)
+    return SubscriberContext(
+        instance_id=iid,
+        dp_rank=dp,
+        url="tcp://127.0.0.1:1",
+        model="m",
+        tenant="t",
+        block_size=bs,
+        default_media=tuple(media),
+        is_pool=is_pool,
+    )
 
 
 class Pair:
@@ -280,14 +359,21 @@ class Pair:
             fs.pop("nbytes", None)
             ss.pop("nbytes", None)
             assert fs == ss
-            assert {k: v for k, v in fi.summary().items() if k != "bytes"} == \
-                   {k: v for k, v in si.summary().items() if k != "bytes"}
+            assert {k: v for k, v in fi.summary().items() if k != "bytes"} == {
+                k: v for k, v in si.summary().items() if k != "bytes"
+            }
             for k in fi.workers_of(IID):
-                assert fi.core.worker_blocks(fi.worker_id(k)) == si.core.worker_blocks(si.worker_id(k))
+                assert fi.core.worker_blocks(fi.worker_id(k)) == si.core.worker_blocks(
+                    si.worker_id(k)
+                )
             for q in QUERIES:
                 for bs in (BS, 8):
                     for seed in SEEDS:
-                        assert fi.query(q, bs, seed).hits == si.query(q, bs, seed).hits, (q, bs, seed)
+                        assert fi.query(q, bs, seed).hits == si.query(q, bs, seed).hits, (
+                            q,
+                            bs,
+                            seed,
+                        )
             for q in HASH_QUERIES:
                 assert fi.query_by_hash(q).hits == si.query_by_hash(q).hits, q
 
@@ -346,7 +432,7 @@ def test_differential_byte_mutations(seed):
             elif k < 0.8:
                 p[i:i] = bytes(r.randrange(256) for _ in range(r.randint(1, 4)))
             else:
-                del p[i:i + r.randint(1, 4)]
+                del p[i : i + r.randint(1, 4)]
         pair.apply(bytes(p))
     pair.finish()
 
@@ -355,11 +441,27 @@ def test_differential_byte_mutations(seed):
 # byte-exact engine payloads: the fast path takes every version family
 
 
-VERSIONS = [("vllm", v) for v in ("0.9.0", "0.9.2", "0.10.2", "0.14.0", "0.17.0", "0.20.0",
-                                  "0.22.0", "0.23.0", "0.24.0", "0.26.0", "0.29.0", "0.30.0",
-                                  "0.33.0")] + \
-           [("sglang", v) for v in ("0.4.6", "0.4.7", "0.5.6", "0.5.9", "0.5.19", "0.5.20",
-                                    "0.5.22", "0.5.23")]
+VERSIONS = [
+    ("vllm", v)
+    for v in (
+        "0.9.0",
+        "0.9.2",
+        "0.10.2",
+        "0.14.0",
+        "0.17.0",
+        "0.20.0",
+        "0.22.0",
+        "0.23.0",
+        "0.24.0",
+        "0.26.0",
+        "0.29.0",
+        "0.30.0",
+        "0.33.0",
+    )
+] + [
+    ("sglang", v)
+    for v in ("0.4.6", "0.4.7", "0.5.6", "0.5.9", "0.5.19", "0.5.20", "0.5.22", "0.5.23")
+]
 
 
 def _kw(s, **kw):
@@ -375,20 +477,34 @@ def test_version_families_take_the_fast_path(engine, version):
     toks = [t for b in BLOCKS for t in b]
     neg = engine == "sglang"
     h = [-11, -12, -13, -14] if neg else [H1, H2, 5, 6]
-    kw = _kw(s, medium="GPU", group_idx=0, kv_cache_spec_kind="full_attention",
-             extra_keys=[None, None], locality="LOCAL", session_id="req-1", lookahead_token_ids=None)
+    kw = _kw(
+        s,
+        medium="GPU",
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+        extra_keys=[None, None],
+        locality="LOCAL",
+        session_id="req-1",
+        lookahead_token_ids=None,
+    )
     payloads = [
         s.batch([s.stored(h[:2], None, toks[:8], BS, **kw)]),
-        s.batch([s.stored(h[2:], h[1], toks[8:], BS, **kw), s.removed([h[3]], **_kw(s, medium="GPU"))]),
+        s.batch(
+            [s.stored(h[2:], h[1], toks[8:], BS, **kw), s.removed([h[3]], **_kw(s, medium="GPU"))]
+        ),
     ]
     if "lora_name" in s.stored_fields:
-        payloads.append(s.batch([s.stored([77, 78], None, toks[:8], BS, **kw, lora_name="sql-adapter")]))
+        payloads.append(
+            s.batch([s.stored([77, 78], None, toks[:8], BS, **kw, lora_name="sql-adapter")])
+        )
     for p in payloads:
         assert pair.apply(p), (version, pair.fb.reason)
     idx = pair.fc.indexes[("m", "t")]
     assert [tuple(x) for x in idx.query(toks, BS).hits] == [(IID, 0, 3, 0, 0)]
     if "lora_name" in s.stored_fields:
-        assert [tuple(x) for x in idx.query(toks, BS, lora_seed("sql-adapter")).hits] == [(IID, 0, 2, 0, 0)]
+        assert [tuple(x) for x in idx.query(toks, BS, lora_seed("sql-adapter")).hits] == [
+            (IID, 0, 2, 0, 0)
+        ]
     pair.check()
     assert pair.apply(s.batch([s.cleared()]))
     assert idx.summary()["hbm_blocks"] == 0
@@ -396,9 +512,11 @@ def test_version_families_take_the_fast_path(engine, version):
     pair.finish()
 
 
-@pytest.mark.parametrize("payload", [EX_A_V033, EX_B_V023, EX_C_V092, b"\x92" + EX_C_V092[1:-1],
-                                     EX_E_SGL0523, EX_E_SGL0516],
-                         ids=["a-v0.33", "b-v0.23", "c-v0.9.2", "c-v0.9.0", "e-sgl0.5.23", "e-sgl0.5.16"])
+@pytest.mark.parametrize(
+    "payload",
+    [EX_A_V033, EX_B_V023, EX_C_V092, b"\x92" + EX_C_V092[1:-1], EX_E_SGL0523, EX_E_SGL0516],
+    ids=["a-v0.33", "b-v0.23", "c-v0.9.2", "c-v0.9.0", "e-sgl0.5.23", "e-sgl0.5.16"],
+)
 def test_spec_examples_take_the_fast_path(payload):
     pair = Pair(bs=2)
     assert pair.apply(payload), pair.fb.reason
@@ -416,8 +534,18 @@ def test_common_case_is_all_fast():
         for _ in range(2):
             hs = [rng.getrandbits(64) for _ in range(32)]
             toks = [rng.randrange(150_000) for _ in range(16 * 32)]
-            evs.append(s.stored(hs, parent, toks, 16, medium="GPU", extra_keys=[None] * 32,
-                                group_idx=0, kv_cache_spec_kind="full_attention"))
+            evs.append(
+                s.stored(
+                    hs,
+                    parent,
+                    toks,
+                    16,
+                    medium="GPU",
+                    extra_keys=[None] * 32,
+                    group_idx=0,
+                    kv_cache_spec_kind="full_attention",
+                )
+            )
             parent = hs[-1] if rng.random() < 0.5 else None
         if i % 4 == 0:
             evs.append(s.removed([hs[0]], medium="GPU", group_idx=0))
@@ -439,44 +567,74 @@ def _map_batch(*events: bytes, dp: bytes = b"\x00") -> bytes:
 
 def _s(x: str) -> bytes:
     b = x.encode()
-    return bytes([0xa0 | len(b)]) + b
+    return bytes([0xA0 | len(b)]) + b
 
 
 STORED_HEAD = _s("type") + _s("BlockStored") + _s("block_hashes") + b"\x91\x05"
 
 
-@pytest.mark.parametrize("payload,reason", [
-    (ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [1], "medium": "CPU"}], 0]), "medium"),
-    (ENC.encode([TS, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "weird"}], 0]), "medium"),
-    (ENC.encode([TS, [{"type": "BlockStored", "block_hashes": ["0x10"]}], 0]), "hash"),
-    (ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [True]}], 0]), "hash"),
-    (ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [b""]}], 0]), "hash"),
-    (ENC.encode([TS, [{"type": "BlockStored", "event_id": 1}], 0]), "pool_key"),
-    (ENC.encode([TS, [{"type": "AllBlocksCleared", "backend_id": None}], 0]), "pool_key"),
-    (ENC.encode([TS, [{"type": "BlockStored", "lora_name": "é"}], 0]), "field"),
-    (ENC.encode([TS, [{"type": "BlockStored", "kv_cache_spec_kind": 5}], 0]), "field"),
-    (ENC.encode([TS, [{"type": "BlockStored", "session_id": [1]}], 0]), "field"),
-    (ENC.encode([TS, [{"type": "BlockStored", "block_size": -1}], 0]), "block_size"),
-    (ENC.encode([TS, [{"type": "BlockStored", "block_size": 2**40}], 0]), "block_size"),
-    (ENC.encode([TS, [{"type": "BlockStored", "token_ids": [2**63]}], 0]), "tokens"),
-    (ENC.encode([TS, [{"type": "BlockStored", "token_ids": [1.0]}], 0]), "tokens"),
-    (ENC.encode([TS, [{"type": "Nope"}], 0]), "event"),
-    (ENC.encode([TS, [{"block_hashes": [1]}], 0]), "event"),
-    (ENC.encode([TS, [["BlockStored", [1]], 7], 0]), "event"),
-    (ENC.encode([TS, [{"type": "BlockStored", "extra_keys": msgspec.msgpack.Ext(1, b"")}], 0]),
-     "skipped_value"),
-    (_map_batch(b"\x83" + STORED_HEAD + _s("extra_keys") + b"\x91" * 40 + b"\xc0"), "skipped_value"),
-    (_map_batch(b"\x83" + STORED_HEAD + _s("block_hashes") + b"\x91\x06"), "duplicate_key"),
-    (_map_batch(b"\x82" + STORED_HEAD, dp=b"\x00\x00"), "envelope"),
-    (_map_batch(b"\x82" + STORED_HEAD, dp=b"\xa1x"), "envelope"),
-    (ENC.encode([1700000000, [], 0]), "envelope"),
-    (ENC.encode([TS, 0, []]), "envelope"),
-    (_map_batch(b"\x82" + STORED_HEAD)[:-3], "truncated"),
-])
+@pytest.mark.parametrize(
+    "payload,reason",
+    [
+        (
+            ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [1], "medium": "CPU"}], 0]),
+            "medium",
+        ),
+        (
+            ENC.encode([TS, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "weird"}], 0]),
+            "medium",
+        ),
+        (ENC.encode([TS, [{"type": "BlockStored", "block_hashes": ["0x10"]}], 0]), "hash"),
+        (ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [True]}], 0]), "hash"),
+        (ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [b""]}], 0]), "hash"),
+        (ENC.encode([TS, [{"type": "BlockStored", "event_id": 1}], 0]), "pool_key"),
+        (ENC.encode([TS, [{"type": "AllBlocksCleared", "backend_id": None}], 0]), "pool_key"),
+        (ENC.encode([TS, [{"type": "BlockStored", "lora_name": "é"}], 0]), "field"),
+        (ENC.encode([TS, [{"type": "BlockStored", "kv_cache_spec_kind": 5}], 0]), "field"),
+        (ENC.encode([TS, [{"type": "BlockStored", "session_id": [1]}], 0]), "field"),
+        (ENC.encode([TS, [{"type": "BlockStored", "block_size": -1}], 0]), "block_size"),
+        (ENC.encode([TS, [{"type": "BlockStored", "block_size": 2**40}], 0]), "block_size"),
+        (ENC.encode([TS, [{"type": "BlockStored", "token_ids": [2**63]}], 0]), "tokens"),
+        (ENC.encode([TS, [{"type": "BlockStored", "token_ids": [1.0]}], 0]), "tokens"),
+        (ENC.encode([TS, [{"type": "Nope"}], 0]), "event"),
+        (ENC.encode([TS, [{"block_hashes": [1]}], 0]), "event"),
+        (ENC.encode([TS, [["BlockStored", [1]], 7], 0]), "event"),
+        (
+            ENC.encode(
+                [TS, [{"type": "BlockStored", "extra_keys": msgspec.msgpack.Ext(1, b"")}], 0]
+            ),
+            "skipped_value",
+        ),
+        (
+            _map_batch(b"\x83" + STORED_HEAD + _s("extra_keys") + b"\x91" * 40 + b"\xc0"),
+            "skipped_value",
+        ),
+        (_map_batch(b"\x83" + STORED_HEAD + _s("block_hashes") + b"\x91\x06"), "duplicate_key"),
+        (_map_batch(b"\x82" + STORED_HEAD, dp=b"\x00\x00"), "envelope"),
+        (_map_batch(b"\x82" + STORED_HEAD, dp=b"\xa1x"), "envelope"),
+        (ENC.encode([1700000000, [], 0]), "envelope"),
+        (ENC.encode([TS, 0, []]), "envelope"),
+        (_map_batch(b"\x82" + STORED_HEAD)[:-3], "truncated"),
+    ],
+)
 def test_declined_batches_go_to_the_python_path(payload, reason):
     pair = Pair()
-    pair.apply(ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [1, 2],
-                                  "token_ids": BLOCKS[0] + BLOCKS[1], "block_size": BS}], 0]))
+    pair.apply(
+        ENC.encode(
+            [
+                TS,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [1, 2],
+                        "token_ids": BLOCKS[0] + BLOCKS[1],
+                        "block_size": BS,
+                    }
+                ],
+                0,
+            ]
+        )
+    )
     assert not pair.apply(payload)
     assert pair.fb.reason == reason
     pair.finish()
@@ -486,16 +644,67 @@ def test_accepted_oddities():
     """Things msgspec accepts that the fast path handles too."""
     pair = Pair()
     cases = [
-        _map_batch(b"\x83" + _s("block_size") + b"\x04" + STORED_HEAD),                # "type" not first
-        _map_batch(b"\x83" + STORED_HEAD + _s("zzz") + b"\xa2\xff\xfe"),               # bad UTF-8, skipped
+        _map_batch(b"\x83" + _s("block_size") + b"\x04" + STORED_HEAD),  # "type" not first
+        _map_batch(b"\x83" + STORED_HEAD + _s("zzz") + b"\xa2\xff\xfe"),  # bad UTF-8, skipped
         _map_batch(b"\x83" + STORED_HEAD + _s("extra_keys") + b"\x91" * 20 + b"\xc0"),  # nesting 20
-        ENC.encode([TS, [["BlockStored", [9], None, [], 4, None, None, None, None, 0, None, None,
-                          "extra", ["more"], {"x": 1}]], None]),                        # trailing fields
-        ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [11], "token_ids": [-1, 2**32 + 3],
-                          "block_size": BS, "medium": "", "lora_name": ""}], 2**64 - 1]),
-        ENC.encode([TS, [{"type": "BlockRemoved", "block_hashes": [11], "parent_block_hash": "x"}]]),
-        ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [b"\x00" * 31 + b"\x0c"], "block_size": 0,
-                          "kv_cache_spec_kind": "sliding_window"}], 0]),
+        ENC.encode(
+            [
+                TS,
+                [
+                    [
+                        "BlockStored",
+                        [9],
+                        None,
+                        [],
+                        4,
+                        None,
+                        None,
+                        None,
+                        None,
+                        0,
+                        None,
+                        None,
+                        "extra",
+                        ["more"],
+                        {"x": 1},
+                    ]
+                ],
+                None,
+            ]
+        ),  # trailing fields
+        ENC.encode(
+            [
+                TS,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [11],
+                        "token_ids": [-1, 2**32 + 3],
+                        "block_size": BS,
+                        "medium": "",
+                        "lora_name": "",
+                    }
+                ],
+                2**64 - 1,
+            ]
+        ),
+        ENC.encode(
+            [TS, [{"type": "BlockRemoved", "block_hashes": [11], "parent_block_hash": "x"}]]
+        ),
+        ENC.encode(
+            [
+                TS,
+                [
+                    {
+                        "type": "BlockStored",
+                        "block_hashes": [b"\x00" * 31 + b"\x0c"],
+                        "block_size": 0,
+                        "kv_cache_spec_kind": "sliding_window",
+                    }
+                ],
+                0,
+            ]
+        ),
         ENC.encode([TS, [{"type": "BlockStored", "block_hashes": [13], "block_size": 8}], 0]),
     ]
     for p in cases:
@@ -507,9 +716,15 @@ def test_accepted_oddities():
 def test_store_errors_are_counted_like_the_python_path():
     pair = Pair()
     s = schema("vllm", "0.33.0")
-    assert pair.apply(s.batch([s.stored([7], 999, BLOCKS[0], BS, medium="GPU"),          # no parent
-                               s.stored([1, 2], None, BLOCKS[0] + BLOCKS[1], BS, medium="GPU"),
-                               s.stored([3, 3], 2, BLOCKS[2] + BLOCKS[3], BS, medium="GPU")]))  # repeat
+    assert pair.apply(
+        s.batch(
+            [
+                s.stored([7], 999, BLOCKS[0], BS, medium="GPU"),  # no parent
+                s.stored([1, 2], None, BLOCKS[0] + BLOCKS[1], BS, medium="GPU"),
+                s.stored([3, 3], 2, BLOCKS[2] + BLOCKS[3], BS, medium="GPU"),
+            ]
+        )
+    )  # repeat
     assert pair.fast.stats.dropped == {"parent_not_found": 1, "invalid_block_sequence": 1}
     assert pair.fast.stats.blocks == 2
     pair.finish()
@@ -530,13 +745,16 @@ class CountingConductor(FakeConductor):
 
 def test_lazy_index_and_worker_creation():
     pair = Pair(media=(Medium.NPU, Medium.CPU), conductor_cls=CountingConductor)
-    assert pair.apply(ENC.encode([TS, [], 0]))                  # no events: no index
+    assert pair.apply(ENC.encode([TS, [], 0]))  # no events: no index
     assert pair.fc.calls == pair.pc.calls == 0
-    assert pair.apply(ENC.encode([TS, [["AllBlocksCleared"], ["BlockRemoved", []],
-                                       ["BlockStored", [], None, [], 4]], 0]))
+    assert pair.apply(
+        ENC.encode(
+            [TS, [["AllBlocksCleared"], ["BlockRemoved", []], ["BlockStored", [], None, [], 4]], 0]
+        )
+    )
     assert pair.fc.calls == pair.pc.calls == 1
     idx = pair.fc.indexes[("m", "t")]
-    assert idx.workers_of(IID) == [] and pair.fast.touched == {}   # nothing needed a worker
+    assert idx.workers_of(IID) == [] and pair.fast.touched == {}  # nothing needed a worker
     assert pair.apply(ENC.encode([TS, [["BlockRemoved", [5], "GPU"]], 0]))
     assert len(idx.workers_of(IID)) == 1 and pair.fast.touched == {}
     assert pair.apply(ENC.encode([TS, [["BlockStored", [5], None, BLOCKS[0], 4]], 0]))
@@ -546,8 +764,9 @@ def test_lazy_index_and_worker_creation():
 
 def test_get_or_create_index_failure_counts_like_python_path():
     pair = Pair(conductor_cls=lambda impl: CountingConductor(impl, fail=True))
-    assert pair.apply(ENC.encode([TS, [["BlockStored", [5], None, BLOCKS[0], 4],
-                                       ["AllBlocksCleared"]], 0]))
+    assert pair.apply(
+        ENC.encode([TS, [["BlockStored", [5], None, BLOCKS[0], 4], ["AllBlocksCleared"]], 0])
+    )
     assert pair.fast.stats.events == 1 and pair.fast.stats.dropped == {"apply_error": 1}
     pair.check_stats()
 
@@ -578,13 +797,13 @@ def test_fast_batch_api_errors():
     p = ENC.encode([TS, [["BlockStored", [5], None, BLOCKS[0], 4], ["AllBlocksCleared"]], 0])
     assert fb.parse(p, BS) == 2 and fb.needs_worker and fb.touches and fb.has_clear
     with pytest.raises(ValueError):
-        fb.apply(core, 1)                     # a CPU worker
+        fb.apply(core, 1)  # a CPU worker
     assert fb.parse(p, BS) == 2
     with pytest.raises(KeyError):
-        fb.apply(core, 0, [7])                # unknown clear worker
-    assert core.stats()["hbm_pairs"] == 0    # nothing applied
+        fb.apply(core, 0, [7])  # unknown clear worker
+    assert core.stats()["hbm_pairs"] == 0  # nothing applied
     assert fb.parse(memoryview(bytearray(p)), BS) == 2
-    assert fb.apply(core, 0, [0, 1]) == (1, 0, 0, 0)    # stored, then cleared
+    assert fb.apply(core, 0, [0, 1]) == (1, 0, 0, 0)  # stored, then cleared
     assert core.stats()["hbm_pairs"] == 0
     assert fb.parse(b"", BS) == -1 and fb.reason == "envelope"
     assert fb.parsed == 3 and fb.rejected == 1
@@ -598,8 +817,9 @@ def test_huge_batch_then_small():
     big = ENC.encode([TS, [["BlockStored", list(range(1, n + 1)), None, [1] * (n * BS), BS]], 0])
     assert fb.parse(big, BS) == 1
     assert fb.apply(core, 0) == (n, 0, 0, 0)
-    small = ENC.encode([TS, [["BlockRemoved", [1, 2]], ["BlockStored", [n + 9], None, [3] * BS, BS]], 0])
+    small = ENC.encode(
+        [TS, [["BlockRemoved", [1, 2]], ["BlockStored", [n + 9], None, [3] * BS, BS]], 0]
+    )
     assert fb.parse(small, BS) == 2
     assert fb.apply(core, 0) == (1, 0, 0, 0)
     assert core.stats()["hbm_pairs"] == n - 2 + 1
-

@@ -3,19 +3,20 @@ the Coordinator registers and queries over HTTP.
 
 Every expectation is computed by hand from the published chains (block_size 4).
 """
+
 from __future__ import annotations
 
 import msgspec
 import pytest
-
-from kvconductor._hash import hash_blocks
 from publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema, wait_until
 from test_server import Server
+
+from kvconductor._hash import hash_blocks
 
 pytestmark = pytest.mark.server
 
 BS = 4
-TOKENS = list(range(100, 124))          # 6 blocks of 4 tokens
+TOKENS = list(range(100, 124))  # 6 blocks of 4 tokens
 HASHES = [0xA000 + i for i in range(6)]  # engine block hashes, one per block
 
 
@@ -30,8 +31,11 @@ def server(tmp_path):
 def query(server, tokens, msgpack=False):
     body = {"model": "qwen", "block_size": BS, "token_ids": tokens}
     if msgpack:
-        r = server.http.post("/query", content=msgspec.msgpack.encode(body),
-                             headers={"Content-Type": "application/msgpack"})
+        r = server.http.post(
+            "/query",
+            content=msgspec.msgpack.encode(body),
+            headers={"Content-Type": "application/msgpack"},
+        )
         assert r.headers["content-type"].startswith("application/msgpack")
         return r.status_code, msgspec.msgpack.decode(r.content)
     r = server.http.post("/query", json=body)
@@ -46,10 +50,18 @@ def test_vllm_publisher_to_query(server):
     """register -> vLLM 0.33 map events over tcp -> /query reports the NPU hits."""
     pub = FakePublisher(replay=False)
     try:
-        r = server.http.post("/register", json={
-            "instance_id": "vllm-prefill-1", "type": "vLLM", "modelname": "qwen",
-            "block_size": BS, "dp_rank": 0, "store_backend": "YuanRong",
-            "medium_endpoints": {"npu": pub.url}})
+        r = server.http.post(
+            "/register",
+            json={
+                "instance_id": "vllm-prefill-1",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": BS,
+                "dp_rank": 0,
+                "store_backend": "YuanRong",
+                "medium_endpoints": {"npu": pub.url},
+            },
+        )
         assert r.status_code == 201
         v = schema("vllm", "0.33.0")
         # Keep publishing until the SUB is connected (PUB drops before that).
@@ -63,17 +75,38 @@ def test_vllm_publisher_to_query(server):
 
         wait_until(indexed, msg="first batch indexed")
         pub.publish(v.batch([v.stored(HASHES[4:6], HASHES[3], TOKENS[16:24], BS, medium="GPU")]))
-        wait_until(lambda: (dp_entry(query(server, TOKENS)[1], "vllm-prefill-1") or {})
-                   .get("npu_blocks") == 6, msg="second batch indexed")
+        wait_until(
+            lambda: (
+                (dp_entry(query(server, TOKENS)[1], "vllm-prefill-1") or {}).get("npu_blocks") == 6
+            ),
+            msg="second batch indexed",
+        )
         st, body = query(server, TOKENS + [1, 2, 3, 4], msgpack=True)
         assert st == 200
         # 6 cached blocks of 4 tokens; the 7th block is not cached.
-        assert body == {"default": {"vllm-prefill-1": {"longest_matched": 24, "DP": {"0": {
-            "matched_tokens": 24, "npu_blocks": 6, "cpu_blocks": 0, "disk_blocks": 0}}}}}
+        assert body == {
+            "default": {
+                "vllm-prefill-1": {
+                    "longest_matched": 24,
+                    "DP": {
+                        "0": {
+                            "matched_tokens": 24,
+                            "npu_blocks": 6,
+                            "cpu_blocks": 0,
+                            "disk_blocks": 0,
+                        }
+                    },
+                }
+            }
+        }
         # An eviction of block 3 cuts the prefix to 3 blocks.
         pub.publish(v.batch([v.removed([HASHES[3]], medium="GPU")]))
-        wait_until(lambda: (dp_entry(query(server, TOKENS)[1], "vllm-prefill-1") or {})
-                   .get("npu_blocks") == 3, msg="removal applied")
+        wait_until(
+            lambda: (
+                (dp_entry(query(server, TOKENS)[1], "vllm-prefill-1") or {}).get("npu_blocks") == 3
+            ),
+            msg="removal applied",
+        )
         sources = server.http.get("/workers").json()["sources"]
         assert any(s["instance_id"] == "vllm-prefill-1" and s["state"] == "live" for s in sources)
     finally:
@@ -86,24 +119,45 @@ def test_gap_is_replayed_through_the_server(server):
     try:
         v = schema("vllm", "0.33.0")
         warm = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
-        r = server.http.post("/register", json={
-            "instance_id": "vllm-prefill-2", "type": "vLLM", "modelname": "qwen",
-            "block_size": BS, "dp_rank": 0, "store_backend": "YuanRong",
-            "medium_endpoints": {"npu": pub.url}, "replay_endpoint": pub.replay_url})
+        r = server.http.post(
+            "/register",
+            json={
+                "instance_id": "vllm-prefill-2",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": BS,
+                "dp_rank": 0,
+                "store_backend": "YuanRong",
+                "medium_endpoints": {"npu": pub.url},
+                "replay_endpoint": pub.replay_url,
+            },
+        )
         assert r.status_code == 201
 
         def warmed():
             pub.publish(warm)
-            return (dp_entry(query(server, TOKENS[:4])[1], "vllm-prefill-2") or {}).get("npu_blocks") == 1
+            return (dp_entry(query(server, TOKENS[:4])[1], "vllm-prefill-2") or {}).get(
+                "npu_blocks"
+            ) == 1
 
         wait_until(warmed, msg="warm-up batch indexed")
         # seq n+1 never reaches the subscriber; seq n+2 reveals the gap.
-        pub.publish(v.batch([v.stored(HASHES[1:3], HASHES[0], TOKENS[4:12], BS, medium="GPU")]), drop=True)
+        pub.publish(
+            v.batch([v.stored(HASHES[1:3], HASHES[0], TOKENS[4:12], BS, medium="GPU")]), drop=True
+        )
         pub.publish(v.batch([v.stored(HASHES[3:4], HASHES[2], TOKENS[12:16], BS, medium="GPU")]))
-        wait_until(lambda: (dp_entry(query(server, TOKENS[:16])[1], "vllm-prefill-2") or {})
-                   .get("npu_blocks") == 4, msg="gap replayed")
-        src = [s for s in server.http.get("/workers").json()["sources"]
-               if s["instance_id"] == "vllm-prefill-2"]
+        wait_until(
+            lambda: (
+                (dp_entry(query(server, TOKENS[:16])[1], "vllm-prefill-2") or {}).get("npu_blocks")
+                == 4
+            ),
+            msg="gap replayed",
+        )
+        src = [
+            s
+            for s in server.http.get("/workers").json()["sources"]
+            if s["instance_id"] == "vllm-prefill-2"
+        ]
         assert src and src[0]["gaps"] >= 1 and src[0]["replays"] >= 1
     finally:
         pub.stop()
@@ -114,25 +168,58 @@ def test_mooncake_pool_confirms_engine_offload(server):
     eng = FakePublisher(replay=False)
     pool = PoolPublisher()
     try:
-        assert server.http.post("/register", json={
-            "instance_id": "vllm-prefill-3", "type": "vLLM", "modelname": "qwen",
-            "block_size": BS, "dp_rank": 0, "store_backend": "Mooncake",
-            "medium_endpoints": {"npu": eng.url}}).status_code == 201
-        assert server.http.post("/register", json={
-            "instance_id": "mooncake-pool", "type": "vLLM", "modelname": "qwen",
-            "block_size": BS, "dp_rank": 0, "store_backend": "Mooncake",
-            "endpoint": pool.url}).status_code == 201
+        assert (
+            server.http.post(
+                "/register",
+                json={
+                    "instance_id": "vllm-prefill-3",
+                    "type": "vLLM",
+                    "modelname": "qwen",
+                    "block_size": BS,
+                    "dp_rank": 0,
+                    "store_backend": "Mooncake",
+                    "medium_endpoints": {"npu": eng.url},
+                },
+            ).status_code
+            == 201
+        )
+        assert (
+            server.http.post(
+                "/register",
+                json={
+                    "instance_id": "mooncake-pool",
+                    "type": "vLLM",
+                    "modelname": "qwen",
+                    "block_size": BS,
+                    "dp_rank": 0,
+                    "store_backend": "Mooncake",
+                    "endpoint": pool.url,
+                },
+            ).status_code
+            == 201
+        )
         v = schema("vllm", "0.33.0")
         hbm = v.batch([v.stored(HASHES[:2], None, TOKENS[:8], BS, medium="GPU")])
 
         def hbm_indexed():
             eng.publish(hbm)
-            return (dp_entry(query(server, TOKENS[:8])[1], "vllm-prefill-3") or {}).get("npu_blocks") == 2
+            return (dp_entry(query(server, TOKENS[:8])[1], "vllm-prefill-3") or {}).get(
+                "npu_blocks"
+            ) == 2
 
         wait_until(hbm_indexed, msg="HBM blocks indexed")
         eng.publish(v.batch([v.stored(HASHES[2:4], HASHES[1], TOKENS[8:16], BS, medium="CPU")]))
-        confirm = mooncake_tuple([{"event_id": 1, "event_type": "stored", "backend_id": "127.0.0.1",
-                                   "medium": "cpu", "seq_hashes": HASHES[2:4]}])
+        confirm = mooncake_tuple(
+            [
+                {
+                    "event_id": 1,
+                    "event_type": "stored",
+                    "backend_id": "127.0.0.1",
+                    "medium": "cpu",
+                    "seq_hashes": HASHES[2:4],
+                }
+            ]
+        )
 
         def cpu_hit():
             pool.publish(confirm)
@@ -142,8 +229,10 @@ def test_mooncake_pool_confirms_engine_offload(server):
         wait_until(cpu_hit, msg="pool confirmation joined")
         st, body = query(server, TOKENS[:16])
         # NPU blocks 0..1, CPU blocks 2..3 chained after the engine's own HBM breakpoint.
-        assert body["default"]["vllm-prefill-3"] == {"longest_matched": 16, "DP": {"0": {
-            "matched_tokens": 16, "npu_blocks": 2, "cpu_blocks": 2, "disk_blocks": 0}}}
+        assert body["default"]["vllm-prefill-3"] == {
+            "longest_matched": 16,
+            "DP": {"0": {"matched_tokens": 16, "npu_blocks": 2, "cpu_blocks": 2, "disk_blocks": 0}},
+        }
     finally:
         eng.stop()
         pool.stop()
@@ -154,10 +243,21 @@ def test_hash_golden_vectors_over_query_by_hash(server):
     with /query."""
     pub = FakePublisher(replay=False)
     try:
-        assert server.http.post("/register", json={
-            "instance_id": "vllm-prefill-4", "type": "vLLM", "modelname": "qwen",
-            "block_size": BS, "dp_rank": 1, "store_backend": "YuanRong",
-            "medium_endpoints": {"gpu": pub.url}}).status_code == 201
+        assert (
+            server.http.post(
+                "/register",
+                json={
+                    "instance_id": "vllm-prefill-4",
+                    "type": "vLLM",
+                    "modelname": "qwen",
+                    "block_size": BS,
+                    "dp_rank": 1,
+                    "store_backend": "YuanRong",
+                    "medium_endpoints": {"gpu": pub.url},
+                },
+            ).status_code
+            == 201
+        )
         v = schema("vllm", "0.9.2")
         toks = list(range(12))
         b = v.batch([v.stored([11, 12, 13], None, toks, BS)], dp=1)
@@ -169,10 +269,24 @@ def test_hash_golden_vectors_over_query_by_hash(server):
         wait_until(indexed, msg="0.9.2 array batch indexed")
         hashes = list(hash_blocks(toks, BS))
         assert hashes == [9143094415614847814, 12124091508212882195, 1088361764653601668]
-        r = server.http.post("/query_by_hash", json={"model": "qwen", "block_size": BS,
-                                                     "block_hashes": hashes})
-        assert r.json() == {"default": {"vllm-prefill-4": {"longest_matched": 3, "DP": {"1": {
-            "matched_tokens": 3, "npu_blocks": 3, "cpu_blocks": 0, "disk_blocks": 0}}}}}
+        r = server.http.post(
+            "/query_by_hash", json={"model": "qwen", "block_size": BS, "block_hashes": hashes}
+        )
+        assert r.json() == {
+            "default": {
+                "vllm-prefill-4": {
+                    "longest_matched": 3,
+                    "DP": {
+                        "1": {
+                            "matched_tokens": 3,
+                            "npu_blocks": 3,
+                            "cpu_blocks": 0,
+                            "disk_blocks": 0,
+                        }
+                    },
+                }
+            }
+        }
     finally:
         pub.stop()
 
@@ -188,11 +302,19 @@ def test_conductor_restart_replays_every_dp_of_an_instance(tmp_path):
     chains = [[1000 * (d + 1) + i for i in range(12)] for d in range(2)]
 
     def register(srv, d):
-        r = srv.http.post("/register", json={
-            "instance_id": "vllm-prefill-7", "type": "vLLM", "modelname": "qwen",
-            "block_size": BS, "dp_rank": d, "store_backend": "Mooncake",
-            "medium_endpoints": {"xpu": pubs[d].url, "cpu": "", "disk": ""},
-            "replay_endpoint": pubs[d].replay_url})
+        r = srv.http.post(
+            "/register",
+            json={
+                "instance_id": "vllm-prefill-7",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": BS,
+                "dp_rank": d,
+                "store_backend": "Mooncake",
+                "medium_endpoints": {"xpu": pubs[d].url, "cpu": "", "disk": ""},
+                "replay_endpoint": pubs[d].replay_url,
+            },
+        )
         assert r.status_code == 201, r.text
 
     def hits(srv, d):
@@ -200,8 +322,20 @@ def test_conductor_restart_replays_every_dp_of_an_instance(tmp_path):
 
     try:
         for d, pub in enumerate(pubs):
-            pub.publish(v.batch([v.stored([0xD000 + 16 * d + i for i in range(3)], None,
-                                          chains[d], BS, medium="GPU")], dp=d))
+            pub.publish(
+                v.batch(
+                    [
+                        v.stored(
+                            [0xD000 + 16 * d + i for i in range(3)],
+                            None,
+                            chains[d],
+                            BS,
+                            medium="GPU",
+                        )
+                    ],
+                    dp=d,
+                )
+            )
         # The conductor starts after the engines published (a restart): only replay
         # can bring these blocks back.
         srv = Server(tmp_path)
@@ -211,13 +345,27 @@ def test_conductor_restart_replays_every_dp_of_an_instance(tmp_path):
                 register(srv, d)
             for d in range(2):
                 wait_until(lambda d=d: hits(srv, d) == 3, msg=f"DP {d} replayed")
-            assert query(srv, chains[0])[1] == {"default": {"vllm-prefill-7": {
-                "longest_matched": 12, "DP": {"0": {"matched_tokens": 12, "npu_blocks": 3,
-                                                    "cpu_blocks": 0, "disk_blocks": 0}}}}}
+            assert query(srv, chains[0])[1] == {
+                "default": {
+                    "vllm-prefill-7": {
+                        "longest_matched": 12,
+                        "DP": {
+                            "0": {
+                                "matched_tokens": 12,
+                                "npu_blocks": 3,
+                                "cpu_blocks": 0,
+                                "disk_blocks": 0,
+                            }
+                        },
+                    }
+                }
+            }
             assert [p.replay_requests for p in pubs] == [[0], [0]]
             log = srv.log()
-            assert "empty endpoint URLs ignored: medium_endpoints['cpu'], " \
-                   "medium_endpoints['disk']" in log
+            assert (
+                "empty endpoint URLs ignored: medium_endpoints['cpu'], "
+                "medium_endpoints['disk']" in log
+            )
         finally:
             srv.terminate()
         # A second restart: the same again, and the identical re-registration that the
@@ -230,8 +378,11 @@ def test_conductor_restart_replays_every_dp_of_an_instance(tmp_path):
             for d in range(2):
                 wait_until(lambda d=d: hits(srv, d) == 3, msg=f"DP {d} replayed again")
             register(srv, 1)
-            src = [s for s in srv.http.get("/workers").json()["sources"]
-                   if s["instance_id"] == "vllm-prefill-7"]
+            src = [
+                s
+                for s in srv.http.get("/workers").json()["sources"]
+                if s["instance_id"] == "vllm-prefill-7"
+            ]
             assert sorted((s["dp_rank"], s["replays"]) for s in src) == [(0, 1), (1, 1)]
             assert [p.replay_requests for p in pubs] == [[0, 0], [0, 0]]
         finally:
@@ -249,14 +400,24 @@ def test_lora_events_over_zmq_and_lora_queries_through_the_client(server):
     pub = FakePublisher(replay=False)
     v = schema("vllm", "0.33.0")
     try:
-        r = server.http.post("/register", json={
-            "instance_id": "vllm-prefill-9", "type": "vLLM", "modelname": "qwen",
-            "block_size": BS, "dp_rank": 0, "medium_endpoints": {"npu": pub.url}})
+        r = server.http.post(
+            "/register",
+            json={
+                "instance_id": "vllm-prefill-9",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": BS,
+                "dp_rank": 0,
+                "medium_endpoints": {"npu": pub.url},
+            },
+        )
         assert r.status_code == 201
-        lora_batch = v.batch([v.stored(HASHES[:4], None, TOKENS[:16], BS, medium="GPU",
-                                       lora_name="sql-adapter")])
+        lora_batch = v.batch(
+            [v.stored(HASHES[:4], None, TOKENS[:16], BS, medium="GPU", lora_name="sql-adapter")]
+        )
         base_batch = v.batch([v.stored(HASHES[4:5], None, TOKENS[:4], BS, medium="GPU")])
         with ConductorClient(server.url) as client:
+
             def npu(lora, packed=False):
                 res = client.query("qwen", TOKENS[:16], BS, lora_name=lora, packed=packed)
                 return (dp_entry(res, "vllm-prefill-9") or {}).get("npu_blocks", 0)

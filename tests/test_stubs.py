@@ -1,4 +1,5 @@
 """The .pyi stubs name exactly the public callables and constants of the compiled modules."""
+
 from __future__ import annotations
 
 import ast
@@ -27,7 +28,11 @@ def stub_names(name: str) -> set[str]:
 @pytest.mark.parametrize("name", MODULES)
 def test_stub_matches_module(name):
     mod = importlib.import_module(f"kvconductor.{name}")
-    public = {n for n, v in vars(mod).items()
-              if not n.startswith("_") and getattr(v, "__module__", mod.__name__) == mod.__name__
-              and (callable(v) or isinstance(v, (int, str, tuple)))}
+    public = {
+        n
+        for n, v in vars(mod).items()
+        if not n.startswith("_")
+        and getattr(v, "__module__", mod.__name__) == mod.__name__
+        and (callable(v) or isinstance(v, (int, str, tuple)))
+    }
     assert stub_names(name) == public

@@ -1,4 +1,5 @@
 """vLLM / SGLang batch decoding against byte-level example payloads of vLLM / SGLang releases."""
+
 from __future__ import annotations
 
 import os
@@ -11,57 +12,70 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from publishers import H1, H2, TS, hexbytes, schema  # noqa: E402
+from publishers import H1, H2, TS, hexbytes, schema
 
-from kvconductor.ingest.vllm import (Cleared, DecodeError, Dropped, Removed, Stored,  # noqa: E402
-                                     decode_event, decode_vllm_batch, engine_hash,
-                                     parse_hash_str)
+from kvconductor.ingest.vllm import (
+    Cleared,
+    DecodeError,
+    Dropped,
+    Removed,
+    Stored,
+    decode_event,
+    decode_vllm_batch,
+    engine_hash,
+    parse_hash_str,
+)
 
 # --- example payloads (hex, byte by byte) --------------------------------------------------
 
-EX_A_V033 = hexbytes('''
+EX_A_V033 = hexbytes("""
 93 cb 41 d9 54 fc 40 20 00 00 92
 84 a4 74 79 70 65 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64
    ac 62 6c 6f 63 6b 5f 68 61 73 68 65 73 91 cf 88 77 66 55 44 33 22 11
    a6 6d 65 64 69 75 6d a3 47 50 55  a9 67 72 6f 75 70 5f 69 64 78 00
 81 a4 74 79 70 65 b0 41 6c 6c 42 6c 6f 63 6b 73 43 6c 65 61 72 65 64
-01''')
+01""")
 
-EX_B_V023 = hexbytes('''
+EX_B_V023 = hexbytes("""
 93 cb 41 d9 54 fc 40 20 00 00 91
 9c ab 42 6c 6f 63 6b 53 74 6f 72 65 64
 92 cf 11 22 33 44 55 66 77 88 cf 88 77 66 55 44 33 22 11
 c0 94 01 02 03 04 02 c0 a3 47 50 55 c0 92 c0 c0 00
-ae 66 75 6c 6c 5f 61 74 74 65 6e 74 69 6f 6e c0 00''')
+ae 66 75 6c 6c 5f 61 74 74 65 6e 74 69 6f 6e c0 00""")
 
-EX_C_V092 = hexbytes('''
+EX_C_V092 = hexbytes("""
 93 cb 41 d9 54 fc 40 20 00 00 91 96 ab 42 6c 6f 63 6b 53 74 6f 72 65 64
-92 cf 11 22 33 44 55 66 77 88 cf 88 77 66 55 44 33 22 11 c0 94 01 02 03 04 02 c0 00''')
+92 cf 11 22 33 44 55 66 77 88 cf 88 77 66 55 44 33 22 11 c0 94 01 02 03 04 02 c0 00""")
 
-EX_E_SGL0523 = hexbytes('''
+EX_E_SGL0523 = hexbytes("""
 93 cb 41 d9 54 fc 40 20 00 00 93
 87 a4 "type" ab "BlockStored" ac "block_hashes" 91 fb  b1 "parent_block_hash" c0
    a9 "token_ids" 92 01 02  aa "block_size" 02  a7 "lora_id" c0  a6 "medium" a3 "GPU"
 83 a4 "type" ac "BlockRemoved" ac "block_hashes" 91 fb  a6 "medium" a3 "GPU"
 81 a4 "type" b0 "AllBlocksCleared"
-00''')
+00""")
 
-EX_E_SGL0516 = hexbytes('''
+EX_E_SGL0516 = hexbytes("""
 93 cb 41 d9 54 fc 40 20 00 00 93 97 ab "BlockStored" 91 fb c0 92 01 02 02 c0 a3 "GPU"
-93 ac "BlockRemoved" 91 fb a3 "GPU" 91 b0 "AllBlocksCleared" 00''')
+93 ac "BlockRemoved" 91 fb a3 "GPU" 91 b0 "AllBlocksCleared" 00""")
 
 NEG5 = (1 << 64) - 5
 
 
 def _stored_v033(**kw):
     s = schema("vllm", "0.33.0")
-    args = dict(medium="GPU", extra_keys=[None, None], group_idx=0,
-                kv_cache_spec_kind="full_attention")
+    args = {
+        "medium": "GPU",
+        "extra_keys": [None, None],
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
     args.update(kw)
     return s, s.stored([H1, H2], None, [1, 2, 3, 4], 2, **args)
 
 
 # --- fixtures are byte-exact ------------------------------------------------------------------
+
 
 def test_fixture_v033_removed_cleared_bytes():
     s = schema("vllm", "0.33.0")
@@ -78,8 +92,16 @@ def test_fixture_v033_stored_is_11_key_map_of_200_bytes():
 
 def test_fixture_v023_bytes():
     s = schema("vllm", "0.23.0")
-    ev = s.stored([H1, H2], None, [1, 2, 3, 4], 2, medium="GPU", extra_keys=[None, None],
-                  group_idx=0, kv_cache_spec_kind="full_attention")
+    ev = s.stored(
+        [H1, H2],
+        None,
+        [1, 2, 3, 4],
+        2,
+        medium="GPU",
+        extra_keys=[None, None],
+        group_idx=0,
+        kv_cache_spec_kind="full_attention",
+    )
     b = s.batch([ev], dp=0)
     assert b == EX_B_V023 and len(b) == 77
 
@@ -95,14 +117,23 @@ def test_fixture_v092_and_v090_bytes():
 
 def test_fixture_sglang_bytes():
     s = schema("sglang", "0.5.23")
-    evs = [s.stored([-5], None, [1, 2], 2, medium="GPU"), s.removed([-5], medium="GPU"), s.cleared()]
+    evs = [
+        s.stored([-5], None, [1, 2], 2, medium="GPU"),
+        s.removed([-5], medium="GPU"),
+        s.cleared(),
+    ]
     assert s.batch(evs, dp=0) == EX_E_SGL0523 and len(EX_E_SGL0523) == 177
     s = schema("sglang", "0.5.16")
-    evs = [s.stored([-5], None, [1, 2], 2, medium="GPU"), s.removed([-5], medium="GPU"), s.cleared()]
+    evs = [
+        s.stored([-5], None, [1, 2], 2, medium="GPU"),
+        s.removed([-5], medium="GPU"),
+        s.cleared(),
+    ]
     assert s.batch(evs, dp=0) == EX_E_SGL0516
 
 
 # --- decoding the example payloads -------------------------------------------------------------
+
 
 def test_decode_example_a_v033_map():
     b = decode_vllm_batch(EX_A_V033)
@@ -136,8 +167,14 @@ def test_decode_example_c_v092_and_v090():
 
 
 def test_decode_v033_stored_map_all_fields():
-    s, ev = _stored_v033(lora_name="sql", locality="LOCAL", ownership="t2", session_id="s1",
-                         lookahead_token_ids=[[9, 9]], kv_cache_spec_sliding_window=None)
+    s, ev = _stored_v033(
+        lora_name="sql",
+        locality="LOCAL",
+        ownership="t2",
+        session_id="s1",
+        lookahead_token_ids=[[9, 9]],
+        kv_cache_spec_sliding_window=None,
+    )
     b = decode_vllm_batch(s.batch([ev], dp=3))
     e = b.events[0]
     assert isinstance(e, Stored) and b.dp_rank == 3
@@ -150,12 +187,20 @@ def test_decode_v033_bytes_hashes_example_d():
     digest1 = bytes(range(32))
     digest2 = bytes(range(100, 132))
     s = schema("vllm", "0.33.0")
-    payload = s.batch([s.stored([digest1, digest2], bytes(range(50, 82)), [1, 2, 3, 4], 2,
-                                medium="GPU", group_idx=0)], dp=0)
+    payload = s.batch(
+        [
+            s.stored(
+                [digest1, digest2], bytes(range(50, 82)), [1, 2, 3, 4], 2, medium="GPU", group_idx=0
+            )
+        ],
+        dp=0,
+    )
     assert hexbytes('ac "block_hashes" 92 c4 20') + digest1 in payload
     e = decode_vllm_batch(payload).events[0]
-    assert list(e.block_hashes) == [int.from_bytes(digest1[-8:], "big"),
-                                    int.from_bytes(digest2[-8:], "big")]
+    assert list(e.block_hashes) == [
+        int.from_bytes(digest1[-8:], "big"),
+        int.from_bytes(digest2[-8:], "big"),
+    ]
     assert e.parent == int.from_bytes(bytes(range(50, 82))[-8:], "big")
     # 16-byte xxhash digests: the same rule
     e = decode_vllm_batch(s.batch([s.stored([digest1[:16]], None, [1, 2], 2)])).events[0]
@@ -196,7 +241,24 @@ def test_array_event_positions_not_types():
     e = decode_event(msgspec.msgpack.encode(ev))
     assert e.medium is None and e.lora_name == "my-lora" and e.kind == "full_attention"
     # trailing fields beyond position 11 are ignored, missing ones default
-    ev = ["BlockStored", [1], 5, [1, 2], 2, 3, "CPU", None, [None], 0, "mamba", 4, "LOCAL", "x", "s", [[1]]]
+    ev = [
+        "BlockStored",
+        [1],
+        5,
+        [1, 2],
+        2,
+        3,
+        "CPU",
+        None,
+        [None],
+        0,
+        "mamba",
+        4,
+        "LOCAL",
+        "x",
+        "s",
+        [[1]],
+    ]
     e = decode_event(msgspec.msgpack.encode(ev))
     assert e.parent == 5 and e.lora_id == 3 and e.medium == "CPU" and e.kind == "mamba"
     assert e.sliding_window == 4
@@ -237,10 +299,10 @@ def test_tokens_truncate_to_u32():
 def test_bad_events_are_dropped_alone():
     evs = [
         ["BlockStored", [1], None, [1, 2], 2],
-        ["BlockStored", [None], None, [1, 2], 2],          # nil hash
-        ["BlockStored", [1], None, ["a"], 2],              # bad token
-        ["SomethingNew", 1, 2],                            # unknown tag
-        {"type": "BlockStored", "block_hashes": "nope"},   # wrong type
+        ["BlockStored", [None], None, [1, 2], 2],  # nil hash
+        ["BlockStored", [1], None, ["a"], 2],  # bad token
+        ["SomethingNew", 1, 2],  # unknown tag
+        {"type": "BlockStored", "block_hashes": "nope"},  # wrong type
         {"no_type": 1},
         5,
         {"type": "BlockRemoved", "block_hashes": [1.5]},
@@ -248,16 +310,36 @@ def test_bad_events_are_dropped_alone():
     ]
     b = decode_vllm_batch(msgspec.msgpack.encode([TS, evs, 0]))
     kinds = [type(e).__name__ if not isinstance(e, Dropped) else e.reason for e in b.events]
-    assert kinds == ["Stored", "bad_hash", "invalid_event", "unknown_event_type", "invalid_event",
-                     "unknown_event_type", "invalid_event", "bad_hash", "Cleared"]
+    assert kinds == [
+        "Stored",
+        "bad_hash",
+        "invalid_event",
+        "unknown_event_type",
+        "invalid_event",
+        "unknown_event_type",
+        "invalid_event",
+        "bad_hash",
+        "Cleared",
+    ]
 
 
-@pytest.mark.parametrize("payload", [
-    b"", b"\xc1", b"\x93", b"\x93\xcb\x41", b"\x91\x01", b"\x94\x01\x02\x03\x04",
-    msgspec.msgpack.encode([TS, 5, 6]), msgspec.msgpack.encode(["x", [], 0]),
-    msgspec.msgpack.encode([TS, [], "dp"]), msgspec.msgpack.encode({"a": 1}),
-    msgspec.msgpack.encode(5), EX_B_V023[:-5],
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",
+        b"\x93",
+        b"\x93\xcb\x41",
+        b"\x91\x01",
+        b"\x94\x01\x02\x03\x04",
+        msgspec.msgpack.encode([TS, 5, 6]),
+        msgspec.msgpack.encode(["x", [], 0]),
+        msgspec.msgpack.encode([TS, [], "dp"]),
+        msgspec.msgpack.encode({"a": 1}),
+        msgspec.msgpack.encode(5),
+        EX_B_V023[:-5],
+    ],
+)
 def test_bad_batches_raise_decode_error(payload):
     with pytest.raises(DecodeError):
         decode_vllm_batch(payload)
@@ -293,14 +375,34 @@ def _reprs(batch):
 
 def test_fast_path_equals_general_path():
     from kvconductor.ingest.vllm import decode_vllm_fast
+
     s33, s23 = schema("vllm", "0.33.0"), schema("vllm", "0.23.0")
-    payloads = [EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0523, EX_E_SGL0516,
-                b"\x92" + EX_C_V092[1:-1],
-                s33.batch([s33.stored([1, -2, b"\x01" * 32], None, [1, -1, 2**32 + 3], 2, medium="CPU",
-                                      lora_name="x", group_idx=1, kv_cache_spec_kind="mamba")]),
-                s23.batch([s23.stored([None], None, [1], 1), s23.removed([3], medium="GPU")]),
-                msgspec.msgpack.encode([TS, [{"type": "BlockStored", "block_hashes": [1],
-                                              "seq_hashes": [1]}], 0])]
+    payloads = [
+        EX_A_V033,
+        EX_B_V023,
+        EX_C_V092,
+        EX_E_SGL0523,
+        EX_E_SGL0516,
+        b"\x92" + EX_C_V092[1:-1],
+        s33.batch(
+            [
+                s33.stored(
+                    [1, -2, b"\x01" * 32],
+                    None,
+                    [1, -1, 2**32 + 3],
+                    2,
+                    medium="CPU",
+                    lora_name="x",
+                    group_idx=1,
+                    kv_cache_spec_kind="mamba",
+                )
+            ]
+        ),
+        s23.batch([s23.stored([None], None, [1], 1), s23.removed([3], medium="GPU")]),
+        msgspec.msgpack.encode(
+            [TS, [{"type": "BlockStored", "block_hashes": [1], "seq_hashes": [1]}], 0]
+        ),
+    ]
     fast = 0
     for p in payloads:
         f = decode_vllm_fast(p)
@@ -309,7 +411,7 @@ def test_fast_path_equals_general_path():
             fast += 1
             assert _reprs(f) == _reprs(g)
     assert fast >= 7
-    assert decode_vllm_fast(payloads[-1]) is None   # pool keys: left to the general path
+    assert decode_vllm_fast(payloads[-1]) is None  # pool keys: left to the general path
     rng = random.Random(99)
     for _ in range(3000):
         b = bytearray(rng.choice(payloads))
@@ -319,15 +421,32 @@ def test_fast_path_equals_general_path():
             continue
         try:
             g = decode_vllm_batch(bytes(b))
-        except DecodeError:
-            raise AssertionError(f"fast path accepted what the general path rejects: {bytes(b).hex()}")
+        except DecodeError as ex:
+            raise AssertionError(
+                f"fast path accepted what the general path rejects: {bytes(b).hex()}"
+            ) from ex
         assert _reprs(f) == _reprs(g)
 
 
-@pytest.mark.parametrize("tokens", [[], [0, 1, 2], [-1, -2**63, 2**32 + 5, 2**64 - 1], list(range(70000, 70600)),
-                                    [1, "x"], [1.5], [None], "abc", b"\x01\x00\x00\x00", 7, None])
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [],
+        [0, 1, 2],
+        [-1, -(2**63), 2**32 + 5, 2**64 - 1],
+        list(range(70000, 70600)),
+        [1, "x"],
+        [1.5],
+        [None],
+        "abc",
+        b"\x01\x00\x00\x00",
+        7,
+        None,
+    ],
+)
 def test_token_scanner_matches_msgspec_fallback(monkeypatch, tokens):
     from kvconductor.ingest import vllm
+
     raw = msgspec.Raw(msgspec.msgpack.encode(tokens))
 
     def run():
@@ -335,6 +454,7 @@ def test_token_scanner_matches_msgspec_fallback(monkeypatch, tokens):
             return list(vllm.raw_tokens(raw))
         except DecodeError as ex:
             return ex.reason
+
     with_c = run()
     monkeypatch.setattr(vllm, "_read_u32_array", None)
     assert run() == with_c

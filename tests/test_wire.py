@@ -6,6 +6,7 @@ followed by the range checks and the u32 truncation of token ids. The
 reference for ``encode_result`` is ``msgspec.{json,msgpack}.encode`` of
 ``QueryResult(hits).to_dict(tenant, block_size)``: the bytes must be identical.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,6 +35,7 @@ KNOWN = {"model", "block_size", "token_ids", "block_hashes", "tenant_id", "lora_
 # ---------------------------------------------------------------------------------------
 # the msgspec reference
 # ---------------------------------------------------------------------------------------
+
 
 class _JsonQuery(msgspec.Struct):
     model: str
@@ -150,12 +152,13 @@ _WS = [b"", b"", b" ", b"\n", b"\t", b"\r\n  "]
 
 def jdump(obj, rnd) -> bytes:
     """JSON with random whitespace between tokens and random \\u-escaping of strings."""
-    ws = lambda: rnd.choice(_WS)  # noqa: E731
+    ws = lambda: rnd.choice(_WS)
     if isinstance(obj, dict):
         if not obj:
             return b"{" + ws() + b"}"
-        parts = [ws() + jdump(k, rnd) + ws() + b":" + ws() + jdump(v, rnd) + ws()
-                 for k, v in obj.items()]
+        parts = [
+            ws() + jdump(k, rnd) + ws() + b":" + ws() + jdump(v, rnd) + ws() for k, v in obj.items()
+        ]
         return b"{" + b",".join(parts) + b"}"
     if isinstance(obj, list):
         if not obj:
@@ -172,10 +175,16 @@ def _mp_int(v: int, rnd) -> bytes:
         choices.append(bytes([v]))
     if -32 <= v < 0:
         choices.append(struct.pack("b", v))
-    for code, fmt, lo, hi in ((0xCC, ">B", 0, 2**8 - 1), (0xCD, ">H", 0, 2**16 - 1),
-                              (0xCE, ">I", 0, 2**32 - 1), (0xCF, ">Q", 0, 2**64 - 1),
-                              (0xD0, ">b", -(2**7), 2**7 - 1), (0xD1, ">h", -(2**15), 2**15 - 1),
-                              (0xD2, ">i", -(2**31), 2**31 - 1), (0xD3, ">q", -(2**63), 2**63 - 1)):
+    for code, fmt, lo, hi in (
+        (0xCC, ">B", 0, 2**8 - 1),
+        (0xCD, ">H", 0, 2**16 - 1),
+        (0xCE, ">I", 0, 2**32 - 1),
+        (0xCF, ">Q", 0, 2**64 - 1),
+        (0xD0, ">b", -(2**7), 2**7 - 1),
+        (0xD1, ">h", -(2**15), 2**15 - 1),
+        (0xD2, ">i", -(2**31), 2**31 - 1),
+        (0xD3, ">q", -(2**63), 2**63 - 1),
+    ):
         if lo <= v <= hi:
             choices.append(bytes([code]) + struct.pack(fmt, v))
     return rnd.choice(choices)
@@ -213,10 +222,12 @@ def mpack(obj, rnd) -> bytes:
         return _mp_len(len(obj), None, 0, (0xC4, 0xC5, 0xC6), rnd) + obj
     if isinstance(obj, list):
         return _mp_len(len(obj), 0x90, 15, (None, 0xDC, 0xDD), rnd) + b"".join(
-            mpack(v, rnd) for v in obj)
+            mpack(v, rnd) for v in obj
+        )
     if isinstance(obj, dict):
         return _mp_len(len(obj), 0x80, 15, (None, 0xDE, 0xDF), rnd) + b"".join(
-            mpack(k, rnd) + mpack(v, rnd) for k, v in obj.items())
+            mpack(k, rnd) + mpack(v, rnd) for k, v in obj.items()
+        )
     raise TypeError(type(obj))
 
 
@@ -225,22 +236,38 @@ def mpack(obj, rnd) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 tokens_st = st.lists(
-    st.one_of(st.integers(I64_MIN, I64_MAX), st.integers(-40, 300), st.integers(0, 2**17),
-              st.integers(-(2**31), 2**32), st.sampled_from([I64_MIN, I64_MAX, -1, 0, U32])),
-    max_size=48)
-hashes_st = st.lists(st.one_of(st.integers(0, U64), st.integers(0, 300),
-                               st.sampled_from([0, U64, 2**63, 2**32])), max_size=48)
+    st.one_of(
+        st.integers(I64_MIN, I64_MAX),
+        st.integers(-40, 300),
+        st.integers(0, 2**17),
+        st.integers(-(2**31), 2**32),
+        st.sampled_from([I64_MIN, I64_MAX, -1, 0, U32]),
+    ),
+    max_size=48,
+)
+hashes_st = st.lists(
+    st.one_of(st.integers(0, U64), st.integers(0, 300), st.sampled_from([0, U64, 2**63, 2**32])),
+    max_size=48,
+)
 text_st = st.text(max_size=12)
 wide_text_st = st.one_of(text_st, st.text(min_size=30, max_size=300))
-scalar_st = st.one_of(st.none(), st.booleans(), st.integers(I64_MIN, U64),
-                      st.floats(allow_nan=False, allow_infinity=False), text_st)
+scalar_st = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(I64_MIN, U64),
+    st.floats(allow_nan=False, allow_infinity=False),
+    text_st,
+)
 json_value_st = st.recursive(
-    scalar_st, lambda ch: st.lists(ch, max_size=4) | st.dictionaries(text_st, ch, max_size=4),
-    max_leaves=10)
+    scalar_st,
+    lambda ch: st.lists(ch, max_size=4) | st.dictionaries(text_st, ch, max_size=4),
+    max_leaves=10,
+)
 mp_value_st = st.recursive(
     st.one_of(scalar_st, st.binary(max_size=20)),
     lambda ch: st.lists(ch, max_size=4) | st.dictionaries(text_st, ch, max_size=4),
-    max_leaves=10)
+    max_leaves=10,
+)
 extra_key_st = text_st.filter(lambda k: k not in KNOWN)
 
 
@@ -281,13 +308,20 @@ def request_fields(draw, by_hash: bool, value_st):
 
 def expected_of(model, bs, values, tenant, by_hash, lora=None):
     vals = list(values) if by_hash else [t & 0xFFFFFFFF for t in values]
-    return (model, bs or 0, "default" if tenant is None else tenant,
-            "Q" if by_hash else "I", vals, lora)
+    return (
+        model,
+        bs or 0,
+        "default" if tenant is None else tenant,
+        "Q" if by_hash else "I",
+        vals,
+        lora,
+    )
 
 
 # ---------------------------------------------------------------------------------------
 # parse_query: valid bodies
 # ---------------------------------------------------------------------------------------
+
 
 def test_contract_example():
     body = b'{"model":"qwen","block_size":128,"token_ids":[1,2,3,4],"tenant_id":"default"}'
@@ -326,8 +360,12 @@ def test_msgpack_matches_msgspec(by_hash, data):
     rnd = data.draw(st.randoms(use_true_random=False))
     form = data.draw(st.sampled_from(["map", "msgspec", "array"] + ([] if by_hash else ["packed"])))
     if form == "packed":
-        items = [(k, struct.pack(f"<{len(v)}I", *[t & 0xFFFFFFFF for t in v]))
-                 if k == "token_ids" else (k, v) for k, v in items]
+        items = [
+            (k, struct.pack(f"<{len(v)}I", *[t & 0xFFFFFFFF for t in v]))
+            if k == "token_ids"
+            else (k, v)
+            for k, v in items
+        ]
     if form in ("map", "packed"):
         body = mpack(dict(items), rnd)
     elif form == "msgspec":
@@ -339,8 +377,8 @@ def test_msgpack_matches_msgspec(by_hash, data):
         if tenant is not None or lora is not None or data.draw(st.booleans()):
             arr.append(tenant)
             if lora is not None or data.draw(st.booleans()):
-                arr.append(lora)    # [model, block_size, values, tenant_id, lora_name, ...]
-                arr += data.draw(st.lists(mp_value_st, max_size=2))    # ignored trailing items
+                arr.append(lora)  # [model, block_size, values, tenant_id, lora_name, ...]
+                arr += data.draw(st.lists(mp_value_st, max_size=2))  # ignored trailing items
         body = mpack(arr, rnd)
     got = agree(body, True, by_hash)
     assert got == expected_of(model, bs, values, tenant, by_hash, lora)
@@ -348,16 +386,39 @@ def test_msgpack_matches_msgspec(by_hash, data):
 
 @pytest.mark.parametrize("fmt", ["json", "msgpack"])
 def test_every_int_encoding_of_tokens(fmt):
-    values = [0, 1, 127, 128, 255, 256, 65535, 65536, U32, U32 + 1, I64_MAX, -1, -32, -33,
-              -128, -129, -32768, -32769, -(2**31), -(2**31) - 1, I64_MIN]
+    values = [
+        0,
+        1,
+        127,
+        128,
+        255,
+        256,
+        65535,
+        65536,
+        U32,
+        U32 + 1,
+        I64_MAX,
+        -1,
+        -32,
+        -33,
+        -128,
+        -129,
+        -32768,
+        -32769,
+        -(2**31),
+        -(2**31) - 1,
+        I64_MIN,
+    ]
     if fmt == "json":
         bodies = [json.dumps({"model": "m", "block_size": 4, "token_ids": values}).encode()]
     else:
         bodies = []
         for i in range(8):
             import random
-            bodies.append(mpack({"model": "m", "block_size": 4, "token_ids": values},
-                                random.Random(i)))
+
+            bodies.append(
+                mpack({"model": "m", "block_size": 4, "token_ids": values}, random.Random(i))
+            )
     for body in bodies:
         model, bs, tenant, got, _ = parse_query(body, fmt == "msgpack", False)
         assert list(got) == [v & 0xFFFFFFFF for v in values]
@@ -373,18 +434,38 @@ def test_json_every_digit_count(sep):
     vals += [10**18, -(10**18), I64_MAX, I64_MIN, 2**32, 2**32 - 1, -(2**32)]
     want = [v & 0xFFFFFFFF for v in vals]
     for lst in (vals, vals[::-1]):
-        body = ('{"model":"m","block_size":1,"token_ids":[' + sep.join(map(str, lst))
-                + "]}").encode()
+        body = (
+            '{"model":"m","block_size":1,"token_ids":[' + sep.join(map(str, lst)) + "]}"
+        ).encode()
         assert list(parse_query(body, False, False)[3]) == [v & 0xFFFFFFFF for v in lst]
-    for v, w in zip(vals, want):
+    for v, w in zip(vals, want, strict=True):
         for tail in ("]}", " ]}", "]}" + " " * 12, "]" + " " * 12 + "}"):
             body = f'{{"model":"m","block_size":1,"token_ids":[{v}{tail}'.encode()
             assert list(parse_query(body, False, False)[3]) == [w]
 
 
-@pytest.mark.parametrize("num", ["00", "01", "0123456", "-00", "-012", "1.5", "1234567.0",
-                                 "12345678.5", "1e5", "1234567E2", "12e", "-", "--1", "1-",
-                                 "0x10", "1_000", "١"])
+@pytest.mark.parametrize(
+    "num",
+    [
+        "00",
+        "01",
+        "0123456",
+        "-00",
+        "-012",
+        "1.5",
+        "1234567.0",
+        "12345678.5",
+        "1e5",
+        "1234567E2",
+        "12e",
+        "-",
+        "--1",
+        "1-",
+        "0x10",
+        "1_000",
+        "١",
+    ],
+)
 @pytest.mark.parametrize("pad", ["", ",1,2,3,4,5,6,7,8"])
 def test_json_bad_numbers(num, pad):
     body = f'{{"model":"m","block_size":1,"token_ids":[{num}{pad}]}}'.encode()
@@ -395,8 +476,9 @@ def test_json_bad_numbers(num, pad):
 
 def test_packed_tokens_are_little_endian_u32():
     toks = [0, 1, 0xDEADBEEF, U32, 70000]
-    body = msgspec.msgpack.encode({"model": "m", "block_size": 2,
-                                   "token_ids": struct.pack("<5I", *toks)})
+    body = msgspec.msgpack.encode(
+        {"model": "m", "block_size": 2, "token_ids": struct.pack("<5I", *toks)}
+    )
     assert list(parse_query(body, True, False)[3]) == toks
     body = msgspec.msgpack.encode(["m", 2, b"", "t"])
     assert parse_query(body, True, False) == ("m", 2, "t", array("I"), None)
@@ -404,18 +486,25 @@ def test_packed_tokens_are_little_endian_u32():
 
 def test_hash_extremes_and_defaults():
     body = b'{"model":"m","block_hashes":[18446744073709551615,0,-0,9223372036854775808]}'
-    assert parse_query(body, False, True) == ("m", 0, "default",
-                                              array("Q", [U64, 0, 0, 2**63]), None)
+    assert parse_query(body, False, True) == (
+        "m",
+        0,
+        "default",
+        array("Q", [U64, 0, 0, 2**63]),
+        None,
+    )
     body = msgspec.msgpack.encode({"model": "m", "block_hashes": [U64, 5], "block_size": 9})
     assert parse_query(body, True, True) == ("m", 9, "default", array("Q", [U64, 5]), None)
 
 
 def test_json_string_escapes_and_unicode():
-    body = (b'{"model":"a\\"b\\\\c\\/d\\b\\f\\n\\r\\t\\u00e9\\ud83d\\ude00\\u0000",'
-            b'"tenant_id":"\xc3\xa9\xf0\x9f\x98\x80","block_size":1,"token_ids":[]}')
+    body = (
+        b'{"model":"a\\"b\\\\c\\/d\\b\\f\\n\\r\\t\\u00e9\\ud83d\\ude00\\u0000",'
+        b'"tenant_id":"\xc3\xa9\xf0\x9f\x98\x80","block_size":1,"token_ids":[]}'
+    )
     model, _, tenant, _, _ = parse_query(body, False, False)
-    assert model == 'a"b\\c/d\b\f\n\r\té\U0001F600\x00'
-    assert tenant == "é\U0001F600"
+    assert model == 'a"b\\c/d\b\f\n\r\té\U0001f600\x00'
+    assert tenant == "é\U0001f600"
 
 
 def test_escaped_key_names_are_recognised():
@@ -424,8 +513,10 @@ def test_escaped_key_names_are_recognised():
 
 
 def test_duplicate_keys_last_wins():
-    body = (b'{"model":"a","token_ids":[1],"model":"b","block_size":1,"token_ids":[2,3],'
-            b'"tenant_id":"x","tenant_id":null}')
+    body = (
+        b'{"model":"a","token_ids":[1],"model":"b","block_size":1,"token_ids":[2,3],'
+        b'"tenant_id":"x","tenant_id":null}'
+    )
     assert parse_query(body, False, False) == ("b", 1, "default", array("I", [2, 3]), None)
     agree(body, False, False)
 
@@ -438,23 +529,41 @@ def test_other_mode_field_is_ignored():
 
 
 def test_skipped_values_of_every_kind():
-    extra = (b'"a":{"b":[1,-2.5e-3,{"c":null}],"d":[]},"e":"\\u20ac\\ud83d\\ude00",'
-             b'"f":123456789012345678901234567890,"g":1E+400,"h":true,"i":false,"j":{},'
-             b'"k":"\xff\xfe"')
-    body = b'{' + extra + b',"model":"m","block_size":1,"token_ids":[1]}'
+    extra = (
+        b'"a":{"b":[1,-2.5e-3,{"c":null}],"d":[]},"e":"\\u20ac\\ud83d\\ude00",'
+        b'"f":123456789012345678901234567890,"g":1E+400,"h":true,"i":false,"j":{},'
+        b'"k":"\xff\xfe"'
+    )
+    body = b"{" + extra + b',"model":"m","block_size":1,"token_ids":[1]}'
     assert parse_query(body, False, False) == ("m", 1, "default", array("I", [1]), None)
     agree(body, False, False)
-    extras = {"a": {"b": [1, -2.5, {"c": None}], "d": []}, "e": b"\x00" * 300,
-              "f": U64, "g": I64_MIN, "h": 1.5, "i": [[[[]]]], "j": "x" * 70000}
+    extras = {
+        "a": {"b": [1, -2.5, {"c": None}], "d": []},
+        "e": b"\x00" * 300,
+        "f": U64,
+        "g": I64_MIN,
+        "h": 1.5,
+        "i": [[[[]]]],
+        "j": "x" * 70000,
+    }
     body = msgspec.msgpack.encode({**extras, "model": "m", "block_size": 1, "token_ids": [1]})
     assert parse_query(body, True, False) == ("m", 1, "default", array("I", [1]), None)
     # ext types (fixext 1/2/4/8/16, ext8/16/32) and float32 in unknown fields
     exts = [msgspec.msgpack.Ext(1, b"x" * n) for n in (1, 2, 4, 8, 16, 3, 300, 70000)]
-    body = msgspec.msgpack.encode({"x": exts, "y": [msgspec.msgpack.Ext(2, b"")],
-                                   "model": "m", "block_size": 1, "token_ids": [2]})
+    body = msgspec.msgpack.encode(
+        {
+            "x": exts,
+            "y": [msgspec.msgpack.Ext(2, b"")],
+            "model": "m",
+            "block_size": 1,
+            "token_ids": [2],
+        }
+    )
     assert list(parse_query(body, True, False)[3]) == [2]
-    body = b"\x84\xa1x\xca\x3f\x80\x00\x00" + msgspec.msgpack.encode(
-        {"model": "m", "block_size": 1, "token_ids": [3]})[1:]
+    body = (
+        b"\x84\xa1x\xca\x3f\x80\x00\x00"
+        + msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [3]})[1:]
+    )
     assert list(parse_query(body, True, False)[3]) == [3]
 
 
@@ -467,6 +576,7 @@ def test_buffer_types_are_accepted():
 @pytest.mark.parametrize("n", [5000, 200_000])
 def test_large_bodies_all_forms(n):
     import random
+
     rnd = random.Random(n)
     toks = [rnd.randrange(-(2**40), 2**40) for _ in range(n)]
     want = [t & 0xFFFFFFFF for t in toks]
@@ -490,12 +600,18 @@ def test_large_bodies_all_forms(n):
 # parse_query: malformed bodies
 # ---------------------------------------------------------------------------------------
 
+
 def _bodies():
     import random
+
     rnd = random.Random(7)
-    d = {"model": "qwen-\u00e9\U0001F600", "block_size": 128,
-         "token_ids": [1, -1, 300, 70000, I64_MAX, I64_MIN, 0], "tenant_id": "t\n",
-         "x": {"y": [1.5, None, True, "s\\"], "z": {}}}
+    d = {
+        "model": "qwen-\u00e9\U0001f600",
+        "block_size": 128,
+        "token_ids": [1, -1, 300, 70000, I64_MAX, I64_MIN, 0],
+        "tenant_id": "t\n",
+        "x": {"y": [1.5, None, True, "s\\"], "z": {}},
+    }
     h = {"model": "m", "block_hashes": [1, U64, 300], "tenant_id": None, "q": [[]]}
     yield msgspec.json.encode(d), False, False
     yield json.dumps(d, indent=1).encode(), False, False
@@ -511,7 +627,7 @@ def _bodies():
 
 @pytest.mark.parametrize("body,mp,by_hash", list(_bodies()))
 def test_truncated_at_every_offset(body, mp, by_hash):
-    parse_query(body, mp, by_hash)     # the whole body is valid
+    parse_query(body, mp, by_hash)  # the whole body is valid
     if not mp:
         body = body.rstrip()
     for i in range(len(body)):
@@ -534,13 +650,21 @@ BAD = [
     (b'{"model":"m","token_ids":[]}', False, False, "missing field `block_size`"),
     (b'{"block_size":1,"token_ids":[]}', False, False, "missing field `model`"),
     (b'{"model":"m","block_size":1,"token_ids":[1]}', False, True, "missing field `block_hashes`"),
-    (b'{"model":"m","block_size":1,"token_ids":[1,2,3,1.5]}', False, False,
-     "expected an integer in `token_ids` at index 3"),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[1,2,3,1.5]}',
+        False,
+        False,
+        "expected an integer in `token_ids` at index 3",
+    ),
     (b'{"model":"m","block_size":1,"token_ids":[1e3]}', False, False, "expected an integer"),
     (b'{"model":"m","block_size":1,"token_ids":[1E3]}', False, False, "expected an integer"),
     (b'{"model":"m","block_size":1,"token_ids":[true]}', False, False, "expected an integer"),
-    (b'{"model":"m","block_size":1,"token_ids":[0,null]}', False, False,
-     "expected an integer in `token_ids` at index 1"),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[0,null]}',
+        False,
+        False,
+        "expected an integer in `token_ids` at index 1",
+    ),
     (b'{"model":"m","block_size":1,"token_ids":["1"]}', False, False, "expected an integer"),
     (b'{"model":"m","block_size":1,"token_ids":[[1]]}', False, False, "expected an integer"),
     (b'{"model":"m","block_size":1,"token_ids":[1,]}', False, False, "invalid JSON"),
@@ -549,35 +673,66 @@ BAD = [
     (b'{"model":"m","block_size":1,"token_ids":[01]}', False, False, "invalid JSON"),
     (b'{"model":"m","block_size":1,"token_ids":[-]}', False, False, "invalid JSON"),
     (b'{"model":"m","block_size":1,"token_ids":[+1]}', False, False, "invalid JSON"),
-    (b'{"model":"m","block_size":1,"token_ids":[9223372036854775808]}', False, False,
-     "integer out of range in `token_ids` at index 0"),
-    (b'{"model":"m","block_size":1,"token_ids":[-9223372036854775809]}', False, False,
-     "integer out of range"),
-    (b'{"model":"m","block_size":1,"token_ids":[18446744073709551616]}', False, False,
-     "integer out of range"),
-    (b'{"model":"m","block_size":1,"token_ids":[123456789012345678901234567890]}', False, False,
-     "integer out of range"),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[9223372036854775808]}',
+        False,
+        False,
+        "integer out of range in `token_ids` at index 0",
+    ),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[-9223372036854775809]}',
+        False,
+        False,
+        "integer out of range",
+    ),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[18446744073709551616]}',
+        False,
+        False,
+        "integer out of range",
+    ),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[123456789012345678901234567890]}',
+        False,
+        False,
+        "integer out of range",
+    ),
     (b'{"model":"m","block_hashes":[18446744073709551616]}', False, True, "integer out of range"),
-    (b'{"model":"m","block_hashes":[1,-1]}', False, True,
-     "integer out of range in `block_hashes` at index 1"),
-    (b'{"model":"m","block_size":1,"token_ids":{}}', False, False,
-     "invalid type for `token_ids`"),
+    (
+        b'{"model":"m","block_hashes":[1,-1]}',
+        False,
+        True,
+        "integer out of range in `block_hashes` at index 1",
+    ),
+    (b'{"model":"m","block_size":1,"token_ids":{}}', False, False, "invalid type for `token_ids`"),
     (b'{"model":"m","block_size":1,"token_ids":null}', False, False, "invalid type"),
     (b'{"model":1,"block_size":1,"token_ids":[]}', False, False, "invalid type for `model`"),
     (b'{"model":null,"block_size":1,"token_ids":[]}', False, False, "invalid type for `model`"),
-    (b'{"model":"m","block_size":1,"token_ids":[],"tenant_id":5}', False, False,
-     "invalid type for `tenant_id`"),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[],"tenant_id":5}',
+        False,
+        False,
+        "invalid type for `tenant_id`",
+    ),
     (b'{"model":"m","block_size":-1,"token_ids":[]}', False, False, "block_size out of range"),
-    (b'{"model":"m","block_size":4294967296,"token_ids":[]}', False, False,
-     "block_size out of range"),
+    (
+        b'{"model":"m","block_size":4294967296,"token_ids":[]}',
+        False,
+        False,
+        "block_size out of range",
+    ),
     (b'{"model":"m","block_size":1.0,"token_ids":[]}', False, False, "`block_size`"),
     (b'{"model":"m","block_size":true,"token_ids":[]}', False, False, "`block_size`"),
     (b'{"model":"m","block_size":"1","token_ids":[]}', False, False, "`block_size`"),
     (b'{"model":"m","block_size":null,"token_ids":[]}', False, False, "`block_size`"),
     (b'{"model":"m","block_hashes":[],"block_size":-5}', False, True, "block_size out of range"),
     (b'{"model":"\xff","block_size":1,"token_ids":[]}', False, False, "invalid UTF-8 in `model`"),
-    (b'{"model":"m","block_size":1,"token_ids":[],"tenant_id":"\xc3"}', False, False,
-     "invalid UTF-8 in `tenant_id`"),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[],"tenant_id":"\xc3"}',
+        False,
+        False,
+        "invalid UTF-8 in `tenant_id`",
+    ),
     (b'{"model":"\\ud800","block_size":1,"token_ids":[]}', False, False, "invalid JSON"),
     (b'{"model":"\\udc00x","block_size":1,"token_ids":[]}', False, False, "invalid JSON"),
     (b'{"model":"\\ud800\\u0041","block_size":1,"token_ids":[]}', False, False, "invalid JSON"),
@@ -599,58 +754,158 @@ BAD = [
     (b'{"model":"m","block_size":1,"token_ids":[],"x":"\\ud800"}', False, False, "invalid JSON"),
     (b"{'model':'m'}", False, False, "invalid JSON"),
     (b'\xef\xbb\xbf{"model":"m","block_size":1,"token_ids":[]}', False, False, "invalid JSON"),
-    (b'{"model":"m","block_size":1,"token_ids":[],"x":' + b"[" * 1100 + b"]" * 1100 + b"}",
-     False, False, "nesting too deep"),
-    (b'{"model":"m","block_size":1,"token_ids":[],"x":' + b'{"a":' * 1100 + b"1" + b"}" * 1100
-     + b"}", False, False, "nesting too deep"),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[],"x":' + b"[" * 1100 + b"]" * 1100 + b"}",
+        False,
+        False,
+        "nesting too deep",
+    ),
+    (
+        b'{"model":"m","block_size":1,"token_ids":[],"x":'
+        + b'{"a":' * 1100
+        + b"1"
+        + b"}" * 1100
+        + b"}",
+        False,
+        False,
+        "nesting too deep",
+    ),
     # msgpack
     (b"\x01", True, False, "expected a map or an array"),
     (b"\xc0", True, False, "expected a map or an array"),
     (b"\xc1", True, False, "expected a map or an array"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1]}) + b"\x00",
-     True, False, "trailing data"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1]})[:-1],
-     True, False, "truncated msgpack"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1}), True, False,
-     "missing field `token_ids`"),
-    (msgspec.msgpack.encode({"model": "m", "token_ids": []}), True, False,
-     "missing field `block_size`"),
-    (msgspec.msgpack.encode({"block_size": 1, "token_ids": []}), True, False,
-     "missing field `model`"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1, 2.0]}), True, False,
-     "expected an integer in `token_ids` at index 1"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [True]}), True, False,
-     "expected an integer in `token_ids` at index 0"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [None]}), True, False,
-     "expected an integer"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1, 2**63]}),
-     True, False, "integer out of range in `token_ids` at index 1"),
-    (msgspec.msgpack.encode({"model": "m", "block_hashes": [1, -1]}), True, True,
-     "integer out of range in `block_hashes` at index 1"),
-    (msgspec.msgpack.encode({"model": "m", "block_hashes": b"\x00" * 8}), True, True,
-     "invalid type for `block_hashes`"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": b"\x00" * 5}),
-     True, False, "not a multiple of 4"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": "abc"}), True, False,
-     "invalid type for `token_ids`"),
-    (msgspec.msgpack.encode({"model": b"m", "block_size": 1, "token_ids": []}), True, False,
-     "invalid type for `model`"),
-    (msgspec.msgpack.encode({"model": None, "block_size": 1, "token_ids": []}), True, False,
-     "invalid type for `model`"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [], "tenant_id": 3}),
-     True, False, "invalid type for `tenant_id`"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": -1, "token_ids": []}), True, False,
-     "block_size out of range"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 2**32, "token_ids": []}), True, False,
-     "block_size out of range"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": 1.0, "token_ids": []}), True, False,
-     "expected an integer for `block_size`"),
-    (msgspec.msgpack.encode({"model": "m", "block_size": None, "token_ids": []}), True, False,
-     "expected an integer for `block_size`"),
-    (msgspec.msgpack.encode({1: "m", "model": "m", "block_size": 1, "token_ids": []}),
-     True, False, "map keys must be strings"),
-    (b"\x83\xa5model\xa1\xff\xaablock_size\x01\xa9token_ids\x90", True, False,
-     "invalid UTF-8 in `model`"),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1]}) + b"\x00",
+        True,
+        False,
+        "trailing data",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1]})[:-1],
+        True,
+        False,
+        "truncated msgpack",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1}),
+        True,
+        False,
+        "missing field `token_ids`",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "token_ids": []}),
+        True,
+        False,
+        "missing field `block_size`",
+    ),
+    (
+        msgspec.msgpack.encode({"block_size": 1, "token_ids": []}),
+        True,
+        False,
+        "missing field `model`",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1, 2.0]}),
+        True,
+        False,
+        "expected an integer in `token_ids` at index 1",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [True]}),
+        True,
+        False,
+        "expected an integer in `token_ids` at index 0",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [None]}),
+        True,
+        False,
+        "expected an integer",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [1, 2**63]}),
+        True,
+        False,
+        "integer out of range in `token_ids` at index 1",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_hashes": [1, -1]}),
+        True,
+        True,
+        "integer out of range in `block_hashes` at index 1",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_hashes": b"\x00" * 8}),
+        True,
+        True,
+        "invalid type for `block_hashes`",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": b"\x00" * 5}),
+        True,
+        False,
+        "not a multiple of 4",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": "abc"}),
+        True,
+        False,
+        "invalid type for `token_ids`",
+    ),
+    (
+        msgspec.msgpack.encode({"model": b"m", "block_size": 1, "token_ids": []}),
+        True,
+        False,
+        "invalid type for `model`",
+    ),
+    (
+        msgspec.msgpack.encode({"model": None, "block_size": 1, "token_ids": []}),
+        True,
+        False,
+        "invalid type for `model`",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [], "tenant_id": 3}),
+        True,
+        False,
+        "invalid type for `tenant_id`",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": -1, "token_ids": []}),
+        True,
+        False,
+        "block_size out of range",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 2**32, "token_ids": []}),
+        True,
+        False,
+        "block_size out of range",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": 1.0, "token_ids": []}),
+        True,
+        False,
+        "expected an integer for `block_size`",
+    ),
+    (
+        msgspec.msgpack.encode({"model": "m", "block_size": None, "token_ids": []}),
+        True,
+        False,
+        "expected an integer for `block_size`",
+    ),
+    (
+        msgspec.msgpack.encode({1: "m", "model": "m", "block_size": 1, "token_ids": []}),
+        True,
+        False,
+        "map keys must be strings",
+    ),
+    (
+        b"\x83\xa5model\xa1\xff\xaablock_size\x01\xa9token_ids\x90",
+        True,
+        False,
+        "invalid UTF-8 in `model`",
+    ),
     (msgspec.msgpack.encode([]), True, False, "missing field `model`"),
     (msgspec.msgpack.encode(["m"]), True, False, "missing field `block_size`"),
     (msgspec.msgpack.encode(["m", 1]), True, False, "missing field `token_ids`"),
@@ -659,10 +914,20 @@ BAD = [
     (b"\xdd\xff\xff\xff\xff\xa1m", True, False, "truncated msgpack"),
     (b"\x93\xa1m\x01\xdd\xff\xff\xff\xff\x01", True, False, "truncated msgpack"),
     (b"\x93\xa1m\x01\xc6\xff\xff\xff\xff\x01", True, False, "truncated msgpack"),
-    (b"\x84\xa1x\xdf\xff\xff\xff\xff" + msgspec.msgpack.encode(
-        {"model": "m", "block_size": 1, "token_ids": []})[1:], True, False, "truncated msgpack"),
-    (b"\x84\xa1x\xc1" + msgspec.msgpack.encode(
-        {"model": "m", "block_size": 1, "token_ids": []})[1:], True, False, "invalid msgpack byte"),
+    (
+        b"\x84\xa1x\xdf\xff\xff\xff\xff"
+        + msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": []})[1:],
+        True,
+        False,
+        "truncated msgpack",
+    ),
+    (
+        b"\x84\xa1x\xc1"
+        + msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": []})[1:],
+        True,
+        False,
+        "invalid msgpack byte",
+    ),
 ]
 
 
@@ -678,8 +943,11 @@ def test_malformed_bodies(body, mp, by_hash, fragment):
 
 def test_deep_msgpack_nesting_in_unknown_field_is_skipped():
     deep = b"\x91" * 100_000 + b"\x90"
-    body = b"\x84\xa1x" + deep + msgspec.msgpack.encode(
-        {"model": "m", "block_size": 1, "token_ids": [4]})[1:]
+    body = (
+        b"\x84\xa1x"
+        + deep
+        + msgspec.msgpack.encode({"model": "m", "block_size": 1, "token_ids": [4]})[1:]
+    )
     assert list(parse_query(body, True, False)[3]) == [4]
 
 
@@ -723,6 +991,7 @@ def test_random_bytes_never_crash(body, mp, by_hash):
 # encode_result / encode_error
 # ---------------------------------------------------------------------------------------
 
+
 def _check_encoding(hits, tenant, block_size):
     ref = QueryResult([DpHit(*h) for h in hits]).to_dict(tenant, block_size)
     js = encode_result(hits, tenant, block_size, False)
@@ -738,7 +1007,8 @@ def test_encode_contract_example():
     hits = [DpHit("vllm-prefill-1", 0, 3, 2, 0)]
     assert encode_result(hits, "default", 128, False) == (
         b'{"default":{"vllm-prefill-1":{"longest_matched":640,"DP":{"0":{"matched_tokens":640,'
-        b'"npu_blocks":3,"cpu_blocks":2,"disk_blocks":0}}}}}')
+        b'"npu_blocks":3,"cpu_blocks":2,"disk_blocks":0}}}}}'
+    )
     _check_encoding(hits, "default", 128)
 
 
@@ -760,27 +1030,43 @@ def test_encode_duplicate_dp_replaces_in_place():
     hits = [("a", 0, 5, 0, 0), ("a", 1, 1, 0, 0), ("a", 0, 2, 0, 0), ("b", 0, 1, 0, 0)]
     _check_encoding(hits, "t", 3)
     out = json.loads(encode_result(hits, "t", 3, False))
-    assert out["t"]["a"]["longest_matched"] == 15       # the replaced DP still counted
+    assert out["t"]["a"]["longest_matched"] == 15  # the replaced DP still counted
     assert out["t"]["a"]["DP"]["0"]["npu_blocks"] == 2
 
 
 def test_encode_saturation():
-    hits = [("a", 0, 2**40, 0, 0), ("a", 1, 2**31, 2**31, 2**31), ("b", 0, 2**80, 1, 1),
-            ("c", 0, 1, 0, 0), ("d", 0, U32, 0, 0), ("d", 1, 0, 0, 0)]
+    hits = [
+        ("a", 0, 2**40, 0, 0),
+        ("a", 1, 2**31, 2**31, 2**31),
+        ("b", 0, 2**80, 1, 1),
+        ("c", 0, 1, 0, 0),
+        ("d", 0, U32, 0, 0),
+        ("d", 1, 0, 0, 0),
+    ]
     for bs in (0, 1, 2, 2**31, 2**32, 2**70):
         _check_encoding(hits, "t", bs)
 
 
-@pytest.mark.parametrize("value,encoded", [
-    (0, b"\x00"), (127, b"\x7f"), (128, b"\xcc\x80"), (255, b"\xcc\xff"),
-    (256, b"\xcd\x01\x00"), (65535, b"\xcd\xff\xff"), (65536, b"\xce\x00\x01\x00\x00"),
-    (U32, b"\xce\xff\xff\xff\xff"), (2**40, b"\xce\xff\xff\xff\xff"),
-])
+@pytest.mark.parametrize(
+    "value,encoded",
+    [
+        (0, b"\x00"),
+        (127, b"\x7f"),
+        (128, b"\xcc\x80"),
+        (255, b"\xcc\xff"),
+        (256, b"\xcd\x01\x00"),
+        (65535, b"\xcd\xff\xff"),
+        (65536, b"\xce\x00\x01\x00\x00"),
+        (U32, b"\xce\xff\xff\xff\xff"),
+        (2**40, b"\xce\xff\xff\xff\xff"),
+    ],
+)
 def test_msgpack_ints_use_the_smallest_encoding(value, encoded):
     out = encode_result([("i", 0, 0, value, 0)], "t", 0, True)
-    assert out == (b"\x81\xa1t\x81\xa1i\x82\xaflongest_matched\x00\xa2DP\x81\xa10\x84"
-                   b"\xaematched_tokens\x00\xaanpu_blocks\x00\xaacpu_blocks" + encoded
-                   + b"\xabdisk_blocks\x00")
+    assert out == (
+        b"\x81\xa1t\x81\xa1i\x82\xaflongest_matched\x00\xa2DP\x81\xa10\x84"
+        b"\xaematched_tokens\x00\xaanpu_blocks\x00\xaacpu_blocks" + encoded + b"\xabdisk_blocks\x00"
+    )
 
 
 @pytest.mark.parametrize("n", [0, 1, 31, 32, 255, 256, 65535, 65536])
@@ -799,7 +1085,7 @@ def test_map_header_sizes():
 
 
 def test_json_string_escaping():
-    tricky = 'q"b\\s/\x00\x01\x08\x09\x0a\x0c\x0d\x1f\x7f\u00e9\u2028\U0001F600<>&'
+    tricky = 'q"b\\s/\x00\x01\x08\x09\x0a\x0c\x0d\x1f\x7f\u00e9\u2028\U0001f600<>&'
     _check_encoding([(tricky, 0, 1, 2, 3)], tricky, 7)
     assert encode_error(tricky, False) == msgspec.json.encode({"error": tricky})
 
@@ -822,7 +1108,8 @@ def test_encode_rejects_bad_input():
 
 def test_encode_error_shapes():
     assert encode_error("no indexer for model=m tenant=t", False) == (
-        b'{"error":"no indexer for model=m tenant=t"}')
+        b'{"error":"no indexer for model=m tenant=t"}'
+    )
     assert msgspec.msgpack.decode(encode_error("bad", True)) == {"error": "bad"}
     assert encode_error("", True) == b"\x81\xa5error\xa0"
 
@@ -837,9 +1124,13 @@ hit_st = st.tuples(
 
 
 @settings(max_examples=300, deadline=None)
-@given(hits=st.lists(hit_st, max_size=40), tenant=wide_text_st,
-       block_size=st.one_of(st.integers(0, 256), st.integers(0, 2**40),
-                            st.sampled_from([0, 1, 128, U32])))
+@given(
+    hits=st.lists(hit_st, max_size=40),
+    tenant=wide_text_st,
+    block_size=st.one_of(
+        st.integers(0, 256), st.integers(0, 2**40), st.sampled_from([0, 1, 128, U32])
+    ),
+)
 def test_encode_matches_to_dict(hits, tenant, block_size):
     _check_encoding(hits, tenant, block_size)
 
@@ -847,18 +1138,27 @@ def test_encode_matches_to_dict(hits, tenant, block_size):
 def test_roundtrip_through_parse_and_query_shape():
     """The response to the example query (qwen, block_size 128, tokens 1..4), and parse of the
     request, end to end."""
-    req = msgspec.msgpack.encode({"model": "qwen", "block_size": 128,
-                                  "token_ids": [1, 2, 3, 4], "tenant_id": "default"})
+    req = msgspec.msgpack.encode(
+        {"model": "qwen", "block_size": 128, "token_ids": [1, 2, 3, 4], "tenant_id": "default"}
+    )
     model, bs, tenant, toks, _ = parse_query(req, True, False)
     out = encode_result([DpHit("vllm-prefill-1", 0, 3, 2, 0)], tenant, bs, True)
-    assert msgspec.msgpack.decode(out) == {"default": {"vllm-prefill-1": {
-        "longest_matched": 640, "DP": {"0": {"matched_tokens": 640, "npu_blocks": 3,
-                                             "cpu_blocks": 2, "disk_blocks": 0}}}}}
+    assert msgspec.msgpack.decode(out) == {
+        "default": {
+            "vllm-prefill-1": {
+                "longest_matched": 640,
+                "DP": {
+                    "0": {"matched_tokens": 640, "npu_blocks": 3, "cpu_blocks": 2, "disk_blocks": 0}
+                },
+            }
+        }
+    }
 
 
 # ---------------------------------------------------------------------------------------
 # read_u32_array: one msgpack int array, the token_ids rules of parse_query
 # ---------------------------------------------------------------------------------------
+
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=I64_MIN, max_value=U64), max_size=40))
@@ -877,8 +1177,17 @@ def test_read_u32_array_matches_parse_query(tokens):
         assert list(got) == [t & U32 for t in tokens]
 
 
-_NOT_U32_ARRAYS = [b"", b"\xc0", b"\xa1x", b"\xc4\x04\x01\x00\x00\x00", b"\x92\x01",
-                   b"\x91\x01\x02", b"\x91\xa1x", b"\x91\xc1", b"\x91\xcf" + b"\xff" * 8]
+_NOT_U32_ARRAYS = [
+    b"",
+    b"\xc0",
+    b"\xa1x",
+    b"\xc4\x04\x01\x00\x00\x00",
+    b"\x92\x01",
+    b"\x91\x01\x02",
+    b"\x91\xa1x",
+    b"\x91\xc1",
+    b"\x91\xcf" + b"\xff" * 8,
+]
 
 
 @pytest.mark.parametrize("raw", _NOT_U32_ARRAYS)

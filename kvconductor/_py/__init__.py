@@ -12,6 +12,7 @@ an index use them. Clarity beats speed here.
 threads may call the matching and introspection methods concurrently.** Every
 public method holds the object's :class:`threading.Lock` for its whole duration.
 """
+
 from kvconductor._py.index import CoreIndex
 from kvconductor._py.lower import LowerTier
 from kvconductor._py.tree import RadixTree

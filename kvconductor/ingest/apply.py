@@ -38,6 +38,7 @@ and applied in C under one write lock, with the same results, counters and
 before any mutation and takes the general path. ``KVCONDUCTOR_IMPL=py`` (or
 ``Applier(..., fast=False)``) turns it off.
 """
+
 from __future__ import annotations
 
 import logging
@@ -54,11 +55,27 @@ from kvconductor._index import CoreIndex as _CCore
 from kvconductor._ingest import FastBatch
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.ingest.context import SubscriberContext
-from kvconductor.ingest.pool import (CLEARED, REMOVED, STORED, PoolBatch, decode_memcache,
-                                     decode_pool_payload)
-from kvconductor.ingest.vllm import (KNOWN_TAGS, Cleared, DecodeError, Dropped, Removed, Stored,
-                                     VllmBatch, decode_vllm_batch, decode_vllm_fast, msgpack_kind,
-                                     split_batch)
+from kvconductor.ingest.pool import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    PoolBatch,
+    decode_memcache,
+    decode_pool_payload,
+)
+from kvconductor.ingest.vllm import (
+    KNOWN_TAGS,
+    Cleared,
+    DecodeError,
+    Dropped,
+    Removed,
+    Stored,
+    VllmBatch,
+    decode_vllm_batch,
+    decode_vllm_fast,
+    msgpack_kind,
+    split_batch,
+)
 from kvconductor.keys import Medium, WorkerKey, parse_medium
 
 log = logging.getLogger("kvconductor.ingest")
@@ -71,8 +88,16 @@ _FastBatch: Any = None if kvconductor.IMPL == "py" else FastBatch
 #: kv_cache_spec_kind values (lower-case, underscores removed) that are not a
 #: prefix cache a query can hit (docs/engines.md, "Engine settings that matter");
 #: anything else is accepted.
-REJECTED_KINDS = frozenset(("slidingwindow", "slidingwindowmla", "mamba", "chunkedlocalattention",
-                            "encoderonlyattention", "crossattention"))
+REJECTED_KINDS = frozenset(
+    (
+        "slidingwindow",
+        "slidingwindowmla",
+        "mamba",
+        "chunkedlocalattention",
+        "encoderonlyattention",
+        "crossattention",
+    )
+)
 
 _POOL_KEYS = ("event_type", "seq_hashes", "backend_id", "event_id")
 _ANY_DEC = msgspec.msgpack.Decoder()
@@ -95,7 +120,7 @@ def _looks_like_pool(events: list[msgspec.Raw]) -> bool:
         return False
     try:
         keys = _KEYS_DEC.decode(first)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
     if any(k in keys for k in _POOL_KEYS):
         return True
@@ -104,7 +129,7 @@ def _looks_like_pool(events: list[msgspec.Raw]) -> bool:
         return True
     try:
         return _ANY_DEC.decode(t) not in KNOWN_TAGS
-    except Exception:  # noqa: BLE001
+    except Exception:
         return True
 
 
@@ -119,7 +144,7 @@ def decode_payload(payload: bytes) -> VllmBatch | PoolBatch:
     if kind == "map":
         try:
             obj = _ANY_DEC.decode(payload)
-        except Exception as ex:  # noqa: BLE001
+        except Exception as ex:
             raise DecodeError("undecodable", str(ex)) from None
         return decode_memcache(obj)
     if kind != "array":
@@ -130,7 +155,7 @@ def decode_payload(payload: bytes) -> VllmBatch | PoolBatch:
     elems, ei, di = split_batch(payload)
     try:  # once for the pool check and the decoder
         raw_events = _RAW_LIST_DEC.decode(elems[ei])
-    except Exception:  # noqa: BLE001 - decode_vllm_batch decodes again and reports it
+    except Exception:
         raw_events = None
     if raw_events is not None and _looks_like_pool(raw_events):
         return decode_pool_payload(payload)
@@ -149,10 +174,14 @@ def registered_index(info: Any, dp: int) -> tuple[str | None, str | None]:
         if ep is None and isinstance(eps, dict):
             ep = eps.get(str(dp))
         src = ep if isinstance(ep, dict) and ep.get("model_name") else info
-        return (src.get("model_name") or src.get("model"),
-                src.get("tenant_id") or src.get("tenant"))
-    return (getattr(info, "model", None) or getattr(info, "model_name", None),
-            getattr(info, "tenant", None) or getattr(info, "tenant_id", None))
+        return (
+            src.get("model_name") or src.get("model"),
+            src.get("tenant_id") or src.get("tenant"),
+        )
+    return (
+        getattr(info, "model", None) or getattr(info, "model_name", None),
+        getattr(info, "tenant", None) or getattr(info, "tenant_id", None),
+    )
 
 
 def hex_preview(payload: bytes, n: int = 32) -> str:
@@ -163,8 +192,20 @@ def hex_preview(payload: bytes, n: int = 32) -> str:
 class SourceStats:
     """Counters of one subscription (shown by ``sources()``)."""
 
-    __slots__ = ("batches", "events", "blocks", "dropped", "gaps", "replays", "replayed_batches",
-                 "restarts", "resyncs", "duplicates", "last_seq", "aged_out")
+    __slots__ = (
+        "batches",
+        "events",
+        "blocks",
+        "dropped",
+        "gaps",
+        "replays",
+        "replayed_batches",
+        "restarts",
+        "resyncs",
+        "duplicates",
+        "last_seq",
+        "aged_out",
+    )
 
     def __init__(self) -> None:
         self.batches = 0
@@ -202,9 +243,14 @@ class WarnLimiter:
             return
         self._last[key] = now
         skipped = self._suppressed.pop(key, 0)
-        log.warning("%s: dropped (%s) %s%s%s", source, reason, detail[:200],
-                    f" payload[{len(payload)}B]={hex_preview(payload)}" if payload is not None else "",
-                    f" (+{skipped} similar suppressed)" if skipped else "")
+        log.warning(
+            "%s: dropped (%s) %s%s%s",
+            source,
+            reason,
+            detail[:200],
+            f" payload[{len(payload)}B]={hex_preview(payload)}" if payload is not None else "",
+            f" (+{skipped} similar suppressed)" if skipped else "",
+        )
 
 
 _WARN = WarnLimiter()
@@ -221,15 +267,18 @@ class Limits:
 
     __slots__ = ("max_message_bytes", "max_blocks_per_message", "max_blocks_per_source")
 
-    def __init__(self, max_message_bytes: int = 256 << 20,
-                 max_blocks_per_message: int = 1_000_000,
-                 max_blocks_per_source: int = 4_000_000) -> None:
+    def __init__(
+        self,
+        max_message_bytes: int = 256 << 20,
+        max_blocks_per_message: int = 1_000_000,
+        max_blocks_per_source: int = 4_000_000,
+    ) -> None:
         self.max_message_bytes = max_message_bytes
         self.max_blocks_per_message = max_blocks_per_message
         self.max_blocks_per_source = max_blocks_per_source
 
     @staticmethod
-    def of(conductor: Any) -> "Limits":
+    def of(conductor: Any) -> Limits:
         """``conductor.config.limits``, or the defaults (test conductors have no config)."""
         return getattr(getattr(conductor, "config", None), "limits", None) or Limits()
 
@@ -237,9 +286,15 @@ class Limits:
 class Applier:
     """Decode and apply payloads for one subscription."""
 
-    def __init__(self, ctx: SubscriberContext, conductor: Any, stats: SourceStats | None = None,
-                 warn: WarnLimiter | None = None, fast: bool = True,
-                 limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        ctx: SubscriberContext,
+        conductor: Any,
+        stats: SourceStats | None = None,
+        warn: WarnLimiter | None = None,
+        fast: bool = True,
+        limits: Limits | None = None,
+    ) -> None:
         self.ctx = ctx
         self.conductor = conductor
         self.limits = limits or Limits.of(conductor)
@@ -260,11 +315,14 @@ class Applier:
         #: Upper bound of the blocks its HBM worker holds (see _within_limits); unknown
         #: (the first message reads the index) until then.
         self._held_bound = _UNKNOWN
-        self._fast = (_FastBatch(DEFAULT_SEED)
-                      if fast and _FastBatch is not None and self._engine_hbm else None)
+        self._fast = (
+            _FastBatch(DEFAULT_SEED)
+            if fast and _FastBatch is not None and self._engine_hbm
+            else None
+        )
         self._hbm_key = self._key(self.hbm_medium)
         self._clear_keys = tuple(self._key(Medium(m)) for m in ctx.default_media)
-        self._fast_index: Any = None    # weakref of the index _fast_wid belongs to
+        self._fast_index: Any = None  # weakref of the index _fast_wid belongs to
         self._fast_wid = -1
         #: After a loss: (model, tenant, key) -> engine hashes held then (see begin_suspect).
         self.suspects: dict[tuple[str, str, WorkerKey], array] | None = None
@@ -276,7 +334,9 @@ class Applier:
         self.stats.drop(reason)
         self._warn.warn(self.source, reason, detail, payload)
 
-    def _key(self, medium: Medium, instance_id: str | None = None, dp: int | None = None) -> WorkerKey:
+    def _key(
+        self, medium: Medium, instance_id: str | None = None, dp: int | None = None
+    ) -> WorkerKey:
         iid = self.ctx.instance_id if instance_id is None else instance_id
         return WorkerKey(iid, iid, self.ctx.dp_rank if dp is None else dp, medium)
 
@@ -301,8 +361,10 @@ class Applier:
         bound of :class:`Limits`."""
         lim = self.limits
         if len(payload) > lim.max_message_bytes:
-            self._drop("message_too_large",
-                       f"{len(payload)} bytes > {lim.max_message_bytes} (--max-message-mb)")
+            self._drop(
+                "message_too_large",
+                f"{len(payload)} bytes > {lim.max_message_bytes} (--max-message-mb)",
+            )
             return False
         fb = self._fast
         if fb is not None and self.suspects is None:
@@ -318,8 +380,10 @@ class Applier:
         """False (counted, warned) when a message of ``nblocks`` blocks is over a bound."""
         lim = self.limits
         if nblocks > lim.max_blocks_per_message:
-            self._drop("message_too_many_blocks", f"{nblocks} blocks > "
-                       f"{lim.max_blocks_per_message} (--max-blocks-per-message)")
+            self._drop(
+                "message_too_many_blocks",
+                f"{nblocks} blocks > {lim.max_blocks_per_message} (--max-blocks-per-message)",
+            )
             return False
         if nblocks and self._engine_hbm:
             # PERF: an upper bound of what the HBM worker holds (blocks only ever come from
@@ -329,12 +393,15 @@ class Applier:
                     if index is None:
                         index = self.conductor.get_index(self.ctx.model, self.ctx.tenant)
                     held = index.worker_blocks(self._hbm_key) if index is not None else 0
-                except Exception:  # noqa: BLE001 - a fake or missing index: nothing held
+                except Exception:
                     held = 0
                 self._held_bound = held
                 if held + nblocks > lim.max_blocks_per_source:
-                    self._drop("source_block_limit", f"{held} held + {nblocks} > "
-                               f"{lim.max_blocks_per_source} (--max-blocks-per-source)")
+                    self._drop(
+                        "source_block_limit",
+                        f"{held} held + {nblocks} > "
+                        f"{lim.max_blocks_per_source} (--max-blocks-per-source)",
+                    )
                     return False
             self._held_bound += nblocks
         return True
@@ -345,11 +412,13 @@ class Applier:
         except DecodeError as ex:
             self._drop(ex.reason, ex.detail, payload)
             return False
-        except Exception as ex:  # noqa: BLE001 - a decoder bug must not stop ingest
+        except Exception as ex:
             self._drop("decoder_error", repr(ex), payload)
             return False
-        nblocks = sum(len(getattr(ev, "block_hashes", None) or getattr(ev, "hashes", None) or ())
-                      for ev in batch.events)
+        nblocks = sum(
+            len(getattr(ev, "block_hashes", None) or getattr(ev, "hashes", None) or ())
+            for ev in batch.events
+        )
         if not self._within_limits(nblocks, index):
             return False
         self.stats.batches += 1
@@ -368,7 +437,7 @@ class Applier:
             return True
         try:
             index = self.conductor.get_or_create_index(ctx.model, ctx.tenant)
-        except Exception as ex:  # noqa: BLE001 - as apply_vllm: first event counted, batch given up
+        except Exception as ex:
             stats.batches += 1
             stats.events += 1
             self._drop("apply_error", f"get_or_create_index: {ex!r}", payload)
@@ -392,7 +461,7 @@ class Applier:
                 known = set(index.workers_of(ctx.instance_id, ctx.dp_rank))
                 clear = [index.worker_id(k) for k in self._clear_keys if k in known]
             blocks, parent_nf, bad_seq, oom = fb.apply(core, wid, clear)
-        except Exception:  # noqa: BLE001 - nothing applied yet: the general path decides
+        except Exception:
             return self._apply_general(payload, index)
         stats.batches += 1
         stats.events += n
@@ -431,7 +500,7 @@ class Applier:
                 index = self.conductor.get_or_create_index(model, tenant)
                 for key in keys:
                     n += index.clear(key)
-            except Exception as ex:  # noqa: BLE001
+            except Exception as ex:
                 self._drop("apply_error", f"clear: {ex!r}")
         self.touched.clear()
         return n
@@ -454,7 +523,7 @@ class Applier:
                     if len(hs):
                         snap[(model, tenant, key)] = hs
                         n += len(hs)
-            except Exception as ex:  # noqa: BLE001
+            except Exception as ex:
                 self._drop("apply_error", f"snapshot: {ex!r}")
         self.suspects = snap
         self.confirmed = {}
@@ -485,7 +554,7 @@ class Applier:
                 stale = array("Q", [h for h in held if h not in alive])
                 if stale:
                     dropped += index.remove(key, stale)
-            except Exception as ex:  # noqa: BLE001
+            except Exception as ex:
                 self._drop("apply_error", f"age out: {ex!r}")
         self.stats.aged_out += dropped
         return dropped
@@ -503,7 +572,7 @@ class Applier:
             if index is None:
                 try:
                     index = self.conductor.get_or_create_index(ctx.model, ctx.tenant)
-                except Exception as ex:  # noqa: BLE001
+                except Exception as ex:
                     self._drop("apply_error", f"get_or_create_index: {ex!r}", payload)
                     return
             try:
@@ -519,7 +588,7 @@ class Applier:
                 self._drop("parent_not_found", str(ex))
             except InvalidBlockSequence as ex:
                 self._drop("invalid_block_sequence", str(ex))
-            except Exception as ex:  # noqa: BLE001 - never stop the ingest thread
+            except Exception as ex:
                 self._drop("apply_error", repr(ex), payload)
 
     def _stored(self, index, ev: Stored) -> None:
@@ -634,7 +703,9 @@ class Applier:
                 for model, tenant, key in targets:
                     index = indexes.get((model, tenant))
                     if index is None:
-                        index = indexes[(model, tenant)] = self.conductor.get_or_create_index(model, tenant)
+                        index = indexes[(model, tenant)] = self.conductor.get_or_create_index(
+                            model, tenant
+                        )
                     if kind == STORED:
                         self._touch(model, tenant, key)
                         index.pool_store(key, hashes, now)
@@ -646,5 +717,5 @@ class Applier:
                         index.clear(key)
                 if kind == STORED:
                     stats.blocks += len(hashes)
-            except Exception as ex:  # noqa: BLE001 - never stop the ingest thread
+            except Exception as ex:
                 self._drop("apply_error", repr(ex), payload)

@@ -21,12 +21,13 @@ handed to the index as C buffers.
 A malformed event is dropped alone (reason counted by the caller); a batch
 whose envelope cannot be read raises :class:`DecodeError`.
 """
+
 from __future__ import annotations
 
 import re
 from array import array
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -54,13 +55,38 @@ class DecodeError(Exception):
 class Stored:
     """One ``BlockStored``: hashes are u64 (array('Q')), tokens u32 (array('I'))."""
 
-    __slots__ = ("block_hashes", "parent", "tokens", "block_size", "medium", "lora_name",
-                 "lora_id", "group_idx", "kind", "sliding_window", "locality", "ownership",
-                 "session_id")
+    __slots__ = (
+        "block_hashes",
+        "parent",
+        "tokens",
+        "block_size",
+        "medium",
+        "lora_name",
+        "lora_id",
+        "group_idx",
+        "kind",
+        "sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+    )
 
-    def __init__(self, block_hashes, parent, tokens, block_size, medium=None, lora_name=None,
-                 lora_id=None, group_idx=None, kind=None, sliding_window=None, locality=None,
-                 ownership=None, session_id=None) -> None:
+    def __init__(
+        self,
+        block_hashes,
+        parent,
+        tokens,
+        block_size,
+        medium=None,
+        lora_name=None,
+        lora_id=None,
+        group_idx=None,
+        kind=None,
+        sliding_window=None,
+        locality=None,
+        ownership=None,
+        session_id=None,
+    ) -> None:
         self.block_hashes = block_hashes
         self.parent = parent
         self.tokens = tokens
@@ -76,9 +102,11 @@ class Stored:
         self.session_id = session_id
 
     def __repr__(self) -> str:
-        return (f"Stored(hashes={list(self.block_hashes)}, parent={self.parent}, "
-                f"tokens={list(self.tokens)}, block_size={self.block_size}, medium={self.medium!r}, "
-                f"lora_name={self.lora_name!r}, group_idx={self.group_idx}, kind={self.kind!r})")
+        return (
+            f"Stored(hashes={list(self.block_hashes)}, parent={self.parent}, "
+            f"tokens={list(self.tokens)}, block_size={self.block_size}, medium={self.medium!r}, "
+            f"lora_name={self.lora_name!r}, group_idx={self.group_idx}, kind={self.kind!r})"
+        )
 
 
 class Removed:
@@ -204,7 +232,8 @@ def u32_tokens(tokens: list) -> array:
 
 #: The compiled token-array reader; ``None`` (the msgspec path only) when ``KVCONDUCTOR_IMPL=py``.
 _read_u32_array: Callable[[Any], array] | None = (
-    None if kvconductor.IMPL == "py" else read_u32_array)
+    None if kvconductor.IMPL == "py" else read_u32_array
+)
 _INT_LIST_DEC = msgspec.msgpack.Decoder(list[int])
 
 
@@ -231,7 +260,7 @@ def raw_tokens(raw: msgspec.Raw) -> array:
             pass  # e.g. ids >= 2**63: let msgspec decide (and truncate)
     try:
         return u32_tokens(_INT_LIST_DEC.decode(raw))
-    except Exception as ex:  # noqa: BLE001 - msgspec.ValidationError / DecodeError
+    except Exception as ex:
         raise DecodeError("invalid_event", f"token_ids: {ex}") from None
 
 
@@ -239,14 +268,14 @@ def raw_tokens(raw: msgspec.Raw) -> array:
 # typed wire structs
 
 _RAW_NIL = msgspec.Raw(b"\xc0")
-_Str = Union[str, None]
+_Str = str | None
 
 
 class _AStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     block_hashes: Any = None
     parent_block_hash: Any = None
     token_ids: msgspec.Raw = _RAW_NIL
-    block_size: Union[int, None] = None
+    block_size: int | None = None
     lora_id: Any = None
     medium: _Str = None
     lora_name: _Str = None
@@ -270,7 +299,7 @@ class _MStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     block_hashes: Any = None
     parent_block_hash: Any = None
     token_ids: msgspec.Raw = _RAW_NIL
-    block_size: Union[int, None] = None
+    block_size: int | None = None
     lora_id: Any = None
     medium: _Str = None
     lora_name: _Str = None
@@ -300,8 +329,8 @@ class _MCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
     pass
 
 
-_ARRAY_DEC = msgspec.msgpack.Decoder(Union[_AStored, _ARemoved, _ACleared])
-_MAP_DEC = msgspec.msgpack.Decoder(Union[_MStored, _MRemoved, _MCleared])
+_ARRAY_DEC = msgspec.msgpack.Decoder(_AStored | _ARemoved | _ACleared)
+_MAP_DEC = msgspec.msgpack.Decoder(_MStored | _MRemoved | _MCleared)
 _RAW_LIST_DEC = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ANY_DEC = msgspec.msgpack.Decoder()
 
@@ -361,11 +390,33 @@ def _convert(ev: Any) -> Any:
         if bs < 0:
             raise DecodeError("invalid_event", f"block_size {bs}")
         if cls is _AStored:
-            return Stored(hashes, parent, tokens, bs, ev.medium, ev.lora_name, ev.lora_id,
-                          ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window)
-        return Stored(hashes, parent, tokens, bs, ev.medium, ev.lora_name, ev.lora_id,
-                      ev.group_idx, ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window,
-                      ev.locality, ev.ownership, ev.session_id)
+            return Stored(
+                hashes,
+                parent,
+                tokens,
+                bs,
+                ev.medium,
+                ev.lora_name,
+                ev.lora_id,
+                ev.group_idx,
+                ev.kv_cache_spec_kind,
+                ev.kv_cache_spec_sliding_window,
+            )
+        return Stored(
+            hashes,
+            parent,
+            tokens,
+            bs,
+            ev.medium,
+            ev.lora_name,
+            ev.lora_id,
+            ev.group_idx,
+            ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window,
+            ev.locality,
+            ev.ownership,
+            ev.session_id,
+        )
     if cls is _ARemoved or cls is _MRemoved:
         return Removed(_hashes_of(ev.block_hashes), ev.medium, ev.group_idx)
     return Cleared()
@@ -375,7 +426,7 @@ def _why_invalid(raw: msgspec.Raw, kind: str, err: Exception) -> Dropped:
     """Classify a failed typed decode: unknown tag vs wrong field types vs garbage."""
     try:
         obj = _ANY_DEC.decode(raw)
-    except Exception as ex:  # noqa: BLE001
+    except Exception as ex:
         return Dropped("undecodable_event", str(ex))
     tag = None
     if kind == "array" and obj:
@@ -401,7 +452,7 @@ def decode_event(raw: msgspec.Raw | bytes) -> Any:
         ev = dec.decode(raw)
     except msgspec.ValidationError as ex:
         return _why_invalid(raw, kind, ex)
-    except Exception as ex:  # noqa: BLE001 - msgspec.DecodeError, UnicodeDecodeError, ...
+    except Exception as ex:
         return Dropped("undecodable_event", str(ex))
     try:
         return _convert(ev)
@@ -427,7 +478,7 @@ def split_batch(payload: bytes) -> tuple[list[msgspec.Raw], int, int | None]:
         elems = _RAW_LIST_DEC.decode(payload)
     except msgspec.ValidationError as ex:
         raise DecodeError("not_a_batch", str(ex)) from None
-    except Exception as ex:  # noqa: BLE001 - msgspec.DecodeError and friends
+    except Exception as ex:
         raise DecodeError("undecodable", str(ex)) from None
     n = len(elems)
     if n not in (2, 3):
@@ -440,8 +491,9 @@ def split_batch(payload: bytes) -> tuple[list[msgspec.Raw], int, int | None]:
     raise DecodeError("not_a_batch", f"element 1 is a msgpack {k1}")
 
 
-def decode_vllm_batch(payload: bytes, parts: tuple | None = None,
-                      raw_events: list[msgspec.Raw] | None = None) -> VllmBatch:
+def decode_vllm_batch(
+    payload: bytes, parts: tuple | None = None, raw_events: list[msgspec.Raw] | None = None
+) -> VllmBatch:
     """Decode a vLLM/SGLang batch payload. Raises DecodeError if the envelope is bad.
 
     ``parts``: :func:`split_batch` of the payload and ``raw_events`` its events
@@ -458,7 +510,7 @@ def decode_vllm_batch(payload: bytes, parts: tuple | None = None,
         dp = _decode_int_or_nil(elems[di]) if di is not None else None
     except DecodeError:
         raise
-    except Exception as ex:  # noqa: BLE001 - msgspec.DecodeError/ValidationError, UnicodeDecodeError
+    except Exception as ex:
         raise DecodeError("invalid_batch", str(ex)) from None
     layout = "ts,events" if di is None else ("ts,events,dp" if ei == 1 else "ts,dp,events")
     return VllmBatch(ts, dp, [decode_event(r) for r in raw_events], layout)
@@ -469,15 +521,15 @@ def decode_vllm_batch(payload: bytes, parts: tuple | None = None,
 
 
 class _ArrBatch(msgspec.Struct, array_like=True):
-    ts: Union[float, int]
-    events: list[Union[_AStored, _ARemoved, _ACleared]]
-    data_parallel_rank: Union[int, None] = None
+    ts: float | int
+    events: list[_AStored | _ARemoved | _ACleared]
+    data_parallel_rank: int | None = None
 
 
 class _MapBatch(msgspec.Struct, array_like=True):
-    ts: Union[float, int]
-    events: list[Union[_MStored, _MRemoved, _MCleared]]
-    data_parallel_rank: Union[int, None] = None
+    ts: float | int
+    events: list[_MStored | _MRemoved | _MCleared]
+    data_parallel_rank: int | None = None
 
 
 _FAST_ARR = msgspec.msgpack.Decoder(_ArrBatch)
@@ -515,12 +567,13 @@ def decode_vllm_fast(payload: bytes) -> VllmBatch | None:
         return None
     try:
         b = dec.decode(payload)
-    except Exception:  # noqa: BLE001 - the general path classifies the problem
+    except Exception:
         return None
     if dec is _FAST_MAP:
         for e in b.events:
-            if type(e) is not _MCleared and (e.event_type is not None or e.seq_hashes is not None
-                                             or e.backend_id is not None):
+            if type(e) is not _MCleared and (
+                e.event_type is not None or e.seq_hashes is not None or e.backend_id is not None
+            ):
                 return None  # pool events with a legacy "type": not ours
     layout = "ts,events,dp" if payload[0] == 0x93 else "ts,events"
     return VllmBatch(b.ts, b.data_parallel_rank, [_convert_or_drop(e) for e in b.events], layout)
