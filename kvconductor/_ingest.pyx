@@ -480,7 +480,7 @@ cdef class FastBatch:
 
     cdef int _event(self, wcur* c, long long reg) noexcept nogil:
         cdef Ev ev
-        cdef size_t n, i, pairs_done = 0, nb, nstore
+        cdef size_t n, i, _k, pairs_done = 0, nb, nstore
         cdef const uint8_t* s
         cdef const uint8_t* save
         cdef int kind = -1, rc, fid, k2
@@ -530,7 +530,7 @@ cdef class FastBatch:
                 else:
                     c.p = save
             if kind < 0:
-                for i in range(n):
+                for _k in range(n):
                     rc = _r(mp_str(c, &s, &nb), R_EVENT)
                     if rc:
                         return rc
@@ -547,7 +547,7 @@ cdef class FastBatch:
                 c.p = save
             known = _KNOWN_STORED if kind == K_STORED else (
                 _KNOWN_REMOVED if kind == K_REMOVED else _KNOWN_CLEARED)
-            for i in range(pairs_done, n):
+            for _k in range(pairs_done, n):
                 rc = _r(mp_str(c, &s, &nb), R_EVENT)
                 if rc:
                     return rc
@@ -626,7 +626,7 @@ cdef class FastBatch:
 
     cdef int _parse(self, const uint8_t* buf, size_t size, long long reg) noexcept nogil:
         cdef wcur c
-        cdef size_t nev, i
+        cdef size_t nev, i, _k
         cdef void* p
         cdef int rc
         cdef uint64_t v
@@ -656,7 +656,7 @@ cdef class FastBatch:
                 return -R_OOM
             self.ops = <BatchOp*>p
             self.rec_cap = i
-        for i in range(nev):
+        for _k in range(nev):
             rc = self._event(&c, reg)
             if rc:
                 return -rc
