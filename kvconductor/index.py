@@ -23,15 +23,17 @@ from kvconductor.keys import Medium, WorkerKey
 from kvconductor.schema import U32_MAX
 
 
-def _core_class(impl: str | None):
+def _core_class(impl: str | None) -> type:
     impl = impl or kvconductor.IMPL
     if impl == "c":
-        from kvconductor._index import CoreIndex
-    elif impl == "py":
-        from kvconductor._py.index import CoreIndex
-    else:
-        raise ValueError(f"unknown index implementation {impl!r}")
-    return CoreIndex
+        from kvconductor._index import CoreIndex as compiled
+
+        return compiled
+    if impl == "py":
+        from kvconductor._py.index import CoreIndex as twin
+
+        return twin
+    raise ValueError(f"unknown index implementation {impl!r}")
 
 
 class DpHit(NamedTuple):

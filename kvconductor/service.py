@@ -543,6 +543,7 @@ class Conductor:
                     key, op.parent, op.engine_hashes, op.tokens, op.block_size, op.seed
                 )
             else:
+                assert op.local_hashes is not None  # normalize_event gives one or the other
                 idx.store(key, op.parent, op.engine_hashes, op.local_hashes)
         elif op.kind == REMOVED:
             idx.remove(key, op.engine_hashes)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import Any, cast
 
 import msgspec
 
@@ -123,9 +124,8 @@ def _is_msgpack_array(body: bytes) -> bool:
 
 
 def _decode_ints(raw: msgspec.Raw, msgpack: bool, field: str) -> list[int] | bytes:
-    if not msgpack:
-        decoder = _JSON_INTS
-    else:
+    decoder: Any = _JSON_INTS
+    if msgpack:
         decoder = _MSGPACK_TOKENS if field == "token_ids" else _MSGPACK_INTS
     try:
         return decoder.decode(raw)
@@ -167,10 +167,7 @@ def py_parse_query(
     of hashes when ``by_hash``; ``lora_name`` is ``None`` when absent, null or
     empty. Raises :class:`WireError`.
     """
-    if msgpack:
-        decoder = _MSGPACK[by_hash, _is_msgpack_array(body)]
-    else:
-        decoder = _JSON[by_hash]
+    decoder: Any = _MSGPACK[by_hash, _is_msgpack_array(body)] if msgpack else _JSON[by_hash]
     try:
         req = decoder.decode(body)
     except msgspec.DecodeError as ex:
@@ -180,7 +177,7 @@ def py_parse_query(
         # and skips msgpack of any depth, so the two differ on bodies ~950+ levels deep.
         raise WireError("nesting too deep") from None
     if by_hash:
-        values = _hashes_u64(_decode_ints(req.block_hashes, msgpack, "block_hashes"))
+        values = _hashes_u64(cast(list, _decode_ints(req.block_hashes, msgpack, "block_hashes")))
     else:
         values = _tokens_u32(_decode_ints(req.token_ids, msgpack, "token_ids"))
     tenant = DEFAULT_TENANT if req.tenant_id is None else req.tenant_id

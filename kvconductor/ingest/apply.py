@@ -422,7 +422,7 @@ class Applier:
         if not self._within_limits(nblocks, index):
             return False
         self.stats.batches += 1
-        if type(batch) is VllmBatch:
+        if isinstance(batch, VllmBatch):
             self.apply_vllm(batch, payload, index)
         else:
             self.apply_pool(batch, payload)

@@ -422,7 +422,7 @@ def _convert(ev: Any) -> Any:
     return Cleared()
 
 
-def _why_invalid(raw: msgspec.Raw, kind: str, err: Exception) -> Dropped:
+def _why_invalid(raw: msgspec.Raw | bytes, kind: str, err: Exception) -> Dropped:
     """Classify a failed typed decode: unknown tag vs wrong field types vs garbage."""
     try:
         obj = _ANY_DEC.decode(raw)
@@ -571,7 +571,7 @@ def decode_vllm_fast(payload: bytes) -> VllmBatch | None:
         return None
     if dec is _FAST_MAP:
         for e in b.events:
-            if type(e) is not _MCleared and (
+            if isinstance(e, (_MStored, _MRemoved)) and (
                 e.event_type is not None or e.seq_hashes is not None or e.backend_id is not None
             ):
                 return None  # pool events with a legacy "type": not ours
