@@ -2,7 +2,10 @@
 """The index core of one (model, tenant): HBM tree, CPU/Disk tiers, two-phase state."""
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
-from kvconductor._hmap cimport HCursor, Pool, U64Map, pthread_rwlock_t
+from kvconductor._cursor cimport HCursor
+from kvconductor._maps cimport U64Map
+from kvconductor._pool cimport Pool
+from kvconductor._rwlock cimport pthread_rwlock_t
 from kvconductor._lower cimport Lower
 from kvconductor._tree cimport Tree
 

@@ -2,7 +2,10 @@
 """CPU/Disk edge tables: C structs and the nogil kernels shared with ``_index``."""
 from libc.stdint cimport uint32_t, uint64_t
 
-from kvconductor._hmap cimport HCursor, PairMap, Pool, U64Map, pthread_rwlock_t
+from kvconductor._cursor cimport HCursor
+from kvconductor._maps cimport PairMap, U64Map
+from kvconductor._pool cimport Pool
+from kvconductor._rwlock cimport pthread_rwlock_t
 
 cdef struct LEdge:
     uint32_t owners             # head of the owner list in Lower.own (next free edge when free)

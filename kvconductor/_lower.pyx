@@ -10,12 +10,15 @@ that feeds these tiers lives in ``_index.CoreIndex``.
 from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 
-from kvconductor._hmap cimport (
-    HM_NIL, HCursor, PSlot, grow_array, hc_get, hc_init_hashes, pm_find, pm_free, pm_get, pm_hash,
-    pm_init, pool_give, pool_init, pool_take,
-    pm_nbytes, pm_pop, pm_put, pthread_rwlock_destroy, pthread_rwlock_rdlock,
-    pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
-    u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
+from kvconductor._maps cimport (
+    HM_NIL, PSlot, pm_find, pm_free, pm_get, pm_hash, pm_init, pm_nbytes, pm_pop, pm_put,
+    u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+)
+from kvconductor._pool cimport grow_array, pool_give, pool_init, pool_take
+from kvconductor._rwlock cimport (
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
+    rwlock_init,
 )
 
 from kvconductor._hash import as_u64

@@ -2,7 +2,10 @@
 """HBM radix tree: C structs and the nogil kernels shared with ``_index``."""
 from libc.stdint cimport uint32_t, uint64_t
 
-from kvconductor._hmap cimport EdgeMap, HCursor, Pool, U64Map, hm_mix, pthread_rwlock_t
+from kvconductor._cursor cimport HCursor
+from kvconductor._maps cimport EdgeMap, U64Map, hm_mix
+from kvconductor._pool cimport Pool
+from kvconductor._rwlock cimport pthread_rwlock_t
 
 cdef inline uint64_t member_sig(uint32_t worker) noexcept nogil:
     return hm_mix(<uint64_t>worker + 1)

@@ -14,12 +14,15 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from kvconductor._hmap cimport (
-    HM_NIL, HCursor, em_free, em_get, em_hash, em_init, em_nbytes, em_pop, em_put, grow_array,
-    pool_give, pool_init, pool_take,
-    hc_get, hc_init_hashes, pthread_rwlock_destroy, pthread_rwlock_rdlock,
-    pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
+from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
+from kvconductor._maps cimport (
+    HM_NIL, em_free, em_get, em_hash, em_init, em_nbytes, em_pop, em_put, u64m_free, u64m_get,
     u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+)
+from kvconductor._pool cimport grow_array, pool_give, pool_init, pool_take
+from kvconductor._rwlock cimport (
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
+    rwlock_init,
 )
 
 from kvconductor._hash import as_u64

@@ -1,0 +1,71 @@
+# cython: language_level=3
+"""Growable C arrays and index pools with a free list, usable without the GIL.
+
+Items are addressed by ``uint32_t`` index; ``HM_NIL`` (from ``_maps``) means
+"no item". Every function is ``noexcept nogil`` and reports out-of-memory by
+its return value, leaving the array unchanged.
+"""
+from libc.stdint cimport uint32_t
+from libc.stdlib cimport realloc
+
+from kvconductor._maps cimport HM_NIL
+
+
+# -- growable arrays ------------------------------------------------------------------
+cdef inline void* grow_array(void* ptr, size_t* cap, size_t need, size_t item) noexcept nogil:
+    """Return ``ptr`` grown (doubling) to hold ``need`` items; NULL on overflow/OOM
+    (then ``ptr`` is still valid and unchanged)."""
+    cdef size_t ncap = cap[0] if cap[0] else 16
+    while ncap < need:
+        if ncap > (<size_t>-1) // 2 // item:
+            return NULL
+        ncap += ncap // 2     # 1.5x: less slack than doubling for the big arrays
+    if ncap == cap[0]:
+        return ptr
+    cdef void* p = realloc(ptr, ncap * item)
+    if p == NULL:
+        return NULL
+    cap[0] = ncap
+    return p
+
+
+# -- pooled arrays with a free list -----------------------------------------------------
+# Convention: the FIRST field of every pooled struct is a uint32 that links free items.
+cdef struct Pool:
+    size_t cap                   # allocated items
+    uint32_t used                # high-water mark of item indices
+    uint32_t free                # head of the free list (HM_NIL: empty)
+
+
+cdef inline void pool_init(Pool* p) noexcept nogil:
+    p.cap = 0
+    p.used = 0
+    p.free = HM_NIL
+
+
+cdef inline uint32_t pool_take(Pool* p, void** data, size_t item) noexcept nogil:
+    """Index of a free item of ``data[0]`` (items of ``item`` bytes): a freed one, else
+    the next past the high-water mark, growing the array. HM_NIL on overflow or
+    out of memory (``data[0]`` is then unchanged)."""
+    cdef uint32_t i
+    cdef void* q
+    if p.free != HM_NIL:
+        i = p.free
+        p.free = (<uint32_t*>(<char*>data[0] + <size_t>i * item))[0]
+        return i
+    if p.used >= <uint32_t>(HM_NIL - 1):
+        return HM_NIL
+    if p.used >= p.cap:
+        q = grow_array(data[0], &p.cap, <size_t>p.used + 1, item)
+        if q == NULL:
+            return HM_NIL
+        data[0] = q
+    i = p.used
+    p.used += 1
+    return i
+
+
+cdef inline void pool_give(Pool* p, void* data, uint32_t i, size_t item) noexcept nogil:
+    """Put item ``i`` on the free list (overwrites its first uint32 field)."""
+    (<uint32_t*>(<char*>data + <size_t>i * item))[0] = p.free
+    p.free = i
