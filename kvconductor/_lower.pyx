@@ -12,7 +12,7 @@ from libc.stdlib cimport free, malloc
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
-    HM_NIL, PSlot, pm_find, pm_free, pm_get, pm_hash, pm_init, pm_nbytes, pm_pop, pm_put,
+    HM_NIL, PSlot, pm_find, pm_get, pm_hash, pm_pop, pm_put, sm_free, sm_init, sm_nbytes,
     u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
 from kvconductor._pool cimport grow_array, pool_give, pool_init, pool_take
@@ -44,7 +44,7 @@ cdef void lower_init(Lower* L) noexcept nogil:
     L.live_edges = 0
     L.own = NULL
     pool_init(&L.own_pool)
-    pm_init(&L.pairs)
+    sm_init(&L.pairs)
     u64m_init(&L.roots)
     L.rev = NULL
     L.nrev = 0
@@ -59,7 +59,7 @@ cdef void lower_free(Lower* L) noexcept nogil:
     free(L.rev)
     free(L.edges)
     free(L.own)
-    pm_free(&L.pairs)
+    sm_free(&L.pairs)
     u64m_free(&L.roots)
     lower_init(L)
 
@@ -67,7 +67,7 @@ cdef void lower_free(Lower* L) noexcept nogil:
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
     cdef size_t n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
     cdef size_t w
-    n += pm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + L.nrev * sizeof(U64Map)
+    n += sm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + L.nrev * sizeof(U64Map)
     for w in range(L.nrev):
         n += u64m_nbytes(&L.rev[w])
     return n

@@ -157,39 +157,124 @@ cdef struct PairMap:
     size_t size
 
 
+# -- EdgeMap: (u32 node, u64 local) -> u32 node, 16-byte slots (the HBM tree's edges) ----------
+cdef struct ESlot:
+    uint64_t local               # LocalBlockHash
+    uint32_t parent              # parent node index
+    uint32_t child               # child node index, HM_NIL = empty slot
+
+cdef struct EdgeMap:
+    ESlot* slots
+    size_t mask
+    size_t size
+
+
 cdef inline uint64_t pm_hash(uint64_t a, uint64_t b) noexcept nogil:
     return hm_mix(a * <uint64_t>0x9e3779b97f4a7c15 ^ b)
 
 
-cdef inline void pm_init(PairMap* m) noexcept nogil:
+cdef inline uint64_t em_hash(uint32_t parent, uint64_t local) noexcept nogil:
+    return hm_mix((<uint64_t>parent) * <uint64_t>0x9e3779b97f4a7c15 ^ local)
+
+
+# -- what PairMap and EdgeMap share: one slot array, written once for both ----------------
+# A fused type: Cython emits one specialisation per map, so the code is the same
+# as two hand-written copies (the ``if SlotMap is ...`` branches are resolved at
+# compile time).
+ctypedef fused SlotMap:
+    PairMap
+    EdgeMap
+
+
+cdef inline void sm_init(SlotMap* m) noexcept nogil:
     m.slots = NULL
     m.mask = 0
     m.size = 0
 
 
-cdef inline void pm_free(PairMap* m) noexcept nogil:
+cdef inline void sm_free(SlotMap* m) noexcept nogil:
     free(m.slots)
-    pm_init(m)
+    sm_init(m)
 
 
-cdef inline size_t pm_nbytes(const PairMap* m) noexcept nogil:
-    return 0 if m.slots == NULL else (m.mask + 1) * sizeof(PSlot)
+cdef inline size_t sm_nbytes(const SlotMap* m) noexcept nogil:
+    return 0 if m.slots == NULL else (m.mask + 1) * sizeof(m.slots[0])
 
 
-cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
+cdef inline bint _sm_used(const SlotMap* m, size_t i) noexcept nogil:
+    if SlotMap is PairMap:
+        return m.slots[i].v != HM_NIL
+    else:
+        return m.slots[i].child != HM_NIL
+
+
+cdef inline void _sm_clear(SlotMap* m, size_t i) noexcept nogil:
+    if SlotMap is PairMap:
+        m.slots[i].v = HM_NIL
+    else:
+        m.slots[i].child = HM_NIL
+
+
+cdef inline size_t _sm_home(const SlotMap* m, size_t i, size_t mask) noexcept nogil:
+    if SlotMap is PairMap:
+        return pm_hash(m.slots[i].a, m.slots[i].b) & mask
+    else:
+        return em_hash(m.slots[i].parent, m.slots[i].local) & mask
+
+
+cdef inline int _sm_rehash(SlotMap* m, size_t cap) noexcept nogil:
+    cdef SlotMap nm
+    cdef size_t i, j
+    if SlotMap is PairMap:
+        nm.slots = <PSlot*>malloc(cap * sizeof(PSlot))
+    else:
+        nm.slots = <ESlot*>malloc(cap * sizeof(ESlot))
+    if nm.slots == NULL:
+        return -1
+    nm.mask = cap - 1
+    nm.size = m.size
+    for i in range(cap):
+        _sm_clear(&nm, i)
+    if m.slots != NULL:
+        for i in range(m.mask + 1):
+            if _sm_used(m, i):
+                j = _sm_home(m, i, nm.mask)
+                while _sm_used(&nm, j):
+                    j = (j + 1) & nm.mask
+                nm.slots[j] = m.slots[i]
+        free(m.slots)
+    m[0] = nm
+    return 0
+
+
+cdef inline int sm_reserve_one(SlotMap* m) noexcept nogil:
+    """Room for one more entry (load factor <= 3/4); -1 on OOM, map unchanged."""
     if m.slots == NULL:
-        return HM_NIL
-    cdef size_t i = pm_hash(a, b) & m.mask
-    cdef const PSlot* s
+        return _sm_rehash(m, 8)
+    if (m.size + 1) * 4 > (m.mask + 1) * 3:
+        return _sm_rehash(m, (m.mask + 1) * 2)
+    return 0
+
+
+cdef inline void sm_delete_at(SlotMap* m, size_t i) noexcept nogil:
+    """Empty used slot ``i``; backward-shift the cluster after it (no tombstones)."""
+    cdef size_t mask = m.mask, j = i, k
+    _sm_clear(m, i)
     while True:
-        s = &m.slots[i]
-        if s.v == HM_NIL:
-            return HM_NIL
-        if s.b == b and s.a == a:
-            return s.v
-        i = (i + 1) & m.mask
+        j = (j + 1) & mask
+        if not _sm_used(m, j):
+            break
+        k = _sm_home(m, j, mask)
+        # the entry at j may stay iff its home k lies cyclically in (i, j]
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        m.slots[i] = m.slots[j]
+        _sm_clear(m, j)
+        i = j
+    m.size -= 1
 
 
+# -- PairMap operations -----------------------------------------------------------------
 cdef inline PSlot* pm_find(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
     """The slot of key (a, b), or NULL. PERF: walks read the payload from it."""
     if m.slots == NULL:
@@ -205,34 +290,15 @@ cdef inline PSlot* pm_find(const PairMap* m, uint64_t a, uint64_t b) noexcept no
         i = (i + 1) & m.mask
 
 
-cdef inline int pm_rehash(PairMap* m, size_t cap) noexcept nogil:
-    cdef PSlot* ns = <PSlot*>malloc(cap * sizeof(PSlot))
-    cdef size_t i, j, nmask = cap - 1
-    if ns == NULL:
-        return -1
-    for i in range(cap):
-        ns[i].v = HM_NIL
-    if m.slots != NULL:
-        for i in range(m.mask + 1):
-            if m.slots[i].v != HM_NIL:
-                j = pm_hash(m.slots[i].a, m.slots[i].b) & nmask
-                while ns[j].v != HM_NIL:
-                    j = (j + 1) & nmask
-                ns[j] = m.slots[i]
-        free(m.slots)
-    m.slots = ns
-    m.mask = nmask
-    return 0
+cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    cdef const PSlot* s = pm_find(m, a, b)
+    return HM_NIL if s == NULL else s.v
 
 
 cdef inline int pm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
     """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
-    if m.slots == NULL:
-        if pm_rehash(m, 8) < 0:
-            return -1
-    elif (m.size + 1) * 4 > (m.mask + 1) * 3:
-        if pm_rehash(m, (m.mask + 1) * 2) < 0:
-            return -1
+    if sm_reserve_one(m) < 0:
+        return -1
     cdef size_t i = pm_hash(a, b) & m.mask
     while m.slots[i].v != HM_NIL:
         if m.slots[i].b == b and m.slots[i].a == a:
@@ -249,107 +315,41 @@ cdef inline int pm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcep
 
 
 cdef inline uint32_t pm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
-    if m.slots == NULL:
-        return HM_NIL
-    cdef size_t mask = m.mask
-    cdef size_t i = pm_hash(a, b) & mask, j, k
+    """Delete key (a, b); return its value or HM_NIL when absent."""
+    cdef PSlot* s = pm_find(m, a, b)
     cdef uint32_t out
-    while True:
-        if m.slots[i].v == HM_NIL:
-            return HM_NIL
-        if m.slots[i].b == b and m.slots[i].a == a:
-            break
-        i = (i + 1) & mask
-    out = m.slots[i].v
-    m.slots[i].v = HM_NIL
-    j = i
-    while True:
-        j = (j + 1) & mask
-        if m.slots[j].v == HM_NIL:
-            break
-        k = pm_hash(m.slots[j].a, m.slots[j].b) & mask
-        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
-            continue
-        m.slots[i] = m.slots[j]
-        m.slots[j].v = HM_NIL
-        i = j
-    m.size -= 1
+    if s == NULL:
+        return HM_NIL
+    out = s.v
+    sm_delete_at(m, <size_t>(s - m.slots))
     return out
 
 
-# -- EdgeMap: (u32 node, u64 local) -> u32 node, 16-byte slots (the HBM tree's edges) ----------
-cdef struct ESlot:
-    uint64_t local               # LocalBlockHash
-    uint32_t parent              # parent node index
-    uint32_t child               # child node index, HM_NIL = empty slot
-
-cdef struct EdgeMap:
-    ESlot* slots
-    size_t mask
-    size_t size
-
-
-cdef inline uint64_t em_hash(uint32_t parent, uint64_t local) noexcept nogil:
-    return hm_mix((<uint64_t>parent) * <uint64_t>0x9e3779b97f4a7c15 ^ local)
-
-
-cdef inline void em_init(EdgeMap* m) noexcept nogil:
-    m.slots = NULL
-    m.mask = 0
-    m.size = 0
-
-
-cdef inline void em_free(EdgeMap* m) noexcept nogil:
-    free(m.slots)
-    em_init(m)
-
-
-cdef inline size_t em_nbytes(const EdgeMap* m) noexcept nogil:
-    return 0 if m.slots == NULL else (m.mask + 1) * sizeof(ESlot)
-
-
-cdef inline uint32_t em_get(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
+# -- EdgeMap operations -----------------------------------------------------------------
+cdef inline ESlot* em_find(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
+    """The slot of edge (parent, local), or NULL."""
     if m.slots == NULL:
-        return HM_NIL
+        return NULL
     cdef size_t i = em_hash(parent, local) & m.mask
-    cdef const ESlot* s
+    cdef ESlot* s
     while True:
         s = &m.slots[i]
         if s.child == HM_NIL:
-            return HM_NIL
+            return NULL
         if s.local == local and s.parent == parent:
-            return s.child
+            return s
         i = (i + 1) & m.mask
 
 
-cdef inline int em_rehash(EdgeMap* m, size_t cap) noexcept nogil:
-    cdef ESlot* ns = <ESlot*>malloc(cap * sizeof(ESlot))
-    cdef size_t i, j, nmask = cap - 1
-    if ns == NULL:
-        return -1
-    for i in range(cap):
-        ns[i].child = HM_NIL
-    if m.slots != NULL:
-        for i in range(m.mask + 1):
-            if m.slots[i].child != HM_NIL:
-                j = em_hash(m.slots[i].parent, m.slots[i].local) & nmask
-                while ns[j].child != HM_NIL:
-                    j = (j + 1) & nmask
-                ns[j] = m.slots[i]
-        free(m.slots)
-    m.slots = ns
-    m.mask = nmask
-    return 0
+cdef inline uint32_t em_get(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
+    cdef const ESlot* s = em_find(m, parent, local)
+    return HM_NIL if s == NULL else s.child
 
 
 cdef inline int em_put(EdgeMap* m, uint32_t parent, uint64_t local, uint32_t child) noexcept nogil:
     """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
-    if m.slots == NULL:
-        if em_rehash(m, 8) < 0:
-            return -1
-    elif (m.size + 1) * 4 > (m.mask + 1) * 3:
-        if em_rehash(m, (m.mask + 1) * 2) < 0:
-            return -1
+    if sm_reserve_one(m) < 0:
+        return -1
     cdef size_t i = em_hash(parent, local) & m.mask
     while m.slots[i].child != HM_NIL:
         if m.slots[i].local == local and m.slots[i].parent == parent:
@@ -364,29 +364,11 @@ cdef inline int em_put(EdgeMap* m, uint32_t parent, uint64_t local, uint32_t chi
 
 
 cdef inline uint32_t em_pop(EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
-    if m.slots == NULL:
-        return HM_NIL
-    cdef size_t mask = m.mask
-    cdef size_t i = em_hash(parent, local) & mask, j, k
+    """Delete edge (parent, local); return its child or HM_NIL when absent."""
+    cdef ESlot* s = em_find(m, parent, local)
     cdef uint32_t out
-    while True:
-        if m.slots[i].child == HM_NIL:
-            return HM_NIL
-        if m.slots[i].local == local and m.slots[i].parent == parent:
-            break
-        i = (i + 1) & mask
-    out = m.slots[i].child
-    m.slots[i].child = HM_NIL
-    j = i
-    while True:
-        j = (j + 1) & mask
-        if m.slots[j].child == HM_NIL:
-            break
-        k = em_hash(m.slots[j].parent, m.slots[j].local) & mask
-        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
-            continue
-        m.slots[i] = m.slots[j]
-        m.slots[j].child = HM_NIL
-        i = j
-    m.size -= 1
+    if s == NULL:
+        return HM_NIL
+    out = s.child
+    sm_delete_at(m, <size_t>(s - m.slots))
     return out

@@ -16,7 +16,7 @@ from libc.string cimport memset
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
-    HM_NIL, em_free, em_get, em_hash, em_init, em_nbytes, em_pop, em_put, u64m_free, u64m_get,
+    HM_NIL, em_get, em_hash, em_pop, em_put, sm_free, sm_init, sm_nbytes, u64m_free, u64m_get,
     u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
 from kvconductor._pool cimport grow_array, pool_give, pool_init, pool_take
@@ -37,7 +37,7 @@ cdef int tree_init(Tree* t) noexcept nogil:
     t.mem = NULL
     pool_init(&t.mem_pool)
     t.npairs = 0
-    em_init(&t.edges)
+    sm_init(&t.edges)
     t.rev = NULL
     t.nrev = 0
     if pool_take(&t.node_pool, <void**>&t.nodes, sizeof(TNode)) != T_ROOT:
@@ -65,13 +65,13 @@ cdef void tree_free(Tree* t) noexcept nogil:
     free(t.mem)
     t.mem = NULL
     pool_init(&t.mem_pool)
-    em_free(&t.edges)
+    sm_free(&t.edges)
 
 
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
     cdef size_t n = t.node_pool.cap * sizeof(TNode) + t.mem_pool.cap * sizeof(TMember)
     cdef size_t w
-    n += em_nbytes(&t.edges) + t.nrev * sizeof(U64Map)
+    n += sm_nbytes(&t.edges) + t.nrev * sizeof(U64Map)
     for w in range(t.nrev):
         n += u64m_nbytes(&t.rev[w])
     return n
