@@ -12,9 +12,9 @@ from libc.string cimport memset
 
 from kvconductor._cursor cimport HCursor, hc_free, hc_get, hc_init_hashes, hc_init_tokens
 from kvconductor._maps cimport (
-    HM_NIL, U64Map, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+    U64Map, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
-from kvconductor._pool cimport grow_array, pool_give, pool_init, pool_take
+from kvconductor._pool cimport HM_NIL, grow_array, pool_give, pool_init, pool_take
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,

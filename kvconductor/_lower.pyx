@@ -12,10 +12,11 @@ from libc.stdlib cimport free, malloc
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
-    HM_NIL, PSlot, pm_find, pm_get, pm_hash, pm_pop, pm_put, sm_free, sm_init, sm_nbytes,
-    u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+    PSlot, pm_find, pm_get, pm_hash, pm_pop, pm_put, prefetch, revs_count, revs_ensure,
+    revs_free, revs_nbytes, sm_free, sm_init, sm_nbytes, u64m_free, u64m_get, u64m_init,
+    u64m_nbytes, u64m_pop, u64m_put,
 )
-from kvconductor._pool cimport grow_array, pool_give, pool_init, pool_take
+from kvconductor._pool cimport HM_NIL, pool_give, pool_init, pool_take
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -23,16 +24,6 @@ from kvconductor._rwlock cimport (
 
 from kvconductor._hash import as_u64
 
-
-cdef extern from *:
-    """
-    #if defined(__GNUC__) || defined(__clang__)
-    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
-    #else
-    #define kvc_prefetch(p) ((void)(p))
-    #endif
-    """
-    void _prefetch "kvc_prefetch"(const void* p) noexcept nogil
 
 cdef enum:
     PREFETCH_AHEAD = 32          # edges ahead for the speculative table-slot prefetch
@@ -52,11 +43,7 @@ cdef void lower_init(Lower* L) noexcept nogil:
 
 
 cdef void lower_free(Lower* L) noexcept nogil:
-    cdef size_t w
-    if L.rev != NULL:
-        for w in range(L.nrev):
-            u64m_free(&L.rev[w])
-    free(L.rev)
+    revs_free(&L.rev, &L.nrev)
     free(L.edges)
     free(L.own)
     sm_free(&L.pairs)
@@ -66,11 +53,7 @@ cdef void lower_free(Lower* L) noexcept nogil:
 
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
     cdef size_t n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
-    cdef size_t w
-    n += sm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + L.nrev * sizeof(U64Map)
-    for w in range(L.nrev):
-        n += u64m_nbytes(&L.rev[w])
-    return n
+    return n + sm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + revs_nbytes(L.rev, L.nrev)
 
 
 cdef inline uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
@@ -102,21 +85,6 @@ cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil
             return True
         o = L.own[o].next
     return False
-
-
-cdef int _ensure_rev(Lower* L, uint32_t worker) noexcept nogil:
-    cdef size_t old = L.nrev, cap = L.nrev, w
-    cdef void* p
-    if worker < L.nrev:
-        return 0
-    p = grow_array(L.rev, &cap, <size_t>worker + 1, sizeof(U64Map))
-    if p == NULL:
-        return -1
-    L.rev = <U64Map*>p
-    for w in range(old, cap):
-        u64m_init(&L.rev[w])
-    L.nrev = cap
-    return 0
 
 
 cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t local,
@@ -231,7 +199,7 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
     cdef uint64_t p = parent
     if n == 0:
         return 0
-    if _ensure_rev(L, worker) < 0:
+    if revs_ensure(&L.rev, &L.nrev, worker) < 0:
         return -1
     cdef U64Map* rev = &L.rev[worker]
     for i in range(n):
@@ -309,7 +277,7 @@ cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* p
 
 
 cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil:
-    return L.rev[worker].size if worker < L.nrev else 0
+    return revs_count(L.rev, L.nrev, worker)
 
 
 cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
@@ -335,7 +303,7 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
         if g < L.edge_pool.used and L.edges[g].has_parent == 1:
             # PERF: a chain stored in one go occupies consecutive edge slots, so
             # edge sl.v + k is probably the one k steps on: prefetch its table slot.
-            _prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
+            prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
                                      & L.pairs.mask])
         alive = 0
         if sl.hint != HM_NIL:

@@ -2,8 +2,8 @@
 """Open-addressing hash maps of u64 keys to u32 values, usable without the GIL.
 
 Linear probing, power-of-two capacity, load factor <= 3/4, backward-shift
-deletion (no tombstones). A value of ``HM_NIL`` marks an empty slot, so it can
-never be stored. Keys are mixed with the splitmix64 finalizer because engine
+deletion (no tombstones). A value of ``HM_NIL`` (the "no item" index of
+``_pool``) marks an empty slot, so it can never be stored. Keys are mixed with the splitmix64 finalizer because engine
 hashes may be small integers.
 
 Every function is ``noexcept nogil``; the ones that allocate return -1 on
@@ -14,8 +14,19 @@ from libc.stdint cimport uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-cdef enum:
-    HM_NIL = 0xFFFFFFFF           # "no value" / empty slot / no index
+from kvconductor._pool cimport HM_NIL, grow_array
+
+
+# Read prefetch of a slot a walk will probably probe soon (a no-op on other compilers).
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
+    #else
+    #define kvc_prefetch(p) ((void)(p))
+    #endif
+    """
+    void prefetch "kvc_prefetch"(const void* p) noexcept nogil
 
 
 cdef inline uint64_t hm_mix(uint64_t x) noexcept nogil:
@@ -141,6 +152,47 @@ cdef inline uint32_t u64m_pop(U64Map* m, uint64_t key) noexcept nogil:
         i = j
     m.size -= 1
     return out
+
+
+# -- per-worker reverse maps: one U64Map (engine hash -> item) per worker id -------------
+# The tree and both lower tiers keep ``U64Map* rev`` of ``nrev`` entries; these are
+# the one copy of how that array grows, is freed, measured and counted.
+cdef inline int revs_ensure(U64Map** rev, size_t* nrev, uint32_t worker) noexcept nogil:
+    """Grow ``rev[0]`` to hold ``worker`` (new maps empty); -1 on OOM (unchanged)."""
+    cdef size_t old = nrev[0], cap = nrev[0], w
+    cdef void* p
+    if worker < old:
+        return 0
+    p = grow_array(rev[0], &cap, <size_t>worker + 1, sizeof(U64Map))
+    if p == NULL:
+        return -1
+    rev[0] = <U64Map*>p
+    for w in range(old, cap):
+        u64m_init(&rev[0][w])
+    nrev[0] = cap
+    return 0
+
+
+cdef inline void revs_free(U64Map** rev, size_t* nrev) noexcept nogil:
+    cdef size_t w
+    if rev[0] != NULL:
+        for w in range(nrev[0]):
+            u64m_free(&rev[0][w])
+    free(rev[0])
+    rev[0] = NULL
+    nrev[0] = 0
+
+
+cdef inline size_t revs_nbytes(const U64Map* rev, size_t nrev) noexcept nogil:
+    cdef size_t w, n = nrev * sizeof(U64Map)
+    for w in range(nrev):
+        n += u64m_nbytes(&rev[w])
+    return n
+
+
+cdef inline size_t revs_count(const U64Map* rev, size_t nrev, uint32_t worker) noexcept nogil:
+    """Entries of ``worker``'s map (0 past the end)."""
+    return rev[worker].size if worker < nrev else 0
 
 
 # -- PairMap: (u64, u64) -> u32, slots as one struct array -------------------------------

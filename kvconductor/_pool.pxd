@@ -1,14 +1,16 @@
 # cython: language_level=3
 """Growable C arrays and index pools with a free list, usable without the GIL.
 
-Items are addressed by ``uint32_t`` index; ``HM_NIL`` (from ``_maps``) means
-"no item". Every function is ``noexcept nogil`` and reports out-of-memory by
-its return value, leaving the array unchanged.
+Items are addressed by ``uint32_t`` index; ``HM_NIL`` means "no item" (the
+hash maps of ``_maps`` use it for empty slots too). Every function is
+``noexcept nogil`` and reports out-of-memory by its return value, leaving the
+array unchanged.
 """
 from libc.stdint cimport uint32_t
 from libc.stdlib cimport realloc
 
-from kvconductor._maps cimport HM_NIL
+cdef enum:
+    HM_NIL = 0xFFFFFFFF           # no item / no index; also the empty slot of the maps
 
 
 # -- growable arrays ------------------------------------------------------------------

@@ -16,10 +16,10 @@ from libc.string cimport memset
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
-    HM_NIL, em_get, em_hash, em_pop, em_put, sm_free, sm_init, sm_nbytes, u64m_free, u64m_get,
-    u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+    em_get, em_hash, em_pop, em_put, prefetch, revs_count, revs_ensure, revs_free, revs_nbytes,
+    sm_free, sm_init, sm_nbytes, u64m_free, u64m_get, u64m_init, u64m_pop, u64m_put,
 )
-from kvconductor._pool cimport grow_array, pool_give, pool_init, pool_take
+from kvconductor._pool cimport HM_NIL, pool_give, pool_init, pool_take
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -52,13 +52,7 @@ cdef int tree_init(Tree* t) noexcept nogil:
 
 
 cdef void tree_free(Tree* t) noexcept nogil:
-    cdef size_t w
-    if t.rev != NULL:
-        for w in range(t.nrev):
-            u64m_free(&t.rev[w])
-    free(t.rev)
-    t.rev = NULL
-    t.nrev = 0
+    revs_free(&t.rev, &t.nrev)
     free(t.nodes)
     t.nodes = NULL
     pool_init(&t.node_pool)
@@ -70,11 +64,7 @@ cdef void tree_free(Tree* t) noexcept nogil:
 
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
     cdef size_t n = t.node_pool.cap * sizeof(TNode) + t.mem_pool.cap * sizeof(TMember)
-    cdef size_t w
-    n += sm_nbytes(&t.edges) + t.nrev * sizeof(U64Map)
-    for w in range(t.nrev):
-        n += u64m_nbytes(&t.rev[w])
-    return n
+    return n + sm_nbytes(&t.edges) + revs_nbytes(t.rev, t.nrev)
 
 
 cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nogil:
@@ -100,21 +90,6 @@ cdef inline void _free_node(Tree* t, uint32_t i) noexcept nogil:
 
 cdef inline uint32_t _alloc_member(Tree* t) noexcept nogil:
     return pool_take(&t.mem_pool, <void**>&t.mem, sizeof(TMember))
-
-
-cdef int _ensure_rev(Tree* t, uint32_t worker) noexcept nogil:
-    cdef size_t old = t.nrev, cap = t.nrev, w
-    cdef void* p
-    if worker < t.nrev:
-        return 0
-    p = grow_array(t.rev, &cap, <size_t>worker + 1, sizeof(U64Map))
-    if p == NULL:
-        return -1
-    t.rev = <U64Map*>p
-    for w in range(old, cap):
-        u64m_init(&t.rev[w])
-    t.nrev = cap
-    return 0
 
 
 # -- members ----------------------------------------------------------------------------------
@@ -197,7 +172,7 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
     rc = _has_repeat(has_parent, parent, seqs, n)
     if rc != 0:
         return T_ERR_OOM if rc < 0 else T_ERR_SEQUENCE
-    if _ensure_rev(t, worker) < 0:
+    if revs_ensure(&t.rev, &t.nrev, worker) < 0:
         return T_ERR_OOM
     cdef U64Map* rev = &t.rev[worker]
     for i in range(n):
@@ -278,24 +253,28 @@ cdef long tree_clear(Tree* t, uint32_t worker) noexcept nogil:
 
 
 cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
-    return t.rev[worker].size if worker < t.nrev else 0
+    return revs_count(t.rev, t.nrev, worker)
 
 
 # -- match -----------------------------------------------------------------------------------------
-cdef extern from *:
-    """
-    #if defined(__GNUC__) || defined(__clang__)
-    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
-    #else
-    #define kvc_prefetch(p) ((void)(p))
-    #endif
-    """
-    void _prefetch "kvc_prefetch"(const void* p) noexcept nogil
-
 cdef enum:
     PREFETCH_AHEAD = 32          # blocks ahead for the speculative edge-slot prefetch
     ST_ALIVE = 0xFFFFFFFE       # candidate still on the path
     ST_KEEP = 0xFFFFFFFD        # candidate seen on the node of a slow step
+
+
+cdef inline void _settle(const Tree* t, uint32_t node, uint32_t step, uint32_t* stamp,
+                         uint32_t mark, uint32_t* out_depth, uint64_t* out_seq) noexcept nogil:
+    """Every still-alive candidate on ``node`` ends there: depth ``step``, its seq on
+    ``node``; its stamp becomes ``mark``."""
+    cdef uint32_t m = t.nodes[node].members, w
+    while m != HM_NIL:
+        w = t.mem[m].worker
+        if stamp[w] == ST_ALIVE:
+            out_seq[w] = t.mem[m].seq
+            out_depth[w] = step
+            stamp[w] = mark
+        m = t.mem[m].next
 
 
 cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
@@ -337,9 +316,9 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
         if step + PREFETCH_AHEAD < n and t.edges.slots != NULL:
             # PERF: a chain stored in one go has consecutive node indices, so the
             # edge slot PREFETCH_AHEAD steps on is probably at (child + k, H[step + k]).
-            _prefetch(&t.edges.slots[em_hash(child + PREFETCH_AHEAD - 1,
+            prefetch(&t.edges.slots[em_hash(child + PREFETCH_AHEAD - 1,
                                              hc_get(hc, step + PREFETCH_AHEAD)) & t.edges.mask])
-            _prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
+            prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
                       else &t.nodes[child])
         if t.nodes[child].nmembers == alive and t.nodes[child].sig == asig:
             node = child
@@ -353,14 +332,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
                 stamp[w] = ST_KEEP
             m = t.mem[m].next
         # ... the others stop at depth ``step`` with their seq on ``node``.
-        m = t.nodes[node].members
-        while m != HM_NIL:
-            w = t.mem[m].worker
-            if stamp[w] == ST_ALIVE:
-                out_seq[w] = t.mem[m].seq
-                out_depth[w] = step
-                stamp[w] = HM_NIL
-            m = t.mem[m].next
+        _settle(t, node, step, stamp, HM_NIL, out_depth, out_seq)
         j = 0
         asig = 0
         for k in range(alive):
@@ -379,13 +351,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
         step += 1
     # The survivors end on ``node`` at depth ``step``.
     if alive:
-        m = t.nodes[node].members
-        while m != HM_NIL:
-            w = t.mem[m].worker
-            if stamp[w] == ST_ALIVE:
-                out_seq[w] = t.mem[m].seq
-                out_depth[w] = step
-            m = t.mem[m].next
+        _settle(t, node, step, stamp, ST_ALIVE, out_depth, out_seq)
     # out_depth was filled by worker id; convert it to result order.
     for k in range(cnt):
         stamp[k] = out_depth[out_worker[k]]
