@@ -108,3 +108,4 @@ cdef class CoreIndex:
                         uint32_t* ends) noexcept nogil
     cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil
     cdef list _run_query(self, HCursor* hc)
+    cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil

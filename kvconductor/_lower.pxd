@@ -48,6 +48,9 @@ cdef long lower_clear(Lower* L, uint32_t worker) noexcept nogil
 cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* parent,
                        uint64_t* local) noexcept nogil
 cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil
+# Checker: 0 when every invariant holds; -1 with ``msg`` (of ``cap`` bytes) saying which
+# failed; -2 out of memory. Walks every structure: O(size of the tier).
+cdef int lower_check(const Lower* L, char* msg, size_t cap) noexcept nogil
 # Walk the chain from (start, parent) -- parent is an engine hash, root edges are
 # entered by the caller -- once for several candidate workers: for
 # candidate k, out_end[k] = start + consecutive owned edges, out_last[k] = the

@@ -7,20 +7,23 @@ linked lists; each worker has a reverse map ``engine hash -> edge``.
 Semantics: ``docs/design.md`` ("LowerTier"). The two-phase offload/pool state
 that feeds these tiers lives in ``_index.CoreIndex``.
 """
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
     PSlot, pm_find, pm_get, pm_hash, pm_pop, pm_put, prefetch, revs_count, revs_ensure,
-    revs_free, revs_nbytes, sm_free, sm_init, sm_nbytes, u64m_free, u64m_get, u64m_init,
-    u64m_nbytes, u64m_pop, u64m_put,
+    revs_free, revs_nbytes, sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free,
+    u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
-from kvconductor._pool cimport HM_NIL, pool_give, pool_init, pool_take
+from kvconductor._pool cimport HM_NIL, pool_give, pool_init, pool_mark_free, pool_take
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
 )
+
+from kvconductor._tree cimport check_raise
 
 from kvconductor._hash import as_u64
 
@@ -332,6 +335,131 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
         idx[cand[k]] = HM_NIL
 
 
+# -- invariants ------------------------------------------------------------------------------------
+ctypedef unsigned long long ull
+
+
+cdef int _lower_check(const Lower* L, char* msg, size_t cap, uint8_t* efree,
+                      uint8_t* ofree) noexcept nogil:
+    """lower_check with scratch: free marks of edges and owner records."""
+    cdef size_t i, live = 0, nonroot = 0, roots = 0, chained = 0, owners = 0, nrevs = 0, w, j
+    cdef uint32_t e, o, k
+    cdef long nf, of
+    cdef const PSlot* s
+    nf = pool_mark_free(&L.edge_pool, L.edges, sizeof(LEdge), efree)
+    if nf < 0:
+        snprintf(msg, cap, "edge free list broken (out of range, cyclic or used > cap)")
+        return -1
+    of = pool_mark_free(&L.own_pool, L.own, sizeof(LOwner), ofree)
+    if of < 0:
+        snprintf(msg, cap, "owner free list broken (out of range, cyclic or used > cap)")
+        return -1
+    if sm_check(&L.pairs) < 0 or u64m_check(&L.roots) < 0:
+        snprintf(msg, cap, "edge table or root map corrupt (size or probe chains)")
+        return -1
+    for i in range(L.edge_pool.used):
+        if efree[i]:
+            if L.edges[i].has_parent != HM_NIL:
+                snprintf(msg, cap, "edge %llu on the free list is not marked free", <ull>i)
+                return -1
+            continue
+        if L.edges[i].has_parent > 1:
+            snprintf(msg, cap, "edge %llu marked free is not on the free list", <ull>i)
+            return -1
+        live += 1
+        k = 0
+        o = L.edges[i].owners
+        while o != HM_NIL:
+            if o >= L.own_pool.used or ofree[o] != 0:
+                snprintf(msg, cap, "edge %llu lists owner record %llu that is free, "
+                         "out of range or on another list", <ull>i, <ull>o)
+                return -1
+            ofree[o] = 2                # visited
+            w = L.own[o].worker
+            if w >= L.nrev or u64m_get(&L.rev[w], L.edges[i].child) != i:
+                snprintf(msg, cap, "owner %llu of edge %llu does not map its child %llu to it",
+                         <ull>w, <ull>i, <ull>L.edges[i].child)
+                return -1
+            k += 1
+            o = L.own[o].next
+        if k != L.edges[i].nowners or k == 0:
+            snprintf(msg, cap, "edge %llu: nowners %llu, recount %llu (ownerless edges must go)",
+                     <ull>i, <ull>L.edges[i].nowners, <ull>k)
+            return -1
+        owners += k
+        if L.edges[i].has_parent:
+            nonroot += 1
+            s = pm_find(&L.pairs, L.edges[i].parent, L.edges[i].local)
+            if s == NULL or s.v != i or s.c != L.edges[i].child:
+                snprintf(msg, cap, "edge %llu is not in the edge table (or its child differs)",
+                         <ull>i)
+                return -1
+            if s.hint != (L.own[L.edges[i].owners].worker if k == 1 else HM_NIL):
+                snprintf(msg, cap, "edge %llu: sole-owner hint %llu is stale", <ull>i,
+                         <ull>s.hint)
+                return -1
+        else:
+            roots += 1
+    for i in range(L.own_pool.used):
+        if ofree[i] == 0:
+            snprintf(msg, cap, "owner record %llu is neither free nor on an edge", <ull>i)
+            return -1
+    # root chains: every root edge exactly once, under its own LocalBlockHash
+    for j in range(L.roots.mask + 1 if L.roots.keys != NULL else 0):
+        e = L.roots.vals[j]
+        while e != HM_NIL:
+            if (e >= L.edge_pool.used or efree[e] or L.edges[e].has_parent != 0
+                    or L.edges[e].local != L.roots.keys[j] or chained >= roots):
+                snprintf(msg, cap, "root chain of local %llu reaches edge %llu that is free, "
+                         "not a root edge of it, or seen twice", <ull>L.roots.keys[j], <ull>e)
+                return -1
+            chained += 1
+            e = L.edges[e].next_root
+    if chained != roots or L.pairs.size != nonroot:
+        snprintf(msg, cap, "root chains hold %llu of %llu root edges; table %llu of %llu",
+                 <ull>chained, <ull>roots, <ull>L.pairs.size, <ull>nonroot)
+        return -1
+    if live != L.live_edges or live + <size_t>nf != L.edge_pool.used:
+        snprintf(msg, cap, "live_edges %llu, recount %llu, free %llu, high-water %llu",
+                 <ull>L.live_edges, <ull>live, <ull>nf, <ull>L.edge_pool.used)
+        return -1
+    if owners + <size_t>of != L.own_pool.used:
+        snprintf(msg, cap, "owner records: %llu live, %llu free, high-water %llu",
+                 <ull>owners, <ull>of, <ull>L.own_pool.used)
+        return -1
+    # reverse maps: sound, each entry an owned edge with that child, as many as owners
+    for w in range(L.nrev):
+        if u64m_check(&L.rev[w]) < 0:
+            snprintf(msg, cap, "reverse map of worker %llu corrupt", <ull>w)
+            return -1
+        nrevs += L.rev[w].size
+        for j in range(L.rev[w].mask + 1 if L.rev[w].keys != NULL else 0):
+            e = L.rev[w].vals[j]
+            if e == HM_NIL:
+                continue
+            if (e >= L.edge_pool.used or efree[e] or L.edges[e].child != L.rev[w].keys[j]
+                    or not lower_owns(L, e, <uint32_t>w)):
+                snprintf(msg, cap, "worker %llu maps %llu to edge %llu it does not own "
+                         "(or with another child)", <ull>w, <ull>L.rev[w].keys[j], <ull>e)
+                return -1
+    if nrevs != owners or nrevs != L.total:
+        snprintf(msg, cap, "total %llu, reverse maps %llu, owner records %llu",
+                 <ull>L.total, <ull>nrevs, <ull>owners)
+        return -1
+    return 0
+
+
+cdef int lower_check(const Lower* L, char* msg, size_t cap) noexcept nogil:
+    cdef uint8_t* efree = <uint8_t*>malloc(L.edge_pool.used + 1)
+    cdef uint8_t* ofree = <uint8_t*>malloc(L.own_pool.used + 1)
+    cdef int rc = -2
+    if efree != NULL and ofree != NULL:
+        rc = _lower_check(L, msg, cap, efree, ofree)
+    free(efree)
+    free(ofree)
+    return rc
+
+
 cdef class LowerTier:
     """One lower tier (CPU or Disk) of an index.
 
@@ -463,6 +591,41 @@ cdef class LowerTier:
     def worker_blocks(self, uint32_t worker):
         """Number of blocks ``worker`` holds in this tier."""
         return self.sizes(worker)[3]
+
+    def check_invariants(self):
+        """Walk the C structures under the read lock; ``AssertionError`` naming the first
+        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
+        cdef char msg[256]
+        cdef int rc
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            rc = lower_check(&self.L, msg, sizeof(msg))
+            pthread_rwlock_unlock(&self.lock)
+        check_raise(rc, msg)
+
+    def _corrupt_for_test(self, str kind):
+        """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
+        fail (the object stays safe to free, not to use). Kinds: ``total``, ``hint``,
+        ``owner_freed``, ``rev_entry``; all but ``total`` need a non-root edge."""
+        cdef uint32_t e = self.L.edge_pool.used - 1
+        cdef PSlot* s
+        if kind == "total":
+            self.L.total += 1
+            return
+        while e != HM_NIL and self.L.edges[e].has_parent != 1:
+            e -= 1
+        if e == HM_NIL:
+            raise ValueError("needs a non-root edge")
+        if kind == "hint":
+            s = pm_find(&self.L.pairs, self.L.edges[e].parent, self.L.edges[e].local)
+            s.hint = 12345
+        elif kind == "owner_freed":
+            pool_give(&self.L.own_pool, self.L.own, self.L.edges[e].owners, sizeof(LOwner))
+        elif kind == "rev_entry":
+            u64m_pop(&self.L.rev[self.L.own[self.L.edges[e].owners].worker],
+                     self.L.edges[e].child)
+        else:
+            raise ValueError(kind)
 
     @property
     def total_blocks(self):

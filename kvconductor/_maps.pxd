@@ -154,6 +154,20 @@ cdef inline uint32_t u64m_pop(U64Map* m, uint64_t key) noexcept nogil:
     return out
 
 
+cdef inline int u64m_check(const U64Map* m) noexcept nogil:
+    """Checker: 0 when ``size`` counts the used slots, the load factor holds and every
+    key is found from its home slot (with its own value); -1 otherwise."""
+    cdef size_t i, n = 0
+    if m.keys == NULL or m.vals == NULL:
+        return 0 if m.size == 0 and m.keys == NULL and m.vals == NULL else -1
+    for i in range(m.mask + 1):
+        if m.vals[i] != HM_NIL:
+            n += 1
+            if u64m_get(m, m.keys[i]) != m.vals[i]:
+                return -1
+    return 0 if n == m.size and n * 4 <= (m.mask + 1) * 3 else -1
+
+
 # -- per-worker reverse maps: one U64Map (engine hash -> item) per worker id -------------
 # The tree and both lower tiers keep ``U64Map* rev`` of ``nrev`` entries; these are
 # the one copy of how that array grows, is freed, measured and counted.
@@ -424,3 +438,20 @@ cdef inline uint32_t em_pop(EdgeMap* m, uint32_t parent, uint64_t local) noexcep
     out = s.child
     sm_delete_at(m, <size_t>(s - m.slots))
     return out
+
+
+cdef inline int sm_check(const SlotMap* m) noexcept nogil:
+    """Checker: 0 when ``size`` counts the used slots, the load factor holds and every
+    entry is reachable from its home slot (no empty slot in between); -1 otherwise."""
+    cdef size_t i, j, n = 0
+    if m.slots == NULL:
+        return 0 if m.size == 0 else -1
+    for i in range(m.mask + 1):
+        if _sm_used(m, i):
+            n += 1
+            j = _sm_home(m, i, m.mask)
+            while j != i:
+                if not _sm_used(m, j):
+                    return -1
+                j = (j + 1) & m.mask
+    return 0 if n == m.size and n * 4 <= (m.mask + 1) * 3 else -1

@@ -6,8 +6,9 @@ hash maps of ``_maps`` use it for empty slots too). Every function is
 ``noexcept nogil`` and reports out-of-memory by its return value, leaving the
 array unchanged.
 """
-from libc.stdint cimport uint32_t
+from libc.stdint cimport uint8_t, uint32_t
 from libc.stdlib cimport realloc
+from libc.string cimport memset
 
 cdef enum:
     HM_NIL = 0xFFFFFFFF           # no item / no index; also the empty slot of the maps
@@ -71,3 +72,23 @@ cdef inline void pool_give(Pool* p, void* data, uint32_t i, size_t item) noexcep
     """Put item ``i`` on the free list (overwrites its first uint32 field)."""
     (<uint32_t*>(<char*>data + <size_t>i * item))[0] = p.free
     p.free = i
+
+
+cdef inline long pool_mark_free(const Pool* p, const void* data, size_t item,
+                                uint8_t* marks) noexcept nogil:
+    """Checker: ``marks[i] = 1`` for each item ``i`` on the free list, 0 for the others
+    (``marks`` holds ``p.used`` entries). Returns how many are free, or -1 when the
+    list leaves ``[0, used)``, visits an item twice or ``used`` exceeds ``cap``."""
+    cdef uint32_t i = p.free
+    cdef long n = 0
+    if p.used > p.cap:
+        return -1
+    if p.used:
+        memset(marks, 0, p.used)
+    while i != HM_NIL:
+        if i >= p.used or marks[i]:
+            return -1
+        marks[i] = 1
+        n += 1
+        i = (<const uint32_t*>(<const char*>data + <size_t>i * item))[0]
+    return n

@@ -10,16 +10,17 @@ Semantics: ``docs/design.md`` ("RadixTree").
 Every kernel here is ``noexcept nogil`` and reports errors by return code
 (``T_ERR_*``); the Python-facing methods map them to exceptions.
 """
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
     em_get, em_hash, em_pop, em_put, prefetch, revs_count, revs_ensure, revs_free, revs_nbytes,
-    sm_free, sm_init, sm_nbytes, u64m_free, u64m_get, u64m_init, u64m_pop, u64m_put,
+    sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free, u64m_get, u64m_init, u64m_pop, u64m_put,
 )
-from kvconductor._pool cimport HM_NIL, pool_give, pool_init, pool_take
+from kvconductor._pool cimport HM_NIL, pool_give, pool_init, pool_mark_free, pool_take
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -360,6 +361,131 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
     return cnt
 
 
+# -- invariants ------------------------------------------------------------------------------------
+ctypedef unsigned long long ull
+
+
+cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8_t* mfree,
+                     uint32_t* kids) noexcept nogil:
+    """tree_check with scratch: free marks of nodes and members, child counts."""
+    cdef size_t i, live = 0, npairs = 0, nrevs = 0, w
+    cdef uint32_t p, m, k
+    cdef uint64_t sig
+    cdef long nf, mf
+    nf = pool_mark_free(&t.node_pool, t.nodes, sizeof(TNode), nfree)
+    if nf < 0:
+        snprintf(msg, cap, "node free list broken (out of range, cyclic or used > cap)")
+        return -1
+    mf = pool_mark_free(&t.mem_pool, t.mem, sizeof(TMember), mfree)
+    if mf < 0:
+        snprintf(msg, cap, "member free list broken (out of range, cyclic or used > cap)")
+        return -1
+    if t.node_pool.used == 0 or nfree[T_ROOT] or t.nodes[T_ROOT].parent != HM_NIL:
+        snprintf(msg, cap, "root node missing, free or with a parent")
+        return -1
+    if t.nodes[T_ROOT].members != HM_NIL or t.nodes[T_ROOT].nmembers != 0:
+        snprintf(msg, cap, "root node has members")
+        return -1
+    if sm_check(&t.edges) < 0:
+        snprintf(msg, cap, "edge map corrupt (size or probe chains)")
+        return -1
+    memset(kids, 0, t.node_pool.used * sizeof(uint32_t))
+    for i in range(t.node_pool.used):
+        if nfree[i]:
+            if t.nodes[i].nchildren != HM_NIL:
+                snprintf(msg, cap, "node %llu on the free list is not marked free", <ull>i)
+                return -1
+            continue
+        if t.nodes[i].nchildren == HM_NIL:
+            snprintf(msg, cap, "node %llu marked free is not on the free list", <ull>i)
+            return -1
+        # members: distinct live records, count, fingerprint, reverse map entries
+        sig = 0
+        k = 0
+        m = t.nodes[i].members
+        while m != HM_NIL:
+            if m >= t.mem_pool.used or mfree[m] != 0:
+                snprintf(msg, cap, "node %llu lists member record %llu that is free, "
+                         "out of range or on another list", <ull>i, <ull>m)
+                return -1
+            mfree[m] = 2                # visited
+            w = t.mem[m].worker
+            sig += member_sig(t.mem[m].worker)
+            if w >= t.nrev or u64m_get(&t.rev[w], t.mem[m].seq) != i:
+                snprintf(msg, cap, "member (worker %llu, seq %llu) of node %llu is not in "
+                         "the worker's reverse map", <ull>w, <ull>t.mem[m].seq, <ull>i)
+                return -1
+            k += 1
+            m = t.mem[m].next
+        if k != t.nodes[i].nmembers or sig != t.nodes[i].sig:
+            snprintf(msg, cap, "node %llu: nmembers %llu / sig disagree with its %llu members",
+                     <ull>i, <ull>t.nodes[i].nmembers, <ull>k)
+            return -1
+        npairs += k
+        if i == T_ROOT:
+            continue
+        live += 1
+        p = t.nodes[i].parent
+        if p >= t.node_pool.used or nfree[p]:
+            snprintf(msg, cap, "node %llu has a free or out-of-range parent %llu",
+                     <ull>i, <ull>p)
+            return -1
+        if em_get(&t.edges, p, t.nodes[i].local) != i:
+            snprintf(msg, cap, "node %llu is not the child of edge (parent %llu, its local)",
+                     <ull>i, <ull>p)
+            return -1
+        kids[p] += 1
+        if t.nodes[i].nmembers == 0 and t.nodes[i].nchildren == 0:
+            snprintf(msg, cap, "empty node %llu survived (no members, no children)", <ull>i)
+            return -1
+    for i in range(t.node_pool.used):
+        if not nfree[i] and kids[i] != t.nodes[i].nchildren:
+            snprintf(msg, cap, "node %llu: nchildren %llu, recount %llu", <ull>i,
+                     <ull>t.nodes[i].nchildren, <ull>kids[i])
+            return -1
+    for i in range(t.mem_pool.used):
+        if mfree[i] == 0:
+            snprintf(msg, cap, "member record %llu is neither free nor on a node", <ull>i)
+            return -1
+    if live != t.live_nodes or live + 1 + <size_t>nf != t.node_pool.used:
+        snprintf(msg, cap, "live_nodes %llu, recount %llu, free %llu, high-water %llu",
+                 <ull>t.live_nodes, <ull>live, <ull>nf, <ull>t.node_pool.used)
+        return -1
+    if npairs != t.npairs or npairs + <size_t>mf != t.mem_pool.used:
+        snprintf(msg, cap, "npairs %llu, recount %llu, free records %llu, high-water %llu",
+                 <ull>t.npairs, <ull>npairs, <ull>mf, <ull>t.mem_pool.used)
+        return -1
+    # every live non-root node has its edge (checked above); no other edge exists
+    if t.edges.size != live:
+        snprintf(msg, cap, "edge map holds %llu edges for %llu nodes",
+                 <ull>t.edges.size, <ull>live)
+        return -1
+    # reverse maps: sound, and exactly the members (each member found above; sizes agree)
+    for w in range(t.nrev):
+        if u64m_check(&t.rev[w]) < 0:
+            snprintf(msg, cap, "reverse map of worker %llu corrupt", <ull>w)
+            return -1
+        nrevs += t.rev[w].size
+    if nrevs != npairs:
+        snprintf(msg, cap, "reverse maps hold %llu entries for %llu members",
+                 <ull>nrevs, <ull>npairs)
+        return -1
+    return 0
+
+
+cdef int tree_check(const Tree* t, char* msg, size_t cap) noexcept nogil:
+    cdef uint8_t* nfree = <uint8_t*>malloc(t.node_pool.used + 1)
+    cdef uint8_t* mfree = <uint8_t*>malloc(t.mem_pool.used + 1)
+    cdef uint32_t* kids = <uint32_t*>malloc((t.node_pool.used + 1) * sizeof(uint32_t))
+    cdef int rc = -2
+    if nfree != NULL and mfree != NULL and kids != NULL:
+        rc = _tree_check(t, msg, cap, nfree, mfree, kids)
+    free(nfree)
+    free(mfree)
+    free(kids)
+    return rc
+
+
 # -- Python API ------------------------------------------------------------------------------------------
 cdef class RadixTree:
     """HBM radix tree over LocalBlockHashes, shared by every HBM worker of an index.
@@ -474,6 +600,45 @@ cdef class RadixTree:
         """Number of blocks ``worker`` holds."""
         return self.sizes(worker)[3]
 
+    def check_invariants(self):
+        """Walk the C structures under the read lock; ``AssertionError`` naming the first
+        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
+        cdef char msg[256]
+        cdef int rc
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            rc = tree_check(&self.t, msg, sizeof(msg))
+            pthread_rwlock_unlock(&self.lock)
+        check_raise(rc, msg)
+
+    def _corrupt_for_test(self, str kind):
+        """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
+        fail (the object stays safe to free, not to use). Kinds: ``live_nodes``,
+        ``nchildren``, ``sig``, ``member_freed``, ``rev_entry``; the last three need a
+        node under the root."""
+        cdef uint32_t n = self.t.node_pool.used - 1
+        cdef uint32_t m
+        if kind == "live_nodes":
+            self.t.live_nodes += 1
+            return
+        if kind == "nchildren":
+            self.t.nodes[T_ROOT].nchildren += 1
+            return
+        while n > T_ROOT and (self.t.nodes[n].nchildren == HM_NIL
+                              or self.t.nodes[n].members == HM_NIL):
+            n -= 1
+        if n == T_ROOT:
+            raise ValueError("needs a node with members")
+        m = self.t.nodes[n].members
+        if kind == "sig":
+            self.t.nodes[n].sig ^= 1
+        elif kind == "member_freed":
+            pool_give(&self.t.mem_pool, self.t.mem, m, sizeof(TMember))
+        elif kind == "rev_entry":
+            u64m_pop(&self.t.rev[self.t.mem[m].worker], self.t.mem[m].seq)
+        else:
+            raise ValueError(kind)
+
     @property
     def num_nodes(self):
         """Nodes in the tree, root excluded."""
@@ -488,6 +653,15 @@ cdef class RadixTree:
     def nbytes(self):
         """Bytes allocated by the tree's C structures."""
         return self.sizes()[2]
+
+
+cdef int check_raise(int rc, const char* msg) except -1:
+    """The result of a ``*_check`` as an exception (AssertionError with its message)."""
+    if rc == -2:
+        raise MemoryError()
+    if rc < 0:
+        raise AssertionError(msg.decode("utf-8", "replace"))
+    return 0
 
 
 cdef long check_rc(long rc) except -1:

@@ -6,7 +6,8 @@ alphabets of engine hashes, local hashes and token blocks so that prefixes are
 shared, engine hashes move between nodes and edges collide. Every step compares
 the answers (return values or exception types); after every step the
 introspection (stats without nbytes, worker_blocks of every worker, a few fixed
-matches) must agree and the twin's own structural invariants must hold.
+matches) must agree and both the twin's structural invariants and the C checker
+(``check_invariants``: recounts, links, free lists, maps) must hold.
 
 Some rules draw from the twin's current state (blocks a worker holds, hashes in
 the two-phase maps) so that removals hit, chains extend held blocks and engine
@@ -215,6 +216,7 @@ class TreeMachine(_Pair):
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
         self.py._check_invariants()
+        self.c.check_invariants()
 
 
 TestTreeDifferential = TreeMachine.TestCase
@@ -295,6 +297,7 @@ class LowerMachine(_Pair):
             c = self.c.lookup_block(h)
             assert (None if c is None else tuple(c)) == self.py.lookup_block(h), h
         self.py._check_invariants()
+        self.c.check_invariants()
 
 
 TestLowerDifferential = LowerMachine.TestCase
@@ -482,6 +485,7 @@ class CoreMachine(_Pair):
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
         self.py._check_invariants()
+        self.c.check_invariants()
 
 
 TestCoreDifferential = CoreMachine.TestCase
