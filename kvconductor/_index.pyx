@@ -15,7 +15,10 @@ from kvconductor._cursor cimport HCursor, hc_free, hc_get, hc_init_hashes, hc_in
 from kvconductor._maps cimport (
     U64Map, u64m_check, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
-from kvconductor._pool cimport HM_NIL, grow_array, pool_give, pool_init, pool_mark_free, pool_take
+from kvconductor._pool cimport (
+    HM_NIL, grow_array, live_allocations, mem_free, pool_give, pool_init, pool_mark_free,
+    pool_take,
+)
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -79,7 +82,7 @@ cdef void _scratch_free(Scratch* s) noexcept nogil:
     free(s.oend)
     free(s.olast)
     free(s.ends)
-    free(s.bps)
+    mem_free(s.bps)           # grown by grow_array (counted)
 
 
 cdef int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept nogil:
@@ -139,10 +142,10 @@ cdef class CoreIndex:
         u64m_free(&self.offload_m)
         u64m_free(&self.content_m)
         u64m_free(&self.pending_m)
-        free(self.recs)
-        free(self.waits)
-        free(self.wgroup)
-        free(self.wtier)
+        mem_free(self.recs)
+        mem_free(self.waits)
+        mem_free(self.wgroup)
+        mem_free(self.wtier)
         self.recs = NULL
         self.waits = NULL
         self.wgroup = NULL
@@ -996,3 +999,8 @@ cdef class CoreIndex:
             pthread_rwlock_unlock(&self.lock)
         return {"nodes": nodes, "hbm_pairs": pairs, "cpu_blocks": cpu, "disk_blocks": disk,
                 "offload": off, "content": con, "pending": pen, "nbytes": nb}
+
+
+def _live_allocations():
+    """Structure blocks this module allocated and has not freed (tests: leak check)."""
+    return live_allocations()

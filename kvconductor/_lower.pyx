@@ -17,7 +17,9 @@ from kvconductor._maps cimport (
     revs_free, revs_nbytes, sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free,
     u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
-from kvconductor._pool cimport HM_NIL, pool_give, pool_init, pool_mark_free, pool_take
+from kvconductor._pool cimport (
+    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
+)
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -47,8 +49,8 @@ cdef void lower_init(Lower* L) noexcept nogil:
 
 cdef void lower_free(Lower* L) noexcept nogil:
     revs_free(&L.rev, &L.nrev)
-    free(L.edges)
-    free(L.own)
+    mem_free(L.edges)
+    mem_free(L.own)
     sm_free(&L.pairs)
     u64m_free(&L.roots)
     lower_init(L)
@@ -641,3 +643,8 @@ cdef class LowerTier:
     def nbytes(self):
         """Bytes allocated by the tier's C structures."""
         return self.sizes()[2]
+
+
+def _live_allocations():
+    """Structure blocks this module allocated and has not freed (tests: leak check)."""
+    return live_allocations()

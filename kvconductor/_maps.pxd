@@ -11,10 +11,9 @@ out-of-memory and leave the map unchanged. The owner of a map (a ``cdef class``
 of ``_tree``/``_lower``/``_index``) frees it with ``*_free``.
 """
 from libc.stdint cimport uint32_t, uint64_t
-from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from kvconductor._pool cimport HM_NIL, grow_array
+from kvconductor._pool cimport HM_NIL, grow_array, mem_alloc, mem_free
 
 
 # Read prefetch of a slot a walk will probably probe soon (a no-op on other compilers).
@@ -54,8 +53,8 @@ cdef inline void u64m_init(U64Map* m) noexcept nogil:
 
 
 cdef inline void u64m_free(U64Map* m) noexcept nogil:
-    free(m.keys)
-    free(m.vals)
+    mem_free(m.keys)
+    mem_free(m.vals)
     u64m_init(m)
 
 
@@ -78,12 +77,12 @@ cdef inline uint32_t u64m_get(const U64Map* m, uint64_t key) noexcept nogil:
 
 
 cdef inline int u64m_rehash(U64Map* m, size_t cap) noexcept nogil:
-    cdef uint64_t* nk = <uint64_t*>malloc(cap * sizeof(uint64_t))
-    cdef uint32_t* nv = <uint32_t*>malloc(cap * sizeof(uint32_t))
+    cdef uint64_t* nk = <uint64_t*>mem_alloc(cap * sizeof(uint64_t))
+    cdef uint32_t* nv = <uint32_t*>mem_alloc(cap * sizeof(uint32_t))
     cdef size_t i, j, nmask = cap - 1
     if nk == NULL or nv == NULL:
-        free(nk)
-        free(nv)
+        mem_free(nk)
+        mem_free(nv)
         return -1
     memset(nv, 0xFF, cap * sizeof(uint32_t))
     if m.keys != NULL:
@@ -94,8 +93,8 @@ cdef inline int u64m_rehash(U64Map* m, size_t cap) noexcept nogil:
                     j = (j + 1) & nmask
                 nk[j] = m.keys[i]
                 nv[j] = m.vals[i]
-        free(m.keys)
-        free(m.vals)
+        mem_free(m.keys)
+        mem_free(m.vals)
     m.keys = nk
     m.vals = nv
     m.mask = nmask
@@ -192,7 +191,7 @@ cdef inline void revs_free(U64Map** rev, size_t* nrev) noexcept nogil:
     if rev[0] != NULL:
         for w in range(nrev[0]):
             u64m_free(&rev[0][w])
-    free(rev[0])
+    mem_free(rev[0])
     rev[0] = NULL
     nrev[0] = 0
 
@@ -259,7 +258,7 @@ cdef inline void sm_init(SlotMap* m) noexcept nogil:
 
 
 cdef inline void sm_free(SlotMap* m) noexcept nogil:
-    free(m.slots)
+    mem_free(m.slots)
     sm_init(m)
 
 
@@ -292,9 +291,9 @@ cdef inline int _sm_rehash(SlotMap* m, size_t cap) noexcept nogil:
     cdef SlotMap nm
     cdef size_t i, j
     if SlotMap is PairMap:
-        nm.slots = <PSlot*>malloc(cap * sizeof(PSlot))
+        nm.slots = <PSlot*>mem_alloc(cap * sizeof(PSlot))
     else:
-        nm.slots = <ESlot*>malloc(cap * sizeof(ESlot))
+        nm.slots = <ESlot*>mem_alloc(cap * sizeof(ESlot))
     if nm.slots == NULL:
         return -1
     nm.mask = cap - 1
@@ -308,7 +307,7 @@ cdef inline int _sm_rehash(SlotMap* m, size_t cap) noexcept nogil:
                 while _sm_used(&nm, j):
                     j = (j + 1) & nm.mask
                 nm.slots[j] = m.slots[i]
-        free(m.slots)
+        mem_free(m.slots)
     m[0] = nm
     return 0
 

@@ -7,8 +7,50 @@ hash maps of ``_maps`` use it for empty slots too). Every function is
 array unchanged.
 """
 from libc.stdint cimport uint8_t, uint32_t
-from libc.stdlib cimport realloc
 from libc.string cimport memset
+
+# -- counted allocation ------------------------------------------------------------------
+# Every structure array (pool arrays, map slots, per-worker tables, query breakpoints) is
+# allocated and freed through these, which keep a count of live blocks; each compiled
+# module that cimports this file gets its own counter (``static``), read by its
+# ``_live_allocations()`` so tests can check that what they created and released was
+# freed. One relaxed atomic add per block allocation or free: allocations are per
+# growth step, never per item. Per-call scratch buffers stay on plain malloc/free.
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    static long kvc_live_allocs = 0;
+    #if defined(__GNUC__) || defined(__clang__)
+    #define kvc_count(d) ((void)__atomic_add_fetch(&kvc_live_allocs, (d), __ATOMIC_RELAXED))
+    #define kvc_live() __atomic_load_n(&kvc_live_allocs, __ATOMIC_RELAXED)
+    #else
+    #define kvc_count(d) ((void)(kvc_live_allocs += (d)))
+    #define kvc_live() (kvc_live_allocs)
+    #endif
+    static void *kvc_mem_alloc(size_t n) {
+        void *p = malloc(n);
+        if (p != NULL)
+            kvc_count(1);
+        return p;
+    }
+    static void *kvc_mem_realloc(void *ptr, size_t n) {
+        void *p = realloc(ptr, n);
+        if (p != NULL && ptr == NULL)
+            kvc_count(1);
+        return p;
+    }
+    static void kvc_mem_free(void *p) {
+        if (p != NULL) {
+            kvc_count(-1);
+            free(p);
+        }
+    }
+    static long kvc_live_allocations(void) { return kvc_live(); }
+    """
+    void* mem_alloc "kvc_mem_alloc"(size_t n) noexcept nogil
+    void* mem_realloc "kvc_mem_realloc"(void* ptr, size_t n) noexcept nogil
+    void mem_free "kvc_mem_free"(void* p) noexcept nogil
+    long live_allocations "kvc_live_allocations"() noexcept nogil
 
 cdef enum:
     HM_NIL = 0xFFFFFFFF           # no item / no index; also the empty slot of the maps
@@ -25,7 +67,7 @@ cdef inline void* grow_array(void* ptr, size_t* cap, size_t need, size_t item) n
         ncap += ncap // 2     # 1.5x: less slack than doubling for the big arrays
     if ncap == cap[0]:
         return ptr
-    cdef void* p = realloc(ptr, ncap * item)
+    cdef void* p = mem_realloc(ptr, ncap * item)
     if p == NULL:
         return NULL
     cap[0] = ncap

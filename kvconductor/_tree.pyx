@@ -20,7 +20,9 @@ from kvconductor._maps cimport (
     em_get, em_hash, em_pop, em_put, prefetch, revs_count, revs_ensure, revs_free, revs_nbytes,
     sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free, u64m_get, u64m_init, u64m_pop, u64m_put,
 )
-from kvconductor._pool cimport HM_NIL, pool_give, pool_init, pool_mark_free, pool_take
+from kvconductor._pool cimport (
+    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
+)
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -54,10 +56,10 @@ cdef int tree_init(Tree* t) noexcept nogil:
 
 cdef void tree_free(Tree* t) noexcept nogil:
     revs_free(&t.rev, &t.nrev)
-    free(t.nodes)
+    mem_free(t.nodes)
     t.nodes = NULL
     pool_init(&t.node_pool)
-    free(t.mem)
+    mem_free(t.mem)
     t.mem = NULL
     pool_init(&t.mem_pool)
     sm_free(&t.edges)
@@ -673,3 +675,8 @@ cdef long check_rc(long rc) except -1:
     if rc == T_ERR_SEQUENCE:
         raise InvalidBlockSequence()
     raise MemoryError()
+
+
+def _live_allocations():
+    """Structure blocks this module allocated and has not freed (tests: leak check)."""
+    return live_allocations()
