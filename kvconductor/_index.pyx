@@ -227,7 +227,7 @@ cdef class CoreIndex:
         cdef const uint32_t[::1] tv = to_u32_tokens(tokens)
         cdef size_t ntok = tv.shape[0]
         cdef size_t nb = 0 if block_size == 0 else (ntok + block_size - 1) // block_size
-        cdef size_t n = min(sv.shape[0], nb)
+        cdef size_t n = min(<size_t>sv.shape[0], nb)
         cdef bint hp = parent is not None
         cdef uint64_t p = parent if hp else 0
         cdef long rc = 0

@@ -27,25 +27,25 @@ cdef extern from *:
     #define kvc_count(d) ((void)(kvc_live_allocs += (d)))
     #define kvc_live() (kvc_live_allocs)
     #endif
-    static void *kvc_mem_alloc(size_t n) {
+    static inline void *kvc_mem_alloc(size_t n) {
         void *p = malloc(n);
         if (p != NULL)
             kvc_count(1);
         return p;
     }
-    static void *kvc_mem_realloc(void *ptr, size_t n) {
+    static inline void *kvc_mem_realloc(void *ptr, size_t n) {
         void *p = realloc(ptr, n);
         if (p != NULL && ptr == NULL)
             kvc_count(1);
         return p;
     }
-    static void kvc_mem_free(void *p) {
+    static inline void kvc_mem_free(void *p) {
         if (p != NULL) {
             kvc_count(-1);
             free(p);
         }
     }
-    static long kvc_live_allocations(void) { return kvc_live(); }
+    static inline long kvc_live_allocations(void) { return kvc_live(); }
     """
     void* mem_alloc "kvc_mem_alloc"(size_t n) noexcept nogil
     void* mem_realloc "kvc_mem_realloc"(void* ptr, size_t n) noexcept nogil
