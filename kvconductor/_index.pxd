@@ -69,7 +69,8 @@ cdef class CoreIndex:
     cdef size_t ngroups         # max group id + 1
     cdef U64Map offload_m       # engine hash -> TPRec (unconfirmed engine offloads)
     cdef U64Map content_m       # engine hash -> TPRec (confirmed content, kept for promotion)
-    cdef U64Map pending_m       # engine hash -> head TPWait (pool confirmations waiting)
+    cdef U64Map pending_m       # engine hash -> head TPWait (pool confirmations waiting),
+                                # chained newest first, one waiter per worker
     cdef TPRec* recs            # records of offload/content entries
     cdef Pool rec_pool          # capacity, high-water mark and free list of ``recs``
     cdef TPWait* waits          # pending-pool waiters

@@ -37,9 +37,6 @@ import array as _array
 
 from kvconductor._hash import as_u64, to_u32_tokens
 
-cdef enum:
-    ERR_OOM = -1
-
 ctypedef unsigned long long ull
 
 
@@ -449,7 +446,10 @@ cdef class CoreIndex:
                 if self._put_rec(&self.content_m, h, t, hp, p, now) < 0:
                     return -1
                 self._free_rec(u64m_pop(&self.offload_m, h))
-                # Apply to the waiters in increasing worker id (batches of 64).
+                # Apply to the waiters in batches of up to 64, each in increasing worker id
+                # (the chain is newest first, so batches are not globally sorted as the
+                # twin's sorted(waiters) is). The order cannot change a result: every
+                # waiter stores the same (parent, block) on its own worker.
                 while head != HM_NIL:
                     nw = 0
                     cur = head

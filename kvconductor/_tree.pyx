@@ -2,7 +2,7 @@
 """HBM radix tree: flat arrays of C structs linked by integer index.
 
 Nodes live in one growable ``TNode`` array (node 0 is the root); the edge table
-``(parent node, LocalBlockHash) -> child`` is one open-addressing ``PairMap``;
+``(parent node, LocalBlockHash) -> child`` is one open-addressing ``EdgeMap``;
 each node's members ``(worker, engine hash)`` are a singly linked list in a
 pooled ``TMember`` array; each worker has a reverse map ``engine hash -> node``.
 Semantics: ``docs/design.md`` ("RadixTree").
