@@ -339,20 +339,73 @@ cdef inline void sm_delete_at(SlotMap* m, size_t i) noexcept nogil:
     m.size -= 1
 
 
+cdef inline size_t _sm_probe(const SlotMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    """The slot holding key (a, b), or the empty slot ending its probe chain (map
+    allocated). EdgeMap keys are (parent node ``a``, local ``b``)."""
+    cdef size_t i
+    if SlotMap is PairMap:
+        i = pm_hash(a, b) & m.mask
+        while m.slots[i].v != HM_NIL and not (m.slots[i].b == b and m.slots[i].a == a):
+            i = (i + 1) & m.mask
+    else:
+        i = em_hash(<uint32_t>a, b) & m.mask
+        while m.slots[i].child != HM_NIL and not (m.slots[i].local == b
+                                                  and m.slots[i].parent == <uint32_t>a):
+            i = (i + 1) & m.mask
+    return i
+
+
+cdef inline int _sm_put(SlotMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
+    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
+    cdef size_t i
+    if sm_reserve_one(m) < 0:
+        return -1
+    i = _sm_probe(m, a, b)
+    if _sm_used(m, i):
+        if SlotMap is PairMap:
+            m.slots[i].v = val
+        else:
+            m.slots[i].child = val
+        return 0
+    if SlotMap is PairMap:
+        m.slots[i].a = a
+        m.slots[i].b = b
+        m.slots[i].c = 0
+        m.slots[i].v = val
+        m.slots[i].hint = HM_NIL
+    else:
+        m.slots[i].parent = <uint32_t>a
+        m.slots[i].local = b
+        m.slots[i].child = val
+    m.size += 1
+    return 1
+
+
+cdef inline uint32_t _sm_pop(SlotMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    """Delete key (a, b); return its value or HM_NIL when absent."""
+    cdef size_t i
+    cdef uint32_t out
+    if m.slots == NULL:
+        return HM_NIL
+    i = _sm_probe(m, a, b)
+    if not _sm_used(m, i):
+        return HM_NIL
+    if SlotMap is PairMap:
+        out = m.slots[i].v
+    else:
+        out = m.slots[i].child
+    sm_delete_at(m, i)
+    return out
+
+
 # -- PairMap operations -----------------------------------------------------------------
 cdef inline PSlot* pm_find(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
     """The slot of key (a, b), or NULL. PERF: walks read the payload from it."""
+    cdef size_t i
     if m.slots == NULL:
         return NULL
-    cdef size_t i = pm_hash(a, b) & m.mask
-    cdef PSlot* s
-    while True:
-        s = &m.slots[i]
-        if s.v == HM_NIL:
-            return NULL
-        if s.b == b and s.a == a:
-            return s
-        i = (i + 1) & m.mask
+    i = _sm_probe(m, a, b)
+    return NULL if m.slots[i].v == HM_NIL else &m.slots[i]
 
 
 cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
@@ -362,48 +415,22 @@ cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept n
 
 cdef inline int pm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
     """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
-    if sm_reserve_one(m) < 0:
-        return -1
-    cdef size_t i = pm_hash(a, b) & m.mask
-    while m.slots[i].v != HM_NIL:
-        if m.slots[i].b == b and m.slots[i].a == a:
-            m.slots[i].v = val
-            return 0
-        i = (i + 1) & m.mask
-    m.slots[i].a = a
-    m.slots[i].b = b
-    m.slots[i].c = 0
-    m.slots[i].v = val
-    m.slots[i].hint = HM_NIL
-    m.size += 1
-    return 1
+    return _sm_put(m, a, b, val)
 
 
 cdef inline uint32_t pm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
     """Delete key (a, b); return its value or HM_NIL when absent."""
-    cdef PSlot* s = pm_find(m, a, b)
-    cdef uint32_t out
-    if s == NULL:
-        return HM_NIL
-    out = s.v
-    sm_delete_at(m, <size_t>(s - m.slots))
-    return out
+    return _sm_pop(m, a, b)
 
 
 # -- EdgeMap operations -----------------------------------------------------------------
 cdef inline ESlot* em_find(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
     """The slot of edge (parent, local), or NULL."""
+    cdef size_t i
     if m.slots == NULL:
         return NULL
-    cdef size_t i = em_hash(parent, local) & m.mask
-    cdef ESlot* s
-    while True:
-        s = &m.slots[i]
-        if s.child == HM_NIL:
-            return NULL
-        if s.local == local and s.parent == parent:
-            return s
-        i = (i + 1) & m.mask
+    i = _sm_probe(m, parent, local)
+    return NULL if m.slots[i].child == HM_NIL else &m.slots[i]
 
 
 cdef inline uint32_t em_get(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
@@ -413,30 +440,12 @@ cdef inline uint32_t em_get(const EdgeMap* m, uint32_t parent, uint64_t local) n
 
 cdef inline int em_put(EdgeMap* m, uint32_t parent, uint64_t local, uint32_t child) noexcept nogil:
     """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
-    if sm_reserve_one(m) < 0:
-        return -1
-    cdef size_t i = em_hash(parent, local) & m.mask
-    while m.slots[i].child != HM_NIL:
-        if m.slots[i].local == local and m.slots[i].parent == parent:
-            m.slots[i].child = child
-            return 0
-        i = (i + 1) & m.mask
-    m.slots[i].parent = parent
-    m.slots[i].local = local
-    m.slots[i].child = child
-    m.size += 1
-    return 1
+    return _sm_put(m, parent, local, child)
 
 
 cdef inline uint32_t em_pop(EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
     """Delete edge (parent, local); return its child or HM_NIL when absent."""
-    cdef ESlot* s = em_find(m, parent, local)
-    cdef uint32_t out
-    if s == NULL:
-        return HM_NIL
-    out = s.child
-    sm_delete_at(m, <size_t>(s - m.slots))
-    return out
+    return _sm_pop(m, parent, local)
 
 
 cdef inline int sm_check(const SlotMap* m) noexcept nogil:
