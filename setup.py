@@ -31,7 +31,11 @@ DIRECTIVES = {
 }
 
 CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
-CFLAGS += ["-Wno-unused-function", "-Wno-unreachable-code"]
+# -Wall (Python's own CFLAGS carry it, and -Wsign-compare, already): every warning is
+# shown and ours are fixed. Nothing is silenced: the Cython 3 boilerplate of these
+# modules compiles without warnings under -Wall on gcc (unused helpers are marked
+# CYTHON_UNUSED; gcc ignores -Wunreachable-code, which the old flags silenced).
+CFLAGS += ["-Wall"]
 
 MODULES = ["_hash", "_tree", "_lower", "_index", "_wire", "_encode", "_ingest"]
 

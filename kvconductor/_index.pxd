@@ -2,7 +2,10 @@
 """The index core of one (model, tenant): HBM tree, CPU/Disk tiers, two-phase state."""
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 
-from kvconductor._hmap cimport HCursor, Pool, U64Map, pthread_rwlock_t
+from kvconductor._cursor cimport HCursor
+from kvconductor._maps cimport U64Map
+from kvconductor._pool cimport Pool
+from kvconductor._rwlock cimport pthread_rwlock_t
 from kvconductor._lower cimport Lower
 from kvconductor._tree cimport Tree
 
@@ -66,7 +69,8 @@ cdef class CoreIndex:
     cdef size_t ngroups         # max group id + 1
     cdef U64Map offload_m       # engine hash -> TPRec (unconfirmed engine offloads)
     cdef U64Map content_m       # engine hash -> TPRec (confirmed content, kept for promotion)
-    cdef U64Map pending_m       # engine hash -> head TPWait (pool confirmations waiting)
+    cdef U64Map pending_m       # engine hash -> head TPWait (pool confirmations waiting),
+                                # chained newest first, one waiter per worker
     cdef TPRec* recs            # records of offload/content entries
     cdef Pool rec_pool          # capacity, high-water mark and free list of ``recs``
     cdef TPWait* waits          # pending-pool waiters
@@ -105,3 +109,4 @@ cdef class CoreIndex:
                         uint32_t* ends) noexcept nogil
     cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil
     cdef list _run_query(self, HCursor* hc)
+    cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil

@@ -7,23 +7,29 @@ in one ``nogil`` pass under a read lock. Semantics: ``docs/design.md``.
 """
 from cpython cimport array
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from kvconductor._hmap cimport (
-    HM_NIL, HCursor, grow_array, hc_free, hc_get, hc_init_hashes, hc_init_tokens, pool_give,
-    pool_init, pool_take,
-    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock,
-    pthread_rwlock_wrlock, rwlock_init, U64Map, u64m_free, u64m_get, u64m_init, u64m_nbytes,
-    u64m_pop, u64m_put,
+from kvconductor._cursor cimport HCursor, hc_free, hc_get, hc_init_hashes, hc_init_tokens
+from kvconductor._maps cimport (
+    U64Map, u64m_check, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+)
+from kvconductor._pool cimport (
+    HM_NIL, grow_array, live_allocations, mem_free, pool_give, pool_init, pool_mark_free,
+    pool_take,
+)
+from kvconductor._rwlock cimport (
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
+    rwlock_init,
 )
 from kvconductor._hash cimport hash_token_blocks
 from kvconductor._lower cimport (
-    lower_clear, lower_find, lower_free, lower_init, lower_lookup, lower_nbytes,
+    lower_check, lower_clear, lower_find, lower_free, lower_init, lower_lookup, lower_nbytes,
     lower_remove, lower_store, lower_walk_multi, lower_worker_blocks,
 )
 from kvconductor._tree cimport (
-    T_ERR_OOM, check_rc, tree_clear, tree_free, tree_init, tree_match,
+    T_ERR_OOM, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init, tree_match,
     tree_nbytes, tree_remove, tree_store, tree_worker_blocks,
 )
 
@@ -31,8 +37,7 @@ import array as _array
 
 from kvconductor._hash import as_u64, to_u32_tokens
 
-cdef enum:
-    ERR_OOM = -1
+ctypedef unsigned long long ull
 
 
 cdef inline size_t _max(size_t a, size_t b) noexcept nogil:
@@ -74,7 +79,7 @@ cdef void _scratch_free(Scratch* s) noexcept nogil:
     free(s.oend)
     free(s.olast)
     free(s.ends)
-    free(s.bps)
+    mem_free(s.bps)           # grown by grow_array (counted)
 
 
 cdef int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept nogil:
@@ -134,10 +139,10 @@ cdef class CoreIndex:
         u64m_free(&self.offload_m)
         u64m_free(&self.content_m)
         u64m_free(&self.pending_m)
-        free(self.recs)
-        free(self.waits)
-        free(self.wgroup)
-        free(self.wtier)
+        mem_free(self.recs)
+        mem_free(self.waits)
+        mem_free(self.wgroup)
+        mem_free(self.wtier)
         self.recs = NULL
         self.waits = NULL
         self.wgroup = NULL
@@ -219,7 +224,7 @@ cdef class CoreIndex:
         cdef const uint32_t[::1] tv = to_u32_tokens(tokens)
         cdef size_t ntok = tv.shape[0]
         cdef size_t nb = 0 if block_size == 0 else (ntok + block_size - 1) // block_size
-        cdef size_t n = min(sv.shape[0], nb)
+        cdef size_t n = min(<size_t>sv.shape[0], nb)
         cdef bint hp = parent is not None
         cdef uint64_t p = parent if hp else 0
         cdef long rc = 0
@@ -441,7 +446,10 @@ cdef class CoreIndex:
                 if self._put_rec(&self.content_m, h, t, hp, p, now) < 0:
                     return -1
                 self._free_rec(u64m_pop(&self.offload_m, h))
-                # Apply to the waiters in increasing worker id (batches of 64).
+                # Apply to the waiters in batches of up to 64, each in increasing worker id
+                # (the chain is newest first, so batches are not globally sorted as the
+                # twin's sorted(waiters) is). The order cannot change a result: every
+                # waiter stores the same (parent, block) on its own worker.
                 while head != HM_NIL:
                     nw = 0
                     cur = head
@@ -764,6 +772,130 @@ cdef class CoreIndex:
         finally:
             hc_free(&hc)
 
+    # -- invariants ---------------------------------------------------------------------------------
+    cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil:
+        """The two-phase state and the worker table (the tiers are checked by the caller)."""
+        cdef long nr, nw
+        cdef size_t i, k, waits = 0
+        cdef uint32_t r, c, d
+        cdef U64Map* m
+        nr = pool_mark_free(&self.rec_pool, self.recs, sizeof(TPRec), rfree)
+        nw = pool_mark_free(&self.wait_pool, self.waits, sizeof(TPWait), wfree)
+        if nr < 0 or nw < 0:
+            snprintf(msg, cap, "record or waiter free list broken")
+            return -1
+        if (u64m_check(&self.offload_m) < 0 or u64m_check(&self.content_m) < 0
+                or u64m_check(&self.pending_m) < 0):
+            snprintf(msg, cap, "offload, content or pending map corrupt")
+            return -1
+        # offload and content: disjoint keys, each value its own live record
+        for k in range(2):
+            m = &self.offload_m if k == 0 else &self.content_m
+            for i in range(m.mask + 1 if m.keys != NULL else 0):
+                r = m.vals[i]
+                if r == HM_NIL:
+                    continue
+                if r >= self.rec_pool.used or rfree[r] != 0:
+                    snprintf(msg, cap, "%s entry %llu has record %llu that is free, out of "
+                             "range or shared", "offload" if k == 0 else "content",
+                             <ull>m.keys[i], <ull>r)
+                    return -1
+                rfree[r] = 2
+                if r != HM_NIL and k == 0 and u64m_get(&self.content_m, m.keys[i]) != HM_NIL:
+                    snprintf(msg, cap, "hash %llu in offload and content", <ull>m.keys[i])
+                    return -1
+        if self.offload_m.size + self.content_m.size + <size_t>nr != self.rec_pool.used:
+            snprintf(msg, cap, "records: %llu offload + %llu content + %llu free != %llu",
+                     <ull>self.offload_m.size, <ull>self.content_m.size, <ull>nr,
+                     <ull>self.rec_pool.used)
+            return -1
+        # pending: non-empty chains of live waiters, one per worker and hash
+        m = &self.pending_m
+        for i in range(m.mask + 1 if m.keys != NULL else 0):
+            c = m.vals[i]
+            if c == HM_NIL:
+                continue
+            while c != HM_NIL:
+                if c >= self.wait_pool.used or wfree[c] != 0:
+                    snprintf(msg, cap, "pending hash %llu lists waiter %llu that is free, out "
+                             "of range or on another list", <ull>m.keys[i], <ull>c)
+                    return -1
+                wfree[c] = 2
+                waits += 1
+                d = self.waits[c].next
+                while d != HM_NIL and d < self.wait_pool.used and wfree[d] == 0:
+                    if self.waits[d].worker == self.waits[c].worker:
+                        snprintf(msg, cap, "worker %llu waits twice for hash %llu",
+                                 <ull>self.waits[c].worker, <ull>m.keys[i])
+                        return -1
+                    d = self.waits[d].next
+                c = self.waits[c].next
+        if waits != self.npending or waits + <size_t>nw != self.wait_pool.used:
+            snprintf(msg, cap, "npending %llu, recount %llu, free %llu, high-water %llu",
+                     <ull>self.npending, <ull>waits, <ull>nw, <ull>self.wait_pool.used)
+            return -1
+        if self.nworkers > self.wcap:
+            snprintf(msg, cap, "nworkers %llu > allocated %llu", <ull>self.nworkers,
+                     <ull>self.wcap)
+            return -1
+        for i in range(self.nworkers):
+            if self.wgroup[i] != HM_NIL and (self.wgroup[i] >= self.ngroups or self.wtier[i] > 2):
+                snprintf(msg, cap, "worker %llu: group %llu of %llu or tier %llu out of range",
+                         <ull>i, <ull>self.wgroup[i], <ull>self.ngroups, <ull>self.wtier[i])
+                return -1
+        return 0
+
+    def check_invariants(self):
+        """Walk the C structures under the read lock (HBM tree, both tiers, two-phase
+        state); ``AssertionError`` naming the first broken invariant."""
+        cdef char msg[256]
+        cdef char sub[200]
+        cdef int rc
+        cdef uint8_t* rfree = NULL
+        cdef uint8_t* wfree = NULL
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            rc = tree_check(&self.tree, sub, sizeof(sub))
+            if rc == -1:
+                snprintf(msg, sizeof(msg), "HBM tree: %s", sub)
+            if rc == 0:
+                rc = lower_check(&self.tiers[0], sub, sizeof(sub))
+                if rc == -1:
+                    snprintf(msg, sizeof(msg), "CPU tier: %s", sub)
+            if rc == 0:
+                rc = lower_check(&self.tiers[1], sub, sizeof(sub))
+                if rc == -1:
+                    snprintf(msg, sizeof(msg), "Disk tier: %s", sub)
+            if rc == 0:
+                rfree = <uint8_t*>malloc(self.rec_pool.used + 1)
+                wfree = <uint8_t*>malloc(self.wait_pool.used + 1)
+                rc = -2 if rfree == NULL or wfree == NULL else self._check_c(
+                    msg, sizeof(msg), rfree, wfree)
+                free(rfree)
+                free(wfree)
+            pthread_rwlock_unlock(&self.lock)
+        check_raise(rc, msg)
+
+    def _corrupt_for_test(self, str kind):
+        """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
+        fail (the object stays safe to free, not to use). Kinds: ``npending``,
+        ``record_freed`` (needs an offload entry), ``hbm_pairs``, ``cpu_total``."""
+        cdef size_t i
+        if kind == "npending":
+            self.npending += 1
+        elif kind == "record_freed":
+            for i in range(self.offload_m.mask + 1 if self.offload_m.keys != NULL else 0):
+                if self.offload_m.vals[i] != HM_NIL:
+                    pool_give(&self.rec_pool, self.recs, self.offload_m.vals[i], sizeof(TPRec))
+                    return
+            raise ValueError("needs an offload entry")
+        elif kind == "hbm_pairs":
+            self.tree.npairs += 1
+        elif kind == "cpu_total":
+            self.tiers[0].total += 1
+        else:
+            raise ValueError(kind)
+
     # -- introspection -----------------------------------------------------------------------------
     def worker_blocks(self, uint32_t worker):
         """Blocks ``worker`` holds on its tier."""
@@ -867,3 +999,8 @@ cdef class CoreIndex:
             pthread_rwlock_unlock(&self.lock)
         return {"nodes": nodes, "hbm_pairs": pairs, "cpu_blocks": cpu, "disk_blocks": disk,
                 "offload": off, "content": con, "pending": pen, "nbytes": nb}
+
+
+def _live_allocations():
+    """Structure blocks this module allocated and has not freed (tests: leak check)."""
+    return live_allocations()

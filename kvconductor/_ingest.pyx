@@ -25,7 +25,7 @@ from libc.stdlib cimport free
 from libc.string cimport memcmp
 
 from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
-from kvconductor._hmap cimport HM_NIL, grow_array
+from kvconductor._pool cimport HM_NIL, grow_array
 from kvconductor._index cimport OP_CLEAR, OP_EVICT, OP_STORE, BatchOp, CoreIndex
 from kvconductor._tree cimport T_ERR_PARENT, T_ERR_SEQUENCE
 from kvconductor._readers cimport (WIRE_EOF, WIRE_OK, _eq, _left, mp_bin, mp_container, mp_int,

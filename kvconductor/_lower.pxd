@@ -2,7 +2,10 @@
 """CPU/Disk edge tables: C structs and the nogil kernels shared with ``_index``."""
 from libc.stdint cimport uint32_t, uint64_t
 
-from kvconductor._hmap cimport HCursor, PairMap, Pool, U64Map, pthread_rwlock_t
+from kvconductor._cursor cimport HCursor
+from kvconductor._maps cimport PairMap, U64Map
+from kvconductor._pool cimport Pool
+from kvconductor._rwlock cimport pthread_rwlock_t
 
 cdef struct LEdge:
     uint32_t owners             # head of the owner list in Lower.own (next free edge when free)
@@ -45,6 +48,9 @@ cdef long lower_clear(Lower* L, uint32_t worker) noexcept nogil
 cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* parent,
                        uint64_t* local) noexcept nogil
 cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil
+# Checker: 0 when every invariant holds; -1 with ``msg`` (of ``cap`` bytes) saying which
+# failed; -2 out of memory. Walks every structure: O(size of the tier).
+cdef int lower_check(const Lower* L, char* msg, size_t cap) noexcept nogil
 # Walk the chain from (start, parent) -- parent is an engine hash, root edges are
 # entered by the caller -- once for several candidate workers: for
 # candidate k, out_end[k] = start + consecutive owned edges, out_last[k] = the

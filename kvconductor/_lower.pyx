@@ -7,29 +7,28 @@ linked lists; each worker has a reverse map ``engine hash -> edge``.
 Semantics: ``docs/design.md`` ("LowerTier"). The two-phase offload/pool state
 that feeds these tiers lives in ``_index.CoreIndex``.
 """
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
 
-from kvconductor._hmap cimport (
-    HM_NIL, HCursor, PSlot, grow_array, hc_get, hc_init_hashes, pm_find, pm_free, pm_get, pm_hash,
-    pm_init, pool_give, pool_init, pool_take,
-    pm_nbytes, pm_pop, pm_put, pthread_rwlock_destroy, pthread_rwlock_rdlock,
-    pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
-    u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
+from kvconductor._maps cimport (
+    PSlot, pm_find, pm_get, pm_hash, pm_pop, pm_put, prefetch, revs_count, revs_ensure,
+    revs_free, revs_nbytes, sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free,
+    u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
+from kvconductor._pool cimport (
+    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
+)
+from kvconductor._rwlock cimport (
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
+    rwlock_init,
+)
+
+from kvconductor._tree cimport check_raise
 
 from kvconductor._hash import as_u64
 
-
-cdef extern from *:
-    """
-    #if defined(__GNUC__) || defined(__clang__)
-    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
-    #else
-    #define kvc_prefetch(p) ((void)(p))
-    #endif
-    """
-    void _prefetch "kvc_prefetch"(const void* p) noexcept nogil
 
 cdef enum:
     PREFETCH_AHEAD = 32          # edges ahead for the speculative table-slot prefetch
@@ -41,7 +40,7 @@ cdef void lower_init(Lower* L) noexcept nogil:
     L.live_edges = 0
     L.own = NULL
     pool_init(&L.own_pool)
-    pm_init(&L.pairs)
+    sm_init(&L.pairs)
     u64m_init(&L.roots)
     L.rev = NULL
     L.nrev = 0
@@ -49,25 +48,17 @@ cdef void lower_init(Lower* L) noexcept nogil:
 
 
 cdef void lower_free(Lower* L) noexcept nogil:
-    cdef size_t w
-    if L.rev != NULL:
-        for w in range(L.nrev):
-            u64m_free(&L.rev[w])
-    free(L.rev)
-    free(L.edges)
-    free(L.own)
-    pm_free(&L.pairs)
+    revs_free(&L.rev, &L.nrev)
+    mem_free(L.edges)
+    mem_free(L.own)
+    sm_free(&L.pairs)
     u64m_free(&L.roots)
     lower_init(L)
 
 
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
     cdef size_t n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
-    cdef size_t w
-    n += pm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + L.nrev * sizeof(U64Map)
-    for w in range(L.nrev):
-        n += u64m_nbytes(&L.rev[w])
-    return n
+    return n + sm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + revs_nbytes(L.rev, L.nrev)
 
 
 cdef inline uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
@@ -99,21 +90,6 @@ cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil
             return True
         o = L.own[o].next
     return False
-
-
-cdef int _ensure_rev(Lower* L, uint32_t worker) noexcept nogil:
-    cdef size_t old = L.nrev, cap = L.nrev, w
-    cdef void* p
-    if worker < L.nrev:
-        return 0
-    p = grow_array(L.rev, &cap, <size_t>worker + 1, sizeof(U64Map))
-    if p == NULL:
-        return -1
-    L.rev = <U64Map*>p
-    for w in range(old, cap):
-        u64m_init(&L.rev[w])
-    L.nrev = cap
-    return 0
 
 
 cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t local,
@@ -228,7 +204,7 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
     cdef uint64_t p = parent
     if n == 0:
         return 0
-    if _ensure_rev(L, worker) < 0:
+    if revs_ensure(&L.rev, &L.nrev, worker) < 0:
         return -1
     cdef U64Map* rev = &L.rev[worker]
     for i in range(n):
@@ -306,7 +282,7 @@ cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* p
 
 
 cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil:
-    return L.rev[worker].size if worker < L.nrev else 0
+    return revs_count(L.rev, L.nrev, worker)
 
 
 cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
@@ -332,7 +308,7 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
         if g < L.edge_pool.used and L.edges[g].has_parent == 1:
             # PERF: a chain stored in one go occupies consecutive edge slots, so
             # edge sl.v + k is probably the one k steps on: prefetch its table slot.
-            _prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
+            prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
                                      & L.pairs.mask])
         alive = 0
         if sl.hint != HM_NIL:
@@ -359,6 +335,131 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
         pos += 1
     for k in range(ncand):
         idx[cand[k]] = HM_NIL
+
+
+# -- invariants ------------------------------------------------------------------------------------
+ctypedef unsigned long long ull
+
+
+cdef int _lower_check(const Lower* L, char* msg, size_t cap, uint8_t* efree,
+                      uint8_t* ofree) noexcept nogil:
+    """lower_check with scratch: free marks of edges and owner records."""
+    cdef size_t i, live = 0, nonroot = 0, roots = 0, chained = 0, owners = 0, nrevs = 0, w, j
+    cdef uint32_t e, o, k
+    cdef long nf, of
+    cdef const PSlot* s
+    nf = pool_mark_free(&L.edge_pool, L.edges, sizeof(LEdge), efree)
+    if nf < 0:
+        snprintf(msg, cap, "edge free list broken (out of range, cyclic or used > cap)")
+        return -1
+    of = pool_mark_free(&L.own_pool, L.own, sizeof(LOwner), ofree)
+    if of < 0:
+        snprintf(msg, cap, "owner free list broken (out of range, cyclic or used > cap)")
+        return -1
+    if sm_check(&L.pairs) < 0 or u64m_check(&L.roots) < 0:
+        snprintf(msg, cap, "edge table or root map corrupt (size or probe chains)")
+        return -1
+    for i in range(L.edge_pool.used):
+        if efree[i]:
+            if L.edges[i].has_parent != HM_NIL:
+                snprintf(msg, cap, "edge %llu on the free list is not marked free", <ull>i)
+                return -1
+            continue
+        if L.edges[i].has_parent > 1:
+            snprintf(msg, cap, "edge %llu marked free is not on the free list", <ull>i)
+            return -1
+        live += 1
+        k = 0
+        o = L.edges[i].owners
+        while o != HM_NIL:
+            if o >= L.own_pool.used or ofree[o] != 0:
+                snprintf(msg, cap, "edge %llu lists owner record %llu that is free, "
+                         "out of range or on another list", <ull>i, <ull>o)
+                return -1
+            ofree[o] = 2                # visited
+            w = L.own[o].worker
+            if w >= L.nrev or u64m_get(&L.rev[w], L.edges[i].child) != i:
+                snprintf(msg, cap, "owner %llu of edge %llu does not map its child %llu to it",
+                         <ull>w, <ull>i, <ull>L.edges[i].child)
+                return -1
+            k += 1
+            o = L.own[o].next
+        if k != L.edges[i].nowners or k == 0:
+            snprintf(msg, cap, "edge %llu: nowners %llu, recount %llu (ownerless edges must go)",
+                     <ull>i, <ull>L.edges[i].nowners, <ull>k)
+            return -1
+        owners += k
+        if L.edges[i].has_parent:
+            nonroot += 1
+            s = pm_find(&L.pairs, L.edges[i].parent, L.edges[i].local)
+            if s == NULL or s.v != i or s.c != L.edges[i].child:
+                snprintf(msg, cap, "edge %llu is not in the edge table (or its child differs)",
+                         <ull>i)
+                return -1
+            if s.hint != (L.own[L.edges[i].owners].worker if k == 1 else HM_NIL):
+                snprintf(msg, cap, "edge %llu: sole-owner hint %llu is stale", <ull>i,
+                         <ull>s.hint)
+                return -1
+        else:
+            roots += 1
+    for i in range(L.own_pool.used):
+        if ofree[i] == 0:
+            snprintf(msg, cap, "owner record %llu is neither free nor on an edge", <ull>i)
+            return -1
+    # root chains: every root edge exactly once, under its own LocalBlockHash
+    for j in range(L.roots.mask + 1 if L.roots.keys != NULL else 0):
+        e = L.roots.vals[j]
+        while e != HM_NIL:
+            if (e >= L.edge_pool.used or efree[e] or L.edges[e].has_parent != 0
+                    or L.edges[e].local != L.roots.keys[j] or chained >= roots):
+                snprintf(msg, cap, "root chain of local %llu reaches edge %llu that is free, "
+                         "not a root edge of it, or seen twice", <ull>L.roots.keys[j], <ull>e)
+                return -1
+            chained += 1
+            e = L.edges[e].next_root
+    if chained != roots or L.pairs.size != nonroot:
+        snprintf(msg, cap, "root chains hold %llu of %llu root edges; table %llu of %llu",
+                 <ull>chained, <ull>roots, <ull>L.pairs.size, <ull>nonroot)
+        return -1
+    if live != L.live_edges or live + <size_t>nf != L.edge_pool.used:
+        snprintf(msg, cap, "live_edges %llu, recount %llu, free %llu, high-water %llu",
+                 <ull>L.live_edges, <ull>live, <ull>nf, <ull>L.edge_pool.used)
+        return -1
+    if owners + <size_t>of != L.own_pool.used:
+        snprintf(msg, cap, "owner records: %llu live, %llu free, high-water %llu",
+                 <ull>owners, <ull>of, <ull>L.own_pool.used)
+        return -1
+    # reverse maps: sound, each entry an owned edge with that child, as many as owners
+    for w in range(L.nrev):
+        if u64m_check(&L.rev[w]) < 0:
+            snprintf(msg, cap, "reverse map of worker %llu corrupt", <ull>w)
+            return -1
+        nrevs += L.rev[w].size
+        for j in range(L.rev[w].mask + 1 if L.rev[w].keys != NULL else 0):
+            e = L.rev[w].vals[j]
+            if e == HM_NIL:
+                continue
+            if (e >= L.edge_pool.used or efree[e] or L.edges[e].child != L.rev[w].keys[j]
+                    or not lower_owns(L, e, <uint32_t>w)):
+                snprintf(msg, cap, "worker %llu maps %llu to edge %llu it does not own "
+                         "(or with another child)", <ull>w, <ull>L.rev[w].keys[j], <ull>e)
+                return -1
+    if nrevs != owners or nrevs != L.total:
+        snprintf(msg, cap, "total %llu, reverse maps %llu, owner records %llu",
+                 <ull>L.total, <ull>nrevs, <ull>owners)
+        return -1
+    return 0
+
+
+cdef int lower_check(const Lower* L, char* msg, size_t cap) noexcept nogil:
+    cdef uint8_t* efree = <uint8_t*>malloc(L.edge_pool.used + 1)
+    cdef uint8_t* ofree = <uint8_t*>malloc(L.own_pool.used + 1)
+    cdef int rc = -2
+    if efree != NULL and ofree != NULL:
+        rc = _lower_check(L, msg, cap, efree, ofree)
+    free(efree)
+    free(ofree)
+    return rc
 
 
 cdef class LowerTier:
@@ -493,6 +594,41 @@ cdef class LowerTier:
         """Number of blocks ``worker`` holds in this tier."""
         return self.sizes(worker)[3]
 
+    def check_invariants(self):
+        """Walk the C structures under the read lock; ``AssertionError`` naming the first
+        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
+        cdef char msg[256]
+        cdef int rc
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            rc = lower_check(&self.L, msg, sizeof(msg))
+            pthread_rwlock_unlock(&self.lock)
+        check_raise(rc, msg)
+
+    def _corrupt_for_test(self, str kind):
+        """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
+        fail (the object stays safe to free, not to use). Kinds: ``total``, ``hint``,
+        ``owner_freed``, ``rev_entry``; all but ``total`` need a non-root edge."""
+        cdef uint32_t e = self.L.edge_pool.used - 1
+        cdef PSlot* s
+        if kind == "total":
+            self.L.total += 1
+            return
+        while e != HM_NIL and self.L.edges[e].has_parent != 1:
+            e -= 1
+        if e == HM_NIL:
+            raise ValueError("needs a non-root edge")
+        if kind == "hint":
+            s = pm_find(&self.L.pairs, self.L.edges[e].parent, self.L.edges[e].local)
+            s.hint = 12345
+        elif kind == "owner_freed":
+            pool_give(&self.L.own_pool, self.L.own, self.L.edges[e].owners, sizeof(LOwner))
+        elif kind == "rev_entry":
+            u64m_pop(&self.L.rev[self.L.own[self.L.edges[e].owners].worker],
+                     self.L.edges[e].child)
+        else:
+            raise ValueError(kind)
+
     @property
     def total_blocks(self):
         """(worker, block) pairs held in this tier."""
@@ -507,3 +643,8 @@ cdef class LowerTier:
     def nbytes(self):
         """Bytes allocated by the tier's C structures."""
         return self.sizes()[2]
+
+
+def _live_allocations():
+    """Structure blocks this module allocated and has not freed (tests: leak check)."""
+    return live_allocations()

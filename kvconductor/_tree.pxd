@@ -2,7 +2,10 @@
 """HBM radix tree: C structs and the nogil kernels shared with ``_index``."""
 from libc.stdint cimport uint32_t, uint64_t
 
-from kvconductor._hmap cimport EdgeMap, HCursor, Pool, U64Map, hm_mix, pthread_rwlock_t
+from kvconductor._cursor cimport HCursor
+from kvconductor._maps cimport EdgeMap, U64Map, hm_mix
+from kvconductor._pool cimport Pool
+from kvconductor._rwlock cimport pthread_rwlock_t
 
 cdef inline uint64_t member_sig(uint32_t worker) noexcept nogil:
     return hm_mix(<uint64_t>worker + 1)
@@ -45,8 +48,13 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
                      const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
 cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil
 cdef long tree_clear(Tree* t, uint32_t worker) noexcept nogil
+# Checker: 0 when every invariant holds; -1 with ``msg`` (of ``cap`` bytes) saying which
+# failed; -2 out of memory. Walks every structure: O(size of the tree).
+cdef int tree_check(const Tree* t, char* msg, size_t cap) noexcept nogil
 # The return code of tree_store as a value, or the matching exception.
 cdef long check_rc(long rc) except -1
+# The result of a *_check function as an exception (AssertionError(msg), MemoryError).
+cdef int check_raise(int rc, const char* msg) except -1
 cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil
 # Match: fills out_worker[k]/out_depth[k] for result k and out_seq[w] (indexed by
 # worker id) -- all of capacity t.nrev; ``stamp`` is scratch of t.nrev entries.

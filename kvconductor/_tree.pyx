@@ -2,7 +2,7 @@
 """HBM radix tree: flat arrays of C structs linked by integer index.
 
 Nodes live in one growable ``TNode`` array (node 0 is the root); the edge table
-``(parent node, LocalBlockHash) -> child`` is one open-addressing ``PairMap``;
+``(parent node, LocalBlockHash) -> child`` is one open-addressing ``EdgeMap``;
 each node's members ``(worker, engine hash)`` are a singly linked list in a
 pooled ``TMember`` array; each worker has a reverse map ``engine hash -> node``.
 Semantics: ``docs/design.md`` ("RadixTree").
@@ -10,16 +10,22 @@ Semantics: ``docs/design.md`` ("RadixTree").
 Every kernel here is ``noexcept nogil`` and reports errors by return code
 (``T_ERR_*``); the Python-facing methods map them to exceptions.
 """
-from libc.stdint cimport uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
-from kvconductor._hmap cimport (
-    HM_NIL, HCursor, em_free, em_get, em_hash, em_init, em_nbytes, em_pop, em_put, grow_array,
-    pool_give, pool_init, pool_take,
-    hc_get, hc_init_hashes, pthread_rwlock_destroy, pthread_rwlock_rdlock,
-    pthread_rwlock_unlock, pthread_rwlock_wrlock, rwlock_init, u64m_free, u64m_get,
-    u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
+from kvconductor._maps cimport (
+    em_get, em_hash, em_pop, em_put, prefetch, revs_count, revs_ensure, revs_free, revs_nbytes,
+    sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free, u64m_get, u64m_init, u64m_pop, u64m_put,
+)
+from kvconductor._pool cimport (
+    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
+)
+from kvconductor._rwlock cimport (
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
+    rwlock_init,
 )
 
 from kvconductor._hash import as_u64
@@ -34,7 +40,7 @@ cdef int tree_init(Tree* t) noexcept nogil:
     t.mem = NULL
     pool_init(&t.mem_pool)
     t.npairs = 0
-    em_init(&t.edges)
+    sm_init(&t.edges)
     t.rev = NULL
     t.nrev = 0
     if pool_take(&t.node_pool, <void**>&t.nodes, sizeof(TNode)) != T_ROOT:
@@ -49,29 +55,19 @@ cdef int tree_init(Tree* t) noexcept nogil:
 
 
 cdef void tree_free(Tree* t) noexcept nogil:
-    cdef size_t w
-    if t.rev != NULL:
-        for w in range(t.nrev):
-            u64m_free(&t.rev[w])
-    free(t.rev)
-    t.rev = NULL
-    t.nrev = 0
-    free(t.nodes)
+    revs_free(&t.rev, &t.nrev)
+    mem_free(t.nodes)
     t.nodes = NULL
     pool_init(&t.node_pool)
-    free(t.mem)
+    mem_free(t.mem)
     t.mem = NULL
     pool_init(&t.mem_pool)
-    em_free(&t.edges)
+    sm_free(&t.edges)
 
 
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
     cdef size_t n = t.node_pool.cap * sizeof(TNode) + t.mem_pool.cap * sizeof(TMember)
-    cdef size_t w
-    n += em_nbytes(&t.edges) + t.nrev * sizeof(U64Map)
-    for w in range(t.nrev):
-        n += u64m_nbytes(&t.rev[w])
-    return n
+    return n + sm_nbytes(&t.edges) + revs_nbytes(t.rev, t.nrev)
 
 
 cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nogil:
@@ -97,21 +93,6 @@ cdef inline void _free_node(Tree* t, uint32_t i) noexcept nogil:
 
 cdef inline uint32_t _alloc_member(Tree* t) noexcept nogil:
     return pool_take(&t.mem_pool, <void**>&t.mem, sizeof(TMember))
-
-
-cdef int _ensure_rev(Tree* t, uint32_t worker) noexcept nogil:
-    cdef size_t old = t.nrev, cap = t.nrev, w
-    cdef void* p
-    if worker < t.nrev:
-        return 0
-    p = grow_array(t.rev, &cap, <size_t>worker + 1, sizeof(U64Map))
-    if p == NULL:
-        return -1
-    t.rev = <U64Map*>p
-    for w in range(old, cap):
-        u64m_init(&t.rev[w])
-    t.nrev = cap
-    return 0
 
 
 # -- members ----------------------------------------------------------------------------------
@@ -194,7 +175,7 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
     rc = _has_repeat(has_parent, parent, seqs, n)
     if rc != 0:
         return T_ERR_OOM if rc < 0 else T_ERR_SEQUENCE
-    if _ensure_rev(t, worker) < 0:
+    if revs_ensure(&t.rev, &t.nrev, worker) < 0:
         return T_ERR_OOM
     cdef U64Map* rev = &t.rev[worker]
     for i in range(n):
@@ -275,24 +256,28 @@ cdef long tree_clear(Tree* t, uint32_t worker) noexcept nogil:
 
 
 cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
-    return t.rev[worker].size if worker < t.nrev else 0
+    return revs_count(t.rev, t.nrev, worker)
 
 
 # -- match -----------------------------------------------------------------------------------------
-cdef extern from *:
-    """
-    #if defined(__GNUC__) || defined(__clang__)
-    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
-    #else
-    #define kvc_prefetch(p) ((void)(p))
-    #endif
-    """
-    void _prefetch "kvc_prefetch"(const void* p) noexcept nogil
-
 cdef enum:
     PREFETCH_AHEAD = 32          # blocks ahead for the speculative edge-slot prefetch
     ST_ALIVE = 0xFFFFFFFE       # candidate still on the path
     ST_KEEP = 0xFFFFFFFD        # candidate seen on the node of a slow step
+
+
+cdef inline void _settle(const Tree* t, uint32_t node, uint32_t step, uint32_t* stamp,
+                         uint32_t mark, uint32_t* out_depth, uint64_t* out_seq) noexcept nogil:
+    """Every still-alive candidate on ``node`` ends there: depth ``step``, its seq on
+    ``node``; its stamp becomes ``mark``."""
+    cdef uint32_t m = t.nodes[node].members, w
+    while m != HM_NIL:
+        w = t.mem[m].worker
+        if stamp[w] == ST_ALIVE:
+            out_seq[w] = t.mem[m].seq
+            out_depth[w] = step
+            stamp[w] = mark
+        m = t.mem[m].next
 
 
 cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
@@ -334,9 +319,9 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
         if step + PREFETCH_AHEAD < n and t.edges.slots != NULL:
             # PERF: a chain stored in one go has consecutive node indices, so the
             # edge slot PREFETCH_AHEAD steps on is probably at (child + k, H[step + k]).
-            _prefetch(&t.edges.slots[em_hash(child + PREFETCH_AHEAD - 1,
+            prefetch(&t.edges.slots[em_hash(child + PREFETCH_AHEAD - 1,
                                              hc_get(hc, step + PREFETCH_AHEAD)) & t.edges.mask])
-            _prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
+            prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
                       else &t.nodes[child])
         if t.nodes[child].nmembers == alive and t.nodes[child].sig == asig:
             node = child
@@ -350,14 +335,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
                 stamp[w] = ST_KEEP
             m = t.mem[m].next
         # ... the others stop at depth ``step`` with their seq on ``node``.
-        m = t.nodes[node].members
-        while m != HM_NIL:
-            w = t.mem[m].worker
-            if stamp[w] == ST_ALIVE:
-                out_seq[w] = t.mem[m].seq
-                out_depth[w] = step
-                stamp[w] = HM_NIL
-            m = t.mem[m].next
+        _settle(t, node, step, stamp, HM_NIL, out_depth, out_seq)
         j = 0
         asig = 0
         for k in range(alive):
@@ -376,19 +354,138 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
         step += 1
     # The survivors end on ``node`` at depth ``step``.
     if alive:
-        m = t.nodes[node].members
-        while m != HM_NIL:
-            w = t.mem[m].worker
-            if stamp[w] == ST_ALIVE:
-                out_seq[w] = t.mem[m].seq
-                out_depth[w] = step
-            m = t.mem[m].next
+        _settle(t, node, step, stamp, ST_ALIVE, out_depth, out_seq)
     # out_depth was filled by worker id; convert it to result order.
     for k in range(cnt):
         stamp[k] = out_depth[out_worker[k]]
     for k in range(cnt):
         out_depth[k] = stamp[k]
     return cnt
+
+
+# -- invariants ------------------------------------------------------------------------------------
+ctypedef unsigned long long ull
+
+
+cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8_t* mfree,
+                     uint32_t* kids) noexcept nogil:
+    """tree_check with scratch: free marks of nodes and members, child counts."""
+    cdef size_t i, live = 0, npairs = 0, nrevs = 0, w
+    cdef uint32_t p, m, k
+    cdef uint64_t sig
+    cdef long nf, mf
+    nf = pool_mark_free(&t.node_pool, t.nodes, sizeof(TNode), nfree)
+    if nf < 0:
+        snprintf(msg, cap, "node free list broken (out of range, cyclic or used > cap)")
+        return -1
+    mf = pool_mark_free(&t.mem_pool, t.mem, sizeof(TMember), mfree)
+    if mf < 0:
+        snprintf(msg, cap, "member free list broken (out of range, cyclic or used > cap)")
+        return -1
+    if t.node_pool.used == 0 or nfree[T_ROOT] or t.nodes[T_ROOT].parent != HM_NIL:
+        snprintf(msg, cap, "root node missing, free or with a parent")
+        return -1
+    if t.nodes[T_ROOT].members != HM_NIL or t.nodes[T_ROOT].nmembers != 0:
+        snprintf(msg, cap, "root node has members")
+        return -1
+    if sm_check(&t.edges) < 0:
+        snprintf(msg, cap, "edge map corrupt (size or probe chains)")
+        return -1
+    memset(kids, 0, t.node_pool.used * sizeof(uint32_t))
+    for i in range(t.node_pool.used):
+        if nfree[i]:
+            if t.nodes[i].nchildren != HM_NIL:
+                snprintf(msg, cap, "node %llu on the free list is not marked free", <ull>i)
+                return -1
+            continue
+        if t.nodes[i].nchildren == HM_NIL:
+            snprintf(msg, cap, "node %llu marked free is not on the free list", <ull>i)
+            return -1
+        # members: distinct live records, count, fingerprint, reverse map entries
+        sig = 0
+        k = 0
+        m = t.nodes[i].members
+        while m != HM_NIL:
+            if m >= t.mem_pool.used or mfree[m] != 0:
+                snprintf(msg, cap, "node %llu lists member record %llu that is free, "
+                         "out of range or on another list", <ull>i, <ull>m)
+                return -1
+            mfree[m] = 2                # visited
+            w = t.mem[m].worker
+            sig += member_sig(t.mem[m].worker)
+            if w >= t.nrev or u64m_get(&t.rev[w], t.mem[m].seq) != i:
+                snprintf(msg, cap, "member (worker %llu, seq %llu) of node %llu is not in "
+                         "the worker's reverse map", <ull>w, <ull>t.mem[m].seq, <ull>i)
+                return -1
+            k += 1
+            m = t.mem[m].next
+        if k != t.nodes[i].nmembers or sig != t.nodes[i].sig:
+            snprintf(msg, cap, "node %llu: nmembers %llu / sig disagree with its %llu members",
+                     <ull>i, <ull>t.nodes[i].nmembers, <ull>k)
+            return -1
+        npairs += k
+        if i == T_ROOT:
+            continue
+        live += 1
+        p = t.nodes[i].parent
+        if p >= t.node_pool.used or nfree[p]:
+            snprintf(msg, cap, "node %llu has a free or out-of-range parent %llu",
+                     <ull>i, <ull>p)
+            return -1
+        if em_get(&t.edges, p, t.nodes[i].local) != i:
+            snprintf(msg, cap, "node %llu is not the child of edge (parent %llu, its local)",
+                     <ull>i, <ull>p)
+            return -1
+        kids[p] += 1
+        if t.nodes[i].nmembers == 0 and t.nodes[i].nchildren == 0:
+            snprintf(msg, cap, "empty node %llu survived (no members, no children)", <ull>i)
+            return -1
+    for i in range(t.node_pool.used):
+        if not nfree[i] and kids[i] != t.nodes[i].nchildren:
+            snprintf(msg, cap, "node %llu: nchildren %llu, recount %llu", <ull>i,
+                     <ull>t.nodes[i].nchildren, <ull>kids[i])
+            return -1
+    for i in range(t.mem_pool.used):
+        if mfree[i] == 0:
+            snprintf(msg, cap, "member record %llu is neither free nor on a node", <ull>i)
+            return -1
+    if live != t.live_nodes or live + 1 + <size_t>nf != t.node_pool.used:
+        snprintf(msg, cap, "live_nodes %llu, recount %llu, free %llu, high-water %llu",
+                 <ull>t.live_nodes, <ull>live, <ull>nf, <ull>t.node_pool.used)
+        return -1
+    if npairs != t.npairs or npairs + <size_t>mf != t.mem_pool.used:
+        snprintf(msg, cap, "npairs %llu, recount %llu, free records %llu, high-water %llu",
+                 <ull>t.npairs, <ull>npairs, <ull>mf, <ull>t.mem_pool.used)
+        return -1
+    # every live non-root node has its edge (checked above); no other edge exists
+    if t.edges.size != live:
+        snprintf(msg, cap, "edge map holds %llu edges for %llu nodes",
+                 <ull>t.edges.size, <ull>live)
+        return -1
+    # reverse maps: sound, and exactly the members (each member found above; sizes agree)
+    for w in range(t.nrev):
+        if u64m_check(&t.rev[w]) < 0:
+            snprintf(msg, cap, "reverse map of worker %llu corrupt", <ull>w)
+            return -1
+        nrevs += t.rev[w].size
+    if nrevs != npairs:
+        snprintf(msg, cap, "reverse maps hold %llu entries for %llu members",
+                 <ull>nrevs, <ull>npairs)
+        return -1
+    return 0
+
+
+cdef int tree_check(const Tree* t, char* msg, size_t cap) noexcept nogil:
+    cdef uint8_t* nfree = <uint8_t*>malloc(t.node_pool.used + 1)
+    cdef uint8_t* mfree = <uint8_t*>malloc(t.mem_pool.used + 1)
+    cdef uint32_t* kids = <uint32_t*>malloc((t.node_pool.used + 1) * sizeof(uint32_t))
+    cdef int rc = -2
+    if nfree != NULL and mfree != NULL and kids != NULL:
+        rc = _tree_check(t, msg, cap, nfree, mfree, kids)
+    free(nfree)
+    free(mfree)
+    free(kids)
+    return rc
 
 
 # -- Python API ------------------------------------------------------------------------------------------
@@ -505,6 +602,45 @@ cdef class RadixTree:
         """Number of blocks ``worker`` holds."""
         return self.sizes(worker)[3]
 
+    def check_invariants(self):
+        """Walk the C structures under the read lock; ``AssertionError`` naming the first
+        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
+        cdef char msg[256]
+        cdef int rc
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            rc = tree_check(&self.t, msg, sizeof(msg))
+            pthread_rwlock_unlock(&self.lock)
+        check_raise(rc, msg)
+
+    def _corrupt_for_test(self, str kind):
+        """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
+        fail (the object stays safe to free, not to use). Kinds: ``live_nodes``,
+        ``nchildren``, ``sig``, ``member_freed``, ``rev_entry``; the last three need a
+        node under the root."""
+        cdef uint32_t n = self.t.node_pool.used - 1
+        cdef uint32_t m
+        if kind == "live_nodes":
+            self.t.live_nodes += 1
+            return
+        if kind == "nchildren":
+            self.t.nodes[T_ROOT].nchildren += 1
+            return
+        while n > T_ROOT and (self.t.nodes[n].nchildren == HM_NIL
+                              or self.t.nodes[n].members == HM_NIL):
+            n -= 1
+        if n == T_ROOT:
+            raise ValueError("needs a node with members")
+        m = self.t.nodes[n].members
+        if kind == "sig":
+            self.t.nodes[n].sig ^= 1
+        elif kind == "member_freed":
+            pool_give(&self.t.mem_pool, self.t.mem, m, sizeof(TMember))
+        elif kind == "rev_entry":
+            u64m_pop(&self.t.rev[self.t.mem[m].worker], self.t.mem[m].seq)
+        else:
+            raise ValueError(kind)
+
     @property
     def num_nodes(self):
         """Nodes in the tree, root excluded."""
@@ -521,6 +657,15 @@ cdef class RadixTree:
         return self.sizes()[2]
 
 
+cdef int check_raise(int rc, const char* msg) except -1:
+    """The result of a ``*_check`` as an exception (AssertionError with its message)."""
+    if rc == -2:
+        raise MemoryError()
+    if rc < 0:
+        raise AssertionError(msg.decode("utf-8", "replace"))
+    return 0
+
+
 cdef long check_rc(long rc) except -1:
     """Map a tree_store/_remove code to its exception (the one place that does)."""
     if rc >= 0:
@@ -530,3 +675,8 @@ cdef long check_rc(long rc) except -1:
     if rc == T_ERR_SEQUENCE:
         raise InvalidBlockSequence()
     raise MemoryError()
+
+
+def _live_allocations():
+    """Structure blocks this module allocated and has not freed (tests: leak check)."""
+    return live_allocations()

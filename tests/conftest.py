@@ -3,7 +3,9 @@ on the compiled core ("c"; skipped while ``kvconductor._index`` is not built).""
 
 from __future__ import annotations
 
+import gc
 import importlib
+import sys
 
 import pytest
 
@@ -58,3 +60,44 @@ def LowerTier(impl):
 @pytest.fixture
 def CoreIndex(impl):
     return core_class(impl, "index")
+
+
+# -- leak check of the compiled core (uvloop's habit) -------------------------------------
+# Each compiled core module counts the structure blocks (pool arrays, map slots,
+# per-worker tables) it has allocated and not freed: ``_live_allocations()``. In the
+# core's own test modules every test must leave those counts where it found them once
+# its objects are gone. This autouse fixture is set up first, so it is torn down last:
+# the test's other function fixtures are finalised by then and their values are dropped
+# here (pytest would drop them only after the teardown). Nothing in these modules keeps
+# a core object alive across tests (no module- or session-scoped fixture holds one; one
+# that did would show up here as a leak of the first test that creates it).
+_LEAK_CHECKED = {"test_tree", "test_lower", "test_index", "test_index_concurrency",
+                 "test_differential"}
+_COUNTED = ("kvconductor._tree", "kvconductor._lower", "kvconductor._index")
+
+
+def _live_allocations() -> dict[str, int]:
+    out = {}
+    for name in _COUNTED:
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "_live_allocations"):
+            out[name] = mod._live_allocations()
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_c_allocations(request):
+    if request.module.__name__.rsplit(".", 1)[-1] not in _LEAK_CHECKED:
+        yield
+        return
+    gc.collect()
+    before = _live_allocations()
+    yield
+    funcargs = request.node.funcargs
+    for name in list(funcargs):
+        if name != request.fixturename:
+            funcargs[name] = None
+    gc.collect()
+    after = _live_allocations()
+    leaked = {m: after[m] - before.get(m, 0) for m in after if after[m] != before.get(m, 0)}
+    assert not leaked, f"C blocks allocated during the test and not freed: {leaked}"

@@ -6,7 +6,8 @@ alphabets of engine hashes, local hashes and token blocks so that prefixes are
 shared, engine hashes move between nodes and edges collide. Every step compares
 the answers (return values or exception types); after every step the
 introspection (stats without nbytes, worker_blocks of every worker, a few fixed
-matches) must agree and the twin's own structural invariants must hold.
+matches) must agree and both the twin's structural invariants and the C checker
+(``check_invariants``: recounts, links, free lists, maps) must hold.
 
 Some rules draw from the twin's current state (blocks a worker holds, hashes in
 the two-phase maps) so that removals hit, chains extend held blocks and engine
@@ -58,6 +59,39 @@ BUF = st.booleans()                                     # pass a u64 buffer inst
 A_, B_, C_, D_ = TOKEN_BLOCK_HASHES
 FIXED_QUERIES = [[A_, B_, C_, D_], [A_, A_, A_, A_], [B_, A_, B_, A_], [A_, B_, 0, D_, C_],
                  [0, A_, B_], [D_, C_, B_, A_], [C_, D_, A_, B_]]
+
+
+# Long chains: past the C code's size thresholds, so that those branches are diffed
+# too: _has_repeat switches from the pairwise scan to a hash set above 32 blocks, the
+# HBM match and the lower-tier walks prefetch 32 blocks ahead, the lazy token cursor
+# hashes in chunks of 16 and more. One fixed 80-block token pattern (over the same 4
+# block hashes) whose prefixes are stored and queried, so long chains share prefixes.
+LONG_BLOCKS = 80
+LONG_TOKENS = [(i * 7 + i // 3) % 2 for i in range(BS * LONG_BLOCKS)]
+LONG_LOCALS = list(hash_blocks(LONG_TOKENS, BS))
+LONG_N = st.integers(33, LONG_BLOCKS)
+LONG_BASE = st.sampled_from([1000, 5000])       # engine hashes base, base + 1, ...
+FIXED_QUERIES.append(LONG_LOCALS)
+# Many workers: more than 64 (the C offload applies pool waiters in batches of 64).
+MANY = 70
+
+
+def long_chain(data, n, base):
+    """Engine hashes base..base+n-1; sometimes one repeats an earlier one (InvalidBlockSequence
+    on the HBM tree, found by the hash-set path above 32 blocks)."""
+    seqs = [base + i for i in range(n)]
+    if data.draw(st.booleans(), label="repeat"):
+        j = data.draw(st.integers(1, n - 1), label="at")
+        seqs[j] = seqs[data.draw(st.integers(0, j - 1), label="copy of")]
+    return seqs
+
+
+def long_query(data, n):
+    """A prefix of LONG_LOCALS, sometimes with one block changed (workers drop off there)."""
+    q = LONG_LOCALS[:n]
+    if data.draw(st.booleans(), label="perturb"):
+        q[data.draw(st.integers(0, n - 1), label="at")] = data.draw(LOCAL, label="local")
+    return q
 
 
 def buf(values, as_buffer: bool):
@@ -207,14 +241,28 @@ class TreeMachine(_Pair):
     def match(self, q, b):
         self.both("match", buf(q, b))
 
+    @rule(w=st.one_of(TREE_WORKERS, st.integers(TREE_NW, MANY)), n=LONG_N, base=LONG_BASE,
+          under=st.booleans(), data=st.data())
+    def store_long_chain(self, w, n, base, under, data):
+        # a long chain (from the root, or continuing one the worker holds) by one of
+        # up to MANY workers: long shared paths with many members per node
+        held = self.held(w)
+        parent = data.draw(st.sampled_from(held)) if under and held else None
+        self.both("store", w, parent, long_chain(data, n, base), LONG_LOCALS[:n])
+
+    @rule(n=LONG_N, data=st.data(), b=BUF)
+    def match_long(self, n, data, b):
+        self.both("match", buf(long_query(data, n), b))
+
     @invariant()
     def agree(self):
         assert (self.c.num_nodes, self.c.num_pairs) == (self.py.num_nodes, self.py.num_pairs)
-        for w in range(TREE_NW + 1):
+        for w in list(range(TREE_NW + 1)) + [64, MANY]:
             assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
         self.py._check_invariants()
+        self.c.check_invariants()
 
 
 TestTreeDifferential = TreeMachine.TestCase
@@ -281,6 +329,18 @@ class LowerMachine(_Pair):
     def lookup_block(self, h):
         self.both("lookup_block", h)
 
+    @rule(w=st.one_of(LOWER_WORKERS, st.integers(LOWER_NW, MANY)), n=LONG_N, base=LONG_BASE,
+          data=st.data())
+    def store_long_chain(self, w, n, base, data):
+        self.both("store", w, None, long_chain(data, n, base), LONG_LOCALS[:n])
+
+    @rule(w=st.one_of(LOWER_WORKERS, st.just(MANY)), n=LONG_N, data=st.data(),
+          start=st.sampled_from([0, 1, 40]), base=LONG_BASE)
+    def walk_long(self, w, n, data, start, base):
+        # from the root, or from inside a long chain (parent = its engine hash there)
+        parent = None if start == 0 else base + start - 1
+        self.both("walk", w, long_query(data, n), start, parent)
+
     @invariant()
     def agree(self):
         assert (self.c.total_blocks, self.c.num_edges) == (self.py.total_blocks,
@@ -295,6 +355,7 @@ class LowerMachine(_Pair):
             c = self.c.lookup_block(h)
             assert (None if c is None else tuple(c)) == self.py.lookup_block(h), h
         self.py._check_invariants()
+        self.c.check_invariants()
 
 
 TestLowerDifferential = LowerMachine.TestCase
@@ -310,15 +371,49 @@ CORE_W = st.integers(0, len(CORE_WORKERS) - 1)
 TTL = st.one_of(st.just(1000.0), st.sampled_from([0.0, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]))
 
 
+# MANY more CPU/Disk workers (ids 8.., groups 4..6) that only wait for pool confirmations
+# in bulk: the per-worker checks of ``agree`` stay on CORE_WORKERS, ``stats`` and the C
+# checker cover these.
+EXTRA_WORKERS = [(4 + k % 3, 1 + k % 2) for k in range(MANY)]
+
+
 class CoreMachine(_Pair):
     def __init__(self):
         super().__init__()
         self.c = _index.CoreIndex()
         self.py = py_index.CoreIndex()
-        for w, (g, tier) in enumerate(CORE_WORKERS):
+        for w, (g, tier) in enumerate(CORE_WORKERS + EXTRA_WORKERS):
             self.c.set_worker(w, g, tier)
             self.py.set_worker(w, g, tier)
         self.now = 0.0
+
+    @rule(k=st.integers(60, MANY), chain=CHAIN, parent=PARENT, first=st.booleans())
+    def many_waiters_then_offload(self, k, chain, parent, first):
+        # > 64 pool workers wait for the same blocks, then the engine offload applies
+        # them all (in C: in batches of 64); sometimes the offload came first
+        seqs, locs = split(chain)
+        if first:
+            self.both("offload", seqs, locs, parent, self.now)
+        for w in range(len(CORE_WORKERS), len(CORE_WORKERS) + k):
+            self.both("pool_store", w, seqs, self.now)
+        self.both("offload", seqs, locs, parent, self.now)
+
+    @rule(w=CORE_W, n=LONG_N, base=LONG_BASE, data=st.data(), tokens=st.booleans())
+    def store_long_chain(self, w, n, base, data, tokens):
+        seqs = long_chain(data, n, base)
+        if tokens:
+            self.both("store_tokens", w, None, seqs, LONG_TOKENS[:BS * n], BS)
+        else:
+            self.both("store", w, None, seqs, LONG_LOCALS[:n])
+
+    @rule(n=LONG_N, base=LONG_BASE)
+    def offload_long_chain(self, n, base):
+        self.both("offload", [base + i for i in range(n)], LONG_LOCALS[:n], None, self.now)
+
+    @rule(n=LONG_N, data=st.data(), odd=st.booleans())
+    def match_long(self, n, data, odd):
+        self.both("match", long_query(data, n))
+        self.both("match_tokens", LONG_TOKENS[:BS * n - odd], BS)
 
     def held(self, w):
         tier = CORE_WORKERS[w][1]
@@ -482,6 +577,7 @@ class CoreMachine(_Pair):
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
         self.py._check_invariants()
+        self.c.check_invariants()
 
 
 TestCoreDifferential = CoreMachine.TestCase

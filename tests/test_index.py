@@ -706,3 +706,42 @@ def test_summary_counts(ix):
                               "content")} == {
         "worker_count": 3, "total_blocks": 6, "hbm_blocks": 3, "cpu_blocks": 3,
         "disk_blocks": 0, "hbm_nodes": 2, "offload": 1, "pending_pool": 1, "content": 0}
+
+
+# -- the C invariant checker (compiled index only) -----------------------------------------------
+# check_invariants() walks the tree, both tiers and the two-phase state; each
+# _corrupt_for_test kind breaks exactly one invariant, so these tests fail if the checker
+# stops seeing that kind of damage.
+
+def _c_index():
+    index = pytest.importorskip("kvconductor._index")
+    c = index.CoreIndex()
+    for w, (g, tier) in enumerate([(0, 0), (0, 1), (1, 1), (1, 2)]):
+        c.set_worker(w, g, tier)
+    c.store(0, None, [1, 2, 3], [4, 5, 6])
+    c.store(1, None, [1, 2], [4, 5])
+    c.offload([9, 10], [4, 5], None, 0.0)          # offload entries
+    c.pool_store(2, [11, 12], 0.0)                 # pending waiters
+    c.pool_store(1, [9], 0.0)                      # content entry, applied
+    c.check_invariants()
+    return c
+
+
+def test_check_invariants_holds_through_two_phase():
+    c = _c_index()
+    c.offload([11], [7], None, 1.0)                # a waiter applied
+    c.check_invariants()
+    c.evict(1, [9, 2])
+    c.clear(2)
+    c.check_invariants()
+    c.sweep(10.0, 0.0, 0.0, 0.0)
+    c.check_invariants()
+    assert c.stats()["pending"] == c.stats()["offload"] == c.stats()["content"] == 0
+
+
+@pytest.mark.parametrize("kind", ["npending", "record_freed", "hbm_pairs", "cpu_total"])
+def test_check_invariants_sees_corruption(kind):
+    c = _c_index()
+    c._corrupt_for_test(kind)
+    with pytest.raises(AssertionError):
+        c.check_invariants()

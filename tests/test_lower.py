@@ -5,6 +5,8 @@ are worked out by hand from docs/design.md "LowerTier (CPU, Disk)".
 """
 from array import array
 
+import pytest
+
 from kvconductor._hash import hash_blocks
 
 A, B, C = 1, 2, 3
@@ -198,3 +200,36 @@ def test_counters_remove_and_clear(LowerTier):
     assert lt.clear(A) == 2
     assert counters(lt) == (0, 0)
     assert isinstance(lt.nbytes, int) and lt.nbytes >= 0
+
+
+# -- the C invariant checker (compiled tier only) ------------------------------------------------
+# check_invariants() walks the C structures; each _corrupt_for_test kind breaks exactly one
+# invariant, so these tests fail if the checker stops seeing that kind of damage.
+
+def _c_tier():
+    lower = pytest.importorskip("kvconductor._lower")
+    t = lower.LowerTier()
+    t.store(1, None, [101, 102, 103], [1, 2, 3])
+    t.store(2, None, [101, 102], [1, 2])
+    t.store(2, None, [201], [1])           # a second root edge of local 1
+    t.check_invariants()
+    return t
+
+
+def test_check_invariants_holds_through_mutations():
+    t = _c_tier()
+    t.remove(1, [101])
+    t.check_invariants()
+    t.clear(2)
+    t.check_invariants()
+    t.clear(1)
+    t.check_invariants()
+    assert (t.total_blocks, t.num_edges) == (0, 0)
+
+
+def test_check_invariants_sees_corruption():
+    for kind in ("total", "hint", "owner_freed", "rev_entry"):
+        t = _c_tier()
+        t._corrupt_for_test(kind)
+        with pytest.raises(AssertionError):
+            t.check_invariants()

@@ -352,3 +352,40 @@ def test_large_u64_values(RadixTree):
     assert t.store(W1, None, [top, 0], [top, 0]) == 2
     assert t.match([top, 0]) == [(W1, 2, 0)]
     assert t.match([top]) == [(W1, 1, top)]
+
+
+# -- the C invariant checker (compiled tree only) ------------------------------------------------
+# check_invariants() walks the C structures; each _corrupt_for_test kind breaks exactly one
+# invariant, so these tests fail if the checker stops seeing that kind of damage.
+
+def _c_tree():
+    from kvconductor._tree import RadixTree as CTree
+    t = CTree()
+    t.store(W1, None, [101, 102, 103], [1, 2, 3])
+    t.store(W2, None, [201, 202], [1, 2])
+    t.store(W2, 202, [203], [9])
+    t.check_invariants()
+    return t
+
+
+def test_check_invariants_holds_through_mutations():
+    pytest.importorskip("kvconductor._tree")
+    t = _c_tree()
+    t.store(W1, None, [102], [5])          # an engine hash moves: prune, relink
+    t.check_invariants()
+    t.remove(W2, [201])                    # interior member leaves, node stays for W1
+    t.check_invariants()
+    t.clear(W1)
+    t.check_invariants()
+    t.clear(W2)
+    t.check_invariants()
+    assert state(t) == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["live_nodes", "nchildren", "sig", "member_freed", "rev_entry"])
+def test_check_invariants_sees_corruption(kind):
+    pytest.importorskip("kvconductor._tree")
+    t = _c_tree()
+    t._corrupt_for_test(kind)
+    with pytest.raises(AssertionError):
+        t.check_invariants()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from kvconductor._py.tree import u64_list, u64_or_none
+from kvconductor._py.tree import PerWorkerBlocks, u64_list, u64_or_none
 
 EdgeKey = tuple  # (parent engine hash, LocalBlockHash) or, for root edges, (None, local, child)
 
@@ -27,7 +27,7 @@ class _Edge:
         self.owners: set[int] = set()
 
 
-class LowerTier:
+class LowerTier(PerWorkerBlocks):
     """Edges ``(parent engine hash, LocalBlockHash) -> (child, owners)``; root edges
     ``(None, LocalBlockHash, child)``: one per distinct first engine hash."""
 
@@ -40,28 +40,17 @@ class LowerTier:
         self._rev: dict[int, dict[int, EdgeKey]] = {}
 
     # -- internals (caller holds the lock) ---------------------------------------------
-    def _remove_locked(self, worker: int, hashes) -> int:
-        rev = self._rev.get(worker)
-        if not rev:
-            return 0
-        removed = 0
-        for h in hashes:
-            key = rev.pop(h, None)
-            if key is None:
-                continue
-            edge = self._edges[key]
-            edge.owners.discard(worker)
-            if not edge.owners:
-                del self._edges[key]
-                if key[0] is None:
-                    children = self._roots[key[1]]
-                    children.remove(key[2])
-                    if not children:
-                        del self._roots[key[1]]
-            removed += 1
-        if not rev:
-            del self._rev[worker]
-        return removed
+    def _drop(self, worker: int, key: EdgeKey) -> None:
+        """Drop ``worker``'s ownership of edge ``key``; delete the edge when nobody owns it."""
+        edge = self._edges[key]
+        edge.owners.discard(worker)
+        if not edge.owners:
+            del self._edges[key]
+            if key[0] is None:
+                children = self._roots[key[1]]
+                children.remove(key[2])
+                if not children:
+                    del self._roots[key[1]]
 
     def _owners(self, parent: int | None, local: int) -> list[int]:
         if parent is None:
@@ -112,20 +101,6 @@ class LowerTier:
                 self._rev[worker] = rev
             return accepted
 
-    def remove(self, worker: int, hashes) -> int:
-        """Drop the worker's ownership of these blocks; returns the number removed."""
-        hs = u64_list(hashes)
-        with self._lock:
-            return self._remove_locked(worker, hs)
-
-    def clear(self, worker: int) -> int:
-        """Drop every block of ``worker``; returns how many it held."""
-        with self._lock:
-            rev = self._rev.get(worker)
-            if not rev:
-                return 0
-            return self._remove_locked(worker, list(rev))
-
     # -- queries (any thread) ------------------------------------------------------------
     def lookup_block(self, h: int) -> tuple[int | None, int] | None:
         """``(parent, local)`` of block ``h`` as the lowest worker id holding it maps it."""
@@ -172,21 +147,11 @@ class LowerTier:
             count = max(0, pos - start)
             return count, (p if count else None)
 
-    def hashes_of(self, worker: int) -> list[int]:
-        """The engine hashes ``worker`` holds."""
-        with self._lock:
-            return list(self._rev.get(worker, ()))
-
     def parent_of(self, worker: int, h: int) -> int | None:
         """Parent engine hash of ``worker``'s block ``h`` (None for a root edge)."""
         with self._lock:
             key = self._rev.get(worker, {})[h]
             return key[0]
-
-    def worker_blocks(self, worker: int) -> int:
-        """Number of blocks ``worker`` holds."""
-        with self._lock:
-            return len(self._rev.get(worker, ()))
 
     @property
     def total_blocks(self) -> int:

@@ -38,6 +38,62 @@ def u64_or_none(value) -> int | None:
     return u64_list([value])[0]
 
 
+class PerWorkerBlocks:
+    """What the tree and a lower tier share: per worker a reverse map ``_rev``
+    (engine hash -> the place holding it: tree node or edge key), and removal by
+    engine hash through it. Subclasses set ``_lock`` and ``_rev`` and implement
+    :meth:`_drop` (caller holds the lock)."""
+
+    _lock: threading.Lock
+    _rev: dict
+
+    def _drop(self, worker: int, place) -> None:
+        """Release ``worker``'s hold on ``place`` (already popped from its reverse map)."""
+        raise NotImplementedError
+
+    def _remove_locked(self, worker: int, hashes) -> int:
+        rev = self._rev.get(worker)
+        if not rev:
+            return 0
+        removed = 0
+        for h in hashes:
+            place = rev.pop(h, None)
+            if place is None:
+                continue  # unknown (or already removed earlier in this call)
+            self._drop(worker, place)
+            removed += 1
+        if not rev:
+            del self._rev[worker]
+        return removed
+
+    def remove(self, worker: int, hashes) -> int:
+        """Remove the worker's blocks with these engine hashes; unknown ones are ignored.
+
+        Returns the number removed.
+        """
+        hs = u64_list(hashes)
+        with self._lock:
+            return self._remove_locked(worker, hs)
+
+    def clear(self, worker: int) -> int:
+        """Remove every block of ``worker``; returns how many it held."""
+        with self._lock:
+            rev = self._rev.get(worker)
+            if not rev:
+                return 0
+            return self._remove_locked(worker, list(rev))
+
+    def hashes_of(self, worker: int) -> list[int]:
+        """The engine hashes ``worker`` holds."""
+        with self._lock:
+            return list(self._rev.get(worker, ()))
+
+    def worker_blocks(self, worker: int) -> int:
+        """Number of blocks ``worker`` holds (``len(rev[worker])``)."""
+        with self._lock:
+            return len(self._rev.get(worker, ()))
+
+
 class _Node:
     """One tree node: its content hash, its parent, children and members."""
 
@@ -52,7 +108,7 @@ class _Node:
         self.members: dict[int, int] = {}
 
 
-class RadixTree:
+class RadixTree(PerWorkerBlocks):
     """Prefix tree of LocalBlockHashes shared by all HBM workers.
 
     Node 0 (the root) has no content and no members. Every other node has one
@@ -83,25 +139,11 @@ class RadixTree:
             node = parent
         return pruned
 
-    def _drop_member(self, worker: int, node: _Node) -> None:
+    def _drop(self, worker: int, node: _Node) -> None:
+        """Leave ``node`` (descendants other workers hold stay reachable); prune."""
         del node.members[worker]
         self._num_pairs -= 1
         self._prune(node)
-
-    def _remove_locked(self, worker: int, hashes) -> int:
-        rev = self._rev.get(worker)
-        if not rev:
-            return 0
-        removed = 0
-        for h in hashes:
-            node = rev.pop(h, None)
-            if node is None:
-                continue  # unknown (or already removed earlier in this call)
-            self._drop_member(worker, node)
-            removed += 1
-        if not rev:
-            del self._rev[worker]
-        return removed
 
     # -- mutations (writer thread) -------------------------------------------------------
     def store(self, worker: int, parent: int | None, engine_hashes, local_hashes) -> int:
@@ -154,26 +196,9 @@ class RadixTree:
                 # ``child`` may be a memberless interior node whose only
                 # descendant is ``old`` (see the report on design.md).
                 if old is not None and old is not child:
-                    self._drop_member(worker, old)
+                    self._drop(worker, old)
                 node = child
             return n
-
-    def remove(self, worker: int, hashes) -> int:
-        """Remove the worker's blocks with these engine hashes; unknown ones are ignored.
-
-        Returns the number removed. Descendants other workers hold stay reachable.
-        """
-        hs = u64_list(hashes)
-        with self._lock:
-            return self._remove_locked(worker, hs)
-
-    def clear(self, worker: int) -> int:
-        """Remove every block of ``worker``; returns how many it held."""
-        with self._lock:
-            rev = self._rev.get(worker)
-            if not rev:
-                return 0
-            return self._remove_locked(worker, list(rev))
 
     # -- queries (any thread) ------------------------------------------------------------
     def match(self, local_hashes) -> list[tuple[int, int, int]]:
@@ -205,11 +230,6 @@ class RadixTree:
                     last[w] = node.members[w]
             return [(w, depth[w], last[w]) for w in sorted(depth)]
 
-    def hashes_of(self, worker: int) -> list[int]:
-        """The engine hashes ``worker`` holds."""
-        with self._lock:
-            return list(self._rev.get(worker, ()))
-
     def parent_of(self, worker: int, h: int) -> int | None:
         """Engine hash of the parent of ``worker``'s ``h``; None at the root or when the
         worker no longer holds the parent. KeyError when it does not hold ``h``."""
@@ -219,11 +239,6 @@ class RadixTree:
             if parent is None or parent is self._root:
                 return None
             return parent.members.get(worker)
-
-    def worker_blocks(self, worker: int) -> int:
-        """Number of blocks ``worker`` holds (``len(rev[worker])``)."""
-        with self._lock:
-            return len(self._rev.get(worker, ()))
 
     @property
     def num_nodes(self) -> int:

@@ -1,0 +1,465 @@
+# cython: language_level=3
+"""Open-addressing hash maps of u64 keys to u32 values, usable without the GIL.
+
+Linear probing, power-of-two capacity, load factor <= 3/4, backward-shift
+deletion (no tombstones). A value of ``HM_NIL`` (the "no item" index of
+``_pool``) marks an empty slot, so it can never be stored. Keys are mixed with the splitmix64 finalizer because engine
+hashes may be small integers.
+
+Every function is ``noexcept nogil``; the ones that allocate return -1 on
+out-of-memory and leave the map unchanged. The owner of a map (a ``cdef class``
+of ``_tree``/``_lower``/``_index``) frees it with ``*_free``.
+"""
+from libc.stdint cimport uint32_t, uint64_t
+from libc.string cimport memset
+
+from kvconductor._pool cimport HM_NIL, grow_array, mem_alloc, mem_free
+
+
+# Read prefetch of a slot a walk will probably probe soon (a no-op on other compilers).
+cdef extern from *:
+    """
+    #if defined(__GNUC__) || defined(__clang__)
+    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
+    #else
+    #define kvc_prefetch(p) ((void)(p))
+    #endif
+    """
+    void prefetch "kvc_prefetch"(const void* p) noexcept nogil
+
+
+cdef inline uint64_t hm_mix(uint64_t x) noexcept nogil:
+    x ^= x >> 30
+    x *= <uint64_t>0xbf58476d1ce4e5b9
+    x ^= x >> 27
+    x *= <uint64_t>0x94d049bb133111eb
+    x ^= x >> 31
+    return x
+
+
+# -- U64Map: u64 -> u32 ---------------------------------------------------------------
+cdef struct U64Map:
+    uint64_t* keys               # slot keys (valid where vals[i] != HM_NIL)
+    uint32_t* vals               # slot values, HM_NIL = empty
+    size_t mask                  # capacity - 1 (capacity a power of two; 0 when unallocated)
+    size_t size                  # live entries
+
+
+cdef inline void u64m_init(U64Map* m) noexcept nogil:
+    m.keys = NULL
+    m.vals = NULL
+    m.mask = 0
+    m.size = 0
+
+
+cdef inline void u64m_free(U64Map* m) noexcept nogil:
+    mem_free(m.keys)
+    mem_free(m.vals)
+    u64m_init(m)
+
+
+cdef inline size_t u64m_nbytes(const U64Map* m) noexcept nogil:
+    return 0 if m.keys == NULL else (m.mask + 1) * 12
+
+
+cdef inline uint32_t u64m_get(const U64Map* m, uint64_t key) noexcept nogil:
+    if m.keys == NULL:
+        return HM_NIL
+    cdef size_t i = hm_mix(key) & m.mask
+    cdef uint32_t v
+    while True:
+        v = m.vals[i]
+        if v == HM_NIL:
+            return HM_NIL
+        if m.keys[i] == key:
+            return v
+        i = (i + 1) & m.mask
+
+
+cdef inline int u64m_rehash(U64Map* m, size_t cap) noexcept nogil:
+    cdef uint64_t* nk = <uint64_t*>mem_alloc(cap * sizeof(uint64_t))
+    cdef uint32_t* nv = <uint32_t*>mem_alloc(cap * sizeof(uint32_t))
+    cdef size_t i, j, nmask = cap - 1
+    if nk == NULL or nv == NULL:
+        mem_free(nk)
+        mem_free(nv)
+        return -1
+    memset(nv, 0xFF, cap * sizeof(uint32_t))
+    if m.keys != NULL:
+        for i in range(m.mask + 1):
+            if m.vals[i] != HM_NIL:
+                j = hm_mix(m.keys[i]) & nmask
+                while nv[j] != HM_NIL:
+                    j = (j + 1) & nmask
+                nk[j] = m.keys[i]
+                nv[j] = m.vals[i]
+        mem_free(m.keys)
+        mem_free(m.vals)
+    m.keys = nk
+    m.vals = nv
+    m.mask = nmask
+    return 0
+
+
+cdef inline int u64m_put(U64Map* m, uint64_t key, uint32_t val) noexcept nogil:
+    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
+    if m.keys == NULL:
+        if u64m_rehash(m, 8) < 0:
+            return -1
+    elif (m.size + 1) * 4 > (m.mask + 1) * 3:
+        if u64m_rehash(m, (m.mask + 1) * 2) < 0:
+            return -1
+    cdef size_t i = hm_mix(key) & m.mask
+    while m.vals[i] != HM_NIL:
+        if m.keys[i] == key:
+            m.vals[i] = val
+            return 0
+        i = (i + 1) & m.mask
+    m.keys[i] = key
+    m.vals[i] = val
+    m.size += 1
+    return 1
+
+
+cdef inline uint32_t u64m_pop(U64Map* m, uint64_t key) noexcept nogil:
+    """Delete ``key``; return its value or HM_NIL when absent."""
+    if m.keys == NULL:
+        return HM_NIL
+    cdef size_t mask = m.mask
+    cdef size_t i = hm_mix(key) & mask, j, k
+    cdef uint32_t out
+    while True:
+        if m.vals[i] == HM_NIL:
+            return HM_NIL
+        if m.keys[i] == key:
+            break
+        i = (i + 1) & mask
+    out = m.vals[i]
+    m.vals[i] = HM_NIL
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if m.vals[j] == HM_NIL:
+            break
+        k = hm_mix(m.keys[j]) & mask
+        # the entry at j may stay iff its home k lies cyclically in (i, j]
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        m.keys[i] = m.keys[j]
+        m.vals[i] = m.vals[j]
+        m.vals[j] = HM_NIL
+        i = j
+    m.size -= 1
+    return out
+
+
+cdef inline int u64m_check(const U64Map* m) noexcept nogil:
+    """Checker: 0 when ``size`` counts the used slots, the load factor holds and every
+    key is found from its home slot (with its own value); -1 otherwise."""
+    cdef size_t i, n = 0
+    if m.keys == NULL or m.vals == NULL:
+        return 0 if m.size == 0 and m.keys == NULL and m.vals == NULL else -1
+    for i in range(m.mask + 1):
+        if m.vals[i] != HM_NIL:
+            n += 1
+            if u64m_get(m, m.keys[i]) != m.vals[i]:
+                return -1
+    return 0 if n == m.size and n * 4 <= (m.mask + 1) * 3 else -1
+
+
+# -- per-worker reverse maps: one U64Map (engine hash -> item) per worker id -------------
+# The tree and both lower tiers keep ``U64Map* rev`` of ``nrev`` entries; these are
+# the one copy of how that array grows, is freed, measured and counted.
+cdef inline int revs_ensure(U64Map** rev, size_t* nrev, uint32_t worker) noexcept nogil:
+    """Grow ``rev[0]`` to hold ``worker`` (new maps empty); -1 on OOM (unchanged)."""
+    cdef size_t old = nrev[0], cap = nrev[0], w
+    cdef void* p
+    if worker < old:
+        return 0
+    p = grow_array(rev[0], &cap, <size_t>worker + 1, sizeof(U64Map))
+    if p == NULL:
+        return -1
+    rev[0] = <U64Map*>p
+    for w in range(old, cap):
+        u64m_init(&rev[0][w])
+    nrev[0] = cap
+    return 0
+
+
+cdef inline void revs_free(U64Map** rev, size_t* nrev) noexcept nogil:
+    cdef size_t w
+    if rev[0] != NULL:
+        for w in range(nrev[0]):
+            u64m_free(&rev[0][w])
+    mem_free(rev[0])
+    rev[0] = NULL
+    nrev[0] = 0
+
+
+cdef inline size_t revs_nbytes(const U64Map* rev, size_t nrev) noexcept nogil:
+    cdef size_t w, n = nrev * sizeof(U64Map)
+    for w in range(nrev):
+        n += u64m_nbytes(&rev[w])
+    return n
+
+
+cdef inline size_t revs_count(const U64Map* rev, size_t nrev, uint32_t worker) noexcept nogil:
+    """Entries of ``worker``'s map (0 past the end)."""
+    return rev[worker].size if worker < nrev else 0
+
+
+# -- PairMap: (u64, u64) -> u32, slots as one struct array -------------------------------
+cdef struct PSlot:
+    uint64_t a                   # first key half (parent engine hash)
+    uint64_t b                   # second key half (LocalBlockHash)
+    uint64_t c                   # payload carried in the slot (lower tier: the child hash)
+    uint32_t v                   # value, HM_NIL = empty slot
+    uint32_t hint                # payload (lower tier: the sole owner, or HM_NIL)
+
+cdef struct PairMap:
+    PSlot* slots                 # PERF: one cache line holds key and value of a slot
+    size_t mask
+    size_t size
+
+
+# -- EdgeMap: (u32 node, u64 local) -> u32 node, 16-byte slots (the HBM tree's edges) ----------
+cdef struct ESlot:
+    uint64_t local               # LocalBlockHash
+    uint32_t parent              # parent node index
+    uint32_t child               # child node index, HM_NIL = empty slot
+
+cdef struct EdgeMap:
+    ESlot* slots
+    size_t mask
+    size_t size
+
+
+cdef inline uint64_t pm_hash(uint64_t a, uint64_t b) noexcept nogil:
+    return hm_mix(a * <uint64_t>0x9e3779b97f4a7c15 ^ b)
+
+
+cdef inline uint64_t em_hash(uint32_t parent, uint64_t local) noexcept nogil:
+    return hm_mix((<uint64_t>parent) * <uint64_t>0x9e3779b97f4a7c15 ^ local)
+
+
+# -- what PairMap and EdgeMap share: one slot array, written once for both ----------------
+# A fused type: Cython emits one specialisation per map, so the code is the same
+# as two hand-written copies (the ``if SlotMap is ...`` branches are resolved at
+# compile time).
+ctypedef fused SlotMap:
+    PairMap
+    EdgeMap
+
+
+cdef inline void sm_init(SlotMap* m) noexcept nogil:
+    m.slots = NULL
+    m.mask = 0
+    m.size = 0
+
+
+cdef inline void sm_free(SlotMap* m) noexcept nogil:
+    mem_free(m.slots)
+    sm_init(m)
+
+
+cdef inline size_t sm_nbytes(const SlotMap* m) noexcept nogil:
+    return 0 if m.slots == NULL else (m.mask + 1) * sizeof(m.slots[0])
+
+
+cdef inline bint _sm_used(const SlotMap* m, size_t i) noexcept nogil:
+    if SlotMap is PairMap:
+        return m.slots[i].v != HM_NIL
+    else:
+        return m.slots[i].child != HM_NIL
+
+
+cdef inline void _sm_clear(SlotMap* m, size_t i) noexcept nogil:
+    if SlotMap is PairMap:
+        m.slots[i].v = HM_NIL
+    else:
+        m.slots[i].child = HM_NIL
+
+
+cdef inline size_t _sm_home(const SlotMap* m, size_t i, size_t mask) noexcept nogil:
+    if SlotMap is PairMap:
+        return pm_hash(m.slots[i].a, m.slots[i].b) & mask
+    else:
+        return em_hash(m.slots[i].parent, m.slots[i].local) & mask
+
+
+cdef inline int _sm_rehash(SlotMap* m, size_t cap) noexcept nogil:
+    cdef SlotMap nm
+    cdef size_t i, j
+    if SlotMap is PairMap:
+        nm.slots = <PSlot*>mem_alloc(cap * sizeof(PSlot))
+    else:
+        nm.slots = <ESlot*>mem_alloc(cap * sizeof(ESlot))
+    if nm.slots == NULL:
+        return -1
+    nm.mask = cap - 1
+    nm.size = m.size
+    for i in range(cap):
+        _sm_clear(&nm, i)
+    if m.slots != NULL:
+        for i in range(m.mask + 1):
+            if _sm_used(m, i):
+                j = _sm_home(m, i, nm.mask)
+                while _sm_used(&nm, j):
+                    j = (j + 1) & nm.mask
+                nm.slots[j] = m.slots[i]
+        mem_free(m.slots)
+    m[0] = nm
+    return 0
+
+
+cdef inline int sm_reserve_one(SlotMap* m) noexcept nogil:
+    """Room for one more entry (load factor <= 3/4); -1 on OOM, map unchanged."""
+    if m.slots == NULL:
+        return _sm_rehash(m, 8)
+    if (m.size + 1) * 4 > (m.mask + 1) * 3:
+        return _sm_rehash(m, (m.mask + 1) * 2)
+    return 0
+
+
+cdef inline void sm_delete_at(SlotMap* m, size_t i) noexcept nogil:
+    """Empty used slot ``i``; backward-shift the cluster after it (no tombstones)."""
+    cdef size_t mask = m.mask, j = i, k
+    _sm_clear(m, i)
+    while True:
+        j = (j + 1) & mask
+        if not _sm_used(m, j):
+            break
+        k = _sm_home(m, j, mask)
+        # the entry at j may stay iff its home k lies cyclically in (i, j]
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        m.slots[i] = m.slots[j]
+        _sm_clear(m, j)
+        i = j
+    m.size -= 1
+
+
+cdef inline size_t _sm_probe(const SlotMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    """The slot holding key (a, b), or the empty slot ending its probe chain (map
+    allocated). EdgeMap keys are (parent node ``a``, local ``b``)."""
+    cdef size_t i
+    if SlotMap is PairMap:
+        i = pm_hash(a, b) & m.mask
+        while m.slots[i].v != HM_NIL and not (m.slots[i].b == b and m.slots[i].a == a):
+            i = (i + 1) & m.mask
+    else:
+        i = em_hash(<uint32_t>a, b) & m.mask
+        while m.slots[i].child != HM_NIL and not (m.slots[i].local == b
+                                                  and m.slots[i].parent == <uint32_t>a):
+            i = (i + 1) & m.mask
+    return i
+
+
+cdef inline int _sm_put(SlotMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
+    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
+    cdef size_t i
+    if sm_reserve_one(m) < 0:
+        return -1
+    i = _sm_probe(m, a, b)
+    if _sm_used(m, i):
+        if SlotMap is PairMap:
+            m.slots[i].v = val
+        else:
+            m.slots[i].child = val
+        return 0
+    if SlotMap is PairMap:
+        m.slots[i].a = a
+        m.slots[i].b = b
+        m.slots[i].c = 0
+        m.slots[i].v = val
+        m.slots[i].hint = HM_NIL
+    else:
+        m.slots[i].parent = <uint32_t>a
+        m.slots[i].local = b
+        m.slots[i].child = val
+    m.size += 1
+    return 1
+
+
+cdef inline uint32_t _sm_pop(SlotMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    """Delete key (a, b); return its value or HM_NIL when absent."""
+    cdef size_t i
+    cdef uint32_t out
+    if m.slots == NULL:
+        return HM_NIL
+    i = _sm_probe(m, a, b)
+    if not _sm_used(m, i):
+        return HM_NIL
+    if SlotMap is PairMap:
+        out = m.slots[i].v
+    else:
+        out = m.slots[i].child
+    sm_delete_at(m, i)
+    return out
+
+
+# -- PairMap operations -----------------------------------------------------------------
+cdef inline PSlot* pm_find(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    """The slot of key (a, b), or NULL. PERF: walks read the payload from it."""
+    cdef size_t i
+    if m.slots == NULL:
+        return NULL
+    i = _sm_probe(m, a, b)
+    return NULL if m.slots[i].v == HM_NIL else &m.slots[i]
+
+
+cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    cdef const PSlot* s = pm_find(m, a, b)
+    return HM_NIL if s == NULL else s.v
+
+
+cdef inline int pm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
+    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
+    return _sm_put(m, a, b, val)
+
+
+cdef inline uint32_t pm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
+    """Delete key (a, b); return its value or HM_NIL when absent."""
+    return _sm_pop(m, a, b)
+
+
+# -- EdgeMap operations -----------------------------------------------------------------
+cdef inline ESlot* em_find(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
+    """The slot of edge (parent, local), or NULL."""
+    cdef size_t i
+    if m.slots == NULL:
+        return NULL
+    i = _sm_probe(m, parent, local)
+    return NULL if m.slots[i].child == HM_NIL else &m.slots[i]
+
+
+cdef inline uint32_t em_get(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
+    cdef const ESlot* s = em_find(m, parent, local)
+    return HM_NIL if s == NULL else s.child
+
+
+cdef inline int em_put(EdgeMap* m, uint32_t parent, uint64_t local, uint32_t child) noexcept nogil:
+    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
+    return _sm_put(m, parent, local, child)
+
+
+cdef inline uint32_t em_pop(EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
+    """Delete edge (parent, local); return its child or HM_NIL when absent."""
+    return _sm_pop(m, parent, local)
+
+
+cdef inline int sm_check(const SlotMap* m) noexcept nogil:
+    """Checker: 0 when ``size`` counts the used slots, the load factor holds and every
+    entry is reachable from its home slot (no empty slot in between); -1 otherwise."""
+    cdef size_t i, j, n = 0
+    if m.slots == NULL:
+        return 0 if m.size == 0 else -1
+    for i in range(m.mask + 1):
+        if _sm_used(m, i):
+            n += 1
+            j = _sm_home(m, i, m.mask)
+            while j != i:
+                if not _sm_used(m, j):
+                    return -1
+                j = (j + 1) & m.mask
+    return 0 if n == m.size and n * 4 <= (m.mask + 1) * 3 else -1

@@ -1,0 +1,136 @@
+# cython: language_level=3
+"""Growable C arrays and index pools with a free list, usable without the GIL.
+
+Items are addressed by ``uint32_t`` index; ``HM_NIL`` means "no item" (the
+hash maps of ``_maps`` use it for empty slots too). Every function is
+``noexcept nogil`` and reports out-of-memory by its return value, leaving the
+array unchanged.
+"""
+from libc.stdint cimport uint8_t, uint32_t
+from libc.string cimport memset
+
+# -- counted allocation ------------------------------------------------------------------
+# Every structure array (pool arrays, map slots, per-worker tables, query breakpoints) is
+# allocated and freed through these, which keep a count of live blocks; each compiled
+# module that cimports this file gets its own counter (``static``), read by its
+# ``_live_allocations()`` so tests can check that what they created and released was
+# freed. One relaxed atomic add per block allocation or free: allocations are per
+# growth step, never per item. Per-call scratch buffers stay on plain malloc/free.
+cdef extern from *:
+    """
+    #include <stdlib.h>
+    static long kvc_live_allocs = 0;
+    #if defined(__GNUC__) || defined(__clang__)
+    #define kvc_count(d) ((void)__atomic_add_fetch(&kvc_live_allocs, (d), __ATOMIC_RELAXED))
+    #define kvc_live() __atomic_load_n(&kvc_live_allocs, __ATOMIC_RELAXED)
+    #else
+    #define kvc_count(d) ((void)(kvc_live_allocs += (d)))
+    #define kvc_live() (kvc_live_allocs)
+    #endif
+    static inline void *kvc_mem_alloc(size_t n) {
+        void *p = malloc(n);
+        if (p != NULL)
+            kvc_count(1);
+        return p;
+    }
+    static inline void *kvc_mem_realloc(void *ptr, size_t n) {
+        void *p = realloc(ptr, n);
+        if (p != NULL && ptr == NULL)
+            kvc_count(1);
+        return p;
+    }
+    static inline void kvc_mem_free(void *p) {
+        if (p != NULL) {
+            kvc_count(-1);
+            free(p);
+        }
+    }
+    static inline long kvc_live_allocations(void) { return kvc_live(); }
+    """
+    void* mem_alloc "kvc_mem_alloc"(size_t n) noexcept nogil
+    void* mem_realloc "kvc_mem_realloc"(void* ptr, size_t n) noexcept nogil
+    void mem_free "kvc_mem_free"(void* p) noexcept nogil
+    long live_allocations "kvc_live_allocations"() noexcept nogil
+
+cdef enum:
+    HM_NIL = 0xFFFFFFFF           # no item / no index; also the empty slot of the maps
+
+
+# -- growable arrays ------------------------------------------------------------------
+cdef inline void* grow_array(void* ptr, size_t* cap, size_t need, size_t item) noexcept nogil:
+    """Return ``ptr`` grown (doubling) to hold ``need`` items; NULL on overflow/OOM
+    (then ``ptr`` is still valid and unchanged)."""
+    cdef size_t ncap = cap[0] if cap[0] else 16
+    while ncap < need:
+        if ncap > (<size_t>-1) // 2 // item:
+            return NULL
+        ncap += ncap // 2     # 1.5x: less slack than doubling for the big arrays
+    if ncap == cap[0]:
+        return ptr
+    cdef void* p = mem_realloc(ptr, ncap * item)
+    if p == NULL:
+        return NULL
+    cap[0] = ncap
+    return p
+
+
+# -- pooled arrays with a free list -----------------------------------------------------
+# Convention: the FIRST field of every pooled struct is a uint32 that links free items.
+cdef struct Pool:
+    size_t cap                   # allocated items
+    uint32_t used                # high-water mark of item indices
+    uint32_t free                # head of the free list (HM_NIL: empty)
+
+
+cdef inline void pool_init(Pool* p) noexcept nogil:
+    p.cap = 0
+    p.used = 0
+    p.free = HM_NIL
+
+
+cdef inline uint32_t pool_take(Pool* p, void** data, size_t item) noexcept nogil:
+    """Index of a free item of ``data[0]`` (items of ``item`` bytes): a freed one, else
+    the next past the high-water mark, growing the array. HM_NIL on overflow or
+    out of memory (``data[0]`` is then unchanged)."""
+    cdef uint32_t i
+    cdef void* q
+    if p.free != HM_NIL:
+        i = p.free
+        p.free = (<uint32_t*>(<char*>data[0] + <size_t>i * item))[0]
+        return i
+    if p.used >= <uint32_t>(HM_NIL - 1):
+        return HM_NIL
+    if p.used >= p.cap:
+        q = grow_array(data[0], &p.cap, <size_t>p.used + 1, item)
+        if q == NULL:
+            return HM_NIL
+        data[0] = q
+    i = p.used
+    p.used += 1
+    return i
+
+
+cdef inline void pool_give(Pool* p, void* data, uint32_t i, size_t item) noexcept nogil:
+    """Put item ``i`` on the free list (overwrites its first uint32 field)."""
+    (<uint32_t*>(<char*>data + <size_t>i * item))[0] = p.free
+    p.free = i
+
+
+cdef inline long pool_mark_free(const Pool* p, const void* data, size_t item,
+                                uint8_t* marks) noexcept nogil:
+    """Checker: ``marks[i] = 1`` for each item ``i`` on the free list, 0 for the others
+    (``marks`` holds ``p.used`` entries). Returns how many are free, or -1 when the
+    list leaves ``[0, used)``, visits an item twice or ``used`` exceeds ``cap``."""
+    cdef uint32_t i = p.free
+    cdef long n = 0
+    if p.used > p.cap:
+        return -1
+    if p.used:
+        memset(marks, 0, p.used)
+    while i != HM_NIL:
+        if i >= p.used or marks[i]:
+            return -1
+        marks[i] = 1
+        n += 1
+        i = (<const uint32_t*>(<const char*>data + <size_t>i * item))[0]
+    return n
