@@ -48,15 +48,7 @@ cdef uint64_t _I64_MAX = 0x7FFFFFFFFFFFFFFF
 # Inputs longer than this are scanned with the GIL released.
 cdef size_t _NOGIL_BYTES = 1 << 15
 
-# Field ids of the request (names: _field_name; schema.QUERY_FIELDS is the declaration).
-cdef enum:
-    FIELD_UNKNOWN = 0
-    FIELD_MODEL = 1
-    FIELD_BLOCK_SIZE = 2
-    FIELD_TOKEN_IDS = 3
-    FIELD_BLOCK_HASHES = 4
-    FIELD_TENANT = 5
-    FIELD_LORA = 6
+# Field ids of the request: FIELD_* in _wire.pxd.
 
 
 # =========================================================================================
