@@ -21,11 +21,10 @@ path does)::
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.stdlib cimport free
 from libc.string cimport memcmp
 
 from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
-from kvconductor._pool cimport HM_NIL, grow_array
+from kvconductor._pool cimport HM_NIL, grow_array, live_allocations, mem_free
 from kvconductor._index cimport OP_CLEAR, OP_EVICT, OP_STORE, BatchOp, CoreIndex
 from kvconductor._tree cimport T_ERR_PARENT, T_ERR_SEQUENCE
 from kvconductor._readers cimport (WIRE_EOF, WIRE_OK, _eq, _left, mp_bin, mp_container, mp_int,
@@ -370,12 +369,12 @@ cdef class FastBatch:
         self.rejected = 0
 
     def __dealloc__(self):
-        free(self.hs)
-        free(self.loc)
-        free(self.tok)
-        free(self.recs)
-        free(self.ops)
-        free(self.clear)
+        mem_free(self.hs)
+        mem_free(self.loc)
+        mem_free(self.tok)
+        mem_free(self.recs)
+        mem_free(self.ops)
+        mem_free(self.clear)
 
     cdef int _reserve_hashes(self, size_t need) noexcept nogil:
         cdef size_t cap
@@ -702,17 +701,17 @@ cdef class FastBatch:
     cdef void _trim(self) noexcept nogil:
         """Free scratch that one huge batch grew (the next batch starts small)."""
         if self.hs_cap > TRIM_ITEMS:
-            free(self.hs)
-            free(self.loc)
+            mem_free(self.hs)
+            mem_free(self.loc)
             self.hs = self.loc = NULL
             self.hs_cap = 0
         if self.tok_cap > TRIM_ITEMS:
-            free(self.tok)
+            mem_free(self.tok)
             self.tok = NULL
             self.tok_cap = 0
         if self.rec_cap > TRIM_ITEMS:
-            free(self.recs)
-            free(self.ops)
+            mem_free(self.recs)
+            mem_free(self.ops)
             self.recs = NULL
             self.ops = NULL
             self.rec_cap = 0
@@ -820,3 +819,8 @@ cdef class FastBatch:
                     oom += 1
         self.nrec = 0
         return (blocks, pnf, bad, oom)
+
+
+def _live_allocations():
+    """Scratch blocks of FastBatch objects allocated and not freed (tests: leak check)."""
+    return live_allocations()

@@ -71,9 +71,15 @@ def CoreIndex(impl):
 # here (pytest would drop them only after the teardown). Nothing in these modules keeps
 # a core object alive across tests (no module- or session-scoped fixture holds one; one
 # that did would show up here as a leak of the first test that creates it).
-_LEAK_CHECKED = {"test_tree", "test_lower", "test_index", "test_index_concurrency",
-                 "test_differential"}
-_COUNTED = ("kvconductor._tree", "kvconductor._lower", "kvconductor._index")
+_LEAK_CHECKED = {
+    "test_tree",
+    "test_lower",
+    "test_index",
+    "test_index_concurrency",
+    "test_differential",
+    "test_ingest",
+}
+_COUNTED = ("kvconductor._tree", "kvconductor._lower", "kvconductor._index", "kvconductor._ingest")
 
 
 def _live_allocations() -> dict[str, int]:
