@@ -43,9 +43,7 @@ def post(base: str, path: str, body: dict) -> tuple[int, dict]:
 
 
 # The inline C building blocks cimported by the compiled modules (no .pyx of their own).
-CORE_PXD = {
-    f"kvconductor/{m}.pxd" for m in ("_maps", "_pool", "_rwlock", "_cursor", "_readers")
-}
+CORE_PXD = {f"kvconductor/{m}.pxd" for m in ("_maps", "_pool", "_rwlock", "_cursor", "_readers")}
 # The scanners included by the parser module (sdist only: compiled into _wire).
 PARSER_PXI = {"kvconductor/_wire_json.pxi", "kvconductor/_wire_msgpack.pxi"}
 
@@ -54,8 +52,18 @@ def check_dists(dist: Path, modules: tuple[str, ...], version: str) -> None:
     (sdist,) = dist.glob(f"kvconductor-{version}.tar.gz")
     with tarfile.open(sdist) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    need = {"LICENSE", "README.md", "pyproject.toml", "setup.py", "kvconductor/py.typed",
-            "tests/conftest.py"} | CORE_PXD | PARSER_PXI
+    need = (
+        {
+            "LICENSE",
+            "README.md",
+            "pyproject.toml",
+            "setup.py",
+            "kvconductor/py.typed",
+            "tests/conftest.py",
+        }
+        | CORE_PXD
+        | PARSER_PXI
+    )
     for m in modules:
         need |= {f"kvconductor/{m}.pyx", f"kvconductor/{m}.pxd", f"kvconductor/{m}.pyi"}
     check(need <= names, f"{sdist.name} has the sources to compile {sorted(need - names)}")
@@ -67,8 +75,7 @@ def check_dists(dist: Path, modules: tuple[str, ...], version: str) -> None:
         names = set(zf.namelist())
     so = {n.split(".", 1)[0] for n in names if n.startswith("kvconductor/_") and n.endswith(".so")}
     check(so == {f"kvconductor/{m}" for m in modules}, f"{wheel.name} has every compiled module")
-    need = CORE_PXD | {"kvconductor/py.typed",
-            f"kvconductor-{version}.dist-info/entry_points.txt"}
+    need = CORE_PXD | {"kvconductor/py.typed", f"kvconductor-{version}.dist-info/entry_points.txt"}
     for m in modules:
         need |= {f"kvconductor/{m}.pxd", f"kvconductor/{m}.pyi"}
     check(need <= names, f"{wheel.name} has the stubs and declarations {sorted(need - names)}")

@@ -8,10 +8,8 @@ xxHash is vendored or rewritten here.
 
 Hashing runs without the GIL over a C buffer of u32 tokens.
 """
-from cpython.buffer cimport PyBUF_ANY_CONTIGUOUS, PyBUF_FORMAT, PyObject_GetBuffer, PyBuffer_Release
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
 from posix.dlfcn cimport RTLD_NOW, dlerror, dlopen, dlsym
 
 import array as _array

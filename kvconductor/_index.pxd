@@ -69,8 +69,9 @@ cdef class CoreIndex:
     cdef size_t ngroups         # max group id + 1
     cdef U64Map offload_m       # engine hash -> TPRec (unconfirmed engine offloads)
     cdef U64Map content_m       # engine hash -> TPRec (confirmed content, kept for promotion)
-    cdef U64Map pending_m       # engine hash -> head TPWait (pool confirmations waiting),
-                                # chained newest first, one waiter per worker
+    # engine hash -> head TPWait (pool confirmations waiting), chained newest first, one
+    # waiter per worker
+    cdef U64Map pending_m
     cdef TPRec* recs            # records of offload/content entries
     cdef Pool rec_pool          # capacity, high-water mark and free list of ``recs``
     cdef TPWait* waits          # pending-pool waiters
@@ -82,7 +83,8 @@ cdef class CoreIndex:
     cdef int _tier(self, uint32_t worker) except -1
     cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
                        const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
-    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs, size_t n) noexcept nogil
+    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs,
+                        size_t n) noexcept nogil
     cdef long _clear_c(self, uint32_t worker) noexcept nogil
     cdef long _evict_w(self, uint32_t worker, const uint64_t* hs, size_t n) noexcept nogil
     # Apply ``ops`` in order under ONE write lock (the caller validated every worker id

@@ -242,7 +242,8 @@ cdef class CoreIndex:
         free(loc)
         return check_rc(rc)
 
-    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs, size_t n) noexcept nogil:
+    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs,
+                        size_t n) noexcept nogil:
         if tier == 0:
             return tree_remove(&self.tree, worker, seqs, n)
         return lower_remove(&self.tiers[tier - 1], worker, seqs, n)
@@ -433,7 +434,7 @@ cdef class CoreIndex:
         cdef size_t i, nw, a, b
         cdef uint64_t h, t, p
         cdef bint hp
-        cdef uint32_t head, cur, r, tmp
+        cdef uint32_t head, cur, tmp
         cdef long applied = 0, rc
         cdef uint32_t ws[64]
         for i in range(n):
@@ -560,7 +561,8 @@ cdef class CoreIndex:
             return tree_remove(&self.tree, worker, hs, n)
         return self._evict_c(worker, tier, hs, n)
 
-    cdef long _evict_c(self, uint32_t worker, int tier, const uint64_t* hs, size_t n) noexcept nogil:
+    cdef long _evict_c(self, uint32_t worker, int tier, const uint64_t* hs,
+                       size_t n) noexcept nogil:
         cdef size_t i
         cdef uint64_t h
         cdef uint32_t r, head, cur, prev
@@ -597,7 +599,7 @@ cdef class CoreIndex:
 
     def sweep(self, double now, double pending_ttl, double content_ttl, double offload_ttl):
         """Expire two-phase entries by age (>= TTL); returns entries removed."""
-        cdef long rc = 0, a, b, c
+        cdef long a, b, c
         with nogil:
             pthread_rwlock_wrlock(&self.lock)
             a = self._expire(&self.offload_m, now, offload_ttl)
@@ -628,7 +630,7 @@ cdef class CoreIndex:
         free(old)
         return <long>nold
 
-    # -- query --------------------------------------------------------------------------------------
+    # -- query ----------------------------------------------------------------------------
     cdef int _tier_walk(self, int tier, HCursor* hc, Scratch* s, size_t nin,
                         uint32_t* ends) noexcept nogil:
         """Walk one lower tier from the root and from breakpoints ``s.bps[0:nin]``
@@ -772,7 +774,7 @@ cdef class CoreIndex:
         finally:
             hc_free(&hc)
 
-    # -- invariants ---------------------------------------------------------------------------------
+    # -- invariants -----------------------------------------------------------------------
     cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil:
         """The two-phase state and the worker table (the tiers are checked by the caller)."""
         cdef long nr, nw

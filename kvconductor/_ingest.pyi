@@ -1,3 +1,5 @@
+from typing_extensions import Self, disjoint_base
+
 from kvconductor._index import CoreIndex
 
 HBM_MEDIA: tuple[str, ...]
@@ -9,12 +11,13 @@ REMOVED_KEYS: tuple[str, ...]
 CLEARED_KEYS: tuple[str, ...]
 POOL_KEYS: tuple[str, ...]
 
+@disjoint_base
 class FastBatch:
     """Parse buffer and applier of the vLLM/SGLang HBM ingest fast path (ingest thread only)."""
 
     parsed: int
     rejected: int
-    def __init__(self, seed: int = 1337) -> None: ...
+    def __new__(cls, seed: int = ...) -> Self: ...
     def parse(self, payload: bytes | bytearray | memoryview, registered_block_size: int) -> int: ...
     def apply(
         self, core: CoreIndex, hbm_worker: int = -1, clear_workers: object = ()

@@ -37,7 +37,8 @@ cdef void lower_free(Lower* L) noexcept nogil
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil
 # Non-root edge (parent, local), or the FIRST root edge of ``local`` (has_parent false;
 # further root edges of the same content follow through LEdge.next_root).
-cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent, uint64_t local) noexcept nogil
+cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
+                         uint64_t local) noexcept nogil
 # The root edge of ``local`` owned by ``worker`` that was created first, or HM_NIL.
 cdef uint32_t lower_root_of(const Lower* L, uint64_t local, uint32_t worker) noexcept nogil
 cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil

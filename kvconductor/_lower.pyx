@@ -61,8 +61,8 @@ cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
     return n + sm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + revs_nbytes(L.rev, L.nrev)
 
 
-cdef inline uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
-                                uint64_t local) noexcept nogil:
+cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
+                         uint64_t local) noexcept nogil:
     if has_parent:
         return pm_get(&L.pairs, parent, local)
     return u64m_get(&L.roots, local)
@@ -290,7 +290,7 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
                            uint32_t* idx, size_t nidx, size_t* out_end,
                            uint64_t* out_last) noexcept nogil:
     cdef size_t k, pos = start, alive = ncand
-    cdef uint32_t e, o, w, j
+    cdef uint32_t o, w, j
     cdef uint64_t p = parent
     for k in range(ncand):
         idx[cand[k]] = <uint32_t>k
@@ -309,7 +309,7 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
             # PERF: a chain stored in one go occupies consecutive edge slots, so
             # edge sl.v + k is probably the one k steps on: prefetch its table slot.
             prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
-                                     & L.pairs.mask])
+                                    & L.pairs.mask])
         alive = 0
         if sl.hint != HM_NIL:
             # PERF: a sole owner is answered from the slot's cache line.

@@ -3,8 +3,8 @@
 
 Linear probing, power-of-two capacity, load factor <= 3/4, backward-shift
 deletion (no tombstones). A value of ``HM_NIL`` (the "no item" index of
-``_pool``) marks an empty slot, so it can never be stored. Keys are mixed with the splitmix64 finalizer because engine
-hashes may be small integers.
+``_pool``) marks an empty slot, so it can never be stored. Keys are mixed with the
+splitmix64 finalizer because engine hashes may be small integers.
 
 Every function is ``noexcept nogil``; the ones that allocate return -1 on
 out-of-memory and leave the map unchanged. The owner of a map (a ``cdef class``

@@ -17,8 +17,9 @@ cdef enum:
     T_ERR_SEQUENCE = -3         # InvalidBlockSequence
 
 cdef struct TNode:
-    uint32_t members            # head of this node's member list in Tree.mem (HM_NIL: none);
-                                # the free-list link of a free node (Pool convention)
+    # head of this node's member list in Tree.mem (HM_NIL: none); the free-list link of a
+    # free node (Pool convention)
+    uint32_t members
     uint32_t parent             # parent node index (HM_NIL for the root and free nodes)
     uint64_t local              # LocalBlockHash of the block (edge key under the parent)
     uint64_t sig                # sum of member_sig(worker) over members: set fingerprint

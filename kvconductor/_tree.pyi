@@ -1,10 +1,18 @@
 from collections.abc import Sequence
 
+from typing_extensions import disjoint_base
+
+@disjoint_base
 class RadixTree:
     """HBM radix tree. One writer thread; concurrent readers (C rwlock, no GIL)."""
     def __init__(self) -> None: ...
-    def store(self, worker: int, parent: int | None, engine_hashes: Sequence[int],
-              local_hashes: Sequence[int]) -> int: ...
+    def store(
+        self,
+        worker: int,
+        parent: int | None,
+        engine_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+    ) -> int: ...
     def remove(self, worker: int, engine_hashes: Sequence[int]) -> int: ...
     def clear(self, worker: int) -> int: ...
     def match(self, local_hashes: Sequence[int]) -> list[tuple[int, int, int]]: ...

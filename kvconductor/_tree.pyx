@@ -18,7 +18,8 @@ from libc.string cimport memset
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
     em_get, em_hash, em_pop, em_put, prefetch, revs_count, revs_ensure, revs_free, revs_nbytes,
-    sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free, u64m_get, u64m_init, u64m_pop, u64m_put,
+    sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free, u64m_get, u64m_init, u64m_pop,
+    u64m_put,
 )
 from kvconductor._pool cimport (
     HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
@@ -134,8 +135,9 @@ cdef void _prune(Tree* t, uint32_t n) noexcept nogil:
         n = p
 
 
-# -- mutations -----------------------------------------------------------------------------------
-cdef int _has_repeat(bint has_parent, uint64_t parent, const uint64_t* seqs, size_t n) noexcept nogil:
+# -- mutations ----------------------------------------------------------------------------
+cdef int _has_repeat(bint has_parent, uint64_t parent, const uint64_t* seqs,
+                     size_t n) noexcept nogil:
     """1 if ``[parent] + seqs`` repeats a value, 0 if not, -1 out of memory."""
     cdef size_t i, j
     cdef U64Map seen
@@ -320,9 +322,9 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
             # PERF: a chain stored in one go has consecutive node indices, so the
             # edge slot PREFETCH_AHEAD steps on is probably at (child + k, H[step + k]).
             prefetch(&t.edges.slots[em_hash(child + PREFETCH_AHEAD - 1,
-                                             hc_get(hc, step + PREFETCH_AHEAD)) & t.edges.mask])
+                                            hc_get(hc, step + PREFETCH_AHEAD)) & t.edges.mask])
             prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
-                      else &t.nodes[child])
+                     else &t.nodes[child])
         if t.nodes[child].nmembers == alive and t.nodes[child].sig == asig:
             node = child
             step += 1
@@ -488,7 +490,7 @@ cdef int tree_check(const Tree* t, char* msg, size_t cap) noexcept nogil:
     return rc
 
 
-# -- Python API ------------------------------------------------------------------------------------------
+# -- Python API ---------------------------------------------------------------------------
 cdef class RadixTree:
     """HBM radix tree over LocalBlockHashes, shared by every HBM worker of an index.
 

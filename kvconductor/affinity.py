@@ -2,7 +2,7 @@
 :mod:`kvconductor.coordinator.affinity` (docs/client.md)."""
 
 from kvconductor.coordinator import affinity
-from kvconductor.coordinator.affinity import *  # noqa: F403
+from kvconductor.coordinator.affinity import *
 
 __all__ = []
 __all__ += affinity.__all__

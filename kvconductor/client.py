@@ -2,10 +2,10 @@
 :mod:`kvconductor.coordinator` (docs/client.md)."""
 
 from kvconductor.coordinator import clients, core, registration, tokens
-from kvconductor.coordinator.clients import *  # noqa: F403
-from kvconductor.coordinator.core import *  # noqa: F403
-from kvconductor.coordinator.registration import *  # noqa: F403
-from kvconductor.coordinator.tokens import *  # noqa: F403
+from kvconductor.coordinator.clients import *
+from kvconductor.coordinator.core import *
+from kvconductor.coordinator.registration import *
+from kvconductor.coordinator.tokens import *
 from kvconductor.settings import DEFAULT_PORT
 
 __all__ = ["DEFAULT_PORT"]

@@ -13,6 +13,7 @@ call** ``match``, ``match_tokens``, ``worker_blocks`` **and** ``stats``
 whole duration, so each call sees and leaves a consistent state of all tiers and
 of the two-phase maps.
 """
+
 from __future__ import annotations
 
 import threading
@@ -90,8 +91,9 @@ class CoreIndex:
             for g, end, last in upstream:
                 if end < n:
                     # Same group only: no cross-DP borrowing (the reference borrowed).
-                    candidates += [(w, end, last) for w in tier.owners(last, hs[end])
-                                   if group(w) == g]
+                    candidates += [
+                        (w, end, last) for w in tier.owners(last, hs[end]) if group(w) == g
+                    ]
             for w, start, parent in candidates:
                 count, last_seq = tier.walk(w, hs, start, parent)
                 if count > 0:
@@ -136,8 +138,15 @@ class CoreIndex:
         with self._lock:
             return self._store(worker, p, seqs, locs)
 
-    def store_tokens(self, worker: int, parent: int | None, engine_hashes, tokens,
-                     block_size: int, seed: int = 1337) -> int:
+    def store_tokens(
+        self,
+        worker: int,
+        parent: int | None,
+        engine_hashes,
+        tokens,
+        block_size: int,
+        seed: int = 1337,
+    ) -> int:
         """:meth:`store` with local hashes of ``tokens`` (trailing partial block included)."""
         locs = list(hash_blocks(tokens, block_size, seed))
         return self.store(worker, parent, engine_hashes, locs)
@@ -167,7 +176,7 @@ class CoreIndex:
         now = float(now)
         with self._lock:
             applied = 0
-            for h, t in zip(seqs, locs):
+            for h, t in zip(seqs, locs, strict=False):
                 waiters = self._pending.pop(h, None)
                 if waiters is not None:
                     self._content[h] = (t, p, now)
@@ -191,7 +200,7 @@ class CoreIndex:
                     t, p, _ = self._offload.pop(h)
                     self._content[h] = (t, p, now)
                 elif h in self._content:
-                    t, p, _ = self._content[h]            # time not refreshed
+                    t, p, _ = self._content[h]  # time not refreshed
                 else:
                     key = self._tiers[CPU].lookup_block(h)
                     if key is None:
@@ -199,7 +208,7 @@ class CoreIndex:
                     if key is None:
                         waiters = self._pending.setdefault(h, {})
                         if worker not in waiters:
-                            waiters[worker] = now           # the first insert time is kept
+                            waiters[worker] = now  # the first insert time is kept
                             queued += 1
                         continue
                     p, t = key
@@ -212,7 +221,7 @@ class CoreIndex:
         hs = u64_list(engine_hashes)
         with self._lock:
             if self._tier_of(worker) == HBM:
-                return self._tree.remove(worker, hs)   # deviation: HBM skips the offload rule
+                return self._tree.remove(worker, hs)  # deviation: HBM skips the offload rule
             removed = 0
             for h in hs:
                 if h in self._offload:
@@ -255,8 +264,9 @@ class CoreIndex:
         with self._lock:
             return self._match(hs)
 
-    def match_tokens(self, tokens, block_size: int, seed: int = 1337
-                     ) -> list[tuple[int, int, int, int]]:
+    def match_tokens(
+        self, tokens, block_size: int, seed: int = 1337
+    ) -> list[tuple[int, int, int, int]]:
         """:meth:`match` over the LocalBlockHashes of ``tokens``; block_size 0 matches nothing."""
         return self.match(list(hash_blocks(tokens, block_size, seed)))
 

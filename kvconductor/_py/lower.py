@@ -8,6 +8,7 @@ threads may call** :meth:`LowerTier.walk`, :meth:`LowerTier.lookup_block`
 **and the introspection members concurrently.** Every public method holds one
 :class:`threading.Lock` for its whole duration.
 """
+
 from __future__ import annotations
 
 import threading
@@ -54,8 +55,11 @@ class LowerTier(PerWorkerBlocks):
 
     def _owners(self, parent: int | None, local: int) -> list[int]:
         if parent is None:
-            return sorted(set().union(*(self._edges[(None, local, c)].owners
-                                        for c in self._roots.get(local, ()))))
+            return sorted(
+                set().union(
+                    *(self._edges[(None, local, c)].owners for c in self._roots.get(local, ()))
+                )
+            )
         edge = self._edges.get((parent, local))
         return sorted(edge.owners) if edge is not None else []
 
@@ -81,7 +85,7 @@ class LowerTier(PerWorkerBlocks):
         with self._lock:
             rev = self._rev.get(worker, {})
             accepted = 0
-            for seq, local in zip(seqs[:n], locs[:n]):
+            for seq, local in zip(seqs[:n], locs[:n], strict=False):
                 key = (p, local) if p is not None else (None, local, seq)
                 mapped = rev.get(seq)
                 if mapped is not None and mapped != key:
@@ -104,10 +108,10 @@ class LowerTier(PerWorkerBlocks):
     # -- queries (any thread) ------------------------------------------------------------
     def lookup_block(self, h: int) -> tuple[int | None, int] | None:
         """``(parent, local)`` of block ``h`` as the lowest worker id holding it maps it."""
-        h = u64_or_none(h)
+        (block,) = u64_list([h])
         with self._lock:
             for w in sorted(self._rev):
-                key = self._rev[w].get(h)
+                key = self._rev[w].get(block)
                 if key is not None:
                     return key[0], key[1]
             return None
@@ -117,8 +121,9 @@ class LowerTier(PerWorkerBlocks):
         with self._lock:
             return self._owners(u64_or_none(parent), int(local))
 
-    def walk(self, worker: int, local_hashes, start: int, parent: int | None
-             ) -> tuple[int, int | None]:
+    def walk(
+        self, worker: int, local_hashes, start: int, parent: int | None
+    ) -> tuple[int, int | None]:
         """``(count, last_seq)`` of the worker's contiguous run from ``(start, parent)``.
 
         Steps while edge ``(p, H[pos])`` exists and ``worker`` owns it (with ``p``

@@ -9,6 +9,7 @@ introspection members concurrently.** Every public method holds one
 :class:`threading.Lock` for its whole duration (the compiled tree uses a
 writer-preferring rwlock instead; this is a reference model, not a fast one).
 """
+
 from __future__ import annotations
 
 import threading
@@ -132,6 +133,7 @@ class RadixTree(PerWorkerBlocks):
         pruned = 0
         while node is not self._root and not node.members and not node.children:
             parent = node.parent
+            assert parent is not None and node.local is not None  # only the root has neither
             del parent.children[node.local]
             node.parent = None
             self._num_nodes -= 1
@@ -165,15 +167,13 @@ class RadixTree(PerWorkerBlocks):
         with self._lock:
             rev = self._rev.get(worker, {})
             if parent is not None and parent not in rev:
-                raise ParentBlockNotFound(
-                    f"parent block {parent} not found for worker {worker}")
+                raise ParentBlockNotFound(f"parent block {parent} not found for worker {worker}")
             chain = ([parent] if parent is not None else []) + seqs
             if len(set(chain)) != len(chain):
-                raise InvalidBlockSequence(
-                    f"block chain of worker {worker} repeats an engine hash")
+                raise InvalidBlockSequence(f"block chain of worker {worker} repeats an engine hash")
             self._rev[worker] = rev
             node = rev[parent] if parent is not None else self._root
-            for seq, local in zip(seqs, locs):
+            for seq, local in zip(seqs, locs, strict=False):
                 # 1. the edge (node, local), created empty when absent
                 child = node.children.get(local)
                 if child is None:
@@ -215,7 +215,7 @@ class RadixTree(PerWorkerBlocks):
             node = self._root.children.get(hs[0])
             if node is None:
                 return []
-            depth = {w: 1 for w in node.members}
+            depth = dict.fromkeys(node.members, 1)
             last = dict(node.members)
             active = set(node.members)
             for h in hs[1:]:
