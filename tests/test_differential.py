@@ -13,6 +13,7 @@ Some rules draw from the twin's current state (blocks a worker holds, hashes in
 the two-phase maps) so that removals hit, chains extend held blocks and engine
 hashes get re-announced elsewhere; uniform random hashes alone rarely do.
 """
+
 from __future__ import annotations
 
 from array import array
@@ -23,20 +24,24 @@ pytest.importorskip("kvconductor._index")
 pytest.importorskip("kvconductor._tree")
 pytest.importorskip("kvconductor._lower")
 
-from hypothesis import HealthCheck, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvconductor import _index, _lower, _tree  # noqa: E402
-from kvconductor._hash import hash_blocks  # noqa: E402
-from kvconductor._py import index as py_index  # noqa: E402
-from kvconductor._py import lower as py_lower  # noqa: E402
-from kvconductor._py import tree as py_tree  # noqa: E402
+from kvconductor import _index, _lower, _tree
+from kvconductor._hash import hash_blocks
+from kvconductor._py import index as py_index
+from kvconductor._py import lower as py_lower
+from kvconductor._py import tree as py_tree
 
 U64_MAX = 2**64 - 1
 
-SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 # Engine hashes include 0 and 2**64-1 (sentinel-prone values in C hash maps).
 SEQ_VALUES = [0, 1, 2, 3, 4, 5, 6, 7, U64_MAX]
@@ -50,15 +55,22 @@ BS = 2
 TOKEN_BLOCK_HASHES = list(hash_blocks([0, 0, 0, 1, 1, 0, 1, 1], BS))
 LOCAL = st.sampled_from(TOKEN_BLOCK_HASHES + [0])
 LOCALS = st.lists(LOCAL, max_size=4)
-CHAIN = st.lists(st.tuples(SEQ, LOCAL), min_size=1, max_size=4)   # (seq, local) per block
+CHAIN = st.lists(st.tuples(SEQ, LOCAL), min_size=1, max_size=4)  # (seq, local) per block
 QUERY = st.lists(LOCAL, max_size=6)
-TOKENS = st.lists(st.sampled_from([0, 1]), max_size=9)   # odd lengths: partial blocks
-BUF = st.booleans()                                     # pass a u64 buffer instead of a list
+TOKENS = st.lists(st.sampled_from([0, 1]), max_size=9)  # odd lengths: partial blocks
+BUF = st.booleans()  # pass a u64 buffer instead of a list
 
 # Fixed queries checked after every step.
 A_, B_, C_, D_ = TOKEN_BLOCK_HASHES
-FIXED_QUERIES = [[A_, B_, C_, D_], [A_, A_, A_, A_], [B_, A_, B_, A_], [A_, B_, 0, D_, C_],
-                 [0, A_, B_], [D_, C_, B_, A_], [C_, D_, A_, B_]]
+FIXED_QUERIES = [
+    [A_, B_, C_, D_],
+    [A_, A_, A_, A_],
+    [B_, A_, B_, A_],
+    [A_, B_, 0, D_, C_],
+    [0, A_, B_],
+    [D_, C_, B_, A_],
+    [C_, D_, A_, B_],
+]
 
 
 # Long chains: past the C code's size thresholds, so that those branches are diffed
@@ -70,7 +82,7 @@ LONG_BLOCKS = 80
 LONG_TOKENS = [(i * 7 + i // 3) % 2 for i in range(BS * LONG_BLOCKS)]
 LONG_LOCALS = list(hash_blocks(LONG_TOKENS, BS))
 LONG_N = st.integers(33, LONG_BLOCKS)
-LONG_BASE = st.sampled_from([1000, 5000])       # engine hashes base, base + 1, ...
+LONG_BASE = st.sampled_from([1000, 5000])  # engine hashes base, base + 1, ...
 FIXED_QUERIES.append(LONG_LOCALS)
 # Many workers: more than 64 (the C offload applies pool waiters in batches of 64).
 MANY = 70
@@ -106,7 +118,7 @@ def outcome(fn, *args):
     """("ok", normalised result) or ("err", exception type name)."""
     try:
         r = fn(*args)
-    except Exception as ex:   # noqa: BLE001 - the type itself is compared
+    except Exception as ex:
         return ("err", type(ex).__name__)
     if isinstance(r, list):
         r = [tuple(x) for x in r]
@@ -195,8 +207,9 @@ class TreeMachine(_Pair):
             return
         seq_pool = st.sampled_from(self.held(w) + SEQ_VALUES)
         seqs = data.draw(st.lists(seq_pool, min_size=1, max_size=3, unique=True))
-        locs = [x.local] + data.draw(st.lists(LOCAL, min_size=len(seqs) - 1,
-                                              max_size=len(seqs) - 1))
+        locs = [x.local] + data.draw(
+            st.lists(LOCAL, min_size=len(seqs) - 1, max_size=len(seqs) - 1)
+        )
         self.both("store", w, parent, seqs, locs)
 
     @rule(w=TREE_WORKERS, data=st.data())
@@ -230,8 +243,9 @@ class TreeMachine(_Pair):
     def remove_held(self, w, data):
         held = self.held(w)
         if held:
-            self.both("remove", w, data.draw(st.lists(st.sampled_from(held), min_size=1,
-                                                      max_size=3)))
+            self.both(
+                "remove", w, data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3))
+            )
 
     @rule(w=TREE_WORKERS)
     def worker_cleared(self, w):
@@ -241,8 +255,13 @@ class TreeMachine(_Pair):
     def match(self, q, b):
         self.both("match", buf(q, b))
 
-    @rule(w=st.one_of(TREE_WORKERS, st.integers(TREE_NW, MANY)), n=LONG_N, base=LONG_BASE,
-          under=st.booleans(), data=st.data())
+    @rule(
+        w=st.one_of(TREE_WORKERS, st.integers(TREE_NW, MANY)),
+        n=LONG_N,
+        base=LONG_BASE,
+        under=st.booleans(),
+        data=st.data(),
+    )
     def store_long_chain(self, w, n, base, under, data):
         # a long chain (from the root, or continuing one the worker holds) by one of
         # up to MANY workers: long shared paths with many members per node
@@ -292,7 +311,7 @@ class LowerMachine(_Pair):
 
     @rule(w=LOWER_WORKERS, data=st.data(), chain=CHAIN)
     def store_under_held(self, w, data, chain):
-        held = self.held(data.draw(LOWER_WORKERS))      # anyone's block as the parent
+        held = self.held(data.draw(LOWER_WORKERS))  # anyone's block as the parent
         parent = data.draw(st.sampled_from(held)) if held else None
         self.both("store", w, parent, *split(chain))
 
@@ -314,8 +333,9 @@ class LowerMachine(_Pair):
     def remove_held(self, w, data):
         held = self.held(w)
         if held:
-            self.both("remove", w, data.draw(st.lists(st.sampled_from(held), min_size=1,
-                                                      max_size=3)))
+            self.both(
+                "remove", w, data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3))
+            )
 
     @rule(w=LOWER_WORKERS)
     def worker_cleared(self, w):
@@ -329,13 +349,22 @@ class LowerMachine(_Pair):
     def lookup_block(self, h):
         self.both("lookup_block", h)
 
-    @rule(w=st.one_of(LOWER_WORKERS, st.integers(LOWER_NW, MANY)), n=LONG_N, base=LONG_BASE,
-          data=st.data())
+    @rule(
+        w=st.one_of(LOWER_WORKERS, st.integers(LOWER_NW, MANY)),
+        n=LONG_N,
+        base=LONG_BASE,
+        data=st.data(),
+    )
     def store_long_chain(self, w, n, base, data):
         self.both("store", w, None, long_chain(data, n, base), LONG_LOCALS[:n])
 
-    @rule(w=st.one_of(LOWER_WORKERS, st.just(MANY)), n=LONG_N, data=st.data(),
-          start=st.sampled_from([0, 1, 40]), base=LONG_BASE)
+    @rule(
+        w=st.one_of(LOWER_WORKERS, st.just(MANY)),
+        n=LONG_N,
+        data=st.data(),
+        start=st.sampled_from([0, 1, 40]),
+        base=LONG_BASE,
+    )
     def walk_long(self, w, n, data, start, base):
         # from the root, or from inside a long chain (parent = its engine hash there)
         parent = None if start == 0 else base + start - 1
@@ -343,8 +372,7 @@ class LowerMachine(_Pair):
 
     @invariant()
     def agree(self):
-        assert (self.c.total_blocks, self.c.num_edges) == (self.py.total_blocks,
-                                                           self.py.num_edges)
+        assert (self.c.total_blocks, self.c.num_edges) == (self.py.total_blocks, self.py.num_edges)
         for w in range(LOWER_NW + 1):
             assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w
             for q in FIXED_QUERIES:
@@ -402,7 +430,7 @@ class CoreMachine(_Pair):
     def store_long_chain(self, w, n, base, data, tokens):
         seqs = long_chain(data, n, base)
         if tokens:
-            self.both("store_tokens", w, None, seqs, LONG_TOKENS[:BS * n], BS)
+            self.both("store_tokens", w, None, seqs, LONG_TOKENS[: BS * n], BS)
         else:
             self.both("store", w, None, seqs, LONG_LOCALS[:n])
 
@@ -413,7 +441,7 @@ class CoreMachine(_Pair):
     @rule(n=LONG_N, data=st.data(), odd=st.booleans())
     def match_long(self, n, data, odd):
         self.both("match", long_query(data, n))
-        self.both("match_tokens", LONG_TOKENS[:BS * n - odd], BS)
+        self.both("match_tokens", LONG_TOKENS[: BS * n - odd], BS)
 
     def held(self, w):
         tier = CORE_WORKERS[w][1]
@@ -439,12 +467,13 @@ class CoreMachine(_Pair):
 
     @rule(w=CORE_W, data=st.data(), chain=CHAIN)
     def store_under_held(self, w, data, chain):
-        held = self.held(data.draw(CORE_W))            # often another tier's block
+        held = self.held(data.draw(CORE_W))  # often another tier's block
         parent = data.draw(st.sampled_from(held)) if held else None
         self.both("store", w, parent, *split(chain))
 
-    @rule(w=CORE_W, data=st.data(), seqs=st.lists(SEQ, min_size=1, max_size=4),
-          tokens=TOKENS, tb=BUF)
+    @rule(
+        w=CORE_W, data=st.data(), seqs=st.lists(SEQ, min_size=1, max_size=4), tokens=TOKENS, tb=BUF
+    )
     def store_tokens(self, w, data, seqs, tokens, tb):
         held = self.held(w)
         parent = data.draw(st.one_of(st.none(), st.sampled_from(held))) if held else None
@@ -507,16 +536,23 @@ class CoreMachine(_Pair):
         # promotion: confirm a hash some tier holds (lookup_block / content paths)
         held = self.held(data.draw(CORE_W))
         if held:
-            self.both("pool_store", w, data.draw(st.lists(st.sampled_from(held), min_size=1,
-                                                          max_size=3)), self.now)
+            self.both(
+                "pool_store",
+                w,
+                data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=3)),
+                self.now,
+            )
 
     @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.0]), pending=TTL, content=TTL, offload=TTL)
     def maintenance(self, dt, pending, content, offload):
         self.now += dt
         self.both("sweep", self.now, pending, content, offload)
 
-    @rule(data=st.data(), kind=st.sampled_from(["pending", "content", "offload"]),
-          d=st.sampled_from([-0.25, 0.0, 0.25]))
+    @rule(
+        data=st.data(),
+        kind=st.sampled_from(["pending", "content", "offload"]),
+        d=st.sampled_from([-0.25, 0.0, 0.25]),
+    )
     def sweep_at_an_age(self, data, kind, d):
         # a TTL at (or just around) the age of an existing entry of one kind
         if kind == "pending":

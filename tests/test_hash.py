@@ -1,4 +1,5 @@
 """LocalBlockHash: golden vectors of docs/api.md "Block hashing" and agreement with xxhash."""
+
 import struct
 
 import pytest
@@ -42,8 +43,9 @@ def test_empty_and_zero_block_size_give_no_hashes():
     assert list(_hash.hash_blocks([1, 2, 3], 0)) == []
 
 
-@pytest.mark.parametrize("n,bs,count", [(6, 4, 2), (1000, 128, 8), (100, 4, 25),
-                                        (10000, 4, 2500), (131072, 4, 32768)])
+@pytest.mark.parametrize(
+    "n,bs,count", [(6, 4, 2), (1000, 128, 8), (100, 4, 25), (10000, 4, 2500), (131072, 4, 32768)]
+)
 def test_block_counts(n, bs, count):
     assert len(_hash.hash_blocks(list(range(n)), bs)) == count
 
@@ -55,18 +57,21 @@ def test_different_sequences_differ():
 
 def test_u32_buffer_input_equals_list_input():
     import array
+
     toks = list(range(1000, 3000))
     assert _hash.hash_blocks(array.array("I", toks), 16) == _hash.hash_blocks(toks, 16)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=300),
-       st.integers(min_value=1, max_value=70))
+@given(
+    st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=300),
+    st.integers(min_value=1, max_value=70),
+)
 def test_matches_xxhash_package(tokens, bs):
     u32 = [t & 0xFFFFFFFF for t in tokens]
     expected = []
     for i in range(0, len(u32), bs):
-        chunk = u32[i:i + bs]
+        chunk = u32[i : i + bs]
         expected.append(xxhash.xxh3_64_intdigest(struct.pack(f"<{len(chunk)}I", *chunk), seed=1337))
     assert list(_hash.hash_blocks(tokens, bs)) == expected
 
@@ -83,17 +88,23 @@ def test_lora_seed():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(-(2**63), 2**64 - 1)),
-                max_size=200),
-       st.sampled_from(["list", "tuple", "iter", "range"]))
+@given(
+    st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(-(2**63), 2**64 - 1)), max_size=200),
+    st.sampled_from(["list", "tuple", "iter", "range"]),
+)
 def test_to_u32_tokens_fast_path_and_fallback(tokens, kind):
     # Fast path (array's C loop) for in-range ids; the masking fallback otherwise. Both
     # give the low 32 bits of each id, and an iterator survives a fallback.
     import array
+
     if kind == "range":
         tokens = list(range(len(tokens)))
-    src = {"list": tokens, "tuple": tuple(tokens), "iter": iter(tokens),
-           "range": range(len(tokens))}[kind]
+    src = {
+        "list": tokens,
+        "tuple": tuple(tokens),
+        "iter": iter(tokens),
+        "range": range(len(tokens)),
+    }[kind]
     out = _hash.to_u32_tokens(src)
     assert isinstance(out, array.array) and out.typecode == "I"
     assert list(out) == [t & 0xFFFFFFFF for t in tokens]
@@ -101,8 +112,9 @@ def test_to_u32_tokens_fast_path_and_fallback(tokens, kind):
 
 def test_to_u32_tokens_buffers_and_odd_items():
     import array
+
     buf = array.array("I", [1, 2, 3])
-    assert _hash.to_u32_tokens(buf).obj is buf            # no copy for u32 buffers
+    assert _hash.to_u32_tokens(buf).obj is buf  # no copy for u32 buffers
     assert list(_hash.to_u32_tokens([True, 2.0, -1])) == [1, 2, 0xFFFFFFFF]
     with pytest.raises(TypeError):
         _hash.to_u32_tokens(b"\x01\x00\x00\x00")

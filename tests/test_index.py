@@ -8,6 +8,7 @@ engine carry the same engine hashes (a CPU/Disk chain continues an HBM run by en
 hash, docs/design.md "CoreIndex: query"). Every expected value is worked
 out by hand in the comment above it.
 """
+
 import pytest
 
 from kvconductor._hash import hash_blocks
@@ -16,9 +17,9 @@ from kvconductor.index import U32_MAX, DpHit, Index, QueryResult
 from kvconductor.keys import Medium, WorkerKey
 
 BS = 4
-TOK = list(range(1000, 1024))            # 6 full blocks of 4 tokens
-H = list(hash_blocks(TOK, BS))           # their LocalBlockHashes
-E = [11, 12, 13, 14, 15, 16]             # one engine's hashes of those blocks
+TOK = list(range(1000, 1024))  # 6 full blocks of 4 tokens
+H = list(hash_blocks(TOK, BS))  # their LocalBlockHashes
+E = [11, 12, 13, 14, 15, 16]  # one engine's hashes of those blocks
 TENANT = "default"
 
 
@@ -26,7 +27,7 @@ def toks(first, last=None):
     """Tokens of blocks [first, last) (or [0, first) with one argument)."""
     if last is None:
         first, last = 0, first
-    return TOK[first * BS:last * BS]
+    return TOK[first * BS : last * BS]
 
 
 def key(inst, medium, dp=0, backend=None):
@@ -38,8 +39,12 @@ NPU_B, CPU_B, DISK_B = (key("inst-b", m) for m in (Medium.NPU, Medium.CPU, Mediu
 
 
 def dp(npu, cpu, disk, block_size=BS):
-    return {"matched_tokens": (npu + cpu + disk) * block_size,
-            "npu_blocks": npu, "cpu_blocks": cpu, "disk_blocks": disk}
+    return {
+        "matched_tokens": (npu + cpu + disk) * block_size,
+        "npu_blocks": npu,
+        "cpu_blocks": cpu,
+        "disk_blocks": disk,
+    }
 
 
 def query(ix, nblocks):
@@ -183,7 +188,7 @@ def test_lower_tier_longer_replica_extends_coverage(ix):
 def test_no_hits_gives_empty_tenant_map(ix):
     # (the reference's test_no_indexer_error is the registry's 404; here: an index without hits)
     assert query(ix, 3) == {}
-    ix.store_tokens(NPU_A, None, E[:1], toks(1, 2), BS)     # content of block 1 at the root
+    ix.store_tokens(NPU_A, None, E[:1], toks(1, 2), BS)  # content of block 1 at the root
     assert query(ix, 3) == {}
     assert len(ix.query(toks(3), BS)) == 0
 
@@ -293,14 +298,14 @@ def test_pool_backend_store_ignores_unknown_hash(ix):
 
 
 def test_pool_backend_remove_evicts_cache(ix):
-    ix.offload([AAA, BBB], H[:2], None, now=0.0)        # AAA at root, BBB after AAA
+    ix.offload([AAA, BBB], H[:2], None, now=0.0)  # AAA at root, BBB after AAA
     assert ix.pool_store(CPU_A, [AAA, BBB], now=1.0) == (2, 0)
     assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 2, 0)}}}
     # AAA is no longer in offload nor pending -> plain index removal
     assert ix.evict(CPU_A, [AAA]) == 1
-    assert blocks(ix, CPU_A) == 1                       # BBB stays in the CPU tier
+    assert blocks(ix, CPU_A) == 1  # BBB stays in the CPU tier
     assert stats(ix, "cpu_blocks") == (1,)
-    assert query(ix, 2) == {}                           # root edge gone: chain broken
+    assert query(ix, 2) == {}  # root edge gone: chain broken
 
 
 def test_pool_arrives_before_offload(ix):
@@ -328,7 +333,7 @@ def test_pool_before_offload_chains_under_recorded_parent(ix):
     assert ix.pool_store(CPU_A, [BBB], now=0.0) == (0, 1)
     assert ix.offload([AAA, BBB], H[:2], None, now=1.0) == 1
     assert stats(ix, "offload", "content", "pending") == (1, 1, 0)
-    assert query(ix, 2) == {}                           # no root edge yet
+    assert query(ix, 2) == {}  # no root edge yet
     assert ix.pool_store(CPU_A, [AAA], now=2.0) == (1, 0)
     assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 2, 0)}}}
 
@@ -383,7 +388,7 @@ def test_vllm_removal_after_pool_queued(ix):
 
 def test_evict_of_pending_worker_with_content_removes_from_index(ix):
     assert ix.pool_store(CPU_A, [AAA], now=0.0) == (0, 1)
-    assert ix.store(CPU_A, None, [AAA], H[:1]) == 1           # /events path, no two-phase
+    assert ix.store(CPU_A, None, [AAA], H[:1]) == 1  # /events path, no two-phase
     # CPU_B's confirmation resolves through the CPU tier's lookup_block -> content[AAA]
     assert ix.pool_store(CPU_B, [AAA], now=1.0) == (1, 0)
     assert stats(ix, "content", "pending", "cpu_blocks") == (1, 1, 2)
@@ -410,7 +415,7 @@ def test_pending_worker_cleanup(ix):
     # clear returns index blocks removed (CPU_A holds none); its wait is dropped
     assert ix.clear(CPU_A) == 0
     assert stats(ix, "pending") == (1,)
-    assert ix.offload([AAA], H[:1], None, now=1.0) == 1        # only CPU_B applied
+    assert ix.offload([AAA], H[:1], None, now=1.0) == 1  # only CPU_B applied
     assert query(ix, 1) == {"inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}
 
 
@@ -425,10 +430,10 @@ def test_cleared_cleans_pending(ix):
 
 
 def test_sweep_stale_caches(ix):
-    ix.offload([AAA], H[:1], None, now=0.0)                    # stays in offload
+    ix.offload([AAA], H[:1], None, now=0.0)  # stays in offload
     ix.offload([BBB], H[1:2], None, now=0.0)
-    ix.pool_store(CPU_A, [BBB], now=0.0)                       # -> content
-    ix.pool_store(CPU_A, [CCC], now=0.0)                       # -> pending
+    ix.pool_store(CPU_A, [BBB], now=0.0)  # -> content
+    ix.pool_store(CPU_A, [CCC], now=0.0)  # -> pending
     assert stats(ix, "offload", "content", "pending", "cpu_blocks") == (1, 1, 1, 1)
     assert ix.maintenance(now=0.0, pending_ttl=0.0, content_ttl=0.0, offload_ttl=0.0) == 3
     # the applied CPU block is index state, not a cache: it stays
@@ -444,8 +449,8 @@ def test_sweep_stale_caches(ix):
 def test_disk_promotion_resolves_through_content_after_cpu_eviction(ix):
     ix.offload(E[:2], H[:2], None, now=0.0)
     assert ix.pool_store(CPU_A, E[:2], now=1.0) == (2, 0)
-    assert ix.evict(CPU_A, E[:2]) == 2                         # CPU eviction
-    assert stats(ix, "cpu_blocks", "content") == (0, 2)        # content retained
+    assert ix.evict(CPU_A, E[:2]) == 2  # CPU eviction
+    assert stats(ix, "cpu_blocks", "content") == (0, 2)  # content retained
     # the Disk confirmation resolves each hash through content (local, parent)
     assert ix.pool_store(DISK_A, E[:2], now=2.0) == (2, 0)
     assert query(ix, 2) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 0, 2)}}}
@@ -454,7 +459,7 @@ def test_disk_promotion_resolves_through_content_after_cpu_eviction(ix):
 def test_disk_promotion_resolves_through_cpu_tier_lookup(ix):
     # no two-phase state: CPU_A got its blocks over /events
     ix.store(CPU_A, None, E[:2], H[:2])
-    assert ix.pool_store(DISK_B, E[:2], now=5.0) == (2, 0)     # lookup_block on the CPU tier
+    assert ix.pool_store(DISK_B, E[:2], now=5.0) == (2, 0)  # lookup_block on the CPU tier
     assert stats(ix, "content", "disk_blocks") == (2, 2)
     assert query(ix, 2) == {
         "inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 2, 0)}},
@@ -476,10 +481,10 @@ def test_pool_store_resolves_through_disk_tier_lookup(ix):
 
 
 def test_ttl_sweeps_at_their_boundaries(ix):
-    ix.offload([AAA], H[:1], None, now=1000.0)                 # offload, t=1000
+    ix.offload([AAA], H[:1], None, now=1000.0)  # offload, t=1000
     ix.offload([BBB], H[1:2], None, now=900.0)
-    ix.pool_store(CPU_A, [BBB], now=1000.0)                    # content, t=1000
-    ix.pool_store(CPU_B, [CCC], now=1000.0)                    # pending, t=1000
+    ix.pool_store(CPU_A, [BBB], now=1000.0)  # content, t=1000
+    ix.pool_store(CPU_B, [CCC], now=1000.0)  # pending, t=1000
     # defaults: pending 60, content 300, offload 600; removal when age >= ttl
     assert ix.maintenance(now=1059.5) == 0
     assert ix.maintenance(now=1060.0) == 1
@@ -495,16 +500,16 @@ def test_ttl_sweeps_at_their_boundaries(ix):
 
 def test_content_time_not_refreshed_on_reuse(ix):
     ix.offload([AAA], H[:1], None, now=0.0)
-    ix.pool_store(CPU_A, [AAA], now=1000.0)                    # content at 1000
-    assert ix.pool_store(CPU_B, [AAA], now=1200.0) == (1, 0)   # reuse: time stays 1000
+    ix.pool_store(CPU_A, [AAA], now=1000.0)  # content at 1000
+    assert ix.pool_store(CPU_B, [AAA], now=1200.0) == (1, 0)  # reuse: time stays 1000
     assert ix.maintenance(now=1299.5) == 0
     assert ix.maintenance(now=1300.0) == 1
 
 
 def test_content_time_refreshed_on_tier_lookup(ix):
     ix.offload([AAA], H[:1], None, now=0.0)
-    ix.pool_store(CPU_A, [AAA], now=0.0)                       # content at 0
-    assert ix.maintenance(now=300.0) == 1                      # content expired
+    ix.pool_store(CPU_A, [AAA], now=0.0)  # content at 0
+    assert ix.maintenance(now=300.0) == 1  # content expired
     # CPU_A still holds AAA: the lookup path re-creates content at 2000
     assert ix.pool_store(DISK_A, [AAA], now=2000.0) == (1, 0)
     assert stats(ix, "content") == (1,)
@@ -522,7 +527,7 @@ def test_maintenance_and_is_empty(ix):
     assert ix.is_empty()
     ix.store_tokens(NPU_A, None, E[:1], toks(1), BS)
     assert not ix.is_empty()
-    assert ix.maintenance(now=1e9) == 0                        # index blocks have no TTL
+    assert ix.maintenance(now=1e9) == 0  # index blocks have no TTL
     ix.remove(NPU_A, E[:1])
     assert ix.is_empty()
 
@@ -532,7 +537,7 @@ def test_maintenance_and_is_empty(ix):
 
 def test_hbm_waiter_with_unknown_parent_is_swallowed(CoreIndex):
     c = CoreIndex()
-    c.set_worker(0, 0, 0)                                      # HBM worker 0, group 0
+    c.set_worker(0, 0, 0)  # HBM worker 0, group 0
     assert c.offload([AAA, BBB], H[:2], None, 0.0) == 0
     # BBB's parent AAA is not a block of worker 0: ParentBlockNotFound swallowed, 0 applied,
     # but BBB still moved from offload to content
@@ -548,7 +553,7 @@ def test_hbm_evict_is_a_plain_tree_remove(CoreIndex):
     c = CoreIndex()
     c.set_worker(0, 0, 0)
     c.store(0, None, [AAA], H[:1])
-    c.offload([AAA], H[:1], None, 0.0)         # the same block also offloaded by the engine
+    c.offload([AAA], H[:1], None, 0.0)  # the same block also offloaded by the engine
     # deviation from the reference: the HBM removal is not held back by offload[AAA]
     assert c.evict(0, [AAA]) == 1
     assert c.match(H[:1]) == []
@@ -557,7 +562,7 @@ def test_hbm_evict_is_a_plain_tree_remove(CoreIndex):
 
 def test_direct_remove_ignores_two_phase_state(CoreIndex):
     c = CoreIndex()
-    c.set_worker(1, 0, 1)                      # CPU worker
+    c.set_worker(1, 0, 1)  # CPU worker
     c.store(1, None, [AAA], H[:1])
     c.offload([AAA], H[:1], None, 0.0)
     # evict would only drop offload[AAA]; remove removes the block and leaves offload alone
@@ -578,7 +583,7 @@ def test_offload_replaces_stale_content(CoreIndex):
     c = CoreIndex()
     c.set_worker(1, 0, 1)
     c.offload([AAA], H[:1], None, 0.0)
-    c.pool_store(1, [AAA], 1.0)                # content[AAA]
+    c.pool_store(1, [AAA], 1.0)  # content[AAA]
     # a new Phase 1 for AAA with nobody waiting: content dropped, offload re-created
     assert c.offload([AAA], H[1:2], None, 2.0) == 0
     s = c.stats()
@@ -590,8 +595,16 @@ def test_offload_replaces_stale_content(CoreIndex):
 
 def test_core_stats_keys_and_errors(CoreIndex):
     c = CoreIndex()
-    assert set(c.stats()) == {"nodes", "hbm_pairs", "cpu_blocks", "disk_blocks", "offload",
-                              "content", "pending", "nbytes"}
+    assert set(c.stats()) == {
+        "nodes",
+        "hbm_pairs",
+        "cpu_blocks",
+        "disk_blocks",
+        "offload",
+        "content",
+        "pending",
+        "nbytes",
+    }
     c.set_worker(0, 0, 0)
     c.set_worker(1, 0, 1)
     c.set_worker(2, 0, 2)
@@ -609,9 +622,9 @@ def test_core_stats_keys_and_errors(CoreIndex):
 
 def test_core_match_rows_sorted_by_group(CoreIndex):
     c = CoreIndex()
-    c.set_worker(0, 5, 0)                      # HBM, group 5
-    c.set_worker(1, 2, 1)                      # CPU, group 2
-    c.set_worker(2, 5, 2)                      # Disk, group 5
+    c.set_worker(0, 5, 0)  # HBM, group 5
+    c.set_worker(1, 2, 1)  # CPU, group 2
+    c.set_worker(2, 5, 2)  # Disk, group 5
     c.store(0, None, E[:1], H[:1])
     c.store(1, None, E[:3], H[:3])
     c.store(2, E[0], E[1:2], H[1:2])
@@ -624,7 +637,7 @@ def test_core_store_and_match_tokens(CoreIndex):
     c = CoreIndex()
     c.set_worker(0, 0, 0)
     assert c.store_tokens(0, None, E[:2], toks(2), BS) == 2
-    assert c.store_tokens(0, None, E[:2], toks(2), 0) == 0    # block_size 0: no hashes
+    assert c.store_tokens(0, None, E[:2], toks(2), 0) == 0  # block_size 0: no hashes
     assert [tuple(r) for r in c.match_tokens(toks(3), BS)] == [(0, 2, 0, 0)]
     assert c.match_tokens(toks(3), 0) == []
     # another seed gives other hashes
@@ -644,10 +657,12 @@ def test_query_by_hash_equals_query(ix):
     by_hash = ix.query_by_hash(H[:4])
     assert by_hash.hits == by_tokens.hits
     # a: 2/1/0; b: disk 4; /query_by_hash renders with block_size 1 (blocks)
-    assert by_hash.to_dict(TENANT, 1) == {TENANT: {
-        "inst-a": {"longest_matched": 3, "DP": {"0": dp(2, 1, 0, block_size=1)}},
-        "inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 0, 4, block_size=1)}},
-    }}
+    assert by_hash.to_dict(TENANT, 1) == {
+        TENANT: {
+            "inst-a": {"longest_matched": 3, "DP": {"0": dp(2, 1, 0, block_size=1)}},
+            "inst-b": {"longest_matched": 4, "DP": {"0": dp(0, 0, 4, block_size=1)}},
+        }
+    }
     assert by_hash.hits == [DpHit("inst-a", 0, 2, 1, 0), DpHit("inst-b", 0, 0, 0, 4)]
 
 
@@ -659,10 +674,10 @@ def test_partial_trailing_block_and_longer_prompt(ix):
 
 
 def test_tokens_truncated_to_u32(ix):
-    big = [t + 2**32 for t in toks(1)]                 # same low 32 bits
+    big = [t + 2**32 for t in toks(1)]  # same low 32 bits
     ix.store_tokens(NPU_A, None, E[:1], big, BS)
     assert query(ix, 1) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}
-    neg = [-1, -2, -3, -4]                             # = 2**32-1, 2**32-2, ...
+    neg = [-1, -2, -3, -4]  # = 2**32-1, 2**32-2, ...
     ix.store_tokens(NPU_B, None, [99], neg, BS)
     res = ix.query([2**32 - 1, 2**32 - 2, 2**32 - 3, 2**32 - 4], BS).to_dict(TENANT, BS)
     assert res == {TENANT: {"inst-b": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}}
@@ -673,7 +688,7 @@ def test_empty_input_gives_no_hits(ix):
     assert len(ix.query([], BS)) == 0
     assert ix.query([], BS).to_dict(TENANT, BS) == {TENANT: {}}
     assert ix.query_by_hash([]).to_dict(TENANT, 1) == {TENANT: {}}
-    assert ix.query(toks(2), 0).to_dict(TENANT, 0) == {TENANT: {}}   # block_size 0
+    assert ix.query(toks(2), 0).to_dict(TENANT, 0) == {TENANT: {}}  # block_size 0
 
 
 def test_matched_tokens_saturate_in_u32(ix):
@@ -681,16 +696,33 @@ def test_matched_tokens_saturate_in_u32(ix):
     res = ix.query(toks(2), BS)
     # 2 blocks x 2**31 = 2**32 > U32_MAX -> saturated; block counts are small
     big = res.to_dict(TENANT, 2**31)[TENANT]["inst-a"]
-    assert big == {"longest_matched": U32_MAX, "DP": {"0": {
-        "matched_tokens": U32_MAX, "npu_blocks": 2, "cpu_blocks": 0, "disk_blocks": 0}}}
+    assert big == {
+        "longest_matched": U32_MAX,
+        "DP": {
+            "0": {"matched_tokens": U32_MAX, "npu_blocks": 2, "cpu_blocks": 0, "disk_blocks": 0}
+        },
+    }
     assert U32_MAX == 2**32 - 1
     # 2 x (2**31 - 1) = 2**32 - 2 still fits
     fits = res.to_dict(TENANT, 2**31 - 1)[TENANT]["inst-a"]
     assert fits["longest_matched"] == 2**32 - 2
     # block counts saturate too
     huge = QueryResult([DpHit("x", 3, 2**33, 0, 0)]).to_dict(TENANT, 1)
-    assert huge == {TENANT: {"x": {"longest_matched": U32_MAX, "DP": {"3": {
-        "matched_tokens": U32_MAX, "npu_blocks": U32_MAX, "cpu_blocks": 0, "disk_blocks": 0}}}}}
+    assert huge == {
+        TENANT: {
+            "x": {
+                "longest_matched": U32_MAX,
+                "DP": {
+                    "3": {
+                        "matched_tokens": U32_MAX,
+                        "npu_blocks": U32_MAX,
+                        "cpu_blocks": 0,
+                        "disk_blocks": 0,
+                    }
+                },
+            }
+        }
+    }
 
 
 def test_summary_counts(ix):
@@ -701,17 +733,37 @@ def test_summary_counts(ix):
     ix.pool_store(DISK_B, [CCC], now=0.0)
     s = ix.summary()
     # HBM: 2 nodes, 3 pairs; CPU 3 blocks; 3 workers hold blocks (DISK_B only waits)
-    assert {k: s[k] for k in ("worker_count", "total_blocks", "hbm_blocks", "cpu_blocks",
-                              "disk_blocks", "hbm_nodes", "offload", "pending_pool",
-                              "content")} == {
-        "worker_count": 3, "total_blocks": 6, "hbm_blocks": 3, "cpu_blocks": 3,
-        "disk_blocks": 0, "hbm_nodes": 2, "offload": 1, "pending_pool": 1, "content": 0}
+    assert {
+        k: s[k]
+        for k in (
+            "worker_count",
+            "total_blocks",
+            "hbm_blocks",
+            "cpu_blocks",
+            "disk_blocks",
+            "hbm_nodes",
+            "offload",
+            "pending_pool",
+            "content",
+        )
+    } == {
+        "worker_count": 3,
+        "total_blocks": 6,
+        "hbm_blocks": 3,
+        "cpu_blocks": 3,
+        "disk_blocks": 0,
+        "hbm_nodes": 2,
+        "offload": 1,
+        "pending_pool": 1,
+        "content": 0,
+    }
 
 
 # -- the C invariant checker (compiled index only) -----------------------------------------------
 # check_invariants() walks the tree, both tiers and the two-phase state; each
 # _corrupt_for_test kind breaks exactly one invariant, so these tests fail if the checker
 # stops seeing that kind of damage.
+
 
 def _c_index():
     index = pytest.importorskip("kvconductor._index")
@@ -720,16 +772,16 @@ def _c_index():
         c.set_worker(w, g, tier)
     c.store(0, None, [1, 2, 3], [4, 5, 6])
     c.store(1, None, [1, 2], [4, 5])
-    c.offload([9, 10], [4, 5], None, 0.0)          # offload entries
-    c.pool_store(2, [11, 12], 0.0)                 # pending waiters
-    c.pool_store(1, [9], 0.0)                      # content entry, applied
+    c.offload([9, 10], [4, 5], None, 0.0)  # offload entries
+    c.pool_store(2, [11, 12], 0.0)  # pending waiters
+    c.pool_store(1, [9], 0.0)  # content entry, applied
     c.check_invariants()
     return c
 
 
 def test_check_invariants_holds_through_two_phase():
     c = _c_index()
-    c.offload([11], [7], None, 1.0)                # a waiter applied
+    c.offload([11], [7], None, 1.0)  # a waiter applied
     c.check_invariants()
     c.evict(1, [9, 2])
     c.clear(2)

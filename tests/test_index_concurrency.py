@@ -5,6 +5,7 @@ reader threads match without the GIL. Every answer must be a state the writer
 could have produced between two of its calls: for each worker, a depth d in
 [1, N] whose breakpoint is exactly that worker's own engine hash of block d-1.
 """
+
 import threading
 import time
 
@@ -14,7 +15,7 @@ from kvconductor._hash import hash_blocks
 
 pytest.importorskip("kvconductor._index")
 
-N = 64          # blocks per chain
+N = 64  # blocks per chain
 WORKERS = 6
 ROUNDS = 150
 
@@ -37,7 +38,7 @@ def _run(writer, reader, n_readers=3):
         try:
             while not stop.is_set():
                 reader()
-        except BaseException as ex:  # noqa: BLE001
+        except BaseException as ex:
             errors.append(ex)
             stop.set()
 
@@ -55,6 +56,7 @@ def _run(writer, reader, n_readers=3):
 
 def test_tree_readers_see_consistent_prefixes(chain):
     from kvconductor._tree import RadixTree
+
     _, H = chain
     tree = RadixTree()
     seen = {"answers": 0}
@@ -81,11 +83,12 @@ def test_tree_readers_see_consistent_prefixes(chain):
 
 def test_core_readers_see_consistent_tiers(chain):
     from kvconductor._index import CoreIndex
+
     tokens, H = chain
     core = CoreIndex()
     for w in range(WORKERS):
-        core.set_worker(2 * w, w, 0)       # HBM worker of group w
-        core.set_worker(2 * w + 1, w, 1)   # CPU worker of group w
+        core.set_worker(2 * w, w, 0)  # HBM worker of group w
+        core.set_worker(2 * w + 1, w, 1)  # CPU worker of group w
     seen = {"answers": 0}
 
     def writer():
@@ -95,7 +98,7 @@ def test_core_readers_see_consistent_tiers(chain):
                 cut = 1 + (r * 3 + w) % (N - 1)
                 core.store(2 * w, None, s[:cut], H[:cut])
                 core.store(2 * w + 1, s[cut - 1], s[cut:], H[cut:])
-                core.remove(2 * w, s[cut // 2:cut])
+                core.remove(2 * w, s[cut // 2 : cut])
                 if (r + w) % 4 == 0:
                     core.clear(2 * w + 1)
 
@@ -114,12 +117,14 @@ def test_core_readers_see_consistent_tiers(chain):
 def test_match_releases_the_gil():
     """A long match in one thread must not stop a Python thread from running."""
     from kvconductor._index import CoreIndex
+
     core = CoreIndex()
     core.set_worker(0, 0, 0)
     n = 200_000
     tokens = list(range(n))
     core.store_tokens(0, None, list(range(1, n + 1)), tokens, 1)
     import array
+
     buf = array.array("I", tokens)
     ticks = []
     done = threading.Event()

@@ -3,6 +3,7 @@
 Edges are keyed by (parent engine hash | None, LocalBlockHash); expected values
 are worked out by hand from docs/design.md "LowerTier (CPU, Disk)".
 """
+
 from array import array
 
 import pytest
@@ -32,7 +33,7 @@ def test_mid_chain_continuation_from_parent(LowerTier):
     assert lt.store(A, 999, [201, 202], [3, 4]) == 2
     count, last = lt.walk(A, [1, 2, 3, 4], 2, 999)
     assert (count, last) == (2, 202)
-    assert 2 + count == 4                          # end
+    assert 2 + count == 4  # end
     # from the root there is nothing
     assert lt.walk(A, [1, 2, 3, 4], 0, None) == (0, None)
 
@@ -50,7 +51,7 @@ def test_shared_edge_remove_preserves_other_owner(LowerTier):
     lt = LowerTier()
     lt.store(A, None, [101, 102], [1, 2])
     lt.store(B, None, [101, 102], [1, 2])
-    assert counters(lt) == (4, 2)                  # two edges, two owners each
+    assert counters(lt) == (4, 2)  # two edges, two owners each
     assert lt.remove(A, [101, 102]) == 2
     assert lt.walk(A, [1, 2], 0, None) == (0, None)
     assert lt.walk(B, [1, 2], 0, None) == (2, 102)
@@ -138,7 +139,7 @@ def test_store_is_idempotent(LowerTier):
 def test_store_lengths_and_buffers(LowerTier):
     lt = LowerTier()
     locs = hash_blocks(list(range(12)), 4)
-    assert lt.store(A, None, array("Q", [101, 102, 103, 104]), locs) == 3   # n = min(4, 3)
+    assert lt.store(A, None, array("Q", [101, 102, 103, 104]), locs) == 3  # n = min(4, 3)
     assert lt.store(A, None, [], locs) == 0
     assert lt.walk(A, locs, 0, None) == (3, 103)
     assert lt.walk(A, memoryview(locs), 1, 101) == (2, 103)
@@ -160,11 +161,11 @@ def test_walk_requires_ownership(LowerTier):
 def test_walk_bounds(LowerTier):
     lt = LowerTier()
     lt.store(A, None, [101, 102], [1, 2])
-    assert lt.walk(A, [1, 2], 2, 102) == (0, None)      # start == len
-    assert lt.walk(A, [1, 2], 5, None) == (0, None)     # start past the end
+    assert lt.walk(A, [1, 2], 2, 102) == (0, None)  # start == len
+    assert lt.walk(A, [1, 2], 5, None) == (0, None)  # start past the end
     assert lt.walk(A, [], 0, None) == (0, None)
     assert lt.walk(A, [1, 2], 1, 101) == (1, 102)
-    assert lt.walk(A, [1, 2], 1, None) == (0, None)     # (None,2) does not exist
+    assert lt.walk(A, [1, 2], 1, None) == (0, None)  # (None,2) does not exist
 
 
 # -- lookup_block / counters ----------------------------------------------------------------
@@ -177,7 +178,7 @@ def test_lookup_block(LowerTier):
     lt.store(C, None, [500], [9])
     assert lt.lookup_block(500) == (None, 9)
     lt.store(A, 10, [500], [8])
-    assert lt.lookup_block(500) == (10, 8)      # lowest worker id wins
+    assert lt.lookup_block(500) == (10, 8)  # lowest worker id wins
     lt.remove(A, [500])
     assert lt.lookup_block(500) == (None, 9)
     lt.clear(C)
@@ -192,8 +193,8 @@ def test_counters_remove_and_clear(LowerTier):
     # edges: (None,1){A,B}, (101,2){A}, (102,3){A}, (7,2){B}
     assert counters(lt) == (5, 4)
     assert (lt.worker_blocks(A), lt.worker_blocks(B), lt.worker_blocks(C)) == (3, 2, 0)
-    assert lt.remove(A, [999, 101, 101]) == 1          # unknown and repeated ignored
-    assert counters(lt) == (4, 4)                      # (None,1) still owned by B
+    assert lt.remove(A, [999, 101, 101]) == 1  # unknown and repeated ignored
+    assert counters(lt) == (4, 4)  # (None,1) still owned by B
     assert lt.clear(B) == 2
     assert counters(lt) == (2, 2)
     assert lt.clear(B) == 0
@@ -206,12 +207,13 @@ def test_counters_remove_and_clear(LowerTier):
 # check_invariants() walks the C structures; each _corrupt_for_test kind breaks exactly one
 # invariant, so these tests fail if the checker stops seeing that kind of damage.
 
+
 def _c_tier():
     lower = pytest.importorskip("kvconductor._lower")
     t = lower.LowerTier()
     t.store(1, None, [101, 102, 103], [1, 2, 3])
     t.store(2, None, [101, 102], [1, 2])
-    t.store(2, None, [201], [1])           # a second root edge of local 1
+    t.store(2, None, [201], [1])  # a second root edge of local 1
     t.check_invariants()
     return t
 

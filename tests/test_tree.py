@@ -4,6 +4,7 @@ Workers are plain ints, engine hashes ("seq") are opaque u64s (here 100+),
 local hashes are LocalBlockHashes (small ints or real hash_blocks values).
 Expected values are worked out by hand from docs/design.md "RadixTree (HBM)".
 """
+
 from array import array
 
 import pytest
@@ -105,7 +106,7 @@ def test_parent_must_be_the_workers_own_block(RadixTree):
 def test_empty_chain_stores_nothing_even_with_unknown_parent(RadixTree):
     t = RadixTree()
     assert t.store(W1, 999, [], []) == 0
-    assert t.store(W1, 999, [101], []) == 0      # n = min(1, 0) = 0
+    assert t.store(W1, 999, [101], []) == 0  # n = min(1, 0) = 0
     assert t.store(W1, None, [], [1, 2]) == 0
     assert state(t) == (0, 0)
 
@@ -137,7 +138,7 @@ def test_invalid_block_sequence_in_long_chains(RadixTree, n):
     t.store(W1, None, [7], [7])
     seqs = list(range(1000, 1000 + n))
     locs = list(range(1, n + 1))
-    for bad in (seqs[:-1] + [seqs[0]], seqs[:-1] + [7]):      # repeat in chain, of parent
+    for bad in (seqs[:-1] + [seqs[0]], seqs[:-1] + [7]):  # repeat in chain, of parent
         with pytest.raises(InvalidBlockSequence):
             t.store(W1, 7, bad, locs)
     assert state(t) == (1, 1)
@@ -179,7 +180,7 @@ def test_same_node_new_seq_replaces_member(RadixTree):
     assert t.store(W1, None, [111], [1]) == 1
     assert t.worker_blocks(W1) == 1
     assert t.match([1]) == [(W1, 1, 111)]
-    assert t.remove(W1, [101]) == 0       # the old seq is gone
+    assert t.remove(W1, [101]) == 0  # the old seq is gone
     assert t.remove(W1, [111]) == 1
     assert state(t) == (0, 0)
 
@@ -227,7 +228,7 @@ def test_other_workers_content_with_different_seq_is_shared(RadixTree):
 
 def test_hash_buffers_accepted(RadixTree):
     t = RadixTree()
-    locs = hash_blocks(list(range(12)), 4)           # array('Q') of 3 LocalBlockHashes
+    locs = hash_blocks(list(range(12)), 4)  # array('Q') of 3 LocalBlockHashes
     assert t.store(W1, None, array("Q", [101, 102, 103]), locs) == 3
     assert t.match(memoryview(locs)) == [(W1, 3, 103)]
     assert t.match(list(locs[:2])) == [(W1, 2, 102)]
@@ -243,7 +244,7 @@ def test_remove_ignores_unknown_and_duplicates(RadixTree):
     t.store(W1, None, [101, 102], [1, 2])
     # 999 unknown, the second 102 already removed in this call
     assert t.remove(W1, [999, 102, 102]) == 1
-    assert t.remove(W2, [101]) == 0            # not W2's block
+    assert t.remove(W2, [101]) == 0  # not W2's block
     assert t.remove(W1, []) == 0
     assert t.match([1, 2]) == [(W1, 1, 101)]
 
@@ -286,9 +287,9 @@ def test_workers_joining_deeper_are_not_candidates(RadixTree):
     t = RadixTree()
     t.store(W1, None, [101, 102, 103], [1, 2, 3])
     t.store(W3, None, [301, 302], [1, 2])
-    t.remove(W3, [301])          # W3 now holds only node 2
+    t.remove(W3, [301])  # W3 now holds only node 2
     assert t.match([1, 2, 3]) == [(W1, 3, 103)]
-    assert t.match([2]) == []    # node 2 is not a child of the root
+    assert t.match([2]) == []  # node 2 is not a child of the root
 
 
 def test_walk_stops_when_no_candidate_left(RadixTree):
@@ -308,9 +309,9 @@ def test_pruning_back_to_zero(RadixTree):
     t.store(W2, None, [201, 202], [1, 4])
     t.store(W3, None, [301], [9])
     assert state(t) == (5, 6)
-    t.remove(W1, [101])                   # interior: node 1 keeps W2, nothing pruned
+    t.remove(W1, [101])  # interior: node 1 keeps W2, nothing pruned
     assert state(t) == (5, 5)
-    t.clear(W2)                           # node 4 pruned; node 1 memberless but has child 2
+    t.clear(W2)  # node 4 pruned; node 1 memberless but has child 2
     assert state(t) == (4, 3)
     assert t.remove(W1, [103, 102]) == 2  # 3, 2 then 1 pruned
     assert state(t) == (1, 1)
@@ -341,7 +342,7 @@ def test_nbytes_accounts_the_c_arrays():
     empty = t.nbytes
     t.store(W1, None, list(range(1, n + 1)), list(range(1, n + 1)))
     assert t.nbytes >= empty + n * (32 + 16)
-    t.store(W2, None, list(range(1, n + 1)), list(range(1, n + 1)))   # members only
+    t.store(W2, None, list(range(1, n + 1)), list(range(1, n + 1)))  # members only
     assert t.nbytes >= empty + n * (32 + 2 * 16)
     assert PyTree().nbytes == 0
 
@@ -358,8 +359,10 @@ def test_large_u64_values(RadixTree):
 # check_invariants() walks the C structures; each _corrupt_for_test kind breaks exactly one
 # invariant, so these tests fail if the checker stops seeing that kind of damage.
 
+
 def _c_tree():
     from kvconductor._tree import RadixTree as CTree
+
     t = CTree()
     t.store(W1, None, [101, 102, 103], [1, 2, 3])
     t.store(W2, None, [201, 202], [1, 2])
@@ -371,9 +374,9 @@ def _c_tree():
 def test_check_invariants_holds_through_mutations():
     pytest.importorskip("kvconductor._tree")
     t = _c_tree()
-    t.store(W1, None, [102], [5])          # an engine hash moves: prune, relink
+    t.store(W1, None, [102], [5])  # an engine hash moves: prune, relink
     t.check_invariants()
-    t.remove(W2, [201])                    # interior member leaves, node stays for W1
+    t.remove(W2, [201])  # interior member leaves, node stays for W1
     t.check_invariants()
     t.clear(W1)
     t.check_invariants()
