@@ -33,7 +33,7 @@ cdef enum:
     OP_CLEAR = 2                # clear every worker of the ``clear`` list (``clear``)
 
 cdef struct BatchOp:
-    const uint64_t* seqs        # engine hashes (STORE, EVICT)
+    const uint64_t* ehashes        # engine hashes (STORE, EVICT)
     const uint64_t* locals      # LocalBlockHashes (STORE)
     size_t n                    # number of hashes
     uint64_t parent             # parent engine hash (STORE, when has_parent)
@@ -47,7 +47,7 @@ cdef struct Scratch:
     size_t W                    # worker-indexed capacity
     uint32_t* hw                # tree results: worker
     uint32_t* hd                # tree results: depth
-    uint64_t* hs                # tree: seq by worker
+    uint64_t* hs                # tree: ehash by worker
     uint32_t* stamp             # tree scratch
     uint32_t* idx               # walk scratch (HM_NIL filled)
     uint32_t* cand              # walk candidates
@@ -82,8 +82,8 @@ cdef class CoreIndex:
 
     cdef int _tier(self, uint32_t worker) except -1
     cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
-                       const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
-    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs,
+                       const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
+    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* ehashes,
                         size_t n) noexcept nogil
     cdef long _clear_c(self, uint32_t worker) noexcept nogil
     cdef long _evict_w(self, uint32_t worker, const uint64_t* hs, size_t n) noexcept nogil
@@ -101,7 +101,7 @@ cdef class CoreIndex:
                      uint64_t local) noexcept nogil
     cdef long _apply_rec(self, uint32_t worker, uint64_t h, uint32_t r) noexcept nogil
     cdef long _drop_waits(self, uint32_t worker, double now, double ttl) noexcept nogil
-    cdef long _offload_c(self, const uint64_t* seqs, const uint64_t* locals, size_t n,
+    cdef long _offload_c(self, const uint64_t* ehashes, const uint64_t* locals, size_t n,
                          bint hp0, uint64_t p0, double now) noexcept nogil
     cdef int _pool_store_c(self, uint32_t worker, const uint64_t* hs, size_t n, double now,
                            long* applied, long* queued) noexcept nogil

@@ -194,10 +194,10 @@ cdef class CoreIndex:
 
     # -- direct mutations ---------------------------------------------------------------------
     cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
-                       const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil:
+                       const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil:
         if tier == 0:
-            return tree_store(&self.tree, worker, hp, p, seqs, locals, n)
-        return lower_store(&self.tiers[tier - 1], worker, hp, p, seqs, locals, n)
+            return tree_store(&self.tree, worker, hp, p, ehashes, locals, n)
+        return lower_store(&self.tiers[tier - 1], worker, hp, p, ehashes, locals, n)
 
     def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
         """Store a chain on ``worker``'s tier; returns blocks stored."""
@@ -242,11 +242,11 @@ cdef class CoreIndex:
         free(loc)
         return check_rc(rc)
 
-    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* seqs,
+    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* ehashes,
                         size_t n) noexcept nogil:
         if tier == 0:
-            return tree_remove(&self.tree, worker, seqs, n)
-        return lower_remove(&self.tiers[tier - 1], worker, seqs, n)
+            return tree_remove(&self.tree, worker, ehashes, n)
+        return lower_remove(&self.tiers[tier - 1], worker, ehashes, n)
 
     def remove(self, uint32_t worker, engine_hashes):
         """Remove blocks of ``worker`` directly; returns how many it held."""
@@ -297,9 +297,9 @@ cdef class CoreIndex:
             op = &ops[i]
             if op.kind == OP_STORE:
                 op.rc = self._store_c(op.worker, self.wtier[op.worker], op.has_parent != 0,
-                                      op.parent, op.seqs, op.locals, op.n)
+                                      op.parent, op.ehashes, op.locals, op.n)
             elif op.kind == OP_EVICT:
-                op.rc = self._evict_w(op.worker, op.seqs, op.n)
+                op.rc = self._evict_w(op.worker, op.ehashes, op.n)
             else:
                 rc = 0
                 for k in range(nclear):
@@ -429,7 +429,7 @@ cdef class CoreIndex:
             raise MemoryError()
         return rc
 
-    cdef long _offload_c(self, const uint64_t* seqs, const uint64_t* locals, size_t n,
+    cdef long _offload_c(self, const uint64_t* ehashes, const uint64_t* locals, size_t n,
                          bint hp0, uint64_t p0, double now) noexcept nogil:
         cdef size_t i, nw, a, b
         cdef uint64_t h, t, p
@@ -438,10 +438,10 @@ cdef class CoreIndex:
         cdef long applied = 0, rc
         cdef uint32_t ws[64]
         for i in range(n):
-            h = seqs[i]
+            h = ehashes[i]
             t = locals[i]
             hp = hp0 if i == 0 else True
-            p = p0 if i == 0 else seqs[i - 1]
+            p = p0 if i == 0 else ehashes[i - 1]
             head = u64m_pop(&self.pending_m, h)
             if head != HM_NIL:
                 if self._put_rec(&self.content_m, h, t, hp, p, now) < 0:
@@ -967,7 +967,7 @@ cdef class CoreIndex:
                         while m != HM_NIL:
                             if self.tree.mem[m].worker == worker:
                                 has_parent = True
-                                parent = self.tree.mem[m].seq
+                                parent = self.tree.mem[m].ehash
                                 break
                             m = self.tree.mem[m].next
             elif tier > 0 and worker < self.tiers[tier - 1].nrev:

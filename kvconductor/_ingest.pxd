@@ -11,7 +11,7 @@ cdef struct EvRec:
     uint64_t parent             # STORE: parent engine hash (when has_parent)
     uint8_t kind                # OP_STORE / OP_EVICT / OP_CLEAR (no record for no-ops)
     uint8_t has_parent
-    uint8_t seq_locals          # STORE without tokens: engine hashes double as local hashes
+    uint8_t ehash_locals          # STORE without tokens: engine hashes double as local hashes
 
 cdef struct Ev:                 # the event being parsed
     size_t nh                   # its engine hashes, at FastBatch.hs[hs_used:hs_used + nh]

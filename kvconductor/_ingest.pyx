@@ -577,7 +577,7 @@ cdef class FastBatch:
             r.n = 0
             r.parent = 0
             r.has_parent = 0
-            r.seq_locals = 1
+            r.ehash_locals = 1
             self.nrec += 1
             return R_OK
         if kind == K_REMOVED:
@@ -590,7 +590,7 @@ cdef class FastBatch:
             r.n = ev.nh
             r.parent = 0
             r.has_parent = 0
-            r.seq_locals = 1
+            r.ehash_locals = 1
             self.hs_used += ev.nh
             self.nrec += 1
             return R_OK
@@ -615,10 +615,10 @@ cdef class FastBatch:
             hash_token_blocks(self.tok, ev.ntok if ev.ntok < nstore * ev.bs else nstore * ev.bs,
                               ev.bs, ev.seed, self.loc + self.hs_used)
             r.n = nstore
-            r.seq_locals = 0
+            r.ehash_locals = 0
         else:
             r.n = ev.nh         # CoreIndex.store(engine hashes as local hashes)
-            r.seq_locals = 1
+            r.ehash_locals = 1
         self.hs_used += ev.nh
         self.nrec += 1
         return R_OK
@@ -797,8 +797,8 @@ cdef class FastBatch:
                 op.kind = r.kind
                 op.worker = w
                 op.n = r.n
-                op.seqs = self.hs + r.off
-                op.locals = op.seqs if r.seq_locals else self.loc + r.off
+                op.ehashes = self.hs + r.off
+                op.locals = op.ehashes if r.ehash_locals else self.loc + r.off
                 op.has_parent = r.has_parent
                 op.parent = r.parent
                 op.rc = 0

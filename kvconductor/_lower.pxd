@@ -43,8 +43,8 @@ cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
 cdef uint32_t lower_root_of(const Lower* L, uint64_t local, uint32_t worker) noexcept nogil
 cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil
 cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,
-                      const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
-cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil
+                      const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
+cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil
 cdef long lower_clear(Lower* L, uint32_t worker) noexcept nogil
 cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* parent,
                        uint64_t* local) noexcept nogil

@@ -196,7 +196,7 @@ cdef void _unown(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
 
 
 cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,
-                      const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil:
+                      const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil:
     cdef size_t i
     cdef long count = 0
     cdef uint32_t e, old
@@ -208,14 +208,14 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
         return -1
     cdef U64Map* rev = &L.rev[worker]
     for i in range(n):
-        e = pm_get(&L.pairs, p, locals[i]) if hp else _root_edge(L, locals[i], seqs[i])
-        old = u64m_get(rev, seqs[i])
+        e = pm_get(&L.pairs, p, locals[i]) if hp else _root_edge(L, locals[i], ehashes[i])
+        old = u64m_get(rev, ehashes[i])
         if old != HM_NIL and old != e:
             break               # the worker maps this block to another key
-        if e != HM_NIL and L.edges[e].child != seqs[i]:
+        if e != HM_NIL and L.edges[e].child != ehashes[i]:
             break               # the edge belongs to a different block (first writer wins)
         if e == HM_NIL:
-            e = _new_edge(L, hp, p, locals[i], seqs[i])
+            e = _new_edge(L, hp, p, locals[i], ehashes[i])
             if e == HM_NIL:
                 return -1
         if old == HM_NIL:
@@ -224,24 +224,24 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
                     if L.edges[e].nowners == 0:
                         _drop_edge(L, e)
                     return -1
-            if u64m_put(rev, seqs[i], e) < 0:
+            if u64m_put(rev, ehashes[i], e) < 0:
                 _unown(L, e, worker)
                 return -1
             L.total += 1
-        p = seqs[i]
+        p = ehashes[i]
         hp = True
         count += 1
     return count
 
 
-cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil:
+cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil:
     cdef size_t i
     cdef long count = 0
     cdef uint32_t e
     if worker >= L.nrev:
         return 0
     for i in range(n):
-        e = u64m_pop(&L.rev[worker], seqs[i])
+        e = u64m_pop(&L.rev[worker], ehashes[i])
         if e == HM_NIL:
             continue
         _unown(L, e, worker)

@@ -29,7 +29,7 @@ cdef struct TNode:
 cdef struct TMember:
     uint32_t next               # next member of the same node, or next free record
     uint32_t worker             # worker id
-    uint64_t seq                # the member worker's engine hash for this block
+    uint64_t ehash                # the member worker's engine hash for this block
 
 cdef struct Tree:
     TNode* nodes                # node array, node 0 = root
@@ -46,8 +46,8 @@ cdef int tree_init(Tree* t) noexcept nogil
 cdef void tree_free(Tree* t) noexcept nogil
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil
 cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
-                     const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil
-cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil
+                     const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
+cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil
 cdef long tree_clear(Tree* t, uint32_t worker) noexcept nogil
 # Checker: 0 when every invariant holds; -1 with ``msg`` (of ``cap`` bytes) saying which
 # failed; -2 out of memory. Walks every structure: O(size of the tree).
@@ -57,11 +57,11 @@ cdef long check_rc(long rc) except -1
 # The result of a *_check function as an exception (AssertionError(msg), MemoryError).
 cdef int check_raise(int rc, const char* msg) except -1
 cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil
-# Match: fills out_worker[k]/out_depth[k] for result k and out_seq[w] (indexed by
+# Match: fills out_worker[k]/out_depth[k] for result k and out_ehash[w] (indexed by
 # worker id) -- all of capacity t.nrev; ``stamp`` is scratch of t.nrev entries.
 # Returns the number of results.
 cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
-                       uint64_t* out_seq, uint32_t* stamp) noexcept nogil
+                       uint64_t* out_ehash, uint32_t* stamp) noexcept nogil
 
 
 cdef class RadixTree:

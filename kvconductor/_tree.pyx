@@ -136,18 +136,18 @@ cdef void _prune(Tree* t, uint32_t n) noexcept nogil:
 
 
 # -- mutations ----------------------------------------------------------------------------
-cdef int _has_repeat(bint has_parent, uint64_t parent, const uint64_t* seqs,
+cdef int _has_repeat(bint has_parent, uint64_t parent, const uint64_t* ehashes,
                      size_t n) noexcept nogil:
-    """1 if ``[parent] + seqs`` repeats a value, 0 if not, -1 out of memory."""
+    """1 if ``[parent] + ehashes`` repeats a value, 0 if not, -1 out of memory."""
     cdef size_t i, j
     cdef U64Map seen
     cdef int rc
     if n <= 32:
         for i in range(n):
-            if has_parent and seqs[i] == parent:
+            if has_parent and ehashes[i] == parent:
                 return 1
             for j in range(i):
-                if seqs[j] == seqs[i]:
+                if ehashes[j] == ehashes[i]:
                     return 1
         return 0
     u64m_init(&seen)
@@ -155,7 +155,7 @@ cdef int _has_repeat(bint has_parent, uint64_t parent, const uint64_t* seqs,
         u64m_free(&seen)
         return -1
     for i in range(n):
-        rc = u64m_put(&seen, seqs[i], 0)
+        rc = u64m_put(&seen, ehashes[i], 0)
         if rc != 1:
             u64m_free(&seen)
             return -1 if rc < 0 else 1
@@ -164,7 +164,7 @@ cdef int _has_repeat(bint has_parent, uint64_t parent, const uint64_t* seqs,
 
 
 cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
-                     const uint64_t* seqs, const uint64_t* locals, size_t n) noexcept nogil:
+                     const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil:
     cdef uint32_t node = T_ROOT, child, old, m
     cdef size_t i
     cdef int rc
@@ -174,7 +174,7 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
         node = u64m_get(&t.rev[worker], parent) if worker < t.nrev else HM_NIL
         if node == HM_NIL:
             return T_ERR_PARENT
-    rc = _has_repeat(has_parent, parent, seqs, n)
+    rc = _has_repeat(has_parent, parent, ehashes, n)
     if rc != 0:
         return T_ERR_OOM if rc < 0 else T_ERR_SEQUENCE
     if revs_ensure(&t.rev, &t.nrev, worker) < 0:
@@ -182,11 +182,11 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
     cdef U64Map* rev = &t.rev[worker]
     for i in range(n):
         child = em_get(&t.edges, node, locals[i])
-        old = u64m_get(rev, seqs[i])
+        old = u64m_get(rev, ehashes[i])
         if old != HM_NIL and old != child:
             # The worker announced this engine hash elsewhere before: it moved.
             _unlink_member(t, old, worker)
-            u64m_pop(rev, seqs[i])
+            u64m_pop(rev, ehashes[i])
             _prune(t, old)
             # NOTE: pruning may have freed ``child`` (an emptied ancestor of ``old``).
             child = em_get(&t.edges, node, locals[i])
@@ -200,18 +200,18 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
             t.nodes[node].nchildren += 1
         m = _find_member(t, child, worker)
         if m != HM_NIL:
-            if t.mem[m].seq != seqs[i]:
-                u64m_pop(rev, t.mem[m].seq)
-                t.mem[m].seq = seqs[i]
-        if u64m_put(rev, seqs[i], child) < 0:
+            if t.mem[m].ehash != ehashes[i]:
+                u64m_pop(rev, t.mem[m].ehash)
+                t.mem[m].ehash = ehashes[i]
+        if u64m_put(rev, ehashes[i], child) < 0:
             return T_ERR_OOM
         if m == HM_NIL:
             m = _alloc_member(t)
             if m == HM_NIL:
-                u64m_pop(rev, seqs[i])
+                u64m_pop(rev, ehashes[i])
                 _prune(t, child)
                 return T_ERR_OOM
-            t.mem[m].seq = seqs[i]
+            t.mem[m].ehash = ehashes[i]
             t.mem[m].worker = worker
             t.mem[m].next = t.nodes[child].members
             t.nodes[child].members = m
@@ -222,14 +222,14 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
     return <long>n
 
 
-cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* seqs, size_t n) noexcept nogil:
+cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil:
     cdef size_t i
     cdef long count = 0
     cdef uint32_t node
     if worker >= t.nrev:
         return 0
     for i in range(n):
-        node = u64m_pop(&t.rev[worker], seqs[i])
+        node = u64m_pop(&t.rev[worker], ehashes[i])
         if node == HM_NIL:
             continue
         _unlink_member(t, node, worker)
@@ -269,28 +269,28 @@ cdef enum:
 
 
 cdef inline void _settle(const Tree* t, uint32_t node, uint32_t step, uint32_t* stamp,
-                         uint32_t mark, uint32_t* out_depth, uint64_t* out_seq) noexcept nogil:
-    """Every still-alive candidate on ``node`` ends there: depth ``step``, its seq on
+                         uint32_t mark, uint32_t* out_depth, uint64_t* out_ehash) noexcept nogil:
+    """Every still-alive candidate on ``node`` ends there: depth ``step``, its ehash on
     ``node``; its stamp becomes ``mark``."""
     cdef uint32_t m = t.nodes[node].members, w
     while m != HM_NIL:
         w = t.mem[m].worker
         if stamp[w] == ST_ALIVE:
-            out_seq[w] = t.mem[m].seq
+            out_ehash[w] = t.mem[m].ehash
             out_depth[w] = step
             stamp[w] = mark
         m = t.mem[m].next
 
 
 cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
-                       uint64_t* out_seq, uint32_t* stamp) noexcept nogil:
+                       uint64_t* out_ehash, uint32_t* stamp) noexcept nogil:
     """Consecutive depth from the root of every worker on the first node.
 
     ``out_worker[0:alive]`` holds the candidates still on the path, the ones
     that left follow. A step whose node has exactly the alive set (same size,
     same ``sig`` fingerprint) costs O(1); otherwise the node's member list is
     scanned and the workers that left get depth ``step`` and their breakpoint
-    seq from the previous node.
+    ehash from the previous node.
     NOTE: the fingerprint is a 64-bit sum of mixed worker ids: the same order of
     collision risk as the 64-bit block hashes the whole index is keyed by.
     """
@@ -336,8 +336,8 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
             if stamp[w] == ST_ALIVE:
                 stamp[w] = ST_KEEP
             m = t.mem[m].next
-        # ... the others stop at depth ``step`` with their seq on ``node``.
-        _settle(t, node, step, stamp, HM_NIL, out_depth, out_seq)
+        # ... the others stop at depth ``step`` with their ehash on ``node``.
+        _settle(t, node, step, stamp, HM_NIL, out_depth, out_ehash)
         j = 0
         asig = 0
         for k in range(alive):
@@ -356,7 +356,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
         step += 1
     # The survivors end on ``node`` at depth ``step``.
     if alive:
-        _settle(t, node, step, stamp, ST_ALIVE, out_depth, out_seq)
+        _settle(t, node, step, stamp, ST_ALIVE, out_depth, out_ehash)
     # out_depth was filled by worker id; convert it to result order.
     for k in range(cnt):
         stamp[k] = out_depth[out_worker[k]]
@@ -415,9 +415,9 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
             mfree[m] = 2                # visited
             w = t.mem[m].worker
             sig += member_sig(t.mem[m].worker)
-            if w >= t.nrev or u64m_get(&t.rev[w], t.mem[m].seq) != i:
-                snprintf(msg, cap, "member (worker %llu, seq %llu) of node %llu is not in "
-                         "the worker's reverse map", <ull>w, <ull>t.mem[m].seq, <ull>i)
+            if w >= t.nrev or u64m_get(&t.rev[w], t.mem[m].ehash) != i:
+                snprintf(msg, cap, "member (worker %llu, ehash %llu) of node %llu is not in "
+                         "the worker's reverse map", <ull>w, <ull>t.mem[m].ehash, <ull>i)
                 return -1
             k += 1
             m = t.mem[m].next
@@ -639,7 +639,7 @@ cdef class RadixTree:
         elif kind == "member_freed":
             pool_give(&self.t.mem_pool, self.t.mem, m, sizeof(TMember))
         elif kind == "rev_entry":
-            u64m_pop(&self.t.rev[self.t.mem[m].worker], self.t.mem[m].seq)
+            u64m_pop(&self.t.rev[self.t.mem[m].worker], self.t.mem[m].ehash)
         else:
             raise ValueError(kind)
 

@@ -49,11 +49,11 @@ class CoreIndex:
     def _group_of(self, worker: int) -> int:
         return self._workers[worker][0]
 
-    def _store(self, worker: int, parent, seqs, locs) -> int:
+    def _store(self, worker: int, parent, ehashes, locs) -> int:
         tier = self._tier_of(worker)
         if tier == HBM:
-            return self._tree.store(worker, parent, seqs, locs)
-        return self._tiers[tier].store(worker, parent, seqs, locs)
+            return self._tree.store(worker, parent, ehashes, locs)
+        return self._tiers[tier].store(worker, parent, ehashes, locs)
 
     def _remove(self, worker: int, hashes) -> int:
         tier = self._tier_of(worker)
@@ -95,10 +95,10 @@ class CoreIndex:
                         (w, end, last) for w in tier.owners(last, hs[end]) if group(w) == g
                     ]
             for w, start, parent in candidates:
-                count, last_seq = tier.walk(w, hs, start, parent)
+                count, last_ehash = tier.walk(w, hs, start, parent)
                 if count > 0:
                     g = group(w)
-                    found.append((g, start + count, last_seq))
+                    found.append((g, start + count, last_ehash))
                     ends[g] = max(ends.get(g, 0), start + count)
             return found
 
@@ -134,9 +134,9 @@ class CoreIndex:
 
         HBM workers raise ParentBlockNotFound / InvalidBlockSequence (nothing stored).
         """
-        seqs, locs, p = u64_list(engine_hashes), u64_list(local_hashes), u64_or_none(parent)
+        ehashes, locs, p = u64_list(engine_hashes), u64_list(local_hashes), u64_or_none(parent)
         with self._lock:
-            return self._store(worker, p, seqs, locs)
+            return self._store(worker, p, ehashes, locs)
 
     def store_tokens(
         self,
@@ -172,11 +172,11 @@ class CoreIndex:
     # -- two-phase -------------------------------------------------------------------------
     def offload(self, engine_hashes, local_hashes, parent: int | None, now: float) -> int:
         """Phase 1 (one non-HBM engine BlockStored); returns the (worker, block) stores done."""
-        seqs, locs, p = u64_list(engine_hashes), u64_list(local_hashes), u64_or_none(parent)
+        ehashes, locs, p = u64_list(engine_hashes), u64_list(local_hashes), u64_or_none(parent)
         now = float(now)
         with self._lock:
             applied = 0
-            for h, t in zip(seqs, locs, strict=False):
+            for h, t in zip(ehashes, locs, strict=False):
                 waiters = self._pending.pop(h, None)
                 if waiters is not None:
                     self._content[h] = (t, p, now)

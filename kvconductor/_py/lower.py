@@ -78,28 +78,28 @@ class LowerTier(PerWorkerBlocks):
         edge key, or whose (non-root) edge exists with another child. A root block
         with a new engine hash gets a root edge of its own.
         """
-        seqs = u64_list(engine_hashes)
+        ehashes = u64_list(engine_hashes)
         locs = u64_list(local_hashes)
         p = u64_or_none(parent)
-        n = min(len(seqs), len(locs))
+        n = min(len(ehashes), len(locs))
         with self._lock:
             rev = self._rev.get(worker, {})
             accepted = 0
-            for seq, local in zip(seqs[:n], locs[:n], strict=False):
-                key = (p, local) if p is not None else (None, local, seq)
-                mapped = rev.get(seq)
+            for ehash, local in zip(ehashes[:n], locs[:n], strict=False):
+                key = (p, local) if p is not None else (None, local, ehash)
+                mapped = rev.get(ehash)
                 if mapped is not None and mapped != key:
                     break
                 edge = self._edges.get(key)
-                if edge is not None and edge.child != seq:
+                if edge is not None and edge.child != ehash:
                     break
                 if edge is None:
-                    edge = self._edges[key] = _Edge(seq)
+                    edge = self._edges[key] = _Edge(ehash)
                     if p is None:
-                        self._roots.setdefault(local, []).append(seq)
+                        self._roots.setdefault(local, []).append(ehash)
                 edge.owners.add(worker)
-                rev[seq] = key
-                p = seq
+                rev[ehash] = key
+                p = ehash
                 accepted += 1
             if rev:
                 self._rev[worker] = rev
@@ -124,10 +124,10 @@ class LowerTier(PerWorkerBlocks):
     def walk(
         self, worker: int, local_hashes, start: int, parent: int | None
     ) -> tuple[int, int | None]:
-        """``(count, last_seq)`` of the worker's contiguous run from ``(start, parent)``.
+        """``(count, last_ehash)`` of the worker's contiguous run from ``(start, parent)``.
 
         Steps while edge ``(p, H[pos])`` exists and ``worker`` owns it (with ``p``
-        None: the oldest root edge of ``H[pos]`` the worker owns); ``last_seq`` is
+        None: the oldest root edge of ``H[pos]`` the worker owns); ``last_ehash`` is
         the last child walked, ``None`` when ``count`` is 0.
         """
         hs = u64_list(local_hashes)

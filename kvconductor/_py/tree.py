@@ -105,7 +105,7 @@ class _Node:
         self.parent = parent
         #: LocalBlockHash -> child node (the edges ``(self, local) -> child``).
         self.children: dict[int, _Node] = {}
-        #: worker -> that worker's engine hash ("seq") of this block.
+        #: worker -> that worker's engine hash ("ehash") of this block.
         self.members: dict[int, int] = {}
 
 
@@ -114,7 +114,7 @@ class RadixTree(PerWorkerBlocks):
 
     Node 0 (the root) has no content and no members. Every other node has one
     member per worker holding it, with that worker's own engine hash; per
-    worker a reverse map ``seq -> node`` gives O(1) parent lookup and removal.
+    worker a reverse map ``ehash -> node`` gives O(1) parent lookup and removal.
     Empty nodes (no members, no children) are pruned by the mutation that
     empties them.
     """
@@ -157,41 +157,41 @@ class RadixTree(PerWorkerBlocks):
         :class:`InvalidBlockSequence` when ``[parent] + engine_hashes``
         repeats a value; nothing is changed then.
         """
-        seqs = u64_list(engine_hashes)
+        ehashes = u64_list(engine_hashes)
         locs = u64_list(local_hashes)
         parent = u64_or_none(parent)
-        n = min(len(seqs), len(locs))
+        n = min(len(ehashes), len(locs))
         if n == 0:
             return 0
-        seqs, locs = seqs[:n], locs[:n]
+        ehashes, locs = ehashes[:n], locs[:n]
         with self._lock:
             rev = self._rev.get(worker, {})
             if parent is not None and parent not in rev:
                 raise ParentBlockNotFound(f"parent block {parent} not found for worker {worker}")
-            chain = ([parent] if parent is not None else []) + seqs
+            chain = ([parent] if parent is not None else []) + ehashes
             if len(set(chain)) != len(chain):
                 raise InvalidBlockSequence(f"block chain of worker {worker} repeats an engine hash")
             self._rev[worker] = rev
             node = rev[parent] if parent is not None else self._root
-            for seq, local in zip(seqs, locs, strict=False):
+            for ehash, local in zip(ehashes, locs, strict=False):
                 # 1. the edge (node, local), created empty when absent
                 child = node.children.get(local)
                 if child is None:
                     child = _Node(local, node)
                     node.children[local] = child
                     self._num_nodes += 1
-                old = rev.get(seq)
+                old = rev.get(ehash)
                 # 3. membership of the child, with this block's engine hash
                 cur = child.members.get(worker)
                 if cur is None:
-                    child.members[worker] = seq
+                    child.members[worker] = ehash
                     self._num_pairs += 1
-                elif cur != seq:
+                elif cur != ehash:
                     del rev[cur]
-                    child.members[worker] = seq
+                    child.members[worker] = ehash
                 # 4.
-                rev[seq] = child
-                # 2. the worker held ``seq`` on another node: leave it, prune from it.
+                rev[ehash] = child
+                # 2. the worker held ``ehash`` on another node: leave it, prune from it.
                 # Done after step 3 so that the prune can never delete ``child``:
                 # ``child`` may be a memberless interior node whose only
                 # descendant is ``old`` (see the report on design.md).
@@ -202,11 +202,11 @@ class RadixTree(PerWorkerBlocks):
 
     # -- queries (any thread) ------------------------------------------------------------
     def match(self, local_hashes) -> list[tuple[int, int, int]]:
-        """``[(worker, depth, last_seq)]`` sorted by worker.
+        """``[(worker, depth, last_ehash)]`` sorted by worker.
 
         The candidates are the members of the node ``edge(root, H[0])``; a
         worker's depth counts the consecutive nodes from there on which it is a
-        member, ``last_seq`` is its own engine hash on the deepest of them.
+        member, ``last_ehash`` is its own engine hash on the deepest of them.
         """
         hs = u64_list(local_hashes)
         with self._lock:
@@ -273,7 +273,7 @@ class RadixTree(PerWorkerBlocks):
                     nodes += 1
                     pairs += len(child.members)
                     for w, s in child.members.items():
-                        assert s not in seen.setdefault(w, {}), "seq on two nodes"
+                        assert s not in seen.setdefault(w, {}), "ehash on two nodes"
                         seen[w][s] = child
                     stack.append(child)
             assert not self._root.members
