@@ -17,12 +17,13 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-import msgspec
-
 import kvconductor
 from kvconductor._hash import DEFAULT_SEED
 from kvconductor.keys import Medium, WorkerKey
-from kvconductor.schema import U32_MAX, DpMatch, InstanceMatch
+from kvconductor.schema import DP_MATCH_KEYS, INSTANCE_MATCH_KEYS, U32_MAX
+
+_LONGEST, _DP = INSTANCE_MATCH_KEYS
+_MATCHED, _NPU, _CPU, _DISK = DP_MATCH_KEYS
 
 
 def _core_class(impl: str | None) -> type:
@@ -60,27 +61,24 @@ class QueryResult:
         return len(self.hits)
 
     def to_dict(self, tenant: str, block_size: int) -> dict[str, Any]:
-        """The V3 response body ``{tenant: {instance: {...}}}``, built from the
-        :mod:`kvconductor.schema` shapes (``InstanceMatch``, ``DpMatch``)."""
-        dps: dict[str, dict[str, DpMatch]] = {}
-        # NOTE: the longest match over every hit, a replaced duplicate DP's too (the
-        # compiled encoder does the same).
-        longest: dict[str, int] = {}
+        """The V3 response body ``{tenant: {instance: {...}}}``; its keys are those of
+        :mod:`kvconductor.schema`'s ``InstanceMatch`` and ``DpMatch``."""
+        out: dict[str, Any] = {}
         for h in self.hits:
             blocks = h.npu_blocks + h.cpu_blocks + h.disk_blocks
             matched = min(blocks * block_size, U32_MAX)
-            dps.setdefault(h.instance_id, {})[str(h.dp_rank)] = DpMatch(
-                matched_tokens=matched,
-                npu_blocks=min(h.npu_blocks, U32_MAX),
-                cpu_blocks=min(h.cpu_blocks, U32_MAX),
-                disk_blocks=min(h.disk_blocks, U32_MAX),
-            )
-            longest[h.instance_id] = max(longest.get(h.instance_id, 0), matched)
-        out = {
-            instance: InstanceMatch(longest_matched=longest[instance], DP=dp)
-            for instance, dp in dps.items()
-        }
-        return msgspec.to_builtins({tenant: out})
+            inst = out.get(h.instance_id)
+            if inst is None:
+                inst = out[h.instance_id] = {_LONGEST: 0, _DP: {}}
+            inst[_DP][str(h.dp_rank)] = {
+                _MATCHED: matched,
+                _NPU: min(h.npu_blocks, U32_MAX),
+                _CPU: min(h.cpu_blocks, U32_MAX),
+                _DISK: min(h.disk_blocks, U32_MAX),
+            }
+            if matched > inst[_LONGEST]:
+                inst[_LONGEST] = matched
+        return {tenant: out}
 
 
 class Index:
