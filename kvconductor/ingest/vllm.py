@@ -389,19 +389,8 @@ def _convert(ev: Any) -> Any:
         bs = ev.block_size or 0
         if bs < 0:
             raise DecodeError("invalid_event", f"block_size {bs}")
-        if cls is _AStored:
-            return Stored(
-                hashes,
-                parent,
-                tokens,
-                bs,
-                ev.medium,
-                ev.lora_name,
-                ev.lora_id,
-                ev.group_idx,
-                ev.kv_cache_spec_kind,
-                ev.kv_cache_spec_sliding_window,
-            )
+        # The array form carries no locality, ownership or session (map form only).
+        placement = () if cls is _AStored else (ev.locality, ev.ownership, ev.session_id)
         return Stored(
             hashes,
             parent,
@@ -413,9 +402,7 @@ def _convert(ev: Any) -> Any:
             ev.group_idx,
             ev.kv_cache_spec_kind,
             ev.kv_cache_spec_sliding_window,
-            ev.locality,
-            ev.ownership,
-            ev.session_id,
+            *placement,
         )
     if cls is _ARemoved or cls is _MRemoved:
         return Removed(_hashes_of(ev.block_hashes), ev.medium, ev.group_idx)
