@@ -730,7 +730,7 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "one process, so each worker would hold a different, partial index. "
             "Run with -w 1 (WEB_CONCURRENCY=1)."
         )
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     worker_class = getattr(_gunicorn_cfg(), "worker_class", None)
     if worker_class is not None and not _is_kv_worker(worker_class) and settings.tls_cert:
         raise AppImportError(

@@ -11,13 +11,17 @@ import ipaddress
 import logging
 import os
 import sys
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import NoReturn
+
+import msgspec
 
 from kvconductor import __version__
 from kvconductor.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
 
 LOG_ENV = "KV_CONDUCTOR_LOG"
+#: Values of ``--log-format``.
+LOG_FORMATS = ("text", "json")
 API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
 _LEVELS = {
     "trace": logging.DEBUG,
@@ -287,6 +291,13 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         help=f"trace|debug|info|warning|error (default info; env {LOG_ENV})",
     )
     p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: '<UTC time> <LEVEL> <message>' lines; json: one JSON object per line "
+        "with the same fields (default text)",
+    )
+    p.add_argument(
         "--max-body-mb",
         type=_megabytes,
         default=64.0,
@@ -407,6 +418,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_blocks_per_message=args.max_blocks_per_message,
         max_blocks_per_source=args.max_blocks_per_source,
         log_level=args.log_level,
+        log_format=args.log_format,
         max_body_mb=args.max_body_mb,
         api_key=args.api_key or None,
         allow_bind_endpoints=args.allow_bind_endpoints,
@@ -485,27 +497,52 @@ def _ssl_reason(ex: Exception) -> str:
 _LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}
 
 
+def _utc(created: float) -> str:
+    """RFC 3339 UTC with microseconds and a ``Z``: ``2026-11-30T18:10:00.123456Z``."""
+    return datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 class _Formatter(logging.Formatter):
-    """``<RFC 3339 local time> <LEVEL> <message>`` (the reference hides target names)."""
+    """``<RFC 3339 UTC time> <LEVEL> <message>`` (the reference hides target names)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        ts = datetime.fromtimestamp(record.created).astimezone().isoformat(timespec="microseconds")
         level = _LEVEL_NAMES.get(record.levelno, record.levelname)
-        line = f"{ts} {level:>5} {record.getMessage()}"
+        line = f"{_utc(record.created)} {level:>5} {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
 
 
-def configure_logging(level: str = "info") -> None:
-    """Log to stderr; uvicorn's own loggers only show warnings unless debugging."""
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line with the text line's fields: ``ts`` (RFC 3339 UTC),
+    ``level``, ``message``, and ``exception`` (the traceback) when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": _utc(record.created),
+            "level": _LEVEL_NAMES.get(record.levelno, record.levelname),
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return _JSON_ENCODER.encode(doc).decode()
+
+
+_JSON_ENCODER = msgspec.json.Encoder()
+
+
+def configure_logging(level: str = "info", fmt: str = "text") -> None:
+    """Log to stderr as text or JSON lines; uvicorn's own loggers only show warnings
+    unless debugging."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}: one of {', '.join(LOG_FORMATS)}")
     lvl = _LEVELS.get(level, logging.INFO)
     root = logging.getLogger()
     for h in list(root.handlers):
         if getattr(h, "_kvconductor", False):
             root.removeHandler(h)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter())
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _Formatter())
     handler._kvconductor = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(lvl)
@@ -517,7 +554,7 @@ def configure_logging(level: str = "info") -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     _, warning = _env_level()
     if warning and args.log_level == "info":
         logging.getLogger("kvconductor").warning(warning)

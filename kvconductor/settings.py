@@ -30,6 +30,7 @@ class Settings:
     max_blocks_per_message: int = 1_000_000
     max_blocks_per_source: int = 4_000_000
     log_level: str = "info"
+    log_format: str = "text"
     max_body_mb: float = 64.0
     api_key: str | None = None
     allow_bind_endpoints: bool = False
@@ -62,7 +63,8 @@ class Settings:
             f"max_blocks_per_message={self.max_blocks_per_message} "
             f"max_blocks_per_source={self.max_blocks_per_source} "
             f"max_body_bytes={self.max_body_bytes} "
-            f"log_level={self.log_level} auth={'on' if self.api_key else 'off'} "
+            f"log_level={self.log_level} log_format={self.log_format} "
+            f"auth={'on' if self.api_key else 'off'} "
             f"endpoints={self._endpoint_rule()}"
         )
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import sys
+
 import pytest
 
 from kvconductor import cli
@@ -89,6 +93,7 @@ def test_invalid_log_env_falls_back_to_info(monkeypatch):
         (["--content-ttl-secs", "1.5"], "whole number of seconds"),
         (["--max-body-mb", "0"], "must be > 0"),
         (["--log-level", "chatty"], "invalid log level"),
+        (["--log-format", "xml"], "invalid choice: 'xml'"),
         (["--bogus"], "unrecognized arguments"),
         (["--pending-ttl-sec", "5"], "unrecognized arguments"),  # no abbreviations
         (["--endpoint-networks", "10.0.0.0/33"], "invalid network list"),
@@ -221,3 +226,40 @@ def test_tls_flags(tmp_path):
     assert "tls=on client_certs=on" in s.describe_http()
     with pytest.raises(cli.FlagError, match="--tls-key needs --tls-cert"):
         cli.build_parser(raise_errors=True).parse_args(["--tls-key", str(key)])
+
+
+def test_log_format_flag():
+    assert parse().log_format == "text"
+    assert parse("--log-format", "json").log_format == "json"
+
+
+def _record(msg, *args, exc_info=None):
+    rec = logging.LogRecord("kvconductor", logging.WARNING, __file__, 1, msg, args, exc_info)
+    rec.created = 1796061000.25  # 2026-11-30T17:50:00.25Z
+    return rec
+
+
+def test_text_log_lines_carry_utc_time():
+    line = cli._Formatter().format(_record("bad request path=%s", "/query"))
+    assert line == "2026-11-30T17:50:00.250000Z  WARN bad request path=/query"
+
+
+def test_json_log_lines_have_the_text_fields():
+    doc = json.loads(cli._JsonFormatter().format(_record("bad request path=%s", "/query")))
+    assert doc == {
+        "ts": "2026-11-30T17:50:00.250000Z",
+        "level": "WARN",
+        "message": "bad request path=/query",
+    }
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        rec = _record("crash", exc_info=sys.exc_info())
+    doc = json.loads(cli._JsonFormatter().format(rec))
+    assert doc["message"] == "crash" and doc["level"] == "WARN"
+    assert doc["exception"].startswith("Traceback") and "ValueError: boom" in doc["exception"]
+
+
+def test_configure_logging_rejects_an_unknown_format():
+    with pytest.raises(ValueError, match="unknown log format"):
+        cli.configure_logging("info", "xml")

@@ -357,6 +357,21 @@ def test_sigint_exits(tmp_path):
     assert "KV conductor shut down" in srv.log()
 
 
+def test_json_log_format_writes_one_object_per_line(tmp_path):
+    srv = Server(tmp_path, "--host", "127.0.0.1", "--log-format", "json")
+    srv.wait_ready()
+    assert srv.http.post("/query", content=b"{").status_code == 400  # logs a WARN
+    code, _ = srv.terminate()
+    assert code == 0
+    lines = [msgspec.json.decode(line) for line in srv.log().splitlines() if line.strip()]
+    assert lines and all(set(d) == {"ts", "level", "message"} for d in lines), srv.log()
+    assert all(d["ts"].endswith("Z") and d["ts"][10] == "T" for d in lines)
+    messages = [d["message"] for d in lines]
+    assert any(m.startswith("KV conductor starting") and "log_format=json" in m for m in messages)
+    assert any(d["level"] == "WARN" and "path=/query" in d["message"] for d in lines), messages
+    assert messages[-1] == "KV conductor shut down"
+
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvconductor", *args],
@@ -457,7 +472,7 @@ def test_gunicorn_factory(tmp_path):
             "content_ttl=300s offload_ttl=600s loss_grace=600s max_sources=4096 "
             "replay_deadline=60s max_message_mb=256 max_blocks_per_message=1000000 "
             "max_blocks_per_source=4000000 max_body_bytes=67108864 log_level=info "
-            "auth=off endpoints=tcp-connect switch_interval=0.0005"
+            "log_format=text auth=off endpoints=tcp-connect switch_interval=0.0005"
         ) in text, text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0
