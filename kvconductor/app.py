@@ -46,7 +46,7 @@ import falcon
 import falcon.asgi
 import msgspec
 
-from kvconductor import __version__
+from kvconductor import __version__, openapi
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.registry import RegistrationError
@@ -232,6 +232,17 @@ class HealthResource:
 
     async def on_head(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         resp.content_type = falcon.MEDIA_TEXT
+
+
+class OpenApiResource:
+    """``GET /openapi.json``: the API's OpenAPI 3.1 document (:mod:`kvconductor.openapi`)."""
+
+    def __init__(self) -> None:
+        self._body = msgspec.json.encode(openapi.document())
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = self._body
 
 
 class RegisterResource(_Resource):
@@ -650,6 +661,7 @@ def create_app(
     app.add_route("/query_by_hash", query_by_hash)
     app.add_route("/events", EventsResource(conductor, **kw))
     app.add_route("/workers", WorkersResource(conductor, open_workers=open_workers, **kw))
+    app.add_route("/openapi.json", OpenApiResource())
     app.add_error_handler(Exception, _handle_exception)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     if fast_query:

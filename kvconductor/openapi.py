@@ -1,0 +1,172 @@
+"""The OpenAPI 3.1 description of the HTTP API, served as ``GET /openapi.json``.
+
+Bodies and answers come from the msgspec declarations of :mod:`kvconductor.schema`
+(``msgspec.json.schema_components``); this module only says which route takes and
+answers which shape, with which status codes. Two things msgspec cannot see are added
+here: the query bodies' optional ``lora_name`` (:data:`~kvconductor.schema.LORA_FIELD`,
+not a Struct field) and ``tenant_id: null`` meaning the default tenant. The query routes
+take and answer the same shapes as JSON and as MessagePack; MessagePack also takes the
+positional form and packed u32 tokens (docs/api.md), which JSON Schema cannot describe.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from kvconductor import __version__, schema
+from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
+
+_REF = "#/components/schemas/{name}"
+_STRUCTS = (
+    schema.RegisterRequest,
+    schema.UnregisterRequest,
+    schema.StatusResponse,
+    schema.ErrorResponse,
+    schema.QueryRequest,
+    schema.QueryByHashRequest,
+    schema.KvEventBatch,
+    schema.EventsResponse,
+)
+_ERRORS = {
+    "400": "malformed body, wrong type, missing field or out-of-range number",
+    "401": "missing or wrong bearer token (only with --api-key)",
+    "403": "browser Origin not allowed (--allow-origin)",
+    "404": "unknown instance, or no index for (model, tenant)",
+    "413": "body over --max-body-mb",
+    "500": "unexpected failure",
+    "503": "registration cannot be taken now (--max-sources, socket)",
+}
+
+
+def _ref(cls: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=cls.__name__)}
+
+
+def _content(body: dict[str, Any], *, both: bool) -> dict[str, Any]:
+    types = (JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE) if both else (JSON_CONTENT_TYPE,)
+    return {t: {"schema": body} for t in types}
+
+
+def _errors(codes: str, *, both: bool = False) -> dict[str, Any]:
+    err = _content(_ref(schema.ErrorResponse), both=both)
+    return {c: {"description": _ERRORS[c], "content": err} for c in codes.split()}
+
+
+def _post(summary: str, request: type, ok: str, answer: dict, errors: str, both=False):
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _content(_ref(request), both=both)},
+            "responses": {
+                ok: {"description": "done", "content": _content(answer, both=both)},
+                **_errors(errors, both=both),
+            },
+        }
+    }
+
+
+def _query_request(doc: dict[str, Any]) -> None:
+    """What the Struct cannot say: ``tenant_id`` may be null, ``lora_name`` optional."""
+    props = doc["properties"]
+    props["tenant_id"] = {"anyOf": [props["tenant_id"], {"type": "null"}], "default": "default"}
+    props[schema.LORA_FIELD] = {
+        "anyOf": [{"type": "string"}, {"type": "null"}],
+        "default": None,
+        "description": "LoRA adapter; null, absent or empty mean the base model",
+    }
+
+
+def document() -> dict[str, Any]:
+    """The OpenAPI document (a fresh dict each call)."""
+    (*_, response), components = msgspec.json.schema_components(
+        (*_STRUCTS, schema.QueryResponse), ref_template=_REF
+    )
+    for cls in (schema.QueryRequest, schema.QueryByHashRequest):
+        _query_request(components[cls.__name__])
+    status = _ref(schema.StatusResponse)
+    workers = {
+        "type": "object",
+        "required": ["workers", "indexer", "sources"],
+        "properties": {k: {"type": "array"} for k in ("workers", "indexer", "sources")},
+    }
+    paths = {
+        "/health": {
+            "get": {
+                "summary": "liveness",
+                "responses": {
+                    "200": {
+                        "description": "the process serves",
+                        "content": {"text/plain": {"schema": {"const": "OK"}}},
+                    }
+                },
+            }
+        },
+        "/register": _post(
+            "register one DP rank of an engine or KV pool",
+            schema.RegisterRequest,
+            "201",
+            status,
+            "400 401 403 413 503",
+        ),
+        "/unregister": _post(
+            "unregister one DP rank", schema.UnregisterRequest, "200", status, "400 401 403 404 413"
+        ),
+        "/query": _post(
+            "leading blocks held per instance, DP and tier, for token ids",
+            schema.QueryRequest,
+            "200",
+            response,
+            "400 404 413",
+            both=True,
+        ),
+        "/query_by_hash": _post(
+            "leading blocks held per instance, DP and tier, for local block hashes",
+            schema.QueryByHashRequest,
+            "200",
+            response,
+            "400 404 413",
+            both=True,
+        ),
+        "/events": _post(
+            "apply a batch of KV-cache events (HTTP ingest)",
+            schema.KvEventBatch,
+            "200",
+            _ref(schema.EventsResponse),
+            "400 401 403 404 413 500",
+        ),
+        "/workers": {
+            "get": {
+                "summary": "registrations, indexes and ingest sources",
+                "responses": {
+                    "200": {"description": "the view", "content": _content(workers, both=False)},
+                    **_errors("401"),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "this document",
+                "responses": {
+                    "200": {
+                        "description": "OpenAPI 3.1",
+                        "content": {JSON_CONTENT_TYPE: {"schema": {"type": "object"}}},
+                    }
+                },
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kv-conductor",
+            "version": __version__,
+            "description": "KV-cache index of an LLM inference cluster (docs/api.md)",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

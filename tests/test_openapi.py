@@ -1,0 +1,184 @@
+"""GET /openapi.json: every route is described, and real answers conform to it."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import falcon.testing as ft
+import jsonschema
+import msgspec
+import pytest
+from referencing import Registry
+from referencing.jsonschema import DRAFT202012
+
+from kvconductor import __version__, openapi, schema
+from kvconductor.app import create_app
+from kvconductor.service import Conductor, ConductorConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from test_app import H1, H2, RecordingSubs, events, register, stored
+
+DOC = openapi.document()
+_REGISTRY = Registry().with_resource("urn:kvc", DRAFT202012.create_resource(DOC))
+
+
+def _check(instance, sub: dict) -> None:
+    """Validate ``instance`` against a schema of DOC (its $refs resolve inside DOC)."""
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": "urn:kvc#" + _pointer(sub)}, registry=_REGISTRY
+    )
+    validator.validate(instance)
+
+
+def _pointer(sub: dict) -> str:
+    """The JSON pointer of ``sub`` inside DOC (found by identity)."""
+
+    def walk(node, path):
+        if node is sub:
+            return path
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            if isinstance(v, (dict, list)):
+                found = walk(v, f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}")
+                if found is not None:
+                    return found
+        return None
+
+    found = walk(DOC, "")
+    assert found is not None
+    return found
+
+
+def _answer_schema(path: str, method: str, status: int, ctype="application/json") -> dict:
+    return DOC["paths"][path][method]["responses"][str(status)]["content"][ctype]["schema"]
+
+
+def _request_schema(path: str, ctype="application/json") -> dict:
+    return DOC["paths"][path]["post"]["requestBody"]["content"][ctype]["schema"]
+
+
+@pytest.fixture
+def client():
+    c = Conductor(
+        ConductorConfig(index_impl="c", maintenance_interval=3600), subscriptions=RecordingSubs
+    )
+    c.start()
+    yield ft.TestClient(create_app(c, fast_query=True))
+    assert c.stop(5.0)
+
+
+def test_every_route_of_the_app_is_described(client):
+    routes = {"/" + node.raw_segment for node in client.app.app._router._roots}
+    assert routes == set(DOC["paths"])
+    assert DOC["openapi"] == "3.1.0" and DOC["info"]["version"] == __version__
+
+
+def test_every_ref_resolves():
+    refs = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                refs.append(node["$ref"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(DOC)
+    names = {r.rsplit("/", 1)[1] for r in refs}
+    assert names <= set(DOC["components"]["schemas"]) and "QueryRequest" in names
+
+
+def test_bodies_come_from_the_schema_declarations():
+    comps = DOC["components"]["schemas"]
+    assert list(comps["QueryRequest"]["properties"]) == list(schema.QUERY_FIELDS)
+    assert list(comps["QueryByHashRequest"]["properties"]) == list(schema.QUERY_BY_HASH_FIELDS)
+    assert list(comps["InstanceMatch"]["properties"]) == list(schema.INSTANCE_MATCH_KEYS)
+    assert list(comps["DpMatch"]["properties"]) == list(schema.DP_MATCH_KEYS)
+    assert comps["ErrorResponse"]["required"] == [schema.ERROR_KEY]
+    for cls in (schema.RegisterRequest, schema.UnregisterRequest, schema.KvEventBatch):
+        required = {f.encode_name for f in msgspec.structs.fields(cls) if f.required}
+        assert set(comps[cls.__name__]["required"]) == required
+
+
+def test_served_document_is_the_module_s(client):
+    r = client.simulate_get("/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    assert r.json == msgspec.json.decode(msgspec.json.encode(DOC))
+
+
+def test_real_answers_conform(client):
+    body = {
+        "instance_id": "vllm-prefill-1",
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": 4,
+        "dp_rank": 0,
+    }
+    _check(body, _request_schema("/register"))
+    r = register(client)
+    _check(r.json, _answer_schema("/register", "post", 201))
+    batch = {
+        "instance_id": "vllm-prefill-1",
+        "events": [stored(1, [H1, H2], [1, 2, 3, 4, 5, 6, 7, 8])],
+    }
+    _check(batch, _request_schema("/events"))
+    r = events(client, batch["events"])
+    assert r.status_code == 200
+    _check(r.json, _answer_schema("/events", "post", 200))
+    q = {"model": "qwen", "block_size": 4, "token_ids": list(range(1, 9)), "lora_name": None}
+    _check(q, _request_schema("/query"))
+    r = client.simulate_post("/query", json=q)
+    assert r.status_code == 200 and r.json["default"]["vllm-prefill-1"]["longest_matched"] == 8
+    _check(r.json, _answer_schema("/query", "post", 200))
+    r = client.simulate_post(
+        "/query", body=msgspec.msgpack.encode(q), headers={"Content-Type": "application/msgpack"}
+    )
+    _check(
+        msgspec.msgpack.decode(r.content),
+        _answer_schema("/query", "post", 200, "application/msgpack"),
+    )
+    r = client.simulate_post(
+        "/query_by_hash", json={"model": "qwen", "block_size": 4, "block_hashes": [H1]}
+    )
+    assert r.status_code == 200
+    _check(r.json, _answer_schema("/query_by_hash", "post", 200))
+    r = client.simulate_get("/workers")
+    _check(r.json, _answer_schema("/workers", "get", 200))
+    r = client.simulate_post("/unregister", json=body)
+    _check(r.json, _answer_schema("/unregister", "post", 200))
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/register", {"instance_id": "x"}, 400),
+        (
+            "/unregister",
+            {
+                "instance_id": "ghost",
+                "type": "vLLM",
+                "modelname": "m",
+                "block_size": 4,
+                "dp_rank": 0,
+            },
+            404,
+        ),
+        ("/query", {"model": "nope", "block_size": 4, "token_ids": [1]}, 404),
+        ("/query", {"model": "qwen", "block_size": 0, "token_ids": [1]}, 400),
+        ("/query_by_hash", {"model": "qwen"}, 400),
+        ("/events", {"events": []}, 400),
+    ],
+)
+def test_error_answers_conform(client, path, body, status):
+    r = client.simulate_post(path, json=body)
+    assert r.status_code == status, r.text
+    assert str(status) in DOC["paths"][path]["post"]["responses"]
+    _check(r.json, _answer_schema(path, "post", status))
+    if status == 400:  # what the server refuses, the document refuses too
+        with pytest.raises(jsonschema.ValidationError):
+            _check(body, _request_schema(path))
