@@ -52,6 +52,8 @@ from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.registry import RegistrationError
 from kvconductor.schema import (
     EventsResponse,
+    NotReadyResponse,
+    ReadyResponse,
     events_decoder,
     json_encoder,
     register_decoder,
@@ -232,6 +234,29 @@ class HealthResource:
 
     async def on_head(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         resp.content_type = falcon.MEDIA_TEXT
+
+
+class ReadyResource(_Resource):
+    """``GET /ready``: 200 when every registered ZeroMQ source is connected and none is
+    replaying; 503 naming the sources that are not (readiness, not liveness: that is
+    ``/health``). Open like ``/health``; it names instances, never endpoint URLs."""
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        total, waiting = await self.conductor.run(self.conductor.readiness)
+        if not waiting:
+            _json(resp, 200, json_encoder.encode(ReadyResponse("ready", total)))
+            return
+        doc = NotReadyResponse(
+            f"not ready: {len(waiting)} of {total} ZeroMQ sources are connecting or replaying",
+            waiting,
+        )
+        resp.set_header("Retry-After", "1")
+        _json(resp, 503, json_encoder.encode(doc))
+
+    async def on_head(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        _, waiting = await self.conductor.run(self.conductor.readiness)
+        resp.status = 503 if waiting else 200
+        resp.content_type = falcon.MEDIA_JSON
 
 
 class OpenApiResource:
@@ -661,6 +686,7 @@ def create_app(
     app.add_route("/query_by_hash", query_by_hash)
     app.add_route("/events", EventsResource(conductor, **kw))
     app.add_route("/workers", WorkersResource(conductor, open_workers=open_workers, **kw))
+    app.add_route("/ready", ReadyResource(conductor, **kw))
     app.add_route("/openapi.json", OpenApiResource())
     app.add_error_handler(Exception, _handle_exception)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)

@@ -28,6 +28,8 @@ _STRUCTS = (
     schema.QueryByHashRequest,
     schema.KvEventBatch,
     schema.EventsResponse,
+    schema.ReadyResponse,
+    schema.NotReadyResponse,
 )
 _ERRORS = {
     "400": "malformed body, wrong type, missing field or out-of-range number",
@@ -142,6 +144,21 @@ def document() -> dict[str, Any]:
                 "responses": {
                     "200": {"description": "the view", "content": _content(workers, both=False)},
                     **_errors("401"),
+                },
+            }
+        },
+        "/ready": {
+            "get": {
+                "summary": "readiness: every registered ZeroMQ source connected, none replaying",
+                "responses": {
+                    "200": {
+                        "description": "ready",
+                        "content": _content(_ref(schema.ReadyResponse), both=False),
+                    },
+                    "503": {
+                        "description": "sources still connecting or replaying",
+                        "content": _content(_ref(schema.NotReadyResponse), both=False),
+                    },
                 },
             }
         },

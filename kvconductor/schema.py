@@ -229,6 +229,29 @@ class KvEventBatch(Struct, kw_only=True):
     shutdown: bool = False
 
 
+class ReadyResponse(Struct):
+    """``GET /ready`` 200: every registered ZeroMQ source (``sources`` of them) is ready."""
+
+    status: str
+    sources: int
+
+
+class SourceNotReady(Struct):
+    """A ZeroMQ source ``GET /ready`` waits for: ``state`` is ``connecting`` or
+    ``replaying``."""
+
+    instance_id: str
+    dp_rank: int
+    state: str
+
+
+class NotReadyResponse(Struct):
+    """``GET /ready`` 503: the error sentence and the sources that are not ready."""
+
+    error: str
+    sources: list[SourceNotReady]
+
+
 class EventsResponse(Struct, kw_only=True, omit_defaults=True):
     """``{"status": "ok"|"partial", "events_applied": N[, "errors": [...]]}``."""
 

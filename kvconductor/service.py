@@ -33,8 +33,17 @@ from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
 from kvconductor.registry import RegistrationError, Registry
-from kvconductor.schema import DEFAULT_TENANT, KvEventBatch, RegisterRequest, UnregisterRequest
+from kvconductor.schema import (
+    DEFAULT_TENANT,
+    KvEventBatch,
+    RegisterRequest,
+    SourceNotReady,
+    UnregisterRequest,
+)
 from kvconductor.urls import UrlPolicy
+
+#: Source states in which ``GET /ready`` counts a ZeroMQ source as ready.
+READY_STATES = frozenset(("live", "degraded"))
 
 log = logging.getLogger("kvconductor")
 
@@ -583,6 +592,17 @@ class Conductor:
         return pruned + reclaimed
 
     # -- introspection (ingest thread) ------------------------------------------------------------
+    def readiness(self) -> tuple[int, list[SourceNotReady]]:
+        """``GET /ready``: (ZeroMQ sources, those not ready). A source is ready when its
+        SUB socket is connected and no replay of it is running (``live`` or ``degraded``)."""
+        sources = self.subs.sources() if self.subs is not None else []
+        waiting = [
+            SourceNotReady(s["instance_id"], s["dp_rank"], s["state"])
+            for s in sources
+            if s["state"] not in READY_STATES
+        ]
+        return len(sources), waiting
+
     def workers(self) -> dict[str, Any]:
         """``GET /workers``: registrations, per-index summaries, subscription sources."""
         return {

@@ -433,3 +433,41 @@ def test_lora_events_over_zmq_and_lora_queries_through_the_client(server):
             assert npu("other-adapter") == 0
     finally:
         pub.stop()
+
+
+def test_ready_flips_with_a_publisher_killed_and_restarted(server):
+    """/ready: 200 with no source; 503 naming a source while its publisher is down; 200
+    again once the SUB has reconnected to the restarted publisher."""
+
+    def ready():
+        r = server.http.get("/ready")
+        return r.status_code, r.json()
+
+    assert ready() == (200, {"status": "ready", "sources": 0})
+    pub = FakePublisher(replay=False)
+    port = pub.port
+    r = server.http.post(
+        "/register",
+        json={
+            "instance_id": "vllm-prefill-1",
+            "type": "vLLM",
+            "modelname": "qwen",
+            "block_size": BS,
+            "dp_rank": 0,
+            "medium_endpoints": {"npu": pub.url},
+        },
+    )
+    assert r.status_code == 201
+    try:
+        wait_until(lambda: ready() == (200, {"status": "ready", "sources": 1}), msg="ready")
+        pub.stop()
+        down = wait_until(lambda: (lambda s: s[0] == 503 and s)(ready()), msg="not ready")
+        assert down[1] == {
+            "error": "not ready: 1 of 1 ZeroMQ sources are connecting or replaying",
+            "sources": [{"instance_id": "vllm-prefill-1", "dp_rank": 0, "state": "connecting"}],
+        }
+        assert server.http.get("/health").text == "OK"  # liveness is not readiness
+        pub = FakePublisher(port=port, replay=False)
+        wait_until(lambda: ready()[0] == 200, msg="ready again")
+    finally:
+        pub.stop()
