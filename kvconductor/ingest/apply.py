@@ -205,6 +205,7 @@ class SourceStats:
         "duplicates",
         "last_seq",
         "aged_out",
+        "last_event",
     )
 
     def __init__(self) -> None:
@@ -221,6 +222,8 @@ class SourceStats:
         self.last_seq: int | None = None
         #: Blocks dropped because they were not re-announced after a loss.
         self.aged_out = 0
+        #: Wall-clock time of the last batch received (set by the subscription).
+        self.last_event = 0.0
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
