@@ -95,9 +95,12 @@ class QueryMetrics:
 
     def count_hits(self, hits: list) -> None:
         """Add the per-tier blocks of a non-empty answer (``DpHit`` rows)."""
-        # PERF: column sums in C (zip/sum), no Python loop per DP entry.
-        _, _, npu, cpu, disk = zip(*hits, strict=True)
-        n, c, d = sum(npu), sum(cpu), sum(disk)
+        if len(hits) == 1:  # PERF: the common answer, one DP
+            _, _, n, c, d = hits[0]
+        else:
+            # PERF: column sums in C (zip/sum), no Python loop per DP entry.
+            _, _, npu, cpu, disk = zip(*hits, strict=True)
+            n, c, d = sum(npu), sum(cpu), sum(disk)
         if n:
             self._npu.inc(n)
         if c:
