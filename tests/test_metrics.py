@@ -368,3 +368,42 @@ def test_replay_outcomes(zmq_conductor):
         assert delta(m1, m0, "kvconductor_events_dropped_total", reason="replay_failed") == 1
     finally:
         pub.stop()
+
+
+def test_source_kind():
+    from kvconductor.ingest.context import source_kind
+
+    assert source_kind(True, "vLLM") == "pool"
+    assert source_kind(False, "vLLM") == "vllm"
+    assert source_kind(False, "SGLang") == "sglang"
+    assert source_kind(False, "MindIE") == "engine"
+
+
+@pytest.mark.server
+def test_real_server_serves_metrics(tmp_path):
+    """``kv-conductor --api-key``: /metrics needs the key; the fast path's queries count."""
+    from test_server import Server
+
+    s = Server(tmp_path, "--api-key", "k3y")
+    try:
+        s.wait_ready()
+        assert s.http.get("/metrics").status_code == 401
+        auth = {"Authorization": "Bearer k3y"}
+        assert (
+            s.http.post(
+                "/query", json={"model": "x", "block_size": 4, "token_ids": [1]}
+            ).status_code
+            == 404
+        )
+        r = s.http.get("/metrics", headers=auth)
+        assert r.status_code == 200
+        assert r.headers["content-type"] == CONTENT_TYPE
+        m = {}
+        for fam in text_string_to_metric_families(r.text):
+            for smp in fam.samples:
+                m[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+        assert v(m, "kvconductor_query_misses_total", reason="unknown_index") == 1
+        assert v(m, "kvconductor_query_seconds_count", route="/query") == 1
+        assert v(m, "kvconductor_build_info", version=kvconductor.__version__) == 1
+    finally:
+        s.terminate()
