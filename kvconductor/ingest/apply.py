@@ -199,6 +199,7 @@ class SourceStats:
         "dropped",
         "gaps",
         "replays",
+        "replays_ok",
         "replayed_batches",
         "restarts",
         "resyncs",
@@ -215,6 +216,8 @@ class SourceStats:
         self.dropped: dict[str, int] = {}
         self.gaps = 0
         self.replays = 0
+        #: Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``).
+        self.replays_ok = 0
         self.replayed_batches = 0
         self.restarts = 0
         self.resyncs = 0

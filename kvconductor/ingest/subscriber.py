@@ -351,11 +351,10 @@ class RetiredTotals:
 
 
 def _replays(sub: Subscription) -> tuple[int, int]:
-    """(ok, failed) finished replays of ``sub`` (a running one is neither)."""
+    """(ok, failed) finished replays of ``sub`` (a running one is neither); each counted
+    once, when it ends, so both only grow."""
     s = sub.stats
-    failed = s.dropped.get("replay_failed", 0)
-    finished = s.replays - (1 if sub.tracker.replaying else 0)
-    return max(0, finished - failed), failed
+    return s.replays_ok, s.dropped.get("replay_failed", 0)
 
 
 class SubscriptionManager:
