@@ -1,7 +1,8 @@
 """The HTTP API (docs/api.md) as a Falcon ASGI app over a :class:`Conductor`.
 
 Routes: ``GET /health``, ``POST /register``, ``POST /unregister``,
-``POST /query``, ``POST /query_by_hash``, ``POST /events``, ``GET /workers``.
+``POST /query``, ``POST /query_by_hash``, ``POST /events``, ``GET /workers``,
+``GET /metrics`` (:mod:`kvconductor.metrics`).
 
 Resources are thin: they read the body (bounded by ``max_body_bytes``: 413
 when ``Content-Length`` says so before anything is read, or as soon as a
@@ -49,6 +50,7 @@ import msgspec
 from kvconductor import __version__, openapi
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.ingest.http_events import EventError, normalize_events
+from kvconductor.metrics import CONTENT_TYPE, Metrics, QueryMetrics
 from kvconductor.registry import RegistrationError
 from kvconductor.schema import (
     EventsResponse,
@@ -314,9 +316,19 @@ class UnregisterResource(_Resource):
 class QueryResource(_Resource):
     """``POST /query`` (``by_hash=False``) and ``POST /query_by_hash``."""
 
-    def __init__(self, conductor: Conductor, *, by_hash: bool, **kw: Any) -> None:
+    def __init__(
+        self,
+        conductor: Conductor,
+        *,
+        by_hash: bool,
+        metrics: QueryMetrics | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(conductor, **kw)
         self.by_hash = by_hash
+        self.metrics = metrics or QueryMetrics()
+        #: ``kvconductor_query_seconds{route}`` of this route.
+        self.seconds = self.metrics.route_seconds["/query_by_hash" if by_hash else "/query"]
 
     def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
         """Parse, match and encode: ``(status, body, log message or None)``."""
@@ -330,32 +342,47 @@ class QueryResource(_Resource):
                 ),
                 str(ex),
             )
+        m = self.metrics
         index = self.conductor.get_index(model, tenant)
         if index is None:
+            m.unknown_index.inc()
             msg = f"no indexer for model={model} tenant={tenant}"
             return 404, encode_error(msg, msgpack), msg
         if self.by_hash:
             # NOTE: the request's block_size is ignored; counts are in blocks (docs/api.md,
             # POST /query_by_hash).
-            return 200, encode_result(index.query_by_hash(values).hits, tenant, 1, msgpack), None
+            hits = index.query_by_hash(values).hits
+            if hits:
+                m.count_hits(hits)
+            else:
+                m.no_match.inc()
+            return 200, encode_result(hits, tenant, 1, msgpack), None
         # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
         # them and the other way round.
         seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
-        return (
-            200,
-            encode_result(index.query(values, block_size, seed).hits, tenant, block_size, msgpack),
-            None,
-        )
+        hits = index.query(values, block_size, seed).hits
+        if hits:
+            m.count_hits(hits)
+        else:
+            sizes = self.conductor.block_sizes.get((model, tenant))
+            if sizes and block_size not in sizes:
+                m.block_size_mismatch.inc()
+            else:
+                m.no_match.inc()
+        return 200, encode_result(hits, tenant, block_size, msgpack), None
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         t0 = time.perf_counter()
         msgpack = is_msgpack_content_type(req.content_type)
         body = await self._body(req, resp, msgpack)
         if body is None:
+            self.seconds.observe(time.perf_counter() - t0)
             return
         status, data, problem = await self._offload(body, self.answer, body, msgpack)
         # Server-side time (body read, parse, hash, match, encode) for clients and benches.
-        resp.set_header("Server-Timing", f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}")
+        dt = time.perf_counter() - t0
+        self.seconds.observe(dt)
+        resp.set_header("Server-Timing", f"app;dur={dt * 1e3:.3f}")
         if problem is not None:
             if status == 404:
                 log.info("query for unknown indexer path=%s error=%s", req.path, problem)
@@ -420,6 +447,30 @@ class WorkersResource(_Resource):
             return
         doc = await self.conductor.run(self.conductor.workers)
         _json(resp, 200, json_encoder.encode(doc))
+
+
+class MetricsResource(_Resource):
+    """``GET /metrics``: Prometheus text exposition (:mod:`kvconductor.metrics`).
+
+    Protected like ``/workers`` (its labels name every instance and model): with an
+    API key it needs the bearer token, unless ``open_metrics``.
+    """
+
+    def __init__(
+        self, conductor: Conductor, *, metrics: Metrics, open_metrics: bool = False, **kw: Any
+    ) -> None:
+        super().__init__(conductor, **kw)
+        self.metrics = metrics
+        self.open_metrics = open_metrics
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if not self.open_metrics and not self._authorized(req, resp):
+            return
+        # In a worker thread: an index's read lock may wait behind a large write.
+        data = await asyncio.to_thread(self.metrics.exposition)
+        resp.status = 200
+        resp.content_type = CONTENT_TYPE
+        resp.data = data
 
 
 class OriginPolicy:
@@ -608,6 +659,7 @@ class QueryFastPath:
         except Exception as ex:
             log.exception("internal error method=POST path=%s", path)
             status, data, problem = 500, encode_error(f"internal error: {ex}", msgpack), None
+        res.seconds.observe(time.perf_counter() - t0)
         if problem is not None:
             if status == 404:
                 log.info("query for unknown indexer path=%s error=%s", path, problem)
@@ -629,6 +681,7 @@ class QueryFastPath:
         data = encode_error(
             f"request body exceeds the limit of {self.max_body_bytes} bytes", msgpack
         )
+        self.routes[path].seconds.observe(time.perf_counter() - t0)
         await self._send(send, 413, data, msgpack, cors, t0)
 
     @staticmethod
@@ -656,6 +709,7 @@ def create_app(
     fast_query: bool = False,
     allow_origins: Iterable[str] = (),
     open_workers: bool = False,
+    open_metrics: bool | None = None,
 ) -> Any:
     """Build the ASGI app over ``conductor``.
 
@@ -663,7 +717,8 @@ def create_app(
     lifespan events (gunicorn); otherwise the caller does (server, tests).
     ``api_key`` protects ``/register``, ``/unregister``, ``/events`` and
     ``/workers`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
-    ``/health`` and the queries stay open. With ``fast_query`` the
+    ``/health`` and the queries stay open; ``/metrics`` is protected like ``/workers``
+    unless ``open_metrics`` (default: ``open_workers``). With ``fast_query`` the
     Falcon app is fronted by :class:`QueryFastPath` (what the server runs).
     ``allow_origins``: web origins allowed on the mutating routes
     (:class:`OriginPolicy`).
@@ -680,14 +735,20 @@ def create_app(
     app.add_route("/health", HealthResource())
     app.add_route("/register", RegisterResource(conductor, **kw))
     app.add_route("/unregister", UnregisterResource(conductor, **kw))
-    query = QueryResource(conductor, by_hash=False, **kw)
-    query_by_hash = QueryResource(conductor, by_hash=True, **kw)
+    metrics = Metrics(conductor)
+    query = QueryResource(conductor, by_hash=False, metrics=metrics.query, **kw)
+    query_by_hash = QueryResource(conductor, by_hash=True, metrics=metrics.query, **kw)
     app.add_route("/query", query)
     app.add_route("/query_by_hash", query_by_hash)
     app.add_route("/events", EventsResource(conductor, **kw))
     app.add_route("/workers", WorkersResource(conductor, open_workers=open_workers, **kw))
     app.add_route("/ready", ReadyResource(conductor, **kw))
     app.add_route("/openapi.json", OpenApiResource())
+    if open_metrics is None:
+        open_metrics = open_workers
+    app.add_route(
+        "/metrics", MetricsResource(conductor, metrics=metrics, open_metrics=open_metrics, **kw)
+    )
     app.add_error_handler(Exception, _handle_exception)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     if fast_query:

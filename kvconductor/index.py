@@ -226,6 +226,12 @@ class Index:
             time.monotonic() if now is None else now, pending_ttl, content_ttl, offload_ttl
         )
 
+    def sizes(self) -> dict[str, int]:
+        """The core's counters (``nodes``, ``hbm_pairs``, ``cpu_blocks``, ``disk_blocks``,
+        ``offload``, ``content``, ``pending``, ``nbytes``): one read lock, no walk. Any
+        thread (the ``/metrics`` scrape)."""
+        return self.core.stats()
+
     def is_empty(self) -> bool:
         """No blocks in any tier and no two-phase entries."""
         s = self.core.stats()

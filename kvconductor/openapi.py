@@ -162,6 +162,18 @@ def document() -> dict[str, Any]:
                 },
             }
         },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (text format 0.0.4)",
+                "responses": {
+                    "200": {
+                        "description": "the exposition",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    **_errors("401"),
+                },
+            }
+        },
         "/openapi.json": {
             "get": {
                 "summary": "this document",

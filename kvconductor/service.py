@@ -247,6 +247,13 @@ class Conductor:
         self._stopped = False
         self._stopping = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Registered (instance, DP) pairs; replaced by the ingest thread, read anywhere.
+        self.registrations = 0
+        #: (model, tenant) -> the block sizes registered for it (query miss reasons);
+        #: a new dict is swapped in on every change, read anywhere.
+        self.block_sizes: dict[tuple[str, str], frozenset[int]] = {}
+        #: Events applied through POST /events since start (ingest thread; metrics).
+        self.http_events_applied = 0
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -362,6 +369,7 @@ class Conductor:
                 req.dp_rank,
             )
             self.get_or_create_index(out.model_name, out.tenant_id)
+            self._registrations_changed()
             return
         # Subscriptions first: the only step that can fail for want of resources. On a
         # failure everything is put back as it was and the request gets a 503.
@@ -394,6 +402,7 @@ class Conductor:
                 out.dp_rank,
             )
         self.get_or_create_index(out.model_name, out.tenant_id)
+        self._registrations_changed()
         if out.drop_from is not None:
             self._reclaim(out.drop_from)
         if out.replay is not None and out.replay.url in opened:
@@ -455,6 +464,7 @@ class Conductor:
         if not out.found:
             log.info("unregister: instance not found instance_id=%s", req.instance_id)
             return False
+        self._registrations_changed()
         for ip in out.ips_removed:
             log.info(
                 "HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
@@ -478,6 +488,18 @@ class Conductor:
             out.instance_removed,
         )
         return True
+
+    def _registrations_changed(self) -> None:
+        """Recount :attr:`registrations` and :attr:`block_sizes` (ingest thread; after a
+        registration or unregistration, O(registrations))."""
+        sizes: dict[tuple[str, str], set[int]] = {}
+        n = 0
+        for entry in self.registry.instances.values():
+            for ep in entry.endpoints.values():
+                n += 1
+                sizes.setdefault(ep.index_key, set()).add(ep.block_size)
+        self.block_sizes = {k: frozenset(v) for k, v in sizes.items()}
+        self.registrations = n
 
     def _reclaim(self, key: tuple[str, str]) -> bool:
         """Drop the index of ``key`` if it is empty and no registration refers to it."""
@@ -534,6 +556,7 @@ class Conductor:
                 errors.append(f"dp_rank={dp}: internal error: {ex}")
                 continue
             applied += len(group)
+        self.http_events_applied += applied
         if errors:
             log.warning(
                 "failed to apply events instance_id=%s applied=%d errors=%s",

@@ -199,12 +199,14 @@ class SourceStats:
         "dropped",
         "gaps",
         "replays",
+        "replays_ok",
         "replayed_batches",
         "restarts",
         "resyncs",
         "duplicates",
         "last_seq",
         "aged_out",
+        "last_event",
     )
 
     def __init__(self) -> None:
@@ -214,6 +216,8 @@ class SourceStats:
         self.dropped: dict[str, int] = {}
         self.gaps = 0
         self.replays = 0
+        #: Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``).
+        self.replays_ok = 0
         self.replayed_batches = 0
         self.restarts = 0
         self.resyncs = 0
@@ -221,6 +225,8 @@ class SourceStats:
         self.last_seq: int | None = None
         #: Blocks dropped because they were not re-announced after a loss.
         self.aged_out = 0
+        #: Wall-clock time of the last batch received (set by the subscription).
+        self.last_event = 0.0
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n

@@ -24,3 +24,12 @@ class SubscriberContext:
     replay_endpoint: str | None = None
     engine_type: str = "vLLM"
     extra: dict = field(default_factory=dict, compare=False)
+
+
+def source_kind(is_pool: bool, engine_type: str) -> str:
+    """``pool`` for pool publishers; ``vllm`` / ``sglang`` from the registration's
+    ``type``; ``engine`` for any other engine type (bounded label values)."""
+    if is_pool:
+        return "pool"
+    t = engine_type.lower()
+    return t if t in ("vllm", "sglang") else "engine"

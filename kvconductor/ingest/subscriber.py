@@ -49,6 +49,7 @@ serves the engine's sequence, not a pool port's.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -56,7 +57,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
-from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.context import SubscriberContext, source_kind
 from kvconductor.ingest.replay import ReplaySession, drain
 from kvconductor.ingest.tracker import SequenceTracker
 from kvconductor.keys import Medium
@@ -93,6 +94,9 @@ class Subscription:
         self.ctx = ctx
         self.key = (ctx.instance_id, ctx.dp_rank, ctx.url)
         self.stats = SourceStats()
+        #: Wall-clock time of the last batch received (live or replayed); at first, of
+        #: the subscription's creation (``kvconductor_source_last_event_age_seconds``).
+        self.stats.last_event = time.time()
         self.applier = Applier(ctx, manager.conductor, self.stats, manager.warn)
         self.replay_endpoint = self._replay_endpoint_of(ctx)
         self.sock: zmq.Socket | None = None
@@ -237,7 +241,9 @@ class Subscription:
                 self.stats.drop("bad_seq_frame")
                 self.manager.warn.warn(self.name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
                 continue
-            self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], time.time())
+            now = time.time()
+            self.stats.last_event = now
+            self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
 
     # -- the tracker's host ----------------------------------------------------------------
     def apply(self, payload: bytes) -> None:
@@ -285,7 +291,9 @@ class Subscription:
         )
 
     def _on_replayed(self, seq: int, payload: bytes) -> None:
-        self.tracker.replayed(seq, payload, time.time())
+        now = time.time()
+        self.stats.last_event = now
+        self.tracker.replayed(seq, payload, now)
 
     def _on_replay_done(self, ok: bool, why: str) -> None:
         self.replay = None
@@ -328,8 +336,30 @@ class Subscription:
         }
 
 
+class RetiredTotals:
+    """Counters of the subscriptions closed so far, so that the metrics' sums over
+    subscriptions never go down when one closes (a counter reset to Prometheus)."""
+
+    __slots__ = ("dropped", "events", "gaps", "replays_failed", "replays_ok")
+
+    def __init__(self) -> None:
+        self.events: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
+        self.gaps = 0
+        self.replays_ok = 0
+        self.replays_failed = 0
+
+
+def _replays(sub: Subscription) -> tuple[int, int]:
+    """(ok, failed) finished replays of ``sub`` (a running one is neither); each counted
+    once, when it ends, so both only grow."""
+    s = sub.stats
+    return s.replays_ok, s.dropped.get("replay_failed", 0)
+
+
 class SubscriptionManager:
-    """Lives on the ingest thread; every method is called on the ingest thread."""
+    """Lives on the ingest thread; every method is called on the ingest thread, except
+    :meth:`metrics_snapshot` (any thread)."""
 
     def __init__(
         self,
@@ -354,6 +384,67 @@ class SubscriptionManager:
         self.loss_grace = float(loss_grace)
         self.warn = WarnLimiter()
         self._subs: dict[tuple[str, int, str], Subscription] = {}
+        #: Counters of closed subscriptions (metrics), folded in by :meth:`_remove`.
+        self.retired = RetiredTotals()
+        #: Held while the table changes and while a scrape reads it: a scrape sees a
+        #: closing subscription's counters either in the table or in :attr:`retired`,
+        #: never in both or neither. Never taken per batch.
+        self._table_lock = threading.Lock()
+
+    def _add(self, sub: Subscription) -> None:
+        with self._table_lock:
+            self._subs[sub.key] = sub
+
+    def _remove(self, key: tuple[str, int, str]) -> Subscription:
+        """Take ``key``'s subscription out of the table, its counters into retired."""
+        with self._table_lock:
+            sub = self._subs.pop(key)
+            r = self.retired
+            s = sub.stats
+            kind = source_kind(sub.ctx.is_pool, sub.ctx.engine_type)
+            r.events[kind] = r.events.get(kind, 0) + s.events
+            for reason, n in s.dropped.items():
+                r.dropped[reason] = r.dropped.get(reason, 0) + n
+            r.gaps += s.gaps
+            ok, failed = _replays(sub)
+            r.replays_ok += ok
+            r.replays_failed += failed
+        return sub
+
+    def metrics_snapshot(self) -> tuple[list[tuple], RetiredTotals]:
+        """Any thread (the ``/metrics`` scrape): per subscription ``(instance_id, dp_rank,
+        media, source_kind, events, dropped, gaps, replays_ok, replays_failed, live,
+        last_event)``, and a copy of the closed subscriptions' totals. O(subscriptions),
+        plain reads of counters under the table lock."""
+        rows = []
+        with self._table_lock:
+            for sub in self._subs.values():
+                s = sub.stats
+                ctx = sub.ctx
+                ok, failed = _replays(sub)
+                rows.append(
+                    (
+                        ctx.instance_id,
+                        ctx.dp_rank,
+                        ctx.default_media,
+                        source_kind(ctx.is_pool, ctx.engine_type),
+                        s.events,
+                        dict(s.dropped),
+                        s.gaps,
+                        ok,
+                        failed,
+                        sub.state == "live",
+                        s.last_event,
+                    )
+                )
+            r = self.retired
+            retired = RetiredTotals()
+            retired.events = dict(r.events)
+            retired.dropped = dict(r.dropped)
+            retired.gaps = r.gaps
+            retired.replays_ok = r.replays_ok
+            retired.replays_failed = r.replays_failed
+        return rows, retired
 
     def _check_thread(self) -> None:
         if self.thread.is_alive() and not self.thread.on_thread():
@@ -363,16 +454,15 @@ class SubscriptionManager:
         """One SUB per (instance_id, dp_rank, url); replaces an existing one."""
         self._check_thread()
         key = (ctx.instance_id, ctx.dp_rank, ctx.url)
-        old = self._subs.pop(key, None)
-        if old is not None:
-            old.close()
+        if key in self._subs:
+            self._remove(key).close()
         sub = Subscription(self, ctx)
         try:
             sub.open()
         except BaseException:
             sub.close()
             raise
-        self._subs[key] = sub
+        self._add(sub)
         log.info(
             "subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)",
             sub.name(),
@@ -408,12 +498,12 @@ class SubscriptionManager:
                 sub.close()
             raise
         for sub in opened:
-            self._subs[sub.key] = sub
+            self._add(sub)
         for url, sub in old.items():
             if url in wanted:
                 sub.retarget(wanted[url])
             else:
-                self._subs.pop(sub.key).close()
+                self._remove(sub.key).close()
         for sub in opened:
             log.info(
                 "subscribed %s (model=%s tenant=%s media=%s pool=%s replay=%s)",
@@ -431,7 +521,7 @@ class SubscriptionManager:
         self._check_thread()
         keys = [k for k in self._subs if k[0] == instance_id and k[1] == dp_rank]
         for k in keys:
-            self._subs.pop(k).close()
+            self._remove(k).close()
         return len(keys)
 
     def request_replay(self, ctx: SubscriberContext) -> None:
@@ -468,9 +558,8 @@ class SubscriptionManager:
     def close(self) -> None:
         """Close every subscription."""
         self._check_thread()
-        for s in self._subs.values():
-            s.close()
-        self._subs.clear()
+        for k in list(self._subs):
+            self._remove(k).close()
 
     def count(self, instance_id: str, dp_rank: int) -> int:
         """Subscriptions of (instance, dp)."""

@@ -190,6 +190,7 @@ class SequenceTracker:
         if self.closed:
             return
         if ok:
+            self.stats.replays_ok += 1
             if self._restart:
                 self.start_replay(0, verify=False)
                 return

@@ -1,0 +1,238 @@
+"""``GET /metrics``: Prometheus text exposition of one app (docs/api.md, GET /metrics).
+
+Two kinds of metrics, in one :class:`~prometheus_client.CollectorRegistry` per app
+(never the process-global one, so several apps in one process do not collide):
+
+* **query metrics** (:class:`QueryMetrics`): a histogram and two counters moved by
+  the query routes themselves, Falcon's and :class:`~kvconductor.app.QueryFastPath`'s:
+  one ``observe`` and a few ``inc`` per request, label children bound once;
+* **everything else** (:class:`ConductorCollector`): read at scrape time from what
+  the service already counts (the subscriptions' ``SourceStats``, the conductor's
+  registration summary and ``/events`` counter, each index's ``stats()`` taken under
+  its read lock). The ingest path does no work for them, and a scrape takes no write
+  lock and does nothing per block.
+
+**Threading:** a scrape may run on any thread (the app runs it in a worker thread so
+a read lock held up by a large write never stalls the event loop).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from kvconductor import __version__
+from kvconductor.keys import Medium
+
+__all__ = [
+    "CONTENT_TYPE",
+    "ConductorCollector",
+    "Metrics",
+    "QueryMetrics",
+]
+
+#: The classic text format (what ``generate_latest`` writes for these names, and what
+#: every Prometheus reads); newer prometheus_client releases call theirs 1.0.0.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Buckets of ``kvconductor_query_seconds``: a cached query answers in tens of
+#: microseconds, a 1M-token body in tens of milliseconds.
+QUERY_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+TIERS = ("npu", "cpu", "disk")
+MISS_REASONS = ("unknown_index", "block_size_mismatch", "no_match")
+
+
+class QueryMetrics:
+    """The query routes' histogram and counters (any thread: prometheus_client locks)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.seconds = Histogram(
+            "kvconductor_query_seconds",
+            "Server-side time of a query request (body read, parse, hash, match, encode)",
+            ["route"],
+            buckets=QUERY_BUCKETS,
+            registry=registry,
+        )
+        self.blocks = Counter(
+            "kvconductor_query_blocks",
+            "Matched blocks returned by queries, summed over the answers' DP entries",
+            ["tier"],
+            registry=registry,
+        )
+        self.misses = Counter(
+            "kvconductor_query_misses",
+            "Queries answered without any match, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        # PERF: label children bound once; the hot path only calls observe/inc.
+        self.route_seconds = {r: self.seconds.labels(route=r) for r in ("/query", "/query_by_hash")}
+        self._npu, self._cpu, self._disk = (self.blocks.labels(tier=t) for t in TIERS)
+        self.unknown_index, self.block_size_mismatch, self.no_match = (
+            self.misses.labels(reason=r) for r in MISS_REASONS
+        )
+
+    def count_hits(self, hits: list) -> None:
+        """Add the per-tier blocks of a non-empty answer (``DpHit`` rows)."""
+        if len(hits) == 1:  # PERF: the common answer, one DP
+            _, _, n, c, d = hits[0]
+        else:
+            # PERF: column sums in C (zip/sum), no Python loop per DP entry.
+            _, _, npu, cpu, disk = zip(*hits, strict=True)
+            n, c, d = sum(npu), sum(cpu), sum(disk)
+        if n:
+            self._npu.inc(n)
+        if c:
+            self._cpu.inc(c)
+        if d:
+            self._disk.inc(d)
+
+
+def _subscription_rows(subs: Any) -> tuple[list[tuple], Any]:
+    snap = getattr(subs, "metrics_snapshot", None)
+    if snap is None:  # no subscriber yet (before start), or a test double
+        return [], None
+    return snap()
+
+
+class ConductorCollector(Collector):
+    """Ingest, index, registration and build metrics, read at scrape time."""
+
+    def __init__(self, conductor: Any) -> None:
+        self.conductor = conductor
+
+    def describe(self) -> Iterable[Metric]:
+        # Nothing at registration time: collect() reads live state.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.conductor
+        now = time.time()
+        build = GaugeMetricFamily(
+            "kvconductor_build_info", "Build of the running service (always 1)", labels=["version"]
+        )
+        build.add_metric([__version__], 1)
+        yield build
+
+        regs = GaugeMetricFamily(
+            "kvconductor_registrations", "Registered (instance, DP) pairs", value=c.registrations
+        )
+        yield regs
+
+        blocks = GaugeMetricFamily(
+            "kvconductor_index_blocks",
+            "Blocks held per (model, tenant) index and tier (HBM counts (worker, block) pairs)",
+            labels=["model", "tenant", "tier"],
+        )
+        nbytes = GaugeMetricFamily(
+            "kvconductor_index_bytes",
+            "Structure memory of each (model, tenant) index",
+            labels=["model", "tenant"],
+        )
+        for (model, tenant), idx in sorted(c.indexes.items()):
+            s = idx.sizes()  # one read lock, O(1) counters
+            blocks.add_metric([model, tenant, "npu"], s["hbm_pairs"])
+            blocks.add_metric([model, tenant, "cpu"], s["cpu_blocks"])
+            blocks.add_metric([model, tenant, "disk"], s["disk_blocks"])
+            nbytes.add_metric([model, tenant], s["nbytes"])
+        yield blocks
+        yield nbytes
+
+        rows, retired = _subscription_rows(c.subs)
+        applied: dict[str, int] = {"http": c.http_events_applied}
+        dropped: dict[str, int] = {}
+        gaps = 0
+        ok = failed = 0
+        if retired is not None:
+            for kind, n in retired.events.items():
+                applied[kind] = applied.get(kind, 0) + n
+            for reason, n in retired.dropped.items():
+                dropped[reason] = dropped.get(reason, 0) + n
+            gaps += retired.gaps
+            ok += retired.replays_ok
+            failed += retired.replays_failed
+        up = GaugeMetricFamily(
+            "kvconductor_source_up",
+            "1 while a subscription is live (connected, not replaying, not degraded), else 0",
+            labels=["instance_id", "dp_rank", "medium"],
+        )
+        age = GaugeMetricFamily(
+            "kvconductor_source_last_event_age_seconds",
+            "Seconds since a subscription last received a batch (or since it was opened)",
+            labels=["instance_id", "dp_rank", "medium"],
+        )
+        for iid, dp, media, kind, events, drops, g, r_ok, r_failed, live, last in rows:
+            applied[kind] = applied.get(kind, 0) + events
+            for reason, n in drops.items():
+                dropped[reason] = dropped.get(reason, 0) + n
+            gaps += g
+            ok += r_ok
+            failed += r_failed
+            for m in media:
+                labels = [iid, str(dp), Medium(m).name]
+                up.add_metric(labels, 1 if live else 0)
+                age.add_metric(labels, max(0.0, now - last))
+        ev = CounterMetricFamily(
+            "kvconductor_events_applied",
+            "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "
+            "events; http: POST /events)",
+            labels=["source_kind"],
+        )
+        for kind in sorted(applied):
+            ev.add_metric([kind], applied[kind])
+        yield ev
+        dr = CounterMetricFamily(
+            "kvconductor_events_dropped",
+            "Messages and events dropped by the ZeroMQ ingest, by reason (/workers dropped)",
+            labels=["reason"],
+        )
+        for reason in sorted(dropped):
+            dr.add_metric([reason], dropped[reason])
+        yield dr
+        yield CounterMetricFamily(
+            "kvconductor_source_gaps", "Sequence gaps seen on the ZeroMQ streams", value=gaps
+        )
+        rp = CounterMetricFamily(
+            "kvconductor_replays",
+            "Finished replays: ok (end marker arrived) or failed (a loss)",
+            labels=["outcome"],
+        )
+        rp.add_metric(["ok"], ok)
+        rp.add_metric(["failed"], failed)
+        yield rp
+        yield up
+        yield age
+
+
+class Metrics:
+    """One app's registry: the query metrics and the conductor collector."""
+
+    def __init__(self, conductor: Any) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.query = QueryMetrics(self.registry)
+        self.registry.register(ConductorCollector(conductor))
+
+    def exposition(self) -> bytes:
+        """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`) of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,409 @@
+"""``GET /metrics`` (docs/api.md, GET /metrics): every metric moves by exactly what a
+scripted sequence of registrations, events (HTTP and a real ZeroMQ publisher) and
+queries implies. Values are read with prometheus_client's own parser, as deltas.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import falcon.testing as ft
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvconductor
+from kvconductor.app import create_app
+from kvconductor.ingest.subscriber import SubscriptionManager
+from kvconductor.metrics import CONTENT_TYPE
+from kvconductor.service import Conductor, ConductorConfig
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from publishers import FakePublisher, free_tcp_port, schema, wait_until
+
+H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
+BS = 4
+
+
+def scrape(client, **kw) -> dict[tuple, float]:
+    """``{(sample name, sorted labels): value}`` of one scrape (``_created`` left out)."""
+    r = client.simulate_get("/metrics", **kw)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == CONTENT_TYPE
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if s.name.endswith("_created"):
+                continue
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def v(m: dict, name: str, **labels) -> float:
+    """A sample's value; 0 when absent (a counter not yet seen)."""
+    key = tuple(sorted((k, str(x)) for k, x in labels.items()))
+    return m.get((name, key), 0.0)
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    return v(after, name, **labels) - v(before, name, **labels)
+
+
+@pytest.fixture
+def conductor():
+    c = Conductor(ConductorConfig(maintenance_interval=3600))
+    c.start()
+    yield c
+    assert c.stop(5.0)
+
+
+@pytest.fixture(params=["falcon", "fastpath"])
+def client(request, conductor):
+    return ft.TestClient(create_app(conductor, fast_query=request.param == "fastpath"))
+
+
+def register(client, instance_id="http-1", model="tiny", block_size=BS, dp=0, **kw):
+    body = {
+        "instance_id": instance_id,
+        "type": "vLLM",
+        "modelname": model,
+        "block_size": block_size,
+        "dp_rank": dp,
+    }
+    body.update(kw)
+    r = client.simulate_post("/register", json=body)
+    assert r.status_code == 201, r.text
+
+
+def stored(hashes, tokens, dp=0, event_id=1, **kw):
+    ev = {
+        "event_id": event_id,
+        "dp_rank": dp,
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "token_ids": tokens,
+        "block_size": BS,
+    }
+    ev.update(kw)
+    return ev
+
+
+def query(client, tokens, model="tiny", block_size=BS, by_hash=False):
+    path = "/query_by_hash" if by_hash else "/query"
+    key = "block_hashes" if by_hash else "token_ids"
+    r = client.simulate_post(path, json={"model": model, "block_size": block_size, key: tokens})
+    return r.status_code, r.json
+
+
+def test_build_info_and_content_type(client):
+    m = scrape(client)
+    assert v(m, "kvconductor_build_info", version=kvconductor.__version__) == 1
+    assert v(m, "kvconductor_registrations") == 0
+
+
+def test_query_metrics_move_exactly(client):
+    register(client, "http-1", dp=0)
+    register(client, "http-1", dp=1)
+    r = client.simulate_post(
+        "/events",
+        json={
+            "instance_id": "http-1",
+            "events": [
+                stored([100, 200], list(range(1, 9)), dp=0),
+                stored([300], [1, 2, 3, 4], dp=1, event_id=2, medium="CPU"),
+            ],
+        },
+    )
+    assert r.json == {"status": "ok", "events_applied": 2}
+    m0 = scrape(client)
+    assert v(m0, "kvconductor_registrations") == 2
+    assert v(m0, "kvconductor_events_applied_total", source_kind="http") == 2
+    assert v(m0, "kvconductor_index_blocks", model="tiny", tenant="default", tier="npu") == 2
+    assert v(m0, "kvconductor_index_blocks", model="tiny", tenant="default", tier="cpu") == 1
+    assert v(m0, "kvconductor_index_blocks", model="tiny", tenant="default", tier="disk") == 0
+    assert v(m0, "kvconductor_index_bytes", model="tiny", tenant="default") > 0
+
+    # hit: DP 0 holds 2 NPU blocks, DP 1 one CPU block of the same prefix.
+    st, body = query(client, list(range(1, 13)))
+    assert st == 200
+    assert body["default"]["http-1"]["DP"]["0"]["npu_blocks"] == 2
+    assert body["default"]["http-1"]["DP"]["1"]["cpu_blocks"] == 1
+    assert query(client, [1, 2, 3, 4], model="ghost")[0] == 404  # unknown_index
+    assert query(client, list(range(1, 9)), block_size=8) == (200, {"default": {}})  # mismatch
+    assert query(client, [9, 9, 9, 9]) == (200, {"default": {}})  # no_match
+    st, body = query(client, [H1, H2], by_hash=True)  # hit by hash: 2 NPU + 1 CPU
+    assert body["default"]["http-1"]["DP"]["0"]["npu_blocks"] == 2
+    assert query(client, [7], by_hash=True) == (200, {"default": {}})  # no_match
+    assert client.simulate_post("/query", body=b"{").status_code == 400  # timed, no miss
+
+    m1 = scrape(client)
+    assert delta(m1, m0, "kvconductor_query_blocks_total", tier="npu") == 4
+    assert delta(m1, m0, "kvconductor_query_blocks_total", tier="cpu") == 2
+    assert delta(m1, m0, "kvconductor_query_blocks_total", tier="disk") == 0
+    assert delta(m1, m0, "kvconductor_query_misses_total", reason="unknown_index") == 1
+    assert delta(m1, m0, "kvconductor_query_misses_total", reason="block_size_mismatch") == 1
+    assert delta(m1, m0, "kvconductor_query_misses_total", reason="no_match") == 2
+    assert delta(m1, m0, "kvconductor_query_seconds_count", route="/query") == 5
+    assert delta(m1, m0, "kvconductor_query_seconds_count", route="/query_by_hash") == 2
+    assert v(m1, "kvconductor_query_seconds_bucket", route="/query", le="+Inf") == v(
+        m1, "kvconductor_query_seconds_count", route="/query"
+    )
+    assert delta(m1, m0, "kvconductor_query_seconds_sum", route="/query") > 0
+    # Scrapes themselves move nothing.
+    assert scrape(client) == m1
+
+
+def test_block_size_mismatch_needs_a_registration_without_that_size(client):
+    register(client, "a", block_size=4)
+    register(client, "b", block_size=8)
+    m0 = scrape(client)
+    assert query(client, list(range(1, 9)), block_size=8) == (200, {"default": {}})
+    assert query(client, list(range(1, 17)), block_size=16) == (200, {"default": {}})
+    m1 = scrape(client)
+    assert delta(m1, m0, "kvconductor_query_misses_total", reason="no_match") == 1
+    assert delta(m1, m0, "kvconductor_query_misses_total", reason="block_size_mismatch") == 1
+    client.simulate_post(
+        "/unregister",
+        json={
+            "instance_id": "b",
+            "type": "vLLM",
+            "modelname": "tiny",
+            "block_size": 8,
+            "dp_rank": 0,
+        },
+    )
+    assert v(scrape(client), "kvconductor_registrations") == 1
+    query(client, list(range(1, 9)), block_size=8)
+    m2 = scrape(client)
+    assert delta(m2, m1, "kvconductor_query_misses_total", reason="block_size_mismatch") == 1
+
+
+def test_apps_have_their_own_registries(conductor):
+    a = ft.TestClient(create_app(conductor))
+    b = ft.TestClient(create_app(conductor, fast_query=True))
+    query(a, [1, 2, 3, 4], model="ghost")
+    assert v(scrape(a), "kvconductor_query_misses_total", reason="unknown_index") == 1
+    assert v(scrape(b), "kvconductor_query_misses_total", reason="unknown_index") == 0
+
+
+def test_metrics_protected_like_workers(conductor):
+    auth = {"Authorization": "Bearer s3cret"}
+    closed = ft.TestClient(create_app(conductor, api_key="s3cret"))
+    r = closed.simulate_get("/metrics")
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"] == 'Bearer realm="kv-conductor"'
+    assert v(
+        scrape(closed, headers=auth), "kvconductor_build_info", version=kvconductor.__version__
+    )
+    for kw in ({"open_workers": True}, {"open_metrics": True}):
+        opened = ft.TestClient(create_app(conductor, api_key="s3cret", **kw))
+        assert opened.simulate_get("/metrics").status_code == 200
+    split = ft.TestClient(
+        create_app(conductor, api_key="s3cret", open_workers=True, open_metrics=False)
+    )
+    assert split.simulate_get("/metrics").status_code == 401
+    assert split.simulate_get("/workers").status_code == 200
+
+
+# ---------------------------------------------------------------------------------------
+# ZeroMQ sources: a real publisher, the real subscription manager
+
+
+@pytest.fixture
+def zmq_conductor():
+    c = Conductor(
+        ConductorConfig(maintenance_interval=3600),
+        subscriptions=lambda t, cd: SubscriptionManager(t, cd, replay_timeout=0.5),
+    )
+    c.start()
+    yield c
+    assert c.stop(5.0)
+
+
+V = schema("vllm", "0.33.0")
+TOKENS = list(range(100, 124))
+HASHES = [0xA000 + i for i in range(6)]
+
+
+def _connected(client, pub, warm: bytes, iid="eng-1") -> None:
+    """Publish ``warm`` until the SUB is connected and has applied it."""
+
+    def applied():
+        pub.publish(warm)
+        st, body = query(client, TOKENS[:8], model="qwen")
+        return st == 200 and iid in body["default"]
+
+    wait_until(applied, msg="first batch applied")
+    time.sleep(0.3)  # the warm-up batches still in flight are applied before the baseline
+
+
+def _src(m, name, iid="eng-1", dp=0, medium="NPU"):
+    return v(m, name, instance_id=iid, dp_rank=dp, medium=medium)
+
+
+def test_zmq_source_metrics(zmq_conductor):
+    client = ft.TestClient(create_app(zmq_conductor, fast_query=True))
+    pub = FakePublisher(replay=False)
+    try:
+        register(client, "eng-1", model="qwen", medium_endpoints={"npu": pub.url})
+        m = scrape(client)
+        assert v(m, "kvconductor_registrations") == 1
+        _connected(client, pub, V.batch([V.stored(HASHES[:2], None, TOKENS[:8], BS)]))
+        wait_until(lambda: _src(scrape(client), "kvconductor_source_up") == 1, msg="live")
+        m0 = scrape(client)
+        assert 0 <= _src(m0, "kvconductor_source_last_event_age_seconds") < 10
+        up = [k for k in m0 if k[0] == "kvconductor_source_up"]
+        assert up == [
+            (
+                "kvconductor_source_up",
+                (("dp_rank", "0"), ("instance_id", "eng-1"), ("medium", "NPU")),
+            )
+        ]
+
+        # One batch of 3 events: a store, a store of another block size (dropped), a removal.
+        pub.publish(
+            V.batch(
+                [
+                    V.stored(HASHES[2:4], HASHES[1], TOKENS[8:16], BS),
+                    V.stored([0xBEEF], None, TOKENS[:8], 8),
+                    V.removed([HASHES[3]]),
+                ]
+            )
+        )
+        wait_until(
+            lambda: (
+                delta(scrape(client), m0, "kvconductor_events_applied_total", source_kind="vllm")
+                == 3
+            ),
+            msg="batch applied",
+        )
+        m1 = scrape(client)
+        assert delta(m1, m0, "kvconductor_events_dropped_total", reason="block_size_mismatch") == 1
+        assert delta(m1, m0, "kvconductor_events_applied_total", source_kind="http") == 0
+        assert delta(m1, m0, "kvconductor_source_gaps_total") == 0
+        assert v(m1, "kvconductor_index_blocks", model="qwen", tenant="default", tier="npu") == 3
+
+        # A lost batch without a replay endpoint: a gap, a loss, the source degraded.
+        pub.publish(b"lost", drop=True)
+        pub.publish(V.batch([V.stored([HASHES[3]], HASHES[2], TOKENS[12:16], BS)]))
+        wait_until(lambda: delta(scrape(client), m1, "kvconductor_source_gaps_total") == 1)
+        m2 = scrape(client)
+        assert _src(m2, "kvconductor_source_up") == 0  # degraded
+        assert delta(m2, m1, "kvconductor_events_applied_total", source_kind="vllm") == 1
+        assert delta(m2, m1, "kvconductor_replays_total", outcome="ok") == 0
+        assert delta(m2, m1, "kvconductor_replays_total", outcome="failed") == 0
+
+        # Unregistering keeps the counters (no reset) and removes the per-source series.
+        r = client.simulate_post(
+            "/unregister",
+            json={
+                "instance_id": "eng-1",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": 4,
+                "dp_rank": 0,
+            },
+        )
+        assert r.status_code == 200
+        m3 = scrape(client)
+        assert v(m3, "kvconductor_registrations") == 0
+        for name, labels in (
+            ("kvconductor_events_applied_total", {"source_kind": "vllm"}),
+            ("kvconductor_events_dropped_total", {"reason": "block_size_mismatch"}),
+            ("kvconductor_source_gaps_total", {}),
+        ):
+            assert delta(m3, m2, name, **labels) == 0, name
+        assert not any(k[0].startswith("kvconductor_source_up") for k in m3)
+    finally:
+        pub.stop()
+
+
+def test_source_up_drops_when_the_publisher_stops(zmq_conductor):
+    client = ft.TestClient(create_app(zmq_conductor))
+    pub = FakePublisher(replay=False)
+    try:
+        register(client, "eng-1", model="qwen", medium_endpoints={"npu": pub.url})
+        _connected(client, pub, V.batch([V.stored(HASHES[:2], None, TOKENS[:8], BS)]))
+        wait_until(lambda: _src(scrape(client), "kvconductor_source_up") == 1, msg="live")
+    finally:
+        pub.stop()
+    wait_until(lambda: _src(scrape(client), "kvconductor_source_up") == 0, msg="down")
+
+
+def test_replay_outcomes(zmq_conductor):
+    client = ft.TestClient(create_app(zmq_conductor))
+    pub = FakePublisher()
+    dead = f"tcp://127.0.0.1:{free_tcp_port()}"
+    try:
+        m0 = scrape(client)
+        # The registration's catch-up replay from 0 (nothing published yet) ends ok.
+        register(
+            client,
+            "eng-1",
+            model="qwen",
+            medium_endpoints={"npu": pub.url},
+            replay_endpoint=pub.replay_url,
+        )
+        wait_until(lambda: delta(scrape(client), m0, "kvconductor_replays_total", outcome="ok"))
+        # A registration whose replay ROUTER never answers: failed after the timeout.
+        other = FakePublisher(replay=False)
+        try:
+            register(
+                client,
+                "eng-2",
+                model="qwen",
+                medium_endpoints={"npu": other.url},
+                replay_endpoint=dead,
+            )
+            wait_until(
+                lambda: delta(scrape(client), m0, "kvconductor_replays_total", outcome="failed")
+            )
+        finally:
+            other.stop()
+        m1 = scrape(client)
+        assert delta(m1, m0, "kvconductor_replays_total", outcome="ok") == 1
+        assert delta(m1, m0, "kvconductor_replays_total", outcome="failed") == 1
+        assert delta(m1, m0, "kvconductor_events_dropped_total", reason="replay_failed") == 1
+    finally:
+        pub.stop()
+
+
+def test_source_kind():
+    from kvconductor.ingest.context import source_kind
+
+    assert source_kind(True, "vLLM") == "pool"
+    assert source_kind(False, "vLLM") == "vllm"
+    assert source_kind(False, "SGLang") == "sglang"
+    assert source_kind(False, "MindIE") == "engine"
+
+
+@pytest.mark.server
+def test_real_server_serves_metrics(tmp_path):
+    """``kv-conductor --api-key``: /metrics needs the key; the fast path's queries count."""
+    from test_server import Server
+
+    s = Server(tmp_path, "--api-key", "k3y")
+    try:
+        s.wait_ready()
+        assert s.http.get("/metrics").status_code == 401
+        auth = {"Authorization": "Bearer k3y"}
+        assert (
+            s.http.post(
+                "/query", json={"model": "x", "block_size": 4, "token_ids": [1]}
+            ).status_code
+            == 404
+        )
+        r = s.http.get("/metrics", headers=auth)
+        assert r.status_code == 200
+        assert r.headers["content-type"] == CONTENT_TYPE
+        m = {}
+        for fam in text_string_to_metric_families(r.text):
+            for smp in fam.samples:
+                m[(smp.name, tuple(sorted(smp.labels.items())))] = smp.value
+        assert v(m, "kvconductor_query_misses_total", reason="unknown_index") == 1
+        assert v(m, "kvconductor_query_seconds_count", route="/query") == 1
+        assert v(m, "kvconductor_build_info", version=kvconductor.__version__) == 1
+    finally:
+        s.terminate()
