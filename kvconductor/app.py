@@ -38,6 +38,7 @@ import logging
 import os
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from types import FrameType
@@ -331,7 +332,9 @@ class QueryResource(_Resource):
         self.seconds = self.metrics.route_seconds["/query_by_hash" if by_hash else "/query"]
 
     def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
-        """Parse, match and encode: ``(status, body, log message or None)``."""
+        """Parse, match and encode: ``(status, body, message or None)``. With a 4xx the
+        message is what to log; with a 200 it is a warning for the
+        ``X-KV-Conductor-Warning`` header (a query that cannot match, logged here)."""
         try:
             model, block_size, tenant, values, lora_name = parse_query(body, msgpack, self.by_hash)
         except WireError as ex:
@@ -367,8 +370,9 @@ class QueryResource(_Resource):
             sizes = self.conductor.block_sizes.get((model, tenant))
             if sizes and block_size not in sizes:
                 m.block_size_mismatch.inc()
-            else:
-                m.no_match.inc()
+                warning = _MISSES.block_size_mismatch(model, tenant, block_size, sizes)
+                return 200, encode_result(hits, tenant, block_size, msgpack), warning
+            m.no_match.inc()
         return 200, encode_result(hits, tenant, block_size, msgpack), None
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
@@ -383,7 +387,9 @@ class QueryResource(_Resource):
         dt = time.perf_counter() - t0
         self.seconds.observe(dt)
         resp.set_header("Server-Timing", f"app;dur={dt * 1e3:.3f}")
-        if problem is not None:
+        if status == 200 and problem is not None:
+            resp.set_header(WARNING_HEADER, _header_text(problem))
+        elif problem is not None:
             if status == 404:
                 log.info("query for unknown indexer path=%s error=%s", req.path, problem)
             else:
@@ -393,6 +399,54 @@ class QueryResource(_Resource):
         resp.status = status
         resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
         resp.data = data
+
+
+#: Response header of a 200 query answer that could not match for a reason an operator
+#: can fix (the body keeps the V3 shape).
+WARNING_HEADER = "X-KV-Conductor-Warning"
+_WARNING_HEADER_B = WARNING_HEADER.lower().encode()
+
+
+def _header_text(sentence: str) -> str:
+    """``sentence`` as a header value: ASCII, non-ASCII escaped, no line breaks."""
+    return sentence.encode("ascii", "backslashreplace").decode("ascii").replace("\n", " ")
+
+
+class MissWarnings:
+    """Silent misses made loud: the sentence of a query that cannot match, logged at WARN
+    at most once per (model, tenant, block size) per ``interval`` seconds. Thread-safe
+    (large queries are answered on worker threads)."""
+
+    def __init__(self, interval: float = 60.0, clock=time.monotonic) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._last: dict[tuple[str, str, int], float] = {}
+        self._lock = threading.Lock()
+
+    def block_size_mismatch(
+        self, model: str, tenant: str, block_size: int, registered: frozenset[int]
+    ) -> str:
+        sizes = ", ".join(str(s) for s in sorted(registered))
+        sentence = (
+            f"block_size {block_size} matches no registration of model={model} "
+            f"tenant={tenant} (registered block sizes: {sizes}); blocks are hashed per "
+            "block size, so this query cannot find any"
+        )
+        key = (model, tenant, block_size)
+        now = self.clock()
+        with self._lock:
+            last = self._last.get(key)
+            due = last is None or now - last >= self.interval
+            if due:
+                if len(self._last) > 10_000:  # bounded: forget everything, warn again
+                    self._last.clear()
+                self._last[key] = now
+        if due:
+            log.warning("query cannot match: %s", sentence)
+        return sentence
+
+
+_MISSES = MissWarnings()
 
 
 class EventsResource(_Resource):
@@ -660,6 +714,9 @@ class QueryFastPath:
             log.exception("internal error method=POST path=%s", path)
             status, data, problem = 500, encode_error(f"internal error: {ex}", msgpack), None
         res.seconds.observe(time.perf_counter() - t0)
+        if status == 200 and problem is not None:
+            await self._send(send, status, data, msgpack, cors, t0, warning=problem)
+            return
         if problem is not None:
             if status == 404:
                 log.info("query for unknown indexer path=%s error=%s", path, problem)
@@ -686,7 +743,13 @@ class QueryFastPath:
 
     @staticmethod
     async def _send(
-        send: Any, status: int, data: bytes, msgpack: bool, cors: bool, t0: float
+        send: Any,
+        status: int,
+        data: bytes,
+        msgpack: bool,
+        cors: bool,
+        t0: float,
+        warning: str | None = None,
     ) -> None:
         headers = [
             (b"content-type", _CT_MSGPACK if msgpack else _CT_JSON),
@@ -695,6 +758,8 @@ class QueryFastPath:
         ]
         if cors:
             headers.append((b"access-control-allow-origin", b"*"))
+        if warning is not None:
+            headers.append((_WARNING_HEADER_B, _header_text(warning).encode("ascii")))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 

@@ -186,6 +186,13 @@ def document() -> dict[str, Any]:
             }
         },
     }
+    paths["/query"]["post"]["responses"]["200"]["headers"] = {
+        "X-KV-Conductor-Warning": {
+            "description": "why this query cannot match (its block size is none of the "
+            "(model, tenant)'s registrations); the body is the usual answer",
+            "schema": {"type": "string"},
+        }
+    }
     return {
         "openapi": "3.1.0",
         "info": {

@@ -902,3 +902,52 @@ def test_register_rejects_unsafe_or_malformed_urls(client, kw, field):
     r = register(client, expect=400, **kw)
     assert r.json["error"].startswith(f"{field} "), r.json
     assert client.simulate_get("/workers").json == {"workers": [], "indexer": [], "sources": []}
+
+
+def test_block_size_mismatch_is_loud(client, caplog):
+    """A query whose block size no registration has: 200 in the V3 shape, plus the
+    warning header, one WARN line per (model, tenant, block size) per minute."""
+    app_module._MISSES._last.clear()
+    register(client, dp_rank=0)  # block_size 4
+    register(client, dp_rank=1, block_size=16)
+    assert events(client, [stored(1, [100], [1, 2, 3, 4])]).status_code == 200
+    want = (
+        "block_size 8 matches no registration of model=qwen tenant=default "
+        "(registered block sizes: 4, 16); blocks are hashed per block size, so this query "
+        "cannot find any"
+    )
+    caplog.set_level("WARNING", logger="kvconductor.http")
+    for body, headers in (
+        (msgspec.json.encode({"model": "qwen", "block_size": 8, "token_ids": [1] * 16}), None),
+        (msgspec.msgpack.encode({"model": "qwen", "block_size": 8, "token_ids": [1]}), MSGPACK),
+    ):
+        r = client.simulate_post("/query", body=body, headers=headers)
+        assert r.status_code == 200
+        got = msgspec.msgpack.decode(r.content) if headers else r.json
+        assert got == {"default": {}}
+        assert r.headers["x-kv-conductor-warning"] == want
+    warns = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert warns == [f"query cannot match: {want}"]  # the second query within the minute
+    # A matching block size: no header.
+    r = client.simulate_post("/query", json={"model": "qwen", "block_size": 4, "token_ids": [1]})
+    assert r.status_code == 200 and "x-kv-conductor-warning" not in r.headers
+
+
+def test_miss_warnings_are_rate_limited_per_key(caplog):
+    now = [1000.0]
+    w = app_module.MissWarnings(interval=60.0, clock=lambda: now[0])
+    caplog.set_level("WARNING", logger="kvconductor.http")
+    sizes = frozenset((4, 16))
+    first = w.block_size_mismatch("m", "t", 8, sizes)
+    assert first == (
+        "block_size 8 matches no registration of model=m tenant=t (registered block "
+        "sizes: 4, 16); blocks are hashed per block size, so this query cannot find any"
+    )
+    assert w.block_size_mismatch("m", "t", 8, sizes) == first  # same sentence, not logged
+    w.block_size_mismatch("m", "t", 32, sizes)  # another block size: logged
+    now[0] += 59.9
+    w.block_size_mismatch("m", "t", 8, sizes)  # within the minute: not logged
+    now[0] += 0.1
+    w.block_size_mismatch("m", "t", 8, sizes)  # a minute on: logged again
+    logged = [r.getMessage().removeprefix("query cannot match: ") for r in caplog.records]
+    assert [m.split()[1] for m in logged] == ["8", "32", "8"]
