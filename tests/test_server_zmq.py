@@ -42,6 +42,20 @@ def query(server, tokens, msgpack=False):
     return r.status_code, r.json()
 
 
+def register_engine(server, instance_id: str, dp_rank: int = 0, **fields) -> None:
+    """POST /register of one DP of a vLLM engine of model qwen (block size BS); 201."""
+    body = {
+        "instance_id": instance_id,
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": BS,
+        "dp_rank": dp_rank,
+        **fields,
+    }
+    r = server.http.post("/register", json=body)
+    assert r.status_code == 201, r.text
+
+
 def dp_entry(resp, instance, dp=0):
     return resp.get("default", {}).get(instance, {}).get("DP", {}).get(str(dp))
 
@@ -50,19 +64,9 @@ def test_vllm_publisher_to_query(server):
     """register -> vLLM 0.33 map events over tcp -> /query reports the NPU hits."""
     pub = FakePublisher(replay=False)
     try:
-        r = server.http.post(
-            "/register",
-            json={
-                "instance_id": "vllm-prefill-1",
-                "type": "vLLM",
-                "modelname": "qwen",
-                "block_size": BS,
-                "dp_rank": 0,
-                "store_backend": "YuanRong",
-                "medium_endpoints": {"npu": pub.url},
-            },
+        register_engine(
+            server, "vllm-prefill-1", store_backend="YuanRong", medium_endpoints={"npu": pub.url}
         )
-        assert r.status_code == 201
         v = schema("vllm", "0.33.0")
         # Keep publishing until the SUB is connected (PUB drops before that).
         first = v.batch([v.stored(HASHES[:4], None, TOKENS[:16], BS, medium="GPU")])
@@ -119,20 +123,13 @@ def test_gap_is_replayed_through_the_server(server):
     try:
         v = schema("vllm", "0.33.0")
         warm = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
-        r = server.http.post(
-            "/register",
-            json={
-                "instance_id": "vllm-prefill-2",
-                "type": "vLLM",
-                "modelname": "qwen",
-                "block_size": BS,
-                "dp_rank": 0,
-                "store_backend": "YuanRong",
-                "medium_endpoints": {"npu": pub.url},
-                "replay_endpoint": pub.replay_url,
-            },
+        register_engine(
+            server,
+            "vllm-prefill-2",
+            store_backend="YuanRong",
+            medium_endpoints={"npu": pub.url},
+            replay_endpoint=pub.replay_url,
         )
-        assert r.status_code == 201
 
         def warmed():
             pub.publish(warm)
@@ -168,36 +165,10 @@ def test_mooncake_pool_confirms_engine_offload(server):
     eng = FakePublisher(replay=False)
     pool = PoolPublisher()
     try:
-        assert (
-            server.http.post(
-                "/register",
-                json={
-                    "instance_id": "vllm-prefill-3",
-                    "type": "vLLM",
-                    "modelname": "qwen",
-                    "block_size": BS,
-                    "dp_rank": 0,
-                    "store_backend": "Mooncake",
-                    "medium_endpoints": {"npu": eng.url},
-                },
-            ).status_code
-            == 201
+        register_engine(
+            server, "vllm-prefill-3", store_backend="Mooncake", medium_endpoints={"npu": eng.url}
         )
-        assert (
-            server.http.post(
-                "/register",
-                json={
-                    "instance_id": "mooncake-pool",
-                    "type": "vLLM",
-                    "modelname": "qwen",
-                    "block_size": BS,
-                    "dp_rank": 0,
-                    "store_backend": "Mooncake",
-                    "endpoint": pool.url,
-                },
-            ).status_code
-            == 201
-        )
+        register_engine(server, "mooncake-pool", store_backend="Mooncake", endpoint=pool.url)
         v = schema("vllm", "0.33.0")
         hbm = v.batch([v.stored(HASHES[:2], None, TOKENS[:8], BS, medium="GPU")])
 
@@ -243,20 +214,12 @@ def test_hash_golden_vectors_over_query_by_hash(server):
     with /query."""
     pub = FakePublisher(replay=False)
     try:
-        assert (
-            server.http.post(
-                "/register",
-                json={
-                    "instance_id": "vllm-prefill-4",
-                    "type": "vLLM",
-                    "modelname": "qwen",
-                    "block_size": BS,
-                    "dp_rank": 1,
-                    "store_backend": "YuanRong",
-                    "medium_endpoints": {"gpu": pub.url},
-                },
-            ).status_code
-            == 201
+        register_engine(
+            server,
+            "vllm-prefill-4",
+            dp_rank=1,
+            store_backend="YuanRong",
+            medium_endpoints={"gpu": pub.url},
         )
         v = schema("vllm", "0.9.2")
         toks = list(range(12))
@@ -302,20 +265,14 @@ def test_conductor_restart_replays_every_dp_of_an_instance(tmp_path):
     chains = [[1000 * (d + 1) + i for i in range(12)] for d in range(2)]
 
     def register(srv, d):
-        r = srv.http.post(
-            "/register",
-            json={
-                "instance_id": "vllm-prefill-7",
-                "type": "vLLM",
-                "modelname": "qwen",
-                "block_size": BS,
-                "dp_rank": d,
-                "store_backend": "Mooncake",
-                "medium_endpoints": {"xpu": pubs[d].url, "cpu": "", "disk": ""},
-                "replay_endpoint": pubs[d].replay_url,
-            },
+        register_engine(
+            srv,
+            "vllm-prefill-7",
+            dp_rank=d,
+            store_backend="Mooncake",
+            medium_endpoints={"xpu": pubs[d].url, "cpu": "", "disk": ""},
+            replay_endpoint=pubs[d].replay_url,
         )
-        assert r.status_code == 201, r.text
 
     def hits(srv, d):
         return (dp_entry(query(srv, chains[d])[1], "vllm-prefill-7", d) or {}).get("npu_blocks")
@@ -400,18 +357,7 @@ def test_lora_events_over_zmq_and_lora_queries_through_the_client(server):
     pub = FakePublisher(replay=False)
     v = schema("vllm", "0.33.0")
     try:
-        r = server.http.post(
-            "/register",
-            json={
-                "instance_id": "vllm-prefill-9",
-                "type": "vLLM",
-                "modelname": "qwen",
-                "block_size": BS,
-                "dp_rank": 0,
-                "medium_endpoints": {"npu": pub.url},
-            },
-        )
-        assert r.status_code == 201
+        register_engine(server, "vllm-prefill-9", medium_endpoints={"npu": pub.url})
         lora_batch = v.batch(
             [v.stored(HASHES[:4], None, TOKENS[:16], BS, medium="GPU", lora_name="sql-adapter")]
         )
@@ -446,18 +392,7 @@ def test_ready_flips_with_a_publisher_killed_and_restarted(server):
     assert ready() == (200, {"status": "ready", "sources": 0})
     pub = FakePublisher(replay=False)
     port = pub.port
-    r = server.http.post(
-        "/register",
-        json={
-            "instance_id": "vllm-prefill-1",
-            "type": "vLLM",
-            "modelname": "qwen",
-            "block_size": BS,
-            "dp_rank": 0,
-            "medium_endpoints": {"npu": pub.url},
-        },
-    )
-    assert r.status_code == 201
+    register_engine(server, "vllm-prefill-1", medium_endpoints={"npu": pub.url})
     try:
         wait_until(lambda: ready() == (200, {"status": "ready", "sources": 1}), msg="ready")
         pub.stop()
