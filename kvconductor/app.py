@@ -36,6 +36,7 @@ import asyncio
 import hmac
 import logging
 import os
+import re
 import shlex
 import sys
 import threading
@@ -330,6 +331,8 @@ class QueryResource(_Resource):
         self.metrics = metrics or QueryMetrics()
         #: ``kvconductor_query_seconds{route}`` of this route.
         self.seconds = self.metrics.route_seconds["/query_by_hash" if by_hash else "/query"]
+        #: Warnings of queries that cannot match (``/query``: block size not registered).
+        self.misses = MissWarnings()
 
     def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
         """Parse, match and encode: ``(status, body, message or None)``. With a 4xx the
@@ -370,7 +373,7 @@ class QueryResource(_Resource):
             sizes = self.conductor.block_sizes.get((model, tenant))
             if sizes and block_size not in sizes:
                 m.block_size_mismatch.inc()
-                warning = _MISSES.block_size_mismatch(model, tenant, block_size, sizes)
+                warning = self.misses.block_size_mismatch(model, tenant, block_size, sizes)
                 return 200, encode_result(hits, tenant, block_size, msgpack), warning
             m.no_match.inc()
         return 200, encode_result(hits, tenant, block_size, msgpack), None
@@ -407,9 +410,15 @@ WARNING_HEADER = "X-KV-Conductor-Warning"
 _WARNING_HEADER_B = WARNING_HEADER.lower().encode()
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _header_text(sentence: str) -> str:
-    """``sentence`` as a header value: ASCII, non-ASCII escaped, no line breaks."""
-    return sentence.encode("ascii", "backslashreplace").decode("ascii").replace("\n", " ")
+    """``sentence`` as a header value: printable ASCII only. Non-ASCII and control
+    characters (a model name may hold ``\\r\\n``) are escaped, so no name can end the
+    header or start another."""
+    text = sentence.encode("ascii", "backslashreplace").decode("ascii")
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class MissWarnings:
@@ -444,9 +453,6 @@ class MissWarnings:
         if due:
             log.warning("query cannot match: %s", sentence)
         return sentence
-
-
-_MISSES = MissWarnings()
 
 
 class EventsResource(_Resource):

@@ -907,7 +907,6 @@ def test_register_rejects_unsafe_or_malformed_urls(client, kw, field):
 def test_block_size_mismatch_is_loud(client, caplog):
     """A query whose block size no registration has: 200 in the V3 shape, plus the
     warning header, one WARN line per (model, tenant, block size) per minute."""
-    app_module._MISSES._last.clear()
     register(client, dp_rank=0)  # block_size 4
     register(client, dp_rank=1, block_size=16)
     assert events(client, [stored(1, [100], [1, 2, 3, 4])]).status_code == 200
@@ -951,3 +950,15 @@ def test_miss_warnings_are_rate_limited_per_key(caplog):
     w.block_size_mismatch("m", "t", 8, sizes)  # a minute on: logged again
     logged = [r.getMessage().removeprefix("query cannot match: ") for r in caplog.records]
     assert [m.split()[1] for m in logged] == ["8", "32", "8"]
+
+
+def test_warning_header_cannot_be_split_by_a_name(client):
+    """Names come from request bodies: control characters are escaped in the header."""
+    register(client, modelname="q\r\nSet-Cookie: x=1")
+    r = client.simulate_post(
+        "/query", json={"model": "q\r\nSet-Cookie: x=1", "block_size": 8, "token_ids": [1]}
+    )
+    assert r.status_code == 200 and "set-cookie" not in r.headers
+    assert r.headers["x-kv-conductor-warning"].startswith(
+        "block_size 8 matches no registration of model=q\\x0d\\x0aSet-Cookie: x=1 tenant="
+    )

@@ -24,39 +24,25 @@ DOC = openapi.document()
 _REGISTRY = Registry().with_resource("urn:kvc", DRAFT202012.create_resource(DOC))
 
 
-def _check(instance, sub: dict) -> None:
-    """Validate ``instance`` against a schema of DOC (its $refs resolve inside DOC)."""
-    validator = jsonschema.Draft202012Validator(
-        {"$ref": "urn:kvc#" + _pointer(sub)}, registry=_REGISTRY
+def _escape(part: str) -> str:
+    return part.replace("~", "~0").replace("/", "~1")
+
+
+def _check(instance, *where: str) -> None:
+    """Validate ``instance`` against the schema at ``where`` in DOC (its $refs resolve
+    inside DOC)."""
+    pointer = "/".join(_escape(w) for w in where)
+    jsonschema.Draft202012Validator({"$ref": f"urn:kvc#/{pointer}"}, registry=_REGISTRY).validate(
+        instance
     )
-    validator.validate(instance)
 
 
-def _pointer(sub: dict) -> str:
-    """The JSON pointer of ``sub`` inside DOC (found by identity)."""
-
-    def walk(node, path):
-        if node is sub:
-            return path
-        items = node.items() if isinstance(node, dict) else enumerate(node)
-        for k, v in items:
-            if isinstance(v, (dict, list)):
-                found = walk(v, f"{path}/{str(k).replace('~', '~0').replace('/', '~1')}")
-                if found is not None:
-                    return found
-        return None
-
-    found = walk(DOC, "")
-    assert found is not None
-    return found
+def _answer_schema(path: str, method: str, status: int, ctype="application/json") -> tuple:
+    return ("paths", path, method, "responses", str(status), "content", ctype, "schema")
 
 
-def _answer_schema(path: str, method: str, status: int, ctype="application/json") -> dict:
-    return DOC["paths"][path][method]["responses"][str(status)]["content"][ctype]["schema"]
-
-
-def _request_schema(path: str, ctype="application/json") -> dict:
-    return DOC["paths"][path]["post"]["requestBody"]["content"][ctype]["schema"]
+def _request_schema(path: str, ctype="application/json") -> tuple:
+    return ("paths", path, "post", "requestBody", "content", ctype, "schema")
 
 
 @pytest.fixture
@@ -119,38 +105,38 @@ def test_real_answers_conform(client):
         "block_size": 4,
         "dp_rank": 0,
     }
-    _check(body, _request_schema("/register"))
+    _check(body, *_request_schema("/register"))
     r = register(client)
-    _check(r.json, _answer_schema("/register", "post", 201))
+    _check(r.json, *_answer_schema("/register", "post", 201))
     batch = {
         "instance_id": "vllm-prefill-1",
         "events": [stored(1, [H1, H2], [1, 2, 3, 4, 5, 6, 7, 8])],
     }
-    _check(batch, _request_schema("/events"))
+    _check(batch, *_request_schema("/events"))
     r = events(client, batch["events"])
     assert r.status_code == 200
-    _check(r.json, _answer_schema("/events", "post", 200))
+    _check(r.json, *_answer_schema("/events", "post", 200))
     q = {"model": "qwen", "block_size": 4, "token_ids": list(range(1, 9)), "lora_name": None}
-    _check(q, _request_schema("/query"))
+    _check(q, *_request_schema("/query"))
     r = client.simulate_post("/query", json=q)
     assert r.status_code == 200 and r.json["default"]["vllm-prefill-1"]["longest_matched"] == 8
-    _check(r.json, _answer_schema("/query", "post", 200))
+    _check(r.json, *_answer_schema("/query", "post", 200))
     r = client.simulate_post(
         "/query", body=msgspec.msgpack.encode(q), headers={"Content-Type": "application/msgpack"}
     )
     _check(
         msgspec.msgpack.decode(r.content),
-        _answer_schema("/query", "post", 200, "application/msgpack"),
+        *_answer_schema("/query", "post", 200, "application/msgpack"),
     )
     r = client.simulate_post(
         "/query_by_hash", json={"model": "qwen", "block_size": 4, "block_hashes": [H1]}
     )
     assert r.status_code == 200
-    _check(r.json, _answer_schema("/query_by_hash", "post", 200))
+    _check(r.json, *_answer_schema("/query_by_hash", "post", 200))
     r = client.simulate_get("/workers")
-    _check(r.json, _answer_schema("/workers", "get", 200))
+    _check(r.json, *_answer_schema("/workers", "get", 200))
     r = client.simulate_post("/unregister", json=body)
-    _check(r.json, _answer_schema("/unregister", "post", 200))
+    _check(r.json, *_answer_schema("/unregister", "post", 200))
 
 
 @pytest.mark.parametrize(
@@ -178,7 +164,7 @@ def test_error_answers_conform(client, path, body, status):
     r = client.simulate_post(path, json=body)
     assert r.status_code == status, r.text
     assert str(status) in DOC["paths"][path]["post"]["responses"]
-    _check(r.json, _answer_schema(path, "post", status))
+    _check(r.json, *_answer_schema(path, "post", status))
     if status == 400:  # what the server refuses, the document refuses too
         with pytest.raises(jsonschema.ValidationError):
-            _check(body, _request_schema(path))
+            _check(body, *_request_schema(path))
