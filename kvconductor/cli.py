@@ -551,7 +551,22 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
         logging.getLogger(name).setLevel(quiet)
 
 
+#: ``kv-conductor <command> ...``: tools that talk to a running service; each module has
+#: ``main(argv) -> int``. Anything else is the service's own flags.
+SUBCOMMANDS = {
+    "top": "kvconductor.top",
+    "explain": "kvconductor.explain",
+    "load-dump": "kvconductor.dump",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        return int(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]))
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
