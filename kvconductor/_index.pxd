@@ -64,7 +64,8 @@ cdef class CoreIndex:
     cdef Lower tiers[2]         # [0] CPU, [1] Disk
     cdef uint32_t* wgroup       # worker id -> group id
     cdef uint8_t* wtier         # worker id -> 0 HBM / 1 CPU / 2 Disk
-    cdef size_t wcap            # allocated entries of wgroup/wtier
+    cdef uint8_t* wmute         # worker id -> 1: muted, no hits in queries (set_muted)
+    cdef size_t wcap            # allocated entries of wgroup/wtier/wmute
     cdef size_t nworkers        # max worker id + 1
     cdef size_t ngroups         # max group id + 1
     cdef U64Map offload_m       # engine hash -> TPRec (unconfirmed engine offloads)

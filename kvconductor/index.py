@@ -166,6 +166,19 @@ class Index:
             raise KeyError(h)
         return self.core.parent_of(wid, h)
 
+    def set_muted(self, key: WorkerKey, muted: bool) -> bool:
+        """Mute or unmute ``key`` (its blocks stay and take updates; a muted worker gives
+        no hits). False when ``key`` holds nothing here yet (nothing to mute)."""
+        wid = self._workers.get(key)
+        if wid is None:
+            return False
+        self.core.set_muted(wid, muted)
+        return True
+
+    def is_muted(self, key: WorkerKey) -> bool:
+        wid = self._workers.get(key)
+        return wid is not None and self.core.is_muted(wid)
+
     def clear(self, key: WorkerKey) -> int:
         """Drop every block and pending wait of ``key``."""
         wid = self._workers.get(key)

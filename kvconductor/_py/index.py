@@ -35,6 +35,8 @@ class CoreIndex:
         self._tiers = {CPU: LowerTier(), DISK: LowerTier()}
         #: worker -> (group, tier)
         self._workers: dict[int, tuple[int, int]] = {}
+        #: muted workers: no hits, no breakpoints (``set_muted``)
+        self._muted: set[int] = set()
         #: engine hash -> (local, parent, time): Phase-1 offloads awaiting the pool
         self._offload: dict[int, tuple[int, int | None, float]] = {}
         #: engine hash -> (local, parent, time): retained after the first confirmation
@@ -79,7 +81,10 @@ class CoreIndex:
 
         # 1. HBM breakpoints (group, end, last)
         hbm_bps = []
+        muted = self._muted
         for w, depth, last in self._tree.match(hs):
+            if w in muted:
+                continue
             g = group(w)
             hbm_bps.append((g, depth, last))
             npu_end[g] = max(npu_end.get(g, 0), depth)
@@ -87,12 +92,14 @@ class CoreIndex:
         def lower(tier: LowerTier, upstream, ends: dict[int, int]):
             """Root walks plus same-group continuations from ``upstream`` breakpoints."""
             found = []
-            candidates = [(w, 0, None) for w in tier.owners(None, hs[0])]
+            candidates = [(w, 0, None) for w in tier.owners(None, hs[0]) if w not in muted]
             for g, end, last in upstream:
                 if end < n:
                     # Same group only: no cross-DP borrowing (the reference borrowed).
                     candidates += [
-                        (w, end, last) for w in tier.owners(last, hs[end]) if group(w) == g
+                        (w, end, last)
+                        for w in tier.owners(last, hs[end])
+                        if group(w) == g and w not in muted
                     ]
             for w, start, parent in candidates:
                 count, last_ehash = tier.walk(w, hs, start, parent)
@@ -127,6 +134,20 @@ class CoreIndex:
             raise OverflowError("worker and group ids are non-negative")
         with self._lock:
             self._workers[worker] = (group, tier)
+
+    def set_muted(self, worker: int, muted: bool) -> None:
+        """A muted worker keeps its blocks and updates but gives no hits in ``match``."""
+        with self._lock:
+            self._tier_of(worker)
+            if muted:
+                self._muted.add(worker)
+            else:
+                self._muted.discard(worker)
+
+    def is_muted(self, worker: int) -> bool:
+        with self._lock:
+            self._tier_of(worker)
+            return worker in self._muted
 
     # -- direct mutations ------------------------------------------------------------------
     def store(self, worker: int, parent: int | None, engine_hashes, local_hashes) -> int:
