@@ -48,7 +48,7 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
-        problem = _tls_problem(ns)  # flags that are wrong together
+        problem = _tls_problem(ns) or _source_problem(ns)  # flags wrong together
         if problem:
             self.error(problem)
         return ns
@@ -251,6 +251,21 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "(default 600; nothing is dropped at the loss itself)",
     )
     p.add_argument(
+        "--source-down-secs",
+        type=_int_in(1, 86_400),
+        default=10,
+        help="a ZeroMQ engine source not ready (disconnected, or replaying) this many "
+        "seconds stops contributing its (instance, DP)'s HBM hits until it is ready "
+        "again; its blocks are kept (default 10)",
+    )
+    p.add_argument(
+        "--source-purge-secs",
+        type=_secs,
+        default=600,
+        help="a source not ready this many seconds has its HBM blocks dropped "
+        "(default 600; 0: never; at least --source-down-secs)",
+    )
+    p.add_argument(
         "--replay-deadline-secs",
         type=_secs,
         default=60,
@@ -412,6 +427,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs,
         loss_grace_secs=args.loss_grace_secs,
+        source_down_secs=args.source_down_secs,
+        source_purge_secs=args.source_purge_secs,
         max_sources=args.max_sources,
         replay_deadline_secs=args.replay_deadline_secs,
         max_message_mb=args.max_message_mb,
@@ -449,6 +466,16 @@ class _EncryptedKey(Exception):
 
 def _no_password() -> str:
     raise _EncryptedKey
+
+
+def _source_problem(args: argparse.Namespace) -> str | None:
+    purge, down = getattr(args, "source_purge_secs", 0), getattr(args, "source_down_secs", 1)
+    if purge and purge < down:
+        return (
+            f"--source-purge-secs {purge} is shorter than --source-down-secs {down} "
+            "(0 never purges)"
+        )
+    return None
 
 
 def _tls_problem(args: argparse.Namespace) -> str | None:

@@ -92,6 +92,8 @@ class Index:
         self._worker_keys: list[WorkerKey] = []
         self._groups: dict[tuple[str, int], int] = {}
         self._group_keys: list[tuple[str, int]] = []
+        #: (instance_id, dp_rank) -> its WorkerKeys, in creation order
+        self._group_workers: dict[tuple[str, int], list[WorkerKey]] = {}
 
     # -- interning ---------------------------------------------------------------
     def worker_id(self, key: WorkerKey) -> int:
@@ -108,10 +110,13 @@ class Index:
             self.core.set_worker(wid, gid, Medium(key.medium).tier)
             self._worker_keys.append(key)
             self._workers[key] = wid
+            self._group_workers.setdefault(g, []).append(key)
         return wid
 
     def workers_of(self, instance_id: str, dp_rank: int | None = None) -> list[WorkerKey]:
         """Every known WorkerKey of an instance (optionally of one DP)."""
+        if dp_rank is not None:
+            return list(self._group_workers.get((instance_id, dp_rank), ()))
         return [
             k
             for k in self._worker_keys

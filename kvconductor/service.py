@@ -26,10 +26,12 @@ from typing import Any, NamedTuple
 
 import zmq
 
+from kvconductor._hash import DEFAULT_SEED
 from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
 from kvconductor.ingest.apply import Limits
 from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
+from kvconductor.ingest.subscriber import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
 from kvconductor.registry import RegistrationError, Registry
@@ -43,7 +45,6 @@ from kvconductor.schema import (
 from kvconductor.urls import UrlPolicy
 
 #: Source states in which ``GET /ready`` counts a ZeroMQ source as ready.
-READY_STATES = frozenset(("live", "degraded"))
 
 log = logging.getLogger("kvconductor")
 
@@ -72,6 +73,10 @@ class ConductorConfig:
     loss_grace: float = 600.0
     #: Seconds a whole vLLM replay may take before it counts as a loss.
     replay_deadline: float = 60.0
+    #: Seconds a source may be not ready before its HBM hits stop counting.
+    source_down: float = SOURCE_DOWN
+    #: Seconds a source may be not ready before its HBM blocks are dropped (0: never).
+    source_purge: float = SOURCE_PURGE
     #: ZeroMQ subscriptions (one per registered instance, DP and URL) at most; more: 503.
     max_sources: int = 4096
     #: Bounds on one ZeroMQ message and one engine source (refused whole, counted).
@@ -252,6 +257,9 @@ class Conductor:
         #: (model, tenant) -> the block sizes registered for it (query miss reasons);
         #: a new dict is swapped in on every change, read anywhere.
         self.block_sizes: dict[tuple[str, str], frozenset[int]] = {}
+        #: (model, tenant) -> hash seeds of the LoRA adapters events stored blocks of (query
+        #: miss reasons); grown on the ingest thread by swapping in a new frozenset.
+        self.lora_seeds: dict[tuple[str, str], frozenset[int]] = {}
         #: Events applied through POST /events since start (ingest thread; metrics).
         self.http_events_applied = 0
 
@@ -268,6 +276,7 @@ class Conductor:
     def _start_on_thread(self) -> None:
         self.subs = self._subs_factory(self.thread, self)
         self.thread.call_later(self.interval, self._maintenance_tick)
+        self.thread.call_later(SOURCE_CHECK_SECS, self._source_tick)
 
     @property
     def interval(self) -> float:
@@ -489,6 +498,13 @@ class Conductor:
         )
         return True
 
+    def note_lora(self, model: str, tenant: str, seed: int) -> None:
+        """An event stored blocks of the LoRA adapter of hash seed ``seed`` (ingest thread)."""
+        key = (model, tenant)
+        seen = self.lora_seeds.get(key)
+        if seen is None or seed not in seen:
+            self.lora_seeds[key] = (seen or frozenset()) | {seed}
+
     def _registrations_changed(self) -> None:
         """Recount :attr:`registrations` and :attr:`block_sizes` (ingest thread; after a
         registration or unregistration, O(registrations))."""
@@ -539,6 +555,8 @@ class Conductor:
             idx = self.get_or_create_index(model, tenant or DEFAULT_TENANT)
             try:
                 for op in group:
+                    if op.seed != DEFAULT_SEED and op.tokens is not None:
+                        self.note_lora(idx.model, idx.tenant, op.seed)
                     self._apply_op(idx, batch.instance_id, op)
             except IndexUpdateError as ex:
                 log.debug(
@@ -591,6 +609,20 @@ class Conductor:
         finally:
             if not self._stopping:
                 self.thread.call_later(self.interval, self._maintenance_tick)
+
+    def _source_tick(self) -> None:
+        """Dead engines: mute, unmute, purge (``SubscriptionManager.check_sources``)."""
+        if self._stopping:
+            return
+        try:
+            check = getattr(self.subs, "check_sources", None)
+            if check is not None:
+                check()
+        except Exception:  # the next tick tries again; never kill the ingest thread
+            log.exception("source check failed")
+        finally:
+            if not self._stopping:
+                self.thread.call_later(SOURCE_CHECK_SECS, self._source_tick)
 
     def maintenance(self, now: float | None = None) -> int:
         """TTL sweeps on every index, then reclaim empty indexes no registration refers to

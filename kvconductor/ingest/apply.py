@@ -207,6 +207,8 @@ class SourceStats:
         "last_seq",
         "aged_out",
         "last_event",
+        "mutes",
+        "purged_blocks",
     )
 
     def __init__(self) -> None:
@@ -227,6 +229,10 @@ class SourceStats:
         self.aged_out = 0
         #: Wall-clock time of the last batch received (set by the subscription).
         self.last_event = 0.0
+        #: Times the source's (instance, DP) HBM hits were muted (down past --source-down-secs).
+        self.mutes = 0
+        #: HBM blocks dropped because the source stayed down past --source-purge-secs.
+        self.purged_blocks = 0
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -352,6 +358,11 @@ class Applier:
             s = self.touched[(model, tenant)] = set()
         s.add(key)
 
+    def _lora(self, model: str, tenant: str, seed: int) -> None:
+        note = getattr(self.conductor, "note_lora", None)
+        if note is not None:  # test doubles of the conductor may not have it
+            note(model, tenant, seed)
+
     def _confirm(self, key: WorkerKey, hashes, parent: int | None = None) -> None:
         """After a loss: ``hashes`` (and ``parent``) of ``key`` were announced again."""
         arr = self.confirmed.get(key)
@@ -472,6 +483,8 @@ class Applier:
         stats.batches += 1
         stats.events += n
         stats.blocks += blocks
+        for seed in fb.lora_seeds:
+            self._lora(ctx.model, ctx.tenant, seed)
         if fb.touches:
             self._touch(ctx.model, ctx.tenant, self._hbm_key)
         k = fb.size_mismatch
@@ -611,6 +624,8 @@ class Applier:
             return
         seed = lora_seed(ev.lora_name) if ev.lora_name else DEFAULT_SEED
         tokens = ev.tokens
+        if seed != DEFAULT_SEED and len(tokens) and bs:
+            self._lora(ctx.model, ctx.tenant, seed)
         medium = parse_medium(ev.medium) if ev.medium else self.hbm_medium
         if medium is Medium.NPU:
             key = self._key(medium)
