@@ -44,6 +44,7 @@ cdef class FastBatch:
     cdef int flags              # BATCH_* flags of the parsed batch
     cdef long nevents           # events of the parsed batch (-1: nothing parsed)
     cdef long n_size_mismatch   # BlockStored dropped: block_size != registered
+    cdef uint64_t bad_bs        # the block_size of the last of them
     cdef long n_kind            # BlockStored dropped: non-prefix attention kind
     cdef uint64_t lora[LORA_MAX]  # distinct LoRA seeds of the stores of the parsed batch
     cdef size_t nlora

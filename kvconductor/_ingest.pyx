@@ -367,6 +367,7 @@ cdef class FastBatch:
         self.n_size_mismatch = 0
         self.n_kind = 0
         self.nlora = 0
+        self.bad_bs = 0
         self.why = R_OK
         self.parsed = 0
         self.rejected = 0
@@ -599,6 +600,7 @@ cdef class FastBatch:
             return R_OK
         if ev.bs and reg > 0 and ev.bs != <uint64_t>reg:
             self.n_size_mismatch += 1
+            self.bad_bs = ev.bs
             return R_OK
         if ev.kind_rejected:
             self.n_kind += 1
@@ -740,6 +742,11 @@ cdef class FastBatch:
     def reason(self):
         """Why the last :meth:`parse` returned -1 ("" after an accepted batch)."""
         return _REASONS[self.why]
+
+    @property
+    def mismatched_block_size(self):
+        """The block_size of the last BlockStored counted in :attr:`size_mismatch`."""
+        return self.bad_bs
 
     @property
     def lora_seeds(self):

@@ -346,6 +346,22 @@ class Applier:
         self.stats.drop(reason)
         self._warn.warn(self.source, reason, detail, payload)
 
+    def _size_warning(self, block_size: int) -> None:
+        """A silent 0 % hit rate made loud: the engine hashes with another block size than
+        the registration says. Partial prompt tails (vLLM >= 0.24) mismatch too, as
+        expected, so this warns (rate-limited) only while the source has had no block
+        indexed at all: a misconfigured DP never has one."""
+        if self.stats.blocks:
+            return
+        self._warn.warn(
+            self.source,
+            "block_size_mismatch",
+            f"BlockStored with block_size {block_size}, but this DP was registered with "
+            f"block_size {self.ctx.block_size} and none of its blocks is indexed; register "
+            "the engine's block size (vLLM --block-size)",
+            None,
+        )
+
     def _key(
         self, medium: Medium, instance_id: str | None = None, dp: int | None = None
     ) -> WorkerKey:
@@ -490,6 +506,7 @@ class Applier:
         k = fb.size_mismatch
         if k:
             stats.drop("block_size_mismatch", k)
+            self._size_warning(fb.mismatched_block_size)
         k = fb.kind_rejected
         if k:
             stats.drop("attention_kind", k)
@@ -615,6 +632,7 @@ class Applier:
         bs = ev.block_size
         if bs and ctx.block_size > 0 and bs != ctx.block_size:
             self.stats.drop("block_size_mismatch")
+            self._size_warning(bs)
             return
         if ev.kind and kind_rejected(ev.kind):
             self.stats.drop("attention_kind")
