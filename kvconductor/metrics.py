@@ -158,6 +158,15 @@ class ConductorCollector(Collector):
             nbytes.add_metric([model, tenant], s["nbytes"])
         yield blocks
         yield nbytes
+        exp = CounterMetricFamily(
+            "kvconductor_two_phase_expired",
+            "Two-phase entries expired unmatched: engine offloads no pool confirmed "
+            "(offload), pool confirmations no engine offload came for (pool_confirmation)",
+            labels=["kind"],
+        )
+        for kind, n in sorted(c.expired.items()):
+            exp.add_metric([kind], n)
+        yield exp
 
         rows, retired = _subscription_rows(c.subs)
         applied: dict[str, int] = {"http": c.http_events_applied}

@@ -262,6 +262,10 @@ class Conductor:
         self.lora_seeds: dict[tuple[str, str], frozenset[int]] = {}
         #: Events applied through POST /events since start (ingest thread; metrics).
         self.http_events_applied = 0
+        #: Two-phase entries expired unmatched (ingest thread; metrics): engine offloads no
+        #: pool confirmed, pool confirmations no engine offload came for.
+        self.expired = {"offload": 0, "pool_confirmation": 0}
+        self._expiry_warned: dict[tuple[str, str, str], float] = {}
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -631,7 +635,11 @@ class Conductor:
         cfg = self.config
         pruned = 0
         for idx in list(self.indexes.values()):
+            before = idx.sizes()
             pruned += idx.maintenance(now, cfg.pending_ttl, cfg.content_ttl, cfg.offload_ttl)
+            after = idx.sizes()  # the sweep only removes; nothing else writes meanwhile
+            self._expired(idx, "offload", before["offload"] - after["offload"], now)
+            self._expired(idx, "pool_confirmation", before["pending"] - after["pending"], now)
         protected = self.registry.protected()
         reclaimed = 0
         for key, idx in list(self.indexes.items()):
@@ -645,6 +653,40 @@ class Conductor:
             len(self.indexes),
         )
         return pruned + reclaimed
+
+    _EXPIRY_HINTS = {
+        "offload": (
+            "engine offloads to CPU/disk expired after {ttl:g}s without a pool "
+            "confirmation, so they are not indexed: is the KV pool's publisher registered "
+            "(medium_endpoints cpu/disk, store_backend) for the instances that offload?",
+            "offload_ttl",
+        ),
+        "pool_confirmation": (
+            "pool confirmations expired after {ttl:g}s without the engine's offload "
+            "event, so they are not indexed: does the engine publish its CPU/disk "
+            "offloads (its subscription has that medium)?",
+            "pending_ttl",
+        ),
+    }
+
+    def _expired(self, idx: Index, kind: str, n: int, now: float) -> None:
+        """Count ``n`` expired two-phase entries; WARN at most once a minute per index."""
+        if n <= 0:
+            return
+        self.expired[kind] += n
+        key = (idx.model, idx.tenant, kind)
+        last = self._expiry_warned.get(key)
+        if last is not None and now - last < 60.0:
+            return
+        self._expiry_warned[key] = now
+        text, ttl = self._EXPIRY_HINTS[kind]
+        log.warning(
+            "model=%s tenant=%s: %d %s",
+            idx.model,
+            idx.tenant,
+            n,
+            text.format(ttl=getattr(self.config, ttl)),
+        )
 
     # -- introspection (ingest thread) ------------------------------------------------------------
     def readiness(self) -> tuple[int, list[SourceNotReady]]:
