@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -120,9 +121,13 @@ def _get(url: str, path: str, api_key: str | None, timeout: float) -> bytes:
         raise FetchError(f"GET {url}{path}: HTTP {ex.code} {_error_of(ex)}") from None
     except urllib.error.URLError as ex:
         reason = ex.reason
-        if isinstance(reason, OSError) and reason.strerror:
-            reason = reason.strerror
-        raise FetchError(f"cannot reach {url}: {str(reason).lower()}") from None
+        if isinstance(reason, ssl.SSLError):
+            reason = f"TLS: {reason.reason or reason}"
+            if "CERTIFICATE_VERIFY_FAILED" in reason:
+                reason += " (is the server's CA in SSL_CERT_FILE?)"
+        elif isinstance(reason, OSError) and reason.strerror:
+            reason = reason.strerror.lower()  # "connection refused"
+        raise FetchError(f"cannot reach {url}: {reason}") from None
     except (OSError, ValueError) as ex:  # timeouts, resets, a malformed URL
         raise FetchError(f"cannot reach {url}: {ex}") from None
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import io
 import math
+import ssl
 import sys
 
+import httpx
 import pytest
 from publishers import FakePublisher, schema, wait_until
 from rich.console import Console
-from test_server import free_port, running
+from test_server import Server, free_port, running
 
-from kvconductor import top
+from kvconductor import cli, top
 from kvconductor.top import Poll, histogram_quantile, parse_metrics, query_window, source_rows
 
 INF = math.inf
@@ -178,11 +180,25 @@ def test_without_rich_one_line_and_exit_2(monkeypatch, capsys):
 
 def test_unreachable_or_bad_url_exit_1(capsys):
     url = f"http://127.0.0.1:{free_port()}"
-    assert top.main(["--url", url, "--once", "--interval", "0.1"]) == 1
+    assert cli.main(["top", "--url", url, "--once", "--interval", "0.1"]) == 1  # the CLI's way
     assert capsys.readouterr().err == f"kv-conductor top: cannot reach {url}: connection refused\n"
     assert top.main(["--url", "localhost:13333", "--once"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kv-conductor top: invalid --url 'localhost:13333': expected http://")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--interval", "0"], "invalid interval '0': must be within 0.1..3600"),
+        (["--iterations", "0"], "invalid count 0: must be >= 1"),
+        (["--urll", "x"], "unrecognized arguments: --urll x"),
+    ],
+)
+def test_bad_flags_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as ex:
+        top.main(argv)
+    assert ex.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_live_mode_keeps_retrying_and_shows_the_error():
@@ -294,3 +310,34 @@ def test_top_against_a_real_server(tmp_path, capsys):
             assert _line(text, "since")[2] == "5" and _line(text, "last")[3] == "0"
     finally:
         pub.stop()
+
+
+@pytest.mark.server
+def test_https_checks_the_certificate(tmp_path, capsys, monkeypatch):
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    cert, ca_file = tmp_path / "server.pem", tmp_path / "ca.pem"
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(cert)
+    ca.cert_pem.write_to_path(ca_file)
+    srv = Server(tmp_path, "--host", "127.0.0.1", "--tls-cert", str(cert))
+    try:
+        url = f"https://127.0.0.1:{srv.port}"
+        srv.http.close()
+        srv.http = httpx.Client(
+            base_url=url, timeout=10.0, verify=ssl.create_default_context(cafile=ca_file)
+        )
+        srv.wait_ready()
+        monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+        argv = ["--url", url, "--once", "--interval", "0.1"]
+        assert top.main(argv) == 1
+        assert capsys.readouterr().err == (
+            f"kv-conductor top: cannot reach {url}: TLS: CERTIFICATE_VERIFY_FAILED "
+            "(is the server's CA in SSL_CERT_FILE?)\n"
+        )
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca_file))
+        console = Console(record=True, width=160, file=io.StringIO())
+        assert top.main(argv, console) == 0
+        assert console.export_text().startswith(f"kv-conductor top  {url}  version ")
+    finally:
+        code, _ = srv.terminate()
+        assert code == 0, srv.log()
