@@ -15,6 +15,7 @@ data; only :func:`render` and :func:`main` touch ``rich``, the optional ``top`` 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
@@ -128,7 +129,7 @@ def _get(url: str, path: str, api_key: str | None, timeout: float) -> bytes:
         elif isinstance(reason, OSError) and reason.strerror:
             reason = reason.strerror.lower()  # "connection refused"
         raise FetchError(f"cannot reach {url}: {reason}") from None
-    except (OSError, ValueError) as ex:  # timeouts, resets, a malformed URL
+    except (OSError, ValueError, http.client.HTTPException) as ex:  # timeouts, resets, ...
         raise FetchError(f"cannot reach {url}: {ex}") from None
 
 
