@@ -341,3 +341,28 @@ def test_https_checks_the_certificate(tmp_path, capsys, monkeypatch):
     finally:
         code, _ = srv.terminate()
         assert code == 0, srv.log()
+
+
+def test_live_mode_keeps_the_last_good_tables_on_an_error(monkeypatch):
+    polls = iter(
+        [
+            Poll(10.0, _workers(40), parse_metrics(AGES + CUR)),
+            top.FetchError("cannot reach http://h:1: connection refused"),
+        ]
+    )
+
+    def fake_fetch(url, api_key=None, timeout=5.0):
+        got = next(polls)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    monkeypatch.setattr(top, "fetch", fake_fetch)
+    console = Console(record=True, width=160, file=io.StringIO())
+    assert top.main(["--url", "http://h:1", "--iterations", "2", "--interval", "0.1"], console) == 0
+    text = console.export_text()
+    assert "error: cannot reach http://h:1: connection refused; retrying; the tables are from" in (
+        text
+    )
+    assert _line(text, "e1")[:6] == ["e1", "0", "tcp://h:1", "live", "40", "-"]  # no model
+    assert _line(text, "since")[2] == "85"
