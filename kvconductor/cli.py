@@ -11,12 +11,12 @@ import ipaddress
 import logging
 import os
 import sys
-from datetime import datetime, timezone
 from typing import NoReturn
 
 import msgspec
 
 from kvconductor import __version__
+from kvconductor.logs import level_name, utc
 from kvconductor.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
 
 LOG_ENV = "KV_CONDUCTOR_LOG"
@@ -521,20 +521,12 @@ def _ssl_reason(ex: Exception) -> str:
     return str(reason).replace("_", " ").lower()
 
 
-_LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}
-
-
-def _utc(created: float) -> str:
-    """RFC 3339 UTC with microseconds and a ``Z``: ``2026-11-30T18:10:00.123456Z``."""
-    return datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 class _Formatter(logging.Formatter):
     """``<RFC 3339 UTC time> <LEVEL> <message>`` (the reference hides target names)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        level = _LEVEL_NAMES.get(record.levelno, record.levelname)
-        line = f"{_utc(record.created)} {level:>5} {record.getMessage()}"
+        level = level_name(record.levelno, record.levelname)
+        line = f"{utc(record.created)} {level:>5} {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -546,8 +538,8 @@ class _JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         doc = {
-            "ts": _utc(record.created),
-            "level": _LEVEL_NAMES.get(record.levelno, record.levelname),
+            "ts": utc(record.created),
+            "level": level_name(record.levelno, record.levelname),
             "message": record.getMessage(),
         }
         if record.exc_info:

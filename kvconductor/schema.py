@@ -252,6 +252,15 @@ class NotReadyResponse(Struct):
     sources: list[SourceNotReady]
 
 
+class RecentWarning(Struct):
+    """One of ``GET /workers``' ``recent_warnings``: a WARN or ERROR log record of the
+    process (``level`` is ``WARN`` or ``ERROR``, ``ts`` RFC 3339 UTC as in the log)."""
+
+    ts: str
+    level: str
+    message: str
+
+
 class EventsResponse(Struct, kw_only=True, omit_defaults=True):
     """``{"status": "ok"|"partial", "events_applied": N[, "errors": [...]]}``."""
 

@@ -34,6 +34,7 @@ from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
 from kvconductor.ingest.subscriber import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
+from kvconductor.logs import RecentWarnings
 from kvconductor.registry import RegistrationError, Registry
 from kvconductor.schema import (
     DEFAULT_TENANT,
@@ -266,6 +267,9 @@ class Conductor:
         #: pool confirmed, pool confirmations no engine offload came for.
         self.expired = {"offload": 0, "pool_confirmation": 0}
         self._expiry_warned: dict[tuple[str, str, str], float] = {}
+        #: The last WARN+ records of the process's ``kvconductor`` loggers (``/workers``),
+        #: collected between start() and stop().
+        self.recent_warnings = RecentWarnings()
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -273,6 +277,7 @@ class Conductor:
         if self._started:
             return
         self._started = True
+        self.recent_warnings.install()
         if not self.thread.is_alive():
             self.thread.start()
         self.thread.call(self._start_on_thread)
@@ -302,6 +307,7 @@ class Conductor:
             ok = self.thread.stop(max(0.1, deadline - time.monotonic()))
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        self.recent_warnings.uninstall()
         return ok
 
     def _stop_on_thread(self) -> None:
@@ -701,9 +707,11 @@ class Conductor:
         return len(sources), waiting
 
     def workers(self) -> dict[str, Any]:
-        """``GET /workers``: registrations, per-index summaries, subscription sources."""
+        """``GET /workers``: registrations, per-index summaries, subscription sources and
+        the recent warnings of the process (oldest first)."""
         return {
             "workers": self.registry.snapshot(),
             "indexer": [self.indexes[k].summary() for k in sorted(self.indexes)],
             "sources": self.subs.sources() if self.subs is not None else [],
+            "recent_warnings": self.recent_warnings.snapshot(),
         }

@@ -248,7 +248,9 @@ def test_json_and_msgpack_end_to_end(server):
         },
     )
     assert r.status_code == 200
-    assert http.get("/workers").json() == {"workers": [], "indexer": [], "sources": []}
+    doc = http.get("/workers").json()
+    assert isinstance(doc.pop("recent_warnings"), list)  # other tests of this server warn
+    assert doc == {"workers": [], "indexer": [], "sources": []}
 
 
 def test_large_msgpack_query(server):
