@@ -338,7 +338,7 @@ class _NoSubscriptions:
         return 0
 
 
-def _file_chunks(path: str, size: int = 1 << 20) -> Iterator[bytes]:
+def file_chunks(path: str, size: int = 1 << 20) -> Iterator[bytes]:
     with open(path, "rb") as f:
         while chunk := f.read(size):
             yield chunk
@@ -354,7 +354,7 @@ def load_file(path: str) -> dict[str, Any]:
     )
     conductor.start()
     try:
-        loaded = conductor.call(load_dump, conductor, _file_chunks(path), timeout=None)
+        loaded = conductor.call(load_dump, conductor, file_chunks(path), timeout=None)
         workers = conductor.call(conductor.workers)
     finally:
         conductor.stop()
