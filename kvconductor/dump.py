@@ -128,7 +128,9 @@ def encode(snap: dict[str, Any]) -> Iterator[bytes]:
         {
             "format": FORMAT,
             "version": VERSION,
-            "created": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            "created": datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:%S.%fZ"
+            ),
             "kvconductor": kvconductor.__version__,
         }
     )

@@ -180,7 +180,7 @@ class LowerTier(PerWorkerBlocks):
         """``[(worker, ehash, local, parent or None)]``, one per (edge, owner): the root
         edges first, in creation order per LocalBlockHash, then the others."""
         with self._lock:
-            out = []
+            out: list[tuple[int, int, int, int | None]] = []
             for local, children in self._roots.items():
                 for c in children:
                     for w in sorted(self._edges[(None, local, c)].owners):
