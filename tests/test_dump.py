@@ -15,7 +15,7 @@ import sys
 
 import msgspec
 import pytest
-from publishers import FakePublisher, schema, wait_until
+from publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema, wait_until
 from test_server import ROOT, running
 
 from kvconductor import dump
@@ -101,8 +101,9 @@ def indexer(server) -> list[dict]:
     return r.json()["indexer"]
 
 
-def fill(server, pub: FakePublisher, rng: random.Random) -> None:
+def fill(server, pub: FakePublisher, pool: PoolPublisher, rng: random.Random) -> None:
     register(server, "eng", "qwen", "default", medium_endpoints={"npu": pub.url})
+    register(server, "pool", "qwen", "default", store_backend="Mooncake", endpoint=pool.url)
     for k, (model, tenant) in enumerate(MODELS):
         for dp in (0, 1):
             register(server, f"http-{k}", model, tenant, dp=dp)
@@ -118,11 +119,26 @@ def fill(server, pub: FakePublisher, rng: random.Random) -> None:
     # an engine offload to CPU the pool has not confirmed: a two-phase record
     cpu = v.batch([v.stored([0xA2, 0xA3], 0xA1, toks[8:16], BS, medium="CPU")])
 
+    # the pool confirms blocks no engine offloaded (yet): pending waits
+    confirm = mooncake_tuple(
+        [
+            {
+                "event_id": 1,
+                "event_type": "stored",
+                "backend_id": "127.0.0.1",
+                "medium": medium,
+                "seq_hashes": [0xB0, 0xB1],
+            }
+            for medium in ("cpu", "disk")
+        ]
+    )
+
     def indexed():
         pub.publish(hbm)
         pub.publish(cpu)
-        s = {x["model_name"]: x for x in indexer(server)}
-        return s.get("qwen", {}).get("offload") == 2
+        pool.publish(confirm)
+        s = {x["model_name"]: x for x in indexer(server)}.get("qwen", {})
+        return s.get("offload") == 2 and s.get("pending_pool") == 4
 
     wait_until(indexed, msg="engine blocks and offload indexed")
 
@@ -140,10 +156,11 @@ def counts(summaries: list[dict]) -> list[dict]:
 def test_dump_then_load_dump_gives_the_same_index(tmp_path):
     rng = random.Random(1313)
     pub = FakePublisher(replay=False)
+    pool = PoolPublisher()
     path = tmp_path / "kvc.dump"
     try:
         with running(tmp_path, "--api-key", KEY) as a:
-            fill(a, pub, rng)
+            fill(a, pub, pool, rng)
             r = a.http.get("/debug/dump")
             assert r.status_code == 401
             assert r.json() == {
@@ -184,10 +201,11 @@ def test_dump_then_load_dump_gives_the_same_index(tmp_path):
         )
         assert out.returncode == 0, out.stderr
         doc = msgspec.json.decode(out.stdout)
-        assert doc["loaded"] == {"registrations": 5, "indexes": 2}
+        assert doc["loaded"] == {"registrations": 6, "indexes": 2}
         assert counts(doc["indexer"]) == counts(want)
     finally:
         pub.stop()
+        pool.stop()
 
 
 def _sample_dump() -> bytes:
