@@ -363,17 +363,49 @@ def load_file(path: str) -> dict[str, Any]:
     return {"loaded": loaded, "workers": workers["workers"], "indexer": workers["indexer"]}
 
 
+def fetch(url: str, path: str, api_key: str | None) -> None:
+    """Download ``url``'s ``GET /debug/dump`` into ``path`` (streamed)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.stream(
+            "GET", url.rstrip("/") + "/debug/dump", headers=headers, timeout=60.0
+        ) as r:
+            if r.status_code != 200:
+                raise ValueError(f"GET {r.url} answered {r.status_code}: {r.read()[:200]!r}")
+            with open(path, "wb") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+    except httpx.HTTPError as ex:
+        raise ValueError(f"cannot fetch the dump from {url}: {ex}") from None
+
+
 def main(argv: list[str]) -> int:
-    """``kv-conductor load-dump FILE``: load a dump in-process (no sockets) and print the
+    """``kv-conductor load-dump FILE [--url URL]``: (with ``--url``, first download the
+    running service's dump into FILE) load FILE in-process (no sockets) and print the
     per-index ``/workers`` counts as JSON; exit 1 with one line on stderr if it is bad."""
+    import os
+
     parser = argparse.ArgumentParser(
         prog="kv-conductor load-dump",
         description="Load a GET /debug/dump file into an in-process index (no sockets) "
         "and print the per-index /workers counts as JSON.",
     )
     parser.add_argument("file", help="dump file (the body of GET /debug/dump)")
+    parser.add_argument(
+        "--url",
+        help="first download the dump of the service at URL (http://HOST:PORT) into FILE",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KV_CONDUCTOR_API_KEY"),
+        help="bearer token for --url (default: env KV_CONDUCTOR_API_KEY)",
+    )
     args = parser.parse_args(argv)
     try:
+        if args.url:
+            fetch(args.url, args.file, args.api_key)
         out = load_file(args.file)
     except (OSError, ValueError) as ex:
         print(f"kv-conductor load-dump: {args.file}: {ex}", file=sys.stderr)

@@ -9,6 +9,7 @@ give the same ``/workers`` counts and the same ``/query`` answers on random prom
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -171,6 +172,31 @@ def test_dump_then_load_dump_gives_the_same_index(tmp_path):
             assert r.headers["content-type"] == "application/msgpack"
             path.write_bytes(r.content)
             want = indexer(a)
+            # load-dump --url: download the live dump, then load it (no sockets)
+            fetched = tmp_path / "fetched.dump"
+            out = subprocess.run(
+                [sys.executable, "-m", "kvconductor", "load-dump", str(fetched), "--url", a.url],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=dict(os.environ, KV_CONDUCTOR_API_KEY=KEY),
+            )
+            assert out.returncode == 0, out.stderr
+            assert counts(msgspec.json.decode(out.stdout)["indexer"]) == counts(want)
+            out = subprocess.run(
+                [sys.executable, "-m", "kvconductor", "load-dump", str(fetched), "--url", a.url],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={k: v for k, v in os.environ.items() if k != "KV_CONDUCTOR_API_KEY"},
+            )
+            assert out.returncode == 1
+            assert out.stderr.startswith(
+                f"kv-conductor load-dump: {fetched}: GET {a.url}/debug/dump answered 401: "
+            )
+            assert out.stderr.count("\n") == 1
             qs = [(m, t, p) for m, t in MODELS for p in prompts(rng, 30)]
             answers = [query(a, m, t, p) for m, t, p in qs]
             workers = a.http.get("/workers", headers=AUTH).json()["workers"]
