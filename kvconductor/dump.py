@@ -57,16 +57,23 @@ _TABLES: dict[str, tuple[tuple[str, str], ...]] = {
 
 # -- writing ------------------------------------------------------------------------------
 def _registration(entry, ep) -> dict[str, Any]:
-    """The ``POST /register`` body that recreates one registered DP."""
-    pool_url = ep.sources[0][0] if ep.is_pool and ep.sources else None
+    """The ``POST /register`` body that recreates one registered DP.
+
+    A legacy ``endpoint`` is kept only by pools (it decides ``is_pool``); any other was
+    stored as the three media on its URL, which registers the same way (such a backend
+    indexes no HBM IP: Mooncake/Memcache with a legacy endpoint are pools)."""
+    meds = dict(ep.medium_endpoints)
+    endpoint = None
+    if ep.is_pool and ep.sources:
+        endpoint, meds = ep.sources[0][0], {}
     req = RegisterRequest(
         instance_id=entry.instance_id,
         engine_type=ep.engine_type,
         modelname=ep.model_name,
         block_size=ep.block_size,
         dp_rank=ep.dp_rank,
-        medium_endpoints=None if pool_url else (dict(ep.medium_endpoints) or None),
-        endpoint=pool_url,
+        medium_endpoints=meds or None,
+        endpoint=endpoint,
         store_backend=ep.store_backend,
         replay_endpoint=ep.replay_endpoint,
         tenant_id=ep.tenant_id,
@@ -271,6 +278,13 @@ def _load_index(conductor, head: dict, recs: Iterator[Any]) -> None:
         [(k, h, loc, p, now - age) for k, h, loc, p, age in records],
         [(h, ids[w], now - age) for h, w, age in waits],
     )
+    check = getattr(core, "check_invariants", None) or core._check_invariants
+    try:
+        check()
+    except AssertionError as ex:
+        raise ValueError(
+            f"dump of index {head['model']}/{head['tenant']} does not form a valid index: {ex}"
+        ) from None
 
 
 def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:

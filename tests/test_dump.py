@@ -290,3 +290,58 @@ def test_warm_start_refuses_a_bad_dump(tmp_path):
         srv.http.close()
         srv._log.close()
     assert f"cannot load dump {bad}: truncated dump: the input ends inside a record" in srv.log()
+
+
+def test_registrations_load_back_identical():
+    """Every registration shape recreates the same registry entry (sources, pool flag,
+    HBM-IP index), without sockets."""
+    from kvconductor.schema import RegisterRequest
+    from kvconductor.service import Conductor, ConductorConfig
+
+    def conductor():
+        c = Conductor(
+            ConductorConfig(maintenance_interval=3600), subscriptions=dump._NoSubscriptions
+        )
+        c.start()
+        return c
+
+    a, b = conductor(), conductor()
+    try:
+        for body in [
+            {"instance_id": "http-only", "dp_rank": 0},
+            {
+                "instance_id": "two-urls",
+                "dp_rank": 1,
+                "node_id": "n1",
+                "medium_endpoints": {"NPU": "tcp://10.0.0.1:1", "cpu": "tcp://10.0.0.1:2"},
+                "replay_endpoint": "tcp://10.0.0.1:3",
+            },
+            {
+                "instance_id": "legacy",
+                "dp_rank": 0,
+                "store_backend": "YuanRong",
+                "endpoint": "tcp://10.0.0.2:1",
+            },
+            {"instance_id": "pool", "dp_rank": 0, "endpoint": "tcp://10.0.0.3:1"},
+            {
+                "instance_id": "mc",
+                "dp_rank": 0,
+                "tenant_id": "t",
+                "medium_endpoints": {
+                    "npu": "tcp://10.0.0.4:1",
+                    "cpu": "tcp://10.0.0.4:1",
+                    "disk": "tcp://10.0.0.4:1",
+                },
+            },
+        ]:
+            req = {"type": "vLLM", "modelname": "qwen", "block_size": BS, **body}
+            a.call(a.register, msgspec.convert(req, RegisterRequest))
+        data = b"".join(dump.write_dump(a))
+        assert b.call(dump.load_dump, b, [data]) == {"registrations": 5, "indexes": 2}
+        assert b.registry.instances == a.registry.instances
+        assert b.registry.hbm_ip_index == a.registry.hbm_ip_index
+        assert b.registry.hbm_ip_index  # the Mooncake engine's HBM IP
+        assert b.call(b.workers) == a.call(a.workers)
+    finally:
+        a.stop()
+        b.stop()
