@@ -641,6 +641,9 @@ class CoreMachine(_Pair):
         ):
             for w, (g, tier) in enumerate(CORE_WORKERS + EXTRA_WORKERS):
                 fresh.set_worker(w, g, tier)
+                # mutes are runtime state, not in a dump: the service derives them again
+                # from its sources (SubscriptionManager.check_sources)
+                fresh.set_muted(w, self.py.is_muted(w))
             core_restore(fresh, exp)
             assert dict(fresh.stats(), nbytes=None) == want_stats
             for q in queries:
