@@ -289,8 +289,10 @@ class Index:
         (``POST /explain``), in group order; its ``blocks`` equal :meth:`query`'s."""
         rows = self.core.trace_tokens(tokens, block_size, seed)
         keys = self._worker_keys
-        placement = {w: (self._groups[(keys[w].instance_id, keys[w].dp_rank)],
-                         Medium(keys[w].medium).tier) for w, _, _ in rows}
+        placement = {
+            w: (self._groups[(keys[w].instance_id, keys[w].dp_rank)], Medium(keys[w].medium).tier)
+            for w, _, _ in rows
+        }
         walks = tier_walks(rows, placement)
         per_group: dict[int, list[WorkerTrace]] = {}
         held_by: dict[int, list[int]] = {}
@@ -299,9 +301,7 @@ class Index:
             n = self.core.worker_blocks(w)
             held = held_by.setdefault(g, [0, 0, 0])
             held[tier] += n
-            per_group.setdefault(g, []).append(
-                WorkerTrace(keys[w], n, reach, STOP_REASONS[code])
-            )
+            per_group.setdefault(g, []).append(WorkerTrace(keys[w], n, reach, STOP_REASONS[code]))
         out = []
         for g in sorted(walks):
             iid, dp = self._group_keys[g]

@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import zmq
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
-
 from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
 from kvconductor.ingest.apply import Limits
@@ -696,7 +695,11 @@ class Conductor:
                     pool_sources += self._explain_sources(iid, dp, now)
                 else:
                     registered[(iid, dp)] = ep.block_size
-        groups = {(g.instance_id, g.dp_rank): g for g in idx.trace(tokens, block_size, seed)} if idx else {}
+        groups = (
+            {(g.instance_id, g.dp_rank): g for g in idx.trace(tokens, block_size, seed)}
+            if idx
+            else {}
+        )
         warnings: list[str] = []
         if idx is None:
             warnings.append(
@@ -780,8 +783,7 @@ class Conductor:
             )
         if pending:
             warnings.append(
-                f"{pending} pool confirmation(s) await the engine's offload event of the "
-                "same block"
+                f"{pending} pool confirmation(s) await the engine's offload event of the same block"
             )
         return ExplainResponse(
             model=model,

@@ -13,11 +13,13 @@ import json
 import os
 import sys
 
+import falcon.testing as ft
 import msgspec
 import pytest
 
 from kvconductor import explain
 from kvconductor._hash import hash_blocks
+from kvconductor.app import create_app
 from kvconductor.schema import (
     STOP_END_OF_PROMPT,
     STOP_NO_FIRST_BLOCK,
@@ -26,12 +28,29 @@ from kvconductor.schema import (
     STOP_PARENT_MISMATCH,
     STOP_TIER_EXHAUSTED,
 )
+from kvconductor.service import Conductor, ConductorConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_app import client, conductor, events, query, register, stored  # noqa: F401
+from test_app import RecordingSubs, events, query, register, stored
 
 TOKENS = list(range(1, 25))
+
+
+@pytest.fixture
+def conductor(impl):
+    c = Conductor(
+        ConductorConfig(index_impl=impl, maintenance_interval=3600), subscriptions=RecordingSubs
+    )
+    c.start()
+    yield c
+    assert c.stop(5.0)
+
+
+@pytest.fixture(params=["falcon", "fastpath"])
+def client(request, conductor):
+    """The Falcon app alone, and fronted by QueryFastPath (what the server runs)."""
+    return ft.TestClient(create_app(conductor, fast_query=request.param == "fastpath"))
 
 
 def explain_body(client, tokens, model="qwen", block_size=4, msgpack=False, **kw):
@@ -90,7 +109,12 @@ def test_block_size_mismatch_names_the_registered_sizes(client):
     assert "(registered block sizes: 4)" in doc["warnings"][0]
     row = instance(doc, "vllm-prefill-1")
     assert counts(row) == (0, 0, 0)
-    assert row["tiers"]["npu"] == {"blocks": 0, "at_block": 0, "stop": STOP_NO_FIRST_BLOCK, "held": 2}
+    assert row["tiers"]["npu"] == {
+        "blocks": 0,
+        "at_block": 0,
+        "stop": STOP_NO_FIRST_BLOCK,
+        "held": 2,
+    }
 
 
 def test_partial_prefix_stops_where_the_cache_ends_and_counts_equal_query(client):
@@ -114,7 +138,12 @@ def test_partial_prefix_stops_where_the_cache_ends_and_counts_equal_query(client
         assert two["tiers"]["npu"]["stop"] == STOP_NOT_HELD
         assert two["tiers"]["npu"]["at_block"] == 2
         # no CPU or Disk worker: the walk cannot go further there
-        assert one["tiers"]["cpu"] == {"blocks": 0, "at_block": 3, "stop": STOP_NO_WORKER, "held": 0}
+        assert one["tiers"]["cpu"] == {
+            "blocks": 0,
+            "at_block": 3,
+            "stop": STOP_NO_WORKER,
+            "held": 0,
+        }
         assert one["workers"] == [
             {
                 "medium": "npu",
@@ -206,13 +235,25 @@ def test_bad_bodies_get_the_same_400_as_query(client, body):
     e = client.simulate_post("/explain", body=body, headers={"Content-Type": "application/json"})
     assert q.status_code == e.status_code == 400
     assert q.json == e.json
-    mq = client.simulate_post("/query", body=b"\xc1", headers={"Content-Type": "application/msgpack"})
+    mq = client.simulate_post(
+        "/query", body=b"\xc1", headers={"Content-Type": "application/msgpack"}
+    )
     me = client.simulate_post(
         "/explain", body=b"\xc1", headers={"Content-Type": "application/msgpack"}
     )
     assert mq.status_code == me.status_code == 400
     assert me.headers["content-type"] == "application/msgpack"
     assert msgspec.msgpack.decode(mq.content) == msgspec.msgpack.decode(me.content)
+
+
+def test_explain_is_protected_like_workers(conductor):
+    body = {"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4]}
+    app = ft.TestClient(create_app(conductor, api_key="s3cret"))
+    assert app.simulate_post("/explain", json=body).status_code == 401
+    ok = app.simulate_post("/explain", json=body, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 200 and ok.json["index_found"] is False
+    app = ft.TestClient(create_app(conductor, api_key="s3cret", open_workers=True))
+    assert app.simulate_post("/explain", json=body).status_code == 200
 
 
 # -- the CLI -----------------------------------------------------------------------------

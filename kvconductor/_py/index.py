@@ -318,7 +318,9 @@ class CoreIndex:
         # CPU breakpoints, as in _match: walks of more than 0 blocks
         cpu = self._tiers[CPU]
         cpu_bps = []
-        starts = [(w, 0, None) for w in cpu.owners(None, hs[0])] if n else []
+        starts: list[tuple[int, int, int | None]] = (
+            [(w, 0, None) for w in cpu.owners(None, hs[0])] if n else []
+        )
         for g, end, last in hbm_bps:
             if end < n:
                 starts += [(w, end, last) for w in cpu.owners(last, hs[end]) if group(w) == g]
@@ -327,13 +329,12 @@ class CoreIndex:
             if count > 0:
                 cpu_bps.append((group(w), start + count, last_ehash))
         # the tree path of the query: path[k] is the node after k blocks
-        node = self._tree._root
-        path = [node]
+        path = [self._tree._root]
         for h in hs:
-            node = node.children.get(h)
-            if node is None:
+            child = path[-1].children.get(h)
+            if child is None:
                 break
-            path.append(node)
+            path.append(child)
         out = []
         for w in sorted(self._workers):
             g, tier = self._workers[w]
