@@ -112,7 +112,12 @@ def report(doc: dict[str, Any]) -> list[str]:
         lines.append(f"{inst['instance_id']} DP {inst['dp_rank']}{reg}: {total} blocks: {tiers}")
         for s in inst["sources"]:
             age = s["last_event_age_s"]
-            since = f"last event {age:.1f}s ago" if age >= 0 else "no event yet"
+            if age < 0:
+                since = "no event yet"
+            elif s["events"]:
+                since = f"last event {age:.1f}s ago"
+            else:
+                since = f"no event since it opened {age:.1f}s ago"
             lines.append(
                 f"    source {s['url']} ({'/'.join(s['media'])}): {s['state']}, "
                 f"{s['events']} events, {since}"

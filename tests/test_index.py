@@ -797,3 +797,51 @@ def test_check_invariants_sees_corruption(kind):
     c._corrupt_for_test(kind)
     with pytest.raises(AssertionError):
         c.check_invariants()
+
+
+# -- Index.trace (POST /explain) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_trace_counts_equal_query_on_random_stores(ix, seed):
+    """Seeded random stores in all tiers (several instances, DPs and backends, shared and
+    forked chains); for random prompts, every group's trace counts are the query's."""
+    import random
+
+    rng = random.Random(seed)
+    keys = [
+        key(inst, medium, dp, backend)
+        for inst in ("inst-a", "inst-b")
+        for dp in (0, 1)
+        for medium, backend in ((Medium.NPU, None), (Medium.CPU, "10.0.0.1"), (Medium.DISK, None))
+    ]
+    for _ in range(40):
+        k = rng.choice(keys)
+        start = rng.randrange(0, 6)
+        n = rng.randrange(1, 7 - start)
+        # engine hashes: mostly the shared ones (chains meet), sometimes another seed's
+        base = rng.choice([0, 0, 0, 100])
+        ehashes = [E[i] + base for i in range(start, start + n)]
+        parent = None if start == 0 else E[start - 1] + rng.choice([0, 0, 100])
+        tokens = toks(start, start + n)
+        if rng.random() < 0.2:
+            tokens = [t + 1 for t in tokens]  # other content at these positions
+        try:
+            ix.store(k, parent, ehashes, list(hash_blocks(tokens, BS)))
+        except (ParentBlockNotFound, InvalidBlockSequence):
+            pass
+    for _ in range(20):
+        n = rng.randrange(0, 7)
+        prompt = toks(n)
+        if n and rng.random() < 0.3:
+            i = rng.randrange(len(prompt))
+            prompt = prompt[:i] + [7] + prompt[i + 1 :]
+        hits = {(h.instance_id, h.dp_rank): h[2:] for h in ix.query(prompt, BS).hits}
+        traced = {(g.instance_id, g.dp_rank): g.blocks for g in ix.trace(prompt, BS)}
+        assert {k: v for k, v in traced.items() if sum(v)} == hits, prompt
+        for g in ix.trace(prompt, BS):
+            for t in range(3):
+                assert g.reach[t] == sum(g.blocks[: t + 1])
+                assert g.held[t] == sum(
+                    ix.worker_blocks(w.key) for w in g.workers if Medium(w.key.medium).tier == t
+                )
