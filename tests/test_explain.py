@@ -17,7 +17,7 @@ import falcon.testing as ft
 import msgspec
 import pytest
 
-from kvconductor import explain
+from kvconductor import cli, explain
 from kvconductor._hash import hash_blocks
 from kvconductor.app import create_app
 from kvconductor.schema import (
@@ -349,7 +349,8 @@ def test_cli_against_a_live_server(tmp_path, capsys):
         assert out[1] == "index: found; registered block sizes: 4"
         assert out[2].startswith("vllm-prefill-1 DP 0: 3 blocks: npu 3 (to block 3: tier_exhausted")
         assert out[3].startswith(f"    source {pub.url} (npu): live, ")
-        assert explain.main([*args, "--tokens", json.dumps(TOKENS), "--json"]) == 0
+        # through `kv-conductor explain` (kvconductor.cli dispatches to kvconductor.explain)
+        assert cli.main(["explain", *args, "--tokens", json.dumps(TOKENS), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert doc["instances"][0]["tiers"]["npu"]["stop"] == STOP_TIER_EXHAUSTED
         # an HTTP error: one line, exit 1
@@ -359,6 +360,12 @@ def test_cli_against_a_live_server(tmp_path, capsys):
     finally:
         pub.stop()
         srv.terminate()
+    # an unreadable tokens file: exit 2
+    assert (
+        explain.main(["--url", srv.url, "--model", "q", "--tokens-file", str(tmp_path / "none")])
+        == 2
+    )
+    assert capsys.readouterr().err.startswith("kv-conductor explain: error: ")
     # nobody listens any more: exit 1, one line
     assert explain.main(["--url", srv.url, "--model", "qwen", "--tokens", "1"]) == 1
     err = capsys.readouterr().err
