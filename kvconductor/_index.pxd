@@ -67,6 +67,7 @@ cdef enum:
     STOP_NOT_HELD = 2           # the tier holds the next block, this worker does not
     STOP_NO_FIRST_BLOCK = 3     # no worker of the tier holds the first block as a root
     STOP_TIER_EXHAUSTED = 4     # no worker of the tier holds the next block after this prefix
+    STOP_MUTED = 5              # the worker is muted (set_muted): no hits, no breakpoints
 
 
 cdef class CoreIndex:
@@ -74,7 +75,8 @@ cdef class CoreIndex:
     cdef Lower tiers[2]         # [0] CPU, [1] Disk
     cdef uint32_t* wgroup       # worker id -> group id
     cdef uint8_t* wtier         # worker id -> 0 HBM / 1 CPU / 2 Disk
-    cdef size_t wcap            # allocated entries of wgroup/wtier
+    cdef uint8_t* wmute         # worker id -> 1: muted, no hits in queries (set_muted)
+    cdef size_t wcap            # allocated entries of wgroup/wtier/wmute
     cdef size_t nworkers        # max worker id + 1
     cdef size_t ngroups         # max group id + 1
     cdef U64Map offload_m       # engine hash -> TPRec (unconfirmed engine offloads)

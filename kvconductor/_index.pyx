@@ -113,6 +113,7 @@ cdef class CoreIndex:
         self.lock_ok = False
         self.wgroup = NULL
         self.wtier = NULL
+        self.wmute = NULL
         self.wcap = 0
         self.nworkers = 0
         self.ngroups = 0
@@ -145,10 +146,12 @@ cdef class CoreIndex:
         mem_free(self.waits)
         mem_free(self.wgroup)
         mem_free(self.wtier)
+        mem_free(self.wmute)
         self.recs = NULL
         self.waits = NULL
         self.wgroup = NULL
         self.wtier = NULL
+        self.wmute = NULL
         if self.lock_ok:
             pthread_rwlock_destroy(&self.lock)
             self.lock_ok = False
@@ -159,6 +162,7 @@ cdef class CoreIndex:
         cdef size_t cap, k
         cdef void* p
         cdef void* q
+        cdef void* r
         if tier < 0 or tier > 2:
             raise ValueError(f"tier must be 0, 1 or 2, not {tier}")
         if worker == HM_NIL or group == HM_NIL:
@@ -174,10 +178,15 @@ cdef class CoreIndex:
                     q = grow_array(self.wtier, &cap, <size_t>worker + 1, sizeof(uint8_t))
                     if q != NULL:
                         self.wtier = <uint8_t*>q
-                        for k in range(self.wcap, cap):
-                            self.wgroup[k] = HM_NIL
-                            self.wtier[k] = 0
-                        self.wcap = cap
+                        cap = self.wcap
+                        r = grow_array(self.wmute, &cap, <size_t>worker + 1, sizeof(uint8_t))
+                        if r != NULL:
+                            self.wmute = <uint8_t*>r
+                            for k in range(self.wcap, cap):
+                                self.wgroup[k] = HM_NIL
+                                self.wtier[k] = 0
+                                self.wmute[k] = 0
+                            self.wcap = cap
             if worker < self.wcap:
                 self.wgroup[worker] = group
                 self.wtier[worker] = <uint8_t>tier
@@ -188,6 +197,27 @@ cdef class CoreIndex:
             pthread_rwlock_unlock(&self.lock)
         if worker >= self.wcap:
             raise MemoryError()
+
+    def set_muted(self, uint32_t worker, bint muted):
+        """Mute (or unmute) ``worker``: a muted worker keeps its blocks and takes every
+        update as usual, but contributes no hits (and no breakpoint for a lower tier to
+        continue from) to :meth:`match`/:meth:`match_tokens`. A source down too long
+        (``docs/operations.md``, "Dead engines") mutes its HBM workers."""
+        self._tier(worker)
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            self.wmute[worker] = 1 if muted else 0
+            pthread_rwlock_unlock(&self.lock)
+
+    def is_muted(self, uint32_t worker):
+        """Whether ``worker`` is muted (:meth:`set_muted`)."""
+        cdef bint m
+        self._tier(worker)
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            m = self.wmute[worker] != 0
+            pthread_rwlock_unlock(&self.lock)
+        return m
 
     cdef int _tier(self, uint32_t worker) except -1:
         if worker >= self.nworkers or self.wgroup[worker] == HM_NIL:
@@ -653,7 +683,7 @@ cdef class CoreIndex:
             o = L.edges[e].owners
             while o != HM_NIL:
                 w = L.own[o].worker
-                if w < self.nworkers and nc < s.W and s.stamp[w] == HM_NIL:
+                if w < self.nworkers and nc < s.W and s.stamp[w] == HM_NIL and not self.wmute[w]:
                     s.stamp[w] = 0
                     s.cand[nc] = w
                     nc += 1
@@ -683,7 +713,8 @@ cdef class CoreIndex:
             o = L.edges[e].owners
             while o != HM_NIL:
                 w = L.own[o].worker
-                if w < self.nworkers and self.wgroup[w] == g and nc < s.W:
+                if (w < self.nworkers and self.wgroup[w] == g and nc < s.W
+                        and not self.wmute[w]):
                     s.cand[nc] = w
                     nc += 1
                 o = L.own[o].next
@@ -708,7 +739,7 @@ cdef class CoreIndex:
         nh = tree_match(&self.tree, hc, s.hw, s.hd, s.hs, s.stamp)
         for k in range(nh):
             w = s.hw[k]
-            if w >= self.nworkers:
+            if w >= self.nworkers or self.wmute[w]:
                 continue
             g = self.wgroup[w]
             if _bp_add(s, g, s.hd[k], s.hs[w]) < 0:
@@ -999,7 +1030,7 @@ cdef class CoreIndex:
                   + lower_nbytes(&self.tiers[1]) + u64m_nbytes(&self.offload_m)
                   + u64m_nbytes(&self.content_m) + u64m_nbytes(&self.pending_m)
                   + self.rec_pool.cap * sizeof(TPRec) + self.wait_pool.cap * sizeof(TPWait)
-                  + self.wcap * (sizeof(uint32_t) + sizeof(uint8_t)))
+                  + self.wcap * (sizeof(uint32_t) + 2 * sizeof(uint8_t)))
             pthread_rwlock_unlock(&self.lock)
         return {"nodes": nodes, "hbm_pairs": pairs, "cpu_blocks": cpu, "disk_blocks": disk,
                 "offload": off, "content": con, "pending": pen, "nbytes": nb}
@@ -1086,7 +1117,7 @@ cdef class CoreIndex:
             reach[k] = 0
         for k in range(nh):
             w = s.hw[k]
-            if w >= self.nworkers:
+            if w >= self.nworkers or self.wmute[w]:
                 continue
             if _bp_add(s, self.wgroup[w], s.hd[k], s.hs[w]) < 0:
                 return -1
@@ -1110,6 +1141,11 @@ cdef class CoreIndex:
             if g == HM_NIL:
                 continue
             t = self.wtier[w]
+            if self.wmute[w]:
+                # no hits and no breakpoints (set_muted): it reaches nothing
+                reach[w] = 0
+                code[w] = STOP_MUTED
+                continue
             if t == 0:
                 d = reach[w]
                 if d >= n:

@@ -5,6 +5,9 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from kvconductor._index cimport BatchOp
 from kvconductor._readers cimport wcur
 
+cdef enum:
+    LORA_MAX = 16               # distinct LoRA adapters per batch on the fast path
+
 cdef struct EvRec:
     size_t off                  # first hash of the event in FastBatch.hs / .loc
     size_t n                    # blocks (STORE: stored count, EVICT: hashes)
@@ -41,7 +44,10 @@ cdef class FastBatch:
     cdef int flags              # BATCH_* flags of the parsed batch
     cdef long nevents           # events of the parsed batch (-1: nothing parsed)
     cdef long n_size_mismatch   # BlockStored dropped: block_size != registered
+    cdef uint64_t bad_bs        # the block_size of the last of them
     cdef long n_kind            # BlockStored dropped: non-prefix attention kind
+    cdef uint64_t lora[LORA_MAX]  # distinct LoRA seeds of the stores of the parsed batch
+    cdef size_t nlora
     cdef int why                # reason code of the last rejection
     cdef public long long parsed      # batches accepted by parse()
     cdef public long long rejected    # batches parse() left to the Python path

@@ -51,9 +51,11 @@ cdef enum:
     R_BLOCK_SIZE = 10
     R_SKIPPED_VALUE = 11
     R_OOM = 12
+    R_LORAS = 13            # more distinct LoRA names than LORA_MAX in one batch
 
 _REASONS = ("", "envelope", "truncated", "event", "medium", "hash", "field", "pool_key",
-            "duplicate_key", "tokens", "block_size", "skipped_value", "out_of_memory")
+            "duplicate_key", "tokens", "block_size", "skipped_value", "out_of_memory",
+            "too_many_loras")
 
 # -- event kinds and field ids -------------------------------------------------------------
 cdef enum:
@@ -364,6 +366,8 @@ cdef class FastBatch:
         self.nevents = -1
         self.n_size_mismatch = 0
         self.n_kind = 0
+        self.nlora = 0
+        self.bad_bs = 0
         self.why = R_OK
         self.parsed = 0
         self.rejected = 0
@@ -596,12 +600,24 @@ cdef class FastBatch:
             return R_OK
         if ev.bs and reg > 0 and ev.bs != <uint64_t>reg:
             self.n_size_mismatch += 1
+            self.bad_bs = ev.bs
             return R_OK
         if ev.kind_rejected:
             self.n_kind += 1
             return R_OK
         if ev.nh == 0:
             return R_OK
+        if ev.seed != self.seed and ev.ntok and ev.bs:
+            # a LoRA adapter's blocks: remember its seed (queries naming an adapter that no
+            # event carried are warned about)
+            for i in range(self.nlora):
+                if self.lora[i] == ev.seed:
+                    break
+            else:
+                if self.nlora == LORA_MAX:
+                    return R_LORAS
+                self.lora[self.nlora] = ev.seed
+                self.nlora += 1
         self.flags |= BATCH_NEEDS_WORKER | BATCH_TOUCHES
         r = &self.recs[self.nrec]
         r.kind = OP_STORE
@@ -635,6 +651,7 @@ cdef class FastBatch:
         self.flags = 0
         self.n_size_mismatch = 0
         self.n_kind = 0
+        self.nlora = 0
         if size < 11 or (buf[0] != 0x92 and buf[0] != 0x93) or buf[1] != 0xcb:
             return -R_ENVELOPE  # [float64 ts, events] / [float64 ts, events, dp]
         c.base = buf
@@ -725,6 +742,16 @@ cdef class FastBatch:
     def reason(self):
         """Why the last :meth:`parse` returned -1 ("" after an accepted batch)."""
         return _REASONS[self.why]
+
+    @property
+    def mismatched_block_size(self):
+        """The block_size of the last BlockStored counted in :attr:`size_mismatch`."""
+        return self.bad_bs
+
+    @property
+    def lora_seeds(self):
+        """Hash seeds of the LoRA adapters whose blocks the parsed batch stores (distinct)."""
+        return tuple(self.lora[i] for i in range(self.nlora))
 
     @property
     def needs_worker(self):

@@ -378,6 +378,10 @@ class QueryResource(_Resource):
                 m.block_size_mismatch.inc()
                 warning = self.misses.block_size_mismatch(model, tenant, block_size, sizes)
                 return 200, encode_result(hits, tenant, block_size, msgpack), warning
+            if lora_name and seed not in self.conductor.lora_seeds.get((model, tenant), ()):
+                m.unknown_lora.inc()
+                warning = self.misses.unknown_lora(model, tenant, lora_name)
+                return 200, encode_result(hits, tenant, block_size, msgpack), warning
             m.no_match.inc()
         return 200, encode_result(hits, tenant, block_size, msgpack), None
 
@@ -426,13 +430,13 @@ def _header_text(sentence: str) -> str:
 
 class MissWarnings:
     """Silent misses made loud: the sentence of a query that cannot match, logged at WARN
-    at most once per (model, tenant, block size) per ``interval`` seconds. Thread-safe
-    (large queries are answered on worker threads)."""
+    at most once per (model, tenant, block size or LoRA name) per ``interval`` seconds.
+    Thread-safe (large queries are answered on worker threads)."""
 
     def __init__(self, interval: float = 60.0, clock=time.monotonic) -> None:
         self.interval = interval
         self.clock = clock
-        self._last: dict[tuple[str, str, int], float] = {}
+        self._last: dict[tuple, float] = {}
         self._lock = threading.Lock()
 
     def block_size_mismatch(
@@ -444,7 +448,18 @@ class MissWarnings:
             f"tenant={tenant} (registered block sizes: {sizes}); blocks are hashed per "
             "block size, so this query cannot find any"
         )
-        key = (model, tenant, block_size)
+        return self._warn((model, tenant, block_size), sentence)
+
+    def unknown_lora(self, model: str, tenant: str, lora_name: str) -> str:
+        sentence = (
+            f"lora_name {lora_name!r} was carried by no event of model={model} "
+            f"tenant={tenant}; blocks of a LoRA adapter are hashed with its name, so this "
+            "query cannot find any (does the engine publish lora_name? vLLM 0.14+, "
+            "SGLang 0.5.22+)"
+        )
+        return self._warn((model, tenant, "lora:" + lora_name), sentence)
+
+    def _warn(self, key: tuple, sentence: str) -> str:
         now = self.clock()
         with self._lock:
             last = self._last.get(key)

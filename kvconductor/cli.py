@@ -11,12 +11,12 @@ import ipaddress
 import logging
 import os
 import sys
-from datetime import datetime, timezone
 from typing import NoReturn
 
 import msgspec
 
 from kvconductor import __version__
+from kvconductor.logs import level_name, utc
 from kvconductor.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
 
 LOG_ENV = "KV_CONDUCTOR_LOG"
@@ -48,7 +48,7 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
-        problem = _tls_problem(ns)  # flags that are wrong together
+        problem = _tls_problem(ns) or _source_problem(ns)  # flags wrong together
         if problem:
             self.error(problem)
         return ns
@@ -251,6 +251,21 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "(default 600; nothing is dropped at the loss itself)",
     )
     p.add_argument(
+        "--source-down-secs",
+        type=_int_in(1, 86_400),
+        default=10,
+        help="a ZeroMQ engine source not ready (disconnected, or replaying) this many "
+        "seconds stops contributing its (instance, DP)'s HBM hits until it is ready "
+        "again; its blocks are kept (default 10)",
+    )
+    p.add_argument(
+        "--source-purge-secs",
+        type=_secs,
+        default=600,
+        help="a source not ready this many seconds has its HBM blocks dropped "
+        "(default 600; 0: never; at least --source-down-secs)",
+    )
+    p.add_argument(
         "--replay-deadline-secs",
         type=_secs,
         default=60,
@@ -412,6 +427,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs,
         loss_grace_secs=args.loss_grace_secs,
+        source_down_secs=args.source_down_secs,
+        source_purge_secs=args.source_purge_secs,
         max_sources=args.max_sources,
         replay_deadline_secs=args.replay_deadline_secs,
         max_message_mb=args.max_message_mb,
@@ -449,6 +466,16 @@ class _EncryptedKey(Exception):
 
 def _no_password() -> str:
     raise _EncryptedKey
+
+
+def _source_problem(args: argparse.Namespace) -> str | None:
+    purge, down = getattr(args, "source_purge_secs", 0), getattr(args, "source_down_secs", 1)
+    if purge and purge < down:
+        return (
+            f"--source-purge-secs {purge} is shorter than --source-down-secs {down} "
+            "(0 never purges)"
+        )
+    return None
 
 
 def _tls_problem(args: argparse.Namespace) -> str | None:
@@ -494,20 +521,12 @@ def _ssl_reason(ex: Exception) -> str:
     return str(reason).replace("_", " ").lower()
 
 
-_LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}
-
-
-def _utc(created: float) -> str:
-    """RFC 3339 UTC with microseconds and a ``Z``: ``2026-11-30T18:10:00.123456Z``."""
-    return datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
 class _Formatter(logging.Formatter):
     """``<RFC 3339 UTC time> <LEVEL> <message>`` (the reference hides target names)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        level = _LEVEL_NAMES.get(record.levelno, record.levelname)
-        line = f"{_utc(record.created)} {level:>5} {record.getMessage()}"
+        level = level_name(record.levelno, record.levelname)
+        line = f"{utc(record.created)} {level:>5} {record.getMessage()}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -519,8 +538,8 @@ class _JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         doc = {
-            "ts": _utc(record.created),
-            "level": _LEVEL_NAMES.get(record.levelno, record.levelname),
+            "ts": utc(record.created),
+            "level": level_name(record.levelno, record.levelname),
             "message": record.getMessage(),
         }
         if record.exc_info:

@@ -28,6 +28,7 @@ STOP_WORDS = {
     "not_held": "the tier holds the next block, this DP does not",
     "no_first_block": "no block of the tier starts with the prompt's first block",
     "tier_exhausted": "nothing cached after this prefix in the tier",
+    "muted": "muted: its source is down, its blocks give no hits",
     "no_worker": "no worker on this tier",
 }
 TIERS = ("npu", "cpu", "disk")

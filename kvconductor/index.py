@@ -163,6 +163,8 @@ class Index:
         self._worker_keys: list[WorkerKey] = []
         self._groups: dict[tuple[str, int], int] = {}
         self._group_keys: list[tuple[str, int]] = []
+        #: (instance_id, dp_rank) -> its WorkerKeys, in creation order
+        self._group_workers: dict[tuple[str, int], list[WorkerKey]] = {}
 
     # -- interning ---------------------------------------------------------------
     def worker_id(self, key: WorkerKey) -> int:
@@ -179,10 +181,13 @@ class Index:
             self.core.set_worker(wid, gid, Medium(key.medium).tier)
             self._worker_keys.append(key)
             self._workers[key] = wid
+            self._group_workers.setdefault(g, []).append(key)
         return wid
 
     def workers_of(self, instance_id: str, dp_rank: int | None = None) -> list[WorkerKey]:
         """Every known WorkerKey of an instance (optionally of one DP)."""
+        if dp_rank is not None:
+            return list(self._group_workers.get((instance_id, dp_rank), ()))
         return [
             k
             for k in self._worker_keys
@@ -236,6 +241,19 @@ class Index:
         if wid is None:
             raise KeyError(h)
         return self.core.parent_of(wid, h)
+
+    def set_muted(self, key: WorkerKey, muted: bool) -> bool:
+        """Mute or unmute ``key`` (its blocks stay and take updates; a muted worker gives
+        no hits). False when ``key`` holds nothing here yet (nothing to mute)."""
+        wid = self._workers.get(key)
+        if wid is None:
+            return False
+        self.core.set_muted(wid, muted)
+        return True
+
+    def is_muted(self, key: WorkerKey) -> bool:
+        wid = self._workers.get(key)
+        return wid is not None and self.core.is_muted(wid)
 
     def clear(self, key: WorkerKey) -> int:
         """Drop every block and pending wait of ``key``."""

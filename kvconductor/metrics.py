@@ -60,7 +60,7 @@ QUERY_BUCKETS = (
     2.5,
 )
 TIERS = ("npu", "cpu", "disk")
-MISS_REASONS = ("unknown_index", "block_size_mismatch", "no_match")
+MISS_REASONS = ("unknown_index", "block_size_mismatch", "unknown_lora", "no_match")
 
 
 class QueryMetrics:
@@ -89,7 +89,7 @@ class QueryMetrics:
         # PERF: label children bound once; the hot path only calls observe/inc.
         self.route_seconds = {r: self.seconds.labels(route=r) for r in ("/query", "/query_by_hash")}
         self._npu, self._cpu, self._disk = (self.blocks.labels(tier=t) for t in TIERS)
-        self.unknown_index, self.block_size_mismatch, self.no_match = (
+        self.unknown_index, self.block_size_mismatch, self.unknown_lora, self.no_match = (
             self.misses.labels(reason=r) for r in MISS_REASONS
         )
 
@@ -158,6 +158,15 @@ class ConductorCollector(Collector):
             nbytes.add_metric([model, tenant], s["nbytes"])
         yield blocks
         yield nbytes
+        exp = CounterMetricFamily(
+            "kvconductor_two_phase_expired",
+            "Two-phase entries expired unmatched: engine offloads no pool confirmed "
+            "(offload), pool confirmations no engine offload came for (pool_confirmation)",
+            labels=["kind"],
+        )
+        for kind, n in sorted(c.expired.items()):
+            exp.add_metric([kind], n)
+        yield exp
 
         rows, retired = _subscription_rows(c.subs)
         applied: dict[str, int] = {"http": c.http_events_applied}
@@ -182,7 +191,20 @@ class ConductorCollector(Collector):
             "Seconds since a subscription last received a batch (or since it was opened)",
             labels=["instance_id", "dp_rank", "medium"],
         )
-        for iid, dp, media, kind, events, drops, g, r_ok, r_failed, live, last in rows:
+        muted = GaugeMetricFamily(
+            "kvconductor_source_muted",
+            "1 while a subscription's (instance, DP) HBM hits are muted: not ready for "
+            "--source-down-secs",
+            labels=["instance_id", "dp_rank", "medium"],
+        )
+        mutes = purged = 0
+        if retired is not None:
+            mutes, purged = retired.mutes, retired.purged_blocks
+        for row in rows:
+            iid, dp, media, kind, events, drops, g, r_ok, r_failed, live, last = row[:11]
+            is_muted, n_mutes, n_purged = row[11:14]
+            mutes += n_mutes
+            purged += n_purged
             applied[kind] = applied.get(kind, 0) + events
             for reason, n in drops.items():
                 dropped[reason] = dropped.get(reason, 0) + n
@@ -193,6 +215,7 @@ class ConductorCollector(Collector):
                 labels = [iid, str(dp), Medium(m).name]
                 up.add_metric(labels, 1 if live else 0)
                 age.add_metric(labels, max(0.0, now - last))
+                muted.add_metric(labels, 1 if is_muted else 0)
         ev = CounterMetricFamily(
             "kvconductor_events_applied",
             "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "
@@ -223,6 +246,17 @@ class ConductorCollector(Collector):
         yield rp
         yield up
         yield age
+        yield muted
+        yield CounterMetricFamily(
+            "kvconductor_source_mutes",
+            "Times a source's (instance, DP) HBM hits were muted (down past --source-down-secs)",
+            value=mutes,
+        )
+        yield CounterMetricFamily(
+            "kvconductor_source_purged_blocks",
+            "HBM blocks dropped because their source stayed down past --source-purge-secs",
+            value=purged,
+        )
 
 
 class Metrics:

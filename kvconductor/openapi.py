@@ -31,6 +31,7 @@ _STRUCTS = (
     schema.ReadyResponse,
     schema.NotReadyResponse,
     schema.ExplainResponse,
+    schema.RecentWarning,
 )
 _ERRORS = {
     "400": "malformed body, wrong type, missing field or out-of-range number",
@@ -91,8 +92,11 @@ def document() -> dict[str, Any]:
     status = _ref(schema.StatusResponse)
     workers = {
         "type": "object",
-        "required": ["workers", "indexer", "sources"],
-        "properties": {k: {"type": "array"} for k in ("workers", "indexer", "sources")},
+        "required": ["workers", "indexer", "sources", "recent_warnings"],
+        "properties": {
+            **{k: {"type": "array"} for k in ("workers", "indexer", "sources")},
+            "recent_warnings": {"type": "array", "items": _ref(schema.RecentWarning)},
+        },
     }
     paths = {
         "/health": {

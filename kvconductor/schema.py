@@ -175,6 +175,7 @@ STOP_PARENT_MISMATCH = "parent_mismatch"
 STOP_NOT_HELD = "not_held"
 STOP_NO_FIRST_BLOCK = "no_first_block"
 STOP_TIER_EXHAUSTED = "tier_exhausted"
+STOP_MUTED = "muted"
 STOP_NO_WORKER = "no_worker"
 #: The reasons in the order of the index core's stop codes (``CoreIndex.trace``): the code
 #: of a reason is its position. ``no_worker`` is never a core code (no worker, no walk).
@@ -184,6 +185,7 @@ STOP_REASONS: tuple[str, ...] = (
     STOP_NOT_HELD,
     STOP_NO_FIRST_BLOCK,
     STOP_TIER_EXHAUSTED,
+    STOP_MUTED,
     STOP_NO_WORKER,
 )
 #: The tier keys of an explain answer, in walk order (HBM, then CPU, then Disk).
@@ -346,6 +348,15 @@ class NotReadyResponse(Struct):
 
     error: str
     sources: list[SourceNotReady]
+
+
+class RecentWarning(Struct):
+    """One of ``GET /workers``' ``recent_warnings``: a WARN or ERROR log record of the
+    process (``level`` is ``WARN`` or ``ERROR``, ``ts`` RFC 3339 UTC as in the log)."""
+
+    ts: str
+    level: str
+    message: str
 
 
 class EventsResponse(Struct, kw_only=True, omit_defaults=True):

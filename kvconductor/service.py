@@ -31,8 +31,10 @@ from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlo
 from kvconductor.index import Index
 from kvconductor.ingest.apply import Limits
 from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
+from kvconductor.ingest.subscriber import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
+from kvconductor.logs import RecentWarnings
 from kvconductor.registry import RegistrationError, Registry
 from kvconductor.schema import (
     DEFAULT_TENANT,
@@ -51,7 +53,6 @@ from kvconductor.schema import (
 from kvconductor.urls import UrlPolicy
 
 #: Source states in which ``GET /ready`` counts a ZeroMQ source as ready.
-READY_STATES = frozenset(("live", "degraded"))
 
 log = logging.getLogger("kvconductor")
 
@@ -80,6 +81,10 @@ class ConductorConfig:
     loss_grace: float = 600.0
     #: Seconds a whole vLLM replay may take before it counts as a loss.
     replay_deadline: float = 60.0
+    #: Seconds a source may be not ready before its HBM hits stop counting.
+    source_down: float = SOURCE_DOWN
+    #: Seconds a source may be not ready before its HBM blocks are dropped (0: never).
+    source_purge: float = SOURCE_PURGE
     #: ZeroMQ subscriptions (one per registered instance, DP and URL) at most; more: 503.
     max_sources: int = 4096
     #: Bounds on one ZeroMQ message and one engine source (refused whole, counted).
@@ -260,8 +265,18 @@ class Conductor:
         #: (model, tenant) -> the block sizes registered for it (query miss reasons);
         #: a new dict is swapped in on every change, read anywhere.
         self.block_sizes: dict[tuple[str, str], frozenset[int]] = {}
+        #: (model, tenant) -> hash seeds of the LoRA adapters events stored blocks of (query
+        #: miss reasons); grown on the ingest thread by swapping in a new frozenset.
+        self.lora_seeds: dict[tuple[str, str], frozenset[int]] = {}
         #: Events applied through POST /events since start (ingest thread; metrics).
         self.http_events_applied = 0
+        #: Two-phase entries expired unmatched (ingest thread; metrics): engine offloads no
+        #: pool confirmed, pool confirmations no engine offload came for.
+        self.expired = {"offload": 0, "pool_confirmation": 0}
+        self._expiry_warned: dict[tuple[str, str, str], float] = {}
+        #: The last WARN+ records of the process's ``kvconductor`` loggers (``/workers``),
+        #: collected between start() and stop().
+        self.recent_warnings = RecentWarnings()
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -269,6 +284,7 @@ class Conductor:
         if self._started:
             return
         self._started = True
+        self.recent_warnings.install()
         if not self.thread.is_alive():
             self.thread.start()
         self.thread.call(self._start_on_thread)
@@ -276,6 +292,7 @@ class Conductor:
     def _start_on_thread(self) -> None:
         self.subs = self._subs_factory(self.thread, self)
         self.thread.call_later(self.interval, self._maintenance_tick)
+        self.thread.call_later(SOURCE_CHECK_SECS, self._source_tick)
 
     @property
     def interval(self) -> float:
@@ -297,6 +314,7 @@ class Conductor:
             ok = self.thread.stop(max(0.1, deadline - time.monotonic()))
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+        self.recent_warnings.uninstall()
         return ok
 
     def _stop_on_thread(self) -> None:
@@ -497,6 +515,13 @@ class Conductor:
         )
         return True
 
+    def note_lora(self, model: str, tenant: str, seed: int) -> None:
+        """An event stored blocks of the LoRA adapter of hash seed ``seed`` (ingest thread)."""
+        key = (model, tenant)
+        seen = self.lora_seeds.get(key)
+        if seen is None or seed not in seen:
+            self.lora_seeds[key] = (seen or frozenset()) | {seed}
+
     def _registrations_changed(self) -> None:
         """Recount :attr:`registrations` and :attr:`block_sizes` (ingest thread; after a
         registration or unregistration, O(registrations))."""
@@ -547,6 +572,8 @@ class Conductor:
             idx = self.get_or_create_index(model, tenant or DEFAULT_TENANT)
             try:
                 for op in group:
+                    if op.seed != DEFAULT_SEED and op.tokens is not None:
+                        self.note_lora(idx.model, idx.tenant, op.seed)
                     self._apply_op(idx, batch.instance_id, op)
             except IndexUpdateError as ex:
                 log.debug(
@@ -600,6 +627,20 @@ class Conductor:
             if not self._stopping:
                 self.thread.call_later(self.interval, self._maintenance_tick)
 
+    def _source_tick(self) -> None:
+        """Dead engines: mute, unmute, purge (``SubscriptionManager.check_sources``)."""
+        if self._stopping:
+            return
+        try:
+            check = getattr(self.subs, "check_sources", None)
+            if check is not None:
+                check()
+        except Exception:  # the next tick tries again; never kill the ingest thread
+            log.exception("source check failed")
+        finally:
+            if not self._stopping:
+                self.thread.call_later(SOURCE_CHECK_SECS, self._source_tick)
+
     def maintenance(self, now: float | None = None) -> int:
         """TTL sweeps on every index, then reclaim empty indexes no registration refers to
         (docs/api.md, "Differences from the reference": index reclaim)."""
@@ -607,7 +648,11 @@ class Conductor:
         cfg = self.config
         pruned = 0
         for idx in list(self.indexes.values()):
+            before = idx.sizes()
             pruned += idx.maintenance(now, cfg.pending_ttl, cfg.content_ttl, cfg.offload_ttl)
+            after = idx.sizes()  # the sweep only removes; nothing else writes meanwhile
+            self._expired(idx, "offload", before["offload"] - after["offload"], now)
+            self._expired(idx, "pool_confirmation", before["pending"] - after["pending"], now)
         protected = self.registry.protected()
         reclaimed = 0
         for key, idx in list(self.indexes.items()):
@@ -622,6 +667,40 @@ class Conductor:
         )
         return pruned + reclaimed
 
+    _EXPIRY_HINTS = {
+        "offload": (
+            "engine offloads to CPU/disk expired after {ttl:g}s without a pool "
+            "confirmation, so they are not indexed: is the KV pool's publisher registered "
+            "(medium_endpoints cpu/disk, store_backend) for the instances that offload?",
+            "offload_ttl",
+        ),
+        "pool_confirmation": (
+            "pool confirmations expired after {ttl:g}s without the engine's offload "
+            "event, so they are not indexed: does the engine publish its CPU/disk "
+            "offloads (its subscription has that medium)?",
+            "pending_ttl",
+        ),
+    }
+
+    def _expired(self, idx: Index, kind: str, n: int, now: float) -> None:
+        """Count ``n`` expired two-phase entries; WARN at most once a minute per index."""
+        if n <= 0:
+            return
+        self.expired[kind] += n
+        key = (idx.model, idx.tenant, kind)
+        last = self._expiry_warned.get(key)
+        if last is not None and now - last < 60.0:
+            return
+        self._expiry_warned[key] = now
+        text, ttl = self._EXPIRY_HINTS[kind]
+        log.warning(
+            "model=%s tenant=%s: %d %s",
+            idx.model,
+            idx.tenant,
+            n,
+            text.format(ttl=getattr(self.config, ttl)),
+        )
+
     # -- introspection (ingest thread) ------------------------------------------------------------
     def readiness(self) -> tuple[int, list[SourceNotReady]]:
         """``GET /ready``: (ZeroMQ sources, those not ready). A source is ready when its
@@ -635,11 +714,13 @@ class Conductor:
         return len(sources), waiting
 
     def workers(self) -> dict[str, Any]:
-        """``GET /workers``: registrations, per-index summaries, subscription sources."""
+        """``GET /workers``: registrations, per-index summaries, subscription sources and
+        the recent warnings of the process (oldest first)."""
         return {
             "workers": self.registry.snapshot(),
             "indexer": [self.indexes[k].summary() for k in sorted(self.indexes)],
             "sources": self.subs.sources() if self.subs is not None else [],
+            "recent_warnings": self.recent_warnings.snapshot(),
         }
 
     def _explain_sources(self, instance_id: str, dp_rank: int, now: float) -> list[ExplainSource]:

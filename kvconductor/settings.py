@@ -24,6 +24,8 @@ class Settings:
     content_ttl_secs: int = 300
     offload_ttl_secs: int = 600
     loss_grace_secs: int = 600
+    source_down_secs: int = 10
+    source_purge_secs: int = 600
     max_sources: int = 4096
     replay_deadline_secs: int = 60
     max_message_mb: float = 256.0
@@ -57,6 +59,7 @@ class Settings:
             f"maintenance_interval={max(1, self.maintenance_interval_secs)}s "
             f"pending_ttl={self.pending_ttl_secs}s content_ttl={self.content_ttl_secs}s "
             f"offload_ttl={self.offload_ttl_secs}s loss_grace={self.loss_grace_secs}s "
+            f"source_down={self.source_down_secs}s source_purge={self.source_purge_secs}s "
             f"max_sources={self.max_sources} "
             f"replay_deadline={max(1, self.replay_deadline_secs)}s "
             f"max_message_mb={self.max_message_mb:g} "
@@ -109,6 +112,8 @@ class Settings:
             content_ttl=float(self.content_ttl_secs),
             offload_ttl=float(self.offload_ttl_secs),
             loss_grace=float(self.loss_grace_secs),
+            source_down=float(self.source_down_secs),
+            source_purge=float(self.source_purge_secs),
             max_sources=self.max_sources,
             replay_deadline=float(max(1, self.replay_deadline_secs)),
             limits=Limits(

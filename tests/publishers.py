@@ -395,6 +395,11 @@ class FakeConductor:
         self.indexes: dict = {}
         self.ip_index: dict[str, list[tuple[str, int]]] = {}
         self.instances: dict[str, InstanceInfo] = {}
+        self.lora_seeds: dict[tuple[str, str], frozenset[int]] = {}
+
+    def note_lora(self, model: str, tenant: str, seed: int) -> None:
+        key = (model, tenant)
+        self.lora_seeds[key] = self.lora_seeds.get(key, frozenset()) | {seed}
 
     def get_or_create_index(self, model: str, tenant: str):
         from kvconductor.index import Index

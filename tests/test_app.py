@@ -406,7 +406,17 @@ def test_unregister_requires_all_fields(client):
 
 def test_workers_endpoint_empty(client):
     r = client.simulate_get("/workers")
-    assert r.status_code == 200 and r.json == {"workers": [], "indexer": [], "sources": []}
+    assert r.status_code == 200 and r.json == {
+        "workers": [],
+        "indexer": [],
+        "sources": [],
+        "recent_warnings": [],
+    }
+
+
+def _views(doc: dict) -> dict:
+    """``/workers`` without its ``recent_warnings`` (a rejected request logs one)."""
+    return {k: v for k, v in doc.items() if k != "recent_warnings"}
 
 
 def test_same_backend_reregistration_is_accepted_and_preserves_tree(client):
@@ -862,7 +872,11 @@ def test_with_the_real_subscription_manager(impl):
         events(client, [stored(1, [100], [1, 2, 3, 4])])
         assert query(client, [1, 2, 3, 4])["default"]["vllm-prefill-1"]["DP"]["0"] == dp(1, 0, 0)
         assert unregister(client).status_code == 200
-        assert client.simulate_get("/workers").json == {"workers": [], "indexer": [], "sources": []}
+        assert _views(client.simulate_get("/workers").json) == {
+            "workers": [],
+            "indexer": [],
+            "sources": [],
+        }
     finally:
         assert c.stop(5.0)
 
@@ -901,7 +915,11 @@ def test_deeply_nested_json_is_400(client, path, where):
 def test_register_rejects_unsafe_or_malformed_urls(client, kw, field):
     r = register(client, expect=400, **kw)
     assert r.json["error"].startswith(f"{field} "), r.json
-    assert client.simulate_get("/workers").json == {"workers": [], "indexer": [], "sources": []}
+    assert _views(client.simulate_get("/workers").json) == {
+        "workers": [],
+        "indexer": [],
+        "sources": [],
+    }
 
 
 def test_block_size_mismatch_is_loud(client, caplog):
@@ -930,6 +948,35 @@ def test_block_size_mismatch_is_loud(client, caplog):
     # A matching block size: no header.
     r = client.simulate_post("/query", json={"model": "qwen", "block_size": 4, "token_ids": [1]})
     assert r.status_code == 200 and "x-kv-conductor-warning" not in r.headers
+
+
+def test_unknown_lora_name_is_loud(client, caplog):
+    """A query naming a LoRA adapter no event carried: 200 V3 body, the warning header, one
+    WARN line per (model, tenant, adapter) per minute; a known adapter gets no warning."""
+    register(client)
+    sql = dict(stored(1, [100], [1, 2, 3, 4]), lora_name="sql")
+    assert events(client, [sql]).status_code == 200
+    caplog.set_level("WARNING", logger="kvconductor.http")
+    want = (
+        "lora_name 'chat' was carried by no event of model=qwen tenant=default; blocks of a "
+        "LoRA adapter are hashed with its name, so this query cannot find any (does the "
+        "engine publish lora_name? vLLM 0.14+, SGLang 0.5.22+)"
+    )
+    body = {"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4]}
+    for _ in range(2):
+        r = client.simulate_post("/query", json=dict(body, lora_name="chat"))
+        assert (r.status_code, r.json) == (200, {"default": {}})
+        assert r.headers["x-kv-conductor-warning"] == want
+    warns = [rec.getMessage() for rec in caplog.records if rec.levelname == "WARNING"]
+    assert warns == [f"query cannot match: {want}"]
+    r = client.simulate_post("/query", json=dict(body, lora_name="sql"))
+    assert r.json["default"]["vllm-prefill-1"]["DP"]["0"]["npu_blocks"] == 1
+    assert "x-kv-conductor-warning" not in r.headers
+    r = client.simulate_post("/query", json=dict(body, lora_name="sql", token_ids=[9, 9, 9, 9]))
+    assert (r.json, "x-kv-conductor-warning" in r.headers) == ({"default": {}}, False)
+    # the base model is never "unknown"
+    r = client.simulate_post("/query", json=dict(body, token_ids=[9, 9, 9, 9]))
+    assert "x-kv-conductor-warning" not in r.headers
 
 
 def test_miss_warnings_are_rate_limited_per_key(caplog):

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from publishers import FakeConductor, InstanceInfo, hits, schema
 
 from kvconductor._hash import lora_seed
-from kvconductor.ingest.apply import Applier, kind_rejected
+from kvconductor.ingest.apply import Applier, WarnLimiter, kind_rejected
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.keys import Medium, StoreBackend, WorkerKey
 
@@ -91,16 +91,28 @@ def test_v09_no_medium_goes_to_hbm_only(conductor):
     assert s["hbm_blocks"] == 4 and s["cpu_blocks"] == 0 and s["disk_blocks"] == 0
 
 
-def test_block_size_filter_and_zero(conductor):
-    a = Applier(ctx(), conductor)
+@pytest.mark.parametrize("fast", [True, False])
+def test_block_size_filter_and_zero(conductor, fast, caplog):
+    caplog.set_level("WARNING", logger="kvconductor.ingest")
+    a = Applier(ctx(), conductor, warn=WarnLimiter(), fast=fast)
     a.apply_payload(V33.batch([V33.stored([1, 2], None, TOK[:16], 8, medium="GPU")]))
     assert a.stats.dropped == {"block_size_mismatch": 1}
+    # not silent: the WARN line says what to fix
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{a.source}: dropped (block_size_mismatch) BlockStored with block_size 8, but this "
+        "DP was registered with block_size 4 and none of its blocks is indexed; register "
+        "the engine's block size (vLLM --block-size)"
+    ]
     # block_size 0: accepted, engine hashes double as content hashes
     a.apply_payload(V33.batch([V33.stored([11, 12], None, [], 0, medium="GPU")]))
     idx = conductor.indexes[("m", "t")]
     assert idx.summary()["hbm_blocks"] == 2
     assert hits(idx, TOK, BS) == {}
     assert {h.npu_blocks for h in idx.query_by_hash([11, 12]).hits} == {2}
+    # once blocks are indexed, a mismatch is a partial prompt tail (vLLM >= 0.24): no WARN
+    a._warn = WarnLimiter()
+    a.apply_payload(V33.batch([V33.stored([13], 12, TOK[4:6], 2, medium="GPU")]))
+    assert a.stats.dropped == {"block_size_mismatch": 2} and len(caplog.records) == 1
 
 
 @pytest.mark.parametrize(

@@ -456,6 +456,12 @@ class CoreMachine(_Pair):
     def tick(self, dt):
         self.now += dt
 
+    @rule(w=CORE_W, muted=st.booleans())
+    def set_muted(self, w, muted):
+        # a down source's workers: blocks kept and updated, no hits until unmuted
+        self.both("set_muted", w, muted)
+        self.both("is_muted", w)
+
     # direct stores / removals
     @rule(w=CORE_W, parent=PARENT, chain=CHAIN, b=BUF)
     def store(self, w, parent, chain, b):

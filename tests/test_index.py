@@ -845,3 +845,68 @@ def test_trace_counts_equal_query_on_random_stores(ix, seed):
                 assert g.held[t] == sum(
                     ix.worker_blocks(w.key) for w in g.workers if Medium(w.key.medium).tier == t
                 )
+
+
+# -- muted workers (a source down past --source-down-secs) ----------------------------------
+
+
+def test_muted_hbm_worker_gives_no_hits_and_no_breakpoint(ix):
+    ix.store_tokens(NPU_A, None, E[:3], toks(3), BS)
+    ix.store_tokens(CPU_A, E[2], E[3:4], toks(3, 4), BS)  # continues after HBM block 3
+    ix.store_tokens(NPU_B, None, E[:1], toks(1), BS)
+    both = {
+        "inst-a": {"longest_matched": 16, "DP": {"0": dp(3, 1, 0)}},
+        "inst-b": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}},
+    }
+    assert query(ix, 4) == both
+    assert ix.set_muted(NPU_A, True) is True
+    assert ix.is_muted(NPU_A) and not ix.is_muted(CPU_A)
+    # inst-a's HBM run is gone, and with it the breakpoint its CPU tail continued from;
+    # inst-b is untouched
+    assert query(ix, 4) == {"inst-b": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}
+    # state is kept and still takes updates while muted
+    assert ix.worker_blocks(NPU_A) == 3
+    ix.store_tokens(NPU_A, E[2], E[3:5], toks(3, 5), BS)
+    assert ix.worker_blocks(NPU_A) == 5
+    assert query(ix, 5) == {"inst-b": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}}}
+    ix.set_muted(NPU_A, False)
+    assert query(ix, 5) == {
+        "inst-a": {"longest_matched": 20, "DP": {"0": dp(5, 0, 0)}},
+        "inst-b": {"longest_matched": 4, "DP": {"0": dp(1, 0, 0)}},
+    }
+
+
+def test_muted_lower_worker_gives_no_root_walk(ix):
+    ix.store_tokens(CPU_A, None, E[:2], toks(2), BS)
+    ix.store_tokens(DISK_A, E[1], E[2:3], toks(2, 3), BS)
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(0, 2, 1)}}}
+    ix.set_muted(CPU_A, True)
+    assert query(ix, 3) == {}
+    ix.set_muted(DISK_A, True)
+    ix.set_muted(CPU_A, False)
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(0, 2, 0)}}}
+
+
+def test_mute_of_an_unknown_worker(ix):
+    assert ix.set_muted(NPU_A, True) is False
+    assert not ix.is_muted(NPU_A)
+    with pytest.raises(KeyError):
+        ix.core.set_muted(99, True)
+
+
+def test_trace_of_a_muted_worker(ix):
+    ix.store_tokens(NPU_A, None, E[:3], toks(3), BS)
+    ix.store_tokens(CPU_A, E[2], E[3:4], toks(3, 4), BS)
+    ix.set_muted(NPU_A, True)
+    (g,) = ix.trace(toks(4), BS)
+    # the muted HBM run gives no breakpoint: the CPU block after it cannot be reached, and
+    # the CPU tier holds no first block of its own
+    assert g.blocks == (0, 0, 0) and g.reach == (0, 0, 0)
+    assert g.stops == ("muted", "no_first_block", "no_worker") and g.held == (3, 1, 0)
+    assert [(w.key, w.reach, w.stop) for w in g.workers] == [
+        (NPU_A, 0, "muted"),
+        (CPU_A, 0, "no_first_block"),
+    ]
+    ix.set_muted(NPU_A, False)
+    (g,) = ix.trace(toks(4), BS)
+    assert g.blocks == (3, 1, 0) and g.stops == ("tier_exhausted", "end_of_prompt", "no_worker")

@@ -350,6 +350,7 @@ class Pair:
 
     def check(self) -> None:
         self.check_stats()
+        assert self.fc.lora_seeds == self.pc.lora_seeds  # adapters seen (query warnings)
         assert set(self.fc.indexes) == set(self.pc.indexes)
         for key, fi in self.fc.indexes.items():
             si = self.pc.indexes[key]
@@ -727,6 +728,31 @@ def test_store_errors_are_counted_like_the_python_path():
     )  # repeat
     assert pair.fast.stats.dropped == {"parent_not_found": 1, "invalid_block_sequence": 1}
     assert pair.fast.stats.blocks == 2
+    pair.finish()
+
+
+def test_lora_adapters_seen_are_recorded_on_both_paths():
+    """The adapters whose blocks events store are recorded per (model, tenant) (a query
+    naming another gets a warning); more than 16 in one batch go the Python path."""
+    s = schema("vllm", "0.33.0")
+    pair = Pair()
+
+    def batch(names):
+        return s.batch(
+            [
+                s.stored([100 + i], None, BLOCKS[0], BS, medium="GPU", lora_name=n)
+                for i, n in enumerate(names)
+            ]
+        )
+
+    assert pair.apply(batch(["sql", "chat", None]))
+    key = next(iter(pair.fc.indexes))
+    assert pair.fc.lora_seeds == {key: frozenset({lora_seed("sql"), lora_seed("chat")})}
+    many = [f"adapter-{i}" for i in range(17)]
+    assert not pair.apply(batch(many))
+    assert pair.fb.reason == "too_many_loras"
+    assert pair.fc.lora_seeds[key] == frozenset(lora_seed(n) for n in ["sql", "chat", *many])
+    assert pair.apply(batch(many[:16]))  # 16 distinct: the fast path takes it
     pair.finish()
 
 

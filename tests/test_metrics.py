@@ -180,6 +180,23 @@ def test_block_size_mismatch_needs_a_registration_without_that_size(client):
     assert delta(m2, m1, "kvconductor_query_misses_total", reason="block_size_mismatch") == 1
 
 
+def test_unknown_lora_is_its_own_miss_reason(client):
+    register(client, "a")
+    r = client.simulate_post(
+        "/events",
+        json={"instance_id": "a", "events": [stored([100], [1, 2, 3, 4], lora_name="sql")]},
+    )
+    assert r.status_code == 200
+    body = {"model": "tiny", "block_size": BS, "token_ids": [1, 2, 3, 4]}
+    m0 = scrape(client)
+    for lora, tokens in (("chat", [1, 2, 3, 4]), ("sql", [5, 6, 7, 8]), ("sql", [1, 2, 3, 4])):
+        client.simulate_post("/query", json=dict(body, lora_name=lora, token_ids=tokens))
+    m1 = scrape(client)
+    assert delta(m1, m0, "kvconductor_query_misses_total", reason="unknown_lora") == 1
+    assert delta(m1, m0, "kvconductor_query_misses_total", reason="no_match") == 1
+    assert delta(m1, m0, "kvconductor_query_blocks_total", tier="npu") == 1
+
+
 def test_apps_have_their_own_registries(conductor):
     a = ft.TestClient(create_app(conductor))
     b = ft.TestClient(create_app(conductor, fast_query=True))

@@ -133,8 +133,14 @@ def test_real_answers_conform(client):
     )
     assert r.status_code == 200
     _check(r.json, *_answer_schema("/query_by_hash", "post", 200))
+    r = client.simulate_post("/query", json={**q, "block_size": 8})  # logs a WARN
+    assert r.status_code == 200 and "X-KV-Conductor-Warning" in r.headers
     r = client.simulate_get("/workers")
+    assert [w["level"] for w in r.json["recent_warnings"]] == ["WARN"]
     _check(r.json, *_answer_schema("/workers", "get", 200))
+    bad = {**r.json, "recent_warnings": [{"ts": "2026-11-30T00:00:00.000000Z", "level": "WARN"}]}
+    with pytest.raises(jsonschema.ValidationError, match="'message' is a required property"):
+        _check(bad, *_answer_schema("/workers", "get", 200))
     for model in ("qwen", "nope"):
         r = client.simulate_post("/explain", json=q | {"model": model})
         assert r.status_code == 200 and r.json["index_found"] is (model == "qwen")

@@ -6,6 +6,8 @@ Every expectation is computed by hand from the published chains (block_size 4).
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 from publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema, wait_until
@@ -406,3 +408,158 @@ def test_ready_flips_with_a_publisher_killed_and_restarted(server):
         wait_until(lambda: ready()[0] == 200, msg="ready again")
     finally:
         pub.stop()
+
+
+# -- dead engines: --source-down-secs and --source-purge-secs ---------------------------------
+
+
+def _metric(server, name: str, **labels) -> float:
+    """One sample of a live server's /metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = server.http.get("/metrics")
+    assert r.status_code == 200
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def _source(server, instance_id: str) -> dict:
+    return next(
+        s for s in server.http.get("/workers").json()["sources"] if s["instance_id"] == instance_id
+    )
+
+
+def _hbm_blocks(server) -> int:
+    return sum(i["hbm_blocks"] for i in server.http.get("/workers").json()["indexer"])
+
+
+@pytest.fixture
+def fast_down(tmp_path):
+    s = Server(tmp_path, "--source-down-secs", "1", "--source-purge-secs", "4")
+    s.wait_ready()
+    yield s
+    s.terminate()
+
+
+def _publish_until_indexed(server, pub, instance_id: str, nblocks: int) -> None:
+    v = schema("vllm", "0.33.0")
+    batch = v.batch([v.stored(HASHES[:nblocks], None, TOKENS[: BS * nblocks], BS, medium="GPU")])
+
+    def indexed():
+        pub.publish(batch)
+        e = dp_entry(query(server, TOKENS)[1], instance_id)
+        return e is not None and e["npu_blocks"] == nblocks
+
+    wait_until(indexed, msg=f"{instance_id} indexed")
+
+
+def test_a_source_down_past_the_threshold_stops_counting_then_comes_back_then_is_purged(
+    fast_down,
+):
+    """A publisher gone for --source-down-secs (1 s) mutes its DP's HBM hits (blocks kept,
+    /workers, /metrics and the log say so); reconnected, its hits count again; gone for
+    --source-purge-secs (4 s), its blocks are dropped."""
+    server = fast_down
+    a, b = FakePublisher(replay=False), FakePublisher(replay=False)
+    port = a.port
+    try:
+        register_engine(server, "engine-a", medium_endpoints={"npu": a.url})
+        register_engine(server, "engine-b", medium_endpoints={"npu": b.url})
+        _publish_until_indexed(server, a, "engine-a", 4)
+        _publish_until_indexed(server, b, "engine-b", 2)
+        assert _source(server, "engine-a")["muted"] is False
+        assert _metric(server, "kvconductor_source_muted", instance_id="engine-a") == 0
+        seq = a.seq
+        a.stop()
+        t0 = time.monotonic()
+        wait_until(
+            lambda: dp_entry(query(server, TOKENS)[1], "engine-a") is None, msg="engine-a muted"
+        )
+        assert time.monotonic() - t0 >= 1.0  # not before --source-down-secs
+        # engine-b is untouched; engine-a's 4 blocks are still held (state kept)
+        assert dp_entry(query(server, TOKENS)[1], "engine-b")["npu_blocks"] == 2
+        assert _hbm_blocks(server) == 6
+        src = _source(server, "engine-a")
+        assert (src["muted"], src["mutes"], src["state"]) == (True, 1, "connecting")
+        assert src["down_since"] is not None
+        assert _metric(server, "kvconductor_source_muted", instance_id="engine-a") == 1
+        assert _metric(server, "kvconductor_source_mutes_total") == 1
+        assert "its HBM hits no longer count" in server.log()
+
+        a = FakePublisher(port=port, replay=False, start_seq=seq)  # back, sequence continuous
+        wait_until(
+            lambda: (dp_entry(query(server, TOKENS)[1], "engine-a") or {}).get("npu_blocks") == 4,
+            msg="engine-a hits back",
+        )
+        src = _source(server, "engine-a")
+        assert (src["muted"], src["state"], src["down_since"]) == (False, "live", None)
+        assert _metric(server, "kvconductor_source_muted", instance_id="engine-a") == 0
+        assert "its HBM hits count again" in server.log()
+
+        a.stop()
+        wait_until(lambda: _hbm_blocks(server) == 2, timeout=30, msg="engine-a purged")
+        src = _source(server, "engine-a")
+        assert (src["muted"], src["mutes"], src["purged_blocks"]) == (True, 2, 4)
+        assert _metric(server, "kvconductor_source_purged_blocks_total") == 4
+        assert "4 HBM blocks dropped" in server.log()
+    finally:
+        a.stop()
+        b.stop()
+
+
+_FROZEN_PUBLISHER = """
+import sys, time, zmq
+payload = open(sys.argv[2], "rb").read()
+pub = zmq.Context().socket(zmq.PUB)
+pub.bind("tcp://127.0.0.1:" + sys.argv[1])
+seq = 0
+while True:
+    pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+    seq += 1
+    time.sleep(0.05)
+"""
+
+
+def test_a_frozen_publisher_host_is_noticed_without_a_tcp_close(fast_down, tmp_path):
+    """SIGSTOP freezes the publisher's process: its TCP connection stays open and its kernel
+    still accepts new ones, yet ZMTP heartbeats notice it and its hits stop counting; SIGCONT
+    brings them back."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_server import free_port
+
+    server = fast_down
+    v = schema("vllm", "0.33.0")
+    payload = tmp_path / "batch.msgpack"
+    payload.write_bytes(v.batch([v.stored(HASHES[:3], None, TOKENS[:12], BS, medium="GPU")]))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _FROZEN_PUBLISHER, str(port), str(payload)])
+    try:
+        register_engine(server, "engine-f", medium_endpoints={"npu": f"tcp://127.0.0.1:{port}"})
+        wait_until(
+            lambda: (dp_entry(query(server, TOKENS)[1], "engine-f") or {}).get("npu_blocks") == 3,
+            msg="engine-f indexed",
+        )
+        proc.send_signal(signal.SIGSTOP)
+        # heartbeat timeout (3 s) + --source-down-secs (1 s) + one check (1 s), with slack
+        wait_until(
+            lambda: dp_entry(query(server, TOKENS)[1], "engine-f") is None,
+            timeout=20,
+            msg="frozen engine muted",
+        )
+        assert _source(server, "engine-f")["muted"] is True
+        proc.send_signal(signal.SIGCONT)
+        wait_until(
+            lambda: (dp_entry(query(server, TOKENS)[1], "engine-f") or {}).get("npu_blocks") == 3,
+            timeout=20,
+            msg="engine-f back",
+        )
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()

@@ -616,6 +616,45 @@ def test_maintenance_expires_offload_and_reclaims_empty_entry(conductor):
     assert conductor.get_index("m", "t") is None
 
 
+def test_unmatched_two_phase_entries_are_counted_and_named(conductor, caplog):
+    """CPU offloads no pool confirms (or confirmations no offload came for) never reach the
+    index: each expiry is counted by kind, with one WARN per index and kind per minute."""
+    from kvconductor.keys import Medium, WorkerKey
+
+    caplog.set_level("WARNING", logger="kvconductor")
+    pool = WorkerKey("i", "i", 0, Medium.CPU)
+
+    def two_phase(t):
+        idx = conductor.get_or_create_index("m", "t")
+        idx.offload([1, 2, 3], [11, 12, 13], None, now=t)  # never confirmed
+        idx.pool_store(pool, [7], now=t)  # never offloaded
+
+    conductor.call(two_phase, 0.0)
+    conductor.call(conductor.maintenance, 59.0)  # pending TTL 60 s, offload TTL 600 s
+    assert conductor.expired == {"offload": 0, "pool_confirmation": 0}
+    conductor.call(conductor.maintenance, 60.0)
+    assert conductor.expired == {"offload": 0, "pool_confirmation": 1}
+    conductor.call(conductor.maintenance, 600.0)
+    assert conductor.expired == {"offload": 3, "pool_confirmation": 1}
+    conductor.call(two_phase, 600.0)
+    conductor.call(conductor.maintenance, 1200.0)
+    assert conductor.expired == {"offload": 6, "pool_confirmation": 2}
+    conductor.call(two_phase, 1190.0)
+    conductor.call(conductor.maintenance, 1250.0)  # counted; no WARN within the minute
+    assert conductor.expired == {"offload": 6, "pool_confirmation": 3}
+    pending = (
+        "model=m tenant=t: 1 pool confirmations expired after 60s without the engine's "
+        "offload event, so they are not indexed: does the engine publish its CPU/disk "
+        "offloads (its subscription has that medium)?"
+    )
+    offload = (
+        "model=m tenant=t: 3 engine offloads to CPU/disk expired after 600s without a pool "
+        "confirmation, so they are not indexed: is the KV pool's publisher registered "
+        "(medium_endpoints cpu/disk, store_backend) for the instances that offload?"
+    )
+    assert [r.getMessage() for r in caplog.records] == [pending, offload, offload, pending]
+
+
 def test_maintenance_keeps_registered_empty_entry(conductor):
     conductor.call(conductor.register, reg())
     conductor.call(conductor.maintenance, 10_000.0)

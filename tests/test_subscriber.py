@@ -663,3 +663,70 @@ def test_replay_retried_when_the_engine_comes_up_after_registration(h, pubs):
         msg="replayed on the first connect",
     )
     assert 0 in pub.replay_requests
+
+
+# --- dead engines: mute, back, purge (check_sources with a scripted clock) ------------------
+
+
+def test_check_sources_mutes_a_dp_only_when_all_its_hbm_sources_are_down(h, pubs):
+    p1, p2 = pubs(replay=False), pubs(replay=False)
+    pool = pubs(replay=False)
+    for p in (p1, p2):
+        h.subscribe(ctx(p.url))
+    h.subscribe(ctx(pool.url, media=(Medium.CPU,), is_pool=True))
+    for p in (p1, p2):
+        warm_up(h, p)
+    p1.publish(V33.batch([stored(V33, 0)]))
+    wait_until(lambda: h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}, msg="indexed")
+    mgr = h.mgr
+    assert (mgr.source_down, mgr.source_purge) == (10.0, 600.0)  # the defaults
+    t = time.monotonic()
+    h.call(mgr.check_sources, t)
+    assert [s["down_since"] for s in h.call(mgr.sources) if not s["is_pool"]] == [None, None]
+
+    p1.stop()
+    wait_until(lambda: h.source(url=p1.url)["state"] == "connecting", msg="p1 down")
+    h.call(mgr.check_sources, t + 1)
+    h.call(mgr.check_sources, t + 100)  # p2 still serves the DP: nothing muted
+    assert h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}
+    assert h.source(url=p1.url)["muted"] is False
+
+    p2.stop()
+    wait_until(lambda: h.source(url=p2.url)["state"] == "connecting", msg="p2 down")
+    t = time.monotonic()  # the DP is down since p2 went, a moment before t
+    h.call(mgr.check_sources, t + 8.9)
+    assert h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}
+    h.call(mgr.check_sources, t + 10)
+    assert h.hits(toks(0)) == {}
+    assert [(s["muted"], s["mutes"]) for s in h.call(mgr.sources)] == [
+        (True, 1),
+        (True, 1),
+        (False, 0),  # the pool stream is never muted
+    ]
+    idx = h.index()
+    assert idx.worker_blocks(idx.workers_of(IID, 0)[0]) == 4  # kept
+    h.call(mgr.check_sources, t + 598.9)
+    assert idx.worker_blocks(idx.workers_of(IID, 0)[0]) == 4
+    h.call(mgr.check_sources, t + 600)  # 600 s down: purged once
+    h.call(mgr.check_sources, t + 700)
+    assert idx.worker_blocks(idx.workers_of(IID, 0)[0]) == 0
+    assert [s["purged_blocks"] for s in h.call(mgr.sources)] == [4, 0, 0]
+    rows, _ = mgr.metrics_snapshot()
+    assert [r[11:14] for r in rows] == [(True, 1, 4), (True, 1, 0), (False, 0, 0)]
+
+
+def test_unsubscribing_a_muted_dp_unmutes_its_workers(h, pubs):
+    p = pubs(replay=False)
+    h.subscribe(ctx(p.url))
+    warm_up(h, p)
+    p.publish(V33.batch([stored(V33, 0)]))
+    wait_until(lambda: h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}, msg="indexed")
+    p.stop()
+    wait_until(lambda: h.source()["state"] == "connecting", msg="down")
+    t = time.monotonic()
+    h.call(h.mgr.check_sources, t)
+    h.call(h.mgr.check_sources, t + 10)
+    assert h.hits(toks(0)) == {}
+    h.call(h.mgr.unsubscribe, IID, 0)
+    h.call(h.mgr.check_sources, t + 11)
+    assert h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}  # the index keeps what unregister decides

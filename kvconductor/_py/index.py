@@ -24,6 +24,7 @@ from kvconductor._py.tree import RadixTree, u64_list, u64_or_none
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.schema import (
     STOP_END_OF_PROMPT,
+    STOP_MUTED,
     STOP_NO_FIRST_BLOCK,
     STOP_NOT_HELD,
     STOP_PARENT_MISMATCH,
@@ -33,7 +34,7 @@ from kvconductor.schema import (
 
 HBM, CPU, DISK = 0, 1, 2
 #: Stop codes of :meth:`CoreIndex.trace`: positions in ``STOP_REASONS``.
-END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED = (
+END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED, MUTED = (
     STOP_REASONS.index(r)
     for r in (
         STOP_END_OF_PROMPT,
@@ -41,6 +42,7 @@ END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED = (
         STOP_NOT_HELD,
         STOP_NO_FIRST_BLOCK,
         STOP_TIER_EXHAUSTED,
+        STOP_MUTED,
     )
 )
 
@@ -54,6 +56,8 @@ class CoreIndex:
         self._tiers = {CPU: LowerTier(), DISK: LowerTier()}
         #: worker -> (group, tier)
         self._workers: dict[int, tuple[int, int]] = {}
+        #: muted workers: no hits, no breakpoints (``set_muted``)
+        self._muted: set[int] = set()
         #: engine hash -> (local, parent, time): Phase-1 offloads awaiting the pool
         self._offload: dict[int, tuple[int, int | None, float]] = {}
         #: engine hash -> (local, parent, time): retained after the first confirmation
@@ -98,7 +102,10 @@ class CoreIndex:
 
         # 1. HBM breakpoints (group, end, last)
         hbm_bps = []
+        muted = self._muted
         for w, depth, last in self._tree.match(hs):
+            if w in muted:
+                continue
             g = group(w)
             hbm_bps.append((g, depth, last))
             npu_end[g] = max(npu_end.get(g, 0), depth)
@@ -106,12 +113,14 @@ class CoreIndex:
         def lower(tier: LowerTier, upstream, ends: dict[int, int]):
             """Root walks plus same-group continuations from ``upstream`` breakpoints."""
             found = []
-            candidates = [(w, 0, None) for w in tier.owners(None, hs[0])]
+            candidates = [(w, 0, None) for w in tier.owners(None, hs[0]) if w not in muted]
             for g, end, last in upstream:
                 if end < n:
                     # Same group only: no cross-DP borrowing (the reference borrowed).
                     candidates += [
-                        (w, end, last) for w in tier.owners(last, hs[end]) if group(w) == g
+                        (w, end, last)
+                        for w in tier.owners(last, hs[end])
+                        if group(w) == g and w not in muted
                     ]
             for w, start, parent in candidates:
                 count, last_ehash = tier.walk(w, hs, start, parent)
@@ -146,6 +155,20 @@ class CoreIndex:
             raise OverflowError("worker and group ids are non-negative")
         with self._lock:
             self._workers[worker] = (group, tier)
+
+    def set_muted(self, worker: int, muted: bool) -> None:
+        """A muted worker keeps its blocks and updates but gives no hits in ``match``."""
+        with self._lock:
+            self._tier_of(worker)
+            if muted:
+                self._muted.add(worker)
+            else:
+                self._muted.discard(worker)
+
+    def is_muted(self, worker: int) -> bool:
+        with self._lock:
+            self._tier_of(worker)
+            return worker in self._muted
 
     # -- direct mutations ------------------------------------------------------------------
     def store(self, worker: int, parent: int | None, engine_hashes, local_hashes) -> int:
@@ -312,18 +335,25 @@ class CoreIndex:
         group = self._group_of
         depth: dict[int, int] = {}
         hbm_bps = []
+        muted = self._muted
         for w, d, last in self._tree.match(hs):
+            if w in muted:
+                continue
             depth[w] = d
             hbm_bps.append((group(w), d, last))
         # CPU breakpoints, as in _match: walks of more than 0 blocks
         cpu = self._tiers[CPU]
         cpu_bps = []
         starts: list[tuple[int, int, int | None]] = (
-            [(w, 0, None) for w in cpu.owners(None, hs[0])] if n else []
+            [(w, 0, None) for w in cpu.owners(None, hs[0]) if w not in muted] if n else []
         )
         for g, end, last in hbm_bps:
             if end < n:
-                starts += [(w, end, last) for w in cpu.owners(last, hs[end]) if group(w) == g]
+                starts += [
+                    (w, end, last)
+                    for w in cpu.owners(last, hs[end])
+                    if group(w) == g and w not in muted
+                ]
         for w, start, parent in starts:
             count, last_ehash = cpu.walk(w, hs, start, parent)
             if count > 0:
@@ -338,6 +368,9 @@ class CoreIndex:
         out = []
         for w in sorted(self._workers):
             g, tier = self._workers[w]
+            if w in muted:
+                out.append((w, 0, MUTED))  # no hits and no breakpoints (set_muted)
+                continue
             if tier == HBM:
                 d = depth.get(w, 0)
                 if d >= n:

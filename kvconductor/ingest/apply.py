@@ -207,6 +207,8 @@ class SourceStats:
         "last_seq",
         "aged_out",
         "last_event",
+        "mutes",
+        "purged_blocks",
     )
 
     def __init__(self) -> None:
@@ -227,6 +229,10 @@ class SourceStats:
         self.aged_out = 0
         #: Wall-clock time of the last batch received (set by the subscription).
         self.last_event = 0.0
+        #: Times the source's (instance, DP) HBM hits were muted (down past --source-down-secs).
+        self.mutes = 0
+        #: HBM blocks dropped because the source stayed down past --source-purge-secs.
+        self.purged_blocks = 0
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
@@ -340,6 +346,22 @@ class Applier:
         self.stats.drop(reason)
         self._warn.warn(self.source, reason, detail, payload)
 
+    def _size_warning(self, block_size: int) -> None:
+        """A silent 0 % hit rate made loud: the engine hashes with another block size than
+        the registration says. Partial prompt tails (vLLM >= 0.24) mismatch too, as
+        expected, so this warns (rate-limited) only while the source has had no block
+        indexed at all: a misconfigured DP never has one."""
+        if self.stats.blocks:
+            return
+        self._warn.warn(
+            self.source,
+            "block_size_mismatch",
+            f"BlockStored with block_size {block_size}, but this DP was registered with "
+            f"block_size {self.ctx.block_size} and none of its blocks is indexed; register "
+            "the engine's block size (vLLM --block-size)",
+            None,
+        )
+
     def _key(
         self, medium: Medium, instance_id: str | None = None, dp: int | None = None
     ) -> WorkerKey:
@@ -351,6 +373,11 @@ class Applier:
         if s is None:
             s = self.touched[(model, tenant)] = set()
         s.add(key)
+
+    def _lora(self, model: str, tenant: str, seed: int) -> None:
+        note = getattr(self.conductor, "note_lora", None)
+        if note is not None:  # test doubles of the conductor may not have it
+            note(model, tenant, seed)
 
     def _confirm(self, key: WorkerKey, hashes, parent: int | None = None) -> None:
         """After a loss: ``hashes`` (and ``parent``) of ``key`` were announced again."""
@@ -472,11 +499,14 @@ class Applier:
         stats.batches += 1
         stats.events += n
         stats.blocks += blocks
+        for seed in fb.lora_seeds:
+            self._lora(ctx.model, ctx.tenant, seed)
         if fb.touches:
             self._touch(ctx.model, ctx.tenant, self._hbm_key)
         k = fb.size_mismatch
         if k:
             stats.drop("block_size_mismatch", k)
+            self._size_warning(fb.mismatched_block_size)
         k = fb.kind_rejected
         if k:
             stats.drop("attention_kind", k)
@@ -602,6 +632,7 @@ class Applier:
         bs = ev.block_size
         if bs and ctx.block_size > 0 and bs != ctx.block_size:
             self.stats.drop("block_size_mismatch")
+            self._size_warning(bs)
             return
         if ev.kind and kind_rejected(ev.kind):
             self.stats.drop("attention_kind")
@@ -611,6 +642,8 @@ class Applier:
             return
         seed = lora_seed(ev.lora_name) if ev.lora_name else DEFAULT_SEED
         tokens = ev.tokens
+        if seed != DEFAULT_SEED and len(tokens) and bs:
+            self._lora(ctx.model, ctx.tenant, seed)
         medium = parse_medium(ev.medium) if ev.medium else self.hbm_medium
         if medium is Medium.NPU:
             key = self._key(medium)

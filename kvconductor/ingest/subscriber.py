@@ -22,7 +22,8 @@ Sockets:
   ``RECONNECT_IVL_MAX`` 30 s, as the reference. ZMTP heartbeats and TCP keepalive
   detect a silently dead peer. A socket that cannot be opened at all (out of
   sockets or files) raises: the registration that asked for it is undone (503).
-* The monitor socket reports CONNECTED/DISCONNECTED; a CONNECTED after a
+* The monitor socket reports HANDSHAKE_SUCCEEDED/DISCONNECTED (a TCP connect alone is
+  not a connection: a frozen host's kernel still accepts one); a handshake after a
   disconnect is a *reconnect* and triggers a replay (when the subscription has
   a replay endpoint).
 
@@ -40,6 +41,18 @@ announces from then on is applied as usual. After the grace period
 announced again (stored, offloaded, pool-stored) nor are ancestors of a block
 announced since are dropped (the lost batches may have evicted them), and the
 source is ``live`` again. A new loss during the grace period starts it over.
+
+A source that is not ready (``connecting`` or ``replaying``) for
+``--source-down-secs`` (default 10 s) has its (instance, DP)'s HBM workers
+*muted*: their blocks are kept and still take updates, but they give no hits
+(:meth:`~kvconductor.index.Index.set_muted`), so a dead engine stops attracting
+traffic. ZMTP heartbeats (:data:`HEARTBEAT_IVL_MS`) notice a silently dead
+host, not only a closed TCP connection. When the source is ready again (connected
+with a continuous sequence, or after its replay) the hits count again. After
+``--source-purge-secs`` (default 600 s; 0: never) down, those HBM blocks are
+dropped. With several HBM subscriptions for one (instance, DP), the DP is muted
+when every one of them is down, for the shortest of their down times. Checked by
+:meth:`SubscriptionManager.check_sources` every :data:`SOURCE_CHECK_SECS`.
 
 Only subscriptions that feed HBM workers (engine PUB, ``not ctx.is_pool`` and a
 HBM medium in ``ctx.default_media``) use ``ctx.replay_endpoint``: a replay ROUTER
@@ -68,6 +81,17 @@ log = logging.getLogger("kvconductor.ingest")
 RCVHWM = 1_000_000
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 30_000
+#: ZMTP PING every second; no traffic for 3 s drops the connection (a dead host is
+#: noticed within seconds, well inside the default --source-down-secs).
+HEARTBEAT_IVL_MS = 1_000
+HEARTBEAT_TIMEOUT_MS = 3_000
+#: Period of :meth:`SubscriptionManager.check_sources` on the ingest thread.
+SOURCE_CHECK_SECS = 1.0
+#: Defaults of ``--source-down-secs`` and ``--source-purge-secs``.
+SOURCE_DOWN = 10.0
+SOURCE_PURGE = 600.0
+#: Source states in which a subscription is ready (``GET /ready``) and counts in answers.
+READY_STATES = frozenset(("live", "degraded"))
 #: Messages handled per readiness callback (fairness between sockets).
 DRAIN_LIMIT = 256
 #: Default grace period after a loss (``--loss-grace-secs``).
@@ -75,9 +99,11 @@ LOSS_GRACE = 600.0
 #: Default overall replay deadline (``--replay-deadline-secs``).
 REPLAY_DEADLINE = 60.0
 
-_MON_EVENTS = (
-    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_MONITOR_STOPPED
-)
+#: A source is *connected* once the ZMTP handshake succeeded, not at the TCP connect: the
+#: kernel of a frozen or overloaded host still accepts TCP connections.
+_MON_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
+#: A ZMTP handshake not done within this drops the connection (libzmq's default: 30 s).
+HANDSHAKE_IVL_MS = 3_000
 
 
 class Subscription:
@@ -103,8 +129,18 @@ class Subscription:
         self.mon: zmq.Socket | None = None
         self.connected = False
         self.closed = False
+        #: Monotonic time since when the source is not ready (None: ready).
+        self.down_since: float | None = time.monotonic()
+        #: Its (instance, DP)'s HBM hits are muted (down past --source-down-secs).
+        self.muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
+
+    @property
+    def feeds_hbm(self) -> bool:
+        """An engine stream of HBM blocks (what a down source mutes and purges)."""
+        ctx = self.ctx
+        return not ctx.is_pool and any(Medium(m).tier == 0 for m in ctx.default_media)
 
     @staticmethod
     def _replay_endpoint_of(ctx: SubscriberContext) -> str | None:
@@ -146,8 +182,9 @@ class Subscription:
             sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
             sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             # Hard guard: libzmq drops a peer that sends more than twice the limit before
             # it is ever buffered; messages up to that are refused and counted (Limits).
@@ -204,13 +241,15 @@ class Subscription:
             except zmq.ZMQError:
                 return
             e = evt["event"]
-            if e in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+            if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if not self.connected:
                     self._now_connected()
             elif e == zmq.EVENT_DISCONNECTED:
                 if self.connected:
                     log.info("%s: disconnected", self.name())
                 self.connected = False
+                if self.down_since is None:
+                    self.down_since = time.monotonic()
             elif e == zmq.EVENT_MONITOR_STOPPED:
                 return
 
@@ -308,6 +347,7 @@ class Subscription:
 
     def info(self) -> dict[str, Any]:
         s = self.stats
+        down = self.down_since
         return {
             "instance_id": self.ctx.instance_id,
             "dp_rank": self.ctx.dp_rank,
@@ -330,6 +370,10 @@ class Subscription:
             "losses": s.resyncs,
             "degraded_since": self.tracker.degraded_since,
             "aged_out_blocks": s.aged_out,
+            "down_since": None if down is None else time.time() - (time.monotonic() - down),
+            "muted": self.muted,
+            "mutes": s.mutes,
+            "purged_blocks": s.purged_blocks,
             "duplicates": s.duplicates,
             "buffered": len(self.tracker.buffer),
             "dropped": dict(s.dropped),
@@ -340,7 +384,15 @@ class RetiredTotals:
     """Counters of the subscriptions closed so far, so that the metrics' sums over
     subscriptions never go down when one closes (a counter reset to Prometheus)."""
 
-    __slots__ = ("dropped", "events", "gaps", "replays_failed", "replays_ok")
+    __slots__ = (
+        "dropped",
+        "events",
+        "gaps",
+        "mutes",
+        "purged_blocks",
+        "replays_failed",
+        "replays_ok",
+    )
 
     def __init__(self) -> None:
         self.events: dict[str, int] = {}
@@ -348,6 +400,19 @@ class RetiredTotals:
         self.gaps = 0
         self.replays_ok = 0
         self.replays_failed = 0
+        self.mutes = 0
+        self.purged_blocks = 0
+
+    def copy(self) -> RetiredTotals:
+        c = RetiredTotals()
+        c.events = dict(self.events)
+        c.dropped = dict(self.dropped)
+        c.gaps = self.gaps
+        c.replays_ok = self.replays_ok
+        c.replays_failed = self.replays_failed
+        c.mutes = self.mutes
+        c.purged_blocks = self.purged_blocks
+        return c
 
 
 def _replays(sub: Subscription) -> tuple[int, int]:
@@ -369,6 +434,8 @@ class SubscriptionManager:
         replay_timeout: float = 5.0,
         loss_grace: float | None = None,
         replay_deadline: float | None = None,
+        source_down: float | None = None,
+        source_purge: float | None = None,
     ) -> None:
         self.thread = thread
         self.conductor = conductor
@@ -382,6 +449,17 @@ class SubscriptionManager:
         self.replay_deadline = float(replay_deadline)
         #: Seconds after a loss before blocks not announced again are dropped.
         self.loss_grace = float(loss_grace)
+        if source_down is None:
+            source_down = getattr(config, "source_down", SOURCE_DOWN)
+        if source_purge is None:
+            source_purge = getattr(config, "source_purge", SOURCE_PURGE)
+        #: Seconds not ready before a source's (instance, DP) HBM hits are muted.
+        self.source_down = float(source_down)
+        #: Seconds not ready before those HBM blocks are dropped (0: never).
+        self.source_purge = float(source_purge)
+        #: (model, tenant, instance_id, dp_rank) muted now, and those purged since muted.
+        self._muted_dps: set[tuple[str, str, str, int]] = set()
+        self._purged_dps: set[tuple[str, str, str, int]] = set()
         self.warn = WarnLimiter()
         self._subs: dict[tuple[str, int, str], Subscription] = {}
         #: Counters of closed subscriptions (metrics), folded in by :meth:`_remove`.
@@ -409,13 +487,16 @@ class SubscriptionManager:
             ok, failed = _replays(sub)
             r.replays_ok += ok
             r.replays_failed += failed
+            r.mutes += s.mutes
+            r.purged_blocks += s.purged_blocks
         return sub
 
     def metrics_snapshot(self) -> tuple[list[tuple], RetiredTotals]:
         """Any thread (the ``/metrics`` scrape): per subscription ``(instance_id, dp_rank,
         media, source_kind, events, dropped, gaps, replays_ok, replays_failed, live,
-        last_event)``, and a copy of the closed subscriptions' totals. O(subscriptions),
-        plain reads of counters under the table lock."""
+        last_event, muted, mutes, purged_blocks)``, and a copy of the closed
+        subscriptions' totals. O(subscriptions), plain reads of counters under the table
+        lock."""
         rows = []
         with self._table_lock:
             for sub in self._subs.values():
@@ -435,15 +516,12 @@ class SubscriptionManager:
                         failed,
                         sub.state == "live",
                         s.last_event,
+                        sub.muted,
+                        s.mutes,
+                        s.purged_blocks,
                     )
                 )
-            r = self.retired
-            retired = RetiredTotals()
-            retired.events = dict(r.events)
-            retired.dropped = dict(r.dropped)
-            retired.gaps = r.gaps
-            retired.replays_ok = r.replays_ok
-            retired.replays_failed = r.replays_failed
+            retired = self.retired.copy()
         return rows, retired
 
     def _check_thread(self) -> None:
@@ -546,6 +624,93 @@ class SubscriptionManager:
             self.subscribe(ctx)
             sub = self._subs[(ctx.instance_id, ctx.dp_rank, ctx.url)]
         sub.tracker.catch_up()
+
+    # -- dead engines (module docstring) ----------------------------------------------------
+    def check_sources(self, now: float | None = None) -> None:
+        """Mute the HBM workers of every (instance, DP) whose HBM sources have all been
+        down for ``source_down`` seconds, unmute those back, purge those down for
+        ``source_purge``. Idempotent; the ingest thread runs it every
+        :data:`SOURCE_CHECK_SECS`."""
+        self._check_thread()
+        now = time.monotonic() if now is None else now
+        groups: dict[tuple[str, str, str, int], list[Subscription]] = {}
+        for sub in self._subs.values():
+            if sub.state in READY_STATES:
+                sub.down_since = None
+            elif sub.down_since is None:
+                sub.down_since = now
+            if sub.feeds_hbm:
+                c = sub.ctx
+                groups.setdefault((c.model, c.tenant, c.instance_id, c.dp_rank), []).append(sub)
+            elif sub.muted:  # re-registered as a pool stream
+                sub.muted = False
+        muted: set[tuple[str, str, str, int]] = set()
+        for k, subs in groups.items():
+            starts = [s.down_since for s in subs]
+            if any(t is None for t in starts):
+                self._source_back(k, subs)
+                continue
+            down = now - max(t for t in starts if t is not None)
+            if down < self.source_down:
+                self._source_back(k, subs)
+                continue
+            muted.add(k)
+            self._set_dp_muted(k, True)  # every tick: also a worker the DP gained meanwhile
+            if k not in self._muted_dps:
+                for s in subs:
+                    s.muted = True
+                    s.stats.mutes += 1
+                log.warning(
+                    "%s: not ready (%s) for %.0fs; its HBM hits no longer count (blocks kept%s)",
+                    ", ".join(s.name() for s in subs),
+                    "/".join(sorted({s.state for s in subs})),
+                    down,
+                    f"; dropped after {self.source_purge:g}s down" if self.source_purge else "",
+                )
+            if self.source_purge > 0 and down >= self.source_purge and k not in self._purged_dps:
+                self._purged_dps.add(k)
+                n = self._purge_dp(k)
+                subs[0].stats.purged_blocks += n
+                log.warning(
+                    "%s: down for %.0fs; %d HBM blocks dropped",
+                    ", ".join(s.name() for s in subs),
+                    down,
+                    n,
+                )
+        for k in self._muted_dps - muted:
+            if k not in groups:  # its subscriptions are gone (unregistered, re-registered)
+                self._set_dp_muted(k, False)
+                self._purged_dps.discard(k)
+        self._muted_dps = muted
+
+    def _source_back(self, k: tuple[str, str, str, int], subs: list[Subscription]) -> None:
+        self._purged_dps.discard(k)
+        if k not in self._muted_dps:
+            return
+        self._set_dp_muted(k, False)
+        for s in subs:
+            s.muted = False
+        log.info(
+            "%s: ready again (%s); its HBM hits count again",
+            ", ".join(s.name() for s in subs),
+            "/".join(sorted({s.state for s in subs})),
+        )
+
+    def _hbm_keys(self, k: tuple[str, str, str, int]):
+        model, tenant, iid, dp = k
+        idx = self.conductor.get_index(model, tenant)
+        if idx is None:
+            return None, []
+        return idx, [w for w in idx.workers_of(iid, dp) if Medium(w.medium).tier == 0]
+
+    def _set_dp_muted(self, k: tuple[str, str, str, int], muted: bool) -> None:
+        idx, keys = self._hbm_keys(k)
+        for w in keys:
+            idx.set_muted(w, muted)
+
+    def _purge_dp(self, k: tuple[str, str, str, int]) -> int:
+        idx, keys = self._hbm_keys(k)
+        return sum(idx.clear(w) for w in keys)
 
     def sources(self) -> list[dict]:
         """Per subscription: identity, state, last_seq and counters."""
