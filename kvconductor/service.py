@@ -39,6 +39,7 @@ from kvconductor.registry import RegistrationError, Registry
 from kvconductor.schema import (
     DEFAULT_TENANT,
     EXPLAIN_TIERS,
+    STOP_MUTED,
     STOP_NO_FIRST_BLOCK,
     ExplainInstance,
     ExplainResponse,
@@ -828,6 +829,11 @@ class Conductor:
                     else ""
                 )
                 warnings.append(f"instance {iid} DP {dp} holds no blocks in any tier{why}")
+            if any(w.stop == STOP_MUTED for w in workers):
+                warnings.append(
+                    f"instance {iid} DP {dp} is muted: a source of it has been down longer than "
+                    "--source-down-secs, so its blocks give no hits until the source is back"
+                )
             for s in sources:
                 if s.state not in ("live", "degraded"):
                     warnings.append(f"source {s.url} of instance {iid} DP {dp} is {s.state}")

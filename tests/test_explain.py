@@ -22,6 +22,7 @@ from kvconductor._hash import hash_blocks
 from kvconductor.app import create_app
 from kvconductor.schema import (
     STOP_END_OF_PROMPT,
+    STOP_MUTED,
     STOP_NO_FIRST_BLOCK,
     STOP_NO_WORKER,
     STOP_NOT_HELD,
@@ -224,6 +225,19 @@ def test_data_under_an_unregistered_dp_rank(client):
     assert dp2["registered"] is False and dp2["block_size"] is None and counts(dp2) == (2, 0, 0)
     assert any("DP 1 holds no blocks" in w for w in doc["warnings"])
     assert any("DP 2 holds blocks in this index but no registration" in w for w in doc["warnings"])
+
+
+def test_a_muted_dp_is_named(client, conductor):
+    register(client)
+    store(client, "vllm-prefill-1", 1, [101, 102], TOKENS[:8])
+    idx = conductor.get_index("qwen", "default")
+    (key,) = idx.workers_of("vllm-prefill-1", 0)
+    conductor.call(idx.set_muted, key, True)
+    st, doc = explain_body(client, TOKENS[:8])
+    row = instance(doc, "vllm-prefill-1")
+    assert counts(row) == (0, 0, 0) == query_counts(client, TOKENS[:8], "vllm-prefill-1")
+    assert row["tiers"]["npu"] == {"blocks": 0, "at_block": 0, "stop": STOP_MUTED, "held": 2}
+    assert any("vllm-prefill-1 DP 0 is muted" in w for w in doc["warnings"])
 
 
 @pytest.mark.parametrize(
