@@ -846,8 +846,8 @@ def create_app(
 
     With ``manage_lifecycle`` the app starts/stops the conductor on ASGI
     lifespan events (gunicorn); otherwise the caller does (server, tests).
-    ``api_key`` protects ``/register``, ``/unregister``, ``/events`` and
-    ``/workers`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
+    ``api_key`` protects ``/register``, ``/unregister``, ``/events``, ``/workers`` and
+    ``/explain`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
     ``/health`` and the queries stay open; ``/metrics`` is protected like ``/workers``
     unless ``open_metrics`` (default: ``open_workers``). With ``fast_query`` the
     Falcon app is fronted by :class:`QueryFastPath` (what the server runs).
