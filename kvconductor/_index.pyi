@@ -57,3 +57,30 @@ class CoreIndex:
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> None: ...
     def _corrupt_for_test(self, kind: str) -> None: ...
+    def export_hbm(self) -> tuple[array, array, array, array, array]: ...
+    def restore_hbm(
+        self,
+        parents: Sequence[int],
+        local_hashes: Sequence[int],
+        node: Sequence[int],
+        worker: Sequence[int],
+        ehash: Sequence[int],
+    ) -> int: ...
+    def export_tier(self, tier: int) -> tuple[array, array, array, array, array]: ...
+    def restore_tier(
+        self,
+        tier: int,
+        worker: Sequence[int],
+        ehash: Sequence[int],
+        local_hashes: Sequence[int],
+        parent: Sequence[int],
+        has_parent: Sequence[int],
+    ) -> int: ...
+    def export_twophase(
+        self,
+    ) -> tuple[list[tuple[int, int, int, int | None, float]], list[tuple[int, int, float]]]: ...
+    def restore_twophase(
+        self,
+        records: Sequence[tuple[int, int, int, int | None, float]],
+        waits: Sequence[tuple[int, int, float]],
+    ) -> None: ...

@@ -34,6 +34,7 @@ from kvconductor._tree cimport (
     T_ERR_OOM, T_ROOT, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init,
     tree_match, tree_nbytes, tree_remove, tree_store, tree_worker_blocks,
 )
+from kvconductor._tree cimport tree_export, tree_restore
 
 import array as _array
 
@@ -1239,6 +1240,293 @@ cdef class CoreIndex:
             return self._run_trace(&hc)
         finally:
             hc_free(&hc)
+
+    # -- dump and restore (kvconductor.dump) ------------------------------------------------
+    def export_hbm(self):
+        """The HBM tree under one read lock, as five arrays.
+
+        ``(parents, locals, node, worker, ehash)``: the node table -- ``parents``
+        (``array('I')``, the row of the parent node, ``0xFFFFFFFF`` under the root) and
+        ``locals`` (``array('Q')``) -- with every parent before its children, and the
+        member table -- ``node`` (``array('I')``, a node row), ``worker``
+        (``array('I')``), ``ehash`` (``array('Q')``). :meth:`restore_hbm` rebuilds it.
+        """
+        cdef uint32_t* pos = NULL
+        cdef uint32_t* stack = NULL
+        cdef size_t nn, nm, used
+        cdef int rc = 0
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+        try:
+            nn = self.tree.live_nodes
+            nm = self.tree.npairs
+            used = self.tree.node_pool.used
+            parents = _array.array("I", bytes(4 * nn))
+            locs = _array.array("Q", bytes(8 * nn))
+            mnode = _array.array("I", bytes(4 * nm))
+            mworker = _array.array("I", bytes(4 * nm))
+            mehash = _array.array("Q", bytes(8 * nm))
+            pos = <uint32_t*>malloc(used * sizeof(uint32_t) + 1)
+            stack = <uint32_t*>malloc(used * sizeof(uint32_t) + 1)
+            if pos == NULL or stack == NULL:
+                raise MemoryError()
+            with nogil:
+                rc = tree_export(
+                    &self.tree, pos, stack,
+                    <uint32_t*>(<array.array>parents).data.as_uints,
+                    <uint64_t*>(<array.array>locs).data.as_ulonglongs,
+                    <uint32_t*>(<array.array>mnode).data.as_uints,
+                    <uint32_t*>(<array.array>mworker).data.as_uints,
+                    <uint64_t*>(<array.array>mehash).data.as_ulonglongs)
+        finally:
+            pthread_rwlock_unlock(&self.lock)
+            free(pos)
+            free(stack)
+        if rc < 0:
+            raise AssertionError("HBM tree: node or member count disagrees with the tree")
+        return parents, locs, mnode, mworker, mehash
+
+    def restore_hbm(self, parents, local_hashes, node, worker, ehash):
+        """Add an :meth:`export_hbm` table to the tree (worker ids as in this core, each
+        declared HBM by :meth:`set_worker`); returns the (worker, block) pairs added.
+
+        ``ValueError`` for a malformed table (lengths differ, a parent row not before its
+        child, a row out of range, a worker unknown, not HBM, or already holding the
+        block); the core must then be discarded (it may keep memberless nodes)."""
+        cdef const uint32_t[::1] pv = _u32(parents)
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef const uint32_t[::1] nv = _u32(node)
+        cdef const uint32_t[::1] wv = _u32(worker)
+        cdef const uint64_t[::1] ev = as_u64(ehash)
+        cdef size_t nn = pv.shape[0], nm = nv.shape[0], i
+        cdef uint32_t* rows
+        cdef long rc
+        if <size_t>lv.shape[0] != nn or <size_t>wv.shape[0] != nm or <size_t>ev.shape[0] != nm:
+            raise ValueError("HBM table: column lengths differ")
+        for i in range(nm):
+            if wv[i] >= self.nworkers or self.wgroup[wv[i]] == HM_NIL or self.wtier[wv[i]] != 0:
+                raise ValueError(f"HBM table: worker {wv[i]} is unknown or not an HBM worker")
+        if nn == 0 and nm == 0:
+            return 0
+        rows = <uint32_t*>malloc(nn * sizeof(uint32_t) + 1)
+        if rows == NULL:
+            raise MemoryError()
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = tree_restore(&self.tree, &pv[0] if nn else NULL, &lv[0] if nn else NULL, nn,
+                              &nv[0] if nm else NULL, &wv[0] if nm else NULL,
+                              &ev[0] if nm else NULL, nm, rows)
+            pthread_rwlock_unlock(&self.lock)
+        free(rows)
+        if rc == T_ERR_OOM:
+            raise MemoryError()
+        if rc < 0:
+            raise ValueError("HBM table: a parent row follows its child, a row is out of "
+                             "range or a worker holds a block twice")
+        return rc
+
+    def export_tier(self, int tier):
+        """CPU (``tier`` 1) or Disk (2) blocks under one read lock: one row per (edge,
+        owner) as ``(worker, ehash, local, parent, has_parent)`` arrays (``'I'``, ``'Q'``,
+        ``'Q'``, ``'Q'``, ``'B'``), root edges first in their creation order per local
+        hash. :meth:`restore_tier` replays them."""
+        cdef Lower* L
+        cdef size_t n, k = 0, i
+        cdef uint32_t e, o
+        cdef int bad = 0
+        cdef uint32_t* ow
+        cdef uint64_t* oe
+        cdef uint64_t* ol
+        cdef uint64_t* op
+        cdef uint8_t* oh
+        if tier != 1 and tier != 2:
+            raise ValueError(f"tier must be 1 or 2, not {tier}")
+        L = &self.tiers[tier - 1]
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+        try:
+            n = L.total
+            workers = _array.array("I", bytes(4 * n))
+            ehashes = _array.array("Q", bytes(8 * n))
+            locs = _array.array("Q", bytes(8 * n))
+            parents = _array.array("Q", bytes(8 * n))
+            hps = _array.array("B", bytes(n))
+            ow = <uint32_t*>(<array.array>workers).data.as_uints
+            oe = <uint64_t*>(<array.array>ehashes).data.as_ulonglongs
+            ol = <uint64_t*>(<array.array>locs).data.as_ulonglongs
+            op = <uint64_t*>(<array.array>parents).data.as_ulonglongs
+            oh = <uint8_t*>(<array.array>hps).data.as_uchars
+            with nogil:
+                # pass 0: root edges along each local's chain (oldest first); pass 1: the rest
+                for i in range(L.roots.mask + 1 if L.roots.keys != NULL else 0):
+                    e = L.roots.vals[i]
+                    while e != HM_NIL and bad == 0:
+                        o = L.edges[e].owners
+                        while o != HM_NIL:
+                            if k >= n:
+                                bad = 1
+                                break
+                            ow[k] = L.own[o].worker
+                            oe[k] = L.edges[e].child
+                            ol[k] = L.edges[e].local
+                            op[k] = 0
+                            oh[k] = 0
+                            k += 1
+                            o = L.own[o].next
+                        e = L.edges[e].next_root
+                for i in range(L.edge_pool.used):
+                    if L.edges[i].has_parent != 1 or bad:
+                        continue
+                    o = L.edges[i].owners
+                    while o != HM_NIL:
+                        if k >= n:
+                            bad = 1
+                            break
+                        ow[k] = L.own[o].worker
+                        oe[k] = L.edges[i].child
+                        ol[k] = L.edges[i].local
+                        op[k] = L.edges[i].parent
+                        oh[k] = 1
+                        k += 1
+                        o = L.own[o].next
+        finally:
+            pthread_rwlock_unlock(&self.lock)
+        if bad or k != n:
+            raise AssertionError("lower tier: block count disagrees with the edges")
+        return workers, ehashes, locs, parents, hps
+
+    def restore_tier(self, int tier, worker, ehash, local_hashes, parent, has_parent):
+        """Replay :meth:`export_tier` rows in order, each as ``store(worker, parent or
+        None, [ehash], [local])`` under one write lock; returns the rows stored.
+        ``ValueError`` when the columns differ in length, a worker is unknown or not of
+        ``tier``, or a row is refused (the tier then holds the rows before it)."""
+        cdef const uint32_t[::1] wv = _u32(worker)
+        cdef const uint64_t[::1] ev = as_u64(ehash)
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef const uint64_t[::1] pv = as_u64(parent)
+        cdef const uint8_t[::1] hv = _u8(has_parent)
+        cdef size_t n = wv.shape[0], i
+        cdef long rc = 1
+        cdef Lower* L
+        if tier != 1 and tier != 2:
+            raise ValueError(f"tier must be 1 or 2, not {tier}")
+        if (<size_t>ev.shape[0] != n or <size_t>lv.shape[0] != n or <size_t>pv.shape[0] != n
+                or <size_t>hv.shape[0] != n):
+            raise ValueError("tier table: column lengths differ")
+        for i in range(n):
+            if wv[i] >= self.nworkers or self.wgroup[wv[i]] == HM_NIL or self.wtier[wv[i]] != tier:
+                raise ValueError(f"tier table: worker {wv[i]} is unknown or not of tier {tier}")
+        L = &self.tiers[tier - 1]
+        i = 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            while i < n:
+                rc = lower_store(L, wv[i], hv[i] != 0, pv[i], &ev[i], &lv[i], 1)
+                if rc != 1:
+                    break
+                i += 1
+            pthread_rwlock_unlock(&self.lock)
+        if rc < 0:
+            raise MemoryError()
+        if i < n:
+            raise ValueError(f"tier table: row {i} (block {ev[i]} of worker {wv[i]}) refused")
+        return n
+
+    def export_twophase(self):
+        """The two-phase state under one read lock: ``(records, waits)`` with records
+        ``(kind, ehash, local, parent or None, t)`` (kind 0 offload, 1 content) and waits
+        ``(ehash, worker, t)``, each hash's waiters newest first; ``t`` on the caller's
+        clock (the ``now`` given to offload/pool_store)."""
+        cdef size_t i
+        cdef int k
+        cdef uint32_t r, c
+        cdef U64Map* m
+        records = []
+        waits = []
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+        try:
+            for k in range(2):
+                m = &self.offload_m if k == 0 else &self.content_m
+                for i in range(m.mask + 1 if m.keys != NULL else 0):
+                    r = m.vals[i]
+                    if r == HM_NIL:
+                        continue
+                    records.append((k, m.keys[i], self.recs[r].local,
+                                    self.recs[r].parent if self.recs[r].has_parent else None,
+                                    self.recs[r].t))
+            m = &self.pending_m
+            for i in range(m.mask + 1 if m.keys != NULL else 0):
+                c = m.vals[i]
+                while c != HM_NIL:
+                    waits.append((m.keys[i], self.waits[c].worker, self.waits[c].t))
+                    c = self.waits[c].next
+        finally:
+            pthread_rwlock_unlock(&self.lock)
+        return records, waits
+
+    def restore_twophase(self, records, waits):
+        """Add :meth:`export_twophase` entries (times already on this core's clock).
+        ``ValueError`` for a bad kind, a hash already in the offload or content map, an
+        unknown waiter or a worker waiting twice for a hash (entries before it stay)."""
+        cdef int kind
+        cdef uint64_t h, local, parent
+        cdef uint32_t worker, cur, head
+        cdef bint hp
+        cdef double t
+        recs = [(int(k), int(h_), int(l_), p_, float(t_)) for k, h_, l_, p_, t_ in records]
+        ws = [(int(h_), int(w_), float(t_)) for h_, w_, t_ in waits]
+        for rec in recs:
+            if rec[0] != 0 and rec[0] != 1:
+                raise ValueError(f"two-phase record of kind {rec[0]}")
+        for wait in ws:
+            worker = wait[1]
+            if worker >= self.nworkers or self.wgroup[worker] == HM_NIL:
+                raise ValueError(f"pending wait of unknown worker {worker}")
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+        try:
+            for kind, h, local, p_, t in recs:
+                hp = p_ is not None
+                parent = p_ if hp else 0
+                if (u64m_get(&self.offload_m, h) != HM_NIL
+                        or u64m_get(&self.content_m, h) != HM_NIL):
+                    raise ValueError(f"two-phase record for hash {h} given twice")
+                if self._put_rec(&self.offload_m if kind == 0 else &self.content_m, h, local,
+                                 hp, parent, t) < 0:
+                    raise MemoryError()
+            # each hash's waiters come newest first: push them oldest first
+            for h, worker, t in reversed(ws):
+                head = u64m_get(&self.pending_m, h)
+                cur = head
+                while cur != HM_NIL and self.waits[cur].worker != worker:
+                    cur = self.waits[cur].next
+                if cur != HM_NIL:
+                    raise ValueError(f"worker {worker} waits twice for hash {h}")
+                cur = self._new_wait(worker, t)
+                if cur == HM_NIL:
+                    raise MemoryError()
+                self.waits[cur].next = head
+                if u64m_put(&self.pending_m, h, cur) < 0:
+                    pool_give(&self.wait_pool, self.waits, cur, sizeof(TPWait))
+                    raise MemoryError()
+                self.npending += 1
+        finally:
+            pthread_rwlock_unlock(&self.lock)
+
+
+cdef const uint32_t[::1] _u32(values):
+    """A u32 view of an ``array('I')`` (or any ints)."""
+    if isinstance(values, _array.array) and values.typecode == "I":
+        return values
+    return _array.array("I", values)
+
+
+cdef const uint8_t[::1] _u8(values):
+    """A u8 view of an ``array('B')``, bytes (or any ints)."""
+    if isinstance(values, _array.array) and values.typecode == "B":
+        return values
+    return _array.array("B", values)
 
 
 def _live_allocations():

@@ -68,3 +68,12 @@ cdef class RadixTree:
     cdef Tree t
     cdef pthread_rwlock_t lock
     cdef bint lock_ok
+
+# Dump and restore (CoreIndex.export_hbm / restore_hbm): the node table (parent row,
+# local) in parent-before-child order and the member table (node row, worker, engine hash).
+cdef int tree_export(const Tree* t, uint32_t* pos, uint32_t* stack, uint32_t* oparent,
+                     uint64_t* olocal, uint32_t* mnode, uint32_t* mworker,
+                     uint64_t* mehash) noexcept nogil
+cdef long tree_restore(Tree* t, const uint32_t* parents, const uint64_t* locals, size_t nn,
+                       const uint32_t* mnode, const uint32_t* mworker, const uint64_t* mehash,
+                       size_t nm, uint32_t* rows) noexcept nogil

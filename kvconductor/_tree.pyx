@@ -682,3 +682,100 @@ cdef long check_rc(long rc) except -1:
 def _live_allocations():
     """Structure blocks this module allocated and has not freed (tests: leak check)."""
     return live_allocations()
+
+
+# -- dump and restore ------------------------------------------------------------------------
+cdef int tree_export(const Tree* t, uint32_t* pos, uint32_t* stack, uint32_t* oparent,
+                     uint64_t* olocal, uint32_t* mnode, uint32_t* mworker,
+                     uint64_t* mehash) noexcept nogil:
+    """Fill the node table (``t.live_nodes`` rows: parent row or HM_NIL for the root,
+    local) with every parent before its children, and the member table (``t.npairs``
+    rows: node row, worker, engine hash; each node's members in list order). ``pos``
+    and ``stack`` are scratch of ``t.node_pool.used`` entries. 0, or -1 when the
+    counters disagree with the structure."""
+    cdef size_t i, nrow = 0, nmem = 0, top
+    cdef uint32_t n, m
+    for i in range(t.node_pool.used):
+        pos[i] = HM_NIL
+    for i in range(1, t.node_pool.used):
+        if t.nodes[i].nchildren == HM_NIL or pos[i] != HM_NIL:
+            continue            # free, or emitted as an ancestor of an earlier node
+        top = 0
+        n = <uint32_t>i
+        while n != T_ROOT and pos[n] == HM_NIL:
+            stack[top] = n
+            top += 1
+            n = t.nodes[n].parent
+        while top > 0:
+            top -= 1
+            n = stack[top]
+            if nrow >= t.live_nodes:
+                return -1
+            oparent[nrow] = HM_NIL if t.nodes[n].parent == T_ROOT else pos[t.nodes[n].parent]
+            olocal[nrow] = t.nodes[n].local
+            pos[n] = <uint32_t>nrow
+            m = t.nodes[n].members
+            while m != HM_NIL:
+                if nmem >= t.npairs:
+                    return -1
+                mnode[nmem] = <uint32_t>nrow
+                mworker[nmem] = t.mem[m].worker
+                mehash[nmem] = t.mem[m].ehash
+                nmem += 1
+                m = t.mem[m].next
+            nrow += 1
+    return 0 if nrow == t.live_nodes and nmem == t.npairs else -1
+
+
+cdef long tree_restore(Tree* t, const uint32_t* parents, const uint64_t* locals, size_t nn,
+                       const uint32_t* mnode, const uint32_t* mworker, const uint64_t* mehash,
+                       size_t nm, uint32_t* rows) noexcept nogil:
+    """Rebuild a :func:`tree_export` table: create the ``nn`` nodes (an existing node on
+    the same path is reused), then add the ``nm`` members, last row first (so each
+    node's member list comes out in the exported order). ``rows`` is scratch of ``nn``
+    entries. Returns ``nm``, T_ERR_SEQUENCE for a malformed table (a parent row not
+    before its child, a node row out of range, a worker already holding the engine
+    hash or the node), T_ERR_OOM. On error the tree may keep memberless nodes: discard it."""
+    cdef size_t i, k
+    cdef uint32_t p, node, m, w
+    for i in range(nn):
+        if parents[i] == HM_NIL:
+            p = T_ROOT
+        elif parents[i] < i:
+            p = rows[parents[i]]
+        else:
+            return T_ERR_SEQUENCE
+        node = em_get(&t.edges, p, locals[i])
+        if node == HM_NIL:
+            node = _alloc_node(t, locals[i], p)
+            if node == HM_NIL:
+                return T_ERR_OOM
+            if em_put(&t.edges, p, locals[i], node) < 0:
+                _free_node(t, node)
+                return T_ERR_OOM
+            t.nodes[p].nchildren += 1
+        rows[i] = node
+    for k in range(nm):
+        i = nm - 1 - k
+        if mnode[i] >= nn or mworker[i] == HM_NIL:
+            return T_ERR_SEQUENCE
+        node = rows[mnode[i]]
+        w = mworker[i]
+        if revs_ensure(&t.rev, &t.nrev, w) < 0:
+            return T_ERR_OOM
+        if u64m_get(&t.rev[w], mehash[i]) != HM_NIL or _find_member(t, node, w) != HM_NIL:
+            return T_ERR_SEQUENCE
+        m = _alloc_member(t)
+        if m == HM_NIL:
+            return T_ERR_OOM
+        if u64m_put(&t.rev[w], mehash[i], node) < 0:
+            pool_give(&t.mem_pool, t.mem, m, sizeof(TMember))
+            return T_ERR_OOM
+        t.mem[m].ehash = mehash[i]
+        t.mem[m].worker = w
+        t.mem[m].next = t.nodes[node].members
+        t.nodes[node].members = m
+        t.nodes[node].nmembers += 1
+        t.nodes[node].sig += member_sig(w)
+        t.npairs += 1
+    return <long>nm

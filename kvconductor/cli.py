@@ -390,6 +390,14 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "other Origin header get 403 (default: none; programs send no Origin)",
     )
     p.add_argument(
+        "--load-dump",
+        type=_readable,
+        metavar="FILE",
+        default=None,
+        help="warm start: load this GET /debug/dump file (registrations and indexes) "
+        "before serving; a bad file stops the start",
+    )
+    p.add_argument(
         "--open-workers",
         action="store_true",
         help="with --api-key, leave GET /workers (it lists every endpoint), POST /explain "
@@ -441,6 +449,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         allow_bind_endpoints=args.allow_bind_endpoints,
         allow_ipc_endpoints=args.allow_ipc_endpoints,
         endpoint_networks=args.endpoint_networks,
+        load_dump=args.load_dump,
         **_http_fields(args),
     )
 

@@ -160,6 +160,22 @@ def document() -> dict[str, Any]:
                 },
             }
         },
+        "/debug/dump": {
+            "get": {
+                "summary": "the index and registry as a streamed msgpack dump (docs/dump.md)",
+                "responses": {
+                    "200": {
+                        "description": "the dump: msgpack bin objects, one record each",
+                        "content": {
+                            MSGPACK_CONTENT_TYPE: {
+                                "schema": {"type": "string", "contentEncoding": "binary"}
+                            }
+                        },
+                    },
+                    **_errors("401"),
+                },
+            }
+        },
         "/ready": {
             "get": {
                 "summary": "readiness: every registered ZeroMQ source connected, none replaying",

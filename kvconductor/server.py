@@ -25,6 +25,7 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Generator
 from types import FrameType
 from typing import Any
@@ -353,6 +354,14 @@ def serve(settings: Settings) -> int:
         sys.getswitchinterval(),
     )
     conductor.start()
+    if settings.load_dump:
+        try:
+            _warm_start(conductor, settings.load_dump)
+        except (OSError, ValueError) as ex:
+            log.error("cannot load dump %s: %s", settings.load_dump, ex)
+            conductor.stop(STOP_SECS)
+            sock.close()
+            return 1
     try:
         server.run(sockets=[sock])
     finally:
@@ -361,6 +370,34 @@ def serve(settings: Settings) -> int:
         sock.close()
         log.info("KV conductor shut down")
     return 0
+
+
+def _warm_start(conductor: Conductor, path: str) -> None:
+    """``--load-dump``: load ``path`` on the ingest thread before serving."""
+    from kvconductor import dump
+
+    t0 = time.monotonic()
+    loaded = conductor.call(dump.load_dump, conductor, dump.file_chunks(path), timeout=None)
+    for s in conductor.call(conductor.workers)["indexer"]:
+        log.info(
+            "dump loaded model=%s tenant=%s hbm_blocks=%d cpu_blocks=%d disk_blocks=%d "
+            "offload=%d pending_pool=%d content=%d",
+            s["model_name"],
+            s["tenant_id"],
+            s["hbm_blocks"],
+            s["cpu_blocks"],
+            s["disk_blocks"],
+            s["offload"],
+            s["pending_pool"],
+            s["content"],
+        )
+    log.info(
+        "warm start from %s: registrations=%d indexes=%d in %.3fs",
+        path,
+        loaded["registrations"],
+        loaded["indexes"],
+        time.monotonic() - t0,
+    )
 
 
 def _version() -> str:

@@ -48,6 +48,8 @@ class Settings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    # warm start: a GET /debug/dump file loaded before serving (docs/dump.md)
+    load_dump: str | None = None
 
     @property
     def max_body_bytes(self) -> int:

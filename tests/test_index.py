@@ -910,3 +910,76 @@ def test_trace_of_a_muted_worker(ix):
     ix.set_muted(NPU_A, False)
     (g,) = ix.trace(toks(4), BS)
     assert g.blocks == (3, 1, 0) and g.stops == ("tier_exhausted", "end_of_prompt", "no_worker")
+
+
+# -- dump and restore (kvconductor.dump) -------------------------------------------------------
+
+
+def _core_with_workers(impl):
+    core = Index("model", TENANT, impl=impl).core
+    core.set_worker(0, 0, 0)  # HBM
+    core.set_worker(1, 1, 0)  # HBM
+    core.set_worker(2, 0, 1)  # CPU
+    return core
+
+
+def test_restore_hbm_keeps_a_block_whose_parent_its_worker_no_longer_holds(impl):
+    core = _core_with_workers(impl)
+    core.store(0, None, [1, 2, 3], [11, 12, 13])
+    core.store(1, None, [21, 22], [11, 12])
+    core.remove(0, [1])  # worker 0 keeps 2 and 3 under a node it no longer holds
+    parents, locs, node, worker, ehash = core.export_hbm()
+    assert list(parents) == [0xFFFFFFFF, 0, 1]  # every parent before its children
+    assert list(locs) == [11, 12, 13]
+    fresh = _core_with_workers(impl)
+    assert fresh.restore_hbm(parents, locs, node, worker, ehash) == 4
+    assert fresh.parent_of(0, 2) is None and fresh.parent_of(0, 3) == 2
+    assert fresh.parent_of(1, 22) == 21
+    for q in ([11], [11, 12], [11, 12, 13], [12, 13]):
+        assert fresh.match(q) == core.match(q), q
+    assert dict(fresh.stats(), nbytes=0) == dict(core.stats(), nbytes=0)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        (([0, 0xFFFFFFFF], [11, 12], [0], [0], [5]), "parent row follows its child"),
+        (([0xFFFFFFFF], [11], [1], [0], [5]), "out of range"),
+        (([0xFFFFFFFF], [11, 12], [0], [0], [5]), "column lengths differ"),
+        (([0xFFFFFFFF], [11], [0], [2], [5]), "worker 2 is unknown or not an HBM worker"),
+        (([0xFFFFFFFF], [11], [0], [7], [5]), "worker 7 is unknown or not an HBM worker"),
+        (([0xFFFFFFFF], [11], [0, 0], [0, 0], [5, 6]), "holds a block twice"),
+    ],
+)
+def test_restore_hbm_refuses_a_malformed_table(impl, table, message):
+    with pytest.raises(ValueError, match=message):
+        _core_with_workers(impl).restore_hbm(*table)
+
+
+def test_restore_tier_refuses_rows_of_another_tier_or_refused_rows(impl):
+    core = _core_with_workers(impl)
+    with pytest.raises(ValueError, match="worker 0 is unknown or not of tier 1"):
+        core.restore_tier(1, [0], [5], [11], [0], [0])
+    with pytest.raises(ValueError, match="column lengths differ"):
+        core.restore_tier(1, [2], [5], [11], [0], [0, 0])
+    # the edge (root, 11) -> 5 exists; the same worker cannot map 5 under another key
+    assert core.restore_tier(1, [2], [5], [11], [0], [0]) == 1
+    with pytest.raises(ValueError, match=r"row 0 \(block 5 of worker 2\) refused"):
+        core.restore_tier(1, [2], [5], [12], [9], [1])
+
+
+def test_restore_twophase_keeps_times_and_refuses_duplicates(impl):
+    core = _core_with_workers(impl)
+    core.restore_twophase([(0, 7, 77, None, 5.0), (1, 8, 88, 7, 6.0)], [(9, 2, 4.0), (9, 0, 3.0)])
+    records, waits = core.export_twophase()
+    assert sorted(records) == [(0, 7, 77, None, 5.0), (1, 8, 88, 7, 6.0)]
+    assert waits == [(9, 2, 4.0), (9, 0, 3.0)]  # newest first, as given
+    assert core.sweep(7.0, 3.5, 1000.0, 1000.0) == 1  # the wait of t=3.0 is 4s old
+    with pytest.raises(ValueError, match="two-phase record for hash 7 given twice"):
+        core.restore_twophase([(1, 7, 77, None, 5.0)], [])
+    with pytest.raises(ValueError, match="worker 2 waits twice for hash 9"):
+        core.restore_twophase([], [(9, 2, 1.0)])
+    with pytest.raises(ValueError, match="pending wait of unknown worker 5"):
+        core.restore_twophase([], [(9, 5, 1.0)])
+    with pytest.raises(ValueError, match="two-phase record of kind 3"):
+        core.restore_twophase([(3, 1, 1, None, 1.0)], [])

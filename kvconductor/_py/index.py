@@ -444,6 +444,92 @@ class CoreIndex:
                 "nbytes": 0,
             }
 
+    # -- dump and restore (kvconductor.dump) ----------------------------------------------
+    def export_hbm(self):
+        """The HBM tree as ``(parents, locals, node, worker, ehash)`` arrays (see the
+        compiled core): node table parents first, then the member table."""
+        from array import array
+
+        with self._lock:
+            p, loc, n, w, e = self._tree.export_table()
+        return array("I", p), array("Q", loc), array("I", n), array("I", w), array("Q", e)
+
+    def restore_hbm(self, parents, local_hashes, node, worker, ehash) -> int:
+        """Add an :meth:`export_hbm` table; returns the (worker, block) pairs added."""
+        with self._lock:
+            for w in worker:
+                if self._workers.get(int(w), (0, -1))[1] != HBM:
+                    raise ValueError(f"HBM table: worker {w} is unknown or not an HBM worker")
+            return self._tree.restore_table(parents, local_hashes, node, worker, ehash)
+
+    def export_tier(self, tier: int):
+        """``(worker, ehash, local, parent, has_parent)`` arrays of tier 1 (CPU) or 2
+        (Disk), one row per (edge, owner), root edges first in creation order."""
+        from array import array
+
+        if tier not in (CPU, DISK):
+            raise ValueError(f"tier must be 1 or 2, not {tier}")
+        with self._lock:
+            rows = self._tiers[tier].export_rows()
+        return (
+            array("I", [r[0] for r in rows]),
+            array("Q", [r[1] for r in rows]),
+            array("Q", [r[2] for r in rows]),
+            array("Q", [r[3] or 0 for r in rows]),
+            array("B", [r[3] is not None for r in rows]),
+        )
+
+    def restore_tier(self, tier: int, worker, ehash, local_hashes, parent, has_parent) -> int:
+        """Replay :meth:`export_tier` rows in order as one-block stores; returns the rows."""
+        if tier not in (CPU, DISK):
+            raise ValueError(f"tier must be 1 or 2, not {tier}")
+        cols = [list(worker), u64_list(ehash), u64_list(local_hashes), u64_list(parent)]
+        cols.append([int(h) for h in has_parent])
+        if len({len(c) for c in cols}) > 1:
+            raise ValueError("tier table: column lengths differ")
+        with self._lock:
+            for w in cols[0]:
+                if self._workers.get(int(w), (0, -1))[1] != tier:
+                    raise ValueError(f"tier table: worker {w} is unknown or not of tier {tier}")
+            for i, (w, h, loc, p, hp) in enumerate(zip(*cols, strict=True)):
+                if self._tiers[tier].store(w, p if hp else None, [h], [loc]) != 1:
+                    raise ValueError(f"tier table: row {i} (block {h} of worker {w}) refused")
+            return len(cols[0])
+
+    def export_twophase(self):
+        """``(records, waits)``: records ``(kind, ehash, local, parent, t)`` (kind 0
+        offload, 1 content), waits ``(ehash, worker, t)`` newest first per hash."""
+        with self._lock:
+            records = [(0, h, loc, p, t) for h, (loc, p, t) in self._offload.items()]
+            records += [(1, h, loc, p, t) for h, (loc, p, t) in self._content.items()]
+            waits = [
+                (h, w, t)
+                for h, waiters in self._pending.items()
+                for w, t in reversed(list(waiters.items()))
+            ]
+            return records, waits
+
+    def restore_twophase(self, records, waits) -> None:
+        """Add :meth:`export_twophase` entries (times on this core's clock)."""
+        with self._lock:
+            for kind, h, loc, p, t in records:
+                if kind not in (0, 1):
+                    raise ValueError(f"two-phase record of kind {kind}")
+                if h in self._offload or h in self._content:
+                    raise ValueError(f"two-phase record for hash {h} given twice")
+                (self._offload if kind == 0 else self._content)[int(h)] = (
+                    int(loc),
+                    None if p is None else int(p),
+                    float(t),
+                )
+            for h, w, t in reversed(list(waits)):
+                if int(w) not in self._workers:
+                    raise ValueError(f"pending wait of unknown worker {w}")
+                waiters = self._pending.setdefault(int(h), {})
+                if w in waiters:
+                    raise ValueError(f"worker {w} waits twice for hash {h}")
+                waiters[int(w)] = float(t)
+
     # -- testing aid ---------------------------------------------------------------------
     def _check_invariants(self) -> None:
         """Assert tier invariants and the two-phase invariants (for tests)."""

@@ -175,6 +175,22 @@ class LowerTier(PerWorkerBlocks):
         """Bytes allocated (the twin does not account memory: always 0)."""
         return 0
 
+    # -- dump ----------------------------------------------------------------------------
+    def export_rows(self) -> list[tuple[int, int, int, int | None]]:
+        """``[(worker, ehash, local, parent or None)]``, one per (edge, owner): the root
+        edges first, in creation order per LocalBlockHash, then the others."""
+        with self._lock:
+            out: list[tuple[int, int, int, int | None]] = []
+            for local, children in self._roots.items():
+                for c in children:
+                    for w in sorted(self._edges[(None, local, c)].owners):
+                        out.append((w, c, local, None))
+            for key, edge in self._edges.items():
+                if key[0] is not None:
+                    for w in sorted(edge.owners):
+                        out.append((w, edge.child, key[1], key[0]))
+            return out
+
     # -- testing aid ---------------------------------------------------------------------
     def _check_invariants(self) -> None:
         """Assert that ownership and the reverse maps agree (for tests)."""

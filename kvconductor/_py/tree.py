@@ -17,6 +17,7 @@ import threading
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 
 U64_MAX = 0xFFFFFFFFFFFFFFFF
+U32_NIL = 0xFFFFFFFF  # "no row" in the dump tables (the root's parent)
 
 
 def u64_list(values) -> list[int]:
@@ -256,6 +257,62 @@ class RadixTree(PerWorkerBlocks):
     def nbytes(self) -> int:
         """Bytes allocated (the twin does not account memory: always 0)."""
         return 0
+
+    # -- dump and restore --------------------------------------------------------------
+    def export_table(self) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """``(parents, locals, node, worker, ehash)``: the node table (parent row, U32_NIL
+        under the root) with every parent before its children, and the member table."""
+        parents: list[int] = []
+        locs: list[int] = []
+        mnode: list[int] = []
+        mworker: list[int] = []
+        mehash: list[int] = []
+        with self._lock:
+            stack: list[tuple[_Node, int]] = [(self._root, U32_NIL)]
+            while stack:
+                node, row = stack.pop()
+                for local, child in node.children.items():
+                    crow = len(parents)
+                    parents.append(row)
+                    locs.append(local)
+                    for w, s in child.members.items():
+                        mnode.append(crow)
+                        mworker.append(w)
+                        mehash.append(s)
+                    stack.append((child, crow))
+        return parents, locs, mnode, mworker, mehash
+
+    def restore_table(self, parents, local_hashes, node, worker, ehash) -> int:
+        """Add an :meth:`export_table` table; returns the members added. ValueError
+        for a malformed table (see ``CoreIndex.restore_hbm``)."""
+        pv, lv = [int(p) for p in parents], u64_list(local_hashes)
+        nv, wv, ev = [int(n) for n in node], [int(w) for w in worker], u64_list(ehash)
+        if len(lv) != len(pv) or len(wv) != len(nv) or len(ev) != len(nv):
+            raise ValueError("HBM table: column lengths differ")
+        with self._lock:
+            rows: list[_Node] = []
+            for i, (p, local) in enumerate(zip(pv, lv, strict=True)):
+                if p == U32_NIL:
+                    parent = self._root
+                elif p < i:
+                    parent = rows[p]
+                else:
+                    raise ValueError("HBM table: a parent row follows its child")
+                child = parent.children.get(local)
+                if child is None:
+                    child = parent.children[local] = _Node(local, parent)
+                    self._num_nodes += 1
+                rows.append(child)
+            for n, w, s in zip(nv, wv, ev, strict=True):
+                if n >= len(rows):
+                    raise ValueError("HBM table: a member's node row is out of range")
+                rev = self._rev.setdefault(w, {})
+                if s in rev or w in rows[n].members:
+                    raise ValueError("HBM table: a worker holds a block twice")
+                rows[n].members[w] = s
+                rev[s] = rows[n]
+                self._num_pairs += 1
+            return len(nv)
 
     # -- testing aid ---------------------------------------------------------------------
     def _check_invariants(self) -> None:

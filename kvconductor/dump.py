@@ -1,0 +1,429 @@
+"""Index dump: ``GET /debug/dump`` writes it, ``kv-conductor load-dump`` and
+``--load-dump`` read it back (format: docs/dump.md).
+
+A dump is a sequence of msgpack ``bin`` objects, each holding one msgpack-encoded
+record (a map with a ``"t"`` key, except the header). Block tables travel as raw
+little-endian integer columns, at most :data:`CHUNK_ROWS` rows per record.
+
+The snapshot is taken on the ingest thread (:func:`snapshot`): every index and the
+registry at one instant, with no event applied in between; the export copies the
+structures into flat arrays (about 40 bytes per block), which are then encoded and
+streamed record by record without holding the ingest thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import struct
+import sys
+import time
+from array import array
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import msgspec
+
+import kvconductor
+from kvconductor.keys import Medium, WorkerKey
+from kvconductor.schema import RegisterRequest
+
+FORMAT = "kvconductor-dump"
+VERSION = 1
+#: Rows per block-table record.
+CHUNK_ROWS = 65536
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder().decode
+_BIN32 = 0xC6
+_LE = sys.byteorder == "little"
+
+#: The core's ``(kind, rows)`` tables of an index, in dump order, with their columns and
+#: typecodes: HBM node table, HBM member table, CPU rows, Disk rows.
+_TABLES: dict[str, tuple[tuple[str, str], ...]] = {
+    "hbm_nodes": (("parents", "I"), ("locals", "Q")),
+    "hbm_members": (("node", "I"), ("worker", "I"), ("ehash", "Q")),
+    "cpu": (("worker", "I"), ("ehash", "Q"), ("local", "Q"), ("parent", "Q"), ("has_parent", "B")),
+    "disk": (
+        ("worker", "I"),
+        ("ehash", "Q"),
+        ("local", "Q"),
+        ("parent", "Q"),
+        ("has_parent", "B"),
+    ),
+}
+
+
+# -- writing ------------------------------------------------------------------------------
+def _registration(entry, ep) -> dict[str, Any]:
+    """The ``POST /register`` body that recreates one registered DP.
+
+    A legacy ``endpoint`` is kept only by pools (it decides ``is_pool``); any other was
+    stored as the three media on its URL, which registers the same way (such a backend
+    indexes no HBM IP: Mooncake/Memcache with a legacy endpoint are pools)."""
+    meds = dict(ep.medium_endpoints)
+    endpoint = None
+    if ep.is_pool and ep.sources:
+        endpoint, meds = ep.sources[0][0], {}
+    req = RegisterRequest(
+        instance_id=entry.instance_id,
+        engine_type=ep.engine_type,
+        modelname=ep.model_name,
+        block_size=ep.block_size,
+        dp_rank=ep.dp_rank,
+        medium_endpoints=meds or None,
+        endpoint=endpoint,
+        store_backend=ep.store_backend,
+        replay_endpoint=ep.replay_endpoint,
+        tenant_id=ep.tenant_id,
+        node_id=ep.node_id,
+    )
+    return msgspec.to_builtins(req)
+
+
+def snapshot(conductor) -> dict[str, Any]:
+    """Registry and every index at one instant. Ingest thread only."""
+    now = time.monotonic()
+    regs = [
+        _registration(entry, ep)
+        for entry in conductor.registry.instances.values()
+        for _, ep in sorted(entry.endpoints.items())
+    ]
+    indexes = []
+    for key in sorted(conductor.indexes):
+        idx = conductor.indexes[key]
+        core = idx.core
+        records, waits = core.export_twophase()
+        hbm = core.export_hbm()
+        indexes.append(
+            {
+                "model": idx.model,
+                "tenant": idx.tenant,
+                "workers": [
+                    [k.instance_id, k.backend_id, k.dp_rank, int(k.medium)]
+                    for k in idx._worker_keys
+                ],
+                "tables": {
+                    "hbm_nodes": hbm[:2],
+                    "hbm_members": hbm[2:],
+                    "cpu": core.export_tier(1),
+                    "disk": core.export_tier(2),
+                },
+                "records": [[k, h, loc, p, now - t] for k, h, loc, p, t in records],
+                "waits": [[h, w, now - t] for h, w, t in waits],
+            }
+        )
+    return {"registrations": regs, "indexes": indexes}
+
+
+def _le(a: array) -> bytes:
+    if not _LE and a.itemsize > 1:
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def _frame(record: Any) -> bytes:
+    payload = _encode(record)
+    return struct.pack(">BI", _BIN32, len(payload)) + payload
+
+
+def encode(snap: dict[str, Any]) -> Iterator[bytes]:
+    """The dump of a :func:`snapshot`, one framed record at a time."""
+    yield _frame(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "created": datetime.datetime.now(datetime.timezone.utc).strftime(
+                "%Y-%m-%dT%H:%M:%S.%fZ"
+            ),
+            "kvconductor": kvconductor.__version__,
+        }
+    )
+    for reg in snap["registrations"]:
+        yield _frame({"t": "registration", "request": reg})
+    for ix in snap["indexes"]:
+        yield _frame(
+            {"t": "index", "model": ix["model"], "tenant": ix["tenant"], "workers": ix["workers"]}
+        )
+        counts: dict[str, int] = {}
+        for name, cols in _TABLES.items():
+            arrays = ix["tables"][name]
+            n = len(arrays[0])
+            counts[name] = n
+            for lo in range(0, n, CHUNK_ROWS):
+                rec: dict[str, Any] = {"t": name}
+                for (col, _), a in zip(cols, arrays, strict=True):
+                    rec[col] = _le(a[lo : lo + CHUNK_ROWS])
+                yield _frame(rec)
+        for lo in range(0, max(len(ix["records"]), len(ix["waits"])), CHUNK_ROWS):
+            yield _frame(
+                {
+                    "t": "twophase",
+                    "records": ix["records"][lo : lo + CHUNK_ROWS],
+                    "waits": ix["waits"][lo : lo + CHUNK_ROWS],
+                }
+            )
+        counts["records"] = len(ix["records"])
+        counts["waits"] = len(ix["waits"])
+        yield _frame({"t": "index_end", **counts})
+    yield _frame(
+        {"t": "end", "registrations": len(snap["registrations"]), "indexes": len(snap["indexes"])}
+    )
+
+
+def write_dump(conductor) -> Iterator[bytes]:
+    """The dump of ``conductor``, snapshot on its ingest thread (call from another thread)."""
+    return encode(conductor.call(snapshot, conductor))
+
+
+# -- reading ------------------------------------------------------------------------------
+def _records(chunks: Iterable[bytes]) -> Iterator[Any]:
+    """Decode the framed records of ``chunks`` (bytes of any split)."""
+    buf = bytearray()
+    for chunk in chunks:
+        buf += chunk
+        pos = 0
+        while len(buf) - pos >= 5:
+            tag, size = struct.unpack_from(">BI", buf, pos)
+            if tag != _BIN32:
+                raise ValueError(f"not a kvconductor dump: byte {tag:#04x} where a record starts")
+            if len(buf) - pos - 5 < size:
+                break
+            try:
+                yield _decode(bytes(buf[pos + 5 : pos + 5 + size]))
+            except msgspec.DecodeError as ex:
+                raise ValueError(f"corrupt dump record: {ex}") from None
+            pos += 5 + size
+        del buf[:pos]
+    if buf:
+        raise ValueError("truncated dump: the input ends inside a record")
+
+
+def _column(raw: Any, typecode: str, name: str) -> array:
+    if not isinstance(raw, bytes):
+        raise ValueError(f"dump record {name}: column is not raw bytes")
+    a = array(typecode)
+    if len(raw) % a.itemsize:
+        raise ValueError(f"dump record {name}: column length is not a multiple of {a.itemsize}")
+    a.frombytes(raw)
+    if not _LE and a.itemsize > 1:
+        a.byteswap()
+    return a
+
+
+def _check_header(rec: Any) -> None:
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT:
+        raise ValueError("not a kvconductor dump: missing the kvconductor-dump header")
+    if rec.get("version") != VERSION:
+        raise ValueError(
+            f"unsupported dump version {rec.get('version')!r}: this kvconductor reads "
+            f"version {VERSION}"
+        )
+
+
+def _load_index(conductor, head: dict, recs: Iterator[Any]) -> None:
+    """Read one index's records up to its ``index_end`` and restore them."""
+    idx = conductor.get_or_create_index(head["model"], head["tenant"])
+    ids = array(
+        "I",
+        [
+            idx.worker_id(WorkerKey(str(iid), str(backend), int(dp), Medium(int(medium))))
+            for iid, backend, dp, medium in head["workers"]
+        ],
+    )
+    tables = {name: [array(tc) for _, tc in cols] for name, cols in _TABLES.items()}
+    records: list = []
+    waits: list = []
+    for rec in recs:
+        kind = rec.get("t") if isinstance(rec, dict) else None
+        if kind in _TABLES:
+            for (col, tc), out in zip(_TABLES[kind], tables[kind], strict=True):
+                out.extend(_column(rec.get(col), tc, kind))
+        elif kind == "twophase":
+            records += rec["records"]
+            waits += rec["waits"]
+        elif kind == "index_end":
+            got = {name: len(cols[0]) for name, cols in tables.items()}
+            got |= {"records": len(records), "waits": len(waits)}
+            want = {k: rec.get(k) for k in got}
+            if got != want:
+                raise ValueError(
+                    f"dump of index {head['model']}/{head['tenant']} is inconsistent: "
+                    f"read {got}, its end record says {want}"
+                )
+            break
+        else:
+            raise ValueError(f"unexpected dump record {kind!r} inside an index")
+    else:
+        raise ValueError(
+            f"truncated dump: index {head['model']}/{head['tenant']} has no end record"
+        )
+
+    def remap(col: array) -> array:
+        try:
+            return array("I", [ids[w] for w in col])
+        except IndexError:
+            raise ValueError("dump names a worker its index header does not list") from None
+
+    core = idx.core
+    now = time.monotonic()
+    nodes, members = tables["hbm_nodes"], tables["hbm_members"]
+    core.restore_hbm(nodes[0], nodes[1], members[0], remap(members[1]), members[2])
+    for tier, name in ((1, "cpu"), (2, "disk")):
+        cols = tables[name]
+        core.restore_tier(tier, remap(cols[0]), *cols[1:])
+    core.restore_twophase(
+        [(k, h, loc, p, now - age) for k, h, loc, p, age in records],
+        [(h, ids[w], now - age) for h, w, age in waits],
+    )
+    check = getattr(core, "check_invariants", None) or core._check_invariants
+    try:
+        check()
+    except AssertionError as ex:
+        raise ValueError(
+            f"dump of index {head['model']}/{head['tenant']} does not form a valid index: {ex}"
+        ) from None
+
+
+def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
+    """Load a dump into ``conductor`` (ingest thread, or before it starts serving):
+    registrations through :meth:`Conductor.register`, then each index restored into a
+    fresh index. Returns ``{"registrations": n, "indexes": k}``. ``ValueError`` naming
+    the problem for an unknown format or version, a truncated or inconsistent dump;
+    the conductor may then hold part of it."""
+    recs = _records(chunks)
+    first = next(recs, None)
+    if first is None:
+        raise ValueError("not a kvconductor dump: empty input")
+    _check_header(first)
+    nreg = nidx = 0
+    for rec in recs:
+        kind = rec.get("t") if isinstance(rec, dict) else None
+        if kind == "registration":
+            conductor.register(msgspec.convert(rec["request"], RegisterRequest))
+            nreg += 1
+        elif kind == "index":
+            key = (rec["model"], rec["tenant"])
+            old = conductor.indexes.get(key)
+            if old is not None and not old.is_empty():
+                raise ValueError(f"index {key[0]}/{key[1]} is not empty: cannot load into it")
+            _load_index(conductor, rec, recs)
+            nidx += 1
+        elif kind == "end":
+            if (rec.get("registrations"), rec.get("indexes")) != (nreg, nidx):
+                raise ValueError(
+                    f"dump is inconsistent: read {nreg} registrations and {nidx} indexes, "
+                    f"its end record says {rec.get('registrations')} and {rec.get('indexes')}"
+                )
+            if next(recs, None) is not None:
+                raise ValueError("dump has records after its end record")
+            return {"registrations": nreg, "indexes": nidx}
+        else:
+            raise ValueError(f"unexpected dump record {kind!r}")
+    raise ValueError("truncated dump: no end record")
+
+
+# -- kv-conductor load-dump ---------------------------------------------------------------
+class _NoSubscriptions:
+    """Subscription manager for verification: registrations open no sockets."""
+
+    def __init__(self, thread, conductor) -> None:
+        self._n: dict[tuple[str, int], int] = {}
+
+    def count(self, instance_id: str, dp_rank: int) -> int:
+        return 0
+
+    def replace(self, instance_id: str, dp_rank: int, contexts) -> set[str]:
+        return set()
+
+    def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
+        return 0
+
+    def request_replay(self, ctx) -> None:
+        pass
+
+    def sources(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 0
+
+
+def file_chunks(path: str, size: int = 1 << 20) -> Iterator[bytes]:
+    with open(path, "rb") as f:
+        while chunk := f.read(size):
+            yield chunk
+
+
+def load_file(path: str) -> dict[str, Any]:
+    """Load the dump at ``path`` into an in-process conductor without sockets; returns
+    ``{"loaded": ..., "workers": [...], "indexer": [per-index /workers summaries]}``."""
+    from kvconductor.service import Conductor, ConductorConfig
+
+    conductor = Conductor(
+        ConductorConfig(maintenance_interval=3600), subscriptions=_NoSubscriptions
+    )
+    conductor.start()
+    try:
+        loaded = conductor.call(load_dump, conductor, file_chunks(path), timeout=None)
+        workers = conductor.call(conductor.workers)
+    finally:
+        conductor.stop()
+    return {"loaded": loaded, "workers": workers["workers"], "indexer": workers["indexer"]}
+
+
+def fetch(url: str, path: str, api_key: str | None) -> None:
+    """Download ``url``'s ``GET /debug/dump`` into ``path`` (streamed)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with httpx.stream(
+            "GET", url.rstrip("/") + "/debug/dump", headers=headers, timeout=60.0
+        ) as r:
+            if r.status_code != 200:
+                raise ValueError(f"GET {r.url} answered {r.status_code}: {r.read()[:200]!r}")
+            with open(path, "wb") as f:
+                for chunk in r.iter_bytes():
+                    f.write(chunk)
+    except httpx.HTTPError as ex:
+        raise ValueError(f"cannot fetch the dump from {url}: {ex}") from None
+
+
+def main(argv: list[str]) -> int:
+    """``kv-conductor load-dump FILE [--url URL]``: (with ``--url``, first download the
+    running service's dump into FILE) load FILE in-process (no sockets) and print the
+    per-index ``/workers`` counts as JSON; exit 1 with one line on stderr if it is bad."""
+    import os
+
+    parser = argparse.ArgumentParser(
+        prog="kv-conductor load-dump",
+        description="Load a GET /debug/dump file into an in-process index (no sockets) "
+        "and print the per-index /workers counts as JSON.",
+    )
+    parser.add_argument("file", help="dump file (the body of GET /debug/dump)")
+    parser.add_argument(
+        "--url",
+        help="first download the dump of the service at URL (http://HOST:PORT) into FILE",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KV_CONDUCTOR_API_KEY"),
+        help="bearer token for --url (default: env KV_CONDUCTOR_API_KEY)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.url:
+            fetch(args.url, args.file, args.api_key)
+        out = load_file(args.file)
+    except (OSError, ValueError) as ex:
+        print(f"kv-conductor load-dump: {args.file}: {ex}", file=sys.stderr)
+        return 1
+    json.dump({"loaded": out["loaded"], "indexer": out["indexer"]}, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
