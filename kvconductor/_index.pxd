@@ -59,6 +59,17 @@ cdef struct Scratch:
     uint32_t* ends              # 3 * G: npu, cpu, disk ends per group
 
 
+# Stop codes of ``CoreIndex.trace`` (their names: ``kvconductor.schema.STOP_REASONS``). When
+# several walks of a worker stop at the same block, the smaller code is reported.
+cdef enum:
+    STOP_END_OF_PROMPT = 0      # every block of the query matched
+    STOP_PARENT_MISMATCH = 1    # the worker holds the next block's content elsewhere
+    STOP_NOT_HELD = 2           # the tier holds the next block, this worker does not
+    STOP_NO_FIRST_BLOCK = 3     # no worker of the tier holds the first block as a root
+    STOP_TIER_EXHAUSTED = 4     # no worker of the tier holds the next block after this prefix
+    STOP_MUTED = 5              # the worker is muted (set_muted): no hits, no breakpoints
+
+
 cdef class CoreIndex:
     cdef Tree tree              # HBM tier
     cdef Lower tiers[2]         # [0] CPU, [1] Disk
@@ -113,3 +124,11 @@ cdef class CoreIndex:
     cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil
     cdef list _run_query(self, HCursor* hc)
     cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil
+    cdef bint _holds_local(self, int tier, uint32_t w, uint64_t local) noexcept nogil
+    cdef size_t _walk1(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint* hp,
+                       uint64_t* p) noexcept nogil
+    cdef int _lower_stop(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint hp,
+                         uint64_t p) noexcept nogil
+    cdef int _trace_c(self, HCursor* hc, Scratch* s, size_t* reach, uint8_t* code,
+                      uint32_t* path) noexcept nogil
+    cdef list _run_trace(self, HCursor* hc)

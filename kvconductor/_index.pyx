@@ -13,7 +13,8 @@ from libc.string cimport memset
 
 from kvconductor._cursor cimport HCursor, hc_free, hc_get, hc_init_hashes, hc_init_tokens
 from kvconductor._maps cimport (
-    U64Map, u64m_check, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+    U64Map, em_get, u64m_check, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop,
+    u64m_put,
 )
 from kvconductor._pool cimport (
     HM_NIL, grow_array, live_allocations, mem_free, pool_give, pool_init, pool_mark_free,
@@ -25,12 +26,13 @@ from kvconductor._rwlock cimport (
 )
 from kvconductor._hash cimport hash_token_blocks
 from kvconductor._lower cimport (
-    lower_check, lower_clear, lower_find, lower_free, lower_init, lower_lookup, lower_nbytes,
-    lower_remove, lower_store, lower_walk_multi, lower_worker_blocks,
+    Lower, lower_check, lower_clear, lower_find, lower_free, lower_init, lower_lookup,
+    lower_nbytes, lower_owns, lower_remove, lower_root_of, lower_store, lower_walk_multi,
+    lower_worker_blocks,
 )
 from kvconductor._tree cimport (
-    T_ERR_OOM, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init, tree_match,
-    tree_nbytes, tree_remove, tree_store, tree_worker_blocks,
+    T_ERR_OOM, T_ROOT, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init,
+    tree_match, tree_nbytes, tree_remove, tree_store, tree_worker_blocks,
 )
 from kvconductor._tree cimport tree_export, tree_restore
 
@@ -1033,6 +1035,211 @@ cdef class CoreIndex:
             pthread_rwlock_unlock(&self.lock)
         return {"nodes": nodes, "hbm_pairs": pairs, "cpu_blocks": cpu, "disk_blocks": disk,
                 "offload": off, "content": con, "pending": pen, "nbytes": nb}
+
+    # -- explain (appended) ---------------------------------------------------------------
+    cdef bint _holds_local(self, int tier, uint32_t w, uint64_t local) noexcept nogil:
+        """Does ``w`` hold, on its tier, any block whose LocalBlockHash is ``local``?
+        O(blocks of ``w``): diagnostics only."""
+        cdef const U64Map* rev
+        cdef size_t i
+        cdef const Lower* L
+        if tier == 0:
+            if w >= self.tree.nrev:
+                return False
+            rev = &self.tree.rev[w]
+            if rev.size == 0:
+                return False
+            for i in range(rev.mask + 1):
+                if rev.vals[i] != HM_NIL and self.tree.nodes[rev.vals[i]].local == local:
+                    return True
+            return False
+        L = &self.tiers[tier - 1]
+        if w >= L.nrev:
+            return False
+        rev = &L.rev[w]
+        if rev.size == 0:
+            return False
+        for i in range(rev.mask + 1):
+            if rev.vals[i] != HM_NIL and L.edges[rev.vals[i]].local == local:
+                return True
+        return False
+
+    cdef size_t _walk1(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint* hp,
+                       uint64_t* p) noexcept nogil:
+        """One worker's lower-tier walk from (pos, parent ``p`` when ``hp``, else the
+        root); returns where it stops, with ``hp``/``p`` the last block walked."""
+        cdef const Lower* L = &self.tiers[tier - 1]
+        cdef size_t n = hc.n
+        cdef uint32_t e
+        if pos >= n:
+            return pos
+        if not hp[0]:
+            e = lower_root_of(L, hc_get(hc, pos), w)
+            if e == HM_NIL:
+                return pos
+            p[0] = L.edges[e].child
+            hp[0] = True
+            pos += 1
+        while pos < n:
+            e = lower_find(L, True, p[0], hc_get(hc, pos))
+            if e == HM_NIL or not lower_owns(L, e, w):
+                break
+            p[0] = L.edges[e].child
+            pos += 1
+        return pos
+
+    cdef int _lower_stop(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint hp,
+                         uint64_t p) noexcept nogil:
+        cdef const Lower* L = &self.tiers[tier - 1]
+        cdef uint64_t h
+        if pos >= hc.n:
+            return STOP_END_OF_PROMPT
+        h = hc_get(hc, pos)
+        if self._holds_local(tier, w, h):
+            return STOP_PARENT_MISMATCH
+        if not hp:
+            return STOP_NOT_HELD if lower_find(L, False, 0, h) != HM_NIL else STOP_NO_FIRST_BLOCK
+        return STOP_NOT_HELD if lower_find(L, True, p, h) != HM_NIL else STOP_TIER_EXHAUSTED
+
+    cdef int _trace_c(self, HCursor* hc, Scratch* s, size_t* reach, uint8_t* code,
+                      uint32_t* path) noexcept nogil:
+        """Per worker: the position its tier's walk reaches and why it stops there
+        (docs/design.md, "CoreIndex: explain"). The breakpoints are those of
+        ``_query_c``; a lower-tier worker walks from the root and from every breakpoint
+        of its group upstream of its tier (a walk of 0 blocks reaches its start)."""
+        cdef size_t k, nh, nb0, nb1, nin, plen, d, pos, best
+        cdef uint32_t w, g, c
+        cdef int t, rc, bc
+        cdef size_t n = hc.n
+        cdef bint hp
+        cdef uint64_t p, h
+        nh = tree_match(&self.tree, hc, s.hw, s.hd, s.hs, s.stamp)
+        for k in range(self.nworkers):
+            reach[k] = 0
+        for k in range(nh):
+            w = s.hw[k]
+            if w >= self.nworkers or self.wmute[w]:
+                continue
+            if _bp_add(s, self.wgroup[w], s.hd[k], s.hs[w]) < 0:
+                return -1
+            reach[w] = s.hd[k]
+        nb0 = s.nbp
+        if self._tier_walk(0, hc, s, nb0, s.ends + self.ngroups) < 0:
+            return -1
+        nb1 = s.nbp
+        # the tree path of the query: path[k] is the node after k blocks
+        path[0] = T_ROOT
+        plen = 1
+        while plen <= n:
+            c = em_get(&self.tree.edges, path[plen - 1], hc_get(hc, plen - 1))
+            if c == HM_NIL:
+                break
+            path[plen] = c
+            plen += 1
+        for k in range(self.nworkers):
+            w = <uint32_t>k
+            g = self.wgroup[w]
+            if g == HM_NIL:
+                continue
+            t = self.wtier[w]
+            if self.wmute[w]:
+                # no hits and no breakpoints (set_muted): it reaches nothing
+                reach[w] = 0
+                code[w] = STOP_MUTED
+                continue
+            if t == 0:
+                d = reach[w]
+                if d >= n:
+                    code[w] = STOP_END_OF_PROMPT
+                    continue
+                h = hc_get(hc, d)
+                if self._holds_local(0, w, h):
+                    code[w] = STOP_PARENT_MISMATCH
+                elif d + 1 < plen and self.tree.nodes[path[d + 1]].nmembers > 0:
+                    code[w] = STOP_NOT_HELD
+                elif d == 0:
+                    code[w] = STOP_NO_FIRST_BLOCK
+                else:
+                    code[w] = STOP_TIER_EXHAUSTED
+                continue
+            hp = False
+            p = 0
+            best = self._walk1(t, w, hc, 0, &hp, &p)
+            bc = self._lower_stop(t, w, hc, best, hp, p)
+            nin = nb0 if t == 1 else nb1
+            for d in range(nin):
+                if s.bps[d].group != g or s.bps[d].end == HM_NIL:
+                    continue
+                hp = True
+                p = s.bps[d].last
+                pos = self._walk1(t, w, hc, s.bps[d].end, &hp, &p)
+                rc = self._lower_stop(t, w, hc, pos, hp, p)
+                if pos > best or (pos == best and rc < bc):
+                    best = pos
+                    bc = rc
+            reach[w] = best
+            code[w] = <uint8_t>bc
+        return 0
+
+    cdef list _run_trace(self, HCursor* hc):
+        cdef Scratch s
+        cdef int rc = 0
+        cdef size_t W, G, k, nw = 0
+        cdef size_t* reach = NULL
+        cdef uint8_t* code = NULL
+        cdef uint32_t* path = NULL
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            W = _max(_max(self.nworkers, self.tree.nrev),
+                     _max(self.tiers[0].nrev, self.tiers[1].nrev))
+            G = self.ngroups
+            nw = self.nworkers
+            rc = _scratch_init(&s, W, G)
+            reach = <size_t*>malloc(nw * sizeof(size_t) + 1)
+            code = <uint8_t*>malloc(nw + 1)
+            path = <uint32_t*>malloc((hc.n + 1) * sizeof(uint32_t))
+            if reach == NULL or code == NULL or path == NULL:
+                rc = -1
+            if rc == 0:
+                rc = self._trace_c(hc, &s, reach, code, path)
+            if rc == 0:
+                for k in range(nw):
+                    if self.wgroup[k] == HM_NIL:
+                        code[k] = 0xFF
+            pthread_rwlock_unlock(&self.lock)
+        try:
+            if rc < 0:
+                raise MemoryError()
+            return [(k, reach[k], code[k]) for k in range(nw) if code[k] != 0xFF]
+        finally:
+            _scratch_free(&s)
+            free(reach)
+            free(code)
+            free(path)
+
+    def trace(self, local_hashes):
+        """``[(worker, reach, stop)]`` for every declared worker, by worker id: how far
+        the query's walk on the worker's tier reaches (absolute blocks) and the stop code
+        (``STOP_*``; docs/design.md, "CoreIndex: explain")."""
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = lv.shape[0]
+        cdef HCursor hc
+        cdef uint64_t dummy = 0
+        hc_init_hashes(&hc, &lv[0] if n else &dummy, n)
+        return self._run_trace(&hc)
+
+    def trace_tokens(self, tokens, size_t block_size, uint64_t seed=1337):
+        """Like :meth:`trace`, hashing ``tokens`` in C (block_size 0: no blocks)."""
+        cdef const uint32_t[::1] tv = to_u32_tokens(tokens)
+        cdef size_t ntok = tv.shape[0]
+        cdef HCursor hc
+        cdef uint32_t dummy = 0
+        if hc_init_tokens(&hc, &tv[0] if ntok else &dummy, ntok, block_size, seed) < 0:
+            raise MemoryError()
+        try:
+            return self._run_trace(&hc)
+        finally:
+            hc_free(&hc)
 
     # -- dump and restore (kvconductor.dump) ------------------------------------------------
     def export_hbm(self):

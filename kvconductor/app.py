@@ -1,7 +1,7 @@
 """The HTTP API (docs/api.md) as a Falcon ASGI app over a :class:`Conductor`.
 
 Routes: ``GET /health``, ``POST /register``, ``POST /unregister``,
-``POST /query``, ``POST /query_by_hash``, ``POST /events``, ``GET /workers``,
+``POST /query``, ``POST /query_by_hash``, ``POST /explain``, ``POST /events``, ``GET /workers``,
 ``GET /metrics`` (:mod:`kvconductor.metrics`).
 
 Resources are thin: they read the body (bounded by ``max_body_bytes``: 413
@@ -60,6 +60,7 @@ from kvconductor.schema import (
     ReadyResponse,
     events_decoder,
     json_encoder,
+    msgpack_encoder,
     register_decoder,
     unregister_decoder,
 )
@@ -87,6 +88,8 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Query bodies above this size are parsed, hashed and matched in a worker thread.
 LARGE_BODY_BYTES = 256 * 1024
 QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
+#: Routes whose error bodies are encoded like the request (JSON or MessagePack).
+MSGPACK_PATHS = QUERY_PATHS | {"/explain"}
 #: Routes that change state: a request with an ``Origin`` not in the allow-list is 403.
 MUTATING_PATHS = frozenset(("/register", "/unregister", "/events"))
 #: Routes any web page may read (``Access-Control-Allow-Origin: *``).
@@ -470,6 +473,48 @@ class MissWarnings:
         return sentence
 
 
+class ExplainResource(_Resource):
+    """``POST /explain``: the body of ``/query`` (JSON or MessagePack, same 4xx answers),
+    answered in the request's encoding with why each (instance, DP) did or did not match
+    (docs/api.md, POST /explain).
+
+    It names instances, endpoint URLs and source states, like ``/workers``: with an API
+    key it needs the bearer token too, unless ``open_workers``.
+    """
+
+    def __init__(self, conductor: Conductor, *, open_workers: bool = False, **kw: Any) -> None:
+        super().__init__(conductor, **kw)
+        self.open_workers = open_workers
+        #: The block size mismatch sentence of ``/query`` (logged at most once a minute).
+        self.misses = MissWarnings()
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        msgpack = is_msgpack_content_type(req.content_type)
+        if not self.open_workers and not self._authorized(req, resp):
+            return
+        body = await self._body(req, resp, msgpack)
+        if body is None:
+            return
+        try:
+            model, block_size, tenant, tokens, lora_name = await self._offload(
+                body, parse_query, body, msgpack, False
+            )
+        except WireError as ex:
+            kind = "msgpack" if msgpack else "JSON"
+            return self._bad(req, resp, f"invalid {kind} request body: {ex}", msgpack)
+        doc = await self.conductor.run(
+            self.conductor.explain, model, tenant, block_size, tokens, lora_name
+        )
+        sizes = self.conductor.block_sizes.get((model, tenant))
+        if sizes and block_size not in sizes:
+            doc.warnings.insert(
+                0, self.misses.block_size_mismatch(model, tenant, block_size, sizes)
+            )
+        resp.status = 200
+        resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
+        resp.data = (msgpack_encoder if msgpack else json_encoder).encode(doc)
+
+
 class EventsResource(_Resource):
     """``POST /events``: HTTP event ingestion (JSON)."""
 
@@ -685,7 +730,7 @@ async def _handle_http_error(
     resp.status = ex.status
     if ex.headers:
         resp.set_headers(ex.headers)
-    msgpack = req.path in QUERY_PATHS and is_msgpack_content_type(req.content_type)
+    msgpack = req.path in MSGPACK_PATHS and is_msgpack_content_type(req.content_type)
     resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
     resp.data = encode_error(message, msgpack)
 
@@ -694,7 +739,7 @@ async def _handle_exception(
     req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: Exception, params: dict
 ) -> None:
     log.exception("internal error method=%s path=%s", req.method, req.path)
-    msgpack = req.path in QUERY_PATHS and is_msgpack_content_type(req.content_type)
+    msgpack = req.path in MSGPACK_PATHS and is_msgpack_content_type(req.content_type)
     _error(resp, 500, f"internal error: {ex}", msgpack)
 
 
@@ -833,8 +878,8 @@ def create_app(
 
     With ``manage_lifecycle`` the app starts/stops the conductor on ASGI
     lifespan events (gunicorn); otherwise the caller does (server, tests).
-    ``api_key`` protects ``/register``, ``/unregister``, ``/events`` and
-    ``/workers`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
+    ``api_key`` protects ``/register``, ``/unregister``, ``/events``, ``/workers`` and
+    ``/explain`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
     ``/health`` and the queries stay open; ``/metrics`` is protected like ``/workers``
     unless ``open_metrics`` (default: ``open_workers``). With ``fast_query`` the
     Falcon app is fronted by :class:`QueryFastPath` (what the server runs).
@@ -860,6 +905,7 @@ def create_app(
     app.add_route("/query_by_hash", query_by_hash)
     app.add_route("/events", EventsResource(conductor, **kw))
     app.add_route("/workers", WorkersResource(conductor, open_workers=open_workers, **kw))
+    app.add_route("/explain", ExplainResource(conductor, open_workers=open_workers, **kw))
     app.add_route("/ready", ReadyResource(conductor, **kw))
     app.add_route("/debug/dump", DumpResource(conductor, **kw))
     app.add_route("/openapi.json", OpenApiResource())

@@ -400,8 +400,8 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument(
         "--open-workers",
         action="store_true",
-        help="with --api-key, leave GET /workers (it lists every endpoint) and GET "
-        "/metrics open (default: they need the bearer token too)",
+        help="with --api-key, leave GET /workers (it lists every endpoint), POST /explain "
+        "and GET /metrics open (default: they need the bearer token too)",
     )
     p.add_argument(
         "--tls-cert",

@@ -20,7 +20,13 @@ from typing import Any, NamedTuple
 import kvconductor
 from kvconductor._hash import DEFAULT_SEED
 from kvconductor.keys import Medium, WorkerKey
-from kvconductor.schema import DP_MATCH_KEYS, INSTANCE_MATCH_KEYS, U32_MAX
+from kvconductor.schema import (
+    DP_MATCH_KEYS,
+    INSTANCE_MATCH_KEYS,
+    STOP_NO_WORKER,
+    STOP_REASONS,
+    U32_MAX,
+)
 
 _LONGEST, _DP = INSTANCE_MATCH_KEYS
 _MATCHED, _NPU, _CPU, _DISK = DP_MATCH_KEYS
@@ -47,6 +53,71 @@ class DpHit(NamedTuple):
     npu_blocks: int
     cpu_blocks: int
     disk_blocks: int
+
+
+#: The stop code of a tier on which a group has no worker (never a core code).
+NO_WORKER = STOP_REASONS.index(STOP_NO_WORKER)
+
+
+def tier_walks(
+    rows: list[tuple[int, int, int]], placement: dict[int, tuple[int, int]]
+) -> dict[int, list[tuple[int, int]]]:
+    """Per group, per tier (HBM, CPU, Disk): ``(reach, stop code)`` from the core's
+    :meth:`trace` rows; ``placement`` maps a worker id to ``(group, tier)``.
+
+    A tier's reach is the farthest block the walk got to through it and the tiers before
+    it (so it never goes back); its stop is the smallest code among the tier's workers
+    that reach it (``NO_WORKER`` when the group has none there). The exclusive counts
+    of ``match`` are the differences: ``npu = r0``, ``cpu = r1 - r0``, ``disk = r2 - r1``.
+    """
+    best: dict[int, list[tuple[int, int] | None]] = {}
+    for w, reach, code in rows:
+        g, tier = placement[w]
+        cur = best.setdefault(g, [None, None, None])
+        t = cur[tier]
+        if t is None or reach > t[0] or (reach == t[0] and code < t[1]):
+            cur[tier] = (reach, code)
+    out: dict[int, list[tuple[int, int]]] = {}
+    for g, tiers in best.items():
+        prev = 0
+        walks = []
+        for t in tiers:
+            if t is None:
+                walks.append((prev, NO_WORKER))
+            else:
+                prev = max(prev, t[0])
+                walks.append((prev, t[1]))
+        out[g] = walks
+    return out
+
+
+def walk_counts(walks: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """``(npu, cpu, disk)`` exclusive counts of one group's :func:`tier_walks`."""
+    (r0, _), (r1, _), (r2, _) = walks
+    return r0, r1 - r0, r2 - r1
+
+
+class WorkerTrace(NamedTuple):
+    """One block holder of an explained query: blocks held on its tier, how far the walk
+    reached (absolute blocks) and why it stopped (a ``STOP_*`` name)."""
+
+    key: WorkerKey
+    held: int
+    reach: int
+    stop: str
+
+
+class GroupTrace(NamedTuple):
+    """One (instance, DP) of an explained query: per tier (HBM, CPU, Disk) the exclusive
+    count, the reach, the stop reason and the blocks held; and its workers."""
+
+    instance_id: str
+    dp_rank: int
+    blocks: tuple[int, int, int]
+    reach: tuple[int, int, int]
+    stops: tuple[str, str, str]
+    held: tuple[int, int, int]
+    workers: list[WorkerTrace]
 
 
 class QueryResult:
@@ -230,6 +301,41 @@ class Index:
     def query_by_hash(self, local_hashes: Sequence[int]) -> QueryResult:
         """Match precomputed LocalBlockHashes."""
         return self._result(self.core.match(local_hashes))
+
+    def trace(self, tokens, block_size: int, seed: int = DEFAULT_SEED) -> list[GroupTrace]:
+        """Why each (instance, DP) holding workers in this index matches what it does
+        (``POST /explain``), in group order; its ``blocks`` equal :meth:`query`'s."""
+        rows = self.core.trace_tokens(tokens, block_size, seed)
+        keys = self._worker_keys
+        placement = {
+            w: (self._groups[(keys[w].instance_id, keys[w].dp_rank)], Medium(keys[w].medium).tier)
+            for w, _, _ in rows
+        }
+        walks = tier_walks(rows, placement)
+        per_group: dict[int, list[WorkerTrace]] = {}
+        held_by: dict[int, list[int]] = {}
+        for w, reach, code in rows:
+            g, tier = placement[w]
+            n = self.core.worker_blocks(w)
+            held = held_by.setdefault(g, [0, 0, 0])
+            held[tier] += n
+            per_group.setdefault(g, []).append(WorkerTrace(keys[w], n, reach, STOP_REASONS[code]))
+        out = []
+        for g in sorted(walks):
+            iid, dp = self._group_keys[g]
+            wk = walks[g]
+            out.append(
+                GroupTrace(
+                    iid,
+                    dp,
+                    walk_counts(wk),
+                    (wk[0][0], wk[1][0], wk[2][0]),
+                    (STOP_REASONS[wk[0][1]], STOP_REASONS[wk[1][1]], STOP_REASONS[wk[2][1]]),
+                    (held_by[g][0], held_by[g][1], held_by[g][2]),
+                    per_group[g],
+                )
+            )
+        return out
 
     # -- maintenance and introspection ------------------------------------------------
     def maintenance(

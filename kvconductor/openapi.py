@@ -30,6 +30,7 @@ _STRUCTS = (
     schema.EventsResponse,
     schema.ReadyResponse,
     schema.NotReadyResponse,
+    schema.ExplainResponse,
     schema.RecentWarning,
 )
 _ERRORS = {
@@ -133,6 +134,14 @@ def document() -> dict[str, Any]:
             "200",
             response,
             "400 404 413",
+            both=True,
+        ),
+        "/explain": _post(
+            "why each instance and DP did or did not match a /query body",
+            schema.QueryRequest,
+            "200",
+            _ref(schema.ExplainResponse),
+            "400 401 413",
             both=True,
         ),
         "/events": _post(

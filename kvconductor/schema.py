@@ -166,6 +166,104 @@ ERROR_KEY: str = ErrorResponse.__struct_fields__[0]
 
 
 # ---------------------------------------------------------------------------------------
+# /explain (docs/api.md, POST /explain)
+# ---------------------------------------------------------------------------------------
+
+#: Why a tier's walk stopped where it did (docs/api.md, POST /explain, "Stop reasons").
+STOP_END_OF_PROMPT = "end_of_prompt"
+STOP_PARENT_MISMATCH = "parent_mismatch"
+STOP_NOT_HELD = "not_held"
+STOP_NO_FIRST_BLOCK = "no_first_block"
+STOP_TIER_EXHAUSTED = "tier_exhausted"
+STOP_MUTED = "muted"
+STOP_NO_WORKER = "no_worker"
+#: The reasons in the order of the index core's stop codes (``CoreIndex.trace``): the code
+#: of a reason is its position. ``no_worker`` is never a core code (no worker, no walk).
+STOP_REASONS: tuple[str, ...] = (
+    STOP_END_OF_PROMPT,
+    STOP_PARENT_MISMATCH,
+    STOP_NOT_HELD,
+    STOP_NO_FIRST_BLOCK,
+    STOP_TIER_EXHAUSTED,
+    STOP_MUTED,
+    STOP_NO_WORKER,
+)
+#: The tier keys of an explain answer, in walk order (HBM, then CPU, then Disk).
+EXPLAIN_TIERS: tuple[str, ...] = ("npu", "cpu", "disk")
+
+
+class ExplainTier(Struct):
+    """One tier of one (instance, DP): ``blocks`` is the tier's exclusive count (what
+    ``/query`` reports), ``at_block`` the absolute position (blocks from the start of the
+    prompt) the walk reached through this tier, ``stop`` why it went no further there,
+    ``held`` the blocks the DP's workers hold on this tier (any content)."""
+
+    blocks: int
+    at_block: int
+    stop: str
+    held: int
+
+
+class ExplainWorker(Struct):
+    """One block holder of the (instance, DP): its medium, backend and walk."""
+
+    medium: str
+    backend_id: str
+    held: int
+    at_block: int
+    stop: str
+
+
+class ExplainSource(Struct):
+    """A ZeroMQ subscription of the (instance, DP) (or of a pool, in ``pool_sources``):
+    ``state`` as in ``GET /workers`` (``connecting``, ``replaying``, ``degraded``,
+    ``live``); ``last_event_age_s``: seconds since its last batch, or since it was opened
+    when none came yet."""
+
+    url: str
+    media: list[str]
+    is_pool: bool
+    state: str
+    connected: bool
+    events: int
+    blocks: int
+    last_event_age_s: float
+
+
+class ExplainInstance(Struct):
+    """One (instance, DP): ``registered`` false for a holder of blocks of this index that no
+    registration names (data under a DP rank nobody registered, say)."""
+
+    instance_id: str
+    dp_rank: int
+    registered: bool
+    block_size: int | None
+    npu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+    tiers: dict[str, ExplainTier]
+    workers: list[ExplainWorker]
+    sources: list[ExplainSource]
+
+
+class ExplainResponse(Struct):
+    """``POST /explain``: why each (instance, DP) of (model, tenant) did or did not match."""
+
+    model: str
+    tenant: str
+    lora_name: str | None
+    index_found: bool
+    block_size: int
+    registered_block_sizes: list[int]
+    query_blocks: int
+    offload_pending: int
+    pool_pending: int
+    warnings: list[str]
+    instances: list[ExplainInstance]
+    pool_sources: list[ExplainSource]
+
+
+# ---------------------------------------------------------------------------------------
 # /events (docs/api.md, POST /events)
 # ---------------------------------------------------------------------------------------
 

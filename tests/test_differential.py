@@ -33,6 +33,7 @@ from kvconductor._hash import hash_blocks
 from kvconductor._py import index as py_index
 from kvconductor._py import lower as py_lower
 from kvconductor._py import tree as py_tree
+from kvconductor.index import tier_walks, walk_counts
 
 U64_MAX = 2**64 - 1
 
@@ -626,6 +627,27 @@ class CoreMachine(_Pair):
         toks = array("I", tokens) if tb else tokens
         self.both("match_tokens", toks, BS)
 
+    # explain: the trace of both cores agrees, and its per-group counts are match's
+    def traced(self, q):
+        got = self.both("trace", q)
+        assert got[0] == "ok"
+        placement = dict(enumerate(CORE_WORKERS + EXTRA_WORKERS))
+        counts = {g: walk_counts(w) for g, w in tier_walks(got[1], placement).items()}
+        assert [(g, *c) for g, c in sorted(counts.items()) if sum(c)] == self.py.match(q), q
+
+    @rule(q=QUERY, b=BUF)
+    def trace(self, q, b):
+        self.traced(buf(q, b))
+
+    @rule(n=LONG_N, data=st.data(), odd=st.booleans())
+    def trace_long(self, n, data, odd):
+        self.traced(long_query(data, n))
+        self.both("trace_tokens", LONG_TOKENS[: BS * n - odd], BS)
+
+    @rule(tokens=TOKENS, tb=BUF)
+    def trace_tokens(self, tokens, tb):
+        self.both("trace_tokens", array("I", tokens) if tb else tokens, BS)
+
     # dump and restore (kvconductor.dump): the exports agree; an export restored into a
     # fresh core (compiled or twin, from either side) answers and counts like the original
     @rule(data=st.data())
@@ -668,6 +690,7 @@ class CoreMachine(_Pair):
                     assert outcome(self.c.parent_of, w, h) == outcome(self.py.parent_of, w, h)
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
+            self.traced(q)
         self.py._check_invariants()
         self.c.check_invariants()
 

@@ -799,6 +799,54 @@ def test_check_invariants_sees_corruption(kind):
         c.check_invariants()
 
 
+# -- Index.trace (POST /explain) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_trace_counts_equal_query_on_random_stores(ix, seed):
+    """Seeded random stores in all tiers (several instances, DPs and backends, shared and
+    forked chains); for random prompts, every group's trace counts are the query's."""
+    import random
+
+    rng = random.Random(seed)
+    keys = [
+        key(inst, medium, dp, backend)
+        for inst in ("inst-a", "inst-b")
+        for dp in (0, 1)
+        for medium, backend in ((Medium.NPU, None), (Medium.CPU, "10.0.0.1"), (Medium.DISK, None))
+    ]
+    for _ in range(40):
+        k = rng.choice(keys)
+        start = rng.randrange(0, 6)
+        n = rng.randrange(1, 7 - start)
+        # engine hashes: mostly the shared ones (chains meet), sometimes another seed's
+        base = rng.choice([0, 0, 0, 100])
+        ehashes = [E[i] + base for i in range(start, start + n)]
+        parent = None if start == 0 else E[start - 1] + rng.choice([0, 0, 100])
+        tokens = toks(start, start + n)
+        if rng.random() < 0.2:
+            tokens = [t + 1 for t in tokens]  # other content at these positions
+        try:
+            ix.store(k, parent, ehashes, list(hash_blocks(tokens, BS)))
+        except (ParentBlockNotFound, InvalidBlockSequence):
+            pass
+    for _ in range(20):
+        n = rng.randrange(0, 7)
+        prompt = toks(n)
+        if n and rng.random() < 0.3:
+            i = rng.randrange(len(prompt))
+            prompt = prompt[:i] + [7] + prompt[i + 1 :]
+        hits = {(h.instance_id, h.dp_rank): h[2:] for h in ix.query(prompt, BS).hits}
+        traced = {(g.instance_id, g.dp_rank): g.blocks for g in ix.trace(prompt, BS)}
+        assert {k: v for k, v in traced.items() if sum(v)} == hits, prompt
+        for g in ix.trace(prompt, BS):
+            for t in range(3):
+                assert g.reach[t] == sum(g.blocks[: t + 1])
+                assert g.held[t] == sum(
+                    ix.worker_blocks(w.key) for w in g.workers if Medium(w.key.medium).tier == t
+                )
+
+
 # -- muted workers (a source down past --source-down-secs) ----------------------------------
 
 
@@ -844,6 +892,24 @@ def test_mute_of_an_unknown_worker(ix):
     assert not ix.is_muted(NPU_A)
     with pytest.raises(KeyError):
         ix.core.set_muted(99, True)
+
+
+def test_trace_of_a_muted_worker(ix):
+    ix.store_tokens(NPU_A, None, E[:3], toks(3), BS)
+    ix.store_tokens(CPU_A, E[2], E[3:4], toks(3, 4), BS)
+    ix.set_muted(NPU_A, True)
+    (g,) = ix.trace(toks(4), BS)
+    # the muted HBM run gives no breakpoint: the CPU block after it cannot be reached, and
+    # the CPU tier holds no first block of its own
+    assert g.blocks == (0, 0, 0) and g.reach == (0, 0, 0)
+    assert g.stops == ("muted", "no_first_block", "no_worker") and g.held == (3, 1, 0)
+    assert [(w.key, w.reach, w.stop) for w in g.workers] == [
+        (NPU_A, 0, "muted"),
+        (CPU_A, 0, "no_first_block"),
+    ]
+    ix.set_muted(NPU_A, False)
+    (g,) = ix.trace(toks(4), BS)
+    assert g.blocks == (3, 1, 0) and g.stops == ("tier_exhausted", "end_of_prompt", "no_worker")
 
 
 # -- dump and restore (kvconductor.dump) -------------------------------------------------------

@@ -147,6 +147,10 @@ def test_real_answers_conform(client):
     bad = {**r.json, "recent_warnings": [{"ts": "2026-11-30T00:00:00.000000Z", "level": "WARN"}]}
     with pytest.raises(jsonschema.ValidationError, match="'message' is a required property"):
         _check(bad, *_answer_schema("/workers", "get", 200))
+    for model in ("qwen", "nope"):
+        r = client.simulate_post("/explain", json=q | {"model": model})
+        assert r.status_code == 200 and r.json["index_found"] is (model == "qwen")
+        _check(r.json, *_answer_schema("/explain", "post", 200))
     r = client.simulate_post("/unregister", json=body)
     _check(r.json, *_answer_schema("/unregister", "post", 200))
 
@@ -169,6 +173,7 @@ def test_real_answers_conform(client):
         ("/query", {"model": "nope", "block_size": 4, "token_ids": [1]}, 404),
         ("/query", {"model": "qwen", "block_size": 0, "token_ids": [1]}, 400),
         ("/query_by_hash", {"model": "qwen"}, 400),
+        ("/explain", {"model": "qwen", "block_size": 0, "token_ids": [1]}, 400),
         ("/events", {"events": []}, 400),
     ],
 )

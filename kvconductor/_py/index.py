@@ -22,8 +22,29 @@ from kvconductor._hash import hash_blocks
 from kvconductor._py.lower import LowerTier
 from kvconductor._py.tree import RadixTree, u64_list, u64_or_none
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+from kvconductor.schema import (
+    STOP_END_OF_PROMPT,
+    STOP_MUTED,
+    STOP_NO_FIRST_BLOCK,
+    STOP_NOT_HELD,
+    STOP_PARENT_MISMATCH,
+    STOP_REASONS,
+    STOP_TIER_EXHAUSTED,
+)
 
 HBM, CPU, DISK = 0, 1, 2
+#: Stop codes of :meth:`CoreIndex.trace`: positions in ``STOP_REASONS``.
+END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED, MUTED = (
+    STOP_REASONS.index(r)
+    for r in (
+        STOP_END_OF_PROMPT,
+        STOP_PARENT_MISMATCH,
+        STOP_NOT_HELD,
+        STOP_NO_FIRST_BLOCK,
+        STOP_TIER_EXHAUSTED,
+        STOP_MUTED,
+    )
+)
 
 
 class CoreIndex:
@@ -290,6 +311,98 @@ class CoreIndex:
     ) -> list[tuple[int, int, int, int]]:
         """:meth:`match` over the LocalBlockHashes of ``tokens``; block_size 0 matches nothing."""
         return self.match(list(hash_blocks(tokens, block_size, seed)))
+
+    def trace(self, local_hashes) -> list[tuple[int, int, int]]:
+        """``[(worker, reach, stop)]`` for every declared worker, by worker id
+        (docs/design.md, "CoreIndex: explain")."""
+        hs = u64_list(local_hashes)
+        with self._lock:
+            return self._trace(hs)
+
+    def trace_tokens(self, tokens, block_size: int, seed: int = 1337) -> list[tuple[int, int, int]]:
+        """:meth:`trace` over the LocalBlockHashes of ``tokens``."""
+        return self.trace(list(hash_blocks(tokens, block_size, seed)))
+
+    def _holds(self, worker: int, local: int) -> bool:
+        """Does ``worker`` hold any block with content ``local`` on its tier?"""
+        tier = self._tier_of(worker)
+        if tier == HBM:
+            return any(n.local == local for n in self._tree._rev.get(worker, {}).values())
+        return any(k[1] == local for k in self._tiers[tier]._rev.get(worker, {}).values())
+
+    def _trace(self, hs: list[int]) -> list[tuple[int, int, int]]:
+        n = len(hs)
+        group = self._group_of
+        depth: dict[int, int] = {}
+        hbm_bps = []
+        muted = self._muted
+        for w, d, last in self._tree.match(hs):
+            if w in muted:
+                continue
+            depth[w] = d
+            hbm_bps.append((group(w), d, last))
+        # CPU breakpoints, as in _match: walks of more than 0 blocks
+        cpu = self._tiers[CPU]
+        cpu_bps = []
+        starts: list[tuple[int, int, int | None]] = (
+            [(w, 0, None) for w in cpu.owners(None, hs[0]) if w not in muted] if n else []
+        )
+        for g, end, last in hbm_bps:
+            if end < n:
+                starts += [
+                    (w, end, last)
+                    for w in cpu.owners(last, hs[end])
+                    if group(w) == g and w not in muted
+                ]
+        for w, start, parent in starts:
+            count, last_ehash = cpu.walk(w, hs, start, parent)
+            if count > 0:
+                cpu_bps.append((group(w), start + count, last_ehash))
+        # the tree path of the query: path[k] is the node after k blocks
+        path = [self._tree._root]
+        for h in hs:
+            child = path[-1].children.get(h)
+            if child is None:
+                break
+            path.append(child)
+        out = []
+        for w in sorted(self._workers):
+            g, tier = self._workers[w]
+            if w in muted:
+                out.append((w, 0, MUTED))  # no hits and no breakpoints (set_muted)
+                continue
+            if tier == HBM:
+                d = depth.get(w, 0)
+                if d >= n:
+                    code = END
+                elif self._holds(w, hs[d]):
+                    code = MISMATCH
+                elif d + 1 < len(path) and path[d + 1].members:
+                    code = NOT_HELD
+                else:
+                    code = NO_FIRST if d == 0 else EXHAUSTED
+                out.append((w, d, code))
+                continue
+            lower = self._tiers[tier]
+            upstream = hbm_bps if tier == CPU else hbm_bps + cpu_bps
+            best = None
+            for start, parent in [(0, None)] + [(e, last) for gg, e, last in upstream if gg == g]:
+                count, last_ehash = lower.walk(w, hs, start, parent)
+                pos = start + count
+                p = last_ehash if count else parent
+                if pos >= n:
+                    code = END
+                elif self._holds(w, hs[pos]):
+                    code = MISMATCH
+                elif p is None:
+                    code = NOT_HELD if lower.owners(None, hs[pos]) else NO_FIRST
+                else:
+                    code = NOT_HELD if lower.owners(p, hs[pos]) else EXHAUSTED
+                if best is None or pos > best[0] or (pos == best[0] and code < best[1]):
+                    best = (pos, code)
+            assert best is not None
+            out.append((w, best[0], best[1]))
+        return out
 
     def worker_blocks(self, worker: int) -> int:
         """Blocks ``worker`` holds on its tier (0 for an unknown worker)."""
