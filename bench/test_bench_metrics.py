@@ -27,6 +27,9 @@ class _Sources:
                 0,
                 True,
                 0.0,
+                False,
+                0,
+                0,
             )
             for i in range(SOURCES)
         ]
