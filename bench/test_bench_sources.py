@@ -1,0 +1,72 @@
+"""``SubscriptionManager.check_sources`` (dead engines: mute, unmute, purge), which the
+ingest thread runs every second, over 4,096 subscriptions (``--max-sources``' default)."""
+
+import time
+import types
+
+import pytest
+
+pytestmark = pytest.mark.benchmark(group="sources")
+
+N = 4096
+
+
+class _Ctx:
+    def __init__(self, i: int) -> None:
+        from kvconductor.keys import Medium
+
+        self.instance_id = f"inst-{i // 8}"
+        self.dp_rank = i % 8
+        self.url = f"tcp://10.0.{i // 256}.{i % 256}:5557"
+        self.model, self.tenant = "m", "t"
+        self.is_pool = False
+        self.default_media = (Medium.NPU,)
+
+
+class _Tracker:
+    """What check_sources reads of a SequenceTracker (no sockets, no publisher)."""
+
+    replaying = False
+    degraded_since = None
+
+    def state(self, connected: bool) -> str:
+        return "live" if connected else "connecting"
+
+
+def _manager(connected: bool):
+    from kvconductor.ingest.apply import SourceStats
+    from kvconductor.ingest.subscriber import Subscription, SubscriptionManager
+
+    mgr = SubscriptionManager.__new__(SubscriptionManager)
+    mgr.source_down, mgr.source_purge = 10.0, 600.0
+    mgr._muted_dps, mgr._purged_dps = set(), set()
+    mgr.thread = types.SimpleNamespace(is_alive=lambda: False)
+    mgr.conductor = types.SimpleNamespace(get_index=lambda model, tenant: None)
+    mgr._subs = {}
+    for i in range(N):
+        s = Subscription.__new__(Subscription)
+        s.ctx = _Ctx(i)
+        s.feeds_hbm = Subscription._feeds_hbm(s.ctx)
+        s.tracker = _Tracker()
+        s.connected = connected
+        s.down_since = None
+        s.muted = False
+        s.stats = SourceStats()
+        mgr._subs[(s.ctx.instance_id, s.ctx.dp_rank, s.ctx.url)] = s
+    return mgr
+
+
+def test_check_4096_live_sources(benchmark):
+    mgr = _manager(connected=True)
+    benchmark(mgr.check_sources)
+    assert not mgr._muted_dps
+
+
+def test_check_4096_muted_sources(benchmark, caplog):
+    """A whole-cluster outage: every DP muted, re-applied each tick."""
+    caplog.set_level("ERROR")  # 4,096 WARN lines at the first check
+    mgr = _manager(connected=False)
+    now = time.monotonic()
+    mgr.check_sources(now)
+    benchmark(mgr.check_sources, now + 20)
+    assert len(mgr._muted_dps) == N
