@@ -92,6 +92,18 @@ cdef inline void _free_node(Tree* t, uint32_t i) noexcept nogil:
     t.live_nodes -= 1
 
 
+cdef uint32_t _new_child(Tree* t, uint32_t parent, uint64_t local) noexcept nogil:
+    """A new node under ``parent`` for ``local`` (not there yet); HM_NIL on OOM."""
+    cdef uint32_t child = _alloc_node(t, local, parent)
+    if child == HM_NIL:
+        return HM_NIL
+    if em_put(&t.edges, parent, local, child) < 0:
+        _free_node(t, child)
+        return HM_NIL
+    t.nodes[parent].nchildren += 1
+    return child
+
+
 cdef inline uint32_t _alloc_member(Tree* t) noexcept nogil:
     return pool_take(&t.mem_pool, <void**>&t.mem, sizeof(TMember))
 
@@ -191,13 +203,9 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
             # NOTE: pruning may have freed ``child`` (an emptied ancestor of ``old``).
             child = em_get(&t.edges, node, locals[i])
         if child == HM_NIL:
-            child = _alloc_node(t, locals[i], node)
+            child = _new_child(t, node, locals[i])
             if child == HM_NIL:
                 return T_ERR_OOM
-            if em_put(&t.edges, node, locals[i], child) < 0:
-                _free_node(t, child)
-                return T_ERR_OOM
-            t.nodes[node].nchildren += 1
         m = _find_member(t, child, worker)
         if m != HM_NIL:
             if t.mem[m].ehash != ehashes[i]:
@@ -747,13 +755,9 @@ cdef long tree_restore(Tree* t, const uint32_t* parents, const uint64_t* locals,
             return T_ERR_SEQUENCE
         node = em_get(&t.edges, p, locals[i])
         if node == HM_NIL:
-            node = _alloc_node(t, locals[i], p)
+            node = _new_child(t, p, locals[i])
             if node == HM_NIL:
                 return T_ERR_OOM
-            if em_put(&t.edges, p, locals[i], node) < 0:
-                _free_node(t, node)
-                return T_ERR_OOM
-            t.nodes[p].nchildren += 1
         rows[i] = node
     for k in range(nm):
         i = nm - 1 - k

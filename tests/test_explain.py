@@ -29,29 +29,18 @@ from kvconductor.schema import (
     STOP_PARENT_MISMATCH,
     STOP_TIER_EXHAUSTED,
 )
-from kvconductor.service import Conductor, ConductorConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_app import RecordingSubs, events, query, register, stored
+import test_app
+from test_app import events, query, register, stored
 
 TOKENS = list(range(1, 25))
 
 
-@pytest.fixture
-def conductor(impl):
-    c = Conductor(
-        ConductorConfig(index_impl=impl, maintenance_interval=3600), subscriptions=RecordingSubs
-    )
-    c.start()
-    yield c
-    assert c.stop(5.0)
-
-
-@pytest.fixture(params=["falcon", "fastpath"])
-def client(request, conductor):
-    """The Falcon app alone, and fronted by QueryFastPath (what the server runs)."""
-    return ft.TestClient(create_app(conductor, fast_query=request.param == "fastpath"))
+# the app over a started Conductor without sockets, Falcon alone and behind QueryFastPath
+conductor = test_app.conductor
+client = test_app.client
 
 
 def explain_body(client, tokens, model="qwen", block_size=4, msgpack=False, **kw):
