@@ -108,6 +108,18 @@ cdef inline uint32_t _alloc_member(Tree* t) noexcept nogil:
     return pool_take(&t.mem_pool, <void**>&t.mem, sizeof(TMember))
 
 
+cdef inline void _link_member(Tree* t, uint32_t node, uint32_t m, uint32_t worker,
+                              uint64_t ehash) noexcept nogil:
+    """Make member record ``m`` ``worker``'s hold of ``node`` under engine hash ``ehash``."""
+    t.mem[m].ehash = ehash
+    t.mem[m].worker = worker
+    t.mem[m].next = t.nodes[node].members
+    t.nodes[node].members = m
+    t.nodes[node].nmembers += 1
+    t.nodes[node].sig += member_sig(worker)
+    t.npairs += 1
+
+
 # -- members ----------------------------------------------------------------------------------
 cdef inline uint32_t _find_member(const Tree* t, uint32_t node, uint32_t worker) noexcept nogil:
     cdef uint32_t m = t.nodes[node].members
@@ -219,13 +231,7 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
                 u64m_pop(rev, ehashes[i])
                 _prune(t, child)
                 return T_ERR_OOM
-            t.mem[m].ehash = ehashes[i]
-            t.mem[m].worker = worker
-            t.mem[m].next = t.nodes[child].members
-            t.nodes[child].members = m
-            t.nodes[child].nmembers += 1
-            t.nodes[child].sig += member_sig(worker)
-            t.npairs += 1
+            _link_member(t, child, m, worker, ehashes[i])
         node = child
     return <long>n
 
@@ -775,11 +781,5 @@ cdef long tree_restore(Tree* t, const uint32_t* parents, const uint64_t* locals,
         if u64m_put(&t.rev[w], mehash[i], node) < 0:
             pool_give(&t.mem_pool, t.mem, m, sizeof(TMember))
             return T_ERR_OOM
-        t.mem[m].ehash = mehash[i]
-        t.mem[m].worker = w
-        t.mem[m].next = t.nodes[node].members
-        t.nodes[node].members = m
-        t.nodes[node].nmembers += 1
-        t.nodes[node].sig += member_sig(w)
-        t.npairs += 1
+        _link_member(t, node, m, w, mehash[i])
     return <long>nm
