@@ -643,7 +643,7 @@ class SubscriptionManager:
         # PERF: one cheap pass over every subscription; the DPs are grouped only when one
         # of their HBM sources is down or they are muted (about 0.3 ms for 4,096 live
         # sources, docs/performance.md).
-        down: set[tuple[str, str, str, int]] = set()
+        down_dps: set[tuple[str, str, str, int]] = set()
         for sub in self._subs.values():
             if sub.tracker.state(sub.connected) in READY_STATES:
                 if sub.down_since is not None:
@@ -652,13 +652,13 @@ class SubscriptionManager:
                 if sub.down_since is None:
                     sub.down_since = now
                 if sub.feeds_hbm:
-                    down.add(sub.dp_key)
+                    down_dps.add(sub.dp_key)
             if sub.muted and not sub.feeds_hbm:  # re-registered as a pool stream
                 sub.muted = False
-        if not down and not self._muted_dps:
+        if not down_dps and not self._muted_dps:
             return
         groups: dict[tuple[str, str, str, int], list[Subscription]] = {
-            k: [] for k in down | self._muted_dps
+            k: [] for k in down_dps | self._muted_dps
         }
         for sub in self._subs.values():
             if sub.feeds_hbm:
