@@ -322,11 +322,13 @@ def source_rows(cur: Poll, prev: Poll | None = None) -> list[SourceRow]:
         rate = None
         if key in before and dt > 0:
             rate = max(0, s["events"] - before[key]) / dt
-        found = [
-            ages[(s["instance_id"], s["dp_rank"], m)]
-            for m in sorted(media.get(key, ()))
-            if (s["instance_id"], s["dp_rank"], m) in ages
-        ]
+        found = [s["last_event_age_s"]] if s.get("last_event_age_s") is not None else []
+        if not found:  # a server before /workers had the field: by the registered URLs
+            found = [
+                ages[(s["instance_id"], s["dp_rank"], m)]
+                for m in sorted(media.get(key, ()))
+                if (s["instance_id"], s["dp_rank"], m) in ages
+            ]
         rows.append(
             SourceRow(
                 instance_id=s["instance_id"],

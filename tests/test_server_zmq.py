@@ -485,6 +485,7 @@ def test_a_source_down_past_the_threshold_stops_counting_then_comes_back_then_is
         src = _source(server, "engine-a")
         assert (src["muted"], src["mutes"], src["state"]) == (True, 1, "connecting")
         assert src["down_since"] is not None
+        assert src["media"] == ["npu"] and src["last_event_age_s"] >= 1.0
         assert _metric(server, "kvconductor_source_muted", instance_id="engine-a") == 1
         assert _metric(server, "kvconductor_source_mutes_total") == 1
         assert "its HBM hits no longer count" in server.log()
