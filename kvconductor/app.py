@@ -334,6 +334,8 @@ class QueryResource(_Resource):
         self.metrics = metrics or QueryMetrics()
         #: ``kvconductor_query_seconds{route}`` of this route.
         self.seconds = self.metrics.route_seconds["/query_by_hash" if by_hash else "/query"]
+        #: ``kvconductor_query_errors_total{route}``: answers >= 400 but 404 (a miss).
+        self.errors = self.metrics.route_errors["/query_by_hash" if by_hash else "/query"]
         #: Warnings of queries that cannot match (``/query``: block size not registered).
         self.misses = MissWarnings()
 
@@ -391,11 +393,14 @@ class QueryResource(_Resource):
         body = await self._body(req, resp, msgpack)
         if body is None:
             self.seconds.observe(time.perf_counter() - t0)
+            self.errors.inc()
             return
         status, data, problem = await self._offload(body, self.answer, body, msgpack)
         # Server-side time (body read, parse, hash, match, encode) for clients and benches.
         dt = time.perf_counter() - t0
         self.seconds.observe(dt)
+        if status >= 400 and status != 404:
+            self.errors.inc()
         resp.set_header("Server-Timing", f"app;dur={dt * 1e3:.3f}")
         if status == 200 and problem is not None:
             resp.set_header(WARNING_HEADER, _header_text(problem))
@@ -812,6 +817,8 @@ class QueryFastPath:
             log.exception("internal error method=POST path=%s", path)
             status, data, problem = 500, encode_error(f"internal error: {ex}", msgpack), None
         res.seconds.observe(time.perf_counter() - t0)
+        if status >= 400 and status != 404:
+            res.errors.inc()
         if status == 200 and problem is not None:
             await self._send(send, status, data, msgpack, cors, t0, warning=problem)
             return
@@ -837,6 +844,7 @@ class QueryFastPath:
             f"request body exceeds the limit of {self.max_body_bytes} bytes", msgpack
         )
         self.routes[path].seconds.observe(time.perf_counter() - t0)
+        self.routes[path].errors.inc()
         await self._send(send, 413, data, msgpack, cors, t0)
 
     @staticmethod

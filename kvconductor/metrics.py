@@ -86,8 +86,16 @@ class QueryMetrics:
             ["reason"],
             registry=registry,
         )
+        self.errors = Counter(
+            "kvconductor_query_errors",
+            "Query requests answered with an error other than 404 (400 bad body, 413 too "
+            "large, 5xx)",
+            ["route"],
+            registry=registry,
+        )
         # PERF: label children bound once; the hot path only calls observe/inc.
         self.route_seconds = {r: self.seconds.labels(route=r) for r in ("/query", "/query_by_hash")}
+        self.route_errors = {r: self.errors.labels(route=r) for r in ("/query", "/query_by_hash")}
         self._npu, self._cpu, self._disk = (self.blocks.labels(tier=t) for t in TIERS)
         self.unknown_index, self.block_size_mismatch, self.unknown_lora, self.no_match = (
             self.misses.labels(reason=r) for r in MISS_REASONS

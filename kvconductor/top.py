@@ -32,6 +32,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvconductor.metrics import MISS_REASONS
+
 __all__ = [
     "DEFAULT_URL",
     "FetchError",
@@ -52,7 +54,6 @@ API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
 NEEDS_RICH = "kv-conductor top needs the 'top' extra: pip install 'kvconductor[top]'"
 #: Warnings shown (the newest; ``/workers`` keeps the last 50).
 WARNINGS_SHOWN = 10
-MISS_REASONS = ("unknown_index", "block_size_mismatch", "no_match")
 #: Column headers of the Sources table (docs/operations.md explains each).
 SOURCE_COLUMNS = (
     "instance",
@@ -66,7 +67,7 @@ SOURCE_COLUMNS = (
     "losses",
     "drops",
 )
-MISS_HEADERS = ("unknown idx", "bs mismatch", "no match")
+MISS_HEADERS = ("unknown idx", "bs mismatch", "unknown lora", "no match")
 
 #: ``(sample name, sorted label pairs) -> value`` of one /metrics exposition.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -206,15 +207,18 @@ class QueryWindow:
     rate: float | None
     p50: float | None
     p99: float | None
-    #: 1 - misses / queries; None without queries.
+    #: 1 - misses / (queries - errors); None without answered queries.
     hit_ratio: float | None
     misses: dict[str, int]
+    #: Requests answered with an error other than 404 (bad body, too large).
+    errors: int = 0
 
 
 def query_window(cur: Samples, prev: Samples | None = None, seconds: float = 0.0) -> QueryWindow:
     """Queries, rate, p50, p99 and hit ratio between two scrapes (``prev`` None: since
     the server started). A counter that went down (the server restarted) counts from 0."""
     buckets, misses = _query_counters(cur)
+    errors = sum(v for (name, _), v in cur.items() if name == "kvconductor_query_errors_total")
     window: float | None = None
     if prev is not None:
         window = seconds
@@ -228,16 +232,24 @@ def query_window(cur: Samples, prev: Samples | None = None, seconds: float = 0.0
         misses = {r: n - old_misses.get(r, 0.0) for r, n in misses.items()}
         if any(n < 0 for n in misses.values()):
             misses = _query_counters(cur)[1]
+        old_errors = sum(
+            v for (name, _), v in prev.items() if name == "kvconductor_query_errors_total"
+        )
+        if errors >= old_errors:
+            errors -= old_errors
     queries = int(round(buckets[-1][1])) if buckets else 0
     missed = {r: int(round(misses.get(r, 0.0))) for r in MISS_REASONS}
+    nerr = int(round(errors))
+    answered = queries - nerr
     return QueryWindow(
         seconds=window,
         queries=queries,
         rate=queries / window if window else None,
         p50=histogram_quantile(0.5, buckets),
         p99=histogram_quantile(0.99, buckets),
-        hit_ratio=1.0 - sum(missed.values()) / queries if queries else None,
+        hit_ratio=1.0 - sum(missed.values()) / answered if answered > 0 else None,
         misses=missed,
+        errors=nerr,
     )
 
 

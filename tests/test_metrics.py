@@ -197,6 +197,19 @@ def test_unknown_lora_is_its_own_miss_reason(client):
     assert delta(m1, m0, "kvconductor_query_blocks_total", tier="npu") == 1
 
 
+def test_query_errors_count_rejected_requests_but_not_misses(client):
+    register(client, "a")
+    m0 = scrape(client)
+    for path, body in (("/query", b"{"), ("/query_by_hash", b"[1]"), ("/query", b"{}")):
+        r = client.simulate_post(path, body=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400
+    assert query(client, [1, 2, 3, 4], model="nope")[0] == 404  # a miss, not an error
+    m1 = scrape(client)
+    assert delta(m1, m0, "kvconductor_query_errors_total", route="/query") == 2
+    assert delta(m1, m0, "kvconductor_query_errors_total", route="/query_by_hash") == 1
+    assert delta(m1, m0, "kvconductor_query_misses_total", reason="unknown_index") == 1
+
+
 def test_apps_have_their_own_registries(conductor):
     a = ft.TestClient(create_app(conductor))
     b = ft.TestClient(create_app(conductor, fast_query=True))

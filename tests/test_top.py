@@ -94,7 +94,12 @@ def test_query_window_over_an_interval():
     # p99: rank 60.39 in +Inf: the last finite bound
     assert w.p99 == 0.01
     # misses in the window: 0 + 10 + 5 of 61 queries
-    assert w.misses == {"unknown_index": 0, "block_size_mismatch": 5, "no_match": 10}
+    assert w.misses == {
+        "unknown_index": 0,
+        "block_size_mismatch": 5,
+        "unknown_lora": 0,
+        "no_match": 10,
+    }
     assert w.hit_ratio == pytest.approx(46 / 61)
 
 
@@ -107,10 +112,26 @@ def test_query_window_since_start_and_after_a_restart():
     # The server restarted between the polls (counters went down): all of CUR's PREV.
     w = query_window(parse_metrics(PREV), parse_metrics(CUR), 1.0)
     assert w.queries == 24 and w.rate == 24.0
-    assert w.misses == {"unknown_index": 1, "block_size_mismatch": 0, "no_match": 3}
+    assert w.misses == {
+        "unknown_index": 1,
+        "block_size_mismatch": 0,
+        "unknown_lora": 0,
+        "no_match": 3,
+    }
     # No query in the window: no quantile, no ratio, a rate of 0.
     w = query_window(parse_metrics(CUR), parse_metrics(CUR), 1.0)
     assert (w.queries, w.rate, w.p50, w.hit_ratio) == (0, 0.0, None, None)
+
+
+def test_hit_ratio_leaves_rejected_requests_out():
+    text = _exposition({"/query": {"0.001": 10, "+Inf": 10}}, {"no_match": 2})
+    text += (
+        "# HELP kvconductor_query_errors_total e\n# TYPE kvconductor_query_errors counter\n"
+        'kvconductor_query_errors_total{route="/query"} 4.0\n'
+    )
+    w = query_window(parse_metrics(text))
+    # 10 requests, 4 rejected: 6 answered, 2 of them without a match
+    assert (w.queries, w.errors, w.hit_ratio) == (10, 4, pytest.approx(4 / 6))
 
 
 def _workers(events: int) -> dict:
@@ -289,8 +310,9 @@ def test_top_against_a_real_server(tmp_path, capsys):
             assert _line(text, "last")[3:5] == ["0", "0.0/s"]
             since = _line(text, "since")
             assert since[2:4] == ["5", "-"]
-            # 3 of 5 answered with a match; misses: unknown index, block size, no match.
-            assert since[-4:] == ["60.0%", "0", "1", "1"]
+            # 3 of 5 answered with a match; misses: unknown index, block size, unknown
+            # LoRA, no match.
+            assert since[-5:] == ["60.0%", "0", "1", "0", "1"]
             warned = [ln for ln in text.splitlines() if "query cannot match" in ln]
             assert len(warned) == 1 and warned[0].split()[1:5] == [
                 "WARN",
