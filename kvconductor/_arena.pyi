@@ -1,7 +1,10 @@
+from typing_extensions import disjoint_base
+
 VERSION: int
 DEFAULT_ADDRESS: int
 DEFAULT_RESERVE: int
 
+@disjoint_base
 class Arena:
     def __init__(self, reserve: int = ..., address: int = ...) -> None: ...
     @staticmethod

@@ -24,7 +24,7 @@ freed run of 2 MiB or more is punched out of the file (``fallocate(PUNCH_HOLE)``
 first and last page stay, they hold its header and footer). The pure-Python model in
 ``kvconductor/_py/arena.py`` gives the same offsets for the same calls.
 """
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 
 import os
@@ -556,7 +556,7 @@ def _check_geometry(reserve, address):
 
 cdef _check(arena_t* a):
     cdef ArenaHeader* h = H(a)
-    cdef uint64_t off, size, end, cs, blk, nxt, prv, c
+    cdef uint64_t off, size, cs, blk, prv, c
     cdef uint32_t kind, flags
     cdef int k
     cdef bint prev_free = False
