@@ -412,7 +412,10 @@ cdef class Arena:
 
     @staticmethod
     def attach(fd: int, address: int = DEFAULT_ADDRESS, reserve: int = DEFAULT_RESERVE):
-        """Map the arena of ``fd`` (created by another process) at ``address``."""
+        """Map the arena of ``fd`` (created by another process) at ``address``.
+
+        OSError when the range is taken or the header is not this build's arena; the
+        fd stays the caller's (``close()`` unmaps only)."""
         cdef Arena self = Arena.__new__(Arena)
         cdef ArenaHeader* h
         cdef long size
