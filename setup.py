@@ -1,7 +1,7 @@
 """Build script: the explicit list of compiled modules and their directives.
 
-Only the index (``_tree``, ``_lower``, ``_index``), the block hasher (``_hash``)
-and the hot parsers and encoder (``_wire`` for query bodies, ``_encode`` for query
+Only the index (``_tree``, ``_lower``, ``_index``), the block hasher (``_hash``),
+the hot parsers and encoder (``_wire`` for query bodies, ``_encode`` for query
 responses, ``_ingest`` for vLLM event batches) and the shared-memory arena of the
 multi-process design (``_arena``, not used by the service yet) are compiled. Everything else
 (Falcon app, registry, ingest glue) stays plain Python on purpose.
