@@ -16,6 +16,7 @@ hashes get re-announced elsewhere; uniform random hashes alone rarely do.
 
 from __future__ import annotations
 
+import itertools
 from array import array
 
 import pytest
@@ -28,8 +29,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvconductor import _index, _lower, _tree
+from kvconductor import _arena, _index, _lower, _tree
 from kvconductor._hash import hash_blocks
+from kvconductor._py import arena as py_arena
 from kvconductor._py import index as py_index
 from kvconductor._py import lower as py_lower
 from kvconductor._py import tree as py_tree
@@ -697,3 +699,101 @@ class CoreMachine(_Pair):
 
 TestCoreDifferential = CoreMachine.TestCase
 TestCoreDifferential.settings = SETTINGS
+
+
+# -- Arena allocator -----------------------------------------------------------------------------
+
+ARENA_RESERVE = 16 << 20  # small: exhaustion (malloc returning 0) is reached too
+ARENA_SIZES = st.one_of(
+    st.integers(0, 200),
+    st.integers(0, 70_000),
+    st.integers((1 << 20) - 100, 5 << 20),  # runs, around the largest class too
+)
+_arena_slots = itertools.count()
+
+
+def _pattern(tag: int, n: int) -> bytes:
+    return (tag.to_bytes(8, "little") * 4)[:n]
+
+
+class ArenaMachine(RuleBasedStateMachine):
+    """``_arena.Arena`` against ``_py.arena.ArenaModel``: the same offsets and stats
+    after every call; data written into each live block (a tagged pattern at its head
+    and tail) survives every other call."""
+
+    def __init__(self):
+        super().__init__()
+        address = 0x280000000000 + (next(_arena_slots) % 1024) * (1 << 30)
+        self.c = _arena.Arena(reserve=ARENA_RESERVE, address=address)
+        self.py = py_arena.ArenaModel(ARENA_RESERVE)
+        self.live: dict[int, tuple[int, int]] = {}  # offset -> (requested size, tag)
+        self.tags = itertools.count(1)
+
+    def teardown(self):
+        self.c.close()
+
+    def _fill(self, o: int, n: int) -> None:
+        tag = next(self.tags)
+        self.live[o] = (n, tag)
+        head = _pattern(tag, n)
+        self.c.write(self.c.address + o, head)
+        if n >= 2 * len(head):
+            self.c.write(self.c.address + o + n - len(head), head)
+
+    def _verify(self, o: int, n: int, tail: bool = True) -> None:
+        tag = self.live[o][1]
+        head = _pattern(tag, n)
+        assert self.c.read(self.c.address + o, len(head)) == head, hex(o)
+        if tail and n >= 2 * len(head):
+            assert self.c.read(self.c.address + o + n - len(head), len(head)) == head, hex(o)
+
+    def _off(self, addr: int) -> int:
+        return addr - self.c.address if addr else 0
+
+    @rule(n=ARENA_SIZES)
+    def malloc(self, n):
+        got = self._off(self.c.malloc(n))
+        assert got == self.py.malloc(n), n
+        if got:
+            assert got not in self.live
+            self._fill(got, n)
+
+    @rule(data=st.data())
+    def free(self, data):
+        if not self.live:
+            return
+        o = data.draw(st.sampled_from(sorted(self.live)))
+        self._verify(o, self.live[o][0])
+        self.c.free(self.c.address + o)
+        self.py.free(o)
+        del self.live[o]
+
+    @rule(data=st.data(), n=ARENA_SIZES)
+    def realloc(self, data, n):
+        if not self.live:
+            return
+        o = data.draw(st.sampled_from(sorted(self.live)))
+        old_n = self.live[o][0]
+        got = self._off(self.c.realloc(self.c.address + o, n))
+        assert got == self.py.realloc(o, n), (o, n)
+        if not got:
+            self._verify(o, old_n)  # a failed realloc leaves the block as it was
+            return
+        tag = self.live.pop(o)[1]
+        self.live[got] = (min(old_n, n), tag)
+        self._verify(got, min(old_n, n), tail=False)  # the contents moved with the block
+        del self.live[got]
+        self._fill(got, n)
+
+    @invariant()
+    def agree(self):
+        sc = self.c.stats()
+        sc.pop("punched")
+        assert sc == self.py.stats()
+        self.c.check_invariants()
+        for o, (n, _) in self.live.items():
+            self._verify(o, n)
+
+
+TestArenaDifferential = ArenaMachine.TestCase
+TestArenaDifferential.settings = SETTINGS
