@@ -37,7 +37,7 @@ CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 # CYTHON_UNUSED; gcc ignores -Wunreachable-code, which the old flags silenced).
 CFLAGS += ["-Wall"]
 
-MODULES = ["_hash", "_tree", "_lower", "_index", "_wire", "_encode", "_ingest"]
+MODULES = ["_hash", "_tree", "_lower", "_index", "_wire", "_encode", "_ingest", "_shlock"]
 
 
 def _ext(name):
