@@ -2,7 +2,8 @@
 
 Only the index (``_tree``, ``_lower``, ``_index``), the block hasher (``_hash``)
 and the hot parsers and encoder (``_wire`` for query bodies, ``_encode`` for query
-responses, ``_ingest`` for vLLM event batches) are compiled. Everything else
+responses, ``_ingest`` for vLLM event batches) are compiled, with ``_shlock``
+(the cross-process lock of the coming ``--workers N``). Everything else
 (Falcon app, registry, ingest glue) stays plain Python on purpose.
 
 The extensions list their ``.pyx`` sources and are cythonized by ``build_ext``
