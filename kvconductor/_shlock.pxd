@@ -16,7 +16,8 @@ survives a reader killed inside its read section.
   it checks the slot owner: gone (``kill(pid, 0)`` gives ``ESRCH``) or another process
   under the same pid (its start time, ``/proc/<pid>/stat`` field 22, differs) means
   dead, and the slot is cleared (counted in ``reclaimed``). The writer never waits on a
-  dead reader.
+  dead reader. (A writer that dies inside leaves the flag set and the readers waiting:
+  the owner is the only writer, and its death takes the workers down.)
 
 Everything is ``noexcept nogil`` with ``SHL_*`` return codes; raw ``futex(2)``
 ``FUTEX_WAIT``/``FUTEX_WAKE`` (not the ``_PRIVATE`` ones: the waiters are in other

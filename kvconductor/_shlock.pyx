@@ -38,12 +38,15 @@ cdef class _Mapping:
 @cython.no_gc_clear
 cdef class _Slot:
     """One thread's reader slot, given back when the thread's locals go (thread end)
-    or the lock is dropped."""
+    or the lock is dropped. A thread that ended inside its read section leaves it
+    then, so it cannot hold the writer off for ever."""
     cdef _Mapping map
     cdef int index
 
     def __dealloc__(self):
         if self.map is not None and self.index >= 0:
+            if self.map.lock.slots[self.index].active:
+                shl_read_exit(self.map.lock, self.index)
             shl_slot_release(self.map.lock, self.index)
 
 

@@ -84,7 +84,7 @@ def test_mutual_exclusion_threads_and_processes():
     for t in threads:
         t.start()
     writes = 0
-    while writes < 300:
+    while writes < 100:
         with lock.writing():
             flags[0] = 1
             time.sleep(0.0002)
@@ -254,3 +254,14 @@ def test_slots_run_out_and_come_back():
     assert lock._release_for_test(taken[0]) == _shlock.OK
     with lock.reading():
         pass
+
+
+def test_thread_ended_inside_its_read_section_does_not_block_the_writer():
+    lock = SharedLock()
+    t = threading.Thread(target=lock.read_enter)  # ends without read_exit
+    t.start()
+    t.join()
+    # its locals (and slot) are gone with it: the section was left, the slot given back
+    assert lock.stats()["active"] == 0 and lock.stats()["slots_in_use"] == 0
+    with lock.writing():
+        assert lock.stats()["writer"]
