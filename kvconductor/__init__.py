@@ -19,7 +19,17 @@ import os
 __version__ = "0.1.0"
 
 #: The compiled modules (setup.py ``MODULES``); every one is imported here.
-COMPILED_MODULES = ("_hash", "_tree", "_lower", "_index", "_wire", "_encode", "_ingest", "_arena")
+COMPILED_MODULES = (
+    "_hash",
+    "_tree",
+    "_lower",
+    "_index",
+    "_wire",
+    "_encode",
+    "_ingest",
+    "_arena",
+    "_shlock",
+)
 
 for _name in COMPILED_MODULES:
     # NOTE: an ImportError here is a broken install; it must never be swallowed.

@@ -17,6 +17,7 @@ hashes get re-announced elsewhere; uniform random hashes alone rarely do.
 from __future__ import annotations
 
 import itertools
+import os
 from array import array
 
 import pytest
@@ -24,16 +25,18 @@ import pytest
 pytest.importorskip("kvconductor._index")
 pytest.importorskip("kvconductor._tree")
 pytest.importorskip("kvconductor._lower")
+pytest.importorskip("kvconductor._shlock")
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvconductor import _arena, _index, _lower, _tree
+from kvconductor import _arena, _index, _lower, _shlock, _tree
 from kvconductor._hash import hash_blocks
 from kvconductor._py import arena as py_arena
 from kvconductor._py import index as py_index
 from kvconductor._py import lower as py_lower
+from kvconductor._py import shlock as py_shlock
 from kvconductor._py import tree as py_tree
 from kvconductor.index import tier_walks, walk_counts
 
@@ -797,3 +800,83 @@ class ArenaMachine(RuleBasedStateMachine):
 
 TestArenaDifferential = ArenaMachine.TestCase
 TestArenaDifferential.settings = SETTINGS
+
+
+# -- SharedLock (the cross-process lock's slot table) --------------------------------------------
+
+# Slot owners: this process (alive), this pid with another start time (a reused pid:
+# dead), a pid beyond pid_max (dead). Both sides judge liveness for themselves.
+_ME = os.getpid()
+OWNERS = st.sampled_from(
+    [(_ME, py_shlock.proc_stamp(_ME)), (_ME, py_shlock.proc_stamp(_ME) + 1), (2**30, 1), (0, 0)]
+)
+LOCK_SLOTS = st.integers(-1, 6)
+
+
+class SharedLockMachine(RuleBasedStateMachine):
+    """Single-threaded steps of the compiled lock and its twin; after each, the slot
+    table, writer flag and counters agree."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = _shlock.SharedLock()
+        self.py = py_shlock.SharedLockModel()
+
+    def both(self, c_name, py_name, *args):
+        got_c = getattr(self.c, c_name)(*args)
+        got_py = getattr(self.py, py_name)(*args)
+        assert got_c == got_py, f"{py_name}{args}: C {got_c} != py {got_py}"
+
+    @rule(owner=OWNERS)
+    def acquire(self, owner):
+        self.both("_acquire_for_test", "acquire", *owner)
+
+    @rule(slot=LOCK_SLOTS)
+    def release(self, slot):
+        self.both("_release_for_test", "release", slot)
+
+    @rule(slot=LOCK_SLOTS)
+    def read_try(self, slot):
+        self.both("_read_try_for_test", "read_try", slot)
+
+    @rule(slot=LOCK_SLOTS)
+    def read_exit(self, slot):
+        self.both("_read_exit_for_test", "read_exit", slot)
+
+    @rule()
+    def write_begin(self):
+        self.both("_write_begin_for_test", "write_begin")
+
+    @rule()
+    def write_pending(self):
+        self.both("_write_pending_for_test", "write_pending")
+
+    @rule()
+    def write_exit(self):
+        self.both("_write_exit_for_test", "write_exit")
+
+    @rule()
+    def reclaim_dead(self):
+        self.both("reclaim_dead", "reclaim_dead")
+
+    @invariant()
+    def same_state(self):
+        assert self.c.stats() == self.py.stats()
+        for i in range(_shlock.SLOTS):
+            assert self.c._slot_for_test(i) == self.py.slot(i), i
+
+
+def test_shlock_codes_and_stamp_match_the_twin():
+    assert (_shlock.OK, _shlock.EBUSY, _shlock.EINVAL, _shlock.EAGAIN, _shlock.SLOTS) == (
+        py_shlock.OK,
+        py_shlock.EBUSY,
+        py_shlock.EINVAL,
+        py_shlock.EAGAIN,
+        py_shlock.SLOTS,
+    )
+    assert _shlock.proc_stamp(_ME) == py_shlock.proc_stamp(_ME) > 0
+    assert _shlock.proc_stamp(2**30) == py_shlock.proc_stamp(2**30) == 0
+
+
+TestSharedLockDifferential = SharedLockMachine.TestCase
+TestSharedLockDifferential.settings = SETTINGS

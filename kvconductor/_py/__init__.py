@@ -8,6 +8,9 @@ runtime fallback: the models the differential tests hold ``kvconductor._tree``,
 ``kvconductor._hash`` too); ``KVCONDUCTOR_IMPL=py`` or ``Index(impl="py")`` makes
 an index use them. Clarity beats speed here.
 
+:mod:`kvconductor._py.shlock` models the slot table of the cross-process lock
+(``kvconductor._shlock``) the same way.
+
 **Threading: exactly one writer thread calls the mutating methods; any number of
 threads may call the matching and introspection methods concurrently.** Every
 public method holds the object's :class:`threading.Lock` for its whole duration.
