@@ -42,8 +42,10 @@ from kvconductor.index import tier_walks, walk_counts
 
 U64_MAX = 2**64 - 1
 
+#: Examples per state machine; the CI sanitizer pass sets fewer (its build runs ~5x
+#: slower, and what it looks for, memory errors, shows up in the first examples).
 SETTINGS = settings(
-    max_examples=200,
+    max_examples=int(os.environ.get("KVC_DIFFERENTIAL_EXAMPLES", "200")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
