@@ -11,11 +11,11 @@ class _Sources:
     """64 subscriptions' rows, as ``SubscriptionManager.metrics_snapshot`` gives them."""
 
     def metrics_snapshot(self):
-        from kvconductor.ingest.subscriber import RetiredTotals
+        from kvconductor.ingest.subscriber import RetiredTotals, SourceMetrics
         from kvconductor.keys import Medium
 
         rows = [
-            (
+            SourceMetrics(
                 f"inst-{i // 8}",
                 i % 8,
                 (Medium.NPU,),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -29,6 +29,9 @@ from prometheus_client.registry import Collector
 
 from kvconductor import __version__
 from kvconductor.keys import Medium
+
+if TYPE_CHECKING:
+    from kvconductor.ingest.subscriber import SourceMetrics
 
 __all__ = [
     "CONTENT_TYPE",
@@ -117,7 +120,7 @@ class QueryMetrics:
             self._disk.inc(d)
 
 
-def _subscription_rows(subs: Any) -> tuple[list[tuple], Any]:
+def _subscription_rows(subs: Any) -> tuple[list[SourceMetrics], Any]:
     snap = getattr(subs, "metrics_snapshot", None)
     if snap is None:  # no subscriber yet (before start), or a test double
         return [], None
@@ -209,21 +212,19 @@ class ConductorCollector(Collector):
         if retired is not None:
             mutes, purged = retired.mutes, retired.purged_blocks
         for row in rows:
-            iid, dp, media, kind, events, drops, g, r_ok, r_failed, live, last = row[:11]
-            is_muted, n_mutes, n_purged = row[11:14]
-            mutes += n_mutes
-            purged += n_purged
-            applied[kind] = applied.get(kind, 0) + events
-            for reason, n in drops.items():
+            mutes += row.mutes
+            purged += row.purged_blocks
+            applied[row.source_kind] = applied.get(row.source_kind, 0) + row.events
+            for reason, n in row.dropped.items():
                 dropped[reason] = dropped.get(reason, 0) + n
-            gaps += g
-            ok += r_ok
-            failed += r_failed
-            for m in media:
-                labels = [iid, str(dp), Medium(m).name]
-                up.add_metric(labels, 1 if live else 0)
-                age.add_metric(labels, max(0.0, now - last))
-                muted.add_metric(labels, 1 if is_muted else 0)
+            gaps += row.gaps
+            ok += row.replays_ok
+            failed += row.replays_failed
+            for m in row.media:
+                labels = [row.instance_id, str(row.dp_rank), Medium(m).name]
+                up.add_metric(labels, 1 if row.live else 0)
+                age.add_metric(labels, max(0.0, now - row.last_event))
+                muted.add_metric(labels, 1 if row.muted else 0)
         ev = CounterMetricFamily(
             "kvconductor_events_applied",
             "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "

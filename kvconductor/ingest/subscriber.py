@@ -64,7 +64,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -389,6 +389,25 @@ class Subscription:
         }
 
 
+class SourceMetrics(NamedTuple):
+    """One subscription's row of :meth:`SubscriptionManager.metrics_snapshot`."""
+
+    instance_id: str
+    dp_rank: int
+    media: tuple
+    source_kind: str
+    events: int
+    dropped: dict[str, int]
+    gaps: int
+    replays_ok: int
+    replays_failed: int
+    live: bool
+    last_event: float
+    muted: bool
+    mutes: int
+    purged_blocks: int
+
+
 class RetiredTotals:
     """Counters of the subscriptions closed so far, so that the metrics' sums over
     subscriptions never go down when one closes (a counter reset to Prometheus)."""
@@ -500,12 +519,10 @@ class SubscriptionManager:
             r.purged_blocks += s.purged_blocks
         return sub
 
-    def metrics_snapshot(self) -> tuple[list[tuple], RetiredTotals]:
-        """Any thread (the ``/metrics`` scrape): per subscription ``(instance_id, dp_rank,
-        media, source_kind, events, dropped, gaps, replays_ok, replays_failed, live,
-        last_event, muted, mutes, purged_blocks)``, and a copy of the closed
-        subscriptions' totals. O(subscriptions), plain reads of counters under the table
-        lock."""
+    def metrics_snapshot(self) -> tuple[list[SourceMetrics], RetiredTotals]:
+        """Any thread (the ``/metrics`` scrape): a :class:`SourceMetrics` per subscription
+        and a copy of the closed subscriptions' totals. O(subscriptions), plain reads of
+        counters under the table lock."""
         rows = []
         with self._table_lock:
             for sub in self._subs.values():
@@ -513,7 +530,7 @@ class SubscriptionManager:
                 ctx = sub.ctx
                 ok, failed = _replays(sub)
                 rows.append(
-                    (
+                    SourceMetrics(
                         ctx.instance_id,
                         ctx.dp_rank,
                         ctx.default_media,
