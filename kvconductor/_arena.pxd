@@ -66,3 +66,14 @@ cdef struct arena_t:
 cdef void* arena_malloc(arena_t* a, size_t n) noexcept nogil
 cdef void* arena_realloc(arena_t* a, void* p, size_t n) noexcept nogil
 cdef int arena_free(arena_t* a, void* p) noexcept nogil
+
+
+cdef class Arena:
+    cdef arena_t a
+    cdef bint owns_fd
+    cdef bint mapped
+
+    cdef _map(self, uint64_t address, uint64_t reserve)
+    cdef _live(self)
+    cdef _writer(self)
+    cdef char* _span(self, uint64_t addr, uint64_t n) except NULL

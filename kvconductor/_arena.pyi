@@ -3,6 +3,8 @@ from typing_extensions import disjoint_base
 VERSION: int
 DEFAULT_ADDRESS: int
 DEFAULT_RESERVE: int
+OPAQUE_OFFSET: int
+OPAQUE_SIZE: int
 
 @disjoint_base
 class Arena:

@@ -87,6 +87,9 @@ cdef extern from *:
 VERSION = 1
 DEFAULT_ADDRESS = 0x3F0000000000
 DEFAULT_RESERVE = 64 << 30
+#: Offset and size of the area the allocator never hands out: the directory lives there.
+OPAQUE_OFFSET = ARENA_OPAQUE_OFF
+OPAQUE_SIZE = ARENA_OPAQUE_SIZE
 
 cdef uint64_t MAGIC = 0x414E455241564B43
 cdef uint32_t BLOCK_MAGIC = 0xB10CB10C
@@ -362,10 +365,6 @@ cdef class Arena:
     writer published). Addresses are plain ints (0: allocation failed).
     """
 
-    cdef arena_t a
-    cdef bint owns_fd
-    cdef bint mapped
-
     def __cinit__(self):
         self.a.base = NULL
         self.a.fd = -1
@@ -501,14 +500,15 @@ cdef class Arena:
         return <char*><uintptr_t>addr
 
     def write(self, addr: int, data: bytes) -> None:
-        """Copy ``data`` to ``addr`` (test helper; bounds: the committed file)."""
+        """Copy ``data`` to ``addr`` (bounds: the committed file); the shared directory
+        is written this way."""
         cdef const unsigned char[:] view = data
         cdef char* dst = self._span(addr, len(data))
         if len(data):
             memcpy(dst, &view[0], len(data))
 
     def read(self, addr: int, n: int) -> bytes:
-        """``n`` bytes at ``addr`` (test helper; bounds: the committed file)."""
+        """``n`` bytes at ``addr`` (bounds: the committed file)."""
         cdef char* src = self._span(addr, n)
         return src[:n]
 

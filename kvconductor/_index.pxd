@@ -8,6 +8,7 @@ from kvconductor._pool cimport Pool
 from kvconductor._rwlock cimport pthread_rwlock_t
 from kvconductor._lower cimport Lower
 from kvconductor._tree cimport Tree
+from kvconductor._shlock cimport ShLock
 
 cdef struct TPRec:
     uint32_t next_free          # free-list link (Pool convention: first field)
@@ -70,28 +71,53 @@ cdef enum:
     STOP_MUTED = 5              # the worker is muted (set_muted): no hits, no breakpoints
 
 
-cdef class CoreIndex:
-    cdef Tree tree              # HBM tier
-    cdef Lower tiers[2]         # [0] CPU, [1] Disk
-    cdef uint32_t* wgroup       # worker id -> group id
-    cdef uint8_t* wtier         # worker id -> 0 HBM / 1 CPU / 2 Disk
-    cdef uint8_t* wmute         # worker id -> 1: muted, no hits in queries (set_muted)
-    cdef size_t wcap            # allocated entries of wgroup/wtier/wmute
-    cdef size_t nworkers        # max worker id + 1
-    cdef size_t ngroups         # max group id + 1
-    cdef U64Map offload_m       # engine hash -> TPRec (unconfirmed engine offloads)
-    cdef U64Map content_m       # engine hash -> TPRec (confirmed content, kept for promotion)
+# The state of one index, in one C struct: on the heap in a single process, in the shared
+# arena with ``--workers N`` (workers read it through attached handles, see CoreIndex).
+cdef struct CoreState:
+    uint64_t magic              # CORE_MAGIC while alive; 0 once closed
+    Tree tree                   # HBM tier
+    Lower tiers[2]              # [0] CPU, [1] Disk
+    uint32_t* wgroup            # worker id -> group id
+    uint8_t* wtier              # worker id -> 0 HBM / 1 CPU / 2 Disk
+    uint8_t* wmute              # worker id -> 1: muted, no hits in queries (set_muted)
+    size_t wcap                 # allocated entries of wgroup/wtier/wmute
+    size_t nworkers             # max worker id + 1
+    size_t ngroups              # max group id + 1
+    U64Map offload_m            # engine hash -> TPRec (unconfirmed engine offloads)
+    U64Map content_m            # engine hash -> TPRec (confirmed content, kept for promotion)
     # engine hash -> head TPWait (pool confirmations waiting), chained newest first, one
     # waiter per worker
-    cdef U64Map pending_m
-    cdef TPRec* recs            # records of offload/content entries
-    cdef Pool rec_pool          # capacity, high-water mark and free list of ``recs``
-    cdef TPWait* waits          # pending-pool waiters
-    cdef Pool wait_pool         # capacity, high-water mark and free list of ``waits``
-    cdef size_t npending        # live waiters
-    cdef pthread_rwlock_t lock
-    cdef bint lock_ok
+    U64Map pending_m
+    TPRec* recs                 # records of offload/content entries
+    Pool rec_pool               # capacity, high-water mark and free list of ``recs``
+    TPWait* waits               # pending-pool waiters
+    Pool wait_pool              # capacity, high-water mark and free list of ``waits``
+    size_t npending             # live waiters
 
+
+cdef enum:
+    CORE_STALE = -7             # attached handle: the directory changed, reload it
+    CORE_CLOSED = -8            # the state was freed (close), or the shared lock failed
+
+
+cdef class CoreIndex:
+    cdef CoreState* st          # NULL once closed
+    cdef pthread_rwlock_t lock  # this process's threads
+    cdef bint lock_ok
+    cdef bint attached          # a worker's read-only handle on another process's state
+    cdef bint shared            # owner's state in the arena: writers also take ``xl``
+    cdef ShLock* xl             # the cross-process lock (shared and attached handles)
+    cdef object xlock           # its SharedLock (keeps the mapping alive)
+    cdef const uint64_t* gen    # attached: the directory generation word in the arena
+    cdef uint64_t gen_seen      # attached: the generation this handle was built from
+
+    cdef int _writable(self) except -1
+    cdef int _wlock(self) noexcept nogil
+    cdef void _wunlock(self) noexcept nogil
+    cdef int _rlock(self, int slot) noexcept nogil
+    cdef void _runlock(self, int slot) noexcept nogil
+    cdef int _slot(self) except -2
+    cdef int _reader(self) except -2
     cdef int _tier(self, uint32_t worker) except -1
     cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
                        const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil

@@ -6,7 +6,7 @@ state, and answers tiered queries (hashing, HBM match and both lower-tier walks)
 in one ``nogil`` pass under a read lock. Semantics: ``docs/design.md``.
 """
 from cpython cimport array
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
 from libc.string cimport memset
@@ -17,14 +17,21 @@ from kvconductor._maps cimport (
     u64m_put,
 )
 from kvconductor._pool cimport (
-    HM_NIL, grow_array, live_allocations, mem_free, pool_give, pool_init, pool_mark_free,
-    pool_take,
+    HM_NIL, grow_array, live_allocations, mem_alloc, mem_free, pool_arena_leaked,
+    pool_arena_writing, pool_give, pool_init, pool_mark_free, pool_set_arena, pool_take,
+    pool_unset_arena,
 )
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
 )
 from kvconductor._hash cimport hash_token_blocks
+from kvconductor._arena cimport Arena, arena_free, arena_malloc, arena_realloc
+from kvconductor._shlock cimport (
+    SHL_EBUSY, SHL_OK, SharedLock, shl_read_enter, shl_read_exit, shl_write_enter,
+    shl_write_exit,
+)
+from posix.unistd cimport usleep
 from kvconductor._lower cimport (
     Lower, lower_check, lower_clear, lower_find, lower_free, lower_init, lower_lookup,
     lower_nbytes, lower_owns, lower_remove, lower_root_of, lower_store, lower_walk_multi,
@@ -37,6 +44,8 @@ from kvconductor._tree cimport (
 from kvconductor._tree cimport tree_export, tree_restore
 
 import array as _array
+
+from kvconductor import _lower, _tree
 
 from kvconductor._hash import as_u64, to_u32_tokens
 
@@ -99,6 +108,67 @@ cdef int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept
     return 0
 
 
+class IndexClosedError(ValueError):
+    """The index was closed (:meth:`CoreIndex.close`)."""
+
+
+class StaleIndexError(RuntimeError):
+    """An attached handle's directory generation is no longer the arena's: the owner
+    published a new directory (an index was created or dropped, a group added), so the
+    caller reloads it and asks again."""
+
+
+cdef object _ATTACH = object()
+# Shared mode (``install_shared``): the SharedLock every writer of a new CoreIndex also
+# takes, so readers in other processes never see a half-made change.
+cdef object _shared_lock = None
+
+cdef enum:
+    WRITER_WAIT_MS = 10         # the writer's futex wait before it checks for dead readers
+
+cdef uint64_t CORE_MAGIC = 0x6b76636f72653031ULL     # "kvcore01"
+
+cdef extern from *:
+    """
+    static inline uint64_t kvc_load_u64(const uint64_t *p) {
+        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+    }
+    """
+    uint64_t kvc_load_u64(const uint64_t* p) noexcept nogil
+
+
+cdef void _state_init(CoreState* st) noexcept nogil:
+    cdef int k
+    memset(st, 0, sizeof(CoreState))
+    pool_init(&st.rec_pool)
+    pool_init(&st.wait_pool)
+    u64m_init(&st.offload_m)
+    u64m_init(&st.content_m)
+    u64m_init(&st.pending_m)
+    for k in range(2):
+        lower_init(&st.tiers[k])
+
+
+cdef void _state_free(CoreState* st) noexcept nogil:
+    cdef int k
+    tree_free(&st.tree)
+    for k in range(2):
+        lower_free(&st.tiers[k])
+    u64m_free(&st.offload_m)
+    u64m_free(&st.content_m)
+    u64m_free(&st.pending_m)
+    mem_free(st.recs)
+    mem_free(st.waits)
+    mem_free(st.wgroup)
+    mem_free(st.wtier)
+    mem_free(st.wmute)
+    st.recs = NULL
+    st.waits = NULL
+    st.wgroup = NULL
+    st.wtier = NULL
+    st.wmute = NULL
+
+
 cdef class CoreIndex:
     """Index core of one (model, tenant); worker and group ids are small ints.
 
@@ -107,55 +177,152 @@ cdef class CoreIndex:
     match/match_tokens/stats/worker_blocks concurrently. Every method holds one C
     reader/writer lock for its whole duration (writers exclusive, writer
     preferred) and runs its C part without the GIL.**
+
+    The state lives in one C struct (``CoreState``). **Shared mode** (``--workers N``,
+    :func:`install_shared`): the state and every structure array come from the shared
+    arena, and each write also holds the cross-process lock's write side, so worker
+    processes reading it through :func:`attach_core` handles never see a write half
+    done. The writer thread is then the only thread that may create, change or
+    :meth:`close` a shared index (others get ``RuntimeError``); an attached handle is
+    read-only, frees nothing, and checks in every read section that the owner's
+    directory generation is still the one it was built from (else
+    ``StaleIndexError``).
     """
 
-    def __cinit__(self):
-        cdef int k
+    def __cinit__(self, _attach=None):
         self.lock_ok = False
-        self.wgroup = NULL
-        self.wtier = NULL
-        self.wmute = NULL
-        self.wcap = 0
-        self.nworkers = 0
-        self.ngroups = 0
-        self.recs = NULL
-        pool_init(&self.rec_pool)
-        self.waits = NULL
-        pool_init(&self.wait_pool)
-        self.npending = 0
-        u64m_init(&self.offload_m)
-        u64m_init(&self.content_m)
-        u64m_init(&self.pending_m)
-        for k in range(2):
-            lower_init(&self.tiers[k])
-        if tree_init(&self.tree) < 0:
-            tree_free(&self.tree)
-            raise MemoryError()
+        self.st = NULL
+        self.attached = False
+        self.shared = False
+        self.xl = NULL
+        self.xlock = None
+        self.gen = NULL
+        self.gen_seen = 0
         if rwlock_init(&self.lock) != 0:
             raise MemoryError("cannot initialise rwlock")
         self.lock_ok = True
+        if _attach is _ATTACH:
+            return              # attach_core fills in the rest
+        if _shared_lock is not None:
+            if not pool_arena_writing():
+                raise RuntimeError(
+                    "shared mode: a CoreIndex is created on the writer thread only")
+            self.shared = True
+            self.xlock = _shared_lock
+            self.xl = (<SharedLock>_shared_lock).lock
+        self.st = <CoreState*>mem_alloc(sizeof(CoreState))
+        if self.st == NULL:
+            raise MemoryError()
+        _state_init(self.st)
+        if tree_init(&self.st.tree) < 0:
+            _state_free(self.st)
+            mem_free(self.st)
+            self.st = NULL
+            raise MemoryError()
+        self.st.magic = CORE_MAGIC
 
     def __dealloc__(self):
-        cdef int k
-        tree_free(&self.tree)
-        for k in range(2):
-            lower_free(&self.tiers[k])
-        u64m_free(&self.offload_m)
-        u64m_free(&self.content_m)
-        u64m_free(&self.pending_m)
-        mem_free(self.recs)
-        mem_free(self.waits)
-        mem_free(self.wgroup)
-        mem_free(self.wtier)
-        mem_free(self.wmute)
-        self.recs = NULL
-        self.waits = NULL
-        self.wgroup = NULL
-        self.wtier = NULL
-        self.wmute = NULL
+        # An attached handle owns nothing. A shared state not closed is left in the arena:
+        # workers may still read it, and only the writer thread may free arena blocks.
+        if self.st != NULL and not self.attached and not self.shared:
+            _state_free(self.st)
+            mem_free(self.st)
+        self.st = NULL
         if self.lock_ok:
             pthread_rwlock_destroy(&self.lock)
             self.lock_ok = False
+
+    # -- handles, locks and shared mode -------------------------------------------------------
+    def close(self):
+        """Free the state now (writer thread, under the write lock); the handle answers
+        nothing afterwards (``IndexClosedError``; ``match`` and ``stats`` answer empty).
+        With ``--workers N`` the owner publishes a directory without this index first,
+        so no worker can enter it afterwards."""
+        cdef CoreState* st
+        if self.st == NULL:
+            return
+        self._writable()
+        with nogil:
+            self._wlock()
+            st = self.st
+            st.magic = 0
+            self.st = NULL
+            _state_free(st)
+            mem_free(st)
+            self._wunlock()
+
+    @property
+    def closed(self):
+        """True once :meth:`close` freed the state."""
+        return self.st == NULL
+
+    def address(self):
+        """Address of the C state (shared mode: in the arena, where workers attach)."""
+        if self.st == NULL:
+            raise IndexClosedError("index closed")
+        return <uintptr_t>self.st
+
+    @property
+    def is_attached(self):
+        """True for a worker's read-only handle (:func:`attach_core`)."""
+        return self.attached
+
+    cdef int _writable(self) except -1:
+        if self.attached:
+            raise RuntimeError("an attached CoreIndex is read-only")
+        if self.st == NULL:
+            raise IndexClosedError("index closed")
+        if self.shared and not pool_arena_writing():
+            raise RuntimeError("shared mode: only the writer thread mutates the index")
+        return 0
+
+    cdef int _wlock(self) noexcept nogil:
+        pthread_rwlock_wrlock(&self.lock)
+        if self.shared:
+            while shl_write_enter(self.xl, WRITER_WAIT_MS) == SHL_EBUSY:
+                usleep(1000)
+        return 0
+
+    cdef void _wunlock(self) noexcept nogil:
+        if self.shared:
+            shl_write_exit(self.xl)
+        pthread_rwlock_unlock(&self.lock)
+
+    cdef int _slot(self) except -2:
+        return (<SharedLock>self.xlock)._slot()
+
+    cdef int _reader(self) except -2:
+        """This thread's reader slot of the shared lock (attached handles), else -1."""
+        if self.attached:
+            return self._slot()
+        return -1
+
+    cdef int _rlock(self, int slot) noexcept nogil:
+        """0 inside the read section; CORE_STALE (attached: the directory changed) or
+        CORE_CLOSED (not inside then)."""
+        if self.attached:
+            if shl_read_enter(self.xl, slot) != SHL_OK:
+                return CORE_CLOSED
+            if kvc_load_u64(self.gen) != self.gen_seen or self.st.magic != CORE_MAGIC:
+                shl_read_exit(self.xl, slot)
+                return CORE_STALE
+            return 0
+        pthread_rwlock_rdlock(&self.lock)
+        if self.st == NULL:
+            pthread_rwlock_unlock(&self.lock)
+            return CORE_CLOSED
+        return 0
+
+    cdef void _runlock(self, int slot) noexcept nogil:
+        if self.attached:
+            shl_read_exit(self.xl, slot)
+        else:
+            pthread_rwlock_unlock(&self.lock)
+
+    def _stale(self, int code):
+        if code == CORE_STALE:
+            raise StaleIndexError("the shared directory changed: reload it")
+        raise IndexClosedError("index closed")
 
     # -- workers ----------------------------------------------------------------------------
     def set_worker(self, uint32_t worker, uint32_t group, int tier):
@@ -164,39 +331,40 @@ cdef class CoreIndex:
         cdef void* p
         cdef void* q
         cdef void* r
+        self._writable()
         if tier < 0 or tier > 2:
             raise ValueError(f"tier must be 0, 1 or 2, not {tier}")
         if worker == HM_NIL or group == HM_NIL:
             raise ValueError("worker and group ids must be < 2**32 - 1")
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            if worker >= self.wcap:
-                cap = self.wcap
-                p = grow_array(self.wgroup, &cap, <size_t>worker + 1, sizeof(uint32_t))
+            self._wlock()
+            if worker >= self.st.wcap:
+                cap = self.st.wcap
+                p = grow_array(self.st.wgroup, &cap, <size_t>worker + 1, sizeof(uint32_t))
                 if p != NULL:
-                    self.wgroup = <uint32_t*>p
-                    cap = self.wcap
-                    q = grow_array(self.wtier, &cap, <size_t>worker + 1, sizeof(uint8_t))
+                    self.st.wgroup = <uint32_t*>p
+                    cap = self.st.wcap
+                    q = grow_array(self.st.wtier, &cap, <size_t>worker + 1, sizeof(uint8_t))
                     if q != NULL:
-                        self.wtier = <uint8_t*>q
-                        cap = self.wcap
-                        r = grow_array(self.wmute, &cap, <size_t>worker + 1, sizeof(uint8_t))
+                        self.st.wtier = <uint8_t*>q
+                        cap = self.st.wcap
+                        r = grow_array(self.st.wmute, &cap, <size_t>worker + 1, sizeof(uint8_t))
                         if r != NULL:
-                            self.wmute = <uint8_t*>r
-                            for k in range(self.wcap, cap):
-                                self.wgroup[k] = HM_NIL
-                                self.wtier[k] = 0
-                                self.wmute[k] = 0
-                            self.wcap = cap
-            if worker < self.wcap:
-                self.wgroup[worker] = group
-                self.wtier[worker] = <uint8_t>tier
-                if worker + 1 > self.nworkers:
-                    self.nworkers = worker + 1
-                if group + 1 > self.ngroups:
-                    self.ngroups = group + 1
-            pthread_rwlock_unlock(&self.lock)
-        if worker >= self.wcap:
+                            self.st.wmute = <uint8_t*>r
+                            for k in range(self.st.wcap, cap):
+                                self.st.wgroup[k] = HM_NIL
+                                self.st.wtier[k] = 0
+                                self.st.wmute[k] = 0
+                            self.st.wcap = cap
+            if worker < self.st.wcap:
+                self.st.wgroup[worker] = group
+                self.st.wtier[worker] = <uint8_t>tier
+                if worker + 1 > self.st.nworkers:
+                    self.st.nworkers = worker + 1
+                if group + 1 > self.st.ngroups:
+                    self.st.ngroups = group + 1
+            self._wunlock()
+        if worker >= self.st.wcap:
             raise MemoryError()
 
     def set_muted(self, uint32_t worker, bint muted):
@@ -204,33 +372,41 @@ cdef class CoreIndex:
         update as usual, but contributes no hits (and no breakpoint for a lower tier to
         continue from) to :meth:`match`/:meth:`match_tokens`. A source down too long
         (``docs/operations.md``, "Dead engines") mutes its HBM workers."""
+        self._writable()
         self._tier(worker)
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            self.wmute[worker] = 1 if muted else 0
-            pthread_rwlock_unlock(&self.lock)
+            self._wlock()
+            self.st.wmute[worker] = 1 if muted else 0
+            self._wunlock()
 
     def is_muted(self, uint32_t worker):
         """Whether ``worker`` is muted (:meth:`set_muted`)."""
+        cdef int slot_, stale_ = 0
         cdef bint m
         self._tier(worker)
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            m = self.wmute[worker] != 0
-            pthread_rwlock_unlock(&self.lock)
+            stale_ = self._rlock(slot_)
+            if stale_ == 0:
+                m = self.st.wmute[worker] != 0
+                self._runlock(slot_)
+        if stale_:
+            self._stale(stale_)
         return m
 
     cdef int _tier(self, uint32_t worker) except -1:
-        if worker >= self.nworkers or self.wgroup[worker] == HM_NIL:
+        if self.st == NULL or self.attached:
+            self._writable()
+        if worker >= self.st.nworkers or self.st.wgroup[worker] == HM_NIL:
             raise KeyError(f"unknown worker id {worker}: call set_worker first")
-        return self.wtier[worker]
+        return self.st.wtier[worker]
 
     # -- direct mutations ---------------------------------------------------------------------
     cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
                        const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil:
         if tier == 0:
-            return tree_store(&self.tree, worker, hp, p, ehashes, locals, n)
-        return lower_store(&self.tiers[tier - 1], worker, hp, p, ehashes, locals, n)
+            return tree_store(&self.st.tree, worker, hp, p, ehashes, locals, n)
+        return lower_store(&self.st.tiers[tier - 1], worker, hp, p, ehashes, locals, n)
 
     def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
         """Store a chain on ``worker``'s tier; returns blocks stored."""
@@ -241,12 +417,13 @@ cdef class CoreIndex:
         cdef bint hp = parent is not None
         cdef uint64_t p = parent if hp else 0
         cdef long rc
+        self._writable()
         if n == 0:
             return 0
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
             rc = self._store_c(worker, tier, hp, p, &sv[0], &lv[0], n)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         return check_rc(rc)
 
     def store_tokens(self, uint32_t worker, parent, engine_hashes, tokens, size_t block_size,
@@ -262,6 +439,7 @@ cdef class CoreIndex:
         cdef uint64_t p = parent if hp else 0
         cdef long rc = 0
         cdef uint64_t* loc
+        self._writable()
         if n == 0:
             return 0
         loc = <uint64_t*>malloc(n * sizeof(uint64_t))
@@ -269,17 +447,17 @@ cdef class CoreIndex:
             raise MemoryError()
         with nogil:
             hash_token_blocks(&tv[0], min(ntok, n * block_size), block_size, seed, loc)
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
             rc = self._store_c(worker, tier, hp, p, &sv[0], loc, n)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         free(loc)
         return check_rc(rc)
 
     cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* ehashes,
                         size_t n) noexcept nogil:
         if tier == 0:
-            return tree_remove(&self.tree, worker, ehashes, n)
-        return lower_remove(&self.tiers[tier - 1], worker, ehashes, n)
+            return tree_remove(&self.st.tree, worker, ehashes, n)
+        return lower_remove(&self.st.tiers[tier - 1], worker, ehashes, n)
 
     def remove(self, uint32_t worker, engine_hashes):
         """Remove blocks of ``worker`` directly; returns how many it held."""
@@ -287,32 +465,34 @@ cdef class CoreIndex:
         cdef const uint64_t[::1] sv = as_u64(engine_hashes)
         cdef size_t n = sv.shape[0]
         cdef long rc
+        self._writable()
         if n == 0:
             return 0
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
             rc = self._remove_c(worker, tier, &sv[0], n)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         return rc
 
     cdef long _clear_c(self, uint32_t worker) noexcept nogil:
-        cdef int tier = self.wtier[worker]
+        cdef int tier = self.st.wtier[worker]
         cdef long rc
         if tier == 0:
-            rc = tree_clear(&self.tree, worker)
+            rc = tree_clear(&self.st.tree, worker)
         else:
-            rc = lower_clear(&self.tiers[tier - 1], worker)
+            rc = lower_clear(&self.st.tiers[tier - 1], worker)
         self._drop_waits(worker, 0.0, -1.0)
         return rc
 
     def clear(self, uint32_t worker):
         """Drop every block of ``worker`` and its pending waits; returns blocks removed."""
+        self._writable()
         self._tier(worker)
         cdef long rc
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
             rc = self._clear_c(worker)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         return rc
 
     cdef void _apply_ops(self, BatchOp* ops, size_t n, const uint32_t* clear,
@@ -325,11 +505,15 @@ cdef class CoreIndex:
         cdef size_t i, k
         cdef BatchOp* op
         cdef long rc
-        pthread_rwlock_wrlock(&self.lock)
+        if self.st == NULL or (self.shared and not pool_arena_writing()):
+            for i in range(n):      # the caller checked with _tier: never reached
+                ops[i].rc = T_ERR_OOM
+            return
+        self._wlock()
         for i in range(n):
             op = &ops[i]
             if op.kind == OP_STORE:
-                op.rc = self._store_c(op.worker, self.wtier[op.worker], op.has_parent != 0,
+                op.rc = self._store_c(op.worker, self.st.wtier[op.worker], op.has_parent != 0,
                                       op.parent, op.ehashes, op.locals, op.n)
             elif op.kind == OP_EVICT:
                 op.rc = self._evict_w(op.worker, op.ehashes, op.n)
@@ -338,22 +522,22 @@ cdef class CoreIndex:
                 for k in range(nclear):
                     rc += self._clear_c(clear[k])
                 op.rc = rc
-        pthread_rwlock_unlock(&self.lock)
+        self._wunlock()
 
     # -- two-phase records ---------------------------------------------------------------------
     cdef uint32_t _new_rec(self, uint64_t local, bint hp, uint64_t parent, double t) noexcept nogil:
-        cdef uint32_t r = pool_take(&self.rec_pool, <void**>&self.recs, sizeof(TPRec))
+        cdef uint32_t r = pool_take(&self.st.rec_pool, <void**>&self.st.recs, sizeof(TPRec))
         if r == HM_NIL:
             return HM_NIL
-        self.recs[r].local = local
-        self.recs[r].parent = parent if hp else 0
-        self.recs[r].has_parent = 1 if hp else 0
-        self.recs[r].t = t
+        self.st.recs[r].local = local
+        self.st.recs[r].parent = parent if hp else 0
+        self.st.recs[r].has_parent = 1 if hp else 0
+        self.st.recs[r].t = t
         return r
 
     cdef void _free_rec(self, uint32_t r) noexcept nogil:
         if r != HM_NIL:
-            pool_give(&self.rec_pool, self.recs, r, sizeof(TPRec))
+            pool_give(&self.st.rec_pool, self.st.recs, r, sizeof(TPRec))
 
     cdef int _put_rec(self, U64Map* m, uint64_t h, uint64_t local, bint hp, uint64_t parent,
                       double t) noexcept nogil:
@@ -367,47 +551,47 @@ cdef class CoreIndex:
                 self._free_rec(r)
                 return -1
             return 0
-        self.recs[r].local = local
-        self.recs[r].parent = parent if hp else 0
-        self.recs[r].has_parent = 1 if hp else 0
-        self.recs[r].t = t
+        self.st.recs[r].local = local
+        self.st.recs[r].parent = parent if hp else 0
+        self.st.recs[r].has_parent = 1 if hp else 0
+        self.st.recs[r].t = t
         return 0
 
     cdef uint32_t _new_wait(self, uint32_t worker, double t) noexcept nogil:
-        cdef uint32_t i = pool_take(&self.wait_pool, <void**>&self.waits, sizeof(TPWait))
+        cdef uint32_t i = pool_take(&self.st.wait_pool, <void**>&self.st.waits, sizeof(TPWait))
         if i == HM_NIL:
             return HM_NIL
-        self.waits[i].worker = worker
-        self.waits[i].t = t
-        self.waits[i].next = HM_NIL
+        self.st.waits[i].worker = worker
+        self.st.waits[i].t = t
+        self.st.waits[i].next = HM_NIL
         return i
 
     cdef void _free_wait(self, uint32_t i) noexcept nogil:
-        pool_give(&self.wait_pool, self.waits, i, sizeof(TPWait))
-        self.npending -= 1
+        pool_give(&self.st.wait_pool, self.st.waits, i, sizeof(TPWait))
+        self.st.npending -= 1
 
     cdef long _apply(self, uint32_t worker, bint hp, uint64_t parent, uint64_t h,
                      uint64_t local) noexcept nogil:
         """Store one confirmed block for ``worker``; 1 if stored, 0 if refused, -1 OOM."""
-        cdef long rc = self._store_c(worker, self.wtier[worker], hp, parent, &h, &local, 1)
+        cdef long rc = self._store_c(worker, self.st.wtier[worker], hp, parent, &h, &local, 1)
         if rc == T_ERR_OOM:
             return -1
         return 1 if rc == 1 else 0
 
     cdef long _apply_rec(self, uint32_t worker, uint64_t h, uint32_t r) noexcept nogil:
-        return self._apply(worker, self.recs[r].has_parent == 1, self.recs[r].parent, h,
-                           self.recs[r].local)
+        return self._apply(worker, self.st.recs[r].has_parent == 1, self.st.recs[r].parent, h,
+                           self.st.recs[r].local)
 
     cdef long _drop_waits(self, uint32_t worker, double now, double ttl) noexcept nogil:
         """Remove waiters of ``worker`` (ttl < 0) or waiters older than ``ttl`` (any
         worker, ``worker`` ignored). Returns the number removed; -1 on OOM."""
-        cdef U64Map* m = &self.pending_m
+        cdef U64Map* m = &self.st.pending_m
         cdef size_t i, nempty = 0, k
         cdef uint32_t head, cur, prev, nxt
         cdef long removed = 0
         cdef uint64_t* empty = NULL
         cdef bint drop
-        if m.keys == NULL or self.npending == 0:
+        if m.keys == NULL or self.st.npending == 0:
             return 0
         empty = <uint64_t*>malloc((m.size + 1) * sizeof(uint64_t))
         if empty == NULL:
@@ -419,16 +603,16 @@ cdef class CoreIndex:
             prev = HM_NIL
             cur = head
             while cur != HM_NIL:
-                nxt = self.waits[cur].next
+                nxt = self.st.waits[cur].next
                 if ttl < 0:
-                    drop = self.waits[cur].worker == worker
+                    drop = self.st.waits[cur].worker == worker
                 else:
-                    drop = now - self.waits[cur].t >= ttl
+                    drop = now - self.st.waits[cur].t >= ttl
                 if drop:
                     if prev == HM_NIL:
                         head = nxt
                     else:
-                        self.waits[prev].next = nxt
+                        self.st.waits[prev].next = nxt
                     self._free_wait(cur)
                     removed += 1
                 else:
@@ -452,12 +636,13 @@ cdef class CoreIndex:
         cdef bint hp0 = parent is not None
         cdef uint64_t p0 = parent if hp0 else 0
         cdef long rc = 0
+        self._writable()
         if n == 0:
             return 0
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
             rc = self._offload_c(&sv[0], &lv[0], n, hp0, p0, now)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         if rc < 0:
             raise MemoryError()
         return rc
@@ -475,11 +660,11 @@ cdef class CoreIndex:
             t = locals[i]
             hp = hp0 if i == 0 else True
             p = p0 if i == 0 else ehashes[i - 1]
-            head = u64m_pop(&self.pending_m, h)
+            head = u64m_pop(&self.st.pending_m, h)
             if head != HM_NIL:
-                if self._put_rec(&self.content_m, h, t, hp, p, now) < 0:
+                if self._put_rec(&self.st.content_m, h, t, hp, p, now) < 0:
                     return -1
-                self._free_rec(u64m_pop(&self.offload_m, h))
+                self._free_rec(u64m_pop(&self.st.offload_m, h))
                 # Apply to the waiters in batches of up to 64, each in increasing worker id
                 # (the chain is newest first, so batches are not globally sorted as the
                 # twin's sorted(waiters) is). The order cannot change a result: every
@@ -488,9 +673,9 @@ cdef class CoreIndex:
                     nw = 0
                     cur = head
                     while cur != HM_NIL and nw < 64:
-                        ws[nw] = self.waits[cur].worker
+                        ws[nw] = self.st.waits[cur].worker
                         nw += 1
-                        tmp = self.waits[cur].next
+                        tmp = self.st.waits[cur].next
                         self._free_wait(cur)
                         cur = tmp
                     head = cur
@@ -505,13 +690,14 @@ cdef class CoreIndex:
                             return -1
                         applied += rc
             else:
-                self._free_rec(u64m_pop(&self.content_m, h))
-                if self._put_rec(&self.offload_m, h, t, hp, p, now) < 0:
+                self._free_rec(u64m_pop(&self.st.content_m, h))
+                if self._put_rec(&self.st.offload_m, h, t, hp, p, now) < 0:
                     return -1
         return applied
 
     def pool_store(self, uint32_t worker, engine_hashes, double now):
         """Phase 2 (pool confirms blocks for ``worker``); returns (applied, queued)."""
+        self._writable()
         self._tier(worker)
         cdef const uint64_t[::1] sv = as_u64(engine_hashes)
         cdef size_t n = sv.shape[0]
@@ -520,9 +706,9 @@ cdef class CoreIndex:
         if n == 0:
             return (0, 0)
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
             rc = self._pool_store_c(worker, &sv[0], n, now, &applied, &queued)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         if rc < 0:
             raise MemoryError()
         return (applied, queued)
@@ -536,46 +722,47 @@ cdef class CoreIndex:
         cdef long rc
         for i in range(n):
             h = hs[i]
-            r = u64m_pop(&self.offload_m, h)
+            r = u64m_pop(&self.st.offload_m, h)
             if r != HM_NIL:
-                self.recs[r].t = now
-                self._free_rec(u64m_pop(&self.content_m, h))
-                if u64m_put(&self.content_m, h, r) < 0:
+                self.st.recs[r].t = now
+                self._free_rec(u64m_pop(&self.st.content_m, h))
+                if u64m_put(&self.st.content_m, h, r) < 0:
                     self._free_rec(r)
                     return -1
             else:
-                r = u64m_get(&self.content_m, h)
+                r = u64m_get(&self.st.content_m, h)
                 if r == HM_NIL:
-                    if (lower_lookup(&self.tiers[0], h, &hp, &p, &local)
-                            or lower_lookup(&self.tiers[1], h, &hp, &p, &local)):
-                        if self._put_rec(&self.content_m, h, local, hp, p, now) < 0:
+                    if (lower_lookup(&self.st.tiers[0], h, &hp, &p, &local)
+                            or lower_lookup(&self.st.tiers[1], h, &hp, &p, &local)):
+                        if self._put_rec(&self.st.content_m, h, local, hp, p, now) < 0:
                             return -1
-                        r = u64m_get(&self.content_m, h)
+                        r = u64m_get(&self.st.content_m, h)
             if r != HM_NIL:
                 rc = self._apply_rec(worker, h, r)
                 if rc < 0:
                     return -1
                 applied[0] += rc
                 continue
-            head = u64m_get(&self.pending_m, h)
+            head = u64m_get(&self.st.pending_m, h)
             cur = head
-            while cur != HM_NIL and self.waits[cur].worker != worker:
-                cur = self.waits[cur].next
+            while cur != HM_NIL and self.st.waits[cur].worker != worker:
+                cur = self.st.waits[cur].next
             if cur != HM_NIL:
                 continue            # duplicate delivery: first insert time kept
             cur = self._new_wait(worker, now)
             if cur == HM_NIL:
                 return -1
-            self.waits[cur].next = head
-            if u64m_put(&self.pending_m, h, cur) < 0:
-                pool_give(&self.wait_pool, self.waits, cur, sizeof(TPWait))
+            self.st.waits[cur].next = head
+            if u64m_put(&self.st.pending_m, h, cur) < 0:
+                pool_give(&self.st.wait_pool, self.st.waits, cur, sizeof(TPWait))
                 return -1
-            self.npending += 1
+            self.st.npending += 1
             queued[0] += 1
         return 0
 
     def evict(self, uint32_t worker, engine_hashes):
         """Removal with the two-phase rule; returns index removals performed."""
+        self._writable()
         self._tier(worker)
         cdef const uint64_t[::1] sv = as_u64(engine_hashes)
         cdef size_t n = sv.shape[0]
@@ -583,15 +770,15 @@ cdef class CoreIndex:
         if n == 0:
             return 0
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
             rc = self._evict_w(worker, &sv[0], n)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         return rc
 
     cdef long _evict_w(self, uint32_t worker, const uint64_t* hs, size_t n) noexcept nogil:
-        cdef int tier = self.wtier[worker]
+        cdef int tier = self.st.wtier[worker]
         if tier == 0:
-            return tree_remove(&self.tree, worker, hs, n)
+            return tree_remove(&self.st.tree, worker, hs, n)
         return self._evict_c(worker, tier, hs, n)
 
     cdef long _evict_c(self, uint32_t worker, int tier, const uint64_t* hs,
@@ -603,29 +790,29 @@ cdef class CoreIndex:
         cdef bint waited
         for i in range(n):
             h = hs[i]
-            r = u64m_pop(&self.offload_m, h)
+            r = u64m_pop(&self.st.offload_m, h)
             if r != HM_NIL:
                 self._free_rec(r)
-                self._free_rec(u64m_pop(&self.content_m, h))
+                self._free_rec(u64m_pop(&self.st.content_m, h))
                 continue
-            head = u64m_get(&self.pending_m, h)
+            head = u64m_get(&self.st.pending_m, h)
             prev = HM_NIL
             cur = head
-            while cur != HM_NIL and self.waits[cur].worker != worker:
+            while cur != HM_NIL and self.st.waits[cur].worker != worker:
                 prev = cur
-                cur = self.waits[cur].next
+                cur = self.st.waits[cur].next
             waited = cur != HM_NIL
             if waited:
                 if prev == HM_NIL:
-                    head = self.waits[cur].next
+                    head = self.st.waits[cur].next
                     if head == HM_NIL:
-                        u64m_pop(&self.pending_m, h)
+                        u64m_pop(&self.st.pending_m, h)
                     else:
-                        u64m_put(&self.pending_m, h, head)
+                        u64m_put(&self.st.pending_m, h, head)
                 else:
-                    self.waits[prev].next = self.waits[cur].next
+                    self.st.waits[prev].next = self.st.waits[cur].next
                 self._free_wait(cur)
-                if u64m_get(&self.content_m, h) == HM_NIL:
+                if u64m_get(&self.st.content_m, h) == HM_NIL:
                     continue
             removed += self._remove_c(worker, tier, &h, 1)
         return removed
@@ -633,12 +820,13 @@ cdef class CoreIndex:
     def sweep(self, double now, double pending_ttl, double content_ttl, double offload_ttl):
         """Expire two-phase entries by age (>= TTL); returns entries removed."""
         cdef long a, b, c
+        self._writable()
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            a = self._expire(&self.offload_m, now, offload_ttl)
-            b = self._expire(&self.content_m, now, content_ttl)
+            self._wlock()
+            a = self._expire(&self.st.offload_m, now, offload_ttl)
+            b = self._expire(&self.st.content_m, now, content_ttl)
             c = self._drop_waits(0, now, pending_ttl if pending_ttl >= 0 else 0.0)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         if a < 0 or b < 0 or c < 0:
             raise MemoryError()
         # NOTE: the HBM tree prunes empty nodes eagerly; its sweep is always 0.
@@ -655,7 +843,7 @@ cdef class CoreIndex:
             return -1
         for i in range(m.mask + 1):
             r = m.vals[i]
-            if r != HM_NIL and now - self.recs[r].t >= ttl:
+            if r != HM_NIL and now - self.st.recs[r].t >= ttl:
                 old[nold] = m.keys[i]
                 nold += 1
         for k in range(nold):
@@ -668,7 +856,7 @@ cdef class CoreIndex:
                         uint32_t* ends) noexcept nogil:
         """Walk one lower tier from the root and from breakpoints ``s.bps[0:nin]``
         of the same group; append its own breakpoints; max ends per group."""
-        cdef Lower* L = &self.tiers[tier]
+        cdef Lower* L = &self.st.tiers[tier]
         cdef size_t n = hc.n, k, b, nc
         cdef uint32_t e, o, w, g, start
         cdef uint64_t last, first
@@ -684,7 +872,8 @@ cdef class CoreIndex:
             o = L.edges[e].owners
             while o != HM_NIL:
                 w = L.own[o].worker
-                if w < self.nworkers and nc < s.W and s.stamp[w] == HM_NIL and not self.wmute[w]:
+                if (w < self.st.nworkers and nc < s.W and s.stamp[w] == HM_NIL
+                        and not self.st.wmute[w]):
                     s.stamp[w] = 0
                     s.cand[nc] = w
                     nc += 1
@@ -692,7 +881,7 @@ cdef class CoreIndex:
             first = L.edges[e].child
             lower_walk_multi(L, hc, 1, first, s.cand, nc, s.idx, s.W, s.oend, s.olast)
             for k in range(nc):
-                g = self.wgroup[s.cand[k]]
+                g = self.st.wgroup[s.cand[k]]
                 last = s.olast[k] if s.oend[k] > 1 else first
                 if _bp_add(s, g, s.oend[k], last) < 0:
                     return -1
@@ -714,8 +903,8 @@ cdef class CoreIndex:
             o = L.edges[e].owners
             while o != HM_NIL:
                 w = L.own[o].worker
-                if (w < self.nworkers and self.wgroup[w] == g and nc < s.W
-                        and not self.wmute[w]):
+                if (w < self.st.nworkers and self.st.wgroup[w] == g and nc < s.W
+                        and not self.st.wmute[w]):
                     s.cand[nc] = w
                     nc += 1
                 o = L.own[o].next
@@ -733,16 +922,16 @@ cdef class CoreIndex:
     cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil:
         cdef size_t k, nh, ncpu_from
         cdef uint32_t w, g
-        cdef size_t G = self.ngroups
+        cdef size_t G = self.st.ngroups
         cdef uint32_t* npu = s.ends
         cdef uint32_t* cpu = s.ends + G
         cdef uint32_t* dsk = s.ends + 2 * G
-        nh = tree_match(&self.tree, hc, s.hw, s.hd, s.hs, s.stamp)
+        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, s.stamp)
         for k in range(nh):
             w = s.hw[k]
-            if w >= self.nworkers or self.wmute[w]:
+            if w >= self.st.nworkers or self.st.wmute[w]:
                 continue
-            g = self.wgroup[w]
+            g = self.st.wgroup[w]
             if _bp_add(s, g, s.hd[k], s.hs[w]) < 0:
                 return -1
             if s.hd[k] > npu[g]:
@@ -756,19 +945,26 @@ cdef class CoreIndex:
         return 0
 
     cdef list _run_query(self, HCursor* hc):
+        cdef int slot_, stale_ = 0
         cdef Scratch s
         cdef int rc = 0
         cdef size_t W, G, g
         cdef uint32_t n_, c_, d_, top
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            W = _max(_max(self.nworkers, self.tree.nrev),
-                     _max(self.tiers[0].nrev, self.tiers[1].nrev))
-            G = self.ngroups
-            rc = _scratch_init(&s, W, G)
-            if rc == 0:
-                rc = self._query_c(hc, &s)
-            pthread_rwlock_unlock(&self.lock)
+            stale_ = self._rlock(slot_)
+            if stale_ == 0:
+                W = _max(_max(self.st.nworkers, self.st.tree.nrev),
+                         _max(self.st.tiers[0].nrev, self.st.tiers[1].nrev))
+                G = self.st.ngroups
+                rc = _scratch_init(&s, W, G)
+                if rc == 0:
+                    rc = self._query_c(hc, &s)
+                self._runlock(slot_)
+        if stale_ == CORE_CLOSED and not self.attached:
+            return []           # closed meanwhile (reclaimed): an empty index
+        if stale_:
+            self._stale(stale_)
         try:
             if rc < 0:
                 raise MemoryError()
@@ -815,101 +1011,108 @@ cdef class CoreIndex:
         cdef size_t i, k, waits = 0
         cdef uint32_t r, c, d
         cdef U64Map* m
-        nr = pool_mark_free(&self.rec_pool, self.recs, sizeof(TPRec), rfree)
-        nw = pool_mark_free(&self.wait_pool, self.waits, sizeof(TPWait), wfree)
+        nr = pool_mark_free(&self.st.rec_pool, self.st.recs, sizeof(TPRec), rfree)
+        nw = pool_mark_free(&self.st.wait_pool, self.st.waits, sizeof(TPWait), wfree)
         if nr < 0 or nw < 0:
             snprintf(msg, cap, "record or waiter free list broken")
             return -1
-        if (u64m_check(&self.offload_m) < 0 or u64m_check(&self.content_m) < 0
-                or u64m_check(&self.pending_m) < 0):
+        if (u64m_check(&self.st.offload_m) < 0 or u64m_check(&self.st.content_m) < 0
+                or u64m_check(&self.st.pending_m) < 0):
             snprintf(msg, cap, "offload, content or pending map corrupt")
             return -1
         # offload and content: disjoint keys, each value its own live record
         for k in range(2):
-            m = &self.offload_m if k == 0 else &self.content_m
+            m = &self.st.offload_m if k == 0 else &self.st.content_m
             for i in range(m.mask + 1 if m.keys != NULL else 0):
                 r = m.vals[i]
                 if r == HM_NIL:
                     continue
-                if r >= self.rec_pool.used or rfree[r] != 0:
+                if r >= self.st.rec_pool.used or rfree[r] != 0:
                     snprintf(msg, cap, "%s entry %llu has record %llu that is free, out of "
                              "range or shared", "offload" if k == 0 else "content",
                              <ull>m.keys[i], <ull>r)
                     return -1
                 rfree[r] = 2
-                if r != HM_NIL and k == 0 and u64m_get(&self.content_m, m.keys[i]) != HM_NIL:
+                if r != HM_NIL and k == 0 and u64m_get(&self.st.content_m, m.keys[i]) != HM_NIL:
                     snprintf(msg, cap, "hash %llu in offload and content", <ull>m.keys[i])
                     return -1
-        if self.offload_m.size + self.content_m.size + <size_t>nr != self.rec_pool.used:
+        if self.st.offload_m.size + self.st.content_m.size + <size_t>nr != self.st.rec_pool.used:
             snprintf(msg, cap, "records: %llu offload + %llu content + %llu free != %llu",
-                     <ull>self.offload_m.size, <ull>self.content_m.size, <ull>nr,
-                     <ull>self.rec_pool.used)
+                     <ull>self.st.offload_m.size, <ull>self.st.content_m.size, <ull>nr,
+                     <ull>self.st.rec_pool.used)
             return -1
         # pending: non-empty chains of live waiters, one per worker and hash
-        m = &self.pending_m
+        m = &self.st.pending_m
         for i in range(m.mask + 1 if m.keys != NULL else 0):
             c = m.vals[i]
             if c == HM_NIL:
                 continue
             while c != HM_NIL:
-                if c >= self.wait_pool.used or wfree[c] != 0:
+                if c >= self.st.wait_pool.used or wfree[c] != 0:
                     snprintf(msg, cap, "pending hash %llu lists waiter %llu that is free, out "
                              "of range or on another list", <ull>m.keys[i], <ull>c)
                     return -1
                 wfree[c] = 2
                 waits += 1
-                d = self.waits[c].next
-                while d != HM_NIL and d < self.wait_pool.used and wfree[d] == 0:
-                    if self.waits[d].worker == self.waits[c].worker:
+                d = self.st.waits[c].next
+                while d != HM_NIL and d < self.st.wait_pool.used and wfree[d] == 0:
+                    if self.st.waits[d].worker == self.st.waits[c].worker:
                         snprintf(msg, cap, "worker %llu waits twice for hash %llu",
-                                 <ull>self.waits[c].worker, <ull>m.keys[i])
+                                 <ull>self.st.waits[c].worker, <ull>m.keys[i])
                         return -1
-                    d = self.waits[d].next
-                c = self.waits[c].next
-        if waits != self.npending or waits + <size_t>nw != self.wait_pool.used:
+                    d = self.st.waits[d].next
+                c = self.st.waits[c].next
+        if waits != self.st.npending or waits + <size_t>nw != self.st.wait_pool.used:
             snprintf(msg, cap, "npending %llu, recount %llu, free %llu, high-water %llu",
-                     <ull>self.npending, <ull>waits, <ull>nw, <ull>self.wait_pool.used)
+                     <ull>self.st.npending, <ull>waits, <ull>nw, <ull>self.st.wait_pool.used)
             return -1
-        if self.nworkers > self.wcap:
-            snprintf(msg, cap, "nworkers %llu > allocated %llu", <ull>self.nworkers,
-                     <ull>self.wcap)
+        if self.st.nworkers > self.st.wcap:
+            snprintf(msg, cap, "nworkers %llu > allocated %llu", <ull>self.st.nworkers,
+                     <ull>self.st.wcap)
             return -1
-        for i in range(self.nworkers):
-            if self.wgroup[i] != HM_NIL and (self.wgroup[i] >= self.ngroups or self.wtier[i] > 2):
+        for i in range(self.st.nworkers):
+            if self.st.wgroup[i] != HM_NIL and (self.st.wgroup[i] >= self.st.ngroups
+                                                or self.st.wtier[i] > 2):
                 snprintf(msg, cap, "worker %llu: group %llu of %llu or tier %llu out of range",
-                         <ull>i, <ull>self.wgroup[i], <ull>self.ngroups, <ull>self.wtier[i])
+                         <ull>i, <ull>self.st.wgroup[i], <ull>self.st.ngroups,
+                         <ull>self.st.wtier[i])
                 return -1
         return 0
 
     def check_invariants(self):
         """Walk the C structures under the read lock (HBM tree, both tiers, two-phase
         state); ``AssertionError`` naming the first broken invariant."""
+        cdef int slot_, stale_ = 0
         cdef char msg[256]
         cdef char sub[200]
         cdef int rc
         cdef uint8_t* rfree = NULL
         cdef uint8_t* wfree = NULL
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            rc = tree_check(&self.tree, sub, sizeof(sub))
-            if rc == -1:
-                snprintf(msg, sizeof(msg), "HBM tree: %s", sub)
-            if rc == 0:
-                rc = lower_check(&self.tiers[0], sub, sizeof(sub))
+            stale_ = self._rlock(slot_)
+            if stale_ == 0:
+                rc = tree_check(&self.st.tree, sub, sizeof(sub))
                 if rc == -1:
-                    snprintf(msg, sizeof(msg), "CPU tier: %s", sub)
-            if rc == 0:
-                rc = lower_check(&self.tiers[1], sub, sizeof(sub))
-                if rc == -1:
-                    snprintf(msg, sizeof(msg), "Disk tier: %s", sub)
-            if rc == 0:
-                rfree = <uint8_t*>malloc(self.rec_pool.used + 1)
-                wfree = <uint8_t*>malloc(self.wait_pool.used + 1)
-                rc = -2 if rfree == NULL or wfree == NULL else self._check_c(
-                    msg, sizeof(msg), rfree, wfree)
-                free(rfree)
-                free(wfree)
-            pthread_rwlock_unlock(&self.lock)
+                    snprintf(msg, sizeof(msg), "HBM tree: %s", sub)
+                if rc == 0:
+                    rc = lower_check(&self.st.tiers[0], sub, sizeof(sub))
+                    if rc == -1:
+                        snprintf(msg, sizeof(msg), "CPU tier: %s", sub)
+                if rc == 0:
+                    rc = lower_check(&self.st.tiers[1], sub, sizeof(sub))
+                    if rc == -1:
+                        snprintf(msg, sizeof(msg), "Disk tier: %s", sub)
+                if rc == 0:
+                    rfree = <uint8_t*>malloc(self.st.rec_pool.used + 1)
+                    wfree = <uint8_t*>malloc(self.st.wait_pool.used + 1)
+                    rc = -2 if rfree == NULL or wfree == NULL else self._check_c(
+                        msg, sizeof(msg), rfree, wfree)
+                    free(rfree)
+                    free(wfree)
+                self._runlock(slot_)
+        if stale_:
+            self._stale(stale_)
         check_raise(rc, msg)
 
     def _corrupt_for_test(self, str kind):
@@ -918,52 +1121,62 @@ cdef class CoreIndex:
         ``record_freed`` (needs an offload entry), ``hbm_pairs``, ``cpu_total``."""
         cdef size_t i
         if kind == "npending":
-            self.npending += 1
+            self.st.npending += 1
         elif kind == "record_freed":
-            for i in range(self.offload_m.mask + 1 if self.offload_m.keys != NULL else 0):
-                if self.offload_m.vals[i] != HM_NIL:
-                    pool_give(&self.rec_pool, self.recs, self.offload_m.vals[i], sizeof(TPRec))
+            for i in range(self.st.offload_m.mask + 1 if self.st.offload_m.keys != NULL else 0):
+                if self.st.offload_m.vals[i] != HM_NIL:
+                    pool_give(&self.st.rec_pool, self.st.recs, self.st.offload_m.vals[i],
+                              sizeof(TPRec))
                     return
             raise ValueError("needs an offload entry")
         elif kind == "hbm_pairs":
-            self.tree.npairs += 1
+            self.st.tree.npairs += 1
         elif kind == "cpu_total":
-            self.tiers[0].total += 1
+            self.st.tiers[0].total += 1
         else:
             raise ValueError(kind)
 
     # -- introspection -----------------------------------------------------------------------------
     def worker_blocks(self, uint32_t worker):
         """Blocks ``worker`` holds on its tier."""
+        cdef int slot_, stale_ = 0
         cdef size_t n = 0
         cdef int tier
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            if worker < self.nworkers:
-                tier = self.wtier[worker]
-                if tier == 0:
-                    n = tree_worker_blocks(&self.tree, worker)
-                else:
-                    n = lower_worker_blocks(&self.tiers[tier - 1], worker)
-            pthread_rwlock_unlock(&self.lock)
+            stale_ = self._rlock(slot_)
+            if stale_ == 0:
+                if worker < self.st.nworkers:
+                    tier = self.st.wtier[worker]
+                    if tier == 0:
+                        n = tree_worker_blocks(&self.st.tree, worker)
+                    else:
+                        n = lower_worker_blocks(&self.st.tiers[tier - 1], worker)
+                self._runlock(slot_)
+        if stale_:
+            self._stale(stale_)
         return n
 
     def worker_hashes(self, uint32_t worker):
         """The engine hashes ``worker`` holds on its tier, as ``array('Q')`` (any order)."""
+        cdef int slot_, stale_ = 0
         cdef const U64Map* rev = NULL
         cdef size_t i, k = 0, n = 0
         cdef uint64_t* o
         cdef int tier
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
+            stale_ = self._rlock(slot_)
+        if stale_:
+            self._stale(stale_)
         try:
-            if worker < self.nworkers:
-                tier = self.wtier[worker]
+            if worker < self.st.nworkers:
+                tier = self.st.wtier[worker]
                 if tier == 0:
-                    if worker < self.tree.nrev:
-                        rev = &self.tree.rev[worker]
-                elif worker < self.tiers[tier - 1].nrev:
-                    rev = &self.tiers[tier - 1].rev[worker]
+                    if worker < self.st.tree.nrev:
+                        rev = &self.st.tree.rev[worker]
+                elif worker < self.st.tiers[tier - 1].nrev:
+                    rev = &self.st.tiers[tier - 1].rev[worker]
             if rev != NULL:
                 n = rev.size
             out = _array.array("Q", bytes(8 * n))
@@ -975,7 +1188,7 @@ cdef class CoreIndex:
                         k += 1
             return out
         finally:
-            pthread_rwlock_unlock(&self.lock)
+            self._runlock(slot_)
 
     def parent_of(self, uint32_t worker, uint64_t h):
         """The engine hash of the parent of ``worker``'s block ``h`` on its tier.
@@ -983,56 +1196,69 @@ cdef class CoreIndex:
         ``None`` for a root block, or (HBM) when the worker no longer holds the
         parent block. Raises ``KeyError`` when ``worker`` does not hold ``h``.
         """
+        cdef int slot_, stale_ = 0
         cdef uint32_t node = HM_NIL, p, m
         cdef bint found = False, has_parent = False
         cdef uint64_t parent = 0
         cdef int tier = -1
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            if worker < self.nworkers:
-                tier = self.wtier[worker]
-            if tier == 0 and worker < self.tree.nrev:
-                node = u64m_get(&self.tree.rev[worker], h)
-                if node != HM_NIL:
-                    found = True
-                    p = self.tree.nodes[node].parent
-                    if p != 0 and p != HM_NIL:
-                        m = self.tree.nodes[p].members
-                        while m != HM_NIL:
-                            if self.tree.mem[m].worker == worker:
-                                has_parent = True
-                                parent = self.tree.mem[m].ehash
-                                break
-                            m = self.tree.mem[m].next
-            elif tier > 0 and worker < self.tiers[tier - 1].nrev:
-                node = u64m_get(&self.tiers[tier - 1].rev[worker], h)
-                if node != HM_NIL:
-                    found = True
-                    has_parent = self.tiers[tier - 1].edges[node].has_parent == 1
-                    parent = self.tiers[tier - 1].edges[node].parent
-            pthread_rwlock_unlock(&self.lock)
+            stale_ = self._rlock(slot_)
+            if stale_ == 0:
+                if worker < self.st.nworkers:
+                    tier = self.st.wtier[worker]
+                if tier == 0 and worker < self.st.tree.nrev:
+                    node = u64m_get(&self.st.tree.rev[worker], h)
+                    if node != HM_NIL:
+                        found = True
+                        p = self.st.tree.nodes[node].parent
+                        if p != 0 and p != HM_NIL:
+                            m = self.st.tree.nodes[p].members
+                            while m != HM_NIL:
+                                if self.st.tree.mem[m].worker == worker:
+                                    has_parent = True
+                                    parent = self.st.tree.mem[m].ehash
+                                    break
+                                m = self.st.tree.mem[m].next
+                elif tier > 0 and worker < self.st.tiers[tier - 1].nrev:
+                    node = u64m_get(&self.st.tiers[tier - 1].rev[worker], h)
+                    if node != HM_NIL:
+                        found = True
+                        has_parent = self.st.tiers[tier - 1].edges[node].has_parent == 1
+                        parent = self.st.tiers[tier - 1].edges[node].parent
+                self._runlock(slot_)
+        if stale_:
+            self._stale(stale_)
         if not found:
             raise KeyError(h)
         return parent if has_parent else None
 
     def stats(self):
         """Sizes: nodes, hbm_pairs, cpu_blocks, disk_blocks, offload, content, pending, nbytes."""
+        cdef int slot_, stale_ = 0
         cdef size_t nodes, pairs, cpu, disk, off, con, pen, nb
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            nodes = self.tree.live_nodes
-            pairs = self.tree.npairs
-            cpu = self.tiers[0].total
-            disk = self.tiers[1].total
-            off = self.offload_m.size
-            con = self.content_m.size
-            pen = self.npending
-            nb = (tree_nbytes(&self.tree) + lower_nbytes(&self.tiers[0])
-                  + lower_nbytes(&self.tiers[1]) + u64m_nbytes(&self.offload_m)
-                  + u64m_nbytes(&self.content_m) + u64m_nbytes(&self.pending_m)
-                  + self.rec_pool.cap * sizeof(TPRec) + self.wait_pool.cap * sizeof(TPWait)
-                  + self.wcap * (sizeof(uint32_t) + 2 * sizeof(uint8_t)))
-            pthread_rwlock_unlock(&self.lock)
+            stale_ = self._rlock(slot_)
+            if stale_ == 0:
+                nodes = self.st.tree.live_nodes
+                pairs = self.st.tree.npairs
+                cpu = self.st.tiers[0].total
+                disk = self.st.tiers[1].total
+                off = self.st.offload_m.size
+                con = self.st.content_m.size
+                pen = self.st.npending
+                nb = (tree_nbytes(&self.st.tree) + lower_nbytes(&self.st.tiers[0])
+                      + lower_nbytes(&self.st.tiers[1]) + u64m_nbytes(&self.st.offload_m)
+                      + u64m_nbytes(&self.st.content_m) + u64m_nbytes(&self.st.pending_m)
+                      + self.st.rec_pool.cap * sizeof(TPRec)
+                      + self.st.wait_pool.cap * sizeof(TPWait)
+                      + self.st.wcap * (sizeof(uint32_t) + 2 * sizeof(uint8_t)))
+                self._runlock(slot_)
+        if stale_ == CORE_CLOSED and not self.attached:
+            nodes = pairs = cpu = disk = off = con = pen = nb = 0     # closed: empty
+        elif stale_:
+            self._stale(stale_)
         return {"nodes": nodes, "hbm_pairs": pairs, "cpu_blocks": cpu, "disk_blocks": disk,
                 "offload": off, "content": con, "pending": pen, "nbytes": nb}
 
@@ -1044,16 +1270,16 @@ cdef class CoreIndex:
         cdef size_t i
         cdef const Lower* L
         if tier == 0:
-            if w >= self.tree.nrev:
+            if w >= self.st.tree.nrev:
                 return False
-            rev = &self.tree.rev[w]
+            rev = &self.st.tree.rev[w]
             if rev.size == 0:
                 return False
             for i in range(rev.mask + 1):
-                if rev.vals[i] != HM_NIL and self.tree.nodes[rev.vals[i]].local == local:
+                if rev.vals[i] != HM_NIL and self.st.tree.nodes[rev.vals[i]].local == local:
                     return True
             return False
-        L = &self.tiers[tier - 1]
+        L = &self.st.tiers[tier - 1]
         if w >= L.nrev:
             return False
         rev = &L.rev[w]
@@ -1068,7 +1294,7 @@ cdef class CoreIndex:
                        uint64_t* p) noexcept nogil:
         """One worker's lower-tier walk from (pos, parent ``p`` when ``hp``, else the
         root); returns where it stops, with ``hp``/``p`` the last block walked."""
-        cdef const Lower* L = &self.tiers[tier - 1]
+        cdef const Lower* L = &self.st.tiers[tier - 1]
         cdef size_t n = hc.n
         cdef uint32_t e
         if pos >= n:
@@ -1090,7 +1316,7 @@ cdef class CoreIndex:
 
     cdef int _lower_stop(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint hp,
                          uint64_t p) noexcept nogil:
-        cdef const Lower* L = &self.tiers[tier - 1]
+        cdef const Lower* L = &self.st.tiers[tier - 1]
         cdef uint64_t h
         if pos >= hc.n:
             return STOP_END_OF_PROMPT
@@ -1113,36 +1339,36 @@ cdef class CoreIndex:
         cdef size_t n = hc.n
         cdef bint hp
         cdef uint64_t p, h
-        nh = tree_match(&self.tree, hc, s.hw, s.hd, s.hs, s.stamp)
-        for k in range(self.nworkers):
+        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, s.stamp)
+        for k in range(self.st.nworkers):
             reach[k] = 0
         for k in range(nh):
             w = s.hw[k]
-            if w >= self.nworkers or self.wmute[w]:
+            if w >= self.st.nworkers or self.st.wmute[w]:
                 continue
-            if _bp_add(s, self.wgroup[w], s.hd[k], s.hs[w]) < 0:
+            if _bp_add(s, self.st.wgroup[w], s.hd[k], s.hs[w]) < 0:
                 return -1
             reach[w] = s.hd[k]
         nb0 = s.nbp
-        if self._tier_walk(0, hc, s, nb0, s.ends + self.ngroups) < 0:
+        if self._tier_walk(0, hc, s, nb0, s.ends + self.st.ngroups) < 0:
             return -1
         nb1 = s.nbp
         # the tree path of the query: path[k] is the node after k blocks
         path[0] = T_ROOT
         plen = 1
         while plen <= n:
-            c = em_get(&self.tree.edges, path[plen - 1], hc_get(hc, plen - 1))
+            c = em_get(&self.st.tree.edges, path[plen - 1], hc_get(hc, plen - 1))
             if c == HM_NIL:
                 break
             path[plen] = c
             plen += 1
-        for k in range(self.nworkers):
+        for k in range(self.st.nworkers):
             w = <uint32_t>k
-            g = self.wgroup[w]
+            g = self.st.wgroup[w]
             if g == HM_NIL:
                 continue
-            t = self.wtier[w]
-            if self.wmute[w]:
+            t = self.st.wtier[w]
+            if self.st.wmute[w]:
                 # no hits and no breakpoints (set_muted): it reaches nothing
                 reach[w] = 0
                 code[w] = STOP_MUTED
@@ -1155,7 +1381,7 @@ cdef class CoreIndex:
                 h = hc_get(hc, d)
                 if self._holds_local(0, w, h):
                     code[w] = STOP_PARENT_MISMATCH
-                elif d + 1 < plen and self.tree.nodes[path[d + 1]].nmembers > 0:
+                elif d + 1 < plen and self.st.tree.nodes[path[d + 1]].nmembers > 0:
                     code[w] = STOP_NOT_HELD
                 elif d == 0:
                     code[w] = STOP_NO_FIRST_BLOCK
@@ -1182,31 +1408,38 @@ cdef class CoreIndex:
         return 0
 
     cdef list _run_trace(self, HCursor* hc):
+        cdef int slot_, stale_ = 0
         cdef Scratch s
         cdef int rc = 0
         cdef size_t W, G, k, nw = 0
         cdef size_t* reach = NULL
         cdef uint8_t* code = NULL
         cdef uint32_t* path = NULL
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            W = _max(_max(self.nworkers, self.tree.nrev),
-                     _max(self.tiers[0].nrev, self.tiers[1].nrev))
-            G = self.ngroups
-            nw = self.nworkers
-            rc = _scratch_init(&s, W, G)
-            reach = <size_t*>malloc(nw * sizeof(size_t) + 1)
-            code = <uint8_t*>malloc(nw + 1)
-            path = <uint32_t*>malloc((hc.n + 1) * sizeof(uint32_t))
-            if reach == NULL or code == NULL or path == NULL:
-                rc = -1
-            if rc == 0:
-                rc = self._trace_c(hc, &s, reach, code, path)
-            if rc == 0:
-                for k in range(nw):
-                    if self.wgroup[k] == HM_NIL:
-                        code[k] = 0xFF
-            pthread_rwlock_unlock(&self.lock)
+            stale_ = self._rlock(slot_)
+            if stale_ == 0:
+                W = _max(_max(self.st.nworkers, self.st.tree.nrev),
+                         _max(self.st.tiers[0].nrev, self.st.tiers[1].nrev))
+                G = self.st.ngroups
+                nw = self.st.nworkers
+                rc = _scratch_init(&s, W, G)
+                reach = <size_t*>malloc(nw * sizeof(size_t) + 1)
+                code = <uint8_t*>malloc(nw + 1)
+                path = <uint32_t*>malloc((hc.n + 1) * sizeof(uint32_t))
+                if reach == NULL or code == NULL or path == NULL:
+                    rc = -1
+                if rc == 0:
+                    rc = self._trace_c(hc, &s, reach, code, path)
+                if rc == 0:
+                    for k in range(nw):
+                        if self.st.wgroup[k] == HM_NIL:
+                            code[k] = 0xFF
+                self._runlock(slot_)
+        if stale_ == CORE_CLOSED and not self.attached:
+            nodes = pairs = cpu = disk = off = con = pen = nb = 0     # closed: empty
+        elif stale_:
+            self._stale(stale_)
         try:
             if rc < 0:
                 raise MemoryError()
@@ -1251,16 +1484,20 @@ cdef class CoreIndex:
         member table -- ``node`` (``array('I')``, a node row), ``worker``
         (``array('I')``), ``ehash`` (``array('Q')``). :meth:`restore_hbm` rebuilds it.
         """
+        cdef int slot_, stale_ = 0
         cdef uint32_t* pos = NULL
         cdef uint32_t* stack = NULL
         cdef size_t nn, nm, used
         cdef int rc = 0
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
+            stale_ = self._rlock(slot_)
+        if stale_:
+            self._stale(stale_)
         try:
-            nn = self.tree.live_nodes
-            nm = self.tree.npairs
-            used = self.tree.node_pool.used
+            nn = self.st.tree.live_nodes
+            nm = self.st.tree.npairs
+            used = self.st.tree.node_pool.used
             parents = _array.array("I", bytes(4 * nn))
             locs = _array.array("Q", bytes(8 * nn))
             mnode = _array.array("I", bytes(4 * nm))
@@ -1272,14 +1509,14 @@ cdef class CoreIndex:
                 raise MemoryError()
             with nogil:
                 rc = tree_export(
-                    &self.tree, pos, stack,
+                    &self.st.tree, pos, stack,
                     <uint32_t*>(<array.array>parents).data.as_uints,
                     <uint64_t*>(<array.array>locs).data.as_ulonglongs,
                     <uint32_t*>(<array.array>mnode).data.as_uints,
                     <uint32_t*>(<array.array>mworker).data.as_uints,
                     <uint64_t*>(<array.array>mehash).data.as_ulonglongs)
         finally:
-            pthread_rwlock_unlock(&self.lock)
+            self._runlock(slot_)
             free(pos)
             free(stack)
         if rc < 0:
@@ -1301,10 +1538,12 @@ cdef class CoreIndex:
         cdef size_t nn = pv.shape[0], nm = nv.shape[0], i
         cdef uint32_t* rows
         cdef long rc
+        self._writable()
         if <size_t>lv.shape[0] != nn or <size_t>wv.shape[0] != nm or <size_t>ev.shape[0] != nm:
             raise ValueError("HBM table: column lengths differ")
         for i in range(nm):
-            if wv[i] >= self.nworkers or self.wgroup[wv[i]] == HM_NIL or self.wtier[wv[i]] != 0:
+            if (wv[i] >= self.st.nworkers or self.st.wgroup[wv[i]] == HM_NIL
+                    or self.st.wtier[wv[i]] != 0):
                 raise ValueError(f"HBM table: worker {wv[i]} is unknown or not an HBM worker")
         if nn == 0 and nm == 0:
             return 0
@@ -1312,11 +1551,11 @@ cdef class CoreIndex:
         if rows == NULL:
             raise MemoryError()
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            rc = tree_restore(&self.tree, &pv[0] if nn else NULL, &lv[0] if nn else NULL, nn,
+            self._wlock()
+            rc = tree_restore(&self.st.tree, &pv[0] if nn else NULL, &lv[0] if nn else NULL, nn,
                               &nv[0] if nm else NULL, &wv[0] if nm else NULL,
                               &ev[0] if nm else NULL, nm, rows)
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         free(rows)
         if rc == T_ERR_OOM:
             raise MemoryError()
@@ -1330,6 +1569,7 @@ cdef class CoreIndex:
         owner) as ``(worker, ehash, local, parent, has_parent)`` arrays (``'I'``, ``'Q'``,
         ``'Q'``, ``'Q'``, ``'B'``), root edges first in their creation order per local
         hash. :meth:`restore_tier` replays them."""
+        cdef int slot_, stale_ = 0
         cdef Lower* L
         cdef size_t n, k = 0, i
         cdef uint32_t e, o
@@ -1341,9 +1581,12 @@ cdef class CoreIndex:
         cdef uint8_t* oh
         if tier != 1 and tier != 2:
             raise ValueError(f"tier must be 1 or 2, not {tier}")
-        L = &self.tiers[tier - 1]
+        L = &self.st.tiers[tier - 1]
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
+            stale_ = self._rlock(slot_)
+        if stale_:
+            self._stale(stale_)
         try:
             n = L.total
             workers = _array.array("I", bytes(4 * n))
@@ -1390,7 +1633,7 @@ cdef class CoreIndex:
                         k += 1
                         o = L.own[o].next
         finally:
-            pthread_rwlock_unlock(&self.lock)
+            self._runlock(slot_)
         if bad or k != n:
             raise AssertionError("lower tier: block count disagrees with the edges")
         return workers, ehashes, locs, parents, hps
@@ -1408,24 +1651,26 @@ cdef class CoreIndex:
         cdef size_t n = wv.shape[0], i
         cdef long rc = 1
         cdef Lower* L
+        self._writable()
         if tier != 1 and tier != 2:
             raise ValueError(f"tier must be 1 or 2, not {tier}")
         if (<size_t>ev.shape[0] != n or <size_t>lv.shape[0] != n or <size_t>pv.shape[0] != n
                 or <size_t>hv.shape[0] != n):
             raise ValueError("tier table: column lengths differ")
         for i in range(n):
-            if wv[i] >= self.nworkers or self.wgroup[wv[i]] == HM_NIL or self.wtier[wv[i]] != tier:
+            if (wv[i] >= self.st.nworkers or self.st.wgroup[wv[i]] == HM_NIL
+                    or self.st.wtier[wv[i]] != tier):
                 raise ValueError(f"tier table: worker {wv[i]} is unknown or not of tier {tier}")
-        L = &self.tiers[tier - 1]
+        L = &self.st.tiers[tier - 1]
         i = 0
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
             while i < n:
                 rc = lower_store(L, wv[i], hv[i] != 0, pv[i], &ev[i], &lv[i], 1)
                 if rc != 1:
                     break
                 i += 1
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
         if rc < 0:
             raise MemoryError()
         if i < n:
@@ -1437,32 +1682,36 @@ cdef class CoreIndex:
         ``(kind, ehash, local, parent or None, t)`` (kind 0 offload, 1 content) and waits
         ``(ehash, worker, t)``, each hash's waiters newest first; ``t`` on the caller's
         clock (the ``now`` given to offload/pool_store)."""
+        cdef int slot_, stale_ = 0
         cdef size_t i
         cdef int k
         cdef uint32_t r, c
         cdef U64Map* m
         records = []
         waits = []
+        slot_ = self._reader()
         with nogil:
-            pthread_rwlock_rdlock(&self.lock)
+            stale_ = self._rlock(slot_)
+        if stale_:
+            self._stale(stale_)
         try:
             for k in range(2):
-                m = &self.offload_m if k == 0 else &self.content_m
+                m = &self.st.offload_m if k == 0 else &self.st.content_m
                 for i in range(m.mask + 1 if m.keys != NULL else 0):
                     r = m.vals[i]
                     if r == HM_NIL:
                         continue
-                    records.append((k, m.keys[i], self.recs[r].local,
-                                    self.recs[r].parent if self.recs[r].has_parent else None,
-                                    self.recs[r].t))
-            m = &self.pending_m
+                    records.append((k, m.keys[i], self.st.recs[r].local,
+                                    self.st.recs[r].parent if self.st.recs[r].has_parent else None,
+                                    self.st.recs[r].t))
+            m = &self.st.pending_m
             for i in range(m.mask + 1 if m.keys != NULL else 0):
                 c = m.vals[i]
                 while c != HM_NIL:
-                    waits.append((m.keys[i], self.waits[c].worker, self.waits[c].t))
-                    c = self.waits[c].next
+                    waits.append((m.keys[i], self.st.waits[c].worker, self.st.waits[c].t))
+                    c = self.st.waits[c].next
         finally:
-            pthread_rwlock_unlock(&self.lock)
+            self._runlock(slot_)
         return records, waits
 
     def restore_twophase(self, records, waits):
@@ -1474,6 +1723,7 @@ cdef class CoreIndex:
         cdef uint32_t worker, cur, head
         cdef bint hp
         cdef double t
+        self._writable()
         recs = [(int(k), int(h_), int(l_), p_, float(t_)) for k, h_, l_, p_, t_ in records]
         ws = [(int(h_), int(w_), float(t_)) for h_, w_, t_ in waits]
         for rec in recs:
@@ -1481,38 +1731,38 @@ cdef class CoreIndex:
                 raise ValueError(f"two-phase record of kind {rec[0]}")
         for wait in ws:
             worker = wait[1]
-            if worker >= self.nworkers or self.wgroup[worker] == HM_NIL:
+            if worker >= self.st.nworkers or self.st.wgroup[worker] == HM_NIL:
                 raise ValueError(f"pending wait of unknown worker {worker}")
         with nogil:
-            pthread_rwlock_wrlock(&self.lock)
+            self._wlock()
         try:
             for kind, h, local, p_, t in recs:
                 hp = p_ is not None
                 parent = p_ if hp else 0
-                if (u64m_get(&self.offload_m, h) != HM_NIL
-                        or u64m_get(&self.content_m, h) != HM_NIL):
+                if (u64m_get(&self.st.offload_m, h) != HM_NIL
+                        or u64m_get(&self.st.content_m, h) != HM_NIL):
                     raise ValueError(f"two-phase record for hash {h} given twice")
-                if self._put_rec(&self.offload_m if kind == 0 else &self.content_m, h, local,
+                if self._put_rec(&self.st.offload_m if kind == 0 else &self.st.content_m, h, local,
                                  hp, parent, t) < 0:
                     raise MemoryError()
             # each hash's waiters come newest first: push them oldest first
             for h, worker, t in reversed(ws):
-                head = u64m_get(&self.pending_m, h)
+                head = u64m_get(&self.st.pending_m, h)
                 cur = head
-                while cur != HM_NIL and self.waits[cur].worker != worker:
-                    cur = self.waits[cur].next
+                while cur != HM_NIL and self.st.waits[cur].worker != worker:
+                    cur = self.st.waits[cur].next
                 if cur != HM_NIL:
                     raise ValueError(f"worker {worker} waits twice for hash {h}")
                 cur = self._new_wait(worker, t)
                 if cur == HM_NIL:
                     raise MemoryError()
-                self.waits[cur].next = head
-                if u64m_put(&self.pending_m, h, cur) < 0:
-                    pool_give(&self.wait_pool, self.waits, cur, sizeof(TPWait))
+                self.st.waits[cur].next = head
+                if u64m_put(&self.st.pending_m, h, cur) < 0:
+                    pool_give(&self.st.wait_pool, self.st.waits, cur, sizeof(TPWait))
                     raise MemoryError()
-                self.npending += 1
+                self.st.npending += 1
         finally:
-            pthread_rwlock_unlock(&self.lock)
+            self._wunlock()
 
 
 cdef const uint32_t[::1] _u32(values):
@@ -1532,3 +1782,47 @@ cdef const uint8_t[::1] _u8(values):
 def _live_allocations():
     """Structure blocks this module allocated and has not freed (tests: leak check)."""
     return live_allocations()
+
+
+# -- shared mode (--workers N) -----------------------------------------------------------
+def install_shared(Arena arena, SharedLock lock):
+    """Shared mode for this process, called ON THE WRITER THREAD (the owner's ingest
+    thread): structure memory that thread allocates comes from ``arena`` (in this
+    module and in ``_tree``/``_lower``), and every CoreIndex created afterwards also
+    takes ``lock``'s write side when it writes. ``install_shared(None, None)`` ends it
+    (tests; indexes created meanwhile stay shared)."""
+    global _shared_lock
+    if arena is None:
+        pool_unset_arena()
+        _tree._install_arena(None)
+        _lower._install_arena(None)
+        _shared_lock = None
+        return
+    pool_set_arena(&arena.a, <void*>arena_malloc, <void*>arena_realloc, <void*>arena_free,
+                   arena.a.base, arena.a.base + arena.a.reserve)
+    _tree._install_arena(arena)
+    _lower._install_arena(arena)
+    _shared_lock = lock
+
+
+def attach_core(uintptr_t address, SharedLock lock, uintptr_t gen_address, uint64_t gen_seen):
+    """A read-only handle (a worker's) on the CoreIndex state at ``address`` of the
+    arena mapped in this process. Every read enters ``lock``'s read section and first
+    checks that the word at ``gen_address`` still equals ``gen_seen`` (else
+    :class:`StaleIndexError`: the caller reloads the directory). Never frees anything."""
+    cdef CoreIndex c = CoreIndex.__new__(CoreIndex, _ATTACH)
+    cdef CoreState* st = <CoreState*>address
+    if address == 0 or gen_address == 0 or lock is None:
+        raise ValueError("attach_core needs a state address, a generation and a lock")
+    c.attached = True
+    c.st = st
+    c.xlock = lock
+    c.xl = lock.lock
+    c.gen = <const uint64_t*>gen_address
+    c.gen_seen = gen_seen
+    return c
+
+
+def _arena_leaks():
+    """Arena blocks this module was asked to free off the writer thread (left in place)."""
+    return pool_arena_leaked()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import kvconductor
@@ -165,23 +165,30 @@ class Index:
         self._group_keys: list[tuple[str, int]] = []
         #: (instance_id, dp_rank) -> its WorkerKeys, in creation order
         self._group_workers: dict[tuple[str, int], list[WorkerKey]] = {}
+        #: Called (writer thread) after a new group id was named, before any block of it
+        #: is stored: ``--workers N`` publishes the names there (kvconductor.shared).
+        self.on_new_group: Callable[[], None] | None = None
 
     # -- interning ---------------------------------------------------------------
     def worker_id(self, key: WorkerKey) -> int:
         """The core's id of ``key``, created on first use (writer thread only)."""
         wid = self._workers.get(key)
         if wid is None:
+            new_group = False
             g = (key.instance_id, key.dp_rank)
             gid = self._groups.get(g)
             if gid is None:
                 gid = len(self._group_keys)
                 self._groups[g] = gid
                 self._group_keys.append(g)
+                new_group = True
             wid = len(self._worker_keys)
             self.core.set_worker(wid, gid, Medium(key.medium).tier)
             self._worker_keys.append(key)
             self._workers[key] = wid
             self._group_workers.setdefault(g, []).append(key)
+            if new_group and self.on_new_group is not None:
+                self.on_new_group()
         return wid
 
     def workers_of(self, instance_id: str, dp_rank: int | None = None) -> list[WorkerKey]:
@@ -336,6 +343,13 @@ class Index:
                 )
             )
         return out
+
+    def close(self) -> None:
+        """Free the core's state now (writer thread; ``--workers N`` drops an index this
+        way once the directory no longer lists it). The twin has nothing to free."""
+        close = getattr(self.core, "close", None)
+        if close is not None:
+            close()
 
     # -- maintenance and introspection ------------------------------------------------
     def maintenance(

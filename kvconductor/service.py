@@ -278,6 +278,9 @@ class Conductor:
         #: The last WARN+ records of the process's ``kvconductor`` loggers (``/workers``),
         #: collected between start() and stop().
         self.recent_warnings = RecentWarnings()
+        #: ``--workers N``: the shared arena, lock and directory (set before :meth:`start`;
+        #: see :mod:`kvconductor.shared`). None: one process, private memory.
+        self.shared: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -291,6 +294,9 @@ class Conductor:
         self.thread.call(self._start_on_thread)
 
     def _start_on_thread(self) -> None:
+        if self.shared is not None:
+            self.shared.install()
+            self.shared.publish(self)
         self.subs = self._subs_factory(self.thread, self)
         self.thread.call_later(self.interval, self._maintenance_tick)
         self.thread.call_later(SOURCE_CHECK_SECS, self._source_tick)
@@ -322,6 +328,10 @@ class Conductor:
         self._stopping = True
         if self.subs is not None:
             self.subs.close()
+        if self.shared is not None:
+            # unpublish and free every shared index while this is still the writer thread
+            for key in list(self.indexes):
+                self._drop_index(key)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Await ``fn(*args)`` on the ingest thread."""
@@ -353,7 +363,24 @@ class Conductor:
         if idx is None:
             idx = self.indexes[key] = Index(model, tenant, impl=self.config.index_impl)
             log.debug("indexer created model=%s tenant=%s", model, tenant)
+            if self.shared is not None:
+                idx.on_new_group = self._directory_changed
+                self.shared.publish(self)
         return idx
+
+    def _directory_changed(self) -> None:
+        """``--workers N``: publish what workers name answers with (ingest thread): an
+        index, a group, the block sizes or LoRA seeds changed."""
+        if self.shared is not None:
+            self.shared.publish(self)
+
+    def _drop_index(self, key: tuple[str, str]) -> None:
+        """Forget the index of ``key`` (ingest thread). With ``--workers N`` the directory
+        without it is published first, then its shared state is freed."""
+        idx = self.indexes.pop(key)
+        if self.shared is not None:
+            self.shared.publish(self)
+            idx.close()
 
     def hbm_ip_lookup(self, ip: str) -> list[tuple[str, int]]:
         """(instance_id, dp_rank) pairs registered with HBM endpoints on ``ip``."""
@@ -522,6 +549,7 @@ class Conductor:
         seen = self.lora_seeds.get(key)
         if seen is None or seed not in seen:
             self.lora_seeds[key] = (seen or frozenset()) | {seed}
+            self._directory_changed()
 
     def _registrations_changed(self) -> None:
         """Recount :attr:`registrations` and :attr:`block_sizes` (ingest thread; after a
@@ -532,15 +560,19 @@ class Conductor:
             for ep in entry.endpoints.values():
                 n += 1
                 sizes.setdefault(ep.index_key, set()).add(ep.block_size)
-        self.block_sizes = {k: frozenset(v) for k, v in sizes.items()}
+        block_sizes = {k: frozenset(v) for k, v in sizes.items()}
+        changed = block_sizes != self.block_sizes
+        self.block_sizes = block_sizes
         self.registrations = n
+        if changed:
+            self._directory_changed()
 
     def _reclaim(self, key: tuple[str, str]) -> bool:
         """Drop the index of ``key`` if it is empty and no registration refers to it."""
         idx = self.indexes.get(key)
         if idx is None or key in self.registry.protected() or not idx.is_empty():
             return False
-        del self.indexes[key]
+        self._drop_index(key)
         log.debug("indexer removed model=%s tenant=%s", key[0], key[1])
         return True
 
@@ -658,7 +690,7 @@ class Conductor:
         reclaimed = 0
         for key, idx in list(self.indexes.items()):
             if key not in protected and idx.is_empty():
-                del self.indexes[key]
+                self._drop_index(key)
                 reclaimed += 1
         log.debug(
             "cache maintenance completed pruned=%d reclaimed=%d indexers=%d",

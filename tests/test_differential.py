@@ -679,6 +679,8 @@ class CoreMachine(_Pair):
                 assert [tuple(r) for r in fresh.match(q)] == self.py.match(q), q
             assert canonical_export(core_export(fresh)) == canonical_export(ep)
             getattr(fresh, "check_invariants", getattr(fresh, "_check_invariants", None))()
+            if isinstance(fresh, _index.CoreIndex):
+                fresh.close()  # shared mode (SharedCoreMachine): its arena blocks go back
 
     @invariant()
     def agree(self):
@@ -704,6 +706,44 @@ class CoreMachine(_Pair):
 
 TestCoreDifferential = CoreMachine.TestCase
 TestCoreDifferential.settings = SETTINGS
+
+
+class SharedCoreMachine(CoreMachine):
+    """``CoreMachine`` with the compiled core in shared mode (``--workers N``): every
+    structure block comes from an arena (grown, shrunk and reused by the same rules),
+    every write takes the shared lock too, and a read-only handle attached to the same
+    state (what a worker process builds) answers every fixed query like the twin. At
+    the end the core is closed and the arena holds no block: nothing leaked."""
+
+    def __init__(self):
+        address = 0x2C0000000000 + (next(_arena_slots) % 1024) * (1 << 30)
+        self.arena = _arena.Arena(reserve=1 << 30, address=address)
+        self.lock = _shlock.SharedLock()
+        _index.install_shared(self.arena, self.lock)
+        super().__init__()
+        gen = self.arena.address + _arena.OPAQUE_OFFSET
+        self.view = _index.attach_core(self.c.address(), self.lock, gen, 0)
+
+    def teardown(self):
+        try:
+            self.c.close()
+            self.arena.check_invariants()
+            assert self.arena.stats()["live_blocks"] == 0, "arena blocks left after close"
+            assert _index._arena_leaks() == 0
+        finally:
+            _index.install_shared(None, None)
+            self.arena.close()
+
+    @invariant()
+    def attached_view_agrees(self):
+        assert self.c.address() == self.view.address()
+        for q in FIXED_QUERIES:
+            assert [tuple(r) for r in self.view.match(q)] == self.py.match(q), q
+        assert dict(self.view.stats()) == dict(self.c.stats())
+
+
+TestSharedCoreDifferential = SharedCoreMachine.TestCase
+TestSharedCoreDifferential.settings = SETTINGS
 
 
 # -- Arena allocator -----------------------------------------------------------------------------

@@ -1,0 +1,245 @@
+"""One index in shared memory for ``kv-conductor --workers N`` (docs/design.md, "Several
+worker processes, one index").
+
+The owner process keeps the :class:`~kvconductor.service.Conductor` and its ingest thread,
+the only writer. With :class:`SharedIndexes` installed, every structure the ingest thread
+allocates for an index comes from an :class:`~kvconductor._arena.Arena` (a ``memfd``
+mapped at one fixed address in every process), and every write to an index also takes
+the cross-process :class:`~kvconductor._shlock.SharedLock`. Worker processes map both
+(:class:`SharedView`) and answer ``/query`` and ``/query_by_hash`` from the owner's
+structures, without copying them.
+
+What a worker needs besides the structures is small and changes rarely: which
+(model, tenant) indexes exist and where their state is, each index's group id ->
+(instance, DP) names, the registered block sizes and the LoRA seeds seen (for the miss
+warnings). The owner publishes them as one MessagePack *directory* in the arena, with a
+generation number, each time one of them changes (ingest thread, under the shared
+write lock). A worker's index handles carry the generation they were built from and
+check it inside every read section: a handle whose directory is no longer current
+raises :class:`~kvconductor._index.StaleIndexError` instead of touching memory the
+owner may have freed, and the worker reloads the directory and asks again.
+
+**Threading: the owner calls** :meth:`SharedIndexes.install` **and**
+:meth:`SharedIndexes.publish` **on the ingest thread only; a** :class:`SharedView` **is
+used by any number of threads of a worker.**
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from kvconductor import _index
+from kvconductor._arena import OPAQUE_OFFSET, Arena
+from kvconductor._shlock import SharedLock
+from kvconductor.index import DpHit, QueryResult
+
+log = logging.getLogger("kvconductor")
+
+#: The directory header at the start of the arena's opaque area: magic, generation,
+#: address and length of the MessagePack directory.
+_HEADER = struct.Struct("<QQQQ")
+DIR_MAGIC = 0x6B76636469723031  # "kvcdir01"
+#: How often a query retries after its directory went stale under it.
+STALE_RETRIES = 16
+
+
+class Directory(msgspec.Struct, array_like=True):
+    """What a worker needs besides the structures (published by the owner)."""
+
+    #: [model, tenant, state address, [[instance_id, dp_rank], ...] by group id]
+    indexes: list[tuple[str, str, int, list[tuple[str, int]]]]
+    #: [model, tenant, registered block sizes]
+    block_sizes: list[tuple[str, str, list[int]]]
+    #: [model, tenant, LoRA hash seeds seen]
+    lora_seeds: list[tuple[str, str, list[int]]]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Directory)
+
+
+def directory_of(conductor: Any) -> Directory:
+    """The directory of ``conductor``'s current state (ingest thread)."""
+    return Directory(
+        indexes=[
+            (m, t, idx.core.address(), list(idx._group_keys))
+            for (m, t), idx in conductor.indexes.items()
+        ],
+        block_sizes=[(m, t, sorted(s)) for (m, t), s in conductor.block_sizes.items()],
+        lora_seeds=[(m, t, sorted(s)) for (m, t), s in conductor.lora_seeds.items()],
+    )
+
+
+class SharedIndexes:
+    """The owner's side: the arena, the shared lock and the directory."""
+
+    def __init__(self, arena: Arena | None = None, lock: SharedLock | None = None) -> None:
+        self.arena = arena if arena is not None else Arena()
+        self.lock = lock if lock is not None else SharedLock()
+        self.header_address = self.arena.address + OPAQUE_OFFSET
+        #: Generation of the last published directory (0: none yet).
+        self.generation = 0
+        self.publishes = 0
+        self._blob = 0
+        self.arena.write(self.header_address, _HEADER.pack(DIR_MAGIC, 0, 0, 0))
+
+    def fds(self) -> list[int]:
+        """The file descriptors a worker inherits: arena, then lock."""
+        return [self.arena.fileno(), self.lock.fileno()]
+
+    def install(self) -> None:
+        """Route the calling thread's index allocations to the arena (ingest thread)."""
+        _index.install_shared(self.arena, self.lock)
+
+    def close(self) -> None:
+        """End shared mode and unmap the arena (after the conductor stopped: it frees
+        its shared indexes then). No shared index may be used afterwards."""
+        _index.install_shared(None, None)
+        self.arena.close()
+
+    def publish(self, conductor: Any) -> int:
+        """Write ``conductor``'s directory and bump the generation (ingest thread);
+        returns the new generation."""
+        doc = _encoder.encode(directory_of(conductor))
+        addr = self.arena.malloc(max(1, len(doc)))
+        if addr == 0:
+            raise MemoryError("shared arena: no room for the directory")
+        self.arena.write(addr, doc)
+        old = self._blob
+        with self.lock.writing():
+            self.generation += 1
+            self.arena.write(
+                self.header_address, _HEADER.pack(DIR_MAGIC, self.generation, addr, len(doc))
+            )
+        # no reader can still be inside the old blob: readers copy it under the read lock
+        if old:
+            self.arena.free(old)
+        self._blob = addr
+        self.publishes += 1
+        return self.generation
+
+    def reclaim_dead(self) -> int:
+        """Clear the reader slots of dead processes (after a worker died)."""
+        return self.lock.reclaim_dead()
+
+    def stats(self) -> dict[str, int]:
+        """Arena counters plus the directory generation and lock counters."""
+        out = dict(self.arena.stats())
+        out["generation"] = self.generation
+        lk = self.lock.stats()
+        out["reclaimed_reader_slots"] = int(lk.get("reclaimed", 0))
+        out["writer_waits"] = int(lk.get("writer_waits", 0))
+        return out
+
+
+class ViewIndex:
+    """A worker's read-only index of one (model, tenant): the owner's structures through
+    an attached :class:`~kvconductor._index.CoreIndex` handle, and the group names of
+    the directory it was built from. Same query API as :class:`~kvconductor.index.Index`."""
+
+    __slots__ = ("view", "model", "tenant", "core", "group_keys")
+
+    def __init__(self, view: SharedView, model: str, tenant: str, core: Any, groups: list) -> None:
+        self.view = view
+        self.model = model
+        self.tenant = tenant
+        self.core = core
+        self.group_keys = groups
+
+    def _run(self, fn: Callable[[Any], list]) -> QueryResult:
+        idx: ViewIndex | None = self
+        for _ in range(STALE_RETRIES):
+            if idx is None:
+                return QueryResult([])  # dropped meanwhile: nothing holds it any more
+            try:
+                rows = fn(idx.core)
+                gk = idx.group_keys
+                return QueryResult([DpHit(gk[g][0], gk[g][1], n, c, d) for g, n, c, d in rows])
+            except (_index.StaleIndexError, IndexError):
+                idx = self.view.reload().get((self.model, self.tenant))
+        raise RuntimeError("the shared directory kept changing during a query")
+
+    def query(self, tokens: Any, block_size: int, seed: int) -> QueryResult:
+        return self._run(lambda core: core.match_tokens(tokens, block_size, seed))
+
+    def query_by_hash(self, local_hashes: Any) -> QueryResult:
+        return self._run(lambda core: core.match(local_hashes))
+
+
+class SharedView:
+    """A worker's view of the owner's indexes: the parts of
+    :class:`~kvconductor.service.Conductor` the query resources read (``get_index``,
+    ``block_sizes``, ``lora_seeds``, ``executor``). Any thread."""
+
+    def __init__(self, arena: Arena, lock: SharedLock, *, query_threads: int = 2) -> None:
+        self.arena = arena
+        self.lock = lock
+        self.header_address = self.arena.address + OPAQUE_OFFSET
+        self.query_threads = query_threads
+        self.generation = -1
+        self.reloads = 0
+        self.indexes: dict[tuple[str, str], ViewIndex] = {}
+        self.block_sizes: dict[tuple[str, str], frozenset[int]] = {}
+        self.lora_seeds: dict[tuple[str, str], frozenset[int]] = {}
+        self._mutex = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        magic = _HEADER.unpack(self.arena.read(self.header_address, _HEADER.size))[0]
+        if magic != DIR_MAGIC:
+            raise RuntimeError("the shared arena holds no kv-conductor directory")
+        self.reload()
+
+    @classmethod
+    def attach(cls, arena_fd: int, lock_fd: int, *, query_threads: int = 2) -> SharedView:
+        """Map the owner's arena (at its fixed address) and lock from inherited fds."""
+        return cls(Arena.attach(arena_fd), SharedLock.attach(lock_fd), query_threads=query_threads)
+
+    def current_generation(self) -> int:
+        """The generation the owner last published (one 8-byte read)."""
+        return int.from_bytes(self.arena.read(self.header_address + 8, 8), "little")
+
+    def reload(self) -> dict[tuple[str, str], ViewIndex]:
+        """Read the directory again if it changed; returns the indexes."""
+        with self._mutex:
+            with self.lock.reading():
+                _, gen, addr, n = _HEADER.unpack(self.arena.read(self.header_address, _HEADER.size))
+                if gen == self.generation:
+                    return self.indexes
+                blob = self.arena.read(addr, n) if n else b""
+            doc = _decoder.decode(blob) if blob else Directory([], [], [])
+            gen_addr = self.header_address + 8
+            indexes = {}
+            for m, t, state, groups in doc.indexes:
+                core = _index.attach_core(state, self.lock, gen_addr, gen)
+                indexes[(m, t)] = ViewIndex(self, m, t, core, [tuple(g) for g in groups])
+            self.indexes = indexes
+            self.block_sizes = {(m, t): frozenset(s) for m, t, s in doc.block_sizes}
+            self.lora_seeds = {(m, t): frozenset(s) for m, t, s in doc.lora_seeds}
+            self.generation = gen
+            self.reloads += 1
+            return indexes
+
+    def get_index(self, model: str, tenant: str) -> ViewIndex | None:
+        """The index of (model, tenant), or None (query: 404)."""
+        if self.current_generation() != self.generation:
+            self.reload()
+        return self.indexes.get((model, tenant))
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """Threads for large queries (created on first use)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, self.query_threads), thread_name_prefix="kv-query"
+            )
+        return self._executor
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,314 @@
+"""kvconductor.shared: the owner's indexes in the shared arena, read by other processes.
+
+Every answer a view gives is compared with the owner's own ``Index`` (the in-process
+answer) at quiescence; the child-process tests attach a real second interpreter at the
+arena's fixed address.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from kvconductor import _index
+from kvconductor.keys import Medium, WorkerKey
+from kvconductor.service import Conductor, ConductorConfig
+from kvconductor.shared import SharedIndexes, SharedView
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="shared mode needs Linux (memfd, futex)"
+)
+
+BS = 16
+
+
+@pytest.fixture
+def owner():
+    """A started Conductor in shared mode; stopped and unmapped afterwards."""
+    c = Conductor(ConductorConfig())
+    c.shared = SharedIndexes()
+    c.start()
+    yield c
+    c.stop()
+    c.shared.close()
+
+
+def _key(i: int, dp: int = 0, medium: Medium = Medium.NPU) -> WorkerKey:
+    return WorkerKey(f"inst-{i}", "", dp, medium)
+
+
+def _store(c: Conductor, key: WorkerKey, hashes: list[int], toks: list[int]) -> int:
+    """Store ``toks`` for ``key`` in index (m, t), on the ingest thread."""
+    return c.call(lambda: c.get_or_create_index("m", "t").store_tokens(key, None, hashes, toks, BS))
+
+
+def _answer(result) -> list:
+    return sorted(tuple(h) for h in result.hits)
+
+
+def _run_child(owner: Conductor, code: str, *args: str, timeout: float = 60) -> str:
+    fds = owner.shared.fds()
+    prog = textwrap.dedent(
+        """
+        import sys
+        from kvconductor.shared import SharedView
+        view = SharedView.attach(int(sys.argv[1]), int(sys.argv[2]))
+        """
+    ) + textwrap.dedent(code)
+    out = subprocess.run(
+        [sys.executable, "-c", prog, str(fds[0]), str(fds[1]), *args],
+        pass_fds=fds,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_view_answers_what_the_owner_holds(owner):
+    rng = random.Random(7)
+    prompts = [[rng.randrange(50_000) for _ in range(BS * rng.randrange(1, 9))] for _ in range(6)]
+
+    def load():
+        for i, toks in enumerate(prompts):
+            idx = owner.get_or_create_index("m", "t" if i % 2 else "u")
+            n = len(toks) // BS
+            for w in range(1 + i % 3):
+                key = _key(w, dp=i % 2, medium=Medium.NPU if w < 2 else Medium.CPU)
+                if key.medium is Medium.NPU:
+                    idx.store_tokens(key, None, [1000 * i + b for b in range(n)], toks, BS)
+                else:
+                    idx.offload([1000 * i + b for b in range(n)], [0] * n, None)
+
+    owner.call(load)
+    view = SharedView(owner.shared.arena, owner.shared.lock)
+    for tenant in ("t", "u"):
+        mine = owner.get_index("m", tenant)
+        theirs = view.get_index("m", tenant)
+        assert theirs is not None and theirs.group_keys == mine._group_keys
+        for i, toks in enumerate(prompts):
+            got = _answer(theirs.query(toks, BS, 1337))
+            assert got == _answer(mine.query(toks, BS))
+            assert bool(got) == ((tenant == "t") == bool(i % 2))  # stored where it was sent
+    assert view.get_index("m", "nope") is None
+
+
+def test_a_child_process_reads_the_same_structures(owner):
+    toks = list(range(8 * BS))
+    key = _key(1)
+
+    def load():
+        idx = owner.get_or_create_index("m", "t")
+        idx.store_tokens(key, None, list(range(1, 9)), toks, BS)
+        return idx.core.address()
+
+    addr = owner.call(load)
+    assert owner.shared.arena.address <= addr < owner.shared.arena.address + (64 << 30)
+    out = _run_child(
+        owner,
+        """
+        idx = view.get_index("m", "t")
+        idx.core.check_invariants()
+        print(sorted(tuple(h) for h in idx.query(list(range(8 * 16)), 16, 1337).hits))
+        print(hex(idx.core.address()))
+        """,
+    )
+    hits, child_addr = out.strip().splitlines()
+    assert hits == str(_answer(owner.get_index("m", "t").query(toks, BS)))
+    assert hits == str([("inst-1", 0, 8, 0, 0)])
+    assert int(child_addr, 16) == addr  # same structures, not a copy
+
+
+def test_new_groups_and_dropped_indexes_reach_the_view(owner):
+    toks = list(range(2 * BS))
+    view = SharedView(owner.shared.arena, owner.shared.lock)
+    assert view.get_index("m", "t") is None
+    _store(owner, _key(1), [1, 2], toks)
+    first = view.get_index("m", "t")
+    assert _answer(first.query(toks, BS, 1337)) == [("inst-1", 0, 2, 0, 0)]
+    old_core = first.core
+    # a second group: published before its blocks, so every answer can name it
+    _store(owner, _key(2), [1, 2], toks)
+    assert _answer(first.query(toks, BS, 1337)) == [("inst-1", 0, 2, 0, 0), ("inst-2", 0, 2, 0, 0)]
+    with pytest.raises(_index.StaleIndexError):
+        old_core.match_tokens(toks, BS, 1337)  # built from an older directory
+    owner.call(owner._drop_index, ("m", "t"))
+    assert view.get_index("m", "t") is None
+    assert _answer(first.query(toks, BS, 1337)) == []  # a handle kept across the drop
+
+
+def test_block_sizes_and_lora_seeds_are_published(owner):
+    view = SharedView(owner.shared.arena, owner.shared.lock)
+
+    def change():
+        owner.get_or_create_index("m", "t")
+        owner.note_lora("m", "t", 99)
+
+    owner.call(change)
+    assert view.get_index("m", "t") is not None
+    assert view.lora_seeds == {("m", "t"): frozenset({99})}
+
+
+def test_only_the_writer_thread_writes(owner):
+    idx = owner.call(lambda: owner.get_or_create_index("m", "t"))
+    with pytest.raises(RuntimeError, match="writer thread"):
+        idx.store_tokens(_key(1), None, [1], list(range(BS)), BS)
+    with pytest.raises(RuntimeError, match="writer thread"):
+        _index.CoreIndex()
+    view = SharedView(owner.shared.arena, owner.shared.lock)
+    with pytest.raises(RuntimeError, match="read-only"):
+        view.get_index("m", "t").core.set_worker(0, 0, 0)
+
+
+def test_closed_index_answers_empty_and_frees_its_blocks(owner):
+    before = owner.shared.arena.stats()["live_blocks"]
+
+    def make():
+        idx = owner.get_or_create_index("m", "t")
+        idx.store_tokens(_key(1), None, list(range(1, 65)), list(range(64 * BS)), BS)
+        return idx
+
+    idx = owner.call(make)
+    assert owner.shared.arena.stats()["live_blocks"] > before
+    owner.call(owner._drop_index, ("m", "t"))
+    assert idx.core.closed
+    assert idx.query(list(range(BS)), BS).hits == []
+    assert idx.sizes()["hbm_pairs"] == 0
+    with pytest.raises(_index.IndexClosedError):
+        owner.call(idx.store_tokens, _key(1), None, [1], list(range(BS)), BS)
+    # the dropped index's blocks went back; what is left is the directory
+    assert owner.shared.arena.stats()["live_blocks"] == before
+    owner.shared.arena.check_invariants()
+
+
+def test_a_reader_killed_inside_its_read_section_does_not_wedge_the_writer(owner):
+    owner.call(lambda: owner.get_or_create_index("m", "t"))
+    fds = owner.shared.fds()
+    prog = textwrap.dedent(
+        """
+        import os, sys, time
+        from kvconductor._shlock import SharedLock
+        lock = SharedLock.attach(int(sys.argv[1]))
+        lock.read_enter()
+        print("inside", flush=True)
+        time.sleep(600)
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", prog, str(fds[1])], pass_fds=fds, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline().strip() == "inside"
+        done = threading.Event()
+
+        def write():
+            owner.get_index("m", "t").store_tokens(_key(1), None, [1], list(range(BS)), BS)
+            done.set()
+
+        fut = threading.Thread(target=lambda: owner.call(write, timeout=None), daemon=True)
+        fut.start()
+        # the writer is waiting for the reader's slot; the reader dies there
+        assert not done.wait(0.3)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert done.wait(30), "the writer stayed wedged behind a dead reader"
+        fut.join(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert owner.shared.stats()["reclaimed_reader_slots"] >= 1
+    assert _answer(owner.get_index("m", "t").query(list(range(BS)), BS)) == [("inst-1", 0, 1, 0, 0)]
+
+
+def test_the_arena_grows_while_a_child_reads(owner):
+    """A child queries in a loop while the owner stores enough to grow the arena
+    (ftruncate of the memfd, same mapping); at quiescence it answers like the owner."""
+    rng = random.Random(3)
+    toks = [rng.randrange(1 << 20) for _ in range(64 * BS)]
+    owner.call(lambda: owner.get_or_create_index("m", "t"))
+    committed0 = owner.shared.arena.stats()["committed"]
+    fds = owner.shared.fds()
+    prog = textwrap.dedent(
+        """
+        import sys, time
+        from kvconductor.shared import SharedView
+        view = SharedView.attach(int(sys.argv[1]), int(sys.argv[2]))
+        toks = [int(t) for t in sys.argv[3].split(",")]
+        n = 0
+        while True:
+            idx = view.get_index("m", "t")
+            r = idx.query(toks, 16, 1337)
+            n += 1
+            if sys.stdin.readline().strip() == "stop":
+                break
+        idx = view.get_index("m", "t")
+        idx.core.check_invariants()
+        print(sorted(tuple(h) for h in idx.query(toks, 16, 1337).hits), n)
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", prog, str(fds[0]), str(fds[1]), ",".join(map(str, toks))],
+        pass_fds=fds,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+
+        def grow(i):
+            idx = owner.get_index("m", "t")
+            base = 1 + i * 10_000
+            stream = [rng.randrange(1 << 20) for _ in range(2000 * BS)]
+            idx.store_tokens(_key(i), None, list(range(base, base + 2000)), stream, BS)
+            if i % 4 == 0:
+                idx.store_tokens(_key(i), None, list(range(base + 5000, base + 5064)), toks, BS)
+
+        for i in range(24):
+            owner.call(grow, i)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        child.stdin.write("stop\n")
+        child.stdin.flush()
+        out, _ = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0
+    assert owner.shared.arena.stats()["committed"] > committed0
+    hits, n = out.strip().rsplit(" ", 1)
+    expect = _answer(owner.get_index("m", "t").query(toks, BS))
+    assert len(expect) == 6 and hits == str(expect)
+    assert int(n) == 25
+
+
+def test_workers_on_other_threads_use_their_own_slots(owner):
+    toks = list(range(4 * BS))
+    _store(owner, _key(1), [1, 2, 3, 4], toks)
+    view = SharedView(owner.shared.arena, owner.shared.lock)
+    results = []
+
+    def reader():
+        for _ in range(200):
+            results.append(_answer(view.get_index("m", "t").query(toks, BS, 1337)))
+
+    threads = [threading.Thread(target=reader) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for i in range(50):  # writes interleave with the readers
+        owner.call(owner.get_index("m", "t").store_tokens, _key(2 + i), None, [1], toks[:BS], BS)
+    for t in threads:
+        t.join()
+    assert len(results) == 800
+    assert all(r[0] == ("inst-1", 0, 4, 0, 0) for r in results)
+    final = _answer(view.get_index("m", "t").query(toks, BS, 1337))
+    assert final == _answer(owner.get_index("m", "t").query(toks, BS))
+    assert len(final) == 51
