@@ -9,16 +9,23 @@ how many blocks per second the ingest thread decodes, hashes and applies
 idle for a few seconds and reports the CPU time the ingest thread used.
 
     python bench/bench_ingest.py [--block-size 16 128] [--batches 1500] [--runs 5] [--impl c|py]
-                                 [--general]
+                                 [--general] [--readers K [--reader-tokens 1000000]]
 
 ``--impl`` picks the index core (default: ``KVCONDUCTOR_IMPL``, i.e. compiled);
 ``--general`` turns the compiled batch fast path off (the Python decoders feed the
 index, what ``Applier(..., fast=False)`` does).
+
+``--readers K`` runs the index in shared mode (``kv-conductor --workers N``: structures
+in the shared arena, every write also taking the cross-process lock) and starts K
+processes that attach to it, as workers do, and match a ``--reader-tokens`` prompt
+(a full hit: it is stored first) back to back for the whole run; their query rate is
+printed too.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import multiprocessing as mp
 import os
 import random
@@ -39,14 +46,20 @@ IID = "vllm-prefill-bench"
 
 
 class Conductor:
-    def __init__(self, impl):
+    def __init__(self, impl, shared=None):
         self.impl = impl
         self.indexes = {}
+        self.block_sizes = {}
+        self.lora_seeds = {}
+        self.shared = shared
 
     def get_or_create_index(self, model, tenant):
         idx = self.indexes.get((model, tenant))
         if idx is None:
             idx = self.indexes[(model, tenant)] = Index(model, tenant, impl=self.impl)
+            if self.shared is not None:
+                idx.on_new_group = lambda: self.shared.publish(self)
+                self.shared.publish(self)
         return idx
 
     def hbm_ip_lookup(self, ip):
@@ -149,15 +162,108 @@ def _publisher(conn, bs: int, batches: int, runs: int, blocks_per_event: int) ->
     zctx.term()
 
 
-def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | None, idle_s: float):
+_READER = """
+import sys, time, random, array
+from kvconductor.shared import SharedView
+view = SharedView.attach(int(sys.argv[1]), int(sys.argv[2]))
+rnd = random.Random(int(sys.argv[4]))
+doc = array.array("I", (rnd.randrange(1, 150_000) for _ in range(int(sys.argv[3]))))
+bs = int(sys.argv[5])
+print("ready", flush=True)
+n = 0
+t0 = time.perf_counter()
+stop = open(sys.argv[6], "rb")
+while not stop.read(1):
+    idx = view.get_index("bench", "default")
+    hits = idx.query(doc, bs, 1337).hits
+    assert hits and hits[0].npu_blocks == len(doc) // bs, hits
+    n += 1
+print(n, time.perf_counter() - t0, flush=True)
+"""
+
+
+def _start_readers(shared, k: int, tokens: int, bs: int):
+    import subprocess
+    import sys
+    import tempfile
+
+    stop = tempfile.NamedTemporaryFile(prefix="kvc-bench-stop-")
+    fds = shared.fds()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _READER,
+                str(fds[0]),
+                str(fds[1]),
+                str(tokens),
+                "7",
+                str(bs),
+                stop.name,
+            ],
+            pass_fds=fds,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(k)
+    ]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    return stop, procs
+
+
+def _stop_readers(stop, procs) -> float:
+    stop.write(b"x")
+    stop.flush()
+    rate = 0.0
+    for p in procs:
+        n, dt = p.stdout.readline().split()
+        rate += int(n) / float(dt)
+        p.wait(30)
+    stop.close()
+    return rate
+
+
+def run(
+    bs: int,
+    batches: int,
+    runs: int,
+    blocks_per_event: int,
+    impl: str | None,
+    idle_s: float,
+    readers: int = 0,
+    reader_tokens: int = 1_000_000,
+):
     parent, child = mp.Pipe()
     proc = mp.Process(target=_publisher, args=(child, bs, batches, runs, blocks_per_event))
     proc.start()
     port, blocks_per_set = parent.recv()
     url = f"tcp://127.0.0.1:{port}"
-    conductor = Conductor(impl)
+    shared = None
+    if readers:
+        from kvconductor.shared import SharedIndexes
+
+        shared = SharedIndexes()
+    conductor = Conductor(impl, shared)
     thread = IngestThread(zmq.Context.instance())
     thread.start()
+    reader_procs = None
+    if shared is not None:
+        from kvconductor.keys import WorkerKey
+
+        thread.call(shared.install)
+        rnd = random.Random(7)
+        doc = array.array("I", (rnd.randrange(1, 150_000) for _ in range(reader_tokens)))
+        nblk = reader_tokens // bs
+
+        def preload():
+            idx = conductor.get_or_create_index("bench", "default")
+            key = WorkerKey("reader-doc", "", 0, Medium.NPU)
+            idx.store_tokens(key, None, range(1 << 40, (1 << 40) + nblk), doc, bs)
+
+        thread.call(preload)
+        reader_procs = _start_readers(shared, readers, reader_tokens, bs)
     mgr = thread.call(lambda: SubscriptionManager(thread, conductor))
     ctx = SubscriberContext(
         instance_id=IID,
@@ -199,6 +305,7 @@ def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | Non
         cpu_per_block.append((c1 - c0) / blocks_per_set[r])
     s = src()
     assert s["gaps"] == 0, s
+    reader_rate = _stop_readers(*reader_procs) if reader_procs else 0.0
     time.sleep(0.5)
     c0, t0 = thread_cpu(tid), time.monotonic()
     time.sleep(idle_s)
@@ -222,6 +329,7 @@ def run(bs: int, batches: int, runs: int, blocks_per_event: int, impl: str | Non
         "idle_wall": idle_wall,
         "dropped": s["dropped"],
         "hbm_blocks": summary["hbm_blocks"],
+        "reader_qps": reader_rate,
     }
 
 
@@ -236,6 +344,8 @@ def main():
     ap.add_argument(
         "--general", action="store_true", help="no compiled batch fast path (the Python decoders)"
     )
+    ap.add_argument("--readers", type=int, default=0, help="processes querying the shared index")
+    ap.add_argument("--reader-tokens", type=int, default=1_000_000, help="their prompt length")
     args = ap.parse_args()
     if args.general:
         from kvconductor.ingest import apply
@@ -244,11 +354,22 @@ def main():
     rows = []
     for bs in args.block_size:
         n = args.batches if bs <= 16 else max(100, args.batches // 4)
-        rows.append(run(bs, n, args.runs, args.blocks_per_event, args.impl, args.idle))
+        rows.append(
+            run(
+                bs,
+                n,
+                args.runs,
+                args.blocks_per_event,
+                args.impl,
+                args.idle,
+                args.readers,
+                args.reader_tokens,
+            )
+        )
     hdr = (
         f"{'block_size':>10} {'core':>18} {'batches/run':>11} {'blocks/run':>10} "
         f"{'blocks/s median':>15} {'min':>10} {'max':>10} {'cpu us/block':>12} "
-        f"{'idle cpu':>14} {'dropped':>8}"
+        f"{'idle cpu':>14} {'dropped':>8} {'reader q/s':>10}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -257,7 +378,8 @@ def main():
             f"{r['bs']:>10} {r['impl']:>18} {r['batches']:>11} {r['blocks/run']:>10} "
             f"{r['median']:>15,.0f} {r['min']:>10,.0f} {r['max']:>10,.0f} "
             f"{r['us_cpu_per_block']:>12.2f} "
-            f"{r['idle_cpu']:>6.3f}s/{r['idle_wall']:.1f}s {sum(r['dropped'].values()):>8}"
+            f"{r['idle_cpu']:>6.3f}s/{r['idle_wall']:.1f}s {sum(r['dropped'].values()):>8} "
+            f"{r['reader_qps']:>10.1f}"
         )
 
 

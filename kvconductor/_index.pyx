@@ -119,6 +119,10 @@ class StaleIndexError(RuntimeError):
 
 
 cdef object _ATTACH = object()
+# Writer thread only: nesting depth of the shared lock's write section, so a batch of
+# writes (SharedIndexes.writing(): a drain of ZeroMQ messages, a directory publish) holds
+# it once instead of once per write.
+cdef int _wdepth = 0
 # Shared mode (``install_shared``): the SharedLock every writer of a new CoreIndex also
 # takes, so readers in other processes never see a half-made change.
 cdef object _shared_lock = None
@@ -135,6 +139,22 @@ cdef extern from *:
     }
     """
     uint64_t kvc_load_u64(const uint64_t* p) noexcept nogil
+
+
+cdef void _xwrite_enter(ShLock* xl) noexcept nogil:
+    """Enter the shared write section, or nest in the one this thread holds."""
+    global _wdepth
+    if _wdepth == 0:
+        while shl_write_enter(xl, WRITER_WAIT_MS) == SHL_EBUSY:
+            usleep(1000)
+    _wdepth += 1
+
+
+cdef void _xwrite_exit(ShLock* xl) noexcept nogil:
+    global _wdepth
+    _wdepth -= 1
+    if _wdepth == 0:
+        shl_write_exit(xl)
 
 
 cdef void _state_init(CoreState* st) noexcept nogil:
@@ -279,13 +299,12 @@ cdef class CoreIndex:
     cdef int _wlock(self) noexcept nogil:
         pthread_rwlock_wrlock(&self.lock)
         if self.shared:
-            while shl_write_enter(self.xl, WRITER_WAIT_MS) == SHL_EBUSY:
-                usleep(1000)
+            _xwrite_enter(self.xl)
         return 0
 
     cdef void _wunlock(self) noexcept nogil:
         if self.shared:
-            shl_write_exit(self.xl)
+            _xwrite_exit(self.xl)
         pthread_rwlock_unlock(&self.lock)
 
     cdef int _slot(self) except -2:
@@ -1821,6 +1840,25 @@ def attach_core(uintptr_t address, SharedLock lock, uintptr_t gen_address, uint6
     c.gen = <const uint64_t*>gen_address
     c.gen_seen = gen_seen
     return c
+
+
+def shared_write_enter():
+    """Enter the shared lock's write section on the writer thread (nests: the writes
+    inside take it no more). Readers in other processes wait until the matching
+    :func:`shared_write_exit`; keep sections short."""
+    cdef ShLock* xl
+    if _shared_lock is None or not pool_arena_writing():
+        raise RuntimeError("shared_write_enter: shared mode, writer thread only")
+    xl = (<SharedLock>_shared_lock).lock
+    with nogil:
+        _xwrite_enter(xl)
+
+
+def shared_write_exit():
+    """Leave what :func:`shared_write_enter` entered."""
+    if _shared_lock is None or _wdepth <= 0:
+        raise RuntimeError("shared_write_exit outside a shared write section")
+    _xwrite_exit((<SharedLock>_shared_lock).lock)
 
 
 def _arena_leaks():

@@ -27,10 +27,12 @@ used by any number of threads of a worker.**
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -48,6 +50,9 @@ _HEADER = struct.Struct("<QQQQ")
 DIR_MAGIC = 0x6B76636469723031  # "kvcdir01"
 #: How often a query retries after its directory went stale under it.
 STALE_RETRIES = 16
+#: Longest the ingest thread holds the shared write section over a drain of messages
+#: (:class:`WriteBatch`); readers wait at most this plus one write.
+WRITE_BATCH_SECS = 0.001
 
 
 class Directory(msgspec.Struct, array_like=True):
@@ -113,7 +118,7 @@ class SharedIndexes:
             raise MemoryError("shared arena: no room for the directory")
         self.arena.write(addr, doc)
         old = self._blob
-        with self.lock.writing():
+        with self.writing():
             self.generation += 1
             self.arena.write(
                 self.header_address, _HEADER.pack(DIR_MAGIC, self.generation, addr, len(doc))
@@ -124,6 +129,20 @@ class SharedIndexes:
         self._blob = addr
         self.publishes += 1
         return self.generation
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """The shared write section (ingest thread); index writes inside nest in it."""
+        _index.shared_write_enter()
+        try:
+            yield
+        finally:
+            _index.shared_write_exit()
+
+    def batch(self) -> WriteBatch:
+        """A write section over several writes that lets readers in every
+        :data:`WRITE_BATCH_SECS` (ingest thread; see :class:`WriteBatch`)."""
+        return WriteBatch()
 
     def reclaim_dead(self) -> int:
         """Clear the reader slots of dead processes (after a worker died)."""
@@ -137,6 +156,37 @@ class SharedIndexes:
         out["reclaimed_reader_slots"] = int(lk.get("reclaimed", 0))
         out["writer_waits"] = int(lk.get("writer_waits", 0))
         return out
+
+
+class WriteBatch:
+    """Several index writes under ONE shared write section (ingest thread): the writer
+    waits for the readers inside once, not once per ZeroMQ message. :meth:`tick` after
+    each write leaves and enters again once the section has lasted
+    :data:`WRITE_BATCH_SECS`, so a long drain never shuts readers out for longer."""
+
+    __slots__ = ("t0", "inside")
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.inside = False
+
+    def __enter__(self) -> None:
+        _index.shared_write_enter()
+        self.inside = True
+        self.t0 = time.perf_counter()
+
+    def tick(self) -> None:
+        if time.perf_counter() - self.t0 >= WRITE_BATCH_SECS:
+            _index.shared_write_exit()
+            self.inside = False
+            _index.shared_write_enter()
+            self.inside = True
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.inside:
+            self.inside = False
+            _index.shared_write_exit()
 
 
 class ViewIndex:

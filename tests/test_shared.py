@@ -312,3 +312,33 @@ def test_workers_on_other_threads_use_their_own_slots(owner):
     final = _answer(view.get_index("m", "t").query(toks, BS, 1337))
     assert final == _answer(owner.get_index("m", "t").query(toks, BS))
     assert len(final) == 51
+
+
+def test_a_write_batch_holds_readers_once_and_nests_the_writes(owner):
+    toks = list(range(2 * BS))
+    _store(owner, _key(1), [1, 2], toks)
+    view = SharedView(owner.shared.arena, owner.shared.lock)
+    batch = owner.shared.batch()
+    owner.call(batch.__enter__)
+    try:
+        # writes and a directory publish inside the batch nest in its section
+        _store(owner, _key(2), [1, 2], toks)
+        owner.call(owner.shared.publish, owner)
+        done = threading.Event()
+        got = []
+
+        def read():
+            got.append(_answer(view.get_index("m", "t").query(toks, BS, 1337)))
+            done.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert not done.wait(0.3), "a reader got in while the write batch was held"
+    finally:
+        owner.call(batch.__exit__, None, None, None)
+    assert done.wait(30)
+    assert got == [[("inst-1", 0, 2, 0, 0), ("inst-2", 0, 2, 0, 0)]]
+    with pytest.raises(RuntimeError, match="outside"):
+        owner.call(_index.shared_write_exit)
+    with pytest.raises(RuntimeError, match="writer thread"):
+        _index.shared_write_enter()  # not the ingest thread

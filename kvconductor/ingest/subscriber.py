@@ -270,7 +270,19 @@ class Subscription:
         self.manager.warn.warn(self.name(), "receive_error", str(ex), None)
 
     def _on_readable(self, sock) -> None:
+        shared = getattr(self.manager.conductor, "shared", None)
+        if shared is None:
+            self._drain(sock, None)
+            return
+        # --workers N: one shared write section over the drain (kvconductor.shared)
+        batch = shared.batch()
+        with batch:
+            self._drain(sock, batch)
+
+    def _drain(self, sock, batch) -> None:
         for frames in drain(sock, DRAIN_LIMIT, lambda: self.closed, self._receive_error):
+            if batch is not None:
+                batch.tick()
             if not self.connected:  # data beat the monitor event
                 self._now_connected()
             if len(frames) < 3:
