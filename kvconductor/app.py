@@ -931,6 +931,33 @@ def create_app(
     return app
 
 
+def create_query_app(
+    view: Any,
+    forward: Any,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    large_body_bytes: int = LARGE_BODY_BYTES,
+    metrics: QueryMetrics | None = None,
+) -> QueryFastPath:
+    """``--workers N``: a worker's front door. ``POST /query`` and ``POST
+    /query_by_hash`` are answered here from ``view`` (a :class:`kvconductor.shared.
+    SharedView`: the owner's index in shared memory) by the same
+    :class:`QueryResource` code as :func:`create_app`'s, so statuses, bodies, headers
+    and warnings are identical; every other request goes to the ASGI app ``forward``
+    (the owner). ``metrics`` counts the queries answered here."""
+    kw: dict[str, Any] = {
+        "max_body_bytes": max_body_bytes,
+        "api_key": None,  # the query routes are open (docs/security.md)
+        "large_body_bytes": large_body_bytes,
+    }
+    qm = metrics if metrics is not None else QueryMetrics()
+    routes = {
+        "/query": QueryResource(view, by_hash=False, metrics=qm, **kw),
+        "/query_by_hash": QueryResource(view, by_hash=True, metrics=qm, **kw),
+    }
+    return QueryFastPath(forward, routes, max_body_bytes)
+
+
 def _gunicorn_cfg() -> Any:
     """The parsed ``cfg`` of the gunicorn loading this app; ``None`` outside gunicorn.
 
