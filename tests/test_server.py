@@ -562,10 +562,10 @@ def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):
 
     real_listen = server_module._listen
 
-    def no_ipv6(family, addr, dual_stack):
+    def no_ipv6(family, addr, dual_stack, **kw):
         if family == socket.AF_INET6:
             raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
-        return real_listen(family, addr, dual_stack)
+        return real_listen(family, addr, dual_stack, **kw)
 
     monkeypatch.setattr(server_module, "_listen", no_ipv6)
     sock = server_module.bind_socket("::", 0)
@@ -577,6 +577,19 @@ def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):
         sock.close()
     with pytest.raises(OSError):
         server_module.bind_socket("::1", 0)  # an explicit IPv6 address does not fall back
+    # The owner of --workers N: bound with SO_REUSEPORT, not listening, same fallback.
+    held = server_module.bind_socket("::", 0, reuse_port=True, listen=False)
+    try:
+        assert held.family == socket.AF_INET
+        assert held.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
+        assert held.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0
+        monkeypatch.undo()
+        port = held.getsockname()[1]
+        worker = server_module.bind_socket("0.0.0.0", port, reuse_port=True)
+        assert worker.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        worker.close()
+    finally:
+        held.close()
 
 
 @pytest.mark.skipif(not HAS_IPV6, reason="no IPv6 on this host")
