@@ -811,19 +811,29 @@ class WorkerApp:
                 origin = v.decode("latin-1")
         msgpack = scope["path"] in MSGPACK_PATHS and is_msgpack_content_type(ctype)
         head_only = scope["method"] == "HEAD"
-        if length is not None and length > self.max_body_bytes:
-            # The owner answers from the head alone (413, or whatever comes first for
-            # that route: 401, 403, 404): send it without the body, never buffer it.
-            head = _request_head(scope, length)
-            try:
-                await self.owner.forward(
-                    head, b"", _CloseAfter(send), head_only=head_only, reuse=False
-                )
-            except OwnerUnavailable as ex:
-                await self._unavailable(send, scope, msgpack, str(ex))
-            return
         body = bytearray()
         more = True
+        if length is not None and length > self.max_body_bytes:
+            # The owner answers from the head and the first chunk (413, or whatever comes
+            # first for that route: 401, 403, 404): send those, never buffer the rest.
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            more = msg.get("more_body", False)
+            if more:
+                head = _request_head(scope, length)
+                try:
+                    await self.owner.forward(
+                        head,
+                        msg.get("body", b""),
+                        _CloseAfter(send),
+                        head_only=head_only,
+                        reuse=False,
+                    )
+                except OwnerUnavailable as ex:
+                    await self._unavailable(send, scope, msgpack, str(ex))
+                return
+            body += msg.get("body", b"")
         while more:
             msg = await receive()
             if msg["type"] != "http.request":
