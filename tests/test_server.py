@@ -491,7 +491,7 @@ def test_gunicorn_factory(tmp_path):
     [
         (("-w", "2"), {}, "gunicorn started with 2 workers"),
         (("-w", "1"), {"WEB_CONCURRENCY": "3"}, None),  # -w wins over the environment
-        ((), {"WEB_CONCURRENCY": "2"}, "gunicorn started with 2 workers"),
+        ((), {"WEB_CONCURRENCY": "2"}, "2 workers; the index lives in one process"),
         (
             ("-w", "1"),
             {"KV_CONDUCTOR_ARGS": "--pending-ttl-sec 5"},
@@ -548,6 +548,8 @@ def test_gunicorn_refuses_many_workers_and_bad_flags(tmp_path, extra, env, messa
     # stopped all the same, with the message.
     assert proc.returncode in ((4, 1) if "2 workers" in message else (4,)), out
     assert message in out, out
+    if "2 workers" in message:  # points to the way that works
+        assert "or run `kv-conductor --workers 2`" in out, out
     assert "App failed to load" in out
     # Each worker booted at most once: none was restarted (the master may halt on the first
     # worker's failure before it spawned the second).
