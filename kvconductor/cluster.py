@@ -58,7 +58,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import msgspec
@@ -775,7 +775,7 @@ class WorkerApp:
         *,
         max_body_bytes: int,
         allow_origins: Iterable[str] = (),
-        query_handler: Callable[[dict, Any, Any], Any] | None = None,
+        query_handler: Callable[[dict, Any, Any], Awaitable[None]] | None = None,
         query_metrics: QueryMetrics | None = None,
     ) -> None:
         self.owner = OwnerClient(owner_socket)
@@ -793,7 +793,8 @@ class WorkerApp:
         if method == "GET" and path == "/health":
             return await self._health(scope, send)
         if method == "POST" and path in QUERY_PATHS:
-            return await self.query_handler(scope, receive, send)
+            await self.query_handler(scope, receive, send)
+            return
         await self.forward(scope, receive, send)
 
     async def forward(self, scope: dict, receive: Any, send: Any) -> None:
@@ -926,7 +927,7 @@ def create_worker_app(
     *,
     max_body_bytes: int,
     allow_origins: Iterable[str] = (),
-    query_handler: Callable[[dict, Any, Any], Any] | None = None,
+    query_handler: Callable[[dict, Any, Any], Awaitable[None]] | None = None,
     query_metrics: QueryMetrics | None = None,
 ) -> WorkerApp:
     """The ASGI app of a worker: forward every request to the owner at ``owner_socket``.
