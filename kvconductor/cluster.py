@@ -496,7 +496,7 @@ def serve_owner(settings: Settings) -> int:
 
     set_process_role("owner")
     sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(settings.max_sources, settings.max_connections)
+    raise_fd_limit(settings.max_sources, settings.max_connections * settings.workers)
     conductor = Conductor(settings.conductor_config())
     try:
         port_sock = bind_socket(settings.host, settings.port, reuse_port=True, listen=False)
@@ -527,13 +527,15 @@ def serve_owner(settings: Settings) -> int:
             metrics=metrics,
         )
         loop, http = _uvicorn_impls()
-        # The owner's socket is private: plain HTTP, long keep-alive for the workers' pools.
+        # The owner's socket is private: plain HTTP, long keep-alive for the workers'
+        # pools, room for the requests in flight of every worker.
         private = dataclasses.replace(
             settings,
             tls_cert=None,
             tls_key=None,
             tls_client_ca=None,
             keep_alive_secs=max(settings.keep_alive_secs, OWNER_KEEP_ALIVE),
+            max_connections=settings.max_connections * settings.workers,
         )
         config = uvicorn.Config(
             app,
@@ -543,7 +545,7 @@ def serve_owner(settings: Settings) -> int:
             access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
             timeout_graceful_shutdown=GRACEFUL_SECS,
             server_header=False,
-            **uvicorn_options(private, http),
+            **uvicorn_options(private, http, "(owner socket)"),
         )
         server = OwnerServer(config, owner)
         log.info(

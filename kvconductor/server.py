@@ -290,14 +290,17 @@ def fit_connection_cap(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
     return dataclasses.replace(limits, max_connections=room), soft
 
 
-def uvicorn_options(settings: Settings, http: str) -> dict:
+def uvicorn_options(settings: Settings, http: str, where: str = "") -> dict:
     """The ``uvicorn.Config`` options of the HTTP limits (and TLS) of ``settings``.
 
     ``http``: ``"httptools"`` or ``"h11"``, the parser the protocol builds on.
+    ``where``: said in the log line after ``HTTP limits`` (``kv-conductor --workers``:
+    ``(owner socket)``).
     """
     limits, fd_limit = fit_connection_cap(settings.http_limits())
     log.info(
-        "HTTP limits %s fd_limit=%s %s",
+        "HTTP limits%s %s fd_limit=%s %s",
+        where and f" {where}",
         limits.describe(),
         "unlimited" if fd_limit is None else fd_limit,
         settings.describe_http(),

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+from test_security import pki, tls_server
 from test_server import (  # the single-process tests, run here with --workers 2
     Server,
     run_cli,
@@ -42,6 +43,7 @@ from kvconductor.settings import Settings
 pytestmark = pytest.mark.server
 
 __all__ = [
+    "pki",
     "test_body_limit_over_http",
     "test_errors_over_http",
     "test_health_on_dual_stack_default_host",
@@ -229,6 +231,24 @@ def test_worker_restarts_and_owner_sigterm(tmp_path):
     assert code == 0, srv.log()
     assert all(gone(p) for p in pids)
     assert "[owner pid=" in srv.log() and "KV conductor shut down" in srv.log()
+
+
+def test_https_through_workers(tmp_path, pki):
+    """The workers terminate TLS with the server's flags; the owner's socket is plain."""
+    srv = tls_server(tmp_path, pki, "--workers", "2", "--api-key", "k")
+    try:
+        srv.wait_ready()
+        wait_workers(srv, 2)
+        assert srv.http.get("/health").text == "OK"
+        r = srv.http.get("/ready")
+        assert (r.status_code, r.json()) == (200, {"status": "ready", "sources": 0})
+        assert srv.http.get("/workers").status_code == 401
+        with pytest.raises(httpx.TransportError):  # plain HTTP on the TLS port
+            httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+        assert re.search(r"\[worker-1 pid=\d+\] HTTP limits .* tls=on", srv.log())
+    finally:
+        code, _ = srv.terminate()
+        assert code == 0, srv.log()
 
 
 def test_owner_sigkill_takes_the_workers_down(tmp_path):
