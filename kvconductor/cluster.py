@@ -347,10 +347,15 @@ class Owner:
         for slot in self.slots:
             self.spawn(slot)
         supervisor = asyncio.ensure_future(self.supervise())
+        stop = asyncio.ensure_future(self._stop.wait())
         try:
-            await self._stop.wait()
+            await asyncio.wait([stop, serving], return_when=asyncio.FIRST_COMPLETED)
+            if not self._stop.is_set():
+                log.error("the owner's HTTP server stopped; stopping the workers")
+                self.stopping = True
             await self.stop_workers()
         finally:
+            stop.cancel()
             supervisor.cancel()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
@@ -948,7 +953,9 @@ def create_worker_app(
     a shared view of the index passes a
     :class:`~kvconductor.app.QueryFastPath`-like handler over it, counting in
     ``query_metrics`` (the app's :attr:`WorkerApp.query_metrics`): the owner's
-    ``/metrics`` sums those of every worker.
+    ``/metrics`` sums those of every worker. In a worker process the descriptors of
+    :func:`shared_fds` are in :data:`SHARED_FDS` before this app is created
+    (:func:`worker_main`).
     """
     return WorkerApp(
         owner_socket,
