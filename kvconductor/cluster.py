@@ -192,7 +192,8 @@ class Owner:
         self.stopping = False
         self.force = False
         self._lock = threading.Lock()  # the fields below: read by /metrics scrapes
-        self._live: dict[int, tuple[str, int, str]] = {}  # pid -> (name, pid, metrics path)
+        # pid -> (name, pid, metrics path) of the workers running and listening
+        self._live: dict[int, tuple[str, int, str]] = {}
         self._last: dict[int, list[Sample]] = {}  # pid -> last query samples reported
         self._retired: dict[tuple, Sample] = {}  # summed samples of exited workers
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -236,8 +237,6 @@ class Owner:
         child.close()
         parent.setblocking(False)
         slot.proc, slot.control, slot.started, slot.ready = proc, parent, time.monotonic(), False
-        with self._lock:
-            self._live[proc.pid] = (slot.name, proc.pid, slot.metrics_path)
         assert self._loop is not None
         self._loop.add_reader(parent.fileno(), self._on_control, slot)
         log.info("%s pid=%d started", slot.name, proc.pid)
@@ -257,6 +256,8 @@ class Owner:
             return
         if _READY in data and not slot.ready and slot.proc is not None:
             slot.ready = True
+            with self._lock:
+                self._live[slot.proc.pid] = (slot.name, slot.proc.pid, slot.metrics_path)
             log.info(
                 "%s pid=%d ready (listening on %s port %d)",
                 slot.name,
@@ -455,7 +456,7 @@ class WorkerCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             "kvconductor_worker_processes",
-            "HTTP worker processes running (kv-conductor --workers N)",
+            "HTTP worker processes running and listening (kv-conductor --workers N)",
             value=self.owner.live_workers(),
         )
         yield CounterMetricFamily(
