@@ -35,9 +35,12 @@ when it listens (the owner logs ``worker-3 pid=1234 ready``) and exits at once
 (status 1) when the owner's end closes, i.e. when the owner is gone, even by
 SIGKILL (``PR_SET_PDEATHSIG`` sends it SIGTERM too, on Linux).
 
-**Shutdown**: SIGTERM/SIGINT to the owner sends SIGTERM to every worker (each drains
-like one process), waits :data:`~kvconductor.server.GRACEFUL_SECS` plus
-:data:`STOP_MARGIN` (then SIGKILL), stops its own server and the conductor, exits 0.
+**Shutdown**: SIGTERM/SIGINT to the owner asks every worker to stop (a message on its
+socket pair; a worker signalled directly too, by a terminal's Ctrl-C or systemd, drains
+once), each drains like one process, the owner waits
+:data:`~kvconductor.server.GRACEFUL_SECS` plus :data:`STOP_MARGIN` (then SIGKILL), stops
+its own server and the conductor, and exits 0. A second signal makes the workers close
+their connections at once.
 """
 
 from __future__ import annotations
@@ -108,7 +111,13 @@ OWNER_KEEP_ALIVE = 120.0
 POOL_IDLE_SECS = 60.0
 #: Idle connections a worker keeps to the owner at most.
 POOL_MAX_IDLE = 64
+#: Socket-pair messages: worker -> owner "listening"; owner -> worker "drain and stop",
+#: "stop now" (messages, not signals: a worker that also got the signal itself, from a
+#: terminal's Ctrl-C or systemd signalling the whole group, must not take the owner's
+#: request for a second signal).
 _READY = b"R"
+_STOP = b"S"
+_FORCE = b"F"
 _CHUNK = 1 << 16
 #: Settings a worker needs (never the API key: the owner checks it).
 WORKER_FIELDS = (
@@ -383,16 +392,24 @@ class Owner:
                 name,
             )
             self.force = True
-            self._signal_all(signal.SIGTERM)
+            self._tell_all(_FORCE)
 
-    def _signal_all(self, sig: int) -> None:
+    def _tell_all(self, message: bytes) -> None:
+        """Send ``message`` (:data:`_STOP`, :data:`_FORCE`) to every worker over its socket
+        pair; SIGTERM to one whose socket is gone."""
         for slot in self.slots:
-            if slot.proc is not None and slot.proc.poll() is None:
+            if slot.proc is None or slot.proc.poll() is not None:
+                continue
+            try:
+                if slot.control is None:
+                    raise OSError("no control socket")
+                slot.control.send(message)
+            except OSError:
                 with contextlib.suppress(ProcessLookupError):
-                    slot.proc.send_signal(sig)
+                    slot.proc.send_signal(signal.SIGTERM)
 
     async def stop_workers(self) -> None:
-        self._signal_all(signal.SIGTERM)
+        self._tell_all(_STOP)
         bound = GRACEFUL_SECS + STOP_MARGIN
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
@@ -989,19 +1006,47 @@ def _set_pdeathsig(sig: int = signal.SIGTERM) -> None:
         libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
-def _watch_owner(control: socket.socket) -> None:
-    """Exit at once (status 1) when the owner's end of ``control`` closes."""
-    while True:
-        try:
-            data = control.recv(64)
-        except InterruptedError:
-            continue
-        except OSError:
-            data = b""
-        if not data:
-            log.error("owner process gone; exiting")
-            logging.shutdown()
-            os._exit(1)
+class _OwnerLink:
+    """A worker's end of its socket pair with the owner, read by a daemon thread."""
+
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.server: uvicorn.Server | None = None  # set once serving
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="owner-watch", daemon=True).start()
+
+    def ready(self) -> None:
+        with contextlib.suppress(OSError):
+            self.control.send(_READY)
+
+    def _watch(self) -> None:
+        """Exit at once (status 1) when the owner's end closes; stop on its request."""
+        while True:
+            try:
+                data = self.control.recv(64)
+            except InterruptedError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                log.error("owner process gone; exiting")
+                logging.shutdown()
+                os._exit(1)
+            server = self.server
+            if server is None:  # still starting: nothing to drain
+                if _STOP in data or _FORCE in data:
+                    log.info("stop requested by the owner while starting")
+                    logging.shutdown()
+                    os._exit(0)
+                continue
+            # Plain flags the server's loop polls (uvicorn's own signal handler does the same).
+            if _STOP in data and not server.should_exit:
+                log.info("stop requested by the owner, draining connections...")
+                server.should_exit = True
+            if _FORCE in data and not server.force_exit:
+                log.warning("owner's second signal: closing connections without waiting")
+                server.should_exit = server.force_exit = True
 
 
 def _serve_metrics(path: str, qm: QueryMetrics) -> None:
@@ -1055,7 +1100,8 @@ def worker_main(argv: list[str]) -> int:
         return 1
     global SHARED_FDS
     SHARED_FDS = tuple(args.shared_fds)
-    threading.Thread(target=_watch_owner, args=(control,), name="owner-watch", daemon=True).start()
+    link = _OwnerLink(control)
+    link.start()
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(1, settings.max_connections)
     try:
@@ -1082,11 +1128,8 @@ def worker_main(argv: list[str]) -> int:
         **uvicorn_options(settings, http),
     )
 
-    def ready() -> None:
-        with contextlib.suppress(OSError):
-            control.send(_READY)
-
-    server = WorkerServer(config, ready)
+    server = WorkerServer(config, link.ready)
+    link.server = server
     try:
         server.run(sockets=[sock])
     finally:

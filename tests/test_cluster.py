@@ -251,6 +251,26 @@ def test_https_through_workers(tmp_path, pki):
         assert code == 0, srv.log()
 
 
+def test_sigterm_to_the_whole_group_drains_once(tmp_path):
+    """Ctrl-C in a terminal, or systemd's KillMode=control-group: every process gets the
+    signal; the owner's stop request is no second signal to the workers."""
+    srv = Server(tmp_path, "--workers", "2", preexec_fn=os.setpgrp)
+    try:
+        srv.wait_ready()
+        pids = list(wait_workers(srv, 2).values())
+        srv.http.close()
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(10) == 0, srv.log()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(10)
+    assert all(gone(p) for p in pids)
+    log = srv.log()
+    assert "second shutdown signal" not in log and "killing it" not in log, log
+    assert "exited unexpectedly" not in log and "KV conductor shut down" in log, log
+
+
 def test_owner_sigkill_takes_the_workers_down(tmp_path):
     srv = Server(tmp_path, "--workers", "2")
     try:
