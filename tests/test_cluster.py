@@ -141,6 +141,14 @@ def test_events_and_queries_over_many_connections(server):
     # Counted once each, by whichever process answered it.
     assert metric(text, "kvconductor_query_seconds_count") == before + 10
     assert metric(text, "kvconductor_worker_processes") == 2
+    # A streamed (chunked) answer comes through whole: the dump loads.
+    r = server.http.get("/debug/dump")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/msgpack"
+    path = server.log_path.parent / "through-worker.dump"
+    path.write_bytes(r.content)
+    check = run_cli("load-dump", str(path))
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout)["loaded"] == {"registrations": 1, "indexes": 1}
 
 
 def _answers(url: str, key: str) -> list[tuple]:
