@@ -348,7 +348,8 @@ def test_merge_query_metrics_sums_real_query_metrics():
 
 
 def test_owner_keeps_the_counts_of_exited_workers(tmp_path):
-    """A worker's last report stays in the sums after it exits (counters never go back)."""
+    """A worker's last report stays in the sums after it exits (counters never go back);
+    the on_worker_exit hooks get its pid."""
     owner = cluster.Owner(Settings(workers=2), str(tmp_path), "unused", "::", 1)
     path = str(tmp_path / "w.sock")
     qm = QueryMetrics()
@@ -361,7 +362,17 @@ def test_owner_keeps_the_counts_of_exited_workers(tmp_path):
     slot = owner.slots[0]
     slot.proc = _Exited(4242)
     owner.stopping = True  # no respawn
-    owner._exited(slot)
+    seen: list[int] = []
+
+    def broken(pid: int) -> None:
+        raise RuntimeError("a broken hook is logged, the next one still runs")
+
+    cluster.on_worker_exit.extend([broken, seen.append])
+    try:
+        owner._exited(slot)
+    finally:
+        del cluster.on_worker_exit[-2:]
+    assert seen == [4242] and cluster.on_worker_exit == []
     assert owner.live_workers() == 0
     assert _count(owner.worker_query_samples()) == 2
 
