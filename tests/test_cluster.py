@@ -149,6 +149,15 @@ def test_events_and_queries_over_many_connections(server):
     check = run_cli("load-dump", str(path))
     assert check.returncode == 0, check.stderr
     assert json.loads(check.stdout)["loaded"] == {"registrations": 1, "indexes": 1}
+    # --load-dump: the owner loads it before the workers start.
+    with running(path.parent, "--workers", "2", "--load-dump", str(path)) as warm:
+        r = httpx.post(
+            f"{warm.url}/query",
+            json={"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4]},
+            timeout=10,
+        )
+        assert r.json()["default"]["many-conn"]["DP"]["0"]["npu_blocks"] == 1
+        assert "[owner pid=" in warm.log() and "warm start from" in warm.log()
 
 
 def _answers(url: str, key: str) -> list[tuple]:
