@@ -129,6 +129,11 @@ async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def too_large_message(max_body_bytes: int) -> str:
+    """The ``error`` of a 413 answer."""
+    return f"request body exceeds the limit of {max_body_bytes} bytes"
+
+
 def _json(resp: falcon.asgi.Response, status: int, data: bytes) -> None:
     resp.status = status
     resp.content_type = JSON_CONTENT_TYPE
@@ -192,9 +197,7 @@ class _Resource:
                 self.max_body_bytes,
                 req.content_length,
             )
-            _error(
-                resp, 413, f"request body exceeds the limit of {self.max_body_bytes} bytes", msgpack
-            )
+            _error(resp, 413, too_large_message(self.max_body_bytes), msgpack)
             # NOTE: the unread rest of the body is discarded by the server after the reply.
             return None
         except BodyIncomplete:
@@ -840,9 +843,7 @@ class QueryFastPath:
             self.max_body_bytes,
             length,
         )
-        data = encode_error(
-            f"request body exceeds the limit of {self.max_body_bytes} bytes", msgpack
-        )
+        data = encode_error(too_large_message(self.max_body_bytes), msgpack)
         self.routes[path].seconds.observe(time.perf_counter() - t0)
         self.routes[path].errors.inc()
         await self._send(send, 413, data, msgpack, cors, t0)
@@ -881,6 +882,7 @@ def create_app(
     allow_origins: Iterable[str] = (),
     open_workers: bool = False,
     open_metrics: bool | None = None,
+    metrics: Metrics | None = None,
 ) -> Any:
     """Build the ASGI app over ``conductor``.
 
@@ -892,7 +894,9 @@ def create_app(
     unless ``open_metrics`` (default: ``open_workers``). With ``fast_query`` the
     Falcon app is fronted by :class:`QueryFastPath` (what the server runs).
     ``allow_origins``: web origins allowed on the mutating routes
-    (:class:`OriginPolicy`).
+    (:class:`OriginPolicy`). ``metrics``: the registry ``/metrics`` serves (default: a
+    new :class:`~kvconductor.metrics.Metrics` of ``conductor``; ``kv-conductor
+    --workers N`` passes one that adds the workers' query metrics).
     """
     middleware: list[Any] = [OriginPolicy(allow_origins)]
     if manage_lifecycle:
@@ -906,7 +910,8 @@ def create_app(
     app.add_route("/health", HealthResource())
     app.add_route("/register", RegisterResource(conductor, **kw))
     app.add_route("/unregister", UnregisterResource(conductor, **kw))
-    metrics = Metrics(conductor)
+    if metrics is None:
+        metrics = Metrics(conductor)
     query = QueryResource(conductor, by_hash=False, metrics=metrics.query, **kw)
     query_by_hash = QueryResource(conductor, by_hash=True, metrics=metrics.query, **kw)
     app.add_route("/query", query)
@@ -1027,7 +1032,13 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
         raise AppImportError(
             f"kv-conductor: error: gunicorn started with {workers} workers; the index lives in "
             "one process, so each worker would hold a different, partial index. "
-            "Run with -w 1 (WEB_CONCURRENCY=1)."
+            "Run with -w 1 (WEB_CONCURRENCY=1), or run `kv-conductor --workers "
+            f"{workers}` (one process keeps the index, {workers} worker processes serve HTTP)."
+        )
+    if settings.workers > 1:
+        raise AppImportError(
+            "kv-conductor: error: --workers is not supported under gunicorn (gunicorn "
+            "forks the workers itself); run `kv-conductor --workers N` instead"
         )
     configure_logging(settings.log_level, settings.log_format)
     worker_class = getattr(_gunicorn_cfg(), "worker_class", None)

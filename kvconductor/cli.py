@@ -16,13 +16,15 @@ from typing import NoReturn
 import msgspec
 
 from kvconductor import __version__
-from kvconductor.logs import level_name, utc
+from kvconductor.logs import level_name, process_role, utc
 from kvconductor.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
 
 LOG_ENV = "KV_CONDUCTOR_LOG"
 #: Values of ``--log-format``.
 LOG_FORMATS = ("text", "json")
 API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
+#: Upper bound of ``--workers``.
+MAX_WORKERS = 1024
 _LEVELS = {
     "trace": logging.DEBUG,
     "debug": logging.DEBUG,
@@ -108,6 +110,20 @@ def _int_in(lo: int, hi: int | None = None):
         return n
 
     return parse
+
+
+def _workers(value: str) -> int:
+    if value.strip().lower() == "auto":
+        return max(1, os.cpu_count() or 1)
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: an integer or 'auto' is required"
+        ) from None
+    if not 1 <= n <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"invalid value {n}: must be within 1..{MAX_WORKERS}")
+    return n
 
 
 def _megabytes(value: str) -> float:
@@ -217,6 +233,15 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         type=_port,
         default=DEFAULT_PORT,
         help=f"HTTP port (default {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        metavar="N|auto",
+        help="HTTP worker processes sharing the port (default 1: one process does "
+        "everything; auto: one per CPU). With N > 1 an owner process keeps the index "
+        "and the ingest, and N workers serve HTTP (docs/operations.md)",
     )
     p.add_argument(
         "--maintenance-interval-secs",
@@ -450,6 +475,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         allow_ipc_endpoints=args.allow_ipc_endpoints,
         endpoint_networks=args.endpoint_networks,
         load_dump=args.load_dump,
+        workers=getattr(args, "workers", 1),
         **_http_fields(args),
     )
 
@@ -531,11 +557,21 @@ def _ssl_reason(ex: Exception) -> str:
 
 
 class _Formatter(logging.Formatter):
-    """``<RFC 3339 UTC time> <LEVEL> <message>`` (the reference hides target names)."""
+    """``<RFC 3339 UTC time> <LEVEL> <message>`` (the reference hides target names).
+
+    With ``--workers N > 1`` the process comes after the level:
+    ``<time> <LEVEL> [worker-3 pid=1234] <message>`` (:func:`kvconductor.logs.set_process_role`).
+    """
 
     def format(self, record: logging.LogRecord) -> str:
         level = level_name(record.levelno, record.levelname)
-        line = f"{utc(record.created)} {level:>5} {record.getMessage()}"
+        role = process_role()
+        if role is None:
+            line = f"{utc(record.created)} {level:>5} {record.getMessage()}"
+        else:
+            line = f"{utc(record.created)} {level:>5} [{role} pid={record.process}] " + (
+                record.getMessage()
+            )
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -543,14 +579,19 @@ class _Formatter(logging.Formatter):
 
 class _JsonFormatter(logging.Formatter):
     """One JSON object per line with the text line's fields: ``ts`` (RFC 3339 UTC),
-    ``level``, ``message``, and ``exception`` (the traceback) when there is one."""
+    ``level``, ``message``, and ``exception`` (the traceback) when there is one; with
+    ``--workers N > 1`` also ``process`` (``owner``, ``worker-3``) and ``pid``."""
 
     def format(self, record: logging.LogRecord) -> str:
-        doc = {
+        doc: dict = {
             "ts": utc(record.created),
             "level": level_name(record.levelno, record.levelname),
             "message": record.getMessage(),
         }
+        role = process_role()
+        if role is not None:
+            doc["process"] = role
+            doc["pid"] = record.process
         if record.exc_info:
             doc["exception"] = self.formatException(record.exc_info)
         return _JSON_ENCODER.encode(doc).decode()

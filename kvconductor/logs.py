@@ -11,7 +11,15 @@ import collections
 import logging
 from datetime import datetime, timezone
 
-__all__ = ["MAX_MESSAGE", "RECENT_WARNINGS", "RecentWarnings", "level_name", "utc"]
+__all__ = [
+    "MAX_MESSAGE",
+    "RECENT_WARNINGS",
+    "RecentWarnings",
+    "level_name",
+    "process_role",
+    "set_process_role",
+    "utc",
+]
 
 #: Records kept by :class:`RecentWarnings` (the oldest is forgotten first).
 RECENT_WARNINGS = 50
@@ -19,6 +27,21 @@ RECENT_WARNINGS = 50
 MAX_MESSAGE = 1000
 
 _LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}
+
+
+_ROLE: str | None = None
+
+
+def set_process_role(role: str | None) -> None:
+    """Name this process in every log line: ``owner``, ``worker-3`` (``kv-conductor
+    --workers N``); ``None`` (one process, the default): lines carry no process field."""
+    global _ROLE
+    _ROLE = role
+
+
+def process_role() -> str | None:
+    """The role set by :func:`set_process_role`, or ``None``."""
+    return _ROLE
 
 
 def utc(created: float) -> str:

@@ -19,7 +19,7 @@ a read lock held up by a large write never stalls the event loop).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -38,7 +38,14 @@ __all__ = [
     "ConductorCollector",
     "Metrics",
     "QueryMetrics",
+    "QuerySumCollector",
+    "merge_query_metrics",
+    "query_samples",
 ]
+
+#: One sample of a :class:`QueryMetrics` state as sent between processes:
+#: ``(sample name, labels, value)``.
+Sample = tuple[str, dict[str, str], float]
 
 #: The classic text format (what ``generate_latest`` writes for these names, and what
 #: every Prometheus reads); newer prometheus_client releases call theirs 1.0.0.
@@ -104,6 +111,10 @@ class QueryMetrics:
             self.misses.labels(reason=r) for r in MISS_REASONS
         )
 
+    def collectors(self) -> tuple[Any, ...]:
+        """The histogram and counters (each a prometheus_client collector)."""
+        return (self.seconds, self.blocks, self.misses, self.errors)
+
     def count_hits(self, hits: list) -> None:
         """Add the per-tier blocks of a non-empty answer (``DpHit`` rows)."""
         if len(hits) == 1:  # PERF: the common answer, one DP
@@ -118,6 +129,60 @@ class QueryMetrics:
             self._cpu.inc(c)
         if d:
             self._disk.inc(d)
+
+
+def query_samples(qm: QueryMetrics) -> list[Sample]:
+    """The state of ``qm`` as plain samples (``_created`` timestamps left out), what a
+    worker process of ``kv-conductor --workers N`` hands to the owner's ``/metrics``."""
+    return [
+        (s.name, dict(s.labels), float(s.value))
+        for col in qm.collectors()
+        for fam in col.collect()
+        for s in fam.samples
+        if not s.name.endswith("_created")
+    ]
+
+
+def _key(name: str, labels: dict[str, str]) -> tuple:
+    return (name, tuple(sorted(labels.items())))
+
+
+def merge_query_metrics(local: QueryMetrics, others: Iterable[Iterable[Sample]]) -> list[Metric]:
+    """The families of ``local`` with the samples of ``others`` (:func:`query_samples`
+    of other processes) added: histogram buckets, sums, counts and counters are summed
+    sample by sample; ``_created`` stays ``local``'s. Samples ``local`` does not have
+    (every label child of :class:`QueryMetrics` is bound at creation, so only from a
+    different version) are ignored."""
+    totals: dict[tuple, float] = {}
+    for samples in others:
+        for name, labels, value in samples:
+            key = _key(name, labels)
+            totals[key] = totals.get(key, 0.0) + value
+    merged: list[Metric] = []
+    for col in local.collectors():
+        for fam in col.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for s in fam.samples:
+                extra = 0.0 if s.name.endswith("_created") else totals.get(_key(s.name, s.labels))
+                out.add_sample(s.name, s.labels, s.value + (extra or 0.0), s.timestamp)
+            merged.append(out)
+    return merged
+
+
+class QuerySumCollector(Collector):
+    """The query metrics of this process plus those of other processes, summed at
+    scrape time (``kv-conductor --workers N``: the owner's ``/metrics`` shows the
+    queries answered by every worker). ``others()`` returns their samples."""
+
+    def __init__(self, local: QueryMetrics, others: Callable[[], Iterable[Iterable[Sample]]]):
+        self.local = local
+        self.others = others
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from merge_query_metrics(self.local, self.others())
 
 
 def _subscription_rows(subs: Any) -> tuple[list[SourceMetrics], Any]:
@@ -269,12 +334,29 @@ class ConductorCollector(Collector):
 
 
 class Metrics:
-    """One app's registry: the query metrics and the conductor collector."""
+    """One app's registry: the query metrics and the conductor collector.
 
-    def __init__(self, conductor: Any) -> None:
+    ``other_queries``: a callable returning other processes' query samples
+    (:func:`query_samples`), summed into the query metrics at scrape time
+    (:class:`QuerySumCollector`). ``extra``: more collectors (the worker-process
+    metrics of ``kv-conductor --workers N``).
+    """
+
+    def __init__(
+        self,
+        conductor: Any,
+        other_queries: Callable[[], Iterable[Iterable[Sample]]] | None = None,
+        extra: Iterable[Collector] = (),
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.query = QueryMetrics(self.registry)
+        if other_queries is None:
+            self.query = QueryMetrics(self.registry)
+        else:
+            self.query = QueryMetrics(None)
+            self.registry.register(QuerySumCollector(self.query, other_queries))
         self.registry.register(ConductorCollector(conductor))
+        for collector in extra:
+            self.registry.register(collector)
 
     def exposition(self) -> bytes:
         """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`) of every metric."""

@@ -52,31 +52,51 @@ _NO_IPV6 = {errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT}
 FD_RESERVE = 256
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(
+    host: str, port: int, *, reuse_port: bool = False, listen: bool = True
+) -> socket.socket:
     """A listening TCP socket on ``host`` (an IP literal); ``::`` is dual-stack.
+
+    ``reuse_port``: set ``SO_REUSEPORT`` (``kv-conductor --workers N``: every worker
+    binds the same address and the kernel spreads connections). ``listen=False``:
+    bound only (the owner of ``--workers`` holds the port this way; a bound socket
+    that does not listen takes no connections).
 
     Raises :class:`OSError` when the address cannot be bound.
     """
     ip = ipaddress.ip_address(host)
     if ip.version == 6:
         try:
-            return _listen(socket.AF_INET6, (host, port, 0, 0), dual_stack=ip.is_unspecified)
+            return _listen(
+                socket.AF_INET6,
+                (host, port, 0, 0),
+                dual_stack=ip.is_unspecified,
+                reuse_port=reuse_port,
+                listen=listen,
+            )
         except OSError as ex:
             if not ip.is_unspecified or ex.errno not in _NO_IPV6:
                 raise
             log.warning("IPv6 unavailable (%s); falling back to 0.0.0.0", ex.strerror or ex)
             host = "0.0.0.0"
-    return _listen(socket.AF_INET, (host, port), dual_stack=False)
+    return _listen(
+        socket.AF_INET, (host, port), dual_stack=False, reuse_port=reuse_port, listen=listen
+    )
 
 
-def _listen(family: int, addr: tuple, dual_stack: bool) -> socket.socket:
+def _listen(
+    family: int, addr: tuple, dual_stack: bool, reuse_port: bool = False, listen: bool = True
+) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if dual_stack else 1)
         sock.bind(addr)
-        sock.listen(2048)
+        if listen:
+            sock.listen(2048)
         sock.set_inheritable(True)
     except BaseException:
         sock.close()
@@ -270,14 +290,17 @@ def fit_connection_cap(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
     return dataclasses.replace(limits, max_connections=room), soft
 
 
-def uvicorn_options(settings: Settings, http: str) -> dict:
+def uvicorn_options(settings: Settings, http: str, where: str = "") -> dict:
     """The ``uvicorn.Config`` options of the HTTP limits (and TLS) of ``settings``.
 
     ``http``: ``"httptools"`` or ``"h11"``, the parser the protocol builds on.
+    ``where``: said in the log line after ``HTTP limits`` (``kv-conductor --workers``:
+    ``(owner socket)``).
     """
     limits, fd_limit = fit_connection_cap(settings.http_limits())
     log.info(
-        "HTTP limits %s fd_limit=%s %s",
+        "HTTP limits%s %s fd_limit=%s %s",
+        where and f" {where}",
         limits.describe(),
         "unlimited" if fd_limit is None else fd_limit,
         settings.describe_http(),
@@ -306,8 +329,27 @@ def _uvicorn_impls() -> tuple[str, str]:
     return loop, http
 
 
+def report_bind_error(settings: Settings, ex: OSError) -> None:
+    """The ERROR line and the stderr line of a port that cannot be bound."""
+    log.error(
+        "failed to bind TCP listener host=%s port=%d error=%s", settings.host, settings.port, ex
+    )
+    print(
+        f"kv-conductor: error: failed to bind TCP listener on {settings.host} port "
+        f"{settings.port}: {ex.strerror or ex}",
+        file=sys.stderr,
+    )
+
+
 def serve(settings: Settings) -> int:
-    """Serve until a shutdown signal; returns the process exit status."""
+    """Serve until a shutdown signal; returns the process exit status.
+
+    With ``settings.workers > 1``: :func:`kvconductor.cluster.serve_owner`.
+    """
+    if settings.workers > 1:
+        from kvconductor.cluster import serve_owner
+
+        return serve_owner(settings)
     # PERF: large queries hash and match in worker threads without the GIL, but
     # hand it back between steps; a short switch interval keeps the event loop's
     # small queries from waiting the default 5 ms for it.
@@ -325,14 +367,7 @@ def serve(settings: Settings) -> int:
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as ex:
-        log.error(
-            "failed to bind TCP listener host=%s port=%d error=%s", settings.host, settings.port, ex
-        )
-        print(
-            f"kv-conductor: error: failed to bind TCP listener on {settings.host} port "
-            f"{settings.port}: {ex.strerror or ex}",
-            file=sys.stderr,
-        )
+        report_bind_error(settings, ex)
         return 1
     loop, http = _uvicorn_impls()
     config = uvicorn.Config(

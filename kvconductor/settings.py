@@ -50,6 +50,8 @@ class Settings:
     tls_client_ca: str | None = None
     # warm start: a GET /debug/dump file loaded before serving (docs/dump.md)
     load_dump: str | None = None
+    # HTTP worker processes (docs/operations.md, "Several worker processes")
+    workers: int = 1
 
     @property
     def max_body_bytes(self) -> int:

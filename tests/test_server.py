@@ -491,7 +491,7 @@ def test_gunicorn_factory(tmp_path):
     [
         (("-w", "2"), {}, "gunicorn started with 2 workers"),
         (("-w", "1"), {"WEB_CONCURRENCY": "3"}, None),  # -w wins over the environment
-        ((), {"WEB_CONCURRENCY": "2"}, "gunicorn started with 2 workers"),
+        ((), {"WEB_CONCURRENCY": "2"}, "2 workers; the index lives in one process"),
         (
             ("-w", "1"),
             {"KV_CONDUCTOR_ARGS": "--pending-ttl-sec 5"},
@@ -548,6 +548,8 @@ def test_gunicorn_refuses_many_workers_and_bad_flags(tmp_path, extra, env, messa
     # stopped all the same, with the message.
     assert proc.returncode in ((4, 1) if "2 workers" in message else (4,)), out
     assert message in out, out
+    if "2 workers" in message:  # points to the way that works
+        assert "or run `kv-conductor --workers 2`" in out, out
     assert "App failed to load" in out
     # Each worker booted at most once: none was restarted (the master may halt on the first
     # worker's failure before it spawned the second).
@@ -562,10 +564,10 @@ def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):
 
     real_listen = server_module._listen
 
-    def no_ipv6(family, addr, dual_stack):
+    def no_ipv6(family, addr, dual_stack, **kw):
         if family == socket.AF_INET6:
             raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
-        return real_listen(family, addr, dual_stack)
+        return real_listen(family, addr, dual_stack, **kw)
 
     monkeypatch.setattr(server_module, "_listen", no_ipv6)
     sock = server_module.bind_socket("::", 0)
@@ -577,6 +579,19 @@ def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):
         sock.close()
     with pytest.raises(OSError):
         server_module.bind_socket("::1", 0)  # an explicit IPv6 address does not fall back
+    # The owner of --workers N: bound with SO_REUSEPORT, not listening, same fallback.
+    held = server_module.bind_socket("::", 0, reuse_port=True, listen=False)
+    try:
+        assert held.family == socket.AF_INET
+        assert held.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
+        assert held.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 0
+        monkeypatch.undo()
+        port = held.getsockname()[1]
+        worker = server_module.bind_socket("0.0.0.0", port, reuse_port=True)
+        assert worker.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+        worker.close()
+    finally:
+        held.close()
 
 
 @pytest.mark.skipif(not HAS_IPV6, reason="no IPv6 on this host")

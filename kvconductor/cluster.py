@@ -1,0 +1,1145 @@
+"""``kv-conductor --workers N``: one owner process, N HTTP worker processes on one port.
+
+The **owner** (the process started by ``kv-conductor``) keeps everything that holds
+state: the :class:`~kvconductor.service.Conductor` (the single ingest thread: ZeroMQ
+subscriptions, ``POST /events``, registrations, maintenance) and the full app of
+:func:`kvconductor.app.create_app`, served by uvicorn on a private UNIX socket in a
+fresh temporary directory (mode 0700, removed at exit). It binds the public
+``host:port`` with ``SO_REUSEPORT`` but never listens on it: a port in use fails at
+once (same message as one process), port 0 resolves to a real port, and the socket
+held for the whole run takes no connections.
+
+Each **worker** (``python -m kvconductor.cluster worker ...``, spawned, never forked:
+the owner has threads and a ZeroMQ context) binds ``host:port`` with ``SO_REUSEPORT``
+and listens (the kernel spreads new connections over the workers), serves HTTP with
+the same limits and TLS flags as one process, and forwards every request to the
+owner over a pool of keep-alive HTTP/1.1 connections on the UNIX socket
+(:func:`create_worker_app`). ``GET /health`` is answered by the worker itself.
+
+**Seam.** ``POST /query`` and ``POST /query_by_hash`` go through
+:attr:`WorkerApp.query_handler`, an ASGI callable (default: the forwarder). Once the
+index lives in shared memory, a worker plugs a
+:class:`~kvconductor.app.QueryFastPath` over its shared view in there (and counts
+in :attr:`WorkerApp.query_metrics`, which the owner's ``/metrics`` sums).
+
+**Hooks** (for the shared-memory index): :func:`shared_fds` (owner: descriptors
+every worker inherits, passed as ``--shared-fds``; in a worker they are
+:data:`SHARED_FDS`) and :data:`on_worker_exit` (owner: called with the pid of a
+worker that exited).
+
+**Supervision** (owner, on its main thread's event loop): a worker that exits is
+logged (WARN), :data:`on_worker_exit` is called, and it is spawned again after a
+back-off (1 s doubling to 30 s; back to 1 s once a worker stayed up 60 s).
+Each worker holds one end of a socket pair with the owner: it writes one byte
+when it listens (the owner logs ``worker-3 pid=1234 ready``) and exits at once
+(status 1) when the owner's end closes, i.e. when the owner is gone, even by
+SIGKILL (``PR_SET_PDEATHSIG`` sends it SIGTERM too, on Linux).
+
+**Shutdown**: SIGTERM/SIGINT to the owner asks every worker to stop (a message on its
+socket pair; a worker signalled directly too, by a terminal's Ctrl-C or systemd, drains
+once), each drains like one process, the owner waits
+:data:`~kvconductor.server.GRACEFUL_SECS` plus :data:`STOP_MARGIN` (then SIGKILL), stops
+its own server and the conductor, and exits 0. A second signal makes the workers close
+their connections at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import email.utils
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
+
+import msgspec
+import uvicorn
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvconductor.app import MSGPACK_PATHS, PUBLIC_READ_PATHS, QUERY_PATHS, too_large_message
+from kvconductor.logs import set_process_role
+from kvconductor.metrics import Metrics, QueryMetrics, Sample, query_samples
+from kvconductor.server import (
+    GRACEFUL_SECS,
+    STOP_SECS,
+    SWITCH_INTERVAL,
+    KvServer,
+    _uvicorn_impls,
+    _version,
+    _warm_start,
+    bind_socket,
+    format_address,
+    report_bind_error,
+    uvicorn_options,
+)
+from kvconductor.service import Conductor, raise_fd_limit
+from kvconductor.settings import Settings
+from kvconductor.wire import (
+    JSON_CONTENT_TYPE,
+    MSGPACK_CONTENT_TYPE,
+    encode_error,
+    is_msgpack_content_type,
+)
+
+log = logging.getLogger("kvconductor.cluster")
+
+#: First respawn delay of a worker that exited (seconds); doubles up to RESPAWN_MAX.
+RESPAWN_FIRST = 1.0
+RESPAWN_MAX = 30.0
+#: A worker up this long resets its back-off to RESPAWN_FIRST.
+RESPAWN_RESET = 60.0
+#: Seconds past GRACEFUL_SECS the owner waits for its workers to stop before SIGKILL.
+STOP_MARGIN = 2.0
+#: Seconds a worker has to hand its query metrics to the owner's ``/metrics``.
+METRICS_TIMEOUT = 0.5
+#: Keep-alive of the owner's UNIX-socket connections (the workers' pools).
+OWNER_KEEP_ALIVE = 120.0
+#: A pooled connection idle this long is closed instead of reused.
+POOL_IDLE_SECS = 60.0
+#: Idle connections a worker keeps to the owner at most.
+POOL_MAX_IDLE = 64
+#: Socket-pair messages: worker -> owner "listening"; owner -> worker "drain and stop",
+#: "stop now" (messages, not signals: a worker that also got the signal itself, from a
+#: terminal's Ctrl-C or systemd signalling the whole group, must not take the owner's
+#: request for a second signal).
+_READY = b"R"
+_STOP = b"S"
+_FORCE = b"F"
+_CHUNK = 1 << 16
+#: Settings a worker needs (never the API key: the owner checks it).
+WORKER_FIELDS = (
+    "host",
+    "port",
+    "log_level",
+    "log_format",
+    "max_body_mb",
+    "max_header_kb",
+    "request_timeout_secs",
+    "keep_alive_secs",
+    "max_connections",
+    "allow_origins",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+)
+
+
+def shared_fds() -> list[int]:
+    """(Owner) file descriptors every worker inherits (``--shared-fds 5,7``).
+
+    None yet; the shared-memory index returns its segments here. In a worker they are
+    :data:`SHARED_FDS`, same numbers.
+    """
+    return []
+
+
+#: (Owner) callbacks called with the pid of a worker that exited (any cause), on the
+#: owner's main thread, before it is spawned again. An exception is logged and ignored.
+on_worker_exit: list[Callable[[int], None]] = []
+
+#: (Worker) the descriptors of ``--shared-fds`` (from :func:`shared_fds` of the owner).
+SHARED_FDS: tuple[int, ...] = ()
+
+
+def settings_json(settings: Settings) -> str:
+    """The settings a worker needs, as JSON (``--settings``)."""
+    return msgspec.json.encode({f: getattr(settings, f) for f in WORKER_FIELDS}).decode()
+
+
+def settings_from_json(text: str) -> Settings:
+    doc = msgspec.json.decode(text)
+    doc["allow_origins"] = tuple(doc.get("allow_origins") or ())
+    return Settings(**{k: v for k, v in doc.items() if k in WORKER_FIELDS})
+
+
+# --------------------------------------------------------------------------- owner
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One worker number: its current process (``None`` while waiting to respawn)."""
+
+    number: int
+    metrics_path: str
+    proc: subprocess.Popen | None = None
+    control: socket.socket | None = None
+    started: float = 0.0
+    ready: bool = False
+    backoff: float = RESPAWN_FIRST
+
+    @property
+    def name(self) -> str:
+        return f"worker-{self.number}"
+
+
+class Owner:
+    """The owner's worker supervision (main thread, in its event loop)."""
+
+    def __init__(self, settings: Settings, tmpdir: str, owner_path: str, host: str, port: int):
+        self.settings = settings
+        self.owner_path = owner_path
+        self.host = host
+        self.port = port
+        self.slots = [
+            _Slot(n, os.path.join(tmpdir, f"worker-{n}.metrics.sock"))
+            for n in range(1, settings.workers + 1)
+        ]
+        self.restarts = 0
+        self.stopping = False
+        self.force = False
+        self._lock = threading.Lock()  # the fields below: read by /metrics scrapes
+        # pid -> (name, pid, metrics path) of the workers running and listening
+        self._live: dict[int, tuple[str, int, str]] = {}
+        self._last: dict[int, list[Sample]] = {}  # pid -> last query samples reported
+        self._retired: dict[tuple, Sample] = {}  # summed samples of exited workers
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = asyncio.Event()
+        self._settings_json = settings_json(dataclasses.replace(settings, host=host, port=port))
+
+    # -- spawning (main thread only: PR_SET_PDEATHSIG follows the spawning thread)
+
+    def spawn(self, slot: _Slot) -> None:
+        assert threading.current_thread() is threading.main_thread()
+        parent, child = socket.socketpair()
+        extra = [int(fd) for fd in shared_fds()]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvconductor.cluster",
+            "worker",
+            "--number",
+            str(slot.number),
+            "--owner-socket",
+            self.owner_path,
+            "--owner-pid",
+            str(os.getpid()),
+            "--control-fd",
+            str(child.fileno()),
+            "--metrics-socket",
+            slot.metrics_path,
+            "--settings",
+            self._settings_json,
+        ]
+        if extra:
+            cmd += ["--shared-fds", ",".join(str(fd) for fd in extra)]
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=[child.fileno(), *extra], close_fds=True)
+        except OSError as ex:
+            parent.close()
+            child.close()
+            log.error("cannot start %s: %s", slot.name, ex)
+            self._schedule_respawn(slot)
+            return
+        child.close()
+        parent.setblocking(False)
+        slot.proc, slot.control, slot.started, slot.ready = proc, parent, time.monotonic(), False
+        assert self._loop is not None
+        self._loop.add_reader(parent.fileno(), self._on_control, slot)
+        log.info("%s pid=%d started", slot.name, proc.pid)
+
+    def _on_control(self, slot: _Slot) -> None:
+        sock = slot.control
+        if sock is None:
+            return
+        try:
+            data = sock.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the worker is gone; supervise() reaps it
+            self._close_control(slot)
+            return
+        if _READY in data and not slot.ready and slot.proc is not None:
+            slot.ready = True
+            with self._lock:
+                self._live[slot.proc.pid] = (slot.name, slot.proc.pid, slot.metrics_path)
+            log.info(
+                "%s pid=%d ready (listening on %s port %d)",
+                slot.name,
+                slot.proc.pid,
+                self.host,
+                self.port,
+            )
+
+    def _close_control(self, slot: _Slot) -> None:
+        if slot.control is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(slot.control.fileno())
+            slot.control.close()
+            slot.control = None
+
+    # -- supervision
+
+    async def supervise(self) -> None:
+        while True:
+            self.reap()
+            await asyncio.sleep(0.1)
+
+    def reap(self) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is not None:
+                self._exited(slot)
+
+    def _exited(self, slot: _Slot) -> None:
+        proc = slot.proc
+        assert proc is not None
+        code = proc.returncode
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        slot.proc = None
+        self._close_control(slot)
+        with self._lock:
+            self._live.pop(proc.pid, None)
+            for sample in self._last.pop(proc.pid, ()):
+                name, labels, value = sample
+                key = (name, tuple(sorted(labels.items())))
+                old = self._retired.get(key)
+                self._retired[key] = (name, labels, value + (old[2] if old else 0.0))
+        for hook in list(on_worker_exit):
+            try:
+                hook(proc.pid)
+            except Exception:
+                log.exception("on_worker_exit hook failed for %s pid=%d", slot.name, proc.pid)
+        if self.stopping:
+            log.info("%s pid=%d stopped (%s)", slot.name, proc.pid, how)
+            return
+        if time.monotonic() - slot.started >= RESPAWN_RESET:
+            slot.backoff = RESPAWN_FIRST
+        log.warning(
+            "%s pid=%d exited unexpectedly (%s); restarting it in %gs",
+            slot.name,
+            proc.pid,
+            how,
+            slot.backoff,
+        )
+        self._schedule_respawn(slot)
+
+    def _schedule_respawn(self, slot: _Slot) -> None:
+        delay = slot.backoff
+        slot.backoff = min(slot.backoff * 2, RESPAWN_MAX)
+        assert self._loop is not None
+        self._loop.call_later(delay, self._respawn, slot)
+
+    def _respawn(self, slot: _Slot) -> None:
+        if self.stopping or slot.proc is not None:
+            return
+        self.restarts += 1
+        self.spawn(slot)
+
+    # -- running and stopping
+
+    async def run(self, serve: Callable[[], Any], server: KvServer) -> None:
+        """Serve the owner app (``serve()``), start the workers, supervise until a
+        shutdown signal, stop the workers, then the owner's server."""
+        self._loop = loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        serving = asyncio.ensure_future(serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        if serving.done():
+            await serving
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        for slot in self.slots:
+            self.spawn(slot)
+        supervisor = asyncio.ensure_future(self.supervise())
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait([stop, serving], return_when=asyncio.FIRST_COMPLETED)
+            if not self._stop.is_set():
+                log.error("the owner's HTTP server stopped; stopping the workers")
+                self.stopping = True
+            await self.stop_workers()
+        finally:
+            stop.cancel()
+            supervisor.cancel()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            self.kill_all()
+            server.should_exit = True
+            server.force_exit = self.force
+        await serving
+
+    def _on_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if not self.stopping:
+            log.info(
+                "received shutdown signal, stopping %d worker(s)... signal=%s",
+                sum(s.proc is not None for s in self.slots),
+                name,
+            )
+            self.stopping = True
+            self._stop.set()
+            return
+        if not self.force:
+            log.warning(
+                "second shutdown signal (%s): workers close connections without waiting for "
+                "requests in flight",
+                name,
+            )
+            self.force = True
+            self._tell_all(_FORCE)
+
+    def _tell_all(self, message: bytes) -> None:
+        """Send ``message`` (:data:`_STOP`, :data:`_FORCE`) to every worker over its socket
+        pair; SIGTERM to one whose socket is gone."""
+        for slot in self.slots:
+            if slot.proc is None or slot.proc.poll() is not None:
+                continue
+            try:
+                if slot.control is None:
+                    raise OSError("no control socket")
+                slot.control.send(message)
+            except OSError:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.send_signal(signal.SIGTERM)
+
+    async def stop_workers(self) -> None:
+        self._tell_all(_STOP)
+        bound = GRACEFUL_SECS + STOP_MARGIN
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            self.reap()
+            if all(s.proc is None for s in self.slots):
+                return
+            await asyncio.sleep(0.05)
+        for slot in self.slots:
+            if slot.proc is not None:
+                log.warning(
+                    "%s pid=%d did not stop within %gs; killing it", slot.name, slot.proc.pid, bound
+                )
+        self.kill_all()
+
+    def kill_all(self) -> None:
+        """SIGKILL and reap every worker still running."""
+        for slot in self.slots:
+            if slot.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    slot.proc.wait(5)
+                self._exited(slot)
+
+    # -- metrics (any thread: /metrics scrapes run in a worker thread)
+
+    def live_workers(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def worker_query_samples(self) -> list[list[Sample]]:
+        """The query samples of exited workers (summed) and of every live one (asked
+        now; one that does not answer within METRICS_TIMEOUT counts with its last report)."""
+        with self._lock:
+            live = list(self._live.values())
+            out: list[list[Sample]] = [list(self._retired.values())]
+        for name, pid, path in live:
+            try:
+                samples = fetch_query_samples(path)
+            except FileNotFoundError:  # starting: has not counted anything yet
+                samples = None
+            except (OSError, ValueError, msgspec.DecodeError) as ex:
+                log.warning("%s pid=%d did not report its query metrics: %s", name, pid, ex)
+                samples = None
+            with self._lock:
+                if samples is not None and pid in self._live:
+                    self._last[pid] = samples
+                out.append(self._last.get(pid, []))
+        return out
+
+
+class WorkerCollector(Collector):
+    """``kvconductor_worker_processes`` and ``kvconductor_worker_restarts_total``."""
+
+    def __init__(self, owner: Owner) -> None:
+        self.owner = owner
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kvconductor_worker_processes",
+            "HTTP worker processes running and listening (kv-conductor --workers N)",
+            value=self.owner.live_workers(),
+        )
+        yield CounterMetricFamily(
+            "kvconductor_worker_restarts",
+            "Worker processes started again after one exited",
+            value=self.owner.restarts,
+        )
+
+
+def fetch_query_samples(path: str, timeout: float = METRICS_TIMEOUT) -> list[Sample]:
+    """The query samples a worker serves on its metrics socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        chunks = []
+        while True:
+            data = sock.recv(_CHUNK)
+            if not data:
+                break
+            chunks.append(data)
+    rows = msgspec.json.decode(b"".join(chunks))
+    return [(str(n), {str(k): str(x) for k, x in lab.items()}, float(v)) for n, lab, v in rows]
+
+
+class OwnerServer(KvServer):
+    """The owner's uvicorn server: signals are the :class:`Owner`'s (workers first)."""
+
+    def __init__(self, config: uvicorn.Config, owner: Owner) -> None:
+        super().__init__(config)
+        self.owner = owner
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.owner.run(lambda: super(OwnerServer, self).serve(sockets=sockets), self)
+
+
+def serve_owner(settings: Settings) -> int:
+    """``kv-conductor --workers N`` (N > 1): the owner process. Returns the exit status."""
+    from kvconductor.app import create_app
+
+    set_process_role("owner")
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    raise_fd_limit(settings.max_sources, settings.max_connections * settings.workers)
+    conductor = Conductor(settings.conductor_config())
+    try:
+        port_sock = bind_socket(settings.host, settings.port, reuse_port=True, listen=False)
+    except OSError as ex:
+        report_bind_error(settings, ex)
+        return 1
+    host = settings.host
+    if port_sock.family == socket.AF_INET and ":" in host:  # no IPv6: fell back
+        host = "0.0.0.0"
+    port = port_sock.getsockname()[1]
+    tmpdir = tempfile.mkdtemp(prefix="kv-conductor-")  # mode 0700
+    owner_path = os.path.join(tmpdir, "owner.sock")
+    owner = Owner(settings, tmpdir, owner_path, host, port)
+    unix_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        unix_sock.bind(owner_path)
+        unix_sock.listen(2048)
+        metrics = Metrics(
+            conductor, other_queries=owner.worker_query_samples, extra=[WorkerCollector(owner)]
+        )
+        app = create_app(
+            conductor,
+            max_body_bytes=settings.max_body_bytes,
+            api_key=settings.api_key,
+            fast_query=True,
+            allow_origins=settings.allow_origins,
+            open_workers=settings.open_workers,
+            metrics=metrics,
+        )
+        loop, http = _uvicorn_impls()
+        # The owner's socket is private: plain HTTP, long keep-alive for the workers'
+        # pools, room for the requests in flight of every worker.
+        private = dataclasses.replace(
+            settings,
+            tls_cert=None,
+            tls_key=None,
+            tls_client_ca=None,
+            keep_alive_secs=max(settings.keep_alive_secs, OWNER_KEEP_ALIVE),
+            max_connections=settings.max_connections * settings.workers,
+        )
+        config = uvicorn.Config(
+            app,
+            loop=loop,
+            lifespan="off",
+            log_config=None,
+            access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
+            timeout_graceful_shutdown=GRACEFUL_SECS,
+            server_header=False,
+            **uvicorn_options(private, http, "(owner socket)"),
+        )
+        server = OwnerServer(config, owner)
+        log.info(
+            "KV conductor starting on %s workers=%d version=%s %s switch_interval=%s",
+            format_address(port_sock),
+            settings.workers,
+            _version(),
+            settings.describe(),
+            sys.getswitchinterval(),
+        )
+        conductor.start()
+        if settings.load_dump:
+            try:
+                _warm_start(conductor, settings.load_dump)
+            except (OSError, ValueError) as ex:
+                log.error("cannot load dump %s: %s", settings.load_dump, ex)
+                conductor.stop(STOP_SECS)
+                return 1
+        try:
+            server.run(sockets=[unix_sock])
+        finally:
+            owner.kill_all()
+            if not conductor.stop(STOP_SECS):
+                log.warning("ingest thread did not stop within %ss", STOP_SECS)
+            log.info("KV conductor shut down")
+    finally:
+        unix_sock.close()
+        port_sock.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- worker
+
+_HOP = frozenset(
+    (
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-connection",
+        b"expect",
+        b"content-length",
+    )
+)
+_RESP_HOP = frozenset((b"connection", b"keep-alive", b"transfer-encoding"))
+
+
+class OwnerUnavailable(Exception):
+    """The owner's socket refused or dropped a request before its answer began."""
+
+
+class _Conn:
+    __slots__ = ("idle_since", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.idle_since = 0.0
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class OwnerClient:
+    """HTTP/1.1 client of the owner's UNIX socket: a pool of keep-alive connections;
+    each request has a connection to itself."""
+
+    def __init__(self, path: str, max_idle: int = POOL_MAX_IDLE) -> None:
+        self.path = path
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+
+    async def _acquire(self) -> tuple[_Conn, bool]:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if now - conn.idle_since < POOL_IDLE_SECS and not conn.reader.at_eof():
+                return conn, True
+            conn.close()
+        reader, writer = await asyncio.open_unix_connection(self.path, limit=1 << 20)
+        return _Conn(reader, writer), False
+
+    def _release(self, conn: _Conn) -> None:
+        if len(self._idle) >= self.max_idle:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+    async def forward(
+        self, head: bytes, body: bytes, send: Any, *, head_only: bool, reuse: bool = True
+    ) -> None:
+        """Send one request (``head`` + ``body``) and relay the answer to ASGI ``send``.
+
+        ``head_only``: the answer has no body (HEAD). Raises :class:`OwnerUnavailable`
+        when the owner cannot be reached or closes before answering (nothing was sent
+        to the client then). A stale pooled connection is retried once on a new one.
+        ``reuse=False``: the connection is closed after the answer (a body was withheld).
+        """
+        for attempt in (0, 1):
+            try:
+                conn, reused = await self._acquire()
+            except OSError as ex:
+                raise OwnerUnavailable(str(ex)) from None
+            try:
+                conn.writer.write(head + body if len(body) < _CHUNK else head)
+                if len(body) >= _CHUNK:
+                    conn.writer.write(body)
+                await conn.writer.drain()
+                status, headers = await _read_head(conn.reader)
+            except (OSError, asyncio.IncompleteReadError, ValueError) as ex:
+                conn.close()
+                if reused and attempt == 0:
+                    continue
+                raise OwnerUnavailable(str(ex) or type(ex).__name__) from None
+            break
+        try:
+            keep = await self._relay(conn, status, headers, send, head_only)
+        except BaseException:
+            conn.close()
+            raise
+        if keep and reuse:
+            self._release(conn)
+        else:
+            conn.close()
+
+    async def _relay(
+        self, conn: _Conn, status: int, headers: list, send: Any, head_only: bool
+    ) -> bool:
+        length = None
+        chunked = close = False
+        out = []
+        for k, v in headers:
+            if k == b"content-length":
+                length = int(v)
+            elif k == b"transfer-encoding":
+                chunked = b"chunked" in v.lower()
+            elif k == b"connection":
+                close = b"close" in v.lower()
+            if k not in _RESP_HOP:
+                out.append((k, v))
+        await send({"type": "http.response.start", "status": status, "headers": out})
+        reader = conn.reader
+        if head_only or status in (204, 304):
+            await send({"type": "http.response.body", "body": b""})
+            return not close
+        if length is not None:
+            left = length
+            while left > _CHUNK:
+                data = await reader.readexactly(_CHUNK)
+                left -= _CHUNK
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            data = await reader.readexactly(left)
+            await send({"type": "http.response.body", "body": data})
+            return not close
+        if chunked:
+            while True:
+                line = await reader.readuntil(b"\r\n")
+                size = int(line.split(b";", 1)[0].strip(), 16)
+                if size == 0:
+                    while await reader.readuntil(b"\r\n") != b"\r\n":
+                        pass  # trailers
+                    break
+                data = await reader.readexactly(size)
+                await reader.readexactly(2)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return not close
+        while data := await reader.read(_CHUNK):  # until the owner closes
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return False
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, list]:
+    """Status and headers (lower-case names) of the next final response."""
+    while True:
+        raw = await reader.readuntil(b"\r\n\r\n")
+        lines = raw[:-4].split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        if 100 <= status < 200:
+            continue  # interim (100 Continue)
+        headers = []
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers.append((name.strip().lower(), value.strip()))
+        return status, headers
+
+
+def _request_head(scope: dict, content_length: int | None) -> bytes:
+    target = scope.get("raw_path") or scope["path"].encode()
+    if scope.get("query_string"):
+        target += b"?" + scope["query_string"]
+    lines = [scope["method"].encode() + b" " + target + b" HTTP/1.1"]
+    forwarded = None
+    for k, v in scope["headers"]:
+        if k in _HOP:
+            continue
+        if k == b"x-forwarded-for":
+            forwarded = v
+            continue
+        lines.append(k + b": " + v)
+    client = scope.get("client")
+    if client:
+        ip = str(client[0]).encode()
+        lines.append(b"x-forwarded-for: " + (forwarded + b", " + ip if forwarded else ip))
+    elif forwarded is not None:
+        lines.append(b"x-forwarded-for: " + forwarded)
+    if content_length is not None:
+        lines.append(b"content-length: " + str(content_length).encode())
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+class WorkerApp:
+    """The ASGI app of a worker process (:func:`create_worker_app`)."""
+
+    def __init__(
+        self,
+        owner_socket: str,
+        *,
+        max_body_bytes: int,
+        allow_origins: Iterable[str] = (),
+        query_handler: Callable[[dict, Any, Any], Awaitable[None]] | None = None,
+        query_metrics: QueryMetrics | None = None,
+    ) -> None:
+        self.owner = OwnerClient(owner_socket)
+        self.max_body_bytes = max_body_bytes
+        self.allow_origins = frozenset(allow_origins)
+        self.query_metrics = query_metrics if query_metrics is not None else QueryMetrics()
+        #: The seam: ``POST /query`` and ``POST /query_by_hash`` (an ASGI callable).
+        self.query_handler = query_handler if query_handler is not None else self.forward
+        self._unavailable_logged = 0.0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        if method == "GET" and path == "/health":
+            return await self._health(scope, send)
+        if method == "POST" and path in QUERY_PATHS:
+            await self.query_handler(scope, receive, send)
+            return
+        await self.forward(scope, receive, send)
+
+    async def forward(self, scope: dict, receive: Any, send: Any) -> None:
+        """Forward the request to the owner and relay its answer unchanged."""
+        t0 = time.perf_counter()
+        length = None
+        ctype = origin = None
+        for k, v in scope["headers"]:
+            if k == b"content-length":
+                with contextlib.suppress(ValueError):
+                    length = int(v)
+            elif k == b"content-type":
+                ctype = v.decode("latin-1")
+            elif k == b"origin":
+                origin = v.decode("latin-1")
+        msgpack = scope["path"] in MSGPACK_PATHS and is_msgpack_content_type(ctype)
+        head_only = scope["method"] == "HEAD"
+        body = bytearray()
+        more = True
+        if length is not None and length > self.max_body_bytes:
+            # The owner answers from the head and the first chunk (413, or whatever comes
+            # first for that route: 401, 403, 404): send those, never buffer the rest.
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            more = msg.get("more_body", False)
+            if more:
+                head = _request_head(scope, length)
+                try:
+                    await self.owner.forward(
+                        head,
+                        msg.get("body", b""),
+                        _CloseAfter(send),
+                        head_only=head_only,
+                        reuse=False,
+                    )
+                except OwnerUnavailable as ex:
+                    await self._unavailable(send, scope, msgpack, str(ex))
+                return
+            body += msg.get("body", b"")
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # client gone: nothing to answer
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max_body_bytes:  # chunked: no Content-Length to check
+                return await self._too_large(scope, send, msgpack, origin, t0)
+        has_body = body or length is not None or scope["method"] in ("POST", "PUT", "PATCH")
+        head = _request_head(scope, len(body) if has_body else None)
+        try:
+            await self.owner.forward(head, bytes(body), send, head_only=head_only)
+        except OwnerUnavailable as ex:
+            await self._unavailable(send, scope, msgpack, str(ex))
+
+    async def _too_large(
+        self, scope: dict, send: Any, msgpack: bool, origin: str | None, t0: float
+    ) -> None:
+        """413 for a chunked body past the limit, as the owner writes it."""
+        path = scope["path"]
+        log.warning(
+            "request body too large method=%s path=%s limit=%d content_length=None",
+            scope["method"],
+            path,
+            self.max_body_bytes,
+        )
+        data = encode_error(too_large_message(self.max_body_bytes), msgpack)
+        headers = [
+            (b"content-type", (MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE).encode()),
+            (b"content-length", str(len(data)).encode()),
+        ]
+        if path in QUERY_PATHS and scope["method"] == "POST":
+            self.query_metrics.route_seconds[path].observe(time.perf_counter() - t0)
+            self.query_metrics.route_errors[path].inc()
+        if origin is not None:
+            if path in PUBLIC_READ_PATHS:
+                headers.append((b"access-control-allow-origin", b"*"))
+            elif origin in self.allow_origins:
+                headers.append((b"access-control-allow-origin", origin.encode("latin-1")))
+                headers.append((b"vary", b"Origin"))
+        await _send(send, 413, headers, data)
+
+    async def _unavailable(self, send: Any, scope: dict, msgpack: bool, why: str) -> None:
+        now = time.monotonic()
+        if now - self._unavailable_logged >= 5.0:
+            self._unavailable_logged = now
+            log.warning(
+                "owner process unavailable method=%s path=%s error=%s",
+                scope["method"],
+                scope["path"],
+                why,
+            )
+        data = encode_error("the index owner process is unavailable; retry later", msgpack)
+        ctype = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
+        headers = [(b"content-type", ctype.encode()), (b"content-length", str(len(data)).encode())]
+        await _send(send, 503, headers, data)
+
+    async def _health(self, scope: dict, send: Any) -> None:
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", b"2"),
+        ]
+        if any(k == b"origin" for k, _ in scope["headers"]):
+            headers.append((b"access-control-allow-origin", b"*"))
+        await _send(send, 200, headers, b"OK")
+
+
+class _CloseAfter:
+    """ASGI ``send`` wrapper for a request whose body was not read: the answer closes
+    the client connection (``Connection: close``), as the owner's server would."""
+
+    def __init__(self, send: Any) -> None:
+        self.send = send
+
+    async def __call__(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message["headers"] if h[0] != b"connection"]
+            message = dict(message, headers=[*headers, (b"connection", b"close")])
+        await self.send(message)
+
+
+async def _send(send: Any, status: int, headers: list, data: bytes) -> None:
+    headers = [*headers, (b"date", email.utils.formatdate(usegmt=True).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def create_worker_app(
+    owner_socket: str,
+    *,
+    max_body_bytes: int,
+    allow_origins: Iterable[str] = (),
+    query_handler: Callable[[dict, Any, Any], Awaitable[None]] | None = None,
+    query_metrics: QueryMetrics | None = None,
+) -> WorkerApp:
+    """The ASGI app of a worker: forward every request to the owner at ``owner_socket``.
+
+    Method, target (path and query string), headers (plus ``X-Forwarded-For``) and body
+    go to the owner over keep-alive HTTP/1.1 connections; its status, headers and body
+    come back unchanged. ``GET /health`` is answered here (``OK``). The body limit
+    ``max_body_bytes`` is the owner's: a ``Content-Length`` past it is sent on without
+    the body (the owner answers from the head: 413, or 401/403/404 first, as with one
+    process) and the client connection is closed; a chunked body past it gets the
+    owner's 413 from here. The owner unreachable: 503 ``{"error": ...}`` (MessagePack
+    for a MessagePack query).
+
+    **The query seam**: ``query_handler`` is the ASGI callable that answers ``POST
+    /query`` and ``POST /query_by_hash`` (default: forward to the owner). A worker with
+    a shared view of the index passes a
+    :class:`~kvconductor.app.QueryFastPath`-like handler over it, counting in
+    ``query_metrics`` (the app's :attr:`WorkerApp.query_metrics`): the owner's
+    ``/metrics`` sums those of every worker. In a worker process the descriptors of
+    :func:`shared_fds` are in :data:`SHARED_FDS` before this app is created
+    (:func:`worker_main`).
+    """
+    return WorkerApp(
+        owner_socket,
+        max_body_bytes=max_body_bytes,
+        allow_origins=allow_origins,
+        query_handler=query_handler,
+        query_metrics=query_metrics,
+    )
+
+
+class WorkerServer(KvServer):
+    """A worker's uvicorn server: tells the owner once it listens."""
+
+    def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self.on_started()
+
+
+def _set_pdeathsig(sig: int = signal.SIGTERM) -> None:
+    """Linux: ``sig`` to this process when the thread that spawned it ends."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+class _OwnerLink:
+    """A worker's end of its socket pair with the owner, read by a daemon thread."""
+
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.server: uvicorn.Server | None = None  # set once serving
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="owner-watch", daemon=True).start()
+
+    def ready(self) -> None:
+        with contextlib.suppress(OSError):
+            self.control.send(_READY)
+
+    def _watch(self) -> None:
+        """Exit at once (status 1) when the owner's end closes; stop on its request."""
+        while True:
+            try:
+                data = self.control.recv(64)
+            except InterruptedError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                log.error("owner process gone; exiting")
+                logging.shutdown()
+                os._exit(1)
+            server = self.server
+            if server is None:  # still starting: nothing to drain
+                if _STOP in data or _FORCE in data:
+                    log.info("stop requested by the owner while starting")
+                    logging.shutdown()
+                    os._exit(0)
+                continue
+            # Plain flags the server's loop polls (uvicorn's own signal handler does the same).
+            if _STOP in data and not server.should_exit:
+                log.info("stop requested by the owner, draining connections...")
+                server.should_exit = True
+            if _FORCE in data and not server.force_exit:
+                log.warning("owner's second signal: closing connections without waiting")
+                server.should_exit = server.force_exit = True
+
+
+def _serve_metrics(path: str, qm: QueryMetrics) -> None:
+    """Serve :func:`~kvconductor.metrics.query_samples` of ``qm`` on the UNIX socket
+    ``path`` (one JSON document per connection), in a daemon thread."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(16)
+
+    def loop() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(METRICS_TIMEOUT)
+                with contextlib.suppress(OSError):
+                    conn.sendall(msgspec.json.encode(query_samples(qm)))
+
+    threading.Thread(target=loop, name="query-metrics", daemon=True).start()
+
+
+def _fd_list(value: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in value.split(",") if v.strip())
+
+
+def worker_main(argv: list[str]) -> int:
+    """``python -m kvconductor.cluster worker ...`` (spawned by the owner only)."""
+    from kvconductor.cli import configure_logging
+
+    p = argparse.ArgumentParser(prog="kvconductor.cluster")
+    p.add_argument("role", choices=["worker"])
+    p.add_argument("--number", type=int, required=True)
+    p.add_argument("--owner-socket", required=True)
+    p.add_argument("--owner-pid", type=int, required=True)
+    p.add_argument("--control-fd", type=int, required=True)
+    p.add_argument("--metrics-socket", required=True)
+    p.add_argument("--settings", required=True)
+    p.add_argument("--shared-fds", type=_fd_list, default=())
+    args = p.parse_args(argv)
+    _set_pdeathsig()
+    control = socket.socket(fileno=args.control_fd)
+    settings = settings_from_json(args.settings)
+    configure_logging(settings.log_level, settings.log_format)
+    set_process_role(f"worker-{args.number}")
+    if os.getppid() != args.owner_pid:
+        log.error("owner process gone before this worker started; exiting")
+        return 1
+    global SHARED_FDS
+    SHARED_FDS = tuple(args.shared_fds)
+    link = _OwnerLink(control)
+    link.start()
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    raise_fd_limit(1, settings.max_connections)
+    try:
+        sock = bind_socket(settings.host, settings.port, reuse_port=True)
+    except OSError as ex:
+        report_bind_error(settings, ex)
+        return 1
+    app = create_worker_app(
+        args.owner_socket,
+        max_body_bytes=settings.max_body_bytes,
+        allow_origins=settings.allow_origins,
+    )
+    _serve_metrics(args.metrics_socket, app.query_metrics)
+    loop, http = _uvicorn_impls()
+    config = uvicorn.Config(
+        app,
+        loop=loop,
+        lifespan="off",
+        log_config=None,
+        access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
+        timeout_graceful_shutdown=GRACEFUL_SECS,
+        server_header=False,
+        date_header=False,  # the owner's answers carry theirs
+        **uvicorn_options(settings, http),
+    )
+
+    server = WorkerServer(config, link.ready)
+    link.server = server
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        app.owner.close()
+        log.info("worker stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    from kvconductor import cluster as _cluster  # module state lives in kvconductor.cluster
+
+    sys.exit(_cluster.worker_main(sys.argv[1:]))

@@ -1,0 +1,487 @@
+"""``kv-conductor --workers N`` (kvconductor/cluster.py): real owner and worker processes.
+
+The single-process HTTP tests of tests/test_server.py run again here against a server
+with two workers (imported below: same requests, same expected answers), then the
+process model: answers identical to one process, worker restarts, owner death,
+shutdown, port in use, and the pieces (metrics merge, 503, flags, log lines) alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+from test_security import pki, tls_server
+from test_server import (  # the single-process tests, run here with --workers 2
+    Server,
+    run_cli,
+    running,
+    test_body_limit_over_http,
+    test_errors_over_http,
+    test_health_on_dual_stack_default_host,
+    test_json_and_msgpack_end_to_end,
+    test_large_msgpack_query,
+)
+from test_server_zmq import register_engine
+
+from kvconductor import cli, cluster
+from kvconductor.logs import set_process_role
+from kvconductor.metrics import QueryMetrics, merge_query_metrics, query_samples
+from kvconductor.settings import Settings
+
+pytestmark = pytest.mark.server
+
+__all__ = [
+    "pki",
+    "test_body_limit_over_http",
+    "test_errors_over_http",
+    "test_health_on_dual_stack_default_host",
+    "test_json_and_msgpack_end_to_end",
+    "test_large_msgpack_query",
+]
+
+MSGPACK = "application/msgpack"
+READY = re.compile(r"\] (worker-\d+) pid=(\d+) ready")
+BOUND = 15.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Two workers, with the flags of tests/test_server.py's ``server``."""
+    with running(
+        tmp_path_factory.mktemp("cluster"),
+        "--workers",
+        "2",
+        "--maintenance-interval-secs",
+        "1",
+        "--max-body-mb",
+        "1",
+    ) as srv:
+        wait_workers(srv, 2)
+        yield srv
+
+
+def ready_workers(srv: Server) -> dict[str, int]:
+    """The latest ready pid of each worker, from the owner's log lines."""
+    return {name: int(pid) for name, pid in READY.findall(srv.log())}
+
+
+def wait_workers(srv: Server, n: int, exclude: set[int] = frozenset()) -> dict[str, int]:
+    deadline = time.monotonic() + BOUND
+    while True:
+        found = ready_workers(srv)
+        if len(found) == n and not exclude & set(found.values()):
+            return found
+        assert time.monotonic() < deadline, srv.log()
+        time.sleep(0.05)
+
+
+def gone(pid: int) -> bool:
+    """``pid`` has exited (a zombie not reaped yet counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of the samples called ``name`` (any labels) in a text exposition."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith((name + " ", name + "{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def events(instance: str, first_id: int, hashes: list[int]) -> dict:
+    return {
+        "instance_id": instance,
+        "events": [
+            {
+                "event_id": first_id,
+                "type": "BlockStored",
+                "block_hashes": hashes,
+                "token_ids": list(range(1, 4 * len(hashes) + 1)),
+                "block_size": 4,
+            }
+        ],
+    }
+
+
+def test_events_and_queries_over_many_connections(server):
+    """POST /events and /query over a new connection each (SO_REUSEPORT spreads them
+    over the workers): every answer is the single-process one."""
+    register_engine(server, "many-conn", block_size=4)
+    url = server.url
+    for i in range(20):
+        r = httpx.post(f"{url}/events", json=events("many-conn", i + 1, [i + 1]), timeout=10)
+        assert r.status_code == 200 and r.json() == {"status": "ok", "events_applied": 1}
+    before = metric(server.http.get("/metrics").text, "kvconductor_query_seconds_count")
+    for _ in range(10):
+        r = httpx.post(
+            f"{url}/query",
+            json={"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4]},
+            timeout=10,
+        )
+        assert r.status_code == 200
+        assert r.json()["default"]["many-conn"]["DP"]["0"]["npu_blocks"] == 1
+    text = server.http.get("/metrics").text
+    # Counted once each, by whichever process answered it.
+    assert metric(text, "kvconductor_query_seconds_count") == before + 10
+    assert metric(text, "kvconductor_worker_processes") == 2
+    # A streamed (chunked) answer comes through whole: the dump loads.
+    r = server.http.get("/debug/dump")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/msgpack"
+    path = server.log_path.parent / "through-worker.dump"
+    path.write_bytes(r.content)
+    check = run_cli("load-dump", str(path))
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout)["loaded"] == {"registrations": 1, "indexes": 1}
+    # --load-dump: the owner loads it before the workers start.
+    with running(path.parent, "--workers", "2", "--load-dump", str(path)) as warm:
+        r = httpx.post(
+            f"{warm.url}/query",
+            json={"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4]},
+            timeout=10,
+        )
+        assert r.json()["default"]["many-conn"]["DP"]["0"]["npu_blocks"] == 1
+        assert "[owner pid=" in warm.log() and "warm start from" in warm.log()
+
+
+def _answers(url: str, key: str) -> list[tuple]:
+    """Status, content type, WWW-Authenticate and body of error answers, each on a new
+    connection."""
+    auth = {"Authorization": f"Bearer {key}"}
+    reqs = [
+        ("POST", "/register", {"content": b"{oops", "headers": auth}),
+        ("POST", "/events", {"json": events("nobody", 1, [1]), "headers": auth}),
+        ("POST", "/events", {"json": events("nobody", 1, [1])}),
+        ("POST", "/events", {"json": events("nobody", 1, [1]), "headers": {"Authorization": "x"}}),
+        ("GET", "/workers", {}),
+        ("GET", "/nope", {}),
+        ("PUT", "/register", {}),
+        ("POST", "/query", {"content": b"\xc1", "headers": {"Content-Type": MSGPACK}}),
+        ("POST", "/query", {"json": {"model": "m", "block_size": 4, "token_ids": [1]}}),
+        ("POST", "/register", {"content": b"x" * 2_000_000, "headers": auth}),
+        ("POST", "/events", {"content": b"x" * 2_000_000}),
+        ("POST", "/query", {"content": b"x" * 2_000_000}),
+        ("POST", "/events", {"json": {}, "headers": {"Origin": "https://evil.example"}}),
+        ("OPTIONS", "/query", {"headers": {"Origin": "https://a.example"}}),
+    ]
+    out = []
+    for method, path, kw in reqs:
+        r = httpx.request(method, url + path, timeout=10, **kw)
+        out.append(
+            (
+                method,
+                path,
+                r.status_code,
+                r.headers.get("content-type"),
+                r.headers.get("www-authenticate"),
+                r.headers.get("access-control-allow-origin"),
+                r.content,
+            )
+        )
+    return out
+
+
+@pytest.mark.slow
+def test_error_answers_identical_to_one_process(tmp_path):
+    flags = ("--api-key", "k", "--max-body-mb", "1")
+    with running(tmp_path, *flags) as one, running(tmp_path, "--workers", "2", *flags) as many:
+        wait_workers(many, 2)
+        expected = _answers(one.url, "k")
+        assert _answers(many.url, "k") == expected
+        codes = [400, 404, 401, 401, 401, 404, 405, 400, 404, 413, 401, 413, 403, 200]
+        assert [a[2] for a in expected] == codes
+
+
+@pytest.mark.slow
+def test_worker_restarts_and_owner_sigterm(tmp_path):
+    """SIGKILL a worker: the other keeps answering, a new one starts, the restart is
+    counted; SIGTERM a worker: it exits 0 and is started again; SIGTERM the owner:
+    every process exits, the owner with status 0."""
+    srv = Server(tmp_path, "--workers", "2")
+    try:
+        srv.wait_ready()
+        first = wait_workers(srv, 2)
+        victim = first["worker-1"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + BOUND
+        while True:  # requests keep succeeding meanwhile, on new connections
+            assert httpx.get(f"{srv.url}/ready", timeout=10).status_code == 200
+            now = ready_workers(srv)
+            if now["worker-1"] != victim:
+                break
+            assert time.monotonic() < deadline, srv.log()
+            time.sleep(0.05)
+        assert now["worker-2"] == first["worker-2"]
+        assert re.search(
+            rf"WARN \[owner pid=\d+\] worker-1 pid={victim} exited unexpectedly \(signal SIGKILL\)",
+            srv.log(),
+        )
+        text = srv.http.get("/metrics").text
+        assert metric(text, "kvconductor_worker_restarts_total") == 1
+        assert metric(text, "kvconductor_worker_processes") == 2
+        assert gone(victim)
+
+        second = now["worker-2"]
+        os.kill(second, signal.SIGTERM)
+        now = wait_workers(srv, 2, exclude={second, victim})
+        assert f"worker-2 pid={second} exited unexpectedly (exit status 0)" in srv.log()
+        assert metric(srv.http.get("/metrics").text, "kvconductor_worker_restarts_total") == 2
+    finally:
+        pids = list(ready_workers(srv).values())
+        code, _ = srv.terminate()
+    assert code == 0, srv.log()
+    assert all(gone(p) for p in pids)
+    assert "[owner pid=" in srv.log() and "KV conductor shut down" in srv.log()
+
+
+def test_https_through_workers(tmp_path, pki):
+    """The workers terminate TLS with the server's flags; the owner's socket is plain."""
+    srv = tls_server(tmp_path, pki, "--workers", "2", "--api-key", "k")
+    try:
+        srv.wait_ready()
+        wait_workers(srv, 2)
+        assert srv.http.get("/health").text == "OK"
+        r = srv.http.get("/ready")
+        assert (r.status_code, r.json()) == (200, {"status": "ready", "sources": 0})
+        assert srv.http.get("/workers").status_code == 401
+        with pytest.raises(httpx.TransportError):  # plain HTTP on the TLS port
+            httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+        assert re.search(r"\[worker-1 pid=\d+\] HTTP limits .* tls=on", srv.log())
+    finally:
+        code, _ = srv.terminate()
+        assert code == 0, srv.log()
+
+
+def test_sigterm_to_the_whole_group_drains_once(tmp_path):
+    """Ctrl-C in a terminal, or systemd's KillMode=control-group: every process gets the
+    signal; the owner's stop request is no second signal to the workers."""
+    srv = Server(tmp_path, "--workers", "2", preexec_fn=os.setpgrp)
+    try:
+        srv.wait_ready()
+        pids = list(wait_workers(srv, 2).values())
+        srv.http.close()
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(10) == 0, srv.log()
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(10)
+    assert all(gone(p) for p in pids)
+    log = srv.log()
+    assert "second shutdown signal" not in log and "killing it" not in log, log
+    assert "exited unexpectedly" not in log and "KV conductor shut down" in log, log
+
+
+def test_owner_sigkill_takes_the_workers_down(tmp_path):
+    srv = Server(tmp_path, "--workers", "2")
+    try:
+        srv.wait_ready()
+        pids = list(wait_workers(srv, 2).values())
+        srv.proc.kill()
+        srv.proc.wait(10)
+        deadline = time.monotonic() + 5.0
+        while not all(gone(p) for p in pids):
+            assert time.monotonic() < deadline, srv.log()
+            time.sleep(0.05)
+        assert "owner process gone; exiting" in srv.log()
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        srv.http.close()
+
+
+def test_port_in_use_same_error_as_one_process():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = str(s.getsockname()[1])
+        one = run_cli("--host", "127.0.0.1", "--port", port)
+        many = run_cli("--host", "127.0.0.1", "--port", port, "--workers", "2")
+
+    def error_line(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("kv-conductor: error:")]
+
+    assert many.returncode == one.returncode == 1
+    assert error_line(many.stderr) == error_line(one.stderr) != []
+    assert "Traceback" not in many.stderr
+
+
+# ---------------------------------------------------------------- the pieces alone
+
+
+def test_merge_query_metrics_sums_real_query_metrics():
+    owner, w1, w2 = QueryMetrics(), QueryMetrics(), QueryMetrics()
+    owner.route_seconds["/query"].observe(0.0002)
+    w1.route_seconds["/query"].observe(0.003)
+    w1.route_seconds["/query_by_hash"].observe(0.3)
+    w1.route_errors["/query"].inc()
+    w2.count_hits([("i", 0, 3, 1, 0)])
+    w2.no_match.inc(2)
+    merged = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in merge_query_metrics(owner, [query_samples(w1), query_samples(w2)])
+        for s in fam.samples
+    }
+    q, qh = (("route", "/query"),), (("route", "/query_by_hash"),)
+    assert merged[("kvconductor_query_seconds_count", q)] == 2
+    assert merged[("kvconductor_query_seconds_count", qh)] == 1
+    assert merged[("kvconductor_query_seconds_sum", q)] == pytest.approx(0.0032)
+    assert merged[("kvconductor_query_seconds_bucket", (("le", "0.00025"), *q))] == 1
+    assert merged[("kvconductor_query_seconds_bucket", (("le", "0.005"), *q))] == 2
+    assert merged[("kvconductor_query_errors_total", q)] == 1
+    assert merged[("kvconductor_query_blocks_total", (("tier", "npu"),))] == 3
+    assert merged[("kvconductor_query_blocks_total", (("tier", "cpu"),))] == 1
+    assert merged[("kvconductor_query_misses_total", (("reason", "no_match"),))] == 2
+    # No other process: the local values unchanged.
+    alone = merge_query_metrics(owner, [])
+    assert [f.samples for f in alone] == [
+        list(f.samples) for c in owner.collectors() for f in c.collect()
+    ]
+
+
+def test_owner_keeps_the_counts_of_exited_workers(tmp_path):
+    """A worker's last report stays in the sums after it exits (counters never go back);
+    the on_worker_exit hooks get its pid."""
+    owner = cluster.Owner(Settings(workers=2), str(tmp_path), "unused", "::", 1)
+    path = str(tmp_path / "w.sock")
+    qm = QueryMetrics()
+    qm.route_seconds["/query"].observe(0.001)
+    cluster._serve_metrics(path, qm)
+    owner._live[4242] = ("worker-1", 4242, path)
+    assert _count(owner.worker_query_samples()) == 1
+    qm.route_seconds["/query"].observe(0.001)
+    assert _count(owner.worker_query_samples()) == 2
+    slot = owner.slots[0]
+    slot.proc = _Exited(4242)
+    owner.stopping = True  # no respawn
+    seen: list[int] = []
+
+    def broken(pid: int) -> None:
+        raise RuntimeError("a broken hook is logged, the next one still runs")
+
+    cluster.on_worker_exit.extend([broken, seen.append])
+    try:
+        owner._exited(slot)
+    finally:
+        del cluster.on_worker_exit[-2:]
+    assert seen == [4242] and cluster.on_worker_exit == []
+    assert owner.live_workers() == 0
+    assert _count(owner.worker_query_samples()) == 2
+
+
+class _Exited:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode = -9
+
+
+def _count(parts: list) -> float:
+    return sum(
+        v
+        for samples in parts
+        for name, labels, v in samples
+        if name == "kvconductor_query_seconds_count" and labels["route"] == "/query"
+    )
+
+
+def _call(app, method: str, path: str, body: bytes = b"", headers=()) -> tuple[int, dict, bytes]:
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": [(b"content-length", str(len(body)).encode()), *headers],
+        "client": ("127.0.0.1", 5000),
+    }
+    sent: list[dict] = []
+    msgs = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return msgs.pop(0)
+
+    async def send(msg):
+        sent.append(msg)
+
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], dict(sent[0]["headers"]), b"".join(m.get("body", b"") for m in sent)
+
+
+def test_worker_app_owner_unreachable_is_503_in_the_request_encoding(tmp_path):
+    app = cluster.create_worker_app(str(tmp_path / "missing.sock"), max_body_bytes=100)
+    status, headers, body = _call(app, "POST", "/events", b"{}")
+    assert status == 503 and headers[b"content-type"] == b"application/json"
+    assert json.loads(body)["error"] == "the index owner process is unavailable; retry later"
+    status, headers, body = _call(
+        app, "POST", "/query", b"\x80", [(b"content-type", b"application/msgpack")]
+    )
+    assert status == 503 and headers[b"content-type"] == b"application/msgpack"
+    assert "unavailable" in msgspec.msgpack.decode(body)["error"]
+    # /health is the worker's own.
+    assert _call(app, "GET", "/health")[::2] == (200, b"OK")
+
+
+def test_worker_app_query_seam(tmp_path):
+    """POST /query and /query_by_hash go to query_handler; other routes are forwarded."""
+    seen = []
+
+    async def handler(scope, receive, send):
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 299, "headers": []})
+        await send({"type": "http.response.body", "body": b"local"})
+
+    app = cluster.create_worker_app(
+        str(tmp_path / "missing.sock"), max_body_bytes=100, query_handler=handler
+    )
+    assert _call(app, "POST", "/query_by_hash", b"{}")[::2] == (299, b"local")
+    assert _call(app, "POST", "/query", b"{}")[0] == 299
+    assert _call(app, "POST", "/explain", b"{}")[0] == 503
+    assert seen == ["/query_by_hash", "/query"]
+
+
+def test_workers_flag():
+    parse = cli.build_parser(raise_errors=True).parse_args
+    assert cli.settings_from_args(parse([])).workers == 1
+    assert cli.settings_from_args(parse(["--workers", "3"])).workers == 3
+    assert cli.settings_from_args(parse(["--workers", "auto"])).workers == (os.cpu_count() or 1)
+    for bad, needle in (("0", "must be within 1..1024"), ("x", "an integer or 'auto'")):
+        with pytest.raises(cli.FlagError, match=re.escape(needle)):
+            parse(["--workers", bad])
+
+
+def test_worker_settings_leave_the_api_key_out():
+    s = Settings(api_key="secret", port=5, allow_origins=("https://a.example",), workers=3)
+    text = cluster.settings_json(s)
+    assert "secret" not in text
+    back = cluster.settings_from_json(text)
+    assert (back.port, back.allow_origins, back.api_key) == (5, ("https://a.example",), None)
+
+
+def test_log_lines_name_the_process():
+    rec = logging.LogRecord("kvconductor", logging.WARNING, __file__, 1, "x=%d", (1,), None)
+    assert re.fullmatch(r"\S+Z  WARN x=1", cli._Formatter().format(rec))
+    set_process_role("worker-3")
+    try:
+        line = cli._Formatter().format(rec)
+        doc = json.loads(cli._JsonFormatter().format(rec))
+    finally:
+        set_process_role(None)
+    assert re.fullmatch(rf"\S+Z  WARN \[worker-3 pid={rec.process}\] x=1", line)
+    assert (doc["process"], doc["pid"], doc["message"]) == ("worker-3", rec.process, "x=1")
