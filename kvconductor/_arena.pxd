@@ -11,10 +11,11 @@ from libc.stdint cimport uint32_t, uint64_t
 
 cdef enum:
     ARENA_PAGE = 4096
-    ARENA_NCLASSES = 15              # 64 B << 0 .. 64 B << 14 = 1 MiB
+    ARENA_NCLASSES = 9               # 64 B << 0 .. 64 B << 8 = 16 KiB
     ARENA_MIN_CLASS = 64
-    ARENA_MAX_CLASS = 1 << 20
+    ARENA_MAX_CLASS = 16 << 10
     ARENA_CHUNK = 2 << 20            # small blocks are carved from 2 MiB chunks
+    ARENA_PUNCH_MIN = 64 << 10       # a free run this big gives its inner pages back
     ARENA_OPAQUE_OFF = 4096          # the opaque area (reader table, directory) ...
     ARENA_OPAQUE_SIZE = 64 << 10     # ... of 64 KiB follows the header page
     ARENA_DATA_OFF = 128 << 10       # first run (page-aligned runs start here)
@@ -37,7 +38,7 @@ cdef struct ArenaHeader:
     uint64_t n_free_runs
     uint64_t free_run_bytes
     uint64_t punched                 # successful hole punches (not part of the model)
-    uint64_t free_class[15]          # head of each size class's free list (0: none)
+    uint64_t free_class[9]           # head of each size class's free list (0: none)
 
 
 cdef struct BlockHdr:

@@ -14,14 +14,15 @@ Layout (offsets from the base):
   :c:type:`BlockHdr`. A free run also keeps its size in its last 8 bytes (footer) and
   its list links after its header; the run above it carries ``ARENA_PREV_FREE``.
 
-Allocation: ``n + 16`` bytes up to 1 MiB take a power-of-two size class (64 B .. 1 MiB)
-from a LIFO free list per class, refilled by carving a chunk (a run of 2 MiB plus one
-header page, never returned) lowest block first. Larger requests take a run of
+Allocation: ``n + 16`` bytes up to 16 KiB take a power-of-two size class (64 B .. 16 KiB)
+from a LIFO free list per class, refilled by carving a chunk (a run of 32 blocks of the
+class, at least 64 KiB, plus one header page; never returned) lowest block first. Larger requests take a run of
 ``round_up(n + 16, 4096)`` bytes: the best fit (smallest, then lowest offset) of the
 free runs, split at the front, else fresh space at ``top``. A freed run merges with its
 free neighbours; one that reaches ``top`` lowers ``top`` instead of being listed. A
-freed run of 2 MiB or more is punched out of the file (``fallocate(PUNCH_HOLE)``; its
-first and last page stay, they hold its header and footer). The pure-Python model in
+freed run of 64 KiB or more is punched out of the file (``fallocate(PUNCH_HOLE)``; its
+first and last page stay, they hold its header and footer), so the pages of the arrays
+an index outgrew are not counted against every process that maps the arena. The pure-Python model in
 ``kvconductor/_py/arena.py`` gives the same offsets for the same calls.
 """
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
@@ -118,6 +119,14 @@ cdef inline uint64_t round_up(uint64_t n, uint64_t m) noexcept nogil:
     return (n + m - 1) // m * m
 
 
+cdef inline uint64_t chunk_bytes(int k) noexcept nogil:
+    """Bytes of a chunk of class ``k`` (its header page not included): 32 blocks, at
+    least 64 KiB. Carving touches every block of a chunk (its free-list link), so a
+    class used a little costs a little."""
+    cdef uint64_t n = (<uint64_t>ARENA_MIN_CLASS << k) * 32
+    return n if n > (64 << 10) else (64 << 10)
+
+
 cdef inline int class_of(uint64_t need) noexcept nogil:
     """Size class of a block of ``need`` bytes (header included); -1: a run."""
     cdef int k = 0
@@ -207,7 +216,7 @@ cdef uint64_t run_take(arena_t* a, uint64_t size, uint32_t kind) noexcept nogil:
 
 cdef void run_give(arena_t* a, uint64_t off) noexcept nogil:
     """Free the run at ``off``: merge with free neighbours, lower ``top`` or list it,
-    punch it out of the file when it is 2 MiB or more."""
+    punch it out of the file when it is 64 KiB or more."""
     cdef ArenaHeader* h = H(a)
     cdef uint64_t size = B(a, off).size
     cdef uint64_t psize, nxt
@@ -222,12 +231,12 @@ cdef void run_give(arena_t* a, uint64_t off) noexcept nogil:
         run_list_remove(a, nxt)
     if off + size == h.top:
         h.top = off
-        if size >= ARENA_CHUNK and kvc_arena_punch(a.fd, off, size) == 0:
+        if size >= ARENA_PUNCH_MIN and kvc_arena_punch(a.fd, off, size) == 0:
             h.punched += 1
         return
     run_list_push(a, off, size)
-    if size >= ARENA_CHUNK and kvc_arena_punch(a.fd, off + ARENA_PAGE,
-                                               size - 2 * ARENA_PAGE) == 0:
+    if size >= ARENA_PUNCH_MIN and kvc_arena_punch(a.fd, off + ARENA_PAGE,
+                                                   size - 2 * ARENA_PAGE) == 0:
         h.punched += 1
 
 
@@ -235,9 +244,9 @@ cdef int chunk_carve(arena_t* a, int k) noexcept nogil:
     """Refill class ``k``'s free list from a new chunk; -1 when out of space."""
     cdef ArenaHeader* h = H(a)
     cdef uint64_t cs = (<uint64_t>ARENA_MIN_CLASS) << k
-    cdef uint64_t c = run_take(a, ARENA_CHUNK + ARENA_PAGE, ARENA_KIND_CHUNK)
+    cdef uint64_t c = run_take(a, chunk_bytes(k) + ARENA_PAGE, ARENA_KIND_CHUNK)
     cdef uint64_t i, blk
-    cdef uint64_t cnt = ARENA_CHUNK // cs
+    cdef uint64_t cnt = chunk_bytes(k) // cs
     if c == 0:
         return -1
     B(a, c).flags = ARENA_KIND_CHUNK | (<uint32_t>k << 8)
@@ -603,7 +612,7 @@ cdef _check(arena_t* a):
             prev_free = False
         elif kind == ARENA_KIND_CHUNK:
             k = (flags >> 8) & 0xFF
-            if k >= ARENA_NCLASSES or size != ARENA_CHUNK + ARENA_PAGE:
+            if k >= ARENA_NCLASSES or size != chunk_bytes(k) + ARENA_PAGE:
                 raise AssertionError(f"chunk at offset {off:#x}: bad class or size")
             nchunks += 1
             cs = (<uint64_t>ARENA_MIN_CLASS) << k

@@ -69,6 +69,7 @@ import uvicorn
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvconductor._shlock import SLOTS
 from kvconductor.app import MSGPACK_PATHS, PUBLIC_READ_PATHS, QUERY_PATHS, too_large_message
 from kvconductor.logs import set_process_role
 from kvconductor.metrics import Metrics, QueryMetrics, Sample, query_samples
@@ -87,6 +88,7 @@ from kvconductor.server import (
 )
 from kvconductor.service import Conductor, raise_fd_limit
 from kvconductor.settings import Settings
+from kvconductor.shared import SharedIndexes
 from kvconductor.wire import (
     JSON_CONTENT_TYPE,
     MSGPACK_CONTENT_TYPE,
@@ -119,6 +121,8 @@ _READY = b"R"
 _STOP = b"S"
 _FORCE = b"F"
 _CHUNK = 1 << 16
+#: Threads of a worker answering large queries (the event loop answers the others).
+WORKER_QUERY_THREADS = 2
 #: Settings a worker needs (never the API key: the owner checks it).
 WORKER_FIELDS = (
     "host",
@@ -137,13 +141,16 @@ WORKER_FIELDS = (
 )
 
 
-def shared_fds() -> list[int]:
-    """(Owner) file descriptors every worker inherits (``--shared-fds 5,7``).
+#: (Owner) the shared arena, lock and directory of the index (kvconductor.shared), set by
+#: :func:`serve_owner`.
+SHARED: Any = None
 
-    None yet; the shared-memory index returns its segments here. In a worker they are
-    :data:`SHARED_FDS`, same numbers.
+
+def shared_fds() -> list[int]:
+    """(Owner) file descriptors every worker inherits (``--shared-fds 5,7``): the shared
+    arena and lock of the index. In a worker they are :data:`SHARED_FDS`, same numbers.
     """
-    return []
+    return SHARED.fds() if SHARED is not None else []
 
 
 #: (Owner) callbacks called with the pid of a worker that exited (any cause), on the
@@ -513,6 +520,15 @@ class OwnerServer(KvServer):
         await self.owner.run(lambda: super(OwnerServer, self).serve(sockets=sockets), self)
 
 
+def _reclaim_reader_slots(pid: int) -> None:
+    """A worker exited: clear its reader slots of the shared lock now (the writer would
+    reclaim them too, after its first 10 ms wait on one)."""
+    if SHARED is not None:
+        n = SHARED.reclaim_dead()
+        if n:
+            log.warning("cleared %d reader slots of exited worker pid=%d", n, pid)
+
+
 def serve_owner(settings: Settings) -> int:
     """``kv-conductor --workers N`` (N > 1): the owner process. Returns the exit status."""
     from kvconductor.app import create_app
@@ -521,6 +537,24 @@ def serve_owner(settings: Settings) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(settings.max_sources, settings.max_connections * settings.workers)
     conductor = Conductor(settings.conductor_config())
+    readers = settings.workers * (1 + WORKER_QUERY_THREADS)
+    if readers > SLOTS:
+        msg = (
+            f"--workers {settings.workers} needs {readers} reader slots of the shared index "
+            f"(1 + {WORKER_QUERY_THREADS} query threads per worker); at most {SLOTS} exist: "
+            f"use --workers {SLOTS // (1 + WORKER_QUERY_THREADS)} or fewer"
+        )
+        log.error("%s", msg)
+        print(f"kv-conductor: error: {msg}", file=sys.stderr)
+        return 1
+    global SHARED
+    try:
+        SHARED = conductor.shared = SharedIndexes()
+    except OSError as ex:
+        log.error("cannot create the shared index arena: %s", ex)
+        print(f"kv-conductor: error: cannot create the shared index arena: {ex}", file=sys.stderr)
+        return 1
+    on_worker_exit.append(_reclaim_reader_slots)
     try:
         port_sock = bind_socket(settings.host, settings.port, reuse_port=True, listen=False)
     except OSError as ex:
@@ -1114,6 +1148,26 @@ def worker_main(argv: list[str]) -> int:
         max_body_bytes=settings.max_body_bytes,
         allow_origins=settings.allow_origins,
     )
+    if len(SHARED_FDS) >= 2:
+        # /query and /query_by_hash answered here, from the owner's index in shared memory
+        from kvconductor.app import create_query_app
+        from kvconductor.shared import SharedView
+
+        try:
+            view = SharedView.attach(
+                SHARED_FDS[0], SHARED_FDS[1], query_threads=WORKER_QUERY_THREADS
+            )
+        except (OSError, RuntimeError, ValueError) as ex:
+            log.error("cannot attach the shared index: %s", ex)
+            return 1
+        app.query_handler = create_query_app(
+            view, app.forward, max_body_bytes=settings.max_body_bytes, metrics=app.query_metrics
+        )
+        log.info(
+            "shared index attached at %#x (directory generation %d)",
+            view.arena.address,
+            view.generation,
+        )
     _serve_metrics(args.metrics_socket, app.query_metrics)
     loop, http = _uvicorn_impls()
     config = uvicorn.Config(

@@ -12,9 +12,10 @@ import textwrap
 import pytest
 
 from kvconductor._arena import DEFAULT_ADDRESS, DEFAULT_RESERVE, Arena
-from kvconductor._py.arena import BLOCK_HDR, CHUNK, DATA_OFF, PAGE
+from kvconductor._py.arena import BLOCK_HDR, CHUNK, DATA_OFF, PAGE, chunk_bytes
 
 MiB = 1 << 20
+KiB = 1 << 10
 # Each test maps its arenas at its own addresses (1 GiB apart, below the default one).
 _slots = itertools.count()
 
@@ -54,13 +55,15 @@ def test_size_classes_share_a_chunk(arena):
     p3 = arena.malloc(49)  # 128-byte class: its own chunk
     assert off(arena, p1) == DATA_OFF + PAGE + BLOCK_HDR
     assert p2 - p1 == 64
-    assert off(arena, p3) == DATA_OFF + (CHUNK + PAGE) + PAGE + BLOCK_HDR
+    assert off(arena, p3) == DATA_OFF + (chunk_bytes(0) + PAGE) + PAGE + BLOCK_HDR
     s = arena.stats()
     assert s["chunks"] == 2 and s["live_blocks"] == 3 and s["bytes_in_use"] == 64 + 64 + 128
-    # the largest class (1 MiB) takes two blocks per chunk
-    big = [arena.malloc(MiB - BLOCK_HDR) for _ in range(3)]
-    assert big[1] - big[0] == MiB
+    # the largest class (16 KiB) takes 32 blocks per chunk; one byte more is a run
+    big = [arena.malloc(16 * KiB - BLOCK_HDR) for _ in range(33)]
+    assert big[1] - big[0] == 16 * KiB
     assert arena.stats()["chunks"] == 4
+    run = arena.malloc(16 * KiB - BLOCK_HDR + 1)
+    assert (off(arena, run) - BLOCK_HDR) % PAGE == 0 and arena.stats()["chunks"] == 4
 
 
 def test_reuse_after_free(arena):
@@ -181,7 +184,8 @@ def test_exhaustion_returns_zero_and_stays_valid():
             a.free(p)
         a.check_invariants()
         assert a.stats()["live_blocks"] == 0
-        assert a.malloc(100_000) == got[-1]
+        # 100 kB is a run: all freed, they merged into free space from the first one on
+        assert a.malloc(100_000) == got[0]
     finally:
         a.close()
 

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from test_server import (  # the single-process tests, run here with --workers 2
 from test_server_zmq import register_engine
 
 from kvconductor import cli, cluster
+from kvconductor._hash import hash_blocks
 from kvconductor.logs import set_process_role
 from kvconductor.metrics import QueryMetrics, merge_query_metrics, query_samples
 from kvconductor.settings import Settings
@@ -485,3 +487,207 @@ def test_log_lines_name_the_process():
         set_process_role(None)
     assert re.fullmatch(rf"\S+Z  WARN \[worker-3 pid={rec.process}\] x=1", line)
     assert (doc["process"], doc["pid"], doc["message"]) == ("worker-3", rec.process, "x=1")
+
+
+# -- queries answered by the workers from the shared index -------------------------------
+
+
+def _query_over_new_connection(url: str, tokens: list[int], bs: int) -> dict:
+    r = httpx.post(
+        f"{url}/query", json={"model": "qwen", "block_size": bs, "token_ids": tokens}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _explained(srv: Server, tokens: list[int], bs: int) -> dict:
+    """The owner's in-process answer (``/explain`` runs on its ingest thread): its
+    per-instance counts are /query's by contract."""
+    r = srv.http.post("/explain", json={"model": "qwen", "block_size": bs, "token_ids": tokens})
+    assert r.status_code == 200, r.text
+    out: dict = {}
+    for inst in r.json()["instances"]:
+        counts = (inst["npu_blocks"], inst["cpu_blocks"], inst["disk_blocks"])
+        if any(counts):
+            out[(inst["instance_id"], inst["dp_rank"])] = counts
+    return out
+
+
+def _as_counts(answer: dict) -> dict:
+    out = {}
+    for iid, inst in answer.get("default", {}).items():
+        for dp, m in inst["DP"].items():
+            out[(iid, int(dp))] = (m["npu_blocks"], m["cpu_blocks"], m["disk_blocks"])
+    return out
+
+
+def test_workers_answer_from_the_shared_index_like_the_owner(server):
+    """Random registrations, HTTP events and a real ZeroMQ publisher feed the owner;
+    queries over new connections (spread over both workers) answer exactly what the
+    owner's own index says, at quiescence, after every round."""
+    from publishers import FakePublisher, schema, wait_until
+
+    rng = __import__("random").Random(14)
+    bs = 4
+    log = server.log()
+    assert log.count("shared index attached") >= 2, log  # both workers answer locally
+    pub = FakePublisher(replay=False)
+    try:
+        register_engine(server, "zmq-eng", medium_endpoints={"npu": pub.url})
+        v = schema("vllm", "0.33.0")
+        docs: list[list[int]] = []
+        next_hash = 0x5000_0000
+        for rnd in range(4):
+            # a new HTTP engine or DP each round, and ZeroMQ blocks of the same prompts
+            iid, dp = f"http-eng-{rnd % 2}", rnd // 2
+            register_engine(server, iid, dp_rank=dp)
+            doc = [rng.randrange(1, 30_000) for _ in range(bs * rng.randrange(2, 12))]
+            if docs and rng.random() < 0.5:  # shares a prefix with an earlier prompt
+                doc = docs[-1][: bs * 2] + doc
+            docs.append(doc)
+            n = len(doc) // bs
+            hashes = list(range(next_hash, next_hash + n))
+            next_hash += n
+            body = {
+                "instance_id": iid,
+                "events": [
+                    {
+                        "event_id": 1,
+                        "type": "BlockStored",
+                        "block_hashes": hashes,
+                        "token_ids": doc,
+                        "block_size": bs,
+                        "dp_rank": dp,
+                    }
+                ],
+            }
+            r = httpx.post(f"{server.url}/events", json=body, timeout=10)
+            assert r.status_code == 200, r.text
+            zn = rng.randrange(1, n + 1)
+            zh = list(range(next_hash, next_hash + zn))
+            next_hash += zn
+            batch = v.batch([v.stored(zh, None, doc[: bs * zn], bs, medium="GPU")])
+
+            def indexed(zn=zn, doc=doc, batch=batch):
+                pub.publish(batch)
+                got = _explained(server, doc[: bs * zn], bs).get(("zmq-eng", 0))
+                return got is not None and got[0] == zn
+
+            wait_until(indexed, timeout=15)
+            for q in docs + [doc[: bs * 3] + [7, 7, 7, 7], [rng.randrange(30_000)] * 8]:
+                want = _explained(server, q, bs)
+                for _ in range(3):
+                    assert _as_counts(_query_over_new_connection(server.url, q, bs)) == want
+    finally:
+        pub.stop()
+
+
+def _load_chain(url: str, iid: str, tokens: list[int], bs: int, base: int) -> None:
+    """One HBM chain of ``tokens`` through POST /events, 8k blocks per request."""
+    step = 8192
+    nb = len(tokens) // bs
+    parent = None
+    for s in range(0, nb, step):
+        hashes = range(base + s, base + min(nb, s + step))
+        ev = {
+            "instance_id": iid,
+            "events": [
+                {
+                    "event_id": 1,
+                    "type": "BlockStored",
+                    "block_hashes": list(hashes),
+                    "token_ids": tokens[s * bs : (s + len(hashes)) * bs],
+                    "block_size": bs,
+                }
+            ],
+        }
+        if parent is not None:
+            ev["events"][0]["parent_block_hash"] = parent
+        parent = hashes[-1]
+        r = httpx.post(f"{url}/events", json=ev, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def _pids(srv: Server) -> list[int]:
+    pids = [srv.proc.pid]
+    for task in os.listdir(f"/proc/{srv.proc.pid}/task"):
+        with contextlib.suppress(OSError):
+            pids += [
+                int(p)
+                for p in Path(f"/proc/{srv.proc.pid}/task/{task}/children").read_text().split()
+            ]
+    return pids
+
+
+def _pss_kib(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def _read_until(url: str, probe: list[int], bs: int, stop, answered: list[int]) -> None:
+    """Query ``probe`` over new connections until ``stop`` is set (another thread)."""
+    while not stop.is_set():
+        r = httpx.post(
+            f"{url}/query", json={"model": "qwen", "block_size": bs, "token_ids": probe}, timeout=30
+        )
+        answered.append(r.status_code)
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+def test_one_copy_of_the_index_across_workers(tmp_path):
+    """The index grows by the same memory (summed PSS of every process) with two workers
+    reading it as with one process: the workers map the owner's structures, they hold no
+    copy. The chain is loaded while the workers answer queries, so the arena grows under
+    them; every worker then walks the whole chain."""
+    import random
+
+    rng = random.Random(5)
+    bs = 16
+    tokens = [rng.randrange(1, 150_000) for _ in range(bs * 120_000)]  # 120k blocks
+    probe = tokens[: bs * 64]
+    local = hash_blocks(tokens, bs)
+    growth = {}
+    for workers in (1, 2):
+        args = ["--workers", str(workers)] if workers > 1 else []
+        (tmp_path / f"w{workers}").mkdir()
+        with running(tmp_path / f"w{workers}", *args) as srv:
+            if workers > 1:
+                wait_workers(srv, workers)
+            register_engine(srv, "big", block_size=bs)
+            _load_chain(srv.url, "big", probe, bs, 1 << 40)  # the index exists, warm
+            for _ in range(8):
+                _query_over_new_connection(srv.url, probe, bs)
+            before = _pss_kib(_pids(srv))
+            stop = threading.Event()
+            answered: list[int] = []
+            t = threading.Thread(target=_read_until, args=(srv.url, probe, bs, stop, answered))
+            t.start()
+            try:
+                _load_chain(srv.url, "big", tokens, bs, 1 << 41)
+            finally:
+                stop.set()
+                t.join(30)
+            assert answered and set(answered) == {200}
+            # every worker walks the whole chain: /query_by_hash of its LocalBlockHashes
+            # (a 1 MiB body; the 1.9M-token /query body would add its parse buffers)
+            body = msgspec.msgpack.encode(
+                {"model": "qwen", "block_size": bs, "block_hashes": list(local)}
+            )
+            for _ in range(6):  # new connections: spread over the workers
+                r = httpx.post(
+                    f"{srv.url}/query_by_hash",
+                    content=body,
+                    headers={"Content-Type": MSGPACK},
+                    timeout=60,
+                )
+                hits = msgspec.msgpack.decode(r.content)["default"]["big"]["DP"]["0"]
+                assert hits["npu_blocks"] == len(tokens) // bs
+            growth[workers] = _pss_kib(_pids(srv)) - before
+    # the 120k-block chain costs tens of MiB; two workers add at most 30 % to it
+    assert growth[1] > 10_000, growth
+    assert growth[2] <= 1.3 * growth[1], growth

@@ -11,9 +11,9 @@ The algorithm is described in ``kvconductor/_arena.pyx``'s module docstring.
 from __future__ import annotations
 
 PAGE = 4096
-NCLASSES = 15
+NCLASSES = 9
 MIN_CLASS = 64
-MAX_CLASS = 1 << 20
+MAX_CLASS = 16 << 10
 CHUNK = 2 << 20
 DATA_OFF = 128 << 10
 BLOCK_HDR = 16
@@ -21,6 +21,11 @@ BLOCK_HDR = 16
 
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
+
+
+def chunk_bytes(k: int) -> int:
+    """Bytes of a chunk of class ``k`` (header page excluded): 32 blocks, >= 64 KiB."""
+    return max(64 << 10, (MIN_CLASS << k) * 32)
 
 
 def class_of(need: int) -> int:
@@ -102,12 +107,12 @@ class ArenaModel:
         if k >= 0:
             stack = self.free_class[k]
             if not stack:
-                c, _ = self._run_take(CHUNK + PAGE)
+                c, _ = self._run_take(chunk_bytes(k) + PAGE)
                 if c == 0:
                     return 0
                 self.chunks += 1
                 cs = MIN_CLASS << k
-                stack.extend(c + PAGE + i * cs for i in reversed(range(CHUNK // cs)))
+                stack.extend(c + PAGE + i * cs for i in reversed(range(chunk_bytes(k) // cs)))
             off = stack.pop()
             self.live[off] = (MIN_CLASS << k, True)
         else:
