@@ -469,7 +469,8 @@ class Owner:
 
 
 class WorkerCollector(Collector):
-    """``kvconductor_worker_processes`` and ``kvconductor_worker_restarts_total``."""
+    """``kvconductor_worker_processes``, ``kvconductor_worker_restarts_total`` and the
+    shared index's ``kvconductor_shared_*``."""
 
     def __init__(self, owner: Owner) -> None:
         self.owner = owner
@@ -487,6 +488,34 @@ class WorkerCollector(Collector):
             "kvconductor_worker_restarts",
             "Worker processes started again after one exited",
             value=self.owner.restarts,
+        )
+        if SHARED is None:
+            return
+        st = SHARED.stats()
+        yield GaugeMetricFamily(
+            "kvconductor_shared_arena_bytes",
+            "Bytes of index structures in the shared arena (blocks in use, headers included)",
+            value=st["bytes_in_use"],
+        )
+        yield GaugeMetricFamily(
+            "kvconductor_shared_arena_committed_bytes",
+            "Size of the shared arena's file (its pages are only counted once touched)",
+            value=st["committed"],
+        )
+        yield CounterMetricFamily(
+            "kvconductor_shared_directory_publishes",
+            "Directories (indexes, group names, block sizes, LoRA seeds) published to workers",
+            value=st["generation"],
+        )
+        yield CounterMetricFamily(
+            "kvconductor_shared_reader_slots_reclaimed",
+            "Reader slots of the shared lock cleared after their worker died",
+            value=st["reclaimed_reader_slots"],
+        )
+        yield CounterMetricFamily(
+            "kvconductor_shared_writer_waits",
+            "Waits of the ingest thread for worker queries inside a read section",
+            value=st["writer_waits"],
         )
 
 

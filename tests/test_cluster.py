@@ -691,3 +691,67 @@ def test_one_copy_of_the_index_across_workers(tmp_path):
     # the 120k-block chain costs tens of MiB; two workers add at most 30 % to it
     assert growth[1] > 10_000, growth
     assert growth[2] <= 1.3 * growth[1], growth
+
+
+def _hammer(url: str, body: bytes, stop: threading.Event, codes: list[int]) -> None:
+    """1M-token queries back to back, a new connection each (so both workers get them)
+    until ``stop``; a connection cut by a killed worker is not an answer."""
+    while not stop.is_set():
+        try:
+            r = httpx.post(
+                f"{url}/query", content=body, headers={"Content-Type": MSGPACK}, timeout=60
+            )
+        except httpx.TransportError:
+            continue
+        codes.append(r.status_code)
+
+
+@pytest.mark.slow
+def test_workers_killed_during_queries_never_wedge_ingest(tmp_path):
+    """Workers SIGKILLed while they run 1M-token queries (so, often inside a read section
+    of the shared lock): events still apply, the new blocks are answered, the dead worker
+    is replaced and the survivor never stops answering."""
+    import random
+
+    rng = random.Random(9)
+    bs = 16
+    doc = [rng.randrange(1, 150_000) for _ in range(1_000_000)]
+    big = msgspec.msgpack.encode({"model": "qwen", "block_size": bs, "token_ids": doc})
+    with running(tmp_path, "--workers", "2") as srv:
+        wait_workers(srv, 2)
+        register_engine(srv, "big", block_size=bs)
+        _load_chain(srv.url, "big", doc, bs, 1 << 40)
+        stop = threading.Event()
+        codes: list[int] = []
+        threads = [
+            threading.Thread(target=_hammer, args=(srv.url, big, stop, codes)) for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        try:
+            killed: set[int] = set()
+            for round_ in range(3):
+                current = wait_workers(srv, 2, exclude=killed)
+                time.sleep(0.5)
+                victim = sorted(current.values())[0]
+                os.kill(victim, signal.SIGKILL)
+                killed.add(victim)
+                # the ingest thread is not wedged behind the dead reader
+                extra = [rng.randrange(1, 150_000) for _ in range(bs * 4)]
+                body = events("big", 100 + round_, [1 << 41 | (round_ << 8 | i) for i in range(4)])
+                body["events"][0].update(token_ids=extra, block_size=bs)
+                r = httpx.post(f"{srv.url}/events", json=body, timeout=30)
+                assert r.status_code == 200 and r.json()["events_applied"] == 1, r.text
+                got = _query_over_new_connection(srv.url, extra, bs)
+                assert got["default"]["big"]["DP"]["0"]["npu_blocks"] == 4
+            wait_workers(srv, 2, exclude=killed)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+        assert codes and set(codes) == {200}
+        text = srv.http.get("/metrics").text
+        assert metric(text, "kvconductor_worker_restarts_total") == 3
+        assert metric(text, "kvconductor_worker_processes") == 2
+        full = _query_over_new_connection(srv.url, doc[: bs * 1000], bs)
+        assert full["default"]["big"]["DP"]["0"]["npu_blocks"] == 1000
