@@ -12,20 +12,22 @@ held for the whole run takes no connections.
 Each **worker** (``python -m kvconductor.cluster worker ...``, spawned, never forked:
 the owner has threads and a ZeroMQ context) binds ``host:port`` with ``SO_REUSEPORT``
 and listens (the kernel spreads new connections over the workers), serves HTTP with
-the same limits and TLS flags as one process, and forwards every request to the
-owner over a pool of keep-alive HTTP/1.1 connections on the UNIX socket
-(:func:`create_worker_app`). ``GET /health`` is answered by the worker itself.
+the same limits and TLS flags as one process, answers ``POST /query`` and ``POST
+/query_by_hash`` itself from the owner's index in shared memory, and forwards every
+other request to the owner over a pool of keep-alive HTTP/1.1 connections on the UNIX
+socket (:func:`create_worker_app`). ``GET /health`` is answered by the worker itself.
 
-**Seam.** ``POST /query`` and ``POST /query_by_hash`` go through
-:attr:`WorkerApp.query_handler`, an ASGI callable (default: the forwarder). Once the
-index lives in shared memory, a worker plugs a
-:class:`~kvconductor.app.QueryFastPath` over its shared view in there (and counts
-in :attr:`WorkerApp.query_metrics`, which the owner's ``/metrics`` sums).
+**Queries.** They go through :attr:`WorkerApp.query_handler`, an ASGI callable: in a
+worker, :func:`kvconductor.app.create_query_app` over a
+:class:`~kvconductor.shared.SharedView` (the default, without shared descriptors,
+forwards), counting in :attr:`WorkerApp.query_metrics`, which the owner's
+``/metrics`` sums.
 
-**Hooks** (for the shared-memory index): :func:`shared_fds` (owner: descriptors
-every worker inherits, passed as ``--shared-fds``; in a worker they are
-:data:`SHARED_FDS`) and :data:`on_worker_exit` (owner: called with the pid of a
-worker that exited).
+**Shared index** (:mod:`kvconductor.shared`): the owner's conductor gets a
+:class:`~kvconductor.shared.SharedIndexes` (:data:`SHARED`); :func:`shared_fds` gives
+its arena and lock descriptors, which every worker inherits (``--shared-fds``;
+:data:`SHARED_FDS` in the worker); :data:`on_worker_exit` (owner: called with the pid
+of a worker that exited) clears the dead worker's reader slots.
 
 **Supervision** (owner, on its main thread's event loop): a worker that exits is
 logged (WARN), :data:`on_worker_exit` is called, and it is spawned again after a
@@ -1018,7 +1020,7 @@ def create_worker_app(
     query_handler: Callable[[dict, Any, Any], Awaitable[None]] | None = None,
     query_metrics: QueryMetrics | None = None,
 ) -> WorkerApp:
-    """The ASGI app of a worker: forward every request to the owner at ``owner_socket``.
+    """The ASGI app of a worker: forward requests to the owner at ``owner_socket``.
 
     Method, target (path and query string), headers (plus ``X-Forwarded-For``) and body
     go to the owner over keep-alive HTTP/1.1 connections; its status, headers and body
