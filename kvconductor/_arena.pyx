@@ -20,9 +20,10 @@ class, at least 64 KiB, plus one header page; never returned) lowest block first
 Larger requests take a run of ``round_up(n + 16, 4096)`` bytes: the best fit (smallest,
 then lowest offset) of the free runs, split at the front, else fresh space at ``top``.
 A freed run merges with its free neighbours; one that reaches ``top`` lowers ``top``
-instead of being listed. A freed run of 64 KiB or more is punched out of the file (``fallocate(PUNCH_HOLE)``; its
-first and last page stay, they hold its header and footer), so the pages of the arrays
-an index outgrew are not counted against every process that maps the arena. The pure-Python model in
+instead of being listed. A freed run of 64 KiB or more is punched out of the file
+(``fallocate(PUNCH_HOLE)``; its first and last page stay, they hold its header and
+footer), so the pages of the arrays an index outgrew are not counted against every
+process that maps the arena. The pure-Python model in
 ``kvconductor/_py/arena.py`` gives the same offsets for the same calls.
 """
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
