@@ -15,7 +15,7 @@ idle for a few seconds and reports the CPU time the ingest thread used.
 ``--general`` turns the compiled batch fast path off (the Python decoders feed the
 index, what ``Applier(..., fast=False)`` does).
 
-``--readers K`` runs the index in shared mode (``kv-conductor --workers N``: structures
+``--readers K`` (or ``--shared`` alone) runs the index in shared mode (``--workers N``: structures
 in the shared arena, every write also taking the cross-process lock) and starts K
 processes that attach to it, as workers do, and match a ``--reader-tokens`` prompt
 (a full hit: it is stored first) back to back for the whole run; their query rate is
@@ -234,6 +234,7 @@ def run(
     idle_s: float,
     readers: int = 0,
     reader_tokens: int = 1_000_000,
+    shared_mode: bool = False,
 ):
     parent, child = mp.Pipe()
     proc = mp.Process(target=_publisher, args=(child, bs, batches, runs, blocks_per_event))
@@ -241,7 +242,7 @@ def run(
     port, blocks_per_set = parent.recv()
     url = f"tcp://127.0.0.1:{port}"
     shared = None
-    if readers:
+    if readers or shared_mode:
         from kvconductor.shared import SharedIndexes
 
         shared = SharedIndexes()
@@ -263,7 +264,8 @@ def run(
             idx.store_tokens(key, None, range(1 << 40, (1 << 40) + nblk), doc, bs)
 
         thread.call(preload)
-        reader_procs = _start_readers(shared, readers, reader_tokens, bs)
+        if readers:
+            reader_procs = _start_readers(shared, readers, reader_tokens, bs)
     mgr = thread.call(lambda: SubscriptionManager(thread, conductor))
     ctx = SubscriberContext(
         instance_id=IID,
@@ -346,6 +348,9 @@ def main():
     )
     ap.add_argument("--readers", type=int, default=0, help="processes querying the shared index")
     ap.add_argument("--reader-tokens", type=int, default=1_000_000, help="their prompt length")
+    ap.add_argument(
+        "--shared", action="store_true", help="shared mode even without readers (its own cost)"
+    )
     args = ap.parse_args()
     if args.general:
         from kvconductor.ingest import apply
@@ -364,6 +369,7 @@ def main():
                 args.idle,
                 args.readers,
                 args.reader_tokens,
+                args.shared,
             )
         )
     hdr = (

@@ -185,7 +185,8 @@ def measure(n: int, args, q4k: bytes, q4k_file: str, q1m: bytes) -> dict:
 
         def load(c: int) -> dict:
             if use_wrk:
-                return wrk_load(port, q4k_file, c, max(1, min(c, n)), args.seconds)
+                threads = args.wrk_threads or n
+                return wrk_load(port, q4k_file, c, max(1, min(c, threads)), args.seconds)
             return python_load(port, q4k, c, args.seconds)
 
         load(conns)  # warm up every worker's connections and code paths
@@ -216,6 +217,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--tokens", type=int, default=5_000_000, help="loaded document length")
     ap.add_argument("--connections", type=int, default=0, help="4k connections (0: 4 per worker)")
+    ap.add_argument("--wrk-threads", type=int, default=0, help="wrk threads (0: one per worker)")
     ap.add_argument("--python-clients", action="store_true", help="do not use wrk")
     args = ap.parse_args()
     ns = args.workers or list(range(1, (os.cpu_count() or 1) + 1))
