@@ -18,15 +18,14 @@ from kvconductor._maps cimport (
 )
 from kvconductor._pool cimport (
     HM_NIL, grow_array, live_allocations, mem_alloc, mem_free, pool_arena_leaked,
-    pool_arena_writing, pool_give, pool_init, pool_mark_free, pool_set_arena, pool_take,
-    pool_unset_arena,
+    pool_arena_writing, pool_give, pool_init, pool_mark_free, pool_take, pool_use_arena,
 )
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
 )
 from kvconductor._hash cimport hash_token_blocks
-from kvconductor._arena cimport Arena, arena_free, arena_malloc, arena_realloc
+from kvconductor._arena cimport Arena
 from kvconductor._shlock cimport (
     SHL_EBUSY, SHL_OK, SharedLock, shl_read_enter, shl_read_exit, shl_write_enter,
     shl_write_exit,
@@ -1811,17 +1810,10 @@ def install_shared(Arena arena, SharedLock lock):
     takes ``lock``'s write side when it writes. ``install_shared(None, None)`` ends it
     (tests; indexes created meanwhile stay shared)."""
     global _shared_lock
-    if arena is None:
-        pool_unset_arena()
-        _tree._install_arena(None)
-        _lower._install_arena(None)
-        _shared_lock = None
-        return
-    pool_set_arena(&arena.a, <void*>arena_malloc, <void*>arena_realloc, <void*>arena_free,
-                   arena.a.base, arena.a.base + arena.a.reserve)
+    pool_use_arena(arena)
     _tree._install_arena(arena)
     _lower._install_arena(arena)
-    _shared_lock = lock
+    _shared_lock = lock if arena is not None else None
 
 
 def attach_core(uintptr_t address, SharedLock lock, uintptr_t gen_address, uint64_t gen_seen):

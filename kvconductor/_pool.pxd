@@ -9,6 +9,8 @@ array unchanged.
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memset
 
+from kvconductor._arena cimport Arena, arena_free, arena_malloc, arena_realloc
+
 # -- counted allocation ------------------------------------------------------------------
 # Every structure array (pool arrays, map slots, per-worker tables, query breakpoints) is
 # allocated and freed through these, which keep a count of live blocks; each compiled
@@ -112,6 +114,16 @@ cdef extern from *:
     bint pool_arena_writing "kvc_arena_writing"() noexcept nogil
     bint pool_in_arena "kvc_in_arena"(const void* p) noexcept nogil
     long pool_arena_leaked "kvc_arena_leaked"() noexcept nogil
+
+cdef inline void pool_use_arena(Arena arena) noexcept:
+    """Shared mode for this module (called on the writer thread): its structure memory
+    comes from ``arena`` from now on; None ends it."""
+    if arena is None:
+        pool_unset_arena()
+    else:
+        pool_set_arena(&arena.a, <void*>arena_malloc, <void*>arena_realloc,
+                       <void*>arena_free, arena.a.base, arena.a.base + arena.a.reserve)
+
 
 cdef enum:
     HM_NIL = 0xFFFFFFFF           # no item / no index; also the empty slot of the maps

@@ -22,10 +22,10 @@ from kvconductor._maps cimport (
     u64m_put,
 )
 from kvconductor._pool cimport (
-    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_set_arena,
-    pool_take, pool_unset_arena,
+    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
+    pool_use_arena,
 )
-from kvconductor._arena cimport Arena, arena_free, arena_malloc, arena_realloc
+from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -698,11 +698,7 @@ cdef long check_rc(long rc) except -1:
 def _install_arena(Arena arena):
     """Shared mode: structure memory this module allocates on the calling thread (the
     writer) comes from ``arena``; None ends it (see ``_index.install_shared``)."""
-    if arena is None:
-        pool_unset_arena()
-        return
-    pool_set_arena(&arena.a, <void*>arena_malloc, <void*>arena_realloc, <void*>arena_free,
-                   arena.a.base, arena.a.base + arena.a.reserve)
+    pool_use_arena(arena)
 
 
 def _live_allocations():

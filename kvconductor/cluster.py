@@ -64,6 +64,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 import msgspec
@@ -80,13 +81,12 @@ from kvconductor.server import (
     STOP_SECS,
     SWITCH_INTERVAL,
     KvServer,
-    _uvicorn_impls,
     _version,
-    _warm_start,
     bind_socket,
     format_address,
     report_bind_error,
-    uvicorn_options,
+    start_conductor,
+    uvicorn_config,
 )
 from kvconductor.service import Conductor, raise_fd_limit
 from kvconductor.settings import Settings
@@ -470,6 +470,41 @@ class Owner:
         return out
 
 
+#: The shared index's metrics: (family, name, help, key of SharedIndexes.stats()).
+_SHARED_METRICS = (
+    (
+        GaugeMetricFamily,
+        "kvconductor_shared_arena_bytes",
+        "Bytes of index structures in the shared arena (blocks in use, headers included)",
+        "bytes_in_use",
+    ),
+    (
+        GaugeMetricFamily,
+        "kvconductor_shared_arena_committed_bytes",
+        "Size of the shared arena's file (its pages are only counted once touched)",
+        "committed",
+    ),
+    (
+        CounterMetricFamily,
+        "kvconductor_shared_directory_publishes",
+        "Directories (indexes, group names, block sizes, LoRA seeds) published to workers",
+        "generation",
+    ),
+    (
+        CounterMetricFamily,
+        "kvconductor_shared_reader_slots_reclaimed",
+        "Reader slots of the shared lock cleared after their worker died",
+        "reclaimed_reader_slots",
+    ),
+    (
+        CounterMetricFamily,
+        "kvconductor_shared_writer_waits",
+        "Waits of the ingest thread for worker queries inside a read section",
+        "writer_waits",
+    ),
+)
+
+
 class WorkerCollector(Collector):
     """``kvconductor_worker_processes``, ``kvconductor_worker_restarts_total`` and the
     shared index's ``kvconductor_shared_*``."""
@@ -494,31 +529,8 @@ class WorkerCollector(Collector):
         if SHARED is None:
             return
         st = SHARED.stats()
-        yield GaugeMetricFamily(
-            "kvconductor_shared_arena_bytes",
-            "Bytes of index structures in the shared arena (blocks in use, headers included)",
-            value=st["bytes_in_use"],
-        )
-        yield GaugeMetricFamily(
-            "kvconductor_shared_arena_committed_bytes",
-            "Size of the shared arena's file (its pages are only counted once touched)",
-            value=st["committed"],
-        )
-        yield CounterMetricFamily(
-            "kvconductor_shared_directory_publishes",
-            "Directories (indexes, group names, block sizes, LoRA seeds) published to workers",
-            value=st["generation"],
-        )
-        yield CounterMetricFamily(
-            "kvconductor_shared_reader_slots_reclaimed",
-            "Reader slots of the shared lock cleared after their worker died",
-            value=st["reclaimed_reader_slots"],
-        )
-        yield CounterMetricFamily(
-            "kvconductor_shared_writer_waits",
-            "Waits of the ingest thread for worker queries inside a read section",
-            value=st["writer_waits"],
-        )
+        for family, name, doc, key in _SHARED_METRICS:
+            yield family(name, doc, value=st[key])
 
 
 def fetch_query_samples(path: str, timeout: float = METRICS_TIMEOUT) -> list[Sample]:
@@ -614,7 +626,6 @@ def serve_owner(settings: Settings) -> int:
             open_workers=settings.open_workers,
             metrics=metrics,
         )
-        loop, http = _uvicorn_impls()
         # The owner's socket is private: plain HTTP, long keep-alive for the workers'
         # pools, room for the requests in flight of every worker.
         private = dataclasses.replace(
@@ -625,17 +636,7 @@ def serve_owner(settings: Settings) -> int:
             keep_alive_secs=max(settings.keep_alive_secs, OWNER_KEEP_ALIVE),
             max_connections=settings.max_connections * settings.workers,
         )
-        config = uvicorn.Config(
-            app,
-            loop=loop,
-            lifespan="off",
-            log_config=None,
-            access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
-            timeout_graceful_shutdown=GRACEFUL_SECS,
-            server_header=False,
-            **uvicorn_options(private, http, "(owner socket)"),
-        )
-        server = OwnerServer(config, owner)
+        server = OwnerServer(uvicorn_config(app, private, "(owner socket)"), owner)
         log.info(
             "KV conductor starting on %s workers=%d version=%s %s switch_interval=%s",
             format_address(port_sock),
@@ -644,14 +645,8 @@ def serve_owner(settings: Settings) -> int:
             settings.describe(),
             sys.getswitchinterval(),
         )
-        conductor.start()
-        if settings.load_dump:
-            try:
-                _warm_start(conductor, settings.load_dump)
-            except (OSError, ValueError) as ex:
-                log.error("cannot load dump %s: %s", settings.load_dump, ex)
-                conductor.stop(STOP_SECS)
-                return 1
+        if not start_conductor(conductor, settings):
+            return 1
         try:
             server.run(sockets=[unix_sock])
         finally:
@@ -1050,11 +1045,27 @@ def create_worker_app(
 
 
 class WorkerServer(KvServer):
-    """A worker's uvicorn server: tells the owner once it listens."""
+    """A worker's uvicorn server: tells the owner once it listens. A signal that arrives
+    after the owner's stop message is the same shutdown (a signal to the whole process
+    group reaches the owner, which tells the workers, and the workers themselves, in any
+    order), not a second one."""
 
     def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
         super().__init__(config)
         self.on_started = on_started
+        #: Set by the owner link when the owner asked this worker to stop.
+        self.owner_stop = False
+        self._signal_after_owner = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.owner_stop and not self.force_exit and not self._signal_after_owner:
+            self._signal_after_owner = True
+            log.info(
+                "shutdown signal %s after the owner's stop request: already draining",
+                signal.Signals(sig).name,
+            )
+            return
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -1076,7 +1087,7 @@ class _OwnerLink:
 
     def __init__(self, control: socket.socket) -> None:
         self.control = control
-        self.server: uvicorn.Server | None = None  # set once serving
+        self.server: WorkerServer | None = None  # set once serving
 
     def start(self) -> None:
         threading.Thread(target=self._watch, name="owner-watch", daemon=True).start()
@@ -1108,6 +1119,7 @@ class _OwnerLink:
             # Plain flags the server's loop polls (uvicorn's own signal handler does the same).
             if _STOP in data and not server.should_exit:
                 log.info("stop requested by the owner, draining connections...")
+                server.owner_stop = True
                 server.should_exit = True
             if _FORCE in data and not server.force_exit:
                 log.warning("owner's second signal: closing connections without waiting")
@@ -1200,18 +1212,8 @@ def worker_main(argv: list[str]) -> int:
             view.generation,
         )
     _serve_metrics(args.metrics_socket, app.query_metrics)
-    loop, http = _uvicorn_impls()
-    config = uvicorn.Config(
-        app,
-        loop=loop,
-        lifespan="off",
-        log_config=None,
-        access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
-        timeout_graceful_shutdown=GRACEFUL_SECS,
-        server_header=False,
-        date_header=False,  # the owner's answers carry theirs
-        **uvicorn_options(settings, http),
-    )
+    # date_header off: the owner's answers carry theirs
+    config = uvicorn_config(app, settings, date_header=False)
 
     server = WorkerServer(config, link.ready)
     link.server = server

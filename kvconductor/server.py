@@ -321,6 +321,25 @@ def uvicorn_options(settings: Settings, http: str, where: str = "") -> dict:
     return options
 
 
+def uvicorn_config(app: Any, settings: Settings, where: str = "", **extra: Any) -> uvicorn.Config:
+    """The ``uvicorn.Config`` kv-conductor serves ``app`` with: uvloop and httptools when
+    installed, no lifespan, no log config of uvicorn's, access log at debug level, the
+    drain of :data:`GRACEFUL_SECS`, no ``Server`` header, and :func:`uvicorn_options`
+    (``where``: see there); ``extra`` adds or overrides options."""
+    loop, http = _uvicorn_impls()
+    options: dict[str, Any] = {
+        "loop": loop,
+        "lifespan": "off",
+        "log_config": None,
+        "access_log": logging.getLogger().isEnabledFor(logging.DEBUG),
+        "timeout_graceful_shutdown": GRACEFUL_SECS,
+        "server_header": False,
+        **uvicorn_options(settings, http, where),
+    }
+    options.update(extra)
+    return uvicorn.Config(app, **options)
+
+
 def _uvicorn_impls() -> tuple[str, str]:
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
@@ -369,18 +388,7 @@ def serve(settings: Settings) -> int:
     except OSError as ex:
         report_bind_error(settings, ex)
         return 1
-    loop, http = _uvicorn_impls()
-    config = uvicorn.Config(
-        app,
-        loop=loop,
-        lifespan="off",
-        log_config=None,
-        access_log=logging.getLogger().isEnabledFor(logging.DEBUG),
-        timeout_graceful_shutdown=GRACEFUL_SECS,
-        server_header=False,
-        **uvicorn_options(settings, http),
-    )
-    server = KvServer(config)
+    server = KvServer(uvicorn_config(app, settings))
     log.info(
         "KV conductor starting on %s version=%s %s switch_interval=%s",
         format_address(sock),
@@ -388,15 +396,9 @@ def serve(settings: Settings) -> int:
         settings.describe(),
         sys.getswitchinterval(),
     )
-    conductor.start()
-    if settings.load_dump:
-        try:
-            _warm_start(conductor, settings.load_dump)
-        except (OSError, ValueError) as ex:
-            log.error("cannot load dump %s: %s", settings.load_dump, ex)
-            conductor.stop(STOP_SECS)
-            sock.close()
-            return 1
+    if not start_conductor(conductor, settings):
+        sock.close()
+        return 1
     try:
         server.run(sockets=[sock])
     finally:
@@ -405,6 +407,20 @@ def serve(settings: Settings) -> int:
         sock.close()
         log.info("KV conductor shut down")
     return 0
+
+
+def start_conductor(conductor: Conductor, settings: Settings) -> bool:
+    """Start ``conductor`` and load ``--load-dump`` if given; False (logged, conductor
+    stopped again) when the dump cannot be loaded."""
+    conductor.start()
+    if settings.load_dump:
+        try:
+            _warm_start(conductor, settings.load_dump)
+        except (OSError, ValueError) as ex:
+            log.error("cannot load dump %s: %s", settings.load_dump, ex)
+            conductor.stop(STOP_SECS)
+            return False
+    return True
 
 
 def _warm_start(conductor: Conductor, path: str) -> None:
