@@ -118,6 +118,7 @@ cdef class CoreIndex:
     cdef void _runlock(self, int slot) noexcept nogil
     cdef int _slot(self) except -2
     cdef int _reader(self) except -2
+    cdef int _stale(self, int code) except -1
     cdef int _tier(self, uint32_t worker) except -1
     cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
                        const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil

@@ -337,7 +337,7 @@ cdef class CoreIndex:
         else:
             pthread_rwlock_unlock(&self.lock)
 
-    def _stale(self, int code):
+    cdef int _stale(self, int code) except -1:
         if code == CORE_STALE:
             raise StaleIndexError("the shared directory changed: reload it")
         raise IndexClosedError("index closed")

@@ -85,6 +85,7 @@ from kvconductor.server import (
     bind_socket,
     format_address,
     report_bind_error,
+    serving_app,
     start_conductor,
     uvicorn_config,
 )
@@ -574,7 +575,6 @@ def _reclaim_reader_slots(pid: int) -> None:
 
 def serve_owner(settings: Settings) -> int:
     """``kv-conductor --workers N`` (N > 1): the owner process. Returns the exit status."""
-    from kvconductor.app import create_app
 
     set_process_role("owner")
     sys.setswitchinterval(SWITCH_INTERVAL)
@@ -617,15 +617,7 @@ def serve_owner(settings: Settings) -> int:
         metrics = Metrics(
             conductor, other_queries=owner.worker_query_samples, extra=[WorkerCollector(owner)]
         )
-        app = create_app(
-            conductor,
-            max_body_bytes=settings.max_body_bytes,
-            api_key=settings.api_key,
-            fast_query=True,
-            allow_origins=settings.allow_origins,
-            open_workers=settings.open_workers,
-            metrics=metrics,
-        )
+        app = serving_app(conductor, settings, metrics=metrics)
         # The owner's socket is private: plain HTTP, long keep-alive for the workers'
         # pools, room for the requests in flight of every worker.
         private = dataclasses.replace(

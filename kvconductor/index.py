@@ -152,6 +152,12 @@ class QueryResult:
         return {tenant: out}
 
 
+def result_of(rows, group_keys: Sequence[tuple[str, int]]) -> QueryResult:
+    """The core's ``(group, npu, cpu, disk)`` rows named by ``group_keys`` (group id ->
+    (instance_id, dp_rank)). ``IndexError`` for a group id the keys do not name."""
+    return QueryResult([DpHit(group_keys[g][0], group_keys[g][1], n, c, d) for g, n, c, d in rows])
+
+
 class Index:
     """The index of one (model, tenant): HBM tree, CPU and Disk tiers, two-phase state."""
 
@@ -298,8 +304,7 @@ class Index:
 
     # -- queries ---------------------------------------------------------------------
     def _result(self, rows) -> QueryResult:
-        gk = self._group_keys
-        return QueryResult([DpHit(gk[g][0], gk[g][1], n, c, d) for g, n, c, d in rows])
+        return result_of(rows, self._group_keys)
 
     def query(self, tokens, block_size: int, seed: int = DEFAULT_SEED) -> QueryResult:
         """Match token ids (u32 buffer or ints) hashed with ``block_size``."""

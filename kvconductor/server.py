@@ -375,14 +375,7 @@ def serve(settings: Settings) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(settings.max_sources, settings.max_connections)
     conductor = Conductor(settings.conductor_config())
-    app = create_app(
-        conductor,
-        max_body_bytes=settings.max_body_bytes,
-        api_key=settings.api_key,
-        fast_query=True,
-        allow_origins=settings.allow_origins,
-        open_workers=settings.open_workers,
-    )
+    app = serving_app(conductor, settings)
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as ex:
@@ -407,6 +400,20 @@ def serve(settings: Settings) -> int:
         sock.close()
         log.info("KV conductor shut down")
     return 0
+
+
+def serving_app(conductor: Conductor, settings: Settings, **extra: Any) -> Any:
+    """The app kv-conductor serves over ``conductor`` with ``settings``' HTTP flags
+    (``extra``: more :func:`~kvconductor.app.create_app` arguments)."""
+    return create_app(
+        conductor,
+        max_body_bytes=settings.max_body_bytes,
+        api_key=settings.api_key,
+        fast_query=True,
+        allow_origins=settings.allow_origins,
+        open_workers=settings.open_workers,
+        **extra,
+    )
 
 
 def start_conductor(conductor: Conductor, settings: Settings) -> bool:

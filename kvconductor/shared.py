@@ -40,7 +40,7 @@ import msgspec
 from kvconductor import _index
 from kvconductor._arena import OPAQUE_OFFSET, Arena
 from kvconductor._shlock import SharedLock
-from kvconductor.index import DpHit, QueryResult
+from kvconductor.index import QueryResult, result_of
 
 log = logging.getLogger("kvconductor")
 
@@ -209,9 +209,7 @@ class ViewIndex:
             if idx is None:
                 return QueryResult([])  # dropped meanwhile: nothing holds it any more
             try:
-                rows = fn(idx.core)
-                gk = idx.group_keys
-                return QueryResult([DpHit(gk[g][0], gk[g][1], n, c, d) for g, n, c, d in rows])
+                return result_of(fn(idx.core), idx.group_keys)
             except (_index.StaleIndexError, IndexError):
                 idx = self.view.reload().get((self.model, self.tenant))
         raise RuntimeError("the shared directory kept changing during a query")
