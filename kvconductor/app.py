@@ -705,17 +705,31 @@ class OriginPolicy:
 
 
 class _Lifecycle:
-    """ASGI lifespan: start the conductor on startup, stop it on shutdown."""
+    """ASGI lifespan: start the conductor on startup, stop it on shutdown; with the
+    service's ``settings``, also its warm start (``--load-dump``, ``--snapshot-dir``)
+    and last snapshot, as :func:`kvconductor.server.serve` does."""
 
-    def __init__(self, conductor: Conductor) -> None:
+    def __init__(self, conductor: Conductor, settings: Any = None) -> None:
         self.conductor = conductor
+        self.settings = settings
 
     async def process_startup(self, scope: dict, event: dict) -> None:
-        await asyncio.to_thread(self.conductor.start)
+        if self.settings is None:
+            await asyncio.to_thread(self.conductor.start)
+        else:
+            from kvconductor.server import start_conductor
+
+            if not await asyncio.to_thread(start_conductor, self.conductor, self.settings):
+                raise RuntimeError("kv-conductor: warm start failed (see the log)")
         log.info("KV conductor started (lifespan)")
 
     async def process_shutdown(self, scope: dict, event: dict) -> None:
-        await asyncio.to_thread(self.conductor.stop)
+        if self.settings is None:
+            await asyncio.to_thread(self.conductor.stop)
+        else:
+            from kvconductor.server import stop_conductor
+
+            await asyncio.to_thread(stop_conductor, self.conductor)
         log.info("KV conductor shut down")
 
 
@@ -883,11 +897,13 @@ def create_app(
     open_workers: bool = False,
     open_metrics: bool | None = None,
     metrics: Metrics | None = None,
+    settings: Any = None,
 ) -> Any:
     """Build the ASGI app over ``conductor``.
 
     With ``manage_lifecycle`` the app starts/stops the conductor on ASGI
-    lifespan events (gunicorn); otherwise the caller does (server, tests).
+    lifespan events (gunicorn; with the service's ``settings``, their warm start and
+    snapshots too); otherwise the caller does (server, tests).
     ``api_key`` protects ``/register``, ``/unregister``, ``/events``, ``/workers`` and
     ``/explain`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
     ``/health`` and the queries stay open; ``/metrics`` is protected like ``/workers``
@@ -900,7 +916,7 @@ def create_app(
     """
     middleware: list[Any] = [OriginPolicy(allow_origins)]
     if manage_lifecycle:
-        middleware.append(_Lifecycle(conductor))
+        middleware.append(_Lifecycle(conductor, settings))
     app = falcon.asgi.App(middleware=middleware, cors_enable=False)
     kw: dict[str, Any] = {
         "max_body_bytes": max_body_bytes,
@@ -1074,6 +1090,7 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
         manage_lifecycle=True,
         allow_origins=settings.allow_origins,
         open_workers=settings.open_workers,
+        settings=settings,
     )
     app.kvc_settings = settings  # read by KvConductorWorker
     return app

@@ -50,7 +50,8 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
-        problem = _tls_problem(ns) or _source_problem(ns)  # flags wrong together
+        # flags wrong together
+        problem = _tls_problem(ns) or _source_problem(ns) or _snapshot_problem(ns)
         if problem:
             self.error(problem)
         return ns
@@ -423,6 +424,20 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "before serving; a bad file stops the start",
     )
     p.add_argument(
+        "--snapshot-dir",
+        metavar="DIR",
+        default=None,
+        help="warm restart: write a snapshot (registrations, sequence cursors, every index) "
+        "into DIR periodically and at shutdown, and load the newest valid one at start; "
+        "the sources then replay from their cursors (default: none)",
+    )
+    p.add_argument(
+        "--snapshot-interval-secs",
+        type=_secs,
+        default=60,
+        help="seconds between snapshots with --snapshot-dir (default 60; 0: only at shutdown)",
+    )
+    p.add_argument(
         "--open-workers",
         action="store_true",
         help="with --api-key, leave GET /workers (it lists every endpoint), POST /explain "
@@ -475,6 +490,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         allow_ipc_endpoints=args.allow_ipc_endpoints,
         endpoint_networks=args.endpoint_networks,
         load_dump=args.load_dump,
+        snapshot_dir=args.snapshot_dir,
+        snapshot_interval_secs=args.snapshot_interval_secs,
         workers=getattr(args, "workers", 1),
         **_http_fields(args),
     )
@@ -501,6 +518,15 @@ class _EncryptedKey(Exception):
 
 def _no_password() -> str:
     raise _EncryptedKey
+
+
+def _snapshot_problem(args: argparse.Namespace) -> str | None:
+    if getattr(args, "snapshot_dir", None) and getattr(args, "load_dump", None):
+        return (
+            "--load-dump and --snapshot-dir exclude each other (a snapshot directory "
+            "warm-starts from its own newest snapshot)"
+        )
+    return None
 
 
 def _source_problem(args: argparse.Namespace) -> str | None:

@@ -78,7 +78,6 @@ from kvconductor.logs import set_process_role
 from kvconductor.metrics import Metrics, QueryMetrics, Sample, query_samples
 from kvconductor.server import (
     GRACEFUL_SECS,
-    STOP_SECS,
     SWITCH_INTERVAL,
     KvServer,
     _version,
@@ -87,6 +86,7 @@ from kvconductor.server import (
     report_bind_error,
     serving_app,
     start_conductor,
+    stop_conductor,
     uvicorn_config,
 )
 from kvconductor.service import Conductor, raise_fd_limit
@@ -643,8 +643,7 @@ def serve_owner(settings: Settings) -> int:
             server.run(sockets=[unix_sock])
         finally:
             owner.kill_all()
-            if not conductor.stop(STOP_SECS):
-                log.warning("ingest thread did not stop within %ss", STOP_SECS)
+            stop_conductor(conductor)
             log.info("KV conductor shut down")
     finally:
         unix_sock.close()

@@ -24,13 +24,16 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
+import xxhash
 
 import kvconductor
 from kvconductor.keys import Medium, WorkerKey
 from kvconductor.schema import RegisterRequest
 
 FORMAT = "kvconductor-dump"
-VERSION = 1
+#: The version this kvconductor writes; it reads :data:`READS`.
+VERSION = 2
+READS = (1, 2)
 #: Rows per block-table record.
 CHUNK_ROWS = 65536
 
@@ -85,6 +88,8 @@ def _registration(entry, ep) -> dict[str, Any]:
 def snapshot(conductor) -> dict[str, Any]:
     """Registry and every index at one instant. Ingest thread only."""
     now = time.monotonic()
+    cursors = getattr(conductor.subs, "cursors", None)
+    sources = cursors() if cursors is not None else []
     regs = [
         _registration(entry, ep)
         for entry in conductor.registry.instances.values()
@@ -110,11 +115,12 @@ def snapshot(conductor) -> dict[str, Any]:
                     "cpu": core.export_tier(1),
                     "disk": core.export_tier(2),
                 },
+                "lora_seeds": sorted(conductor.lora_seeds.get(key, ())),
                 "records": [[k, h, loc, p, now - t] for k, h, loc, p, t in records],
                 "waits": [[h, w, now - t] for h, w, t in waits],
             }
         )
-    return {"registrations": regs, "indexes": indexes}
+    return {"sources": sources, "registrations": regs, "indexes": indexes}
 
 
 def _le(a: array) -> bytes:
@@ -130,7 +136,24 @@ def _frame(record: Any) -> bytes:
 
 
 def encode(snap: dict[str, Any]) -> Iterator[bytes]:
-    """The dump of a :func:`snapshot`, one framed record at a time."""
+    """The dump of a :func:`snapshot`, one framed record at a time; the end record
+    carries the XXH3-64 of every byte before it."""
+    h = xxhash.xxh3_64()
+    for frame in _frames(snap):
+        h.update(frame)
+        yield frame
+    yield _frame(
+        {
+            "t": "end",
+            "sources": len(snap.get("sources", ())),
+            "registrations": len(snap["registrations"]),
+            "indexes": len(snap["indexes"]),
+            "checksum": h.intdigest(),
+        }
+    )
+
+
+def _frames(snap: dict[str, Any]) -> Iterator[bytes]:
     yield _frame(
         {
             "format": FORMAT,
@@ -141,11 +164,19 @@ def encode(snap: dict[str, Any]) -> Iterator[bytes]:
             "kvconductor": kvconductor.__version__,
         }
     )
+    for src in snap.get("sources", ()):
+        yield _frame({"t": "source", **src})
     for reg in snap["registrations"]:
         yield _frame({"t": "registration", "request": reg})
     for ix in snap["indexes"]:
         yield _frame(
-            {"t": "index", "model": ix["model"], "tenant": ix["tenant"], "workers": ix["workers"]}
+            {
+                "t": "index",
+                "model": ix["model"],
+                "tenant": ix["tenant"],
+                "workers": ix["workers"],
+                "lora_seeds": ix.get("lora_seeds", []),
+            }
         )
         counts: dict[str, int] = {}
         for name, cols in _TABLES.items():
@@ -168,9 +199,6 @@ def encode(snap: dict[str, Any]) -> Iterator[bytes]:
         counts["records"] = len(ix["records"])
         counts["waits"] = len(ix["waits"])
         yield _frame({"t": "index_end", **counts})
-    yield _frame(
-        {"t": "end", "registrations": len(snap["registrations"]), "indexes": len(snap["indexes"])}
-    )
 
 
 def write_dump(conductor) -> Iterator[bytes]:
@@ -179,8 +207,18 @@ def write_dump(conductor) -> Iterator[bytes]:
 
 
 # -- reading ------------------------------------------------------------------------------
-def _records(chunks: Iterable[bytes]) -> Iterator[Any]:
-    """Decode the framed records of ``chunks`` (bytes of any split)."""
+class _Digest:
+    """The running XXH3-64 of the frames a :func:`_records` walk has yielded."""
+
+    def __init__(self) -> None:
+        self.h = xxhash.xxh3_64()
+        #: The digest of every frame before the one just yielded.
+        self.before = self.h.intdigest()
+
+
+def _records(chunks: Iterable[bytes], digest: _Digest | None = None) -> Iterator[Any]:
+    """Decode the framed records of ``chunks`` (bytes of any split), feeding each
+    frame to ``digest``."""
     buf = bytearray()
     for chunk in chunks:
         buf += chunk
@@ -191,10 +229,17 @@ def _records(chunks: Iterable[bytes]) -> Iterator[Any]:
                 raise ValueError(f"not a kvconductor dump: byte {tag:#04x} where a record starts")
             if len(buf) - pos - 5 < size:
                 break
+            frame = memoryview(buf)[pos : pos + 5 + size]
             try:
-                yield _decode(bytes(buf[pos + 5 : pos + 5 + size]))
+                rec = _decode(frame[5:])
             except msgspec.DecodeError as ex:
                 raise ValueError(f"corrupt dump record: {ex}") from None
+            finally:
+                if digest is not None:
+                    digest.before = digest.h.intdigest()
+                    digest.h.update(frame)
+                frame.release()
+            yield rec
             pos += 5 + size
         del buf[:pos]
     if buf:
@@ -213,14 +258,54 @@ def _column(raw: Any, typecode: str, name: str) -> array:
     return a
 
 
-def _check_header(rec: Any) -> None:
+def _check_header(rec: Any) -> int:
+    """The version of a header record, or ``ValueError``."""
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise ValueError("not a kvconductor dump: missing the kvconductor-dump header")
-    if rec.get("version") != VERSION:
+    version = rec.get("version")
+    if version not in READS:
         raise ValueError(
-            f"unsupported dump version {rec.get('version')!r}: this kvconductor reads "
-            f"version {VERSION}"
+            f"unsupported dump version {version!r}: this kvconductor reads versions "
+            + " and ".join(str(v) for v in READS)
         )
+    return int(version)
+
+
+def _check_end(rec: dict, version: int, digest: _Digest, counts: dict[str, int]) -> None:
+    """The end record: its counts are what was read, its checksum (version 2) that of
+    every byte before it."""
+    if version >= 2 and rec.get("checksum") != digest.before:
+        raise ValueError(
+            "corrupt dump: checksum mismatch (the file was changed or damaged after it was written)"
+        )
+    got = {k: rec.get(k) for k in counts}
+    if version == 1:
+        got["sources"] = counts.get("sources")
+    if got != counts:
+        raise ValueError(f"dump is inconsistent: read {counts}, its end record says {got}")
+
+
+def verify(chunks: Iterable[bytes]) -> dict[str, Any]:
+    """Walk a whole dump without loading it: header, framing, counts and (version 2)
+    checksum. Returns the header; ``ValueError`` naming the problem."""
+    digest = _Digest()
+    recs = _records(chunks, digest)
+    header = next(recs, None)
+    if header is None:
+        raise ValueError("not a kvconductor dump: empty input")
+    version = _check_header(header)
+    counts = {"sources": 0, "registrations": 0, "indexes": 0}
+    kinds = {"source": "sources", "registration": "registrations", "index": "indexes"}
+    for rec in recs:
+        kind = rec.get("t") if isinstance(rec, dict) else None
+        if kind == "end":
+            _check_end(rec, version, digest, counts)
+            if next(recs, None) is not None:
+                raise ValueError("dump has records after its end record")
+            return header
+        if kind in kinds:
+            counts[kinds[kind]] += 1
+    raise ValueError("truncated dump: no end record")
 
 
 def _load_index(conductor, head: dict, recs: Iterator[Any]) -> None:
@@ -289,39 +374,50 @@ def _load_index(conductor, head: dict, recs: Iterator[Any]) -> None:
 
 def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
     """Load a dump into ``conductor`` (ingest thread, or before it starts serving):
-    registrations through :meth:`Conductor.register`, then each index restored into a
-    fresh index. Returns ``{"registrations": n, "indexes": k}``. ``ValueError`` naming
-    the problem for an unknown format or version, a truncated or inconsistent dump;
-    the conductor may then hold part of it."""
-    recs = _records(chunks)
+    the sources' sequence cursors (each subscription the registrations open resumes
+    from its cursor: its replay starts there), registrations through
+    :meth:`Conductor.register`, then each index restored into a fresh index. Returns
+    ``{"registrations": n, "indexes": k, "sources": s}``. ``ValueError`` naming the
+    problem for an unknown format or version, a truncated, corrupt or inconsistent dump;
+    the conductor may then hold part of it (:func:`verify` first to avoid that)."""
+    digest = _Digest()
+    recs = _records(chunks, digest)
     first = next(recs, None)
     if first is None:
         raise ValueError("not a kvconductor dump: empty input")
-    _check_header(first)
-    nreg = nidx = 0
-    for rec in recs:
-        kind = rec.get("t") if isinstance(rec, dict) else None
-        if kind == "registration":
-            conductor.register(msgspec.convert(rec["request"], RegisterRequest))
-            nreg += 1
-        elif kind == "index":
-            key = (rec["model"], rec["tenant"])
-            old = conductor.indexes.get(key)
-            if old is not None and not old.is_empty():
-                raise ValueError(f"index {key[0]}/{key[1]} is not empty: cannot load into it")
-            _load_index(conductor, rec, recs)
-            nidx += 1
-        elif kind == "end":
-            if (rec.get("registrations"), rec.get("indexes")) != (nreg, nidx):
-                raise ValueError(
-                    f"dump is inconsistent: read {nreg} registrations and {nidx} indexes, "
-                    f"its end record says {rec.get('registrations')} and {rec.get('indexes')}"
-                )
-            if next(recs, None) is not None:
-                raise ValueError("dump has records after its end record")
-            return {"registrations": nreg, "indexes": nidx}
-        else:
-            raise ValueError(f"unexpected dump record {kind!r}")
+    version = _check_header(first)
+    counts = {"sources": 0, "registrations": 0, "indexes": 0}
+    resume = getattr(conductor.subs, "resume", None)
+    try:
+        for rec in recs:
+            kind = rec.get("t") if isinstance(rec, dict) else None
+            if kind == "source":
+                if resume is not None:
+                    src = (str(rec["instance_id"]), int(rec["dp_rank"]), str(rec["url"]))
+                    resume[src] = (int(rec["last_seq"]), int(rec["digest"]))
+                counts["sources"] += 1
+            elif kind == "registration":
+                conductor.register(msgspec.convert(rec["request"], RegisterRequest))
+                counts["registrations"] += 1
+            elif kind == "index":
+                key = (rec["model"], rec["tenant"])
+                old = conductor.indexes.get(key)
+                if old is not None and not old.is_empty():
+                    raise ValueError(f"index {key[0]}/{key[1]} is not empty: cannot load into it")
+                _load_index(conductor, rec, recs)
+                for seed in rec.get("lora_seeds", ()):
+                    conductor.note_lora(key[0], key[1], int(seed))
+                counts["indexes"] += 1
+            elif kind == "end":
+                _check_end(rec, version, digest, counts)
+                if next(recs, None) is not None:
+                    raise ValueError("dump has records after its end record")
+                return counts
+            else:
+                raise ValueError(f"unexpected dump record {kind!r}")
+    finally:
+        if resume is not None:
+            resume.clear()  # cursors of sources no registration reopened
     raise ValueError("truncated dump: no end record")
 
 
@@ -365,6 +461,7 @@ def load_file(path: str) -> dict[str, Any]:
     ``{"loaded": ..., "workers": [...], "indexer": [per-index /workers summaries]}``."""
     from kvconductor.service import Conductor, ConductorConfig
 
+    verify(file_chunks(path))
     conductor = Conductor(
         ConductorConfig(maintenance_interval=3600), subscriptions=_NoSubscriptions
     )

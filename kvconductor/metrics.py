@@ -331,6 +331,39 @@ class ConductorCollector(Collector):
             "HBM blocks dropped because their source stayed down past --source-purge-secs",
             value=purged,
         )
+        snap = getattr(c, "snapshotter", None)
+        if snap is not None:
+            yield from _snapshot_metrics(snap.stats)
+
+
+def _snapshot_metrics(s: Any) -> Iterator[Metric]:
+    """``--snapshot-dir``: the snapshots written and how the last one went."""
+    out = CounterMetricFamily(
+        "kvconductor_snapshots",
+        "Snapshots by outcome: written, failed (logged; the service goes on)",
+        labels=["outcome"],
+    )
+    out.add_metric(["written"], s.written)
+    out.add_metric(["failed"], s.failed)
+    yield out
+    yield GaugeMetricFamily(
+        "kvconductor_snapshot_last_success_timestamp_seconds",
+        "Unix time of the last snapshot written (0: none yet)",
+        value=s.last_time,
+    )
+    yield GaugeMetricFamily(
+        "kvconductor_snapshot_last_bytes", "Size of the last snapshot written", value=s.last_bytes
+    )
+    yield GaugeMetricFamily(
+        "kvconductor_snapshot_last_duration_seconds",
+        "Seconds the last snapshot took (copy on the ingest thread, encoding, writing)",
+        value=s.last_seconds,
+    )
+    yield GaugeMetricFamily(
+        "kvconductor_snapshot_last_pause_seconds",
+        "Seconds the ingest thread was held for the last snapshot's copy",
+        value=s.last_pause,
+    )
 
 
 class Metrics:

@@ -395,8 +395,7 @@ def serve(settings: Settings) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        if not conductor.stop(STOP_SECS):
-            log.warning("ingest thread did not stop within %ss", STOP_SECS)
+        stop_conductor(conductor)
         sock.close()
         log.info("KV conductor shut down")
     return 0
@@ -417,8 +416,9 @@ def serving_app(conductor: Conductor, settings: Settings, **extra: Any) -> Any:
 
 
 def start_conductor(conductor: Conductor, settings: Settings) -> bool:
-    """Start ``conductor`` and load ``--load-dump`` if given; False (logged, conductor
-    stopped again) when the dump cannot be loaded."""
+    """Start ``conductor``, load ``--load-dump`` or the newest ``--snapshot-dir``
+    snapshot, start the snapshot thread; False (logged, conductor stopped again) when
+    the dump cannot be loaded or the snapshot directory cannot be used."""
     conductor.start()
     if settings.load_dump:
         try:
@@ -427,7 +427,32 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
             log.error("cannot load dump %s: %s", settings.load_dump, ex)
             conductor.stop(STOP_SECS)
             return False
+    if settings.snapshot_dir:
+        from kvconductor import snapshot
+
+        store = snapshot.SnapshotStore(settings.snapshot_dir)
+        try:
+            store.prepare()
+        except OSError as ex:
+            log.error("cannot use snapshot directory %s: %s", settings.snapshot_dir, ex)
+            conductor.stop(STOP_SECS)
+            return False
+        if snapshot.warm_start(conductor, store) is None:
+            log.info("no usable snapshot in %s: starting empty", settings.snapshot_dir)
+        conductor.snapshotter = snapshot.Snapshotter(
+            conductor, store, settings.snapshot_interval_secs
+        )
+        conductor.snapshotter.start()
     return True
+
+
+def stop_conductor(conductor: Conductor) -> None:
+    """After the HTTP server stopped: the last snapshot (``--snapshot-dir``), then stop
+    the conductor."""
+    if conductor.snapshotter is not None:
+        conductor.snapshotter.stop(final=True)
+    if not conductor.stop(STOP_SECS):
+        log.warning("ingest thread did not stop within %ss", STOP_SECS)
 
 
 def _warm_start(conductor: Conductor, path: str) -> None:
@@ -435,6 +460,7 @@ def _warm_start(conductor: Conductor, path: str) -> None:
     from kvconductor import dump
 
     t0 = time.monotonic()
+    dump.verify(dump.file_chunks(path))  # a damaged file changes nothing
     loaded = conductor.call(dump.load_dump, conductor, dump.file_chunks(path), timeout=None)
     for s in conductor.call(conductor.workers)["indexer"]:
         log.info(

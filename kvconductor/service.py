@@ -281,6 +281,8 @@ class Conductor:
         #: ``--workers N``: the shared arena, lock and directory (set before :meth:`start`;
         #: see :mod:`kvconductor.shared`). None: one process, private memory.
         self.shared: Any = None
+        #: ``--snapshot-dir``: the :class:`kvconductor.snapshot.Snapshotter` (None: off).
+        self.snapshotter: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:

@@ -50,6 +50,9 @@ class Settings:
     tls_client_ca: str | None = None
     # warm start: a GET /debug/dump file loaded before serving (docs/dump.md)
     load_dump: str | None = None
+    # warm restart: snapshots in a directory (docs/operations.md, "Warm restart")
+    snapshot_dir: str | None = None
+    snapshot_interval_secs: int = 60
     # HTTP worker processes (docs/operations.md, "Several worker processes")
     workers: int = 1
 
@@ -72,8 +75,14 @@ class Settings:
             f"max_body_bytes={self.max_body_bytes} "
             f"log_level={self.log_level} log_format={self.log_format} "
             f"auth={'on' if self.api_key else 'off'} "
-            f"endpoints={self._endpoint_rule()}"
+            f"endpoints={self._endpoint_rule()} "
+            f"snapshots={self._snapshot_rule()}"
         )
+
+    def _snapshot_rule(self) -> str:
+        if not self.snapshot_dir:
+            return "off"
+        return f"{self.snapshot_dir}@{self.snapshot_interval_secs}s"
 
     def _endpoint_rule(self) -> str:
         rule = "tcp-connect"

@@ -207,7 +207,7 @@ def test_dump_then_load_dump_gives_the_same_index(tmp_path):
 
         # the header record, then framed records
         first = next(dump._records([path.read_bytes()]))
-        assert (first["format"], first["version"]) == ("kvconductor-dump", 1)
+        assert (first["format"], first["version"]) == ("kvconductor-dump", 2)
 
         with running(tmp_path, "--api-key", KEY, "--load-dump", str(path)) as b:
             got = indexer(b)
@@ -227,7 +227,7 @@ def test_dump_then_load_dump_gives_the_same_index(tmp_path):
         )
         assert out.returncode == 0, out.stderr
         doc = msgspec.json.decode(out.stdout)
-        assert doc["loaded"] == {"registrations": 6, "indexes": 2}
+        assert doc["loaded"] == {"sources": 2, "registrations": 6, "indexes": 2}
         assert counts(doc["indexer"]) == counts(want)
     finally:
         pub.stop()
@@ -239,6 +239,15 @@ def _sample_dump() -> bytes:
     return b"".join(dump.encode(snap))
 
 
+def _last_frame(data: bytes) -> int:
+    """Offset of the last framed record (the end record) of a dump."""
+    pos = last = 0
+    while pos < len(data):
+        last = pos
+        pos += 5 + int.from_bytes(data[pos + 1 : pos + 5], "big")
+    return last
+
+
 def _load(data: bytes):
     from kvconductor.service import Conductor, ConductorConfig
 
@@ -248,15 +257,28 @@ def _load(data: bytes):
 
 def test_bad_dumps_are_refused_with_the_reason(tmp_path):
     data = _sample_dump()
-    assert _load(data) == {"registrations": 0, "indexes": 0}
+    assert _load(data) == {"sources": 0, "registrations": 0, "indexes": 0}
+    # one changed byte anywhere (here a digit of the header's time) fails the checksum
+    pos = data.index(b"created") + 12
+    bad = data[:pos] + bytes([data[pos] ^ 1]) + data[pos + 1 :]
+    with pytest.raises(ValueError, match="^corrupt dump: checksum mismatch"):
+        _load(bad)
+    with pytest.raises(ValueError, match="^corrupt dump: checksum mismatch"):
+        dump.verify([bad])
+    assert dump.verify([data])["version"] == 2
+    # version 1 (no checksum, no cursors) still loads
+    v1 = dump._frame({"format": "kvconductor-dump", "version": 1}) + dump._frame(
+        {"t": "end", "registrations": 0, "indexes": 0}
+    )
+    assert _load(v1) == {"sources": 0, "registrations": 0, "indexes": 0}
     with pytest.raises(ValueError, match="^truncated dump: the input ends inside a record$"):
         _load(data[:-3])
-    end = len(data) - len(dump._frame({"t": "end", "registrations": 0, "indexes": 0}))
+    end = _last_frame(data)
     with pytest.raises(ValueError, match="^truncated dump: no end record$"):
         _load(data[:end])
-    header = {"format": "kvconductor-dump", "version": 2}
+    header = {"format": "kvconductor-dump", "version": 3}
     with pytest.raises(
-        ValueError, match="^unsupported dump version 2: this kvconductor reads version 1$"
+        ValueError, match="^unsupported dump version 3: this kvconductor reads versions 1 and 2$"
     ):
         _load(dump._frame(header) + data[end:])
     with pytest.raises(ValueError, match="^not a kvconductor dump: byte 0x7b where a record"):
@@ -337,7 +359,7 @@ def test_registrations_load_back_identical():
             req = {"type": "vLLM", "modelname": "qwen", "block_size": BS, **body}
             a.call(a.register, msgspec.convert(req, RegisterRequest))
         data = b"".join(dump.write_dump(a))
-        assert b.call(dump.load_dump, b, [data]) == {"registrations": 5, "indexes": 2}
+        assert b.call(dump.load_dump, b, [data]) == {"sources": 0, "registrations": 5, "indexes": 2}
         assert b.registry.instances == a.registry.instances
         assert b.registry.hbm_ip_index == a.registry.hbm_ip_index
         assert b.registry.hbm_ip_index  # the Mooncake engine's HBM IP

@@ -452,13 +452,15 @@ def test_gunicorn_factory(tmp_path):
     port = free_port()
     cmd = _gunicorn_cmd(port, "-w", "1")
     log_path = tmp_path / "gunicorn.log"
+    snaps = tmp_path / "snaps"
+    flags = f"--pending-ttl-secs 30 --snapshot-dir {snaps} --snapshot-interval-secs 0"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", KV_CONDUCTOR_ARGS="--pending-ttl-secs 30"),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", KV_CONDUCTOR_ARGS=flags),
         )
     try:
         wait_health(proc, f"http://127.0.0.1:{port}", log_path)
@@ -475,11 +477,17 @@ def test_gunicorn_factory(tmp_path):
             "source_purge=600s max_sources=4096 "
             "replay_deadline=60s max_message_mb=256 max_blocks_per_message=1000000 "
             "max_blocks_per_source=4000000 max_body_bytes=67108864 log_level=info "
-            "log_format=text auth=off endpoints=tcp-connect switch_interval=0.0005"
+            f"log_format=text auth=off endpoints=tcp-connect snapshots={snaps}@0s "
+            "switch_interval=0.0005"
         ) in text, text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0
         assert "KV conductor shut down" in log_path.read_text()
+        # the lifespan shutdown wrote the last snapshot, with the registration
+        from kvconductor import dump
+
+        (snap,) = snaps.iterdir()
+        assert dump.load_file(str(snap))["loaded"]["registrations"] == 1
     finally:
         if proc.poll() is None:
             proc.kill()

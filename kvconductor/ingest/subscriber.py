@@ -137,6 +137,12 @@ class Subscription:
         self.muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
+        cursor = manager.resume.pop(self.key, None)
+        if cursor is not None:
+            # warm start: go on from the snapshot's cursor (the registration's replay
+            # verifies the batch at it and asks for what came after)
+            self.tracker.last_seq = self.stats.last_seq = cursor[0]
+            self.tracker.last_digest = cursor[1]
 
     @staticmethod
     def _feeds_hbm(ctx: SubscriberContext) -> bool:
@@ -502,6 +508,9 @@ class SubscriptionManager:
         self._purged_dps: set[tuple[str, str, str, int]] = set()
         self.warn = WarnLimiter()
         self._subs: dict[tuple[str, int, str], Subscription] = {}
+        #: Warm start: (instance_id, dp_rank, url) -> (last applied seq, its digest) from a
+        #: snapshot; a subscription of that key created next starts from there.
+        self.resume: dict[tuple[str, int, str], tuple[int, int]] = {}
         #: Counters of closed subscriptions (metrics), folded in by :meth:`_remove`.
         self.retired = RetiredTotals()
         #: Held while the table changes and while a scrape reads it: a scrape sees a
@@ -561,6 +570,23 @@ class SubscriptionManager:
                 )
             retired = self.retired.copy()
         return rows, retired
+
+    def cursors(self) -> list[dict[str, Any]]:
+        """Where each subscription's applied sequence stands (ingest thread; snapshots):
+        ``instance_id``, ``dp_rank``, ``url``, ``last_seq`` and the ``digest`` of that
+        batch, for every subscription that has applied a batch since its last loss."""
+        self._check_thread()
+        return [
+            {
+                "instance_id": k[0],
+                "dp_rank": k[1],
+                "url": k[2],
+                "last_seq": sub.tracker.last_seq,
+                "digest": sub.tracker.last_digest,
+            }
+            for k, sub in self._subs.items()
+            if sub.tracker.last_seq is not None and sub.tracker.last_digest is not None
+        ]
 
     def _check_thread(self) -> None:
         if self.thread.is_alive() and not self.thread.on_thread():

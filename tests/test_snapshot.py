@@ -1,0 +1,398 @@
+"""Warm restart: ``--snapshot-dir`` (kvconductor/snapshot.py, the dump format version 2).
+
+In process: the snapshot store (atomic files, the newest kept, corrupt ones refused)
+and a Hypothesis differential test that a snapshot plus the events after it gives the
+same index as every event applied to one conductor. Through real servers and a real
+ZeroMQ vLLM publisher with a replay ring: a restart (SIGTERM, SIGKILL) resumes every
+source from its snapshot cursor, with no re-registration and no lost batch; a corrupt
+snapshot is refused and the older one loaded; a publisher that restarted while the
+service was down is detected and its old blocks age out.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from publishers import FakePublisher, schema, wait_until
+from test_server import Server, running
+from test_server_zmq import dp_entry, register_engine
+
+from kvconductor import dump, snapshot
+from kvconductor.ingest.http_events import normalize_events
+from kvconductor.schema import RegisterRequest, events_decoder
+from kvconductor.service import Conductor, ConductorConfig
+
+BS = 4
+
+
+# -- the store --------------------------------------------------------------------------
+def _conductor() -> Conductor:
+    c = Conductor(ConductorConfig(maintenance_interval=3600), subscriptions=dump._NoSubscriptions)
+    c.start()
+    return c
+
+
+def _register(c: Conductor, instance: str, dp: int = 0) -> None:
+    req = RegisterRequest(
+        instance_id=instance, engine_type="vLLM", modelname="qwen", block_size=BS, dp_rank=dp
+    )
+    c.call(c.register, req)
+
+
+def _post(c: Conductor, instance: str, events: list[dict]) -> None:
+    batch = events_decoder.decode(msgspec.json.encode({"instance_id": instance, "events": events}))
+    c.call(c.apply_events, batch, normalize_events(batch))
+
+
+def _stored(eid: int, hashes: list[int], tokens: list[int], parent=None, medium="GPU", dp=0):
+    return {
+        "event_id": eid,
+        "dp_rank": dp,
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BS,
+        "medium": medium,
+    }
+
+
+def _summary(c: Conductor) -> list[dict]:
+    return [{k: v for k, v in s.items() if k != "bytes"} for s in c.call(c.workers)["indexer"]]
+
+
+def test_store_writes_atomically_and_keeps_the_two_newest(tmp_path):
+    c = _conductor()
+    try:
+        _register(c, "a")
+        _post(c, "a", [_stored(0, [11, 12], list(range(8)))])
+        store = snapshot.SnapshotStore(str(tmp_path / "snaps"))
+        store.prepare()
+        (tmp_path / "snaps" / ".snapshot-old.tmp").write_bytes(b"half")
+        store.prepare()  # an interrupted write's temporary is removed
+        assert os.listdir(tmp_path / "snaps") == []
+        paths = []
+        for _ in range(3):
+            paths.append(store.write(dump.write_dump(c))[0])
+            time.sleep(0.002)
+        names = sorted(os.listdir(tmp_path / "snaps"))
+        assert names == sorted(os.path.basename(p) for p in paths[1:])
+        assert all(re.fullmatch(r"snapshot-\d{8}T\d{6}\.\d{6}Z\.kvc", n) for n in names)
+        assert store.snapshots() == paths[:0:-1]  # newest first
+
+        # a write that fails half way leaves neither a snapshot nor a temporary
+        def failing():
+            yield b"\xc6\x00\x00\x00\x01\xc0"
+            raise OSError(28, "No space left on device")
+
+        with pytest.raises(OSError, match="No space left"):
+            store.write(failing())
+        assert sorted(os.listdir(tmp_path / "snaps")) == names
+
+        # the newest is corrupt: refused, the older one loads
+        newest = tmp_path / "snaps" / names[-1]
+        data = bytearray(newest.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        newest.write_bytes(bytes(data))
+        d = _conductor()
+        try:
+            got = snapshot.warm_start(d, store)
+            assert got is not None and got["path"] == str(tmp_path / "snaps" / names[0])
+            assert got["registrations"] == 1 and got["indexes"] == 1
+            assert _summary(d) == _summary(c)
+        finally:
+            d.stop()
+    finally:
+        c.stop()
+
+
+def test_no_valid_snapshot_starts_empty(tmp_path, caplog):
+    store = snapshot.SnapshotStore(str(tmp_path))
+    (tmp_path / "snapshot-20260101T000000.000000Z.kvc").write_bytes(
+        dump._frame({"format": "kvconductor-dump", "version": 9})
+    )
+    (tmp_path / "snapshot-20250101T000000.000000Z.kvc").write_bytes(b"not a dump at all")
+    c = _conductor()
+    try:
+        with caplog.at_level("ERROR", logger="kvconductor.snapshot"):
+            assert snapshot.warm_start(c, store) is None
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == [
+            f"snapshot {tmp_path}/snapshot-20260101T000000.000000Z.kvc refused: unsupported "
+            "dump version 9: this kvconductor reads versions 1 and 2",
+            f"snapshot {tmp_path}/snapshot-20250101T000000.000000Z.kvc refused: not a "
+            "kvconductor dump: byte 0x6e where a record starts",
+        ]
+        assert c.call(c.workers)["workers"] == [] and c.indexes == {}
+    finally:
+        c.stop()
+
+
+# -- snapshot + tail == full replay (Hypothesis) -------------------------------------------
+ALPHABET = [[2000 + 4 * b + i for i in range(BS)] for b in range(5)]
+INSTANCES = [("i0", 0), ("i0", 1), ("i1", 0)]
+MEDIA = ["GPU", "GPU", "CPU", "DISK"]
+
+
+@st.composite
+def event_batches(draw):
+    """Batches of BlockStored (fresh chains or children of a block stored before),
+    BlockRemoved and AllBlocksCleared for three (instance, DP)s."""
+    batches = []
+    stored: dict[tuple[str, int], list[tuple[int, list[int]]]] = {k: [] for k in INSTANCES}
+    next_hash = 1
+    for eid in range(draw(st.integers(1, 14))):
+        inst, dp = draw(st.sampled_from(INSTANCES))
+        kind = draw(st.sampled_from(["store", "store", "store", "child", "remove", "clear"]))
+        held = stored[(inst, dp)]
+        medium = draw(st.sampled_from(MEDIA))
+        if kind == "child" and held:
+            ph, ptoks = draw(st.sampled_from(held))
+            blk = draw(st.sampled_from(ALPHABET))
+            ev = _stored(eid, [next_hash], blk, parent=ph, medium=medium, dp=dp)
+            held.append((next_hash, ptoks + blk))
+            next_hash += 1
+        elif kind == "remove" and held:
+            gone = draw(st.lists(st.sampled_from([h for h, _ in held]), min_size=1, max_size=3))
+            ev = {
+                "event_id": eid,
+                "dp_rank": dp,
+                "type": "BlockRemoved",
+                "block_hashes": gone,
+                "medium": medium,
+            }
+        elif kind == "clear":
+            ev = {"event_id": eid, "dp_rank": dp, "type": "AllBlocksCleared"}
+        else:
+            chain = draw(st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=4))
+            hashes = list(range(next_hash, next_hash + len(chain)))
+            next_hash += len(chain)
+            toks: list[int] = []
+            for h, blk in zip(hashes, chain, strict=True):
+                toks += blk
+                held.append((h, list(toks)))
+            ev = _stored(eid, hashes, [t for b in chain for t in b], medium=medium, dp=dp)
+        batches.append((inst, [ev]))
+    cut = draw(st.integers(0, len(batches)))
+    prompts = [toks for held in stored.values() for _, toks in held] + [ALPHABET[0] * 3]
+    return batches, cut, prompts
+
+
+def _answers(c: Conductor, prompts: list[list[int]]) -> list[dict]:
+    idx = c.get_index("qwen", "default")
+    return [idx.query(p, BS).to_dict("default", BS) for p in prompts]
+
+
+@settings(
+    max_examples=int(os.environ.get("KVC_DIFFERENTIAL_EXAMPLES", "200")) // 4,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(event_batches())
+def test_snapshot_plus_tail_equals_full_replay(case):
+    batches, cut, prompts = case
+    full, part = _conductor(), _conductor()
+    warm = _conductor()
+    try:
+        for c in (full, part):
+            for inst in ("i0", "i1"):
+                for dp in (0, 1):
+                    _register(c, inst, dp)
+        for inst, events in batches:
+            _post(full, inst, events)
+        for inst, events in batches[:cut]:
+            _post(part, inst, events)
+        data = b"".join(dump.write_dump(part))
+        assert warm.call(dump.load_dump, warm, [data])["registrations"] == 4
+        for inst, events in batches[cut:]:
+            _post(warm, inst, events)
+        assert _summary(warm) == _summary(full)
+        assert _answers(warm, prompts) == _answers(full, prompts)
+    finally:
+        for c in (full, part, warm):
+            c.stop()
+
+
+# -- real servers ----------------------------------------------------------------------------
+V = schema("vllm", "0.33.0")
+
+
+def _chain(i: int) -> tuple[bytes, list[int]]:
+    """Batch storing chain ``i`` (two blocks, engine hashes 100i+1, 100i+2) and its tokens."""
+    toks = [7000 + 8 * i + j for j in range(2 * BS)]
+    return V.batch([V.stored([100 * i + 1, 100 * i + 2], None, toks, BS, medium="GPU")]), toks
+
+
+def _npu(server, toks: list[int]) -> int:
+    r = server.http.post("/query", json={"model": "qwen", "block_size": BS, "token_ids": toks})
+    assert r.status_code == 200, r.text
+    e = dp_entry(r.json(), "eng")
+    return 0 if e is None else e["npu_blocks"]
+
+
+def _expect(server, want: dict[int, int], msg: str) -> None:
+    toks = {i: _chain(i)[1] for i in want}
+    wait_until(lambda: all(_npu(server, toks[i]) == n for i, n in want.items()), msg=msg)
+
+
+def _metric(server, name: str) -> float:
+    text = server.http.get("/metrics").text
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def _published(pub: FakePublisher, batches: list[bytes]) -> None:
+    for b in batches:
+        pub.publish(b)
+
+
+def test_sigterm_restart_resumes_each_source_from_its_cursor(tmp_path):
+    snaps = tmp_path / "snaps"
+    pub = FakePublisher(replay=True)
+    try:
+        with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
+            register_engine(
+                a, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
+            )
+            _published(pub, [_chain(i)[0] for i in range(5)])  # seq 0-4
+            pub.publish(V.batch([V.removed([102], medium="GPU")]))  # seq 5: chain 1 cut to 1
+            _expect(a, {0: 2, 1: 1, 4: 2}, "first batches indexed")
+            assert os.listdir(snaps) == []  # interval 0: only at shutdown
+        log = a.log()
+        assert "snapshot written path=" in log and " sources=1 " in log, log
+        assert len(os.listdir(snaps)) == 1
+        # while the service is down, the engine goes on (its ring keeps the batches)
+        _published(pub, [_chain(i)[0] for i in (5, 6)])  # seq 6, 7
+        pub.publish(V.batch([V.removed([1, 2], medium="GPU")]))  # seq 8: chain 0 gone
+        requests_before = len(pub.replay_requests)
+        with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
+            _expect(b, {0: 0, 1: 1, 2: 2, 3: 2, 4: 2, 5: 2, 6: 2}, "tail replayed")
+            # resumed at the snapshot's cursor (seq 5, verified), not replayed from 0
+            assert pub.replay_requests[requests_before:] == [5]
+            workers = b.http.get("/workers").json()["workers"]
+            assert [w["instance_id"] for w in workers] == ["eng"]
+            assert _metric(b, 'kvconductor_replays_total{outcome="ok"}') == 1
+            assert _metric(b, 'kvconductor_replays_total{outcome="failed"}') == 0
+        assert "warm start from snapshot " in b.log()
+        assert "registrations=1 indexes=1 sources=1" in b.log()
+    finally:
+        pub.stop()
+
+
+def test_sigkill_restart_from_the_periodic_snapshot(tmp_path):
+    snaps = tmp_path / "snaps"
+    pub = FakePublisher(replay=True)
+    try:
+        a = Server(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "1")
+        try:
+            a.wait_ready()
+            register_engine(
+                a, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
+            )
+            _published(pub, [_chain(i)[0] for i in range(3)])
+            _expect(a, {0: 2, 1: 2, 2: 2}, "indexed")
+            n = _metric(a, 'kvconductor_snapshots_total{outcome="written"}')
+            wait_until(
+                lambda: _metric(a, 'kvconductor_snapshots_total{outcome="written"}') >= n + 1,
+                msg="a snapshot after the batches",
+            )
+            assert _metric(a, "kvconductor_snapshot_last_bytes") > 0
+        finally:
+            a.proc.kill()
+            a.proc.wait(10)
+            a.http.close()
+            a._log.close()
+        _published(pub, [_chain(3)[0]])
+        with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
+            _expect(b, {0: 2, 1: 2, 2: 2, 3: 2}, "snapshot + tail")
+    finally:
+        pub.stop()
+
+
+def test_publisher_restarted_while_down_ages_out_its_old_blocks(tmp_path):
+    snaps = tmp_path / "snaps"
+    pub = FakePublisher(replay=True)
+    try:
+        with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
+            register_engine(
+                a, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
+            )
+            _published(pub, [_chain(i)[0] for i in range(4)])  # seq 0-3
+            _expect(a, {0: 2, 3: 2}, "indexed")
+        port, replay_port = pub.port, pub.replay_port
+        pub.stop()
+        # a new engine process on the same ports: its sequence starts again at 0
+        pub = FakePublisher(port=port, replay_port=replay_port, replay=True)
+        _published(pub, [_chain(i)[0] for i in (8, 9)])
+        with running(tmp_path, "--snapshot-dir", str(snaps), "--loss-grace-secs", "1") as b:
+            _expect(b, {0: 0, 3: 0, 8: 2, 9: 2}, "restart seen; old blocks dropped")
+        assert "restart" in b.log()
+    finally:
+        pub.stop()
+
+
+def test_snapshot_dir_problems(tmp_path):
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    (snaps / "snapshot-20991231T000000.000000Z.kvc").write_bytes(b"\xc6\x00\x00")
+    with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
+        assert a.http.get("/workers").json()["workers"] == []
+    log = a.log()
+    assert (
+        f"snapshot {snaps}/snapshot-20991231T000000.000000Z.kvc refused: truncated dump: "
+        "the input ends inside a record" in log
+    )
+    assert f"no usable snapshot in {snaps}: starting empty" in log
+    # the shutdown wrote a good (empty) one next to it
+    assert len(os.listdir(snaps)) == 2
+
+    not_dir = tmp_path / "file"
+    not_dir.write_text("x")
+    srv = Server(tmp_path, "--snapshot-dir", str(not_dir))
+    try:
+        assert srv.proc.wait(60) == 1
+    finally:
+        srv.http.close()
+        srv._log.close()
+    assert f"cannot use snapshot directory {not_dir}: " in srv.log()
+
+    out = Server(tmp_path, "--snapshot-dir", str(snaps), "--load-dump", str(not_dir))
+    try:
+        assert out.proc.wait(60) == 2
+    finally:
+        out.http.close()
+        out._log.close()
+    assert "--load-dump and --snapshot-dir exclude each other" in out.log()
+
+
+def test_sigterm_writes_the_last_snapshot_under_workers(tmp_path):
+    """--workers 2: the owner process writes the snapshot at shutdown too."""
+    snaps = tmp_path / "snaps"
+    pub = FakePublisher(replay=True)
+    try:
+        with running(
+            tmp_path,
+            "--workers",
+            "2",
+            "--snapshot-dir",
+            str(snaps),
+            "--snapshot-interval-secs",
+            "0",
+        ) as a:
+            register_engine(
+                a, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
+            )
+            _published(pub, [_chain(i)[0] for i in range(2)])
+            _expect(a, {0: 2, 1: 2}, "indexed")
+        assert len(os.listdir(snaps)) == 1
+        with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
+            _expect(b, {0: 2, 1: 2}, "loaded")
+    finally:
+        pub.stop()
