@@ -78,6 +78,14 @@ def read_all(client: valkey.Valkey, entries: int) -> tuple[float, int]:
     return time.perf_counter() - start, nbytes
 
 
+def delete_log(client: valkey.Valkey) -> None:
+    """DEL the stream and wait until the memory is given back: Valkey >= 8 frees a DEL'd
+    key in the background by default (``lazyfree-lazy-user-del yes``; Redis 7.2: no)."""
+    client.delete(KEY)
+    while client.info("memory")["lazyfree_pending_objects"]:
+        time.sleep(0.01)
+
+
 def throughput(server: ValkeyServer, blocks: int, args: argparse.Namespace) -> dict[str, Any]:
     size = payload_bytes(blocks)
     entries = max(1, min(args.entries, args.max_mb * 1_000_000 // size))
@@ -85,7 +93,7 @@ def throughput(server: ValkeyServer, blocks: int, args: argparse.Namespace) -> d
     client = server.client()
     app, rd, mem = [], [], []
     for _ in range(args.runs):
-        client.delete(KEY)
+        delete_log(client)
         before = client.info("memory")["used_memory"]
         app.append(append(client, payload, entries, args.pipeline))
         mem.append((client.info("memory")["used_memory"] - before) / entries)
@@ -93,7 +101,7 @@ def throughput(server: ValkeyServer, blocks: int, args: argparse.Namespace) -> d
         seconds, nbytes = read_all(client, entries)
         assert nbytes == entries * size
         rd.append(seconds)
-    client.delete(KEY)
+    delete_log(client)
     client.close()
     a, r = statistics.median(app), statistics.median(rd)
     return {
@@ -126,7 +134,7 @@ def producer(url: str, entries: int, rate: float, size: int, ready: Any) -> None
 
 def latency(server: ValkeyServer, args: argparse.Namespace) -> dict[str, Any]:
     client = server.client()
-    client.delete(KEY)
+    delete_log(client)
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
     size = payload_bytes(args.latency_blocks)
@@ -151,7 +159,7 @@ def latency(server: ValkeyServer, args: argparse.Namespace) -> dict[str, Any]:
         if proc.is_alive():
             proc.kill()
             proc.join()
-    client.delete(KEY)
+    delete_log(client)
     client.close()
     lat.sort()
     q = statistics.quantiles(lat, n=1000, method="inclusive")
