@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 import valkey
+import valkey.utils
 
 # One helper starts valkey-server for the tests and for this script: it lives with the
 # test helpers (tests/ is not a package; the tests import their helpers the same way).
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "server": f"valkey-server {version}",
         "transport": "tcp loopback" if args.tcp else "unix socket",
+        # valkey-py parses replies in C when the libvalkey package is installed
+        "parser": "libvalkey" if valkey.utils.LIBVALKEY_AVAILABLE else "python",
         "pipeline": args.pipeline,
         "runs": args.runs,
         "throughput": rows,
@@ -230,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        f"{result['server']}, {result['transport']}, XADD pipeline {args.pipeline}, "
+        f"{result['server']}, {result['transport']}, valkey-py {valkey.__version__} "
+        f"({result['parser']} parser), XADD pipeline {args.pipeline}, "
         f"XREAD COUNT {READ_COUNT}, median of {args.runs} runs"
     )
     head = (
