@@ -68,6 +68,7 @@ from kvconductor.service import (
     Conductor,
     InstanceNotRegistered,
     RegistrationUnavailable,
+    StateUnavailable,
     raise_fd_limit,
 )
 from kvconductor.wire import (
@@ -252,6 +253,11 @@ class ReadyResource(_Resource):
     ``/health``). Open like ``/health``; it names instances, never endpoint URLs."""
 
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        r = self.conductor.replicator
+        if r is not None and not r.bootstrapped:
+            resp.set_header("Retry-After", "1")
+            doc = NotReadyResponse("not ready: the state store's state is not loaded yet", [])
+            return _json(resp, 503, json_encoder.encode(doc))
         total, waiting = await self.conductor.run(self.conductor.readiness)
         if not waiting:
             _json(resp, 200, json_encoder.encode(ReadyResponse("ready", total)))
@@ -265,7 +271,8 @@ class ReadyResource(_Resource):
 
     async def on_head(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         _, waiting = await self.conductor.run(self.conductor.readiness)
-        resp.status = 503 if waiting else 200
+        r = self.conductor.replicator
+        resp.status = 503 if waiting or (r is not None and not r.bootstrapped) else 200
         resp.content_type = falcon.MEDIA_JSON
 
 
@@ -294,10 +301,10 @@ class RegisterResource(_Resource):
         except _BAD_JSON as ex:
             return self._bad(req, resp, _bad_json(ex))
         try:
-            await self.conductor.run(self.conductor.register, request)
+            await self.conductor.mutate("register", body, request)
         except RegistrationError as ex:
             return self._bad(req, resp, str(ex))
-        except RegistrationUnavailable as ex:
+        except (RegistrationUnavailable, StateUnavailable) as ex:
             return self._bad(req, resp, str(ex), status=503)
         _json(resp, 201, _OK)
 
@@ -315,7 +322,11 @@ class UnregisterResource(_Resource):
             request = unregister_decoder.decode(body)
         except _BAD_JSON as ex:
             return self._bad(req, resp, _bad_json(ex))
-        if await self.conductor.run(self.conductor.unregister, request):
+        try:
+            found = await self.conductor.mutate("unregister", body, request)
+        except StateUnavailable as ex:
+            return self._bad(req, resp, str(ex), status=503)
+        if found:
             _json(resp, 200, _OK)
         else:
             _error(resp, 404, f"instance {request.instance_id} not found")
@@ -548,7 +559,9 @@ class EventsResource(_Resource):
                 log.info("shutdown flag set in events batch instance_id=%s", batch.instance_id)
             return _json(resp, 200, _EVENTS_NONE)
         try:
-            applied, errors = await self.conductor.run(self.conductor.apply_events, batch, ops)
+            applied, errors = await self.conductor.mutate("events", body, batch, ops)
+        except StateUnavailable as ex:
+            return self._bad(req, resp, str(ex), status=503)
         except InstanceNotRegistered as ex:
             # Register first: events of an unknown instance would build an index that no
             # unregistration could remove.

@@ -438,6 +438,27 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         help="seconds between snapshots with --snapshot-dir (default 60; 0: only at shutdown)",
     )
     p.add_argument(
+        "--state-url",
+        metavar="URL",
+        default=None,
+        help="replicas: share registrations, events and every index with the other "
+        "kv-conductor processes of this Valkey (or Redis <= 7.2) database: "
+        "redis://HOST:PORT/DB or unix:///PATH?db=N (default: none)",
+    )
+    p.add_argument(
+        "--replica-id",
+        metavar="ID",
+        default=None,
+        help="this replica's name in the state store (default: host:pid:random)",
+    )
+    p.add_argument(
+        "--lease-secs",
+        type=_lease,
+        default=5.0,
+        help="with --state-url: a source whose consuming replica stops renewing its lease "
+        "this long is taken over by another (default 5)",
+    )
+    p.add_argument(
         "--open-workers",
         action="store_true",
         help="with --api-key, leave GET /workers (it lists every endpoint), POST /explain "
@@ -492,6 +513,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         load_dump=args.load_dump,
         snapshot_dir=args.snapshot_dir,
         snapshot_interval_secs=args.snapshot_interval_secs,
+        state_url=args.state_url,
+        replica_id=args.replica_id,
+        lease_secs=args.lease_secs,
         workers=getattr(args, "workers", 1),
         **_http_fields(args),
     )
@@ -526,7 +550,30 @@ def _snapshot_problem(args: argparse.Namespace) -> str | None:
             "--load-dump and --snapshot-dir exclude each other (a snapshot directory "
             "warm-starts from its own newest snapshot)"
         )
+    url = getattr(args, "state_url", None)
+    if url:
+        for flag in ("snapshot_dir", "load_dump"):
+            if getattr(args, flag, None):
+                return (
+                    f"--state-url and --{flag.replace('_', '-')} exclude each other (the "
+                    "state store keeps the snapshots)"
+                )
+        if not url.startswith(("redis://", "valkey://", "unix://", "rediss://", "valkeys://")):
+            return (
+                f"invalid --state-url {url!r}: redis://HOST:PORT/DB or unix:///PATH?db=N "
+                "is required"
+            )
     return None
+
+
+def _lease(value: str) -> float:
+    try:
+        secs = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: seconds are required") from None
+    if not 0.3 <= secs <= 3600:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: 0.3 .. 3600 seconds")
+    return secs
 
 
 def _source_problem(args: argparse.Namespace) -> str | None:

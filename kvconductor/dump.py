@@ -402,7 +402,11 @@ def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
             if kind == "source":
                 if resume is not None:
                     src = (str(rec["instance_id"]), int(rec["dp_rank"]), str(rec["url"]))
-                    resume[src] = (int(rec["last_seq"]), int(rec["digest"]))
+                    resume[src] = (
+                        int(rec["last_seq"]),
+                        int(rec["digest"]),
+                        int(rec.get("fence", 0)),
+                    )
                 counts["sources"] += 1
             elif kind == "registration":
                 conductor.register(msgspec.convert(rec["request"], RegisterRequest))

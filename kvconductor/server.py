@@ -443,6 +443,17 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
             conductor, store, settings.snapshot_interval_secs
         )
         conductor.snapshotter.start()
+    if settings.state_url:
+        from kvconductor.replica import Replicator
+
+        conductor.replicator = Replicator(
+            conductor,
+            settings.state_url,
+            replica_id=settings.replica_id,
+            lease_secs=settings.lease_secs,
+            snapshot_interval=settings.snapshot_interval_secs,
+        )
+        conductor.replicator.start()
     return True
 
 
@@ -451,6 +462,8 @@ def stop_conductor(conductor: Conductor) -> None:
     the conductor."""
     if conductor.snapshotter is not None:
         conductor.snapshotter.stop(final=True)
+    if conductor.replicator is not None:
+        conductor.replicator.stop()
     if not conductor.stop(STOP_SECS):
         log.warning("ingest thread did not stop within %ss", STOP_SECS)
 

@@ -103,6 +103,11 @@ class RegistrationUnavailable(RuntimeError):
     """A registration the server cannot take now (HTTP 503); nothing was changed."""
 
 
+class StateUnavailable(RuntimeError):
+    """``--state-url``: the state store cannot be reached or did not confirm a change in
+    time (HTTP 503; kvconductor.replica)."""
+
+
 class InstanceNotRegistered(LookupError):
     """An /events batch for an instance that is not registered (HTTP 404, nothing applied).
 
@@ -236,6 +241,10 @@ def raise_fd_limit(max_sources: int, max_connections: int) -> int | None:
 # ---------------------------------------------------------------------------------------
 
 
+#: The HTTP mutations :meth:`Conductor.mutate` runs or replicates.
+_MUTATIONS = {"register": "register", "unregister": "unregister", "events": "apply_events"}
+
+
 class Conductor:
     """Registry, indexes per (model, tenant), the ingest thread and the maintenance timer.
 
@@ -283,6 +292,9 @@ class Conductor:
         self.shared: Any = None
         #: ``--snapshot-dir``: the :class:`kvconductor.snapshot.Snapshotter` (None: off).
         self.snapshotter: Any = None
+        #: ``--state-url``: the :class:`kvconductor.replica.Replicator` (None: this process
+        #: alone holds the state).
+        self.replicator: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -338,6 +350,16 @@ class Conductor:
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Await ``fn(*args)`` on the ingest thread."""
         return await self.thread.run(fn, *args)
+
+    async def mutate(self, kind: str, body: bytes, *args: Any) -> Any:
+        """An HTTP mutation: ``kind`` (``register``, ``unregister``, ``events``) of the
+        request ``body`` parsed into ``args``. Alone: run the method on the ingest thread.
+        With ``--state-url``: append ``body`` to the replicated log and return what
+        applying it did here (every replica applies it), or raise
+        :class:`kvconductor.replica.StateUnavailable`."""
+        if self.replicator is not None:
+            return await self.replicator.submit(kind, body)
+        return await self.thread.run(getattr(self, _MUTATIONS[kind]), *args)
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = 30.0) -> Any:
         """Run ``fn(*args)`` on the ingest thread and wait (plain threads, tests)."""
@@ -751,12 +773,15 @@ class Conductor:
     def workers(self) -> dict[str, Any]:
         """``GET /workers``: registrations, per-index summaries, subscription sources and
         the recent warnings of the process (oldest first)."""
-        return {
+        doc = {
             "workers": self.registry.snapshot(),
             "indexer": [self.indexes[k].summary() for k in sorted(self.indexes)],
             "sources": self.subs.sources() if self.subs is not None else [],
             "recent_warnings": self.recent_warnings.snapshot(),
         }
+        if self.replicator is not None:
+            doc["replica"] = self.replicator.info()
+        return doc
 
     def _explain_sources(self, instance_id: str, dp_rank: int, now: float) -> list[ExplainSource]:
         """The ZeroMQ subscriptions of (instance, DP), from its registration (ingest thread)."""

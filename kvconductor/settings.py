@@ -53,6 +53,10 @@ class Settings:
     # warm restart: snapshots in a directory (docs/operations.md, "Warm restart")
     snapshot_dir: str | None = None
     snapshot_interval_secs: int = 60
+    # replicas sharing their state through Valkey (docs/operations.md, "Replicas")
+    state_url: str | None = None
+    replica_id: str | None = None
+    lease_secs: float = 5.0
     # HTTP worker processes (docs/operations.md, "Several worker processes")
     workers: int = 1
 
@@ -80,6 +84,8 @@ class Settings:
         )
 
     def _snapshot_rule(self) -> str:
+        if self.state_url:
+            return f"state-store@{self.snapshot_interval_secs}s lease={self.lease_secs:g}s"
         if not self.snapshot_dir:
             return "off"
         return f"{self.snapshot_dir}@{self.snapshot_interval_secs}s"

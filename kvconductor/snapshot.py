@@ -205,7 +205,7 @@ def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
         except (OSError, ValueError) as ex:
             # verified, yet not loadable (it does not form a valid index): start empty
             log.error("snapshot %s refused: %s; starting empty", path, ex)
-            conductor.call(_reset, conductor, timeout=None)
+            conductor.call(reset, conductor, timeout=None)
             return None
         took = time.monotonic() - t0
         log.info(
@@ -220,9 +220,9 @@ def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
     return None
 
 
-def _reset(conductor) -> None:
-    """Forget what a failed load left (ingest thread): every subscription, registration
-    and index."""
+def reset(conductor) -> None:
+    """Forget every subscription, registration and index (ingest thread): what a failed
+    load left, or a replica's state before it loads a snapshot."""
     from kvconductor.registry import Registry
 
     for entry in list(conductor.registry.instances.values()):

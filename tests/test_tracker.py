@@ -27,7 +27,7 @@ class Host:
     def name(self) -> str:
         return "engine/dp0@tcp://h:5557"
 
-    def apply(self, payload: bytes) -> None:
+    def apply(self, payload: bytes, seq: int) -> None:
         self.applied.append(payload)
 
     def open_replay(self, start: int) -> None:

@@ -72,7 +72,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
 from kvconductor.ingest.context import SubscriberContext, source_kind
 from kvconductor.ingest.replay import ReplaySession, drain
-from kvconductor.ingest.tracker import SequenceTracker
+from kvconductor.ingest.tracker import SequenceTracker, digest
 from kvconductor.keys import Medium
 from kvconductor.urls import is_bind_url
 
@@ -91,7 +91,7 @@ SOURCE_CHECK_SECS = 1.0
 SOURCE_DOWN = 10.0
 SOURCE_PURGE = 600.0
 #: Source states in which a subscription is ready (``GET /ready``) and counts in answers.
-READY_STATES = frozenset(("live", "degraded"))
+READY_STATES = frozenset(("live", "degraded", "remote"))
 #: Messages handled per readiness callback (fairness between sockets).
 DRAIN_LIMIT = 256
 #: Default grace period after a loss (``--loss-grace-secs``).
@@ -137,12 +137,24 @@ class Subscription:
         self.muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
+        # --state-url (kvconductor.replica): the source's replicated state, the same on
+        # every replica: the cursor (seq, digest) of the last batch applied from the log,
+        # the highest owner epoch seen (older owners are fenced off), the loss whose grace
+        # period runs. ``owned``: this replica holds the source's lease and consumes it
+        # with ``lease_epoch``; otherwise the subscription is passive (no socket).
+        self.applied: tuple[int, int] | None = None
+        self.fence = 0
+        self.loss_token: str | None = None
+        self.owned = False
+        self.lease_epoch = 0
         cursor = manager.resume.pop(self.key, None)
         if cursor is not None:
             # warm start: go on from the snapshot's cursor (the registration's replay
             # verifies the batch at it and asks for what came after)
             self.tracker.last_seq = self.stats.last_seq = cursor[0]
             self.tracker.last_digest = cursor[1]
+            self.applied = (cursor[0], cursor[1])
+            self.fence = cursor[2]
 
     @staticmethod
     def _feeds_hbm(ctx: SubscriberContext) -> bool:
@@ -185,7 +197,7 @@ class Subscription:
         sockets or files, or a bind-mode port in use. The registration is then
         rolled back and answered 503. Once open, ZeroMQ reconnects by itself.
         """
-        if self.closed:
+        if self.closed or self.passive:
             return
         url = self.ctx.url
         sock = self.thread.ctx.socket(zmq.SUB)
@@ -221,8 +233,16 @@ class Subscription:
         self.thread.add_socket(mon, self._on_monitor)
         self.thread.add_socket(sock, self._on_readable)
 
+    @property
+    def passive(self) -> bool:
+        """--state-url and another replica consumes this source (or none yet)."""
+        return self.manager.replicator is not None and not self.owned
+
     def close(self) -> None:
         self.closed = True
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         if self.replay is not None:
             self.replay.close()
             self.replay = None
@@ -309,9 +329,50 @@ class Subscription:
             self.stats.last_event = now
             self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
 
+    # -- --state-url: ownership (kvconductor.replica) ----------------------------------------
+    def activate(self, epoch: int) -> None:
+        """This replica took the source's lease: consume it from the replicated cursor
+        (a replay from there verifies it and brings what came after). ``zmq.ZMQError``
+        when the socket cannot be opened (passive again)."""
+        self.owned = True
+        self.lease_epoch = epoch
+        self.tracker.close()
+        self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
+        if self.applied is not None:
+            self.tracker.last_seq, self.tracker.last_digest = self.applied
+        try:
+            self.open()
+        except BaseException:
+            self.owned = False
+            raise
+        self.tracker.catch_up()
+        token = self.loss_token
+        if token is not None:
+            # the previous owner's grace period: ours ends it (a full one, to be safe)
+            self.thread.call_later(self.manager.loss_grace, lambda: self._grace_over(token))
+        log.info("%s: consuming (lease epoch %d)", self.name(), epoch)
+
+    def release(self) -> None:
+        """The lease is gone (another replica, or the state store lost): passive again."""
+        if not self.owned:
+            return
+        self.owned = False
+        self._close_sockets()
+        self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
+        self.down_since = time.monotonic()
+        log.info("%s: no longer consumed here", self.name())
+
+    def _grace_over(self, token: str) -> None:
+        if self.owned and not self.closed and self.loss_token == token:
+            self.manager.replicator.append_source(self, "aged", token)
+
     # -- the tracker's host ----------------------------------------------------------------
-    def apply(self, payload: bytes) -> None:
-        self.applier.apply_payload(payload)
+    def apply(self, payload: bytes, seq: int) -> None:
+        r = self.manager.replicator
+        if r is None:
+            self.applier.apply_payload(payload)
+        else:
+            r.append_batch(self, seq, payload)
 
     def open_replay(self, start: int) -> None:
         # The tracker replays only when replay_enabled, i.e. with a replay endpoint.
@@ -331,6 +392,15 @@ class Subscription:
 
     def lost(self, why: str, epoch: int) -> None:
         """Keep the state, degrade, age out later (module docstring)."""
+        r = self.manager.replicator
+        if r is not None:
+            # every replica marks the suspects when it applies the loss; the owner ends
+            # the grace period with an ``aged`` entry (Subscription._grace_over)
+            token = f"{self.lease_epoch}.{epoch}"
+            r.append_source(self, "loss", token, why)
+            grace = self.manager.loss_grace
+            self.thread.call_later(grace, lambda: self._grace_over(token))
+            return
         n = self.applier.begin_suspect()
         grace = self.manager.loss_grace
         self.thread.call_later(grace, lambda: self._end_degraded(epoch))
@@ -368,6 +438,8 @@ class Subscription:
     # -- introspection ---------------------------------------------------------------------------
     @property
     def state(self) -> str:
+        if self.passive:
+            return "remote"
         return self.tracker.state(self.connected)
 
     def info(self) -> dict[str, Any]:
@@ -510,7 +582,9 @@ class SubscriptionManager:
         self._subs: dict[tuple[str, int, str], Subscription] = {}
         #: Warm start: (instance_id, dp_rank, url) -> (last applied seq, its digest) from a
         #: snapshot; a subscription of that key created next starts from there.
-        self.resume: dict[tuple[str, int, str], tuple[int, int]] = {}
+        self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
+        #: --state-url: the :class:`kvconductor.replica.Replicator` (None: one process).
+        self.replicator: Any = None
         #: Counters of closed subscriptions (metrics), folded in by :meth:`_remove`.
         self.retired = RetiredTotals()
         #: Held while the table changes and while a scrape reads it: a scrape sees a
@@ -574,19 +648,98 @@ class SubscriptionManager:
     def cursors(self) -> list[dict[str, Any]]:
         """Where each subscription's applied sequence stands (ingest thread; snapshots):
         ``instance_id``, ``dp_rank``, ``url``, ``last_seq`` and the ``digest`` of that
-        batch, for every subscription that has applied a batch since its last loss."""
+        batch, for every subscription that has applied a batch since its last loss;
+        ``fence``: the highest owner epoch its log entries had (``--state-url``)."""
         self._check_thread()
-        return [
-            {
-                "instance_id": k[0],
-                "dp_rank": k[1],
-                "url": k[2],
-                "last_seq": sub.tracker.last_seq,
-                "digest": sub.tracker.last_digest,
-            }
-            for k, sub in self._subs.items()
-            if sub.tracker.last_seq is not None and sub.tracker.last_digest is not None
-        ]
+        out = []
+        for k, sub in self._subs.items():
+            if self.replicator is not None:
+                cur = sub.applied
+            else:
+                t = sub.tracker
+                cur = (
+                    None
+                    if t.last_seq is None or t.last_digest is None
+                    else (t.last_seq, t.last_digest)
+                )
+            if cur is not None:
+                out.append(
+                    {
+                        "instance_id": k[0],
+                        "dp_rank": k[1],
+                        "url": k[2],
+                        "last_seq": cur[0],
+                        "digest": cur[1],
+                        "fence": sub.fence,
+                    }
+                )
+        return out
+
+    # -- --state-url: the log's source entries, applied on every replica -------------------
+    def apply_logged(self, key: tuple[str, int, str], seq: int, epoch: int, payload: bytes) -> bool:
+        """A ``batch`` entry: apply unless fenced (an owner epoch older than one seen) or
+        not past the source's cursor (a take-over's replay repeats what the old owner
+        appended). True when applied."""
+        sub = self._subs.get(key)
+        if sub is None:
+            return False  # unregistered after the owner appended it
+        if epoch < sub.fence:
+            sub.stats.drop("fenced")
+            return False
+        sub.fence = epoch
+        if sub.applied is not None and seq <= sub.applied[0]:
+            sub.stats.duplicates += 1
+            return False
+        if sub.applied is not None and seq > sub.applied[0] + 1:
+            # a hole in the log (appends lost with the store): a loss on every replica
+            token = f"{epoch}.hole{seq}"
+            sub.stats.gaps += 1
+            self.loss_logged(key, epoch, token, f"log gap {sub.applied[0]} -> {seq}")
+            if sub.owned:
+                self.thread.call_later(self.loss_grace, lambda: sub._grace_over(token))
+        sub.applier.apply_payload(payload)
+        sub.applied = (seq, digest(payload))
+        sub.stats.last_seq = seq
+        return True
+
+    def loss_logged(self, key: tuple[str, int, str], epoch: int, token: str, why: str) -> None:
+        """A ``loss`` entry: the cursor is forgotten, the source's holdings are suspects."""
+        sub = self._subs.get(key)
+        if sub is None or epoch < sub.fence:
+            return
+        sub.fence = epoch
+        sub.applied = None
+        sub.loss_token = token
+        sub.stats.resyncs += 1
+        n = sub.applier.begin_suspect()
+        log.warning(
+            "%s: %s; source degraded: %d blocks kept, those not announced again "
+            "within %gs will be dropped",
+            sub.name(),
+            why,
+            n,
+            self.loss_grace,
+        )
+
+    def aged_logged(self, key: tuple[str, int, str], epoch: int, token: str) -> None:
+        """An ``aged`` entry: the grace period of loss ``token`` is over."""
+        sub = self._subs.get(key)
+        if sub is None or epoch < sub.fence or sub.loss_token != token:
+            return
+        sub.fence = epoch
+        sub.loss_token = None
+        n = sub.applier.end_suspect()
+        log.info(
+            "%s: grace period after the loss is over; %d blocks not announced again "
+            "were dropped; source live",
+            sub.name(),
+            n,
+        )
+
+    def source_keys(self) -> list[tuple[str, int, str]]:
+        """Every subscription's key (the sources replicas hold leases on)."""
+        self._check_thread()
+        return list(self._subs)
 
     def _check_thread(self) -> None:
         if self.thread.is_alive() and not self.thread.on_thread():
@@ -672,6 +825,8 @@ class SubscriptionManager:
         self._check_thread()
         if not ctx.replay_endpoint:
             return
+        if self.replicator is not None:
+            return  # --state-url: the source's owner replays when it takes the lease
         sub = self._subs.get((ctx.instance_id, ctx.dp_rank, ctx.url))
         if sub is None or not sub.replay_endpoint:
             sub = next(

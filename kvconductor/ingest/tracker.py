@@ -58,8 +58,8 @@ class TrackerHost(Protocol):
     def name(self) -> str:
         """The source, for log lines."""
 
-    def apply(self, payload: bytes) -> None:
-        """Apply one batch to the index."""
+    def apply(self, payload: bytes, seq: int) -> None:
+        """Apply batch ``seq`` to the index."""
 
     def open_replay(self, start: int) -> None:
         """Ask the replay endpoint for ``seq >= start``; report through
@@ -239,7 +239,7 @@ class SequenceTracker:
 
     # -- decisions ------------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes, live: bool = True) -> int:
-        self.host.apply(payload)
+        self.host.apply(payload, seq)
         d = digest(payload)
         self.last_seq = self.stats.last_seq = seq
         self.last_digest = d

@@ -1,0 +1,743 @@
+"""Replicas on Valkey: ``--state-url`` (docs/operations.md, "Replicas on Valkey").
+
+K ``kv-conductor`` processes on any hosts form one logical conductor through one Valkey
+(or Redis <= 7.2; only commands both have) database.
+
+**The log.** Every change of the service's state is an entry of one stream
+(:data:`LOG`), and every replica applies the stream in order on its ingest thread (the
+one writer of its state), so a replica's state is a function of the prefix it applied.
+Entries (field ``k`` the kind, ``b`` the body, ``o`` the tag of the replica request
+that appended it):
+
+* ``register``, ``unregister``, ``events``: an HTTP mutation, its request body as
+  received. The replica that accepted it appends it, applies it like every other
+  replica, and answers the client with what applying it did (201, 400, 404, 503...);
+* ``batch``: ``[instance, dp, url, seq, epoch, payload]``, an engine or pool message
+  appended by the replica that consumes that source (its *owner*);
+* ``loss``, ``aged``: the owner's sequence tracker declared a loss (every replica marks
+  the source's blocks suspect) and, ``--loss-grace-secs`` later, ended its grace period
+  (every replica drops the suspects not announced again).
+
+**Sources.** One replica at a time consumes a ZeroMQ source: the holder of its lease
+(:data:`LEASE` + source, ``SET NX PX``, value ``<replica>:<epoch>``, the epoch from
+``INCR`` of :data:`EPOCH`), renewed every third of ``lease_secs``. Replicas take free
+sources up to their share (sources / live replicas), and any source free for two
+rounds. A new owner resumes from the source's replicated cursor (the last batch the log
+applied): its replay from there verifies that batch and brings the ones after it, so a
+take-over loses nothing inside the engine's replay ring. Its entries carry a higher
+epoch; an entry of an older epoch than one applied is ignored (a stale owner is fenced
+off), a batch not past the cursor is a duplicate (the replay repeats what the old owner
+appended just before it lost the lease).
+
+**Snapshots.** Every ``snapshot_interval`` one replica (lock :data:`SNAP_LOCK`) writes a
+dump (:mod:`kvconductor.dump`, with the cursors) of its state at a log position in
+chunks, records it in :data:`SNAP` and trims the log below the previous snapshot's
+position: the log's memory is bounded by two snapshot intervals. A replica that starts,
+or finds itself behind the trim point, loads the latest snapshot and reads the log
+after its position (*bootstrap*).
+
+**The store fails.** Reads (queries) go on from what the replica holds; HTTP mutations
+answer 503; an owner that cannot append a batch stops consuming that source (passive
+again), and whoever takes its lease when the store is back resumes it from the
+replicated cursor. A store that comes back empty (restarted without persistence) is
+seeded again: one replica (``SET NX`` of a new :data:`GEN`) writes its state as the new
+snapshot, the others bootstrap from it.
+
+Threads: the *reader* (log -> ingest thread), the *writer* (appends, pipelined), the
+*keeper* (heartbeat, leases, snapshots). The replicated state changes on the ingest
+thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import math
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvconductor import dump
+from kvconductor.service import StateUnavailable
+
+log = logging.getLogger("kvconductor.replica")
+
+NS = "kvc:"
+#: The stream every replica applies.
+LOG = NS + "log"
+#: Generation of the store's content: a store found without it was emptied.
+GEN = NS + "gen"
+#: Hash: the latest snapshot (``id`` log position, ``key``, ``chunks``, ``bytes``,
+#: ``gen``, ``time``, ``trimmed`` the position the log was trimmed to).
+SNAP = NS + "snap"
+SNAP_CHUNK = NS + "snap:"
+SNAP_LOCK = NS + "snaplock"
+EPOCH = NS + "epoch"
+LEASE = NS + "lease:"
+#: Sorted set: replica id -> its last heartbeat (ms).
+MEMBERS = NS + "replicas"
+
+LEASE_SECS = 5.0
+CHUNK_BYTES = 4 << 20
+READ_COUNT = 1000
+WRITE_BATCH = 512
+QUEUE_MAX = 100_000
+SUBMIT_TIMEOUT = 10.0
+
+_RENEW = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+    "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"
+)
+_RELEASE = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+    "return redis.call('DEL', KEYS[1]) else return 0 end"
+)
+# Record a snapshot and trim the log below the previous one, only if the store is still
+# of the generation the snapshot was taken in.
+_COMMIT_SNAPSHOT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local trim = redis.call('HGET', KEYS[2], 'id') or '0-0'
+if ARGV[7] == '1' then trim = '0-0' end
+redis.call('HSET', KEYS[2], 'id', ARGV[2], 'key', ARGV[3], 'chunks', ARGV[4],
+           'bytes', ARGV[5], 'gen', ARGV[1], 'time', ARGV[6], 'trimmed', trim)
+if trim ~= '0-0' then redis.call('XTRIM', KEYS[3], 'MINID', trim) end
+return 1
+"""
+_SEED = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
+  redis.call('DEL', KEYS[2])
+  redis.call('DEL', KEYS[3])
+  return 1
+end
+return 0
+"""
+
+
+def _id(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def connect(url: str) -> Any:
+    """A client of ``url`` (``redis://HOST:PORT/DB``, ``unix:///PATH?db=N``)."""
+    import valkey
+
+    return valkey.Valkey.from_url(
+        url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=0
+    )
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    import valkey
+
+    return (valkey.ConnectionError, valkey.TimeoutError, OSError)
+
+
+def lease_key(key: tuple[str, int, str]) -> str:
+    return f"{LEASE}{key[0]}/dp{key[1]}@{key[2]}"
+
+
+@dataclass
+class ReplicaStats:
+    """Counters of one replica (``/metrics``, ``/workers``)."""
+
+    applied: int = 0
+    appended: int = 0
+    append_failures: int = 0
+    apply_errors: int = 0
+    bootstraps: int = 0
+    seeds: int = 0
+    snapshots: int = 0
+    takeovers: int = 0
+    #: The log's newest entry id and length, as last seen by the keeper.
+    log_last_id: str = "0-0"
+    log_length: int = 0
+    replicas: int = 0
+
+
+class Replicator:
+    """One replica's link to the shared state (module docstring)."""
+
+    def __init__(
+        self,
+        conductor: Any,
+        url: str,
+        *,
+        replica_id: str | None = None,
+        lease_secs: float = LEASE_SECS,
+        snapshot_interval: float = 60.0,
+        submit_timeout: float = SUBMIT_TIMEOUT,
+    ) -> None:
+        self.conductor = conductor
+        self.url = url
+        self.id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lease_ms = max(300, int(lease_secs * 1000))
+        self.snapshot_interval = float(snapshot_interval)
+        self.submit_timeout = submit_timeout
+        self.client = connect(url)
+        self.errors = _errors()
+        self.stats = ReplicaStats()
+        #: The store answered the last command (reader or writer).
+        self.up = False
+        self.down_since: float | None = time.monotonic()
+        #: The state was loaded from the store (readiness).
+        self.bootstrapped = False
+        self.gen: str | None = None
+        #: The log position applied (written on the ingest thread).
+        self.applied_id = "0-0"
+        self._needs_bootstrap = True
+        self._q: queue.Queue = queue.Queue(QUEUE_MAX)
+        self._waiters: dict[str, concurrent.futures.Future] = {}
+        self._n = itertools.count()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        #: Sources this replica holds the lease of: key -> lease value (keeper thread).
+        self._leases: dict[tuple[str, int, str], str] = {}
+        #: Rounds each source was seen without an owner (keeper thread).
+        self._free_rounds: dict[tuple[str, int, str], int] = {}
+        self._renew = self.client.register_script(_RENEW)
+        self._release = self.client.register_script(_RELEASE)
+        self._commit = self.client.register_script(_COMMIT_SNAPSHOT)
+        self._seed_script = self.client.register_script(_SEED)
+        self._last_check = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def start(self, wait: float = 10.0) -> None:
+        """Attach to the conductor (started), bootstrap (up to ``wait`` seconds; the
+        reader goes on trying after that) and start the threads."""
+        self.conductor.call(self._attach)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not self.bootstrapped:
+            try:
+                self._bootstrap()
+            except self.errors as ex:
+                self._set_up(False, ex)
+                time.sleep(0.2)
+        if not self.bootstrapped:
+            log.error("state store %s unreachable: serving without its state; retrying", self.url)
+        for name, fn in (("reader", self._read_loop), ("writer", self._write_loop)):
+            t = threading.Thread(target=fn, name=f"kvc-replica-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._keep_loop, name="kvc-replica-keeper", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _attach(self) -> None:
+        self.conductor.subs.replicator = self
+
+    def stop(self) -> None:
+        """Stop the threads and give up this replica's leases (a take-over is then
+        immediate instead of a lease period later)."""
+        self._stop.set()
+        self._q.put(None)
+        for t in self._threads:
+            t.join(10)
+        try:
+            for key, token in list(self._leases.items()):
+                self._release(keys=[lease_key(key)], args=[token])
+            self.client.zrem(MEMBERS, self.id)
+        except self.errors:
+            pass
+        self._leases.clear()
+
+    def _set_up(self, up: bool, ex: BaseException | None = None) -> None:
+        if up and not self.up:
+            if self.down_since is not None and self.stats.appended + self.stats.applied:
+                log.info("state store %s reachable again", self.url)
+            self.down_since = None
+        elif not up and self.up:
+            self.down_since = time.monotonic()
+            log.error("state store %s unreachable: %s", self.url, ex)
+        self.up = up
+
+    # -- HTTP mutations --------------------------------------------------------------------
+    async def submit(self, kind: str, body: bytes) -> Any:
+        """Append an HTTP mutation and return what applying it did here (or raise what it
+        raised); :class:`StateUnavailable` when the store cannot take it."""
+        if not self.up or not self.bootstrapped:
+            raise StateUnavailable(self._down_reason())
+        tag = f"{self.id}#{next(self._n)}"
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._waiters[tag] = fut
+        if not self._enqueue(kind, body, tag):
+            self._waiters.pop(tag, None)
+            raise StateUnavailable("the state store's append queue is full")
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), self.submit_timeout)
+        except asyncio.TimeoutError:
+            self._waiters.pop(tag, None)
+            raise StateUnavailable(
+                f"the state store did not confirm the change within {self.submit_timeout:g}s"
+                " (it may still be applied)"
+            ) from None
+
+    def _down_reason(self) -> str:
+        if not self.bootstrapped:
+            return f"state store {self.url} not loaded yet; changes are refused until it is"
+        return f"state store {self.url} unreachable; changes are refused until it is back"
+
+    def _enqueue(self, kind: str, body: bytes, tag: str | None, key=None) -> bool:
+        fields = {"k": kind, "b": body}
+        if tag is not None:
+            fields["o"] = tag
+        try:
+            self._q.put_nowait((fields, tag, key))
+        except queue.Full:
+            return False
+        return True
+
+    # -- source entries (ingest thread, the owner's tracker) -------------------------------
+    def append_batch(self, sub: Any, seq: int, payload: bytes) -> None:
+        key = sub.key
+        body = msgspec.msgpack.encode([key[0], key[1], key[2], seq, sub.lease_epoch, payload])
+        if not self.up or not self._enqueue("batch", body, None, key):
+            self._append_failed(key)
+
+    def append_source(self, sub: Any, kind: str, token: str, why: str = "") -> None:
+        key = sub.key
+        items: list[Any] = [key[0], key[1], key[2], sub.lease_epoch, token]
+        if kind == "loss":
+            items.append(why)
+        if not self.up or not self._enqueue(kind, msgspec.msgpack.encode(items), None, key):
+            self._append_failed(key)
+
+    def _append_failed(self, key: tuple[str, int, str]) -> None:
+        """An entry of an owned source could not be appended: stop consuming it; whoever
+        takes its lease next resumes it from the replicated cursor."""
+        self.stats.append_failures += 1
+        self.conductor.thread.submit(self._give_up, key)
+
+    def _give_up(self, key: tuple[str, int, str]) -> None:
+        sub = self.conductor.subs.get(*key)
+        if sub is not None and sub.owned:
+            log.warning("%s: cannot append to the state store; stopping consuming it", sub.name())
+            sub.release()
+        self._leases.pop(key, None)
+
+    # -- the writer ------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            items = [item]
+            while len(items) < WRITE_BATCH:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._stop.set()
+                    break
+                items.append(nxt)
+            pipe = self.client.pipeline(transaction=False)
+            for fields, _, _ in items:
+                pipe.xadd(LOG, fields)
+            try:
+                pipe.execute()
+            except self.errors as ex:
+                self._set_up(False, ex)
+                failed = {key for _, _, key in items if key is not None}
+                for key in failed:
+                    self._append_failed(key)
+                for _, tag, _ in items:
+                    fut = self._waiters.pop(tag, None) if tag is not None else None
+                    if fut is not None and not fut.done():
+                        fut.set_exception(StateUnavailable(self._down_reason()))
+                continue
+            self.stats.appended += len(items)
+            self._set_up(True)
+
+    # -- the reader ------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                if self._needs_bootstrap:
+                    self._bootstrap()
+                    if self._needs_bootstrap:
+                        time.sleep(0.2)
+                        continue
+                self._check_store()
+                if self._needs_bootstrap:
+                    continue
+                resp = self.client.xread({LOG: self.applied_id}, count=READ_COUNT, block=500)
+                self._set_up(True)
+                backoff = 0.1
+                if resp:
+                    entries = resp[0][1]
+                    self.conductor.call(self._apply_entries, entries, timeout=None)
+            except self.errors as ex:
+                self._set_up(False, ex)
+                self._stop.wait(backoff)
+                backoff = min(2.0, backoff * 2)
+            except Exception:  # never let the reader die: log, pause, go on
+                log.exception("state store reader failed; retrying")
+                self._stop.wait(1.0)
+
+    def _check_store(self) -> None:
+        """At most twice a second: the store emptied (seed it again), re-seeded by another
+        replica, or trimmed past what this replica applied (bootstrap)."""
+        now = time.monotonic()
+        if now - self._last_check < 0.5:
+            return
+        self._last_check = now
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(GEN)
+        pipe.hmget(SNAP, ["gen", "trimmed"])
+        gen, (snap_gen, trimmed) = pipe.execute()
+        self._set_up(True)
+        if gen is None:
+            log.warning("state store %s is empty (restarted?): seeding it again", self.url)
+            self._seed()
+            return
+        if _text(gen) != self.gen:
+            log.warning("state store %s was seeded again by another replica", self.url)
+            self._needs_bootstrap = True
+            return
+        if trimmed is not None and snap_gen == gen and _id(self.applied_id) < _id(_text(trimmed)):
+            log.warning(
+                "this replica is behind the log's trim point (%s < %s): loading the snapshot",
+                self.applied_id,
+                _text(trimmed),
+            )
+            self._needs_bootstrap = True
+
+    def _bootstrap(self) -> None:
+        """Load the latest snapshot (or seed an empty store) and read the log after it."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(GEN)
+        pipe.hgetall(SNAP)
+        gen, meta = pipe.execute()
+        self._set_up(True)
+        if gen is None:
+            self._seed()
+            return
+        gen = _text(gen)
+        meta = {_text(k): _text(v) for k, v in meta.items()}
+        if meta.get("gen") != gen:
+            return  # the seeding replica has not written its snapshot yet
+        t0 = time.monotonic()
+        n = int(meta["chunks"])
+        keys = [f"{SNAP_CHUNK}{meta['key']}:{i}" for i in range(n)]
+        chunks = self.client.mget(keys) if keys else []
+        if any(c is None for c in chunks):
+            return  # replaced meanwhile: read the new one
+        data = b"".join(chunks)
+        dump.verify([data])
+        loaded = self.conductor.call(self._load, data, meta["id"], timeout=None)
+        self.gen = gen
+        self._needs_bootstrap = False
+        self.bootstrapped = True
+        self.stats.bootstraps += 1
+        log.info(
+            "replica %s loaded the state store's snapshot at %s: registrations=%d "
+            "indexes=%d sources=%d in %.3fs",
+            self.id,
+            meta["id"],
+            loaded["registrations"],
+            loaded["indexes"],
+            loaded["sources"],
+            time.monotonic() - t0,
+        )
+
+    def _load(self, data: bytes, position: str) -> dict[str, int]:
+        """Ingest thread: replace the state by a snapshot's."""
+        from kvconductor.snapshot import reset
+
+        reset(self.conductor)
+        loaded = dump.load_dump(self.conductor, [data])
+        self.applied_id = position
+        return loaded
+
+    def _seed(self) -> None:
+        """The store has no generation: make this replica's state its content."""
+        gen = uuid.uuid4().hex
+        if not self._seed_script(keys=[GEN, LOG, SNAP], args=[gen]):
+            self._needs_bootstrap = True  # another replica seeds it
+            return
+        self.stats.seeds += 1
+        self.gen = gen
+        self.conductor.call(self._reset_position)
+        self._write_snapshot(first=True)
+        self._needs_bootstrap = False
+        self.bootstrapped = True
+        log.info("replica %s seeded the state store %s (generation %s)", self.id, self.url, gen)
+
+    def _reset_position(self) -> None:
+        self.applied_id = "0-0"
+
+    # -- applying the log (ingest thread) --------------------------------------------------
+    def _apply_entries(self, entries: list) -> None:
+        shared = getattr(self.conductor, "shared", None)
+        with shared.batch() if shared is not None else nullcontext():
+            for eid, fields in entries:
+                eid = _text(eid)
+                if _id(eid) <= _id(self.applied_id):
+                    continue
+                kind = _text(fields.get(b"k", b""))
+                body = fields.get(b"b", b"")
+                tag = fields.get(b"o")
+                result: Any = None
+                error: BaseException | None = None
+                try:
+                    result = self._apply_one(kind, body)
+                except Exception as ex:
+                    error = ex
+                    if not _is_outcome(ex):
+                        self.stats.apply_errors += 1
+                        log.exception("log entry %s (%s) could not be applied", eid, kind)
+                self.applied_id = eid
+                self.stats.applied += 1
+                if tag is not None:
+                    fut = self._waiters.pop(_text(tag), None)
+                    if fut is not None and not fut.done():
+                        if error is None:
+                            fut.set_result(result)
+                        else:
+                            fut.set_exception(error)
+
+    def _apply_one(self, kind: str, body: bytes) -> Any:
+        c = self.conductor
+        if kind == "batch":
+            iid, dp, url, seq, epoch, payload = msgspec.msgpack.decode(body)
+            return c.subs.apply_logged((iid, dp, url), seq, epoch, payload)
+        if kind == "register":
+            from kvconductor.schema import register_decoder
+
+            return c.register(register_decoder.decode(body))
+        if kind == "unregister":
+            from kvconductor.schema import unregister_decoder
+
+            return c.unregister(unregister_decoder.decode(body))
+        if kind == "events":
+            from kvconductor.ingest.http_events import normalize_events
+            from kvconductor.schema import events_decoder
+
+            batch = events_decoder.decode(body)
+            return c.apply_events(batch, normalize_events(batch))
+        if kind == "loss":
+            iid, dp, url, epoch, token, why = msgspec.msgpack.decode(body)
+            return c.subs.loss_logged((iid, dp, url), epoch, token, why)
+        if kind == "aged":
+            iid, dp, url, epoch, token = msgspec.msgpack.decode(body)
+            return c.subs.aged_logged((iid, dp, url), epoch, token)
+        raise ValueError(f"unknown log entry kind {kind!r}")
+
+    # -- the keeper: heartbeat, leases, snapshots ------------------------------------------
+    def _keep_loop(self) -> None:
+        period = self.lease_ms / 3000.0
+        last_snap = time.monotonic()
+        while not self._stop.wait(period):
+            try:
+                if not self.bootstrapped:
+                    continue
+                self._keep()
+                if self.snapshot_interval > 0 and time.monotonic() - last_snap >= min(
+                    self.snapshot_interval, 5.0
+                ):
+                    last_snap = time.monotonic()
+                    self._maybe_snapshot()
+            except self.errors as ex:
+                self._set_up(False, ex)
+                self._drop_all_leases()
+            except Exception:  # never let the keeper die
+                log.exception("state store keeper failed; retrying")
+
+    def _drop_all_leases(self) -> None:
+        """The store is unreachable: the leases cannot be renewed, so they will lapse;
+        stop consuming now rather than append into the void."""
+        for key in list(self._leases):
+            self.conductor.thread.submit(self._give_up, key)
+
+    def _keep(self) -> None:
+        r = self.client
+        now_ms = int(time.time() * 1000)
+        pipe = r.pipeline(transaction=False)
+        pipe.zadd(MEMBERS, {self.id: now_ms})
+        pipe.zremrangebyscore(MEMBERS, 0, now_ms - 10 * self.lease_ms)
+        pipe.zcount(MEMBERS, now_ms - 2 * self.lease_ms, "+inf")
+        pipe.exists(LOG)
+        _, _, live, has_log = pipe.execute()
+        self._set_up(True)
+        self.stats.replicas = int(live)
+        if has_log:
+            try:
+                info = r.xinfo_stream(LOG)
+            except self.errors:
+                raise
+            except Exception:  # the stream vanished in between (a re-seed)
+                info = {}
+            self.stats.log_last_id = _text(info.get("last-generated-id", b"0-0"))
+            self.stats.log_length = int(info.get("length", 0))
+        states = self.conductor.call(self._source_states)
+        # renew what we hold; forget what is gone or lost
+        for key, token in list(self._leases.items()):
+            if key not in states:
+                self._release(keys=[lease_key(key)], args=[token])
+                self._leases.pop(key, None)
+                continue
+            if not self._renew(keys=[lease_key(key)], args=[token, self.lease_ms]):
+                log.warning("lost the lease of %s", lease_key(key)[len(LEASE) :])
+                self._leases.pop(key, None)
+                self.conductor.call(self._release_local, key)
+            elif not states[key]:
+                # held, but the subscription was made anew (a snapshot was loaded)
+                epoch = int(token.rpartition(":")[2])
+                if not self.conductor.call(self._activate, key, epoch):
+                    self._release(keys=[lease_key(key)], args=[token])
+                    self._leases.pop(key, None)
+        keys = set(states)
+        free = [k for k in keys if k not in self._leases]
+        if not free:
+            self._free_rounds.clear()
+            return
+        pipe = r.pipeline(transaction=False)
+        for k in free:
+            pipe.exists(lease_key(k))
+        owned_elsewhere = pipe.execute()
+        share = math.ceil(len(keys) / max(1, int(live)))
+        for k, taken in zip(free, owned_elsewhere, strict=True):
+            if taken:
+                self._free_rounds.pop(k, None)
+                continue
+            rounds = self._free_rounds.get(k, 0) + 1
+            self._free_rounds[k] = rounds
+            if len(self._leases) >= share and rounds < 2:
+                continue  # leave it to a replica with fewer sources
+            epoch = int(r.incr(EPOCH))
+            token = f"{self.id}:{epoch}"
+            if not r.set(lease_key(k), token, nx=True, px=self.lease_ms):
+                continue
+            self._free_rounds.pop(k, None)
+            self._leases[k] = token
+            if not self.conductor.call(self._activate, k, epoch):
+                self._release(keys=[lease_key(k)], args=[token])
+                self._leases.pop(k, None)
+            else:
+                self.stats.takeovers += 1
+
+    def _activate(self, key: tuple[str, int, str], epoch: int) -> bool:
+        import zmq
+
+        sub = self.conductor.subs.get(*key)
+        if sub is None or sub.closed:
+            return False
+        try:
+            sub.activate(epoch)
+        except (zmq.ZMQError, OSError) as ex:
+            log.error("%s: cannot open the subscription: %s", sub.name(), ex)
+            return False
+        return True
+
+    def _source_states(self) -> dict[tuple[str, int, str], bool]:
+        """Ingest thread: every source and whether this replica consumes it."""
+        return {k: sub.owned for k, sub in self.conductor.subs._subs.items()}
+
+    def _release_local(self, key: tuple[str, int, str]) -> None:
+        sub = self.conductor.subs.get(*key)
+        if sub is not None:
+            sub.release()
+
+    # -- snapshots -------------------------------------------------------------------------
+    def _maybe_snapshot(self) -> None:
+        r = self.client
+        last = r.hget(SNAP, "time")
+        if last is not None and time.time() - float(last) < self.snapshot_interval:
+            return
+        token = f"{self.id}:{uuid.uuid4().hex[:8]}"
+        if not r.set(SNAP_LOCK, token, nx=True, px=60_000):
+            return
+        try:
+            self._write_snapshot()
+        finally:
+            self._release(keys=[SNAP_LOCK], args=[token])
+
+    def _write_snapshot(self, first: bool = False) -> None:
+        """Write this replica's state at its applied position as the store's snapshot and
+        trim the log below the previous one (``first``: a seed, nothing to trim)."""
+        t0 = time.monotonic()
+        snap, position = self.conductor.call(self._take, timeout=None)
+        data = b"".join(dump.encode(snap))
+        sid = uuid.uuid4().hex
+        pieces = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
+        r = self.client
+        old = r.hmget(SNAP, ["key", "chunks"])
+        pipe = r.pipeline(transaction=False)
+        for i, piece in enumerate(pieces):
+            pipe.set(f"{SNAP_CHUNK}{sid}:{i}", piece)
+        pipe.execute()
+        ok = self._commit(
+            keys=[GEN, SNAP, LOG],
+            args=[self.gen, position, sid, len(pieces), len(data), time.time(), int(first)],
+        )
+        stale = [f"{SNAP_CHUNK}{sid}:{i}" for i in range(len(pieces))] if not ok else []
+        if ok and old[0] is not None:
+            stale = [f"{SNAP_CHUNK}{_text(old[0])}:{i}" for i in range(int(old[1]))]
+        if stale:
+            r.delete(*stale)
+        if ok:
+            self.stats.snapshots += 1
+            log.info(
+                "snapshot written to the state store at %s: bytes=%d in %.3fs",
+                position,
+                len(data),
+                time.monotonic() - t0,
+            )
+
+    def _take(self) -> tuple[dict, str]:
+        return dump.snapshot(self.conductor), self.applied_id
+
+    # -- introspection ---------------------------------------------------------------------
+    def lag_seconds(self) -> float:
+        """How far the applied position is behind the newest entry the keeper saw."""
+        last, mine = _id(self.stats.log_last_id), _id(self.applied_id)
+        if mine >= last:
+            return 0.0
+        return max(0.0, (last[0] - mine[0]) / 1000.0)
+
+    def info(self) -> dict[str, Any]:
+        """``/workers``' ``replica`` object."""
+        s = self.stats
+        return {
+            "id": self.id,
+            "state_store": "up" if self.up else "down",
+            "loaded": self.bootstrapped,
+            "applied_id": self.applied_id,
+            "log_last_id": s.log_last_id,
+            "log_length": s.log_length,
+            "lag_s": round(self.lag_seconds(), 3),
+            "replicas": s.replicas,
+            "sources_consumed": len(self._leases),
+            "entries_applied": s.applied,
+            "entries_appended": s.appended,
+            "append_failures": s.append_failures,
+            "bootstraps": s.bootstraps,
+            "snapshots_written": s.snapshots,
+        }
+
+
+def _is_outcome(ex: BaseException) -> bool:
+    """An exception that is the answer to a request (4xx/503), not a failure."""
+    from kvconductor.registry import RegistrationError
+    from kvconductor.service import InstanceNotRegistered, RegistrationUnavailable
+
+    return isinstance(ex, RegistrationError | RegistrationUnavailable | InstanceNotRegistered)

