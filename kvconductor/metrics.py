@@ -334,6 +334,77 @@ class ConductorCollector(Collector):
         snap = getattr(c, "snapshotter", None)
         if snap is not None:
             yield from _snapshot_metrics(snap.stats)
+        rep = getattr(c, "replicator", None)
+        if rep is not None:
+            yield from _replica_metrics(rep)
+
+
+#: ``--state-url``: (name, help, kind, field of Replicator.info()).
+_REPLICA_METRICS = (
+    ("kvconductor_replica_state_store_up", "1 while the state store answers", "gauge", None),
+    (
+        "kvconductor_replica_lag_seconds",
+        "How far this replica's applied log position is behind the newest entry",
+        "gauge",
+        "lag_s",
+    ),
+    (
+        "kvconductor_replica_log_entries",
+        "Entries in the log (trimmed behind snapshots)",
+        "gauge",
+        "log_length",
+    ),
+    (
+        "kvconductor_replicas",
+        "Replicas with a heartbeat in the last two lease periods",
+        "gauge",
+        "replicas",
+    ),
+    (
+        "kvconductor_replica_sources_consumed",
+        "ZeroMQ sources this replica holds the lease of",
+        "gauge",
+        "sources_consumed",
+    ),
+    (
+        "kvconductor_replica_entries_applied",
+        "Log entries this replica applied",
+        "counter",
+        "entries_applied",
+    ),
+    (
+        "kvconductor_replica_entries_appended",
+        "Log entries this replica appended",
+        "counter",
+        "entries_appended",
+    ),
+    (
+        "kvconductor_replica_append_failures",
+        "Source entries that could not be appended (the source was given up)",
+        "counter",
+        "append_failures",
+    ),
+    (
+        "kvconductor_replica_bootstraps",
+        "State loads from the store's snapshot",
+        "counter",
+        "bootstraps",
+    ),
+    (
+        "kvconductor_replica_snapshots",
+        "Snapshots this replica wrote to the store",
+        "counter",
+        "snapshots_written",
+    ),
+)
+
+
+def _replica_metrics(rep: Any) -> Iterator[Metric]:
+    info = rep.info()
+    for name, text, kind, field in _REPLICA_METRICS:
+        value = (1 if info["state_store"] == "up" else 0) if field is None else info[field]
+        family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        yield family(name, text, value=value)
 
 
 def _snapshot_metrics(s: Any) -> Iterator[Metric]:

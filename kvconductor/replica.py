@@ -16,7 +16,9 @@ that appended it):
   appended by the replica that consumes that source (its *owner*);
 * ``loss``, ``aged``: the owner's sequence tracker declared a loss (every replica marks
   the source's blocks suspect) and, ``--loss-grace-secs`` later, ended its grace period
-  (every replica drops the suspects not announced again).
+  (every replica drops the suspects not announced again);
+* ``down``: the owner sees the source not ready for so many seconds, or ready again
+  (every replica mutes and purges a dead engine's DP as the owner does).
 
 **Sources.** One replica at a time consumes a ZeroMQ source: the holder of its lease
 (:data:`LEASE` + source, ``SET NX PX``, value ``<replica>:<epoch>``, the epoch from
@@ -308,11 +310,13 @@ class Replicator:
         if not self.up or not self._enqueue("batch", body, None, key):
             self._append_failed(key)
 
-    def append_source(self, sub: Any, kind: str, token: str, why: str = "") -> None:
+    def append_source(self, sub: Any, kind: str, token: str, extra: Any = None) -> None:
+        """A ``loss`` (``extra``: why), ``aged`` or ``down`` (``extra``: seconds not ready,
+        negative when ready) entry of an owned source."""
         key = sub.key
         items: list[Any] = [key[0], key[1], key[2], sub.lease_epoch, token]
-        if kind == "loss":
-            items.append(why)
+        if extra is not None:
+            items.append(extra)
         if not self.up or not self._enqueue(kind, msgspec.msgpack.encode(items), None, key):
             self._append_failed(key)
 
@@ -540,6 +544,9 @@ class Replicator:
         if kind == "aged":
             iid, dp, url, epoch, token = msgspec.msgpack.decode(body)
             return c.subs.aged_logged((iid, dp, url), epoch, token)
+        if kind == "down":
+            iid, dp, url, epoch, _, secs = msgspec.msgpack.decode(body)
+            return c.subs.down_logged((iid, dp, url), epoch, float(secs))
         raise ValueError(f"unknown log entry kind {kind!r}")
 
     # -- the keeper: heartbeat, leases, snapshots ------------------------------------------

@@ -131,6 +131,15 @@ def test_registration_and_events_on_one_replica_reach_the_other(tmp_path, valkey
         info = _workers(a)["replica"]
         assert info["id"] == "a" and info["state_store"] == "up" and info["loaded"] is True
         wait_until(lambda: _workers(a)["replica"]["replicas"] == 2, msg="two live replicas")
+        text = a.http.get("/metrics").text
+        for line in (
+            "kvconductor_replicas 2.0",
+            "kvconductor_replica_state_store_up 1.0",
+            "kvconductor_replica_sources_consumed 0.0",
+        ):
+            assert f"\n{line}\n" in text, line
+        applied = re.search(r"^kvconductor_replica_entries_applied_total (\S+)$", text, re.M)
+        assert applied and float(applied.group(1)) >= 5  # 2 registrations, 2 events, 1 unreg
 
 
 def test_one_owner_per_source_and_takeover_after_sigkill(tmp_path, valkey_server):
@@ -248,3 +257,59 @@ def test_valkey_down_reads_go_on_writes_503_and_recovery_when_it_returns_empty(
         assert "seeding it again" in a.log() + b.log()
     finally:
         pub.stop()
+
+
+def test_a_dead_engine_is_muted_on_every_replica(tmp_path, valkey_server):
+    pub = FakePublisher(replay=True)
+    flags = ("--source-down-secs", "1")
+    with (
+        _replica(tmp_path, valkey_server, *flags, name="a") as a,
+        _replica(tmp_path, valkey_server, *flags, name="b") as b,
+    ):
+        r = a.http.post(
+            "/register",
+            json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
+        )
+        assert r.status_code == 201, r.text
+        pub.publish(_chain(0)[0])
+        _expect([a, b], {0: 2}, "indexed")
+        pub.stop()
+        # the owner sees it down and says so; both replicas stop counting its hits
+        _expect([a, b], {0: 0}, "muted on both")
+        for s in (a, b):
+            (src,) = _workers(s)["sources"]
+            assert src["muted"] is True, src
+
+
+def test_a_replica_behind_the_trim_point_loads_the_snapshot_again(tmp_path, valkey_server):
+    """b is frozen (SIGSTOP) while a applies 60 registrations and writes snapshots every
+    second, each trimming the log below the previous one: the log stays short, and b,
+    woken up behind the trim point, loads the snapshot and ends with the same state."""
+    flags = ("--snapshot-interval-secs", "1")
+    with (
+        _replica(tmp_path, valkey_server, *flags, name="a") as a,
+        _replica(tmp_path, valkey_server, *flags, name="b") as b,
+    ):
+        assert a.http.post("/register", json=_reg("first")).status_code == 201
+        wait_until(lambda: len(_workers(b)["workers"]) == 1, msg="b applied the first")
+        b.proc.send_signal(signal.SIGSTOP)
+        try:
+            for i in range(60):
+                assert a.http.post("/register", json=_reg(f"i{i:02d}")).status_code == 201
+            done = _workers(a)["replica"]["snapshots_written"]
+            wait_until(
+                lambda: _workers(a)["replica"]["snapshots_written"] >= done + 2,
+                msg="two snapshots after the registrations",
+            )
+            # trimmed behind the snapshots (the keeper reports the length it last saw)
+            wait_until(lambda: _workers(a)["replica"]["log_length"] <= 2, msg="log trimmed")
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        want = sorted(w["instance_id"] for w in _workers(a)["workers"])
+        assert len(want) == 61
+        wait_until(
+            lambda: sorted(w["instance_id"] for w in _workers(b)["workers"]) == want,
+            msg="b caught up",
+        )
+        assert "behind the log's trim point" in b.log()
+        assert _workers(b)["replica"]["bootstraps"] == 2

@@ -147,6 +147,10 @@ class Subscription:
         self.loss_token: str | None = None
         self.owned = False
         self.lease_epoch = 0
+        #: What the owner last appended of its readiness (None: nothing yet).
+        self.reported_down: bool | None = None
+        if manager.replicator is not None:
+            self.down_since = None  # passive: up until the owner says otherwise
         cursor = manager.resume.pop(self.key, None)
         if cursor is not None:
             # warm start: go on from the snapshot's cursor (the registration's replay
@@ -336,6 +340,8 @@ class Subscription:
         when the socket cannot be opened (passive again)."""
         self.owned = True
         self.lease_epoch = epoch
+        self.reported_down = None
+        self.down_since = time.monotonic()  # not ready until connected
         self.tracker.close()
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
         if self.applied is not None:
@@ -359,7 +365,7 @@ class Subscription:
         self.owned = False
         self._close_sockets()
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        self.down_since = time.monotonic()
+        self.down_since = None  # as the next owner reports it
         log.info("%s: no longer consumed here", self.name())
 
     def _grace_over(self, token: str) -> None:
@@ -736,6 +742,15 @@ class SubscriptionManager:
             n,
         )
 
+    def down_logged(self, key: tuple[str, int, str], epoch: int, secs: float) -> None:
+        """A ``down`` entry: the owner sees the source not ready for ``secs`` seconds
+        (negative: ready again). The owner keeps its own clock."""
+        sub = self._subs.get(key)
+        if sub is None or sub.owned or epoch < sub.fence:
+            return
+        sub.fence = epoch
+        sub.down_since = None if secs < 0 else time.monotonic() - secs
+
     def source_keys(self) -> list[tuple[str, int, str]]:
         """Every subscription's key (the sources replicas hold leases on)."""
         self._check_thread()
@@ -856,8 +871,13 @@ class SubscriptionManager:
         # of their HBM sources is down or they are muted (about 0.3 ms for 4,096 live
         # sources, docs/performance.md).
         down_dps: set[tuple[str, str, str, int]] = set()
+        r = self.replicator
         for sub in self._subs.values():
-            if sub.tracker.state(sub.connected) in READY_STATES:
+            if sub.passive:
+                # --state-url: down_since comes from the owner's ``down`` entries
+                if sub.down_since is not None and sub.feeds_hbm:
+                    down_dps.add(sub.dp_key)
+            elif sub.tracker.state(sub.connected) in READY_STATES:
                 if sub.down_since is not None:
                     sub.down_since = None
             else:
@@ -865,6 +885,11 @@ class SubscriptionManager:
                     sub.down_since = now
                 if sub.feeds_hbm:
                     down_dps.add(sub.dp_key)
+            if r is not None and sub.owned and sub.reported_down != (sub.down_since is not None):
+                # tell every replica, so that they mute and purge alike
+                sub.reported_down = sub.down_since is not None
+                secs = 0.0 if sub.down_since is None else now - sub.down_since
+                r.append_source(sub, "down", "", secs if sub.reported_down else -1.0)
             if sub.muted and not sub.feeds_hbm:  # re-registered as a pool stream
                 sub.muted = False
         if not down_dps and not self._muted_dps:
