@@ -559,9 +559,11 @@ def _snapshot_problem(args: argparse.Namespace) -> str | None:
                     "state store keeps the snapshots)"
                 )
         if not url.startswith(("redis://", "valkey://", "unix://", "rediss://", "valkeys://")):
+            from kvconductor.replica import safe_url
+
             return (
-                f"invalid --state-url {url!r}: redis://HOST:PORT/DB or unix:///PATH?db=N "
-                "is required"
+                f"invalid --state-url {safe_url(url)!r}: redis://HOST:PORT/DB or "
+                "unix:///PATH?db=N is required"
             )
     return None
 

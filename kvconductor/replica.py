@@ -150,6 +150,18 @@ def _errors() -> tuple[type[BaseException], ...]:
     return (valkey.ConnectionError, valkey.TimeoutError, OSError)
 
 
+def safe_url(url: str) -> str:
+    """``url`` with its password (``redis://user:PASSWORD@host``) replaced by ``***``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
 def lease_key(key: tuple[str, int, str]) -> str:
     return f"{LEASE}{key[0]}/dp{key[1]}@{key[2]}"
 
@@ -189,6 +201,8 @@ class Replicator:
     ) -> None:
         self.conductor = conductor
         self.url = url
+        #: The URL without its password, for log lines and answers.
+        self.where = safe_url(url)
         self.id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.lease_ms = max(300, int(lease_secs * 1000))
         self.snapshot_interval = float(snapshot_interval)
@@ -233,7 +247,7 @@ class Replicator:
                 self._set_up(False, ex)
                 time.sleep(0.2)
         if not self.bootstrapped:
-            log.error("state store %s unreachable: serving without its state; retrying", self.url)
+            log.error("state store %s unreachable: serving without its state; retrying", self.where)
         for name, fn in (("reader", self._read_loop), ("writer", self._write_loop)):
             t = threading.Thread(target=fn, name=f"kvc-replica-{name}", daemon=True)
             t.start()
@@ -249,7 +263,10 @@ class Replicator:
         """Stop the threads and give up this replica's leases (a take-over is then
         immediate instead of a lease period later)."""
         self._stop.set()
-        self._q.put(None)
+        try:
+            self._q.put_nowait(None)
+        except queue.Full:
+            pass  # the writer sees _stop after its round
         for t in self._threads:
             t.join(10)
         try:
@@ -263,11 +280,11 @@ class Replicator:
     def _set_up(self, up: bool, ex: BaseException | None = None) -> None:
         if up and not self.up:
             if self.down_since is not None and self.stats.appended + self.stats.applied:
-                log.info("state store %s reachable again", self.url)
+                log.info("state store %s reachable again", self.where)
             self.down_since = None
         elif not up and self.up:
             self.down_since = time.monotonic()
-            log.error("state store %s unreachable: %s", self.url, ex)
+            log.error("state store %s unreachable: %s", self.where, ex)
         self.up = up
 
     # -- HTTP mutations --------------------------------------------------------------------
@@ -293,8 +310,8 @@ class Replicator:
 
     def _down_reason(self) -> str:
         if not self.bootstrapped:
-            return f"state store {self.url} not loaded yet; changes are refused until it is"
-        return f"state store {self.url} unreachable; changes are refused until it is back"
+            return f"state store {self.where} not loaded yet; changes are refused until it is"
+        return f"state store {self.where} unreachable; changes are refused until it is back"
 
     def _enqueue(self, kind: str, body: bytes, tag: str | None, key=None) -> bool:
         fields = {"k": kind, "b": body}
@@ -420,11 +437,11 @@ class Replicator:
         gen, (snap_gen, trimmed) = pipe.execute()
         self._set_up(True)
         if gen is None:
-            log.warning("state store %s is empty (restarted?): seeding it again", self.url)
+            log.warning("state store %s is empty (restarted?): seeding it again", self.where)
             self._seed()
             return
         if _text(gen) != self.gen:
-            log.warning("state store %s was seeded again by another replica", self.url)
+            log.warning("state store %s was seeded again by another replica", self.where)
             self._needs_bootstrap = True
             return
         if trimmed is not None and snap_gen == gen and _id(self.applied_id) < _id(_text(trimmed)):
@@ -494,7 +511,7 @@ class Replicator:
         self._write_snapshot(first=True)
         self._needs_bootstrap = False
         self.bootstrapped = True
-        log.info("replica %s seeded the state store %s (generation %s)", self.id, self.url, gen)
+        log.info("replica %s seeded the state store %s (generation %s)", self.id, self.where, gen)
 
     def _reset_position(self) -> None:
         self.applied_id = "0-0"

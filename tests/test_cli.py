@@ -98,6 +98,14 @@ def test_invalid_log_env_falls_back_to_info(monkeypatch):
         (["--pending-ttl-sec", "5"], "unrecognized arguments"),  # no abbreviations
         (["--endpoint-networks", "10.0.0.0/33"], "invalid network list"),
         (["--endpoint-networks", ","], "at least one CIDR"),
+        (["--snapshot-interval-secs", "-5"], "must be >= 0"),
+        (["--snapshot-dir", "d", "--load-dump", "README.md"], "exclude each other"),
+        (["--state-url", "redis://h/0", "--snapshot-dir", "d"], "--state-url and --snapshot-dir"),
+        (
+            ["--state-url", "http://u:s3cret@h/0"],
+            "invalid --state-url 'http://u:***@h/0': redis://HOST:PORT/DB",
+        ),
+        (["--lease-secs", "0.1"], "0.3 .. 3600 seconds"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv, needle, capsys):
@@ -106,6 +114,15 @@ def test_bad_values_exit_2_with_one_line(argv, needle, capsys):
     assert ex.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_snapshot_and_replica_flags():
+    s = parse("--snapshot-dir", "snaps", "--snapshot-interval-secs", "0")
+    assert (s.snapshot_dir, s.snapshot_interval_secs, s.state_url) == ("snaps", 0, None)
+    assert "snapshots=snaps@0s" in s.describe()
+    s = parse("--state-url", "unix:///run/valkey.sock?db=2", "--replica-id", "r1")
+    assert (s.state_url, s.replica_id, s.lease_secs) == ("unix:///run/valkey.sock?db=2", "r1", 5.0)
+    assert "snapshots=state-store@60s lease=5s" in s.describe()
 
 
 def test_version(capsys):
