@@ -40,7 +40,8 @@ _ERRORS = {
     "404": "unknown instance, or no index for (model, tenant)",
     "413": "body over --max-body-mb",
     "500": "unexpected failure",
-    "503": "registration cannot be taken now (--max-sources, socket)",
+    "503": "the change cannot be taken now: --max-sources or a socket (registration), or "
+    "the state store is unreachable (--state-url)",
 }
 
 
@@ -118,7 +119,11 @@ def document() -> dict[str, Any]:
             "400 401 403 413 503",
         ),
         "/unregister": _post(
-            "unregister one DP rank", schema.UnregisterRequest, "200", status, "400 401 403 404 413"
+            "unregister one DP rank",
+            schema.UnregisterRequest,
+            "200",
+            status,
+            "400 401 403 404 413 503",
         ),
         "/query": _post(
             "leading blocks held per instance, DP and tier, for token ids",
@@ -149,7 +154,7 @@ def document() -> dict[str, Any]:
             schema.KvEventBatch,
             "200",
             _ref(schema.EventsResponse),
-            "400 401 403 404 413 500",
+            "400 401 403 404 413 500 503",
         ),
         "/workers": {
             "get": {
