@@ -443,7 +443,8 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         default=None,
         help="replicas: share registrations, events and every index with the other "
         "kv-conductor processes of this Valkey (or Redis <= 7.2) database: "
-        "redis://HOST:PORT/DB or unix:///PATH?db=N (default: none)",
+        "redis://HOST:PORT/DB, unix:///PATH?db=N, or "
+        "redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE/DB (default: none)",
     )
     p.add_argument(
         "--replica-id",
@@ -558,13 +559,20 @@ def _snapshot_problem(args: argparse.Namespace) -> str | None:
                     f"--state-url and --{flag.replace('_', '-')} exclude each other (the "
                     "state store keeps the snapshots)"
                 )
-        if not url.startswith(("redis://", "valkey://", "unix://", "rediss://", "valkeys://")):
-            from kvconductor.replica import safe_url
+        from kvconductor.replica import SENTINEL_SCHEMES, parse_sentinel_url, safe_url
 
+        schemes = ("redis", "valkey", "unix", "rediss", "valkeys", *SENTINEL_SCHEMES)
+        scheme = url.partition("://")[0]
+        if scheme not in schemes or "://" not in url:
             return (
-                f"invalid --state-url {safe_url(url)!r}: redis://HOST:PORT/DB or "
-                "unix:///PATH?db=N is required"
+                f"invalid --state-url {safe_url(url)!r}: redis://HOST:PORT/DB, "
+                "unix:///PATH?db=N or redis+sentinel://HOST:PORT[,...]/SERVICE/DB is required"
             )
+        if scheme in SENTINEL_SCHEMES:
+            try:
+                parse_sentinel_url(url)
+            except ValueError as ex:
+                return f"invalid --state-url {safe_url(url)!r}: {ex}"
     return None
 
 

@@ -135,13 +135,51 @@ def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+SENTINEL_SCHEMES = ("redis+sentinel", "valkey+sentinel")
+
+
 def connect(url: str) -> Any:
-    """A client of ``url`` (``redis://HOST:PORT/DB``, ``unix:///PATH?db=N``)."""
+    """A client of ``url``: ``redis://HOST:PORT/DB``, ``rediss://...``,
+    ``unix:///PATH?db=N``, or ``redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/
+    SERVICE[/DB]``: the primary the Sentinels name for SERVICE, found again after a
+    failover."""
     import valkey
 
+    scheme = url.partition("://")[0]
+    if scheme in SENTINEL_SCHEMES:
+        from valkey.sentinel import Sentinel
+
+        sentinels, service, db, password = parse_sentinel_url(url)
+        kw = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0}
+        return Sentinel(sentinels, sentinel_kwargs=kw, **kw).master_for(
+            service, db=db, password=password, **kw
+        )
     return valkey.Valkey.from_url(
         url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=0
     )
+
+
+def parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
+    """(sentinels, service, db, password) of a ``redis+sentinel://`` URL; ``ValueError``
+    naming what is wrong."""
+    from urllib.parse import unquote
+
+    rest = url.partition("://")[2]
+    auth, _, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    password = unquote(auth.partition(":")[2]) or None if auth else None
+    sentinels = []
+    for h in hosts.split(","):
+        host, _, port = h.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel address {h!r} is not HOST:PORT")
+        sentinels.append((host.strip("[]"), int(port)))
+    service, _, db = path.partition("/")
+    if not service:
+        raise ValueError("the URL names no Sentinel service (redis+sentinel://HOST:PORT/NAME)")
+    if db and not db.isdigit():
+        raise ValueError(f"database {db!r} is not a number")
+    return sentinels, service, int(db or 0), password
 
 
 def _errors() -> tuple[type[BaseException], ...]:

@@ -19,6 +19,7 @@ import pytest
 from publishers import FakePublisher, schema, wait_until
 from test_server import Server, running
 from test_server_zmq import dp_entry
+from valkey_server import SentinelServer, ValkeyServer
 
 pytestmark = pytest.mark.server
 
@@ -313,3 +314,53 @@ def test_a_replica_behind_the_trim_point_loads_the_snapshot_again(tmp_path, valk
         )
         assert "behind the log's trim point" in b.log()
         assert _workers(b)["replica"]["bootstraps"] == 2
+
+
+def test_valkey_failover_under_sentinel(tmp_path):
+    """--state-url redis+sentinel://: the primary is SIGKILLed, Sentinel promotes its
+    replica, and the replicas go on with the promoted one: the state survives (it was
+    replicated), changes are taken again."""
+    primary = ValkeyServer(tcp=True).start()
+    replica = sentinel = None
+    try:
+        replica = ValkeyServer(
+            tcp=True, extra_config={"replicaof": f"127.0.0.1 {primary.port}"}
+        ).start()
+        sentinel = SentinelServer(primary.port).start()
+        url = f"redis+sentinel://127.0.0.1:{sentinel.port}/kvc/0"
+        args = ("--state-url", url, "--lease-secs", LEASE)
+        with (
+            running(tmp_path, *args, "--replica-id", "a") as a,
+            running(tmp_path, *args, "--replica-id", "b") as b,
+        ):
+            assert a.http.post("/register", json=_reg("before")).status_code == 201
+            wait_until(lambda: len(_workers(b)["workers"]) == 1, msg="b has it")
+            pc, rc = primary.client(), replica.client()
+            wait_until(
+                lambda: (
+                    rc.info("replication")["master_repl_offset"]
+                    >= pc.info("replication")["master_repl_offset"]
+                ),
+                msg="the replica caught up",
+            )
+            pc.close()
+            primary.kill()
+            wait_until(lambda: sentinel.primary()[1] == replica.port, timeout=30, msg="failover")
+
+            def taken() -> bool:
+                return b.http.post("/register", json=_reg("after")).status_code == 201
+
+            wait_until(taken, timeout=30, msg="changes taken after the failover")
+            want = ["after", "before"]
+            for s in (a, b):
+                wait_until(
+                    lambda s=s: sorted(w["instance_id"] for w in _workers(s)["workers"]) == want,
+                    msg="both replicas have both",
+                )
+                assert _workers(s)["replica"]["state_store"] == "up"
+            assert rc.info("replication")["role"] == "master"
+            rc.close()
+    finally:
+        for srv in (sentinel, replica, primary):
+            if srv is not None:
+                srv.close()

@@ -116,6 +116,8 @@ class ValkeyServer:
         self.port: int | None = free_loopback_port() if tcp else None
         self.proc: subprocess.Popen[bytes] | None = None
         self._log: Any = None
+        #: More command-line arguments of valkey-server (``--sentinel``).
+        self.args: list[str] = []
 
     # -- addresses -------------------------------------------------------------------------
 
@@ -171,7 +173,7 @@ class ValkeyServer:
         self._log.write(f"--- start {binary}\n".encode())
         self._log.flush()
         self.proc = subprocess.Popen(
-            [str(binary), str(self.conf_path)],
+            [str(binary), str(self.conf_path), *self.args],
             cwd=self.dir,
             stdin=subprocess.DEVNULL,
             stdout=self._log,
@@ -274,3 +276,41 @@ class ValkeyServer:
     def __repr__(self) -> str:
         state = f"pid {self.proc.pid}" if self.running() and self.proc else "stopped"
         return f"ValkeyServer({self.url}, {state})"
+
+
+class SentinelServer(ValkeyServer):
+    """A Sentinel (``valkey-server --sentinel``) on a loopback port that monitors the
+    primary at ``primary_port`` as ``service``, quorum 1, declaring it down after
+    ``down_after_ms`` (fast failovers for tests)."""
+
+    def __init__(self, primary_port: int, service: str = "kvc", down_after_ms: int = 500) -> None:
+        super().__init__(tcp=True, redis_7_2_only=False)
+        self.primary_port = primary_port
+        self.service = service
+        self.down_after_ms = down_after_ms
+        self.args = ["--sentinel"]
+
+    def _write_config(self) -> None:
+        if self.conf_path.exists():
+            return  # Sentinel rewrites its own file; keep what it learnt across restarts
+        lines = [
+            "daemonize no",
+            f"dir {self.dir}",
+            'logfile ""',
+            f"port {self.port}",
+            "bind 127.0.0.1",
+            f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port} 1",
+            f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+            f"sentinel failover-timeout {self.service} 3000",
+            f"sentinel parallel-syncs {self.service} 1",
+        ]
+        self.conf_path.write_text("\n".join(lines) + "\n")
+
+    def primary(self) -> tuple[str, int]:
+        """The primary's address as this Sentinel names it now."""
+        c = self.client()
+        try:
+            host, port = c.sentinel_get_master_addr_by_name(self.service)
+        finally:
+            c.close()
+        return host, int(port)
