@@ -364,3 +364,25 @@ def test_valkey_failover_under_sentinel(tmp_path):
         for srv in (sentinel, replica, primary):
             if srv is not None:
                 srv.close()
+
+
+def test_a_replica_with_worker_processes(tmp_path, valkey_server):
+    """--workers 2 --state-url: the owner process is the replica; its workers answer
+    queries from the shared index the log fills."""
+    pub = FakePublisher(replay=True)
+    try:
+        with (
+            _replica(tmp_path, valkey_server, "--workers", "2", name="a") as a,
+            _replica(tmp_path, valkey_server, name="b") as b,
+        ):
+            r = b.http.post(
+                "/register",
+                json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
+            )
+            assert r.status_code == 201, r.text
+            for i in range(3):
+                pub.publish(_chain(i)[0])
+            _expect([a, b], {0: 2, 1: 2, 2: 2}, "on both, through a's workers too")
+            assert _workers(a)["replica"]["id"] == "a"
+    finally:
+        pub.stop()
