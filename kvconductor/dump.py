@@ -285,15 +285,20 @@ def _check_end(rec: dict, version: int, digest: _Digest, counts: dict[str, int])
         raise ValueError(f"dump is inconsistent: read {counts}, its end record says {got}")
 
 
-def verify(chunks: Iterable[bytes]) -> dict[str, Any]:
-    """Walk a whole dump without loading it: header, framing, counts and (version 2)
-    checksum. Returns the header; ``ValueError`` naming the problem."""
+def _open(chunks: Iterable[bytes]) -> tuple[Iterator[Any], _Digest, dict[str, Any], int]:
+    """The records after the header, their running digest, the header and its version."""
     digest = _Digest()
     recs = _records(chunks, digest)
     header = next(recs, None)
     if header is None:
         raise ValueError("not a kvconductor dump: empty input")
-    version = _check_header(header)
+    return recs, digest, header, _check_header(header)
+
+
+def verify(chunks: Iterable[bytes]) -> dict[str, Any]:
+    """Walk a whole dump without loading it: header, framing, counts and (version 2)
+    checksum. Returns the header; ``ValueError`` naming the problem."""
+    recs, digest, header, version = _open(chunks)
     counts = {"sources": 0, "registrations": 0, "indexes": 0}
     kinds = {"source": "sources", "registration": "registrations", "index": "indexes"}
     for rec in recs:
@@ -388,12 +393,7 @@ def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
     ``{"registrations": n, "indexes": k, "sources": s}``. ``ValueError`` naming the
     problem for an unknown format or version, a truncated, corrupt or inconsistent dump;
     the conductor may then hold part of it (:func:`verify` first to avoid that)."""
-    digest = _Digest()
-    recs = _records(chunks, digest)
-    first = next(recs, None)
-    if first is None:
-        raise ValueError("not a kvconductor dump: empty input")
-    version = _check_header(first)
+    recs, digest, _, version = _open(chunks)
     counts = {"sources": 0, "registrations": 0, "indexes": 0}
     resume = getattr(conductor.subs, "resume", None)
     try:

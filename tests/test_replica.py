@@ -45,6 +45,13 @@ def _reg(instance: str, **fields) -> dict:
     }
 
 
+def _register_engine(server, pub: FakePublisher) -> None:
+    """Register engine ``eng`` (DP 0) publishing at ``pub`` with its replay endpoint."""
+    body = _reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url)
+    r = server.http.post("/register", json=body)
+    assert r.status_code == 201, r.text
+
+
 def _npu(server, toks: list[int], instance: str = "eng") -> int:
     r = server.http.post("/query", json={"model": "qwen", "block_size": BS, "token_ids": toks})
     assert r.status_code == 200, r.text
@@ -159,11 +166,7 @@ def test_one_owner_per_source_and_takeover_after_sigkill(tmp_path, valkey_server
             )
             s.wait_ready()
             servers.append(s)
-        r = servers[1].http.post(
-            "/register",
-            json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
-        )
-        assert r.status_code == 201, r.text
+        _register_engine(servers[1], pub)
         for i in range(4):
             pub.publish(_chain(i)[0])
         _expect(servers, {0: 2, 3: 2}, "batches on every replica")
@@ -201,11 +204,7 @@ def test_a_later_replica_warm_starts_without_registration(tmp_path, valkey_serve
     pub = FakePublisher(replay=True)
     try:
         with _replica(tmp_path, valkey_server, "--snapshot-interval-secs", "1", name="a") as a:
-            r = a.http.post(
-                "/register",
-                json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
-            )
-            assert r.status_code == 201, r.text
+            _register_engine(a, pub)
             for i in range(3):
                 pub.publish(_chain(i)[0])
             _expect([a], {0: 2, 2: 2}, "indexed on a")
@@ -229,11 +228,7 @@ def test_valkey_down_reads_go_on_writes_503_and_recovery_when_it_returns_empty(
             _replica(tmp_path, valkey_server, name="a") as a,
             _replica(tmp_path, valkey_server, name="b") as b,
         ):
-            r = a.http.post(
-                "/register",
-                json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
-            )
-            assert r.status_code == 201, r.text
+            _register_engine(a, pub)
             pub.publish(_chain(0)[0])
             _expect([a, b], {0: 2}, "indexed")
             valkey_server.kill()
@@ -267,11 +262,7 @@ def test_a_dead_engine_is_muted_on_every_replica(tmp_path, valkey_server):
         _replica(tmp_path, valkey_server, *flags, name="a") as a,
         _replica(tmp_path, valkey_server, *flags, name="b") as b,
     ):
-        r = a.http.post(
-            "/register",
-            json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
-        )
-        assert r.status_code == 201, r.text
+        _register_engine(a, pub)
         pub.publish(_chain(0)[0])
         _expect([a, b], {0: 2}, "indexed")
         pub.stop()
@@ -375,11 +366,7 @@ def test_a_replica_with_worker_processes(tmp_path, valkey_server):
             _replica(tmp_path, valkey_server, "--workers", "2", name="a") as a,
             _replica(tmp_path, valkey_server, name="b") as b,
         ):
-            r = b.http.post(
-                "/register",
-                json=_reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url),
-            )
-            assert r.status_code == 201, r.text
+            _register_engine(b, pub)
             for i in range(3):
                 pub.publish(_chain(i)[0])
             _expect([a, b], {0: 2, 1: 2, 2: 2}, "on both, through a's workers too")

@@ -248,6 +248,13 @@ def _metric(server, name: str) -> float:
     return float(m.group(1))
 
 
+def _engine(server, pub: FakePublisher) -> None:
+    """Register engine ``eng`` publishing at ``pub``, with its replay endpoint."""
+    register_engine(
+        server, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
+    )
+
+
 def _published(pub: FakePublisher, batches: list[bytes]) -> None:
     for b in batches:
         pub.publish(b)
@@ -258,9 +265,7 @@ def test_sigterm_restart_resumes_each_source_from_its_cursor(tmp_path):
     pub = FakePublisher(replay=True)
     try:
         with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
-            register_engine(
-                a, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
-            )
+            _engine(a, pub)
             _published(pub, [_chain(i)[0] for i in range(5)])  # seq 0-4
             pub.publish(V.batch([V.removed([102], medium="GPU")]))  # seq 5: chain 1 cut to 1
             _expect(a, {0: 2, 1: 1, 4: 2}, "first batches indexed")
@@ -293,9 +298,7 @@ def test_sigkill_restart_from_the_periodic_snapshot(tmp_path):
         a = Server(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "1")
         try:
             a.wait_ready()
-            register_engine(
-                a, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
-            )
+            _engine(a, pub)
             _published(pub, [_chain(i)[0] for i in range(3)])
             _expect(a, {0: 2, 1: 2, 2: 2}, "indexed")
             n = _metric(a, 'kvconductor_snapshots_total{outcome="written"}')
@@ -321,9 +324,7 @@ def test_publisher_restarted_while_down_ages_out_its_old_blocks(tmp_path):
     pub = FakePublisher(replay=True)
     try:
         with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
-            register_engine(
-                a, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
-            )
+            _engine(a, pub)
             _published(pub, [_chain(i)[0] for i in range(4)])  # seq 0-3
             _expect(a, {0: 2, 3: 2}, "indexed")
         port, replay_port = pub.port, pub.replay_port
@@ -386,9 +387,7 @@ def test_sigterm_writes_the_last_snapshot_under_workers(tmp_path):
             "--snapshot-interval-secs",
             "0",
         ) as a:
-            register_engine(
-                a, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
-            )
+            _engine(a, pub)
             _published(pub, [_chain(i)[0] for i in range(2)])
             _expect(a, {0: 2, 1: 2}, "indexed")
         assert len(os.listdir(snaps)) == 1
