@@ -271,6 +271,7 @@ class Replicator:
         self._commit = self.client.register_script(_COMMIT_SNAPSHOT)
         self._seed_script = self.client.register_script(_SEED)
         self._last_check = 0.0
+        self._snap_thread: threading.Thread | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self, wait: float = 10.0) -> None:
@@ -305,8 +306,9 @@ class Replicator:
             self._q.put_nowait(None)
         except queue.Full:
             pass  # the writer sees _stop after its round
-        for t in self._threads:
-            t.join(10)
+        for t in [*self._threads, self._snap_thread]:
+            if t is not None:
+                t.join(10)
         try:
             for key, token in list(self._leases.items()):
                 self._release(keys=[lease_key(key)], args=[token])
@@ -631,7 +633,14 @@ class Replicator:
                     self.snapshot_interval, 5.0
                 ):
                     last_snap = time.monotonic()
-                    self._maybe_snapshot()
+                    snap = self._snap_thread
+                    if snap is None or not snap.is_alive():
+                        # its own thread: a large snapshot must not delay lease renewals
+                        snap = threading.Thread(
+                            target=self._snapshot_safely, name="kvc-replica-snapshot", daemon=True
+                        )
+                        self._snap_thread = snap
+                        snap.start()
             except self.errors as ex:
                 self._set_up(False, ex)
                 self._drop_all_leases()
@@ -734,6 +743,14 @@ class Replicator:
             sub.release()
 
     # -- snapshots -------------------------------------------------------------------------
+    def _snapshot_safely(self) -> None:
+        try:
+            self._maybe_snapshot()
+        except self.errors as ex:
+            log.warning("snapshot to the state store failed: %s", ex)
+        except Exception:
+            log.exception("snapshot to the state store failed")
+
     def _maybe_snapshot(self) -> None:
         r = self.client
         last = r.hget(SNAP, "time")
