@@ -43,8 +43,11 @@ def _manager(connected: bool):
     mgr.thread = types.SimpleNamespace(is_alive=lambda: False)
     mgr.conductor = types.SimpleNamespace(get_index=lambda model, tenant: None)
     mgr._subs = {}
+    mgr.replicator = None
     for i in range(N):
         s = Subscription.__new__(Subscription)
+        s.manager = mgr
+        s.owned = False
         s.ctx = _Ctx(i)
         s.feeds_hbm = Subscription._feeds_hbm(s.ctx)
         s.tracker = _Tracker()
