@@ -45,11 +45,19 @@ def _reg(instance: str, **fields) -> dict:
     }
 
 
-def _register_engine(server, pub: FakePublisher) -> None:
-    """Register engine ``eng`` (DP 0) publishing at ``pub`` with its replay endpoint."""
+def _register_engine(server, pub: FakePublisher, *replicas) -> None:
+    """Register engine ``eng`` (DP 0) publishing at ``pub`` with its replay endpoint, and
+    wait until one of ``replicas`` (default: ``server``) consumes it live (a PUB drops
+    what it sends before a subscriber is connected)."""
     body = _reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url)
     r = server.http.post("/register", json=body)
     assert r.status_code == 201, r.text
+
+    def live() -> bool:
+        states = [src["state"] for s in replicas or (server,) for src in _workers(s)["sources"]]
+        return "live" in states
+
+    wait_until(live, msg="the engine's source consumed live")
 
 
 def _npu(server, toks: list[int], instance: str = "eng") -> int:
@@ -166,7 +174,7 @@ def test_one_owner_per_source_and_takeover_after_sigkill(tmp_path, valkey_server
             )
             s.wait_ready()
             servers.append(s)
-        _register_engine(servers[1], pub)
+        _register_engine(servers[1], pub, *servers)
         for i in range(4):
             pub.publish(_chain(i)[0])
         _expect(servers, {0: 2, 3: 2}, "batches on every replica")
@@ -228,7 +236,7 @@ def test_valkey_down_reads_go_on_writes_503_and_recovery_when_it_returns_empty(
             _replica(tmp_path, valkey_server, name="a") as a,
             _replica(tmp_path, valkey_server, name="b") as b,
         ):
-            _register_engine(a, pub)
+            _register_engine(a, pub, a, b)
             pub.publish(_chain(0)[0])
             _expect([a, b], {0: 2}, "indexed")
             valkey_server.kill()
@@ -262,7 +270,7 @@ def test_a_dead_engine_is_muted_on_every_replica(tmp_path, valkey_server):
         _replica(tmp_path, valkey_server, *flags, name="a") as a,
         _replica(tmp_path, valkey_server, *flags, name="b") as b,
     ):
-        _register_engine(a, pub)
+        _register_engine(a, pub, a, b)
         pub.publish(_chain(0)[0])
         _expect([a, b], {0: 2}, "indexed")
         pub.stop()
@@ -366,7 +374,7 @@ def test_a_replica_with_worker_processes(tmp_path, valkey_server):
             _replica(tmp_path, valkey_server, "--workers", "2", name="a") as a,
             _replica(tmp_path, valkey_server, name="b") as b,
         ):
-            _register_engine(b, pub)
+            _register_engine(b, pub, a, b)
             for i in range(3):
                 pub.publish(_chain(i)[0])
             _expect([a, b], {0: 2, 1: 2, 2: 2}, "on both, through a's workers too")

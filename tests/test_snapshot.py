@@ -249,9 +249,14 @@ def _metric(server, name: str) -> float:
 
 
 def _engine(server, pub: FakePublisher) -> None:
-    """Register engine ``eng`` publishing at ``pub``, with its replay endpoint."""
+    """Register engine ``eng`` publishing at ``pub``, with its replay endpoint, and wait
+    until its subscription is live (a PUB drops what it sends before that)."""
     register_engine(
         server, "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
+    )
+    wait_until(
+        lambda: [s["state"] for s in server.http.get("/workers").json()["sources"]] == ["live"],
+        msg="the engine's subscription live",
     )
 
 
