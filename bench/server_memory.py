@@ -75,6 +75,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1_000_000, help="blocks published in all")
     ap.add_argument("--workers", type=int, default=8, help="engines (one DP each)")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the server")
+    ap.add_argument(
+        "--settle", type=float, default=12.0, help="seconds to wait after the load (default 12)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     port = free_port()
@@ -138,6 +141,7 @@ def main() -> None:
             stable = stable + 1 if n == last else 0
             last = n
         took = time.perf_counter() - t0
+        time.sleep(args.settle)  # the ingest thread trims the heap every 10 s
         after_rss, after_maps = rss_kb(srv.pid), smaps(srv.pid)
         after_index = index_bytes(port)
         _, body = http(port, "GET", "/workers")
