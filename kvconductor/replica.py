@@ -673,7 +673,7 @@ class Replicator:
                 info = {}
             self.stats.log_last_id = _text(info.get("last-generated-id", b"0-0"))
             self.stats.log_length = int(info.get("length", 0))
-        states = self.conductor.call(self._source_states)
+        states = self.conductor.call(self.conductor.subs.source_states)
         # renew what we hold; forget what is gone or lost
         for key, token in list(self._leases.items()):
             if key not in states:
@@ -732,10 +732,6 @@ class Replicator:
             log.error("%s: cannot open the subscription: %s", sub.name(), ex)
             return False
         return True
-
-    def _source_states(self) -> dict[tuple[str, int, str], bool]:
-        """Ingest thread: every source and whether this replica consumes it."""
-        return {k: sub.owned for k, sub in self.conductor.subs._subs.items()}
 
     def _release_local(self, key: tuple[str, int, str]) -> None:
         sub = self.conductor.subs.get(*key)

@@ -751,10 +751,11 @@ class SubscriptionManager:
         sub.fence = epoch
         sub.down_since = None if secs < 0 else time.monotonic() - secs
 
-    def source_keys(self) -> list[tuple[str, int, str]]:
-        """Every subscription's key (the sources replicas hold leases on)."""
+    def source_states(self) -> dict[tuple[str, int, str], bool]:
+        """Every subscription's key (the sources replicas hold leases on) and whether this
+        replica consumes it."""
         self._check_thread()
-        return list(self._subs)
+        return {k: sub.owned for k, sub in self._subs.items()}
 
     def _check_thread(self) -> None:
         if self.thread.is_alive() and not self.thread.on_thread():
