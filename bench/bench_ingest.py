@@ -131,9 +131,12 @@ def thread_cpu(tid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _publisher(conn, bs: int, batches: int, runs: int, blocks_per_event: int) -> None:
-    """The engine side, in its own process (as a real engine is): PUB + payloads."""
-    rng = random.Random(bs)
+def _publisher(
+    conn, bs: int, batches: int, runs: int, blocks_per_event: int, seed: int | None = None
+) -> None:
+    """The engine side, in its own process (as a real engine is): PUB + payloads
+    (the same documents for every publisher unless ``seed`` differs)."""
+    rng = random.Random(bs if seed is None else seed)
     payload_sets = [make_batches(batches, bs, blocks_per_event, rng) for _ in range(runs + 1)]
     zctx = zmq.Context()
     pub = zctx.socket(zmq.PUB)

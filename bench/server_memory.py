@@ -78,6 +78,12 @@ def main() -> None:
     ap.add_argument(
         "--settle", type=float, default=12.0, help="seconds to wait after the load (default 12)"
     )
+    ap.add_argument(
+        "--distinct",
+        action="store_true",
+        help="every engine publishes its own documents (disjoint chains, one member per "
+        "node) instead of the same ones (every node held by all the engines)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     port = free_port()
@@ -103,7 +109,8 @@ def main() -> None:
         batches = args.blocks // args.workers // 64
         for w in range(args.workers):
             parent, child = mp.Pipe()
-            p = mp.Process(target=_publisher, args=(child, BS, batches, 0, 32), daemon=True)
+            seed = 1000 + w if args.distinct else None
+            p = mp.Process(target=_publisher, args=(child, BS, batches, 0, 32, seed), daemon=True)
             p.start()
             pub_port, _ = parent.recv()
             st, body = http(
@@ -157,6 +164,7 @@ def main() -> None:
             "rss_over_index": round(grown / max(1, idx), 2),
             "growth_kib_by_mapping": {k: after_maps[k] - before_maps[k] for k in after_maps},
             "env": args.env,
+            "distinct": args.distinct,
             "indexer": summary,
         }
     finally:

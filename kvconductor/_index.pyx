@@ -13,7 +13,7 @@ from libc.string cimport memset
 
 from kvconductor._cursor cimport HCursor, hc_free, hc_get, hc_init_hashes, hc_init_tokens
 from kvconductor._maps cimport (
-    U64Map, em_get, u64m_check, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop,
+    FpMap, U64Map, u64m_check, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop,
     u64m_put,
 )
 from kvconductor._pool cimport (
@@ -38,7 +38,8 @@ from kvconductor._lower cimport (
 )
 from kvconductor._tree cimport (
     T_ERR_OOM, T_ROOT, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init,
-    tree_match, tree_nbytes, tree_remove, tree_store, tree_worker_blocks,
+    tree_child, tree_match, tree_member_ehash, tree_nbytes, tree_remove, tree_rev_get,
+    tree_store, tree_worker_blocks, TL_N, layout_dict, tree_layout,
 )
 from kvconductor._tree cimport tree_export, tree_restore
 
@@ -1179,6 +1180,7 @@ cdef class CoreIndex:
         """The engine hashes ``worker`` holds on its tier, as ``array('Q')`` (any order)."""
         cdef int slot_, stale_ = 0
         cdef const U64Map* rev = NULL
+        cdef const FpMap* trev = NULL
         cdef size_t i, k = 0, n = 0
         cdef uint64_t* o
         cdef int tier
@@ -1192,18 +1194,26 @@ cdef class CoreIndex:
                 tier = self.st.wtier[worker]
                 if tier == 0:
                     if worker < self.st.tree.nrev:
-                        rev = &self.st.tree.rev[worker]
+                        trev = &self.st.tree.rev[worker]
                 elif worker < self.st.tiers[tier - 1].nrev:
                     rev = &self.st.tiers[tier - 1].rev[worker]
             if rev != NULL:
                 n = rev.size
+            elif trev != NULL:
+                n = trev.size
             out = _array.array("Q", bytes(8 * n))
             if n:
                 o = <uint64_t*>(<array.array>out).data.as_ulonglongs
-                for i in range(rev.mask + 1):
-                    if rev.vals[i] != HM_NIL:
-                        o[k] = rev.keys[i]
-                        k += 1
+                if rev != NULL:
+                    for i in range(rev.mask + 1):
+                        if rev.vals[i] != HM_NIL:
+                            o[k] = rev.keys[i]
+                            k += 1
+                else:
+                    for i in range(trev.cap):
+                        if trev.slots[i].idx != HM_NIL and tree_member_ehash(
+                                &self.st.tree, trev.slots[i].idx, worker, &o[k]):
+                            k += 1
             return out
         finally:
             self._runlock(slot_)
@@ -1215,7 +1225,7 @@ cdef class CoreIndex:
         parent block. Raises ``KeyError`` when ``worker`` does not hold ``h``.
         """
         cdef int slot_, stale_ = 0
-        cdef uint32_t node = HM_NIL, p, m
+        cdef uint32_t node = HM_NIL, p
         cdef bint found = False, has_parent = False
         cdef uint64_t parent = 0
         cdef int tier = -1
@@ -1226,18 +1236,12 @@ cdef class CoreIndex:
                 if worker < self.st.nworkers:
                     tier = self.st.wtier[worker]
                 if tier == 0 and worker < self.st.tree.nrev:
-                    node = u64m_get(&self.st.tree.rev[worker], h)
+                    node = tree_rev_get(&self.st.tree, worker, h)
                     if node != HM_NIL:
                         found = True
                         p = self.st.tree.nodes[node].parent
                         if p != 0 and p != HM_NIL:
-                            m = self.st.tree.nodes[p].members
-                            while m != HM_NIL:
-                                if self.st.tree.mem[m].worker == worker:
-                                    has_parent = True
-                                    parent = self.st.tree.mem[m].ehash
-                                    break
-                                m = self.st.tree.mem[m].next
+                            has_parent = tree_member_ehash(&self.st.tree, p, worker, &parent)
                 elif tier > 0 and worker < self.st.tiers[tier - 1].nrev:
                     node = u64m_get(&self.st.tiers[tier - 1].rev[worker], h)
                     if node != HM_NIL:
@@ -1250,6 +1254,22 @@ cdef class CoreIndex:
         if not found:
             raise KeyError(h)
         return parent if has_parent else None
+
+    def hbm_layout(self):
+        """Where the HBM tree's bytes go (``RadixTree.layout``): struct sizes, array
+        high-water marks, table slots, bytes touched and allocated."""
+        cdef int slot_, stale_ = 0
+        cdef size_t out[TL_N]
+        memset(out, 0, sizeof(out))
+        slot_ = self._reader()
+        with nogil:
+            stale_ = self._rlock(slot_)
+            if stale_ == 0:
+                tree_layout(&self.st.tree, out)
+                self._runlock(slot_)
+        if stale_ and not (stale_ == CORE_CLOSED and not self.attached):
+            self._stale(stale_)
+        return layout_dict(out)
 
     def stats(self):
         """Sizes: nodes, hbm_pairs, cpu_blocks, disk_blocks, offload, content, pending, nbytes."""
@@ -1285,16 +1305,18 @@ cdef class CoreIndex:
         """Does ``w`` hold, on its tier, any block whose LocalBlockHash is ``local``?
         O(blocks of ``w``): diagnostics only."""
         cdef const U64Map* rev
+        cdef const FpMap* trev
         cdef size_t i
         cdef const Lower* L
         if tier == 0:
             if w >= self.st.tree.nrev:
                 return False
-            rev = &self.st.tree.rev[w]
-            if rev.size == 0:
+            trev = &self.st.tree.rev[w]
+            if trev.size == 0:
                 return False
-            for i in range(rev.mask + 1):
-                if rev.vals[i] != HM_NIL and self.st.tree.nodes[rev.vals[i]].local == local:
+            for i in range(trev.cap):
+                if (trev.slots[i].idx != HM_NIL
+                        and self.st.tree.nodes[trev.slots[i].idx].local == local):
                     return True
             return False
         L = &self.st.tiers[tier - 1]
@@ -1375,7 +1397,7 @@ cdef class CoreIndex:
         path[0] = T_ROOT
         plen = 1
         while plen <= n:
-            c = em_get(&self.st.tree.edges, path[plen - 1], hc_get(hc, plen - 1))
+            c = tree_child(&self.st.tree, path[plen - 1], hc_get(hc, plen - 1))
             if c == HM_NIL:
                 break
             path[plen] = c

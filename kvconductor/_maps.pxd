@@ -1,10 +1,13 @@
 # cython: language_level=3
-"""Open-addressing hash maps of u64 keys to u32 values, usable without the GIL.
+"""Open-addressing hash maps to u32 values, usable without the GIL.
 
-Linear probing, power-of-two capacity, load factor <= 3/4, backward-shift
-deletion (no tombstones). A value of ``HM_NIL`` (the "no item" index of
-``_pool``) marks an empty slot, so it can never be stored. Keys are mixed with the
-splitmix64 finalizer because engine hashes may be small integers.
+``U64Map`` (u64 keys) and ``PairMap`` ((u64, u64) keys) store their keys: linear
+probing, power-of-two capacity, load factor <= 3/4, backward-shift deletion (no
+tombstones). ``FpMap`` stores only a 32-bit fingerprint and lets its owner read the
+key back from the item (the HBM tree's edges and reverse maps; see its section). A
+value of ``HM_NIL`` (the "no item" index of ``_pool``) marks an empty slot, so it can
+never be stored. Keys are mixed with the splitmix64 finalizer because engine hashes
+may be small integers.
 
 Every function is ``noexcept nogil``; the ones that allocate return -1 on
 out-of-memory and leave the map unchanged. The owner of a map (a ``cdef class``
@@ -222,18 +225,6 @@ cdef struct PairMap:
     size_t size
 
 
-# -- EdgeMap: (u32 node, u64 local) -> u32 node, 16-byte slots (the HBM tree's edges) ----------
-cdef struct ESlot:
-    uint64_t local               # LocalBlockHash
-    uint32_t parent              # parent node index
-    uint32_t child               # child node index, HM_NIL = empty slot
-
-cdef struct EdgeMap:
-    ESlot* slots
-    size_t mask
-    size_t size
-
-
 cdef inline uint64_t pm_hash(uint64_t a, uint64_t b) noexcept nogil:
     return hm_mix(a * <uint64_t>0x9e3779b97f4a7c15 ^ b)
 
@@ -242,58 +233,38 @@ cdef inline uint64_t em_hash(uint32_t parent, uint64_t local) noexcept nogil:
     return hm_mix((<uint64_t>parent) * <uint64_t>0x9e3779b97f4a7c15 ^ local)
 
 
-# -- what PairMap and EdgeMap share: one slot array, written once for both ----------------
-# A fused type: Cython emits one specialisation per map, so the code is the same
-# as two hand-written copies (the ``if SlotMap is ...`` branches are resolved at
-# compile time).
-ctypedef fused SlotMap:
-    PairMap
-    EdgeMap
-
-
-cdef inline void sm_init(SlotMap* m) noexcept nogil:
+# -- PairMap core ------------------------------------------------------------------------
+cdef inline void sm_init(PairMap* m) noexcept nogil:
     m.slots = NULL
     m.mask = 0
     m.size = 0
 
 
-cdef inline void sm_free(SlotMap* m) noexcept nogil:
+cdef inline void sm_free(PairMap* m) noexcept nogil:
     mem_free(m.slots)
     sm_init(m)
 
 
-cdef inline size_t sm_nbytes(const SlotMap* m) noexcept nogil:
+cdef inline size_t sm_nbytes(const PairMap* m) noexcept nogil:
     return 0 if m.slots == NULL else (m.mask + 1) * sizeof(m.slots[0])
 
 
-cdef inline bint _sm_used(const SlotMap* m, size_t i) noexcept nogil:
-    if SlotMap is PairMap:
-        return m.slots[i].v != HM_NIL
-    else:
-        return m.slots[i].child != HM_NIL
+cdef inline bint _sm_used(const PairMap* m, size_t i) noexcept nogil:
+    return m.slots[i].v != HM_NIL
 
 
-cdef inline void _sm_clear(SlotMap* m, size_t i) noexcept nogil:
-    if SlotMap is PairMap:
-        m.slots[i].v = HM_NIL
-    else:
-        m.slots[i].child = HM_NIL
+cdef inline void _sm_clear(PairMap* m, size_t i) noexcept nogil:
+    m.slots[i].v = HM_NIL
 
 
-cdef inline size_t _sm_home(const SlotMap* m, size_t i, size_t mask) noexcept nogil:
-    if SlotMap is PairMap:
-        return pm_hash(m.slots[i].a, m.slots[i].b) & mask
-    else:
-        return em_hash(m.slots[i].parent, m.slots[i].local) & mask
+cdef inline size_t _sm_home(const PairMap* m, size_t i, size_t mask) noexcept nogil:
+    return pm_hash(m.slots[i].a, m.slots[i].b) & mask
 
 
-cdef inline int _sm_rehash(SlotMap* m, size_t cap) noexcept nogil:
-    cdef SlotMap nm
+cdef inline int _sm_rehash(PairMap* m, size_t cap) noexcept nogil:
+    cdef PairMap nm
     cdef size_t i, j
-    if SlotMap is PairMap:
-        nm.slots = <PSlot*>mem_alloc(cap * sizeof(PSlot))
-    else:
-        nm.slots = <ESlot*>mem_alloc(cap * sizeof(ESlot))
+    nm.slots = <PSlot*>mem_alloc(cap * sizeof(PSlot))
     if nm.slots == NULL:
         return -1
     nm.mask = cap - 1
@@ -312,7 +283,7 @@ cdef inline int _sm_rehash(SlotMap* m, size_t cap) noexcept nogil:
     return 0
 
 
-cdef inline int sm_reserve_one(SlotMap* m) noexcept nogil:
+cdef inline int sm_reserve_one(PairMap* m) noexcept nogil:
     """Room for one more entry (load factor <= 3/4); -1 on OOM, map unchanged."""
     if m.slots == NULL:
         return _sm_rehash(m, 8)
@@ -321,7 +292,7 @@ cdef inline int sm_reserve_one(SlotMap* m) noexcept nogil:
     return 0
 
 
-cdef inline void sm_delete_at(SlotMap* m, size_t i) noexcept nogil:
+cdef inline void sm_delete_at(PairMap* m, size_t i) noexcept nogil:
     """Empty used slot ``i``; backward-shift the cluster after it (no tombstones)."""
     cdef size_t mask = m.mask, j = i, k
     _sm_clear(m, i)
@@ -339,49 +310,34 @@ cdef inline void sm_delete_at(SlotMap* m, size_t i) noexcept nogil:
     m.size -= 1
 
 
-cdef inline size_t _sm_probe(const SlotMap* m, uint64_t a, uint64_t b) noexcept nogil:
+cdef inline size_t _sm_probe(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
     """The slot holding key (a, b), or the empty slot ending its probe chain (map
-    allocated). EdgeMap keys are (parent node ``a``, local ``b``)."""
-    cdef size_t i
-    if SlotMap is PairMap:
-        i = pm_hash(a, b) & m.mask
-        while m.slots[i].v != HM_NIL and not (m.slots[i].b == b and m.slots[i].a == a):
-            i = (i + 1) & m.mask
-    else:
-        i = em_hash(<uint32_t>a, b) & m.mask
-        while m.slots[i].child != HM_NIL and not (m.slots[i].local == b
-                                                  and m.slots[i].parent == <uint32_t>a):
-            i = (i + 1) & m.mask
+    allocated)."""
+    cdef size_t i = pm_hash(a, b) & m.mask
+    while m.slots[i].v != HM_NIL and not (m.slots[i].b == b and m.slots[i].a == a):
+        i = (i + 1) & m.mask
     return i
 
 
-cdef inline int _sm_put(SlotMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
+cdef inline int _sm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
     """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
     cdef size_t i
     if sm_reserve_one(m) < 0:
         return -1
     i = _sm_probe(m, a, b)
     if _sm_used(m, i):
-        if SlotMap is PairMap:
-            m.slots[i].v = val
-        else:
-            m.slots[i].child = val
-        return 0
-    if SlotMap is PairMap:
-        m.slots[i].a = a
-        m.slots[i].b = b
-        m.slots[i].c = 0
         m.slots[i].v = val
-        m.slots[i].hint = HM_NIL
-    else:
-        m.slots[i].parent = <uint32_t>a
-        m.slots[i].local = b
-        m.slots[i].child = val
+        return 0
+    m.slots[i].a = a
+    m.slots[i].b = b
+    m.slots[i].c = 0
+    m.slots[i].v = val
+    m.slots[i].hint = HM_NIL
     m.size += 1
     return 1
 
 
-cdef inline uint32_t _sm_pop(SlotMap* m, uint64_t a, uint64_t b) noexcept nogil:
+cdef inline uint32_t _sm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
     """Delete key (a, b); return its value or HM_NIL when absent."""
     cdef size_t i
     cdef uint32_t out
@@ -390,10 +346,7 @@ cdef inline uint32_t _sm_pop(SlotMap* m, uint64_t a, uint64_t b) noexcept nogil:
     i = _sm_probe(m, a, b)
     if not _sm_used(m, i):
         return HM_NIL
-    if SlotMap is PairMap:
-        out = m.slots[i].v
-    else:
-        out = m.slots[i].child
+    out = m.slots[i].v
     sm_delete_at(m, i)
     return out
 
@@ -423,32 +376,7 @@ cdef inline uint32_t pm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
     return _sm_pop(m, a, b)
 
 
-# -- EdgeMap operations -----------------------------------------------------------------
-cdef inline ESlot* em_find(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
-    """The slot of edge (parent, local), or NULL."""
-    cdef size_t i
-    if m.slots == NULL:
-        return NULL
-    i = _sm_probe(m, parent, local)
-    return NULL if m.slots[i].child == HM_NIL else &m.slots[i]
-
-
-cdef inline uint32_t em_get(const EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
-    cdef const ESlot* s = em_find(m, parent, local)
-    return HM_NIL if s == NULL else s.child
-
-
-cdef inline int em_put(EdgeMap* m, uint32_t parent, uint64_t local, uint32_t child) noexcept nogil:
-    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
-    return _sm_put(m, parent, local, child)
-
-
-cdef inline uint32_t em_pop(EdgeMap* m, uint32_t parent, uint64_t local) noexcept nogil:
-    """Delete edge (parent, local); return its child or HM_NIL when absent."""
-    return _sm_pop(m, parent, local)
-
-
-cdef inline int sm_check(const SlotMap* m) noexcept nogil:
+cdef inline int sm_check(const PairMap* m) noexcept nogil:
     """Checker: 0 when ``size`` counts the used slots, the load factor holds and every
     entry is reachable from its home slot (no empty slot in between); -1 otherwise."""
     cdef size_t i, j, n = 0
@@ -463,3 +391,133 @@ cdef inline int sm_check(const SlotMap* m) noexcept nogil:
                     return -1
                 j = (j + 1) & m.mask
     return 0 if n == m.size and n * 4 <= (m.mask + 1) * 3 else -1
+
+
+# -- FpMap: u32 items found through a 32-bit fingerprint of their key -----------------------
+# The key lives in the item itself (a tree node, a member record), so a slot is 8 bytes:
+# the item's index and a 32-bit fingerprint of the key's hash. The owner walks the probe
+# run from the fingerprint's home (``fpm_first`` / ``fpm_next``) and checks each
+# fingerprint hit against the item; rehashing and deleting need only the fingerprint,
+# never the item. The home is ``fp * cap >> 32`` (any capacity, not just powers of two),
+# so the table grows by 1.5x at a load of 7/8 and stays between 58 % and 88 % full:
+# probe runs are longer than at 3/4, but they are runs of 8-byte slots in a few cache lines.
+cdef struct FSlot:
+    uint32_t idx                 # item index, HM_NIL = empty slot
+    uint32_t fp                  # the key's fingerprint (low 32 bits of its hash)
+
+cdef struct FpMap:
+    FSlot* slots
+    size_t cap                   # slots (at most 2**32; 0 when unallocated)
+    size_t size
+
+
+cdef inline size_t fpm_home(const FpMap* m, uint32_t fp) noexcept nogil:
+    return <size_t>((<uint64_t>fp * m.cap) >> 32)
+
+
+cdef inline void fpm_init(FpMap* m) noexcept nogil:
+    m.slots = NULL
+    m.cap = 0
+    m.size = 0
+
+
+cdef inline void fpm_free(FpMap* m) noexcept nogil:
+    mem_free(m.slots)
+    fpm_init(m)
+
+
+cdef inline size_t fpm_nbytes(const FpMap* m) noexcept nogil:
+    return m.cap * sizeof(FSlot)
+
+
+cdef inline int _fpm_rehash(FpMap* m, size_t cap) noexcept nogil:
+    cdef FpMap nm
+    cdef size_t i, j
+    if cap > (<size_t>1 << 32):
+        return -1
+    nm.slots = <FSlot*>mem_alloc(cap * sizeof(FSlot))
+    if nm.slots == NULL:
+        return -1
+    nm.cap = cap
+    nm.size = m.size
+    memset(nm.slots, 0xFF, cap * sizeof(FSlot))
+    if m.slots != NULL:
+        for i in range(m.cap):
+            if m.slots[i].idx != HM_NIL:
+                j = fpm_home(&nm, m.slots[i].fp)
+                while nm.slots[j].idx != HM_NIL:
+                    j = 0 if j + 1 == cap else j + 1
+                nm.slots[j] = m.slots[i]
+        mem_free(m.slots)
+    m[0] = nm
+    return 0
+
+
+cdef inline int fpm_reserve_one(FpMap* m) noexcept nogil:
+    """Room for one more entry (load factor <= 7/8); -1 on OOM, map unchanged."""
+    if m.slots == NULL:
+        return _fpm_rehash(m, 8)
+    if (m.size + 1) * 8 > m.cap * 7:
+        return _fpm_rehash(m, m.cap + m.cap // 2)
+    return 0
+
+
+cdef inline void fpm_insert(FpMap* m, uint32_t fp, uint32_t idx) noexcept nogil:
+    """Add an entry whose key is not in the map, after ``fpm_reserve_one`` succeeded."""
+    cdef size_t i = fpm_home(m, fp)
+    while m.slots[i].idx != HM_NIL:
+        i = 0 if i + 1 == m.cap else i + 1
+    m.slots[i].idx = idx
+    m.slots[i].fp = fp
+    m.size += 1
+
+
+cdef inline size_t fpm_next(const FpMap* m, uint32_t fp, size_t i) noexcept nogil:
+    """The next slot after used slot ``i`` holding ``fp`` or empty."""
+    while True:
+        i = 0 if i + 1 == m.cap else i + 1
+        if m.slots[i].idx == HM_NIL or m.slots[i].fp == fp:
+            return i
+
+
+cdef inline size_t fpm_first(const FpMap* m, uint32_t fp) noexcept nogil:
+    """The first slot from ``fp``'s home on holding ``fp`` or empty (map allocated)."""
+    cdef size_t i = fpm_home(m, fp)
+    if m.slots[i].idx == HM_NIL or m.slots[i].fp == fp:
+        return i
+    return fpm_next(m, fp, i)
+
+
+cdef inline void fpm_delete_at(FpMap* m, size_t i) noexcept nogil:
+    """Empty used slot ``i``; backward-shift the cluster after it (no tombstones)."""
+    cdef size_t j = i, k
+    m.slots[i].idx = HM_NIL
+    while True:
+        j = 0 if j + 1 == m.cap else j + 1
+        if m.slots[j].idx == HM_NIL:
+            break
+        k = fpm_home(m, m.slots[j].fp)
+        # the entry at j may stay iff its home k lies cyclically in (i, j]
+        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
+            continue
+        m.slots[i] = m.slots[j]
+        m.slots[j].idx = HM_NIL
+        i = j
+    m.size -= 1
+
+
+cdef inline int fpm_check(const FpMap* m) noexcept nogil:
+    """Checker: 0 when ``size`` counts the used slots, the load factor holds and every
+    entry is reachable from its home slot (no empty slot in between); -1 otherwise."""
+    cdef size_t i, j, n = 0
+    if m.slots == NULL:
+        return 0 if m.size == 0 and m.cap == 0 else -1
+    for i in range(m.cap):
+        if m.slots[i].idx != HM_NIL:
+            n += 1
+            j = fpm_home(m, m.slots[i].fp)
+            while j != i:
+                if m.slots[j].idx == HM_NIL:
+                    return -1
+                j = 0 if j + 1 == m.cap else j + 1
+    return 0 if n == m.size and n * 8 <= m.cap * 7 else -1

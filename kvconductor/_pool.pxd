@@ -127,6 +127,7 @@ cdef inline void pool_use_arena(Arena arena) noexcept:
 
 cdef enum:
     HM_NIL = 0xFFFFFFFF           # no item / no index; also the empty slot of the maps
+    GROW_SLOW_BYTES = 8 << 20     # grow_array: arrays this big grow by 1.25x, not 1.5x
 
 
 # -- growable arrays ------------------------------------------------------------------
@@ -137,7 +138,10 @@ cdef inline void* grow_array(void* ptr, size_t* cap, size_t need, size_t item) n
     while ncap < need:
         if ncap > (<size_t>-1) // 2 // item:
             return NULL
-        ncap += ncap // 2     # 1.5x: less slack than doubling for the big arrays
+        # 1.5x, and 1.25x past GROW_SLOW_BYTES: a big array (the tree's nodes) keeps at
+        # most a quarter of slack. glibc grows such a mapping in place (mremap); an arena
+        # copies it, but a copy of tens of MB costs milliseconds.
+        ncap += ncap // 4 if ncap * item >= GROW_SLOW_BYTES else ncap // 2
     if ncap == cap[0]:
         return ptr
     cdef void* p = mem_realloc(ptr, ncap * item)

@@ -3,7 +3,7 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 from kvconductor._cursor cimport HCursor
-from kvconductor._maps cimport EdgeMap, U64Map, hm_mix
+from kvconductor._maps cimport FpMap, hm_mix
 from kvconductor._pool cimport Pool
 from kvconductor._rwlock cimport pthread_rwlock_t
 
@@ -17,30 +17,45 @@ cdef enum:
     T_ERR_SEQUENCE = -3         # InvalidBlockSequence
 
 cdef struct TNode:
-    # head of this node's member list in Tree.mem (HM_NIL: none); the free-list link of a
-    # free node (Pool convention)
-    uint32_t members
+    # nmembers == 1: the sole member's worker (its engine hash is ``x``); >= 2: head of
+    # the member list in Tree.mem; a free node: the free-list link (Pool convention)
+    uint32_t y
     uint32_t parent             # parent node index (HM_NIL for the root and free nodes)
     uint64_t local              # LocalBlockHash of the block (edge key under the parent)
-    uint64_t sig                # sum of member_sig(worker) over members: set fingerprint
+    # nmembers == 1: the sole member's engine hash; >= 2: the set fingerprint, the sum of
+    # member_sig(worker) over the members (tree_sig gives it for any node)
+    uint64_t x
     uint32_t nmembers           # number of members (workers holding the block)
     uint32_t nchildren          # number of child edges; HM_NIL marks a free node
 
 cdef struct TMember:
+    # a member of a node with two or more (a sole member lives in the node itself)
     uint32_t next               # next member of the same node, or next free record
     uint32_t worker             # worker id
-    uint64_t ehash                # the member worker's engine hash for this block
+    uint64_t ehash              # the member worker's engine hash for this block
 
 cdef struct Tree:
     TNode* nodes                # node array, node 0 = root
     Pool node_pool              # capacity, high-water mark and free list of ``nodes``
     size_t live_nodes           # nodes in use, root excluded
-    TMember* mem                # member records
+    TMember* mem                # member records of the nodes with two or more members
     Pool mem_pool               # capacity, high-water mark and free list of ``mem``
+    size_t nrecords             # member records in use
     size_t npairs               # live (worker, block) pairs
-    EdgeMap edges               # (parent node, local) -> child node
-    U64Map* rev                 # per worker: engine hash -> node
+    # (parent node, local) -> child: an FpMap of node indices, verified against the node
+    FpMap edges
+    # per worker: engine hash -> node, an FpMap of node indices verified against the
+    # worker's member on the node
+    FpMap* rev
     size_t nrev                 # length of rev (max worker id + 1 seen)
+
+
+cdef inline uint64_t tree_sig(const TNode* n) noexcept nogil:
+    """The node's member-set fingerprint (0 for no members)."""
+    if n.nmembers >= 2:
+        return n.x
+    return member_sig(n.y) if n.nmembers == 1 else 0
+
 
 cdef int tree_init(Tree* t) noexcept nogil
 cdef void tree_free(Tree* t) noexcept nogil
@@ -57,6 +72,21 @@ cdef long check_rc(long rc) except -1
 # The result of a *_check function as an exception (AssertionError(msg), MemoryError).
 cdef int check_raise(int rc, const char* msg) except -1
 cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil
+# Bytes the structures touch: the used part of the node and member arrays, every slot of
+# the tables (what resident memory grows by; tree_nbytes counts allocated capacity).
+cdef size_t tree_used_bytes(const Tree* t) noexcept nogil
+# Layout figures into out[0:TL_N] (layout_dict names them).
+cdef enum:
+    TL_N = 8
+cdef void tree_layout(const Tree* t, size_t* out) noexcept nogil
+cdef dict layout_dict(const size_t* out)
+# The child of ``parent`` under ``local``, or HM_NIL.
+cdef uint32_t tree_child(const Tree* t, uint32_t parent, uint64_t local) noexcept nogil
+# The node holding ``worker``'s block ``ehash``, or HM_NIL.
+cdef uint32_t tree_rev_get(const Tree* t, uint32_t worker, uint64_t ehash) noexcept nogil
+# ``worker``'s engine hash on ``node`` into ``out``: 1, or 0 when not a member.
+cdef bint tree_member_ehash(const Tree* t, uint32_t node, uint32_t worker,
+                            uint64_t* out) noexcept nogil
 # Match: fills out_worker[k]/out_depth[k] for result k and out_ehash[w] (indexed by
 # worker id) -- all of capacity t.nrev; ``stamp`` is scratch of t.nrev entries.
 # Returns the number of results.

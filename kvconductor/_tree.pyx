@@ -1,11 +1,13 @@
 # cython: language_level=3
 """HBM radix tree: flat arrays of C structs linked by integer index.
 
-Nodes live in one growable ``TNode`` array (node 0 is the root); the edge table
-``(parent node, LocalBlockHash) -> child`` is one open-addressing ``EdgeMap``;
-each node's members ``(worker, engine hash)`` are a singly linked list in a
-pooled ``TMember`` array; each worker has a reverse map ``engine hash -> node``.
-Semantics: ``docs/design.md`` ("RadixTree").
+Nodes live in one growable ``TNode`` array (node 0 is the root). A node one worker
+holds -- most nodes -- keeps that member (worker, engine hash) inline; a node two or
+more workers hold lists them in a pooled ``TMember`` array. The edge table
+``(parent node, LocalBlockHash) -> child`` and each worker's reverse map
+``engine hash -> node`` are ``FpMap`` tables of 8-byte slots (a node index and a 32-bit
+fingerprint of the key) whose keys are read back from the node, so no key is stored
+twice. Semantics: ``docs/design.md`` ("RadixTree"); the bytes: ``docs/performance.md``.
 
 Every kernel here is ``noexcept nogil`` and reports errors by return code
 (``T_ERR_*``); the Python-facing methods map them to exceptions.
@@ -17,13 +19,13 @@ from libc.string cimport memset
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
-    em_get, em_hash, em_pop, em_put, prefetch, revs_count, revs_ensure, revs_free, revs_nbytes,
-    sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free, u64m_get, u64m_init, u64m_pop,
+    FpMap, U64Map, em_hash, fpm_check, fpm_delete_at, fpm_first, fpm_free, fpm_home, fpm_init,
+    fpm_insert, fpm_nbytes, fpm_next, fpm_reserve_one, hm_mix, prefetch, u64m_free, u64m_init,
     u64m_put,
 )
 from kvconductor._pool cimport (
-    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
-    pool_use_arena,
+    HM_NIL, grow_array, live_allocations, mem_free, pool_give, pool_init, pool_mark_free,
+    pool_take, pool_use_arena,
 )
 from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
@@ -34,6 +36,9 @@ from kvconductor._rwlock cimport (
 from kvconductor._hash import as_u64
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 
+cdef enum:
+    NO_SLOT = 0xFFFFFFFFFFFFFFFF     # "no slot" for the FpMap slot finders
+
 
 # -- allocation ---------------------------------------------------------------------------
 cdef int tree_init(Tree* t) noexcept nogil:
@@ -42,35 +47,70 @@ cdef int tree_init(Tree* t) noexcept nogil:
     t.live_nodes = 0
     t.mem = NULL
     pool_init(&t.mem_pool)
+    t.nrecords = 0
     t.npairs = 0
-    sm_init(&t.edges)
+    fpm_init(&t.edges)
     t.rev = NULL
     t.nrev = 0
     if pool_take(&t.node_pool, <void**>&t.nodes, sizeof(TNode)) != T_ROOT:
         return -1
     t.nodes[0].local = 0
     t.nodes[0].parent = HM_NIL
-    t.nodes[0].members = HM_NIL
+    t.nodes[0].y = HM_NIL
+    t.nodes[0].x = 0
     t.nodes[0].nmembers = 0
     t.nodes[0].nchildren = 0
-    t.nodes[0].sig = 0
     return 0
 
 
 cdef void tree_free(Tree* t) noexcept nogil:
-    revs_free(&t.rev, &t.nrev)
+    cdef size_t w
+    if t.rev != NULL:
+        for w in range(t.nrev):
+            fpm_free(&t.rev[w])
+    mem_free(t.rev)
+    t.rev = NULL
+    t.nrev = 0
     mem_free(t.nodes)
     t.nodes = NULL
     pool_init(&t.node_pool)
     mem_free(t.mem)
     t.mem = NULL
     pool_init(&t.mem_pool)
-    sm_free(&t.edges)
+    fpm_free(&t.edges)
+
+
+cdef size_t _tables_nbytes(const Tree* t) noexcept nogil:
+    cdef size_t w, n = fpm_nbytes(&t.edges) + t.nrev * sizeof(FpMap)
+    for w in range(t.nrev):
+        n += fpm_nbytes(&t.rev[w])
+    return n
 
 
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
-    cdef size_t n = t.node_pool.cap * sizeof(TNode) + t.mem_pool.cap * sizeof(TMember)
-    return n + sm_nbytes(&t.edges) + revs_nbytes(t.rev, t.nrev)
+    return (t.node_pool.cap * sizeof(TNode) + t.mem_pool.cap * sizeof(TMember)
+            + _tables_nbytes(t))
+
+
+cdef size_t tree_used_bytes(const Tree* t) noexcept nogil:
+    return (<size_t>t.node_pool.used * sizeof(TNode)
+            + <size_t>t.mem_pool.used * sizeof(TMember) + _tables_nbytes(t))
+
+
+cdef int _revs_ensure(Tree* t, uint32_t worker) noexcept nogil:
+    """Grow ``t.rev`` to hold ``worker`` (new maps empty); -1 on OOM (unchanged)."""
+    cdef size_t old = t.nrev, cap = t.nrev, w
+    cdef void* p
+    if worker < old:
+        return 0
+    p = grow_array(t.rev, &cap, <size_t>worker + 1, sizeof(FpMap))
+    if p == NULL:
+        return -1
+    t.rev = <FpMap*>p
+    for w in range(old, cap):
+        fpm_init(&t.rev[w])
+    t.nrev = cap
+    return 0
 
 
 cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nogil:
@@ -79,9 +119,9 @@ cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nog
         return HM_NIL
     t.nodes[i].local = local
     t.nodes[i].parent = parent
-    t.nodes[i].members = HM_NIL
+    t.nodes[i].y = HM_NIL
+    t.nodes[i].x = 0
     t.nodes[i].nmembers = 0
-    t.nodes[i].sig = 0
     t.nodes[i].nchildren = 0
     t.live_nodes += 1
     return i
@@ -94,56 +134,169 @@ cdef inline void _free_node(Tree* t, uint32_t i) noexcept nogil:
     t.live_nodes -= 1
 
 
+# -- edges: (parent, local) -> child, keys read back from the child ---------------------------
+cdef inline uint32_t _child(const Tree* t, uint32_t parent, uint64_t local) noexcept nogil:
+    cdef uint32_t fp, c
+    cdef size_t i
+    if t.edges.slots == NULL:
+        return HM_NIL
+    fp = <uint32_t>em_hash(parent, local)
+    i = fpm_first(&t.edges, fp)
+    while True:
+        c = t.edges.slots[i].idx
+        if c == HM_NIL or (t.nodes[c].local == local and t.nodes[c].parent == parent):
+            return c
+        i = fpm_next(&t.edges, fp, i)
+
+
+cdef uint32_t tree_child(const Tree* t, uint32_t parent, uint64_t local) noexcept nogil:
+    return _child(t, parent, local)
+
+
 cdef uint32_t _new_child(Tree* t, uint32_t parent, uint64_t local) noexcept nogil:
     """A new node under ``parent`` for ``local`` (not there yet); HM_NIL on OOM."""
-    cdef uint32_t child = _alloc_node(t, local, parent)
+    cdef uint32_t child
+    if fpm_reserve_one(&t.edges) < 0:
+        return HM_NIL
+    child = _alloc_node(t, local, parent)
     if child == HM_NIL:
         return HM_NIL
-    if em_put(&t.edges, parent, local, child) < 0:
-        _free_node(t, child)
-        return HM_NIL
+    fpm_insert(&t.edges, <uint32_t>em_hash(parent, local), child)
     t.nodes[parent].nchildren += 1
     return child
 
 
-cdef inline uint32_t _alloc_member(Tree* t) noexcept nogil:
+cdef void _drop_edge(Tree* t, uint32_t n) noexcept nogil:
+    """Delete the edge slot of node ``n`` (from its parent)."""
+    cdef uint32_t fp = <uint32_t>em_hash(t.nodes[n].parent, t.nodes[n].local)
+    cdef size_t i = fpm_first(&t.edges, fp)
+    while t.edges.slots[i].idx != n:
+        if t.edges.slots[i].idx == HM_NIL:
+            return
+        i = fpm_next(&t.edges, fp, i)
+    fpm_delete_at(&t.edges, i)
+
+
+# -- members: a sole member inline in the node, two or more in member records ------------------
+cdef inline bint _member_ehash(const Tree* t, uint32_t node, uint32_t worker,
+                               uint64_t* out) noexcept nogil:
+    cdef const TNode* n = &t.nodes[node]
+    cdef uint32_t m
+    if n.nmembers == 1:
+        if n.y == worker:
+            out[0] = n.x
+            return True
+        return False
+    if n.nmembers == 0:
+        return False
+    m = n.y
+    while m != HM_NIL:
+        if t.mem[m].worker == worker:
+            out[0] = t.mem[m].ehash
+            return True
+        m = t.mem[m].next
+    return False
+
+
+cdef bint tree_member_ehash(const Tree* t, uint32_t node, uint32_t worker,
+                            uint64_t* out) noexcept nogil:
+    return _member_ehash(t, node, worker, out)
+
+
+cdef void _set_member_ehash(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexcept nogil:
+    cdef uint32_t m
+    if t.nodes[node].nmembers == 1:
+        t.nodes[node].x = ehash
+        return
+    m = t.nodes[node].y
+    while m != HM_NIL:
+        if t.mem[m].worker == worker:
+            t.mem[m].ehash = ehash
+            return
+        m = t.mem[m].next
+
+
+cdef inline uint32_t _take_record(Tree* t) noexcept nogil:
     return pool_take(&t.mem_pool, <void**>&t.mem, sizeof(TMember))
 
 
-cdef inline void _link_member(Tree* t, uint32_t node, uint32_t m, uint32_t worker,
-                              uint64_t ehash) noexcept nogil:
-    """Make member record ``m`` ``worker``'s hold of ``node`` under engine hash ``ehash``."""
-    t.mem[m].ehash = ehash
-    t.mem[m].worker = worker
-    t.mem[m].next = t.nodes[node].members
-    t.nodes[node].members = m
-    t.nodes[node].nmembers += 1
-    t.nodes[node].sig += member_sig(worker)
+cdef int _link_member(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexcept nogil:
+    """Make ``worker`` (not a member yet) hold ``node`` under ``ehash``; -1 on OOM
+    (unchanged). The newest member comes first in the list."""
+    cdef uint32_t nm = t.nodes[node].nmembers, a, b
+    cdef TNode* n
+    if nm == 0:
+        n = &t.nodes[node]
+        n.y = worker
+        n.x = ehash
+    elif nm == 1:
+        # the inline member moves to a record; the list is (new, old)
+        a = _take_record(t)
+        if a == HM_NIL:
+            return -1
+        b = _take_record(t)
+        if b == HM_NIL:
+            pool_give(&t.mem_pool, t.mem, a, sizeof(TMember))
+            return -1
+        n = &t.nodes[node]
+        t.mem[a].worker = n.y
+        t.mem[a].ehash = n.x
+        t.mem[a].next = HM_NIL
+        t.mem[b].worker = worker
+        t.mem[b].ehash = ehash
+        t.mem[b].next = a
+        n.x = member_sig(n.y) + member_sig(worker)
+        n.y = b
+        t.nrecords += 2
+    else:
+        a = _take_record(t)
+        if a == HM_NIL:
+            return -1
+        n = &t.nodes[node]
+        t.mem[a].worker = worker
+        t.mem[a].ehash = ehash
+        t.mem[a].next = n.y
+        n.y = a
+        n.x += member_sig(worker)
+        t.nrecords += 1
+    n.nmembers = nm + 1
     t.npairs += 1
-
-
-# -- members ----------------------------------------------------------------------------------
-cdef inline uint32_t _find_member(const Tree* t, uint32_t node, uint32_t worker) noexcept nogil:
-    cdef uint32_t m = t.nodes[node].members
-    while m != HM_NIL:
-        if t.mem[m].worker == worker:
-            return m
-        m = t.mem[m].next
-    return HM_NIL
+    return 0
 
 
 cdef bint _unlink_member(Tree* t, uint32_t node, uint32_t worker) noexcept nogil:
-    cdef uint32_t m = t.nodes[node].members, prev = HM_NIL
+    cdef TNode* n = &t.nodes[node]
+    cdef uint32_t nm = n.nmembers, m, prev = HM_NIL, r
+    if nm == 0:
+        return False
+    if nm == 1:
+        if n.y != worker:
+            return False
+        n.y = HM_NIL
+        n.x = 0
+        n.nmembers = 0
+        t.npairs -= 1
+        return True
+    m = n.y
     while m != HM_NIL:
         if t.mem[m].worker == worker:
             if prev == HM_NIL:
-                t.nodes[node].members = t.mem[m].next
+                n.y = t.mem[m].next
             else:
                 t.mem[prev].next = t.mem[m].next
             pool_give(&t.mem_pool, t.mem, m, sizeof(TMember))
-            t.nodes[node].nmembers -= 1
-            t.nodes[node].sig -= member_sig(worker)
+            t.nrecords -= 1
+            n.nmembers = nm - 1
             t.npairs -= 1
+            if nm == 2:
+                # one member left: it moves inline
+                r = n.y
+                n.y = t.mem[r].worker
+                n.x = t.mem[r].ehash
+                pool_give(&t.mem_pool, t.mem, r, sizeof(TMember))
+                t.nrecords -= 1
+            else:
+                n.x -= member_sig(worker)
             return True
         prev = m
         m = t.mem[m].next
@@ -155,10 +308,52 @@ cdef void _prune(Tree* t, uint32_t n) noexcept nogil:
     cdef uint32_t p
     while n != T_ROOT and t.nodes[n].nmembers == 0 and t.nodes[n].nchildren == 0:
         p = t.nodes[n].parent
-        em_pop(&t.edges, p, t.nodes[n].local)
+        _drop_edge(t, n)
         t.nodes[p].nchildren -= 1
         _free_node(t, n)
         n = p
+
+
+# -- reverse maps: per worker, engine hash -> node, keys read back from the member -------------
+cdef inline uint32_t _rev_fp(uint64_t ehash) noexcept nogil:
+    return <uint32_t>hm_mix(ehash)
+
+
+cdef inline size_t _rev_slot(const Tree* t, const FpMap* r, uint32_t worker,
+                             uint64_t ehash) noexcept nogil:
+    """The slot of ``r`` (``worker``'s map) holding ``ehash``, or NO_SLOT."""
+    cdef uint32_t fp
+    cdef size_t i
+    cdef uint64_t e
+    if r.slots == NULL:
+        return NO_SLOT
+    fp = _rev_fp(ehash)
+    i = fpm_first(r, fp)
+    while r.slots[i].idx != HM_NIL:
+        if _member_ehash(t, r.slots[i].idx, worker, &e) and e == ehash:
+            return i
+        i = fpm_next(r, fp, i)
+    return NO_SLOT
+
+
+cdef uint32_t tree_rev_get(const Tree* t, uint32_t worker, uint64_t ehash) noexcept nogil:
+    cdef size_t i
+    if worker >= t.nrev:
+        return HM_NIL
+    i = _rev_slot(t, &t.rev[worker], worker, ehash)
+    return HM_NIL if i == NO_SLOT else t.rev[worker].slots[i].idx
+
+
+cdef inline uint32_t _rev_pop(Tree* t, FpMap* r, uint32_t worker, uint64_t ehash) noexcept nogil:
+    """Delete ``worker``'s entry for ``ehash`` (before its member is unlinked: the
+    lookup reads the member); its node, or HM_NIL when absent."""
+    cdef size_t i = _rev_slot(t, r, worker, ehash)
+    cdef uint32_t node
+    if i == NO_SLOT:
+        return HM_NIL
+    node = r.slots[i].idx
+    fpm_delete_at(r, i)
+    return node
 
 
 # -- mutations ----------------------------------------------------------------------------
@@ -191,49 +386,55 @@ cdef int _has_repeat(bint has_parent, uint64_t parent, const uint64_t* ehashes,
 
 cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
                      const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil:
-    cdef uint32_t node = T_ROOT, child, old, m
+    cdef uint32_t node = T_ROOT, child, old
     cdef size_t i
     cdef int rc
+    cdef uint64_t e, cur
+    cdef size_t s
+    cdef FpMap* rev
     if n == 0:
         return 0
     if has_parent:
-        node = u64m_get(&t.rev[worker], parent) if worker < t.nrev else HM_NIL
+        node = tree_rev_get(t, worker, parent)
         if node == HM_NIL:
             return T_ERR_PARENT
     rc = _has_repeat(has_parent, parent, ehashes, n)
     if rc != 0:
         return T_ERR_OOM if rc < 0 else T_ERR_SEQUENCE
-    if revs_ensure(&t.rev, &t.nrev, worker) < 0:
+    if _revs_ensure(t, worker) < 0:
         return T_ERR_OOM
-    cdef U64Map* rev = &t.rev[worker]
+    rev = &t.rev[worker]        # t.rev is reallocated by _revs_ensure only
     for i in range(n):
-        child = em_get(&t.edges, node, locals[i])
-        old = u64m_get(rev, ehashes[i])
-        if old != HM_NIL and old != child:
-            # The worker announced this engine hash elsewhere before: it moved.
-            _unlink_member(t, old, worker)
-            u64m_pop(rev, ehashes[i])
-            _prune(t, old)
-            # NOTE: pruning may have freed ``child`` (an emptied ancestor of ``old``).
-            child = em_get(&t.edges, node, locals[i])
+        e = ehashes[i]
+        child = _child(t, node, locals[i])
+        old = HM_NIL
+        if rev.size:
+            s = _rev_slot(t, rev, worker, e)
+            if s != NO_SLOT:
+                old = rev.slots[s].idx
+                if old != child:
+                    # The worker announced this engine hash elsewhere before: it moved.
+                    fpm_delete_at(rev, s)
+                    _unlink_member(t, old, worker)
+                    _prune(t, old)
+                    # NOTE: pruning may have freed ``child`` (an emptied ancestor of ``old``).
+                    child = _child(t, node, locals[i])
         if child == HM_NIL:
             child = _new_child(t, node, locals[i])
             if child == HM_NIL:
                 return T_ERR_OOM
-        m = _find_member(t, child, worker)
-        if m != HM_NIL:
-            if t.mem[m].ehash != ehashes[i]:
-                u64m_pop(rev, t.mem[m].ehash)
-                t.mem[m].ehash = ehashes[i]
-        if u64m_put(rev, ehashes[i], child) < 0:
-            return T_ERR_OOM
-        if m == HM_NIL:
-            m = _alloc_member(t)
-            if m == HM_NIL:
-                u64m_pop(rev, ehashes[i])
+        if _member_ehash(t, child, worker, &cur):
+            if cur != e:
+                # The worker holds this block under another engine hash: re-key it (the
+                # pop leaves room for the insert).
+                _rev_pop(t, rev, worker, cur)
+                _set_member_ehash(t, child, worker, e)
+                fpm_insert(rev, _rev_fp(e), child)
+        else:
+            if fpm_reserve_one(rev) < 0 or _link_member(t, child, worker, e) < 0:
                 _prune(t, child)
                 return T_ERR_OOM
-            _link_member(t, child, m, worker, ehashes[i])
+            fpm_insert(rev, _rev_fp(e), child)
         node = child
     return <long>n
 
@@ -245,7 +446,7 @@ cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* ehashes, size_t 
     if worker >= t.nrev:
         return 0
     for i in range(n):
-        node = u64m_pop(&t.rev[worker], ehashes[i])
+        node = _rev_pop(t, &t.rev[worker], worker, ehashes[i])
         if node == HM_NIL:
             continue
         _unlink_member(t, node, worker)
@@ -257,24 +458,24 @@ cdef long tree_remove(Tree* t, uint32_t worker, const uint64_t* ehashes, size_t 
 cdef long tree_clear(Tree* t, uint32_t worker) noexcept nogil:
     cdef size_t i
     cdef long count = 0
-    cdef U64Map* rev
+    cdef FpMap* rev
     cdef uint32_t node
     if worker >= t.nrev:
         return 0
     rev = &t.rev[worker]
-    if rev.keys != NULL:
-        for i in range(rev.mask + 1):
-            node = rev.vals[i]
+    if rev.slots != NULL:
+        for i in range(rev.cap):
+            node = rev.slots[i].idx
             if node != HM_NIL:
                 _unlink_member(t, node, worker)
                 _prune(t, node)
                 count += 1
-    u64m_free(rev)
+    fpm_free(rev)
     return count
 
 
 cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
-    return revs_count(t.rev, t.nrev, worker)
+    return t.rev[worker].size if worker < t.nrev else 0
 
 
 # -- match -----------------------------------------------------------------------------------------
@@ -288,7 +489,15 @@ cdef inline void _settle(const Tree* t, uint32_t node, uint32_t step, uint32_t* 
                          uint32_t mark, uint32_t* out_depth, uint64_t* out_ehash) noexcept nogil:
     """Every still-alive candidate on ``node`` ends there: depth ``step``, its ehash on
     ``node``; its stamp becomes ``mark``."""
-    cdef uint32_t m = t.nodes[node].members, w
+    cdef uint32_t m, w
+    if t.nodes[node].nmembers == 1:
+        w = t.nodes[node].y
+        if stamp[w] == ST_ALIVE:
+            out_ehash[w] = t.nodes[node].x
+            out_depth[w] = step
+            stamp[w] = mark
+        return
+    m = t.nodes[node].y if t.nodes[node].nmembers else HM_NIL
     while m != HM_NIL:
         w = t.mem[m].worker
         if stamp[w] == ST_ALIVE:
@@ -304,7 +513,7 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
 
     ``out_worker[0:alive]`` holds the candidates still on the path, the ones
     that left follow. A step whose node has exactly the alive set (same size,
-    same ``sig`` fingerprint) costs O(1); otherwise the node's member list is
+    same ``tree_sig`` fingerprint) costs O(1); otherwise the node's members are
     scanned and the workers that left get depth ``step`` and their breakpoint
     ehash from the previous node.
     NOTE: the fingerprint is a 64-bit sum of mixed worker ids: the same order of
@@ -315,43 +524,54 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
     cdef uint64_t asig = 0
     if n == 0 or t.nrev == 0:
         return 0
-    child = em_get(&t.edges, T_ROOT, hc_get(hc, 0))
+    child = _child(t, T_ROOT, hc_get(hc, 0))
     if child == HM_NIL:
         return 0
     memset(stamp, 0xFF, t.nrev * sizeof(uint32_t))
-    m = t.nodes[child].members
-    while m != HM_NIL:
-        w = t.mem[m].worker
+    if t.nodes[child].nmembers == 1:
+        w = t.nodes[child].y
         stamp[w] = ST_ALIVE
-        out_worker[cnt] = w
-        cnt += 1
-        m = t.mem[m].next
+        out_worker[0] = w
+        cnt = 1
+    else:
+        m = t.nodes[child].y if t.nodes[child].nmembers else HM_NIL
+        while m != HM_NIL:
+            w = t.mem[m].worker
+            stamp[w] = ST_ALIVE
+            out_worker[cnt] = w
+            cnt += 1
+            m = t.mem[m].next
     alive = cnt
-    asig = t.nodes[child].sig
+    asig = tree_sig(&t.nodes[child])
     node = child
     step = 1
     while step < n:
-        child = em_get(&t.edges, node, hc_get(hc, step))
+        child = _child(t, node, hc_get(hc, step))
         if child == HM_NIL:
             break
         if step + PREFETCH_AHEAD < n and t.edges.slots != NULL:
             # PERF: a chain stored in one go has consecutive node indices, so the
             # edge slot PREFETCH_AHEAD steps on is probably at (child + k, H[step + k]).
-            prefetch(&t.edges.slots[em_hash(child + PREFETCH_AHEAD - 1,
-                                            hc_get(hc, step + PREFETCH_AHEAD)) & t.edges.mask])
+            prefetch(&t.edges.slots[fpm_home(&t.edges, <uint32_t>em_hash(
+                child + PREFETCH_AHEAD - 1, hc_get(hc, step + PREFETCH_AHEAD)))])
             prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
                      else &t.nodes[child])
-        if t.nodes[child].nmembers == alive and t.nodes[child].sig == asig:
+        if t.nodes[child].nmembers == alive and tree_sig(&t.nodes[child]) == asig:
             node = child
             step += 1
             continue
         # Slow step: mark the alive workers that are on ``child`` ...
-        m = t.nodes[child].members
-        while m != HM_NIL:
-            w = t.mem[m].worker
+        if t.nodes[child].nmembers == 1:
+            w = t.nodes[child].y
             if stamp[w] == ST_ALIVE:
                 stamp[w] = ST_KEEP
-            m = t.mem[m].next
+        else:
+            m = t.nodes[child].y if t.nodes[child].nmembers else HM_NIL
+            while m != HM_NIL:
+                w = t.mem[m].worker
+                if stamp[w] == ST_ALIVE:
+                    stamp[w] = ST_KEEP
+                m = t.mem[m].next
         # ... the others stop at depth ``step`` with their ehash on ``node``.
         _settle(t, node, step, stamp, HM_NIL, out_depth, out_ehash)
         j = 0
@@ -381,6 +601,32 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
     return cnt
 
 
+# -- layout ---------------------------------------------------------------------------------------
+cdef void tree_layout(const Tree* t, size_t* out) noexcept nogil:
+    cdef size_t w, rslots = 0
+    for w in range(t.nrev):
+        rslots += t.rev[w].cap
+    out[0] = t.node_pool.used
+    out[1] = t.mem_pool.used
+    out[2] = t.nrecords
+    out[3] = t.edges.cap
+    out[4] = rslots
+    out[5] = t.nrev
+    out[6] = tree_used_bytes(t)
+    out[7] = tree_nbytes(t)
+
+
+cdef dict layout_dict(const size_t* out):
+    """``node_bytes``/``member_bytes`` (struct sizes), ``nodes``/``records`` (high-water
+    marks of the two arrays), ``records_live`` (member records in use: members of nodes
+    two or more workers hold), ``edge_slots``/``rev_slots`` (table capacities),
+    ``rev_maps`` (reverse-map headers), ``used_bytes`` (what the structures touch: the
+    arrays to their high-water marks, every table slot) and ``nbytes`` (allocated)."""
+    return {"node_bytes": sizeof(TNode), "member_bytes": sizeof(TMember), "nodes": out[0],
+            "records": out[1], "records_live": out[2], "edge_slots": out[3],
+            "rev_slots": out[4], "rev_maps": out[5], "used_bytes": out[6], "nbytes": out[7]}
+
+
 # -- invariants ------------------------------------------------------------------------------------
 ctypedef unsigned long long ull
 
@@ -388,8 +634,8 @@ ctypedef unsigned long long ull
 cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8_t* mfree,
                      uint32_t* kids) noexcept nogil:
     """tree_check with scratch: free marks of nodes and members, child counts."""
-    cdef size_t i, live = 0, npairs = 0, nrevs = 0, w
-    cdef uint32_t p, m, k
+    cdef size_t i, live = 0, npairs = 0, nrec = 0, nrevs = 0, w
+    cdef uint32_t p, m, k, nm
     cdef uint64_t sig
     cdef long nf, mf
     nf = pool_mark_free(&t.node_pool, t.nodes, sizeof(TNode), nfree)
@@ -403,11 +649,11 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
     if t.node_pool.used == 0 or nfree[T_ROOT] or t.nodes[T_ROOT].parent != HM_NIL:
         snprintf(msg, cap, "root node missing, free or with a parent")
         return -1
-    if t.nodes[T_ROOT].members != HM_NIL or t.nodes[T_ROOT].nmembers != 0:
+    if t.nodes[T_ROOT].y != HM_NIL or t.nodes[T_ROOT].nmembers != 0:
         snprintf(msg, cap, "root node has members")
         return -1
-    if sm_check(&t.edges) < 0:
-        snprintf(msg, cap, "edge map corrupt (size or probe chains)")
+    if fpm_check(&t.edges) < 0:
+        snprintf(msg, cap, "edge map corrupt (size, load or probe chains)")
         return -1
     memset(kids, 0, t.node_pool.used * sizeof(uint32_t))
     for i in range(t.node_pool.used):
@@ -419,29 +665,43 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
         if t.nodes[i].nchildren == HM_NIL:
             snprintf(msg, cap, "node %llu marked free is not on the free list", <ull>i)
             return -1
-        # members: distinct live records, count, fingerprint, reverse map entries
-        sig = 0
-        k = 0
-        m = t.nodes[i].members
-        while m != HM_NIL:
-            if m >= t.mem_pool.used or mfree[m] != 0:
-                snprintf(msg, cap, "node %llu lists member record %llu that is free, "
-                         "out of range or on another list", <ull>i, <ull>m)
+        # members: a sole one inline; two or more as distinct live records whose count
+        # and fingerprint the node carries; each found by its worker's reverse map
+        nm = t.nodes[i].nmembers
+        if nm == 1:
+            w = t.nodes[i].y
+            if w >= t.nrev or tree_rev_get(t, <uint32_t>w, t.nodes[i].x) != i:
+                snprintf(msg, cap, "sole member (worker %llu, ehash %llu) of node %llu is "
+                         "not in the worker's reverse map", <ull>w, <ull>t.nodes[i].x, <ull>i)
                 return -1
-            mfree[m] = 2                # visited
-            w = t.mem[m].worker
-            sig += member_sig(t.mem[m].worker)
-            if w >= t.nrev or u64m_get(&t.rev[w], t.mem[m].ehash) != i:
-                snprintf(msg, cap, "member (worker %llu, ehash %llu) of node %llu is not in "
-                         "the worker's reverse map", <ull>w, <ull>t.mem[m].ehash, <ull>i)
+        elif nm >= 2:
+            sig = 0
+            k = 0
+            m = t.nodes[i].y
+            while m != HM_NIL:
+                if m >= t.mem_pool.used or mfree[m] != 0:
+                    snprintf(msg, cap, "node %llu lists member record %llu that is free, "
+                             "out of range or on another list", <ull>i, <ull>m)
+                    return -1
+                mfree[m] = 2                # visited
+                w = t.mem[m].worker
+                sig += member_sig(t.mem[m].worker)
+                if w >= t.nrev or tree_rev_get(t, <uint32_t>w, t.mem[m].ehash) != i:
+                    snprintf(msg, cap, "member (worker %llu, ehash %llu) of node %llu is not "
+                             "in the worker's reverse map", <ull>w, <ull>t.mem[m].ehash, <ull>i)
+                    return -1
+                k += 1
+                m = t.mem[m].next
+            if k != nm or sig != t.nodes[i].x:
+                snprintf(msg, cap, "node %llu: nmembers %llu / sig disagree with its %llu "
+                         "member records", <ull>i, <ull>nm, <ull>k)
                 return -1
-            k += 1
-            m = t.mem[m].next
-        if k != t.nodes[i].nmembers or sig != t.nodes[i].sig:
-            snprintf(msg, cap, "node %llu: nmembers %llu / sig disagree with its %llu members",
-                     <ull>i, <ull>t.nodes[i].nmembers, <ull>k)
+            nrec += k
+        elif t.nodes[i].y != HM_NIL:
+            snprintf(msg, cap, "node %llu without members points at %llu", <ull>i,
+                     <ull>t.nodes[i].y)
             return -1
-        npairs += k
+        npairs += nm
         if i == T_ROOT:
             continue
         live += 1
@@ -450,12 +710,12 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
             snprintf(msg, cap, "node %llu has a free or out-of-range parent %llu",
                      <ull>i, <ull>p)
             return -1
-        if em_get(&t.edges, p, t.nodes[i].local) != i:
+        if _child(t, p, t.nodes[i].local) != i:
             snprintf(msg, cap, "node %llu is not the child of edge (parent %llu, its local)",
                      <ull>i, <ull>p)
             return -1
         kids[p] += 1
-        if t.nodes[i].nmembers == 0 and t.nodes[i].nchildren == 0:
+        if nm == 0 and t.nodes[i].nchildren == 0:
             snprintf(msg, cap, "empty node %llu survived (no members, no children)", <ull>i)
             return -1
     for i in range(t.node_pool.used):
@@ -471,9 +731,12 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
         snprintf(msg, cap, "live_nodes %llu, recount %llu, free %llu, high-water %llu",
                  <ull>t.live_nodes, <ull>live, <ull>nf, <ull>t.node_pool.used)
         return -1
-    if npairs != t.npairs or npairs + <size_t>mf != t.mem_pool.used:
-        snprintf(msg, cap, "npairs %llu, recount %llu, free records %llu, high-water %llu",
-                 <ull>t.npairs, <ull>npairs, <ull>mf, <ull>t.mem_pool.used)
+    if npairs != t.npairs:
+        snprintf(msg, cap, "npairs %llu, recount %llu", <ull>t.npairs, <ull>npairs)
+        return -1
+    if nrec != t.nrecords or nrec + <size_t>mf != t.mem_pool.used:
+        snprintf(msg, cap, "nrecords %llu, recount %llu, free records %llu, high-water %llu",
+                 <ull>t.nrecords, <ull>nrec, <ull>mf, <ull>t.mem_pool.used)
         return -1
     # every live non-root node has its edge (checked above); no other edge exists
     if t.edges.size != live:
@@ -482,7 +745,7 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
         return -1
     # reverse maps: sound, and exactly the members (each member found above; sizes agree)
     for w in range(t.nrev):
-        if u64m_check(&t.rev[w]) < 0:
+        if fpm_check(&t.rev[w]) < 0:
             snprintf(msg, cap, "reverse map of worker %llu corrupt", <ull>w)
             return -1
         nrevs += t.rev[w].size
@@ -616,6 +879,15 @@ cdef class RadixTree:
             pthread_rwlock_unlock(&self.lock)
         return nodes, pairs, nb, wb
 
+    def layout(self):
+        """Where the bytes go, read under the read lock (see :func:`layout_dict`)."""
+        cdef size_t out[TL_N]
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            tree_layout(&self.t, out)
+            pthread_rwlock_unlock(&self.lock)
+        return layout_dict(out)
+
     def worker_blocks(self, uint32_t worker):
         """Number of blocks ``worker`` holds."""
         return self.sizes(worker)[3]
@@ -635,7 +907,7 @@ cdef class RadixTree:
         """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
         fail (the object stays safe to free, not to use). Kinds: ``live_nodes``,
         ``nchildren``, ``sig``, ``member_freed``, ``rev_entry``; the last three need a
-        node under the root."""
+        node two workers hold."""
         cdef uint32_t n = self.t.node_pool.used - 1
         cdef uint32_t m
         if kind == "live_nodes":
@@ -645,17 +917,18 @@ cdef class RadixTree:
             self.t.nodes[T_ROOT].nchildren += 1
             return
         while n > T_ROOT and (self.t.nodes[n].nchildren == HM_NIL
-                              or self.t.nodes[n].members == HM_NIL):
+                              or self.t.nodes[n].nmembers < 2):
             n -= 1
         if n == T_ROOT:
-            raise ValueError("needs a node with members")
-        m = self.t.nodes[n].members
+            raise ValueError("needs a node with two members")
+        m = self.t.nodes[n].y
         if kind == "sig":
-            self.t.nodes[n].sig ^= 1
+            self.t.nodes[n].x ^= 1
         elif kind == "member_freed":
             pool_give(&self.t.mem_pool, self.t.mem, m, sizeof(TMember))
         elif kind == "rev_entry":
-            u64m_pop(&self.t.rev[self.t.mem[m].worker], self.t.mem[m].ehash)
+            _rev_pop(&self.t, &self.t.rev[self.t.mem[m].worker], self.t.mem[m].worker,
+                     self.t.mem[m].ehash)
         else:
             raise ValueError(kind)
 
@@ -736,7 +1009,14 @@ cdef int tree_export(const Tree* t, uint32_t* pos, uint32_t* stack, uint32_t* op
             oparent[nrow] = HM_NIL if t.nodes[n].parent == T_ROOT else pos[t.nodes[n].parent]
             olocal[nrow] = t.nodes[n].local
             pos[n] = <uint32_t>nrow
-            m = t.nodes[n].members
+            if t.nodes[n].nmembers == 1:
+                if nmem >= t.npairs:
+                    return -1
+                mnode[nmem] = <uint32_t>nrow
+                mworker[nmem] = t.nodes[n].y
+                mehash[nmem] = t.nodes[n].x
+                nmem += 1
+            m = t.nodes[n].y if t.nodes[n].nmembers >= 2 else HM_NIL
             while m != HM_NIL:
                 if nmem >= t.npairs:
                     return -1
@@ -759,7 +1039,8 @@ cdef long tree_restore(Tree* t, const uint32_t* parents, const uint64_t* locals,
     before its child, a node row out of range, a worker already holding the engine
     hash or the node), T_ERR_OOM. On error the tree may keep memberless nodes: discard it."""
     cdef size_t i, k
-    cdef uint32_t p, node, m, w
+    cdef uint32_t p, node, w
+    cdef uint64_t e
     for i in range(nn):
         if parents[i] == HM_NIL:
             p = T_ROOT
@@ -767,7 +1048,7 @@ cdef long tree_restore(Tree* t, const uint32_t* parents, const uint64_t* locals,
             p = rows[parents[i]]
         else:
             return T_ERR_SEQUENCE
-        node = em_get(&t.edges, p, locals[i])
+        node = _child(t, p, locals[i])
         if node == HM_NIL:
             node = _new_child(t, p, locals[i])
             if node == HM_NIL:
@@ -779,15 +1060,11 @@ cdef long tree_restore(Tree* t, const uint32_t* parents, const uint64_t* locals,
             return T_ERR_SEQUENCE
         node = rows[mnode[i]]
         w = mworker[i]
-        if revs_ensure(&t.rev, &t.nrev, w) < 0:
+        if _revs_ensure(t, w) < 0:
             return T_ERR_OOM
-        if u64m_get(&t.rev[w], mehash[i]) != HM_NIL or _find_member(t, node, w) != HM_NIL:
+        if tree_rev_get(t, w, mehash[i]) != HM_NIL or _member_ehash(t, node, w, &e):
             return T_ERR_SEQUENCE
-        m = _alloc_member(t)
-        if m == HM_NIL:
+        if fpm_reserve_one(&t.rev[w]) < 0 or _link_member(t, node, w, mehash[i]) < 0:
             return T_ERR_OOM
-        if u64m_put(&t.rev[w], mehash[i], node) < 0:
-            pool_give(&t.mem_pool, t.mem, m, sizeof(TMember))
-            return T_ERR_OOM
-        _link_member(t, node, m, w, mehash[i])
+        fpm_insert(&t.rev[w], _rev_fp(mehash[i]), node)
     return <long>nm

@@ -620,6 +620,25 @@ def test_core_stats_keys_and_errors(CoreIndex):
     assert (c.worker_blocks(0), c.worker_blocks(1), c.worker_blocks(2)) == (0, 1, 1)
 
 
+def test_core_hbm_layout_counts_the_tree():
+    """The compiled CoreIndex's HBM layout: a block one worker holds costs a node and no
+    member record; a second holder moves both members into records."""
+    core = pytest.importorskip("kvconductor._index").CoreIndex()
+    core.set_worker(0, 0, 0)
+    core.set_worker(1, 1, 0)
+    core.store(0, None, [10, 11, 12], H[:3])
+    lay = core.hbm_layout()
+    assert (lay["nodes"], lay["records_live"]) == (4, 0)  # the root and three
+    core.store(1, None, [20], H[:1])
+    lay = core.hbm_layout()
+    assert (lay["nodes"], lay["records_live"], lay["records"]) == (4, 2, 2)
+    # the tree is part of the index's allocated bytes
+    assert 0 < lay["used_bytes"] <= lay["nbytes"] < core.stats()["nbytes"]
+    core.remove(1, [20])
+    assert core.hbm_layout()["records_live"] == 0
+    core.check_invariants()
+
+
 def test_core_match_rows_sorted_by_group(CoreIndex):
     c = CoreIndex()
     c.set_worker(0, 5, 0)  # HBM, group 5

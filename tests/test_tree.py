@@ -392,3 +392,133 @@ def test_check_invariants_sees_corruption(kind):
     t._corrupt_for_test(kind)
     with pytest.raises(AssertionError):
         t.check_invariants()
+
+
+# -- keys read back from the node ---------------------------------------------------------------
+# The compiled tree's edge table and reverse maps keep 8-byte slots: a node index and 32 bits
+# of the key's hash (the splitmix64 finalizer). Two keys with the same 32 bits share a probe
+# run, and only the key read back from the node tells them apart.
+
+U64 = 2**64 - 1
+
+
+def _mix(x):
+    """splitmix64's finalizer, written independently of kvconductor._maps.hm_mix."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & U64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & U64
+    return x ^ (x >> 31)
+
+
+# Found by a birthday search over 1..200,000: the same low 32 bits of _mix. As engine hashes
+# of one worker they share a reverse-map fingerprint; as LocalBlockHashes under the root
+# (edge key hash = _mix(0 * C ^ local)) they share an edge fingerprint.
+FP_A, FP_B = 85078, 177926
+
+
+def test_fingerprint_twins_collide():
+    assert FP_A != FP_B and _mix(FP_A) & 0xFFFFFFFF == _mix(FP_B) & 0xFFFFFFFF
+
+
+def test_colliding_engine_hashes_stay_apart(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [FP_A], [1])
+    t.store(W1, None, [FP_B], [2])
+    assert t.match([1]) == [(W1, 1, FP_A)]
+    assert t.match([2]) == [(W1, 1, FP_B)]
+    # the parent lookup picks the right one of the two
+    t.store(W1, FP_B, [300], [5])
+    assert t.match([2, 5]) == [(W1, 2, 300)]
+    assert t.match([1, 5]) == [(W1, 1, FP_A)]
+    with pytest.raises(ParentBlockNotFound):
+        t.store(W2, FP_A, [400], [6])  # W2 holds neither
+    # a shared node: W2 joins FP_A's node, so W1's member is found in a member list
+    t.store(W2, None, [FP_B], [1])
+    assert t.match([1]) == [(W1, 1, FP_A), (W2, 1, FP_B)]
+    assert t.remove(W1, [FP_A]) == 1
+    assert t.remove(W1, [FP_A]) == 0
+    assert t.match([1]) == [(W2, 1, FP_B)]
+    assert t.match([2, 5]) == [(W1, 2, 300)]
+    assert t.remove(W2, [FP_B]) == 1
+    assert t.match([2, 5]) == [(W1, 2, 300)]
+    assert state(t) == (2, 2)
+
+
+def test_colliding_local_hashes_under_the_root(RadixTree):
+    t = RadixTree()
+    t.store(W1, None, [101, 102], [FP_A, 1])
+    t.store(W2, None, [201], [FP_B])
+    assert t.match([FP_A, 1]) == [(W1, 2, 102)]
+    assert t.match([FP_B]) == [(W2, 1, 201)]
+    assert t.match([FP_B, 1]) == [(W2, 1, 201)]
+    # pruning FP_A's node takes its edge out of the shared run; FP_B's stays found
+    assert t.remove(W1, [102, 101]) == 2
+    assert t.match([FP_A]) == []
+    assert t.match([FP_B]) == [(W2, 1, 201)]
+    assert state(t) == (1, 1)
+
+
+def test_members_move_between_the_node_and_records(RadixTree):
+    """A block one worker holds keeps its member in the node; a second holder moves both
+    into member records, and the last but one leaving moves the survivor back."""
+    t = RadixTree()
+
+    def records():
+        layout = getattr(t, "layout", None)  # the compiled tree's bookkeeping
+        if layout is not None:
+            t.check_invariants()
+            return layout()["records_live"]
+        return None
+
+    t.store(W1, None, [101], [1])
+    assert records() in (0, None)
+    t.store(W2, None, [201], [1])
+    assert records() in (2, None)
+    t.store(W3, None, [301], [1])
+    assert records() in (3, None)
+    assert t.match([1]) == [(W1, 1, 101), (W2, 1, 201), (W3, 1, 301)]
+    # W2 announces the same block under a new engine hash: its member is re-keyed
+    t.store(W2, None, [202], [1])
+    assert t.match([1]) == [(W1, 1, 101), (W2, 1, 202), (W3, 1, 301)]
+    assert t.remove(W2, [201]) == 0 and t.worker_blocks(W2) == 1
+    assert records() in (3, None)
+    assert t.remove(W1, [101]) == 1
+    assert records() in (2, None)
+    assert t.remove(W3, [301]) == 1
+    assert records() in (0, None)
+    assert t.match([1]) == [(W2, 1, 202)]
+    # and the inline member is re-keyed the same way
+    t.store(W2, None, [203], [1])
+    assert t.match([1]) == [(W2, 1, 203)]
+    assert t.remove(W2, [202]) == 0
+    assert t.remove(W2, [203]) == 1
+    assert state(t) == (0, 0) and records() in (0, None)
+
+
+def test_layout_of_the_compiled_tree():
+    ctree = pytest.importorskip("kvconductor._tree")
+    t = ctree.RadixTree()
+    lay = t.layout()
+    assert (lay["node_bytes"], lay["member_bytes"]) == (32, 16)
+    assert lay["nodes"] == 1 and lay["records"] == 0  # the root
+    # 64 one-block chains of distinct workers on distinct nodes, then all on one node
+    for w in range(64):
+        t.store(w, None, [1000 + w], [w + 1])
+    lay = t.layout()
+    assert lay["nodes"] == 65 and lay["records"] == 0
+    assert lay["edge_slots"] * 7 >= 64 * 8 and lay["rev_slots"] >= 64
+    for w in range(64):
+        t.store(w, None, [5000 + w], [100])
+    lay = t.layout()
+    assert lay["records_live"] == 64 and lay["records"] == 64
+    # used: the two arrays up to their high-water marks, every table slot, the map headers
+    assert lay["rev_maps"] >= 64
+    assert lay["used_bytes"] == (
+        lay["nodes"] * 32
+        + lay["records"] * 16
+        + 8 * (lay["edge_slots"] + lay["rev_slots"])
+        + 24 * lay["rev_maps"]
+    )
+    assert lay["nbytes"] >= lay["used_bytes"]
+    t.check_invariants()
