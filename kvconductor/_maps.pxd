@@ -399,8 +399,9 @@ cdef inline int sm_check(const PairMap* m) noexcept nogil:
 # run from the fingerprint's home (``fpm_first`` / ``fpm_next``) and checks each
 # fingerprint hit against the item; rehashing and deleting need only the fingerprint,
 # never the item. The home is ``fp * cap >> 32`` (any capacity, not just powers of two),
-# so the table grows by 1.5x at a load of 7/8 and stays between 58 % and 88 % full:
-# probe runs are longer than at 3/4, but they are runs of 8-byte slots in a few cache lines.
+# so the table grows by 1.5x at a load of 13/16 and stays between 54 % and 81 % full.
+# PERF: at 7/8 the same tables were ~15 % slower to fill (longer probe runs) for ~7 %
+# fewer bytes; 13/16 stores faster than the 3/4 maps with keys it replaced.
 cdef struct FSlot:
     uint32_t idx                 # item index, HM_NIL = empty slot
     uint32_t fp                  # the key's fingerprint (low 32 bits of its hash)
@@ -454,10 +455,10 @@ cdef inline int _fpm_rehash(FpMap* m, size_t cap) noexcept nogil:
 
 
 cdef inline int fpm_reserve_one(FpMap* m) noexcept nogil:
-    """Room for one more entry (load factor <= 7/8); -1 on OOM, map unchanged."""
+    """Room for one more entry (load factor <= 13/16); -1 on OOM, map unchanged."""
     if m.slots == NULL:
         return _fpm_rehash(m, 8)
-    if (m.size + 1) * 8 > m.cap * 7:
+    if (m.size + 1) * 16 > m.cap * 13:
         return _fpm_rehash(m, m.cap + m.cap // 2)
     return 0
 
@@ -520,4 +521,4 @@ cdef inline int fpm_check(const FpMap* m) noexcept nogil:
                 if m.slots[j].idx == HM_NIL:
                     return -1
                 j = 0 if j + 1 == m.cap else j + 1
-    return 0 if n == m.size and n * 8 <= m.cap * 7 else -1
+    return 0 if n == m.size and n * 16 <= m.cap * 13 else -1
