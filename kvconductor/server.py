@@ -34,7 +34,7 @@ import uvicorn
 
 from kvconductor.app import create_app
 from kvconductor.protocol import HttpLimits, h11_buffer_limit, protocol_class
-from kvconductor.service import Conductor, open_file_limits, raise_fd_limit
+from kvconductor.service import TRIM_SECS, Conductor, open_file_limits, raise_fd_limit, trim_heap
 from kvconductor.settings import Settings
 
 log = logging.getLogger("kvconductor")
@@ -124,12 +124,22 @@ class KvServer(uvicorn.Server):
       disconnect and end) and cancel what still runs. One WARN line says so;
       uvicorn's ERROR lines and the CancelledError tracebacks of cancelled
       requests (see :class:`_EndQuietlyOnShutdown`) are not produced.
+    * ``trim_heap=True`` (the worker processes of ``--workers N``, which have no ingest
+      thread to do it): every ``TRIM_SECS`` the event loop gives freed heap memory back
+      to the system (:func:`kvconductor.service.trim_heap`), so a worker that answered
+      a few very long prompts does not keep their parse buffers' pages.
     """
 
-    def __init__(self, config: uvicorn.Config) -> None:
+    def __init__(self, config: uvicorn.Config, trim_heap: bool = False) -> None:
         super().__init__(config)
         if not isinstance(config.app, str):
             config.app = _EndQuietlyOnShutdown(config.app, self)
+        self._trim_ticks = round(TRIM_SECS * 10) if trim_heap else 0  # on_tick: every 0.1 s
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._trim_ticks and counter and counter % self._trim_ticks == 0:
+            trim_heap()
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         name = signal.Signals(sig).name

@@ -612,3 +612,34 @@ def test_bind_dual_stack():
         assert server_module.format_address(sock) == f"[::]:{sock.getsockname()[1]}"
     finally:
         sock.close()
+
+
+def test_worker_servers_trim_their_heap_every_trim_secs(monkeypatch):
+    """The ``--workers N`` processes have no ingest thread: their event loop trims the
+    heap every TRIM_SECS (on uvicorn's 0.1 s tick); the single-process server leaves it
+    to the ingest thread."""
+    import asyncio
+
+    import uvicorn
+
+    from kvconductor import server as srv_mod
+    from kvconductor.service import TRIM_SECS
+
+    calls: list[int] = []
+    monkeypatch.setattr(srv_mod, "trim_heap", lambda: calls.append(1))
+
+    async def app(scope, receive, send):  # never called
+        raise AssertionError
+
+    ticks = round(TRIM_SECS * 10)
+    for trim, expected in ((True, 2), (False, 0)):
+        calls.clear()
+        server = srv_mod.KvServer(uvicorn.Config(app), trim_heap=trim)
+        for counter in range(2 * ticks + 1):
+            asyncio.run(server.on_tick(counter))
+        assert len(calls) == expected
+    # the gunicorn worker class builds its server with trimming on
+    assert (
+        "KvServer(config=self.config, trim_heap=True)"
+        in Path(srv_mod.__file__).with_name("worker.py").read_text()
+    )
