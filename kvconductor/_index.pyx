@@ -33,8 +33,8 @@ from kvconductor._shlock cimport (
 from posix.unistd cimport usleep
 from kvconductor._lower cimport (
     Lower, lower_check, lower_clear, lower_find, lower_free, lower_init, lower_lookup,
-    lower_nbytes, lower_owns, lower_remove, lower_root_of, lower_store, lower_walk_multi,
-    lower_worker_blocks,
+    lower_nbytes, lower_owner_first, lower_owner_next, lower_owns, lower_remove, lower_rev_get,
+    lower_root_of, lower_store, lower_walk_multi, lower_worker_blocks,
 )
 from kvconductor._tree cimport (
     T_ERR_OOM, T_ROOT, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init,
@@ -888,15 +888,14 @@ cdef class CoreIndex:
             memset(s.stamp, 0xFF, s.W * sizeof(uint32_t))
         while e != HM_NIL:
             nc = 0
-            o = L.edges[e].owners
-            while o != HM_NIL:
-                w = L.own[o].worker
+            w = lower_owner_first(L, e, &o)
+            while w != HM_NIL:
                 if (w < self.st.nworkers and nc < s.W and s.stamp[w] == HM_NIL
                         and not self.st.wmute[w]):
                     s.stamp[w] = 0
                     s.cand[nc] = w
                     nc += 1
-                o = L.own[o].next
+                w = lower_owner_next(L, &o)
             first = L.edges[e].child
             lower_walk_multi(L, hc, 1, first, s.cand, nc, s.idx, s.W, s.oend, s.olast)
             for k in range(nc):
@@ -919,14 +918,13 @@ cdef class CoreIndex:
             if e == HM_NIL:
                 continue
             nc = 0
-            o = L.edges[e].owners
-            while o != HM_NIL:
-                w = L.own[o].worker
+            w = lower_owner_first(L, e, &o)
+            while w != HM_NIL:
                 if (w < self.st.nworkers and self.st.wgroup[w] == g and nc < s.W
                         and not self.st.wmute[w]):
                     s.cand[nc] = w
                     nc += 1
-                o = L.own[o].next
+                w = lower_owner_next(L, &o)
             if nc == 0:
                 continue
             lower_walk_multi(L, hc, start, last, s.cand, nc, s.idx, s.W, s.oend, s.olast)
@@ -1179,7 +1177,8 @@ cdef class CoreIndex:
     def worker_hashes(self, uint32_t worker):
         """The engine hashes ``worker`` holds on its tier, as ``array('Q')`` (any order)."""
         cdef int slot_, stale_ = 0
-        cdef const U64Map* rev = NULL
+        cdef const FpMap* lrev = NULL
+        cdef const Lower* L = NULL
         cdef const FpMap* trev = NULL
         cdef size_t i, k = 0, n = 0
         cdef uint64_t* o
@@ -1196,18 +1195,19 @@ cdef class CoreIndex:
                     if worker < self.st.tree.nrev:
                         trev = &self.st.tree.rev[worker]
                 elif worker < self.st.tiers[tier - 1].nrev:
-                    rev = &self.st.tiers[tier - 1].rev[worker]
-            if rev != NULL:
-                n = rev.size
+                    L = &self.st.tiers[tier - 1]
+                    lrev = &L.rev[worker]
+            if lrev != NULL:
+                n = lrev.size
             elif trev != NULL:
                 n = trev.size
             out = _array.array("Q", bytes(8 * n))
             if n:
                 o = <uint64_t*>(<array.array>out).data.as_ulonglongs
-                if rev != NULL:
-                    for i in range(rev.mask + 1):
-                        if rev.vals[i] != HM_NIL:
-                            o[k] = rev.keys[i]
+                if lrev != NULL:
+                    for i in range(lrev.cap):
+                        if lrev.slots[i].idx != HM_NIL:
+                            o[k] = L.edges[lrev.slots[i].idx].child
                             k += 1
                 else:
                     for i in range(trev.cap):
@@ -1243,7 +1243,7 @@ cdef class CoreIndex:
                         if p != 0 and p != HM_NIL:
                             has_parent = tree_member_ehash(&self.st.tree, p, worker, &parent)
                 elif tier > 0 and worker < self.st.tiers[tier - 1].nrev:
-                    node = u64m_get(&self.st.tiers[tier - 1].rev[worker], h)
+                    node = lower_rev_get(&self.st.tiers[tier - 1], worker, h)
                     if node != HM_NIL:
                         found = True
                         has_parent = self.st.tiers[tier - 1].edges[node].has_parent == 1
@@ -1304,7 +1304,6 @@ cdef class CoreIndex:
     cdef bint _holds_local(self, int tier, uint32_t w, uint64_t local) noexcept nogil:
         """Does ``w`` hold, on its tier, any block whose LocalBlockHash is ``local``?
         O(blocks of ``w``): diagnostics only."""
-        cdef const U64Map* rev
         cdef const FpMap* trev
         cdef size_t i
         cdef const Lower* L
@@ -1322,11 +1321,11 @@ cdef class CoreIndex:
         L = &self.st.tiers[tier - 1]
         if w >= L.nrev:
             return False
-        rev = &L.rev[w]
-        if rev.size == 0:
+        trev = &L.rev[w]
+        if trev.size == 0:
             return False
-        for i in range(rev.mask + 1):
-            if rev.vals[i] != HM_NIL and L.edges[rev.vals[i]].local == local:
+        for i in range(trev.cap):
+            if trev.slots[i].idx != HM_NIL and L.edges[trev.slots[i].idx].local == local:
                 return True
         return False
 
@@ -1612,7 +1611,7 @@ cdef class CoreIndex:
         cdef int slot_, stale_ = 0
         cdef Lower* L
         cdef size_t n, k = 0, i
-        cdef uint32_t e, o
+        cdef uint32_t e, o, w
         cdef int bad = 0
         cdef uint32_t* ow
         cdef uint64_t* oe
@@ -1644,34 +1643,34 @@ cdef class CoreIndex:
                 for i in range(L.roots.mask + 1 if L.roots.keys != NULL else 0):
                     e = L.roots.vals[i]
                     while e != HM_NIL and bad == 0:
-                        o = L.edges[e].owners
-                        while o != HM_NIL:
+                        w = lower_owner_first(L, e, &o)
+                        while w != HM_NIL:
                             if k >= n:
                                 bad = 1
                                 break
-                            ow[k] = L.own[o].worker
+                            ow[k] = w
                             oe[k] = L.edges[e].child
                             ol[k] = L.edges[e].local
                             op[k] = 0
                             oh[k] = 0
                             k += 1
-                            o = L.own[o].next
+                            w = lower_owner_next(L, &o)
                         e = L.edges[e].next_root
                 for i in range(L.edge_pool.used):
                     if L.edges[i].has_parent != 1 or bad:
                         continue
-                    o = L.edges[i].owners
-                    while o != HM_NIL:
+                    w = lower_owner_first(L, <uint32_t>i, &o)
+                    while w != HM_NIL:
                         if k >= n:
                             bad = 1
                             break
-                        ow[k] = L.own[o].worker
+                        ow[k] = w
                         oe[k] = L.edges[i].child
                         ol[k] = L.edges[i].local
                         op[k] = L.edges[i].parent
                         oh[k] = 1
                         k += 1
-                        o = L.own[o].next
+                        w = lower_owner_next(L, &o)
         finally:
             self._runlock(slot_)
         if bad or k != n:

@@ -3,12 +3,14 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 from kvconductor._cursor cimport HCursor
-from kvconductor._maps cimport PairMap, U64Map
-from kvconductor._pool cimport Pool
+from kvconductor._maps cimport FpMap, U64Map
+from kvconductor._pool cimport HM_NIL, Pool
 from kvconductor._rwlock cimport pthread_rwlock_t
 
 cdef struct LEdge:
-    uint32_t owners             # head of the owner list in Lower.own (next free edge when free)
+    # nowners == 1: the sole owner's worker id; >= 2: head of the owner list in Lower.own;
+    # a free edge: the next free edge (Pool convention)
+    uint32_t owners
     uint32_t nowners            # number of owner workers
     uint64_t parent             # parent engine hash (meaningful when has_parent == 1)
     uint64_t local              # LocalBlockHash of the block
@@ -17,6 +19,7 @@ cdef struct LEdge:
     uint32_t next_root          # next root edge with the same LocalBlockHash (HM_NIL: last)
 
 cdef struct LOwner:
+    # an owner of an edge two or more workers own (a sole owner lives in the edge)
     uint32_t next               # next owner of the same edge, or next free record
     uint32_t worker             # owner worker id
 
@@ -26,11 +29,39 @@ cdef struct Lower:
     size_t live_edges           # edges in use
     LOwner* own                 # owner records
     Pool own_pool               # capacity, high-water mark and free list of ``own``
-    PairMap pairs               # (parent engine hash, local) -> edge, for non-root edges
+    size_t nrecords             # owner records in use
+    # (parent engine hash, local) -> edge, for non-root edges: an FpMap of edge indices,
+    # verified against the edge's parent and local
+    FpMap pairs
     U64Map roots                # local -> first root edge; more via LEdge.next_root, oldest first
-    U64Map* rev                 # per worker: engine hash -> edge
+    # per worker: engine hash -> edge, an FpMap verified against the edge's child (the
+    # engine hash a worker maps to an edge is always that edge's child)
+    FpMap* rev
     size_t nrev                 # length of rev
     size_t total                # sum of the reverse maps' sizes: (worker, block) pairs
+
+# Owners of edge ``e``: ``w = lower_owner_first(L, e, &cur)`` then, while ``w != HM_NIL``,
+# ``w = lower_owner_next(L, &cur)`` (newest first).
+cdef inline uint32_t lower_owner_first(const Lower* L, uint32_t e, uint32_t* cur) noexcept nogil:
+    cdef uint32_t o
+    if L.edges[e].nowners == 1:
+        cur[0] = HM_NIL
+        return L.edges[e].owners
+    o = L.edges[e].owners if L.edges[e].nowners else HM_NIL
+    if o == HM_NIL:
+        cur[0] = HM_NIL
+        return HM_NIL
+    cur[0] = L.own[o].next
+    return L.own[o].worker
+
+
+cdef inline uint32_t lower_owner_next(const Lower* L, uint32_t* cur) noexcept nogil:
+    cdef uint32_t o = cur[0]
+    if o == HM_NIL:
+        return HM_NIL
+    cur[0] = L.own[o].next
+    return L.own[o].worker
+
 
 cdef void lower_init(Lower* L) noexcept nogil
 cdef void lower_free(Lower* L) noexcept nogil
@@ -42,6 +73,8 @@ cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
 # The root edge of ``local`` owned by ``worker`` that was created first, or HM_NIL.
 cdef uint32_t lower_root_of(const Lower* L, uint64_t local, uint32_t worker) noexcept nogil
 cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil
+# The edge ``worker`` maps engine hash ``h`` to, or HM_NIL.
+cdef uint32_t lower_rev_get(const Lower* L, uint32_t worker, uint64_t h) noexcept nogil
 cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,
                       const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
 cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil

@@ -1,11 +1,13 @@
 # cython: language_level=3
 """CPU and Disk tiers: edge tables keyed by (parent engine hash | root, LocalBlockHash).
 
-Edges live in one growable ``LEdge`` array; ``(parent, local) -> edge`` is a
-``PairMap`` and root edges ``local -> edge`` a ``U64Map``; owners are pooled
-linked lists; each worker has a reverse map ``engine hash -> edge``.
-Semantics: ``docs/design.md`` ("LowerTier"). The two-phase offload/pool state
-that feeds these tiers lives in ``_index.CoreIndex``.
+Edges live in one growable ``LEdge`` array. ``(parent, local) -> edge`` is an ``FpMap``
+of 8-byte slots (edge index and 32 bits of the key's hash) whose keys are read back from
+the edge, and root edges ``local -> edge`` a ``U64Map``. An edge one worker owns -- most
+edges -- keeps that owner inline; two or more owners are a pooled linked list. Each
+worker has a reverse map ``engine hash -> edge``, an ``FpMap`` checked against the
+edge's child. Semantics: ``docs/design.md`` ("LowerTier"). The two-phase offload/pool
+state that feeds these tiers lives in ``_index.CoreIndex``.
 """
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdio cimport snprintf
@@ -13,13 +15,13 @@ from libc.stdlib cimport free, malloc
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
-    PSlot, pm_find, pm_get, pm_hash, pm_pop, pm_put, prefetch, revs_count, revs_ensure,
-    revs_free, revs_nbytes, sm_check, sm_free, sm_init, sm_nbytes, u64m_check, u64m_free,
+    FpMap, fpm_check, fpm_delete_at, fpm_first, fpm_free, fpm_home, fpm_init, fpm_insert,
+    fpm_nbytes, fpm_next, fpm_reserve_one, hm_mix, pm_hash, prefetch, u64m_check, u64m_free,
     u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
 )
 from kvconductor._pool cimport (
-    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
-    pool_use_arena,
+    HM_NIL, grow_array, live_allocations, mem_free, pool_give, pool_init, pool_mark_free,
+    pool_take, pool_use_arena,
 )
 from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
@@ -34,6 +36,7 @@ from kvconductor._hash import as_u64
 
 cdef enum:
     PREFETCH_AHEAD = 32          # edges ahead for the speculative table-slot prefetch
+    NO_SLOT = 0xFFFFFFFFFFFFFFFF     # "no slot" for the FpMap slot finders
 
 
 cdef void lower_init(Lower* L) noexcept nogil:
@@ -42,7 +45,8 @@ cdef void lower_init(Lower* L) noexcept nogil:
     L.live_edges = 0
     L.own = NULL
     pool_init(&L.own_pool)
-    sm_init(&L.pairs)
+    L.nrecords = 0
+    fpm_init(&L.pairs)
     u64m_init(&L.roots)
     L.rev = NULL
     L.nrev = 0
@@ -50,23 +54,103 @@ cdef void lower_init(Lower* L) noexcept nogil:
 
 
 cdef void lower_free(Lower* L) noexcept nogil:
-    revs_free(&L.rev, &L.nrev)
+    cdef size_t w
+    if L.rev != NULL:
+        for w in range(L.nrev):
+            fpm_free(&L.rev[w])
+    mem_free(L.rev)
     mem_free(L.edges)
     mem_free(L.own)
-    sm_free(&L.pairs)
+    fpm_free(&L.pairs)
     u64m_free(&L.roots)
     lower_init(L)
 
 
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
-    cdef size_t n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
-    return n + sm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + revs_nbytes(L.rev, L.nrev)
+    cdef size_t w, n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
+    n += fpm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + L.nrev * sizeof(FpMap)
+    for w in range(L.nrev):
+        n += fpm_nbytes(&L.rev[w])
+    return n
+
+
+cdef int _revs_ensure(Lower* L, uint32_t worker) noexcept nogil:
+    """Grow ``L.rev`` to hold ``worker`` (new maps empty); -1 on OOM (unchanged)."""
+    cdef size_t old = L.nrev, cap = L.nrev, w
+    cdef void* p
+    if worker < old:
+        return 0
+    p = grow_array(L.rev, &cap, <size_t>worker + 1, sizeof(FpMap))
+    if p == NULL:
+        return -1
+    L.rev = <FpMap*>p
+    for w in range(old, cap):
+        fpm_init(&L.rev[w])
+    L.nrev = cap
+    return 0
+
+
+# -- non-root edges: (parent, local) -> edge, the key read back from the edge -----------------
+cdef inline uint32_t _pair_fp(uint64_t parent, uint64_t local) noexcept nogil:
+    return <uint32_t>pm_hash(parent, local)
+
+
+cdef inline uint32_t _pair_get(const Lower* L, uint64_t parent, uint64_t local) noexcept nogil:
+    cdef uint32_t fp, e
+    cdef size_t i
+    if L.pairs.slots == NULL:
+        return HM_NIL
+    fp = _pair_fp(parent, local)
+    i = fpm_first(&L.pairs, fp)
+    while True:
+        e = L.pairs.slots[i].idx
+        if e == HM_NIL or (L.edges[e].local == local and L.edges[e].parent == parent):
+            return e
+        i = fpm_next(&L.pairs, fp, i)
+
+
+cdef void _pair_drop(Lower* L, uint32_t e) noexcept nogil:
+    """Delete the table slot of non-root edge ``e``."""
+    cdef uint32_t fp = _pair_fp(L.edges[e].parent, L.edges[e].local)
+    cdef size_t i = fpm_first(&L.pairs, fp)
+    while L.pairs.slots[i].idx != e:
+        if L.pairs.slots[i].idx == HM_NIL:
+            return
+        i = fpm_next(&L.pairs, fp, i)
+    fpm_delete_at(&L.pairs, i)
+
+
+# -- reverse maps: per worker, engine hash -> edge, checked against the edge's child ---------
+cdef inline uint32_t _rev_fp(uint64_t h) noexcept nogil:
+    return <uint32_t>hm_mix(h)
+
+
+cdef inline size_t _rev_slot(const Lower* L, const FpMap* r, uint64_t h) noexcept nogil:
+    cdef uint32_t fp
+    cdef size_t i
+    if r.slots == NULL:
+        return NO_SLOT
+    fp = _rev_fp(h)
+    i = fpm_first(r, fp)
+    while r.slots[i].idx != HM_NIL:
+        if L.edges[r.slots[i].idx].child == h:
+            return i
+        i = fpm_next(r, fp, i)
+    return NO_SLOT
+
+
+cdef uint32_t lower_rev_get(const Lower* L, uint32_t worker, uint64_t h) noexcept nogil:
+    cdef size_t i
+    if worker >= L.nrev:
+        return HM_NIL
+    i = _rev_slot(L, &L.rev[worker], h)
+    return HM_NIL if i == NO_SLOT else L.rev[worker].slots[i].idx
 
 
 cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
                          uint64_t local) noexcept nogil:
     if has_parent:
-        return pm_get(&L.pairs, parent, local)
+        return _pair_get(L, parent, local)
     return u64m_get(&L.roots, local)
 
 
@@ -86,19 +170,23 @@ cdef uint32_t _root_edge(const Lower* L, uint64_t local, uint64_t child) noexcep
 
 
 cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
-    cdef uint32_t o = L.edges[e].owners
-    while o != HM_NIL:
-        if L.own[o].worker == worker:
+    cdef uint32_t cur
+    cdef uint32_t w = lower_owner_first(L, e, &cur)
+    while w != HM_NIL:
+        if w == worker:
             return True
-        o = L.own[o].next
+        w = lower_owner_next(L, &cur)
     return False
 
 
 cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t local,
                         uint64_t child) noexcept nogil:
-    cdef int rc
+    cdef int rc = 0
     cdef uint32_t t
-    cdef uint32_t e = pool_take(&L.edge_pool, <void**>&L.edges, sizeof(LEdge))
+    cdef uint32_t e
+    if has_parent and fpm_reserve_one(&L.pairs) < 0:
+        return HM_NIL
+    e = pool_take(&L.edge_pool, <void**>&L.edges, sizeof(LEdge))
     if e == HM_NIL:
         return HM_NIL
     L.edges[e].parent = parent if has_parent else 0
@@ -107,14 +195,12 @@ cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t loc
     L.edges[e].owners = HM_NIL
     L.edges[e].nowners = 0
     L.edges[e].has_parent = 1 if has_parent else 0
+    L.edges[e].next_root = HM_NIL
     if has_parent:
-        rc = pm_put(&L.pairs, parent, local, e)
-        if rc >= 0:
-            pm_find(&L.pairs, parent, local).c = child
+        fpm_insert(&L.pairs, _pair_fp(parent, local), e)
     else:
         # NOTE: engines with different hash seeds give the same first block different
         # engine hashes; each gets its own root edge, appended so the oldest stays first.
-        L.edges[e].next_root = HM_NIL
         t = u64m_get(&L.roots, local)
         if t == HM_NIL:
             rc = u64m_put(&L.roots, local, e)
@@ -122,7 +208,6 @@ cdef uint32_t _new_edge(Lower* L, bint has_parent, uint64_t parent, uint64_t loc
             while L.edges[t].next_root != HM_NIL:
                 t = L.edges[t].next_root
             L.edges[t].next_root = e
-            rc = 0
     if rc < 0:
         _release_edge(L, e)
         return HM_NIL
@@ -138,7 +223,7 @@ cdef inline void _release_edge(Lower* L, uint32_t e) noexcept nogil:
 cdef void _drop_edge(Lower* L, uint32_t e) noexcept nogil:
     cdef uint32_t t
     if L.edges[e].has_parent:
-        pm_pop(&L.pairs, L.edges[e].parent, L.edges[e].local)
+        _pair_drop(L, e)
     else:
         t = u64m_get(&L.roots, L.edges[e].local)
         if t == e:
@@ -155,46 +240,72 @@ cdef void _drop_edge(Lower* L, uint32_t e) noexcept nogil:
     L.live_edges -= 1
 
 
-cdef void _sync_hint(Lower* L, uint32_t e) noexcept nogil:
-    """Keep the slot's sole-owner hint of a non-root edge in step with its owners."""
-    cdef PSlot* s
-    if L.edges[e].has_parent != 1:
-        return
-    s = pm_find(&L.pairs, L.edges[e].parent, L.edges[e].local)
-    if s != NULL:
-        s.hint = L.own[L.edges[e].owners].worker if L.edges[e].nowners == 1 else HM_NIL
+cdef inline uint32_t _take_record(Lower* L) noexcept nogil:
+    return pool_take(&L.own_pool, <void**>&L.own, sizeof(LOwner))
 
 
 cdef int _add_owner(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
-    cdef uint32_t o = pool_take(&L.own_pool, <void**>&L.own, sizeof(LOwner))
-    if o == HM_NIL:
-        return -1
-    L.own[o].worker = worker
-    L.own[o].next = L.edges[e].owners
-    L.edges[e].owners = o
-    L.edges[e].nowners += 1
-    _sync_hint(L, e)
+    """Make ``worker`` (not an owner yet) own ``e``; -1 on OOM (unchanged). The newest
+    owner comes first."""
+    cdef uint32_t n = L.edges[e].nowners, a, b
+    if n == 0:
+        L.edges[e].owners = worker
+    elif n == 1:
+        # the inline owner moves to a record; the list is (new, old)
+        a = _take_record(L)
+        if a == HM_NIL:
+            return -1
+        b = _take_record(L)
+        if b == HM_NIL:
+            pool_give(&L.own_pool, L.own, a, sizeof(LOwner))
+            return -1
+        L.own[a].worker = L.edges[e].owners
+        L.own[a].next = HM_NIL
+        L.own[b].worker = worker
+        L.own[b].next = a
+        L.edges[e].owners = b
+        L.nrecords += 2
+    else:
+        a = _take_record(L)
+        if a == HM_NIL:
+            return -1
+        L.own[a].worker = worker
+        L.own[a].next = L.edges[e].owners
+        L.edges[e].owners = a
+        L.nrecords += 1
+    L.edges[e].nowners = n + 1
     return 0
 
 
 cdef void _unown(Lower* L, uint32_t e, uint32_t worker) noexcept nogil:
     """Drop ``worker`` from edge ``e``; delete the edge when nobody owns it."""
-    cdef uint32_t o = L.edges[e].owners, prev = HM_NIL
-    while o != HM_NIL:
-        if L.own[o].worker == worker:
-            if prev == HM_NIL:
-                L.edges[e].owners = L.own[o].next
-            else:
-                L.own[prev].next = L.own[o].next
-            pool_give(&L.own_pool, L.own, o, sizeof(LOwner))
-            L.edges[e].nowners -= 1
-            break
-        prev = o
-        o = L.own[o].next
+    cdef uint32_t n = L.edges[e].nowners, o, prev = HM_NIL, r
+    if n == 1:
+        if L.edges[e].owners == worker:
+            L.edges[e].owners = HM_NIL
+            L.edges[e].nowners = 0
+    elif n >= 2:
+        o = L.edges[e].owners
+        while o != HM_NIL:
+            if L.own[o].worker == worker:
+                if prev == HM_NIL:
+                    L.edges[e].owners = L.own[o].next
+                else:
+                    L.own[prev].next = L.own[o].next
+                pool_give(&L.own_pool, L.own, o, sizeof(LOwner))
+                L.nrecords -= 1
+                L.edges[e].nowners = n - 1
+                if n == 2:
+                    # one owner left: it moves inline
+                    r = L.edges[e].owners
+                    L.edges[e].owners = L.own[r].worker
+                    pool_give(&L.own_pool, L.own, r, sizeof(LOwner))
+                    L.nrecords -= 1
+                break
+            prev = o
+            o = L.own[o].next
     if L.edges[e].nowners == 0:
         _drop_edge(L, e)
-    else:
-        _sync_hint(L, e)
 
 
 cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,
@@ -204,18 +315,22 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
     cdef uint32_t e, old
     cdef bint hp = has_parent
     cdef uint64_t p = parent
+    cdef size_t s
     if n == 0:
         return 0
-    if revs_ensure(&L.rev, &L.nrev, worker) < 0:
+    if _revs_ensure(L, worker) < 0:
         return -1
-    cdef U64Map* rev = &L.rev[worker]
+    cdef FpMap* rev = &L.rev[worker]    # L.rev is reallocated by _revs_ensure only
     for i in range(n):
-        e = pm_get(&L.pairs, p, locals[i]) if hp else _root_edge(L, locals[i], ehashes[i])
-        old = u64m_get(rev, ehashes[i])
+        e = _pair_get(L, p, locals[i]) if hp else _root_edge(L, locals[i], ehashes[i])
+        s = _rev_slot(L, rev, ehashes[i])
+        old = HM_NIL if s == NO_SLOT else rev.slots[s].idx
         if old != HM_NIL and old != e:
             break               # the worker maps this block to another key
         if e != HM_NIL and L.edges[e].child != ehashes[i]:
             break               # the edge belongs to a different block (first writer wins)
+        if old == HM_NIL and fpm_reserve_one(rev) < 0:
+            return -1
         if e == HM_NIL:
             e = _new_edge(L, hp, p, locals[i], ehashes[i])
             if e == HM_NIL:
@@ -226,9 +341,7 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
                     if L.edges[e].nowners == 0:
                         _drop_edge(L, e)
                     return -1
-            if u64m_put(rev, ehashes[i], e) < 0:
-                _unown(L, e, worker)
-                return -1
+            fpm_insert(rev, _rev_fp(ehashes[i]), e)
             L.total += 1
         p = ehashes[i]
         hp = True
@@ -237,15 +350,19 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
 
 
 cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil:
-    cdef size_t i
+    cdef size_t i, s
     cdef long count = 0
     cdef uint32_t e
+    cdef FpMap* rev
     if worker >= L.nrev:
         return 0
+    rev = &L.rev[worker]
     for i in range(n):
-        e = u64m_pop(&L.rev[worker], ehashes[i])
-        if e == HM_NIL:
+        s = _rev_slot(L, rev, ehashes[i])
+        if s == NO_SLOT:
             continue
+        e = rev.slots[s].idx
+        fpm_delete_at(rev, s)
         _unown(L, e, worker)
         L.total -= 1
         count += 1
@@ -255,17 +372,17 @@ cdef long lower_remove(Lower* L, uint32_t worker, const uint64_t* ehashes, size_
 cdef long lower_clear(Lower* L, uint32_t worker) noexcept nogil:
     cdef size_t i
     cdef long count = 0
-    cdef U64Map* rev
+    cdef FpMap* rev
     if worker >= L.nrev:
         return 0
     rev = &L.rev[worker]
-    if rev.keys != NULL:
-        for i in range(rev.mask + 1):
-            if rev.vals[i] != HM_NIL:
-                _unown(L, rev.vals[i], worker)
+    if rev.slots != NULL:
+        for i in range(rev.cap):
+            if rev.slots[i].idx != HM_NIL:
+                _unown(L, rev.slots[i].idx, worker)
                 count += 1
     L.total -= rev.size
-    u64m_free(rev)
+    fpm_free(rev)
     return count
 
 
@@ -274,7 +391,7 @@ cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* p
     cdef size_t w
     cdef uint32_t e
     for w in range(L.nrev):
-        e = u64m_get(&L.rev[w], h)
+        e = lower_rev_get(L, <uint32_t>w, h)
         if e != HM_NIL:
             has_parent[0] = L.edges[e].has_parent == 1
             parent[0] = L.edges[e].parent
@@ -284,7 +401,7 @@ cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* p
 
 
 cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil:
-    return revs_count(L.rev, L.nrev, worker)
+    return L.rev[worker].size if worker < L.nrev else 0
 
 
 cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
@@ -292,47 +409,36 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
                            uint32_t* idx, size_t nidx, size_t* out_end,
                            uint64_t* out_last) noexcept nogil:
     cdef size_t k, pos = start, alive = ncand
-    cdef uint32_t o, w, j
+    cdef uint32_t w, j, e, cur
     cdef uint64_t p = parent
     for k in range(ncand):
         idx[cand[k]] = <uint32_t>k
         out_end[k] = start
         out_last[k] = 0
-    cdef const PSlot* sl
     cdef uint64_t child
     cdef uint32_t g
     while alive and pos < hc.n:
-        sl = pm_find(&L.pairs, p, hc_get(hc, pos))
-        if sl == NULL:
+        e = _pair_get(L, p, hc_get(hc, pos))
+        if e == HM_NIL:
             break
-        child = sl.c
-        g = sl.v + PREFETCH_AHEAD
+        child = L.edges[e].child
+        g = e + PREFETCH_AHEAD
         if g < L.edge_pool.used and L.edges[g].has_parent == 1:
             # PERF: a chain stored in one go occupies consecutive edge slots, so
-            # edge sl.v + k is probably the one k steps on: prefetch its table slot.
-            prefetch(&L.pairs.slots[pm_hash(L.edges[g].parent, L.edges[g].local)
-                                    & L.pairs.mask])
+            # edge e + k is probably the one k steps on: prefetch its table slot (reading
+            # that edge now also brings it into the cache for when the walk gets there).
+            prefetch(&L.pairs.slots[fpm_home(
+                &L.pairs, _pair_fp(L.edges[g].parent, L.edges[g].local))])
         alive = 0
-        if sl.hint != HM_NIL:
-            # PERF: a sole owner is answered from the slot's cache line.
-            w = sl.hint
+        w = lower_owner_first(L, e, &cur)
+        while w != HM_NIL:
             if w < nidx:
                 j = idx[w]
                 if j != HM_NIL and out_end[j] == pos:
                     out_end[j] = pos + 1
                     out_last[j] = child
-                    alive = 1
-        else:
-            o = L.edges[sl.v].owners
-            while o != HM_NIL:
-                w = L.own[o].worker
-                if w < nidx:
-                    j = idx[w]
-                    if j != HM_NIL and out_end[j] == pos:
-                        out_end[j] = pos + 1
-                        out_last[j] = child
-                        alive += 1
-                o = L.own[o].next
+                    alive += 1
+            w = lower_owner_next(L, &cur)
         p = child
         pos += 1
     for k in range(ncand):
@@ -347,9 +453,9 @@ cdef int _lower_check(const Lower* L, char* msg, size_t cap, uint8_t* efree,
                       uint8_t* ofree) noexcept nogil:
     """lower_check with scratch: free marks of edges and owner records."""
     cdef size_t i, live = 0, nonroot = 0, roots = 0, chained = 0, owners = 0, nrevs = 0, w, j
-    cdef uint32_t e, o, k
+    cdef size_t nrec = 0
+    cdef uint32_t e, o, k, cur, ow
     cdef long nf, of
-    cdef const PSlot* s
     nf = pool_mark_free(&L.edge_pool, L.edges, sizeof(LEdge), efree)
     if nf < 0:
         snprintf(msg, cap, "edge free list broken (out of range, cyclic or used > cap)")
@@ -358,8 +464,8 @@ cdef int _lower_check(const Lower* L, char* msg, size_t cap, uint8_t* efree,
     if of < 0:
         snprintf(msg, cap, "owner free list broken (out of range, cyclic or used > cap)")
         return -1
-    if sm_check(&L.pairs) < 0 or u64m_check(&L.roots) < 0:
-        snprintf(msg, cap, "edge table or root map corrupt (size or probe chains)")
+    if fpm_check(&L.pairs) < 0 or u64m_check(&L.roots) < 0:
+        snprintf(msg, cap, "edge table or root map corrupt (size, load or probe chains)")
         return -1
     for i in range(L.edge_pool.used):
         if efree[i]:
@@ -372,35 +478,35 @@ cdef int _lower_check(const Lower* L, char* msg, size_t cap, uint8_t* efree,
             return -1
         live += 1
         k = 0
-        o = L.edges[i].owners
-        while o != HM_NIL:
-            if o >= L.own_pool.used or ofree[o] != 0:
-                snprintf(msg, cap, "edge %llu lists owner record %llu that is free, "
-                         "out of range or on another list", <ull>i, <ull>o)
-                return -1
-            ofree[o] = 2                # visited
-            w = L.own[o].worker
-            if w >= L.nrev or u64m_get(&L.rev[w], L.edges[i].child) != i:
-                snprintf(msg, cap, "owner %llu of edge %llu does not map its child %llu to it",
-                         <ull>w, <ull>i, <ull>L.edges[i].child)
-                return -1
-            k += 1
-            o = L.own[o].next
+        if L.edges[i].nowners >= 2:
+            o = L.edges[i].owners
+            while o != HM_NIL:
+                if o >= L.own_pool.used or ofree[o] != 0:
+                    snprintf(msg, cap, "edge %llu lists owner record %llu that is free, "
+                             "out of range or on another list", <ull>i, <ull>o)
+                    return -1
+                ofree[o] = 2                # visited
+                k += 1
+                o = L.own[o].next
+            nrec += k
+        elif L.edges[i].nowners == 1:
+            k = 1
         if k != L.edges[i].nowners or k == 0:
             snprintf(msg, cap, "edge %llu: nowners %llu, recount %llu (ownerless edges must go)",
                      <ull>i, <ull>L.edges[i].nowners, <ull>k)
             return -1
+        ow = lower_owner_first(L, <uint32_t>i, &cur)
+        while ow != HM_NIL:
+            if lower_rev_get(L, ow, L.edges[i].child) != i:
+                snprintf(msg, cap, "owner %llu of edge %llu does not map its child %llu to it",
+                         <ull>ow, <ull>i, <ull>L.edges[i].child)
+                return -1
+            ow = lower_owner_next(L, &cur)
         owners += k
         if L.edges[i].has_parent:
             nonroot += 1
-            s = pm_find(&L.pairs, L.edges[i].parent, L.edges[i].local)
-            if s == NULL or s.v != i or s.c != L.edges[i].child:
-                snprintf(msg, cap, "edge %llu is not in the edge table (or its child differs)",
-                         <ull>i)
-                return -1
-            if s.hint != (L.own[L.edges[i].owners].worker if k == 1 else HM_NIL):
-                snprintf(msg, cap, "edge %llu: sole-owner hint %llu is stale", <ull>i,
-                         <ull>s.hint)
+            if _pair_get(L, L.edges[i].parent, L.edges[i].local) != i:
+                snprintf(msg, cap, "edge %llu is not in the edge table", <ull>i)
                 return -1
         else:
             roots += 1
@@ -427,27 +533,28 @@ cdef int _lower_check(const Lower* L, char* msg, size_t cap, uint8_t* efree,
         snprintf(msg, cap, "live_edges %llu, recount %llu, free %llu, high-water %llu",
                  <ull>L.live_edges, <ull>live, <ull>nf, <ull>L.edge_pool.used)
         return -1
-    if owners + <size_t>of != L.own_pool.used:
-        snprintf(msg, cap, "owner records: %llu live, %llu free, high-water %llu",
-                 <ull>owners, <ull>of, <ull>L.own_pool.used)
+    if nrec != L.nrecords or nrec + <size_t>of != L.own_pool.used:
+        snprintf(msg, cap, "owner records: %llu live (counted %llu), %llu free, high-water %llu",
+                 <ull>nrec, <ull>L.nrecords, <ull>of, <ull>L.own_pool.used)
         return -1
     # reverse maps: sound, each entry an owned edge with that child, as many as owners
     for w in range(L.nrev):
-        if u64m_check(&L.rev[w]) < 0:
+        if fpm_check(&L.rev[w]) < 0:
             snprintf(msg, cap, "reverse map of worker %llu corrupt", <ull>w)
             return -1
         nrevs += L.rev[w].size
-        for j in range(L.rev[w].mask + 1 if L.rev[w].keys != NULL else 0):
-            e = L.rev[w].vals[j]
+        for j in range(L.rev[w].cap):
+            e = L.rev[w].slots[j].idx
             if e == HM_NIL:
                 continue
-            if (e >= L.edge_pool.used or efree[e] or L.edges[e].child != L.rev[w].keys[j]
+            if (e >= L.edge_pool.used or efree[e]
+                    or L.rev[w].slots[j].fp != _rev_fp(L.edges[e].child)
                     or not lower_owns(L, e, <uint32_t>w)):
-                snprintf(msg, cap, "worker %llu maps %llu to edge %llu it does not own "
-                         "(or with another child)", <ull>w, <ull>L.rev[w].keys[j], <ull>e)
+                snprintf(msg, cap, "worker %llu maps edge %llu it does not own (or under "
+                         "another child)", <ull>w, <ull>e)
                 return -1
     if nrevs != owners or nrevs != L.total:
-        snprintf(msg, cap, "total %llu, reverse maps %llu, owner records %llu",
+        snprintf(msg, cap, "total %llu, reverse maps %llu, owners %llu",
                  <ull>L.total, <ull>nrevs, <ull>owners)
         return -1
     return 0
@@ -609,25 +716,28 @@ cdef class LowerTier:
 
     def _corrupt_for_test(self, str kind):
         """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
-        fail (the object stays safe to free, not to use). Kinds: ``total``, ``hint``,
-        ``owner_freed``, ``rev_entry``; all but ``total`` need a non-root edge."""
+        fail (the object stays safe to free, not to use). Kinds: ``total``, ``owners``,
+        ``owner_freed``, ``rev_entry``; all but ``total`` need a non-root edge two
+        workers own."""
         cdef uint32_t e = self.L.edge_pool.used - 1
-        cdef PSlot* s
+        cdef uint32_t o, w
+        cdef size_t s
         if kind == "total":
             self.L.total += 1
             return
-        while e != HM_NIL and self.L.edges[e].has_parent != 1:
+        while e != HM_NIL and (self.L.edges[e].has_parent != 1 or self.L.edges[e].nowners < 2):
             e -= 1
         if e == HM_NIL:
-            raise ValueError("needs a non-root edge")
-        if kind == "hint":
-            s = pm_find(&self.L.pairs, self.L.edges[e].parent, self.L.edges[e].local)
-            s.hint = 12345
+            raise ValueError("needs a non-root edge two workers own")
+        o = self.L.edges[e].owners
+        if kind == "owners":
+            self.L.edges[e].nowners += 1
         elif kind == "owner_freed":
-            pool_give(&self.L.own_pool, self.L.own, self.L.edges[e].owners, sizeof(LOwner))
+            pool_give(&self.L.own_pool, self.L.own, o, sizeof(LOwner))
         elif kind == "rev_entry":
-            u64m_pop(&self.L.rev[self.L.own[self.L.edges[e].owners].worker],
-                     self.L.edges[e].child)
+            w = self.L.own[o].worker
+            s = _rev_slot(&self.L, &self.L.rev[w], self.L.edges[e].child)
+            fpm_delete_at(&self.L.rev[w], s)
         else:
             raise ValueError(kind)
 

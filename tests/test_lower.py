@@ -230,8 +230,50 @@ def test_check_invariants_holds_through_mutations():
 
 
 def test_check_invariants_sees_corruption():
-    for kind in ("total", "hint", "owner_freed", "rev_entry"):
+    for kind in ("total", "owners", "owner_freed", "rev_entry"):
         t = _c_tier()
         t._corrupt_for_test(kind)
         with pytest.raises(AssertionError):
             t.check_invariants()
+
+
+# -- keys read back from the edge ---------------------------------------------------------------
+# The compiled tier's edge table and reverse maps keep 8-byte slots: an edge index and 32 bits
+# of the key's hash; keys that share those bits share a probe run and only the key read back
+# from the edge tells them apart. FP_A/FP_B share the low 32 bits of splitmix64's finalizer
+# (tests/test_tree.py checks it independently).
+FP_A, FP_B = 85078, 177926
+U64 = 2**64 - 1
+
+
+def test_colliding_engine_hashes_stay_apart(LowerTier):
+    t = LowerTier()
+    t.store(A, None, [FP_A], [1])
+    t.store(A, None, [FP_B], [2])
+    assert t.walk(A, [1], 0, None) == (1, FP_A)
+    assert t.walk(A, [2], 0, None) == (1, FP_B)
+    assert t.lookup_block(FP_A) == (None, 1)
+    assert t.lookup_block(FP_B) == (None, 2)
+    assert t.remove(A, [FP_A]) == 1
+    assert t.remove(A, [FP_A]) == 0
+    assert t.lookup_block(FP_A) is None
+    assert t.lookup_block(FP_B) == (None, 2)
+    assert counters(t) == (1, 1)
+
+
+def test_colliding_edge_keys_stay_apart(LowerTier):
+    # (parent, local) hashes to mix(parent * 0x9E3779B97F4A7C15 ^ local): under parent P
+    # these two locals give the mix inputs FP_A and FP_B
+    P = 101
+    c = (P * 0x9E3779B97F4A7C15) & U64
+    la, lb = FP_A ^ c, FP_B ^ c
+    t = LowerTier()
+    t.store(A, None, [P, 201], [7, la])
+    t.store(B, None, [P, 202], [7, lb])  # B joins the root edge, then its own child
+    assert t.walk(A, [7, la], 0, None) == (2, 201)
+    assert t.walk(B, [7, lb], 0, None) == (2, 202)
+    assert t.walk(A, [7, lb], 0, None) == (1, P)
+    assert t.remove(A, [201]) == 1
+    assert t.walk(B, [7, lb], 0, None) == (2, 202)
+    assert t.walk(A, [7, la], 0, None) == (1, P)
+    assert counters(t) == (3, 2)
