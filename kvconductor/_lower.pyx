@@ -16,12 +16,13 @@ from libc.stdlib cimport free, malloc
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
     FpMap, fpm_check, fpm_delete_at, fpm_first, fpm_free, fpm_home, fpm_init, fpm_insert,
-    fpm_nbytes, fpm_next, fpm_reserve_one, hm_mix, pm_hash, prefetch, u64m_check, u64m_free,
-    u64m_get, u64m_init, u64m_nbytes, u64m_pop, u64m_put,
+    fpm_nbytes, fpm_next, fpm_reserve_one, hm_mix, pm_hash, prefetch, revs_count, revs_ensure,
+    revs_free, revs_nbytes, u64m_check, u64m_free, u64m_get, u64m_init, u64m_nbytes, u64m_pop,
+    u64m_put,
 )
 from kvconductor._pool cimport (
-    HM_NIL, grow_array, live_allocations, mem_free, pool_give, pool_init, pool_mark_free,
-    pool_take, pool_use_arena,
+    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
+    pool_use_arena,
 )
 from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
@@ -54,11 +55,7 @@ cdef void lower_init(Lower* L) noexcept nogil:
 
 
 cdef void lower_free(Lower* L) noexcept nogil:
-    cdef size_t w
-    if L.rev != NULL:
-        for w in range(L.nrev):
-            fpm_free(&L.rev[w])
-    mem_free(L.rev)
+    revs_free(&L.rev, &L.nrev)
     mem_free(L.edges)
     mem_free(L.own)
     fpm_free(&L.pairs)
@@ -67,27 +64,8 @@ cdef void lower_free(Lower* L) noexcept nogil:
 
 
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
-    cdef size_t w, n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
-    n += fpm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + L.nrev * sizeof(FpMap)
-    for w in range(L.nrev):
-        n += fpm_nbytes(&L.rev[w])
-    return n
-
-
-cdef int _revs_ensure(Lower* L, uint32_t worker) noexcept nogil:
-    """Grow ``L.rev`` to hold ``worker`` (new maps empty); -1 on OOM (unchanged)."""
-    cdef size_t old = L.nrev, cap = L.nrev, w
-    cdef void* p
-    if worker < old:
-        return 0
-    p = grow_array(L.rev, &cap, <size_t>worker + 1, sizeof(FpMap))
-    if p == NULL:
-        return -1
-    L.rev = <FpMap*>p
-    for w in range(old, cap):
-        fpm_init(&L.rev[w])
-    L.nrev = cap
-    return 0
+    cdef size_t n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
+    return n + fpm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + revs_nbytes(L.rev, L.nrev)
 
 
 # -- non-root edges: (parent, local) -> edge, the key read back from the edge -----------------
@@ -318,9 +296,9 @@ cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t paren
     cdef size_t s
     if n == 0:
         return 0
-    if _revs_ensure(L, worker) < 0:
+    if revs_ensure(&L.rev, &L.nrev, worker) < 0:
         return -1
-    cdef FpMap* rev = &L.rev[worker]    # L.rev is reallocated by _revs_ensure only
+    cdef FpMap* rev = &L.rev[worker]    # L.rev is reallocated by revs_ensure only
     for i in range(n):
         e = _pair_get(L, p, locals[i]) if hp else _root_edge(L, locals[i], ehashes[i])
         s = _rev_slot(L, rev, ehashes[i])
@@ -401,7 +379,7 @@ cdef bint lower_lookup(const Lower* L, uint64_t h, bint* has_parent, uint64_t* p
 
 
 cdef size_t lower_worker_blocks(const Lower* L, uint32_t worker) noexcept nogil:
-    return L.rev[worker].size if worker < L.nrev else 0
+    return revs_count(L.rev, L.nrev, worker)
 
 
 cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,

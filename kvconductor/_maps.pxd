@@ -170,47 +170,6 @@ cdef inline int u64m_check(const U64Map* m) noexcept nogil:
     return 0 if n == m.size and n * 4 <= (m.mask + 1) * 3 else -1
 
 
-# -- per-worker reverse maps: one U64Map (engine hash -> item) per worker id -------------
-# The tree and both lower tiers keep ``U64Map* rev`` of ``nrev`` entries; these are
-# the one copy of how that array grows, is freed, measured and counted.
-cdef inline int revs_ensure(U64Map** rev, size_t* nrev, uint32_t worker) noexcept nogil:
-    """Grow ``rev[0]`` to hold ``worker`` (new maps empty); -1 on OOM (unchanged)."""
-    cdef size_t old = nrev[0], cap = nrev[0], w
-    cdef void* p
-    if worker < old:
-        return 0
-    p = grow_array(rev[0], &cap, <size_t>worker + 1, sizeof(U64Map))
-    if p == NULL:
-        return -1
-    rev[0] = <U64Map*>p
-    for w in range(old, cap):
-        u64m_init(&rev[0][w])
-    nrev[0] = cap
-    return 0
-
-
-cdef inline void revs_free(U64Map** rev, size_t* nrev) noexcept nogil:
-    cdef size_t w
-    if rev[0] != NULL:
-        for w in range(nrev[0]):
-            u64m_free(&rev[0][w])
-    mem_free(rev[0])
-    rev[0] = NULL
-    nrev[0] = 0
-
-
-cdef inline size_t revs_nbytes(const U64Map* rev, size_t nrev) noexcept nogil:
-    cdef size_t w, n = nrev * sizeof(U64Map)
-    for w in range(nrev):
-        n += u64m_nbytes(&rev[w])
-    return n
-
-
-cdef inline size_t revs_count(const U64Map* rev, size_t nrev, uint32_t worker) noexcept nogil:
-    """Entries of ``worker``'s map (0 past the end)."""
-    return rev[worker].size if worker < nrev else 0
-
-
 # -- PairMap: (u64, u64) -> u32, slots as one struct array -------------------------------
 cdef struct PSlot:
     uint64_t a                   # first key half (parent engine hash)
@@ -522,3 +481,44 @@ cdef inline int fpm_check(const FpMap* m) noexcept nogil:
                     return -1
                 j = 0 if j + 1 == m.cap else j + 1
     return 0 if n == m.size and n * 16 <= m.cap * 13 else -1
+
+
+# -- per-worker reverse maps: one FpMap (engine hash -> item) per worker id ----------------
+# The tree and both lower tiers keep ``FpMap* rev`` of ``nrev`` entries; these are the one
+# copy of how that array grows, is freed, measured and counted.
+cdef inline int revs_ensure(FpMap** rev, size_t* nrev, uint32_t worker) noexcept nogil:
+    """Grow ``rev[0]`` to hold ``worker`` (new maps empty); -1 on OOM (unchanged)."""
+    cdef size_t old = nrev[0], cap = nrev[0], w
+    cdef void* p
+    if worker < old:
+        return 0
+    p = grow_array(rev[0], &cap, <size_t>worker + 1, sizeof(FpMap))
+    if p == NULL:
+        return -1
+    rev[0] = <FpMap*>p
+    for w in range(old, cap):
+        fpm_init(&rev[0][w])
+    nrev[0] = cap
+    return 0
+
+
+cdef inline void revs_free(FpMap** rev, size_t* nrev) noexcept nogil:
+    cdef size_t w
+    if rev[0] != NULL:
+        for w in range(nrev[0]):
+            fpm_free(&rev[0][w])
+    mem_free(rev[0])
+    rev[0] = NULL
+    nrev[0] = 0
+
+
+cdef inline size_t revs_nbytes(const FpMap* rev, size_t nrev) noexcept nogil:
+    cdef size_t w, n = nrev * sizeof(FpMap)
+    for w in range(nrev):
+        n += fpm_nbytes(&rev[w])
+    return n
+
+
+cdef inline size_t revs_count(const FpMap* rev, size_t nrev, uint32_t worker) noexcept nogil:
+    """Entries of ``worker``'s map (0 past the end)."""
+    return rev[worker].size if worker < nrev else 0

@@ -20,12 +20,12 @@ from libc.string cimport memset
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
     FpMap, U64Map, em_hash, fpm_check, fpm_delete_at, fpm_first, fpm_free, fpm_home, fpm_init,
-    fpm_insert, fpm_nbytes, fpm_next, fpm_reserve_one, hm_mix, prefetch, u64m_free, u64m_init,
-    u64m_put,
+    fpm_insert, fpm_nbytes, fpm_next, fpm_reserve_one, hm_mix, prefetch, revs_count, revs_ensure,
+    revs_free, revs_nbytes, u64m_free, u64m_init, u64m_put,
 )
 from kvconductor._pool cimport (
-    HM_NIL, grow_array, live_allocations, mem_free, pool_give, pool_init, pool_mark_free,
-    pool_take, pool_use_arena,
+    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
+    pool_use_arena,
 )
 from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
@@ -64,13 +64,7 @@ cdef int tree_init(Tree* t) noexcept nogil:
 
 
 cdef void tree_free(Tree* t) noexcept nogil:
-    cdef size_t w
-    if t.rev != NULL:
-        for w in range(t.nrev):
-            fpm_free(&t.rev[w])
-    mem_free(t.rev)
-    t.rev = NULL
-    t.nrev = 0
+    revs_free(&t.rev, &t.nrev)
     mem_free(t.nodes)
     t.nodes = NULL
     pool_init(&t.node_pool)
@@ -81,10 +75,7 @@ cdef void tree_free(Tree* t) noexcept nogil:
 
 
 cdef size_t _tables_nbytes(const Tree* t) noexcept nogil:
-    cdef size_t w, n = fpm_nbytes(&t.edges) + t.nrev * sizeof(FpMap)
-    for w in range(t.nrev):
-        n += fpm_nbytes(&t.rev[w])
-    return n
+    return fpm_nbytes(&t.edges) + revs_nbytes(t.rev, t.nrev)
 
 
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
@@ -95,22 +86,6 @@ cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
 cdef size_t tree_used_bytes(const Tree* t) noexcept nogil:
     return (<size_t>t.node_pool.used * sizeof(TNode)
             + <size_t>t.mem_pool.used * sizeof(TMember) + _tables_nbytes(t))
-
-
-cdef int _revs_ensure(Tree* t, uint32_t worker) noexcept nogil:
-    """Grow ``t.rev`` to hold ``worker`` (new maps empty); -1 on OOM (unchanged)."""
-    cdef size_t old = t.nrev, cap = t.nrev, w
-    cdef void* p
-    if worker < old:
-        return 0
-    p = grow_array(t.rev, &cap, <size_t>worker + 1, sizeof(FpMap))
-    if p == NULL:
-        return -1
-    t.rev = <FpMap*>p
-    for w in range(old, cap):
-        fpm_init(&t.rev[w])
-    t.nrev = cap
-    return 0
 
 
 cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nogil:
@@ -201,6 +176,30 @@ cdef inline bint _member_ehash(const Tree* t, uint32_t node, uint32_t worker,
 cdef bint tree_member_ehash(const Tree* t, uint32_t node, uint32_t worker,
                             uint64_t* out) noexcept nogil:
     return _member_ehash(t, node, worker, out)
+
+
+cdef inline uint32_t _member_first(const Tree* t, uint32_t node, uint32_t* cur,
+                                   uint64_t* ehash) noexcept nogil:
+    """Members of ``node`` in list order: ``w = _member_first(t, node, &cur, &e)``, then
+    while ``w != HM_NIL``, ``w = _member_next(t, &cur, &e)`` (``e``: w's engine hash)."""
+    cdef uint32_t nm = t.nodes[node].nmembers
+    cur[0] = HM_NIL
+    if nm == 1:
+        ehash[0] = t.nodes[node].x
+        return t.nodes[node].y
+    if nm == 0:
+        return HM_NIL
+    cur[0] = t.nodes[node].y
+    return _member_next(t, cur, ehash)
+
+
+cdef inline uint32_t _member_next(const Tree* t, uint32_t* cur, uint64_t* ehash) noexcept nogil:
+    cdef uint32_t m = cur[0]
+    if m == HM_NIL:
+        return HM_NIL
+    cur[0] = t.mem[m].next
+    ehash[0] = t.mem[m].ehash
+    return t.mem[m].worker
 
 
 cdef void _set_member_ehash(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexcept nogil:
@@ -401,9 +400,9 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
     rc = _has_repeat(has_parent, parent, ehashes, n)
     if rc != 0:
         return T_ERR_OOM if rc < 0 else T_ERR_SEQUENCE
-    if _revs_ensure(t, worker) < 0:
+    if revs_ensure(&t.rev, &t.nrev, worker) < 0:
         return T_ERR_OOM
-    rev = &t.rev[worker]        # t.rev is reallocated by _revs_ensure only
+    rev = &t.rev[worker]        # t.rev is reallocated by revs_ensure only
     for i in range(n):
         e = ehashes[i]
         child = _child(t, node, locals[i])
@@ -475,7 +474,7 @@ cdef long tree_clear(Tree* t, uint32_t worker) noexcept nogil:
 
 
 cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
-    return t.rev[worker].size if worker < t.nrev else 0
+    return revs_count(t.rev, t.nrev, worker)
 
 
 # -- match -----------------------------------------------------------------------------------------
@@ -989,7 +988,8 @@ cdef int tree_export(const Tree* t, uint32_t* pos, uint32_t* stack, uint32_t* op
     and ``stack`` are scratch of ``t.node_pool.used`` entries. 0, or -1 when the
     counters disagree with the structure."""
     cdef size_t i, nrow = 0, nmem = 0, top
-    cdef uint32_t n, m
+    cdef uint32_t n, m, w
+    cdef uint64_t e
     for i in range(t.node_pool.used):
         pos[i] = HM_NIL
     for i in range(1, t.node_pool.used):
@@ -1009,22 +1009,15 @@ cdef int tree_export(const Tree* t, uint32_t* pos, uint32_t* stack, uint32_t* op
             oparent[nrow] = HM_NIL if t.nodes[n].parent == T_ROOT else pos[t.nodes[n].parent]
             olocal[nrow] = t.nodes[n].local
             pos[n] = <uint32_t>nrow
-            if t.nodes[n].nmembers == 1:
+            w = _member_first(t, n, &m, &e)
+            while w != HM_NIL:
                 if nmem >= t.npairs:
                     return -1
                 mnode[nmem] = <uint32_t>nrow
-                mworker[nmem] = t.nodes[n].y
-                mehash[nmem] = t.nodes[n].x
+                mworker[nmem] = w
+                mehash[nmem] = e
                 nmem += 1
-            m = t.nodes[n].y if t.nodes[n].nmembers >= 2 else HM_NIL
-            while m != HM_NIL:
-                if nmem >= t.npairs:
-                    return -1
-                mnode[nmem] = <uint32_t>nrow
-                mworker[nmem] = t.mem[m].worker
-                mehash[nmem] = t.mem[m].ehash
-                nmem += 1
-                m = t.mem[m].next
+                w = _member_next(t, &m, &e)
             nrow += 1
     return 0 if nrow == t.live_nodes and nmem == t.npairs else -1
 
@@ -1060,7 +1053,7 @@ cdef long tree_restore(Tree* t, const uint32_t* parents, const uint64_t* locals,
             return T_ERR_SEQUENCE
         node = rows[mnode[i]]
         w = mworker[i]
-        if _revs_ensure(t, w) < 0:
+        if revs_ensure(&t.rev, &t.nrev, w) < 0:
             return T_ERR_OOM
         if tree_rev_get(t, w, mehash[i]) != HM_NIL or _member_ehash(t, node, w, &e):
             return T_ERR_SEQUENCE
