@@ -1,10 +1,10 @@
 # cython: language_level=3
 """Open-addressing hash maps to u32 values, usable without the GIL.
 
-``U64Map`` (u64 keys) and ``PairMap`` ((u64, u64) keys) store their keys: linear
-probing, power-of-two capacity, load factor <= 3/4, backward-shift deletion (no
-tombstones). ``FpMap`` stores only a 32-bit fingerprint and lets its owner read the
-key back from the item (the HBM tree's edges and reverse maps; see its section). A
+``U64Map`` (u64 keys) stores its keys: linear probing, power-of-two capacity, load
+factor <= 3/4, backward-shift deletion (no tombstones). ``FpMap`` stores only a 32-bit
+fingerprint and lets its owner read the key back from the item (the HBM tree's and the
+CPU/Disk tiers' edges and reverse maps; see its section). A
 value of ``HM_NIL`` (the "no item" index of ``_pool``) marks an empty slot, so it can
 never be stored. Keys are mixed with the splitmix64 finalizer because engine hashes
 may be small integers.
@@ -170,186 +170,15 @@ cdef inline int u64m_check(const U64Map* m) noexcept nogil:
     return 0 if n == m.size and n * 4 <= (m.mask + 1) * 3 else -1
 
 
-# -- PairMap: (u64, u64) -> u32, slots as one struct array -------------------------------
-cdef struct PSlot:
-    uint64_t a                   # first key half (parent engine hash)
-    uint64_t b                   # second key half (LocalBlockHash)
-    uint64_t c                   # payload carried in the slot (lower tier: the child hash)
-    uint32_t v                   # value, HM_NIL = empty slot
-    uint32_t hint                # payload (lower tier: the sole owner, or HM_NIL)
-
-cdef struct PairMap:
-    PSlot* slots                 # PERF: one cache line holds key and value of a slot
-    size_t mask
-    size_t size
-
-
+# -- key hashes of the FpMap owners ------------------------------------------------------
+# pm_hash: a lower tier's (parent engine hash, local) edge key; em_hash: the tree's
+# (parent node, local) edge key.
 cdef inline uint64_t pm_hash(uint64_t a, uint64_t b) noexcept nogil:
     return hm_mix(a * <uint64_t>0x9e3779b97f4a7c15 ^ b)
 
 
 cdef inline uint64_t em_hash(uint32_t parent, uint64_t local) noexcept nogil:
     return hm_mix((<uint64_t>parent) * <uint64_t>0x9e3779b97f4a7c15 ^ local)
-
-
-# -- PairMap core ------------------------------------------------------------------------
-cdef inline void sm_init(PairMap* m) noexcept nogil:
-    m.slots = NULL
-    m.mask = 0
-    m.size = 0
-
-
-cdef inline void sm_free(PairMap* m) noexcept nogil:
-    mem_free(m.slots)
-    sm_init(m)
-
-
-cdef inline size_t sm_nbytes(const PairMap* m) noexcept nogil:
-    return 0 if m.slots == NULL else (m.mask + 1) * sizeof(m.slots[0])
-
-
-cdef inline bint _sm_used(const PairMap* m, size_t i) noexcept nogil:
-    return m.slots[i].v != HM_NIL
-
-
-cdef inline void _sm_clear(PairMap* m, size_t i) noexcept nogil:
-    m.slots[i].v = HM_NIL
-
-
-cdef inline size_t _sm_home(const PairMap* m, size_t i, size_t mask) noexcept nogil:
-    return pm_hash(m.slots[i].a, m.slots[i].b) & mask
-
-
-cdef inline int _sm_rehash(PairMap* m, size_t cap) noexcept nogil:
-    cdef PairMap nm
-    cdef size_t i, j
-    nm.slots = <PSlot*>mem_alloc(cap * sizeof(PSlot))
-    if nm.slots == NULL:
-        return -1
-    nm.mask = cap - 1
-    nm.size = m.size
-    for i in range(cap):
-        _sm_clear(&nm, i)
-    if m.slots != NULL:
-        for i in range(m.mask + 1):
-            if _sm_used(m, i):
-                j = _sm_home(m, i, nm.mask)
-                while _sm_used(&nm, j):
-                    j = (j + 1) & nm.mask
-                nm.slots[j] = m.slots[i]
-        mem_free(m.slots)
-    m[0] = nm
-    return 0
-
-
-cdef inline int sm_reserve_one(PairMap* m) noexcept nogil:
-    """Room for one more entry (load factor <= 3/4); -1 on OOM, map unchanged."""
-    if m.slots == NULL:
-        return _sm_rehash(m, 8)
-    if (m.size + 1) * 4 > (m.mask + 1) * 3:
-        return _sm_rehash(m, (m.mask + 1) * 2)
-    return 0
-
-
-cdef inline void sm_delete_at(PairMap* m, size_t i) noexcept nogil:
-    """Empty used slot ``i``; backward-shift the cluster after it (no tombstones)."""
-    cdef size_t mask = m.mask, j = i, k
-    _sm_clear(m, i)
-    while True:
-        j = (j + 1) & mask
-        if not _sm_used(m, j):
-            break
-        k = _sm_home(m, j, mask)
-        # the entry at j may stay iff its home k lies cyclically in (i, j]
-        if (i <= j and i < k and k <= j) or (i > j and (i < k or k <= j)):
-            continue
-        m.slots[i] = m.slots[j]
-        _sm_clear(m, j)
-        i = j
-    m.size -= 1
-
-
-cdef inline size_t _sm_probe(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
-    """The slot holding key (a, b), or the empty slot ending its probe chain (map
-    allocated)."""
-    cdef size_t i = pm_hash(a, b) & m.mask
-    while m.slots[i].v != HM_NIL and not (m.slots[i].b == b and m.slots[i].a == a):
-        i = (i + 1) & m.mask
-    return i
-
-
-cdef inline int _sm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
-    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
-    cdef size_t i
-    if sm_reserve_one(m) < 0:
-        return -1
-    i = _sm_probe(m, a, b)
-    if _sm_used(m, i):
-        m.slots[i].v = val
-        return 0
-    m.slots[i].a = a
-    m.slots[i].b = b
-    m.slots[i].c = 0
-    m.slots[i].v = val
-    m.slots[i].hint = HM_NIL
-    m.size += 1
-    return 1
-
-
-cdef inline uint32_t _sm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
-    """Delete key (a, b); return its value or HM_NIL when absent."""
-    cdef size_t i
-    cdef uint32_t out
-    if m.slots == NULL:
-        return HM_NIL
-    i = _sm_probe(m, a, b)
-    if not _sm_used(m, i):
-        return HM_NIL
-    out = m.slots[i].v
-    sm_delete_at(m, i)
-    return out
-
-
-# -- PairMap operations -----------------------------------------------------------------
-cdef inline PSlot* pm_find(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
-    """The slot of key (a, b), or NULL. PERF: walks read the payload from it."""
-    cdef size_t i
-    if m.slots == NULL:
-        return NULL
-    i = _sm_probe(m, a, b)
-    return NULL if m.slots[i].v == HM_NIL else &m.slots[i]
-
-
-cdef inline uint32_t pm_get(const PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
-    cdef const PSlot* s = pm_find(m, a, b)
-    return HM_NIL if s == NULL else s.v
-
-
-cdef inline int pm_put(PairMap* m, uint64_t a, uint64_t b, uint32_t val) noexcept nogil:
-    """Insert or overwrite. Returns 1 if inserted, 0 if overwritten, -1 on OOM."""
-    return _sm_put(m, a, b, val)
-
-
-cdef inline uint32_t pm_pop(PairMap* m, uint64_t a, uint64_t b) noexcept nogil:
-    """Delete key (a, b); return its value or HM_NIL when absent."""
-    return _sm_pop(m, a, b)
-
-
-cdef inline int sm_check(const PairMap* m) noexcept nogil:
-    """Checker: 0 when ``size`` counts the used slots, the load factor holds and every
-    entry is reachable from its home slot (no empty slot in between); -1 otherwise."""
-    cdef size_t i, j, n = 0
-    if m.slots == NULL:
-        return 0 if m.size == 0 else -1
-    for i in range(m.mask + 1):
-        if _sm_used(m, i):
-            n += 1
-            j = _sm_home(m, i, m.mask)
-            while j != i:
-                if not _sm_used(m, j):
-                    return -1
-                j = (j + 1) & m.mask
-    return 0 if n == m.size and n * 4 <= (m.mask + 1) * 3 else -1
 
 
 # -- FpMap: u32 items found through a 32-bit fingerprint of their key -----------------------
