@@ -1042,7 +1042,7 @@ class WorkerServer(KvServer):
     order), not a second one."""
 
     def __init__(self, config: uvicorn.Config, on_started: Callable[[], None]) -> None:
-        super().__init__(config)
+        super().__init__(config, trim_heap=True)  # no ingest thread here to do it
         self.on_started = on_started
         #: Set by the owner link when the owner asked this worker to stop.
         self.owner_stop = False

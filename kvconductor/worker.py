@@ -37,7 +37,7 @@ class KvConductorWorker(UvicornWorker):
             for name, value in uvicorn_options(settings, http).items():
                 setattr(self.config, name, value)
         self.config.app = self.wsgi
-        server = KvServer(config=self.config, trim_heap=True)
+        server = KvServer(config=self.config)
         self._install_sigquit_handler()
         await server.serve(sockets=self.sockets)
         if not server.started:

@@ -616,13 +616,14 @@ def test_bind_dual_stack():
 
 def test_worker_servers_trim_their_heap_every_trim_secs(monkeypatch):
     """The ``--workers N`` processes have no ingest thread: their event loop trims the
-    heap every TRIM_SECS (on uvicorn's 0.1 s tick); the single-process server leaves it
-    to the ingest thread."""
+    heap every TRIM_SECS (on uvicorn's 0.1 s tick); a server running the conductor leaves
+    it to the ingest thread."""
     import asyncio
 
     import uvicorn
 
     from kvconductor import server as srv_mod
+    from kvconductor.cluster import WorkerServer
     from kvconductor.service import TRIM_SECS
 
     calls: list[int] = []
@@ -631,15 +632,15 @@ def test_worker_servers_trim_their_heap_every_trim_secs(monkeypatch):
     async def app(scope, receive, send):  # never called
         raise AssertionError
 
-    ticks = round(TRIM_SECS * 10)
-    for trim, expected in ((True, 2), (False, 0)):
+    async def ticks(server, n):
+        for counter in range(n):
+            await server.on_tick(counter)
+
+    n = 2 * round(TRIM_SECS * 10) + 1
+    for server, expected in (
+        (WorkerServer(uvicorn.Config(app), lambda: None), 2),
+        (srv_mod.KvServer(uvicorn.Config(app)), 0),
+    ):
         calls.clear()
-        server = srv_mod.KvServer(uvicorn.Config(app), trim_heap=trim)
-        for counter in range(2 * ticks + 1):
-            asyncio.run(server.on_tick(counter))
+        asyncio.run(ticks(server, n))
         assert len(calls) == expected
-    # the gunicorn worker class builds its server with trimming on
-    assert (
-        "KvServer(config=self.config, trim_heap=True)"
-        in Path(srv_mod.__file__).with_name("worker.py").read_text()
-    )
