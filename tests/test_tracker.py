@@ -265,3 +265,62 @@ def test_closed_tracker_starts_nothing_and_ignores_a_late_replay_end():
     t.replay_done(False, "late", 1.0)
     assert host.losses == [] and not t.start_replay(0, verify=False) and t.buffer == []
     assert not t.end_degraded(t.loss_epoch)
+
+
+# -- the start of the stream, after an empty replay -----------------------------------------------
+# A fresh subscription's replay from 0 can come back empty while the SUB is still
+# connecting; the publisher then sends 0, 1, 2 (dropped by the PUB: no subscriber yet)
+# and the first batch that arrives is 3.
+
+
+def test_first_batch_past_an_empty_replay_start_replays_the_missed_batches():
+    t, host, stats = make()
+    t.catch_up()  # registration: replay from 0, empty
+    t.replay_done(True, "complete", 1.0)
+    feed(t, 3, 4)
+    assert host.replays == [0, 0] and t.replaying and host.applied == []
+    assert t.buffer == [(3, b(3)), (4, b(4))] and stats.gaps == 1
+    for s in (0, 1, 2, 3):
+        t.replayed(s, b(s), 2.0)
+    t.replay_done(True, "complete", 2.0)
+    assert host.applied == [b(0), b(1), b(2), b(3), b(4)]
+    assert host.losses == [] and t.last_seq == 4 and stats.duplicates == 1
+
+
+def test_first_batch_at_the_empty_replay_start_is_applied_at_once():
+    t, host, _ = make()
+    t.catch_up()
+    t.replay_done(True, "complete", 1.0)
+    feed(t, 0, 1)
+    assert host.replays == [0] and host.applied == [b(0), b(1)] and host.losses == []
+
+
+def test_missed_start_that_cannot_be_replayed_is_one_loss_then_the_stream_goes_on():
+    t, host, _ = make()
+    t.catch_up()
+    t.replay_done(True, "complete", 1.0)
+    feed(t, 3)
+    t.replay_done(True, "complete", 2.0)  # still empty: no history kept
+    assert host.losses == [
+        ("seq 3 arrived first, and the replay from 0 is empty: the batches before it are lost", 1)
+    ]
+    assert host.applied == [b(3)] and host.replays == [0, 0] and not t.replaying
+    feed(t, 4, 6)  # an ordinary gap afterwards: a verifying replay from 4
+    assert host.replays == [0, 0, 4]
+
+
+def test_missed_start_whose_replay_fails_is_a_loss_and_applies_the_batch():
+    t, host, _ = make()
+    t.catch_up()
+    t.replay_done(True, "complete", 1.0)
+    host.fail_now = "no reply"
+    feed(t, 3)
+    assert host.replays == [0, 0] and host.applied == [b(3)]
+    assert [why for why, _ in host.losses] == ["replay failed: no reply"]
+
+
+def test_without_an_empty_replay_the_first_batch_is_taken_whatever_its_seq():
+    t, host, _ = make()
+    t.connected()  # no replay asked (e.g. it succeeded with batches, or none configured)
+    feed(t, 41)
+    assert host.applied == [b(41)] and host.replays == []

@@ -11,7 +11,11 @@ session failed at once); the tracker expects that.
 The rules (docs/events.md, "Sequence numbers, replay and loss"), ``last`` being
 the seq of the last applied batch:
 
-* ``seq == last + 1`` (or nothing applied yet): apply.
+* ``seq == last + 1`` (or nothing applied yet): apply. Except when nothing is
+  applied yet and a replay from ``s`` came back empty (the stream starts at ``s``):
+  a first batch past ``s`` means the batches between were sent before our SUB was
+  connected (a PUB drops them); buffer it and replay from ``s`` once more; if that
+  is empty too, or fails, they are a loss.
 * ``seq > last + 1`` (gap): with replay, buffer the batch and replay from
   ``last`` (one batch of overlap: if the replayed batch ``last`` is
   byte-identical to the one applied, the stream is continuous); without, a loss
@@ -110,6 +114,12 @@ class SequenceTracker:
         self._no_replay = False
         #: A replay failed before the first connect: ask again on the first connect.
         self._retry_on_connect = False
+        #: Nothing applied yet, and a replay from this seq came back empty: the stream
+        #: starts there, so a first live batch past it means batches were missed (the
+        #: PUB drops what it sends before our SUB is connected): replay them.
+        self._expect: int | None = None
+        #: The running replay is the one asked for such a missed start.
+        self._expect_replay = False
 
     # -- inputs from the subscription ---------------------------------------------------
     def live(self, seq: int, payload: bytes, now: float) -> None:
@@ -201,12 +211,26 @@ class SequenceTracker:
                 self._loss(f"replay from {self._replay_start} is empty (restart)", now)
                 self.start_replay(0, verify=False)
                 return
+            expect_replay, self._expect_replay = self._expect_replay, False
+            if self._first and self.last_seq is None:
+                if expect_replay:
+                    # Asked again for the start of the stream and still nothing: the
+                    # publisher keeps no history of what we missed.
+                    first = min(seq for seq, _ in self.buffer) if self.buffer else None
+                    self._loss(
+                        f"seq {first} arrived first, and the replay from "
+                        f"{self._replay_start} is empty: the batches before it are lost",
+                        now,
+                    )
+                else:
+                    self._expect = self._replay_start
             self._merge(now)
             return
         # Failed (no reply, malformed reply, past the deadline): whatever the replay did
         # not deliver is lost; merge what we have (no second replay, or a dead or
         # trickling ROUTER would stall us forever).
         self.stats.drop("replay_failed")
+        self._expect_replay = False
         if not self.ever_connected:
             self._retry_on_connect = True
         self._loss(f"replay failed: {why}", now)
@@ -239,6 +263,7 @@ class SequenceTracker:
 
     # -- decisions ------------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes, live: bool = True) -> int:
+        self._expect = None
         self.host.apply(payload, seq)
         d = digest(payload)
         self.last_seq = self.stats.last_seq = seq
@@ -252,7 +277,10 @@ class SequenceTracker:
         self.dedup_high = seq
 
     def _process(self, seq: int, payload: bytes, now: float) -> None:
-        last = self.last_seq
+        last, expect = self.last_seq, self._expect
+        if last is None and expect is not None and seq > expect:
+            self._missed_start(seq, payload, expect, now)
+            return
         if last is None or seq == last + 1:
             self._apply(seq, payload)
             return
@@ -276,6 +304,25 @@ class SequenceTracker:
         )
         self._apply(seq, payload)
 
+    def _missed_start(self, seq: int, payload: bytes, start: int, now: float) -> None:
+        """The first live batch is ``seq`` but the stream starts at ``start`` (an empty
+        replay said so): the batches between were sent before our SUB was connected.
+        Replay them once; if that is impossible, they are a loss."""
+        self.stats.gaps += 1
+        if self.replay_enabled and not self._no_replay:
+            log.info(
+                "%s: first batch is %d, the stream starts at %s: replaying",
+                self.host.name(),
+                seq,
+                start,
+            )
+            self.buffer.append((seq, payload))
+            self._expect_replay = True
+            self.start_replay(start, verify=False)
+            return
+        self._loss(f"seq {seq} arrived first, the stream starts at {start}: the replay failed", now)
+        self._apply(seq, payload)
+
     def _restarted(self, seq: int, payload: bytes, why: str, now: float) -> None:
         """The publisher restarted: its cache is new; forget ours and catch up from 0."""
         self.stats.restarts += 1
@@ -292,6 +339,7 @@ class SequenceTracker:
         self.degraded_since = now
         self.loss_epoch += 1
         self.last_seq = self.last_digest = None
+        self._expect = None
         self.dedup.clear()
         self.dedup_high = -1
         self.host.lost(why, self.loss_epoch)
