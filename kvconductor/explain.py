@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -32,6 +33,12 @@ STOP_WORDS = {
     "no_worker": "no worker on this tier",
 }
 TIERS = ("npu", "cpu", "disk")
+#: Drop reasons that need words (docs/events.md, "Drop reasons").
+DROP_WORDS = {
+    "parent_not_found": ": blocks stored after a parent block this source never announced, "
+    "lost or published before it connected; not indexed",
+    "replay_failed": ": the replay endpoint did not answer in full",
+}
 
 
 class ExplainError(Exception):
@@ -94,6 +101,25 @@ def _tier(name: str, t: dict[str, Any]) -> str:
     return f"{name} {t['blocks']} (to block {t['at_block']}: {t['stop']}, {words})"
 
 
+def _source_details(s: dict[str, Any], indent: str) -> list[str]:
+    """The loss and drop lines of one source (absent from older servers' answers)."""
+    lines = []
+    loss = s.get("last_loss")
+    if s.get("losses"):
+        since = s.get("degraded_since")
+        state = f"degraded since {_clock(since)}" if since is not None else "live again"
+        why = f"; last: {loss['why']} (at {_clock(loss['at'])})" if loss else ""
+        lines.append(f"{indent}{s['losses']} loss(es), {state}{why}")
+    dropped = s.get("dropped") or {}
+    for reason, n in sorted(dropped.items()):
+        lines.append(f"{indent}{n} events dropped ({reason}{DROP_WORDS.get(reason, '')})")
+    return lines
+
+
+def _clock(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
 def report(doc: dict[str, Any]) -> list[str]:
     """The readable report of an explain answer, one string per line."""
     lines = [
@@ -123,8 +149,10 @@ def report(doc: dict[str, Any]) -> list[str]:
                 f"    source {s['url']} ({'/'.join(s['media'])}): {s['state']}, "
                 f"{s['events']} events, {since}"
             )
+            lines += _source_details(s, "        ")
     for s in doc.get("pool_sources", []):
         lines.append(f"pool source {s['url']}: {s['state']}, {s['events']} events")
+        lines += _source_details(s, "    ")
     for w in doc["warnings"]:
         lines.append(f"warning: {w}")
     return lines

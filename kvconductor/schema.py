@@ -214,11 +214,19 @@ class ExplainWorker(Struct):
     stop: str
 
 
+class ExplainLoss(Struct):
+    """The last loss of a source: when (wall-clock seconds) and why."""
+
+    at: float
+    why: str
+
+
 class ExplainSource(Struct):
     """A ZeroMQ subscription of the (instance, DP) (or of a pool, in ``pool_sources``):
     ``state`` as in ``GET /workers`` (``connecting``, ``replaying``, ``degraded``,
     ``live``); ``last_event_age_s``: seconds since its last batch, or since it was opened
-    when none came yet."""
+    when none came yet; ``losses``, ``last_loss``, ``degraded_since`` and ``dropped`` as
+    in ``GET /workers``."""
 
     url: str
     media: list[str]
@@ -228,6 +236,10 @@ class ExplainSource(Struct):
     events: int
     blocks: int
     last_event_age_s: float
+    losses: int = 0
+    degraded_since: float | None = None
+    last_loss: ExplainLoss | None = None
+    dropped: dict[str, int] = {}
 
 
 class ExplainInstance(Struct):

@@ -43,6 +43,7 @@ from kvconductor.schema import (
     STOP_MUTED,
     STOP_NO_FIRST_BLOCK,
     ExplainInstance,
+    ExplainLoss,
     ExplainResponse,
     ExplainSource,
     ExplainTier,
@@ -275,6 +276,43 @@ def trim_heap() -> None:
 
 #: The HTTP mutations :meth:`Conductor.mutate` runs or replicates.
 _MUTATIONS = {"register": "register", "unregister": "unregister", "events": "apply_events"}
+
+
+def _loss_fields(info: dict[str, Any] | None) -> dict[str, Any]:
+    """The loss and drop fields of an :class:`ExplainSource` from a ``/workers`` source."""
+    if info is None:
+        return {}
+    loss = info.get("last_loss")
+    return {
+        "losses": int(info.get("losses") or 0),
+        "degraded_since": info.get("degraded_since"),
+        "last_loss": None if loss is None else ExplainLoss(at=loss["at"], why=loss["why"]),
+        "dropped": dict(info.get("dropped") or {}),
+    }
+
+
+def _source_warnings(s: ExplainSource, label: str, now: float) -> list[str]:
+    """``/explain`` warnings of one source: not ready, degraded by a loss (and why),
+    events dropped (``parent_not_found``: blocks chained to batches it never received)."""
+    out = []
+    if s.state not in ("live", "degraded"):
+        out.append(f"{label} is {s.state}")
+    if s.state == "degraded" and s.last_loss is not None:
+        out.append(
+            f"{label} is degraded: {s.last_loss.why} ({now - s.last_loss.at:.0f}s ago); the "
+            "blocks it held then count until they age out unless announced again"
+        )
+    if s.dropped:
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(s.dropped.items()))
+        line = f"{label} dropped events ({reasons})"
+        if "parent_not_found" in s.dropped:
+            line += (
+                ": parent_not_found events store blocks after a parent block this source "
+                "never announced (it was lost, or published before the subscription "
+                "connected); those blocks are not indexed"
+            )
+        out.append(line)
+    return out
 
 
 class Conductor:
@@ -848,6 +886,7 @@ class Conductor:
                     events=int(info.get("events") or 0) if info is not None else 0,
                     blocks=int(info.get("blocks") or 0) if info is not None else 0,
                     last_event_age_s=round(max(0.0, now - last), 3) if last else -1.0,
+                    **_loss_fields(info),
                 )
             )
         return out
@@ -932,8 +971,7 @@ class Conductor:
                     "--source-down-secs, so its blocks give no hits until the source is back"
                 )
             for s in sources:
-                if s.state not in ("live", "degraded"):
-                    warnings.append(f"source {s.url} of instance {iid} DP {dp} is {s.state}")
+                warnings += _source_warnings(s, f"source {s.url} of instance {iid} DP {dp}", now)
             instances.append(
                 ExplainInstance(
                     instance_id=iid,
@@ -957,6 +995,8 @@ class Conductor:
                     "so base-model and adapter blocks never match each other) and that the "
                     "token ids are the engine's (same tokenizer, chat template and BOS token)"
                 )
+        for s in pool_sources:
+            warnings += _source_warnings(s, f"pool source {s.url}", now)
         sizes_now = idx.sizes() if idx is not None else {}
         offload = int(sizes_now.get("offload", 0))
         pending = int(sizes_now.get("pending", 0))

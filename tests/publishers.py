@@ -5,7 +5,8 @@
   SGLang 0.5.19, maps after), so encoded payloads are byte-identical to what the
   real classes emit (tests/test_vllm.py checks this against hex example payloads).
 * :class:`FakePublisher` mimics ``ZmqEventPublisher``: a PUB socket sending
-  ``[topic, seq(8B BE), payload]``, a ROUTER replay socket answering
+  ``[topic, seq(8B BE), payload]`` (an XPUB, the same on the wire, so that a test can
+  wait until a subscription has reached it: ``subscribers``), a ROUTER replay socket answering
   ``[b"", start_seq]`` in the old (``[seq, payload]``) or new
   (``[topic, seq, payload]``) layout, a ring buffer of ``buffer_steps`` batches,
   one thread owning both sockets. ``publish(..., drop=True)`` buffers a batch
@@ -224,6 +225,8 @@ class FakePublisher:
         self.replay_port = (replay_port or 0) if replay else None
         self.buffer: list[tuple[int, bytes]] = []
         self.replay_requests: list[int] = []
+        #: Subscriptions that reached the PUB (from then on nothing it sends is dropped).
+        self.subscribers = 0
         self._q: queue.Queue = queue.Queue()
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -244,7 +247,8 @@ class FakePublisher:
 
     def _run(self) -> None:
         try:
-            pub = self.ctx.socket(zmq.PUB)
+            pub = self.ctx.socket(zmq.XPUB)
+            pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, self.sndhwm)
             if self.port:
@@ -266,11 +270,17 @@ class FakePublisher:
             return
         self._ready.set()
         poller = zmq.Poller()
+        poller.register(pub, zmq.POLLIN)
         if router is not None:
             poller.register(router, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if router is not None and poller.poll(0):
+                ready = dict(poller.poll(0))
+                if pub in ready:
+                    while pub.poll(0):
+                        if pub.recv()[:1] == b"\x01":
+                            self.subscribers += 1
+                if router is not None and router in ready:
                     self._serve(router)
                 try:
                     item = self._q.get(timeout=0.005)
@@ -312,6 +322,11 @@ class FakePublisher:
         else:
             router.send_multipart([ident, b"", b"\xff" * 8, b""])
 
+    def wait_subscribed(self, n: int = 1, timeout: float = 20.0) -> None:
+        """Until ``n`` subscriptions have reached the PUB: from then on the subscriber
+        gets everything published (before, the PUB drops it: the slow joiner)."""
+        wait_until(lambda: self.subscribers >= n, timeout, msg=f"{n} subscription(s) at the PUB")
+
     def publish(self, payload: bytes, drop: bool = False, wait: bool = True) -> None:
         self._idle.clear()
         done = threading.Event()
@@ -326,11 +341,13 @@ class FakePublisher:
 
 
 class PoolPublisher:
-    """A bare PUB for pool events: ``[topic, seq, payload]`` with its own seq counter."""
+    """A bare PUB for pool events: ``[topic, seq, payload]`` with its own seq counter (an
+    XPUB, the same on the wire, for :meth:`wait_subscribed`)."""
 
     def __init__(self, port: int | None = None, topic: bytes = b"") -> None:
         self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock = self.ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         if port:
@@ -340,11 +357,24 @@ class PoolPublisher:
             self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.topic = topic
         self.seq = 0
+        self.subscribers = 0
         self._lock = threading.Lock()
 
     @property
     def url(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
+
+    def wait_subscribed(self, n: int = 1, timeout: float = 20.0) -> None:
+        """Until ``n`` subscriptions have reached the PUB (see FakePublisher's)."""
+
+        def count() -> bool:
+            with self._lock:
+                while self.sock.poll(0):
+                    if self.sock.recv()[:1] == b"\x01":
+                        self.subscribers += 1
+            return self.subscribers >= n
+
+        wait_until(count, timeout, msg=f"{n} subscription(s) at the PUB")
 
     def publish(self, payload: bytes) -> None:
         with self._lock:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import falcon.testing as ft
 import pytest
@@ -258,15 +257,16 @@ HASHES = [0xA000 + i for i in range(6)]
 
 
 def _connected(client, pub, warm: bytes, iid="eng-1") -> None:
-    """Publish ``warm`` until the SUB is connected and has applied it."""
+    """Once the subscription reached the PUB, publish ``warm`` and wait until it is
+    applied (published earlier, the PUB would drop it: a loss at the first batch)."""
+    pub.wait_subscribed()
+    pub.publish(warm)
 
     def applied():
-        pub.publish(warm)
         st, body = query(client, TOKENS[:8], model="qwen")
         return st == 200 and iid in body["default"]
 
     wait_until(applied, msg="first batch applied")
-    time.sleep(0.3)  # the warm-up batches still in flight are applied before the baseline
 
 
 def _src(m, name, iid="eng-1", dp=0, medium="NPU"):

@@ -39,6 +39,9 @@ class Host:
     def lost(self, why: str, epoch: int) -> None:
         self.losses.append((why, epoch))
 
+    def no_replay_why(self) -> str:
+        return "no replay_endpoint"
+
 
 def make(replay: bool = True, **kw) -> tuple[SequenceTracker, Host, SourceStats]:
     host, stats = Host(), SourceStats()
@@ -120,11 +123,43 @@ def test_replay_failure_is_a_loss_with_its_reason_and_the_buffer_is_applied_with
 
 def test_gap_without_replay_endpoint_is_a_loss_and_the_stream_goes_on():
     t, host, stats = make(replay=False)
-    feed(t, 1)
+    feed(t, 0, 1)
     feed(t, 3, now=9.0)
     assert host.losses == [("gap 1 -> 3 and no replay endpoint", 1)]
-    assert host.applied == [b(1), b(3)] and t.last_seq == 3 and t.degraded_since == 9.0
-    assert host.replays == []
+    assert host.applied == [b(0), b(1), b(3)] and t.last_seq == 3 and t.degraded_since == 9.0
+    assert host.replays == [] and t.last_loss == (9.0, "gap 1 -> 3 and no replay endpoint")
+
+
+def test_first_batch_past_0_without_replay_is_a_loss_naming_the_missed_range():
+    t, host, stats = make(replay=False)
+    feed(t, 47, 48, now=3.0)
+    why = (
+        "batches 0..46 were published before this subscription connected and are lost "
+        "(first batch seen: 47; no replay_endpoint)"
+    )
+    assert host.losses == [(why, 1)] and t.last_loss == (3.0, why)
+    assert host.applied == [b(47), b(48)] and t.last_seq == 48
+    assert (stats.gaps, stats.resyncs, t.state(connected=True)) == (1, 1, "degraded")
+    feed(t, 50, now=4.0)  # later gaps are gaps
+    assert host.losses[1] == ("gap 48 -> 50 and no replay endpoint", 2)
+
+
+def test_first_batch_0_or_the_cursor_successor_without_replay_is_no_loss():
+    t, host, _ = make(replay=False)
+    feed(t, 0, 1)
+    assert host.losses == [] and host.applied == [b(0), b(1)]
+    t, host, _ = make(replay=False)
+    t.last_seq, t.last_digest = 9, 123  # warm start: a snapshot's cursor
+    feed(t, 10)
+    assert host.losses == [] and host.applied == [b(10)]
+
+
+def test_after_a_loss_the_next_batch_is_taken_whatever_its_seq():
+    t, host, _ = make(replay=False)
+    feed(t, 0)
+    t.live(0, b(0, "-new"), 2.0)  # restart: loss, applied
+    feed(t, 7)  # the sequence was reset by the loss: no second "missed start" loss
+    assert len(host.losses) == 2 and host.losses[1][0] == "gap 0 -> 7 and no replay endpoint"
 
 
 def test_replay_failing_before_the_first_connect_is_asked_again_on_the_first_connect():
@@ -139,20 +174,36 @@ def test_replay_failing_before_the_first_connect_is_asked_again_on_the_first_con
     assert host.replays == [0, 0, 0]
 
 
-def test_first_connect_asks_nothing_when_the_early_replay_succeeded():
+def test_first_connect_replays_even_after_an_early_replay():
+    """A replay answered before the SUB connected may predate everything the engine
+    published: only one asked once connected counts."""
     t, host, _ = make()
     t.catch_up()
     t.replay_done(True, "complete", 1.0)
     t.connected()
-    assert host.replays == [0]
+    assert host.replays == [0, 0] and t.replaying
+
+
+def test_connect_during_a_replay_asks_again_when_it_ends():
+    t, host, _ = make()
+    t.catch_up()  # asked before the connect
+    t.connected()
+    assert host.replays == [0] and t.replaying  # one at a time
+    t.replayed(0, b(0), 1.0)
+    t.replay_done(True, "complete", 1.0)
+    assert host.replays == [0, 0] and t.replaying and t._verify  # verifies from 0
+    t.replay_done(False, "no reply", 2.0)
+    assert host.replays == [0, 0]  # asked once per connect, no loop
 
 
 def test_reconnect_verifies_from_the_last_applied_seq():
     t, host, _ = make()
     t.connected()
-    feed(t, 7, 8)
+    assert host.replays == [0]
+    t.replay_done(True, "complete", 1.0)  # empty: the stream starts at 0
+    feed(t, 0, 1)
     t.connected()
-    assert host.replays == [8] and t._verify
+    assert host.replays == [0, 1] and t._verify
 
 
 def test_engine_restart_seq_going_back_is_a_loss_and_replays_the_new_incarnation_from_0():
@@ -236,7 +287,7 @@ def test_replay_failing_inside_open_replay_still_applies_the_gap_batch():
 
 def test_degradation_ends_only_with_the_newest_loss_epoch():
     t, host, _ = make(replay=False)
-    feed(t, 1)
+    feed(t, 0, 1)
     feed(t, 3, now=10.0)
     feed(t, 5, now=20.0)
     assert [e for _, e in host.losses] == [1, 2] and t.degraded_since == 20.0
@@ -320,7 +371,6 @@ def test_missed_start_whose_replay_fails_is_a_loss_and_applies_the_batch():
 
 
 def test_without_an_empty_replay_the_first_batch_is_taken_whatever_its_seq():
-    t, host, _ = make()
-    t.connected()  # no replay asked (e.g. it succeeded with batches, or none configured)
+    t, host, _ = make()  # with a replay endpoint, no replay asked yet
     feed(t, 41)
     assert host.applied == [b(41)] and host.replays == []

@@ -19,13 +19,19 @@ Sockets:
   grow memory without limit). Loss beyond it shows up as a seq gap and is
   recovered by replay.
 * Reconnects: ZMQ's own ``RECONNECT_IVL`` 100 ms doubling up to
-  ``RECONNECT_IVL_MAX`` 30 s, as the reference. ZMTP heartbeats and TCP keepalive
+  ``RECONNECT_IVL_MAX`` 1 s (the reference let it grow to 30 s, so an engine back
+  after a long outage waited up to 30 s for us; a refused connect per second and
+  dead source costs nothing worth that). ZMTP heartbeats and TCP keepalive
   detect a silently dead peer. A socket that cannot be opened at all (out of
   sockets or files) raises: the registration that asked for it is undone (503).
 * The monitor socket reports HANDSHAKE_SUCCEEDED/DISCONNECTED (a TCP connect alone is
-  not a connection: a frozen host's kernel still accepts one); a handshake after a
-  disconnect is a *reconnect* and triggers a replay (when the subscription has
-  a replay endpoint).
+  not a connection: a frozen host's kernel still accepts one). Every handshake, the
+  first one included, triggers a replay when the subscription has a replay
+  endpoint: a PUB drops what it sends before our subscription reaches it, so only a
+  replay asked once connected covers what the engine published before (a replay
+  asked at registration, before the engine is up, would be answered empty). With a
+  bound SUB (``--allow-bind-endpoints``) each engine PUB connecting to it is such a
+  handshake.
 
 Sequence numbers (frame 1, 8-byte big-endian) per subscription: in order,
 gap, duplicate, publisher restart, replay and its merge with the live batches
@@ -80,7 +86,7 @@ log = logging.getLogger("kvconductor.ingest")
 
 RCVHWM = 1_000_000
 RECONNECT_IVL_MS = 100
-RECONNECT_IVL_MAX_MS = 30_000
+RECONNECT_IVL_MAX_MS = 1_000
 #: ZMTP PING every second; no traffic for 3 s drops the connection (a dead host is
 #: noticed within seconds, well inside the default --source-down-secs).
 HEARTBEAT_IVL_MS = 1_000
@@ -130,6 +136,8 @@ class Subscription:
         self.sock: zmq.Socket | None = None
         self.mon: zmq.Socket | None = None
         self.connected = False
+        #: The SUB is bound (``--allow-bind-endpoints``): publishers connect to it.
+        self.bound = False
         self.closed = False
         #: Monotonic time since when the source is not ready (None: ready).
         self.down_since: float | None = time.monotonic()
@@ -223,7 +231,7 @@ class Subscription:
                 if is_bind_url(url):
                     # --allow-bind-endpoints: the engine PUB connects to us ("bind stable").
                     sock.bind(url)
-                    self.connected = self.tracker.ever_connected = True
+                    self.connected = self.tracker.ever_connected = self.bound = True
                 else:
                     sock.connect(url)
             except zmq.ZMQError:
@@ -281,6 +289,9 @@ class Subscription:
             if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 if not self.connected:
                     self._now_connected()
+                elif self.bound:
+                    # a publisher connected to our bound SUB: catch up on what it sent
+                    self.tracker.connected()
             elif e == zmq.EVENT_DISCONNECTED:
                 if self.connected:
                     log.info("%s: disconnected", self.name())
@@ -351,7 +362,8 @@ class Subscription:
         except BaseException:
             self.owned = False
             raise
-        self.tracker.catch_up()
+        if self.bound:
+            self.tracker.catch_up()  # connected at once; else the SUB's handshake asks
         token = self.loss_token
         if token is not None:
             # the previous owner's grace period: ours ends it (a full one, to be safe)
@@ -395,6 +407,14 @@ class Subscription:
         )
         self.replay = session
         session.start()
+
+    def no_replay_why(self) -> str:
+        c = self.ctx
+        if c.is_pool:
+            return "a pool stream has no replay"
+        if not self.feeds_hbm:
+            return "only a stream of HBM blocks is replayed"
+        return f"instance {c.instance_id} DP {c.dp_rank} registered no replay_endpoint"
 
     def lost(self, why: str, epoch: int) -> None:
         """Keep the state, degrade, age out later (module docstring)."""
@@ -474,6 +494,7 @@ class Subscription:
             "resyncs": s.resyncs,
             "losses": s.resyncs,
             "degraded_since": self.tracker.degraded_since,
+            "last_loss": self._last_loss(),
             "aged_out_blocks": s.aged_out,
             "down_since": None if down is None else time.time() - (time.monotonic() - down),
             "muted": self.muted,
@@ -483,6 +504,10 @@ class Subscription:
             "buffered": len(self.tracker.buffer),
             "dropped": dict(s.dropped),
         }
+
+    def _last_loss(self) -> dict[str, Any] | None:
+        loss = self.tracker.last_loss
+        return None if loss is None else {"at": loss[0], "why": loss[1]}
 
 
 class SourceMetrics(NamedTuple):
@@ -716,6 +741,7 @@ class SubscriptionManager:
         sub.fence = epoch
         sub.applied = None
         sub.loss_token = token
+        sub.tracker.last_loss = (time.time(), why)
         sub.stats.resyncs += 1
         n = sub.applier.begin_suspect()
         log.warning(
@@ -837,7 +863,7 @@ class SubscriptionManager:
 
     def request_replay(self, ctx: SubscriberContext) -> None:
         """A new subscription of an (instance, DP) with a replay endpoint: catch up from 0
-        (or verify from the last applied seq)."""
+        (or verify from the last applied seq) once its SUB is connected."""
         self._check_thread()
         if not ctx.replay_endpoint:
             return
@@ -858,7 +884,10 @@ class SubscriptionManager:
         if sub is None:
             self.subscribe(ctx)
             sub = self._subs[(ctx.instance_id, ctx.dp_rank, ctx.url)]
-        sub.tracker.catch_up()
+        if sub.connected:
+            sub.tracker.catch_up()
+        # else: the SUB's handshake asks (Subscription._now_connected); asked now, before
+        # the engine is up, the replay would be answered before anything is published
 
     # -- dead engines (module docstring) ----------------------------------------------------
     def check_sources(self, now: float | None = None) -> None:

@@ -11,11 +11,21 @@ session failed at once); the tracker expects that.
 The rules (docs/events.md, "Sequence numbers, replay and loss"), ``last`` being
 the seq of the last applied batch:
 
+* Connect: a PUB drops what it sends before a subscriber's subscription reaches it,
+  so each time the SUB connects (its ZMTP handshake, first connect included) a
+  subscription with a replay endpoint asks for what it may have missed: from 0, or
+  from ``last`` to verify it. A replay asked before the connect may have been answered
+  before anything was published; it does not count: one is asked again after it.
 * ``seq == last + 1`` (or nothing applied yet): apply. Except when nothing is
-  applied yet and a replay from ``s`` came back empty (the stream starts at ``s``):
-  a first batch past ``s`` means the batches between were sent before our SUB was
-  connected (a PUB drops them); buffer it and replay from ``s`` once more; if that
-  is empty too, or fails, they are a loss.
+  applied yet and:
+
+  - a replay from ``s`` came back empty (the stream starts at ``s``): a first batch
+    past ``s`` means the batches between were sent before our subscription reached
+    the PUB; buffer it and replay from ``s`` once more; if that is empty too, or
+    fails, they are a loss;
+  - there is no replay endpoint and the very first batch of the subscription has
+    ``seq > 0``: batches ``0 .. seq-1`` were published before it connected: a loss
+    (named, with the range), then apply.
 * ``seq > last + 1`` (gap): with replay, buffer the batch and replay from
   ``last`` (one batch of overlap: if the replayed batch ``last`` is
   byte-identical to the one applied, the stream is continuous); without, a loss
@@ -28,8 +38,7 @@ the seq of the last applied batch:
   the replay) and merged by seq when it ends; nothing is applied twice.
 * Replay result: first replayed seq > wanted (the ring buffer lost it), an
   overlap batch that differs (restart: replay again from 0), an empty replay
-  when verifying (restart), or a failed replay -> a loss. A replay that failed
-  before the first connect is asked again on the first connect.
+  when verifying (restart), or a failed replay -> a loss.
 
 A loss resets the sequence (the next batch is applied whatever its seq), marks
 the source degraded since ``now`` and hands an *epoch* to the host; the
@@ -73,6 +82,10 @@ class TrackerHost(Protocol):
         """Batches were lost for good: start the grace period that ends with
         ``end_degraded(epoch)``."""
 
+    def no_replay_why(self) -> str:
+        """Why the source cannot ask for missed batches (it has no replay endpoint), in
+        words for a loss line: which registration would need one."""
+
 
 class SequenceTracker:
     """The sequence and replay state of one subscription (see the module docstring)."""
@@ -92,6 +105,8 @@ class SequenceTracker:
         self.max_buffer = max_buffer
         self.closed = False
         self.ever_connected = False
+        #: A batch was applied or a loss declared: the stream has a beginning.
+        self.started = False
         self.last_seq: int | None = None
         self.last_digest: int | None = None
         #: A replay session is open; live batches go to :attr:`buffer`.
@@ -103,6 +118,8 @@ class SequenceTracker:
         #: Wall-clock time of the last loss while degraded (None: not degraded).
         self.degraded_since: float | None = None
         self.loss_epoch = 0
+        #: The last loss: (wall-clock time, why), for ``/workers`` and ``/explain``.
+        self.last_loss: tuple[float, str] | None = None
         # The running replay: where it started, whether its first batch must be the
         # overlap batch ``last_seq``, whether it has delivered a batch, whether a
         # restart was seen (its batches are ignored, a replay from 0 follows).
@@ -112,8 +129,9 @@ class SequenceTracker:
         self._restart = False
         #: While merging after a failed replay: a gap is a loss, no second replay.
         self._no_replay = False
-        #: A replay failed before the first connect: ask again on the first connect.
-        self._retry_on_connect = False
+        #: The SUB (re)connected while a replay ran: that replay may have been answered
+        #: before our subscription reached the PUB; catch up once more when it ends.
+        self._again = False
         #: Nothing applied yet, and a replay from this seq came back empty: the stream
         #: starts there, so a first live batch past it means batches were missed (the
         #: PUB drops what it sends before our SUB is connected): replay them.
@@ -133,17 +151,16 @@ class SequenceTracker:
         self._process(seq, payload, now)
 
     def connected(self) -> None:
-        """The SUB socket (re)connected: a reconnect, or a first connect after a replay
-        that failed before it, asks for a replay."""
-        reconnect = self.ever_connected
+        """The SUB socket's handshake with a publisher succeeded (first connect or
+        reconnect): with a replay endpoint, ask for what was published before our
+        subscription reached it (module docstring, "Connect")."""
         self.ever_connected = True
-        if reconnect:
-            self.catch_up()
-        elif self._retry_on_connect:
-            # The registration's replay failed while the engine was not up yet: now that
-            # it is, ask again.
-            self._retry_on_connect = False
-            self.catch_up()
+        if self.closed or not self.replay_enabled:
+            return
+        if self.replaying:
+            self._again = True
+            return
+        self.catch_up()
 
     def catch_up(self) -> bool:
         """Replay what we may have missed: verify from the last applied seq, or all from 0."""
@@ -199,6 +216,14 @@ class SequenceTracker:
         self.replaying = False
         if self.closed:
             return
+        again, self._again = self._again, False
+        try:
+            self._replay_ended(ok, why, now)
+        finally:
+            if again and not self.closed and not self.replaying:
+                self.catch_up()
+
+    def _replay_ended(self, ok: bool, why: str, now: float) -> None:
         if ok:
             self.stats.replays_ok += 1
             if self._restart:
@@ -231,8 +256,6 @@ class SequenceTracker:
         # trickling ROUTER would stall us forever).
         self.stats.drop("replay_failed")
         self._expect_replay = False
-        if not self.ever_connected:
-            self._retry_on_connect = True
         self._loss(f"replay failed: {why}", now)
         self._no_replay = True
         try:
@@ -264,6 +287,7 @@ class SequenceTracker:
     # -- decisions ------------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes, live: bool = True) -> int:
         self._expect = None
+        self.started = True
         self.host.apply(payload, seq)
         d = digest(payload)
         self.last_seq = self.stats.last_seq = seq
@@ -280,6 +304,17 @@ class SequenceTracker:
         last, expect = self.last_seq, self._expect
         if last is None and expect is not None and seq > expect:
             self._missed_start(seq, payload, expect, now)
+            return
+        if last is None and not self.started and seq > 0 and not self.replay_enabled:
+            self.stats.gaps += 1
+            self._loss(
+                f"batches 0..{seq - 1} were published before this subscription "
+                f"connected and are lost (first batch seen: {seq}; "
+                + self.host.no_replay_why()
+                + ")",
+                now,
+            )
+            self._apply(seq, payload)
             return
         if last is None or seq == last + 1:
             self._apply(seq, payload)
@@ -336,7 +371,9 @@ class SequenceTracker:
     def _loss(self, why: str, now: float) -> None:
         """Batches were lost for good: forget the sequence, degrade, let the host age out."""
         self.stats.resyncs += 1
+        self.started = True
         self.degraded_since = now
+        self.last_loss = (now, why)
         self.loss_epoch += 1
         self.last_seq = self.last_digest = None
         self._expect = None

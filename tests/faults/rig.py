@@ -28,6 +28,8 @@ class Rig:
         self.srv = self.start()
 
     def start(self):
+        #: Subscriptions the PUB had seen before this server subscribed (join waits for one more).
+        self.subs_before = self.pub.subscribers
         srv = Server(self.tmp_path, *self.args)
         srv.wait_ready()
         body = {
@@ -57,14 +59,12 @@ class Rig:
         )
 
     def join(self):
-        """Publish empty batches until one arrives (PUB/SUB slow joiner)."""
+        """PUB/SUB slow joiner: wait until the subscription reached the PUB, then publish
+        an empty batch and wait until it arrived."""
         before = self.source()["batches"]
-
-        def joined():
-            self.pub.publish(V33.batch([]))
-            return self.source()["batches"] > before
-
-        wait_until(joined, msg="subscriber joined")
+        self.pub.wait_subscribed(self.subs_before + 1)
+        self.pub.publish(V33.batch([]))
+        wait_until(lambda: self.source()["batches"] > before, msg="subscriber joined")
 
     def close(self):
         self.srv.terminate()
