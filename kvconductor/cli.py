@@ -23,6 +23,10 @@ LOG_ENV = "KV_CONDUCTOR_LOG"
 #: Values of ``--log-format``.
 LOG_FORMATS = ("text", "json")
 API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
+#: The environment variables ``--state-url`` and the state store's password are read from
+#: (a password on the command line is visible to every user in ``ps``).
+STATE_URL_ENV = "KV_CONDUCTOR_STATE_URL"
+STATE_PASSWORD_ENV = "KV_CONDUCTOR_STATE_PASSWORD"
 #: Upper bound of ``--workers``.
 MAX_WORKERS = 1024
 _LEVELS = {
@@ -440,11 +444,12 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument(
         "--state-url",
         metavar="URL",
-        default=None,
+        default=os.environ.get(STATE_URL_ENV) or None,
         help="replicas: share registrations, events and every index with the other "
         "kv-conductor processes of this Valkey (or Redis <= 7.2) database: "
         "redis://HOST:PORT/DB, unix:///PATH?db=N, or "
-        "redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE/DB (default: none)",
+        f"redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE/DB (env {STATE_URL_ENV}; "
+        f"a password not in the URL: env {STATE_PASSWORD_ENV}; default: none)",
     )
     p.add_argument(
         "--replica-id",
@@ -515,6 +520,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         snapshot_dir=args.snapshot_dir,
         snapshot_interval_secs=args.snapshot_interval_secs,
         state_url=args.state_url,
+        state_password=os.environ.get(STATE_PASSWORD_ENV) or None,
         replica_id=args.replica_id,
         lease_secs=args.lease_secs,
         workers=getattr(args, "workers", 1),

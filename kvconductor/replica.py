@@ -96,11 +96,26 @@ READ_COUNT = 64
 WRITE_BATCH = 512
 QUEUE_MAX = 100_000
 SUBMIT_TIMEOUT = 10.0
+#: Keeper rounds over its share before a replica hands a source over.
+SHED_ROUNDS = 3
 
-_RENEW = (
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
-    "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"
-)
+# Leases are taken and renewed only in the generation the replica loaded: a lease taken
+# in a store that was emptied (before it is seeded again) or renewed across a re-seed
+# would let an owner go on from a cursor the new state does not have.
+_TAKE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('EXISTS', KEYS[2]) == 1 then
+  return 0
+end
+local epoch = redis.call('INCR', KEYS[3])
+redis.call('SET', KEYS[2], ARGV[2] .. ':' .. epoch, 'PX', ARGV[3])
+return epoch
+"""
+_RENEW = """
+if redis.call('GET', KEYS[2]) == ARGV[3] and redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
 _RELEASE = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then "
     "return redis.call('DEL', KEYS[1]) else return 0 end"
@@ -112,14 +127,19 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local trim = redis.call('HGET', KEYS[2], 'id') or '0-0'
 if ARGV[7] == '1' then trim = '0-0' end
 redis.call('HSET', KEYS[2], 'id', ARGV[2], 'key', ARGV[3], 'chunks', ARGV[4],
-           'bytes', ARGV[5], 'gen', ARGV[1], 'time', ARGV[6], 'trimmed', trim)
+           'bytes', ARGV[5], 'gen', ARGV[1], 'time', ARGV[6], 'trimmed', trim,
+           'floor', ARGV[8])
 if trim ~= '0-0' then redis.call('XTRIM', KEYS[3], 'MINID', trim) end
 return 1
 """
+# A new generation; owner epochs go on above every epoch the seeding replica applied
+# (ARGV[2], the new fence floor), so that nothing an owner of the old store appends is
+# applied in the new one.
 _SEED = """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX') then
   redis.call('DEL', KEYS[2])
   redis.call('DEL', KEYS[3])
+  redis.call('SET', KEYS[4], ARGV[2])
   return 1
 end
 return 0
@@ -138,24 +158,29 @@ def _text(v: Any) -> str:
 SENTINEL_SCHEMES = ("redis+sentinel", "valkey+sentinel")
 
 
-def connect(url: str) -> Any:
+def connect(url: str, password: str | None = None) -> Any:
     """A client of ``url``: ``redis://HOST:PORT/DB``, ``rediss://...``,
     ``unix:///PATH?db=N``, or ``redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/
     SERVICE[/DB]``: the primary the Sentinels name for SERVICE, found again after a
-    failover."""
+    failover. ``password``: used when the URL carries none."""
     import valkey
 
     scheme = url.partition("://")[0]
     if scheme in SENTINEL_SCHEMES:
         from valkey.sentinel import Sentinel
 
-        sentinels, service, db, password = parse_sentinel_url(url)
+        sentinels, service, db, url_password = parse_sentinel_url(url)
         kw = {"socket_timeout": 5.0, "socket_connect_timeout": 2.0}
         return Sentinel(sentinels, sentinel_kwargs=kw, **kw).master_for(
-            service, db=db, password=password, **kw
+            service, db=db, password=url_password or password, **kw
         )
+    # from_url: a password in the URL takes precedence over the keyword
     return valkey.Valkey.from_url(
-        url, socket_timeout=5.0, socket_connect_timeout=2.0, health_check_interval=0
+        url,
+        password=password,
+        socket_timeout=5.0,
+        socket_connect_timeout=2.0,
+        health_check_interval=0,
     )
 
 
@@ -218,6 +243,8 @@ class ReplicaStats:
     seeds: int = 0
     snapshots: int = 0
     takeovers: int = 0
+    #: Sources given back because this replica held more than its share.
+    handed_over: int = 0
     #: The log's newest entry id and length, as last seen by the keeper.
     log_last_id: str = "0-0"
     log_length: int = 0
@@ -232,6 +259,7 @@ class Replicator:
         conductor: Any,
         url: str,
         *,
+        password: str | None = None,
         replica_id: str | None = None,
         lease_secs: float = LEASE_SECS,
         snapshot_interval: float = 60.0,
@@ -245,7 +273,7 @@ class Replicator:
         self.lease_ms = max(300, int(lease_secs * 1000))
         self.snapshot_interval = float(snapshot_interval)
         self.submit_timeout = submit_timeout
-        self.client = connect(url)
+        self.client = connect(url, password)
         self.errors = _errors()
         self.stats = ReplicaStats()
         #: The store answered the last command (reader or writer).
@@ -254,6 +282,10 @@ class Replicator:
         #: The state was loaded from the store (readiness).
         self.bootstrapped = False
         self.gen: str | None = None
+        #: Owner epochs below this are fenced off in this generation (set by its seed).
+        self.floor = 0
+        #: Keeper rounds in a row this replica held more sources than its share.
+        self._over_share = 0
         #: The log position applied (written on the ingest thread).
         self.applied_id = "0-0"
         self._needs_bootstrap = True
@@ -266,6 +298,7 @@ class Replicator:
         self._leases: dict[tuple[str, int, str], str] = {}
         #: Rounds each source was seen without an owner (keeper thread).
         self._free_rounds: dict[tuple[str, int, str], int] = {}
+        self._take_lease = self.client.register_script(_TAKE)
         self._renew = self.client.register_script(_RENEW)
         self._release = self.client.register_script(_RELEASE)
         self._commit = self.client.register_script(_COMMIT_SNAPSHOT)
@@ -279,14 +312,21 @@ class Replicator:
         reader goes on trying after that) and start the threads."""
         self.conductor.call(self._attach)
         deadline = time.monotonic() + wait
+        last: BaseException | None = None
         while time.monotonic() < deadline and not self.bootstrapped:
             try:
                 self._bootstrap()
             except self.errors as ex:
+                last = ex
                 self._set_up(False, ex)
                 time.sleep(0.2)
         if not self.bootstrapped:
-            log.error("state store %s unreachable: serving without its state; retrying", self.where)
+            log.error(
+                "state store %s unreachable (%s: %s): serving without its state; retrying",
+                self.where,
+                type(last).__name__,
+                last,
+            )
         for name, fn in (("reader", self._read_loop), ("writer", self._write_loop)):
             t = threading.Thread(target=fn, name=f"kvc-replica-{name}", daemon=True)
             t.start()
@@ -450,9 +490,17 @@ class Replicator:
                 self._check_store()
                 if self._needs_bootstrap:
                     continue
-                resp = self.client.xread({LOG: self.applied_id}, count=READ_COUNT, block=500)
+                # the generation with the read, on one connection: entries of a store
+                # that was emptied (before it is seeded again) are never applied
+                pipe = self.client.pipeline(transaction=False)
+                pipe.get(GEN)
+                pipe.xread({LOG: self.applied_id}, count=READ_COUNT, block=500)
+                gen, resp = pipe.execute()
                 self._set_up(True)
                 backoff = 0.1
+                if gen is None or _text(gen) != self.gen:
+                    self._last_check = 0.0  # look at the store now
+                    continue
                 if resp:
                     entries = resp[0][1]
                     self.conductor.call(self._apply_entries, entries, timeout=None)
@@ -482,7 +530,7 @@ class Replicator:
             return
         if _text(gen) != self.gen:
             log.warning("state store %s was seeded again by another replica", self.where)
-            self._needs_bootstrap = True
+            self._new_generation()
             return
         if trimmed is not None and snap_gen == gen and _id(self.applied_id) < _id(_text(trimmed)):
             log.warning(
@@ -514,8 +562,12 @@ class Replicator:
             return  # replaced meanwhile: read the new one
         data = b"".join(chunks)
         dump.verify([data])
-        loaded = self.conductor.call(self._load, data, meta["id"], timeout=None)
+        floor = int(meta.get("floor") or 0)
+        if gen != self.gen:
+            self._leases.clear()  # held in another generation: not renewable here
+        loaded = self.conductor.call(self._load, data, meta["id"], floor, timeout=None)
         self.gen = gen
+        self.floor = floor
         self._needs_bootstrap = False
         self.bootstrapped = True
         self.stats.bootstraps += 1
@@ -530,31 +582,64 @@ class Replicator:
             time.monotonic() - t0,
         )
 
-    def _load(self, data: bytes, position: str) -> dict[str, int]:
-        """Ingest thread: replace the state by a snapshot's."""
+    def _load(self, data: bytes, position: str, floor: int) -> dict[str, int]:
+        """Ingest thread: replace the state by a snapshot's (queries are answered from the
+        old indexes meanwhile: ``Conductor.replacing``)."""
         from kvconductor.snapshot import reset
 
-        reset(self.conductor)
-        loaded = dump.load_dump(self.conductor, [data])
+        c = self.conductor
+        c.replacing = dict(c.indexes) if c.shared is None else None
+        try:
+            reset(c)
+            loaded = dump.load_dump(c, [data])
+        finally:
+            c.replacing = None
         self.applied_id = position
+        c.subs.raise_fence_floor(floor)
         return loaded
 
+    def _new_generation(self) -> None:
+        """The store holds another generation than the one this replica loaded: stop
+        consuming (its sources are resumed from the cursors of the new state, by whoever
+        takes their leases) and load it."""
+        self._leases.clear()
+        self.conductor.call(self.conductor.subs.release_all)
+        self._needs_bootstrap = True
+
     def _seed(self) -> None:
-        """The store has no generation: make this replica's state its content."""
+        """The store has no generation: make this replica's state its content.
+
+        Every source this replica consumes is released first: its owner's tracker may be
+        past what the state holds (batches appended to the lost store, never applied).
+        The state's cursors are the replicated ones, so whoever takes a lease next
+        resumes from there with a replay, and what the engine's ring still holds is
+        appended again. Owner epochs of the new generation start above every epoch
+        applied here (the fence floor), so an owner of the old store still appending is
+        fenced off on every replica."""
+        self._leases.clear()
+        floor = self.conductor.call(self._release_for_seed) + 1
         gen = uuid.uuid4().hex
-        if not self._seed_script(keys=[GEN, LOG, SNAP], args=[gen]):
+        if not self._seed_script(keys=[GEN, LOG, SNAP, EPOCH], args=[gen, floor]):
             self._needs_bootstrap = True  # another replica seeds it
             return
         self.stats.seeds += 1
         self.gen = gen
-        self.conductor.call(self._reset_position)
+        self.floor = floor
+        self.conductor.call(self._reset_position, floor)
         self._write_snapshot(first=True)
         self._needs_bootstrap = False
         self.bootstrapped = True
         log.info("replica %s seeded the state store %s (generation %s)", self.id, self.where, gen)
 
-    def _reset_position(self) -> None:
+    def _release_for_seed(self) -> int:
+        """Ingest thread: stop consuming; the highest owner epoch applied here."""
+        subs = self.conductor.subs
+        subs.release_all()
+        return max(self.floor, subs.highest_fence())
+
+    def _reset_position(self, floor: int) -> None:
         self.applied_id = "0-0"
+        self.conductor.subs.raise_fence_floor(floor)
 
     # -- applying the log (ingest thread) --------------------------------------------------
     def _apply_entries(self, entries: list) -> None:
@@ -661,9 +746,12 @@ class Replicator:
         pipe.zremrangebyscore(MEMBERS, 0, now_ms - 10 * self.lease_ms)
         pipe.zcount(MEMBERS, now_ms - 2 * self.lease_ms, "+inf")
         pipe.exists(LOG)
-        _, _, live, has_log = pipe.execute()
+        pipe.get(GEN)
+        _, _, live, has_log, gen = pipe.execute()
         self._set_up(True)
         self.stats.replicas = int(live)
+        if gen is None or _text(gen) != self.gen or self._needs_bootstrap:
+            return  # not loaded in this generation: the reader seeds or loads it first
         if has_log:
             try:
                 info = r.xinfo_stream(LOG)
@@ -680,7 +768,7 @@ class Replicator:
                 self._release(keys=[lease_key(key)], args=[token])
                 self._leases.pop(key, None)
                 continue
-            if not self._renew(keys=[lease_key(key)], args=[token, self.lease_ms]):
+            if not self._renew(keys=[lease_key(key), GEN], args=[token, self.lease_ms, self.gen]):
                 log.warning("lost the lease of %s", lease_key(key)[len(LEASE) :])
                 self._leases.pop(key, None)
                 self.conductor.call(self._release_local, key)
@@ -691,6 +779,8 @@ class Replicator:
                     self._release(keys=[lease_key(key)], args=[token])
                     self._leases.pop(key, None)
         keys = set(states)
+        share = math.ceil(len(keys) / max(1, int(live)))
+        self._shed_surplus(share)
         free = [k for k in keys if k not in self._leases]
         if not free:
             self._free_rounds.clear()
@@ -699,7 +789,6 @@ class Replicator:
         for k in free:
             pipe.exists(lease_key(k))
         owned_elsewhere = pipe.execute()
-        share = math.ceil(len(keys) / max(1, int(live)))
         for k, taken in zip(free, owned_elsewhere, strict=True):
             if taken:
                 self._free_rounds.pop(k, None)
@@ -708,10 +797,14 @@ class Replicator:
             self._free_rounds[k] = rounds
             if len(self._leases) >= share and rounds < 2:
                 continue  # leave it to a replica with fewer sources
-            epoch = int(r.incr(EPOCH))
-            token = f"{self.id}:{epoch}"
-            if not r.set(lease_key(k), token, nx=True, px=self.lease_ms):
+            epoch = int(
+                self._take_lease(
+                    keys=[GEN, lease_key(k), EPOCH], args=[self.gen, self.id, self.lease_ms]
+                )
+            )
+            if not epoch:
                 continue
+            token = f"{self.id}:{epoch}"
             self._free_rounds.pop(k, None)
             self._leases[k] = token
             if not self.conductor.call(self._activate, k, epoch):
@@ -719,6 +812,31 @@ class Replicator:
                 self._leases.pop(k, None)
             else:
                 self.stats.takeovers += 1
+
+    def _shed_surplus(self, share: int) -> None:
+        """Holding more sources than ``share`` (sources / live replicas) for
+        :data:`SHED_ROUNDS` rounds in a row: give one back, so that sources spread over
+        the replicas (the first replica to see a restarted store, or the only one running
+        for a while, takes them all). The next owner resumes it from the replicated
+        cursor with a replay: nothing is lost in the hand-over."""
+        if len(self._leases) <= share:
+            self._over_share = 0
+            return
+        self._over_share += 1
+        if self._over_share < SHED_ROUNDS:
+            return
+        self._over_share = 0
+        key, token = next(reversed(self._leases.items()))
+        self._leases.pop(key, None)
+        self.conductor.call(self._release_local, key)
+        self._release(keys=[lease_key(key)], args=[token])
+        self.stats.handed_over += 1
+        log.info(
+            "%s: handed over (this replica held %d sources, its share is %d)",
+            lease_key(key)[len(LEASE) :],
+            len(self._leases) + 1,
+            share,
+        )
 
     def _activate(self, key: tuple[str, int, str], epoch: int) -> bool:
         import zmq
@@ -776,7 +894,16 @@ class Replicator:
         pipe.execute()
         ok = self._commit(
             keys=[GEN, SNAP, LOG],
-            args=[self.gen, position, sid, len(pieces), len(data), time.time(), int(first)],
+            args=[
+                self.gen,
+                position,
+                sid,
+                len(pieces),
+                len(data),
+                time.time(),
+                int(first),
+                self.floor,
+            ],
         )
         stale = [f"{SNAP_CHUNK}{sid}:{i}" for i in range(len(pieces))] if not ok else []
         if ok and old[0] is not None:
@@ -816,6 +943,7 @@ class Replicator:
             "lag_s": round(self.lag_seconds(), 3),
             "replicas": s.replicas,
             "sources_consumed": len(self._leases),
+            "sources_handed_over": s.handed_over,
             "entries_applied": s.applied,
             "batches_applied": s.batches,
             "entries_appended": s.appended,

@@ -459,6 +459,7 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
         conductor.replicator = Replicator(
             conductor,
             settings.state_url,
+            password=settings.state_password,
             replica_id=settings.replica_id,
             lease_secs=settings.lease_secs,
             snapshot_interval=settings.snapshot_interval_secs,

@@ -334,6 +334,10 @@ class Conductor:
         self.registry = Registry(self.config.url_policy)
         #: (model, tenant) -> Index. Mutated on the ingest thread; read anywhere.
         self.indexes: dict[tuple[str, str], Index] = {}
+        #: While the state is being replaced by a snapshot's (a replica's bootstrap), the
+        #: indexes it had: queries are answered from them until the new ones are in place
+        #: (:meth:`get_index`), never a 404 for an index that exists before and after.
+        self.replacing: dict[tuple[str, str], Index] | None = None
         self.subs: Any = None
         self._subs_factory = subscriptions or _default_subscriptions
         self._started = False
@@ -448,7 +452,12 @@ class Conductor:
     # -- readers (any thread) ------------------------------------------------------------------
     def get_index(self, model: str, tenant: str) -> Index | None:
         """The index of (model, tenant), or None (query: 404)."""
-        return self.indexes.get((model, tenant))
+        idx = self.indexes.get((model, tenant))
+        if idx is None:
+            old = self.replacing
+            if old is not None:
+                return old.get((model, tenant))
+        return idx
 
     # -- callbacks for subscribers (ingest thread) ------------------------------------------------
     def get_or_create_index(self, model: str, tenant: str) -> Index:

@@ -55,6 +55,8 @@ class Settings:
     snapshot_interval_secs: int = 60
     # replicas sharing their state through Valkey (docs/operations.md, "Replicas")
     state_url: str | None = None
+    # the state store's password when the URL has none (env KV_CONDUCTOR_STATE_PASSWORD)
+    state_password: str | None = None
     replica_id: str | None = None
     lease_secs: float = 5.0
     # HTTP worker processes (docs/operations.md, "Several worker processes")

@@ -381,3 +381,103 @@ def test_a_replica_with_worker_processes(tmp_path, valkey_server):
             assert _workers(a)["replica"]["id"] == "a"
     finally:
         pub.stop()
+
+
+def test_state_store_password_from_the_environment(tmp_path):
+    """The password can stay out of the command line (``ps`` shows it to every user):
+    ``KV_CONDUCTOR_STATE_PASSWORD`` with a URL without one, or the whole URL in
+    ``KV_CONDUCTOR_STATE_URL``."""
+    secret = "s3cret-for-the-store"
+    store = ValkeyServer(extra_config={"requirepass": secret}).start()
+    try:
+        env = {"KV_CONDUCTOR_STATE_PASSWORD": secret}
+        with running(tmp_path, "--state-url", store.url, "--replica-id", "a", env=env) as a:
+            assert _workers(a)["replica"]["state_store"] == "up"
+            assert a.http.post("/register", json=_reg("eng")).status_code == 201
+            with open(f"/proc/{a.proc.pid}/cmdline", "rb") as f:
+                assert secret.encode() not in f.read()
+        user_url = store.url.replace("unix://", f"unix://:{secret}@")
+        env = {"KV_CONDUCTOR_STATE_URL": user_url}
+        with running(tmp_path, "--replica-id", "b", env=env) as b:
+            wait_until(lambda: _workers(b)["workers"], msg="the state loaded")
+            assert [w["instance_id"] for w in _workers(b)["workers"]] == ["eng"]
+            assert secret not in b.log()  # never in a log line
+        # no password: the store refuses, the replica says so and keeps serving reads
+        with running(tmp_path, "--state-url", store.url, "--replica-id", "c") as c:
+            assert _workers(c)["replica"]["state_store"] == "down"
+            assert c.http.post("/register", json=_reg("x")).status_code == 503
+            assert "unreachable (AuthenticationError" in c.log()
+    finally:
+        store.stop()
+
+
+def test_a_bootstrap_answers_queries_from_the_old_state_meanwhile(valkey_server, monkeypatch):
+    """Loading the store's snapshot replaces a replica's whole state (after a re-seed, or
+    behind the trim point). While it runs, queries are answered from the indexes it had:
+    a Coordinator never sees a 404 for a model that exists before and after."""
+    import falcon.testing as ft
+
+    from kvconductor import dump, replica
+    from kvconductor.app import create_app
+    from kvconductor.service import Conductor, ConductorConfig
+
+    c = Conductor(ConductorConfig(maintenance_interval=3600))
+    c.start()
+    try:
+        client = ft.TestClient(create_app(c))
+        assert client.simulate_post("/register", json=_reg("http-1")).status_code == 201
+        toks = list(range(1, 9))
+        ev = {
+            "event_id": 1,
+            "dp_rank": 0,
+            "type": "BlockStored",
+            "block_hashes": [7, 8],
+            "parent_block_hash": None,
+            "token_ids": toks,
+            "block_size": BS,
+            "medium": "GPU",
+        }
+        r = client.simulate_post("/events", json={"instance_id": "http-1", "events": [ev]})
+        assert r.json == {"status": "ok", "events_applied": 1}
+        data = b"".join(dump.encode(c.call(dump.snapshot, c)))
+        seen = []
+        real_load = dump.load_dump
+
+        def load_dump(conductor, chunks):
+            # the state was reset: a query now must still find the old index
+            seen.append(
+                client.simulate_post(
+                    "/query", json={"model": "qwen", "block_size": BS, "token_ids": toks}
+                ).json
+            )
+            return real_load(conductor, chunks)
+
+        monkeypatch.setattr(replica.dump, "load_dump", load_dump)
+        rep = replica.Replicator(c, valkey_server.url)
+        c.call(rep._load, data, "1-0", 3)
+        want = {
+            "default": {
+                "http-1": {
+                    "longest_matched": 8,
+                    "DP": {
+                        "0": {
+                            "matched_tokens": 8,
+                            "npu_blocks": 2,
+                            "cpu_blocks": 0,
+                            "disk_blocks": 0,
+                        }
+                    },
+                }
+            }
+        }
+        assert seen == [want]
+        assert c.replacing is None and rep.applied_id == "1-0"
+        assert (
+            client.simulate_post(
+                "/query", json={"model": "qwen", "block_size": BS, "token_ids": toks}
+            ).json
+            == want
+        )
+        assert c.subs.fence_floor == 3
+    finally:
+        assert c.stop(5.0)

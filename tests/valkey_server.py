@@ -137,9 +137,11 @@ class ValkeyServer:
         return self.proc.pid
 
     def client(self, **kwargs: Any) -> Any:
-        """A new ``valkey.Valkey`` client on ``url`` (keyword arguments passed on)."""
+        """A new ``valkey.Valkey`` client on ``url`` (keyword arguments passed on; the
+        ``requirepass`` of ``extra_config`` as the password)."""
         import valkey
 
+        kwargs.setdefault("password", self.extra_config.get("requirepass"))
         return valkey.Valkey.from_url(self.url, **kwargs)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -200,9 +202,7 @@ class ValkeyServer:
                     f"--- {self.log_path} (tail):\n{self.log_tail()}"
                 )
             try:
-                with valkey.Valkey.from_url(
-                    self.url, socket_timeout=1.0, socket_connect_timeout=1.0
-                ) as probe:
+                with self.client(socket_timeout=1.0, socket_connect_timeout=1.0) as probe:
                     if probe.ping():
                         return
             except (valkey.ConnectionError, valkey.TimeoutError, valkey.BusyLoadingError) as exc:

@@ -151,7 +151,7 @@ class Subscription:
         # period runs. ``owned``: this replica holds the source's lease and consumes it
         # with ``lease_epoch``; otherwise the subscription is passive (no socket).
         self.applied: tuple[int, int] | None = None
-        self.fence = 0
+        self.fence = manager.fence_floor
         self.loss_token: str | None = None
         self.owned = False
         self.lease_epoch = 0
@@ -166,7 +166,7 @@ class Subscription:
             self.tracker.last_seq = self.stats.last_seq = cursor[0]
             self.tracker.last_digest = cursor[1]
             self.applied = (cursor[0], cursor[1])
-            self.fence = cursor[2]
+            self.fence = max(self.fence, cursor[2])
 
     @staticmethod
     def _feeds_hbm(ctx: SubscriberContext) -> bool:
@@ -616,6 +616,9 @@ class SubscriptionManager:
         self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
         #: --state-url: the :class:`kvconductor.replica.Replicator` (None: one process).
         self.replicator: Any = None
+        #: --state-url: no source entry of an owner epoch below this is applied (raised
+        #: when the state store is seeded again: owners of the old store are fenced off).
+        self.fence_floor = 0
         #: Counters of closed subscriptions (metrics), folded in by :meth:`_remove`.
         self.retired = RetiredTotals()
         #: Held while the table changes and while a scrape reads it: a scrape sees a
@@ -776,6 +779,27 @@ class SubscriptionManager:
             return
         sub.fence = epoch
         sub.down_since = None if secs < 0 else time.monotonic() - secs
+
+    def raise_fence_floor(self, floor: int) -> None:
+        """Ignore every source entry of an owner epoch below ``floor`` from now on (the
+        store was seeded again: what owners of the old store append is fenced off)."""
+        self._check_thread()
+        self.fence_floor = max(self.fence_floor, floor)
+        for sub in self._subs.values():
+            sub.fence = max(sub.fence, self.fence_floor)
+
+    def highest_fence(self) -> int:
+        """The highest owner epoch any source entry applied here had."""
+        self._check_thread()
+        return max([self.fence_floor, *(sub.fence for sub in self._subs.values())])
+
+    def release_all(self) -> int:
+        """Stop consuming every owned source (passive again); how many were owned."""
+        self._check_thread()
+        owned = [sub for sub in self._subs.values() if sub.owned]
+        for sub in owned:
+            sub.release()
+        return len(owned)
 
     def source_states(self) -> dict[tuple[str, int, str], bool]:
         """Every subscription's key (the sources replicas hold leases on) and whether this
