@@ -317,3 +317,22 @@ def test_node_pool_before_its_engines_and_engines_coming_and_going(server, pubs)
     assert workers(server)["workers"][1]["endpoints"]["0"]["pool"]["serves"] == [
         {"instance_id": "vllm-prefill-1", "dp_rank": 1}
     ]
+    # The pool goes (the node's last DP would take it along): its subscription closes, the
+    # blocks it credited stay with the DP.
+    r = server.http.post(
+        "/unregister",
+        json={
+            "instance_id": pid,
+            "type": "vLLM",
+            "modelname": "qwen",
+            "block_size": BS,
+            "dp_rank": 0,
+        },
+    )
+    assert r.status_code == 200, r.text
+    doc = workers(server)
+    assert [w["instance_id"] for w in doc["workers"]] == ["vllm-prefill-1"]
+    assert all(s["instance_id"] != pid for s in doc["sources"])
+    assert answer(server, TOKENS_C) == {
+        "vllm-prefill-1": {"longest_matched": 12, "DP": {"1": counts(12, cpu=3)}}
+    }
