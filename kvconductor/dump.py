@@ -62,12 +62,12 @@ _TABLES: dict[str, tuple[tuple[str, str], ...]] = {
 def _registration(entry, ep) -> dict[str, Any]:
     """The ``POST /register`` body that recreates one registered DP.
 
-    A legacy ``endpoint`` is kept only by pools (it decides ``is_pool``); any other was
-    stored as the three media on its URL, which registers the same way (such a backend
-    indexes no HBM IP: Mooncake/Memcache with a legacy endpoint are pools)."""
+    A legacy ``endpoint`` is kept only by cluster pools (it decides ``is_pool``); any
+    other was stored as the three media on its URL, which registers the same way (HBM-IP
+    index included). A node pool keeps its CPU/Disk ``medium_endpoints``."""
     meds = dict(ep.medium_endpoints)
     endpoint = None
-    if ep.is_pool and ep.sources:
+    if ep.is_pool and not ep.node_pool and ep.sources:
         endpoint, meds = ep.sources[0][0], {}
     req = RegisterRequest(
         instance_id=entry.instance_id,

@@ -73,13 +73,43 @@ class StoreBackend(enum.Enum):
 
     @property
     def indexes_hbm_ip(self) -> bool:
-        return self in (StoreBackend.MOONCAKE, StoreBackend.MEMCACHE)
+        """Every backend's HBM registrations enter the HBM-IP index: the cluster pools of
+        Mooncake/Memcache and the node pools of YuanRong/Unknown find their DPs there."""
+        return True
 
     @property
     def is_pool_backend(self) -> bool:
-        return self.indexes_hbm_ip
+        """A legacy-``endpoint`` registration of this backend is a cluster pool publisher
+        (Mooncake, Memcache)."""
+        return self in (StoreBackend.MOONCAKE, StoreBackend.MEMCACHE)
+
+    @property
+    def has_node_pools(self) -> bool:
+        """A CPU/Disk-only registration of this backend is a node pool (YuanRong, Unknown):
+        :func:`is_node_pool_registration`."""
+        return self in (StoreBackend.YUANRONG, StoreBackend.UNKNOWN)
 
     @property
     def match_mode(self) -> str:
-        """ "ip_only" for Mooncake/Memcache, "none" otherwise."""
-        return "ip_only" if self.indexes_hbm_ip else "none"
+        """How the backend's pool publishers find workers: ``"ip_only"`` (an event's
+        ``backend_id`` names a node, every DP there) for Mooncake/Memcache, ``"none"``
+        otherwise. The registration's shape decides in the end: a YuanRong/Unknown node
+        pool is ``ip_only`` too (:func:`is_node_pool_registration`)."""
+        return "ip_only" if self.is_pool_backend else "none"
+
+
+def is_node_pool_registration(backend: StoreBackend, medium_keys) -> bool:
+    """A YuanRong/Unknown registration whose ``medium_endpoints`` keys name no HBM medium
+    and at least one CPU or Disk medium: the CPU/Disk publisher of one node, whose blocks
+    belong to every DP registered with an HBM URL on that node (docs/api.md, "Node
+    pools"). Keys are judged as sent (a key with an empty URL counts)."""
+    if not backend.has_node_pools:
+        return False
+    lower = False
+    for key in medium_keys:
+        m = parse_medium(key)
+        if m is Medium.NPU:
+            return False
+        if m is Medium.CPU or m is Medium.DISK:
+            lower = True
+    return lower

@@ -18,6 +18,9 @@ Deviations from the reference (docs/api.md, "Differences from the reference"):
   backend, model, tenant or block size of a DP changes, its data in the old
   index is dropped (it is stale: the engine re-announces under the new
   identity).
+* every backend's HBM registrations enter the HBM-IP index (the reference's
+  V3 indexed Mooncake/Memcache only; its newest version all of them), an engine's
+  legacy ``endpoint`` (which carries NPU) included.
 * an empty endpoint URL (in ``endpoint`` or any ``medium_endpoints``
   value) never becomes a subscription. The real Coordinator's re-registration
   path sends every medium key, unset ones as ``""``; those URLs are dropped
@@ -33,7 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvconductor.ingest.context import SubscriberContext
-from kvconductor.keys import Medium, StoreBackend, is_hbm_key, parse_medium
+from kvconductor.keys import (
+    Medium,
+    StoreBackend,
+    is_hbm_key,
+    is_node_pool_registration,
+    parse_medium,
+)
 from kvconductor.schema import DEFAULT_TENANT, RegisterRequest
 from kvconductor.urls import UrlError, UrlPolicy, check_url
 
@@ -65,6 +74,34 @@ def extract_ip(url: str) -> str | None:
     if not sep or not host:
         return None
     return host
+
+
+#: Hosts of bind-mode URLs: they name no node.
+_UNSPECIFIED_HOSTS = frozenset(("*", "0.0.0.0", "::"))
+
+
+def node_of_url(url: str) -> str | None:
+    """The node a node pool's URL is on (:func:`extract_ip`), ``None`` for a URL naming
+    no host (``ipc://``) or a bind-mode one (``tcp://*:5558``)."""
+    host = extract_ip(url)
+    return None if host is None or host in _UNSPECIFIED_HOSTS else host
+
+
+def node_of_backend_id(backend_id: str) -> str:
+    """The HBM-IP index key a pool event's ``backend_id`` names (docs/api.md, "Node
+    pools"): ``10.0.0.1``, ``10.0.0.1:5558``, ``tcp://10.0.0.1:5558`` -> ``10.0.0.1``;
+    ``[::1]:5558``, ``tcp://[::1]:5558`` -> ``::1``; anything else as it is (a bare IPv6
+    address, a host name)."""
+    rest = backend_id[len("tcp://") :] if backend_id.startswith("tcp://") else backend_id
+    if rest.startswith("["):
+        end = rest.find("]")
+        if end > 1:
+            return rest[1:end]
+        return rest
+    host, sep, port = rest.rpartition(":")
+    if sep and host and ":" not in host and port.isascii() and port.isdigit():
+        return host
+    return rest
 
 
 def medium_key(medium: Medium) -> str:
@@ -147,6 +184,9 @@ class EndpointInfo:
     node_id: str | None = None
     #: ``((url, media), ...)``: the subscriptions this registration asked for.
     sources: tuple = ()
+    #: A node pool (``is_pool`` too): the CPU/Disk publisher of the node ``node_ip``.
+    node_pool: bool = False
+    node_ip: str | None = None
 
     @property
     def backend(self) -> StoreBackend:
@@ -156,14 +196,25 @@ class EndpointInfo:
     def index_key(self) -> tuple[str, str]:
         return (self.model_name, self.tenant_id)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The ``/workers`` shape of one endpoint (docs/api.md, GET /workers)."""
-        return {
+    def to_dict(self, serves: list[tuple[str, int]] | None = None) -> dict[str, Any]:
+        """The ``/workers`` shape of one endpoint (docs/api.md, GET /workers); a pool's
+        has ``pool``: ``{"kind": "cluster"}``, or for a node pool ``{"kind": "node",
+        "node_ip", "serves"}`` with ``serves`` the DPs its blocks go to now."""
+        d: dict[str, Any] = {
             "medium_endpoints": dict(self.medium_endpoints),
             "engine_type": self.engine_type,
             "dp_rank": self.dp_rank,
             "replay_endpoint": self.replay_endpoint,
         }
+        if self.node_pool:
+            d["pool"] = {
+                "kind": "node",
+                "node_ip": self.node_ip,
+                "serves": [{"instance_id": i, "dp_rank": r} for i, r in serves or ()],
+            }
+        elif self.is_pool:
+            d["pool"] = {"kind": "cluster"}
+        return d
 
 
 @dataclass
@@ -177,14 +228,18 @@ class WorkerEntry:
     store_backend: str
     endpoints: dict[int, EndpointInfo] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The ``/workers`` shape of one instance (``store_backend`` is not exposed)."""
+    def to_dict(self, serves: Any = None) -> dict[str, Any]:
+        """The ``/workers`` shape of one instance (``store_backend`` is not exposed);
+        ``serves(ep)``: the DPs a node pool endpoint serves (:meth:`Registry.node_pool_dps`)."""
         return {
             "instance_id": self.instance_id,
             "model_name": self.model_name,
             "tenant_id": self.tenant_id,
             "block_size": self.block_size,
-            "endpoints": {str(dp): ep.to_dict() for dp, ep in sorted(self.endpoints.items())},
+            "endpoints": {
+                str(dp): ep.to_dict(serves(ep) if serves is not None and ep.node_pool else None)
+                for dp, ep in sorted(self.endpoints.items())
+            },
         }
 
     def info(self) -> dict[str, Any]:
@@ -203,6 +258,8 @@ class WorkerEntry:
                     "block_size": ep.block_size,
                     "store_backend": ep.store_backend,
                     "is_pool": ep.is_pool,
+                    "node_pool": ep.node_pool,
+                    "node_ip": ep.node_ip,
                     "node_id": ep.node_id,
                 }
                 for dp, ep in self.endpoints.items()
@@ -281,9 +338,20 @@ class Registry:
         ep = entry.endpoints.get(dp_rank)
         return ep.index_key if ep is not None else (entry.model_name, entry.tenant_id)
 
+    def node_pool_dps(self, ep: EndpointInfo) -> list[tuple[str, int]]:
+        """The (instance, DP) pairs a node pool's blocks go to now: those registered with an
+        HBM URL on its node in its (model, tenant), in registration order."""
+        if ep.node_ip is None:
+            return []
+        out = []
+        for iid, dp in self.hbm_ip_index.get(ep.node_ip, ()):
+            if self.index_key_of(iid, dp) == ep.index_key:
+                out.append((iid, dp))
+        return out
+
     def snapshot(self) -> list[dict[str, Any]]:
         """``/workers.workers``: instances sorted by id."""
-        return [self.instances[k].to_dict() for k in sorted(self.instances)]
+        return [self.instances[k].to_dict(self.node_pool_dps) for k in sorted(self.instances)]
 
     # -- HBM-IP index -------------------------------------------------------------------------
     def _add_ip(self, ip: str, instance_id: str, dp_rank: int) -> bool:
@@ -344,6 +412,18 @@ class Registry:
         backend = StoreBackend.parse(backend_name)
         tenant = req.tenant_id or DEFAULT_TENANT
         is_pool = backend.is_pool_backend and not medium_endpoints and bool(endpoint)
+        # A node pool is judged on the keys as sent (an empty HBM URL still makes a DP).
+        node_pool = bool(medium_endpoints) and is_node_pool_registration(
+            backend, (req.medium_endpoints or {}).keys()
+        )
+        node_ip = node_of_url(next(iter(medium_endpoints.values()))) if node_pool else None
+        if node_pool and node_ip is None:
+            log.warning(
+                "node pool instance_id=%s: its URL names no node (ipc:// or bind mode); only "
+                "events whose backend_id names the node can be credited",
+                req.instance_id,
+            )
+        is_pool = is_pool or node_pool
         replay_endpoint = req.replay_endpoint or None
 
         entry = self.instances.get(req.instance_id)
@@ -362,8 +442,9 @@ class Registry:
                 drop_from = old.index_key
 
         ips_added: list[str] = []
-        if backend.indexes_hbm_ip and not is_pool and medium_endpoints:
-            for key, url in medium_endpoints.items():
+        if backend.indexes_hbm_ip and not is_pool:
+            # a legacy endpoint of an engine (not a pool) carries its HBM events too
+            for key, url in normalize_medium_endpoints(medium_endpoints, endpoint).items():
                 if not is_hbm_key(key):
                     continue
                 ip = extract_ip(url)
@@ -384,6 +465,8 @@ class Registry:
                 is_pool=is_pool,
                 replay_endpoint=replay_endpoint,
                 engine_type=req.engine_type,
+                node_pool=node_pool,
+                node_ip=node_ip,
                 extra=extra,
             )
             for url, media in groups.items()
@@ -401,6 +484,8 @@ class Registry:
             is_pool=is_pool,
             node_id=req.node_id,
             sources=tuple((c.url, c.default_media) for c in contexts),
+            node_pool=node_pool,
+            node_ip=node_ip,
         )
         unchanged = old is not None and old == info
 

@@ -28,6 +28,20 @@ U64_MAX = 0xFFFFFFFFFFFFFFFF
 I64_MIN = -(1 << 63)
 I64_MAX = (1 << 63) - 1
 
+#: The longest id or name a request may carry, in characters (docs/api.md, "Ids and
+#: names").
+NAME_MAX = 400
+
+#: An id or a name: at most :data:`NAME_MAX` characters.
+Name = Annotated[str, Meta(max_length=NAME_MAX)]
+
+
+def name_too_long(path: str) -> str:
+    """The error of an id or name over :data:`NAME_MAX` at ``path`` (``$.model``), worded as
+    msgspec words it for the Struct-decoded bodies."""
+    return f"Expected `str` of length <= {NAME_MAX} - at `{path}`"
+
+
 #: An unsigned 32-bit integer (dp ranks, block sizes).
 U32 = Annotated[int, Meta(ge=0, le=U32_MAX)]
 #: A block size that must be at least 1.
@@ -63,31 +77,32 @@ class RegisterRequest(Struct, kw_only=True):
     """``POST /register``.
 
     ``block_size`` must be at least 1 here (the reference accepted 0, which no
-    engine publishes). ``null`` is accepted for every defaulted field.
+    engine publishes). ``null`` is accepted for every defaulted field. Ids and names
+    (``medium_endpoints`` keys included) are at most :data:`NAME_MAX` characters.
     """
 
-    instance_id: str
-    engine_type: str = field(name="type")
-    modelname: str
+    instance_id: Name
+    engine_type: Name = field(name="type")
+    modelname: Name
     block_size: PositiveU32
     dp_rank: U32
-    medium_endpoints: dict[str, str] | None = None
+    medium_endpoints: dict[Name, str] | None = None
     endpoint: str | None = None
-    store_backend: str | None = "Mooncake"
+    store_backend: Name | None = "Mooncake"
     replay_endpoint: str | None = None
-    tenant_id: str | None = DEFAULT_TENANT
-    node_id: str | None = None
+    tenant_id: Name | None = DEFAULT_TENANT
+    node_id: Name | None = None
 
 
 class UnregisterRequest(Struct, kw_only=True):
     """``POST /unregister``: every field but ``tenant_id`` is required (as in the reference)."""
 
-    instance_id: str
-    engine_type: str = field(name="type")
-    modelname: str
+    instance_id: Name
+    engine_type: Name = field(name="type")
+    modelname: Name
     block_size: U32
     dp_rank: U32
-    tenant_id: str | None = DEFAULT_TENANT
+    tenant_id: Name | None = DEFAULT_TENANT
 
 
 class StatusResponse(Struct):
@@ -115,19 +130,19 @@ class QueryRequest(Struct, kw_only=True):
     also be a msgpack bin of little-endian u32 (packed tokens).
     """
 
-    model: str
+    model: Name
     block_size: PositiveU32
     token_ids: list[int]
-    tenant_id: str = DEFAULT_TENANT
+    tenant_id: Name = DEFAULT_TENANT
 
 
 class QueryByHashRequest(Struct, kw_only=True):
     """``POST /query_by_hash``; ``block_size`` is required here but ignored (docs/api.md)."""
 
-    model: str
+    model: Name
     block_size: U32
     block_hashes: list[int]
-    tenant_id: str = DEFAULT_TENANT
+    tenant_id: Name = DEFAULT_TENANT
 
 
 #: The optional last field of both query bodies (string or null; null, absent or ``""``
@@ -295,9 +310,9 @@ class EventPayload(Struct, kw_only=True):
     :meth:`kind_name` and :meth:`parent`.
     """
 
-    event_type: str | None = None
-    type_: str | None = field(default=None, name="type")
-    legacy_type: str | None = None
+    event_type: Name | None = None
+    type_: Name | None = field(default=None, name="type")
+    legacy_type: Name | None = None
     blocks: list[StoredBlock] | None = None
     parent_hash: int | None = None
     parent_block_hash: int | None = None
@@ -305,10 +320,10 @@ class EventPayload(Struct, kw_only=True):
     block_size: U32 = 0
     seq_hashes: list[int] | None = None
     block_hashes: list[int] | None = None
-    medium: str | None = None
-    backend_id: str | None = None
+    medium: Name | None = None
+    backend_id: Name | None = None
     #: LoRA adapter of a ``token_ids`` store: its blocks are hashed with ``lora_seed(name)``.
-    lora_name: str | None = None
+    lora_name: Name | None = None
 
     def kind_name(self) -> str:
         """The declared type string (``event_type``, else ``type``, else ``legacy_type``)."""
@@ -331,9 +346,9 @@ class KvCacheEvent(EventPayload, kw_only=True):
 class KvEventBatch(Struct, kw_only=True):
     """``POST /events``."""
 
-    instance_id: str
-    model_name: str | None = None
-    tenant_id: str | None = None
+    instance_id: Name
+    model_name: Name | None = None
+    tenant_id: Name | None = None
     block_size: U32 = 128
     events: list[KvCacheEvent] | None = None
     shutdown: bool = False

@@ -578,6 +578,17 @@ class Conductor:
             out.is_pool,
             out.replay is not None,
         )
+        entry = self.registry.get(out.instance_id)
+        ep = entry.endpoints.get(out.dp_rank) if entry is not None else None
+        if ep is not None and ep.node_pool:
+            log.info(
+                "node pool instance_id=%s node_ip=%s model=%s tenant=%s serves %d DP(s) now",
+                out.instance_id,
+                ep.node_ip,
+                out.model_name,
+                out.tenant_id,
+                len(self.registry.node_pool_dps(ep)),
+            )
 
     def _subscribe_or_roll_back(self, req: RegisterRequest, out, saved: tuple) -> set[str]:
         """Replace (instance, DP)'s subscriptions by ``out.contexts`` (returns the URLs

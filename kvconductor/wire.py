@@ -41,7 +41,15 @@ import msgspec
 import kvconductor
 from kvconductor import _encode, _wire
 from kvconductor.index import QueryResult
-from kvconductor.schema import DEFAULT_TENANT, I64_MAX, I64_MIN, U32, U32_MAX
+from kvconductor.schema import (
+    DEFAULT_TENANT,
+    I64_MAX,
+    I64_MIN,
+    NAME_MAX,
+    U32,
+    U32_MAX,
+    name_too_long,
+)
 
 __all__ = [
     "IMPL",
@@ -234,4 +242,10 @@ def parse_query(
         raise WireError(f"block_size {block_size} is out of range (u32 expected)")
     if block_size < 1 and not by_hash:
         raise WireError("block_size must be >= 1")
+    if len(model) > NAME_MAX:
+        raise WireError(name_too_long("$.model"))
+    if len(tenant) > NAME_MAX:
+        raise WireError(name_too_long("$.tenant_id"))
+    if lora_name is not None and len(lora_name) > NAME_MAX:
+        raise WireError(name_too_long("$.lora_name"))
     return model, block_size, tenant, values, lora_name

@@ -214,8 +214,11 @@ class FakePublisher:
         buffer_steps: int = 10_000,
         start_seq: int = 0,
         sndhwm: int = 0,
+        host: str = "127.0.0.1",
     ) -> None:
         self.ctx = zmq.Context.instance()
+        #: The loopback address it binds (``127.0.0.2`` stands for a second node).
+        self.host = host
         self.topic = topic
         self.layout = layout
         self.buffer_steps = buffer_steps
@@ -239,11 +242,11 @@ class FakePublisher:
 
     @property
     def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return f"tcp://{self.host}:{self.port}"
 
     @property
     def replay_url(self) -> str | None:
-        return None if self.replay_port is None else f"tcp://127.0.0.1:{self.replay_port}"
+        return None if self.replay_port is None else f"tcp://{self.host}:{self.replay_port}"
 
     def _run(self) -> None:
         try:
@@ -252,18 +255,18 @@ class FakePublisher:
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, self.sndhwm)
             if self.port:
-                _bind_retry(pub, f"tcp://127.0.0.1:{self.port}")
+                _bind_retry(pub, f"tcp://{self.host}:{self.port}")
             else:
-                self.port = pub.bind_to_random_port("tcp://127.0.0.1")
+                self.port = pub.bind_to_random_port(f"tcp://{self.host}")
             router = None
             if self.replay_port is not None:
                 router = self.ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
                 router.setsockopt(zmq.SNDHWM, 0)
                 if self.replay_port:
-                    _bind_retry(router, f"tcp://127.0.0.1:{self.replay_port}")
+                    _bind_retry(router, f"tcp://{self.host}:{self.replay_port}")
                 else:
-                    self.replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+                    self.replay_port = router.bind_to_random_port(f"tcp://{self.host}")
         except BaseException as ex:
             self._err = ex
             self._ready.set()
@@ -344,17 +347,20 @@ class PoolPublisher:
     """A bare PUB for pool events: ``[topic, seq, payload]`` with its own seq counter (an
     XPUB, the same on the wire, for :meth:`wait_subscribed`)."""
 
-    def __init__(self, port: int | None = None, topic: bytes = b"") -> None:
+    def __init__(
+        self, port: int | None = None, topic: bytes = b"", host: str = "127.0.0.1"
+    ) -> None:
         self.ctx = zmq.Context.instance()
+        self.host = host
         self.sock = self.ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         if port:
-            _bind_retry(self.sock, f"tcp://127.0.0.1:{port}")
+            _bind_retry(self.sock, f"tcp://{host}:{port}")
             self.port = port
         else:
-            self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            self.port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.topic = topic
         self.seq = 0
         self.subscribers = 0
@@ -362,7 +368,7 @@ class PoolPublisher:
 
     @property
     def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return f"tcp://{self.host}:{self.port}"
 
     def wait_subscribed(self, n: int = 1, timeout: float = 20.0) -> None:
         """Until ``n`` subscriptions have reached the PUB (see FakePublisher's)."""

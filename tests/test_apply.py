@@ -297,6 +297,102 @@ def test_pool_unknown_ip_and_model_override(conductor):
     }
 
 
+def _node_pool_ctx(node_ip="10.0.0.1", model="m"):
+    return SubscriberContext(
+        instance_id=f"yuanrong-pool-{node_ip}-{model}",
+        dp_rank=0,
+        url=f"tcp://{node_ip}:15558",
+        model=model,
+        tenant="t",
+        block_size=BS,
+        default_media=(Medium.CPU, Medium.DISK),
+        store_backend=StoreBackend.YUANRONG,
+        is_pool=True,
+        node_pool=True,
+        node_ip=node_ip,
+    )
+
+
+def test_node_pool_credits_the_dps_of_its_model_on_its_node(conductor, caplog):
+    """A YuanRong node pool: every DP of its (model, tenant) with an HBM URL on its node,
+    whatever backend_id form the event names; other models' DPs there are not its."""
+    caplog.set_level("WARNING", logger="kvconductor.ingest")
+    conductor.ip_index["10.0.0.1"] = [("a", 0), ("a", 1), ("x", 0)]
+    conductor.instances["a"] = InstanceInfo("m", "t", BS, "YuanRong")
+    conductor.instances["x"] = InstanceInfo("other", "t", BS, "YuanRong")
+    eng = Applier(ctx(iid="a", backend=StoreBackend.YUANRONG), conductor)
+    pool = Applier(_node_pool_ctx(), conductor, warn=WarnLimiter(0))
+    eng.apply_payload(
+        V33.batch(
+            [chain(V33, n=1, medium="GPU"), chain(V33, start=1, n=3, parent=1000, medium="CPU")]
+        )
+    )
+    pool.apply_payload(
+        _mooncake(
+            [
+                # backend_id as a URL or host:port names the node
+                {
+                    "event_type": "stored",
+                    "backend_id": "tcp://10.0.0.1:15558",
+                    "medium": "cpu",
+                    "seq_hashes": [1001],
+                },
+                {
+                    "event_type": "stored",
+                    "backend_id": "10.0.0.1:15558",
+                    "medium": "cpu",
+                    "seq_hashes": [1002],
+                },
+                # none: the node of the pool's URL
+                {"event_type": "stored", "medium": "disk", "seq_hashes": [1003]},
+            ]
+        )
+    )
+    idx = conductor.indexes[("m", "t")]
+    # DP 1 holds them too, unreachable without its own HBM prefix
+    assert hits(idx, TOK, BS) == {("a", 0): (1, 2, 1)}
+    assert set(idx.workers_of("a", 1)) == {
+        WorkerKey("a", "a", 1, Medium.CPU),
+        WorkerKey("a", "a", 1, Medium.DISK),
+    }
+    assert not idx.workers_of("x", 0) and ("other", "t") not in conductor.indexes
+    assert not idx.workers_of("yuanrong-pool-10.0.0.1-m", 0)
+    # a backend_id that names no registered node (the pool daemon's): the pool's node
+    pool.apply_payload(
+        _mooncake(
+            [
+                {
+                    "event_type": "stored",
+                    "backend_id": "10.9.9.9",
+                    "medium": "cpu",
+                    "seq_hashes": [1003],
+                }
+            ]
+        )
+    )
+    assert hits(idx, TOK, BS) == {("a", 0): (1, 3, 0)}
+    # an event naming its model serves that model's DPs of the node
+    pool.apply_payload(
+        _mooncake(
+            [{"event_type": "stored", "medium": "cpu", "model_name": "other", "seq_hashes": [7]}]
+        )
+    )
+    assert hits(idx, TOK, BS) == {("a", 0): (1, 3, 0)}
+    other = conductor.indexes[("other", "t")]
+    assert other.summary()["pending_pool"] == 1  # awaits x's engine's offload of block 7
+    assert set(other.workers_of("x", 0)) == {WorkerKey("x", "x", 0, Medium.CPU)}
+    assert pool.stats.dropped == {}
+    assert caplog.records == []
+    # a node with no DP of the pool's model: dropped, counted and said
+    lone = Applier(_node_pool_ctx("10.0.0.2"), conductor, warn=WarnLimiter(0))
+    lone.apply_payload(_mooncake([{"event_type": "stored", "seq_hashes": [1001]}]))
+    assert lone.stats.dropped == {"no_dp_on_node": 1}
+    (rec,) = caplog.records
+    assert "dropped (no_dp_on_node) no DP is registered with an HBM URL on 10.0.0.2" in (
+        rec.getMessage()
+    )
+
+
 def test_yuanrong_per_port_media(conductor):
     """YuanRong: the cpu port and the disk port publish pool events tied to the registration."""
     eng = Applier(ctx(iid="yr-1", dp=1, backend=StoreBackend.YUANRONG), conductor)

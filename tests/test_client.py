@@ -30,6 +30,7 @@ from kvconductor.client import (
     backend_mode,
     build_dp_registration,
     build_medium_endpoints,
+    build_node_pool_registration,
     build_pool_registration,
     build_unregister_payload,
     canonical_store_backend,
@@ -37,6 +38,7 @@ from kvconductor.client import (
     format_host,
     instance_name,
     missing_registrations,
+    node_pool_instance_id,
     normalize_service_key,
     pack_tokens,
     resolve_endpoint,
@@ -970,6 +972,56 @@ def test_dp_registration_yuanrong_ipv6():
         "cpu": "tcp://[2001:db8::1]:5557",
         "disk": "tcp://[2001:db8::1]:9000",
     }
+
+
+def test_node_pool_registration_newest_coordinator_shape():
+    """YuanRong as the newest Coordinator registers it: NPU per DP, CPU/Disk once per node
+    and model (no DP port offset), the model in the pool's id."""
+    cfg = {
+        "store_backend": "yuanrong",
+        "npu_endpoint": "tcp://*:15557",
+        "cpu_endpoint": "tcp://*:15558",
+        "disk_endpoint": "tcp://*:15558",
+        "replay_endpoint": "tcp://*:6667",
+    }
+    assert build_dp_registration(cfg, "vllm-prefill-1", "qwen", 2, "10.0.0.1", node_pool=True) == {
+        "instance_id": "vllm-prefill-1",
+        "type": "vLLM",
+        "store_backend": "YuanRong",
+        "modelname": "qwen",
+        "block_size": 128,
+        "dp_rank": 2,
+        "medium_endpoints": {"npu": "tcp://10.0.0.1:15559"},
+        "replay_endpoint": "tcp://10.0.0.1:6669",
+    }
+    assert build_node_pool_registration(cfg, "qwen", "10.0.0.1") == {
+        "instance_id": "yuanrong-pool-10.0.0.1-qwen",
+        "type": "vLLM",
+        "store_backend": "YuanRong",
+        "modelname": "qwen",
+        "block_size": 128,
+        "dp_rank": 0,
+        "medium_endpoints": {"cpu": "tcp://10.0.0.1:15558", "disk": "tcp://10.0.0.1:15558"},
+    }
+    assert node_pool_instance_id("YuanRong", "fd00::5", "m") == "yuanrong-pool-fd00::5-m"
+    p = build_node_pool_registration(
+        {"store_backend": "YuanRong", "endpoint": "tcp://*:5557"}, "m", "fd00::5", tenant_id="t"
+    )
+    assert p["medium_endpoints"] == {"cpu": "tcp://[fd00::5]:5557", "disk": "tcp://[fd00::5]:5557"}
+    assert p["tenant_id"] == "t"
+    # only CPU/Disk patterns count; cluster-pool backends have no node pool
+    assert (
+        build_node_pool_registration(
+            {"store_backend": "YuanRong", "npu_endpoint": "tcp://*:1"}, "m", "h"
+        )
+        is None
+    )
+    assert (
+        build_node_pool_registration(
+            {"store_backend": "Mooncake", "cpu_endpoint": "tcp://*:1"}, "m", "h"
+        )
+        is None
+    )
 
 
 def test_pool_registration():

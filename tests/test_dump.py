@@ -346,6 +346,12 @@ def test_registrations_load_back_identical():
             },
             {"instance_id": "pool", "dp_rank": 0, "endpoint": "tcp://10.0.0.3:1"},
             {
+                "instance_id": "yuanrong-pool-10.0.0.2-qwen",
+                "dp_rank": 0,
+                "store_backend": "YuanRong",
+                "medium_endpoints": {"cpu": "tcp://10.0.0.2:5", "disk": "tcp://10.0.0.2:5"},
+            },
+            {
                 "instance_id": "mc",
                 "dp_rank": 0,
                 "tenant_id": "t",
@@ -359,8 +365,9 @@ def test_registrations_load_back_identical():
             req = {"type": "vLLM", "modelname": "qwen", "block_size": BS, **body}
             a.call(a.register, msgspec.convert(req, RegisterRequest))
         data = b"".join(dump.write_dump(a))
-        assert b.call(dump.load_dump, b, [data]) == {"sources": 0, "registrations": 5, "indexes": 2}
+        assert b.call(dump.load_dump, b, [data]) == {"sources": 0, "registrations": 6, "indexes": 2}
         assert b.registry.instances == a.registry.instances
+        assert b.registry.get("yuanrong-pool-10.0.0.2-qwen").endpoints[0].node_pool
         assert b.registry.hbm_ip_index == a.registry.hbm_ip_index
         assert b.registry.hbm_ip_index  # the Mooncake engine's HBM IP
         assert b.call(b.workers) == a.call(a.workers)

@@ -22,6 +22,7 @@ from kvconductor.ingest.pool import (
     flex_hash,
 )
 from kvconductor.ingest.vllm import DecodeError, Dropped, VllmBatch
+from kvconductor.schema import NAME_MAX
 
 M64 = (1 << 64) - 1
 
@@ -124,6 +125,31 @@ def test_bad_hash_drops_only_that_event():
         STORED,
     ]
     assert evs[0].hashes == [1, M64 - 1]
+
+
+def test_overlong_names_drop_only_that_event():
+    """A pool event's strings are ids and names: at most NAME_MAX characters (a model
+    name would create an index under it)."""
+    ok = "m" * NAME_MAX
+    payload = msgspec.msgpack.encode(
+        [
+            1,
+            [
+                {"event_type": "stored", "seq_hashes": [1], "model_name": ok, "tenant_id": ok},
+                {"event_type": "stored", "seq_hashes": [1], "model_name": ok + "m"},
+                {"event_type": "stored", "seq_hashes": [1], "tenant_id": ok + "t"},
+                {"event_type": "stored", "seq_hashes": [1], "backend_id": ok + "b"},
+                {"event_type": "stored", "seq_hashes": [1], "medium": ok + "c"},
+            ],
+            0,
+        ]
+    )
+    evs = decode_payload(payload).events
+    assert evs[0].model_name == ok and evs[0].tenant_id == ok
+    assert [(e.reason, e.detail) for e in evs[1:]] == [
+        ("invalid_event", f"{key} is longer than {NAME_MAX} characters")
+        for key in ("model_name", "tenant_id", "backend_id", "medium")
+    ]
 
 
 def test_dispatch_vllm_vs_pool():

@@ -11,6 +11,7 @@ from kvconductor.registry import (
     Registry,
     drop_empty_urls,
     extract_ip,
+    node_of_backend_id,
     normalize_medium_endpoints,
     resolve_endpoints,
 )
@@ -50,6 +51,24 @@ def test_extract_ip_invalid(url):
     assert extract_ip(url) is None
 
 
+@pytest.mark.parametrize(
+    "backend_id,node",
+    [
+        ("10.0.0.1", "10.0.0.1"),
+        ("10.0.0.1:5558", "10.0.0.1"),
+        ("tcp://10.0.0.1:5558", "10.0.0.1"),
+        ("tcp://[::1]:5558", "::1"),
+        ("[fd00::5]:1", "fd00::5"),
+        ("fd00::5", "fd00::5"),
+        ("node-3", "node-3"),
+        ("node-3:x", "node-3:x"),
+        ("tcp://", ""),
+    ],
+)
+def test_node_of_backend_id(backend_id, node):
+    assert node_of_backend_id(backend_id) == node
+
+
 # -- store backends (the reference's tests) ------------------------------------------------------
 
 
@@ -59,7 +78,10 @@ def test_store_backend_from_str():
     assert StoreBackend.parse("YuanRong") is StoreBackend.YUANRONG
     assert StoreBackend.parse("") is StoreBackend.UNKNOWN
     assert StoreBackend.parse("unknown") is StoreBackend.UNKNOWN
-    assert [b.indexes_hbm_ip for b in StoreBackend] == [True, True, False, False]
+    # the reference's newest version indexes every backend's HBM IPs (node pools need them)
+    assert [b.indexes_hbm_ip for b in StoreBackend] == [True, True, True, True]
+    assert [b.is_pool_backend for b in StoreBackend] == [True, True, False, False]
+    assert [b.has_node_pools for b in StoreBackend] == [False, False, True, True]
     assert [b.match_mode for b in StoreBackend] == ["ip_only", "ip_only", "none", "none"]
 
 
@@ -305,13 +327,123 @@ def test_is_pool(backend, medium_endpoints, endpoint, is_pool):
     assert out.is_pool is is_pool
 
 
-def test_hbm_ip_only_for_mooncake_memcache_hbm_keys():
+def test_hbm_ip_for_hbm_keys_of_every_backend():
     r = Registry()
     r.register(reg("a", store_backend="YuanRong", medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
     r.register(reg("b", store_backend="Mooncake", medium_endpoints={"cpu": "tcp://10.0.0.2:1"}))
     r.register(reg("c", store_backend="Memcache", medium_endpoints={"GPU": "tcp://10.0.0.3:1"}))
     r.register(reg("d", medium_endpoints={"xpu": "tcp://[2001:db8::1]:15557"}))
-    assert r.hbm_ip_index == {"10.0.0.3": [("c", 0)], "2001:db8::1": [("d", 0)]}
+    r.register(reg("e", store_backend="other", medium_endpoints={"npu": "tcp://10.0.0.5:1"}))
+    # an engine's legacy endpoint carries NPU; a Mooncake one is a pool (not indexed)
+    r.register(reg("f", store_backend="YuanRong", endpoint="tcp://10.0.0.6:1"))
+    r.register(reg("g", store_backend="Mooncake", endpoint="tcp://10.0.0.7:1"))
+    # per-DP pool ports of the previous Coordinator generation: the npu key is indexed
+    r.register(
+        reg(
+            "h",
+            store_backend="YuanRong",
+            medium_endpoints={"npu": "tcp://10.0.0.8:1", "cpu": "tcp://10.0.0.8:2"},
+        )
+    )
+    assert r.hbm_ip_index == {
+        "10.0.0.1": [("a", 0)],
+        "10.0.0.3": [("c", 0)],
+        "2001:db8::1": [("d", 0)],
+        "10.0.0.5": [("e", 0)],
+        "10.0.0.6": [("f", 0)],
+        "10.0.0.8": [("h", 0)],
+    }
+
+
+@pytest.mark.parametrize(
+    "backend,medium_endpoints,node_pool,node_ip",
+    [
+        # the newest Coordinator's node pool: CPU and Disk of one node, no HBM key
+        (
+            "YuanRong",
+            {"cpu": "tcp://10.0.0.1:15558", "disk": "tcp://10.0.0.1:15558"},
+            True,
+            "10.0.0.1",
+        ),
+        ("yuanrong", {"disk": "tcp://[fd00::5]:15558"}, True, "fd00::5"),
+        ("other", {"memory": "tcp://node-3:15558"}, True, "node-3"),
+        (
+            "YuanRong",
+            {"cpu": "tcp://10.0.0.1:15558", "STORAGE": "tcp://10.0.0.1:9"},
+            True,
+            "10.0.0.1",
+        ),
+        # any HBM key (an empty URL too) makes it a DP registration
+        ("YuanRong", {"npu": "tcp://10.0.0.1:15557", "cpu": "tcp://10.0.0.1:15558"}, False, None),
+        ("YuanRong", {"npu": "", "cpu": "tcp://10.0.0.1:15558"}, False, None),
+        ("YuanRong", {"STORAGE": "tcp://10.0.0.1:15558"}, False, None),
+        # Mooncake/Memcache pools are cluster pools (legacy endpoint)
+        ("Mooncake", {"cpu": "tcp://10.0.0.1:15558"}, False, None),
+        # no URL left: HTTP-only
+        ("YuanRong", {"cpu": ""}, False, None),
+    ],
+)
+def test_node_pool_registration(backend, medium_endpoints, node_pool, node_ip):
+    r = Registry()
+    out = r.register(
+        reg("yuanrong-pool-x-qwen", store_backend=backend, medium_endpoints=medium_endpoints)
+    )
+    ep = r.get("yuanrong-pool-x-qwen").endpoints[0]
+    assert (ep.node_pool, ep.node_ip) == (node_pool, node_ip)
+    assert out.is_pool is node_pool and ep.is_pool is node_pool
+    assert all(
+        (c.is_pool, c.node_pool, c.node_ip) == (node_pool, node_pool, node_ip) for c in out.contexts
+    )
+    if node_pool:
+        assert r.hbm_ip_index == {}  # a node pool holds no HBM blocks
+
+
+def test_node_pool_serves_the_dps_of_its_model_on_its_node():
+    r = Registry()
+    pool = {"cpu": "tcp://10.0.0.1:15558", "disk": "tcp://10.0.0.1:15558"}
+    r.register(reg("yuanrong-pool-10.0.0.1-qwen", store_backend="YuanRong", medium_endpoints=pool))
+    r.register(
+        reg(
+            "yuanrong-pool-10.0.0.1-llama",
+            store_backend="YuanRong",
+            medium_endpoints=pool,
+            modelname="llama",
+        )
+    )
+    r.register(reg("a", 0, store_backend="YuanRong", medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
+    r.register(reg("a", 1, store_backend="YuanRong", medium_endpoints={"npu": "tcp://10.0.0.1:2"}))
+    r.register(reg("b", 0, store_backend="YuanRong", medium_endpoints={"npu": "tcp://10.0.0.2:1"}))
+    r.register(
+        reg(
+            "c",
+            0,
+            store_backend="YuanRong",
+            medium_endpoints={"npu": "tcp://10.0.0.1:3"},
+            modelname="llama",
+        )
+    )
+    doc = {w["instance_id"]: w for w in r.snapshot()}
+    assert doc["yuanrong-pool-10.0.0.1-qwen"]["endpoints"]["0"]["pool"] == {
+        "kind": "node",
+        "node_ip": "10.0.0.1",
+        "serves": [{"instance_id": "a", "dp_rank": 0}, {"instance_id": "a", "dp_rank": 1}],
+    }
+    assert doc["yuanrong-pool-10.0.0.1-llama"]["endpoints"]["0"]["pool"]["serves"] == [
+        {"instance_id": "c", "dp_rank": 0}
+    ]
+    assert "pool" not in doc["a"]["endpoints"]["0"]
+    r.unregister("a", 0)
+    doc = {w["instance_id"]: w for w in r.snapshot()}
+    assert doc["yuanrong-pool-10.0.0.1-qwen"]["endpoints"]["0"]["pool"]["serves"] == [
+        {"instance_id": "a", "dp_rank": 1}
+    ]
+
+
+def test_cluster_pool_shows_as_a_pool():
+    r = Registry()
+    r.register(reg("mooncake-pool", store_backend="Mooncake", endpoint="tcp://master:50001"))
+    (w,) = r.snapshot()
+    assert w["endpoints"]["0"]["pool"] == {"kind": "cluster"}
 
 
 def test_hbm_ip_index_fans_out_dps_on_one_ip():

@@ -27,6 +27,8 @@ __all__ = [
     "backend_mode",
     "build_medium_endpoints",
     "build_pool_registration",
+    "node_pool_instance_id",
+    "build_node_pool_registration",
     "build_dp_registration",
     "build_unregister_payload",
     "normalize_service_key",
@@ -246,6 +248,55 @@ def build_pool_registration(
     return _with_tenant(payload, tenant_id)
 
 
+def node_pool_instance_id(store_backend: str, host: str, model_name: str) -> str:
+    """The instance id of a node pool: ``<backend lower>-pool-<host>-<model>``
+    (``yuanrong-pool-10.0.0.1-qwen``). The model is part of it: a registration is one
+    ``(instance_id, dp_rank)``, so two models on one node need two ids."""
+    return f"{resolve_store_backend(store_backend).lower()}-pool-{host}-{model_name}"
+
+
+def build_node_pool_registration(
+    config: Mapping[str, Any] | KvConductorConfig,
+    model_name: str,
+    host: str,
+    *,
+    tenant_id: str = TENANT_ID,
+) -> dict | None:
+    """The once-per-(node, model) CPU/Disk registration of per-DP backends (YuanRong), as
+    the newest Coordinator sends it beside HBM-only DP registrations
+    (``build_dp_registration(..., node_pool=True)``), or ``None``.
+
+    ``medium_endpoints`` = the non-empty of ``cpu`` and ``disk`` resolved for DP rank 0
+    (one publisher per node, no port offset), each falling back to the ``endpoint``
+    pattern; ``dp_rank`` 0, no ``replay_endpoint``. ``None`` for Mooncake/Memcache (their
+    pool is the cluster's, :func:`build_pool_registration`) or when neither resolves.
+    The server credits the pool's blocks to every DP of ``model_name`` registered with an
+    HBM URL on ``host`` (docs/api.md, "Node pools").
+    """
+    cfg = KvConductorConfig.coerce(config)
+    backend = resolve_store_backend(cfg.store_backend)
+    if backend_mode(backend) != "per_dp":
+        return None
+    fallback = resolve_endpoint(cfg.endpoint, host, 0)
+    media = {
+        "cpu": resolve_endpoint(cfg.cpu_endpoint, host, 0) or fallback,
+        "disk": resolve_endpoint(cfg.disk_endpoint, host, 0) or fallback,
+    }
+    media = {k: v for k, v in media.items() if v}
+    if not media:
+        return None
+    payload = {
+        "instance_id": node_pool_instance_id(backend, host, model_name),
+        "type": cfg.engine_type,
+        "store_backend": backend,
+        "modelname": model_name,
+        "block_size": int(cfg.block_size),
+        "dp_rank": 0,
+        "medium_endpoints": media,
+    }
+    return _with_tenant(payload, tenant_id)
+
+
 def build_dp_registration(
     config: Mapping[str, Any] | KvConductorConfig,
     instance_id: str,
@@ -254,12 +305,15 @@ def build_dp_registration(
     host: str,
     *,
     tenant_id: str = TENANT_ID,
+    node_pool: bool = False,
 ) -> dict:
     """The ``/register`` payload of one engine DP (docs/client.md, "Registration helpers").
 
     Without any endpoint pattern the payload has no ``medium_endpoints``: an
     "HTTP-only" registration fed by ``/events``. ``replay_endpoint`` is added
-    when its pattern resolves.
+    when its pattern resolves. ``node_pool``: the node's CPU/Disk are registered once
+    per node (:func:`build_node_pool_registration`), so the DP's ``medium_endpoints``
+    keep only ``npu``, as the newest Coordinator sends them.
     """
     cfg = KvConductorConfig.coerce(config)
     backend = resolve_store_backend(cfg.store_backend)
@@ -273,6 +327,8 @@ def build_dp_registration(
         "dp_rank": int(dp_rank),
     }
     media = build_medium_endpoints(cfg, host, dp_rank, mode)
+    if node_pool:
+        media = {k: v for k, v in media.items() if k == "npu"}
     if media:
         payload["medium_endpoints"] = media
     replay = resolve_endpoint(cfg.replay_endpoint, host, dp_rank)

@@ -77,6 +77,7 @@ from kvconductor.ingest.vllm import (
     split_batch,
 )
 from kvconductor.keys import Medium, WorkerKey, parse_medium
+from kvconductor.registry import node_of_backend_id
 
 log = logging.getLogger("kvconductor.ingest")
 
@@ -687,29 +688,54 @@ class Applier:
         media = (parse_medium(ev.medium),) if ev.medium else self.pool_media
         out = []
         if ctx.is_pool:
-            ip = ev.backend_id
-            if not ip:
+            node = node_of_backend_id(ev.backend_id) if ev.backend_id else ctx.node_ip
+            if not node:
                 self.stats.drop("no_backend_id")
                 return None
-            pairs = self.conductor.hbm_ip_lookup(ip) or ()
-            if not pairs:
-                self.stats.drop("backend_id_not_in_hbm_ip_index")
-                return None
+            pairs = self.conductor.hbm_ip_lookup(node) or ()
+            if not pairs and ctx.node_ip and node != ctx.node_ip:
+                # a node pool's backend_id may name the pool daemon, not the engines' node
+                node = ctx.node_ip
+                pairs = self.conductor.hbm_ip_lookup(node) or ()
             seen = set()
             for iid, dp in pairs:
                 if (iid, dp) in seen:
                     continue
                 seen.add((iid, dp))
                 model, tenant = ev.model_name, ev.tenant_id
-                if model is None or tenant is None:
+                if model is None or tenant is None or ctx.node_pool:
                     info = infos.get(iid, infos)
                     if info is infos:
                         info = infos[iid] = self.conductor.instance_info(iid)
                     m0, t0 = registered_index(info, dp)
+                    if ctx.node_pool:
+                        # a node pool serves the DPs of its own (model, tenant) on its node
+                        want = (
+                            ctx.model if ev.model_name is None else ev.model_name,
+                            ctx.tenant if ev.tenant_id is None else ev.tenant_id,
+                        )
+                        if (m0, t0) != want:
+                            continue
                     model = model if model is not None else (m0 or ctx.model)
                     tenant = tenant if tenant is not None else (t0 or ctx.tenant)
                 for m in media:
                     out.append((model, tenant, self._key(Medium(m), iid, dp)))
+            if not out:
+                if ctx.node_pool:
+                    self._drop(
+                        "no_dp_on_node",
+                        f"no DP is registered with an HBM URL on {node} for model="
+                        f"{ctx.model} tenant={ctx.tenant} (node pool {ctx.instance_id}, event "
+                        f"backend_id {ev.backend_id!r}): its blocks count for the DPs "
+                        "registered there when it publishes them",
+                    )
+                else:
+                    self._drop(
+                        "backend_id_not_in_hbm_ip_index",
+                        f"no DP is registered with an HBM URL on {node} (event backend_id "
+                        f"{ev.backend_id!r})",
+                    )
+                return None
         else:
             model = ev.model_name if ev.model_name is not None else ctx.model
             tenant = ev.tenant_id if ev.tenant_id is not None else ctx.tenant

@@ -20,9 +20,17 @@ class SubscriberContext:
     block_size: int
     default_media: tuple[Medium, ...] = (Medium.NPU,)
     store_backend: StoreBackend = StoreBackend.MOONCAKE
-    is_pool: bool = False  # a Mooncake/Memcache pool publisher (IpOnly worker resolution)
+    #: A pool publisher (IpOnly worker resolution): a Mooncake/Memcache cluster pool or a
+    #: YuanRong/Unknown node pool.
+    is_pool: bool = False
     replay_endpoint: str | None = None
     engine_type: str = "vLLM"
+    #: A node pool (CPU/Disk of one node; ``is_pool`` too): its blocks belong to the DPs of
+    #: its (model, tenant) registered with an HBM URL on ``node_ip``.
+    node_pool: bool = False
+    #: The node a node pool serves (the host of its URL), for events without a usable
+    #: ``backend_id``; ``None`` when the URL names no host (``ipc://``, bind mode).
+    node_ip: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
 

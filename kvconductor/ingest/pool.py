@@ -12,7 +12,8 @@ A PoolEvent is a msgpack map with the keys of :class:`PoolEvent`; unknown keys
 are ignored. Hashes go through :func:`flex_hash`. Unlike the reference, a bad
 hash (or a field of the wrong type) drops **that event** with a counted reason,
 not the whole batch, and negative integers are read as two's-complement u64
-(the reference failed the whole batch on them; docs/events.md, "Applying").
+(the reference failed the whole batch on them; docs/events.md, "Applying"). A string
+field longer than ``NAME_MAX`` characters drops its event too (``invalid_event``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import msgspec
 
 from kvconductor.ingest.vllm import DecodeError, Dropped, int_hash, parse_hash_str
+from kvconductor.schema import NAME_MAX
 
 _ANY_DEC = msgspec.msgpack.Decoder()
 
@@ -105,9 +107,13 @@ def classify(type_str: str) -> str:
 
 def _opt_str(m: dict, key: str) -> str | None:
     v = m.get(key)
-    if v is None or isinstance(v, str):
+    if v is None:
         return v
-    raise DecodeError("invalid_event", f"{key} is {type(v).__name__}")
+    if not isinstance(v, str):
+        raise DecodeError("invalid_event", f"{key} is {type(v).__name__}")
+    if len(v) > NAME_MAX:
+        raise DecodeError("invalid_event", f"{key} is longer than {NAME_MAX} characters")
+    return v
 
 
 def decode_pool_event(m: Any) -> PoolEvent | Dropped:
