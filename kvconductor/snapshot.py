@@ -1,18 +1,24 @@
-"""Warm restart on one node: ``--snapshot-dir DIR`` (docs/operations.md, "Warm restart").
+"""Warm restart on one node: snapshots in a directory (docs/operations.md, "Warm restart").
+
+The directory is ``--snapshot-dir DIR``.
 
 A snapshot is a dump (:mod:`kvconductor.dump`, format version 2: registrations, every
-index, each source's sequence cursor, an XXH3-64 checksum in its end record) written
-to ``DIR`` atomically: into a hidden temporary file, flushed to disk, then renamed to
-``snapshot-<UTC time>.kvc`` and the directory flushed. A reader therefore sees a
-whole snapshot or none; a crash mid-write leaves a temporary file, removed at the
-next start. The two newest snapshots are kept.
+index, each source's sequence cursor, a snapshot counter in its header, an XXH3-64
+checksum in its end record) written to ``DIR`` atomically: into a hidden temporary file,
+flushed to disk, then renamed to ``snapshot-<counter>-<UTC time>.kvc`` and the directory
+flushed. A reader therefore sees a whole snapshot or none; a crash mid-write leaves a
+temporary file, removed at the next start. The newest
+snapshot is the one with the highest counter (1, 2, ... per directory, kept in the
+header), never the latest clock time: a clock stepped back does not make an old snapshot
+the newest. The two newest are kept.
 
 :class:`Snapshotter` writes one every ``--snapshot-interval-secs`` (its own thread:
 the ingest thread only takes the in-memory copy, tens of milliseconds per million
 blocks; encoding and writing happen here) and a last one at shutdown.
-:func:`warm_start` loads the newest snapshot that verifies; one that does not (corrupt,
-truncated, another format version) is refused with a log line naming the file and the
-reason, and the next older one is tried; with none, the service starts empty.
+:func:`warm_start` loads the newest snapshot that verifies and loads; one that does not
+(corrupt, truncated, another format version, or an index that breaks its invariants)
+is refused with a log line naming the file and the reason, and the next older one is
+tried; with none, the service starts empty.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,9 @@ log = logging.getLogger("kvconductor.snapshot")
 
 PREFIX = "snapshot-"
 SUFFIX = ".kvc"
+#: Digits of the counter in a snapshot's name (the header has the counter too).
+COUNTER_DIGITS = 12
+_COUNTER_IN_NAME = re.compile(r"snapshot-(\d+)-")
 #: Snapshots kept in the directory (the newest first); older ones are deleted.
 KEEP = 2
 DEFAULT_INTERVAL = 60
@@ -53,15 +63,18 @@ class SnapshotStats:
 
 
 class SnapshotStore:
-    """The snapshot files of one directory."""
+    """The snapshot files of one directory (:meth:`prepare` before the first write)."""
 
     def __init__(self, directory: str, keep: int = KEEP) -> None:
         self.directory = directory
         self.keep = keep
+        #: The counter of the last snapshot written or found in the directory (0: none).
+        self.counter = 0
 
     def prepare(self) -> None:
-        """Create the directory if needed, remove temporaries of interrupted writes;
-        ``OSError`` if it cannot be created or written."""
+        """Create the directory if needed, remove temporaries of interrupted writes, and
+        count on from its highest snapshot counter; ``OSError`` if it cannot be created or
+        written."""
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):
             if name.startswith("." + PREFIX) and name.endswith(".tmp"):
@@ -71,26 +84,40 @@ class SnapshotStore:
                     pass
         if not os.access(self.directory, os.W_OK | os.X_OK):
             raise PermissionError(f"snapshot directory {self.directory} is not writable")
+        self.counter = max([c for c, _ in self._ranked()], default=0)
 
-    def snapshots(self) -> list[str]:
-        """The snapshot files, newest first."""
+    def _ranked(self) -> list[tuple[int, str]]:
+        """``(counter, name)`` of each snapshot file, newest first: by the counter in its
+        header (else in its name; 0 for a snapshot of a kvconductor that kept none), then
+        by name (the UTC time of counterless ones)."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return []
-        names = [n for n in names if n.startswith(PREFIX) and n.endswith(SUFFIX)]
-        return [os.path.join(self.directory, n) for n in sorted(names, reverse=True)]
+        ranked = [
+            (_counter(os.path.join(self.directory, n)), n)
+            for n in names
+            if n.startswith(PREFIX) and n.endswith(SUFFIX)
+        ]
+        return sorted(ranked, reverse=True)
 
-    def write(self, chunks: Iterable[bytes]) -> tuple[str, int]:
-        """Write one snapshot atomically; returns (path, bytes). Deletes the older ones
-        beyond :attr:`keep`. ``OSError`` (the temporary file removed) on a failure."""
+    def snapshots(self) -> list[str]:
+        """The snapshot files, newest first (highest counter first)."""
+        return [os.path.join(self.directory, n) for _, n in self._ranked()]
+
+    def write(self, encode: Callable[[int], Iterable[bytes]]) -> tuple[str, int]:
+        """Write one snapshot atomically: the chunks of ``encode(counter)`` (the dump with
+        this snapshot's counter in its header); returns (path, bytes). Deletes the older
+        ones beyond :attr:`keep`. ``OSError`` (the temporary file removed) on a failure."""
+        self.counter += 1
         stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        path = os.path.join(self.directory, f"{PREFIX}{stamp}{SUFFIX}")
-        tmp = os.path.join(self.directory, f".{PREFIX}{stamp}.tmp")
+        base = f"{PREFIX}{self.counter:0{COUNTER_DIGITS}d}-{stamp}"
+        path = os.path.join(self.directory, base + SUFFIX)
+        tmp = os.path.join(self.directory, f".{base}.tmp")
         size = 0
         try:
             with open(tmp, "wb") as f:
-                for chunk in chunks:
+                for chunk in encode(self.counter):
                     f.write(chunk)
                     size += len(chunk)
                 f.flush()
@@ -109,6 +136,18 @@ class SnapshotStore:
             except OSError as ex:
                 log.warning("cannot delete old snapshot %s: %s", old, ex)
         return path, size
+
+
+def _counter(path: str) -> int:
+    """A snapshot's counter: its header's, else its name's, else 0."""
+    try:
+        counter = dump.header(path).get("counter")
+        if isinstance(counter, int) and counter >= 0:
+            return counter
+    except (OSError, ValueError):
+        pass
+    m = _COUNTER_IN_NAME.match(os.path.basename(path))
+    return int(m.group(1)) if m else 0
 
 
 def _fsync_dir(directory: str) -> None:
@@ -149,7 +188,7 @@ class Snapshotter:
             try:
                 snap = self.conductor.call(dump.snapshot, self.conductor, timeout=None)
                 pause = time.monotonic() - t0
-                path, size = self.store.write(dump.encode(snap))
+                path, size = self.store.write(lambda counter: dump.encode(snap, counter=counter))
             except Exception as ex:  # a full disk must not stop the service
                 self.stats.failed += 1
                 log.error("snapshot to %s failed: %s", self.store.directory, ex)
@@ -189,10 +228,12 @@ def _pairs(ix: dict[str, Any]) -> int:
 
 
 def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
-    """Load the newest snapshot of ``store`` that verifies into the started, empty
-    ``conductor``; None when there is none (each one refused is logged). Its
-    registrations reopen their subscriptions, which resume from the snapshot's
-    cursors."""
+    """Load the newest snapshot of ``store`` that verifies and loads into the started,
+    empty ``conductor``; None when there is none. Each one refused (it does not verify,
+    or its content does not load: an index that breaks its invariants, a registration
+    refused) is logged with one ERROR line, what it loaded is forgotten, and the next
+    older one is tried. Its registrations reopen their subscriptions, which resume from
+    the snapshot's cursors."""
     for path in store.snapshots():
         t0 = time.monotonic()
         try:
@@ -203,10 +244,9 @@ def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
         try:
             loaded = conductor.call(dump.load_dump, conductor, dump.file_chunks(path), timeout=None)
         except (OSError, ValueError) as ex:
-            # verified, yet not loadable (it does not form a valid index): start empty
-            log.error("snapshot %s refused: %s; starting empty", path, ex)
-            conductor.call(reset, conductor, timeout=None)
-            return None
+            log.error("snapshot %s refused: %s", path, ex)
+            conductor.call(reset, conductor, timeout=None)  # forget what it loaded
+            continue
         took = time.monotonic() - t0
         log.info(
             "warm start from snapshot %s: registrations=%d indexes=%d sources=%d in %.3fs",
