@@ -75,6 +75,7 @@ def measure(pairs: int, directory: str) -> dict:
     t = time.perf_counter()
     path, size = store.write(functools.partial(dump.encode, snap))  # encode(snap, counter)
     t_write = time.perf_counter() - t
+    store.release()
     del snap
     src.stop()
     del src

@@ -1,13 +1,17 @@
 """Warm restart on one node: snapshots in a directory (docs/operations.md, "Warm restart").
 
-The directory is ``--snapshot-dir DIR``.
+The directory is ``--snapshot-dir DIR``, by default ``$XDG_STATE_HOME/kvconductor/<port>``
+(:func:`kvconductor.settings.default_snapshot_dir`); ``--no-snapshots`` turns them off.
+One server per directory: :meth:`SnapshotStore.prepare` takes an exclusive ``flock`` on
+``DIR/lock`` (the file holds the holder's pid; the kernel releases the lock of a process
+that dies, even by SIGKILL) and a second server is refused (:class:`DirectoryInUse`).
 
 A snapshot is a dump (:mod:`kvconductor.dump`, format version 2: registrations, every
 index, each source's sequence cursor, a snapshot counter in its header, an XXH3-64
 checksum in its end record) written to ``DIR`` atomically: into a hidden temporary file,
 flushed to disk, then renamed to ``snapshot-<counter>-<UTC time>.kvc`` and the directory
 flushed. A reader therefore sees a whole snapshot or none; a crash mid-write leaves a
-temporary file, removed at the next start. The newest
+temporary file, removed at the next start (by the lock's holder only). The newest
 snapshot is the one with the highest counter (1, 2, ... per directory, kept in the
 header), never the latest clock time: a clock stepped back does not make an old snapshot
 the newest. The two newest are kept.
@@ -24,6 +28,7 @@ tried; with none, the service starts empty.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import logging
 import os
 import re
@@ -39,9 +44,13 @@ log = logging.getLogger("kvconductor.snapshot")
 
 PREFIX = "snapshot-"
 SUFFIX = ".kvc"
+#: The lock file of a directory: ``flock``-ed by the server using it, holds its pid.
+LOCK = "lock"
 #: Digits of the counter in a snapshot's name (the header has the counter too).
 COUNTER_DIGITS = 12
 _COUNTER_IN_NAME = re.compile(r"snapshot-(\d+)-")
+#: Seconds between tries while :meth:`SnapshotStore.prepare` waits for the lock.
+LOCK_POLL = 0.1
 #: Snapshots kept in the directory (the newest first); older ones are deleted.
 KEEP = 2
 DEFAULT_INTERVAL = 60
@@ -62,29 +71,93 @@ class SnapshotStats:
     last_pause: float = 0.0
 
 
+class DirectoryInUse(Exception):
+    """The snapshot directory is locked by another server (:attr:`pid`: its pid, None
+    when its lock file does not say)."""
+
+    def __init__(self, directory: str, pid: int | None) -> None:
+        self.directory = directory
+        self.pid = pid
+        holder = f"kv-conductor pid {pid}" if pid is not None else "another kv-conductor"
+        super().__init__(
+            f"snapshot directory {directory} is in use by {holder} "
+            f"(lock {os.path.join(directory, LOCK)})"
+        )
+
+
 class SnapshotStore:
-    """The snapshot files of one directory (:meth:`prepare` before the first write)."""
+    """The snapshot files of one directory. :meth:`prepare` before the first write (it
+    takes the directory's lock), :meth:`release` after the last."""
 
     def __init__(self, directory: str, keep: int = KEEP) -> None:
         self.directory = directory
         self.keep = keep
         #: The counter of the last snapshot written or found in the directory (0: none).
         self.counter = 0
+        self._lock_fd: int | None = None
 
-    def prepare(self) -> None:
-        """Create the directory if needed, remove temporaries of interrupted writes, and
-        count on from its highest snapshot counter; ``OSError`` if it cannot be created or
-        written."""
+    def prepare(self, wait: float = 0.0) -> None:
+        """Create the directory (with its parents) if needed, take its lock (waiting up
+        to ``wait`` seconds for another holder to let go), then remove temporaries of
+        interrupted writes. :class:`DirectoryInUse` when another server holds the lock;
+        ``OSError`` if the directory cannot be created, locked or written."""
         os.makedirs(self.directory, exist_ok=True)
-        for name in os.listdir(self.directory):
-            if name.startswith("." + PREFIX) and name.endswith(".tmp"):
+        if self._lock_fd is None:
+            self._lock(wait)
+        try:
+            for name in os.listdir(self.directory):
+                if name.startswith("." + PREFIX) and name.endswith(".tmp"):
+                    try:
+                        os.unlink(os.path.join(self.directory, name))
+                    except OSError:
+                        pass
+            if not os.access(self.directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"snapshot directory {self.directory} is not writable")
+            self.counter = max([c for c, _ in self._ranked()], default=0)
+        except BaseException:
+            self.release()
+            raise
+
+    def _lock(self, wait: float) -> None:
+        path = os.path.join(self.directory, LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        deadline = time.monotonic() + wait
+        waiting = False
+        try:
+            while True:
                 try:
-                    os.unlink(os.path.join(self.directory, name))
-                except OSError:
-                    pass
-        if not os.access(self.directory, os.W_OK | os.X_OK):
-            raise PermissionError(f"snapshot directory {self.directory} is not writable")
-        self.counter = max([c for c, _ in self._ranked()], default=0)
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    pid = _pid_in(fd)
+                    if time.monotonic() >= deadline:
+                        raise DirectoryInUse(self.directory, pid) from None
+                    if not waiting:
+                        waiting = True
+                        log.info(
+                            "snapshot directory %s is in use by pid %s: waiting up to %gs "
+                            "for it to stop",
+                            self.directory,
+                            pid,
+                            wait,
+                        )
+                    time.sleep(LOCK_POLL)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Let go of the directory's lock (empties the lock file first)."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+            os.close(fd)
 
     def _ranked(self) -> list[tuple[int, str]]:
         """``(counter, name)`` of each snapshot file, newest first: by the counter in its
@@ -136,6 +209,15 @@ class SnapshotStore:
             except OSError as ex:
                 log.warning("cannot delete old snapshot %s: %s", old, ex)
         return path, size
+
+
+def _pid_in(fd: int) -> int | None:
+    """The pid a lock file holds (None: empty or not a pid)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def _counter(path: str) -> int:
@@ -212,13 +294,15 @@ class Snapshotter:
             return path
 
     def stop(self, final: bool = True) -> None:
-        """Stop the periodic thread; with ``final``, write one last snapshot."""
+        """Stop the periodic thread; with ``final``, write one last snapshot. Then let go
+        of the directory's lock."""
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
         if final:
             self.write()
+        self.store.release()
 
 
 def _pairs(ix: dict[str, Any]) -> int:

@@ -64,7 +64,7 @@ def _stored(eid: int, hashes: list[int], tokens: list[int], parent=None, medium=
 
 
 def _snapshot_files(directory) -> list[str]:
-    """The snapshot files of a directory, sorted by name."""
+    """The snapshot files of a directory (not its lock file), sorted by name."""
     return sorted(n for n in os.listdir(directory) if n.startswith("snapshot-"))
 
 
@@ -121,6 +121,7 @@ def test_store_writes_atomically_and_keeps_the_two_newest(tmp_path):
             assert _summary(d) == _summary(c)
         finally:
             d.stop()
+        store.release()
     finally:
         c.stop()
 
@@ -158,6 +159,7 @@ def test_the_newest_snapshot_is_the_highest_counter_not_the_latest_clock(tmp_pat
         second = _write(store, c)
         assert store.snapshots() == [second, first]
         assert [dump.verify(dump.file_chunks(p))["counter"] for p in (first, second)] == [1, 2]
+        store.release()
         # the next process: the same order, and it counts on from the highest
         again = snapshot.SnapshotStore(str(tmp_path))
         again.prepare()
@@ -171,6 +173,7 @@ def test_the_newest_snapshot_is_the_highest_counter_not_the_latest_clock(tmp_pat
         third = _write(again, c)
         assert dump.verify(dump.file_chunks(third))["counter"] == 3
         assert again.snapshots() == [third, second]  # the lowest counter was deleted
+        again.release()
     finally:
         c.stop()
 
@@ -196,8 +199,32 @@ def test_snapshots_written_before_counters_load_and_count_as_older(tmp_path):
         newer = _write(store, c)
         assert dump.verify(dump.file_chunks(newer))["counter"] == 1
         assert store.snapshots() == [newer, str(legacy)]
+        store.release()
     finally:
         c.stop()
+
+
+def test_one_store_per_directory(tmp_path):
+    """The lock: a second store of the directory (another process, or this one) is
+    refused with the holder's pid, and leaves the holder's temporary files alone."""
+    first = snapshot.SnapshotStore(str(tmp_path / "d"))
+    first.prepare()
+    tmp = tmp_path / "d" / ".snapshot-00000000000000000001-20260101T000000.000000Z.tmp"
+    tmp.write_bytes(b"being written")
+    second = snapshot.SnapshotStore(str(tmp_path / "d"))
+    with pytest.raises(snapshot.DirectoryInUse) as ex:
+        second.prepare()
+    assert ex.value.pid == os.getpid()
+    assert str(ex.value) == (
+        f"snapshot directory {tmp_path / 'd'} is in use by kv-conductor pid {os.getpid()} "
+        f"(lock {tmp_path / 'd' / 'lock'})"
+    )
+    assert tmp.exists()
+    first.release()
+    second.prepare()  # free again: the interrupted write's temporary is removed now
+    assert not tmp.exists()
+    assert (tmp_path / "d" / "lock").read_text() == f"{os.getpid()}\n"
+    second.release()
 
 
 def test_no_valid_snapshot_starts_empty(tmp_path, caplog):
@@ -488,3 +515,62 @@ def test_sigterm_writes_the_last_snapshot_under_workers(tmp_path):
             _expect(b, {0: 2, 1: 2}, "loaded")
     finally:
         pub.stop()
+
+
+# -- the default directory -----------------------------------------------------------------
+def _register_http(server, instance: str) -> None:
+    body = {"instance_id": instance, "type": "vLLM", "modelname": "qwen", "block_size": BS}
+    r = server.http.post("/register", json={**body, "dp_rank": 0})
+    assert r.status_code == 201, r.text
+
+
+def _instances(server) -> list[str]:
+    return [w["instance_id"] for w in server.http.get("/workers").json()["workers"]]
+
+
+def test_warm_restart_is_the_default_under_the_state_directory(tmp_path):
+    """No flag: snapshots go to $XDG_STATE_HOME/kvconductor/<port> (created with its
+    parents), named in the start line; a restart on the same port loads them."""
+    state = tmp_path / "state"
+    env = {"XDG_STATE_HOME": str(state)}
+    args = ("--snapshot-interval-secs", "0")
+    with running(tmp_path, *args, env=env, default_snapshots=True) as a:
+        _register_http(a, "eng")
+    snaps = state / "kvconductor" / str(a.port)
+    assert f" snapshots={snaps}@0s " in a.log(), a.log()
+    assert len(_snapshot_files(snaps)) == 1
+    with running(tmp_path, *args, env=env, port=a.port, default_snapshots=True) as b:
+        assert _instances(b) == ["eng"]
+    assert f"warm start from snapshot {snaps}/snapshot-" in b.log(), b.log()
+
+
+def test_no_snapshots_writes_nothing(tmp_path):
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home")}
+    with running(tmp_path, "--no-snapshots", env=env, default_snapshots=True) as a:
+        _register_http(a, "eng")
+    assert " snapshots=off " in a.log(), a.log()
+    assert "snapshot written" not in a.log()
+    assert sorted(os.listdir(tmp_path)) == [f"kvc-{a.port}.log"]
+
+
+def test_unusable_default_directory_warns_and_serves(tmp_path):
+    """The default directory cannot be created (here its parent is a file): one WARN
+    line, and the service runs without snapshots; an explicit --snapshot-dir would stop
+    it (test_snapshot_dir_problems)."""
+    state = tmp_path / "state"
+    state.write_text("a file, not a directory")
+    with running(tmp_path, env={"XDG_STATE_HOME": str(state)}, default_snapshots=True) as a:
+        _register_http(a, "eng")
+        assert _instances(a) == ["eng"]
+    snaps = state / "kvconductor" / str(a.port)
+    warns = [line for line in a.log().splitlines() if " WARN " in line]
+    assert (
+        len(warns) == 1
+        and (f"WARN cannot use the default snapshot directory {snaps}: [Errno 20] Not a directory")
+        in warns[0]
+    ), a.log()
+    assert warns[0].endswith(
+        "; running without snapshots: a restart starts cold (give --snapshot-dir DIR, "
+        "or --no-snapshots to run without them on purpose)"
+    ), warns[0]
+    assert "snapshot written" not in a.log()

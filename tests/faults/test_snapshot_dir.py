@@ -1,5 +1,5 @@
-"""The snapshot directory under faults: a clock stepped back, a snapshot that verifies
-but does not form a valid index.
+"""The snapshot directory under faults: two servers on one directory, a holder killed,
+a clock stepped back, a snapshot that verifies but does not form a valid index.
 
 Real servers (``python -m kvconductor --snapshot-dir DIR``); snapshot files are changed
 between runs the way a clock step or a bug would leave them, re-encoded with a valid
@@ -8,11 +8,14 @@ checksum (:func:`rewrite`).
 
 from __future__ import annotations
 
+import signal
 import struct
+import time
 from pathlib import Path
 
 import xxhash
-from test_server import Server, running
+from publishers import wait_until
+from test_server import STARTUP_BOUND, Server, running
 
 from kvconductor import dump
 
@@ -37,6 +40,22 @@ def snapshots(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if p.name.startswith("snapshot-"))
 
 
+def refused(srv: Server) -> int:
+    """The exit code of a server expected to refuse to start (fails if it serves)."""
+    try:
+        deadline = time.monotonic() + STARTUP_BOUND
+        while srv.proc.poll() is None:
+            assert time.monotonic() < deadline, f"second server started:\n{srv.log()}"
+            time.sleep(0.1)
+        return srv.proc.returncode
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(10)
+        srv.http.close()
+        srv._log.close()
+
+
 def rewrite(src: Path, dst: Path, change) -> None:
     """Write ``dst``: the dump ``src`` after ``change(records)`` (header first, end record
     last), framed again with a valid checksum."""
@@ -45,6 +64,56 @@ def rewrite(src: Path, dst: Path, change) -> None:
     body = b"".join(dump._frame(r) for r in records[:-1])
     end = dict(records[-1], checksum=xxhash.xxh3_64_intdigest(body))
     dst.write_bytes(body + dump._frame(end))
+
+
+def test_second_server_on_one_directory_refuses_to_start(tmp_path):
+    snaps = tmp_path / "snaps"
+    with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
+        register(a, "first")
+        # a write of the first server in progress: its temporary file
+        foreign = snaps / ".snapshot-00000000000000000007-20260101T000000.000000Z.tmp"
+        foreign.write_bytes(b"half a snapshot")
+        b = Server(tmp_path, "--snapshot-dir", str(snaps))
+        assert refused(b) == 1
+        log = b.log()
+        assert (
+            f"kv-conductor: error: snapshot directory {snaps} is in use by kv-conductor "
+            f"pid {a.proc.pid} (lock {snaps}/lock): give this server its own directory "
+            "(--snapshot-dir DIR) or run it without snapshots (--no-snapshots)"
+        ) in log, log
+        assert "KV conductor shut down" not in log and "warm start" not in log
+        assert foreign.read_bytes() == b"half a snapshot"  # not deleted by the refused one
+        assert instances(a) == ["first"]  # the first one serves on
+    assert len(snapshots(snaps)) == 1
+    assert (snaps / "lock").exists()
+
+
+def test_killed_holder_does_not_block_the_next_start(tmp_path):
+    snaps = tmp_path / "snaps"
+    a = Server(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "1")
+    try:
+        a.wait_ready()
+        register(a, "first")
+        wait_until(lambda: len(snapshots(snaps)) >= 1, msg="a periodic snapshot")
+        # the lock file names the holder
+        assert (snaps / "lock").read_text().split() == [str(a.proc.pid)]
+    finally:
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+        a.http.close()
+        a._log.close()
+    with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
+        assert instances(b) == ["first"]
+        assert (snaps / "lock").read_text().split() == [str(b.proc.pid)]
+    assert "in use by" not in b.log()
+
+
+def test_the_owner_of_workers_holds_the_lock(tmp_path):
+    snaps = tmp_path / "snaps"
+    with running(tmp_path, "--workers", "2", "--snapshot-dir", str(snaps)) as a:
+        b = Server(tmp_path, "--snapshot-dir", str(snaps))
+        assert refused(b) == 1
+        assert f"in use by kv-conductor pid {a.proc.pid} " in b.log(), b.log()
 
 
 def test_clock_stepped_back_loads_the_newest_by_counter(tmp_path):
