@@ -156,6 +156,16 @@ def test_warm_restart_is_the_default(monkeypatch, tmp_path):
         assert s.snapshot_dir is None and rule in s.describe(), argv
     # gunicorn binds a UNIX socket only: no port, no default directory
     assert parse().with_snapshot_default(None).snapshot_dir is None
+    # no absolute state home at all: none, and the start says so (a WARN)
+    from kvconductor import settings
+
+    monkeypatch.setenv("HOME", "relative/home")
+    monkeypatch.setattr(settings, "_passwd_home", lambda: None)
+    s = parse().with_snapshot_default(13333)
+    assert s.snapshot_dir is None and "snapshots=off" in s.describe()
+    assert s.snapshot_warning is not None and s.snapshot_warning.startswith(
+        "no default snapshot directory: neither XDG_STATE_HOME nor HOME is an absolute path"
+    )
 
 
 def test_version(capsys):
