@@ -33,3 +33,19 @@ def pytest_configure(config):
     # With no paths on the command line, collect bench/ instead of the testpaths.
     if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
         config.args[:] = [str(ROOT / "bench")]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_home_stays_empty(tmp_path_factory):
+    """A server started by a test never writes outside the test's own directories: the
+    session points ``XDG_STATE_HOME`` (under which a server keeps its default snapshot
+    directory) at an empty temporary directory, and it must still be empty at the end.
+    Each server passes ``--snapshot-dir`` into its test's directory or
+    ``--no-snapshots``."""
+    state = tmp_path_factory.mktemp("xdg-state")
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_STATE_HOME", str(state))
+    yield state
+    patch.undo()
+    left = sorted(str(p.relative_to(state)) for p in state.rglob("*"))
+    assert not left, f"servers started by the tests wrote into the default state directory: {left}"

@@ -127,7 +127,9 @@ def main() -> None:
     check(out.returncode == 0 and "--port" in out.stdout, "kv-conductor --help")
 
     proc = subprocess.Popen(
-        [exe, "--host", "127.0.0.1", "--port", "0"], stderr=subprocess.PIPE, text=True
+        [exe, "--host", "127.0.0.1", "--port", "0", "--no-snapshots"],
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         port: list[int] = []

@@ -45,7 +45,9 @@ def free_port() -> int:
 def start_server(port: int) -> subprocess.Popen:
     env = dict(os.environ, KV_CONDUCTOR_LOG="warning")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)], env=env
+        [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--no-snapshots"],
+        env=env,
     )
     deadline = time.time() + 30
     while time.time() < deadline:

@@ -90,7 +90,8 @@ def main() -> None:
     env = dict(os.environ, KV_CONDUCTOR_LOG="warning")
     env.update(dict(e.split("=", 1) for e in args.env))
     srv = subprocess.Popen(
-        [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--no-snapshots"],
         env=env,
     )
     pubs = []

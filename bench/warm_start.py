@@ -18,6 +18,7 @@ and checks that the loaded index has the same counts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -72,8 +73,9 @@ def measure(pairs: int, directory: str) -> dict:
     snap = src.call(dump.snapshot, src, timeout=None)
     t_snap = time.perf_counter() - t
     t = time.perf_counter()
-    path, size = store.write(dump.encode(snap))
+    path, size = store.write(functools.partial(dump.encode, snap))  # encode(snap, counter)
     t_write = time.perf_counter() - t
+    store.release()
     del snap
     src.stop()
     del src

@@ -44,6 +44,7 @@ def start(port: int, workers: int) -> subprocess.Popen:
     env = dict(os.environ, KV_CONDUCTOR_LOG="warning")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)]
+        + ["--no-snapshots"]
         + (["--workers", str(workers)] if workers > 1 else []),
         env=env,
     )

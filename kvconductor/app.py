@@ -33,6 +33,7 @@ Network security (Origin rule, CORS, ``/workers`` token, limits, TLS):
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import os
@@ -86,6 +87,10 @@ _CT_MSGPACK = MSGPACK_CONTENT_TYPE.encode()
 _CT_JSON = JSON_CONTENT_TYPE.encode()
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Seconds a gunicorn worker's start waits for the snapshot directory's lock: on a
+#: reload the old worker drains (3 s), writes its last snapshot and lets go first. Below
+#: gunicorn's default worker timeout (30 s), which also bounds the lifespan startup.
+GUNICORN_LOCK_WAIT = 20.0
 #: Query bodies above this size are parsed, hashed and matched in a worker thread.
 LARGE_BODY_BYTES = 256 * 1024
 QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
@@ -1011,6 +1016,16 @@ def _gunicorn_cfg() -> Any:
     return None
 
 
+def _gunicorn_port() -> int | None:
+    """The port of the first TCP address gunicorn binds (``-b``); None outside gunicorn
+    or with UNIX sockets only."""
+    cfg = _gunicorn_cfg()
+    for addr in getattr(cfg, "address", None) or ():
+        if isinstance(addr, tuple) and len(addr) >= 2 and isinstance(addr[1], int):
+            return addr[1]
+    return None
+
+
 def _gunicorn_workers() -> int | None:
     """``workers`` of the gunicorn loading this app (``-w``, ``WEB_CONCURRENCY``, config)."""
     cfg = _gunicorn_cfg()
@@ -1070,6 +1085,12 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "forks the workers itself); run `kv-conductor --workers N` instead"
         )
     configure_logging(settings.log_level, settings.log_format)
+    # The default snapshot directory is that of the port gunicorn binds; a reload
+    # (SIGHUP) starts the new worker before the old one stops: wait for its lock.
+    settings = dataclasses.replace(
+        settings.with_snapshot_default(_gunicorn_port()),
+        snapshot_lock_wait=GUNICORN_LOCK_WAIT,
+    )
     worker_class = getattr(_gunicorn_cfg(), "worker_class", None)
     if worker_class is not None and not _is_kv_worker(worker_class) and settings.tls_cert:
         raise AppImportError(

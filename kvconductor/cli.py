@@ -433,13 +433,21 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         default=None,
         help="warm restart: write a snapshot (registrations, sequence cursors, every index) "
         "into DIR periodically and at shutdown, and load the newest valid one at start; "
-        "the sources then replay from their cursors (default: none)",
+        "the sources then replay from their cursors. One server per directory (a second "
+        "one is refused). Default: $XDG_STATE_HOME/kvconductor/PORT (else "
+        "~/.local/state/kvconductor/PORT); none with --port 0, --load-dump or --state-url",
+    )
+    p.add_argument(
+        "--no-snapshots",
+        action="store_true",
+        help="no snapshot directory, not even the default one: nothing is written to "
+        "disk and a restart starts cold",
     )
     p.add_argument(
         "--snapshot-interval-secs",
         type=_secs,
         default=60,
-        help="seconds between snapshots with --snapshot-dir (default 60; 0: only at shutdown)",
+        help="seconds between snapshots (default 60; 0: only at shutdown)",
     )
     p.add_argument(
         "--state-url",
@@ -519,6 +527,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         load_dump=args.load_dump,
         snapshot_dir=args.snapshot_dir,
         snapshot_interval_secs=args.snapshot_interval_secs,
+        no_snapshots=args.no_snapshots,
         state_url=args.state_url,
         state_password=os.environ.get(STATE_PASSWORD_ENV) or None,
         replica_id=args.replica_id,
@@ -552,6 +561,8 @@ def _no_password() -> str:
 
 
 def _snapshot_problem(args: argparse.Namespace) -> str | None:
+    if getattr(args, "snapshot_dir", None) and getattr(args, "no_snapshots", False):
+        return "--no-snapshots and --snapshot-dir exclude each other"
     if getattr(args, "snapshot_dir", None) and getattr(args, "load_dump", None):
         return (
             "--load-dump and --snapshot-dir exclude each other (a snapshot directory "
@@ -726,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]))
     args = build_parser().parse_args(argv)
-    settings = settings_from_args(args)
+    settings = settings_from_args(args).with_snapshot_default(args.port)
     configure_logging(settings.log_level, settings.log_format)
     _, warning = _env_level()
     if warning and args.log_level == "info":

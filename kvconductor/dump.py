@@ -36,6 +36,8 @@ VERSION = 2
 READS = (1, 2)
 #: Rows per block-table record.
 CHUNK_ROWS = 65536
+#: Bytes a header record may have (:func:`header`; a few dozen in practice).
+HEADER_MAX = 1 << 16
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
@@ -135,11 +137,12 @@ def _frame(record: Any) -> bytes:
     return struct.pack(">BI", _BIN32, len(payload)) + payload
 
 
-def encode(snap: dict[str, Any]) -> Iterator[bytes]:
+def encode(snap: dict[str, Any], counter: int | None = None) -> Iterator[bytes]:
     """The dump of a :func:`snapshot`, one framed record at a time; the end record
-    carries the XXH3-64 of every byte before it."""
+    carries the XXH3-64 of every byte before it. ``counter``: the snapshot counter of a
+    snapshot directory, kept in the header (:mod:`kvconductor.snapshot`)."""
     h = xxhash.xxh3_64()
-    for frame in _frames(snap):
+    for frame in _frames(snap, counter):
         h.update(frame)
         yield frame
     yield _frame(
@@ -153,17 +156,16 @@ def encode(snap: dict[str, Any]) -> Iterator[bytes]:
     )
 
 
-def _frames(snap: dict[str, Any]) -> Iterator[bytes]:
-    yield _frame(
-        {
-            "format": FORMAT,
-            "version": VERSION,
-            "created": datetime.datetime.now(datetime.timezone.utc).strftime(
-                "%Y-%m-%dT%H:%M:%S.%fZ"
-            ),
-            "kvconductor": kvconductor.__version__,
-        }
-    )
+def _frames(snap: dict[str, Any], counter: int | None = None) -> Iterator[bytes]:
+    header: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "kvconductor": kvconductor.__version__,
+    }
+    if counter is not None:
+        header["counter"] = counter
+    yield _frame(header)
     for src in snap.get("sources", ()):
         yield _frame({"t": "source", **src})
     for reg in snap["registrations"]:
@@ -269,6 +271,28 @@ def _check_header(rec: Any) -> int:
             + " and ".join(str(v) for v in READS)
         )
     return int(version)
+
+
+def header(path: str) -> dict[str, Any]:
+    """The header record of the dump at ``path``, reading only its first record (at most
+    :data:`HEADER_MAX` bytes); ``ValueError`` if it is not a dump this kvconductor reads,
+    ``OSError``. It checks nothing else: :func:`verify` does."""
+    with open(path, "rb") as f:
+        head = f.read(5)
+        if len(head) < 5 or head[0] != _BIN32:
+            raise ValueError("not a kvconductor dump: no header record")
+        (size,) = struct.unpack_from(">I", head, 1)
+        if size > HEADER_MAX:
+            raise ValueError(f"not a kvconductor dump: a header record of {size} bytes")
+        payload = f.read(size)
+    if len(payload) < size:
+        raise ValueError("truncated dump: the input ends inside a record")
+    try:
+        rec = _decode(payload)
+    except msgspec.DecodeError as ex:
+        raise ValueError(f"corrupt dump record: {ex}") from None
+    _check_header(rec)
+    return rec
 
 
 def _check_end(rec: dict, version: int, digest: _Digest, counts: dict[str, int]) -> None:

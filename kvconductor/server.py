@@ -426,9 +426,11 @@ def serving_app(conductor: Conductor, settings: Settings, **extra: Any) -> Any:
 
 
 def start_conductor(conductor: Conductor, settings: Settings) -> bool:
-    """Start ``conductor``, load ``--load-dump`` or the newest ``--snapshot-dir``
-    snapshot, start the snapshot thread; False (logged, conductor stopped again) when
-    the dump cannot be loaded or the snapshot directory cannot be used."""
+    """Start ``conductor``, load ``--load-dump`` or the newest snapshot of the snapshot
+    directory (locked first: one server per directory), start the snapshot thread;
+    False (logged, conductor stopped again) when the dump cannot be loaded, the
+    directory is another server's, or a ``--snapshot-dir`` cannot be used (the default
+    directory that cannot be used is a WARN: the service runs without snapshots)."""
     conductor.start()
     if settings.load_dump:
         try:
@@ -437,22 +439,42 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
             log.error("cannot load dump %s: %s", settings.load_dump, ex)
             conductor.stop(STOP_SECS)
             return False
+    if settings.snapshot_warning:
+        log.warning("%s", settings.snapshot_warning)
     if settings.snapshot_dir:
         from kvconductor import snapshot
 
         store = snapshot.SnapshotStore(settings.snapshot_dir)
         try:
-            store.prepare()
-        except OSError as ex:
-            log.error("cannot use snapshot directory %s: %s", settings.snapshot_dir, ex)
+            store.prepare(wait=settings.snapshot_lock_wait)
+        except snapshot.DirectoryInUse as ex:
+            msg = (
+                f"{ex}: give this server its own directory (--snapshot-dir DIR) or run it "
+                "without snapshots (--no-snapshots)"
+            )
+            log.error("%s", msg)
+            print(f"kv-conductor: error: {msg}", file=sys.stderr)
             conductor.stop(STOP_SECS)
             return False
-        if snapshot.warm_start(conductor, store) is None:
-            log.info("no usable snapshot in %s: starting empty", settings.snapshot_dir)
-        conductor.snapshotter = snapshot.Snapshotter(
-            conductor, store, settings.snapshot_interval_secs
-        )
-        conductor.snapshotter.start()
+        except OSError as ex:
+            if not settings.snapshot_default:
+                log.error("cannot use snapshot directory %s: %s", settings.snapshot_dir, ex)
+                conductor.stop(STOP_SECS)
+                return False
+            log.warning(
+                "cannot use the default snapshot directory %s: %s; running without "
+                "snapshots: a restart starts cold (give --snapshot-dir DIR, or "
+                "--no-snapshots to run without them on purpose)",
+                settings.snapshot_dir,
+                ex,
+            )
+        else:
+            if snapshot.warm_start(conductor, store) is None:
+                log.info("no usable snapshot in %s: starting empty", settings.snapshot_dir)
+            conductor.snapshotter = snapshot.Snapshotter(
+                conductor, store, settings.snapshot_interval_secs
+            )
+            conductor.snapshotter.start()
     if settings.state_url:
         from kvconductor.replica import Replicator
 
@@ -469,8 +491,8 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
 
 
 def stop_conductor(conductor: Conductor) -> None:
-    """After the HTTP server stopped: the last snapshot (``--snapshot-dir``), then stop
-    the conductor."""
+    """After the HTTP server stopped: the last snapshot (and the snapshot directory's
+    lock let go), then stop the conductor."""
     if conductor.snapshotter is not None:
         conductor.snapshotter.stop(final=True)
     if conductor.replicator is not None:

@@ -7,10 +7,44 @@ import it without importing each other.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_HOST = "::"
 DEFAULT_PORT = 13333
+#: The default snapshot directory of port P is ``<state home>/kvconductor/P``.
+STATE_SUBDIR = "kvconductor"
+
+
+def state_home(env: Mapping[str, str] | None = None) -> str | None:
+    """The user's state directory: ``$XDG_STATE_HOME`` when it is an absolute path
+    (the XDG base directory rule), else ``$HOME/.local/state`` (the home directory of
+    the password database without ``HOME``); None when there is no absolute one."""
+    env = os.environ if env is None else env
+    xdg = env.get("XDG_STATE_HOME", "")
+    if os.path.isabs(xdg):
+        return xdg
+    home = env.get("HOME") or _passwd_home()
+    if not home or not os.path.isabs(home):
+        return None
+    return os.path.join(home, ".local", "state")
+
+
+def _passwd_home() -> str | None:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except (ImportError, KeyError, OSError):
+        return None
+
+
+def default_snapshot_dir(port: int, env: Mapping[str, str] | None = None) -> str | None:
+    """``<state home>/kvconductor/<port>``, or None without a state home."""
+    home = state_home(env)
+    return None if home is None else os.path.join(home, STATE_SUBDIR, str(port))
 
 
 @dataclass
@@ -53,6 +87,16 @@ class Settings:
     # warm restart: snapshots in a directory (docs/operations.md, "Warm restart")
     snapshot_dir: str | None = None
     snapshot_interval_secs: int = 60
+    #: ``--no-snapshots``: no snapshot directory, not even the default one.
+    no_snapshots: bool = False
+    #: ``snapshot_dir`` is the default one (:meth:`with_snapshot_default`): a directory
+    #: that cannot be used is a warning, not a failed start.
+    snapshot_default: bool = False
+    #: Why the default snapshot directory is not used, logged at start (a WARN line).
+    snapshot_warning: str | None = None
+    #: Seconds the start waits for another holder of the directory's lock (gunicorn's
+    #: reload starts the new worker before the old one stops); 0: refuse at once.
+    snapshot_lock_wait: float = 0.0
     # replicas sharing their state through Valkey (docs/operations.md, "Replicas")
     state_url: str | None = None
     # the state store's password when the URL has none (env KV_CONDUCTOR_STATE_PASSWORD)
@@ -61,6 +105,33 @@ class Settings:
     lease_secs: float = 5.0
     # HTTP worker processes (docs/operations.md, "Several worker processes")
     workers: int = 1
+
+    def with_snapshot_default(
+        self, port: int | None, env: Mapping[str, str] | None = None
+    ) -> Settings:
+        """These settings with the default snapshot directory of ``port`` (the port
+        served; None: none, e.g. gunicorn on a UNIX socket) when no flag chose:
+        ``<state home>/kvconductor/<port>`` (:func:`default_snapshot_dir`). None is
+        chosen with ``--snapshot-dir`` (kept as given), ``--no-snapshots``,
+        ``--state-url`` (the state store keeps the snapshots), ``--load-dump`` (the
+        dump is the start state) or port 0 (a new port, so a new directory, at every
+        start). Nothing is created here."""
+        if self.snapshot_dir or self.no_snapshots or self.state_url or self.load_dump:
+            return self
+        if not port:
+            return self
+        directory = default_snapshot_dir(port, env)
+        if directory is None:
+            return dataclasses.replace(
+                self,
+                snapshot_warning=(
+                    "no default snapshot directory: neither XDG_STATE_HOME nor HOME is "
+                    "an absolute path; running without snapshots: a restart starts cold "
+                    "(give --snapshot-dir DIR, or --no-snapshots to run without them on "
+                    "purpose)"
+                ),
+            )
+        return dataclasses.replace(self, snapshot_dir=directory, snapshot_default=True)
 
     @property
     def max_body_bytes(self) -> int:

@@ -106,6 +106,7 @@ def test_invalid_log_env_falls_back_to_info(monkeypatch):
             "invalid --state-url 'http://u:***@h/0': redis://HOST:PORT/DB",
         ),
         (["--lease-secs", "0.1"], "0.3 .. 3600 seconds"),
+        (["--no-snapshots", "--snapshot-dir", "d"], "--no-snapshots and --snapshot-dir"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv, needle, capsys):
@@ -123,6 +124,48 @@ def test_snapshot_and_replica_flags():
     s = parse("--state-url", "unix:///run/valkey.sock?db=2", "--replica-id", "r1")
     assert (s.state_url, s.replica_id, s.lease_secs) == ("unix:///run/valkey.sock?db=2", "r1", 5.0)
     assert "snapshots=state-store@60s lease=5s" in s.describe()
+
+
+def test_warm_restart_is_the_default(monkeypatch, tmp_path):
+    """Without a snapshot flag the directory is $XDG_STATE_HOME (else ~/.local/state)
+    /kvconductor/<port>; choosing it creates nothing."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    s = parse("--port", "14000").with_snapshot_default(14000)
+    assert (s.snapshot_dir, s.snapshot_default) == (str(tmp_path / "xdg/kvconductor/14000"), True)
+    assert f"snapshots={tmp_path}/xdg/kvconductor/14000@60s" in s.describe()
+    home = str(tmp_path / "home/.local/state/kvconductor/13333")
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/state")  # not absolute: ignored (XDG spec)
+    assert parse().with_snapshot_default(13333).snapshot_dir == home
+    monkeypatch.delenv("XDG_STATE_HOME")
+    assert parse().with_snapshot_default(13333).snapshot_dir == home
+    assert not (tmp_path / "home").exists() and not (tmp_path / "xdg").exists()
+    # an explicit directory is kept as given
+    s = parse("--snapshot-dir", "snaps").with_snapshot_default(13333)
+    assert (s.snapshot_dir, s.snapshot_default) == ("snaps", False)
+    # no default directory: --no-snapshots, --port 0 (a new port each start), --load-dump
+    # (the dump is the start state), --state-url (the state store keeps the snapshots)
+    for argv, port, rule in (
+        (["--no-snapshots"], 13333, "snapshots=off"),
+        (["--port", "0"], 0, "snapshots=off"),
+        (["--load-dump", "README.md"], 13333, "snapshots=off"),
+        (["--state-url", "redis://h/0"], 13333, "snapshots=state-store@60s"),
+        (["--state-url", "redis://h/0", "--no-snapshots"], 13333, "snapshots=state-store@60s"),
+    ):
+        s = parse(*argv).with_snapshot_default(port)
+        assert s.snapshot_dir is None and rule in s.describe(), argv
+    # gunicorn binds a UNIX socket only: no port, no default directory
+    assert parse().with_snapshot_default(None).snapshot_dir is None
+    # no absolute state home at all: none, and the start says so (a WARN)
+    from kvconductor import settings
+
+    monkeypatch.setenv("HOME", "relative/home")
+    monkeypatch.setattr(settings, "_passwd_home", lambda: None)
+    s = parse().with_snapshot_default(13333)
+    assert s.snapshot_dir is None and "snapshots=off" in s.describe()
+    assert s.snapshot_warning is not None and s.snapshot_warning.startswith(
+        "no default snapshot directory: neither XDG_STATE_HOME nor HOME is an absolute path"
+    )
 
 
 def test_version(capsys):

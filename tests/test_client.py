@@ -1158,6 +1158,7 @@ class Server:
                 "127.0.0.1",
                 "--port",
                 str(self.port),
+                "--no-snapshots",
                 *extra,
             ],
             cwd=str(REPO),

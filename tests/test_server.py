@@ -50,16 +50,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: Flags that choose the snapshot directory; without one a test's server gets
+#: ``--no-snapshots`` (a test's server never writes outside the test's directories).
+SNAPSHOT_FLAGS = ("--snapshot-dir", "--no-snapshots")
+
+
 class Server:
-    """One ``python -m kvconductor`` process with its stderr captured in a file."""
+    """One ``python -m kvconductor`` process with its stderr captured in a file.
+
+    Without a snapshot flag in ``args`` it runs with ``--no-snapshots``;
+    ``default_snapshots=True`` leaves the default directory in use (then point
+    ``XDG_STATE_HOME`` into the test's directory with ``env``)."""
 
     def __init__(
-        self, tmp_path: Path, *args: str, env: dict | None = None, preexec_fn=None
+        self,
+        tmp_path: Path,
+        *args: str,
+        env: dict | None = None,
+        preexec_fn=None,
+        port: int | None = None,
+        default_snapshots: bool = False,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.log_path = tmp_path / f"kvc-{self.port}.log"
         self._log = open(self.log_path, "wb")
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        if not default_snapshots and not any(a in SNAPSHOT_FLAGS for a in args):
+            args = (*args, "--no-snapshots")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvconductor", "--port", str(self.port), *args],
             cwd=ROOT,
@@ -423,8 +440,17 @@ def test_port_in_use_fails_cleanly():
     assert "failed to bind TCP listener" in r.stderr and "Traceback" not in r.stderr
 
 
-def _gunicorn_cmd(port: int, *extra: str, factory_args: str = '"--maintenance-interval-secs", "1"'):
+def _gunicorn_cmd(
+    port: int,
+    *extra: str,
+    factory_args: str = '"--maintenance-interval-secs", "1"',
+    no_snapshots: bool = True,
+):
+    """gunicorn serving the factory on 127.0.0.1:``port``; ``--no-snapshots`` among the
+    factory's flags unless ``no_snapshots=False`` (the test then chooses the directory)."""
     pytest.importorskip("uvicorn_worker")
+    if no_snapshots:
+        factory_args = ", ".join(a for a in (factory_args, '"--no-snapshots"') if a)
     help_text = subprocess.run(
         [sys.executable, "-m", "gunicorn", "--help"],
         cwd=ROOT,
@@ -450,7 +476,7 @@ def _gunicorn_cmd(port: int, *extra: str, factory_args: str = '"--maintenance-in
 
 def test_gunicorn_factory(tmp_path):
     port = free_port()
-    cmd = _gunicorn_cmd(port, "-w", "1")
+    cmd = _gunicorn_cmd(port, "-w", "1", no_snapshots=False)
     log_path = tmp_path / "gunicorn.log"
     snaps = tmp_path / "snaps"
     flags = f"--pending-ttl-secs 30 --snapshot-dir {snaps} --snapshot-interval-secs 0"
@@ -486,12 +512,66 @@ def test_gunicorn_factory(tmp_path):
         # the lifespan shutdown wrote the last snapshot, with the registration
         from kvconductor import dump
 
-        (snap,) = snaps.iterdir()
+        (snap,) = snaps.glob("snapshot-*.kvc")
         assert dump.load_file(str(snap))["loaded"]["registrations"] == 1
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_gunicorn_default_snapshot_dir_and_reload(tmp_path):
+    """Under gunicorn the default snapshot directory is that of the port gunicorn binds.
+    A reload (SIGHUP) starts the new worker before the old one stops: the new one waits
+    for the directory's lock, so it loads the old one's last snapshot."""
+    port = free_port()
+    state = tmp_path / "state"
+    snaps = state / "kvconductor" / str(port)
+    cmd = _gunicorn_cmd(
+        port,
+        "-w",
+        "1",
+        "-k",
+        "kvconductor.app.KvConductorWorker",
+        factory_args="",
+        no_snapshots=False,
+    )
+    log_path = tmp_path / "gunicorn.log"
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        XDG_STATE_HOME=str(state),
+        KV_CONDUCTOR_ARGS="--snapshot-interval-secs 0",
+    )
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_health(proc, f"http://127.0.0.1:{port}", log_path)
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+        assert register(http).status_code == 201
+        assert f" snapshots={snaps}@0s " in log_path.read_text()
+        proc.send_signal(signal.SIGHUP)
+
+        def reloaded() -> bool:
+            text = log_path.read_text()
+            return text.count("KV conductor started (lifespan)") == 2
+
+        deadline = time.monotonic() + STARTUP_BOUND
+        while not reloaded():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        workers = http.get("/workers").json()["workers"]
+        assert [w["instance_id"] for w in workers] == ["vllm-prefill-1"], log_path.read_text()
+        http.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(SHUTDOWN_BOUND * 2) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = log_path.read_text()
+    assert f"warm start from snapshot {snaps}/snapshot-" in text, text
+    assert "Traceback" not in text and " ERROR " not in text, text
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ service was down is detected and its old blocks age out.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
-import time
 
 import msgspec
 import pytest
@@ -63,8 +63,19 @@ def _stored(eid: int, hashes: list[int], tokens: list[int], parent=None, medium=
     }
 
 
+def _snapshot_files(directory) -> list[str]:
+    """The snapshot files of a directory (not its lock file), sorted by name."""
+    return sorted(n for n in os.listdir(directory) if n.startswith("snapshot-"))
+
+
 def _summary(c: Conductor) -> list[dict]:
     return [{k: v for k, v in s.items() if k != "bytes"} for s in c.call(c.workers)["indexer"]]
+
+
+def _write(store: snapshot.SnapshotStore, c: Conductor) -> str:
+    """Write a snapshot of ``c`` into ``store``; its path."""
+    snap = c.call(dump.snapshot, c)
+    return store.write(lambda counter: dump.encode(snap, counter=counter))[0]
 
 
 def test_store_writes_atomically_and_keeps_the_two_newest(tmp_path):
@@ -76,14 +87,16 @@ def test_store_writes_atomically_and_keeps_the_two_newest(tmp_path):
         store.prepare()
         (tmp_path / "snaps" / ".snapshot-old.tmp").write_bytes(b"half")
         store.prepare()  # an interrupted write's temporary is removed
-        assert os.listdir(tmp_path / "snaps") == []
-        paths = []
-        for _ in range(3):
-            paths.append(store.write(dump.write_dump(c))[0])
-            time.sleep(0.002)
-        names = sorted(os.listdir(tmp_path / "snaps"))
+        assert _snapshot_files(tmp_path / "snaps") == []
+        paths = [_write(store, c) for _ in range(3)]
+        names = _snapshot_files(tmp_path / "snaps")
         assert names == sorted(os.path.basename(p) for p in paths[1:])
-        assert all(re.fullmatch(r"snapshot-\d{8}T\d{6}\.\d{6}Z\.kvc", n) for n in names)
+        assert [
+            re.fullmatch(r"snapshot-(\d{12})-\d{8}T\d{6}\.\d{6}Z\.kvc", n)[1] for n in names
+        ] == [
+            "000000000002",
+            "000000000003",
+        ]
         assert store.snapshots() == paths[:0:-1]  # newest first
 
         # a write that fails half way leaves neither a snapshot nor a temporary
@@ -92,8 +105,8 @@ def test_store_writes_atomically_and_keeps_the_two_newest(tmp_path):
             raise OSError(28, "No space left on device")
 
         with pytest.raises(OSError, match="No space left"):
-            store.write(failing())
-        assert sorted(os.listdir(tmp_path / "snaps")) == names
+            store.write(lambda counter: failing())
+        assert _snapshot_files(tmp_path / "snaps") == names
 
         # the newest is corrupt: refused, the older one loads
         newest = tmp_path / "snaps" / names[-1]
@@ -108,8 +121,110 @@ def test_store_writes_atomically_and_keeps_the_two_newest(tmp_path):
             assert _summary(d) == _summary(c)
         finally:
             d.stop()
+        store.release()
     finally:
         c.stop()
+
+
+class _Clock:
+    """Stands in for the ``datetime`` module of :mod:`kvconductor.snapshot`: ``now``
+    answers :attr:`at`, a time the test steps."""
+
+    timezone = datetime.timezone
+
+    def __init__(self, at: datetime.datetime) -> None:
+        self.at = at
+        clock = self
+
+        class _DateTime(datetime.datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return clock.at
+
+        self.datetime = _DateTime
+
+
+def test_the_newest_snapshot_is_the_highest_counter_not_the_latest_clock(tmp_path, monkeypatch):
+    utc = datetime.timezone.utc
+    clock = _Clock(datetime.datetime(2030, 1, 1, tzinfo=utc))
+    monkeypatch.setattr(snapshot, "datetime", clock)
+    c = _conductor()
+    try:
+        store = snapshot.SnapshotStore(str(tmp_path))
+        store.prepare()
+        _register(c, "a")
+        first = _write(store, c)
+        clock.at = datetime.datetime(2020, 1, 1, tzinfo=utc)  # the clock stepped back
+        _register(c, "b")
+        second = _write(store, c)
+        assert store.snapshots() == [second, first]
+        assert [dump.verify(dump.file_chunks(p))["counter"] for p in (first, second)] == [1, 2]
+        store.release()
+        # the next process: the same order, and it counts on from the highest
+        again = snapshot.SnapshotStore(str(tmp_path))
+        again.prepare()
+        assert again.snapshots() == [second, first]
+        d = _conductor()
+        try:
+            got = snapshot.warm_start(d, again)
+            assert got is not None and got["path"] == second and got["registrations"] == 2
+        finally:
+            d.stop()
+        third = _write(again, c)
+        assert dump.verify(dump.file_chunks(third))["counter"] == 3
+        assert again.snapshots() == [third, second]  # the lowest counter was deleted
+        again.release()
+    finally:
+        c.stop()
+
+
+def test_snapshots_written_before_counters_load_and_count_as_older(tmp_path):
+    """A snapshot of an earlier kvconductor (no counter in its header, the UTC time in
+    its name) still loads; any snapshot with a counter is newer."""
+    c = _conductor()
+    try:
+        _register(c, "a")
+        legacy = tmp_path / "snapshot-20991231T000000.000000Z.kvc"
+        legacy.write_bytes(b"".join(dump.write_dump(c)))
+        assert "counter" not in dump.verify([legacy.read_bytes()])
+        store = snapshot.SnapshotStore(str(tmp_path))
+        store.prepare()
+        assert store.snapshots() == [str(legacy)]
+        d = _conductor()
+        try:
+            assert snapshot.warm_start(d, store)["path"] == str(legacy)
+        finally:
+            d.stop()
+        _register(c, "b")
+        newer = _write(store, c)
+        assert dump.verify(dump.file_chunks(newer))["counter"] == 1
+        assert store.snapshots() == [newer, str(legacy)]
+        store.release()
+    finally:
+        c.stop()
+
+
+def test_one_store_per_directory(tmp_path):
+    """The lock: a second store of the directory (another process, or this one) is
+    refused with the holder's pid, and leaves the holder's temporary files alone."""
+    first = snapshot.SnapshotStore(str(tmp_path / "d"))
+    first.prepare()
+    tmp = tmp_path / "d" / ".snapshot-00000000000000000001-20260101T000000.000000Z.tmp"
+    tmp.write_bytes(b"being written")
+    second = snapshot.SnapshotStore(str(tmp_path / "d"))
+    with pytest.raises(snapshot.DirectoryInUse) as ex:
+        second.prepare()
+    assert ex.value.pid == os.getpid()
+    assert str(ex.value) == (
+        f"snapshot directory {tmp_path / 'd'} is in use by kv-conductor pid {os.getpid()} "
+        f"(lock {tmp_path / 'd' / 'lock'})"
+    )
+    assert tmp.exists()
+    first.release()
+    second.prepare()  # free again: the interrupted write's temporary is removed now
+    assert not tmp.exists()
+    assert (tmp_path / "d" / "lock").read_text() == f"{os.getpid()}\n"
+    second.release()
 
 
 def test_no_valid_snapshot_starts_empty(tmp_path, caplog):
@@ -274,10 +389,10 @@ def test_sigterm_restart_resumes_each_source_from_its_cursor(tmp_path):
             _published(pub, [_chain(i)[0] for i in range(5)])  # seq 0-4
             pub.publish(V.batch([V.removed([102], medium="GPU")]))  # seq 5: chain 1 cut to 1
             _expect(a, {0: 2, 1: 1, 4: 2}, "first batches indexed")
-            assert os.listdir(snaps) == []  # interval 0: only at shutdown
+            assert _snapshot_files(snaps) == []  # interval 0: only at shutdown
         log = a.log()
         assert "snapshot written path=" in log and " sources=1 " in log, log
-        assert len(os.listdir(snaps)) == 1
+        assert len(_snapshot_files(snaps)) == 1
         # while the service is down, the engine goes on (its ring keeps the batches)
         _published(pub, [_chain(i)[0] for i in (5, 6)])  # seq 6, 7
         pub.publish(V.batch([V.removed([1, 2], medium="GPU")]))  # seq 8: chain 0 gone
@@ -357,7 +472,7 @@ def test_snapshot_dir_problems(tmp_path):
     )
     assert f"no usable snapshot in {snaps}: starting empty" in log
     # the shutdown wrote a good (empty) one next to it
-    assert len(os.listdir(snaps)) == 2
+    assert len(_snapshot_files(snaps)) == 2
 
     not_dir = tmp_path / "file"
     not_dir.write_text("x")
@@ -395,8 +510,67 @@ def test_sigterm_writes_the_last_snapshot_under_workers(tmp_path):
             _engine(a, pub)
             _published(pub, [_chain(i)[0] for i in range(2)])
             _expect(a, {0: 2, 1: 2}, "indexed")
-        assert len(os.listdir(snaps)) == 1
+        assert len(_snapshot_files(snaps)) == 1
         with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
             _expect(b, {0: 2, 1: 2}, "loaded")
     finally:
         pub.stop()
+
+
+# -- the default directory -----------------------------------------------------------------
+def _register_http(server, instance: str) -> None:
+    body = {"instance_id": instance, "type": "vLLM", "modelname": "qwen", "block_size": BS}
+    r = server.http.post("/register", json={**body, "dp_rank": 0})
+    assert r.status_code == 201, r.text
+
+
+def _instances(server) -> list[str]:
+    return [w["instance_id"] for w in server.http.get("/workers").json()["workers"]]
+
+
+def test_warm_restart_is_the_default_under_the_state_directory(tmp_path):
+    """No flag: snapshots go to $XDG_STATE_HOME/kvconductor/<port> (created with its
+    parents), named in the start line; a restart on the same port loads them."""
+    state = tmp_path / "state"
+    env = {"XDG_STATE_HOME": str(state)}
+    args = ("--snapshot-interval-secs", "0")
+    with running(tmp_path, *args, env=env, default_snapshots=True) as a:
+        _register_http(a, "eng")
+    snaps = state / "kvconductor" / str(a.port)
+    assert f" snapshots={snaps}@0s " in a.log(), a.log()
+    assert len(_snapshot_files(snaps)) == 1
+    with running(tmp_path, *args, env=env, port=a.port, default_snapshots=True) as b:
+        assert _instances(b) == ["eng"]
+    assert f"warm start from snapshot {snaps}/snapshot-" in b.log(), b.log()
+
+
+def test_no_snapshots_writes_nothing(tmp_path):
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "HOME": str(tmp_path / "home")}
+    with running(tmp_path, "--no-snapshots", env=env, default_snapshots=True) as a:
+        _register_http(a, "eng")
+    assert " snapshots=off " in a.log(), a.log()
+    assert "snapshot written" not in a.log()
+    assert sorted(os.listdir(tmp_path)) == [f"kvc-{a.port}.log"]
+
+
+def test_unusable_default_directory_warns_and_serves(tmp_path):
+    """The default directory cannot be created (here its parent is a file): one WARN
+    line, and the service runs without snapshots; an explicit --snapshot-dir would stop
+    it (test_snapshot_dir_problems)."""
+    state = tmp_path / "state"
+    state.write_text("a file, not a directory")
+    with running(tmp_path, env={"XDG_STATE_HOME": str(state)}, default_snapshots=True) as a:
+        _register_http(a, "eng")
+        assert _instances(a) == ["eng"]
+    snaps = state / "kvconductor" / str(a.port)
+    warns = [line for line in a.log().splitlines() if " WARN " in line]
+    assert (
+        len(warns) == 1
+        and (f"WARN cannot use the default snapshot directory {snaps}: [Errno 20] Not a directory")
+        in warns[0]
+    ), a.log()
+    assert warns[0].endswith(
+        "; running without snapshots: a restart starts cold (give --snapshot-dir DIR, "
+        "or --no-snapshots to run without them on purpose)"
+    ), warns[0]
+    assert "snapshot written" not in a.log()

@@ -314,6 +314,7 @@ def test_h11_fallback_has_the_same_limits(tmp_path):
                 "1",
                 "--max-header-kb",
                 "8",
+                "--no-snapshots",
             ],
             cwd=ROOT,
             stdout=log,
@@ -409,7 +410,16 @@ def test_fd_limit_lowers_the_connection_cap(tmp_path):
 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)],
+            [
+                sys.executable,
+                "-m",
+                "kvconductor",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--no-snapshots",
+            ],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
