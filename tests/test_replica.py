@@ -89,6 +89,32 @@ def _replica(tmp_path, valkey, *args: str, name: str) -> contextlib.AbstractCont
     )
 
 
+def start_replicas(tmp_path, valkey, names, lease: str = LEASE) -> list[Server]:
+    """Replicas ``names`` of ``valkey``, started one after the other (each ready)."""
+    servers: list[Server] = []
+    try:
+        for name in names:
+            s = Server(
+                tmp_path, "--state-url", valkey.url, "--replica-id", name, "--lease-secs", lease
+            )
+            servers.append(s)
+            s.wait_ready()
+    except BaseException:
+        stop_replicas(servers)
+        raise
+    return servers
+
+
+def stop_replicas(servers: list[Server]) -> None:
+    """SIGTERM every replica still running and close its client and log."""
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.send_signal(signal.SIGTERM)
+            s.proc.wait(20)
+        s.http.close()
+        s._log.close()
+
+
 def _workers(server) -> dict:
     r = server.http.get("/workers")
     assert r.status_code == 200, r.text
@@ -162,18 +188,7 @@ def test_one_owner_per_source_and_takeover_after_sigkill(tmp_path, valkey_server
     pub = FakePublisher(replay=True)
     servers: list[Server] = []
     try:
-        for name in ("a", "b", "c"):
-            s = Server(
-                tmp_path,
-                "--state-url",
-                valkey_server.url,
-                "--replica-id",
-                name,
-                "--lease-secs",
-                LEASE,
-            )
-            s.wait_ready()
-            servers.append(s)
+        servers = start_replicas(tmp_path, valkey_server, "abc")
         _register_engine(servers[1], pub, *servers)
         for i in range(4):
             pub.publish(_chain(i)[0])
@@ -199,12 +214,7 @@ def test_one_owner_per_source_and_takeover_after_sigkill(tmp_path, valkey_server
         for i in range(7):
             assert _npu(applied[0], _chain(i)[1]) == _npu(applied[1], _chain(i)[1]) == 2
     finally:
-        for s in servers:
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGTERM)
-                s.proc.wait(20)
-            s.http.close()
-            s._log.close()
+        stop_replicas(servers)
         pub.stop()
 
 

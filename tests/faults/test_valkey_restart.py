@@ -11,12 +11,12 @@ it.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 
 from publishers import FakePublisher, wait_until
 from rig import BS, V33
+from test_replica import start_replicas, stop_replicas
 from test_server import Server
 
 KEEP = 10  # an engine holds its last KEEP prompts
@@ -103,18 +103,7 @@ def test_valkey_restarted_empty_loses_nothing_the_rings_hold(tmp_path, valkey_se
     servers: list[Server] = []
     prober = None
     try:
-        for name in ("a", "b", "c"):
-            s = Server(
-                tmp_path,
-                "--state-url",
-                valkey_server.url,
-                "--replica-id",
-                name,
-                "--lease-secs",
-                "1",
-            )
-            s.wait_ready()
-            servers.append(s)
+        servers = start_replicas(tmp_path, valkey_server, "abc")
         for e, eng in enumerate(engines):
             body = {
                 "instance_id": f"eng-{e}",
@@ -180,9 +169,4 @@ def test_valkey_restarted_empty_loses_nothing_the_rings_hold(tmp_path, valkey_se
         for eng in engines:
             eng.stop_publishing()
             eng.pub.stop()
-        for s in servers:
-            if s.proc.poll() is None:
-                s.proc.send_signal(signal.SIGTERM)
-                s.proc.wait(20)
-            s.http.close()
-            s._log.close()
+        stop_replicas(servers)
