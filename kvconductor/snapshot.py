@@ -53,6 +53,8 @@ _COUNTER_IN_NAME = re.compile(r"snapshot-(\d+)-")
 LOCK_POLL = 0.1
 #: Snapshots kept in the directory (the newest first); older ones are deleted.
 KEEP = 2
+#: Appended to the name of a snapshot refused at start (not loaded, not rotated).
+REFUSED = ".refused"
 DEFAULT_INTERVAL = 60
 
 
@@ -311,6 +313,18 @@ def _pairs(ix: dict[str, Any]) -> int:
     return len(t["hbm_members"][0]) + len(t["cpu"][0]) + len(t["disk"][0])
 
 
+def _refuse(path: str, why: BaseException) -> None:
+    """One ERROR line; the file is renamed ``<name>.refused``: kept for a post-mortem, out
+    of the rotation (a refused newest snapshot must not push the good one out of the two
+    kept at the next write)."""
+    try:
+        os.replace(path, path + REFUSED)
+        kept = f" (kept as {os.path.basename(path)}{REFUSED})"
+    except OSError as ex:
+        kept = f" (cannot rename it: {ex})"
+    log.error("snapshot %s refused: %s%s", path, why, kept)
+
+
 def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
     """Load the newest snapshot of ``store`` that verifies and loads into the started,
     empty ``conductor``; None when there is none. Each one refused (it does not verify,
@@ -323,12 +337,12 @@ def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
         try:
             dump.verify(dump.file_chunks(path))
         except (OSError, ValueError) as ex:
-            log.error("snapshot %s refused: %s", path, ex)
+            _refuse(path, ex)
             continue
         try:
             loaded = conductor.call(dump.load_dump, conductor, dump.file_chunks(path), timeout=None)
         except (OSError, ValueError) as ex:
-            log.error("snapshot %s refused: %s", path, ex)
+            _refuse(path, ex)
             conductor.call(reset, conductor, timeout=None)  # forget what it loaded
             continue
         took = time.monotonic() - t0

@@ -65,7 +65,9 @@ def _stored(eid: int, hashes: list[int], tokens: list[int], parent=None, medium=
 
 def _snapshot_files(directory) -> list[str]:
     """The snapshot files of a directory (not its lock file), sorted by name."""
-    return sorted(n for n in os.listdir(directory) if n.startswith("snapshot-"))
+    return sorted(
+        n for n in os.listdir(directory) if n.startswith("snapshot-") and n.endswith(".kvc")
+    )
 
 
 def _summary(c: Conductor) -> list[dict]:
@@ -121,6 +123,12 @@ def test_store_writes_atomically_and_keeps_the_two_newest(tmp_path):
             assert _summary(d) == _summary(c)
         finally:
             d.stop()
+        # the refused one is kept aside, out of the rotation: the next write keeps the
+        # good one beside the new one
+        assert _snapshot_files(tmp_path / "snaps") == [names[0]]
+        assert (tmp_path / "snaps" / (names[-1] + ".refused")).read_bytes() == bytes(data)
+        newer = _write(store, c)
+        assert _snapshot_files(tmp_path / "snaps") == [names[0], os.path.basename(newer)]
         store.release()
     finally:
         c.stop()
@@ -240,9 +248,11 @@ def test_no_valid_snapshot_starts_empty(tmp_path, caplog):
         lines = [r.getMessage() for r in caplog.records]
         assert lines == [
             f"snapshot {tmp_path}/snapshot-20260101T000000.000000Z.kvc refused: unsupported "
-            "dump version 9: this kvconductor reads versions 1 and 2",
+            "dump version 9: this kvconductor reads versions 1 and 2 (kept as "
+            "snapshot-20260101T000000.000000Z.kvc.refused)",
             f"snapshot {tmp_path}/snapshot-20250101T000000.000000Z.kvc refused: not a "
-            "kvconductor dump: byte 0x6e where a record starts",
+            "kvconductor dump: byte 0x6e where a record starts (kept as "
+            "snapshot-20250101T000000.000000Z.kvc.refused)",
         ]
         assert c.call(c.workers)["workers"] == [] and c.indexes == {}
     finally:
@@ -471,8 +481,9 @@ def test_snapshot_dir_problems(tmp_path):
         "the input ends inside a record" in log
     )
     assert f"no usable snapshot in {snaps}: starting empty" in log
-    # the shutdown wrote a good (empty) one next to it
-    assert len(_snapshot_files(snaps)) == 2
+    # the shutdown wrote a good (empty) one; the refused one is kept aside
+    assert len(_snapshot_files(snaps)) == 1
+    assert (snaps / "snapshot-20991231T000000.000000Z.kvc.refused").exists()
 
     not_dir = tmp_path / "file"
     not_dir.write_text("x")

@@ -182,6 +182,8 @@ def test_snapshot_breaking_the_index_invariants_falls_back_to_the_older_one(tmp_
     assert errors == [
         errors[0].split(" ERROR ")[0]
         + f" ERROR snapshot {bad} refused: dump of index qwen/default does not form a "
-        "valid index: HBM tree: empty node 3 survived (no members, no children)"
+        "valid index: HBM tree: empty node 3 survived (no members, no children) "
+        f"(kept as {bad.name}.refused)"
     ], log
+    assert not bad.exists() and (snaps / f"{bad.name}.refused").exists()
     assert f"warm start from snapshot {snaps / good}: registrations=1 " in log, log
