@@ -73,7 +73,7 @@ cdef extern from *:
         int32_t pid;        /* 0: free; -1: being reclaimed; else the owner's pid */
         uint32_t active;    /* 1 inside a read section; the writer's futex */
         uint64_t stamp;     /* owner's start time + 1 (0: unknown) */
-        uint32_t enters;    /* read sections entered (wraps): tells a new section apart */
+        uint32_t enters;    /* read sections begun (wraps): tells a new section apart */
         char pad[44];       /* one cache line per slot: readers do not share lines */
     } shl_slot;
 
@@ -306,11 +306,12 @@ cdef extern from *:
             return SHL_EINVAL;      /* already inside: not reentrant */
         if (__atomic_load_n(&l->writer, SHL_SC))
             return SHL_EAGAIN;
+        /* counted before active is set (the SC store below orders it): a writer that
+           sees this section active sees its count too */
+        __atomic_store_n(&s->enters, s->enters + 1, __ATOMIC_RELAXED);
         __atomic_store_n(&s->active, 1, SHL_SC);
-        if (!__atomic_load_n(&l->writer, SHL_SC)) {
-            __atomic_add_fetch(&s->enters, 1, SHL_SC);
+        if (!__atomic_load_n(&l->writer, SHL_SC))
             return SHL_OK;
-        }
         /* the writer came in meanwhile: it may be waiting on us */
         __atomic_store_n(&s->active, 0, SHL_SC);
         shl_futex_wake(&s->active, INT_MAX);
@@ -336,7 +337,7 @@ cdef extern from *:
         if (!__atomic_load_n(&s->active, SHL_SC))
             return SHL_EINVAL;
         __atomic_store_n(&s->active, 0, SHL_SC);
-        if (__atomic_load_n(&l->wlock, SHL_SC))
+        if (__atomic_load_n(&l->writer, SHL_SC))
             shl_futex_wake(&s->active, INT_MAX);
         return SHL_OK;
     }
@@ -428,8 +429,9 @@ cdef extern from *:
        waiting for it, past the stall bound. Stop preferring (readers of every other
        slot go on), SIGKILL the reader if the policy says so and it is a child
        process, log the stall, and wait until that read section is over: the reader
-       left it (a resumed process; another section of the same slot is another
-       matter) or is dead (the slot reclaimed). Then prefer again. */
+       left it (a resumed process, seen at the next timeout_ms wait at the latest;
+       another section of the same slot is another matter) or is dead (the slot
+       reclaimed). Then prefer again. */
     static inline void shl_handle_stall(ShLock *l, int i, uint64_t waited_ns, int timeout_ms) {
         shl_slot *s = &l->slots[i];
         int32_t pid = __atomic_load_n(&s->pid, SHL_SC);
@@ -439,7 +441,7 @@ cdef extern from *:
         int32_t ppid = 0;
         long threads = 0, r;
         char state = '?';
-        int killed = 0;
+        int killed = 0, polls = 0;
         shl_stall *e;
         if (pid <= 0)
             return;
@@ -466,7 +468,9 @@ cdef extern from *:
         while (__atomic_load_n(&s->active, SHL_SC) == 1
                 && __atomic_load_n(&s->pid, SHL_SC) == pid
                 && __atomic_load_n(&s->enters, SHL_SC) == enters) {
-            r = shl_futex_wait(&s->active, 1, killed ? 1 : timeout_ms);
+            /* a killed process dies within a few ms: poll every 1 ms for the first
+               100 ms, then as usual (one that does not die is waited for) */
+            r = shl_futex_wait(&s->active, 1, killed && polls++ < 100 ? 1 : timeout_ms);
             if (r != 0 && errno == ETIMEDOUT && !shl_owner_alive(pid, stamp))
                 shl_reclaim_slot(l, i, pid);
         }
