@@ -131,6 +131,8 @@ RECENT_STALLS = 16
 PRIVATE_PREFIX = "kv-conductor-"
 #: In it: "<pid> <start stamp>" of the owner, so a later owner can tell it is stale.
 OWNER_FILE = "owner.pid"
+#: A directory of an older version (no pid in its name) is judged only this old (seconds).
+LEGACY_DIR_AGE = 60.0
 #: Seconds past GRACEFUL_SECS the owner waits for its workers to stop before SIGKILL.
 STOP_MARGIN = 2.0
 #: Seconds a worker has to hand its query metrics to the owner's ``/metrics``.
@@ -225,11 +227,12 @@ def _proc_state(pid: int) -> str:
     return stat[stat.rindex(b")") + 2 :][:1].decode("ascii", "replace") or "?"
 
 
-def _stale(path: str, name: str) -> bool:
-    """Whether the private directory ``path`` (``name``) of an owner is stale: its owner
-    (``kv-conductor-<pid>-...``, with ``owner.pid`` holding pid and start stamp) is no
-    longer running; for a directory of an older version (no pid in its name), nothing
-    listens on its ``owner.sock`` any more."""
+def _stale(path: str, name: str, mtime: float) -> bool:
+    """Whether the private directory ``path`` (``name``, modified at ``mtime``) of an
+    owner is stale: its owner (``kv-conductor-<pid>-...``, with ``owner.pid`` holding pid
+    and start stamp) is no longer running; for a directory of an older version (no pid
+    in its name), nothing listens on its ``owner.sock`` any more and it is older than
+    :data:`LEGACY_DIR_AGE` (an owner starting now binds its socket before it listens)."""
     rest = name[len(PRIVATE_PREFIX) :]
     pid_text, sep, _ = rest.partition("-")
     if sep and pid_text.isdigit():
@@ -243,8 +246,8 @@ def _stale(path: str, name: str) -> bool:
         # no owner file yet: a starting owner, judged by its pid alone
         return not owner_alive(pid, stamp)
     sock_path = os.path.join(path, "owner.sock")
-    if not os.path.exists(sock_path):
-        return False  # not ours to judge
+    if not os.path.exists(sock_path) or time.time() - mtime < LEGACY_DIR_AGE:
+        return False  # not ours to judge, or too young to tell
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(1.0)
         try:
@@ -276,7 +279,7 @@ def remove_stale_private_dirs(base: str | None = None) -> list[str]:
             continue
         if not entry.is_dir(follow_symlinks=False) or st.st_uid != uid:
             continue
-        if _stale(entry.path, entry.name):
+        if _stale(entry.path, entry.name, st.st_mtime):
             shutil.rmtree(entry.path, ignore_errors=True)
             if not os.path.exists(entry.path):
                 removed.append(entry.path)

@@ -268,11 +268,11 @@ class SharedView:
     def reload(self) -> dict[tuple[str, str], ViewIndex]:
         """Read the directory again if it changed; returns the indexes."""
         with self._mutex:
-            with self.lock.reading():
-                _, gen, addr, n = _HEADER.unpack(self.arena.read(self.header_address, _HEADER.size))
-                if gen == self.generation:
-                    return self.indexes
-                blob = self.arena.read(addr, n) if n else b""
+            # header and blob copied in one read section without the GIL: no thread of a
+            # worker waits for the GIL inside a section (the writer would wait for it)
+            (_, gen, _, _), blob = self.arena.read_record(self.lock, self.header_address)
+            if gen == self.generation:
+                return self.indexes
             doc = _decoder.decode(blob) if blob else Directory([], [], [])
             gen_addr = self.header_address + 8
             indexes = {}

@@ -532,7 +532,7 @@ def test_respawn_back_off_is_short_while_no_worker_listens(tmp_path):
 def test_stale_private_directories_are_removed(tmp_path):
     """Directories of owners that are gone (dead pid, a pid now another process's, an
     older version's nobody listens on) go; those of running owners, of starting ones
-    (no owner file yet) and anything else stay."""
+    (no owner file yet; an older version's too young to judge) and anything else stay."""
     me = os.getpid()
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # a pid that is gone
@@ -549,21 +549,26 @@ def test_stale_private_directories_are_removed(tmp_path):
     alive = make(f"kv-conductor-{me}-cccc", f"{me} {proc_stamp(me)}\n")
     starting = make(f"kv-conductor-{me}-dddd")
     legacy = make("kv-conductor-eeee")
-    with socket.socket(socket.AF_UNIX) as s:
-        s.bind(str(legacy / "owner.sock"))
+    young = make("kv-conductor-hhhh")  # an older version's owner between bind and listen
+    for d in (legacy, young):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(d / "owner.sock"))
     listening = make("kv-conductor-ffff")
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(str(listening / "owner.sock"))
     srv.listen(1)
     unknown = make("kv-conductor-gggg")
     other = make("something-else")
+    old = time.time() - cluster.LEGACY_DIR_AGE - 10
+    for d in (legacy, listening, unknown):
+        os.utime(d, (old, old))
     try:
         removed = cluster.remove_stale_private_dirs(str(tmp_path))
     finally:
         srv.close()
     assert sorted(removed) == sorted(str(d) for d in (dead, reused, legacy))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        d.name for d in (alive, starting, listening, unknown, other)
+        d.name for d in (alive, starting, listening, unknown, other, young)
     )
 
 

@@ -421,6 +421,8 @@ def test_a_killed_owner_leaves_no_private_directory_behind(tmp_path):
         legacy.mkdir(mode=0o700)
         with socket.socket(socket.AF_UNIX) as s:
             s.bind(str(legacy / "owner.sock"))
+        hour_ago = time.time() - 3600
+        os.utime(legacy, (hour_ago, hour_ago))
         # the directory of an owner that still runs (this test process) stays
         mine = tmp / f"kv-conductor-{os.getpid()}-abcdefgh"
         mine.mkdir(mode=0o700)
