@@ -27,7 +27,10 @@ process that maps the arena. The pure-Python model in
 ``kvconductor/_py/arena.py`` gives the same offsets for the same calls.
 """
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+
+from kvconductor._shlock cimport SHL_OK, SharedLock, shl_read_enter, shl_read_exit
 
 import os
 
@@ -521,6 +524,46 @@ cdef class Arena:
         """``n`` bytes at ``addr`` (bounds: the committed file)."""
         cdef char* src = self._span(addr, n)
         return src[:n]
+
+    def read_record(self, SharedLock lock, uint64_t addr):
+        """Copy a record inside ONE read section of ``lock``, without the GIL: the four
+        u64 words at ``addr`` (``a, b, data address, data length``) and the data they
+        point to (bounds: the committed file); ``((a, b, data address, length),
+        data)``. A worker's directory is read this way, so a thread never waits for
+        the GIL inside a read section, where the writer would wait for it."""
+        cdef uint64_t w[4]
+        cdef uint64_t base = <uintptr_t>self.a.base
+        cdef uint64_t committed
+        cdef char* buf = NULL
+        cdef int slot, rc, bad = 0
+        self._span(addr, sizeof(w))
+        slot = lock._slot()
+        with nogil:
+            rc = shl_read_enter(lock.lock, slot)
+            if rc == SHL_OK:
+                memcpy(w, <void*><uintptr_t>addr, sizeof(w))
+                committed = H(&self.a).committed
+                if w[3] != 0:
+                    if w[2] < base or w[3] > committed or w[2] - base > committed - w[3]:
+                        bad = 1
+                    else:
+                        buf = <char*>malloc(w[3])
+                        if buf == NULL:
+                            bad = 2
+                        else:
+                            memcpy(buf, <void*><uintptr_t>w[2], w[3])
+                shl_read_exit(lock.lock, slot)
+        if rc != SHL_OK:
+            raise RuntimeError("read_record inside a read section of this thread")
+        if bad == 1:
+            raise ValueError(f"[{w[2]:#x}, +{w[3]}) is outside the arena's committed bytes")
+        if bad == 2:
+            raise MemoryError()
+        try:
+            data = buf[:w[3]] if w[3] != 0 else b""
+        finally:
+            free(buf)
+        return (w[0], w[1], w[2], w[3]), data
 
     def stats(self) -> dict:
         self._live()

@@ -2,12 +2,11 @@
 """The cross-process reader/writer lock (``_shlock.pxd``) over a shared mapping.
 
 :class:`SharedLock` maps a memfd (a new one, or one passed from another process) and
-runs the lock's C functions on it without the GIL. It is for the tests and for the
-future owner/worker processes of ``kv-conductor --workers N``; nothing in the service
-uses it yet.
+runs the lock's C functions on it without the GIL: the owner and the worker processes
+of ``kv-conductor --workers N`` share one (``kvconductor/shared.py``).
 """
 cimport cython
-from libc.stdint cimport int32_t, uint64_t
+from libc.stdint cimport int32_t, uint32_t, uint64_t
 from posix.mman cimport MAP_FAILED, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
 
 import os
@@ -20,6 +19,12 @@ EINVAL = SHL_EINVAL
 EAGAIN = SHL_EAGAIN
 #: Reader slots in the table: reading threads of all processes together.
 SLOTS = SHL_SLOTS
+#: Upper bounds (seconds) of the buckets of :meth:`SharedLock.wait_histogram` (a last
+#: bucket, +Inf, follows).
+WAIT_BOUNDS = tuple(shl_hist_bounds[i] / 1e9 for i in range(SHL_HIST - 1))
+#: Stall log entries the lock keeps (:meth:`SharedLock.stall_log`): older ones are
+#: overwritten.
+STALL_LOG = SHL_LOG
 
 
 class SharedLockError(RuntimeError):
@@ -68,6 +73,12 @@ def proc_stamp(int pid):
     return shl_proc_stamp(pid)
 
 
+def owner_alive(int pid, uint64_t stamp):
+    """The lock's judgement of a slot owner (pid, stamp): False once it is dead (gone,
+    pid recycled, or a zombie whose threads have all exited)."""
+    return bool(shl_owner_alive(pid, stamp))
+
+
 cdef class SharedLock:
     """A robust reader/writer lock shared by processes, in a memfd mapping.
 
@@ -84,6 +95,13 @@ cdef class SharedLock:
     and waits for the readers already inside, ``timeout_ms`` per futex wait, checking
     after each timeout whether the reader's process is still alive. The waits release
     the GIL.
+
+    **Stalled readers** (:meth:`set_stall_policy`, kept in the shared lock itself): a
+    reader still inside ``stall_ms`` after the writer started waiting for it no longer
+    holds the other readers back (the writer clears its preference); with ``kill``,
+    the writer SIGKILLs it if it is a child process of the writer's. The writer enters
+    only once that reader left its section or is dead. :meth:`stall_log`,
+    :meth:`stalling` and :meth:`wait_histogram` tell what happened.
     """
 
     def __cinit__(self):
@@ -181,6 +199,63 @@ cdef class SharedLock:
         """Context manager: the write section."""
         return _Section(self, True, timeout_ms)
 
+    def set_stall_policy(self, int stall_ms, bint kill=True):
+        """Readers inside ``stall_ms`` after the writer started waiting for them are
+        stalled (0: never); ``kill``: SIGKILL a stalled reader that is a child process
+        of the writer's. Stored in the shared lock (every attached handle sees it)."""
+        if stall_ms < 0:
+            raise ValueError("stall_ms must be >= 0")
+        shl_set_stall_policy(self.lock, <uint32_t>stall_ms, kill)
+
+    def stall_policy(self):
+        """``(stall_ms, kill)`` (:meth:`set_stall_policy`)."""
+        return (int(self.lock.stall_ms), bool(self.lock.kill_stalled))
+
+    def stall_log(self, uint64_t after=0):
+        """The stalls recorded after sequence number ``after``, oldest first (at most
+        ``STALL_LOG``): dicts of ``seq``, ``pid``, ``slot``, ``waited_s`` (how long the
+        writer had waited for the reader then), ``killed`` and ``state`` (its process
+        state letter then, ``T`` stopped, ``D`` uninterruptible, ...; ``?``)."""
+        cdef uint64_t last = self.lock.stall_seq
+        cdef uint64_t seq, first
+        cdef shl_stall* e
+        out = []
+        first = max(after + 1, last - SHL_LOG + 1 if last > SHL_LOG else 1)
+        for seq in range(first, last + 1):
+            e = &self.lock.stall_log[(seq - 1) % SHL_LOG]
+            row = {
+                "seq": seq,
+                "pid": e.pid,
+                "slot": e.slot,
+                "waited_s": e.waited_ns / 1e9,
+                "killed": bool(e.killed),
+                "state": chr(<unsigned char>e.state) if e.state else "?",
+            }
+            if e.seq == seq:   # not overwritten meanwhile
+                out.append(row)
+        return out
+
+    def stalling(self):
+        """The reader the writer is waiting for past the bound right now (without
+        preferring itself): ``{"pid", "seconds"}``, or None."""
+        cdef int32_t pid = self.lock.stalling_pid
+        cdef uint64_t since = self.lock.stalling_since_ns
+        cdef uint64_t now = shl_now_ns()
+        if pid <= 0:
+            return None
+        return {"pid": pid, "seconds": (now - since) / 1e9 if now > since else 0.0}
+
+    def wait_histogram(self):
+        """How long write sections waited for the readers inside: ``bounds`` (bucket
+        upper bounds in seconds, :data:`WAIT_BOUNDS`), ``counts`` (per bucket, not
+        cumulative; the last is past every bound), ``count`` and ``sum`` (seconds)."""
+        return {
+            "bounds": list(WAIT_BOUNDS),
+            "counts": [int(self.lock.wait_hist[i]) for i in range(SHL_HIST)],
+            "count": int(self.lock.wait_count),
+            "sum": self.lock.wait_sum_ns / 1e9,
+        }
+
     def reclaim_dead(self):
         """Clear every slot whose owner process is dead; how many were."""
         with nogil:
@@ -189,7 +264,9 @@ cdef class SharedLock:
 
     def stats(self):
         """``slots_in_use``, ``active`` readers, ``reclaimed`` slots of dead readers,
-        ``writer_waits`` (futex waits of writers), ``writer`` (flag set)."""
+        ``writer_waits`` (futex waits of writers), ``writer`` (a writer is waiting or
+        inside), ``preferred`` (new readers wait for it), ``stalls`` (readers found
+        inside past the stall bound), ``kills`` (of them, SIGKILLed)."""
         cdef int i, used = 0, active = 0
         for i in range(SHL_SLOTS):
             if self.lock.slots[i].pid != 0:
@@ -201,7 +278,10 @@ cdef class SharedLock:
             "active": active,
             "reclaimed": self.lock.reclaimed,
             "writer_waits": self.lock.writer_waits,
-            "writer": bool(self.lock.writer),
+            "writer": bool(self.lock.wlock),
+            "preferred": bool(self.lock.writer),
+            "stalls": self.lock.stalls,
+            "kills": self.lock.kills,
         }
 
     # Test hooks: the C steps one at a time, for the differential machine and the
@@ -221,6 +301,12 @@ cdef class SharedLock:
 
     def _write_begin_for_test(self):
         return shl_write_begin(self.lock)
+
+    def _write_yield_for_test(self):
+        return shl_write_yield(self.lock)
+
+    def _write_prefer_for_test(self):
+        return shl_write_prefer(self.lock)
 
     def _write_pending_for_test(self):
         return shl_write_pending(self.lock)

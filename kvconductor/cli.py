@@ -249,6 +249,16 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "and the ingest, and N workers serve HTTP (docs/operations.md)",
     )
     p.add_argument(
+        "--reader-stall-ms",
+        type=_int_in(0, 600_000),
+        default=500,
+        metavar="MS",
+        help="with --workers N: a worker still inside a read of the shared index this many "
+        "ms after the ingest thread started waiting for it is stalled (stopped, frozen, "
+        "swapping): the other workers' queries go on, the stalled worker is killed and "
+        "restarted (default 500; 0: wait for it without bound)",
+    )
+    p.add_argument(
         "--maintenance-interval-secs",
         type=_secs,
         default=30,
@@ -533,6 +543,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         replica_id=args.replica_id,
         lease_secs=args.lease_secs,
         workers=getattr(args, "workers", 1),
+        reader_stall_ms=getattr(args, "reader_stall_ms", 500),
         **_http_fields(args),
     )
 

@@ -4,7 +4,9 @@ The **owner** (the process started by ``kv-conductor``) keeps everything that ho
 state: the :class:`~kvconductor.service.Conductor` (the single ingest thread: ZeroMQ
 subscriptions, ``POST /events``, registrations, maintenance) and the full app of
 :func:`kvconductor.app.create_app`, served by uvicorn on a private UNIX socket in a
-fresh temporary directory (mode 0700, removed at exit). It binds the public
+fresh temporary directory (``kv-conductor-<pid>-*``, mode 0700, removed at exit; the
+directories of owners killed before they could remove theirs are removed by the next
+owner that starts, :func:`remove_stale_private_dirs`). It binds the public
 ``host:port`` with ``SO_REUSEPORT`` but never listens on it: a port in use fails at
 once (same message as one process), port 0 resolves to a real port, and the socket
 held for the whole run takes no connections.
@@ -31,7 +33,12 @@ of a worker that exited) clears the dead worker's reader slots.
 
 **Supervision** (owner, on its main thread's event loop): a worker that exits is
 logged (WARN), :data:`on_worker_exit` is called, and it is spawned again after a
-back-off (1 s doubling to 30 s; back to 1 s once a worker stayed up 60 s).
+back-off (1 s doubling to 30 s; back to 1 s once a worker stayed up 60 s). With no
+other worker listening, starting or due within :data:`RESPAWN_ALL_DOWN`, the back-off
+is cut to that (1 s), so the public port is never without a listener for long. A
+worker the ingest thread killed for stalling the shared lock (``--reader-stall-ms``:
+the lock's stall log, :meth:`Owner.check_stalls`, logs each stall at WARN) is
+restarted after 1 s, its back-off unchanged.
 Each worker holds one end of a socket pair with the owner: it writes one byte
 when it listens (the owner logs ``worker-3 pid=1234 ready``) and exits at once
 (status 1) when the owner's end closes, i.e. when the owner is gone, even by
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -69,10 +77,15 @@ from typing import Any
 
 import msgspec
 import uvicorn
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from kvconductor._shlock import SLOTS
+from kvconductor._shlock import SLOTS, owner_alive, proc_stamp
 from kvconductor.app import MSGPACK_PATHS, PUBLIC_READ_PATHS, QUERY_PATHS, too_large_message
 from kvconductor.logs import set_process_role
 from kvconductor.metrics import Metrics, QueryMetrics, Sample, query_samples
@@ -106,6 +119,20 @@ RESPAWN_FIRST = 1.0
 RESPAWN_MAX = 30.0
 #: A worker up this long resets its back-off to RESPAWN_FIRST.
 RESPAWN_RESET = 60.0
+#: With no worker listening, the next start is at most this far away (seconds) whatever
+#: the back-off, so the public port refuses connections for about this plus a start-up.
+RESPAWN_ALL_DOWN = 1.0
+#: While the ingest thread waits for a stalled reader that is not dead (not killable,
+#: or not dying), a WARN this often (seconds).
+STALL_NAG_SECS = 5.0
+#: Stalls kept for ``/workers`` (``processes.shared_lock.recent_stalls``).
+RECENT_STALLS = 16
+#: The owner's private directory: ``<tmp>/kv-conductor-<pid>-<random>`` (mode 0700).
+PRIVATE_PREFIX = "kv-conductor-"
+#: In it: "<pid> <start stamp>" of the owner, so a later owner can tell it is stale.
+OWNER_FILE = "owner.pid"
+#: A directory of an older version (no pid in its name) is judged only this old (seconds).
+LEGACY_DIR_AGE = 60.0
 #: Seconds past GRACEFUL_SECS the owner waits for its workers to stop before SIGKILL.
 STOP_MARGIN = 2.0
 #: Seconds a worker has to hand its query metrics to the owner's ``/metrics``.
@@ -177,6 +204,100 @@ def settings_from_json(text: str) -> Settings:
 
 # --------------------------------------------------------------------------- owner
 
+#: Process states of ``/proc/<pid>/stat`` (field 3), for the stall lines.
+_STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible sleep",
+    "T": "stopped",
+    "t": "traced",
+    "Z": "zombie",
+    "X": "dead",
+    "I": "idle",
+}
+
+
+def _proc_state(pid: int) -> str:
+    """The state letter of ``pid`` now (``?`` when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return "?"
+    return stat[stat.rindex(b")") + 2 :][:1].decode("ascii", "replace") or "?"
+
+
+def _stale(path: str, name: str, mtime: float) -> bool:
+    """Whether the private directory ``path`` (``name``, modified at ``mtime``) of an
+    owner is stale: its owner (``kv-conductor-<pid>-...``, with ``owner.pid`` holding pid
+    and start stamp) is no longer running; for a directory of an older version (no pid
+    in its name), nothing listens on its ``owner.sock`` any more and it is older than
+    :data:`LEGACY_DIR_AGE` (an owner starting now binds its socket before it listens)."""
+    rest = name[len(PRIVATE_PREFIX) :]
+    pid_text, sep, _ = rest.partition("-")
+    if sep and pid_text.isdigit():
+        pid = int(pid_text)
+        stamp = 0
+        with contextlib.suppress(OSError, ValueError):
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                fpid, fstamp = f.read().split()
+            if int(fpid) == pid:
+                stamp = int(fstamp)
+        # no owner file yet: a starting owner, judged by its pid alone
+        return not owner_alive(pid, stamp)
+    sock_path = os.path.join(path, "owner.sock")
+    if not os.path.exists(sock_path) or time.time() - mtime < LEGACY_DIR_AGE:
+        return False  # not ours to judge, or too young to tell
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(sock_path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+        except OSError:
+            return False
+    return False
+
+
+def remove_stale_private_dirs(base: str | None = None) -> list[str]:
+    """Remove the private directories (``kv-conductor-*``, this user's) that owners
+    killed without a chance to clean up left in ``base`` (default: the temporary
+    directory); returns their paths."""
+    base = base or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(base))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        if not entry.name.startswith(PRIVATE_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not entry.is_dir(follow_symlinks=False) or st.st_uid != uid:
+            continue
+        if _stale(entry.path, entry.name, st.st_mtime):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            if not os.path.exists(entry.path):
+                removed.append(entry.path)
+    return removed
+
+
+def make_private_dir() -> str:
+    """The owner's private directory for its UNIX sockets: stale ones of dead owners
+    removed first, then ``<tmp>/kv-conductor-<pid>-<random>`` (mode 0700) with
+    ``owner.pid``."""
+    for path in remove_stale_private_dirs():
+        log.info("removed stale directory %s (its owner process is gone)", path)
+    pid = os.getpid()
+    path = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{pid}-")  # mode 0700
+    with open(os.path.join(path, OWNER_FILE), "w") as f:
+        f.write(f"{pid} {proc_stamp(pid)}\n")
+    return path
+
 
 @dataclasses.dataclass
 class _Slot:
@@ -189,6 +310,9 @@ class _Slot:
     started: float = 0.0
     ready: bool = False
     backoff: float = RESPAWN_FIRST
+    restarts: int = 0
+    #: When its pending start is due (monotonic seconds; 0: none pending).
+    due: float = 0.0
 
     @property
     def name(self) -> str:
@@ -218,6 +342,14 @@ class Owner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = asyncio.Event()
         self._settings_json = settings_json(dataclasses.replace(settings, host=host, port=port))
+        # stalled readers of the shared lock (main thread; the deque read by /workers)
+        self._names: dict[int, str] = {}  # pid -> worker name, of every worker started
+        self._stall_seq = 0  # last entry of the lock's stall log logged
+        self._stall_killed: dict[int, dict[str, Any]] = {}  # pid -> its stall, killed
+        self._recent_stalls: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=RECENT_STALLS
+        )
+        self._stall_nagged = 0.0
 
     # -- spawning (main thread only: PR_SET_PDEATHSIG follows the spawning thread)
 
@@ -256,6 +388,10 @@ class Owner:
         child.close()
         parent.setblocking(False)
         slot.proc, slot.control, slot.started, slot.ready = proc, parent, time.monotonic(), False
+        self._names[proc.pid] = slot.name
+        if len(self._names) > 4 * len(self.slots) + RECENT_STALLS:
+            for pid in list(self._names)[: len(self._names) // 2]:
+                del self._names[pid]
         assert self._loop is not None
         self._loop.add_reader(parent.fileno(), self._on_control, slot)
         log.info("%s pid=%d started", slot.name, proc.pid)
@@ -296,8 +432,72 @@ class Owner:
 
     async def supervise(self) -> None:
         while True:
+            self.check_stalls()
             self.reap()
             await asyncio.sleep(0.1)
+
+    def check_stalls(self) -> None:
+        """Log what the ingest thread did about readers of the shared lock stalled past
+        ``--reader-stall-ms`` (the lock's stall log), and keep reminding while it still
+        waits for one that is not dead."""
+        if SHARED is None:
+            return
+        lock = SHARED.lock
+        for e in lock.stall_log(after=self._stall_seq):
+            self._stall_seq = e["seq"]
+            pid = e["pid"]
+            name = self._names.get(pid, "reader")
+            row = {
+                "worker": name,
+                "pid": pid,
+                "waited_ms": round(e["waited_s"] * 1000, 1),
+                "state": e["state"],
+                "killed": e["killed"],
+                "ts": time.time(),
+            }
+            with self._lock:
+                self._recent_stalls.append(row)
+            if e["killed"]:
+                self._stall_killed[pid] = row
+                what = "killed it (SIGKILL); the other workers' queries went on"
+            else:
+                what = (
+                    "it is no worker process of this owner and is not killed: queries go "
+                    "on, events wait until it leaves its read section"
+                )
+            log.warning(
+                "%s pid=%d held a read section of the shared index for %d ms (process state "
+                "%s, %s) while the ingest thread waited (--reader-stall-ms %d); %s",
+                name,
+                pid,
+                int(e["waited_s"] * 1000),
+                e["state"],
+                _STATES.get(e["state"], "unknown"),
+                self.settings.reader_stall_ms,
+                what,
+            )
+        cur = lock.stalling()
+        now = time.monotonic()
+        if (
+            cur is not None
+            and cur["seconds"] >= STALL_NAG_SECS
+            and now - self._stall_nagged >= STALL_NAG_SECS
+        ):
+            self._stall_nagged = now
+            pid = cur["pid"]
+            state = _proc_state(pid)
+            killed = " after SIGKILL" if pid in self._stall_killed else ""
+            log.warning(
+                "the ingest thread has waited %.0fs for %s pid=%d to leave its read "
+                "section of the shared index (process state %s, %s%s); queries go on, "
+                "events wait",
+                cur["seconds"],
+                self._names.get(pid, "reader"),
+                pid,
+                state,
+                _STATES.get(state, "unknown"),
+                killed,
+            )
 
     def reap(self) -> None:
         for slot in self.slots:
@@ -326,27 +526,73 @@ class Owner:
         if self.stopping:
             log.info("%s pid=%d stopped (%s)", slot.name, proc.pid, how)
             return
+        self.check_stalls()  # a stall kill logged before the exit it caused
+        stalled = self._stall_killed.pop(proc.pid, None) is not None and code == -signal.SIGKILL
         if time.monotonic() - slot.started >= RESPAWN_RESET:
             slot.backoff = RESPAWN_FIRST
-        log.warning(
-            "%s pid=%d exited unexpectedly (%s); restarting it in %gs",
-            slot.name,
-            proc.pid,
-            how,
-            slot.backoff,
-        )
-        self._schedule_respawn(slot)
+        # killed for stalling the shared index: no crash, its back-off stays as it was
+        delay = self._respawn_delay(slot, RESPAWN_FIRST if stalled else None)
+        if stalled:
+            log.warning(
+                "%s pid=%d exited (%s, killed for stalling the shared index); restarting it in %gs",
+                slot.name,
+                proc.pid,
+                how,
+                delay,
+            )
+        else:
+            log.warning(
+                "%s pid=%d exited unexpectedly (%s); restarting it in %gs",
+                slot.name,
+                proc.pid,
+                how,
+                delay,
+            )
+        self._call_respawn(slot, delay)
 
-    def _schedule_respawn(self, slot: _Slot) -> None:
-        delay = slot.backoff
-        slot.backoff = min(slot.backoff * 2, RESPAWN_MAX)
+    def _call_respawn(self, slot: _Slot, delay: float) -> None:
+        slot.due = time.monotonic() + delay
         assert self._loop is not None
         self._loop.call_later(delay, self._respawn, slot)
 
+    def _coming(self, slot: _Slot, within: float) -> bool:
+        """``slot`` listens, or is starting, or starts within ``within`` seconds."""
+        if slot.proc is not None:
+            return slot.proc.poll() is None
+        return slot.due != 0.0 and slot.due <= time.monotonic() + within
+
+    def _respawn_delay(self, slot: _Slot, delay: float | None = None) -> float:
+        """Seconds until ``slot`` is started again: ``delay``, else its back-off (which
+        doubles, up to RESPAWN_MAX). When no other worker listens, is starting or
+        starts within RESPAWN_ALL_DOWN, this one starts in RESPAWN_ALL_DOWN at most: the
+        public port is never left without a listener for long, and only one worker
+        of a crash loop restarts that fast."""
+        if delay is None:
+            delay = slot.backoff
+            slot.backoff = min(slot.backoff * 2, RESPAWN_MAX)
+        if delay > RESPAWN_ALL_DOWN and not any(
+            self._coming(s, RESPAWN_ALL_DOWN) for s in self.slots if s is not slot
+        ):
+            log.warning(
+                "no worker is listening on port %d: %s is started in %gs instead of %gs "
+                "(its back-off)",
+                self.port,
+                slot.name,
+                RESPAWN_ALL_DOWN,
+                delay,
+            )
+            delay = RESPAWN_ALL_DOWN
+        return delay
+
+    def _schedule_respawn(self, slot: _Slot) -> None:
+        self._call_respawn(slot, self._respawn_delay(slot))
+
     def _respawn(self, slot: _Slot) -> None:
+        slot.due = 0.0
         if self.stopping or slot.proc is not None:
             return
         self.restarts += 1
+        slot.restarts += 1
         self.spawn(slot)
 
     # -- running and stopping
@@ -450,6 +696,51 @@ class Owner:
         with self._lock:
             return len(self._live)
 
+    def info(self) -> dict[str, Any]:
+        """``GET /workers``' ``processes`` (any thread): each worker process and the
+        shared lock's counters (docs/api.md, GET /workers)."""
+        now = time.monotonic()
+        workers = []
+        for slot in self.slots:
+            proc = slot.proc
+            workers.append(
+                {
+                    "name": slot.name,
+                    "pid": proc.pid if proc is not None else None,
+                    "state": "restarting"
+                    if proc is None
+                    else ("ready" if slot.ready else "starting"),
+                    "up_s": round(now - slot.started, 1) if proc is not None else None,
+                    "restarts": slot.restarts,
+                }
+            )
+        doc: dict[str, Any] = {"workers": workers, "restarts": self.restarts}
+        if SHARED is not None:
+            st = SHARED.stats()
+            hist = SHARED.wait_histogram()
+            stall_ms, _ = SHARED.lock.stall_policy()
+            cur = SHARED.lock.stalling()
+            with self._lock:
+                recent = [dict(r) for r in self._recent_stalls]
+            doc["shared_lock"] = {
+                "reader_stall_ms": stall_ms,
+                "write_sections": hist["count"],
+                "writer_wait_seconds": round(hist["sum"], 6),
+                "writer_waits": st["writer_waits"],
+                "stalled_readers": st["stalled_readers"],
+                "readers_killed": st["readers_killed"],
+                "reclaimed_reader_slots": st["reclaimed_reader_slots"],
+                "stalling": None
+                if cur is None
+                else {
+                    "worker": self._names.get(cur["pid"], "reader"),
+                    "pid": cur["pid"],
+                    "seconds": round(cur["seconds"], 3),
+                },
+                "recent_stalls": recent,
+            }
+        return doc
+
     def worker_query_samples(self) -> list[list[Sample]]:
         """The query samples of exited workers (summed) and of every live one (asked
         now; one that does not answer within METRICS_TIMEOUT counts with its last report)."""
@@ -503,6 +794,19 @@ _SHARED_METRICS = (
         "Waits of the ingest thread for worker queries inside a read section",
         "writer_waits",
     ),
+    (
+        CounterMetricFamily,
+        "kvconductor_shared_stalled_readers",
+        "Worker reads of the shared index still running --reader-stall-ms after the ingest "
+        "thread started waiting for them (stopped, frozen or swapping processes)",
+        "stalled_readers",
+    ),
+    (
+        CounterMetricFamily,
+        "kvconductor_shared_readers_killed",
+        "Worker processes killed (SIGKILL) for stalling a read of the shared index",
+        "readers_killed",
+    ),
 )
 
 
@@ -532,6 +836,19 @@ class WorkerCollector(Collector):
         st = SHARED.stats()
         for family, name, doc, key in _SHARED_METRICS:
             yield family(name, doc, value=st[key])
+        hist = SHARED.wait_histogram()
+        buckets = []
+        total = 0
+        for bound, count in zip([*hist["bounds"], float("inf")], hist["counts"], strict=True):
+            total += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), total))
+        yield HistogramMetricFamily(
+            "kvconductor_shared_writer_wait_seconds",
+            "How long each write section of the ingest thread waited for worker queries "
+            "inside a read section of the shared index",
+            buckets=buckets,
+            sum_value=hist["sum"],
+        )
 
 
 def fetch_query_samples(path: str, timeout: float = METRICS_TIMEOUT) -> list[Sample]:
@@ -597,6 +914,7 @@ def serve_owner(settings: Settings) -> int:
         log.error("cannot create the shared index arena: %s", ex)
         print(f"kv-conductor: error: cannot create the shared index arena: {ex}", file=sys.stderr)
         return 1
+    SHARED.set_stall_policy(settings.reader_stall_ms, kill=True)
     on_worker_exit.append(_reclaim_reader_slots)
     try:
         port_sock = bind_socket(settings.host, settings.port, reuse_port=True, listen=False)
@@ -607,9 +925,16 @@ def serve_owner(settings: Settings) -> int:
     if port_sock.family == socket.AF_INET and ":" in host:  # no IPv6: fell back
         host = "0.0.0.0"
     port = port_sock.getsockname()[1]
-    tmpdir = tempfile.mkdtemp(prefix="kv-conductor-")  # mode 0700
+    try:
+        tmpdir = make_private_dir()
+    except OSError as ex:
+        port_sock.close()
+        log.error("cannot create the owner's private directory: %s", ex)
+        print(f"kv-conductor: error: cannot create a private directory: {ex}", file=sys.stderr)
+        return 1
     owner_path = os.path.join(tmpdir, "owner.sock")
     owner = Owner(settings, tmpdir, owner_path, host, port)
+    conductor.processes = owner.info
     unix_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         unix_sock.bind(owner_path)
@@ -630,9 +955,11 @@ def serve_owner(settings: Settings) -> int:
         )
         server = OwnerServer(uvicorn_config(app, private, "(owner socket)"), owner)
         log.info(
-            "KV conductor starting on %s workers=%d version=%s %s switch_interval=%s",
+            "KV conductor starting on %s workers=%d reader_stall=%dms version=%s %s "
+            "switch_interval=%s",
             format_address(port_sock),
             settings.workers,
+            settings.reader_stall_ms,
             _version(),
             settings.describe(),
             sys.getswitchinterval(),

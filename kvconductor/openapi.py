@@ -97,6 +97,8 @@ def document() -> dict[str, Any]:
         "properties": {
             **{k: {"type": "array"} for k in ("workers", "indexer", "sources")},
             "recent_warnings": {"type": "array", "items": _ref(schema.RecentWarning)},
+            # only with --workers N (docs/api.md, GET /workers)
+            "processes": {"type": "object"},
         },
     }
     paths = {

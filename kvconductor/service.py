@@ -364,6 +364,9 @@ class Conductor:
         #: ``--workers N``: the shared arena, lock and directory (set before :meth:`start`;
         #: see :mod:`kvconductor.shared`). None: one process, private memory.
         self.shared: Any = None
+        #: ``--workers N``: the owner's view of its worker processes and the shared lock
+        #: for ``/workers`` (``processes``; any thread), set by the owner. None: one process.
+        self.processes: Callable[[], dict[str, Any]] | None = None
         #: ``--snapshot-dir``: the :class:`kvconductor.snapshot.Snapshotter` (None: off).
         self.snapshotter: Any = None
         #: ``--state-url``: the :class:`kvconductor.replica.Replicator` (None: this process
@@ -877,6 +880,8 @@ class Conductor:
         }
         if self.replicator is not None:
             doc["replica"] = self.replicator.info()
+        if self.processes is not None:
+            doc["processes"] = self.processes()
         return doc
 
     def _explain_sources(self, instance_id: str, dp_rank: int, now: float) -> list[ExplainSource]:

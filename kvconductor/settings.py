@@ -105,6 +105,9 @@ class Settings:
     lease_secs: float = 5.0
     # HTTP worker processes (docs/operations.md, "Several worker processes")
     workers: int = 1
+    # --workers N: a worker inside a read section of the shared index this long after the
+    # ingest thread started waiting for it is stalled: the others go on, it is killed
+    reader_stall_ms: int = 500
 
     def with_snapshot_default(
         self, port: int | None, env: Mapping[str, str] | None = None

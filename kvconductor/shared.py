@@ -148,6 +148,12 @@ class SharedIndexes:
         """Clear the reader slots of dead processes (after a worker died)."""
         return self.lock.reclaim_dead()
 
+    def set_stall_policy(self, stall_ms: int, kill: bool = True) -> None:
+        """A reader inside ``stall_ms`` after the ingest thread started waiting for it is
+        stalled: the other readers go on, and with ``kill`` the writer SIGKILLs it (a
+        worker: a child of this process). 0: wait for readers without bound."""
+        self.lock.set_stall_policy(stall_ms, kill)
+
     def stats(self) -> dict[str, int]:
         """Arena counters plus the directory generation and lock counters."""
         out = dict(self.arena.stats())
@@ -155,7 +161,14 @@ class SharedIndexes:
         lk = self.lock.stats()
         out["reclaimed_reader_slots"] = int(lk.get("reclaimed", 0))
         out["writer_waits"] = int(lk.get("writer_waits", 0))
+        out["stalled_readers"] = int(lk.get("stalls", 0))
+        out["readers_killed"] = int(lk.get("kills", 0))
         return out
+
+    def wait_histogram(self) -> dict[str, Any]:
+        """How long the ingest thread's write sections waited for worker queries inside
+        (:meth:`~kvconductor._shlock.SharedLock.wait_histogram`)."""
+        return self.lock.wait_histogram()
 
 
 class WriteBatch:
@@ -255,11 +268,11 @@ class SharedView:
     def reload(self) -> dict[tuple[str, str], ViewIndex]:
         """Read the directory again if it changed; returns the indexes."""
         with self._mutex:
-            with self.lock.reading():
-                _, gen, addr, n = _HEADER.unpack(self.arena.read(self.header_address, _HEADER.size))
-                if gen == self.generation:
-                    return self.indexes
-                blob = self.arena.read(addr, n) if n else b""
+            # header and blob copied in one read section without the GIL: no thread of a
+            # worker waits for the GIL inside a section (the writer would wait for it)
+            (_, gen, _, _), blob = self.arena.read_record(self.lock, self.header_address)
+            if gen == self.generation:
+                return self.indexes
             doc = _decoder.decode(blob) if blob else Directory([], [], [])
             gen_addr = self.header_address + 8
             indexes = {}

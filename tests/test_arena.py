@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import pytest
 
 from kvconductor._arena import DEFAULT_ADDRESS, DEFAULT_RESERVE, Arena
 from kvconductor._py.arena import BLOCK_HDR, CHUNK, DATA_OFF, PAGE, chunk_bytes
+from kvconductor._shlock import SharedLock
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -303,3 +305,23 @@ def test_checker_catches_corruption(kind, message):
             a.check_invariants()
     finally:
         a.close()
+
+
+def test_read_record_copies_header_and_data_in_one_read_section(arena):
+    lock = SharedLock()
+    rec = arena.malloc(32)
+    data = arena.malloc(100)
+    arena.write(data, bytes(range(100)))
+    arena.write(rec, struct.pack("<QQQQ", 7, 9, data, 100))
+    assert arena.read_record(lock, rec) == ((7, 9, data, 100), bytes(range(100)))
+    arena.write(rec, struct.pack("<QQQQ", 1, 2, 0, 0))
+    assert arena.read_record(lock, rec) == ((1, 2, 0, 0), b"")
+    arena.write(rec, struct.pack("<QQQQ", 1, 2, data, 1 << 40))  # past the file
+    with pytest.raises(ValueError, match="outside"):
+        arena.read_record(lock, rec)
+    st = lock.stats()
+    assert st["active"] == 0 and st["slots_in_use"] == 1  # left the section every time
+    lock.read_enter()
+    with pytest.raises(RuntimeError, match="inside a read section"):
+        arena.read_record(lock, rec)
+    lock.read_exit()

@@ -16,6 +16,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +40,7 @@ from test_server_zmq import register_engine
 
 from kvconductor import cli, cluster
 from kvconductor._hash import hash_blocks
+from kvconductor._shlock import proc_stamp
 from kvconductor.logs import set_process_role
 from kvconductor.metrics import QueryMetrics, merge_query_metrics, query_samples
 from kvconductor.service import TRIM_SECS
@@ -467,6 +470,106 @@ def test_workers_flag():
     for bad, needle in (("0", "must be within 1..1024"), ("x", "an integer or 'auto'")):
         with pytest.raises(cli.FlagError, match=re.escape(needle)):
             parse(["--workers", bad])
+    assert cli.settings_from_args(parse([])).reader_stall_ms == 500
+    assert cli.settings_from_args(parse(["--reader-stall-ms", "0"])).reader_stall_ms == 0
+    with pytest.raises(cli.FlagError, match=re.escape("must be within 0..600000")):
+        parse(["--reader-stall-ms", "600001"])
+
+
+def test_workers_view_and_metrics_show_the_processes_and_the_shared_lock(server):
+    ready = ready_workers(server)
+    doc = server.http.get("/workers").json()["processes"]
+    assert {(w["name"], w["pid"], w["state"]) for w in doc["workers"]} == {
+        (name, pid, "ready") for name, pid in ready.items()
+    }
+    lock = doc["shared_lock"]
+    assert lock["reader_stall_ms"] == 500 and lock["write_sections"] > 0
+    assert (lock["stalled_readers"], lock["readers_killed"], lock["stalling"]) == (0, 0, None)
+    assert lock["recent_stalls"] == []
+    text = server.http.get("/metrics").text
+    assert metric(text, "kvconductor_shared_writer_wait_seconds_count") >= lock["write_sections"]
+    assert 'kvconductor_shared_writer_wait_seconds_bucket{le="+Inf"}' in text
+    assert 'kvconductor_shared_writer_wait_seconds_bucket{le="0.5"}' in text
+    assert metric(text, "kvconductor_shared_stalled_readers_total") == 0
+    assert metric(text, "kvconductor_shared_readers_killed_total") == 0
+
+
+def _owner(tmp_path: Path, workers: int = 3) -> cluster.Owner:
+    loop = asyncio.new_event_loop()
+    owner = cluster.Owner(Settings(workers=workers), str(tmp_path), "x.sock", "::", 1)
+    owner._loop = loop
+    return owner
+
+
+class _Running:
+    pid = 1
+
+    def poll(self):
+        return None
+
+
+def test_respawn_back_off_is_short_while_no_worker_listens(tmp_path):
+    """A worker's back-off doubles up to 30 s while another worker listens, starts, or
+    is about to; with none, the next start is at most RESPAWN_ALL_DOWN away (one worker
+    only: the others keep their back-off)."""
+    owner = _owner(tmp_path)
+    a, b, c = owner.slots
+    for s in (a, b, c):
+        s.backoff = 16.0
+    b.proc, b.ready = _Running(), True  # listening
+    assert owner._respawn_delay(a) == 16.0 and a.backoff == 30.0
+    b.ready = False  # starting
+    assert owner._respawn_delay(a) == 30.0
+    b.proc = None  # none left: a comes back quickly, its back-off still grows
+    assert owner._respawn_delay(a) == cluster.RESPAWN_ALL_DOWN and a.backoff == 30.0
+    owner._call_respawn(a, cluster.RESPAWN_ALL_DOWN)
+    assert owner._respawn_delay(c) == 16.0  # a is about to start: c waits its back-off
+    assert owner._respawn_delay(b, cluster.RESPAWN_FIRST) == cluster.RESPAWN_FIRST
+    assert b.backoff == 16.0  # an explicit delay (a stall kill) leaves the back-off alone
+    owner._loop.close()
+
+
+def test_stale_private_directories_are_removed(tmp_path):
+    """Directories of owners that are gone (dead pid, a pid now another process's, an
+    older version's nobody listens on) go; those of running owners, of starting ones
+    (no owner file yet; an older version's too young to judge) and anything else stay."""
+    me = os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that is gone
+
+    def make(name: str, owner: str | None = None) -> Path:
+        d = tmp_path / name
+        d.mkdir(mode=0o700)
+        if owner is not None:
+            (d / cluster.OWNER_FILE).write_text(owner)
+        return d
+
+    dead = make(f"kv-conductor-{child.pid}-aaaa", f"{child.pid} 5\n")
+    reused = make(f"kv-conductor-{me}-bbbb", f"{me} {proc_stamp(me) + 1}\n")
+    alive = make(f"kv-conductor-{me}-cccc", f"{me} {proc_stamp(me)}\n")
+    starting = make(f"kv-conductor-{me}-dddd")
+    legacy = make("kv-conductor-eeee")
+    young = make("kv-conductor-hhhh")  # an older version's owner between bind and listen
+    for d in (legacy, young):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(d / "owner.sock"))
+    listening = make("kv-conductor-ffff")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(listening / "owner.sock"))
+    srv.listen(1)
+    unknown = make("kv-conductor-gggg")
+    other = make("something-else")
+    old = time.time() - cluster.LEGACY_DIR_AGE - 10
+    for d in (legacy, listening, unknown):
+        os.utime(d, (old, old))
+    try:
+        removed = cluster.remove_stale_private_dirs(str(tmp_path))
+    finally:
+        srv.close()
+    assert sorted(removed) == sorted(str(d) for d in (dead, reused, legacy))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        d.name for d in (alive, starting, listening, unknown, other, young)
+    )
 
 
 def test_worker_settings_leave_the_api_key_out():

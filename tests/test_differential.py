@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
+import sys
+import time
 from array import array
 
 import pytest
@@ -899,6 +902,14 @@ class SharedLockMachine(RuleBasedStateMachine):
         self.both("_write_pending_for_test", "write_pending")
 
     @rule()
+    def write_yield(self):
+        self.both("_write_yield_for_test", "write_yield")
+
+    @rule()
+    def write_prefer(self):
+        self.both("_write_prefer_for_test", "write_prefer")
+
+    @rule()
     def write_exit(self):
         self.both("_write_exit_for_test", "write_exit")
 
@@ -923,6 +934,25 @@ def test_shlock_codes_and_stamp_match_the_twin():
     )
     assert _shlock.proc_stamp(_ME) == py_shlock.proc_stamp(_ME) > 0
     assert _shlock.proc_stamp(2**30) == py_shlock.proc_stamp(2**30) == 0
+    for pid, stamp in [(_ME, 0), (_ME, py_shlock.proc_stamp(_ME)), (_ME, 1), (2**30, 0)]:
+        assert _shlock.owner_alive(pid, stamp) == py_shlock.owner_alive(pid, stamp)
+
+
+def test_shlock_zombie_is_dead_for_both():
+    """A child killed and not reaped: both sides call it dead once its threads exited."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        stamp = py_shlock.proc_stamp(child.pid)
+        assert _shlock.owner_alive(child.pid, stamp) and py_shlock.owner_alive(child.pid, stamp)
+        child.kill()
+        deadline = time.monotonic() + 10
+        while _shlock.owner_alive(child.pid, stamp):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert not py_shlock.owner_alive(child.pid, stamp)
+    finally:
+        child.kill()
+        child.wait()
 
 
 TestSharedLockDifferential = SharedLockMachine.TestCase

@@ -342,3 +342,35 @@ def test_a_write_batch_holds_readers_once_and_nests_the_writes(owner):
         owner.call(_index.shared_write_exit)
     with pytest.raises(RuntimeError, match="writer thread"):
         _index.shared_write_enter()  # not the ingest thread
+
+
+def test_a_view_runs_no_python_inside_a_read_section(owner):
+    """A worker thread inside a read section must not wait for the GIL (another thread
+    may hold it for a long parse), or the writer, and with it every reader, would wait
+    too, and a healthy worker could pass for a stalled one: the directory is copied
+    inside one GIL-free section, so no Python code of the view runs inside one."""
+    _store(owner, _key(1), [1], list(range(BS)))
+
+    class Spy:
+        """The view's arena, checking on every Python-level read that no section is held."""
+
+        def __init__(self, arena) -> None:
+            self.arena = arena
+            self.address = arena.address
+            self.inside = []
+
+        def read(self, addr: int, n: int) -> bytes:
+            self.inside.append(owner.shared.lock.stats()["active"])
+            return self.arena.read(addr, n)
+
+        def __getattr__(self, name: str):
+            return getattr(self.arena, name)
+
+    spy = Spy(owner.shared.arena)
+    view = SharedView(spy, owner.shared.lock)
+    _store(owner, _key(2), [1], list(range(BS)))  # a new group: a new directory
+    assert view.get_index("m", "t") is not None and view.generation == owner.shared.generation
+    assert view.reloads == 2
+    assert set(spy.inside) <= {0}, spy.inside
+    got = _answer(view.get_index("m", "t").query(list(range(BS)), BS, 1337))
+    assert got == [("inst-1", 0, 1, 0, 0), ("inst-2", 0, 1, 0, 0)]

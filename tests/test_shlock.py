@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -265,3 +266,206 @@ def test_thread_ended_inside_its_read_section_does_not_block_the_writer():
     assert lock.stats()["active"] == 0 and lock.stats()["slots_in_use"] == 0
     with lock.writing():
         assert lock.stats()["writer"]
+
+
+# -- stalled readers (a process stopped inside its read section) -------------------------
+
+# A reader process that enters a read section, says so, and leaves it when a line comes
+# on stdin (then says "out"); a second line ends it.
+PARKED = """
+import sys
+from kvconductor._shlock import SharedLock
+lock = SharedLock.attach(int(sys.argv[1]))
+lock.read_enter()
+print("inside", flush=True)
+sys.stdin.readline()
+lock.read_exit()
+print("out", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _stats_until(lock: SharedLock, key: str, value, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = lock.stats()
+        if st[key] == value:
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.002)
+
+
+def _reader_gets_in(lock: SharedLock, timeout: float) -> bool:
+    """A thread of this process enters and leaves a read section within ``timeout``."""
+    done = threading.Event()
+
+    def read():
+        with lock.reading():
+            done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return done.wait(timeout)
+
+
+def test_a_stopped_reader_is_killed_past_the_bound_and_the_others_go_on():
+    """A reader process stopped (SIGSTOP) inside its read section: after the stall bound
+    the writer stops holding the other readers back, SIGKILLs the stopped child,
+    reclaims its slot once it is dead (not reaped yet: a zombie), then gets in."""
+    lock = SharedLock()
+    lock.set_stall_policy(200, kill=True)
+    assert lock.stall_policy() == (200, True)
+    p = _spawn(STUCK, lock.fileno())
+    p.send_signal(signal.SIGSTOP)
+    inside = threading.Event()
+    waited = []
+
+    def write():
+        t0 = time.monotonic()
+        with lock.writing():
+            waited.append(time.monotonic() - t0)
+            inside.set()
+
+    w = threading.Thread(target=write, daemon=True)
+    w.start()
+    _stats_until(lock, "writer", True)
+    assert inside.wait(20), lock.stats()
+    assert waited[0] >= 0.2
+    # SIGKILL reaches a stopped process; nobody reaped it: the writer saw the zombie
+    deadline = time.monotonic() + 10
+    while p.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert p.returncode == -signal.SIGKILL
+    st = lock.stats()
+    assert (st["stalls"], st["kills"], st["reclaimed"]) == (1, 1, 1), st
+    assert st["slots_in_use"] == 0 and st["active"] == 0
+    (entry,) = lock.stall_log()
+    assert entry["pid"] == p.pid and entry["killed"] and entry["state"] == "T"
+    assert 0.2 <= entry["waited_s"] < 10
+    assert lock.stall_log(after=entry["seq"]) == []
+    assert lock.stalling() is None
+    w.join(5)
+    hist = lock.wait_histogram()
+    assert hist["count"] == 1 and sum(hist["counts"]) == 1 and hist["sum"] >= 0.2
+    assert len(hist["counts"]) == len(hist["bounds"]) + 1 == len(_shlock.WAIT_BOUNDS) + 1
+    p.stdin.close()
+    p.stdout.close()
+
+
+def test_a_stalled_reader_that_may_not_be_killed_holds_back_the_writer_only():
+    """Without the kill policy the writer waits for the stopped reader as long as it
+    takes (it never writes under a live reader), but stops preferring itself after the
+    bound: other readers keep getting in. The reader, resumed, leaves; the writer enters."""
+    lock = SharedLock()
+    lock.set_stall_policy(100, kill=False)
+    p = _spawn(PARKED, lock.fileno())
+    assert p.stdin is not None and p.stdout is not None
+    p.send_signal(signal.SIGSTOP)
+    inside = threading.Event()
+
+    def write():
+        with lock.writing():
+            inside.set()
+
+    w = threading.Thread(target=write, daemon=True)
+    w.start()
+    _stats_until(lock, "stalls", 1)
+    assert lock.stalling()["pid"] == p.pid
+    for _ in range(5):  # readers come and go while the writer waits
+        assert _reader_gets_in(lock, 10)
+    assert not inside.is_set()
+    st = lock.stats()
+    assert st["writer"] and not st["preferred"] and st["kills"] == 0
+    assert p.poll() is None
+    p.send_signal(signal.SIGCONT)
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == "out"
+    assert inside.wait(20)
+    w.join(5)
+    (entry,) = lock.stall_log()
+    assert (entry["pid"], entry["killed"], entry["state"]) == (p.pid, False, "T")
+    assert lock.stalling() is None and lock.stats()["reclaimed"] == 0
+    p.stdin.write("\n")
+    p.stdin.close()
+    assert p.wait(10) == 0
+    p.stdout.close()
+
+
+def test_without_a_bound_readers_wait_behind_the_writer():
+    """stall_ms 0 (a new lock's policy): the writer keeps its preference while it waits
+    for a live reader, so new readers wait too."""
+    lock = SharedLock()
+    assert lock.stall_policy() == (0, False)
+    p = _spawn(PARKED, lock.fileno())
+    assert p.stdin is not None and p.stdout is not None
+    w = threading.Thread(target=lambda: lock.writing().__enter__(), daemon=True)
+    w.start()
+    _stats_until(lock, "writer", True)
+    assert not _reader_gets_in(lock, 0.4)
+    assert lock.stats()["stalls"] == 0
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == "out"
+    w.join(10)
+    assert lock.stats()["writer"]
+    lock.write_exit()
+    assert _reader_gets_in(lock, 10)  # the reader left over from above got in too
+    p.stdin.write("\n")
+    p.stdin.close()
+    p.wait(10)
+    p.stdout.close()
+
+
+def test_a_zombie_reader_is_dead():
+    """A reader process killed inside its section and not reaped yet (a zombie) runs no
+    code: its slot is reclaimed without waiting for the parent to reap it."""
+    lock = SharedLock()
+    p = _spawn(STUCK, lock.fileno())
+    os.kill(p.pid, signal.SIGKILL)  # no wait(): stays a zombie
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert lock._write_begin_for_test() == _shlock.OK
+    while lock._write_pending_for_test() != 0:  # its other threads may still be exiting
+        assert time.monotonic() < deadline, lock.stats()
+        time.sleep(0.005)
+    assert lock.stats()["reclaimed"] == 1
+    assert lock._write_exit_for_test() == _shlock.OK
+    assert p.wait(10) == -signal.SIGKILL
+    p.stdin.close()
+    p.stdout.close()
+
+
+def test_yield_and_prefer_steps():
+    lock = SharedLock()
+    me = os.getpid()
+    s = lock._acquire_for_test(me, proc_stamp(me))
+    assert lock._write_yield_for_test() == _shlock.EINVAL  # no writer
+    assert lock._write_prefer_for_test() == _shlock.EINVAL
+    assert lock._write_begin_for_test() == _shlock.OK
+    assert lock._read_try_for_test(s) == _shlock.EAGAIN
+    assert lock._write_yield_for_test() == _shlock.OK
+    st = lock.stats()
+    assert st["writer"] and not st["preferred"]
+    assert lock._write_begin_for_test() == _shlock.EBUSY  # still one writer
+    assert lock._read_try_for_test(s) == _shlock.OK
+    assert lock._write_prefer_for_test() == _shlock.OK
+    assert lock._write_pending_for_test() == 1
+    assert lock._read_exit_for_test(s) == _shlock.OK
+    assert lock._read_try_for_test(s) == _shlock.EAGAIN
+    assert lock._write_exit_for_test() == _shlock.OK
+    assert lock.stats()["preferred"] is False
+    assert lock._read_try_for_test(s) == _shlock.OK
+
+
+def test_writer_wait_histogram_counts_every_write_section():
+    lock = SharedLock()
+    for _ in range(3):
+        with lock.writing():
+            pass
+    hist = lock.wait_histogram()
+    assert hist["count"] == 3 and hist["counts"][0] == 3 and hist["sum"] == 0
+    assert hist["bounds"] == list(_shlock.WAIT_BOUNDS)
+    assert list(_shlock.WAIT_BOUNDS) == sorted(_shlock.WAIT_BOUNDS)

@@ -1,15 +1,18 @@
 """Pure-Python twin of the cross-process lock's state machine (``kvconductor/_shlock.pxd``).
 
 A deterministic model, no threads and no waiting: the reader slots {pid, stamp, active},
-the writer flag and the ``reclaimed`` counter, changed by the non-blocking steps the
-blocking calls are made of (``read_try`` is one attempt of ``read_enter``;
-``write_begin`` then ``write_pending`` until 0 is ``write_enter``). The differential
-tests drive it and the compiled lock through the same sequences and compare the state
-after every step.
+the writer mutex and preference flag and the ``reclaimed`` counter, changed by the
+non-blocking steps the blocking calls are made of (``read_try`` is one attempt of
+``read_enter``; ``write_begin`` then ``write_pending`` until 0 is ``write_enter``;
+``write_yield`` and ``write_prefer`` are what a writer does around a reader stalled past
+the bound). The differential tests drive it and the compiled lock through the same
+sequences and compare the state after every step. Time (the stall bound), signals and
+the stall counters of the blocking ``write_enter`` are not modelled.
 
-A slot owner is dead when ``kill(pid, 0)`` says there is no such process, or when the
+A slot owner is dead when ``kill(pid, 0)`` says there is no such process, when the
 start time the slot recorded (``/proc/<pid>/stat`` field 22, + 1) is not the process's
-under that pid now (the pid was reused).
+under that pid now (the pid was reused), or when it is a zombie (state ``Z``) whose
+threads have all exited (field 20, ``num_threads``, is 1): it runs no code any more.
 """
 
 from __future__ import annotations
@@ -24,17 +27,23 @@ EAGAIN = 3
 SLOTS = 256
 
 
-def proc_stamp(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks + 1; 0 when it cannot be read."""
+def _stat(pid: int) -> list[bytes] | None:
+    """Fields 3, 4, ... of ``/proc/<pid>/stat``; None when it cannot be read."""
     if pid <= 0:
-        return 0
+        return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             text = f.read()
     except OSError:
-        return 0
-    fields = text[text.rindex(b")") + 2 :].split()  # fields 3, 4, ...
-    return int(fields[22 - 3]) + 1 if len(fields) > 22 - 3 else 0
+        return None
+    fields = text[text.rindex(b")") + 2 :].split()
+    return fields if len(fields) > 22 - 3 else None
+
+
+def proc_stamp(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks + 1; 0 when it cannot be read."""
+    fields = _stat(pid)
+    return int(fields[22 - 3]) + 1 if fields else 0
 
 
 def owner_alive(pid: int, stamp: int) -> bool:
@@ -47,9 +56,12 @@ def owner_alive(pid: int, stamp: int) -> bool:
         return False
     except PermissionError:
         pass
-    if stamp == 0:
-        return True
-    return proc_stamp(pid) == stamp
+    fields = _stat(pid)
+    if fields is None:
+        return stamp == 0
+    if stamp != 0 and int(fields[22 - 3]) + 1 != stamp:
+        return False
+    return not (fields[0] in (b"Z", b"X") and int(fields[20 - 3]) <= 1)
 
 
 class SharedLockModel:
@@ -62,7 +74,8 @@ class SharedLockModel:
         self.pids = [0] * SLOTS
         self.stamps = [0] * SLOTS
         self.active = [False] * SLOTS
-        self.writer = False
+        self.wlock = False  # a writer between write_begin and write_exit
+        self.writer = False  # its preference: new readers wait
         self.reclaimed = 0
         self._alive = alive
 
@@ -119,8 +132,21 @@ class SharedLockModel:
         return OK
 
     def write_begin(self) -> int:
-        if self.writer:
+        if self.wlock:
             return EBUSY
+        self.wlock = self.writer = True
+        return OK
+
+    def write_yield(self) -> int:
+        """The writer stops preferring itself (a reader stalled): readers enter again."""
+        if not self.wlock:
+            return EINVAL
+        self.writer = False
+        return OK
+
+    def write_prefer(self) -> int:
+        if not self.wlock:
+            return EINVAL
         self.writer = True
         return OK
 
@@ -133,9 +159,9 @@ class SharedLockModel:
         return n
 
     def write_exit(self) -> int:
-        if not self.writer:
+        if not self.wlock:
             return EINVAL
-        self.writer = False
+        self.wlock = self.writer = False
         return OK
 
     def slot(self, slot: int) -> tuple[int, int, int]:
@@ -148,5 +174,8 @@ class SharedLockModel:
             "active": sum(self.active),
             "reclaimed": self.reclaimed,
             "writer_waits": 0,
-            "writer": self.writer,
+            "writer": self.wlock,
+            "preferred": self.writer,
+            "stalls": 0,
+            "kills": 0,
         }
