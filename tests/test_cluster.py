@@ -677,6 +677,7 @@ def test_workers_answer_from_the_shared_index_like_the_owner(server):
                 got = _explained(server, doc[: bs * zn], bs).get(("zmq-eng", 0))
                 return got is not None and got[0] == zn
 
+            pub.wait_subscribed()
             wait_until(indexed, timeout=15)
             for q in docs + [doc[: bs * 3] + [7, 7, 7, 7], [rng.randrange(30_000)] * 8]:
                 want = _explained(server, q, bs)

@@ -141,6 +141,8 @@ def fill(server, pub: FakePublisher, pool: PoolPublisher, rng: random.Random) ->
         s = {x["model_name"]: x for x in indexer(server)}.get("qwen", {})
         return s.get("offload") == 2 and s.get("pending_pool") == 4
 
+    pub.wait_subscribed()
+    pool.wait_subscribed()
     wait_until(indexed, msg="engine blocks and offload indexed")
 
 

@@ -319,6 +319,37 @@ def test_report_lines():
         "    source tcp://h:5557 (npu): live, 2 events, last event 1.2s ago",
         "warning: something",
     ]
+    # a source that lost batches and dropped events says what and why under its line
+    src = doc["instances"][0]["sources"][0]
+    src.update(
+        state="degraded",
+        losses=1,
+        degraded_since=1796140800.0,
+        last_loss={"at": 1796140800.0, "why": "batches 0..46 were published before ..."},
+        dropped={"parent_not_found": 13, "replay_failed": 1},
+    )
+    doc["pool_sources"] = [
+        {
+            "url": "tcp://p:6000",
+            "state": "live",
+            "events": 5,
+            "losses": 2,
+            "degraded_since": None,
+            "last_loss": {"at": 1796140860.0, "why": "gap 3 -> 5 and no replay endpoint"},
+            "dropped": {},
+        },
+    ]
+    assert explain.report(doc)[3:-1] == [
+        "    source tcp://h:5557 (npu): degraded, 2 events, last event 1.2s ago",
+        "        1 loss(es), degraded since 2026-12-01 16:00:00 UTC; last: batches 0..46 were "
+        "published before ... (at 2026-12-01 16:00:00 UTC)",
+        "        13 events dropped (parent_not_found: blocks stored after a parent block this "
+        "source never announced, lost or published before it connected; not indexed)",
+        "        1 events dropped (replay_failed: the replay endpoint did not answer in full)",
+        "pool source tcp://p:6000: live, 5 events",
+        "    2 loss(es), live again; last: gap 3 -> 5 and no replay endpoint (at 2026-12-01 "
+        "16:01:00 UTC)",
+    ]
 
 
 def test_cli_against_a_live_server(tmp_path, capsys):
@@ -340,6 +371,7 @@ def test_cli_against_a_live_server(tmp_path, capsys):
             doc = srv.http.post("/explain", json=body).json()
             return [i["npu_blocks"] for i in doc["instances"]] == [3]
 
+        pub.wait_subscribed()
         wait_until(indexed, msg="blocks indexed")
         q = srv.http.post("/query", json=body).json()
         assert q["default"]["vllm-prefill-1"]["DP"]["0"]["npu_blocks"] == 3

@@ -79,6 +79,7 @@ def test_vllm_publisher_to_query(server):
             e = dp_entry(body, "vllm-prefill-1") if st == 200 else None
             return e is not None and e["npu_blocks"] == 4
 
+        pub.wait_subscribed()  # published before, a batch would be a loss
         wait_until(indexed, msg="first batch indexed")
         pub.publish(v.batch([v.stored(HASHES[4:6], HASHES[3], TOKENS[16:24], BS, medium="GPU")]))
         wait_until(
@@ -231,6 +232,7 @@ def test_hash_golden_vectors_over_query_by_hash(server):
             pub.publish(b)
             return dp_entry(query(server, toks)[1], "vllm-prefill-4", 1) is not None
 
+        pub.wait_subscribed()
         wait_until(indexed, msg="0.9.2 array batch indexed")
         hashes = list(hash_blocks(toks, BS))
         assert hashes == [9143094415614847814, 12124091508212882195, 1088361764653601668]
@@ -375,6 +377,7 @@ def test_lora_events_over_zmq_and_lora_queries_through_the_client(server):
                 pub.publish(base_batch)
                 return npu("sql-adapter") == 4 and npu(None) == 1
 
+            pub.wait_subscribed()
             wait_until(indexed, msg="LoRA and base chains indexed")
             assert npu("sql-adapter", packed=True) == 4
             assert npu("") == 1
@@ -453,6 +456,7 @@ def _publish_until_indexed(server, pub, instance_id: str, nblocks: int) -> None:
         e = dp_entry(query(server, TOKENS)[1], instance_id)
         return e is not None and e["npu_blocks"] == nblocks
 
+    pub.wait_subscribed()
     wait_until(indexed, msg=f"{instance_id} indexed")
 
 

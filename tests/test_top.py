@@ -267,8 +267,10 @@ def test_top_against_a_real_server(tmp_path, capsys):
             v = schema("vllm", "0.33.0")
             batch = v.batch([v.stored(HASHES, None, TOKENS, BS, medium="GPU")])
 
+            pub.wait_subscribed()  # the PUB drops what it sends before
+            pub.publish(batch)
+
             def indexed() -> bool:
-                pub.publish(batch)  # the PUB drops until the SUB is connected
                 doc = srv.http.get("/workers").json()
                 return doc["indexer"][0]["hbm_blocks"] == 6 and doc["sources"][0]["state"] == (
                     "live"

@@ -108,8 +108,10 @@ def offload(tokens, hashes, medium: str = "CPU") -> bytes:
 
 
 def until(publish, cond, msg: str) -> None:
-    """Publish (PUB drops until the SUB has joined; every payload here is idempotent)
-    until ``cond()`` holds."""
+    """Once each publisher has seen a subscription (a PUB drops what it sends before),
+    publish (every payload here is idempotent) until ``cond()`` holds."""
+    for pub, _ in publish:
+        pub.wait_subscribed()
 
     def step():
         for pub, payload in publish:
