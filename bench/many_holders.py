@@ -14,6 +14,10 @@ Runs against whatever ``kvconductor`` is importable (``PYTHONPATH=<other tree>``
 another checkout with the same file), so before/after runs alternate on one machine::
 
     python bench/many_holders.py --workers 1024 7000 --repeat 3
+
+glibc's malloc is tuned as the server processes tune it (``kvconductor.service.
+tune_malloc``, applied here by hand so that older checkouts are measured the same way);
+``--glibc-defaults`` leaves it alone (each large answer then faults its pages in again).
 """
 
 from __future__ import annotations
@@ -99,15 +103,27 @@ def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
     return rows
 
 
+def tune_malloc() -> None:
+    """``kvconductor.service.tune_malloc``'s settings (both thresholds at 32 MiB)."""
+    import ctypes
+
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    mallopt(-1, 32 << 20)  # M_TRIM_THRESHOLD
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[1024, 7000])
     ap.add_argument("--calls", type=int, default=0, help="calls per measure (default by size)")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--glibc-defaults", action="store_true", help="do not tune malloc")
     args = ap.parse_args()
+    if not args.glibc_defaults:
+        tune_malloc()
     import kvconductor
 
-    print(f"# kvconductor from {kvconductor.__file__}")
+    print(f"# kvconductor from {kvconductor.__file__}; malloc tuned: {not args.glibc_defaults}")
     for w in args.workers:
         calls = args.calls or max(200, 2_000_000 // w)
         runs = [run(w, calls) for _ in range(args.repeat)]

@@ -71,6 +71,7 @@ from kvconductor.service import (
     RegistrationUnavailable,
     StateUnavailable,
     raise_fd_limit,
+    tune_malloc,
 )
 from kvconductor.wire import (
     JSON_CONTENT_TYPE,
@@ -1113,6 +1114,7 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
     # Same GIL switch interval and open-file limit as `kv-conductor` (kvconductor.server).
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(settings.max_sources, settings.max_connections)
+    tune_malloc()  # large answers reuse heap pages (kvconductor.service.tune_malloc)
     log.info(
         "KV conductor starting under gunicorn pid=%d workers=%s version=%s %s switch_interval=%s",
         os.getpid(),
