@@ -1,4 +1,5 @@
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from typing_extensions import disjoint_base
 
@@ -22,3 +23,4 @@ class GroupNames:
 def encode_rows(
     rows: MatchRows, names: GroupNames, tenant: str, block_size: int, msgpack: bool
 ) -> bytes: ...
+def encode_answer(result: Any, tenant: str, block_size: int, msgpack: bool) -> bytes: ...

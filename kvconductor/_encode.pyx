@@ -895,3 +895,17 @@ def encode_rows(MatchRows rows not None, GroupNames names not None, str tenant n
         free(nxt)
         free(iv)
         free(slots)
+
+
+def encode_answer(result, str tenant not None, block_size, bint msgpack):
+    """The compiled encoder of ``kvconductor.wire.encode_result``: a
+    ``kvconductor.index.QueryResult`` backed by ``MatchRows`` and ``GroupNames`` is
+    rendered by :func:`encode_rows`; any other result through its ``hits`` (a plain
+    sequence of hit tuples as is) by :func:`encode_result`. Same bytes either way."""
+    rows = getattr(result, "rows", None)
+    if type(rows) is MatchRows:
+        names = getattr(result, "names", None)
+        if type(names) is GroupNames:
+            return encode_rows(<MatchRows>rows, <GroupNames>names, tenant, block_size, msgpack)
+    hits = getattr(result, "hits", result)
+    return encode_result(hits, tenant, block_size, msgpack)

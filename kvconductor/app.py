@@ -390,7 +390,7 @@ class QueryResource(_Resource):
             # POST /query_by_hash).
             result = index.query_by_hash(values, top_k=top_k, instances=instances)
             if len(result):
-                m.count_hits(result)
+                m.count_blocks(*result.sums())
             else:
                 m.no_match.inc()
             return 200, encode_result(result, tenant, 1, msgpack), None
@@ -399,7 +399,7 @@ class QueryResource(_Resource):
         seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
         result = index.query(values, block_size, seed, top_k=top_k, instances=instances)
         if len(result):
-            m.count_hits(result)
+            m.count_blocks(*result.sums())
         else:
             sizes = self.conductor.block_sizes.get((model, tenant))
             if sizes and block_size not in sizes:

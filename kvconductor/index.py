@@ -146,19 +146,18 @@ class QueryResult:
 
     __slots__ = ("rows", "names", "_hits")
 
-    def __init__(self, hits: list[DpHit] | None = None) -> None:
-        self.rows: Any = None
-        self.names: Any = None
-        self._hits: list[DpHit] | None = [] if hits is None else hits
+    def __init__(
+        self, hits: list[DpHit] | None = None, rows: Any = None, names: Any = None
+    ) -> None:
+        #: the core's rows (``MatchRows``) and the index's group names, or None
+        self.rows: Any = rows
+        self.names: Any = names
+        self._hits: list[DpHit] | None = ([] if hits is None else hits) if rows is None else None
 
     @classmethod
     def of_rows(cls, rows: Any, names: Any) -> QueryResult:
         """The answer of ``rows`` (``MatchRows``) named by ``names`` (``GroupNames``)."""
-        out = cls.__new__(cls)
-        out.rows = rows
-        out.names = names
-        out._hits = None
-        return out
+        return cls(None, rows, names)
 
     @property
     def hits(self) -> list[DpHit]:
@@ -171,13 +170,13 @@ class QueryResult:
         return self._hits
 
     def __len__(self) -> int:
-        return len(self.rows) if self._hits is None else len(self._hits)
+        return len(self.rows) if self.rows is not None else len(self._hits or ())
 
     def sums(self) -> tuple[int, int, int]:
         """``(npu, cpu, disk)`` blocks summed over the answer (C sums for array rows)."""
-        if self._hits is None:
-            a, b, c = self.rows.sums()
-            return a, b, c
+        if self.rows is not None:
+            return self.rows.sums()
+        assert self._hits is not None
         return (
             sum(h.npu_blocks for h in self._hits),
             sum(h.cpu_blocks for h in self._hits),
@@ -216,14 +215,11 @@ def select_answer(
 ) -> QueryResult:
     """The answer of ``rows`` named by ``names``, cut to the ``instances`` named (when
     given) and then to the ``top_k`` deepest rows, ties at the k-th depth included
-    (docs/api.md, "top_k and instances"). ``IndexError`` when a row's group has no name
-    (a stale name table: the caller reloads); ``ValueError`` for ``top_k`` < 1."""
-    if len(rows) and rows.last_group() >= len(names):
-        raise IndexError(f"group {rows.last_group()} has no name")
+    (docs/api.md, "top_k and instances"). ``ValueError`` for ``top_k`` < 1."""
     if top_k is not None or instances is not None:
         mask = None if instances is None else names.instances_mask(instances)
         rows = rows.select(top_k, mask)
-    return QueryResult.of_rows(rows, names)
+    return QueryResult(None, rows, names)
 
 
 class Index:
@@ -384,6 +380,8 @@ class Index:
         """Match token ids (u32 buffer or ints) hashed with ``block_size``; optionally only
         the named ``instances`` and the ``top_k`` deepest (instance, DP) rows."""
         rows = self.core.match_tokens_rows(tokens, block_size, seed)
+        if top_k is None and instances is None:  # PERF: the plain V3 query
+            return QueryResult(None, rows, self.names)
         return select_answer(rows, self.names, top_k, instances)
 
     def query_by_hash(
@@ -394,7 +392,10 @@ class Index:
         instances: Sequence[str] | None = None,
     ) -> QueryResult:
         """Match precomputed LocalBlockHashes (``top_k`` and ``instances``: :meth:`query`)."""
-        return select_answer(self.core.match_rows(local_hashes), self.names, top_k, instances)
+        rows = self.core.match_rows(local_hashes)
+        if top_k is None and instances is None:  # PERF: the plain V3 query
+            return QueryResult(None, rows, self.names)
+        return select_answer(rows, self.names, top_k, instances)
 
     def trace(self, tokens, block_size: int, seed: int = DEFAULT_SEED) -> list[GroupTrace]:
         """Why each (instance, DP) holding workers in this index matches what it does

@@ -127,6 +127,10 @@ class QueryMetrics:
             # PERF: column sums in C (zip/sum), no Python loop per DP entry.
             _, _, npu, cpu, disk = zip(*hits, strict=True)
             n, c, d = sum(npu), sum(cpu), sum(disk)
+        self.count_blocks(n, c, d)
+
+    def count_blocks(self, n: int, c: int, d: int) -> None:
+        """Add ``n`` NPU, ``c`` CPU and ``d`` Disk blocks of one answer (its C sums)."""
         if n:
             self._npu.inc(n)
         if c:

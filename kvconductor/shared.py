@@ -242,7 +242,11 @@ class ViewIndex:
             if idx is None:
                 return QueryResult([])  # dropped meanwhile: nothing holds it any more
             try:
-                return select_answer(fn(idx.core), idx.names, top_k, instances)
+                rows = fn(idx.core)
+                if len(rows) and rows.last_group() >= len(idx.names):
+                    # a group named after this directory was read: reload it
+                    raise IndexError(rows.last_group())
+                return select_answer(rows, idx.names, top_k, instances)
             except (_index.StaleIndexError, IndexError):
                 idx = self.view.reload().get((self.model, self.tenant))
         raise RuntimeError("the shared directory kept changing during a query")

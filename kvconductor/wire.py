@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import msgspec
 
 import kvconductor
 from kvconductor import _encode, _wire
-from kvconductor._index import MatchRows as _MatchRows
 from kvconductor.index import QueryResult
 from kvconductor.schema import (
     DEFAULT_TENANT,
@@ -241,18 +240,10 @@ def py_encode_error(message: str, msgpack: bool) -> bytes:
     return _MSGPACK_ENCODE(doc) if msgpack else _JSON_ENCODE(doc)
 
 
-def c_encode_result(
-    hits: QueryResult | Sequence, tenant: str, block_size: int, msgpack: bool
-) -> bytes:
-    """The compiled encoder: a :class:`QueryResult` backed by the core's rows and a
-    compiled name table is rendered straight from the arrays (``_encode.encode_rows``);
-    anything else through its ``DpHit`` rows (``_encode.encode_result``). Same bytes."""
-    if isinstance(hits, QueryResult):
-        rows = hits.rows
-        if type(rows) is _MatchRows and type(hits.names) is _encode.GroupNames:
-            return _encode.encode_rows(rows, hits.names, tenant, block_size, msgpack)
-        hits = hits.hits
-    return _encode.encode_result(hits, tenant, block_size, msgpack)
+#: The compiled encoder: a :class:`QueryResult` backed by the core's rows and a compiled
+#: name table is rendered straight from the arrays (``_encode.encode_rows``); anything
+#: else through its ``DpHit`` rows (``_encode.encode_result``). Same bytes.
+c_encode_result = _encode.encode_answer
 
 
 # ---------------------------------------------------------------------------------------
@@ -261,6 +252,7 @@ def c_encode_result(
 
 #: ``"c"`` when the compiled parser and encoder serve, ``"py"`` for the oracle.
 IMPL = kvconductor.IMPL
+encode_result: Callable[[Any, str, int, bool], bytes]
 if IMPL == "py":
     _parse_impl = py_parse_query
     encode_result = py_encode_result
