@@ -121,3 +121,41 @@ def test_command_line_on_a_trace_file(tmp_path, capsys):
     results = json.loads(out.read_text())
     assert len(results) == 6
     assert all(len(r["runs"]["kvc"]) == 2 for r in results)
+
+
+def test_server_events_are_vllm_0_33_wire_batches():
+    """The server mode's events are byte-identical to vLLM 0.33's (tests/publishers.py
+    holds the reference classes)."""
+    import sys
+
+    import msgspec
+
+    from bench import trace_server as ts
+
+    sys.path.insert(0, str(tr.ROOT / "tests"))
+    from publishers import schema
+
+    v = schema("vllm", "0.33.0")
+    enc = msgspec.msgpack.Encoder()
+    toks = ts.block_tokens(7) + ts.block_tokens(8)
+    ours = enc.encode(
+        ts.KVEventBatch(1.5, [ts.BlockStored([11, 12], 10, toks, 16, None, "GPU", None)], 3)
+    )
+    assert ours == v.batch([v.stored([11, 12], 10, toks, 16, medium="GPU")], dp=3, ts=1.5)
+    ours = enc.encode(ts.KVEventBatch(2.0, [ts.BlockRemoved([11], "GPU")], 0))
+    assert ours == v.batch([v.removed([11], medium="GPU")], dp=0, ts=2.0)
+
+
+@pytest.mark.server
+def test_server_answers_equal_the_simulator_at_quiescence():
+    """The stream played against a real server (ZeroMQ publishers, HTTP clients): every
+    batch applied, no loss, every answer equal to the simulator's final state."""
+    from bench import trace_server as ts
+
+    reqs = tr.generate("conversation", seed=11, requests=200)
+    stream = tr.record(reqs, 8, 48, "round-robin", dp=2)
+    out = ts.run_server(stream, reqs, pace=0, publishers=2, clients=1)
+    assert out["applied"] == out["batches"] > 0
+    assert out["gaps"] == out["losses"] == out["dropped"] == 0
+    assert out["queries"] == 200 and out["query_errors"] == 0
+    assert out["checked"] == 200 and out["mismatches"] == 0

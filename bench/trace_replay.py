@@ -459,6 +459,9 @@ class Stream:
     #: (Q, query index) | (STORE, w, parent ehash or None, ehashes, locals) | (REMOVE, w, ehashes)
     ops: list[tuple] = field(default_factory=list)
     queries: list[list[int]] = field(default_factory=list)  # local hashes per query
+    chains: list[list[int]] = field(default_factory=list)  # chain identities per query
+    #: the engines' caches at the end: chain identity -> engines holding it
+    final_holders: dict[int, set[int]] = field(default_factory=dict)
     expected: list[Answer] = field(default_factory=list)
     blocks_requested: int = 0
     blocks_saved: int = 0
@@ -495,12 +498,15 @@ def record(
     dp: int = 1,
     prefill_tps: float = 10_000.0,
     decode_tps: float = 50.0,
+    speedup: float = 1.0,
     label: str = "",
     affinity_config: Any = None,
 ) -> Stream:
     """Route ``requests`` over ``workers`` LRU engines and record the op stream with the
     simulator's expected answers. ``kv-aware`` asks a real :class:`Index` fed with the same
-    events (its answers are checked against the simulator as they are used)."""
+    events (its answers are checked against the simulator as they are used).
+    ``speedup`` divides the trace's clock for the load model only (more requests active
+    at once); the recorded stream has no clock: it is replayed back to back."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}")
     if workers % dp:
@@ -532,7 +538,7 @@ def record(
             return [Candidate(*instance_of(w, dp), float(loads.load[w])) for w in ws]
 
     for i, req in enumerate(requests):
-        t = req.timestamp / 1000
+        t = req.timestamp / 1000 / speedup
         loads.advance(t)
         # the chain identities of the request's blocks
         chain = []
@@ -550,6 +556,7 @@ def record(
         items = simulate_answer(chain, holders)
         qi = len(st.queries)
         st.queries.append(locals_)
+        st.chains.append(chain)
         st.expected.append(digest(items))
         st.ops.append((Q, qi))
         # routing
@@ -620,6 +627,7 @@ def record(
         loads.assign(
             w, t, req.input_length, uncached / prefill_tps + req.output_length / decode_tps
         )
+    st.final_holders = holders
     st.record_s = time.perf_counter() - t_start
     return st
 
@@ -744,6 +752,46 @@ class KvcCoreBackend(Backend):
         self.core.close()
 
 
+class KvcPhasesBackend(KvcBackend):
+    """``kvc`` with its queries cut in three timed phases: ``CoreIndex.match`` (the walk,
+    under the read lock), the Python result (``Index._result``: ``result_of``, a ``DpHit``
+    per (instance, DP)) and ``QueryResult.to_dict`` (the V3 map). Its query time is the
+    sum of the three (so it includes ``to_dict``, which ``kvc`` does not)."""
+
+    name = "kvc-phases"
+
+    def __init__(self, stream: Stream) -> None:
+        super().__init__(stream)
+        self.phases = {"match_s": 0.0, "result_s": 0.0, "to_dict_s": 0.0}
+
+    def calls(self) -> tuple[Callable, Callable, Callable]:
+        match = self.ix.core.match
+        result = self.ix._result  # the Index's own rows -> QueryResult step
+        clock = time.perf_counter_ns
+        acc = [0, 0, 0]
+        self._acc = acc
+
+        def query(hashes: Any) -> Any:
+            t0 = clock()
+            rows = match(hashes)
+            t1 = clock()
+            res = result(rows)
+            t2 = clock()
+            res.to_dict("default", BLOCK_TOKENS)
+            t3 = clock()
+            acc[0] += t1 - t0
+            acc[1] += t2 - t1
+            acc[2] += t3 - t2
+            return res
+
+        return query, self.ix.store, self.ix.remove
+
+    def nbytes(self) -> dict[str, int] | None:
+        a = self._acc
+        self.phases = {"match_s": a[0] / 1e9, "result_s": a[1] / 1e9, "to_dict_s": a[2] / 1e9}
+        return super().nbytes()
+
+
 def dynamo_radix_tree() -> Any:
     """Dynamo's ``RadixTree`` class, or None when ``ai-dynamo-runtime`` is not installed."""
     try:
@@ -809,6 +857,7 @@ class DynamoBackend(Backend):
 BACKENDS: dict[str, type[Backend]] = {
     "kvc": KvcBackend,
     "kvc-core": KvcCoreBackend,
+    "kvc-phases": KvcPhasesBackend,
     "dynamo": DynamoBackend,
 }
 
@@ -852,6 +901,7 @@ def replay(stream: Stream, backend_name: str) -> dict[str, Any]:
                 first_bad.append(qi)
     wall = time.perf_counter() - wall0
     mem = be.nbytes()
+    phases = getattr(be, "phases", None)
     be.close()
     busy = sum(map(sum, times)) / 1e9
     n_ops = sum(map(len, times))
@@ -872,6 +922,8 @@ def replay(stream: Stream, backend_name: str) -> dict[str, Any]:
         "mismatches": mismatches,
         "first_mismatches": first_bad,
     }
+    if phases is not None:
+        out.update({f"phase_{k}": round(v, 4) for k, v in phases.items()})
     if mem is not None:
         out.update(mem)
         out["bytes_per_pair"] = mem["nbytes"] / mem["pairs"] if mem["pairs"] else 0.0
@@ -939,6 +991,30 @@ HEADER = (
 )
 
 
+SERVER_HEADER = (
+    "| trace | workers | policy | pace | event batches/s | drain after the last publish | "
+    "queries/s | query p50 / p99 (round trip) | server p50 / p99 | losses | "
+    "mismatches at quiescence |\n"
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"
+)
+
+
+def server_row(stream: Stream, r: dict[str, Any]) -> str:
+    pace = "saturation" if not r["pace"] else f"x{r['pace']:g}"
+    srv = (
+        f"{_fmt_us(r['server_p50_us'])} / {_fmt_us(r['server_p99_us'])}"
+        if r.get("server_p50_us") is not None
+        else "-"
+    )
+    return (
+        f"| {stream.label} | {stream.workers:,} | {stream.policy} | {pace} | "
+        f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
+        f"{_fmt_rate(r['queries_per_s'])} | {_fmt_us(r['query_p50_us'])} / "
+        f"{_fmt_us(r['query_p99_us'])} | {srv} | "
+        f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} |"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
@@ -954,6 +1030,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill-tps", type=float, default=10_000.0)
     ap.add_argument("--decode-tps", type=float, default=50.0)
+    ap.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="compress the trace's clock for the load model (more requests in flight)",
+    )
+    ap.add_argument(
+        "--server",
+        type=float,
+        nargs="*",
+        metavar="PACE",
+        help="also play each stream against a real kv-conductor server, once per PACE: the "
+        "trace's pace times PACE, 0 = as fast as possible (default: 10 0)",
+    )
+    ap.add_argument("--publishers", type=int, default=4, help="--server: publisher processes")
+    ap.add_argument("--clients", type=int, default=2, help="--server: query client processes")
     ap.add_argument("--json", help="write every run here")
     ap.add_argument("--stats", action="store_true", help="print the trace statistics only")
     ap.add_argument("--write-trace", help="write the (generated) trace as JSONL and exit")
@@ -978,7 +1070,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "dynamo" in backends and dynamo_radix_tree() is None:
         ap.error("backend dynamo: ai-dynamo-runtime is not installed")
     results = []
-    table = []
+    table: list[str] = []
+    server_table: list[str] = []
     for workers in args.workers:
         for policy in args.policy:
             stream = record(
@@ -989,6 +1082,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dp=args.dp,
                 prefill_tps=args.prefill_tps,
                 decode_tps=args.decode_tps,
+                speedup=args.speedup,
                 label=label,
             )
             info = {
@@ -996,6 +1090,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "workers": workers,
                 "capacity": args.capacity,
                 "policy": policy,
+                "speedup": args.speedup,
                 "hit_ratio": round(stream.hit_ratio, 4),
                 "blocks_stored": stream.blocks_stored,
                 "blocks_removed": stream.blocks_removed,
@@ -1012,17 +1107,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = report_rows(stream, meds)
             table.extend(rows)
             print("\n".join(rows), flush=True)
-            results.append({**info, "runs": runs})
+            server_runs = []
+            if args.server is not None:
+                from bench.trace_server import run_server
+
+                for pace in args.server or [10.0, 0.0]:
+                    sr = run_server(
+                        stream,
+                        requests,
+                        pace=pace,
+                        publishers=args.publishers,
+                        clients=args.clients,
+                    )
+                    print(json.dumps(sr), flush=True)
+                    server_runs.append(sr)
+                    row = server_row(stream, sr)
+                    server_table.append(row)
+                    print(row, flush=True)
+            results.append({**info, "runs": runs, "server": server_runs})
             del stream, runs
             gc.unfreeze()
             gc.collect()
     print()
     print(HEADER)
     print("\n".join(table))
+    if server_table:
+        print()
+        print(SERVER_HEADER)
+        print("\n".join(server_table))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     bad = sum(
-        r["record_mismatches"] + sum(x["mismatches"] for v in r["runs"].values() for x in v)
+        r["record_mismatches"]
+        + sum(x["mismatches"] for v in r["runs"].values() for x in v)
+        + sum(x["mismatches"] for x in r["server"])
         for r in results
     )
     return 1 if bad else 0
