@@ -36,6 +36,11 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    Every answer is compared with the simulator's (outside the timed calls): a mismatch
    is a per-(instance, DP) ``npu_blocks`` that differs, or a holder too many or missing.
 
+   ``--server [PACE ...]`` also plays the stream against a real ``kv-conductor``
+   (:mod:`bench.trace_server`: vLLM 0.33 batches over ZeroMQ from publisher processes,
+   ``/query_by_hash`` MessagePack queries from client processes, at the trace's pace times
+   PACE or, with 0, as fast as possible; every answer checked again at quiescence).
+
 Block identity: a trace id names a prefix block, so a block is identified by its place in
 a chain (its parent's identity and its id). The index keys blocks the same way: a tree
 edge is ``(parent node, local hash)``, and ``local hash = mix64(hash id)`` (a bijection of
@@ -993,9 +998,9 @@ HEADER = (
 
 SERVER_HEADER = (
     "| trace | workers | policy | pace | event batches/s | drain after the last publish | "
-    "queries/s | query p50 / p99 (round trip) | server p50 / p99 | losses | "
-    "mismatches at quiescence |\n"
-    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"
+    "queries/s | query p50 / p99 (round trip) | server p50 / p99 | event-to-visible p50 / p99 | "
+    "losses | mismatches at quiescence |\n"
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |"
 )
 
 
@@ -1011,6 +1016,7 @@ def server_row(stream: Stream, r: dict[str, Any]) -> str:
         f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
         f"{_fmt_rate(r['queries_per_s'])} | {_fmt_us(r['query_p50_us'])} / "
         f"{_fmt_us(r['query_p99_us'])} | {srv} | "
+        f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms | "
         f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} |"
     )
 
@@ -1027,7 +1033,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, default=2048, help="LRU blocks per worker")
     ap.add_argument("--policy", nargs="+", default=["round-robin", "kv-aware"], choices=POLICIES)
     ap.add_argument("--backends", help="comma-separated: kvc,kvc-core,dynamo")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="in-process replays per backend (0: none)"
+    )
     ap.add_argument("--prefill-tps", type=float, default=10_000.0)
     ap.add_argument("--decode-tps", type=float, default=50.0)
     ap.add_argument(
@@ -1100,7 +1108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             print(json.dumps(info), flush=True)
             gc.freeze()  # the recorded stream stays out of the collector's scans
-            runs = run(stream, backends, args.repeats)
+            runs = run(stream, backends, args.repeats) if args.repeats > 0 else {}
             meds = {b: median_of(r) for b, r in runs.items()}
             for b, m in meds.items():
                 print(json.dumps({"backend": b, **{k: v for k, v in m.items() if k != "backend"}}))

@@ -135,10 +135,43 @@ def encode_ops(stream: tr.Stream, id_of: dict[int, int], ts: Sequence[float]):
     return per_worker, queries, sl
 
 
+_GONE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
+
+
+class Conn:
+    """A keep-alive HTTP connection that reconnects once when the server closed it (an idle
+    keep-alive connection is closed after a few seconds, as in a paced run's pauses)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def request(self, method: str, path: str, body: bytes | None = None, hdr=None):
+        for attempt in (0, 1):
+            try:
+                self.c.request(method, path, body, hdr or {})
+                r = self.c.getresponse()
+                return r, r.read()
+            except _GONE:
+                self.c.close()
+                self.c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.c.close()
+
+
 def _raise_nofile() -> None:
+    """Open files up to the hard limit, or to 65,536 where allowed (root): a subscription
+    holds about 4 files on the server, 7,000 engines need more than a usual 20,000."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, 65536), max(hard, 65536)))
+    except (ValueError, OSError):
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _publisher(conn, workers: list[int]) -> None:
@@ -195,7 +228,7 @@ def _publisher(conn, workers: list[int]) -> None:
 def _client(conn, port: int) -> None:
     """One query client: keep-alive HTTP, MessagePack bodies; times every round trip."""
     items, pace = conn.recv()
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c = Conn(port)
     conn.send("ready")
     start = conn.recv()
     d0 = start - time.time()
@@ -213,9 +246,7 @@ def _client(conn, port: int) -> None:
             if d > 0:
                 time.sleep(d)
         a = clock()
-        c.request("POST", "/query_by_hash", body, hdr)
-        r = c.getresponse()
-        r.read()
+        r, _ = c.request("POST", "/query_by_hash", body, hdr)
         lat.append(clock() - a)
         if r.status != 200:
             errors += 1
@@ -227,6 +258,75 @@ def _client(conn, port: int) -> None:
                 pass
     conn.send((lat, server, errors, time.perf_counter() - t0))
     c.close()
+
+
+class Probe:
+    """Event-to-visible lag: one extra engine (instance ``probe``) whose PUB this process
+    owns; while the stream plays, a thread stores a fresh block every ``interval`` seconds
+    and asks ``/query_by_hash`` for it every millisecond until the answer lists it. The lag
+    includes one query round trip."""
+
+    def __init__(self, interval: float = 0.1) -> None:
+        import threading
+
+        self.interval = interval
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.url = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.lags: list[float] = []
+        self.sent = 0
+        self.stop_flag = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def wait_subscribed(self, timeout: float = 60) -> None:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise RuntimeError("the probe engine never saw its subscription")
+        self.sock.recv()
+
+    def start(self, port: int) -> None:
+        import threading
+
+        self.thread = threading.Thread(target=self._run, args=(port,), daemon=True)
+        self.thread.start()
+
+    def _run(self, port: int) -> None:
+        enc = msgspec.msgpack.Encoder()
+        c = Conn(port)
+        hdr = {"Content-Type": "application/msgpack"}
+        k = 0
+        while not self.stop_flag.is_set():
+            k += 1
+            hid = (1 << 40) + k
+            ev = BlockStored(
+                [(1 << 62) + k], None, block_tokens(hid), SERVER_BLOCK, None, "GPU", None
+            )
+            body = enc.encode({"model": MODEL, "block_hashes": server_locals([hid])})
+            t0 = time.perf_counter()
+            self.sock.send_multipart(
+                [TOPIC, (k - 1).to_bytes(8, "big"), enc.encode(KVEventBatch(0.0, [ev], 0))]
+            )
+            self.sent += 1
+            while True:
+                _, data = c.request("POST", "/query_by_hash", body, hdr)
+                ans = msgspec.msgpack.decode(data)
+                if "probe" in (ans.get("default") or {}):
+                    self.lags.append(time.perf_counter() - t0)
+                    break
+                if time.perf_counter() - t0 > 60 or self.stop_flag.is_set():
+                    break
+                time.sleep(0.001)
+            rest = self.interval - (time.perf_counter() - t0)
+            if rest > 0:
+                self.stop_flag.wait(rest)
+        c.close()
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+        if self.thread is not None:
+            self.thread.join(120)
+        self.sock.close(linger=0)
+        self.ctx.term()
 
 
 def _free_port() -> int:
@@ -261,7 +361,7 @@ class Server:
             stderr=subprocess.STDOUT,
             preexec_fn=_raise_nofile,
         )
-        self.http = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        self.http = Conn(self.port)
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
@@ -270,7 +370,7 @@ class Server:
                 if self.get("/health")[1] == b"OK":
                     break
             except OSError:
-                self.http.close()
+                self.http = Conn(self.port)
             if time.monotonic() > deadline:
                 raise RuntimeError("server not ready")
             time.sleep(0.1)
@@ -281,9 +381,8 @@ class Server:
 
     def request(self, method: str, path: str, body: bytes | None = None, ctype: str = ""):
         hdr = {"Content-Type": ctype} if ctype else {}
-        self.http.request(method, path, body, hdr)
-        r = self.http.getresponse()
-        return r.status, r.read()
+        r, data = self.http.request(method, path, body, hdr)
+        return r.status, data
 
     def get(self, path: str):
         return self.request("GET", path)
@@ -378,6 +477,21 @@ def run_server(
                 if st != 201:
                     raise RuntimeError(f"register {iid}/{d}: {st} {body[:200]!r}")
             out["register_s"] = round(time.perf_counter() - t_reg, 2)
+            probe = Probe()
+            st, body = server.post_json(
+                "/register",
+                {
+                    "instance_id": "probe",
+                    "type": "vLLM",
+                    "modelname": MODEL,
+                    "block_size": SERVER_BLOCK,
+                    "dp_rank": 0,
+                    "medium_endpoints": {"npu": probe.url},
+                },
+            )
+            if st != 201:
+                raise RuntimeError(f"register probe: {st} {body[:200]!r}")
+            probe.wait_subscribed()
             unsubscribed = sum(conn.recv() for conn in pubs)
             if unsubscribed:
                 raise RuntimeError(f"{unsubscribed} engines never saw their subscription")
@@ -401,6 +515,7 @@ def run_server(
             start = time.time() + 0.2
             for conn in pubs + cl:
                 conn.send(start)
+            probe.start(server.port)
             pub_done = [conn.recv() for conn in pubs]
             last_publish = max(x[2] for x in pub_done)
             lat: list[int] = []
@@ -414,9 +529,11 @@ def run_server(
                 errors += e
                 q_wall = max(q_wall, wall)
             # quiescence: every batch applied
+            probe.stop()
             deadline = time.monotonic() + 600
             while True:
                 applied, losses = _applied(server)
+                applied -= probe.sent
                 if applied >= batches or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
@@ -435,6 +552,10 @@ def run_server(
                     "query_p99_us": tr.quantile(lat, 0.99) / 1e3,
                     "server_p50_us": tr.quantile(srv, 0.5) * 1e3 if srv else None,
                     "server_p99_us": tr.quantile(srv, 0.99) * 1e3 if srv else None,
+                    "probes": len(probe.lags),
+                    "lag_p50_ms": tr.quantile(probe.lags, 0.5) * 1e3,
+                    "lag_p99_ms": tr.quantile(probe.lags, 0.99) * 1e3,
+                    "lag_max_ms": max(probe.lags, default=0.0) * 1e3,
                 }
             )
             # every answer at quiescence against the simulator's final state
