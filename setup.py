@@ -52,7 +52,16 @@ def _ext(name):
 
 
 class build_ext(_build_ext):
-    """Cythonize the ``.pyx`` sources right before compiling them."""
+    """Cythonize the ``.pyx`` sources right before compiling them, on every core.
+
+    Without ``--parallel``/``-j`` the modules are cythonized and compiled in parallel,
+    one job per CPU (nine modules; ``pip install`` and CI build them several times).
+    """
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
 
     def build_extensions(self):
         from Cython.Build import cythonize
@@ -63,7 +72,10 @@ class build_ext(_build_ext):
         generated = {
             e.name: e.sources
             for e in cythonize(
-                self.extensions, compiler_directives=DIRECTIVES, force=DEBUG or self.force
+                self.extensions,
+                compiler_directives=DIRECTIVES,
+                force=DEBUG or self.force,
+                nthreads=self.parallel if self.parallel > 1 else 0,
             )
         }
         for ext in self.extensions:

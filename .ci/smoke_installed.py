@@ -1,5 +1,5 @@
-"""Smoke test of the built distributions and of kvconductor *installed* from the sdist,
-run from outside the source tree.
+"""Smoke test of the built distributions and of kvconductor *installed* from the wheel
+(built from the sdist), run from outside the source tree.
 
 Usage: python smoke_installed.py SOURCE_TREE DIST_DIR
 

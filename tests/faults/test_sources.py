@@ -3,6 +3,7 @@ registration either fully applies or leaves nothing behind (503)."""
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 
@@ -44,12 +45,18 @@ def server(tmp_path, request):
     srv.terminate()
 
 
+# CI bounds this (KVC_FAULT_SOURCES=1100: still past libzmq's default of 1023 sockets);
+# a registration costs O(sources) today, so 2,000 take ~100 s on 2 cores.
+SOURCES = int(os.environ.get("KVC_FAULT_SOURCES", "2000"))
+
+
 def test_two_thousand_sources(server):
     """The reference (and we, before) stopped at 341: libzmq's default of 1023 sockets."""
-    for i in range(2000):
+    assert SOURCES > 1023
+    for i in range(SOURCES):
         r = server.http.post("/register", json=body(i))
         assert r.status_code == 201, (i, r.text)
-    assert consistent(server) == (2000, 2000)
+    assert consistent(server) == (SOURCES, SOURCES)
     assert server.http.get("/health").text == "OK"
     assert server.http.post(
         "/query", json={"model": "qwen", "block_size": 16, "token_ids": list(range(64))}
