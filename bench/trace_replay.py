@@ -998,9 +998,10 @@ HEADER = (
 
 SERVER_HEADER = (
     "| trace | workers | policy | pace | event batches/s | drain after the last publish | "
-    "queries/s | query p50 / p99 (round trip) | server p50 / p99 | event-to-visible p50 / p99 | "
+    "queries/s | query p50 / p99 (round trip) | floor p50 / p99 (bare ASGI app) | "
+    "server p50 / p99 | answer bytes | event-to-visible p50 / p99 | "
     "losses | mismatches at quiescence |\n"
-    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |"
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- | ---: | ---: |"
 )
 
 
@@ -1011,11 +1012,16 @@ def server_row(stream: Stream, r: dict[str, Any]) -> str:
         if r.get("server_p50_us") is not None
         else "-"
     )
+    floor = (
+        f"{_fmt_us(r['floor_p50_us'])} / {_fmt_us(r['floor_p99_us'])}"
+        if r.get("floor_p50_us") is not None
+        else "-"
+    )
     return (
         f"| {stream.label} | {stream.workers:,} | {stream.policy} | {pace} | "
         f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
         f"{_fmt_rate(r['queries_per_s'])} | {_fmt_us(r['query_p50_us'])} / "
-        f"{_fmt_us(r['query_p99_us'])} | {srv} | "
+        f"{_fmt_us(r['query_p99_us'])} | {floor} | {srv} | {r.get('answer_bytes_mean', 0):,} | "
         f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms | "
         f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} |"
     )

@@ -329,6 +329,92 @@ class Probe:
         self.ctx.term()
 
 
+FLOOR_APP = """
+import sys
+
+import uvicorn
+
+from kvconductor.server import _uvicorn_impls
+
+BODY = bytes(int(sys.argv[2]))
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/msgpack")],
+        }
+    )
+    await send({"type": "http.response.body", "body": BODY})
+
+
+loop, http = _uvicorn_impls()
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), loop=loop, http=http,
+            lifespan="off", log_level="warning", server_header=False)
+"""
+
+
+def run_floor(queries: list, size: int, pace: float, clients: int) -> dict[str, Any]:
+    """The same queries, clients and pace against the floor of the HTTP stack: a bare ASGI
+    app on the same uvicorn (same loop and HTTP parser as kv-conductor) that answers every
+    query with ``size`` bytes (the mean size of kv-conductor's answers) and does nothing
+    else. What kv-conductor adds is the difference between the two runs."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FLOOR_APP, str(port), str(size)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    procs = []
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the floor app did not start") from None
+                time.sleep(0.05)
+        ctx = mp.get_context("spawn")
+        cl = []
+        for c in range(clients):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_client, args=(b, port), daemon=True)
+            p.start()
+            procs.append(p)
+            a.send((queries[c::clients], pace))
+            cl.append(a)
+        for conn in cl:
+            conn.recv()  # ready
+        start = time.time() + 0.2
+        for conn in cl:
+            conn.send(start)
+        lat: list[int] = []
+        for conn in cl:
+            lat.extend(conn.recv()[0])
+        return {
+            "floor_answer_bytes": size,
+            "floor_p50_us": tr.quantile(lat, 0.5) / 1e3,
+            "floor_p99_us": tr.quantile(lat, 0.99) / 1e3,
+        }
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        proc.terminate()
+        proc.wait(10)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -426,9 +512,11 @@ def run_server(
     publishers: int = 4,
     clients: int = 2,
     check: int | None = None,
+    floor: bool = True,
 ) -> dict[str, Any]:
     """Play ``stream`` against a fresh server; see the module docstring. ``check``: how many
-    queries to ask again at quiescence (None: all)."""
+    queries to ask again at quiescence (None: all). ``floor``: then play the same queries
+    against a bare ASGI app on the same uvicorn (:func:`run_floor`)."""
     id_of = {tr.local_hash(h): h for r in requests for h in r.hash_ids}
     # the time of each op: its request's arrival (queries and events alike)
     ts: list[float] = []
@@ -569,12 +657,15 @@ def run_server(
                 else range(min(check, len(stream.queries)))
             )
             mismatches = 0
+            answer_bytes = 0
             for qi in qs:
                 want = tr.digest(tr.simulate_answer(stream.chains[qi], stream.final_holders))
                 body = enc.encode(
                     {"model": MODEL, "block_hashes": [sl(id_of[x]) for x in stream.queries[qi]]}
                 )
-                st, ans = server.post_msgpack("/query_by_hash", body)
+                st, raw = server.request("POST", "/query_by_hash", body, "application/msgpack")
+                answer_bytes += len(raw)
+                ans = msgspec.msgpack.decode(raw)
                 items2 = []
                 for iid, inst in (ans.get("default") or {}).items():
                     for rank, e in inst["DP"].items():
@@ -586,6 +677,7 @@ def run_server(
                     mismatches += 1
             out["checked"] = len(qs)
             out["mismatches"] = mismatches
+            out["answer_bytes_mean"] = answer_bytes // max(1, len(qs))
         finally:
             for conn in pubs:
                 try:
@@ -597,6 +689,8 @@ def run_server(
                 if proc.is_alive():
                     proc.kill()
             server.stop()
+    if floor and "answer_bytes_mean" in out:
+        out.update(run_floor(queries, out["answer_bytes_mean"], pace, clients))
     return out
 
 
