@@ -62,6 +62,28 @@ def test_replay_equals_the_simulator(policy):
     assert runs["kvc"][0]["bytes_per_pair"] > 0
 
 
+def test_top_items_keeps_ties_at_the_kth_depth():
+    d = tr.DEPTH_BITS
+    items = [(0 << d) | 5, (1 << d) | 3, (2 << d) | 3, (3 << d) | 1, (4 << d) | 3]
+    assert sorted(tr.top_items(items, 2)) == sorted([items[0], items[1], items[2], items[4]])
+    assert tr.top_items(items, 1) == [items[0]]
+    assert tr.top_items(items, 9) == items
+
+
+def test_top8_and_phases_backends_equal_the_simulator():
+    """Round-robin over 32 engines: the first block on every engine, so answers have up to
+    32 rows; where an engine also holds a later block, the top-8 answer is cut to the
+    deeper rows (most answers are 32 rows tied at depth 1, all kept)."""
+    reqs = tr.generate("conversation", seed=7, requests=300)
+    stream = tr.record(reqs, 32, 64, "round-robin")
+    pairs = list(zip(stream.expected, stream.expected_top, strict=True))
+    assert all(t.count <= a.count for a, t in pairs)
+    assert sum(a != t for a, t in pairs) > 0  # some answers are cut
+    runs = _check(stream, [f"kvc-top{tr.TOP_K}", "kvc-phases"])
+    phases = runs["kvc-phases"][0]
+    assert phases["phase_match_s"] > 0 and phases["phase_encode_s"] > 0
+
+
 def test_kv_aware_routing_saves_more_prefill_than_round_robin():
     reqs = tr.generate("conversation", seed=2, requests=500)
     rr = tr.record(reqs, 32, 4096, "round-robin")

@@ -87,6 +87,7 @@ if str(ROOT) not in sys.path:
 BLOCK_TOKENS = 512
 MASK64 = (1 << 64) - 1
 DEPTH_BITS = 20  # answer items are (worker << DEPTH_BITS) | depth
+TOP_K = 8  # the kvc-top8 backend's top_k
 
 Q, STORE, REMOVE = 0, 1, 2
 
@@ -427,6 +428,16 @@ def digest(items: Iterable[int]) -> Answer:
     return Answer(len(fs), hash(fs))
 
 
+def top_items(items: list[int], k: int) -> list[int]:
+    """The answer items of a ``top_k=k`` query: the k deepest, every item as deep as the
+    k-th kept (ties at the k-th depth all included)."""
+    if len(items) <= k:
+        return items
+    mask = (1 << DEPTH_BITS) - 1
+    kth = sorted((x & mask for x in items), reverse=True)[k - 1]
+    return [x for x in items if x & mask >= kth]
+
+
 def simulate_answer(chain: Sequence[int], holders: dict[int, set[int]]) -> list[int]:
     """Per engine holding the first block, the number of leading blocks of ``chain`` it
     holds, as ``(engine << DEPTH_BITS) | depth`` items."""
@@ -468,6 +479,8 @@ class Stream:
     #: the engines' caches at the end: chain identity -> engines holding it
     final_holders: dict[int, set[int]] = field(default_factory=dict)
     expected: list[Answer] = field(default_factory=list)
+    #: the expected answers of ``top_k=TOP_K`` queries (the TOP_K deepest rows, ties kept)
+    expected_top: list[Answer] = field(default_factory=list)
     blocks_requested: int = 0
     blocks_saved: int = 0
     blocks_stored: int = 0
@@ -563,6 +576,7 @@ def record(
         st.queries.append(locals_)
         st.chains.append(chain)
         st.expected.append(digest(items))
+        st.expected_top.append(digest(top_items(items, TOP_K)))
         st.ops.append((Q, qi))
         # routing
         if policy == "round-robin":
@@ -659,6 +673,10 @@ class Backend:
 
     def answer(self, result: Any) -> Answer:
         raise NotImplementedError
+
+    def expected(self) -> list[Answer]:
+        """The simulator's answers this backend's queries must give."""
+        return self.stream.expected
 
     def nbytes(self) -> dict[str, int] | None:
         return None
@@ -757,21 +775,43 @@ class KvcCoreBackend(Backend):
         self.core.close()
 
 
+class KvcTopBackend(KvcBackend):
+    """``kvc`` asking ``query_by_hash(..., top_k=TOP_K)``: only the TOP_K deepest
+    (instance, DP) rows (ties at the TOP_K-th depth included), what a router that ranks a
+    few candidates asks."""
+
+    name = f"kvc-top{TOP_K}"
+
+    def calls(self) -> tuple[Callable, Callable, Callable]:
+        q = self.ix.query_by_hash
+
+        def query(hashes: Any) -> Any:
+            return q(hashes, top_k=TOP_K)
+
+        return query, self.ix.store, self.ix.remove
+
+    def expected(self) -> list[Answer]:
+        return self.stream.expected_top
+
+
 class KvcPhasesBackend(KvcBackend):
-    """``kvc`` with its queries cut in three timed phases: ``CoreIndex.match`` (the walk,
-    under the read lock), the Python result (``Index._result``: ``result_of``, a ``DpHit``
-    per (instance, DP)) and ``QueryResult.to_dict`` (the V3 map). Its query time is the
-    sum of the three (so it includes ``to_dict``, which ``kvc`` does not)."""
+    """``kvc`` with its queries cut in three timed phases: ``CoreIndex.match_rows`` (the
+    walk, under the read lock, into the core's arrays), the ``QueryResult`` over those
+    arrays, and the MessagePack V3 answer the server sends (``encode_answer``). Its query
+    time is the sum of the three (so it includes the encoding, which ``kvc`` does not)."""
 
     name = "kvc-phases"
 
     def __init__(self, stream: Stream) -> None:
         super().__init__(stream)
-        self.phases = {"match_s": 0.0, "result_s": 0.0, "to_dict_s": 0.0}
+        self.phases = {"match_s": 0.0, "result_s": 0.0, "encode_s": 0.0}
 
     def calls(self) -> tuple[Callable, Callable, Callable]:
-        match = self.ix.core.match
-        result = self.ix._result  # the Index's own rows -> QueryResult step
+        from kvconductor._encode import encode_answer
+        from kvconductor.index import QueryResult
+
+        match = self.ix.core.match_rows
+        names = self.ix.names
         clock = time.perf_counter_ns
         acc = [0, 0, 0]
         self._acc = acc
@@ -780,9 +820,9 @@ class KvcPhasesBackend(KvcBackend):
             t0 = clock()
             rows = match(hashes)
             t1 = clock()
-            res = result(rows)
+            res = QueryResult(None, rows, names)
             t2 = clock()
-            res.to_dict("default", BLOCK_TOKENS)
+            encode_answer(res, "default", BLOCK_TOKENS, True)
             t3 = clock()
             acc[0] += t1 - t0
             acc[1] += t2 - t1
@@ -793,7 +833,7 @@ class KvcPhasesBackend(KvcBackend):
 
     def nbytes(self) -> dict[str, int] | None:
         a = self._acc
-        self.phases = {"match_s": a[0] / 1e9, "result_s": a[1] / 1e9, "to_dict_s": a[2] / 1e9}
+        self.phases = {"match_s": a[0] / 1e9, "result_s": a[1] / 1e9, "encode_s": a[2] / 1e9}
         return super().nbytes()
 
 
@@ -863,12 +903,13 @@ BACKENDS: dict[str, type[Backend]] = {
     "kvc": KvcBackend,
     "kvc-core": KvcCoreBackend,
     "kvc-phases": KvcPhasesBackend,
+    KvcTopBackend.name: KvcTopBackend,
     "dynamo": DynamoBackend,
 }
 
 
 def default_backends() -> list[str]:
-    names = ["kvc", "kvc-core"]
+    names = ["kvc", KvcTopBackend.name, "kvc-core"]
     if dynamo_radix_tree() is not None:
         names.append("dynamo")
     return names
@@ -888,7 +929,7 @@ def replay(stream: Stream, backend_name: str) -> dict[str, Any]:
     query, store, remove = be.calls()
     fns = (query, store, remove)
     times: tuple[list[int], list[int], list[int]] = ([], [], [])
-    expected = stream.expected
+    expected = be.expected()
     answer = be.answer
     mismatches = 0
     first_bad: list[int] = []
