@@ -38,8 +38,8 @@ from kvconductor._lower cimport (
 )
 from kvconductor._tree cimport (
     T_ERR_OOM, T_ROOT, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init,
-    tree_child, tree_match, tree_member_ehash, tree_nbytes, tree_remove, tree_rev_get,
-    tree_store, tree_worker_blocks, TL_N, layout_dict, tree_layout,
+    tree_child, tree_match, tree_match_scratch, tree_member_ehash, tree_nbytes, tree_remove,
+    tree_rev_get, tree_store, tree_worker_blocks, TL_N, layout_dict, tree_layout,
 )
 from kvconductor._tree cimport tree_export, tree_restore
 
@@ -63,7 +63,8 @@ cdef int _scratch_init(Scratch* s, size_t W, size_t G) noexcept nogil:
     s.hw = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.hd = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.hs = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
-    s.stamp = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    # worker marks of the tier walks, and tree_match's scratch (malloc: 8-byte aligned)
+    s.stamp = <uint32_t*>malloc(_max(W * sizeof(uint32_t), tree_match_scratch(W)) + 1)
     s.idx = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.cand = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.oend = <size_t*>malloc(W * sizeof(size_t) + 1)
@@ -94,7 +95,18 @@ cdef void _scratch_free(Scratch* s) noexcept nogil:
     mem_free(s.bps)           # grown by grow_array (counted)
 
 
-cdef int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept nogil:
+cdef int _bp_reserve(Scratch* s, size_t more) noexcept nogil:
+    """Room for ``more`` further breakpoints (one growth instead of many); -1 on OOM."""
+    cdef void* p
+    if s.nbp + more > s.bpcap:
+        p = grow_array(s.bps, &s.bpcap, s.nbp + more, sizeof(BP))
+        if p == NULL:
+            return -1
+        s.bps = <BP*>p
+    return 0
+
+
+cdef inline int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept nogil:
     cdef void* p
     if s.nbp >= s.bpcap:
         p = grow_array(s.bps, &s.bpcap, s.nbp + 1, sizeof(BP))
@@ -943,14 +955,15 @@ cdef class CoreIndex:
         cdef uint32_t* npu = s.ends
         cdef uint32_t* cpu = s.ends + G
         cdef uint32_t* dsk = s.ends + 2 * G
-        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, s.stamp)
+        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp)
+        if _bp_reserve(s, nh) < 0:
+            return -1
         for k in range(nh):
             w = s.hw[k]
             if w >= self.st.nworkers or self.st.wmute[w]:
                 continue
             g = self.st.wgroup[w]
-            if _bp_add(s, g, s.hd[k], s.hs[w]) < 0:
-                return -1
+            _bp_add(s, g, s.hd[k], s.hs[w])     # room reserved: cannot fail
             if s.hd[k] > npu[g]:
                 npu[g] = s.hd[k]
         ncpu_from = s.nbp
@@ -1378,7 +1391,7 @@ cdef class CoreIndex:
         cdef size_t n = hc.n
         cdef bint hp
         cdef uint64_t p, h
-        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, s.stamp)
+        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp)
         for k in range(self.st.nworkers):
             reach[k] = 0
         for k in range(nh):

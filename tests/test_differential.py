@@ -289,6 +289,41 @@ class TreeMachine(_Pair):
     def match_long(self, n, data, b):
         self.both("match", buf(long_query(data, n), b))
 
+    @rule(
+        k=st.integers(2, MANY),
+        first=st.integers(0, MANY),
+        n=st.integers(1, 4),
+        own=st.booleans(),
+        data=st.data(),
+    )
+    def many_hold_prefix(self, k, first, n, own, data):
+        # k workers store the same prefix of [A, B, C, D] (own engine hashes or all the
+        # same ones), and each a block of its own choosing after it: past a few dozen
+        # holders a node's members become a bitmap (wide), and the match walks words
+        locs = FIXED_QUERIES[0][:n]
+        for i in range(k):
+            w = (first + i) % (MANY + 1)
+            base = 20_000 + (w * 10 if own else 0)
+            seqs = [base + j for j in range(n)]
+            self.both("store", w, None, seqs, locs)
+            if data.draw(st.booleans(), label="continues"):
+                self.both("store", w, seqs[-1], [base + 9], [data.draw(LOCAL, label="next")])
+
+    @rule(data=st.data(), op=st.sampled_from(["first", "last", "clear"]))
+    def many_leave(self, data, op):
+        # a random set of the holders of many-holder prefixes leaves (their first or
+        # last block removed, or everything cleared): wide nodes shrink, turn back
+        # into member lists or a sole member
+        ws = sorted(w for w in self.py._rev if self.py._rev[w])
+        if not ws:
+            return
+        for w in data.draw(st.lists(st.sampled_from(ws), min_size=1, unique=True)):
+            held = self.held(w)
+            if op == "clear" or not held:
+                self.both("clear", w)
+            else:
+                self.both("remove", w, [held[0] if op == "first" else held[-1]])
+
     @invariant()
     def agree(self):
         assert (self.c.num_nodes, self.c.num_pairs) == (self.py.num_nodes, self.py.num_pairs)
@@ -419,6 +454,12 @@ TTL = st.one_of(st.just(1000.0), st.sampled_from([0.0, 1.0, 1.5, 2.0, 3.0, 4.0, 
 # in bulk: the per-worker checks of ``agree`` stay on CORE_WORKERS, ``stats`` and the C
 # checker cover these.
 EXTRA_WORKERS = [(4 + k % 3, 1 + k % 2) for k in range(MANY)]
+# and MANY_HBM HBM workers, each its own group, that hold the same prefixes in bulk: the
+# tree's nodes many workers hold keep their members as a bitmap (wide nodes)
+MANY_HBM = 40
+HBM_WORKERS = [(7 + k, 0) for k in range(MANY_HBM)]
+ALL_WORKERS = CORE_WORKERS + EXTRA_WORKERS + HBM_WORKERS
+FIRST_HBM = len(CORE_WORKERS) + len(EXTRA_WORKERS)
 
 
 def core_export(core):
@@ -451,7 +492,7 @@ class CoreMachine(_Pair):
         super().__init__()
         self.c = _index.CoreIndex()
         self.py = py_index.CoreIndex()
-        for w, (g, tier) in enumerate(CORE_WORKERS + EXTRA_WORKERS):
+        for w, (g, tier) in enumerate(ALL_WORKERS):
             self.c.set_worker(w, g, tier)
             self.py.set_worker(w, g, tier)
         self.now = 0.0
@@ -474,6 +515,30 @@ class CoreMachine(_Pair):
             self.both("store_tokens", w, None, seqs, LONG_TOKENS[: BS * n], BS)
         else:
             self.both("store", w, None, seqs, LONG_LOCALS[:n])
+
+    @rule(k=st.integers(2, MANY_HBM), n=st.integers(1, 4), own=st.booleans(), data=st.data())
+    def many_hbm_hold_prefix(self, k, n, own, data):
+        # k of the bulk HBM workers store the same prefix of [A, B, C, D], most with a
+        # block of their own after it (the shape round-robin routing gives)
+        locs = FIXED_QUERIES[0][:n]
+        for w in range(FIRST_HBM, FIRST_HBM + k):
+            base = 30_000 + (w * 10 if own else 0)
+            seqs = [base + j for j in range(n)]
+            self.both("store", w, None, seqs, locs)
+            if data.draw(st.booleans(), label="continues"):
+                self.both("store", w, seqs[-1], [base + 9], [data.draw(LOCAL, label="next")])
+
+    @rule(data=st.data(), op=st.sampled_from(["remove", "evict", "clear"]))
+    def many_hbm_leave(self, data, op):
+        ws = [w for w in range(FIRST_HBM, len(ALL_WORKERS)) if self.py._tree._rev.get(w)]
+        if not ws:
+            return
+        for w in data.draw(st.lists(st.sampled_from(ws), min_size=1, unique=True)):
+            held = sorted(self.py._tree._rev[w])
+            if op == "clear":
+                self.both("clear", w)
+            else:
+                self.both(op, w, [held[data.draw(st.integers(0, len(held) - 1))]])
 
     @rule(n=LONG_N, base=LONG_BASE)
     def offload_long_chain(self, n, base):
@@ -646,7 +711,7 @@ class CoreMachine(_Pair):
     def traced(self, q):
         got = self.both("trace", q)
         assert got[0] == "ok"
-        placement = dict(enumerate(CORE_WORKERS + EXTRA_WORKERS))
+        placement = dict(enumerate(ALL_WORKERS))
         counts = {g: walk_counts(w) for g, w in tier_walks(got[1], placement).items()}
         assert [(g, *c) for g, c in sorted(counts.items()) if sum(c)] == self.py.match(q), q
 
@@ -676,7 +741,7 @@ class CoreMachine(_Pair):
             (ep, _index.CoreIndex()),
             (ec, _index.CoreIndex()),
         ):
-            for w, (g, tier) in enumerate(CORE_WORKERS + EXTRA_WORKERS):
+            for w, (g, tier) in enumerate(ALL_WORKERS):
                 fresh.set_worker(w, g, tier)
                 # mutes are runtime state, not in a dump: the service derives them again
                 # from its sources (SubscriptionManager.check_sources)
