@@ -603,6 +603,21 @@ def test_match_over_many_holders(RadixTree):
     _wide(t)
 
 
+def test_match_count_runs_each_query_in_c():
+    """The benchmark aid: the total number of results of several matches, run in C."""
+    ctree = pytest.importorskip("kvconductor._tree")
+    t = ctree.RadixTree()
+    for w in range(40):
+        t.store(w, None, [w * 10, w * 10 + 1], [5, 6 + w % 3])
+    queries = [[5, 6], [5, 7, 9], [5], [8], [6, 5]]
+    hashes = [h for q in queries for h in q]
+    ends = [2, 5, 6, 7, 9]
+    assert t._match_count(hashes, ends) == sum(len(t.match(q)) for q in queries) == 120
+    assert t._match_count(hashes, []) == 0
+    with pytest.raises(ValueError):
+        t._match_count(hashes, [10])
+
+
 def test_the_bitmap_follows_new_worker_ids(RadixTree):
     """A worker id past the bitmap's words grows it; one so far past that the bitmap
     would cost more than member records turns the node back into a list."""
