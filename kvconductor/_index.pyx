@@ -9,7 +9,7 @@ from cpython cimport array
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from kvconductor._cursor cimport HCursor, hc_free, hc_get, hc_init_hashes, hc_init_tokens
 from kvconductor._maps cimport (
@@ -118,6 +118,41 @@ cdef inline int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) n
     s.bps[s.nbp].last = last
     s.nbp += 1
     return 0
+
+
+cdef enum:
+    # _tier_walk: a breakpoint whose next edge has more owners than this finds its
+    # group's candidates among the group's workers, not among the edge's owners
+    GROUP_SCAN_OWNERS = 16
+
+
+cdef uint32_t* _group_workers(const CoreState* st) noexcept nogil:
+    """Per group its unmuted workers, as one array: ``a[g]:a[g + 1]`` indexes them in
+    ``a[ngroups + 1:]`` (per-call scratch, ``free`` it); NULL when out of memory."""
+    cdef size_t G = st.ngroups, w, g
+    cdef uint32_t* a = <uint32_t*>malloc((G + 1 + st.nworkers) * sizeof(uint32_t) + 1)
+    cdef uint32_t* pos
+    if a == NULL:
+        return NULL
+    memset(a, 0, (G + 1) * sizeof(uint32_t))
+    for w in range(st.nworkers):
+        g = st.wgroup[w]
+        if g < G and not st.wmute[w]:
+            a[g + 1] += 1
+    for g in range(G):
+        a[g + 1] += a[g]
+    pos = <uint32_t*>malloc(G * sizeof(uint32_t) + 1)
+    if pos == NULL:
+        free(a)
+        return NULL
+    memcpy(pos, a, G * sizeof(uint32_t))
+    for w in range(st.nworkers):
+        g = st.wgroup[w]
+        if g < G and not st.wmute[w]:
+            a[G + 1 + pos[g]] = <uint32_t>w
+            pos[g] += 1
+    free(pos)
+    return a
 
 
 class IndexClosedError(ValueError):
@@ -891,6 +926,7 @@ cdef class CoreIndex:
         cdef size_t n = hc.n, k, b, nc
         cdef uint32_t e, o, w, g, start
         cdef uint64_t last, first
+        cdef uint32_t* gws = NULL
         if n == 0 or L.live_edges == 0:
             return 0
         # (a) the root walks: every owner of a root edge of H[0] walks on from the
@@ -930,22 +966,40 @@ cdef class CoreIndex:
             if e == HM_NIL:
                 continue
             nc = 0
-            w = lower_owner_first(L, e, &o)
-            while w != HM_NIL:
-                if (w < self.st.nworkers and self.st.wgroup[w] == g and nc < s.W
-                        and not self.st.wmute[w]):
-                    s.cand[nc] = w
-                    nc += 1
-                w = lower_owner_next(L, &o)
+            if L.edges[e].nowners > GROUP_SCAN_OWNERS and gws == NULL:
+                gws = _group_workers(self.st)
+                if gws == NULL:
+                    return -1
+            if (L.edges[e].nowners <= GROUP_SCAN_OWNERS or g >= self.st.ngroups
+                    or gws[g + 1] - gws[g] >= L.edges[e].nowners):
+                w = lower_owner_first(L, e, &o)
+                while w != HM_NIL:
+                    if (w < self.st.nworkers and self.st.wgroup[w] == g and nc < s.W
+                            and not self.st.wmute[w]):
+                        s.cand[nc] = w
+                        nc += 1
+                    w = lower_owner_next(L, &o)
+            else:
+                # An edge many workers own (a prefix every engine offloaded, under the
+                # same engine hashes) after the breakpoints of as many groups: ask the
+                # group's own (fewer) workers, by their reverse maps, instead of walking
+                # every owner for every breakpoint, which is O(breakpoints x owners).
+                for k in range(gws[g], gws[g + 1]):
+                    w = gws[self.st.ngroups + 1 + k]
+                    if nc < s.W and lower_rev_get(L, w, L.edges[e].child) == e:
+                        s.cand[nc] = w
+                        nc += 1
             if nc == 0:
                 continue
             lower_walk_multi(L, hc, start, last, s.cand, nc, s.idx, s.W, s.oend, s.olast)
             for k in range(nc):
                 if s.oend[k] > start:
                     if _bp_add(s, g, s.oend[k], s.olast[k]) < 0:
+                        free(gws)
                         return -1
                     if s.oend[k] > ends[g]:
                         ends[g] = <uint32_t>s.oend[k]
+        free(gws)
         return 0
 
     cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil:
