@@ -100,6 +100,17 @@ cdef enum:
     CORE_CLOSED = -8            # the state was freed (close), or the shared lock failed
 
 
+# The answer of one query: ``n`` rows of (group, npu, cpu, disk) exclusive block counts,
+# by increasing group, in one malloc'd buffer (``4 * n`` u32) owned by the object. No
+# Python object per row: the encoder (``_encode.encode_rows``) renders it directly.
+cdef class MatchRows:
+    cdef uint32_t* data
+    cdef size_t n
+
+
+cdef MatchRows rows_wrap(uint32_t* data, size_t n)
+
+
 cdef class CoreIndex:
     cdef CoreState* st          # NULL once closed
     cdef pthread_rwlock_t lock  # this process's threads
@@ -149,7 +160,7 @@ cdef class CoreIndex:
     cdef int _tier_walk(self, int tier, HCursor* hc, Scratch* s, size_t nin,
                         uint32_t* ends) noexcept nogil
     cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil
-    cdef list _run_query(self, HCursor* hc)
+    cdef MatchRows _run_query(self, HCursor* hc)
     cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil
     cdef bint _holds_local(self, int tier, uint32_t w, uint64_t local) noexcept nogil
     cdef size_t _walk1(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint* hp,

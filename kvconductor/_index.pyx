@@ -44,6 +44,7 @@ from kvconductor._tree cimport (
 from kvconductor._tree cimport tree_export, tree_restore
 
 import array as _array
+from operator import index as _index_int
 
 from kvconductor import _lower, _tree
 
@@ -153,6 +154,193 @@ cdef uint32_t* _group_workers(const CoreState* st) noexcept nogil:
             pos[g] += 1
     free(pos)
     return a
+
+
+# -- answers ---------------------------------------------------------------------------------
+cdef uint64_t _kth_largest(const uint64_t* t, size_t n, size_t k, uint64_t* heap) noexcept nogil:
+    """The k-th largest of ``t[0:n]`` (1 <= k <= n), counting equal values: a min-heap of
+    the k largest seen so far (``heap``: k entries), O(n log k), no sort of the rest."""
+    cdef size_t i, j, c, p, m = 0
+    cdef uint64_t v
+    for i in range(n):
+        v = t[i]
+        if m < k:
+            j = m
+            m += 1
+            while j > 0:
+                p = (j - 1) >> 1
+                if heap[p] <= v:
+                    break
+                heap[j] = heap[p]
+                j = p
+            heap[j] = v
+        elif v > heap[0]:
+            j = 0
+            while True:
+                c = 2 * j + 1
+                if c >= k:
+                    break
+                if c + 1 < k and heap[c + 1] < heap[c]:
+                    c += 1
+                if heap[c] >= v:
+                    break
+                heap[j] = heap[c]
+                j = c
+            heap[j] = v
+    return heap[0]
+
+
+cdef size_t _select_rows(const uint32_t* rows, size_t n, const uint8_t* mask, size_t mlen,
+                         bint use_mask, size_t k, uint32_t* out, uint64_t* tot,
+                         uint64_t* heap) noexcept nogil:
+    """Copy to ``out`` the rows whose group the mask keeps (all without a mask), then keep
+    those whose total (npu + cpu + disk) is at least the k-th largest total (k == 0: no
+    cut). Order is kept. Returns the rows written."""
+    cdef size_t i, m = 0, j = 0
+    cdef uint32_t g
+    cdef uint64_t thr
+    for i in range(n):
+        g = rows[4 * i]
+        if use_mask and (g >= mlen or mask[g] == 0):
+            continue
+        memcpy(out + 4 * m, rows + 4 * i, 4 * sizeof(uint32_t))
+        m += 1
+    if k == 0 or k >= m:
+        return m
+    for i in range(m):
+        tot[i] = <uint64_t>out[4 * i + 1] + out[4 * i + 2] + out[4 * i + 3]
+    thr = _kth_largest(tot, m, k, heap)
+    for i in range(m):
+        if tot[i] >= thr:
+            if j != i:
+                memcpy(out + 4 * j, out + 4 * i, 4 * sizeof(uint32_t))
+            j += 1
+    return j
+
+
+cdef MatchRows rows_wrap(uint32_t* data, size_t n):
+    """A MatchRows owning ``data`` (malloc'd, ``4 * n`` u32; NULL when n == 0)."""
+    cdef MatchRows r = MatchRows.__new__(MatchRows)
+    r.data = data
+    r.n = n
+    return r
+
+
+cdef class MatchRows:
+    """The answer of one query: rows ``(group, npu_blocks, cpu_blocks, disk_blocks)`` by
+    increasing group id, hits only, in one C buffer (no Python object per row).
+
+    ``MatchRows(rows)`` builds one from ``(group, npu, cpu, disk)`` tuples (tests, the
+    twin's equivalence): group ids strictly increase, every value is a u32. Immutable;
+    any thread."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.data = NULL
+        self.n = 0
+
+    def __init__(self, rows=()):
+        cdef list rs = list(rows)
+        cdef size_t n = len(rs), i
+        cdef uint32_t* d = NULL
+        cdef uint32_t g, a, b, c
+        cdef long long prev = -1
+        if n:
+            d = <uint32_t*>malloc(4 * n * sizeof(uint32_t))
+            if d == NULL:
+                raise MemoryError()
+        try:
+            for i in range(n):
+                g, a, b, c = rs[i]
+                if <long long>g <= prev:
+                    raise ValueError("MatchRows: group ids must strictly increase")
+                prev = g
+                d[4 * i] = g
+                d[4 * i + 1] = a
+                d[4 * i + 2] = b
+                d[4 * i + 3] = c
+        except BaseException:
+            free(d)
+            raise
+        free(self.data)
+        self.data = d
+        self.n = n
+
+    def __dealloc__(self):
+        free(self.data)
+        self.data = NULL
+
+    def __len__(self):
+        return self.n
+
+    def __repr__(self):
+        return f"MatchRows({self.tolist()!r})"
+
+    def tolist(self):
+        """``[(group, npu, cpu, disk)]``: what ``CoreIndex.match`` returns."""
+        cdef size_t i
+        cdef uint32_t* d = self.data
+        return [(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]) for i in range(self.n)]
+
+    def sums(self):
+        """``(npu, cpu, disk)`` block sums over the rows (one C loop)."""
+        cdef uint64_t a = 0, b = 0, c = 0
+        cdef size_t i
+        for i in range(self.n):
+            a += self.data[4 * i + 1]
+            b += self.data[4 * i + 2]
+            c += self.data[4 * i + 3]
+        return (a, b, c)
+
+    def last_group(self):
+        """The largest group id of the rows (the last one), -1 when empty."""
+        return <long long>self.data[4 * (self.n - 1)] if self.n else -1
+
+    def select(self, top_k=None, groups=None):
+        """The rows an extended query answers (docs/api.md, "top_k and instances"):
+        with ``groups`` (bytes-like, one byte per group id, non-zero = kept; ids past its
+        end are left out) only those groups, then with ``top_k`` only the rows whose total
+        blocks (npu + cpu + disk) is at least the ``top_k``-th largest total, so rows tied
+        at that depth are all kept. Order is kept. ``top_k`` < 1 is a ValueError; more
+        than the rows keeps them all."""
+        cdef size_t k = 0, mlen = 0, m, n = self.n
+        cdef const uint8_t[::1] mv
+        cdef const uint8_t* mp = NULL
+        cdef bint use_mask = groups is not None
+        cdef uint32_t* out = NULL
+        cdef uint64_t* tot = NULL
+        cdef uint64_t* heap = NULL
+        if top_k is not None:
+            top_k = _index_int(top_k)
+            if top_k < 1:
+                raise ValueError(f"top_k must be at least 1, not {top_k}")
+            if top_k < n:
+                k = <size_t>top_k
+        if use_mask:
+            mv = groups
+            mlen = <size_t>mv.shape[0]
+            if mlen:
+                mp = &mv[0]
+        if not use_mask and k == 0:
+            return self
+        if n == 0:
+            return rows_wrap(NULL, 0)
+        out = <uint32_t*>malloc(4 * n * sizeof(uint32_t))
+        if k:
+            tot = <uint64_t*>malloc(n * sizeof(uint64_t))
+            heap = <uint64_t*>malloc(k * sizeof(uint64_t))
+        if out == NULL or (k and (tot == NULL or heap == NULL)):
+            free(out)
+            free(tot)
+            free(heap)
+            raise MemoryError()
+        with nogil:
+            m = _select_rows(self.data, n, mp, mlen, use_mask, k, out, tot, heap)
+        free(tot)
+        free(heap)
+        if m == 0:
+            free(out)
+            out = NULL
+        return rows_wrap(out, m)
 
 
 class IndexClosedError(ValueError):
@@ -1028,12 +1216,13 @@ cdef class CoreIndex:
             return -1
         return 0
 
-    cdef list _run_query(self, HCursor* hc):
+    cdef MatchRows _run_query(self, HCursor* hc):
         cdef int slot_, stale_ = 0
         cdef Scratch s
         cdef int rc = 0
-        cdef size_t W, G, g
+        cdef size_t W, G = 0, g, m = 0
         cdef uint32_t n_, c_, d_, top
+        cdef uint32_t* rows = NULL
         slot_ = self._reader()
         with nogil:
             stale_ = self._rlock(slot_)
@@ -1045,48 +1234,69 @@ cdef class CoreIndex:
                 if rc == 0:
                     rc = self._query_c(hc, &s)
                 self._runlock(slot_)
+            if stale_ == 0 and rc == 0:
+                # the answer: one u32 row per group with a hit, in C (no Python per row)
+                for g in range(G):
+                    if s.ends[g] or s.ends[G + g] or s.ends[2 * G + g]:
+                        m += 1
+                if m:
+                    rows = <uint32_t*>malloc(4 * m * sizeof(uint32_t))
+                    if rows == NULL:
+                        rc = -1
+                    else:
+                        m = 0
+                        for g in range(G):
+                            n_ = s.ends[g]
+                            c_ = s.ends[G + g]
+                            d_ = s.ends[2 * G + g]
+                            if n_ or c_ or d_:
+                                top = n_ if n_ > c_ else c_
+                                rows[4 * m] = <uint32_t>g
+                                rows[4 * m + 1] = n_
+                                rows[4 * m + 2] = c_ - n_ if c_ > n_ else 0
+                                rows[4 * m + 3] = d_ - top if d_ > top else 0
+                                m += 1
         if stale_ == CORE_CLOSED and not self.attached:
-            return []           # closed meanwhile (reclaimed): an empty index
+            return rows_wrap(NULL, 0)   # closed meanwhile (reclaimed): an empty index
         if stale_:
             self._stale(stale_)
-        try:
-            if rc < 0:
-                raise MemoryError()
-            out = []
-            for g in range(G):
-                n_ = s.ends[g]
-                c_ = s.ends[G + g]
-                d_ = s.ends[2 * G + g]
-                if n_ or c_ or d_:
-                    top = n_ if n_ > c_ else c_
-                    out.append((g, n_, c_ - n_ if c_ > n_ else 0, d_ - top if d_ > top else 0))
-            return out
-        finally:
-            _scratch_free(&s)
+        _scratch_free(&s)
+        if rc < 0:
+            free(rows)
+            raise MemoryError()
+        return rows_wrap(rows, m)
 
-    def match(self, local_hashes):
-        """``[(group, npu, cpu, disk)]`` exclusive block counts for LocalBlockHashes."""
+    def match_rows(self, local_hashes):
+        """The answer for LocalBlockHashes as :class:`MatchRows` (``match`` as a list)."""
         cdef const uint64_t[::1] lv = as_u64(local_hashes)
         cdef size_t n = lv.shape[0]
         cdef HCursor hc
         if n == 0:
-            return []
+            return rows_wrap(NULL, 0)
         hc_init_hashes(&hc, &lv[0], n)
         return self._run_query(&hc)
 
-    def match_tokens(self, tokens, size_t block_size, uint64_t seed=1337):
-        """Like :meth:`match`, hashing ``tokens`` lazily in C during the walk."""
+    def match_tokens_rows(self, tokens, size_t block_size, uint64_t seed=1337):
+        """Like :meth:`match_rows`, hashing ``tokens`` lazily in C during the walk."""
         cdef const uint32_t[::1] tv = to_u32_tokens(tokens)
         cdef size_t ntok = tv.shape[0]
         cdef HCursor hc
         if ntok == 0 or block_size == 0:
-            return []
+            return rows_wrap(NULL, 0)
         if hc_init_tokens(&hc, &tv[0], ntok, block_size, seed) < 0:
             raise MemoryError()
         try:
             return self._run_query(&hc)
         finally:
             hc_free(&hc)
+
+    def match(self, local_hashes):
+        """``[(group, npu, cpu, disk)]`` exclusive block counts for LocalBlockHashes."""
+        return self.match_rows(local_hashes).tolist()
+
+    def match_tokens(self, tokens, size_t block_size, uint64_t seed=1337):
+        """Like :meth:`match`, hashing ``tokens`` lazily in C during the walk."""
+        return self.match_tokens_rows(tokens, block_size, seed).tolist()
 
     # -- invariants -----------------------------------------------------------------------
     cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil:

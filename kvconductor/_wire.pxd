@@ -16,3 +16,5 @@ cdef enum:
     FIELD_BLOCK_HASHES = 4
     FIELD_TENANT = 5
     FIELD_LORA = 6
+    FIELD_TOP_K = 7             # extension (docs/api.md, "top_k and instances")
+    FIELD_INSTANCES = 8         # extension

@@ -68,6 +68,10 @@ cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
         return FIELD_BLOCK_HASHES
     if _eq(s, n, b"lora_name", 9):
         return FIELD_LORA
+    if _eq(s, n, b"top_k", 5):
+        return FIELD_TOP_K
+    if _eq(s, n, b"instances", 9):
+        return FIELD_INSTANCES
     return FIELD_UNKNOWN
 
 
@@ -84,6 +88,10 @@ cdef str _field_name(int fid):
         return "tenant_id"
     if fid == FIELD_LORA:
         return "lora_name"
+    if fid == FIELD_TOP_K:
+        return "top_k"
+    if fid == FIELD_INSTANCES:
+        return "instances"
     return ""
 
 
@@ -93,7 +101,7 @@ def _field_table():
     cdef int fid
     cdef bytes key
     out = []
-    for fid in range(FIELD_MODEL, FIELD_LORA + 1):
+    for fid in range(FIELD_MODEL, FIELD_INSTANCES + 1):
         name = _field_name(fid)
         key = name.encode()
         out.append((fid, name, _field_id(<const uint8_t*>PyBytes_AS_STRING(key),
@@ -118,6 +126,8 @@ cdef object _fail(int rc, const wcur* c, bint is_json, int fid, Py_ssize_t index
             msg = "block_size out of range"
         else:
             msg = "expected an integer for `block_size`"
+    elif fid == FIELD_TOP_K:
+        msg = TOP_K_RANGE if rc == WIRE_RANGE else "expected an integer for `top_k`"
     elif rc == WIRE_RANGE:
         msg = f"integer out of range in `{name}` at index {index}"
     elif rc == WIRE_TYPE:
@@ -146,17 +156,31 @@ cdef object _block_size(uint64_t v, bint neg):
     return <unsigned long>v
 
 
+#: The one message of a ``top_k`` that is not in [1, 2**32) (also the oracle's).
+TOP_K_RANGE = "top_k must be between 1 and 4294967295"
+
+
+cdef object _top_k(uint64_t v, bint neg):
+    if neg or v == 0 or v > _U32_MAX:
+        raise WireError(TOP_K_RANGE)
+    return <unsigned long>v
+
+
 cdef inline array.array _new_array(bint u64, size_t n):
     return array.clone(_TMPL_U64 if u64 else _TMPL_U32, <Py_ssize_t>n, False)
 
 
-cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash, lora):
+cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash, lora, bint ext,
+                   top_k, instances):
     if model is None:
         raise WireError("missing field `model`")
     if not have_bs and not by_hash:
         raise WireError("missing field `block_size`")
     if values is None:
         raise WireError("missing field `block_hashes`" if by_hash else "missing field `token_ids`")
+    if ext:
+        return (model, block_size, "default" if tenant is None else tenant, values, lora or None,
+                top_k, instances)
     return (model, block_size, "default" if tenant is None else tenant, values, lora or None)
 
 
@@ -164,7 +188,7 @@ include "_wire_json.pxi"
 include "_wire_msgpack.pxi"
 
 
-def parse_query(body, bint msgpack, bint by_hash):
+def parse_query(body, bint msgpack, bint by_hash, bint ext=False):
     """Parse a /query (``by_hash=False``) or /query_by_hash body.
 
     Returns ``(model, block_size, tenant_id, values, lora_name)``: ``values``
@@ -172,21 +196,25 @@ def parse_query(body, bint msgpack, bint by_hash):
     ``array('Q')`` of block hashes; ``lora_name`` is ``None`` when absent,
     null or empty. ``block_size`` defaults to 0 for /query_by_hash. Raises
     :class:`WireError` on any malformed body.
+
+    With ``ext`` the extension fields are read too and two more items follow:
+    ``top_k`` (int in [1, 2**32) or ``None``) and ``instances`` (list of str or
+    ``None``); without it they are skipped like any unknown field.
     """
     cdef const uint8_t[::1] view
     if msgpack and not PyBytes_Check(body):
         # PERF: msgpack scanners need no sentinel: read a bytearray/memoryview in place.
         view = body
         if view.shape[0] == 0:
-            return _parse_msgpack(<const uint8_t*>b"", 0, by_hash)
-        return _parse_msgpack(&view[0], <size_t>view.shape[0], by_hash)
+            return _parse_msgpack(<const uint8_t*>b"", 0, by_hash, ext)
+        return _parse_msgpack(&view[0], <size_t>view.shape[0], by_hash, ext)
     if not PyBytes_Check(body):
         body = bytes(body)          # JSON scanners need the NUL sentinel of bytes
     cdef const uint8_t* buf = <const uint8_t*>PyBytes_AS_STRING(body)
     cdef size_t size = <size_t>PyBytes_GET_SIZE(body)
     if msgpack:
-        return _parse_msgpack(buf, size, by_hash)
-    return _parse_json(buf, size, by_hash)
+        return _parse_msgpack(buf, size, by_hash, ext)
+    return _parse_json(buf, size, by_hash, ext)
 
 
 def read_u32_array(buf):

@@ -594,7 +594,28 @@ cdef array.array _json_values(wcur* c, bint u64, int fid):
     return arr
 
 
-cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
+cdef list _json_str_array(wcur* c, int fid):
+    """The JSON array of strings at c.p (a '[')."""
+    cdef list out = []
+    c.p = _ws(c.p + 1)
+    if c.p[0] == 93:
+        c.p += 1
+        return out
+    while True:
+        if c.p[0] != 34:
+            _json_type_error(c, fid, "an array of strings or null")
+        out.append(_json_str_value(c, fid))
+        c.p = _ws(c.p)
+        if c.p[0] == 44:
+            c.p = _ws(c.p + 1)
+            continue
+        if c.p[0] == 93:
+            c.p += 1
+            return out
+        _check(_bad(c, c.p), c, True, FIELD_UNKNOWN, -1)
+
+
+cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash, bint ext):
     cdef wcur c
     cdef const uint8_t* s = NULL
     cdef size_t n = 0
@@ -608,6 +629,8 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
     lora = None
     block_size = 0
     values = None
+    top_k = None
+    instances = None
     c.base = buf
     c.end = buf + size
     c.p = _ws(buf)
@@ -658,6 +681,26 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
                 if c.p[0] != 91:
                     _json_type_error(&c, fid, "an array of integers")
                 values = _json_values(&c, by_hash, fid)
+            elif fid == FIELD_TOP_K and ext:
+                if _lit(c.p, b'n', b'u', b'l', b'l'):
+                    c.p += 4
+                    top_k = None
+                else:
+                    p = c.p
+                    rc = _json_int(&c, &p, &v, &neg)
+                    if rc == WIRE_TYPE:
+                        _json_type_error(&c, fid, "an integer or null")
+                    c.p = p
+                    _check(rc, &c, True, fid, -1)
+                    top_k = _top_k(v, neg and v != 0)
+            elif fid == FIELD_INSTANCES and ext:
+                if _lit(c.p, b'n', b'u', b'l', b'l'):
+                    c.p += 4
+                    instances = None
+                elif c.p[0] == 91:
+                    instances = _json_str_array(&c, fid)
+                else:
+                    _json_type_error(&c, fid, "an array of strings or null")
             else:
                 _check(_json_skip(&c), &c, True, FIELD_UNKNOWN, -1)
             c.p = _ws(c.p)
@@ -671,4 +714,5 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash):
     c.p = _ws(c.p)
     if c.p < c.end:
         raise WireError("trailing data")
-    return _finish(model, block_size, have_bs, tenant, values, by_hash, lora)
+    return _finish(model, block_size, have_bs, tenant, values, by_hash, lora, ext, top_k,
+                   instances)

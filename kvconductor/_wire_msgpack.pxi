@@ -110,6 +110,43 @@ cdef array.array _mp_values(wcur* c, bint u64, int fid):
     _check(rc, c, False, fid, -1)
 
 
+cdef object _mp_top_k(wcur* c):
+    """``top_k``: an int in [1, 2**32) or nil (None)."""
+    cdef uint64_t v = 0
+    cdef bint neg = False
+    cdef int rc
+    if _left(c) and c.p[0] == 0xc0:
+        c.p += 1
+        return None
+    rc = mp_int(c, &v, &neg)
+    if rc == WIRE_TYPE:
+        raise WireError("invalid type for `top_k`: expected an integer or nil")
+    _check(rc, c, False, FIELD_TOP_K, -1)
+    return _top_k(v, neg)
+
+
+cdef list _mp_instances(wcur* c):
+    """``instances``: an array of str, or nil (None)."""
+    cdef size_t n = 0, i
+    cdef int rc
+    cdef list out = []
+    if _left(c) and c.p[0] == 0xc0:
+        c.p += 1
+        return None
+    rc = mp_container(c, 0x90, 0xdc, &n)
+    if rc == WIRE_TYPE:
+        raise WireError("invalid type for `instances`: expected an array of strings or nil")
+    _check(rc, c, False, FIELD_INSTANCES, -1)
+    if n > _left(c):
+        c.p = c.end
+        _check(WIRE_EOF, c, False, FIELD_INSTANCES, -1)
+    for i in range(n):
+        if _left(c) and not (0xa0 <= c.p[0] <= 0xbf or 0xd9 <= c.p[0] <= 0xdb):
+            raise WireError("invalid type for `instances`: expected an array of strings or nil")
+        out.append(_mp_str_value(c, FIELD_INSTANCES, False))
+    return out
+
+
 cdef int _mp_skip_checked(wcur* c) except -1:
     cdef int rc
     if _left(c) > _NOGIL_BYTES:
@@ -120,7 +157,7 @@ cdef int _mp_skip_checked(wcur* c) except -1:
     return _check(rc, c, False, FIELD_UNKNOWN, -1)
 
 
-cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
+cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ext):
     cdef wcur c
     cdef const uint8_t* s = NULL
     cdef size_t n = 0, i, klen = 0
@@ -132,6 +169,8 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
     lora = None
     block_size = 0
     values = None
+    top_k = None
+    instances = None
     c.base = buf
     c.p = buf
     c.end = buf + size
@@ -159,6 +198,10 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
                 have_bs = True
             elif fid == vfid:
                 values = _mp_values(&c, by_hash, fid)
+            elif fid == FIELD_TOP_K and ext:
+                top_k = _mp_top_k(&c)
+            elif fid == FIELD_INSTANCES and ext:
+                instances = _mp_instances(&c)
             else:
                 _mp_skip_checked(&c)
     elif rc == WIRE_TYPE:
@@ -169,7 +212,8 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
         if n > _left(&c):
             c.p = c.end
             _check(WIRE_EOF, &c, False, FIELD_UNKNOWN, -1)
-        # positional form [model, block_size, values, tenant_id, lora_name, <ignored>...]
+        # positional form [model, block_size, values, tenant_id, lora_name, top_k, instances,
+        # <ignored>...] (top_k and instances only with ``ext``; skipped without)
         if n < 1:
             raise WireError("missing field `model`")
         model = _mp_str_value(&c, FIELD_MODEL, False)
@@ -184,10 +228,19 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash):
             tenant = _mp_str_value(&c, FIELD_TENANT, True)
         if n >= 5:
             lora = _mp_str_value(&c, FIELD_LORA, True)
-        for i in range(5, n):
+        i = 5
+        if ext and n >= 6:
+            top_k = _mp_top_k(&c)
+            i = 6
+            if n >= 7:
+                instances = _mp_instances(&c)
+                i = 7
+        while i < n:
             _mp_skip_checked(&c)
+            i += 1
     else:
         _check(rc, &c, False, FIELD_UNKNOWN, -1)
     if c.p != c.end:
         raise WireError("trailing data")
-    return _finish(model, block_size, have_bs, tenant, values, by_hash, lora)
+    return _finish(model, block_size, have_bs, tenant, values, by_hash, lora, ext, top_k,
+                   instances)

@@ -71,6 +71,7 @@ from kvconductor.service import (
     RegistrationUnavailable,
     StateUnavailable,
     raise_fd_limit,
+    tune_malloc,
 )
 from kvconductor.wire import (
     JSON_CONTENT_TYPE,
@@ -80,6 +81,7 @@ from kvconductor.wire import (
     encode_result,
     is_msgpack_content_type,
     parse_query,
+    parse_query_ext,
 )
 
 log = logging.getLogger("kvconductor.http")
@@ -363,7 +365,9 @@ class QueryResource(_Resource):
         message is what to log; with a 200 it is a warning for the
         ``X-KV-Conductor-Warning`` header (a query that cannot match, logged here)."""
         try:
-            model, block_size, tenant, values, lora_name = parse_query(body, msgpack, self.by_hash)
+            model, block_size, tenant, values, lora_name, top_k, instances = parse_query_ext(
+                body, msgpack, self.by_hash
+            )
         except WireError as ex:
             return (
                 400,
@@ -378,33 +382,36 @@ class QueryResource(_Resource):
             m.unknown_index.inc()
             msg = f"no indexer for model={model} tenant={tenant}"
             return 404, encode_error(msg, msgpack), msg
+        # PERF: the answer stays in the core's C arrays (QueryResult over MatchRows): the
+        # metrics take its C sums and the encoder renders it without a Python object per
+        # (instance, DP) row.
         if self.by_hash:
             # NOTE: the request's block_size is ignored; counts are in blocks (docs/api.md,
             # POST /query_by_hash).
-            hits = index.query_by_hash(values).hits
-            if hits:
-                m.count_hits(hits)
+            result = index.query_by_hash(values, top_k=top_k, instances=instances)
+            if len(result):
+                m.count_blocks(*result.sums())
             else:
                 m.no_match.inc()
-            return 200, encode_result(hits, tenant, 1, msgpack), None
+            return 200, encode_result(result, tenant, 1, msgpack), None
         # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
         # them and the other way round.
         seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
-        hits = index.query(values, block_size, seed).hits
-        if hits:
-            m.count_hits(hits)
+        result = index.query(values, block_size, seed, top_k=top_k, instances=instances)
+        if len(result):
+            m.count_blocks(*result.sums())
         else:
             sizes = self.conductor.block_sizes.get((model, tenant))
             if sizes and block_size not in sizes:
                 m.block_size_mismatch.inc()
                 warning = self.misses.block_size_mismatch(model, tenant, block_size, sizes)
-                return 200, encode_result(hits, tenant, block_size, msgpack), warning
+                return 200, encode_result(result, tenant, block_size, msgpack), warning
             if lora_name and seed not in self.conductor.lora_seeds.get((model, tenant), ()):
                 m.unknown_lora.inc()
                 warning = self.misses.unknown_lora(model, tenant, lora_name)
-                return 200, encode_result(hits, tenant, block_size, msgpack), warning
+                return 200, encode_result(result, tenant, block_size, msgpack), warning
             m.no_match.inc()
-        return 200, encode_result(hits, tenant, block_size, msgpack), None
+        return 200, encode_result(result, tenant, block_size, msgpack), None
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         t0 = time.perf_counter()
@@ -1107,6 +1114,7 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
     # Same GIL switch interval and open-file limit as `kv-conductor` (kvconductor.server).
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(settings.max_sources, settings.max_connections)
+    tune_malloc()  # large answers reuse heap pages (kvconductor.service.tune_malloc)
     log.info(
         "KV conductor starting under gunicorn pid=%d workers=%s version=%s %s switch_interval=%s",
         os.getpid(),

@@ -102,7 +102,7 @@ from kvconductor.server import (
     stop_conductor,
     uvicorn_config,
 )
-from kvconductor.service import Conductor, raise_fd_limit
+from kvconductor.service import Conductor, raise_fd_limit, tune_malloc
 from kvconductor.settings import Settings
 from kvconductor.shared import SharedIndexes
 from kvconductor.wire import (
@@ -1499,6 +1499,7 @@ def worker_main(argv: list[str]) -> int:
     link.start()
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(1, settings.max_connections)
+    tune_malloc()  # large answers reuse heap pages (kvconductor.service.tune_malloc)
     try:
         sock = bind_socket(settings.host, settings.port, reuse_port=True)
     except OSError as ex:

@@ -45,6 +45,21 @@ def _core_class(impl: str | None) -> type:
     raise ValueError(f"unknown index implementation {impl!r}")
 
 
+def names_class(impl: str | None) -> type:
+    """The group name table of an implementation: the compiled one pre-encodes each
+    name for :func:`kvconductor._encode.encode_rows`; the twin's keeps names only."""
+    impl = impl or kvconductor.IMPL
+    if impl == "c":
+        from kvconductor._encode import GroupNames
+
+        return GroupNames
+    if impl == "py":
+        from kvconductor._py.index import PyGroupNames
+
+        return PyGroupNames
+    raise ValueError(f"unknown index implementation {impl!r}")
+
+
 class DpHit(NamedTuple):
     """Exclusive per-tier block counts of one (instance, DP)."""
 
@@ -121,15 +136,52 @@ class GroupTrace(NamedTuple):
 
 
 class QueryResult:
-    """Per (instance, DP) hits of one query, in group order."""
+    """Per (instance, DP) hits of one query, in group order.
 
-    __slots__ = ("hits",)
+    An index's answer is backed by the core's rows (``rows``: a ``MatchRows``, group ids
+    and the three exclusive counts in C arrays) and the index's group names (``names``);
+    :attr:`hits` (``DpHit`` rows) and :meth:`to_dict` are built from them on demand, and
+    the server's encoder renders the rows directly (``kvconductor.wire.encode_result``).
+    ``QueryResult(hits)`` wraps a list of ``DpHit`` (tests, tools)."""
 
-    def __init__(self, hits: list[DpHit]) -> None:
-        self.hits = hits
+    __slots__ = ("rows", "names", "_hits")
+
+    def __init__(
+        self, hits: list[DpHit] | None = None, rows: Any = None, names: Any = None
+    ) -> None:
+        #: the core's rows (``MatchRows``) and the index's group names, or None
+        self.rows: Any = rows
+        self.names: Any = names
+        self._hits: list[DpHit] | None = ([] if hits is None else hits) if rows is None else None
+
+    @classmethod
+    def of_rows(cls, rows: Any, names: Any) -> QueryResult:
+        """The answer of ``rows`` (``MatchRows``) named by ``names`` (``GroupNames``)."""
+        return cls(None, rows, names)
+
+    @property
+    def hits(self) -> list[DpHit]:
+        """One ``DpHit`` per (instance, DP), in group order (built on first use)."""
+        if self._hits is None:
+            keys = self.names.keys
+            self._hits = [
+                DpHit(keys[g][0], keys[g][1], n, c, d) for g, n, c, d in self.rows.tolist()
+            ]
+        return self._hits
 
     def __len__(self) -> int:
-        return len(self.hits)
+        return len(self.rows) if self.rows is not None else len(self._hits or ())
+
+    def sums(self) -> tuple[int, int, int]:
+        """``(npu, cpu, disk)`` blocks summed over the answer (C sums for array rows)."""
+        if self.rows is not None:
+            return self.rows.sums()
+        assert self._hits is not None
+        return (
+            sum(h.npu_blocks for h in self._hits),
+            sum(h.cpu_blocks for h in self._hits),
+            sum(h.disk_blocks for h in self._hits),
+        )
 
     def to_dict(self, tenant: str, block_size: int) -> dict[str, Any]:
         """The V3 response body ``{tenant: {instance: {...}}}``; its keys are those of
@@ -158,6 +210,18 @@ def result_of(rows, group_keys: Sequence[tuple[str, int]]) -> QueryResult:
     return QueryResult([DpHit(group_keys[g][0], group_keys[g][1], n, c, d) for g, n, c, d in rows])
 
 
+def select_answer(
+    rows: Any, names: Any, top_k: int | None, instances: Sequence[str] | None
+) -> QueryResult:
+    """The answer of ``rows`` named by ``names``, cut to the ``instances`` named (when
+    given) and then to the ``top_k`` deepest rows, ties at the k-th depth included
+    (docs/api.md, "top_k and instances"). ``ValueError`` for ``top_k`` < 1."""
+    if top_k is not None or instances is not None:
+        mask = None if instances is None else names.instances_mask(instances)
+        rows = rows.select(top_k, mask)
+    return QueryResult(None, rows, names)
+
+
 class Index:
     """The index of one (model, tenant): HBM tree, CPU and Disk tiers, two-phase state."""
 
@@ -168,7 +232,9 @@ class Index:
         self._workers: dict[WorkerKey, int] = {}
         self._worker_keys: list[WorkerKey] = []
         self._groups: dict[tuple[str, int], int] = {}
-        self._group_keys: list[tuple[str, int]] = []
+        #: group id -> (instance_id, dp_rank), named once, pre-encoded for the answers
+        self.names = names_class(impl)()
+        self._group_keys: list[tuple[str, int]] = self.names.keys
         #: (instance_id, dp_rank) -> its WorkerKeys, in creation order
         self._group_workers: dict[tuple[str, int], list[WorkerKey]] = {}
         #: Called (writer thread) after a new group id was named, before any block of it
@@ -184,9 +250,8 @@ class Index:
             g = (key.instance_id, key.dp_rank)
             gid = self._groups.get(g)
             if gid is None:
-                gid = len(self._group_keys)
+                gid = self.names.add(*g)
                 self._groups[g] = gid
-                self._group_keys.append(g)
                 new_group = True
             wid = len(self._worker_keys)
             self.core.set_worker(wid, gid, Medium(key.medium).tier)
@@ -303,16 +368,34 @@ class Index:
         return self.core.evict(self.worker_id(key), engine_hashes)
 
     # -- queries ---------------------------------------------------------------------
-    def _result(self, rows) -> QueryResult:
-        return result_of(rows, self._group_keys)
+    def query(
+        self,
+        tokens,
+        block_size: int,
+        seed: int = DEFAULT_SEED,
+        *,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
+    ) -> QueryResult:
+        """Match token ids (u32 buffer or ints) hashed with ``block_size``; optionally only
+        the named ``instances`` and the ``top_k`` deepest (instance, DP) rows."""
+        rows = self.core.match_tokens_rows(tokens, block_size, seed)
+        if top_k is None and instances is None:  # PERF: the plain V3 query
+            return QueryResult(None, rows, self.names)
+        return select_answer(rows, self.names, top_k, instances)
 
-    def query(self, tokens, block_size: int, seed: int = DEFAULT_SEED) -> QueryResult:
-        """Match token ids (u32 buffer or ints) hashed with ``block_size``."""
-        return self._result(self.core.match_tokens(tokens, block_size, seed))
-
-    def query_by_hash(self, local_hashes: Sequence[int]) -> QueryResult:
-        """Match precomputed LocalBlockHashes."""
-        return self._result(self.core.match(local_hashes))
+    def query_by_hash(
+        self,
+        local_hashes: Sequence[int],
+        *,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
+    ) -> QueryResult:
+        """Match precomputed LocalBlockHashes (``top_k`` and ``instances``: :meth:`query`)."""
+        rows = self.core.match_rows(local_hashes)
+        if top_k is None and instances is None:  # PERF: the plain V3 query
+            return QueryResult(None, rows, self.names)
+        return select_answer(rows, self.names, top_k, instances)
 
     def trace(self, tokens, block_size: int, seed: int = DEFAULT_SEED) -> list[GroupTrace]:
         """Why each (instance, DP) holding workers in this index matches what it does

@@ -115,14 +115,22 @@ class QueryMetrics:
         """The histogram and counters (each a prometheus_client collector)."""
         return (self.seconds, self.blocks, self.misses, self.errors)
 
-    def count_hits(self, hits: list) -> None:
-        """Add the per-tier blocks of a non-empty answer (``DpHit`` rows)."""
-        if len(hits) == 1:  # PERF: the common answer, one DP
+    def count_hits(self, hits: Any) -> None:
+        """Add the per-tier blocks of a non-empty answer: a ``QueryResult`` (its C sums,
+        O(1) Python work whatever the number of rows) or a list of ``DpHit`` rows."""
+        sums = getattr(hits, "sums", None)
+        if sums is not None:
+            n, c, d = sums()
+        elif len(hits) == 1:  # PERF: the common answer, one DP
             _, _, n, c, d = hits[0]
         else:
             # PERF: column sums in C (zip/sum), no Python loop per DP entry.
             _, _, npu, cpu, disk = zip(*hits, strict=True)
             n, c, d = sum(npu), sum(cpu), sum(disk)
+        self.count_blocks(n, c, d)
+
+    def count_blocks(self, n: int, c: int, d: int) -> None:
+        """Add ``n`` NPU, ``c`` CPU and ``d`` Disk blocks of one answer (its C sums)."""
         if n:
             self._npu.inc(n)
         if c:

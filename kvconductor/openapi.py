@@ -4,7 +4,9 @@ Bodies and answers come from the msgspec declarations of :mod:`kvconductor.schem
 (``msgspec.json.schema_components``); this module only says which route takes and
 answers which shape, with which status codes. Two things msgspec cannot see are added
 here: the query bodies' optional ``lora_name`` (:data:`~kvconductor.schema.LORA_FIELD`,
-not a Struct field) and ``tenant_id: null`` meaning the default tenant. The query routes
+not a Struct field), the extension fields ``top_k`` and ``instances``
+(:data:`~kvconductor.schema.EXTENSION_FIELDS`, marked ``x-kvconductor-extension``) and
+``tenant_id: null`` meaning the default tenant. The query routes
 take and answer the same shapes as JSON and as MessagePack; MessagePack also takes the
 positional form and packed u32 tokens (docs/api.md), which JSON Schema cannot describe.
 """
@@ -80,6 +82,21 @@ def _query_request(doc: dict[str, Any]) -> None:
         "anyOf": [{"type": "string"}, {"type": "null"}],
         "default": None,
         "description": "LoRA adapter; null, absent or empty mean the base model",
+    }
+    props[schema.TOP_K_FIELD] = {
+        "anyOf": [{"type": "integer", "minimum": 1, "maximum": 2**32 - 1}, {"type": "null"}],
+        "default": None,
+        "description": "Extension (not V3): answer only the (instance, DP) rows whose "
+        "npu+cpu+disk blocks are at least the top_k-th largest (ties at that depth all "
+        "included); null or absent: every row",
+        "x-kvconductor-extension": True,
+    }
+    props[schema.INSTANCES_FIELD] = {
+        "anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}],
+        "default": None,
+        "description": "Extension (not V3): answer only these instances (unknown names "
+        "are ignored; applied before top_k); null or absent: every instance",
+        "x-kvconductor-extension": True,
     }
 
 

@@ -149,10 +149,21 @@ class QueryByHashRequest(Struct, kw_only=True):
 #: mean the base model). Not a Struct field: clients add it only when set, so their
 #: base-model bodies carry no ``lora_name`` key.
 LORA_FIELD = "lora_name"
+#: Extension fields of both query bodies, beyond the V3 contract (docs/api.md, "top_k and
+#: instances"): only the ``top_k`` deepest (instance, DP) rows (an int in [1, 2**32) or
+#: null), only the named instances (an array of strings or null). Absent or null: the
+#: V3 answer. Positional MessagePack form: the 6th and 7th elements.
+TOP_K_FIELD = "top_k"
+INSTANCES_FIELD = "instances"
+EXTENSION_FIELDS: tuple[str, ...] = (TOP_K_FIELD, INSTANCES_FIELD)
 #: Field names of a ``/query`` body, in the order of the positional MessagePack form.
-QUERY_FIELDS: tuple[str, ...] = (*QueryRequest.__struct_fields__, LORA_FIELD)
+QUERY_FIELDS: tuple[str, ...] = (*QueryRequest.__struct_fields__, LORA_FIELD, *EXTENSION_FIELDS)
 #: Field names of a ``/query_by_hash`` body, in the order of the positional form.
-QUERY_BY_HASH_FIELDS: tuple[str, ...] = (*QueryByHashRequest.__struct_fields__, LORA_FIELD)
+QUERY_BY_HASH_FIELDS: tuple[str, ...] = (
+    *QueryByHashRequest.__struct_fields__,
+    LORA_FIELD,
+    *EXTENSION_FIELDS,
+)
 
 
 class DpMatch(Struct):

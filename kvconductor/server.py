@@ -34,7 +34,14 @@ import uvicorn
 
 from kvconductor.app import create_app
 from kvconductor.protocol import HttpLimits, h11_buffer_limit, protocol_class
-from kvconductor.service import TRIM_SECS, Conductor, open_file_limits, raise_fd_limit, trim_heap
+from kvconductor.service import (
+    TRIM_SECS,
+    Conductor,
+    open_file_limits,
+    raise_fd_limit,
+    trim_heap,
+    tune_malloc,
+)
 from kvconductor.settings import Settings
 
 log = logging.getLogger("kvconductor")
@@ -384,6 +391,7 @@ def serve(settings: Settings) -> int:
     # small queries from waiting the default 5 ms for it.
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(settings.max_sources, settings.max_connections)
+    tune_malloc()  # large answers reuse heap pages (kvconductor.service.tune_malloc)
     conductor = Conductor(settings.conductor_config())
     app = serving_app(conductor, settings)
     try:

@@ -32,7 +32,7 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import msgspec
@@ -40,7 +40,7 @@ import msgspec
 from kvconductor import _index
 from kvconductor._arena import OPAQUE_OFFSET, Arena
 from kvconductor._shlock import SharedLock
-from kvconductor.index import QueryResult, result_of
+from kvconductor.index import QueryResult, names_class, select_answer
 
 log = logging.getLogger("kvconductor")
 
@@ -205,33 +205,80 @@ class WriteBatch:
 class ViewIndex:
     """A worker's read-only index of one (model, tenant): the owner's structures through
     an attached :class:`~kvconductor._index.CoreIndex` handle, and the group names of
-    the directory it was built from. Same query API as :class:`~kvconductor.index.Index`."""
+    the directory it was built from (pre-encoded once in ``names``, carried over from the
+    previous directory when it only grew). Same query API as
+    :class:`~kvconductor.index.Index`."""
 
-    __slots__ = ("view", "model", "tenant", "core", "group_keys")
+    __slots__ = ("view", "model", "tenant", "core", "group_keys", "names")
 
-    def __init__(self, view: SharedView, model: str, tenant: str, core: Any, groups: list) -> None:
+    def __init__(
+        self,
+        view: SharedView,
+        model: str,
+        tenant: str,
+        core: Any,
+        groups: list,
+        names: Any = None,
+    ) -> None:
         self.view = view
         self.model = model
         self.tenant = tenant
         self.core = core
         self.group_keys = groups
+        if names is None or names.keys != groups[: len(names)]:
+            names = names_class(None)()
+        for g in groups[len(names) :]:
+            names.add(*g)
+        self.names = names
 
-    def _run(self, fn: Callable[[Any], list]) -> QueryResult:
+    def _run(
+        self,
+        fn: Callable[[Any], Any],
+        top_k: int | None,
+        instances: Sequence[str] | None,
+    ) -> QueryResult:
         idx: ViewIndex | None = self
         for _ in range(STALE_RETRIES):
             if idx is None:
                 return QueryResult([])  # dropped meanwhile: nothing holds it any more
             try:
-                return result_of(fn(idx.core), idx.group_keys)
+                rows = fn(idx.core)
+                if len(rows) and rows.last_group() >= len(idx.names):
+                    # a group named after this directory was read: reload it
+                    raise IndexError(rows.last_group())
+                return select_answer(rows, idx.names, top_k, instances)
             except (_index.StaleIndexError, IndexError):
                 idx = self.view.reload().get((self.model, self.tenant))
         raise RuntimeError("the shared directory kept changing during a query")
 
-    def query(self, tokens: Any, block_size: int, seed: int) -> QueryResult:
-        return self._run(lambda core: core.match_tokens(tokens, block_size, seed))
+    def query(
+        self,
+        tokens: Any,
+        block_size: int,
+        seed: int,
+        *,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
+    ) -> QueryResult:
+        return self._run(
+            lambda core: core.match_tokens_rows(tokens, block_size, seed), top_k, instances
+        )
 
-    def query_by_hash(self, local_hashes: Any) -> QueryResult:
-        return self._run(lambda core: core.match(local_hashes))
+    def query_by_hash(
+        self,
+        local_hashes: Any,
+        *,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
+    ) -> QueryResult:
+        return self._run(lambda core: core.match_rows(local_hashes), top_k, instances)
+
+
+def _same_core(idx: ViewIndex, address: int) -> bool:
+    try:
+        return bool(idx.core.address() == address)
+    except _index.IndexClosedError:
+        return False
 
 
 class SharedView:
@@ -278,7 +325,10 @@ class SharedView:
             indexes = {}
             for m, t, state, groups in doc.indexes:
                 core = _index.attach_core(state, self.lock, gen_addr, gen)
-                indexes[(m, t)] = ViewIndex(self, m, t, core, [tuple(g) for g in groups])
+                old = self.indexes.get((m, t))
+                # the names of an index that only grew are kept (group ids only append)
+                names = old.names if old is not None and _same_core(old, state) else None
+                indexes[(m, t)] = ViewIndex(self, m, t, core, [tuple(g) for g in groups], names)
             self.indexes = indexes
             self.block_sizes = {(m, t): frozenset(s) for m, t, s in doc.block_sizes}
             self.lora_seeds = {(m, t): frozenset(s) for m, t, s in doc.lora_seeds}

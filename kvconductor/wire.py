@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import msgspec
@@ -55,9 +55,11 @@ __all__ = [
     "IMPL",
     "WireError",
     "encode_error",
+    "c_encode_result",
     "encode_result",
     "is_msgpack_content_type",
     "parse_query",
+    "parse_query_ext",
     "py_encode_error",
     "py_encode_result",
     "py_parse_query",
@@ -91,6 +93,9 @@ class _TokensMap(msgspec.Struct):
     token_ids: msgspec.Raw
     tenant_id: str | None = DEFAULT_TENANT
     lora_name: str | None = None
+    # extension fields: any value here, checked by _extension() when asked for
+    top_k: Any = None
+    instances: Any = None
 
 
 class _TokensArray(_TokensMap, array_like=True):
@@ -103,6 +108,8 @@ class _HashesMap(msgspec.Struct, kw_only=True):
     block_hashes: msgspec.Raw
     tenant_id: str | None = DEFAULT_TENANT
     lora_name: str | None = None
+    top_k: Any = None
+    instances: Any = None
 
 
 class _HashesArray(msgspec.Struct, array_like=True):
@@ -111,6 +118,8 @@ class _HashesArray(msgspec.Struct, array_like=True):
     block_hashes: msgspec.Raw
     tenant_id: str | None = DEFAULT_TENANT
     lora_name: str | None = None
+    top_k: Any = None
+    instances: Any = None
 
 
 _JSON = {False: msgspec.json.Decoder(_TokensMap), True: msgspec.json.Decoder(_HashesMap)}
@@ -166,14 +175,30 @@ def _hashes_u64(values: list[int]) -> array:
         raise WireError("block_hashes: integer out of range (u64 expected)") from None
 
 
-def py_parse_query(
-    body: bytes, msgpack: bool, by_hash: bool
-) -> tuple[str, int, str, array, str | None]:
+def _extension(req: Any, msgpack: bool) -> tuple[int | None, list[str] | None]:
+    """``(top_k, instances)`` of a decoded request, checked like the compiled parser."""
+    null = "nil" if msgpack else "null"
+    top_k = req.top_k
+    if top_k is not None:
+        if type(top_k) is not int:
+            raise WireError(f"invalid type for `top_k`: expected an integer or {null}")
+        if not 1 <= top_k <= U32_MAX:
+            raise WireError(_wire.TOP_K_RANGE)
+    instances = req.instances
+    if instances is not None and (
+        type(instances) is not list or any(type(i) is not str for i in instances)
+    ):
+        raise WireError(f"invalid type for `instances`: expected an array of strings or {null}")
+    return top_k, instances
+
+
+def py_parse_query(body: bytes, msgpack: bool, by_hash: bool, ext: bool = False) -> tuple:
     """Parse a query body into ``(model, block_size, tenant, values, lora_name)`` with msgspec.
 
     ``values`` is ``array('I')`` of u32-truncated token ids, or ``array('Q')``
     of hashes when ``by_hash``; ``lora_name`` is ``None`` when absent, null or
-    empty. Raises :class:`WireError`.
+    empty. With ``ext`` two more items: ``top_k`` and ``instances`` (the extension
+    fields, ``None`` when absent or null). Raises :class:`WireError`.
     """
     decoder: Any = _MSGPACK[by_hash, _is_msgpack_array(body)] if msgpack else _JSON[by_hash]
     try:
@@ -189,15 +214,22 @@ def py_parse_query(
     else:
         values = _tokens_u32(_decode_ints(req.token_ids, msgpack, "token_ids"))
     tenant = DEFAULT_TENANT if req.tenant_id is None else req.tenant_id
+    if ext:
+        top_k, instances = _extension(req, msgpack)
+        return req.model, req.block_size, tenant, values, req.lora_name or None, top_k, instances
     return req.model, req.block_size, tenant, values, req.lora_name or None
 
 
-def _result_dict(hits: Sequence, tenant: str, block_size: int) -> dict:
-    return QueryResult(list(hits)).to_dict(tenant, block_size)
+def _result_dict(hits: QueryResult | Sequence, tenant: str, block_size: int) -> dict:
+    result = hits if isinstance(hits, QueryResult) else QueryResult(list(hits))
+    return result.to_dict(tenant, block_size)
 
 
-def py_encode_result(hits: Sequence, tenant: str, block_size: int, msgpack: bool) -> bytes:
-    """Encode ``QueryResult.to_dict(tenant, block_size)`` as JSON or MessagePack."""
+def py_encode_result(
+    hits: QueryResult | Sequence, tenant: str, block_size: int, msgpack: bool
+) -> bytes:
+    """Encode ``QueryResult.to_dict(tenant, block_size)`` as JSON or MessagePack
+    (``hits``: a :class:`QueryResult` or a sequence of ``DpHit`` tuples)."""
     doc = _result_dict(hits, tenant, block_size)
     return _MSGPACK_ENCODE(doc) if msgpack else _JSON_ENCODE(doc)
 
@@ -208,19 +240,26 @@ def py_encode_error(message: str, msgpack: bool) -> bytes:
     return _MSGPACK_ENCODE(doc) if msgpack else _JSON_ENCODE(doc)
 
 
+#: The compiled encoder: a :class:`QueryResult` backed by the core's rows and a compiled
+#: name table is rendered straight from the arrays (``_encode.encode_rows``); anything
+#: else through its ``DpHit`` rows (``_encode.encode_result``). Same bytes.
+c_encode_result = _encode.encode_answer
+
+
 # ---------------------------------------------------------------------------------------
 # Implementation selection
 # ---------------------------------------------------------------------------------------
 
 #: ``"c"`` when the compiled parser and encoder serve, ``"py"`` for the oracle.
 IMPL = kvconductor.IMPL
+encode_result: Callable[[Any, str, int, bool], bytes]
 if IMPL == "py":
     _parse_impl = py_parse_query
     encode_result = py_encode_result
     encode_error = py_encode_error
 else:
     _parse_impl = _wire.parse_query
-    encode_result = _encode.encode_result
+    encode_result = c_encode_result
     encode_error = _encode.encode_error
 
 
@@ -230,14 +269,37 @@ def parse_query(
     """Parse a ``/query`` (or ``/query_by_hash``) body; see :func:`py_parse_query`.
 
     Also enforces ``block_size`` in ``[1, 2**32)`` for ``/query`` and in
-    ``[0, 2**32)`` for ``/query_by_hash`` (where it is ignored).
+    ``[0, 2**32)`` for ``/query_by_hash`` (where it is ignored). The extension
+    fields are skipped (:func:`parse_query_ext` reads them).
     """
+    model, block_size, tenant, values, lora_name = _parse_checked(body, msgpack, by_hash, False)
+    return model, block_size, tenant, values, lora_name
+
+
+def parse_query_ext(
+    body: bytes, msgpack: bool, by_hash: bool
+) -> tuple[str, int, str, array, str | None, int | None, list[str] | None]:
+    """:func:`parse_query` plus the extension fields: ``(model, block_size, tenant,
+    values, lora_name, top_k, instances)``, ``top_k`` in ``[1, 2**32)`` or ``None``,
+    ``instances`` a list of names (each at most ``NAME_MAX`` characters) or ``None``."""
+    out = _parse_checked(body, msgpack, by_hash, True)
+    instances = out[6]
+    if instances is not None:
+        for i, name in enumerate(instances):
+            if len(name) > NAME_MAX:
+                raise WireError(name_too_long(f"$.instances[{i}]"))
+    model, block_size, tenant, values, lora_name, top_k, _ = out
+    return model, block_size, tenant, values, lora_name, top_k, instances
+
+
+def _parse_checked(body: bytes, msgpack: bool, by_hash: bool, ext: bool) -> tuple:
     try:
-        model, block_size, tenant, values, lora_name = _parse_impl(body, msgpack, by_hash)
+        out = _parse_impl(body, msgpack, by_hash, ext)
     except WireError:
         raise
     except (ValueError, TypeError, OverflowError) as ex:
         raise WireError(str(ex)) from None
+    model, block_size, tenant, values, lora_name = out[:5]
     if not 0 <= block_size <= U32_MAX:
         raise WireError(f"block_size {block_size} is out of range (u32 expected)")
     if block_size < 1 and not by_hash:
@@ -248,4 +310,4 @@ def parse_query(
         raise WireError(name_too_long("$.tenant_id"))
     if lora_name is not None and len(lora_name) > NAME_MAX:
         raise WireError(name_too_long("$.lora_name"))
-    return model, block_size, tenant, values, lora_name
+    return out

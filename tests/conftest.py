@@ -80,6 +80,7 @@ _LEAK_CHECKED = {
     "test_index_concurrency",
     "test_differential",
     "test_ingest",
+    "test_answers",
 }
 _COUNTED = ("kvconductor._tree", "kvconductor._lower", "kvconductor._index", "kvconductor._ingest")
 

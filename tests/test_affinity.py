@@ -420,3 +420,44 @@ def test_no_legacy_keys_no_warning(caplog):
 def test_migrated_invalid_value_fails_validation():
     with pytest.raises(ValueError, match="load_weight"):
         KvAffinityConfig.from_scheduler_config({"kv_affinity_load_weight": -2})
+
+
+# -- query_options: what to ask the conductor for one ranking --------------------------------
+def _cut_answer(answer, instances):
+    """The answer a server gives with ``instances`` (docs/api.md, "top_k and instances")."""
+    return {t: {i: v for i, v in m.items() if i in instances} for t, m in answer.items()}
+
+
+def test_query_options_name_the_candidates():
+    from kvconductor.affinity import query_options
+
+    cands = [("a", 0, 5.0), ("b", 1, 1.0), ("a", 1, 2.0), ("c", 0, 0.5)]
+    assert query_options(cands) == {"instances": ["a", "b", "c"]}
+    assert query_options(cands, top_k=0) == {"instances": ["a", "b", "c"], "top_k": 1}
+    gated = KvAffinityConfig(mode="load_gated", load_gate_topn=2)
+    # the two least loaded: c (0.5) and b (1.0)
+    assert query_options(cands, gated) == {"instances": ["c", "b"]}
+    assert query_options([]) == {"instances": []}
+
+
+@pytest.mark.parametrize("mode", ["unified", "load_gated"])
+def test_rank_over_the_filtered_answer_is_the_rank_over_the_whole_answer(mode):
+    import random
+
+    from kvconductor.affinity import query_options
+
+    rng = random.Random(5)
+    cfg = KvAffinityConfig(mode=mode, load_gate_topn=3)
+    for _ in range(200):
+        answer = {"default": {}}
+        for i in range(rng.randrange(0, 30)):
+            dps = {str(d): dp(rng.randrange(0, 4), rng.randrange(0, 2)) for d in range(2)}
+            best = max(v["matched_tokens"] for v in dps.values())
+            answer["default"][f"i{i}"] = {"longest_matched": best, "DP": dps}
+        cands = [
+            (f"i{rng.randrange(0, 40)}", rng.randrange(0, 2), float(rng.randrange(0, 9)))
+            for _ in range(rng.randrange(1, 8))
+        ]
+        want = rank(answer, cands, ISL, BS, cfg)
+        opts = query_options(cands, cfg)
+        assert rank(_cut_answer(answer, set(opts["instances"])), cands, ISL, BS, cfg) == want

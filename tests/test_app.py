@@ -90,7 +90,7 @@ def wire_impl(request, monkeypatch):
     """Run a test over the msgspec wire twin ("py") and the compiled one ("c")."""
     if request.param == "c":
         monkeypatch.setattr(wire, "_parse_impl", _wire.parse_query)
-        monkeypatch.setattr(app_module, "encode_result", _encode.encode_result)
+        monkeypatch.setattr(app_module, "encode_result", wire.c_encode_result)
         monkeypatch.setattr(app_module, "encode_error", _encode.encode_error)
     else:
         monkeypatch.setattr(wire, "_parse_impl", wire.py_parse_query)

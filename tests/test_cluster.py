@@ -35,6 +35,7 @@ from test_server import (  # the single-process tests, run here with --workers 2
     test_health_on_dual_stack_default_host,
     test_json_and_msgpack_end_to_end,
     test_large_msgpack_query,
+    test_top_k_and_instances_over_http,
 )
 from test_server_zmq import register_engine
 
@@ -55,6 +56,7 @@ __all__ = [
     "test_health_on_dual_stack_default_host",
     "test_json_and_msgpack_end_to_end",
     "test_large_msgpack_query",
+    "test_top_k_and_instances_over_http",
 ]
 
 MSGPACK = "application/msgpack"
@@ -881,3 +883,62 @@ def test_workers_killed_during_queries_never_wedge_ingest(tmp_path):
         assert metric(text, "kvconductor_worker_processes") == 2
         full = _query_over_new_connection(srv.url, doc[: bs * 1000], bs)
         assert full["default"]["big"]["DP"]["0"]["npu_blocks"] == 1000
+
+
+def _many_holders(url: str, n: int, bs: int, tokens: list[int]) -> None:
+    """``n`` engines (instance ``e<i % 7>``, DP ``i // 7``) registered for model ``many``,
+    engine i holding the first 1 + i % 5 blocks of ``tokens`` (some on CPU)."""
+    for i in range(n):
+        iid, dp = f'e{i % 7}\u00e9"q', i // 7
+        body = {"instance_id": iid, "type": "vLLM", "modelname": "many", "block_size": bs}
+        r = httpx.post(f"{url}/register", json={**body, "dp_rank": dp}, timeout=10)
+        assert r.status_code == 201, r.text
+        blocks = 1 + i % 5
+        ev = {
+            "event_id": 1,
+            "dp_rank": dp,
+            "type": "BlockStored",
+            "block_hashes": [10_000 * (i + 1) + b for b in range(blocks)],
+            "token_ids": tokens[: bs * blocks],
+            "block_size": bs,
+            "medium": "cpu" if i % 3 == 2 else "GPU",
+        }
+        r = httpx.post(f"{url}/events", json={"instance_id": iid, "events": [ev]}, timeout=10)
+        assert r.json()["events_applied"] == 1, r.text
+
+
+def _answer_bytes(url: str, tokens: list[int], bs: int) -> list[tuple[int, bytes]]:
+    """Raw answers of /query and /query_by_hash, JSON and msgpack, with and without the
+    extension fields, each over a new connection (so both workers answer some)."""
+    hashes = list(hash_blocks(tokens, bs))
+    extras = [{}, {"top_k": 1}, {"top_k": 4}, {"instances": ['e1\u00e9"q', "zz"]}, {"top_k": 0}]
+    out = []
+    for extra in extras:
+        for path, body in (
+            ("/query", {"model": "many", "block_size": bs, "token_ids": tokens, **extra}),
+            ("/query_by_hash", {"model": "many", "block_hashes": hashes, **extra}),
+        ):
+            for mp in (False, True):
+                enc = msgspec.msgpack.encode if mp else msgspec.json.encode
+                ct = MSGPACK if mp else "application/json"
+                r = httpx.post(
+                    url + path, content=enc(body), headers={"content-type": ct}, timeout=30
+                )
+                out.append((r.status_code, r.content))
+    return out
+
+
+def test_answers_identical_to_one_process(tmp_path):
+    """The answers of --workers 2 (rendered from the shared index's rows in the worker
+    processes) are byte for byte those of one process, with many holders per block."""
+    bs = 4
+    tokens = list(range(100, 124))
+    with running(tmp_path) as one, running(tmp_path, "--workers", "2") as many:
+        wait_workers(many, 2)
+        for srv in (one, many):
+            _many_holders(srv.url, 60, bs, tokens)
+        want = _answer_bytes(one.url, tokens, bs)
+        assert [c for c, _ in want] == [200] * 16 + [400] * 4
+        assert len(msgspec.json.decode(want[0][1])["default"]) == 7  # every instance
+        for _ in range(3):
+            assert _answer_bytes(many.url, tokens, bs) == want

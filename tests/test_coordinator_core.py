@@ -112,3 +112,34 @@ def test_the_affinity_module_and_the_old_names_stay_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_query_plans_send_top_k_and_instances_only_when_set():
+    for enc, decode in (("json", msgspec.json.decode), ("msgpack", msgspec.msgpack.decode)):
+        core = ConductorCore("conductor:13333", query_encoding=enc)
+        _, plain = resume(core.query_plan("qwen", [1, 2], 4))
+        assert "top_k" not in decode(plain.content) and "instances" not in decode(plain.content)
+        _, req = resume(core.query_plan("qwen", [1, 2], 4, top_k=8, instances=("a", "b")))
+        assert decode(req.content) == {
+            "model": "qwen",
+            "block_size": 4,
+            "token_ids": [1, 2],
+            "tenant_id": "default",
+            "top_k": 8,
+            "instances": ["a", "b"],
+        }
+        _, req = resume(core.query_by_hash_plan("qwen", [5, 6], instances=[]))
+        assert req.path == "/query_by_hash"
+        assert decode(req.content) == {
+            "model": "qwen",
+            "block_size": 1,
+            "block_hashes": [5, 6],
+            "tenant_id": "default",
+            "instances": [],
+        }
+        _, req = resume(core.query_by_hash_plan("qwen", [5], top_k=1))
+        assert decode(req.content)["top_k"] == 1
+    core = ConductorCore("conductor:13333")
+    for bad in ({"top_k": 0}, {"top_k": -2}, {"top_k": True}, {"instances": "ab"}):
+        with pytest.raises(ValueError):
+            resume(core.query_plan("qwen", [1], 4, **bad))

@@ -707,6 +707,33 @@ class CoreMachine(_Pair):
         toks = array("I", tokens) if tb else tokens
         self.both("match_tokens", toks, BS)
 
+    # answers: the compact rows of both cores, and their selection (an instances filter as a
+    # group mask, then top_k), also against the definition: a row stays when fewer than k
+    # of the candidates have strictly more blocks
+    @rule(
+        q=QUERY,
+        b=BUF,
+        tokens=TOKENS,
+        k=st.one_of(st.none(), st.integers(1, 5)),
+        keep=st.one_of(st.none(), st.sets(st.integers(0, 7))),
+    )
+    def answer_rows(self, q, b, tokens, k, keep):
+        mask = None if keep is None else bytes(int(g in keep) for g in range(6))
+        for name, args in (("match_rows", (buf(q, b),)), ("match_tokens_rows", (tokens, BS))):
+            rc, rp = (getattr(core, name)(*args) for core in (self.c, self.py))
+            assert rc.tolist() == rp.tolist() == getattr(self.py, name[:-5])(*args), args
+            assert rc.sums() == rp.sums() and rc.last_group() == rp.last_group()
+            sel = rc.select(k, mask).tolist()
+            assert sel == rp.select(k, mask).tolist(), (args, k, keep)
+            cand = [r for r in rc.tolist() if mask is None or (r[0] < len(mask) and mask[r[0]])]
+            tot = [sum(r[1:]) for r in cand]
+            want = [
+                r
+                for r, t in zip(cand, tot, strict=True)
+                if k is None or sum(u > t for u in tot) < k
+            ]
+            assert sel == want
+
     # explain: the trace of both cores agrees, and its per-group counts are match's
     def traced(self, q):
         got = self.both("trace", q)

@@ -19,6 +19,8 @@ import httpx
 import msgspec
 import pytest
 
+from kvconductor._hash import hash_blocks
+
 pytestmark = pytest.mark.server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -725,3 +727,105 @@ def test_worker_servers_trim_their_heap_every_trim_secs(monkeypatch):
         calls.clear()
         asyncio.run(ticks(server, n))
         assert len(calls) == expected
+
+
+def _topk_fixture(http: httpx.Client) -> tuple[list[int], dict]:
+    """Six (instance, DP) groups of model ``topk`` holding 1..5 blocks of one prompt:
+    a/0 5, a/1 2, b/0 4, c/0 4, d/0 1, e/0 3 blocks (HBM); returns the prompt and the
+    full V3 answer (block_size 4)."""
+    tokens = list(range(1, 25))  # 6 blocks of 4
+    held = {("a", 0): 5, ("a", 1): 2, ("b", 0): 4, ("c", 0): 4, ("d", 0): 1, ("e", 0): 3}
+    for n, ((iid, dp), blocks) in enumerate(held.items()):
+        r = register(http, instance_id=iid, dp_rank=dp, modelname="topk")
+        assert r.status_code == 201, r.text
+        ev = {
+            "event_id": 1,
+            "dp_rank": dp,
+            "type": "BlockStored",
+            "block_hashes": [1000 * (n + 1) + b for b in range(blocks)],
+            "token_ids": tokens[: 4 * blocks],
+            "block_size": 4,
+        }
+        r = http.post("/events", json={"instance_id": iid, "events": [ev]})
+        assert r.json() == {"status": "ok", "events_applied": 1}, r.text
+    full: dict = {}
+    for (iid, dp), blocks in held.items():
+        inst = full.setdefault(iid, {"longest_matched": 0, "DP": {}})
+        inst["DP"][str(dp)] = {
+            "matched_tokens": 4 * blocks,
+            "npu_blocks": blocks,
+            "cpu_blocks": 0,
+            "disk_blocks": 0,
+        }
+        inst["longest_matched"] = max(inst["longest_matched"], 4 * blocks)
+    return tokens, full
+
+
+def _cut(full: dict, keep: set) -> dict:
+    out = {}
+    for iid, inst in full.items():
+        dps = {dp: v for dp, v in inst["DP"].items() if (iid, int(dp)) in keep}
+        if dps:
+            best = max(v["matched_tokens"] for v in dps.values())
+            out[iid] = {"longest_matched": best, "DP": dps}
+    return out
+
+
+def test_top_k_and_instances_over_http(server):
+    http = server.http
+    tokens, full = _topk_fixture(http)
+    try:
+        q = {"model": "topk", "block_size": 4, "token_ids": tokens}
+        # without the extension: exactly the V3 answer, every (instance, DP)
+        assert http.post("/query", json=q).json() == {"default": full}
+        full_keys = {("a", 0), ("a", 1), ("b", 0), ("c", 0), ("d", 0), ("e", 0)}
+        # top_k=1: a/0 (5 blocks); top_k=2: b/0 and c/0 tie at the 2nd depth (4 blocks)
+        cases = [
+            ({"top_k": 1}, {("a", 0)}),
+            ({"top_k": 2}, {("a", 0), ("b", 0), ("c", 0)}),
+            ({"top_k": 3}, {("a", 0), ("b", 0), ("c", 0)}),
+            ({"top_k": 100}, full_keys),
+            ({"instances": ["a", "d", "nobody"]}, {("a", 0), ("a", 1), ("d", 0)}),
+            ({"instances": ["d", "e"], "top_k": 1}, {("e", 0)}),
+            ({"instances": []}, set()),
+            ({"top_k": None, "instances": None}, full_keys),
+        ]
+        for extra, keep in cases:
+            want = {"default": _cut(full, keep)}
+            r = http.post("/query", json={**q, **extra})
+            assert r.status_code == 200 and r.json() == want, extra
+            code, ct, doc = msgpack_post(http, "/query", {**q, **extra})
+            assert (code, ct, doc) == (200, "application/msgpack", want), extra
+            # the positional form: top_k and instances are the 6th and 7th elements
+            row = ["topk", 4, tokens, None, None, extra.get("top_k"), extra.get("instances")]
+            assert msgpack_post(http, "/query", row)[2] == want, extra
+            # /query_by_hash: the same rows, counts in blocks
+            hq = {"model": "topk", "block_hashes": list(hash_blocks(tokens, 4)), **extra}
+            code, _, doc = msgpack_post(http, "/query_by_hash", hq)
+            assert code == 200
+            assert {i: v["longest_matched"] for i, v in doc["default"].items()} == {
+                i: v["longest_matched"] // 4 for i, v in want["default"].items()
+            }
+        # bad values: 400 with {"error": ...} in the request's encoding
+        for extra, detail in (
+            ({"top_k": 0}, "top_k must be between 1 and 4294967295"),
+            ({"top_k": -3}, "top_k must be between 1 and 4294967295"),
+            ({"top_k": "2"}, "invalid type for `top_k`: expected an integer or null"),
+            (
+                {"instances": "a"},
+                "invalid type for `instances`: expected an array of strings or null",
+            ),
+        ):
+            r = http.post("/query", json={**q, **extra})
+            assert r.status_code == 400
+            assert r.json() == {"error": f"invalid JSON request body: {detail}"}
+            code, ct, doc = msgpack_post(http, "/query_by_hash", {**hq, **extra})
+            assert (code, ct) == (400, "application/msgpack")
+            assert doc == {
+                "error": "invalid msgpack request body: " + detail.replace("null", "nil")
+            }
+        assert http.get("/health").text == "OK"  # still serving
+    finally:
+        for iid, dp in (("a", 0), ("a", 1), ("b", 0), ("c", 0), ("d", 0), ("e", 0)):
+            body = {"instance_id": iid, "type": "vLLM", "modelname": "topk", "block_size": 4}
+            http.post("/unregister", json={**body, "dp_rank": dp})

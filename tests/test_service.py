@@ -802,3 +802,37 @@ def test_trim_heap_returns_freed_memory_to_the_system():
     assert held > 120_000_000, held  # freed, yet still resident
     assert after < held / 3, (held, after)
     assert kept == 2500
+
+
+_MALLINFO = """
+import ctypes, sys
+from kvconductor.service import tune_malloc
+class MI(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+mallinfo2 = ctypes.CDLL(None).mallinfo2
+mallinfo2.restype = MI
+tuned = sys.argv[1] == "1" and tune_malloc()
+before = mallinfo2().hblkhd
+buf = bytearray(4 << 20)
+print(int(tuned), mallinfo2().hblkhd - before)
+"""
+
+
+def test_tune_malloc_keeps_large_answers_in_the_heap():
+    """A 4 MiB buffer (a large answer) is a fresh mmap with glibc's defaults and comes
+    from the heap once tuned (freed pages are reused instead of faulted in again)."""
+    import ctypes
+    import subprocess
+
+    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
+        pytest.skip("not glibc >= 2.33")
+    out = {}
+    for tuned in ("0", "1"):
+        r = subprocess.run(
+            [sys.executable, "-c", _MALLINFO, tuned], capture_output=True, text=True, check=True
+        )
+        out[tuned] = tuple(int(x) for x in r.stdout.split())
+    assert out["0"][0] == 0 and out["0"][1] >= 4 << 20  # mmapped
+    assert out["1"] == (1, 0)  # tuned: from the heap

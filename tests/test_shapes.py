@@ -35,11 +35,14 @@ def test_positional_order_is_the_schema_order():
             "block_hashes": [5],
             "tenant_id": "t",
             "lora_name": "l",
+            "top_k": 3,
+            "instances": ["a", "b"],
         }
         body = msgspec.msgpack.encode([row[n] for n in names])
-        assert _wire.parse_query(body, True, by_hash) == wire.py_parse_query(
-            msgspec.msgpack.encode(row), True, by_hash
-        )
+        for ext in (False, True):
+            got = _wire.parse_query(body, True, by_hash, ext)
+            assert got == wire.py_parse_query(msgspec.msgpack.encode(row), True, by_hash, ext)
+            assert got[5:] == ((3, ["a", "b"]) if ext else ())
 
 
 def test_encoded_response_keys_are_the_schema():

@@ -10,6 +10,7 @@ reference for ``encode_result`` is ``msgspec.{json,msgpack}.encode`` of
 from __future__ import annotations
 
 import json
+import re
 import struct
 from array import array
 
@@ -1200,3 +1201,121 @@ def test_read_u32_array_takes_raw_and_memoryview():
     raw = msgspec.Raw(msgspec.msgpack.encode([1, 2**32 + 3, -1]))
     assert list(_wire.read_u32_array(raw)) == [1, 3, 2**32 - 1]
     assert list(_wire.read_u32_array(memoryview(bytes(raw)))) == [1, 3, 2**32 - 1]
+
+
+# ---------------------------------------------------------------------------------------
+# extension fields: top_k and instances (docs/api.md, "top_k and instances"), ext=True only
+# ---------------------------------------------------------------------------------------
+def _both_ext(body, mp, by_hash):
+    """The compiled parser and the oracle, with ext: equal results or both WireError."""
+    from kvconductor import wire
+
+    try:
+        got = parse_query(body, mp, by_hash, True)
+    except WireError as ex:
+        with pytest.raises(wire.WireError):
+            wire.py_parse_query(body, mp, by_hash, True)
+        raise ex
+    assert wire.py_parse_query(body, mp, by_hash, True) == got
+    return got
+
+
+def test_extension_fields_map_forms():
+    base = {"model": "m", "block_size": 4, "token_ids": [1, 2]}
+    for mp in (False, True):
+        enc = msgspec.msgpack.encode if mp else msgspec.json.encode
+        got = _both_ext(enc({**base, "top_k": 8, "instances": ["a", "b\u00e9"]}), mp, False)
+        assert got == ("m", 4, "default", array("I", [1, 2]), None, 8, ["a", "b\u00e9"])
+        got = _both_ext(enc({**base, "top_k": None, "instances": None}), mp, False)
+        assert got[5:] == (None, None)
+        assert _both_ext(enc(base), mp, False)[5:] == (None, None)
+        assert _both_ext(enc({**base, "instances": []}), mp, False)[5:] == (None, [])
+        assert _both_ext(enc({**base, "top_k": U32}), mp, False)[5] == U32
+        h = {"model": "m", "block_hashes": [U64], "top_k": 1, "instances": ["x"]}
+        assert _both_ext(enc(h), mp, True) == ("m", 0, "default", array("Q", [U64]), None, 1, ["x"])
+        # without ext the fields are skipped like unknown ones, whatever their value
+        bad = enc({**base, "top_k": "x", "instances": 3})
+        assert parse_query(bad, mp, False) == ("m", 4, "default", array("I", [1, 2]), None)
+
+
+def test_extension_fields_positional_form():
+    body = msgspec.msgpack.encode(["m", 4, [1], None, None, 2, ["a"], {"later": 1}])
+    assert _both_ext(body, True, False) == ("m", 4, "default", array("I", [1]), None, 2, ["a"])
+    body = msgspec.msgpack.encode(["m", 4, struct.pack("<2I", 7, 8), "t", "l", None])
+    assert _both_ext(body, True, False) == ("m", 4, "t", array("I", [7, 8]), "l", None, None)
+    assert parse_query(body, True, False) == ("m", 4, "t", array("I", [7, 8]), "l")
+    body = msgspec.msgpack.encode(["m", 0, [5], None, None, 1])
+    assert _both_ext(body, True, True) == ("m", 0, "default", array("Q", [5]), None, 1, None)
+    # ext without the extension elements
+    body = msgspec.msgpack.encode(["m", 4, [1]])
+    assert _both_ext(body, True, False)[5:] == (None, None)
+
+
+EXT_BAD = [
+    ({"top_k": 0}, "top_k must be between 1 and 4294967295"),
+    ({"top_k": -1}, "top_k must be between 1 and 4294967295"),
+    ({"top_k": 2**32}, "top_k must be between 1 and 4294967295"),
+    ({"top_k": 2**63}, "top_k must be between 1 and 4294967295"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"top_k": "3"}, "invalid type for `top_k`"),
+    ({"top_k": True}, "top_k"),
+    ({"top_k": [1]}, "invalid type for `top_k`"),
+    ({"instances": "a"}, "invalid type for `instances`"),
+    ({"instances": [1]}, "instances"),
+    ({"instances": ["a", None]}, "instances"),
+    ({"instances": {"a": 1}}, "invalid type for `instances`"),
+    ({"instances": [["a"]]}, "instances"),
+]
+
+
+@pytest.mark.parametrize("extra,fragment", EXT_BAD)
+@pytest.mark.parametrize("mp", [False, True])
+def test_extension_fields_bad_values(extra, fragment, mp):
+    enc = msgspec.msgpack.encode if mp else msgspec.json.encode
+    body = enc({"model": "m", "block_size": 4, "token_ids": [1], **extra})
+    with pytest.raises(WireError, match=re.escape(fragment)):
+        _both_ext(body, mp, False)
+
+
+def test_extension_fields_bad_positional_and_raw():
+    for body in (
+        msgspec.msgpack.encode(["m", 4, [1], None, None, "x"]),
+        msgspec.msgpack.encode(["m", 4, [1], None, None, 0]),
+        msgspec.msgpack.encode(["m", 4, [1], None, None, None, [b"a"]]),
+        msgspec.msgpack.encode(["m", 4, [1], None, None, None, "a"]),
+    ):
+        with pytest.raises(WireError):
+            _both_ext(body, True, False)
+    for body in (
+        b'{"model":"m","block_size":4,"token_ids":[1],"top_k":01}',
+        b'{"model":"m","block_size":4,"token_ids":[1],"top_k":1e1}',
+        b'{"model":"m","block_size":4,"token_ids":[1],"instances":["a",]}',
+        b'{"model":"m","block_size":4,"token_ids":[1],"instances":["\\ud800"]}',
+        b'{"model":"m","block_size":4,"token_ids":[1],"instances":["a" "b"]}',
+    ):
+        with pytest.raises(WireError):
+            _both_ext(body, False, False)
+
+
+@pytest.mark.parametrize("mp", [False, True])
+def test_extension_body_truncated_at_every_offset(mp):
+    d = {"model": "m", "block_size": 4, "token_ids": [1], "top_k": 300, "instances": ["ab", "c"]}
+    body = msgspec.msgpack.encode(d) if mp else msgspec.json.encode(d)
+    assert parse_query(body, mp, False, True)[5:] == (300, ["ab", "c"])
+    for i in range(len(body)):
+        with pytest.raises(WireError):
+            parse_query(body[:i], mp, False, True)
+
+
+def test_extension_instance_names_are_bounded():
+    from kvconductor import wire
+    from kvconductor.schema import NAME_MAX
+
+    ok = msgspec.json.encode({"model": "m", "block_size": 1, "token_ids": [], "instances": ["a"]})
+    assert wire.parse_query_ext(ok, False, False)[6] == ["a"]
+    long = msgspec.json.encode(
+        {"model": "m", "block_size": 1, "token_ids": [], "instances": ["a", "x" * (NAME_MAX + 1)]}
+    )
+    with pytest.raises(wire.WireError, match=re.escape("$.instances[1]")):
+        wire.parse_query_ext(long, False, False)
+    assert wire.parse_query(long, False, False)[0] == "m"  # skipped without ext

@@ -71,6 +71,12 @@ def _field(draw, name, by_hash, good):
         return draw(good_sizes if good else st.one_of(ints, scalars))
     if name in ("token_ids", "block_hashes"):
         return draw((good_hashes if by_hash else good_tokens) if good else values)
+    if name == "top_k":
+        good_k = st.one_of(st.none(), st.integers(1, 2**32 - 1))
+        return draw(good_k if good else st.one_of(ints, scalars, texts))
+    if name == "instances":
+        good_i = st.one_of(st.none(), st.lists(texts, max_size=3))
+        return draw(good_i if good else st.one_of(good_i, scalars, nested))
     return draw(good_names if good else st.one_of(st.none(), texts, scalars, nested))
 
 
@@ -126,10 +132,15 @@ def bodies(draw):
     return body, msgpack, by_hash
 
 
-def _parse(impl, body, msgpack, by_hash):
+def _parse(impl, body, msgpack, by_hash, ext=False):
     saved = wire._parse_impl
     wire._parse_impl = impl
     try:
+        if ext:
+            model, bs, tenant, vals, lora, top_k, insts = wire.parse_query_ext(
+                body, msgpack, by_hash
+            )
+            return ("ok", model, bs, tenant, vals.typecode, list(vals), lora, top_k, insts)
         model, bs, tenant, vals, lora = wire.parse_query(body, msgpack, by_hash)
         return ("ok", model, bs, tenant, vals.typecode, list(vals), lora)
     except wire.WireError:
@@ -139,9 +150,10 @@ def _parse(impl, body, msgpack, by_hash):
 
 
 def _assert_same(body, msgpack, by_hash):
-    assert _parse(_wire.parse_query, body, msgpack, by_hash) == _parse(
-        wire.py_parse_query, body, msgpack, by_hash
-    ), body
+    for ext in (False, True):
+        assert _parse(_wire.parse_query, body, msgpack, by_hash, ext) == _parse(
+            wire.py_parse_query, body, msgpack, by_hash, ext
+        ), (body, ext)
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))

@@ -47,6 +47,97 @@ END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED, MUTED = (
 )
 
 
+U32_MAX = 2**32 - 1
+
+
+class MatchRows:
+    """Twin of ``kvconductor._index.MatchRows``: the rows ``(group, npu, cpu, disk)`` of one
+    answer by increasing group, here a plain list of tuples."""
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows=()) -> None:
+        out = []
+        prev = -1
+        for row in rows:
+            g, a, b, c = (int(v) for v in row)
+            for v in (g, a, b, c):
+                if not 0 <= v <= U32_MAX:
+                    raise OverflowError(f"MatchRows: {v} is not a u32")
+            if g <= prev:
+                raise ValueError("MatchRows: group ids must strictly increase")
+            prev = g
+            out.append((g, a, b, c))
+        self._rows = out
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __repr__(self) -> str:
+        return f"MatchRows({self._rows!r})"
+
+    def tolist(self) -> list[tuple[int, int, int, int]]:
+        return list(self._rows)
+
+    def sums(self) -> tuple[int, int, int]:
+        return (
+            sum(r[1] for r in self._rows),
+            sum(r[2] for r in self._rows),
+            sum(r[3] for r in self._rows),
+        )
+
+    def last_group(self) -> int:
+        return self._rows[-1][0] if self._rows else -1
+
+    def select(self, top_k: int | None = None, groups: bytes | None = None) -> MatchRows:
+        """Same rule as the compiled one, by sorting: the mask first, then every row whose
+        total is at least the ``top_k``-th largest total."""
+        rows = self._rows
+        if groups is not None:
+            rows = [r for r in rows if r[0] < len(groups) and groups[r[0]]]
+        if top_k is not None:
+            if top_k < 1:
+                raise ValueError(f"top_k must be at least 1, not {top_k}")
+            if top_k < len(rows):
+                kth = sorted((r[1] + r[2] + r[3] for r in rows), reverse=True)[top_k - 1]
+                rows = [r for r in rows if r[1] + r[2] + r[3] >= kth]
+        out = MatchRows()
+        out._rows = list(rows)
+        return out
+
+
+class PyGroupNames:
+    """Twin of ``kvconductor._encode.GroupNames`` for the pure-Python path: the names
+    only (the msgspec encoder needs no pre-encoded bytes)."""
+
+    __slots__ = ("keys", "_inst")
+
+    def __init__(self) -> None:
+        self.keys: list[tuple[str, int]] = []
+        self._inst: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def nbytes(self) -> int:
+        return 0
+
+    def add(self, instance_id: str, dp_rank: int) -> int:
+        if not isinstance(instance_id, str):
+            raise TypeError(f"instance_id must be a str, not {type(instance_id).__name__}")
+        g = len(self.keys)
+        self.keys.append((instance_id, dp_rank))
+        self._inst.setdefault(instance_id, []).append(g)
+        return g
+
+    def instances_mask(self, instance_ids) -> bytes:
+        out = bytearray(len(self.keys))
+        for name in instance_ids:
+            for g in self._inst.get(name, ()):
+                out[g] = 1
+        return bytes(out)
+
+
 class CoreIndex:
     """HBM tree + CPU and Disk tiers + two-phase offload/pool state."""
 
@@ -311,6 +402,13 @@ class CoreIndex:
     ) -> list[tuple[int, int, int, int]]:
         """:meth:`match` over the LocalBlockHashes of ``tokens``; block_size 0 matches nothing."""
         return self.match(list(hash_blocks(tokens, block_size, seed)))
+
+    def match_rows(self, local_hashes) -> MatchRows:
+        """:meth:`match` as :class:`MatchRows` (the compiled core's answer type)."""
+        return MatchRows(self.match(local_hashes))
+
+    def match_tokens_rows(self, tokens, block_size: int, seed: int = 1337) -> MatchRows:
+        return MatchRows(self.match_tokens(tokens, block_size, seed))
 
     def trace(self, local_hashes) -> list[tuple[int, int, int]]:
         """``[(worker, reach, stop)]`` for every declared worker, by worker id

@@ -45,6 +45,7 @@ __all__ = [
     "affinity_matched",
     "needs_query",
     "migrate_legacy_keys",
+    "query_options",
     "score_candidates",
     "rank",
 ]
@@ -287,6 +288,35 @@ def score_candidates(
         matched = min(aff, isl) if isl > 0 else 0
         prefill = max(0.0, isl - cfg.overlap_credit * matched)
         out.append(Scored(iid, dp, matched, load, prefill))
+    return out
+
+
+def query_options(
+    candidates: Iterable[Candidate | Sequence[Any]],
+    config: KvAffinityConfig | None = None,
+    *,
+    top_k: int | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of ``ConductorClient.query`` / ``query_by_hash`` so that the
+    conductor answers only what :func:`rank` of these ``candidates`` reads (extension
+    fields, docs/api.md "top_k and instances"): ``instances``, the candidates' instance
+    ids in first-seen order (in ``load_gated`` mode those of the ``load_gate_topn``
+    least-loaded candidates only, the only ones ranked). With a prefix held by thousands
+    of engines the answer then lists the candidates, not every holder; the ranking is the
+    same as over the whole answer.
+
+    ``top_k`` (optional) also asks for only the ``top_k`` deepest (instance, DP) rows
+    among them (ties at that depth included): cheaper still, but a candidate cut by it
+    ranks as an unreported one (a zero match), so only use it when matched depth decides.
+    """
+    cfg = config or _DEFAULT_CONFIG
+    cands = [(c[0], float(c[2])) for c in candidates]
+    if cfg.mode == MODE_LOAD_GATED:
+        # the same gate as rank(): a stable sort by load, the first load_gate_topn
+        cands = sorted(cands, key=lambda c: c[1])[: cfg.effective_topn]
+    out: dict[str, Any] = {"instances": list(dict.fromkeys(iid for iid, _ in cands))}
+    if top_k is not None:
+        out["top_k"] = max(1, int(top_k))
     return out
 
 

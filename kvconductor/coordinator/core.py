@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -50,7 +50,9 @@ import msgspec
 from kvconductor.coordinator.tokens import hash_list, pack_tokens, token_list
 from kvconductor.schema import (
     DEFAULT_TENANT,
+    INSTANCES_FIELD,
     LORA_FIELD,
+    TOP_K_FIELD,
     QueryByHashRequest,
     QueryRequest,
     RegisterRequest,
@@ -331,6 +333,22 @@ class ReregisterResult:
 # The core: options, request builders, answer handling and the route plans
 
 
+def _extension_fields(top_k: int | None, instances: Sequence[str] | None) -> dict[str, Any]:
+    """The extension fields of a query body that are set (docs/api.md, "top_k and
+    instances"); a ``top_k`` below 1 or a bare string as ``instances`` is a ValueError
+    here rather than a 400 from the server."""
+    out: dict[str, Any] = {}
+    if top_k is not None:
+        if isinstance(top_k, bool) or int(top_k) < 1:
+            raise ValueError(f"top_k must be at least 1, not {top_k!r}")
+        out[TOP_K_FIELD] = int(top_k)
+    if instances is not None:
+        if isinstance(instances, str):
+            raise ValueError("instances must be a sequence of instance ids, not a str")
+        out[INSTANCES_FIELD] = [str(i) for i in instances]
+    return out
+
+
 class ConductorCore:
     """Options and route plans shared by :class:`ConductorClient` and
     :class:`AsyncConductorClient` (which only send the requests)."""
@@ -400,6 +418,8 @@ class ConductorCore:
         tenant_id: str,
         packed: bool | None,
         lora_name: str | None = None,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
     ) -> Request:
         use_packed = self.packed if packed is None else bool(packed)
         if use_packed and self.query_encoding != "msgpack":
@@ -408,21 +428,33 @@ class ConductorCore:
         body: Any = QueryRequest(
             model=model, block_size=int(block_size), token_ids=tokens, tenant_id=tenant_id
         )
+        # Only sent when set, so plain queries stay byte-identical for older servers.
+        extra = _extension_fields(top_k, instances)
         if lora_name:
-            # Only sent when set, so base-model queries stay byte-identical for older servers.
-            body = {**msgspec.structs.asdict(body), LORA_FIELD: lora_name}
+            extra[LORA_FIELD] = lora_name
+        if extra:
+            body = {**msgspec.structs.asdict(body), **extra}
         return self._encoded("/query", body)
 
     def _query_by_hash_req(
-        self, model: str, block_hashes: Any, tenant_id: str, block_size: int
+        self,
+        model: str,
+        block_hashes: Any,
+        tenant_id: str,
+        block_size: int,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
     ) -> Request:
         # Always an array of integers: the server takes no packed form for hashes.
-        body = QueryByHashRequest(
+        body: Any = QueryByHashRequest(
             model=model,
             block_size=int(block_size),
             block_hashes=hash_list(block_hashes),
             tenant_id=tenant_id,
         )
+        extra = _extension_fields(top_k, instances)
+        if extra:
+            body = {**msgspec.structs.asdict(body), **extra}
         return self._encoded("/query_by_hash", body)
 
     def _encoded(self, path: str, body: Any) -> Request:
@@ -597,13 +629,20 @@ class ConductorCore:
         *,
         packed: bool | None = None,
         lora_name: str | None = None,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
     ) -> Plan[dict]:
         """``POST /query``; returns ``{tenant_id: {instance: {...}}}``. Raises ConductorError.
 
         ``lora_name`` asks for the blocks of that LoRA adapter (engines publish them with
-        ``lora_name``); ``None`` or ``""`` asks for the base model's.
+        ``lora_name``); ``None`` or ``""`` asks for the base model's. ``top_k`` and
+        ``instances`` (extension, docs/api.md "top_k and instances"): only the ``top_k``
+        deepest (instance, DP) rows, only the named instances; a server without the
+        extension ignores them (the whole V3 answer).
         """
-        req = self._query_req(model, token_ids, block_size, tenant_id, packed, lora_name)
+        req = self._query_req(
+            model, token_ids, block_size, tenant_id, packed, lora_name, top_k, instances
+        )
         data = yield from self._map_exchange(req)
         self._log_query(tenant_id, data)
         return data
@@ -619,12 +658,22 @@ class ConductorCore:
             return {}
 
     def query_by_hash_plan(
-        self, model: str, block_hashes: Any, tenant_id: str = TENANT_ID, *, block_size: int = 1
+        self,
+        model: str,
+        block_hashes: Any,
+        tenant_id: str = TENANT_ID,
+        *,
+        block_size: int = 1,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
     ) -> Plan[dict]:
-        """``POST /query_by_hash``: counts are in blocks (the server ignores ``block_size``)."""
+        """``POST /query_by_hash``: counts are in blocks (the server ignores ``block_size``);
+        ``top_k`` and ``instances`` as in :meth:`query_plan`."""
         return (
             yield from self._map_exchange(
-                self._query_by_hash_req(model, block_hashes, tenant_id, block_size)
+                self._query_by_hash_req(
+                    model, block_hashes, tenant_id, block_size, top_k, instances
+                )
             )
         )
 

@@ -1,0 +1,161 @@
+"""``bench/trace_replay.py`` on small slices: every answer of every backend equals the exact
+simulator's (no timing is asserted; ``python bench/trace_replay.py`` measures)."""
+
+import pytest
+
+from bench import trace_replay as tr
+
+pytestmark = pytest.mark.benchmark(group="trace")
+
+
+def test_generator_is_seeded_and_has_the_conversation_shape():
+    a = tr.generate("conversation", seed=3, requests=600)
+    assert a == tr.generate("conversation", seed=3, requests=600)
+    assert a != tr.generate("conversation", seed=4, requests=600)
+    s = tr.trace_stats(a)
+    assert s["requests"] == 600
+    assert s["first_blocks"] == 1  # a system prompt every request starts with
+    assert s["first_block_max_share"] == 600
+    assert s["two_block_prefix_max_share"] <= tr.SHAPES["conversation"].max_session
+    assert s["blocks_max"] <= tr.SHAPES["conversation"].max_blocks
+    assert [r.timestamp for r in a] == sorted(r.timestamp for r in a)
+    for r in a:  # input_length fills the blocks: the last one partly
+        assert (len(r.hash_ids) - 1) * tr.BLOCK_TOKENS < r.input_length
+        assert r.input_length <= len(r.hash_ids) * tr.BLOCK_TOKENS
+
+
+def test_generator_synthetic_shape_has_no_common_prefix():
+    s = tr.trace_stats(tr.generate("synthetic", seed=0, requests=800))
+    assert s["first_blocks"] > 300
+    assert s["first_block_max_share"] <= tr.SHAPES["synthetic"].max_session
+
+
+def test_trace_file_round_trip(tmp_path):
+    reqs = tr.generate("synthetic", seed=1, requests=50)
+    path = tmp_path / "t.jsonl"
+    tr.write_trace(reqs, path)
+    assert tr.load_trace(path) == reqs
+    assert tr.load_trace(path, limit=7) == reqs[:7]
+
+
+def _check(stream, backends):
+    assert stream.record_mismatches == 0
+    runs = tr.run(stream, backends, repeats=1)
+    for b, rs in runs.items():
+        assert rs[0]["mismatches"] == 0, (b, rs[0]["first_mismatches"])
+        assert rs[0]["ops"] == len(stream.ops)
+    return runs
+
+
+@pytest.mark.parametrize("policy", tr.POLICIES)
+def test_replay_equals_the_simulator(policy):
+    reqs = tr.generate("conversation", seed=5, requests=400)
+    # 16 engines on 8 instances x 2 DP ranks; 48 blocks each: engines evict
+    stream = tr.record(reqs, 16, 48, policy, dp=2, label="slice")
+    c = stream.counts()
+    assert c["queries"] == 400
+    assert stream.blocks_removed > 0 and c["removes"] > 0
+    assert 0 < stream.blocks_saved < stream.blocks_requested
+    runs = _check(stream, tr.default_backends())
+    pairs = runs["kvc"][0]["pairs"]
+    assert pairs == stream.blocks_stored - stream.blocks_removed  # live (worker, block)
+    assert runs["kvc"][0]["bytes_per_pair"] > 0
+
+
+def test_kv_aware_routing_saves_more_prefill_than_round_robin():
+    reqs = tr.generate("conversation", seed=2, requests=500)
+    rr = tr.record(reqs, 32, 4096, "round-robin")
+    kv = tr.record(reqs, 32, 4096, "kv-aware")
+    assert kv.record_mismatches == 0
+    assert kv.hit_ratio > 2 * rr.hit_ratio
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_block_is_its_place_in_a_chain(workers):
+    """The same id under two parents is two blocks (as for an engine's rolling hash); a
+    request that repeats an earlier one's ids hits them all."""
+    rows = [
+        ([1, 2, 3], 0),
+        ([5, 2, 3], 1),  # 2 and 3 again, under another first block
+        ([1, 2, 3, 4], 2),
+        ([5, 2], 3),
+        ([1, 2, 3, 4], 4),
+    ]
+    reqs = [tr.Request(t * 1000, len(ids) * 512, 8, tuple(ids)) for ids, t in rows]
+    stream = tr.record(reqs, workers, 64, "round-robin")
+    # one engine gets them all, or engine 0 gets requests 0, 2, 4 and engine 1 gets 1, 3
+    assert stream.blocks_saved == 0 + 0 + 3 + 2 + 4
+    assert stream.blocks_stored == 3 + 3 + 1 + 0 + 0
+    _check(stream, tr.default_backends())
+
+
+def test_the_checker_sees_a_lost_event(monkeypatch):
+    """A backend that drops every remove event answers with evicted blocks: counted."""
+
+    class Lossy(tr.KvcBackend):
+        name = "lossy"
+
+        def calls(self):
+            q, s, _ = super().calls()
+            return q, s, lambda key, hashes: 0
+
+    monkeypatch.setitem(tr.BACKENDS, "lossy", Lossy)
+    reqs = tr.generate("conversation", seed=5, requests=300)
+    stream = tr.record(reqs, 8, 32, "round-robin")
+    out = tr.replay(stream, "lossy")
+    assert out["mismatches"] > 0
+    assert tr.replay(stream, "kvc")["mismatches"] == 0
+
+
+def test_command_line_on_a_trace_file(tmp_path, capsys):
+    path = tmp_path / "t.jsonl"
+    tr.write_trace(tr.generate("synthetic", seed=7, requests=150), path)
+    out = tmp_path / "r.json"
+    argv = ["--trace", str(path), "--workers", "4", "12", "--capacity", "64"]
+    argv += ["--policy", *tr.POLICIES, "--repeats", "2", "--json", str(out)]
+    assert tr.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| t | 12 | kv-aware |" in text
+    import json
+
+    results = json.loads(out.read_text())
+    assert len(results) == 6
+    assert all(len(r["runs"]["kvc"]) == 2 for r in results)
+
+
+def test_server_events_are_vllm_0_33_wire_batches():
+    """The server mode's events are byte-identical to vLLM 0.33's (tests/publishers.py
+    holds the reference classes)."""
+    import sys
+
+    import msgspec
+
+    from bench import trace_server as ts
+
+    sys.path.insert(0, str(tr.ROOT / "tests"))
+    from publishers import schema
+
+    v = schema("vllm", "0.33.0")
+    enc = msgspec.msgpack.Encoder()
+    toks = ts.block_tokens(7) + ts.block_tokens(8)
+    ours = enc.encode(
+        ts.KVEventBatch(1.5, [ts.BlockStored([11, 12], 10, toks, 16, None, "GPU", None)], 3)
+    )
+    assert ours == v.batch([v.stored([11, 12], 10, toks, 16, medium="GPU")], dp=3, ts=1.5)
+    ours = enc.encode(ts.KVEventBatch(2.0, [ts.BlockRemoved([11], "GPU")], 0))
+    assert ours == v.batch([v.removed([11], medium="GPU")], dp=0, ts=2.0)
+
+
+@pytest.mark.server
+def test_server_answers_equal_the_simulator_at_quiescence():
+    """The stream played against a real server (ZeroMQ publishers, HTTP clients): every
+    batch applied, no loss, every answer equal to the simulator's final state."""
+    from bench import trace_server as ts
+
+    reqs = tr.generate("conversation", seed=11, requests=200)
+    stream = tr.record(reqs, 8, 48, "round-robin", dp=2)
+    out = ts.run_server(stream, reqs, pace=0, publishers=2, clients=1)
+    assert out["applied"] == out["batches"] > 0
+    assert out["gaps"] == out["losses"] == out["dropped"] == 0
+    assert out["queries"] == 200 and out["query_errors"] == 0
+    assert out["checked"] == 200 and out["mismatches"] == 0

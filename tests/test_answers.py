@@ -1,0 +1,322 @@
+"""Answers without per-holder Python work: the core's compact result (``MatchRows``), the
+per-group name table (``GroupNames``), ``QueryResult`` built on them, the encoder that
+renders V3 answers straight from the arrays, and the ``top_k`` / ``instances`` selection.
+
+Every array-backed answer is checked against the DpHit path it replaces (the same bytes,
+JSON and msgpack) and the selection against an independent model written from its
+definition (docs/api.md, "top_k and instances"): a row is kept when fewer than ``top_k``
+of the candidate rows have strictly more blocks (npu + cpu + disk).
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvconductor import _encode
+from kvconductor._hash import hash_blocks
+from kvconductor._index import CoreIndex, MatchRows
+from kvconductor._py.index import CoreIndex as PyCoreIndex
+from kvconductor._py.index import MatchRows as PyMatchRows
+from kvconductor._py.index import PyGroupNames
+from kvconductor.index import DpHit, Index, QueryResult
+from kvconductor.keys import Medium, WorkerKey
+from kvconductor.wire import encode_result, py_encode_result
+
+U32 = 2**32 - 1
+ROW_IMPLS = [MatchRows, PyMatchRows]
+
+
+# -- an independent model of the selection ---------------------------------------------------
+def model_select(rows, top_k=None, keep_groups=None):
+    """Rows kept by ``select``, from the definition (not from the implementation)."""
+    cand = [r for r in rows if keep_groups is None or r[0] in keep_groups]
+    if top_k is None:
+        return cand
+    totals = [r[1] + r[2] + r[3] for r in cand]
+    return [r for r, t in zip(cand, totals, strict=True) if sum(u > t for u in totals) < top_k]
+
+
+def mask_of(groups, size):
+    m = bytearray(size)
+    for g in groups:
+        if g < size:
+            m[g] = 1
+    return bytes(m)
+
+
+COUNT = st.one_of(st.integers(0, 6), st.integers(0, U32))
+ROWS = st.dictionaries(
+    st.integers(0, 40), st.tuples(COUNT, COUNT, COUNT).filter(any), max_size=25
+).map(lambda d: [(g, *d[g]) for g in sorted(d)])
+
+
+@pytest.mark.parametrize("cls", ROW_IMPLS)
+def test_rows_basics(cls):
+    r = cls([(0, 1, 2, 3), (4, 5, 0, 0), (9, U32, U32, U32)])
+    assert len(r) == 3
+    assert bool(r)
+    assert r.tolist() == [(0, 1, 2, 3), (4, 5, 0, 0), (9, U32, U32, U32)]
+    assert r.sums() == (1 + 5 + U32, 2 + U32, 3 + U32)
+    assert r.last_group() == 9
+    empty = cls([])
+    assert len(empty) == 0 and not empty
+    assert empty.tolist() == [] and empty.sums() == (0, 0, 0) and empty.last_group() == -1
+
+
+@pytest.mark.parametrize("cls", ROW_IMPLS)
+def test_rows_reject_bad_rows(cls):
+    with pytest.raises(ValueError):
+        cls([(3, 1, 0, 0), (3, 1, 0, 0)])  # group ids strictly increase
+    with pytest.raises(ValueError):
+        cls([(3, 1, 0, 0), (2, 1, 0, 0)])
+    with pytest.raises(OverflowError):
+        cls([(0, 2**32, 0, 0)])
+    with pytest.raises(OverflowError):
+        cls([(0, -1, 0, 0)])
+
+
+@pytest.mark.parametrize("cls", ROW_IMPLS)
+def test_select_boundaries(cls):
+    rows = [(0, 3, 0, 0), (1, 1, 1, 0), (2, 5, 0, 0), (3, 0, 0, 2), (4, 1, 0, 0), (5, 0, 3, 0)]
+    r = cls(rows)
+    # totals 3, 2, 5, 2, 1, 3: top 1 = the 5; top 2 = 5 and both 3s (tie at the 2nd depth)
+    assert r.select(1).tolist() == [(2, 5, 0, 0)]
+    assert r.select(2).tolist() == [(0, 3, 0, 0), (2, 5, 0, 0), (5, 0, 3, 0)]
+    assert r.select(3).tolist() == [(0, 3, 0, 0), (2, 5, 0, 0), (5, 0, 3, 0)]
+    # the 4th depth is 2, held twice: both kept
+    assert r.select(4).tolist() == [
+        (0, 3, 0, 0),
+        (1, 1, 1, 0),
+        (2, 5, 0, 0),
+        (3, 0, 0, 2),
+        (5, 0, 3, 0),
+    ]
+    assert r.select(6).tolist() == rows
+    assert r.select(10**9).tolist() == rows  # more than the rows: all of them
+    assert r.select(None).tolist() == rows
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            r.select(bad)
+    # instances filter (as a group mask), then top_k among what is left
+    assert r.select(None, mask_of({1, 3, 4, 77}, 6)).tolist() == [rows[1], rows[3], rows[4]]
+    assert r.select(1, mask_of({1, 3, 4}, 6)).tolist() == [rows[1], rows[3]]
+    assert r.select(None, b"").tolist() == []  # a short mask leaves the rest out
+    assert r.select(2, mask_of({5}, 6)).tolist() == [rows[5]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=ROWS,
+    k=st.one_of(st.none(), st.integers(1, 30)),
+    keep=st.one_of(st.none(), st.sets(st.integers(0, 45))),
+    size=st.integers(0, 50),
+)
+def test_select_matches_the_model(rows, k, keep, size):
+    mask = None if keep is None else mask_of(keep, size)
+    kept_groups = None if keep is None else {g for g in keep if g < size}
+    want = model_select(rows, k, kept_groups)
+    for cls in ROW_IMPLS:
+        assert cls(rows).select(k, mask).tolist() == want
+
+
+# -- the core returns MatchRows ---------------------------------------------------------------
+BS = 4
+TOK = list(range(500, 540))
+H = list(hash_blocks(TOK, BS))
+
+
+def _core_pair():
+    cores = (CoreIndex(), PyCoreIndex())
+    for core in cores:
+        for w in range(6):
+            core.set_worker(w, w // 2, w % 3)  # groups 0..2; tiers HBM/CPU/Disk
+    return cores
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_core_match_rows(which):
+    core = _core_pair()[which]
+    core.store(0, None, [1, 2, 3], H[:3])
+    core.store(3, None, [7, 8, 9, 10], H[:4])  # group 1, HBM
+    core.store(4, None, [7], H[:1])  # group 2, CPU
+    rows = core.match_rows(H[:6])
+    assert type(rows).__name__ == "MatchRows"
+    assert rows.tolist() == core.match(H[:6]) == [(0, 3, 0, 0), (1, 4, 0, 0), (2, 0, 1, 0)]
+    toks = core.match_tokens_rows(array("I", TOK[: 6 * BS]), BS)
+    assert toks.tolist() == rows.tolist()
+    assert core.match_rows([]).tolist() == [] and core.match_tokens_rows([], BS).tolist() == []
+    if which == 0:
+        core.close()
+
+
+# -- names and the encoder --------------------------------------------------------------------
+NAME = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=0, max_size=40)
+DP = st.one_of(st.integers(0, 8), st.integers(-(2**70), 2**70))
+
+
+@st.composite
+def named_rows(draw):
+    insts = draw(st.lists(NAME, min_size=1, max_size=6, unique=True))
+    keys = draw(
+        st.lists(st.tuples(st.sampled_from(insts), DP), min_size=1, max_size=30, unique=True)
+    )
+    rows = draw(ROWS.filter(lambda r: all(g < len(keys) for g, *_ in r)))
+    return keys, rows
+
+
+def _names(keys):
+    names = _encode.GroupNames()
+    for i, (inst, dp) in enumerate(keys):
+        assert names.add(inst, dp) == i
+    return names
+
+
+def _hits(keys, rows):
+    return [DpHit(keys[g][0], keys[g][1], n, c, d) for g, n, c, d in rows]
+
+
+@settings(max_examples=300, deadline=None)
+@given(kr=named_rows(), tenant=NAME, bs=st.one_of(st.integers(0, 64), st.integers(0, U32)))
+def test_encode_rows_is_the_dphit_answer(kr, tenant, bs):
+    keys, rows = kr
+    names = _names(keys)
+    hits = _hits(keys, rows)
+    for mp in (False, True):
+        old = _encode.encode_result(hits, tenant, bs, mp)
+        assert _encode.encode_rows(MatchRows(rows), names, tenant, bs, mp) == old
+        assert old == py_encode_result(hits, tenant, bs, mp)
+    res = QueryResult.of_rows(MatchRows(rows), names)
+    assert res.hits == hits
+    assert res.to_dict(tenant, bs) == QueryResult(hits).to_dict(tenant, bs)
+    assert res.sums() == (sum(h[2] for h in hits), sum(h[3] for h in hits), sum(h[4] for h in hits))
+    for mp in (False, True):
+        assert encode_result(res, tenant, bs, mp) == _encode.encode_result(hits, tenant, bs, mp)
+
+
+def test_group_names_api():
+    names = _encode.GroupNames()
+    assert len(names) == 0 and names.keys == []
+    assert names.add("a", 0) == 0
+    assert names.add('b"\\\n\u00e9', -3) == 1
+    assert names.add("a", 1) == 2
+    assert len(names) == 3
+    assert names.keys == [("a", 0), ('b"\\\n\u00e9', -3), ("a", 1)]
+    assert names.instances_mask(["a", "zz"]) == b"\x01\x00\x01"
+    assert names.instances_mask([]) == b"\x00\x00\x00"
+    assert names.nbytes() > 0
+    with pytest.raises(TypeError):
+        names.add(3, 0)
+    py = PyGroupNames()
+    for k in names.keys:
+        py.add(*k)
+    assert py.keys == names.keys and len(py) == 3
+    assert py.instances_mask(["a", "zz"]) == b"\x01\x00\x01"
+
+
+def test_encode_rows_refuses_an_unnamed_group():
+    names = _names([("a", 0)])
+    with pytest.raises(IndexError):
+        _encode.encode_rows(MatchRows([(0, 1, 0, 0), (1, 1, 0, 0)]), names, "t", 1, False)
+
+
+def test_group_names_many_groups_across_chunks():
+    # the table grows in chunks that never move: many groups, every one still named
+    names = _encode.GroupNames()
+    n = 5000
+    for g in range(n):
+        names.add(f"i{g % 1700}", g // 1700)
+    rows = [(g, 1 + g % 3, 0, g % 2) for g in range(0, n, 7)]
+    hits = _hits(names.keys, rows)
+    for mp in (False, True):
+        assert _encode.encode_rows(MatchRows(rows), names, "t", 16, mp) == (
+            _encode.encode_result(hits, "t", 16, mp)
+        )
+
+
+# -- Index answers ----------------------------------------------------------------------------
+def key(inst, dp=0, medium=Medium.NPU):
+    return WorkerKey(inst, inst, dp, medium)
+
+
+def _filled(impl):
+    ix = Index("m", "t", impl=impl)
+    # 5 groups: a/0 holds 4 blocks, a/1 holds 2, b/0 holds 4 on CPU, c/0 holds 1, d/0 holds 3
+    ix.store(key("a"), None, [1, 2, 3, 4], H[:4])
+    ix.store(key("a", 1), None, [1, 2], H[:2])
+    ix.store(key("b", 0, Medium.CPU), None, [5, 6, 7, 8], H[:4])
+    ix.store(key("c"), None, [9], H[:1])
+    ix.store(key("d"), None, [11, 12, 13], H[:3])
+    return ix
+
+
+@pytest.mark.parametrize("impl", ["c", "py"])
+def test_index_results_are_array_backed(impl):
+    ix = _filled(impl)
+    res = ix.query_by_hash(H[:6])
+    assert type(res.rows).__name__ == "MatchRows"
+    assert res.hits == [
+        DpHit("a", 0, 4, 0, 0),
+        DpHit("a", 1, 2, 0, 0),
+        DpHit("b", 0, 0, 4, 0),
+        DpHit("c", 0, 1, 0, 0),
+        DpHit("d", 0, 3, 0, 0),
+    ]
+    assert len(res) == 5 and res.sums() == (10, 4, 0)
+    assert ix.query(TOK[: 6 * BS], BS).hits == res.hits
+    doc = res.to_dict("t", 1)
+    assert doc["t"]["a"] == {
+        "longest_matched": 4,
+        "DP": {
+            "0": {"matched_tokens": 4, "npu_blocks": 4, "cpu_blocks": 0, "disk_blocks": 0},
+            "1": {"matched_tokens": 2, "npu_blocks": 2, "cpu_blocks": 0, "disk_blocks": 0},
+        },
+    }
+    for mp in (False, True):
+        body = encode_result(res, "t", 1, mp)
+        dec = msgspec.msgpack.decode(body) if mp else msgspec.json.decode(body)
+        assert dec == doc
+
+
+@pytest.mark.parametrize("impl", ["c", "py"])
+def test_index_top_k_and_instances(impl):
+    ix = _filled(impl)
+    # totals: a/0 4, a/1 2, b/0 4, c/0 1, d/0 3
+    top1 = ix.query_by_hash(H[:6], top_k=1)
+    assert [(h.instance_id, h.dp_rank) for h in top1.hits] == [("a", 0), ("b", 0)]  # tie
+    top3 = ix.query(TOK[: 6 * BS], BS, top_k=3)
+    assert [(h.instance_id, h.dp_rank) for h in top3.hits] == [("a", 0), ("b", 0), ("d", 0)]
+    only = ix.query_by_hash(H[:6], instances=["a", "c", "nobody"])
+    assert [(h.instance_id, h.dp_rank) for h in only.hits] == [("a", 0), ("a", 1), ("c", 0)]
+    both = ix.query_by_hash(H[:6], top_k=1, instances=["c", "d"])
+    assert [(h.instance_id, h.dp_rank) for h in both.hits] == [("d", 0)]
+    assert ix.query_by_hash(H[:6], instances=[]).hits == []
+    assert len(ix.query_by_hash(H[:6], top_k=99)) == 5
+    with pytest.raises(ValueError):
+        ix.query_by_hash(H[:6], top_k=0)
+    # the whole answer of a top_k query keeps the V3 shape (longest over the kept DPs)
+    assert top1.to_dict("t", 2)["t"]["a"]["longest_matched"] == 8
+
+
+def test_index_answers_agree_between_core_and_twin():
+    c, p = _filled("c"), _filled("py")
+    for n in range(7):
+        for k in (None, 1, 2, 5):
+            for insts in (None, ["a"], ["b", "d"]):
+                a = c.query_by_hash(H[:n], top_k=k, instances=insts)
+                b = p.query_by_hash(H[:n], top_k=k, instances=insts)
+                assert a.hits == b.hits
+                for mp in (False, True):
+                    assert encode_result(a, "t", 3, mp) == py_encode_result(b, "t", 3, mp)
+
+
+def test_old_query_result_still_works():
+    hits = [DpHit("x", 0, 1, 2, 3)]
+    res = QueryResult(hits)
+    assert res.hits == hits and len(res) == 1 and res.sums() == (1, 2, 3)
+    assert encode_result(res, "t", 1, False) == _encode.encode_result(hits, "t", 1, False)
+    assert QueryResult([]).hits == [] and len(QueryResult([])) == 0
