@@ -59,6 +59,8 @@ cdef struct Tree:
     Pool wide_pool              # capacity, high-water mark and free list of ``wide``
     size_t nwide                # wide nodes
     size_t wide_bytes           # bytes of the live TWide.bits blocks
+    size_t nwidened             # lifetime count: list nodes turned wide (tests, layout)
+    size_t nnarrowed            # lifetime count: wide nodes turned back (list or inline)
     # (parent node, local) -> child: an FpMap of node indices, verified against the node
     FpMap edges
     # per worker: engine hash -> node, an FpMap of node indices verified against the
@@ -95,7 +97,7 @@ cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil
 cdef size_t tree_used_bytes(const Tree* t) noexcept nogil
 # Layout figures into out[0:TL_N] (layout_dict names them).
 cdef enum:
-    TL_N = 11
+    TL_N = 13
 cdef void tree_layout(const Tree* t, size_t* out) noexcept nogil
 cdef dict layout_dict(const size_t* out)
 # The child of ``parent`` under ``local``, or HM_NIL.

@@ -102,6 +102,8 @@ cdef int tree_init(Tree* t) noexcept nogil:
     pool_init(&t.wide_pool)
     t.nwide = 0
     t.wide_bytes = 0
+    t.nwidened = 0
+    t.nnarrowed = 0
     fpm_init(&t.edges)
     t.rev = NULL
     t.nrev = 0
@@ -365,6 +367,7 @@ cdef int _promote(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexc
     t.wide[wi].spare = 0
     t.wide[wi].bits = bits
     t.nwide += 1
+    t.nwidened += 1
     t.wide_bytes += (<size_t>nw + cap) * sizeof(uint64_t)
     n.y = <uint32_t>T_WIDE | wi
     n.x += member_sig(worker)
@@ -403,6 +406,7 @@ cdef int _demote(Tree* t, uint32_t node) noexcept nogil:
             x &= x - 1
     t.nrecords += nm
     _wide_release(t, wi)
+    t.nnarrowed += 1
     n.y = head
     return 0
 
@@ -485,6 +489,7 @@ cdef bint _wide_remove(Tree* t, uint32_t node, uint32_t worker) noexcept nogil:
                 break
         n.x = ehs[0]
         _wide_release(t, wi)
+        t.nnarrowed += 1
     elif nm < wd.nwords + WIDE_PAD // 2:
         _demote(t, node)            # out of memory: it stays wide, still sound
     elif wd.cap > nm + nm // 4 + 8:
@@ -1125,6 +1130,8 @@ cdef void tree_layout(const Tree* t, size_t* out) noexcept nogil:
     out[8] = t.nwide
     out[9] = t.wide_pool.used
     out[10] = t.wide_bytes
+    out[11] = t.nwidened
+    out[12] = t.nnarrowed
 
 
 cdef dict layout_dict(const size_t* out):
@@ -1134,14 +1141,16 @@ cdef dict layout_dict(const size_t* out):
     capacities), ``rev_maps`` (reverse-map headers), ``wide_bytes`` (a wide node's
     record, the struct size), ``wide_nodes`` (wide nodes: members as a bitmap),
     ``wide_records`` (high-water mark of their records), ``wide_block_bytes`` (their
-    bitmaps and engine hashes), ``used_bytes`` (what the structures touch: the arrays to
-    their high-water marks, every table slot, the wide blocks) and ``nbytes``
-    (allocated)."""
+    bitmaps and engine hashes), ``widened``/``narrowed`` (how many times, since the
+    tree was made, a member list turned wide / a wide node turned back), ``used_bytes``
+    (what the structures touch: the arrays to their high-water marks, every table slot,
+    the wide blocks) and ``nbytes`` (allocated)."""
     return {"node_bytes": sizeof(TNode), "member_bytes": sizeof(TMember),
             "wide_bytes": sizeof(TWide), "nodes": out[0], "records": out[1],
             "records_live": out[2], "edge_slots": out[3], "rev_slots": out[4],
             "rev_maps": out[5], "wide_nodes": out[8], "wide_records": out[9],
-            "wide_block_bytes": out[10], "used_bytes": out[6], "nbytes": out[7]}
+            "wide_block_bytes": out[10], "widened": out[11], "narrowed": out[12],
+            "used_bytes": out[6], "nbytes": out[7]}
 
 
 # -- invariants ------------------------------------------------------------------------------------

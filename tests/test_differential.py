@@ -16,6 +16,7 @@ hashes get re-announced elsewhere; uniform random hashes alone rarely do.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import subprocess
@@ -32,7 +33,12 @@ pytest.importorskip("kvconductor._shlock")
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvconductor import _arena, _index, _lower, _shlock, _tree
 from kvconductor._hash import hash_blocks
@@ -102,6 +108,26 @@ LONG_BASE = st.sampled_from([1000, 5000])  # engine hashes base, base + 1, ...
 FIXED_QUERIES.append(LONG_LOCALS)
 # Many workers: more than 64 (the C offload applies pool waiters in batches of 64).
 MANY = 70
+
+#: What the compiled tree's wide-node paths saw during the machines' steps:
+#: ``widened`` / ``narrowed`` (steps after which the tree had turned a member list wide /
+#: a wide node back), ``word_walk`` (fixed matches whose first node many workers hold:
+#: the match walks the bitmap word-wise). test_the_machines_take_the_wide_paths checks
+#: that the rules reach them.
+WIDE_SEEN: collections.Counter[str] = collections.Counter()
+# tree_match walks a wide first node word-wise above this many members (_tree.pyx)
+WORD_WALK_MEMBERS = 32
+
+
+def note_wide(layout, first_holders):
+    """Count what the tree (``layout``: its layout dict) went through, and check that a
+    node of more than WORD_WALK_MEMBERS holders (``first_holders``, from the twin) is
+    wide: with worker ids below 128 any node past 12 members is."""
+    WIDE_SEEN["widened"] += layout["widened"] > 0
+    WIDE_SEEN["narrowed"] += layout["narrowed"] > 0
+    if first_holders > WORD_WALK_MEMBERS:
+        assert layout["wide_nodes"] >= 1, (first_holders, layout)
+        WIDE_SEEN["word_walk"] += 1
 
 
 def long_chain(data, n, base):
@@ -324,6 +350,18 @@ class TreeMachine(_Pair):
             else:
                 self.both("remove", w, [held[0] if op == "first" else held[-1]])
 
+    @rule(keep=st.integers(0, 7), data=st.data())
+    def many_leave_but(self, keep, data):
+        # every holder of the first block of [A, B, C, D] but ``keep`` drops it: a wide
+        # node turns back into a member list (a few kept) or a sole member (one kept)
+        rows = self.py.match(FIXED_QUERIES[0][:1])
+        if len(rows) <= keep:
+            return
+        stay = set(data.draw(st.permutations(rows), label="order")[:keep])
+        for w, _, ehash in rows:
+            if (w, 1, ehash) not in stay:
+                self.both("remove", w, [ehash])
+
     @invariant()
     def agree(self):
         assert (self.c.num_nodes, self.c.num_pairs) == (self.py.num_nodes, self.py.num_pairs)
@@ -331,6 +369,7 @@ class TreeMachine(_Pair):
             assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
+        note_wide(self.c.layout(), len(self.py.match(FIXED_QUERIES[0][:1])))
         self.py._check_invariants()
         self.c.check_invariants()
 
@@ -539,6 +578,26 @@ class CoreMachine(_Pair):
                 self.both("clear", w)
             else:
                 self.both(op, w, [held[data.draw(st.integers(0, len(held) - 1))]])
+
+    @rule(keep=st.integers(0, 7), data=st.data())
+    def many_hbm_leave_but(self, keep, data):
+        # every holder of the first block of [A, B, C, D] but ``keep`` drops it (bulk and
+        # core HBM workers alike): a wide node turns back into a list or a sole member
+        rows = self.py._tree.match(FIXED_QUERIES[0][:1])
+        if len(rows) <= keep:
+            return
+        stay = set(data.draw(st.permutations(rows), label="order")[:keep])
+        for w, _, ehash in rows:
+            if (w, 1, ehash) not in stay:
+                self.both("remove", w, [ehash])
+
+    @rule(data=st.data(), muted=st.booleans())
+    def many_hbm_muted(self, data, muted):
+        # some bulk HBM workers' sources go down (or come back): members of a wide node
+        # that give no hits
+        ws = st.lists(st.integers(FIRST_HBM, len(ALL_WORKERS) - 1), min_size=1, unique=True)
+        for w in data.draw(ws, label="workers"):
+            self.both("set_muted", w, muted)
 
     @rule(n=LONG_N, base=LONG_BASE)
     def offload_long_chain(self, n, base):
@@ -800,12 +859,25 @@ class CoreMachine(_Pair):
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
             self.traced(q)
+        note_wide(self.c.hbm_layout(), len(self.py._tree.match(FIXED_QUERIES[0][:1])))
         self.py._check_invariants()
         self.c.check_invariants()
 
 
 TestCoreDifferential = CoreMachine.TestCase
 TestCoreDifferential.settings = SETTINGS
+
+
+@pytest.mark.parametrize("machine", [TreeMachine, CoreMachine])
+def test_the_machines_take_the_wide_paths(machine):
+    """The rules reach the compiled tree's wide nodes: lists turning wide and back, and
+    matches whose first node is walked word-wise (a fixed, derandomized run)."""
+    WIDE_SEEN.clear()
+    run_state_machine_as_test(
+        machine,
+        settings=settings(SETTINGS, max_examples=min(SETTINGS.max_examples, 40), derandomize=True),
+    )
+    assert WIDE_SEEN["widened"] and WIDE_SEEN["narrowed"] and WIDE_SEEN["word_walk"], WIDE_SEEN
 
 
 class SharedCoreMachine(CoreMachine):

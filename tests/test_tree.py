@@ -568,6 +568,9 @@ def test_members_become_a_bitmap_and_back(RadixTree):
         t.clear(w)
     assert t.match([1]) == [(9, 1, 109)] and _wide(t) in ((0, 0), None)
     assert state(t) == (1, 1)
+    # twice wide, twice back (to a list, then to a sole member inline)
+    turns = getattr(t, "layout", None)
+    assert turns is None or (turns()["widened"], turns()["narrowed"]) == (2, 2)
 
 
 def test_match_over_many_holders(RadixTree):
