@@ -350,6 +350,14 @@ class TreeMachine(_Pair):
             else:
                 self.both("remove", w, [held[0] if op == "first" else held[-1]])
 
+    @rule(k=st.integers(13, MANY), keep=st.integers(0, 7), data=st.data())
+    def many_come_and_go(self, k, keep, data):
+        # a node turns wide and back in one step: k workers store the first block of
+        # [A, B, C, D], then all its holders but ``keep`` leave
+        own = data.draw(st.booleans(), label="own")
+        self.many_hold_prefix(k, data.draw(st.integers(0, MANY), label="first"), 1, own, data)
+        self.many_leave_but(keep, data)
+
     @rule(keep=st.integers(0, 7), data=st.data())
     def many_leave_but(self, keep, data):
         # every holder of the first block of [A, B, C, D] but ``keep`` drops it: a wide
@@ -578,6 +586,13 @@ class CoreMachine(_Pair):
                 self.both("clear", w)
             else:
                 self.both(op, w, [held[data.draw(st.integers(0, len(held) - 1))]])
+
+    @rule(k=st.integers(13, MANY_HBM), keep=st.integers(0, 7), data=st.data())
+    def many_hbm_come_and_go(self, k, keep, data):
+        # a node turns wide and back in one step: k bulk HBM workers store the first
+        # block of [A, B, C, D], then all its holders but ``keep`` leave
+        self.many_hbm_hold_prefix(k, 1, data.draw(st.booleans(), label="own"), data)
+        self.many_hbm_leave_but(keep, data)
 
     @rule(keep=st.integers(0, 7), data=st.data())
     def many_hbm_leave_but(self, keep, data):
