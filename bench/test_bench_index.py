@@ -61,6 +61,100 @@ def test_match_miss_1m(benchmark, big_index):
     assert len(res) == 0
 
 
+# -- many holders: round-robin routing over thousands of workers ------------------------------
+# A system prompt's first block on every worker, then each worker a 24-block prompt of its
+# own (Mooncake's conversation trace routed round-robin): every answer lists every worker.
+MANY_CONT = 24
+
+
+def _many_holders_events(workers):
+    """Per worker one store event from the root: the shared block (its own engine hash),
+    then its own 24 blocks; and one query per worker (the prompt it holds)."""
+    import random
+
+    rnd = random.Random(workers)
+    first = rnd.getrandbits(64)
+    events, queries = [], []
+    for w in range(workers):
+        locs = array.array("Q", [first] + [rnd.getrandbits(64) for _ in range(MANY_CONT)])
+        seqs = array.array("Q", range((w + 1) << 40, ((w + 1) << 40) + len(locs)))
+        events.append((w, None, seqs, locs))
+        queries.append(locs)
+    return events, queries
+
+
+def _many_holders_core(workers):
+    from kvconductor._index import CoreIndex
+
+    events, queries = _many_holders_events(workers)
+    core = CoreIndex()
+    for w in range(workers):
+        core.set_worker(w, w, 0)
+    for ev in events:
+        core.store(*ev)
+    return core, queries
+
+
+@pytest.mark.parametrize("workers", [1_024, 7_000])
+def test_match_many_holders(benchmark, workers):
+    """``CoreIndex.match`` of one worker's prompt when its first block is on every worker:
+    the answer has a row per worker (the walk, and the Python rows of ``match``)."""
+    core, queries = _many_holders_core(workers)
+    rnd = iter(range(10**9))
+    benchmark.group = "match, first block on every worker (round-robin shape)"
+    res = benchmark(lambda: core.match(queries[next(rnd) * 7919 % workers]))
+    assert len(res) == workers and max(r[1] for r in res) == 1 + MANY_CONT
+    benchmark.extra_info["wide_nodes"] = core.hbm_layout().get("wide_nodes", 0)
+    core.close()
+
+
+WALKS_PER_CALL = 100
+
+
+@pytest.mark.parametrize("workers", [1_024, 7_000])
+def test_walk_many_holders(benchmark, workers):
+    """The same queries through the HBM tree's walk alone (``RadixTree._match_count``:
+    the C match, no Python row per result), 100 queries per call."""
+    from kvconductor._tree import RadixTree
+
+    events, queries = _many_holders_events(workers)
+    t = RadixTree()
+    for ev in events:
+        t.store(*ev)
+    picked = [queries[i * 7919 % workers] for i in range(WALKS_PER_CALL)]
+    hashes = array.array("Q", [h for q in picked for h in q])
+    ends = array.array("Q", range(len(picked[0]), len(hashes) + 1, len(picked[0])))
+    benchmark.group = "walk alone, first block on every worker, 100 queries per call"
+    total = benchmark(t._match_count, hashes, ends)
+    assert total == WALKS_PER_CALL * workers
+    benchmark.extra_info["queries_per_call"] = WALKS_PER_CALL
+
+
+@pytest.mark.parametrize("workers", [1_024, 7_000])
+def test_store_many_holders(benchmark, workers):
+    """The index above built: one 25-block store event per worker, every one through the
+    shared first block."""
+    from kvconductor._index import CoreIndex
+
+    events, _ = _many_holders_events(workers)
+
+    def run():
+        core = CoreIndex()
+        for w in range(workers):
+            core.set_worker(w, w, 0)
+        for ev in events:
+            core.store(*ev)
+        return core
+
+    benchmark.group = "store, first block on every worker (round-robin shape)"
+    core = benchmark.pedantic(run, rounds=3, iterations=1)
+    assert core.stats()["hbm_pairs"] == workers * (1 + MANY_CONT)
+    benchmark.extra_info["stores_per_round"] = workers
+    benchmark.extra_info["bytes_per_pair"] = round(
+        core.stats()["nbytes"] / core.stats()["hbm_pairs"], 1
+    )
+
+
 def test_store_throughput(benchmark):
     """Blocks stored per second (32-block events, 64 workers, precomputed hashes)."""
     from kvconductor._hash import hash_blocks

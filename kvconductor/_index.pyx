@@ -38,8 +38,8 @@ from kvconductor._lower cimport (
 )
 from kvconductor._tree cimport (
     T_ERR_OOM, T_ROOT, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init,
-    tree_child, tree_match, tree_member_ehash, tree_nbytes, tree_remove, tree_rev_get,
-    tree_store, tree_worker_blocks, TL_N, layout_dict, tree_layout,
+    tree_child, tree_match, tree_match_scratch, tree_member_ehash, tree_nbytes, tree_remove,
+    tree_rev_get, tree_store, tree_worker_blocks, TL_N, layout_dict, tree_layout,
 )
 from kvconductor._tree cimport tree_export, tree_restore
 
@@ -64,7 +64,8 @@ cdef int _scratch_init(Scratch* s, size_t W, size_t G) noexcept nogil:
     s.hw = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.hd = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.hs = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
-    s.stamp = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    # worker marks of the tier walks, and tree_match's scratch (malloc: 8-byte aligned)
+    s.stamp = <uint32_t*>malloc(_max(W * sizeof(uint32_t), tree_match_scratch(W)) + 1)
     s.idx = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.cand = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.oend = <size_t*>malloc(W * sizeof(size_t) + 1)
@@ -95,7 +96,18 @@ cdef void _scratch_free(Scratch* s) noexcept nogil:
     mem_free(s.bps)           # grown by grow_array (counted)
 
 
-cdef int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept nogil:
+cdef int _bp_reserve(Scratch* s, size_t more) noexcept nogil:
+    """Room for ``more`` further breakpoints (one growth instead of many); -1 on OOM."""
+    cdef void* p
+    if s.nbp + more > s.bpcap:
+        p = grow_array(s.bps, &s.bpcap, s.nbp + more, sizeof(BP))
+        if p == NULL:
+            return -1
+        s.bps = <BP*>p
+    return 0
+
+
+cdef inline int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept nogil:
     cdef void* p
     if s.nbp >= s.bpcap:
         p = grow_array(s.bps, &s.bpcap, s.nbp + 1, sizeof(BP))
@@ -107,6 +119,41 @@ cdef int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept
     s.bps[s.nbp].last = last
     s.nbp += 1
     return 0
+
+
+cdef enum:
+    # _tier_walk: a breakpoint whose next edge has more owners than this finds its
+    # group's candidates among the group's workers, not among the edge's owners
+    GROUP_SCAN_OWNERS = 16
+
+
+cdef uint32_t* _group_workers(const CoreState* st) noexcept nogil:
+    """Per group its unmuted workers, as one array: ``a[g]:a[g + 1]`` indexes them in
+    ``a[ngroups + 1:]`` (per-call scratch, ``free`` it); NULL when out of memory."""
+    cdef size_t G = st.ngroups, w, g
+    cdef uint32_t* a = <uint32_t*>malloc((G + 1 + st.nworkers) * sizeof(uint32_t) + 1)
+    cdef uint32_t* pos
+    if a == NULL:
+        return NULL
+    memset(a, 0, (G + 1) * sizeof(uint32_t))
+    for w in range(st.nworkers):
+        g = st.wgroup[w]
+        if g < G and not st.wmute[w]:
+            a[g + 1] += 1
+    for g in range(G):
+        a[g + 1] += a[g]
+    pos = <uint32_t*>malloc(G * sizeof(uint32_t) + 1)
+    if pos == NULL:
+        free(a)
+        return NULL
+    memcpy(pos, a, G * sizeof(uint32_t))
+    for w in range(st.nworkers):
+        g = st.wgroup[w]
+        if g < G and not st.wmute[w]:
+            a[G + 1 + pos[g]] = <uint32_t>w
+            pos[g] += 1
+    free(pos)
+    return a
 
 
 # -- answers ---------------------------------------------------------------------------------
@@ -1067,6 +1114,7 @@ cdef class CoreIndex:
         cdef size_t n = hc.n, k, b, nc
         cdef uint32_t e, o, w, g, start
         cdef uint64_t last, first
+        cdef uint32_t* gws = NULL
         if n == 0 or L.live_edges == 0:
             return 0
         # (a) the root walks: every owner of a root edge of H[0] walks on from the
@@ -1106,22 +1154,40 @@ cdef class CoreIndex:
             if e == HM_NIL:
                 continue
             nc = 0
-            w = lower_owner_first(L, e, &o)
-            while w != HM_NIL:
-                if (w < self.st.nworkers and self.st.wgroup[w] == g and nc < s.W
-                        and not self.st.wmute[w]):
-                    s.cand[nc] = w
-                    nc += 1
-                w = lower_owner_next(L, &o)
+            if L.edges[e].nowners > GROUP_SCAN_OWNERS and gws == NULL:
+                gws = _group_workers(self.st)
+                if gws == NULL:
+                    return -1
+            if (L.edges[e].nowners <= GROUP_SCAN_OWNERS or g >= self.st.ngroups
+                    or gws[g + 1] - gws[g] >= L.edges[e].nowners):
+                w = lower_owner_first(L, e, &o)
+                while w != HM_NIL:
+                    if (w < self.st.nworkers and self.st.wgroup[w] == g and nc < s.W
+                            and not self.st.wmute[w]):
+                        s.cand[nc] = w
+                        nc += 1
+                    w = lower_owner_next(L, &o)
+            else:
+                # An edge many workers own (a prefix every engine offloaded, under the
+                # same engine hashes) after the breakpoints of as many groups: ask the
+                # group's own (fewer) workers, by their reverse maps, instead of walking
+                # every owner for every breakpoint, which is O(breakpoints x owners).
+                for k in range(gws[g], gws[g + 1]):
+                    w = gws[self.st.ngroups + 1 + k]
+                    if nc < s.W and lower_rev_get(L, w, L.edges[e].child) == e:
+                        s.cand[nc] = w
+                        nc += 1
             if nc == 0:
                 continue
             lower_walk_multi(L, hc, start, last, s.cand, nc, s.idx, s.W, s.oend, s.olast)
             for k in range(nc):
                 if s.oend[k] > start:
                     if _bp_add(s, g, s.oend[k], s.olast[k]) < 0:
+                        free(gws)
                         return -1
                     if s.oend[k] > ends[g]:
                         ends[g] = <uint32_t>s.oend[k]
+        free(gws)
         return 0
 
     cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil:
@@ -1131,14 +1197,15 @@ cdef class CoreIndex:
         cdef uint32_t* npu = s.ends
         cdef uint32_t* cpu = s.ends + G
         cdef uint32_t* dsk = s.ends + 2 * G
-        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, s.stamp)
+        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp)
+        if _bp_reserve(s, nh) < 0:
+            return -1
         for k in range(nh):
             w = s.hw[k]
             if w >= self.st.nworkers or self.st.wmute[w]:
                 continue
             g = self.st.wgroup[w]
-            if _bp_add(s, g, s.hd[k], s.hs[w]) < 0:
-                return -1
+            _bp_add(s, g, s.hd[k], s.hs[w])     # room reserved: cannot fail
             if s.hd[k] > npu[g]:
                 npu[g] = s.hd[k]
         ncpu_from = s.nbp
@@ -1588,7 +1655,7 @@ cdef class CoreIndex:
         cdef size_t n = hc.n
         cdef bint hp
         cdef uint64_t p, h
-        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, s.stamp)
+        nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp)
         for k in range(self.st.nworkers):
             reach[k] = 0
         for k in range(nh):

@@ -408,15 +408,24 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
             prefetch(&L.pairs.slots[fpm_home(
                 &L.pairs, _pair_fp(L.edges[g].parent, L.edges[g].local))])
         alive = 0
-        w = lower_owner_first(L, e, &cur)
-        while w != HM_NIL:
-            if w < nidx:
-                j = idx[w]
-                if j != HM_NIL and out_end[j] == pos:
-                    out_end[j] = pos + 1
-                    out_last[j] = child
+        if L.edges[e].nowners > 8 * ncand:
+            # few candidates on an edge many workers own: each candidate's reverse map
+            # says whether it owns the edge (O(candidates), not O(owners))
+            for k in range(ncand):
+                if out_end[k] == pos and lower_rev_get(L, cand[k], child) == e:
+                    out_end[k] = pos + 1
+                    out_last[k] = child
                     alive += 1
-            w = lower_owner_next(L, &cur)
+        else:
+            w = lower_owner_first(L, e, &cur)
+            while w != HM_NIL:
+                if w < nidx:
+                    j = idx[w]
+                    if j != HM_NIL and out_end[j] == pos:
+                        out_end[j] = pos + 1
+                        out_last[j] = child
+                        alive += 1
+                w = lower_owner_next(L, &cur)
         p = child
         pos += 1
     for k in range(ncand):

@@ -12,13 +12,17 @@ cdef inline uint64_t member_sig(uint32_t worker) noexcept nogil:
 
 cdef enum:
     T_ROOT = 0                  # index of the root node
+    # TNode.y of a node with two or more members: this bit set, the rest indexes Tree.wide
+    # (a wide node: members as a bitmap); clear, the head of its member list in Tree.mem
+    T_WIDE = 0x80000000
     T_ERR_OOM = -1              # out of memory
     T_ERR_PARENT = -2           # ParentBlockNotFound
     T_ERR_SEQUENCE = -3         # InvalidBlockSequence
 
 cdef struct TNode:
     # nmembers == 1: the sole member's worker (its engine hash is ``x``); >= 2: head of
-    # the member list in Tree.mem; a free node: the free-list link (Pool convention)
+    # the member list in Tree.mem, or T_WIDE | its TWide in Tree.wide; a free node: the
+    # free-list link (Pool convention)
     uint32_t y
     uint32_t parent             # parent node index (HM_NIL for the root and free nodes)
     uint64_t local              # LocalBlockHash of the block (edge key under the parent)
@@ -34,6 +38,15 @@ cdef struct TMember:
     uint32_t worker             # worker id
     uint64_t ehash              # the member worker's engine hash for this block
 
+cdef struct TWide:
+    # the members of a wide node (held by many workers): a bitmap over worker ids and the
+    # members' engine hashes in worker-id order (member of rank r: ``bits[nwords + r]``)
+    uint32_t node               # the node it describes; a free record: the free-list link
+    uint32_t nwords             # bitmap words: it covers worker ids < 64 * nwords
+    uint32_t cap                # engine-hash capacity (>= the node's nmembers)
+    uint32_t spare
+    uint64_t* bits              # one block: nwords bitmap words, then cap engine hashes
+
 cdef struct Tree:
     TNode* nodes                # node array, node 0 = root
     Pool node_pool              # capacity, high-water mark and free list of ``nodes``
@@ -42,12 +55,19 @@ cdef struct Tree:
     Pool mem_pool               # capacity, high-water mark and free list of ``mem``
     size_t nrecords             # member records in use
     size_t npairs               # live (worker, block) pairs
+    TWide* wide                 # the wide nodes' member bitmaps
+    Pool wide_pool              # capacity, high-water mark and free list of ``wide``
+    size_t nwide                # wide nodes
+    size_t wide_bytes           # bytes of the live TWide.bits blocks
+    size_t nwidened             # lifetime count: list nodes turned wide (tests, layout)
+    size_t nnarrowed            # lifetime count: wide nodes turned back (list or inline)
     # (parent node, local) -> child: an FpMap of node indices, verified against the node
     FpMap edges
     # per worker: engine hash -> node, an FpMap of node indices verified against the
     # worker's member on the node
     FpMap* rev
-    size_t nrev                 # length of rev (max worker id + 1 seen)
+    size_t nrev                 # length of rev (capacity: at least max worker id + 1 seen)
+    uint32_t wend               # one past the highest worker id that ever held a block
 
 
 cdef inline uint64_t tree_sig(const TNode* n) noexcept nogil:
@@ -77,7 +97,7 @@ cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil
 cdef size_t tree_used_bytes(const Tree* t) noexcept nogil
 # Layout figures into out[0:TL_N] (layout_dict names them).
 cdef enum:
-    TL_N = 8
+    TL_N = 13
 cdef void tree_layout(const Tree* t, size_t* out) noexcept nogil
 cdef dict layout_dict(const size_t* out)
 # The child of ``parent`` under ``local``, or HM_NIL.
@@ -88,10 +108,15 @@ cdef uint32_t tree_rev_get(const Tree* t, uint32_t worker, uint64_t ehash) noexc
 cdef bint tree_member_ehash(const Tree* t, uint32_t node, uint32_t worker,
                             uint64_t* out) noexcept nogil
 # Match: fills out_worker[k]/out_depth[k] for result k and out_ehash[w] (indexed by
-# worker id) -- all of capacity t.nrev; ``stamp`` is scratch of t.nrev entries.
-# Returns the number of results.
+# worker id) -- all of capacity t.nrev; ``scratch`` holds tree_match_scratch(t.nrev)
+# bytes, 8-byte aligned. Returns the number of results.
 cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
-                       uint64_t* out_ehash, uint32_t* stamp) noexcept nogil
+                       uint64_t* out_ehash, uint64_t* scratch) noexcept nogil
+
+
+cdef inline size_t tree_match_scratch(size_t nrev) noexcept nogil:
+    """Bytes of tree_match's scratch for ``nrev`` workers: two bitmaps over them."""
+    return 16 * ((nrev + 63) // 64)
 
 
 cdef class RadixTree:

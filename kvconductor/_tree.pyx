@@ -15,7 +15,7 @@ Every kernel here is ``noexcept nogil`` and reports errors by return code
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport free, malloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memmove, memset
 
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
@@ -24,8 +24,8 @@ from kvconductor._maps cimport (
     revs_free, revs_nbytes, u64m_free, u64m_init, u64m_put,
 )
 from kvconductor._pool cimport (
-    HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
-    pool_use_arena,
+    HM_NIL, live_allocations, mem_alloc, mem_free, mem_realloc, pool_give, pool_init,
+    pool_mark_free, pool_take, pool_use_arena,
 )
 from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
@@ -38,6 +38,55 @@ from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 
 cdef enum:
     NO_SLOT = 0xFFFFFFFFFFFFFFFF     # "no slot" for the FpMap slot finders
+    # Wide nodes (members as a bitmap over worker ids, docs/design.md "Wide nodes"): a
+    # node whose bitmap would cover ``nw`` 64-bit words becomes wide when a member joins
+    # and it has at least 2 * nw + WIDE_PAD members (nw counted over every worker id the
+    # tree has seen), and turns back into a member list below nw + WIDE_PAD / 2 (nw of
+    # its own bitmap). A member record costs 16 B, a wide member 8 B and the bitmap
+    # 8 * nw B plus a 24 B TWide: from nw + 3 members on a wide node is the smaller.
+    WIDE_PAD = 8
+
+
+# -- bit helpers ---------------------------------------------------------------------------------
+cdef extern from *:
+    """
+    #include <stdint.h>
+    /* popcount without -mpopcnt: the SWAR sum (gcc would call libgcc's table loop) */
+    static inline unsigned kvc_popc64(uint64_t x) {
+    #if defined(__POPCNT__) || defined(__aarch64__)
+        return (unsigned)__builtin_popcountll(x);
+    #else
+        x = x - ((x >> 1) & 0x5555555555555555ULL);
+        x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
+        x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+        return (unsigned)((x * 0x0101010101010101ULL) >> 56);
+    #endif
+    }
+    /* index of the lowest set bit of x != 0 */
+    static inline unsigned kvc_ctz64(uint64_t x) { return (unsigned)__builtin_ctzll(x); }
+    """
+    unsigned popc64 "kvc_popc64"(uint64_t x) noexcept nogil
+    unsigned ctz64 "kvc_ctz64"(uint64_t x) noexcept nogil
+
+
+cdef inline bint _bit(const uint64_t* b, uint32_t w) noexcept nogil:
+    return (b[w >> 6] >> (w & 63)) & 1
+
+
+cdef inline void _bit_set(uint64_t* b, uint32_t w) noexcept nogil:
+    b[w >> 6] |= (<uint64_t>1) << (w & 63)
+
+
+cdef inline void _bit_clear(uint64_t* b, uint32_t w) noexcept nogil:
+    b[w >> 6] &= ~((<uint64_t>1) << (w & 63))
+
+
+cdef inline uint32_t _rank(const uint64_t* b, uint32_t w) noexcept nogil:
+    """Set bits of ``b`` below bit ``w``."""
+    cdef uint32_t i, r = 0, top = w >> 6
+    for i in range(top):
+        r += popc64(b[i])
+    return r + popc64(b[top] & (((<uint64_t>1) << (w & 63)) - 1))
 
 
 # -- allocation ---------------------------------------------------------------------------
@@ -49,9 +98,16 @@ cdef int tree_init(Tree* t) noexcept nogil:
     pool_init(&t.mem_pool)
     t.nrecords = 0
     t.npairs = 0
+    t.wide = NULL
+    pool_init(&t.wide_pool)
+    t.nwide = 0
+    t.wide_bytes = 0
+    t.nwidened = 0
+    t.nnarrowed = 0
     fpm_init(&t.edges)
     t.rev = NULL
     t.nrev = 0
+    t.wend = 0
     if pool_take(&t.node_pool, <void**>&t.nodes, sizeof(TNode)) != T_ROOT:
         return -1
     t.nodes[0].local = 0
@@ -64,7 +120,17 @@ cdef int tree_init(Tree* t) noexcept nogil:
 
 
 cdef void tree_free(Tree* t) noexcept nogil:
+    cdef size_t i
+    for i in range(t.wide_pool.used):
+        # live ones: their node is live and points back (a free record's bits are NULL)
+        mem_free(t.wide[i].bits)
+    mem_free(t.wide)
+    t.wide = NULL
+    pool_init(&t.wide_pool)
+    t.nwide = 0
+    t.wide_bytes = 0
     revs_free(&t.rev, &t.nrev)
+    t.wend = 0
     mem_free(t.nodes)
     t.nodes = NULL
     pool_init(&t.node_pool)
@@ -80,12 +146,13 @@ cdef size_t _tables_nbytes(const Tree* t) noexcept nogil:
 
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
     return (t.node_pool.cap * sizeof(TNode) + t.mem_pool.cap * sizeof(TMember)
-            + _tables_nbytes(t))
+            + t.wide_pool.cap * sizeof(TWide) + t.wide_bytes + _tables_nbytes(t))
 
 
 cdef size_t tree_used_bytes(const Tree* t) noexcept nogil:
     return (<size_t>t.node_pool.used * sizeof(TNode)
-            + <size_t>t.mem_pool.used * sizeof(TMember) + _tables_nbytes(t))
+            + <size_t>t.mem_pool.used * sizeof(TMember)
+            + <size_t>t.wide_pool.used * sizeof(TWide) + t.wide_bytes + _tables_nbytes(t))
 
 
 cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nogil:
@@ -152,10 +219,24 @@ cdef void _drop_edge(Tree* t, uint32_t n) noexcept nogil:
     fpm_delete_at(&t.edges, i)
 
 
-# -- members: a sole member inline in the node, two or more in member records ------------------
+# -- members: a sole member inline in the node, two or more in member records or, on a wide
+# node, as a bitmap over worker ids with their engine hashes in worker order ------------------
+cdef inline bint _is_wide(const TNode* n) noexcept nogil:
+    return n.nmembers >= 2 and (n.y & T_WIDE) != 0
+
+
+cdef inline TWide* _wide_of(const Tree* t, const TNode* n) noexcept nogil:
+    return &t.wide[n.y & ~(<uint32_t>T_WIDE)]
+
+
+cdef inline bint _wide_has(const TWide* wd, uint32_t worker) noexcept nogil:
+    return (worker >> 6) < wd.nwords and _bit(wd.bits, worker)
+
+
 cdef inline bint _member_ehash(const Tree* t, uint32_t node, uint32_t worker,
                                uint64_t* out) noexcept nogil:
     cdef const TNode* n = &t.nodes[node]
+    cdef const TWide* wd
     cdef uint32_t m
     if n.nmembers == 1:
         if n.y == worker:
@@ -164,6 +245,12 @@ cdef inline bint _member_ehash(const Tree* t, uint32_t node, uint32_t worker,
         return False
     if n.nmembers == 0:
         return False
+    if n.y & T_WIDE:
+        wd = _wide_of(t, n)
+        if not _wide_has(wd, worker):
+            return False
+        out[0] = wd.bits[wd.nwords + _rank(wd.bits, worker)]
+        return True
     m = n.y
     while m != HM_NIL:
         if t.mem[m].worker == worker:
@@ -178,34 +265,16 @@ cdef bint tree_member_ehash(const Tree* t, uint32_t node, uint32_t worker,
     return _member_ehash(t, node, worker, out)
 
 
-cdef inline uint32_t _member_first(const Tree* t, uint32_t node, uint32_t* cur,
-                                   uint64_t* ehash) noexcept nogil:
-    """Members of ``node`` in list order: ``w = _member_first(t, node, &cur, &e)``, then
-    while ``w != HM_NIL``, ``w = _member_next(t, &cur, &e)`` (``e``: w's engine hash)."""
-    cdef uint32_t nm = t.nodes[node].nmembers
-    cur[0] = HM_NIL
-    if nm == 1:
-        ehash[0] = t.nodes[node].x
-        return t.nodes[node].y
-    if nm == 0:
-        return HM_NIL
-    cur[0] = t.nodes[node].y
-    return _member_next(t, cur, ehash)
-
-
-cdef inline uint32_t _member_next(const Tree* t, uint32_t* cur, uint64_t* ehash) noexcept nogil:
-    cdef uint32_t m = cur[0]
-    if m == HM_NIL:
-        return HM_NIL
-    cur[0] = t.mem[m].next
-    ehash[0] = t.mem[m].ehash
-    return t.mem[m].worker
-
-
 cdef void _set_member_ehash(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexcept nogil:
+    cdef TWide* wd
     cdef uint32_t m
     if t.nodes[node].nmembers == 1:
         t.nodes[node].x = ehash
+        return
+    if t.nodes[node].y & T_WIDE:
+        wd = _wide_of(t, &t.nodes[node])
+        if _wide_has(wd, worker):
+            wd.bits[wd.nwords + _rank(wd.bits, worker)] = ehash
         return
     m = t.nodes[node].y
     while m != HM_NIL:
@@ -216,19 +285,239 @@ cdef void _set_member_ehash(Tree* t, uint32_t node, uint32_t worker, uint64_t eh
 
 
 cdef inline uint32_t _take_record(Tree* t) noexcept nogil:
-    return pool_take(&t.mem_pool, <void**>&t.mem, sizeof(TMember))
+    cdef uint32_t r = pool_take(&t.mem_pool, <void**>&t.mem, sizeof(TMember))
+    if r != HM_NIL and r >= <uint32_t>T_WIDE:
+        # a record index must leave TNode.y's wide bit clear (2**31 records: 32 GB)
+        pool_give(&t.mem_pool, t.mem, r, sizeof(TMember))
+        return HM_NIL
+    return r
+
+
+cdef inline uint32_t _wide_cap(uint32_t nm) noexcept nogil:
+    """Engine-hash capacity for ``nm`` members: 1/8 and 4 spare."""
+    return nm + nm // 8 + 4
+
+
+cdef void _wide_release(Tree* t, uint32_t wi) noexcept nogil:
+    cdef TWide* wd = &t.wide[wi]
+    mem_free(wd.bits)
+    t.wide_bytes -= (<size_t>wd.nwords + wd.cap) * sizeof(uint64_t)
+    wd.bits = NULL
+    wd.nwords = 0
+    wd.cap = 0
+    pool_give(&t.wide_pool, t.wide, wi, sizeof(TWide))
+    t.nwide -= 1
+
+
+cdef int _promote(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexcept nogil:
+    """Turn list node ``node`` wide with ``worker`` (not a member) joining under ``ehash``;
+    -1 (unchanged) when out of memory."""
+    cdef TNode* n = &t.nodes[node]
+    cdef uint32_t nm = n.nmembers, m, w, maxw = worker, wi, nw, cap, i, r, nxt
+    cdef uint64_t* bits
+    cdef uint64_t* ehs
+    cdef uint32_t* before
+    m = n.y
+    while m != HM_NIL:
+        if t.mem[m].worker > maxw:
+            maxw = t.mem[m].worker
+        m = t.mem[m].next
+    nw = (maxw >> 6) + 1
+    cap = _wide_cap(nm + 1)
+    bits = <uint64_t*>mem_alloc((<size_t>nw + cap) * sizeof(uint64_t))
+    if bits == NULL:
+        return -1
+    before = <uint32_t*>malloc(nw * sizeof(uint32_t))      # scratch: set bits before word i
+    if before == NULL:
+        mem_free(bits)
+        return -1
+    wi = pool_take(&t.wide_pool, <void**>&t.wide, sizeof(TWide))
+    if wi == HM_NIL or wi >= <uint32_t>T_WIDE:
+        if wi != HM_NIL:
+            pool_give(&t.wide_pool, t.wide, wi, sizeof(TWide))
+        free(before)
+        mem_free(bits)
+        return -1
+    memset(bits, 0, nw * sizeof(uint64_t))
+    _bit_set(bits, worker)
+    m = n.y
+    while m != HM_NIL:
+        _bit_set(bits, t.mem[m].worker)
+        m = t.mem[m].next
+    r = 0
+    for i in range(nw):
+        before[i] = r
+        r += popc64(bits[i])
+    ehs = bits + nw
+    w = worker
+    ehs[before[w >> 6] + popc64(bits[w >> 6] & (((<uint64_t>1) << (w & 63)) - 1))] = ehash
+    m = n.y
+    while m != HM_NIL:
+        w = t.mem[m].worker
+        ehs[before[w >> 6] + popc64(bits[w >> 6] & (((<uint64_t>1) << (w & 63)) - 1))] = (
+            t.mem[m].ehash)
+        nxt = t.mem[m].next
+        pool_give(&t.mem_pool, t.mem, m, sizeof(TMember))
+        m = nxt
+    free(before)
+    t.nrecords -= nm
+    t.wide[wi].node = node
+    t.wide[wi].nwords = nw
+    t.wide[wi].cap = cap
+    t.wide[wi].spare = 0
+    t.wide[wi].bits = bits
+    t.nwide += 1
+    t.nwidened += 1
+    t.wide_bytes += (<size_t>nw + cap) * sizeof(uint64_t)
+    n.y = <uint32_t>T_WIDE | wi
+    n.x += member_sig(worker)
+    n.nmembers = nm + 1
+    t.npairs += 1
+    return 0
+
+
+cdef int _demote(Tree* t, uint32_t node) noexcept nogil:
+    """Turn wide node ``node`` back into a member list (in worker order); -1 (unchanged)
+    when out of memory."""
+    cdef TNode* n = &t.nodes[node]
+    cdef uint32_t nm = n.nmembers, r, head = HM_NIL, wi = n.y & ~(<uint32_t>T_WIDE)
+    cdef TWide* wd
+    cdef size_t i, rank = 0
+    cdef uint64_t x
+    for _ in range(nm):
+        r = _take_record(t)
+        if r == HM_NIL:
+            while head != HM_NIL:
+                r = t.mem[head].next
+                pool_give(&t.mem_pool, t.mem, head, sizeof(TMember))
+                head = r
+            return -1
+        t.mem[r].next = head
+        head = r
+    wd = &t.wide[wi]
+    r = head
+    for i in range(wd.nwords):
+        x = wd.bits[i]
+        while x:
+            t.mem[r].worker = <uint32_t>(i * 64 + ctz64(x))
+            t.mem[r].ehash = wd.bits[wd.nwords + rank]
+            rank += 1
+            r = t.mem[r].next
+            x &= x - 1
+    t.nrecords += nm
+    _wide_release(t, wi)
+    t.nnarrowed += 1
+    n.y = head
+    return 0
+
+
+cdef int _list_add(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexcept nogil:
+    """``worker`` joins list node ``node`` (two or more members) at the head; -1 on OOM."""
+    cdef uint32_t a = _take_record(t)
+    cdef TNode* n
+    if a == HM_NIL:
+        return -1
+    n = &t.nodes[node]
+    t.mem[a].worker = worker
+    t.mem[a].ehash = ehash
+    t.mem[a].next = n.y
+    n.y = a
+    n.x += member_sig(worker)
+    n.nmembers += 1
+    t.nrecords += 1
+    t.npairs += 1
+    return 0
+
+
+cdef int _wide_add(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexcept nogil:
+    """``worker`` joins wide node ``node``; -1 on OOM (unchanged)."""
+    cdef TNode* n = &t.nodes[node]
+    cdef TWide* wd = _wide_of(t, n)
+    cdef uint32_t nm = n.nmembers, nw = wd.nwords, cap = wd.cap, need, ncap, r
+    cdef uint64_t* p
+    cdef uint64_t* ehs
+    need = nw if (worker >> 6) < nw else (worker >> 6) + 1
+    if need > nw and nm + 1 < need + WIDE_PAD // 2 and _demote(t, node) == 0:
+        # a bitmap that wide would cost more than the member records
+        return _list_add(t, node, worker, ehash)
+    ncap = cap if nm + 1 <= cap else _wide_cap(nm + 1)
+    if need != nw or ncap != cap:
+        p = <uint64_t*>mem_realloc(wd.bits, (<size_t>need + ncap) * sizeof(uint64_t))
+        if p == NULL:
+            return -1
+        if need != nw:
+            memmove(p + need, p + nw, nm * sizeof(uint64_t))     # the engine hashes move up
+            memset(p + nw, 0, (need - nw) * sizeof(uint64_t))
+        t.wide_bytes += (<size_t>need + ncap - nw - cap) * sizeof(uint64_t)
+        wd.bits = p
+        wd.nwords = need
+        wd.cap = ncap
+    ehs = wd.bits + wd.nwords
+    r = _rank(wd.bits, worker)
+    memmove(ehs + r + 1, ehs + r, (nm - r) * sizeof(uint64_t))
+    ehs[r] = ehash
+    _bit_set(wd.bits, worker)
+    n.x += member_sig(worker)
+    n.nmembers = nm + 1
+    t.npairs += 1
+    return 0
+
+
+cdef bint _wide_remove(Tree* t, uint32_t node, uint32_t worker) noexcept nogil:
+    cdef TNode* n = &t.nodes[node]
+    cdef uint32_t wi = n.y & ~(<uint32_t>T_WIDE)
+    cdef TWide* wd = &t.wide[wi]
+    cdef uint32_t nm = n.nmembers, r, ncap
+    cdef size_t i
+    cdef uint64_t* ehs
+    cdef uint64_t* p
+    if not _wide_has(wd, worker):
+        return False
+    ehs = wd.bits + wd.nwords
+    r = _rank(wd.bits, worker)
+    memmove(ehs + r, ehs + r + 1, (nm - 1 - r) * sizeof(uint64_t))
+    _bit_clear(wd.bits, worker)
+    nm -= 1
+    n.nmembers = nm
+    n.x -= member_sig(worker)
+    t.npairs -= 1
+    if nm == 1:
+        # the survivor moves inline
+        for i in range(wd.nwords):
+            if wd.bits[i]:
+                n.y = <uint32_t>(i * 64 + ctz64(wd.bits[i]))
+                break
+        n.x = ehs[0]
+        _wide_release(t, wi)
+        t.nnarrowed += 1
+    elif nm < wd.nwords + WIDE_PAD // 2:
+        _demote(t, node)            # out of memory: it stays wide, still sound
+    elif wd.cap > nm + nm // 4 + 8:
+        ncap = _wide_cap(nm)
+        p = <uint64_t*>mem_realloc(wd.bits, (<size_t>wd.nwords + ncap) * sizeof(uint64_t))
+        if p != NULL:
+            t.wide_bytes -= (<size_t>wd.cap - ncap) * sizeof(uint64_t)
+            wd.bits = p
+            wd.cap = ncap
+    return True
 
 
 cdef int _link_member(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) noexcept nogil:
     """Make ``worker`` (not a member yet) hold ``node`` under ``ehash``; -1 on OOM
-    (unchanged). The newest member comes first in the list."""
+    (unchanged). In a member list the newest member comes first; a list that reaches
+    2 * (bitmap words over every worker id) + WIDE_PAD members turns wide."""
     cdef uint32_t nm = t.nodes[node].nmembers, a, b
     cdef TNode* n
+    if worker >= t.wend:
+        t.wend = worker + 1
     if nm == 0:
         n = &t.nodes[node]
         n.y = worker
         n.x = ehash
-    elif nm == 1:
+        n.nmembers = 1
+        t.npairs += 1
+        return 0
+    if nm == 1:
         # the inline member moves to a record; the list is (new, old)
         a = _take_record(t)
         if a == HM_NIL:
@@ -246,21 +535,16 @@ cdef int _link_member(Tree* t, uint32_t node, uint32_t worker, uint64_t ehash) n
         t.mem[b].next = a
         n.x = member_sig(n.y) + member_sig(worker)
         n.y = b
+        n.nmembers = 2
         t.nrecords += 2
-    else:
-        a = _take_record(t)
-        if a == HM_NIL:
-            return -1
-        n = &t.nodes[node]
-        t.mem[a].worker = worker
-        t.mem[a].ehash = ehash
-        t.mem[a].next = n.y
-        n.y = a
-        n.x += member_sig(worker)
-        t.nrecords += 1
-    n.nmembers = nm + 1
-    t.npairs += 1
-    return 0
+        t.npairs += 1
+        return 0
+    if t.nodes[node].y & T_WIDE:
+        return _wide_add(t, node, worker, ehash)
+    if (nm + 1 >= 2 * ((<size_t>t.wend + 63) >> 6) + WIDE_PAD
+            and _promote(t, node, worker, ehash) == 0):
+        return 0
+    return _list_add(t, node, worker, ehash)
 
 
 cdef bint _unlink_member(Tree* t, uint32_t node, uint32_t worker) noexcept nogil:
@@ -276,6 +560,8 @@ cdef bint _unlink_member(Tree* t, uint32_t node, uint32_t worker) noexcept nogil
         n.nmembers = 0
         t.npairs -= 1
         return True
+    if n.y & T_WIDE:
+        return _wide_remove(t, node, worker)
     m = n.y
     while m != HM_NIL:
         if t.mem[m].worker == worker:
@@ -480,123 +766,351 @@ cdef size_t tree_worker_blocks(const Tree* t, uint32_t worker) noexcept nogil:
 # -- match -----------------------------------------------------------------------------------------
 cdef enum:
     PREFETCH_AHEAD = 32          # blocks ahead for the speculative edge-slot prefetch
-    ST_ALIVE = 0xFFFFFFFE       # candidate still on the path
-    ST_KEEP = 0xFFFFFFFD        # candidate seen on the node of a slow step
+    # The walk keeps the candidates still on the path as a bitmap over worker ids; when
+    # the first node is wide and has more than LIST_MAX members, steps work on whole
+    # 64-bit words, else (and once at most LIST_MAX are left) on a list of the candidates.
+    LIST_MAX = 32
 
 
-cdef inline void _settle(const Tree* t, uint32_t node, uint32_t step, uint32_t* stamp,
-                         uint32_t mark, uint32_t* out_depth, uint64_t* out_ehash) noexcept nogil:
-    """Every still-alive candidate on ``node`` ends there: depth ``step``, its ehash on
-    ``node``; its stamp becomes ``mark``."""
-    cdef uint32_t m, w
-    if t.nodes[node].nmembers == 1:
-        w = t.nodes[node].y
-        if stamp[w] == ST_ALIVE:
-            out_ehash[w] = t.nodes[node].x
-            out_depth[w] = step
-            stamp[w] = mark
-        return
-    m = t.nodes[node].y if t.nodes[node].nmembers else HM_NIL
+cdef inline void _prefetch_ahead(const Tree* t, HCursor* hc, uint32_t child,
+                                 size_t step) noexcept nogil:
+    # PERF: a chain stored in one go has consecutive node indices, so the edge slot
+    # PREFETCH_AHEAD steps on is probably at (child + k, H[step + k]). The caller checks
+    # step + PREFETCH_AHEAD < n (the edge table has slots: ``child`` was found in it).
+    prefetch(&t.edges.slots[fpm_home(&t.edges, <uint32_t>em_hash(
+        child + PREFETCH_AHEAD - 1, hc_get(hc, step + PREFETCH_AHEAD)))])
+    prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
+             else &t.nodes[child])
+
+
+cdef inline uint32_t _keep_bits(const Tree* t, uint32_t child, const uint64_t* A, uint64_t* K,
+                                size_t NW) noexcept nogil:
+    """``K`` (all zero on entry) = the candidates of ``A`` that hold ``child``; how many."""
+    cdef const TNode* c = &t.nodes[child]
+    cdef const TWide* wd
+    cdef size_t i
+    cdef uint32_t m, w, k = 0
+    cdef uint64_t x
+    if c.nmembers == 1:
+        w = c.y
+        if _bit(A, w):
+            _bit_set(K, w)
+            return 1
+        return 0
+    if c.nmembers == 0:
+        return 0
+    if c.y & T_WIDE:
+        wd = _wide_of(t, c)
+        for i in range(wd.nwords if wd.nwords < NW else NW):
+            x = A[i] & wd.bits[i]
+            K[i] = x
+            k += popc64(x)
+        return k
+    m = c.y
     while m != HM_NIL:
         w = t.mem[m].worker
-        if stamp[w] == ST_ALIVE:
-            out_ehash[w] = t.mem[m].ehash
-            out_depth[w] = step
-            stamp[w] = mark
+        if _bit(A, w):
+            _bit_set(K, w)
+            k += 1
         m = t.mem[m].next
+    return k
 
 
-cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
-                       uint64_t* out_ehash, uint32_t* stamp) noexcept nogil:
-    """Consecutive depth from the root of every worker on the first node.
-
-    ``out_worker[0:alive]`` holds the candidates still on the path, the ones
-    that left follow. A step whose node has exactly the alive set (same size,
-    same ``tree_sig`` fingerprint) costs O(1); otherwise the node's members are
-    scanned and the workers that left get depth ``step`` and their breakpoint
-    ehash from the previous node.
-    NOTE: the fingerprint is a 64-bit sum of mixed worker ids: the same order of
-    collision risk as the 64-bit block hashes the whole index is keyed by.
-    """
-    cdef size_t n = hc.n, cnt = 0, alive, k, j
-    cdef uint32_t node, child, m, w, step, tmp
-    cdef uint64_t asig = 0
-    if n == 0 or t.nrev == 0:
-        return 0
-    child = _child(t, T_ROOT, hc_get(hc, 0))
-    if child == HM_NIL:
-        return 0
-    memset(stamp, 0xFF, t.nrev * sizeof(uint32_t))
-    if t.nodes[child].nmembers == 1:
-        w = t.nodes[child].y
-        stamp[w] = ST_ALIVE
-        out_worker[0] = w
-        cnt = 1
+cdef size_t _settle(const Tree* t, uint32_t node, const uint64_t* A, const uint64_t* K,
+                    size_t NW, uint32_t depth, uint32_t* out_worker, uint32_t* out_depth,
+                    uint64_t* out_ehash, size_t nout, uint64_t* sig) noexcept nogil:
+    """The candidates of ``A`` not in ``K`` (all members of ``node``) end on ``node``:
+    ``out_ehash[w]`` = w's engine hash there; when ``out_worker`` is not NULL each is also
+    appended as (w, ``depth``) at ``nout``; ``sig`` (when not NULL) adds their
+    fingerprints. Returns the new ``nout``. O(members) for a member list, O(NW + leavers)
+    for a wide node."""
+    cdef const TNode* n = &t.nodes[node]
+    cdef const TWide* wd
+    cdef const uint64_t* ehs
+    cdef size_t i, nw
+    cdef uint32_t m, w, b, rank = 0
+    cdef uint64_t x, word, e
+    if n.nmembers >= 2 and (n.y & T_WIDE):
+        wd = _wide_of(t, n)
+        ehs = wd.bits + wd.nwords
+        nw = wd.nwords if wd.nwords < NW else NW
+        for i in range(nw):
+            word = wd.bits[i]
+            x = A[i] & ~K[i]
+            if x == word:
+                # every member of the word ends here (the common case): ranks in a row
+                while x:
+                    w = <uint32_t>(i * 64 + ctz64(x))
+                    out_ehash[w] = ehs[rank]
+                    rank += 1
+                    if out_worker != NULL:
+                        out_worker[nout] = w
+                        out_depth[nout] = depth
+                        nout += 1
+                    if sig != NULL:
+                        sig[0] += member_sig(w)
+                    x &= x - 1
+                continue
+            while x:
+                b = ctz64(x)
+                w = <uint32_t>(i * 64 + b)
+                e = ehs[rank + popc64(word & (((<uint64_t>1) << b) - 1))]
+                out_ehash[w] = e
+                if out_worker != NULL:
+                    out_worker[nout] = w
+                    out_depth[nout] = depth
+                    nout += 1
+                if sig != NULL:
+                    sig[0] += member_sig(w)
+                x &= x - 1
+            rank += popc64(word)
+        return nout
+    if n.nmembers == 1:
+        w = n.y
+        m = HM_NIL
+        e = n.x
+    elif n.nmembers:
+        m = n.y
+        w = t.mem[m].worker
+        e = t.mem[m].ehash
     else:
-        m = t.nodes[child].y if t.nodes[child].nmembers else HM_NIL
-        while m != HM_NIL:
-            w = t.mem[m].worker
-            stamp[w] = ST_ALIVE
-            out_worker[cnt] = w
-            cnt += 1
-            m = t.mem[m].next
-    alive = cnt
-    asig = tree_sig(&t.nodes[child])
-    node = child
-    step = 1
+        return nout
+    while True:
+        if _bit(A, w) and not _bit(K, w):
+            out_ehash[w] = e
+            if out_worker != NULL:
+                out_worker[nout] = w
+                out_depth[nout] = depth
+                nout += 1
+            if sig != NULL:
+                sig[0] += member_sig(w)
+        if m == HM_NIL:
+            break
+        m = t.mem[m].next
+        if m == HM_NIL:
+            break
+        w = t.mem[m].worker
+        e = t.mem[m].ehash
+    return nout
+
+
+cdef inline uint64_t _bits_sig(const uint64_t* b, size_t NW) noexcept nogil:
+    cdef size_t i
+    cdef uint64_t x, s = 0
+    for i in range(NW):
+        x = b[i]
+        while x:
+            s += member_sig(<uint32_t>(i * 64 + ctz64(x)))
+            x &= x - 1
+    return s
+
+
+cdef struct MatchState:
+    # tree_match's walk: the node reached, blocks matched, candidates left on it (as the
+    # bitmap ``A``, ``K`` zero) and their fingerprint; results emitted so far
+    uint32_t node
+    uint32_t step
+    size_t alive
+    uint64_t asig
+    uint64_t* A
+    uint64_t* K
+    size_t NW
+    size_t base
+
+
+cdef void _match_words(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* out_worker,
+                       uint32_t* out_depth, uint64_t* out_ehash) noexcept nogil:
+    """The walk on whole bitmap words while more than LIST_MAX candidates are left; the
+    ones that end are appended to the results. Returns with ``ms.alive`` 0 (all ended)
+    or at most LIST_MAX."""
+    cdef size_t n = hc.n, NW = ms.NW, alive = ms.alive, base = ms.base
+    cdef size_t pf_end = n - PREFETCH_AHEAD if n > PREFETCH_AHEAD else 0
+    cdef uint32_t node = ms.node, step = ms.step, child, kc
+    cdef uint64_t asig = ms.asig, lsig
+    cdef uint64_t* A = ms.A
+    cdef uint64_t* K = ms.K
+    cdef uint64_t* T
+    cdef const TNode* c
     while step < n:
         child = _child(t, node, hc_get(hc, step))
         if child == HM_NIL:
             break
-        if step + PREFETCH_AHEAD < n and t.edges.slots != NULL:
-            # PERF: a chain stored in one go has consecutive node indices, so the
-            # edge slot PREFETCH_AHEAD steps on is probably at (child + k, H[step + k]).
-            prefetch(&t.edges.slots[fpm_home(&t.edges, <uint32_t>em_hash(
-                child + PREFETCH_AHEAD - 1, hc_get(hc, step + PREFETCH_AHEAD)))])
-            prefetch(&t.nodes[child + PREFETCH_AHEAD] if child + PREFETCH_AHEAD < t.node_pool.used
-                     else &t.nodes[child])
-        if t.nodes[child].nmembers == alive and tree_sig(&t.nodes[child]) == asig:
+        if step < pf_end:
+            _prefetch_ahead(t, hc, child, step)
+        c = &t.nodes[child]
+        if c.nmembers == alive and tree_sig(c) == asig:
             node = child
             step += 1
             continue
-        # Slow step: mark the alive workers that are on ``child`` ...
-        if t.nodes[child].nmembers == 1:
-            w = t.nodes[child].y
-            if stamp[w] == ST_ALIVE:
-                stamp[w] = ST_KEEP
+        kc = _keep_bits(t, child, A, K, NW)
+        # the new fingerprint: from the stayers or the leavers, whichever are fewer
+        if kc * 2 <= alive:
+            base = _settle(t, node, A, K, NW, step, out_worker, out_depth, out_ehash, base,
+                           NULL)
+            asig = _bits_sig(K, NW)
         else:
-            m = t.nodes[child].y if t.nodes[child].nmembers else HM_NIL
-            while m != HM_NIL:
-                w = t.mem[m].worker
-                if stamp[w] == ST_ALIVE:
-                    stamp[w] = ST_KEEP
-                m = t.mem[m].next
-        # ... the others stop at depth ``step`` with their ehash on ``node``.
-        _settle(t, node, step, stamp, HM_NIL, out_depth, out_ehash)
-        j = 0
-        asig = 0
-        for k in range(alive):
-            w = out_worker[k]
-            if stamp[w] == ST_KEEP:
-                stamp[w] = ST_ALIVE
-                asig += member_sig(w)
-                tmp = out_worker[j]
-                out_worker[j] = w
-                out_worker[k] = tmp
-                j += 1
-        alive = j
+            lsig = 0
+            base = _settle(t, node, A, K, NW, step, out_worker, out_depth, out_ehash, base,
+                           &lsig)
+            asig -= lsig
+        T = A
+        A = K
+        K = T
+        memset(K, 0, NW * sizeof(uint64_t))
+        alive = kc
         if alive == 0:
             break
         node = child
         step += 1
+        if alive <= LIST_MAX:
+            break
+    if alive > LIST_MAX:
+        # the survivors end on ``node`` at depth ``step``
+        base = _settle(t, node, A, K, NW, step, out_worker, out_depth, out_ehash, base, NULL)
+        alive = 0
+    ms.node = node
+    ms.step = step
+    ms.alive = alive
+    ms.asig = asig
+    ms.A = A
+    ms.K = K
+    ms.base = base
+
+
+cdef void _match_list(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* L, uint32_t* D,
+                      uint64_t* out_ehash) noexcept nogil:
+    """The walk on the list of candidates ``L[0:alive]`` (also set in ``A``): one that
+    ends is swapped behind them and gets its depth in ``D`` (its ehash by settling the
+    node it ends on)."""
+    cdef size_t n = hc.n, NW = ms.NW, alive = ms.alive, k, j
+    cdef size_t pf_end = n - PREFETCH_AHEAD if n > PREFETCH_AHEAD else 0
+    cdef uint32_t node = ms.node, step = ms.step, child, w, tmp, kc
+    cdef uint64_t asig = ms.asig
+    cdef uint64_t* A = ms.A
+    cdef uint64_t* K = ms.K
+    cdef const TNode* c
+    cdef const TWide* wd
+    while step < n:
+        child = _child(t, node, hc_get(hc, step))
+        if child == HM_NIL:
+            break
+        if step < pf_end:
+            _prefetch_ahead(t, hc, child, step)
+        c = &t.nodes[child]
+        if c.nmembers == alive and tree_sig(c) == asig:
+            node = child
+            step += 1
+            continue
+        # Slow step: mark the candidates that are on ``child`` ...
+        if c.nmembers >= 2 and (c.y & T_WIDE):
+            wd = _wide_of(t, c)
+            kc = 0
+            for k in range(alive):
+                w = L[k]
+                if _wide_has(wd, w):
+                    _bit_set(K, w)
+                    kc += 1
+        else:
+            kc = _keep_bits(t, child, A, K, NW)
+        if kc == alive:
+            # all of them are (with other members)
+            for k in range(alive):
+                _bit_clear(K, L[k])
+            node = child
+            step += 1
+            continue
+        # ... the others stop at depth ``step`` with their ehash on ``node``.
+        _settle(t, node, A, K, NW, step, NULL, NULL, out_ehash, 0, NULL)
+        j = 0
+        asig = 0
+        for k in range(alive):
+            w = L[k]
+            if _bit(K, w):
+                _bit_clear(K, w)
+                asig += member_sig(w)
+                tmp = L[j]
+                L[j] = w
+                L[k] = tmp
+                j += 1
+            else:
+                _bit_clear(A, w)
+        for k in range(j, alive):
+            D[k] = step
+        alive = j
+        if alive == 0:
+            return
+        node = child
+        step += 1
     # The survivors end on ``node`` at depth ``step``.
-    if alive:
-        _settle(t, node, step, stamp, ST_ALIVE, out_depth, out_ehash)
-    # out_depth was filled by worker id; convert it to result order.
-    for k in range(cnt):
-        stamp[k] = out_depth[out_worker[k]]
-    for k in range(cnt):
-        out_depth[k] = stamp[k]
+    _settle(t, node, A, K, NW, step, NULL, NULL, out_ehash, 0, NULL)
+    for k in range(alive):
+        D[k] = step
+
+
+cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
+                       uint64_t* out_ehash, uint64_t* scratch) noexcept nogil:
+    """Consecutive depth from the root of every worker on the first node.
+
+    The candidates still on the path are a bitmap ``A`` over worker ids. A step whose
+    node has exactly the candidate set (same size, same ``tree_sig`` fingerprint) costs
+    O(1). Otherwise ``K`` = the candidates on the new node, and the others end: depth
+    ``step``, their breakpoint ehash from the previous node. While a wide first node
+    leaves many candidates that is done on whole words (O(words + leavers) a step);
+    with few, on a list of them (O(candidates + the nodes' members)). Every candidate
+    ends once, as result ``k``: ``out_worker[k]``, ``out_depth[k]``.
+    NOTE: the fingerprint is a 64-bit sum of mixed worker ids: the same order of
+    collision risk as the 64-bit block hashes the whole index is keyed by.
+    """
+    cdef size_t cnt, i, j
+    cdef uint32_t child, m, w
+    cdef uint64_t x
+    cdef const TNode* c
+    cdef const TWide* wd
+    cdef MatchState ms
+    if hc.n == 0 or t.wend == 0:
+        return 0
+    child = _child(t, T_ROOT, hc_get(hc, 0))
+    if child == HM_NIL or t.nodes[child].nmembers == 0:
+        return 0
+    ms.NW = (<size_t>t.wend + 63) >> 6
+    ms.A = scratch
+    ms.K = scratch + ms.NW
+    memset(scratch, 0, 2 * ms.NW * sizeof(uint64_t))
+    c = &t.nodes[child]
+    cnt = c.nmembers
+    ms.alive = cnt
+    ms.asig = tree_sig(c)
+    ms.node = child
+    ms.step = 1
+    ms.base = 0
+    if c.nmembers == 1:
+        _bit_set(ms.A, c.y)
+        out_worker[0] = c.y
+    elif c.y & T_WIDE:
+        wd = _wide_of(t, c)
+        memcpy(ms.A, wd.bits, (wd.nwords if wd.nwords < ms.NW else ms.NW) * sizeof(uint64_t))
+        if cnt > LIST_MAX:
+            _match_words(t, hc, &ms, out_worker, out_depth, out_ehash)
+            if ms.alive == 0:
+                return cnt
+        # list the candidates left (in worker order) behind the results
+        j = ms.base
+        for i in range(ms.NW):
+            x = ms.A[i]
+            while x:
+                out_worker[j] = <uint32_t>(i * 64 + ctz64(x))
+                j += 1
+                x &= x - 1
+    else:
+        m = c.y
+        j = 0
+        while m != HM_NIL:
+            w = t.mem[m].worker
+            _bit_set(ms.A, w)
+            out_worker[j] = w
+            j += 1
+            m = t.mem[m].next
+    _match_list(t, hc, &ms, out_worker + ms.base, out_depth + ms.base, out_ehash)
     return cnt
 
 
@@ -613,30 +1127,92 @@ cdef void tree_layout(const Tree* t, size_t* out) noexcept nogil:
     out[5] = t.nrev
     out[6] = tree_used_bytes(t)
     out[7] = tree_nbytes(t)
+    out[8] = t.nwide
+    out[9] = t.wide_pool.used
+    out[10] = t.wide_bytes
+    out[11] = t.nwidened
+    out[12] = t.nnarrowed
 
 
 cdef dict layout_dict(const size_t* out):
     """``node_bytes``/``member_bytes`` (struct sizes), ``nodes``/``records`` (high-water
     marks of the two arrays), ``records_live`` (member records in use: members of nodes
-    two or more workers hold), ``edge_slots``/``rev_slots`` (table capacities),
-    ``rev_maps`` (reverse-map headers), ``used_bytes`` (what the structures touch: the
-    arrays to their high-water marks, every table slot) and ``nbytes`` (allocated)."""
-    return {"node_bytes": sizeof(TNode), "member_bytes": sizeof(TMember), "nodes": out[0],
-            "records": out[1], "records_live": out[2], "edge_slots": out[3],
-            "rev_slots": out[4], "rev_maps": out[5], "used_bytes": out[6], "nbytes": out[7]}
+    two or more workers hold as a list), ``edge_slots``/``rev_slots`` (table
+    capacities), ``rev_maps`` (reverse-map headers), ``wide_bytes`` (a wide node's
+    record, the struct size), ``wide_nodes`` (wide nodes: members as a bitmap),
+    ``wide_records`` (high-water mark of their records), ``wide_block_bytes`` (their
+    bitmaps and engine hashes), ``widened``/``narrowed`` (how many times, since the
+    tree was made, a member list turned wide / a wide node turned back), ``used_bytes``
+    (what the structures touch: the arrays to their high-water marks, every table slot,
+    the wide blocks) and ``nbytes`` (allocated)."""
+    return {"node_bytes": sizeof(TNode), "member_bytes": sizeof(TMember),
+            "wide_bytes": sizeof(TWide), "nodes": out[0], "records": out[1],
+            "records_live": out[2], "edge_slots": out[3], "rev_slots": out[4],
+            "rev_maps": out[5], "wide_nodes": out[8], "wide_records": out[9],
+            "wide_block_bytes": out[10], "widened": out[11], "narrowed": out[12],
+            "used_bytes": out[6], "nbytes": out[7]}
 
 
 # -- invariants ------------------------------------------------------------------------------------
 ctypedef unsigned long long ull
 
 
+cdef int _check_wide(const Tree* t, size_t i, char* msg, size_t cap,
+                     uint8_t* wfree) noexcept nogil:
+    """Wide node ``i``: its record is live and its own, the bitmap covers known worker
+    ids and is exactly the member set (count, fingerprint, and each (worker, engine
+    hash) found by that worker's reverse map at ``i``)."""
+    cdef uint32_t wi = t.nodes[i].y & ~(<uint32_t>T_WIDE), nm = t.nodes[i].nmembers
+    cdef const TWide* wd
+    cdef size_t j, rank = 0, w
+    cdef uint64_t x, sig = 0, e
+    if wi >= t.wide_pool.used or wfree[wi] != 0:
+        snprintf(msg, cap, "node %llu points at wide record %llu that is free, out of range "
+                 "or another node's", <ull>i, <ull>wi)
+        return -1
+    wfree[wi] = 2                   # visited
+    wd = &t.wide[wi]
+    if (wd.node != i or wd.bits == NULL or wd.cap < nm or wd.nwords == 0
+            or <size_t>(wd.nwords - 1) * 64 >= t.wend or t.wend > t.nrev):
+        snprintf(msg, cap, "wide record %llu of node %llu: node %llu, %llu words, capacity "
+                 "%llu for %llu members and worker ids < %llu", <ull>wi, <ull>i,
+                 <ull>wd.node, <ull>wd.nwords, <ull>wd.cap, <ull>nm, <ull>t.wend)
+        return -1
+    for j in range(wd.nwords):
+        x = wd.bits[j]
+        while x:
+            w = j * 64 + ctz64(x)
+            x &= x - 1
+            if rank >= nm:
+                snprintf(msg, cap, "node %llu: its bitmap has more than nmembers %llu bits",
+                         <ull>i, <ull>nm)
+                return -1
+            e = wd.bits[wd.nwords + rank]
+            rank += 1
+            sig += member_sig(<uint32_t>w)
+            if w >= t.wend or tree_rev_get(t, <uint32_t>w, e) != i:
+                snprintf(msg, cap, "wide member (worker %llu, ehash %llu) of node %llu is not "
+                         "in the worker's reverse map", <ull>w, <ull>e, <ull>i)
+                return -1
+    if rank != nm or sig != t.nodes[i].x:
+        snprintf(msg, cap, "node %llu: nmembers %llu / sig disagree with its bitmap of %llu "
+                 "bits", <ull>i, <ull>nm, <ull>rank)
+        return -1
+    return 0
+
+
 cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8_t* mfree,
-                     uint32_t* kids) noexcept nogil:
-    """tree_check with scratch: free marks of nodes and members, child counts."""
-    cdef size_t i, live = 0, npairs = 0, nrec = 0, nrevs = 0, w
+                     uint8_t* wfree, uint32_t* kids) noexcept nogil:
+    """tree_check with scratch: free marks of nodes, members and wide records, child
+    counts."""
+    cdef size_t i, live = 0, npairs = 0, nrec = 0, nrevs = 0, w, nwide = 0, wbytes = 0
     cdef uint32_t p, m, k, nm
     cdef uint64_t sig
-    cdef long nf, mf
+    cdef long nf, mf, wf
+    wf = pool_mark_free(&t.wide_pool, t.wide, sizeof(TWide), wfree)
+    if wf < 0:
+        snprintf(msg, cap, "wide record free list broken (out of range, cyclic or used > cap)")
+        return -1
     nf = pool_mark_free(&t.node_pool, t.nodes, sizeof(TNode), nfree)
     if nf < 0:
         snprintf(msg, cap, "node free list broken (out of range, cyclic or used > cap)")
@@ -669,10 +1245,16 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
         nm = t.nodes[i].nmembers
         if nm == 1:
             w = t.nodes[i].y
-            if w >= t.nrev or tree_rev_get(t, <uint32_t>w, t.nodes[i].x) != i:
+            if w >= t.wend or tree_rev_get(t, <uint32_t>w, t.nodes[i].x) != i:
                 snprintf(msg, cap, "sole member (worker %llu, ehash %llu) of node %llu is "
                          "not in the worker's reverse map", <ull>w, <ull>t.nodes[i].x, <ull>i)
                 return -1
+        elif nm >= 2 and (t.nodes[i].y & T_WIDE):
+            if _check_wide(t, i, msg, cap, wfree) < 0:
+                return -1
+            nwide += 1
+            wbytes += (<size_t>t.wide[t.nodes[i].y & ~(<uint32_t>T_WIDE)].nwords
+                       + t.wide[t.nodes[i].y & ~(<uint32_t>T_WIDE)].cap) * sizeof(uint64_t)
         elif nm >= 2:
             sig = 0
             k = 0
@@ -685,7 +1267,7 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
                 mfree[m] = 2                # visited
                 w = t.mem[m].worker
                 sig += member_sig(t.mem[m].worker)
-                if w >= t.nrev or tree_rev_get(t, <uint32_t>w, t.mem[m].ehash) != i:
+                if w >= t.wend or tree_rev_get(t, <uint32_t>w, t.mem[m].ehash) != i:
                     snprintf(msg, cap, "member (worker %llu, ehash %llu) of node %llu is not "
                              "in the worker's reverse map", <ull>w, <ull>t.mem[m].ehash, <ull>i)
                     return -1
@@ -726,6 +1308,15 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
         if mfree[i] == 0:
             snprintf(msg, cap, "member record %llu is neither free nor on a node", <ull>i)
             return -1
+    for i in range(t.wide_pool.used):
+        if wfree[i] == 0:
+            snprintf(msg, cap, "wide record %llu is neither free nor on a node", <ull>i)
+            return -1
+    if nwide != t.nwide or nwide + <size_t>wf != t.wide_pool.used or wbytes != t.wide_bytes:
+        snprintf(msg, cap, "nwide %llu, recount %llu, free %llu, high-water %llu; wide bytes "
+                 "%llu, recount %llu", <ull>t.nwide, <ull>nwide, <ull>wf,
+                 <ull>t.wide_pool.used, <ull>t.wide_bytes, <ull>wbytes)
+        return -1
     if live != t.live_nodes or live + 1 + <size_t>nf != t.node_pool.used:
         snprintf(msg, cap, "live_nodes %llu, recount %llu, free %llu, high-water %llu",
                  <ull>t.live_nodes, <ull>live, <ull>nf, <ull>t.node_pool.used)
@@ -758,12 +1349,14 @@ cdef int _tree_check(const Tree* t, char* msg, size_t cap, uint8_t* nfree, uint8
 cdef int tree_check(const Tree* t, char* msg, size_t cap) noexcept nogil:
     cdef uint8_t* nfree = <uint8_t*>malloc(t.node_pool.used + 1)
     cdef uint8_t* mfree = <uint8_t*>malloc(t.mem_pool.used + 1)
+    cdef uint8_t* wfree = <uint8_t*>malloc(t.wide_pool.used + 1)
     cdef uint32_t* kids = <uint32_t*>malloc((t.node_pool.used + 1) * sizeof(uint32_t))
     cdef int rc = -2
-    if nfree != NULL and mfree != NULL and kids != NULL:
-        rc = _tree_check(t, msg, cap, nfree, mfree, kids)
+    if nfree != NULL and mfree != NULL and wfree != NULL and kids != NULL:
+        rc = _tree_check(t, msg, cap, nfree, mfree, wfree, kids)
     free(nfree)
     free(mfree)
+    free(wfree)
     free(kids)
     return rc
 
@@ -838,7 +1431,7 @@ cdef class RadixTree:
         cdef HCursor hc
         cdef uint32_t* ow = NULL
         cdef uint32_t* od = NULL
-        cdef uint32_t* st = NULL
+        cdef uint64_t* st = NULL
         cdef uint64_t* os = NULL
         if n == 0:
             return []
@@ -849,7 +1442,7 @@ cdef class RadixTree:
             if nw:
                 ow = <uint32_t*>malloc(nw * sizeof(uint32_t))
                 od = <uint32_t*>malloc(nw * sizeof(uint32_t))
-                st = <uint32_t*>malloc(nw * sizeof(uint32_t))
+                st = <uint64_t*>malloc(tree_match_scratch(nw))
                 os = <uint64_t*>malloc(nw * sizeof(uint64_t))
                 if ow != NULL and od != NULL and st != NULL and os != NULL:
                     cnt = tree_match(&self.t, &hc, ow, od, os, st)
@@ -863,6 +1456,43 @@ cdef class RadixTree:
             free(od)
             free(st)
             free(os)
+
+    def _match_count(self, local_hashes, ends):
+        """BENCHMARK AID: run the match of each query ``local_hashes[ends[i-1]:ends[i]]``
+        (``ends`` ascending) in C, one read section, and return the total number of
+        results; no Python object per result, so a benchmark times the walk alone."""
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef const uint64_t[::1] ev = as_u64(ends)
+        cdef size_t nq = ev.shape[0], q, start = 0, total = 0, nw
+        cdef HCursor hc
+        cdef uint32_t* ow = NULL
+        cdef uint32_t* od = NULL
+        cdef uint64_t* st = NULL
+        cdef uint64_t* os = NULL
+        if nq and ev[nq - 1] > <uint64_t>lv.shape[0]:
+            raise ValueError("ends past the hashes")
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            nw = self.t.nrev
+            if nw:
+                ow = <uint32_t*>malloc(nw * sizeof(uint32_t))
+                od = <uint32_t*>malloc(nw * sizeof(uint32_t))
+                st = <uint64_t*>malloc(tree_match_scratch(nw))
+                os = <uint64_t*>malloc(nw * sizeof(uint64_t))
+                if ow != NULL and od != NULL and st != NULL and os != NULL:
+                    for q in range(nq):
+                        if ev[q] > start:
+                            hc_init_hashes(&hc, &lv[start], ev[q] - start)
+                            total += tree_match(&self.t, &hc, ow, od, os, st)
+                            start = ev[q]
+            pthread_rwlock_unlock(&self.lock)
+        free(ow)
+        free(od)
+        free(st)
+        free(os)
+        if nw and (ow == NULL or od == NULL or st == NULL or os == NULL):
+            raise MemoryError()
+        return total
 
     # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
     # it takes the read lock like match does: one snapshot of every size.
@@ -905,10 +1535,14 @@ cdef class RadixTree:
     def _corrupt_for_test(self, str kind):
         """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
         fail (the object stays safe to free, not to use). Kinds: ``live_nodes``,
-        ``nchildren``, ``sig``, ``member_freed``, ``rev_entry``; the last three need a
-        node two workers hold."""
+        ``nchildren``, ``sig``, ``member_freed``, ``rev_entry`` (the last three need a
+        node two or more workers hold as a member list), ``wide_bit``, ``wide_ehash``,
+        ``wide_freed``, ``wide_bytes`` (these need a wide node)."""
         cdef uint32_t n = self.t.node_pool.used - 1
         cdef uint32_t m
+        cdef bint wide = kind.startswith("wide_")
+        cdef TWide* wd = NULL
+        cdef int b
         if kind == "live_nodes":
             self.t.live_nodes += 1
             return
@@ -916,11 +1550,14 @@ cdef class RadixTree:
             self.t.nodes[T_ROOT].nchildren += 1
             return
         while n > T_ROOT and (self.t.nodes[n].nchildren == HM_NIL
-                              or self.t.nodes[n].nmembers < 2):
+                              or self.t.nodes[n].nmembers < 2
+                              or ((self.t.nodes[n].y & T_WIDE) != 0) != wide):
             n -= 1
         if n == T_ROOT:
-            raise ValueError("needs a node with two members")
+            raise ValueError("needs a wide node" if wide else "needs a node with a member list")
         m = self.t.nodes[n].y
+        if wide:
+            wd = _wide_of(&self.t, &self.t.nodes[n])
         if kind == "sig":
             self.t.nodes[n].x ^= 1
         elif kind == "member_freed":
@@ -928,6 +1565,22 @@ cdef class RadixTree:
         elif kind == "rev_entry":
             _rev_pop(&self.t, &self.t.rev[self.t.mem[m].worker], self.t.mem[m].worker,
                      self.t.mem[m].ehash)
+        elif kind == "wide_bit":
+            m = wd.nwords
+            while m > 0 and wd.bits[m - 1] == 0:
+                m -= 1
+            b = 63
+            while m > 0 and not (wd.bits[m - 1] >> b) & 1:
+                b -= 1
+            if m > 0:
+                # the last member's bit cleared (the others keep their ranks)
+                wd.bits[m - 1] &= ~((<uint64_t>1) << b)
+        elif kind == "wide_ehash":
+            wd.bits[wd.nwords] ^= 1
+        elif kind == "wide_freed":
+            pool_give(&self.t.wide_pool, self.t.wide, m & ~(<uint32_t>T_WIDE), sizeof(TWide))
+        elif kind == "wide_bytes":
+            self.t.wide_bytes += 8
         else:
             raise ValueError(kind)
 
@@ -979,17 +1632,62 @@ def _live_allocations():
 
 
 # -- dump and restore ------------------------------------------------------------------------
+cdef long _export_members(const Tree* t, uint32_t n, uint32_t row, uint32_t* mnode,
+                          uint32_t* mworker, uint64_t* mehash, size_t nmem) noexcept nogil:
+    """Append node ``n``'s members as rows ``row`` from ``nmem`` on; the new count, or -1
+    past ``t.npairs``."""
+    cdef const TNode* nd = &t.nodes[n]
+    cdef const TWide* wd
+    cdef size_t i, rank = 0
+    cdef uint32_t m
+    cdef uint64_t x
+    if nmem + nd.nmembers > t.npairs:
+        return -1
+    if nd.nmembers == 1:
+        mnode[nmem] = row
+        mworker[nmem] = nd.y
+        mehash[nmem] = nd.x
+        return <long>nmem + 1
+    if nd.nmembers == 0:
+        return <long>nmem
+    if nd.y & T_WIDE:
+        wd = _wide_of(t, nd)
+        for i in range(wd.nwords):
+            x = wd.bits[i]
+            while x:
+                if rank >= nd.nmembers:
+                    return -1
+                mnode[nmem] = row
+                mworker[nmem] = <uint32_t>(i * 64 + ctz64(x))
+                mehash[nmem] = wd.bits[wd.nwords + rank]
+                nmem += 1
+                rank += 1
+                x &= x - 1
+        return <long>nmem if rank == nd.nmembers else -1
+    m = nd.y
+    while m != HM_NIL:
+        if nmem >= t.npairs:
+            return -1
+        mnode[nmem] = row
+        mworker[nmem] = t.mem[m].worker
+        mehash[nmem] = t.mem[m].ehash
+        nmem += 1
+        m = t.mem[m].next
+    return <long>nmem
+
+
 cdef int tree_export(const Tree* t, uint32_t* pos, uint32_t* stack, uint32_t* oparent,
                      uint64_t* olocal, uint32_t* mnode, uint32_t* mworker,
                      uint64_t* mehash) noexcept nogil:
     """Fill the node table (``t.live_nodes`` rows: parent row or HM_NIL for the root,
     local) with every parent before its children, and the member table (``t.npairs``
-    rows: node row, worker, engine hash; each node's members in list order). ``pos``
+    rows: node row, worker, engine hash; each node's members in list order, a wide
+    node's in worker order). ``pos``
     and ``stack`` are scratch of ``t.node_pool.used`` entries. 0, or -1 when the
     counters disagree with the structure."""
     cdef size_t i, nrow = 0, nmem = 0, top
-    cdef uint32_t n, m, w
-    cdef uint64_t e
+    cdef uint32_t n
+    cdef long k
     for i in range(t.node_pool.used):
         pos[i] = HM_NIL
     for i in range(1, t.node_pool.used):
@@ -1009,15 +1707,10 @@ cdef int tree_export(const Tree* t, uint32_t* pos, uint32_t* stack, uint32_t* op
             oparent[nrow] = HM_NIL if t.nodes[n].parent == T_ROOT else pos[t.nodes[n].parent]
             olocal[nrow] = t.nodes[n].local
             pos[n] = <uint32_t>nrow
-            w = _member_first(t, n, &m, &e)
-            while w != HM_NIL:
-                if nmem >= t.npairs:
-                    return -1
-                mnode[nmem] = <uint32_t>nrow
-                mworker[nmem] = w
-                mehash[nmem] = e
-                nmem += 1
-                w = _member_next(t, &m, &e)
+            k = _export_members(t, n, <uint32_t>nrow, mnode, mworker, mehash, nmem)
+            if k < 0:
+                return -1
+            nmem = <size_t>k
             nrow += 1
     return 0 if nrow == t.live_nodes and nmem == t.npairs else -1
 

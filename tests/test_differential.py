@@ -16,6 +16,7 @@ hashes get re-announced elsewhere; uniform random hashes alone rarely do.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import subprocess
@@ -32,7 +33,12 @@ pytest.importorskip("kvconductor._shlock")
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from kvconductor import _arena, _index, _lower, _shlock, _tree
 from kvconductor._hash import hash_blocks
@@ -102,6 +108,26 @@ LONG_BASE = st.sampled_from([1000, 5000])  # engine hashes base, base + 1, ...
 FIXED_QUERIES.append(LONG_LOCALS)
 # Many workers: more than 64 (the C offload applies pool waiters in batches of 64).
 MANY = 70
+
+#: What the compiled tree's wide-node paths saw during the machines' steps:
+#: ``widened`` / ``narrowed`` (steps after which the tree had turned a member list wide /
+#: a wide node back), ``word_walk`` (fixed matches whose first node many workers hold:
+#: the match walks the bitmap word-wise). test_the_machines_take_the_wide_paths checks
+#: that the rules reach them.
+WIDE_SEEN: collections.Counter[str] = collections.Counter()
+# tree_match walks a wide first node word-wise above this many members (_tree.pyx)
+WORD_WALK_MEMBERS = 32
+
+
+def note_wide(layout, first_holders):
+    """Count what the tree (``layout``: its layout dict) went through, and check that a
+    node of more than WORD_WALK_MEMBERS holders (``first_holders``, from the twin) is
+    wide: with worker ids below 128 any node past 12 members is."""
+    WIDE_SEEN["widened"] += layout["widened"] > 0
+    WIDE_SEEN["narrowed"] += layout["narrowed"] > 0
+    if first_holders > WORD_WALK_MEMBERS:
+        assert layout["wide_nodes"] >= 1, (first_holders, layout)
+        WIDE_SEEN["word_walk"] += 1
 
 
 def long_chain(data, n, base):
@@ -289,6 +315,61 @@ class TreeMachine(_Pair):
     def match_long(self, n, data, b):
         self.both("match", buf(long_query(data, n), b))
 
+    @rule(
+        k=st.integers(2, MANY),
+        first=st.integers(0, MANY),
+        n=st.integers(1, 4),
+        own=st.booleans(),
+        data=st.data(),
+    )
+    def many_hold_prefix(self, k, first, n, own, data):
+        # k workers store the same prefix of [A, B, C, D] (own engine hashes or all the
+        # same ones), and each a block of its own choosing after it: past a few dozen
+        # holders a node's members become a bitmap (wide), and the match walks words
+        locs = FIXED_QUERIES[0][:n]
+        for i in range(k):
+            w = (first + i) % (MANY + 1)
+            base = 20_000 + (w * 10 if own else 0)
+            seqs = [base + j for j in range(n)]
+            self.both("store", w, None, seqs, locs)
+            if data.draw(st.booleans(), label="continues"):
+                self.both("store", w, seqs[-1], [base + 9], [data.draw(LOCAL, label="next")])
+
+    @rule(data=st.data(), op=st.sampled_from(["first", "last", "clear"]))
+    def many_leave(self, data, op):
+        # a random set of the holders of many-holder prefixes leaves (their first or
+        # last block removed, or everything cleared): wide nodes shrink, turn back
+        # into member lists or a sole member
+        ws = sorted(w for w in self.py._rev if self.py._rev[w])
+        if not ws:
+            return
+        for w in data.draw(st.lists(st.sampled_from(ws), min_size=1, unique=True)):
+            held = self.held(w)
+            if op == "clear" or not held:
+                self.both("clear", w)
+            else:
+                self.both("remove", w, [held[0] if op == "first" else held[-1]])
+
+    @rule(k=st.integers(13, MANY), keep=st.integers(0, 7), data=st.data())
+    def many_come_and_go(self, k, keep, data):
+        # a node turns wide and back in one step: k workers store the first block of
+        # [A, B, C, D], then all its holders but ``keep`` leave
+        own = data.draw(st.booleans(), label="own")
+        self.many_hold_prefix(k, data.draw(st.integers(0, MANY), label="first"), 1, own, data)
+        self.many_leave_but(keep, data)
+
+    @rule(keep=st.integers(0, 7), data=st.data())
+    def many_leave_but(self, keep, data):
+        # every holder of the first block of [A, B, C, D] but ``keep`` drops it: a wide
+        # node turns back into a member list (a few kept) or a sole member (one kept)
+        rows = self.py.match(FIXED_QUERIES[0][:1])
+        if len(rows) <= keep:
+            return
+        stay = set(data.draw(st.permutations(rows), label="order")[:keep])
+        for w, _, ehash in rows:
+            if (w, 1, ehash) not in stay:
+                self.both("remove", w, [ehash])
+
     @invariant()
     def agree(self):
         assert (self.c.num_nodes, self.c.num_pairs) == (self.py.num_nodes, self.py.num_pairs)
@@ -296,6 +377,7 @@ class TreeMachine(_Pair):
             assert self.c.worker_blocks(w) == self.py.worker_blocks(w), w
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
+        note_wide(self.c.layout(), len(self.py.match(FIXED_QUERIES[0][:1])))
         self.py._check_invariants()
         self.c.check_invariants()
 
@@ -419,6 +501,12 @@ TTL = st.one_of(st.just(1000.0), st.sampled_from([0.0, 1.0, 1.5, 2.0, 3.0, 4.0, 
 # in bulk: the per-worker checks of ``agree`` stay on CORE_WORKERS, ``stats`` and the C
 # checker cover these.
 EXTRA_WORKERS = [(4 + k % 3, 1 + k % 2) for k in range(MANY)]
+# and MANY_HBM HBM workers, each its own group, that hold the same prefixes in bulk: the
+# tree's nodes many workers hold keep their members as a bitmap (wide nodes)
+MANY_HBM = 40
+HBM_WORKERS = [(7 + k, 0) for k in range(MANY_HBM)]
+ALL_WORKERS = CORE_WORKERS + EXTRA_WORKERS + HBM_WORKERS
+FIRST_HBM = len(CORE_WORKERS) + len(EXTRA_WORKERS)
 
 
 def core_export(core):
@@ -451,7 +539,7 @@ class CoreMachine(_Pair):
         super().__init__()
         self.c = _index.CoreIndex()
         self.py = py_index.CoreIndex()
-        for w, (g, tier) in enumerate(CORE_WORKERS + EXTRA_WORKERS):
+        for w, (g, tier) in enumerate(ALL_WORKERS):
             self.c.set_worker(w, g, tier)
             self.py.set_worker(w, g, tier)
         self.now = 0.0
@@ -474,6 +562,57 @@ class CoreMachine(_Pair):
             self.both("store_tokens", w, None, seqs, LONG_TOKENS[: BS * n], BS)
         else:
             self.both("store", w, None, seqs, LONG_LOCALS[:n])
+
+    @rule(k=st.integers(2, MANY_HBM), n=st.integers(1, 4), own=st.booleans(), data=st.data())
+    def many_hbm_hold_prefix(self, k, n, own, data):
+        # k of the bulk HBM workers store the same prefix of [A, B, C, D], most with a
+        # block of their own after it (the shape round-robin routing gives)
+        locs = FIXED_QUERIES[0][:n]
+        for w in range(FIRST_HBM, FIRST_HBM + k):
+            base = 30_000 + (w * 10 if own else 0)
+            seqs = [base + j for j in range(n)]
+            self.both("store", w, None, seqs, locs)
+            if data.draw(st.booleans(), label="continues"):
+                self.both("store", w, seqs[-1], [base + 9], [data.draw(LOCAL, label="next")])
+
+    @rule(data=st.data(), op=st.sampled_from(["remove", "evict", "clear"]))
+    def many_hbm_leave(self, data, op):
+        ws = [w for w in range(FIRST_HBM, len(ALL_WORKERS)) if self.py._tree._rev.get(w)]
+        if not ws:
+            return
+        for w in data.draw(st.lists(st.sampled_from(ws), min_size=1, unique=True)):
+            held = sorted(self.py._tree._rev[w])
+            if op == "clear":
+                self.both("clear", w)
+            else:
+                self.both(op, w, [held[data.draw(st.integers(0, len(held) - 1))]])
+
+    @rule(k=st.integers(13, MANY_HBM), keep=st.integers(0, 7), data=st.data())
+    def many_hbm_come_and_go(self, k, keep, data):
+        # a node turns wide and back in one step: k bulk HBM workers store the first
+        # block of [A, B, C, D], then all its holders but ``keep`` leave
+        self.many_hbm_hold_prefix(k, 1, data.draw(st.booleans(), label="own"), data)
+        self.many_hbm_leave_but(keep, data)
+
+    @rule(keep=st.integers(0, 7), data=st.data())
+    def many_hbm_leave_but(self, keep, data):
+        # every holder of the first block of [A, B, C, D] but ``keep`` drops it (bulk and
+        # core HBM workers alike): a wide node turns back into a list or a sole member
+        rows = self.py._tree.match(FIXED_QUERIES[0][:1])
+        if len(rows) <= keep:
+            return
+        stay = set(data.draw(st.permutations(rows), label="order")[:keep])
+        for w, _, ehash in rows:
+            if (w, 1, ehash) not in stay:
+                self.both("remove", w, [ehash])
+
+    @rule(data=st.data(), muted=st.booleans())
+    def many_hbm_muted(self, data, muted):
+        # some bulk HBM workers' sources go down (or come back): members of a wide node
+        # that give no hits
+        ws = st.lists(st.integers(FIRST_HBM, len(ALL_WORKERS) - 1), min_size=1, unique=True)
+        for w in data.draw(ws, label="workers"):
+            self.both("set_muted", w, muted)
 
     @rule(n=LONG_N, base=LONG_BASE)
     def offload_long_chain(self, n, base):
@@ -673,7 +812,7 @@ class CoreMachine(_Pair):
     def traced(self, q):
         got = self.both("trace", q)
         assert got[0] == "ok"
-        placement = dict(enumerate(CORE_WORKERS + EXTRA_WORKERS))
+        placement = dict(enumerate(ALL_WORKERS))
         counts = {g: walk_counts(w) for g, w in tier_walks(got[1], placement).items()}
         assert [(g, *c) for g, c in sorted(counts.items()) if sum(c)] == self.py.match(q), q
 
@@ -703,7 +842,7 @@ class CoreMachine(_Pair):
             (ep, _index.CoreIndex()),
             (ec, _index.CoreIndex()),
         ):
-            for w, (g, tier) in enumerate(CORE_WORKERS + EXTRA_WORKERS):
+            for w, (g, tier) in enumerate(ALL_WORKERS):
                 fresh.set_worker(w, g, tier)
                 # mutes are runtime state, not in a dump: the service derives them again
                 # from its sources (SubscriptionManager.check_sources)
@@ -735,12 +874,25 @@ class CoreMachine(_Pair):
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
             self.traced(q)
+        note_wide(self.c.hbm_layout(), len(self.py._tree.match(FIXED_QUERIES[0][:1])))
         self.py._check_invariants()
         self.c.check_invariants()
 
 
 TestCoreDifferential = CoreMachine.TestCase
 TestCoreDifferential.settings = SETTINGS
+
+
+@pytest.mark.parametrize("machine", [TreeMachine, CoreMachine])
+def test_the_machines_take_the_wide_paths(machine):
+    """The rules reach the compiled tree's wide nodes: lists turning wide and back, and
+    matches whose first node is walked word-wise (a fixed, derandomized run)."""
+    WIDE_SEEN.clear()
+    run_state_machine_as_test(
+        machine,
+        settings=settings(SETTINGS, max_examples=min(SETTINGS.max_examples, 40), derandomize=True),
+    )
+    assert WIDE_SEEN["widened"] and WIDE_SEEN["narrowed"] and WIDE_SEEN["word_walk"], WIDE_SEEN
 
 
 class SharedCoreMachine(CoreMachine):

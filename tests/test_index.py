@@ -652,6 +652,34 @@ def test_core_match_rows_sorted_by_group(CoreIndex):
     assert c.match([]) == []
 
 
+def test_lower_tiers_continue_many_groups_from_an_edge_many_own(CoreIndex):
+    """40 groups: every HBM worker holds block 0, every CPU worker blocks 0-2 and the
+    even groups' Disk workers blocks 0-3, all under the same engine hashes (one edge
+    per block, owned by every worker of the tier). Each group continues from its own
+    breakpoints only: its candidates are found among its own workers, not by walking
+    the edge's 40 owners for each of the 40 breakpoints."""
+    c = CoreIndex()
+    groups = 40
+    for g in range(groups):
+        for tier in range(3):
+            c.set_worker(3 * g + tier, g, tier)
+        c.store(3 * g, None, E[:1], H[:1])
+        n = 2 if g == 7 else 3
+        c.store(3 * g + 1, None, E[:n], H[:n])
+        if g % 2 == 0:
+            c.store(3 * g + 2, None, E[:4], H[:4])
+    c.set_muted(3 * 5 + 1, True)  # group 5's CPU worker: no hits
+    want = []
+    for g in range(groups):
+        cpu_end = 0 if g == 5 else 2 if g == 7 else 3
+        disk_end = 4 if g % 2 == 0 else 0
+        want.append((g, 1, max(0, cpu_end - 1), max(0, disk_end - max(1, cpu_end))))
+    assert [tuple(r) for r in c.match(H[:5])] == want
+    check = getattr(c, "check_invariants", None)
+    if check is not None:
+        check()
+
+
 def test_core_store_and_match_tokens(CoreIndex):
     c = CoreIndex()
     c.set_worker(0, 0, 0)

@@ -394,6 +394,30 @@ def test_check_invariants_sees_corruption(kind):
         t.check_invariants()
 
 
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("wide_bit", "disagree with its bitmap"),
+        ("wide_ehash", "not in the worker's reverse map"),
+        ("wide_freed", "wide record"),
+        ("wide_bytes", "wide bytes"),
+    ],
+)
+def test_check_invariants_sees_a_broken_wide_node(kind, message):
+    """A wide node's bitmap must be exactly its member set (count, fingerprint, each
+    member's engine hash found by its reverse map), its record live and its own, and the
+    tree's count of wide bytes right."""
+    pytest.importorskip("kvconductor._tree")
+    t = _c_tree()
+    for w in range(10, 30):
+        t.store(w, None, [1000 + w], [1])
+    assert t.layout()["wide_nodes"] == 1
+    t.check_invariants()
+    t._corrupt_for_test(kind)
+    with pytest.raises(AssertionError, match=message):
+        t.check_invariants()
+
+
 # -- keys read back from the node ---------------------------------------------------------------
 # The compiled tree's edge table and reverse maps keep 8-byte slots: a node index and 32 bits
 # of the key's hash (the splitmix64 finalizer). Two keys with the same 32 bits share a probe
@@ -496,6 +520,126 @@ def test_members_move_between_the_node_and_records(RadixTree):
     assert state(t) == (0, 0) and records() in (0, None)
 
 
+# -- wide nodes: the members of a node many workers hold as a bitmap -----------------------------
+# A node whose member list reaches 2 * (bitmap words over every worker id seen) + 8
+# members turns wide: a bitmap over worker ids and the engine hashes in worker order;
+# below (its own bitmap words) + 4 members it turns back into a list. With fewer than 65
+# worker ids the bitmap is one word: wide from 10 members, a list again below 5.
+
+
+def _wide(t):
+    """(wide nodes, live member records) of the compiled tree (checked first); None for
+    the twin."""
+    layout = getattr(t, "layout", None)
+    if layout is None:
+        return None
+    t.check_invariants()
+    lay = layout()
+    return lay["wide_nodes"], lay["records_live"]
+
+
+def test_members_become_a_bitmap_and_back(RadixTree):
+    t = RadixTree()
+    for w in range(9):
+        t.store(w, None, [100 + w], [1])
+    assert _wide(t) in ((0, 9), None)
+    t.store(9, None, [109], [1])  # the 10th member
+    assert _wide(t) in ((1, 0), None)
+    for w in range(10, 12):
+        t.store(w, None, [100 + w], [1])
+    assert t.match([1]) == [(w, 1, 100 + w) for w in range(12)]
+    # a member re-keyed in place, and one announced again under the same hash
+    t.store(5, None, [205], [1])
+    t.store(6, None, [106], [1])
+    assert t.remove(5, [105]) == 0 and t.worker_blocks(5) == 1
+    want = [(w, 1, 205 if w == 5 else 100 + w) for w in range(12)]
+    assert t.match([1]) == want and _wide(t) in ((1, 0), None)
+    # members leave from the middle, the ends and in any order; 5 members stay wide
+    for w in (11, 0, 6, 3, 8, 1, 10):
+        assert t.remove(w, [205 if w == 5 else 100 + w]) == 1
+    assert [r[0] for r in t.match([1])] == [2, 4, 5, 7, 9] and _wide(t) in ((1, 0), None)
+    assert t.remove(7, [107]) == 1  # 4 left: a member list again
+    assert t.match([1]) == [(2, 1, 102), (4, 1, 104), (5, 1, 205), (9, 1, 109)]
+    assert _wide(t) in ((0, 4), None)
+    for w in range(10, 20):  # wide again, then every member but one leaves at once
+        t.store(w, None, [100 + w], [1])
+    assert _wide(t) in ((1, 0), None)
+    for w in [2, 4, 5] + list(range(10, 20)):
+        t.clear(w)
+    assert t.match([1]) == [(9, 1, 109)] and _wide(t) in ((0, 0), None)
+    assert state(t) == (1, 1)
+    # twice wide, twice back (to a list, then to a sole member inline)
+    turns = getattr(t, "layout", None)
+    assert turns is None or (turns()["widened"], turns()["narrowed"]) == (2, 2)
+
+
+def test_match_over_many_holders(RadixTree):
+    """100 workers hold block 7; worker w also holds 8 when w % 2 == 0, 9 when w % 4 == 0
+    and 10 when w % 8 == 0 (under engine hashes of its own): the walk starts with 100
+    candidates on a wide node (word-wise), goes through wide nodes of 50, 25 and 13 and
+    hands over to the candidate list on the way."""
+    t = RadixTree()
+    for w in range(100):
+        depth = 1 + sum(w % d == 0 for d in (2, 4, 8))
+        t.store(w, None, [w * 100 + k for k in range(depth)], [7, 8, 9, 10][:depth])
+    t.store(99, 9900, [9955], [55])
+    _wide(t)
+
+    def want(limit):
+        out = []
+        for w in range(100):
+            d = min(limit, 1 + sum(w % d == 0 for d in (2, 4, 8)))
+            out.append((w, d, w * 100 + d - 1))
+        return out
+
+    assert t.match([7, 8, 9, 10, 11]) == want(4)
+    assert t.match([7, 8, 9]) == want(3)
+    assert t.match([7, 8]) == want(2)
+    assert t.match([7]) == want(1)
+    assert t.match([7, 55]) == [(w, 2, 9955) if w == 99 else (w, 1, w * 100) for w in range(100)]
+    assert t.match([7, 12]) == want(1)
+    # holes: the even workers below 50 drop block 8 but keep 9 and 10: they stop at 1
+    for w in range(0, 50, 2):
+        assert t.remove(w, [w * 100 + 1]) == 1
+    full = want(4)
+    assert t.match([7, 8, 9, 10]) == [(w, 1, w * 100) if w < 50 else full[w] for w in range(100)]
+    _wide(t)
+
+
+def test_match_count_runs_each_query_in_c():
+    """The benchmark aid: the total number of results of several matches, run in C."""
+    ctree = pytest.importorskip("kvconductor._tree")
+    t = ctree.RadixTree()
+    for w in range(40):
+        t.store(w, None, [w * 10, w * 10 + 1], [5, 6 + w % 3])
+    queries = [[5, 6], [5, 7, 9], [5], [8], [6, 5]]
+    hashes = [h for q in queries for h in q]
+    ends = [2, 5, 6, 7, 9]
+    assert t._match_count(hashes, ends) == sum(len(t.match(q)) for q in queries) == 120
+    assert t._match_count(hashes, []) == 0
+    with pytest.raises(ValueError):
+        t._match_count(hashes, [10])
+
+
+def test_the_bitmap_follows_new_worker_ids(RadixTree):
+    """A worker id past the bitmap's words grows it; one so far past that the bitmap
+    would cost more than member records turns the node back into a list."""
+    t = RadixTree()
+    for w in range(20):
+        t.store(w, None, [100 + w], [1])
+    assert _wide(t) in ((1, 0), None)
+    t.store(130, None, [230], [1])  # 3 words now
+    assert _wide(t) in ((1, 0), None)
+    t.store(5000, None, [5100], [1])  # 79 words for 22 members: a list
+    assert _wide(t) in ((0, 22), None)
+    want = [(w, 1, 100 + w) for w in range(20)] + [(130, 1, 230), (5000, 1, 5100)]
+    assert t.match([1]) == want
+    for w in range(5001, 5200):  # wide again, over 82 words
+        t.store(w, None, [100 + w], [1])
+    assert _wide(t) in ((1, 0), None)
+    assert t.match([1]) == want + [(w, 1, 100 + w) for w in range(5001, 5200)]
+
+
 def test_layout_of_the_compiled_tree():
     ctree = pytest.importorskip("kvconductor._tree")
     t = ctree.RadixTree()
@@ -508,15 +652,25 @@ def test_layout_of_the_compiled_tree():
     lay = t.layout()
     assert lay["nodes"] == 65 and lay["records"] == 0
     assert lay["edge_slots"] * 13 >= 64 * 16 and lay["rev_slots"] >= 64  # load <= 13/16
-    for w in range(64):
+    for w in range(8):
         t.store(w, None, [5000 + w], [100])
     lay = t.layout()
-    assert lay["records_live"] == 64 and lay["records"] == 64
-    # used: the two arrays up to their high-water marks, every table slot, the map headers
+    assert lay["records_live"] == 8 and lay["records"] == 8 and lay["wide_nodes"] == 0
+    # 64 holders: a wide node (a 24 B record, one bitmap word and the 64 engine hashes
+    # with at most 1/8 and 4 spare), its member records back on the free list
+    for w in range(8, 64):
+        t.store(w, None, [5000 + w], [100])
+    lay = t.layout()
+    assert (lay["records_live"], lay["wide_nodes"], lay["wide_records"]) == (0, 1, 1)
+    assert lay["wide_bytes"] == 24
+    assert 8 * (1 + 64) <= lay["wide_block_bytes"] <= 8 * (1 + 64 + 64 // 8 + 4)
+    # used: the arrays up to their high-water marks, every table slot, the map headers
     assert lay["rev_maps"] >= 64
     assert lay["used_bytes"] == (
         lay["nodes"] * 32
         + lay["records"] * 16
+        + lay["wide_records"] * 24
+        + lay["wide_block_bytes"]
         + 8 * (lay["edge_slots"] + lay["rev_slots"])
         + 24 * lay["rev_maps"]
     )
