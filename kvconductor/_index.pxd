@@ -106,6 +106,7 @@ cdef enum:
 cdef class MatchRows:
     cdef uint32_t* data
     cdef size_t n
+    cdef MatchRows _top(self, size_t k)
 
 
 cdef MatchRows rows_wrap(uint32_t* data, size_t n)

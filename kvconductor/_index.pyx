@@ -157,13 +157,20 @@ cdef uint32_t* _group_workers(const CoreState* st) noexcept nogil:
 
 
 # -- answers ---------------------------------------------------------------------------------
-cdef uint64_t _kth_largest(const uint64_t* t, size_t n, size_t k, uint64_t* heap) noexcept nogil:
-    """The k-th largest of ``t[0:n]`` (1 <= k <= n), counting equal values: a min-heap of
-    the k largest seen so far (``heap``: k entries), O(n log k), no sort of the rest."""
+cdef inline uint64_t _row_total(const uint32_t* rows, size_t i) noexcept nogil:
+    """Row ``i``'s depth: its npu + cpu + disk blocks (the counts are exclusive)."""
+    return <uint64_t>rows[4 * i + 1] + rows[4 * i + 2] + rows[4 * i + 3]
+
+
+cdef uint64_t _kth_largest(const uint64_t* t, const uint32_t* rows, size_t n, size_t k,
+                           uint64_t* heap) noexcept nogil:
+    """The k-th largest of ``t[0:n]`` (or, ``t`` NULL, of the totals of ``rows[0:n]``)
+    (1 <= k <= n), counting equal values: a min-heap of the k largest seen so far
+    (``heap``: k entries), O(n log k), no sort of the rest."""
     cdef size_t i, j, c, p, m = 0
     cdef uint64_t v
     for i in range(n):
-        v = t[i]
+        v = t[i] if t != NULL else _row_total(rows, i)
         if m < k:
             j = m
             m += 1
@@ -208,8 +215,8 @@ cdef size_t _select_rows(const uint32_t* rows, size_t n, const uint8_t* mask, si
     if k == 0 or k >= m:
         return m
     for i in range(m):
-        tot[i] = <uint64_t>out[4 * i + 1] + out[4 * i + 2] + out[4 * i + 3]
-    thr = _kth_largest(tot, m, k, heap)
+        tot[i] = _row_total(out, i)
+    thr = _kth_largest(tot, NULL, m, k, heap)
     for i in range(m):
         if tot[i] >= thr:
             if j != i:
@@ -302,7 +309,7 @@ cdef class MatchRows:
         blocks (npu + cpu + disk) is at least the ``top_k``-th largest total, so rows tied
         at that depth are all kept. Order is kept. ``top_k`` < 1 is a ValueError; more
         than the rows keeps them all."""
-        cdef size_t k = 0, mlen = 0, m, n = self.n
+        cdef size_t k = 0, mlen = 0, m = 0, n = self.n
         cdef const uint8_t[::1] mv
         cdef const uint8_t* mp = NULL
         cdef bint use_mask = groups is not None
@@ -324,6 +331,8 @@ cdef class MatchRows:
             return self
         if n == 0:
             return rows_wrap(NULL, 0)
+        if not use_mask:
+            return self._top(k)
         out = <uint32_t*>malloc(4 * n * sizeof(uint32_t))
         if k:
             tot = <uint64_t*>malloc(n * sizeof(uint64_t))
@@ -340,6 +349,36 @@ cdef class MatchRows:
         if m == 0:
             free(out)
             out = NULL
+        return rows_wrap(out, m)
+
+    cdef MatchRows _top(self, size_t k):
+        """``select(top_k=k)`` (1 <= k < n): the k-th largest total read from the rows in
+        place; the rows themselves when every row is kept (ties at the k-th depth: a
+        round-robin fleet where thousands hold the same prefix), else a copy of the kept
+        ones. No buffer of n entries is allocated."""
+        cdef size_t n = self.n, i, m = 0
+        cdef uint64_t thr
+        cdef uint32_t* out
+        cdef uint64_t* heap = <uint64_t*>malloc(k * sizeof(uint64_t))
+        if heap == NULL:
+            raise MemoryError()
+        with nogil:
+            thr = _kth_largest(NULL, self.data, n, k, heap)
+            for i in range(n):
+                if _row_total(self.data, i) >= thr:
+                    m += 1
+        free(heap)
+        if m == n:
+            return self
+        out = <uint32_t*>malloc(4 * m * sizeof(uint32_t))
+        if out == NULL:
+            raise MemoryError()
+        with nogil:
+            m = 0
+            for i in range(n):
+                if _row_total(self.data, i) >= thr:
+                    memcpy(out + 4 * m, self.data + 4 * i, 4 * sizeof(uint32_t))
+                    m += 1
         return rows_wrap(out, m)
 
 
@@ -636,7 +675,7 @@ cdef class CoreIndex:
     def is_muted(self, uint32_t worker):
         """Whether ``worker`` is muted (:meth:`set_muted`)."""
         cdef int slot_, stale_ = 0
-        cdef bint m
+        cdef bint m = False
         self._tier(worker)
         slot_ = self._reader()
         with nogil:
@@ -1379,7 +1418,7 @@ cdef class CoreIndex:
         cdef int slot_, stale_ = 0
         cdef char msg[256]
         cdef char sub[200]
-        cdef int rc
+        cdef int rc = 0
         cdef uint8_t* rfree = NULL
         cdef uint8_t* wfree = NULL
         slot_ = self._reader()
@@ -1551,7 +1590,7 @@ cdef class CoreIndex:
     def stats(self):
         """Sizes: nodes, hbm_pairs, cpu_blocks, disk_blocks, offload, content, pending, nbytes."""
         cdef int slot_, stale_ = 0
-        cdef size_t nodes, pairs, cpu, disk, off, con, pen, nb
+        cdef size_t nodes = 0, pairs = 0, cpu = 0, disk = 0, off = 0, con = 0, pen = 0, nb = 0
         slot_ = self._reader()
         with nogil:
             stale_ = self._rlock(slot_)
