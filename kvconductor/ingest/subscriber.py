@@ -226,7 +226,19 @@ class Subscription:
             # Hard guard: libzmq drops a peer that sends more than twice the limit before
             # it is ever buffered; messages up to that are refused and counted (Limits).
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.applier.limits.max_message_bytes)
-            mon = sock.get_monitor_socket(_MON_EVENTS)
+            # The monitor's PAIR first: once the SUB is monitored, a monitor event sent
+            # with no PAIR connected blocks whichever thread sends it (libzmq), at the
+            # latest its reaper when the SUB closes, and then no closed socket gives its
+            # files back. pyzmq's get_monitor_socket creates the PAIR last, so running out
+            # of files just there left the process unable to recover.
+            mon = self.thread.ctx.socket(zmq.PAIR)
+            try:
+                addr = f"inproc://monitor.s-{sock.FD}"
+                sock.monitor(addr, _MON_EVENTS)
+                mon.connect(addr)
+            except zmq.ZMQError:
+                mon.close(linger=0)
+                raise
             try:
                 if is_bind_url(url):
                     # --allow-bind-endpoints: the engine PUB connects to us ("bind stable").
