@@ -310,7 +310,13 @@ class Registry:
         self.instances: dict[str, WorkerEntry] = {}
         #: IP -> [(instance_id, dp_rank)], no duplicates (the reference could hold some).
         self.hbm_ip_index: dict[str, list[tuple[str, int]]] = {}
+        #: (instance_id, dp_rank) -> the IPs it is under in :attr:`hbm_ip_index` (the
+        #: pair is in an IP's list exactly when the IP is in its own list here).
         self._ips_of: dict[tuple[str, int], list[str]] = {}
+        #: Registered DPs, and per (model, tenant) how many of them have each block size:
+        #: kept as endpoints come and go, so that no registration recounts them all.
+        self._dp_count = 0
+        self._sizes: dict[tuple[str, str], dict[int, int]] = {}
 
     # -- lookups ------------------------------------------------------------------------
     def get(self, instance_id: str) -> WorkerEntry | None:
@@ -349,20 +355,54 @@ class Registry:
                 out.append((iid, dp))
         return out
 
+    @property
+    def registrations(self) -> int:
+        """Registered (instance, DP) pairs."""
+        return self._dp_count
+
+    def block_sizes(self) -> dict[tuple[str, str], frozenset[int]]:
+        """Per (model, tenant), the block sizes its registered DPs have. O(indexes)."""
+        return {k: frozenset(v) for k, v in self._sizes.items()}
+
+    def _set_endpoint(self, entry: WorkerEntry, ep: EndpointInfo) -> None:
+        """``entry.endpoints[ep.dp_rank] = ep``, with the counts."""
+        old = entry.endpoints.get(ep.dp_rank)
+        if old is not None:
+            self._count_out(old)
+        entry.endpoints[ep.dp_rank] = ep
+        self._dp_count += 1
+        sizes = self._sizes.setdefault(ep.index_key, {})
+        sizes[ep.block_size] = sizes.get(ep.block_size, 0) + 1
+
+    def _pop_endpoint(self, entry: WorkerEntry, dp_rank: int) -> None:
+        """``entry.endpoints.pop(dp_rank, None)``, with the counts."""
+        ep = entry.endpoints.pop(dp_rank, None)
+        if ep is not None:
+            self._count_out(ep)
+
+    def _count_out(self, ep: EndpointInfo) -> None:
+        self._dp_count -= 1
+        sizes = self._sizes[ep.index_key]
+        n = sizes[ep.block_size] - 1
+        if n:
+            sizes[ep.block_size] = n
+        else:
+            del sizes[ep.block_size]
+            if not sizes:
+                del self._sizes[ep.index_key]
+
     def snapshot(self) -> list[dict[str, Any]]:
         """``/workers.workers``: instances sorted by id."""
         return [self.instances[k].to_dict(self.node_pool_dps) for k in sorted(self.instances)]
 
     # -- HBM-IP index -------------------------------------------------------------------------
     def _add_ip(self, ip: str, instance_id: str, dp_rank: int) -> bool:
-        pairs = self.hbm_ip_index.setdefault(ip, [])
         pair = (instance_id, dp_rank)
-        if pair in pairs:
-            return False
-        pairs.append(pair)
         ips = self._ips_of.setdefault(pair, [])
-        if ip not in ips:
-            ips.append(ip)
+        if ip in ips:  # the pair is in the IP's list already (O(its IPs), not O(the IP's))
+            return False
+        self.hbm_ip_index.setdefault(ip, []).append(pair)
+        ips.append(ip)
         return True
 
     def remove_hbm_ips(self, instance_id: str, dp_rank: int) -> list[str]:
@@ -510,7 +550,7 @@ class Registry:
             entry.tenant_id = tenant
             entry.block_size = req.block_size
             entry.store_backend = backend_name
-        entry.endpoints[req.dp_rank] = info
+        self._set_endpoint(entry, info)
 
         return RegisterOutcome(
             instance_id=req.instance_id,
@@ -546,14 +586,17 @@ class Registry:
         instance_id, dp_rank, fields, old, ips = saved
         self.remove_hbm_ips(instance_id, dp_rank)
         if fields is None:
-            self.instances.pop(instance_id, None)
+            gone = self.instances.pop(instance_id, None)
+            if gone is not None:
+                for dp in list(gone.endpoints):
+                    self._pop_endpoint(gone, dp)
             return
         entry = self.instances[instance_id]
         entry.model_name, entry.tenant_id, entry.block_size, entry.store_backend = fields
         if old is None:
-            entry.endpoints.pop(dp_rank, None)
+            self._pop_endpoint(entry, dp_rank)
         else:
-            entry.endpoints[dp_rank] = old
+            self._set_endpoint(entry, old)
         for ip in ips:
             self._add_ip(ip, instance_id, dp_rank)
 
@@ -567,7 +610,7 @@ class Registry:
             return UnregisterOutcome(found=False)
         ips = self.remove_hbm_ips(instance_id, dp_rank)
         index_key = self.index_key_of(instance_id, dp_rank)
-        entry.endpoints.pop(dp_rank, None)
+        self._pop_endpoint(entry, dp_rank)
         removed = not entry.endpoints
         if removed:
             del self.instances[instance_id]

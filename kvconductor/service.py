@@ -699,18 +699,12 @@ class Conductor:
             self._directory_changed()
 
     def _registrations_changed(self) -> None:
-        """Recount :attr:`registrations` and :attr:`block_sizes` (ingest thread; after a
-        registration or unregistration, O(registrations))."""
-        sizes: dict[tuple[str, str], set[int]] = {}
-        n = 0
-        for entry in self.registry.instances.values():
-            for ep in entry.endpoints.values():
-                n += 1
-                sizes.setdefault(ep.index_key, set()).add(ep.block_size)
-        block_sizes = {k: frozenset(v) for k, v in sizes.items()}
+        """Take :attr:`registrations` and :attr:`block_sizes` from the registry's counts
+        (ingest thread; after a registration or unregistration, O(indexes))."""
+        block_sizes = self.registry.block_sizes()
         changed = block_sizes != self.block_sizes
         self.block_sizes = block_sizes
-        self.registrations = n
+        self.registrations = self.registry.registrations
         if changed:
             self._directory_changed()
 

@@ -568,3 +568,62 @@ def test_instance_info():
     assert info["model_name"] == "qwen" and info["store_backend"] == "YuanRong"
     assert info["endpoints"][0]["medium_endpoints"] == {"npu": "tcp://h:1"}
     assert info["endpoints"][0]["model_name"] == "qwen"
+
+
+# -- counts kept as registrations come and go ------------------------------------------------
+
+
+def _recount(r: Registry) -> tuple[int, dict]:
+    """What the counts must be: a scan of every registered DP (and the HBM-IP index's
+    two directions agree)."""
+    n, sizes = 0, {}
+    for entry in r.instances.values():
+        for ep in entry.endpoints.values():
+            n += 1
+            sizes.setdefault(ep.index_key, set()).add(ep.block_size)
+    pairs = {(ip, p) for ip, ps in r.hbm_ip_index.items() for p in ps}
+    assert pairs == {(ip, p) for p, ips in r._ips_of.items() for ip in ips}
+    assert all(r.hbm_ip_index.values()) and all(r._ips_of.values())
+    return n, {k: frozenset(v) for k, v in sizes.items()}
+
+
+def test_counts_follow_register_unregister_and_rollback():
+    """``registrations`` and ``block_sizes()`` (kept incrementally) equal a recount after
+    every kind of change: new DPs, identical and changed re-registrations, unregistrations
+    and the roll-back of a registration (new DP, new instance, changed DP)."""
+    r = Registry()
+
+    def check():
+        assert (r.registrations, r.block_sizes()) == _recount(r)
+        return r.registrations, r.block_sizes()
+
+    ip = "tcp://10.0.0.1:{}".format
+    r.register(reg("a", 0, block_size=16, medium_endpoints={"npu": ip(1)}))
+    r.register(reg("a", 1, block_size=16, medium_endpoints={"npu": ip(2)}))
+    r.register(reg("b", 0, block_size=32, medium_endpoints={"npu": ip(3)}))
+    assert check() == (3, {("qwen", "default"): frozenset({16, 32})})
+    r.register(reg("a", 0, block_size=16, medium_endpoints={"npu": ip(1)}))  # unchanged
+    assert check() == (3, {("qwen", "default"): frozenset({16, 32})})
+    r.register(reg("b", 0, block_size=16, medium_endpoints={"npu": ip(3)}))  # 32 gone
+    assert check() == (3, {("qwen", "default"): frozenset({16})})
+    r.register(reg("a", 1, modelname="m2", block_size=64))  # to another index, HTTP-only
+    assert check() == (3, {("qwen", "default"): frozenset({16}), ("m2", "default"): {64}})
+    # roll-backs: a changed DP, a new DP of a known instance, a new instance
+    for req in (
+        reg("a", 1, modelname="m3", block_size=8, medium_endpoints={"npu": ip(9)}),
+        reg("a", 5, block_size=128, medium_endpoints={"npu": ip(5)}),
+        reg("c", 0, block_size=256),
+    ):
+        before = (check(), {k: list(v) for k, v in r.hbm_ip_index.items()})
+        saved = r.save_dp(req.instance_id, req.dp_rank)
+        r.register(req)
+        assert check() != before[0]
+        r.restore_dp(saved)
+        assert (check(), {k: list(v) for k, v in r.hbm_ip_index.items()}) == before
+    r.unregister("a", 1)
+    assert check() == (2, {("qwen", "default"): frozenset({16})})
+    r.unregister("a", 7)  # a DP never registered
+    assert check() == (2, {("qwen", "default"): frozenset({16})})
+    r.unregister("a", 0)
+    r.unregister("b", 0)
+    assert check() == (0, {}) and r.instances == {} and r.hbm_ip_index == {}

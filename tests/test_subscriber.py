@@ -243,6 +243,58 @@ def test_unsubscribe_and_replace(h, pubs):
     assert h.call(h.mgr.sources) == []
 
 
+def _by_dp_rebuilt(mgr) -> dict:
+    """The (instance, DP) -> {url: subscription} index as a scan of the table gives it."""
+    out: dict = {}
+    for (iid, dp, url), sub in mgr._subs.items():
+        out.setdefault((iid, dp), {})[url] = sub
+    return out
+
+
+def test_dp_index_follows_the_table(h):
+    """The (instance, DP) index that replace/count/unsubscribe use stays what a scan of
+    every subscription gives, in the same order, through subscribe, replace (kept, new
+    and dropped URLs), a failed replace, unsubscribe and close."""
+    mgr = h.mgr
+
+    def check():
+        def same():
+            idx = mgr._by_dp
+            want = _by_dp_rebuilt(mgr)
+            assert idx == want
+            # within a DP, the table's order (the order replace hands over and closes in)
+            assert {k: list(v) for k, v in idx.items()} == {k: list(v) for k, v in want.items()}
+            return {k: len(v) for k, v in idx.items()}
+
+        return h.call(same)
+
+    url = "tcp://127.0.0.1:{}".format
+    h.subscribe(ctx(url(1), dp=0))
+    h.subscribe(ctx(url(2), dp=0))
+    h.subscribe(ctx(url(3), dp=1))
+    h.subscribe(ctx(url(4), iid="other", dp=0))
+    h.subscribe(ctx(url(1), dp=0))  # re-subscribed: moves to the end of its DP
+    assert check() == {(IID, 0): 2, (IID, 1): 1, ("other", 0): 1}
+    assert h.call(mgr.count, IID, 0) == 2 and h.call(mgr.count, "nobody", 0) == 0
+    assert list(h.call(lambda: mgr._by_dp[IID, 0])) == [url(2), url(1)]
+    # keep url(1), drop url(2), add url(5) and url(6)
+    opened = h.call(mgr.replace, IID, 0, [ctx(url(5)), ctx(url(1)), ctx(url(6))])
+    assert opened == {url(5), url(6)}
+    assert check() == {(IID, 0): 3, (IID, 1): 1, ("other", 0): 1}
+    assert list(h.call(lambda: mgr._by_dp[IID, 0])) == [url(1), url(5), url(6)]
+    with pytest.raises(zmq.ZMQError):  # an unopenable URL: nothing changes
+        h.call(mgr.replace, IID, 0, [ctx(url(7)), ctx("")])
+    assert check() == {(IID, 0): 3, (IID, 1): 1, ("other", 0): 1}
+    assert h.call(mgr.replace, IID, 1, []) == set()
+    assert check() == {(IID, 0): 3, ("other", 0): 1}
+    assert h.call(mgr.unsubscribe, IID, 0) == 3
+    assert check() == {("other", 0): 1}
+    assert h.call(mgr.count, IID, 0) == 0
+    h.call(mgr.close)
+    assert check() == {}
+    assert h.call(len, mgr) == 0
+
+
 def test_idle_thread_does_not_spin(h, pubs):
     pub = pubs(replay=False)
     h.subscribe(ctx(pub.url))

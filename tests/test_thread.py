@@ -98,6 +98,88 @@ def test_socket_handlers_and_their_errors(thread):
     assert thread.errors == 1  # logged and counted, the thread kept going
 
 
+def _wait_for(cond, secs=5.0):
+    deadline = time.monotonic() + secs
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_socket_news_taken_in_before_it_was_added_is_not_missed(thread):
+    """The loop waits on each ZeroMQ socket's ZMQ_FD, which signals only news not yet taken
+    in: messages already queued when the socket is added (here taken in by a ``poll`` before
+    ``add_socket``) are delivered, and a handler that takes one message per call is called
+    again until its socket is empty, without new traffic to wake the thread."""
+    ctx = zmq.Context.instance()
+    got = []
+
+    def setup():
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        push = ctx.socket(zmq.PUSH)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        for i in range(5):
+            push.send(b"%d" % i)
+        assert pull.poll(5000) == zmq.POLLIN  # the fd's signal is consumed here
+        thread.add_socket(pull, lambda sock: got.append(sock.recv(zmq.NOBLOCK)))
+        return pull, push
+
+    pull, push = thread.call(setup)
+    try:
+        assert _wait_for(lambda: len(got) == 5), got
+        assert got == [b"0", b"1", b"2", b"3", b"4"]
+    finally:
+        thread.call(lambda: (thread.remove_socket(pull), pull.close(0), push.close(0)))
+
+
+def test_handlers_run_in_the_order_sockets_were_added(thread):
+    """Sockets ready in the same round are handled in the order they were added (as with
+    a zmq.Poller), plain fds included."""
+    ctx = zmq.Context.instance()
+    order = []
+    r, w = os.pipe()
+
+    def setup():
+        socks = []
+        for i in range(3):
+            a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+            a.bind(f"inproc://order-{i}")
+            b.connect(f"inproc://order-{i}")
+            socks.append((a, b))
+        # added: pair 2, the pipe, pair 0, pair 1; readable all at once below
+        for i, x in ((2, socks[2][0]), ("fd", r), (0, socks[0][0]), (1, socks[1][0])):
+
+            def handler(sock, i=i):
+                order.append(i)
+                if isinstance(sock, int):
+                    os.read(sock, 16)
+                else:
+                    sock.recv(zmq.NOBLOCK)
+
+            thread.add_socket(x, handler)
+        for _, b in socks:
+            b.send(b"x")
+        os.write(w, b"x")
+        return socks
+
+    socks = thread.call(setup)
+    try:
+        assert _wait_for(lambda: len(order) == 4), order
+        assert order == [2, "fd", 0, 1]
+    finally:
+
+        def teardown():
+            thread.remove_socket(r)
+            for a, b in socks:
+                thread.remove_socket(a)
+                a.close(0)
+                b.close(0)
+
+        thread.call(teardown)
+        os.close(r)
+        os.close(w)
+
+
 def test_stop_rejects_later_work():
     t = IngestThread(zmq.Context.instance())
     t.start()

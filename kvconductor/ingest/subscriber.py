@@ -226,7 +226,19 @@ class Subscription:
             # Hard guard: libzmq drops a peer that sends more than twice the limit before
             # it is ever buffered; messages up to that are refused and counted (Limits).
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.applier.limits.max_message_bytes)
-            mon = sock.get_monitor_socket(_MON_EVENTS)
+            # The monitor's PAIR first: once the SUB is monitored, a monitor event sent
+            # with no PAIR connected blocks whichever thread sends it (libzmq), at the
+            # latest its reaper when the SUB closes, and then no closed socket gives its
+            # files back. pyzmq's get_monitor_socket creates the PAIR last, so running out
+            # of files just there left the process unable to recover.
+            mon = self.thread.ctx.socket(zmq.PAIR)
+            try:
+                addr = f"inproc://monitor.s-{sock.FD}"
+                sock.monitor(addr, _MON_EVENTS)
+                mon.connect(addr)
+            except zmq.ZMQError:
+                mon.close(linger=0)
+                raise
             try:
                 if is_bind_url(url):
                     # --allow-bind-endpoints: the engine PUB connects to us ("bind stable").
@@ -611,6 +623,10 @@ class SubscriptionManager:
         self._purged_dps: set[tuple[str, str, str, int]] = set()
         self.warn = WarnLimiter()
         self._subs: dict[tuple[str, int, str], Subscription] = {}
+        #: The same subscriptions by (instance_id, dp_rank), then URL, in the order of
+        #: :attr:`_subs` (kept by :meth:`_add` and :meth:`_remove`): what a registration
+        #: replaces, counts or closes costs O(its own subscriptions), not O(all).
+        self._by_dp: dict[tuple[str, int], dict[str, Subscription]] = {}
         #: Warm start: (instance_id, dp_rank, url) -> (last applied seq, its digest) from a
         #: snapshot; a subscription of that key created next starts from there.
         self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
@@ -627,13 +643,19 @@ class SubscriptionManager:
         self._table_lock = threading.Lock()
 
     def _add(self, sub: Subscription) -> None:
+        iid, dp, url = sub.key
         with self._table_lock:
             self._subs[sub.key] = sub
+            self._by_dp.setdefault((iid, dp), {})[url] = sub
 
     def _remove(self, key: tuple[str, int, str]) -> Subscription:
         """Take ``key``'s subscription out of the table, its counters into retired."""
         with self._table_lock:
             sub = self._subs.pop(key)
+            urls = self._by_dp[key[0], key[1]]
+            del urls[key[2]]
+            if not urls:
+                del self._by_dp[key[0], key[1]]
             r = self.retired
             s = sub.stats
             kind = source_kind(sub.ctx.is_pool, sub.ctx.engine_type)
@@ -845,7 +867,7 @@ class SubscriptionManager:
         ``zmq.ZMQError`` propagates). URLs no longer wanted are closed last.
         """
         self._check_thread()
-        old = {k[2]: s for k, s in self._subs.items() if k[0] == instance_id and k[1] == dp_rank}
+        old = dict(self._by_dp.get((instance_id, dp_rank), ()))
         wanted = {c.url: c for c in contexts}
         opened: list[Subscription] = []
         try:
@@ -880,7 +902,7 @@ class SubscriptionManager:
     def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
         """Close every subscription of (instance, dp); return how many."""
         self._check_thread()
-        keys = [k for k in self._subs if k[0] == instance_id and k[1] == dp_rank]
+        keys = [s.key for s in self._by_dp.get((instance_id, dp_rank), {}).values()]
         for k in keys:
             self._remove(k).close()
         return len(keys)
@@ -898,10 +920,8 @@ class SubscriptionManager:
             sub = next(
                 (
                     s
-                    for s in self._subs.values()
-                    if s.ctx.instance_id == ctx.instance_id
-                    and s.ctx.dp_rank == ctx.dp_rank
-                    and s.replay_endpoint
+                    for s in self._by_dp.get((ctx.instance_id, ctx.dp_rank), {}).values()
+                    if s.replay_endpoint
                 ),
                 None,
             )
@@ -1040,7 +1060,7 @@ class SubscriptionManager:
 
     def count(self, instance_id: str, dp_rank: int) -> int:
         """Subscriptions of (instance, dp)."""
-        return sum(1 for k in self._subs if k[0] == instance_id and k[1] == dp_rank)
+        return len(self._by_dp.get((instance_id, dp_rank), ()))
 
     def __len__(self) -> int:
         return len(self._subs)

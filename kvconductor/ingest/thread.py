@@ -1,7 +1,7 @@
 """The single event-ingest thread: the only writer of every index.
 
-It owns every ZeroMQ socket (SUB subscribers, replay DEALERs) and polls them
-together with a wake-up pipe through one :class:`zmq.Poller`. Other threads
+It owns every ZeroMQ socket (SUB subscribers, replay DEALERs) and waits for them
+together with a wake-up pipe in one :mod:`selectors` selector (epoll on Linux). Other threads
 hand it work with :meth:`IngestThread.submit` (returns a
 :class:`concurrent.futures.Future`) or :meth:`IngestThread.run` (awaitable);
 the work runs on this thread, in submission order, so index mutations never
@@ -11,7 +11,20 @@ race each other.
 ingest thread only. ``submit``/``run``/``stop`` may be called from any
 thread; ``add_socket``/``remove_socket``/``call_later`` only from the ingest
 thread (i.e. from submitted work or socket handlers).** When nothing is due the
-poll blocks without a timeout, so an idle ingest thread uses no CPU.
+wait blocks without a timeout, so an idle ingest thread uses no CPU.
+
+PERF: a wake-up costs O(the sockets that have something), not O(every socket). A
+:class:`zmq.Poller` asks libzmq for every socket's state on every wake-up (several
+microseconds each: with thousands of sources that was most of a registration's time,
+docs/performance.md). Here the selector watches each ZeroMQ socket's ``ZMQ_FD``, which
+becomes readable when the socket has news to process, and only the sockets it reports,
+the sockets added since the last round and those whose handler ran in the last round
+have their ``ZMQ_EVENTS`` read. That fd is edge-like: a ``recv``/``send`` on the
+socket may take in news without it ever becoming readable again. This is why **a
+registered ZeroMQ socket may be used only by its own handler** (which the loop
+checks again after every call, as libzmq asks), and before ``add_socket``. A handler
+that leaves messages queued (a drain limit, for fairness) is called again in the next
+round, as with a poller.
 """
 
 from __future__ import annotations
@@ -23,10 +36,11 @@ import itertools
 import logging
 import os
 import queue
+import selectors
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -47,9 +61,18 @@ class IngestThread:
         self._wake_lock = threading.Lock()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._handlers: dict[Any, Callable[[Any], None]] = {}
+        #: What each socket is registered under in the selector (its ``ZMQ_FD``, or the
+        #: fd/object given), and its registration number: a round calls the handlers in
+        #: the order the sockets were added, as :class:`zmq.Poller` does.
+        self._selector_key: dict[Any, Any] = {}
+        self._order: dict[Any, int] = {}
+        self._added = itertools.count()
+        #: ZeroMQ sockets whose ``ZMQ_EVENTS`` the next round reads whatever the
+        #: selector says: just added, or their handler ran (module docstring).
+        self._recheck: set[zmq.Socket] = set()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._stopping = False
@@ -110,14 +133,27 @@ class IngestThread:
 
     # -- ingest thread only ----------------------------------------------------------
     def add_socket(self, sock: Any, handler: Callable[[Any], None]) -> None:
-        """Poll ``sock`` (zmq socket or fd) for input and call ``handler(sock)``."""
+        """Poll ``sock`` (zmq socket or fd) for input and call ``handler(sock)``.
+
+        From then on until :meth:`remove_socket`, only ``handler`` may use a ZeroMQ
+        ``sock`` (module docstring)."""
+        if sock in self._handlers:
+            self._handlers[sock] = handler
+            return
+        key = cast(int, sock.getsockopt(zmq.FD)) if isinstance(sock, zmq.Socket) else sock
+        self._selector.register(key, selectors.EVENT_READ, sock)
         self._handlers[sock] = handler
-        self._poller.register(sock, zmq.POLLIN)
+        self._selector_key[sock] = key
+        self._order[sock] = next(self._added)
+        if isinstance(sock, zmq.Socket):
+            self._recheck.add(sock)  # it may hold messages already
 
     def remove_socket(self, sock: Any) -> None:
         """Stop polling ``sock`` (the caller closes it)."""
         if self._handlers.pop(sock, None) is not None:
-            self._poller.unregister(sock)
+            self._selector.unregister(self._selector_key.pop(sock))
+            del self._order[sock]
+            self._recheck.discard(sock)
 
     def call_later(self, delay: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on this thread after ``delay`` seconds."""
@@ -162,26 +198,63 @@ class IngestThread:
                 break
             wait = self._run_timers()
             timeout_ms = None if wait is None else max(1, int(wait * 1000))
+            if self._recheck:
+                timeout_ms = 0
             try:
-                events = self._poller.poll(timeout_ms)
-            except zmq.ZMQError as ex:
-                if ex.errno == zmq.ETERM:
-                    break
+                events = self._selector.select(None if timeout_ms is None else timeout_ms / 1000)
+            except OSError as ex:
                 self.errors += 1
                 log.warning("ingest poll failed: %s", ex)
                 continue
-            for sock, _ in events:
-                if sock == self._wake_r:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    continue
+            try:
+                ready = self._ready(events)
+            except zmq.ZMQError as ex:  # the context was terminated
+                if ex.errno == zmq.ETERM:
+                    break
+                raise
+            for sock in ready:
                 handler = self._handlers.get(sock)
                 if handler is not None:
                     self._guard(handler, sock)
+                    if isinstance(sock, zmq.Socket) and sock in self._handlers:
+                        self._recheck.add(sock)  # libzmq: read ZMQ_EVENTS after a recv
         self._shutdown()
+
+    def _ready(self, events: list[tuple[selectors.SelectorKey, int]]) -> list[Any]:
+        """The sockets whose handlers this round calls, in the order they were added: the
+        plain fds the selector reports, and the ZeroMQ sockets it reports or that are to be
+        checked again whose ``ZMQ_EVENTS`` has ``POLLIN``."""
+        check, self._recheck = self._recheck, set()
+        plain = []
+        for key, _ in events:
+            sock = key.data
+            if sock is None:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif isinstance(sock, zmq.Socket):
+                check.add(sock)
+            else:
+                plain.append(sock)
+        ready = plain
+        for sock in check:
+            if sock not in self._handlers:
+                continue
+            try:
+                has_input = cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN
+            except zmq.ZMQError as ex:
+                if ex.errno == zmq.ETERM:
+                    raise
+                self.errors += 1  # e.g. closed by someone else: not polled any more
+                log.warning("ingest poll failed: %s", ex)
+                continue
+            if has_input:
+                ready.append(sock)
+        if len(ready) > 1:
+            ready.sort(key=self._order.__getitem__)
+        return ready
 
     def _shutdown(self) -> None:
         for sock in list(self._handlers):
@@ -199,6 +272,7 @@ class IngestThread:
                 break
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("ingest thread is stopped"))
+        self._selector.close()
         with self._wake_lock:
             os.close(self._wake_r)
             os.close(self._wake_w)

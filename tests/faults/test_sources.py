@@ -45,8 +45,9 @@ def server(tmp_path, request):
     srv.terminate()
 
 
-# CI bounds this (KVC_FAULT_SOURCES=1100: still past libzmq's default of 1023 sockets);
-# a registration costs O(sources) today, so 2,000 take ~100 s on 2 cores.
+# CI bounds this (KVC_FAULT_SOURCES=1100: still past libzmq's default of 1023 sockets).
+# A registration no longer costs O(sources): the 2,000 take ~7 s on 2 cores
+# (docs/performance.md, "Registering thousands of engines").
 SOURCES = int(os.environ.get("KVC_FAULT_SOURCES", "2000"))
 
 
@@ -108,14 +109,19 @@ def test_source_cap_refuses_with_503_and_changes_nothing(server):
     assert consistent(server) == (5, 5)
 
 
-def _low_fd_limit():
-    resource.setrlimit(resource.RLIMIT_NOFILE, (160, 160))
-
-
-def test_open_file_exhaustion_rolls_back(tmp_path):
+# A source takes about three files (the SUB, its monitor and the monitor's PAIR): four
+# consecutive limits run out of files at each step of opening one.
+@pytest.mark.parametrize("limit", [158, 159, 160, 161])
+def test_open_file_exhaustion_rolls_back(tmp_path, limit):
     """Past the process's open-file limit a registration is undone and answered 503; the
-    server keeps serving, and registers again once files are free."""
-    srv = Server(tmp_path, "--max-sources", "1000", preexec_fn=_low_fd_limit)
+    server keeps serving, and registers again once files are free, whichever step of
+    opening the source ran out of files."""
+    srv = Server(
+        tmp_path,
+        "--max-sources",
+        "1000",
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
+    )
     try:
         srv.wait_ready()
         codes = []
