@@ -45,8 +45,8 @@ def server(tmp_path, request):
     srv.terminate()
 
 
-# CI bounds this (KVC_FAULT_SOURCES=1100: still past libzmq's default of 1023 sockets).
-# A registration no longer costs O(sources): the 2,000 take ~7 s on 2 cores
+# KVC_FAULT_SOURCES changes the count (it must stay past libzmq's default of 1023
+# sockets). A registration no longer costs O(sources): the 2,000 take ~7 s on 2 cores
 # (docs/performance.md, "Registering thousands of engines").
 SOURCES = int(os.environ.get("KVC_FAULT_SOURCES", "2000"))
 
