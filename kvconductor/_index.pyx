@@ -59,27 +59,43 @@ cdef inline size_t _max(size_t a, size_t b) noexcept nogil:
 
 # -- query scratch -------------------------------------------------------------------------
 cdef int _scratch_init(Scratch* s, size_t W, size_t G) noexcept nogil:
-    cdef size_t k
     s.W = W
     s.hw = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.hd = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.hs = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
     # worker marks of the tier walks, and tree_match's scratch (malloc: 8-byte aligned)
     s.stamp = <uint32_t*>malloc(_max(W * sizeof(uint32_t), tree_match_scratch(W)) + 1)
-    s.idx = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
-    s.cand = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
-    s.oend = <size_t*>malloc(W * sizeof(size_t) + 1)
-    s.olast = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
+    # the lower tiers' arrays: on their first use (_scratch_tiers), as most queries of
+    # a fleet without CPU/Disk offload never walk a lower tier (PERF: four W-sized
+    # mallocs and an O(W) fill less per query, 7,000 engines: ~20 % of the query)
+    s.idx = NULL
+    s.cand = NULL
+    s.oend = NULL
+    s.olast = NULL
     s.ends = <uint32_t*>malloc(3 * G * sizeof(uint32_t) + 1)
     s.bps = NULL
     s.nbp = 0
     s.bpcap = 0
-    if (s.hw == NULL or s.hd == NULL or s.hs == NULL or s.stamp == NULL or s.idx == NULL
-            or s.cand == NULL or s.oend == NULL or s.olast == NULL or s.ends == NULL):
+    if s.hw == NULL or s.hd == NULL or s.hs == NULL or s.stamp == NULL or s.ends == NULL:
+        return -1
+    memset(s.ends, 0, 3 * G * sizeof(uint32_t))
+    return 0
+
+
+cdef int _scratch_tiers(Scratch* s) noexcept nogil:
+    """The tier walks' scratch (``idx`` all HM_NIL, ``cand``, ``oend``, ``olast``), once
+    per query; -1 when out of memory (``_scratch_free`` frees what was allocated)."""
+    cdef size_t k, W = s.W
+    if s.idx != NULL:
+        return 0
+    s.idx = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.cand = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.oend = <size_t*>malloc(W * sizeof(size_t) + 1)
+    s.olast = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
+    if s.idx == NULL or s.cand == NULL or s.oend == NULL or s.olast == NULL:
         return -1
     for k in range(W):
         s.idx[k] = HM_NIL
-    memset(s.ends, 0, 3 * G * sizeof(uint32_t))
     return 0
 
 
@@ -1156,6 +1172,8 @@ cdef class CoreIndex:
         cdef uint32_t* gws = NULL
         if n == 0 or L.live_edges == 0:
             return 0
+        if _scratch_tiers(s) < 0:
+            return -1
         # (a) the root walks: every owner of a root edge of H[0] walks on from the
         # oldest root edge it owns (one root edge per distinct first engine hash)
         e = lower_find(L, False, 0, hc_get(hc, 0))
@@ -1237,6 +1255,16 @@ cdef class CoreIndex:
         cdef uint32_t* cpu = s.ends + G
         cdef uint32_t* dsk = s.ends + 2 * G
         nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp)
+        if self.st.tiers[0].live_edges == 0 and self.st.tiers[1].live_edges == 0:
+            # no lower tier to continue in: the HBM depths alone, no breakpoints (PERF:
+            # a round-robin fleet's answer lists every engine; 16 B per holder less)
+            for k in range(nh):
+                w = s.hw[k]
+                if w < self.st.nworkers and not self.st.wmute[w]:
+                    g = self.st.wgroup[w]
+                    if s.hd[k] > npu[g]:
+                        npu[g] = s.hd[k]
+            return 0
         if _bp_reserve(s, nh) < 0:
             return -1
         for k in range(nh):
