@@ -179,7 +179,7 @@ def _publisher(conn, workers: list[int]) -> None:
     subscription, then publishes what it is given (paced by the times when asked)."""
     _raise_nofile()
     ctx = zmq.Context()
-    ctx.setsockopt(zmq.MAX_SOCKETS, 2 * len(workers) + 64)
+    ctx.set(zmq.MAX_SOCKETS, 2 * len(workers) + 64)  # a context option (setsockopt: sockets)
     socks = []
     ports = []
     for _ in workers:
