@@ -1104,7 +1104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", help="write every run here")
     ap.add_argument("--stats", action="store_true", help="print the trace statistics only")
     ap.add_argument("--write-trace", help="write the (generated) trace as JSONL and exit")
+    ap.add_argument(
+        "--server-malloc",
+        action="store_true",
+        help="in process, tune glibc's malloc as kv-conductor does at start "
+        "(kvconductor.service.tune_malloc: freed answer buffers reused, not trimmed)",
+    )
     args = ap.parse_args(argv)
+    if args.server_malloc:
+        from kvconductor.service import tune_malloc
+
+        print(json.dumps({"server_malloc": tune_malloc()}), flush=True)
 
     if args.trace:
         requests = load_trace(args.trace, args.requests)
