@@ -84,6 +84,28 @@ def test_top8_and_phases_backends_equal_the_simulator():
     assert phases["phase_match_s"] > 0 and phases["phase_encode_s"] > 0
 
 
+def test_separate_check_reports_the_checked_replay(monkeypatch):
+    """--check separate: the timed runs do not check, the extra replay does, and its
+    mismatches are every timed run's (a lossy backend is still caught)."""
+
+    class Lossy(tr.KvcBackend):
+        name = "lossy"
+
+        def calls(self):
+            q, s, _ = super().calls()
+            return q, s, lambda key, hashes: 0
+
+    monkeypatch.setitem(tr.BACKENDS, "lossy", Lossy)
+    reqs = tr.generate("conversation", seed=5, requests=300)
+    stream = tr.record(reqs, 8, 32, "round-robin")
+    runs = tr.run(stream, ["kvc", "lossy"], repeats=2, check="separate")
+    assert [x["mismatches"] for x in runs["kvc"]] == [0, 0]
+    bad = [x["mismatches"] for x in runs["lossy"]]
+    assert bad[0] == bad[1] > 0
+    assert all(x["checked"] == "separate" for b in runs.values() for x in b)
+    assert tr.replay(stream, "lossy", check=False)["mismatches"] == 0  # not checked
+
+
 def test_kv_aware_routing_saves_more_prefill_than_round_robin():
     reqs = tr.generate("conversation", seed=2, requests=500)
     rr = tr.record(reqs, 32, 4096, "round-robin")
