@@ -38,6 +38,16 @@ def test_trace_file_round_trip(tmp_path):
     assert tr.load_trace(path, limit=7) == reqs[:7]
 
 
+class Lossy(tr.KvcBackend):
+    """A backend that drops every remove event: answers with evicted blocks."""
+
+    name = "lossy"
+
+    def calls(self):
+        q, s, _ = super().calls()
+        return q, s, lambda key, hashes: 0
+
+
 def _check(stream, backends):
     assert stream.record_mismatches == 0
     runs = tr.run(stream, backends, repeats=1)
@@ -88,13 +98,6 @@ def test_separate_check_reports_the_checked_replay(monkeypatch):
     """--check separate: the timed runs do not check, the extra replay does, and its
     mismatches are every timed run's (a lossy backend is still caught)."""
 
-    class Lossy(tr.KvcBackend):
-        name = "lossy"
-
-        def calls(self):
-            q, s, _ = super().calls()
-            return q, s, lambda key, hashes: 0
-
     monkeypatch.setitem(tr.BACKENDS, "lossy", Lossy)
     reqs = tr.generate("conversation", seed=5, requests=300)
     stream = tr.record(reqs, 8, 32, "round-robin")
@@ -135,13 +138,6 @@ def test_a_block_is_its_place_in_a_chain(workers):
 
 def test_the_checker_sees_a_lost_event(monkeypatch):
     """A backend that drops every remove event answers with evicted blocks: counted."""
-
-    class Lossy(tr.KvcBackend):
-        name = "lossy"
-
-        def calls(self):
-            q, s, _ = super().calls()
-            return q, s, lambda key, hashes: 0
 
     monkeypatch.setitem(tr.BACKENDS, "lossy", Lossy)
     reqs = tr.generate("conversation", seed=5, requests=300)
