@@ -167,7 +167,7 @@ def _publisher(
 
 _READER = """
 import sys, time, random, array
-from kvconductor.shared import SharedView
+from kvconductor.state.shared import SharedView
 view = SharedView.attach(int(sys.argv[1]), int(sys.argv[2]))
 rnd = random.Random(int(sys.argv[4]))
 doc = array.array("I", (rnd.randrange(1, 150_000) for _ in range(int(sys.argv[3]))))
@@ -246,7 +246,7 @@ def run(
     url = f"tcp://127.0.0.1:{port}"
     shared = None
     if readers or shared_mode:
-        from kvconductor.shared import SharedIndexes
+        from kvconductor.state.shared import SharedIndexes
 
         shared = SharedIndexes()
     conductor = Conductor(impl, shared)

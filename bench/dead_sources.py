@@ -40,7 +40,7 @@ def run(sources: int, cap_ms: int, secs: float, ramp: float) -> float:
     port = free_port()
     code = (
         "import sys; import kvconductor.ingest.subscriber as s; "
-        f"s.RECONNECT_IVL_MAX_MS = {cap_ms}; from kvconductor.cli import main; "
+        f"s.RECONNECT_IVL_MAX_MS = {cap_ms}; from kvconductor.serve.cli import main; "
         f"sys.exit(main(['--port', '{port}', '--log-level', 'warning', '--no-snapshots']))"
     )
     with tempfile.TemporaryDirectory() as d:

@@ -15,7 +15,7 @@ another checkout with the same file), so before/after runs alternate on one mach
 
     python bench/many_holders.py --workers 1024 7000 --repeat 3
 
-glibc's malloc is tuned as the server processes tune it (``kvconductor.service.
+glibc's malloc is tuned as the server processes tune it (``kvconductor.state.conductor.
 tune_malloc``, applied here by hand so that older checkouts are measured the same way);
 ``--glibc-defaults`` leaves it alone (each large answer then faults its pages in again).
 """
@@ -72,8 +72,8 @@ def timed(fn: Any, n: int) -> tuple[float, float, float]:
 
 
 def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
-    from kvconductor.app import QueryResource
-    from kvconductor.metrics import QueryMetrics
+    from kvconductor.http.api import QueryResource
+    from kvconductor.http.metrics import QueryMetrics
 
     ix, chain = build(workers)
     res = QueryResource(
@@ -104,7 +104,7 @@ def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
 
 
 def tune_malloc() -> None:
-    """``kvconductor.service.tune_malloc``'s settings (both thresholds at 32 MiB)."""
+    """``kvconductor.state.conductor.tune_malloc``'s settings (both thresholds at 32 MiB)."""
     import ctypes
 
     mallopt = ctypes.CDLL(None).mallopt

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.benchmark(group="dump")
 
 
 def _conductor(ix=None):
-    from kvconductor.service import Conductor
+    from kvconductor.state.conductor import Conductor
 
     c = Conductor()
     if ix is not None:
@@ -20,7 +20,7 @@ def _conductor(ix=None):
 def _dump(c):
     """``write_dump`` minus the hop to the ingest thread (this thread stands in for it:
     nothing else writes the index here)."""
-    from kvconductor.dump import encode, snapshot
+    from kvconductor.state.dump import encode, snapshot
 
     return encode(snapshot(c))
 
@@ -43,7 +43,7 @@ def test_snapshot_and_encode_1m_pairs(benchmark, big_index):
 
 def test_load_1m_pairs(benchmark, big_index, dumped):
     """``--load-dump``: decode, restore the core tables, check the invariants."""
-    from kvconductor.dump import load_dump
+    from kvconductor.state.dump import load_dump
 
     ix, _ = big_index
 

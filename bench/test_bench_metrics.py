@@ -39,8 +39,8 @@ class _Sources:
 def test_scrape_1m_block_index(benchmark, big_index):
     """Everything a scrape does: sizes() of the index under its read lock, the
     subscription rows, the query families, and the text encoding."""
-    from kvconductor.metrics import Metrics
-    from kvconductor.service import Conductor
+    from kvconductor.http.metrics import Metrics
+    from kvconductor.state.conductor import Conductor
 
     c = Conductor()
     ix, _ = big_index  # bench/conftest.py build_index: ~1M (worker, block) pairs

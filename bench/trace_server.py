@@ -334,7 +334,7 @@ import sys
 
 import uvicorn
 
-from kvconductor.server import _uvicorn_impls
+from kvconductor.serve.single import _uvicorn_impls
 
 BODY = bytes(int(sys.argv[2]))
 

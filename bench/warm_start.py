@@ -52,8 +52,8 @@ def build(conductor, pairs: int) -> None:
 
 
 def measure(pairs: int, directory: str) -> dict:
-    from kvconductor import dump, snapshot
-    from kvconductor.service import Conductor, ConductorConfig
+    from kvconductor.state import dump, snapshot
+    from kvconductor.state.conductor import Conductor, ConductorConfig
 
     def conductor() -> Conductor:
         c = Conductor(

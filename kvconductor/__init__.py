@@ -1,7 +1,10 @@
 """kvconductor: a KV-cache index service for LLM inference clusters.
 
-The compiled modules are mandatory: they are imported here, and an install
-without them (or with a broken one) fails at this import. The pure-Python twins
+The compiled modules are mandatory for the service: :func:`load_compiled` imports
+every one, and the index (:mod:`kvconductor.index`, which every server path imports)
+calls it, so an install without them (or with a broken one) fails there. Importing
+the package itself loads none of them: a Coordinator that only uses
+:mod:`kvconductor.coordinator` needs no compiler output. The pure-Python twins
 (``kvconductor._py``, ``kvconductor.wire.py_*``, the general ingest path) are test
 oracles, not a runtime fallback; they still use the compiled block hasher.
 
@@ -18,7 +21,7 @@ import os
 
 __version__ = "0.1.0"
 
-#: The compiled modules (setup.py ``MODULES``); every one is imported here.
+#: The compiled modules (setup.py ``MODULES``); :func:`load_compiled` imports every one.
 COMPILED_MODULES = (
     "_hash",
     "_tree",
@@ -31,10 +34,12 @@ COMPILED_MODULES = (
     "_shlock",
 )
 
-for _name in COMPILED_MODULES:
-    # NOTE: an ImportError here is a broken install; it must never be swallowed.
-    importlib.import_module(f"kvconductor.{_name}")
-del _name
+
+def load_compiled() -> None:
+    """Import every compiled module; an ``ImportError`` is a broken install (the service
+    calls this through :mod:`kvconductor.index` and must never swallow it)."""
+    for name in COMPILED_MODULES:
+        importlib.import_module(f"kvconductor.{name}")
 
 
 def _impl_from_env() -> str:
@@ -49,10 +54,15 @@ IMPL = _impl_from_env()
 
 
 def is_available() -> bool:
-    """True when every compiled module loaded (always, once this package imported)."""
-    return True
+    """True when every compiled module loads (they are imported to find out)."""
+    return unavailable_reason() is None
 
 
 def unavailable_reason() -> str | None:
-    """Why the compiled modules did not load: ``None`` (a failed load fails the import)."""
+    """Why the compiled modules do not load (the ``ImportError``'s text); ``None`` when
+    they all do."""
+    try:
+        load_compiled()
+    except ImportError as ex:
+        return f"{type(ex).__name__}: {ex}"
     return None

@@ -1,6 +1,6 @@
 """``python -m kvconductor``: same as the ``kv-conductor`` command."""
 
-from kvconductor.cli import main
+from kvconductor.serve.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

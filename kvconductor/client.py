@@ -6,7 +6,7 @@ from kvconductor.coordinator.clients import *
 from kvconductor.coordinator.core import *
 from kvconductor.coordinator.registration import *
 from kvconductor.coordinator.tokens import *
-from kvconductor.settings import DEFAULT_PORT
+from kvconductor.schema import DEFAULT_PORT
 
 __all__ = ["DEFAULT_PORT"]
 __all__ += core.__all__ + clients.__all__ + registration.__all__ + tokens.__all__

@@ -28,6 +28,10 @@ from kvconductor.schema import (
     U32_MAX,
 )
 
+# The service needs every compiled module, not only those this file names: a broken
+# install fails here, at the first import of the index.
+kvconductor.load_compiled()
+
 _LONGEST, _DP = INSTANCE_MATCH_KEYS
 _MATCHED, _NPU, _CPU, _DISK = DP_MATCH_KEYS
 
@@ -238,7 +242,7 @@ class Index:
         #: (instance_id, dp_rank) -> its WorkerKeys, in creation order
         self._group_workers: dict[tuple[str, int], list[WorkerKey]] = {}
         #: Called (writer thread) after a new group id was named, before any block of it
-        #: is stored: ``--workers N`` publishes the names there (kvconductor.shared).
+        #: is stored: ``--workers N`` publishes the names there (kvconductor.state.shared).
         self.on_new_group: Callable[[], None] | None = None
 
     # -- interning ---------------------------------------------------------------

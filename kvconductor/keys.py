@@ -113,3 +113,20 @@ def is_node_pool_registration(backend: StoreBackend, medium_keys) -> bool:
         if m is Medium.CPU or m is Medium.DISK:
             lower = True
     return lower
+
+
+def node_of_backend_id(backend_id: str) -> str:
+    """The HBM-IP index key a pool event's ``backend_id`` names (docs/api.md, "Node
+    pools"): ``10.0.0.1``, ``10.0.0.1:5558``, ``tcp://10.0.0.1:5558`` -> ``10.0.0.1``;
+    ``[::1]:5558``, ``tcp://[::1]:5558`` -> ``::1``; anything else as it is (a bare IPv6
+    address, a host name)."""
+    rest = backend_id[len("tcp://") :] if backend_id.startswith("tcp://") else backend_id
+    if rest.startswith("["):
+        end = rest.find("]")
+        if end > 1:
+            return rest[1:end]
+        return rest
+    host, sep, port = rest.rpartition(":")
+    if sep and host and ":" not in host and port.isascii() and port.isdigit():
+        return host
+    return rest

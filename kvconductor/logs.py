@@ -1,4 +1,5 @@
-"""Log record helpers shared by the log formatters and ``GET /workers``.
+"""Logging: the process's log setup (:func:`configure_logging`: text or JSON lines on
+stderr), and the record helpers shared by the formatters and ``GET /workers``.
 
 :class:`RecentWarnings` keeps the last WARN and ERROR records of the ``kvconductor``
 loggers in a bounded ring, for ``/workers.recent_warnings`` (docs/api.md, GET /workers)
@@ -9,12 +10,17 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 from datetime import datetime, timezone
 
+import msgspec
+
 __all__ = [
+    "LOG_FORMATS",
     "MAX_MESSAGE",
     "RECENT_WARNINGS",
     "RecentWarnings",
+    "configure_logging",
     "level_name",
     "process_role",
     "set_process_role",
@@ -25,6 +31,19 @@ __all__ = [
 RECENT_WARNINGS = 50
 #: Characters of a message kept in the ring (a longer one is cut and ends with "...").
 MAX_MESSAGE = 1000
+
+#: Values of ``--log-format``.
+LOG_FORMATS = ("text", "json")
+#: ``--log-level`` names and their levels.
+LEVELS = {
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warn": logging.WARNING,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 _LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}
 
@@ -101,3 +120,67 @@ class RecentWarnings(logging.Handler):
         if self._logger is not None:
             self._logger.removeHandler(self)
             self._logger = None
+
+
+class _Formatter(logging.Formatter):
+    """``<RFC 3339 UTC time> <LEVEL> <message>`` (the reference hides target names).
+
+    With ``--workers N > 1`` the process comes after the level:
+    ``<time> <LEVEL> [worker-3 pid=1234] <message>`` (:func:`set_process_role`).
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = level_name(record.levelno, record.levelname)
+        role = process_role()
+        if role is None:
+            line = f"{utc(record.created)} {level:>5} {record.getMessage()}"
+        else:
+            line = f"{utc(record.created)} {level:>5} [{role} pid={record.process}] " + (
+                record.getMessage()
+            )
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per line with the text line's fields: ``ts`` (RFC 3339 UTC),
+    ``level``, ``message``, and ``exception`` (the traceback) when there is one; with
+    ``--workers N > 1`` also ``process`` (``owner``, ``worker-3``) and ``pid``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict = {
+            "ts": utc(record.created),
+            "level": level_name(record.levelno, record.levelname),
+            "message": record.getMessage(),
+        }
+        role = process_role()
+        if role is not None:
+            doc["process"] = role
+            doc["pid"] = record.process
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return _JSON_ENCODER.encode(doc).decode()
+
+
+_JSON_ENCODER = msgspec.json.Encoder()
+
+
+def configure_logging(level: str = "info", fmt: str = "text") -> None:
+    """Log to stderr as text or JSON lines; uvicorn's own loggers only show warnings
+    unless debugging."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"unknown log format {fmt!r}: one of {', '.join(LOG_FORMATS)}")
+    lvl = LEVELS.get(level, logging.INFO)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_kvconductor", False):
+            root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else _Formatter())
+    handler._kvconductor = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(lvl)
+    quiet = logging.DEBUG if lvl <= logging.DEBUG else logging.WARNING
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).setLevel(quiet)

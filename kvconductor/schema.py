@@ -21,6 +21,20 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct, field
 
+#: The port ``kv-conductor`` listens on by default, and a Coordinator's default.
+DEFAULT_PORT = 13333
+MSGPACK_CONTENT_TYPE = "application/msgpack"
+JSON_CONTENT_TYPE = "application/json"
+_MSGPACK_TYPES = frozenset((MSGPACK_CONTENT_TYPE, "application/x-msgpack"))
+
+
+def is_msgpack_content_type(content_type: str | None) -> bool:
+    """True for ``application/msgpack`` / ``application/x-msgpack`` (params and case ignored)."""
+    if not content_type:
+        return False
+    return content_type.split(";", 1)[0].strip().lower() in _MSGPACK_TYPES
+
+
 U32_MAX = 0xFFFFFFFF
 #: The tenant of a request or registration that names none.
 DEFAULT_TENANT = "default"

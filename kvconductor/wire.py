@@ -45,13 +45,18 @@ from kvconductor.schema import (
     DEFAULT_TENANT,
     I64_MAX,
     I64_MIN,
+    JSON_CONTENT_TYPE,
+    MSGPACK_CONTENT_TYPE,
     NAME_MAX,
     U32,
     U32_MAX,
+    is_msgpack_content_type,
     name_too_long,
 )
 
 __all__ = [
+    "JSON_CONTENT_TYPE",
+    "MSGPACK_CONTENT_TYPE",
     "IMPL",
     "WireError",
     "encode_error",
@@ -65,21 +70,11 @@ __all__ = [
     "py_parse_query",
 ]
 
-MSGPACK_CONTENT_TYPE = "application/msgpack"
-JSON_CONTENT_TYPE = "application/json"
-_MSGPACK_TYPES = frozenset((MSGPACK_CONTENT_TYPE, "application/x-msgpack"))
 _LITTLE = sys.byteorder == "little"
 
 
 class WireError(ValueError):
     """A malformed query body; the message is the detail after the encoding prefix."""
-
-
-def is_msgpack_content_type(content_type: str | None) -> bool:
-    """True for ``application/msgpack`` / ``application/x-msgpack`` (params and case ignored)."""
-    if not content_type:
-        return False
-    return content_type.split(";", 1)[0].strip().lower() in _MSGPACK_TYPES
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from kvconductor import cli
+from kvconductor import logs
+from kvconductor.serve import cli
 
 
 def parse(*argv):
@@ -157,7 +158,7 @@ def test_warm_restart_is_the_default(monkeypatch, tmp_path):
     # gunicorn binds a UNIX socket only: no port, no default directory
     assert parse().with_snapshot_default(None).snapshot_dir is None
     # no absolute state home at all: none, and the start says so (a WARN)
-    from kvconductor import settings
+    from kvconductor.serve import settings
 
     monkeypatch.setenv("HOME", "relative/home")
     monkeypatch.setattr(settings, "_passwd_home", lambda: None)
@@ -176,7 +177,7 @@ def test_version(capsys):
 
 
 def test_endpoint_policy_flags():
-    from kvconductor.cli import build_parser, settings_from_args
+    from kvconductor.serve.cli import build_parser, settings_from_args
     from kvconductor.urls import UrlPolicy, parse_networks
 
     s = settings_from_args(build_parser().parse_args([]))
@@ -300,12 +301,12 @@ def _record(msg, *args, exc_info=None):
 
 
 def test_text_log_lines_carry_utc_time():
-    line = cli._Formatter().format(_record("bad request path=%s", "/query"))
+    line = logs._Formatter().format(_record("bad request path=%s", "/query"))
     assert line == "2026-11-30T17:50:00.250000Z  WARN bad request path=/query"
 
 
 def test_json_log_lines_have_the_text_fields():
-    doc = json.loads(cli._JsonFormatter().format(_record("bad request path=%s", "/query")))
+    doc = json.loads(logs._JsonFormatter().format(_record("bad request path=%s", "/query")))
     assert doc == {
         "ts": "2026-11-30T17:50:00.250000Z",
         "level": "WARN",
@@ -315,11 +316,11 @@ def test_json_log_lines_have_the_text_fields():
         raise ValueError("boom")
     except ValueError:
         rec = _record("crash", exc_info=sys.exc_info())
-    doc = json.loads(cli._JsonFormatter().format(rec))
+    doc = json.loads(logs._JsonFormatter().format(rec))
     assert doc["message"] == "crash" and doc["level"] == "WARN"
     assert doc["exception"].startswith("Traceback") and "ValueError: boom" in doc["exception"]
 
 
 def test_configure_logging_rejects_an_unknown_format():
     with pytest.raises(ValueError, match="unknown log format"):
-        cli.configure_logging("info", "xml")
+        logs.configure_logging("info", "xml")

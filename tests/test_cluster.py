@@ -39,13 +39,14 @@ from test_server import (  # the single-process tests, run here with --workers 2
 )
 from test_server_zmq import register_engine
 
-from kvconductor import cli, cluster
+from kvconductor import logs
 from kvconductor._hash import hash_blocks
 from kvconductor._shlock import proc_stamp
+from kvconductor.http.metrics import QueryMetrics, merge_query_metrics, query_samples
 from kvconductor.logs import set_process_role
-from kvconductor.metrics import QueryMetrics, merge_query_metrics, query_samples
-from kvconductor.service import TRIM_SECS
-from kvconductor.settings import Settings
+from kvconductor.serve import cli, cluster
+from kvconductor.serve.settings import Settings
+from kvconductor.state.conductor import TRIM_SECS
 
 pytestmark = pytest.mark.server
 
@@ -584,11 +585,11 @@ def test_worker_settings_leave_the_api_key_out():
 
 def test_log_lines_name_the_process():
     rec = logging.LogRecord("kvconductor", logging.WARNING, __file__, 1, "x=%d", (1,), None)
-    assert re.fullmatch(r"\S+Z  WARN x=1", cli._Formatter().format(rec))
+    assert re.fullmatch(r"\S+Z  WARN x=1", logs._Formatter().format(rec))
     set_process_role("worker-3")
     try:
-        line = cli._Formatter().format(rec)
-        doc = json.loads(cli._JsonFormatter().format(rec))
+        line = logs._Formatter().format(rec)
+        doc = json.loads(logs._JsonFormatter().format(rec))
     finally:
         set_process_role(None)
     assert re.fullmatch(rf"\S+Z  WARN \[worker-3 pid={rec.process}\] x=1", line)

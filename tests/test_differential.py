@@ -510,7 +510,7 @@ FIRST_HBM = len(CORE_WORKERS) + len(EXTRA_WORKERS)
 
 
 def core_export(core):
-    """Everything a dump holds of one core (``kvconductor.dump``)."""
+    """Everything a dump holds of one core (``kvconductor.state.dump``)."""
     return (core.export_hbm(), core.export_tier(1), core.export_tier(2), core.export_twophase())
 
 
@@ -829,7 +829,7 @@ class CoreMachine(_Pair):
     def trace_tokens(self, tokens, tb):
         self.both("trace_tokens", array("I", tokens) if tb else tokens, BS)
 
-    # dump and restore (kvconductor.dump): the exports agree; an export restored into a
+    # dump and restore (kvconductor.state.dump): the exports agree; an export restored into a
     # fresh core (compiled or twin, from either side) answers and counts like the original
     @rule(data=st.data())
     def export_then_restore(self, data):

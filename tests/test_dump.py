@@ -19,7 +19,7 @@ import pytest
 from publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema, wait_until
 from test_server import ROOT, running
 
-from kvconductor import dump
+from kvconductor.state import dump
 
 pytestmark = pytest.mark.server
 
@@ -251,7 +251,7 @@ def _last_frame(data: bytes) -> int:
 
 
 def _load(data: bytes):
-    from kvconductor.service import Conductor, ConductorConfig
+    from kvconductor.state.conductor import Conductor, ConductorConfig
 
     c = Conductor(ConductorConfig(maintenance_interval=3600), subscriptions=dump._NoSubscriptions)
     return dump.load_dump(c, [data])
@@ -320,7 +320,7 @@ def test_registrations_load_back_identical():
     """Every registration shape recreates the same registry entry (sources, pool flag,
     HBM-IP index), without sockets."""
     from kvconductor.schema import RegisterRequest
-    from kvconductor.service import Conductor, ConductorConfig
+    from kvconductor.state.conductor import Conductor, ConductorConfig
 
     def conductor():
         c = Conductor(

@@ -1,5 +1,5 @@
-"""POST /explain (kvconductor.app, Conductor.explain) and ``kv-conductor explain``
-(kvconductor.explain): every mismatch case an operator meets is named, and the counts are
+"""POST /explain (kvconductor.http.api, Conductor.explain) and ``kv-conductor explain``
+(kvconductor.tools.explain): every mismatch case an operator meets is named, and the counts are
 /query's.
 
 Block size 4; tokens 1..24 are six blocks. In-process cases go through the Falcon app
@@ -17,9 +17,8 @@ import falcon.testing as ft
 import msgspec
 import pytest
 
-from kvconductor import cli, explain
 from kvconductor._hash import hash_blocks
-from kvconductor.app import create_app
+from kvconductor.http.api import create_app
 from kvconductor.schema import (
     STOP_END_OF_PROMPT,
     STOP_MUTED,
@@ -29,18 +28,20 @@ from kvconductor.schema import (
     STOP_PARENT_MISMATCH,
     STOP_TIER_EXHAUSTED,
 )
+from kvconductor.serve import cli
+from kvconductor.tools import explain
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import test_app
-from test_app import events, query, register, stored
+import test_api
+from test_api import events, query, register, stored
 
 TOKENS = list(range(1, 25))
 
 
 # the app over a started Conductor without sockets, Falcon alone and behind QueryFastPath
-conductor = test_app.conductor
-client = test_app.client
+conductor = test_api.conductor
+client = test_api.client
 
 
 def explain_body(client, tokens, model="qwen", block_size=4, msgpack=False, **kw):
@@ -384,7 +385,7 @@ def test_cli_against_a_live_server(tmp_path, capsys):
         assert out[1] == "index: found; registered block sizes: 4"
         assert out[2].startswith("vllm-prefill-1 DP 0: 3 blocks: npu 3 (to block 3: tier_exhausted")
         assert out[3].startswith(f"    source {pub.url} (npu): live, ")
-        # through `kv-conductor explain` (kvconductor.cli dispatches to kvconductor.explain)
+        # through `kv-conductor explain` (the CLI dispatches to kvconductor.tools.explain)
         assert cli.main(["explain", *args, "--tokens", json.dumps(TOKENS), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert doc["instances"][0]["tiers"]["npu"]["stop"] == STOP_TIER_EXHAUSTED

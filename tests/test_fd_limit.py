@@ -9,9 +9,9 @@ import resource
 
 import pytest
 
-from kvconductor.protocol import HttpLimits
-from kvconductor.server import fit_connection_cap
-from kvconductor.service import fds_needed, raise_fd_limit
+from kvconductor.http.limits import HttpLimits
+from kvconductor.serve.single import fit_connection_cap
+from kvconductor.state.conductor import fds_needed, raise_fd_limit
 
 INF = resource.RLIM_INFINITY
 

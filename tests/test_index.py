@@ -959,7 +959,7 @@ def test_trace_of_a_muted_worker(ix):
     assert g.blocks == (3, 1, 0) and g.stops == ("tier_exhausted", "end_of_prompt", "no_worker")
 
 
-# -- dump and restore (kvconductor.dump) -------------------------------------------------------
+# -- dump and restore (kvconductor.state.dump) -----------------------------------------------------
 
 
 def _core_with_workers(impl):

@@ -7,9 +7,9 @@ import threading
 
 import falcon.testing as ft
 
-from kvconductor.app import create_app
+from kvconductor.http.api import create_app
 from kvconductor.logs import MAX_MESSAGE, RecentWarnings, level_name, utc
-from kvconductor.service import Conductor, ConductorConfig
+from kvconductor.state.conductor import Conductor, ConductorConfig
 
 
 def test_utc_and_level_names():

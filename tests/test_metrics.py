@@ -13,10 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvconductor
-from kvconductor.app import create_app
+from kvconductor.http.api import create_app
+from kvconductor.http.metrics import CONTENT_TYPE
 from kvconductor.ingest.subscriber import SubscriptionManager
-from kvconductor.metrics import CONTENT_TYPE
-from kvconductor.service import Conductor, ConductorConfig
+from kvconductor.state.conductor import Conductor, ConductorConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 

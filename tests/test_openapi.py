@@ -12,13 +12,14 @@ import pytest
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 
-from kvconductor import __version__, openapi, schema
-from kvconductor.app import create_app
-from kvconductor.service import Conductor, ConductorConfig
+from kvconductor import __version__, schema
+from kvconductor.http import openapi
+from kvconductor.http.api import create_app
+from kvconductor.state.conductor import Conductor, ConductorConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from test_app import H1, H2, RecordingSubs, events, register, stored
+from test_api import H1, H2, RecordingSubs, events, register, stored
 
 DOC = openapi.document()
 _REGISTRY = Registry().with_resource("urn:kvc", DRAFT202012.create_resource(DOC))

@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 
 from kvconductor.keys import Medium, StoreBackend
-from kvconductor.registry import (
+from kvconductor.schema import RegisterRequest
+from kvconductor.state.registry import (
     RegistrationError,
     Registry,
     drop_empty_urls,
     extract_ip,
-    node_of_backend_id,
     normalize_medium_endpoints,
     resolve_endpoints,
 )
-from kvconductor.schema import RegisterRequest
 
 NPU, CPU, DISK, UNKNOWN = Medium.NPU, Medium.CPU, Medium.DISK, Medium.UNKNOWN
 
@@ -49,24 +48,6 @@ def test_extract_ip_hostname():
 )
 def test_extract_ip_invalid(url):
     assert extract_ip(url) is None
-
-
-@pytest.mark.parametrize(
-    "backend_id,node",
-    [
-        ("10.0.0.1", "10.0.0.1"),
-        ("10.0.0.1:5558", "10.0.0.1"),
-        ("tcp://10.0.0.1:5558", "10.0.0.1"),
-        ("tcp://[::1]:5558", "::1"),
-        ("[fd00::5]:1", "fd00::5"),
-        ("fd00::5", "fd00::5"),
-        ("node-3", "node-3"),
-        ("node-3:x", "node-3:x"),
-        ("tcp://", ""),
-    ],
-)
-def test_node_of_backend_id(backend_id, node):
-    assert node_of_backend_id(backend_id) == node
 
 
 # -- store backends (the reference's tests) ------------------------------------------------------

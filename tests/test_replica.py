@@ -427,9 +427,9 @@ def test_a_bootstrap_answers_queries_from_the_old_state_meanwhile(valkey_server,
     a Coordinator never sees a 404 for a model that exists before and after."""
     import falcon.testing as ft
 
-    from kvconductor import dump, replica
-    from kvconductor.app import create_app
-    from kvconductor.service import Conductor, ConductorConfig
+    from kvconductor.http.api import create_app
+    from kvconductor.state import dump, replica
+    from kvconductor.state.conductor import Conductor, ConductorConfig
 
     c = Conductor(ConductorConfig(maintenance_interval=3600))
     c.start()

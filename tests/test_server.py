@@ -513,7 +513,7 @@ def test_gunicorn_factory(tmp_path):
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0
         assert "KV conductor shut down" in log_path.read_text()
         # the lifespan shutdown wrote the last snapshot, with the registration
-        from kvconductor import dump
+        from kvconductor.state import dump
 
         (snap,) = snaps.glob("snapshot-*.kvc")
         assert dump.load_file(str(snap))["loaded"]["registrations"] == 1
@@ -651,7 +651,7 @@ def test_gunicorn_refuses_many_workers_and_bad_flags(tmp_path, extra, env, messa
 def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):
     import errno
 
-    from kvconductor import server as server_module
+    from kvconductor.serve import single as server_module
 
     real_listen = server_module._listen
 
@@ -687,7 +687,7 @@ def test_bind_falls_back_to_ipv4_without_ipv6(monkeypatch, caplog):
 
 @pytest.mark.skipif(not HAS_IPV6, reason="no IPv6 on this host")
 def test_bind_dual_stack():
-    from kvconductor import server as server_module
+    from kvconductor.serve import single as server_module
 
     sock = server_module.bind_socket("::", 0)
     try:
@@ -705,9 +705,9 @@ def test_worker_servers_trim_their_heap_every_trim_secs(monkeypatch):
 
     import uvicorn
 
-    from kvconductor import server as srv_mod
-    from kvconductor.cluster import WorkerServer
-    from kvconductor.service import TRIM_SECS
+    from kvconductor.serve import single as srv_mod
+    from kvconductor.serve.cluster import WorkerServer
+    from kvconductor.state.conductor import TRIM_SECS
 
     calls: list[int] = []
     monkeypatch.setattr(srv_mod, "trim_heap", lambda: calls.append(1))

@@ -1,4 +1,4 @@
-"""kvconductor.shared: the owner's indexes in the shared arena, read by other processes.
+"""kvconductor.state.shared: the owner's indexes in the shared arena, read by other processes.
 
 Every answer a view gives is compared with the owner's own ``Index`` (the in-process
 answer) at quiescence; the child-process tests attach a real second interpreter at the
@@ -18,8 +18,8 @@ import pytest
 
 from kvconductor import _index
 from kvconductor.keys import Medium, WorkerKey
-from kvconductor.service import Conductor, ConductorConfig
-from kvconductor.shared import SharedIndexes, SharedView
+from kvconductor.state.conductor import Conductor, ConductorConfig
+from kvconductor.state.shared import SharedIndexes, SharedView
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="shared mode needs Linux (memfd, futex)"
@@ -57,7 +57,7 @@ def _run_child(owner: Conductor, code: str, *args: str, timeout: float = 60) -> 
     prog = textwrap.dedent(
         """
         import sys
-        from kvconductor.shared import SharedView
+        from kvconductor.state.shared import SharedView
         view = SharedView.attach(int(sys.argv[1]), int(sys.argv[2]))
         """
     ) + textwrap.dedent(code)
@@ -239,7 +239,7 @@ def test_the_arena_grows_while_a_child_reads(owner):
     prog = textwrap.dedent(
         """
         import sys, time
-        from kvconductor.shared import SharedView
+        from kvconductor.state.shared import SharedView
         view = SharedView.attach(int(sys.argv[1]), int(sys.argv[2]))
         toks = [int(t) for t in sys.argv[3].split(",")]
         n = 0

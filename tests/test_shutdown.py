@@ -16,7 +16,7 @@ import time
 import pytest
 from test_server import Server
 
-from kvconductor.server import GRACEFUL_SECS as GRACEFUL
+from kvconductor.serve.single import GRACEFUL_SECS as GRACEFUL
 
 pytestmark = pytest.mark.server
 
@@ -116,7 +116,7 @@ def test_request_that_ignores_the_disconnect_is_cancelled_quietly(caplog):
 
     import uvicorn
 
-    from kvconductor.server import KvServer
+    from kvconductor.serve.single import KvServer
 
     started = threading.Event()
 

@@ -23,10 +23,10 @@ from publishers import FakePublisher, schema, wait_until
 from test_server import Server, running
 from test_server_zmq import dp_entry, register_engine
 
-from kvconductor import dump, snapshot
 from kvconductor.ingest.http_events import normalize_events
 from kvconductor.schema import RegisterRequest, events_decoder
-from kvconductor.service import Conductor, ConductorConfig
+from kvconductor.state import dump, snapshot
+from kvconductor.state.conductor import Conductor, ConductorConfig
 
 BS = 4
 
@@ -135,7 +135,7 @@ def test_store_writes_atomically_and_keeps_the_two_newest(tmp_path):
 
 
 class _Clock:
-    """Stands in for the ``datetime`` module of :mod:`kvconductor.snapshot`: ``now``
+    """Stands in for the ``datetime`` module of :mod:`kvconductor.state.snapshot`: ``now``
     answers :attr:`at`, a time the test steps."""
 
     timezone = datetime.timezone

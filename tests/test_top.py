@@ -14,8 +14,9 @@ from publishers import FakePublisher, schema, wait_until
 from rich.console import Console
 from test_server import Server, free_port, running
 
-from kvconductor import cli, top
-from kvconductor.top import Poll, histogram_quantile, parse_metrics, query_window, source_rows
+from kvconductor.serve import cli
+from kvconductor.tools import top
+from kvconductor.tools.top import Poll, histogram_quantile, parse_metrics, query_window, source_rows
 
 INF = math.inf
 

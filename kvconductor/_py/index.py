@@ -542,7 +542,7 @@ class CoreIndex:
                 "nbytes": 0,
             }
 
-    # -- dump and restore (kvconductor.dump) ----------------------------------------------
+    # -- dump and restore (kvconductor.state.dump) ----------------------------------------
     def export_hbm(self):
         """The HBM tree as ``(parents, locals, node, worker, ehash)`` arrays (see the
         compiled core): node table parents first, then the member table."""

@@ -51,13 +51,15 @@ from kvconductor.coordinator.tokens import hash_list, pack_tokens, token_list
 from kvconductor.schema import (
     DEFAULT_TENANT,
     INSTANCES_FIELD,
+    JSON_CONTENT_TYPE,
     LORA_FIELD,
+    MSGPACK_CONTENT_TYPE,
     TOP_K_FIELD,
     QueryByHashRequest,
     QueryRequest,
     RegisterRequest,
+    is_msgpack_content_type,
 )
-from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, is_msgpack_content_type
 
 __all__ = [
     "TENANT_ID",

@@ -12,8 +12,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvconductor.coordinator.core import TENANT_ID
-from kvconductor.settings import DEFAULT_PORT
+from kvconductor.schema import DEFAULT_PORT
+from kvconductor.schema import DEFAULT_TENANT as TENANT_ID
 
 __all__ = [
     "KvConductorConfig",

@@ -76,8 +76,7 @@ from kvconductor.ingest.vllm import (
     msgpack_kind,
     split_batch,
 )
-from kvconductor.keys import Medium, WorkerKey, parse_medium
-from kvconductor.registry import node_of_backend_id
+from kvconductor.keys import Medium, WorkerKey, node_of_backend_id, parse_medium
 
 log = logging.getLogger("kvconductor.ingest")
 

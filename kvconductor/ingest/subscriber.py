@@ -145,7 +145,7 @@ class Subscription:
         self.muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        # --state-url (kvconductor.replica): the source's replicated state, the same on
+        # --state-url (kvconductor.state.replica): the source's replicated state, the same on
         # every replica: the cursor (seq, digest) of the last batch applied from the log,
         # the highest owner epoch seen (older owners are fenced off), the loss whose grace
         # period runs. ``owned``: this replica holds the source's lease and consumes it
@@ -327,7 +327,7 @@ class Subscription:
         if shared is None:
             self._drain(sock, None)
             return
-        # --workers N: one shared write section over the drain (kvconductor.shared)
+        # --workers N: one shared write section over the drain (kvconductor.state.shared)
         batch = shared.batch()
         with batch:
             self._drain(sock, batch)
@@ -356,7 +356,7 @@ class Subscription:
             self.stats.last_event = now
             self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
 
-    # -- --state-url: ownership (kvconductor.replica) ----------------------------------------
+    # -- --state-url: ownership (kvconductor.state.replica) ----------------------------------------
     def activate(self, epoch: int) -> None:
         """This replica took the source's lease: consume it from the replicated cursor
         (a replay from there verifies it and brings what came after). ``zmq.ZMQError``
@@ -630,7 +630,7 @@ class SubscriptionManager:
         #: Warm start: (instance_id, dp_rank, url) -> (last applied seq, its digest) from a
         #: snapshot; a subscription of that key created next starts from there.
         self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
-        #: --state-url: the :class:`kvconductor.replica.Replicator` (None: one process).
+        #: --state-url: the :class:`kvconductor.state.replica.Replicator` (None: one process).
         self.replicator: Any = None
         #: --state-url: no source entry of an owner epoch below this is applied (raised
         #: when the state store is seeded again: owners of the old store are fenced off).

@@ -297,8 +297,8 @@ def test_h11_fallback_has_the_same_limits(tmp_path):
     port = free_port()
     log_path = tmp_path / "h11.log"
     code = (
-        "import sys, kvconductor.server as s; s._uvicorn_impls = lambda: ('asyncio', 'h11'); "
-        "from kvconductor.cli import main; sys.exit(main(sys.argv[1:]))"
+        "import sys, kvconductor.serve.single as s; s._uvicorn_impls = lambda: ('asyncio', 'h11'); "
+        "from kvconductor.serve.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

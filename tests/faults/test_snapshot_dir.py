@@ -17,7 +17,7 @@ import xxhash
 from publishers import wait_until
 from test_server import STARTUP_BOUND, Server, running
 
-from kvconductor import dump
+from kvconductor.state import dump
 
 
 def register(srv: Server, instance: str) -> None:

@@ -14,7 +14,7 @@ from publishers import FakePublisher, free_tcp_port, wait_until
 from rig import BS, V33
 from test_server import Server
 
-from kvconductor.explain import report
+from kvconductor.tools.explain import report
 
 
 def toks(i: int, n: int = 2) -> list[int]:

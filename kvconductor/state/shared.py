@@ -1,7 +1,7 @@
 """One index in shared memory for ``kv-conductor --workers N`` (docs/design.md, "Several
 worker processes, one index").
 
-The owner process keeps the :class:`~kvconductor.service.Conductor` and its ingest thread,
+The owner process keeps the :class:`~kvconductor.state.conductor.Conductor` and its ingest thread,
 the only writer. With :class:`SharedIndexes` installed, every structure the ingest thread
 allocates for an index comes from an :class:`~kvconductor._arena.Arena` (a ``memfd``
 mapped at one fixed address in every process), and every write to an index also takes
@@ -283,7 +283,7 @@ def _same_core(idx: ViewIndex, address: int) -> bool:
 
 class SharedView:
     """A worker's view of the owner's indexes: the parts of
-    :class:`~kvconductor.service.Conductor` the query resources read (``get_index``,
+    :class:`~kvconductor.state.conductor.Conductor` the query resources read (``get_index``,
     ``block_sizes``, ``lora_seeds``, ``executor``). Any thread."""
 
     def __init__(self, arena: Arena, lock: SharedLock, *, query_threads: int = 2) -> None:

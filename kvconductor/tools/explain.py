@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-#: The environment variable ``kv-conductor`` reads its API key from (kvconductor.cli).
+#: The environment variable ``kv-conductor`` reads its API key from (kvconductor.serve.cli).
 API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
 
 #: Each stop reason in words (docs/api.md, POST /explain, "Stop reasons").

@@ -33,7 +33,7 @@ off), a batch not past the cursor is a duplicate (the replay repeats what the ol
 appended just before it lost the lease).
 
 **Snapshots.** Every ``snapshot_interval`` one replica (lock :data:`SNAP_LOCK`) writes a
-dump (:mod:`kvconductor.dump`, with the cursors) of its state at a log position in
+dump (:mod:`kvconductor.state.dump`, with the cursors) of its state at a log position in
 chunks, records it in :data:`SNAP` and trims the log below the previous snapshot's
 position: the log's memory is bounded by two snapshot intervals. A replica that starts,
 or finds itself behind the trim point, loads the latest snapshot and reads the log
@@ -70,10 +70,10 @@ from typing import Any
 
 import msgspec
 
-from kvconductor import dump
-from kvconductor.service import StateUnavailable
+from kvconductor.state import dump
+from kvconductor.state.conductor import StateUnavailable
 
-log = logging.getLogger("kvconductor.replica")
+log = logging.getLogger("kvconductor.state.replica")
 
 NS = "kvc:"
 #: The stream every replica applies.
@@ -585,7 +585,7 @@ class Replicator:
     def _load(self, data: bytes, position: str, floor: int) -> dict[str, int]:
         """Ingest thread: replace the state by a snapshot's (queries are answered from the
         old indexes meanwhile: ``Conductor.replacing``)."""
-        from kvconductor.snapshot import reset
+        from kvconductor.state.snapshot import reset
 
         c = self.conductor
         c.replacing = dict(c.indexes) if c.shared is None else None
@@ -985,7 +985,7 @@ def _pack(items: list) -> list[dict]:
 
 def _is_outcome(ex: BaseException) -> bool:
     """An exception that is the answer to a request (4xx/503), not a failure."""
-    from kvconductor.registry import RegistrationError
-    from kvconductor.service import InstanceNotRegistered, RegistrationUnavailable
+    from kvconductor.state.conductor import InstanceNotRegistered, RegistrationUnavailable
+    from kvconductor.state.registry import RegistrationError
 
     return isinstance(ex, RegistrationError | RegistrationUnavailable | InstanceNotRegistered)

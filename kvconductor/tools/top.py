@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvconductor.metrics import MISS_REASONS
+from kvconductor.http.metrics import MISS_REASONS
 
 __all__ = [
     "DEFAULT_URL",

@@ -32,9 +32,11 @@ from typing import Any
 
 import uvicorn
 
-from kvconductor.app import create_app
-from kvconductor.protocol import HttpLimits, h11_buffer_limit, protocol_class
-from kvconductor.service import (
+from kvconductor import __version__
+from kvconductor.http.api import create_app
+from kvconductor.http.limits import HttpLimits, h11_buffer_limit, protocol_class
+from kvconductor.serve.settings import Settings
+from kvconductor.state.conductor import (
     TRIM_SECS,
     Conductor,
     open_file_limits,
@@ -42,7 +44,6 @@ from kvconductor.service import (
     trim_heap,
     tune_malloc,
 )
-from kvconductor.settings import Settings
 
 log = logging.getLogger("kvconductor")
 
@@ -133,7 +134,7 @@ class KvServer(uvicorn.Server):
       requests (see :class:`_EndQuietlyOnShutdown`) are not produced.
     * ``trim_heap=True`` (the worker processes of ``--workers N``, which have no ingest
       thread to do it): every ``TRIM_SECS`` the event loop gives freed heap memory back
-      to the system (:func:`kvconductor.service.trim_heap`), so a worker that answered
+      to the system (:func:`kvconductor.state.conductor.trim_heap`), so a worker that answered
       a few very long prompts does not keep their parse buffers' pages.
     """
 
@@ -283,7 +284,7 @@ def fit_connection_cap(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
     """``limits`` with ``max_connections`` fitted to the open-file limit, and that
     limit (``None``: unlimited or unknown).
 
-    The limit was raised at start (:func:`~kvconductor.service.raise_fd_limit`). If
+    The limit was raised at start (:func:`~kvconductor.state.conductor.raise_fd_limit`). If
     ``max_connections + FD_RESERVE`` does not fit in it, the cap is lowered (to
     ``max(limit - FD_RESERVE, limit // 2)``) with a warning, so a flood of connections
     meets the cap before accept() fails with EMFILE.
@@ -378,20 +379,14 @@ def report_bind_error(settings: Settings, ex: OSError) -> None:
 
 
 def serve(settings: Settings) -> int:
-    """Serve until a shutdown signal; returns the process exit status.
-
-    With ``settings.workers > 1``: :func:`kvconductor.cluster.serve_owner`.
-    """
-    if settings.workers > 1:
-        from kvconductor.cluster import serve_owner
-
-        return serve_owner(settings)
+    """Serve in this one process until a shutdown signal; returns the process exit status
+    (``--workers N > 1`` is :func:`kvconductor.serve.cluster.serve_owner`)."""
     # PERF: large queries hash and match in worker threads without the GIL, but
     # hand it back between steps; a short switch interval keeps the event loop's
     # small queries from waiting the default 5 ms for it.
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(settings.max_sources, settings.max_connections)
-    tune_malloc()  # large answers reuse heap pages (kvconductor.service.tune_malloc)
+    tune_malloc()  # large answers reuse heap pages (kvconductor.state.conductor.tune_malloc)
     conductor = Conductor(settings.conductor_config())
     app = serving_app(conductor, settings)
     try:
@@ -421,7 +416,7 @@ def serve(settings: Settings) -> int:
 
 def serving_app(conductor: Conductor, settings: Settings, **extra: Any) -> Any:
     """The app kv-conductor serves over ``conductor`` with ``settings``' HTTP flags
-    (``extra``: more :func:`~kvconductor.app.create_app` arguments)."""
+    (``extra``: more :func:`~kvconductor.http.api.create_app` arguments)."""
     return create_app(
         conductor,
         max_body_bytes=settings.max_body_bytes,
@@ -450,7 +445,7 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
     if settings.snapshot_warning:
         log.warning("%s", settings.snapshot_warning)
     if settings.snapshot_dir:
-        from kvconductor import snapshot
+        from kvconductor.state import snapshot
 
         store = snapshot.SnapshotStore(settings.snapshot_dir)
         try:
@@ -484,7 +479,7 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
             )
             conductor.snapshotter.start()
     if settings.state_url:
-        from kvconductor.replica import Replicator
+        from kvconductor.state.replica import Replicator
 
         conductor.replicator = Replicator(
             conductor,
@@ -511,7 +506,7 @@ def stop_conductor(conductor: Conductor) -> None:
 
 def _warm_start(conductor: Conductor, path: str) -> None:
     """``--load-dump``: load ``path`` on the ingest thread before serving."""
-    from kvconductor import dump
+    from kvconductor.state import dump
 
     t0 = time.monotonic()
     dump.verify(dump.file_chunks(path))  # a damaged file changes nothing
@@ -539,6 +534,4 @@ def _warm_start(conductor: Conductor, path: str) -> None:
 
 
 def _version() -> str:
-    from kvconductor import __version__
-
     return __version__

@@ -1,7 +1,7 @@
 """Registered instances, their endpoints and the HBM-IP index (docs/api.md, POST /register).
 
 The registry is plain data mutated by the ingest thread only (through
-:class:`kvconductor.service.Conductor`). :meth:`Registry.register` and
+:class:`kvconductor.state.conductor.Conductor`). :meth:`Registry.register` and
 :meth:`Registry.unregister` change the registry and return an outcome that
 tells the conductor which side effects to run (subscriptions, index clean-up,
 replay); they touch no index and no socket themselves, so they are testable
@@ -85,23 +85,6 @@ def node_of_url(url: str) -> str | None:
     no host (``ipc://``) or a bind-mode one (``tcp://*:5558``)."""
     host = extract_ip(url)
     return None if host is None or host in _UNSPECIFIED_HOSTS else host
-
-
-def node_of_backend_id(backend_id: str) -> str:
-    """The HBM-IP index key a pool event's ``backend_id`` names (docs/api.md, "Node
-    pools"): ``10.0.0.1``, ``10.0.0.1:5558``, ``tcp://10.0.0.1:5558`` -> ``10.0.0.1``;
-    ``[::1]:5558``, ``tcp://[::1]:5558`` -> ``::1``; anything else as it is (a bare IPv6
-    address, a host name)."""
-    rest = backend_id[len("tcp://") :] if backend_id.startswith("tcp://") else backend_id
-    if rest.startswith("["):
-        end = rest.find("]")
-        if end > 1:
-            return rest[1:end]
-        return rest
-    host, sep, port = rest.rpartition(":")
-    if sep and host and ":" not in host and port.isascii() and port.isdigit():
-        return host
-    return rest
 
 
 def medium_key(medium: Medium) -> str:

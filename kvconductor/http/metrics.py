@@ -4,7 +4,7 @@ Two kinds of metrics, in one :class:`~prometheus_client.CollectorRegistry` per a
 (never the process-global one, so several apps in one process do not collide):
 
 * **query metrics** (:class:`QueryMetrics`): a histogram and two counters moved by
-  the query routes themselves, Falcon's and :class:`~kvconductor.app.QueryFastPath`'s:
+  the query routes themselves, Falcon's and :class:`~kvconductor.http.api.QueryFastPath`'s:
   one ``observe`` and a few ``inc`` per request, label children bound once;
 * **everything else** (:class:`ConductorCollector`): read at scrape time from what
   the service already counts (the subscriptions' ``SourceStats``, the conductor's

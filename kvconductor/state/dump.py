@@ -140,7 +140,7 @@ def _frame(record: Any) -> bytes:
 def encode(snap: dict[str, Any], counter: int | None = None) -> Iterator[bytes]:
     """The dump of a :func:`snapshot`, one framed record at a time; the end record
     carries the XXH3-64 of every byte before it. ``counter``: the snapshot counter of a
-    snapshot directory, kept in the header (:mod:`kvconductor.snapshot`)."""
+    snapshot directory, kept in the header (:mod:`kvconductor.state.snapshot`)."""
     h = xxhash.xxh3_64()
     for frame in _frames(snap, counter):
         h.update(frame)
@@ -495,7 +495,7 @@ def file_chunks(path: str, size: int = 1 << 20) -> Iterator[bytes]:
 def load_file(path: str) -> dict[str, Any]:
     """Load the dump at ``path`` into an in-process conductor without sockets; returns
     ``{"loaded": ..., "workers": [...], "indexer": [per-index /workers summaries]}``."""
-    from kvconductor.service import Conductor, ConductorConfig
+    from kvconductor.state.conductor import Conductor, ConductorConfig
 
     verify(file_chunks(path))
     conductor = Conductor(

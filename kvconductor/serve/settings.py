@@ -1,5 +1,5 @@
 """The service's settings: what the ``kv-conductor`` flags (or gunicorn's factory
-arguments) resolve to, apart from the parser in :mod:`kvconductor.cli`.
+arguments) resolve to, apart from the parser in :mod:`kvconductor.serve.cli`.
 
 Kept in its own module so that the server, the app factory and the CLI all
 import it without importing each other.
@@ -12,8 +12,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvconductor.schema import DEFAULT_PORT
+
 DEFAULT_HOST = "::"
-DEFAULT_PORT = 13333
+#: Re-exported: the default port lives with the contract (kvconductor.schema).
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "Settings", "default_snapshot_dir", "state_home"]
 #: The default snapshot directory of port P is ``<state home>/kvconductor/P``.
 STATE_SUBDIR = "kvconductor"
 
@@ -177,8 +180,8 @@ class Settings:
         return rule
 
     def http_limits(self):
-        """The :class:`kvconductor.protocol.HttpLimits` of these flags."""
-        from kvconductor.protocol import HttpLimits
+        """The :class:`kvconductor.http.limits.HttpLimits` of these flags."""
+        from kvconductor.http.limits import HttpLimits
 
         return HttpLimits(
             max_head_bytes=self.max_header_kb * 1024,
@@ -198,7 +201,7 @@ class Settings:
 
     def conductor_config(self):
         from kvconductor.ingest.apply import Limits
-        from kvconductor.service import ConductorConfig
+        from kvconductor.state.conductor import ConductorConfig
         from kvconductor.urls import UrlPolicy
 
         return ConductorConfig(

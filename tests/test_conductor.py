@@ -24,7 +24,7 @@ from kvconductor.ingest.http_events import (
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium
 from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
-from kvconductor.service import Conductor, ConductorConfig
+from kvconductor.state.conductor import Conductor, ConductorConfig
 
 U64_MAX = 2**64 - 1
 H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
@@ -400,7 +400,7 @@ def test_invalid_block_sequence(conductor):
 
 
 def test_unregistered_instance(conductor):
-    from kvconductor.service import InstanceNotRegistered
+    from kvconductor.state.conductor import InstanceNotRegistered
 
     for kw in ({}, {"model_name": "m", "tenant_id": "t"}):
         with pytest.raises(InstanceNotRegistered, match="instance ghost not found"):
@@ -517,7 +517,7 @@ def test_register_creates_index_and_http_only_has_no_subscription(conductor):
 
 
 def test_rejected_registration_has_no_side_effect(conductor):
-    from kvconductor.registry import RegistrationError
+    from kvconductor.state.registry import RegistrationError
 
     conductor.call(conductor.register, reg(medium_endpoints={"npu": "tcp://10.0.0.1:1"}))
     conductor.subs.calls.clear()
@@ -771,7 +771,7 @@ def test_hash_vectors_used_here():
 
 _TRIM_PROBE = """
 import gc
-from kvconductor.service import _TRIM, trim_heap
+from kvconductor.state.conductor import _TRIM, trim_heap
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
@@ -806,7 +806,7 @@ def test_trim_heap_returns_freed_memory_to_the_system():
 
 _MALLINFO = """
 import ctypes, sys
-from kvconductor.service import tune_malloc
+from kvconductor.state.conductor import tune_malloc
 class MI(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",

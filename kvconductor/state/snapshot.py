@@ -1,12 +1,12 @@
 """Warm restart on one node: snapshots in a directory (docs/operations.md, "Warm restart").
 
 The directory is ``--snapshot-dir DIR``, by default ``$XDG_STATE_HOME/kvconductor/<port>``
-(:func:`kvconductor.settings.default_snapshot_dir`); ``--no-snapshots`` turns them off.
+(:func:`kvconductor.serve.settings.default_snapshot_dir`); ``--no-snapshots`` turns them off.
 One server per directory: :meth:`SnapshotStore.prepare` takes an exclusive ``flock`` on
 ``DIR/lock`` (the file holds the holder's pid; the kernel releases the lock of a process
 that dies, even by SIGKILL) and a second server is refused (:class:`DirectoryInUse`).
 
-A snapshot is a dump (:mod:`kvconductor.dump`, format version 2: registrations, every
+A snapshot is a dump (:mod:`kvconductor.state.dump`, format version 2: registrations, every
 index, each source's sequence cursor, a snapshot counter in its header, an XXH3-64
 checksum in its end record) written to ``DIR`` atomically: into a hidden temporary file,
 flushed to disk, then renamed to ``snapshot-<counter>-<UTC time>.kvc`` and the directory
@@ -38,9 +38,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvconductor import dump
+from kvconductor.state import dump
 
-log = logging.getLogger("kvconductor.snapshot")
+log = logging.getLogger("kvconductor.state.snapshot")
 
 PREFIX = "snapshot-"
 SUFFIX = ".kvc"
@@ -361,7 +361,7 @@ def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
 def reset(conductor) -> None:
     """Forget every subscription, registration and index (ingest thread): what a failed
     load left, or a replica's state before it loads a snapshot."""
-    from kvconductor.registry import Registry
+    from kvconductor.state.registry import Registry
 
     for entry in list(conductor.registry.instances.values()):
         for dp in list(entry.endpoints):

@@ -36,7 +36,6 @@ from kvconductor.ingest.subscriber import READY_STATES, SOURCE_CHECK_SECS, SOURC
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
 from kvconductor.logs import RecentWarnings
-from kvconductor.registry import RegistrationError, Registry
 from kvconductor.schema import (
     DEFAULT_TENANT,
     EXPLAIN_TIERS,
@@ -53,6 +52,7 @@ from kvconductor.schema import (
     SourceNotReady,
     UnregisterRequest,
 )
+from kvconductor.state.registry import RegistrationError, Registry
 from kvconductor.urls import UrlPolicy
 
 #: Source states in which ``GET /ready`` counts a ZeroMQ source as ready.
@@ -107,7 +107,7 @@ class RegistrationUnavailable(RuntimeError):
 
 class StateUnavailable(RuntimeError):
     """``--state-url``: the state store cannot be reached or did not confirm a change in
-    time (HTTP 503; kvconductor.replica)."""
+    time (HTTP 503; kvconductor.state.replica)."""
 
 
 class InstanceNotRegistered(LookupError):
@@ -196,7 +196,7 @@ def raise_fd_limit(max_sources: int, max_connections: int) -> int | None:
     Like Go's runtime, the soft limit is raised to the hard limit (to
     :func:`fds_needed` when the hard limit is unlimited). When it stays below what is
     needed, one WARN says so; the HTTP connection cap is then fitted by
-    :func:`kvconductor.server.fit_connection_cap`.
+    :func:`kvconductor.serve.single.fit_connection_cap`.
     """
     soft, hard = open_file_limits()
     if soft is None:
@@ -391,14 +391,14 @@ class Conductor:
         #: collected between start() and stop().
         self.recent_warnings = RecentWarnings()
         #: ``--workers N``: the shared arena, lock and directory (set before :meth:`start`;
-        #: see :mod:`kvconductor.shared`). None: one process, private memory.
+        #: see :mod:`kvconductor.state.shared`). None: one process, private memory.
         self.shared: Any = None
         #: ``--workers N``: the owner's view of its worker processes and the shared lock
         #: for ``/workers`` (``processes``; any thread), set by the owner. None: one process.
         self.processes: Callable[[], dict[str, Any]] | None = None
-        #: ``--snapshot-dir``: the :class:`kvconductor.snapshot.Snapshotter` (None: off).
+        #: ``--snapshot-dir``: the :class:`kvconductor.state.snapshot.Snapshotter` (None: off).
         self.snapshotter: Any = None
-        #: ``--state-url``: the :class:`kvconductor.replica.Replicator` (None: this process
+        #: ``--state-url``: the :class:`kvconductor.state.replica.Replicator` (None: this process
         #: alone holds the state).
         self.replicator: Any = None
         self._last_trim = time.monotonic()
@@ -463,7 +463,7 @@ class Conductor:
         request ``body`` parsed into ``args``. Alone: run the method on the ingest thread.
         With ``--state-url``: append ``body`` to the replicated log and return what
         applying it did here (every replica applies it), or raise
-        :class:`kvconductor.replica.StateUnavailable`."""
+        :class:`kvconductor.state.replica.StateUnavailable`."""
         if self.replicator is not None:
             return await self.replicator.submit(kind, body)
         return await self.thread.run(getattr(self, _MUTATIONS[kind]), *args)

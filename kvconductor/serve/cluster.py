@@ -1,9 +1,9 @@
 """``kv-conductor --workers N``: one owner process, N HTTP worker processes on one port.
 
 The **owner** (the process started by ``kv-conductor``) keeps everything that holds
-state: the :class:`~kvconductor.service.Conductor` (the single ingest thread: ZeroMQ
+state: the :class:`~kvconductor.state.conductor.Conductor` (the single ingest thread: ZeroMQ
 subscriptions, ``POST /events``, registrations, maintenance) and the full app of
-:func:`kvconductor.app.create_app`, served by uvicorn on a private UNIX socket in a
+:func:`kvconductor.http.api.create_app`, served by uvicorn on a private UNIX socket in a
 fresh temporary directory (``kv-conductor-<pid>-*``, mode 0700, removed at exit; the
 directories of owners killed before they could remove theirs are removed by the next
 owner that starts, :func:`remove_stale_private_dirs`). It binds the public
@@ -11,7 +11,7 @@ owner that starts, :func:`remove_stale_private_dirs`). It binds the public
 once (same message as one process), port 0 resolves to a real port, and the socket
 held for the whole run takes no connections.
 
-Each **worker** (``python -m kvconductor.cluster worker ...``, spawned, never forked:
+Each **worker** (``python -m kvconductor.serve.cluster worker ...``, spawned, never forked:
 the owner has threads and a ZeroMQ context) binds ``host:port`` with ``SO_REUSEPORT``
 and listens (the kernel spreads new connections over the workers), serves HTTP with
 the same limits and TLS flags as one process, answers ``POST /query`` and ``POST
@@ -20,13 +20,13 @@ other request to the owner over a pool of keep-alive HTTP/1.1 connections on the
 socket (:func:`create_worker_app`). ``GET /health`` is answered by the worker itself.
 
 **Queries.** They go through :attr:`WorkerApp.query_handler`, an ASGI callable: in a
-worker, :func:`kvconductor.app.create_query_app` over a
-:class:`~kvconductor.shared.SharedView` (the default, without shared descriptors,
+worker, :func:`kvconductor.http.api.create_query_app` over a
+:class:`~kvconductor.state.shared.SharedView` (the default, without shared descriptors,
 forwards), counting in :attr:`WorkerApp.query_metrics`, which the owner's
 ``/metrics`` sums.
 
-**Shared index** (:mod:`kvconductor.shared`): the owner's conductor gets a
-:class:`~kvconductor.shared.SharedIndexes` (:data:`SHARED`); :func:`shared_fds` gives
+**Shared index** (:mod:`kvconductor.state.shared`): the owner's conductor gets a
+:class:`~kvconductor.state.shared.SharedIndexes` (:data:`SHARED`); :func:`shared_fds` gives
 its arena and lock descriptors, which every worker inherits (``--shared-fds``;
 :data:`SHARED_FDS` in the worker); :data:`on_worker_exit` (owner: called with the pid
 of a worker that exited) clears the dead worker's reader slots.
@@ -47,7 +47,7 @@ SIGKILL (``PR_SET_PDEATHSIG`` sends it SIGTERM too, on Linux).
 **Shutdown**: SIGTERM/SIGINT to the owner asks every worker to stop (a message on its
 socket pair; a worker signalled directly too, by a terminal's Ctrl-C or systemd, drains
 once), each drains like one process, the owner waits
-:data:`~kvconductor.server.GRACEFUL_SECS` plus :data:`STOP_MARGIN` (then SIGKILL), stops
+:data:`~kvconductor.serve.single.GRACEFUL_SECS` plus :data:`STOP_MARGIN` (then SIGKILL), stops
 its own server and the conductor, and exits 0. A second signal makes the workers close
 their connections at once.
 """
@@ -86,10 +86,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from kvconductor._shlock import SLOTS, owner_alive, proc_stamp
-from kvconductor.app import MSGPACK_PATHS, PUBLIC_READ_PATHS, QUERY_PATHS, too_large_message
+from kvconductor.http.api import MSGPACK_PATHS, PUBLIC_READ_PATHS, QUERY_PATHS, too_large_message
+from kvconductor.http.metrics import Metrics, QueryMetrics, Sample, query_samples
 from kvconductor.logs import set_process_role
-from kvconductor.metrics import Metrics, QueryMetrics, Sample, query_samples
-from kvconductor.server import (
+from kvconductor.serve.settings import Settings
+from kvconductor.serve.single import (
     GRACEFUL_SECS,
     SWITCH_INTERVAL,
     KvServer,
@@ -102,9 +103,8 @@ from kvconductor.server import (
     stop_conductor,
     uvicorn_config,
 )
-from kvconductor.service import Conductor, raise_fd_limit, tune_malloc
-from kvconductor.settings import Settings
-from kvconductor.shared import SharedIndexes
+from kvconductor.state.conductor import Conductor, raise_fd_limit, tune_malloc
+from kvconductor.state.shared import SharedIndexes
 from kvconductor.wire import (
     JSON_CONTENT_TYPE,
     MSGPACK_CONTENT_TYPE,
@@ -171,7 +171,7 @@ WORKER_FIELDS = (
 )
 
 
-#: (Owner) the shared arena, lock and directory of the index (kvconductor.shared), set by
+#: (Owner) the shared arena, lock and directory of the index (kvconductor.state.shared), set by
 #: :func:`serve_owner`.
 SHARED: Any = None
 
@@ -360,7 +360,7 @@ class Owner:
         cmd = [
             sys.executable,
             "-m",
-            "kvconductor.cluster",
+            "kvconductor.serve.cluster",
             "worker",
             "--number",
             str(slot.number),
@@ -1347,7 +1347,7 @@ def create_worker_app(
     **The query seam**: ``query_handler`` is the ASGI callable that answers ``POST
     /query`` and ``POST /query_by_hash`` (default: forward to the owner). A worker with
     a shared view of the index passes a
-    :class:`~kvconductor.app.QueryFastPath`-like handler over it, counting in
+    :class:`~kvconductor.http.api.QueryFastPath`-like handler over it, counting in
     ``query_metrics`` (the app's :attr:`WorkerApp.query_metrics`): the owner's
     ``/metrics`` sums those of every worker. In a worker process the descriptors of
     :func:`shared_fds` are in :data:`SHARED_FDS` before this app is created
@@ -1445,7 +1445,7 @@ class _OwnerLink:
 
 
 def _serve_metrics(path: str, qm: QueryMetrics) -> None:
-    """Serve :func:`~kvconductor.metrics.query_samples` of ``qm`` on the UNIX socket
+    """Serve :func:`~kvconductor.http.metrics.query_samples` of ``qm`` on the UNIX socket
     ``path`` (one JSON document per connection), in a daemon thread."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -1472,10 +1472,10 @@ def _fd_list(value: str) -> tuple[int, ...]:
 
 
 def worker_main(argv: list[str]) -> int:
-    """``python -m kvconductor.cluster worker ...`` (spawned by the owner only)."""
-    from kvconductor.cli import configure_logging
+    """``python -m kvconductor.serve.cluster worker ...`` (spawned by the owner only)."""
+    from kvconductor.logs import configure_logging
 
-    p = argparse.ArgumentParser(prog="kvconductor.cluster")
+    p = argparse.ArgumentParser(prog="kvconductor.serve.cluster")
     p.add_argument("role", choices=["worker"])
     p.add_argument("--number", type=int, required=True)
     p.add_argument("--owner-socket", required=True)
@@ -1499,7 +1499,7 @@ def worker_main(argv: list[str]) -> int:
     link.start()
     sys.setswitchinterval(SWITCH_INTERVAL)
     raise_fd_limit(1, settings.max_connections)
-    tune_malloc()  # large answers reuse heap pages (kvconductor.service.tune_malloc)
+    tune_malloc()  # large answers reuse heap pages (kvconductor.state.conductor.tune_malloc)
     try:
         sock = bind_socket(settings.host, settings.port, reuse_port=True)
     except OSError as ex:
@@ -1512,8 +1512,8 @@ def worker_main(argv: list[str]) -> int:
     )
     if len(SHARED_FDS) >= 2:
         # /query and /query_by_hash answered here, from the owner's index in shared memory
-        from kvconductor.app import create_query_app
-        from kvconductor.shared import SharedView
+        from kvconductor.http.api import create_query_app
+        from kvconductor.state.shared import SharedView
 
         try:
             view = SharedView.attach(
@@ -1546,6 +1546,8 @@ def worker_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from kvconductor import cluster as _cluster  # module state lives in kvconductor.cluster
+    from kvconductor.serve import (
+        cluster as _cluster,  # module state lives in kvconductor.serve.cluster
+    )
 
     sys.exit(_cluster.worker_main(sys.argv[1:]))

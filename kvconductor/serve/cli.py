@@ -1,0 +1,685 @@
+"""Command line: ``kv-conductor [--host H] [--port P] ...`` (docs/operations.md, "Starting it").
+
+Every bad flag value stops the process before anything starts, with one
+line on stderr (``kv-conductor: error: ...``) and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from typing import NoReturn
+
+from kvconductor import __version__
+from kvconductor.logs import LEVELS, LOG_FORMATS, configure_logging
+from kvconductor.serve.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
+
+LOG_ENV = "KV_CONDUCTOR_LOG"
+API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
+#: The environment variables ``--state-url`` and the state store's password are read from
+#: (a password on the command line is visible to every user in ``ps``).
+STATE_URL_ENV = "KV_CONDUCTOR_STATE_URL"
+STATE_PASSWORD_ENV = "KV_CONDUCTOR_STATE_PASSWORD"
+#: Upper bound of ``--workers``.
+MAX_WORKERS = 1024
+
+
+class FlagError(ValueError):
+    """A bad flag, from a parser built with ``raise_errors=True`` (gunicorn's factory)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    raise_errors = False
+
+    def error(self, message: str) -> NoReturn:  # one line, exit status 2, no usage dump
+        if self.raise_errors:
+            raise FlagError(f"{self.prog}: error: {message} (see --help)")
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        # flags wrong together
+        problem = _tls_problem(ns) or _source_problem(ns) or _snapshot_problem(ns)
+        if problem:
+            self.error(problem)
+        return ns
+
+
+def _host(value: str) -> str:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid host address {value!r}: an IP literal is required "
+            "(e.g. :: or 0.0.0.0); hostnames are not accepted"
+        ) from None
+    return value
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid port {value!r}: an integer is required"
+        ) from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {port}: must be within 0..65535")
+    return port
+
+
+def _secs(value: str) -> int:
+    try:
+        secs = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: a whole number of seconds is required"
+        ) from None
+    if not 0 <= secs < 2**64:
+        raise argparse.ArgumentTypeError(f"invalid value {secs}: must be >= 0")
+    return secs
+
+
+def _int_in(lo: int, hi: int | None = None):
+    """A flag type: an integer ``>= lo`` (and ``<= hi`` when given)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid value {value!r}: an integer is required"
+            ) from None
+        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(
+                f"invalid value {n}: must be >= {lo}"
+                if hi is None
+                else f"invalid value {n}: must be within {lo}..{hi}"
+            )
+        return n
+
+    return parse
+
+
+def _workers(value: str) -> int:
+    if value.strip().lower() == "auto":
+        return max(1, os.cpu_count() or 1)
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: an integer or 'auto' is required"
+        ) from None
+    if not 1 <= n <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"invalid value {n}: must be within 1..{MAX_WORKERS}")
+    return n
+
+
+def _megabytes(value: str) -> float:
+    try:
+        mb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {value!r}: a number of MiB is required"
+        ) from None
+    if not mb > 0 or mb != mb or mb == float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid size {value!r}: must be > 0")
+    return mb
+
+
+def _networks(value: str) -> tuple:
+    from kvconductor.urls import parse_networks
+
+    try:
+        nets = parse_networks(value)
+    except ValueError as ex:
+        raise argparse.ArgumentTypeError(f"invalid network list {value!r}: {ex}") from None
+    if not nets:
+        raise argparse.ArgumentTypeError("expected at least one CIDR, e.g. 10.0.0.0/8")
+    return nets
+
+
+def _timeout(value: str) -> float:
+    try:
+        secs = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid value {value!r}: a number of seconds is required"
+        ) from None
+    if not 0 < secs < 86400 * 365:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be > 0")
+    return secs
+
+
+def _origin(value: str) -> str:
+    scheme, sep, rest = value.partition("://")
+    if value == "*":
+        raise argparse.ArgumentTypeError(
+            "invalid origin '*': list each allowed origin (mutating routes never allow all)"
+        )
+    if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
+        raise argparse.ArgumentTypeError(
+            f"invalid origin {value!r}: scheme://host[:port] is required, e.g. "
+            "https://ui.example.com (no path, no trailing slash)"
+        )
+    return value.lower()  # browsers send scheme and host in lower case
+
+
+def _readable(value: str) -> str:
+    try:
+        with open(value, "rb"):
+            pass
+    except OSError as ex:
+        raise argparse.ArgumentTypeError(f"cannot read {value}: {ex.strerror or ex}") from None
+    return value
+
+
+def _level(value: str) -> str:
+    low = value.strip().lower()
+    if low not in LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid log level {value!r}: one of {', '.join(sorted(LEVELS))}"
+        )
+    return low
+
+
+def _env_level() -> tuple[str, str | None]:
+    """Default log level from ``KV_CONDUCTOR_LOG`` (first plain directive of ``info,x=y``)."""
+    raw = os.environ.get(LOG_ENV, "").strip()
+    if not raw:
+        return "info", None
+    for part in raw.split(","):
+        part = part.strip().lower()
+        if part and "=" not in part:
+            if part in LEVELS:
+                return part, None
+            break
+    return "info", f"ignoring invalid {LOG_ENV}={raw!r}; using info"
+
+
+def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
+    """The ``kv-conductor`` argument parser.
+
+    With ``raise_errors`` a bad flag raises :class:`FlagError` instead of
+    printing it and exiting with status 2.
+    """
+    level, _ = _env_level()
+    # No abbreviations: a misspelt flag (--pending-ttl-sec) is an error, never a guess.
+    p = _Parser(
+        prog="kv-conductor", description="KV-cache index service (V3 HTTP API)", allow_abbrev=False
+    )
+    p.raise_errors = raise_errors
+    p.add_argument("--version", action="version", version=f"kv-conductor {__version__}")
+    p.add_argument(
+        "--host",
+        type=_host,
+        default=DEFAULT_HOST,
+        help="IP address to bind (default :: dual-stack, 0.0.0.0 without IPv6)",
+    )
+    p.add_argument(
+        "--port",
+        "-p",
+        type=_port,
+        default=DEFAULT_PORT,
+        help=f"HTTP port (default {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    p.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        metavar="N|auto",
+        help="HTTP worker processes sharing the port (default 1: one process does "
+        "everything; auto: one per CPU). With N > 1 an owner process keeps the index "
+        "and the ingest, and N workers serve HTTP (docs/operations.md)",
+    )
+    p.add_argument(
+        "--reader-stall-ms",
+        type=_int_in(0, 600_000),
+        default=500,
+        metavar="MS",
+        help="with --workers N: a worker still inside a read of the shared index this many "
+        "ms after the ingest thread started waiting for it is stalled (stopped, frozen, "
+        "swapping): the other workers' queries go on, the stalled worker is killed and "
+        "restarted (default 500; 0: wait for it without bound)",
+    )
+    p.add_argument(
+        "--maintenance-interval-secs",
+        type=_secs,
+        default=30,
+        help="maintenance period in seconds (default 30; effective max(1, n))",
+    )
+    p.add_argument(
+        "--pending-ttl-secs",
+        type=_secs,
+        default=60,
+        help="TTL of pool confirmations waiting for an offload (default 60)",
+    )
+    p.add_argument(
+        "--content-ttl-secs",
+        type=_secs,
+        default=300,
+        help="TTL of retained confirmed content (default 300)",
+    )
+    p.add_argument(
+        "--offload-ttl-secs",
+        type=_secs,
+        default=600,
+        help="TTL of unconfirmed engine offloads (default 600)",
+    )
+    p.add_argument(
+        "--loss-grace-secs",
+        type=_secs,
+        default=600,
+        help="after events from a source were lost for good, blocks it held then "
+        "that are not announced again within this many seconds are dropped "
+        "(default 600; nothing is dropped at the loss itself)",
+    )
+    p.add_argument(
+        "--source-down-secs",
+        type=_int_in(1, 86_400),
+        default=10,
+        help="a ZeroMQ engine source not ready (disconnected, or replaying) this many "
+        "seconds stops contributing its (instance, DP)'s HBM hits until it is ready "
+        "again; its blocks are kept (default 10)",
+    )
+    p.add_argument(
+        "--source-purge-secs",
+        type=_secs,
+        default=600,
+        help="a source not ready this many seconds has its HBM blocks dropped "
+        "(default 600; 0: never; at least --source-down-secs)",
+    )
+    p.add_argument(
+        "--replay-deadline-secs",
+        type=_secs,
+        default=60,
+        help="a vLLM replay not finished within this many seconds counts as lost "
+        "(default 60; a replay also ends after 5 s without a reply)",
+    )
+    p.add_argument(
+        "--max-message-mb",
+        type=_megabytes,
+        default=256.0,
+        help="a ZeroMQ event message larger than this is refused and counted (default 256)",
+    )
+    p.add_argument(
+        "--max-blocks-per-message",
+        type=_int_in(1, 2**32 - 1),
+        default=1_000_000,
+        help="a message storing or removing more blocks is refused and counted (default 1000000)",
+    )
+    p.add_argument(
+        "--max-blocks-per-source",
+        type=_int_in(1, 2**32 - 1),
+        default=4_000_000,
+        help="an engine source's HBM blocks at most; messages that would pass it "
+        "are refused and counted (default 4000000)",
+    )
+    p.add_argument(
+        "--max-sources",
+        type=_int_in(1, 1_000_000),
+        default=4096,
+        help="ZeroMQ subscriptions (one per registered instance, DP and URL) at most; "
+        "registrations beyond get 503 (default 4096; the process needs about "
+        "4 open files per source)",
+    )
+    p.add_argument(
+        "--log-level",
+        type=_level,
+        default=level,
+        help=f"trace|debug|info|warning|error (default info; env {LOG_ENV})",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: '<UTC time> <LEVEL> <message>' lines; json: one JSON object per line "
+        "with the same fields (default text)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=_megabytes,
+        default=64.0,
+        help="request body limit in MiB (default 64)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer <key>' on /register, /unregister, "
+        f"/events and /workers (env {API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--allow-bind-endpoints",
+        action="store_true",
+        help="accept bind-mode endpoint URLs (tcp://*:PORT): the server then listens "
+        "for publishers on that port (off by default)",
+    )
+    p.add_argument(
+        "--allow-ipc-endpoints",
+        action="store_true",
+        help="accept ipc:// endpoint URLs (off by default)",
+    )
+    p.add_argument(
+        "--endpoint-networks",
+        type=_networks,
+        default=(),
+        metavar="CIDR[,CIDR...]",
+        help="only accept TCP endpoint URLs whose IP address is in these networks "
+        "(host names are then refused)",
+    )
+    # HTTP limits and network security (docs/security.md)
+    p.add_argument(
+        "--max-header-kb",
+        type=_int_in(1),
+        default=64,
+        metavar="KIB",
+        help="limit of a request's line and headers in KiB; over it: 431 and close (default 64)",
+    )
+    p.add_argument(
+        "--request-timeout-secs",
+        type=_timeout,
+        default=30.0,
+        metavar="SECS",
+        help="seconds a connection has to send a complete request (head and body), "
+        "counted from the request's first byte or from opening; then it is "
+        "closed, with 408 if it sent part of one (default 30; also the TLS "
+        "handshake deadline)",
+    )
+    p.add_argument(
+        "--keep-alive-secs",
+        type=_timeout,
+        default=5.0,
+        metavar="SECS",
+        help="idle keep-alive connections are closed after this many seconds "
+        "between requests (default 5)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_int_in(1),
+        default=1000,
+        metavar="N",
+        help="open HTTP connections at most; at the cap the longest-idle one is "
+        "closed for a new one, or the new one gets 503 when none is idle "
+        "(default 1000; lowered to fit the open-file limit)",
+    )
+    p.add_argument(
+        "--allow-origin",
+        dest="allow_origins",
+        action="append",
+        type=_origin,
+        default=[],
+        metavar="ORIGIN",
+        help="web origin (scheme://host[:port]) allowed to call /register, "
+        "/unregister and /events from a browser; repeatable. Requests with any "
+        "other Origin header get 403 (default: none; programs send no Origin)",
+    )
+    p.add_argument(
+        "--load-dump",
+        type=_readable,
+        metavar="FILE",
+        default=None,
+        help="warm start: load this GET /debug/dump file (registrations and indexes) "
+        "before serving; a bad file stops the start",
+    )
+    p.add_argument(
+        "--snapshot-dir",
+        metavar="DIR",
+        default=None,
+        help="warm restart: write a snapshot (registrations, sequence cursors, every index) "
+        "into DIR periodically and at shutdown, and load the newest valid one at start; "
+        "the sources then replay from their cursors. One server per directory (a second "
+        "one is refused). Default: $XDG_STATE_HOME/kvconductor/PORT (else "
+        "~/.local/state/kvconductor/PORT); none with --port 0, --load-dump or --state-url",
+    )
+    p.add_argument(
+        "--no-snapshots",
+        action="store_true",
+        help="no snapshot directory, not even the default one: nothing is written to "
+        "disk and a restart starts cold",
+    )
+    p.add_argument(
+        "--snapshot-interval-secs",
+        type=_secs,
+        default=60,
+        help="seconds between snapshots (default 60; 0: only at shutdown)",
+    )
+    p.add_argument(
+        "--state-url",
+        metavar="URL",
+        default=os.environ.get(STATE_URL_ENV) or None,
+        help="replicas: share registrations, events and every index with the other "
+        "kv-conductor processes of this Valkey (or Redis <= 7.2) database: "
+        "redis://HOST:PORT/DB, unix:///PATH?db=N, or "
+        f"redis+sentinel://HOST:PORT[,HOST:PORT]/SERVICE/DB (env {STATE_URL_ENV}; "
+        f"a password not in the URL: env {STATE_PASSWORD_ENV}; default: none)",
+    )
+    p.add_argument(
+        "--replica-id",
+        metavar="ID",
+        default=None,
+        help="this replica's name in the state store (default: host:pid:random)",
+    )
+    p.add_argument(
+        "--lease-secs",
+        type=_lease,
+        default=5.0,
+        help="with --state-url: a source whose consuming replica stops renewing its lease "
+        "this long is taken over by another (default 5)",
+    )
+    p.add_argument(
+        "--open-workers",
+        action="store_true",
+        help="with --api-key, leave GET /workers (it lists every endpoint), POST /explain "
+        "and GET /metrics open (default: they need the bearer token too)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        type=_readable,
+        metavar="FILE",
+        help="serve HTTPS with this PEM certificate chain (the key may be in the same "
+        "file; unencrypted)",
+    )
+    p.add_argument(
+        "--tls-key",
+        type=_readable,
+        metavar="FILE",
+        help="PEM private key of --tls-cert (unencrypted)",
+    )
+    p.add_argument(
+        "--tls-client-ca",
+        type=_readable,
+        metavar="FILE",
+        help="require client certificates signed by these PEM CA certificates "
+        "(mutual TLS; needs --tls-cert)",
+    )
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return Settings(
+        host=args.host,
+        port=args.port,
+        maintenance_interval_secs=args.maintenance_interval_secs,
+        pending_ttl_secs=args.pending_ttl_secs,
+        content_ttl_secs=args.content_ttl_secs,
+        offload_ttl_secs=args.offload_ttl_secs,
+        loss_grace_secs=args.loss_grace_secs,
+        source_down_secs=args.source_down_secs,
+        source_purge_secs=args.source_purge_secs,
+        max_sources=args.max_sources,
+        replay_deadline_secs=args.replay_deadline_secs,
+        max_message_mb=args.max_message_mb,
+        max_blocks_per_message=args.max_blocks_per_message,
+        max_blocks_per_source=args.max_blocks_per_source,
+        log_level=args.log_level,
+        log_format=args.log_format,
+        max_body_mb=args.max_body_mb,
+        api_key=args.api_key or None,
+        allow_bind_endpoints=args.allow_bind_endpoints,
+        allow_ipc_endpoints=args.allow_ipc_endpoints,
+        endpoint_networks=args.endpoint_networks,
+        load_dump=args.load_dump,
+        snapshot_dir=args.snapshot_dir,
+        snapshot_interval_secs=args.snapshot_interval_secs,
+        no_snapshots=args.no_snapshots,
+        state_url=args.state_url,
+        state_password=os.environ.get(STATE_PASSWORD_ENV) or None,
+        replica_id=args.replica_id,
+        lease_secs=args.lease_secs,
+        workers=getattr(args, "workers", 1),
+        reader_stall_ms=getattr(args, "reader_stall_ms", 500),
+        **_http_fields(args),
+    )
+
+
+def _http_fields(args: argparse.Namespace) -> dict:
+    """The HTTP limit and security settings among ``args``."""
+    return {
+        "max_header_kb": args.max_header_kb,
+        "request_timeout_secs": args.request_timeout_secs,
+        "keep_alive_secs": args.keep_alive_secs,
+        "max_connections": args.max_connections,
+        "allow_origins": tuple(args.allow_origins),
+        "open_workers": args.open_workers,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+    }
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_password() -> str:
+    raise _EncryptedKey
+
+
+def _snapshot_problem(args: argparse.Namespace) -> str | None:
+    if getattr(args, "snapshot_dir", None) and getattr(args, "no_snapshots", False):
+        return "--no-snapshots and --snapshot-dir exclude each other"
+    if getattr(args, "snapshot_dir", None) and getattr(args, "load_dump", None):
+        return (
+            "--load-dump and --snapshot-dir exclude each other (a snapshot directory "
+            "warm-starts from its own newest snapshot)"
+        )
+    url = getattr(args, "state_url", None)
+    if url:
+        for flag in ("snapshot_dir", "load_dump"):
+            if getattr(args, flag, None):
+                return (
+                    f"--state-url and --{flag.replace('_', '-')} exclude each other (the "
+                    "state store keeps the snapshots)"
+                )
+        from kvconductor.state.replica import SENTINEL_SCHEMES, parse_sentinel_url, safe_url
+
+        schemes = ("redis", "valkey", "unix", "rediss", "valkeys", *SENTINEL_SCHEMES)
+        scheme = url.partition("://")[0]
+        if scheme not in schemes or "://" not in url:
+            return (
+                f"invalid --state-url {safe_url(url)!r}: redis://HOST:PORT/DB, "
+                "unix:///PATH?db=N or redis+sentinel://HOST:PORT[,...]/SERVICE/DB is required"
+            )
+        if scheme in SENTINEL_SCHEMES:
+            try:
+                parse_sentinel_url(url)
+            except ValueError as ex:
+                return f"invalid --state-url {safe_url(url)!r}: {ex}"
+    return None
+
+
+def _lease(value: str) -> float:
+    try:
+        secs = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: seconds are required") from None
+    if not 0.3 <= secs <= 3600:
+        raise argparse.ArgumentTypeError(f"invalid value {value!r}: 0.3 .. 3600 seconds")
+    return secs
+
+
+def _source_problem(args: argparse.Namespace) -> str | None:
+    purge, down = getattr(args, "source_purge_secs", 0), getattr(args, "source_down_secs", 1)
+    if purge and purge < down:
+        return (
+            f"--source-purge-secs {purge} is shorter than --source-down-secs {down} "
+            "(0 never purges)"
+        )
+    return None
+
+
+def _tls_problem(args: argparse.Namespace) -> str | None:
+    """Why the ``--tls-*`` flags cannot work together, or ``None``.
+
+    Loads the certificate, key and client CAs the way the server will, so a
+    wrong file stops the process at startup (exit 2), not at the first client.
+    """
+    import ssl
+
+    cert, key, ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if key and not cert:
+        return "--tls-key needs --tls-cert"
+    if ca and not cert:
+        return "--tls-client-ca needs --tls-cert (client certificates are checked over TLS only)"
+    if not cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key, password=_no_password)
+    except _EncryptedKey:
+        return (
+            f"the private key in {key or cert} is encrypted; give an unencrypted key "
+            "(protect it with file permissions)"
+        )
+    except (ssl.SSLError, OSError, ValueError) as ex:
+        return (
+            f"--tls-cert/--tls-key: cannot load the certificate and key ({cert}, "
+            f"{key or 'no --tls-key: key expected in the same file'}): {_ssl_reason(ex)}"
+        )
+    if ca:
+        try:
+            ctx.load_verify_locations(cafile=ca)
+        except (ssl.SSLError, OSError, ValueError) as ex:
+            return f"--tls-client-ca {ca}: cannot load CA certificates: {_ssl_reason(ex)}"
+    return None
+
+
+def _ssl_reason(ex: Exception) -> str:
+    reason = getattr(ex, "reason", None) or str(ex)
+    if reason == "PEM lib":
+        reason = "not a PEM certificate/key, or the key is missing"
+    return str(reason).replace("_", " ").lower()
+
+
+#: ``kv-conductor <command> ...``: tools that talk to a running service; each module has
+#: ``main(argv) -> int``. Anything else is the service's own flags.
+SUBCOMMANDS = {
+    "top": "kvconductor.tools.top",
+    "explain": "kvconductor.tools.explain",
+    "load-dump": "kvconductor.state.dump",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        return int(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]))
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args).with_snapshot_default(args.port)
+    configure_logging(settings.log_level, settings.log_format)
+    _, warning = _env_level()
+    if warning and args.log_level == "info":
+        logging.getLogger("kvconductor").warning(warning)
+    if settings.workers > 1:
+        from kvconductor.serve.cluster import serve_owner
+
+        return serve_owner(settings)
+    from kvconductor.serve.single import serve
+
+    return serve(settings)

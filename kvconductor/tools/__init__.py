@@ -1,0 +1,1 @@
+"""Operator tools: ``kv-conductor top`` and ``kv-conductor explain``."""
