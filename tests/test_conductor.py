@@ -25,12 +25,13 @@ from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium
 from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
 from kvconductor.state.conductor import Conductor, ConductorConfig
+from kvconductor.state.protocols import NoSubscriptions
 
 U64_MAX = 2**64 - 1
 H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
 
 
-class RecordingSubs:
+class RecordingSubs(NoSubscriptions):
     """Subscription manager double: records calls, checks they run on the ingest thread."""
 
     instances: list[RecordingSubs] = []

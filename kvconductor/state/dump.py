@@ -29,6 +29,7 @@ import xxhash
 import kvconductor
 from kvconductor.keys import Medium, WorkerKey
 from kvconductor.schema import RegisterRequest
+from kvconductor.state.protocols import NoSubscriptions
 
 FORMAT = "kvconductor-dump"
 #: The version this kvconductor writes; it reads :data:`READS`.
@@ -90,8 +91,7 @@ def _registration(entry, ep) -> dict[str, Any]:
 def snapshot(conductor) -> dict[str, Any]:
     """Registry and every index at one instant. Ingest thread only."""
     now = time.monotonic()
-    cursors = getattr(conductor.subs, "cursors", None)
-    sources = cursors() if cursors is not None else []
+    sources = conductor.subs.cursors()
     regs = [
         _registration(entry, ep)
         for entry in conductor.registry.instances.values()
@@ -419,18 +419,17 @@ def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
     the conductor may then hold part of it (:func:`verify` first to avoid that)."""
     recs, digest, _, version = _open(chunks)
     counts = {"sources": 0, "registrations": 0, "indexes": 0}
-    resume = getattr(conductor.subs, "resume", None)
+    resume = conductor.subs.resume
     try:
         for rec in recs:
             kind = rec.get("t") if isinstance(rec, dict) else None
             if kind == "source":
-                if resume is not None:
-                    src = (str(rec["instance_id"]), int(rec["dp_rank"]), str(rec["url"]))
-                    resume[src] = (
-                        int(rec["last_seq"]),
-                        int(rec["digest"]),
-                        int(rec.get("fence", 0)),
-                    )
+                src = (str(rec["instance_id"]), int(rec["dp_rank"]), str(rec["url"]))
+                resume[src] = (
+                    int(rec["last_seq"]),
+                    int(rec["digest"]),
+                    int(rec.get("fence", 0)),
+                )
                 counts["sources"] += 1
             elif kind == "registration":
                 conductor.register(msgspec.convert(rec["request"], RegisterRequest))
@@ -452,38 +451,13 @@ def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
             else:
                 raise ValueError(f"unexpected dump record {kind!r}")
     finally:
-        if resume is not None:
-            resume.clear()  # cursors of sources no registration reopened
+        resume.clear()  # cursors of sources no registration reopened
     raise ValueError("truncated dump: no end record")
 
 
 # -- kv-conductor load-dump ---------------------------------------------------------------
-class _NoSubscriptions:
-    """Subscription manager for verification: registrations open no sockets."""
-
-    def __init__(self, thread, conductor) -> None:
-        self._n: dict[tuple[str, int], int] = {}
-
-    def count(self, instance_id: str, dp_rank: int) -> int:
-        return 0
-
-    def replace(self, instance_id: str, dp_rank: int, contexts) -> set[str]:
-        return set()
-
-    def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
-        return 0
-
-    def request_replay(self, ctx) -> None:
-        pass
-
-    def sources(self) -> list:
-        return []
-
-    def close(self) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return 0
+#: Subscriptions for verification: registrations open no sockets (``load-dump``, tests).
+_NoSubscriptions = NoSubscriptions
 
 
 def file_chunks(path: str, size: int = 1 << 20) -> Iterator[bytes]:

@@ -71,7 +71,9 @@ from typing import Any
 import msgspec
 
 from kvconductor.state import dump
-from kvconductor.state.conductor import StateUnavailable
+from kvconductor.state.conductor import Conductor, StateUnavailable
+from kvconductor.state.journal import MUTATIONS, Args, apply_logged, mutation
+from kvconductor.state.protocols import ReplicaInfo
 
 log = logging.getLogger("kvconductor.state.replica")
 
@@ -251,12 +253,15 @@ class ReplicaStats:
     replicas: int = 0
 
 
-class Replicator:
-    """One replica's link to the shared state (module docstring)."""
+class ValkeyJournal:
+    """One replica's link to the shared state (module docstring): the
+    :class:`~kvconductor.state.journal.Journal` of a conductor with ``--state-url``
+    (:meth:`Conductor.attach_journal <kvconductor.state.conductor.Conductor.attach_journal>`),
+    then :meth:`start`."""
 
     def __init__(
         self,
-        conductor: Any,
+        conductor: Conductor,
         url: str,
         *,
         password: str | None = None,
@@ -367,10 +372,17 @@ class Replicator:
             log.error("state store %s unreachable: %s", self.where, ex)
         self.up = up
 
-    # -- HTTP mutations --------------------------------------------------------------------
-    async def submit(self, kind: str, body: bytes) -> Any:
+    # -- HTTP mutations (the Journal) ---------------------------------------------------------
+    @property
+    def replica(self) -> ValkeyJournal:
+        """This journal is the replica (``/ready``, ``/workers``, ``/metrics``)."""
+        return self
+
+    async def submit(self, kind: str, body: bytes, args: Args = ()) -> object:
         """Append an HTTP mutation and return what applying it did here (or raise what it
-        raised); :class:`StateUnavailable` when the store cannot take it."""
+        raised); :class:`StateUnavailable` when the store cannot take it. ``args`` (the
+        body parsed) are not used: every replica decodes the logged body the same way."""
+        mutation(kind)  # an unknown kind is refused before it is logged
         if not self.up or not self.bootstrapped:
             raise StateUnavailable(self._down_reason())
         tag = f"{self.id}#{next(self._n)}"
@@ -643,7 +655,7 @@ class Replicator:
 
     # -- applying the log (ingest thread) --------------------------------------------------
     def _apply_entries(self, entries: list) -> None:
-        shared = getattr(self.conductor, "shared", None)
+        shared = self.conductor.shared
         with shared.batch() if shared is not None else nullcontext():
             for eid, fields in entries:
                 eid = _text(eid)
@@ -680,20 +692,8 @@ class Replicator:
                 apply((iid, dp, url), seq, epoch, payload)
             self.stats.batches += len(items)
             return None
-        if kind == "register":
-            from kvconductor.schema import register_decoder
-
-            return c.register(register_decoder.decode(body))
-        if kind == "unregister":
-            from kvconductor.schema import unregister_decoder
-
-            return c.unregister(unregister_decoder.decode(body))
-        if kind == "events":
-            from kvconductor.ingest.http_events import normalize_events
-            from kvconductor.schema import events_decoder
-
-            batch = events_decoder.decode(body)
-            return c.apply_events(batch, normalize_events(batch))
+        if kind in MUTATIONS:  # an HTTP mutation: the same table as a LocalJournal's
+            return apply_logged(c, kind, body)
         if kind == "loss":
             iid, dp, url, epoch, token, why = msgspec.msgpack.decode(body)
             return c.subs.loss_logged((iid, dp, url), epoch, token, why)
@@ -930,7 +930,7 @@ class Replicator:
             return 0.0
         return max(0.0, (last[0] - mine[0]) / 1000.0)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ReplicaInfo:
         """``/workers``' ``replica`` object."""
         s = self.stats
         return {
@@ -989,3 +989,7 @@ def _is_outcome(ex: BaseException) -> bool:
     from kvconductor.state.registry import RegistrationError
 
     return isinstance(ex, RegistrationError | RegistrationUnavailable | InstanceNotRegistered)
+
+
+#: The name before the journal seam (tests, and callers of the replica module).
+Replicator = ValkeyJournal
