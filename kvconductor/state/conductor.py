@@ -5,7 +5,10 @@
 (registry, HBM-IP index, subscriptions, index clean-up), HTTP ``/events``, the
 periodic maintenance sweep, and the ``/workers`` snapshot (so it never sees a
 half-applied change). HTTP handlers reach it with ``await conductor.run(fn,
-...)``. Queries do not go through the thread: :meth:`Conductor.get_index` is a
+...)``; the HTTP mutations go through the conductor's journal
+(:meth:`Conductor.mutate`, :mod:`kvconductor.state.journal`), which applies them there
+(one process) or logs them for every replica (``--state-url``). Queries do not go
+through the thread: :meth:`Conductor.get_index` is a
 plain dict lookup and :class:`~kvconductor.index.Index` is safe for
 concurrent readers.
 
