@@ -18,6 +18,7 @@ from kvconductor import _encode, _hash, _wire, wire
 from kvconductor.http.api import BodyTooLarge, create_app, read_body
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.state.conductor import Conductor, ConductorConfig
+from kvconductor.state.protocols import NoSubscriptions
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -27,7 +28,7 @@ H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/a
 MSGPACK = {"Content-Type": "application/msgpack"}
 
 
-class RecordingSubs:
+class RecordingSubs(NoSubscriptions):
     """Subscription manager double (no sockets)."""
 
     def __init__(self, thread: IngestThread, conductor: Conductor) -> None:

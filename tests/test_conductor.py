@@ -25,12 +25,13 @@ from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium
 from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
 from kvconductor.state.conductor import Conductor, ConductorConfig
+from kvconductor.state.protocols import NoSubscriptions
 
 U64_MAX = 2**64 - 1
 H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
 
 
-class RecordingSubs:
+class RecordingSubs(NoSubscriptions):
     """Subscription manager double: records calls, checks they run on the ingest thread."""
 
     instances: list[RecordingSubs] = []
@@ -836,3 +837,59 @@ def test_tune_malloc_keeps_large_answers_in_the_heap():
         out[tuned] = tuple(int(x) for x in r.stdout.split())
     assert out["0"][0] == 0 and out["0"][1] >= 4 << 20  # mmapped
     assert out["1"] == (1, 0)  # tuned: from the heap
+
+
+# -- optional features handed in (kvconductor.state.protocols) ------------------------------
+class _Stats:
+    written, failed, last_time, last_bytes, last_seconds, last_pause = 3, 1, 5.0, 7, 0.5, 0.25
+
+
+class _Snapshots:
+    """Snapshots double: what /metrics reads of a Snapshotter."""
+
+    def __init__(self, conductor: Conductor) -> None:
+        self.conductor = conductor
+        self.stats = _Stats()
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, final: bool = True) -> None:
+        pass
+
+
+def test_optional_features_are_handed_in_at_construction():
+    """Conductor(snapshotter=, shared=, processes=): built with the conductor, typed,
+    read by /metrics and /workers without probing; None means off."""
+    from kvconductor.http.metrics import Metrics
+    from kvconductor.state.protocols import NoSubscriptions
+
+    plain = Conductor(ConductorConfig())
+    assert plain.snapshotter is None and plain.shared is None and plain.replicator is None
+    assert isinstance(plain.subs, NoSubscriptions)  # until start
+    assert b"kvconductor_snapshots" not in Metrics(plain).exposition()
+    assert plain.stop()
+
+    c = Conductor(
+        ConductorConfig(maintenance_interval=3600),
+        subscriptions=NoSubscriptions,
+        snapshotter=_Snapshots,
+        processes=lambda: {"workers": 2},
+    )
+    assert isinstance(c.snapshotter, _Snapshots) and c.snapshotter.conductor is c
+    text = Metrics(c).exposition().decode()
+    assert 'kvconductor_snapshots_total{outcome="written"} 3.0' in text
+    assert 'kvconductor_snapshots_total{outcome="failed"} 1.0' in text
+    c.start()
+    try:
+        assert c.call(c.workers)["processes"] == {"workers": 2}
+    finally:
+        assert c.stop(5.0)
+
+
+def test_attach_snapshotter():
+    c = Conductor(ConductorConfig())
+    snap = _Snapshots(c)
+    c.attach_snapshotter(snap)
+    assert c.snapshotter is snap
+    assert c.stop()

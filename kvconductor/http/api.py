@@ -39,7 +39,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import falcon
 import falcon.asgi
@@ -65,6 +65,7 @@ from kvconductor.state.conductor import (
     RegistrationUnavailable,
     StateUnavailable,
 )
+from kvconductor.state.protocols import QuerySource
 from kvconductor.state.registry import RegistrationError
 from kvconductor.wire import (
     JSON_CONTENT_TYPE,
@@ -154,10 +155,15 @@ def _error(resp: falcon.asgi.Response, status: int, message: str, msgpack: bool 
     resp.data = encode_error(message, msgpack)
 
 
-class _Resource:
+#: What a resource answers from: the :class:`Conductor`, or for the query resources any
+#: :class:`~kvconductor.state.protocols.QuerySource` (a worker's shared view too).
+_Source = TypeVar("_Source", bound=QuerySource)
+
+
+class _Resource(Generic[_Source]):
     def __init__(
         self,
-        conductor: Conductor,
+        conductor: _Source,
         *,
         max_body_bytes: int,
         api_key: str | None,
@@ -243,7 +249,7 @@ class HealthResource:
         resp.content_type = falcon.MEDIA_TEXT
 
 
-class ReadyResource(_Resource):
+class ReadyResource(_Resource[Conductor]):
     """``GET /ready``: 200 when every registered ZeroMQ source is connected and none is
     replaying; 503 naming the sources that are not (readiness, not liveness: that is
     ``/health``). Open like ``/health``; it names instances, never endpoint URLs."""
@@ -283,7 +289,7 @@ class OpenApiResource:
         resp.data = self._body
 
 
-class RegisterResource(_Resource):
+class RegisterResource(_Resource[Conductor]):
     """``POST /register``: 201 ``{"status":"ok"}``."""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
@@ -305,7 +311,7 @@ class RegisterResource(_Resource):
         _json(resp, 201, _OK)
 
 
-class UnregisterResource(_Resource):
+class UnregisterResource(_Resource[Conductor]):
     """``POST /unregister``: 200, or 404 for an unknown instance."""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
@@ -328,12 +334,14 @@ class UnregisterResource(_Resource):
             _error(resp, 404, f"instance {request.instance_id} not found")
 
 
-class QueryResource(_Resource):
-    """``POST /query`` (``by_hash=False``) and ``POST /query_by_hash``."""
+class QueryResource(_Resource[QuerySource]):
+    """``POST /query`` (``by_hash=False``) and ``POST /query_by_hash``, answered from a
+    :class:`~kvconductor.state.protocols.QuerySource` (the conductor, or a worker's
+    shared view)."""
 
     def __init__(
         self,
-        conductor: Conductor,
+        conductor: QuerySource,
         *,
         by_hash: bool,
         metrics: QueryMetrics | None = None,
@@ -493,7 +501,7 @@ class MissWarnings:
         return sentence
 
 
-class ExplainResource(_Resource):
+class ExplainResource(_Resource[Conductor]):
     """``POST /explain``: the body of ``/query`` (JSON or MessagePack, same 4xx answers),
     answered in the request's encoding with why each (instance, DP) did or did not match
     (docs/api.md, POST /explain).
@@ -535,7 +543,7 @@ class ExplainResource(_Resource):
         resp.data = (msgpack_encoder if msgpack else json_encoder).encode(doc)
 
 
-class EventsResource(_Resource):
+class EventsResource(_Resource[Conductor]):
     """``POST /events``: HTTP event ingestion (JSON)."""
 
     @staticmethod
@@ -573,7 +581,7 @@ class EventsResource(_Resource):
         _json(resp, 200, json_encoder.encode(EventsResponse(status="ok", events_applied=applied)))
 
 
-class WorkersResource(_Resource):
+class WorkersResource(_Resource[Conductor]):
     """``GET /workers``: registrations, index summaries and subscription sources.
 
     It lists every engine and pool endpoint, so with an API key it needs the
@@ -591,7 +599,7 @@ class WorkersResource(_Resource):
         _json(resp, 200, json_encoder.encode(doc))
 
 
-class DumpResource(_Resource):
+class DumpResource(_Resource[Conductor]):
     """``GET /debug/dump``: the index and registry as a streamed msgpack dump
     (:mod:`kvconductor.state.dump`, docs/dump.md). With an API key it needs the bearer
     token, like ``/workers``, and ``--open-workers`` does not open it: it holds every
@@ -623,7 +631,7 @@ class DumpResource(_Resource):
         resp.stream = stream()
 
 
-class MetricsResource(_Resource):
+class MetricsResource(_Resource[Conductor]):
     """``GET /metrics``: Prometheus text exposition (:mod:`kvconductor.http.metrics`).
 
     Protected like ``/workers`` (its labels name every instance and model): with an
@@ -960,7 +968,7 @@ def create_app(
 
 
 def create_query_app(
-    view: Any,
+    view: QuerySource,
     forward: Any,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,

@@ -19,7 +19,7 @@ a read lock held up by a large write never stalls the event loop).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -31,7 +31,9 @@ from kvconductor import __version__
 from kvconductor.keys import Medium
 
 if TYPE_CHECKING:
-    from kvconductor.ingest.subscriber import SourceMetrics
+    from kvconductor.ingest.subscriber import RetiredTotals, SourceMetrics
+    from kvconductor.state.conductor import Conductor
+    from kvconductor.state.protocols import Replica, SnapshotCounts, Subscriptions
 
 __all__ = [
     "CONTENT_TYPE",
@@ -193,17 +195,15 @@ class QuerySumCollector(Collector):
         yield from merge_query_metrics(self.local, self.others())
 
 
-def _subscription_rows(subs: Any) -> tuple[list[SourceMetrics], Any]:
-    snap = getattr(subs, "metrics_snapshot", None)
-    if snap is None:  # no subscriber yet (before start), or a test double
-        return [], None
-    return snap()
+def _subscription_rows(subs: Subscriptions) -> tuple[list[SourceMetrics], RetiredTotals | None]:
+    # before start, and in tests, a NoSubscriptions: no rows, no totals
+    return subs.metrics_snapshot()
 
 
 class ConductorCollector(Collector):
     """Ingest, index, registration and build metrics, read at scrape time."""
 
-    def __init__(self, conductor: Any) -> None:
+    def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
 
     def describe(self) -> Iterable[Metric]:
@@ -339,10 +339,10 @@ class ConductorCollector(Collector):
             "HBM blocks dropped because their source stayed down past --source-purge-secs",
             value=purged,
         )
-        snap = getattr(c, "snapshotter", None)
+        snap = c.snapshotter
         if snap is not None:
             yield from _snapshot_metrics(snap.stats)
-        rep = getattr(c, "replicator", None)
+        rep = c.replicator
         if rep is not None:
             yield from _replica_metrics(rep)
 
@@ -407,15 +407,15 @@ _REPLICA_METRICS = (
 )
 
 
-def _replica_metrics(rep: Any) -> Iterator[Metric]:
-    info = rep.info()
+def _replica_metrics(rep: Replica) -> Iterator[Metric]:
+    info: Mapping[str, Any] = rep.info()  # read by field name (_REPLICA_METRICS)
     for name, text, kind, field in _REPLICA_METRICS:
         value = (1 if info["state_store"] == "up" else 0) if field is None else info[field]
         family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
         yield family(name, text, value=value)
 
 
-def _snapshot_metrics(s: Any) -> Iterator[Metric]:
+def _snapshot_metrics(s: SnapshotCounts) -> Iterator[Metric]:
     """``--snapshot-dir``: the snapshots written and how the last one went."""
     out = CounterMetricFamily(
         "kvconductor_snapshots",
@@ -456,7 +456,7 @@ class Metrics:
 
     def __init__(
         self,
-        conductor: Any,
+        conductor: Conductor,
         other_queries: Callable[[], Iterable[Iterable[Sample]]] | None = None,
         extra: Iterable[Collector] = (),
     ) -> None:

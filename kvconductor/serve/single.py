@@ -474,14 +474,13 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
         else:
             if snapshot.warm_start(conductor, store) is None:
                 log.info("no usable snapshot in %s: starting empty", settings.snapshot_dir)
-            conductor.snapshotter = snapshot.Snapshotter(
-                conductor, store, settings.snapshot_interval_secs
-            )
-            conductor.snapshotter.start()
+            snapshotter = snapshot.Snapshotter(conductor, store, settings.snapshot_interval_secs)
+            conductor.attach_snapshotter(snapshotter)
+            snapshotter.start()
     if settings.state_url:
-        from kvconductor.state.replica import Replicator
+        from kvconductor.state.replica import ValkeyJournal
 
-        conductor.replicator = Replicator(
+        journal = ValkeyJournal(
             conductor,
             settings.state_url,
             password=settings.state_password,
@@ -489,7 +488,8 @@ def start_conductor(conductor: Conductor, settings: Settings) -> bool:
             lease_secs=settings.lease_secs,
             snapshot_interval=settings.snapshot_interval_secs,
         )
-        conductor.replicator.start()
+        conductor.attach_journal(journal)
+        journal.start()
     return True
 
 
@@ -498,8 +498,7 @@ def stop_conductor(conductor: Conductor) -> None:
     lock let go), then stop the conductor."""
     if conductor.snapshotter is not None:
         conductor.snapshotter.stop(final=True)
-    if conductor.replicator is not None:
-        conductor.replicator.stop()
+    conductor.journal.stop()
     if not conductor.stop(STOP_SECS):
         log.warning("ingest thread did not stop within %ss", STOP_SECS)
 

@@ -5,7 +5,10 @@
 (registry, HBM-IP index, subscriptions, index clean-up), HTTP ``/events``, the
 periodic maintenance sweep, and the ``/workers`` snapshot (so it never sees a
 half-applied change). HTTP handlers reach it with ``await conductor.run(fn,
-...)``. Queries do not go through the thread: :meth:`Conductor.get_index` is a
+...)``; the HTTP mutations go through the conductor's journal
+(:meth:`Conductor.mutate`, :mod:`kvconductor.state.journal`), which applies them there
+(one process) or logs them for every replica (``--state-url``). Queries do not go
+through the thread: :meth:`Conductor.get_index` is a
 plain dict lookup and :class:`~kvconductor.index.Index` is safe for
 concurrent readers.
 
@@ -23,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict, TypeVar, cast, overload
 
 import zmq
 
@@ -52,12 +55,31 @@ from kvconductor.schema import (
     SourceNotReady,
     UnregisterRequest,
 )
+from kvconductor.state.journal import Journal, LocalJournal
+from kvconductor.state.protocols import (
+    JSONObject,
+    NoSubscriptions,
+    Replica,
+    ReplicaInfo,
+    Snapshots,
+    SourceInfo,
+    Subscriptions,
+)
 from kvconductor.state.registry import RegistrationError, Registry
 from kvconductor.urls import UrlPolicy
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeVarTuple, Unpack
+
+    from kvconductor.state.shared import SharedIndexes
+
+    _Ts = TypeVarTuple("_Ts")
 
 #: Source states in which ``GET /ready`` counts a ZeroMQ source as ready.
 
 log = logging.getLogger("kvconductor")
+
+_T = TypeVar("_T")
 
 __all__ = [
     "Conductor",
@@ -141,7 +163,14 @@ class EventsOutcome(NamedTuple):
 # ---------------------------------------------------------------------------------------
 
 
-def _default_subscriptions(thread: IngestThread, conductor: Conductor):
+#: Builds a conductor's subscriptions on its ingest thread, at start.
+SubscriptionsFactory = Callable[[IngestThread, "Conductor"], Subscriptions]
+#: Builds an optional feature that needs the conductor (its journal, its snapshotter).
+JournalFactory = Callable[["Conductor"], Journal]
+SnapshotsFactory = Callable[["Conductor"], Snapshots]
+
+
+def _default_subscriptions(thread: IngestThread, conductor: Conductor) -> Subscriptions:
     # Imported here, not at the top: the subscriber imports the ingest package, which
     # tests load without a conductor. An ImportError is never swallowed: a service
     # without its ZeroMQ ingest would answer 0 hits for every engine and say nothing.
@@ -303,11 +332,14 @@ def tune_malloc() -> bool:
     )
 
 
-#: The HTTP mutations :meth:`Conductor.mutate` runs or replicates.
-_MUTATIONS = {"register": "register", "unregister": "unregister", "events": "apply_events"}
+class _LossFields(TypedDict, total=False):
+    losses: int
+    degraded_since: float | None
+    last_loss: ExplainLoss | None
+    dropped: dict[str, int]
 
 
-def _loss_fields(info: dict[str, Any] | None) -> dict[str, Any]:
+def _loss_fields(info: SourceInfo | None) -> _LossFields:
     """The loss and drop fields of an :class:`ExplainSource` from a ``/workers`` source."""
     if info is None:
         return {}
@@ -318,6 +350,17 @@ def _loss_fields(info: dict[str, Any] | None) -> dict[str, Any]:
         "last_loss": None if loss is None else ExplainLoss(at=loss["at"], why=loss["why"]),
         "dropped": dict(info.get("dropped") or {}),
     }
+
+
+class WorkersDoc(TypedDict, total=False):
+    """``GET /workers`` (docs/api.md)."""
+
+    workers: list[JSONObject]
+    indexer: list[dict[str, object]]
+    sources: list[SourceInfo]
+    recent_warnings: list[dict[str, str]]
+    replica: ReplicaInfo
+    processes: JSONObject
 
 
 def _source_warnings(s: ExplainSource, label: str, now: float) -> list[str]:
@@ -356,8 +399,22 @@ class Conductor:
         config: ConductorConfig | None = None,
         *,
         thread: IngestThread | None = None,
-        subscriptions: Callable[[IngestThread, Conductor], Any] | None = None,
+        subscriptions: SubscriptionsFactory | None = None,
+        journal: JournalFactory | None = None,
+        snapshotter: SnapshotsFactory | None = None,
+        shared: SharedIndexes | None = None,
+        processes: Callable[[], JSONObject] | None = None,
     ) -> None:
+        """``journal``: builds the journal every HTTP mutation goes through (default: a
+        :class:`~kvconductor.state.journal.LocalJournal`, applied at once on the ingest
+        thread; ``--state-url``: a :class:`~kvconductor.state.replica.ValkeyJournal`).
+        ``snapshotter``: builds the ``--snapshot-dir`` writer (default: none).
+        ``shared``: ``--workers N``'s shared arena, lock and directory (default: one
+        process, private memory). ``processes``: ``--workers N``, the owner's view of
+        its worker processes for ``/workers``. ``subscriptions``: builds the ZeroMQ
+        subscriptions at start (default: the real ones). Features that can only be made
+        after the conductor are handed in with :meth:`attach_journal` and
+        :meth:`attach_snapshotter`."""
         self.config = config or ConductorConfig()
         self.thread = thread or IngestThread(context=zmq_context(self.config.max_sources))
         self.registry = Registry(self.config.url_policy)
@@ -367,7 +424,9 @@ class Conductor:
         #: indexes it had: queries are answered from them until the new ones are in place
         #: (:meth:`get_index`), never a 404 for an index that exists before and after.
         self.replacing: dict[tuple[str, str], Index] | None = None
-        self.subs: Any = None
+        #: The ZeroMQ subscriptions (made on the ingest thread at :meth:`start`; none
+        #: before).
+        self.subs: Subscriptions = NoSubscriptions()
         self._subs_factory = subscriptions or _default_subscriptions
         self._started = False
         self._stopped = False
@@ -390,18 +449,37 @@ class Conductor:
         #: The last WARN+ records of the process's ``kvconductor`` loggers (``/workers``),
         #: collected between start() and stop().
         self.recent_warnings = RecentWarnings()
-        #: ``--workers N``: the shared arena, lock and directory (set before :meth:`start`;
-        #: see :mod:`kvconductor.state.shared`). None: one process, private memory.
-        self.shared: Any = None
+        #: ``--workers N``: the shared arena, lock and directory (see
+        #: :mod:`kvconductor.state.shared`). None: one process, private memory.
+        self.shared: SharedIndexes | None = shared
         #: ``--workers N``: the owner's view of its worker processes and the shared lock
-        #: for ``/workers`` (``processes``; any thread), set by the owner. None: one process.
-        self.processes: Callable[[], dict[str, Any]] | None = None
+        #: for ``/workers`` (``processes``; any thread). None: one process.
+        self.processes: Callable[[], JSONObject] | None = processes
+        #: The path of every HTTP mutation (:mod:`kvconductor.state.journal`).
+        self.journal: Journal = (
+            journal(self) if journal is not None else LocalJournal(self, self.thread)
+        )
         #: ``--snapshot-dir``: the :class:`kvconductor.state.snapshot.Snapshotter` (None: off).
-        self.snapshotter: Any = None
-        #: ``--state-url``: the :class:`kvconductor.state.replica.Replicator` (None: this process
-        #: alone holds the state).
-        self.replicator: Any = None
+        self.snapshotter: Snapshots | None = snapshotter(self) if snapshotter is not None else None
         self._last_trim = time.monotonic()
+
+    # -- optional features made after the conductor -----------------------------------
+    def attach_journal(self, journal: Journal) -> None:
+        """Send every HTTP mutation through ``journal`` from now on (before the HTTP
+        server serves: ``--state-url``'s :class:`~kvconductor.state.replica.ValkeyJournal`
+        is made for a started conductor)."""
+        self.journal = journal
+
+    def attach_snapshotter(self, snapshotter: Snapshots) -> None:
+        """``--snapshot-dir``: the writer of this conductor's snapshots (made once the
+        directory is locked and its newest snapshot loaded)."""
+        self.snapshotter = snapshotter
+
+    @property
+    def replicator(self) -> Replica | None:
+        """``--state-url``: the replicated journal's status (None: this process alone
+        holds the state)."""
+        return self.journal.replica
 
     # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -447,30 +525,44 @@ class Conductor:
 
     def _stop_on_thread(self) -> None:
         self._stopping = True
-        if self.subs is not None:
-            self.subs.close()
+        self.subs.close()
         if self.shared is not None:
             # unpublish and free every shared index while this is still the writer thread
             for key in list(self.indexes):
                 self._drop_index(key)
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, fn: Callable[[Unpack[_Ts]], _T], *args: Unpack[_Ts]) -> _T:
         """Await ``fn(*args)`` on the ingest thread."""
-        return await self.thread.run(fn, *args)
+        result: _T = await self.thread.run(fn, *args)
+        return result
 
-    async def mutate(self, kind: str, body: bytes, *args: Any) -> Any:
-        """An HTTP mutation: ``kind`` (``register``, ``unregister``, ``events``) of the
-        request ``body`` parsed into ``args``. Alone: run the method on the ingest thread.
-        With ``--state-url``: append ``body`` to the replicated log and return what
-        applying it did here (every replica applies it), or raise
-        :class:`kvconductor.state.replica.StateUnavailable`."""
-        if self.replicator is not None:
-            return await self.replicator.submit(kind, body)
-        return await self.thread.run(getattr(self, _MUTATIONS[kind]), *args)
+    @overload
+    async def mutate(
+        self, kind: Literal["register"], body: bytes, req: RegisterRequest, /
+    ) -> None: ...
+    @overload
+    async def mutate(
+        self, kind: Literal["unregister"], body: bytes, req: UnregisterRequest, /
+    ) -> bool: ...
+    @overload
+    async def mutate(
+        self, kind: Literal["events"], body: bytes, batch: KvEventBatch, ops: list[EventOp], /
+    ) -> EventsOutcome: ...
+    async def mutate(self, kind: str, body: bytes, /, *args: object) -> object:
+        """An HTTP mutation: ``kind`` (``register``, ``unregister``, ``events``: the
+        table :data:`kvconductor.state.journal.MUTATIONS`) of the request ``body`` parsed
+        into ``args``, through :attr:`journal`. Alone: applied at once on the ingest
+        thread. With ``--state-url``: ``body`` is appended to the replicated log, and what
+        applying it did here is returned (every replica applies it), or
+        :class:`StateUnavailable` raised."""
+        return await self.journal.submit(kind, body, args)
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = 30.0) -> Any:
+    def call(
+        self, fn: Callable[[Unpack[_Ts]], _T], *args: Unpack[_Ts], timeout: float | None = 30.0
+    ) -> _T:
         """Run ``fn(*args)`` on the ingest thread and wait (plain threads, tests)."""
-        return self.thread.call(fn, *args, timeout=timeout)
+        result: _T = self.thread.call(fn, *args, timeout=timeout)
+        return result
 
     @property
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -522,7 +614,7 @@ class Conductor:
         """(instance_id, dp_rank) pairs registered with HBM endpoints on ``ip``."""
         return self.registry.hbm_ip_lookup(ip)
 
-    def instance_info(self, instance_id: str) -> dict[str, Any] | None:
+    def instance_info(self, instance_id: str) -> dict[str, object] | None:
         """Registered model/tenant/block_size/store_backend/endpoints of an instance."""
         entry = self.registry.get(instance_id)
         return None if entry is None else entry.info()
@@ -811,9 +903,7 @@ class Conductor:
             self._last_trim = now
             trim_heap()
         try:
-            check = getattr(self.subs, "check_sources", None)
-            if check is not None:
-                check()
+            self.subs.check_sources()
         except Exception:  # the next tick tries again; never kill the ingest thread
             log.exception("source check failed")
         finally:
@@ -884,7 +974,7 @@ class Conductor:
     def readiness(self) -> tuple[int, list[SourceNotReady]]:
         """``GET /ready``: (ZeroMQ sources, those not ready). A source is ready when its
         SUB socket is connected and no replay of it is running (``live`` or ``degraded``)."""
-        sources = self.subs.sources() if self.subs is not None else []
+        sources = self.sources()
         waiting = [
             SourceNotReady(s["instance_id"], s["dp_rank"], s["state"])
             for s in sources
@@ -892,13 +982,17 @@ class Conductor:
         ]
         return len(sources), waiting
 
-    def workers(self) -> dict[str, Any]:
+    def sources(self) -> list[SourceInfo]:
+        """The subscriptions' ``/workers`` ``sources`` entries (ingest thread)."""
+        return cast("list[SourceInfo]", self.subs.sources())
+
+    def workers(self) -> WorkersDoc:
         """``GET /workers``: registrations, per-index summaries, subscription sources and
         the recent warnings of the process (oldest first)."""
-        doc = {
+        doc: WorkersDoc = {
             "workers": self.registry.snapshot(),
             "indexer": [self.indexes[k].summary() for k in sorted(self.indexes)],
-            "sources": self.subs.sources() if self.subs is not None else [],
+            "sources": self.sources(),
             "recent_warnings": self.recent_warnings.snapshot(),
         }
         if self.replicator is not None:
@@ -911,19 +1005,18 @@ class Conductor:
         """The ZeroMQ subscriptions of (instance, DP), from its registration (ingest thread)."""
         entry = self.registry.get(instance_id)
         ep = entry.endpoints.get(dp_rank) if entry is not None else None
-        if ep is None or self.subs is None:
+        if ep is None:
             return []
-        get = getattr(self.subs, "get", None)
         infos = {
             s["url"]: s
-            for s in self.subs.sources()
+            for s in self.sources()
             if s["instance_id"] == instance_id and s["dp_rank"] == dp_rank
         }
         out = []
         for url, media in ep.sources:
             info = infos.get(url)
-            sub = get(instance_id, dp_rank, url) if info is not None and get else None
-            last = getattr(getattr(sub, "stats", None), "last_event", None)
+            sub = self.subs.get(instance_id, dp_rank, url) if info is not None else None
+            last = sub.stats.last_event if sub is not None else None
             out.append(
                 ExplainSource(
                     url=url,

@@ -21,7 +21,7 @@ import sys
 import time
 from array import array
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import msgspec
 import xxhash
@@ -29,6 +29,11 @@ import xxhash
 import kvconductor
 from kvconductor.keys import Medium, WorkerKey
 from kvconductor.schema import RegisterRequest
+from kvconductor.state.protocols import JSONObject, NoSubscriptions
+
+if TYPE_CHECKING:
+    from kvconductor.state.conductor import Conductor
+    from kvconductor.state.registry import EndpointInfo, WorkerEntry
 
 FORMAT = "kvconductor-dump"
 #: The version this kvconductor writes; it reads :data:`READS`.
@@ -60,8 +65,29 @@ _TABLES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+class IndexSnapshot(TypedDict):
+    """One index of a :func:`snapshot`: its workers, block tables (by ``_TABLES`` name:
+    the core's exported columns) and two-phase records."""
+
+    model: str
+    tenant: str
+    workers: list[list[str | int]]
+    tables: dict[str, tuple[array, ...]]
+    lora_seeds: list[int]
+    records: list[list[int | float | None]]
+    waits: list[list[int | float]]
+
+
+class Snapshot(TypedDict):
+    """The state at one instant (:func:`snapshot`), what :func:`encode` writes."""
+
+    sources: list[JSONObject]
+    registrations: list[JSONObject]
+    indexes: list[IndexSnapshot]
+
+
 # -- writing ------------------------------------------------------------------------------
-def _registration(entry, ep) -> dict[str, Any]:
+def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
     """The ``POST /register`` body that recreates one registered DP.
 
     A legacy ``endpoint`` is kept only by cluster pools (it decides ``is_pool``); any
@@ -84,20 +110,20 @@ def _registration(entry, ep) -> dict[str, Any]:
         tenant_id=ep.tenant_id,
         node_id=ep.node_id,
     )
-    return msgspec.to_builtins(req)
+    doc: JSONObject = msgspec.to_builtins(req)
+    return doc
 
 
-def snapshot(conductor) -> dict[str, Any]:
+def snapshot(conductor: Conductor) -> Snapshot:
     """Registry and every index at one instant. Ingest thread only."""
     now = time.monotonic()
-    cursors = getattr(conductor.subs, "cursors", None)
-    sources = cursors() if cursors is not None else []
+    sources = conductor.subs.cursors()
     regs = [
         _registration(entry, ep)
         for entry in conductor.registry.instances.values()
         for _, ep in sorted(entry.endpoints.items())
     ]
-    indexes = []
+    indexes: list[IndexSnapshot] = []
     for key in sorted(conductor.indexes):
         idx = conductor.indexes[key]
         core = idx.core
@@ -132,12 +158,12 @@ def _le(a: array) -> bytes:
     return a.tobytes()
 
 
-def _frame(record: Any) -> bytes:
+def _frame(record: object) -> bytes:
     payload = _encode(record)
     return struct.pack(">BI", _BIN32, len(payload)) + payload
 
 
-def encode(snap: dict[str, Any], counter: int | None = None) -> Iterator[bytes]:
+def encode(snap: Snapshot, counter: int | None = None) -> Iterator[bytes]:
     """The dump of a :func:`snapshot`, one framed record at a time; the end record
     carries the XXH3-64 of every byte before it. ``counter``: the snapshot counter of a
     snapshot directory, kept in the header (:mod:`kvconductor.state.snapshot`)."""
@@ -156,8 +182,8 @@ def encode(snap: dict[str, Any], counter: int | None = None) -> Iterator[bytes]:
     )
 
 
-def _frames(snap: dict[str, Any], counter: int | None = None) -> Iterator[bytes]:
-    header: dict[str, Any] = {
+def _frames(snap: Snapshot, counter: int | None = None) -> Iterator[bytes]:
+    header: JSONObject = {
         "format": FORMAT,
         "version": VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
@@ -186,7 +212,7 @@ def _frames(snap: dict[str, Any], counter: int | None = None) -> Iterator[bytes]
             n = len(arrays[0])
             counts[name] = n
             for lo in range(0, n, CHUNK_ROWS):
-                rec: dict[str, Any] = {"t": name}
+                rec: dict[str, str | bytes] = {"t": name}
                 for (col, _), a in zip(cols, arrays, strict=True):
                     rec[col] = _le(a[lo : lo + CHUNK_ROWS])
                 yield _frame(rec)
@@ -203,7 +229,7 @@ def _frames(snap: dict[str, Any], counter: int | None = None) -> Iterator[bytes]
         yield _frame({"t": "index_end", **counts})
 
 
-def write_dump(conductor) -> Iterator[bytes]:
+def write_dump(conductor: Conductor) -> Iterator[bytes]:
     """The dump of ``conductor``, snapshot on its ingest thread (call from another thread)."""
     return encode(conductor.call(snapshot, conductor))
 
@@ -218,9 +244,10 @@ class _Digest:
         self.before = self.h.intdigest()
 
 
-def _records(chunks: Iterable[bytes], digest: _Digest | None = None) -> Iterator[Any]:
+def _records(chunks: Iterable[bytes], digest: _Digest | None = None) -> Iterator[object]:
     """Decode the framed records of ``chunks`` (bytes of any split), feeding each
-    frame to ``digest``."""
+    frame to ``digest``. A record is whatever the msgpack decoded: its readers check it
+    is a map (``isinstance(rec, dict)``) and convert each value they read."""
     buf = bytearray()
     for chunk in chunks:
         buf += chunk
@@ -248,7 +275,7 @@ def _records(chunks: Iterable[bytes], digest: _Digest | None = None) -> Iterator
         raise ValueError("truncated dump: the input ends inside a record")
 
 
-def _column(raw: Any, typecode: str, name: str) -> array:
+def _column(raw: object, typecode: str, name: str) -> array:
     if not isinstance(raw, bytes):
         raise ValueError(f"dump record {name}: column is not raw bytes")
     a = array(typecode)
@@ -260,7 +287,7 @@ def _column(raw: Any, typecode: str, name: str) -> array:
     return a
 
 
-def _check_header(rec: Any) -> int:
+def _check_header(rec: object) -> int:
     """The version of a header record, or ``ValueError``."""
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise ValueError("not a kvconductor dump: missing the kvconductor-dump header")
@@ -273,7 +300,7 @@ def _check_header(rec: Any) -> int:
     return int(version)
 
 
-def header(path: str) -> dict[str, Any]:
+def header(path: str) -> JSONObject:
     """The header record of the dump at ``path``, reading only its first record (at most
     :data:`HEADER_MAX` bytes); ``ValueError`` if it is not a dump this kvconductor reads,
     ``OSError``. It checks nothing else: :func:`verify` does."""
@@ -292,7 +319,7 @@ def header(path: str) -> dict[str, Any]:
     except msgspec.DecodeError as ex:
         raise ValueError(f"corrupt dump record: {ex}") from None
     _check_header(rec)
-    return rec
+    return cast(JSONObject, rec)  # a map (checked), of msgpack scalars
 
 
 def _check_end(rec: dict, version: int, digest: _Digest, counts: dict[str, int]) -> None:
@@ -309,24 +336,26 @@ def _check_end(rec: dict, version: int, digest: _Digest, counts: dict[str, int])
         raise ValueError(f"dump is inconsistent: read {counts}, its end record says {got}")
 
 
-def _open(chunks: Iterable[bytes]) -> tuple[Iterator[Any], _Digest, dict[str, Any], int]:
+def _open(chunks: Iterable[bytes]) -> tuple[Iterator[object], _Digest, JSONObject, int]:
     """The records after the header, their running digest, the header and its version."""
     digest = _Digest()
     recs = _records(chunks, digest)
     header = next(recs, None)
     if header is None:
         raise ValueError("not a kvconductor dump: empty input")
-    return recs, digest, header, _check_header(header)
+    version = _check_header(header)
+    return recs, digest, cast(JSONObject, header), version
 
 
-def verify(chunks: Iterable[bytes]) -> dict[str, Any]:
+def verify(chunks: Iterable[bytes]) -> JSONObject:
     """Walk a whole dump without loading it: header, framing, counts and (version 2)
     checksum. Returns the header; ``ValueError`` naming the problem."""
     recs, digest, header, version = _open(chunks)
     counts = {"sources": 0, "registrations": 0, "indexes": 0}
     kinds = {"source": "sources", "registration": "registrations", "index": "indexes"}
-    for rec in recs:
-        kind = rec.get("t") if isinstance(rec, dict) else None
+    for r in recs:
+        rec = r if isinstance(r, dict) else {}
+        kind = rec.get("t") if isinstance(r, dict) else None
         if kind == "end":
             _check_end(rec, version, digest, counts)
             if next(recs, None) is not None:
@@ -337,7 +366,7 @@ def verify(chunks: Iterable[bytes]) -> dict[str, Any]:
     raise ValueError("truncated dump: no end record")
 
 
-def _load_index(conductor, head: dict, recs: Iterator[Any]) -> None:
+def _load_index(conductor: Conductor, head: dict, recs: Iterator[object]) -> None:
     """Read one index's records up to its ``index_end`` and restore them."""
     idx = conductor.get_or_create_index(head["model"], head["tenant"])
     ids = array(
@@ -350,8 +379,9 @@ def _load_index(conductor, head: dict, recs: Iterator[Any]) -> None:
     tables = {name: [array(tc) for _, tc in cols] for name, cols in _TABLES.items()}
     records: list = []
     waits: list = []
-    for rec in recs:
-        kind = rec.get("t") if isinstance(rec, dict) else None
+    for r in recs:
+        rec = r if isinstance(r, dict) else {}
+        kind = rec.get("t") if isinstance(r, dict) else None
         if kind in _TABLES:
             for (col, tc), out in zip(_TABLES[kind], tables[kind], strict=True):
                 out.extend(_column(rec.get(col), tc, kind))
@@ -400,6 +430,7 @@ def _load_index(conductor, head: dict, recs: Iterator[Any]) -> None:
         [(k, h, loc, p, now - age) for k, h, loc, p, age in records],
         [(h, ids[w], now - age) for h, w, age in waits],
     )
+    # the compiled core's checker is public, the Python twin's is not
     check = getattr(core, "check_invariants", None) or core._check_invariants
     try:
         check()
@@ -409,7 +440,7 @@ def _load_index(conductor, head: dict, recs: Iterator[Any]) -> None:
         ) from None
 
 
-def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
+def load_dump(conductor: Conductor, chunks: Iterable[bytes]) -> dict[str, int]:
     """Load a dump into ``conductor`` (ingest thread, or before it starts serving):
     the sources' sequence cursors (each subscription the registrations open resumes
     from its cursor: its replay starts there), registrations through
@@ -419,18 +450,18 @@ def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
     the conductor may then hold part of it (:func:`verify` first to avoid that)."""
     recs, digest, _, version = _open(chunks)
     counts = {"sources": 0, "registrations": 0, "indexes": 0}
-    resume = getattr(conductor.subs, "resume", None)
+    resume = conductor.subs.resume
     try:
-        for rec in recs:
-            kind = rec.get("t") if isinstance(rec, dict) else None
+        for r in recs:
+            rec = r if isinstance(r, dict) else {}
+            kind = rec.get("t") if isinstance(r, dict) else None
             if kind == "source":
-                if resume is not None:
-                    src = (str(rec["instance_id"]), int(rec["dp_rank"]), str(rec["url"]))
-                    resume[src] = (
-                        int(rec["last_seq"]),
-                        int(rec["digest"]),
-                        int(rec.get("fence", 0)),
-                    )
+                src = (str(rec["instance_id"]), int(rec["dp_rank"]), str(rec["url"]))
+                resume[src] = (
+                    int(rec["last_seq"]),
+                    int(rec["digest"]),
+                    int(rec.get("fence", 0)),
+                )
                 counts["sources"] += 1
             elif kind == "registration":
                 conductor.register(msgspec.convert(rec["request"], RegisterRequest))
@@ -452,38 +483,13 @@ def load_dump(conductor, chunks: Iterable[bytes]) -> dict[str, int]:
             else:
                 raise ValueError(f"unexpected dump record {kind!r}")
     finally:
-        if resume is not None:
-            resume.clear()  # cursors of sources no registration reopened
+        resume.clear()  # cursors of sources no registration reopened
     raise ValueError("truncated dump: no end record")
 
 
 # -- kv-conductor load-dump ---------------------------------------------------------------
-class _NoSubscriptions:
-    """Subscription manager for verification: registrations open no sockets."""
-
-    def __init__(self, thread, conductor) -> None:
-        self._n: dict[tuple[str, int], int] = {}
-
-    def count(self, instance_id: str, dp_rank: int) -> int:
-        return 0
-
-    def replace(self, instance_id: str, dp_rank: int, contexts) -> set[str]:
-        return set()
-
-    def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
-        return 0
-
-    def request_replay(self, ctx) -> None:
-        pass
-
-    def sources(self) -> list:
-        return []
-
-    def close(self) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return 0
+#: Subscriptions for verification: registrations open no sockets (``load-dump``, tests).
+_NoSubscriptions = NoSubscriptions
 
 
 def file_chunks(path: str, size: int = 1 << 20) -> Iterator[bytes]:
@@ -492,7 +498,7 @@ def file_chunks(path: str, size: int = 1 << 20) -> Iterator[bytes]:
             yield chunk
 
 
-def load_file(path: str) -> dict[str, Any]:
+def load_file(path: str) -> dict[str, object]:
     """Load the dump at ``path`` into an in-process conductor without sockets; returns
     ``{"loaded": ..., "workers": [...], "indexer": [per-index /workers summaries]}``."""
     from kvconductor.state.conductor import Conductor, ConductorConfig

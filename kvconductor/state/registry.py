@@ -32,8 +32,8 @@ Deviations from the reference (docs/api.md, "Differences from the reference"):
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.keys import (
@@ -44,6 +44,7 @@ from kvconductor.keys import (
     parse_medium,
 )
 from kvconductor.schema import DEFAULT_TENANT, RegisterRequest
+from kvconductor.state.protocols import JSONObject
 from kvconductor.urls import UrlError, UrlPolicy, check_url
 
 _ALL_MEDIA = (Medium.NPU, Medium.CPU, Medium.DISK)
@@ -179,11 +180,11 @@ class EndpointInfo:
     def index_key(self) -> tuple[str, str]:
         return (self.model_name, self.tenant_id)
 
-    def to_dict(self, serves: list[tuple[str, int]] | None = None) -> dict[str, Any]:
+    def to_dict(self, serves: list[tuple[str, int]] | None = None) -> JSONObject:
         """The ``/workers`` shape of one endpoint (docs/api.md, GET /workers); a pool's
         has ``pool``: ``{"kind": "cluster"}``, or for a node pool ``{"kind": "node",
         "node_ip", "serves"}`` with ``serves`` the DPs its blocks go to now."""
-        d: dict[str, Any] = {
+        d: JSONObject = {
             "medium_endpoints": dict(self.medium_endpoints),
             "engine_type": self.engine_type,
             "dp_rank": self.dp_rank,
@@ -211,7 +212,9 @@ class WorkerEntry:
     store_backend: str
     endpoints: dict[int, EndpointInfo] = field(default_factory=dict)
 
-    def to_dict(self, serves: Any = None) -> dict[str, Any]:
+    def to_dict(
+        self, serves: Callable[[EndpointInfo], list[tuple[str, int]]] | None = None
+    ) -> JSONObject:
         """The ``/workers`` shape of one instance (``store_backend`` is not exposed);
         ``serves(ep)``: the DPs a node pool endpoint serves (:meth:`Registry.node_pool_dps`)."""
         return {
@@ -225,8 +228,9 @@ class WorkerEntry:
             },
         }
 
-    def info(self) -> dict[str, Any]:
-        """Registration facts for subscribers (``Conductor.instance_info``)."""
+    def info(self) -> dict[str, object]:
+        """Registration facts for subscribers (``Conductor.instance_info``; ``endpoints``
+        by DP rank)."""
         return {
             "instance_id": self.instance_id,
             "model_name": self.model_name,
@@ -374,7 +378,7 @@ class Registry:
             if not sizes:
                 del self._sizes[ep.index_key]
 
-    def snapshot(self) -> list[dict[str, Any]]:
+    def snapshot(self) -> list[JSONObject]:
         """``/workers.workers``: instances sorted by id."""
         return [self.instances[k].to_dict(self.node_pool_dps) for k in sorted(self.instances)]
 

@@ -66,15 +66,24 @@ import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
 from kvconductor.state import dump
-from kvconductor.state.conductor import StateUnavailable
+from kvconductor.state.conductor import Conductor, StateUnavailable
+from kvconductor.state.journal import MUTATIONS, Args, apply_logged, mutation
+from kvconductor.state.protocols import ReplicaInfo
+
+if TYPE_CHECKING:
+    from valkey import Valkey
+
+    from kvconductor.ingest.subscriber import Subscription
 
 log = logging.getLogger("kvconductor.state.replica")
 
+# valkey types every command's reply as sync-or-async: the casts below name what the
+# synchronous client this module uses returns.
 NS = "kvc:"
 #: The stream every replica applies.
 LOG = NS + "log"
@@ -151,14 +160,14 @@ def _id(eid: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def _text(v: Any) -> str:
+def _text(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
 SENTINEL_SCHEMES = ("redis+sentinel", "valkey+sentinel")
 
 
-def connect(url: str, password: str | None = None) -> Any:
+def connect(url: str, password: str | None = None) -> Valkey:
     """A client of ``url``: ``redis://HOST:PORT/DB``, ``rediss://...``,
     ``unix:///PATH?db=N``, or ``redis+sentinel://[:PASSWORD@]HOST:PORT[,HOST:PORT...]/
     SERVICE[/DB]``: the primary the Sentinels name for SERVICE, found again after a
@@ -251,12 +260,15 @@ class ReplicaStats:
     replicas: int = 0
 
 
-class Replicator:
-    """One replica's link to the shared state (module docstring)."""
+class ValkeyJournal:
+    """One replica's link to the shared state (module docstring): the
+    :class:`~kvconductor.state.journal.Journal` of a conductor with ``--state-url``
+    (:meth:`Conductor.attach_journal <kvconductor.state.conductor.Conductor.attach_journal>`),
+    then :meth:`start`."""
 
     def __init__(
         self,
-        conductor: Any,
+        conductor: Conductor,
         url: str,
         *,
         password: str | None = None,
@@ -367,10 +379,17 @@ class Replicator:
             log.error("state store %s unreachable: %s", self.where, ex)
         self.up = up
 
-    # -- HTTP mutations --------------------------------------------------------------------
-    async def submit(self, kind: str, body: bytes) -> Any:
+    # -- HTTP mutations (the Journal) ---------------------------------------------------------
+    @property
+    def replica(self) -> ValkeyJournal:
+        """This journal is the replica (``/ready``, ``/workers``, ``/metrics``)."""
+        return self
+
+    async def submit(self, kind: str, body: bytes, args: Args = ()) -> object:
         """Append an HTTP mutation and return what applying it did here (or raise what it
-        raised); :class:`StateUnavailable` when the store cannot take it."""
+        raised); :class:`StateUnavailable` when the store cannot take it. ``args`` (the
+        body parsed) are not used: every replica decodes the logged body the same way."""
+        mutation(kind)  # an unknown kind is refused before it is logged
         if not self.up or not self.bootstrapped:
             raise StateUnavailable(self._down_reason())
         tag = f"{self.id}#{next(self._n)}"
@@ -404,7 +423,7 @@ class Replicator:
         return True
 
     # -- source entries (ingest thread, the owner's tracker) -------------------------------
-    def append_batch(self, sub: Any, seq: int, payload: bytes) -> None:
+    def append_batch(self, sub: Subscription, seq: int, payload: bytes) -> None:
         """An engine batch of an owned source (the writer packs consecutive ones into one
         ``batches`` entry)."""
         key = sub.key
@@ -416,11 +435,11 @@ class Replicator:
         except queue.Full:
             self._append_failed(key)
 
-    def append_source(self, sub: Any, kind: str, token: str, extra: Any = None) -> None:
+    def append_source(self, sub: Subscription, kind: str, token: str, extra: object = None) -> None:
         """A ``loss`` (``extra``: why), ``aged`` or ``down`` (``extra``: seconds not ready,
         negative when ready) entry of an owned source."""
         key = sub.key
-        items: list[Any] = [key[0], key[1], key[2], sub.lease_epoch, token]
+        items: list[object] = [key[0], key[1], key[2], sub.lease_epoch, token]
         if extra is not None:
             items.append(extra)
         if not self.up or not self._enqueue(kind, msgspec.msgpack.encode(items), None, key):
@@ -557,10 +576,10 @@ class Replicator:
         t0 = time.monotonic()
         n = int(meta["chunks"])
         keys = [f"{SNAP_CHUNK}{meta['key']}:{i}" for i in range(n)]
-        chunks = self.client.mget(keys) if keys else []
+        chunks = cast("list[bytes | None]", self.client.mget(keys)) if keys else []
         if any(c is None for c in chunks):
             return  # replaced meanwhile: read the new one
-        data = b"".join(chunks)
+        data = b"".join(c for c in chunks if c is not None)
         dump.verify([data])
         floor = int(meta.get("floor") or 0)
         if gen != self.gen:
@@ -643,7 +662,7 @@ class Replicator:
 
     # -- applying the log (ingest thread) --------------------------------------------------
     def _apply_entries(self, entries: list) -> None:
-        shared = getattr(self.conductor, "shared", None)
+        shared = self.conductor.shared
         with shared.batch() if shared is not None else nullcontext():
             for eid, fields in entries:
                 eid = _text(eid)
@@ -652,7 +671,7 @@ class Replicator:
                 kind = _text(fields.get(b"k", b""))
                 body = fields.get(b"b", b"")
                 tag = fields.get(b"o")
-                result: Any = None
+                result: object = None
                 error: BaseException | None = None
                 try:
                     result = self._apply_one(kind, body)
@@ -671,7 +690,7 @@ class Replicator:
                         else:
                             fut.set_exception(error)
 
-    def _apply_one(self, kind: str, body: bytes) -> Any:
+    def _apply_one(self, kind: str, body: bytes) -> object:
         c = self.conductor
         if kind == "batches":
             apply = c.subs.apply_logged
@@ -680,29 +699,20 @@ class Replicator:
                 apply((iid, dp, url), seq, epoch, payload)
             self.stats.batches += len(items)
             return None
-        if kind == "register":
-            from kvconductor.schema import register_decoder
-
-            return c.register(register_decoder.decode(body))
-        if kind == "unregister":
-            from kvconductor.schema import unregister_decoder
-
-            return c.unregister(unregister_decoder.decode(body))
-        if kind == "events":
-            from kvconductor.ingest.http_events import normalize_events
-            from kvconductor.schema import events_decoder
-
-            batch = events_decoder.decode(body)
-            return c.apply_events(batch, normalize_events(batch))
+        if kind in MUTATIONS:  # an HTTP mutation: the same table as a LocalJournal's
+            return apply_logged(c, kind, body)
         if kind == "loss":
             iid, dp, url, epoch, token, why = msgspec.msgpack.decode(body)
-            return c.subs.loss_logged((iid, dp, url), epoch, token, why)
+            c.subs.loss_logged((iid, dp, url), epoch, token, why)
+            return None
         if kind == "aged":
             iid, dp, url, epoch, token = msgspec.msgpack.decode(body)
-            return c.subs.aged_logged((iid, dp, url), epoch, token)
+            c.subs.aged_logged((iid, dp, url), epoch, token)
+            return None
         if kind == "down":
             iid, dp, url, epoch, _, secs = msgspec.msgpack.decode(body)
-            return c.subs.down_logged((iid, dp, url), epoch, float(secs))
+            c.subs.down_logged((iid, dp, url), epoch, float(secs))
+            return None
         raise ValueError(f"unknown log entry kind {kind!r}")
 
     # -- the keeper: heartbeat, leases, snapshots ------------------------------------------
@@ -753,8 +763,9 @@ class Replicator:
         if gen is None or _text(gen) != self.gen or self._needs_bootstrap:
             return  # not loaded in this generation: the reader seeds or loads it first
         if has_log:
+            info: dict[str, bytes | int]
             try:
-                info = r.xinfo_stream(LOG)
+                info = cast("dict[str, bytes | int]", r.xinfo_stream(LOG))
             except self.errors:
                 raise
             except Exception:  # the stream vanished in between (a re-seed)
@@ -867,7 +878,7 @@ class Replicator:
 
     def _maybe_snapshot(self) -> None:
         r = self.client
-        last = r.hget(SNAP, "time")
+        last = cast("bytes | None", r.hget(SNAP, "time"))
         if last is not None and time.time() - float(last) < self.snapshot_interval:
             return
         token = f"{self.id}:{uuid.uuid4().hex[:8]}"
@@ -887,7 +898,7 @@ class Replicator:
         sid = uuid.uuid4().hex
         pieces = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)]
         r = self.client
-        old = r.hmget(SNAP, ["key", "chunks"])
+        old = cast("list[bytes | None]", r.hmget(SNAP, ["key", "chunks"]))
         pipe = r.pipeline(transaction=False)
         for i, piece in enumerate(pieces):
             pipe.set(f"{SNAP_CHUNK}{sid}:{i}", piece)
@@ -895,7 +906,7 @@ class Replicator:
         ok = self._commit(
             keys=[GEN, SNAP, LOG],
             args=[
-                self.gen,
+                cast("str", self.gen),  # set by the seed or load before any snapshot
                 position,
                 sid,
                 len(pieces),
@@ -907,7 +918,7 @@ class Replicator:
         )
         stale = [f"{SNAP_CHUNK}{sid}:{i}" for i in range(len(pieces))] if not ok else []
         if ok and old[0] is not None:
-            stale = [f"{SNAP_CHUNK}{_text(old[0])}:{i}" for i in range(int(old[1]))]
+            stale = [f"{SNAP_CHUNK}{_text(old[0])}:{i}" for i in range(int(cast(bytes, old[1])))]
         if stale:
             r.delete(*stale)
         if ok:
@@ -919,7 +930,7 @@ class Replicator:
                 time.monotonic() - t0,
             )
 
-    def _take(self) -> tuple[dict, str]:
+    def _take(self) -> tuple[dump.Snapshot, str]:
         return dump.snapshot(self.conductor), self.applied_id
 
     # -- introspection ---------------------------------------------------------------------
@@ -930,7 +941,7 @@ class Replicator:
             return 0.0
         return max(0.0, (last[0] - mine[0]) / 1000.0)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ReplicaInfo:
         """``/workers``' ``replica`` object."""
         s = self.stats
         return {
@@ -989,3 +1000,7 @@ def _is_outcome(ex: BaseException) -> bool:
     from kvconductor.state.registry import RegistrationError
 
     return isinstance(ex, RegistrationError | RegistrationUnavailable | InstanceNotRegistered)
+
+
+#: The name before the journal seam (tests, and callers of the replica module).
+Replicator = ValkeyJournal

@@ -32,8 +32,8 @@ import logging
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, cast
 
 import msgspec
 
@@ -41,6 +41,9 @@ from kvconductor import _index
 from kvconductor._arena import OPAQUE_OFFSET, Arena
 from kvconductor._shlock import SharedLock
 from kvconductor.index import QueryResult, names_class, select_answer
+
+if TYPE_CHECKING:
+    from kvconductor.index import Index
 
 log = logging.getLogger("kvconductor")
 
@@ -70,7 +73,18 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Directory)
 
 
-def directory_of(conductor: Any) -> Directory:
+class DirectorySource(Protocol):
+    """What the directory is made of (the owner's conductor; ingest thread)."""
+
+    @property
+    def indexes(self) -> Mapping[tuple[str, str], Index]: ...
+    @property
+    def block_sizes(self) -> Mapping[tuple[str, str], frozenset[int]]: ...
+    @property
+    def lora_seeds(self) -> Mapping[tuple[str, str], frozenset[int]]: ...
+
+
+def directory_of(conductor: DirectorySource) -> Directory:
     """The directory of ``conductor``'s current state (ingest thread)."""
     return Directory(
         indexes=[
@@ -109,7 +123,7 @@ class SharedIndexes:
         _index.install_shared(None, None)
         self.arena.close()
 
-    def publish(self, conductor: Any) -> int:
+    def publish(self, conductor: DirectorySource) -> int:
         """Write ``conductor``'s directory and bump the generation (ingest thread);
         returns the new generation."""
         doc = _encoder.encode(directory_of(conductor))
@@ -165,7 +179,7 @@ class SharedIndexes:
         out["readers_killed"] = int(lk.get("kills", 0))
         return out
 
-    def wait_histogram(self) -> dict[str, Any]:
+    def wait_histogram(self) -> dict[str, object]:
         """How long the ingest thread's write sections waited for worker queries inside
         (:meth:`~kvconductor._shlock.SharedLock.wait_histogram`)."""
         return self.lock.wait_histogram()
@@ -202,6 +216,16 @@ class WriteBatch:
             _index.shared_write_exit()
 
 
+class GroupNames(Protocol):
+    """An index's group id -> (instance, DP) name table (:func:`kvconductor.index.
+    names_class`)."""
+
+    @property
+    def keys(self) -> list[tuple[str, int]]: ...
+    def __len__(self) -> int: ...
+    def add(self, instance_id: str, dp_rank: int) -> object: ...
+
+
 class ViewIndex:
     """A worker's read-only index of one (model, tenant): the owner's structures through
     an attached :class:`~kvconductor._index.CoreIndex` handle, and the group names of
@@ -216,9 +240,9 @@ class ViewIndex:
         view: SharedView,
         model: str,
         tenant: str,
-        core: Any,
-        groups: list,
-        names: Any = None,
+        core: _index.CoreIndex,
+        groups: list[tuple[str, int]],
+        names: GroupNames | None = None,
     ) -> None:
         self.view = view
         self.model = model
@@ -226,14 +250,14 @@ class ViewIndex:
         self.core = core
         self.group_keys = groups
         if names is None or names.keys != groups[: len(names)]:
-            names = names_class(None)()
+            names = cast(GroupNames, names_class(None)())
         for g in groups[len(names) :]:
             names.add(*g)
         self.names = names
 
     def _run(
         self,
-        fn: Callable[[Any], Any],
+        fn: Callable[[_index.CoreIndex], _index.MatchRows],
         top_k: int | None,
         instances: Sequence[str] | None,
     ) -> QueryResult:
@@ -253,7 +277,7 @@ class ViewIndex:
 
     def query(
         self,
-        tokens: Any,
+        tokens: Sequence[int],
         block_size: int,
         seed: int,
         *,
@@ -266,7 +290,7 @@ class ViewIndex:
 
     def query_by_hash(
         self,
-        local_hashes: Any,
+        local_hashes: Sequence[int],
         *,
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
@@ -328,7 +352,7 @@ class SharedView:
                 old = self.indexes.get((m, t))
                 # the names of an index that only grew are kept (group ids only append)
                 names = old.names if old is not None and _same_core(old, state) else None
-                indexes[(m, t)] = ViewIndex(self, m, t, core, [tuple(g) for g in groups], names)
+                indexes[(m, t)] = ViewIndex(self, m, t, core, [(i, d) for i, d in groups], names)
             self.indexes = indexes
             self.block_sizes = {(m, t): frozenset(s) for m, t, s in doc.block_sizes}
             self.lora_seeds = {(m, t): frozenset(s) for m, t, s in doc.lora_seeds}

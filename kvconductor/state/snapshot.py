@@ -36,9 +36,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvconductor.state import dump
+
+if TYPE_CHECKING:
+    from kvconductor.state.conductor import Conductor
 
 log = logging.getLogger("kvconductor.state.snapshot")
 
@@ -247,7 +250,7 @@ class Snapshotter:
     :meth:`stop`) from its own thread. ``stop(final=True)`` writes the last one;
     call it after the HTTP server stopped and before the conductor stops."""
 
-    def __init__(self, conductor, store: SnapshotStore, interval: float) -> None:
+    def __init__(self, conductor: Conductor, store: SnapshotStore, interval: float) -> None:
         self.conductor = conductor
         self.store = store
         self.interval = float(interval)
@@ -307,7 +310,7 @@ class Snapshotter:
         self.store.release()
 
 
-def _pairs(ix: dict[str, Any]) -> int:
+def _pairs(ix: dump.IndexSnapshot) -> int:
     """(worker, block) pairs of one index of a snapshot."""
     t = ix["tables"]
     return len(t["hbm_members"][0]) + len(t["cpu"][0]) + len(t["disk"][0])
@@ -325,7 +328,7 @@ def _refuse(path: str, why: BaseException) -> None:
     log.error("snapshot %s refused: %s%s", path, why, kept)
 
 
-def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
+def warm_start(conductor: Conductor, store: SnapshotStore) -> dict[str, object] | None:
     """Load the newest snapshot of ``store`` that verifies and loads into the started,
     empty ``conductor``; None when there is none. Each one refused (it does not verify,
     or its content does not load: an index that breaks its invariants, a registration
@@ -358,7 +361,7 @@ def warm_start(conductor, store: SnapshotStore) -> dict[str, Any] | None:
     return None
 
 
-def reset(conductor) -> None:
+def reset(conductor: Conductor) -> None:
     """Forget every subscription, registration and index (ingest thread): what a failed
     load left, or a replica's state before it loads a snapshot."""
     from kvconductor.state.registry import Registry

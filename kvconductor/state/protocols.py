@@ -1,0 +1,296 @@
+"""The declared seams of the state floor (like falcon's ``_typing.py``).
+
+Optional features are objects handed to the :class:`~kvconductor.state.conductor.
+Conductor` at construction (or through its explicit ``attach_*`` methods), typed by the
+Protocols here, never attributes found by probing:
+
+* :class:`~kvconductor.state.journal.Journal` (in :mod:`kvconductor.state.journal`): the
+  path every HTTP mutation takes; a replicated one exposes a :class:`Replica`;
+* :class:`Snapshots`: the ``--snapshot-dir`` writer
+  (:class:`kvconductor.state.snapshot.Snapshotter`);
+* :class:`Subscriptions`: the ZeroMQ subscriptions the conductor drives
+  (:class:`kvconductor.ingest.subscriber.SubscriptionManager`; :class:`NoSubscriptions`
+  when there are none: before start, a dump check, test doubles);
+* :class:`QuerySource` and :class:`IndexView`: what the HTTP query resources read, served
+  by the conductor in its own process and by :class:`kvconductor.state.shared.SharedView`
+  in a ``--workers N`` worker.
+
+This module imports nothing of the state floor: the conductor, the journal and the
+modules above them all name their seams from here, so the import map has no circle.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
+
+if TYPE_CHECKING:
+    from kvconductor.index import QueryResult
+    from kvconductor.ingest.context import SubscriberContext
+    from kvconductor.ingest.subscriber import RetiredTotals, SourceMetrics, Subscription
+
+__all__ = [
+    "IndexView",
+    "JSONObject",
+    "JSONValue",
+    "NoSubscriptions",
+    "QuerySource",
+    "Replica",
+    "ReplicaInfo",
+    "SnapshotCounts",
+    "Snapshots",
+    "SourceInfo",
+    "SourceKey",
+    "Subscriptions",
+]
+
+#: A JSON document (what ``/workers``, ``/debug/dump`` and the dump records hold).
+JSONValue: TypeAlias = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
+JSONObject = dict[str, JSONValue]
+
+#: A ZeroMQ source: (instance_id, dp_rank, url).
+SourceKey = tuple[str, int, str]
+
+
+# -- queries ---------------------------------------------------------------------------------
+class IndexView(Protocol):
+    """One (model, tenant) index as the query resources read it
+    (:class:`kvconductor.index.Index`, :class:`kvconductor.state.shared.ViewIndex`)."""
+
+    def query(
+        self,
+        tokens: Sequence[int],
+        block_size: int,
+        seed: int,
+        *,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
+    ) -> QueryResult: ...
+
+    def query_by_hash(
+        self,
+        local_hashes: Sequence[int],
+        *,
+        top_k: int | None = None,
+        instances: Sequence[str] | None = None,
+    ) -> QueryResult: ...
+
+
+class QuerySource(Protocol):
+    """What ``POST /query`` and ``POST /query_by_hash`` need (any thread): the index of a
+    (model, tenant), the registered block sizes and LoRA seeds seen (the miss reasons),
+    and threads for large queries."""
+
+    @property
+    def block_sizes(self) -> Mapping[tuple[str, str], frozenset[int]]: ...
+
+    @property
+    def lora_seeds(self) -> Mapping[tuple[str, str], frozenset[int]]: ...
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor: ...
+
+    def get_index(self, model: str, tenant: str) -> IndexView | None: ...
+
+
+# -- replicas and snapshots ------------------------------------------------------------------
+class ReplicaInfo(TypedDict):
+    """``GET /workers``' ``replica`` object (docs/api.md)."""
+
+    id: str
+    state_store: str
+    loaded: bool
+    applied_id: str
+    log_last_id: str
+    log_length: int
+    lag_s: float
+    replicas: int
+    sources_consumed: int
+    sources_handed_over: int
+    entries_applied: int
+    batches_applied: int
+    entries_appended: int
+    append_failures: int
+    bootstraps: int
+    snapshots_written: int
+
+
+class Replica(Protocol):
+    """A replicated journal (``--state-url``) as ``/ready``, ``/workers`` and ``/metrics``
+    read it."""
+
+    @property
+    def bootstrapped(self) -> bool:
+        """The state was loaded from the store (readiness)."""
+        ...
+
+    def info(self) -> ReplicaInfo: ...
+
+
+class SnapshotCounts(Protocol):
+    """What ``/metrics`` reports of the snapshots
+    (:class:`kvconductor.state.snapshot.SnapshotStats`)."""
+
+    @property
+    def written(self) -> int: ...
+    @property
+    def failed(self) -> int: ...
+    @property
+    def last_time(self) -> float: ...
+    @property
+    def last_bytes(self) -> int: ...
+    @property
+    def last_seconds(self) -> float: ...
+    @property
+    def last_pause(self) -> float: ...
+
+
+class Snapshots(Protocol):
+    """The ``--snapshot-dir`` writer of a conductor."""
+
+    @property
+    def stats(self) -> SnapshotCounts: ...
+
+    def start(self) -> None: ...
+
+    def stop(self, final: bool = True) -> None: ...
+
+
+# -- subscriptions ---------------------------------------------------------------------------
+class LastLoss(TypedDict):
+    at: float
+    why: str
+
+
+class SourceInfo(TypedDict, total=False):
+    """The fields of a ``/workers`` ``sources`` entry the state floor reads (docs/api.md,
+    GET /workers; :meth:`kvconductor.ingest.subscriber.Subscription.info` writes it)."""
+
+    instance_id: str
+    dp_rank: int
+    url: str
+    state: str
+    connected: bool
+    events: int
+    blocks: int
+    losses: int
+    degraded_since: float | None
+    last_loss: LastLoss | None
+    dropped: dict[str, int]
+
+
+class Subscriptions(Protocol):
+    """The ZeroMQ subscriptions of a conductor (ingest thread, except
+    :meth:`metrics_snapshot`)."""
+
+    #: ``--state-url``: the replica that logs what the owned sources bring (set by
+    #: :meth:`kvconductor.state.replica.ValkeyJournal.start`; None: not replicated).
+    replicator: object
+
+    @property
+    def resume(self) -> dict[SourceKey, tuple[int, int, int]]:
+        """Sequence cursors a dump's sources resume from when a registration reopens
+        them (filled by :func:`kvconductor.state.dump.load_dump`, emptied after it)."""
+        ...
+
+    def count(self, instance_id: str, dp_rank: int) -> int: ...
+    def __len__(self) -> int: ...
+    def replace(
+        self, instance_id: str, dp_rank: int, contexts: list[SubscriberContext]
+    ) -> set[str]: ...
+    def unsubscribe(self, instance_id: str, dp_rank: int) -> int: ...
+    def request_replay(self, ctx: SubscriberContext) -> None: ...
+    def sources(self) -> list[dict[str, object]]:
+        """Per subscription its ``/workers`` ``sources`` entry (:class:`SourceInfo`)."""
+        ...
+
+    def get(self, instance_id: str, dp_rank: int, url: str) -> Subscription | None: ...
+    def check_sources(self, now: float | None = None) -> None: ...
+    def cursors(self) -> list[JSONObject]: ...
+    def metrics_snapshot(self) -> tuple[list[SourceMetrics], RetiredTotals | None]: ...
+    def close(self) -> None: ...
+
+    # the replicated log's source entries (kvconductor.state.replica)
+    def apply_logged(self, key: SourceKey, seq: int, epoch: int, payload: bytes) -> bool: ...
+    def loss_logged(self, key: SourceKey, epoch: int, token: str, why: str) -> None: ...
+    def aged_logged(self, key: SourceKey, epoch: int, token: str) -> None: ...
+    def down_logged(self, key: SourceKey, epoch: int, secs: float) -> None: ...
+    def raise_fence_floor(self, floor: int) -> None: ...
+    def highest_fence(self) -> int: ...
+    def release_all(self) -> int: ...
+    def source_states(self) -> dict[SourceKey, bool]: ...
+
+
+class NoSubscriptions:
+    """:class:`Subscriptions` without sockets: registrations open none, and there is
+    nothing to check, resume or report. A conductor has these until it starts; dump
+    checks (``kv-conductor load-dump``) and test doubles build on them."""
+
+    replicator: object = None
+
+    def __init__(self, thread: object = None, conductor: object = None) -> None:
+        pass
+
+    @property
+    def resume(self) -> dict[SourceKey, tuple[int, int, int]]:
+        return {}  # nothing resumes: what a dump fills in here is dropped
+
+    def count(self, instance_id: str, dp_rank: int) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return 0
+
+    def replace(
+        self, instance_id: str, dp_rank: int, contexts: list[SubscriberContext]
+    ) -> set[str]:
+        return set()
+
+    def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
+        return 0
+
+    def request_replay(self, ctx: SubscriberContext) -> None:
+        pass
+
+    def sources(self) -> list[dict[str, object]]:
+        return []
+
+    def get(self, instance_id: str, dp_rank: int, url: str) -> Subscription | None:
+        return None
+
+    def check_sources(self, now: float | None = None) -> None:
+        pass
+
+    def cursors(self) -> list[JSONObject]:
+        return []
+
+    def metrics_snapshot(self) -> tuple[list[SourceMetrics], RetiredTotals | None]:
+        return [], None
+
+    def close(self) -> None:
+        pass
+
+    def apply_logged(self, key: SourceKey, seq: int, epoch: int, payload: bytes) -> bool:
+        return False
+
+    def loss_logged(self, key: SourceKey, epoch: int, token: str, why: str) -> None:
+        pass
+
+    def aged_logged(self, key: SourceKey, epoch: int, token: str) -> None:
+        pass
+
+    def down_logged(self, key: SourceKey, epoch: int, secs: float) -> None:
+        pass
+
+    def raise_fence_floor(self, floor: int) -> None:
+        pass
+
+    def highest_fence(self) -> int:
+        return 0
+
+    def release_all(self) -> int:
+        return 0
+
+    def source_states(self) -> dict[SourceKey, bool]:
+        return {}
