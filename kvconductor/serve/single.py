@@ -380,7 +380,7 @@ def report_bind_error(settings: Settings, ex: OSError) -> None:
 
 def serve(settings: Settings) -> int:
     """Serve in this one process until a shutdown signal; returns the process exit status
-    (``--workers N > 1`` is :func:`kvconductor.serve.cluster.serve_owner`)."""
+    (``--workers N > 1`` is :func:`kvconductor.serve.owner.serve_owner`)."""
     # PERF: large queries hash and match in worker threads without the GIL, but
     # hand it back between steps; a short switch interval keeps the event loop's
     # small queries from waiting the default 5 ms for it.
