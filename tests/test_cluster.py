@@ -45,7 +45,7 @@ from kvconductor._hash import hash_blocks
 from kvconductor._shlock import proc_stamp
 from kvconductor.http.metrics import QueryMetrics, merge_query_metrics, query_samples
 from kvconductor.logs import set_process_role
-from kvconductor.serve import cli, worker, workermetrics
+from kvconductor.serve import bootstrap, cli, worker, workermetrics
 from kvconductor.serve import owner as supervision
 from kvconductor.serve.settings import Settings
 from kvconductor.state.conductor import TRIM_SECS
@@ -436,7 +436,7 @@ def _call(app, method: str, path: str, body: bytes = b"", headers=()) -> tuple[i
 
 
 def test_worker_app_owner_unreachable_is_503_in_the_request_encoding(tmp_path):
-    app = worker.create_worker_app(str(tmp_path / "missing.sock"), max_body_bytes=100)
+    app = bootstrap.create_worker_app(str(tmp_path / "missing.sock"), max_body_bytes=100)
     status, headers, body = _call(app, "POST", "/events", b"{}")
     assert status == 503 and headers[b"content-type"] == b"application/json"
     assert json.loads(body)["error"] == "the index owner process is unavailable; retry later"
@@ -458,7 +458,7 @@ def test_worker_app_query_seam(tmp_path):
         await send({"type": "http.response.start", "status": 299, "headers": []})
         await send({"type": "http.response.body", "body": b"local"})
 
-    app = worker.create_worker_app(
+    app = bootstrap.create_worker_app(
         str(tmp_path / "missing.sock"), max_body_bytes=100, query_handler=handler
     )
     assert _call(app, "POST", "/query_by_hash", b"{}")[::2] == (299, b"local")

@@ -53,27 +53,21 @@ from typing import Any
 import msgspec
 import uvicorn
 
-from kvconductor._shlock import SLOTS, owner_alive, proc_stamp
-from kvconductor.http.metrics import Metrics, Sample
+from kvconductor._shlock import owner_alive, proc_stamp
+from kvconductor.http.metrics import Sample
 from kvconductor.logs import set_process_role
+from kvconductor.serve.bootstrap import StartFailed, build_service
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.single import (
     GRACEFUL_SECS,
-    SWITCH_INTERVAL,
     KvServer,
-    _version,
     bind_socket,
     format_address,
     report_bind_error,
-    serving_app,
-    start_conductor,
-    stop_conductor,
     uvicorn_config,
 )
-from kvconductor.serve.worker import FORCE, READY, STOP, WORKER_QUERY_THREADS, settings_json
-from kvconductor.serve.workermetrics import WorkerCollector, fetch_query_samples
-from kvconductor.state.conductor import Conductor, raise_fd_limit
-from kvconductor.state.shared import SharedIndexes
+from kvconductor.serve.worker import FORCE, READY, STOP, settings_json
+from kvconductor.serve.workermetrics import fetch_query_samples
 
 log = logging.getLogger("kvconductor.cluster")
 
@@ -703,88 +697,80 @@ class OwnerServer(KvServer):
         await self.owner.run(lambda: super(OwnerServer, self).serve(sockets=sockets), self)
 
 
+class _Ports:
+    """The owner's sockets and private directory, made once the shared index exists
+    (:func:`serve_owner`), closed and removed at the end."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.port_sock: socket.socket | None = None
+        self.tmpdir: str | None = None
+
+    def supervise(self, shared: Any) -> Owner:
+        """Bind the public port (held, never listened on), make the private directory,
+        and the :class:`Owner` over them (``build_service``'s ``supervise``)."""
+        settings = self.settings
+        try:
+            self.port_sock = bind_socket(
+                settings.host, settings.port, reuse_port=True, listen=False
+            )
+        except OSError as ex:
+            report_bind_error(settings, ex)
+            raise StartFailed(str(ex)) from None
+        host = settings.host
+        if self.port_sock.family == socket.AF_INET and ":" in host:  # no IPv6: fell back
+            host = "0.0.0.0"
+        port = self.port_sock.getsockname()[1]
+        try:
+            self.tmpdir = make_private_dir()
+        except OSError as ex:
+            log.error("cannot create the owner's private directory: %s", ex)
+            print(f"kv-conductor: error: cannot create a private directory: {ex}", file=sys.stderr)
+            raise StartFailed(str(ex)) from None
+        owner_path = os.path.join(self.tmpdir, "owner.sock")
+        return Owner(settings, self.tmpdir, owner_path, host, port, shared)
+
+    def close(self) -> None:
+        if self.port_sock is not None:
+            self.port_sock.close()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
 def serve_owner(settings: Settings) -> int:
     """``kv-conductor --workers N`` (N > 1): the owner process. Returns the exit status."""
-
     set_process_role("owner")
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(settings.max_sources, settings.max_connections * settings.workers)
-    conductor = Conductor(settings.conductor_config())
-    readers = settings.workers * (1 + WORKER_QUERY_THREADS)
-    if readers > SLOTS:
-        msg = (
-            f"--workers {settings.workers} needs {readers} reader slots of the shared index "
-            f"(1 + {WORKER_QUERY_THREADS} query threads per worker); at most {SLOTS} exist: "
-            f"use --workers {SLOTS // (1 + WORKER_QUERY_THREADS)} or fewer"
-        )
-        log.error("%s", msg)
-        print(f"kv-conductor: error: {msg}", file=sys.stderr)
-        return 1
+    ports = _Ports(settings)
     try:
-        shared = conductor.shared = SharedIndexes()
-    except OSError as ex:
-        log.error("cannot create the shared index arena: %s", ex)
-        print(f"kv-conductor: error: cannot create the shared index arena: {ex}", file=sys.stderr)
-        return 1
-    shared.set_stall_policy(settings.reader_stall_ms, kill=True)
-    try:
-        port_sock = bind_socket(settings.host, settings.port, reuse_port=True, listen=False)
-    except OSError as ex:
-        report_bind_error(settings, ex)
-        return 1
-    host = settings.host
-    if port_sock.family == socket.AF_INET and ":" in host:  # no IPv6: fell back
-        host = "0.0.0.0"
-    port = port_sock.getsockname()[1]
-    try:
-        tmpdir = make_private_dir()
-    except OSError as ex:
-        port_sock.close()
-        log.error("cannot create the owner's private directory: %s", ex)
-        print(f"kv-conductor: error: cannot create a private directory: {ex}", file=sys.stderr)
-        return 1
-    owner_path = os.path.join(tmpdir, "owner.sock")
-    owner = Owner(settings, tmpdir, owner_path, host, port, shared)
-    conductor.processes = owner.info
-    unix_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        unix_sock.bind(owner_path)
-        unix_sock.listen(2048)
-        metrics = Metrics(
-            conductor, other_queries=owner.worker_query_samples, extra=[WorkerCollector(owner)]
-        )
-        app = serving_app(conductor, settings, metrics=metrics)
-        # The owner's socket is private: plain HTTP, long keep-alive for the workers'
-        # pools, room for the requests in flight of every worker.
-        private = dataclasses.replace(
-            settings,
-            tls_cert=None,
-            tls_key=None,
-            tls_client_ca=None,
-            keep_alive_secs=max(settings.keep_alive_secs, OWNER_KEEP_ALIVE),
-            max_connections=settings.max_connections * settings.workers,
-        )
-        server = OwnerServer(uvicorn_config(app, private, "(owner socket)"), owner)
-        log.info(
-            "KV conductor starting on %s workers=%d reader_stall=%dms version=%s %s "
-            "switch_interval=%s",
-            format_address(port_sock),
-            settings.workers,
-            settings.reader_stall_ms,
-            _version(),
-            settings.describe(),
-            sys.getswitchinterval(),
-        )
-        if not start_conductor(conductor, settings):
-            return 1
         try:
-            server.run(sockets=[unix_sock])
-        finally:
-            owner.kill_all()
-            stop_conductor(conductor)
-            log.info("KV conductor shut down")
+            service = build_service(settings, "owner", supervise=ports.supervise)
+        except StartFailed:
+            return 1
+        owner = service.supervisor
+        assert isinstance(owner, Owner) and ports.port_sock is not None
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as unix_sock:
+            unix_sock.bind(owner.owner_path)
+            unix_sock.listen(2048)
+            # The owner's socket is private: plain HTTP, long keep-alive for the workers'
+            # pools, room for the requests in flight of every worker.
+            private = dataclasses.replace(
+                settings,
+                tls_cert=None,
+                tls_key=None,
+                tls_client_ca=None,
+                keep_alive_secs=max(settings.keep_alive_secs, OWNER_KEEP_ALIVE),
+                max_connections=settings.max_connections * settings.workers,
+            )
+            server = OwnerServer(uvicorn_config(service.app, private, "(owner socket)"), owner)
+            service.log_start(format_address(ports.port_sock))
+            if not service.start():
+                return 1
+            try:
+                server.run(sockets=[unix_sock])
+            finally:
+                owner.kill_all()
+                service.stop()
+                log.info("KV conductor shut down")
     finally:
-        unix_sock.close()
-        port_sock.close()
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        ports.close()
     return 0

@@ -4,8 +4,9 @@ and a ZeroMQ context).
 
 A worker binds ``host:port`` with ``SO_REUSEPORT`` and listens (the kernel spreads new
 connections over the workers), serves HTTP with the same limits and TLS flags as one
-process, and runs the one front door (:class:`~kvconductor.http.front.FrontDoor`): ``POST
-/query`` and ``POST /query_by_hash`` answered here from the owner's index in shared memory
+process, and runs the one front door (:class:`~kvconductor.http.front.FrontDoor`, built by
+:func:`kvconductor.serve.bootstrap.build_service`): ``POST /query`` and ``POST
+/query_by_hash`` answered here from the owner's index in shared memory
 (:func:`kvconductor.http.api.query_routes` over a
 :class:`~kvconductor.state.shared.SharedView`, counting in a
 :class:`~kvconductor.http.metrics.QueryMetrics` the owner's ``/metrics`` sums), ``GET
@@ -31,26 +32,22 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from types import FrameType
 
 import msgspec
 import uvicorn
 
-from kvconductor.http.front import ASGIApp, FrontDoor
-from kvconductor.http.metrics import QueryMetrics
 from kvconductor.logs import set_process_role
-from kvconductor.serve.proxy import Forwarder, OwnerClient
+from kvconductor.serve.bootstrap import StartFailed, build_service
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.single import (
-    SWITCH_INTERVAL,
     KvServer,
     bind_socket,
     report_bind_error,
     uvicorn_config,
 )
 from kvconductor.serve.workermetrics import serve_query_metrics
-from kvconductor.state.conductor import raise_fd_limit, tune_malloc
 
 log = logging.getLogger("kvconductor.cluster")
 
@@ -63,8 +60,6 @@ STOP = b"S"
 FORCE = b"F"
 #: ``prog`` of a worker's command line (``python -m kvconductor.serve.worker``).
 WORKER_PROG = "kvconductor.serve.worker"
-#: Threads of a worker answering large queries (the event loop answers the others).
-WORKER_QUERY_THREADS = 2
 #: Settings a worker needs (never the API key: the owner checks it).
 WORKER_FIELDS = (
     "host",
@@ -92,34 +87,6 @@ def settings_from_json(text: str) -> Settings:
     doc = msgspec.json.decode(text)
     doc["allow_origins"] = tuple(doc.get("allow_origins") or ())
     return Settings(**{k: v for k, v in doc.items() if k in WORKER_FIELDS})
-
-
-def create_worker_app(
-    owner_socket: str,
-    *,
-    max_body_bytes: int,
-    allow_origins: Iterable[str] = (),
-    query_handler: ASGIApp | None = None,
-    query_metrics: QueryMetrics | None = None,
-    routes: dict | None = None,
-) -> FrontDoor:
-    """The ASGI app of a worker: the front door over a forwarder to the owner at
-    ``owner_socket`` (:class:`~kvconductor.serve.proxy.Forwarder`: body limit, 413 and
-    503 as there). ``GET /health`` is answered here (``OK``).
-
-    ``routes``: the query routes answered here (:func:`kvconductor.http.api.query_routes`
-    over the shared view; default none: the queries are forwarded too).
-    ``query_handler``: an ASGI callable for the query routes instead (a test seam).
-    ``query_metrics``: counts a chunked query body past the limit refused here (the
-    routes count the rest).
-    """
-    rest = Forwarder(
-        OwnerClient(owner_socket),
-        max_body_bytes=max_body_bytes,
-        allow_origins=allow_origins,
-        query_metrics=query_metrics,
-    )
-    return FrontDoor(rest, routes, max_body_bytes, query_handler=query_handler, health=True)
 
 
 class WorkerServer(KvServer):
@@ -229,57 +196,30 @@ def worker_main(argv: list[str]) -> int:
     if os.getppid() != args.owner_pid:
         log.error("owner process gone before this worker started; exiting")
         return 1
-    shared_fds = tuple(args.shared_fds)
     link = _OwnerLink(control)
     link.start()
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(1, settings.max_connections)
-    tune_malloc()  # large answers reuse heap pages (kvconductor.state.conductor.tune_malloc)
+    try:
+        service = build_service(
+            settings, "worker", owner_socket=args.owner_socket, shared_fds=tuple(args.shared_fds)
+        )
+    except StartFailed:
+        return 1
     try:
         sock = bind_socket(settings.host, settings.port, reuse_port=True)
     except OSError as ex:
         report_bind_error(settings, ex)
         return 1
-    query_metrics = QueryMetrics()
-    routes = None
-    if len(shared_fds) >= 2:
-        # /query and /query_by_hash answered here, from the owner's index in shared memory
-        from kvconductor.http.api import query_routes
-        from kvconductor.state.shared import SharedView
-
-        try:
-            view = SharedView.attach(
-                shared_fds[0], shared_fds[1], query_threads=WORKER_QUERY_THREADS
-            )
-        except (OSError, RuntimeError, ValueError) as ex:
-            log.error("cannot attach the shared index: %s", ex)
-            return 1
-        routes = query_routes(view, max_body_bytes=settings.max_body_bytes, metrics=query_metrics)
-        log.info(
-            "shared index attached at %#x (directory generation %d)",
-            view.arena.address,
-            view.generation,
-        )
-    app = create_worker_app(
-        args.owner_socket,
-        max_body_bytes=settings.max_body_bytes,
-        allow_origins=settings.allow_origins,
-        query_metrics=query_metrics,
-        routes=routes,
-    )
-    serve_query_metrics(args.metrics_socket, query_metrics)
+    assert service.query_metrics is not None
+    serve_query_metrics(args.metrics_socket, service.query_metrics)
     # date_header off: the owner's answers carry theirs
-    config = uvicorn_config(app, settings, date_header=False)
-
-    forwarder = app.rest
-    assert isinstance(forwarder, Forwarder)
+    config = uvicorn_config(service.app, settings, date_header=False)
     server = WorkerServer(config, link.ready)
     link.server = server
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
-        forwarder.owner.close()
+        service.stop()
         log.info("worker stopped")
     return 0
 
