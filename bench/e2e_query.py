@@ -12,6 +12,9 @@ HBM chain through ``POST /events``, then measures:
 4. small-query p99 while 1M-token queries run concurrently;
 5. RSS per (worker, block) after loading 64 workers.
 
+``--workers N`` starts ``kv-conductor --workers N`` instead of one process: the queries
+are then answered by the worker processes (the events go through them to the owner).
+
 Every number is printed in one table; nothing here asserts timings.
 """
 
@@ -42,11 +45,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int) -> subprocess.Popen:
+def start_server(port: int, workers: int = 1) -> subprocess.Popen:
     env = dict(os.environ, KV_CONDUCTOR_LOG="warning")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1", "--port", str(port)]
-        + ["--no-snapshots"],
+        + ["--no-snapshots", "--workers", str(workers)],
         env=env,
     )
     deadline = time.time() + 30
@@ -203,9 +206,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--max-tokens", type=int, default=5_000_000)
     ap.add_argument("--skip-rss", action="store_true")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="kv-conductor --workers N (N > 1: the queries answered by the worker "
+        "processes; the RSS row is the owner's)",
+    )
     args = ap.parse_args()
     port = free_port()
-    proc = start_server(port)
+    proc = start_server(port, args.workers)
     rows = []
     try:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)

@@ -1,4 +1,5 @@
-"""``kv-conductor --workers N`` (kvconductor/cluster.py): real owner and worker processes.
+"""``kv-conductor --workers N`` (kvconductor/serve/owner.py, worker.py, proxy.py): real owner
+and worker processes.
 
 The single-process HTTP tests of tests/test_server.py run again here against a server
 with two workers (imported below: same requests, same expected answers), then the
@@ -44,7 +45,8 @@ from kvconductor._hash import hash_blocks
 from kvconductor._shlock import proc_stamp
 from kvconductor.http.metrics import QueryMetrics, merge_query_metrics, query_samples
 from kvconductor.logs import set_process_role
-from kvconductor.serve import cli, cluster
+from kvconductor.serve import bootstrap, cli, worker, workermetrics
+from kvconductor.serve import owner as supervision
 from kvconductor.serve.settings import Settings
 from kvconductor.state.conductor import TRIM_SECS
 
@@ -368,11 +370,11 @@ def test_merge_query_metrics_sums_real_query_metrics():
 def test_owner_keeps_the_counts_of_exited_workers(tmp_path):
     """A worker's last report stays in the sums after it exits (counters never go back);
     the on_worker_exit hooks get its pid."""
-    owner = cluster.Owner(Settings(workers=2), str(tmp_path), "unused", "::", 1)
+    owner = supervision.Owner(Settings(workers=2), str(tmp_path), "unused", "::", 1)
     path = str(tmp_path / "w.sock")
     qm = QueryMetrics()
     qm.route_seconds["/query"].observe(0.001)
-    cluster._serve_metrics(path, qm)
+    workermetrics.serve_query_metrics(path, qm)
     owner._live[4242] = ("worker-1", 4242, path)
     assert _count(owner.worker_query_samples()) == 1
     qm.route_seconds["/query"].observe(0.001)
@@ -385,12 +387,12 @@ def test_owner_keeps_the_counts_of_exited_workers(tmp_path):
     def broken(pid: int) -> None:
         raise RuntimeError("a broken hook is logged, the next one still runs")
 
-    cluster.on_worker_exit.extend([broken, seen.append])
+    supervision.on_worker_exit.extend([broken, seen.append])
     try:
         owner._exited(slot)
     finally:
-        del cluster.on_worker_exit[-2:]
-    assert seen == [4242] and cluster.on_worker_exit == []
+        del supervision.on_worker_exit[-2:]
+    assert seen == [4242] and supervision.on_worker_exit == []
     assert owner.live_workers() == 0
     assert _count(owner.worker_query_samples()) == 2
 
@@ -434,7 +436,7 @@ def _call(app, method: str, path: str, body: bytes = b"", headers=()) -> tuple[i
 
 
 def test_worker_app_owner_unreachable_is_503_in_the_request_encoding(tmp_path):
-    app = cluster.create_worker_app(str(tmp_path / "missing.sock"), max_body_bytes=100)
+    app = bootstrap.create_worker_app(str(tmp_path / "missing.sock"), max_body_bytes=100)
     status, headers, body = _call(app, "POST", "/events", b"{}")
     assert status == 503 and headers[b"content-type"] == b"application/json"
     assert json.loads(body)["error"] == "the index owner process is unavailable; retry later"
@@ -456,7 +458,7 @@ def test_worker_app_query_seam(tmp_path):
         await send({"type": "http.response.start", "status": 299, "headers": []})
         await send({"type": "http.response.body", "body": b"local"})
 
-    app = cluster.create_worker_app(
+    app = bootstrap.create_worker_app(
         str(tmp_path / "missing.sock"), max_body_bytes=100, query_handler=handler
     )
     assert _call(app, "POST", "/query_by_hash", b"{}")[::2] == (299, b"local")
@@ -497,9 +499,9 @@ def test_workers_view_and_metrics_show_the_processes_and_the_shared_lock(server)
     assert metric(text, "kvconductor_shared_readers_killed_total") == 0
 
 
-def _owner(tmp_path: Path, workers: int = 3) -> cluster.Owner:
+def _owner(tmp_path: Path, workers: int = 3) -> supervision.Owner:
     loop = asyncio.new_event_loop()
-    owner = cluster.Owner(Settings(workers=workers), str(tmp_path), "x.sock", "::", 1)
+    owner = supervision.Owner(Settings(workers=workers), str(tmp_path), "x.sock", "::", 1)
     owner._loop = loop
     return owner
 
@@ -524,10 +526,10 @@ def test_respawn_back_off_is_short_while_no_worker_listens(tmp_path):
     b.ready = False  # starting
     assert owner._respawn_delay(a) == 30.0
     b.proc = None  # none left: a comes back quickly, its back-off still grows
-    assert owner._respawn_delay(a) == cluster.RESPAWN_ALL_DOWN and a.backoff == 30.0
-    owner._call_respawn(a, cluster.RESPAWN_ALL_DOWN)
+    assert owner._respawn_delay(a) == supervision.RESPAWN_ALL_DOWN and a.backoff == 30.0
+    owner._call_respawn(a, supervision.RESPAWN_ALL_DOWN)
     assert owner._respawn_delay(c) == 16.0  # a is about to start: c waits its back-off
-    assert owner._respawn_delay(b, cluster.RESPAWN_FIRST) == cluster.RESPAWN_FIRST
+    assert owner._respawn_delay(b, supervision.RESPAWN_FIRST) == supervision.RESPAWN_FIRST
     assert b.backoff == 16.0  # an explicit delay (a stall kill) leaves the back-off alone
     owner._loop.close()
 
@@ -544,7 +546,7 @@ def test_stale_private_directories_are_removed(tmp_path):
         d = tmp_path / name
         d.mkdir(mode=0o700)
         if owner is not None:
-            (d / cluster.OWNER_FILE).write_text(owner)
+            (d / supervision.OWNER_FILE).write_text(owner)
         return d
 
     dead = make(f"kv-conductor-{child.pid}-aaaa", f"{child.pid} 5\n")
@@ -562,11 +564,11 @@ def test_stale_private_directories_are_removed(tmp_path):
     srv.listen(1)
     unknown = make("kv-conductor-gggg")
     other = make("something-else")
-    old = time.time() - cluster.LEGACY_DIR_AGE - 10
+    old = time.time() - supervision.LEGACY_DIR_AGE - 10
     for d in (legacy, listening, unknown):
         os.utime(d, (old, old))
     try:
-        removed = cluster.remove_stale_private_dirs(str(tmp_path))
+        removed = supervision.remove_stale_private_dirs(str(tmp_path))
     finally:
         srv.close()
     assert sorted(removed) == sorted(str(d) for d in (dead, reused, legacy))
@@ -577,9 +579,9 @@ def test_stale_private_directories_are_removed(tmp_path):
 
 def test_worker_settings_leave_the_api_key_out():
     s = Settings(api_key="secret", port=5, allow_origins=("https://a.example",), workers=3)
-    text = cluster.settings_json(s)
+    text = worker.settings_json(s)
     assert "secret" not in text
-    back = cluster.settings_from_json(text)
+    back = worker.settings_from_json(text)
     assert (back.port, back.allow_origins, back.api_key) == (5, ("https://a.example",), None)
 
 

@@ -147,7 +147,7 @@ def test_the_walk_sees_the_package():
     assert "kvconductor.state.conductor" in GRAPH["kvconductor.http.api"]
     assert "kvconductor.schema" in GRAPH["kvconductor.coordinator.core"]
     # A lazy import (inside a function) counts.
-    assert "kvconductor.serve.cluster" in GRAPH["kvconductor.serve.cli"]
+    assert "kvconductor.serve.owner" in GRAPH["kvconductor.serve.cli"]
 
 
 def test_find_cycle_finds_one():

@@ -706,7 +706,7 @@ def test_worker_servers_trim_their_heap_every_trim_secs(monkeypatch):
     import uvicorn
 
     from kvconductor.serve import single as srv_mod
-    from kvconductor.serve.cluster import WorkerServer
+    from kvconductor.serve.worker import WorkerServer
     from kvconductor.state.conductor import TRIM_SECS
 
     calls: list[int] = []

@@ -35,11 +35,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import falcon
 import falcon.asgi
@@ -47,7 +46,17 @@ import msgspec
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http import openapi
+from kvconductor.http.front import FrontDoor
 from kvconductor.http.metrics import CONTENT_TYPE, Metrics, QueryMetrics
+from kvconductor.http.responses import (
+    MSGPACK_PATHS,
+    MUTATING_PATHS,
+    WARNING_HEADER,
+    cors_origin,
+    header_text,
+    set_error,
+    too_large_message,
+)
 from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.schema import (
     EventsResponse,
@@ -79,19 +88,10 @@ from kvconductor.wire import (
 )
 
 log = logging.getLogger("kvconductor.http")
-_CT_MSGPACK = MSGPACK_CONTENT_TYPE.encode()
-_CT_JSON = JSON_CONTENT_TYPE.encode()
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Query bodies above this size are parsed, hashed and matched in a worker thread.
 LARGE_BODY_BYTES = 256 * 1024
-QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
-#: Routes whose error bodies are encoded like the request (JSON or MessagePack).
-MSGPACK_PATHS = QUERY_PATHS | {"/explain"}
-#: Routes that change state: a request with an ``Origin`` not in the allow-list is 403.
-MUTATING_PATHS = frozenset(("/register", "/unregister", "/events"))
-#: Routes any web page may read (``Access-Control-Allow-Origin: *``).
-PUBLIC_READ_PATHS = frozenset(("/health", "/query", "/query_by_hash"))
 _OK = json_encoder.encode({"status": "ok"})
 _EVENTS_NONE = json_encoder.encode({"status": "ok", "events_applied": 0})
 
@@ -127,11 +127,6 @@ async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def too_large_message(max_body_bytes: int) -> str:
-    """The ``error`` of a 413 answer."""
-    return f"request body exceeds the limit of {max_body_bytes} bytes"
-
-
 def _json(resp: falcon.asgi.Response, status: int, data: bytes) -> None:
     resp.status = status
     resp.content_type = JSON_CONTENT_TYPE
@@ -149,10 +144,8 @@ def _bad_json(ex: Exception) -> str:
     return f"invalid JSON request body: {ex}"
 
 
-def _error(resp: falcon.asgi.Response, status: int, message: str, msgpack: bool = False) -> None:
-    resp.status = status
-    resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
-    resp.data = encode_error(message, msgpack)
+#: Every error answer of the resources (:mod:`kvconductor.http.responses`).
+_error = set_error
 
 
 #: What a resource answers from: the :class:`Conductor`, or for the query resources any
@@ -410,6 +403,17 @@ class QueryResource(_Resource[QuerySource]):
             m.no_match.inc()
         return 200, encode_result(result, tenant, block_size, msgpack), None
 
+    async def respond(
+        self, body: bytes | bytearray, msgpack: bool
+    ) -> tuple[int, bytes, str | None]:
+        """:meth:`answer`, in a worker thread for a large body (the front door's call).
+        PERF: a bytearray is parsed as it is (the parsers take any buffer), not copied."""
+        data = cast(bytes, body)
+        if len(data) <= self.large_body_bytes:
+            return self.answer(data, msgpack)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.conductor.executor, self.answer, data, msgpack)
+
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         t0 = time.perf_counter()
         msgpack = is_msgpack_content_type(req.content_type)
@@ -418,7 +422,7 @@ class QueryResource(_Resource[QuerySource]):
             self.seconds.observe(time.perf_counter() - t0)
             self.errors.inc()
             return
-        status, data, problem = await self._offload(body, self.answer, body, msgpack)
+        status, data, problem = await self.respond(body, msgpack)
         # Server-side time (body read, parse, hash, match, encode) for clients and benches.
         dt = time.perf_counter() - t0
         self.seconds.observe(dt)
@@ -426,7 +430,7 @@ class QueryResource(_Resource[QuerySource]):
             self.errors.inc()
         resp.set_header("Server-Timing", f"app;dur={dt * 1e3:.3f}")
         if status == 200 and problem is not None:
-            resp.set_header(WARNING_HEADER, _header_text(problem))
+            resp.set_header(WARNING_HEADER, header_text(problem))
         elif problem is not None:
             if status == 404:
                 log.info("query for unknown indexer path=%s error=%s", req.path, problem)
@@ -437,23 +441,6 @@ class QueryResource(_Resource[QuerySource]):
         resp.status = status
         resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
         resp.data = data
-
-
-#: Response header of a 200 query answer that could not match for a reason an operator
-#: can fix (the body keeps the V3 shape).
-WARNING_HEADER = "X-KV-Conductor-Warning"
-_WARNING_HEADER_B = WARNING_HEADER.lower().encode()
-
-
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def _header_text(sentence: str) -> str:
-    """``sentence`` as a header value: printable ASCII only. Non-ASCII and control
-    characters (a model name may hold ``\\r\\n``) are escaped, so no name can end the
-    header or start another."""
-    text = sentence.encode("ascii", "backslashreplace").decode("ascii")
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class MissWarnings:
@@ -670,7 +657,7 @@ class OriginPolicy:
       wildcard, ever;
     * ``/health``, ``/query``, ``/query_by_hash`` (reads) keep
       ``Access-Control-Allow-Origin: *`` for any origin, preflights included
-      (:class:`QueryFastPath` adds it on its POSTs);
+      (the front door, :class:`~kvconductor.http.front.FrontDoor`, adds it on its POSTs);
     * ``/workers`` (it lists every endpoint) and anything else: CORS headers
       only for allowed origins, so other sites' pages cannot read them.
     """
@@ -703,13 +690,11 @@ class OriginPolicy:
         origin = req.get_header("Origin")
         if origin is None:
             return
-        if req.path in PUBLIC_READ_PATHS:
-            allow = "*"
-        elif origin in self.allow_origins:
-            allow = origin
-            resp.append_header("Vary", "Origin")
-        else:
+        allow, vary = cors_origin(req.path, origin, self.allow_origins)
+        if allow is None:
             return
+        if vary:
+            resp.append_header("Vary", "Origin")
         resp.set_header("Access-Control-Allow-Origin", allow)
         if req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method"):
             # Preflight: the methods of the route (Falcon's OPTIONS responder sets Allow).
@@ -778,124 +763,8 @@ async def _handle_exception(
     _error(resp, 500, f"internal error: {ex}", msgpack)
 
 
-class QueryFastPath:
-    """ASGI front door for ``POST /query`` and ``POST /query_by_hash``.
-
-    PERF: the two hot routes skip Falcon's per-request objects: the body is
-    collected straight from ASGI ``receive`` and the answer (the same
-    :meth:`QueryResource.answer` Falcon uses, so statuses, bodies and encodings
-    are identical) is sent with two ``send`` calls. Every other request, and
-    every other method on these paths (CORS preflight included), goes to the
-    Falcon app unchanged.
-    """
-
-    def __init__(
-        self, app: falcon.asgi.App, routes: dict[str, QueryResource], max_body_bytes: int
-    ) -> None:
-        self.app = app
-        self.routes = routes
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            res = self.routes.get(scope["path"])
-            if res is not None:
-                return await self._serve(res, scope, receive, send)
-        await self.app(scope, receive, send)
-
-    async def _serve(self, res: QueryResource, scope: dict, receive: Any, send: Any) -> None:
-        t0 = time.perf_counter()
-        ctype = None
-        length = None
-        cors = False
-        for k, v in scope["headers"]:
-            if k == b"content-type":
-                ctype = v.decode("latin-1")
-            elif k == b"content-length":
-                try:
-                    length = int(v)
-                except ValueError:
-                    length = None
-            elif k == b"origin":
-                cors = True
-        msgpack = is_msgpack_content_type(ctype)
-        path = scope["path"]
-        limit = self.max_body_bytes
-        if length is not None and length > limit:
-            return await self._too_large(send, path, length, msgpack, cors, t0)
-        more = True
-        first = b""
-        buf: bytearray | None = None
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # http.disconnect: nobody to answer
-            chunk = msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if buf is None and not more:
-                first = chunk
-                break
-            if buf is None:
-                buf = bytearray(first)
-            buf += chunk
-            if len(buf) > limit:
-                return await self._too_large(send, path, None, msgpack, cors, t0)
-        body = first if buf is None else buf  # PERF: no 4 MB copy; parsers take bytearray
-        try:
-            status, data, problem = await res._offload(body, res.answer, body, msgpack)
-        except Exception as ex:
-            log.exception("internal error method=POST path=%s", path)
-            status, data, problem = 500, encode_error(f"internal error: {ex}", msgpack), None
-        res.seconds.observe(time.perf_counter() - t0)
-        if status >= 400 and status != 404:
-            res.errors.inc()
-        if status == 200 and problem is not None:
-            await self._send(send, status, data, msgpack, cors, t0, warning=problem)
-            return
-        if problem is not None:
-            if status == 404:
-                log.info("query for unknown indexer path=%s error=%s", path, problem)
-            else:
-                log.warning(
-                    "bad request method=POST path=%s status=%d error=%s", path, status, problem
-                )
-        await self._send(send, status, data, msgpack, cors, t0)
-
-    async def _too_large(
-        self, send: Any, path: str, length: int | None, msgpack: bool, cors: bool, t0: float
-    ) -> None:
-        log.warning(
-            "request body too large method=POST path=%s limit=%d content_length=%s",
-            path,
-            self.max_body_bytes,
-            length,
-        )
-        data = encode_error(too_large_message(self.max_body_bytes), msgpack)
-        self.routes[path].seconds.observe(time.perf_counter() - t0)
-        self.routes[path].errors.inc()
-        await self._send(send, 413, data, msgpack, cors, t0)
-
-    @staticmethod
-    async def _send(
-        send: Any,
-        status: int,
-        data: bytes,
-        msgpack: bool,
-        cors: bool,
-        t0: float,
-        warning: str | None = None,
-    ) -> None:
-        headers = [
-            (b"content-type", _CT_MSGPACK if msgpack else _CT_JSON),
-            (b"content-length", str(len(data)).encode()),
-            (b"server-timing", f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}".encode()),
-        ]
-        if cors:
-            headers.append((b"access-control-allow-origin", b"*"))
-        if warning is not None:
-            headers.append((_WARNING_HEADER_B, _header_text(warning).encode("ascii")))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
+#: The front door's name before both process models shared it.
+QueryFastPath = FrontDoor
 
 
 def create_app(
@@ -922,7 +791,8 @@ def create_app(
     ``/explain`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
     ``/health`` and the queries stay open; ``/metrics`` is protected like ``/workers``
     unless ``open_metrics`` (default: ``open_workers``). With ``fast_query`` the
-    Falcon app is fronted by :class:`QueryFastPath` (what the server runs).
+    Falcon app is fronted by :class:`~kvconductor.http.front.FrontDoor` (what the server
+    runs).
     ``allow_origins``: web origins allowed on the mutating routes
     (:class:`OriginPolicy`). ``metrics``: the registry ``/metrics`` serves (default: a
     new :class:`~kvconductor.http.metrics.Metrics` of ``conductor``; ``kv-conductor
@@ -961,10 +831,32 @@ def create_app(
     app.add_error_handler(Exception, _handle_exception)
     app.add_error_handler(falcon.HTTPError, _handle_http_error)
     if fast_query:
-        return QueryFastPath(
-            app, {"/query": query, "/query_by_hash": query_by_hash}, max_body_bytes
-        )
+        return FrontDoor(app, {"/query": query, "/query_by_hash": query_by_hash}, max_body_bytes)
     return app
+
+
+def query_routes(
+    view: Any,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    large_body_bytes: int = LARGE_BODY_BYTES,
+    metrics: QueryMetrics | None = None,
+) -> dict[str, QueryResource]:
+    """``POST /query`` and ``POST /query_by_hash`` over ``view`` (a conductor, or a
+    :class:`kvconductor.state.shared.SharedView`: the owner's index in shared memory) for
+    a :class:`~kvconductor.http.front.FrontDoor`: the same :class:`QueryResource` code as
+    :func:`create_app`'s, so statuses, bodies, headers and warnings are identical.
+    ``metrics`` counts the queries answered."""
+    kw: dict[str, Any] = {
+        "max_body_bytes": max_body_bytes,
+        "api_key": None,  # the query routes are open (docs/security.md)
+        "large_body_bytes": large_body_bytes,
+    }
+    qm = metrics if metrics is not None else QueryMetrics()
+    return {
+        "/query": QueryResource(view, by_hash=False, metrics=qm, **kw),
+        "/query_by_hash": QueryResource(view, by_hash=True, metrics=qm, **kw),
+    }
 
 
 def create_query_app(
@@ -974,21 +866,10 @@ def create_query_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     large_body_bytes: int = LARGE_BODY_BYTES,
     metrics: QueryMetrics | None = None,
-) -> QueryFastPath:
-    """``--workers N``: a worker's front door. ``POST /query`` and ``POST
-    /query_by_hash`` are answered here from ``view`` (a :class:`kvconductor.state.shared.
-    SharedView`: the owner's index in shared memory) by the same
-    :class:`QueryResource` code as :func:`create_app`'s, so statuses, bodies, headers
-    and warnings are identical; every other request goes to the ASGI app ``forward``
-    (the owner). ``metrics`` counts the queries answered here."""
-    kw: dict[str, Any] = {
-        "max_body_bytes": max_body_bytes,
-        "api_key": None,  # the query routes are open (docs/security.md)
-        "large_body_bytes": large_body_bytes,
-    }
-    qm = metrics if metrics is not None else QueryMetrics()
-    routes = {
-        "/query": QueryResource(view, by_hash=False, metrics=qm, **kw),
-        "/query_by_hash": QueryResource(view, by_hash=True, metrics=qm, **kw),
-    }
-    return QueryFastPath(forward, routes, max_body_bytes)
+) -> FrontDoor:
+    """A front door that answers the query routes from ``view`` (:func:`query_routes`)
+    and hands every other request to the ASGI app ``forward``."""
+    routes = query_routes(
+        view, max_body_bytes=max_body_bytes, large_body_bytes=large_body_bytes, metrics=metrics
+    )
+    return FrontDoor(forward, routes, max_body_bytes)

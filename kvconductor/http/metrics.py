@@ -4,8 +4,9 @@ Two kinds of metrics, in one :class:`~prometheus_client.CollectorRegistry` per a
 (never the process-global one, so several apps in one process do not collide):
 
 * **query metrics** (:class:`QueryMetrics`): a histogram and two counters moved by
-  the query routes themselves, Falcon's and :class:`~kvconductor.http.api.QueryFastPath`'s:
-  one ``observe`` and a few ``inc`` per request, label children bound once;
+  the query routes themselves, Falcon's and the front door's
+  (:class:`~kvconductor.http.front.FrontDoor`): one ``observe`` and a few ``inc`` per
+  request, label children bound once;
 * **everything else** (:class:`ConductorCollector`): read at scrape time from what
   the service already counts (the subscriptions' ``SourceStats``, the conductor's
   registration summary and ``/events`` counter, each index's ``stats()`` taken under

@@ -1,2 +1,3 @@
-"""The processes: settings, the command line, the single process, the ``--workers N``
-owner and workers, gunicorn."""
+"""The processes: settings, the command line, the composition root (``bootstrap``), the
+single process, the ``--workers N`` owner (supervision), workers and their client of the
+owner (``proxy``), gunicorn."""

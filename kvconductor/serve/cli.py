@@ -677,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     if warning and args.log_level == "info":
         logging.getLogger("kvconductor").warning(warning)
     if settings.workers > 1:
-        from kvconductor.serve.cluster import serve_owner
+        from kvconductor.serve.owner import serve_owner
 
         return serve_owner(settings)
     from kvconductor.serve.single import serve

@@ -18,7 +18,6 @@ flag is given.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import logging
 import os
@@ -31,16 +30,8 @@ import falcon.asgi
 from gunicorn.arbiter import Arbiter
 from uvicorn_worker import UvicornWorker
 
-from kvconductor import __version__
-from kvconductor.http.api import create_app
-from kvconductor.serve.single import (
-    SWITCH_INTERVAL,
-    KvServer,
-    start_conductor,
-    stop_conductor,
-    uvicorn_options,
-)
-from kvconductor.state.conductor import Conductor, raise_fd_limit, tune_malloc
+from kvconductor.serve.bootstrap import build_service
+from kvconductor.serve.single import KvServer, uvicorn_options
 
 log = logging.getLogger("kvconductor.http")
 
@@ -166,32 +157,11 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "gunicorn with -k kvconductor.app.KvConductorWorker",
             getattr(worker_class, "__qualname__", worker_class),
         )
-    # Same GIL switch interval and open-file limit as `kv-conductor` (kvconductor.serve.single).
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(settings.max_sources, settings.max_connections)
-    tune_malloc()  # large answers reuse heap pages (kvconductor.state.conductor.tune_malloc)
-    log.info(
-        "KV conductor starting under gunicorn pid=%d workers=%s version=%s %s switch_interval=%s",
-        os.getpid(),
-        workers,
-        __version__,
-        settings.describe(),
-        sys.getswitchinterval(),
-    )
-    conductor = Conductor(settings.conductor_config())
-    app = create_app(
-        conductor,
-        fast_query=True,
-        max_body_bytes=settings.max_body_bytes,
-        api_key=settings.api_key,
-        manage_lifecycle=True,
-        allow_origins=settings.allow_origins,
-        open_workers=settings.open_workers,
-        lifecycle=(
-            functools.partial(start_conductor, conductor, settings),
-            functools.partial(stop_conductor, conductor),
-        ),
-    )
+    # The same process tuning, conductor, app and start line as `kv-conductor`; the ASGI
+    # lifespan starts and stops the service in the worker process.
+    service = build_service(settings, "gunicorn")
+    service.log_start(gunicorn_workers=workers)
+    app = service.app
     app.kvc_settings = settings  # read by KvConductorWorker
     return app
 

@@ -25,34 +25,25 @@ import socket
 import ssl
 import sys
 import threading
-import time
 from collections.abc import Generator
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from kvconductor import __version__
-from kvconductor.http.api import create_app
 from kvconductor.http.limits import HttpLimits, h11_buffer_limit, protocol_class
-from kvconductor.serve.settings import Settings
-from kvconductor.state.conductor import (
-    TRIM_SECS,
-    Conductor,
-    open_file_limits,
-    raise_fd_limit,
-    trim_heap,
-    tune_malloc,
+from kvconductor.serve.bootstrap import (
+    STOP_SECS,
+    StartFailed,
+    build_service,
 )
+from kvconductor.serve.settings import Settings
+from kvconductor.state.conductor import TRIM_SECS, open_file_limits, trim_heap
 
 log = logging.getLogger("kvconductor")
 
-#: GIL switch interval of the serving process (seconds; Python's default is 0.005).
-SWITCH_INTERVAL = 0.0005
 #: Seconds uvicorn waits for in-flight requests after a shutdown signal.
 GRACEFUL_SECS = 3
-#: Seconds the conductor gets to close subscriptions and stop the ingest thread.
-STOP_SECS = 3.0
 _NO_IPV6 = {errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT}
 #: File descriptors kept for everything but HTTP connections: listener, epoll, log
 #: files, threads, and the ZeroMQ context and sockets of the subscriptions (about 4
@@ -380,157 +371,25 @@ def report_bind_error(settings: Settings, ex: OSError) -> None:
 
 def serve(settings: Settings) -> int:
     """Serve in this one process until a shutdown signal; returns the process exit status
-    (``--workers N > 1`` is :func:`kvconductor.serve.cluster.serve_owner`)."""
-    # PERF: large queries hash and match in worker threads without the GIL, but
-    # hand it back between steps; a short switch interval keeps the event loop's
-    # small queries from waiting the default 5 ms for it.
-    sys.setswitchinterval(SWITCH_INTERVAL)
-    raise_fd_limit(settings.max_sources, settings.max_connections)
-    tune_malloc()  # large answers reuse heap pages (kvconductor.state.conductor.tune_malloc)
-    conductor = Conductor(settings.conductor_config())
-    app = serving_app(conductor, settings)
+    (``--workers N > 1`` is :func:`kvconductor.serve.owner.serve_owner`)."""
+    try:
+        service = build_service(settings, "single")
+    except StartFailed:
+        return 1
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as ex:
         report_bind_error(settings, ex)
         return 1
-    server = KvServer(uvicorn_config(app, settings))
-    log.info(
-        "KV conductor starting on %s version=%s %s switch_interval=%s",
-        format_address(sock),
-        _version(),
-        settings.describe(),
-        sys.getswitchinterval(),
-    )
-    if not start_conductor(conductor, settings):
+    server = KvServer(uvicorn_config(service.app, settings))
+    service.log_start(format_address(sock))
+    if not service.start():
         sock.close()
         return 1
     try:
         server.run(sockets=[sock])
     finally:
-        stop_conductor(conductor)
+        service.stop()
         sock.close()
         log.info("KV conductor shut down")
     return 0
-
-
-def serving_app(conductor: Conductor, settings: Settings, **extra: Any) -> Any:
-    """The app kv-conductor serves over ``conductor`` with ``settings``' HTTP flags
-    (``extra``: more :func:`~kvconductor.http.api.create_app` arguments)."""
-    return create_app(
-        conductor,
-        max_body_bytes=settings.max_body_bytes,
-        api_key=settings.api_key,
-        fast_query=True,
-        allow_origins=settings.allow_origins,
-        open_workers=settings.open_workers,
-        **extra,
-    )
-
-
-def start_conductor(conductor: Conductor, settings: Settings) -> bool:
-    """Start ``conductor``, load ``--load-dump`` or the newest snapshot of the snapshot
-    directory (locked first: one server per directory), start the snapshot thread;
-    False (logged, conductor stopped again) when the dump cannot be loaded, the
-    directory is another server's, or a ``--snapshot-dir`` cannot be used (the default
-    directory that cannot be used is a WARN: the service runs without snapshots)."""
-    conductor.start()
-    if settings.load_dump:
-        try:
-            _warm_start(conductor, settings.load_dump)
-        except (OSError, ValueError) as ex:
-            log.error("cannot load dump %s: %s", settings.load_dump, ex)
-            conductor.stop(STOP_SECS)
-            return False
-    if settings.snapshot_warning:
-        log.warning("%s", settings.snapshot_warning)
-    if settings.snapshot_dir:
-        from kvconductor.state import snapshot
-
-        store = snapshot.SnapshotStore(settings.snapshot_dir)
-        try:
-            store.prepare(wait=settings.snapshot_lock_wait)
-        except snapshot.DirectoryInUse as ex:
-            msg = (
-                f"{ex}: give this server its own directory (--snapshot-dir DIR) or run it "
-                "without snapshots (--no-snapshots)"
-            )
-            log.error("%s", msg)
-            print(f"kv-conductor: error: {msg}", file=sys.stderr)
-            conductor.stop(STOP_SECS)
-            return False
-        except OSError as ex:
-            if not settings.snapshot_default:
-                log.error("cannot use snapshot directory %s: %s", settings.snapshot_dir, ex)
-                conductor.stop(STOP_SECS)
-                return False
-            log.warning(
-                "cannot use the default snapshot directory %s: %s; running without "
-                "snapshots: a restart starts cold (give --snapshot-dir DIR, or "
-                "--no-snapshots to run without them on purpose)",
-                settings.snapshot_dir,
-                ex,
-            )
-        else:
-            if snapshot.warm_start(conductor, store) is None:
-                log.info("no usable snapshot in %s: starting empty", settings.snapshot_dir)
-            snapshotter = snapshot.Snapshotter(conductor, store, settings.snapshot_interval_secs)
-            conductor.attach_snapshotter(snapshotter)
-            snapshotter.start()
-    if settings.state_url:
-        from kvconductor.state.replica import ValkeyJournal
-
-        journal = ValkeyJournal(
-            conductor,
-            settings.state_url,
-            password=settings.state_password,
-            replica_id=settings.replica_id,
-            lease_secs=settings.lease_secs,
-            snapshot_interval=settings.snapshot_interval_secs,
-        )
-        conductor.attach_journal(journal)
-        journal.start()
-    return True
-
-
-def stop_conductor(conductor: Conductor) -> None:
-    """After the HTTP server stopped: the last snapshot (and the snapshot directory's
-    lock let go), then stop the conductor."""
-    if conductor.snapshotter is not None:
-        conductor.snapshotter.stop(final=True)
-    conductor.journal.stop()
-    if not conductor.stop(STOP_SECS):
-        log.warning("ingest thread did not stop within %ss", STOP_SECS)
-
-
-def _warm_start(conductor: Conductor, path: str) -> None:
-    """``--load-dump``: load ``path`` on the ingest thread before serving."""
-    from kvconductor.state import dump
-
-    t0 = time.monotonic()
-    dump.verify(dump.file_chunks(path))  # a damaged file changes nothing
-    loaded = conductor.call(dump.load_dump, conductor, dump.file_chunks(path), timeout=None)
-    for s in conductor.call(conductor.workers)["indexer"]:
-        log.info(
-            "dump loaded model=%s tenant=%s hbm_blocks=%d cpu_blocks=%d disk_blocks=%d "
-            "offload=%d pending_pool=%d content=%d",
-            s["model_name"],
-            s["tenant_id"],
-            s["hbm_blocks"],
-            s["cpu_blocks"],
-            s["disk_blocks"],
-            s["offload"],
-            s["pending_pool"],
-            s["content"],
-        )
-    log.info(
-        "warm start from %s: registrations=%d indexes=%d in %.3fs",
-        path,
-        loaded["registrations"],
-        loaded["indexes"],
-        time.monotonic() - t0,
-    )
-
-
-def _version() -> str:
-    return __version__

@@ -1,0 +1,234 @@
+"""The one ASGI front door of both process models.
+
+:class:`FrontDoor` answers ``POST /query`` and ``POST /query_by_hash`` itself and hands
+every other request to a *rest* ASGI callable:
+
+* one process (``kv-conductor``, gunicorn): the routes are the Falcon app's own
+  :class:`~kvconductor.http.api.QueryResource` objects over the conductor, the rest is
+  the Falcon app (:func:`kvconductor.http.api.create_app` with ``fast_query``);
+* a worker of ``kv-conductor --workers N``: the routes answer from the owner's index in
+  shared memory (:func:`kvconductor.http.api.query_routes` over a
+  :class:`~kvconductor.state.shared.SharedView`), the rest is the forwarder to the owner
+  (:class:`kvconductor.serve.proxy.Forwarder`), and ``GET /health`` is answered here
+  (``health=True``: a worker is alive while it listens).
+
+PERF: the two hot routes skip Falcon's per-request objects: the body is collected
+straight from ASGI ``receive`` and the answer (the same ``answer`` Falcon's resource
+uses, so statuses, bodies and encodings are identical) is sent with two ``send`` calls.
+Every other method on these paths (CORS preflight included) goes to the rest.
+
+Error bodies and CORS headers come from :mod:`kvconductor.http.responses`, as the Falcon
+app's do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
+
+from kvconductor.http.responses import (
+    CT_JSON,
+    CT_MSGPACK,
+    QUERY_PATHS,
+    WARNING_HEADER_B,
+    cors_headers,
+    date_header,
+    header_text,
+    send_answer,
+    too_large_message,
+)
+from kvconductor.wire import encode_error, is_msgpack_content_type
+
+log = logging.getLogger("kvconductor.http")
+
+#: An ASGI application: ``await app(scope, receive, send)``.
+ASGIApp = Callable[[dict, Any, Any], Awaitable[None]]
+
+
+class _Observer(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class _Counter(Protocol):
+    def inc(self) -> None: ...
+
+
+class QueryRoute(Protocol):
+    """What the front door needs of a query route (:class:`~kvconductor.http.api.
+    QueryResource` is one)."""
+
+    @property
+    def seconds(self) -> _Observer:
+        """``kvconductor_query_seconds{route}`` of the route."""
+        ...
+
+    @property
+    def errors(self) -> _Counter:
+        """``kvconductor_query_errors_total{route}``: answers >= 400 but 404 (a miss)."""
+        ...
+
+    async def respond(
+        self, body: bytes | bytearray, msgpack: bool
+    ) -> tuple[int, bytes, str | None]:
+        """``(status, body, message or None)`` (large bodies off the event loop)."""
+        ...
+
+
+class FrontDoor:
+    """ASGI front door: the query routes here, the rest to ``rest`` (module doc).
+
+    ``routes``: path -> :class:`QueryRoute` answered here (``POST`` only).
+    ``query_handler``: an ASGI callable for the query paths that have no route here
+    (a seam for tests; default: the rest). ``health``: answer ``GET /health`` here.
+    """
+
+    def __init__(
+        self,
+        rest: ASGIApp,
+        routes: Mapping[str, QueryRoute] | None = None,
+        max_body_bytes: int = 64 * 1024 * 1024,
+        *,
+        query_handler: ASGIApp | None = None,
+        health: bool = False,
+    ) -> None:
+        self.rest = rest
+        self.routes: dict[str, QueryRoute] = dict(routes or {})
+        self.max_body_bytes = max_body_bytes
+        self.query_handler = query_handler
+        self.health = health
+
+    @property
+    def app(self) -> ASGIApp:
+        """The rest (the name this attribute had in one process)."""
+        return self.rest
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            method = scope["method"]
+            if method == "POST":
+                path = scope["path"]
+                res = self.routes.get(path)
+                if res is not None:
+                    return await self._serve(res, scope, receive, send)
+                if self.query_handler is not None and path in QUERY_PATHS:
+                    return await self.query_handler(scope, receive, send)
+            elif method == "GET" and self.health and scope["path"] == "/health":
+                return await self._health(scope, send)
+        await self.rest(scope, receive, send)
+
+    async def _serve(self, res: QueryRoute, scope: dict, receive: Any, send: Any) -> None:
+        t0 = time.perf_counter()
+        ctype = None
+        length = None
+        origin = None
+        for k, v in scope["headers"]:
+            if k == b"content-type":
+                ctype = v.decode("latin-1")
+            elif k == b"content-length":
+                try:
+                    length = int(v)
+                except ValueError:
+                    length = None
+            elif k == b"origin":
+                origin = v.decode("latin-1")
+        msgpack = is_msgpack_content_type(ctype)
+        path = scope["path"]
+        limit = self.max_body_bytes
+        if length is not None and length > limit:
+            return await self._too_large(res, send, path, length, msgpack, origin, t0)
+        more = True
+        first = b""
+        buf: bytearray | None = None
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # http.disconnect: nobody to answer
+            chunk = msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if buf is None and not more:
+                first = chunk
+                break
+            if buf is None:
+                buf = bytearray(first)
+            buf += chunk
+            if len(buf) > limit:
+                return await self._too_large(res, send, path, None, msgpack, origin, t0)
+        body = first if buf is None else buf  # PERF: no 4 MB copy; parsers take bytearray
+        try:
+            status, data, problem = await res.respond(body, msgpack)
+        except Exception as ex:
+            log.exception("internal error method=POST path=%s", path)
+            status, data, problem = 500, encode_error(f"internal error: {ex}", msgpack), None
+        res.seconds.observe(time.perf_counter() - t0)
+        if status >= 400 and status != 404:
+            res.errors.inc()
+        if status == 200 and problem is not None:
+            await self._send(send, status, data, msgpack, path, origin, t0, warning=problem)
+            return
+        if problem is not None:
+            if status == 404:
+                log.info("query for unknown indexer path=%s error=%s", path, problem)
+            else:
+                log.warning(
+                    "bad request method=POST path=%s status=%d error=%s", path, status, problem
+                )
+        await self._send(send, status, data, msgpack, path, origin, t0)
+
+    async def _too_large(
+        self,
+        res: QueryRoute,
+        send: Any,
+        path: str,
+        length: int | None,
+        msgpack: bool,
+        origin: str | None,
+        t0: float,
+    ) -> None:
+        log.warning(
+            "request body too large method=POST path=%s limit=%d content_length=%s",
+            path,
+            self.max_body_bytes,
+            length,
+        )
+        data = encode_error(too_large_message(self.max_body_bytes), msgpack)
+        res.seconds.observe(time.perf_counter() - t0)
+        res.errors.inc()
+        await self._send(send, 413, data, msgpack, path, origin, t0)
+
+    @staticmethod
+    async def _send(
+        send: Any,
+        status: int,
+        data: bytes,
+        msgpack: bool,
+        path: str,
+        origin: str | None,
+        t0: float,
+        warning: str | None = None,
+    ) -> None:
+        headers = [
+            (b"content-type", CT_MSGPACK if msgpack else CT_JSON),
+            (b"content-length", str(len(data)).encode()),
+            (b"server-timing", f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}".encode()),
+        ]
+        if origin is not None:
+            headers += cors_headers(path, origin)
+        if warning is not None:
+            headers.append((WARNING_HEADER_B, header_text(warning).encode("ascii")))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    @staticmethod
+    async def _health(scope: dict, send: Any) -> None:
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"content-length", b"2"),
+        ]
+        for k, v in scope["headers"]:
+            if k == b"origin":
+                headers += cors_headers("/health", v.decode("latin-1"))
+                break
+        headers.append(date_header())
+        await send_answer(send, 200, headers, b"OK")

@@ -1,0 +1,118 @@
+"""The answers both process models write the same way, written only here.
+
+* **Error bodies**: ``{"error": "..."}``, JSON or, on the routes of
+  :data:`MSGPACK_PATHS` when the request was MessagePack, MessagePack
+  (:func:`error_answer`, :func:`set_error` for a Falcon response); the sentences of the
+  413 (:func:`too_large_message`) and of the 503 of a worker whose owner process cannot
+  be reached (:data:`OWNER_UNAVAILABLE`).
+* **CORS**: which ``Access-Control-Allow-Origin`` a request gets (:func:`cors_origin`):
+  ``*`` on the public reads (:data:`PUBLIC_READ_PATHS`), the origin itself (with ``Vary:
+  Origin``) when it is allowed (``--allow-origin``), none otherwise. The Falcon app's
+  :class:`~kvconductor.http.api.OriginPolicy`, the front door
+  (:class:`~kvconductor.http.front.FrontDoor`) and a worker's forwarder
+  (:mod:`kvconductor.serve.proxy`) all ask it.
+* The ``X-KV-Conductor-Warning`` header text (:func:`header_text`).
+
+One process serves the Falcon app behind the front door; ``kv-conductor --workers N``
+serves the front door in each worker and the Falcon app in the owner: an answer written
+here is byte for byte the same in both (docs/security.md, "CORS").
+"""
+
+from __future__ import annotations
+
+import email.utils
+import re
+from typing import Any
+
+from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_error
+
+QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
+#: Routes whose error bodies are encoded like the request (JSON or MessagePack).
+MSGPACK_PATHS = QUERY_PATHS | {"/explain"}
+#: Routes that change state: a request with an ``Origin`` not in the allow-list is 403.
+MUTATING_PATHS = frozenset(("/register", "/unregister", "/events"))
+#: Routes any web page may read (``Access-Control-Allow-Origin: *``).
+PUBLIC_READ_PATHS = frozenset(("/health", "/query", "/query_by_hash"))
+
+#: ``content-type`` header values (ASGI: bytes).
+CT_JSON = JSON_CONTENT_TYPE.encode()
+CT_MSGPACK = MSGPACK_CONTENT_TYPE.encode()
+#: The ``error`` of a worker's 503 when its owner process cannot be reached.
+OWNER_UNAVAILABLE = "the index owner process is unavailable; retry later"
+#: Response header of a 200 query answer that could not match for a reason an operator
+#: can fix (the body keeps the V3 shape).
+WARNING_HEADER = "X-KV-Conductor-Warning"
+WARNING_HEADER_B = WARNING_HEADER.lower().encode()
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def too_large_message(max_body_bytes: int) -> str:
+    """The ``error`` of a 413 answer."""
+    return f"request body exceeds the limit of {max_body_bytes} bytes"
+
+
+def content_type(msgpack: bool) -> str:
+    return MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
+
+
+def error_answer(message: str, msgpack: bool) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """ASGI headers (content type and length) and body of an error answer."""
+    data = encode_error(message, msgpack)
+    headers = [
+        (b"content-type", CT_MSGPACK if msgpack else CT_JSON),
+        (b"content-length", str(len(data)).encode()),
+    ]
+    return headers, data
+
+
+def set_error(resp: Any, status: int, message: str, msgpack: bool = False) -> None:
+    """The same error answer on a Falcon response."""
+    resp.status = status
+    resp.content_type = content_type(msgpack)
+    resp.data = encode_error(message, msgpack)
+
+
+def cors_origin(path: str, origin: str, allow_origins: frozenset[str]) -> tuple[str | None, bool]:
+    """``Access-Control-Allow-Origin`` of a request from ``origin`` to ``path`` (``None``:
+    no CORS headers), and whether ``Vary: Origin`` goes with it."""
+    if path in PUBLIC_READ_PATHS:
+        return "*", False
+    if origin in allow_origins:
+        return origin, True
+    return None, False
+
+
+def cors_headers(
+    path: str, origin: str | None, allow_origins: frozenset[str] = frozenset()
+) -> list[tuple[bytes, bytes]]:
+    """The CORS headers (ASGI) of an answer the front door or a worker writes itself;
+    none without an ``Origin``."""
+    if origin is None:
+        return []
+    allow, vary = cors_origin(path, origin, allow_origins)
+    if allow is None:
+        return []
+    if vary:
+        return [(b"access-control-allow-origin", allow.encode("latin-1")), (b"vary", b"Origin")]
+    return [(b"access-control-allow-origin", allow.encode("latin-1"))]
+
+
+def date_header() -> tuple[bytes, bytes]:
+    """``Date`` (a worker's own answers: its uvicorn adds none, the owner's answers carry
+    theirs)."""
+    return (b"date", email.utils.formatdate(usegmt=True).encode())
+
+
+async def send_answer(send: Any, status: int, headers: list, data: bytes) -> None:
+    """A whole answer in two ASGI messages."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def header_text(sentence: str) -> str:
+    """``sentence`` as a header value: printable ASCII only. Non-ASCII and control
+    characters (a model name may hold ``\\r\\n``) are escaped, so no name can end the
+    header or start another."""
+    text = sentence.encode("ascii", "backslashreplace").decode("ascii")
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
