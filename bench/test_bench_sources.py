@@ -34,7 +34,7 @@ class _Tracker:
 
 
 def _manager(connected: bool):
-    from kvconductor.ingest.apply import SourceStats
+    from kvconductor.ingest.stats import SourceStats
     from kvconductor.ingest.subscriber import Subscription, SubscriptionManager
 
     mgr = SubscriptionManager.__new__(SubscriptionManager)

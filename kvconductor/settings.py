@@ -197,7 +197,7 @@ class Settings:
         )
 
     def conductor_config(self):
-        from kvconductor.ingest.apply import Limits
+        from kvconductor.ingest.stats import Limits
         from kvconductor.service import ConductorConfig
         from kvconductor.urls import UrlPolicy
 

@@ -63,6 +63,7 @@ from kvconductor.ingest.pool import (
     decode_memcache,
     decode_pool_payload,
 )
+from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.vllm import (
     KNOWN_TAGS,
     Cleared,
@@ -185,117 +186,6 @@ def registered_index(info: Any, dp: int) -> tuple[str | None, str | None]:
     )
 
 
-def hex_preview(payload: bytes, n: int = 32) -> str:
-    b = bytes(payload[:n])
-    return b.hex(" ") + (" ..." if len(payload) > n else "")
-
-
-class SourceStats:
-    """Counters of one subscription (shown by ``sources()``)."""
-
-    __slots__ = (
-        "batches",
-        "events",
-        "blocks",
-        "dropped",
-        "gaps",
-        "replays",
-        "replays_ok",
-        "replayed_batches",
-        "restarts",
-        "resyncs",
-        "duplicates",
-        "last_seq",
-        "aged_out",
-        "last_event",
-        "mutes",
-        "purged_blocks",
-    )
-
-    def __init__(self) -> None:
-        self.batches = 0
-        self.events = 0
-        self.blocks = 0
-        self.dropped: dict[str, int] = {}
-        self.gaps = 0
-        self.replays = 0
-        #: Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``).
-        self.replays_ok = 0
-        self.replayed_batches = 0
-        self.restarts = 0
-        self.resyncs = 0
-        self.duplicates = 0
-        self.last_seq: int | None = None
-        #: Blocks dropped because they were not re-announced after a loss.
-        self.aged_out = 0
-        #: Wall-clock time of the last batch received (set by the subscription).
-        self.last_event = 0.0
-        #: Times the source's (instance, DP) HBM hits were muted (down past --source-down-secs).
-        self.mutes = 0
-        #: HBM blocks dropped because the source stayed down past --source-purge-secs.
-        self.purged_blocks = 0
-
-    def drop(self, reason: str, n: int = 1) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + n
-
-
-class WarnLimiter:
-    """At most one WARN per (source, reason) every ``interval`` seconds."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self.interval = interval
-        self._last: dict[tuple, float] = {}
-        self._suppressed: dict[tuple, int] = {}
-
-    def warn(self, source: str, reason: str, detail: str, payload: bytes | None) -> None:
-        key = (source, reason)
-        now = time.monotonic()
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        self._last[key] = now
-        skipped = self._suppressed.pop(key, 0)
-        log.warning(
-            "%s: dropped (%s) %s%s%s",
-            source,
-            reason,
-            detail[:200],
-            f" payload[{len(payload)}B]={hex_preview(payload)}" if payload is not None else "",
-            f" (+{skipped} similar suppressed)" if skipped else "",
-        )
-
-
-_WARN = WarnLimiter()
-
-
-class Limits:
-    """Bounds on what one ZeroMQ message and one source may add to the index.
-
-    A message over a bound is refused whole (nothing of it applied) and counted
-    in the source's ``dropped``: ``message_too_large``,
-    ``message_too_many_blocks`` or ``source_block_limit`` (the engine source's
-    HBM worker would hold more blocks than ``max_blocks_per_source``).
-    """
-
-    __slots__ = ("max_message_bytes", "max_blocks_per_message", "max_blocks_per_source")
-
-    def __init__(
-        self,
-        max_message_bytes: int = 256 << 20,
-        max_blocks_per_message: int = 1_000_000,
-        max_blocks_per_source: int = 4_000_000,
-    ) -> None:
-        self.max_message_bytes = max_message_bytes
-        self.max_blocks_per_message = max_blocks_per_message
-        self.max_blocks_per_source = max_blocks_per_source
-
-    @staticmethod
-    def of(conductor: Any) -> Limits:
-        """``conductor.config.limits``, or the defaults (test conductors have no config)."""
-        return getattr(getattr(conductor, "config", None), "limits", None) or Limits()
-
-
 class Applier:
     """Decode and apply payloads for one subscription."""
 
@@ -310,9 +200,9 @@ class Applier:
     ) -> None:
         self.ctx = ctx
         self.conductor = conductor
-        self.limits = limits or Limits.of(conductor)
+        self.limits = limits or Limits()
         self.stats = stats or SourceStats()
-        self._warn = warn or _WARN
+        self._warn = warn or DEFAULT_WARN
         self.source = f"{ctx.instance_id}/dp{ctx.dp_rank}@{ctx.url}"
         self.hbm_medium = next((m for m in ctx.default_media if Medium(m).tier == 0), Medium.NPU)
         if self.hbm_medium is Medium.UNKNOWN:

@@ -75,9 +75,10 @@ from typing import Any, NamedTuple
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
+from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext, source_kind
 from kvconductor.ingest.replay import ReplaySession, drain
+from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.tracker import SequenceTracker, digest
 from kvconductor.keys import Medium
 from kvconductor.urls import is_bind_url
@@ -129,7 +130,9 @@ class Subscription:
         #: Wall-clock time of the last batch received (live or replayed); at first, of
         #: the subscription's creation (``kvconductor_source_last_event_age_seconds``).
         self.stats.last_event = time.time()
-        self.applier = Applier(ctx, manager.conductor, self.stats, manager.warn)
+        self.applier = Applier(
+            ctx, manager.conductor, self.stats, manager.warn, limits=manager.limits
+        )
         self.replay_endpoint = self._replay_endpoint_of(ctx)
         #: An engine stream of HBM blocks (:meth:`SubscriptionManager.check_sources`).
         self.feeds_hbm = self._feeds_hbm(ctx)
@@ -190,7 +193,9 @@ class Subscription:
         on the same socket, so no batch is lost in a hand-over."""
         old = self.applier
         self.ctx = ctx
-        self.applier = Applier(ctx, self.manager.conductor, self.stats, self.manager.warn)
+        self.applier = Applier(
+            ctx, self.manager.conductor, self.stats, self.manager.warn, limits=self.manager.limits
+        )
         self.applier.touched = old.touched
         self.applier.suspects, self.applier.confirmed = old.suspects, old.confirmed
         self.replay_endpoint = self._replay_endpoint_of(ctx)
@@ -618,6 +623,8 @@ class SubscriptionManager:
         self.source_down = float(source_down)
         #: Seconds not ready before those HBM blocks are dropped (0: never).
         self.source_purge = float(source_purge)
+        #: Bounds on one message and one source (``--max-message-mb`` ...).
+        self.limits: Limits = getattr(config, "limits", None) or Limits()
         #: (model, tenant, instance_id, dp_rank) muted now, and those purged since muted.
         self._muted_dps: set[tuple[str, str, str, int]] = set()
         self._purged_dps: set[tuple[str, str, str, int]] = set()
