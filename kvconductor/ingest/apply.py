@@ -1,8 +1,9 @@
 """Apply decoded engine and pool events to the index (docs/events.md, "Applying").
 
-:func:`decode_payload` recognises the payload (vLLM/SGLang batch, pool tuple,
-Memcache map); :class:`Applier` applies it with one subscription's
-:class:`~kvconductor.ingest.context.SubscriberContext`. Everything here runs on
+:func:`~kvconductor.ingest.recognize.decode_payload` recognises the payload
+(vLLM/SGLang batch, pool tuple, Memcache map) and decodes it into the typed
+operations of :mod:`~kvconductor.ingest.ops`; :class:`Applier` applies them with
+one subscription's :class:`~kvconductor.ingest.context.SubscriberContext`. Everything here runs on
 the ingest thread (the index's single writer).
 
 Routing (deviations from the reference are marked FIX):
@@ -47,36 +48,26 @@ import weakref
 from array import array
 from typing import Any
 
-import msgspec
-
 import kvconductor
 from kvconductor._hash import DEFAULT_SEED, hash_blocks, lora_seed
 from kvconductor._index import CoreIndex as _CCore
 from kvconductor._ingest import FastBatch
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.ingest.context import SubscriberContext
-from kvconductor.ingest.pool import (
+from kvconductor.ingest.ops import (
     CLEARED,
     REMOVED,
     STORED,
-    PoolBatch,
-    decode_memcache,
-    decode_pool_payload,
-)
-from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
-from kvconductor.ingest.vllm import (
-    KNOWN_TAGS,
     Cleared,
     DecodeError,
     Dropped,
+    PoolBatch,
     Removed,
     Stored,
     VllmBatch,
-    decode_vllm_batch,
-    decode_vllm_fast,
-    msgpack_kind,
-    split_batch,
 )
+from kvconductor.ingest.recognize import decode_payload
+from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.keys import Medium, WorkerKey, parse_medium
 from kvconductor.registry import node_of_backend_id
 
@@ -101,67 +92,12 @@ REJECTED_KINDS = frozenset(
     )
 )
 
-_POOL_KEYS = ("event_type", "seq_hashes", "backend_id", "event_id")
-_ANY_DEC = msgspec.msgpack.Decoder()
-_KEYS_DEC = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
-_RAW_LIST_DEC = msgspec.msgpack.Decoder(list[msgspec.Raw])
-
 
 def kind_rejected(kind: str | None) -> bool:
     """True for attention kinds whose blocks must not be indexed (see REJECTED_KINDS)."""
     if not kind:
         return False
     return kind.lower().replace("_", "") in REJECTED_KINDS
-
-
-def _looks_like_pool(events: list[msgspec.Raw]) -> bool:
-    if not events:
-        return False
-    first = events[0]
-    if msgpack_kind(memoryview(first)[0]) != "map":
-        return False
-    try:
-        keys = _KEYS_DEC.decode(first)
-    except Exception:
-        return False
-    if any(k in keys for k in _POOL_KEYS):
-        return True
-    t = keys.get("type")
-    if t is None:
-        return True
-    try:
-        return _ANY_DEC.decode(t) not in KNOWN_TAGS
-    except Exception:
-        return True
-
-
-def decode_payload(payload: bytes) -> VllmBatch | PoolBatch:
-    """Recognise and decode one payload (docs/events.md, "Payload recognition").
-
-    Raises DecodeError.
-    """
-    if not payload:
-        raise DecodeError("empty_payload")
-    kind = msgpack_kind(payload[0])
-    if kind == "map":
-        try:
-            obj = _ANY_DEC.decode(payload)
-        except Exception as ex:
-            raise DecodeError("undecodable", str(ex)) from None
-        return decode_memcache(obj)
-    if kind != "array":
-        raise DecodeError("not_a_batch", f"payload is a msgpack {kind}")
-    fast = decode_vllm_fast(payload)
-    if fast is not None:
-        return fast
-    elems, ei, di = split_batch(payload)
-    try:  # once for the pool check and the decoder
-        raw_events = _RAW_LIST_DEC.decode(elems[ei])
-    except Exception:
-        raw_events = None
-    if raw_events is not None and _looks_like_pool(raw_events):
-        return decode_pool_payload(payload)
-    return decode_vllm_batch(payload, (elems, ei, di), raw_events)
 
 
 def registered_index(info: Any, dp: int) -> tuple[str | None, str | None]:

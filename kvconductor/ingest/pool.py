@@ -22,7 +22,18 @@ from typing import Any
 
 import msgspec
 
-from kvconductor.ingest.vllm import DecodeError, Dropped, int_hash, parse_hash_str
+from kvconductor.ingest.ops import (
+    CLEARED,
+    OTHER,
+    REMOVED,
+    STORED,
+    DecodeError,
+    Dropped,
+    PoolBatch,
+    PoolEvent,
+    int_hash,
+    parse_hash_str,
+)
 from kvconductor.schema import NAME_MAX
 
 _ANY_DEC = msgspec.msgpack.Decoder()
@@ -44,54 +55,6 @@ def flex_hash(h: Any) -> int:
     if isinstance(h, str):
         return parse_hash_str(h)
     raise TypeError(f"hash of type {type(h).__name__}")
-
-
-STORED, REMOVED, CLEARED, OTHER = "stored", "removed", "cleared", "other"
-
-
-class PoolEvent:
-    """One decoded pool event. ``hashes`` = seq_hashes then block_hashes, de-duplicated."""
-
-    __slots__ = (
-        "event_id",
-        "kind",
-        "type_str",
-        "model_name",
-        "tenant_id",
-        "backend_id",
-        "medium",
-        "dp_rank",
-        "hashes",
-    )
-
-    def __init__(
-        self, event_id, kind, type_str, model_name, tenant_id, backend_id, medium, dp_rank, hashes
-    ) -> None:
-        self.event_id = event_id
-        self.kind = kind
-        self.type_str = type_str
-        self.model_name = model_name
-        self.tenant_id = tenant_id
-        self.backend_id = backend_id
-        self.medium = medium
-        self.dp_rank = dp_rank
-        self.hashes = hashes
-
-    def __repr__(self) -> str:
-        return (
-            f"PoolEvent({self.kind}, backend_id={self.backend_id!r}, medium={self.medium!r}, "
-            f"dp={self.dp_rank}, hashes={self.hashes}, model={self.model_name!r})"
-        )
-
-
-class PoolBatch:
-    __slots__ = ("ts", "dp_rank", "events", "layout")
-
-    def __init__(self, ts, dp_rank, events, layout) -> None:
-        self.ts = ts
-        self.dp_rank = dp_rank
-        self.events = events
-        self.layout = layout  # "tuple" | "memcache"
 
 
 def classify(type_str: str) -> str:
