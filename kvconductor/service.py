@@ -31,8 +31,8 @@ from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
 from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
+from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
 from kvconductor.ingest.stats import Limits
-from kvconductor.ingest.subscriber import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
 from kvconductor.logs import RecentWarnings

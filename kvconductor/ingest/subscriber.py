@@ -77,6 +77,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext, source_kind
+from kvconductor.ingest.liveness import SOURCE_DOWN, SOURCE_PURGE, Liveness
 from kvconductor.ingest.replay import ReplaySession, drain
 from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.tracker import SequenceTracker, digest
@@ -92,13 +93,6 @@ RECONNECT_IVL_MAX_MS = 1_000
 #: noticed within seconds, well inside the default --source-down-secs).
 HEARTBEAT_IVL_MS = 1_000
 HEARTBEAT_TIMEOUT_MS = 3_000
-#: Period of :meth:`SubscriptionManager.check_sources` on the ingest thread.
-SOURCE_CHECK_SECS = 1.0
-#: Defaults of ``--source-down-secs`` and ``--source-purge-secs``.
-SOURCE_DOWN = 10.0
-SOURCE_PURGE = 600.0
-#: Source states in which a subscription is ready (``GET /ready``) and counts in answers.
-READY_STATES = frozenset(("live", "degraded", "remote"))
 #: Messages handled per readiness callback (fairness between sockets).
 DRAIN_LIMIT = 256
 #: Default grace period after a loss (``--loss-grace-secs``).
@@ -619,15 +613,10 @@ class SubscriptionManager:
             source_down = getattr(config, "source_down", SOURCE_DOWN)
         if source_purge is None:
             source_purge = getattr(config, "source_purge", SOURCE_PURGE)
-        #: Seconds not ready before a source's (instance, DP) HBM hits are muted.
-        self.source_down = float(source_down)
-        #: Seconds not ready before those HBM blocks are dropped (0: never).
-        self.source_purge = float(source_purge)
+        #: Down, muted and purged (instance, DP)s; this manager is its host.
+        self.liveness = Liveness(self, source_down=source_down, source_purge=source_purge)
         #: Bounds on one message and one source (``--max-message-mb`` ...).
         self.limits: Limits = getattr(config, "limits", None) or Limits()
-        #: (model, tenant, instance_id, dp_rank) muted now, and those purged since muted.
-        self._muted_dps: set[tuple[str, str, str, int]] = set()
-        self._purged_dps: set[tuple[str, str, str, int]] = set()
         self.warn = WarnLimiter()
         self._subs: dict[tuple[str, int, str], Subscription] = {}
         #: The same subscriptions by (instance_id, dp_rank), then URL, in the order of
@@ -940,100 +929,34 @@ class SubscriptionManager:
         # else: the SUB's handshake asks (Subscription._now_connected); asked now, before
         # the engine is up, the replay would be answered before anything is published
 
-    # -- dead engines (module docstring) ----------------------------------------------------
+    # -- dead engines (kvconductor.ingest.liveness) -----------------------------------------
+    @property
+    def source_down(self) -> float:
+        return self.liveness.source_down
+
+    @property
+    def source_purge(self) -> float:
+        return self.liveness.source_purge
+
     def check_sources(self, now: float | None = None) -> None:
         """Mute the HBM workers of every (instance, DP) whose HBM sources have all been
         down for ``source_down`` seconds, unmute those back, purge those down for
-        ``source_purge``. Idempotent; the ingest thread runs it every
-        :data:`SOURCE_CHECK_SECS`."""
+        ``source_purge`` (:class:`~kvconductor.ingest.liveness.Liveness`). Idempotent;
+        the ingest thread runs it every
+        :data:`~kvconductor.ingest.liveness.SOURCE_CHECK_SECS`."""
         self._check_thread()
         now = time.monotonic() if now is None else now
-        # PERF: one cheap pass over every subscription; the DPs are grouped only when one
-        # of their HBM sources is down or they are muted (about 0.3 ms for 4,096 live
-        # sources, docs/performance.md).
-        down_dps: set[tuple[str, str, str, int]] = set()
+        subs = self._subs.values()
+        self.liveness.check(subs, now)
         r = self.replicator
-        for sub in self._subs.values():
-            if sub.passive:
-                # --state-url: down_since comes from the owner's ``down`` entries
-                if sub.down_since is not None and sub.feeds_hbm:
-                    down_dps.add(sub.dp_key)
-            elif sub.tracker.state(sub.connected) in READY_STATES:
-                if sub.down_since is not None:
-                    sub.down_since = None
-            else:
-                if sub.down_since is None:
-                    sub.down_since = now
-                if sub.feeds_hbm:
-                    down_dps.add(sub.dp_key)
-            if r is not None and sub.owned and sub.reported_down != (sub.down_since is not None):
+        if r is None:
+            return
+        for sub in subs:
+            if sub.owned and sub.reported_down != (sub.down_since is not None):
                 # tell every replica, so that they mute and purge alike
                 sub.reported_down = sub.down_since is not None
                 secs = 0.0 if sub.down_since is None else now - sub.down_since
                 r.append_source(sub, "down", "", secs if sub.reported_down else -1.0)
-            if sub.muted and not sub.feeds_hbm:  # re-registered as a pool stream
-                sub.muted = False
-        if not down_dps and not self._muted_dps:
-            return
-        groups: dict[tuple[str, str, str, int], list[Subscription]] = {
-            k: [] for k in down_dps | self._muted_dps
-        }
-        for sub in self._subs.values():
-            if sub.feeds_hbm:
-                subs = groups.get(sub.dp_key)
-                if subs is not None:
-                    subs.append(sub)
-        muted: set[tuple[str, str, str, int]] = set()
-        for k, subs in groups.items():
-            if not subs:  # a muted DP whose subscriptions are gone (unregistered)
-                self._set_dp_muted(k, False)
-                self._purged_dps.discard(k)
-                continue
-            starts = [s.down_since for s in subs]
-            if any(t is None for t in starts):
-                self._source_back(k, subs)
-                continue
-            down = now - max(t for t in starts if t is not None)
-            if down < self.source_down:
-                self._source_back(k, subs)
-                continue
-            muted.add(k)
-            self._set_dp_muted(k, True)  # every tick: also a worker the DP gained meanwhile
-            if k not in self._muted_dps:
-                for s in subs:
-                    s.muted = True
-                    s.stats.mutes += 1
-                log.warning(
-                    "%s: not ready (%s) for %.0fs; its HBM hits no longer count (blocks kept%s)",
-                    ", ".join(s.name() for s in subs),
-                    "/".join(sorted({s.state for s in subs})),
-                    down,
-                    f"; dropped after {self.source_purge:g}s down" if self.source_purge else "",
-                )
-            if self.source_purge > 0 and down >= self.source_purge and k not in self._purged_dps:
-                self._purged_dps.add(k)
-                n = self._purge_dp(k)
-                subs[0].stats.purged_blocks += n
-                log.warning(
-                    "%s: down for %.0fs; %d HBM blocks dropped",
-                    ", ".join(s.name() for s in subs),
-                    down,
-                    n,
-                )
-        self._muted_dps = muted
-
-    def _source_back(self, k: tuple[str, str, str, int], subs: list[Subscription]) -> None:
-        self._purged_dps.discard(k)
-        if k not in self._muted_dps:
-            return
-        self._set_dp_muted(k, False)
-        for s in subs:
-            s.muted = False
-        log.info(
-            "%s: ready again (%s); its HBM hits count again",
-            ", ".join(s.name() for s in subs),
-            "/".join(sorted({s.state for s in subs})),
-        )
 
     def _hbm_keys(self, k: tuple[str, str, str, int]):
         model, tenant, iid, dp = k
@@ -1042,12 +965,13 @@ class SubscriptionManager:
             return None, []
         return idx, [w for w in idx.workers_of(iid, dp) if Medium(w.medium).tier == 0]
 
-    def _set_dp_muted(self, k: tuple[str, str, str, int], muted: bool) -> None:
+    # the liveness policy's host
+    def set_dp_muted(self, k: tuple[str, str, str, int], muted: bool) -> None:
         idx, keys = self._hbm_keys(k)
         for w in keys:
             idx.set_muted(w, muted)
 
-    def _purge_dp(self, k: tuple[str, str, str, int]) -> int:
+    def purge_dp(self, k: tuple[str, str, str, int]) -> int:
         idx, keys = self._hbm_keys(k)
         return sum(idx.clear(w) for w in keys)
 
