@@ -54,6 +54,7 @@ from kvconductor._index import CoreIndex as _CCore
 from kvconductor._ingest import FastBatch
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.host import IngestHost
 from kvconductor.ingest.ops import (
     CLEARED,
     REMOVED,
@@ -128,7 +129,7 @@ class Applier:
     def __init__(
         self,
         ctx: SubscriberContext,
-        conductor: Any,
+        conductor: IngestHost,
         stats: SourceStats | None = None,
         warn: WarnLimiter | None = None,
         fast: bool = True,
@@ -202,9 +203,7 @@ class Applier:
         s.add(key)
 
     def _lora(self, model: str, tenant: str, seed: int) -> None:
-        note = getattr(self.conductor, "note_lora", None)
-        if note is not None:  # test doubles of the conductor may not have it
-            note(model, tenant, seed)
+        self.conductor.note_lora(model, tenant, seed)
 
     def _confirm(self, key: WorkerKey, hashes, parent: int | None = None) -> None:
         """After a loss: ``hashes`` (and ``parent``) of ``key`` were announced again."""

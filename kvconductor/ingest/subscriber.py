@@ -58,7 +58,8 @@ with a continuous sequence, or after its replay) the hits count again. After
 ``--source-purge-secs`` (default 600 s; 0: never) down, those HBM blocks are
 dropped. With several HBM subscriptions for one (instance, DP), the DP is muted
 when every one of them is down, for the shortest of their down times. Checked by
-:meth:`SubscriptionManager.check_sources` every :data:`SOURCE_CHECK_SECS`.
+:meth:`SubscriptionManager.check_sources` every
+:data:`~kvconductor.ingest.liveness.SOURCE_CHECK_SECS`.
 
 Only subscriptions that feed HBM workers (engine PUB, ``not ctx.is_pool`` and a
 HBM medium in ``ctx.default_media``) use ``ctx.replay_endpoint``: a replay ROUTER
@@ -77,9 +78,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext, source_kind
-from kvconductor.ingest.liveness import SOURCE_DOWN, SOURCE_PURGE, Liveness
+from kvconductor.ingest.host import IngestHost, IngestSettings, SharedWrites, SourceJournal
+from kvconductor.ingest.liveness import Liveness
 from kvconductor.ingest.replay import ReplaySession, drain
 from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
+from kvconductor.ingest.thread import IngestThread
 from kvconductor.ingest.tracker import SequenceTracker, digest
 from kvconductor.keys import Medium
 from kvconductor.urls import is_bind_url
@@ -95,10 +98,6 @@ HEARTBEAT_IVL_MS = 1_000
 HEARTBEAT_TIMEOUT_MS = 3_000
 #: Messages handled per readiness callback (fairness between sockets).
 DRAIN_LIMIT = 256
-#: Default grace period after a loss (``--loss-grace-secs``).
-LOSS_GRACE = 600.0
-#: Default overall replay deadline (``--replay-deadline-secs``).
-REPLAY_DEADLINE = 60.0
 
 #: A source is *connected* once the ZMTP handshake succeeded, not at the TCP connect: the
 #: kernel of a frozen or overloaded host still accepts TCP connections.
@@ -322,7 +321,7 @@ class Subscription:
         self.manager.warn.warn(self.name(), "receive_error", str(ex), None)
 
     def _on_readable(self, sock) -> None:
-        shared = getattr(self.manager.conductor, "shared", None)
+        shared = self.manager.shared
         if shared is None:
             self._drain(sock, None)
             return
@@ -392,8 +391,9 @@ class Subscription:
         log.info("%s: no longer consumed here", self.name())
 
     def _grace_over(self, token: str) -> None:
-        if self.owned and not self.closed and self.loss_token == token:
-            self.manager.replicator.append_source(self, "aged", token)
+        r = self.manager.replicator
+        if r is not None and self.owned and not self.closed and self.loss_token == token:
+            r.append_source(self, "aged", token)
 
     # -- the tracker's host ----------------------------------------------------------------
     def apply(self, payload: bytes, seq: int) -> None:
@@ -588,35 +588,42 @@ class SubscriptionManager:
 
     def __init__(
         self,
-        thread,
-        conductor,
+        thread: IngestThread,
+        conductor: IngestHost,
         *,
-        replay_timeout: float = 5.0,
+        settings: IngestSettings | None = None,
+        shared: SharedWrites | None = None,
+        replay_timeout: float | None = None,
         loss_grace: float | None = None,
         replay_deadline: float | None = None,
         source_down: float | None = None,
         source_purge: float | None = None,
     ) -> None:
+        """``settings`` (defaults: :class:`~kvconductor.ingest.host.IngestSettings`), each
+        overridden by the keyword of the same name when given; ``shared``: ``--workers N``'s
+        shared write section over each socket's drain (None: one process)."""
+        s = settings or IngestSettings()
+        s = IngestSettings(
+            loss_grace=s.loss_grace if loss_grace is None else loss_grace,
+            replay_deadline=s.replay_deadline if replay_deadline is None else replay_deadline,
+            replay_timeout=s.replay_timeout if replay_timeout is None else replay_timeout,
+            source_down=s.source_down if source_down is None else source_down,
+            source_purge=s.source_purge if source_purge is None else source_purge,
+            limits=s.limits,
+        )
         self.thread = thread
         self.conductor = conductor
-        self.replay_timeout = replay_timeout
-        config = getattr(conductor, "config", None)
-        if loss_grace is None:
-            loss_grace = getattr(config, "loss_grace", LOSS_GRACE)
-        if replay_deadline is None:
-            replay_deadline = getattr(config, "replay_deadline", REPLAY_DEADLINE)
+        self.shared = shared
+        #: Seconds a replay may wait for its next message.
+        self.replay_timeout = float(s.replay_timeout)
         #: Seconds a whole replay may take before it counts as failed (a loss).
-        self.replay_deadline = float(replay_deadline)
+        self.replay_deadline = float(s.replay_deadline)
         #: Seconds after a loss before blocks not announced again are dropped.
-        self.loss_grace = float(loss_grace)
-        if source_down is None:
-            source_down = getattr(config, "source_down", SOURCE_DOWN)
-        if source_purge is None:
-            source_purge = getattr(config, "source_purge", SOURCE_PURGE)
+        self.loss_grace = float(s.loss_grace)
         #: Down, muted and purged (instance, DP)s; this manager is its host.
-        self.liveness = Liveness(self, source_down=source_down, source_purge=source_purge)
+        self.liveness = Liveness(self, source_down=s.source_down, source_purge=s.source_purge)
         #: Bounds on one message and one source (``--max-message-mb`` ...).
-        self.limits: Limits = getattr(config, "limits", None) or Limits()
+        self.limits: Limits = s.limits
         self.warn = WarnLimiter()
         self._subs: dict[tuple[str, int, str], Subscription] = {}
         #: The same subscriptions by (instance_id, dp_rank), then URL, in the order of
@@ -627,7 +634,7 @@ class SubscriptionManager:
         #: snapshot; a subscription of that key created next starts from there.
         self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
         #: --state-url: the :class:`kvconductor.replica.Replicator` (None: one process).
-        self.replicator: Any = None
+        self.replicator: SourceJournal | None = None
         #: --state-url: no source entry of an owner epoch below this is applied (raised
         #: when the state store is seeded again: owners of the old store are fenced off).
         self.fence_floor = 0
