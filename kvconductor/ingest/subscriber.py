@@ -9,29 +9,14 @@ socket, its monitor socket and, while replaying, one DEALER
 ingest poller, which blocks when nothing happens (no busy spin; the reference
 busy-spun one core per subscriber).
 
-Sockets:
-
-* SUB ``RCVHWM = 1_000_000`` messages. The reference left ZMQ's default of 1000,
-  so a burst larger than that was dropped silently by ZMQ. vLLM's PUB side
-  queues up to ``hwm = 100_000`` per subscriber and its replay buffer holds
-  10 000 batches; a million batches is far beyond any burst we can still
-  recover, yet it stays bounded (0 = unlimited would let a stuck ingest thread
-  grow memory without limit). Loss beyond it shows up as a seq gap and is
-  recovered by replay.
-* Reconnects: ZMQ's own ``RECONNECT_IVL`` 100 ms doubling up to
-  ``RECONNECT_IVL_MAX`` 1 s (the reference let it grow to 30 s, so an engine back
-  after a long outage waited up to 30 s for us; a refused connect per second and
-  dead source costs nothing worth that). ZMTP heartbeats and TCP keepalive
-  detect a silently dead peer. A socket that cannot be opened at all (out of
-  sockets or files) raises: the registration that asked for it is undone (503).
-* The monitor socket reports HANDSHAKE_SUCCEEDED/DISCONNECTED (a TCP connect alone is
-  not a connection: a frozen host's kernel still accepts one). Every handshake, the
-  first one included, triggers a replay when the subscription has a replay
-  endpoint: a PUB drops what it sends before our subscription reaches it, so only a
-  replay asked once connected covers what the engine published before (a replay
-  asked at registration, before the engine is up, would be answered empty). With a
-  bound SUB (``--allow-bind-endpoints``) each engine PUB connecting to it is such a
-  handshake.
+Sockets: one SUB per subscription and its monitor, in
+:class:`~kvconductor.ingest.source.SubSource` (options, reconnects, heartbeats,
+handshakes). Every handshake, the first one included, triggers a replay when the
+subscription has a replay endpoint: a PUB drops what it sends before our subscription
+reaches it, so only a replay asked once connected covers what the engine published
+before (a replay asked at registration, before the engine is up, would be answered
+empty). With a bound SUB (``--allow-bind-endpoints``) each engine PUB connecting to it is
+such a handshake.
 
 Sequence numbers (frame 1, 8-byte big-endian) per subscription: in order,
 gap, duplicate, publisher restart, replay and its merge with the live batches
@@ -74,36 +59,19 @@ import time
 from typing import Any, NamedTuple
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext, source_kind
 from kvconductor.ingest.host import IngestHost, IngestSettings, SharedWrites, SourceJournal
 from kvconductor.ingest.liveness import Liveness
-from kvconductor.ingest.replay import ReplaySession, drain
+from kvconductor.ingest.replay import ReplaySession
+from kvconductor.ingest.source import SubSource
 from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.ingest.tracker import SequenceTracker, digest
 from kvconductor.keys import Medium
-from kvconductor.urls import is_bind_url
 
 log = logging.getLogger("kvconductor.ingest")
-
-RCVHWM = 1_000_000
-RECONNECT_IVL_MS = 100
-RECONNECT_IVL_MAX_MS = 1_000
-#: ZMTP PING every second; no traffic for 3 s drops the connection (a dead host is
-#: noticed within seconds, well inside the default --source-down-secs).
-HEARTBEAT_IVL_MS = 1_000
-HEARTBEAT_TIMEOUT_MS = 3_000
-#: Messages handled per readiness callback (fairness between sockets).
-DRAIN_LIMIT = 256
-
-#: A source is *connected* once the ZMTP handshake succeeded, not at the TCP connect: the
-#: kernel of a frozen or overloaded host still accepts TCP connections.
-_MON_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
-#: A ZMTP handshake not done within this drops the connection (libzmq's default: 30 s).
-HANDSHAKE_IVL_MS = 3_000
 
 
 class Subscription:
@@ -129,11 +97,9 @@ class Subscription:
         self.replay_endpoint = self._replay_endpoint_of(ctx)
         #: An engine stream of HBM blocks (:meth:`SubscriptionManager.check_sources`).
         self.feeds_hbm = self._feeds_hbm(ctx)
-        self.sock: zmq.Socket | None = None
-        self.mon: zmq.Socket | None = None
+        #: The SUB and its monitor.
+        self.source = SubSource(manager.thread, self, manager.shared)
         self.connected = False
-        #: The SUB is bound (``--allow-bind-endpoints``): publishers connect to it.
-        self.bound = False
         self.closed = False
         #: Monotonic time since when the source is not ready (None: ready).
         self.down_since: float | None = time.monotonic()
@@ -199,61 +165,21 @@ class Subscription:
     def last_seq(self) -> int | None:
         return self.tracker.last_seq
 
-    # -- sockets ---------------------------------------------------------------------------
-    def open(self) -> None:
-        """Create and connect (or bind) the SUB socket and its monitor.
+    # -- sockets (kvconductor.ingest.source) -------------------------------------------------
+    @property
+    def bound(self) -> bool:
+        """The SUB is bound (``--allow-bind-endpoints``): publishers connect to it."""
+        return self.source.bound
 
-        Raises ``zmq.ZMQError`` (nothing left open) when that fails: out of
-        sockets or files, or a bind-mode port in use. The registration is then
-        rolled back and answered 503. Once open, ZeroMQ reconnects by itself.
-        """
+    def open(self) -> None:
+        """Open the SUB socket and its monitor (:meth:`SubSource.open`); raises
+        ``zmq.ZMQError`` (nothing left open) when that fails: the registration is then
+        rolled back and answered 503."""
         if self.closed or self.passive:
             return
-        url = self.ctx.url
-        sock = self.thread.ctx.socket(zmq.SUB)
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, RCVHWM)
-            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            # Hard guard: libzmq drops a peer that sends more than twice the limit before
-            # it is ever buffered; messages up to that are refused and counted (Limits).
-            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.applier.limits.max_message_bytes)
-            # The monitor's PAIR first: once the SUB is monitored, a monitor event sent
-            # with no PAIR connected blocks whichever thread sends it (libzmq), at the
-            # latest its reaper when the SUB closes, and then no closed socket gives its
-            # files back. pyzmq's get_monitor_socket creates the PAIR last, so running out
-            # of files just there left the process unable to recover.
-            mon = self.thread.ctx.socket(zmq.PAIR)
-            try:
-                addr = f"inproc://monitor.s-{sock.FD}"
-                sock.monitor(addr, _MON_EVENTS)
-                mon.connect(addr)
-            except zmq.ZMQError:
-                mon.close(linger=0)
-                raise
-            try:
-                if is_bind_url(url):
-                    # --allow-bind-endpoints: the engine PUB connects to us ("bind stable").
-                    sock.bind(url)
-                    self.connected = self.tracker.ever_connected = self.bound = True
-                else:
-                    sock.connect(url)
-            except zmq.ZMQError:
-                sock.disable_monitor()
-                mon.close(linger=0)
-                raise
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            raise
-        self.sock, self.mon = sock, mon
-        self.thread.add_socket(mon, self._on_monitor)
-        self.thread.add_socket(sock, self._on_readable)
+        self.source.open(self.ctx.url, self.applier.limits.max_message_bytes)
+        if self.source.bound:
+            self.connected = self.tracker.ever_connected = True
 
     @property
     def passive(self) -> bool:
@@ -268,48 +194,27 @@ class Subscription:
         if self.replay is not None:
             self.replay.close()
             self.replay = None
-        sock, mon = self.sock, self.mon
-        self.sock = self.mon = None
-        if mon is not None:
-            self.thread.remove_socket(mon)
-        if sock is not None:
-            self.thread.remove_socket(sock)
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            sock.close(linger=0)
-        if mon is not None:
-            mon.close(linger=0)
+        self.source.close()
         self.tracker.close()
         self.connected = False
 
     def name(self) -> str:
         return f"{self.ctx.instance_id}/dp{self.ctx.dp_rank}@{self.ctx.url}"
 
-    def _on_monitor(self, mon) -> None:
-        while True:
-            try:
-                evt = recv_monitor_message(mon, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                return
-            e = evt["event"]
-            if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if not self.connected:
-                    self._now_connected()
-                elif self.bound:
-                    # a publisher connected to our bound SUB: catch up on what it sent
-                    self.tracker.connected()
-            elif e == zmq.EVENT_DISCONNECTED:
-                if self.connected:
-                    log.info("%s: disconnected", self.name())
-                self.connected = False
-                if self.down_since is None:
-                    self.down_since = time.monotonic()
-            elif e == zmq.EVENT_MONITOR_STOPPED:
-                return
+    # the source's events
+    def handshake(self) -> None:
+        if not self.connected:
+            self._now_connected()
+        elif self.bound:
+            # a publisher connected to our bound SUB: catch up on what it sent
+            self.tracker.connected()
+
+    def disconnected(self) -> None:
+        if self.connected:
+            log.info("%s: disconnected", self.name())
+        self.connected = False
+        if self.down_since is None:
+            self.down_since = time.monotonic()
 
     def _now_connected(self) -> None:
         self.connected = True
@@ -317,42 +222,29 @@ class Subscription:
             log.info("%s: reconnected", self.name())
         self.tracker.connected()
 
-    def _receive_error(self, ex: zmq.ZMQError) -> None:
+    def receive_error(self, ex: zmq.ZMQError) -> None:
         self.manager.warn.warn(self.name(), "receive_error", str(ex), None)
 
-    def _on_readable(self, sock) -> None:
-        shared = self.manager.shared
-        if shared is None:
-            self._drain(sock, None)
+    def message(self, frames: list[bytes]) -> None:
+        if not self.connected:  # data beat the monitor event
+            self._now_connected()
+        if len(frames) < 3:
+            self.stats.drop("short_message")
+            self.manager.warn.warn(
+                self.name(),
+                "short_message",
+                f"{len(frames)} frames",
+                frames[-1] if frames else b"",
+            )
             return
-        # --workers N: one shared write section over the drain (kvconductor.shared)
-        batch = shared.batch()
-        with batch:
-            self._drain(sock, batch)
-
-    def _drain(self, sock, batch) -> None:
-        for frames in drain(sock, DRAIN_LIMIT, lambda: self.closed, self._receive_error):
-            if batch is not None:
-                batch.tick()
-            if not self.connected:  # data beat the monitor event
-                self._now_connected()
-            if len(frames) < 3:
-                self.stats.drop("short_message")
-                self.manager.warn.warn(
-                    self.name(),
-                    "short_message",
-                    f"{len(frames)} frames",
-                    frames[-1] if frames else b"",
-                )
-                continue
-            seq_b = frames[1]
-            if len(seq_b) != 8:
-                self.stats.drop("bad_seq_frame")
-                self.manager.warn.warn(self.name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
-                continue
-            now = time.time()
-            self.stats.last_event = now
-            self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
+        seq_b = frames[1]
+        if len(seq_b) != 8:
+            self.stats.drop("bad_seq_frame")
+            self.manager.warn.warn(self.name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
+            return
+        now = time.time()
+        self.stats.last_event = now
+        self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
 
     # -- --state-url: ownership (kvconductor.replica) ----------------------------------------
     def activate(self, epoch: int) -> None:
