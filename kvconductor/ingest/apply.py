@@ -46,13 +46,14 @@ import logging
 import time
 import weakref
 from array import array
-from typing import Any
+from collections.abc import Sequence
 
 import kvconductor
 from kvconductor._hash import DEFAULT_SEED, hash_blocks, lora_seed
 from kvconductor._index import CoreIndex as _CCore
 from kvconductor._ingest import FastBatch
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+from kvconductor.index import Index
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.host import IngestHost
 from kvconductor.ingest.ops import (
@@ -63,6 +64,7 @@ from kvconductor.ingest.ops import (
     DecodeError,
     Dropped,
     PoolBatch,
+    PoolEvent,
     Removed,
     Stored,
     VllmBatch,
@@ -77,7 +79,7 @@ log = logging.getLogger("kvconductor.ingest")
 _UNKNOWN = 1 << 62
 
 #: The compiled fast path; off (``None``) when ``KVCONDUCTOR_IMPL=py``.
-_FastBatch: Any = None if kvconductor.IMPL == "py" else FastBatch
+_FastBatch: type[FastBatch] | None = None if kvconductor.IMPL == "py" else FastBatch
 
 #: kv_cache_spec_kind values (lower-case, underscores removed) that are not a
 #: prefix cache a query can hit (docs/engines.md, "Engine settings that matter");
@@ -101,7 +103,7 @@ def kind_rejected(kind: str | None) -> bool:
     return kind.lower().replace("_", "") in REJECTED_KINDS
 
 
-def registered_index(info: Any, dp: int) -> tuple[str | None, str | None]:
+def registered_index(info: object, dp: int) -> tuple[str | None, str | None]:
     """(model, tenant) of a registration from ``conductor.instance_info``: a dict
     (``model_name``/``tenant_id``, per-DP values under ``endpoints[dp]`` preferred)
     or an object with ``model``/``tenant`` attributes; (None, None) if unknown."""
@@ -162,7 +164,8 @@ class Applier:
         )
         self._hbm_key = self._key(self.hbm_medium)
         self._clear_keys = tuple(self._key(Medium(m)) for m in ctx.default_media)
-        self._fast_index: Any = None  # weakref of the index _fast_wid belongs to
+        #: A weak reference to the index _fast_wid belongs to.
+        self._fast_index: weakref.ref[Index] | None = None
         self._fast_wid = -1
         #: After a loss: (model, tenant, key) -> engine hashes held then (see begin_suspect).
         self.suspects: dict[tuple[str, str, WorkerKey], array] | None = None
@@ -274,10 +277,12 @@ class Applier:
         except Exception as ex:
             self._drop("decoder_error", repr(ex), payload)
             return False
-        nblocks = sum(
-            len(getattr(ev, "block_hashes", None) or getattr(ev, "hashes", None) or ())
-            for ev in batch.events
-        )
+        nblocks = 0
+        for ev in batch.events:
+            if isinstance(ev, (Stored, Removed)):
+                nblocks += len(ev.block_hashes)
+            elif isinstance(ev, PoolEvent):
+                nblocks += len(ev.hashes)
         if not self._within_limits(nblocks, index):
             return False
         self.stats.batches += 1
@@ -315,7 +320,7 @@ class Applier:
                     wid = index.worker_id(self._hbm_key)
                     self._fast_index = weakref.ref(index)
                     self._fast_wid = wid
-            clear: Any = ()
+            clear: Sequence[int] = ()
             if fb.has_clear:  # Index.clear skips keys it never saw; so do we
                 known = set(index.workers_of(ctx.instance_id, ctx.dp_rank))
                 clear = [index.worker_id(k) for k in self._clear_keys if k in known]

@@ -193,6 +193,10 @@ class VllmBatch:
         self.layout = layout  # "ts,events,dp" | "ts,events" | "ts,dp,events"
 
 
+#: One decoded vLLM/SGLang event.
+VllmEvent = Stored | Removed | Cleared | Dropped
+
+
 # ---------------------------------------------------------------------------------------
 # pool events
 

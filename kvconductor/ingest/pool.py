@@ -18,8 +18,6 @@ field longer than ``NAME_MAX`` characters drops its event too (``invalid_event``
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from kvconductor.ingest.ops import (
@@ -39,7 +37,7 @@ from kvconductor.schema import NAME_MAX
 _ANY_DEC = msgspec.msgpack.Decoder()
 
 
-def flex_hash(h: Any) -> int:
+def flex_hash(h: object) -> int:
     """The reference's FlexHash, fixed: u64; negative i64 -> two's complement (not an error);
     string ``0x`` hex / decimal / bare hex; bytes up to 8, big-endian left-padded.
 
@@ -79,7 +77,7 @@ def _opt_str(m: dict, key: str) -> str | None:
     return v
 
 
-def decode_pool_event(m: Any) -> PoolEvent | Dropped:
+def decode_pool_event(m: object) -> PoolEvent | Dropped:
     """A PoolEvent map (already decoded) -> PoolEvent, or Dropped with the reason."""
     if not isinstance(m, dict):
         return Dropped("invalid_event", f"pool event is {type(m).__name__}")
@@ -120,7 +118,7 @@ def decode_pool_event(m: Any) -> PoolEvent | Dropped:
         return Dropped(ex.reason, ex.detail)
 
 
-def decode_pool_tuple(obj: Any) -> PoolBatch:
+def decode_pool_tuple(obj: object) -> PoolBatch:
     """``[ts_ms, [events], dp_rank]`` (already decoded) -> PoolBatch."""
     if not isinstance(obj, list) or len(obj) not in (2, 3):
         raise DecodeError("not_a_batch", "pool tuple is not an array of 2 or 3")
@@ -133,7 +131,7 @@ def decode_pool_tuple(obj: Any) -> PoolBatch:
     return PoolBatch(ts, dp, [decode_pool_event(e) for e in events], "tuple")
 
 
-def decode_memcache(obj: Any) -> PoolBatch:
+def decode_memcache(obj: object) -> PoolBatch:
     """``{"events": [...]}`` (already decoded) -> PoolBatch."""
     if not isinstance(obj, dict):
         raise DecodeError("not_a_batch", "memcache batch is not a map")

@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import zmq
 
@@ -371,7 +371,7 @@ class Subscription:
             return "remote"
         return self.tracker.state(self.connected)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         s = self.stats
         down = self.down_since
         return {
@@ -408,7 +408,7 @@ class Subscription:
             "dropped": dict(s.dropped),
         }
 
-    def _last_loss(self) -> dict[str, Any] | None:
+    def _last_loss(self) -> dict[str, object] | None:
         loss = self.tracker.last_loss
         return None if loss is None else {"at": loss[0], "why": loss[1]}
 
@@ -596,7 +596,7 @@ class SubscriptionManager:
             retired = self.retired.copy()
         return rows, retired
 
-    def cursors(self) -> list[dict[str, Any]]:
+    def cursors(self) -> list[dict[str, object]]:
         """Where each subscription's applied sequence stands (ingest thread; snapshots):
         ``instance_id``, ``dp_rank``, ``url``, ``last_seq`` and the ``digest`` of that
         batch, for every subscription that has applied a batch since its last loss;

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
@@ -41,6 +40,7 @@ from kvconductor.ingest.ops import (
     Removed,
     Stored,
     VllmBatch,
+    VllmEvent,
     int_hash,
     msgpack_kind,
     parse_hash_str,
@@ -53,7 +53,7 @@ _U32 = 0xFFFFFFFF
 # hash conversion
 
 
-def engine_hash(h: Any) -> int:
+def engine_hash(h: object) -> int:
     """vLLM/SGLang block hash -> u64 (docs/events.md, "vLLM / SGLang events").
 
     non-negative int as is; negative int -> two's complement u64 (the reference
@@ -91,7 +91,7 @@ def u32_tokens(tokens: list) -> array:
 
 
 #: The compiled token-array reader; ``None`` (the msgspec path only) when ``KVCONDUCTOR_IMPL=py``.
-_read_u32_array: Callable[[Any], array] | None = (
+_read_u32_array: Callable[[memoryview], array] | None = (
     None if kvconductor.IMPL == "py" else read_u32_array
 )
 _INT_LIST_DEC = msgspec.msgpack.Decoder(list[int])
@@ -132,23 +132,23 @@ _Str = str | None
 
 
 class _AStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    block_hashes: Any = None
-    parent_block_hash: Any = None
+    block_hashes: object = None
+    parent_block_hash: object = None
     token_ids: msgspec.Raw = _RAW_NIL
     block_size: int | None = None
-    lora_id: Any = None
+    lora_id: object = None
     medium: _Str = None
     lora_name: _Str = None
     extra_keys: msgspec.Raw = _RAW_NIL
-    group_idx: Any = None
+    group_idx: object = None
     kv_cache_spec_kind: _Str = None
-    kv_cache_spec_sliding_window: Any = None
+    kv_cache_spec_sliding_window: object = None
 
 
 class _ARemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-    block_hashes: Any = None
+    block_hashes: object = None
     medium: _Str = None
-    group_idx: Any = None
+    group_idx: object = None
 
 
 class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
@@ -156,38 +156,41 @@ class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
 
 
 class _MStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
-    block_hashes: Any = None
-    parent_block_hash: Any = None
+    block_hashes: object = None
+    parent_block_hash: object = None
     token_ids: msgspec.Raw = _RAW_NIL
     block_size: int | None = None
-    lora_id: Any = None
+    lora_id: object = None
     medium: _Str = None
     lora_name: _Str = None
-    group_idx: Any = None
+    group_idx: object = None
     kv_cache_spec_kind: _Str = None
-    kv_cache_spec_sliding_window: Any = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
+    kv_cache_spec_sliding_window: object = None
+    locality: object = None
+    ownership: object = None
+    session_id: object = None
     # extra_keys, lookahead_token_ids, cache_salt: not declared, skipped by msgspec.
     # Pool-event keys: present only when a pool map was mistaken for an engine event.
-    event_type: Any = None
-    seq_hashes: Any = None
-    backend_id: Any = None
+    event_type: object = None
+    seq_hashes: object = None
+    backend_id: object = None
 
 
 class _MRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
-    block_hashes: Any = None
+    block_hashes: object = None
     medium: _Str = None
-    group_idx: Any = None
-    event_type: Any = None
-    seq_hashes: Any = None
-    backend_id: Any = None
+    group_idx: object = None
+    event_type: object = None
+    seq_hashes: object = None
+    backend_id: object = None
 
 
 class _MCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
     pass
 
+
+#: A decoded wire event, either form.
+_WireEvent = _AStored | _ARemoved | _ACleared | _MStored | _MRemoved | _MCleared
 
 _ARRAY_DEC = msgspec.msgpack.Decoder(_AStored | _ARemoved | _ACleared)
 _MAP_DEC = msgspec.msgpack.Decoder(_MStored | _MRemoved | _MCleared)
@@ -200,7 +203,7 @@ def _first(raw: msgspec.Raw) -> int:
     return mv[0] if len(mv) else -1
 
 
-def _hashes_of(v: Any, what: str = "block_hashes") -> array:
+def _hashes_of(v: object, what: str = "block_hashes") -> array:
     if v is None:
         return array("Q")
     if not isinstance(v, list):
@@ -211,9 +214,8 @@ def _hashes_of(v: Any, what: str = "block_hashes") -> array:
         raise DecodeError("bad_hash", str(ex)) from None
 
 
-def _convert(ev: Any) -> Any:
-    cls = type(ev)
-    if cls is _AStored or cls is _MStored:
+def _convert(ev: _WireEvent) -> Stored | Removed | Cleared:
+    if isinstance(ev, (_AStored, _MStored)):
         hashes = _hashes_of(ev.block_hashes)
         parent = ev.parent_block_hash
         if parent is not None:
@@ -226,7 +228,7 @@ def _convert(ev: Any) -> Any:
         if bs < 0:
             raise DecodeError("invalid_event", f"block_size {bs}")
         # The array form carries no locality, ownership or session (map form only).
-        placement = () if cls is _AStored else (ev.locality, ev.ownership, ev.session_id)
+        placement = () if isinstance(ev, _AStored) else (ev.locality, ev.ownership, ev.session_id)
         return Stored(
             hashes,
             parent,
@@ -240,7 +242,7 @@ def _convert(ev: Any) -> Any:
             ev.kv_cache_spec_sliding_window,
             *placement,
         )
-    if cls is _ARemoved or cls is _MRemoved:
+    if isinstance(ev, (_ARemoved, _MRemoved)):
         return Removed(_hashes_of(ev.block_hashes), ev.medium, ev.group_idx)
     return Cleared()
 
@@ -261,7 +263,7 @@ def _why_invalid(raw: msgspec.Raw | bytes, kind: str, err: Exception) -> Dropped
     return Dropped("invalid_event", str(err))
 
 
-def decode_event(raw: msgspec.Raw | bytes) -> Any:
+def decode_event(raw: msgspec.Raw | bytes) -> VllmEvent:
     """One event (array or map form) -> Stored/Removed/Cleared/Dropped."""
     b = _first(raw) if isinstance(raw, msgspec.Raw) else (raw[0] if raw else -1)
     kind = msgpack_kind(b) if b >= 0 else "empty"
@@ -350,7 +352,7 @@ def decode_vllm_batch(
     return VllmBatch(ts, dp, events, layout)
 
 
-def _typed_events(raw: msgspec.Raw, raw_events: list[msgspec.Raw]) -> list[Any] | None:
+def _typed_events(raw: msgspec.Raw, raw_events: list[msgspec.Raw]) -> list[VllmEvent] | None:
     """The events element in one typed pass (all array-form or all map-form events with
     known tags and well-typed fields), else None."""
     if not raw_events:
@@ -388,7 +390,7 @@ _FAST_ARR = msgspec.msgpack.Decoder(_ArrBatch)
 _FAST_MAP = msgspec.msgpack.Decoder(_MapBatch)
 
 
-def _convert_or_drop(ev: Any) -> Any:
+def _convert_or_drop(ev: _WireEvent) -> VllmEvent:
     try:
         return _convert(ev)
     except DecodeError as ex:
