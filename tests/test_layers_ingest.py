@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"source", "apply"},  # sockets; the applier (limits, the compiled fast path, typed ops)
     {"recognize", "replay"},  # a payload's kind; the replay DEALER
     {"vllm", "pool"},  # the decoders
-    {"tracker", "host"},  # sequence policy; what the owner provides
+    {"tracker", "host", "replicated"},  # sequence policy; the owner's seams; --state-url
     {"liveness"},  # down / muted / purged policy
     {"ops", "stats", "context", "thread", "http_events"},  # plain data, the poller
 ]
@@ -86,6 +86,7 @@ def test_the_payload_walk():
     g = _graph()
     assert g["tracker"] <= {"stats"}
     assert g["liveness"] <= {"stats"}
+    assert g["replicated"] == set()
     assert g["vllm"] <= {"ops"} and g["pool"] <= {"ops"}
     assert g["recognize"] <= {"ops", "vllm", "pool"}
     assert not g["apply"] & {"vllm", "pool", "tracker", "source", "subscriber"}

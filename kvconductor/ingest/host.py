@@ -67,8 +67,10 @@ class JournalSource(Protocol):
     """What a :class:`SourceJournal` reads of the source an entry is about."""
 
     key: tuple[str, int, str]
-    #: The epoch of this replica's lease on the source.
-    lease_epoch: int
+
+    @property
+    def lease_epoch(self) -> int:
+        """The epoch of this replica's lease on the source."""
 
 
 class SourceJournal(Protocol):

@@ -65,6 +65,7 @@ from kvconductor.ingest.context import SubscriberContext, source_kind
 from kvconductor.ingest.host import IngestHost, IngestSettings, SharedWrites, SourceJournal
 from kvconductor.ingest.liveness import Liveness
 from kvconductor.ingest.replay import ReplaySession
+from kvconductor.ingest.replicated import DUPLICATE, HOLE, ReplicaState
 from kvconductor.ingest.source import SubSource
 from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.thread import IngestThread
@@ -107,18 +108,9 @@ class Subscription:
         self.muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        # --state-url (kvconductor.replica): the source's replicated state, the same on
-        # every replica: the cursor (seq, digest) of the last batch applied from the log,
-        # the highest owner epoch seen (older owners are fenced off), the loss whose grace
-        # period runs. ``owned``: this replica holds the source's lease and consumes it
-        # with ``lease_epoch``; otherwise the subscription is passive (no socket).
-        self.applied: tuple[int, int] | None = None
-        self.fence = manager.fence_floor
-        self.loss_token: str | None = None
-        self.owned = False
-        self.lease_epoch = 0
-        #: What the owner last appended of its readiness (None: nothing yet).
-        self.reported_down: bool | None = None
+        #: --state-url (kvconductor.replica): the source's replicated state, the same on
+        #: every replica (:class:`~kvconductor.ingest.replicated.ReplicaState`).
+        self.replica = ReplicaState(manager.fence_floor)
         if manager.replicator is not None:
             self.down_since = None  # passive: up until the owner says otherwise
         cursor = manager.resume.pop(self.key, None)
@@ -127,8 +119,18 @@ class Subscription:
             # verifies the batch at it and asks for what came after)
             self.tracker.last_seq = self.stats.last_seq = cursor[0]
             self.tracker.last_digest = cursor[1]
-            self.applied = (cursor[0], cursor[1])
-            self.fence = max(self.fence, cursor[2])
+            self.replica.applied = (cursor[0], cursor[1])
+            self.replica.fence = max(self.replica.fence, cursor[2])
+
+    @property
+    def owned(self) -> bool:
+        """--state-url: this replica holds the source's lease and consumes it."""
+        return self.replica.owned
+
+    @property
+    def lease_epoch(self) -> int:
+        """--state-url: the epoch of this replica's lease on the source."""
+        return self.replica.lease_epoch
 
     @staticmethod
     def _feeds_hbm(ctx: SubscriberContext) -> bool:
@@ -251,22 +253,23 @@ class Subscription:
         """This replica took the source's lease: consume it from the replicated cursor
         (a replay from there verifies it and brings what came after). ``zmq.ZMQError``
         when the socket cannot be opened (passive again)."""
-        self.owned = True
-        self.lease_epoch = epoch
-        self.reported_down = None
+        st = self.replica
+        st.owned = True
+        st.lease_epoch = epoch
+        st.reported_down = None
         self.down_since = time.monotonic()  # not ready until connected
         self.tracker.close()
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        if self.applied is not None:
-            self.tracker.last_seq, self.tracker.last_digest = self.applied
+        if st.applied is not None:
+            self.tracker.last_seq, self.tracker.last_digest = st.applied
         try:
             self.open()
         except BaseException:
-            self.owned = False
+            st.owned = False
             raise
         if self.bound:
             self.tracker.catch_up()  # connected at once; else the SUB's handshake asks
-        token = self.loss_token
+        token = st.loss_token
         if token is not None:
             # the previous owner's grace period: ours ends it (a full one, to be safe)
             self.thread.call_later(self.manager.loss_grace, lambda: self._grace_over(token))
@@ -274,9 +277,9 @@ class Subscription:
 
     def release(self) -> None:
         """The lease is gone (another replica, or the state store lost): passive again."""
-        if not self.owned:
+        if not self.replica.owned:
             return
-        self.owned = False
+        self.replica.owned = False
         self._close_sockets()
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
         self.down_since = None  # as the next owner reports it
@@ -284,7 +287,7 @@ class Subscription:
 
     def _grace_over(self, token: str) -> None:
         r = self.manager.replicator
-        if r is not None and self.owned and not self.closed and self.loss_token == token:
+        if r is not None and self.owned and not self.closed and self.replica.loss_token == token:
             r.append_source(self, "aged", token)
 
     # -- the tracker's host ----------------------------------------------------------------
@@ -605,7 +608,7 @@ class SubscriptionManager:
         out = []
         for k, sub in self._subs.items():
             if self.replicator is not None:
-                cur = sub.applied
+                cur = sub.replica.applied
             else:
                 t = sub.tracker
                 cur = (
@@ -621,7 +624,7 @@ class SubscriptionManager:
                         "url": k[2],
                         "last_seq": cur[0],
                         "digest": cur[1],
-                        "fence": sub.fence,
+                        "fence": sub.replica.fence,
                     }
                 )
         return out
@@ -634,33 +637,32 @@ class SubscriptionManager:
         sub = self._subs.get(key)
         if sub is None:
             return False  # unregistered after the owner appended it
-        if epoch < sub.fence:
+        st = sub.replica
+        if not st.current(epoch):
             sub.stats.drop("fenced")
             return False
-        sub.fence = epoch
-        if sub.applied is not None and seq <= sub.applied[0]:
+        place = st.place(seq)
+        if place == DUPLICATE:
             sub.stats.duplicates += 1
             return False
-        if sub.applied is not None and seq > sub.applied[0] + 1:
+        if place == HOLE and st.applied is not None:
             # a hole in the log (appends lost with the store): a loss on every replica
             token = f"{epoch}.hole{seq}"
             sub.stats.gaps += 1
-            self.loss_logged(key, epoch, token, f"log gap {sub.applied[0]} -> {seq}")
+            self.loss_logged(key, epoch, token, f"log gap {st.applied[0]} -> {seq}")
             if sub.owned:
                 self.thread.call_later(self.loss_grace, lambda: sub._grace_over(token))
         sub.applier.apply_payload(payload)
-        sub.applied = (seq, digest(payload))
+        st.applied = (seq, digest(payload))
         sub.stats.last_seq = seq
         return True
 
     def loss_logged(self, key: tuple[str, int, str], epoch: int, token: str, why: str) -> None:
         """A ``loss`` entry: the cursor is forgotten, the source's holdings are suspects."""
         sub = self._subs.get(key)
-        if sub is None or epoch < sub.fence:
+        if sub is None or not sub.replica.current(epoch):
             return
-        sub.fence = epoch
-        sub.applied = None
-        sub.loss_token = token
+        sub.replica.lost(token)
         sub.tracker.last_loss = (time.time(), why)
         sub.stats.resyncs += 1
         n = sub.applier.begin_suspect()
@@ -676,10 +678,9 @@ class SubscriptionManager:
     def aged_logged(self, key: tuple[str, int, str], epoch: int, token: str) -> None:
         """An ``aged`` entry: the grace period of loss ``token`` is over."""
         sub = self._subs.get(key)
-        if sub is None or epoch < sub.fence or sub.loss_token != token:
+        if sub is None or sub.replica.loss_token != token or not sub.replica.current(epoch):
             return
-        sub.fence = epoch
-        sub.loss_token = None
+        sub.replica.loss_token = None
         n = sub.applier.end_suspect()
         log.info(
             "%s: grace period after the loss is over; %d blocks not announced again "
@@ -692,9 +693,8 @@ class SubscriptionManager:
         """A ``down`` entry: the owner sees the source not ready for ``secs`` seconds
         (negative: ready again). The owner keeps its own clock."""
         sub = self._subs.get(key)
-        if sub is None or sub.owned or epoch < sub.fence:
+        if sub is None or sub.owned or not sub.replica.current(epoch):
             return
-        sub.fence = epoch
         sub.down_since = None if secs < 0 else time.monotonic() - secs
 
     def raise_fence_floor(self, floor: int) -> None:
@@ -703,12 +703,12 @@ class SubscriptionManager:
         self._check_thread()
         self.fence_floor = max(self.fence_floor, floor)
         for sub in self._subs.values():
-            sub.fence = max(sub.fence, self.fence_floor)
+            sub.replica.fence = max(sub.replica.fence, self.fence_floor)
 
     def highest_fence(self) -> int:
         """The highest owner epoch any source entry applied here had."""
         self._check_thread()
-        return max([self.fence_floor, *(sub.fence for sub in self._subs.values())])
+        return max([self.fence_floor, *(sub.replica.fence for sub in self._subs.values())])
 
     def release_all(self) -> int:
         """Stop consuming every owned source (passive again); how many were owned."""
@@ -851,11 +851,10 @@ class SubscriptionManager:
         if r is None:
             return
         for sub in subs:
-            if sub.owned and sub.reported_down != (sub.down_since is not None):
+            down = sub.down_since
+            if sub.replica.down_changed(down is not None):
                 # tell every replica, so that they mute and purge alike
-                sub.reported_down = sub.down_since is not None
-                secs = 0.0 if sub.down_since is None else now - sub.down_since
-                r.append_source(sub, "down", "", secs if sub.reported_down else -1.0)
+                r.append_source(sub, "down", "", -1.0 if down is None else now - down)
 
     def _hbm_keys(self, k: tuple[str, str, str, int]):
         model, tenant, iid, dp = k
