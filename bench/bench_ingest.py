@@ -62,8 +62,14 @@ class Conductor:
                 self.shared.publish(self)
         return idx
 
+    def get_index(self, model, tenant):
+        return self.indexes.get((model, tenant))
+
     def hbm_ip_lookup(self, ip):
         return []
+
+    def note_lora(self, model, tenant, seed):
+        pass
 
     def instance_info(self, iid):
         return None
@@ -269,7 +275,7 @@ def run(
         thread.call(preload)
         if readers:
             reader_procs = _start_readers(shared, readers, reader_tokens, bs)
-    mgr = thread.call(lambda: SubscriptionManager(thread, conductor))
+    mgr = thread.call(lambda: SubscriptionManager(thread, conductor, shared=shared))
     ctx = SubscriberContext(
         instance_id=IID,
         dp_rank=0,

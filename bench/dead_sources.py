@@ -2,7 +2,7 @@
 while N sources point at closed ports, for several reconnect caps.
 
 ZeroMQ reconnects a SUB whose peer is gone every RECONNECT_IVL, doubling up to
-RECONNECT_IVL_MAX (kvconductor.ingest.subscriber). A low cap brings an engine back
+RECONNECT_IVL_MAX (kvconductor.ingest.source). A low cap brings an engine back
 quickly after an outage; each dead source then costs one refused TCP connect per cap.
 Each cap runs in its own server (the constant is set before the service starts), after
 the back-off ramp, for ``--secs`` seconds; the servers run one after the other.
@@ -39,7 +39,7 @@ def run(sources: int, cap_ms: int, secs: float, ramp: float) -> float:
     """Percent of one core the server used over ``secs`` with ``sources`` dead sources."""
     port = free_port()
     code = (
-        "import sys; import kvconductor.ingest.subscriber as s; "
+        "import sys; import kvconductor.ingest.source as s; "
         f"s.RECONNECT_IVL_MAX_MS = {cap_ms}; from kvconductor.serve.cli import main; "
         f"sys.exit(main(['--port', '{port}', '--log-level', 'warning', '--no-snapshots']))"
     )

@@ -34,12 +34,12 @@ class _Tracker:
 
 
 def _manager(connected: bool):
-    from kvconductor.ingest.apply import SourceStats
+    from kvconductor.ingest.liveness import Liveness
+    from kvconductor.ingest.stats import SourceStats
     from kvconductor.ingest.subscriber import Subscription, SubscriptionManager
 
     mgr = SubscriptionManager.__new__(SubscriptionManager)
-    mgr.source_down, mgr.source_purge = 10.0, 600.0
-    mgr._muted_dps, mgr._purged_dps = set(), set()
+    mgr.liveness = Liveness(mgr, source_down=10.0, source_purge=600.0)
     mgr.thread = types.SimpleNamespace(is_alive=lambda: False)
     mgr.conductor = types.SimpleNamespace(get_index=lambda model, tenant: None)
     mgr._subs = {}
@@ -62,7 +62,7 @@ def _manager(connected: bool):
 def test_check_4096_live_sources(benchmark):
     mgr = _manager(connected=True)
     benchmark(mgr.check_sources)
-    assert not mgr._muted_dps
+    assert not mgr.liveness.muted_dps
 
 
 def test_check_4096_muted_sources(benchmark, caplog):
@@ -72,4 +72,4 @@ def test_check_4096_muted_sources(benchmark, caplog):
     now = time.monotonic()
     mgr.check_sources(now)
     benchmark(mgr.check_sources, now + 20)
-    assert len(mgr._muted_dps) == N
+    assert len(mgr.liveness.muted_dps) == N

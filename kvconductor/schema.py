@@ -16,10 +16,14 @@ and serve clients and tests.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
 from msgspec import Meta, Struct, field
+
+#: A JSON document's value, and a JSON object (what the state floor and ingest report).
+JSONValue: TypeAlias = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
+JSONObject = dict[str, JSONValue]
 
 #: The port ``kv-conductor`` listens on by default, and a Coordinator's default.
 DEFAULT_PORT = 13333

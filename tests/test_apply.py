@@ -14,8 +14,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from publishers import FakeConductor, InstanceInfo, hits, schema
 
 from kvconductor._hash import lora_seed
-from kvconductor.ingest.apply import Applier, WarnLimiter, kind_rejected
+from kvconductor.ingest.apply import Applier, kind_rejected
 from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.stats import WarnLimiter
 from kvconductor.keys import Medium, StoreBackend, WorkerKey
 
 BS = 4
@@ -505,7 +506,7 @@ def test_instance_info_dict_form(conductor):
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_message_and_source_limits_refuse_whole_messages(conductor, fast):
-    from kvconductor.ingest.apply import Limits
+    from kvconductor.ingest.stats import Limits
 
     lim = Limits(max_message_bytes=4096, max_blocks_per_message=4, max_blocks_per_source=6)
     a = Applier(ctx(), conductor, fast=fast, limits=lim)
@@ -537,7 +538,7 @@ def test_message_and_source_limits_refuse_whole_messages(conductor, fast):
 def test_source_limit_counts_blocks_held_before_this_applier(conductor):
     """A new Applier (a re-registration's hand-over) reads what its worker already holds
     on its first message: the per-source bound is not reset by a hand-over."""
-    from kvconductor.ingest.apply import Limits
+    from kvconductor.ingest.stats import Limits
 
     a1 = Applier(ctx(), conductor, limits=Limits(max_blocks_per_source=100))
     assert a1.apply_payload(V33.batch([chain(V33, medium="GPU")]))  # 4 held

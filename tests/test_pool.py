@@ -9,7 +9,6 @@ import random
 import msgspec
 import pytest
 
-from kvconductor.ingest.apply import decode_payload
 from kvconductor.ingest.pool import (
     CLEARED,
     OTHER,
@@ -21,6 +20,7 @@ from kvconductor.ingest.pool import (
     decode_pool_payload,
     flex_hash,
 )
+from kvconductor.ingest.recognize import decode_payload
 from kvconductor.ingest.vllm import DecodeError, Dropped, VllmBatch
 from kvconductor.schema import NAME_MAX
 

@@ -83,14 +83,14 @@ def test_rejected_kinds_are_apply_s():
 
 def test_vllm_positions_and_keys_are_the_decoder_structs():
     from kvconductor import _ingest
-    from kvconductor.ingest import apply, vllm
+    from kvconductor.ingest import recognize, vllm
 
     stored = vllm._AStored.__struct_fields__
     assert len(_ingest.STORED_POSITIONS) == len(stored)
     for c_name, py_name in zip(_ingest.STORED_POSITIONS, stored, strict=True):
         assert c_name == py_name or (c_name is None and py_name == "extra_keys"), py_name
     assert vllm._ARemoved.__struct_fields__ == _ingest.REMOVED_POSITIONS
-    pool = set(apply._POOL_KEYS)
+    pool = set(recognize._POOL_KEYS)
     assert set(_ingest.POOL_KEYS) == pool
     assert set(_ingest.STORED_KEYS) == {"type"} | set(vllm._MStored.__struct_fields__) - pool
     assert set(_ingest.REMOVED_KEYS) == {"type"} | set(vllm._MRemoved.__struct_fields__) - pool

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvconductor.ingest.apply import SourceStats
+from kvconductor.ingest.stats import SourceStats
 from kvconductor.ingest.tracker import SequenceTracker
 
 

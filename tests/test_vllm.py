@@ -428,6 +428,43 @@ def test_fast_path_equals_general_path():
         assert _reprs(f) == _reprs(g)
 
 
+def test_typed_pass_equals_event_by_event():
+    """decode_vllm_batch's one typed pass over the events gives what decoding them one by
+    one gives (the events of every example, and of random corruptions of them)."""
+    s33, s23 = schema("vllm", "0.33.0"), schema("vllm", "0.23.0")
+    payloads = [
+        EX_A_V033,
+        EX_B_V023,
+        EX_C_V092,
+        EX_E_SGL0523,
+        EX_E_SGL0516,
+        s33.batch([s33.stored([1, -2, b"\x01" * 32], None, [1, -1, 2**32 + 3], 2, medium="CPU")]),
+        s23.batch([s23.stored([None], None, [1], 1), s23.removed([3], medium="GPU")]),
+        msgspec.msgpack.encode(
+            [TS, [{"type": "BlockStored", "block_hashes": [1], "seq_hashes": [1]}], 0]
+        ),
+    ]
+    rng = random.Random(7)
+    corpus = list(payloads)
+    for _ in range(3000):
+        b = bytearray(rng.choice(payloads))
+        b[rng.randrange(len(b))] = rng.getrandbits(8)
+        corpus.append(bytes(b))
+    typed = 0
+    for p in corpus:
+        try:
+            g = decode_vllm_batch(p, typed=False)
+        except DecodeError as ex:
+            with pytest.raises(DecodeError) as again:
+                decode_vllm_batch(p)
+            assert again.value.reason == ex.reason
+            continue
+        f = decode_vllm_batch(p)
+        typed += 1
+        assert _reprs(f) == _reprs(g)
+    assert typed >= len(payloads)
+
+
 @pytest.mark.parametrize(
     "tokens",
     [

@@ -1,8 +1,9 @@
 """Apply decoded engine and pool events to the index (docs/events.md, "Applying").
 
-:func:`decode_payload` recognises the payload (vLLM/SGLang batch, pool tuple,
-Memcache map); :class:`Applier` applies it with one subscription's
-:class:`~kvconductor.ingest.context.SubscriberContext`. Everything here runs on
+:func:`~kvconductor.ingest.recognize.decode_payload` recognises the payload
+(vLLM/SGLang batch, pool tuple, Memcache map) and decodes it into the typed
+operations of :mod:`~kvconductor.ingest.ops`; :class:`Applier` applies them with
+one subscription's :class:`~kvconductor.ingest.context.SubscriberContext`. Everything here runs on
 the ingest thread (the index's single writer).
 
 Routing (deviations from the reference are marked FIX):
@@ -45,37 +46,31 @@ import logging
 import time
 import weakref
 from array import array
-from typing import Any
-
-import msgspec
+from collections.abc import Sequence
 
 import kvconductor
 from kvconductor._hash import DEFAULT_SEED, hash_blocks, lora_seed
 from kvconductor._index import CoreIndex as _CCore
 from kvconductor._ingest import FastBatch
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
+from kvconductor.index import Index
 from kvconductor.ingest.context import SubscriberContext
-from kvconductor.ingest.pool import (
+from kvconductor.ingest.host import IngestHost
+from kvconductor.ingest.ops import (
     CLEARED,
     REMOVED,
     STORED,
-    PoolBatch,
-    decode_memcache,
-    decode_pool_payload,
-)
-from kvconductor.ingest.vllm import (
-    KNOWN_TAGS,
     Cleared,
     DecodeError,
     Dropped,
+    PoolBatch,
+    PoolEvent,
     Removed,
     Stored,
     VllmBatch,
-    decode_vllm_batch,
-    decode_vllm_fast,
-    msgpack_kind,
-    split_batch,
 )
+from kvconductor.ingest.recognize import decode_payload
+from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.keys import Medium, WorkerKey, node_of_backend_id, parse_medium
 
 log = logging.getLogger("kvconductor.ingest")
@@ -83,7 +78,7 @@ log = logging.getLogger("kvconductor.ingest")
 _UNKNOWN = 1 << 62
 
 #: The compiled fast path; off (``None``) when ``KVCONDUCTOR_IMPL=py``.
-_FastBatch: Any = None if kvconductor.IMPL == "py" else FastBatch
+_FastBatch: type[FastBatch] | None = None if kvconductor.IMPL == "py" else FastBatch
 
 #: kv_cache_spec_kind values (lower-case, underscores removed) that are not a
 #: prefix cache a query can hit (docs/engines.md, "Engine settings that matter");
@@ -99,11 +94,6 @@ REJECTED_KINDS = frozenset(
     )
 )
 
-_POOL_KEYS = ("event_type", "seq_hashes", "backend_id", "event_id")
-_ANY_DEC = msgspec.msgpack.Decoder()
-_KEYS_DEC = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
-_RAW_LIST_DEC = msgspec.msgpack.Decoder(list[msgspec.Raw])
-
 
 def kind_rejected(kind: str | None) -> bool:
     """True for attention kinds whose blocks must not be indexed (see REJECTED_KINDS)."""
@@ -112,57 +102,7 @@ def kind_rejected(kind: str | None) -> bool:
     return kind.lower().replace("_", "") in REJECTED_KINDS
 
 
-def _looks_like_pool(events: list[msgspec.Raw]) -> bool:
-    if not events:
-        return False
-    first = events[0]
-    if msgpack_kind(memoryview(first)[0]) != "map":
-        return False
-    try:
-        keys = _KEYS_DEC.decode(first)
-    except Exception:
-        return False
-    if any(k in keys for k in _POOL_KEYS):
-        return True
-    t = keys.get("type")
-    if t is None:
-        return True
-    try:
-        return _ANY_DEC.decode(t) not in KNOWN_TAGS
-    except Exception:
-        return True
-
-
-def decode_payload(payload: bytes) -> VllmBatch | PoolBatch:
-    """Recognise and decode one payload (docs/events.md, "Payload recognition").
-
-    Raises DecodeError.
-    """
-    if not payload:
-        raise DecodeError("empty_payload")
-    kind = msgpack_kind(payload[0])
-    if kind == "map":
-        try:
-            obj = _ANY_DEC.decode(payload)
-        except Exception as ex:
-            raise DecodeError("undecodable", str(ex)) from None
-        return decode_memcache(obj)
-    if kind != "array":
-        raise DecodeError("not_a_batch", f"payload is a msgpack {kind}")
-    fast = decode_vllm_fast(payload)
-    if fast is not None:
-        return fast
-    elems, ei, di = split_batch(payload)
-    try:  # once for the pool check and the decoder
-        raw_events = _RAW_LIST_DEC.decode(elems[ei])
-    except Exception:
-        raw_events = None
-    if raw_events is not None and _looks_like_pool(raw_events):
-        return decode_pool_payload(payload)
-    return decode_vllm_batch(payload, (elems, ei, di), raw_events)
-
-
-def registered_index(info: Any, dp: int) -> tuple[str | None, str | None]:
+def registered_index(info: object, dp: int) -> tuple[str | None, str | None]:
     """(model, tenant) of a registration from ``conductor.instance_info``: a dict
     (``model_name``/``tenant_id``, per-DP values under ``endpoints[dp]`` preferred)
     or an object with ``model``/``tenant`` attributes; (None, None) if unknown."""
@@ -184,124 +124,13 @@ def registered_index(info: Any, dp: int) -> tuple[str | None, str | None]:
     )
 
 
-def hex_preview(payload: bytes, n: int = 32) -> str:
-    b = bytes(payload[:n])
-    return b.hex(" ") + (" ..." if len(payload) > n else "")
-
-
-class SourceStats:
-    """Counters of one subscription (shown by ``sources()``)."""
-
-    __slots__ = (
-        "batches",
-        "events",
-        "blocks",
-        "dropped",
-        "gaps",
-        "replays",
-        "replays_ok",
-        "replayed_batches",
-        "restarts",
-        "resyncs",
-        "duplicates",
-        "last_seq",
-        "aged_out",
-        "last_event",
-        "mutes",
-        "purged_blocks",
-    )
-
-    def __init__(self) -> None:
-        self.batches = 0
-        self.events = 0
-        self.blocks = 0
-        self.dropped: dict[str, int] = {}
-        self.gaps = 0
-        self.replays = 0
-        #: Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``).
-        self.replays_ok = 0
-        self.replayed_batches = 0
-        self.restarts = 0
-        self.resyncs = 0
-        self.duplicates = 0
-        self.last_seq: int | None = None
-        #: Blocks dropped because they were not re-announced after a loss.
-        self.aged_out = 0
-        #: Wall-clock time of the last batch received (set by the subscription).
-        self.last_event = 0.0
-        #: Times the source's (instance, DP) HBM hits were muted (down past --source-down-secs).
-        self.mutes = 0
-        #: HBM blocks dropped because the source stayed down past --source-purge-secs.
-        self.purged_blocks = 0
-
-    def drop(self, reason: str, n: int = 1) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + n
-
-
-class WarnLimiter:
-    """At most one WARN per (source, reason) every ``interval`` seconds."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self.interval = interval
-        self._last: dict[tuple, float] = {}
-        self._suppressed: dict[tuple, int] = {}
-
-    def warn(self, source: str, reason: str, detail: str, payload: bytes | None) -> None:
-        key = (source, reason)
-        now = time.monotonic()
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        self._last[key] = now
-        skipped = self._suppressed.pop(key, 0)
-        log.warning(
-            "%s: dropped (%s) %s%s%s",
-            source,
-            reason,
-            detail[:200],
-            f" payload[{len(payload)}B]={hex_preview(payload)}" if payload is not None else "",
-            f" (+{skipped} similar suppressed)" if skipped else "",
-        )
-
-
-_WARN = WarnLimiter()
-
-
-class Limits:
-    """Bounds on what one ZeroMQ message and one source may add to the index.
-
-    A message over a bound is refused whole (nothing of it applied) and counted
-    in the source's ``dropped``: ``message_too_large``,
-    ``message_too_many_blocks`` or ``source_block_limit`` (the engine source's
-    HBM worker would hold more blocks than ``max_blocks_per_source``).
-    """
-
-    __slots__ = ("max_message_bytes", "max_blocks_per_message", "max_blocks_per_source")
-
-    def __init__(
-        self,
-        max_message_bytes: int = 256 << 20,
-        max_blocks_per_message: int = 1_000_000,
-        max_blocks_per_source: int = 4_000_000,
-    ) -> None:
-        self.max_message_bytes = max_message_bytes
-        self.max_blocks_per_message = max_blocks_per_message
-        self.max_blocks_per_source = max_blocks_per_source
-
-    @staticmethod
-    def of(conductor: Any) -> Limits:
-        """``conductor.config.limits``, or the defaults (test conductors have no config)."""
-        return getattr(getattr(conductor, "config", None), "limits", None) or Limits()
-
-
 class Applier:
     """Decode and apply payloads for one subscription."""
 
     def __init__(
         self,
         ctx: SubscriberContext,
-        conductor: Any,
+        conductor: IngestHost,
         stats: SourceStats | None = None,
         warn: WarnLimiter | None = None,
         fast: bool = True,
@@ -309,9 +138,9 @@ class Applier:
     ) -> None:
         self.ctx = ctx
         self.conductor = conductor
-        self.limits = limits or Limits.of(conductor)
+        self.limits = limits or Limits()
         self.stats = stats or SourceStats()
-        self._warn = warn or _WARN
+        self._warn = warn or DEFAULT_WARN
         self.source = f"{ctx.instance_id}/dp{ctx.dp_rank}@{ctx.url}"
         self.hbm_medium = next((m for m in ctx.default_media if Medium(m).tier == 0), Medium.NPU)
         if self.hbm_medium is Medium.UNKNOWN:
@@ -334,7 +163,8 @@ class Applier:
         )
         self._hbm_key = self._key(self.hbm_medium)
         self._clear_keys = tuple(self._key(Medium(m)) for m in ctx.default_media)
-        self._fast_index: Any = None  # weakref of the index _fast_wid belongs to
+        #: A weak reference to the index _fast_wid belongs to.
+        self._fast_index: weakref.ref[Index] | None = None
         self._fast_wid = -1
         #: After a loss: (model, tenant, key) -> engine hashes held then (see begin_suspect).
         self.suspects: dict[tuple[str, str, WorkerKey], array] | None = None
@@ -375,9 +205,7 @@ class Applier:
         s.add(key)
 
     def _lora(self, model: str, tenant: str, seed: int) -> None:
-        note = getattr(self.conductor, "note_lora", None)
-        if note is not None:  # test doubles of the conductor may not have it
-            note(model, tenant, seed)
+        self.conductor.note_lora(model, tenant, seed)
 
     def _confirm(self, key: WorkerKey, hashes, parent: int | None = None) -> None:
         """After a loss: ``hashes`` (and ``parent``) of ``key`` were announced again."""
@@ -448,10 +276,12 @@ class Applier:
         except Exception as ex:
             self._drop("decoder_error", repr(ex), payload)
             return False
-        nblocks = sum(
-            len(getattr(ev, "block_hashes", None) or getattr(ev, "hashes", None) or ())
-            for ev in batch.events
-        )
+        nblocks = 0
+        for ev in batch.events:
+            if isinstance(ev, (Stored, Removed)):
+                nblocks += len(ev.block_hashes)
+            elif isinstance(ev, PoolEvent):
+                nblocks += len(ev.hashes)
         if not self._within_limits(nblocks, index):
             return False
         self.stats.batches += 1
@@ -489,7 +319,7 @@ class Applier:
                     wid = index.worker_id(self._hbm_key)
                     self._fast_index = weakref.ref(index)
                     self._fast_wid = wid
-            clear: Any = ()
+            clear: Sequence[int] = ()
             if fb.has_clear:  # Index.clear skips keys it never saw; so do we
                 known = set(index.workers_of(ctx.instance_id, ctx.dp_rank))
                 clear = [index.worker_id(k) for k in self._clear_keys if k in known]

@@ -18,17 +18,26 @@ field longer than ``NAME_MAX`` characters drops its event too (``invalid_event``
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
-from kvconductor.ingest.vllm import DecodeError, Dropped, int_hash, parse_hash_str
+from kvconductor.ingest.ops import (
+    CLEARED,
+    OTHER,
+    REMOVED,
+    STORED,
+    DecodeError,
+    Dropped,
+    PoolBatch,
+    PoolEvent,
+    int_hash,
+    parse_hash_str,
+)
 from kvconductor.schema import NAME_MAX
 
 _ANY_DEC = msgspec.msgpack.Decoder()
 
 
-def flex_hash(h: Any) -> int:
+def flex_hash(h: object) -> int:
     """The reference's FlexHash, fixed: u64; negative i64 -> two's complement (not an error);
     string ``0x`` hex / decimal / bare hex; bytes up to 8, big-endian left-padded.
 
@@ -44,54 +53,6 @@ def flex_hash(h: Any) -> int:
     if isinstance(h, str):
         return parse_hash_str(h)
     raise TypeError(f"hash of type {type(h).__name__}")
-
-
-STORED, REMOVED, CLEARED, OTHER = "stored", "removed", "cleared", "other"
-
-
-class PoolEvent:
-    """One decoded pool event. ``hashes`` = seq_hashes then block_hashes, de-duplicated."""
-
-    __slots__ = (
-        "event_id",
-        "kind",
-        "type_str",
-        "model_name",
-        "tenant_id",
-        "backend_id",
-        "medium",
-        "dp_rank",
-        "hashes",
-    )
-
-    def __init__(
-        self, event_id, kind, type_str, model_name, tenant_id, backend_id, medium, dp_rank, hashes
-    ) -> None:
-        self.event_id = event_id
-        self.kind = kind
-        self.type_str = type_str
-        self.model_name = model_name
-        self.tenant_id = tenant_id
-        self.backend_id = backend_id
-        self.medium = medium
-        self.dp_rank = dp_rank
-        self.hashes = hashes
-
-    def __repr__(self) -> str:
-        return (
-            f"PoolEvent({self.kind}, backend_id={self.backend_id!r}, medium={self.medium!r}, "
-            f"dp={self.dp_rank}, hashes={self.hashes}, model={self.model_name!r})"
-        )
-
-
-class PoolBatch:
-    __slots__ = ("ts", "dp_rank", "events", "layout")
-
-    def __init__(self, ts, dp_rank, events, layout) -> None:
-        self.ts = ts
-        self.dp_rank = dp_rank
-        self.events = events
-        self.layout = layout  # "tuple" | "memcache"
 
 
 def classify(type_str: str) -> str:
@@ -116,7 +77,7 @@ def _opt_str(m: dict, key: str) -> str | None:
     return v
 
 
-def decode_pool_event(m: Any) -> PoolEvent | Dropped:
+def decode_pool_event(m: object) -> PoolEvent | Dropped:
     """A PoolEvent map (already decoded) -> PoolEvent, or Dropped with the reason."""
     if not isinstance(m, dict):
         return Dropped("invalid_event", f"pool event is {type(m).__name__}")
@@ -157,7 +118,7 @@ def decode_pool_event(m: Any) -> PoolEvent | Dropped:
         return Dropped(ex.reason, ex.detail)
 
 
-def decode_pool_tuple(obj: Any) -> PoolBatch:
+def decode_pool_tuple(obj: object) -> PoolBatch:
     """``[ts_ms, [events], dp_rank]`` (already decoded) -> PoolBatch."""
     if not isinstance(obj, list) or len(obj) not in (2, 3):
         raise DecodeError("not_a_batch", "pool tuple is not an array of 2 or 3")
@@ -170,7 +131,7 @@ def decode_pool_tuple(obj: Any) -> PoolBatch:
     return PoolBatch(ts, dp, [decode_pool_event(e) for e in events], "tuple")
 
 
-def decode_memcache(obj: Any) -> PoolBatch:
+def decode_memcache(obj: object) -> PoolBatch:
     """``{"events": [...]}`` (already decoded) -> PoolBatch."""
     if not isinstance(obj, dict):
         raise DecodeError("not_a_batch", "memcache batch is not a map")

@@ -9,29 +9,14 @@ socket, its monitor socket and, while replaying, one DEALER
 ingest poller, which blocks when nothing happens (no busy spin; the reference
 busy-spun one core per subscriber).
 
-Sockets:
-
-* SUB ``RCVHWM = 1_000_000`` messages. The reference left ZMQ's default of 1000,
-  so a burst larger than that was dropped silently by ZMQ. vLLM's PUB side
-  queues up to ``hwm = 100_000`` per subscriber and its replay buffer holds
-  10 000 batches; a million batches is far beyond any burst we can still
-  recover, yet it stays bounded (0 = unlimited would let a stuck ingest thread
-  grow memory without limit). Loss beyond it shows up as a seq gap and is
-  recovered by replay.
-* Reconnects: ZMQ's own ``RECONNECT_IVL`` 100 ms doubling up to
-  ``RECONNECT_IVL_MAX`` 1 s (the reference let it grow to 30 s, so an engine back
-  after a long outage waited up to 30 s for us; a refused connect per second and
-  dead source costs nothing worth that). ZMTP heartbeats and TCP keepalive
-  detect a silently dead peer. A socket that cannot be opened at all (out of
-  sockets or files) raises: the registration that asked for it is undone (503).
-* The monitor socket reports HANDSHAKE_SUCCEEDED/DISCONNECTED (a TCP connect alone is
-  not a connection: a frozen host's kernel still accepts one). Every handshake, the
-  first one included, triggers a replay when the subscription has a replay
-  endpoint: a PUB drops what it sends before our subscription reaches it, so only a
-  replay asked once connected covers what the engine published before (a replay
-  asked at registration, before the engine is up, would be answered empty). With a
-  bound SUB (``--allow-bind-endpoints``) each engine PUB connecting to it is such a
-  handshake.
+Sockets: one SUB per subscription and its monitor, in
+:class:`~kvconductor.ingest.source.SubSource` (options, reconnects, heartbeats,
+handshakes). Every handshake, the first one included, triggers a replay when the
+subscription has a replay endpoint: a PUB drops what it sends before our subscription
+reaches it, so only a replay asked once connected covers what the engine published
+before (a replay asked at registration, before the engine is up, would be answered
+empty). With a bound SUB (``--allow-bind-endpoints``) each engine PUB connecting to it is
+such a handshake.
 
 Sequence numbers (frame 1, 8-byte big-endian) per subscription: in order,
 gap, duplicate, publisher restart, replay and its merge with the live batches
@@ -58,7 +43,8 @@ with a continuous sequence, or after its replay) the hits count again. After
 ``--source-purge-secs`` (default 600 s; 0: never) down, those HBM blocks are
 dropped. With several HBM subscriptions for one (instance, DP), the DP is muted
 when every one of them is down, for the shortest of their down times. Checked by
-:meth:`SubscriptionManager.check_sources` every :data:`SOURCE_CHECK_SECS`.
+:meth:`SubscriptionManager.check_sources` every
+:data:`~kvconductor.ingest.liveness.SOURCE_CHECK_SECS`.
 
 Only subscriptions that feed HBM workers (engine PUB, ``not ctx.is_pool`` and a
 HBM medium in ``ctx.default_media``) use ``ctx.replay_endpoint``: a replay ROUTER
@@ -70,46 +56,24 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from kvconductor.ingest.apply import Applier, SourceStats, WarnLimiter
+from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext, source_kind
-from kvconductor.ingest.replay import ReplaySession, drain
+from kvconductor.ingest.host import IngestHost, IngestSettings, SharedWrites, SourceJournal
+from kvconductor.ingest.liveness import Liveness
+from kvconductor.ingest.replay import ReplaySession
+from kvconductor.ingest.replicated import DUPLICATE, HOLE, ReplicaState
+from kvconductor.ingest.source import SubSource
+from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
+from kvconductor.ingest.thread import IngestThread
 from kvconductor.ingest.tracker import SequenceTracker, digest
 from kvconductor.keys import Medium
-from kvconductor.urls import is_bind_url
+from kvconductor.schema import JSONObject
 
 log = logging.getLogger("kvconductor.ingest")
-
-RCVHWM = 1_000_000
-RECONNECT_IVL_MS = 100
-RECONNECT_IVL_MAX_MS = 1_000
-#: ZMTP PING every second; no traffic for 3 s drops the connection (a dead host is
-#: noticed within seconds, well inside the default --source-down-secs).
-HEARTBEAT_IVL_MS = 1_000
-HEARTBEAT_TIMEOUT_MS = 3_000
-#: Period of :meth:`SubscriptionManager.check_sources` on the ingest thread.
-SOURCE_CHECK_SECS = 1.0
-#: Defaults of ``--source-down-secs`` and ``--source-purge-secs``.
-SOURCE_DOWN = 10.0
-SOURCE_PURGE = 600.0
-#: Source states in which a subscription is ready (``GET /ready``) and counts in answers.
-READY_STATES = frozenset(("live", "degraded", "remote"))
-#: Messages handled per readiness callback (fairness between sockets).
-DRAIN_LIMIT = 256
-#: Default grace period after a loss (``--loss-grace-secs``).
-LOSS_GRACE = 600.0
-#: Default overall replay deadline (``--replay-deadline-secs``).
-REPLAY_DEADLINE = 60.0
-
-#: A source is *connected* once the ZMTP handshake succeeded, not at the TCP connect: the
-#: kernel of a frozen or overloaded host still accepts TCP connections.
-_MON_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
-#: A ZMTP handshake not done within this drops the connection (libzmq's default: 30 s).
-HANDSHAKE_IVL_MS = 3_000
 
 
 class Subscription:
@@ -129,15 +93,15 @@ class Subscription:
         #: Wall-clock time of the last batch received (live or replayed); at first, of
         #: the subscription's creation (``kvconductor_source_last_event_age_seconds``).
         self.stats.last_event = time.time()
-        self.applier = Applier(ctx, manager.conductor, self.stats, manager.warn)
+        self.applier = Applier(
+            ctx, manager.conductor, self.stats, manager.warn, limits=manager.limits
+        )
         self.replay_endpoint = self._replay_endpoint_of(ctx)
         #: An engine stream of HBM blocks (:meth:`SubscriptionManager.check_sources`).
         self.feeds_hbm = self._feeds_hbm(ctx)
-        self.sock: zmq.Socket | None = None
-        self.mon: zmq.Socket | None = None
+        #: The SUB and its monitor.
+        self.source = SubSource(manager.thread, self, manager.shared)
         self.connected = False
-        #: The SUB is bound (``--allow-bind-endpoints``): publishers connect to it.
-        self.bound = False
         self.closed = False
         #: Monotonic time since when the source is not ready (None: ready).
         self.down_since: float | None = time.monotonic()
@@ -145,18 +109,9 @@ class Subscription:
         self.muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        # --state-url (kvconductor.state.replica): the source's replicated state, the same on
-        # every replica: the cursor (seq, digest) of the last batch applied from the log,
-        # the highest owner epoch seen (older owners are fenced off), the loss whose grace
-        # period runs. ``owned``: this replica holds the source's lease and consumes it
-        # with ``lease_epoch``; otherwise the subscription is passive (no socket).
-        self.applied: tuple[int, int] | None = None
-        self.fence = manager.fence_floor
-        self.loss_token: str | None = None
-        self.owned = False
-        self.lease_epoch = 0
-        #: What the owner last appended of its readiness (None: nothing yet).
-        self.reported_down: bool | None = None
+        #: --state-url (kvconductor.state.replica): the source's replicated state, the same on
+        #: every replica (:class:`~kvconductor.ingest.replicated.ReplicaState`).
+        self.replica = ReplicaState(manager.fence_floor)
         if manager.replicator is not None:
             self.down_since = None  # passive: up until the owner says otherwise
         cursor = manager.resume.pop(self.key, None)
@@ -165,8 +120,18 @@ class Subscription:
             # verifies the batch at it and asks for what came after)
             self.tracker.last_seq = self.stats.last_seq = cursor[0]
             self.tracker.last_digest = cursor[1]
-            self.applied = (cursor[0], cursor[1])
-            self.fence = max(self.fence, cursor[2])
+            self.replica.applied = (cursor[0], cursor[1])
+            self.replica.fence = max(self.replica.fence, cursor[2])
+
+    @property
+    def owned(self) -> bool:
+        """--state-url: this replica holds the source's lease and consumes it."""
+        return self.replica.owned
+
+    @property
+    def lease_epoch(self) -> int:
+        """--state-url: the epoch of this replica's lease on the source."""
+        return self.replica.lease_epoch
 
     @staticmethod
     def _feeds_hbm(ctx: SubscriberContext) -> bool:
@@ -190,7 +155,9 @@ class Subscription:
         on the same socket, so no batch is lost in a hand-over."""
         old = self.applier
         self.ctx = ctx
-        self.applier = Applier(ctx, self.manager.conductor, self.stats, self.manager.warn)
+        self.applier = Applier(
+            ctx, self.manager.conductor, self.stats, self.manager.warn, limits=self.manager.limits
+        )
         self.applier.touched = old.touched
         self.applier.suspects, self.applier.confirmed = old.suspects, old.confirmed
         self.replay_endpoint = self._replay_endpoint_of(ctx)
@@ -201,61 +168,21 @@ class Subscription:
     def last_seq(self) -> int | None:
         return self.tracker.last_seq
 
-    # -- sockets ---------------------------------------------------------------------------
-    def open(self) -> None:
-        """Create and connect (or bind) the SUB socket and its monitor.
+    # -- sockets (kvconductor.ingest.source) -------------------------------------------------
+    @property
+    def bound(self) -> bool:
+        """The SUB is bound (``--allow-bind-endpoints``): publishers connect to it."""
+        return self.source.bound
 
-        Raises ``zmq.ZMQError`` (nothing left open) when that fails: out of
-        sockets or files, or a bind-mode port in use. The registration is then
-        rolled back and answered 503. Once open, ZeroMQ reconnects by itself.
-        """
+    def open(self) -> None:
+        """Open the SUB socket and its monitor (:meth:`SubSource.open`); raises
+        ``zmq.ZMQError`` (nothing left open) when that fails: the registration is then
+        rolled back and answered 503."""
         if self.closed or self.passive:
             return
-        url = self.ctx.url
-        sock = self.thread.ctx.socket(zmq.SUB)
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, RCVHWM)
-            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-            sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            # Hard guard: libzmq drops a peer that sends more than twice the limit before
-            # it is ever buffered; messages up to that are refused and counted (Limits).
-            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.applier.limits.max_message_bytes)
-            # The monitor's PAIR first: once the SUB is monitored, a monitor event sent
-            # with no PAIR connected blocks whichever thread sends it (libzmq), at the
-            # latest its reaper when the SUB closes, and then no closed socket gives its
-            # files back. pyzmq's get_monitor_socket creates the PAIR last, so running out
-            # of files just there left the process unable to recover.
-            mon = self.thread.ctx.socket(zmq.PAIR)
-            try:
-                addr = f"inproc://monitor.s-{sock.FD}"
-                sock.monitor(addr, _MON_EVENTS)
-                mon.connect(addr)
-            except zmq.ZMQError:
-                mon.close(linger=0)
-                raise
-            try:
-                if is_bind_url(url):
-                    # --allow-bind-endpoints: the engine PUB connects to us ("bind stable").
-                    sock.bind(url)
-                    self.connected = self.tracker.ever_connected = self.bound = True
-                else:
-                    sock.connect(url)
-            except zmq.ZMQError:
-                sock.disable_monitor()
-                mon.close(linger=0)
-                raise
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            raise
-        self.sock, self.mon = sock, mon
-        self.thread.add_socket(mon, self._on_monitor)
-        self.thread.add_socket(sock, self._on_readable)
+        self.source.open(self.ctx.url, self.applier.limits.max_message_bytes)
+        if self.source.bound:
+            self.connected = self.tracker.ever_connected = True
 
     @property
     def passive(self) -> bool:
@@ -270,48 +197,27 @@ class Subscription:
         if self.replay is not None:
             self.replay.close()
             self.replay = None
-        sock, mon = self.sock, self.mon
-        self.sock = self.mon = None
-        if mon is not None:
-            self.thread.remove_socket(mon)
-        if sock is not None:
-            self.thread.remove_socket(sock)
-            try:
-                sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            sock.close(linger=0)
-        if mon is not None:
-            mon.close(linger=0)
+        self.source.close()
         self.tracker.close()
         self.connected = False
 
     def name(self) -> str:
         return f"{self.ctx.instance_id}/dp{self.ctx.dp_rank}@{self.ctx.url}"
 
-    def _on_monitor(self, mon) -> None:
-        while True:
-            try:
-                evt = recv_monitor_message(mon, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except zmq.ZMQError:
-                return
-            e = evt["event"]
-            if e == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                if not self.connected:
-                    self._now_connected()
-                elif self.bound:
-                    # a publisher connected to our bound SUB: catch up on what it sent
-                    self.tracker.connected()
-            elif e == zmq.EVENT_DISCONNECTED:
-                if self.connected:
-                    log.info("%s: disconnected", self.name())
-                self.connected = False
-                if self.down_since is None:
-                    self.down_since = time.monotonic()
-            elif e == zmq.EVENT_MONITOR_STOPPED:
-                return
+    # the source's events
+    def handshake(self) -> None:
+        if not self.connected:
+            self._now_connected()
+        elif self.bound:
+            # a publisher connected to our bound SUB: catch up on what it sent
+            self.tracker.connected()
+
+    def disconnected(self) -> None:
+        if self.connected:
+            log.info("%s: disconnected", self.name())
+        self.connected = False
+        if self.down_since is None:
+            self.down_since = time.monotonic()
 
     def _now_connected(self) -> None:
         self.connected = True
@@ -319,64 +225,52 @@ class Subscription:
             log.info("%s: reconnected", self.name())
         self.tracker.connected()
 
-    def _receive_error(self, ex: zmq.ZMQError) -> None:
+    def receive_error(self, ex: zmq.ZMQError) -> None:
         self.manager.warn.warn(self.name(), "receive_error", str(ex), None)
 
-    def _on_readable(self, sock) -> None:
-        shared = getattr(self.manager.conductor, "shared", None)
-        if shared is None:
-            self._drain(sock, None)
+    def message(self, frames: list[bytes]) -> None:
+        if not self.connected:  # data beat the monitor event
+            self._now_connected()
+        if len(frames) < 3:
+            self.stats.drop("short_message")
+            self.manager.warn.warn(
+                self.name(),
+                "short_message",
+                f"{len(frames)} frames",
+                frames[-1] if frames else b"",
+            )
             return
-        # --workers N: one shared write section over the drain (kvconductor.state.shared)
-        batch = shared.batch()
-        with batch:
-            self._drain(sock, batch)
-
-    def _drain(self, sock, batch) -> None:
-        for frames in drain(sock, DRAIN_LIMIT, lambda: self.closed, self._receive_error):
-            if batch is not None:
-                batch.tick()
-            if not self.connected:  # data beat the monitor event
-                self._now_connected()
-            if len(frames) < 3:
-                self.stats.drop("short_message")
-                self.manager.warn.warn(
-                    self.name(),
-                    "short_message",
-                    f"{len(frames)} frames",
-                    frames[-1] if frames else b"",
-                )
-                continue
-            seq_b = frames[1]
-            if len(seq_b) != 8:
-                self.stats.drop("bad_seq_frame")
-                self.manager.warn.warn(self.name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
-                continue
-            now = time.time()
-            self.stats.last_event = now
-            self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
+        seq_b = frames[1]
+        if len(seq_b) != 8:
+            self.stats.drop("bad_seq_frame")
+            self.manager.warn.warn(self.name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
+            return
+        now = time.time()
+        self.stats.last_event = now
+        self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
 
     # -- --state-url: ownership (kvconductor.state.replica) ----------------------------------------
     def activate(self, epoch: int) -> None:
         """This replica took the source's lease: consume it from the replicated cursor
         (a replay from there verifies it and brings what came after). ``zmq.ZMQError``
         when the socket cannot be opened (passive again)."""
-        self.owned = True
-        self.lease_epoch = epoch
-        self.reported_down = None
+        st = self.replica
+        st.owned = True
+        st.lease_epoch = epoch
+        st.reported_down = None
         self.down_since = time.monotonic()  # not ready until connected
         self.tracker.close()
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        if self.applied is not None:
-            self.tracker.last_seq, self.tracker.last_digest = self.applied
+        if st.applied is not None:
+            self.tracker.last_seq, self.tracker.last_digest = st.applied
         try:
             self.open()
         except BaseException:
-            self.owned = False
+            st.owned = False
             raise
         if self.bound:
             self.tracker.catch_up()  # connected at once; else the SUB's handshake asks
-        token = self.loss_token
+        token = st.loss_token
         if token is not None:
             # the previous owner's grace period: ours ends it (a full one, to be safe)
             self.thread.call_later(self.manager.loss_grace, lambda: self._grace_over(token))
@@ -384,17 +278,18 @@ class Subscription:
 
     def release(self) -> None:
         """The lease is gone (another replica, or the state store lost): passive again."""
-        if not self.owned:
+        if not self.replica.owned:
             return
-        self.owned = False
+        self.replica.owned = False
         self._close_sockets()
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
         self.down_since = None  # as the next owner reports it
         log.info("%s: no longer consumed here", self.name())
 
     def _grace_over(self, token: str) -> None:
-        if self.owned and not self.closed and self.loss_token == token:
-            self.manager.replicator.append_source(self, "aged", token)
+        r = self.manager.replicator
+        if r is not None and self.owned and not self.closed and self.replica.loss_token == token:
+            r.append_source(self, "aged", token)
 
     # -- the tracker's host ----------------------------------------------------------------
     def apply(self, payload: bytes, seq: int) -> None:
@@ -480,7 +375,7 @@ class Subscription:
             return "remote"
         return self.tracker.state(self.connected)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> dict[str, object]:
         s = self.stats
         down = self.down_since
         return {
@@ -517,7 +412,7 @@ class Subscription:
             "dropped": dict(s.dropped),
         }
 
-    def _last_loss(self) -> dict[str, Any] | None:
+    def _last_loss(self) -> dict[str, object] | None:
         loss = self.tracker.last_loss
         return None if loss is None else {"at": loss[0], "why": loss[1]}
 
@@ -589,38 +484,42 @@ class SubscriptionManager:
 
     def __init__(
         self,
-        thread,
-        conductor,
+        thread: IngestThread,
+        conductor: IngestHost,
         *,
-        replay_timeout: float = 5.0,
+        settings: IngestSettings | None = None,
+        shared: SharedWrites | None = None,
+        replay_timeout: float | None = None,
         loss_grace: float | None = None,
         replay_deadline: float | None = None,
         source_down: float | None = None,
         source_purge: float | None = None,
     ) -> None:
+        """``settings`` (defaults: :class:`~kvconductor.ingest.host.IngestSettings`), each
+        overridden by the keyword of the same name when given; ``shared``: ``--workers N``'s
+        shared write section over each socket's drain (None: one process)."""
+        s = settings or IngestSettings()
+        s = IngestSettings(
+            loss_grace=s.loss_grace if loss_grace is None else loss_grace,
+            replay_deadline=s.replay_deadline if replay_deadline is None else replay_deadline,
+            replay_timeout=s.replay_timeout if replay_timeout is None else replay_timeout,
+            source_down=s.source_down if source_down is None else source_down,
+            source_purge=s.source_purge if source_purge is None else source_purge,
+            limits=s.limits,
+        )
         self.thread = thread
         self.conductor = conductor
-        self.replay_timeout = replay_timeout
-        config = getattr(conductor, "config", None)
-        if loss_grace is None:
-            loss_grace = getattr(config, "loss_grace", LOSS_GRACE)
-        if replay_deadline is None:
-            replay_deadline = getattr(config, "replay_deadline", REPLAY_DEADLINE)
+        self.shared = shared
+        #: Seconds a replay may wait for its next message.
+        self.replay_timeout = float(s.replay_timeout)
         #: Seconds a whole replay may take before it counts as failed (a loss).
-        self.replay_deadline = float(replay_deadline)
+        self.replay_deadline = float(s.replay_deadline)
         #: Seconds after a loss before blocks not announced again are dropped.
-        self.loss_grace = float(loss_grace)
-        if source_down is None:
-            source_down = getattr(config, "source_down", SOURCE_DOWN)
-        if source_purge is None:
-            source_purge = getattr(config, "source_purge", SOURCE_PURGE)
-        #: Seconds not ready before a source's (instance, DP) HBM hits are muted.
-        self.source_down = float(source_down)
-        #: Seconds not ready before those HBM blocks are dropped (0: never).
-        self.source_purge = float(source_purge)
-        #: (model, tenant, instance_id, dp_rank) muted now, and those purged since muted.
-        self._muted_dps: set[tuple[str, str, str, int]] = set()
-        self._purged_dps: set[tuple[str, str, str, int]] = set()
+        self.loss_grace = float(s.loss_grace)
+        #: Down, muted and purged (instance, DP)s; this manager is its host.
+        self.liveness = Liveness(self, source_down=s.source_down, source_purge=s.source_purge)
+        #: Bounds on one message and one source (``--max-message-mb`` ...).
+        self.limits: Limits = s.limits
         self.warn = WarnLimiter()
         self._subs: dict[tuple[str, int, str], Subscription] = {}
         #: The same subscriptions by (instance_id, dp_rank), then URL, in the order of
@@ -631,7 +530,7 @@ class SubscriptionManager:
         #: snapshot; a subscription of that key created next starts from there.
         self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
         #: --state-url: the :class:`kvconductor.state.replica.Replicator` (None: one process).
-        self.replicator: Any = None
+        self.replicator: SourceJournal | None = None
         #: --state-url: no source entry of an owner epoch below this is applied (raised
         #: when the state store is seeded again: owners of the old store are fenced off).
         self.fence_floor = 0
@@ -701,16 +600,16 @@ class SubscriptionManager:
             retired = self.retired.copy()
         return rows, retired
 
-    def cursors(self) -> list[dict[str, Any]]:
+    def cursors(self) -> list[JSONObject]:
         """Where each subscription's applied sequence stands (ingest thread; snapshots):
         ``instance_id``, ``dp_rank``, ``url``, ``last_seq`` and the ``digest`` of that
         batch, for every subscription that has applied a batch since its last loss;
         ``fence``: the highest owner epoch its log entries had (``--state-url``)."""
         self._check_thread()
-        out = []
+        out: list[JSONObject] = []
         for k, sub in self._subs.items():
             if self.replicator is not None:
-                cur = sub.applied
+                cur = sub.replica.applied
             else:
                 t = sub.tracker
                 cur = (
@@ -726,7 +625,7 @@ class SubscriptionManager:
                         "url": k[2],
                         "last_seq": cur[0],
                         "digest": cur[1],
-                        "fence": sub.fence,
+                        "fence": sub.replica.fence,
                     }
                 )
         return out
@@ -739,33 +638,32 @@ class SubscriptionManager:
         sub = self._subs.get(key)
         if sub is None:
             return False  # unregistered after the owner appended it
-        if epoch < sub.fence:
+        st = sub.replica
+        if not st.current(epoch):
             sub.stats.drop("fenced")
             return False
-        sub.fence = epoch
-        if sub.applied is not None and seq <= sub.applied[0]:
+        place = st.place(seq)
+        if place == DUPLICATE:
             sub.stats.duplicates += 1
             return False
-        if sub.applied is not None and seq > sub.applied[0] + 1:
+        if place == HOLE and st.applied is not None:
             # a hole in the log (appends lost with the store): a loss on every replica
             token = f"{epoch}.hole{seq}"
             sub.stats.gaps += 1
-            self.loss_logged(key, epoch, token, f"log gap {sub.applied[0]} -> {seq}")
+            self.loss_logged(key, epoch, token, f"log gap {st.applied[0]} -> {seq}")
             if sub.owned:
                 self.thread.call_later(self.loss_grace, lambda: sub._grace_over(token))
         sub.applier.apply_payload(payload)
-        sub.applied = (seq, digest(payload))
+        st.applied = (seq, digest(payload))
         sub.stats.last_seq = seq
         return True
 
     def loss_logged(self, key: tuple[str, int, str], epoch: int, token: str, why: str) -> None:
         """A ``loss`` entry: the cursor is forgotten, the source's holdings are suspects."""
         sub = self._subs.get(key)
-        if sub is None or epoch < sub.fence:
+        if sub is None or not sub.replica.current(epoch):
             return
-        sub.fence = epoch
-        sub.applied = None
-        sub.loss_token = token
+        sub.replica.lost(token)
         sub.tracker.last_loss = (time.time(), why)
         sub.stats.resyncs += 1
         n = sub.applier.begin_suspect()
@@ -781,10 +679,9 @@ class SubscriptionManager:
     def aged_logged(self, key: tuple[str, int, str], epoch: int, token: str) -> None:
         """An ``aged`` entry: the grace period of loss ``token`` is over."""
         sub = self._subs.get(key)
-        if sub is None or epoch < sub.fence or sub.loss_token != token:
+        if sub is None or sub.replica.loss_token != token or not sub.replica.current(epoch):
             return
-        sub.fence = epoch
-        sub.loss_token = None
+        sub.replica.loss_token = None
         n = sub.applier.end_suspect()
         log.info(
             "%s: grace period after the loss is over; %d blocks not announced again "
@@ -797,9 +694,8 @@ class SubscriptionManager:
         """A ``down`` entry: the owner sees the source not ready for ``secs`` seconds
         (negative: ready again). The owner keeps its own clock."""
         sub = self._subs.get(key)
-        if sub is None or sub.owned or epoch < sub.fence:
+        if sub is None or sub.owned or not sub.replica.current(epoch):
             return
-        sub.fence = epoch
         sub.down_since = None if secs < 0 else time.monotonic() - secs
 
     def raise_fence_floor(self, floor: int) -> None:
@@ -808,12 +704,12 @@ class SubscriptionManager:
         self._check_thread()
         self.fence_floor = max(self.fence_floor, floor)
         for sub in self._subs.values():
-            sub.fence = max(sub.fence, self.fence_floor)
+            sub.replica.fence = max(sub.replica.fence, self.fence_floor)
 
     def highest_fence(self) -> int:
         """The highest owner epoch any source entry applied here had."""
         self._check_thread()
-        return max([self.fence_floor, *(sub.fence for sub in self._subs.values())])
+        return max([self.fence_floor, *(sub.replica.fence for sub in self._subs.values())])
 
     def release_all(self) -> int:
         """Stop consuming every owned source (passive again); how many were owned."""
@@ -933,100 +829,33 @@ class SubscriptionManager:
         # else: the SUB's handshake asks (Subscription._now_connected); asked now, before
         # the engine is up, the replay would be answered before anything is published
 
-    # -- dead engines (module docstring) ----------------------------------------------------
+    # -- dead engines (kvconductor.ingest.liveness) -----------------------------------------
+    @property
+    def source_down(self) -> float:
+        return self.liveness.source_down
+
+    @property
+    def source_purge(self) -> float:
+        return self.liveness.source_purge
+
     def check_sources(self, now: float | None = None) -> None:
         """Mute the HBM workers of every (instance, DP) whose HBM sources have all been
         down for ``source_down`` seconds, unmute those back, purge those down for
-        ``source_purge``. Idempotent; the ingest thread runs it every
-        :data:`SOURCE_CHECK_SECS`."""
+        ``source_purge`` (:class:`~kvconductor.ingest.liveness.Liveness`). Idempotent;
+        the ingest thread runs it every
+        :data:`~kvconductor.ingest.liveness.SOURCE_CHECK_SECS`."""
         self._check_thread()
         now = time.monotonic() if now is None else now
-        # PERF: one cheap pass over every subscription; the DPs are grouped only when one
-        # of their HBM sources is down or they are muted (about 0.3 ms for 4,096 live
-        # sources, docs/performance.md).
-        down_dps: set[tuple[str, str, str, int]] = set()
+        subs = self._subs.values()
+        self.liveness.check(subs, now)
         r = self.replicator
-        for sub in self._subs.values():
-            if sub.passive:
-                # --state-url: down_since comes from the owner's ``down`` entries
-                if sub.down_since is not None and sub.feeds_hbm:
-                    down_dps.add(sub.dp_key)
-            elif sub.tracker.state(sub.connected) in READY_STATES:
-                if sub.down_since is not None:
-                    sub.down_since = None
-            else:
-                if sub.down_since is None:
-                    sub.down_since = now
-                if sub.feeds_hbm:
-                    down_dps.add(sub.dp_key)
-            if r is not None and sub.owned and sub.reported_down != (sub.down_since is not None):
+        if r is None:
+            return
+        for sub in subs:
+            down = sub.down_since
+            if sub.replica.down_changed(down is not None):
                 # tell every replica, so that they mute and purge alike
-                sub.reported_down = sub.down_since is not None
-                secs = 0.0 if sub.down_since is None else now - sub.down_since
-                r.append_source(sub, "down", "", secs if sub.reported_down else -1.0)
-            if sub.muted and not sub.feeds_hbm:  # re-registered as a pool stream
-                sub.muted = False
-        if not down_dps and not self._muted_dps:
-            return
-        groups: dict[tuple[str, str, str, int], list[Subscription]] = {
-            k: [] for k in down_dps | self._muted_dps
-        }
-        for sub in self._subs.values():
-            if sub.feeds_hbm:
-                subs = groups.get(sub.dp_key)
-                if subs is not None:
-                    subs.append(sub)
-        muted: set[tuple[str, str, str, int]] = set()
-        for k, subs in groups.items():
-            if not subs:  # a muted DP whose subscriptions are gone (unregistered)
-                self._set_dp_muted(k, False)
-                self._purged_dps.discard(k)
-                continue
-            starts = [s.down_since for s in subs]
-            if any(t is None for t in starts):
-                self._source_back(k, subs)
-                continue
-            down = now - max(t for t in starts if t is not None)
-            if down < self.source_down:
-                self._source_back(k, subs)
-                continue
-            muted.add(k)
-            self._set_dp_muted(k, True)  # every tick: also a worker the DP gained meanwhile
-            if k not in self._muted_dps:
-                for s in subs:
-                    s.muted = True
-                    s.stats.mutes += 1
-                log.warning(
-                    "%s: not ready (%s) for %.0fs; its HBM hits no longer count (blocks kept%s)",
-                    ", ".join(s.name() for s in subs),
-                    "/".join(sorted({s.state for s in subs})),
-                    down,
-                    f"; dropped after {self.source_purge:g}s down" if self.source_purge else "",
-                )
-            if self.source_purge > 0 and down >= self.source_purge and k not in self._purged_dps:
-                self._purged_dps.add(k)
-                n = self._purge_dp(k)
-                subs[0].stats.purged_blocks += n
-                log.warning(
-                    "%s: down for %.0fs; %d HBM blocks dropped",
-                    ", ".join(s.name() for s in subs),
-                    down,
-                    n,
-                )
-        self._muted_dps = muted
-
-    def _source_back(self, k: tuple[str, str, str, int], subs: list[Subscription]) -> None:
-        self._purged_dps.discard(k)
-        if k not in self._muted_dps:
-            return
-        self._set_dp_muted(k, False)
-        for s in subs:
-            s.muted = False
-        log.info(
-            "%s: ready again (%s); its HBM hits count again",
-            ", ".join(s.name() for s in subs),
-            "/".join(sorted({s.state for s in subs})),
-        )
+                r.append_source(sub, "down", "", -1.0 if down is None else now - down)
 
     def _hbm_keys(self, k: tuple[str, str, str, int]):
         model, tenant, iid, dp = k
@@ -1035,12 +864,13 @@ class SubscriptionManager:
             return None, []
         return idx, [w for w in idx.workers_of(iid, dp) if Medium(w.medium).tier == 0]
 
-    def _set_dp_muted(self, k: tuple[str, str, str, int], muted: bool) -> None:
+    # the liveness policy's host
+    def set_dp_muted(self, k: tuple[str, str, str, int], muted: bool) -> None:
         idx, keys = self._hbm_keys(k)
         for w in keys:
             idx.set_muted(w, muted)
 
-    def _purge_dp(self, k: tuple[str, str, str, int]) -> int:
+    def purge_dp(self, k: tuple[str, str, str, int]) -> int:
         idx, keys = self._hbm_keys(k)
         return sum(idx.clear(w) for w in keys)
 

@@ -39,12 +39,36 @@ import queue
 import selectors
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import zmq
 
 log = logging.getLogger("kvconductor.ingest")
+
+
+class _HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
+#: What the ingest poller watches: a ZeroMQ socket, a file descriptor or an object with
+#: ``fileno()``.
+Pollable = zmq.Socket | int | _HasFileno
+_S = TypeVar("_S", bound=Pollable)
+
+
+class _Key(Protocol):
+    """What :meth:`IngestThread._ready` reads of a ``selectors.SelectorKey``."""
+
+    @property
+    def data(self) -> object: ...
+
+
+_T = TypeVar("_T")
+if TYPE_CHECKING:
+    from typing_extensions import TypeVarTuple, Unpack
+
+    _Ts = TypeVarTuple("_Ts")
 
 
 class IngestThread:
@@ -63,12 +87,12 @@ class IngestThread:
         os.set_blocking(self._wake_w, False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._handlers: dict[Any, Callable[[Any], None]] = {}
+        self._handlers: dict[Pollable, Callable[[Pollable], None]] = {}
         #: What each socket is registered under in the selector (its ``ZMQ_FD``, or the
         #: fd/object given), and its registration number: a round calls the handlers in
         #: the order the sockets were added, as :class:`zmq.Poller` does.
-        self._selector_key: dict[Any, Any] = {}
-        self._order: dict[Any, int] = {}
+        self._selector_key: dict[Pollable, int | _HasFileno] = {}
+        self._order: dict[Pollable, int] = {}
         self._added = itertools.count()
         #: ZeroMQ sockets whose ``ZMQ_EVENTS`` the next round reads whatever the
         #: selector says: just added, or their handler ran (module docstring).
@@ -81,9 +105,11 @@ class IngestThread:
         self.errors = 0
 
     # -- any thread ---------------------------------------------------------------
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    def submit(
+        self, fn: Callable[[Unpack[_Ts]], _T], *args: Unpack[_Ts]
+    ) -> concurrent.futures.Future[_T]:
         """Run ``fn(*args)`` on the ingest thread; the future gets its result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
         if self._stopping:
             fut.set_exception(RuntimeError("ingest thread is stopped"))
             return fut
@@ -91,13 +117,15 @@ class IngestThread:
         self._wake()
         return fut
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(self, fn: Callable[[Unpack[_Ts]], _T], *args: Unpack[_Ts]) -> _T:
         """Await ``fn(*args)`` executed on the ingest thread."""
         if self.on_thread():
             return fn(*args)
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
+    def call(
+        self, fn: Callable[[Unpack[_Ts]], _T], *args: Unpack[_Ts], timeout: float | None = None
+    ) -> _T:
         """Blocking variant of :meth:`run` for plain threads (and tests)."""
         if self.on_thread():
             return fn(*args)
@@ -132,23 +160,23 @@ class IngestThread:
                 pass  # NOTE: the pipe is full, so a wake-up is already pending.
 
     # -- ingest thread only ----------------------------------------------------------
-    def add_socket(self, sock: Any, handler: Callable[[Any], None]) -> None:
+    def add_socket(self, sock: _S, handler: Callable[[_S], None]) -> None:
         """Poll ``sock`` (zmq socket or fd) for input and call ``handler(sock)``.
 
         From then on until :meth:`remove_socket`, only ``handler`` may use a ZeroMQ
         ``sock`` (module docstring)."""
         if sock in self._handlers:
-            self._handlers[sock] = handler
+            self._handlers[sock] = cast("Callable[[Pollable], None]", handler)
             return
         key = cast(int, sock.getsockopt(zmq.FD)) if isinstance(sock, zmq.Socket) else sock
         self._selector.register(key, selectors.EVENT_READ, sock)
-        self._handlers[sock] = handler
+        self._handlers[sock] = cast("Callable[[Pollable], None]", handler)
         self._selector_key[sock] = key
         self._order[sock] = next(self._added)
         if isinstance(sock, zmq.Socket):
             self._recheck.add(sock)  # it may hold messages already
 
-    def remove_socket(self, sock: Any) -> None:
+    def remove_socket(self, sock: Pollable) -> None:
         """Stop polling ``sock`` (the caller closes it)."""
         if self._handlers.pop(sock, None) is not None:
             self._selector.unregister(self._selector_key.pop(sock))
@@ -183,7 +211,7 @@ class IngestThread:
             return None
         return max(0.0, self._timers[0][0] - now)
 
-    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+    def _guard(self, fn: Callable[[Unpack[_Ts]], None], *args: Unpack[_Ts]) -> None:
         try:
             fn(*args)
         except Exception:
@@ -220,12 +248,12 @@ class IngestThread:
                         self._recheck.add(sock)  # libzmq: read ZMQ_EVENTS after a recv
         self._shutdown()
 
-    def _ready(self, events: list[tuple[selectors.SelectorKey, int]]) -> list[Any]:
+    def _ready(self, events: Sequence[tuple[_Key, int]]) -> list[Pollable]:
         """The sockets whose handlers this round calls, in the order they were added: the
         plain fds the selector reports, and the ZeroMQ sockets it reports or that are to be
         checked again whose ``ZMQ_EVENTS`` has ``POLLIN``."""
         check, self._recheck = self._recheck, set()
-        plain = []
+        plain: list[Pollable] = []
         for key, _ in events:
             sock = key.data
             if sock is None:
@@ -237,7 +265,7 @@ class IngestThread:
             elif isinstance(sock, zmq.Socket):
                 check.add(sock)
             else:
-                plain.append(sock)
+                plain.append(cast("Pollable", sock))
         ready = plain
         for sock in check:
             if sock not in self._handlers:

@@ -51,7 +51,7 @@ import logging
 from typing import Protocol
 
 from kvconductor._hash import xxh3_64
-from kvconductor.ingest.apply import SourceStats
+from kvconductor.ingest.stats import SourceStats
 
 log = logging.getLogger("kvconductor.ingest")
 

@@ -24,176 +24,36 @@ whose envelope cannot be read raises :class:`DecodeError`.
 
 from __future__ import annotations
 
-import re
 from array import array
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
 import kvconductor
 from kvconductor._wire import WireError as _WireError
 from kvconductor._wire import read_u32_array
+from kvconductor.ingest.ops import (
+    KNOWN_TAGS,
+    Cleared,
+    DecodeError,
+    Dropped,
+    Removed,
+    Stored,
+    VllmBatch,
+    VllmEvent,
+    int_hash,
+    msgpack_kind,
+    parse_hash_str,
+)
 
-MASK64 = 0xFFFFFFFFFFFFFFFF
 _U32 = 0xFFFFFFFF
-
-
-class DecodeError(Exception):
-    """An undecodable payload or event; ``reason`` is the counter key."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-        self.detail = detail
-
-
-# ---------------------------------------------------------------------------------------
-# decoded events (what apply.py consumes)
-
-
-class Stored:
-    """One ``BlockStored``: hashes are u64 (array('Q')), tokens u32 (array('I'))."""
-
-    __slots__ = (
-        "block_hashes",
-        "parent",
-        "tokens",
-        "block_size",
-        "medium",
-        "lora_name",
-        "lora_id",
-        "group_idx",
-        "kind",
-        "sliding_window",
-        "locality",
-        "ownership",
-        "session_id",
-    )
-
-    def __init__(
-        self,
-        block_hashes,
-        parent,
-        tokens,
-        block_size,
-        medium=None,
-        lora_name=None,
-        lora_id=None,
-        group_idx=None,
-        kind=None,
-        sliding_window=None,
-        locality=None,
-        ownership=None,
-        session_id=None,
-    ) -> None:
-        self.block_hashes = block_hashes
-        self.parent = parent
-        self.tokens = tokens
-        self.block_size = block_size
-        self.medium = medium
-        self.lora_name = lora_name
-        self.lora_id = lora_id
-        self.group_idx = group_idx
-        self.kind = kind
-        self.sliding_window = sliding_window
-        self.locality = locality
-        self.ownership = ownership
-        self.session_id = session_id
-
-    def __repr__(self) -> str:
-        return (
-            f"Stored(hashes={list(self.block_hashes)}, parent={self.parent}, "
-            f"tokens={list(self.tokens)}, block_size={self.block_size}, medium={self.medium!r}, "
-            f"lora_name={self.lora_name!r}, group_idx={self.group_idx}, kind={self.kind!r})"
-        )
-
-
-class Removed:
-    """One ``BlockRemoved``."""
-
-    __slots__ = ("block_hashes", "medium", "group_idx")
-
-    def __init__(self, block_hashes, medium=None, group_idx=None) -> None:
-        self.block_hashes = block_hashes
-        self.medium = medium
-        self.group_idx = group_idx
-
-    def __repr__(self) -> str:
-        return f"Removed(hashes={list(self.block_hashes)}, medium={self.medium!r})"
-
-
-class Cleared:
-    """``AllBlocksCleared``."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "Cleared()"
-
-
-class Dropped:
-    """An event that could not be used; ``reason`` is counted by the caller."""
-
-    __slots__ = ("reason", "detail")
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        self.reason = reason
-        self.detail = detail
-
-    def __repr__(self) -> str:
-        return f"Dropped({self.reason!r}, {self.detail!r})"
-
-
-class VllmBatch:
-    """A decoded batch: ``events`` holds Stored/Removed/Cleared/Dropped in wire order."""
-
-    __slots__ = ("ts", "dp_rank", "events", "layout")
-
-    def __init__(self, ts, dp_rank, events, layout) -> None:
-        self.ts = ts
-        self.dp_rank = dp_rank
-        self.events = events
-        self.layout = layout  # "ts,events,dp" | "ts,events" | "ts,dp,events"
 
 
 # ---------------------------------------------------------------------------------------
 # hash conversion
 
 
-_HEX = re.compile(r"[0-9a-fA-F]{1,16}")
-_DEC = re.compile(r"[0-9]{1,20}")
-
-
-def parse_hash_str(s: str) -> int:
-    """``0x``/``0X`` hex, else decimal u64, else bare hex (the reference's FlexHash forms);
-    else ValueError."""
-    t = s.strip()
-    if t[:2] in ("0x", "0X"):
-        if _HEX.fullmatch(t[2:]):
-            return int(t[2:], 16)
-    else:
-        if _DEC.fullmatch(t):
-            v = int(t)
-            if v <= MASK64:
-                return v
-        if _HEX.fullmatch(t):
-            return int(t, 16)
-    raise ValueError(f"invalid hash {s[:40]!r}: expected u64, hex, or 0x-prefixed")
-
-
-def int_hash(h: int) -> int:
-    """An integer hash as u64: negative i64 -> two's complement (the reference rejected them)."""
-    if h < 0:
-        if h < -(1 << 63):
-            raise ValueError(f"hash {h} below int64")
-        return h & MASK64
-    if h > MASK64:
-        raise ValueError(f"hash {h} above u64")
-    return h
-
-
-def engine_hash(h: Any) -> int:
+def engine_hash(h: object) -> int:
     """vLLM/SGLang block hash -> u64 (docs/events.md, "vLLM / SGLang events").
 
     non-negative int as is; negative int -> two's complement u64 (the reference
@@ -231,7 +91,7 @@ def u32_tokens(tokens: list) -> array:
 
 
 #: The compiled token-array reader; ``None`` (the msgspec path only) when ``KVCONDUCTOR_IMPL=py``.
-_read_u32_array: Callable[[Any], array] | None = (
+_read_u32_array: Callable[[memoryview], array] | None = (
     None if kvconductor.IMPL == "py" else read_u32_array
 )
 _INT_LIST_DEC = msgspec.msgpack.Decoder(list[int])
@@ -272,23 +132,23 @@ _Str = str | None
 
 
 class _AStored(msgspec.Struct, array_like=True, tag="BlockStored"):
-    block_hashes: Any = None
-    parent_block_hash: Any = None
+    block_hashes: object = None
+    parent_block_hash: object = None
     token_ids: msgspec.Raw = _RAW_NIL
     block_size: int | None = None
-    lora_id: Any = None
+    lora_id: object = None
     medium: _Str = None
     lora_name: _Str = None
     extra_keys: msgspec.Raw = _RAW_NIL
-    group_idx: Any = None
+    group_idx: object = None
     kv_cache_spec_kind: _Str = None
-    kv_cache_spec_sliding_window: Any = None
+    kv_cache_spec_sliding_window: object = None
 
 
 class _ARemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-    block_hashes: Any = None
+    block_hashes: object = None
     medium: _Str = None
-    group_idx: Any = None
+    group_idx: object = None
 
 
 class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
@@ -296,67 +156,46 @@ class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
 
 
 class _MStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
-    block_hashes: Any = None
-    parent_block_hash: Any = None
+    block_hashes: object = None
+    parent_block_hash: object = None
     token_ids: msgspec.Raw = _RAW_NIL
     block_size: int | None = None
-    lora_id: Any = None
+    lora_id: object = None
     medium: _Str = None
     lora_name: _Str = None
-    group_idx: Any = None
+    group_idx: object = None
     kv_cache_spec_kind: _Str = None
-    kv_cache_spec_sliding_window: Any = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
+    kv_cache_spec_sliding_window: object = None
+    locality: object = None
+    ownership: object = None
+    session_id: object = None
     # extra_keys, lookahead_token_ids, cache_salt: not declared, skipped by msgspec.
     # Pool-event keys: present only when a pool map was mistaken for an engine event.
-    event_type: Any = None
-    seq_hashes: Any = None
-    backend_id: Any = None
+    event_type: object = None
+    seq_hashes: object = None
+    backend_id: object = None
 
 
 class _MRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
-    block_hashes: Any = None
+    block_hashes: object = None
     medium: _Str = None
-    group_idx: Any = None
-    event_type: Any = None
-    seq_hashes: Any = None
-    backend_id: Any = None
+    group_idx: object = None
+    event_type: object = None
+    seq_hashes: object = None
+    backend_id: object = None
 
 
 class _MCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
     pass
 
 
+#: A decoded wire event, either form.
+_WireEvent = _AStored | _ARemoved | _ACleared | _MStored | _MRemoved | _MCleared
+
 _ARRAY_DEC = msgspec.msgpack.Decoder(_AStored | _ARemoved | _ACleared)
 _MAP_DEC = msgspec.msgpack.Decoder(_MStored | _MRemoved | _MCleared)
 _RAW_LIST_DEC = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _ANY_DEC = msgspec.msgpack.Decoder()
-
-KNOWN_TAGS = frozenset(("BlockStored", "BlockRemoved", "AllBlocksCleared"))
-
-
-def msgpack_kind(first_byte: int) -> str:
-    """The msgpack family of a value from its first byte."""
-    b = first_byte
-    if b <= 0x7F or b >= 0xE0 or 0xCC <= b <= 0xD3:
-        return "int"
-    if 0x80 <= b <= 0x8F or b in (0xDE, 0xDF):
-        return "map"
-    if 0x90 <= b <= 0x9F or b in (0xDC, 0xDD):
-        return "array"
-    if 0xA0 <= b <= 0xBF or b in (0xD9, 0xDA, 0xDB):
-        return "str"
-    if b in (0xC4, 0xC5, 0xC6):
-        return "bin"
-    if b in (0xCA, 0xCB):
-        return "float"
-    if b == 0xC0:
-        return "nil"
-    if b in (0xC2, 0xC3):
-        return "bool"
-    return "ext"
 
 
 def _first(raw: msgspec.Raw) -> int:
@@ -364,7 +203,7 @@ def _first(raw: msgspec.Raw) -> int:
     return mv[0] if len(mv) else -1
 
 
-def _hashes_of(v: Any, what: str = "block_hashes") -> array:
+def _hashes_of(v: object, what: str = "block_hashes") -> array:
     if v is None:
         return array("Q")
     if not isinstance(v, list):
@@ -375,9 +214,8 @@ def _hashes_of(v: Any, what: str = "block_hashes") -> array:
         raise DecodeError("bad_hash", str(ex)) from None
 
 
-def _convert(ev: Any) -> Any:
-    cls = type(ev)
-    if cls is _AStored or cls is _MStored:
+def _convert(ev: _WireEvent) -> Stored | Removed | Cleared:
+    if isinstance(ev, (_AStored, _MStored)):
         hashes = _hashes_of(ev.block_hashes)
         parent = ev.parent_block_hash
         if parent is not None:
@@ -390,7 +228,7 @@ def _convert(ev: Any) -> Any:
         if bs < 0:
             raise DecodeError("invalid_event", f"block_size {bs}")
         # The array form carries no locality, ownership or session (map form only).
-        placement = () if cls is _AStored else (ev.locality, ev.ownership, ev.session_id)
+        placement = () if isinstance(ev, _AStored) else (ev.locality, ev.ownership, ev.session_id)
         return Stored(
             hashes,
             parent,
@@ -404,7 +242,7 @@ def _convert(ev: Any) -> Any:
             ev.kv_cache_spec_sliding_window,
             *placement,
         )
-    if cls is _ARemoved or cls is _MRemoved:
+    if isinstance(ev, (_ARemoved, _MRemoved)):
         return Removed(_hashes_of(ev.block_hashes), ev.medium, ev.group_idx)
     return Cleared()
 
@@ -425,7 +263,7 @@ def _why_invalid(raw: msgspec.Raw | bytes, kind: str, err: Exception) -> Dropped
     return Dropped("invalid_event", str(err))
 
 
-def decode_event(raw: msgspec.Raw | bytes) -> Any:
+def decode_event(raw: msgspec.Raw | bytes) -> VllmEvent:
     """One event (array or map form) -> Stored/Removed/Cleared/Dropped."""
     b = _first(raw) if isinstance(raw, msgspec.Raw) else (raw[0] if raw else -1)
     kind = msgpack_kind(b) if b >= 0 else "empty"
@@ -479,12 +317,20 @@ def split_batch(payload: bytes) -> tuple[list[msgspec.Raw], int, int | None]:
 
 
 def decode_vllm_batch(
-    payload: bytes, parts: tuple | None = None, raw_events: list[msgspec.Raw] | None = None
+    payload: bytes,
+    parts: tuple | None = None,
+    raw_events: list[msgspec.Raw] | None = None,
+    *,
+    typed: bool = True,
 ) -> VllmBatch:
     """Decode a vLLM/SGLang batch payload. Raises DecodeError if the envelope is bad.
 
     ``parts``: :func:`split_batch` of the payload and ``raw_events`` its events
-    element decoded as ``list[msgspec.Raw]``, when the caller has them already.
+    element decoded as ``list[msgspec.Raw]``, when the caller has them already
+    (:func:`kvconductor.ingest.recognize.decode_payload`). The events are decoded in
+    one typed pass when they all have one form, known tags and well-typed fields;
+    otherwise (or with ``typed=False``) one by one, so that a bad event is dropped
+    alone with its reason. Both give the same events.
     """
     elems, ei, di = parts if parts is not None else split_batch(payload)
     tk = msgpack_kind(_first(elems[0]))
@@ -500,7 +346,26 @@ def decode_vllm_batch(
     except Exception as ex:
         raise DecodeError("invalid_batch", str(ex)) from None
     layout = "ts,events" if di is None else ("ts,events,dp" if ei == 1 else "ts,dp,events")
-    return VllmBatch(ts, dp, [decode_event(r) for r in raw_events], layout)
+    events = _typed_events(elems[ei], raw_events) if typed else None
+    if events is None:
+        events = [decode_event(r) for r in raw_events]
+    return VllmBatch(ts, dp, events, layout)
+
+
+def _typed_events(raw: msgspec.Raw, raw_events: list[msgspec.Raw]) -> list[VllmEvent] | None:
+    """The events element in one typed pass (all array-form or all map-form events with
+    known tags and well-typed fields), else None."""
+    if not raw_events:
+        return []
+    k = msgpack_kind(_first(raw_events[0]))
+    dec = _EVENTS_MAP if k == "map" else (_EVENTS_ARR if k == "array" else None)
+    if dec is None:
+        return None
+    try:
+        evs = dec.decode(raw)
+    except Exception:
+        return None
+    return [_convert_or_drop(e) for e in evs]
 
 
 # ---------------------------------------------------------------------------------------
@@ -519,11 +384,13 @@ class _MapBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
+_EVENTS_ARR = msgspec.msgpack.Decoder(list[_AStored | _ARemoved | _ACleared])
+_EVENTS_MAP = msgspec.msgpack.Decoder(list[_MStored | _MRemoved | _MCleared])
 _FAST_ARR = msgspec.msgpack.Decoder(_ArrBatch)
 _FAST_MAP = msgspec.msgpack.Decoder(_MapBatch)
 
 
-def _convert_or_drop(ev: Any) -> Any:
+def _convert_or_drop(ev: _WireEvent) -> VllmEvent:
     try:
         return _convert(ev)
     except DecodeError as ex:

@@ -200,7 +200,7 @@ class Settings:
         )
 
     def conductor_config(self):
-        from kvconductor.ingest.apply import Limits
+        from kvconductor.ingest.stats import Limits
         from kvconductor.state.conductor import ConductorConfig
         from kvconductor.urls import UrlPolicy
 

@@ -33,9 +33,10 @@ import zmq
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
-from kvconductor.ingest.apply import Limits
+from kvconductor.ingest.host import IngestSettings
 from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
-from kvconductor.ingest.subscriber import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
+from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
+from kvconductor.ingest.stats import Limits
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import WorkerKey
 from kvconductor.logs import RecentWarnings
@@ -176,7 +177,15 @@ def _default_subscriptions(thread: IngestThread, conductor: Conductor) -> Subscr
     # without its ZeroMQ ingest would answer 0 hits for every engine and say nothing.
     from kvconductor.ingest.subscriber import SubscriptionManager
 
-    return SubscriptionManager(thread, conductor)
+    cfg = conductor.config
+    settings = IngestSettings(
+        loss_grace=cfg.loss_grace,
+        replay_deadline=cfg.replay_deadline,
+        source_down=cfg.source_down,
+        source_purge=cfg.source_purge,
+        limits=cfg.limits,
+    )
+    return SubscriptionManager(thread, conductor, settings=settings, shared=conductor.shared)
 
 
 # ---------------------------------------------------------------------------------------

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Protocol, TypedDict
+
+from kvconductor.schema import JSONObject, JSONValue
 
 if TYPE_CHECKING:
     from kvconductor.index import QueryResult
     from kvconductor.ingest.context import SubscriberContext
+    from kvconductor.ingest.host import SourceJournal
     from kvconductor.ingest.subscriber import RetiredTotals, SourceMetrics, Subscription
 
 __all__ = [
@@ -46,8 +49,6 @@ __all__ = [
 ]
 
 #: A JSON document (what ``/workers``, ``/debug/dump`` and the dump records hold).
-JSONValue: TypeAlias = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
-JSONObject = dict[str, JSONValue]
 
 #: A ZeroMQ source: (instance_id, dp_rank, url).
 SourceKey = tuple[str, int, str]
@@ -186,7 +187,7 @@ class Subscriptions(Protocol):
 
     #: ``--state-url``: the replica that logs what the owned sources bring (set by
     #: :meth:`kvconductor.state.replica.ValkeyJournal.start`; None: not replicated).
-    replicator: object
+    replicator: SourceJournal | None
 
     @property
     def resume(self) -> dict[SourceKey, tuple[int, int, int]]:
@@ -227,7 +228,7 @@ class NoSubscriptions:
     nothing to check, resume or report. A conductor has these until it starts; dump
     checks (``kv-conductor load-dump``) and test doubles build on them."""
 
-    replicator: object = None
+    replicator: SourceJournal | None = None
 
     def __init__(self, thread: object = None, conductor: object = None) -> None:
         pass

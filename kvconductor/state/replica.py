@@ -78,9 +78,9 @@ from kvconductor.state.protocols import ReplicaInfo
 if TYPE_CHECKING:
     from valkey import Valkey
 
-    from kvconductor.ingest.subscriber import Subscription
+    from kvconductor.ingest.host import JournalSource
 
-log = logging.getLogger("kvconductor.state.replica")
+log = logging.getLogger("kvconductor.replica")
 
 # valkey types every command's reply as sync-or-async: the casts below name what the
 # synchronous client this module uses returns.
@@ -423,7 +423,7 @@ class ValkeyJournal:
         return True
 
     # -- source entries (ingest thread, the owner's tracker) -------------------------------
-    def append_batch(self, sub: Subscription, seq: int, payload: bytes) -> None:
+    def append_batch(self, sub: JournalSource, seq: int, payload: bytes) -> None:
         """An engine batch of an owned source (the writer packs consecutive ones into one
         ``batches`` entry)."""
         key = sub.key
@@ -435,7 +435,9 @@ class ValkeyJournal:
         except queue.Full:
             self._append_failed(key)
 
-    def append_source(self, sub: Subscription, kind: str, token: str, extra: object = None) -> None:
+    def append_source(
+        self, sub: JournalSource, kind: str, token: str, extra: str | float | None = None
+    ) -> None:
         """A ``loss`` (``extra``: why), ``aged`` or ``down`` (``extra``: seconds not ready,
         negative when ready) entry of an owned source."""
         key = sub.key

@@ -43,7 +43,7 @@ from kvconductor.state import dump
 if TYPE_CHECKING:
     from kvconductor.state.conductor import Conductor
 
-log = logging.getLogger("kvconductor.state.snapshot")
+log = logging.getLogger("kvconductor.snapshot")
 
 PREFIX = "snapshot-"
 SUFFIX = ".kvc"

@@ -1,0 +1,121 @@
+"""Counters and bounds of one ingest source: :class:`SourceStats`, :class:`WarnLimiter`,
+:class:`Limits`.
+
+Plain data, no I/O: the tracker, the liveness policy, the applier and the sockets
+count into the same :class:`SourceStats` of a subscription; nothing here imports
+another ingest module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("kvconductor.ingest")
+
+
+def hex_preview(payload: bytes, n: int = 32) -> str:
+    b = bytes(payload[:n])
+    return b.hex(" ") + (" ..." if len(payload) > n else "")
+
+
+class SourceStats:
+    """Counters of one subscription (shown by ``sources()``)."""
+
+    __slots__ = (
+        "batches",
+        "events",
+        "blocks",
+        "dropped",
+        "gaps",
+        "replays",
+        "replays_ok",
+        "replayed_batches",
+        "restarts",
+        "resyncs",
+        "duplicates",
+        "last_seq",
+        "aged_out",
+        "last_event",
+        "mutes",
+        "purged_blocks",
+    )
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.events = 0
+        self.blocks = 0
+        self.dropped: dict[str, int] = {}
+        self.gaps = 0
+        self.replays = 0
+        #: Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``).
+        self.replays_ok = 0
+        self.replayed_batches = 0
+        self.restarts = 0
+        self.resyncs = 0
+        self.duplicates = 0
+        self.last_seq: int | None = None
+        #: Blocks dropped because they were not re-announced after a loss.
+        self.aged_out = 0
+        #: Wall-clock time of the last batch received (set by the subscription).
+        self.last_event = 0.0
+        #: Times the source's (instance, DP) HBM hits were muted (down past --source-down-secs).
+        self.mutes = 0
+        #: HBM blocks dropped because the source stayed down past --source-purge-secs.
+        self.purged_blocks = 0
+
+    def drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+
+class WarnLimiter:
+    """At most one WARN per (source, reason) every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last: dict[tuple, float] = {}
+        self._suppressed: dict[tuple, int] = {}
+
+    def warn(self, source: str, reason: str, detail: str, payload: bytes | None) -> None:
+        key = (source, reason)
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._last[key] = now
+        skipped = self._suppressed.pop(key, 0)
+        log.warning(
+            "%s: dropped (%s) %s%s%s",
+            source,
+            reason,
+            detail[:200],
+            f" payload[{len(payload)}B]={hex_preview(payload)}" if payload is not None else "",
+            f" (+{skipped} similar suppressed)" if skipped else "",
+        )
+
+
+#: The limiter of appliers created without one (tests, tools).
+DEFAULT_WARN = WarnLimiter()
+
+
+class Limits:
+    """Bounds on what one ZeroMQ message and one source may add to the index.
+
+    A message over a bound is refused whole (nothing of it applied) and counted
+    in the source's ``dropped``: ``message_too_large``,
+    ``message_too_many_blocks`` or ``source_block_limit`` (the engine source's
+    HBM worker would hold more blocks than ``max_blocks_per_source``).
+    """
+
+    __slots__ = ("max_message_bytes", "max_blocks_per_message", "max_blocks_per_source")
+
+    def __init__(
+        self,
+        max_message_bytes: int = 256 << 20,
+        max_blocks_per_message: int = 1_000_000,
+        max_blocks_per_source: int = 4_000_000,
+    ) -> None:
+        self.max_message_bytes = max_message_bytes
+        self.max_blocks_per_message = max_blocks_per_message
+        self.max_blocks_per_source = max_blocks_per_source
