@@ -36,10 +36,7 @@ import time
 from bench_ingest import _publisher
 from e2e_query import free_port, load, tokens
 
-# valkey-server comes from the test helper (tests/ is not a package; see bench/valkey_log.py)
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-)
+# valkey-server: the test suite's helper, through bench/valkey_server.py
 from valkey_server import ValkeyServer
 
 BS = 16

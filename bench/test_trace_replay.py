@@ -164,16 +164,12 @@ def test_command_line_on_a_trace_file(tmp_path, capsys):
 
 
 def test_server_events_are_vllm_0_33_wire_batches():
-    """The server mode's events are byte-identical to vLLM 0.33's (tests/publishers.py
+    """The server mode's events are byte-identical to vLLM 0.33's (tests/helpers/publishers.py
     holds the reference classes)."""
-    import sys
-
     import msgspec
 
     from bench import trace_server as ts
-
-    sys.path.insert(0, str(tr.ROOT / "tests"))
-    from publishers import schema
+    from tests.helpers.publishers import schema
 
     v = schema("vllm", "0.33.0")
     enc = msgspec.msgpack.Encoder()

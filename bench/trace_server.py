@@ -49,7 +49,7 @@ TOPIC = b"kv-events"
 
 
 # vLLM 0.33 map-form events (the field order of vllm/distributed/kv_events.py; optional
-# fields are omitted when None, as vLLM's omit_defaults does); tests/publishers.py holds
+# fields are omitted when None, as vLLM's omit_defaults does); tests/helpers/publishers.py holds
 # the byte-exact reference (bench/test_trace_replay.py compares).
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_hashes: list

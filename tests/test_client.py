@@ -46,10 +46,7 @@ from kvconductor.client import (
     strip_decode_instances,
     token_list,
 )
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from coro import run_coro
+from tests.helpers.coro import run_coro
 
 BASE = "http://conductor.test:13333"
 

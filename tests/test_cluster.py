@@ -2,7 +2,7 @@
 and worker processes.
 
 The single-process HTTP tests of tests/test_server.py run again here against a server
-with two workers (imported below: same requests, same expected answers), then the
+with two workers (tests/helpers/http_cases.py: same requests, same expected answers), then the
 process model: answers identical to one process, worker restarts, owner death,
 shutdown, port in use, and the pieces (metrics merge, 503, flags, log lines) alone.
 """
@@ -26,19 +26,6 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from test_security import pki, tls_server
-from test_server import (  # the single-process tests, run here with --workers 2
-    Server,
-    run_cli,
-    running,
-    test_body_limit_over_http,
-    test_errors_over_http,
-    test_health_on_dual_stack_default_host,
-    test_json_and_msgpack_end_to_end,
-    test_large_msgpack_query,
-    test_top_k_and_instances_over_http,
-)
-from test_server_zmq import register_engine
 
 from kvconductor import logs
 from kvconductor._hash import hash_blocks
@@ -49,22 +36,23 @@ from kvconductor.serve import bootstrap, cli, worker, workermetrics
 from kvconductor.serve import owner as supervision
 from kvconductor.serve.settings import Settings
 from kvconductor.state.conductor import TRIM_SECS
+from tests.helpers import http_cases
+from tests.helpers.server import WORKER_BOUND as BOUND
+from tests.helpers.server import (
+    Server,
+    gone,
+    metric,
+    ready_workers,
+    register_engine,
+    run_cli,
+    running,
+    tls_server,
+    wait_workers,
+)
 
 pytestmark = pytest.mark.server
 
-__all__ = [
-    "pki",
-    "test_body_limit_over_http",
-    "test_errors_over_http",
-    "test_health_on_dual_stack_default_host",
-    "test_json_and_msgpack_end_to_end",
-    "test_large_msgpack_query",
-    "test_top_k_and_instances_over_http",
-]
-
 MSGPACK = "application/msgpack"
-READY = re.compile(r"\] (worker-\d+) pid=(\d+) ready")
-BOUND = 15.0
 
 
 @pytest.fixture(scope="module")
@@ -83,37 +71,28 @@ def server(tmp_path_factory):
         yield srv
 
 
-def ready_workers(srv: Server) -> dict[str, int]:
-    """The latest ready pid of each worker, from the owner's log lines."""
-    return {name: int(pid) for name, pid in READY.findall(srv.log())}
+def test_body_limit_over_http(server):
+    http_cases.body_limit_over_http(server)
 
 
-def wait_workers(srv: Server, n: int, exclude: set[int] = frozenset()) -> dict[str, int]:
-    deadline = time.monotonic() + BOUND
-    while True:
-        found = ready_workers(srv)
-        if len(found) == n and not exclude & set(found.values()):
-            return found
-        assert time.monotonic() < deadline, srv.log()
-        time.sleep(0.05)
+def test_errors_over_http(server):
+    http_cases.errors_over_http(server)
 
 
-def gone(pid: int) -> bool:
-    """``pid`` has exited (a zombie not reaped yet counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+def test_health_on_dual_stack_default_host(server):
+    http_cases.health_on_dual_stack_default_host(server)
 
 
-def metric(text: str, name: str) -> float:
-    """Sum of the samples called ``name`` (any labels) in a text exposition."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + " ", name + "{")):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def test_json_and_msgpack_end_to_end(server):
+    http_cases.json_and_msgpack_end_to_end(server)
+
+
+def test_large_msgpack_query(server):
+    http_cases.large_msgpack_query(server)
+
+
+def test_top_k_and_instances_over_http(server):
+    http_cases.top_k_and_instances_over_http(server)
 
 
 def events(instance: str, first_id: int, hashes: list[int]) -> dict:
@@ -634,7 +613,7 @@ def test_workers_answer_from_the_shared_index_like_the_owner(server):
     """Random registrations, HTTP events and a real ZeroMQ publisher feed the owner;
     queries over new connections (spread over both workers) answer exactly what the
     owner's own index says, at quiescence, after every round."""
-    from publishers import FakePublisher, schema, wait_until
+    from tests.helpers.publishers import FakePublisher, schema, wait_until
 
     rng = __import__("random").Random(14)
     bs = 4

@@ -16,10 +16,16 @@ import sys
 
 import msgspec
 import pytest
-from publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema, wait_until
-from test_server import ROOT, running
 
 from kvconductor.state import dump
+from tests.helpers.publishers import (
+    FakePublisher,
+    PoolPublisher,
+    mooncake_tuple,
+    schema,
+    wait_until,
+)
+from tests.helpers.server import ROOT, running
 
 pytestmark = pytest.mark.server
 
@@ -303,7 +309,7 @@ def test_bad_dumps_are_refused_with_the_reason(tmp_path):
 
 
 def test_warm_start_refuses_a_bad_dump(tmp_path):
-    from test_server import Server
+    from tests.helpers.server import Server
 
     bad = tmp_path / "bad.dump"
     bad.write_bytes(_sample_dump()[:-3])

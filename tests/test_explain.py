@@ -10,8 +10,6 @@ ZeroMQ FakePublisher.
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import falcon.testing as ft
 import msgspec
@@ -30,18 +28,12 @@ from kvconductor.schema import (
 )
 from kvconductor.serve import cli
 from kvconductor.tools import explain
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-import test_api
-from test_api import events, query, register, stored
+from tests.helpers.api import events, query, register, stored
 
 TOKENS = list(range(1, 25))
 
-
-# the app over a started Conductor without sockets, Falcon alone and behind QueryFastPath
-conductor = test_api.conductor
-client = test_api.client
+# ``conductor`` / ``client`` (tests/conftest.py): the app over a started Conductor without
+# sockets, Falcon alone and behind QueryFastPath
 
 
 def explain_body(client, tokens, model="qwen", block_size=4, msgpack=False, **kw):
@@ -354,9 +346,8 @@ def test_report_lines():
 
 
 def test_cli_against_a_live_server(tmp_path, capsys):
-    from publishers import FakePublisher, schema, wait_until
-    from test_server import Server
-    from test_server_zmq import register_engine
+    from tests.helpers.publishers import FakePublisher, schema, wait_until
+    from tests.helpers.server import Server, register_engine
 
     srv = Server(tmp_path)
     pub = FakePublisher(replay=False)

@@ -13,9 +13,7 @@ and a byte-mutation fuzz.
 
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import msgspec
 import pytest
@@ -26,12 +24,9 @@ pytest.importorskip("kvconductor._index")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from publishers import H1, H2, FakeConductor, schema
-from test_vllm import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0516, EX_E_SGL0523
-
 from kvconductor.ingest import apply as _apply_mod
+from tests.helpers.payloads import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0516, EX_E_SGL0523
+from tests.helpers.publishers import H1, H2, FakeConductor, schema
 
 if _apply_mod._FastBatch is None:  # KVCONDUCTOR_IMPL=py
     pytest.skip("ingest fast path disabled", allow_module_level=True)

@@ -257,3 +257,93 @@ def test_the_index_loads_every_compiled_module():
     # fails there, not at the first query).
     loaded = set(_loaded_after("import kvconductor.index"))
     assert {f"kvconductor.{name}" for name in kvconductor.COMPILED_MODULES} <= loaded
+
+
+# -- the tests themselves: helpers shared through tests/helpers and conftest.py ------------
+
+TESTS = pathlib.Path(__file__).resolve().parent
+_SYS_PATH_MUTATORS = {"insert", "append", "extend", "__setitem__", "__iadd__"}
+
+
+def _is_sys_path(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == "path"
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "sys"
+    )
+
+
+def _is_test_module(name: str) -> bool:
+    return any(part.startswith("test_") or part == "conftest" for part in name.split("."))
+
+
+def _hygiene_faults(source: str) -> list[str]:
+    """Lines of ``source`` that change ``sys.path`` or import a test module (``test_*``,
+    wherever it sits in the dotted name, or a ``conftest``)."""
+    faults = []
+    for node in ast.walk(ast.parse(source)):
+        where = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr in _SYS_PATH_MUTATORS and _is_sys_path(node.func.value):
+                faults.append(f"{where}: sys.path.{node.func.attr}")
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if _is_sys_path(t) or (isinstance(t, ast.Subscript) and _is_sys_path(t.value)):
+                    faults.append(f"{where}: assignment to sys.path")
+        elif isinstance(node, ast.Import):
+            faults += [f"{where}: import {a.name}" for a in node.names if _is_test_module(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module == "sys" and any(a.name == "path" for a in node.names):
+                faults.append(f"{where}: from sys import path")
+            elif _is_test_module(module):
+                faults.append(f"{where}: from {'.' * node.level}{module} import")
+            else:
+                faults += [
+                    f"{where}: from {'.' * node.level}{module} import {a.name}"
+                    for a in node.names
+                    if _is_test_module(a.name)
+                ]
+    return faults
+
+
+def test_the_hygiene_check_sees_the_forbidden_forms():
+    bad = """
+import sys, os
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append("x")
+sys.path[:0] = ["x"]
+sys.path += ["x"]
+from sys import path
+import test_api
+import tests.test_server as ts
+from test_server import Server
+from tests.test_cluster import gone
+from tests import test_security
+from .test_replica import start_replicas
+from . import conftest
+from conftest import core_class
+"""
+    assert len(_hygiene_faults(bad)) == 13, _hygiene_faults(bad)
+    good = """
+import sys
+from tests.helpers.server import Server
+from tests.helpers import publishers
+print(sys.path)
+"""
+    assert _hygiene_faults(good) == []
+
+
+def test_tests_share_helpers_without_sys_path_or_test_imports():
+    """Shared test code lives in ``tests/helpers/`` (and fixtures in ``conftest.py``):
+    no file under ``tests/`` changes ``sys.path`` or imports a test module."""
+    files = sorted(TESTS.rglob("*.py"))
+    assert len(files) > 50 and TESTS / "helpers" / "server.py" in files
+    faults = [
+        f"{path.relative_to(TESTS.parent)}:{fault}"
+        for path in files
+        for fault in _hygiene_faults(path.read_text())
+    ]
+    assert not faults, "\n".join(faults)

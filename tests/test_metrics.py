@@ -5,9 +5,6 @@ queries implies. Values are read with prometheus_client's own parser, as deltas.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import falcon.testing as ft
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,10 +14,7 @@ from kvconductor.http.api import create_app
 from kvconductor.http.metrics import CONTENT_TYPE
 from kvconductor.ingest.subscriber import SubscriptionManager
 from kvconductor.state.conductor import Conductor, ConductorConfig
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from publishers import FakePublisher, free_tcp_port, schema, wait_until
+from tests.helpers.publishers import FakePublisher, free_tcp_port, schema, wait_until
 
 H1, H2 = 14643705804678351452, 16777012769546811212  # tokens 1..4, 5..8 (docs/api.md)
 BS = 4
@@ -412,7 +406,7 @@ def test_source_kind():
 @pytest.mark.server
 def test_real_server_serves_metrics(tmp_path):
     """``kv-conductor --api-key``: /metrics needs the key; the fast path's queries count."""
-    from test_server import Server
+    from tests.helpers.server import Server
 
     s = Server(tmp_path, "--api-key", "k3y")
     try:

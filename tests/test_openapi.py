@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import falcon.testing as ft
 import jsonschema
 import msgspec
@@ -16,10 +13,7 @@ from kvconductor import __version__, schema
 from kvconductor.http import openapi
 from kvconductor.http.api import create_app
 from kvconductor.state.conductor import Conductor, ConductorConfig
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from test_api import H1, H2, RecordingSubs, events, register, stored
+from tests.helpers.api import H1, H2, RecordingSubs, events, register, stored
 
 DOC = openapi.document()
 _REGISTRY = Registry().with_resource("urn:kvc", DRAFT202012.create_resource(DOC))

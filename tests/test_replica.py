@@ -16,16 +16,15 @@ import re
 import signal
 
 import pytest
-from publishers import FakePublisher, schema, wait_until
-from test_server import Server, running
-from test_server_zmq import dp_entry
-from valkey_server import SentinelServer, ValkeyServer
+
+from tests.helpers.publishers import FakePublisher, schema, wait_until
+from tests.helpers.server import LEASE, Server, dp_entry, running, start_replicas, stop_replicas
+from tests.helpers.valkey_server import SentinelServer, ValkeyServer
 
 pytestmark = pytest.mark.server
 
 BS = 4
 V = schema("vllm", "0.33.0")
-LEASE = "1"
 
 
 def _chain(i: int) -> tuple[bytes, list[int]]:
@@ -87,32 +86,6 @@ def _replica(tmp_path, valkey, *args: str, name: str) -> contextlib.AbstractCont
         LEASE,
         *args,
     )
-
-
-def start_replicas(tmp_path, valkey, names, lease: str = LEASE) -> list[Server]:
-    """Replicas ``names`` of ``valkey``, started one after the other (each ready)."""
-    servers: list[Server] = []
-    try:
-        for name in names:
-            s = Server(
-                tmp_path, "--state-url", valkey.url, "--replica-id", name, "--lease-secs", lease
-            )
-            servers.append(s)
-            s.wait_ready()
-    except BaseException:
-        stop_replicas(servers)
-        raise
-    return servers
-
-
-def stop_replicas(servers: list[Server]) -> None:
-    """SIGTERM every replica still running and close its client and log."""
-    for s in servers:
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
-            s.proc.wait(20)
-        s.http.close()
-        s._log.close()
 
 
 def _workers(server) -> dict:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import signal
 import socket
-import ssl
 import time
 
 import httpx
 import pytest
-from test_server import Server, run_cli, running
+
+from tests.helpers.server import Server, run_cli, running, tls_server, trusting
 
 pytestmark = pytest.mark.server
 
@@ -165,47 +165,6 @@ def test_workers_needs_the_api_key(tmp_path, open_workers):
 # -- TLS ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A server CA and certificate (127.0.0.1, localhost), and a client CA and certificate."""
-    trustme = pytest.importorskip("trustme")
-    d = tmp_path_factory.mktemp("pki")
-    ca, client_ca = trustme.CA(), trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    client = client_ca.issue_cert("coordinator@kv.example")
-    files = {
-        name: d / f"{name}.pem"
-        for name in ("ca", "cert", "key", "combined", "client_ca", "client", "other_client")
-    }
-    ca.cert_pem.write_to_path(files["ca"])
-    files["cert"].write_bytes(b"".join(b.bytes() for b in server.cert_chain_pems))
-    server.private_key_pem.write_to_path(files["key"])
-    server.private_key_and_cert_chain_pem.write_to_path(files["combined"])
-    client_ca.cert_pem.write_to_path(files["client_ca"])
-    client.private_key_and_cert_chain_pem.write_to_path(files["client"])
-    ca.issue_cert("intruder@kv.example").private_key_and_cert_chain_pem.write_to_path(
-        files["other_client"]
-    )  # signed by a CA the server does not trust for clients
-    return {k: str(v) for k, v in files.items()}
-
-
-def tls_server(tmp_path, pki, *extra: str) -> Server:
-    srv = Server(
-        tmp_path, "--host", "127.0.0.1", "--tls-cert", pki["cert"], "--tls-key", pki["key"], *extra
-    )
-    srv.url = f"https://127.0.0.1:{srv.port}"
-    srv.http.close()
-    srv.http = httpx.Client(base_url=srv.url, timeout=10.0, verify=trusting(pki))
-    return srv
-
-
-def trusting(pki, client: str | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=pki["ca"])
-    if client:
-        ctx.load_cert_chain(client)
-    return ctx
-
-
 def test_https(tmp_path, pki):
     srv = tls_server(tmp_path, pki, "--request-timeout-secs", "1")
     try:
@@ -289,7 +248,7 @@ def test_gunicorn_tls(tmp_path, pki):
     import os
     import subprocess
 
-    from test_server import ROOT, SHUTDOWN_BOUND, _gunicorn_cmd, free_port
+    from tests.helpers.server import ROOT, SHUTDOWN_BOUND, free_port, gunicorn_cmd
 
     env = dict(
         os.environ,
@@ -298,7 +257,7 @@ def test_gunicorn_tls(tmp_path, pki):
     )
     port = free_port()
     out = subprocess.run(
-        _gunicorn_cmd(port, "-w", "1", factory_args=""),
+        gunicorn_cmd(port, "-w", "1", factory_args=""),
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -312,7 +271,7 @@ def test_gunicorn_tls(tmp_path, pki):
     log_path = tmp_path / "gunicorn-tls.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            _gunicorn_cmd(
+            gunicorn_cmd(
                 port, "-w", "1", "-k", "kvconductor.app.KvConductorWorker", factory_args=""
             ),
             cwd=ROOT,

@@ -10,10 +10,16 @@ import time
 
 import msgspec
 import pytest
-from publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema, wait_until
-from test_server import Server
 
 from kvconductor._hash import hash_blocks
+from tests.helpers.publishers import (
+    FakePublisher,
+    PoolPublisher,
+    mooncake_tuple,
+    schema,
+    wait_until,
+)
+from tests.helpers.server import Server, dp_entry, register_engine
 
 pytestmark = pytest.mark.server
 
@@ -42,24 +48,6 @@ def query(server, tokens, msgpack=False):
         return r.status_code, msgspec.msgpack.decode(r.content)
     r = server.http.post("/query", json=body)
     return r.status_code, r.json()
-
-
-def register_engine(server, instance_id: str, dp_rank: int = 0, **fields) -> None:
-    """POST /register of one DP of a vLLM engine of model qwen (block size BS); 201."""
-    body = {
-        "instance_id": instance_id,
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": BS,
-        "dp_rank": dp_rank,
-        **fields,
-    }
-    r = server.http.post("/register", json=body)
-    assert r.status_code == 201, r.text
-
-
-def dp_entry(resp, instance, dp=0):
-    return resp.get("default", {}).get(instance, {}).get("DP", {}).get(str(dp))
 
 
 def test_vllm_publisher_to_query(server):
@@ -536,7 +524,7 @@ def test_a_frozen_publisher_host_is_noticed_without_a_tcp_close(fast_down, tmp_p
     import subprocess
     import sys
 
-    from test_server import free_port
+    from tests.helpers.server import free_port
 
     server = fast_down
     v = schema("vllm", "0.33.0")

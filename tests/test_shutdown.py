@@ -14,9 +14,9 @@ import threading
 import time
 
 import pytest
-from test_server import Server
 
 from kvconductor.serve.single import GRACEFUL_SECS as GRACEFUL
+from tests.helpers.server import Server
 
 pytestmark = pytest.mark.server
 
@@ -167,11 +167,11 @@ def test_gunicorn_worker_shutdown_with_request_in_flight_is_quiet(tmp_path):
     import os
     import subprocess
 
-    from test_server import ROOT, SHUTDOWN_BOUND, _gunicorn_cmd, free_port, wait_health
+    from tests.helpers.server import ROOT, SHUTDOWN_BOUND, free_port, gunicorn_cmd, wait_health
 
     port = free_port()
     log_path = tmp_path / "gunicorn.log"
-    cmd = _gunicorn_cmd(port, "-w", "1", "-k", "kvconductor.app.KvConductorWorker", factory_args="")
+    cmd = gunicorn_cmd(port, "-w", "1", "-k", "kvconductor.app.KvConductorWorker", factory_args="")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,

@@ -19,14 +19,13 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from publishers import FakePublisher, schema, wait_until
-from test_server import Server, running
-from test_server_zmq import dp_entry, register_engine
 
 from kvconductor.ingest.http_events import normalize_events
 from kvconductor.schema import RegisterRequest, events_decoder
 from kvconductor.state import dump, snapshot
 from kvconductor.state.conductor import Conductor, ConductorConfig
+from tests.helpers.publishers import FakePublisher, schema, wait_until
+from tests.helpers.server import Server, dp_entry, register_engine, running
 
 BS = 4
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import threading
 import time
 
@@ -12,9 +11,12 @@ import msgspec
 import pytest
 import zmq
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from publishers import (
+from kvconductor.ingest.apply import Applier
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.subscriber import SubscriptionManager
+from kvconductor.ingest.thread import IngestThread
+from kvconductor.keys import Medium, StoreBackend
+from tests.helpers.publishers import (
     FakeConductor,
     FakePublisher,
     InstanceInfo,
@@ -24,12 +26,6 @@ from publishers import (
     schema,
     wait_until,
 )
-
-from kvconductor.ingest.apply import Applier
-from kvconductor.ingest.context import SubscriberContext
-from kvconductor.ingest.subscriber import SubscriptionManager
-from kvconductor.ingest.thread import IngestThread
-from kvconductor.keys import Medium, StoreBackend
 
 BS = 4
 V33 = schema("vllm", "0.33.0")
@@ -506,7 +502,7 @@ def test_second_loss_restarts_the_grace_period(h, pubs):
 
 def test_replay_endpoint_dead_falls_back_to_resync(h, pubs):
     pub = pubs(replay=False)
-    from publishers import free_tcp_port
+    from tests.helpers.publishers import free_tcp_port
 
     dead = f"tcp://127.0.0.1:{free_tcp_port()}"
     h.call(lambda: setattr(h.mgr, "replay_timeout", 0.5))
@@ -617,7 +613,7 @@ def test_yuanrong_per_port_media_over_tcp(h, pubs):
 
 def test_documented_payloads_over_tcp(h, pubs):
     """The spec's byte-level examples, streamed by a publisher, end up in the index."""
-    from test_vllm import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0523
+    from tests.helpers.payloads import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0523
 
     pub = pubs(topic=b"kv-events", replay=False)
     c = SubscriberContext(
@@ -658,7 +654,7 @@ def test_documented_payloads_over_tcp(h, pubs):
 
 def test_bound_sub_for_connecting_publishers(h):
     """A '*' URL is bound: the engine's PUB connects to the conductor."""
-    from publishers import free_tcp_port
+    from tests.helpers.publishers import free_tcp_port
 
     errors = []
     for _ in range(5):  # another process may take the free port first
@@ -696,7 +692,7 @@ def test_replay_asked_when_the_engine_comes_up_after_registration(h, pubs):
     """Registered while the engine is down: no replay is asked (it would be answered
     before the engine published anything); the SUB's first handshake asks, so what the
     engine published before we connected is recovered."""
-    from publishers import free_tcp_port
+    from tests.helpers.publishers import free_tcp_port
 
     h.call(lambda: setattr(h.mgr, "replay_timeout", 0.5))
     port, rport = free_tcp_port(), free_tcp_port()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
@@ -11,10 +10,7 @@ import pytest
 import zmq
 
 from kvconductor.ingest.thread import IngestThread
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from coro import run_coro
+from tests.helpers.coro import run_coro
 
 
 @pytest.fixture

@@ -10,13 +10,13 @@ import sys
 
 import httpx
 import pytest
-from publishers import FakePublisher, schema, wait_until
 from rich.console import Console
-from test_server import Server, free_port, running
 
 from kvconductor.serve import cli
 from kvconductor.tools import top
 from kvconductor.tools.top import Poll, histogram_quantile, parse_metrics, query_window, source_rows
+from tests.helpers.publishers import FakePublisher, schema, wait_until
+from tests.helpers.server import Server, free_port, running
 
 INF = math.inf
 

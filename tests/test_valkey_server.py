@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import valkey
-from valkey_server import NEWER_THAN_REDIS_7_2, ValkeyServer, valkey_binary
 
-TESTS = Path(__file__).resolve().parent
+from tests.helpers.valkey_server import NEWER_THAN_REDIS_7_2, ValkeyServer, valkey_binary
+
+ROOT = Path(__file__).resolve().parent.parent
 BOTH = pytest.mark.parametrize("valkey_server", ["unix", "tcp"], indirect=True)
 
 
@@ -246,10 +247,10 @@ def test_raises_after_restart(valkey_server):
 
 def run_inner(tmp_path: Path, body: str, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_inner.py").write_text(textwrap.dedent(body))
-    path = os.pathsep.join([str(TESTS), str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(ROOT), str(tmp_path), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
     env["VALKEY_PIDS"] = str(tmp_path / "pids")
-    # ``-p conftest`` loads this directory's conftest.py (the fixture) as a plugin.
+    # ``-p tests.conftest`` loads this directory's conftest.py (the fixture) as a plugin.
     return subprocess.run(
         [
             sys.executable,
@@ -257,7 +258,7 @@ def run_inner(tmp_path: Path, body: str, *args: str) -> subprocess.CompletedProc
             "pytest",
             "-q",
             "-p",
-            "conftest",
+            "tests.conftest",
             "-p",
             "no:cacheprovider",
             "-o",

@@ -1,19 +1,17 @@
 """The fault suite: the real server under message loss, restarts, floods and limits.
 
-Every test here starts ``python -m kvconductor`` (``tests/test_server.py``'s
-``Server``) and, for ZeroMQ cases, real publisher sockets
-(``tests/publishers.py``); loops are bounded in count and time and talk to
+Every test here starts ``python -m kvconductor`` (``Server`` of
+``tests/helpers/server.py``) and, for ZeroMQ cases, real publisher sockets
+(``tests/helpers/publishers.py``; one engine registered with one server is
+``tests/helpers/faults.py``'s ``Rig``); loops are bounded in count and time and talk to
 loopback only. All tests carry the ``faults`` marker (``pytest -m faults``).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def pytest_collection_modifyitems(items):

@@ -17,8 +17,9 @@ import time
 
 import httpx
 import pytest
-from rig import rss_kb
-from test_server import ROOT, SHUTDOWN_BOUND, Server, free_port, running, wait_health
+
+from tests.helpers.faults import rss_kb
+from tests.helpers.server import ROOT, SHUTDOWN_BOUND, Server, free_port, running, wait_health
 
 
 def rss_mb(pid: int) -> float:
@@ -359,10 +360,10 @@ def _assert_431_on_a_big_header(port: int) -> None:
 
 def test_gunicorn_worker_enforces_limits(tmp_path):
     """``-k kvconductor.app.KvConductorWorker`` applies the flags of the factory."""
-    from test_server import _gunicorn_cmd
+    from tests.helpers.server import gunicorn_cmd
 
     port = free_port()
-    cmd = _gunicorn_cmd(
+    cmd = gunicorn_cmd(
         port,
         "-w",
         "1",

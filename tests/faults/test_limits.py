@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from publishers import wait_until
-from rig import BS, V33, Rig, rss_kb
+from tests.helpers.faults import BS, V33, Rig, rss_kb
+from tests.helpers.publishers import wait_until
 
 
 def test_oversized_messages_are_refused_and_counted(tmp_path):

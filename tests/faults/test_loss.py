@@ -10,8 +10,9 @@ from __future__ import annotations
 import signal
 
 import pytest
-from publishers import FakePublisher, wait_until
-from rig import BS, V33, Rig
+
+from tests.helpers.faults import BS, V33, Rig
+from tests.helpers.publishers import FakePublisher, wait_until
 
 
 def toks(i: int, n: int = 2) -> list[int]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from test_server import Server
 
 from kvconductor.schema import NAME_MAX
+from tests.helpers.server import Server
 
 LONG = "x" * (NAME_MAX + 1)
 FULL = "é" * NAME_MAX  # characters, not bytes: 800 bytes of UTF-8 still fit

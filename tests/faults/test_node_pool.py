@@ -13,8 +13,15 @@ computed by hand from the published chains (block size 4).
 from __future__ import annotations
 
 import pytest
-from publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema, wait_until
-from test_server import Server
+
+from tests.helpers.publishers import (
+    FakePublisher,
+    PoolPublisher,
+    mooncake_tuple,
+    schema,
+    wait_until,
+)
+from tests.helpers.server import Server
 
 BS = 4
 V = schema("vllm", "0.33.0")

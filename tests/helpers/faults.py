@@ -1,9 +1,10 @@
-"""One engine publisher registered with one real server (``python -m kvconductor``)."""
+"""The fault suite's rig (``tests/faults/``): one engine publisher registered with one real
+server (``python -m kvconductor``)."""
 
 from __future__ import annotations
 
-from publishers import FakePublisher, schema, wait_until
-from test_server import Server
+from tests.helpers.publishers import FakePublisher, schema, wait_until
+from tests.helpers.server import Server
 
 BS = 4
 V33 = schema("vllm", "0.33.0")
