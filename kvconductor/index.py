@@ -439,9 +439,7 @@ class Index:
     def close(self) -> None:
         """Free the core's state now (writer thread; ``--workers N`` drops an index this
         way once the directory no longer lists it). The twin has nothing to free."""
-        close = getattr(self.core, "close", None)
-        if close is not None:
-            close()
+        self.core.close()
 
     # -- maintenance and introspection ------------------------------------------------
     def maintenance(

@@ -628,6 +628,13 @@ class CoreIndex:
                     raise ValueError(f"worker {w} waits twice for hash {h}")
                 waiters[int(w)] = float(t)
 
+    def close(self) -> None:
+        """The compiled core frees its C state here; the twin has nothing to free."""
+
+    def check_invariants(self) -> None:
+        """The same checker under the compiled core's name (a dump's restore calls it)."""
+        self._check_invariants()
+
     # -- testing aid ---------------------------------------------------------------------
     def _check_invariants(self) -> None:
         """Assert tier invariants and the two-phase invariants (for tests)."""

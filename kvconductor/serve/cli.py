@@ -529,8 +529,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         state_password=os.environ.get(STATE_PASSWORD_ENV) or None,
         replica_id=args.replica_id,
         lease_secs=args.lease_secs,
-        workers=getattr(args, "workers", 1),
-        reader_stall_ms=getattr(args, "reader_stall_ms", 500),
+        workers=args.workers,
+        reader_stall_ms=args.reader_stall_ms,
         **_http_fields(args),
     )
 
@@ -559,17 +559,17 @@ def _no_password() -> str:
 
 
 def _snapshot_problem(args: argparse.Namespace) -> str | None:
-    if getattr(args, "snapshot_dir", None) and getattr(args, "no_snapshots", False):
+    if args.snapshot_dir and args.no_snapshots:
         return "--no-snapshots and --snapshot-dir exclude each other"
-    if getattr(args, "snapshot_dir", None) and getattr(args, "load_dump", None):
+    if args.snapshot_dir and args.load_dump:
         return (
             "--load-dump and --snapshot-dir exclude each other (a snapshot directory "
             "warm-starts from its own newest snapshot)"
         )
-    url = getattr(args, "state_url", None)
+    url = args.state_url
     if url:
         for flag in ("snapshot_dir", "load_dump"):
-            if getattr(args, flag, None):
+            if vars(args)[flag]:
                 return (
                     f"--state-url and --{flag.replace('_', '-')} exclude each other (the "
                     "state store keeps the snapshots)"
@@ -602,7 +602,7 @@ def _lease(value: str) -> float:
 
 
 def _source_problem(args: argparse.Namespace) -> str | None:
-    purge, down = getattr(args, "source_purge_secs", 0), getattr(args, "source_down_secs", 1)
+    purge, down = args.source_purge_secs, args.source_down_secs
     if purge and purge < down:
         return (
             f"--source-purge-secs {purge} is shorter than --source-down-secs {down} "

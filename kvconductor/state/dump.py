@@ -430,10 +430,8 @@ def _load_index(conductor: Conductor, head: dict, recs: Iterator[object]) -> Non
         [(k, h, loc, p, now - age) for k, h, loc, p, age in records],
         [(h, ids[w], now - age) for h, w, age in waits],
     )
-    # the compiled core's checker is public, the Python twin's is not
-    check = getattr(core, "check_invariants", None) or core._check_invariants
     try:
-        check()
+        core.check_invariants()
     except AssertionError as ex:
         raise ValueError(
             f"dump of index {head['model']}/{head['tenant']} does not form a valid index: {ex}"
