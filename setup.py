@@ -47,6 +47,9 @@ def _ext(name):
         f"kvconductor.{name}",
         [f"kvconductor/{name}.pyx"],
         extra_compile_args=CFLAGS,
+        # The C of the core lives in real headers, kvconductor/c/*.h, included as
+        # "kvconductor/c/x.h" from the source root (pip and build_ext run there).
+        include_dirs=["."],
         libraries=["dl"],
     )
 

@@ -422,12 +422,7 @@ cdef enum:
 
 cdef uint64_t CORE_MAGIC = 0x6b76636f72653031ULL     # "kvcore01"
 
-cdef extern from *:
-    """
-    static inline uint64_t kvc_load_u64(const uint64_t *p) {
-        return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-    }
-    """
+cdef extern from "kvconductor/c/index.h":
     uint64_t kvc_load_u64(const uint64_t* p) noexcept nogil
 
 

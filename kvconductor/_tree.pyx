@@ -48,23 +48,7 @@ cdef enum:
 
 
 # -- bit helpers ---------------------------------------------------------------------------------
-cdef extern from *:
-    """
-    #include <stdint.h>
-    /* popcount without -mpopcnt: the SWAR sum (gcc would call libgcc's table loop) */
-    static inline unsigned kvc_popc64(uint64_t x) {
-    #if defined(__POPCNT__) || defined(__aarch64__)
-        return (unsigned)__builtin_popcountll(x);
-    #else
-        x = x - ((x >> 1) & 0x5555555555555555ULL);
-        x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
-        x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
-        return (unsigned)((x * 0x0101010101010101ULL) >> 56);
-    #endif
-    }
-    /* index of the lowest set bit of x != 0 */
-    static inline unsigned kvc_ctz64(uint64_t x) { return (unsigned)__builtin_ctzll(x); }
-    """
+cdef extern from "kvconductor/c/bits.h":
     unsigned popc64 "kvc_popc64"(uint64_t x) noexcept nogil
     unsigned ctz64 "kvc_ctz64"(uint64_t x) noexcept nogil
 
