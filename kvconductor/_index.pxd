@@ -132,42 +132,7 @@ cdef class CoreIndex:
     cdef int _reader(self) except -2
     cdef int _stale(self, int code) except -1
     cdef int _tier(self, uint32_t worker) except -1
-    cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
-                       const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
-    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* ehashes,
-                        size_t n) noexcept nogil
-    cdef long _clear_c(self, uint32_t worker) noexcept nogil
-    cdef long _evict_w(self, uint32_t worker, const uint64_t* hs, size_t n) noexcept nogil
     # Apply ``ops`` in order under ONE write lock (the caller validated every worker id
     # with ``_tier`` and holds no lock); OP_CLEAR clears each of ``clear[0:nclear]``.
     cdef void _apply_ops(self, BatchOp* ops, size_t n, const uint32_t* clear,
                          size_t nclear) noexcept nogil
-    cdef uint32_t _new_rec(self, uint64_t local, bint hp, uint64_t parent, double t) noexcept nogil
-    cdef void _free_rec(self, uint32_t r) noexcept nogil
-    cdef int _put_rec(self, U64Map* m, uint64_t h, uint64_t local, bint hp, uint64_t parent,
-                      double t) noexcept nogil
-    cdef uint32_t _new_wait(self, uint32_t worker, double t) noexcept nogil
-    cdef void _free_wait(self, uint32_t i) noexcept nogil
-    cdef long _apply(self, uint32_t worker, bint hp, uint64_t parent, uint64_t h,
-                     uint64_t local) noexcept nogil
-    cdef long _apply_rec(self, uint32_t worker, uint64_t h, uint32_t r) noexcept nogil
-    cdef long _drop_waits(self, uint32_t worker, double now, double ttl) noexcept nogil
-    cdef long _offload_c(self, const uint64_t* ehashes, const uint64_t* locals, size_t n,
-                         bint hp0, uint64_t p0, double now) noexcept nogil
-    cdef int _pool_store_c(self, uint32_t worker, const uint64_t* hs, size_t n, double now,
-                           long* applied, long* queued) noexcept nogil
-    cdef long _evict_c(self, uint32_t worker, int tier, const uint64_t* hs, size_t n) noexcept nogil
-    cdef long _expire(self, U64Map* m, double now, double ttl) noexcept nogil
-    cdef int _tier_walk(self, int tier, HCursor* hc, Scratch* s, size_t nin,
-                        uint32_t* ends) noexcept nogil
-    cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil
-    cdef MatchRows _run_query(self, HCursor* hc)
-    cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil
-    cdef bint _holds_local(self, int tier, uint32_t w, uint64_t local) noexcept nogil
-    cdef size_t _walk1(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint* hp,
-                       uint64_t* p) noexcept nogil
-    cdef int _lower_stop(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint hp,
-                         uint64_t p) noexcept nogil
-    cdef int _trace_c(self, HCursor* hc, Scratch* s, size_t* reach, uint8_t* code,
-                      uint32_t* path) noexcept nogil
-    cdef list _run_trace(self, HCursor* hc)
