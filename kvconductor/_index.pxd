@@ -112,22 +112,33 @@ cdef class MatchRows:
 cdef MatchRows rows_wrap(uint32_t* data, size_t n)
 
 
+# The lock of one CoreIndex and its kind, chosen once at construction (``__cinit__``,
+# ``attach_core``) as the four section functions, so no section branches on the kind:
+# local (this process's threads: the rwlock), shared (the owner's state in the arena:
+# writers also take the cross-process lock's write side) or attached (a worker's
+# read-only handle: the cross-process lock's read side and the directory generation).
+cdef struct CoreLock:
+    pthread_rwlock_t rw         # this process's threads (local and shared kinds)
+    ShLock* xl                  # the cross-process lock (shared and attached kinds)
+    const uint64_t* gen         # attached: the directory generation word in the arena
+    uint64_t gen_seen           # attached: the generation this handle was built from
+    # 0 inside the read section; CORE_STALE (attached: the directory changed) or
+    # CORE_CLOSED (the state is gone, or the shared lock failed): not inside then
+    int (*rlock)(CoreLock* lk, CoreState** st, int slot) noexcept nogil
+    void (*runlock)(CoreLock* lk, int slot) noexcept nogil
+    void (*wlock)(CoreLock* lk) noexcept nogil
+    void (*wunlock)(CoreLock* lk) noexcept nogil
+
+
 cdef class CoreIndex:
     cdef CoreState* st          # NULL once closed
-    cdef pthread_rwlock_t lock  # this process's threads
+    cdef CoreLock lk            # the lock and its kind
     cdef bint lock_ok
     cdef bint attached          # a worker's read-only handle on another process's state
-    cdef bint shared            # owner's state in the arena: writers also take ``xl``
-    cdef ShLock* xl             # the cross-process lock (shared and attached handles)
+    cdef bint shared            # owner's state in the arena: writers also take ``lk.xl``
     cdef object xlock           # its SharedLock (keeps the mapping alive)
-    cdef const uint64_t* gen    # attached: the directory generation word in the arena
-    cdef uint64_t gen_seen      # attached: the generation this handle was built from
 
     cdef int _writable(self) except -1
-    cdef int _wlock(self) noexcept nogil
-    cdef void _wunlock(self) noexcept nogil
-    cdef int _rlock(self, int slot) noexcept nogil
-    cdef void _runlock(self, int slot) noexcept nogil
     cdef int _slot(self) except -2
     cdef int _reader(self) except -2
     cdef int _stale(self, int code) except -1

@@ -112,6 +112,96 @@ cdef void _state_free(CoreState* st) noexcept nogil:
     st.wmute = NULL
 
 
+# -- the lock kinds (CoreLock: chosen once, at construction) ---------------------------------
+cdef int _local_rlock(CoreLock* lk, CoreState** st, int slot) noexcept nogil:
+    pthread_rwlock_rdlock(&lk.rw)
+    if st[0] == NULL:
+        pthread_rwlock_unlock(&lk.rw)
+        return CORE_CLOSED
+    return 0
+
+
+cdef void _local_runlock(CoreLock* lk, int slot) noexcept nogil:
+    pthread_rwlock_unlock(&lk.rw)
+
+
+cdef void _local_wlock(CoreLock* lk) noexcept nogil:
+    pthread_rwlock_wrlock(&lk.rw)
+
+
+cdef void _local_wunlock(CoreLock* lk) noexcept nogil:
+    pthread_rwlock_unlock(&lk.rw)
+
+
+cdef void _shared_wlock(CoreLock* lk) noexcept nogil:
+    pthread_rwlock_wrlock(&lk.rw)
+    _xwrite_enter(lk.xl)
+
+
+cdef void _shared_wunlock(CoreLock* lk) noexcept nogil:
+    _xwrite_exit(lk.xl)
+    pthread_rwlock_unlock(&lk.rw)
+
+
+cdef int _attached_rlock(CoreLock* lk, CoreState** st, int slot) noexcept nogil:
+    if shl_read_enter(lk.xl, slot) != SHL_OK:
+        return CORE_CLOSED
+    if kvc_load_u64(lk.gen) != lk.gen_seen or st[0].magic != CORE_MAGIC:
+        shl_read_exit(lk.xl, slot)
+        return CORE_STALE
+    return 0
+
+
+cdef void _attached_runlock(CoreLock* lk, int slot) noexcept nogil:
+    shl_read_exit(lk.xl, slot)
+
+
+cdef void _lock_local(CoreLock* lk) noexcept nogil:
+    """This process's threads only: the rwlock."""
+    lk.rlock = _local_rlock
+    lk.runlock = _local_runlock
+    lk.wlock = _local_wlock
+    lk.wunlock = _local_wunlock
+
+
+cdef void _lock_shared(CoreLock* lk, ShLock* xl) noexcept nogil:
+    """The owner's state in the arena: its readers take the rwlock, its writer (the
+    writer thread) also the cross-process write side, so workers never see a write half
+    done."""
+    _lock_local(lk)
+    lk.xl = xl
+    lk.wlock = _shared_wlock
+    lk.wunlock = _shared_wunlock
+
+
+cdef void _lock_attached(CoreLock* lk, ShLock* xl, const uint64_t* gen,
+                         uint64_t gen_seen) noexcept nogil:
+    """A worker's read-only handle: the cross-process read side, and the directory
+    generation checked in every read section (writes are refused before any lock)."""
+    lk.xl = xl
+    lk.gen = gen
+    lk.gen_seen = gen_seen
+    lk.rlock = _attached_rlock
+    lk.runlock = _attached_runlock
+
+
+# The section helpers every method uses: one indirect call, no branch on the kind.
+cdef inline int _rlock(CoreIndex c, int slot) noexcept nogil:
+    return c.lk.rlock(&c.lk, &c.st, slot)
+
+
+cdef inline void _runlock(CoreIndex c, int slot) noexcept nogil:
+    c.lk.runlock(&c.lk, slot)
+
+
+cdef inline void _wlock(CoreIndex c) noexcept nogil:
+    c.lk.wlock(&c.lk)
+
+
+cdef inline void _wunlock(CoreIndex c) noexcept nogil:
+    c.lk.wunlock(&c.lk)
+
+
 cdef class CoreIndex:
     """Index core of one (model, tenant); worker and group ids are small ints.
 
@@ -137,11 +227,12 @@ cdef class CoreIndex:
         self.st = NULL
         self.attached = False
         self.shared = False
-        self.xl = NULL
         self.xlock = None
-        self.gen = NULL
-        self.gen_seen = 0
-        if rwlock_init(&self.lock) != 0:
+        self.lk.xl = NULL
+        self.lk.gen = NULL
+        self.lk.gen_seen = 0
+        _lock_local(&self.lk)
+        if rwlock_init(&self.lk.rw) != 0:
             raise MemoryError("cannot initialise rwlock")
         self.lock_ok = True
         if _attach is _ATTACH:
@@ -152,7 +243,7 @@ cdef class CoreIndex:
                     "shared mode: a CoreIndex is created on the writer thread only")
             self.shared = True
             self.xlock = _shared_lock
-            self.xl = (<SharedLock>_shared_lock).lock
+            _lock_shared(&self.lk, (<SharedLock>_shared_lock).lock)
         self.st = <CoreState*>mem_alloc(sizeof(CoreState))
         if self.st == NULL:
             raise MemoryError()
@@ -172,7 +263,7 @@ cdef class CoreIndex:
             mem_free(self.st)
         self.st = NULL
         if self.lock_ok:
-            pthread_rwlock_destroy(&self.lock)
+            pthread_rwlock_destroy(&self.lk.rw)
             self.lock_ok = False
 
     # -- handles, locks and shared mode -------------------------------------------------------
@@ -186,13 +277,13 @@ cdef class CoreIndex:
             return
         self._writable()
         with nogil:
-            self._wlock()
+            _wlock(self)
             st = self.st
             st.magic = 0
             self.st = NULL
             _state_free(st)
             mem_free(st)
-            self._wunlock()
+            _wunlock(self)
 
     @property
     def closed(self):
@@ -219,17 +310,6 @@ cdef class CoreIndex:
             raise RuntimeError("shared mode: only the writer thread mutates the index")
         return 0
 
-    cdef int _wlock(self) noexcept nogil:
-        pthread_rwlock_wrlock(&self.lock)
-        if self.shared:
-            _xwrite_enter(self.xl)
-        return 0
-
-    cdef void _wunlock(self) noexcept nogil:
-        if self.shared:
-            _xwrite_exit(self.xl)
-        pthread_rwlock_unlock(&self.lock)
-
     cdef int _slot(self) except -2:
         return (<SharedLock>self.xlock)._slot()
 
@@ -238,28 +318,6 @@ cdef class CoreIndex:
         if self.attached:
             return self._slot()
         return -1
-
-    cdef int _rlock(self, int slot) noexcept nogil:
-        """0 inside the read section; CORE_STALE (attached: the directory changed) or
-        CORE_CLOSED (not inside then)."""
-        if self.attached:
-            if shl_read_enter(self.xl, slot) != SHL_OK:
-                return CORE_CLOSED
-            if kvc_load_u64(self.gen) != self.gen_seen or self.st.magic != CORE_MAGIC:
-                shl_read_exit(self.xl, slot)
-                return CORE_STALE
-            return 0
-        pthread_rwlock_rdlock(&self.lock)
-        if self.st == NULL:
-            pthread_rwlock_unlock(&self.lock)
-            return CORE_CLOSED
-        return 0
-
-    cdef void _runlock(self, int slot) noexcept nogil:
-        if self.attached:
-            shl_read_exit(self.xl, slot)
-        else:
-            pthread_rwlock_unlock(&self.lock)
 
     cdef int _stale(self, int code) except -1:
         if code == CORE_STALE:

@@ -89,7 +89,7 @@ cdef object _check_invariants(CoreIndex self):
     cdef uint8_t* wfree = NULL
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
         if stale_ == 0:
             rc = tree_check(&self.st.tree, sub, sizeof(sub))
             if rc == -1:
@@ -109,7 +109,7 @@ cdef object _check_invariants(CoreIndex self):
                     self, msg, sizeof(msg), rfree, wfree)
                 free(rfree)
                 free(wfree)
-            self._runlock(slot_)
+            _runlock(self, slot_)
     if stale_:
         self._stale(stale_)
     check_raise(rc, msg)
@@ -139,7 +139,7 @@ cdef object _worker_blocks(CoreIndex self, uint32_t worker):
     cdef int tier
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
         if stale_ == 0:
             if worker < self.st.nworkers:
                 tier = self.st.wtier[worker]
@@ -147,7 +147,7 @@ cdef object _worker_blocks(CoreIndex self, uint32_t worker):
                     n = tree_worker_blocks(&self.st.tree, worker)
                 else:
                     n = lower_worker_blocks(&self.st.tiers[tier - 1], worker)
-            self._runlock(slot_)
+            _runlock(self, slot_)
     if stale_:
         self._stale(stale_)
     return n
@@ -162,7 +162,7 @@ cdef object _worker_hashes(CoreIndex self, uint32_t worker):
     cdef int tier
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
     if stale_:
         self._stale(stale_)
     try:
@@ -193,7 +193,7 @@ cdef object _worker_hashes(CoreIndex self, uint32_t worker):
                         k += 1
         return out
     finally:
-        self._runlock(slot_)
+        _runlock(self, slot_)
 
 cdef object _parent_of(CoreIndex self, uint32_t worker, uint64_t h):
     cdef int slot_, stale_ = 0
@@ -203,7 +203,7 @@ cdef object _parent_of(CoreIndex self, uint32_t worker, uint64_t h):
     cdef int tier = -1
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
         if stale_ == 0:
             if worker < self.st.nworkers:
                 tier = self.st.wtier[worker]
@@ -220,7 +220,7 @@ cdef object _parent_of(CoreIndex self, uint32_t worker, uint64_t h):
                     found = True
                     has_parent = self.st.tiers[tier - 1].edges[node].has_parent == 1
                     parent = self.st.tiers[tier - 1].edges[node].parent
-            self._runlock(slot_)
+            _runlock(self, slot_)
     if stale_:
         self._stale(stale_)
     if not found:
@@ -233,10 +233,10 @@ cdef object _hbm_layout(CoreIndex self):
     memset(out, 0, sizeof(out))
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
         if stale_ == 0:
             tree_layout(&self.st.tree, out)
-            self._runlock(slot_)
+            _runlock(self, slot_)
     if stale_ and not (stale_ == CORE_CLOSED and not self.attached):
         self._stale(stale_)
     return layout_dict(out)
@@ -246,7 +246,7 @@ cdef object _stats(CoreIndex self):
     cdef size_t nodes = 0, pairs = 0, cpu = 0, disk = 0, off = 0, con = 0, pen = 0, nb = 0
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
         if stale_ == 0:
             nodes = self.st.tree.live_nodes
             pairs = self.st.tree.npairs
@@ -261,7 +261,7 @@ cdef object _stats(CoreIndex self):
                   + self.st.rec_pool.cap * sizeof(TPRec)
                   + self.st.wait_pool.cap * sizeof(TPWait)
                   + self.st.wcap * (sizeof(uint32_t) + 2 * sizeof(uint8_t)))
-            self._runlock(slot_)
+            _runlock(self, slot_)
     if stale_ == CORE_CLOSED and not self.attached:
         nodes = pairs = cpu = disk = off = con = pen = nb = 0     # closed: empty
     elif stale_:

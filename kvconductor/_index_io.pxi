@@ -13,7 +13,7 @@ cdef object _export_hbm(CoreIndex self):
     cdef int rc = 0
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
     if stale_:
         self._stale(stale_)
     try:
@@ -38,7 +38,7 @@ cdef object _export_hbm(CoreIndex self):
                 <uint32_t*>(<array.array>mworker).data.as_uints,
                 <uint64_t*>(<array.array>mehash).data.as_ulonglongs)
     finally:
-        self._runlock(slot_)
+        _runlock(self, slot_)
         free(pos)
         free(stack)
     if rc < 0:
@@ -67,11 +67,11 @@ cdef object _restore_hbm(CoreIndex self, parents, local_hashes, node, worker, eh
     if rows == NULL:
         raise MemoryError()
     with nogil:
-        self._wlock()
+        _wlock(self)
         rc = tree_restore(&self.st.tree, &pv[0] if nn else NULL, &lv[0] if nn else NULL, nn,
                           &nv[0] if nm else NULL, &wv[0] if nm else NULL,
                           &ev[0] if nm else NULL, nm, rows)
-        self._wunlock()
+        _wunlock(self)
     free(rows)
     if rc == T_ERR_OOM:
         raise MemoryError()
@@ -96,7 +96,7 @@ cdef object _export_tier(CoreIndex self, int tier):
     L = &self.st.tiers[tier - 1]
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
     if stale_:
         self._stale(stale_)
     try:
@@ -145,7 +145,7 @@ cdef object _export_tier(CoreIndex self, int tier):
                     k += 1
                     w = lower_owner_next(L, &o)
     finally:
-        self._runlock(slot_)
+        _runlock(self, slot_)
     if bad or k != n:
         raise AssertionError("lower tier: block count disagrees with the edges")
     return workers, ehashes, locs, parents, hps
@@ -173,13 +173,13 @@ cdef object _restore_tier(CoreIndex self, int tier, worker, ehash, local_hashes,
     L = &self.st.tiers[tier - 1]
     i = 0
     with nogil:
-        self._wlock()
+        _wlock(self)
         while i < n:
             rc = lower_store(L, wv[i], hv[i] != 0, pv[i], &ev[i], &lv[i], 1)
             if rc != 1:
                 break
             i += 1
-        self._wunlock()
+        _wunlock(self)
     if rc < 0:
         raise MemoryError()
     if i < n:
@@ -196,7 +196,7 @@ cdef object _export_twophase(CoreIndex self):
     waits = []
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
     if stale_:
         self._stale(stale_)
     try:
@@ -216,7 +216,7 @@ cdef object _export_twophase(CoreIndex self):
                 waits.append((m.keys[i], self.st.waits[c].worker, self.st.waits[c].t))
                 c = self.st.waits[c].next
     finally:
-        self._runlock(slot_)
+        _runlock(self, slot_)
     return records, waits
 
 cdef object _restore_twophase(CoreIndex self, records, waits):
@@ -236,7 +236,7 @@ cdef object _restore_twophase(CoreIndex self, records, waits):
         if worker >= self.st.nworkers or self.st.wgroup[worker] == HM_NIL:
             raise ValueError(f"pending wait of unknown worker {worker}")
     with nogil:
-        self._wlock()
+        _wlock(self)
     try:
         for kind, h, local, p_, t in recs:
             hp = p_ is not None
@@ -264,7 +264,7 @@ cdef object _restore_twophase(CoreIndex self, records, waits):
                 raise MemoryError()
             self.st.npending += 1
     finally:
-        self._wunlock()
+        _wunlock(self)
 
 
 cdef const uint32_t[::1] _u32(values):

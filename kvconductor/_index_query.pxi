@@ -481,7 +481,7 @@ cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
     cdef uint32_t* rows = NULL
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
         if stale_ == 0:
             W = _max(_max(self.st.nworkers, self.st.tree.nrev),
                      _max(self.st.tiers[0].nrev, self.st.tiers[1].nrev))
@@ -489,7 +489,7 @@ cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
             rc = _scratch_init(&s, W, G)
             if rc == 0:
                 rc = _query_c(self, hc, &s)
-            self._runlock(slot_)
+            _runlock(self, slot_)
         if stale_ == 0 and rc == 0:
             # the answer: one u32 row per group with a hit, in C (no Python per row)
             for g in range(G):

@@ -57,9 +57,7 @@ def attach_core(uintptr_t address, SharedLock lock, uintptr_t gen_address, uint6
     c.attached = True
     c.st = st
     c.xlock = lock
-    c.xl = lock.lock
-    c.gen = <const uint64_t*>gen_address
-    c.gen_seen = gen_seen
+    _lock_attached(&c.lk, lock.lock, <const uint64_t*>gen_address, gen_seen)
     return c
 
 

@@ -160,7 +160,7 @@ cdef list _run_trace(CoreIndex self, HCursor* hc):
     cdef uint32_t* path = NULL
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
         if stale_ == 0:
             W = _max(_max(self.st.nworkers, self.st.tree.nrev),
                      _max(self.st.tiers[0].nrev, self.st.tiers[1].nrev))
@@ -178,7 +178,7 @@ cdef list _run_trace(CoreIndex self, HCursor* hc):
                 for k in range(nw):
                     if self.st.wgroup[k] == HM_NIL:
                         code[k] = 0xFF
-            self._runlock(slot_)
+            _runlock(self, slot_)
     if stale_ == CORE_CLOSED and not self.attached:
         nodes = pairs = cpu = disk = off = con = pen = nb = 0     # closed: empty
     elif stale_:

@@ -120,9 +120,9 @@ cdef object _offload(CoreIndex self, engine_hashes, local_hashes, parent, double
     if n == 0:
         return 0
     with nogil:
-        self._wlock()
+        _wlock(self)
         rc = _offload_c(self, &sv[0], &lv[0], n, hp0, p0, now)
-        self._wunlock()
+        _wunlock(self)
     if rc < 0:
         raise MemoryError()
     return rc
@@ -185,9 +185,9 @@ cdef object _pool_store(CoreIndex self, uint32_t worker, engine_hashes, double n
     if n == 0:
         return (0, 0)
     with nogil:
-        self._wlock()
+        _wlock(self)
         rc = _pool_store_c(self, worker, &sv[0], n, now, &applied, &queued)
-        self._wunlock()
+        _wunlock(self)
     if rc < 0:
         raise MemoryError()
     return (applied, queued)
@@ -248,9 +248,9 @@ cdef object _evict(CoreIndex self, uint32_t worker, engine_hashes):
     if n == 0:
         return 0
     with nogil:
-        self._wlock()
+        _wlock(self)
         rc = _evict_w(self, worker, &sv[0], n)
-        self._wunlock()
+        _wunlock(self)
     return rc
 
 cdef long _evict_w(CoreIndex self, uint32_t worker, const uint64_t* hs, size_t n) noexcept nogil:
@@ -300,11 +300,11 @@ cdef object _sweep(CoreIndex self, double now, double pending_ttl, double conten
     cdef long a, b, c
     self._writable()
     with nogil:
-        self._wlock()
+        _wlock(self)
         a = _expire(self, &self.st.offload_m, now, offload_ttl)
         b = _expire(self, &self.st.content_m, now, content_ttl)
         c = _drop_waits(self, 0, now, pending_ttl if pending_ttl >= 0 else 0.0)
-        self._wunlock()
+        _wunlock(self)
     if a < 0 or b < 0 or c < 0:
         raise MemoryError()
     # NOTE: the HBM tree prunes empty nodes eagerly; its sweep is always 0.

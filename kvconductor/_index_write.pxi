@@ -16,7 +16,7 @@ cdef object _set_worker(CoreIndex self, uint32_t worker, uint32_t group, int tie
     if worker == HM_NIL or group == HM_NIL:
         raise ValueError("worker and group ids must be < 2**32 - 1")
     with nogil:
-        self._wlock()
+        _wlock(self)
         if worker >= self.st.wcap:
             cap = self.st.wcap
             p = grow_array(self.st.wgroup, &cap, <size_t>worker + 1, sizeof(uint32_t))
@@ -42,7 +42,7 @@ cdef object _set_worker(CoreIndex self, uint32_t worker, uint32_t group, int tie
                 self.st.nworkers = worker + 1
             if group + 1 > self.st.ngroups:
                 self.st.ngroups = group + 1
-        self._wunlock()
+        _wunlock(self)
     if worker >= self.st.wcap:
         raise MemoryError()
 
@@ -50,9 +50,9 @@ cdef object _set_muted(CoreIndex self, uint32_t worker, bint muted):
     self._writable()
     self._tier(worker)
     with nogil:
-        self._wlock()
+        _wlock(self)
         self.st.wmute[worker] = 1 if muted else 0
-        self._wunlock()
+        _wunlock(self)
 
 cdef object _is_muted(CoreIndex self, uint32_t worker):
     cdef int slot_, stale_ = 0
@@ -60,10 +60,10 @@ cdef object _is_muted(CoreIndex self, uint32_t worker):
     self._tier(worker)
     slot_ = self._reader()
     with nogil:
-        stale_ = self._rlock(slot_)
+        stale_ = _rlock(self, slot_)
         if stale_ == 0:
             m = self.st.wmute[worker] != 0
-            self._runlock(slot_)
+            _runlock(self, slot_)
     if stale_:
         self._stale(stale_)
     return m
@@ -87,9 +87,9 @@ cdef object _store(CoreIndex self, uint32_t worker, parent, engine_hashes, local
     if n == 0:
         return 0
     with nogil:
-        self._wlock()
+        _wlock(self)
         rc = _store_c(self, worker, tier, hp, p, &sv[0], &lv[0], n)
-        self._wunlock()
+        _wunlock(self)
     return check_rc(rc)
 
 cdef object _store_tokens(CoreIndex self, uint32_t worker, parent, engine_hashes, tokens,
@@ -112,9 +112,9 @@ cdef object _store_tokens(CoreIndex self, uint32_t worker, parent, engine_hashes
         raise MemoryError()
     with nogil:
         hash_token_blocks(&tv[0], min(ntok, n * block_size), block_size, seed, loc)
-        self._wlock()
+        _wlock(self)
         rc = _store_c(self, worker, tier, hp, p, &sv[0], loc, n)
-        self._wunlock()
+        _wunlock(self)
     free(loc)
     return check_rc(rc)
 
@@ -133,9 +133,9 @@ cdef object _remove(CoreIndex self, uint32_t worker, engine_hashes):
     if n == 0:
         return 0
     with nogil:
-        self._wlock()
+        _wlock(self)
         rc = _remove_c(self, worker, tier, &sv[0], n)
-        self._wunlock()
+        _wunlock(self)
     return rc
 
 cdef long _clear_c(CoreIndex self, uint32_t worker) noexcept nogil:
@@ -153,9 +153,9 @@ cdef object _clear(CoreIndex self, uint32_t worker):
     self._tier(worker)
     cdef long rc
     with nogil:
-        self._wlock()
+        _wlock(self)
         rc = _clear_c(self, worker)
-        self._wunlock()
+        _wunlock(self)
     return rc
 
 cdef void _apply_batch(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* clear,
@@ -172,7 +172,7 @@ cdef void _apply_batch(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* c
         for i in range(n):      # the caller checked with _tier: never reached
             ops[i].rc = T_ERR_OOM
         return
-    self._wlock()
+    _wlock(self)
     for i in range(n):
         op = &ops[i]
         if op.kind == OP_STORE:
@@ -185,4 +185,4 @@ cdef void _apply_batch(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* c
             for k in range(nclear):
                 rc += _clear_c(self, clear[k])
             op.rc = rc
-    self._wunlock()
+    _wunlock(self)
