@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 #: The compiled modules (setup.py ``MODULES``); every one is imported here.
 COMPILED_MODULES = (
     "_hash",
+    "_alloc",
     "_tree",
     "_lower",
     "_index",

@@ -26,9 +26,10 @@ from kvconductor._maps cimport (
     u64m_put,
 )
 from kvconductor._pool cimport (
-    HM_NIL, grow_array, live_allocations, mem_alloc, mem_free, pool_arena_leaked,
-    pool_arena_writing, pool_give, pool_init, pool_mark_free, pool_take, pool_use_arena,
+    HM_NIL, grow_array, live_allocations, mem_alloc, mem_free, pool_give, pool_init,
+    pool_mark_free, pool_take,
 )
+from kvconductor._alloc cimport alloc_arena_leaked, alloc_arena_writing
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -55,7 +56,7 @@ from kvconductor._tree cimport tree_export, tree_restore
 import array as _array
 from operator import index as _index_int
 
-from kvconductor import _lower, _tree
+from kvconductor import _alloc
 
 from kvconductor._hash import as_u64, to_u32_tokens
 
@@ -238,7 +239,7 @@ cdef class CoreIndex:
         if _attach is _ATTACH:
             return              # attach_core fills in the rest
         if _shared_lock is not None:
-            if not pool_arena_writing():
+            if not alloc_arena_writing():
                 raise RuntimeError(
                     "shared mode: a CoreIndex is created on the writer thread only")
             self.shared = True
@@ -306,7 +307,7 @@ cdef class CoreIndex:
             raise RuntimeError("an attached CoreIndex is read-only")
         if self.st == NULL:
             raise IndexClosedError("index closed")
-        if self.shared and not pool_arena_writing():
+        if self.shared and not alloc_arena_writing():
             raise RuntimeError("shared mode: only the writer thread mutates the index")
         return 0
 

@@ -34,14 +34,12 @@ cdef void _xwrite_exit(ShLock* xl) noexcept nogil:
 # -- shared mode (--workers N) -----------------------------------------------------------
 def install_shared(Arena arena, SharedLock lock):
     """Shared mode for this process, called ON THE WRITER THREAD (the owner's ingest
-    thread): structure memory that thread allocates comes from ``arena`` (in this
-    module and in ``_tree``/``_lower``), and every CoreIndex created afterwards also
+    thread): structure memory that thread allocates comes from ``arena`` (in every
+    compiled module: one install in ``_alloc``), and every CoreIndex created afterwards also
     takes ``lock``'s write side when it writes. ``install_shared(None, None)`` ends it
     (tests; indexes created meanwhile stay shared)."""
     global _shared_lock
-    pool_use_arena(arena)
-    _tree._install_arena(arena)
-    _lower._install_arena(arena)
+    _alloc.install_arena(arena)
     _shared_lock = lock if arena is not None else None
 
 
@@ -66,7 +64,7 @@ def shared_write_enter():
     inside take it no more). Readers in other processes wait until the matching
     :func:`shared_write_exit`; keep sections short."""
     cdef ShLock* xl
-    if _shared_lock is None or not pool_arena_writing():
+    if _shared_lock is None or not alloc_arena_writing():
         raise RuntimeError("shared_write_enter: shared mode, writer thread only")
     xl = (<SharedLock>_shared_lock).lock
     with nogil:
@@ -81,5 +79,5 @@ def shared_write_exit():
 
 
 def _arena_leaks():
-    """Arena blocks this module was asked to free off the writer thread (left in place)."""
-    return pool_arena_leaked()
+    """Arena blocks freed off the writer thread (left in place; every module, ``_alloc``)."""
+    return alloc_arena_leaked()

@@ -168,7 +168,7 @@ cdef void _apply_batch(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* c
     cdef size_t i, k
     cdef BatchOp* op
     cdef long rc
-    if self.st == NULL or (self.shared and not pool_arena_writing()):
+    if self.st == NULL or (self.shared and not alloc_arena_writing()):
         for i in range(n):      # the caller checked with _tier: never reached
             ops[i].rc = T_ERR_OOM
         return

@@ -22,9 +22,7 @@ from kvconductor._maps cimport (
 )
 from kvconductor._pool cimport (
     HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
-    pool_use_arena,
 )
-from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -742,12 +740,6 @@ cdef class LowerTier:
     def nbytes(self):
         """Bytes allocated by the tier's C structures."""
         return self.sizes()[2]
-
-
-def _install_arena(Arena arena):
-    """Shared mode: structure memory this module allocates on the calling thread (the
-    writer) comes from ``arena``; None ends it (see ``_index.install_shared``)."""
-    pool_use_arena(arena)
 
 
 def _live_allocations():

@@ -9,44 +9,45 @@ array unchanged.
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memset
 
-from kvconductor._arena cimport Arena, arena_free, arena_malloc, arena_realloc
+from kvconductor._alloc cimport alloc_free, alloc_malloc, alloc_realloc
 
 # -- counted allocation ------------------------------------------------------------------
 # Every structure array (pool arrays, map slots, per-worker tables, query breakpoints) is
 # allocated and freed through these, which keep a count of live blocks; each compiled
-# module that cimports this file gets its own counter (``static``), read by its
-# ``_live_allocations()`` so tests can check that what they created and released was
-# freed. One relaxed atomic add per block allocation or free: allocations are per
-# growth step, never per item. Per-call scratch buffers stay on plain malloc/free.
+# module that cimports this file gets its own counter (``static``, kvconductor/c/pool.h),
+# read by its ``_live_allocations()`` so tests can check that what they created and
+# released was freed. One relaxed atomic add per block allocation or free: allocations
+# are per growth step, never per item. Per-call scratch buffers stay on plain
+# malloc/free.
 #
-# Shared mode (``--workers N``, docs/design.md "Several worker processes"): once
-# ``kvc_set_arena`` installed the arena, allocations made ON THE WRITER THREAD (the
-# thread that installed it: the owner's ingest thread) come from the shared arena, so
-# worker processes see them at the same address. Other threads keep plain malloc (query
-# scratch, explain walks): the arena allocator has no lock. Frees and reallocs go by
-# address: arena blocks back to the arena (writer thread only; an arena block freed
-# elsewhere is leaked and counted, never handed to the allocator concurrently), others
-# to free/realloc.
+# The allocator itself is ONE module, ``_alloc`` (kvconductor/c/alloc.h): in shared mode
+# (``--workers N``) one ``_alloc.install_arena`` routes the writer thread's structure
+# memory of every module into the shared arena (docs/design.md "Several worker
+# processes").
 cdef extern from "kvconductor/c/pool.h":
-    void* mem_alloc "kvc_mem_alloc"(size_t n) noexcept nogil
-    void* mem_realloc "kvc_mem_realloc"(void* ptr, size_t n) noexcept nogil
-    void mem_free "kvc_mem_free"(void* p) noexcept nogil
+    void _count "kvc_count_blocks"(long d) noexcept nogil
     long live_allocations "kvc_live_allocations"() noexcept nogil
-    void pool_set_arena "kvc_set_arena"(void* arena, void* m, void* r, void* f, const char* lo,
-                                        const char* hi) noexcept nogil
-    void pool_unset_arena "kvc_unset_arena"() noexcept nogil
-    bint pool_arena_writing "kvc_arena_writing"() noexcept nogil
-    bint pool_in_arena "kvc_in_arena"(const void* p) noexcept nogil
-    long pool_arena_leaked "kvc_arena_leaked"() noexcept nogil
 
-cdef inline void pool_use_arena(Arena arena) noexcept:
-    """Shared mode for this module (called on the writer thread): its structure memory
-    comes from ``arena`` from now on; None ends it."""
-    if arena is None:
-        pool_unset_arena()
-    else:
-        pool_set_arena(&arena.a, <void*>arena_malloc, <void*>arena_realloc,
-                       <void*>arena_free, arena.a.base, arena.a.base + arena.a.reserve)
+
+cdef inline void* mem_alloc(size_t n) noexcept nogil:
+    cdef void* p = alloc_malloc(n)
+    if p != NULL:
+        _count(1)
+    return p
+
+
+cdef inline void* mem_realloc(void* ptr, size_t n) noexcept nogil:
+    cdef void* p = alloc_realloc(ptr, n)
+    if p != NULL and ptr == NULL:
+        _count(1)
+    return p
+
+
+cdef inline void mem_free(void* p) noexcept nogil:
+    if p == NULL:
+        return
+    _count(-1)
+    alloc_free(p)
 
 
 cdef enum:

@@ -25,9 +25,8 @@ from kvconductor._maps cimport (
 )
 from kvconductor._pool cimport (
     HM_NIL, live_allocations, mem_alloc, mem_free, mem_realloc, pool_give, pool_init,
-    pool_mark_free, pool_take, pool_use_arena,
+    pool_mark_free, pool_take,
 )
-from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -1602,12 +1601,6 @@ cdef long check_rc(long rc) except -1:
     if rc == T_ERR_SEQUENCE:
         raise InvalidBlockSequence()
     raise MemoryError()
-
-
-def _install_arena(Arena arena):
-    """Shared mode: structure memory this module allocates on the calling thread (the
-    writer) comes from ``arena``; None ends it (see ``_index.install_shared``)."""
-    pool_use_arena(arena)
 
 
 def _live_allocations():
