@@ -42,14 +42,15 @@ from kvconductor._shlock cimport (
 )
 from posix.unistd cimport usleep
 from kvconductor._lower cimport (
-    Lower, lower_check, lower_clear, lower_find, lower_free, lower_init, lower_lookup,
-    lower_nbytes, lower_owner_first, lower_owner_next, lower_owns, lower_remove, lower_rev_get,
-    lower_root_of, lower_store, lower_walk_multi, lower_worker_blocks,
+    Lower, lower_check, lower_clear, lower_find, lower_free, lower_holds_local, lower_init,
+    lower_lookup, lower_nbytes, lower_owner_first, lower_owner_next, lower_remove,
+    lower_rev_get, lower_store, lower_walk_multi, lower_walk_one, lower_worker_blocks,
 )
 from kvconductor._tree cimport (
-    T_ERR_OOM, T_ROOT, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_init,
-    tree_child, tree_match, tree_match_scratch, tree_member_ehash, tree_nbytes, tree_remove,
-    tree_rev_get, tree_store, tree_worker_blocks, TL_N, layout_dict, tree_layout,
+    T_ERR_OOM, check_raise, check_rc, tree_check, tree_clear, tree_free, tree_held,
+    tree_holds_local, tree_init, tree_match, tree_match_scratch, tree_member_ehash, tree_nbytes,
+    tree_path, tree_remove, tree_rev_get, tree_store, tree_worker_blocks, TL_N, layout_dict,
+    tree_layout,
 )
 from kvconductor._tree cimport tree_export, tree_restore
 

@@ -1,62 +1,13 @@
 # Included by _index.pyx: explain: how far each worker's walk reaches and why it
 # stops.
 # Functions of a CoreIndex take it as their first argument (Cython allows no include
-# inside a class body); the class keeps the Python methods, which call them.
+# inside a class body); the class keeps the Python methods, which call them. The walks
+# and scans are the structures' own (tree_path, tree_held, tree_holds_local in _tree;
+# lower_walk_one, lower_holds_local in _lower); the breakpoints are the query's own
+# (tree_match, _tier_walk).
 
 
-# -- explain (appended) --------------------------------------------------------------------
-cdef bint _holds_local(CoreIndex self, int tier, uint32_t w, uint64_t local) noexcept nogil:
-    """Does ``w`` hold, on its tier, any block whose LocalBlockHash is ``local``?
-    O(blocks of ``w``): diagnostics only."""
-    cdef const FpMap* trev
-    cdef size_t i
-    cdef const Lower* L
-    if tier == 0:
-        if w >= self.st.tree.nrev:
-            return False
-        trev = &self.st.tree.rev[w]
-        if trev.size == 0:
-            return False
-        for i in range(trev.cap):
-            if (trev.slots[i].idx != HM_NIL
-                    and self.st.tree.nodes[trev.slots[i].idx].local == local):
-                return True
-        return False
-    L = &self.st.tiers[tier - 1]
-    if w >= L.nrev:
-        return False
-    trev = &L.rev[w]
-    if trev.size == 0:
-        return False
-    for i in range(trev.cap):
-        if trev.slots[i].idx != HM_NIL and L.edges[trev.slots[i].idx].local == local:
-            return True
-    return False
-
-cdef size_t _walk1(CoreIndex self, int tier, uint32_t w, HCursor* hc, size_t pos, bint* hp,
-                   uint64_t* p) noexcept nogil:
-    """One worker's lower-tier walk from (pos, parent ``p`` when ``hp``, else the
-    root); returns where it stops, with ``hp``/``p`` the last block walked."""
-    cdef const Lower* L = &self.st.tiers[tier - 1]
-    cdef size_t n = hc.n
-    cdef uint32_t e
-    if pos >= n:
-        return pos
-    if not hp[0]:
-        e = lower_root_of(L, hc_get(hc, pos), w)
-        if e == HM_NIL:
-            return pos
-        p[0] = L.edges[e].child
-        hp[0] = True
-        pos += 1
-    while pos < n:
-        e = lower_find(L, True, p[0], hc_get(hc, pos))
-        if e == HM_NIL or not lower_owns(L, e, w):
-            break
-        p[0] = L.edges[e].child
-        pos += 1
-    return pos
-
+# -- explain -------------------------------------------------------------------------------
 cdef int _lower_stop(CoreIndex self, int tier, uint32_t w, HCursor* hc, size_t pos, bint hp,
                      uint64_t p) noexcept nogil:
     cdef const Lower* L = &self.st.tiers[tier - 1]
@@ -64,7 +15,7 @@ cdef int _lower_stop(CoreIndex self, int tier, uint32_t w, HCursor* hc, size_t p
     if pos >= hc.n:
         return STOP_END_OF_PROMPT
     h = hc_get(hc, pos)
-    if _holds_local(self, tier, w, h):
+    if lower_holds_local(L, w, h):
         return STOP_PARENT_MISMATCH
     if not hp:
         return STOP_NOT_HELD if lower_find(L, False, 0, h) != HM_NIL else STOP_NO_FIRST_BLOCK
@@ -77,7 +28,7 @@ cdef int _trace_c(CoreIndex self, HCursor* hc, Scratch* s, size_t* reach, uint8_
     ``_query_c``; a lower-tier worker walks from the root and from every breakpoint
     of its group upstream of its tier (a walk of 0 blocks reaches its start)."""
     cdef size_t k, nh, nb0, nb1, nin, plen, d, pos, best
-    cdef uint32_t w, g, c
+    cdef uint32_t w, g
     cdef int t, rc, bc
     cdef size_t n = hc.n
     cdef bint hp
@@ -97,14 +48,7 @@ cdef int _trace_c(CoreIndex self, HCursor* hc, Scratch* s, size_t* reach, uint8_
         return -1
     nb1 = s.nbp
     # the tree path of the query: path[k] is the node after k blocks
-    path[0] = T_ROOT
-    plen = 1
-    while plen <= n:
-        c = tree_child(&self.st.tree, path[plen - 1], hc_get(hc, plen - 1))
-        if c == HM_NIL:
-            break
-        path[plen] = c
-        plen += 1
+    plen = tree_path(&self.st.tree, hc, path)
     for k in range(self.st.nworkers):
         w = <uint32_t>k
         g = self.st.wgroup[w]
@@ -122,9 +66,9 @@ cdef int _trace_c(CoreIndex self, HCursor* hc, Scratch* s, size_t* reach, uint8_
                 code[w] = STOP_END_OF_PROMPT
                 continue
             h = hc_get(hc, d)
-            if _holds_local(self, 0, w, h):
+            if tree_holds_local(&self.st.tree, w, h):
                 code[w] = STOP_PARENT_MISMATCH
-            elif d + 1 < plen and self.st.tree.nodes[path[d + 1]].nmembers > 0:
+            elif d + 1 < plen and tree_held(&self.st.tree, path[d + 1]):
                 code[w] = STOP_NOT_HELD
             elif d == 0:
                 code[w] = STOP_NO_FIRST_BLOCK
@@ -133,7 +77,7 @@ cdef int _trace_c(CoreIndex self, HCursor* hc, Scratch* s, size_t* reach, uint8_
             continue
         hp = False
         p = 0
-        best = _walk1(self, t, w, hc, 0, &hp, &p)
+        best = lower_walk_one(&self.st.tiers[t - 1], w, hc, 0, &hp, &p)
         bc = _lower_stop(self, t, w, hc, best, hp, p)
         nin = nb0 if t == 1 else nb1
         for d in range(nin):
@@ -141,7 +85,7 @@ cdef int _trace_c(CoreIndex self, HCursor* hc, Scratch* s, size_t* reach, uint8_
                 continue
             hp = True
             p = s.bps[d].last
-            pos = _walk1(self, t, w, hc, s.bps[d].end, &hp, &p)
+            pos = lower_walk_one(&self.st.tiers[t - 1], w, hc, s.bps[d].end, &hp, &p)
             rc = _lower_stop(self, t, w, hc, pos, hp, p)
             if pos > best or (pos == best and rc < bc):
                 best = pos
@@ -149,6 +93,7 @@ cdef int _trace_c(CoreIndex self, HCursor* hc, Scratch* s, size_t* reach, uint8_
         reach[w] = best
         code[w] = <uint8_t>bc
     return 0
+
 
 cdef list _run_trace(CoreIndex self, HCursor* hc):
     cdef int slot_, stale_ = 0

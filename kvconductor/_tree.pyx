@@ -178,6 +178,38 @@ cdef uint32_t tree_child(const Tree* t, uint32_t parent, uint64_t local) noexcep
     return _child(t, parent, local)
 
 
+# -- explain (CoreIndex.trace): what the index asks of the tree ---------------------------
+cdef size_t tree_path(const Tree* t, HCursor* hc, uint32_t* path) noexcept nogil:
+    cdef size_t plen = 1
+    cdef uint32_t c
+    path[0] = T_ROOT
+    while plen <= hc.n:
+        c = _child(t, path[plen - 1], hc_get(hc, plen - 1))
+        if c == HM_NIL:
+            break
+        path[plen] = c
+        plen += 1
+    return plen
+
+
+cdef bint tree_held(const Tree* t, uint32_t node) noexcept nogil:
+    return t.nodes[node].nmembers > 0
+
+
+cdef bint tree_holds_local(const Tree* t, uint32_t worker, uint64_t local) noexcept nogil:
+    cdef const FpMap* rev
+    cdef size_t i
+    if worker >= t.nrev:
+        return False
+    rev = &t.rev[worker]
+    if rev.size == 0:
+        return False
+    for i in range(rev.cap):
+        if rev.slots[i].idx != HM_NIL and t.nodes[rev.slots[i].idx].local == local:
+            return True
+    return False
+
+
 cdef uint32_t _new_child(Tree* t, uint32_t parent, uint64_t local) noexcept nogil:
     """A new node under ``parent`` for ``local`` (not there yet); HM_NIL on OOM."""
     cdef uint32_t child
