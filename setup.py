@@ -1,10 +1,10 @@
 """Build script: the explicit list of compiled modules and their directives.
 
 Only the index (``_tree``, ``_lower``, ``_index``), the block hasher (``_hash``),
-the hot parsers and encoder (``_wire`` for query bodies, ``_encode`` for query
-responses, ``_ingest`` for vLLM event batches) and the shared-memory arena and
-cross-process lock of the multi-process design (``_arena``, ``_shlock``, not used by
-the service yet) are compiled. Everything else
+the structure allocator (``_alloc``), the hot parsers and encoder (``_wire`` for
+query bodies, ``_encode`` for query responses, ``_ingest`` for vLLM event batches) and
+the shared-memory arena and cross-process lock of the multi-process design
+(``_arena``, ``_shlock``) are compiled. Everything else
 (Falcon app, registry, ingest glue) stays plain Python on purpose.
 
 The extensions list their ``.pyx`` sources and are cythonized by ``build_ext``
@@ -39,7 +39,18 @@ CFLAGS = ["-O0", "-g"] if DEBUG else ["-O3"]
 # CYTHON_UNUSED; gcc ignores -Wunreachable-code, which the old flags silenced).
 CFLAGS += ["-Wall"]
 
-MODULES = ["_hash", "_tree", "_lower", "_index", "_wire", "_encode", "_ingest", "_arena", "_shlock"]
+MODULES = [
+    "_hash",
+    "_alloc",
+    "_tree",
+    "_lower",
+    "_index",
+    "_wire",
+    "_encode",
+    "_ingest",
+    "_arena",
+    "_shlock",
+]
 
 
 def _ext(name):
@@ -47,6 +58,9 @@ def _ext(name):
         f"kvconductor.{name}",
         [f"kvconductor/{name}.pyx"],
         extra_compile_args=CFLAGS,
+        # The C of the core lives in real headers, kvconductor/c/*.h, included as
+        # "kvconductor/c/x.h" from the source root (pip and build_ext run there).
+        include_dirs=["."],
         libraries=["dl"],
     )
 

@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 #: The compiled modules (setup.py ``MODULES``); :func:`load_compiled` imports every one.
 COMPILED_MODULES = (
     "_hash",
+    "_alloc",
     "_tree",
     "_lower",
     "_index",

@@ -506,12 +506,7 @@ def encode_error(str message not None, bint msgpack):
 # Answers straight from the core's arrays: GroupNames + encode_rows
 # =========================================================================================
 
-cdef extern from *:
-    """
-    static inline unsigned kvc_log2_u64(unsigned long long x) {
-        return 63u - (unsigned)__builtin_clzll(x);
-    }
-    """
+cdef extern from "kvconductor/c/encode.h":
     unsigned kvc_log2_u64(unsigned long long x) noexcept nogil
 
 

@@ -112,62 +112,38 @@ cdef class MatchRows:
 cdef MatchRows rows_wrap(uint32_t* data, size_t n)
 
 
+# The lock of one CoreIndex and its kind, chosen once at construction (``__cinit__``,
+# ``attach_core``) as the four section functions, so no section branches on the kind:
+# local (this process's threads: the rwlock), shared (the owner's state in the arena:
+# writers also take the cross-process lock's write side) or attached (a worker's
+# read-only handle: the cross-process lock's read side and the directory generation).
+cdef struct CoreLock:
+    pthread_rwlock_t rw         # this process's threads (local and shared kinds)
+    ShLock* xl                  # the cross-process lock (shared and attached kinds)
+    const uint64_t* gen         # attached: the directory generation word in the arena
+    uint64_t gen_seen           # attached: the generation this handle was built from
+    # 0 inside the read section; CORE_STALE (attached: the directory changed) or
+    # CORE_CLOSED (the state is gone, or the shared lock failed): not inside then
+    int (*rlock)(CoreLock* lk, CoreState** st, int slot) noexcept nogil
+    void (*runlock)(CoreLock* lk, int slot) noexcept nogil
+    void (*wlock)(CoreLock* lk) noexcept nogil
+    void (*wunlock)(CoreLock* lk) noexcept nogil
+
+
 cdef class CoreIndex:
     cdef CoreState* st          # NULL once closed
-    cdef pthread_rwlock_t lock  # this process's threads
+    cdef CoreLock lk            # the lock and its kind
     cdef bint lock_ok
     cdef bint attached          # a worker's read-only handle on another process's state
-    cdef bint shared            # owner's state in the arena: writers also take ``xl``
-    cdef ShLock* xl             # the cross-process lock (shared and attached handles)
+    cdef bint shared            # owner's state in the arena: writers also take ``lk.xl``
     cdef object xlock           # its SharedLock (keeps the mapping alive)
-    cdef const uint64_t* gen    # attached: the directory generation word in the arena
-    cdef uint64_t gen_seen      # attached: the generation this handle was built from
 
     cdef int _writable(self) except -1
-    cdef int _wlock(self) noexcept nogil
-    cdef void _wunlock(self) noexcept nogil
-    cdef int _rlock(self, int slot) noexcept nogil
-    cdef void _runlock(self, int slot) noexcept nogil
     cdef int _slot(self) except -2
     cdef int _reader(self) except -2
     cdef int _stale(self, int code) except -1
     cdef int _tier(self, uint32_t worker) except -1
-    cdef long _store_c(self, uint32_t worker, int tier, bint hp, uint64_t p,
-                       const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
-    cdef long _remove_c(self, uint32_t worker, int tier, const uint64_t* ehashes,
-                        size_t n) noexcept nogil
-    cdef long _clear_c(self, uint32_t worker) noexcept nogil
-    cdef long _evict_w(self, uint32_t worker, const uint64_t* hs, size_t n) noexcept nogil
     # Apply ``ops`` in order under ONE write lock (the caller validated every worker id
     # with ``_tier`` and holds no lock); OP_CLEAR clears each of ``clear[0:nclear]``.
     cdef void _apply_ops(self, BatchOp* ops, size_t n, const uint32_t* clear,
                          size_t nclear) noexcept nogil
-    cdef uint32_t _new_rec(self, uint64_t local, bint hp, uint64_t parent, double t) noexcept nogil
-    cdef void _free_rec(self, uint32_t r) noexcept nogil
-    cdef int _put_rec(self, U64Map* m, uint64_t h, uint64_t local, bint hp, uint64_t parent,
-                      double t) noexcept nogil
-    cdef uint32_t _new_wait(self, uint32_t worker, double t) noexcept nogil
-    cdef void _free_wait(self, uint32_t i) noexcept nogil
-    cdef long _apply(self, uint32_t worker, bint hp, uint64_t parent, uint64_t h,
-                     uint64_t local) noexcept nogil
-    cdef long _apply_rec(self, uint32_t worker, uint64_t h, uint32_t r) noexcept nogil
-    cdef long _drop_waits(self, uint32_t worker, double now, double ttl) noexcept nogil
-    cdef long _offload_c(self, const uint64_t* ehashes, const uint64_t* locals, size_t n,
-                         bint hp0, uint64_t p0, double now) noexcept nogil
-    cdef int _pool_store_c(self, uint32_t worker, const uint64_t* hs, size_t n, double now,
-                           long* applied, long* queued) noexcept nogil
-    cdef long _evict_c(self, uint32_t worker, int tier, const uint64_t* hs, size_t n) noexcept nogil
-    cdef long _expire(self, U64Map* m, double now, double ttl) noexcept nogil
-    cdef int _tier_walk(self, int tier, HCursor* hc, Scratch* s, size_t nin,
-                        uint32_t* ends) noexcept nogil
-    cdef int _query_c(self, HCursor* hc, Scratch* s) noexcept nogil
-    cdef MatchRows _run_query(self, HCursor* hc)
-    cdef int _check_c(self, char* msg, size_t cap, uint8_t* rfree, uint8_t* wfree) noexcept nogil
-    cdef bint _holds_local(self, int tier, uint32_t w, uint64_t local) noexcept nogil
-    cdef size_t _walk1(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint* hp,
-                       uint64_t* p) noexcept nogil
-    cdef int _lower_stop(self, int tier, uint32_t w, HCursor* hc, size_t pos, bint hp,
-                         uint64_t p) noexcept nogil
-    cdef int _trace_c(self, HCursor* hc, Scratch* s, size_t* reach, uint8_t* code,
-                      uint32_t* path) noexcept nogil
-    cdef list _run_trace(self, HCursor* hc)

@@ -73,6 +73,14 @@ cdef uint32_t lower_find(const Lower* L, bint has_parent, uint64_t parent,
 # The root edge of ``local`` owned by ``worker`` that was created first, or HM_NIL.
 cdef uint32_t lower_root_of(const Lower* L, uint64_t local, uint32_t worker) noexcept nogil
 cdef bint lower_owns(const Lower* L, uint32_t e, uint32_t worker) noexcept nogil
+# One worker's walk from ``pos`` (after parent ``parent[0]`` when ``has_parent[0]``, else
+# entering by its oldest root edge of ``H[pos]``): returns where it stops, with
+# ``has_parent``/``parent`` the last block walked (explain, LowerTier.walk).
+cdef size_t lower_walk_one(const Lower* L, uint32_t worker, HCursor* hc, size_t pos,
+                           bint* has_parent, uint64_t* parent) noexcept nogil
+# Explain: whether ``worker`` holds any block of LocalBlockHash ``local`` (its reverse map
+# scanned: O(blocks of the worker), diagnostics only).
+cdef bint lower_holds_local(const Lower* L, uint32_t worker, uint64_t local) noexcept nogil
 # The edge ``worker`` maps engine hash ``h`` to, or HM_NIL.
 cdef uint32_t lower_rev_get(const Lower* L, uint32_t worker, uint64_t h) noexcept nogil
 cdef long lower_store(Lower* L, uint32_t worker, bint has_parent, uint64_t parent,

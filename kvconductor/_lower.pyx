@@ -22,9 +22,7 @@ from kvconductor._maps cimport (
 )
 from kvconductor._pool cimport (
     HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
-    pool_use_arena,
 )
-from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -137,6 +135,43 @@ cdef uint32_t lower_root_of(const Lower* L, uint64_t local, uint32_t worker) noe
     while e != HM_NIL and not lower_owns(L, e, worker):
         e = L.edges[e].next_root
     return e
+
+
+cdef size_t lower_walk_one(const Lower* L, uint32_t worker, HCursor* hc, size_t pos,
+                           bint* has_parent, uint64_t* parent) noexcept nogil:
+    cdef uint32_t e
+    if pos >= hc.n:
+        return pos
+    if not has_parent[0]:
+        e = lower_root_of(L, hc_get(hc, pos), worker)
+        if e == HM_NIL:
+            return pos
+        parent[0] = L.edges[e].child
+        has_parent[0] = True
+        pos += 1
+    while pos < hc.n:
+        e = _pair_get(L, parent[0], hc_get(hc, pos))
+        # owned: the worker's reverse map sends the edge's engine hash to it (O(1), as
+        # lower_walk_multi asks on an edge of many owners)
+        if e == HM_NIL or lower_rev_get(L, worker, L.edges[e].child) != e:
+            break
+        parent[0] = L.edges[e].child
+        pos += 1
+    return pos
+
+
+cdef bint lower_holds_local(const Lower* L, uint32_t worker, uint64_t local) noexcept nogil:
+    cdef const FpMap* rev
+    cdef size_t i
+    if worker >= L.nrev:
+        return False
+    rev = &L.rev[worker]
+    if rev.size == 0:
+        return False
+    for i in range(rev.cap):
+        if rev.slots[i].idx != HM_NIL and L.edges[rev.slots[i].idx].local == local:
+            return True
+    return False
 
 
 cdef uint32_t _root_edge(const Lower* L, uint64_t local, uint64_t child) noexcept nogil:
@@ -638,39 +673,20 @@ cdef class LowerTier:
         ``H[start]`` that ``worker`` owns.
         """
         cdef const uint64_t[::1] lv = as_u64(local_hashes)
-        cdef size_t n = lv.shape[0], nidx = <size_t>worker + 1, end = start, k
+        cdef size_t n = lv.shape[0], end = start
         cdef bint hp = parent is not None
-        cdef uint64_t p = parent if hp else 0, last = 0, first = 0
+        cdef uint64_t p = parent if hp else 0
         cdef HCursor hc
-        cdef uint32_t cand = worker, e
-        cdef size_t begin = start
-        cdef uint32_t* idx
         if start >= n:
             return (0, None)
         hc_init_hashes(&hc, &lv[0], n)
-        idx = <uint32_t*>malloc(nidx * sizeof(uint32_t))
-        if idx == NULL:
-            raise MemoryError()
-        for k in range(nidx):
-            idx[k] = HM_NIL
         with nogil:
             pthread_rwlock_rdlock(&self.lock)
-            e = HM_NIL
-            if not hp:
-                e = lower_root_of(&self.L, lv[start], worker)
-                if e != HM_NIL:
-                    first = self.L.edges[e].child
-                    p = first
-                    begin = start + 1
-            if hp or e != HM_NIL:
-                lower_walk_multi(&self.L, &hc, begin, p, &cand, 1, idx, nidx, &end, &last)
-                if end == begin and not hp:
-                    last = first
+            end = lower_walk_one(&self.L, worker, &hc, start, &hp, &p)
             pthread_rwlock_unlock(&self.lock)
-        free(idx)
         if end == start:
             return (0, None)
-        return (end - start, last)
+        return (end - start, p)
 
     # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
     # it takes the read lock like the walks do: one snapshot of every size.
@@ -742,12 +758,6 @@ cdef class LowerTier:
     def nbytes(self):
         """Bytes allocated by the tier's C structures."""
         return self.sizes()[2]
-
-
-def _install_arena(Arena arena):
-    """Shared mode: structure memory this module allocates on the calling thread (the
-    writer) comes from ``arena``; None ends it (see ``_index.install_shared``)."""
-    pool_use_arena(arena)
 
 
 def _live_allocations():

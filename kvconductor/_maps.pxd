@@ -20,14 +20,7 @@ from kvconductor._pool cimport HM_NIL, grow_array, mem_alloc, mem_free
 
 
 # Read prefetch of a slot a walk will probably probe soon (a no-op on other compilers).
-cdef extern from *:
-    """
-    #if defined(__GNUC__) || defined(__clang__)
-    #define kvc_prefetch(p) __builtin_prefetch((p), 0, 1)
-    #else
-    #define kvc_prefetch(p) ((void)(p))
-    #endif
-    """
+cdef extern from "kvconductor/c/maps.h":
     void prefetch "kvc_prefetch"(const void* p) noexcept nogil
 
 

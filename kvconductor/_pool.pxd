@@ -9,120 +9,45 @@ array unchanged.
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memset
 
-from kvconductor._arena cimport Arena, arena_free, arena_malloc, arena_realloc
+from kvconductor._alloc cimport alloc_free, alloc_malloc, alloc_realloc
 
 # -- counted allocation ------------------------------------------------------------------
 # Every structure array (pool arrays, map slots, per-worker tables, query breakpoints) is
 # allocated and freed through these, which keep a count of live blocks; each compiled
-# module that cimports this file gets its own counter (``static``), read by its
-# ``_live_allocations()`` so tests can check that what they created and released was
-# freed. One relaxed atomic add per block allocation or free: allocations are per
-# growth step, never per item. Per-call scratch buffers stay on plain malloc/free.
+# module that cimports this file gets its own counter (``static``, kvconductor/c/pool.h),
+# read by its ``_live_allocations()`` so tests can check that what they created and
+# released was freed. One relaxed atomic add per block allocation or free: allocations
+# are per growth step, never per item. Per-call scratch buffers stay on plain
+# malloc/free.
 #
-# Shared mode (``--workers N``, docs/design.md "Several worker processes"): once
-# ``kvc_set_arena`` installed the arena, allocations made ON THE WRITER THREAD (the
-# thread that installed it: the owner's ingest thread) come from the shared arena, so
-# worker processes see them at the same address. Other threads keep plain malloc (query
-# scratch, explain walks): the arena allocator has no lock. Frees and reallocs go by
-# address: arena blocks back to the arena (writer thread only; an arena block freed
-# elsewhere is leaked and counted, never handed to the allocator concurrently), others
-# to free/realloc.
-cdef extern from *:
-    """
-    #include <stdlib.h>
-    #include <pthread.h>
-    static long kvc_live_allocs = 0;
-    #if defined(__GNUC__) || defined(__clang__)
-    #define kvc_count(d) ((void)__atomic_add_fetch(&kvc_live_allocs, (d), __ATOMIC_RELAXED))
-    #define kvc_live() __atomic_load_n(&kvc_live_allocs, __ATOMIC_RELAXED)
-    #else
-    #define kvc_count(d) ((void)(kvc_live_allocs += (d)))
-    #define kvc_live() (kvc_live_allocs)
-    #endif
-    typedef void *(*kvc_arena_malloc_fn)(void *, size_t);
-    typedef void *(*kvc_arena_realloc_fn)(void *, void *, size_t);
-    typedef int (*kvc_arena_free_fn)(void *, void *);
-    static void *kvc_arena = NULL;
-    static kvc_arena_malloc_fn kvc_arena_malloc = NULL;
-    static kvc_arena_realloc_fn kvc_arena_realloc = NULL;
-    static kvc_arena_free_fn kvc_arena_free = NULL;
-    static const char *kvc_arena_lo = NULL, *kvc_arena_hi = NULL;
-    static pthread_t kvc_arena_writer;
-    static long kvc_arena_leaks = 0;
-    static inline void kvc_set_arena(void *arena, void *m, void *r, void *f, const char *lo,
-                                     const char *hi) {
-        kvc_arena_malloc = (kvc_arena_malloc_fn)m;
-        kvc_arena_realloc = (kvc_arena_realloc_fn)r;
-        kvc_arena_free = (kvc_arena_free_fn)f;
-        kvc_arena_lo = lo;
-        kvc_arena_hi = hi;
-        kvc_arena_writer = pthread_self();
-        __atomic_store_n(&kvc_arena, arena, __ATOMIC_SEQ_CST);
-    }
-    static inline void kvc_unset_arena(void) {
-        __atomic_store_n(&kvc_arena, NULL, __ATOMIC_SEQ_CST);
-    }
-    static inline int kvc_in_arena(const void *p) {
-        return kvc_arena_lo != NULL && (const char *)p >= kvc_arena_lo
-            && (const char *)p < kvc_arena_hi;
-    }
-    static inline int kvc_arena_writing(void) {
-        return __atomic_load_n(&kvc_arena, __ATOMIC_SEQ_CST) != NULL
-            && pthread_equal(pthread_self(), kvc_arena_writer);
-    }
-    static inline void *kvc_mem_alloc(size_t n) {
-        void *p = kvc_arena_writing() ? kvc_arena_malloc(kvc_arena, n) : malloc(n);
-        if (p != NULL)
-            kvc_count(1);
-        return p;
-    }
-    static inline void *kvc_mem_realloc(void *ptr, size_t n) {
-        void *p;
-        if (ptr != NULL && kvc_in_arena(ptr))
-            p = kvc_arena_writing() ? kvc_arena_realloc(kvc_arena, ptr, n) : NULL;
-        else if (ptr == NULL && kvc_arena_writing())
-            p = kvc_arena_malloc(kvc_arena, n);
-        else
-            p = realloc(ptr, n);
-        if (p != NULL && ptr == NULL)
-            kvc_count(1);
-        return p;
-    }
-    static inline void kvc_mem_free(void *p) {
-        if (p == NULL)
-            return;
-        kvc_count(-1);
-        if (!kvc_in_arena(p))
-            free(p);
-        else if (kvc_arena_writing())
-            kvc_arena_free(kvc_arena, p);
-        else
-            __atomic_add_fetch(&kvc_arena_leaks, 1, __ATOMIC_RELAXED);
-    }
-    static inline long kvc_live_allocations(void) { return kvc_live(); }
-    static inline long kvc_arena_leaked(void) {
-        return __atomic_load_n(&kvc_arena_leaks, __ATOMIC_RELAXED);
-    }
-    """
-    void* mem_alloc "kvc_mem_alloc"(size_t n) noexcept nogil
-    void* mem_realloc "kvc_mem_realloc"(void* ptr, size_t n) noexcept nogil
-    void mem_free "kvc_mem_free"(void* p) noexcept nogil
+# The allocator itself is ONE module, ``_alloc`` (kvconductor/c/alloc.h): in shared mode
+# (``--workers N``) one ``_alloc.install_arena`` routes the writer thread's structure
+# memory of every module into the shared arena (docs/design.md "Several worker
+# processes").
+cdef extern from "kvconductor/c/pool.h":
+    void _count "kvc_count_blocks"(long d) noexcept nogil
     long live_allocations "kvc_live_allocations"() noexcept nogil
-    void pool_set_arena "kvc_set_arena"(void* arena, void* m, void* r, void* f, const char* lo,
-                                        const char* hi) noexcept nogil
-    void pool_unset_arena "kvc_unset_arena"() noexcept nogil
-    bint pool_arena_writing "kvc_arena_writing"() noexcept nogil
-    bint pool_in_arena "kvc_in_arena"(const void* p) noexcept nogil
-    long pool_arena_leaked "kvc_arena_leaked"() noexcept nogil
 
-cdef inline void pool_use_arena(Arena arena) noexcept:
-    """Shared mode for this module (called on the writer thread): its structure memory
-    comes from ``arena`` from now on; None ends it."""
-    if arena is None:
-        pool_unset_arena()
-    else:
-        pool_set_arena(&arena.a, <void*>arena_malloc, <void*>arena_realloc,
-                       <void*>arena_free, arena.a.base, arena.a.base + arena.a.reserve)
+
+cdef inline void* mem_alloc(size_t n) noexcept nogil:
+    cdef void* p = alloc_malloc(n)
+    if p != NULL:
+        _count(1)
+    return p
+
+
+cdef inline void* mem_realloc(void* ptr, size_t n) noexcept nogil:
+    cdef void* p = alloc_realloc(ptr, n)
+    if p != NULL and ptr == NULL:
+        _count(1)
+    return p
+
+
+cdef inline void mem_free(void* p) noexcept nogil:
+    if p == NULL:
+        return
+    _count(-1)
+    alloc_free(p)
 
 
 cdef enum:

@@ -12,24 +12,7 @@ cdef extern from "<pthread.h>" nogil:
 # glibc's pthread_rwlock_t prefers readers unless told otherwise, through a GNU
 # extension (pthread_rwlockattr_setkind_np). Other libcs (musl, macOS, the BSDs) have
 # no such call; their default rwlock is used there (POSIX leaves the policy to them).
-cdef extern from *:
-    """
-    #include <pthread.h>
-    static inline int kvc_rwlock_init(pthread_rwlock_t *lock) {
-    #if defined(__GLIBC__)
-        pthread_rwlockattr_t attr;
-        int rc = pthread_rwlockattr_init(&attr);
-        if (rc != 0)
-            return rc;
-        pthread_rwlockattr_setkind_np(&attr, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
-        rc = pthread_rwlock_init(lock, &attr);
-        pthread_rwlockattr_destroy(&attr);
-        return rc;
-    #else
-        return pthread_rwlock_init(lock, NULL);
-    #endif
-    }
-    """
+cdef extern from "kvconductor/c/rwlock.h":
     int _kvc_rwlock_init "kvc_rwlock_init"(pthread_rwlock_t* lock) noexcept nogil
 
 

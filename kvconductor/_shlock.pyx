@@ -3,7 +3,7 @@
 
 :class:`SharedLock` maps a memfd (a new one, or one passed from another process) and
 runs the lock's C functions on it without the GIL: the owner and the worker processes
-of ``kv-conductor --workers N`` share one (``kvconductor/shared.py``).
+of ``kv-conductor --workers N`` share one (``kvconductor/state/shared.py``).
 """
 cimport cython
 from libc.stdint cimport int32_t, uint32_t, uint64_t

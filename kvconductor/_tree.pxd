@@ -102,6 +102,14 @@ cdef void tree_layout(const Tree* t, size_t* out) noexcept nogil
 cdef dict layout_dict(const size_t* out)
 # The child of ``parent`` under ``local``, or HM_NIL.
 cdef uint32_t tree_child(const Tree* t, uint32_t parent, uint64_t local) noexcept nogil
+# Explain (CoreIndex.trace): the query's path from the root, ``path[k]`` the node after k
+# blocks (``path[0]`` T_ROOT) as far as the tree has the query's blocks, its length
+# returned (``path`` holds ``hc.n + 1`` entries); whether a node has members; whether
+# ``worker`` holds any block of LocalBlockHash ``local`` (its reverse map scanned:
+# O(blocks of the worker), diagnostics only).
+cdef size_t tree_path(const Tree* t, HCursor* hc, uint32_t* path) noexcept nogil
+cdef bint tree_held(const Tree* t, uint32_t node) noexcept nogil
+cdef bint tree_holds_local(const Tree* t, uint32_t worker, uint64_t local) noexcept nogil
 # The node holding ``worker``'s block ``ehash``, or HM_NIL.
 cdef uint32_t tree_rev_get(const Tree* t, uint32_t worker, uint64_t ehash) noexcept nogil
 # ``worker``'s engine hash on ``node`` into ``out``: 1, or 0 when not a member.

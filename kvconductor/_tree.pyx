@@ -25,9 +25,8 @@ from kvconductor._maps cimport (
 )
 from kvconductor._pool cimport (
     HM_NIL, live_allocations, mem_alloc, mem_free, mem_realloc, pool_give, pool_init,
-    pool_mark_free, pool_take, pool_use_arena,
+    pool_mark_free, pool_take,
 )
-from kvconductor._arena cimport Arena
 from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
@@ -48,23 +47,7 @@ cdef enum:
 
 
 # -- bit helpers ---------------------------------------------------------------------------------
-cdef extern from *:
-    """
-    #include <stdint.h>
-    /* popcount without -mpopcnt: the SWAR sum (gcc would call libgcc's table loop) */
-    static inline unsigned kvc_popc64(uint64_t x) {
-    #if defined(__POPCNT__) || defined(__aarch64__)
-        return (unsigned)__builtin_popcountll(x);
-    #else
-        x = x - ((x >> 1) & 0x5555555555555555ULL);
-        x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
-        x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
-        return (unsigned)((x * 0x0101010101010101ULL) >> 56);
-    #endif
-    }
-    /* index of the lowest set bit of x != 0 */
-    static inline unsigned kvc_ctz64(uint64_t x) { return (unsigned)__builtin_ctzll(x); }
-    """
+cdef extern from "kvconductor/c/bits.h":
     unsigned popc64 "kvc_popc64"(uint64_t x) noexcept nogil
     unsigned ctz64 "kvc_ctz64"(uint64_t x) noexcept nogil
 
@@ -193,6 +176,38 @@ cdef inline uint32_t _child(const Tree* t, uint32_t parent, uint64_t local) noex
 
 cdef uint32_t tree_child(const Tree* t, uint32_t parent, uint64_t local) noexcept nogil:
     return _child(t, parent, local)
+
+
+# -- explain (CoreIndex.trace): what the index asks of the tree ---------------------------
+cdef size_t tree_path(const Tree* t, HCursor* hc, uint32_t* path) noexcept nogil:
+    cdef size_t plen = 1
+    cdef uint32_t c
+    path[0] = T_ROOT
+    while plen <= hc.n:
+        c = _child(t, path[plen - 1], hc_get(hc, plen - 1))
+        if c == HM_NIL:
+            break
+        path[plen] = c
+        plen += 1
+    return plen
+
+
+cdef bint tree_held(const Tree* t, uint32_t node) noexcept nogil:
+    return t.nodes[node].nmembers > 0
+
+
+cdef bint tree_holds_local(const Tree* t, uint32_t worker, uint64_t local) noexcept nogil:
+    cdef const FpMap* rev
+    cdef size_t i
+    if worker >= t.nrev:
+        return False
+    rev = &t.rev[worker]
+    if rev.size == 0:
+        return False
+    for i in range(rev.cap):
+        if rev.slots[i].idx != HM_NIL and t.nodes[rev.slots[i].idx].local == local:
+            return True
+    return False
 
 
 cdef uint32_t _new_child(Tree* t, uint32_t parent, uint64_t local) noexcept nogil:
@@ -1618,12 +1633,6 @@ cdef long check_rc(long rc) except -1:
     if rc == T_ERR_SEQUENCE:
         raise InvalidBlockSequence()
     raise MemoryError()
-
-
-def _install_arena(Arena arena):
-    """Shared mode: structure memory this module allocates on the calling thread (the
-    writer) comes from ``arena``; None ends it (see ``_index.install_shared``)."""
-    pool_use_arena(arena)
 
 
 def _live_allocations():

@@ -6,18 +6,7 @@
 # most that sentinel past the end and never step over it.
 
 
-cdef extern from *:
-    """
-    static inline int kvw_ctz64(unsigned long long x) {
-    #if defined(__GNUC__) || defined(__clang__)
-        return __builtin_ctzll(x);
-    #else
-        int n = 0;
-        while (!(x & 1)) { x >>= 1; n++; }
-        return n;
-    #endif
-    }
-    """
+cdef extern from "kvconductor/c/wire_json.h":
     int _ctz64 "kvw_ctz64"(unsigned long long x) noexcept nogil   # x != 0
 
 

@@ -1,0 +1,551 @@
+# Included by _index.pyx: the query: scratch, answers (MatchRows), the lower-tier
+# walks and the tiered query.
+# Functions of a CoreIndex take it as their first argument (Cython allows no include
+# inside a class body); the class keeps the Python methods, which call them.
+
+
+cdef inline size_t _max(size_t a, size_t b) noexcept nogil:
+    return a if a > b else b
+
+
+# -- query scratch -------------------------------------------------------------------------
+cdef int _scratch_init(Scratch* s, size_t W, size_t G) noexcept nogil:
+    s.W = W
+    s.hw = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.hd = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.hs = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
+    # worker marks of the tier walks, and tree_match's scratch (malloc: 8-byte aligned)
+    s.stamp = <uint32_t*>malloc(_max(W * sizeof(uint32_t), tree_match_scratch(W)) + 1)
+    # the lower tiers' arrays: on their first use (_scratch_tiers), as most queries of
+    # a fleet without CPU/Disk offload never walk a lower tier (PERF: four W-sized
+    # mallocs and an O(W) fill less per query, 7,000 engines: ~20 % of the query)
+    s.idx = NULL
+    s.cand = NULL
+    s.oend = NULL
+    s.olast = NULL
+    s.ends = <uint32_t*>malloc(3 * G * sizeof(uint32_t) + 1)
+    s.bps = NULL
+    s.nbp = 0
+    s.bpcap = 0
+    if s.hw == NULL or s.hd == NULL or s.hs == NULL or s.stamp == NULL or s.ends == NULL:
+        return -1
+    memset(s.ends, 0, 3 * G * sizeof(uint32_t))
+    return 0
+
+
+cdef int _scratch_tiers(Scratch* s) noexcept nogil:
+    """The tier walks' scratch (``idx`` all HM_NIL, ``cand``, ``oend``, ``olast``), once
+    per query; -1 when out of memory (``_scratch_free`` frees what was allocated)."""
+    cdef size_t k, W = s.W
+    if s.idx != NULL:
+        return 0
+    s.idx = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.cand = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
+    s.oend = <size_t*>malloc(W * sizeof(size_t) + 1)
+    s.olast = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
+    if s.idx == NULL or s.cand == NULL or s.oend == NULL or s.olast == NULL:
+        return -1
+    for k in range(W):
+        s.idx[k] = HM_NIL
+    return 0
+
+
+cdef void _scratch_free(Scratch* s) noexcept nogil:
+    free(s.hw)
+    free(s.hd)
+    free(s.hs)
+    free(s.stamp)
+    free(s.idx)
+    free(s.cand)
+    free(s.oend)
+    free(s.olast)
+    free(s.ends)
+    mem_free(s.bps)           # grown by grow_array (counted)
+
+
+cdef int _bp_reserve(Scratch* s, size_t more) noexcept nogil:
+    """Room for ``more`` further breakpoints (one growth instead of many); -1 on OOM."""
+    cdef void* p
+    if s.nbp + more > s.bpcap:
+        p = grow_array(s.bps, &s.bpcap, s.nbp + more, sizeof(BP))
+        if p == NULL:
+            return -1
+        s.bps = <BP*>p
+    return 0
+
+
+cdef inline int _bp_add(Scratch* s, uint32_t group, size_t end, uint64_t last) noexcept nogil:
+    cdef void* p
+    if s.nbp >= s.bpcap:
+        p = grow_array(s.bps, &s.bpcap, s.nbp + 1, sizeof(BP))
+        if p == NULL:
+            return -1
+        s.bps = <BP*>p
+    s.bps[s.nbp].group = group
+    s.bps[s.nbp].end = <uint32_t>end if end < HM_NIL else HM_NIL
+    s.bps[s.nbp].last = last
+    s.nbp += 1
+    return 0
+
+
+cdef enum:
+    # _tier_walk: a breakpoint whose next edge has more owners than this finds its
+    # group's candidates among the group's workers, not among the edge's owners
+    GROUP_SCAN_OWNERS = 16
+
+
+cdef uint32_t* _group_workers(const CoreState* st) noexcept nogil:
+    """Per group its unmuted workers, as one array: ``a[g]:a[g + 1]`` indexes them in
+    ``a[ngroups + 1:]`` (per-call scratch, ``free`` it); NULL when out of memory."""
+    cdef size_t G = st.ngroups, w, g
+    cdef uint32_t* a = <uint32_t*>malloc((G + 1 + st.nworkers) * sizeof(uint32_t) + 1)
+    cdef uint32_t* pos
+    if a == NULL:
+        return NULL
+    memset(a, 0, (G + 1) * sizeof(uint32_t))
+    for w in range(st.nworkers):
+        g = st.wgroup[w]
+        if g < G and not st.wmute[w]:
+            a[g + 1] += 1
+    for g in range(G):
+        a[g + 1] += a[g]
+    pos = <uint32_t*>malloc(G * sizeof(uint32_t) + 1)
+    if pos == NULL:
+        free(a)
+        return NULL
+    memcpy(pos, a, G * sizeof(uint32_t))
+    for w in range(st.nworkers):
+        g = st.wgroup[w]
+        if g < G and not st.wmute[w]:
+            a[G + 1 + pos[g]] = <uint32_t>w
+            pos[g] += 1
+    free(pos)
+    return a
+
+
+# -- answers -------------------------------------------------------------------------------
+cdef inline uint64_t _row_total(const uint32_t* rows, size_t i) noexcept nogil:
+    """Row ``i``'s depth: its npu + cpu + disk blocks (the counts are exclusive)."""
+    return <uint64_t>rows[4 * i + 1] + rows[4 * i + 2] + rows[4 * i + 3]
+
+
+cdef uint64_t _kth_largest(const uint64_t* t, const uint32_t* rows, size_t n, size_t k,
+                           uint64_t* heap) noexcept nogil:
+    """The k-th largest of ``t[0:n]`` (or, ``t`` NULL, of the totals of ``rows[0:n]``)
+    (1 <= k <= n), counting equal values: a min-heap of the k largest seen so far
+    (``heap``: k entries), O(n log k), no sort of the rest."""
+    cdef size_t i, j, c, p, m = 0
+    cdef uint64_t v
+    for i in range(n):
+        v = t[i] if t != NULL else _row_total(rows, i)
+        if m < k:
+            j = m
+            m += 1
+            while j > 0:
+                p = (j - 1) >> 1
+                if heap[p] <= v:
+                    break
+                heap[j] = heap[p]
+                j = p
+            heap[j] = v
+        elif v > heap[0]:
+            j = 0
+            while True:
+                c = 2 * j + 1
+                if c >= k:
+                    break
+                if c + 1 < k and heap[c + 1] < heap[c]:
+                    c += 1
+                if heap[c] >= v:
+                    break
+                heap[j] = heap[c]
+                j = c
+            heap[j] = v
+    return heap[0]
+
+
+cdef size_t _select_rows(const uint32_t* rows, size_t n, const uint8_t* mask, size_t mlen,
+                         bint use_mask, size_t k, uint32_t* out, uint64_t* tot,
+                         uint64_t* heap) noexcept nogil:
+    """Copy to ``out`` the rows whose group the mask keeps (all without a mask), then keep
+    those whose total (npu + cpu + disk) is at least the k-th largest total (k == 0: no
+    cut). Order is kept. Returns the rows written."""
+    cdef size_t i, m = 0, j = 0
+    cdef uint32_t g
+    cdef uint64_t thr
+    for i in range(n):
+        g = rows[4 * i]
+        if use_mask and (g >= mlen or mask[g] == 0):
+            continue
+        memcpy(out + 4 * m, rows + 4 * i, 4 * sizeof(uint32_t))
+        m += 1
+    if k == 0 or k >= m:
+        return m
+    for i in range(m):
+        tot[i] = _row_total(out, i)
+    thr = _kth_largest(tot, NULL, m, k, heap)
+    for i in range(m):
+        if tot[i] >= thr:
+            if j != i:
+                memcpy(out + 4 * j, out + 4 * i, 4 * sizeof(uint32_t))
+            j += 1
+    return j
+
+
+cdef MatchRows rows_wrap(uint32_t* data, size_t n):
+    """A MatchRows owning ``data`` (malloc'd, ``4 * n`` u32; NULL when n == 0)."""
+    cdef MatchRows r = MatchRows.__new__(MatchRows)
+    r.data = data
+    r.n = n
+    return r
+
+
+cdef class MatchRows:
+    """The answer of one query: rows ``(group, npu_blocks, cpu_blocks, disk_blocks)`` by
+    increasing group id, hits only, in one C buffer (no Python object per row).
+
+    ``MatchRows(rows)`` builds one from ``(group, npu, cpu, disk)`` tuples (tests, the
+    twin's equivalence): group ids strictly increase, every value is a u32. Immutable;
+    any thread."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.data = NULL
+        self.n = 0
+
+    def __init__(self, rows=()):
+        cdef list rs = list(rows)
+        cdef size_t n = len(rs), i
+        cdef uint32_t* d = NULL
+        cdef uint32_t g, a, b, c
+        cdef long long prev = -1
+        if n:
+            d = <uint32_t*>malloc(4 * n * sizeof(uint32_t))
+            if d == NULL:
+                raise MemoryError()
+        try:
+            for i in range(n):
+                g, a, b, c = rs[i]
+                if <long long>g <= prev:
+                    raise ValueError("MatchRows: group ids must strictly increase")
+                prev = g
+                d[4 * i] = g
+                d[4 * i + 1] = a
+                d[4 * i + 2] = b
+                d[4 * i + 3] = c
+        except BaseException:
+            free(d)
+            raise
+        free(self.data)
+        self.data = d
+        self.n = n
+
+    def __dealloc__(self):
+        free(self.data)
+        self.data = NULL
+
+    def __len__(self):
+        return self.n
+
+    def __repr__(self):
+        return f"MatchRows({self.tolist()!r})"
+
+    def tolist(self):
+        """``[(group, npu, cpu, disk)]``: what ``CoreIndex.match`` returns."""
+        cdef size_t i
+        cdef uint32_t* d = self.data
+        return [(d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]) for i in range(self.n)]
+
+    def sums(self):
+        """``(npu, cpu, disk)`` block sums over the rows (one C loop)."""
+        cdef uint64_t a = 0, b = 0, c = 0
+        cdef size_t i
+        for i in range(self.n):
+            a += self.data[4 * i + 1]
+            b += self.data[4 * i + 2]
+            c += self.data[4 * i + 3]
+        return (a, b, c)
+
+    def last_group(self):
+        """The largest group id of the rows (the last one), -1 when empty."""
+        return <long long>self.data[4 * (self.n - 1)] if self.n else -1
+
+    def select(self, top_k=None, groups=None):
+        """The rows an extended query answers (docs/api.md, "top_k and instances"):
+        with ``groups`` (bytes-like, one byte per group id, non-zero = kept; ids past its
+        end are left out) only those groups, then with ``top_k`` only the rows whose total
+        blocks (npu + cpu + disk) is at least the ``top_k``-th largest total, so rows tied
+        at that depth are all kept. Order is kept. ``top_k`` < 1 is a ValueError; more
+        than the rows keeps them all."""
+        cdef size_t k = 0, mlen = 0, m = 0, n = self.n
+        cdef const uint8_t[::1] mv
+        cdef const uint8_t* mp = NULL
+        cdef bint use_mask = groups is not None
+        cdef uint32_t* out = NULL
+        cdef uint64_t* tot = NULL
+        cdef uint64_t* heap = NULL
+        if top_k is not None:
+            top_k = _index_int(top_k)
+            if top_k < 1:
+                raise ValueError(f"top_k must be at least 1, not {top_k}")
+            if top_k < n:
+                k = <size_t>top_k
+        if use_mask:
+            mv = groups
+            mlen = <size_t>mv.shape[0]
+            if mlen:
+                mp = &mv[0]
+        if not use_mask and k == 0:
+            return self
+        if n == 0:
+            return rows_wrap(NULL, 0)
+        if not use_mask:
+            return self._top(k)
+        out = <uint32_t*>malloc(4 * n * sizeof(uint32_t))
+        if k:
+            tot = <uint64_t*>malloc(n * sizeof(uint64_t))
+            heap = <uint64_t*>malloc(k * sizeof(uint64_t))
+        if out == NULL or (k and (tot == NULL or heap == NULL)):
+            free(out)
+            free(tot)
+            free(heap)
+            raise MemoryError()
+        with nogil:
+            m = _select_rows(self.data, n, mp, mlen, use_mask, k, out, tot, heap)
+        free(tot)
+        free(heap)
+        if m == 0:
+            free(out)
+            out = NULL
+        return rows_wrap(out, m)
+
+    cdef MatchRows _top(self, size_t k):
+        """``select(top_k=k)`` (1 <= k < n): the k-th largest total read from the rows in
+        place; the rows themselves when every row is kept (ties at the k-th depth: a
+        round-robin fleet where thousands hold the same prefix), else a copy of the kept
+        ones. No buffer of n entries is allocated."""
+        cdef size_t n = self.n, i, m = 0
+        cdef uint64_t thr
+        cdef uint32_t* out
+        cdef uint64_t* heap = <uint64_t*>malloc(k * sizeof(uint64_t))
+        if heap == NULL:
+            raise MemoryError()
+        with nogil:
+            thr = _kth_largest(NULL, self.data, n, k, heap)
+            for i in range(n):
+                if _row_total(self.data, i) >= thr:
+                    m += 1
+        free(heap)
+        if m == n:
+            return self
+        out = <uint32_t*>malloc(4 * m * sizeof(uint32_t))
+        if out == NULL:
+            raise MemoryError()
+        with nogil:
+            m = 0
+            for i in range(n):
+                if _row_total(self.data, i) >= thr:
+                    memcpy(out + 4 * m, self.data + 4 * i, 4 * sizeof(uint32_t))
+                    m += 1
+        return rows_wrap(out, m)
+
+
+# -- query ---------------------------------------------------------------------------------
+cdef int _tier_walk(CoreIndex self, int tier, HCursor* hc, Scratch* s, size_t nin,
+                    uint32_t* ends) noexcept nogil:
+    """Walk one lower tier from the root and from breakpoints ``s.bps[0:nin]``
+    of the same group; append its own breakpoints; max ends per group."""
+    cdef Lower* L = &self.st.tiers[tier]
+    cdef size_t n = hc.n, k, b, nc
+    cdef uint32_t e, o, w, g, start
+    cdef uint64_t last, first
+    cdef uint32_t* gws = NULL
+    if n == 0 or L.live_edges == 0:
+        return 0
+    if _scratch_tiers(s) < 0:
+        return -1
+    # (a) the root walks: every owner of a root edge of H[0] walks on from the
+    # oldest root edge it owns (one root edge per distinct first engine hash)
+    e = lower_find(L, False, 0, hc_get(hc, 0))
+    if e != HM_NIL:
+        memset(s.stamp, 0xFF, s.W * sizeof(uint32_t))
+    while e != HM_NIL:
+        nc = 0
+        w = lower_owner_first(L, e, &o)
+        while w != HM_NIL:
+            if (w < self.st.nworkers and nc < s.W and s.stamp[w] == HM_NIL
+                    and not self.st.wmute[w]):
+                s.stamp[w] = 0
+                s.cand[nc] = w
+                nc += 1
+            w = lower_owner_next(L, &o)
+        first = L.edges[e].child
+        lower_walk_multi(L, hc, 1, first, s.cand, nc, s.idx, s.W, s.oend, s.olast)
+        for k in range(nc):
+            g = self.st.wgroup[s.cand[k]]
+            last = s.olast[k] if s.oend[k] > 1 else first
+            if _bp_add(s, g, s.oend[k], last) < 0:
+                return -1
+            if s.oend[k] > ends[g]:
+                ends[g] = <uint32_t>s.oend[k]
+        e = L.edges[e].next_root
+    # (b) continuation from the same group's breakpoints only: no cross-DP borrowing
+    # (docs/design.md, "CoreIndex: query")
+    for b in range(nin):
+        start = s.bps[b].end
+        if start >= n:
+            continue
+        g = s.bps[b].group
+        last = s.bps[b].last
+        e = lower_find(L, True, last, hc_get(hc, start))
+        if e == HM_NIL:
+            continue
+        nc = 0
+        if L.edges[e].nowners > GROUP_SCAN_OWNERS and gws == NULL:
+            gws = _group_workers(self.st)
+            if gws == NULL:
+                return -1
+        if (L.edges[e].nowners <= GROUP_SCAN_OWNERS or g >= self.st.ngroups
+                or gws[g + 1] - gws[g] >= L.edges[e].nowners):
+            w = lower_owner_first(L, e, &o)
+            while w != HM_NIL:
+                if (w < self.st.nworkers and self.st.wgroup[w] == g and nc < s.W
+                        and not self.st.wmute[w]):
+                    s.cand[nc] = w
+                    nc += 1
+                w = lower_owner_next(L, &o)
+        else:
+            # An edge many workers own (a prefix every engine offloaded, under the
+            # same engine hashes) after the breakpoints of as many groups: ask the
+            # group's own (fewer) workers, by their reverse maps, instead of walking
+            # every owner for every breakpoint, which is O(breakpoints x owners).
+            for k in range(gws[g], gws[g + 1]):
+                w = gws[self.st.ngroups + 1 + k]
+                if nc < s.W and lower_rev_get(L, w, L.edges[e].child) == e:
+                    s.cand[nc] = w
+                    nc += 1
+        if nc == 0:
+            continue
+        lower_walk_multi(L, hc, start, last, s.cand, nc, s.idx, s.W, s.oend, s.olast)
+        for k in range(nc):
+            if s.oend[k] > start:
+                if _bp_add(s, g, s.oend[k], s.olast[k]) < 0:
+                    free(gws)
+                    return -1
+                if s.oend[k] > ends[g]:
+                    ends[g] = <uint32_t>s.oend[k]
+    free(gws)
+    return 0
+
+cdef int _query_c(CoreIndex self, HCursor* hc, Scratch* s) noexcept nogil:
+    cdef size_t k, nh, ncpu_from
+    cdef uint32_t w, g
+    cdef size_t G = self.st.ngroups
+    cdef uint32_t* npu = s.ends
+    cdef uint32_t* cpu = s.ends + G
+    cdef uint32_t* dsk = s.ends + 2 * G
+    nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp)
+    if self.st.tiers[0].live_edges == 0 and self.st.tiers[1].live_edges == 0:
+        # no lower tier to continue in: the HBM depths alone, no breakpoints (PERF:
+        # a round-robin fleet's answer lists every engine; 16 B per holder less)
+        for k in range(nh):
+            w = s.hw[k]
+            if w < self.st.nworkers and not self.st.wmute[w]:
+                g = self.st.wgroup[w]
+                if s.hd[k] > npu[g]:
+                    npu[g] = s.hd[k]
+        return 0
+    if _bp_reserve(s, nh) < 0:
+        return -1
+    for k in range(nh):
+        w = s.hw[k]
+        if w >= self.st.nworkers or self.st.wmute[w]:
+            continue
+        g = self.st.wgroup[w]
+        _bp_add(s, g, s.hd[k], s.hs[w])     # room reserved: cannot fail
+        if s.hd[k] > npu[g]:
+            npu[g] = s.hd[k]
+    ncpu_from = s.nbp
+    if _tier_walk(self, 0, hc, s, ncpu_from, cpu) < 0:
+        return -1
+    # Disk continues from every HBM and CPU breakpoint of the same group.
+    if _tier_walk(self, 1, hc, s, s.nbp, dsk) < 0:
+        return -1
+    return 0
+
+cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
+    cdef int slot_, stale_ = 0
+    cdef Scratch s
+    cdef int rc = 0
+    cdef size_t W, G = 0, g, m = 0
+    cdef uint32_t n_, c_, d_, top
+    cdef uint32_t* rows = NULL
+    slot_ = self._reader()
+    with nogil:
+        stale_ = _rlock(self, slot_)
+        if stale_ == 0:
+            W = _max(_max(self.st.nworkers, self.st.tree.nrev),
+                     _max(self.st.tiers[0].nrev, self.st.tiers[1].nrev))
+            G = self.st.ngroups
+            rc = _scratch_init(&s, W, G)
+            if rc == 0:
+                rc = _query_c(self, hc, &s)
+            _runlock(self, slot_)
+        if stale_ == 0 and rc == 0:
+            # the answer: one u32 row per group with a hit, in C (no Python per row)
+            for g in range(G):
+                if s.ends[g] or s.ends[G + g] or s.ends[2 * G + g]:
+                    m += 1
+            if m:
+                rows = <uint32_t*>malloc(4 * m * sizeof(uint32_t))
+                if rows == NULL:
+                    rc = -1
+                else:
+                    m = 0
+                    for g in range(G):
+                        n_ = s.ends[g]
+                        c_ = s.ends[G + g]
+                        d_ = s.ends[2 * G + g]
+                        if n_ or c_ or d_:
+                            top = n_ if n_ > c_ else c_
+                            rows[4 * m] = <uint32_t>g
+                            rows[4 * m + 1] = n_
+                            rows[4 * m + 2] = c_ - n_ if c_ > n_ else 0
+                            rows[4 * m + 3] = d_ - top if d_ > top else 0
+                            m += 1
+    if stale_ == CORE_CLOSED and not self.attached:
+        return rows_wrap(NULL, 0)   # closed meanwhile (reclaimed): an empty index
+    if stale_:
+        self._stale(stale_)
+    _scratch_free(&s)
+    if rc < 0:
+        free(rows)
+        raise MemoryError()
+    return rows_wrap(rows, m)
+
+cdef object _match_rows(CoreIndex self, local_hashes):
+    cdef const uint64_t[::1] lv = as_u64(local_hashes)
+    cdef size_t n = lv.shape[0]
+    cdef HCursor hc
+    if n == 0:
+        return rows_wrap(NULL, 0)
+    hc_init_hashes(&hc, &lv[0], n)
+    return _run_query(self, &hc)
+
+cdef object _match_tokens_rows(CoreIndex self, tokens, size_t block_size, uint64_t seed):
+    cdef const uint32_t[::1] tv = to_u32_tokens(tokens)
+    cdef size_t ntok = tv.shape[0]
+    cdef HCursor hc
+    if ntok == 0 or block_size == 0:
+        return rows_wrap(NULL, 0)
+    if hc_init_tokens(&hc, &tv[0], ntok, block_size, seed) < 0:
+        raise MemoryError()
+    try:
+        return _run_query(self, &hc)
+    finally:
+        hc_free(&hc)
+
+cdef object _match(CoreIndex self, local_hashes):
+    return self.match_rows(local_hashes).tolist()
+
+cdef object _match_tokens(CoreIndex self, tokens, size_t block_size, uint64_t seed):
+    return self.match_tokens_rows(tokens, block_size, seed).tolist()
