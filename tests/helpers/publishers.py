@@ -188,7 +188,7 @@ def free_tcp_port() -> int:
         return s.getsockname()[1]
 
 
-def _bind_retry(sock, url: str, deadline: float = 10.0) -> None:
+def _bind_retry(sock, url: str, deadline: float = 15.0) -> None:
     end = time.monotonic() + deadline
     while True:
         try:
@@ -237,7 +237,8 @@ class FakePublisher:
         self._err: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True, name="fake-publisher")
         self._thread.start()
-        if not self._ready.wait(10) or self._err:
+        # Longer than _bind_retry's deadline, so that a port still taken reports its error.
+        if not self._ready.wait(20) or self._err:
             raise RuntimeError(f"publisher failed to start: {self._err!r}")
 
     @property
