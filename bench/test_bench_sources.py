@@ -35,6 +35,7 @@ class _Tracker:
 
 def _manager(connected: bool):
     from kvconductor.ingest.liveness import Liveness
+    from kvconductor.ingest.replicated import ReplicaState
     from kvconductor.ingest.stats import SourceStats
     from kvconductor.ingest.subscriber import Subscription, SubscriptionManager
 
@@ -47,7 +48,7 @@ def _manager(connected: bool):
     for i in range(N):
         s = Subscription.__new__(Subscription)
         s.manager = mgr
-        s.owned = False
+        s.replica = ReplicaState(0)  # not owned: no --state-url
         s.ctx = _Ctx(i)
         s.feeds_hbm = Subscription._feeds_hbm(s.ctx)
         s.tracker = _Tracker()
