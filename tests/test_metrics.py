@@ -431,3 +431,105 @@ def test_real_server_serves_metrics(tmp_path):
         assert v(m, "kvconductor_build_info", version=kvconductor.__version__) == 1
     finally:
         s.terminate()
+
+
+# -- the query metrics' own rendering against prometheus_client's ---------------------
+
+
+def _reference_metrics(registry):
+    """prometheus_client's own Histogram and Counters with QueryMetrics' names, help
+    texts, labels and buckets: the independent model of what a scrape must show."""
+    from prometheus_client import Counter, Histogram
+
+    from kvconductor.http.metrics import MISS_REASONS, QUERY_BUCKETS, ROUTES, TIERS, QueryMetrics
+
+    ours = QueryMetrics()
+    docs = {col.name: col.doc for col in ours.collectors()}
+    seconds = Histogram(
+        "kvconductor_query_seconds",
+        docs["kvconductor_query_seconds"],
+        ["route"],
+        buckets=QUERY_BUCKETS,
+        registry=registry,
+    )
+    counters = {
+        name: Counter(name, docs[name], [label], registry=registry)
+        for name, label in (
+            ("kvconductor_query_blocks", "tier"),
+            ("kvconductor_query_misses", "reason"),
+            ("kvconductor_query_errors", "route"),
+        )
+    }
+    # bind the label children in QueryMetrics' order (the order they are written in)
+    for r in ROUTES:
+        seconds.labels(route=r)
+    for t in TIERS:
+        counters["kvconductor_query_blocks"].labels(tier=t)
+    for r in MISS_REASONS:
+        counters["kvconductor_query_misses"].labels(reason=r)
+    for r in ROUTES:
+        counters["kvconductor_query_errors"].labels(route=r)
+    return seconds, counters
+
+
+def _without_created_values(text: str) -> str:
+    # the _created lines stay (names and labels compared), their timestamps do not
+    return "\n".join(
+        line.rsplit(" ", 1)[0] if "_created{" in line else line for line in text.splitlines()
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_query_metrics_render_exactly_as_prometheus_client(seed):
+    """QueryMetrics keeps plain numbers instead of prometheus_client's locked values:
+    after the same random observations, its scrape text is byte for byte the one
+    prometheus_client's own Histogram and Counters write (bucket edges included)."""
+    import random
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvconductor.http.metrics import MISS_REASONS, QUERY_BUCKETS, ROUTES, QueryMetrics
+
+    rnd = random.Random(seed)
+    ref_registry, our_registry = CollectorRegistry(), CollectorRegistry()
+    seconds, counters = _reference_metrics(ref_registry)
+    ours = QueryMetrics(our_registry)
+    edges = [*QUERY_BUCKETS, 0.0, 1e-9, 10.0]
+    for _ in range(500):
+        route = rnd.choice(ROUTES)
+        dt = rnd.choice(edges) if rnd.random() < 0.3 else rnd.expovariate(1e3)
+        seconds.labels(route=route).observe(dt)
+        ours.route_seconds[route].observe(dt)
+        n, c, d = (rnd.choice([0, 0, rnd.randrange(1, 10**6)]) for _ in range(3))
+        for tier, x in zip(("npu", "cpu", "disk"), (n, c, d), strict=True):
+            if x:
+                counters["kvconductor_query_blocks"].labels(tier=tier).inc(x)
+        ours.count_blocks(n, c, d)
+        if rnd.random() < 0.2:
+            reason = rnd.choice(MISS_REASONS)
+            counters["kvconductor_query_misses"].labels(reason=reason).inc()
+            getattr(ours, reason).inc()
+        if rnd.random() < 0.1:
+            counters["kvconductor_query_errors"].labels(route=route).inc()
+            ours.route_errors[route].inc()
+    want = _without_created_values(generate_latest(ref_registry).decode())
+    got = _without_created_values(generate_latest(our_registry).decode())
+    assert got == want
+    assert got.count("_created{") == 2 + 3 + 4 + 2
+
+
+def test_deferred_metrics_replay_what_an_answer_off_the_loop_counted():
+    from kvconductor.http.metrics import DeferredMetrics, QueryMetrics
+
+    qm = QueryMetrics()
+    d = DeferredMetrics()
+    d.count_blocks(5, 0, 2)
+    d.unknown_lora.inc()
+    assert qm._npu.value == 0 and qm.unknown_lora.value == 0  # nothing until replayed
+    d.replay(qm)
+    d2 = DeferredMetrics()
+    d2.no_match.inc()
+    d2.replay(qm)
+    DeferredMetrics().replay(qm)  # an answer that counted nothing
+    assert (qm._npu.value, qm._cpu.value, qm._disk.value) == (5, 0, 2)
+    assert (qm.unknown_lora.value, qm.no_match.value, qm.unknown_index.value) == (1, 1, 0)

@@ -47,7 +47,7 @@ import msgspec
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http import openapi
 from kvconductor.http.front import FrontDoor
-from kvconductor.http.metrics import CONTENT_TYPE, Metrics, QueryMetrics
+from kvconductor.http.metrics import CONTENT_TYPE, DeferredMetrics, Metrics, QueryMetrics
 from kvconductor.http.responses import (
     MSGPACK_PATHS,
     MUTATING_PATHS,
@@ -350,10 +350,14 @@ class QueryResource(_Resource[QuerySource]):
         #: Warnings of queries that cannot match (``/query``: block size not registered).
         self.misses = MissWarnings()
 
-    def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
+    def answer(
+        self, body: bytes, msgpack: bool, metrics: QueryMetrics | DeferredMetrics | None = None
+    ) -> tuple[int, bytes, str | None]:
         """Parse, match and encode: ``(status, body, message or None)``. With a 4xx the
         message is what to log; with a 200 it is a warning for the
-        ``X-KV-Conductor-Warning`` header (a query that cannot match, logged here)."""
+        ``X-KV-Conductor-Warning`` header (a query that cannot match, logged here).
+        ``metrics``: where the answer's blocks and misses are counted (default: the
+        route's; off the event loop a :class:`~kvconductor.http.metrics.DeferredMetrics`)."""
         try:
             model, block_size, tenant, values, lora_name, top_k, instances = parse_query_ext(
                 body, msgpack, self.by_hash
@@ -366,7 +370,7 @@ class QueryResource(_Resource[QuerySource]):
                 ),
                 str(ex),
             )
-        m = self.metrics
+        m = self.metrics if metrics is None else metrics
         index = self.conductor.get_index(model, tenant)
         if index is None:
             m.unknown_index.inc()
@@ -412,7 +416,12 @@ class QueryResource(_Resource[QuerySource]):
         if len(data) <= self.large_body_bytes:
             return self.answer(data, msgpack)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.conductor.executor, self.answer, data, msgpack)
+        deferred = DeferredMetrics()  # QueryMetrics has one writer: this loop
+        out = await loop.run_in_executor(
+            self.conductor.executor, self.answer, data, msgpack, deferred
+        )
+        deferred.replay(self.metrics)
+        return out
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         t0 = time.perf_counter()

@@ -43,6 +43,17 @@ from kvconductor.wire import encode_error, is_msgpack_content_type
 
 log = logging.getLogger("kvconductor.http")
 
+#: Raw ``Content-Type`` values clients send, and whether each is msgpack (any other
+#: value is parsed by :func:`~kvconductor.wire.is_msgpack_content_type`).
+_CONTENT_TYPES = {
+    b"application/msgpack": True,
+    b"application/x-msgpack": True,
+    b"application/json": False,
+    b"application/json; charset=utf-8": False,
+}
+_CT_MSGPACK = (b"content-type", CT_MSGPACK)
+_CT_JSON = (b"content-type", CT_JSON)
+
 #: An ASGI application: ``await app(scope, receive, send)``.
 ASGIApp = Callable[[dict, Any, Any], Awaitable[None]]
 
@@ -120,12 +131,16 @@ class FrontDoor:
 
     async def _serve(self, res: QueryRoute, scope: dict, receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
-        ctype = None
+        msgpack = False
         length = None
         origin = None
         for k, v in scope["headers"]:
             if k == b"content-type":
-                ctype = v.decode("latin-1")
+                # PERF: the raw value of a known content type is looked up, not parsed
+                known = _CONTENT_TYPES.get(v)
+                msgpack = (
+                    known if known is not None else is_msgpack_content_type(v.decode("latin-1"))
+                )
             elif k == b"content-length":
                 try:
                     length = int(v)
@@ -133,7 +148,6 @@ class FrontDoor:
                     length = None
             elif k == b"origin":
                 origin = v.decode("latin-1")
-        msgpack = is_msgpack_content_type(ctype)
         path = scope["path"]
         limit = self.max_body_bytes
         if length is not None and length > limit:
@@ -209,9 +223,9 @@ class FrontDoor:
         warning: str | None = None,
     ) -> None:
         headers = [
-            (b"content-type", CT_MSGPACK if msgpack else CT_JSON),
-            (b"content-length", str(len(data)).encode()),
-            (b"server-timing", f"app;dur={(time.perf_counter() - t0) * 1e3:.3f}".encode()),
+            _CT_MSGPACK if msgpack else _CT_JSON,
+            (b"content-length", b"%d" % len(data)),
+            (b"server-timing", b"app;dur=%.3f" % ((time.perf_counter() - t0) * 1e3)),
         ]
         if origin is not None:
             headers += cors_headers(path, origin)

@@ -21,7 +21,9 @@ The protocols here (:func:`protocol_class`, a subclass of uvicorn's
   the rest of the head is never read into memory;
 * a **request deadline** (:attr:`HttpLimits.request_timeout`): armed when a
   connection opens and when the first byte of each further request arrives,
-  cleared when the request (head and body) is complete. When it fires, a
+  cleared when the request (head and body) is complete. It is a time stamp, not
+  a timer: one sweep per server, every :func:`sweep_interval` seconds (a quarter of
+  the deadline, at most 1 s), closes what is past it. When it fires, a
   connection that has sent part of a request gets ``408`` ``{"error": ...}``;
   one that sent nothing is just closed. The request, if it reached the app,
   sees a disconnect and is not acted on;
@@ -30,6 +32,9 @@ The protocols here (:func:`protocol_class`, a subclass of uvicorn's
   connection with no request in the app (idle keep-alive, or a head still
   arriving) that was active least recently; when every connection has a
   request in the app it is refused with ``503`` ``{"error": ...}``.
+
+With httptools, each response is also written in one call (:class:`OneWrite`):
+head and body together, one system call and, for a small answer, one TCP segment.
 
 Between requests, uvicorn's ``timeout_keep_alive`` closes idle keep-alive
 connections (:attr:`HttpLimits.keep_alive`).
@@ -45,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,55 +111,86 @@ _throttle = _Throttle()
 
 
 class ConnectionPool:
-    """The admitted connections of one server and, in LRU order, the evictable ones.
+    """The admitted connections of one server, their request deadlines and, for the
+    cap, which of them may be evicted.
 
-    A connection is *evictable* while it has no request in the app: from the
-    moment it opens, or its last response is complete, until a request head
-    is complete. Activity (bytes received) moves it to the back.
+    PERF: nothing here runs a timer or moves a container per request. A connection
+    keeps its own ``_started`` (loop time its request began, ``None`` between
+    requests), ``_evictable`` (no request in the app) and ``_seen`` (a tick of
+    :attr:`tick` taken when bytes arrive or its response completes: the LRU order).
+    One sweep per server (:meth:`sweep`, every :func:`sweep_interval` seconds while any
+    connection is open) closes the connections past their deadline; eviction at the cap
+    picks the evictable member with the oldest ``_seen`` (a scan, only at the cap).
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, request_timeout: float = 30.0) -> None:
         self.limit = limit
+        self.request_timeout = request_timeout
+        self.interval = sweep_interval(request_timeout)
         self.members: set[Any] = set()
-        self.evictable: OrderedDict[Any, None] = OrderedDict()
+        self.tick = 0
         self.evicted = 0
         self.refused = 0
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def admit(self, conn: Any) -> bool:
         """Add ``conn``, evicting the least recently active evictable one at the cap."""
         if len(self.members) >= self.limit:
-            if not self.evictable:
+            victim = self._least_recent()
+            if victim is None:
                 self.refused += 1
                 return False
-            victim, _ = self.evictable.popitem(last=False)
             self.members.discard(victim)
             self.evicted += 1
             victim._evict(len(self.members) + 1, self.limit)
         self.members.add(conn)
-        self.evictable[conn] = None
+        conn._evictable = True
+        self.tick += 1
+        conn._seen = self.tick
+        if self._sweeper is None:
+            self._schedule(conn.loop)
         return True
 
-    def idle(self, conn: Any) -> None:
-        if conn in self.members:
-            self.evictable[conn] = None
-            self.evictable.move_to_end(conn)
-
-    def touch(self, conn: Any) -> None:
-        if conn in self.evictable:
-            self.evictable.move_to_end(conn)
-
-    def busy(self, conn: Any) -> None:
-        self.evictable.pop(conn, None)
+    def _least_recent(self) -> Any:
+        victim = None
+        for conn in self.members:
+            if conn._evictable and (victim is None or conn._seen < victim._seen):
+                victim = conn
+        return victim
 
     def remove(self, conn: Any) -> None:
         self.members.discard(conn)
-        self.evictable.pop(conn, None)
+        conn._evictable = False
+
+    # -- deadlines -------------------------------------------------------------------------
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._sweeper = loop.call_later(self.interval, self.sweep, loop)
+
+    def sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Time out every member whose request deadline has passed; runs again while
+        any connection is open."""
+        self._sweeper = None
+        now = loop.time()
+        timeout = self.request_timeout
+        late = [c for c in self.members if c._started is not None and now - c._started >= timeout]
+        for conn in late:
+            conn._timed_out()
+        if self.members:
+            self._schedule(loop)
 
 
-def _pool(server_state: Any, limit: int) -> ConnectionPool:
+def sweep_interval(request_timeout: float) -> float:
+    """Seconds between two deadline sweeps: a quarter of the deadline, at most 1 s (a
+    request is cut between its deadline and that much later)."""
+    return min(1.0, request_timeout / 4)
+
+
+def _pool(server_state: Any, limits: HttpLimits) -> ConnectionPool:
     pool = getattr(server_state, "kvc_pool", None)
     if pool is None:
-        pool = server_state.kvc_pool = ConnectionPool(limit)
+        pool = server_state.kvc_pool = ConnectionPool(
+            limits.max_connections, limits.request_timeout
+        )
     return pool
 
 
@@ -188,12 +223,14 @@ class _Limits:
     # -- connection -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
-        self._deadline: asyncio.TimerHandle | None = None
+        self._started: float | None = None  # loop time the request began (its deadline)
+        self._seen = 0  # the pool's tick at its last activity (LRU order at the cap)
+        self._evictable = False  # no request in the app
         self._linger: asyncio.TimerHandle | None = None
         self._rejected = False
         self._head_open = True  # waiting for (the rest of) a request head
         self._head_bytes = 0  # bytes of that head so far
-        self._pool = _pool(self.server_state, self.limits.max_connections)  # type: ignore[attr-defined]
+        self._pool = _pool(self.server_state, self.limits)  # type: ignore[attr-defined]
         if not self._pool.admit(self):
             _throttle(
                 "refused",
@@ -223,11 +260,16 @@ class _Limits:
             return  # draining before close
         if not self._head_open:
             return self._feed(data)
-        if self._deadline is None:
+        if self._started is None:
             self._arm()  # first bytes of the next request on a keep-alive connection
-        self._pool.touch(self)
+        pool = self._pool
+        pool.tick += 1
+        self._seen = pool.tick
         # Feed at most the rest of the head budget; if the head is not complete within
         # it, the request is refused without the parser ever buffering more.
+        if len(data) <= self.limits.max_head_bytes - self._head_bytes:  # PERF: one piece
+            self._head_bytes += len(data)
+            return self._feed(data)
         while data and self._head_open:
             budget = self.limits.max_head_bytes - self._head_bytes
             if budget <= 0:
@@ -246,35 +288,34 @@ class _Limits:
     # -- request progress (called by the subclasses) -----------------------------------------
     def _head_complete(self) -> None:
         self._head_open = False
-        self._pool.busy(self)
+        self._evictable = False
 
     def _request_complete(self) -> None:
-        self._disarm()
+        self._started = None
         self._head_open = True
         self._head_bytes = 0
 
     def _response_complete(self) -> None:
         if not self._rejected and not self._in_app():
-            self._pool.idle(self)
+            pool = self._pool
+            if self in pool.members:
+                self._evictable = True
+                pool.tick += 1
+                self._seen = pool.tick
 
     def _in_app(self) -> bool:
         cycle = self.cycle  # type: ignore[attr-defined]
         return cycle is not None and not cycle.response_complete
 
-    # -- deadline -----------------------------------------------------------------------------
+    # -- deadline (checked by the pool's sweep) -----------------------------------------------
     def _arm(self) -> None:
-        self._disarm()
-        self._deadline = self.loop.call_later(  # type: ignore[attr-defined]
-            self.limits.request_timeout, self._timed_out
-        )
+        self._started = self.loop.time()  # type: ignore[attr-defined]
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._started = None
 
     def _timed_out(self) -> None:
-        self._deadline = None
+        self._started = None
         if self._rejected or self.transport.is_closing():  # type: ignore[attr-defined]
             return
         secs = self.limits.request_timeout
@@ -382,21 +423,82 @@ def _peer(conn: Any) -> str:
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
+class OneWrite:
+    """The transport one request's response is written through: the response head
+    waits for the first body bytes and goes out with them, so a response is one
+    ``write`` (one system call, one TCP segment for a small answer) instead of two.
+
+    uvicorn writes the head when the app sends ``http.response.start`` and the body
+    when it sends ``http.response.body``; an ASGI app cannot send both at once. A
+    ``100 Continue`` (written before the response starts) passes at once; a response
+    without body bytes (``HEAD``) is flushed when it completes (:meth:`flush`); closing
+    flushes first.
+    """
+
+    __slots__ = ("cycle", "head", "transport")
+
+    #: Bodies up to this size are joined to the head; larger ones are written after it
+    #: in the same call (``writelines``), not copied.
+    JOIN_BYTES = 16 * 1024
+
+    def __init__(self, transport: Any, cycle: Any) -> None:
+        self.transport = transport
+        self.cycle = cycle  # None once the head was taken
+        self.head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self.head
+        if head is not None:
+            self.head = None
+            if len(data) <= self.JOIN_BYTES:
+                self.transport.write(head + data)
+            else:
+                self.transport.writelines((head, data))
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            self.cycle = None
+            self.head = data  # the response head: wait for the body
+            return
+        self.transport.write(data)
+
+    def flush(self) -> None:
+        head = self.head
+        if head is not None:
+            self.head = None
+            self.transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return bool(self.transport.is_closing())
+
+
 def _httptools_class() -> type:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class LimitedHttpToolsProtocol(_Limits, HttpToolsProtocol):
-        """``HttpToolsProtocol`` with kv-conductor's head limit, deadline and cap."""
+        """``HttpToolsProtocol`` with kv-conductor's head limit, deadline and cap, and
+        each response written in one call (:class:`OneWrite`)."""
 
         def on_headers_complete(self) -> None:
             self._head_complete()
             super().on_headers_complete()
+            cycle = self.cycle
+            # not a pipelined request (queued, answered later): its cycle writes as is
+            if cycle is not None and not self.pipeline and cycle.transport is self.transport:
+                cycle.transport = OneWrite(self.transport, cycle)
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._request_complete()
 
         def on_response_complete(self) -> None:
+            transport = self.cycle.transport if self.cycle is not None else None
+            if type(transport) is OneWrite:
+                transport.flush()
             super().on_response_complete()
             self._response_complete()
 
