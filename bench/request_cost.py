@@ -238,7 +238,8 @@ def main() -> None:
     if args.allocs:
         for who in ("floor", "kvc"):
             per = allocs_per_request(who, args.tokens, 500)
-            print(f"{who:>6}: " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()) + " per request")
+            calls = ", ".join(f"{k} {v:.1f}" for k, v in per.items())
+            print(f"{who:>6}: {calls} per request")
         return
     import uvloop
 

@@ -115,6 +115,17 @@ class FrontDoor:
         """The rest (the name this attribute had in one process)."""
         return self.rest
 
+    def trust_proxies(self, forwarded_allow_ips: str | list[str]) -> None:
+        """Apply ``X-Forwarded-For``/``-Proto`` from these hosts (uvicorn's
+        ``--forwarded-allow-ips``) to the rest only, for a server that turned uvicorn's
+        own proxy-headers middleware off. PERF: that middleware parses the client's
+        address (``ipaddress``) on every request; the query routes never read the
+        client's address, so they skip it."""
+        from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+
+        if not isinstance(self.rest, ProxyHeadersMiddleware):
+            self.rest = ProxyHeadersMiddleware(self.rest, trusted_hosts=forwarded_allow_ips)
+
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             method = scope["method"]

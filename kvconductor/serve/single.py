@@ -31,6 +31,7 @@ from typing import Any
 
 import uvicorn
 
+from kvconductor.http.front import FrontDoor
 from kvconductor.http.limits import HttpLimits, h11_buffer_limit, protocol_class
 from kvconductor.serve.bootstrap import (
     STOP_SECS,
@@ -346,6 +347,12 @@ def uvicorn_config(app: Any, settings: Settings, where: str = "", **extra: Any) 
         **uvicorn_options(settings, http, where),
     }
     options.update(extra)
+    if isinstance(app, FrontDoor) and options.get("proxy_headers", True):
+        # the proxy headers apply to the front door's rest only (FrontDoor.trust_proxies)
+        options["proxy_headers"] = False
+        config = uvicorn.Config(app, **options)
+        app.trust_proxies(config.forwarded_allow_ips or "127.0.0.1")
+        return config
     return uvicorn.Config(app, **options)
 
 

@@ -1,0 +1,67 @@
+"""kvconductor.http.front: what the one ASGI front door hands to whom."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvconductor.http.front import FrontDoor
+from kvconductor.serve.settings import Settings
+from kvconductor.serve.single import uvicorn_config
+
+
+class Route:
+    """A query route that records nothing but answers 200."""
+
+    class _Obs:
+        def observe(self, amount: float) -> None:
+            pass
+
+    class _Cnt:
+        def inc(self) -> None:
+            pass
+
+    seconds = _Obs()
+    errors = _Cnt()
+
+    async def respond(self, body, msgpack):
+        return 200, b"{}", None
+
+
+def call(app, path: str, method: str = "POST") -> dict:
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": [(b"x-forwarded-for", b"10.1.2.3"), (b"content-length", b"2")],
+        "client": ("127.0.0.1", 50000),
+        "scheme": "http",
+    }
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    asyncio.run(app(scope, receive, send))
+    return scope
+
+
+def test_proxy_headers_apply_to_the_rest_and_not_to_the_query_routes():
+    seen: list[tuple] = []
+
+    async def rest(scope, receive, send):
+        seen.append(scope["client"])
+
+    door = FrontDoor(rest, {"/query": Route()})
+    config = uvicorn_config(door, Settings())
+    # uvicorn's own middleware is off: it parses the client's address on every request
+    assert config.proxy_headers is False
+    call(door, "/register")
+    assert seen == [("10.1.2.3", 0)]  # the rest: X-Forwarded-For from a trusted host
+    q = call(door, "/query")
+    assert q["client"] == ("127.0.0.1", 50000)  # the query route never reads it
+    uvicorn_config(door, Settings())  # a second config does not wrap twice
+    call(door, "/register")
+    assert seen[-1] == ("10.1.2.3", 0) and len(seen) == 2
