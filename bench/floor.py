@@ -124,6 +124,8 @@ def measure(port: int, files: dict, bodies_: dict, args) -> dict:
             if use_wrk:
                 wrk_load(port, files[size], conns, 1, 1)  # warm-up
                 out[(size, conns)] = wrk_load(port, files[size], conns, 1, args.seconds)
+                if out[(size, conns)]["errors"]:
+                    raise SystemExit(f"{out[(size, conns)]['errors']} answers were not 200")
             else:
                 out[(size, conns)] = python_load(port, bodies_[size], conns, args.seconds)
     return out

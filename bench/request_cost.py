@@ -185,20 +185,28 @@ ALLOCATORS = ("_PyObject_Malloc", "malloc")
 
 
 def callgrind_calls(path: str) -> dict[str, int]:
-    """Calls per called function in a callgrind output file."""
-    names: dict[str, str] = {}
+    """Calls of each of :data:`ALLOCATORS` in a callgrind output file: the sum of its
+    callers' call counts, as ``callgrind_annotate --tree=caller`` prints them."""
+    import re
+    import subprocess
+
+    out = subprocess.run(
+        ["callgrind_annotate", "--tree=caller", "--auto=no", "--threshold=100", path],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
     calls: dict[str, int] = {}
-    cfn = None
-    with open(path) as f:
-        for line in f:
-            if line.startswith("cfn="):
-                ref, _, name = line[4:].strip().partition(" ")
-                if name:
-                    names[ref] = name
-                cfn = names.get(ref, ref)
-            elif line.startswith("calls=") and cfn is not None:
-                calls[cfn] = calls.get(cfn, 0) + int(line[6:].split()[0])
-                cfn = None
+    for name in ALLOCATORS:
+        target = re.compile(r"\*\s+\S*:" + re.escape(name) + r" ")
+        for i, line in enumerate(out):
+            if target.search(line):
+                j, total = i - 1, 0
+                while j >= 0 and "<" in out[j]:
+                    m = re.search(r"\(([\d,]+)x\)", out[j])
+                    total += int(m.group(1).replace(",", "")) if m else 0
+                    j -= 1
+                calls[name] = calls.get(name, 0) + total
     return calls
 
 

@@ -157,9 +157,16 @@ def wrk_load(port: int, body_file: str, conns: int, threads: int, seconds: float
         check=True,
     ).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))
-    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))
-    return {"rps": rps, "p50": p50, "p99": p99, "tool": "wrk"}
+    p50 = _ms(re.search(r"^\s*50%\s+(\S+)", out, re.M).group(1))
+    p99 = _ms(re.search(r"^\s*99%\s+(\S+)", out, re.M).group(1))
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    return {
+        "rps": rps,
+        "p50": p50,
+        "p99": p99,
+        "tool": "wrk",
+        "errors": int(bad.group(1)) if bad else 0,
+    }
 
 
 def _big_loop(port: int, body: bytes, seconds: float, out) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvconductor.http.responses import (
     CT_JSON,
@@ -124,7 +124,10 @@ class FrontDoor:
         from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
         if not isinstance(self.rest, ProxyHeadersMiddleware):
-            self.rest = ProxyHeadersMiddleware(self.rest, trusted_hosts=forwarded_allow_ips)
+            wrapped = ProxyHeadersMiddleware(
+                cast(Any, self.rest), trusted_hosts=forwarded_allow_ips
+            )
+            self.rest = cast(ASGIApp, wrapped)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http":

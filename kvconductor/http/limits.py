@@ -51,7 +51,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from kvconductor.wire import JSON_CONTENT_TYPE, encode_error
 
@@ -489,7 +489,7 @@ def _httptools_class() -> type:
             cycle = self.cycle
             # not a pipelined request (queued, answered later): its cycle writes as is
             if cycle is not None and not self.pipeline and cycle.transport is self.transport:
-                cycle.transport = OneWrite(self.transport, cycle)
+                cycle.transport = cast(asyncio.Transport, OneWrite(self.transport, cycle))
 
         def on_message_complete(self) -> None:
             super().on_message_complete()
