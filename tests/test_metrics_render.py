@@ -228,7 +228,13 @@ def _with_queries(m: Metrics) -> None:
 
 @pytest.mark.parametrize(
     ("n", "odd", "replicated"),
-    [(0, True, False), (1, False, False), (600, True, False), (600, True, True), (64, False, False)],
+    [
+        (0, True, False),
+        (1, False, False),
+        (600, True, False),
+        (600, True, True),
+        (64, False, False),
+    ],
 )
 def test_exposition_matches_the_reference(fixed_time, n, odd, replicated):
     c = _conductor(manager(n, odd=odd, replicated=replicated))
@@ -240,7 +246,29 @@ def test_exposition_matches_the_reference(fixed_time, n, odd, replicated):
         assert got == want
         if n and odd:  # the rows that matter were there to compare
             assert b'instance_id="a\\"b-0"' in got
-            assert b'\\n' in got and "ünï".encode() in got and b"e+06" in got
+            assert b"\\n" in got and "ünï".encode() in got and b"e+06" in got
+    finally:
+        c.stop()
+
+
+def test_small_slices_match_the_reference(fixed_time, monkeypatch):
+    """A scrape read and formatted a few sources at a time (pauses between slices), the
+    slices' edges inside a run of sources of several media."""
+    import kvconductor.ingest.subscriber as subscriber
+
+    pauses = []
+    monkeypatch.setattr(subscriber, "METRICS_CHUNK", 5)
+    monkeypatch.setattr(metrics_mod, "CHUNK", 7)
+    monkeypatch.setattr(metrics_mod, "PAUSE", 0.0)
+    c = _conductor(manager(300, odd=True))
+    try:
+        m = Metrics(c)
+        monkeypatch.setattr(metrics_mod.time, "sleep", lambda s: pauses.append(s))
+        got = m.exposition()
+        monkeypatch.undo()
+        monkeypatch.setattr(time, "time", lambda: NOW)
+        assert got == _reference(m, c)
+        assert len(pauses) > 100
     finally:
         c.stop()
 

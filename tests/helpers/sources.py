@@ -42,11 +42,14 @@ def _ctx(i: int, rnd: random.Random, odd: bool) -> SubscriberContext:
     )
 
 
-def manager(n: int, *, odd: bool = True, seed: int = 1, replicated: bool = False):
+def manager(
+    n: int, *, odd: bool = True, seed: int = 1, replicated: bool = False, base: float = 1.7e9
+):
     """A manager with ``n`` subscriptions. ``odd``: labels that need escaping, several
     media, pools, every engine kind, every state, counters of every kind; else ``n``
     plain live vLLM sources. ``replicated``: ``--state-url`` (a source not owned by this
-    replica is ``remote``, never live)."""
+    replica is ``remote``, never live). ``base``: about when the last batches came (wall
+    clock; the ages are ``now - base`` and a few seconds more or less)."""
     rnd = random.Random(seed)
     mgr = SubscriptionManager.__new__(SubscriptionManager)
     mgr.thread = types.SimpleNamespace(is_alive=lambda: False)
@@ -66,7 +69,7 @@ def manager(n: int, *, odd: bool = True, seed: int = 1, replicated: bool = False
         s.connected = True
         s.muted = False
         s.closed = False
-        st.last_event = 1_700_000_000.0 + rnd.random() * 100
+        st.last_event = base + rnd.random() * 100
         if odd:
             s.connected = rnd.random() < 0.8
             s.tracker.replaying = rnd.random() < 0.1
@@ -83,11 +86,11 @@ def manager(n: int, *, odd: bool = True, seed: int = 1, replicated: bool = False
                     st.dropped[reason] = rnd.randrange(1, 100)
             r = rnd.random()
             if r < 0.05:
-                st.last_event = 1_700_000_000.0 - 3e6  # idle > 1e6 s: Go's exponent form
+                st.last_event = base - 3e6  # idle > 1e6 s: Go's exponent form
             elif r < 0.1:
-                st.last_event = 1_700_000_000.0 + 1_000  # in the future: age 0
+                st.last_event = base + 1_000  # in the future: age 0
             elif r < 0.15:
-                st.last_event = 1_700_000_100.0 - 1e-5  # a tiny age
+                st.last_event = base + 100.0 - 1e-5  # a tiny age
         else:
             st.events = 1000 + i
         mgr._subs[(s.ctx.instance_id, s.ctx.dp_rank, s.ctx.url)] = s
