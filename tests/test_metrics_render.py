@@ -299,3 +299,28 @@ def test_a_retargeted_subscription_is_scraped_under_its_new_labels(fixed_time):
         assert b'kvconductor_source_up{dp_rank="0",instance_id="inst-0",medium="CPU"} 1.0' in got
     finally:
         c.stop()
+
+
+def test_a_changed_table_is_scraped_as_it_is_now(fixed_time, monkeypatch):
+    """What a scrape keeps of the table's columns (stats, kinds, label sets) is not
+    reused once a subscription is gone or another is there, in any slice."""
+    import kvconductor.ingest.subscriber as subscriber
+
+    monkeypatch.setattr(subscriber, "METRICS_CHUNK", 4)
+    mgr = manager(20, odd=True)
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+        keys = list(mgr._subs)
+        moved = mgr._subs.pop(keys[5])  # gone from the second slice
+        assert m.exposition() == _reference(m, c)
+        mgr._subs[keys[5]] = moved  # back, at the end
+        del mgr._subs[keys[0]]
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert got.count(b"\nkvconductor_source_up{") == len(_rows(mgr)[0]) + sum(
+            len(r[2]) - 1 for r in _rows(mgr)[0]
+        )
+    finally:
+        c.stop()

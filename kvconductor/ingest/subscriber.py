@@ -490,12 +490,41 @@ def _replays(sub: Subscription) -> tuple[int, int]:
 METRICS_CHUNK = 1024
 
 
-def _read_columns(snap: SourceSnapshot, subs: list[Subscription], replicated: bool) -> None:
-    """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals."""
+#: What a slice of subscriptions keeps between scrapes while it stays the same (the
+#: same subscriptions with the same label sets): (subscriptions, their label sets, their
+#: SourceStats, their source kinds, the label sets flattened, media per subscription
+#: or None when each has one).
+_Columns = tuple[
+    list["Subscription"],
+    list[tuple[str, ...]],
+    list[SourceStats],
+    list[str],
+    list[str],
+    list[int] | None,
+]
+
+
+def _read_columns(
+    snap: SourceSnapshot, subs: list[Subscription], replicated: bool, kept: _Columns | None
+) -> _Columns:
+    """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
+    returns what the next scrape may reuse (``kept``: this slice's from the last one)."""
     # PERF: every column read by map/attrgetter (C loops); no Python statement per
-    # subscription but for the rare ones with drops or several media.
+    # subscription but for the rare ones with drops. What only changes with the table
+    # or a registration (stats objects, kinds, label sets) is reused while the slice's
+    # subscriptions and label sets compare equal (identity, in C).
+    sets = list(map(_LABELS, subs))
+    if kept is not None and kept[0] == subs and kept[1] == sets:
+        stats, kinds, labels, ks = kept[2], kept[3], kept[4], kept[5]
+    else:
+        stats = list(map(_STATS, subs))
+        kinds = list(map(_KIND, subs))
+        if all(map(_ONE.__eq__, map(len, sets))):
+            labels, ks = list(map(_FIRST, sets)), None
+        else:  # sources of several media: a line per medium
+            labels, ks = list(chain.from_iterable(sets)), list(map(len, sets))
+        kept = (subs, sets, stats, kinds, labels, ks)
     applied, dropped = snap.applied, snap.dropped
-    stats = list(map(_STATS, subs))
     snap.gaps += sum(map(_GAPS, stats))
     snap.replays_ok += sum(map(_REPLAYS_OK, stats))
     snap.mutes += sum(map(_MUTES, stats))
@@ -504,7 +533,6 @@ def _read_columns(snap: SourceSnapshot, subs: list[Subscription], replicated: bo
         for reason, n in list(d.items()):  # a copy in C: the ingest thread may add one
             dropped[reason] = dropped.get(reason, 0) + n
         snap.replays_failed += d.get("replay_failed", 0)
-    kinds = list(map(_KIND, subs))
     events = list(map(_EVENTS, stats))
     for kind in set(kinds):
         applied[kind] = applied.get(kind, 0) + sum(compress(events, map(kind.__eq__, kinds)))
@@ -522,18 +550,16 @@ def _read_columns(snap: SourceSnapshot, subs: list[Subscription], replicated: bo
         live = list(map(and_, live, map(_OWNED, subs)))
     muted = list(map(_MUTED, subs))
     last = list(map(_LAST_EVENT, stats))
-    sets = list(map(_LABELS, subs))
-    if all(map(_ONE.__eq__, map(len, sets))):
-        snap.labels += map(_FIRST, sets)
+    snap.labels += labels
+    if ks is None:
         snap.live += live
         snap.muted += muted
         snap.last_event += last
-    else:  # sources of several media: a line per medium, each value repeated
-        ks = list(map(len, sets))
-        snap.labels += chain.from_iterable(sets)
+    else:  # each value repeated for each medium of its source
         snap.live += chain.from_iterable(map(repeat, live, ks))
         snap.muted += chain.from_iterable(map(repeat, muted, ks))
         snap.last_event += chain.from_iterable(map(repeat, last, ks))
+    return kept
 
 
 class SubscriptionManager:
@@ -598,6 +624,8 @@ class SubscriptionManager:
         #: closing subscription's counters either in the table or in :attr:`retired`,
         #: never in both or neither. Never taken per batch.
         self._table_lock = threading.Lock()
+        #: What the last scrape read that only changes with the table (_read_columns).
+        self._metric_columns: list[_Columns] = []
 
     def _add(self, sub: Subscription) -> None:
         iid, dp, url = sub.key
@@ -645,10 +673,14 @@ class SubscriptionManager:
             snap.gaps, snap.replays_ok, snap.replays_failed = r.gaps, r.replays_ok, r.replays_failed
             snap.mutes, snap.purged_blocks = r.mutes, r.purged_blocks
         replicated = self.replicator is not None
-        for i in range(0, len(subs), METRICS_CHUNK):
+        kept = self._metric_columns  # replaced whole: concurrent scrapes never share one
+        out = []
+        for c, i in enumerate(range(0, len(subs), METRICS_CHUNK)):
             if i and pause is not None:
                 pause()
-            _read_columns(snap, subs[i : i + METRICS_CHUNK], replicated)
+            last = kept[c] if c < len(kept) else None
+            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last))
+        self._metric_columns = out
         return snap
 
     def cursors(self) -> list[JSONObject]:

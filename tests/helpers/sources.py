@@ -58,6 +58,7 @@ def manager(
     mgr.replicator = types.SimpleNamespace() if replicated else None
     mgr.retired = RetiredTotals()
     mgr._table_lock = threading.Lock()
+    mgr._metric_columns = []
     for i in range(n):
         s = Subscription.__new__(Subscription)
         s.manager = mgr
