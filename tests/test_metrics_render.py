@@ -260,6 +260,7 @@ def test_small_slices_match_the_reference(fixed_time, monkeypatch):
     monkeypatch.setattr(subscriber, "METRICS_CHUNK", 5)
     monkeypatch.setattr(metrics_mod, "CHUNK", 7)
     monkeypatch.setattr(metrics_mod, "PAUSE", 0.0)
+    monkeypatch.setattr(metrics_mod, "SLICE", 0.0)  # pause at every chance
     c = _conductor(manager(300, odd=True))
     try:
         m = Metrics(c)

@@ -212,25 +212,32 @@ class RenderedFamily(Metric):
         return f"# HELP {self.name} {doc}\n# TYPE {self.name} {self.type}\n"
 
 
-#: Lines a scrape formats between two :func:`pause` calls: about a millisecond of work
-#: on the project's 2 vCPU machine.
+#: Lines a scrape formats between two chances to pause (:class:`Pacer`).
 CHUNK = 1024
-#: Seconds :func:`pause` sleeps.
+#: Seconds of formatting after which a scrape pauses at its next chance.
+SLICE = 0.002
+#: Seconds a pause sleeps.
 PAUSE = 0.0001
 
 
-def pause() -> None:
-    """Let other threads take the GIL: the event loop answers queries between two slices
-    of a large scrape instead of waiting for its whole formatting (the scrape runs in a
-    worker thread, never on the event loop). A sleep, not ``sleep(0)``: CPython hands the
-    GIL to a waiting thread only when the holder blocks or after the switch interval."""
-    time.sleep(PAUSE)
+class Pacer:
+    """The pauses of one scrape: called between two slices of work, it sleeps
+    :data:`PAUSE` once :data:`SLICE` seconds have passed since the last pause (or the
+    start), so that other threads take the GIL: the event loop answers queries between
+    two slices of a large scrape instead of waiting for its whole formatting (the scrape
+    runs in a worker thread, never on the event loop). A sleep, not ``sleep(0)``:
+    CPython hands the GIL to a waiting thread only when the holder blocks or after the
+    switch interval (5 ms)."""
 
+    __slots__ = ("last",)
 
-def pause_large(lines: list[str]) -> None:
-    """:func:`pause` when ``lines`` fill more than a chunk."""
-    if len(lines) > CHUNK:
-        pause()
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def __call__(self) -> None:
+        if time.perf_counter() - self.last >= SLICE:
+            time.sleep(PAUSE)
+            self.last = time.perf_counter()
 
 
 class _SourceLines:
@@ -254,10 +261,14 @@ class _SourceLines:
         return cache[1]
 
     def render(
-        self, labels: list[str], values: Callable[[int, int], list[str]], newline: bool
+        self,
+        labels: list[str],
+        values: Callable[[int, int], list[str]],
+        newline: bool,
+        pause: Callable[[], None],
     ) -> list[str]:
         """The lines, :data:`CHUNK` at a time: ``values(i, j)`` gives the values of lines
-        ``i`` to ``j`` (ending in a newline already unless ``newline``); :func:`pause`
+        ``i`` to ``j`` (ending in a newline already unless ``newline``); ``pause()``
         between two chunks."""
         prefixes = self._prefixes(labels)
         step = 3 if newline else 2
@@ -347,6 +358,7 @@ class ConductorCollector(Collector):
             exp.add_metric([kind], n)
         yield exp
 
+        pause = Pacer()
         snap = c.subs.metrics_snapshot(pause)  # O(sources): columns and totals
         applied = dict(snap.applied)
         applied["http"] = applied.get("http", 0) + c.http_events_applied
@@ -385,22 +397,22 @@ class ConductorCollector(Collector):
             _UP,
             "1 while a subscription is live (connected, not replaying, not degraded), else 0",
             "gauge",
-            lines[_UP].render(labels, lambda i, j: [_FLAG[x] for x in live[i:j]], False),
+            lines[_UP].render(labels, lambda i, j: [_FLAG[x] for x in live[i:j]], False, pause),
         )
-        pause_large(labels)
+        pause()
         yield RenderedFamily(
             _AGE,
             "Seconds since a subscription last received a batch (or since it was opened)",
             "gauge",
-            lines[_AGE].render(labels, lambda i, j: _ages(now, last[i:j]), True),
+            lines[_AGE].render(labels, lambda i, j: _ages(now, last[i:j]), True, pause),
         )
-        pause_large(labels)
+        pause()
         yield RenderedFamily(
             _MUTED,
             "1 while a subscription's (instance, DP) HBM hits are muted: not ready for "
             "--source-down-secs",
             "gauge",
-            lines[_MUTED].render(labels, lambda i, j: [_FLAG[x] for x in muted[i:j]], False),
+            lines[_MUTED].render(labels, lambda i, j: [_FLAG[x] for x in muted[i:j]], False, pause),
         )
         yield CounterMetricFamily(
             "kvconductor_source_mutes",
