@@ -17,8 +17,8 @@ loads one 4k-token HBM chain through ``POST /events``. Then, per round:
 ``--old-tree DIR`` starts a second server from another checkout (its ``kvconductor``
 package first on ``PYTHONPATH``; the compiled modules must be built there) beside the
 first, and alternates the two within each round (new, old), ``--rounds`` times: old and
-new in one run, on one machine state. Both servers stay up for the whole run; nothing
-here asserts timings.
+new in one run. Each (round, tree) has a server of its own, started and loaded for it
+and stopped after it, so the two never share the CPU; nothing here asserts timings.
 
     python bench/scrape_load.py --old-tree ../kvconductor-old --rounds 2
 """
@@ -221,6 +221,70 @@ def queries(
     return len(lat) / seconds, _pct(lat, 0.5), _pct(lat, 0.99), _pct(lat, 0.999), scrapes
 
 
+def measure(a, rnd, name, tree, workdir, url, doc, body, body_file) -> list[tuple]:
+    """One server of ``tree`` (None: this checkout), started for this round alone (the
+    other tree's server is not running meanwhile): its rows."""
+    rows: list[tuple] = []
+    port = free_port()
+    proc = start_server(port, a.sources, tree, workdir)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        register(conn, "vllm-prefill-0", 0)
+        load_chain(conn, "vllm-prefill-0", 0, doc, 1 << 40)
+        t0 = time.perf_counter()
+        register_sources(port, a.sources, url)
+        up = wait_live(port, a.sources)
+        print(
+            f"round {rnd} {name}: {a.sources} sources registered and connected in "
+            f"{time.perf_counter() - t0:.0f} s, {up} up",
+            flush=True,
+        )
+        time.sleep(a.settle)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        times, size = [], 0
+        for _ in range(a.scrapes):
+            ms, text = scrape(port, conn)
+            times.append(ms)
+            size = len(text)
+            time.sleep(0.1)
+        times.sort()
+        rows.append(
+            (
+                rnd,
+                name,
+                "scrape",
+                f"median {statistics.median(times):.1f} ms",
+                f"best {times[0]:.1f} ms",
+                f"{size:,} B",
+                "",
+            )
+        )
+        print(*rows[-1], flush=True)
+        for mode, interval in (("off", None), ("on", a.interval)):
+            rps, p50, p99, p999, sc = queries(port, body, a.conns, a.seconds, interval, body_file)
+            extra = f"{len(sc)} scrapes, median {statistics.median(sc):.1f} ms" if sc else ""
+            rows.append(
+                (
+                    rnd,
+                    name,
+                    f"query, scrape {mode}",
+                    f"{rps:,.0f} req/s",
+                    f"p50 {p50:.3f} ms",
+                    f"p99 {p99:.3f} ms",
+                    (f"p99.9 {p999:.3f} ms  " if p999 is not None else "") + extra,
+                )
+            )
+            print(*rows[-1], flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sources", type=int, default=4096)
@@ -231,6 +295,9 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between scrapes")
     ap.add_argument("--scrapes", type=int, default=20, help="idle scrapes timed per round")
     ap.add_argument(
+        "--settle", type=float, default=5.0, help="seconds of rest once the sources are up"
+    )
+    ap.add_argument(
         "--client",
         choices=("wrk", "python"),
         default="wrk" if shutil.which("wrk") else "python",
@@ -239,8 +306,8 @@ def main() -> None:
     )
     a = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = 2 * a.sources + 1024
-    if soft < need:  # the PUB holds one connection per source of each server
+    need = a.sources + 1024
+    if soft < need:  # the PUB holds one connection per source
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(need, hard), hard))
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
@@ -251,7 +318,6 @@ def main() -> None:
         trees.append(("old", a.old_tree))
     doc = tokens(4096, 1)
     body = msgspec.msgpack.encode({"model": MODEL, "block_size": BLOCK, "token_ids": doc.tolist()})
-    servers: dict[str, tuple[int, subprocess.Popen]] = {}
     rows: list[tuple] = []
     with tempfile.TemporaryDirectory() as workdir:
         body_file = None
@@ -260,71 +326,10 @@ def main() -> None:
             with open(body_file, "wb") as f:
                 f.write(body)
         try:
-            for name, tree in trees:
-                port = free_port()
-                servers[name] = (port, start_server(port, a.sources, tree, workdir))
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-                register(conn, "vllm-prefill-0", 0)
-                load_chain(conn, "vllm-prefill-0", 0, doc, 1 << 40)
-                t0 = time.perf_counter()
-                register_sources(port, a.sources, url)
-                up = wait_live(port, a.sources)
-                print(
-                    f"{name}: {a.sources} sources registered in {time.perf_counter() - t0:.0f} s,"
-                    f" {up} up",
-                    flush=True,
-                )
             for rnd in range(1, a.rounds + 1):
-                for name, _ in trees:
-                    port = servers[name][0]
-                    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-                    times, size = [], 0
-                    for _ in range(a.scrapes):
-                        ms, text = scrape(port, conn)
-                        times.append(ms)
-                        size = len(text)
-                    times.sort()
-                    rows.append(
-                        (
-                            rnd,
-                            name,
-                            "scrape",
-                            f"median {statistics.median(times):.1f} ms",
-                            f"best {times[0]:.1f} ms",
-                            f"{size:,} B",
-                            "",
-                        )
-                    )
-                    print(*rows[-1], flush=True)
-                    for mode, interval in (("off", None), ("on", a.interval)):
-                        rps, p50, p99, p999, sc = queries(
-                            port, body, a.conns, a.seconds, interval, body_file
-                        )
-                        extra = (
-                            f"{len(sc)} scrapes, median {statistics.median(sc):.1f} ms"
-                            if sc
-                            else ""
-                        )
-                        rows.append(
-                            (
-                                rnd,
-                                name,
-                                f"query, scrape {mode}",
-                                f"{rps:,.0f} req/s",
-                                f"p50 {p50:.3f} ms",
-                                f"p99 {p99:.3f} ms",
-                                (f"p99.9 {p999:.3f} ms  " if p999 is not None else "") + extra,
-                            )
-                        )
-                        print(*rows[-1], flush=True)
+                for name, tree in trees:
+                    rows += measure(a, rnd, name, tree, workdir, url, doc, body, body_file)
         finally:
-            for _, proc in servers.values():
-                proc.terminate()
-            for _, proc in servers.values():
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
             pub.close(0)
     print(
         f"\n{a.sources} sources, {a.conns} connections ({a.client}), {a.seconds:g} s per row, "
