@@ -476,6 +476,7 @@ _MUTED = attrgetter("muted")
 _LAST_EVENT = attrgetter("last_event")
 _LABELS = attrgetter("metric_labels")
 _FIRST = itemgetter(0)
+_NONES = repeat(None)  # endless: map() stops at the shorter iterable
 _ONE = 1
 
 
@@ -533,19 +534,28 @@ def _read_columns(
         for reason, n in list(d.items()):  # a copy in C: the ingest thread may add one
             dropped[reason] = dropped.get(reason, 0) + n
         snap.replays_failed += d.get("replay_failed", 0)
-    events = list(map(_EVENTS, stats))
-    for kind in set(kinds):
-        applied[kind] = applied.get(kind, 0) + sum(compress(events, map(kind.__eq__, kinds)))
+    kindset = set(kinds)
+    if len(kindset) == 1:  # one engine type (the common case): no per-kind mask
+        kind = kinds[0]
+        applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, stats))
+    else:
+        events = list(map(_EVENTS, stats))
+        for kind in kindset:
+            n = sum(compress(events, map(kind.__eq__, kinds)))
+            applied[kind] = applied.get(kind, 0) + n
     # live: what Subscription.state calls "live" (not passive, connected, not replaying,
     # not degraded), from the columns
     trackers = list(map(_TRACKER, subs))
-    live = list(
-        map(
-            and_,
-            map(and_, map(_CONNECTED, subs), map(not_, map(_REPLAYING, trackers))),
-            map(is_, map(_DEGRADED, trackers), repeat(None)),
+    if any(map(_REPLAYING, trackers)) or not all(map(is_, map(_DEGRADED, trackers), _NONES)):
+        live = list(
+            map(
+                and_,
+                map(and_, map(_CONNECTED, subs), map(not_, map(_REPLAYING, trackers))),
+                map(is_, map(_DEGRADED, trackers), _NONES),
+            )
         )
-    )
+    else:  # none replaying or degraded (the common case): live is connected
+        live = list(map(_CONNECTED, subs))
     if replicated:  # --state-url: a source this replica does not own is remote
         live = list(map(and_, live, map(_OWNED, subs)))
     muted = list(map(_MUTED, subs))
