@@ -1,52 +1,60 @@
-"""One ``/metrics`` scrape (collect + text exposition) over a ~1M-block index."""
+"""One ``/metrics`` scrape (collect + text exposition): over a ~1M-block index, and at
+4,096 sources (``--max-sources``' default; docs/performance.md, "/metrics at 4,096
+sources")."""
+
+import time
 
 import pytest
 
 pytestmark = pytest.mark.benchmark(group="metrics")
 
-SOURCES = 64
 
+def _conductor(subs):
+    from kvconductor.state.conductor import Conductor, ConductorConfig
+    from kvconductor.state.protocols import NoSubscriptions
 
-class _Sources:
-    """64 subscriptions' rows, as ``SubscriptionManager.metrics_snapshot`` gives them."""
-
-    def metrics_snapshot(self):
-        from kvconductor.ingest.subscriber import RetiredTotals, SourceMetrics
-        from kvconductor.keys import Medium
-
-        rows = [
-            SourceMetrics(
-                f"inst-{i // 8}",
-                i % 8,
-                (Medium.NPU,),
-                "vllm",
-                1000,
-                {"parent_not_found": 1},
-                0,
-                1,
-                0,
-                True,
-                0.0,
-                False,
-                0,
-                0,
-            )
-            for i in range(SOURCES)
-        ]
-        return rows, RetiredTotals()
+    c = Conductor(ConductorConfig(maintenance_interval=3600), subscriptions=NoSubscriptions)
+    c.subs = subs
+    return c
 
 
 def test_scrape_1m_block_index(benchmark, big_index):
     """Everything a scrape does: sizes() of the index under its read lock, the
-    subscription rows, the query families, and the text encoding."""
+    subscription rows (64 plain sources), the query families, and the text encoding."""
     from kvconductor.http.metrics import Metrics
-    from kvconductor.state.conductor import Conductor
+    from tests.helpers.sources import manager
 
-    c = Conductor()
+    c = _conductor(manager(64, odd=False, base=time.time() - 100))
     ix, _ = big_index  # bench/conftest.py build_index: ~1M (worker, block) pairs
     c.indexes[("bench", "default")] = ix
-    c.subs = _Sources()
     m = Metrics(c)
     out = benchmark(m.exposition)
     assert b'kvconductor_index_blocks{model="bench",tenant="default",tier="npu"}' in out
     benchmark.extra_info["bytes"] = len(out)
+    c.stop()
+
+
+@pytest.mark.parametrize("odd", [False, True], ids=["plain", "mixed"])
+def test_scrape_4096_sources(benchmark, odd):
+    """4,096 real Subscription objects (hand-built, no sockets; tests/helpers/sources.py):
+    plain live vLLM sources, or mixed (escaped labels, pools of two media, every state,
+    drops, a few ages past 1e6 s), last batches about 100 s ago."""
+    from kvconductor.http.metrics import Metrics
+    from tests.helpers.sources import manager
+
+    c = _conductor(manager(4096, odd=odd, base=time.time() - 100))
+    m = Metrics(c)
+    out = benchmark(m.exposition)
+    assert out.count(b"\nkvconductor_source_up{") >= 4096
+    benchmark.extra_info["bytes"] = len(out)
+    # the wall time includes the pauses between slices (other threads run then); the
+    # CPU time of the scraping thread is what it holds the GIL for
+    cpu = []
+    for _ in range(20):
+        t0 = time.thread_time()
+        m.exposition()
+        cpu.append(time.thread_time() - t0)
+    cpu.sort()
+    benchmark.extra_info["cpu_ms_min"] = round(cpu[0] * 1e3, 2)
+    benchmark.extra_info["cpu_ms_median"] = round(cpu[10] * 1e3, 2)
+    c.stop()

@@ -20,6 +20,7 @@ class _Ctx:
         self.url = f"tcp://10.0.{i // 256}.{i % 256}:5557"
         self.model, self.tenant = "m", "t"
         self.is_pool = False
+        self.engine_type = "vLLM"
         self.default_media = (Medium.NPU,)
 
 

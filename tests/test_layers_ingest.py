@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"vllm", "pool"},  # the decoders
     {"tracker", "host", "replicated"},  # sequence policy; the owner's seams; --state-url
     {"liveness"},  # down / muted / purged policy
-    {"ops", "stats", "context", "thread", "http_events"},  # plain data, the poller
+    {"ops", "stats", "context", "thread", "http_events", "sourcemetrics"},  # plain data, the poller
 ]
 
 

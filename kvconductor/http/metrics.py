@@ -32,12 +32,10 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvconductor import __version__
-from kvconductor.keys import Medium
 
 if TYPE_CHECKING:
-    from kvconductor.ingest.subscriber import RetiredTotals, SourceMetrics
     from kvconductor.state.conductor import Conductor
-    from kvconductor.state.protocols import Replica, SnapshotCounts, Subscriptions
+    from kvconductor.state.protocols import Replica, SnapshotCounts
 
 __all__ = [
     "CONTENT_TYPE",
@@ -328,9 +326,114 @@ class QuerySumCollector(Collector):
         yield from merge_query_metrics(self.local, self.others())
 
 
-def _subscription_rows(subs: Subscriptions) -> tuple[list[SourceMetrics], RetiredTotals | None]:
-    # before start, and in tests, a NoSubscriptions: no rows, no totals
-    return subs.metrics_snapshot()
+class RenderedFamily(Metric):
+    """A family whose samples are already text (one line per sample, in the format
+    ``generate_latest`` writes): :meth:`Metrics.exposition` writes its header and
+    :attr:`text` as they are. Its ``samples`` stay empty: only :class:`Metrics` renders it.
+    """
+
+    def __init__(self, name: str, documentation: str, typ: str, text: list[str]) -> None:
+        super().__init__(name, documentation, typ)
+        #: The lines, in pieces to be joined.
+        self.text = text
+
+    def header(self) -> str:
+        """``# HELP`` and ``# TYPE`` as ``generate_latest`` writes them (a gauge's name)."""
+        doc = self.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        return f"# HELP {self.name} {doc}\n# TYPE {self.name} {self.type}\n"
+
+
+#: Lines a scrape formats between two chances to pause (:class:`Pacer`).
+CHUNK = 1024
+#: Seconds of formatting after which a scrape pauses at its next chance.
+SLICE = 0.002
+#: Seconds a pause sleeps.
+PAUSE = 0.0001
+
+
+class Pacer:
+    """The pauses of one scrape: called between two slices of work, it sleeps
+    :data:`PAUSE` once :data:`SLICE` seconds have passed since the last pause (or the
+    start), so that other threads take the GIL: the event loop answers queries between
+    two slices of a large scrape instead of waiting for its whole formatting (the scrape
+    runs in a worker thread, never on the event loop). A sleep, not ``sleep(0)``:
+    CPython hands the GIL to a waiting thread only when the holder blocks or after the
+    switch interval (5 ms)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = time.perf_counter()
+
+    def __call__(self) -> None:
+        if time.perf_counter() - self.last >= SLICE:
+            time.sleep(PAUSE)
+            self.last = time.perf_counter()
+
+
+class _SourceLines:
+    """The lines of one per-source family: ``name{labels} value``, one per (source,
+    medium) of a :class:`~kvconductor.ingest.sourcemetrics.SourceSnapshot`.
+
+    The ``name{labels} `` prefixes are kept while the label sets stay the same (the same
+    sources in the same order: a list comparison that meets the same string objects), so
+    a scrape only formats the values and joins.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._cache: tuple[list[str], list[str]] = ([], [])
+
+    def _prefixes(self, labels: list[str]) -> list[str]:
+        cache = self._cache  # one read: a concurrent scrape may replace it
+        if cache[0] != labels:
+            cache = (labels, [f"{self.name}{ls} " for ls in labels])
+            self._cache = cache
+        return cache[1]
+
+    def render(
+        self,
+        labels: list[str],
+        values: Callable[[int, int], list[str]],
+        newline: bool,
+        pause: Callable[[], None],
+    ) -> list[str]:
+        """The lines, :data:`CHUNK` at a time: ``values(i, j)`` gives the values of lines
+        ``i`` to ``j`` (ending in a newline already unless ``newline``); ``pause()``
+        between two chunks."""
+        prefixes = self._prefixes(labels)
+        step = 3 if newline else 2
+        out = []
+        for i in range(0, len(labels), CHUNK):
+            if i:
+                pause()
+            j = min(i + CHUNK, len(labels))
+            # PERF: interleaved by slice assignment and joined once; no string is built
+            # per sample but the value itself.
+            parts: list[str] = [""] * (step * (j - i))
+            parts[::step] = prefixes[i:j]
+            parts[1::step] = values(i, j)
+            if newline:
+                parts[2::3] = ["\n"] * (j - i)
+            out.append("".join(parts))
+        return out
+
+
+_FLAG = ("0.0\n", "1.0\n")
+
+
+def _ages(now: float, last: list[float]) -> list[str]:
+    """``max(0, now - t)`` per wall-clock time ``t``, as ``floatToGoString`` writes it."""
+    ages = [now - t for t in last]
+    if not ages or (min(ages) > 0.0 and max(ages) < 1e6):
+        # PERF: what floatToGoString writes as repr (no exponent before 1e6), in C.
+        return list(map(repr, ages))
+    return [floatToGoString(max(0.0, a)) for a in ages]
+
+
+_UP = "kvconductor_source_up"
+_AGE = "kvconductor_source_last_event_age_seconds"
+_MUTED = "kvconductor_source_muted"
 
 
 class ConductorCollector(Collector):
@@ -338,6 +441,7 @@ class ConductorCollector(Collector):
 
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
+        self._lines = {name: _SourceLines(name) for name in (_UP, _AGE, _MUTED)}
 
     def describe(self) -> Iterable[Metric]:
         # Nothing at registration time: collect() reads live state.
@@ -385,52 +489,11 @@ class ConductorCollector(Collector):
             exp.add_metric([kind], n)
         yield exp
 
-        rows, retired = _subscription_rows(c.subs)
-        applied: dict[str, int] = {"http": c.http_events_applied}
-        dropped: dict[str, int] = {}
-        gaps = 0
-        ok = failed = 0
-        if retired is not None:
-            for kind, n in retired.events.items():
-                applied[kind] = applied.get(kind, 0) + n
-            for reason, n in retired.dropped.items():
-                dropped[reason] = dropped.get(reason, 0) + n
-            gaps += retired.gaps
-            ok += retired.replays_ok
-            failed += retired.replays_failed
-        up = GaugeMetricFamily(
-            "kvconductor_source_up",
-            "1 while a subscription is live (connected, not replaying, not degraded), else 0",
-            labels=["instance_id", "dp_rank", "medium"],
-        )
-        age = GaugeMetricFamily(
-            "kvconductor_source_last_event_age_seconds",
-            "Seconds since a subscription last received a batch (or since it was opened)",
-            labels=["instance_id", "dp_rank", "medium"],
-        )
-        muted = GaugeMetricFamily(
-            "kvconductor_source_muted",
-            "1 while a subscription's (instance, DP) HBM hits are muted: not ready for "
-            "--source-down-secs",
-            labels=["instance_id", "dp_rank", "medium"],
-        )
-        mutes = purged = 0
-        if retired is not None:
-            mutes, purged = retired.mutes, retired.purged_blocks
-        for row in rows:
-            mutes += row.mutes
-            purged += row.purged_blocks
-            applied[row.source_kind] = applied.get(row.source_kind, 0) + row.events
-            for reason, n in row.dropped.items():
-                dropped[reason] = dropped.get(reason, 0) + n
-            gaps += row.gaps
-            ok += row.replays_ok
-            failed += row.replays_failed
-            for m in row.media:
-                labels = [row.instance_id, str(row.dp_rank), Medium(m).name]
-                up.add_metric(labels, 1 if row.live else 0)
-                age.add_metric(labels, max(0.0, now - row.last_event))
-                muted.add_metric(labels, 1 if row.muted else 0)
+        pause = Pacer()
+        snap = c.subs.metrics_snapshot(pause)  # O(sources): columns and totals
+        applied = dict(snap.applied)
+        applied["http"] = applied.get("http", 0) + c.http_events_applied
+        dropped = snap.dropped
         ev = CounterMetricFamily(
             "kvconductor_events_applied",
             "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "
@@ -449,32 +512,52 @@ class ConductorCollector(Collector):
             dr.add_metric([reason], dropped[reason])
         yield dr
         yield CounterMetricFamily(
-            "kvconductor_source_gaps", "Sequence gaps seen on the ZeroMQ streams", value=gaps
+            "kvconductor_source_gaps", "Sequence gaps seen on the ZeroMQ streams", value=snap.gaps
         )
         rp = CounterMetricFamily(
             "kvconductor_replays",
             "Finished replays: ok (end marker arrived) or failed (a loss)",
             labels=["outcome"],
         )
-        rp.add_metric(["ok"], ok)
-        rp.add_metric(["failed"], failed)
+        rp.add_metric(["ok"], snap.replays_ok)
+        rp.add_metric(["failed"], snap.replays_failed)
         yield rp
-        yield up
-        yield age
-        yield muted
+        labels, lines = snap.labels, self._lines
+        live, muted, last = snap.live, snap.muted, snap.last_event
+        yield RenderedFamily(
+            _UP,
+            "1 while a subscription is live (connected, not replaying, not degraded), else 0",
+            "gauge",
+            lines[_UP].render(labels, lambda i, j: [_FLAG[x] for x in live[i:j]], False, pause),
+        )
+        pause()
+        yield RenderedFamily(
+            _AGE,
+            "Seconds since a subscription last received a batch (or since it was opened)",
+            "gauge",
+            lines[_AGE].render(labels, lambda i, j: _ages(now, last[i:j]), True, pause),
+        )
+        pause()
+        yield RenderedFamily(
+            _MUTED,
+            "1 while a subscription's (instance, DP) HBM hits are muted: not ready for "
+            "--source-down-secs",
+            "gauge",
+            lines[_MUTED].render(labels, lambda i, j: [_FLAG[x] for x in muted[i:j]], False, pause),
+        )
         yield CounterMetricFamily(
             "kvconductor_source_mutes",
             "Times a source's (instance, DP) HBM hits were muted (down past --source-down-secs)",
-            value=mutes,
+            value=snap.mutes,
         )
         yield CounterMetricFamily(
             "kvconductor_source_purged_blocks",
             "HBM blocks dropped because their source stayed down past --source-purge-secs",
-            value=purged,
+            value=snap.purged_blocks,
         )
-        snap = c.snapshotter
-        if snap is not None:
-            yield from _snapshot_metrics(snap.stats)
+        snapshotter = c.snapshotter
+        if snapshotter is not None:
+            yield from _snapshot_metrics(snapshotter.stats)
         rep = c.replicator
         if rep is not None:
             yield from _replica_metrics(rep)
@@ -604,5 +687,29 @@ class Metrics:
             self.registry.register(collector)
 
     def exposition(self) -> bytes:
-        """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`) of every metric."""
-        return generate_latest(self.registry)
+        """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`) of every metric:
+        ``generate_latest``'s, with the :class:`RenderedFamily` texts written as they are."""
+        parts: list[str] = []
+        pending: list[Metric] = []
+        for fam in self.registry.collect():
+            if isinstance(fam, RenderedFamily):
+                if pending:
+                    parts.append(generate_latest(_Families(pending)).decode())
+                    pending = []
+                parts.append(fam.header())
+                parts += fam.text
+            else:
+                pending.append(fam)
+        if pending:
+            parts.append(generate_latest(_Families(pending)).decode())
+        return "".join(parts).encode()
+
+
+class _Families(Collector):
+    """Families already collected, for ``generate_latest``."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families

@@ -56,7 +56,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+from itertools import chain, compress, repeat
+from operator import and_, attrgetter, is_, itemgetter, not_
 
 import zmq
 
@@ -67,6 +69,7 @@ from kvconductor.ingest.liveness import Liveness
 from kvconductor.ingest.replay import ReplaySession
 from kvconductor.ingest.replicated import DUPLICATE, HOLE, ReplicaState
 from kvconductor.ingest.source import SubSource
+from kvconductor.ingest.sourcemetrics import SourceSnapshot, label_sets
 from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.ingest.tracker import SequenceTracker, digest
@@ -87,7 +90,7 @@ class Subscription:
     def __init__(self, manager: SubscriptionManager, ctx: SubscriberContext) -> None:
         self.manager = manager
         self.thread = manager.thread
-        self.ctx = ctx
+        self.ctx = ctx  # also its metric label sets and source kind (the ctx setter)
         self.key = (ctx.instance_id, ctx.dp_rank, ctx.url)
         self.stats = SourceStats()
         #: Wall-clock time of the last batch received (live or replayed); at first, of
@@ -122,6 +125,21 @@ class Subscription:
             self.tracker.last_digest = cursor[1]
             self.replica.applied = (cursor[0], cursor[1])
             self.replica.fence = max(self.replica.fence, cursor[2])
+
+    @property
+    def ctx(self) -> SubscriberContext:
+        """The registration facts the subscription applies events under."""
+        return self._ctx
+
+    @ctx.setter
+    def ctx(self, ctx: SubscriberContext) -> None:
+        # PERF: what /metrics shows of the source, rendered once per registration
+        # (and again on retarget), never per scrape.
+        self._ctx = ctx
+        #: ``{dp_rank=..,instance_id=..,medium=..}`` per medium (metrics_snapshot).
+        self.metric_labels = label_sets(ctx.instance_id, ctx.dp_rank, ctx.default_media)
+        #: ``kvconductor_events_applied``'s source_kind.
+        self.kind = source_kind(ctx.is_pool, ctx.engine_type)
 
     @property
     def owned(self) -> bool:
@@ -417,25 +435,6 @@ class Subscription:
         return None if loss is None else {"at": loss[0], "why": loss[1]}
 
 
-class SourceMetrics(NamedTuple):
-    """One subscription's row of :meth:`SubscriptionManager.metrics_snapshot`."""
-
-    instance_id: str
-    dp_rank: int
-    media: tuple
-    source_kind: str
-    events: int
-    dropped: dict[str, int]
-    gaps: int
-    replays_ok: int
-    replays_failed: int
-    live: bool
-    last_event: float
-    muted: bool
-    mutes: int
-    purged_blocks: int
-
-
 class RetiredTotals:
     """Counters of the subscriptions closed so far, so that the metrics' sums over
     subscriptions never go down when one closes (a counter reset to Prometheus)."""
@@ -459,16 +458,26 @@ class RetiredTotals:
         self.mutes = 0
         self.purged_blocks = 0
 
-    def copy(self) -> RetiredTotals:
-        c = RetiredTotals()
-        c.events = dict(self.events)
-        c.dropped = dict(self.dropped)
-        c.gaps = self.gaps
-        c.replays_ok = self.replays_ok
-        c.replays_failed = self.replays_failed
-        c.mutes = self.mutes
-        c.purged_blocks = self.purged_blocks
-        return c
+
+_STATS = attrgetter("stats")
+_EVENTS = attrgetter("events")
+_GAPS = attrgetter("gaps")
+_REPLAYS_OK = attrgetter("replays_ok")
+_MUTES = attrgetter("mutes")
+_PURGED = attrgetter("purged_blocks")
+_DROPPED = attrgetter("dropped")
+_KIND = attrgetter("kind")
+_TRACKER = attrgetter("tracker")
+_CONNECTED = attrgetter("connected")
+_REPLAYING = attrgetter("replaying")
+_DEGRADED = attrgetter("degraded_since")
+_OWNED = attrgetter("replica.owned")
+_MUTED = attrgetter("muted")
+_LAST_EVENT = attrgetter("last_event")
+_LABELS = attrgetter("metric_labels")
+_FIRST = itemgetter(0)
+_NONES = repeat(None)  # endless: map() stops at the shorter iterable
+_ONE = 1
 
 
 def _replays(sub: Subscription) -> tuple[int, int]:
@@ -476,6 +485,91 @@ def _replays(sub: Subscription) -> tuple[int, int]:
     once, when it ends, so both only grow."""
     s = sub.stats
     return s.replays_ok, s.dropped.get("replay_failed", 0)
+
+
+#: Subscriptions read per slice of a ``/metrics`` scrape (metrics_snapshot's ``pause``).
+METRICS_CHUNK = 1024
+
+
+#: What a slice of subscriptions keeps between scrapes while it stays the same (the
+#: same subscriptions with the same label sets): (subscriptions, their label sets, their
+#: SourceStats, their source kinds, the label sets flattened, media per subscription
+#: or None when each has one).
+_Columns = tuple[
+    list["Subscription"],
+    list[tuple[str, ...]],
+    list[SourceStats],
+    list[str],
+    list[str],
+    list[int] | None,
+]
+
+
+def _read_columns(
+    snap: SourceSnapshot, subs: list[Subscription], replicated: bool, kept: _Columns | None
+) -> _Columns:
+    """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
+    returns what the next scrape may reuse (``kept``: this slice's from the last one)."""
+    # PERF: every column read by map/attrgetter (C loops); no Python statement per
+    # subscription but for the rare ones with drops. What only changes with the table
+    # or a registration (stats objects, kinds, label sets) is reused while the slice's
+    # subscriptions and label sets compare equal (identity, in C).
+    sets = list(map(_LABELS, subs))
+    if kept is not None and kept[0] == subs and kept[1] == sets:
+        stats, kinds, labels, ks = kept[2], kept[3], kept[4], kept[5]
+    else:
+        stats = list(map(_STATS, subs))
+        kinds = list(map(_KIND, subs))
+        if all(map(_ONE.__eq__, map(len, sets))):
+            labels, ks = list(map(_FIRST, sets)), None
+        else:  # sources of several media: a line per medium
+            labels, ks = list(chain.from_iterable(sets)), list(map(len, sets))
+        kept = (subs, sets, stats, kinds, labels, ks)
+    applied, dropped = snap.applied, snap.dropped
+    snap.gaps += sum(map(_GAPS, stats))
+    snap.replays_ok += sum(map(_REPLAYS_OK, stats))
+    snap.mutes += sum(map(_MUTES, stats))
+    snap.purged_blocks += sum(map(_PURGED, stats))
+    for d in filter(None, map(_DROPPED, stats)):
+        for reason, n in list(d.items()):  # a copy in C: the ingest thread may add one
+            dropped[reason] = dropped.get(reason, 0) + n
+        snap.replays_failed += d.get("replay_failed", 0)
+    kindset = set(kinds)
+    if len(kindset) == 1:  # one engine type (the common case): no per-kind mask
+        kind = kinds[0]
+        applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, stats))
+    else:
+        events = list(map(_EVENTS, stats))
+        for kind in kindset:
+            n = sum(compress(events, map(kind.__eq__, kinds)))
+            applied[kind] = applied.get(kind, 0) + n
+    # live: what Subscription.state calls "live" (not passive, connected, not replaying,
+    # not degraded), from the columns
+    trackers = list(map(_TRACKER, subs))
+    if any(map(_REPLAYING, trackers)) or not all(map(is_, map(_DEGRADED, trackers), _NONES)):
+        live = list(
+            map(
+                and_,
+                map(and_, map(_CONNECTED, subs), map(not_, map(_REPLAYING, trackers))),
+                map(is_, map(_DEGRADED, trackers), _NONES),
+            )
+        )
+    else:  # none replaying or degraded (the common case): live is connected
+        live = list(map(_CONNECTED, subs))
+    if replicated:  # --state-url: a source this replica does not own is remote
+        live = list(map(and_, live, map(_OWNED, subs)))
+    muted = list(map(_MUTED, subs))
+    last = list(map(_LAST_EVENT, stats))
+    snap.labels += labels
+    if ks is None:
+        snap.live += live
+        snap.muted += muted
+        snap.last_event += last
+    else:  # each value repeated for each medium of its source
+        snap.live += chain.from_iterable(map(repeat, live, ks))
+        snap.muted += chain.from_iterable(map(repeat, muted, ks))
+        snap.last_event += chain.from_iterable(map(repeat, last, ks))
+    return kept
 
 
 class SubscriptionManager:
@@ -540,6 +634,8 @@ class SubscriptionManager:
         #: closing subscription's counters either in the table or in :attr:`retired`,
         #: never in both or neither. Never taken per batch.
         self._table_lock = threading.Lock()
+        #: What the last scrape read that only changes with the table (_read_columns).
+        self._metric_columns: list[_Columns] = []
 
     def _add(self, sub: Subscription) -> None:
         iid, dp, url = sub.key
@@ -557,8 +653,7 @@ class SubscriptionManager:
                 del self._by_dp[key[0], key[1]]
             r = self.retired
             s = sub.stats
-            kind = source_kind(sub.ctx.is_pool, sub.ctx.engine_type)
-            r.events[kind] = r.events.get(kind, 0) + s.events
+            r.events[sub.kind] = r.events.get(sub.kind, 0) + s.events
             for reason, n in s.dropped.items():
                 r.dropped[reason] = r.dropped.get(reason, 0) + n
             r.gaps += s.gaps
@@ -569,36 +664,34 @@ class SubscriptionManager:
             r.purged_blocks += s.purged_blocks
         return sub
 
-    def metrics_snapshot(self) -> tuple[list[SourceMetrics], RetiredTotals]:
-        """Any thread (the ``/metrics`` scrape): a :class:`SourceMetrics` per subscription
-        and a copy of the closed subscriptions' totals. O(subscriptions), plain reads of
-        counters under the table lock."""
-        rows = []
+    def metrics_snapshot(self, pause: Callable[[], None] | None = None) -> SourceSnapshot:
+        """Any thread (the ``/metrics`` scrape): the subscriptions' columns and totals,
+        the closed subscriptions' totals included. O(subscriptions), plain reads of
+        counters; the label sets are the subscriptions' own (rendered at registration).
+
+        The table and the retired totals are read together under the table lock (a
+        closing subscription counts once: in the list, or in the totals); the counters
+        of the listed subscriptions are read after it, :data:`METRICS_CHUNK` at a time,
+        with ``pause()`` between two chunks (the scrape lets other threads run)."""
+        snap = SourceSnapshot()
+        applied, dropped = snap.applied, snap.dropped
         with self._table_lock:
-            for sub in self._subs.values():
-                s = sub.stats
-                ctx = sub.ctx
-                ok, failed = _replays(sub)
-                rows.append(
-                    SourceMetrics(
-                        ctx.instance_id,
-                        ctx.dp_rank,
-                        ctx.default_media,
-                        source_kind(ctx.is_pool, ctx.engine_type),
-                        s.events,
-                        dict(s.dropped),
-                        s.gaps,
-                        ok,
-                        failed,
-                        sub.state == "live",
-                        s.last_event,
-                        sub.muted,
-                        s.mutes,
-                        s.purged_blocks,
-                    )
-                )
-            retired = self.retired.copy()
-        return rows, retired
+            subs = list(self._subs.values())
+            r = self.retired
+            applied.update(r.events)
+            dropped.update(r.dropped)
+            snap.gaps, snap.replays_ok, snap.replays_failed = r.gaps, r.replays_ok, r.replays_failed
+            snap.mutes, snap.purged_blocks = r.mutes, r.purged_blocks
+        replicated = self.replicator is not None
+        kept = self._metric_columns  # replaced whole: concurrent scrapes never share one
+        out = []
+        for c, i in enumerate(range(0, len(subs), METRICS_CHUNK)):
+            if i and pause is not None:
+                pause()
+            last = kept[c] if c < len(kept) else None
+            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last))
+        self._metric_columns = out
+        return snap
 
     def cursors(self) -> list[JSONObject]:
         """Where each subscription's applied sequence stands (ingest thread; snapshots):

@@ -22,16 +22,17 @@ modules above them all name their seams from here, so the import map has no circ
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
+from kvconductor.ingest.sourcemetrics import SourceSnapshot
 from kvconductor.schema import JSONObject, JSONValue
 
 if TYPE_CHECKING:
     from kvconductor.index import QueryResult
     from kvconductor.ingest.context import SubscriberContext
     from kvconductor.ingest.host import SourceJournal
-    from kvconductor.ingest.subscriber import RetiredTotals, SourceMetrics, Subscription
+    from kvconductor.ingest.subscriber import Subscription
 
 __all__ = [
     "IndexView",
@@ -209,7 +210,7 @@ class Subscriptions(Protocol):
     def get(self, instance_id: str, dp_rank: int, url: str) -> Subscription | None: ...
     def check_sources(self, now: float | None = None) -> None: ...
     def cursors(self) -> list[JSONObject]: ...
-    def metrics_snapshot(self) -> tuple[list[SourceMetrics], RetiredTotals | None]: ...
+    def metrics_snapshot(self, pause: Callable[[], None] | None = None) -> SourceSnapshot: ...
     def close(self) -> None: ...
 
     # the replicated log's source entries (kvconductor.state.replica)
@@ -266,8 +267,8 @@ class NoSubscriptions:
     def cursors(self) -> list[JSONObject]:
         return []
 
-    def metrics_snapshot(self) -> tuple[list[SourceMetrics], RetiredTotals | None]:
-        return [], None
+    def metrics_snapshot(self, pause: Callable[[], None] | None = None) -> SourceSnapshot:
+        return SourceSnapshot()
 
     def close(self) -> None:
         pass

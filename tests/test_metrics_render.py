@@ -1,0 +1,327 @@
+"""``GET /metrics`` rendered fast (docs/performance.md, "/metrics at 4,096 sources") is
+byte for byte what prometheus_client's ``generate_latest`` writes for the same state.
+
+The reference below is the straightforward rendering kept independent of the service's:
+one prometheus_client ``Metric`` per family, one sample per (source, medium), every row
+read from the subscriptions themselves, written by ``generate_latest``. Both run over the
+same hand-built subscriptions (labels needing escaping, several media, pools, every
+state, counters of every kind, retired totals) at the same wall-clock time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from kvconductor import __version__
+from kvconductor.http import metrics as metrics_mod
+from kvconductor.http.metrics import Metrics
+from kvconductor.ingest.context import source_kind
+from kvconductor.keys import Medium
+from kvconductor.state.conductor import Conductor, ConductorConfig
+from kvconductor.state.protocols import NoSubscriptions
+from tests.helpers.sources import manager
+
+NOW = 1_700_000_100.0
+
+
+def _rows(subs) -> tuple[list[tuple], object]:
+    """(instance_id, dp_rank, media, kind, events, dropped, gaps, ok, failed, live,
+    last_event, muted, mutes, purged) of every subscription, and the retired totals."""
+    mgr = subs
+    rows = []
+    for sub in getattr(mgr, "_subs", {}).values():
+        s, ctx = sub.stats, sub.ctx
+        live = sub.manager.replicator is None or sub.replica.owned
+        live = live and sub.tracker.state(sub.connected) == "live"
+        rows.append(
+            (
+                ctx.instance_id,
+                ctx.dp_rank,
+                ctx.default_media,
+                source_kind(ctx.is_pool, ctx.engine_type),
+                s.events,
+                dict(s.dropped),
+                s.gaps,
+                s.replays_ok,
+                s.dropped.get("replay_failed", 0),
+                live,
+                s.last_event,
+                sub.muted,
+                s.mutes,
+                s.purged_blocks,
+            )
+        )
+    return rows, getattr(mgr, "retired", None)
+
+
+class ReferenceCollector(Collector):
+    """The conductor's families as plain prometheus_client metrics."""
+
+    def __init__(self, c: Conductor) -> None:
+        self.c = c
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.c
+        now = time.time()
+        build = GaugeMetricFamily(
+            "kvconductor_build_info", "Build of the running service (always 1)", labels=["version"]
+        )
+        build.add_metric([__version__], 1)
+        yield build
+        yield GaugeMetricFamily(
+            "kvconductor_registrations", "Registered (instance, DP) pairs", value=c.registrations
+        )
+        blocks = GaugeMetricFamily(
+            "kvconductor_index_blocks",
+            "Blocks held per (model, tenant) index and tier (HBM counts (worker, block) pairs)",
+            labels=["model", "tenant", "tier"],
+        )
+        nbytes = GaugeMetricFamily(
+            "kvconductor_index_bytes",
+            "Structure memory of each (model, tenant) index",
+            labels=["model", "tenant"],
+        )
+        for (model, tenant), idx in sorted(c.indexes.items()):
+            s = idx.sizes()
+            blocks.add_metric([model, tenant, "npu"], s["hbm_pairs"])
+            blocks.add_metric([model, tenant, "cpu"], s["cpu_blocks"])
+            blocks.add_metric([model, tenant, "disk"], s["disk_blocks"])
+            nbytes.add_metric([model, tenant], s["nbytes"])
+        yield blocks
+        yield nbytes
+        exp = CounterMetricFamily(
+            "kvconductor_two_phase_expired",
+            "Two-phase entries expired unmatched: engine offloads no pool confirmed "
+            "(offload), pool confirmations no engine offload came for (pool_confirmation)",
+            labels=["kind"],
+        )
+        for kind, n in sorted(c.expired.items()):
+            exp.add_metric([kind], n)
+        yield exp
+        rows, retired = _rows(c.subs)
+        applied: dict[str, int] = {"http": c.http_events_applied}
+        dropped: dict[str, int] = {}
+        gaps = ok = failed = mutes = purged = 0
+        if retired is not None:
+            for kind, n in retired.events.items():
+                applied[kind] = applied.get(kind, 0) + n
+            for reason, n in retired.dropped.items():
+                dropped[reason] = dropped.get(reason, 0) + n
+            gaps += retired.gaps
+            ok += retired.replays_ok
+            failed += retired.replays_failed
+            mutes, purged = retired.mutes, retired.purged_blocks
+        labels = ["instance_id", "dp_rank", "medium"]
+        up = GaugeMetricFamily(
+            "kvconductor_source_up",
+            "1 while a subscription is live (connected, not replaying, not degraded), else 0",
+            labels=labels,
+        )
+        age = GaugeMetricFamily(
+            "kvconductor_source_last_event_age_seconds",
+            "Seconds since a subscription last received a batch (or since it was opened)",
+            labels=labels,
+        )
+        muted = GaugeMetricFamily(
+            "kvconductor_source_muted",
+            "1 while a subscription's (instance, DP) HBM hits are muted: not ready for "
+            "--source-down-secs",
+            labels=labels,
+        )
+        for iid, dp, media, kind, ev, drop, g, o, f, live, last, mu, ms, pb in rows:
+            mutes += ms
+            purged += pb
+            applied[kind] = applied.get(kind, 0) + ev
+            for reason, n in drop.items():
+                dropped[reason] = dropped.get(reason, 0) + n
+            gaps += g
+            ok += o
+            failed += f
+            for m in media:
+                lv = [iid, str(dp), Medium(m).name]
+                up.add_metric(lv, 1 if live else 0)
+                age.add_metric(lv, max(0.0, now - last))
+                muted.add_metric(lv, 1 if mu else 0)
+        ev_f = CounterMetricFamily(
+            "kvconductor_events_applied",
+            "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "
+            "events; http: POST /events)",
+            labels=["source_kind"],
+        )
+        for kind in sorted(applied):
+            ev_f.add_metric([kind], applied[kind])
+        yield ev_f
+        dr = CounterMetricFamily(
+            "kvconductor_events_dropped",
+            "Messages and events dropped by the ZeroMQ ingest, by reason (/workers dropped)",
+            labels=["reason"],
+        )
+        for reason in sorted(dropped):
+            dr.add_metric([reason], dropped[reason])
+        yield dr
+        yield CounterMetricFamily(
+            "kvconductor_source_gaps", "Sequence gaps seen on the ZeroMQ streams", value=gaps
+        )
+        rp = CounterMetricFamily(
+            "kvconductor_replays",
+            "Finished replays: ok (end marker arrived) or failed (a loss)",
+            labels=["outcome"],
+        )
+        rp.add_metric(["ok"], ok)
+        rp.add_metric(["failed"], failed)
+        yield rp
+        yield up
+        yield age
+        yield muted
+        yield CounterMetricFamily(
+            "kvconductor_source_mutes",
+            "Times a source's (instance, DP) HBM hits were muted (down past --source-down-secs)",
+            value=mutes,
+        )
+        yield CounterMetricFamily(
+            "kvconductor_source_purged_blocks",
+            "HBM blocks dropped because their source stayed down past --source-purge-secs",
+            value=purged,
+        )
+        if c.snapshotter is not None:
+            yield from metrics_mod._snapshot_metrics(c.snapshotter.stats)
+        if c.replicator is not None:
+            yield from metrics_mod._replica_metrics(c.replicator)
+
+
+def _reference(m: Metrics, c: Conductor) -> bytes:
+    reg = CollectorRegistry(auto_describe=False)
+    for col in m.query.collectors():
+        reg.register(col)
+    reg.register(ReferenceCollector(c))
+    return generate_latest(reg)
+
+
+@pytest.fixture
+def fixed_time(monkeypatch):
+    monkeypatch.setattr(time, "time", lambda: NOW)
+
+
+def _conductor(subs) -> Conductor:
+    c = Conductor(ConductorConfig(maintenance_interval=3600), subscriptions=NoSubscriptions)
+    c.subs = subs
+    c.http_events_applied = 17
+    c.expired["offload"] = 2
+    return c
+
+
+def _with_queries(m: Metrics) -> None:
+    q = m.query
+    for secs in (0.00005, 0.0003, 0.02, 3.0):
+        q.route_seconds["/query"].observe(secs)
+    q.count_blocks(5, 0, 2)
+    q.no_match.inc()
+    q.route_errors["/query_by_hash"].inc()
+
+
+@pytest.mark.parametrize(
+    ("n", "odd", "replicated"),
+    [
+        (0, True, False),
+        (1, False, False),
+        (600, True, False),
+        (600, True, True),
+        (64, False, False),
+    ],
+)
+def test_exposition_matches_the_reference(fixed_time, n, odd, replicated):
+    c = _conductor(manager(n, odd=odd, replicated=replicated))
+    try:
+        m = Metrics(c)
+        _with_queries(m)
+        got, want = m.exposition(), _reference(m, c)
+        assert got.decode() == want.decode()
+        assert got == want
+        if n and odd:  # the rows that matter were there to compare
+            assert b'instance_id="a\\"b-0"' in got
+            assert b"\\n" in got and "ünï".encode() in got and b"e+06" in got
+    finally:
+        c.stop()
+
+
+def test_small_slices_match_the_reference(fixed_time, monkeypatch):
+    """A scrape read and formatted a few sources at a time (pauses between slices), the
+    slices' edges inside a run of sources of several media."""
+    import kvconductor.ingest.subscriber as subscriber
+
+    pauses = []
+    monkeypatch.setattr(subscriber, "METRICS_CHUNK", 5)
+    monkeypatch.setattr(metrics_mod, "CHUNK", 7)
+    monkeypatch.setattr(metrics_mod, "PAUSE", 0.0)
+    monkeypatch.setattr(metrics_mod, "SLICE", 0.0)  # pause at every chance
+    c = _conductor(manager(300, odd=True))
+    try:
+        m = Metrics(c)
+        monkeypatch.setattr(metrics_mod.time, "sleep", lambda s: pauses.append(s))
+        got = m.exposition()
+        monkeypatch.undo()
+        monkeypatch.setattr(time, "time", lambda: NOW)
+        assert got == _reference(m, c)
+        assert len(pauses) > 100
+    finally:
+        c.stop()
+
+
+def test_no_subscriptions_matches_the_reference(fixed_time):
+    c = Conductor(ConductorConfig(maintenance_interval=3600), subscriptions=NoSubscriptions)
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+    finally:
+        c.stop()
+
+
+def test_a_retargeted_subscription_is_scraped_under_its_new_labels(fixed_time):
+    """A registration changed on the same URL (``Subscription.retarget``): the next
+    scrape shows the new media, not labels kept from before."""
+    import dataclasses
+
+    mgr = manager(3, odd=False)
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+        sub = next(iter(mgr._subs.values()))
+        sub.ctx = dataclasses.replace(sub.ctx, default_media=(Medium.NPU, Medium.CPU))
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert b'kvconductor_source_up{dp_rank="0",instance_id="inst-0",medium="CPU"} 1.0' in got
+    finally:
+        c.stop()
+
+
+def test_a_changed_table_is_scraped_as_it_is_now(fixed_time, monkeypatch):
+    """What a scrape keeps of the table's columns (stats, kinds, label sets) is not
+    reused once a subscription is gone or another is there, in any slice."""
+    import kvconductor.ingest.subscriber as subscriber
+
+    monkeypatch.setattr(subscriber, "METRICS_CHUNK", 4)
+    mgr = manager(20, odd=True)
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+        keys = list(mgr._subs)
+        moved = mgr._subs.pop(keys[5])  # gone from the second slice
+        assert m.exposition() == _reference(m, c)
+        mgr._subs[keys[5]] = moved  # back, at the end
+        del mgr._subs[keys[0]]
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert got.count(b"\nkvconductor_source_up{") == len(_rows(mgr)[0]) + sum(
+            len(r[2]) - 1 for r in _rows(mgr)[0]
+        )
+    finally:
+        c.stop()
