@@ -169,6 +169,8 @@ def main() -> None:
         for rnd in range(args.rounds):
             for workers in args.workers:
                 for name, tree in contenders:
+                    if workers > 1 and tree and not _supports(tree, "--workers"):
+                        continue  # a tree from before --workers: one process only
                     port = free_port()
                     if name == "floor":
                         proc = start_floor(port, workers, answer)
@@ -198,6 +200,8 @@ def print_table(results: dict, contenders: list, args) -> None:
                 floors = results[("floor", workers, size, conns)]
                 for i, floor in enumerate(floors):
                     for name, _ in contenders:
+                        if (name, workers, size, conns) not in results:
+                            continue
                         row = results[(name, workers, size, conns)][i]
                         print(
                             f"{workers:>7} {size:>6} {conns:>5} {i + 1:>5} {name:>6} "
