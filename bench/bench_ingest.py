@@ -145,17 +145,26 @@ def _publisher(
     rng = random.Random(bs if seed is None else seed)
     payload_sets = [make_batches(batches, bs, blocks_per_event, rng) for _ in range(runs + 1)]
     zctx = zmq.Context()
-    pub = zctx.socket(zmq.PUB)
+    # XPUB: it sees the subscriber's subscription, so the first batch (seq 0) is sent only
+    # once it will be delivered (a PUB drops what it sends before: the slow joiner, a
+    # loss that would put the subscription on its general path for the whole run)
+    pub = zctx.socket(zmq.XPUB)
     pub.setsockopt(zmq.SNDHWM, 0)
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     conn.send((port, [b for _, b in payload_sets]))
     seq = 0
+    subscribed = False
     while True:
         cmd = conn.recv()
         if cmd == "stop":
             break
         if cmd == "warm":
+            while not subscribed and pub.poll(50, zmq.POLLIN):
+                subscribed = pub.recv()[:1] == b"\x01"
+            if not subscribed:
+                conn.send(-1)
+                continue
             pub.send_multipart(
                 [b"kv-events", seq.to_bytes(8, "big"), msgspec.msgpack.encode([time.time(), [], 0])]
             )
