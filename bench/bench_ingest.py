@@ -19,7 +19,10 @@ index, what ``Applier(..., fast=False)`` does).
 in the shared arena, every write also taking the cross-process lock) and starts K
 processes that attach to it, as workers do, and match a ``--reader-tokens`` prompt
 (a full hit: it is stored first) back to back for the whole run; their query rate is
-printed too.
+printed too, and how long the ingest thread's write sections waited for the readers
+inside (share of the runs' wall time, mean wait per section): what the readers' read
+sections cost ingest, apart from their CPU (on a small machine K busy readers also
+take CPU from the ingest thread).
 """
 
 from __future__ import annotations
@@ -310,7 +313,9 @@ def run(
             raise SystemExit("subscriber never connected")
     # one untimed run to warm caches, then the timed ones
     rates, cpu_per_block = [], []
+    wait_s = wait_n = wall_s = 0.0
     for r in range(runs + 1):
+        w0 = shared.wait_histogram() if shared is not None else None
         c0 = thread_cpu(tid)
         t0 = time.perf_counter()
         parent.send(r)
@@ -323,6 +328,12 @@ def run(
             continue
         rates.append(blocks_per_set[r] / dt)
         cpu_per_block.append((c1 - c0) / blocks_per_set[r])
+        if w0 is not None:
+            # how long the ingest thread's write sections waited for readers inside
+            w1 = shared.wait_histogram()
+            wait_s += w1["sum"] - w0["sum"]
+            wait_n += w1["count"] - w0["count"]
+            wall_s += dt
     s = src()
     assert s["gaps"] == 0, s
     reader_rate = _stop_readers(*reader_procs) if reader_procs else 0.0
@@ -350,6 +361,10 @@ def run(
         "dropped": s["dropped"],
         "hbm_blocks": summary["hbm_blocks"],
         "reader_qps": reader_rate,
+        # shared mode: share of the timed runs' wall time the writer spent waiting for
+        # readers to leave, and the mean wait of a write section (ms)
+        "wait_share": wait_s / wall_s if wall_s else 0.0,
+        "wait_ms": 1e3 * wait_s / wait_n if wait_n else 0.0,
     }
 
 
@@ -393,7 +408,7 @@ def main():
     hdr = (
         f"{'block_size':>10} {'core':>18} {'batches/run':>11} {'blocks/run':>10} "
         f"{'blocks/s median':>15} {'min':>10} {'max':>10} {'cpu us/block':>12} "
-        f"{'idle cpu':>14} {'dropped':>8} {'reader q/s':>10}"
+        f"{'idle cpu':>14} {'dropped':>8} {'reader q/s':>10} {'wait %':>7} {'wait ms':>8}"
     )
     print(hdr)
     print("-" * len(hdr))
@@ -403,7 +418,7 @@ def main():
             f"{r['median']:>15,.0f} {r['min']:>10,.0f} {r['max']:>10,.0f} "
             f"{r['us_cpu_per_block']:>12.2f} "
             f"{r['idle_cpu']:>6.3f}s/{r['idle_wall']:.1f}s {sum(r['dropped'].values()):>8} "
-            f"{r['reader_qps']:>10.1f}"
+            f"{r['reader_qps']:>10.1f} {100 * r['wait_share']:>6.1f}% {r['wait_ms']:>8.3f}"
         )
 
 
