@@ -9,7 +9,8 @@ how many blocks per second the ingest thread decodes, hashes and applies
 idle for a few seconds and reports the CPU time the ingest thread used.
 
     python bench/bench_ingest.py [--block-size 16 128] [--batches 1500] [--runs 5] [--impl c|py]
-                                 [--general] [--readers K [--reader-tokens 1000000]]
+                                 [--general] [--readers K [--reader-tokens 1000000]
+                                 [--reader-nice 19]]
 
 ``--impl`` picks the index core (default: ``KVCONDUCTOR_IMPL``, i.e. compiled);
 ``--general`` turns the compiled batch fast path off (the Python decoders feed the
@@ -203,7 +204,7 @@ print(n, time.perf_counter() - t0, flush=True)
 """
 
 
-def _start_readers(shared, k: int, tokens: int, bs: int):
+def _start_readers(shared, k: int, tokens: int, bs: int, nice: int = 0):
     import subprocess
     import sys
     import tempfile
@@ -226,6 +227,7 @@ def _start_readers(shared, k: int, tokens: int, bs: int):
             pass_fds=fds,
             stdout=subprocess.PIPE,
             text=True,
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )
         for _ in range(k)
     ]
@@ -256,6 +258,7 @@ def run(
     readers: int = 0,
     reader_tokens: int = 1_000_000,
     shared_mode: bool = False,
+    reader_nice: int = 0,
 ):
     parent, child = mp.Pipe()
     proc = mp.Process(target=_publisher, args=(child, bs, batches, runs, blocks_per_event))
@@ -286,7 +289,7 @@ def run(
 
         thread.call(preload)
         if readers:
-            reader_procs = _start_readers(shared, readers, reader_tokens, bs)
+            reader_procs = _start_readers(shared, readers, reader_tokens, bs, reader_nice)
     mgr = thread.call(lambda: SubscriptionManager(thread, conductor, shared=shared))
     ctx = SubscriberContext(
         instance_id=IID,
@@ -384,6 +387,13 @@ def main():
     ap.add_argument(
         "--shared", action="store_true", help="shared mode even without readers (its own cost)"
     )
+    ap.add_argument(
+        "--reader-nice",
+        type=int,
+        default=0,
+        help="the readers' nice increment: on a machine with fewer spare cores than readers, "
+        "what their read sections cost ingest apart from the CPU they take",
+    )
     args = ap.parse_args()
     if args.general:
         from kvconductor.ingest import apply
@@ -403,6 +413,7 @@ def main():
                 args.readers,
                 args.reader_tokens,
                 args.shared,
+                args.reader_nice,
             )
         )
     hdr = (
