@@ -20,7 +20,10 @@ class, at least 64 KiB, plus one header page; never returned) lowest block first
 Larger requests take a run of ``round_up(n + 16, 4096)`` bytes: the best fit (smallest,
 then lowest offset) of the free runs, split at the front, else fresh space at ``top``.
 A freed run merges with its free neighbours; one that reaches ``top`` lowers ``top``
-instead of being listed. A freed run of 64 KiB or more is punched out of the file
+instead of being listed. ``realloc`` of a run to a larger run grows it where it lies
+when the run just above it is free and large enough (the rest of it stays free) or it
+ends at ``top`` (the way glibc grows a large block with ``mremap``, no copy); else it
+moves the block. A freed run of 64 KiB or more is punched out of the file
 (``fallocate(PUNCH_HOLE)``; its first and last page stay, they hold its header and
 footer), so the pages of the arrays an index outgrew are not counted against every
 process that maps the arena. The pure-Python model in
@@ -200,6 +203,42 @@ cdef void run_give(arena_t* a, uint64_t off) noexcept nogil:
         h.punched += 1
 
 
+cdef int run_grow(arena_t* a, uint64_t off, uint64_t want) noexcept nogil:
+    """Grow the live run at ``off`` to ``want`` bytes (page multiple, more than its
+    size) where it lies, as glibc's ``mremap`` grows a mapping: into the free run just
+    above it (the rest of that run stays free) or, at ``top``, into fresh space. 0, or
+    -1 (nothing changed) when neither has room."""
+    cdef ArenaHeader* h = H(a)
+    cdef uint64_t old = B(a, off).size
+    cdef uint64_t nxt = off + old
+    cdef uint64_t total, newc
+    if nxt == h.top:
+        if want > h.reserve or off > h.reserve - want:
+            return -1
+        if off + want > h.committed:
+            newc = round_up(off + want, ARENA_CHUNK)
+            if newc > h.reserve:
+                newc = h.reserve
+            if kvc_arena_grow(a.fd, newc) != 0:
+                return -1
+            h.committed = newc
+        h.top = off + want
+        total = want
+    elif (B(a, nxt).flags & 0xFF) == ARENA_KIND_RUN_FREE and old + B(a, nxt).size >= want:
+        total = old + B(a, nxt).size
+        run_list_remove(a, nxt)
+        if total - want >= ARENA_PAGE:
+            run_list_push(a, off + want, total - want)
+            total = want
+        elif off + total < h.top:
+            B(a, off + total).flags &= ~(<uint32_t>ARENA_PREV_FREE)
+    else:
+        return -1
+    B(a, off).size = total
+    h.bytes_in_use += total - old
+    return 0
+
+
 cdef int chunk_carve(arena_t* a, int k) noexcept nogil:
     """Refill class ``k``'s free list from a new chunk; -1 when out of space."""
     cdef ArenaHeader* h = H(a)
@@ -292,8 +331,9 @@ cdef int arena_free(arena_t* a, void* p) noexcept nogil:
 
 
 cdef void* arena_realloc(arena_t* a, void* p, size_t n) noexcept nogil:
-    """``realloc``: the same pointer when ``n`` keeps the size class (or run size),
-    else a new block with the old contents; NULL (``p`` untouched) on failure."""
+    """``realloc``: the same pointer when ``n`` keeps the size class (or run size) or
+    a run can grow where it lies (``run_grow``), else a new block with the old
+    contents; NULL (``p`` untouched) on failure."""
     cdef uint64_t off, old, want
     cdef int k
     cdef void* q
@@ -311,6 +351,9 @@ cdef void* arena_realloc(arena_t* a, void* p, size_t n) noexcept nogil:
     else:
         want = round_up(<uint64_t>n + ARENA_BLOCK_HDR, ARENA_PAGE)
     if want == old and ((k >= 0) == ((B(a, off).flags & 0xFF) == ARENA_KIND_SMALL)):
+        return p
+    if (k < 0 and want > old and (B(a, off).flags & 0xFF) == ARENA_KIND_RUN
+            and run_grow(a, off, want) == 0):
         return p
     q = arena_malloc(a, n)
     if q == NULL:

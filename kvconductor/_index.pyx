@@ -53,6 +53,7 @@ from kvconductor._tree cimport (
     tree_layout,
 )
 from kvconductor._tree cimport tree_export, tree_restore
+from kvconductor._tree cimport TreeMatch, tree_match_resume, tree_match_start, tree_match_valid
 
 import array as _array
 from operator import index as _index_int
@@ -80,6 +81,9 @@ cdef uint64_t CORE_MAGIC = 0x6b76636f72653031ULL     # "kvcore01"
 
 cdef extern from "kvconductor/c/index.h":
     uint64_t kvc_load_u64(const uint64_t* p) noexcept nogil
+    uint32_t kvc_load_u32(const uint32_t* p) noexcept nogil
+    void kvc_count_yield(int restart) noexcept nogil
+    uint64_t kvc_query_count(int restart) noexcept nogil
 
 
 cdef void _state_init(CoreState* st) noexcept nogil:

@@ -9,6 +9,11 @@ cdef inline size_t _max(size_t a, size_t b) noexcept nogil:
 
 
 # -- query scratch -------------------------------------------------------------------------
+cdef void _scratch_zero(Scratch* s) noexcept nogil:
+    """Nothing allocated (``_scratch_free`` frees nothing)."""
+    memset(s, 0, sizeof(Scratch))
+
+
 cdef int _scratch_init(Scratch* s, size_t W, size_t G) noexcept nogil:
     s.W = W
     s.hw = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
@@ -61,6 +66,7 @@ cdef void _scratch_free(Scratch* s) noexcept nogil:
     free(s.olast)
     free(s.ends)
     mem_free(s.bps)           # grown by grow_array (counted)
+    _scratch_zero(s)
 
 
 cdef int _bp_reserve(Scratch* s, size_t more) noexcept nogil:
@@ -436,14 +442,15 @@ cdef int _tier_walk(CoreIndex self, int tier, HCursor* hc, Scratch* s, size_t ni
     free(gws)
     return 0
 
-cdef int _query_c(CoreIndex self, HCursor* hc, Scratch* s) noexcept nogil:
-    cdef size_t k, nh, ncpu_from
+cdef int _query_rest(CoreIndex self, HCursor* hc, Scratch* s, size_t nh) noexcept nogil:
+    """The query after the HBM walk (``nh`` results in ``s``): HBM depths per group,
+    then the lower tiers from the breakpoints."""
+    cdef size_t k, ncpu_from
     cdef uint32_t w, g
     cdef size_t G = self.st.ngroups
     cdef uint32_t* npu = s.ends
     cdef uint32_t* cpu = s.ends + G
     cdef uint32_t* dsk = s.ends + 2 * G
-    nh = tree_match(&self.st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp)
     if self.st.tiers[0].live_edges == 0 and self.st.tiers[1].live_edges == 0:
         # no lower tier to continue in: the HBM depths alone, no breakpoints (PERF:
         # a round-robin fleet's answer lists every engine; 16 B per holder less)
@@ -472,24 +479,83 @@ cdef int _query_c(CoreIndex self, HCursor* hc, Scratch* s) noexcept nogil:
         return -1
     return 0
 
+cdef enum:
+    # An attached handle's query (a worker's) walks the HBM tree this many blocks per
+    # step; between steps it lets a waiting writer in (docs/design.md, "Long queries and
+    # the writer"). About 100 us of walking.
+    QUERY_CHUNK = 2048
+    # Starts again at most this many times (the tree changed under its path), then walks
+    # the rest in one read section.
+    QUERY_RESTARTS = 4
+
+
+cdef inline size_t _query_w(const CoreState* st) noexcept nogil:
+    return _max(_max(st.nworkers, st.tree.nrev), _max(st.tiers[0].nrev, st.tiers[1].nrev))
+
+
+cdef int _query_sections(CoreIndex self, HCursor* hc, Scratch* s, int slot, size_t chunk,
+                         size_t* G, int* stale) noexcept nogil:
+    """The query inside the read section the caller entered; ``G``: the groups of the
+    answer in ``s.ends``. ``chunk`` 0: in that one section. Else the HBM walk goes
+    ``chunk`` blocks at a time, and between two, when the writer is waiting, the section
+    is left and entered again: the walk goes on if the sizes it was set up for are
+    unchanged and ``tree_match_valid`` holds, else it starts again (at most
+    QUERY_RESTARTS times, then in one section). ``stale[0]`` not 0: the handle went
+    stale meanwhile (not inside a section then). Returns 0, or -1 out of memory; the
+    caller frees ``s`` either way (initialised here)."""
+    cdef CoreState* st = self.st
+    cdef TreeMatch tm
+    cdef size_t W, limit, restarts = 0, nrev0, nw0
+    cdef int paused
+    while True:
+        W = _query_w(st)
+        G[0] = st.ngroups
+        nw0 = st.nworkers
+        nrev0 = st.tree.nrev
+        if _scratch_init(s, W, G[0]) < 0:
+            return -1
+        limit = chunk if chunk else hc.n
+        paused = tree_match_start(&st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp, &tm,
+                                  limit)
+        while paused:
+            if kvc_load_u32(&self.lk.xl.writer):
+                kvc_count_yield(0)
+                _runlock(self, slot)
+                stale[0] = _rlock(self, slot)
+                if stale[0] != 0:
+                    return 0
+                st = self.st
+                if (_query_w(st) != W or st.ngroups != G[0] or st.nworkers != nw0
+                        or st.tree.nrev != nrev0
+                        or not tree_match_valid(&st.tree, hc, &tm)):
+                    break
+            limit += chunk
+            paused = tree_match_resume(&st.tree, hc, s.hw, s.hd, s.hs, &tm, limit)
+        if not paused:
+            return _query_rest(self, hc, s, tm.cnt)
+        _scratch_free(s)
+        kvc_count_yield(1)
+        restarts += 1
+        if restarts >= QUERY_RESTARTS:
+            chunk = 0
+
+
 cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
     cdef int slot_, stale_ = 0
     cdef Scratch s
     cdef int rc = 0
-    cdef size_t W, G = 0, g, m = 0
+    cdef size_t G = 0, g, m = 0
+    cdef size_t chunk = QUERY_CHUNK if self.attached else 0
     cdef uint32_t n_, c_, d_, top
     cdef uint32_t* rows = NULL
+    _scratch_zero(&s)
     slot_ = self._reader()
     with nogil:
         stale_ = _rlock(self, slot_)
         if stale_ == 0:
-            W = _max(_max(self.st.nworkers, self.st.tree.nrev),
-                     _max(self.st.tiers[0].nrev, self.st.tiers[1].nrev))
-            G = self.st.ngroups
-            rc = _scratch_init(&s, W, G)
-            if rc == 0:
-                rc = _query_c(self, hc, &s)
-            _runlock(self, slot_)
+            rc = _query_sections(self, hc, &s, slot_, chunk, &G, &stale_)
+            if stale_ == 0:
+                _runlock(self, slot_)
         if stale_ == 0 and rc == 0:
             # the answer: one u32 row per group with a hit, in C (no Python per row)
             for g in range(G):
@@ -512,11 +578,11 @@ cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
                             rows[4 * m + 2] = c_ - n_ if c_ > n_ else 0
                             rows[4 * m + 3] = d_ - top if d_ > top else 0
                             m += 1
+    _scratch_free(&s)
     if stale_ == CORE_CLOSED and not self.attached:
         return rows_wrap(NULL, 0)   # closed meanwhile (reclaimed): an empty index
     if stale_:
         self._stale(stale_)
-    _scratch_free(&s)
     if rc < 0:
         free(rows)
         raise MemoryError()

@@ -81,3 +81,11 @@ def shared_write_exit():
 def _arena_leaks():
     """Arena blocks freed off the writer thread (left in place; every module, ``_alloc``)."""
     return alloc_arena_leaked()
+
+
+def _query_counters():
+    """This process's attached-handle queries: ``(yields, restarts)``, read sections left
+    for a waiting writer between two steps of the HBM walk, and walks started again
+    because the tree changed under their path (docs/design.md, "Long queries and the
+    writer")."""
+    return (kvc_query_count(0), kvc_query_count(1))

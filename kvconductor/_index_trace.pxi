@@ -25,7 +25,7 @@ cdef int _trace_c(CoreIndex self, HCursor* hc, Scratch* s, size_t* reach, uint8_
                   uint32_t* path) noexcept nogil:
     """Per worker: the position its tier's walk reaches and why it stops there
     (docs/design.md, "CoreIndex: explain"). The breakpoints are those of
-    ``_query_c``; a lower-tier worker walks from the root and from every breakpoint
+    ``_query_rest``; a lower-tier worker walks from the root and from every breakpoint
     of its group upstream of its tier (a walk of 0 blocks reaches its start)."""
     cdef size_t k, nh, nb0, nb1, nin, plen, d, pos, best
     cdef uint32_t w, g

@@ -9,7 +9,7 @@ array unchanged.
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memset
 
-from kvconductor._alloc cimport alloc_free, alloc_malloc, alloc_realloc
+from kvconductor._alloc cimport alloc_arena_writing, alloc_free, alloc_malloc, alloc_realloc
 
 # -- counted allocation ------------------------------------------------------------------
 # Every structure array (pool arrays, map slots, per-worker tables, query breakpoints) is
@@ -60,13 +60,23 @@ cdef inline void* grow_array(void* ptr, size_t* cap, size_t need, size_t item) n
     """Return ``ptr`` grown (doubling) to hold ``need`` items; NULL on overflow/OOM
     (then ``ptr`` is still valid and unchanged)."""
     cdef size_t ncap = cap[0] if cap[0] else 16
+    # In the shared arena (the writer thread of --workers N) a big array doubles: the
+    # arena grows a run in place only when the run above it is free or it is the top, so
+    # the big arrays that grow side by side (nodes, members, tables) often move, and a
+    # move copies; doubling copies a quarter of the bytes 1.25x steps copy. The slack
+    # costs address space only: a run's pages are not touched (committed) until used.
+    cdef bint slow = not alloc_arena_writing()
     while ncap < need:
         if ncap > (<size_t>-1) // 2 // item:
             return NULL
         # 1.5x, and 1.25x past GROW_SLOW_BYTES: a big array (the tree's nodes) keeps at
-        # most a quarter of slack. glibc grows such a mapping in place (mremap); an arena
-        # copies it, but a copy of tens of MB costs milliseconds.
-        ncap += ncap // 4 if ncap * item >= GROW_SLOW_BYTES else ncap // 2
+        # most a quarter of slack. glibc grows such a mapping in place (mremap).
+        if ncap * item < GROW_SLOW_BYTES:
+            ncap += ncap // 2
+        elif slow:
+            ncap += ncap // 4
+        else:
+            ncap += ncap
     if ncap == cap[0]:
         return ptr
     cdef void* p = mem_realloc(ptr, ncap * item)

@@ -68,6 +68,7 @@ cdef struct Tree:
     FpMap* rev
     size_t nrev                 # length of rev (capacity: at least max worker id + 1 seen)
     uint32_t wend               # one past the highest worker id that ever held a block
+    size_t nfreed               # nodes freed so far (a paused match checks its path then)
 
 
 cdef inline uint64_t tree_sig(const TNode* n) noexcept nogil:
@@ -120,6 +121,39 @@ cdef bint tree_member_ehash(const Tree* t, uint32_t node, uint32_t worker,
 # bytes, 8-byte aligned. Returns the number of results.
 cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
                        uint64_t* out_ehash, uint64_t* scratch) noexcept nogil
+
+# The same walk in steps (a worker's query, CoreIndex._run_query): tree_match_start walks
+# up to block ``limit`` and returns 1 (paused: the walk's state in ``m``) when the query is
+# longer, 0 when done (``m.cnt`` results); tree_match_resume goes on to a further limit.
+# Between the two the caller may leave its read section: tree_match_valid (inside the next
+# one) says whether the paused walk may go on in the tree as it is then, else the caller
+# starts again (docs/design.md, "Long queries and the writer").
+cdef enum:
+    TM_DONE = 0
+    TM_WORDS = 1                # the walk on bitmap words (many candidates)
+    TM_LIST = 2                 # the walk on the list of candidates
+
+cdef struct TreeMatch:
+    uint32_t node               # the node reached ...
+    uint32_t step               # ... after this many blocks (its depth)
+    size_t alive                # candidates left on it (the bitmap A; K is zero) ...
+    uint64_t asig               # ... and their fingerprint
+    uint64_t* A
+    uint64_t* K
+    size_t NW                   # words of the bitmaps
+    size_t base                 # results emitted so far
+    size_t cnt                  # results in all (the candidates of the first node)
+    int phase                   # TM_*
+    uint32_t wend               # the tree's wend when the walk started
+    size_t nfreed               # the tree's nfreed when the walk paused
+
+cdef int tree_match_start(const Tree* t, HCursor* hc, uint32_t* out_worker,
+                          uint32_t* out_depth, uint64_t* out_ehash, uint64_t* scratch,
+                          TreeMatch* m, size_t limit) noexcept nogil
+cdef int tree_match_resume(const Tree* t, HCursor* hc, uint32_t* out_worker,
+                           uint32_t* out_depth, uint64_t* out_ehash, TreeMatch* m,
+                           size_t limit) noexcept nogil
+cdef bint tree_match_valid(const Tree* t, HCursor* hc, const TreeMatch* m) noexcept nogil
 
 
 cdef inline size_t tree_match_scratch(size_t nrev) noexcept nogil:

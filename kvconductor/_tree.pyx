@@ -91,6 +91,7 @@ cdef int tree_init(Tree* t) noexcept nogil:
     t.rev = NULL
     t.nrev = 0
     t.wend = 0
+    t.nfreed = 0
     if pool_take(&t.node_pool, <void**>&t.nodes, sizeof(TNode)) != T_ROOT:
         return -1
     t.nodes[0].local = 0
@@ -153,6 +154,7 @@ cdef uint32_t _alloc_node(Tree* t, uint64_t local, uint32_t parent) noexcept nog
 
 
 cdef inline void _free_node(Tree* t, uint32_t i) noexcept nogil:
+    t.nfreed += 1
     t.nodes[i].nchildren = HM_NIL
     t.nodes[i].parent = HM_NIL
     pool_give(&t.node_pool, t.nodes, i, sizeof(TNode))
@@ -920,24 +922,13 @@ cdef inline uint64_t _bits_sig(const uint64_t* b, size_t NW) noexcept nogil:
     return s
 
 
-cdef struct MatchState:
-    # tree_match's walk: the node reached, blocks matched, candidates left on it (as the
-    # bitmap ``A``, ``K`` zero) and their fingerprint; results emitted so far
-    uint32_t node
-    uint32_t step
-    size_t alive
-    uint64_t asig
-    uint64_t* A
-    uint64_t* K
-    size_t NW
-    size_t base
-
-
-cdef void _match_words(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* out_worker,
-                       uint32_t* out_depth, uint64_t* out_ehash) noexcept nogil:
+cdef int _match_words(const Tree* t, HCursor* hc, TreeMatch* ms, uint32_t* out_worker,
+                      uint32_t* out_depth, uint64_t* out_ehash, size_t limit) noexcept nogil:
     """The walk on whole bitmap words while more than LIST_MAX candidates are left; the
-    ones that end are appended to the results. Returns with ``ms.alive`` 0 (all ended)
-    or at most LIST_MAX."""
+    ones that end are appended to the results. Returns 0 with ``ms.alive`` 0 (all ended)
+    or at most LIST_MAX; 1 (paused, nothing settled) when it reached block ``limit``
+    (< the query's blocks) with more left."""
+    cdef bint paused = False
     cdef size_t n = hc.n, NW = ms.NW, alive = ms.alive, base = ms.base
     cdef size_t pf_end = n - PREFETCH_AHEAD if n > PREFETCH_AHEAD else 0
     cdef uint32_t node = ms.node, step = ms.step, child, kc
@@ -947,6 +938,9 @@ cdef void _match_words(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* out
     cdef uint64_t* T
     cdef const TNode* c
     while step < n:
+        if step >= limit:
+            paused = True
+            break
         child = _child(t, node, hc_get(hc, step))
         if child == HM_NIL:
             break
@@ -979,7 +973,7 @@ cdef void _match_words(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* out
         step += 1
         if alive <= LIST_MAX:
             break
-    if alive > LIST_MAX:
+    if alive > LIST_MAX and not paused:
         # the survivors end on ``node`` at depth ``step``
         base = _settle(t, node, A, K, NW, step, out_worker, out_depth, out_ehash, base, NULL)
         alive = 0
@@ -990,13 +984,16 @@ cdef void _match_words(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* out
     ms.A = A
     ms.K = K
     ms.base = base
+    return 1 if paused else 0
 
 
-cdef void _match_list(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* L, uint32_t* D,
-                      uint64_t* out_ehash) noexcept nogil:
+cdef int _match_list(const Tree* t, HCursor* hc, TreeMatch* ms, uint32_t* L, uint32_t* D,
+                     uint64_t* out_ehash, size_t limit) noexcept nogil:
     """The walk on the list of candidates ``L[0:alive]`` (also set in ``A``): one that
     ends is swapped behind them and gets its depth in ``D`` (its ehash by settling the
-    node it ends on)."""
+    node it ends on). Returns 0 when every candidate ended; 1 (paused: the walk's state
+    in ``ms``, nothing settled) when it reached block ``limit`` (< the query's blocks)
+    with candidates left."""
     cdef size_t n = hc.n, NW = ms.NW, alive = ms.alive, k, j
     cdef size_t pf_end = n - PREFETCH_AHEAD if n > PREFETCH_AHEAD else 0
     cdef uint32_t node = ms.node, step = ms.step, child, w, tmp, kc
@@ -1006,6 +1003,12 @@ cdef void _match_list(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* L, u
     cdef const TNode* c
     cdef const TWide* wd
     while step < n:
+        if step >= limit:
+            ms.node = node
+            ms.step = step
+            ms.alive = alive
+            ms.asig = asig
+            return 1
         child = _child(t, node, hc_get(hc, step))
         if child == HM_NIL:
             break
@@ -1053,17 +1056,53 @@ cdef void _match_list(const Tree* t, HCursor* hc, MatchState* ms, uint32_t* L, u
             D[k] = step
         alive = j
         if alive == 0:
-            return
+            ms.alive = 0
+            return 0
         node = child
         step += 1
     # The survivors end on ``node`` at depth ``step``.
     _settle(t, node, A, K, NW, step, NULL, NULL, out_ehash, 0, NULL)
     for k in range(alive):
         D[k] = step
+    ms.alive = 0
+    return 0
 
 
-cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
-                       uint64_t* out_ehash, uint64_t* scratch) noexcept nogil:
+cdef int _match_to_list(const Tree* t, HCursor* hc, TreeMatch* ms, uint32_t* out_worker,
+                        uint32_t* out_depth, uint64_t* out_ehash, size_t limit) noexcept nogil:
+    """A wide first node: the words phase while more than LIST_MAX candidates are left,
+    then the list of those left."""
+    cdef size_t i, j
+    cdef uint64_t x
+    if ms.alive > LIST_MAX and _match_words(t, hc, ms, out_worker, out_depth, out_ehash,
+                                            limit):
+        return 1
+    if ms.alive == 0:
+        ms.phase = TM_DONE
+        return 0
+    # list the candidates left (in worker order) behind the results
+    j = ms.base
+    for i in range(ms.NW):
+        x = ms.A[i]
+        while x:
+            out_worker[j] = <uint32_t>(i * 64 + ctz64(x))
+            j += 1
+            x &= x - 1
+    ms.phase = TM_LIST
+    return _match_list(t, hc, ms, out_worker + ms.base, out_depth + ms.base, out_ehash, limit)
+
+
+cdef int _match_paused(const Tree* t, TreeMatch* ms, int rc) noexcept nogil:
+    if rc:
+        ms.nfreed = t.nfreed
+    else:
+        ms.phase = TM_DONE
+    return rc
+
+
+cdef int tree_match_start(const Tree* t, HCursor* hc, uint32_t* out_worker,
+                          uint32_t* out_depth, uint64_t* out_ehash, uint64_t* scratch,
+                          TreeMatch* ms, size_t limit) noexcept nogil:
     """Consecutive depth from the root of every worker on the first node.
 
     The candidates still on the path are a bitmap ``A`` over worker ids. A step whose
@@ -1072,27 +1111,35 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
     ``step``, their breakpoint ehash from the previous node. While a wide first node
     leaves many candidates that is done on whole words (O(words + leavers) a step);
     with few, on a list of them (O(candidates + the nodes' members)). Every candidate
-    ends once, as result ``k``: ``out_worker[k]``, ``out_depth[k]``.
+    ends once, as result ``k``: ``out_worker[k]``, ``out_depth[k]``; ``ms.cnt``
+    results.
+
+    The walk stops at block ``limit`` when it is shorter than the query: 1 is returned
+    (paused, the walk's state in ``ms``) and :func:`tree_match_resume` goes on, after
+    :func:`tree_match_valid` if the tree may have changed meanwhile. 0: done.
     NOTE: the fingerprint is a 64-bit sum of mixed worker ids: the same order of
     collision risk as the 64-bit block hashes the whole index is keyed by.
     """
-    cdef size_t cnt, i, j
+    cdef size_t cnt, j
     cdef uint32_t child, m, w
-    cdef uint64_t x
     cdef const TNode* c
     cdef const TWide* wd
-    cdef MatchState ms
+    ms.cnt = 0
+    ms.phase = TM_DONE
+    ms.alive = 0
     if hc.n == 0 or t.wend == 0:
         return 0
     child = _child(t, T_ROOT, hc_get(hc, 0))
     if child == HM_NIL or t.nodes[child].nmembers == 0:
         return 0
+    ms.wend = t.wend
     ms.NW = (<size_t>t.wend + 63) >> 6
     ms.A = scratch
     ms.K = scratch + ms.NW
     memset(scratch, 0, 2 * ms.NW * sizeof(uint64_t))
     c = &t.nodes[child]
     cnt = c.nmembers
+    ms.cnt = cnt
     ms.alive = cnt
     ms.asig = tree_sig(c)
     ms.node = child
@@ -1104,18 +1151,9 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
     elif c.y & T_WIDE:
         wd = _wide_of(t, c)
         memcpy(ms.A, wd.bits, (wd.nwords if wd.nwords < ms.NW else ms.NW) * sizeof(uint64_t))
-        if cnt > LIST_MAX:
-            _match_words(t, hc, &ms, out_worker, out_depth, out_ehash)
-            if ms.alive == 0:
-                return cnt
-        # list the candidates left (in worker order) behind the results
-        j = ms.base
-        for i in range(ms.NW):
-            x = ms.A[i]
-            while x:
-                out_worker[j] = <uint32_t>(i * 64 + ctz64(x))
-                j += 1
-                x &= x - 1
+        ms.phase = TM_WORDS
+        return _match_paused(t, ms, _match_to_list(t, hc, ms, out_worker, out_depth,
+                                                   out_ehash, limit))
     else:
         m = c.y
         j = 0
@@ -1125,8 +1163,56 @@ cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_
             out_worker[j] = w
             j += 1
             m = t.mem[m].next
-    _match_list(t, hc, &ms, out_worker + ms.base, out_depth + ms.base, out_ehash)
-    return cnt
+    ms.phase = TM_LIST
+    return _match_paused(t, ms, _match_list(t, hc, ms, out_worker, out_depth, out_ehash,
+                                            limit))
+
+
+cdef int tree_match_resume(const Tree* t, HCursor* hc, uint32_t* out_worker,
+                           uint32_t* out_depth, uint64_t* out_ehash, TreeMatch* ms,
+                           size_t limit) noexcept nogil:
+    """Go on with a paused :func:`tree_match_start` up to block ``limit``: 1 paused
+    again, 0 done (``ms.cnt`` results)."""
+    if ms.phase == TM_WORDS:
+        return _match_paused(t, ms, _match_to_list(t, hc, ms, out_worker, out_depth,
+                                                   out_ehash, limit))
+    if ms.phase == TM_LIST:
+        return _match_paused(t, ms, _match_list(t, hc, ms, out_worker + ms.base,
+                                                out_depth + ms.base, out_ehash, limit))
+    return 0
+
+
+cdef bint tree_match_valid(const Tree* t, HCursor* hc, const TreeMatch* ms) noexcept nogil:
+    """Whether a paused match may go on in ``t`` as it is now (after writes): the same
+    worker-id range (the walk's bitmaps and result arrays are sized by it) and the node
+    it stands on still the node of the query's first ``ms.step`` blocks. No node freed
+    since the pause: a node's parent and block never change while it lives. Else the
+    path is checked from that node up to the root (a freed node, or one reused for
+    another block, fails; one reused for the same block under the same path is that
+    prefix's node: (parent, block) keys one node)."""
+    cdef uint32_t x = ms.node
+    cdef size_t k = ms.step
+    if ms.phase == TM_DONE:
+        return True
+    if t.wend != ms.wend:
+        return False
+    if t.nfreed == ms.nfreed:
+        return True
+    while k > 0:
+        if (x >= t.node_pool.used or t.nodes[x].nchildren == HM_NIL
+                or t.nodes[x].local != hc_get(hc, k - 1)):
+            return False
+        x = t.nodes[x].parent
+        k -= 1
+    return x == T_ROOT
+
+
+cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
+                       uint64_t* out_ehash, uint64_t* scratch) noexcept nogil:
+    """:func:`tree_match_start` in one go; the number of results."""
+    cdef TreeMatch ms
+    tree_match_start(t, hc, out_worker, out_depth, out_ehash, scratch, &ms, hc.n)
+    return ms.cnt
 
 
 # -- layout ---------------------------------------------------------------------------------------

@@ -141,6 +141,69 @@ def test_realloc(arena):
     assert z and arena.stats()["live_blocks"] == 2
 
 
+def _run(kib: int) -> int:
+    """A request that takes a run of exactly ``kib`` KiB (its header included)."""
+    return kib * KiB - BLOCK_HDR
+
+
+def test_realloc_grows_the_top_run_in_place(arena):
+    p = arena.malloc(_run(100))
+    arena.write(p, b"a" * 64)
+    arena.write(p + _run(100) - 64, b"z" * 64)
+    top = arena.stats()["top"]
+    assert off(arena, p) - BLOCK_HDR + 100 * KiB == top  # the run ends at top
+    q = arena.realloc(p, _run(3 * 1024))  # 3 MiB: past the committed file too
+    assert q == p
+    assert arena.read(q, 64) == b"a" * 64
+    assert arena.read(q + _run(100) - 64, 64) == b"z" * 64
+    st = arena.stats()
+    assert st["top"] == top - 100 * KiB + 3 * MiB
+    assert st["committed"] >= st["top"] and st["live_blocks"] == 1
+    assert st["bytes_in_use"] == 3 * MiB
+    arena.check_invariants()
+
+
+def test_realloc_grows_into_the_free_run_above(arena):
+    a = arena.malloc(_run(64))
+    b = arena.malloc(_run(256))
+    c = arena.malloc(_run(64))  # keeps b's space below top
+    arena.write(a, b"a" * 100)
+    arena.free(b)
+    assert arena.stats()["free_runs"] == 1
+    q = arena.realloc(a, _run(128))  # takes the front of the free run
+    assert q == a and arena.read(q, 100) == b"a" * 100
+    st = arena.stats()
+    assert st["free_runs"] == 1 and st["free_run_bytes"] == 192 * KiB
+    assert st["bytes_in_use"] == 128 * KiB + 64 * KiB
+    arena.check_invariants()
+    q = arena.realloc(a, _run(320))  # all of it: nothing left free below c
+    assert q == a and arena.read(q, 100) == b"a" * 100
+    st = arena.stats()
+    assert st["free_runs"] == 0 and st["free_run_bytes"] == 0
+    arena.check_invariants()  # c no longer marked as following a free run
+    arena.free(c)
+    arena.free(q)
+    assert arena.stats()["top"] == DATA_OFF
+
+
+def test_realloc_moves_a_run_that_cannot_grow_in_place(arena):
+    a = arena.malloc(_run(64))
+    b = arena.malloc(_run(64))
+    arena.write(a, b"a" * 100)
+    q = arena.realloc(a, _run(128))  # b is live above it: a new run, contents copied
+    assert q != a and arena.read(q, 100) == b"a" * 100
+    arena.check_invariants()
+    c = arena.malloc(_run(64))  # above q
+    arena.free(b)  # a 128 KiB free run (a's and b's) below q
+    r = arena.malloc(_run(4))
+    arena.write(r, b"r" * 10)
+    s = arena.realloc(r, _run(256))  # the free run above r is too small
+    assert s != r and arena.read(s, 10) == b"r" * 10
+    arena.check_invariants()
+    for x in (c, q, s):
+        arena.free(x)
+
+
 def test_growth_by_ftruncate(arena):
     fd = arena.fileno()
     assert os.fstat(fd).st_size == arena.stats()["committed"] == DATA_OFF

@@ -1004,7 +1004,9 @@ class ArenaMachine(RuleBasedStateMachine):
     def realloc(self, data, n):
         if not self.live:
             return
-        o = data.draw(st.sampled_from(sorted(self.live)))
+        self._realloc(data.draw(st.sampled_from(sorted(self.live))), n)
+
+    def _realloc(self, o, n):
         old_n = self.live[o][0]
         got = self._off(self.c.realloc(self.c.address + o, n))
         assert got == self.py.realloc(o, n), (o, n)
@@ -1016,6 +1018,14 @@ class ArenaMachine(RuleBasedStateMachine):
         self._verify(got, min(old_n, n), tail=False)  # the contents moved with the block
         del self.live[got]
         self._fill(got, n)
+
+    @rule(data=st.data(), more=st.integers(1, 300_000))
+    def grow(self, data, more):
+        # a block grown a little (what grow_array does): a run grows in place when the
+        # free run above it has room or it ends at top, else it moves
+        if self.live:
+            o = data.draw(st.sampled_from(sorted(self.live)))
+            self._realloc(o, self.live[o][0] + more)
 
     @invariant()
     def agree(self):

@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 
@@ -374,3 +375,108 @@ def test_a_view_runs_no_python_inside_a_read_section(owner):
     assert set(spy.inside) <= {0}, spy.inside
     got = _answer(view.get_index("m", "t").query(list(range(BS)), BS, 1337))
     assert got == [("inst-1", 0, 1, 0, 0), ("inst-2", 0, 1, 0, 0)]
+
+
+@pytest.mark.slow
+def test_long_queries_during_writes_answer_within_the_states_they_saw(owner):
+    """Child processes query a long prompt back to back (its HBM walk takes several
+    steps, between which the writer gets in) while the owner keeps cutting and
+    re-storing the tail of one worker's copy (the path's nodes freed and made again)
+    and storing and dropping unrelated chains (freed nodes reused elsewhere). Every
+    answer is checked against the model of what a reader may see: a worker that
+    held the same blocks throughout answers exactly them, one that changed answers a
+    depth between its shortest and longest copy, nobody else appears; at quiescence
+    the children answer what the owner does."""
+    n = 5 * 2048 + 100  # blocks: several steps of a worker's walk
+    half, low = n // 2, n // 2 + 1500
+    rng = random.Random(11)
+    doc = [rng.randrange(1, 1 << 20) for _ in range(n * BS)]
+    ehs = list(range(1, n + 1))
+    _store(owner, _key(0), ehs[:half], doc[: half * BS])  # stable: half the prompt
+    _store(owner, _key(1), ehs, doc)  # changes: n or low blocks
+    fds = owner.shared.fds()
+    prog = textwrap.dedent(
+        """
+        import sys
+        from kvconductor.state.shared import SharedView
+        view = SharedView.attach(int(sys.argv[1]), int(sys.argv[2]))
+        n, half, low, seed = (int(x) for x in sys.argv[3:7])
+        import random
+        rng = random.Random(seed)
+        doc = [rng.randrange(1, 1 << 20) for _ in range(n * 16)]
+        stop = open(sys.argv[7], "rb")
+        count = 0
+        while True:
+            last = stop.read(1)
+            hits = {h.instance_id: h.npu_blocks for h in
+                    view.get_index("m", "t").query(doc, 16, 1337).hits}
+            if last:
+                from kvconductor import _index
+                yields, restarts = _index._query_counters()
+                print("final", sorted(hits.items()), count, yields, flush=True)
+                print("restarts", restarts, file=sys.stderr)
+                break
+            assert hits.get("inst-0") == half, hits
+            assert low <= hits.get("inst-1", -1) <= n, hits
+            assert set(hits) == {"inst-0", "inst-1"}, hits
+            count += 1
+        """
+    )
+    tmp_stop = tempfile.NamedTemporaryFile(prefix="kvc-test-stop-")
+    stop = tmp_stop.name
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                prog,
+                str(fds[0]),
+                str(fds[1]),
+                str(n),
+                str(half),
+                str(low),
+                "11",
+                stop,
+            ],
+            pass_fds=fds,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+
+        def churn(i):
+            idx = owner.get_index("m", "t")
+            idx.remove(_key(1), ehs[low:])  # the tail's nodes are freed (only inst-1 held them)
+            base = 1_000_000 + i * 10_000
+            other = [rng.randrange(1, 1 << 20) for _ in range(1500 * BS)]
+            idx.store_tokens(_key(2), None, list(range(base, base + 1500)), other, BS)
+            idx.store_tokens(_key(1), ehs[low - 1], ehs[low:], doc[low * BS :], BS)
+            idx.clear(_key(2))
+
+        for i in range(150):
+            owner.call(churn, i)
+            assert all(c.poll() is None for c in children), [c.communicate() for c in children]
+        tmp_stop.write(b"x")
+        tmp_stop.flush()
+        outs = [c.communicate(timeout=60) for c in children]
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+                c.wait()
+        tmp_stop.close()
+    expect = sorted(
+        (h.instance_id, h.npu_blocks) for h in owner.get_index("m", "t").query(doc, BS).hits
+    )
+    assert expect == [("inst-0", half), ("inst-1", n)]
+    for c, (out, err) in zip(children, outs, strict=True):
+        assert c.returncode == 0, err
+        final, rest = out.strip().split(" ", 1)
+        hits, count, yields = rest.rsplit(" ", 2)
+        assert final == "final" and hits == str(expect)
+        # the walks let the writer in between their steps (the writer never waited for
+        # a whole long query)
+        assert int(count) > 0 and int(yields) > 0

@@ -98,6 +98,28 @@ class ArenaModel:
             return
         self._push_run(off, size)
 
+    def _run_grow(self, off: int, size: int, want: int) -> bool:
+        """Grow the live run at ``off`` in place: into the free run above it, or at top."""
+        nxt = off + size
+        if nxt == self.top:
+            if want > self.reserve or off > self.reserve - want:
+                return False
+            if off + want > self.committed:
+                self.committed = min(_round_up(off + want, CHUNK), self.reserve)
+            self.top = off + want
+            self.live[off] = (want, False)
+            return True
+        above = self.free_runs.get(nxt)
+        if above is None or size + above < want:
+            return False
+        self._remove_run(nxt)
+        total = size + above
+        if total - want >= PAGE:
+            self._push_run(off + want, total - want)
+            total = want
+        self.live[off] = (total, False)
+        return True
+
     # -- the API ----------------------------------------------------------------------
     def malloc(self, n: int) -> int:
         """Offset of a new block of ``n`` bytes; 0 when out of space."""
@@ -131,7 +153,8 @@ class ArenaModel:
             self._run_give(off, size)
 
     def realloc(self, ptr: int, n: int) -> int:
-        """Same offset when ``n`` keeps the size class (or run size); 0 on failure."""
+        """Same offset when ``n`` keeps the size class (or run size) or a run grows in
+        place; 0 on failure."""
         if ptr == 0:
             return self.malloc(n)
         if n > self.reserve:
@@ -140,6 +163,8 @@ class ArenaModel:
         k = class_of(n + BLOCK_HDR)
         want = MIN_CLASS << k if k >= 0 else _round_up(n + BLOCK_HDR, PAGE)
         if want == size and (k >= 0) == small:
+            return ptr
+        if k < 0 and not small and want > size and self._run_grow(ptr - BLOCK_HDR, size, want):
             return ptr
         new = self.malloc(n)
         if new == 0:
