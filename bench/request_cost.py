@@ -44,6 +44,7 @@ class Transport(asyncio.Transport):
         self.done: asyncio.Future | None = None
         self.responses = 0
         self.statuses: list[bytes] = []
+        self.last_body = b""
 
     def get_extra_info(self, name, default=None):
         return {"sockname": ("127.0.0.1", 13333), "peername": ("127.0.0.1", 40000)}.get(
@@ -63,6 +64,7 @@ class Transport(asyncio.Transport):
             if len(self.buf) < end:
                 return
             self.statuses.append(bytes(self.buf[9:12]))
+            self.last_body = bytes(self.buf[head_end + 4 : end])
             del self.buf[:end]
             self.responses += 1
             if self.done is not None and not self.done.done():
@@ -281,20 +283,8 @@ def main() -> None:
 
 
 def _answer_of(stack: Stack, raw: bytes, loop) -> bytes:
-    t = stack.transport
-    captured = bytearray()
-    orig = t.write
-
-    def write(data) -> None:
-        captured.extend(data)
-        orig(data)
-
-    t.write = write  # type: ignore[method-assign]
-    try:
-        loop.run_until_complete(stack.one(raw))
-    finally:
-        del t.write
-    return bytes(captured[captured.find(b"\r\n\r\n") + 4 :])
+    loop.run_until_complete(stack.one(raw))
+    return stack.transport.last_body
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ a read lock held up by a large write never stalls the event loop).
 
 from __future__ import annotations
 
+import os
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -110,10 +110,13 @@ class _HistogramChild:
         self.sum += amount
 
 
-def _use_created() -> bool:
-    """Whether prometheus_client writes ``_created`` samples (it does unless
-    ``PROMETHEUS_DISABLE_CREATED_SERIES`` is set): ours follow the same switch."""
-    return bool(getattr(prometheus_metrics, "_use_created", True))
+#: Whether prometheus_client writes ``_created`` samples: its own rule, read from the
+#: same environment variable, so the query families follow the same switch.
+_USE_CREATED = os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in (
+    "true",
+    "1",
+    "t",
+)
 
 
 class _Family(Collector):
@@ -134,7 +137,7 @@ class _Family(Collector):
         }
 
     def collect(self) -> Iterator[Metric]:
-        created = _use_created()
+        created = _USE_CREATED
         fam = Metric(self.name, self.doc, self.kind)
         add = fam.add_sample
         for value, child in self.children.items():
