@@ -80,10 +80,19 @@ class QueryRoute(Protocol):
         """``kvconductor_query_errors_total{route}``: answers >= 400 but 404 (a miss)."""
         ...
 
+    @property
+    def large_body_bytes(self) -> int:
+        """Bodies longer than this are answered off the event loop (:meth:`respond`)."""
+        ...
+
+    def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
+        """``(status, body, message or None)``, on the calling thread."""
+        ...
+
     async def respond(
         self, body: bytes | bytearray, msgpack: bool
     ) -> tuple[int, bytes, str | None]:
-        """``(status, body, message or None)`` (large bodies off the event loop)."""
+        """:meth:`answer`, off the event loop for a body over :attr:`large_body_bytes`."""
         ...
 
 
@@ -123,6 +132,55 @@ async def _collect(receive: Any, limit: int) -> bytes | None:
     if size > limit:
         raise _TooLarge
     return b"".join(chunks)
+
+
+def scan_headers(headers: list[tuple[bytes, bytes]]) -> tuple[bool, int | None, str | None, bool]:
+    """``(msgpack, content length, origin, chunked)`` of a query's (lower-case) headers."""
+    msgpack = False
+    length = None
+    origin = None
+    chunked = False
+    for k, v in headers:
+        if k == b"content-type":
+            # PERF: the raw value of a known content type is looked up, not parsed
+            known = _CONTENT_TYPES.get(v)
+            msgpack = known if known is not None else is_msgpack_content_type(v.decode("latin-1"))
+        elif k == b"content-length":
+            try:
+                length = int(v)
+            except ValueError:
+                length = None
+        elif k == b"origin":
+            origin = v.decode("latin-1")
+        elif k == b"transfer-encoding":
+            chunked = True
+    return msgpack, length, origin, chunked
+
+
+def _internal_error(path: str, ex: Exception, msgpack: bool) -> tuple[int, bytes, None]:
+    log.exception("internal error method=POST path=%s", path)
+    return 500, encode_error(f"internal error: {ex}", msgpack), None
+
+
+def _headers(
+    data: bytes,
+    msgpack: bool,
+    path: str,
+    origin: str | None,
+    t0: float,
+    warning: str | None = None,
+) -> list[tuple[bytes, bytes]]:
+    """The headers of a query route's answer ``data`` (uvicorn adds its defaults)."""
+    headers = [
+        _CT_MSGPACK if msgpack else _CT_JSON,
+        (b"content-length", b"%d" % len(data)),
+        (b"server-timing", b"app;dur=%.3f" % ((time.perf_counter() - t0) * 1e3)),
+    ]
+    if origin is not None:
+        headers += cors_headers(path, origin)
+    if warning is not None:
+        headers.append((WARNING_HEADER_B, header_text(warning).encode("ascii")))
+    return headers
 
 
 class FrontDoor:
@@ -183,23 +241,7 @@ class FrontDoor:
 
     async def _serve(self, res: QueryRoute, scope: dict, receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
-        msgpack = False
-        length = None
-        origin = None
-        for k, v in scope["headers"]:
-            if k == b"content-type":
-                # PERF: the raw value of a known content type is looked up, not parsed
-                known = _CONTENT_TYPES.get(v)
-                msgpack = (
-                    known if known is not None else is_msgpack_content_type(v.decode("latin-1"))
-                )
-            elif k == b"content-length":
-                try:
-                    length = int(v)
-                except ValueError:
-                    length = None
-            elif k == b"origin":
-                origin = v.decode("latin-1")
+        msgpack, length, origin, _ = scan_headers(scope["headers"])
         path = scope["path"]
         limit = self.max_body_bytes
         if length is not None and length > limit:
@@ -213,22 +255,56 @@ class FrontDoor:
         try:
             status, data, problem = await res.respond(body, msgpack)
         except Exception as ex:
-            log.exception("internal error method=POST path=%s", path)
-            status, data, problem = 500, encode_error(f"internal error: {ex}", msgpack), None
+            status, data, problem = _internal_error(path, ex, msgpack)
+        headers = self.conclude(res, path, status, data, problem, msgpack, origin, t0)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    def answer_now(
+        self,
+        res: QueryRoute,
+        path: str,
+        body: bytes,
+        msgpack: bool,
+        origin: str | None,
+        t0: float,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """``(status, headers, body)`` of a query whose whole body is here and at most
+        ``res.large_body_bytes`` long, answered at once on the calling thread: what
+        :meth:`_serve` sends for it (the protocol's direct path,
+        :mod:`kvconductor.http.direct`). ``t0``: ``perf_counter`` when its head arrived."""
+        try:
+            status, data, problem = res.answer(body, msgpack)
+        except Exception as ex:
+            status, data, problem = _internal_error(path, ex, msgpack)
+        return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
+
+    @staticmethod
+    def conclude(
+        res: QueryRoute,
+        path: str,
+        status: int,
+        data: bytes,
+        problem: str | None,
+        msgpack: bool,
+        origin: str | None,
+        t0: float,
+    ) -> list[tuple[bytes, bytes]]:
+        """Count and log an answer; its headers (``problem`` of a 200 is its warning)."""
         res.seconds.observe(time.perf_counter() - t0)
         if status >= 400 and status != 404:
             res.errors.inc()
-        if status == 200 and problem is not None:
-            await self._send(send, status, data, msgpack, path, origin, t0, warning=problem)
-            return
+        warning = None
         if problem is not None:
-            if status == 404:
+            if status == 200:
+                warning = problem
+            elif status == 404:
                 log.info("query for unknown indexer path=%s error=%s", path, problem)
             else:
                 log.warning(
                     "bad request method=POST path=%s status=%d error=%s", path, status, problem
                 )
-        await self._send(send, status, data, msgpack, path, origin, t0)
+        return _headers(data, msgpack, path, origin, t0, warning)
 
     async def _too_large(
         self,
@@ -249,29 +325,8 @@ class FrontDoor:
         data = encode_error(too_large_message(self.max_body_bytes), msgpack)
         res.seconds.observe(time.perf_counter() - t0)
         res.errors.inc()
-        await self._send(send, 413, data, msgpack, path, origin, t0)
-
-    @staticmethod
-    async def _send(
-        send: Any,
-        status: int,
-        data: bytes,
-        msgpack: bool,
-        path: str,
-        origin: str | None,
-        t0: float,
-        warning: str | None = None,
-    ) -> None:
-        headers = [
-            _CT_MSGPACK if msgpack else _CT_JSON,
-            (b"content-length", b"%d" % len(data)),
-            (b"server-timing", b"app;dur=%.3f" % ((time.perf_counter() - t0) * 1e3)),
-        ]
-        if origin is not None:
-            headers += cors_headers(path, origin)
-        if warning is not None:
-            headers.append((WARNING_HEADER_B, header_text(warning).encode("ascii")))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
+        headers = _headers(data, msgpack, path, origin, t0)
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
     @staticmethod

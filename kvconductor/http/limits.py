@@ -547,13 +547,20 @@ def _h11_class() -> type:
 
 
 def protocol_class(limits: HttpLimits, http: str = "httptools") -> type:
-    """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits``.
+    """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits`` (with
+    httptools, small queries are answered by the protocol itself:
+    :mod:`kvconductor.http.direct`).
 
     ``http``: ``"httptools"`` or ``"h11"``. With h11 set the Config's
     ``h11_max_incomplete_event_size`` to :func:`h11_buffer_limit` as well.
     """
-    base = _httptools_class() if http == "httptools" else _h11_class()
-    return type(base.__name__, (base,), {"limits": limits, "__module__": __name__})
+    if http == "httptools":
+        from kvconductor.http.direct import DirectQueries
+
+        bases: tuple[type, ...] = (DirectQueries, _httptools_class())
+    else:
+        bases = (_h11_class(),)
+    return type(bases[-1].__name__, bases, {"limits": limits, "__module__": __name__})
 
 
 def h11_buffer_limit(limits: HttpLimits) -> int:

@@ -255,6 +255,10 @@ class _EndQuietlyOnShutdown:
     was cut off.
     """
 
+    #: Nothing to do for a query the protocol answers itself (kvconductor.http.direct):
+    #: such a request is never cancelled.
+    transparent = True
+
     def __init__(self, app: Any, server: uvicorn.Server) -> None:
         self.app = app
         self.server = server

@@ -1,0 +1,214 @@
+"""Query answers written by the HTTP protocol itself, below ASGI.
+
+A ``POST /query`` or ``POST /query_by_hash`` with a small body (a ``Content-Length`` of
+at most the route's ``large_body_bytes``) is answered by the connection's protocol as
+soon as its body is complete: :class:`DirectQueries` collects the body from the parser's
+callbacks, has the :class:`~kvconductor.http.front.FrontDoor` answer it
+(:meth:`~kvconductor.http.front.FrontDoor.answer_now`: the same resource, statuses,
+bodies, headers, metrics and log lines as its ASGI path) and writes the whole response
+with one ``write``. No ASGI scope, task, ``receive``/``send`` messages or header
+validation per request: that machinery is most of what uvicorn costs per request, more
+than the query itself (docs/performance.md, "The request path against the HTTP stack's
+floor").
+
+Everything else goes to the app as before, and so does a query that could not be
+answered in order or at once: one arriving while an earlier request of the connection is
+still in the app (pipelining) or while the transport's write buffer is full, a chunked
+or large body (answered off the event loop), ``Expect: 100-continue``, HTTP/1.0, an
+upgrade, a target with a query string or percent-escapes, and every request of a server
+with uvicorn's access log on (``--log-level debug``), a ``root_path`` or
+``limit_concurrency``. The request limits (:mod:`kvconductor.http.limits`) apply to
+both paths: the head limit, the deadline (a direct query whose body stops arriving gets
+its ``408``) and the connection cap.
+
+Only with httptools: the h11 protocol has no parser callbacks to hook.
+"""
+
+from __future__ import annotations
+
+import http
+import time
+from typing import Any
+
+from kvconductor.http.front import FrontDoor, QueryRoute, scan_headers
+
+#: Bodies up to this size are joined to the head; larger ones follow it in the same
+#: ``writelines`` call, uncopied (as :class:`~kvconductor.http.limits.OneWrite`).
+JOIN_BYTES = 16 * 1024
+
+
+def _status_line(status: int) -> bytes:
+    # uvicorn's own status lines (httptools_impl.STATUS_LINE)
+    try:
+        phrase = http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        phrase = b""
+    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
+
+
+STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
+
+
+class DirectQueries:
+    """Mixin over kv-conductor's httptools protocol (``LimitedHttpToolsProtocol`` of
+    :mod:`kvconductor.http.limits`): small queries answered by the protocol (module doc).
+
+    Runs on the event loop's thread, like the protocol it extends; the index is read as
+    any query route reads it (the resource's own rules)."""
+
+    _front: FrontDoor | None = None
+    #: ``(route, path, msgpack, origin, t0)`` of the query being answered here, while its
+    #: body arrives; ``None`` otherwise.
+    _direct: tuple[QueryRoute, str, bool, str | None, float] | None = None
+    _direct_keep_alive = True
+
+    # The attributes of the protocols this mixin extends (uvicorn's, kv-conductor's).
+    app: Any
+    access_log: bool
+    root_path: str
+    limit_concurrency: int | None
+    parser: Any
+    transport: Any
+    flow: Any
+    cycle: Any
+    pipeline: Any
+    server_state: Any
+    loop: Any
+    url: bytes
+    headers: list[tuple[bytes, bytes]]
+    expect_100_continue: bool
+    scope: Any
+    timeout_keep_alive: float
+    timeout_keep_alive_task: Any
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        app = self.app
+        while getattr(app, "transparent", False):  # a wrapper with nothing to do here
+            app = app.app
+        if (
+            isinstance(app, FrontDoor)
+            and not self.access_log
+            and not self.root_path
+            and self.limit_concurrency is None
+        ):
+            self._front = app
+            self._targets = {p.encode("ascii"): (p, r) for p, r in app.routes.items()}
+            self._chunks: list[bytes] = []
+
+    # -- parser callbacks ---------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        if self._front is None:
+            return super().on_message_begin()  # type: ignore[misc]
+        # PERF: the ASGI scope is built only for a request that goes to the app
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = None
+
+    def on_headers_complete(self) -> None:
+        if self._front is not None:
+            hit = self._targets.get(self.url)
+            if hit is not None and self._start(*hit):
+                return
+            self._build_scope()
+        super().on_headers_complete()  # type: ignore[misc]
+
+    def on_body(self, body: bytes) -> None:
+        if self._direct is not None:
+            self._chunks.append(body)
+        else:
+            super().on_body(body)  # type: ignore[misc]
+
+    def on_message_complete(self) -> None:
+        direct = self._direct
+        if direct is None:
+            return super().on_message_complete()  # type: ignore[misc]
+        self._direct = None
+        chunks = self._chunks
+        self._chunks = []
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._request_complete()  # type: ignore[attr-defined]
+        front = self._front
+        assert front is not None
+        status, headers, data = front.answer_now(direct[0], direct[1], body, *direct[2:])
+        out = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            out += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            out += (name, b": ", value, b"\r\n")
+        keep_alive = self._direct_keep_alive
+        if not keep_alive:
+            out.append(b"connection: close\r\n")
+        out.append(b"\r\n")
+        transport = self.transport
+        if len(data) <= JOIN_BYTES:
+            out.append(data)
+            transport.write(b"".join(out))
+        else:
+            transport.writelines((b"".join(out), data))
+        self.server_state.total_requests += 1
+        if not keep_alive:
+            transport.close()
+            return
+        task = self.timeout_keep_alive_task
+        if task is not None:
+            task.cancel()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive,
+            self.timeout_keep_alive_handler,  # type: ignore[attr-defined]
+        )
+        self._response_complete()  # type: ignore[attr-defined]
+
+    # -- the decision -------------------------------------------------------------------------
+    def _start(self, path: str, route: QueryRoute) -> bool:
+        """Take the request whose head just arrived here, if it can be answered here."""
+        parser = self.parser
+        if (
+            self.expect_100_continue
+            or parser.get_method() != b"POST"
+            or parser.get_http_version() != "1.1"
+            or parser.should_upgrade()
+        ):
+            return False
+        cycle = self.cycle
+        if (
+            (cycle is not None and not cycle.response_complete)
+            or self.pipeline
+            or self.flow.write_paused
+            or self.transport.is_closing()
+        ):
+            return False  # answered in order, by the app
+        msgpack, length, origin, chunked = scan_headers(self.headers)
+        if chunked or length is None or length > route.large_body_bytes:
+            return False
+        self._head_complete()  # type: ignore[attr-defined]
+        self._direct_keep_alive = bool(parser.should_keep_alive())
+        self._direct = (route, path, msgpack, origin, time.perf_counter())
+        return True
+
+    def _build_scope(self) -> None:
+        """uvicorn's scope of the request whose head just arrived (its own
+        ``on_message_begin``, which :meth:`on_message_begin` deferred)."""
+        url, headers, expect = self.url, self.headers, self.expect_100_continue
+        super().on_message_begin()  # type: ignore[misc]
+        self.url = url
+        self.headers = headers
+        self.scope["headers"] = headers
+        self.expect_100_continue = expect
+
+    # -- the rest of the connection's life ----------------------------------------------------
+    def shutdown(self) -> None:
+        if self._direct is not None:
+            self._direct_keep_alive = False  # answer the query, then close
+            return
+        super().shutdown()  # type: ignore[misc]
+
+    def _can_answer(self) -> bool:
+        if self._direct is not None:
+            return True  # a refusal (408) answers the query being received
+        return bool(super()._can_answer())  # type: ignore[misc]
+
+    def _reject(self, status: int, message: str) -> None:
+        super()._reject(status, message)  # type: ignore[misc]
+        self._direct = None
