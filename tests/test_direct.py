@@ -102,6 +102,7 @@ def serve(svc, settings, limits: HttpLimits | None = None):
         settings = Settings(
             no_snapshots=True,
             request_timeout_secs=limits.request_timeout,
+            keep_alive_secs=limits.keep_alive,
         )
     config = uvicorn_config(svc.app, settings)
     config.loop = "none"
@@ -312,5 +313,29 @@ def test_a_chunked_query_goes_to_the_app(service):
         (r,) = await conn.send(raw)
         assert conn.proto.cycle is not None
         assert msgspec.json.decode(body_of(r))["default"]["e1"]["DP"]["0"]["npu_blocks"] == 8
+
+    asyncio.run(go())
+
+
+def test_an_idle_connection_after_a_direct_answer_is_closed_after_the_keep_alive(service):
+    svc, settings = service
+
+    async def go():
+        limits = HttpLimits(keep_alive=0.2)
+        config = serve(svc, settings, limits)
+        assert config.timeout_keep_alive == 0.2
+        state = server_state()
+        busy, idle = Conn(config, state), Conn(config, state)
+        q = request("/query", b'{"model": "qwen", "block_size": 4, "token_ids": [1, 2]}')
+        for conn in (busy, idle):
+            (r,) = await conn.send(q)
+            assert r.startswith(b"HTTP/1.1 404 ") and conn.proto.cycle is None
+        assert busy.proto.timeout_keep_alive_task is None  # no timer per request
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 0.7
+        while loop.time() < end:  # a request every 0.05 s keeps one connection open
+            (r,) = await busy.send(q)
+            await asyncio.sleep(0.05)
+        assert idle.t.closed and not busy.t.closed
 
     asyncio.run(go())

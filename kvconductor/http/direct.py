@@ -78,8 +78,7 @@ class DirectQueries:
     headers: list[tuple[bytes, bytes]]
     expect_100_continue: bool
     scope: Any
-    timeout_keep_alive: float
-    timeout_keep_alive_task: Any
+    _idle_since: float | None
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -151,13 +150,9 @@ class DirectQueries:
         if not keep_alive:
             transport.close()
             return
-        task = self.timeout_keep_alive_task
-        if task is not None:
-            task.cancel()
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.timeout_keep_alive,
-            self.timeout_keep_alive_handler,  # type: ignore[attr-defined]
-        )
+        # PERF: the keep-alive is a time stamp the pool's sweep reads, not uvicorn's
+        # timer armed and cancelled per request (3-4 µs with uvloop)
+        self._idle_since = self.loop.time()
         self._response_complete()  # type: ignore[attr-defined]
 
     # -- the decision -------------------------------------------------------------------------

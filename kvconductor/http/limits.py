@@ -36,8 +36,11 @@ The protocols here (:func:`protocol_class`, a subclass of uvicorn's
 With httptools, each response is also written in one call (:class:`OneWrite`):
 head and body together, one system call and, for a small answer, one TCP segment.
 
-Between requests, uvicorn's ``timeout_keep_alive`` closes idle keep-alive
-connections (:attr:`HttpLimits.keep_alive`).
+Between requests, idle keep-alive connections are closed after
+:attr:`HttpLimits.keep_alive` seconds: by uvicorn's ``timeout_keep_alive`` timer after an
+answer of the app, by the same sweep after a query the protocol answered itself
+(:mod:`kvconductor.http.direct`; a time stamp, not a timer per request, so such a
+connection is closed between ``keep_alive`` and one sweep interval later).
 
 Refusals (431, 408, 503, and 400 for a request the parser rejects) are sent
 with ``Connection: close``, then the write side is shut and what the client
@@ -123,10 +126,11 @@ class ConnectionPool:
     picks the evictable member with the oldest ``_seen`` (a scan, only at the cap).
     """
 
-    def __init__(self, limit: int, request_timeout: float = 30.0) -> None:
+    def __init__(self, limit: int, request_timeout: float = 30.0, keep_alive: float = 5.0) -> None:
         self.limit = limit
         self.request_timeout = request_timeout
-        self.interval = sweep_interval(request_timeout)
+        self.keep_alive = keep_alive
+        self.interval = sweep_interval(request_timeout, keep_alive)
         self.members: set[Any] = set()
         self.tick = 0
         self.evicted = 0
@@ -167,7 +171,8 @@ class ConnectionPool:
         self._sweeper = loop.call_later(self.interval, self.sweep, loop)
 
     def sweep(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Time out every member whose request deadline has passed; runs again while
+        """Time out every member whose request deadline has passed, close those idle
+        past the keep-alive since a direct answer (``_idle_since``); runs again while
         any connection is open."""
         self._sweeper = None
         now = loop.time()
@@ -175,21 +180,27 @@ class ConnectionPool:
         late = [c for c in self.members if c._started is not None and now - c._started >= timeout]
         for conn in late:
             conn._timed_out()
+        keep = self.keep_alive
+        idle = [
+            c for c in self.members if c._idle_since is not None and now - c._idle_since >= keep
+        ]
+        for conn in idle:
+            conn._idle_out()
         if self.members:
             self._schedule(loop)
 
 
-def sweep_interval(request_timeout: float) -> float:
-    """Seconds between two deadline sweeps: a quarter of the deadline, at most 1 s (a
-    request is cut between its deadline and that much later)."""
-    return min(1.0, request_timeout / 4)
+def sweep_interval(request_timeout: float, keep_alive: float = 4.0) -> float:
+    """Seconds between two deadline sweeps: a quarter of the deadline or of the
+    keep-alive, at most 1 s (a request is cut between its deadline and that much later)."""
+    return min(1.0, request_timeout / 4, keep_alive / 4)
 
 
 def _pool(server_state: Any, limits: HttpLimits) -> ConnectionPool:
     pool = getattr(server_state, "kvc_pool", None)
     if pool is None:
         pool = server_state.kvc_pool = ConnectionPool(
-            limits.max_connections, limits.request_timeout
+            limits.max_connections, limits.request_timeout, limits.keep_alive
         )
     return pool
 
@@ -224,6 +235,7 @@ class _Limits:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._started: float | None = None  # loop time the request began (its deadline)
+        self._idle_since: float | None = None  # loop time of a direct answer, while idle
         self._seen = 0  # the pool's tick at its last activity (LRU order at the cap)
         self._evictable = False  # no request in the app
         self._linger: asyncio.TimerHandle | None = None
@@ -310,9 +322,18 @@ class _Limits:
     # -- deadline (checked by the pool's sweep) -----------------------------------------------
     def _arm(self) -> None:
         self._started = self.loop.time()  # type: ignore[attr-defined]
+        self._idle_since = None
 
     def _disarm(self) -> None:
         self._started = None
+        self._idle_since = None
+
+    def _idle_out(self) -> None:
+        """Idle for the keep-alive since a direct answer (the sweep): close, as uvicorn's
+        keep-alive timer does."""
+        self._idle_since = None
+        if self._started is None:
+            self._close_now()
 
     def _timed_out(self) -> None:
         self._started = None
