@@ -1319,3 +1319,108 @@ def test_extension_instance_names_are_bounded():
     with pytest.raises(wire.WireError, match=re.escape("$.instances[1]")):
         wire.parse_query_ext(long, False, False)
     assert wire.parse_query(long, False, False)[0] == "m"  # skipped without ext
+
+
+# ---------------------------------------------------------------------------------------
+# long int arrays: two decoding chains (kvconductor/_readers.pxd, _mp_u32_split) must
+# give exactly what one chain gives, on any bytes
+# ---------------------------------------------------------------------------------------
+
+#: msgpack int tags and their lengths (tag included)
+_INT_LEN = {
+    **dict.fromkeys(range(0x80), 1),
+    **dict.fromkeys(range(0xE0, 0x100), 1),
+    0xCC: 2,
+    0xCD: 3,
+    0xCE: 5,
+    0xCF: 9,
+    0xD0: 2,
+    0xD1: 3,
+    0xD2: 5,
+    0xD3: 9,
+}
+
+
+def _one_chain(body: bytes, start: int, n: int) -> tuple[str, object]:
+    """The outcome of decoding n ints at ``start`` one element after the other, in the
+    words of the parser's error messages: ("ok", (values, end)), ("eof", None),
+    ("type", index), ("c1", offset), ("range", index)."""
+    if len(body) - start < n:
+        return "eof", None  # every element needs at least one byte
+    p, values = start, []
+    for i in range(n):
+        if p >= len(body):
+            return "eof", i
+        tag = body[p]
+        if tag == 0xC1:
+            return "c1", p
+        if tag not in _INT_LEN:
+            return "type", i
+        size = _INT_LEN[tag]
+        if p + size > len(body):
+            return "eof", i
+        if tag < 0x80:
+            v = tag
+        elif tag >= 0xE0:
+            v = tag - 0x100
+        else:
+            v = int.from_bytes(body[p + 1 : p + size], "big", signed=tag >= 0xD0)
+            if tag == 0xCF and v > I64_MAX:
+                return "range", i
+        values.append(v & U32)
+        p += size
+    return "ok", (values, p)
+
+
+_token = st.one_of(
+    st.integers(0, 127),
+    st.integers(128, 65535),
+    st.integers(65536, U32),
+    st.integers(-32, -1),
+    st.integers(-(2**31), -33),
+    st.integers(U32 + 1, I64_MAX),
+    st.integers(I64_MIN, -(2**31) - 1),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    toks=st.lists(_token, min_size=250, max_size=1500),
+    same=st.sampled_from([None, 1, 3, 5]),
+    edit=st.none() | st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+    cut=st.none() | st.floats(0, 1),
+)
+def test_a_long_int_array_decodes_as_one_chain_would(toks, same, edit, cut):
+    if same is not None:  # runs of one encoding: B's guess lands on a tag or inside one
+        base = {1: 5, 3: 40_000, 5: 100_000}[same]
+        toks = [base + (t & 7) for t in toks]
+    body = msgspec.msgpack.encode({"model": "m", "block_size": 16, "token_ids": toks})
+    start = body.index(b"token_ids") + len(b"token_ids") + 3  # array16 header
+    raw = bytearray(body)
+    if edit is not None:  # one byte of the array changed
+        at = start + int(edit[0] * (len(raw) - start))
+        raw[at] = edit[1]
+    if cut is not None:  # the body cut short
+        raw = raw[: start + int(cut * (len(raw) - start))]
+    data = bytes(raw)
+    kind, what = _one_chain(data, start, len(toks))
+    try:
+        got = parse_query(data, True, False)
+        error = None
+    except WireError as ex:
+        error = str(ex)
+    if kind == "ok":
+        values, end = what
+        if end == len(data):
+            assert error is None, error
+            assert got[3].tolist() == values
+        else:
+            assert error is not None  # bytes after the body's last value
+    elif kind == "type":
+        assert error is not None and f"in `token_ids` at index {what}" in error
+    elif kind == "c1":
+        assert error == f"invalid msgpack byte 0xc1 at offset {what}"
+    elif kind == "range":
+        assert error is not None and f"out of range in `token_ids` at index {what}" in error
+    else:
+        assert error is not None and "truncated" in error
