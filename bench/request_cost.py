@@ -12,9 +12,9 @@ the raw request bytes, a transport that collects what is written) for two stacks
 
 No kernel, no client: the difference between the two rows is what kv-conductor adds
 per request (parse, match, encode, metrics, limits, headers). Prints µs per request
-(best of ``--repeat``); ``--allocs`` instead counts the allocator calls per request
-of each stack (runs itself under ``valgrind --tool=callgrind``, a developer tool like
-``wrk``). ``--only kvc`` runs one stack (for a profiler).
+(best of ``--repeat``); ``--allocs`` instead counts the allocator calls and the
+instructions per request of each stack (runs itself under ``valgrind
+--tool=callgrind``, a developer tool like ``wrk``). ``--only kvc`` runs one stack (for a profiler).
 
     python bench/request_cost.py [--tokens 4096] [--requests 20000] [--repeat 5]
 """
@@ -229,8 +229,20 @@ def allocs_per_request(only: str, tokens: int, n: int) -> dict[str, float]:
                 check=True,
                 capture_output=True,
             )
-            counts.append(callgrind_calls(out))
-    return {a: (counts[1].get(a, 0) - counts[0].get(a, 0)) / (2 * n) for a in ALLOCATORS}
+            calls = callgrind_calls(out)
+            calls["instructions"] = callgrind_instructions(out)
+            counts.append(calls)
+    keys = (*ALLOCATORS, "instructions")
+    return {a: (counts[1].get(a, 0) - counts[0].get(a, 0)) / (2 * n) for a in keys}
+
+
+def callgrind_instructions(path: str) -> int:
+    """Instructions executed (``Ir``) in a callgrind output file: its ``totals:`` line."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith(("totals:", "summary:")):
+                return int(line.split()[1])
+    return 0
 
 
 def main() -> None:
@@ -242,13 +254,13 @@ def main() -> None:
     ap.add_argument(
         "--allocs",
         action="store_true",
-        help="count allocator calls per request under valgrind (slow; needs valgrind)",
+        help="count allocator calls and instructions per request under valgrind (slow)",
     )
     args = ap.parse_args()
     if args.allocs:
         for who in ("floor", "kvc"):
             per = allocs_per_request(who, args.tokens, 500)
-            calls = ", ".join(f"{k} {v:.1f}" for k, v in per.items())
+            calls = ", ".join(f"{k} {v:,.1f}" for k, v in per.items())
             print(f"{who:>6}: {calls} per request")
         return
     import uvloop
