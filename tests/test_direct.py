@@ -53,7 +53,8 @@ class Conn:
     async def send(self, raw: bytes, answers: int = 1, timeout: float = 5.0) -> list[bytes]:
         """Feed ``raw``; the ``answers`` responses written after it (heads and bodies)."""
         before = self.t.data.count(b"HTTP/1.1 ")
-        self.proto.data_received(raw)
+        if raw:  # nothing: wait for the answers to what was sent before
+            self.proto.data_received(raw)
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         while self.t.data.count(b"HTTP/1.1 ") < before + answers:
@@ -337,5 +338,94 @@ def test_an_idle_connection_after_a_direct_answer_is_closed_after_the_keep_alive
             (r,) = await busy.send(q)
             await asyncio.sleep(0.05)
         assert idle.t.closed and not busy.t.closed
+
+    asyncio.run(go())
+
+
+# -- a large body: answered off the event loop, written by the protocol ------------------
+
+#: A query over the route's 256 KiB threshold (the loaded 8 blocks, then more tokens).
+BIG = msgspec.json.encode(
+    {"model": "qwen", "block_size": 4, "token_ids": TOKENS + list(range(200_000, 260_000))}
+)
+
+
+def test_a_large_query_is_answered_off_the_loop_as_the_app_answers_it(service):
+    svc, settings = service
+    assert len(BIG) > svc.app.routes["/query"].large_body_bytes
+
+    async def go():
+        conn = Conn(serve(svc, settings), server_state())
+        await load(conn)
+        conn.proto.cycle = None
+        n = conn.t.data.count(b"HTTP/1.1 ")
+        conn.proto.data_received(request("/query", BIG))
+        assert conn.t.data.count(b"HTTP/1.1 ") == n  # not answered on the event loop
+        assert type(conn.proto.cycle).__name__ == "_InFlight"
+        (direct,) = await conn.send(b"", answers=1)
+        assert conn.proto.cycle.response_complete and not conn.t.closed
+        (app,) = await conn.send(request("/%71uery", BIG))
+        assert type(conn.proto.cycle).__name__ == "RequestResponseCycle"
+        assert normalized(direct) == normalized(app)
+        assert msgspec.json.decode(body_of(direct))["default"]["e1"]["DP"]["0"]["npu_blocks"] == 8
+
+    asyncio.run(go())
+
+
+def test_a_request_behind_a_large_query_waits_its_turn(service):
+    svc, settings = service
+
+    async def go():
+        conn = Conn(serve(svc, settings), server_state())
+        await load(conn)
+        small = request("/query", b'{"model": "nope", "block_size": 4, "token_ids": [1]}')
+        health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        got = await conn.send(request("/query", BIG) + small + health, answers=3)
+        assert [r.split(b"\r\n", 1)[0] for r in got] == [
+            b"HTTP/1.1 200 OK",
+            b"HTTP/1.1 404 Not Found",
+            b"HTTP/1.1 200 OK",
+        ]
+        assert body_of(got[2]) == b"OK"
+
+    asyncio.run(go())
+
+
+def test_a_large_query_whose_client_left_is_not_written(service):
+    svc, settings = service
+
+    async def go():
+        conn = Conn(serve(svc, settings), server_state())
+        await load(conn)
+        seconds = svc.app.routes["/query"].seconds
+        count = sum(seconds.counts)
+        n = len(conn.t.calls)
+        conn.proto.data_received(request("/query", BIG))
+        conn.proto.connection_lost(None)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5
+        while sum(seconds.counts) == count:  # answered (and counted) all the same
+            assert loop.time() < end
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)
+        assert len(conn.t.calls) == n  # nothing written after the loss
+
+    asyncio.run(go())
+
+
+def test_shutdown_while_a_large_query_is_answered_closes_after_its_answer(service):
+    svc, settings = service
+
+    async def go():
+        state = server_state()
+        conn = Conn(serve(svc, settings), state)
+        await load(conn)
+        conn.proto.data_received(request("/query", BIG))
+        assert len(state.tasks) == 1  # a graceful shutdown waits for it
+        conn.proto.shutdown()
+        assert not conn.t.closed
+        (r,) = await conn.send(b"", answers=1)
+        assert r.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nconnection: close\r\n" in r
+        assert conn.t.closed
 
     asyncio.run(go())

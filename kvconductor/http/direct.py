@@ -1,20 +1,23 @@
 """Query answers written by the HTTP protocol itself, below ASGI.
 
-A ``POST /query`` or ``POST /query_by_hash`` with a small body (a ``Content-Length`` of
-at most the route's ``large_body_bytes``) is answered by the connection's protocol as
-soon as its body is complete: :class:`DirectQueries` collects the body from the parser's
-callbacks, has the :class:`~kvconductor.http.front.FrontDoor` answer it
-(:meth:`~kvconductor.http.front.FrontDoor.answer_now`: the same resource, statuses,
+A ``POST /query`` or ``POST /query_by_hash`` with a ``Content-Length`` (at most
+``--max-body-mb``) is answered by the connection's protocol: :class:`DirectQueries`
+collects the body from the parser's callbacks, and once it is complete has the
+:class:`~kvconductor.http.front.FrontDoor` answer it (the same resource, statuses,
 bodies, headers, metrics and log lines as its ASGI path) and writes the whole response
-with one ``write``. No ASGI scope, task, ``receive``/``send`` messages or header
-validation per request: that machinery is most of what uvicorn costs per request, more
-than the query itself (docs/performance.md, "The request path against the HTTP stack's
-floor").
+with one ``write``. A body of at most the route's ``large_body_bytes`` is answered at
+once, on the event loop (:meth:`~kvconductor.http.front.FrontDoor.answer_now`); a larger
+one off it, on the query threads (:meth:`~kvconductor.http.front.FrontDoor.answer_async`),
+while the connection waits in order (:class:`_InFlight`). No ASGI scope, task,
+``receive``/``send`` messages, header validation or body copies per request: that
+machinery is most of what uvicorn costs per small request, more than the query itself,
+and for a 4 MB body its copies and per-chunk wake-ups cost more than the match
+(docs/performance.md, "The request path against the HTTP stack's floor").
 
 Everything else goes to the app as before, and so does a query that could not be
-answered in order or at once: one arriving while an earlier request of the connection is
-still in the app (pipelining) or while the transport's write buffer is full, a chunked
-or large body (answered off the event loop), ``Expect: 100-continue``, HTTP/1.0, an
+answered in order: one arriving while an earlier request of the connection is still
+being answered (pipelining) or while the transport's write buffer is full, a chunked
+body, one over the body limit (the app's 413), ``Expect: 100-continue``, HTTP/1.0, an
 upgrade, a target with a query string or percent-escapes, and every request of a server
 with uvicorn's access log on (``--log-level debug``), a ``root_path`` or
 ``limit_concurrency``. The request limits (:mod:`kvconductor.http.limits`) apply to
@@ -47,6 +50,32 @@ def _status_line(status: int) -> bytes:
 
 
 STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
+
+
+class _InFlight:
+    """uvicorn's current cycle while a large query is answered off the event loop: what
+    the protocols read of a cycle (uvicorn's connection loss and shutdown, the limits'
+    refusals set ``disconnected`` and ``keep_alive``)."""
+
+    __slots__ = ("disconnected", "keep_alive", "message_event", "response_complete")
+
+    response_started = True  # nothing else may be written before its answer
+    transport = None
+
+    def __init__(self, keep_alive: bool) -> None:
+        self.keep_alive = keep_alive
+        self.disconnected = False
+        self.response_complete = False
+        self.message_event = _NoEvent()
+
+
+class _NoEvent:
+    """``cycle.message_event`` of :class:`_InFlight`: nobody waits on it."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
 
 
 class DirectQueries:
@@ -130,13 +159,29 @@ class DirectQueries:
         self._request_complete()  # type: ignore[attr-defined]
         front = self._front
         assert front is not None
-        status, headers, data = front.answer_now(direct[0], direct[1], body, *direct[2:])
+        route, path, msgpack, origin, t0 = direct
+        if len(body) > route.large_body_bytes:
+            return self._answer_later(front, direct, body)
+        status, headers, data = front.answer_now(route, path, body, msgpack, origin, t0)
+        keep_alive = self._direct_keep_alive
+        self._write(status, headers, data, keep_alive)
+        self.server_state.total_requests += 1
+        if not keep_alive:
+            self.transport.close()
+            return
+        # PERF: the keep-alive is a time stamp the pool's sweep reads, not uvicorn's
+        # timer armed and cancelled per request (3-4 µs with uvloop)
+        self._idle_since = self.loop.time()
+        self._response_complete()  # type: ignore[attr-defined]
+
+    def _write(
+        self, status: int, headers: list[tuple[bytes, bytes]], data: bytes, keep_alive: bool
+    ) -> None:
         out = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             out += (name, b": ", value, b"\r\n")
         for name, value in headers:
             out += (name, b": ", value, b"\r\n")
-        keep_alive = self._direct_keep_alive
         if not keep_alive:
             out.append(b"connection: close\r\n")
         out.append(b"\r\n")
@@ -146,14 +191,36 @@ class DirectQueries:
             transport.write(b"".join(out))
         else:
             transport.writelines((b"".join(out), data))
-        self.server_state.total_requests += 1
-        if not keep_alive:
-            transport.close()
-            return
-        # PERF: the keep-alive is a time stamp the pool's sweep reads, not uvicorn's
-        # timer armed and cancelled per request (3-4 µs with uvloop)
-        self._idle_since = self.loop.time()
-        self._response_complete()  # type: ignore[attr-defined]
+
+    def _answer_later(
+        self, front: FrontDoor, direct: tuple[QueryRoute, str, bool, str | None, float], body: bytes
+    ) -> None:
+        """A large body: answered off the event loop (the route's ``respond``), written
+        when done. Meanwhile :class:`_InFlight` stands as uvicorn's current cycle, so a
+        request arriving behind it waits in uvicorn's pipeline, in order."""
+        cycle = _InFlight(self._direct_keep_alive)
+        self.cycle = cycle
+        task = self.loop.create_task(self._respond(front, direct, body, cycle))
+        tasks = self.server_state.tasks  # a graceful shutdown waits for them
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def _respond(
+        self,
+        front: FrontDoor,
+        direct: tuple[QueryRoute, str, bool, str | None, float],
+        body: bytes,
+        cycle: _InFlight,
+    ) -> None:
+        route, path, msgpack, origin, t0 = direct
+        status, headers, data = await front.answer_async(route, path, body, msgpack, origin, t0)
+        cycle.response_complete = True
+        if cycle.disconnected:
+            return  # the connection is gone (closed, refused or shut): nobody to answer
+        self._write(status, headers, data, cycle.keep_alive)
+        if not cycle.keep_alive:
+            self.transport.close()
+        self.on_response_complete()  # type: ignore[attr-defined]  # uvicorn's: next in line
 
     # -- the decision -------------------------------------------------------------------------
     def _start(self, path: str, route: QueryRoute) -> bool:
@@ -175,8 +242,8 @@ class DirectQueries:
         ):
             return False  # answered in order, by the app
         msgpack, length, origin, chunked = scan_headers(self.headers)
-        if chunked or length is None or length > route.large_body_bytes:
-            return False
+        if chunked or length is None or length > self._front.max_body_bytes:  # type: ignore
+            return False  # a 413 or a body without a length: the app's
         self._head_complete()  # type: ignore[attr-defined]
         self._direct_keep_alive = bool(parser.should_keep_alive())
         self._direct = (route, path, msgpack, origin, time.perf_counter())

@@ -279,6 +279,23 @@ class FrontDoor:
             status, data, problem = _internal_error(path, ex, msgpack)
         return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
 
+    async def answer_async(
+        self,
+        res: QueryRoute,
+        path: str,
+        body: bytes,
+        msgpack: bool,
+        origin: str | None,
+        t0: float,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """:meth:`answer_now` for a body of any size (over ``res.large_body_bytes``: off
+        the event loop, as :meth:`_serve` answers it)."""
+        try:
+            status, data, problem = await res.respond(body, msgpack)
+        except Exception as ex:
+            status, data, problem = _internal_error(path, ex, msgpack)
+        return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
+
     @staticmethod
     def conclude(
         res: QueryRoute,
