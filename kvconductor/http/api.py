@@ -408,20 +408,29 @@ class QueryResource(_Resource[QuerySource]):
         return 200, encode_result(result, tenant, block_size, msgpack), None
 
     async def respond(
-        self, body: bytes | bytearray, msgpack: bool
+        self, body: bytes | bytearray | list[bytes], msgpack: bool
     ) -> tuple[int, bytes, str | None]:
         """:meth:`answer`, in a worker thread for a large body (the front door's call).
-        PERF: a bytearray is parsed as it is (the parsers take any buffer), not copied."""
-        data = cast(bytes, body)
-        if len(data) <= self.large_body_bytes:
-            return self.answer(data, msgpack)
+        ``body`` may be the chunks of a large body: they are joined in that thread.
+        PERF: a bytearray is parsed as it is (the parsers take any buffer), not copied;
+        ``bytes.join`` lets go of the GIL for a large join, so joining 4 MB there does
+        not stop the event loop for the ~0.5 ms of the copy."""
+        if isinstance(body, list):
+            fn: Any = self._answer_chunks
+        else:
+            fn = self.answer
+            if len(body) <= self.large_body_bytes:
+                return self.answer(cast(bytes, body), msgpack)
         loop = asyncio.get_running_loop()
         deferred = DeferredMetrics()  # QueryMetrics has one writer: this loop
-        out = await loop.run_in_executor(
-            self.conductor.executor, self.answer, data, msgpack, deferred
-        )
+        out = await loop.run_in_executor(self.conductor.executor, fn, body, msgpack, deferred)
         deferred.replay(self.metrics)
-        return out
+        return cast(tuple[int, bytes, "str | None"], out)
+
+    def _answer_chunks(
+        self, chunks: list[bytes], msgpack: bool, metrics: DeferredMetrics
+    ) -> tuple[int, bytes, str | None]:
+        return self.answer(b"".join(chunks), msgpack, metrics)
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         t0 = time.perf_counter()

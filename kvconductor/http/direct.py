@@ -90,6 +90,7 @@ class DirectQueries:
     #: body arrives; ``None`` otherwise.
     _direct: tuple[QueryRoute, str, bool, str | None, float] | None = None
     _direct_keep_alive = True
+    _length = 0  # the Content-Length of that query
 
     # The attributes of the protocols this mixin extends (uvicorn's, kv-conductor's).
     app: Any
@@ -155,13 +156,15 @@ class DirectQueries:
         self._direct = None
         chunks = self._chunks
         self._chunks = []
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._request_complete()  # type: ignore[attr-defined]
         front = self._front
         assert front is not None
         route, path, msgpack, origin, t0 = direct
-        if len(body) > route.large_body_bytes:
-            return self._answer_later(front, direct, body)
+        if self._length > route.large_body_bytes:
+            # PERF: the chunks are joined on a query thread (bytes.join lets go of the
+            # GIL), not in one ~0.5 ms copy of 4 MB on the event loop
+            return self._answer_later(front, direct, chunks)
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         status, headers, data = front.answer_now(route, path, body, msgpack, origin, t0)
         keep_alive = self._direct_keep_alive
         self._write(status, headers, data, keep_alive)
@@ -193,7 +196,10 @@ class DirectQueries:
             transport.writelines((b"".join(out), data))
 
     def _answer_later(
-        self, front: FrontDoor, direct: tuple[QueryRoute, str, bool, str | None, float], body: bytes
+        self,
+        front: FrontDoor,
+        direct: tuple[QueryRoute, str, bool, str | None, float],
+        body: list[bytes],
     ) -> None:
         """A large body: answered off the event loop (the route's ``respond``), written
         when done. Meanwhile :class:`_InFlight` stands as uvicorn's current cycle, so a
@@ -209,7 +215,7 @@ class DirectQueries:
         self,
         front: FrontDoor,
         direct: tuple[QueryRoute, str, bool, str | None, float],
-        body: bytes,
+        body: list[bytes],
         cycle: _InFlight,
     ) -> None:
         route, path, msgpack, origin, t0 = direct
@@ -246,6 +252,7 @@ class DirectQueries:
             return False  # a 413 or a body without a length: the app's
         self._head_complete()  # type: ignore[attr-defined]
         self._direct_keep_alive = bool(parser.should_keep_alive())
+        self._length = length
         self._direct = (route, path, msgpack, origin, time.perf_counter())
         return True
 

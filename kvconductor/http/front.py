@@ -90,9 +90,10 @@ class QueryRoute(Protocol):
         ...
 
     async def respond(
-        self, body: bytes | bytearray, msgpack: bool
+        self, body: bytes | bytearray | list[bytes], msgpack: bool
     ) -> tuple[int, bytes, str | None]:
-        """:meth:`answer`, off the event loop for a body over :attr:`large_body_bytes`."""
+        """:meth:`answer`, off the event loop for a body over :attr:`large_body_bytes`
+        (or given as its chunks, joined off the event loop)."""
         ...
 
 
@@ -283,13 +284,13 @@ class FrontDoor:
         self,
         res: QueryRoute,
         path: str,
-        body: bytes,
+        body: bytes | list[bytes],
         msgpack: bool,
         origin: str | None,
         t0: float,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """:meth:`answer_now` for a body of any size (over ``res.large_body_bytes``: off
-        the event loop, as :meth:`_serve` answers it)."""
+        """:meth:`answer_now` for a body of any size (over ``res.large_body_bytes``, or
+        as a list of chunks: off the event loop, as :meth:`_serve` answers it)."""
         try:
             status, data, problem = await res.respond(body, msgpack)
         except Exception as ex:
