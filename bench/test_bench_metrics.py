@@ -34,14 +34,30 @@ def test_scrape_1m_block_index(benchmark, big_index):
     c.stop()
 
 
+def server_malloc() -> None:
+    """The server's glibc malloc settings (``kvconductor.state.conductor.tune_malloc``,
+    applied at start: both thresholds at 32 MiB), by hand so that an older checkout's
+    run can be given the same (``MALLOC_MMAP_THRESHOLD_=33554432
+    MALLOC_TRIM_THRESHOLD_=33554432`` in its environment): with glibc's defaults each
+    1.2 MB exposition comes from fresh pages, ~300 page faults a scrape that the server
+    does not pay."""
+    import ctypes
+
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+    mallopt(-1, 32 << 20)  # M_TRIM_THRESHOLD
+
+
 @pytest.mark.parametrize("odd", [False, True], ids=["plain", "mixed"])
 def test_scrape_4096_sources(benchmark, odd):
     """4,096 real Subscription objects (hand-built, no sockets; tests/helpers/sources.py):
     plain live vLLM sources, or mixed (escaped labels, pools of two media, every state,
-    drops, a few ages past 1e6 s), last batches about 100 s ago."""
+    drops, a few ages past 1e6 s), last batches about 100 s ago; the server's malloc
+    settings."""
     from kvconductor.http.metrics import Metrics
     from tests.helpers.sources import manager
 
+    server_malloc()
     c = _conductor(manager(4096, odd=odd, base=time.time() - 100))
     m = Metrics(c)
     out = benchmark(m.exposition)

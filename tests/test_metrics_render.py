@@ -10,6 +10,9 @@ state, counters of every kind, retired totals) at the same wall-clock time.
 
 from __future__ import annotations
 
+import math
+import random
+import struct
 import time
 from collections.abc import Iterator
 
@@ -18,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvconductor import __version__
 from kvconductor.http import metrics as metrics_mod
@@ -323,5 +327,121 @@ def test_a_changed_table_is_scraped_as_it_is_now(fixed_time, monkeypatch):
         assert got.count(b"\nkvconductor_source_up{") == len(_rows(mgr)[0]) + sum(
             len(r[2]) - 1 for r in _rows(mgr)[0]
         )
+    finally:
+        c.stop()
+
+
+def test_a_changed_source_state_is_scraped_as_it_is_now(fixed_time):
+    """The 0/1 families' text is kept between scrapes while the flags stay the same:
+    a source that goes down, is muted, comes back, is not shown in its old state."""
+    mgr = manager(40, odd=False)
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+        subs = list(mgr._subs.values())
+        subs[3].connected = False
+        subs[7].muted = True
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert b'kvconductor_source_up{dp_rank="3",instance_id="inst-0",medium="NPU"} 0.0' in got
+        assert b'kvconductor_source_muted{dp_rank="7",instance_id="inst-0",medium="NPU"} 1.0' in got
+        subs[3].connected = True
+        subs[7].muted = False
+        subs[9].tracker.replaying = True
+        assert m.exposition() == _reference(m, c)
+    finally:
+        c.stop()
+
+
+def test_the_ages_move_between_scrapes(monkeypatch):
+    """The ages are formatted at every scrape (``now`` moves; a batch moves a source's
+    last event), never kept."""
+    t = [NOW]
+    monkeypatch.setattr(time, "time", lambda: t[0])
+    mgr = manager(5, odd=False)
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+        t[0] = NOW + 2.5
+        assert m.exposition() == _reference(m, c)
+        next(iter(mgr._subs.values())).stats.last_event = NOW + 2.0
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert b'medium="NPU"} 0.5\n' in got
+    finally:
+        c.stop()
+
+
+#: Ages a scrape may meet: exponent forms (>= 1e6 s, < 1e-4 s), clamped (negative),
+#: the bounds of the fast path and their neighbours, NaN and infinities.
+EDGE_AGES = (
+    0.0,
+    -0.0,
+    -1.5,
+    5e-324,
+    1e-5,
+    math.nextafter(1e-4, 0.0),
+    1e-4,
+    math.nextafter(1e-4, 1.0),
+    0.1,
+    0.3,
+    2 / 3,
+    1.0,
+    100.0,
+    123456.789,
+    math.nextafter(1e6, 0.0),
+    1e6,
+    3e6 + 0.25,
+    1e16,
+    1.7e9,
+    math.inf,
+    -math.inf,
+    math.nan,
+)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["msgspec", "repr"])
+def test_ages_are_what_float_to_go_string_writes(monkeypatch, fast):
+    """``_ages`` (msgspec's float writer where it agrees with ``repr``, the general one
+    elsewhere) against prometheus_client's ``floatToGoString`` of ``max(0, now - t)``:
+    the edges, and many ages of the shape a scrape computes (now - a wall-clock time of
+    about 1.7e9: 17 significant digits) over every decade of the fast path."""
+    assert metrics_mod._FAST_AGES  # the installed msgspec writes these as repr does
+    monkeypatch.setattr(metrics_mod, "_FAST_AGES", fast)
+    rnd = random.Random(27)
+    now = 1_700_000_000.0 + rnd.random() * 1e6
+    last = [now - a for a in EDGE_AGES]
+    last += [now - rnd.random() * 10 ** rnd.uniform(-5, 7) for _ in range(20_000)]
+    last += [rnd.uniform(1e-4, 1e6) for _ in range(5_000)]  # now - t: near now
+    got = metrics_mod._ages(now, last)
+    assert got == [floatToGoString(max(0.0, now - t)).encode() for t in last]
+    # the edges themselves, exactly (``now - (now - a)`` rounds)
+    want = [floatToGoString(max(0.0, a)).encode() for a in EDGE_AGES]
+    assert {b"0.0", b"1e-05", b"0.0001", b"1e+06", b"3.00000025e+06", b"+Inf"} <= set(want)
+    fmt = metrics_mod._ages_msgspec if fast else metrics_mod._ages_repr
+    assert fmt(list(EDGE_AGES)) == want
+    for k in range(len(EDGE_AGES)):  # each alone: the checks of a whole chunk
+        assert fmt([EDGE_AGES[k]]) == [want[k]]
+
+
+def test_random_floats_are_written_as_repr_by_msgspec():
+    """The fast path's claim, by bit patterns: every float of ``[1e-4, 1e6)`` that msgspec
+    writes is ``repr``'s text (uniform over the floats' bits, so every decade and
+    every mantissa shape)."""
+    rnd = random.Random(11)
+    lo, hi = (struct.unpack("<q", struct.pack("<d", x))[0] for x in (1e-4, 1e6))
+    vals = [struct.unpack("<d", struct.pack("<q", rnd.randrange(lo, hi)))[0] for _ in range(50_000)]
+    assert metrics_mod._ages_msgspec(vals) == [repr(v).encode() for v in vals]
+
+
+def test_the_repr_path_matches_the_reference(fixed_time, monkeypatch):
+    """Without the msgspec path (an msgspec that writes floats otherwise)."""
+    monkeypatch.setattr(metrics_mod, "_FAST_AGES", False)
+    c = _conductor(manager(300, odd=True))
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
     finally:
         c.stop()
