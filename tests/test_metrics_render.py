@@ -445,3 +445,91 @@ def test_the_repr_path_matches_the_reference(fixed_time, monkeypatch):
         assert m.exposition() == _reference(m, c)
     finally:
         c.stop()
+
+
+def _bump_drop(st) -> None:
+    st.drop("parent_not_found", 3)
+
+
+def _bump_failed(st) -> None:
+    st.drop("replay_failed")
+
+
+def _bump_gaps(st) -> None:
+    st.gaps += 1
+
+
+def _bump_ok(st) -> None:
+    st.replays_ok += 2
+
+
+def _bump_mutes(st) -> None:
+    st.mutes += 1
+
+
+def _bump_purged(st) -> None:
+    st.purged_blocks += 40
+
+
+@pytest.mark.parametrize(
+    "bump", [_bump_drop, _bump_failed, _bump_gaps, _bump_ok, _bump_mutes, _bump_purged]
+)
+@pytest.mark.parametrize("odd", [False, True], ids=["plain", "mixed"])
+def test_a_moved_rare_counter_is_scraped_as_it_is_now(fixed_time, monkeypatch, bump, odd):
+    """The sums of the rarely moving counters (drops, gaps, replays, mutes, purges) are
+    kept between scrapes while nothing moved them: one that moves, in any slice, is
+    counted at the next scrape."""
+    import kvconductor.ingest.subscriber as subscriber
+
+    monkeypatch.setattr(subscriber, "METRICS_CHUNK", 8)
+    mgr = manager(30, odd=odd)
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        first = m.exposition()
+        assert first == _reference(m, c)
+        assert m.exposition() == first  # kept: the same text
+        for sub in list(mgr._subs.values())[::7]:
+            bump(sub.stats)
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert got != first
+    finally:
+        c.stop()
+
+
+def test_a_retargeted_kind_is_counted_under_its_new_kind(fixed_time):
+    """A retarget to another engine type (same labels): its events count under the new
+    source kind at the next scrape."""
+    import dataclasses
+
+    mgr = manager(12, odd=False)
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+        sub = list(mgr._subs.values())[4]
+        sub.ctx = dataclasses.replace(sub.ctx, engine_type="SGLang")
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert b'kvconductor_events_applied_total{source_kind="sglang"} 1004.0' in got
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("media", [(), (Medium.CPU,), (Medium.NPU, Medium.CPU, Medium.DISK)])
+def test_a_slice_of_uneven_media_matches_the_reference(fixed_time, media):
+    """A source of no medium, one or three next to sources of one: each column repeated
+    per medium (the repetition of a slice is built once, for any count)."""
+    import dataclasses
+
+    mgr = manager(3, odd=False)
+    c = _conductor(mgr)
+    try:
+        sub = list(mgr._subs.values())[1]
+        sub.ctx = dataclasses.replace(sub.ctx, default_media=media)
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+        assert m.exposition() == _reference(m, c)  # the kept columns
+    finally:
+        c.stop()

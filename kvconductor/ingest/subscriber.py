@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable
 from itertools import chain, compress, repeat
 from operator import and_, attrgetter, is_, itemgetter, not_
+from typing import NamedTuple
 
 import zmq
 
@@ -70,7 +71,7 @@ from kvconductor.ingest.replay import ReplaySession
 from kvconductor.ingest.replicated import DUPLICATE, HOLE, ReplicaState
 from kvconductor.ingest.source import SubSource
 from kvconductor.ingest.sourcemetrics import SourceSnapshot, label_sets
-from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
+from kvconductor.ingest.stats import KEPT_STAMP, Limits, SourceStats, WarnLimiter, kept_changed
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.ingest.tracker import SequenceTracker, digest
 from kvconductor.keys import Medium
@@ -140,6 +141,7 @@ class Subscription:
         self.metric_labels = label_sets(ctx.instance_id, ctx.dp_rank, ctx.default_media)
         #: ``kvconductor_events_applied``'s source_kind.
         self.kind = source_kind(ctx.is_pool, ctx.engine_type)
+        kept_changed()  # a scrape reads them again
 
     @property
     def owned(self) -> bool:
@@ -461,10 +463,11 @@ class RetiredTotals:
 
 _STATS = attrgetter("stats")
 _EVENTS = attrgetter("events")
-_GAPS = attrgetter("gaps")
-_REPLAYS_OK = attrgetter("replays_ok")
-_MUTES = attrgetter("mutes")
-_PURGED = attrgetter("purged_blocks")
+# the slots of SourceStats' properties (read without the property's call)
+_GAPS = attrgetter("_gaps")
+_REPLAYS_OK = attrgetter("_replays_ok")
+_MUTES = attrgetter("_mutes")
+_PURGED = attrgetter("_purged_blocks")
 _DROPPED = attrgetter("dropped")
 _KIND = attrgetter("kind")
 _TRACKER = attrgetter("tracker")
@@ -491,58 +494,103 @@ def _replays(sub: Subscription) -> tuple[int, int]:
 METRICS_CHUNK = 1024
 
 
-#: What a slice of subscriptions keeps between scrapes while it stays the same (the
-#: same subscriptions with the same label sets): (subscriptions, their label sets, their
-#: SourceStats, their source kinds, the label sets flattened, media per subscription
-#: or None when each has one).
-_Columns = tuple[
-    list["Subscription"],
-    list[tuple[str, ...]],
-    list[SourceStats],
-    list[str],
-    list[str],
-    list[int] | None,
-]
+class _Rare(NamedTuple):
+    """The rarely moving counters of a slice of subscriptions, summed."""
+
+    gaps: int
+    replays_ok: int
+    replays_failed: int
+    mutes: int
+    purged_blocks: int
+    dropped: dict[str, int]
 
 
-def _read_columns(
-    snap: SourceSnapshot, subs: list[Subscription], replicated: bool, kept: _Columns | None
-) -> _Columns:
-    """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
-    returns what the next scrape may reuse (``kept``: this slice's from the last one)."""
-    # PERF: every column read by map/attrgetter (C loops); no Python statement per
-    # subscription but for the rare ones with drops. What only changes with the table
-    # or a registration (stats objects, kinds, label sets) is reused while the slice's
-    # subscriptions and label sets compare equal (identity, in C).
-    sets = list(map(_LABELS, subs))
-    if kept is not None and kept[0] == subs and kept[1] == sets:
-        stats, kinds, labels, ks = kept[2], kept[3], kept[4], kept[5]
-    else:
-        stats = list(map(_STATS, subs))
-        kinds = list(map(_KIND, subs))
-        if all(map(_ONE.__eq__, map(len, sets))):
-            labels, ks = list(map(_FIRST, sets)), None
-        else:  # sources of several media: a line per medium
-            labels, ks = list(chain.from_iterable(sets)), list(map(len, sets))
-        kept = (subs, sets, stats, kinds, labels, ks)
-    applied, dropped = snap.applied, snap.dropped
-    snap.gaps += sum(map(_GAPS, stats))
-    snap.replays_ok += sum(map(_REPLAYS_OK, stats))
-    snap.mutes += sum(map(_MUTES, stats))
-    snap.purged_blocks += sum(map(_PURGED, stats))
+class _Columns(NamedTuple):
+    """What a slice of subscriptions keeps from one scrape to the next while it stays
+    the same (the same subscriptions, and :data:`~kvconductor.ingest.stats.KEPT_STAMP`
+    unchanged: no label set, source kind or rare counter changed anywhere)."""
+
+    stamp: int
+    subs: list[Subscription]
+    stats: list[SourceStats]
+    #: (kind, None) when the slice has one source kind, else (kind, mask) per kind
+    kinds: list[tuple[str, list[bool] | None]]
+    #: the label sets flattened
+    labels: list[str]
+    #: None when each subscription has one medium, else what repeats a column's value
+    #: for each medium of its subscription (an itemgetter of the indices after two 0s)
+    ks: itemgetter[tuple[int, ...]] | None
+    rare: _Rare
+
+
+def _sum_rare(stats: list[SourceStats]) -> _Rare:
+    # PERF: C loops (map/attrgetter, sum); a Python loop only over the sources with drops
+    dropped: dict[str, int] = {}
+    failed = 0
     for d in filter(None, map(_DROPPED, stats)):
         for reason, n in list(d.items()):  # a copy in C: the ingest thread may add one
             dropped[reason] = dropped.get(reason, 0) + n
-        snap.replays_failed += d.get("replay_failed", 0)
-    kindset = set(kinds)
-    if len(kindset) == 1:  # one engine type (the common case): no per-kind mask
-        kind = kinds[0]
+        failed += d.get("replay_failed", 0)
+    return _Rare(
+        sum(map(_GAPS, stats)),
+        sum(map(_REPLAYS_OK, stats)),
+        failed,
+        sum(map(_MUTES, stats)),
+        sum(map(_PURGED, stats)),
+        dropped,
+    )
+
+
+def _read_columns(
+    snap: SourceSnapshot,
+    subs: list[Subscription],
+    replicated: bool,
+    kept: _Columns | None,
+    stamp: int,
+) -> _Columns:
+    """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
+    returns what the next scrape may reuse (``kept``: this slice's from the last one,
+    ``stamp``: :data:`~kvconductor.ingest.stats.KEPT_STAMP` read before anything else)."""
+    # PERF: every column read by map/attrgetter (C loops); no Python statement per
+    # subscription but for the rare ones with drops. What only changes with the table,
+    # a registration or a rare counter (stats objects, kinds, label sets, the rare
+    # counters' sums) is reused while the stamp is the same and the slice's
+    # subscriptions compare equal (identity, in C): each scrape reads only what moves
+    # with every batch or state change (events, last event, the state flags).
+    if kept is None or kept.stamp != stamp or kept.subs != subs:
+        stats = list(map(_STATS, subs))
+        kinds = list(map(_KIND, subs))
+        kindset = sorted(set(kinds))
+        if len(kindset) == 1:  # one engine type (the common case): no per-kind mask
+            masks: list[tuple[str, list[bool] | None]] = [(kindset[0], None)]
+        else:
+            masks = [(kind, list(map(kind.__eq__, kinds))) for kind in kindset]
+        sets = list(map(_LABELS, subs))
+        ks: itemgetter[tuple[int, ...]] | None = None
+        if all(map(_ONE.__eq__, map(len, sets))):
+            labels = list(map(_FIRST, sets))
+        else:  # sources of several media: a line per medium (so two lines at least)
+            labels = list(chain.from_iterable(sets))
+            # two leading 0s (cut off after the call): a tuple even for fewer than 2
+            idx = chain.from_iterable(map(repeat, range(len(sets)), map(len, sets)))
+            ks = itemgetter(0, 0, *idx)
+        kept = _Columns(stamp, subs, stats, masks, labels, ks, _sum_rare(stats))
+    stats, labels, ks, rare = kept.stats, kept.labels, kept.ks, kept.rare
+    applied, dropped = snap.applied, snap.dropped
+    snap.gaps += rare.gaps
+    snap.replays_ok += rare.replays_ok
+    snap.replays_failed += rare.replays_failed
+    snap.mutes += rare.mutes
+    snap.purged_blocks += rare.purged_blocks
+    for reason, n in rare.dropped.items():
+        dropped[reason] = dropped.get(reason, 0) + n
+    if len(kept.kinds) == 1:
+        kind = kept.kinds[0][0]
         applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, stats))
     else:
         events = list(map(_EVENTS, stats))
-        for kind in kindset:
-            n = sum(compress(events, map(kind.__eq__, kinds)))
-            applied[kind] = applied.get(kind, 0) + n
+        for kind, mask in kept.kinds:
+            applied[kind] = applied.get(kind, 0) + sum(compress(events, mask or ()))
     # live: what Subscription.state calls "live" (not passive, connected, not replaying,
     # not degraded), from the columns
     trackers = list(map(_TRACKER, subs))
@@ -565,10 +613,10 @@ def _read_columns(
         snap.live += live
         snap.muted += muted
         snap.last_event += last
-    else:  # each value repeated for each medium of its source
-        snap.live += chain.from_iterable(map(repeat, live, ks))
-        snap.muted += chain.from_iterable(map(repeat, muted, ks))
-        snap.last_event += chain.from_iterable(map(repeat, last, ks))
+    else:  # each value repeated for each medium of its source: one C call a column
+        snap.live += ks(live)[2:]
+        snap.muted += ks(muted)[2:]
+        snap.last_event += ks(last)[2:]
     return kept
 
 
@@ -682,6 +730,7 @@ class SubscriptionManager:
             dropped.update(r.dropped)
             snap.gaps, snap.replays_ok, snap.replays_failed = r.gaps, r.replays_ok, r.replays_failed
             snap.mutes, snap.purged_blocks = r.mutes, r.purged_blocks
+        stamp = KEPT_STAMP[0]  # before any counter is read (a later change: a new stamp)
         replicated = self.replicator is not None
         kept = self._metric_columns  # replaced whole: concurrent scrapes never share one
         out = []
@@ -689,7 +738,7 @@ class SubscriptionManager:
             if i and pause is not None:
                 pause()
             last = kept[c] if c < len(kept) else None
-            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last))
+            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last, stamp))
         self._metric_columns = out
         return snap
 
