@@ -533,3 +533,22 @@ def test_a_slice_of_uneven_media_matches_the_reference(fixed_time, media):
         assert m.exposition() == _reference(m, c)  # the kept columns
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize("created", [True, False])
+def test_the_query_families_match_the_reference(fixed_time, monkeypatch, created):
+    """The query families render themselves (their label strings once): the same text
+    as generate_latest over their samples, with or without the ``_created`` series
+    (``PROMETHEUS_DISABLE_CREATED_SERIES``)."""
+    monkeypatch.setattr(metrics_mod, "_USE_CREATED", created)
+    c = _conductor(manager(3, odd=False))
+    try:
+        m = Metrics(c)
+        for _ in range(2):  # the second time with the label strings kept
+            _with_queries(m)
+            got = m.exposition()
+            assert got == _reference(m, c)
+        assert (b"kvconductor_query_seconds_created{" in got) is created
+        assert b'kvconductor_query_seconds_bucket{le="0.0005",route="/query"} 4.0\n' in got
+    finally:
+        c.stop()

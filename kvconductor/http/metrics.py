@@ -33,6 +33,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvconductor import __version__
+from kvconductor.ingest.sourcemetrics import escape_label_value
 
 if TYPE_CHECKING:
     from kvconductor.state.conductor import Conductor
@@ -45,6 +46,7 @@ __all__ = [
     "Metrics",
     "QueryMetrics",
     "QuerySumCollector",
+    "exposition",
     "merge_query_metrics",
     "query_samples",
 ]
@@ -136,6 +138,60 @@ class _Family(Collector):
             v: _HistogramChild(self.bounds) if kind == "histogram" else _CounterChild()
             for v in values
         }
+        self._prefixes: list[tuple[list[str], str, str, str]] | None = None
+
+    def render(self) -> RenderedFamily:
+        """The family as ``generate_latest`` writes it (the ``_created`` samples in a
+        gauge family of their own after it, as there), each line's name and labels
+        formatted once: only the values are formatted per scrape."""
+        pre = self._prefixes
+        if pre is None:
+            pre = self._prefixes = self._make_prefixes()
+        lines: list[str] = []
+        created: list[str] = []
+        for child, (values, count, total, made) in zip(self.children.values(), pre, strict=True):
+            if self.kind == "counter":
+                lines += (values[0], floatToGoString(child.value), "\n")
+            else:
+                acc = 0.0
+                for head, n in zip(values, list(child.counts), strict=True):
+                    acc += n
+                    lines += (head, floatToGoString(acc), "\n")
+                lines += (
+                    count,
+                    floatToGoString(acc),
+                    "\n",
+                    total,
+                    floatToGoString(child.sum),
+                    "\n",
+                )
+            created += (made, floatToGoString(child.created), "\n")
+        if _USE_CREATED:
+            doc = _help_text(self.doc)
+            name = self.name + "_created"
+            lines += (f"# HELP {name} {doc}\n# TYPE {name} gauge\n", *created)
+        return RenderedFamily(self.name, self.doc, self.kind, ["".join(lines).encode()])
+
+    def _make_prefixes(self) -> list[tuple[list[str], str, str, str]]:
+        """Per child: the ``name{labels} `` of its value lines (a counter's one, a
+        histogram's buckets), of ``_count``, ``_sum`` and ``_created``."""
+        out = []
+        for value in self.children:
+            ls = f'{self.label}="{escape_label_value(value)}"'
+            if self.kind == "counter":
+                values = [f"{self.name}_total{{{ls}}} "]
+            else:  # "le" sorts before the label (generate_latest sorts label names)
+                assert self.label > "le"
+                values = [f'{self.name}_bucket{{le="{le}",{ls}}} ' for le in self.les]
+            out.append(
+                (
+                    values,
+                    f"{self.name}_count{{{ls}}} ",
+                    f"{self.name}_sum{{{ls}}} ",
+                    f"{self.name}_created{{{ls}}} ",
+                )
+            )
+        return out
 
     def collect(self) -> Iterator[Metric]:
         created = _USE_CREATED
@@ -155,6 +211,17 @@ class _Family(Collector):
             if created:
                 add(self.name + "_created", labels, child.created)
         yield fam
+
+
+class _RenderedQueries(Collector):
+    """The query families, each one :class:`RenderedFamily` (:meth:`_Family.render`)."""
+
+    def __init__(self, families: Iterable[_Family]) -> None:
+        self.families = tuple(families)
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self.families:
+            yield fam.render()
 
 
 class QueryMetrics:
@@ -204,8 +271,9 @@ class QueryMetrics:
             ROUTES,
         )
         if registry is not None:
-            for col in self.collectors():
-                registry.register(col)
+            # PERF: the families rendered by themselves (_Family.render), not sample by
+            # sample by generate_latest
+            registry.register(_RenderedQueries(self.collectors()))
         self.route_seconds: dict[str, _HistogramChild] = self.seconds.children
         self.route_errors: dict[str, _CounterChild] = self.errors.children
         self._npu, self._cpu, self._disk = self.blocks.children.values()
@@ -213,7 +281,7 @@ class QueryMetrics:
             self.misses.children.values()
         )
 
-    def collectors(self) -> tuple[Collector, ...]:
+    def collectors(self) -> tuple[_Family, ...]:
         """The histogram and counters (each a prometheus_client collector)."""
         return (self.seconds, self.blocks, self.misses, self.errors)
 
@@ -342,9 +410,17 @@ class RenderedFamily(Metric):
         self.text = text
 
     def header(self) -> bytes:
-        """``# HELP`` and ``# TYPE`` as ``generate_latest`` writes them (a gauge's name)."""
-        doc = self.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        return f"# HELP {self.name} {doc}\n# TYPE {self.name} {self.type}\n".encode()
+        """``# HELP`` and ``# TYPE`` as ``generate_latest`` writes them (a counter's
+        name with ``_total``)."""
+        name = self.name + "_total" if self.type == "counter" else self.name
+        return (
+            f"# HELP {name} {_help_text(self.documentation)}\n# TYPE {name} {self.type}\n".encode()
+        )
+
+
+def _help_text(doc: str) -> str:
+    """A ``# HELP`` text as ``generate_latest`` escapes it."""
+    return doc.replace("\\", r"\\").replace("\n", r"\n")
 
 
 #: Lines a scrape formats between two chances to pause (:class:`Pacer`).
@@ -447,18 +523,26 @@ def _ages_repr(ages: list[float]) -> list[bytes]:
     return [floatToGoString(max(0.0, a)).encode() for a in ages]
 
 
+#: The ages msgspec writes as ``floatToGoString`` does: ``[_LOW, _HIGH)``.
+_LOW, _HIGH = 1e-4, 1e6
+
+
 def _ages_msgspec(ages: list[float]) -> list[bytes]:
     """The same as :func:`_ages_repr`, in C: msgspec's JSON float (Ryu, the shortest
     digits that read back as the same float, the closest of them to its value: what
     ``repr`` writes) for every age of ``[1e-4, 1e6)``, where ``repr`` and msgspec write
     the same fixed notation and ``floatToGoString`` writes ``repr``; the others (exponent
-    notation, negative ages clamped to 0, NaN) by :func:`_ages_repr`, one at a time."""
+    notation, negative ages clamped to 0, NaN) one at a time."""
     body = msgspec.json.encode(ages)
     out = body[1:-1].split(b",")
-    if min(ages) < 1e-4 or max(ages) >= 1e6 or b"n" in body:  # b"null": NaN or inf
+    if min(ages) < _LOW or max(ages) >= _HIGH or b"n" in body:  # b"null": NaN or inf
+        # (rare: idle for 11 days, a clock step, a batch within the last 0.1 ms; a
+        # comparison per age in Python is faster here than compress/map with a bound
+        # float method)
         for k, a in enumerate(ages):
-            if not 1e-4 <= a < 1e6:
-                out[k] = _ages_repr([a])[0]
+            if not 1e-4 <= a < 1e6:  # _LOW, _HIGH (literals: faster)
+                # max(0.0, a): 0.0 for a <= 0 and NaN
+                out[k] = floatToGoString(a).encode() if a > 0.0 else b"0.0"
     return out
 
 
@@ -739,23 +823,29 @@ class Metrics:
             self.registry.register(collector)
 
     def exposition(self) -> bytes:
-        """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`) of every metric:
-        ``generate_latest``'s, with the :class:`RenderedFamily` texts written as they are."""
-        parts: list[bytes] = []
-        pending: list[Metric] = []
-        for fam in self.registry.collect():
-            if isinstance(fam, RenderedFamily):
-                if pending:
-                    parts.append(generate_latest(_Families(pending)))
-                    pending = []
-                parts.append(fam.header())
-                parts += fam.text
-            else:
-                pending.append(fam)
-        if pending:
-            parts.append(generate_latest(_Families(pending)))
-        # PERF: UTF-8 pieces joined once (no str of the whole text, no encoding of it)
-        return b"".join(parts)
+        """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`) of every metric
+        (:func:`exposition`)."""
+        return exposition(self.registry)
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """``generate_latest(registry)``, with the :class:`RenderedFamily` texts written as
+    they are (a registry holding one renders through here only)."""
+    parts: list[bytes] = []
+    pending: list[Metric] = []
+    for fam in registry.collect():
+        if isinstance(fam, RenderedFamily):
+            if pending:
+                parts.append(generate_latest(_Families(pending)))
+                pending = []
+            parts.append(fam.header())
+            parts += fam.text
+        else:
+            pending.append(fam)
+    if pending:
+        parts.append(generate_latest(_Families(pending)))
+    # PERF: UTF-8 pieces joined once (no str of the whole text, no encoding of it)
+    return b"".join(parts)
 
 
 class _Families(Collector):
