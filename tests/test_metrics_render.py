@@ -27,6 +27,7 @@ from kvconductor import __version__
 from kvconductor.http import metrics as metrics_mod
 from kvconductor.http.metrics import Metrics
 from kvconductor.ingest.context import source_kind
+from kvconductor.ingest.tracker import SequenceTracker
 from kvconductor.keys import Medium
 from kvconductor.state.conductor import Conductor, ConductorConfig
 from kvconductor.state.protocols import NoSubscriptions
@@ -349,6 +350,32 @@ def test_a_changed_source_state_is_scraped_as_it_is_now(fixed_time):
         subs[3].connected = True
         subs[7].muted = False
         subs[9].tracker.replaying = True
+        assert m.exposition() == _reference(m, c)
+        subs[9].tracker.replaying = False
+        subs[11].tracker.degraded_since = 5.0
+        assert m.exposition() == _reference(m, c)
+        subs[11].tracker.degraded_since = None
+        t = SequenceTracker(subs[12], subs[12].stats, replay=False)
+        t.replaying = True
+        assert m.exposition() == _reference(m, c)  # (t is no source's tracker yet)
+        subs[12].tracker = t  # a resync's new tracker
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert b'kvconductor_source_up{dp_rank="4",instance_id="inst-1",medium="NPU"} 0.0' in got
+    finally:
+        c.stop()
+
+
+def test_ownership_is_read_at_every_scrape(fixed_time):
+    """--state-url: a source whose lease moves to or from this replica is live or
+    remote at the next scrape."""
+    mgr = manager(50, odd=True, replicated=True)
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        assert m.exposition() == _reference(m, c)
+        for sub in list(mgr._subs.values())[::3]:
+            sub.replica.owned = not sub.replica.owned
         assert m.exposition() == _reference(m, c)
     finally:
         c.stop()

@@ -105,12 +105,11 @@ class Subscription:
         self.feeds_hbm = self._feeds_hbm(ctx)
         #: The SUB and its monitor.
         self.source = SubSource(manager.thread, self, manager.shared)
-        self.connected = False
+        self._connected = False
         self.closed = False
         #: Monotonic time since when the source is not ready (None: ready).
         self.down_since: float | None = time.monotonic()
-        #: Its (instance, DP)'s HBM hits are muted (down past --source-down-secs).
-        self.muted = False
+        self._muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
         #: --state-url (kvconductor.state.replica): the source's replicated state, the same on
@@ -126,6 +125,40 @@ class Subscription:
             self.tracker.last_digest = cursor[1]
             self.replica.applied = (cursor[0], cursor[1])
             self.replica.fence = max(self.replica.fence, cursor[2])
+
+    # connected, muted and tracker: properties whose setters tell a /metrics scrape to
+    # read the source's state again (kvconductor.ingest.stats.KEPT_STAMP)
+    @property
+    def connected(self) -> bool:
+        """The SUB has a publisher (its monitor saw the handshake, or it is bound)."""
+        return self._connected
+
+    @connected.setter
+    def connected(self, on: bool) -> None:
+        if on != self.__dict__.get("_connected"):
+            self._connected = on
+            kept_changed()
+
+    @property
+    def muted(self) -> bool:
+        """Its (instance, DP)'s HBM hits are muted (down past --source-down-secs)."""
+        return self._muted
+
+    @muted.setter
+    def muted(self, on: bool) -> None:
+        if on != self.__dict__.get("_muted"):
+            self._muted = on
+            kept_changed()
+
+    @property
+    def tracker(self) -> SequenceTracker:
+        """The sequence and replay state (a new one after a resync or a lease change)."""
+        return self._tracker
+
+    @tracker.setter
+    def tracker(self, t: SequenceTracker) -> None:
+        self._tracker = t
+        kept_changed()
 
     @property
     def ctx(self) -> SubscriberContext:
@@ -463,19 +496,20 @@ class RetiredTotals:
 
 _STATS = attrgetter("stats")
 _EVENTS = attrgetter("events")
-# the slots of SourceStats' properties (read without the property's call)
+# the attributes behind the properties of SourceStats, Subscription and SequenceTracker
+# (read without the property's call)
 _GAPS = attrgetter("_gaps")
 _REPLAYS_OK = attrgetter("_replays_ok")
 _MUTES = attrgetter("_mutes")
 _PURGED = attrgetter("_purged_blocks")
 _DROPPED = attrgetter("dropped")
 _KIND = attrgetter("kind")
-_TRACKER = attrgetter("tracker")
-_CONNECTED = attrgetter("connected")
-_REPLAYING = attrgetter("replaying")
-_DEGRADED = attrgetter("degraded_since")
+_TRACKER = attrgetter("_tracker")
+_CONNECTED = attrgetter("_connected")
+_REPLAYING = attrgetter("_replaying")
+_DEGRADED = attrgetter("_degraded_since")
 _OWNED = attrgetter("replica.owned")
-_MUTED = attrgetter("muted")
+_MUTED = attrgetter("_muted")
 _LAST_EVENT = attrgetter("last_event")
 _LABELS = attrgetter("metric_labels")
 _FIRST = itemgetter(0)
@@ -508,7 +542,7 @@ class _Rare(NamedTuple):
 class _Columns(NamedTuple):
     """What a slice of subscriptions keeps from one scrape to the next while it stays
     the same (the same subscriptions, and :data:`~kvconductor.ingest.stats.KEPT_STAMP`
-    unchanged: no label set, source kind or rare counter changed anywhere)."""
+    unchanged: no label set, source kind, state or rare counter changed anywhere)."""
 
     stamp: int
     subs: list[Subscription]
@@ -521,6 +555,11 @@ class _Columns(NamedTuple):
     #: for each medium of its subscription (an itemgetter of the indices after two 0s)
     ks: itemgetter[tuple[int, ...]] | None
     rare: _Rare
+    #: per label set: connected, not replaying, not degraded (--state-url: not owned
+    #: yet, which is read at every scrape)
+    live: list[bool]
+    #: per label set: muted
+    muted: list[bool]
 
 
 def _sum_rare(stats: list[SourceStats]) -> _Rare:
@@ -541,6 +580,21 @@ def _sum_rare(stats: list[SourceStats]) -> _Rare:
     )
 
 
+def _live(subs: list[Subscription]) -> list[bool]:
+    """What Subscription.state calls "live" (connected, not replaying, not degraded),
+    from the columns (passive sources: see ``_read_columns``)."""
+    trackers = list(map(_TRACKER, subs))
+    if any(map(_REPLAYING, trackers)) or not all(map(is_, map(_DEGRADED, trackers), _NONES)):
+        return list(
+            map(
+                and_,
+                map(and_, map(_CONNECTED, subs), map(not_, map(_REPLAYING, trackers))),
+                map(is_, map(_DEGRADED, trackers), _NONES),
+            )
+        )
+    return list(map(_CONNECTED, subs))  # none replaying or degraded (the common case)
+
+
 def _read_columns(
     snap: SourceSnapshot,
     subs: list[Subscription],
@@ -553,10 +607,10 @@ def _read_columns(
     ``stamp``: :data:`~kvconductor.ingest.stats.KEPT_STAMP` read before anything else)."""
     # PERF: every column read by map/attrgetter (C loops); no Python statement per
     # subscription but for the rare ones with drops. What only changes with the table,
-    # a registration or a rare counter (stats objects, kinds, label sets, the rare
-    # counters' sums) is reused while the stamp is the same and the slice's
-    # subscriptions compare equal (identity, in C): each scrape reads only what moves
-    # with every batch or state change (events, last event, the state flags).
+    # a registration, a source's state or a rare counter (stats objects, kinds, label
+    # sets, the live and muted flags, the rare counters' sums) is reused while the stamp
+    # is the same and the slice's subscriptions compare equal (identity, in C): each
+    # scrape reads only what moves with every batch (events, last event).
     if kept is None or kept.stamp != stamp or kept.subs != subs:
         stats = list(map(_STATS, subs))
         kinds = list(map(_KIND, subs))
@@ -567,6 +621,7 @@ def _read_columns(
             masks = [(kind, list(map(kind.__eq__, kinds))) for kind in kindset]
         sets = list(map(_LABELS, subs))
         ks: itemgetter[tuple[int, ...]] | None = None
+        live, muted = _live(subs), list(map(_MUTED, subs))
         if all(map(_ONE.__eq__, map(len, sets))):
             labels = list(map(_FIRST, sets))
         else:  # sources of several media: a line per medium (so two lines at least)
@@ -574,7 +629,8 @@ def _read_columns(
             # two leading 0s (cut off after the call): a tuple even for fewer than 2
             idx = chain.from_iterable(map(repeat, range(len(sets)), map(len, sets)))
             ks = itemgetter(0, 0, *idx)
-        kept = _Columns(stamp, subs, stats, masks, labels, ks, _sum_rare(stats))
+            live, muted = list(ks(live)[2:]), list(ks(muted)[2:])
+        kept = _Columns(stamp, subs, stats, masks, labels, ks, _sum_rare(stats), live, muted)
     stats, labels, ks, rare = kept.stats, kept.labels, kept.ks, kept.rare
     applied, dropped = snap.applied, snap.dropped
     snap.gaps += rare.gaps
@@ -591,32 +647,15 @@ def _read_columns(
         events = list(map(_EVENTS, stats))
         for kind, mask in kept.kinds:
             applied[kind] = applied.get(kind, 0) + sum(compress(events, mask or ()))
-    # live: what Subscription.state calls "live" (not passive, connected, not replaying,
-    # not degraded), from the columns
-    trackers = list(map(_TRACKER, subs))
-    if any(map(_REPLAYING, trackers)) or not all(map(is_, map(_DEGRADED, trackers), _NONES)):
-        live = list(
-            map(
-                and_,
-                map(and_, map(_CONNECTED, subs), map(not_, map(_REPLAYING, trackers))),
-                map(is_, map(_DEGRADED, trackers), _NONES),
-            )
-        )
-    else:  # none replaying or degraded (the common case): live is connected
-        live = list(map(_CONNECTED, subs))
+    live = kept.live
     if replicated:  # --state-url: a source this replica does not own is remote
-        live = list(map(and_, live, map(_OWNED, subs)))
-    muted = list(map(_MUTED, subs))
+        owned = list(map(_OWNED, subs))
+        live = list(map(and_, live, owned if ks is None else ks(owned)[2:]))
     last = list(map(_LAST_EVENT, stats))
     snap.labels += labels
-    if ks is None:
-        snap.live += live
-        snap.muted += muted
-        snap.last_event += last
-    else:  # each value repeated for each medium of its source: one C call a column
-        snap.live += ks(live)[2:]
-        snap.muted += ks(muted)[2:]
-        snap.last_event += ks(last)[2:]
+    snap.live += live
+    snap.muted += kept.muted
+    snap.last_event += last if ks is None else ks(last)[2:]
     return kept
 
 
