@@ -140,7 +140,7 @@ class SequenceTracker:
     # -- inputs from the subscription ---------------------------------------------------
     def live(self, seq: int, payload: bytes, now: float) -> None:
         """A batch of the live stream."""
-        if self.replaying:
+        if self._replaying:  # PERF: per batch, no property call
             if len(self.buffer) >= self.max_buffer:
                 self.stats.drop("replay_buffer_overflow")
                 return
@@ -298,11 +298,12 @@ class SequenceTracker:
 
     def state(self, connected: bool) -> str:
         """``replaying``, ``connecting``, ``degraded`` or ``live``."""
-        if self.replaying:
+        # PERF: every source at every liveness check: no property calls
+        if self._replaying:
             return "replaying"
         if not connected:
             return "connecting"
-        return "degraded" if self.degraded_since is not None else "live"
+        return "degraded" if self._degraded_since is not None else "live"
 
     # -- decisions ------------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes, live: bool = True) -> int:
