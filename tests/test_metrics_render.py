@@ -579,3 +579,22 @@ def test_the_query_families_match_the_reference(fixed_time, monkeypatch, created
         assert b'kvconductor_query_seconds_bucket{le="0.0005",route="/query"} 4.0\n' in got
     finally:
         c.stop()
+
+
+@pytest.mark.parametrize("reasons", [2, 40], ids=["few-reasons", "many-reasons"])
+def test_drops_are_summed_by_reason(fixed_time, reasons):
+    """The drops of a slice are summed per reason in C when the reasons are few for the
+    sources with drops, by a loop over the sources otherwise: both as the reference."""
+    mgr = manager(60, odd=False)
+    for i, sub in enumerate(mgr._subs.values()):
+        if i % 3:
+            sub.stats.drop(f"reason_{i % reasons}", i)
+            sub.stats.drop("replay_failed")
+    c = _conductor(mgr)
+    try:
+        m = Metrics(c)
+        got = m.exposition()
+        assert got == _reference(m, c)
+        assert b'kvconductor_replays_total{outcome="failed"} 40.0' in got
+    finally:
+        c.stop()

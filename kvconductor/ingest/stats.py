@@ -22,26 +22,35 @@ def hex_preview(payload: bytes, n: int = 32) -> str:
 
 _STAMPS = itertools.count(1)
 
-#: ``[stamp]``: a new stamp (:func:`kept_changed`) after every change of what a
-#: ``/metrics`` scrape keeps from one scrape to the next instead of reading it again
-#: (``SubscriptionManager.metrics_snapshot``): a rarely moving counter of any
-#: :class:`SourceStats` (``gaps``, ``replays_ok``, ``mutes``, ``purged_blocks``,
-#: ``dropped``), a subscription's label sets or source kind. One list for the process:
-#: a change anywhere makes every manager read its counters again, which is only slower.
-KEPT_STAMP = [0]
+#: ``[stamp]``: a new stamp (:func:`counts_changed`) after every change of a rarely
+#: moving counter of any :class:`SourceStats` (``gaps``, ``replays_ok``, ``mutes``,
+#: ``purged_blocks``, ``dropped``): a ``/metrics`` scrape keeps their sums from one
+#: scrape to the next instead of reading them again while it holds
+#: (``SubscriptionManager.metrics_snapshot``). One list for the process: a change
+#: anywhere makes every manager read them again, which is only slower.
+COUNTS_STAMP = [0]
+#: ``[stamp]``: the same (:func:`state_changed`) for a subscription's label sets, source
+#: kind and state (connected, muted, its tracker, replaying, degraded), which a scrape
+#: keeps too: a source that drops all the time does not make it read those again.
+STATE_STAMP = [0]
 
 
-def kept_changed() -> None:
-    """Something :data:`KEPT_STAMP` covers has changed (call after the change)."""
+def counts_changed() -> None:
+    """Something :data:`COUNTS_STAMP` covers has changed (call after the change)."""
     # PERF: next() of a count is one C call, so two threads never write the same stamp
-    KEPT_STAMP[0] = next(_STAMPS)
+    COUNTS_STAMP[0] = next(_STAMPS)
+
+
+def state_changed() -> None:
+    """Something :data:`STATE_STAMP` covers has changed (call after the change)."""
+    STATE_STAMP[0] = next(_STAMPS)
 
 
 class SourceStats:
     """Counters of one subscription (shown by ``sources()``).
 
     ``gaps``, ``replays_ok``, ``mutes`` and ``purged_blocks`` are properties whose
-    setters call :func:`kept_changed` (their slots: the name with a leading ``_``);
+    setters call :func:`counts_changed` (their slots: the name with a leading ``_``);
     ``dropped`` is written only through :meth:`drop`, which does too. The other
     counters move with every batch and are plain slots."""
 
@@ -87,7 +96,7 @@ class SourceStats:
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
-        kept_changed()
+        counts_changed()
 
     @property
     def gaps(self) -> int:
@@ -97,7 +106,7 @@ class SourceStats:
     @gaps.setter
     def gaps(self, n: int) -> None:
         self._gaps = n
-        kept_changed()
+        counts_changed()
 
     @property
     def replays_ok(self) -> int:
@@ -107,7 +116,7 @@ class SourceStats:
     @replays_ok.setter
     def replays_ok(self, n: int) -> None:
         self._replays_ok = n
-        kept_changed()
+        counts_changed()
 
     @property
     def mutes(self) -> int:
@@ -118,7 +127,7 @@ class SourceStats:
     @mutes.setter
     def mutes(self, n: int) -> None:
         self._mutes = n
-        kept_changed()
+        counts_changed()
 
     @property
     def purged_blocks(self) -> int:
@@ -128,7 +137,7 @@ class SourceStats:
     @purged_blocks.setter
     def purged_blocks(self, n: int) -> None:
         self._purged_blocks = n
-        kept_changed()
+        counts_changed()
 
 
 class WarnLimiter:

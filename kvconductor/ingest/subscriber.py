@@ -71,7 +71,14 @@ from kvconductor.ingest.replay import ReplaySession
 from kvconductor.ingest.replicated import DUPLICATE, HOLE, ReplicaState
 from kvconductor.ingest.source import SubSource
 from kvconductor.ingest.sourcemetrics import SourceSnapshot, label_sets
-from kvconductor.ingest.stats import KEPT_STAMP, Limits, SourceStats, WarnLimiter, kept_changed
+from kvconductor.ingest.stats import (
+    COUNTS_STAMP,
+    STATE_STAMP,
+    Limits,
+    SourceStats,
+    WarnLimiter,
+    state_changed,
+)
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.ingest.tracker import SequenceTracker, digest
 from kvconductor.keys import Medium
@@ -127,7 +134,7 @@ class Subscription:
             self.replica.fence = max(self.replica.fence, cursor[2])
 
     # connected, muted and tracker: properties whose setters tell a /metrics scrape to
-    # read the source's state again (kvconductor.ingest.stats.KEPT_STAMP)
+    # read the source's state again (kvconductor.ingest.stats.STATE_STAMP)
     @property
     def connected(self) -> bool:
         """The SUB has a publisher (its monitor saw the handshake, or it is bound)."""
@@ -137,7 +144,7 @@ class Subscription:
     def connected(self, on: bool) -> None:
         if on != getattr(self, "_connected", None):  # (not __dict__: it slows the object)
             self._connected = on
-            kept_changed()
+            state_changed()
 
     @property
     def muted(self) -> bool:
@@ -148,7 +155,7 @@ class Subscription:
     def muted(self, on: bool) -> None:
         if on != getattr(self, "_muted", None):
             self._muted = on
-            kept_changed()
+            state_changed()
 
     @property
     def tracker(self) -> SequenceTracker:
@@ -158,7 +165,7 @@ class Subscription:
     @tracker.setter
     def tracker(self, t: SequenceTracker) -> None:
         self._tracker = t
-        kept_changed()
+        state_changed()
 
     @property
     def ctx(self) -> SubscriberContext:
@@ -174,7 +181,7 @@ class Subscription:
         self.metric_labels = label_sets(ctx.instance_id, ctx.dp_rank, ctx.default_media)
         #: ``kvconductor_events_applied``'s source_kind.
         self.kind = source_kind(ctx.is_pool, ctx.engine_type)
-        kept_changed()  # a scrape reads them again
+        state_changed()  # a scrape reads them again
 
     @property
     def owned(self) -> bool:
@@ -516,6 +523,7 @@ _LAST_EVENT = attrgetter("last_event")
 _LABELS = attrgetter("metric_labels")
 _FIRST = itemgetter(0)
 _NONES = repeat(None)  # endless: map() stops at the shorter iterable
+_ZEROS = repeat(0)
 _ONE = 1
 
 
@@ -543,14 +551,17 @@ class _Rare(NamedTuple):
 
 class _Columns(NamedTuple):
     """What a slice of subscriptions keeps from one scrape to the next while it stays
-    the same (the same subscriptions, and :data:`~kvconductor.ingest.stats.KEPT_STAMP`
-    unchanged: no label set, source kind, state or rare counter changed anywhere)."""
+    the same: the same subscriptions, and
+    :data:`~kvconductor.ingest.stats.STATE_STAMP` unchanged (no label set, source kind
+    or state changed anywhere); the rare counters' sums while
+    :data:`~kvconductor.ingest.stats.COUNTS_STAMP` is unchanged too."""
 
-    stamp: int
+    #: (STATE_STAMP, COUNTS_STAMP) when read
+    stamps: tuple[int, int]
     subs: list[Subscription]
     stats: list[SourceStats]
-    #: (kind, None) when the slice has one source kind, else (kind, mask) per kind
-    kinds: list[tuple[str, list[bool] | None]]
+    #: the stats objects per source kind, in the order of the kinds
+    kinds: list[tuple[str, list[SourceStats]]]
     #: the label sets flattened
     labels: list[str]
     #: None when each subscription has one medium, else what repeats a column's value
@@ -565,21 +576,43 @@ class _Columns(NamedTuple):
 
 
 def _sum_rare(stats: list[SourceStats]) -> _Rare:
-    # PERF: C loops (map/attrgetter, sum); a Python loop only over the sources with drops
-    dropped: dict[str, int] = {}
-    failed = 0
-    for d in filter(None, map(_DROPPED, stats)):
-        for reason, n in list(d.items()):  # a copy in C: the ingest thread may add one
-            dropped[reason] = dropped.get(reason, 0) + n
-        failed += d.get("replay_failed", 0)
+    # PERF: C loops (map/attrgetter, sum). The drops: one sum per reason over the
+    # sources that have any (a few reasons, in C) or, when the reasons are many for the
+    # drops there are, a Python loop over them. The dicts are read in C calls that run
+    # no Python code: the ingest thread cannot add a reason in the middle of one.
+    ds = list(filter(None, map(_DROPPED, stats)))
+    reasons = set(chain.from_iterable(ds))
+    if len(reasons) * len(ds) <= 4 * (sum(map(len, ds)) + len(ds)):
+        dropped = {r: sum(map(dict.get, ds, repeat(r), _ZEROS)) for r in sorted(reasons)}
+    else:
+        dropped = {}
+        for d in ds:
+            for reason, n in list(d.items()):  # a copy in C
+                dropped[reason] = dropped.get(reason, 0) + n
     return _Rare(
         sum(map(_GAPS, stats)),
         sum(map(_REPLAYS_OK, stats)),
-        failed,
+        dropped.get("replay_failed", 0),
         sum(map(_MUTES, stats)),
         sum(map(_PURGED, stats)),
         dropped,
     )
+
+
+def _repeater(lens: list[int]) -> itemgetter[tuple[int, ...]]:
+    """What repeats a column's value ``lens[i]`` times for each ``i``: an itemgetter of
+    the indices after two 0s (cut off after the call: a tuple even for fewer than two
+    indices)."""
+    # PERF: the indices built a run of single media at a time (a C extend), a Python
+    # statement only for a source of another count
+    idx = [0, 0]
+    start = 0
+    for i in compress(range(len(lens)), map(_ONE.__ne__, lens)):
+        idx += range(start, i)
+        idx += repeat(i, lens[i])
+        start = i + 1
+    idx += range(start, len(lens))
+    return itemgetter(*idx)
 
 
 def _live(subs: list[Subscription]) -> list[bool]:
@@ -602,37 +635,41 @@ def _read_columns(
     subs: list[Subscription],
     replicated: bool,
     kept: _Columns | None,
-    stamp: int,
+    stamps: tuple[int, int],
 ) -> _Columns:
     """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
     returns what the next scrape may reuse (``kept``: this slice's from the last one,
-    ``stamp``: :data:`~kvconductor.ingest.stats.KEPT_STAMP` read before anything else)."""
+    ``stamps``: :data:`~kvconductor.ingest.stats.STATE_STAMP` and
+    :data:`~kvconductor.ingest.stats.COUNTS_STAMP`, read before anything else)."""
     # PERF: every column read by map/attrgetter (C loops); no Python statement per
     # subscription but for the rare ones with drops. What only changes with the table,
     # a registration, a source's state or a rare counter (stats objects, kinds, label
-    # sets, the live and muted flags, the rare counters' sums) is reused while the stamp
-    # is the same and the slice's subscriptions compare equal (identity, in C): each
+    # sets, the live and muted flags, the rare counters' sums) is reused while the stamps
+    # are the same and the slice's subscriptions compare equal (identity, in C): each
     # scrape reads only what moves with every batch (events, last event).
-    if kept is None or kept.stamp != stamp or kept.subs != subs:
+    if kept is None or kept.stamps[0] != stamps[0] or kept.subs != subs:
         stats = list(map(_STATS, subs))
         kinds = list(map(_KIND, subs))
-        kindset = sorted(set(kinds))
-        if len(kindset) == 1:  # one engine type (the common case): no per-kind mask
-            masks: list[tuple[str, list[bool] | None]] = [(kindset[0], None)]
+        if len(set(kinds)) == 1:  # one engine type (the common case)
+            groups = [(kinds[0], stats)]
         else:
-            masks = [(kind, list(map(kind.__eq__, kinds))) for kind in kindset]
+            by_kind: dict[str, list[SourceStats]] = {}
+            for kind, st in zip(kinds, stats, strict=True):
+                by_kind.setdefault(kind, []).append(st)
+            groups = sorted(by_kind.items())
         sets = list(map(_LABELS, subs))
         ks: itemgetter[tuple[int, ...]] | None = None
         live, muted = _live(subs), list(map(_MUTED, subs))
-        if all(map(_ONE.__eq__, map(len, sets))):
+        lens = list(map(len, sets))
+        if all(map(_ONE.__eq__, lens)):
             labels = list(map(_FIRST, sets))
-        else:  # sources of several media: a line per medium (so two lines at least)
+        else:  # sources of several media (or none): a line per medium
             labels = list(chain.from_iterable(sets))
-            # two leading 0s (cut off after the call): a tuple even for fewer than 2
-            idx = chain.from_iterable(map(repeat, range(len(sets)), map(len, sets)))
-            ks = itemgetter(0, 0, *idx)
+            ks = _repeater(lens)
             live, muted = list(ks(live)[2:]), list(ks(muted)[2:])
-        kept = _Columns(stamp, subs, stats, masks, labels, ks, _sum_rare(stats), live, muted)
+        kept = _Columns(stamps, subs, stats, groups, labels, ks, _sum_rare(stats), live, muted)
+    elif kept.stamps[1] != stamps[1]:  # only a rare counter moved (a source dropping)
+        kept = kept._replace(stamps=stamps, rare=_sum_rare(kept.stats))
     stats, labels, ks, rare = kept.stats, kept.labels, kept.ks, kept.rare
     applied, dropped = snap.applied, snap.dropped
     snap.gaps += rare.gaps
@@ -642,13 +679,8 @@ def _read_columns(
     snap.purged_blocks += rare.purged_blocks
     for reason, n in rare.dropped.items():
         dropped[reason] = dropped.get(reason, 0) + n
-    if len(kept.kinds) == 1:
-        kind = kept.kinds[0][0]
-        applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, stats))
-    else:
-        events = list(map(_EVENTS, stats))
-        for kind, mask in kept.kinds:
-            applied[kind] = applied.get(kind, 0) + sum(compress(events, mask or ()))
+    for kind, group in kept.kinds:
+        applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, group))
     live = kept.live
     if replicated:  # --state-url: a source this replica does not own is remote
         owned = list(map(_OWNED, subs))
@@ -771,7 +803,8 @@ class SubscriptionManager:
             dropped.update(r.dropped)
             snap.gaps, snap.replays_ok, snap.replays_failed = r.gaps, r.replays_ok, r.replays_failed
             snap.mutes, snap.purged_blocks = r.mutes, r.purged_blocks
-        stamp = KEPT_STAMP[0]  # before any counter is read (a later change: a new stamp)
+        # before any counter is read (a change after this: a new stamp)
+        stamps = (STATE_STAMP[0], COUNTS_STAMP[0])
         replicated = self.replicator is not None
         kept = self._metric_columns  # replaced whole: concurrent scrapes never share one
         out = []
@@ -779,7 +812,7 @@ class SubscriptionManager:
             if i and pause is not None:
                 pause()
             last = kept[c] if c < len(kept) else None
-            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last, stamp))
+            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last, stamps))
         self._metric_columns = out
         return snap
 

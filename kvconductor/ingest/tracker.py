@@ -51,7 +51,7 @@ import logging
 from typing import Protocol
 
 from kvconductor._hash import xxh3_64
-from kvconductor.ingest.stats import SourceStats, kept_changed
+from kvconductor.ingest.stats import SourceStats, state_changed
 
 log = logging.getLogger("kvconductor.ingest")
 
@@ -270,7 +270,7 @@ class SequenceTracker:
     def replaying(self, on: bool) -> None:
         if on != self._replaying:
             self._replaying = on
-            kept_changed()  # a /metrics scrape reads the source's state again
+            state_changed()  # a /metrics scrape reads the source's state again
 
     @property
     def degraded_since(self) -> float | None:
@@ -281,7 +281,7 @@ class SequenceTracker:
     def degraded_since(self, t: float | None) -> None:
         if t != self._degraded_since:
             self._degraded_since = t
-            kept_changed()
+            state_changed()
 
     def end_degraded(self, epoch: int) -> bool:
         """The grace period of loss ``epoch`` is over: True if the source is live again
