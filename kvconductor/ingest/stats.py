@@ -29,10 +29,13 @@ _STAMPS = itertools.count(1)
 #: (``SubscriptionManager.metrics_snapshot``). One list for the process: a change
 #: anywhere makes every manager read them again, which is only slower.
 COUNTS_STAMP = [0]
-#: ``[stamp]``: the same (:func:`state_changed`) for a subscription's label sets, source
-#: kind and state (connected, muted, its tracker, replaying, degraded), which a scrape
-#: keeps too: a source that drops all the time does not make it read those again.
+#: ``[stamp]``: the same (:func:`state_changed`) for a subscription's state (connected,
+#: muted, its tracker, replaying, degraded), which a scrape keeps too: a source that
+#: drops all the time does not make it read those again, nor one that flaps the rest.
 STATE_STAMP = [0]
+#: ``[stamp]``: the same (:func:`labels_changed`) for a subscription's label sets and
+#: source kind (a registration's context: ``Subscription.ctx``).
+LABELS_STAMP = [0]
 
 
 def counts_changed() -> None:
@@ -44,6 +47,11 @@ def counts_changed() -> None:
 def state_changed() -> None:
     """Something :data:`STATE_STAMP` covers has changed (call after the change)."""
     STATE_STAMP[0] = next(_STAMPS)
+
+
+def labels_changed() -> None:
+    """Something :data:`LABELS_STAMP` covers has changed (call after the change)."""
+    LABELS_STAMP[0] = next(_STAMPS)
 
 
 class SourceStats:

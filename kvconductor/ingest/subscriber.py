@@ -73,10 +73,12 @@ from kvconductor.ingest.source import SubSource
 from kvconductor.ingest.sourcemetrics import SourceSnapshot, label_sets
 from kvconductor.ingest.stats import (
     COUNTS_STAMP,
+    LABELS_STAMP,
     STATE_STAMP,
     Limits,
     SourceStats,
     WarnLimiter,
+    labels_changed,
     state_changed,
 )
 from kvconductor.ingest.thread import IngestThread
@@ -181,7 +183,7 @@ class Subscription:
         self.metric_labels = label_sets(ctx.instance_id, ctx.dp_rank, ctx.default_media)
         #: ``kvconductor_events_applied``'s source_kind.
         self.kind = source_kind(ctx.is_pool, ctx.engine_type)
-        state_changed()  # a scrape reads them again
+        labels_changed()  # a scrape reads them again
 
     @property
     def owned(self) -> bool:
@@ -551,13 +553,13 @@ class _Rare(NamedTuple):
 
 class _Columns(NamedTuple):
     """What a slice of subscriptions keeps from one scrape to the next while it stays
-    the same: the same subscriptions, and
-    :data:`~kvconductor.ingest.stats.STATE_STAMP` unchanged (no label set, source kind
-    or state changed anywhere); the rare counters' sums while
-    :data:`~kvconductor.ingest.stats.COUNTS_STAMP` is unchanged too."""
+    the same: the same subscriptions, and :data:`~kvconductor.ingest.stats.LABELS_STAMP`
+    unchanged (no label set or source kind changed anywhere); the live and muted flags
+    while :data:`~kvconductor.ingest.stats.STATE_STAMP` is unchanged too, the rare
+    counters' sums while :data:`~kvconductor.ingest.stats.COUNTS_STAMP` is."""
 
-    #: (STATE_STAMP, COUNTS_STAMP) when read
-    stamps: tuple[int, int]
+    #: (LABELS_STAMP, STATE_STAMP, COUNTS_STAMP) when read
+    stamps: tuple[int, int, int]
     subs: list[Subscription]
     stats: list[SourceStats]
     #: the stats objects per source kind, in the order of the kinds
@@ -635,12 +637,12 @@ def _read_columns(
     subs: list[Subscription],
     replicated: bool,
     kept: _Columns | None,
-    stamps: tuple[int, int],
+    stamps: tuple[int, int, int],
 ) -> _Columns:
     """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
     returns what the next scrape may reuse (``kept``: this slice's from the last one,
-    ``stamps``: :data:`~kvconductor.ingest.stats.STATE_STAMP` and
-    :data:`~kvconductor.ingest.stats.COUNTS_STAMP`, read before anything else)."""
+    ``stamps``: :data:`~kvconductor.ingest.stats.LABELS_STAMP`, ``STATE_STAMP`` and
+    ``COUNTS_STAMP``, read before anything else)."""
     # PERF: every column read by map/attrgetter (C loops); no Python statement per
     # subscription but for the rare ones with drops. What only changes with the table,
     # a registration, a source's state or a rare counter (stats objects, kinds, label
@@ -668,8 +670,15 @@ def _read_columns(
             ks = _repeater(lens)
             live, muted = list(ks(live)[2:]), list(ks(muted)[2:])
         kept = _Columns(stamps, subs, stats, groups, labels, ks, _sum_rare(stats), live, muted)
-    elif kept.stamps[1] != stamps[1]:  # only a rare counter moved (a source dropping)
-        kept = kept._replace(stamps=stamps, rare=_sum_rare(kept.stats))
+    elif kept.stamps != stamps:
+        if kept.stamps[1] != stamps[1]:  # a source's state moved (one flapping)
+            live, muted = _live(subs), list(map(_MUTED, subs))
+            if kept.ks is not None:
+                live, muted = list(kept.ks(live)[2:]), list(kept.ks(muted)[2:])
+            kept = kept._replace(live=live, muted=muted)
+        if kept.stamps[2] != stamps[2]:  # a rare counter moved (a source dropping)
+            kept = kept._replace(rare=_sum_rare(kept.stats))
+        kept = kept._replace(stamps=stamps)
     stats, labels, ks, rare = kept.stats, kept.labels, kept.ks, kept.rare
     applied, dropped = snap.applied, snap.dropped
     snap.gaps += rare.gaps
@@ -804,7 +813,7 @@ class SubscriptionManager:
             snap.gaps, snap.replays_ok, snap.replays_failed = r.gaps, r.replays_ok, r.replays_failed
             snap.mutes, snap.purged_blocks = r.mutes, r.purged_blocks
         # before any counter is read (a change after this: a new stamp)
-        stamps = (STATE_STAMP[0], COUNTS_STAMP[0])
+        stamps = (LABELS_STAMP[0], STATE_STAMP[0], COUNTS_STAMP[0])
         replicated = self.replicator is not None
         kept = self._metric_columns  # replaced whole: concurrent scrapes never share one
         out = []
