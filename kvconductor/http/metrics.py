@@ -400,8 +400,9 @@ class QuerySumCollector(Collector):
 
 class RenderedFamily(Metric):
     """A family whose samples are already text (one line per sample, in the format
-    ``generate_latest`` writes): :meth:`Metrics.exposition` writes its header and
-    :attr:`text` as they are. Its ``samples`` stay empty: only :class:`Metrics` renders it.
+    ``generate_latest`` writes): :func:`exposition` writes its header and
+    :attr:`text` as they are. Its ``samples`` stay empty: only :func:`exposition` renders
+    it (``generate_latest`` would write its header alone).
     """
 
     def __init__(self, name: str, documentation: str, typ: str, text: list[bytes]) -> None:
