@@ -598,3 +598,38 @@ def test_drops_are_summed_by_reason(fixed_time, reasons):
         assert b'kvconductor_replays_total{outcome="failed"} 40.0' in got
     finally:
         c.stop()
+
+
+def test_drops_are_written_only_through_drop():
+    """A scrape keeps the drops' sums while ``COUNTS_STAMP`` holds; ``SourceStats.drop``
+    moves it. Any other write of a ``dropped`` dict in the package (an item set, an
+    update) would go unseen: only ``drop()`` itself and the retired totals (read under
+    the table lock at every scrape, never kept) write one."""
+    import ast
+    import pathlib
+
+    import kvconductor
+
+    allowed = {("stats.py", "self"), ("subscriber.py", "r")}
+    writers = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__"}
+    found = []
+    for path in pathlib.Path(kvconductor.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.Delete):
+                targets = (
+                    node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
+                )
+                targets = [t.value for t in targets if isinstance(t, ast.Subscript)]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in writers
+            ):
+                targets = [node.func.value]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr == "dropped":
+                    owner = ast.unparse(t.value)
+                    if (path.name, owner) not in allowed:
+                        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert found == []
