@@ -59,7 +59,8 @@ def test_scrape_4096_sources(benchmark, odd, moving):
     drops, a few ages past 1e6 s), last batches about 100 s ago; the server's malloc
     settings. What a scrape keeps from the one before is read again when, before each
     scrape, one source drops a message (mixed-drops: the rare counters' sums) or
-    connects or disconnects (mixed-flapping: everything kept, the worst case)."""
+    connects or disconnects (mixed-flapping: the live and muted flags, and the text of
+    the two 0/1 families)."""
     from kvconductor.http.metrics import Metrics
     from tests.helpers.sources import manager
 
