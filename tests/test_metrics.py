@@ -488,7 +488,13 @@ def test_query_metrics_render_exactly_as_prometheus_client(seed):
 
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from kvconductor.http.metrics import MISS_REASONS, QUERY_BUCKETS, ROUTES, QueryMetrics
+    from kvconductor.http.metrics import (
+        MISS_REASONS,
+        QUERY_BUCKETS,
+        ROUTES,
+        QueryMetrics,
+        exposition,
+    )
 
     rnd = random.Random(seed)
     ref_registry, our_registry = CollectorRegistry(), CollectorRegistry()
@@ -513,9 +519,14 @@ def test_query_metrics_render_exactly_as_prometheus_client(seed):
             counters["kvconductor_query_errors"].labels(route=route).inc()
             ours.route_errors[route].inc()
     want = _without_created_values(generate_latest(ref_registry).decode())
-    got = _without_created_values(generate_latest(our_registry).decode())
+    got = _without_created_values(exposition(our_registry).decode())
     assert got == want
     assert got.count("_created{") == 2 + 3 + 4 + 2
+    # the families' samples (what query_samples sends between processes) say the same
+    samples = CollectorRegistry()
+    for col in ours.collectors():
+        samples.register(col)
+    assert _without_created_values(generate_latest(samples).decode()) == want
 
 
 def test_deferred_metrics_replay_what_an_answer_off_the_loop_counted():

@@ -25,6 +25,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
@@ -32,6 +33,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvconductor import __version__
+from kvconductor.ingest.sourcemetrics import escape_label_value
 
 if TYPE_CHECKING:
     from kvconductor.state.conductor import Conductor
@@ -44,6 +46,7 @@ __all__ = [
     "Metrics",
     "QueryMetrics",
     "QuerySumCollector",
+    "exposition",
     "merge_query_metrics",
     "query_samples",
 ]
@@ -135,6 +138,60 @@ class _Family(Collector):
             v: _HistogramChild(self.bounds) if kind == "histogram" else _CounterChild()
             for v in values
         }
+        self._prefixes: list[tuple[list[str], str, str, str]] | None = None
+
+    def render(self) -> RenderedFamily:
+        """The family as ``generate_latest`` writes it (the ``_created`` samples in a
+        gauge family of their own after it, as there), each line's name and labels
+        formatted once: only the values are formatted per scrape."""
+        pre = self._prefixes
+        if pre is None:
+            pre = self._prefixes = self._make_prefixes()
+        lines: list[str] = []
+        created: list[str] = []
+        for child, (values, count, total, made) in zip(self.children.values(), pre, strict=True):
+            if self.kind == "counter":
+                lines += (values[0], floatToGoString(child.value), "\n")
+            else:
+                acc = 0.0
+                for head, n in zip(values, list(child.counts), strict=True):
+                    acc += n
+                    lines += (head, floatToGoString(acc), "\n")
+                lines += (
+                    count,
+                    floatToGoString(acc),
+                    "\n",
+                    total,
+                    floatToGoString(child.sum),
+                    "\n",
+                )
+            created += (made, floatToGoString(child.created), "\n")
+        if _USE_CREATED:
+            doc = _help_text(self.doc)
+            name = self.name + "_created"
+            lines += (f"# HELP {name} {doc}\n# TYPE {name} gauge\n", *created)
+        return RenderedFamily(self.name, self.doc, self.kind, ["".join(lines).encode()])
+
+    def _make_prefixes(self) -> list[tuple[list[str], str, str, str]]:
+        """Per child: the ``name{labels} `` of its value lines (a counter's one, a
+        histogram's buckets), of ``_count``, ``_sum`` and ``_created``."""
+        out = []
+        for value in self.children:
+            ls = f'{self.label}="{escape_label_value(value)}"'
+            if self.kind == "counter":
+                values = [f"{self.name}_total{{{ls}}} "]
+            else:  # "le" sorts before the label (generate_latest sorts label names)
+                assert self.label > "le"
+                values = [f'{self.name}_bucket{{le="{le}",{ls}}} ' for le in self.les]
+            out.append(
+                (
+                    values,
+                    f"{self.name}_count{{{ls}}} ",
+                    f"{self.name}_sum{{{ls}}} ",
+                    f"{self.name}_created{{{ls}}} ",
+                )
+            )
+        return out
 
     def collect(self) -> Iterator[Metric]:
         created = _USE_CREATED
@@ -154,6 +211,17 @@ class _Family(Collector):
             if created:
                 add(self.name + "_created", labels, child.created)
         yield fam
+
+
+class _RenderedQueries(Collector):
+    """The query families, each one :class:`RenderedFamily` (:meth:`_Family.render`)."""
+
+    def __init__(self, families: Iterable[_Family]) -> None:
+        self.families = tuple(families)
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self.families:
+            yield fam.render()
 
 
 class QueryMetrics:
@@ -203,8 +271,9 @@ class QueryMetrics:
             ROUTES,
         )
         if registry is not None:
-            for col in self.collectors():
-                registry.register(col)
+            # PERF: the families rendered by themselves (_Family.render), not sample by
+            # sample by generate_latest
+            registry.register(_RenderedQueries(self.collectors()))
         self.route_seconds: dict[str, _HistogramChild] = self.seconds.children
         self.route_errors: dict[str, _CounterChild] = self.errors.children
         self._npu, self._cpu, self._disk = self.blocks.children.values()
@@ -212,7 +281,7 @@ class QueryMetrics:
             self.misses.children.values()
         )
 
-    def collectors(self) -> tuple[Collector, ...]:
+    def collectors(self) -> tuple[_Family, ...]:
         """The histogram and counters (each a prometheus_client collector)."""
         return (self.seconds, self.blocks, self.misses, self.errors)
 
@@ -331,19 +400,28 @@ class QuerySumCollector(Collector):
 
 class RenderedFamily(Metric):
     """A family whose samples are already text (one line per sample, in the format
-    ``generate_latest`` writes): :meth:`Metrics.exposition` writes its header and
-    :attr:`text` as they are. Its ``samples`` stay empty: only :class:`Metrics` renders it.
+    ``generate_latest`` writes): :func:`exposition` writes its header and
+    :attr:`text` as they are. Its ``samples`` stay empty: only :func:`exposition` renders
+    it (``generate_latest`` would write its header alone).
     """
 
-    def __init__(self, name: str, documentation: str, typ: str, text: list[str]) -> None:
+    def __init__(self, name: str, documentation: str, typ: str, text: list[bytes]) -> None:
         super().__init__(name, documentation, typ)
-        #: The lines, in pieces to be joined.
+        #: The lines, UTF-8, in pieces to be joined.
         self.text = text
 
-    def header(self) -> str:
-        """``# HELP`` and ``# TYPE`` as ``generate_latest`` writes them (a gauge's name)."""
-        doc = self.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        return f"# HELP {self.name} {doc}\n# TYPE {self.name} {self.type}\n"
+    def header(self) -> bytes:
+        """``# HELP`` and ``# TYPE`` as ``generate_latest`` writes them (a counter's
+        name with ``_total``)."""
+        name = self.name + "_total" if self.type == "counter" else self.name
+        return (
+            f"# HELP {name} {_help_text(self.documentation)}\n# TYPE {name} {self.type}\n".encode()
+        )
+
+
+def _help_text(doc: str) -> str:
+    """A ``# HELP`` text as ``generate_latest`` escapes it."""
+    return doc.replace("\\", r"\\").replace("\n", r"\n")
 
 
 #: Lines a scrape formats between two chances to pause (:class:`Pacer`).
@@ -374,64 +452,120 @@ class Pacer:
             self.last = time.perf_counter()
 
 
+#: A 0/1 gauge's values, with the line's newline.
+_FLAG = (b"0.0\n", b"1.0\n")
+
+
 class _SourceLines:
     """The lines of one per-source family: ``name{labels} value``, one per (source,
-    medium) of a :class:`~kvconductor.ingest.sourcemetrics.SourceSnapshot`.
+    medium) of a :class:`~kvconductor.ingest.sourcemetrics.SourceSnapshot`, as UTF-8.
 
     The ``name{labels} `` prefixes are kept while the label sets stay the same (the same
     sources in the same order: a list comparison that meets the same string objects), so
-    a scrape only formats the values and joins.
+    a scrape only formats the values and joins. A 0/1 family keeps its whole text while
+    its label sets and flags stay the same (:meth:`flags`).
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._cache: tuple[list[str], list[str]] = ([], [])
+        self._cache: tuple[list[str], list[bytes]] = ([], [])
+        #: :meth:`flags`' last (label sets, flags, text).
+        self._text: tuple[list[str], list[bool], list[bytes]] = ([], [], [])
 
-    def _prefixes(self, labels: list[str]) -> list[str]:
+    def _prefixes(self, labels: list[str]) -> list[bytes]:
         cache = self._cache  # one read: a concurrent scrape may replace it
         if cache[0] != labels:
-            cache = (labels, [f"{self.name}{ls} " for ls in labels])
+            cache = (labels, [f"{self.name}{ls} ".encode() for ls in labels])
             self._cache = cache
         return cache[1]
 
-    def render(
-        self,
-        labels: list[str],
-        values: Callable[[int, int], list[str]],
-        newline: bool,
-        pause: Callable[[], None],
-    ) -> list[str]:
-        """The lines, :data:`CHUNK` at a time: ``values(i, j)`` gives the values of lines
-        ``i`` to ``j`` (ending in a newline already unless ``newline``); ``pause()``
-        between two chunks."""
+    def flags(self, labels: list[str], flags: list[bool], pause: Callable[[], None]) -> list[bytes]:
+        """The lines of a 0/1 gauge: ``1.0`` where ``flags`` is true, :data:`CHUNK` lines
+        a piece, ``pause()`` between two pieces. The text of the last call is reused
+        while ``labels`` and ``flags`` compare equal (the same label set objects, the
+        same booleans: C comparisons): a source's state rarely changes between scrapes."""
+        kept = self._text  # one read: a concurrent scrape may replace it
+        if kept[1] == flags and kept[0] == labels:
+            return kept[2]
         prefixes = self._prefixes(labels)
-        step = 3 if newline else 2
         out = []
         for i in range(0, len(labels), CHUNK):
             if i:
                 pause()
             j = min(i + CHUNK, len(labels))
-            # PERF: interleaved by slice assignment and joined once; no string is built
-            # per sample but the value itself.
-            parts: list[str] = [""] * (step * (j - i))
-            parts[::step] = prefixes[i:j]
-            parts[1::step] = values(i, j)
-            if newline:
-                parts[2::3] = ["\n"] * (j - i)
-            out.append("".join(parts))
+            # PERF: interleaved by slice assignment and joined once: no string is built
+            # per sample.
+            parts: list[bytes] = [b""] * (2 * (j - i))
+            parts[::2] = prefixes[i:j]
+            parts[1::2] = map(_FLAG.__getitem__, flags[i:j])
+            out.append(b"".join(parts))
+        self._text = (labels, flags, out)
         return out
 
+    def ages(
+        self, labels: list[str], now: float, last: list[float], pause: Callable[[], None]
+    ) -> list[bytes]:
+        """The lines of the ages ``max(0, now - t)`` of the wall-clock times ``last``,
+        :data:`CHUNK` values formatted at a time, ``pause()`` between two chunks. The
+        pieces are left unjoined (:meth:`Metrics.exposition` joins everything once)."""
+        prefixes = self._prefixes(labels)
+        parts: list[bytes] = [b"\n"] * (3 * len(labels))
+        parts[::3] = prefixes
+        for i in range(0, len(labels), CHUNK):
+            if i:
+                pause()
+            j = min(i + CHUNK, len(labels))
+            parts[3 * i + 1 : 3 * j : 3] = _ages(now, last[i:j])
+        return parts
 
-_FLAG = ("0.0\n", "1.0\n")
+
+def _ages_repr(ages: list[float]) -> list[bytes]:
+    """``floatToGoString(max(0, a))`` of each age, UTF-8."""
+    return [floatToGoString(max(0.0, a)).encode() for a in ages]
 
 
-def _ages(now: float, last: list[float]) -> list[str]:
-    """``max(0, now - t)`` per wall-clock time ``t``, as ``floatToGoString`` writes it."""
+#: The ages msgspec writes as ``floatToGoString`` does: ``[_LOW, _HIGH)``.
+_LOW, _HIGH = 1e-4, 1e6
+
+
+def _ages_msgspec(ages: list[float]) -> list[bytes]:
+    """The same as :func:`_ages_repr`, in C: msgspec's JSON float (Ryu, the shortest
+    digits that read back as the same float, the closest of them to its value: what
+    ``repr`` writes) for every age of ``[1e-4, 1e6)``, where ``repr`` and msgspec write
+    the same fixed notation and ``floatToGoString`` writes ``repr``; the others (exponent
+    notation, negative ages clamped to 0, NaN) one at a time."""
+    body = msgspec.json.encode(ages)
+    out = body[1:-1].split(b",")
+    if min(ages) < _LOW or max(ages) >= _HIGH or b"n" in body:  # b"null": NaN or inf
+        # (rare: idle for 11 days, a clock step, a batch within the last 0.1 ms; a
+        # comparison per age in Python is faster here than compress/map with a bound
+        # float method)
+        for k, a in enumerate(ages):
+            if not 1e-4 <= a < 1e6:  # _LOW, _HIGH (literals: faster)
+                # max(0.0, a): 0.0 for a <= 0 and NaN
+                out[k] = floatToGoString(a).encode() if a > 0.0 else b"0.0"
+    return out
+
+
+def _msgspec_writes_repr() -> bool:
+    """Whether the installed msgspec writes these floats as ``repr`` does (checked once,
+    at import; otherwise every age takes :func:`_ages_repr`)."""
+    probe = [1e-4, 0.00012345678901234, 0.1, 0.3, 2 / 3, 1.0, 100.0, 123456.789, 999999.9999999999]
+    probe.append(1_700_000_123.456789 - 1_700_000_000.0)
+    return msgspec.json.encode(probe)[1:-1].split(b",") == [repr(a).encode() for a in probe]
+
+
+_FAST_AGES = _msgspec_writes_repr()
+
+
+def _ages(now: float, last: list[float]) -> list[bytes]:
+    """``floatToGoString(max(0, now - t))`` per wall-clock time ``t``, UTF-8."""
+    if not last:
+        return []
     ages = [now - t for t in last]
-    if not ages or (min(ages) > 0.0 and max(ages) < 1e6):
-        # PERF: what floatToGoString writes as repr (no exponent before 1e6), in C.
-        return list(map(repr, ages))
-    return [floatToGoString(max(0.0, a)) for a in ages]
+    # PERF: repr of a float with 17 significant digits (an age) takes Python's exact
+    # big-number path, about 1 µs; msgspec's Ryu writes the same digits in ~0.1 µs.
+    return _ages_msgspec(ages) if _FAST_AGES else _ages_repr(ages)
 
 
 _UP = "kvconductor_source_up"
@@ -531,14 +665,14 @@ class ConductorCollector(Collector):
             _UP,
             "1 while a subscription is live (connected, not replaying, not degraded), else 0",
             "gauge",
-            lines[_UP].render(labels, lambda i, j: [_FLAG[x] for x in live[i:j]], False, pause),
+            lines[_UP].flags(labels, live, pause),
         )
         pause()
         yield RenderedFamily(
             _AGE,
             "Seconds since a subscription last received a batch (or since it was opened)",
             "gauge",
-            lines[_AGE].render(labels, lambda i, j: _ages(now, last[i:j]), True, pause),
+            lines[_AGE].ages(labels, now, last, pause),
         )
         pause()
         yield RenderedFamily(
@@ -546,7 +680,7 @@ class ConductorCollector(Collector):
             "1 while a subscription's (instance, DP) HBM hits are muted: not ready for "
             "--source-down-secs",
             "gauge",
-            lines[_MUTED].render(labels, lambda i, j: [_FLAG[x] for x in muted[i:j]], False, pause),
+            lines[_MUTED].flags(labels, muted, pause),
         )
         yield CounterMetricFamily(
             "kvconductor_source_mutes",
@@ -690,22 +824,29 @@ class Metrics:
             self.registry.register(collector)
 
     def exposition(self) -> bytes:
-        """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`) of every metric:
-        ``generate_latest``'s, with the :class:`RenderedFamily` texts written as they are."""
-        parts: list[str] = []
-        pending: list[Metric] = []
-        for fam in self.registry.collect():
-            if isinstance(fam, RenderedFamily):
-                if pending:
-                    parts.append(generate_latest(_Families(pending)).decode())
-                    pending = []
-                parts.append(fam.header())
-                parts += fam.text
-            else:
-                pending.append(fam)
-        if pending:
-            parts.append(generate_latest(_Families(pending)).decode())
-        return "".join(parts).encode()
+        """The text exposition (format 0.0.4, :data:`CONTENT_TYPE`) of every metric
+        (:func:`exposition`)."""
+        return exposition(self.registry)
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """``generate_latest(registry)``, with the :class:`RenderedFamily` texts written as
+    they are (a registry holding one renders through here only)."""
+    parts: list[bytes] = []
+    pending: list[Metric] = []
+    for fam in registry.collect():
+        if isinstance(fam, RenderedFamily):
+            if pending:
+                parts.append(generate_latest(_Families(pending)))
+                pending = []
+            parts.append(fam.header())
+            parts += fam.text
+        else:
+            pending.append(fam)
+    if pending:
+        parts.append(generate_latest(_Families(pending)))
+    # PERF: UTF-8 pieces joined once (no str of the whole text, no encoding of it)
+    return b"".join(parts)
 
 
 class _Families(Collector):

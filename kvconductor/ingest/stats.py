@@ -8,6 +8,7 @@ another ingest module.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -19,17 +20,56 @@ def hex_preview(payload: bytes, n: int = 32) -> str:
     return b.hex(" ") + (" ..." if len(payload) > n else "")
 
 
+_STAMPS = itertools.count(1)
+
+#: ``[stamp]``: a new stamp (:func:`counts_changed`) after every change of a rarely
+#: moving counter of any :class:`SourceStats` (``gaps``, ``replays_ok``, ``mutes``,
+#: ``purged_blocks``, ``dropped``): a ``/metrics`` scrape keeps their sums from one
+#: scrape to the next instead of reading them again while it holds
+#: (``SubscriptionManager.metrics_snapshot``). One list for the process: a change
+#: anywhere makes every manager read them again, which is only slower.
+COUNTS_STAMP = [0]
+#: ``[stamp]``: the same (:func:`state_changed`) for a subscription's state (connected,
+#: muted, its tracker, replaying, degraded), which a scrape keeps too: a source that
+#: drops all the time does not make it read those again, nor one that flaps the rest.
+STATE_STAMP = [0]
+#: ``[stamp]``: the same (:func:`labels_changed`) for a subscription's label sets and
+#: source kind (a registration's context: ``Subscription.ctx``).
+LABELS_STAMP = [0]
+
+
+def counts_changed() -> None:
+    """Something :data:`COUNTS_STAMP` covers has changed (call after the change)."""
+    # PERF: next() of a count is one C call, so two threads never write the same stamp
+    COUNTS_STAMP[0] = next(_STAMPS)
+
+
+def state_changed() -> None:
+    """Something :data:`STATE_STAMP` covers has changed (call after the change)."""
+    STATE_STAMP[0] = next(_STAMPS)
+
+
+def labels_changed() -> None:
+    """Something :data:`LABELS_STAMP` covers has changed (call after the change)."""
+    LABELS_STAMP[0] = next(_STAMPS)
+
+
 class SourceStats:
-    """Counters of one subscription (shown by ``sources()``)."""
+    """Counters of one subscription (shown by ``sources()``).
+
+    ``gaps``, ``replays_ok``, ``mutes`` and ``purged_blocks`` are properties whose
+    setters call :func:`counts_changed` (their slots: the name with a leading ``_``);
+    ``dropped`` is written only through :meth:`drop`, which does too. The other
+    counters move with every batch and are plain slots."""
 
     __slots__ = (
         "batches",
         "events",
         "blocks",
         "dropped",
-        "gaps",
+        "_gaps",
         "replays",
-        "replays_ok",
+        "_replays_ok",
         "replayed_batches",
         "restarts",
         "resyncs",
@@ -37,19 +77,19 @@ class SourceStats:
         "last_seq",
         "aged_out",
         "last_event",
-        "mutes",
-        "purged_blocks",
+        "_mutes",
+        "_purged_blocks",
     )
 
     def __init__(self) -> None:
         self.batches = 0
         self.events = 0
         self.blocks = 0
+        #: Messages and events dropped, by reason (written by :meth:`drop` only).
         self.dropped: dict[str, int] = {}
-        self.gaps = 0
+        self._gaps = 0
         self.replays = 0
-        #: Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``).
-        self.replays_ok = 0
+        self._replays_ok = 0
         self.replayed_batches = 0
         self.restarts = 0
         self.resyncs = 0
@@ -59,13 +99,53 @@ class SourceStats:
         self.aged_out = 0
         #: Wall-clock time of the last batch received (set by the subscription).
         self.last_event = 0.0
-        #: Times the source's (instance, DP) HBM hits were muted (down past --source-down-secs).
-        self.mutes = 0
-        #: HBM blocks dropped because the source stayed down past --source-purge-secs.
-        self.purged_blocks = 0
+        self._mutes = 0
+        self._purged_blocks = 0
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
+        counts_changed()
+
+    @property
+    def gaps(self) -> int:
+        """Sequence gaps seen."""
+        return self._gaps
+
+    @gaps.setter
+    def gaps(self, n: int) -> None:
+        self._gaps = n
+        counts_changed()
+
+    @property
+    def replays_ok(self) -> int:
+        """Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``)."""
+        return self._replays_ok
+
+    @replays_ok.setter
+    def replays_ok(self, n: int) -> None:
+        self._replays_ok = n
+        counts_changed()
+
+    @property
+    def mutes(self) -> int:
+        """Times the source's (instance, DP) HBM hits were muted (down past
+        --source-down-secs)."""
+        return self._mutes
+
+    @mutes.setter
+    def mutes(self, n: int) -> None:
+        self._mutes = n
+        counts_changed()
+
+    @property
+    def purged_blocks(self) -> int:
+        """HBM blocks dropped because the source stayed down past --source-purge-secs."""
+        return self._purged_blocks
+
+    @purged_blocks.setter
+    def purged_blocks(self, n: int) -> None:
+        self._purged_blocks = n
+        counts_changed()
 
 
 class WarnLimiter:

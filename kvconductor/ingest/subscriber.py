@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable
 from itertools import chain, compress, repeat
 from operator import and_, attrgetter, is_, itemgetter, not_
+from typing import NamedTuple
 
 import zmq
 
@@ -70,7 +71,16 @@ from kvconductor.ingest.replay import ReplaySession
 from kvconductor.ingest.replicated import DUPLICATE, HOLE, ReplicaState
 from kvconductor.ingest.source import SubSource
 from kvconductor.ingest.sourcemetrics import SourceSnapshot, label_sets
-from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter
+from kvconductor.ingest.stats import (
+    COUNTS_STAMP,
+    LABELS_STAMP,
+    STATE_STAMP,
+    Limits,
+    SourceStats,
+    WarnLimiter,
+    labels_changed,
+    state_changed,
+)
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.ingest.tracker import SequenceTracker, digest
 from kvconductor.keys import Medium
@@ -104,12 +114,11 @@ class Subscription:
         self.feeds_hbm = self._feeds_hbm(ctx)
         #: The SUB and its monitor.
         self.source = SubSource(manager.thread, self, manager.shared)
-        self.connected = False
+        self._connected = False
         self.closed = False
         #: Monotonic time since when the source is not ready (None: ready).
         self.down_since: float | None = time.monotonic()
-        #: Its (instance, DP)'s HBM hits are muted (down past --source-down-secs).
-        self.muted = False
+        self._muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
         #: --state-url (kvconductor.state.replica): the source's replicated state, the same on
@@ -126,6 +135,40 @@ class Subscription:
             self.replica.applied = (cursor[0], cursor[1])
             self.replica.fence = max(self.replica.fence, cursor[2])
 
+    # connected, muted and tracker: properties whose setters tell a /metrics scrape to
+    # read the source's state again (kvconductor.ingest.stats.STATE_STAMP)
+    @property
+    def connected(self) -> bool:
+        """The SUB has a publisher (its monitor saw the handshake, or it is bound)."""
+        return self._connected
+
+    @connected.setter
+    def connected(self, on: bool) -> None:
+        if on != getattr(self, "_connected", None):  # (not __dict__: it slows the object)
+            self._connected = on
+            state_changed()
+
+    @property
+    def muted(self) -> bool:
+        """Its (instance, DP)'s HBM hits are muted (down past --source-down-secs)."""
+        return self._muted
+
+    @muted.setter
+    def muted(self, on: bool) -> None:
+        if on != getattr(self, "_muted", None):
+            self._muted = on
+            state_changed()
+
+    @property
+    def tracker(self) -> SequenceTracker:
+        """The sequence and replay state (a new one after a resync or a lease change)."""
+        return self._tracker
+
+    @tracker.setter
+    def tracker(self, t: SequenceTracker) -> None:
+        self._tracker = t
+        state_changed()
+
     @property
     def ctx(self) -> SubscriberContext:
         """The registration facts the subscription applies events under."""
@@ -140,6 +183,7 @@ class Subscription:
         self.metric_labels = label_sets(ctx.instance_id, ctx.dp_rank, ctx.default_media)
         #: ``kvconductor_events_applied``'s source_kind.
         self.kind = source_kind(ctx.is_pool, ctx.engine_type)
+        labels_changed()  # a scrape reads them again
 
     @property
     def owned(self) -> bool:
@@ -247,7 +291,8 @@ class Subscription:
         self.manager.warn.warn(self.name(), "receive_error", str(ex), None)
 
     def message(self, frames: list[bytes]) -> None:
-        if not self.connected:  # data beat the monitor event
+        # PERF: per message, the attributes behind the properties (no property call)
+        if not self._connected:  # data beat the monitor event
             self._now_connected()
         if len(frames) < 3:
             self.stats.drop("short_message")
@@ -265,7 +310,7 @@ class Subscription:
             return
         now = time.time()
         self.stats.last_event = now
-        self.tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
+        self._tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
 
     # -- --state-url: ownership (kvconductor.state.replica) ----------------------------------------
     def activate(self, epoch: int) -> None:
@@ -391,7 +436,8 @@ class Subscription:
     def state(self) -> str:
         if self.passive:
             return "remote"
-        return self.tracker.state(self.connected)
+        # PERF: every source at every liveness check: no property calls
+        return self._tracker.state(self._connected)
 
     def info(self) -> dict[str, object]:
         s = self.stats
@@ -461,22 +507,25 @@ class RetiredTotals:
 
 _STATS = attrgetter("stats")
 _EVENTS = attrgetter("events")
-_GAPS = attrgetter("gaps")
-_REPLAYS_OK = attrgetter("replays_ok")
-_MUTES = attrgetter("mutes")
-_PURGED = attrgetter("purged_blocks")
+# the attributes behind the properties of SourceStats, Subscription and SequenceTracker
+# (read without the property's call)
+_GAPS = attrgetter("_gaps")
+_REPLAYS_OK = attrgetter("_replays_ok")
+_MUTES = attrgetter("_mutes")
+_PURGED = attrgetter("_purged_blocks")
 _DROPPED = attrgetter("dropped")
 _KIND = attrgetter("kind")
-_TRACKER = attrgetter("tracker")
-_CONNECTED = attrgetter("connected")
-_REPLAYING = attrgetter("replaying")
-_DEGRADED = attrgetter("degraded_since")
+_TRACKER = attrgetter("_tracker")
+_CONNECTED = attrgetter("_connected")
+_REPLAYING = attrgetter("_replaying")
+_DEGRADED = attrgetter("_degraded_since")
 _OWNED = attrgetter("replica.owned")
-_MUTED = attrgetter("muted")
+_MUTED = attrgetter("_muted")
 _LAST_EVENT = attrgetter("last_event")
 _LABELS = attrgetter("metric_labels")
 _FIRST = itemgetter(0)
 _NONES = repeat(None)  # endless: map() stops at the shorter iterable
+_ZEROS = repeat(0)
 _ONE = 1
 
 
@@ -491,84 +540,165 @@ def _replays(sub: Subscription) -> tuple[int, int]:
 METRICS_CHUNK = 1024
 
 
-#: What a slice of subscriptions keeps between scrapes while it stays the same (the
-#: same subscriptions with the same label sets): (subscriptions, their label sets, their
-#: SourceStats, their source kinds, the label sets flattened, media per subscription
-#: or None when each has one).
-_Columns = tuple[
-    list["Subscription"],
-    list[tuple[str, ...]],
-    list[SourceStats],
-    list[str],
-    list[str],
-    list[int] | None,
-]
+class _Rare(NamedTuple):
+    """The rarely moving counters of a slice of subscriptions, summed."""
+
+    gaps: int
+    replays_ok: int
+    replays_failed: int
+    mutes: int
+    purged_blocks: int
+    dropped: dict[str, int]
 
 
-def _read_columns(
-    snap: SourceSnapshot, subs: list[Subscription], replicated: bool, kept: _Columns | None
-) -> _Columns:
-    """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
-    returns what the next scrape may reuse (``kept``: this slice's from the last one)."""
-    # PERF: every column read by map/attrgetter (C loops); no Python statement per
-    # subscription but for the rare ones with drops. What only changes with the table
-    # or a registration (stats objects, kinds, label sets) is reused while the slice's
-    # subscriptions and label sets compare equal (identity, in C).
-    sets = list(map(_LABELS, subs))
-    if kept is not None and kept[0] == subs and kept[1] == sets:
-        stats, kinds, labels, ks = kept[2], kept[3], kept[4], kept[5]
+class _Columns(NamedTuple):
+    """What a slice of subscriptions keeps from one scrape to the next while it stays
+    the same: the same subscriptions, and :data:`~kvconductor.ingest.stats.LABELS_STAMP`
+    unchanged (no label set or source kind changed anywhere); the live and muted flags
+    while :data:`~kvconductor.ingest.stats.STATE_STAMP` is unchanged too, the rare
+    counters' sums while :data:`~kvconductor.ingest.stats.COUNTS_STAMP` is."""
+
+    #: (LABELS_STAMP, STATE_STAMP, COUNTS_STAMP) when read
+    stamps: tuple[int, int, int]
+    subs: list[Subscription]
+    stats: list[SourceStats]
+    #: the stats objects per source kind, in the order of the kinds
+    kinds: list[tuple[str, list[SourceStats]]]
+    #: the label sets flattened
+    labels: list[str]
+    #: None when each subscription has one medium, else what repeats a column's value
+    #: for each medium of its subscription (an itemgetter of the indices after two 0s)
+    ks: itemgetter[tuple[int, ...]] | None
+    rare: _Rare
+    #: per label set: connected, not replaying, not degraded (--state-url: not owned
+    #: yet, which is read at every scrape)
+    live: list[bool]
+    #: per label set: muted
+    muted: list[bool]
+
+
+def _sum_rare(stats: list[SourceStats]) -> _Rare:
+    # PERF: C loops (map/attrgetter, sum). The drops: one sum per reason over the
+    # sources that have any (a few reasons, in C) or, when the reasons are many for the
+    # drops there are, a Python loop over them. The dicts are read in C calls that run
+    # no Python code: the ingest thread cannot add a reason in the middle of one.
+    ds = list(filter(None, map(_DROPPED, stats)))
+    reasons = set(chain.from_iterable(ds))
+    if len(reasons) * len(ds) <= 4 * (sum(map(len, ds)) + len(ds)):
+        dropped = {r: sum(map(dict.get, ds, repeat(r), _ZEROS)) for r in sorted(reasons)}
     else:
-        stats = list(map(_STATS, subs))
-        kinds = list(map(_KIND, subs))
-        if all(map(_ONE.__eq__, map(len, sets))):
-            labels, ks = list(map(_FIRST, sets)), None
-        else:  # sources of several media: a line per medium
-            labels, ks = list(chain.from_iterable(sets)), list(map(len, sets))
-        kept = (subs, sets, stats, kinds, labels, ks)
-    applied, dropped = snap.applied, snap.dropped
-    snap.gaps += sum(map(_GAPS, stats))
-    snap.replays_ok += sum(map(_REPLAYS_OK, stats))
-    snap.mutes += sum(map(_MUTES, stats))
-    snap.purged_blocks += sum(map(_PURGED, stats))
-    for d in filter(None, map(_DROPPED, stats)):
-        for reason, n in list(d.items()):  # a copy in C: the ingest thread may add one
-            dropped[reason] = dropped.get(reason, 0) + n
-        snap.replays_failed += d.get("replay_failed", 0)
-    kindset = set(kinds)
-    if len(kindset) == 1:  # one engine type (the common case): no per-kind mask
-        kind = kinds[0]
-        applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, stats))
-    else:
-        events = list(map(_EVENTS, stats))
-        for kind in kindset:
-            n = sum(compress(events, map(kind.__eq__, kinds)))
-            applied[kind] = applied.get(kind, 0) + n
-    # live: what Subscription.state calls "live" (not passive, connected, not replaying,
-    # not degraded), from the columns
+        dropped = {}
+        for d in ds:
+            for reason, n in list(d.items()):  # a copy in C
+                dropped[reason] = dropped.get(reason, 0) + n
+    return _Rare(
+        sum(map(_GAPS, stats)),
+        sum(map(_REPLAYS_OK, stats)),
+        dropped.get("replay_failed", 0),
+        sum(map(_MUTES, stats)),
+        sum(map(_PURGED, stats)),
+        dropped,
+    )
+
+
+def _repeater(lens: list[int]) -> itemgetter[tuple[int, ...]]:
+    """What repeats a column's value ``lens[i]`` times for each ``i``: an itemgetter of
+    the indices after two 0s (cut off after the call: a tuple even for fewer than two
+    indices)."""
+    # PERF: the indices built a run of single media at a time (a C extend), a Python
+    # statement only for a source of another count
+    idx = [0, 0]
+    start = 0
+    for i in compress(range(len(lens)), map(_ONE.__ne__, lens)):
+        idx += range(start, i)
+        idx += repeat(i, lens[i])
+        start = i + 1
+    idx += range(start, len(lens))
+    return itemgetter(*idx)
+
+
+def _live(subs: list[Subscription]) -> list[bool]:
+    """What Subscription.state calls "live" (connected, not replaying, not degraded),
+    from the columns (passive sources: see ``_read_columns``)."""
     trackers = list(map(_TRACKER, subs))
     if any(map(_REPLAYING, trackers)) or not all(map(is_, map(_DEGRADED, trackers), _NONES)):
-        live = list(
+        return list(
             map(
                 and_,
                 map(and_, map(_CONNECTED, subs), map(not_, map(_REPLAYING, trackers))),
                 map(is_, map(_DEGRADED, trackers), _NONES),
             )
         )
-    else:  # none replaying or degraded (the common case): live is connected
-        live = list(map(_CONNECTED, subs))
+    return list(map(_CONNECTED, subs))  # none replaying or degraded (the common case)
+
+
+def _read_columns(
+    snap: SourceSnapshot,
+    subs: list[Subscription],
+    replicated: bool,
+    kept: _Columns | None,
+    stamps: tuple[int, int, int],
+) -> _Columns:
+    """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
+    returns what the next scrape may reuse (``kept``: this slice's from the last one,
+    ``stamps``: :data:`~kvconductor.ingest.stats.LABELS_STAMP`, ``STATE_STAMP`` and
+    ``COUNTS_STAMP``, read before anything else)."""
+    # PERF: every column read by map/attrgetter (C loops); no Python statement per
+    # subscription but for the rare ones with drops. What only changes with the table,
+    # a registration, a source's state or a rare counter (stats objects, kinds, label
+    # sets, the live and muted flags, the rare counters' sums) is reused while the stamps
+    # are the same and the slice's subscriptions compare equal (identity, in C): each
+    # scrape reads only what moves with every batch (events, last event).
+    if kept is None or kept.stamps[0] != stamps[0] or kept.subs != subs:
+        stats = list(map(_STATS, subs))
+        kinds = list(map(_KIND, subs))
+        if len(set(kinds)) == 1:  # one engine type (the common case)
+            groups = [(kinds[0], stats)]
+        else:
+            by_kind: dict[str, list[SourceStats]] = {}
+            for kind, st in zip(kinds, stats, strict=True):
+                by_kind.setdefault(kind, []).append(st)
+            groups = sorted(by_kind.items())
+        sets = list(map(_LABELS, subs))
+        ks: itemgetter[tuple[int, ...]] | None = None
+        live, muted = _live(subs), list(map(_MUTED, subs))
+        lens = list(map(len, sets))
+        if all(map(_ONE.__eq__, lens)):
+            labels = list(map(_FIRST, sets))
+        else:  # sources of several media (or none): a line per medium
+            labels = list(chain.from_iterable(sets))
+            ks = _repeater(lens)
+            live, muted = list(ks(live)[2:]), list(ks(muted)[2:])
+        kept = _Columns(stamps, subs, stats, groups, labels, ks, _sum_rare(stats), live, muted)
+    elif kept.stamps != stamps:
+        if kept.stamps[1] != stamps[1]:  # a source's state moved (one flapping)
+            live, muted = _live(subs), list(map(_MUTED, subs))
+            if kept.ks is not None:
+                live, muted = list(kept.ks(live)[2:]), list(kept.ks(muted)[2:])
+            kept = kept._replace(live=live, muted=muted)
+        if kept.stamps[2] != stamps[2]:  # a rare counter moved (a source dropping)
+            kept = kept._replace(rare=_sum_rare(kept.stats))
+        kept = kept._replace(stamps=stamps)
+    stats, labels, ks, rare = kept.stats, kept.labels, kept.ks, kept.rare
+    applied, dropped = snap.applied, snap.dropped
+    snap.gaps += rare.gaps
+    snap.replays_ok += rare.replays_ok
+    snap.replays_failed += rare.replays_failed
+    snap.mutes += rare.mutes
+    snap.purged_blocks += rare.purged_blocks
+    for reason, n in rare.dropped.items():
+        dropped[reason] = dropped.get(reason, 0) + n
+    for kind, group in kept.kinds:
+        applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, group))
+    live = kept.live
     if replicated:  # --state-url: a source this replica does not own is remote
-        live = list(map(and_, live, map(_OWNED, subs)))
-    muted = list(map(_MUTED, subs))
+        owned = list(map(_OWNED, subs))
+        live = list(map(and_, live, owned if ks is None else ks(owned)[2:]))
     last = list(map(_LAST_EVENT, stats))
     snap.labels += labels
-    if ks is None:
-        snap.live += live
-        snap.muted += muted
-        snap.last_event += last
-    else:  # each value repeated for each medium of its source
-        snap.live += chain.from_iterable(map(repeat, live, ks))
-        snap.muted += chain.from_iterable(map(repeat, muted, ks))
-        snap.last_event += chain.from_iterable(map(repeat, last, ks))
+    snap.live += live
+    snap.muted += kept.muted
+    snap.last_event += last if ks is None else ks(last)[2:]
     return kept
 
 
@@ -682,6 +812,8 @@ class SubscriptionManager:
             dropped.update(r.dropped)
             snap.gaps, snap.replays_ok, snap.replays_failed = r.gaps, r.replays_ok, r.replays_failed
             snap.mutes, snap.purged_blocks = r.mutes, r.purged_blocks
+        # before any counter is read (a change after this: a new stamp)
+        stamps = (LABELS_STAMP[0], STATE_STAMP[0], COUNTS_STAMP[0])
         replicated = self.replicator is not None
         kept = self._metric_columns  # replaced whole: concurrent scrapes never share one
         out = []
@@ -689,7 +821,7 @@ class SubscriptionManager:
             if i and pause is not None:
                 pause()
             last = kept[c] if c < len(kept) else None
-            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last))
+            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last, stamps))
         self._metric_columns = out
         return snap
 

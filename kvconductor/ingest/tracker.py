@@ -51,7 +51,7 @@ import logging
 from typing import Protocol
 
 from kvconductor._hash import xxh3_64
-from kvconductor.ingest.stats import SourceStats
+from kvconductor.ingest.stats import SourceStats, state_changed
 
 log = logging.getLogger("kvconductor.ingest")
 
@@ -109,14 +109,12 @@ class SequenceTracker:
         self.started = False
         self.last_seq: int | None = None
         self.last_digest: int | None = None
-        #: A replay session is open; live batches go to :attr:`buffer`.
-        self.replaying = False
+        self._replaying = False
         self.buffer: list[tuple[int, bytes]] = []
         #: Digests of the batches applied by replay, while the live stream may repeat them.
         self.dedup: dict[int, int] = {}
         self.dedup_high = -1
-        #: Wall-clock time of the last loss while degraded (None: not degraded).
-        self.degraded_since: float | None = None
+        self._degraded_since: float | None = None
         self.loss_epoch = 0
         #: The last loss: (wall-clock time, why), for ``/workers`` and ``/explain``.
         self.last_loss: tuple[float, str] | None = None
@@ -142,7 +140,7 @@ class SequenceTracker:
     # -- inputs from the subscription ---------------------------------------------------
     def live(self, seq: int, payload: bytes, now: float) -> None:
         """A batch of the live stream."""
-        if self.replaying:
+        if self._replaying:  # PERF: per batch, no property call
             if len(self.buffer) >= self.max_buffer:
                 self.stats.drop("replay_buffer_overflow")
                 return
@@ -263,6 +261,28 @@ class SequenceTracker:
         finally:
             self._no_replay = False
 
+    @property
+    def replaying(self) -> bool:
+        """A replay session is open; live batches go to :attr:`buffer`."""
+        return self._replaying
+
+    @replaying.setter
+    def replaying(self, on: bool) -> None:
+        if on != self._replaying:
+            self._replaying = on
+            state_changed()  # a /metrics scrape reads the source's state again
+
+    @property
+    def degraded_since(self) -> float | None:
+        """Wall-clock time of the last loss while degraded (None: not degraded)."""
+        return self._degraded_since
+
+    @degraded_since.setter
+    def degraded_since(self, t: float | None) -> None:
+        if t != self._degraded_since:
+            self._degraded_since = t
+            state_changed()
+
     def end_degraded(self, epoch: int) -> bool:
         """The grace period of loss ``epoch`` is over: True if the source is live again
         (False: closed, not degraded, or superseded by a later loss)."""
@@ -278,11 +298,12 @@ class SequenceTracker:
 
     def state(self, connected: bool) -> str:
         """``replaying``, ``connecting``, ``degraded`` or ``live``."""
-        if self.replaying:
+        # PERF: every source at every liveness check: no property calls
+        if self._replaying:
             return "replaying"
         if not connected:
             return "connecting"
-        return "degraded" if self.degraded_since is not None else "live"
+        return "degraded" if self._degraded_since is not None else "live"
 
     # -- decisions ------------------------------------------------------------------------
     def _apply(self, seq: int, payload: bytes, live: bool = True) -> int:
