@@ -9,6 +9,9 @@ survives a reader killed, or stopped, inside its read section.
   ``enters`` (read sections entered)}.
 * A reading thread takes one slot (:func:`shl_slot_acquire`) and keeps it; it gives it
   back with :func:`shl_slot_release`, or the writer reclaims it once its owner is dead.
+  The lock counts the slots ever taken (``used``: one more than the highest index,
+  raised before the slot's first read section, never lowered), and a writer scans
+  those, not all ``SHL_SLOTS`` cache lines, for readers inside.
 * Reader: waits while the preference flag is set, sets ``active``, checks the flag
   again (sequentially consistent, Dekker-style); if the writer came in meanwhile it
   clears ``active``, wakes the writer and waits again.

@@ -17,7 +17,7 @@
 #include <sys/syscall.h>
 
 #define SHL_MAGIC 0x6b76534cu   /* "kvSL" */
-#define SHL_VERSION 2u
+#define SHL_VERSION 3u
 #define SHL_SLOTS 256
 #define SHL_HIST 12             /* writer wait histogram buckets (last: +Inf) */
 #define SHL_LOG 16              /* stall log entries (a ring) */
@@ -50,7 +50,8 @@ typedef struct {
     uint32_t magic;
     uint32_t version;
     uint32_t nslots;
-    uint32_t pad0;
+    uint32_t used;          /* slots ever taken: 1 + the highest index (never lowered);
+                               a writer scans these, not all SHL_SLOTS */
     uint64_t reclaimed;     /* slots of dead owners cleared */
     uint64_t writer_waits;  /* futex waits of writers on active slots */
     uint64_t stalls;        /* readers found inside past the stall bound */
@@ -188,6 +189,16 @@ static inline void shl_set_stall_policy(ShLock *l, uint32_t stall_ms, int kill) 
     __atomic_store_n(&l->kill_stalled, kill ? 1u : 0u, SHL_SC);
 }
 
+/* Raise l->used to cover slot i, before its first read section: a writer that
+   set its flag and then reads l->used scans every slot a reader inside can hold
+   (a reader sets its active flag after this, then checks the writer flag). */
+static inline void shl_note_used(ShLock *l, int i) {
+    uint32_t n = __atomic_load_n(&l->used, SHL_SC);
+    while (n < (uint32_t)i + 1
+           && !__atomic_compare_exchange_n(&l->used, &n, (uint32_t)i + 1, 0, SHL_SC, SHL_SC)) {
+    }
+}
+
 /* A free slot for a thread of process pid (start stamp as shl_proc_stamp gives
    it): its index, or -1 when all are taken. */
 static inline int shl_slot_acquire(ShLock *l, int32_t pid, uint64_t stamp) {
@@ -201,6 +212,7 @@ static inline int shl_slot_acquire(ShLock *l, int32_t pid, uint64_t stamp) {
                 && __atomic_compare_exchange_n(&l->slots[i].pid, &expect, pid, 0,
                                                SHL_SC, SHL_SC)) {
             __atomic_store_n(&l->slots[i].stamp, stamp, SHL_SC);
+            shl_note_used(l, i);
             return i;
         }
     }
@@ -332,8 +344,8 @@ static inline int shl_write_prefer(ShLock *l) {
 /* Without waiting (after shl_write_begin): reclaim the active slots of dead owners
    and count the active slots left (0: the writer is alone). */
 static inline int shl_write_pending(ShLock *l) {
-    int i, n = 0;
-    for (i = 0; i < SHL_SLOTS; i++) {
+    int i, n = 0, used = (int)__atomic_load_n(&l->used, SHL_SC);
+    for (i = 0; i < used; i++) {
         if (__atomic_load_n(&l->slots[i].active, SHL_SC)
                 && !shl_reclaim_if_dead(l, i)
                 && __atomic_load_n(&l->slots[i].active, SHL_SC))
@@ -444,7 +456,7 @@ static inline void shl_handle_stall(ShLock *l, int i, uint64_t waited_ns, int ti
    its owner is dead, and acting on a reader stalled past the policy's bound
    (shl_handle_stall), after which every slot is waited for again. */
 static inline int shl_write_enter(ShLock *l, int timeout_ms) {
-    int i, wait, rc = shl_write_begin(l);
+    int i, used, wait, rc = shl_write_begin(l);
     long r;
     uint64_t bound, start = 0, t0 = 0, now, left;
     if (rc != SHL_OK)
@@ -453,7 +465,9 @@ static inline int shl_write_enter(ShLock *l, int timeout_ms) {
         timeout_ms = 10;
     bound = (uint64_t)__atomic_load_n(&l->stall_ms, SHL_SC) * 1000000ull;
 again:
-    for (i = 0; i < SHL_SLOTS; i++) {
+    /* PERF: the slots ever taken, not all SHL_SLOTS cache lines per write section */
+    used = (int)__atomic_load_n(&l->used, SHL_SC);
+    for (i = 0; i < used; i++) {
         while (__atomic_load_n(&l->slots[i].active, SHL_SC) == 1) {
             now = shl_now_ns();
             if (start == 0)
