@@ -29,27 +29,16 @@ Only with httptools: the h11 protocol has no parser callbacks to hook.
 
 from __future__ import annotations
 
-import http
 import time
 from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from kvconductor.http.front import FrontDoor, QueryRoute, scan_headers
 
 #: Bodies up to this size are joined to the head; larger ones follow it in the same
 #: ``writelines`` call, uncopied (as :class:`~kvconductor.http.limits.OneWrite`).
 JOIN_BYTES = 16 * 1024
-
-
-def _status_line(status: int) -> bytes:
-    # uvicorn's own status lines (httptools_impl.STATUS_LINE)
-    try:
-        phrase = http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
 
 
 class _InFlight:
