@@ -173,7 +173,10 @@ LORA_FIELD = "lora_name"
 #: V3 answer. Positional MessagePack form: the 6th and 7th elements.
 TOP_K_FIELD = "top_k"
 INSTANCES_FIELD = "instances"
-EXTENSION_FIELDS: tuple[str, ...] = (TOP_K_FIELD, INSTANCES_FIELD)
+#: Extension (docs/api.md, "freshness"): a boolean or null; true adds the state and age of
+#: the sources behind each answered (instance, DP). Positional form: the 8th element.
+FRESHNESS_FIELD = "freshness"
+EXTENSION_FIELDS: tuple[str, ...] = (TOP_K_FIELD, INSTANCES_FIELD, FRESHNESS_FIELD)
 #: Field names of a ``/query`` body, in the order of the positional MessagePack form.
 QUERY_FIELDS: tuple[str, ...] = (*QueryRequest.__struct_fields__, LORA_FIELD, *EXTENSION_FIELDS)
 #: Field names of a ``/query_by_hash`` body, in the order of the positional form.
@@ -202,6 +205,42 @@ class InstanceMatch(Struct):
 
 #: ``{tenant: {instance_id: InstanceMatch}}`` (exactly one tenant key).
 QueryResponse = dict[str, dict[str, InstanceMatch]]
+
+
+class DpFreshness(Struct, omit_defaults=True):
+    """A DP's ``"freshness"`` member in an answer to a query with ``freshness``
+    (docs/api.md, "freshness"): the worst state of its own sources (``live``,
+    ``remote``, ``connecting``, ``replaying``, ``degraded``, ``muted``; ``no_source``),
+    the age of their newest event and, while degraded, the time since the loss."""
+
+    state: str
+    last_event_age_ms: int | None = None
+    degraded_for_ms: int | None = None
+
+
+class FreshnessSummary(Struct):
+    """The answer's own ``"freshness"`` member, beside the tenant: the (model, tenant)'s
+    sources, pools included, per state, and whether all of them are live."""
+
+    all_live: bool
+    sources: int
+    states: dict[str, int]
+
+
+class FreshnessDocument(Struct):
+    """``GET /freshness`` (docs/api.md): per (instance, DP) with sources of its own
+    ``[instance_id, dp_rank, state, newest event, degraded since]`` (wall times or null),
+    the server's time, and the :class:`FreshnessSummary` fields."""
+
+    model: str
+    tenant: str
+    time: float
+    dps: list[tuple[str, int, str, float | None, float | None]]
+    all_live: bool
+    sources: int
+    states: dict[str, int]
+
+
 #: Keys of a response's per-instance and per-DP maps (what ``kvconductor._encode`` writes).
 INSTANCE_MATCH_KEYS: tuple[str, ...] = InstanceMatch.__struct_fields__
 DP_MATCH_KEYS: tuple[str, ...] = DpMatch.__struct_fields__

@@ -85,7 +85,16 @@ def test_bodies_come_from_the_schema_declarations():
     assert list(comps["QueryRequest"]["properties"]) == list(schema.QUERY_FIELDS)
     assert list(comps["QueryByHashRequest"]["properties"]) == list(schema.QUERY_BY_HASH_FIELDS)
     assert list(comps["InstanceMatch"]["properties"]) == list(schema.INSTANCE_MATCH_KEYS)
-    assert list(comps["DpMatch"]["properties"]) == list(schema.DP_MATCH_KEYS)
+    # a DP's "freshness" member only comes with a freshness query (docs/api.md)
+    assert list(comps["DpMatch"]["properties"]) == [*schema.DP_MATCH_KEYS, "freshness"]
+    assert comps["DpMatch"]["required"] == list(schema.DP_MATCH_KEYS)
+    assert comps["DpFreshness"]["required"] == ["state"]
+    assert list(comps["FreshnessSummary"]["properties"]) == ["all_live", "sources", "states"]
+    answer = DOC["paths"]["/query"]["post"]["responses"]["200"]["content"]
+    for body in answer.values():
+        assert body["schema"]["properties"] == {
+            "freshness": {"$ref": "#/components/schemas/FreshnessSummary"}
+        }
     assert comps["ErrorResponse"]["required"] == [schema.ERROR_KEY]
     for cls in (schema.RegisterRequest, schema.UnregisterRequest, schema.KvEventBatch):
         required = {f.encode_name for f in msgspec.structs.fields(cls) if f.required}

@@ -4,8 +4,9 @@ Bodies and answers come from the msgspec declarations of :mod:`kvconductor.schem
 (``msgspec.json.schema_components``); this module only says which route takes and
 answers which shape, with which status codes. Two things msgspec cannot see are added
 here: the query bodies' optional ``lora_name`` (:data:`~kvconductor.schema.LORA_FIELD`,
-not a Struct field), the extension fields ``top_k`` and ``instances``
-(:data:`~kvconductor.schema.EXTENSION_FIELDS`, marked ``x-kvconductor-extension``) and
+not a Struct field), the extension fields ``top_k``, ``instances`` and ``freshness``
+(:data:`~kvconductor.schema.EXTENSION_FIELDS`, marked ``x-kvconductor-extension``), what
+``freshness`` adds to an answer, and
 ``tenant_id: null`` meaning the default tenant. The query routes
 take and answer the same shapes as JSON and as MessagePack; MessagePack also takes the
 positional form and packed u32 tokens (docs/api.md), which JSON Schema cannot describe.
@@ -34,6 +35,9 @@ _STRUCTS = (
     schema.NotReadyResponse,
     schema.ExplainResponse,
     schema.RecentWarning,
+    schema.DpFreshness,
+    schema.FreshnessSummary,
+    schema.FreshnessDocument,
 )
 _ERRORS = {
     "400": "malformed body, wrong type, missing field or out-of-range number",
@@ -98,6 +102,21 @@ def _query_request(doc: dict[str, Any]) -> None:
         "are ignored; applied before top_k); null or absent: every instance",
         "x-kvconductor-extension": True,
     }
+    props[schema.FRESHNESS_FIELD] = {
+        "anyOf": [{"type": "boolean"}, {"type": "null"}],
+        "default": None,
+        "description": "Extension (not V3): true adds to each answered (instance, DP) "
+        "the state and last-event age of its sources (DpMatch.freshness) and to the answer "
+        "a summary of the (model, tenant)'s sources (FreshnessSummary, key freshness "
+        "beside the tenant); also ?freshness=true on the route",
+        "x-kvconductor-extension": True,
+    }
+
+
+def _freshness_answer(response: dict[str, Any], components: dict[str, Any]) -> None:
+    """What a ``freshness`` query adds to the answer (docs/api.md, "freshness")."""
+    response["properties"] = {schema.FRESHNESS_FIELD: _ref(schema.FreshnessSummary)}
+    components["DpMatch"]["properties"][schema.FRESHNESS_FIELD] = _ref(schema.DpFreshness)
 
 
 def document() -> dict[str, Any]:
@@ -107,6 +126,7 @@ def document() -> dict[str, Any]:
     )
     for cls in (schema.QueryRequest, schema.QueryByHashRequest):
         _query_request(components[cls.__name__])
+    _freshness_answer(response, components)
     status = _ref(schema.StatusResponse)
     workers = {
         "type": "object",
@@ -181,6 +201,34 @@ def document() -> dict[str, Any]:
                 "responses": {
                     "200": {"description": "the view", "content": _content(workers, both=False)},
                     **_errors("401"),
+                },
+            }
+        },
+        "/freshness": {
+            "get": {
+                "summary": "the states behind a (model, tenant)'s answers (docs/api.md, freshness)",
+                "parameters": [
+                    {
+                        "name": "model",
+                        "in": "query",
+                        "required": True,
+                        "schema": {"type": "string", "minLength": 1},
+                    },
+                    {
+                        "name": "tenant",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "default": "default"},
+                    },
+                ],
+                "responses": {
+                    "200": {
+                        "description": "per (instance, DP) with sources of its own: "
+                        "[instance_id, dp_rank, state, newest event (wall time) or null, "
+                        "degraded since (wall time) or null]; and FreshnessSummary's fields",
+                        "content": _content(_ref(schema.FreshnessDocument), both=False),
+                    },
+                    **_errors("400"),
                 },
             }
         },

@@ -33,6 +33,7 @@ import zmq
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
+from kvconductor.ingest.freshness import FreshnessTable
 from kvconductor.ingest.host import IngestSettings
 from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
 from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
@@ -591,6 +592,10 @@ class Conductor:
             if old is not None:
                 return old.get((model, tenant))
         return idx
+
+    def freshness(self, model: str, tenant: str) -> FreshnessTable:
+        """The states behind (model, tenant)'s answers (any thread)."""
+        return self.subs.freshness.table(model, tenant)
 
     # -- callbacks for subscribers (ingest thread) ------------------------------------------------
     def get_or_create_index(self, model: str, tenant: str) -> Index:
