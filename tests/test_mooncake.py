@@ -614,3 +614,38 @@ def test_cli_mooncake_port_flag():
         p.parse_args(["--mooncake-port", "13334", "--workers", "2"])
     with pytest.raises(cli.FlagError, match="is the V3 port"):
         p.parse_args(["--port", "13334", "--mooncake-port", "13334"])
+
+
+def test_gunicorn_refuses_the_mooncake_port(monkeypatch):
+    from gunicorn.errors import AppImportError
+
+    from kvconductor.serve.gunicorn import gunicorn_app
+
+    monkeypatch.delenv("KV_CONDUCTOR_ARGS", raising=False)
+    with pytest.raises(AppImportError, match="--mooncake-port is not supported under gunicorn"):
+        gunicorn_app("--mooncake-port", "13335", "--no-snapshots")
+
+
+def test_body_over_the_limit_is_413_and_the_port_keeps_serving():
+    import falcon.testing as ft
+
+    from kvconductor.state.conductor import Conductor, ConductorConfig
+    from tests.helpers.api import RecordingSubs
+
+    c = Conductor(
+        ConductorConfig(index_impl="c", maintenance_interval=3600), subscriptions=RecordingSubs
+    )
+    c.start()
+    try:
+        client = ft.TestClient(mooncake.create_mooncake_app(c, max_body_bytes=64))
+        big = {"model": "m", "block_size": 16, "token_ids": _tokens(100)}
+        r = client.simulate_post("/query", json=big)
+        assert r.status_code == 413
+        assert r.json == {
+            "error": "request body exceeds the limit of 64 bytes",
+            "reason": "too_large",
+        }
+        r = client.simulate_post("/query", json={"model": "m", "block_size": 16, "token_ids": [1]})
+        assert (r.status_code, r.json) == (200, {"instances": {}})
+    finally:
+        assert c.stop(5.0)
