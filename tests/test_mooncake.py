@@ -71,7 +71,17 @@ PROXY_REGISTRATIONS = [
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     port = free_port()
-    with running(tmp_path_factory.mktemp("mooncake"), "--mooncake-port", str(port)) as s:
+    # The registered endpoints never connect (the blocks come over POST /events): keep
+    # their HBM hits counting however slowly the module runs.
+    flags = (
+        "--mooncake-port",
+        str(port),
+        "--source-down-secs",
+        "86400",
+        "--source-purge-secs",
+        "0",
+    )
+    with running(tmp_path_factory.mktemp("mooncake"), *flags) as s:
         s.mc = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
         try:
             yield s
@@ -649,3 +659,21 @@ def test_body_over_the_limit_is_413_and_the_port_keeps_serving():
         assert (r.status_code, r.json) == (200, {"instances": {}})
     finally:
         assert c.stop(5.0)
+
+
+def test_answer_follows_registrations_of_either_dialect(srv):
+    # The registered ranks a query lists are kept between queries; every change of the
+    # registrations (over V3 too) is seen by the next query.
+    m = "mc-follow"
+    _register(srv, m, "instance-f", 0)
+    assert list(_query(srv, m, 16)["instances"]["instance-f"]["dp"]) == ["0"]
+    v3 = {"instance_id": "instance-f", "type": "vLLM", "modelname": m, "block_size": BS}
+    assert srv.http.post("/register", json={**v3, "dp_rank": 1}).status_code == 201
+    assert list(_query(srv, m, 16)["instances"]["instance-f"]["dp"]) == ["0", "1"]
+    assert srv.http.post("/unregister", json={**v3, "dp_rank": 0}).status_code == 200
+    assert list(_query(srv, m, 16)["instances"]["instance-f"]["dp"]) == ["1"]
+    assert all(s["InstanceID"] != "instance-f" for s in srv.mc.get("/services").json()["services"])
+    # a rank registered under another lora_name is listed only under it
+    _register(srv, m, "instance-g", 0, lora_name="adapter-g")
+    assert "instance-g" not in _query(srv, m, 16)["instances"]
+    assert "instance-g" in _query(srv, m, 16, lora_name="adapter-g")["instances"]

@@ -56,6 +56,8 @@ from kvconductor.schema import (
     MooncakeRegisterResponse,
     MooncakeUnregisterRequest,
     MooncakeUnregisterResponse,
+    Name,
+    PositiveU32,
     RegisterRequest,
     UnregisterRequest,
     is_msgpack_content_type,
@@ -79,8 +81,24 @@ _register_json = msgspec.json.Decoder(MooncakeRegisterRequest)
 _register_msgpack = msgspec.msgpack.Decoder(MooncakeRegisterRequest)
 _unregister_json = msgspec.json.Decoder(MooncakeUnregisterRequest)
 _unregister_msgpack = msgspec.msgpack.Decoder(MooncakeUnregisterRequest)
-_query_json = msgspec.json.Decoder(MooncakeQueryRequest)
-_query_msgpack = msgspec.msgpack.Decoder(MooncakeQueryRequest)
+
+
+class _QueryFields(msgspec.Struct, kw_only=True):
+    """:class:`~kvconductor.schema.MooncakeQueryRequest` with ``token_ids`` left undecoded
+    (the V3 parser reads them into a C buffer): no Python int per token."""
+
+    model: Name
+    block_size: PositiveU32
+    token_ids: msgspec.Raw
+    tenant_id: Name | None = DEFAULT_TENANT
+    lora_name: Name | None = None
+    instance_id: Name | None = None
+    cache_salt: str | None = None
+
+
+assert _QueryFields.__struct_fields__ == MooncakeQueryRequest.__struct_fields__
+_query_json = msgspec.json.Decoder(_QueryFields)
+_query_msgpack = msgspec.msgpack.Decoder(_QueryFields)
 _msgpack_encoder = msgspec.msgpack.Encoder()
 
 
@@ -248,7 +266,7 @@ def parse_query(body: bytes, msgpack: bool) -> Query:
     try:
         model, block_size, _, tokens, *_ = parse_query_ext(body, msgpack, False)
     except WireError as ex:
-        raise DialectError(400, "invalid_value", str(ex), "token_ids") from None
+        raise DialectError(400, "invalid_value", str(ex)) from None
     full = len(tokens) - len(tokens) % block_size
     if full != len(tokens):
         tokens = tokens[:full]
@@ -325,10 +343,18 @@ class Dialect:
     the truth of what is registered: a service whose (instance, DP) is no longer
     registered there (unregistered over V3, a change of model) is not listed."""
 
+    #: Contexts whose registered ranks are kept between registration changes.
+    CACHED_CONTEXTS = 4096
+
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
         self.services: dict[str, Service] = {}
         self.warnings = _Once()
+        #: +1 on every change of :attr:`services` (ingest thread; read anywhere).
+        self.generation = 0
+        #: query context -> ((registry generation, ours), its registered ranks): a query
+        #: asks the ingest thread only when a registration changed since (event loop).
+        self._ranks: dict[tuple, tuple[tuple[int, int], list[tuple[str, int]]]] = {}
 
     # ingest thread ---------------------------------------------------------------------
     def _registered_dps(
@@ -367,6 +393,11 @@ class Dialect:
         live = {s.key for s in self._live_services()}
         for key in [k for k in self.services if k not in live]:
             del self.services[key]
+        self.generation += 1
+
+    def _forget(self, key: str) -> None:
+        self.services.pop(key, None)
+        self.generation += 1
 
     def _dp_of(self, instance_id: str, tenant: str, dp_rank: int) -> UnregisterRequest | None:
         entry = self.conductor.registry.get(instance_id)
@@ -405,15 +436,13 @@ class Dialect:
             raise DialectError(
                 500, "unregister_failed", f"Failed to unregister prefix context: {ex}"
             ) from None
-        await self.conductor.run(self.services.pop, key, None)
+        await self.conductor.run(self._forget, key)
         if not found:
             raise DialectError(404, "not_found", f"service not found: {key}")
         return key
 
     async def query(self, q: Query) -> MooncakeQueryResponse:
-        registered = await self.conductor.run(
-            self._registered_dps, q.model, q.tenant_id, q.block_size, q.lora_name, q.instance_id
-        )
+        registered = await self._registered(q)
         hits: Sequence[DpHit] = ()
         index = self.conductor.get_index(q.model, q.tenant_id)
         if index is not None and len(q.tokens):
@@ -421,6 +450,18 @@ class Dialect:
             instances = None if q.instance_id is None else [q.instance_id]
             hits = index.query(q.tokens, q.block_size, seed, instances=instances).hits
         return MooncakeQueryResponse(cumulative_answer(hits, registered, q.block_size))
+
+    async def _registered(self, q: Query) -> list[tuple[str, int]]:
+        ctx = (q.model, q.tenant_id, q.block_size, q.lora_name, q.instance_id)
+        gen = (self.conductor.registry_generation, self.generation)
+        hit = self._ranks.get(ctx)
+        if hit is not None and hit[0] == gen:
+            return hit[1]
+        ranks = await self.conductor.run(self._registered_dps, *ctx)
+        if len(self._ranks) >= self.CACHED_CONTEXTS:
+            self._ranks.clear()
+        self._ranks[ctx] = (gen, ranks)  # the generation read before: never newer than ranks
+        return ranks
 
     async def services_doc(self) -> dict[str, Any]:
         live = await self.conductor.run(self._live_services)
