@@ -1,4 +1,4 @@
-"""The Mooncake dialect's ``/query`` against V3's on one server (``python bench/mooncake_query.py``).
+"""The Mooncake dialect's ``/query`` against V3's on one server (bench/mooncake_query.py).
 
 Starts ``python -m kvconductor --mooncake-port`` on free loopback ports, registers
 ``--instances`` instances of 2 DP ranks each over the dialect, stores one HBM chain per
