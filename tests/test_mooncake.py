@@ -677,3 +677,23 @@ def test_answer_follows_registrations_of_either_dialect(srv):
     _register(srv, m, "instance-g", 0, lora_name="adapter-g")
     assert "instance-g" not in _query(srv, m, 16)["instances"]
     assert "instance-g" in _query(srv, m, 16, lora_name="adapter-g")["instances"]
+
+
+def test_mooncake_publisher_is_a_pool_and_never_an_instance_of_the_answer(srv):
+    # type "Mooncake" (a Mooncake store publisher): our cluster pool registration
+    m = "mc-pool"
+    _register(srv, m, "engine-p", 0)
+    body = {
+        "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        "type": "Mooncake",
+        "modelname": m,
+        "instance_id": "mooncake-store",
+        "block_size": BS,
+        "dp_rank": 0,
+    }
+    r = srv.mc.post("/register", json=body)
+    assert r.status_code == 200 and r.json()["instance_id"] == "mooncake-store"
+    workers = srv.http.get("/workers").json()["workers"]
+    store = [w for w in workers if w["instance_id"] == "mooncake-store"][0]
+    assert store["endpoints"]["0"]["pool"] == {"kind": "cluster"}
+    assert list(_query(srv, m, 16)["instances"]) == ["engine-p"]
