@@ -697,3 +697,20 @@ def test_mooncake_publisher_is_a_pool_and_never_an_instance_of_the_answer(srv):
     store = [w for w in workers if w["instance_id"] == "mooncake-store"][0]
     assert store["endpoints"]["0"]["pool"] == {"kind": "cluster"}
     assert list(_query(srv, m, 16)["instances"]) == ["engine-p"]
+
+
+def test_mooncake_port_in_use_fails_the_start():
+    import socket
+
+    from tests.helpers.server import run_cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = run_cli(
+            "--host", "127.0.0.1", "--port", str(free_port()), "--mooncake-port", str(port),
+            "--no-snapshots",
+        )  # fmt: skip
+    assert r.returncode == 1
+    assert f"failed to bind TCP listener on 127.0.0.1 port {port}" in r.stderr
