@@ -714,3 +714,14 @@ def test_mooncake_port_in_use_fails_the_start():
         )  # fmt: skip
     assert r.returncode == 1
     assert f"failed to bind TCP listener on 127.0.0.1 port {port}" in r.stderr
+
+
+def test_services_drop_a_rank_re_registered_over_v3_with_another_model(srv):
+    _register(srv, "mc-moved", "instance-m", 0, lora_name="adapter-m")
+    assert any(s["InstanceID"] == "instance-m" for s in srv.mc.get("/services").json()["services"])
+    v3 = {"instance_id": "instance-m", "type": "vLLM", "modelname": "mc-moved-2", "block_size": BS}
+    assert srv.http.post("/register", json={**v3, "dp_rank": 0}).status_code == 201
+    assert all(s["InstanceID"] != "instance-m" for s in srv.mc.get("/services").json()["services"])
+    # now a V3 registration: listed for the base model of its new model, not the adapter
+    assert "instance-m" in _query(srv, "mc-moved-2", 16)["instances"]
+    assert _query(srv, "mc-moved-2", 16, lora_name="adapter-m") == {"instances": {}}

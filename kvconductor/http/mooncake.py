@@ -363,7 +363,7 @@ class Dialect:
         """The engine (instance, DP)s of a query's context: registered in (model, tenant)
         with ``block_size``, not a pool; a Mooncake-dialect one also with ``lora_name``."""
         out = []
-        by_dp = {(s.instance_id, s.dp_rank): s for s in self.services.values()}
+        by_dp = {(s.instance_id, s.dp_rank): s for s in self._live_services()}
         for iid, entry in self.conductor.registry.instances.items():
             if instance_id is not None and iid != instance_id:
                 continue
@@ -384,7 +384,11 @@ class Dialect:
         for svc in self.services.values():
             entry = reg.get(svc.instance_id)
             ep = None if entry is None else entry.endpoints.get(svc.dp_rank)
-            if ep is not None and ep.tenant_id == svc.tenant_id:
+            if ep is not None and (ep.tenant_id, ep.model_name, ep.block_size) == (
+                svc.tenant_id,
+                svc.model_name,
+                svc.block_size,
+            ):
                 out.append(svc)
         return sorted(out, key=lambda s: s.key)
 
