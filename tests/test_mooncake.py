@@ -427,6 +427,12 @@ def test_design_doc_register_example_and_services(srv):
     assert r.json() == {"status": "registered successfully", "instance_id": "vllm-prefill-node1"}
     # an identical re-registration (a restarted proxy) is a success too
     assert srv.mc.post("/register", json=body).status_code == 200
+    # fields Mooncake's server refuses are accepted, with a WARN
+    r = srv.mc.post("/register", json={**body, "lora_id": 7})
+    assert r.status_code == 200
+    log = srv.log()
+    assert "register: additionalsalt is accepted and ignored" in log
+    assert "register: fields ignored: lora_id" in log
     services = srv.mc.get("/services").json()
     entry = [s for s in services["services"] if s["InstanceID"] == "vllm-prefill-node1"]
     assert entry == [

@@ -176,6 +176,12 @@ class Service:
         }
 
 
+def _keys(body: bytes, msgpack: bool) -> list[str]:
+    """The top-level keys of a body that decoded as a registration (a map)."""
+    doc = (msgspec.msgpack.decode if msgpack else msgspec.json.decode)(body)
+    return [str(k) for k in doc] if isinstance(doc, dict) else []
+
+
 def parse_register(body: bytes, msgpack: bool) -> tuple[Service, list[str]]:
     """A Mooncake ``/register`` body -> the :class:`Service` and the warnings to log (fields
     accepted for older clients but not used). :class:`DialectError` (400) on a bad one."""
@@ -194,6 +200,9 @@ def parse_register(body: bytes, msgpack: bool) -> tuple[Service, list[str]]:
     if req.cache_group not in (None, 0):
         raise DialectError(400, "unsupported", "only cache group zero is supported", "cache_group")
     warnings = []
+    unknown = sorted(set(_keys(body, msgpack)) - set(MooncakeRegisterRequest.__struct_fields__))
+    if unknown:
+        warnings.append(f"fields ignored: {', '.join(unknown)}")
     if req.hash_profile is None and publisher != "Mooncake":
         warnings.append("no hash_profile (an older client): accepted")
     if req.additionalsalt:
