@@ -307,3 +307,113 @@ def document() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }
+
+
+_MOONCAKE_STRUCTS = (
+    schema.MooncakeRegisterRequest,
+    schema.MooncakeUnregisterRequest,
+    schema.MooncakeQueryRequest,
+    schema.MooncakeRegisterResponse,
+    schema.MooncakeUnregisterResponse,
+    schema.MooncakeQueryResponse,
+    schema.MooncakeError,
+)
+_MOONCAKE_ERRORS = {
+    "400": "malformed body, wrong type, missing field or value Mooncake's conductor refuses "
+    "(reason: invalid_json, invalid_value, unsupported, invalid_registration)",
+    "404": "no such service (instance_id, tenant_id, dp_rank)",
+    "405": "wrong method",
+    "413": "body over --max-body-mb",
+    "500": "a subscription cannot be opened, or an unexpected failure",
+}
+
+
+def _mooncake_post(summary: str, request: type, answer: type, errors: str) -> dict[str, Any]:
+    err = _content(_ref(schema.MooncakeError), both=True)
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _content(_ref(request), both=True)},
+            "responses": {
+                "200": {"description": "done", "content": _content(_ref(answer), both=True)},
+                **{c: {"description": _MOONCAKE_ERRORS[c], "content": err} for c in errors.split()},
+            },
+        }
+    }
+
+
+def mooncake_document() -> dict[str, Any]:
+    """The OpenAPI document of the Mooncake conductor dialect, served as ``GET
+    /openapi.json`` on ``--mooncake-port`` (docs/api.md, "The Mooncake conductor
+    dialect"). MessagePack bodies take the JSON shapes; a query's ``token_ids`` may also
+    be one bin of little-endian int32."""
+    _, components = msgspec.json.schema_components(_MOONCAKE_STRUCTS, ref_template=_REF)
+    services = {
+        "type": "object",
+        "required": ["count", "services"],
+        "properties": {
+            "count": {"type": "integer"},
+            "services": {"type": "array", "items": {"type": "object"}},
+        },
+    }
+    paths: dict[str, Any] = {
+        "/register": _mooncake_post(
+            "register one DP rank of an engine (or a Mooncake pool publisher)",
+            schema.MooncakeRegisterRequest,
+            schema.MooncakeRegisterResponse,
+            "400 413 500",
+        ),
+        "/unregister": _mooncake_post(
+            "unregister the service (instance_id, tenant_id, dp_rank)",
+            schema.MooncakeUnregisterRequest,
+            schema.MooncakeUnregisterResponse,
+            "400 404 413 500",
+        ),
+        "/query": _mooncake_post(
+            "cumulative matched tokens per instance and rank (gpu <= cpu <= disk)",
+            schema.MooncakeQueryRequest,
+            schema.MooncakeQueryResponse,
+            "400 413",
+        ),
+        "/services": {
+            "get": {
+                "summary": "the services registered over this dialect",
+                "responses": {
+                    "200": {"description": "done", "content": _content(services, both=False)}
+                },
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "liveness",
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "this document",
+                "responses": {
+                    "200": {
+                        "description": "OpenAPI 3.1",
+                        "content": {JSON_CONTENT_TYPE: {"schema": {"type": "object"}}},
+                    }
+                },
+            }
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kv-conductor: Mooncake conductor dialect",
+            "version": __version__,
+            "description": "kvcache-ai/Mooncake mooncake-conductor's HTTP API, served on "
+            "--mooncake-port (docs/api.md)",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
