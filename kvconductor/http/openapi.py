@@ -51,6 +51,21 @@ _ERRORS = {
 }
 
 
+def _self_route() -> dict[str, Any]:
+    """``GET /openapi.json`` of a document (each port serves its own)."""
+    return {
+        "get": {
+            "summary": "this document",
+            "responses": {
+                "200": {
+                    "description": "OpenAPI 3.1",
+                    "content": {JSON_CONTENT_TYPE: {"schema": {"type": "object"}}},
+                }
+            },
+        }
+    }
+
+
 def _ref(cls: type) -> dict[str, str]:
     return {"$ref": _REF.format(name=cls.__name__)}
 
@@ -275,17 +290,7 @@ def document() -> dict[str, Any]:
                 },
             }
         },
-        "/openapi.json": {
-            "get": {
-                "summary": "this document",
-                "responses": {
-                    "200": {
-                        "description": "OpenAPI 3.1",
-                        "content": {JSON_CONTENT_TYPE: {"schema": {"type": "object"}}},
-                    }
-                },
-            }
-        },
+        "/openapi.json": _self_route(),
     }
     paths["/query"]["post"]["responses"]["200"]["headers"] = {
         "X-KV-Conductor-Warning": {
@@ -394,17 +399,7 @@ def mooncake_document() -> dict[str, Any]:
                 },
             }
         },
-        "/openapi.json": {
-            "get": {
-                "summary": "this document",
-                "responses": {
-                    "200": {
-                        "description": "OpenAPI 3.1",
-                        "content": {JSON_CONTENT_TYPE: {"schema": {"type": "object"}}},
-                    }
-                },
-            }
-        },
+        "/openapi.json": _self_route(),
     }
     return {
         "openapi": "3.1.0",
