@@ -34,7 +34,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import msgspec
 
@@ -245,14 +245,40 @@ def py_encode_result(
 _DP = INSTANCE_MATCH_KEYS[1]
 
 
+class _LastEvent(Protocol):
+    @property
+    def last_event(self) -> float: ...
+
+
+def member(
+    entry: tuple[int, Sequence[_LastEvent], float | None] | None, now: float
+) -> dict[str, Any]:
+    """The ``"freshness"`` member of a DP whose freshness entry is ``entry`` at wall time
+    ``now`` (``kvconductor.ingest.freshness``: ``(state code, its sources' counters,
+    degraded since)``, None for a DP without a source): the pure-Python twin of the
+    compiled encoder's (``_encode._fill_fresh``)."""
+    if entry is None:
+        return {"state": _encode.FRESH_STATES[-1]}
+    code, stats, since = entry
+    out: dict[str, Any] = {"state": _encode.FRESH_STATES[code]}
+    if stats:
+        out["last_event_age_ms"] = _ms(now - max(s.last_event for s in stats))
+    if since is not None:
+        out["degraded_for_ms"] = _ms(now - since)
+    return out
+
+
+def _ms(age: float) -> int:
+    """Milliseconds of ``age`` seconds, rounded, never negative (the encoder's rule)."""
+    return int(age * 1000.0 + 0.5) if age > 0.0 else 0
+
+
 def py_encode_fresh(
     result: QueryResult, tenant: str, block_size: int, msgpack: bool, fresh: tuple
 ) -> bytes:
     """:func:`py_encode_result` with the freshness (docs/api.md, "freshness"): ``fresh``
     is ``(groups, now, tail)`` as ``_encode.encode_rows`` takes it (``result``: an
     index's answer, with rows and names)."""
-    from kvconductor.ingest.freshness import member
-
     groups, now, tail = fresh
     doc = result.to_dict(tenant, block_size)
     inner = doc[tenant]

@@ -358,8 +358,7 @@ TAIL = st.fixed_dictionaries({"all_live": st.booleans(), "sources": st.integers(
     tail=TAIL,
 )
 def test_encode_rows_with_freshness_is_the_twin(kr, tenant, bs, entries, tail):
-    from kvconductor.ingest.freshness import member
-    from kvconductor.wire import encode_fresh, py_encode_fresh
+    from kvconductor.wire import encode_fresh, member, py_encode_fresh
 
     keys, rows = kr
     names = _names(keys)

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"recognize", "replay"},  # a payload's kind; the replay DEALER
     {"vllm", "pool"},  # the decoders
     {"tracker", "host", "replicated"},  # sequence policy; the owner's seams; --state-url
-    {"liveness"},  # down / muted / purged policy
+    {"liveness", "freshness"},  # down / muted / purged policy; the states behind answers
     {"ops", "stats", "context", "thread", "http_events", "sourcemetrics"},  # plain data, the poller
 ]
 

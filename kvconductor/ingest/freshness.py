@@ -30,6 +30,7 @@ import msgspec
 from kvconductor._encode import FRESH_STATES
 from kvconductor.ingest.stats import LABELS_STAMP, STATE_STAMP
 from kvconductor.schema import FreshnessDocument, FreshnessSummary, JSONObject
+from kvconductor.wire import member
 
 #: Code of each state (its index in :data:`FRESH_STATES`): higher is worse.
 STATE_CODE = {name: code for code, name in enumerate(FRESH_STATES)}
@@ -163,25 +164,6 @@ def from_document(doc: FreshnessDocument) -> FreshnessTable:
         stats: tuple[LastEvent, ...] = () if last is None else (Stamp(last),)
         by_key[iid, dp] = (STATE_CODE[state], stats, since)
     return FreshnessTable(by_key, doc.states)
-
-
-def member(entry: Entry | None, now: float) -> JSONObject:
-    """The ``"freshness"`` member of a DP whose table entry is ``entry`` at wall time
-    ``now``: the pure-Python twin of the compiled encoder's (``_encode._fill_fresh``)."""
-    if entry is None:
-        return {"state": FRESH_STATES[-1]}
-    code, stats, since = entry
-    out: JSONObject = {"state": FRESH_STATES[code]}
-    if stats:
-        out["last_event_age_ms"] = _ms(now - max(s.last_event for s in stats))
-    if since is not None:
-        out["degraded_for_ms"] = _ms(now - since)
-    return out
-
-
-def _ms(age: float) -> int:
-    """Milliseconds of ``age`` seconds, rounded, never negative (the encoder's rule)."""
-    return int(age * 1000.0 + 0.5) if age > 0.0 else 0
 
 
 def collect(
