@@ -29,7 +29,9 @@ for _k in ("npu", "NPU", "gpu", "GPU", "xpu", "XPU", "hbm", "HBM", "device", "DE
     _MEDIA[_k] = Medium.NPU
 for _k in ("cpu", "CPU", "cpu_pinned", "CPU_PINNED", "host", "HOST", "memory", "MEMORY"):
     _MEDIA[_k] = Medium.CPU
-for _k in ("disk", "DISK", "ssd", "SSD", "nvme", "NVME", "nof_ssd", "dfs", "DFS"):
+# ``STORAGE``: vLLM's disk/file offloading tier (``MEDIUM_STORAGE``, vLLM >= 0.27).
+_DISK_KEYS = ("disk", "DISK", "ssd", "SSD", "nvme", "NVME", "nof_ssd", "dfs", "DFS")
+for _k in (*_DISK_KEYS, "storage", "STORAGE"):
     _MEDIA[_k] = Medium.DISK
 
 
