@@ -17,6 +17,7 @@ import pytest
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.keys import Medium, StoreBackend, parse_medium
+from tests.helpers.api import register
 from tests.helpers.publishers import (
     FakeConductor,
     InstanceInfo,
@@ -90,7 +91,7 @@ def _confirm(hashes, medium, kind="stored"):
 
 
 @pytest.fixture
-def conductor(impl):
+def fake(impl):
     c = FakeConductor(impl)
     c.ip_index[NODE] = [(IID, 0)]
     c.instances[IID] = InstanceInfo("m", "t", BS)
@@ -110,10 +111,10 @@ def test_vllm_storage_medium_is_disk():
     assert parse_medium("Storage") is Medium.UNKNOWN  # the table is case-sensitive
 
 
-def test_vllm_033_storage_offload_joins_into_the_disk_tier(conductor):
+def test_vllm_033_storage_offload_joins_into_the_disk_tier(fake):
     k = vllm_kv_events()
-    eng = Applier(_ctx(), conductor)
-    pool = Applier(_pool_ctx(), conductor)
+    eng = Applier(_ctx(), fake)
+    pool = Applier(_pool_ctx(), fake)
     # blocks 0-1 in HBM, blocks 2-3 offloaded to the engine's STORAGE tier
     assert eng.apply_payload(
         _vllm_batch(
@@ -124,7 +125,7 @@ def test_vllm_033_storage_offload_joins_into_the_disk_tier(conductor):
             ],
         )
     )
-    idx = conductor.indexes[("m", "t")]
+    idx = fake.indexes[("m", "t")]
     assert hits(idx, TOK, BS) == {(IID, 0): (2, 0, 0)}  # phase 1 only: not yet held
     assert idx.summary()["offload"] == 2
     # the pool confirms them on Disk: the Disk tier continues the DP's HBM run
@@ -140,15 +141,15 @@ def test_vllm_033_storage_offload_joins_into_the_disk_tier(conductor):
     assert hits(idx, TOK, BS) == {(IID, 0): (1, 0, 0)}
 
 
-def test_pool_confirmation_with_storage_medium_lands_on_disk_not_hbm(conductor):
+def test_pool_confirmation_with_storage_medium_lands_on_disk_not_hbm(fake):
     k = vllm_kv_events()
-    eng = Applier(_ctx(), conductor)
-    pool = Applier(_pool_ctx(), conductor)
+    eng = Applier(_ctx(), fake)
+    pool = Applier(_pool_ctx(), fake)
     eng.apply_payload(
         _vllm_batch(k, [_vllm_stored(k, [1000, 1001, 1002, 1003], None, TOK, "STORAGE")])
     )
     assert pool.apply_payload(_confirm([1000, 1001, 1002, 1003], k.MEDIUM_STORAGE))
-    idx = conductor.indexes[("m", "t")]
+    idx = fake.indexes[("m", "t")]
     assert hits(idx, TOK, BS) == {(IID, 0): (0, 0, 4)}
     # exclusive partition, priority HBM > CPU > Disk: HBM 0-1, CPU 0-2, Disk 0-3
     eng.apply_payload(_vllm_batch(k, [_vllm_stored(k, [1000, 1001], None, TOK[:8], "GPU")]))
@@ -214,3 +215,216 @@ def test_vllm_033_zmq_publisher_storage_over_tcp():
         pool.stop()
         pub.shutdown()
     assert h.thread.errors == 0
+
+
+# --- LMCache multiprocess mode (store-only CPU) ---------------------------------------------
+#
+# LMCache 0.5.6 (PyPI lmcache==0.5.6) in multiprocess mode publishes through the vLLM
+# engine's own ZmqEventPublisher (so on the engine's topic, kv@<emitter>@<model> in llm-d
+# deployments): its vLLM connector turns LMCache cache events into vLLM BlockStored events
+# (lmcache/integration/vllm/lmcache_mp_connector.py, get_kv_connector_kv_cache_events).
+# When the LMCache server does not advertise its KV-event capability, a worker reports only
+# its own completed stores and never a removal (vllm_multi_process_adapter.py,
+# _resolve_kv_event_source and _build_store_kv_events): one BlockStored per LMCache chunk,
+# one hash, the previous chunk's hash as parent, the chunk's tokens, block_size = the chunk
+# size (256 by default, a multiple of vLLM's block size), medium "CPU", lora_id and
+# lora_name None. LMCache's modules import torch, so its code cannot run here without a GPU
+# stack: the events below are built field for field as those two functions build them, with
+# vLLM 0.33.0's own BlockStored/KVEventBatch, and sent by vLLM's own publisher. The hash
+# values are arbitrary u64s (LMCache's are blake3 digests cut to 64 bits by vLLM's
+# maybe_convert_block_hash): kvconductor hashes the tokens itself and uses them only to link
+# a chunk to its parent.
+
+CHUNK = 8  # LMCache tokens per chunk: two registered blocks of 4
+C0, C1 = 0x8F1D_26A0_5C3E_7B11, 0x1B7E_0C44_93AF_2D58  # LMCache chunk hashes
+
+
+def _lmcache_store(k, chunk_hash, parent, tokens):
+    """lmcache_mp_connector.get_kv_connector_kv_cache_events for one CacheStoreEvent of
+    _build_store_kv_events: the keyword arguments in that function's order."""
+    return k.BlockStored(
+        block_hashes=[chunk_hash],
+        parent_block_hash=parent,
+        token_ids=tokens,
+        lora_id=None,
+        block_size=CHUNK,
+        medium="CPU",
+        lora_name=None,
+    )
+
+
+def _lmcache_chunks(k):
+    return [_lmcache_store(k, C0, None, TOK[:8]), _lmcache_store(k, C1, C0, TOK[8:16])]
+
+
+def test_lmcache_store_only_chunks_are_held_on_cpu(fake):
+    k = vllm_kv_events()
+    eng = Applier(_ctx(store_only=(600.0, 1000)), fake)
+    gpu = _vllm_stored(k, [1000, 1001], None, TOK[:8], "GPU")
+    assert eng.apply_payload(_vllm_batch(k, [gpu, *_lmcache_chunks(k)]))
+    idx = fake.indexes[("m", "t")]
+    # HBM blocks 0-1, LMCache's CPU copy of blocks 0-3: exclusive, HBM first
+    assert hits(idx, TOK, BS) == {(IID, 0): (2, 2, 0)}
+    assert eng.stats.dropped == {}
+    assert eng.store_bound is not None and eng.store_bound.info() == {
+        "ttl_secs": 600.0,
+        "capacity": 1000,
+        "blocks": 4,
+        "expired_blocks": 0,
+        "evicted_blocks": 0,
+    }
+    # a continuation chunk links on the previous chunk's hash (kept by its last block)
+    more = list(range(500, 508))
+    eng.apply_payload(_vllm_batch(k, [_lmcache_store(k, 77, C1, more)]))
+    assert hits(idx, TOK + more, BS) == {(IID, 0): (2, 4, 0)}
+
+
+def test_lmcache_chunks_without_store_only_are_dropped(fake):
+    """Not store-only: the chunk size is not the registered block size (and a CPU store
+    would wait for a pool's confirmation that LMCache never sends)."""
+    k = vllm_kv_events()
+    eng = Applier(_ctx(), fake)
+    assert eng.apply_payload(_vllm_batch(k, _lmcache_chunks(k)))
+    assert eng.stats.dropped == {"block_size_mismatch": 2}
+    assert hits(fake.indexes[("m", "t")], TOK, BS) == {}
+
+
+def test_lmcache_store_only_ttl(fake):
+    k = vllm_kv_events()
+    eng = Applier(_ctx(store_only=(30.0, 1000)), fake)
+    eng.apply_payload(_vllm_batch(k, _lmcache_chunks(k)))
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, TOK, BS) == {(IID, 0): (0, 4, 0)}
+    now = time.monotonic()
+    assert eng.expire_store_only(now + 29) == 0
+    assert hits(idx, TOK, BS) == {(IID, 0): (0, 4, 0)}
+    assert eng.expire_store_only(now + 31) == 4
+    assert hits(idx, TOK, BS) == {}
+    assert eng.store_bound.info()["expired_blocks"] == 4
+    assert eng.store_bound.info()["blocks"] == 0
+
+
+def test_lmcache_store_only_reannouncement_refreshes_the_ttl(fake):
+    k = vllm_kv_events()
+    eng = Applier(_ctx(store_only=(30.0, 1000)), fake)
+    eng.apply_payload(_vllm_batch(k, _lmcache_chunks(k)))
+    eng.store_bound.held = type(eng.store_bound.held)(
+        (kh, d - 20) for kh, d in eng.store_bound.held.items()
+    )  # announced 20 s ago
+    eng.apply_payload(_vllm_batch(k, _lmcache_chunks(k)[:1]))  # chunk 0 again, now
+    assert eng.expire_store_only(time.monotonic() + 15) == 2  # chunk 1 only
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, TOK, BS) == {(IID, 0): (0, 2, 0)}
+
+
+def test_lmcache_store_only_capacity_evicts_the_oldest(fake):
+    k = vllm_kv_events()
+    eng = Applier(_ctx(store_only=(600.0, 2)), fake)
+    eng.apply_payload(_vllm_batch(k, _lmcache_chunks(k)[:1]))
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, TOK, BS) == {(IID, 0): (0, 2, 0)}
+    other = list(range(900, 908))
+    eng.apply_payload(_vllm_batch(k, [_lmcache_store(k, 55, None, other)]))
+    assert eng.store_bound.info()["blocks"] == 2
+    assert eng.store_bound.info()["evicted_blocks"] == 2
+    assert hits(idx, TOK, BS) == {}
+    assert hits(idx, other, BS) == {(IID, 0): (0, 2, 0)}
+
+
+def test_register_store_only_shows_in_workers(client, conductor):
+    register(
+        client,
+        medium_endpoints={"npu": "tcp://10.0.0.1:5557"},
+        store_only={"ttl_secs": 120, "capacity": 5000},
+    )
+    register(client, "vllm-prefill-2", medium_endpoints={"npu": "tcp://10.0.0.2:5557"})
+    register(
+        client, "vllm-prefill-3", medium_endpoints={"npu": "tcp://10.0.0.3:5557"}, store_only=True
+    )
+    doc = client.simulate_get("/workers").json
+    eps = {w["instance_id"]: w["endpoints"]["0"] for w in doc["workers"]}
+    assert eps["vllm-prefill-1"]["store_only"] == {"ttl_secs": 120.0, "capacity": 5000}
+    assert "store_only" not in eps["vllm-prefill-2"]
+    assert eps["vllm-prefill-3"]["store_only"] == {"ttl_secs": 600.0, "capacity": 1_000_000}
+    # the subscriptions apply under the bound (their /workers sources[] entry: below)
+    subs = conductor.subs.subs
+    assert subs[("vllm-prefill-1", 0, "tcp://10.0.0.1:5557")].store_only == (120.0, 5000)
+    assert subs[("vllm-prefill-2", 0, "tcp://10.0.0.2:5557")].store_only is None
+
+
+@pytest.mark.parametrize(
+    "kw,error",
+    [
+        ({"store_only": {"ttl_secs": 0}}, "store_only.ttl_secs"),
+        ({"store_only": {"capacity": 0}}, "store_only.capacity"),
+        ({"store_only": "yes"}, "store_only"),
+        (
+            {"store_only": True, "endpoint": "tcp://10.0.0.9:50001", "instance_id": "mc-pool"},
+            "not to a pool registration",
+        ),
+    ],
+)
+def test_register_store_only_rejects(client, kw, error):
+    kw.setdefault("medium_endpoints", {"npu": "tcp://10.0.0.1:5557"})
+    if "endpoint" in kw:
+        del kw["medium_endpoints"]
+    r = register(client, expect=400, **kw)
+    assert error in r.json["error"]
+    assert client.simulate_get("/workers").json["workers"] == []
+
+
+def test_lmcache_over_tcp_with_vllm_publisher_and_source_check():
+    """vLLM 0.33's ZmqEventPublisher carrying LMCache's chunks to a store-only
+    subscription; the periodic source check ages them out."""
+    from tests.test_subscriber import Harness
+
+    k = vllm_kv_events()
+    port = free_tcp_port()
+    pub = k.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}", topic="kv@pod-a@m")
+    h = Harness()
+    try:
+        url = f"tcp://127.0.0.1:{port}"
+        h.subscribe(_ctx(url=url, store_only=(60.0, 1000)))
+
+        def held():
+            if h.hits(TOK) == {(IID, 0): (0, 4, 0)}:
+                return True
+            pub.publish(k.KVEventBatch(ts=time.time(), events=_lmcache_chunks(k)))
+            return False
+
+        wait_until(held, msg="LMCache chunks on CPU", interval=0.2)
+        assert h.source(IID, 0, url)["store_only"]["blocks"] == 4
+        h.call(h.mgr.check_sources, time.monotonic() + 61)
+        assert h.hits(TOK) == {}
+        so = h.source(IID, 0, url)["store_only"]
+        assert (so["blocks"], so["expired_blocks"]) == (0, 4)
+    finally:
+        h.close()
+        pub.shutdown()
+    assert h.thread.errors == 0
+
+
+def test_store_only_survives_a_dump_round_trip():
+    import msgspec
+
+    from kvconductor.schema import RegisterRequest
+    from kvconductor.state.dump import _registration
+    from kvconductor.state.registry import Registry
+
+    r = Registry()
+    req = RegisterRequest(
+        instance_id="vllm-prefill-1",
+        engine_type="vLLM",
+        modelname="qwen",
+        block_size=16,
+        dp_rank=0,
+        medium_endpoints={"npu": "tcp://10.0.0.1:5557"},
+        store_only=True,
+    )
+    out = r.register(req)
+    assert [c.store_only for c in out.contexts] == [(600.0, 1_000_000)]
+    entry = r.get("vllm-prefill-1")
+    doc = _registration(entry, entry.endpoints[0])
+    assert doc["store_only"] == {"ttl_secs": 600.0, "capacity": 1_000_000}
+    again = Registry().register(msgspec.convert(doc, RegisterRequest))
+    assert [c.store_only for c in again.contexts] == [(600.0, 1_000_000)]

@@ -222,6 +222,10 @@ class Subscription:
         )
         self.applier.touched = old.touched
         self.applier.suspects, self.applier.confirmed = old.suspects, old.confirmed
+        sb, old_sb = self.applier.store_bound, old.store_bound
+        if sb is not None and old_sb is not None:
+            # the blocks announced so far keep their deadlines under the new bound
+            sb.held, sb.expired, sb.evicted = old_sb.held, old_sb.expired, old_sb.evicted
         self.replay_endpoint = self._replay_endpoint_of(ctx)
         self.feeds_hbm = self._feeds_hbm(ctx)
         self.tracker.replay_enabled = self.replay_endpoint is not None
@@ -442,7 +446,7 @@ class Subscription:
     def info(self) -> dict[str, object]:
         s = self.stats
         down = self.down_since
-        return {
+        d: dict[str, object] = {
             "instance_id": self.ctx.instance_id,
             "dp_rank": self.ctx.dp_rank,
             "url": self.ctx.url,
@@ -475,6 +479,10 @@ class Subscription:
             "buffered": len(self.tracker.buffer),
             "dropped": dict(s.dropped),
         }
+        sb = self.applier.store_bound
+        if sb is not None:
+            d["store_only"] = sb.info()
+        return d
 
     def _last_loss(self) -> dict[str, object] | None:
         loss = self.tracker.last_loss
@@ -1073,6 +1081,9 @@ class SubscriptionManager:
         now = time.monotonic() if now is None else now
         subs = self._subs.values()
         self.liveness.check(subs, now)
+        for sub in subs:
+            if sub.applier.store_bound is not None:
+                sub.applier.expire_store_only(now)
         r = self.replicator
         if r is None:
             return
