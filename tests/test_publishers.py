@@ -428,3 +428,193 @@ def test_store_only_survives_a_dump_round_trip():
     assert doc["store_only"] == {"ttl_secs": 600.0, "capacity": 1_000_000}
     again = Registry().register(msgspec.convert(doc, RegisterRequest))
     assert [c.store_only for c in again.contexts] == [(600.0, 1_000_000)]
+
+
+# --- llm-d storage offloading (filesystem / object store backends) --------------------------
+#
+# llm-d/llm-d-kv-cache, kv_connectors/llmd_fs_backend/llmd_fs_backend/event_publisher.py
+# (StorageEventPublisher, commit 0774186d6552104222097186c46c520e8bae1916; its own test
+# tests/cpu/test_storage_events.py pins the same layout): one event per call,
+# ["BlockStored", [hash, ...], 0, [], 0, None, "SHARED_STORAGE"] (hashes masked to 64 bits,
+# parent 0 = unknown, no token ids, block size 0) or ["BlockRemoved", [hash, ...],
+# "SHARED_STORAGE"], each packed on its own with msgpack.packb(use_bin_type=True) and sent
+# as a **bin** inside [time.time(), [bin]] on topic kv@SHARED_STORAGE@<model>, seq from 1.
+# The frames below are those bytes for hashes 0xABCDEF0123456789 and 7, ts 1782281033.484.
+# The hashes are vLLM's own block hashes (FileMapper: the low 64 bits), so they join with
+# the engine's offload of the same blocks.
+
+H_A, H_B = 0xABCDEF0123456789, 7
+LLMD_STORED = bytes.fromhex(
+    "92"
+    "cb41da8edcd25ef9db"  # [ts (float64),
+    "91"
+    "c42b"  # [bin of 43 bytes:
+    "97"
+    "ab426c6f636b53746f726564"  # ["BlockStored",
+    "92"
+    "cfabcdef0123456789"
+    "07"  # [H_A, H_B],
+    "00"
+    "90"
+    "00"
+    "c0"  # 0, [], 0, None,
+    "ae5348415245445f53544f52414745"  # "SHARED_STORAGE"]]]
+)
+LLMD_REMOVED = bytes.fromhex(
+    "92cb41da8edcd25ef9db91c41f93ac426c6f636b52656d6f7665649107ae5348415245445f53544f52414745"
+)  # [ts, [bin(["BlockRemoved", [H_B], "SHARED_STORAGE"])]]
+
+
+def test_llmd_frames_decode():
+    from kvconductor.ingest.ops import Removed, Stored
+    from kvconductor.ingest.recognize import decode_payload
+
+    (ev,) = decode_payload(LLMD_STORED).events
+    assert type(ev) is Stored
+    assert list(ev.block_hashes) == [H_A, H_B] and ev.parent is None
+    assert (len(ev.tokens), ev.block_size, ev.medium) == (0, 0, "SHARED_STORAGE")
+    assert parse_medium(ev.medium) is Medium.DISK
+    (rm,) = decode_payload(LLMD_REMOVED).events
+    assert type(rm) is Removed and list(rm.block_hashes) == [H_B]
+
+
+@pytest.mark.parametrize("order", ["engine_first", "storage_first"])
+def test_llmd_storage_events_confirm_the_engines_offload_on_disk(fake, order):
+    """The engine (vLLM 0.33's own classes) offloads blocks 2-3 with their tokens; llm-d's
+    storage publisher, registered as the DP's Disk URL, confirms them by engine hash."""
+    k = vllm_kv_events()
+    eng = Applier(_ctx(), fake)
+    fs = Applier(_ctx(media=(Medium.DISK,), url="tcp://127.0.0.1:3"), fake)
+    gpu = _vllm_stored(k, [1000, 1001], None, TOK[:8], k.MEDIUM_GPU)
+    off = _vllm_stored(k, [H_A, H_B], 1001, TOK[8:], k.MEDIUM_STORAGE)
+    eng.apply_payload(_vllm_batch(k, [gpu]))
+    if order == "engine_first":
+        eng.apply_payload(_vllm_batch(k, [off]))
+        assert fs.apply_payload(LLMD_STORED)
+    else:
+        assert fs.apply_payload(LLMD_STORED)
+        idx = fake.indexes[("m", "t")]
+        assert idx.summary()["pending_pool"] == 2
+        eng.apply_payload(_vllm_batch(k, [off]))
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, TOK, BS) == {(IID, 0): (2, 0, 2)}
+    assert fs.stats.dropped == {} and fs.stats.blocks == 2
+    assert fs.apply_payload(LLMD_REMOVED)
+    assert hits(idx, TOK, BS) == {(IID, 0): (2, 0, 1)}
+
+
+def test_llmd_storage_event_without_the_engines_offload_holds_nothing(fake):
+    fs = Applier(_ctx(media=(Medium.DISK,), url="tcp://127.0.0.1:3"), fake)
+    assert fs.apply_payload(LLMD_STORED)
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, TOK, BS) == {}
+    assert idx.summary()["pending_pool"] == 2  # waits --pending-ttl-secs for the offload
+
+
+# --- TensorRT-LLM ZeroMQ tee (tokens_hashes instead of token ids) ---------------------------
+#
+# TensorRT-LLM's KV-cache-event ZeroMQ tee, KvZmqPublisher (deepinfra/TensorRT-LLM,
+# tensorrt_llm/serve/kv_zmq_publisher.py, commit 9ed399a0918e046f924be7e5381009c6fa2a09c2):
+# per event one batch [time.time(), [event], attention_dp_rank], msgspec-encoded; a
+# BlockStored map {"type", "block_hashes", "parent_block_hash", "tokens_hashes",
+# "block_size"} with every hash as a signed int64 and no token ids: tokens_hashes[i] is
+# XXH3-64 (seed 1337) of block i's token ids as little-endian u32, which is kvconductor's
+# LocalBlockHash. The engine's block hashes come from KV cache manager V2
+# (tensorrt_llm/runtime/kv_cache_manager_v2/_event_manager.py: v2_sha256_64 = the first
+# 8 bytes of the radix key, big-endian; consecutive blocks of one sequence coalesced into
+# one stored event, later blocks naming the previous one as parent). Frames for tokens
+# 1..8 (block size 4), then block 9..12 under it, then a removal, ts 1782281033.484, DP 0.
+
+TRT_STORED = bytes.fromhex(
+    "93"
+    "cb41da8edcd25ef9db"
+    "91"
+    "85"  # [ts, [{5 keys
+    "a474797065"
+    "ab426c6f636b53746f726564"  # "type": "BlockStored",
+    "ac626c6f636b5f686173686573"
+    "92"
+    "d3c3a15e279b04d6f8"
+    "cf1d2c3b4a59687786"
+    "b1706172656e745f626c6f636b5f68617368"
+    "c0"  # "parent_block_hash": nil,
+    "ad746f6b656e735f686173686573"
+    "92"
+    "d3cb38e4d7fb2dca5c"
+    "d3e8d3ec39b907b74c"
+    "aa626c6f636b5f73697a65"
+    "04"  # "block_size": 4}],
+    "00"  # 0]
+)
+TRT_CONTINUED = bytes.fromhex(
+    "93cb41da8edcd25ef9db9185a474797065ab426c6f636b53746f726564"
+    "ac626c6f636b5f686173686573"
+    "91"
+    "cf0f0e0d0c0b0a0908"
+    "b1706172656e745f626c6f636b5f68617368"
+    "cf1d2c3b4a59687786"
+    "ad746f6b656e735f686173686573"
+    "91"
+    "cf06b748f1777d599c"
+    "aa626c6f636b5f73697a65"
+    "04"
+    "00"
+)
+TRT_REMOVED = bytes.fromhex(
+    "93cb41da8edcd25ef9db9182a474797065ac426c6f636b52656d6f766564"
+    "ac626c6f636b5f686173686573"
+    "91"
+    "cf1d2c3b4a59687786"
+    "00"
+)
+
+
+def test_trtllm_tokens_hashes_are_local_block_hashes():
+    from kvconductor._hash import hash_blocks
+    from kvconductor.ingest.ops import Stored
+    from kvconductor.ingest.recognize import decode_payload
+
+    (ev,) = decode_payload(TRT_STORED).events
+    assert type(ev) is Stored and len(ev.tokens) == 0
+    assert list(ev.local_hashes) == list(hash_blocks(list(range(1, 9)), 4))
+    assert list(ev.block_hashes) == [0xC3A15E279B04D6F8, 0x1D2C3B4A59687786]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_trtllm_tee_frames_index_hbm(fake, fast):
+    eng = Applier(_ctx(), fake, fast=fast)
+    toks = list(range(1, 13))
+    assert eng.apply_payload(TRT_STORED)
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, toks, BS) == {(IID, 0): (2, 0, 0)}
+    assert eng.apply_payload(TRT_CONTINUED)  # coalesced chain: parent = the last block
+    assert hits(idx, toks, BS) == {(IID, 0): (3, 0, 0)}
+    assert eng.apply_payload(TRT_REMOVED)
+    assert hits(idx, toks, BS) == {(IID, 0): (1, 0, 0)}
+    assert eng.stats.dropped == {}
+
+
+def test_trtllm_frames_decline_the_compiled_fast_path():
+    from kvconductor import _ingest
+
+    if kvconductor_impl() == "py":
+        pytest.skip("compiled fast path off")
+    fb = _ingest.FastBatch(1337)
+    assert fb.parse(TRT_STORED, BS) < 0
+    assert fb.parse(TRT_REMOVED, BS) >= 0
+
+
+def test_trtllm_tokens_hashes_length_must_match(fake):
+    bad = msgspec.msgpack.encode(
+        [1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                "tokens_hashes": [3], "block_size": 4}], 0]
+    )  # fmt: skip
+    eng = Applier(_ctx(), fake)
+    eng.apply_payload(bad)
+    assert eng.stats.dropped == {"invalid_event": 1}
+
+
+def kvconductor_impl() -> str:
+    import kvconductor
+
+    return kvconductor.IMPL

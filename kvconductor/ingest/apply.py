@@ -559,10 +559,11 @@ class Applier:
             return
         seed = lora_seed(ev.lora_name) if ev.lora_name else DEFAULT_SEED
         tokens = ev.tokens
-        if seed != DEFAULT_SEED and len(tokens) and bs:
+        given = ev.local_hashes
+        if seed != DEFAULT_SEED and ((len(tokens) and bs) or given is not None):
             self._lora(ctx.model, ctx.tenant, seed)
         medium = parse_medium(ev.medium) if ev.medium else self.hbm_medium
-        if direct:
+        if direct and given is None and (len(tokens) and bs):
             self._store_direct(index, ev, medium, seed)
             return
         if medium is Medium.NPU:
@@ -570,14 +571,29 @@ class Applier:
             self._touch(ctx.model, ctx.tenant, key)
             if self.suspects is not None:
                 self._confirm(key, hashes, ev.parent)
-            if len(tokens) and bs:
+            if given is not None:
+                n = index.store(key, ev.parent, hashes, given)
+            elif len(tokens) and bs:
                 n = index.store_tokens(key, ev.parent, hashes, tokens, bs, seed)
             else:
                 n = index.store(key, ev.parent, hashes, hashes)
             self.stats.blocks += n
             return
+        if given is None and not (len(tokens) and bs) and medium is not Medium.UNKNOWN:
+            # No content (llm-d's storage events, vLLM's placeholder offload events): the
+            # publisher confirms it holds these engine hashes, as a pool does, for this
+            # subscription's (instance, DP); the engine's offload with tokens joins them.
+            key = self._key(medium)
+            self._touch(ctx.model, ctx.tenant, key)
+            index.pool_store(key, hashes, time.monotonic())
+            self.stats.blocks += len(hashes)
+            if self.suspects is not None:
+                self._confirm(key, hashes)
+            return
         # Phase 1 of the two-phase join: the pool's confirmation decides where it lives.
-        if len(tokens) and bs:
+        if given is not None:
+            local = given
+        elif len(tokens) and bs:
             local = hash_blocks(tokens, bs, seed)
             n = min(len(local), len(hashes))
             if n < len(hashes):
