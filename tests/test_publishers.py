@@ -618,3 +618,40 @@ def kvconductor_impl() -> str:
     import kvconductor
 
     return kvconductor.IMPL
+
+
+def test_llmd_publisher_over_tcp_numbers_from_one():
+    """llm-d's StorageEventPublisher: topic kv@SHARED_STORAGE@<model>, seq from 1, no
+    replay. Its first batch counts as one loss (batch 0 never came); it is applied."""
+    from tests.test_subscriber import Harness
+
+    k = vllm_kv_events()
+    port = free_tcp_port()
+    pub = k.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
+    fs = PoolPublisher(topic=b"kv@SHARED_STORAGE@m")
+    fs.seq = 1  # StorageEventPublisher._send_batch: self._seq += 1 before the first send
+    h = Harness()
+    try:
+        eng_url = f"tcp://127.0.0.1:{port}"
+        h.subscribe(_ctx(url=eng_url))
+        h.subscribe(_ctx(media=(Medium.DISK,), url=fs.url))
+        fs.wait_subscribed()
+        fs.publish(LLMD_STORED)
+        wait_until(lambda: (h.source(IID, 0, fs.url) or {}).get("batches"), msg="llm-d batch")
+        src = h.source(IID, 0, fs.url)
+        assert (src["losses"], src["dropped"]) == (1, {})
+
+        def held():
+            if h.hits(TOK) == {(IID, 0): (2, 0, 2)}:
+                return True
+            gpu = _vllm_stored(k, [1000, 1001], None, TOK[:8], "GPU")
+            off = _vllm_stored(k, [H_A, H_B], 1001, TOK[8:], "STORAGE")
+            pub.publish(k.KVEventBatch(ts=time.time(), events=[gpu, off]))
+            return False
+
+        wait_until(held, msg="Disk blocks joined", interval=0.2)
+    finally:
+        h.close()
+        fs.stop()
+        pub.shutdown()
+    assert h.thread.errors == 0
