@@ -18,6 +18,7 @@ from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.keys import Medium, StoreBackend, parse_medium
 from tests.helpers.api import register
+from tests.helpers.harness import Harness
 from tests.helpers.publishers import (
     FakeConductor,
     InstanceInfo,
@@ -163,8 +164,6 @@ def test_pool_confirmation_with_storage_medium_lands_on_disk_not_hbm(fake):
 
 def test_vllm_033_zmq_publisher_storage_over_tcp():
     """vLLM 0.33's own ZmqEventPublisher (PUB + replay ROUTER) -> subscription -> Disk tier."""
-    from tests.test_subscriber import Harness
-
     k = vllm_kv_events()
     port, rport = free_tcp_port(), free_tcp_port()
     pub = k.ZmqEventPublisher(
@@ -376,8 +375,6 @@ def test_register_store_only_rejects(client, kw, error):
 def test_lmcache_over_tcp_with_vllm_publisher_and_source_check():
     """vLLM 0.33's ZmqEventPublisher carrying LMCache's chunks to a store-only
     subscription; the periodic source check ages them out."""
-    from tests.test_subscriber import Harness
-
     k = vllm_kv_events()
     port = free_tcp_port()
     pub = k.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}", topic="kv@pod-a@m")
@@ -623,8 +620,6 @@ def kvconductor_impl() -> str:
 def test_llmd_publisher_over_tcp_numbers_from_one():
     """llm-d's StorageEventPublisher: topic kv@SHARED_STORAGE@<model>, seq from 1, no
     replay. Its first batch counts as one loss (batch 0 never came); it is applied."""
-    from tests.test_subscriber import Harness
-
     k = vllm_kv_events()
     port = free_tcp_port()
     pub = k.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
