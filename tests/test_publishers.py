@@ -391,6 +391,10 @@ def test_lmcache_over_tcp_with_vllm_publisher_and_source_check():
 
         wait_until(held, msg="LMCache chunks on CPU", interval=0.2)
         assert h.source(IID, 0, url)["store_only"]["blocks"] == 4
+        # a re-registration with another bound keeps the blocks and their deadlines
+        h.call(h.mgr.replace, IID, 0, [_ctx(url=url, store_only=(30.0, 1000))])
+        so = h.source(IID, 0, url)["store_only"]
+        assert (so["ttl_secs"], so["blocks"]) == (30.0, 4)
         h.call(h.mgr.check_sources, time.monotonic() + 61)
         assert h.hits(TOK) == {}
         so = h.source(IID, 0, url)["store_only"]

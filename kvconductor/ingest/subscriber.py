@@ -758,6 +758,8 @@ class SubscriptionManager:
         #: :attr:`_subs` (kept by :meth:`_add` and :meth:`_remove`): what a registration
         #: replaces, counts or closes costs O(its own subscriptions), not O(all).
         self._by_dp: dict[tuple[str, int], dict[str, Subscription]] = {}
+        #: The store-only subscriptions (their bound expires at every source check).
+        self._bounded: dict[tuple[str, int, str], Subscription] = {}
         #: Warm start: (instance_id, dp_rank, url) -> (last applied seq, its digest) from a
         #: snapshot; a subscription of that key created next starts from there.
         self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
@@ -780,11 +782,19 @@ class SubscriptionManager:
         with self._table_lock:
             self._subs[sub.key] = sub
             self._by_dp.setdefault((iid, dp), {})[url] = sub
+            self._note_bounded(sub)
+
+    def _note_bounded(self, sub: Subscription) -> None:
+        if sub.applier.store_bound is not None:
+            self._bounded[sub.key] = sub
+        else:
+            self._bounded.pop(sub.key, None)
 
     def _remove(self, key: tuple[str, int, str]) -> Subscription:
         """Take ``key``'s subscription out of the table, its counters into retired."""
         with self._table_lock:
             sub = self._subs.pop(key)
+            self._bounded.pop(key, None)
             urls = self._by_dp[key[0], key[1]]
             del urls[key[2]]
             if not urls:
@@ -1014,6 +1024,7 @@ class SubscriptionManager:
         for url, sub in old.items():
             if url in wanted:
                 sub.retarget(wanted[url])
+                self._note_bounded(sub)
             else:
                 self._remove(sub.key).close()
         for sub in opened:
@@ -1081,9 +1092,8 @@ class SubscriptionManager:
         now = time.monotonic() if now is None else now
         subs = self._subs.values()
         self.liveness.check(subs, now)
-        for sub in subs:
-            if sub.applier.store_bound is not None:
-                sub.applier.expire_store_only(now)
+        for sub in self._bounded.values():
+            sub.applier.expire_store_only(now)
         r = self.replicator
         if r is None:
             return
