@@ -654,3 +654,17 @@ def test_llmd_publisher_over_tcp_numbers_from_one():
         fs.stop()
         pub.shutdown()
     assert h.thread.errors == 0
+
+
+def test_store_only_bound_takes_the_blocks_held_when_it_opens(fake):
+    """A warm start: the index (from a dump) holds the DP's CPU blocks before its
+    store-only subscription opens; they join the bound and age out like the rest."""
+    k = vllm_kv_events()
+    first = Applier(_ctx(store_only=(30.0, 1000)), fake)
+    first.apply_payload(_vllm_batch(k, _lmcache_chunks(k)))
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, TOK, BS) == {(IID, 0): (0, 4, 0)}
+    again = Applier(_ctx(store_only=(30.0, 1000)), fake)  # a new process, same index
+    assert again.store_bound.info()["blocks"] == 4
+    assert again.expire_store_only(time.monotonic() + 31) == 4
+    assert hits(idx, TOK, BS) == {}

@@ -248,6 +248,8 @@ class Applier:
             if ctx.store_only is not None and not ctx.is_pool
             else None
         )
+        if self.store_bound is not None:
+            self.seed_store_only()
 
     # -- helpers ------------------------------------------------------------------------
     def _drop(self, reason: str, detail: str = "", payload: bytes | None = None) -> None:
@@ -639,6 +641,21 @@ class Applier:
         self.store_bound.note(key, hashes, time.monotonic())
         if len(self.store_bound.held) > self.store_bound.capacity:
             self.expire_store_only()
+
+    def seed_store_only(self) -> None:
+        """Blocks the DP holds on CPU/Disk when its store-only subscription opens, or when
+        a dump restored its index (a warm start), join the bound from now on: none stays
+        unbounded."""
+        assert self.store_bound is not None
+        index = self.conductor.get_index(self.ctx.model, self.ctx.tenant)
+        if index is None:
+            return
+        now = time.monotonic()
+        for m in (Medium.CPU, Medium.DISK):
+            key = self._key(m)
+            held = index.worker_hashes(key)
+            if len(held):
+                self.store_bound.note(key, held, now)
 
     def expire_store_only(self, now: float | None = None) -> int:
         """Evict a store-only source's blocks past their TTL or over its capacity (on

@@ -1103,6 +1103,13 @@ class SubscriptionManager:
                 # tell every replica, so that they mute and purge alike
                 r.append_source(sub, "down", "", -1.0 if down is None else now - down)
 
+    def seed_store_only(self) -> None:
+        """Put the CPU/Disk blocks each store-only DP holds now under its bound (after a
+        dump restored the indexes behind the subscriptions the registrations opened)."""
+        self._check_thread()
+        for sub in self._bounded.values():
+            sub.applier.seed_store_only()
+
     def _hbm_keys(self, k: tuple[str, str, str, int]):
         model, tenant, iid, dp = k
         idx = self.conductor.get_index(model, tenant)

@@ -482,6 +482,8 @@ def load_dump(conductor: Conductor, chunks: Iterable[bytes]) -> dict[str, int]:
                 _check_end(rec, version, digest, counts)
                 if next(recs, None) is not None:
                     raise ValueError("dump has records after its end record")
+                # store-only DPs' restored CPU/Disk blocks: under their bound from now on
+                conductor.subs.seed_store_only()
                 return counts
             else:
                 raise ValueError(f"unexpected dump record {kind!r}")
