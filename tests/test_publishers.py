@@ -17,7 +17,7 @@ import pytest
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.keys import Medium, StoreBackend, parse_medium
-from tests.helpers.api import register
+from tests.helpers.api import events, query, register, stored
 from tests.helpers.harness import Harness
 from tests.helpers.publishers import (
     FakeConductor,
@@ -668,3 +668,18 @@ def test_store_only_bound_takes_the_blocks_held_when_it_opens(fake):
     assert again.store_bound.info()["blocks"] == 4
     assert again.expire_store_only(time.monotonic() + 31) == 4
     assert hits(idx, TOK, BS) == {}
+
+
+def test_http_events_storage_medium_is_disk(client):
+    """POST /events with vLLM's STORAGE medium feeds the Disk tier (was the HBM tree)."""
+    register(client)
+    r = events(
+        client,
+        [
+            stored(1, [101, 102], [1, 2, 3, 4, 5, 6, 7, 8], medium="GPU"),
+            stored(2, [201, 202, 203], list(range(1, 13)), medium="STORAGE"),
+        ],
+    )
+    assert r.status_code == 200, r.text
+    dp = query(client, list(range(1, 13)))["default"]["vllm-prefill-1"]["DP"]["0"]
+    assert (dp["npu_blocks"], dp["cpu_blocks"], dp["disk_blocks"]) == (2, 0, 1)
