@@ -8,7 +8,11 @@ the answer lists W (instance, DP) rows. Measured per call (p50, p99, ops/s):
 * ``Index.query_by_hash``: the in-process API (the old code built a DpHit per row here);
 * ``answer msgpack`` / ``answer json``: the server's whole ``/query_by_hash`` answer
   without HTTP (``QueryResource.answer``: parse, match, metrics, encode);
-* ``answer msgpack top_k=8``: the same with the extension (only on trees that have it).
+* ``answer msgpack top_k=8``: the same with the extension (only on trees that have it);
+* ``answer msgpack/json freshness``: the answer of a ``"freshness": true`` query (every
+  holder with one source, every tenth degraded), and the states' rebuild after a change
+  (``freshness table``: ``collect`` over one source per holder, the table, its groups);
+  the per-row cost of the flag is printed (only on trees that have it).
 
 Runs against whatever ``kvconductor`` is importable (``PYTHONPATH=<other tree>`` measures
 another checkout with the same file), so before/after runs alternate on one machine::
@@ -45,7 +49,7 @@ def build(workers: int) -> tuple[Any, list[int]]:
     return ix, chain
 
 
-def _fake_conductor(ix: Any) -> Any:
+def _fake_conductor(ix: Any, table: Any = None) -> Any:
     class C:
         block_sizes: dict = {}
         lora_seeds: dict = {}
@@ -53,7 +57,39 @@ def _fake_conductor(ix: Any) -> Any:
         def get_index(self, model: str, tenant: str) -> Any:
             return ix
 
+        def freshness(self, model: str, tenant: str) -> Any:
+            return table
+
     return C()
+
+
+def _sources(workers: int) -> list[Any]:
+    """One source per holder, as ``kvconductor.ingest.freshness.collect`` reads them."""
+    from types import SimpleNamespace
+
+    now = time.time()
+    return [
+        SimpleNamespace(
+            ctx=SimpleNamespace(
+                model="m", tenant="default", is_pool=False, instance_id=f"worker-{w}", dp_rank=0
+            ),
+            state="degraded" if w % 10 == 0 else "live",
+            muted=False,
+            closed=False,
+            stats=SimpleNamespace(last_event=now - w * 1e-3),
+            tracker=SimpleNamespace(degraded_since=now - 5.0 if w % 10 == 0 else None),
+        )
+        for w in range(workers)
+    ]
+
+
+def _freshness_table(ix: Any, subs: list[Any]) -> Any:
+    from kvconductor.ingest.freshness import FreshnessTable, collect
+
+    by_key, counts = collect(subs, "m", "default")
+    table = FreshnessTable(by_key, counts)
+    table.groups(ix.names.keys)
+    return table
 
 
 def timed(fn: Any, n: int) -> tuple[float, float, float]:
@@ -76,8 +112,13 @@ def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
     from kvconductor.http.metrics import QueryMetrics
 
     ix, chain = build(workers)
+    try:
+        subs = _sources(workers)
+        table = _freshness_table(ix, subs)
+    except ImportError:  # a tree without freshness
+        subs, table = [], None
     res = QueryResource(
-        _fake_conductor(ix),
+        _fake_conductor(ix, table),
         by_hash=True,
         metrics=QueryMetrics(),
         max_body_bytes=1 << 20,
@@ -98,6 +139,14 @@ def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
     status, data, _ = res.answer(ext, True)
     if status == 200 and len(msgspec.msgpack.decode(data)["default"]) < workers:
         rows.append(("answer msgpack top_k=8", *timed(lambda: res.answer(ext, True), calls)))
+    if table is not None:
+        fmp = msgspec.msgpack.encode({**body, "freshness": True})
+        fjs = msgspec.json.encode({**body, "freshness": True})
+        status, data, _ = res.answer(fmp, True)
+        assert status == 200 and b"degraded_for_ms" in data, data[:200]
+        rows.append(("answer msgpack freshness", *timed(lambda: res.answer(fmp, True), calls)))
+        rows.append(("answer json freshness", *timed(lambda: res.answer(fjs, False), calls)))
+        rows.append(("freshness table", *timed(lambda: _freshness_table(ix, subs), calls)))
     sizes = len(res.answer(mp, True)[1]), len(res.answer(js, False)[1])
     print(f"# answer bytes: msgpack {sizes[0]}, json {sizes[1]}")
     return rows
@@ -134,6 +183,13 @@ def main() -> None:
             p99 = statistics.median(r[i][2] for r in runs)
             ops = statistics.median(r[i][3] for r in runs)
             print(f"  {name:26s} {p50:9.1f} {p99:9.1f} {ops:9.0f}")
+        p50s = {r[0]: statistics.median(x[i][1] for x in runs) for i, r in enumerate(runs[0])}
+        for fmt in ("msgpack", "json"):
+            if f"answer {fmt} freshness" in p50s:
+                extra = p50s[f"answer {fmt} freshness"] - p50s[f"answer {fmt}"]
+                print(f"  freshness adds {extra / w * 1e3:.0f} ns per (instance, DP) ({fmt})")
+        if "freshness table" in p50s:
+            print(f"  states rebuilt: {p50s['freshness table'] / w * 1e3:.0f} ns per source")
 
 
 if __name__ == "__main__":

@@ -46,3 +46,18 @@ def test_encode_result_from_dphits(benchmark, holders, fmt):
     hits = ix.query_by_hash(chain).hits
     out = benchmark(_encode.encode_result, hits, "default", 1, fmt == "msgpack")
     assert len(out) > 80 * w
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack"])
+def test_encode_result_with_freshness(benchmark, holders, fmt):
+    """The same answer with ``"freshness": true``: every row also says its state and age."""
+    from bench.many_holders import _freshness_table, _sources
+    from kvconductor.wire import encode_fresh
+
+    w, ix, chain = holders
+    res = ix.query_by_hash(chain)
+    table = _freshness_table(ix, _sources(w))
+    mp = fmt == "msgpack"
+    fresh = (table.groups(res.names.keys), 1.0e9, table.tail[mp])
+    out = benchmark(encode_fresh, res, "default", 1, mp, fresh)
+    assert out.count(b"last_event_age_ms") == w

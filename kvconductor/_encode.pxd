@@ -1,6 +1,6 @@
 # cython: language_level=3
 """Response encoding of the query path (``_encode.pyx``)."""
-from libc.stdint cimport uint32_t
+from libc.stdint cimport uint32_t, uint64_t
 
 # A growing output buffer (malloc'd; the owner frees ``data``).
 ctypedef struct wbuf:
@@ -19,6 +19,17 @@ ctypedef struct gname_t:
     uint32_t mi                 # msgpack instance id bytes (header + UTF-8)
     uint32_t jd                 # JSON DP key bytes
     uint32_t md                 # msgpack DP key bytes
+
+
+# The freshness of one answered (instance, DP) (docs/api.md, "freshness"): its state's
+# code (an index into ``FRESH_STATES``), the age of its last event and the time since its
+# stream was degraded, in milliseconds, each only when ``has_*`` is set.
+ctypedef struct fresh_t:
+    uint64_t age_ms
+    uint64_t since_ms
+    uint32_t code
+    uint32_t has_age
+    uint32_t has_since
 
 
 cdef enum:

@@ -20,7 +20,20 @@ class GroupNames:
     def add(self, instance_id: str, dp_rank: int) -> int: ...
     def instances_mask(self, instance_ids: Iterable[str]) -> bytes: ...
 
+FRESH_STATES: tuple[str, ...]
+
 def encode_rows(
-    rows: MatchRows, names: GroupNames, tenant: str, block_size: int, msgpack: bool
+    rows: MatchRows,
+    names: GroupNames,
+    tenant: str,
+    block_size: int,
+    msgpack: bool,
+    fresh: tuple[list[Any], float, bytes] | None = None,
 ) -> bytes: ...
-def encode_answer(result: Any, tenant: str, block_size: int, msgpack: bool) -> bytes: ...
+def encode_answer(
+    result: Any,
+    tenant: str,
+    block_size: int,
+    msgpack: bool,
+    fresh: tuple[list[Any], float, bytes] | None = None,
+) -> bytes: ...

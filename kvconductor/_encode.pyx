@@ -698,6 +698,78 @@ cdef inline char* _p_mpmap(char* o, size_t n) noexcept nogil:
     return o + 5
 
 
+cdef inline char* _p_mpu64(char* o, uint64_t v) noexcept nogil:
+    cdef int k
+    if v <= _U32_MAX:
+        return _p_mpu(o, v)
+    o[0] = <char>0xcf
+    for k in range(8):
+        o[1 + k] = <char>(v >> (56 - 8 * k))
+    return o + 9
+
+
+# -- freshness (docs/api.md, "freshness"): per answered (instance, DP), written in its DP map
+#: The state names, by code (``fresh_t.code``); the worst of a DP's sources is the last.
+FRESH_STATES = ("live", "remote", "connecting", "replaying", "degraded", "muted", "no_source")
+cdef enum:
+    FS_N = 7
+cdef tuple _FS_BYTES = tuple(
+    (("\"%s\"" % n).encode(), bytes([0xa0 | len(n)]) + n.encode()) for n in FRESH_STATES)
+cdef const char* _fs_json[FS_N]
+cdef size_t _fs_json_len[FS_N]
+cdef const char* _fs_mp[FS_N]
+cdef size_t _fs_mp_len[FS_N]
+for _k in range(FS_N):
+    _fs_json[_k] = PyBytes_AS_STRING(_FS_BYTES[_k][0])
+    _fs_json_len[_k] = len(_FS_BYTES[_k][0])
+    _fs_mp[_k] = PyBytes_AS_STRING(_FS_BYTES[_k][1])
+    _fs_mp_len[_k] = len(_FS_BYTES[_k][1])
+
+
+cdef inline size_t _fresh_len(const fresh_t* f, bint mp) noexcept nogil:
+    """Bytes of a DP's ``"freshness"`` member (its key included; JSON: its comma)."""
+    cdef size_t n
+    if mp:
+        n = 10 + 1 + 6 + _fs_mp_len[f.code]
+        if f.has_age:
+            n += 18 + _mpu_len(f.age_ms)
+        if f.has_since:
+            n += 16 + _mpu_len(f.since_ms)
+    else:
+        n = 13 + 9 + _fs_json_len[f.code] + 1
+        if f.has_age:
+            n += 21 + _dec_len(f.age_ms)
+        if f.has_since:
+            n += 19 + _dec_len(f.since_ms)
+    return n
+
+
+cdef inline char* _p_fresh(char* o, const fresh_t* f, bint mp) noexcept nogil:
+    if mp:
+        o = _p_raw(o, b"\xa9freshness", 10)
+        o[0] = <char>(0x81 + f.has_age + f.has_since)
+        o = _p_raw(o + 1, b"\xa5state", 6)
+        o = _p_raw(o, _fs_mp[f.code], _fs_mp_len[f.code])
+        if f.has_age:
+            o = _p_raw(o, b"\xb1last_event_age_ms", 18)
+            o = _p_mpu64(o, f.age_ms)
+        if f.has_since:
+            o = _p_raw(o, b"\xafdegraded_for_ms", 16)
+            o = _p_mpu64(o, f.since_ms)
+        return o
+    o = _p_raw(o, b",\"freshness\":", 13)
+    o = _p_raw(o, b"{\"state\":", 9)
+    o = _p_raw(o, _fs_json[f.code], _fs_json_len[f.code])
+    if f.has_age:
+        o = _p_raw(o, b",\"last_event_age_ms\":", 21)
+        o = _p_dec(o, f.age_ms)
+    if f.has_since:
+        o = _p_raw(o, b",\"degraded_for_ms\":", 19)
+        o = _p_dec(o, f.since_ms)
+    o[0] = b'}'
+    return o + 1
+
+
 ctypedef struct rinst_t:
     size_t first, last, ndp
     uint32_t key                # instance ordinal
@@ -706,10 +778,12 @@ ctypedef struct rinst_t:
 
 cdef size_t _plan_rows(const uint32_t* rows, size_t n, gname_t** ents, uint64_t bs,
                        size_t tlen, bint mp, uint32_t* matched, size_t* nxt, rinst_t* iv,
-                       uint32_t* slots, size_t smask, size_t* ninst) noexcept nogil:
+                       uint32_t* slots, size_t smask, size_t* ninst, const fresh_t* fr,
+                       size_t taillen) noexcept nogil:
     """Group the rows by instance (first-seen order; ``nxt`` links the DPs of one instance
     in row order), compute matched tokens and each instance's longest; return the exact
-    size of the answer."""
+    size of the answer. ``fr``: the rows' freshness (NULL: none) and ``taillen`` the bytes
+    of the answer's own ``"freshness"`` value."""
     cdef size_t i, j, ni = 0, size
     cdef uint32_t key, sl
     cdef uint64_t tot
@@ -763,17 +837,22 @@ cdef size_t _plan_rows(const uint32_t* rows, size_t n, gname_t** ents, uint64_t 
         else:
             size += (e.jd + 19 + _dec_len(matched[i]) + 14 + _dec_len(rows[4 * i + 1])
                      + 14 + _dec_len(rows[4 * i + 2]) + 15 + _dec_len(rows[4 * i + 3]) + 1)
+        if fr != NULL:
+            size += _fresh_len(&fr[i], mp)
+    if fr != NULL:
+        size += (10 if mp else 13) + taillen
     return size
 
 
 cdef char* _write_rows(char* o, const uint32_t* rows, gname_t** ents, const char* tenant,
                        size_t tlen, bint mp, const uint32_t* matched, const size_t* nxt,
-                       const rinst_t* iv, size_t ni) noexcept nogil:
+                       const rinst_t* iv, size_t ni, const fresh_t* fr, const char* tail,
+                       size_t taillen) noexcept nogil:
     cdef size_t i, j
     cdef gname_t* e
     cdef const rinst_t* ins
     if mp:
-        o = _p_mpmap(o, 1)
+        o = _p_mpmap(o, 1 if fr == NULL else 2)
         o = _p_raw(o, tenant, tlen)
         o = _p_mpmap(o, ni)
     else:
@@ -803,7 +882,7 @@ cdef char* _write_rows(char* o, const uint32_t* rows, gname_t** ents, const char
             e = ents[i]
             if mp:
                 o = _p_raw(o, e.data + e.ji + e.mi + e.jd, e.md)
-                o[0] = <char>0x84
+                o[0] = <char>(0x84 if fr == NULL else 0x85)
                 o = _p_raw(o + 1, b"\xaematched_tokens", 15)
                 o = _p_mpu(o, matched[i])
                 o = _p_raw(o, b"\xaanpu_blocks", 11)
@@ -812,6 +891,8 @@ cdef char* _write_rows(char* o, const uint32_t* rows, gname_t** ents, const char
                 o = _p_mpu(o, rows[4 * i + 2])
                 o = _p_raw(o, b"\xabdisk_blocks", 12)
                 o = _p_mpu(o, rows[4 * i + 3])
+                if fr != NULL:
+                    o = _p_fresh(o, &fr[i], True)
             else:
                 if i != ins.first:
                     o[0] = b','
@@ -825,22 +906,76 @@ cdef char* _write_rows(char* o, const uint32_t* rows, gname_t** ents, const char
                 o = _p_dec(o, rows[4 * i + 2])
                 o = _p_raw(o, b",\"disk_blocks\":", 15)
                 o = _p_dec(o, rows[4 * i + 3])
+                if fr != NULL:
+                    o = _p_fresh(o, &fr[i], False)
                 o[0] = b'}'
                 o += 1
             i = nxt[i]
         if not mp:
             o = _p_raw(o, b"}}", 2)
-    if not mp:
-        o = _p_raw(o, b"}}", 2)
-    return o
+    if mp:
+        if fr != NULL:
+            o = _p_raw(o, b"\xa9freshness", 10)
+            o = _p_raw(o, tail, taillen)
+        return o
+    o[0] = b'}'
+    o += 1
+    if fr != NULL:
+        o = _p_raw(o, b",\"freshness\":", 13)
+        o = _p_raw(o, tail, taillen)
+    o[0] = b'}'
+    return o + 1
+
+
+cdef int _fill_fresh(fresh_t* fr, const uint32_t* rv, size_t n, list groups, double now) except -1:
+    """Each row's freshness from its group's entry in ``groups`` (docs in
+    ``kvconductor.ingest.freshness``): ``None`` (no source), or ``(code, stats, since)``:
+    the state code, the ``SourceStats`` of the group's sources (the newest
+    ``last_event`` of them is its last event) and the wall time its stream was degraded
+    at (or None)."""
+    cdef size_t i, g, ng = <size_t>len(groups)
+    cdef double last, t, age
+    cdef tuple entry
+    cdef object since
+    for i in range(n):
+        g = rv[4 * i]
+        fr[i].has_age = 0
+        fr[i].has_since = 0
+        fr[i].age_ms = 0
+        fr[i].since_ms = 0
+        if g >= ng or groups[g] is None:
+            fr[i].code = FS_N - 1
+            continue
+        entry = <tuple>groups[g]
+        fr[i].code = <uint32_t>entry[0]
+        last = -1.0
+        for st in <tuple>entry[1]:
+            t = st.last_event
+            if t > last:
+                last = t
+        if last >= 0.0:
+            age = now - last
+            fr[i].has_age = 1
+            fr[i].age_ms = <uint64_t>(age * 1000.0 + 0.5) if age > 0.0 else 0
+        since = entry[2]
+        if since is not None:
+            age = now - <double>since
+            fr[i].has_since = 1
+            fr[i].since_ms = <uint64_t>(age * 1000.0 + 0.5) if age > 0.0 else 0
+    return 0
 
 
 def encode_rows(MatchRows rows not None, GroupNames names not None, str tenant not None,
-                block_size, bint msgpack):
+                block_size, bint msgpack, fresh=None):
     """The V3 answer of ``rows`` (``kvconductor._index.MatchRows``) named by ``names``:
     the bytes of ``encode_result`` of the same rows as DpHit tuples, written from the
     arrays and the pre-encoded names (sized exactly, then written without the GIL).
-    ``IndexError`` when a row's group is not named (a stale name table)."""
+    ``IndexError`` when a row's group is not named (a stale name table).
+
+    ``fresh``: ``(groups, now, tail)`` adds the freshness (docs/api.md, "freshness"):
+    each row's ``"freshness"`` member from ``groups`` (by group id, see
+    :func:`_fill_fresh`) at wall time ``now``, and the answer's own ``"freshness"``
+    member with the encoded value ``tail`` (in the answer's encoding)."""
     cdef size_t n = rows.n, i, size = 0, ni = 0, smask = 1, tlen
     cdef uint64_t bs = _count(block_size)
     cdef const uint32_t* rv = rows.data
@@ -849,10 +984,14 @@ def encode_rows(MatchRows rows not None, GroupNames names not None, str tenant n
     cdef size_t* nxt = NULL
     cdef rinst_t* iv = NULL
     cdef uint32_t* slots = NULL
+    cdef fresh_t* fr = NULL
+    cdef const char* tail = NULL
+    cdef size_t taillen = 0
     cdef wbuf t
     cdef char* o
     cdef char* end
     cdef bytes out
+    cdef bytes tailb
     if n and <size_t>rv[4 * (n - 1)] >= names.count:
         raise IndexError(f"group {rv[4 * (n - 1)]} has no name ({names.count} named)")
     t.data = NULL
@@ -870,16 +1009,25 @@ def encode_rows(MatchRows rows not None, GroupNames names not None, str tenant n
         slots = <uint32_t*>malloc(smask * sizeof(uint32_t))
         if ents == NULL or matched == NULL or nxt == NULL or iv == NULL or slots == NULL:
             raise MemoryError()
+        if fresh is not None:
+            groups, now, tailb = fresh
+            fr = <fresh_t*>malloc(n * sizeof(fresh_t) + 1)
+            if fr == NULL:
+                raise MemoryError()
+            _fill_fresh(fr, rv, n, groups, now)
+            tail = PyBytes_AS_STRING(tailb)
+            taillen = <size_t>len(tailb)
         with nogil:
             memset(slots, 0xFF, smask * sizeof(uint32_t))
             for i in range(n):
                 ents[i] = names.entry(rv[4 * i])
             size = _plan_rows(rv, n, ents, bs, tlen, msgpack, matched, nxt, iv, slots,
-                              smask - 1, &ni)
+                              smask - 1, &ni, fr, taillen)
         out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>size)
         o = PyBytes_AS_STRING(out)
         with nogil:
-            end = _write_rows(o, rv, ents, t.data, tlen, msgpack, matched, nxt, iv, ni)
+            end = _write_rows(o, rv, ents, t.data, tlen, msgpack, matched, nxt, iv, ni, fr,
+                              tail, taillen)
         if <size_t>(end - o) != size:
             raise SystemError(f"encode_rows wrote {end - o} bytes of {size}")
         return out
@@ -890,17 +1038,22 @@ def encode_rows(MatchRows rows not None, GroupNames names not None, str tenant n
         free(nxt)
         free(iv)
         free(slots)
+        free(fr)
 
 
-def encode_answer(result, str tenant not None, block_size, bint msgpack):
+def encode_answer(result, str tenant not None, block_size, bint msgpack, fresh=None):
     """The compiled encoder of ``kvconductor.wire.encode_result``: a
     ``kvconductor.index.QueryResult`` backed by ``MatchRows`` and ``GroupNames`` is
     rendered by :func:`encode_rows`; any other result through its ``hits`` (a plain
-    sequence of hit tuples as is) by :func:`encode_result`. Same bytes either way."""
+    sequence of hit tuples as is) by :func:`encode_result`. Same bytes either way.
+    ``fresh`` (see :func:`encode_rows`) only for the former (``TypeError`` otherwise)."""
     rows = getattr(result, "rows", None)
     if type(rows) is MatchRows:
         names = getattr(result, "names", None)
         if type(names) is GroupNames:
-            return encode_rows(<MatchRows>rows, <GroupNames>names, tenant, block_size, msgpack)
+            return encode_rows(<MatchRows>rows, <GroupNames>names, tenant, block_size, msgpack,
+                               fresh)
+    if fresh is not None:
+        raise TypeError("freshness needs an answer of MatchRows named by GroupNames")
     hits = getattr(result, "hits", result)
     return encode_result(hits, tenant, block_size, msgpack)

@@ -18,3 +18,4 @@ cdef enum:
     FIELD_LORA = 6
     FIELD_TOP_K = 7             # extension (docs/api.md, "top_k and instances")
     FIELD_INSTANCES = 8         # extension
+    FIELD_FRESHNESS = 9         # extension (docs/api.md, "freshness")

@@ -72,6 +72,8 @@ cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
         return FIELD_TOP_K
     if _eq(s, n, b"instances", 9):
         return FIELD_INSTANCES
+    if _eq(s, n, b"freshness", 9):
+        return FIELD_FRESHNESS
     return FIELD_UNKNOWN
 
 
@@ -92,6 +94,8 @@ cdef str _field_name(int fid):
         return "top_k"
     if fid == FIELD_INSTANCES:
         return "instances"
+    if fid == FIELD_FRESHNESS:
+        return "freshness"
     return ""
 
 
@@ -101,7 +105,7 @@ def _field_table():
     cdef int fid
     cdef bytes key
     out = []
-    for fid in range(FIELD_MODEL, FIELD_INSTANCES + 1):
+    for fid in range(FIELD_MODEL, FIELD_FRESHNESS + 1):
         name = _field_name(fid)
         key = name.encode()
         out.append((fid, name, _field_id(<const uint8_t*>PyBytes_AS_STRING(key),
@@ -171,7 +175,7 @@ cdef inline array.array _new_array(bint u64, size_t n):
 
 
 cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash, lora, bint ext,
-                   top_k, instances):
+                   top_k, instances, bint fresh):
     if model is None:
         raise WireError("missing field `model`")
     if not have_bs and not by_hash:
@@ -180,7 +184,7 @@ cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash
         raise WireError("missing field `block_hashes`" if by_hash else "missing field `token_ids`")
     if ext:
         return (model, block_size, "default" if tenant is None else tenant, values, lora or None,
-                top_k, instances)
+                top_k, instances, fresh)
     return (model, block_size, "default" if tenant is None else tenant, values, lora or None)
 
 
@@ -197,9 +201,10 @@ def parse_query(body, bint msgpack, bint by_hash, bint ext=False):
     null or empty. ``block_size`` defaults to 0 for /query_by_hash. Raises
     :class:`WireError` on any malformed body.
 
-    With ``ext`` the extension fields are read too and two more items follow:
-    ``top_k`` (int in [1, 2**32) or ``None``) and ``instances`` (list of str or
-    ``None``); without it they are skipped like any unknown field.
+    With ``ext`` the extension fields are read too and three more items follow:
+    ``top_k`` (int in [1, 2**32) or ``None``), ``instances`` (list of str or
+    ``None``) and ``freshness`` (bool; null and absent are False); without it they are
+    skipped like any unknown field.
     """
     cdef const uint8_t[::1] view
     if msgpack and not PyBytes_Check(body):

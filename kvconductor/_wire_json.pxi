@@ -620,6 +620,7 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash, bint ext):
     values = None
     top_k = None
     instances = None
+    cdef bint fresh = False
     c.base = buf
     c.end = buf + size
     c.p = _ws(buf)
@@ -690,6 +691,18 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash, bint ext):
                     instances = _json_str_array(&c, fid)
                 else:
                     _json_type_error(&c, fid, "an array of strings or null")
+            elif fid == FIELD_FRESHNESS and ext:
+                if _lit(c.p, b't', b'r', b'u', b'e'):
+                    c.p += 4
+                    fresh = True
+                elif _lit(c.p, b'n', b'u', b'l', b'l'):
+                    c.p += 4
+                    fresh = False
+                elif _lit(c.p, b'f', b'a', b'l', b's') and c.p[4] == b'e':
+                    c.p += 5
+                    fresh = False
+                else:
+                    _json_type_error(&c, fid, "a boolean or null")
             else:
                 _check(_json_skip(&c), &c, True, FIELD_UNKNOWN, -1)
             c.p = _ws(c.p)
@@ -704,4 +717,4 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash, bint ext):
     if c.p < c.end:
         raise WireError("trailing data")
     return _finish(model, block_size, have_bs, tenant, values, by_hash, lora, ext, top_k,
-                   instances)
+                   instances, fresh)

@@ -147,6 +147,18 @@ cdef list _mp_instances(wcur* c):
     return out
 
 
+cdef bint _mp_freshness(wcur* c) except -1:
+    """``freshness``: a bool, or nil (False)."""
+    cdef uint8_t b
+    if not _left(c):
+        _check(WIRE_EOF, c, False, FIELD_FRESHNESS, -1)
+    b = c.p[0]
+    if b == 0xc3 or b == 0xc2 or b == 0xc0:
+        c.p += 1
+        return b == 0xc3
+    raise WireError("invalid type for `freshness`: expected a boolean or nil")
+
+
 cdef int _mp_skip_checked(wcur* c) except -1:
     cdef int rc
     if _left(c) > _NOGIL_BYTES:
@@ -171,6 +183,7 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
     values = None
     top_k = None
     instances = None
+    cdef bint fresh = False
     c.base = buf
     c.p = buf
     c.end = buf + size
@@ -202,6 +215,8 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
                 top_k = _mp_top_k(&c)
             elif fid == FIELD_INSTANCES and ext:
                 instances = _mp_instances(&c)
+            elif fid == FIELD_FRESHNESS and ext:
+                fresh = _mp_freshness(&c)
             else:
                 _mp_skip_checked(&c)
     elif rc == WIRE_TYPE:
@@ -213,7 +228,7 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
             c.p = c.end
             _check(WIRE_EOF, &c, False, FIELD_UNKNOWN, -1)
         # positional form [model, block_size, values, tenant_id, lora_name, top_k, instances,
-        # <ignored>...] (top_k and instances only with ``ext``; skipped without)
+        # freshness, <ignored>...] (the last three only with ``ext``; skipped without)
         if n < 1:
             raise WireError("missing field `model`")
         model = _mp_str_value(&c, FIELD_MODEL, False)
@@ -235,6 +250,9 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
             if n >= 7:
                 instances = _mp_instances(&c)
                 i = 7
+                if n >= 8:
+                    fresh = _mp_freshness(&c)
+                    i = 8
         while i < n:
             _mp_skip_checked(&c)
             i += 1
@@ -243,4 +261,4 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
     if c.p != c.end:
         raise WireError("trailing data")
     return _finish(model, block_size, have_bs, tenant, values, by_hash, lora, ext, top_k,
-                   instances)
+                   instances, fresh)

@@ -192,7 +192,10 @@ LORA_FIELD = "lora_name"
 #: V3 answer. Positional MessagePack form: the 6th and 7th elements.
 TOP_K_FIELD = "top_k"
 INSTANCES_FIELD = "instances"
-EXTENSION_FIELDS: tuple[str, ...] = (TOP_K_FIELD, INSTANCES_FIELD)
+#: Extension (docs/api.md, "freshness"): a boolean or null; true adds the state and age of
+#: the sources behind each answered (instance, DP). Positional form: the 8th element.
+FRESHNESS_FIELD = "freshness"
+EXTENSION_FIELDS: tuple[str, ...] = (TOP_K_FIELD, INSTANCES_FIELD, FRESHNESS_FIELD)
 #: Field names of a ``/query`` body, in the order of the positional MessagePack form.
 QUERY_FIELDS: tuple[str, ...] = (*QueryRequest.__struct_fields__, LORA_FIELD, *EXTENSION_FIELDS)
 #: Field names of a ``/query_by_hash`` body, in the order of the positional form.
@@ -221,6 +224,42 @@ class InstanceMatch(Struct):
 
 #: ``{tenant: {instance_id: InstanceMatch}}`` (exactly one tenant key).
 QueryResponse = dict[str, dict[str, InstanceMatch]]
+
+
+class DpFreshness(Struct, omit_defaults=True):
+    """A DP's ``"freshness"`` member in an answer to a query with ``freshness``
+    (docs/api.md, "freshness"): the worst state of its own sources (``live``,
+    ``remote``, ``connecting``, ``replaying``, ``degraded``, ``muted``; ``no_source``),
+    the age of their newest event and, while degraded, the time since the loss."""
+
+    state: str
+    last_event_age_ms: int | None = None
+    degraded_for_ms: int | None = None
+
+
+class FreshnessSummary(Struct):
+    """The answer's own ``"freshness"`` member, beside the tenant: the (model, tenant)'s
+    sources, pools included, per state, and whether all of them are live."""
+
+    all_live: bool
+    sources: int
+    states: dict[str, int]
+
+
+class FreshnessDocument(Struct):
+    """``GET /freshness`` (docs/api.md): per (instance, DP) with sources of its own
+    ``[instance_id, dp_rank, state, newest event, degraded since]`` (wall times or null),
+    the server's time, and the :class:`FreshnessSummary` fields."""
+
+    model: str
+    tenant: str
+    time: float
+    dps: list[tuple[str, int, str, float | None, float | None]]
+    all_live: bool
+    sources: int
+    states: dict[str, int]
+
+
 #: Keys of a response's per-instance and per-DP maps (what ``kvconductor._encode`` writes).
 INSTANCE_MATCH_KEYS: tuple[str, ...] = InstanceMatch.__struct_fields__
 DP_MATCH_KEYS: tuple[str, ...] = DpMatch.__struct_fields__
@@ -451,3 +490,106 @@ unregister_decoder = msgspec.json.Decoder(UnregisterRequest)
 events_decoder = msgspec.json.Decoder(KvEventBatch)
 json_encoder = msgspec.json.Encoder()
 msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+# ---------------------------------------------------------------------------------------
+# The Mooncake conductor's dialect, served on --mooncake-port (docs/api.md, "The Mooncake
+# conductor dialect"; kvconductor.http.mooncake). Names and shapes are Mooncake's
+# (kvcache-ai/Mooncake, mooncake-conductor/src/kvevent/event_manager.cpp).
+# ---------------------------------------------------------------------------------------
+
+
+class MooncakeHashProfile(Struct, forbid_unknown_fields=True):
+    """A registration's ``hash_profile``: stored and shown, not interpreted (kvconductor
+    matches on token ids, not on an engine's block hashes)."""
+
+    strategy: Name
+    algorithm: Name
+    python_hash_seed: Name
+    index_projection: Name
+
+
+class MooncakeRegisterRequest(Struct, kw_only=True):
+    """``POST /register`` of the Mooncake dialect (JSON or MessagePack)."""
+
+    endpoint: str
+    type: Name
+    modelname: Name
+    instance_id: Name
+    block_size: PositiveU32
+    dp_rank: Annotated[int, Meta(ge=0, le=0x7FFFFFFF)]
+    replay_endpoint: str | None = None
+    tenant_id: Name | None = DEFAULT_TENANT
+    lora_name: Name | None = None
+    cache_group: int | None = None
+    hash_profile: MooncakeHashProfile | None = None
+    additionalsalt: Name | None = None
+
+
+class MooncakeUnregisterRequest(Struct, kw_only=True):
+    """``POST /unregister`` of the Mooncake dialect: the service key
+    ``(instance_id, tenant_id, dp_rank)``; older clients' extra fields are ignored."""
+
+    instance_id: Name
+    dp_rank: Annotated[int, Meta(ge=0, le=0x7FFFFFFF)]
+    tenant_id: Name | None = DEFAULT_TENANT
+
+
+class MooncakeQueryRequest(Struct, kw_only=True):
+    """``POST /query`` of the Mooncake dialect. ``token_ids`` is an array of integers, or
+    on MessagePack one bin of little-endian int32 (Mooncake's cache-aware proxy)."""
+
+    model: Name
+    block_size: PositiveU32
+    token_ids: list[int] | bytes
+    tenant_id: Name | None = DEFAULT_TENANT
+    lora_name: Name | None = None
+    instance_id: Name | None = None
+    cache_salt: str | None = None
+
+
+class MooncakeRegisterResponse(Struct):
+    """``{"status": "registered successfully", "instance_id": ...}``."""
+
+    status: str
+    instance_id: str
+
+
+class MooncakeUnregisterResponse(Struct):
+    """``{"status": "unregistered successfully", "removed_instances": ["id|tenant|dp"]}``."""
+
+    status: str
+    removed_instances: list[str]
+
+
+class MooncakeRankMatch(Struct):
+    """Cumulative matched tokens of one DP rank: ``gpu <= cpu <= disk``."""
+
+    gpu: int
+    cpu: int
+    disk: int
+
+
+class MooncakeInstanceMatch(Struct):
+    """One instance of a Mooncake ``/query`` answer (tokens, cumulative tiers)."""
+
+    longest_matched: int
+    dp: dict[str, int]
+    rank_matches: dict[str, MooncakeRankMatch]
+    gpu: int
+    cpu: int
+    disk: int
+
+
+class MooncakeQueryResponse(Struct):
+    """``{"instances": {instance_id: {...}}}``."""
+
+    instances: dict[str, MooncakeInstanceMatch]
+
+
+class MooncakeError(Struct, omit_defaults=True):
+    """A Mooncake-dialect error: ``error`` and Mooncake's ``reason`` (and ``field``)."""
+
+    error: str
+    reason: str
+    field: str | None = None

@@ -43,8 +43,10 @@ from kvconductor import _encode, _wire
 from kvconductor.index import QueryResult
 from kvconductor.schema import (
     DEFAULT_TENANT,
+    FRESHNESS_FIELD,
     I64_MAX,
     I64_MIN,
+    INSTANCE_MATCH_KEYS,
     JSON_CONTENT_TYPE,
     MSGPACK_CONTENT_TYPE,
     NAME_MAX,
@@ -60,12 +62,14 @@ __all__ = [
     "IMPL",
     "WireError",
     "encode_error",
+    "encode_fresh",
     "c_encode_result",
     "encode_result",
     "is_msgpack_content_type",
     "parse_query",
     "parse_query_ext",
     "py_encode_error",
+    "py_encode_fresh",
     "py_encode_result",
     "py_parse_query",
 ]
@@ -91,6 +95,7 @@ class _TokensMap(msgspec.Struct):
     # extension fields: any value here, checked by _extension() when asked for
     top_k: Any = None
     instances: Any = None
+    freshness: Any = None
 
 
 class _TokensArray(_TokensMap, array_like=True):
@@ -105,6 +110,7 @@ class _HashesMap(msgspec.Struct, kw_only=True):
     lora_name: str | None = None
     top_k: Any = None
     instances: Any = None
+    freshness: Any = None
 
 
 class _HashesArray(msgspec.Struct, array_like=True):
@@ -115,6 +121,7 @@ class _HashesArray(msgspec.Struct, array_like=True):
     lora_name: str | None = None
     top_k: Any = None
     instances: Any = None
+    freshness: Any = None
 
 
 _JSON = {False: msgspec.json.Decoder(_TokensMap), True: msgspec.json.Decoder(_HashesMap)}
@@ -170,8 +177,9 @@ def _hashes_u64(values: list[int]) -> array:
         raise WireError("block_hashes: integer out of range (u64 expected)") from None
 
 
-def _extension(req: Any, msgpack: bool) -> tuple[int | None, list[str] | None]:
-    """``(top_k, instances)`` of a decoded request, checked like the compiled parser."""
+def _extension(req: Any, msgpack: bool) -> tuple[int | None, list[str] | None, bool]:
+    """``(top_k, instances, freshness)`` of a decoded request, checked like the compiled
+    parser."""
     null = "nil" if msgpack else "null"
     top_k = req.top_k
     if top_k is not None:
@@ -184,7 +192,10 @@ def _extension(req: Any, msgpack: bool) -> tuple[int | None, list[str] | None]:
         type(instances) is not list or any(type(i) is not str for i in instances)
     ):
         raise WireError(f"invalid type for `instances`: expected an array of strings or {null}")
-    return top_k, instances
+    freshness = req.freshness
+    if freshness is not None and type(freshness) is not bool:
+        raise WireError(f"invalid type for `freshness`: expected a boolean or {null}")
+    return top_k, instances, bool(freshness)
 
 
 def py_parse_query(body: bytes, msgpack: bool, by_hash: bool, ext: bool = False) -> tuple:
@@ -192,8 +203,9 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool, ext: bool = False)
 
     ``values`` is ``array('I')`` of u32-truncated token ids, or ``array('Q')``
     of hashes when ``by_hash``; ``lora_name`` is ``None`` when absent, null or
-    empty. With ``ext`` two more items: ``top_k`` and ``instances`` (the extension
-    fields, ``None`` when absent or null). Raises :class:`WireError`.
+    empty. With ``ext`` three more items: ``top_k`` and ``instances`` (the extension
+    fields, ``None`` when absent or null) and ``freshness`` (False when absent or null).
+    Raises :class:`WireError`.
     """
     decoder: Any = _MSGPACK[by_hash, _is_msgpack_array(body)] if msgpack else _JSON[by_hash]
     try:
@@ -210,8 +222,9 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool, ext: bool = False)
         values = _tokens_u32(_decode_ints(req.token_ids, msgpack, "token_ids"))
     tenant = DEFAULT_TENANT if req.tenant_id is None else req.tenant_id
     if ext:
-        top_k, instances = _extension(req, msgpack)
-        return req.model, req.block_size, tenant, values, req.lora_name or None, top_k, instances
+        top_k, instances, fresh = _extension(req, msgpack)
+        lora = req.lora_name or None
+        return req.model, req.block_size, tenant, values, lora, top_k, instances, fresh
     return req.model, req.block_size, tenant, values, req.lora_name or None
 
 
@@ -226,6 +239,30 @@ def py_encode_result(
     """Encode ``QueryResult.to_dict(tenant, block_size)`` as JSON or MessagePack
     (``hits``: a :class:`QueryResult` or a sequence of ``DpHit`` tuples)."""
     doc = _result_dict(hits, tenant, block_size)
+    return _MSGPACK_ENCODE(doc) if msgpack else _JSON_ENCODE(doc)
+
+
+_DP = INSTANCE_MATCH_KEYS[1]
+
+
+def py_encode_fresh(
+    result: QueryResult, tenant: str, block_size: int, msgpack: bool, fresh: tuple
+) -> bytes:
+    """:func:`py_encode_result` with the freshness (docs/api.md, "freshness"): ``fresh``
+    is ``(groups, now, tail)`` as ``_encode.encode_rows`` takes it (``result``: an
+    index's answer, with rows and names)."""
+    from kvconductor.ingest.freshness import member
+
+    groups, now, tail = fresh
+    doc = result.to_dict(tenant, block_size)
+    inner = doc[tenant]
+    keys = result.names.keys
+    for row in result.rows.tolist():
+        g = row[0]
+        iid, dp = keys[g]
+        entry = groups[g] if g < len(groups) else None
+        inner[iid][_DP][str(dp)][FRESHNESS_FIELD] = member(entry, now)
+    doc[FRESHNESS_FIELD] = msgspec.Raw(tail)
     return _MSGPACK_ENCODE(doc) if msgpack else _JSON_ENCODE(doc)
 
 
@@ -258,6 +295,16 @@ else:
     encode_error = _encode.encode_error
 
 
+def encode_fresh(
+    result: QueryResult, tenant: str, block_size: int, msgpack: bool, fresh: tuple
+) -> bytes:
+    """The answer with its freshness (:func:`py_encode_fresh`; compiled: the rows'
+    encoder, ``_encode.encode_rows``)."""
+    if IMPL != "py" and type(result.names) is _encode.GroupNames:
+        return c_encode_result(result, tenant, block_size, msgpack, fresh)
+    return py_encode_fresh(result, tenant, block_size, msgpack, fresh)
+
+
 def parse_query(
     body: bytes, msgpack: bool, by_hash: bool
 ) -> tuple[str, int, str, array, str | None]:
@@ -273,18 +320,19 @@ def parse_query(
 
 def parse_query_ext(
     body: bytes, msgpack: bool, by_hash: bool
-) -> tuple[str, int, str, array, str | None, int | None, list[str] | None]:
+) -> tuple[str, int, str, array, str | None, int | None, list[str] | None, bool]:
     """:func:`parse_query` plus the extension fields: ``(model, block_size, tenant,
-    values, lora_name, top_k, instances)``, ``top_k`` in ``[1, 2**32)`` or ``None``,
-    ``instances`` a list of names (each at most ``NAME_MAX`` characters) or ``None``."""
+    values, lora_name, top_k, instances, freshness)``, ``top_k`` in ``[1, 2**32)`` or
+    ``None``, ``instances`` a list of names (each at most ``NAME_MAX`` characters) or
+    ``None``, ``freshness`` a bool."""
     out = _parse_checked(body, msgpack, by_hash, True)
     instances = out[6]
     if instances is not None:
         for i, name in enumerate(instances):
             if len(name) > NAME_MAX:
                 raise WireError(name_too_long(f"$.instances[{i}]"))
-    model, block_size, tenant, values, lora_name, top_k, _ = out
-    return model, block_size, tenant, values, lora_name, top_k, instances
+    model, block_size, tenant, values, lora_name, top_k, _, fresh = out
+    return model, block_size, tenant, values, lora_name, top_k, instances, fresh
 
 
 def _parse_checked(body: bytes, msgpack: bool, by_hash: bool, ext: bool) -> tuple:

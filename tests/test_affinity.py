@@ -289,6 +289,7 @@ def test_config_defaults():
         "w_npu": 1.0,
         "w_cpu": 1.0,
         "w_disk": 0.0,
+        "not_live_weight": 1.0,
     }
     assert cfg.effective_topn == DEFAULT_LOAD_GATE_TOPN == 2
     assert KvAffinityConfig(load_gate_topn=5).effective_topn == 5
@@ -461,3 +462,69 @@ def test_rank_over_the_filtered_answer_is_the_rank_over_the_whole_answer(mode):
         want = rank(answer, cands, ISL, BS, cfg)
         opts = query_options(cands, cfg)
         assert rank(_cut_answer(answer, set(opts["instances"])), cands, ISL, BS, cfg) == want
+
+
+# -- not_live_weight: holders whose answer says their sources are not live (freshness) -------
+def _fresh(d, state):
+    return {**d, "freshness": {"state": state, "last_event_age_ms": 5}}
+
+
+def test_not_live_weight_is_off_by_default():
+    assert KvAffinityConfig().not_live_weight == 1.0
+    # a degraded holder of 3 CPU blocks: round(3*1*4) = 12, as without freshness
+    assert affinity_matched(_fresh(dp(cpu=3), "degraded"), BS) == 12
+
+
+@pytest.mark.parametrize(
+    "state,expected",
+    [
+        # not live: round((2*1 + 1*1) * 0.5 * 4) = round(6.0) = 6
+        ("degraded", 6),
+        ("replaying", 6),
+        ("connecting", 6),
+        ("muted", 6),
+        # live, remote (another replica's live stream), no source: round(3*4) = 12
+        ("live", 12),
+        ("remote", 12),
+        ("no_source", 12),
+    ],
+)
+def test_not_live_weight_discounts_holders_whose_sources_are_not_live(state, expected):
+    cfg = KvAffinityConfig(not_live_weight=0.5)
+    assert affinity_matched(_fresh(dp(npu=2, cpu=1), state), BS, cfg) == expected
+    # the matched_tokens form (no block counts): round(10 * 0.5) = 5 when not live
+    raw = {"matched_tokens": 10, "freshness": {"state": state}}
+    assert affinity_matched(raw, BS, cfg) == (5 if expected == 6 else 10)
+
+
+def test_not_live_weight_changes_the_ranking():
+    # a: 2 NPU blocks, degraded; b: 1 NPU block, live; load equal, load_weight 0.
+    resp = {
+        "default": {
+            "a": {"longest_matched": 8, "DP": {"0": _fresh(dp(npu=2), "degraded")}},
+            "b": {"longest_matched": 4, "DP": {"0": _fresh(dp(npu=1), "live")}},
+        }
+    }
+    cands = [Candidate("a", 0, 1.0), Candidate("b", 0, 1.0)]
+    # off: a matched 8 -> prefill 8; b matched 4 -> prefill 12
+    off = rank(resp, cands, ISL, BS, KvAffinityConfig(load_weight=0))
+    assert [(r.instance_id, r.score) for r in off] == [("a", 8.0), ("b", 12.0)]
+    # 0.25: a matched round(2*0.25*4) = 2 -> prefill 14; b unchanged 12
+    on = rank(resp, cands, ISL, BS, KvAffinityConfig(load_weight=0, not_live_weight=0.25))
+    assert [(r.instance_id, r.score) for r in on] == [("b", 12.0), ("a", 14.0)]
+
+
+def test_not_live_weight_asks_for_freshness_and_is_validated():
+    from kvconductor.affinity import query_options
+
+    cands = [Candidate("a", 0, 1.0)]
+    assert "freshness" not in query_options(cands)
+    assert query_options(cands, KvAffinityConfig(not_live_weight=0.5)) == {
+        "instances": ["a"],
+        "freshness": True,
+    }
+    for bad in (-0.1, math.inf, "0.5", True):
+        with pytest.raises(ValueError, match="not_live_weight"):
+            KvAffinityConfig(not_live_weight=bad)
+    cfg = KvAffinityConfig.from_dict({"not_live_weight": 0})
+    assert cfg.not_live_weight == 0.0 and cfg.to_dict()["not_live_weight"] == 0.0

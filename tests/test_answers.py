@@ -320,3 +320,87 @@ def test_old_query_result_still_works():
     assert res.hits == hits and len(res) == 1 and res.sums() == (1, 2, 3)
     assert encode_result(res, "t", 1, False) == _encode.encode_result(hits, "t", 1, False)
     assert QueryResult([]).hits == [] and len(QueryResult([])) == 0
+
+
+# -- freshness (docs/api.md, "freshness"): the compiled rows' encoder against the twin --------
+class _Stats:
+    """What the encoder reads of a source's ``SourceStats``."""
+
+    def __init__(self, last_event: float) -> None:
+        self.last_event = last_event
+
+
+#: Wall times around a fixed "now" (ages of 0, sub-ms, hours, beyond u32 ms, in the future).
+NOW = 1_790_000_000.25
+WALL = st.one_of(
+    st.floats(NOW - 10, NOW + 1, allow_nan=False),
+    st.sampled_from([NOW, NOW - 0.0004999, NOW - 0.0005, NOW - 3600.5, NOW - 5.0e6, 0.0]),
+)
+ENTRY = st.one_of(
+    st.none(),
+    st.tuples(
+        st.integers(0, len(_encode.FRESH_STATES) - 2),
+        st.lists(WALL.map(_Stats), max_size=3).map(tuple),
+        st.one_of(st.none(), WALL),
+    ),
+)
+TAIL = st.fixed_dictionaries({"all_live": st.booleans(), "sources": st.integers(0, 5000)}).map(
+    lambda d: {**d, "states": {"live": d["sources"]}}
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kr=named_rows(),
+    tenant=NAME.filter(lambda t: t != "freshness"),
+    bs=st.one_of(st.integers(0, 64), st.integers(0, U32)),
+    entries=st.lists(ENTRY, max_size=32),
+    tail=TAIL,
+)
+def test_encode_rows_with_freshness_is_the_twin(kr, tenant, bs, entries, tail):
+    from kvconductor.ingest.freshness import member
+    from kvconductor.wire import encode_fresh, py_encode_fresh
+
+    keys, rows = kr
+    names = _names(keys)
+    res = QueryResult.of_rows(MatchRows(rows), names)
+    py_res = QueryResult.of_rows(PyMatchRows(rows), names)
+    for mp in (False, True):
+        enc = msgspec.msgpack if mp else msgspec.json
+        fresh = (entries, NOW, enc.encode(tail))
+        got = encode_fresh(res, tenant, bs, mp, fresh)
+        assert got == py_encode_fresh(py_res, tenant, bs, mp, fresh)
+        # the same answer as without the flag, plus the members (an independent check of
+        # the twin): every DP gains "freshness", the answer gains its own
+        doc = enc.decode(got)
+        want = res.to_dict(tenant, bs)
+        for g, *_ in rows:
+            inst, dp = keys[g]
+            entry = entries[g] if g < len(entries) else None
+            want[tenant][inst]["DP"][str(dp)]["freshness"] = member(entry, NOW)
+        want["freshness"] = tail
+        assert doc == want
+        assert list(doc) == [tenant, "freshness"]
+
+
+def test_freshness_members_by_hand():
+    keys = [("a", 0), ("a", 1), ("b", 0)]
+    names = _names(keys)
+    res = QueryResult.of_rows(MatchRows([(0, 2, 0, 0), (1, 1, 1, 0), (2, 0, 0, 3)]), names)
+    live = (0, (_Stats(NOW - 1.2346), _Stats(NOW - 7.0)), None)  # newest of two sources
+    degraded = (4, (_Stats(NOW - 0.0004),), NOW - 61.0)
+    fresh = ([live, degraded], NOW, b'{"all_live":false}')
+    from kvconductor.wire import encode_fresh
+
+    got = encode_fresh(res, "default", 4, False, fresh)
+    assert got == (
+        b'{"default":{"a":{"longest_matched":8,"DP":{'
+        b'"0":{"matched_tokens":8,"npu_blocks":2,"cpu_blocks":0,"disk_blocks":0,'
+        b'"freshness":{"state":"live","last_event_age_ms":1235}},'
+        b'"1":{"matched_tokens":8,"npu_blocks":1,"cpu_blocks":1,"disk_blocks":0,'
+        b'"freshness":{"state":"degraded","last_event_age_ms":0,"degraded_for_ms":61000}}}},'
+        b'"b":{"longest_matched":12,"DP":{"0":{"matched_tokens":12,"npu_blocks":0,'
+        b'"cpu_blocks":0,"disk_blocks":3,"freshness":{"state":"no_source"}}}}},'
+        b'"freshness":{"all_live":false}}'
+    )
+    assert encode_result(res, "default", 4, False) == msgspec.json.encode(res.to_dict("default", 4))

@@ -1300,6 +1300,27 @@ def test_live_query_encodings_agree(server, loaded, encoding, packed):
 
 
 @pytest.mark.server
+@pytest.mark.parametrize(
+    "encoding,packed", [("msgpack", False), ("json", False), ("msgpack", True)]
+)
+def test_live_query_with_freshness(server, loaded, encoding, packed):
+    """``freshness=True``: every DP says its state (these instances have no ZeroMQ source:
+    fed over POST /events) and the answer sums up the model's sources (none)."""
+    with ConductorClient(server.url, query_encoding=encoding, packed=packed) as c:
+        got = c.query(loaded, PROMPT, 4, freshness=True)
+        assert got.pop("freshness") == {"all_live": True, "sources": 0, "states": {}}
+        for inst in got["default"].values():
+            for row in inst["DP"].values():
+                assert row.pop("freshness") == {"state": "no_source"}
+        assert got == {"default": EXPECTED}
+        by_hash = c.query_by_hash(loaded, [], freshness=True)
+        assert by_hash == {
+            "default": {},
+            "freshness": {"all_live": True, "sources": 0, "states": {}},
+        }
+
+
+@pytest.mark.server
 def test_live_packed_token_inputs(server, loaded):
     with ConductorClient(server.url, packed=True) as c:
         assert c.query(loaded, array.array("I", PROMPT), 4) == {"default": EXPECTED}

@@ -139,6 +139,11 @@ def test_query_plans_send_top_k_and_instances_only_when_set():
         }
         _, req = resume(core.query_by_hash_plan("qwen", [5], top_k=1))
         assert decode(req.content)["top_k"] == 1
+        assert "freshness" not in decode(plain.content)
+        _, req = resume(core.query_plan("qwen", [1, 2], 4, freshness=True))
+        assert decode(req.content)["freshness"] is True
+        _, req = resume(core.query_by_hash_plan("qwen", [5], freshness=True))
+        assert decode(req.content)["freshness"] is True
     core = ConductorCore("conductor:13333")
     for bad in ({"top_k": 0}, {"top_k": -2}, {"top_k": True}, {"instances": "ab"}):
         with pytest.raises(ValueError):

@@ -85,7 +85,16 @@ def test_bodies_come_from_the_schema_declarations():
     assert list(comps["QueryRequest"]["properties"]) == list(schema.QUERY_FIELDS)
     assert list(comps["QueryByHashRequest"]["properties"]) == list(schema.QUERY_BY_HASH_FIELDS)
     assert list(comps["InstanceMatch"]["properties"]) == list(schema.INSTANCE_MATCH_KEYS)
-    assert list(comps["DpMatch"]["properties"]) == list(schema.DP_MATCH_KEYS)
+    # a DP's "freshness" member only comes with a freshness query (docs/api.md)
+    assert list(comps["DpMatch"]["properties"]) == [*schema.DP_MATCH_KEYS, "freshness"]
+    assert comps["DpMatch"]["required"] == list(schema.DP_MATCH_KEYS)
+    assert comps["DpFreshness"]["required"] == ["state"]
+    assert list(comps["FreshnessSummary"]["properties"]) == ["all_live", "sources", "states"]
+    answer = DOC["paths"]["/query"]["post"]["responses"]["200"]["content"]
+    for body in answer.values():
+        assert body["schema"]["properties"] == {
+            "freshness": {"$ref": "#/components/schemas/FreshnessSummary"}
+        }
     assert comps["ErrorResponse"]["required"] == [schema.ERROR_KEY]
     for cls in (schema.RegisterRequest, schema.UnregisterRequest, schema.KvEventBatch):
         required = {f.encode_name for f in msgspec.structs.fields(cls) if f.required}
@@ -180,3 +189,89 @@ def test_error_answers_conform(client, path, body, status):
     if status == 400:  # what the server refuses, the document refuses too
         with pytest.raises(jsonschema.ValidationError):
             _check(body, *_request_schema(path))
+
+
+# -- the Mooncake conductor dialect's document (GET /openapi.json on --mooncake-port) -------
+
+MC_DOC = openapi.mooncake_document()
+_MC_REGISTRY = Registry().with_resource("urn:kvc-mc", DRAFT202012.create_resource(MC_DOC))
+
+
+def _mc_check(instance, *where: str) -> None:
+    pointer = "/".join(_escape(w) for w in where)
+    jsonschema.Draft202012Validator(
+        {"$ref": f"urn:kvc-mc#/{pointer}"}, registry=_MC_REGISTRY
+    ).validate(instance)
+
+
+@pytest.fixture
+def mc_client():
+    from kvconductor.http.mooncake import create_mooncake_app
+
+    c = Conductor(
+        ConductorConfig(index_impl="c", maintenance_interval=3600), subscriptions=RecordingSubs
+    )
+    c.start()
+    yield ft.TestClient(create_mooncake_app(c)), ft.TestClient(create_app(c))
+    assert c.stop(5.0)
+
+
+def test_mooncake_document_describes_every_route_and_resolves(mc_client):
+    client, _ = mc_client
+    routes = {n.uri_template for n in client.app._router._roots if n.resource is not None}
+    assert routes == set(MC_DOC["paths"])
+    assert client.simulate_get("/openapi.json").json == msgspec.json.decode(
+        msgspec.json.encode(MC_DOC)
+    )
+    comps = MC_DOC["components"]["schemas"]
+    assert list(comps["MooncakeInstanceMatch"]["properties"]) == list(
+        schema.MooncakeInstanceMatch.__struct_fields__
+    )
+    assert comps["MooncakeError"]["required"] == ["error", "reason"]
+
+
+def test_mooncake_real_answers_conform(mc_client):
+    client, v3 = mc_client
+    reg = {
+        "endpoint": "tcp://127.0.0.1:5557",
+        "type": "vLLM",
+        "modelname": "qwen",
+        "instance_id": "vllm-prefill-1",
+        "block_size": 4,
+        "dp_rank": 0,
+        "hash_profile": {
+            "strategy": "vllm_v1",
+            "algorithm": "sha256_cbor",
+            "python_hash_seed": "0",
+            "index_projection": "low64_be",
+        },
+    }
+    _mc_check(reg, *_request_schema("/register"))
+    r = client.simulate_post("/register", json=reg)
+    assert r.status_code == 200
+    _mc_check(r.json, *_answer_schema("/register", "post", 200))
+    r = events(v3, [stored(1, [H1, H2], [1, 2, 3, 4, 5, 6, 7, 8])])
+    assert r.status_code == 200
+    q = {"model": "qwen", "block_size": 4, "token_ids": list(range(1, 9))}
+    _mc_check(q, *_request_schema("/query"))
+    r = client.simulate_post("/query", json=q)
+    assert r.json["instances"]["vllm-prefill-1"]["longest_matched"] == 8
+    _mc_check(r.json, *_answer_schema("/query", "post", 200))
+    r = client.simulate_post(
+        "/query", body=msgspec.msgpack.encode(q), headers={"Content-Type": "application/msgpack"}
+    )
+    _mc_check(
+        msgspec.msgpack.decode(r.content),
+        *_answer_schema("/query", "post", 200, "application/msgpack"),
+    )
+    r = client.simulate_post("/query", body=b"{")
+    assert r.status_code == 400
+    _mc_check(r.json, *_answer_schema("/query", "post", 400))
+    un = {"instance_id": "vllm-prefill-1", "dp_rank": 0}
+    _mc_check(un, *_request_schema("/unregister"))
+    r = client.simulate_post("/unregister", json=un)
+    assert r.status_code == 200
+    _mc_check(r.json, *_answer_schema("/unregister", "post", 200))
+    r = client.simulate_post("/unregister", json=un)
+    assert r.status_code == 404
+    _mc_check(r.json, *_answer_schema("/unregister", "post", 404))

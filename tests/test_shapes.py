@@ -37,12 +37,13 @@ def test_positional_order_is_the_schema_order():
             "lora_name": "l",
             "top_k": 3,
             "instances": ["a", "b"],
+            "freshness": True,
         }
         body = msgspec.msgpack.encode([row[n] for n in names])
         for ext in (False, True):
             got = _wire.parse_query(body, True, by_hash, ext)
             assert got == wire.py_parse_query(msgspec.msgpack.encode(row), True, by_hash, ext)
-            assert got[5:] == ((3, ["a", "b"]) if ext else ())
+            assert got[5:] == ((3, ["a", "b"], True) if ext else ())
 
 
 def test_encoded_response_keys_are_the_schema():

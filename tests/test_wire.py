@@ -1225,30 +1225,38 @@ def test_extension_fields_map_forms():
     for mp in (False, True):
         enc = msgspec.msgpack.encode if mp else msgspec.json.encode
         got = _both_ext(enc({**base, "top_k": 8, "instances": ["a", "b\u00e9"]}), mp, False)
-        assert got == ("m", 4, "default", array("I", [1, 2]), None, 8, ["a", "b\u00e9"])
+        assert got == ("m", 4, "default", array("I", [1, 2]), None, 8, ["a", "b\u00e9"], False)
         got = _both_ext(enc({**base, "top_k": None, "instances": None}), mp, False)
-        assert got[5:] == (None, None)
-        assert _both_ext(enc(base), mp, False)[5:] == (None, None)
-        assert _both_ext(enc({**base, "instances": []}), mp, False)[5:] == (None, [])
+        assert got[5:] == (None, None, False)
+        assert _both_ext(enc(base), mp, False)[5:] == (None, None, False)
+        assert _both_ext(enc({**base, "instances": []}), mp, False)[5:] == (None, [], False)
+        for value, want in ((True, True), (False, False), (None, False)):
+            assert _both_ext(enc({**base, "freshness": value}), mp, False)[7] is want
+            assert _both_ext(enc({**base, "freshness": value, "x": 1}), mp, False)[7] is want
         assert _both_ext(enc({**base, "top_k": U32}), mp, False)[5] == U32
         h = {"model": "m", "block_hashes": [U64], "top_k": 1, "instances": ["x"]}
-        assert _both_ext(enc(h), mp, True) == ("m", 0, "default", array("Q", [U64]), None, 1, ["x"])
+        h["freshness"] = True
+        want = ("m", 0, "default", array("Q", [U64]), None, 1, ["x"], True)
+        assert _both_ext(enc(h), mp, True) == want
         # without ext the fields are skipped like unknown ones, whatever their value
-        bad = enc({**base, "top_k": "x", "instances": 3})
+        bad = enc({**base, "top_k": "x", "instances": 3, "freshness": "yes"})
         assert parse_query(bad, mp, False) == ("m", 4, "default", array("I", [1, 2]), None)
 
 
 def test_extension_fields_positional_form():
-    body = msgspec.msgpack.encode(["m", 4, [1], None, None, 2, ["a"], {"later": 1}])
-    assert _both_ext(body, True, False) == ("m", 4, "default", array("I", [1]), None, 2, ["a"])
+    body = msgspec.msgpack.encode(["m", 4, [1], None, None, 2, ["a"], True, {"later": 1}])
+    want = ("m", 4, "default", array("I", [1]), None, 2, ["a"], True)
+    assert _both_ext(body, True, False) == want
+    body = msgspec.msgpack.encode(["m", 4, [1], None, None, 2, ["a"], None])
+    assert _both_ext(body, True, False)[5:] == (2, ["a"], False)
     body = msgspec.msgpack.encode(["m", 4, struct.pack("<2I", 7, 8), "t", "l", None])
-    assert _both_ext(body, True, False) == ("m", 4, "t", array("I", [7, 8]), "l", None, None)
+    assert _both_ext(body, True, False) == ("m", 4, "t", array("I", [7, 8]), "l", None, None, False)
     assert parse_query(body, True, False) == ("m", 4, "t", array("I", [7, 8]), "l")
     body = msgspec.msgpack.encode(["m", 0, [5], None, None, 1])
-    assert _both_ext(body, True, True) == ("m", 0, "default", array("Q", [5]), None, 1, None)
+    assert _both_ext(body, True, True) == ("m", 0, "default", array("Q", [5]), None, 1, None, False)
     # ext without the extension elements
     body = msgspec.msgpack.encode(["m", 4, [1]])
-    assert _both_ext(body, True, False)[5:] == (None, None)
+    assert _both_ext(body, True, False)[5:] == (None, None, False)
 
 
 EXT_BAD = [
@@ -1265,6 +1273,10 @@ EXT_BAD = [
     ({"instances": ["a", None]}, "instances"),
     ({"instances": {"a": 1}}, "invalid type for `instances`"),
     ({"instances": [["a"]]}, "instances"),
+    ({"freshness": 1}, "invalid type for `freshness`: expected a boolean or"),
+    ({"freshness": "true"}, "invalid type for `freshness`: expected a boolean or"),
+    ({"freshness": [True]}, "invalid type for `freshness`: expected a boolean or"),
+    ({"freshness": 0.0}, "invalid type for `freshness`: expected a boolean or"),
 ]
 
 
@@ -1283,6 +1295,8 @@ def test_extension_fields_bad_positional_and_raw():
         msgspec.msgpack.encode(["m", 4, [1], None, None, 0]),
         msgspec.msgpack.encode(["m", 4, [1], None, None, None, [b"a"]]),
         msgspec.msgpack.encode(["m", 4, [1], None, None, None, "a"]),
+        msgspec.msgpack.encode(["m", 4, [1], None, None, None, None, 1]),
+        msgspec.msgpack.encode(["m", 4, [1], None, None, None, None, "true"]),
     ):
         with pytest.raises(WireError):
             _both_ext(body, True, False)
@@ -1292,6 +1306,10 @@ def test_extension_fields_bad_positional_and_raw():
         b'{"model":"m","block_size":4,"token_ids":[1],"instances":["a",]}',
         b'{"model":"m","block_size":4,"token_ids":[1],"instances":["\\ud800"]}',
         b'{"model":"m","block_size":4,"token_ids":[1],"instances":["a" "b"]}',
+        b'{"model":"m","block_size":4,"token_ids":[1],"freshness":tru}',
+        b'{"model":"m","block_size":4,"token_ids":[1],"freshness":truex}',
+        b'{"model":"m","block_size":4,"token_ids":[1],"freshness":falsy}',
+        b'{"model":"m","block_size":4,"token_ids":[1],"freshness":True}',
     ):
         with pytest.raises(WireError):
             _both_ext(body, False, False)
@@ -1300,8 +1318,9 @@ def test_extension_fields_bad_positional_and_raw():
 @pytest.mark.parametrize("mp", [False, True])
 def test_extension_body_truncated_at_every_offset(mp):
     d = {"model": "m", "block_size": 4, "token_ids": [1], "top_k": 300, "instances": ["ab", "c"]}
+    d["freshness"] = True
     body = msgspec.msgpack.encode(d) if mp else msgspec.json.encode(d)
-    assert parse_query(body, mp, False, True)[5:] == (300, ["ab", "c"])
+    assert parse_query(body, mp, False, True)[5:] == (300, ["ab", "c"], True)
     for i in range(len(body)):
         with pytest.raises(WireError):
             parse_query(body[:i], mp, False, True)

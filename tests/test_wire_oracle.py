@@ -77,6 +77,9 @@ def _field(draw, name, by_hash, good):
     if name == "instances":
         good_i = st.one_of(st.none(), st.lists(texts, max_size=3))
         return draw(good_i if good else st.one_of(good_i, scalars, nested))
+    if name == "freshness":
+        good_f = st.one_of(st.none(), st.booleans())
+        return draw(good_f if good else st.one_of(good_f, scalars, nested))
     return draw(good_names if good else st.one_of(st.none(), texts, scalars, nested))
 
 
@@ -137,10 +140,10 @@ def _parse(impl, body, msgpack, by_hash, ext=False):
     wire._parse_impl = impl
     try:
         if ext:
-            model, bs, tenant, vals, lora, top_k, insts = wire.parse_query_ext(
+            model, bs, tenant, vals, lora, top_k, insts, fresh = wire.parse_query_ext(
                 body, msgpack, by_hash
             )
-            return ("ok", model, bs, tenant, vals.typecode, list(vals), lora, top_k, insts)
+            return ("ok", model, bs, tenant, vals.typecode, list(vals), lora, top_k, insts, fresh)
         model, bs, tenant, vals, lora = wire.parse_query(body, msgpack, by_hash)
         return ("ok", model, bs, tenant, vals.typecode, list(vals), lora)
     except wire.WireError:

@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_LOAD_GATE_TOPN",
     "LEGACY_KEYS",
     "KvAffinityConfig",
+    "NOT_LIVE_STATES",
     "Candidate",
     "Ranked",
     "Scored",
@@ -73,7 +74,19 @@ LEGACY_KEYS: dict[str, str] = {
     "kv_affinity_w_disk": "w_disk",
 }
 
-_FLOAT_FIELDS = ("load_weight", "overlap_credit", "prefill_load_scale", "w_npu", "w_cpu", "w_disk")
+_FLOAT_FIELDS = (
+    "load_weight",
+    "overlap_credit",
+    "prefill_load_scale",
+    "w_npu",
+    "w_cpu",
+    "w_disk",
+    "not_live_weight",
+)
+#: ``"freshness"`` states of an answered DP whose match :attr:`KvAffinityConfig.
+#: not_live_weight` discounts: its sources' view may be missing what they lost or have
+#: not replayed yet (docs/api.md, "freshness").
+NOT_LIVE_STATES = frozenset(("connecting", "replaying", "degraded", "muted"))
 
 
 def _check_number(name: str, value: Any) -> float:
@@ -103,6 +116,10 @@ class KvAffinityConfig:
     w_npu: float = 1.0
     w_cpu: float = 1.0
     w_disk: float = 0.0
+    #: Factor on the match of a DP whose answer says its sources are not live
+    #: (:data:`NOT_LIVE_STATES`; needs answers with ``freshness``, which
+    #: :func:`query_options` then asks for). 1.0: off (the default).
+    not_live_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str):
@@ -228,17 +245,26 @@ def affinity_matched(raw: Any, block_size: int, config: KvAffinityConfig | None 
     * another dict: its ``matched_tokens`` (0 when absent);
     * an int (old conductors, version skew): the int itself;
     * anything else: 0.
+
+    A dict whose ``freshness`` state is not live (:data:`NOT_LIVE_STATES`) counts
+    ``not_live_weight`` times that (rounded the same way).
     """
     cfg = config or _DEFAULT_CONFIG
     if isinstance(raw, Mapping):
+        factor = 1.0
+        if cfg.not_live_weight != 1.0:
+            fresh = raw.get("freshness")
+            if isinstance(fresh, Mapping) and fresh.get("state") in NOT_LIVE_STATES:
+                factor = cfg.not_live_weight
         if block_size > 0 and any(k in raw for k in _BLOCK_KEYS):
             weighted = (
                 _num(raw.get("npu_blocks", 0)) * cfg.w_npu
                 + _num(raw.get("cpu_blocks", 0)) * cfg.w_cpu
                 + _num(raw.get("disk_blocks", 0)) * cfg.w_disk
             )
-            return int(round(weighted * block_size))
-        return int(_num(raw.get("matched_tokens", 0)))
+            return int(round(weighted * factor * block_size))
+        matched = _num(raw.get("matched_tokens", 0))
+        return int(matched) if factor == 1.0 else int(round(matched * factor))
     if isinstance(raw, bool):
         return 0
     if isinstance(raw, (int, float)):
@@ -308,6 +334,9 @@ def query_options(
     ``top_k`` (optional) also asks for only the ``top_k`` deepest (instance, DP) rows
     among them (ties at that depth included): cheaper still, but a candidate cut by it
     ranks as an unreported one (a zero match), so only use it when matched depth decides.
+
+    With a ``not_live_weight`` other than 1 it asks for ``freshness`` too (the states
+    that weight reads).
     """
     cfg = config or _DEFAULT_CONFIG
     cands = [(c[0], float(c[2])) for c in candidates]
@@ -317,6 +346,8 @@ def query_options(
     out: dict[str, Any] = {"instances": list(dict.fromkeys(iid for iid, _ in cands))}
     if top_k is not None:
         out["top_k"] = max(1, int(top_k))
+    if cfg.not_live_weight != 1.0:
+        out["freshness"] = True
     return out
 
 

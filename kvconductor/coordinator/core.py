@@ -50,6 +50,7 @@ import msgspec
 from kvconductor.coordinator.tokens import hash_list, pack_tokens, token_list
 from kvconductor.schema import (
     DEFAULT_TENANT,
+    FRESHNESS_FIELD,
     INSTANCES_FIELD,
     JSON_CONTENT_TYPE,
     LORA_FIELD,
@@ -335,10 +336,12 @@ class ReregisterResult:
 # The core: options, request builders, answer handling and the route plans
 
 
-def _extension_fields(top_k: int | None, instances: Sequence[str] | None) -> dict[str, Any]:
+def _extension_fields(
+    top_k: int | None, instances: Sequence[str] | None, freshness: bool = False
+) -> dict[str, Any]:
     """The extension fields of a query body that are set (docs/api.md, "top_k and
-    instances"); a ``top_k`` below 1 or a bare string as ``instances`` is a ValueError
-    here rather than a 400 from the server."""
+    instances", "freshness"); a ``top_k`` below 1 or a bare string as ``instances`` is a
+    ValueError here rather than a 400 from the server."""
     out: dict[str, Any] = {}
     if top_k is not None:
         if isinstance(top_k, bool) or int(top_k) < 1:
@@ -348,6 +351,8 @@ def _extension_fields(top_k: int | None, instances: Sequence[str] | None) -> dic
         if isinstance(instances, str):
             raise ValueError("instances must be a sequence of instance ids, not a str")
         out[INSTANCES_FIELD] = [str(i) for i in instances]
+    if freshness:
+        out[FRESHNESS_FIELD] = True
     return out
 
 
@@ -422,6 +427,7 @@ class ConductorCore:
         lora_name: str | None = None,
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
+        freshness: bool = False,
     ) -> Request:
         use_packed = self.packed if packed is None else bool(packed)
         if use_packed and self.query_encoding != "msgpack":
@@ -431,7 +437,7 @@ class ConductorCore:
             model=model, block_size=int(block_size), token_ids=tokens, tenant_id=tenant_id
         )
         # Only sent when set, so plain queries stay byte-identical for older servers.
-        extra = _extension_fields(top_k, instances)
+        extra = _extension_fields(top_k, instances, freshness)
         if lora_name:
             extra[LORA_FIELD] = lora_name
         if extra:
@@ -446,6 +452,7 @@ class ConductorCore:
         block_size: int,
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
+        freshness: bool = False,
     ) -> Request:
         # Always an array of integers: the server takes no packed form for hashes.
         body: Any = QueryByHashRequest(
@@ -454,7 +461,7 @@ class ConductorCore:
             block_hashes=hash_list(block_hashes),
             tenant_id=tenant_id,
         )
-        extra = _extension_fields(top_k, instances)
+        extra = _extension_fields(top_k, instances, freshness)
         if extra:
             body = {**msgspec.structs.asdict(body), **extra}
         return self._encoded("/query_by_hash", body)
@@ -633,6 +640,7 @@ class ConductorCore:
         lora_name: str | None = None,
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
+        freshness: bool = False,
     ) -> Plan[dict]:
         """``POST /query``; returns ``{tenant_id: {instance: {...}}}``. Raises ConductorError.
 
@@ -640,10 +648,21 @@ class ConductorCore:
         ``lora_name``); ``None`` or ``""`` asks for the base model's. ``top_k`` and
         ``instances`` (extension, docs/api.md "top_k and instances"): only the ``top_k``
         deepest (instance, DP) rows, only the named instances; a server without the
-        extension ignores them (the whole V3 answer).
+        extension ignores them (the whole V3 answer). ``freshness`` (extension,
+        docs/api.md "freshness"): each answered DP also says the state and the age of
+        the last event of its sources, and the answer has a ``"freshness"`` summary
+        beside the tenant (a server without the extension answers without them).
         """
         req = self._query_req(
-            model, token_ids, block_size, tenant_id, packed, lora_name, top_k, instances
+            model,
+            token_ids,
+            block_size,
+            tenant_id,
+            packed,
+            lora_name,
+            top_k,
+            instances,
+            freshness,
         )
         data = yield from self._map_exchange(req)
         self._log_query(tenant_id, data)
@@ -668,13 +687,14 @@ class ConductorCore:
         block_size: int = 1,
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
+        freshness: bool = False,
     ) -> Plan[dict]:
         """``POST /query_by_hash``: counts are in blocks (the server ignores ``block_size``);
-        ``top_k`` and ``instances`` as in :meth:`query_plan`."""
+        ``top_k``, ``instances`` and ``freshness`` as in :meth:`query_plan`."""
         return (
             yield from self._map_exchange(
                 self._query_by_hash_req(
-                    model, block_hashes, tenant_id, block_size, top_k, instances
+                    model, block_hashes, tenant_id, block_size, top_k, instances, freshness
                 )
             )
         )

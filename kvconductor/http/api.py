@@ -53,12 +53,17 @@ from kvconductor.http.responses import (
     MUTATING_PATHS,
     WARNING_HEADER,
     cors_origin,
+    freshness_param,
     header_text,
     set_error,
     too_large_message,
 )
+from kvconductor.index import QueryResult
+from kvconductor.ingest.freshness import FreshnessUnavailable, document
 from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.schema import (
+    DEFAULT_TENANT,
+    FRESHNESS_FIELD,
     EventsResponse,
     NotReadyResponse,
     ReadyResponse,
@@ -81,6 +86,7 @@ from kvconductor.wire import (
     MSGPACK_CONTENT_TYPE,
     WireError,
     encode_error,
+    encode_fresh,
     encode_result,
     is_msgpack_content_type,
     parse_query,
@@ -93,6 +99,14 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Query bodies above this size are parsed, hashed and matched in a worker thread.
 LARGE_BODY_BYTES = 256 * 1024
 _OK = json_encoder.encode({"status": "ok"})
+#: A ``"freshness"`` query whose tenant is named ``freshness`` (the answer's own
+#: ``"freshness"`` member would be a second key of that name).
+FRESHNESS_TENANT = (
+    "tenant_id 'freshness' cannot be answered with freshness: the answer's "
+    '"freshness" member would repeat the tenant\'s key'
+)
+#: A ``"freshness"`` query where the states of the sources are not known.
+FRESHNESS_UNAVAILABLE = "freshness is not available"
 _EVENTS_NONE = json_encoder.encode({"status": "ok", "events_applied": 0})
 
 
@@ -351,25 +365,28 @@ class QueryResource(_Resource[QuerySource]):
         self.misses = MissWarnings()
 
     def answer(
-        self, body: bytes, msgpack: bool, metrics: QueryMetrics | DeferredMetrics | None = None
+        self,
+        body: bytes,
+        msgpack: bool,
+        metrics: QueryMetrics | DeferredMetrics | None = None,
+        fresh: bool = False,
     ) -> tuple[int, bytes, str | None]:
         """Parse, match and encode: ``(status, body, message or None)``. With a 4xx the
         message is what to log; with a 200 it is a warning for the
         ``X-KV-Conductor-Warning`` header (a query that cannot match, logged here).
         ``metrics``: where the answer's blocks and misses are counted (default: the
-        route's; off the event loop a :class:`~kvconductor.http.metrics.DeferredMetrics`)."""
+        route's; off the event loop a :class:`~kvconductor.http.metrics.DeferredMetrics`).
+        ``fresh``: the answer says how fresh it is (``?freshness=true``; the body's
+        ``"freshness": true`` too)."""
         try:
-            model, block_size, tenant, values, lora_name, top_k, instances = parse_query_ext(
-                body, msgpack, self.by_hash
+            model, block_size, tenant, values, lora_name, top_k, instances, in_body = (
+                parse_query_ext(body, msgpack, self.by_hash)
             )
         except WireError as ex:
-            return (
-                400,
-                encode_error(
-                    f"invalid {'msgpack' if msgpack else 'JSON'} request body: {ex}", msgpack
-                ),
-                str(ex),
-            )
+            return self._invalid(str(ex), msgpack)
+        fresh = fresh or in_body
+        if fresh and tenant == FRESHNESS_FIELD:
+            return self._invalid(FRESHNESS_TENANT, msgpack)
         m = self.metrics if metrics is None else metrics
         index = self.conductor.get_index(model, tenant)
         if index is None:
@@ -387,11 +404,12 @@ class QueryResource(_Resource[QuerySource]):
                 m.count_blocks(*result.sums())
             else:
                 m.no_match.inc()
-            return 200, encode_result(result, tenant, 1, msgpack), None
+            return self._ok(result, model, tenant, 1, msgpack, fresh)
         # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
         # them and the other way round.
         seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
         result = index.query(values, block_size, seed, top_k=top_k, instances=instances)
+        warning = None
         if len(result):
             m.count_blocks(*result.sums())
         else:
@@ -399,16 +417,47 @@ class QueryResource(_Resource[QuerySource]):
             if sizes and block_size not in sizes:
                 m.block_size_mismatch.inc()
                 warning = self.misses.block_size_mismatch(model, tenant, block_size, sizes)
-                return 200, encode_result(result, tenant, block_size, msgpack), warning
-            if lora_name and seed not in self.conductor.lora_seeds.get((model, tenant), ()):
+            elif lora_name and seed not in self.conductor.lora_seeds.get((model, tenant), ()):
                 m.unknown_lora.inc()
                 warning = self.misses.unknown_lora(model, tenant, lora_name)
-                return 200, encode_result(result, tenant, block_size, msgpack), warning
-            m.no_match.inc()
-        return 200, encode_result(result, tenant, block_size, msgpack), None
+            else:
+                m.no_match.inc()
+        return self._ok(result, model, tenant, block_size, msgpack, fresh, warning)
+
+    def _ok(
+        self,
+        result: QueryResult,
+        model: str,
+        tenant: str,
+        block_size: int,
+        msgpack: bool,
+        fresh: bool,
+        warning: str | None = None,
+    ) -> tuple[int, bytes, str | None]:
+        if not fresh:
+            return 200, encode_result(result, tenant, block_size, msgpack), warning
+        try:
+            table = self.conductor.freshness(model, tenant)
+        except FreshnessUnavailable as ex:
+            msg = f"{FRESHNESS_UNAVAILABLE}: {ex}"
+            return 503, encode_error(msg, msgpack), msg
+        if table is None:
+            return 501, encode_error(FRESHNESS_UNAVAILABLE, msgpack), FRESHNESS_UNAVAILABLE
+        fr = (table.groups(result.names.keys), time.time(), table.tail[msgpack])
+        return 200, encode_fresh(result, tenant, block_size, msgpack, fr), warning
+
+    @staticmethod
+    def _invalid(detail: str, msgpack: bool) -> tuple[int, bytes, str]:
+        return (
+            400,
+            encode_error(
+                f"invalid {'msgpack' if msgpack else 'JSON'} request body: {detail}", msgpack
+            ),
+            detail,
+        )
 
     async def respond(
-        self, body: bytes | bytearray | list[bytes], msgpack: bool
+        self, body: bytes | bytearray | list[bytes], msgpack: bool, fresh: bool = False
     ) -> tuple[int, bytes, str | None]:
         """:meth:`answer`, in a worker thread for a large body (the front door's call).
         ``body`` may be the chunks of a large body: they are joined in that thread.
@@ -420,17 +469,19 @@ class QueryResource(_Resource[QuerySource]):
         else:
             fn = self.answer
             if len(body) <= self.large_body_bytes:
-                return self.answer(cast(bytes, body), msgpack)
+                return self.answer(cast(bytes, body), msgpack, None, fresh)
         loop = asyncio.get_running_loop()
         deferred = DeferredMetrics()  # QueryMetrics has one writer: this loop
-        out = await loop.run_in_executor(self.conductor.executor, fn, body, msgpack, deferred)
+        out = await loop.run_in_executor(
+            self.conductor.executor, fn, body, msgpack, deferred, fresh
+        )
         deferred.replay(self.metrics)
         return cast(tuple[int, bytes, "str | None"], out)
 
     def _answer_chunks(
-        self, chunks: list[bytes], msgpack: bool, metrics: DeferredMetrics
+        self, chunks: list[bytes], msgpack: bool, metrics: DeferredMetrics, fresh: bool = False
     ) -> tuple[int, bytes, str | None]:
-        return self.answer(b"".join(chunks), msgpack, metrics)
+        return self.answer(b"".join(chunks), msgpack, metrics, fresh)
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         t0 = time.perf_counter()
@@ -440,7 +491,13 @@ class QueryResource(_Resource[QuerySource]):
             self.seconds.observe(time.perf_counter() - t0)
             self.errors.inc()
             return
-        status, data, problem = await self.respond(body, msgpack)
+        problem: str | None
+        try:
+            fresh = freshness_param(req.query_string.encode("latin-1"))
+        except ValueError as ex:
+            status, data, problem = 400, encode_error(str(ex), msgpack), str(ex)
+        else:
+            status, data, problem = await self.respond(body, msgpack, fresh)
         # Server-side time (body read, parse, hash, match, encode) for clients and benches.
         dt = time.perf_counter() - t0
         self.seconds.observe(dt)
@@ -602,6 +659,27 @@ class WorkersResource(_Resource[Conductor]):
             return
         doc = await self.conductor.run(self.conductor.workers)
         _json(resp, 200, json_encoder.encode(doc))
+
+
+class FreshnessResource(_Resource[QuerySource]):
+    """``GET /freshness?model=M[&tenant=T]``: the states behind the (model, tenant)'s
+    answers (docs/api.md, "freshness"): per (instance, DP) with sources of its own its
+    state, the wall time of its newest event and of its degradation, and the sources per
+    state. Open like the query routes, whose ``"freshness"`` answers tell the same; a
+    worker of ``--workers N`` reads its owner's here."""
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        model = req.get_param("model")
+        if not model:
+            return self._bad(req, resp, "missing query parameter `model`")
+        tenant = req.get_param("tenant") or DEFAULT_TENANT
+        try:
+            table = self.conductor.freshness(model, tenant)
+        except FreshnessUnavailable as ex:
+            return self._bad(req, resp, f"{FRESHNESS_UNAVAILABLE}: {ex}", status=503)
+        if table is None:
+            return self._bad(req, resp, FRESHNESS_UNAVAILABLE, status=501)
+        _json(resp, 200, json_encoder.encode(document(table, model, tenant, time.time())))
 
 
 class DumpResource(_Resource[Conductor]):
@@ -840,6 +918,7 @@ def create_app(
     app.add_route("/explain", ExplainResource(conductor, open_workers=open_workers, **kw))
     app.add_route("/ready", ReadyResource(conductor, **kw))
     app.add_route("/debug/dump", DumpResource(conductor, **kw))
+    app.add_route("/freshness", FreshnessResource(conductor, **kw))
     app.add_route("/openapi.json", OpenApiResource())
     if open_metrics is None:
         open_metrics = open_workers

@@ -35,6 +35,7 @@ from kvconductor.http.responses import (
     WARNING_HEADER_B,
     cors_headers,
     date_header,
+    freshness_param,
     header_text,
     send_answer,
     too_large_message,
@@ -90,10 +91,11 @@ class QueryRoute(Protocol):
         ...
 
     async def respond(
-        self, body: bytes | bytearray | list[bytes], msgpack: bool
+        self, body: bytes | bytearray | list[bytes], msgpack: bool, fresh: bool = False
     ) -> tuple[int, bytes, str | None]:
         """:meth:`answer`, off the event loop for a body over :attr:`large_body_bytes`
-        (or given as its chunks, joined off the event loop)."""
+        (or given as its chunks, joined off the event loop). ``fresh``: the target's
+        ``?freshness=true``."""
         ...
 
 
@@ -253,10 +255,16 @@ class FrontDoor:
             return await self._too_large(res, send, path, None, msgpack, origin, t0)
         if body is None:
             return  # http.disconnect: nobody to answer
+        problem: str | None
         try:
-            status, data, problem = await res.respond(body, msgpack)
-        except Exception as ex:
-            status, data, problem = _internal_error(path, ex, msgpack)
+            fresh = freshness_param(scope.get("query_string", b""))
+        except ValueError as ex:
+            status, data, problem = 400, encode_error(str(ex), msgpack), str(ex)
+        else:
+            try:
+                status, data, problem = await res.respond(body, msgpack, fresh)
+            except Exception as ex:
+                status, data, problem = _internal_error(path, ex, msgpack)
         headers = self.conclude(res, path, status, data, problem, msgpack, origin, t0)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})

@@ -4,8 +4,9 @@ Bodies and answers come from the msgspec declarations of :mod:`kvconductor.schem
 (``msgspec.json.schema_components``); this module only says which route takes and
 answers which shape, with which status codes. Two things msgspec cannot see are added
 here: the query bodies' optional ``lora_name`` (:data:`~kvconductor.schema.LORA_FIELD`,
-not a Struct field), the extension fields ``top_k`` and ``instances``
-(:data:`~kvconductor.schema.EXTENSION_FIELDS`, marked ``x-kvconductor-extension``) and
+not a Struct field), the extension fields ``top_k``, ``instances`` and ``freshness``
+(:data:`~kvconductor.schema.EXTENSION_FIELDS`, marked ``x-kvconductor-extension``), what
+``freshness`` adds to an answer, and
 ``tenant_id: null`` meaning the default tenant. The query routes
 take and answer the same shapes as JSON and as MessagePack; MessagePack also takes the
 positional form and packed u32 tokens (docs/api.md), which JSON Schema cannot describe.
@@ -34,6 +35,9 @@ _STRUCTS = (
     schema.NotReadyResponse,
     schema.ExplainResponse,
     schema.RecentWarning,
+    schema.DpFreshness,
+    schema.FreshnessSummary,
+    schema.FreshnessDocument,
 )
 _ERRORS = {
     "400": "malformed body, wrong type, missing field or out-of-range number",
@@ -45,6 +49,21 @@ _ERRORS = {
     "503": "the change cannot be taken now: --max-sources or a socket (registration), or "
     "the state store is unreachable (--state-url)",
 }
+
+
+def _self_route() -> dict[str, Any]:
+    """``GET /openapi.json`` of a document (each port serves its own)."""
+    return {
+        "get": {
+            "summary": "this document",
+            "responses": {
+                "200": {
+                    "description": "OpenAPI 3.1",
+                    "content": {JSON_CONTENT_TYPE: {"schema": {"type": "object"}}},
+                }
+            },
+        }
+    }
 
 
 def _ref(cls: type) -> dict[str, str]:
@@ -98,6 +117,21 @@ def _query_request(doc: dict[str, Any]) -> None:
         "are ignored; applied before top_k); null or absent: every instance",
         "x-kvconductor-extension": True,
     }
+    props[schema.FRESHNESS_FIELD] = {
+        "anyOf": [{"type": "boolean"}, {"type": "null"}],
+        "default": None,
+        "description": "Extension (not V3): true adds to each answered (instance, DP) "
+        "the state and last-event age of its sources (DpMatch.freshness) and to the answer "
+        "a summary of the (model, tenant)'s sources (FreshnessSummary, key freshness "
+        "beside the tenant); also ?freshness=true on the route",
+        "x-kvconductor-extension": True,
+    }
+
+
+def _freshness_answer(response: dict[str, Any], components: dict[str, Any]) -> None:
+    """What a ``freshness`` query adds to the answer (docs/api.md, "freshness")."""
+    response["properties"] = {schema.FRESHNESS_FIELD: _ref(schema.FreshnessSummary)}
+    components["DpMatch"]["properties"][schema.FRESHNESS_FIELD] = _ref(schema.DpFreshness)
 
 
 def document() -> dict[str, Any]:
@@ -107,6 +141,7 @@ def document() -> dict[str, Any]:
     )
     for cls in (schema.QueryRequest, schema.QueryByHashRequest):
         _query_request(components[cls.__name__])
+    _freshness_answer(response, components)
     status = _ref(schema.StatusResponse)
     workers = {
         "type": "object",
@@ -184,6 +219,34 @@ def document() -> dict[str, Any]:
                 },
             }
         },
+        "/freshness": {
+            "get": {
+                "summary": "the states behind a (model, tenant)'s answers (docs/api.md, freshness)",
+                "parameters": [
+                    {
+                        "name": "model",
+                        "in": "query",
+                        "required": True,
+                        "schema": {"type": "string", "minLength": 1},
+                    },
+                    {
+                        "name": "tenant",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "string", "default": "default"},
+                    },
+                ],
+                "responses": {
+                    "200": {
+                        "description": "per (instance, DP) with sources of its own: "
+                        "[instance_id, dp_rank, state, newest event (wall time) or null, "
+                        "degraded since (wall time) or null]; and FreshnessSummary's fields",
+                        "content": _content(_ref(schema.FreshnessDocument), both=False),
+                    },
+                    **_errors("400"),
+                },
+            }
+        },
         "/debug/dump": {
             "get": {
                 "summary": "the index and registry as a streamed msgpack dump (docs/dump.md)",
@@ -227,17 +290,7 @@ def document() -> dict[str, Any]:
                 },
             }
         },
-        "/openapi.json": {
-            "get": {
-                "summary": "this document",
-                "responses": {
-                    "200": {
-                        "description": "OpenAPI 3.1",
-                        "content": {JSON_CONTENT_TYPE: {"schema": {"type": "object"}}},
-                    }
-                },
-            }
-        },
+        "/openapi.json": _self_route(),
     }
     paths["/query"]["post"]["responses"]["200"]["headers"] = {
         "X-KV-Conductor-Warning": {
@@ -258,4 +311,104 @@ def document() -> dict[str, Any]:
             "schemas": components,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
+    }
+
+
+_MOONCAKE_STRUCTS = (
+    schema.MooncakeRegisterRequest,
+    schema.MooncakeUnregisterRequest,
+    schema.MooncakeQueryRequest,
+    schema.MooncakeRegisterResponse,
+    schema.MooncakeUnregisterResponse,
+    schema.MooncakeQueryResponse,
+    schema.MooncakeError,
+)
+_MOONCAKE_ERRORS = {
+    "400": "malformed body, wrong type, missing field or value Mooncake's conductor refuses "
+    "(reason: invalid_json, invalid_value, unsupported, invalid_registration)",
+    "404": "no such service (instance_id, tenant_id, dp_rank)",
+    "405": "wrong method",
+    "413": "body over --max-body-mb",
+    "500": "a subscription cannot be opened, or an unexpected failure",
+}
+
+
+def _mooncake_post(summary: str, request: type, answer: type, errors: str) -> dict[str, Any]:
+    err = _content(_ref(schema.MooncakeError), both=True)
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": _content(_ref(request), both=True)},
+            "responses": {
+                "200": {"description": "done", "content": _content(_ref(answer), both=True)},
+                **{c: {"description": _MOONCAKE_ERRORS[c], "content": err} for c in errors.split()},
+            },
+        }
+    }
+
+
+def mooncake_document() -> dict[str, Any]:
+    """The OpenAPI document of the Mooncake conductor dialect, served as ``GET
+    /openapi.json`` on ``--mooncake-port`` (docs/api.md, "The Mooncake conductor
+    dialect"). MessagePack bodies take the JSON shapes; a query's ``token_ids`` may also
+    be one bin of little-endian int32."""
+    _, components = msgspec.json.schema_components(_MOONCAKE_STRUCTS, ref_template=_REF)
+    services = {
+        "type": "object",
+        "required": ["count", "services"],
+        "properties": {
+            "count": {"type": "integer"},
+            "services": {"type": "array", "items": {"type": "object"}},
+        },
+    }
+    paths: dict[str, Any] = {
+        "/register": _mooncake_post(
+            "register one DP rank of an engine (or a Mooncake pool publisher)",
+            schema.MooncakeRegisterRequest,
+            schema.MooncakeRegisterResponse,
+            "400 413 500",
+        ),
+        "/unregister": _mooncake_post(
+            "unregister the service (instance_id, tenant_id, dp_rank)",
+            schema.MooncakeUnregisterRequest,
+            schema.MooncakeUnregisterResponse,
+            "400 404 413 500",
+        ),
+        "/query": _mooncake_post(
+            "cumulative matched tokens per instance and rank (gpu <= cpu <= disk)",
+            schema.MooncakeQueryRequest,
+            schema.MooncakeQueryResponse,
+            "400 413",
+        ),
+        "/services": {
+            "get": {
+                "summary": "the services registered over this dialect",
+                "responses": {
+                    "200": {"description": "done", "content": _content(services, both=False)}
+                },
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "liveness",
+                "responses": {
+                    "200": {
+                        "description": "OK",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/openapi.json": _self_route(),
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kv-conductor: Mooncake conductor dialect",
+            "version": __version__,
+            "description": "kvcache-ai/Mooncake mooncake-conductor's HTTP API, served on "
+            "--mooncake-port (docs/api.md)",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
     }

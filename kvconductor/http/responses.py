@@ -52,6 +52,30 @@ def too_large_message(max_body_bytes: int) -> str:
     return f"request body exceeds the limit of {max_body_bytes} bytes"
 
 
+def freshness_param(query_string: bytes) -> bool:
+    """``?freshness=`` of a query route's target (docs/api.md, "freshness"): ``true``,
+    ``1`` or no value mean True; ``false``, ``0`` or no such parameter False; any other
+    value is a ``ValueError`` (its message is the 400's). Other parameters are ignored."""
+    if not query_string:
+        return False
+    on = False
+    for part in query_string.split(b"&"):
+        name, _, value = part.partition(b"=")
+        if name != b"freshness":
+            continue
+        v = value.lower()
+        if v in (b"", b"true", b"1"):
+            on = True
+        elif v in (b"false", b"0"):
+            on = False
+        else:
+            text = value[:40].decode("latin-1")
+            raise ValueError(
+                f"invalid query parameter `freshness`: expected true, false, 1 or 0 (got {text!r})"
+            )
+    return on
+
+
 def content_type(msgpack: bool) -> str:
     return MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
 

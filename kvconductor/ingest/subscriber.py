@@ -65,6 +65,7 @@ import zmq
 
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext, source_kind
+from kvconductor.ingest.freshness import FreshnessTables
 from kvconductor.ingest.host import IngestHost, IngestSettings, SharedWrites, SourceJournal
 from kvconductor.ingest.liveness import Liveness
 from kvconductor.ingest.replay import ReplaySession
@@ -760,6 +761,10 @@ class SubscriptionManager:
         self._by_dp: dict[tuple[str, int], dict[str, Subscription]] = {}
         #: The store-only subscriptions (their bound expires at every source check).
         self._bounded: dict[tuple[str, int, str], Subscription] = {}
+        #: Bumped by :meth:`_add` and :meth:`_remove`: the table changed.
+        self._generation = 0
+        #: The states behind answers (``"freshness"`` queries; any thread).
+        self.freshness = FreshnessTables(self._snapshot, self._table_generation)
         #: Warm start: (instance_id, dp_rank, url) -> (last applied seq, its digest) from a
         #: snapshot; a subscription of that key created next starts from there.
         self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
@@ -777,12 +782,20 @@ class SubscriptionManager:
         #: What the last scrape read that only changes with the table (_read_columns).
         self._metric_columns: list[_Columns] = []
 
+    def _snapshot(self) -> tuple[Subscription, ...]:
+        # one C call under the GIL: never a table changing under a reader
+        return tuple(self._subs.values())
+
+    def _table_generation(self) -> int:
+        return self._generation
+
     def _add(self, sub: Subscription) -> None:
         iid, dp, url = sub.key
         with self._table_lock:
             self._subs[sub.key] = sub
             self._by_dp.setdefault((iid, dp), {})[url] = sub
             self._note_bounded(sub)
+            self._generation += 1
 
     def _note_bounded(self, sub: Subscription) -> None:
         if sub.applier.store_bound is not None:
@@ -795,6 +808,7 @@ class SubscriptionManager:
         with self._table_lock:
             sub = self._subs.pop(key)
             self._bounded.pop(key, None)
+            self._generation += 1
             urls = self._by_dp[key[0], key[1]]
             del urls[key[2]]
             if not urls:

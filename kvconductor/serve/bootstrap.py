@@ -40,7 +40,7 @@ from kvconductor._shlock import SLOTS
 from kvconductor.http.api import create_app, query_routes
 from kvconductor.http.front import ASGIApp, FrontDoor
 from kvconductor.http.metrics import Metrics, QueryMetrics, Sample
-from kvconductor.serve.proxy import Forwarder, OwnerClient
+from kvconductor.serve.proxy import Forwarder, OwnerClient, OwnerFreshness
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.workermetrics import WorkerCollector
 from kvconductor.state.conductor import Conductor, raise_fd_limit, tune_malloc
@@ -367,6 +367,7 @@ def _build_worker(settings: Settings, owner_socket: str, shared_fds: tuple[int, 
         except (OSError, RuntimeError, ValueError) as ex:
             log.error("cannot attach the shared index: %s", ex)
             raise StartFailed(str(ex)) from None
+        view.freshness_source = OwnerFreshness(owner_socket)
         routes = query_routes(view, max_body_bytes=settings.max_body_bytes, metrics=query_metrics)
         log.info(
             "shared index attached at %#x (directory generation %d)",

@@ -42,7 +42,12 @@ class _Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         ns = super().parse_args(args, namespace)
         # flags wrong together
-        problem = _tls_problem(ns) or _source_problem(ns) or _snapshot_problem(ns)
+        problem = (
+            _tls_problem(ns)
+            or _source_problem(ns)
+            or _snapshot_problem(ns)
+            or _mooncake_problem(ns)
+        )
         if problem:
             self.error(problem)
         return ns
@@ -225,6 +230,16 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         type=_port,
         default=DEFAULT_PORT,
         help=f"HTTP port (default {DEFAULT_PORT}; 0 picks a free one)",
+    )
+    p.add_argument(
+        "--mooncake-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="also serve the Mooncake conductor's HTTP dialect (kvcache-ai/Mooncake "
+        "mooncake-conductor: /register, /unregister, /query, /services) on this port, "
+        "beside the V3 API (default: off; one process only, not with --workers N; "
+        "docs/api.md)",
     )
     p.add_argument(
         "--workers",
@@ -530,6 +545,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         replica_id=args.replica_id,
         lease_secs=args.lease_secs,
         workers=args.workers,
+        mooncake_port=args.mooncake_port,
         reader_stall_ms=args.reader_stall_ms,
         **_http_fields(args),
     )
@@ -599,6 +615,20 @@ def _lease(value: str) -> float:
     if not 0.3 <= secs <= 3600:
         raise argparse.ArgumentTypeError(f"invalid value {value!r}: 0.3 .. 3600 seconds")
     return secs
+
+
+def _mooncake_problem(args: argparse.Namespace) -> str | None:
+    port = args.mooncake_port
+    if port is None:
+        return None
+    if args.workers > 1:
+        return (
+            "--mooncake-port serves from the process that owns the index: it does not "
+            "combine with --workers N (N > 1)"
+        )
+    if port and port == args.port:
+        return f"--mooncake-port {port} is the V3 port (--port): give another one"
+    return None
 
 
 def _source_problem(args: argparse.Namespace) -> str | None:

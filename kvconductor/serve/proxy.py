@@ -22,10 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import http.client
 import logging
+import socket
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterable
 from typing import Any
+
+import msgspec
 
 from kvconductor.http.metrics import QueryMetrics
 from kvconductor.http.responses import (
@@ -38,6 +44,8 @@ from kvconductor.http.responses import (
     send_answer,
     too_large_message,
 )
+from kvconductor.ingest.freshness import FreshnessUnavailable
+from kvconductor.schema import FreshnessDocument
 from kvconductor.wire import is_msgpack_content_type
 
 log = logging.getLogger("kvconductor.cluster")
@@ -221,6 +229,65 @@ class _Conn:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.writer.close()
+
+
+_FRESHNESS = msgspec.json.Decoder(FreshnessDocument)
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class OwnerFreshness:
+    """A worker's reader of its owner's ``GET /freshness`` (the states behind
+    ``"freshness"`` answers, :meth:`kvconductor.state.shared.SharedView.freshness`).
+
+    Blocking, on the thread that answers the query (the event loop's for a small one):
+    one request over a kept connection to the owner's UNIX socket, about 0.2 ms, at most
+    once per (model, tenant) per ``FRESHNESS_TTL``. One connection per thread.
+    :class:`~kvconductor.ingest.freshness.FreshnessUnavailable` when the owner cannot be
+    reached or answers anything but 200."""
+
+    def __init__(self, path: str, timeout: float = 2.0) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._local = threading.local()
+
+    def __call__(self, model: str, tenant: str) -> FreshnessDocument:
+        target = "/freshness?" + urllib.parse.urlencode({"model": model, "tenant": tenant})
+        for attempt in (0, 1):  # a kept connection the owner closed: once more, anew
+            conn = getattr(self._local, "conn", None)
+            if conn is None:
+                conn = self._local.conn = _UnixHTTPConnection(self.path, self.timeout)
+            try:
+                conn.request("GET", target)
+                r = conn.getresponse()
+                body = r.read()
+            except (OSError, http.client.HTTPException) as ex:
+                conn.close()
+                self._local.conn = None
+                if attempt:
+                    raise FreshnessUnavailable(f"the owner cannot be reached ({ex})") from None
+                continue
+            if r.status != 200:
+                raise FreshnessUnavailable(f"the owner answered {r.status}")
+            try:
+                return _FRESHNESS.decode(body)
+            except msgspec.DecodeError as ex:
+                raise FreshnessUnavailable(f"the owner's answer is malformed ({ex})") from None
+        raise AssertionError("unreachable")
 
 
 class OwnerClient:

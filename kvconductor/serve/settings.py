@@ -108,6 +108,8 @@ class Settings:
     lease_secs: float = 5.0
     # HTTP worker processes (docs/operations.md, "Several worker processes")
     workers: int = 1
+    # the Mooncake conductor's dialect on its own port (docs/api.md); None: off
+    mooncake_port: int | None = None
     # --workers N: a worker inside a read section of the shared index this long after the
     # ingest thread started waiting for it is stalled: the others go on, it is killed
     reader_stall_ms: int = 500

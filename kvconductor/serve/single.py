@@ -30,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from uvicorn._compat import asyncio_run
 
 from kvconductor.http.front import FrontDoor
 from kvconductor.http.limits import HttpLimits, h11_buffer_limit, protocol_class
@@ -380,9 +381,37 @@ def report_bind_error(settings: Settings, ex: OSError) -> None:
     )
 
 
+class SideServer(KvServer):
+    """A second server in the main server's event loop (``--mooncake-port``): it leaves
+    the signals to the main one, which stops it after its own drain (:func:`run_beside`)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def run_beside(
+    server: KvServer, sock: socket.socket, side: KvServer, side_sock: socket.socket
+) -> None:
+    """Serve ``server`` on ``sock`` and ``side`` on ``side_sock`` in one event loop until a
+    shutdown signal (the main server's); ``side`` drains after ``server``."""
+
+    async def both() -> None:
+        task = asyncio.ensure_future(side.serve(sockets=[side_sock]))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            side.should_exit = True
+            await task
+
+    asyncio_run(both(), loop_factory=server.config.get_loop_factory())
+
+
 def serve(settings: Settings) -> int:
     """Serve in this one process until a shutdown signal; returns the process exit status
-    (``--workers N > 1`` is :func:`kvconductor.serve.owner.serve_owner`)."""
+    (``--workers N > 1`` is :func:`kvconductor.serve.owner.serve_owner`). With
+    ``--mooncake-port`` the Mooncake conductor's dialect is served on that port too, in
+    the same event loop (:mod:`kvconductor.http.mooncake`)."""
     try:
         service = build_service(settings, "single")
     except StartFailed:
@@ -392,15 +421,36 @@ def serve(settings: Settings) -> int:
     except OSError as ex:
         report_bind_error(settings, ex)
         return 1
+    side: tuple[KvServer, socket.socket] | None = None
+    if settings.mooncake_port is not None:
+        try:
+            side_sock = bind_socket(settings.host, settings.mooncake_port)
+        except OSError as ex:
+            report_bind_error(dataclasses.replace(settings, port=settings.mooncake_port), ex)
+            sock.close()
+            return 1
+        from kvconductor.http.mooncake import create_mooncake_app
+
+        assert service.conductor is not None
+        app = create_mooncake_app(service.conductor, max_body_bytes=settings.max_body_bytes)
+        side = (SideServer(uvicorn_config(app, settings, "(mooncake dialect)")), side_sock)
+        log.info("Mooncake conductor dialect listening on %s", format_address(side_sock))
     server = KvServer(uvicorn_config(service.app, settings))
     service.log_start(format_address(sock))
     if not service.start():
         sock.close()
+        if side is not None:
+            side[1].close()
         return 1
     try:
-        server.run(sockets=[sock])
+        if side is None:
+            server.run(sockets=[sock])
+        else:
+            run_beside(server, sock, *side)
     finally:
         service.stop()
         sock.close()
+        if side is not None:
+            side[1].close()
         log.info("KV conductor shut down")
     return 0

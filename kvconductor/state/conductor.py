@@ -33,6 +33,7 @@ import zmq
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
+from kvconductor.ingest.freshness import FreshnessTable
 from kvconductor.ingest.host import IngestSettings
 from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
 from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
@@ -443,6 +444,9 @@ class Conductor:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         #: Registered (instance, DP) pairs; replaced by the ingest thread, read anywhere.
         self.registrations = 0
+        #: +1 on every registration change (ingest thread; read anywhere): readers that
+        #: keep something derived from the registry know when to derive it again.
+        self.registry_generation = 0
         #: (model, tenant) -> the block sizes registered for it (query miss reasons);
         #: a new dict is swapped in on every change, read anywhere.
         self.block_sizes: dict[tuple[str, str], frozenset[int]] = {}
@@ -591,6 +595,10 @@ class Conductor:
             if old is not None:
                 return old.get((model, tenant))
         return idx
+
+    def freshness(self, model: str, tenant: str) -> FreshnessTable:
+        """The states behind (model, tenant)'s answers (any thread)."""
+        return self.subs.freshness.table(model, tenant)
 
     # -- callbacks for subscribers (ingest thread) ------------------------------------------------
     def get_or_create_index(self, model: str, tenant: str) -> Index:
@@ -802,6 +810,7 @@ class Conductor:
     def _registrations_changed(self) -> None:
         """Take :attr:`registrations` and :attr:`block_sizes` from the registry's counts
         (ingest thread; after a registration or unregistration, O(indexes))."""
+        self.registry_generation += 1
         block_sizes = self.registry.block_sizes()
         changed = block_sizes != self.block_sizes
         self.block_sizes = block_sizes

@@ -25,6 +25,7 @@ import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
+from kvconductor.ingest.freshness import FreshnessTable, FreshnessTables
 from kvconductor.ingest.sourcemetrics import SourceSnapshot
 from kvconductor.schema import JSONObject, JSONValue
 
@@ -94,6 +95,12 @@ class QuerySource(Protocol):
     def executor(self) -> concurrent.futures.ThreadPoolExecutor: ...
 
     def get_index(self, model: str, tenant: str) -> IndexView | None: ...
+
+    def freshness(self, model: str, tenant: str) -> FreshnessTable | None:
+        """The states behind the (model, tenant)'s answers (``"freshness"`` queries);
+        None where this process cannot tell. May raise
+        :class:`~kvconductor.ingest.freshness.FreshnessUnavailable`."""
+        ...
 
 
 # -- replicas and snapshots ------------------------------------------------------------------
@@ -189,6 +196,8 @@ class Subscriptions(Protocol):
     #: ``--state-url``: the replica that logs what the owned sources bring (set by
     #: :meth:`kvconductor.state.replica.ValkeyJournal.start`; None: not replicated).
     replicator: SourceJournal | None
+    #: The states behind answers (``"freshness"`` queries; any thread).
+    freshness: FreshnessTables
 
     @property
     def resume(self) -> dict[SourceKey, tuple[int, int, int]]:
@@ -233,7 +242,7 @@ class NoSubscriptions:
     replicator: SourceJournal | None = None
 
     def __init__(self, thread: object = None, conductor: object = None) -> None:
-        pass
+        self.freshness = FreshnessTables(tuple, int)  # no sources, generation 0
 
     @property
     def resume(self) -> dict[SourceKey, tuple[int, int, int]]:

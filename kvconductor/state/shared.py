@@ -41,6 +41,8 @@ from kvconductor import _index
 from kvconductor._arena import OPAQUE_OFFSET, Arena
 from kvconductor._shlock import SharedLock
 from kvconductor.index import QueryResult, names_class, select_answer
+from kvconductor.ingest.freshness import FreshnessTable, from_document
+from kvconductor.schema import FreshnessDocument
 
 if TYPE_CHECKING:
     from kvconductor.index import Index
@@ -51,6 +53,8 @@ log = logging.getLogger("kvconductor")
 #: address and length of the MessagePack directory.
 _HEADER = struct.Struct("<QQQQ")
 DIR_MAGIC = 0x6B76636469723031  # "kvcdir01"
+#: Seconds a worker answers ``"freshness"`` queries from one read of its owner's states.
+FRESHNESS_TTL = 0.25
 #: How often a query retries after its directory went stale under it.
 STALE_RETRIES = 16
 #: Longest the ingest thread holds the shared write section over a drain of messages
@@ -308,7 +312,13 @@ def _same_core(idx: ViewIndex, address: int) -> bool:
 class SharedView:
     """A worker's view of the owner's indexes: the parts of
     :class:`~kvconductor.state.conductor.Conductor` the query resources read (``get_index``,
-    ``block_sizes``, ``lora_seeds``, ``executor``). Any thread."""
+    ``block_sizes``, ``lora_seeds``, ``executor``, ``freshness``). Any thread.
+
+    ``freshness_source``: reads the owner's ``GET /freshness`` document of a (model,
+    tenant) (:class:`kvconductor.serve.proxy.OwnerFreshness`; None: no freshness here).
+    A worker keeps each document :data:`FRESHNESS_TTL` seconds: its states are at most
+    that old, and its ages count from the newest event the owner had then (so they can be
+    that much too old, never too young)."""
 
     def __init__(self, arena: Arena, lock: SharedLock, *, query_threads: int = 2) -> None:
         self.arena = arena
@@ -322,6 +332,8 @@ class SharedView:
         self.lora_seeds: dict[tuple[str, str], frozenset[int]] = {}
         self._mutex = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.freshness_source: Callable[[str, str], FreshnessDocument] | None = None
+        self._fresh: dict[tuple[str, str], tuple[float, FreshnessTable]] = {}
         magic = _HEADER.unpack(self.arena.read(self.header_address, _HEADER.size))[0]
         if magic != DIR_MAGIC:
             raise RuntimeError("the shared arena holds no kv-conductor directory")
@@ -365,6 +377,24 @@ class SharedView:
         if self.current_generation() != self.generation:
             self.reload()
         return self.indexes.get((model, tenant))
+
+    def freshness(self, model: str, tenant: str) -> FreshnessTable | None:
+        """The owner's states behind (model, tenant)'s answers, at most
+        :data:`FRESHNESS_TTL` seconds old (class doc); None without a source.
+        :class:`~kvconductor.ingest.freshness.FreshnessUnavailable` when the owner
+        cannot be read."""
+        source = self.freshness_source
+        if source is None:
+            return None
+        now = time.monotonic()
+        hit = self._fresh.get((model, tenant))
+        if hit is not None and now - hit[0] < FRESHNESS_TTL:
+            return hit[1]
+        table = from_document(source(model, tenant))
+        if len(self._fresh) > 4096:
+            self._fresh.clear()
+        self._fresh[model, tenant] = (now, table)
+        return table
 
     @property
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
