@@ -670,7 +670,7 @@ class Applier:
         n = 0
         if index is not None:
             for key, hs in due.items():
-                n += index.evict(key, array("Q", hs))
+                n += index.remove(key, array("Q", hs))  # its own blocks: no two-phase rule
         return n
 
     def _removed(self, index, ev: Removed) -> None:
