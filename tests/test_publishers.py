@@ -683,3 +683,24 @@ def test_http_events_storage_medium_is_disk(client):
     assert r.status_code == 200, r.text
     dp = query(client, list(range(1, 13)))["default"]["vllm-prefill-1"]["DP"]["0"]
     assert (dp["npu_blocks"], dp["cpu_blocks"], dp["disk_blocks"]) == (2, 0, 1)
+
+
+def test_vllm_own_offloading_without_a_pool_with_store_only(fake):
+    """vLLM's offloading connector keeps its CPU/STORAGE blocks itself: registered
+    store_only, its self-describing events (vLLM 0.33's classes) are held at once, its
+    removals apply, and the bound covers what it never removes."""
+    k = vllm_kv_events()
+    eng = Applier(_ctx(store_only=(600.0, 1000)), fake)
+    eng.apply_payload(
+        _vllm_batch(
+            k,
+            [
+                _vllm_stored(k, [1000, 1001], None, TOK[:8], k.MEDIUM_GPU),
+                _vllm_stored(k, [1002, 1003], 1001, TOK[8:], k.MEDIUM_STORAGE),
+            ],
+        )
+    )
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, TOK, BS) == {(IID, 0): (2, 0, 2)}
+    eng.apply_payload(_vllm_batch(k, [k.BlockRemoved(block_hashes=[1003], medium="STORAGE")]))
+    assert hits(idx, TOK, BS) == {(IID, 0): (2, 0, 1)}
