@@ -45,6 +45,7 @@ def _manager(connected: bool):
     mgr.thread = types.SimpleNamespace(is_alive=lambda: False)
     mgr.conductor = types.SimpleNamespace(get_index=lambda model, tenant: None)
     mgr._subs = {}
+    mgr._bounded = {}  # no store-only source
     mgr.replicator = None
     for i in range(N):
         s = Subscription.__new__(Subscription)

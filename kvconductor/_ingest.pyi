@@ -10,6 +10,7 @@ STORED_KEYS: tuple[str, ...]
 REMOVED_KEYS: tuple[str, ...]
 CLEARED_KEYS: tuple[str, ...]
 POOL_KEYS: tuple[str, ...]
+DECLINED_KEYS: tuple[str, ...]
 
 @disjoint_base
 class FastBatch:

@@ -80,6 +80,7 @@ cdef enum:
     FID_SESSION = 13
     FID_POOL = 14               # event_type / seq_hashes / backend_id / event_id
     FID_SKIP = 15               # ignored by the decoders (skipped as raw msgpack)
+    FID_DECLINE = 16            # tokens_hashes: the general path applies such an event
 
 # Map keys each event struct of kvconductor.ingest.vllm declares (others are skipped).
 cdef uint32_t _KNOWN_STORED = (1 << 14) - 1
@@ -136,6 +137,8 @@ REMOVED_KEYS = _known(_KNOWN_REMOVED)
 CLEARED_KEYS = _known(_KNOWN_CLEARED)
 #: Keys that make a map a pool event (apply._POOL_KEYS).
 POOL_KEYS = tuple([_POOL_NAMES[i].decode() for i in range(4)])
+#: Map keys the decoders read that make the fast path decline an event.
+DECLINED_KEYS = ("tokens_hashes",)
 
 
 cdef enum:
@@ -289,6 +292,8 @@ cdef int _fid(const uint8_t* s, size_t n) noexcept nogil:
         return FID_KIND if memcmp(s, b"kv_cache_spec_kind", 18) == 0 else FID_SKIP
     if n == 28:
         return FID_WINDOW if memcmp(s, b"kv_cache_spec_sliding_window", 28) == 0 else FID_SKIP
+    if n == 13:
+        return FID_DECLINE if memcmp(s, b"tokens_hashes", 13) == 0 else FID_SKIP
     return FID_SKIP
 
 
@@ -544,6 +549,8 @@ cdef class FastBatch:
                 fid = _fid(s, nb)
                 if fid == FID_POOL:
                     return R_POOL_KEY   # a pool map (see apply._looks_like_pool)
+                if fid == FID_DECLINE:
+                    return R_FIELD      # precomputed local hashes: the general path
                 if fid != FID_SKIP:
                     bit = 1u << fid
                     if ev.seen & bit:

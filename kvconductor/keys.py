@@ -29,7 +29,11 @@ for _k in ("npu", "NPU", "gpu", "GPU", "xpu", "XPU", "hbm", "HBM", "device", "DE
     _MEDIA[_k] = Medium.NPU
 for _k in ("cpu", "CPU", "cpu_pinned", "CPU_PINNED", "host", "HOST", "memory", "MEMORY"):
     _MEDIA[_k] = Medium.CPU
-for _k in ("disk", "DISK", "ssd", "SSD", "nvme", "NVME", "nof_ssd", "dfs", "DFS"):
+# ``STORAGE``: vLLM's disk/file offloading tier (``MEDIUM_STORAGE``, vLLM >= 0.27);
+# ``SHARED_STORAGE``, ``OBJECT_STORE``: llm-d's storage offloading backends.
+_DISK_KEYS = ("disk", "DISK", "ssd", "SSD", "nvme", "NVME", "nof_ssd", "dfs", "DFS")
+_STORAGE_KEYS = ("storage", "STORAGE", "shared_storage", "SHARED_STORAGE", "object_store")
+for _k in (*_DISK_KEYS, *_STORAGE_KEYS, "OBJECT_STORE"):
     _MEDIA[_k] = Medium.DISK
 
 

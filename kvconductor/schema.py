@@ -91,6 +91,21 @@ def to_u64(value: int, what: str) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+#: Defaults of a store-only source's bound (docs/api.md, "Store-only sources").
+STORE_ONLY_TTL_SECS = 600.0
+STORE_ONLY_CAPACITY = 1_000_000
+
+
+class StoreOnly(Struct, kw_only=True):
+    """``store_only`` of ``POST /register`` as an object: the bound of a publisher that
+    never sends removals for its CPU/Disk blocks (LMCache multiprocess mode)."""
+
+    #: Seconds a block stays after its last announcement.
+    ttl_secs: Annotated[float, Meta(gt=0, le=30 * 86400)] = STORE_ONLY_TTL_SECS
+    #: Blocks (of the registered ``block_size``) kept per source; the oldest go first.
+    capacity: Annotated[int, Meta(ge=1, le=U32_MAX)] = STORE_ONLY_CAPACITY
+
+
 class RegisterRequest(Struct, kw_only=True):
     """``POST /register``.
 
@@ -110,6 +125,10 @@ class RegisterRequest(Struct, kw_only=True):
     replay_endpoint: str | None = None
     tenant_id: Name | None = DEFAULT_TENANT
     node_id: Name | None = None
+    #: Extension: the engine publisher's CPU/Disk stores are never followed by removals
+    #: (LMCache multiprocess mode): index them directly, bounded by a TTL and a capacity.
+    #: ``true`` takes the default bound.
+    store_only: bool | StoreOnly | None = None
 
 
 class UnregisterRequest(Struct, kw_only=True):

@@ -21,6 +21,7 @@ from kvconductor.state import dump
 from tests.helpers.publishers import (
     FakePublisher,
     PoolPublisher,
+    free_tcp_port,
     mooncake_tuple,
     schema,
     wait_until,
@@ -360,6 +361,12 @@ def test_registrations_load_back_identical():
                 "medium_endpoints": {"cpu": "tcp://10.0.0.2:5", "disk": "tcp://10.0.0.2:5"},
             },
             {
+                "instance_id": "lmcache",
+                "dp_rank": 0,
+                "medium_endpoints": {"npu": "tcp://10.0.0.5:1"},
+                "store_only": {"ttl_secs": 60, "capacity": 100},
+            },
+            {
                 "instance_id": "mc",
                 "dp_rank": 0,
                 "tenant_id": "t",
@@ -373,12 +380,51 @@ def test_registrations_load_back_identical():
             req = {"type": "vLLM", "modelname": "qwen", "block_size": BS, **body}
             a.call(a.register, msgspec.convert(req, RegisterRequest))
         data = b"".join(dump.write_dump(a))
-        assert b.call(dump.load_dump, b, [data]) == {"sources": 0, "registrations": 6, "indexes": 2}
+        assert b.call(dump.load_dump, b, [data]) == {"sources": 0, "registrations": 7, "indexes": 2}
         assert b.registry.instances == a.registry.instances
         assert b.registry.get("yuanrong-pool-10.0.0.2-qwen").endpoints[0].node_pool
         assert b.registry.hbm_ip_index == a.registry.hbm_ip_index
         assert b.registry.hbm_ip_index  # the Mooncake engine's HBM IP
         assert b.call(b.workers) == a.call(a.workers)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_store_only_blocks_loaded_from_a_dump_are_bounded():
+    """A store-only DP's CPU blocks come back from a dump after its registration opened
+    the subscription: load_dump puts them under the bound, so they still age out."""
+    import time
+
+    from kvconductor.keys import Medium, WorkerKey
+    from kvconductor.schema import RegisterRequest
+    from kvconductor.state.conductor import Conductor, ConductorConfig
+
+    iid = "vllm-lmcache-1"
+    req = msgspec.convert(
+        {"instance_id": iid, "type": "vLLM", "modelname": "qwen", "block_size": BS,
+         "dp_rank": 0, "medium_endpoints": {"npu": f"tcp://127.0.0.1:{free_tcp_port()}"},
+         "store_only": {"ttl_secs": 60, "capacity": 100}},
+        RegisterRequest,
+    )  # fmt: skip
+    tokens = list(range(1, 4 * BS + 1))
+    key = WorkerKey(iid, iid, 0, Medium.CPU)
+    a = Conductor(ConductorConfig(maintenance_interval=3600))
+    b = Conductor(ConductorConfig(maintenance_interval=3600))
+    a.start()
+    b.start()
+    try:
+        a.call(a.register, req)
+        idx = a.call(a.get_or_create_index, "qwen", "default")
+        a.call(idx.store_tokens, key, None, [11, 12, 13, 14], tokens, BS)
+        data = b"".join(a.call(lambda: list(dump.write_dump(a))))
+        b.call(dump.load_dump, b, [data])
+        held = b.call(lambda: b.indexes[("qwen", "default")].worker_blocks(key))
+        assert held == 4
+        (src,) = b.call(b.subs.sources)
+        assert src["store_only"]["blocks"] == 4
+        b.call(b.subs.check_sources, time.monotonic() + 61)
+        assert b.call(lambda: b.indexes[("qwen", "default")].worker_blocks(key)) == 0
     finally:
         a.stop()
         b.stop()

@@ -77,7 +77,12 @@ def test_resolve_groups_keys_by_url():
 
 
 def test_resolve_unknown_medium_key():
-    assert resolve_endpoints({"STORAGE": "tcp://h:1"}, None) == {"tcp://h:1": (UNKNOWN,)}
+    assert resolve_endpoints({"FS": "tcp://h:1"}, None) == {"tcp://h:1": (UNKNOWN,)}
+
+
+def test_resolve_storage_key_is_disk():
+    # vLLM >= 0.27 names its disk offloading tier STORAGE
+    assert resolve_endpoints({"STORAGE": "tcp://h:1"}, None) == {"tcp://h:1": (DISK,)}
 
 
 def test_resolve_legacy_endpoint_maps_all_media():
@@ -350,14 +355,15 @@ def test_hbm_ip_for_hbm_keys_of_every_backend():
         ("other", {"memory": "tcp://node-3:15558"}, True, "node-3"),
         (
             "YuanRong",
-            {"cpu": "tcp://10.0.0.1:15558", "STORAGE": "tcp://10.0.0.1:9"},
+            {"cpu": "tcp://10.0.0.1:15558", "FS": "tcp://10.0.0.1:9"},
             True,
             "10.0.0.1",
         ),
         # any HBM key (an empty URL too) makes it a DP registration
         ("YuanRong", {"npu": "tcp://10.0.0.1:15557", "cpu": "tcp://10.0.0.1:15558"}, False, None),
         ("YuanRong", {"npu": "", "cpu": "tcp://10.0.0.1:15558"}, False, None),
-        ("YuanRong", {"STORAGE": "tcp://10.0.0.1:15558"}, False, None),
+        ("YuanRong", {"FS": "tcp://10.0.0.1:15558"}, False, None),
+        ("YuanRong", {"STORAGE": "tcp://10.0.0.1:15558"}, True, "10.0.0.1"),
         # Mooncake/Memcache pools are cluster pools (legacy endpoint)
         ("Mooncake", {"cpu": "tcp://10.0.0.1:15558"}, False, None),
         # no URL left: HTTP-only

@@ -93,7 +93,11 @@ def test_vllm_positions_and_keys_are_the_decoder_structs():
     assert vllm._ARemoved.__struct_fields__ == _ingest.REMOVED_POSITIONS
     pool = set(recognize._POOL_KEYS)
     assert set(_ingest.POOL_KEYS) == pool
-    assert set(_ingest.STORED_KEYS) == {"type"} | set(vllm._MStored.__struct_fields__) - pool
+    declined = set(_ingest.DECLINED_KEYS)
+    assert declined <= set(vllm._MStored.__struct_fields__)
+    assert set(_ingest.STORED_KEYS) == (
+        {"type"} | set(vllm._MStored.__struct_fields__) - pool - declined
+    )
     assert set(_ingest.REMOVED_KEYS) == {"type"} | set(vllm._MRemoved.__struct_fields__) - pool
     assert set(_ingest.CLEARED_KEYS) == {"type"} | set(vllm._MCleared.__struct_fields__)
     # the length-switch of _fid recognises exactly the names of the table
@@ -102,6 +106,8 @@ def test_vllm_positions_and_keys_are_the_decoder_structs():
     assert len(set(ids.values())) == len(names)
     assert len({_ingest._fid_of(k) for k in pool}) == 1
     assert _ingest._fid_of(next(iter(pool))) not in ids.values()
+    assert len({_ingest._fid_of(k) for k in declined}) == 1
+    assert _ingest._fid_of(next(iter(declined))) not in {*ids.values(), _ingest._fid_of("nope")}
     skip = _ingest._fid_of("nope")
     assert _ingest._fid_of("extra_keys") == skip
     assert skip not in ids.values()

@@ -13,9 +13,8 @@ import zmq
 
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
-from kvconductor.ingest.subscriber import SubscriptionManager
-from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium, StoreBackend
+from tests.helpers.harness import Harness
 from tests.helpers.publishers import (
     FakeConductor,
     FakePublisher,
@@ -31,42 +30,6 @@ BS = 4
 V33 = schema("vllm", "0.33.0")
 V09 = schema("vllm", "0.9.0")
 IID = "vllm-prefill-a"
-
-
-class Harness:
-    def __init__(self) -> None:
-        self.conductor = FakeConductor()
-        self.thread = IngestThread(context=zmq.Context.instance())
-        self.thread.start()
-        self.mgr = self.thread.call(
-            lambda: SubscriptionManager(self.thread, self.conductor, replay_timeout=5.0), timeout=10
-        )
-
-    def call(self, fn, *a):
-        return self.thread.call(fn, *a, timeout=10)
-
-    def subscribe(self, ctx, replay=False):
-        self.call(self.mgr.subscribe, ctx)
-        if replay:
-            self.call(self.mgr.request_replay, ctx)
-
-    def source(self, iid=IID, dp=0, url=None):
-        for s in self.call(self.mgr.sources):
-            if s["instance_id"] == iid and s["dp_rank"] == dp and (url is None or s["url"] == url):
-                return s
-        return None
-
-    def index(self, model="m", tenant="t"):
-        return self.conductor.indexes.get((model, tenant))
-
-    def hits(self, tokens, model="m", tenant="t"):
-        return hits(self.index(model, tenant), tokens, BS)
-
-    def close(self):
-        try:
-            self.call(self.mgr.close)
-        finally:
-            self.thread.stop()
 
 
 @pytest.fixture

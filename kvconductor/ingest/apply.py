@@ -46,6 +46,7 @@ import logging
 import time
 import weakref
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import kvconductor
@@ -95,11 +96,82 @@ REJECTED_KINDS = frozenset(
 )
 
 
+def _lower_tier(medium: str) -> bool:
+    """A CPU or Disk medium string."""
+    return parse_medium(medium).tier != 0
+
+
 def kind_rejected(kind: str | None) -> bool:
     """True for attention kinds whose blocks must not be indexed (see REJECTED_KINDS)."""
     if not kind:
         return False
     return kind.lower().replace("_", "") in REJECTED_KINDS
+
+
+_M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def sub_block_hash(h: int, j: int) -> int:
+    """The engine hash kvconductor gives block ``j`` (not the last) of a chunk announced
+    under the one hash ``h`` (a store-only chunk of several registered blocks, see
+    :class:`StoreOnlyBound`): splitmix64 of ``h + (j + 1) * golden``. The chunk's last
+    block keeps ``h`` itself, so that the next chunk, whose parent is ``h``, links on."""
+    x = (h + (j + 1) * 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class StoreOnlyBound:
+    """The CPU/Disk blocks a store-only source announced (docs/api.md, "Store-only
+    sources"): ``(key, engine hash) -> deadline``, oldest first (a re-announcement moves
+    a block to the end). A block leaves when its deadline passes (``ttl_secs`` after its
+    last announcement) or when the source holds more than ``capacity`` blocks."""
+
+    __slots__ = ("ttl", "capacity", "held", "expired", "evicted")
+
+    def __init__(self, ttl: float, capacity: int) -> None:
+        self.ttl = ttl
+        self.capacity = capacity
+        self.held: OrderedDict[tuple[WorkerKey, int], float] = OrderedDict()
+        #: Blocks that aged out (TTL) / were pushed out (capacity).
+        self.expired = 0
+        self.evicted = 0
+
+    def note(self, key: WorkerKey, hashes: Sequence[int], now: float) -> None:
+        deadline = now + self.ttl
+        held = self.held
+        for h in hashes:
+            k = (key, h)
+            if k in held:
+                held.move_to_end(k)
+            held[k] = deadline
+
+    def due(self, now: float) -> dict[WorkerKey, list[int]]:
+        """Take the blocks past their deadline or over the capacity, by key."""
+        out: dict[WorkerKey, list[int]] = {}
+        held = self.held
+        while held:
+            k, deadline = next(iter(held.items()))
+            over = len(held) > self.capacity
+            if deadline > now and not over:
+                break
+            held.popitem(last=False)
+            if deadline <= now:
+                self.expired += 1
+            else:
+                self.evicted += 1
+            out.setdefault(k[0], []).append(k[1])
+        return out
+
+    def info(self) -> dict[str, object]:
+        return {
+            "ttl_secs": self.ttl,
+            "capacity": self.capacity,
+            "blocks": len(self.held),
+            "expired_blocks": self.expired,
+            "evicted_blocks": self.evicted,
+        }
 
 
 def registered_index(info: object, dp: int) -> tuple[str | None, str | None]:
@@ -170,6 +242,14 @@ class Applier:
         self.suspects: dict[tuple[str, str, WorkerKey], array] | None = None
         #: After a loss: key -> engine hashes announced since (stored, or named as parent).
         self.confirmed: dict[WorkerKey, array] = {}
+        #: A store-only source: the bound of its CPU/Disk blocks (None otherwise).
+        self.store_bound = (
+            StoreOnlyBound(*ctx.store_only)
+            if ctx.store_only is not None and not ctx.is_pool
+            else None
+        )
+        if self.store_bound is not None:
+            self.seed_store_only()
 
     # -- helpers ------------------------------------------------------------------------
     def _drop(self, reason: str, detail: str = "", payload: bytes | None = None) -> None:
@@ -221,6 +301,8 @@ class Applier:
         """Decode and apply one payload; False (counted, warned) if undecodable or over a
         bound of :class:`Limits`."""
         lim = self.limits
+        if self.store_bound is not None and self.store_bound.held:
+            self.expire_store_only()
         if len(payload) > lim.max_message_bytes:
             self._drop(
                 "message_too_large",
@@ -460,7 +542,14 @@ class Applier:
     def _stored(self, index, ev: Stored) -> None:
         ctx = self.ctx
         bs = ev.block_size
-        if bs and ctx.block_size > 0 and bs != ctx.block_size:
+        direct = self.store_bound is not None and bool(ev.medium) and _lower_tier(ev.medium)
+        # (a store-only source's chunks of whole registered blocks are split up)
+        if (
+            bs
+            and ctx.block_size > 0
+            and bs != ctx.block_size
+            and not (direct and bs % ctx.block_size == 0)
+        ):
             self.stats.drop("block_size_mismatch")
             self._size_warning(bs)
             return
@@ -472,22 +561,41 @@ class Applier:
             return
         seed = lora_seed(ev.lora_name) if ev.lora_name else DEFAULT_SEED
         tokens = ev.tokens
-        if seed != DEFAULT_SEED and len(tokens) and bs:
+        given = ev.local_hashes
+        if seed != DEFAULT_SEED and ((len(tokens) and bs) or given is not None):
             self._lora(ctx.model, ctx.tenant, seed)
         medium = parse_medium(ev.medium) if ev.medium else self.hbm_medium
+        if direct and given is None and (len(tokens) and bs):
+            self._store_direct(index, ev, medium, seed)
+            return
         if medium is Medium.NPU:
             key = self._key(medium)
             self._touch(ctx.model, ctx.tenant, key)
             if self.suspects is not None:
                 self._confirm(key, hashes, ev.parent)
-            if len(tokens) and bs:
+            if given is not None:
+                n = index.store(key, ev.parent, hashes, given)
+            elif len(tokens) and bs:
                 n = index.store_tokens(key, ev.parent, hashes, tokens, bs, seed)
             else:
                 n = index.store(key, ev.parent, hashes, hashes)
             self.stats.blocks += n
             return
+        if given is None and not (len(tokens) and bs) and medium is not Medium.UNKNOWN:
+            # No content (llm-d's storage events, vLLM's placeholder offload events): the
+            # publisher confirms it holds these engine hashes, as a pool does, for this
+            # subscription's (instance, DP); the engine's offload with tokens joins them.
+            key = self._key(medium)
+            self._touch(ctx.model, ctx.tenant, key)
+            index.pool_store(key, hashes, time.monotonic())
+            self.stats.blocks += len(hashes)
+            if self.suspects is not None:
+                self._confirm(key, hashes)
+            return
         # Phase 1 of the two-phase join: the pool's confirmation decides where it lives.
-        if len(tokens) and bs:
+        if given is not None:
+            local = given
+        elif len(tokens) and bs:
             local = hash_blocks(tokens, bs, seed)
             n = min(len(local), len(hashes))
             if n < len(hashes):
@@ -503,6 +611,67 @@ class Applier:
             for m in ctx.default_media:
                 if Medium(m).tier != 0:
                     self._confirm(self._key(Medium(m)), hashes, ev.parent)
+
+    def _store_direct(self, index, ev: Stored, medium: Medium, seed: int) -> None:
+        """A store-only source's CPU/Disk blocks: its own, held at once (no pool join),
+        bounded by :class:`StoreOnlyBound`."""
+        assert self.store_bound is not None
+        ctx = self.ctx
+        key = self._key(medium)
+        hashes, tokens, bs = ev.block_hashes, ev.tokens, ev.block_size
+        reg = ctx.block_size
+        if bs and reg > 0 and bs != reg:
+            if len(tokens) != bs * len(hashes):
+                self.stats.drop("block_size_mismatch")
+                return
+            k = bs // reg
+            split = array("Q")
+            for h in hashes:
+                split.extend(sub_block_hash(h, j) for j in range(k - 1))
+                split.append(h)
+            hashes, bs = split, reg
+        self._touch(ctx.model, ctx.tenant, key)
+        if self.suspects is not None:
+            self._confirm(key, hashes, ev.parent)
+        if len(tokens) and bs:
+            n = index.store_tokens(key, ev.parent, hashes, tokens, bs, seed)
+        else:
+            n = index.store(key, ev.parent, hashes, hashes)
+        self.stats.blocks += n
+        self.store_bound.note(key, hashes, time.monotonic())
+        if len(self.store_bound.held) > self.store_bound.capacity:
+            self.expire_store_only()
+
+    def seed_store_only(self) -> None:
+        """Blocks the DP holds on CPU/Disk when its store-only subscription opens, or when
+        a dump restored its index (a warm start), join the bound from now on: none stays
+        unbounded."""
+        assert self.store_bound is not None
+        index = self.conductor.get_index(self.ctx.model, self.ctx.tenant)
+        if index is None:
+            return
+        now = time.monotonic()
+        for m in (Medium.CPU, Medium.DISK):
+            key = self._key(m)
+            held = index.worker_hashes(key)
+            if len(held):
+                self.store_bound.note(key, held, now)
+
+    def expire_store_only(self, now: float | None = None) -> int:
+        """Evict a store-only source's blocks past their TTL or over its capacity (on
+        every batch it sends and at every source check); the number evicted."""
+        sb = self.store_bound
+        if sb is None or not sb.held:
+            return 0
+        due = sb.due(time.monotonic() if now is None else now)
+        if not due:
+            return 0
+        index = self.conductor.get_index(self.ctx.model, self.ctx.tenant)
+        n = 0
+        if index is not None:
+            for key, hs in due.items():
+                n += index.remove(key, array("Q", hs))  # its own blocks: no two-phase rule
+        return n
 
     def _removed(self, index, ev: Removed) -> None:
         if not ev.block_hashes:

@@ -31,6 +31,9 @@ class SubscriberContext:
     #: The node a node pool serves (the host of its URL), for events without a usable
     #: ``backend_id``; ``None`` when the URL names no host (``ipc://``, bind mode).
     node_ip: str | None = None
+    #: A store-only engine publisher (``store_only`` of the registration): ``(ttl_secs,
+    #: capacity)`` bounding the CPU/Disk blocks it announces, which it never removes.
+    store_only: tuple[float, int] | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
 

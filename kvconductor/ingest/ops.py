@@ -105,6 +105,7 @@ class Stored:
         "locality",
         "ownership",
         "session_id",
+        "local_hashes",
     )
 
     def __init__(
@@ -122,6 +123,7 @@ class Stored:
         locality=None,
         ownership=None,
         session_id=None,
+        local_hashes=None,
     ) -> None:
         self.block_hashes = block_hashes
         self.parent = parent
@@ -136,6 +138,9 @@ class Stored:
         self.locality = locality
         self.ownership = ownership
         self.session_id = session_id
+        #: Precomputed LocalBlockHashes, one per block (``tokens_hashes`` of TensorRT-LLM's
+        #: ZeroMQ tee), when the event carries them instead of token ids; else None.
+        self.local_hashes = local_hashes
 
     def __repr__(self) -> str:
         return (

@@ -223,6 +223,10 @@ class Subscription:
         )
         self.applier.touched = old.touched
         self.applier.suspects, self.applier.confirmed = old.suspects, old.confirmed
+        sb, old_sb = self.applier.store_bound, old.store_bound
+        if sb is not None and old_sb is not None:
+            # the blocks announced so far keep their deadlines under the new bound
+            sb.held, sb.expired, sb.evicted = old_sb.held, old_sb.expired, old_sb.evicted
         self.replay_endpoint = self._replay_endpoint_of(ctx)
         self.feeds_hbm = self._feeds_hbm(ctx)
         self.tracker.replay_enabled = self.replay_endpoint is not None
@@ -443,7 +447,7 @@ class Subscription:
     def info(self) -> dict[str, object]:
         s = self.stats
         down = self.down_since
-        return {
+        d: dict[str, object] = {
             "instance_id": self.ctx.instance_id,
             "dp_rank": self.ctx.dp_rank,
             "url": self.ctx.url,
@@ -476,6 +480,10 @@ class Subscription:
             "buffered": len(self.tracker.buffer),
             "dropped": dict(s.dropped),
         }
+        sb = self.applier.store_bound
+        if sb is not None:
+            d["store_only"] = sb.info()
+        return d
 
     def _last_loss(self) -> dict[str, object] | None:
         loss = self.tracker.last_loss
@@ -751,6 +759,8 @@ class SubscriptionManager:
         #: :attr:`_subs` (kept by :meth:`_add` and :meth:`_remove`): what a registration
         #: replaces, counts or closes costs O(its own subscriptions), not O(all).
         self._by_dp: dict[tuple[str, int], dict[str, Subscription]] = {}
+        #: The store-only subscriptions (their bound expires at every source check).
+        self._bounded: dict[tuple[str, int, str], Subscription] = {}
         #: Bumped by :meth:`_add` and :meth:`_remove`: the table changed.
         self._generation = 0
         #: The states behind answers (``"freshness"`` queries; any thread).
@@ -784,12 +794,20 @@ class SubscriptionManager:
         with self._table_lock:
             self._subs[sub.key] = sub
             self._by_dp.setdefault((iid, dp), {})[url] = sub
+            self._note_bounded(sub)
             self._generation += 1
+
+    def _note_bounded(self, sub: Subscription) -> None:
+        if sub.applier.store_bound is not None:
+            self._bounded[sub.key] = sub
+        else:
+            self._bounded.pop(sub.key, None)
 
     def _remove(self, key: tuple[str, int, str]) -> Subscription:
         """Take ``key``'s subscription out of the table, its counters into retired."""
         with self._table_lock:
             sub = self._subs.pop(key)
+            self._bounded.pop(key, None)
             self._generation += 1
             urls = self._by_dp[key[0], key[1]]
             del urls[key[2]]
@@ -1020,6 +1038,7 @@ class SubscriptionManager:
         for url, sub in old.items():
             if url in wanted:
                 sub.retarget(wanted[url])
+                self._note_bounded(sub)
             else:
                 self._remove(sub.key).close()
         for sub in opened:
@@ -1087,6 +1106,8 @@ class SubscriptionManager:
         now = time.monotonic() if now is None else now
         subs = self._subs.values()
         self.liveness.check(subs, now)
+        for sub in self._bounded.values():
+            sub.applier.expire_store_only(now)
         r = self.replicator
         if r is None:
             return
@@ -1095,6 +1116,13 @@ class SubscriptionManager:
             if sub.replica.down_changed(down is not None):
                 # tell every replica, so that they mute and purge alike
                 r.append_source(sub, "down", "", -1.0 if down is None else now - down)
+
+    def seed_store_only(self) -> None:
+        """Put the CPU/Disk blocks each store-only DP holds now under its bound (after a
+        dump restored the indexes behind the subscriptions the registrations opened)."""
+        self._check_thread()
+        for sub in self._bounded.values():
+            sub.applier.seed_store_only()
 
     def _hbm_keys(self, k: tuple[str, str, str, int]):
         model, tenant, iid, dp = k

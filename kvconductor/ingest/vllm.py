@@ -169,6 +169,8 @@ class _MStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     locality: object = None
     ownership: object = None
     session_id: object = None
+    #: TensorRT-LLM's ZeroMQ tee: one LocalBlockHash per block instead of token ids.
+    tokens_hashes: object = None
     # extra_keys, lookahead_token_ids, cache_salt: not declared, skipped by msgspec.
     # Pool-event keys: present only when a pool map was mistaken for an engine event.
     event_type: object = None
@@ -227,9 +229,19 @@ def _convert(ev: _WireEvent) -> Stored | Removed | Cleared:
         bs = ev.block_size or 0
         if bs < 0:
             raise DecodeError("invalid_event", f"block_size {bs}")
+        if parent == 0 and not bs and not len(tokens):
+            parent = None  # llm-d's storage events: parent 0 stands for "unknown"
         # The array form carries no locality, ownership or session (map form only).
         placement = () if isinstance(ev, _AStored) else (ev.locality, ev.ownership, ev.session_id)
-        return Stored(
+        local = None
+        if isinstance(ev, _MStored) and ev.tokens_hashes is not None:
+            local = _hashes_of(ev.tokens_hashes, "tokens_hashes")
+            if len(local) != len(hashes):
+                raise DecodeError(
+                    "invalid_event",
+                    f"{len(local)} tokens_hashes for {len(hashes)} block_hashes",
+                )
+        st = Stored(
             hashes,
             parent,
             tokens,
@@ -242,6 +254,8 @@ def _convert(ev: _WireEvent) -> Stored | Removed | Cleared:
             ev.kv_cache_spec_sliding_window,
             *placement,
         )
+        st.local_hashes = local
+        return st
     if isinstance(ev, (_ARemoved, _MRemoved)):
         return Removed(_hashes_of(ev.block_hashes), ev.medium, ev.group_idx)
     return Cleared()
@@ -263,10 +277,20 @@ def _why_invalid(raw: msgspec.Raw | bytes, kind: str, err: Exception) -> Dropped
     return Dropped("invalid_event", str(err))
 
 
-def decode_event(raw: msgspec.Raw | bytes) -> VllmEvent:
-    """One event (array or map form) -> Stored/Removed/Cleared/Dropped."""
+_BIN_DEC = msgspec.msgpack.Decoder(bytes)
+
+
+def decode_event(raw: msgspec.Raw | bytes, wrapped: bool = False) -> VllmEvent:
+    """One event (array or map form) -> Stored/Removed/Cleared/Dropped. An event packed
+    on its own and sent as a msgpack bin (llm-d's storage publisher) is unwrapped once."""
     b = _first(raw) if isinstance(raw, msgspec.Raw) else (raw[0] if raw else -1)
     kind = msgpack_kind(b) if b >= 0 else "empty"
+    if kind == "bin" and not wrapped:
+        try:
+            inner = _BIN_DEC.decode(raw)
+        except Exception as ex:
+            return Dropped("undecodable_event", str(ex))
+        return decode_event(inner, wrapped=True)
     if kind == "array":
         dec = _ARRAY_DEC
     elif kind == "map":

@@ -28,7 +28,7 @@ import xxhash
 
 import kvconductor
 from kvconductor.keys import Medium, WorkerKey
-from kvconductor.schema import RegisterRequest
+from kvconductor.schema import RegisterRequest, StoreOnly
 from kvconductor.state.protocols import JSONObject, NoSubscriptions
 
 if TYPE_CHECKING:
@@ -109,6 +109,11 @@ def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
         replay_endpoint=ep.replay_endpoint,
         tenant_id=ep.tenant_id,
         node_id=ep.node_id,
+        store_only=(
+            None
+            if ep.store_only is None
+            else StoreOnly(ttl_secs=ep.store_only[0], capacity=ep.store_only[1])
+        ),
     )
     doc: JSONObject = msgspec.to_builtins(req)
     return doc
@@ -477,6 +482,8 @@ def load_dump(conductor: Conductor, chunks: Iterable[bytes]) -> dict[str, int]:
                 _check_end(rec, version, digest, counts)
                 if next(recs, None) is not None:
                     raise ValueError("dump has records after its end record")
+                # store-only DPs' restored CPU/Disk blocks: under their bound from now on
+                conductor.subs.seed_store_only()
                 return counts
             else:
                 raise ValueError(f"unexpected dump record {kind!r}")

@@ -43,7 +43,13 @@ from kvconductor.keys import (
     is_node_pool_registration,
     parse_medium,
 )
-from kvconductor.schema import DEFAULT_TENANT, RegisterRequest
+from kvconductor.schema import (
+    DEFAULT_TENANT,
+    STORE_ONLY_CAPACITY,
+    STORE_ONLY_TTL_SECS,
+    RegisterRequest,
+    StoreOnly,
+)
 from kvconductor.state.protocols import JSONObject
 from kvconductor.urls import UrlError, UrlPolicy, check_url
 
@@ -152,6 +158,15 @@ def normalize_medium_endpoints(
     return {}
 
 
+def store_only_bound(v: bool | StoreOnly | None) -> tuple[float, int] | None:
+    """``store_only`` of a registration -> ``(ttl_secs, capacity)``, or None."""
+    if v is None or v is False:
+        return None
+    if v is True:
+        return (STORE_ONLY_TTL_SECS, STORE_ONLY_CAPACITY)
+    return (float(v.ttl_secs), int(v.capacity))
+
+
 @dataclass
 class EndpointInfo:
     """One registered DP of an instance, with the identity its data lives under."""
@@ -171,6 +186,8 @@ class EndpointInfo:
     #: A node pool (``is_pool`` too): the CPU/Disk publisher of the node ``node_ip``.
     node_pool: bool = False
     node_ip: str | None = None
+    #: ``(ttl_secs, capacity)`` of a store-only engine publisher (``store_only``).
+    store_only: tuple[float, int] | None = None
 
     @property
     def backend(self) -> StoreBackend:
@@ -190,6 +207,8 @@ class EndpointInfo:
             "dp_rank": self.dp_rank,
             "replay_endpoint": self.replay_endpoint,
         }
+        if self.store_only is not None:
+            d["store_only"] = {"ttl_secs": self.store_only[0], "capacity": self.store_only[1]}
         if self.node_pool:
             d["pool"] = {
                 "kind": "node",
@@ -452,6 +471,11 @@ class Registry:
             )
         is_pool = is_pool or node_pool
         replay_endpoint = req.replay_endpoint or None
+        store_only = store_only_bound(req.store_only)
+        if store_only is not None and is_pool:
+            raise RegistrationError(
+                "store_only applies to an engine's publisher, not to a pool registration"
+            )
 
         entry = self.instances.get(req.instance_id)
         old = entry.endpoints.get(req.dp_rank) if entry is not None else None
@@ -494,6 +518,7 @@ class Registry:
                 engine_type=req.engine_type,
                 node_pool=node_pool,
                 node_ip=node_ip,
+                store_only=store_only,
                 extra=extra,
             )
             for url, media in groups.items()
@@ -513,6 +538,7 @@ class Registry:
             sources=tuple((c.url, c.default_media) for c in contexts),
             node_pool=node_pool,
             node_ip=node_ip,
+            store_only=store_only,
         )
         unchanged = old is not None and old == info
 
