@@ -1,10 +1,12 @@
 """Publishers' own code, loaded from their installed PyPI wheels without their GPU stacks.
 
-vLLM 0.33.0 is installed by ``.ci/run`` with ``pip install --no-deps vllm==0.33.0`` (its
-dependencies include torch). Importing ``vllm.distributed.kv_events`` the normal way runs
-``vllm/__init__.py``, which imports torch; so :func:`vllm_kv_events` executes that one
-module file from the installed distribution, with its four imports that do not shape the
-bytes on the wire replaced:
+vLLM 0.33.0's wheel is not installed (its dependencies include torch): :func:`vllm_kv_events`
+takes the one module it needs, ``vllm/distributed/kv_events.py``, from an installed
+``vllm==0.33.0`` if there is one, else from the released wheel, fetched once per test
+session with ``pip download --no-deps`` (336 MB; pip's cache keeps it) and read from the
+zip, never installed. Importing ``vllm.distributed.kv_events`` the normal way would run
+``vllm/__init__.py``, which imports torch; so that module file is executed on its own,
+with its four imports that do not shape the bytes on the wire replaced:
 
 * ``vllm.config.kv_events.KVEventsConfig``: the publisher's record of its own settings
   (``get_publisher_config``), a plain attribute holder here;
@@ -14,18 +16,22 @@ bytes on the wire replaced:
   vLLM 0.33.0.
 
 Everything that encodes and sends (the event structs, ``KVEventBatch``,
-``ZmqEventPublisher``) is vLLM's code as released. Outside CI a missing wheel skips the
-tests that need it; in CI (``CI=true``) it fails them.
+``ZmqEventPublisher``) is vLLM's code as released. Outside CI a wheel that cannot be had
+(no network to the package index) skips the tests that need it; in CI (``CI=true``) it
+fails them.
 """
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata
-import importlib.util
 import logging
 import os
+import subprocess
 import sys
+import tempfile
 import types
+import zipfile
 
 import pytest
 
@@ -33,7 +39,7 @@ VLLM_VERSION = "0.33.0"
 
 
 def _need(what: str, why: str):
-    msg = f"{what} is not installed ({why}); .ci/run installs it"
+    msg = f"{what} cannot be had ({why})"
     if os.environ.get("CI") == "true":
         pytest.fail(msg)
     pytest.skip(msg)
@@ -53,18 +59,41 @@ class _Config:
 _VLLM: types.ModuleType | None = None
 
 
+_MODULE = "vllm/distributed/kv_events.py"
+
+
+def _kv_events_source() -> tuple[str, str]:
+    """The text of vLLM 0.33.0's ``kv_events.py`` and where it came from: the installed
+    distribution, else the wheel downloaded (not installed) into a temporary directory."""
+    try:
+        dist = importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None and dist.version == VLLM_VERSION:
+        path = str(dist.locate_file(_MODULE))
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    with tempfile.TemporaryDirectory(prefix="kvc-vllm-wheel-") as d:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+        cmd += ["--only-binary=:all:", f"vllm=={VLLM_VERSION}", "-d", d]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        except subprocess.TimeoutExpired:
+            _need(f"vllm=={VLLM_VERSION}", "pip download timed out")
+        wheels = glob.glob(os.path.join(d, "vllm-*.whl"))
+        if r.returncode or not wheels:
+            _need(f"vllm=={VLLM_VERSION}", f"pip download failed: {r.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(wheels[0]) as z:
+            source = z.read(_MODULE).decode("utf-8")
+        return source, f"{os.path.basename(wheels[0])}/{_MODULE}"
+
+
 def vllm_kv_events() -> types.ModuleType:
     """vLLM 0.33.0's ``vllm/distributed/kv_events.py``, executed from the installed wheel."""
     global _VLLM
     if _VLLM is not None:
         return _VLLM
-    try:
-        dist = importlib.metadata.distribution("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        _need(f"vllm=={VLLM_VERSION}", "pip install --no-deps")
-    if dist.version != VLLM_VERSION:
-        _need(f"vllm=={VLLM_VERSION}", f"found {dist.version}")
-    path = str(dist.locate_file("vllm/distributed/kv_events.py"))
+    source, path = _kv_events_source()
     stubs = {
         "vllm": _stub("vllm", __path__=[]),
         "vllm.config": _stub("vllm.config", __path__=[]),
@@ -87,10 +116,10 @@ def vllm_kv_events() -> types.ModuleType:
     saved = {k: sys.modules.get(k) for k in stubs}
     sys.modules.update(stubs)
     try:
-        spec = importlib.util.spec_from_file_location("vllm_0_33_kv_events", path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = types.ModuleType("vllm_0_33_kv_events")
+        mod.__file__ = path
+        sys.modules[mod.__name__] = mod  # dataclasses and msgspec look their module up
+        exec(compile(source, path, "exec"), mod.__dict__)
     finally:
         for k, v in saved.items():
             if v is None:
