@@ -350,7 +350,8 @@ BIG = msgspec.json.encode(
 )
 
 
-def test_a_large_query_is_answered_off_the_loop_as_the_app_answers_it(service):
+@pytest.mark.parametrize("query", ["", "?freshness=true"])
+def test_a_large_query_is_answered_off_the_loop_as_the_app_answers_it(service, query):
     svc, settings = service
     assert len(BIG) > svc.app.routes["/query"].large_body_bytes
 
@@ -359,15 +360,17 @@ def test_a_large_query_is_answered_off_the_loop_as_the_app_answers_it(service):
         await load(conn)
         conn.proto.cycle = None
         n = conn.t.data.count(b"HTTP/1.1 ")
-        conn.proto.data_received(request("/query", BIG))
+        conn.proto.data_received(request("/query" + query, BIG))
         assert conn.t.data.count(b"HTTP/1.1 ") == n  # not answered on the event loop
         assert type(conn.proto.cycle).__name__ == "_InFlight"
         (direct,) = await conn.send(b"", answers=1)
         assert conn.proto.cycle.response_complete and not conn.t.closed
-        (app,) = await conn.send(request("/%71uery", BIG))
+        (app,) = await conn.send(request("/%71uery" + query, BIG))
         assert type(conn.proto.cycle).__name__ == "RequestResponseCycle"
         assert normalized(direct) == normalized(app)
-        assert msgspec.json.decode(body_of(direct))["default"]["e1"]["DP"]["0"]["npu_blocks"] == 8
+        doc = msgspec.json.decode(body_of(direct))
+        assert doc["default"]["e1"]["DP"]["0"]["npu_blocks"] == 8
+        assert ("freshness" in doc) is bool(query)
 
     asyncio.run(go())
 
@@ -427,5 +430,46 @@ def test_shutdown_while_a_large_query_is_answered_closes_after_its_answer(servic
         (r,) = await conn.send(b"", answers=1)
         assert r.startswith(b"HTTP/1.1 200 OK\r\n") and b"\r\nconnection: close\r\n" in r
         assert conn.t.closed
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "query,fresh",
+    [
+        ("?freshness=true", True),
+        ("?freshness=1", True),
+        ("?freshness", True),
+        ("?freshness=0", False),
+        ("?freshness=false", False),
+    ],
+)
+def test_the_freshness_parameter_is_answered_here_as_the_app_answers_it(service, query, fresh):
+    """``?freshness=...`` alone (docs/api.md, "freshness") is answered by the protocol; the
+    same answer as the app's (its target escaped, so that it goes to the app)."""
+    svc, settings = service
+
+    async def go():
+        conn = Conn(serve(svc, settings), server_state())
+        await load(conn)
+        body = msgspec.msgpack.encode(["qwen", 4, TOKENS])  # the positional form
+        conn.proto.cycle = None
+        (direct,) = await conn.send(request("/query" + query, body, "application/msgpack"))
+        assert conn.proto.cycle is None  # answered without an ASGI cycle
+        (app,) = await conn.send(request("/%71uery" + query, body, "application/msgpack"))
+        assert conn.proto.cycle is not None
+        assert normalized(direct) == normalized(app)
+        doc = msgspec.msgpack.decode(body_of(direct))
+        assert ("freshness" in doc) is fresh
+        row = doc["default"]["e1"]["DP"]["0"]
+        assert row["npu_blocks"] == 8
+        if fresh:
+            # fed over POST /events: no ZeroMQ source of its own
+            assert row["freshness"] == {"state": "no_source"}
+            assert doc["freshness"] == {"all_live": True, "sources": 0, "states": {}}
+        conn.proto.cycle = None
+        (other,) = await conn.send(request("/query?freshness=1&x=2", body, "application/msgpack"))
+        assert conn.proto.cycle is not None  # any other query string: the app's
+        assert msgspec.msgpack.decode(body_of(other))["freshness"]["all_live"] is True
 
     asyncio.run(go())

@@ -18,7 +18,8 @@ Everything else goes to the app as before, and so does a query that could not be
 answered in order: one arriving while an earlier request of the connection is still
 being answered (pipelining) or while the transport's write buffer is full, a chunked
 body, one over the body limit (the app's 413), ``Expect: 100-continue``, HTTP/1.0, an
-upgrade, a target with a query string or percent-escapes, and every request of a server
+upgrade, a target with percent-escapes or a query string (but the ``freshness``
+parameter alone, :data:`FRESHNESS_TARGETS`), and every request of a server
 with uvicorn's access log on (``--log-level debug``), a ``root_path`` or
 ``limit_concurrency``. The request limits (:mod:`kvconductor.http.limits`) apply to
 both paths: the head limit, the deadline (a direct query whose body stops arriving gets
@@ -39,6 +40,16 @@ from kvconductor.http.front import FrontDoor, QueryRoute, scan_headers
 #: Bodies up to this size are joined to the head; larger ones follow it in the same
 #: ``writelines`` call, uncopied (as :class:`~kvconductor.http.limits.OneWrite`).
 JOIN_BYTES = 16 * 1024
+#: The query strings answered here, and whether each asks for the answer's freshness
+#: (docs/api.md, "freshness"; :func:`~kvconductor.http.responses.freshness_param` reads
+#: the same spellings on the app's path). Any other query string goes to the app.
+FRESHNESS_TARGETS = {
+    b"?freshness=true": True,
+    b"?freshness=1": True,
+    b"?freshness": True,
+    b"?freshness=false": False,
+    b"?freshness=0": False,
+}
 
 
 class _InFlight:
@@ -75,9 +86,9 @@ class DirectQueries:
     any query route reads it (the resource's own rules)."""
 
     _front: FrontDoor | None = None
-    #: ``(route, path, msgpack, origin, t0)`` of the query being answered here, while its
-    #: body arrives; ``None`` otherwise.
-    _direct: tuple[QueryRoute, str, bool, str | None, float] | None = None
+    #: ``(route, path, msgpack, origin, t0, fresh)`` of the query being answered here,
+    #: while its body arrives; ``None`` otherwise.
+    _direct: tuple[QueryRoute, str, bool, str | None, float, bool] | None = None
     _direct_keep_alive = True
     _length = 0  # the Content-Length of that query
 
@@ -111,7 +122,12 @@ class DirectQueries:
             and self.limit_concurrency is None
         ):
             self._front = app
-            self._targets = {p.encode("ascii"): (p, r) for p, r in app.routes.items()}
+            self._targets: dict[bytes, tuple[str, QueryRoute, bool]] = {}
+            for p, r in app.routes.items():
+                raw = p.encode("ascii")
+                self._targets[raw] = (p, r, False)
+                for query, fresh in FRESHNESS_TARGETS.items():
+                    self._targets[raw + query] = (p, r, fresh)
             self._chunks: list[bytes] = []
 
     # -- parser callbacks ---------------------------------------------------------------------
@@ -148,13 +164,13 @@ class DirectQueries:
         self._request_complete()  # type: ignore[attr-defined]
         front = self._front
         assert front is not None
-        route, path, msgpack, origin, t0 = direct
+        route, path, msgpack, origin, t0, fresh = direct
         if self._length > route.large_body_bytes:
             # PERF: the chunks are joined on a query thread (bytes.join lets go of the
             # GIL), not in one ~0.5 ms copy of 4 MB on the event loop
             return self._answer_later(front, direct, chunks)
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        status, headers, data = front.answer_now(route, path, body, msgpack, origin, t0)
+        status, headers, data = front.answer_now(route, path, body, msgpack, origin, t0, fresh)
         keep_alive = self._direct_keep_alive
         self._write(status, headers, data, keep_alive)
         self.server_state.total_requests += 1
@@ -187,7 +203,7 @@ class DirectQueries:
     def _answer_later(
         self,
         front: FrontDoor,
-        direct: tuple[QueryRoute, str, bool, str | None, float],
+        direct: tuple[QueryRoute, str, bool, str | None, float, bool],
         body: list[bytes],
     ) -> None:
         """A large body: answered off the event loop (the route's ``respond``), written
@@ -203,12 +219,14 @@ class DirectQueries:
     async def _respond(
         self,
         front: FrontDoor,
-        direct: tuple[QueryRoute, str, bool, str | None, float],
+        direct: tuple[QueryRoute, str, bool, str | None, float, bool],
         body: list[bytes],
         cycle: _InFlight,
     ) -> None:
-        route, path, msgpack, origin, t0 = direct
-        status, headers, data = await front.answer_async(route, path, body, msgpack, origin, t0)
+        route, path, msgpack, origin, t0, fresh = direct
+        status, headers, data = await front.answer_async(
+            route, path, body, msgpack, origin, t0, fresh
+        )
         cycle.response_complete = True
         if cycle.disconnected:
             return  # the connection is gone (closed, refused or shut): nobody to answer
@@ -218,7 +236,7 @@ class DirectQueries:
         self.on_response_complete()  # type: ignore[attr-defined]  # uvicorn's: next in line
 
     # -- the decision -------------------------------------------------------------------------
-    def _start(self, path: str, route: QueryRoute) -> bool:
+    def _start(self, path: str, route: QueryRoute, fresh: bool) -> bool:
         """Take the request whose head just arrived here, if it can be answered here."""
         parser = self.parser
         if (
@@ -242,7 +260,7 @@ class DirectQueries:
         self._head_complete()  # type: ignore[attr-defined]
         self._direct_keep_alive = bool(parser.should_keep_alive())
         self._length = length
-        self._direct = (route, path, msgpack, origin, time.perf_counter())
+        self._direct = (route, path, msgpack, origin, time.perf_counter(), fresh)
         return True
 
     def _build_scope(self) -> None:

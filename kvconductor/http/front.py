@@ -86,8 +86,11 @@ class QueryRoute(Protocol):
         """Bodies longer than this are answered off the event loop (:meth:`respond`)."""
         ...
 
-    def answer(self, body: bytes, msgpack: bool) -> tuple[int, bytes, str | None]:
-        """``(status, body, message or None)``, on the calling thread."""
+    def answer(
+        self, body: bytes, msgpack: bool, *, fresh: bool = False
+    ) -> tuple[int, bytes, str | None]:
+        """``(status, body, message or None)``, on the calling thread; ``fresh``: the
+        target's ``?freshness=true``."""
         ...
 
     async def respond(
@@ -277,13 +280,18 @@ class FrontDoor:
         msgpack: bool,
         origin: str | None,
         t0: float,
+        fresh: bool = False,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """``(status, headers, body)`` of a query whose whole body is here and at most
         ``res.large_body_bytes`` long, answered at once on the calling thread: what
         :meth:`_serve` sends for it (the protocol's direct path,
-        :mod:`kvconductor.http.direct`). ``t0``: ``perf_counter`` when its head arrived."""
+        :mod:`kvconductor.http.direct`). ``t0``: ``perf_counter`` when its head arrived;
+        ``fresh``: its target asked for the answer's freshness."""
         try:
-            status, data, problem = res.answer(body, msgpack)
+            if fresh:
+                status, data, problem = res.answer(body, msgpack, fresh=True)
+            else:
+                status, data, problem = res.answer(body, msgpack)
         except Exception as ex:
             status, data, problem = _internal_error(path, ex, msgpack)
         return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
@@ -296,11 +304,12 @@ class FrontDoor:
         msgpack: bool,
         origin: str | None,
         t0: float,
+        fresh: bool = False,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         """:meth:`answer_now` for a body of any size (over ``res.large_body_bytes``, or
         as a list of chunks: off the event loop, as :meth:`_serve` answers it)."""
         try:
-            status, data, problem = await res.respond(body, msgpack)
+            status, data, problem = await res.respond(body, msgpack, fresh)
         except Exception as ex:
             status, data, problem = _internal_error(path, ex, msgpack)
         return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
