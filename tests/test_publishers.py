@@ -605,6 +605,46 @@ def test_trtllm_frames_decline_the_compiled_fast_path():
     assert fb.parse(TRT_REMOVED, BS) >= 0
 
 
+# --- TensorRT-LLM through NVIDIA Dynamo's ZeroMQ publisher (token ids, signed hashes) --------
+#
+# ai-dynamo/dynamo, components/src/dynamo/trtllm/publisher.py, ZmqKvEventPublisher (commit
+# ecd2979910e8ddc97f9aaf02f4dba7b61ae7d930): per event one batch
+# msgspec.msgpack.encode([time.time(), [event], attention_dp_rank]) in the frames
+# [topic, 8-byte big-endian sequence, payload]; a BlockStored map {"type", "block_hashes",
+# "parent_block_hash", "token_ids", "block_size"} with the engine's hashes as signed int64
+# (its _to_signed_i64), a BlockRemoved map {"type", "block_hashes"}. Built here the way it
+# builds them (fixed time), one hash above 2**63 (int64 0xd3 on the wire).
+def _dynamo_trt(event: dict) -> bytes:
+    return msgspec.msgpack.encode([1782281033.484, [event], 0])
+
+
+_H1, _H2, _H3 = 0xC3A15E279B04D6F8 - 2**64, 0x1D2C3B4A59687786, 0x0F0E0D0C0B0A0908
+DYN_STORED = _dynamo_trt(
+    {"type": "BlockStored", "block_hashes": [_H1, _H2], "parent_block_hash": None,
+     "token_ids": list(range(1, 9)), "block_size": 4}
+)  # fmt: skip
+DYN_CONTINUED = _dynamo_trt(
+    {"type": "BlockStored", "block_hashes": [_H3], "parent_block_hash": _H2,
+     "token_ids": list(range(9, 13)), "block_size": 4}
+)  # fmt: skip
+DYN_REMOVED = _dynamo_trt({"type": "BlockRemoved", "block_hashes": [_H2]})
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_dynamo_trtllm_publisher_frames_index_hbm(fake, fast):
+    assert b"\xd3\xc3\xa1\x5e\x27\x9b\x04\xd6\xf8" in DYN_STORED  # the signed int64 hash
+    eng = Applier(_ctx(), fake, fast=fast)
+    toks = list(range(1, 13))
+    assert eng.apply_payload(DYN_STORED)
+    idx = fake.indexes[("m", "t")]
+    assert hits(idx, toks, BS) == {(IID, 0): (2, 0, 0)}
+    assert eng.apply_payload(DYN_CONTINUED)
+    assert hits(idx, toks, BS) == {(IID, 0): (3, 0, 0)}
+    assert eng.apply_payload(DYN_REMOVED)  # the middle block: the prefix stops at 1
+    assert hits(idx, toks, BS) == {(IID, 0): (1, 0, 0)}
+    assert eng.stats.dropped == {}
+
+
 def test_trtllm_tokens_hashes_length_must_match(fake):
     bad = msgspec.msgpack.encode(
         [1.0, [{"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
