@@ -105,6 +105,11 @@ def test_tables_are_rebuilt_after_a_change_and_only_then():
     t3 = tables.table("m", "t")
     assert t3.groups(keys)[1] is not None and len(calls) == 3
     assert t3.groups([*keys, ("c", 0)])[2] is None  # a new name
+    # another index's names (the (model, tenant)'s index made anew after a drop): the
+    # same number of groups, numbered otherwise
+    swapped = [("b", 0), ("a", 0)]
+    assert t3.groups(swapped) == [t3.by_key["b", 0], t3.by_key["a", 0]]
+    assert t3.groups(keys) == [t3.by_key["a", 0], t3.by_key["b", 0]]
     assert tables.table("m", "t") is t3
     assert STATE_STAMP[0] > 0
 

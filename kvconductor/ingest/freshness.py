@@ -29,13 +29,10 @@ import msgspec
 
 from kvconductor._encode import FRESH_STATES
 from kvconductor.ingest.stats import LABELS_STAMP, STATE_STAMP
-from kvconductor.schema import FreshnessDocument, FreshnessSummary, JSONObject
-from kvconductor.wire import member
+from kvconductor.schema import FreshnessDocument, FreshnessSummary
 
 #: Code of each state (its index in :data:`FRESH_STATES`): higher is worse.
 STATE_CODE = {name: code for code, name in enumerate(FRESH_STATES)}
-MUTED = STATE_CODE["muted"]
-LIVE = STATE_CODE["live"]
 
 _JSON = msgspec.json.Encoder()
 _MSGPACK = msgspec.msgpack.Encoder()
@@ -98,7 +95,7 @@ class FreshnessTable:
     ``{"all_live", "sources", "states"}``; ``tail``: it encoded as JSON (``tail[False]``)
     and MessagePack (``tail[True]``)."""
 
-    __slots__ = ("by_key", "summary", "tail", "key", "_groups")
+    __slots__ = ("by_key", "summary", "tail", "key", "_groups", "_keys")
 
     def __init__(
         self,
@@ -113,20 +110,18 @@ class FreshnessTable:
         self.tail = (_JSON.encode(self.summary), _MSGPACK.encode(self.summary))
         self.key = key
         self._groups: list[Entry | None] = []
+        self._keys: Sequence[tuple[str, int]] | None = None
 
     def groups(self, keys: Sequence[tuple[str, int]]) -> list[Entry | None]:
         """``by_key`` by group id of an index's names (``names.keys``; None: a group
-        without a source of its own), what the encoder takes. Kept while the names do not
-        grow (they only grow)."""
+        without a source of its own), what the encoder takes. Kept while they are the
+        same names (the same list: another index of the (model, tenant), made after a
+        drop, numbers its groups anew) and have not grown (names only grow)."""
         g = self._groups
-        if len(g) != len(keys):
+        if self._keys is not keys or len(g) != len(keys):
             g = [self.by_key.get((k[0], k[1])) for k in keys]
-            self._groups = g
+            self._groups, self._keys = g, keys
         return g
-
-    def row(self, instance_id: str, dp_rank: int, now: float) -> JSONObject:
-        """The ``"freshness"`` member of one answered DP (what the encoder writes)."""
-        return member(self.by_key.get((instance_id, dp_rank)), now)
 
 
 class FreshnessUnavailable(Exception):
