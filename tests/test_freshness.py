@@ -5,6 +5,7 @@ degraded by a lost batch, and muted after its publisher went away."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from types import SimpleNamespace
@@ -324,3 +325,49 @@ def test_a_worker_that_cannot_reach_its_owner_says_so(tmp_path):
 
     with pytest.raises(FreshnessUnavailable, match="the owner cannot be reached"):
         OwnerFreshness(str(tmp_path / "gone.sock"), timeout=1.0)("m", "t")
+
+
+def test_a_stalled_owner_holds_a_worker_for_its_timeout_once(tmp_path):
+    """An owner that accepts but never answers: the worker's read gives up after its
+    timeout (no second try), and the view answers the next queries from that failure
+    until its time is up, without asking again."""
+    import socket as _socket
+
+    from kvconductor.ingest.freshness import FreshnessUnavailable
+    from kvconductor.serve.proxy import OwnerFreshness
+    from kvconductor.state.shared import FRESHNESS_TTL, SharedView
+
+    path = str(tmp_path / "owner.sock")
+    srv = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(8)
+    try:
+        reader = OwnerFreshness(path, timeout=0.2)
+        calls = []
+
+        def source(model, tenant):
+            calls.append(model)
+            return reader(model, tenant)
+
+        view = SharedView.__new__(SharedView)  # only its freshness cache is used here
+        view.freshness_source = source
+        view._fresh = {}
+        with pytest.raises(FreshnessUnavailable, match="cannot be reached"):
+            view.freshness("m", "t")
+        with pytest.raises(FreshnessUnavailable):
+            view.freshness("m", "t")  # the same failure, without asking again
+        assert calls == ["m"]
+        srv.setblocking(False)
+        accepted = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                accepted.append(srv.accept()[0])
+        assert len(accepted) == 1  # one connection: no second try after the timeout
+        for c in accepted:
+            c.close()
+        view._fresh["m", "t"] = (time.monotonic() - FRESHNESS_TTL, view._fresh["m", "t"][1])
+        with pytest.raises(FreshnessUnavailable):
+            view.freshness("m", "t")  # its time is up: asked again
+        assert calls == ["m", "m"]
+    finally:
+        srv.close()

@@ -256,19 +256,22 @@ class OwnerFreshness:
 
     Blocking, on the thread that answers the query (the event loop's for a small one):
     one request over a kept connection to the owner's UNIX socket, about 0.2 ms, at most
-    once per (model, tenant) per ``FRESHNESS_TTL``. One connection per thread.
+    once per (model, tenant) per ``FRESHNESS_TTL``. One connection per thread. A stalled
+    owner holds it at most ``timeout`` seconds (no second try after a timeout; a kept
+    connection the owner closed is tried once more, anew).
     :class:`~kvconductor.ingest.freshness.FreshnessUnavailable` when the owner cannot be
-    reached or answers anything but 200."""
+    reached in time or answers anything but 200."""
 
-    def __init__(self, path: str, timeout: float = 2.0) -> None:
+    def __init__(self, path: str, timeout: float = 0.5) -> None:
         self.path = path
         self.timeout = timeout
         self._local = threading.local()
 
     def __call__(self, model: str, tenant: str) -> FreshnessDocument:
         target = "/freshness?" + urllib.parse.urlencode({"model": model, "tenant": tenant})
-        for attempt in (0, 1):  # a kept connection the owner closed: once more, anew
+        while True:
             conn = getattr(self._local, "conn", None)
+            kept = conn is not None
             if conn is None:
                 conn = self._local.conn = _UnixHTTPConnection(self.path, self.timeout)
             try:
@@ -278,16 +281,15 @@ class OwnerFreshness:
             except (OSError, http.client.HTTPException) as ex:
                 conn.close()
                 self._local.conn = None
-                if attempt:
-                    raise FreshnessUnavailable(f"the owner cannot be reached ({ex})") from None
-                continue
+                if kept and not isinstance(ex, TimeoutError):
+                    continue  # the owner closed the kept connection: once more, anew
+                raise FreshnessUnavailable(f"the owner cannot be reached ({ex!r})") from None
             if r.status != 200:
                 raise FreshnessUnavailable(f"the owner answered {r.status}")
             try:
                 return _FRESHNESS.decode(body)
             except msgspec.DecodeError as ex:
                 raise FreshnessUnavailable(f"the owner's answer is malformed ({ex})") from None
-        raise AssertionError("unreachable")
 
 
 class OwnerClient:

@@ -41,7 +41,7 @@ from kvconductor import _index
 from kvconductor._arena import OPAQUE_OFFSET, Arena
 from kvconductor._shlock import SharedLock
 from kvconductor.index import QueryResult, names_class, select_answer
-from kvconductor.ingest.freshness import FreshnessTable, from_document
+from kvconductor.ingest.freshness import FreshnessTable, FreshnessUnavailable, from_document
 from kvconductor.schema import FreshnessDocument
 
 if TYPE_CHECKING:
@@ -318,7 +318,8 @@ class SharedView:
     tenant) (:class:`kvconductor.serve.proxy.OwnerFreshness`; None: no freshness here).
     A worker keeps each document :data:`FRESHNESS_TTL` seconds: its states are at most
     that old, and its ages count from the newest event the owner had then (so they can be
-    that much too old, never too young)."""
+    that much too old, never too young). An owner that did not answer is asked again
+    after the same time (meanwhile such queries get the same 503 at once)."""
 
     def __init__(self, arena: Arena, lock: SharedLock, *, query_threads: int = 2) -> None:
         self.arena = arena
@@ -333,7 +334,7 @@ class SharedView:
         self._mutex = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.freshness_source: Callable[[str, str], FreshnessDocument] | None = None
-        self._fresh: dict[tuple[str, str], tuple[float, FreshnessTable]] = {}
+        self._fresh: dict[tuple[str, str], tuple[float, FreshnessTable | Exception]] = {}
         magic = _HEADER.unpack(self.arena.read(self.header_address, _HEADER.size))[0]
         if magic != DIR_MAGIC:
             raise RuntimeError("the shared arena holds no kv-conductor directory")
@@ -389,10 +390,16 @@ class SharedView:
         now = time.monotonic()
         hit = self._fresh.get((model, tenant))
         if hit is not None and now - hit[0] < FRESHNESS_TTL:
+            if isinstance(hit[1], Exception):
+                raise hit[1]  # an owner that did not answer is asked again only then
             return hit[1]
-        table = from_document(source(model, tenant))
         if len(self._fresh) > 4096:
             self._fresh.clear()
+        try:
+            table = from_document(source(model, tenant))
+        except FreshnessUnavailable as ex:
+            self._fresh[model, tenant] = (now, ex)
+            raise
         self._fresh[model, tenant] = (now, table)
         return table
 
