@@ -21,8 +21,9 @@ Routing (deviations from the reference are marked FIX):
 * The DP is always the subscription's (FIX: also during replay; the reference used
   the batch's rank there).
 * Pool events: IpOnly (Mooncake/Memcache pool publishers, ``ctx.is_pool``):
-  ``conductor.hbm_ip_lookup(event.backend_id)`` -> every (instance, dp) on that
-  IP x target media; otherwise the subscription's (instance, dp). Target media =
+  ``conductor.hbm_ip_lookup(event.backend_id)`` -> the (instance, dp)s on that IP of
+  the event's (model, tenant) (:mod:`~kvconductor.ingest.poolroute`; FIX: every DP of
+  the node was credited) x target media; otherwise the subscription's (instance, dp). Target media =
   ``[event.medium]`` or the subscription's non-HBM default media (FIX: a pool
   never holds HBM blocks; the reference also put medium-less pool blocks in the
   HBM tree). Index = the event's ``model_name``/``tenant_id`` if present, else
@@ -70,6 +71,7 @@ from kvconductor.ingest.ops import (
     Stored,
     VllmBatch,
 )
+from kvconductor.ingest.poolroute import cluster_pool_dps, registered_index
 from kvconductor.ingest.recognize import decode_payload
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.keys import Medium, WorkerKey, node_of_backend_id, parse_medium
@@ -172,28 +174,6 @@ class StoreOnlyBound:
             "expired_blocks": self.expired,
             "evicted_blocks": self.evicted,
         }
-
-
-def registered_index(info: object, dp: int) -> tuple[str | None, str | None]:
-    """(model, tenant) of a registration from ``conductor.instance_info``: a dict
-    (``model_name``/``tenant_id``, per-DP values under ``endpoints[dp]`` preferred)
-    or an object with ``model``/``tenant`` attributes; (None, None) if unknown."""
-    if info is None:
-        return None, None
-    if isinstance(info, dict):
-        eps = info.get("endpoints") or {}
-        ep = eps.get(dp) if isinstance(eps, dict) else None
-        if ep is None and isinstance(eps, dict):
-            ep = eps.get(str(dp))
-        src = ep if isinstance(ep, dict) and ep.get("model_name") else info
-        return (
-            src.get("model_name") or src.get("model"),
-            src.get("tenant_id") or src.get("tenant"),
-        )
-    return (
-        getattr(info, "model", None) or getattr(info, "model_name", None),
-        getattr(info, "tenant", None) or getattr(info, "tenant_id", None),
-    )
 
 
 class Applier:
@@ -681,6 +661,13 @@ class Applier:
         index.evict(key, ev.block_hashes)
 
     # -- pools ---------------------------------------------------------------------------------
+    def _registered(self, infos: dict, iid: str, dp: int) -> tuple[str | None, str | None]:
+        """A DP's registered (model, tenant); ``infos``: instance_info per batch."""
+        info = infos.get(iid, infos)
+        if info is infos:
+            info = infos[iid] = self.conductor.instance_info(iid)
+        return registered_index(info, dp)
+
     def _pool_targets(self, ev, infos: dict) -> list[tuple[str, str, WorkerKey]] | None:
         ctx = self.ctx
         media = (parse_medium(ev.medium),) if ev.medium else self.pool_media
@@ -695,29 +682,40 @@ class Applier:
                 # a node pool's backend_id may name the pool daemon, not the engines' node
                 node = ctx.node_ip
                 pairs = self.conductor.hbm_ip_lookup(node) or ()
+            if pairs and not ctx.node_pool:
+                routed = cluster_pool_dps(
+                    pairs,
+                    lambda iid, dp: self._registered(infos, iid, dp),
+                    ev.model_name,
+                    ev.tenant_id,
+                    ctx.model,
+                    ctx.tenant,
+                )
+                if routed.reason:
+                    self._drop(
+                        routed.reason,
+                        f"{routed.detail} (event backend_id {ev.backend_id!r}, node {node})",
+                    )
+                    return None
+                for iid, dp, model, tenant in routed.dps:
+                    for m in media:
+                        out.append((model, tenant, self._key(Medium(m), iid, dp)))
+                return out
             seen = set()
             for iid, dp in pairs:
                 if (iid, dp) in seen:
                     continue
                 seen.add((iid, dp))
-                model, tenant = ev.model_name, ev.tenant_id
-                if model is None or tenant is None or ctx.node_pool:
-                    info = infos.get(iid, infos)
-                    if info is infos:
-                        info = infos[iid] = self.conductor.instance_info(iid)
-                    m0, t0 = registered_index(info, dp)
-                    if ctx.node_pool:
-                        # a node pool serves the DPs of its own (model, tenant) on its node
-                        want = (
-                            ctx.model if ev.model_name is None else ev.model_name,
-                            ctx.tenant if ev.tenant_id is None else ev.tenant_id,
-                        )
-                        if (m0, t0) != want:
-                            continue
-                    model = model if model is not None else (m0 or ctx.model)
-                    tenant = tenant if tenant is not None else (t0 or ctx.tenant)
+                # a node pool serves the DPs of its own (model, tenant) on its node
+                m0, t0 = self._registered(infos, iid, dp)
+                want = (
+                    ctx.model if ev.model_name is None else ev.model_name,
+                    ctx.tenant if ev.tenant_id is None else ev.tenant_id,
+                )
+                if (m0, t0) != want:
+                    continue
                 for m in media:
-                    out.append((model, tenant, self._key(Medium(m), iid, dp)))
+                    out.append((want[0], want[1], self._key(Medium(m), iid, dp)))
             if not out:
                 if ctx.node_pool:
                     self._drop(

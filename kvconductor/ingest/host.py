@@ -38,7 +38,7 @@ class IngestHost(Protocol):
 
     def instance_info(self, instance_id: str) -> object:
         """An instance's registration (a dict, or an object with ``model``/``tenant``;
-        :func:`~kvconductor.ingest.apply.registered_index`), or None."""
+        :func:`~kvconductor.ingest.poolroute.registered_index`), or None."""
 
     def note_lora(self, model: str, tenant: str, seed: int) -> None:
         """Blocks of the LoRA adapter of hash seed ``seed`` were stored."""

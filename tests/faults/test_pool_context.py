@@ -1,0 +1,217 @@
+"""A cluster pool's blocks belong only to the DPs of their (model, tenant), through the
+real server, real ZeroMQ publishers and both HTTP dialects (issue 36, row 17).
+
+One node (127.0.0.1) hosts three engines: ``a1`` (model m1, tenant A), ``b1`` (m1,
+tenant B) and ``a2`` (m2, tenant A). Each holds blocks 0..1 of one prompt in HBM and has
+offloaded blocks 0..3 to CPU (the two-phase join's phase 1). A Mooncake store publisher
+registered over the Mooncake dialect for (m1, A) confirms blocks 0..3 naming the node in
+``backend_id``. Only ``a1`` holds them on CPU: ``b1`` and ``a2`` appear in no other
+context's answer and hold nothing on CPU in their own. Expected values by hand (block
+size 4, 16 tokens): a1 holds 2 HBM + 2 more CPU blocks = Mooncake's gpu 8, cpu 16.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.helpers.publishers import (
+    FakePublisher,
+    PoolPublisher,
+    mooncake_tuple,
+    schema,
+    wait_until,
+)
+from tests.helpers.server import Server, free_port
+
+BS = 4
+V = schema("vllm", "0.33.0")
+NODE = "127.0.0.1"
+TOKENS = list(range(100, 116))  # 4 blocks
+HASHES = [0x5100 + i for i in range(4)]
+ENGINES = {"a1": ("m1", "A"), "b1": ("m1", "B"), "a2": ("m2", "A")}
+
+
+@pytest.fixture
+def server(tmp_path):
+    port = free_port()
+    srv = Server(tmp_path, "--mooncake-port", str(port))
+    srv.wait_ready()
+    srv.mc = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+    yield srv
+    srv.mc.close()
+    srv.terminate()
+
+
+@pytest.fixture
+def pubs():
+    made: list = []
+    yield made
+    for p in made:
+        p.stop()
+
+
+def mc_register(srv, instance_id: str, kind: str, url: str, model: str, tenant: str) -> None:
+    body = {
+        "endpoint": url,
+        "type": kind,
+        "modelname": model,
+        "tenant_id": tenant,
+        "instance_id": instance_id,
+        "block_size": BS,
+        "dp_rank": 0,
+    }
+    r = srv.mc.post("/register", json=body)
+    assert r.status_code == 200, r.text
+
+
+def mc_query(srv, model: str, tenant: str) -> dict:
+    body = {"model": model, "tenant_id": tenant, "block_size": BS, "token_ids": TOKENS}
+    r = srv.mc.post("/query", json=body)
+    assert r.status_code == 200, r.text
+    return {
+        iid: {r: (m["gpu"], m["cpu"], m["disk"]) for r, m in inst["rank_matches"].items()}
+        for iid, inst in r.json()["instances"].items()
+    }
+
+
+def v3_query(srv, model: str, tenant: str) -> dict:
+    body = {"model": model, "tenant_id": tenant, "block_size": BS, "token_ids": TOKENS}
+    r = srv.http.post("/query", json=body)
+    if r.status_code == 404:
+        return {}
+    assert r.status_code == 200, r.text
+    return {
+        iid: {d: (c["npu_blocks"], c["cpu_blocks"]) for d, c in inst["DP"].items()}
+        for iid, inst in r.json()[tenant].items()
+    }
+
+
+def pool_event(kind: str, hashes, **fields) -> bytes:
+    ev = {"event_id": 1, "event_type": kind, "medium": "cpu", "seq_hashes": list(hashes)}
+    ev.update(fields)
+    return mooncake_tuple([ev])
+
+
+def publish_until(pairs, cond, msg: str) -> None:
+    for pub, _ in pairs:
+        pub.wait_subscribed()
+
+    def step():
+        for pub, payload in pairs:
+            pub.publish(payload)
+        return cond()
+
+    wait_until(step, msg=msg)
+
+
+def engines(server, pubs) -> dict[str, FakePublisher]:
+    """The three engines, registered over the Mooncake dialect, each with blocks 0..1 in
+    HBM and 0..3 offloaded to CPU (phase 1, waiting for the pool's word)."""
+    out = {}
+    for iid, (model, tenant) in ENGINES.items():
+        p = FakePublisher(replay=False, host=NODE)
+        pubs.append(p)
+        mc_register(server, iid, "vLLM", p.url, model, tenant)
+        out[iid] = p
+    hbm = V.batch([V.stored(HASHES[:2], None, TOKENS[:8], BS, medium="GPU")])
+    cpu = V.batch([V.stored(HASHES, None, TOKENS, BS, medium="CPU")])
+    for iid, (model, tenant) in ENGINES.items():
+        publish_until(
+            [(out[iid], hbm)],
+            lambda m=model, t=tenant, i=iid: (
+                mc_query(server, m, t).get(i, {}).get("0") == (8, 8, 8)
+            ),
+            f"{iid}'s HBM blocks indexed",
+        )
+        out[iid].publish(cpu)
+    return out
+
+
+def test_pool_blocks_go_only_to_the_dps_of_their_model_and_tenant(server, pubs):
+    engines(server, pubs)
+    store = PoolPublisher(host=NODE)
+    pubs.append(store)
+    mc_register(server, "mooncake-store", "Mooncake", store.url, "m1", "A")
+
+    # The store names its context in the event (Mooncake's publisher sends model_name
+    # from its configuration and tenant_id per object).
+    confirm = pool_event("stored", HASHES, backend_id=NODE, model_name="m1", tenant_id="A")
+    publish_until(
+        [(store, confirm)],
+        lambda: mc_query(server, "m1", "A").get("a1", {}).get("0") == (8, 16, 16),
+        "the store's blocks credited to a1",
+    )
+    # (one event is applied at once: whatever else it credited is in place too)
+    assert mc_query(server, "m1", "A") == {"a1": {"0": (8, 16, 16)}}
+    assert mc_query(server, "m1", "B") == {"b1": {"0": (8, 8, 8)}}
+    assert mc_query(server, "m2", "A") == {"a2": {"0": (8, 8, 8)}}
+    # V3 says the same, in exclusive blocks.
+    assert v3_query(server, "m1", "A") == {"a1": {"0": (2, 2)}}
+    assert v3_query(server, "m1", "B") == {"b1": {"0": (2, 0)}}
+    assert v3_query(server, "m2", "A") == {"a2": {"0": (2, 0)}}
+
+    # Without model_name/tenant_id the pool registration's (m1, A) is the context.
+    gone = pool_event("removed", HASHES[3:], backend_id=NODE)
+    publish_until(
+        [(store, gone)],
+        lambda: mc_query(server, "m1", "A")["a1"]["0"] == (8, 12, 12),
+        "the store's removal applied to a1",
+    )
+    assert mc_query(server, "m1", "B") == {"b1": {"0": (8, 8, 8)}}
+    assert mc_query(server, "m2", "A") == {"a2": {"0": (8, 8, 8)}}
+
+    # An event of a context with no DP on the node is dropped, counted and said.
+    other = pool_event("stored", HASHES, backend_id=NODE, model_name="m3", tenant_id="A")
+    publish_until(
+        [(store, other)],
+        lambda: source(server, "mooncake-store")["dropped"].get("no_dp_of_pool_context"),
+        "the m3 event dropped",
+    )
+    assert "no_dp_of_pool_context" in server.log()
+    assert mc_query(server, "m2", "A") == {"a2": {"0": (8, 8, 8)}}
+
+
+def source(srv, instance_id: str) -> dict:
+    (s,) = [
+        s for s in srv.http.get("/workers").json()["sources"] if s["instance_id"] == instance_id
+    ]
+    return s
+
+
+def test_v3_pool_of_the_coordinator_placeholder_model(server, pubs):
+    """A V3 Mooncake pool registered with the Coordinator's ``default`` model: an event
+    naming its model goes to that model's DPs only; one naming none goes to the DPs of
+    the pool's tenant when they are of one model, and to none when they are of several."""
+    engines(server, pubs)
+    store = PoolPublisher(host=NODE)
+    pubs.append(store)
+    r = server.http.post(
+        "/register",
+        json={
+            "instance_id": "mooncake-pool",
+            "type": "vLLM",
+            "store_backend": "Mooncake",
+            "modelname": "default",
+            "tenant_id": "A",
+            "block_size": BS,
+            "dp_rank": 0,
+            "endpoint": store.url,
+        },
+    )
+    assert r.status_code == 201, r.text
+    confirm = pool_event("stored", HASHES, backend_id=NODE, model_name="m2")
+    publish_until(
+        [(store, confirm)],
+        lambda: mc_query(server, "m2", "A").get("a2", {}).get("0") == (8, 16, 16),
+        "the pool's m2 blocks credited to a2",
+    )
+    assert mc_query(server, "m1", "A") == {"a1": {"0": (8, 8, 8)}}
+    assert mc_query(server, "m1", "B") == {"b1": {"0": (8, 8, 8)}}
+    # no model named: tenant A has DPs of m1 and m2 on the node: ambiguous, none credited
+    publish_until(
+        [(store, pool_event("stored", HASHES, backend_id=NODE))],
+        lambda: source(server, "mooncake-pool")["dropped"].get("pool_context_ambiguous"),
+        "the ambiguous event dropped",
+    )
+    assert mc_query(server, "m1", "A") == {"a1": {"0": (8, 8, 8)}}
