@@ -215,3 +215,70 @@ def test_v3_pool_of_the_coordinator_placeholder_model(server, pubs):
         "the ambiguous event dropped",
     )
     assert mc_query(server, "m1", "A") == {"a1": {"0": (8, 8, 8)}}
+
+
+# -- row 18: unregistering removes a DP's blocks from every index -----------------------------
+
+
+def v3_register(srv, instance_id: str, model: str, tenant: str, media: dict, **extra) -> None:
+    body = {
+        "instance_id": instance_id,
+        "type": "vLLM",
+        "modelname": model,
+        "tenant_id": tenant,
+        "block_size": BS,
+        "dp_rank": 0,
+        "medium_endpoints": media,
+        **extra,
+    }
+    r = srv.http.post("/register", json=body)
+    assert r.status_code == 201, r.text
+
+
+def test_unregister_removes_the_dp_from_every_index(server, pubs):
+    """``e1`` (m1, A) has its own pool port (the previous YuanRong Coordinator's per-DP
+    registration); its pool names the model ``mx`` in its events, which is where the
+    blocks are credited: ``e1`` holds them on CPU in (mx, A), joined with the offload of
+    ``f1``, an engine of (mx, A). Unregistered (over V3, then over the Mooncake dialect),
+    ``e1`` leaves (mx, A) too; registered again and confirmed again, it holds exactly the
+    four blocks once (cpu 16 tokens, never 32)."""
+    ef, ee, pp = (FakePublisher(replay=False, host=NODE) for _ in range(3))
+    pubs.extend([ef, ee, pp])
+    mc_register(server, "f1", "vLLM", ef.url, "mx", "A")
+    e1_media = {"npu": ee.url, "cpu": pp.url}
+    v3_register(server, "e1", "m1", "A", e1_media, store_backend="YuanRong")
+    hbm = V.batch([V.stored(HASHES[:2], None, TOKENS[:8], BS, medium="GPU")])
+    publish_until(
+        [(ef, hbm)], lambda: mc_query(server, "mx", "A").get("f1"), "f1's HBM blocks indexed"
+    )
+    ef.publish(V.batch([V.stored(HASHES, None, TOKENS, BS, medium="CPU")]))
+    confirm = pool_event("stored", HASHES, model_name="mx", tenant_id="A")
+
+    def credited() -> bool:
+        return mc_query(server, "mx", "A").get("e1", {}).get("0") == (0, 16, 16)
+
+    publish_until([(pp, confirm)], credited, "e1 credited in (mx, A)")
+    assert mc_query(server, "mx", "A") == {"f1": {"0": (8, 8, 8)}, "e1": {"0": (0, 16, 16)}}
+    assert v3_query(server, "mx", "A") == {"f1": {"0": (2, 0)}, "e1": {"0": (0, 4)}}
+
+    unreg = {"instance_id": "e1", "type": "vLLM", "modelname": "m1", "block_size": BS}
+    r = server.http.post("/unregister", json={**unreg, "tenant_id": "A", "dp_rank": 0})
+    assert r.status_code == 200, r.text
+    assert v3_query(server, "mx", "A") == {"f1": {"0": (2, 0)}}
+    assert "e1" not in mc_query(server, "mx", "A")
+    assert "blocks[mx/A]=4" in server.log()
+
+    # Registered again: the pool's word counts once, as the first time.
+    v3_register(server, "e1", "m1", "A", e1_media, store_backend="YuanRong")
+    publish_until([(pp, confirm)], credited, "e1 credited again")
+    pp.publish(confirm)
+    pp.publish(confirm)
+    publish_until(
+        [(ef, hbm)], lambda: v3_query(server, "mx", "A")["e1"] == {"0": (0, 4)}, "settled"
+    )
+    assert v3_query(server, "mx", "A") == {"f1": {"0": (2, 0)}, "e1": {"0": (0, 4)}}
+
+    # The Mooncake dialect's /unregister takes the same path.
+    r = server.mc.post("/unregister", json={"instance_id": "e1", "tenant_id": "A", "dp_rank": 0})
+    assert r.status_code == 200, r.text
+    assert mc_query(server, "mx", "A") == {"f1": {"0": (8, 8, 8)}}
