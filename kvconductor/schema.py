@@ -129,6 +129,10 @@ class RegisterRequest(Struct, kw_only=True):
     #: (LMCache multiprocess mode): index them directly, bounded by a TTL and a capacity.
     #: ``true`` takes the default bound.
     store_only: bool | StoreOnly | None = None
+    #: Extension: a cluster pool whose blocks every DP of its (model, tenant) and block
+    #: size shares (Mooncake's store, as its conductor reads it): ``backend_id`` names the
+    #: store, not a node; blocks are keyed by the engines' block hashes.
+    shared_store: bool | None = None
 
 
 class UnregisterRequest(Struct, kw_only=True):

@@ -24,7 +24,16 @@ LAYERS: list[set[str]] = [
     {"tracker", "host", "replicated"},  # sequence policy; the owner's seams; --state-url
     {"liveness", "freshness"},  # down / muted / purged policy; the states behind answers
     # plain data, the poller, the cluster pool's DPs
-    {"ops", "stats", "context", "thread", "http_events", "sourcemetrics", "poolroute"},
+    {
+        "ops",
+        "stats",
+        "context",
+        "thread",
+        "http_events",
+        "sourcemetrics",
+        "poolroute",
+        "sharedstore",
+    },
 ]
 
 

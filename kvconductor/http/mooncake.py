@@ -240,6 +240,7 @@ def to_v3_register(svc: Service) -> tuple[RegisterRequest, bytes]:
     if svc.publisher == "Mooncake":
         doc["store_backend"] = "Mooncake"
         doc["endpoint"] = svc.endpoint
+        doc["shared_store"] = True  # Mooncake's store: shared by its context
     else:
         doc["medium_endpoints"] = {"npu": svc.endpoint}
     if svc.replay_endpoint:

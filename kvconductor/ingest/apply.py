@@ -71,8 +71,9 @@ from kvconductor.ingest.ops import (
     Stored,
     VllmBatch,
 )
-from kvconductor.ingest.poolroute import cluster_pool_dps, registered_index
+from kvconductor.ingest.poolroute import NO_DP_OF_CONTEXT, cluster_pool_dps, registered_index
 from kvconductor.ingest.recognize import decode_payload
+from kvconductor.ingest.sharedstore import shared_targets, store_shared
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.keys import Medium, WorkerKey, node_of_backend_id, parse_medium
 
@@ -668,10 +669,31 @@ class Applier:
             info = infos[iid] = self.conductor.instance_info(iid)
         return registered_index(info, dp)
 
+    def _shared_targets(self, ev, media) -> list[tuple[str, str, WorkerKey]] | None:
+        targets, why = shared_targets(self.conductor, self.ctx, ev, media)
+        if not targets:
+            self._drop(NO_DP_OF_CONTEXT, why)
+            return None
+        return targets
+
+    def _store_shared(self, targets, hashes, now: float) -> None:
+        by_index: dict[tuple[str, str], list[WorkerKey]] = {}
+        for model, tenant, key in targets:
+            by_index.setdefault((model, tenant), []).append(key)
+            self._touch(model, tenant, key)
+            if self.suspects is not None:
+                self._confirm(key, hashes)
+        for (model, tenant), keys in by_index.items():
+            index = self.conductor.get_or_create_index(model, tenant)
+            store_shared(index, keys, hashes, now)
+        self.stats.blocks += len(hashes)
+
     def _pool_targets(self, ev, infos: dict) -> list[tuple[str, str, WorkerKey]] | None:
         ctx = self.ctx
         media = (parse_medium(ev.medium),) if ev.medium else self.pool_media
         out = []
+        if ctx.shared_store:
+            return self._shared_targets(ev, media)
         if ctx.is_pool:
             node = node_of_backend_id(ev.backend_id) if ev.backend_id else ctx.node_ip
             if not node:
@@ -760,6 +782,9 @@ class Applier:
                 if not targets:
                     continue
                 hashes = array("Q", ev.hashes)
+                if kind == STORED and self.ctx.shared_store:
+                    self._store_shared(targets, hashes, now)
+                    continue
                 indexes: dict = {}
                 for model, tenant, key in targets:
                     index = indexes.get((model, tenant))

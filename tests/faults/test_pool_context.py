@@ -282,3 +282,108 @@ def test_unregister_removes_the_dp_from_every_index(server, pubs):
     r = server.mc.post("/unregister", json={"instance_id": "e1", "tenant_id": "A", "dp_rank": 0})
     assert r.status_code == 200, r.text
     assert mc_query(server, "mx", "A") == {"f1": {"0": (8, 8, 8)}}
+
+
+# -- row 19: a Mooncake store as Mooncake's docs set it up ------------------------------------
+
+
+def store_events(kind: str, hashes, **fields) -> bytes:
+    """What Mooncake's store publisher sends (its publisher design): one event per
+    object, ``backend_id`` its configured name, ``model_name``/``block_size`` from its
+    configuration, ``tenant_id`` per object, the engine's block hash as the key, no
+    parent, no token ids; the legacy ``type`` alias beside ``event_type``."""
+    legacy = {"stored": "BlockStored", "removed": "BlockRemoved"}[kind]
+    return mooncake_tuple(
+        [
+            {
+                "event_type": kind,
+                "type": legacy,
+                "backend_id": "pool-a",
+                "model_name": "m",
+                "block_size": BS,
+                "tenant_id": "A",
+                "medium": "cpu",
+                "seq_hashes": [h],
+                "block_hashes": [h],
+                "parent_block_hash": None,
+                "token_ids": None,
+                **fields,
+            }
+            for h in hashes
+        ]
+    )
+
+
+def test_a_mooncake_store_is_shared_by_its_context(server, pubs):
+    """``pa`` and ``pb`` serve (m, A), ``pc`` serves (m, B); the engines send no CPU
+    event. ``pa`` holds blocks 0..3 in HBM when the store announces them, then keeps
+    0..1. Mooncake's conductor answers every rank of (m, A) from the shared store: pa gpu
+    8, cpu 16; pb gpu 0, cpu 16 (its HBM run stops at 0 and goes on in the store); pc, of
+    tenant B, nothing."""
+    ea, eb, ec = (FakePublisher(replay=False, host=NODE) for _ in range(3))
+    store = PoolPublisher(host=NODE)
+    pubs.extend([ea, eb, ec, store])
+    mc_register(server, "pa", "vLLM", ea.url, "m", "A")
+    mc_register(server, "pb", "vLLM", eb.url, "m", "A")
+    mc_register(server, "pc", "vLLM", ec.url, "m", "B")
+    mc_register(server, "mooncake-store", "Mooncake", store.url, "m", "A")
+    full = V.batch([V.stored(HASHES, None, TOKENS, BS, medium="GPU")])
+    publish_until(
+        [(ea, full)],
+        lambda: mc_query(server, "m", "A").get("pa", {}).get("0") == (16, 16, 16),
+        "pa's HBM blocks indexed",
+    )
+    publish_until(
+        [(store, store_events("stored", HASHES))],
+        lambda: mc_query(server, "m", "A")["pb"]["0"] == (0, 16, 16),
+        "the store's blocks shared by (m, A)",
+    )
+    evict = V.batch([V.removed(HASHES[2:], medium="GPU")])
+    publish_until(
+        [(ea, evict)],
+        lambda: mc_query(server, "m", "A")["pa"]["0"][0] == 8,
+        "pa's HBM eviction",
+    )
+    assert mc_query(server, "m", "A") == {"pa": {"0": (8, 16, 16)}, "pb": {"0": (0, 16, 16)}}
+    assert mc_query(server, "m", "B") == {"pc": {"0": (0, 0, 0)}}
+    assert v3_query(server, "m", "A") == {"pa": {"0": (2, 2)}, "pb": {"0": (0, 4)}}
+
+    # A removal leaves every rank of the context; another tenant's object none of (m, A).
+    publish_until(
+        [(store, store_events("removed", HASHES[3:]))],
+        lambda: mc_query(server, "m", "A")["pb"]["0"] == (0, 12, 12),
+        "the store's removal",
+    )
+    assert mc_query(server, "m", "A") == {"pa": {"0": (8, 12, 12)}, "pb": {"0": (0, 12, 12)}}
+    src = source(server, "mooncake-store")
+    assert src["dropped"] == {}
+    workers = {w["instance_id"]: w for w in server.http.get("/workers").json()["workers"]}
+    assert workers["mooncake-store"]["endpoints"]["0"]["pool"] == {"kind": "shared"}
+
+    publish_until(
+        [(store, store_events("stored", HASHES, tenant_id="Z"))],
+        lambda: source(server, "mooncake-store")["dropped"].get("no_dp_of_pool_context"),
+        "the tenant Z objects dropped",
+    )
+    assert mc_query(server, "m", "B") == {"pc": {"0": (0, 0, 0)}}
+
+
+def test_shared_store_is_refused_on_an_engine_registration(server):
+    r = server.http.post(
+        "/register",
+        json={
+            "instance_id": "e",
+            "type": "vLLM",
+            "modelname": "m",
+            "block_size": BS,
+            "dp_rank": 0,
+            "medium_endpoints": {"npu": "tcp://127.0.0.1:5557"},
+            "shared_store": True,
+        },
+    )
+    assert r.status_code == 400
+    assert r.json() == {
+        "error": "shared_store applies to a cluster pool: store_backend Mooncake or Memcache "
+        "with its publisher in endpoint and no medium_endpoints"
+    }
+    assert "shared_store applies to a cluster pool" in server.log()
