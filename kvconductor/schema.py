@@ -133,6 +133,10 @@ class RegisterRequest(Struct, kw_only=True):
     #: size shares (Mooncake's store, as its conductor reads it): ``backend_id`` names the
     #: store, not a node; blocks are keyed by the engines' block hashes.
     shared_store: bool | None = None
+    #: Extension: the LoRA adapter this registration is of (``""``: the base model; the
+    #: Mooncake dialect's ``lora_name``). A pool's blocks of another adapter are not an
+    #: engine DP's; a pool's are of this adapter unless its events name one. None: any.
+    lora_name: Name | None = None
 
 
 class UnregisterRequest(Struct, kw_only=True):

@@ -607,6 +607,7 @@ def test_register_maps_onto_our_registration():
         "block_size": 16,
         "dp_rank": 1,
         "tenant_id": "tenant-a",
+        "lora_name": "adapter-a",  # the DP's adapter: a pool's other adapters are not its
         "medium_endpoints": {"npu": "tcp://prefill-a.test:5558"},
     }
     assert isinstance(req, schema.RegisterRequest) and req.medium_endpoints == {
@@ -620,6 +621,7 @@ def test_register_maps_onto_our_registration():
         "tcp://10.0.0.9:50051",
         None,
     )
+    assert (req.shared_store, req.lora_name) == (True, "adapter-a")
 
 
 def test_cli_mooncake_port_flag():

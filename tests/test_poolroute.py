@@ -63,3 +63,30 @@ def test_registered_index_reads_either_shape():
     }
     assert registered_index(info, 0) == ("a", "b")
     assert registered_index(info, 1) == ("c", "d")
+
+
+def test_the_lora_adapter_of_the_event_else_of_the_registration():
+    loras = {("a1", 0): "ad-1", ("a1", 1): "", ("b1", 0): None}
+    pairs = [("a1", 0), ("a1", 1), ("b1", 0)]
+    reg2 = {("a1", 0): ("m1", "A"), ("a1", 1): ("m1", "A"), ("b1", 0): ("m1", "A")}
+
+    def route(event_lora, pool_lora):
+        r = cluster_pool_dps(
+            pairs,
+            lambda i, d: reg2[(i, d)],
+            None,
+            None,
+            "m1",
+            "A",
+            event_lora,
+            pool_lora,
+            lambda i, d: loras[(i, d)],
+        )
+        return r.reason or [(i, d) for i, d, _, _ in r.dps]
+
+    # a DP registered with no adapter (V3) serves any; one with another adapter none
+    assert route("ad-1", None) == [("a1", 0), ("b1", 0)]
+    assert route(None, "ad-1") == [("a1", 0), ("b1", 0)]
+    assert route(None, "") == [("a1", 1), ("b1", 0)]  # the base model's
+    assert route("ad-2", "") == [("b1", 0)]
+    assert route(None, None) == pairs  # nothing said: every adapter

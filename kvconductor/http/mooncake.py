@@ -236,6 +236,7 @@ def to_v3_register(svc: Service) -> tuple[RegisterRequest, bytes]:
         "block_size": svc.block_size,
         "dp_rank": svc.dp_rank,
         "tenant_id": svc.tenant_id,
+        "lora_name": svc.lora_name,  # "": the base model
     }
     if svc.publisher == "Mooncake":
         doc["store_backend"] = "Mooncake"

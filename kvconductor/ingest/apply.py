@@ -71,7 +71,12 @@ from kvconductor.ingest.ops import (
     Stored,
     VllmBatch,
 )
-from kvconductor.ingest.poolroute import NO_DP_OF_CONTEXT, cluster_pool_dps, registered_index
+from kvconductor.ingest.poolroute import (
+    NO_DP_OF_CONTEXT,
+    cluster_pool_dps,
+    registered_index,
+    registered_lora,
+)
 from kvconductor.ingest.recognize import decode_payload
 from kvconductor.ingest.sharedstore import shared_targets, store_shared
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
@@ -712,6 +717,9 @@ class Applier:
                     ev.tenant_id,
                     ctx.model,
                     ctx.tenant,
+                    ev.lora_name,
+                    ctx.lora_name,
+                    lambda iid, dp: registered_lora(infos.get(iid), dp),
                 )
                 if routed.reason:
                     self._drop(

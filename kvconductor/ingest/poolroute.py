@@ -8,7 +8,10 @@ and tenants; the block belongs only to those of the event's context:
 * the model: the event's ``model_name``, else the pool registration's; a registration
   made with the Coordinator's placeholder model ``default`` (it sends ``model_path or
   "default"``) names no model, and then the model is that of the node's DPs of the
-  tenant when they all have one (several: :data:`AMBIGUOUS`, nothing is credited).
+  tenant when they all have one (several: :data:`AMBIGUOUS`, nothing is credited);
+* the LoRA adapter: the event's ``lora_name``, else the pool registration's (the Mooncake
+  dialect's; ``""`` the base model): a DP registered with another adapter is left out,
+  one registered with none (V3) serves any.
 
 Before, every DP of the node was credited (in the event's index when it named one):
 another tenant's engines appeared in a tenant's answers, another model's in a model's.
@@ -23,6 +26,16 @@ PLACEHOLDER_MODEL = "default"
 #: Drop reasons.
 NO_DP_OF_CONTEXT = "no_dp_of_pool_context"
 AMBIGUOUS = "pool_context_ambiguous"
+
+
+def registered_lora(info: object, dp: int) -> str | None:
+    """The ``lora_name`` a DP was registered with (``conductor.instance_info``), or None."""
+    if not isinstance(info, dict):
+        return None
+    eps = info.get("endpoints") or {}
+    ep = eps.get(dp) if isinstance(eps, dict) else None
+    v = ep.get("lora_name") if isinstance(ep, dict) else None
+    return v if isinstance(v, str) else None
 
 
 def registered_index(info: object, dp: int) -> tuple[str | None, str | None]:
@@ -66,11 +79,15 @@ def cluster_pool_dps(
     event_tenant: str | None,
     pool_model: str,
     pool_tenant: str,
+    event_lora: str | None = None,
+    pool_lora: str | None = None,
+    lora_of: Callable[[str, int], str | None] | None = None,
 ) -> Routed:
     """The DPs among ``pairs`` (those with an HBM URL on the event's node) that a cluster
     pool's event belongs to; ``registered(instance, dp)`` is a DP's registered (model,
     tenant). See the module docstring."""
     tenant = pool_tenant if event_tenant is None else event_tenant
+    lora = event_lora or pool_lora
     model: str | None = event_model
     if model is None and pool_model != PLACEHOLDER_MODEL:
         model = pool_model
@@ -84,11 +101,14 @@ def cluster_pool_dps(
         m0, t0 = registered(iid, dp)
         if m0 is None or t0 is None:
             continue
-        if t0 == tenant and (model is None or m0 == model):
+        l0 = None if lora is None or lora_of is None else lora_of(iid, dp)
+        if t0 == tenant and (model is None or m0 == model) and l0 in (None, lora):
             out.append((iid, dp, m0, t0))
         else:
             others.append(f"{iid}/{dp} ({m0}, {t0})")
     where = f"model={model if model is not None else '(any)'} tenant={tenant}"
+    if lora is not None:
+        where += f" lora_name={lora!r}"
     if model is None and len({m for _, _, m, _ in out}) > 1:
         names = sorted({m for _, _, m, _ in out})
         return Routed(

@@ -29,12 +29,14 @@ def shared_targets(host, ctx, ev, media) -> tuple[list[tuple[str, str, WorkerKey
     :class:`~kvconductor.ingest.host.IngestHost`, ``ctx`` the store's subscription."""
     model = ctx.model if ev.model_name is None else ev.model_name
     tenant = ctx.tenant if ev.tenant_id is None else ev.tenant_id
-    dps = host.context_dps(model, tenant, ctx.block_size)
+    lora = ev.lora_name or ctx.lora_name
+    dps = host.context_dps(model, tenant, ctx.block_size, lora)
     out = [(model, tenant, WorkerKey(i, i, d, Medium(m))) for i, d in dps for m in media]
     why = (
-        f"shared store: no DP is registered in model={model} tenant={tenant} with "
-        f"block_size {ctx.block_size} (event backend_id {ev.backend_id!r}): its blocks "
-        "count for the DPs registered there when it publishes them"
+        f"shared store: no DP is registered in model={model} tenant={tenant} "
+        f"lora_name={lora!r} with block_size {ctx.block_size} (event backend_id "
+        f"{ev.backend_id!r}): its blocks count for the DPs registered there when it "
+        "publishes them"
     )
     return out, "" if out else why
 

@@ -631,9 +631,12 @@ class Conductor:
         """(instance_id, dp_rank) pairs registered with HBM endpoints on ``ip``."""
         return self.registry.hbm_ip_lookup(ip)
 
-    def context_dps(self, model: str, tenant: str, block_size: int) -> list[tuple[str, int]]:
-        """The engine (instance, DP)s registered in (model, tenant) with ``block_size``."""
-        return self.registry.context_dps(model, tenant, block_size)
+    def context_dps(
+        self, model: str, tenant: str, block_size: int, lora_name: str | None = None
+    ) -> list[tuple[str, int]]:
+        """The engine (instance, DP)s registered in (model, tenant) with ``block_size``
+        (and of adapter ``lora_name``, or of any, when it is given)."""
+        return self.registry.context_dps(model, tenant, block_size, lora_name)
 
     def instance_info(self, instance_id: str) -> dict[str, object] | None:
         """Registered model/tenant/block_size/store_backend/endpoints of an instance."""

@@ -115,6 +115,7 @@ def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
             else StoreOnly(ttl_secs=ep.store_only[0], capacity=ep.store_only[1])
         ),
         shared_store=ep.shared_store or None,
+        lora_name=ep.lora_name,
     )
     doc: JSONObject = msgspec.to_builtins(req)
     return doc

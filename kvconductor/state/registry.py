@@ -190,6 +190,8 @@ class EndpointInfo:
     store_only: tuple[float, int] | None = None
     #: A cluster pool shared by every DP of its (model, tenant) and block size.
     shared_store: bool = False
+    #: The LoRA adapter of the registration (``lora_name``; None: any).
+    lora_name: str | None = None
 
     @property
     def backend(self) -> StoreBackend:
@@ -271,6 +273,7 @@ class WorkerEntry:
                     "node_pool": ep.node_pool,
                     "node_ip": ep.node_ip,
                     "node_id": ep.node_id,
+                    "lora_name": ep.lora_name,
                 }
                 for dp, ep in self.endpoints.items()
             },
@@ -354,9 +357,12 @@ class Registry:
         ep = entry.endpoints.get(dp_rank)
         return ep.index_key if ep is not None else (entry.model_name, entry.tenant_id)
 
-    def context_dps(self, model: str, tenant: str, block_size: int) -> list[tuple[str, int]]:
+    def context_dps(
+        self, model: str, tenant: str, block_size: int, lora_name: str | None = None
+    ) -> list[tuple[str, int]]:
         """The engine (instance, DP)s (not pools) registered in (model, tenant) with
-        ``block_size``: a shared store's DPs (O(registered DPs))."""
+        ``block_size`` and, when ``lora_name`` is given, of that adapter (or of any):
+        a shared store's DPs (O(registered DPs))."""
         out = []
         for iid, entry in self.instances.items():
             for dp, ep in entry.endpoints.items():
@@ -364,6 +370,7 @@ class Registry:
                     not ep.is_pool
                     and ep.block_size == block_size
                     and ep.index_key == (model, tenant)
+                    and (lora_name is None or ep.lora_name in (None, lora_name))
                 ):
                     out.append((iid, dp))
         return out
@@ -544,6 +551,7 @@ class Registry:
                 node_ip=node_ip,
                 store_only=store_only,
                 shared_store=shared_store,
+                lora_name=req.lora_name,
                 extra=extra,
             )
             for url, media in groups.items()
@@ -565,6 +573,7 @@ class Registry:
             node_ip=node_ip,
             store_only=store_only,
             shared_store=shared_store,
+            lora_name=req.lora_name,
         )
         unchanged = old is not None and old == info
 

@@ -51,7 +51,9 @@ def pubs():
         p.stop()
 
 
-def mc_register(srv, instance_id: str, kind: str, url: str, model: str, tenant: str) -> None:
+def mc_register(
+    srv, instance_id: str, kind: str, url: str, model: str, tenant: str, **extra
+) -> None:
     body = {
         "endpoint": url,
         "type": kind,
@@ -60,13 +62,16 @@ def mc_register(srv, instance_id: str, kind: str, url: str, model: str, tenant: 
         "instance_id": instance_id,
         "block_size": BS,
         "dp_rank": 0,
+        **extra,
     }
     r = srv.mc.post("/register", json=body)
     assert r.status_code == 200, r.text
 
 
-def mc_query(srv, model: str, tenant: str) -> dict:
+def mc_query(srv, model: str, tenant: str, lora: str = "") -> dict:
     body = {"model": model, "tenant_id": tenant, "block_size": BS, "token_ids": TOKENS}
+    if lora:
+        body["lora_name"] = lora
     r = srv.mc.post("/query", json=body)
     assert r.status_code == 200, r.text
     return {
@@ -170,6 +175,14 @@ def test_pool_blocks_go_only_to_the_dps_of_their_model_and_tenant(server, pubs):
     )
     assert "no_dp_of_pool_context" in server.log()
     assert mc_query(server, "m2", "A") == {"a2": {"0": (8, 8, 8)}}
+
+
+def cpu_blocks(srv, model: str, tenant: str) -> int:
+    """The CPU blocks of the (model, tenant) index (``/workers`` ``indexer[]``)."""
+    for idx in srv.http.get("/workers").json()["indexer"]:
+        if (idx["model_name"], idx["tenant_id"]) == (model, tenant):
+            return idx["cpu_blocks"]
+    return 0
 
 
 def source(srv, instance_id: str) -> dict:
@@ -387,3 +400,34 @@ def test_shared_store_is_refused_on_an_engine_registration(server):
         "with its publisher in endpoint and no medium_endpoints"
     }
     assert "shared_store applies to a cluster pool" in server.log()
+
+
+def test_a_store_of_one_lora_adapter_is_not_the_base_models(server, pubs):
+    """``la`` serves adapter ``ad-1`` of (m, A), ``lb`` the base model, on one node; the
+    store is registered for ``ad-1``. Only ``la`` holds its blocks: the ``ad-1`` answer
+    lists ``la`` alone (Mooncake's: the ranks of that adapter's context), the base
+    model's answer shows ``lb`` with nothing."""
+    ea, eb = (FakePublisher(replay=False, host=NODE) for _ in range(2))
+    store = PoolPublisher(host=NODE)
+    pubs.extend([ea, eb, store])
+    mc_register(server, "la", "vLLM", ea.url, "m", "A", lora_name="ad-1")
+    mc_register(server, "lb", "vLLM", eb.url, "m", "A")
+    mc_register(server, "lora-store", "Mooncake", store.url, "m", "A", lora_name="ad-1")
+    full = V.batch([V.stored(HASHES, None, TOKENS, BS, medium="GPU", lora_name="ad-1")])
+    publish_until(
+        [(ea, full)],
+        lambda: mc_query(server, "m", "A", "ad-1").get("la", {}).get("0") == (16, 16, 16),
+        "la's adapter blocks indexed",
+    )
+    publish_until(
+        [(store, store_events("stored", HASHES, lora_name="ad-1"))],
+        lambda: cpu_blocks(server, "m", "A") == 4,
+        "the store's adapter blocks applied",
+    )
+    publish_until(
+        [(ea, V.batch([V.removed(HASHES[2:], medium="GPU")]))],
+        lambda: mc_query(server, "m", "A", "ad-1")["la"]["0"][0] == 8,
+        "la's HBM eviction",
+    )
+    assert mc_query(server, "m", "A", "ad-1") == {"la": {"0": (8, 16, 16)}}
+    assert mc_query(server, "m", "A") == {"lb": {"0": (0, 0, 0)}}
