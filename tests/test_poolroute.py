@@ -89,4 +89,4 @@ def test_the_lora_adapter_of_the_event_else_of_the_registration():
     assert route(None, "ad-1") == [("a1", 0), ("b1", 0)]
     assert route(None, "") == [("a1", 1), ("b1", 0)]  # the base model's
     assert route("ad-2", "") == [("b1", 0)]
-    assert route(None, None) == pairs  # nothing said: every adapter
+    assert route(None, None) == [("a1", 1), ("b1", 0)]  # none named: the base model's

@@ -10,8 +10,8 @@ and tenants; the block belongs only to those of the event's context:
   "default"``) names no model, and then the model is that of the node's DPs of the
   tenant when they all have one (several: :data:`AMBIGUOUS`, nothing is credited);
 * the LoRA adapter: the event's ``lora_name``, else the pool registration's (the Mooncake
-  dialect's; ``""`` the base model): a DP registered with another adapter is left out,
-  one registered with none (V3) serves any.
+  dialect's; ``""`` the base model), else the base model: a DP registered with another
+  adapter is left out, one registered with none (V3) serves any.
 
 Before, every DP of the node was credited (in the event's index when it named one):
 another tenant's engines appeared in a tenant's answers, another model's in a model's.
@@ -101,8 +101,10 @@ def cluster_pool_dps(
         m0, t0 = registered(iid, dp)
         if m0 is None or t0 is None:
             continue
-        l0 = None if lora is None or lora_of is None else lora_of(iid, dp)
-        if t0 == tenant and (model is None or m0 == model) and l0 in (None, lora):
+        # a DP of a named adapter takes only that adapter's blocks (none named: the base
+        # model's, as Mooncake's publisher sends an empty name as nil)
+        l0 = None if lora_of is None else lora_of(iid, dp)
+        if t0 == tenant and (model is None or m0 == model) and l0 in (None, lora or ""):
             out.append((iid, dp, m0, t0))
         else:
             others.append(f"{iid}/{dp} ({m0}, {t0})")

@@ -361,8 +361,8 @@ class Registry:
         self, model: str, tenant: str, block_size: int, lora_name: str | None = None
     ) -> list[tuple[str, int]]:
         """The engine (instance, DP)s (not pools) registered in (model, tenant) with
-        ``block_size`` and, when ``lora_name`` is given, of that adapter (or of any):
-        a shared store's DPs (O(registered DPs))."""
+        ``block_size`` and of adapter ``lora_name`` (None: the base model) or registered
+        without one: a shared store's DPs (O(registered DPs))."""
         out = []
         for iid, entry in self.instances.items():
             for dp, ep in entry.endpoints.items():
@@ -370,7 +370,7 @@ class Registry:
                     not ep.is_pool
                     and ep.block_size == block_size
                     and ep.index_key == (model, tenant)
-                    and (lora_name is None or ep.lora_name in (None, lora_name))
+                    and ep.lora_name in (None, lora_name or "")
                 ):
                     out.append((iid, dp))
         return out
