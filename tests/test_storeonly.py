@@ -1,0 +1,195 @@
+"""kvconductor.ingest.storeonly: a store-only source's bound (one entry per chunk, its
+blocks counted before the split) and the chunk split in C against its Python oracle."""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvconductor._hash import split_chunk_hashes
+from kvconductor._py import hash as py_hash
+from kvconductor.ingest.apply import Applier
+from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.stats import Limits
+from kvconductor.ingest.storeonly import StoreOnlyBound, chunk_blocks, chunk_factor
+from kvconductor.keys import Medium, StoreBackend, WorkerKey
+from tests.helpers.publishers import FakeConductor, hits, schema
+
+BS = 4
+CHUNK = 8  # two registered blocks per chunk
+IID = "lmc"
+V33 = schema("vllm", "0.33.0")
+CPU = WorkerKey(IID, IID, 0, Medium.CPU)
+
+
+def _ctx(**kw):
+    return SubscriberContext(
+        instance_id=IID,
+        dp_rank=0,
+        url="tcp://127.0.0.1:1",
+        model="m",
+        tenant="t",
+        block_size=BS,
+        default_media=(Medium.NPU,),
+        store_backend=StoreBackend.MOONCAKE,
+        **kw,
+    )
+
+
+def _chunk(h, parent, tokens):
+    return V33.stored([h], parent, tokens, CHUNK, medium="CPU")
+
+
+def _toks(i):
+    return list(range(1000 + i * CHUNK, 1000 + (i + 1) * CHUNK))
+
+
+# -- the split: C against the oracle -----------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**64 - 1), max_size=20),
+    st.integers(0, 40),
+)
+def test_split_chunk_hashes_matches_the_oracle(hashes, k):
+    assert split_chunk_hashes(hashes, k) == py_hash.split_chunk_hashes(hashes, k)
+
+
+def test_split_chunk_hashes_keeps_the_chunk_hash_last():
+    out = split_chunk_hashes(array("Q", [5, 2**64 - 1]), 3)
+    assert len(out) == 6
+    assert out[2] == 5 and out[5] == 2**64 - 1
+    assert out[0] == py_hash.sub_block_hash(5, 0) and out[1] == py_hash.sub_block_hash(5, 1)
+    assert len(set(out)) == 6
+    assert split_chunk_hashes([7], 1) == array("Q", [7])
+    assert split_chunk_hashes([7], 0) == array("Q")
+
+
+def test_sub_block_hash_golden():
+    # splitmix64 (Vigna) of h + (j + 1) * 0x9E3779B97F4A7C15: its first output from seed 0
+    assert py_hash.sub_block_hash(0, 0) == 0xE220A8397B1DCDAF
+
+
+def test_chunk_blocks():
+    assert chunk_factor(256, 16) == 16
+    assert chunk_blocks(3, 256, 16) == 48
+    assert chunk_blocks(3, 16, 16) == 3
+    assert chunk_blocks(3, 0, 16) == 3
+    assert chunk_blocks(3, 24, 16) == 3  # not a multiple: dropped later as a mismatch
+
+
+# -- the bound ------------------------------------------------------------------------------
+
+
+def test_bound_counts_blocks_with_one_entry_per_chunk():
+    b = StoreOnlyBound(600.0, 100)
+    b.note(CPU, [1, 2], 0.0, k=16)
+    assert (len(b.held), b.blocks) == (2, 32)
+    b.note(CPU, [1], 1.0, k=16)  # a re-announcement is no second holding
+    assert (len(b.held), b.blocks) == (2, 32)
+    assert list(b.held) == [(CPU, 2), (CPU, 1)]
+    gone = b.forget(CPU, [2])
+    assert gone == py_hash.split_chunk_hashes([2], 16)
+    assert (b.blocks, b.removed) == (16, 16)
+    assert b.clear([CPU]) == 16
+    assert (b.blocks, len(b.held), b.removed) == (0, 0, 32)
+
+
+def test_bound_capacity_is_in_registered_blocks():
+    b = StoreOnlyBound(600.0, 40)
+    b.note(CPU, [1, 2], 0.0, k=16)
+    b.note(CPU, [3], 0.0, k=16)
+    due = b.due(1.0)
+    assert due == {CPU: py_hash.split_chunk_hashes([1], 16)}
+    assert (b.blocks, b.evicted, b.expired) == (32, 16, 0)
+    assert b.due(601.0) == {CPU: py_hash.split_chunk_hashes([2, 3], 16)}
+    assert (b.blocks, b.expired) == (0, 32)
+
+
+def test_bound_seeded_blocks_join_their_reannounced_chunk():
+    """A warm start seeds single blocks; the chunk announced again is one entry."""
+    b = StoreOnlyBound(600.0, 100)
+    b.seed(CPU, py_hash.split_chunk_hashes([9], 4), 0.0)
+    assert (len(b.held), b.blocks) == (4, 4)
+    b.note(CPU, [9], 1.0, k=4)
+    assert (len(b.held), b.blocks) == (1, 4)
+
+
+# -- through the applier ------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake(impl):
+    return FakeConductor(impl)
+
+
+def test_a_chunk_counts_as_its_blocks_against_the_message_bound(fake):
+    eng = Applier(_ctx(store_only=(600.0, 1000)), fake, limits=Limits(max_blocks_per_message=3))
+    # one chunk hash standing for 4 registered blocks: over a bound of 3, refused whole
+    big = V33.stored([77], None, list(range(16)), 16, medium="CPU")
+    assert not eng.apply_payload(V33.batch([big]))
+    assert eng.stats.dropped == {"message_too_many_blocks": 1}
+    assert eng.store_bound.blocks == 0
+    assert hits(fake.indexes.get(("m", "t")), list(range(16)), BS) == {}
+    # 2 registered blocks: under the bound
+    assert eng.apply_payload(V33.batch([_chunk(1, None, _toks(0))]))
+    assert hits(fake.indexes[("m", "t")], _toks(0), BS) == {(IID, 0): (0, 2, 0)}
+
+
+def test_a_chunk_counts_as_its_blocks_against_the_source_bound(fake):
+    eng = Applier(_ctx(store_only=(600.0, 1000)), fake, limits=Limits(max_blocks_per_source=5))
+    assert eng.apply_payload(V33.batch([_chunk(1, None, _toks(0)), _chunk(2, 1, _toks(1))]))
+    assert eng.store_bound.blocks == 4
+    # 2 more would make 6 > 5: refused whole
+    assert not eng.apply_payload(V33.batch([_chunk(3, 2, _toks(2))]))
+    assert eng.stats.dropped == {"source_block_limit": 1}
+    # the source removes a chunk: room again
+    assert eng.apply_payload(V33.batch([V33.removed([1], medium="CPU")]))
+    assert eng.store_bound.blocks == 2
+    assert eng.apply_payload(V33.batch([_chunk(4, None, _toks(3))]))
+    assert eng.store_bound.blocks == 4
+
+
+def test_removals_and_clears_leave_the_bound(fake):
+    eng = Applier(_ctx(store_only=(600.0, 4)), fake)
+    chunks = [_chunk(i + 1, i or None, _toks(i)) for i in range(2)]
+    eng.apply_payload(V33.batch(chunks))
+    idx = fake.indexes[("m", "t")]
+    toks = _toks(0) + _toks(1)
+    assert hits(idx, toks, BS) == {(IID, 0): (0, 4, 0)}
+    # BlockRemoved of the second chunk's hash: both of its registered blocks go
+    eng.apply_payload(V33.batch([V33.removed([2], medium="CPU")]))
+    assert hits(idx, toks, BS) == {(IID, 0): (0, 2, 0)}
+    assert idx.worker_blocks(CPU) == 2
+    info = eng.store_bound.info()
+    assert (info["blocks"], info["removed_blocks"], info["evicted_blocks"]) == (2, 2, 0)
+    # a new chunk fits the capacity of 4: nothing is evicted early
+    other = list(range(5000, 5008))
+    eng.apply_payload(V33.batch([_chunk(50, None, other)]))
+    assert eng.store_bound.info()["evicted_blocks"] == 0
+    assert hits(idx, toks, BS) == {(IID, 0): (0, 2, 0)}
+    assert hits(idx, other, BS) == {(IID, 0): (0, 2, 0)}
+    assert idx.worker_blocks(CPU) == 4
+
+
+def test_all_blocks_cleared_empties_the_bound_of_the_cleared_media(fake):
+    ctx = replace(_ctx(store_only=(600.0, 100)), default_media=(Medium.NPU, Medium.CPU))
+    eng = Applier(ctx, fake)
+    eng.apply_payload(V33.batch([_chunk(1, None, _toks(0))]))
+    assert eng.store_bound.blocks == 2
+    eng.apply_payload(V33.batch([V33.cleared()]))
+    assert eng.store_bound.info()["blocks"] == 0
+    assert hits(fake.indexes[("m", "t")], _toks(0), BS) == {}
+
+
+def test_expiry_removes_every_block_of_a_chunk(fake):
+    eng = Applier(_ctx(store_only=(30.0, 100)), fake)
+    eng.apply_payload(V33.batch([_chunk(1, None, _toks(0))]))
+    assert eng.expire_store_only(time.monotonic() + 31) == 2
+    assert fake.indexes[("m", "t")].worker_blocks(CPU) == 0
