@@ -69,6 +69,7 @@ from kvconductor.ingest.ops import (
     Stored,
     VllmBatch,
 )
+from kvconductor.ingest.poolguard import ENGINE_BATCH_ON_POOL, engine_batch_on_pool
 from kvconductor.ingest.recognize import decode_payload
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.storeonly import StoreOnlyBound, chunk_blocks, chunk_factor, direct_medium
@@ -302,6 +303,10 @@ class Applier:
             elif isinstance(ev, PoolEvent):
                 nblocks += len(ev.hashes)
         if not self._within_limits(nblocks, index):
+            return False
+        why = engine_batch_on_pool(self.ctx, batch)
+        if why is not None:
+            self._drop(ENGINE_BATCH_ON_POOL, why)
             return False
         self.stats.batches += 1
         if isinstance(batch, VllmBatch):
