@@ -16,9 +16,15 @@ from kvconductor._py import hash as py_hash
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.stats import Limits
-from kvconductor.ingest.storeonly import StoreOnlyBound, chunk_blocks, chunk_factor
+from kvconductor.ingest.storeonly import (
+    WEIGH_BYTES,
+    StoreOnlyBound,
+    chunk_blocks,
+    chunk_factor,
+    claimed_blocks,
+)
 from kvconductor.keys import Medium, StoreBackend, WorkerKey
-from tests.helpers.publishers import FakeConductor, hits, schema
+from tests.helpers.publishers import FakeConductor, hits, mooncake_tuple, schema
 
 BS = 4
 CHUNK = 8  # two registered blocks per chunk
@@ -193,3 +199,31 @@ def test_expiry_removes_every_block_of_a_chunk(fake):
     eng.apply_payload(V33.batch([_chunk(1, None, _toks(0))]))
     assert eng.expire_store_only(time.monotonic() + 31) == 2
     assert fake.indexes[("m", "t")].worker_blocks(CPU) == 0
+
+
+def test_claimed_blocks_reads_the_weight_without_the_tokens():
+    big = V33.stored([1, 2], None, list(range(2 * 16)), 16, medium="CPU")
+    hbm = V33.stored([3, 4, 5], None, list(range(12)), BS, medium="GPU")
+    payload = V33.batch([big, hbm, V33.removed([9], medium="CPU"), V33.cleared()])
+    # 2 chunks of 4 blocks, 3 HBM blocks, 1 removal
+    assert claimed_blocks(payload, BS) == 8 + 3 + 1
+    assert claimed_blocks(V33.batch([]), BS) == 0
+    assert claimed_blocks(mooncake_tuple([{"event_type": "stored", "seq_hashes": [1]}]), BS) is None
+    assert claimed_blocks(b"\x00garbage", BS) is None
+
+
+def test_a_big_chunk_is_refused_before_it_is_decoded(fake):
+    """Over ``WEIGH_BYTES`` the message is weighed without its token ids: refused the same."""
+    eng = Applier(_ctx(store_only=(600.0, 10**6)), fake, limits=Limits(max_blocks_per_message=1000))
+    n = 250_000  # ids over 2**16: 5 bytes each in msgpack, 1.25 MB
+    payload = V33.batch([V33.stored([77], None, [100_000] * n, n, medium="CPU")])
+    assert len(payload) >= WEIGH_BYTES
+    assert claimed_blocks(payload, BS) == n // BS
+    assert not eng.apply_payload(payload)
+    assert eng.stats.dropped == {"message_too_many_blocks": 1}
+    assert (eng.stats.batches, eng.store_bound.blocks) == (0, 0)
+    # under the bound the same size is applied
+    eng = Applier(_ctx(store_only=(600.0, 10**6)), fake)
+    assert eng.apply_payload(payload)
+    assert eng.store_bound.blocks == n // BS
+    assert fake.indexes[("m", "t")].worker_blocks(CPU) == n // BS

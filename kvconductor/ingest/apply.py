@@ -72,7 +72,14 @@ from kvconductor.ingest.ops import (
 from kvconductor.ingest.poolguard import ENGINE_BATCH_ON_POOL, engine_batch_on_pool
 from kvconductor.ingest.recognize import decode_payload
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
-from kvconductor.ingest.storeonly import StoreOnlyBound, chunk_blocks, chunk_factor, direct_medium
+from kvconductor.ingest.storeonly import (
+    WEIGH_BYTES,
+    StoreOnlyBound,
+    chunk_blocks,
+    chunk_factor,
+    claimed_blocks,
+    direct_medium,
+)
 from kvconductor.keys import Medium, WorkerKey, node_of_backend_id, parse_medium
 
 log = logging.getLogger("kvconductor.ingest")
@@ -239,15 +246,24 @@ class Applier:
                 f"{len(payload)} bytes > {lim.max_message_bytes} (--max-message-mb)",
             )
             return False
+        weighed = False
+        if self.store_bound is not None and len(payload) >= WEIGH_BYTES:
+            # PERF: a store-only source's big chunk is weighed (as the registered blocks it
+            # stands for) and refused before anything of it is converted or parsed again
+            pre = claimed_blocks(payload, self.ctx.block_size)
+            if pre is not None:
+                if not self._within_limits(pre):
+                    return False
+                weighed = True
         fb = self._fast
         if fb is not None and self.suspects is None:
             # After a loss the general path runs: it records what is re-announced.
             n = fb.parse(payload, self.ctx.block_size)
             if n >= 0:
-                if not self._within_limits(fb.nhashes):
+                if not weighed and not self._within_limits(fb.nhashes):
                     return False
                 return self._apply_fast(fb, n, payload)
-        return self._apply_general(payload)
+        return self._apply_general(payload, weighed=weighed)
 
     def _within_limits(self, nblocks: int, index=None) -> bool:
         """False (counted, warned) when a message of ``nblocks`` blocks is over a bound. A
@@ -283,7 +299,7 @@ class Applier:
             self._held_bound += nblocks
         return True
 
-    def _apply_general(self, payload: bytes, index=None) -> bool:
+    def _apply_general(self, payload: bytes, index=None, weighed: bool = False) -> bool:
         try:
             batch = decode_payload(payload)
         except DecodeError as ex:
@@ -302,7 +318,7 @@ class Applier:
                 nblocks += len(ev.block_hashes)
             elif isinstance(ev, PoolEvent):
                 nblocks += len(ev.hashes)
-        if not self._within_limits(nblocks, index):
+        if not weighed and not self._within_limits(nblocks, index):
             return False
         why = engine_batch_on_pool(self.ctx, batch)
         if why is not None:

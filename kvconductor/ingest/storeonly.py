@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvconductor._hash import split_chunk_hashes
+from kvconductor.ingest.vllm import event_shapes
 from kvconductor.keys import WorkerKey, parse_medium
 
 
@@ -45,6 +46,27 @@ def chunk_blocks(nhashes: int, block_size: int, registered: int) -> int:
     """The registered blocks a store-only ``BlockStored`` of ``nhashes`` chunk hashes
     stands for (what the per-message and per-source bounds count)."""
     return nhashes * chunk_factor(block_size, registered)
+
+
+#: Payloads from this size on are weighed before they are decoded (their token ids, the
+#: bulk of a big chunk, are then converted only for a message within the bounds).
+WEIGH_BYTES = 1 << 20
+
+
+def claimed_blocks(payload: bytes, registered: int) -> int | None:
+    """The registered blocks a store-only source's vLLM batch stores or removes (its
+    chunks counted as the blocks they stand for), read without its token ids; None when
+    it is no batch of one typed form."""
+    shapes = event_shapes(payload)
+    if shapes is None:
+        return None
+    n = 0
+    for stored, nhashes, bs, medium in shapes:
+        if stored and direct_medium(True, medium):
+            n += chunk_blocks(nhashes, bs, registered)
+        else:
+            n += nhashes
+    return n
 
 
 class StoreOnlyBound:
