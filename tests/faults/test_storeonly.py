@@ -41,16 +41,18 @@ def test_a_chunk_counts_as_the_blocks_it_stands_for(tmp_path):
     try:
         rig.join()
         base = rig.source()["batches"]
-        # one hash standing for 5000 registered blocks (20000 tokens): over 1000 a message
+        # one hash standing for 5000 registered blocks (20000 tokens): over 1000 a message;
+        # then 60000 blocks in 1.2 MB (ids of 5 msgpack bytes): weighed before decoding
         big = list(range(1, 1 + 5000 * BS))
         rig.pub.publish(_chunk(77, None, big))
+        rig.pub.publish(_chunk(76, None, [100_000] * (60_000 * BS)))
         # 800 blocks: accepted; 800 more would make 1600 > 1500 held by the source
         mid = [list(range(100_000 + i * 800 * BS, 100_000 + (i + 1) * 800 * BS)) for i in range(2)]
         rig.pub.publish(_chunk(78, None, mid[0]))
         rig.pub.publish(_chunk(79, None, mid[1]))
         rig.pub.publish(_chunk(80, None, _toks(0)))
-        s = _settled(rig, base + 4)
-        assert s["dropped"] == {"message_too_many_blocks": 1, "source_block_limit": 1}
+        s = _settled(rig, base + 5)
+        assert s["dropped"] == {"message_too_many_blocks": 2, "source_block_limit": 1}
         assert s["store_only"]["blocks"] == 802
         (idx,) = rig.srv.http.get("/workers").json()["indexer"]
         assert idx["total_blocks"] == 802
@@ -59,6 +61,7 @@ def test_a_chunk_counts_as_the_blocks_it_stands_for(tmp_path):
         assert rig.blocks(mid[1], "cpu") == 0
         assert rig.blocks(_toks(0), "cpu") == 2
         assert "dropped (message_too_many_blocks) 5000 blocks > 1000" in rig.srv.log()
+        assert rig.blocks([100_000] * (2 * BS), "cpu") == 0
     finally:
         rig.close()
 
