@@ -1,17 +1,13 @@
 """kvconductor.ingest.storeonly: a store-only source's bound (one entry per chunk, its
-blocks counted before the split) and the chunk split in C against its Python oracle."""
+blocks counted before the split; the split itself is tests/test_hash.py's)."""
 
 from __future__ import annotations
 
 import time
-from array import array
 from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvconductor._hash import split_chunk_hashes
 from kvconductor._py import hash as py_hash
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
@@ -53,33 +49,6 @@ def _chunk(h, parent, tokens):
 
 def _toks(i):
     return list(range(1000 + i * CHUNK, 1000 + (i + 1) * CHUNK))
-
-
-# -- the split: C against the oracle -----------------------------------------------------
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(st.integers(0, 2**64 - 1), max_size=20),
-    st.integers(0, 40),
-)
-def test_split_chunk_hashes_matches_the_oracle(hashes, k):
-    assert split_chunk_hashes(hashes, k) == py_hash.split_chunk_hashes(hashes, k)
-
-
-def test_split_chunk_hashes_keeps_the_chunk_hash_last():
-    out = split_chunk_hashes(array("Q", [5, 2**64 - 1]), 3)
-    assert len(out) == 6
-    assert out[2] == 5 and out[5] == 2**64 - 1
-    assert out[0] == py_hash.sub_block_hash(5, 0) and out[1] == py_hash.sub_block_hash(5, 1)
-    assert len(set(out)) == 6
-    assert split_chunk_hashes([7], 1) == array("Q", [7])
-    assert split_chunk_hashes([7], 0) == array("Q")
-
-
-def test_sub_block_hash_golden():
-    # splitmix64 (Vigna) of h + (j + 1) * 0x9E3779B97F4A7C15: its first output from seed 0
-    assert py_hash.sub_block_hash(0, 0) == 0xE220A8397B1DCDAF
 
 
 def test_chunk_blocks():
