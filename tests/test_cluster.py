@@ -32,7 +32,7 @@ from kvconductor._hash import hash_blocks
 from kvconductor._shlock import proc_stamp
 from kvconductor.http.metrics import QueryMetrics, merge_query_metrics, query_samples
 from kvconductor.logs import set_process_role
-from kvconductor.serve import bootstrap, cli, worker, workermetrics
+from kvconductor.serve import bootstrap, cli, privatedir, worker, workermetrics
 from kvconductor.serve import owner as supervision
 from kvconductor.serve.settings import Settings
 from kvconductor.state.conductor import TRIM_SECS
@@ -525,7 +525,7 @@ def test_stale_private_directories_are_removed(tmp_path):
         d = tmp_path / name
         d.mkdir(mode=0o700)
         if owner is not None:
-            (d / supervision.OWNER_FILE).write_text(owner)
+            (d / privatedir.OWNER_FILE).write_text(owner)
         return d
 
     dead = make(f"kv-conductor-{child.pid}-aaaa", f"{child.pid} 5\n")
@@ -543,11 +543,11 @@ def test_stale_private_directories_are_removed(tmp_path):
     srv.listen(1)
     unknown = make("kv-conductor-gggg")
     other = make("something-else")
-    old = time.time() - supervision.LEGACY_DIR_AGE - 10
+    old = time.time() - privatedir.LEGACY_DIR_AGE - 10
     for d in (legacy, listening, unknown):
         os.utime(d, (old, old))
     try:
-        removed = supervision.remove_stale_private_dirs(str(tmp_path))
+        removed = privatedir.remove_stale_private_dirs(str(tmp_path))
     finally:
         srv.close()
     assert sorted(removed) == sorted(str(d) for d in (dead, reused, legacy))

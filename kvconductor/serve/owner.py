@@ -6,10 +6,10 @@ serves nothing itself. What the processes are and how they share the index:
 docs/design.md, "Processes"; the workers' way to the owner: :mod:`kvconductor.serve.proxy`;
 their metrics: :mod:`kvconductor.serve.workermetrics`.
 
-**The owner's private directory** (:func:`make_private_dir`): its UNIX sockets live in a
-fresh temporary directory (``kv-conductor-<pid>-*``, mode 0700, removed at exit); the
-directories of owners killed before they could remove theirs are removed by the next
-owner that starts (:func:`remove_stale_private_dirs`).
+**The port and the private directory**: the owner holds the public port bound (never
+listening) and the port's lock (:mod:`kvconductor.serve.portlock`: a second ``--workers``
+server on the same port refuses to start), and its UNIX sockets live in a private
+directory (:mod:`kvconductor.serve.privatedir`).
 
 **Supervision** (:class:`Owner`, on the owner's main thread's event loop): a worker that
 exits is logged (WARN), :data:`on_worker_exit` is called, and it is spawned again after a
@@ -44,7 +44,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -53,10 +52,11 @@ from typing import Any
 import msgspec
 import uvicorn
 
-from kvconductor._shlock import owner_alive, proc_stamp
 from kvconductor.http.metrics import Sample
 from kvconductor.logs import set_process_role
 from kvconductor.serve.bootstrap import StartFailed, build_service
+from kvconductor.serve.portlock import PortInUse, PortLock
+from kvconductor.serve.privatedir import make_private_dir
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.single import (
     GRACEFUL_SECS,
@@ -84,12 +84,6 @@ RESPAWN_ALL_DOWN = 1.0
 STALL_NAG_SECS = 5.0
 #: Stalls kept for ``/workers`` (``processes.shared_lock.recent_stalls``).
 RECENT_STALLS = 16
-#: The owner's private directory: ``<tmp>/kv-conductor-<pid>-<random>`` (mode 0700).
-PRIVATE_PREFIX = "kv-conductor-"
-#: In it: "<pid> <start stamp>" of the owner, so a later owner can tell it is stale.
-OWNER_FILE = "owner.pid"
-#: A directory of an older version (no pid in its name) is judged only this old (seconds).
-LEGACY_DIR_AGE = 60.0
 #: Seconds past GRACEFUL_SECS the owner waits for its workers to stop before SIGKILL.
 STOP_MARGIN = 2.0
 #: Keep-alive of the owner's UNIX-socket connections (the workers' pools).
@@ -122,78 +116,6 @@ def _proc_state(pid: int) -> str:
     except OSError:
         return "?"
     return stat[stat.rindex(b")") + 2 :][:1].decode("ascii", "replace") or "?"
-
-
-def _stale(path: str, name: str, mtime: float) -> bool:
-    """Whether the private directory ``path`` (``name``, modified at ``mtime``) of an
-    owner is stale: its owner (``kv-conductor-<pid>-...``, with ``owner.pid`` holding pid
-    and start stamp) is no longer running; for a directory of an older version (no pid
-    in its name), nothing listens on its ``owner.sock`` any more and it is older than
-    :data:`LEGACY_DIR_AGE` (an owner starting now binds its socket before it listens)."""
-    rest = name[len(PRIVATE_PREFIX) :]
-    pid_text, sep, _ = rest.partition("-")
-    if sep and pid_text.isdigit():
-        pid = int(pid_text)
-        stamp = 0
-        with contextlib.suppress(OSError, ValueError):
-            with open(os.path.join(path, OWNER_FILE)) as f:
-                fpid, fstamp = f.read().split()
-            if int(fpid) == pid:
-                stamp = int(fstamp)
-        # no owner file yet: a starting owner, judged by its pid alone
-        return not owner_alive(pid, stamp)
-    sock_path = os.path.join(path, "owner.sock")
-    if not os.path.exists(sock_path) or time.time() - mtime < LEGACY_DIR_AGE:
-        return False  # not ours to judge, or too young to tell
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(sock_path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return True
-        except OSError:
-            return False
-    return False
-
-
-def remove_stale_private_dirs(base: str | None = None) -> list[str]:
-    """Remove the private directories (``kv-conductor-*``, this user's) that owners
-    killed without a chance to clean up left in ``base`` (default: the temporary
-    directory); returns their paths."""
-    base = base or tempfile.gettempdir()
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(base))
-    except OSError:
-        return removed
-    uid = os.getuid()
-    for entry in entries:
-        if not entry.name.startswith(PRIVATE_PREFIX):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not entry.is_dir(follow_symlinks=False) or st.st_uid != uid:
-            continue
-        if _stale(entry.path, entry.name, st.st_mtime):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if not os.path.exists(entry.path):
-                removed.append(entry.path)
-    return removed
-
-
-def make_private_dir() -> str:
-    """The owner's private directory for its UNIX sockets: stale ones of dead owners
-    removed first, then ``<tmp>/kv-conductor-<pid>-<random>`` (mode 0700) with
-    ``owner.pid``."""
-    for path in remove_stale_private_dirs():
-        log.info("removed stale directory %s (its owner process is gone)", path)
-    pid = os.getpid()
-    path = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{pid}-")  # mode 0700
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        f.write(f"{pid} {proc_stamp(pid)}\n")
-    return path
 
 
 @dataclasses.dataclass
@@ -704,11 +626,12 @@ class _Ports:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.port_sock: socket.socket | None = None
+        self.port_lock: PortLock | None = None
         self.tmpdir: str | None = None
 
     def supervise(self, shared: Any) -> Owner:
-        """Bind the public port (held, never listened on), make the private directory,
-        and the :class:`Owner` over them (``build_service``'s ``supervise``)."""
+        """Bind the public port (held, never listened on), take its lock, make the private
+        directory, and the :class:`Owner` over them (``build_service``'s ``supervise``)."""
         settings = self.settings
         try:
             self.port_sock = bind_socket(
@@ -722,6 +645,12 @@ class _Ports:
             host = "0.0.0.0"
         port = self.port_sock.getsockname()[1]
         try:
+            self.port_lock = PortLock.acquire(port)
+        except (PortInUse, OSError) as ex:
+            log.error("%s", ex)
+            print(f"kv-conductor: error: {ex}", file=sys.stderr)
+            raise StartFailed(str(ex)) from None
+        try:
             self.tmpdir = make_private_dir()
         except OSError as ex:
             log.error("cannot create the owner's private directory: %s", ex)
@@ -733,6 +662,8 @@ class _Ports:
     def close(self) -> None:
         if self.port_sock is not None:
             self.port_sock.close()
+        if self.port_lock is not None:
+            self.port_lock.close()
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
