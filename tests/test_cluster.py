@@ -470,7 +470,12 @@ def test_workers_view_and_metrics_show_the_processes_and_the_shared_lock(server)
     assert lock["reader_stall_ms"] == 500 and lock["write_sections"] > 0
     assert (lock["stalled_readers"], lock["readers_killed"], lock["stalling"]) == (0, 0, None)
     assert lock["recent_stalls"] == []
+    hb = doc["heartbeat"]  # every worker answers: nobody killed, nobody silent for long
+    assert hb == {"interval_ms": 100, "timeout_ms": 500, "kills": 0, "recent_kills": []}
+    assert all(0 <= w["silent_ms"] < 500 for w in doc["workers"]), doc["workers"]
     text = server.http.get("/metrics").text
+    assert metric(text, "kvconductor_worker_heartbeat_kills_total") == 0
+    assert "kvconductor_worker_heartbeat_kills_total 0.0" in text
     assert metric(text, "kvconductor_shared_writer_wait_seconds_count") >= lock["write_sections"]
     assert 'kvconductor_shared_writer_wait_seconds_bucket{le="+Inf"}' in text
     assert 'kvconductor_shared_writer_wait_seconds_bucket{le="0.5"}' in text
