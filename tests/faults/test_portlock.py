@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import http.client
+import re
 import subprocess
 
 import msgspec
@@ -64,3 +65,33 @@ def test_a_second_workers_server_on_the_same_port_refuses_to_start(tmp_path):
         wait_workers(again, 2)
         (((status, _), n),) = _queries(again.port, 5).items()
         assert (status, n) == (404, 5)
+
+
+def _refused(tmp_path, port: int, *args: str) -> str:
+    """Start a server on ``port`` that must exit 1 at start; its output."""
+    srv = Server(tmp_path, *args, port=port)
+    try:
+        code = srv.proc.wait(STARTUP_BOUND)
+    except subprocess.TimeoutExpired:
+        srv.proc.kill()
+        srv.proc.wait(10)
+        raise AssertionError(f"it started:\n{srv.log()}") from None
+    finally:
+        srv.http.close()
+        srv._log.close()
+    assert code == 1, srv.log()
+    return srv.log()
+
+
+def test_one_process_and_a_workers_server_never_share_a_port(tmp_path):
+    """One process binds without SO_REUSEPORT: it cannot join a --workers server's port,
+    and a --workers server cannot join its port (the kernel refuses either bind)."""
+    with running(tmp_path, "--workers", "2") as owner:
+        wait_workers(owner, 2)
+        out = _refused(tmp_path, owner.port)
+        assert re.search(rf"error: failed to bind TCP listener on \S+ port {owner.port}:", out), out
+    with running(tmp_path) as single:
+        out = _refused(tmp_path, single.port, "--workers", "2")
+        assert re.search(rf"error: failed to bind TCP listener on \S+ port {single.port}:", out), (
+            out
+        )
