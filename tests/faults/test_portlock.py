@@ -89,7 +89,7 @@ def test_one_process_and_a_workers_server_never_share_a_port(tmp_path):
     with running(tmp_path, "--workers", "2") as owner:
         wait_workers(owner, 2)
         out = _refused(tmp_path, owner.port)
-        assert re.search(rf"error: failed to bind TCP listener on \S+ port {owner.port}:", out), out
+        assert re.search(rf"failed to bind TCP listener on \S+ port {owner.port}:", out), out
     with running(tmp_path) as single:
         out = _refused(tmp_path, single.port, "--workers", "2")
         assert re.search(rf"error: failed to bind TCP listener on \S+ port {single.port}:", out), (
