@@ -16,6 +16,7 @@ and serve clients and tests.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, TypeAlias
 
 import msgspec
@@ -50,8 +51,29 @@ I64_MAX = (1 << 63) - 1
 #: names").
 NAME_MAX = 400
 
-#: An id or a name: at most :data:`NAME_MAX` characters.
-Name = Annotated[str, Meta(max_length=NAME_MAX)]
+#: What an id or a name may not hold: control characters (C0 with NUL, newline and ESC,
+#: DEL, C1), which would forge or garble a line of the text log or a terminal (docs/api.md,
+#: "Ids and names"). A JSON Schema pattern too (the OpenAPI documents carry it).
+NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+#: An id or a name: at most :data:`NAME_MAX` characters, no control character.
+Name = Annotated[str, Meta(max_length=NAME_MAX, pattern=NAME_PATTERN)]
+
+#: How msgspec words a :data:`Name` with a control character, and how the errors word it.
+_PATTERN_WORDS = f"Expected `str` matching regex {NAME_PATTERN!r}"
+CONTROL_WORDS = "Expected `str` without control characters (U+0000-U+001F, U+007F-U+009F)"
+
+
+def has_control_character(s: str) -> bool:
+    """True when ``s`` holds a character a :data:`Name` may not hold."""
+    return _CONTROL.search(s) is not None
+
+
+def decode_error_message(ex: Exception) -> str:
+    """The text of a msgspec decode error, a :data:`Name`'s pattern said in words:
+    ``Expected `str` without control characters (...) - at `$.instance_id```."""
+    return str(ex).replace(_PATTERN_WORDS, CONTROL_WORDS)
 
 
 def name_too_long(path: str) -> str:
@@ -96,9 +118,11 @@ STORE_ONLY_TTL_SECS = 600.0
 STORE_ONLY_CAPACITY = 1_000_000
 
 
-class StoreOnly(Struct, kw_only=True):
+class StoreOnly(Struct, kw_only=True, forbid_unknown_fields=True):
     """``store_only`` of ``POST /register`` as an object: the bound of a publisher that
-    never sends removals for its CPU/Disk blocks (LMCache multiprocess mode)."""
+    never sends removals for its CPU/Disk blocks (LMCache multiprocess mode). Our own
+    extension, so a key it does not know is a 400 (a misspelled ``ttl`` would otherwise
+    leave the 600 s default in place)."""
 
     #: Seconds a block stays after its last announcement.
     ttl_secs: Annotated[float, Meta(gt=0, le=30 * 86400)] = STORE_ONLY_TTL_SECS
