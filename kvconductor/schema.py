@@ -60,6 +60,12 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: An id or a name: at most :data:`NAME_MAX` characters, no control character.
 Name = Annotated[str, Meta(max_length=NAME_MAX, pattern=NAME_PATTERN)]
 
+#: An id or a name of a V3 query (``/query``, ``/query_by_hash``, ``/explain``): at most
+#: :data:`NAME_MAX` characters. Control characters are not looked for there: the compiled
+#: parser reads these, a query changes nothing, such a model names no index, and the log
+#: escapes whatever it writes (:func:`kvconductor.logs.escape_controls`).
+QueryName = Annotated[str, Meta(max_length=NAME_MAX)]
+
 #: How msgspec words a :data:`Name` with a control character, and how the errors word it.
 _PATTERN_WORDS = f"Expected `str` matching regex {NAME_PATTERN!r}"
 CONTROL_WORDS = "Expected `str` without control characters (U+0000-U+001F, U+007F-U+009F)"
@@ -191,19 +197,19 @@ class QueryRequest(Struct, kw_only=True):
     also be a msgpack bin of little-endian u32 (packed tokens).
     """
 
-    model: Name
+    model: QueryName
     block_size: PositiveU32
     token_ids: list[int]
-    tenant_id: Name = DEFAULT_TENANT
+    tenant_id: QueryName = DEFAULT_TENANT
 
 
 class QueryByHashRequest(Struct, kw_only=True):
     """``POST /query_by_hash``; ``block_size`` is required here but ignored (docs/api.md)."""
 
-    model: Name
+    model: QueryName
     block_size: U32
     block_hashes: list[int]
-    tenant_id: Name = DEFAULT_TENANT
+    tenant_id: QueryName = DEFAULT_TENANT
 
 
 #: The optional last field of both query bodies (string or null; null, absent or ``""``
