@@ -65,8 +65,8 @@ def _escape(m: re.Match[str]) -> str:
 def escape_controls(message: str) -> str:
     """``message`` with each control character written as ``\\xNN`` (``\\u2028``): a
     value holding a newline or an ESC sequence stays on its one line, as text."""
-    if _CONTROLS.search(message) is None:
-        return message
+    if message.isprintable() or _CONTROLS.search(message) is None:
+        return message  # isprintable(): no C0, DEL, C1, U+2028/U+2029, in C
     return _CONTROLS.sub(_escape, message)
 
 

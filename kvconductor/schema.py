@@ -60,6 +60,22 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: An id or a name: at most :data:`NAME_MAX` characters, no control character.
 Name = Annotated[str, Meta(max_length=NAME_MAX, pattern=NAME_PATTERN)]
 
+#: An id or a name inside an ``/events`` event (``event_type``, ``medium``, ``backend_id``,
+#: ...): a :data:`Name`, whose control characters are looked for after decoding
+#: (:func:`kvconductor.ingest.http_events.normalize_events`, with ``str.isprintable`` in
+#: C; a pattern per string would cost a regex call per event, and a batch holds up to
+#: thousands). The JSON Schema says the same pattern.
+EventName = Annotated[str, Meta(max_length=NAME_MAX, extra_json_schema={"pattern": NAME_PATTERN})]
+#: An event's :data:`EventName` fields, by attribute and by wire name.
+EVENT_NAME_FIELDS: tuple[tuple[str, str], ...] = (
+    ("event_type", "event_type"),
+    ("type_", "type"),
+    ("legacy_type", "legacy_type"),
+    ("medium", "medium"),
+    ("backend_id", "backend_id"),
+    ("lora_name", "lora_name"),
+)
+
 #: An id or a name of a V3 query (``/query``, ``/query_by_hash``, ``/explain``): at most
 #: :data:`NAME_MAX` characters. Control characters are not looked for there: the compiled
 #: parser reads these, a query changes nothing, such a model names no index, and the log
@@ -427,9 +443,9 @@ class EventPayload(Struct, kw_only=True):
     :meth:`kind_name` and :meth:`parent`.
     """
 
-    event_type: Name | None = None
-    type_: Name | None = field(default=None, name="type")
-    legacy_type: Name | None = None
+    event_type: EventName | None = None
+    type_: EventName | None = field(default=None, name="type")
+    legacy_type: EventName | None = None
     blocks: list[StoredBlock] | None = None
     parent_hash: int | None = None
     parent_block_hash: int | None = None
@@ -437,10 +453,10 @@ class EventPayload(Struct, kw_only=True):
     block_size: U32 = 0
     seq_hashes: list[int] | None = None
     block_hashes: list[int] | None = None
-    medium: Name | None = None
-    backend_id: Name | None = None
+    medium: EventName | None = None
+    backend_id: EventName | None = None
     #: LoRA adapter of a ``token_ids`` store: its blocks are hashed with ``lora_seed(name)``.
-    lora_name: Name | None = None
+    lora_name: EventName | None = None
 
     def kind_name(self) -> str:
         """The declared type string (``event_type``, else ``type``, else ``legacy_type``)."""

@@ -19,11 +19,14 @@ import msgspec
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.keys import Medium, parse_medium
 from kvconductor.schema import (
+    CONTROL_WORDS,
+    EVENT_NAME_FIELDS,
     U32_MAX,
     EventPayload,
     KvCacheEvent,
     KvEventBatch,
     WireValueError,
+    has_control_character,
     to_u64,
 )
 
@@ -84,7 +87,15 @@ def _u32_tokens(values: list[int]) -> array:
         return array("I", [v & U32_MAX for v in values])
 
 
-def _merged_payload(ev: KvCacheEvent) -> EventPayload:
+def _check_names(payload: EventPayload, path: str) -> None:
+    """Refuse an id or name of an event holding a control character (schema.EventName)."""
+    for attr, wire in EVENT_NAME_FIELDS:
+        v = getattr(payload, attr)
+        if v is not None and not v.isprintable() and has_control_character(v):
+            raise EventError(f"invalid JSON request body: {CONTROL_WORDS} - at `{path}.{wire}`")
+
+
+def _merged_payload(ev: KvCacheEvent, path: str = "$.events[0]") -> EventPayload:
     """The event's payload: the flat fields, overridden by a nested ``data`` object.
 
     ``data`` may be a flat payload object, a Dynamo-style one-key object
@@ -115,6 +126,7 @@ def _merged_payload(ev: KvCacheEvent) -> EventPayload:
         raise EventError(
             f"event_id={ev.event_id}: invalid data: {str(ex).replace('`$', '`$.data')}"
         ) from None
+    _check_names(inner, path + ".data")
     merged = {}
     for name in _PAYLOAD_FIELDS:
         value = getattr(inner, name)
@@ -147,11 +159,13 @@ def _event_kind(ev: KvCacheEvent, payload: EventPayload) -> int:
     )
 
 
-def normalize_event(ev: KvCacheEvent) -> EventOp:
-    """Validate one event and turn it into an :class:`EventOp`. Raises :class:`EventError`."""
+def normalize_event(ev: KvCacheEvent, path: str = "$.events[0]") -> EventOp:
+    """Validate one event (at ``path`` of its batch, for the errors) and turn it into an
+    :class:`EventOp`. Raises :class:`EventError`."""
     if ev.event_id > 0xFFFFFFFFFFFFFFFF:
         raise EventError(f"event_id {ev.event_id} is out of range (u64 expected)")
-    payload = _merged_payload(ev)
+    _check_names(ev, path)
+    payload = _merged_payload(ev, path)
     kind = _event_kind(ev, payload)
     try:
         parent = payload.parent()
@@ -200,6 +214,6 @@ def normalize_event(ev: KvCacheEvent) -> EventOp:
 
 def normalize_events(batch: KvEventBatch) -> list[EventOp]:
     """Validate every event of a batch (all or nothing), stably sorted by dp_rank."""
-    ops = [normalize_event(ev) for ev in batch.events or ()]
+    ops = [normalize_event(ev, f"$.events[{i}]") for i, ev in enumerate(batch.events or ())]
     ops.sort(key=lambda op: op.dp_rank)
     return ops

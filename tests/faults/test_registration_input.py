@@ -114,6 +114,20 @@ V3_CASES = [
     ("/events", lambda v: events({"medium": v}), "`$.events[0].medium`"),
     ("/events", lambda v: events({"lora_name": v}), "`$.events[0].lora_name`"),
     ("/events", lambda v: events({"event_type": v}), "`$.events[0].event_type`"),
+    ("/events", lambda v: events({"type": v}), "`$.events[0].type`"),
+    (
+        "/events",
+        lambda v: events({"data": {"backend_id": v}}),
+        "`$.events[0].data.backend_id`",
+    ),
+    (
+        "/events",
+        lambda v: {
+            "instance_id": "vllm-prefill-1",
+            "events": [events()["events"][0], {**events()["events"][0], "medium": v}],
+        },
+        "`$.events[1].medium`",
+    ),
 ]
 
 
