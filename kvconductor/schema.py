@@ -88,8 +88,9 @@ CONTROL_WORDS = "Expected `str` without control characters (U+0000-U+001F, U+007
 
 
 def has_control_character(s: str) -> bool:
-    """True when ``s`` holds a character a :data:`Name` may not hold."""
-    return _CONTROL.search(s) is not None
+    """True when ``s`` holds a character a :data:`Name` may not hold (``isprintable`` first:
+    a C loop, false for every one of them; the regex only when it is false)."""
+    return not s.isprintable() and _CONTROL.search(s) is not None
 
 
 def decode_error_message(ex: Exception) -> str:
