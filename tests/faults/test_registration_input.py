@@ -339,3 +339,27 @@ def test_store_only_with_its_own_keys_still_registers(server):
     ws = {w["instance_id"]: w for w in server.http.get("/workers").json()["workers"]}
     assert ws["so-1"]["endpoints"]["0"]["store_only"] == {"ttl_secs": 5.0, "capacity": 10}
     assert server.http.post("/unregister", json=registration(instance_id="so-1")).status_code == 200
+
+
+def test_with_workers_the_owner_refuses_warns_once_and_every_process_escapes(tmp_path):
+    """``--workers 2``: a worker hands /register to the owner (its 400, its one WARN) and
+    answers the query itself (its log line escaped)."""
+    srv = Server(tmp_path, "--workers", "2")
+    try:
+        srv.wait_ready()
+        r = srv.http.post("/register", json=registration(instance_id=FORGED))
+        assert r.status_code == 400
+        assert r.json() == {"error": refused("`$.instance_id`")}
+        body = registration(instance_id="w1", store_onyl=True)
+        assert [srv.http.post("/register", json=body).status_code for _ in range(3)] == [201] * 3
+        q = {"model": FORGED, "block_size": BS, "token_ids": [1, 2, 3, 4]}
+        assert srv.http.post("/query", json=q).status_code == 404
+        assert srv.http.get("/workers").json()["workers"][0]["instance_id"] == "w1"
+    finally:
+        srv.terminate()
+    log = srv.log()
+    (warned,) = lines_of(log, "fields ignored: store_onyl")
+    assert "WARN [owner pid=" in warned and "(instance_id=w1;" in warned
+    (query,) = lines_of(log, "query for unknown indexer")
+    assert "[worker-" in query and "model=x\\x0a2026-12-07T00:00:00.000000Z ERROR forged" in query
+    assert forged_lines(log) == []
