@@ -68,6 +68,9 @@ class Supervisor(Protocol):
     restarts: int
     shared: Any
 
+    @property
+    def heartbeat_kills(self) -> int: ...
+
     def live_workers(self) -> int: ...
 
     def info(self) -> dict[str, Any]: ...

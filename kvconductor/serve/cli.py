@@ -258,7 +258,8 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         help="with --workers N: a worker still inside a read of the shared index this many "
         "ms after the ingest thread started waiting for it is stalled (stopped, frozen, "
         "swapping): the other workers' queries go on, the stalled worker is killed and "
-        "restarted (default 500; 0: wait for it without bound)",
+        "restarted; a worker that does not answer the owner's heartbeat for this long "
+        "(at least 500 ms) is too (default 500; 0: wait for either without bound)",
     )
     p.add_argument(
         "--maintenance-interval-secs",
