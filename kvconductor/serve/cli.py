@@ -325,14 +325,15 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "--max-blocks-per-message",
         type=_int_in(1, 2**32 - 1),
         default=1_000_000,
-        help="a message storing or removing more blocks is refused and counted (default 1000000)",
+        help="a message storing or removing more blocks (a store-only chunk counts as the "
+        "blocks it stands for) is refused and counted (default 1000000)",
     )
     p.add_argument(
         "--max-blocks-per-source",
         type=_int_in(1, 2**32 - 1),
         default=4_000_000,
-        help="an engine source's HBM blocks at most; messages that would pass it "
-        "are refused and counted (default 4000000)",
+        help="an engine source's HBM blocks (and a store-only source's CPU/Disk blocks) at "
+        "most; messages that would pass it are refused and counted (default 4000000)",
     )
     p.add_argument(
         "--max-sources",
