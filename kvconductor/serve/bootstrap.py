@@ -184,6 +184,13 @@ class Service:
                 return False
         if settings.snapshot_warning:
             log.warning("%s", settings.snapshot_warning)
+        elif not (settings.snapshot_dir or settings.state_url or settings.load_dump):
+            log.info(
+                "no snapshots (snapshots=off): registrations and indexes are kept in memory "
+                "only; after a restart they are gone until the Coordinator registers again, "
+                "and cluster pools (Mooncake/Memcache), which it does not register again, "
+                "until it restarts"
+            )
         if settings.snapshot_dir and not self._start_snapshots(conductor):
             conductor.stop(STOP_SECS)
             return False
