@@ -13,7 +13,9 @@ from __future__ import annotations
 import socket
 
 import pytest
+import xxhash
 
+from kvconductor.state import dump
 from tests.helpers.publishers import FakePublisher, free_tcp_port, schema, wait_until
 from tests.helpers.server import Server, metric, running
 
@@ -155,3 +157,63 @@ def test_ipc_endpoint_without_allow_ipc_keeps_the_other_engines(tmp_path, pub):
     with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
         warn = assert_kept(b, "refused")
         assert "--allow-ipc-endpoints" in warn, warn
+
+
+def without_request(src, dst) -> None:
+    """``dst``: the dump ``src`` whose registration records lost their ``request`` (a
+    failure no check names: ``KeyError`` while loading), with a valid checksum, counter+1."""
+    records = list(dump._records(dump.file_chunks(str(src))))
+    if "counter" in records[0]:
+        records[0]["counter"] += 1
+    for r in records:
+        if r.get("t") == "registration":
+            del r["request"]
+    body = b"".join(dump._frame(r) for r in records[:-1])
+    end = dict(records[-1], checksum=xxhash.xxh3_64_intdigest(body))
+    dst.write_bytes(body + dump._frame(end))
+
+
+def test_a_snapshot_failing_unexpectedly_falls_back_to_the_older_one(tmp_path, pub):
+    snaps = tmp_path / "snaps"
+    with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
+        keep = body("keep", {"npu": pub.url}, replay_endpoint=pub.replay_url)
+        assert a.http.post("/register", json=keep).status_code == 201
+        pub.wait_subscribed()
+        pub.publish(V.batch([V.stored([11, 12], None, TOKENS_KEEP, BS)]))
+        wait_until(lambda: npu(a, TOKENS_KEEP) == {"keep": 2}, msg="keep's blocks indexed")
+    (good,) = [p for p in snaps.iterdir() if p.name.startswith("snapshot-")]
+    bad = snaps / "snapshot-99999999999999999999-20991231T235959.999999Z.kvc"
+    without_request(good, bad)
+    dump.verify(dump.file_chunks(str(bad)))  # framing, counts and checksum are right
+    with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as b:
+        assert instances(b) == ["keep"]
+        assert npu(b, TOKENS_KEEP) == {"keep": 2}
+    log = b.log()
+    errors = [ln for ln in log.splitlines() if " ERROR " in ln]
+    assert len(errors) == 1, log
+    assert f"snapshot {bad} refused: KeyError: 'request' (an unexpected failure" in errors[0]
+    assert errors[0].endswith(f"(kept as {bad.name}.refused)"), errors
+    assert "Traceback" not in log, log
+
+
+def test_load_dump_failing_unexpectedly_is_one_line(tmp_path, pub):
+    snaps = tmp_path / "snaps"
+    with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
+        assert a.http.post("/register", json=body("keep", {"npu": pub.url})).status_code == 201
+    (good,) = [p for p in snaps.iterdir() if p.name.startswith("snapshot-")]
+    bad = tmp_path / "bad.dump"
+    without_request(good, bad)
+    srv = Server(tmp_path, "--load-dump", str(bad))
+    try:
+        assert srv.proc.wait(30) == 1
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait(10)
+        srv.http.close()
+        srv._log.close()
+    log = srv.log()
+    assert "Traceback" not in log, log
+    assert (
+        f"cannot load dump {bad}: KeyError: 'request' (fix or remove --load-dump to start)"
+    ) in log, log
