@@ -217,3 +217,21 @@ def test_load_dump_failing_unexpectedly_is_one_line(tmp_path, pub):
     assert (
         f"cannot load dump {bad}: KeyError: 'request' (fix or remove --load-dump to start)"
     ) in log, log
+
+
+def test_busy_bind_port_at_registration_does_not_advise_the_fd_limit(tmp_path):
+    port = free_tcp_port()
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("0.0.0.0", port))
+        taken.listen(1)
+        with running(tmp_path, "--allow-bind-endpoints") as srv:
+            r = srv.http.post("/register", json=body("gone", {"npu": f"tcp://*:{port}"}))
+            assert r.status_code == 503, r.text
+            assert r.json() == {
+                "error": "cannot open a ZeroMQ subscription now (Address already in use "
+                f"(addr='tcp://*:{port}')); "
+                "nothing was registered. Check the endpoint (a bind-mode port may be in use "
+                "by another process) and register again"
+            }
+            assert instances(srv) == []
