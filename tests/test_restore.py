@@ -1,7 +1,8 @@
 """kvconductor/state/restore.py: a dump's registrations restored one by one, in process
 (no sockets). A registration the loading conductor's flags refuse, past its
 ``--max-sources`` or whose subscription cannot be opened is skipped (one WARN, a count by
-reason), its blocks dropped; every other registration and its blocks are loaded."""
+reason), its blocks dropped; every other registration and its blocks are loaded. So is a
+registration record this version no longer accepts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 
 import msgspec
 import pytest
+import xxhash
 import zmq
 
 from kvconductor.keys import Medium, WorkerKey
@@ -125,5 +127,31 @@ def test_nothing_skipped_under_the_same_flags():
         assert b.call(dump.load_dump, b, [data])["skipped"] == 0
         assert (b.call(blocks, b, "keep"), b.call(blocks, b, "gone")) == (2, 3)
         assert sum(b.skipped_registrations.values()) == 0
+    finally:
+        b.stop()
+
+
+def test_a_registration_record_that_no_longer_validates_is_skipped(caplog):
+    """A record this version refuses (a name over 400 characters) is skipped alone, by the
+    names the record gives."""
+    gone = {"instance_id": "gone", "dp_rank": 0, "medium_endpoints": {"npu": "tcp://10.0.0.2:1"}}
+    records = list(dump._records([dump_of(gone)]))
+    for r in records:
+        if r.get("t") == "registration" and r["request"]["instance_id"] == "gone":
+            r["request"]["modelname"] = "q" * 401
+    body = b"".join(dump._frame(r) for r in records[:-1])
+    data = body + dump._frame(dict(records[-1], checksum=xxhash.xxh3_64_intdigest(body)))
+    b = conductor()
+    try:
+        with caplog.at_level(logging.WARNING, "kvconductor"):
+            loaded = b.call(dump.load_dump, b, [data])
+        assert loaded == {"sources": 0, "registrations": 2, "indexes": 1, "skipped": 1}
+        assert sorted(b.registry.instances) == ["keep"]
+        assert b.skipped_registrations["refused"] == 1
+        # its blocks, in qwen's index whatever the record's model name says: dropped
+        assert (b.call(blocks, b, "keep"), b.call(blocks, b, "gone")) == (2, 0)
+        warns = [r.getMessage() for r in caplog.records if "registration skipped" in r.getMessage()]
+        assert len(warns) == 1 and "instance_id=gone dp_rank=0 " in warns[0]
+        assert "reason=refused: Expected `str` of length <= 400" in warns[0]
     finally:
         b.stop()

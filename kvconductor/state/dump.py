@@ -473,9 +473,7 @@ def load_dump(conductor: Conductor, chunks: Iterable[bytes]) -> dict[str, int]:
                 )
                 counts["sources"] += 1
             elif kind == "registration":
-                restore.register(
-                    conductor, msgspec.convert(rec["request"], RegisterRequest), skipped
-                )
+                restore.register(conductor, rec["request"], skipped)
                 counts["registrations"] += 1
             elif kind == "index":
                 key = (rec["model"], rec["tenant"])
