@@ -138,7 +138,12 @@ def test_events_and_queries_over_many_connections(server):
     path.write_bytes(r.content)
     check = run_cli("load-dump", str(path))
     assert check.returncode == 0, check.stderr
-    assert json.loads(check.stdout)["loaded"] == {"sources": 0, "registrations": 1, "indexes": 1}
+    assert json.loads(check.stdout)["loaded"] == {
+        "sources": 0,
+        "registrations": 1,
+        "indexes": 1,
+        "skipped": 0,
+    }
     # --load-dump: the owner loads it before the workers start.
     with running(path.parent, "--workers", "2", "--load-dump", str(path)) as warm:
         r = httpx.post(

@@ -233,6 +233,12 @@ class Subscription:
 
     @property
     def last_seq(self) -> int | None:
+        """The seq of the last batch applied. ``--state-url``, a source another replica
+        consumes: the replicated cursor (the last batch the log applied here), not this
+        replica's tracker, which stopped when it last owned the source."""
+        if self.passive:
+            applied = self.replica.applied
+            return None if applied is None else applied[0]
         return self.tracker.last_seq
 
     # -- sockets (kvconductor.ingest.source) -------------------------------------------------

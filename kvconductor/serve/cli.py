@@ -461,7 +461,9 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "--snapshot-interval-secs",
         type=_secs,
         default=60,
-        help="seconds between snapshots (default 60; 0: only at shutdown)",
+        help="seconds between snapshots (default 60; 0: only at shutdown); with a "
+        "snapshot directory one is also written about a second after each registration "
+        "change (not with 0)",
     )
     p.add_argument(
         "--state-url",
