@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import errno
 import logging
 import time
 from collections.abc import Callable
@@ -89,6 +90,7 @@ __all__ = [
     "InstanceNotRegistered",
     "RegistrationError",
     "RegistrationUnavailable",
+    "SKIP_REASONS",
 ]
 
 
@@ -125,8 +127,22 @@ class ConductorConfig:
 # ---------------------------------------------------------------------------------------
 
 
+#: Why a registration of a loaded snapshot or dump was skipped
+#: (:mod:`kvconductor.state.restore`): the current flags refuse its URLs
+#: (``--endpoint-networks``, ``--allow-ipc-endpoints``, ``--allow-bind-endpoints``, or any
+#: other validation), ``--max-sources`` is reached, or a subscription cannot be opened now
+#: (a bind-mode port in use, no file descriptor).
+SKIP_REASONS = ("refused", "max_sources", "unavailable")
+
+
 class RegistrationUnavailable(RuntimeError):
-    """A registration the server cannot take now (HTTP 503); nothing was changed."""
+    """A registration the server cannot take now (HTTP 503); nothing was changed.
+    :attr:`reason`: ``max_sources`` (the ``--max-sources`` limit) or ``unavailable``
+    (a subscription cannot be opened now: a bind-mode port in use, no file descriptor)."""
+
+    def __init__(self, message: str, reason: str = "unavailable") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class StateUnavailable(RuntimeError):
@@ -458,6 +474,9 @@ class Conductor:
         #: Two-phase entries expired unmatched (ingest thread; metrics): engine offloads no
         #: pool confirmed, pool confirmations no engine offload came for.
         self.expired = {"offload": 0, "pool_confirmation": 0}
+        #: Registrations of a loaded snapshot or dump skipped, by reason (ingest thread;
+        #: metrics; :mod:`kvconductor.state.restore`).
+        self.skipped_registrations = dict.fromkeys(SKIP_REASONS, 0)
         self._expiry_warned: dict[tuple[str, str, str], float] = {}
         #: The last WARN+ records of the process's ``kvconductor`` loggers (``/workers``),
         #: collected between start() and stop().
@@ -709,6 +728,7 @@ class Conductor:
             )
         self.get_or_create_index(out.model_name, out.tenant_id)
         self._registrations_changed()
+        self._follow()
         if out.drop_from is not None:
             self._reclaim(out.drop_from)
         if out.replay is not None and out.replay.url in opened:
@@ -752,7 +772,7 @@ class Conductor:
                 f"{self.config.max_sources} are in use (--max-sources)"
             )
             log.warning("registration refused instance_id=%s dp_rank=%d: %s", iid, dp, msg)
-            raise RegistrationUnavailable(msg)
+            raise RegistrationUnavailable(msg, "max_sources")
         if out.reregistered:
             log.info("re-registering existing worker instance_id=%s dp_rank=%d", iid, dp)
         if not out.contexts and not current:
@@ -762,9 +782,11 @@ class Conductor:
             opened = self.subs.replace(iid, dp, out.contexts)
         except (zmq.ZMQError, OSError) as ex:
             self.registry.restore_dp(saved)
-            msg = (
-                f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. "
+            msg = f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. " + (
                 "Raise the process's open-file limit or lower --max-sources"
+                if ex.errno in (errno.EMFILE, errno.ENFILE)
+                else "Check the endpoint (a bind-mode port may be in use by another process) "
+                "and register again"
             )
             log.error("registration rolled back instance_id=%s dp_rank=%d: %s", iid, dp, msg)
             raise RegistrationUnavailable(msg) from None
@@ -782,6 +804,7 @@ class Conductor:
             log.info("unregister: instance not found instance_id=%s", req.instance_id)
             return False
         self._registrations_changed()
+        self._follow()
         for ip in out.ips_removed:
             log.info(
                 "HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
@@ -835,6 +858,13 @@ class Conductor:
         self.registrations = self.registry.registrations
         if changed:
             self._directory_changed()
+
+    def _follow(self) -> None:
+        """A registration changed: the snapshot writer (``--snapshot-dir``) writes one
+        within about a second (coalesced), so a restart keeps it even before the next
+        periodic snapshot."""
+        if self.snapshotter is not None:
+            self.snapshotter.nudge()
 
     def _reclaim(self, key: tuple[str, str]) -> bool:
         """Drop the index of ``key`` if it is empty and no registration refers to it."""
