@@ -176,6 +176,14 @@ class RegisterRequest(Struct, kw_only=True):
     #: (LMCache multiprocess mode): index them directly, bounded by a TTL and a capacity.
     #: ``true`` takes the default bound.
     store_only: bool | StoreOnly | None = None
+    #: Extension: a cluster pool whose blocks every DP of its (model, tenant) and block
+    #: size shares (Mooncake's store, as its conductor reads it): ``backend_id`` names the
+    #: store, not a node; blocks are keyed by the engines' block hashes.
+    shared_store: bool | None = None
+    #: Extension: the LoRA adapter this registration is of (``""``: the base model; the
+    #: Mooncake dialect's ``lora_name``). A pool's blocks of another adapter are not an
+    #: engine DP's; a pool's are of this adapter unless its events name one. None: any.
+    lora_name: Name | None = None
 
 
 class UnregisterRequest(Struct, kw_only=True):

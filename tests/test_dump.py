@@ -354,6 +354,13 @@ def test_registrations_load_back_identical():
                 "endpoint": "tcp://10.0.0.2:1",
             },
             {"instance_id": "pool", "dp_rank": 0, "endpoint": "tcp://10.0.0.3:1"},
+            {  # a shared store of one LoRA adapter (the Mooncake dialect's type Mooncake)
+                "instance_id": "store",
+                "dp_rank": 0,
+                "endpoint": "tcp://10.0.0.3:2",
+                "shared_store": True,
+                "lora_name": "ad-1",
+            },
             {
                 "instance_id": "yuanrong-pool-10.0.0.2-qwen",
                 "dp_rank": 0,
@@ -382,11 +389,13 @@ def test_registrations_load_back_identical():
         data = b"".join(dump.write_dump(a))
         assert b.call(dump.load_dump, b, [data]) == {
             "sources": 0,
-            "registrations": 7,
+            "registrations": 8,
             "indexes": 2,
             "skipped": 0,
         }
         assert b.registry.instances == a.registry.instances
+        store = b.registry.get("store").endpoints[0]
+        assert (store.shared_store, store.lora_name) == (True, "ad-1")
         assert b.registry.get("yuanrong-pool-10.0.0.2-qwen").endpoints[0].node_pool
         assert b.registry.hbm_ip_index == a.registry.hbm_ip_index
         assert b.registry.hbm_ip_index  # the Mooncake engine's HBM IP

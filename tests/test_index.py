@@ -970,6 +970,22 @@ def _core_with_workers(impl):
     return core
 
 
+def test_block_of_gives_the_parent_and_local_hash_on_every_tier(impl):
+    """``block_of``: ``parent_of``'s parent and the block's local hash (a shared store
+    places a block after its HBM holder's chain with them)."""
+    core = _core_with_workers(impl)
+    core.store(0, None, [1, 2, 3], [11, 12, 13])
+    assert [core.block_of(0, h) for h in (1, 2, 3)] == [(None, 11), (1, 12), (2, 13)]
+    core.remove(0, [1])
+    assert core.block_of(0, 2) == (None, 12)  # the parent is no longer held
+    with pytest.raises(KeyError):
+        core.block_of(0, 1)
+    with pytest.raises(KeyError):
+        core.block_of(99, 1)
+    core.store(2, 7, [5, 6], [15, 16])  # CPU: the parent is kept as stored
+    assert core.block_of(2, 5) == (7, 15) and core.block_of(2, 6) == (5, 16)
+
+
 def test_restore_hbm_keeps_a_block_whose_parent_its_worker_no_longer_holds(impl):
     core = _core_with_workers(impl)
     core.store(0, None, [1, 2, 3], [11, 12, 13])

@@ -24,7 +24,17 @@ LAYERS: list[set[str]] = [
     {"vllm", "pool"},  # the decoders
     {"tracker", "host", "replicated"},  # sequence policy; the owner's seams; --state-url
     {"liveness", "freshness"},  # down / muted / purged policy; the states behind answers
-    {"ops", "stats", "context", "thread", "http_events", "sourcemetrics"},  # plain data, the poller
+    # plain data, the poller, the cluster pool's DPs
+    {
+        "ops",
+        "stats",
+        "context",
+        "thread",
+        "http_events",
+        "sourcemetrics",
+        "poolroute",
+        "sharedstore",
+    },
 ]
 
 

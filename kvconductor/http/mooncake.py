@@ -232,10 +232,12 @@ def to_v3_register(svc: Service) -> tuple[RegisterRequest, bytes]:
         "block_size": svc.block_size,
         "dp_rank": svc.dp_rank,
         "tenant_id": svc.tenant_id,
+        "lora_name": svc.lora_name,  # "": the base model
     }
     if svc.publisher == "Mooncake":
         doc["store_backend"] = "Mooncake"
         doc["endpoint"] = svc.endpoint
+        doc["shared_store"] = True  # Mooncake's store: shared by its context
     else:
         doc["medium_endpoints"] = {"npu": svc.endpoint}
     if svc.replay_endpoint:

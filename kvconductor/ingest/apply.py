@@ -21,8 +21,9 @@ Routing (deviations from the reference are marked FIX):
 * The DP is always the subscription's (FIX: also during replay; the reference used
   the batch's rank there).
 * Pool events: IpOnly (Mooncake/Memcache pool publishers, ``ctx.is_pool``):
-  ``conductor.hbm_ip_lookup(event.backend_id)`` -> every (instance, dp) on that
-  IP x target media; otherwise the subscription's (instance, dp). Target media =
+  ``conductor.hbm_ip_lookup(event.backend_id)`` -> the (instance, dp)s on that IP of
+  the event's (model, tenant) (:mod:`~kvconductor.ingest.poolroute`; FIX: every DP of
+  the node was credited) x target media; otherwise the subscription's (instance, dp). Target media =
   ``[event.medium]`` or the subscription's non-HBM default media (FIX: a pool
   never holds HBM blocks; the reference also put medium-less pool blocks in the
   HBM tree). Index = the event's ``model_name``/``tenant_id`` if present, else
@@ -70,7 +71,14 @@ from kvconductor.ingest.ops import (
     VllmBatch,
 )
 from kvconductor.ingest.poolguard import ENGINE_BATCH_ON_POOL, engine_batch_on_pool
+from kvconductor.ingest.poolroute import (
+    NO_DP_OF_CONTEXT,
+    cluster_pool_dps,
+    registered_index,
+    registered_lora,
+)
 from kvconductor.ingest.recognize import decode_payload
+from kvconductor.ingest.sharedstore import shared_targets, store_shared
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.storeonly import (
     WEIGH_BYTES,
@@ -109,28 +117,6 @@ def kind_rejected(kind: str | None) -> bool:
     if not kind:
         return False
     return kind.lower().replace("_", "") in REJECTED_KINDS
-
-
-def registered_index(info: object, dp: int) -> tuple[str | None, str | None]:
-    """(model, tenant) of a registration from ``conductor.instance_info``: a dict
-    (``model_name``/``tenant_id``, per-DP values under ``endpoints[dp]`` preferred)
-    or an object with ``model``/``tenant`` attributes; (None, None) if unknown."""
-    if info is None:
-        return None, None
-    if isinstance(info, dict):
-        eps = info.get("endpoints") or {}
-        ep = eps.get(dp) if isinstance(eps, dict) else None
-        if ep is None and isinstance(eps, dict):
-            ep = eps.get(str(dp))
-        src = ep if isinstance(ep, dict) and ep.get("model_name") else info
-        return (
-            src.get("model_name") or src.get("model"),
-            src.get("tenant_id") or src.get("tenant"),
-        )
-    return (
-        getattr(info, "model", None) or getattr(info, "model_name", None),
-        getattr(info, "tenant", None) or getattr(info, "tenant_id", None),
-    )
 
 
 class Applier:
@@ -650,10 +636,38 @@ class Applier:
         index.evict(key, ev.block_hashes)
 
     # -- pools ---------------------------------------------------------------------------------
+    def _registered(self, infos: dict, iid: str, dp: int) -> tuple[str | None, str | None]:
+        """A DP's registered (model, tenant); ``infos``: instance_info per batch."""
+        info = infos.get(iid, infos)
+        if info is infos:
+            info = infos[iid] = self.conductor.instance_info(iid)
+        return registered_index(info, dp)
+
+    def _shared_targets(self, ev, media) -> list[tuple[str, str, WorkerKey]] | None:
+        targets, why = shared_targets(self.conductor, self.ctx, ev, media)
+        if not targets:
+            self._drop(NO_DP_OF_CONTEXT, why)
+            return None
+        return targets
+
+    def _store_shared(self, targets, hashes, now: float) -> None:
+        by_index: dict[tuple[str, str], list[WorkerKey]] = {}
+        for model, tenant, key in targets:
+            by_index.setdefault((model, tenant), []).append(key)
+            self._touch(model, tenant, key)
+            if self.suspects is not None:
+                self._confirm(key, hashes)
+        for (model, tenant), keys in by_index.items():
+            index = self.conductor.get_or_create_index(model, tenant)
+            store_shared(index, keys, hashes, now)
+        self.stats.blocks += len(hashes)
+
     def _pool_targets(self, ev, infos: dict) -> list[tuple[str, str, WorkerKey]] | None:
         ctx = self.ctx
         media = (parse_medium(ev.medium),) if ev.medium else self.pool_media
         out = []
+        if ctx.shared_store:
+            return self._shared_targets(ev, media)
         if ctx.is_pool:
             node = node_of_backend_id(ev.backend_id) if ev.backend_id else ctx.node_ip
             if not node:
@@ -664,29 +678,43 @@ class Applier:
                 # a node pool's backend_id may name the pool daemon, not the engines' node
                 node = ctx.node_ip
                 pairs = self.conductor.hbm_ip_lookup(node) or ()
+            if pairs and not ctx.node_pool:
+                routed = cluster_pool_dps(
+                    pairs,
+                    lambda iid, dp: self._registered(infos, iid, dp),
+                    ev.model_name,
+                    ev.tenant_id,
+                    ctx.model,
+                    ctx.tenant,
+                    ev.lora_name,
+                    ctx.lora_name,
+                    lambda iid, dp: registered_lora(infos.get(iid), dp),
+                )
+                if routed.reason:
+                    self._drop(
+                        routed.reason,
+                        f"{routed.detail} (event backend_id {ev.backend_id!r}, node {node})",
+                    )
+                    return None
+                for iid, dp, model, tenant in routed.dps:
+                    for m in media:
+                        out.append((model, tenant, self._key(Medium(m), iid, dp)))
+                return out
             seen = set()
             for iid, dp in pairs:
                 if (iid, dp) in seen:
                     continue
                 seen.add((iid, dp))
-                model, tenant = ev.model_name, ev.tenant_id
-                if model is None or tenant is None or ctx.node_pool:
-                    info = infos.get(iid, infos)
-                    if info is infos:
-                        info = infos[iid] = self.conductor.instance_info(iid)
-                    m0, t0 = registered_index(info, dp)
-                    if ctx.node_pool:
-                        # a node pool serves the DPs of its own (model, tenant) on its node
-                        want = (
-                            ctx.model if ev.model_name is None else ev.model_name,
-                            ctx.tenant if ev.tenant_id is None else ev.tenant_id,
-                        )
-                        if (m0, t0) != want:
-                            continue
-                    model = model if model is not None else (m0 or ctx.model)
-                    tenant = tenant if tenant is not None else (t0 or ctx.tenant)
+                # a node pool serves the DPs of its own (model, tenant) on its node
+                m0, t0 = self._registered(infos, iid, dp)
+                want = (
+                    ctx.model if ev.model_name is None else ev.model_name,
+                    ctx.tenant if ev.tenant_id is None else ev.tenant_id,
+                )
+                if (m0, t0) != want:
+                    continue
                 for m in media:
-                    out.append((model, tenant, self._key(Medium(m), iid, dp)))
+                    out.append((want[0], want[1], self._key(Medium(m), iid, dp)))
             if not out:
                 if ctx.node_pool:
                     self._drop(
@@ -731,6 +759,9 @@ class Applier:
                 if not targets:
                     continue
                 hashes = array("Q", ev.hashes)
+                if kind == STORED and self.ctx.shared_store:
+                    self._store_shared(targets, hashes, now)
+                    continue
                 indexes: dict = {}
                 for model, tenant, key in targets:
                     index = indexes.get((model, tenant))

@@ -117,6 +117,7 @@ def decode_pool_event(m: object) -> PoolEvent | Dropped:
             _opt_str(m, "medium"),
             dp,
             hashes,
+            _opt_str(m, "lora_name") or None,
         )
     except DecodeError as ex:
         return Dropped(ex.reason, ex.detail)

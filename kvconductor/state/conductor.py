@@ -650,6 +650,13 @@ class Conductor:
         """(instance_id, dp_rank) pairs registered with HBM endpoints on ``ip``."""
         return self.registry.hbm_ip_lookup(ip)
 
+    def context_dps(
+        self, model: str, tenant: str, block_size: int, lora_name: str | None = None
+    ) -> list[tuple[str, int]]:
+        """The engine (instance, DP)s registered in (model, tenant) with ``block_size``
+        (and of adapter ``lora_name``, or of any, when it is given)."""
+        return self.registry.context_dps(model, tenant, block_size, lora_name)
+
     def instance_info(self, instance_id: str) -> dict[str, object] | None:
         """Registered model/tenant/block_size/store_backend/endpoints of an instance."""
         entry = self.registry.get(instance_id)
@@ -805,22 +812,33 @@ class Conductor:
                 req.instance_id,
                 req.dp_rank,
             )
-        dropped = 0
-        if out.index_key is not None:
-            idx = self.indexes.get(out.index_key)
-            if idx is not None:
-                dropped = idx.remove_dp(req.instance_id, req.dp_rank)
-            self._reclaim(out.index_key)
+        # Every index, not only the registered one: a pool event naming another (model,
+        # tenant) credits the DP there (issue 36: it kept appearing in those answers, and
+        # registered again its old and new blocks added up).
+        per_index = self._remove_dp_everywhere(req.instance_id, req.dp_rank)
+        for key in {*per_index, *(() if out.index_key is None else (out.index_key,))}:
+            self._reclaim(key)
+        others = {k: v for k, v in per_index.items() if k != out.index_key}
         log.info(
             "worker unregistered instance_id=%s dp_rank=%d subscribers_stopped=%d blocks=%d "
-            "instance_removed=%s",
+            "instance_removed=%s%s",
             req.instance_id,
             req.dp_rank,
             n,
-            dropped,
+            sum(per_index.values()),
             out.instance_removed,
+            "".join(f" blocks[{m}/{t}]={v}" for (m, t), v in sorted(others.items())),
         )
         return True
+
+    def _remove_dp_everywhere(self, instance_id: str, dp_rank: int) -> dict[tuple[str, str], int]:
+        """Drop (instance, DP)'s blocks and pending waits from every index holding a worker
+        of it; the blocks removed per index (O(indexes))."""
+        out: dict[tuple[str, str], int] = {}
+        for key, idx in list(self.indexes.items()):
+            if idx.workers_of(instance_id, dp_rank):
+                out[key] = idx.remove_dp(instance_id, dp_rank)
+        return out
 
     def note_lora(self, model: str, tenant: str, seed: int) -> None:
         """An event stored blocks of the LoRA adapter of hash seed ``seed`` (ingest thread)."""

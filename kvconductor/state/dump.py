@@ -114,6 +114,8 @@ def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
             if ep.store_only is None
             else StoreOnly(ttl_secs=ep.store_only[0], capacity=ep.store_only[1])
         ),
+        shared_store=ep.shared_store or None,
+        lora_name=ep.lora_name,
     )
     doc: JSONObject = msgspec.to_builtins(req)
     return doc
