@@ -568,6 +568,14 @@ def _ages(now: float, last: list[float]) -> list[bytes]:
     return _ages_msgspec(ages) if _FAST_AGES else _ages_repr(ages)
 
 
+def _counts(name: str, doc: str, label: str, counts: Mapping[str, int]) -> Metric:
+    """A counter family of one label: a sample per key of ``counts``, in key order."""
+    fam = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in sorted(counts.items()):
+        fam.add_metric([key], n)
+    return fam
+
+
 _UP = "kvconductor_source_up"
 _AGE = "kvconductor_source_last_event_age_seconds"
 _MUTED = "kvconductor_source_muted"
@@ -616,47 +624,38 @@ class ConductorCollector(Collector):
             nbytes.add_metric([model, tenant], s["nbytes"])
         yield blocks
         yield nbytes
-        exp = CounterMetricFamily(
+        yield _counts(
             "kvconductor_two_phase_expired",
             "Two-phase entries expired unmatched: engine offloads no pool confirmed "
             "(offload), pool confirmations no engine offload came for (pool_confirmation)",
-            labels=["kind"],
+            "kind",
+            c.expired,
         )
-        for kind, n in sorted(c.expired.items()):
-            exp.add_metric([kind], n)
-        yield exp
-        skipped = CounterMetricFamily(
+        yield _counts(
             "kvconductor_snapshot_skipped_registrations",
             "Registrations of a loaded snapshot or dump skipped, by reason: refused (the "
             "current flags refuse its URLs), max_sources, unavailable (cannot be opened now)",
-            labels=["reason"],
+            "reason",
+            c.skipped_registrations,
         )
-        for reason, n in sorted(c.skipped_registrations.items()):
-            skipped.add_metric([reason], n)
-        yield skipped
 
         pause = Pacer()
         snap = c.subs.metrics_snapshot(pause)  # O(sources): columns and totals
         applied = dict(snap.applied)
         applied["http"] = applied.get("http", 0) + c.http_events_applied
-        dropped = snap.dropped
-        ev = CounterMetricFamily(
+        yield _counts(
             "kvconductor_events_applied",
             "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "
             "events; http: POST /events)",
-            labels=["source_kind"],
+            "source_kind",
+            applied,
         )
-        for kind in sorted(applied):
-            ev.add_metric([kind], applied[kind])
-        yield ev
-        dr = CounterMetricFamily(
+        yield _counts(
             "kvconductor_events_dropped",
             "Messages and events dropped by the ZeroMQ ingest, by reason (/workers dropped)",
-            labels=["reason"],
+            "reason",
+            snap.dropped,
         )
-        for reason in sorted(dropped):
-            dr.add_metric([reason], dropped[reason])
-        yield dr
         yield CounterMetricFamily(
             "kvconductor_source_gaps", "Sequence gaps seen on the ZeroMQ streams", value=snap.gaps
         )
