@@ -20,3 +20,12 @@ def pytest_collection_modifyitems(items):
         if here in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.faults)
             item.add_marker(pytest.mark.server)
+
+
+@pytest.fixture
+def pubs():
+    """Publishers a test creates (it appends them), stopped at teardown."""
+    made: list = []
+    yield made
+    for p in made:
+        p.stop()
