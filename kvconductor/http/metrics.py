@@ -568,10 +568,11 @@ def _ages(now: float, last: list[float]) -> list[bytes]:
     return _ages_msgspec(ages) if _FAST_AGES else _ages_repr(ages)
 
 
-def _counts(name: str, doc: str, label: str, counts: Mapping[str, int]) -> Metric:
-    """A counter family of one label: a sample per key of ``counts``, in key order."""
+def _counts(name: str, doc: str, label: str, counts: Iterable[tuple[str, float]]) -> Metric:
+    """A counter family of one label: a sample per (label value, count) of ``counts``, in
+    that order."""
     fam = CounterMetricFamily(name, doc, labels=[label])
-    for key, n in sorted(counts.items()):
+    for key, n in counts:
         fam.add_metric([key], n)
     return fam
 
@@ -629,14 +630,14 @@ class ConductorCollector(Collector):
             "Two-phase entries expired unmatched: engine offloads no pool confirmed "
             "(offload), pool confirmations no engine offload came for (pool_confirmation)",
             "kind",
-            c.expired,
+            sorted(c.expired.items()),
         )
         yield _counts(
             "kvconductor_snapshot_skipped_registrations",
             "Registrations of a loaded snapshot or dump skipped, by reason: refused (the "
             "current flags refuse its URLs), max_sources, unavailable (cannot be opened now)",
             "reason",
-            c.skipped_registrations,
+            sorted(c.skipped_registrations.items()),
         )
 
         pause = Pacer()
@@ -648,25 +649,23 @@ class ConductorCollector(Collector):
             "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "
             "events; http: POST /events)",
             "source_kind",
-            applied,
+            sorted(applied.items()),
         )
         yield _counts(
             "kvconductor_events_dropped",
             "Messages and events dropped by the ZeroMQ ingest, by reason (/workers dropped)",
             "reason",
-            snap.dropped,
+            sorted(snap.dropped.items()),
         )
         yield CounterMetricFamily(
             "kvconductor_source_gaps", "Sequence gaps seen on the ZeroMQ streams", value=snap.gaps
         )
-        rp = CounterMetricFamily(
+        yield _counts(
             "kvconductor_replays",
             "Finished replays: ok (end marker arrived) or failed (a loss)",
-            labels=["outcome"],
+            "outcome",
+            (("ok", snap.replays_ok), ("failed", snap.replays_failed)),
         )
-        rp.add_metric(["ok"], snap.replays_ok)
-        rp.add_metric(["failed"], snap.replays_failed)
-        yield rp
         labels, lines = snap.labels, self._lines
         live, muted, last = snap.live, snap.muted, snap.last_event
         yield RenderedFamily(
@@ -778,14 +777,12 @@ def _replica_metrics(rep: Replica) -> Iterator[Metric]:
 
 def _snapshot_metrics(s: SnapshotCounts) -> Iterator[Metric]:
     """``--snapshot-dir``: the snapshots written and how the last one went."""
-    out = CounterMetricFamily(
+    yield _counts(
         "kvconductor_snapshots",
         "Snapshots by outcome: written, failed (logged; the service goes on)",
-        labels=["outcome"],
+        "outcome",
+        (("written", s.written), ("failed", s.failed)),
     )
-    out.add_metric(["written"], s.written)
-    out.add_metric(["failed"], s.failed)
-    yield out
     yield GaugeMetricFamily(
         "kvconductor_snapshot_last_success_timestamp_seconds",
         "Unix time of the last snapshot written (0: none yet)",
