@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.faults import pool_event, publish_until, source
 from tests.helpers.publishers import FakePublisher, PoolPublisher, schema
-from tests.helpers.server import register_engine, started, workers
+from tests.helpers.server import register_engine, registration, started, workers
 
 BS = 4
 V = schema("vllm", "0.33.0")
@@ -245,16 +245,7 @@ def test_node_pool_before_its_engines_and_engines_coming_and_going(server, pubs)
         }
     }
     # DP 0 leaves: its blocks go with it; DP 1 keeps its own and alone takes what comes.
-    r = server.http.post(
-        "/unregister",
-        json={
-            "instance_id": "vllm-prefill-1",
-            "type": "vLLM",
-            "modelname": "qwen",
-            "block_size": BS,
-            "dp_rank": 0,
-        },
-    )
+    r = server.http.post("/unregister", json=registration())
     assert r.status_code == 200, r.text
     assert answer(server, TOKENS_A) == {}
     publish_until(
@@ -270,16 +261,7 @@ def test_node_pool_before_its_engines_and_engines_coming_and_going(server, pubs)
     ]
     # The pool goes (the node's last DP would take it along): its subscription closes, the
     # blocks it credited stay with the DP.
-    r = server.http.post(
-        "/unregister",
-        json={
-            "instance_id": pid,
-            "type": "vLLM",
-            "modelname": "qwen",
-            "block_size": BS,
-            "dp_rank": 0,
-        },
-    )
+    r = server.http.post("/unregister", json=registration(pid))
     assert r.status_code == 200, r.text
     doc = workers(server)
     assert [w["instance_id"] for w in doc["workers"]] == ["vllm-prefill-1"]

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers.faults import mooncake_server, pool_event, publish_until, source
 from tests.helpers.publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema
-from tests.helpers.server import register_engine
+from tests.helpers.server import register_engine, registration
 
 BS = 4
 V = schema("vllm", "0.33.0")
@@ -155,20 +155,14 @@ def test_v3_pool_of_the_coordinator_placeholder_model(server, pubs):
     engines(server, pubs)
     store = PoolPublisher(host=NODE)
     pubs.append(store)
-    r = server.http.post(
-        "/register",
-        json={
-            "instance_id": "mooncake-pool",
-            "type": "vLLM",
-            "store_backend": "Mooncake",
-            "modelname": "default",
-            "tenant_id": "A",
-            "block_size": BS,
-            "dp_rank": 0,
-            "endpoint": store.url,
-        },
+    register_engine(
+        server,
+        "mooncake-pool",
+        store_backend="Mooncake",
+        modelname="default",
+        tenant_id="A",
+        endpoint=store.url,
     )
-    assert r.status_code == 201, r.text
     confirm = pool_event("stored", HASHES, backend_id=NODE, model_name="m2")
     publish_until(
         [(store, confirm)],
@@ -329,18 +323,10 @@ def test_a_mooncake_store_is_shared_by_its_context(server, pubs):
 
 
 def test_shared_store_is_refused_on_an_engine_registration(server):
-    r = server.http.post(
-        "/register",
-        json={
-            "instance_id": "e",
-            "type": "vLLM",
-            "modelname": "m",
-            "block_size": BS,
-            "dp_rank": 0,
-            "medium_endpoints": {"npu": "tcp://127.0.0.1:5557"},
-            "shared_store": True,
-        },
+    body = registration(
+        "e", modelname="m", medium_endpoints={"npu": "tcp://127.0.0.1:5557"}, shared_store=True
     )
+    r = server.http.post("/register", json=body)
     assert r.status_code == 400
     assert r.json() == {
         "error": "shared_store applies to a cluster pool: store_backend Mooncake or Memcache "
