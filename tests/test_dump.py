@@ -315,11 +315,7 @@ def test_warm_start_refuses_a_bad_dump(tmp_path):
     bad = tmp_path / "bad.dump"
     bad.write_bytes(_sample_dump()[:-3])
     srv = Server(tmp_path, "--load-dump", str(bad))
-    try:
-        assert srv.proc.wait(60) == 1
-    finally:
-        srv.http.close()
-        srv._log.close()
+    assert srv.exit_code(60) == 1
     assert f"cannot load dump {bad}: truncated dump: the input ends inside a record" in srv.log()
 
 

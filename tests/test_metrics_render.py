@@ -66,6 +66,14 @@ def _rows(subs) -> tuple[list[tuple], object]:
     return rows, getattr(mgr, "retired", None)
 
 
+def _by_key(name: str, doc: str, labels: list[str], values: dict[str, int]) -> Metric:
+    """A plain counter family: one sample per key of ``values``, keys sorted."""
+    fam = CounterMetricFamily(name, doc, labels=labels)
+    for key in sorted(values):
+        fam.add_metric([key], values[key])
+    return fam
+
+
 class ReferenceCollector(Collector):
     """The conductor's families as plain prometheus_client metrics."""
 
@@ -101,24 +109,20 @@ class ReferenceCollector(Collector):
             nbytes.add_metric([model, tenant], s["nbytes"])
         yield blocks
         yield nbytes
-        exp = CounterMetricFamily(
+        yield _by_key(
             "kvconductor_two_phase_expired",
             "Two-phase entries expired unmatched: engine offloads no pool confirmed "
             "(offload), pool confirmations no engine offload came for (pool_confirmation)",
-            labels=["kind"],
+            ["kind"],
+            c.expired,
         )
-        for kind, n in sorted(c.expired.items()):
-            exp.add_metric([kind], n)
-        yield exp
-        skipped = CounterMetricFamily(
+        yield _by_key(
             "kvconductor_snapshot_skipped_registrations",
             "Registrations of a loaded snapshot or dump skipped, by reason: refused (the "
             "current flags refuse its URLs), max_sources, unavailable (cannot be opened now)",
-            labels=["reason"],
+            ["reason"],
+            c.skipped_registrations,
         )
-        for reason, n in sorted(c.skipped_registrations.items()):
-            skipped.add_metric([reason], n)
-        yield skipped
         rows, retired = _rows(c.subs)
         applied: dict[str, int] = {"http": c.http_events_applied}
         dropped: dict[str, int] = {}
@@ -163,23 +167,19 @@ class ReferenceCollector(Collector):
                 up.add_metric(lv, 1 if live else 0)
                 age.add_metric(lv, max(0.0, now - last))
                 muted.add_metric(lv, 1 if mu else 0)
-        ev_f = CounterMetricFamily(
+        yield _by_key(
             "kvconductor_events_applied",
             "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "
             "events; http: POST /events)",
-            labels=["source_kind"],
+            ["source_kind"],
+            applied,
         )
-        for kind in sorted(applied):
-            ev_f.add_metric([kind], applied[kind])
-        yield ev_f
-        dr = CounterMetricFamily(
+        yield _by_key(
             "kvconductor_events_dropped",
             "Messages and events dropped by the ZeroMQ ingest, by reason (/workers dropped)",
-            labels=["reason"],
+            ["reason"],
+            dropped,
         )
-        for reason in sorted(dropped):
-            dr.add_metric([reason], dropped[reason])
-        yield dr
         yield CounterMetricFamily(
             "kvconductor_source_gaps", "Sequence gaps seen on the ZeroMQ streams", value=gaps
         )

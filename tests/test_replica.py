@@ -11,49 +11,46 @@ changes answer 503; Valkey restarted empty is seeded again.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import signal
 
 import pytest
 
-from tests.helpers.publishers import FakePublisher, schema, wait_until
-from tests.helpers.server import LEASE, Server, dp_entry, running, start_replicas, stop_replicas
+from tests.helpers.faults import two_block_chain
+from tests.helpers.publishers import FakePublisher, wait_until
+from tests.helpers.server import (
+    LEASE,
+    Server,
+    dp_entry,
+    registration,
+    replica,
+    running,
+    start_replicas,
+    stop_replicas,
+    workers,
+)
 from tests.helpers.valkey_server import SentinelServer, ValkeyServer
 
 pytestmark = pytest.mark.server
 
 BS = 4
-V = schema("vllm", "0.33.0")
 
 
 def _chain(i: int) -> tuple[bytes, list[int]]:
-    """Batch storing chain ``i`` (two blocks, engine hashes 100i+1, 100i+2), its tokens."""
-    toks = [9000 + 8 * i + j for j in range(2 * BS)]
-    return V.batch([V.stored([100 * i + 1, 100 * i + 2], None, toks, BS, medium="GPU")]), toks
-
-
-def _reg(instance: str, **fields) -> dict:
-    return {
-        "instance_id": instance,
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": BS,
-        "dp_rank": 0,
-        **fields,
-    }
+    """Batch storing chain ``i`` in HBM (two blocks, engine hashes 100i+1, 100i+2), its tokens."""
+    return two_block_chain(i, medium="GPU")
 
 
 def _register_engine(server, pub: FakePublisher, *replicas) -> None:
     """Register engine ``eng`` (DP 0) publishing at ``pub`` with its replay endpoint, and
     wait until one of ``replicas`` (default: ``server``) consumes it live (a PUB drops
     what it sends before a subscriber is connected)."""
-    body = _reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url)
+    body = registration("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url)
     r = server.http.post("/register", json=body)
     assert r.status_code == 201, r.text
 
     def live() -> bool:
-        states = [src["state"] for s in replicas or (server,) for src in _workers(s)["sources"]]
+        states = [src["state"] for s in replicas or (server,) for src in workers(s)["sources"]]
         return "live" in states
 
     wait_until(live, msg="the engine's source consumed live")
@@ -75,39 +72,20 @@ def _expect(servers, want: dict[int, int], msg: str, instance: str = "eng", time
     )
 
 
-def _replica(tmp_path, valkey, *args: str, name: str) -> contextlib.AbstractContextManager:
-    return running(
-        tmp_path,
-        "--state-url",
-        valkey.url,
-        "--replica-id",
-        name,
-        "--lease-secs",
-        LEASE,
-        *args,
-    )
-
-
-def _workers(server) -> dict:
-    r = server.http.get("/workers")
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def _owner(servers) -> list:
     """The replicas consuming the one engine source."""
-    return [s for s in servers if _workers(s)["replica"]["sources_consumed"] == 1]
+    return [s for s in servers if workers(s)["replica"]["sources_consumed"] == 1]
 
 
 def test_registration_and_events_on_one_replica_reach_the_other(tmp_path, valkey_server):
     with (
-        _replica(tmp_path, valkey_server, name="a") as a,
-        _replica(tmp_path, valkey_server, name="b") as b,
+        replica(tmp_path, valkey_server, "a") as a,
+        replica(tmp_path, valkey_server, "b") as b,
     ):
-        r = a.http.post("/register", json=_reg("http-1"))
+        r = a.http.post("/register", json=registration("http-1"))
         assert r.status_code == 201, r.text
         # the registration is visible on b as soon as b applied the log
-        wait_until(lambda: [w["instance_id"] for w in _workers(b)["workers"]] == ["http-1"])
+        wait_until(lambda: [w["instance_id"] for w in workers(b)["workers"]] == ["http-1"])
         toks = [1, 2, 3, 4, 5, 6, 7, 8]
         ev = {
             "instance_id": "http-1",
@@ -129,7 +107,7 @@ def test_registration_and_events_on_one_replica_reach_the_other(tmp_path, valkey
         # errors come from applying, the same on every replica
         r = a.http.post("/events", json={**ev, "instance_id": "nobody"})
         assert r.status_code == 404, r.text
-        r = a.http.post("/register", json=_reg(""))
+        r = a.http.post("/register", json=registration(""))
         assert r.status_code == 400 and r.json() == {"error": "instance_id must not be empty"}
         r = b.http.post(
             "/unregister",
@@ -142,10 +120,10 @@ def test_registration_and_events_on_one_replica_reach_the_other(tmp_path, valkey
             },
         )
         assert r.status_code == 200, r.text
-        wait_until(lambda: _workers(a)["workers"] == [], msg="unregistration on a")
-        info = _workers(a)["replica"]
+        wait_until(lambda: workers(a)["workers"] == [], msg="unregistration on a")
+        info = workers(a)["replica"]
         assert info["id"] == "a" and info["state_store"] == "up" and info["loaded"] is True
-        wait_until(lambda: _workers(a)["replica"]["replicas"] == 2, msg="two live replicas")
+        wait_until(lambda: workers(a)["replica"]["replicas"] == 2, msg="two live replicas")
         text = a.http.get("/metrics").text
         for line in (
             "kvconductor_replicas 2.0",
@@ -179,10 +157,10 @@ def test_one_owner_per_source_and_takeover_after_sigkill(tmp_path, valkey_server
         assert pub.replay_requests == [0, 3]
         pub.publish(_chain(6)[0])
         _expect(applied, {6: 2}, "live after the take-over")
-        src = _workers(new_owner)["sources"][0]
+        src = workers(new_owner)["sources"][0]
         assert src["state"] == "live"
         other = next(s for s in applied if s is not new_owner)
-        assert _workers(other)["sources"][0]["state"] == "remote"
+        assert workers(other)["sources"][0]["state"] == "remote"
         # the same answers everywhere
         for i in range(7):
             assert _npu(applied[0], _chain(i)[1]) == _npu(applied[1], _chain(i)[1]) == 2
@@ -194,17 +172,17 @@ def test_one_owner_per_source_and_takeover_after_sigkill(tmp_path, valkey_server
 def test_a_later_replica_warm_starts_without_registration(tmp_path, valkey_server):
     pub = FakePublisher(replay=True)
     try:
-        with _replica(tmp_path, valkey_server, "--snapshot-interval-secs", "1", name="a") as a:
+        with replica(tmp_path, valkey_server, "a", "--snapshot-interval-secs", "1") as a:
             _register_engine(a, pub)
             for i in range(3):
                 pub.publish(_chain(i)[0])
             _expect([a], {0: 2, 2: 2}, "indexed on a")
-            wait_until(lambda: _workers(a)["replica"]["snapshots_written"] >= 2, msg="a snapshot")
+            wait_until(lambda: workers(a)["replica"]["snapshots_written"] >= 2, msg="a snapshot")
             pub.publish(_chain(3)[0])
             _expect([a], {3: 2}, "tail on a")
-            with _replica(tmp_path, valkey_server, name="b") as b:
+            with replica(tmp_path, valkey_server, "b") as b:
                 _expect([b], {0: 2, 2: 2, 3: 2}, "snapshot + tail on b")
-                assert [w["instance_id"] for w in _workers(b)["workers"]] == ["eng"]
+                assert [w["instance_id"] for w in workers(b)["workers"]] == ["eng"]
             assert re.search(r"loaded the state store's snapshot at \d+-\d+", b.log())
     finally:
         pub.stop()
@@ -216,8 +194,8 @@ def test_valkey_down_reads_go_on_writes_503_and_recovery_when_it_returns_empty(
     pub = FakePublisher(replay=True)
     try:
         with (
-            _replica(tmp_path, valkey_server, name="a") as a,
-            _replica(tmp_path, valkey_server, name="b") as b,
+            replica(tmp_path, valkey_server, "a") as a,
+            replica(tmp_path, valkey_server, "b") as b,
         ):
             _register_engine(a, pub, a, b)
             pub.publish(_chain(0)[0])
@@ -225,21 +203,21 @@ def test_valkey_down_reads_go_on_writes_503_and_recovery_when_it_returns_empty(
             valkey_server.kill()
             # queries are answered from what each replica holds
             assert _npu(a, _chain(0)[1]) == _npu(b, _chain(0)[1]) == 2
-            wait_until(lambda: _workers(a)["replica"]["state_store"] == "down")
-            r = b.http.post("/register", json=_reg("late"))
+            wait_until(lambda: workers(a)["replica"]["state_store"] == "down")
+            r = b.http.post("/register", json=registration("late"))
             assert r.status_code == 503
             assert r.json()["error"].startswith("state store ")
             pub.publish(_chain(1)[0])  # nobody can log it now: the ring keeps it
             valkey_server.restart()  # empty: no persistence
             wait_until(
-                lambda: all(_workers(s)["replica"]["state_store"] == "up" for s in (a, b)),
+                lambda: all(workers(s)["replica"]["state_store"] == "up" for s in (a, b)),
                 msg="store back",
             )
             _expect([a, b], {0: 2, 1: 2}, "re-seeded, source resumed", timeout=40)
-            r = b.http.post("/register", json=_reg("late"))
+            r = b.http.post("/register", json=registration("late"))
             assert r.status_code == 201, r.text
             wait_until(
-                lambda: sorted(w["instance_id"] for w in _workers(a)["workers"]) == ["eng", "late"]
+                lambda: sorted(w["instance_id"] for w in workers(a)["workers"]) == ["eng", "late"]
             )
         assert "seeding it again" in a.log() + b.log()
     finally:
@@ -250,8 +228,8 @@ def test_a_dead_engine_is_muted_on_every_replica(tmp_path, valkey_server):
     pub = FakePublisher(replay=True)
     flags = ("--source-down-secs", "1")
     with (
-        _replica(tmp_path, valkey_server, *flags, name="a") as a,
-        _replica(tmp_path, valkey_server, *flags, name="b") as b,
+        replica(tmp_path, valkey_server, "a", *flags) as a,
+        replica(tmp_path, valkey_server, "b", *flags) as b,
     ):
         _register_engine(a, pub, a, b)
         pub.publish(_chain(0)[0])
@@ -260,7 +238,7 @@ def test_a_dead_engine_is_muted_on_every_replica(tmp_path, valkey_server):
         # the owner sees it down and says so; both replicas stop counting its hits
         _expect([a, b], {0: 0}, "muted on both")
         for s in (a, b):
-            (src,) = _workers(s)["sources"]
+            (src,) = workers(s)["sources"]
             assert src["muted"] is True, src
 
 
@@ -270,32 +248,32 @@ def test_a_replica_behind_the_trim_point_loads_the_snapshot_again(tmp_path, valk
     woken up behind the trim point, loads the snapshot and ends with the same state."""
     flags = ("--snapshot-interval-secs", "1")
     with (
-        _replica(tmp_path, valkey_server, *flags, name="a") as a,
-        _replica(tmp_path, valkey_server, *flags, name="b") as b,
+        replica(tmp_path, valkey_server, "a", *flags) as a,
+        replica(tmp_path, valkey_server, "b", *flags) as b,
     ):
-        assert a.http.post("/register", json=_reg("first")).status_code == 201
-        wait_until(lambda: len(_workers(b)["workers"]) == 1, msg="b applied the first")
+        assert a.http.post("/register", json=registration("first")).status_code == 201
+        wait_until(lambda: len(workers(b)["workers"]) == 1, msg="b applied the first")
         b.proc.send_signal(signal.SIGSTOP)
         try:
             for i in range(60):
-                assert a.http.post("/register", json=_reg(f"i{i:02d}")).status_code == 201
-            done = _workers(a)["replica"]["snapshots_written"]
+                assert a.http.post("/register", json=registration(f"i{i:02d}")).status_code == 201
+            done = workers(a)["replica"]["snapshots_written"]
             wait_until(
-                lambda: _workers(a)["replica"]["snapshots_written"] >= done + 2,
+                lambda: workers(a)["replica"]["snapshots_written"] >= done + 2,
                 msg="two snapshots after the registrations",
             )
             # trimmed behind the snapshots (the keeper reports the length it last saw)
-            wait_until(lambda: _workers(a)["replica"]["log_length"] <= 2, msg="log trimmed")
+            wait_until(lambda: workers(a)["replica"]["log_length"] <= 2, msg="log trimmed")
         finally:
             b.proc.send_signal(signal.SIGCONT)
-        want = sorted(w["instance_id"] for w in _workers(a)["workers"])
+        want = sorted(w["instance_id"] for w in workers(a)["workers"])
         assert len(want) == 61
         wait_until(
-            lambda: sorted(w["instance_id"] for w in _workers(b)["workers"]) == want,
+            lambda: sorted(w["instance_id"] for w in workers(b)["workers"]) == want,
             msg="b caught up",
         )
         assert "behind the log's trim point" in b.log()
-        assert _workers(b)["replica"]["bootstraps"] == 2
+        assert workers(b)["replica"]["bootstraps"] == 2
 
 
 def test_valkey_failover_under_sentinel(tmp_path):
@@ -315,8 +293,8 @@ def test_valkey_failover_under_sentinel(tmp_path):
             running(tmp_path, *args, "--replica-id", "a") as a,
             running(tmp_path, *args, "--replica-id", "b") as b,
         ):
-            assert a.http.post("/register", json=_reg("before")).status_code == 201
-            wait_until(lambda: len(_workers(b)["workers"]) == 1, msg="b has it")
+            assert a.http.post("/register", json=registration("before")).status_code == 201
+            wait_until(lambda: len(workers(b)["workers"]) == 1, msg="b has it")
             pc, rc = primary.client(), replica.client()
             wait_until(
                 lambda: (
@@ -330,16 +308,16 @@ def test_valkey_failover_under_sentinel(tmp_path):
             wait_until(lambda: sentinel.primary()[1] == replica.port, timeout=30, msg="failover")
 
             def taken() -> bool:
-                return b.http.post("/register", json=_reg("after")).status_code == 201
+                return b.http.post("/register", json=registration("after")).status_code == 201
 
             wait_until(taken, timeout=30, msg="changes taken after the failover")
             want = ["after", "before"]
             for s in (a, b):
                 wait_until(
-                    lambda s=s: sorted(w["instance_id"] for w in _workers(s)["workers"]) == want,
+                    lambda s=s: sorted(w["instance_id"] for w in workers(s)["workers"]) == want,
                     msg="both replicas have both",
                 )
-                assert _workers(s)["replica"]["state_store"] == "up"
+                assert workers(s)["replica"]["state_store"] == "up"
             assert rc.info("replication")["role"] == "master"
             rc.close()
     finally:
@@ -354,14 +332,14 @@ def test_a_replica_with_worker_processes(tmp_path, valkey_server):
     pub = FakePublisher(replay=True)
     try:
         with (
-            _replica(tmp_path, valkey_server, "--workers", "2", name="a") as a,
-            _replica(tmp_path, valkey_server, name="b") as b,
+            replica(tmp_path, valkey_server, "a", "--workers", "2") as a,
+            replica(tmp_path, valkey_server, "b") as b,
         ):
             _register_engine(b, pub, a, b)
             for i in range(3):
                 pub.publish(_chain(i)[0])
             _expect([a, b], {0: 2, 1: 2, 2: 2}, "on both, through a's workers too")
-            assert _workers(a)["replica"]["id"] == "a"
+            assert workers(a)["replica"]["id"] == "a"
     finally:
         pub.stop()
 
@@ -375,20 +353,20 @@ def test_state_store_password_from_the_environment(tmp_path):
     try:
         env = {"KV_CONDUCTOR_STATE_PASSWORD": secret}
         with running(tmp_path, "--state-url", store.url, "--replica-id", "a", env=env) as a:
-            assert _workers(a)["replica"]["state_store"] == "up"
-            assert a.http.post("/register", json=_reg("eng")).status_code == 201
+            assert workers(a)["replica"]["state_store"] == "up"
+            assert a.http.post("/register", json=registration("eng")).status_code == 201
             with open(f"/proc/{a.proc.pid}/cmdline", "rb") as f:
                 assert secret.encode() not in f.read()
         user_url = store.url.replace("unix://", f"unix://:{secret}@")
         env = {"KV_CONDUCTOR_STATE_URL": user_url}
         with running(tmp_path, "--replica-id", "b", env=env) as b:
-            wait_until(lambda: _workers(b)["workers"], msg="the state loaded")
-            assert [w["instance_id"] for w in _workers(b)["workers"]] == ["eng"]
+            wait_until(lambda: workers(b)["workers"], msg="the state loaded")
+            assert [w["instance_id"] for w in workers(b)["workers"]] == ["eng"]
             assert secret not in b.log()  # never in a log line
         # no password: the store refuses, the replica says so and keeps serving reads
         with running(tmp_path, "--state-url", store.url, "--replica-id", "c") as c:
-            assert _workers(c)["replica"]["state_store"] == "down"
-            assert c.http.post("/register", json=_reg("x")).status_code == 503
+            assert workers(c)["replica"]["state_store"] == "down"
+            assert c.http.post("/register", json=registration("x")).status_code == 503
             assert "unreachable (AuthenticationError" in c.log()
     finally:
         store.stop()
@@ -408,7 +386,7 @@ def test_a_bootstrap_answers_queries_from_the_old_state_meanwhile(valkey_server,
     c.start()
     try:
         client = ft.TestClient(create_app(c))
-        assert client.simulate_post("/register", json=_reg("http-1")).status_code == 201
+        assert client.simulate_post("/register", json=registration("http-1")).status_code == 201
         toks = list(range(1, 9))
         ev = {
             "event_id": 1,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import pytest
 
 from kvconductor._hash import hash_blocks
+from tests.helpers.http_cases import msgpack_post
 from tests.helpers.publishers import (
     FakePublisher,
     PoolPublisher,
@@ -19,7 +19,7 @@ from tests.helpers.publishers import (
     schema,
     wait_until,
 )
-from tests.helpers.server import Server, dp_entry, register_engine
+from tests.helpers.server import Server, dp_entry, register_engine, started
 
 pytestmark = pytest.mark.server
 
@@ -30,22 +30,16 @@ HASHES = [0xA000 + i for i in range(6)]  # engine block hashes, one per block
 
 @pytest.fixture
 def server(tmp_path):
-    s = Server(tmp_path)
-    s.wait_ready()
-    yield s
-    s.terminate()
+    with started(tmp_path) as s:
+        yield s
 
 
 def query(server, tokens, msgpack=False):
     body = {"model": "qwen", "block_size": BS, "token_ids": tokens}
     if msgpack:
-        r = server.http.post(
-            "/query",
-            content=msgspec.msgpack.encode(body),
-            headers={"Content-Type": "application/msgpack"},
-        )
-        assert r.headers["content-type"].startswith("application/msgpack")
-        return r.status_code, msgspec.msgpack.decode(r.content)
+        status, ctype, doc = msgpack_post(server.http, "/query", body)
+        assert ctype.startswith("application/msgpack")
+        return status, doc
     r = server.http.post("/query", json=body)
     return r.status_code, r.json()
 

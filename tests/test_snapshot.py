@@ -235,15 +235,22 @@ def test_one_store_per_directory(tmp_path):
     second.release()
 
 
-def test_a_registration_change_is_snapshotted_within_the_follow_delay_coalesced(tmp_path):
-    """Periodic interval 1 h, follow 0.3 s: three registrations at once are one snapshot
-    about 0.3 s later; an unchanged re-registration writes none; an unregistration one."""
+def _following(tmp_path, interval: float, follow: float):
+    """A store in ``tmp_path``, a started conductor and its started snapshotter (every
+    ``interval`` seconds, ``follow`` seconds after a registration change)."""
     store = snapshot.SnapshotStore(str(tmp_path))
     store.prepare()
     c = _conductor()
-    snapper = snapshot.Snapshotter(c, store, 3600, follow=0.3)
+    snapper = snapshot.Snapshotter(c, store, interval, follow=follow)
     c.attach_snapshotter(snapper)
     snapper.start()
+    return store, c, snapper
+
+
+def test_a_registration_change_is_snapshotted_within_the_follow_delay_coalesced(tmp_path):
+    """Periodic interval 1 h, follow 0.3 s: three registrations at once are one snapshot
+    about 0.3 s later; an unchanged re-registration writes none; an unregistration one."""
+    store, c, snapper = _following(tmp_path, 3600, 0.3)
     try:
         t0 = time.monotonic()
         for name in ("a", "b", "c"):
@@ -271,12 +278,7 @@ def test_a_registration_change_is_snapshotted_within_the_follow_delay_coalesced(
 
 def test_no_follow_snapshot_with_interval_zero(tmp_path):
     """``--snapshot-interval-secs 0``: only at shutdown, registration changes included."""
-    store = snapshot.SnapshotStore(str(tmp_path))
-    store.prepare()
-    c = _conductor()
-    snapper = snapshot.Snapshotter(c, store, 0, follow=0.1)
-    c.attach_snapshotter(snapper)
-    snapper.start()
+    store, c, snapper = _following(tmp_path, 0, 0.1)
     try:
         _register(c, "a")
         time.sleep(0.5)
@@ -490,10 +492,7 @@ def test_sigkill_restart_from_the_periodic_snapshot(tmp_path):
             )
             assert _metric(a, "kvconductor_snapshot_last_bytes") > 0
         finally:
-            a.proc.kill()
-            a.proc.wait(10)
-            a.http.close()
-            a._log.close()
+            a.kill()
         _published(pub, [_chain(3)[0]])
         with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
             _expect(b, {0: 2, 1: 2, 2: 2, 3: 2}, "snapshot + tail")
@@ -540,19 +539,11 @@ def test_snapshot_dir_problems(tmp_path):
     not_dir = tmp_path / "file"
     not_dir.write_text("x")
     srv = Server(tmp_path, "--snapshot-dir", str(not_dir))
-    try:
-        assert srv.proc.wait(60) == 1
-    finally:
-        srv.http.close()
-        srv._log.close()
+    assert srv.exit_code(60) == 1
     assert f"cannot use snapshot directory {not_dir}: " in srv.log()
 
     out = Server(tmp_path, "--snapshot-dir", str(snaps), "--load-dump", str(not_dir))
-    try:
-        assert out.proc.wait(60) == 2
-    finally:
-        out.http.close()
-        out._log.close()
+    assert out.exit_code(60) == 2
     assert "--load-dump and --snapshot-dir exclude each other" in out.log()
 
 

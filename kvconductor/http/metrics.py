@@ -568,6 +568,15 @@ def _ages(now: float, last: list[float]) -> list[bytes]:
     return _ages_msgspec(ages) if _FAST_AGES else _ages_repr(ages)
 
 
+def _counts(name: str, doc: str, label: str, counts: Iterable[tuple[str, float]]) -> Metric:
+    """A counter family of one label: a sample per (label value, count) of ``counts``, in
+    that order."""
+    fam = CounterMetricFamily(name, doc, labels=[label])
+    for key, n in counts:
+        fam.add_metric([key], n)
+    return fam
+
+
 _UP = "kvconductor_source_up"
 _AGE = "kvconductor_source_last_event_age_seconds"
 _MUTED = "kvconductor_source_muted"
@@ -616,58 +625,47 @@ class ConductorCollector(Collector):
             nbytes.add_metric([model, tenant], s["nbytes"])
         yield blocks
         yield nbytes
-        exp = CounterMetricFamily(
+        yield _counts(
             "kvconductor_two_phase_expired",
             "Two-phase entries expired unmatched: engine offloads no pool confirmed "
             "(offload), pool confirmations no engine offload came for (pool_confirmation)",
-            labels=["kind"],
+            "kind",
+            sorted(c.expired.items()),
         )
-        for kind, n in sorted(c.expired.items()):
-            exp.add_metric([kind], n)
-        yield exp
-        skipped = CounterMetricFamily(
+        yield _counts(
             "kvconductor_snapshot_skipped_registrations",
             "Registrations of a loaded snapshot or dump skipped, by reason: refused (the "
             "current flags refuse its URLs), max_sources, unavailable (cannot be opened now)",
-            labels=["reason"],
+            "reason",
+            sorted(c.skipped_registrations.items()),
         )
-        for reason, n in sorted(c.skipped_registrations.items()):
-            skipped.add_metric([reason], n)
-        yield skipped
 
         pause = Pacer()
         snap = c.subs.metrics_snapshot(pause)  # O(sources): columns and totals
         applied = dict(snap.applied)
         applied["http"] = applied.get("http", 0) + c.http_events_applied
-        dropped = snap.dropped
-        ev = CounterMetricFamily(
+        yield _counts(
             "kvconductor_events_applied",
             "Events of the batches applied, by source kind (ZeroMQ: the /workers sources' "
             "events; http: POST /events)",
-            labels=["source_kind"],
+            "source_kind",
+            sorted(applied.items()),
         )
-        for kind in sorted(applied):
-            ev.add_metric([kind], applied[kind])
-        yield ev
-        dr = CounterMetricFamily(
+        yield _counts(
             "kvconductor_events_dropped",
             "Messages and events dropped by the ZeroMQ ingest, by reason (/workers dropped)",
-            labels=["reason"],
+            "reason",
+            sorted(snap.dropped.items()),
         )
-        for reason in sorted(dropped):
-            dr.add_metric([reason], dropped[reason])
-        yield dr
         yield CounterMetricFamily(
             "kvconductor_source_gaps", "Sequence gaps seen on the ZeroMQ streams", value=snap.gaps
         )
-        rp = CounterMetricFamily(
+        yield _counts(
             "kvconductor_replays",
             "Finished replays: ok (end marker arrived) or failed (a loss)",
-            labels=["outcome"],
+            "outcome",
+            (("ok", snap.replays_ok), ("failed", snap.replays_failed)),
         )
-        rp.add_metric(["ok"], snap.replays_ok)
-        rp.add_metric(["failed"], snap.replays_failed)
-        yield rp
         labels, lines = snap.labels, self._lines
         live, muted, last = snap.live, snap.muted, snap.last_event
         yield RenderedFamily(
@@ -779,14 +777,12 @@ def _replica_metrics(rep: Replica) -> Iterator[Metric]:
 
 def _snapshot_metrics(s: SnapshotCounts) -> Iterator[Metric]:
     """``--snapshot-dir``: the snapshots written and how the last one went."""
-    out = CounterMetricFamily(
+    yield _counts(
         "kvconductor_snapshots",
         "Snapshots by outcome: written, failed (logged; the service goes on)",
-        labels=["outcome"],
+        "outcome",
+        (("written", s.written), ("failed", s.failed)),
     )
-    out.add_metric(["written"], s.written)
-    out.add_metric(["failed"], s.failed)
-    yield out
     yield GaugeMetricFamily(
         "kvconductor_snapshot_last_success_timestamp_seconds",
         "Unix time of the last snapshot written (0: none yet)",

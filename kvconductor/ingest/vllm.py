@@ -379,6 +379,13 @@ def decode_vllm_batch(
 def _typed_events(raw: msgspec.Raw, raw_events: list[msgspec.Raw]) -> list[VllmEvent] | None:
     """The events element in one typed pass (all array-form or all map-form events with
     known tags and well-typed fields), else None."""
+    evs = _decode_typed(raw, raw_events)
+    return None if evs is None else [_convert_or_drop(e) for e in evs]
+
+
+def _decode_typed(raw: msgspec.Raw, raw_events: list[msgspec.Raw]) -> list[_TypedEvent] | None:
+    """The events element ``raw`` (its elements ``raw_events``) decoded in one typed pass,
+    in the form of its first event (array or map), else None."""
     if not raw_events:
         return []
     k = msgpack_kind(_first(raw_events[0]))
@@ -386,10 +393,9 @@ def _typed_events(raw: msgspec.Raw, raw_events: list[msgspec.Raw]) -> list[VllmE
     if dec is None:
         return None
     try:
-        evs = dec.decode(raw)
+        return dec.decode(raw)
     except Exception:
         return None
-    return [_convert_or_drop(e) for e in evs]
 
 
 # ---------------------------------------------------------------------------------------
@@ -408,6 +414,7 @@ class _MapBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
+_TypedEvent = _AStored | _ARemoved | _ACleared | _MStored | _MRemoved | _MCleared
 _EVENTS_ARR = msgspec.msgpack.Decoder(list[_AStored | _ARemoved | _ACleared])
 _EVENTS_MAP = msgspec.msgpack.Decoder(list[_MStored | _MRemoved | _MCleared])
 
@@ -420,18 +427,12 @@ def event_shapes(payload: bytes) -> list[tuple[bool, int, int, str | None]] | No
     try:
         elems, ei, _ = split_batch(payload)
         raw = elems[ei]
-        k = msgpack_kind(_first(raw))
-        if k != "array":
+        if msgpack_kind(_first(raw)) != "array":
             return None
-        first = _RAW_LIST_DEC.decode(raw)
-        if not first:
-            return []
-        k = msgpack_kind(_first(first[0]))
-        dec = _EVENTS_MAP if k == "map" else (_EVENTS_ARR if k == "array" else None)
-        if dec is None:
-            return None
-        evs = dec.decode(raw)
+        evs = _decode_typed(raw, _RAW_LIST_DEC.decode(raw))
     except Exception:
+        return None
+    if evs is None:
         return None
     out: list[tuple[bool, int, int, str | None]] = []
     for ev in evs:

@@ -8,11 +8,12 @@ encoding, nothing changes, and the service keeps serving.
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from kvconductor.schema import NAME_MAX
-from tests.helpers.server import Server
+from tests.helpers.faults import events, registration
+from tests.helpers.http_cases import msgpack_post
+from tests.helpers.server import started
 
 LONG = "x" * (NAME_MAX + 1)
 FULL = "é" * NAME_MAX  # characters, not bytes: 800 bytes of UTF-8 still fit
@@ -26,42 +27,8 @@ def too_long(path: str, kind: str = "JSON") -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("names"))
-    srv.wait_ready()
-    yield srv
-    srv.terminate()
-
-
-def registration(**kw) -> dict:
-    return {
-        "instance_id": "vllm-prefill-1",
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": BS,
-        "dp_rank": 0,
-        **kw,
-    }
-
-
-def unregistration(**kw) -> dict:
-    return {
-        "instance_id": "vllm-prefill-1",
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": BS,
-        "dp_rank": 0,
-        **kw,
-    }
-
-
-def events(event: dict | None = None, **kw) -> dict:
-    ev = {
-        "event_id": 1,
-        "event_type": "stored",
-        "blocks": [{"block_hash": 1, "tokens_hash": 2}],
-        **(event or {}),
-    }
-    return {"instance_id": "vllm-prefill-1", "events": [ev], **kw}
+    with started(tmp_path_factory.mktemp("names")) as srv:
+        yield srv
 
 
 def query(**kw) -> dict:
@@ -80,9 +47,9 @@ CASES = [
         registration(medium_endpoints={LONG: "tcp://127.0.0.1:5557"}),
         "`key` in `$.medium_endpoints`",
     ),
-    ("/unregister", unregistration(instance_id=LONG), "`$.instance_id`"),
-    ("/unregister", unregistration(modelname=LONG), "`$.modelname`"),
-    ("/unregister", unregistration(tenant_id=LONG), "`$.tenant_id`"),
+    ("/unregister", registration(instance_id=LONG), "`$.instance_id`"),
+    ("/unregister", registration(modelname=LONG), "`$.modelname`"),
+    ("/unregister", registration(tenant_id=LONG), "`$.tenant_id`"),
     ("/events", events(instance_id=LONG), "`$.instance_id`"),
     ("/events", events(model_name=LONG), "`$.model_name`"),
     ("/events", events(tenant_id=LONG), "`$.tenant_id`"),
@@ -122,14 +89,10 @@ def test_an_overlong_model_is_a_msgpack_400_in_msgpack(server, route, positional
             ("block_hashes" if route == "/query_by_hash" else "token_ids"): values,
         }
     )
-    r = server.http.post(
-        route,
-        content=msgspec.msgpack.encode(doc),
-        headers={"Content-Type": "application/msgpack"},
-    )
-    assert r.status_code == 400
-    assert r.headers["content-type"].startswith("application/msgpack")
-    assert msgspec.msgpack.decode(r.content) == {"error": too_long("`$.model`", "msgpack")}
+    status, ctype, answer = msgpack_post(server.http, route, doc)
+    assert status == 400
+    assert ctype.startswith("application/msgpack")
+    assert answer == {"error": too_long("`$.model`", "msgpack")}
 
 
 def test_nothing_changes_and_names_of_the_limit_are_served(server):
@@ -160,6 +123,6 @@ def test_nothing_changes_and_names_of_the_limit_are_served(server):
             }
         }
     }
-    un = unregistration(instance_id=FULL, modelname=FULL, tenant_id=FULL)
+    un = registration(instance_id=FULL, modelname=FULL, tenant_id=FULL)
     assert server.http.post("/unregister", json=un).status_code == 200
     assert server.http.get("/health").text == "OK"

@@ -14,14 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.publishers import (
-    FakePublisher,
-    PoolPublisher,
-    mooncake_tuple,
-    schema,
-    wait_until,
-)
-from tests.helpers.server import Server
+from tests.helpers.faults import pool_event, publish_until, source
+from tests.helpers.publishers import FakePublisher, PoolPublisher, schema
+from tests.helpers.server import register_engine, registration, started, workers
 
 BS = 4
 V = schema("vllm", "0.33.0")
@@ -36,19 +31,8 @@ HASHES_C = [0xC00 + i for i in range(4)]
 
 @pytest.fixture
 def server(tmp_path):
-    srv = Server(tmp_path)
-    srv.wait_ready()
-    yield srv
-    srv.terminate()
-
-
-@pytest.fixture
-def pubs():
-    """Publishers created by the test, stopped at teardown."""
-    made: list = []
-    yield made
-    for p in made:
-        p.stop()
+    with started(tmp_path) as srv:
+        yield srv
 
 
 def engine(pubs, host: str = NODE_A) -> FakePublisher:
@@ -64,19 +48,7 @@ def pool(pubs, host: str = NODE_A) -> PoolPublisher:
 
 
 def register(srv, instance_id: str, dp: int, media: dict) -> None:
-    r = srv.http.post(
-        "/register",
-        json={
-            "instance_id": instance_id,
-            "type": "vLLM",
-            "store_backend": "YuanRong",
-            "modelname": "qwen",
-            "block_size": BS,
-            "dp_rank": dp,
-            "medium_endpoints": media,
-        },
-    )
-    assert r.status_code == 201, r.text
+    register_engine(srv, instance_id, dp, store_backend="YuanRong", medium_endpoints=media)
 
 
 def node_pool_id(ip: str) -> str:
@@ -102,39 +74,9 @@ def counts(matched: int, npu: int = 0, cpu: int = 0, disk: int = 0) -> dict:
     return {"matched_tokens": matched, "npu_blocks": npu, "cpu_blocks": cpu, "disk_blocks": disk}
 
 
-def pool_event(kind: str, hashes, medium: str, backend_id: str | None = None) -> bytes:
-    ev = {"event_id": 1, "event_type": kind, "medium": medium, "seq_hashes": list(hashes)}
-    if backend_id is not None:
-        ev["backend_id"] = backend_id
-    return mooncake_tuple([ev])
-
-
 def offload(tokens, hashes, medium: str = "CPU") -> bytes:
     """The engine's own BlockStored of blocks it moved to CPU (two-phase join, phase 1)."""
     return V.batch([V.stored(list(hashes), None, list(tokens), BS, medium=medium)])
-
-
-def until(publish, cond, msg: str) -> None:
-    """Once each publisher has seen a subscription (a PUB drops what it sends before),
-    publish (every payload here is idempotent) until ``cond()`` holds."""
-    for pub, _ in publish:
-        pub.wait_subscribed()
-
-    def step():
-        for pub, payload in publish:
-            pub.publish(payload)
-        return cond()
-
-    wait_until(step, msg=msg)
-
-
-def workers(srv) -> dict:
-    return srv.http.get("/workers").json()
-
-
-def source(srv, instance_id: str) -> dict:
-    (s,) = [s for s in workers(srv)["sources"] if s["instance_id"] == instance_id]
-    return s
 
 
 def test_node_pool_blocks_belong_to_every_dp_of_its_node(server, pubs):
@@ -149,8 +91,8 @@ def test_node_pool_blocks_belong_to_every_dp_of_its_node(server, pubs):
     # DP 0 of node A holds blocks 0..1 in HBM and has offloaded 0..3 to CPU; node A's pool
     # confirms 0..3 naming its node in backend_id: both DPs of node A hold them on CPU.
     hbm = V.batch([V.stored(HASHES_A[:2], None, TOKENS_A[:8], BS, medium="GPU")])
-    until([(e10, hbm)], lambda: dp(server, TOKENS_A, "vllm-prefill-1", 0), "HBM indexed")
-    until(
+    publish_until([(e10, hbm)], lambda: dp(server, TOKENS_A, "vllm-prefill-1", 0), "HBM indexed")
+    publish_until(
         [
             (e10, offload(TOKENS_A, HASHES_A)),
             (pool_a, pool_event("stored", HASHES_A, "cpu", NODE_A)),
@@ -166,7 +108,7 @@ def test_node_pool_blocks_belong_to_every_dp_of_its_node(server, pubs):
     }
     # Node B's pool sends no backend_id: the node is the host of the pool's URL. The
     # pool's word puts the engine's CPU offload on Disk.
-    until(
+    publish_until(
         [(e20, offload(TOKENS_B, HASHES_B)), (pool_b, pool_event("stored", HASHES_B, "disk"))],
         lambda: dp(server, TOKENS_B, "vllm-prefill-2", 0).get("disk_blocks") == 3,
         "node B's pool credited to its DP",
@@ -175,7 +117,7 @@ def test_node_pool_blocks_belong_to_every_dp_of_its_node(server, pubs):
         "vllm-prefill-2": {"longest_matched": 12, "DP": {"0": counts(12, disk=3)}}
     }
     # A removal on node A's pool: block 3 goes from both DPs of node A.
-    until(
+    publish_until(
         [(pool_a, pool_event("removed", HASHES_A[3:], "cpu", NODE_A))],
         lambda: dp(server, TOKENS_A, "vllm-prefill-1", 1).get("cpu_blocks") == 3,
         "pool removal applied",
@@ -230,12 +172,12 @@ def test_per_dp_pool_ports_of_the_previous_generation(server, pubs):
     p0, p1 = pool(pubs), pool(pubs)
     register(server, "vllm-prefill-3", 0, {"npu": e0.url, "cpu": p0.url, "disk": p0.url})
     register(server, "vllm-prefill-3", 1, {"npu": e1.url, "cpu": p1.url, "disk": p1.url})
-    until(
+    publish_until(
         [(e0, offload(TOKENS_A, HASHES_A)), (p0, pool_event("stored", HASHES_A, "cpu", NODE_A))],
         lambda: dp(server, TOKENS_A, "vllm-prefill-3", 0).get("cpu_blocks") == 4,
         "DP 0's own pool port credited",
     )
-    until(
+    publish_until(
         [(e1, offload(TOKENS_B, HASHES_B)), (p1, pool_event("stored", HASHES_B, "disk"))],
         lambda: dp(server, TOKENS_B, "vllm-prefill-3", 1).get("disk_blocks") == 3,
         "DP 1's own pool port credited",
@@ -258,7 +200,7 @@ def test_node_pool_before_its_engines_and_engines_coming_and_going(server, pubs)
     pool_a = pool(pubs)
     pid = node_pool_id(NODE_A)
     register_node_pool(server, NODE_A, pool_a.url)
-    until(
+    publish_until(
         [(pool_a, pool_event("stored", HASHES_A, "cpu", NODE_A))],
         lambda: source(server, pid)["dropped"].get("no_dp_on_node", 0) >= 1,
         "pool event without a DP on its node counted",
@@ -277,7 +219,7 @@ def test_node_pool_before_its_engines_and_engines_coming_and_going(server, pubs)
 
     # The first engine of the node registers: the pool's blocks are its from now on.
     register(server, "vllm-prefill-1", 0, {"npu": e10.url})
-    until(
+    publish_until(
         [
             (e10, offload(TOKENS_A, HASHES_A)),
             (pool_a, pool_event("stored", HASHES_A, "cpu", NODE_A)),
@@ -291,7 +233,7 @@ def test_node_pool_before_its_engines_and_engines_coming_and_going(server, pubs)
         "vllm-prefill-1": {"longest_matched": 16, "DP": {"0": counts(16, cpu=4)}}
     }
     # What the pool publishes now is both DPs'.
-    until(
+    publish_until(
         [(e11, offload(TOKENS_C, HASHES_C)), (pool_a, pool_event("stored", HASHES_C, "cpu"))],
         lambda: dp(server, TOKENS_C, "vllm-prefill-1", 1).get("cpu_blocks") == 4,
         "pool credited to both DPs",
@@ -303,19 +245,10 @@ def test_node_pool_before_its_engines_and_engines_coming_and_going(server, pubs)
         }
     }
     # DP 0 leaves: its blocks go with it; DP 1 keeps its own and alone takes what comes.
-    r = server.http.post(
-        "/unregister",
-        json={
-            "instance_id": "vllm-prefill-1",
-            "type": "vLLM",
-            "modelname": "qwen",
-            "block_size": BS,
-            "dp_rank": 0,
-        },
-    )
+    r = server.http.post("/unregister", json=registration())
     assert r.status_code == 200, r.text
     assert answer(server, TOKENS_A) == {}
-    until(
+    publish_until(
         [(pool_a, pool_event("removed", HASHES_C[3:], "cpu", NODE_A))],
         lambda: dp(server, TOKENS_C, "vllm-prefill-1", 1).get("cpu_blocks") == 3,
         "pool removal applied to the remaining DP",
@@ -328,16 +261,7 @@ def test_node_pool_before_its_engines_and_engines_coming_and_going(server, pubs)
     ]
     # The pool goes (the node's last DP would take it along): its subscription closes, the
     # blocks it credited stay with the DP.
-    r = server.http.post(
-        "/unregister",
-        json={
-            "instance_id": pid,
-            "type": "vLLM",
-            "modelname": "qwen",
-            "block_size": BS,
-            "dp_rank": 0,
-        },
-    )
+    r = server.http.post("/unregister", json=registration(pid))
     assert r.status_code == 200, r.text
     doc = workers(server)
     assert [w["instance_id"] for w in doc["workers"]] == ["vllm-prefill-1"]

@@ -12,17 +12,11 @@ size 4, 16 tokens): a1 holds 2 HBM + 2 more CPU blocks = Mooncake's gpu 8, cpu 1
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from tests.helpers.publishers import (
-    FakePublisher,
-    PoolPublisher,
-    mooncake_tuple,
-    schema,
-    wait_until,
-)
-from tests.helpers.server import Server, free_port
+from tests.helpers.faults import mooncake_server, pool_event, publish_until, source
+from tests.helpers.publishers import FakePublisher, PoolPublisher, mooncake_tuple, schema
+from tests.helpers.server import register_engine, registration
 
 BS = 4
 V = schema("vllm", "0.33.0")
@@ -34,21 +28,8 @@ ENGINES = {"a1": ("m1", "A"), "b1": ("m1", "B"), "a2": ("m2", "A")}
 
 @pytest.fixture
 def server(tmp_path):
-    port = free_port()
-    srv = Server(tmp_path, "--mooncake-port", str(port))
-    srv.wait_ready()
-    srv.mc = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
-    yield srv
-    srv.mc.close()
-    srv.terminate()
-
-
-@pytest.fixture
-def pubs():
-    made: list = []
-    yield made
-    for p in made:
-        p.stop()
+    with mooncake_server(tmp_path) as srv:
+        yield srv
 
 
 def mc_register(
@@ -90,24 +71,6 @@ def v3_query(srv, model: str, tenant: str) -> dict:
         iid: {d: (c["npu_blocks"], c["cpu_blocks"]) for d, c in inst["DP"].items()}
         for iid, inst in r.json()[tenant].items()
     }
-
-
-def pool_event(kind: str, hashes, **fields) -> bytes:
-    ev = {"event_id": 1, "event_type": kind, "medium": "cpu", "seq_hashes": list(hashes)}
-    ev.update(fields)
-    return mooncake_tuple([ev])
-
-
-def publish_until(pairs, cond, msg: str) -> None:
-    for pub, _ in pairs:
-        pub.wait_subscribed()
-
-    def step():
-        for pub, payload in pairs:
-            pub.publish(payload)
-        return cond()
-
-    wait_until(step, msg=msg)
 
 
 def engines(server, pubs) -> dict[str, FakePublisher]:
@@ -185,13 +148,6 @@ def cpu_blocks(srv, model: str, tenant: str) -> int:
     return 0
 
 
-def source(srv, instance_id: str) -> dict:
-    (s,) = [
-        s for s in srv.http.get("/workers").json()["sources"] if s["instance_id"] == instance_id
-    ]
-    return s
-
-
 def test_v3_pool_of_the_coordinator_placeholder_model(server, pubs):
     """A V3 Mooncake pool registered with the Coordinator's ``default`` model: an event
     naming its model goes to that model's DPs only; one naming none goes to the DPs of
@@ -199,20 +155,14 @@ def test_v3_pool_of_the_coordinator_placeholder_model(server, pubs):
     engines(server, pubs)
     store = PoolPublisher(host=NODE)
     pubs.append(store)
-    r = server.http.post(
-        "/register",
-        json={
-            "instance_id": "mooncake-pool",
-            "type": "vLLM",
-            "store_backend": "Mooncake",
-            "modelname": "default",
-            "tenant_id": "A",
-            "block_size": BS,
-            "dp_rank": 0,
-            "endpoint": store.url,
-        },
+    register_engine(
+        server,
+        "mooncake-pool",
+        store_backend="Mooncake",
+        modelname="default",
+        tenant_id="A",
+        endpoint=store.url,
     )
-    assert r.status_code == 201, r.text
     confirm = pool_event("stored", HASHES, backend_id=NODE, model_name="m2")
     publish_until(
         [(store, confirm)],
@@ -234,18 +184,9 @@ def test_v3_pool_of_the_coordinator_placeholder_model(server, pubs):
 
 
 def v3_register(srv, instance_id: str, model: str, tenant: str, media: dict, **extra) -> None:
-    body = {
-        "instance_id": instance_id,
-        "type": "vLLM",
-        "modelname": model,
-        "tenant_id": tenant,
-        "block_size": BS,
-        "dp_rank": 0,
-        "medium_endpoints": media,
-        **extra,
-    }
-    r = srv.http.post("/register", json=body)
-    assert r.status_code == 201, r.text
+    register_engine(
+        srv, instance_id, modelname=model, tenant_id=tenant, medium_endpoints=media, **extra
+    )
 
 
 def test_unregister_removes_the_dp_from_every_index(server, pubs):
@@ -382,18 +323,10 @@ def test_a_mooncake_store_is_shared_by_its_context(server, pubs):
 
 
 def test_shared_store_is_refused_on_an_engine_registration(server):
-    r = server.http.post(
-        "/register",
-        json={
-            "instance_id": "e",
-            "type": "vLLM",
-            "modelname": "m",
-            "block_size": BS,
-            "dp_rank": 0,
-            "medium_endpoints": {"npu": "tcp://127.0.0.1:5557"},
-            "shared_store": True,
-        },
+    body = registration(
+        "e", modelname="m", medium_endpoints={"npu": "tcp://127.0.0.1:5557"}, shared_store=True
     )
+    r = server.http.post("/register", json=body)
     assert r.status_code == 400
     assert r.json() == {
         "error": "shared_store applies to a cluster pool: store_backend Mooncake or Memcache "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.publishers import FakePublisher, schema, wait_until
-from tests.helpers.server import Server
+from tests.helpers.server import register_engine, started
 
 BS = 4
 V = schema("vllm", "0.33.0")
@@ -18,24 +18,12 @@ BATCHES = 20
 
 @pytest.fixture
 def server(tmp_path):
-    srv = Server(tmp_path)
-    srv.wait_ready()
-    yield srv
-    srv.terminate()
+    with started(tmp_path) as srv:
+        yield srv
 
 
 def _register(srv, instance_id: str, media: dict) -> None:
-    body = {
-        "instance_id": instance_id,
-        "type": "vLLM",
-        "store_backend": "YuanRong",
-        "modelname": "qwen",
-        "block_size": BS,
-        "dp_rank": 0,
-        "medium_endpoints": media,
-    }
-    r = srv.http.post("/register", json=body)
-    assert r.status_code == 201, r.text
+    register_engine(srv, instance_id, store_backend="YuanRong", medium_endpoints=media)
 
 
 def test_engine_batches_on_a_pools_url_are_dropped(server):

@@ -7,11 +7,10 @@ from __future__ import annotations
 import collections
 import http.client
 import re
-import subprocess
 
 import msgspec
 
-from tests.helpers.server import STARTUP_BOUND, Server, register_engine, running, wait_workers
+from tests.helpers.server import Server, register_engine, running, wait_workers
 
 
 def _queries(port: int, n: int) -> collections.Counter:
@@ -37,20 +36,9 @@ def test_a_second_workers_server_on_the_same_port_refuses_to_start(tmp_path):
     with running(tmp_path, "--workers", "2") as first:
         wait_workers(first, 2)
         register_engine(first, "eng")
-        second = Server(
-            tmp_path, "--workers", "2", "--snapshot-dir", str(tmp_path / "b"), port=first.port
+        out = _refused(
+            tmp_path, first.port, "--workers", "2", "--snapshot-dir", str(tmp_path / "b")
         )
-        try:
-            code = second.proc.wait(STARTUP_BOUND)
-        except subprocess.TimeoutExpired:
-            second.proc.kill()
-            second.proc.wait(10)
-            raise AssertionError(f"the second server started:\n{second.log()}") from None
-        finally:
-            second.http.close()
-            second._log.close()
-        out = second.log()
-        assert code == 1, out
         want = (
             f"kv-conductor: error: port {first.port} is already served by kv-conductor pid "
             f"{first.proc.pid} with --workers (lock @kv-conductor-port-{first.port})"
@@ -70,16 +58,7 @@ def test_a_second_workers_server_on_the_same_port_refuses_to_start(tmp_path):
 def _refused(tmp_path, port: int, *args: str) -> str:
     """Start a server on ``port`` that must exit 1 at start; its output."""
     srv = Server(tmp_path, *args, port=port)
-    try:
-        code = srv.proc.wait(STARTUP_BOUND)
-    except subprocess.TimeoutExpired:
-        srv.proc.kill()
-        srv.proc.wait(10)
-        raise AssertionError(f"it started:\n{srv.log()}") from None
-    finally:
-        srv.http.close()
-        srv._log.close()
-    assert code == 1, srv.log()
+    assert srv.exit_code() == 1, srv.log()
     return srv.log()
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import re
 
-import httpx
-import msgspec
 import pytest
 
+from tests.helpers.faults import events, mooncake_server, registration
+from tests.helpers.http_cases import msgpack_post
 from tests.helpers.publishers import PoolPublisher, mooncake_tuple, wait_until
-from tests.helpers.server import Server, free_port
+from tests.helpers.server import Server
 
 BS = 4
 #: A value that, written raw, starts a log line of its own at level ERROR.
@@ -38,34 +38,8 @@ def refused(path: str, kind: str = "JSON") -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    srv = Server(tmp_path_factory.mktemp("reginput"), "--mooncake-port", str(port))
-    srv.mc = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
-    srv.wait_ready()
-    yield srv
-    srv.mc.close()
-    srv.terminate()
-
-
-def registration(**kw) -> dict:
-    return {
-        "instance_id": "vllm-prefill-1",
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": BS,
-        "dp_rank": 0,
-        **kw,
-    }
-
-
-def events(event: dict | None = None, **kw) -> dict:
-    ev = {
-        "event_id": 1,
-        "event_type": "stored",
-        "blocks": [{"block_hash": 1, "tokens_hash": 2}],
-        **(event or {}),
-    }
-    return {"instance_id": "vllm-prefill-1", "events": [ev], **kw}
+    with mooncake_server(tmp_path_factory.mktemp("reginput")) as srv:
+        yield srv
 
 
 def mooncake_registration(**kw) -> dict:
@@ -147,18 +121,13 @@ def test_a_control_character_in_an_id_or_name_is_a_v3_400(server, route, make, p
 def test_a_control_character_is_a_dialect_400_in_the_request_encoding(server, field, msgpack):
     body = mooncake_registration(**{field: FORGED})
     if msgpack:
-        r = server.mc.post(
-            "/register",
-            content=msgspec.msgpack.encode(body),
-            headers={"Content-Type": "application/msgpack"},
-        )
-        assert r.headers["content-type"].startswith("application/msgpack")
-        doc = msgspec.msgpack.decode(r.content)
+        status, ctype, doc = msgpack_post(server.mc, "/register", body)
+        assert ctype.startswith("application/msgpack")
     else:
         r = server.mc.post("/register", json=body)
         assert r.headers["content-type"].startswith("application/json")
-        doc = r.json()
-    assert r.status_code == 400, r.content
+        status, doc = r.status_code, r.json()
+    assert status == 400, doc
     assert doc == {
         "error": f"invalid registration: {WORDS} - at `$.{field}`",
         "reason": "invalid_value",

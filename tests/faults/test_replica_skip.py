@@ -11,37 +11,22 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.publishers import FakePublisher, schema, wait_until
-from tests.helpers.server import LEASE, Server, metric, running, start_replicas, stop_replicas
+from tests.helpers.faults import two_block_chain as chain
+from tests.helpers.publishers import FakePublisher, wait_until
+from tests.helpers.server import (
+    Server,
+    metric,
+    registration,
+    replica,
+    start_replicas,
+    stop_replicas,
+    workers,
+)
 
 pytestmark = pytest.mark.server
 
 BS = 4
-V = schema("vllm", "0.33.0")
 SKIPPED = "kvconductor_snapshot_skipped_registrations_total"
-
-
-def chain(i: int) -> tuple[bytes, list[int]]:
-    """Batch storing chain ``i`` (engine hashes 100i+1, 100i+2) and its tokens."""
-    toks = [9000 + 8 * i + j for j in range(2 * BS)]
-    return V.batch([V.stored([100 * i + 1, 100 * i + 2], None, toks, BS)]), toks
-
-
-def reg(instance: str, **fields) -> dict:
-    return {
-        "instance_id": instance,
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": BS,
-        "dp_rank": 0,
-        **fields,
-    }
-
-
-def workers(srv: Server) -> dict:
-    r = srv.http.get("/workers")
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def npu(srv: Server, toks: list[int]) -> dict[str, int]:
@@ -50,18 +35,14 @@ def npu(srv: Server, toks: list[int]) -> dict[str, int]:
     return {iid: d["DP"]["0"]["npu_blocks"] for iid, d in r.json()["default"].items()}
 
 
-def replica(tmp_path, valkey, name: str, *args: str):
-    return running(
-        tmp_path, "--state-url", valkey.url, "--replica-id", name, "--lease-secs", LEASE, *args
-    )
-
-
 def test_a_replica_shows_the_applied_last_seq_of_a_source_it_does_not_own(tmp_path, valkey_server):
     pub = FakePublisher(replay=True)
     servers: list[Server] = []
     try:
         servers = start_replicas(tmp_path, valkey_server, "ab")
-        body = reg("eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url)
+        body = registration(
+            "eng", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
+        )
         assert servers[0].http.post("/register", json=body).status_code == 201
 
         def states() -> list[str]:
@@ -101,9 +82,13 @@ def test_a_replica_loading_a_snapshot_skips_only_what_its_flags_refuse(
     try:
         flags = ("--snapshot-interval-secs", "1", *writer_flags)
         with replica(tmp_path, valkey_server, "a", *flags) as a:
-            keep = reg("keep", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url)
+            keep = registration(
+                "keep", medium_endpoints={"npu": pub.url}, replay_endpoint=pub.replay_url
+            )
             assert a.http.post("/register", json=keep).status_code == 201
-            r = a.http.post("/register", json=reg("gone", medium_endpoints={"npu": gone_url}))
+            r = a.http.post(
+                "/register", json=registration("gone", medium_endpoints={"npu": gone_url})
+            )
             assert r.status_code == 201, r.text
             event = {
                 "event_id": 1,

@@ -8,28 +8,14 @@ checksum (:func:`rewrite`).
 
 from __future__ import annotations
 
-import signal
 import struct
-import time
 from pathlib import Path
 
 import xxhash
 
 from kvconductor.state import dump
 from tests.helpers.publishers import wait_until
-from tests.helpers.server import STARTUP_BOUND, Server, running
-
-
-def register(srv: Server, instance: str) -> None:
-    body = {
-        "instance_id": instance,
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": 4,
-        "dp_rank": 0,
-    }
-    r = srv.http.post("/register", json=body)
-    assert r.status_code == 201, r.text
+from tests.helpers.server import Server, register_engine, running
 
 
 def instances(srv: Server) -> list[str]:
@@ -38,22 +24,6 @@ def instances(srv: Server) -> list[str]:
 
 def snapshots(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir() if p.name.startswith("snapshot-"))
-
-
-def refused(srv: Server) -> int:
-    """The exit code of a server expected to refuse to start (fails if it serves)."""
-    try:
-        deadline = time.monotonic() + STARTUP_BOUND
-        while srv.proc.poll() is None:
-            assert time.monotonic() < deadline, f"second server started:\n{srv.log()}"
-            time.sleep(0.1)
-        return srv.proc.returncode
-    finally:
-        if srv.proc.poll() is None:
-            srv.proc.kill()
-            srv.proc.wait(10)
-        srv.http.close()
-        srv._log.close()
 
 
 def rewrite(src: Path, dst: Path, change) -> None:
@@ -69,12 +39,12 @@ def rewrite(src: Path, dst: Path, change) -> None:
 def test_second_server_on_one_directory_refuses_to_start(tmp_path):
     snaps = tmp_path / "snaps"
     with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
-        register(a, "first")
+        register_engine(a, "first")
         # a write of the first server in progress: its temporary file
         foreign = snaps / ".snapshot-00000000000000000007-20260101T000000.000000Z.tmp"
         foreign.write_bytes(b"half a snapshot")
         b = Server(tmp_path, "--snapshot-dir", str(snaps))
-        assert refused(b) == 1
+        assert b.exit_code() == 1
         log = b.log()
         assert (
             f"kv-conductor: error: snapshot directory {snaps} is in use by kv-conductor "
@@ -93,15 +63,12 @@ def test_killed_holder_does_not_block_the_next_start(tmp_path):
     a = Server(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "1")
     try:
         a.wait_ready()
-        register(a, "first")
+        register_engine(a, "first")
         wait_until(lambda: len(snapshots(snaps)) >= 1, msg="a periodic snapshot")
         # the lock file names the holder
         assert (snaps / "lock").read_text().split() == [str(a.proc.pid)]
     finally:
-        a.proc.send_signal(signal.SIGKILL)
-        a.proc.wait(10)
-        a.http.close()
-        a._log.close()
+        a.kill()
     with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
         assert instances(b) == ["first"]
         assert (snaps / "lock").read_text().split() == [str(b.proc.pid)]
@@ -112,18 +79,18 @@ def test_the_owner_of_workers_holds_the_lock(tmp_path):
     snaps = tmp_path / "snaps"
     with running(tmp_path, "--workers", "2", "--snapshot-dir", str(snaps)) as a:
         b = Server(tmp_path, "--snapshot-dir", str(snaps))
-        assert refused(b) == 1
+        assert b.exit_code() == 1
         assert f"in use by kv-conductor pid {a.proc.pid} " in b.log(), b.log()
 
 
 def test_clock_stepped_back_loads_the_newest_by_counter(tmp_path):
     snaps = tmp_path / "snaps"
     with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
-        register(a, "first")
+        register_engine(a, "first")
     (older,) = snapshots(snaps)
     with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as b:
         assert instances(b) == ["first"]
-        register(b, "second")
+        register_engine(b, "second")
     (newer,) = set(snapshots(snaps)) - {older}
     # the older snapshot was written while the clock ran ahead: its name has the later time
     ahead = snaps / "snapshot-20991231T235959.999999Z.kvc"
@@ -138,7 +105,7 @@ def test_clock_stepped_back_loads_the_newest_by_counter(tmp_path):
 def test_snapshot_breaking_the_index_invariants_falls_back_to_the_older_one(tmp_path):
     snaps = tmp_path / "snaps"
     with running(tmp_path, "--snapshot-dir", str(snaps), "--snapshot-interval-secs", "0") as a:
-        register(a, "first")
+        register_engine(a, "first")
         events = {
             "instance_id": "first",
             "events": [

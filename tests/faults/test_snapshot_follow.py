@@ -12,17 +12,11 @@ events name ``backend_id`` 127.0.0.1). Expected counts by hand: block size 4, 8 
 
 from __future__ import annotations
 
-import signal
 import time
 
-from tests.helpers.publishers import (
-    FakePublisher,
-    PoolPublisher,
-    mooncake_tuple,
-    schema,
-    wait_until,
-)
-from tests.helpers.server import Server, running
+from tests.helpers.faults import pool_event
+from tests.helpers.publishers import FakePublisher, PoolPublisher, schema, wait_until
+from tests.helpers.server import Server, register_engine, running
 
 BS = 4
 V = schema("vllm", "0.33.0")
@@ -53,29 +47,12 @@ def test_pool_registered_then_killed_before_the_periodic_snapshot(tmp_path):
         a = Server(tmp_path, "--snapshot-dir", str(snaps))  # the default 60 s interval
         try:
             a.wait_ready()
-            reg = {"type": "vLLM", "modelname": "qwen", "block_size": BS, "dp_rank": 0}
-            r = a.http.post(
-                "/register",
-                json={**reg, "instance_id": "vllm-1", "medium_endpoints": {"npu": engine.url}},
-            )
-            assert r.status_code == 201, r.text
-            r = a.http.post(
-                "/register",
-                json={
-                    **reg,
-                    "instance_id": POOL,
-                    "store_backend": "Mooncake",
-                    "endpoint": pool.url,
-                },
-            )
-            assert r.status_code == 201, r.text
+            register_engine(a, "vllm-1", medium_endpoints={"npu": engine.url})
+            register_engine(a, POOL, store_backend="Mooncake", endpoint=pool.url)
             time.sleep(1.5)
             written = snapshots(snaps)
         finally:
-            a.proc.send_signal(signal.SIGKILL)
-            a.proc.wait(10)
-            a.http.close()
-            a._log.close()
+            a.kill()
         with running(tmp_path, "--snapshot-dir", str(snaps)) as b:
             assert instances(b) == [POOL, "vllm-1"]
             (store,) = [
@@ -86,17 +63,7 @@ def test_pool_registered_then_killed_before_the_periodic_snapshot(tmp_path):
             assert len(written) == 1, written
             # the engine offloads to CPU (phase 1), the pool confirms (phase 2): CPU hits
             offload = V.batch([V.stored(HASHES, None, TOKENS, BS, medium="CPU")])
-            confirm = mooncake_tuple(
-                [
-                    {
-                        "event_id": 1,
-                        "event_type": "stored",
-                        "medium": "cpu",
-                        "seq_hashes": HASHES,
-                        "backend_id": "127.0.0.1",
-                    }
-                ]
-            )
+            confirm = pool_event("stored", HASHES, backend_id="127.0.0.1")
             engine.wait_subscribed(2)  # the killed server's subscription, then this one's
             pool.wait_subscribed(2)
 

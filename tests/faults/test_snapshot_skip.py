@@ -17,7 +17,7 @@ import xxhash
 
 from kvconductor.state import dump
 from tests.helpers.publishers import FakePublisher, free_tcp_port, schema, wait_until
-from tests.helpers.server import Server, metric, running
+from tests.helpers.server import Server, metric, registration, running
 
 BS = 4
 V = schema("vllm", "0.33.0")
@@ -27,15 +27,7 @@ SKIPPED = "kvconductor_snapshot_skipped_registrations_total"
 
 
 def body(instance: str, media: dict, **extra) -> dict:
-    return {
-        "instance_id": instance,
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": BS,
-        "dp_rank": 0,
-        "medium_endpoints": media,
-        **extra,
-    }
+    return registration(instance, medium_endpoints=media, **extra)
 
 
 def npu(srv: Server, tokens: list[int]) -> dict[str, int]:
@@ -204,14 +196,7 @@ def test_load_dump_failing_unexpectedly_is_one_line(tmp_path, pub):
     bad = tmp_path / "bad.dump"
     without_request(good, bad)
     srv = Server(tmp_path, "--load-dump", str(bad))
-    try:
-        assert srv.proc.wait(30) == 1
-    finally:
-        if srv.proc.poll() is None:
-            srv.proc.kill()
-            srv.proc.wait(10)
-        srv.http.close()
-        srv._log.close()
+    assert srv.exit_code(30) == 1
     log = srv.log()
     assert "Traceback" not in log, log
     assert (

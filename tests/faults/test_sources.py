@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers.server import Server
+from tests.helpers.server import Server, started
 
 
 def body(i: int, dp: int = 0, urls: dict | None = None, **kw) -> dict:
@@ -40,10 +40,8 @@ def consistent(srv) -> tuple[int, int]:
 
 @pytest.fixture
 def server(tmp_path, request):
-    srv = Server(tmp_path, *getattr(request, "param", ()))
-    srv.wait_ready()
-    yield srv
-    srv.terminate()
+    with started(tmp_path, *getattr(request, "param", ())) as srv:
+        yield srv
 
 
 # KVC_FAULT_SOURCES changes the count (it must stay past libzmq's default of 1023

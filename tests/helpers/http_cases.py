@@ -9,19 +9,11 @@ import httpx
 import msgspec
 
 from kvconductor._hash import hash_blocks
-from tests.helpers.server import HAS_IPV6
+from tests.helpers.server import HAS_IPV6, registration
 
 
 def register(http: httpx.Client, **kw) -> httpx.Response:
-    body = {
-        "instance_id": "vllm-prefill-1",
-        "type": "vLLM",
-        "modelname": "qwen",
-        "block_size": 4,
-        "dp_rank": 0,
-        **kw,
-    }
-    return http.post("/register", json=body)
+    return http.post("/register", json=registration(**kw))
 
 
 def msgpack_post(http: httpx.Client, path: str, body) -> tuple[int, str, object]:

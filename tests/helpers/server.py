@@ -130,6 +130,26 @@ class Server:
         self._log.close()
         return code, elapsed
 
+    def kill(self) -> None:
+        """SIGKILL (no shutdown, no final snapshot), wait for it and release the files."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        self.http.close()
+        self._log.close()
+
+    def exit_code(self, bound: float = STARTUP_BOUND) -> int:
+        """The exit code of a server that must exit by itself within ``bound`` seconds (one
+        refusing to start); past it, killed and failed with its log. Releases the files."""
+        try:
+            return self.proc.wait(bound)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise AssertionError(f"the server did not exit in {bound}s:\n{self.log()}") from None
+        finally:
+            self.http.close()
+            self._log.close()
+
 
 def wait_health(proc: subprocess.Popen, url: str, log_path: Path) -> None:
     """Wait until ``proc`` (any server command) answers ``GET /health``; fail with its log."""
@@ -143,6 +163,18 @@ def wait_health(proc: subprocess.Popen, url: str, log_path: Path) -> None:
             pass
         assert time.monotonic() < deadline, log_path.read_text()
         time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def started(tmp_dir: Path, *args: str, **kw):
+    """A started :class:`Server`, stopped with SIGTERM on leaving (its exit code is not
+    checked: :func:`running` checks it)."""
+    srv = Server(tmp_dir, *args, **kw)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.terminate()
 
 
 @contextlib.contextmanager
@@ -203,17 +235,22 @@ def gunicorn_cmd(
     return cmd
 
 
-def register_engine(server, instance_id: str, dp_rank: int = 0, **fields) -> None:
-    """POST /register of one DP of a vLLM engine of model qwen (block size 4); 201."""
-    body = {
+def registration(instance_id: str = "vllm-prefill-1", **fields) -> dict:
+    """A V3 registration body of DP 0 of a vLLM engine of model qwen (block size 4);
+    ``fields`` are added (or replace these)."""
+    return {
         "instance_id": instance_id,
         "type": "vLLM",
         "modelname": "qwen",
         "block_size": 4,
-        "dp_rank": dp_rank,
+        "dp_rank": 0,
         **fields,
     }
-    r = server.http.post("/register", json=body)
+
+
+def register_engine(server, instance_id: str, dp_rank: int = 0, **fields) -> None:
+    """POST /register of one DP of a vLLM engine of model qwen (block size 4); 201."""
+    r = server.http.post("/register", json=registration(instance_id, dp_rank=dp_rank, **fields))
     assert r.status_code == 201, r.text
 
 
@@ -270,6 +307,13 @@ def gone(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
+def workers(srv: Server) -> dict:
+    """``GET /workers`` of ``srv`` (200)."""
+    r = srv.http.get("/workers")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def metric(text: str, name: str) -> float:
     """Sum of the samples called ``name`` (any labels) in a text exposition."""
     total = 0.0
@@ -282,6 +326,13 @@ def metric(text: str, name: str) -> float:
 # -- replicas on Valkey (--state-url)
 
 LEASE = "1"
+
+
+def replica(tmp_path, valkey, name: str, *args: str):
+    """:func:`running` replica ``name`` of ``valkey`` (lease ``LEASE``), ``args`` added."""
+    return running(
+        tmp_path, "--state-url", valkey.url, "--replica-id", name, "--lease-secs", LEASE, *args
+    )
 
 
 def start_replicas(tmp_path, valkey, names, lease: str = LEASE) -> list[Server]:
