@@ -795,7 +795,7 @@ def test_hash_vectors_used_here():
 
 _TRIM_PROBE = """
 import gc
-from kvconductor.state.conductor import _TRIM, trim_heap
+from kvconductor.serve.tuning import _TRIM, trim_heap
 def rss():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
@@ -830,7 +830,7 @@ def test_trim_heap_returns_freed_memory_to_the_system():
 
 _MALLINFO = """
 import ctypes, sys
-from kvconductor.state.conductor import tune_malloc
+from kvconductor.serve.tuning import tune_malloc
 class MI(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
