@@ -401,7 +401,7 @@ def test_invalid_block_sequence(conductor):
 
 
 def test_unregistered_instance(conductor):
-    from kvconductor.state.conductor import InstanceNotRegistered
+    from kvconductor.state.events import InstanceNotRegistered
 
     for kw in ({}, {"model_name": "m", "tenant_id": "t"}):
         with pytest.raises(InstanceNotRegistered, match="instance ghost not found"):

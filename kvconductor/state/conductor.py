@@ -16,39 +16,43 @@ Subscriptions (ZeroMQ SUB sockets, replay) are delegated to
 ``kvconductor.ingest.subscriber.SubscriptionManager``. It calls back
 :meth:`Conductor.get_or_create_index`, :meth:`Conductor.hbm_ip_lookup` and
 :meth:`Conductor.instance_info`, on the ingest thread.
+
+The conductor's jobs that have a room of their own: registration and unregistration
+(:mod:`kvconductor.state.registration`), ``POST /events`` (:mod:`kvconductor.state.events`)
+and ``POST /explain``'s document (:mod:`kvconductor.state.explain`); each runs on the
+ingest thread with what the conductor hands it. The process tuning (open files, the
+ZeroMQ context's size, glibc malloc, the periodic heap trim) is the serving process's
+(:mod:`kvconductor.serve.tuning`): the composition root hands the conductor its ingest
+thread and its heap trim.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import errno
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar, cast, overload
 
 import zmq
 
-from kvconductor._hash import DEFAULT_SEED
-from kvconductor.errors import IndexUpdateError, InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.index import Index
 from kvconductor.ingest.freshness import FreshnessTable
 from kvconductor.ingest.host import IngestSettings
-from kvconductor.ingest.http_events import REMOVED, STORED, EventOp
+from kvconductor.ingest.http_events import EventOp
 from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
 from kvconductor.ingest.stats import Limits
 from kvconductor.ingest.thread import IngestThread
-from kvconductor.keys import WorkerKey
 from kvconductor.logs import RecentWarnings
 from kvconductor.schema import (
-    DEFAULT_TENANT,
     ExplainResponse,
     KvEventBatch,
     RegisterRequest,
     SourceNotReady,
     UnregisterRequest,
 )
+from kvconductor.state.events import EventsOutcome, InstanceNotRegistered, apply_events
 from kvconductor.state.explain import ExplainState, explain
 from kvconductor.state.journal import Journal, LocalJournal
 from kvconductor.state.protocols import (
@@ -60,6 +64,12 @@ from kvconductor.state.protocols import (
     SourceInfo,
     Subscriptions,
 )
+from kvconductor.state.registration import (
+    SKIP_REASONS,
+    RegistrationUnavailable,
+    register,
+    unregister,
+)
 from kvconductor.state.registry import RegistrationError, Registry
 from kvconductor.urls import UrlPolicy
 
@@ -70,19 +80,21 @@ if TYPE_CHECKING:
 
     _Ts = TypeVarTuple("_Ts")
 
-#: Source states in which ``GET /ready`` counts a ZeroMQ source as ready.
-
 log = logging.getLogger("kvconductor")
 
 _T = TypeVar("_T")
 
+# The errors the HTTP layer maps to status codes are importable from here too (their
+# rooms: ``registry``, ``registration``, ``events``).
 __all__ = [
     "Conductor",
     "ConductorConfig",
+    "EventsOutcome",
     "InstanceNotRegistered",
     "RegistrationError",
     "RegistrationUnavailable",
     "SKIP_REASONS",
+    "StateUnavailable",
 ]
 
 
@@ -119,53 +131,9 @@ class ConductorConfig:
 # ---------------------------------------------------------------------------------------
 
 
-#: Why a registration of a loaded snapshot or dump was skipped
-#: (:mod:`kvconductor.state.restore`): the current flags refuse its URLs
-#: (``--endpoint-networks``, ``--allow-ipc-endpoints``, ``--allow-bind-endpoints``, or any
-#: other validation), ``--max-sources`` is reached, or a subscription cannot be opened now
-#: (a bind-mode port in use, no file descriptor).
-SKIP_REASONS = ("refused", "max_sources", "unavailable")
-
-
-class RegistrationUnavailable(RuntimeError):
-    """A registration the server cannot take now (HTTP 503); nothing was changed.
-    :attr:`reason`: ``max_sources`` (the ``--max-sources`` limit) or ``unavailable``
-    (a subscription cannot be opened now: a bind-mode port in use, no file descriptor)."""
-
-    def __init__(self, message: str, reason: str = "unavailable") -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
 class StateUnavailable(RuntimeError):
     """``--state-url``: the state store cannot be reached or did not confirm a change in
     time (HTTP 503; kvconductor.state.replica)."""
-
-
-class InstanceNotRegistered(LookupError):
-    """An /events batch for an instance that is not registered (HTTP 404, nothing applied).
-
-    The reference created a (model, tenant) index for it from ``model_name``:
-    an index no unregistration could ever remove.
-    """
-
-    def __init__(self, instance_id: str) -> None:
-        super().__init__(f"instance {instance_id} not found")
-
-
-def _error_text(ex: IndexUpdateError) -> str:
-    """The reference's message of an index error (docs/api.md, "Validation and answers");
-    details go to the log."""
-    if isinstance(ex, ParentBlockNotFound):
-        return "parent block not found"
-    if isinstance(ex, InvalidBlockSequence):
-        return "invalid block sequence"
-    return str(ex)
-
-
-class EventsOutcome(NamedTuple):
-    applied: int
-    errors: list[str]
 
 
 # ---------------------------------------------------------------------------------------
@@ -465,181 +433,21 @@ class Conductor:
 
     # -- registration (ingest thread) ---------------------------------------------------------
     def register(self, req: RegisterRequest) -> None:
-        """Register (or re-register) one DP of an instance (docs/api.md, POST /register).
+        """Register (or re-register) one DP of an instance (docs/api.md, POST /register;
+        :func:`kvconductor.state.registration.register`).
 
-        Raises :class:`RegistrationError` (HTTP 400) before changing anything.
+        Raises :class:`RegistrationError` (HTTP 400) before changing anything,
+        :class:`RegistrationUnavailable` (HTTP 503) when its subscriptions cannot be
+        opened (nothing changed).
         """
-        log.info(
-            "register request instance_id=%s dp_rank=%d type=%s modelname=%s tenant_id=%s "
-            "block_size=%d store_backend=%s medium_endpoints=%s endpoint=%s "
-            "replay_endpoint=%s",
-            req.instance_id,
-            req.dp_rank,
-            req.engine_type,
-            req.modelname,
-            req.tenant_id or DEFAULT_TENANT,
-            req.block_size,
-            req.store_backend,
-            req.medium_endpoints or {},
-            req.endpoint,
-            req.replay_endpoint,
-        )
-        saved = self.registry.save_dp(req.instance_id, req.dp_rank)
-        out = self.registry.register(req)  # validates before changing anything
-        if out.unchanged:
-            # The Coordinator's repair path and periodic re-register timer resend what we
-            # have: keep the live subscriptions (no batch lost, no replay).
-            log.info(
-                "re-registration unchanged; subscriptions kept instance_id=%s dp_rank=%d",
-                req.instance_id,
-                req.dp_rank,
-            )
-            self.get_or_create_index(out.model_name, out.tenant_id)
-            self._registrations_changed()
-            return
-        # Subscriptions first: the only step that can fail for want of resources. On a
-        # failure everything is put back as it was and the request gets a 503.
-        opened = self._subscribe_or_roll_back(req, out, saved)
-        for ip in out.ips_removed:
-            if ip not in out.ips_added:
-                log.info(
-                    "HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
-                    ip,
-                    out.instance_id,
-                    out.dp_rank,
-                )
-        if out.drop_from is not None:
-            old = self.indexes.get(out.drop_from)
-            dropped = old.remove_dp(out.instance_id, out.dp_rank) if old is not None else 0
-            log.info(
-                "registration changed; dropped old data instance_id=%s dp_rank=%d "
-                "model=%s tenant=%s blocks=%d",
-                out.instance_id,
-                out.dp_rank,
-                out.drop_from[0],
-                out.drop_from[1],
-                dropped,
-            )
-        for ip in out.ips_added:
-            log.info(
-                "HBM IP indexed for pool auto-attach ip=%s instance_id=%s dp_rank=%d",
-                ip,
-                out.instance_id,
-                out.dp_rank,
-            )
-        self.get_or_create_index(out.model_name, out.tenant_id)
-        self._registrations_changed()
-        self._follow()
-        if out.drop_from is not None:
-            self._reclaim(out.drop_from)
-        if out.replay is not None and out.replay.url in opened:
-            # A new subscription: catch up from the engine's replay buffer. A URL that was
-            # already subscribed kept its socket and lost nothing.
-            self.subs.request_replay(out.replay)
-        log.info(
-            "worker registered instance_id=%s dp_rank=%d model=%s tenant=%s subscribers=%d "
-            "is_pool=%s replay=%s",
-            out.instance_id,
-            out.dp_rank,
-            out.model_name,
-            out.tenant_id,
-            len(out.contexts),
-            out.is_pool,
-            out.replay is not None,
-        )
-        entry = self.registry.get(out.instance_id)
-        ep = entry.endpoints.get(out.dp_rank) if entry is not None else None
-        if ep is not None and ep.node_pool:
-            log.info(
-                "node pool instance_id=%s node_ip=%s model=%s tenant=%s serves %d DP(s) now",
-                out.instance_id,
-                ep.node_ip,
-                out.model_name,
-                out.tenant_id,
-                len(self.registry.node_pool_dps(ep)),
-            )
-
-    def _subscribe_or_roll_back(self, req: RegisterRequest, out, saved: tuple) -> set[str]:
-        """Replace (instance, DP)'s subscriptions by ``out.contexts`` (returns the URLs
-        opened), or undo everything and raise :class:`RegistrationUnavailable`."""
-        iid, dp = req.instance_id, req.dp_rank
-        current = self.subs.count(iid, dp)
-        total = len(self.subs) - current + len(out.contexts)
-        if total > self.config.max_sources:
-            self.registry.restore_dp(saved)
-            msg = (
-                f"source limit reached: this registration needs {len(out.contexts)} "
-                f"ZeroMQ subscription(s) and {len(self.subs) - current} of at most "
-                f"{self.config.max_sources} are in use (--max-sources)"
-            )
-            log.warning("registration refused instance_id=%s dp_rank=%d: %s", iid, dp, msg)
-            raise RegistrationUnavailable(msg, "max_sources")
-        if out.reregistered:
-            log.info("re-registering existing worker instance_id=%s dp_rank=%d", iid, dp)
-        if not out.contexts and not current:
-            return set()  # HTTP-only, and was: no sockets to touch
-        try:
-            # URLs kept keep their sockets (no batch lost); new ones open first.
-            opened = self.subs.replace(iid, dp, out.contexts)
-        except (zmq.ZMQError, OSError) as ex:
-            self.registry.restore_dp(saved)
-            msg = f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. " + (
-                "Raise the process's open-file limit or lower --max-sources"
-                if ex.errno in (errno.EMFILE, errno.ENFILE)
-                else "Check the endpoint (a bind-mode port may be in use by another process) "
-                "and register again"
-            )
-            log.error("registration rolled back instance_id=%s dp_rank=%d: %s", iid, dp, msg)
-            raise RegistrationUnavailable(msg) from None
-        return opened
+        register(self, req, self.config.max_sources)
 
     def unregister(self, req: UnregisterRequest) -> bool:
         """Unregister one DP; False when the instance is unknown (404).
 
-        See docs/api.md, POST /unregister.
+        See docs/api.md, POST /unregister (:func:`kvconductor.state.registration.unregister`).
         """
-        log.info("unregister request instance_id=%s dp_rank=%d", req.instance_id, req.dp_rank)
-        n = self.subs.unsubscribe(req.instance_id, req.dp_rank)
-        out = self.registry.unregister(req.instance_id, req.dp_rank)
-        if not out.found:
-            log.info("unregister: instance not found instance_id=%s", req.instance_id)
-            return False
-        self._registrations_changed()
-        self._follow()
-        for ip in out.ips_removed:
-            log.info(
-                "HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
-                ip,
-                req.instance_id,
-                req.dp_rank,
-            )
-        # Every index, not only the registered one: a pool event naming another (model,
-        # tenant) credits the DP there (issue 36: it kept appearing in those answers, and
-        # registered again its old and new blocks added up).
-        per_index = self._remove_dp_everywhere(req.instance_id, req.dp_rank)
-        for key in {*per_index, *(() if out.index_key is None else (out.index_key,))}:
-            self._reclaim(key)
-        others = {k: v for k, v in per_index.items() if k != out.index_key}
-        log.info(
-            "worker unregistered instance_id=%s dp_rank=%d subscribers_stopped=%d blocks=%d "
-            "instance_removed=%s%s",
-            req.instance_id,
-            req.dp_rank,
-            n,
-            sum(per_index.values()),
-            out.instance_removed,
-            "".join(f" blocks[{m}/{t}]={v}" for (m, t), v in sorted(others.items())),
-        )
-        return True
-
-    def _remove_dp_everywhere(self, instance_id: str, dp_rank: int) -> dict[tuple[str, str], int]:
-        """Drop (instance, DP)'s blocks and pending waits from every index holding a worker
-        of it; the blocks removed per index (O(indexes))."""
-        out: dict[tuple[str, str], int] = {}
-        for key, idx in list(self.indexes.items()):
-            if idx.workers_of(instance_id, dp_rank):
-                out[key] = idx.remove_dp(instance_id, dp_rank)
-        return out
+        return unregister(self, req)
 
     def note_lora(self, model: str, tenant: str, seed: int) -> None:
         """An event stored blocks of the LoRA adapter of hash seed ``seed`` (ingest thread)."""
@@ -649,7 +457,7 @@ class Conductor:
             self.lora_seeds[key] = (seen or frozenset()) | {seed}
             self._directory_changed()
 
-    def _registrations_changed(self) -> None:
+    def registrations_changed(self) -> None:
         """Take :attr:`registrations` and :attr:`block_sizes` from the registry's counts
         (ingest thread; after a registration or unregistration, O(indexes))."""
         self.registry_generation += 1
@@ -660,14 +468,14 @@ class Conductor:
         if changed:
             self._directory_changed()
 
-    def _follow(self) -> None:
+    def follow(self) -> None:
         """A registration changed: the snapshot writer (``--snapshot-dir``) writes one
         within about a second (coalesced), so a restart keeps it even before the next
         periodic snapshot."""
         if self.snapshotter is not None:
             self.snapshotter.nudge()
 
-    def _reclaim(self, key: tuple[str, str]) -> bool:
+    def reclaim(self, key: tuple[str, str]) -> bool:
         """Drop the index of ``key`` if it is empty and no registration refers to it."""
         idx = self.indexes.get(key)
         if idx is None or key in self.registry.protected() or not idx.is_empty():
@@ -678,77 +486,13 @@ class Conductor:
 
     # -- /events (ingest thread) --------------------------------------------------------------
     def apply_events(self, batch: KvEventBatch, ops: list[EventOp]) -> EventsOutcome:
-        """Apply validated events per dp_rank group (docs/api.md, "Validation and answers").
-
-        A failing group stops at its first error and contributes 0 to the
-        applied count; other groups still apply. Raises
-        :class:`InstanceNotRegistered` (nothing applied) for an unknown instance.
-        """
-        if batch.shutdown:
-            log.info("shutdown flag set in events batch instance_id=%s", batch.instance_id)
-        entry = self.registry.get(batch.instance_id)
-        if entry is None:
-            raise InstanceNotRegistered(batch.instance_id)
-        applied = 0
-        errors: list[str] = []
-        i = 0
-        while i < len(ops):
-            dp = ops[i].dp_rank
-            j = i
-            while j < len(ops) and ops[j].dp_rank == dp:
-                j += 1
-            group = ops[i:j]
-            i = j
-            ep = entry.endpoints.get(dp)
-            model = batch.model_name or (ep.model_name if ep else entry.model_name)
-            tenant = batch.tenant_id or (ep.tenant_id if ep else entry.tenant_id)
-            idx = self.get_or_create_index(model, tenant or DEFAULT_TENANT)
-            try:
-                for op in group:
-                    if op.seed != DEFAULT_SEED and op.tokens is not None:
-                        self.note_lora(idx.model, idx.tenant, op.seed)
-                    self._apply_op(idx, batch.instance_id, op)
-            except IndexUpdateError as ex:
-                log.debug(
-                    "event group failed instance_id=%s dp_rank=%d detail=%s",
-                    batch.instance_id,
-                    dp,
-                    ex,
-                )
-                errors.append(f"dp_rank={dp}: {_error_text(ex)}")
-                continue
-            except Exception as ex:  # reported, never fatal to the thread
-                log.exception(
-                    "failed to apply events instance_id=%s dp_rank=%d", batch.instance_id, dp
-                )
-                errors.append(f"dp_rank={dp}: internal error: {ex}")
-                continue
-            applied += len(group)
-        self.http_events_applied += applied
-        if errors:
-            log.warning(
-                "failed to apply events instance_id=%s applied=%d errors=%s",
-                batch.instance_id,
-                applied,
-                errors,
-            )
-        return EventsOutcome(applied, errors)
-
-    @staticmethod
-    def _apply_op(idx: Index, instance_id: str, op: EventOp) -> None:
-        key = WorkerKey(instance_id, op.backend_id or instance_id, op.dp_rank, op.medium)
-        if op.kind == STORED:
-            if op.tokens is not None:
-                idx.store_tokens(
-                    key, op.parent, op.engine_hashes, op.tokens, op.block_size, op.seed
-                )
-            else:
-                assert op.local_hashes is not None  # normalize_event gives one or the other
-                idx.store(key, op.parent, op.engine_hashes, op.local_hashes)
-        elif op.kind == REMOVED:
-            idx.remove(key, op.engine_hashes)
-        else:
-            idx.clear(key)
+        """Apply validated events per dp_rank group (:func:`kvconductor.state.events.
+        apply_events`): a failing group stops at its first error and contributes 0 to the
+        applied count; :class:`InstanceNotRegistered` (nothing applied) for an unknown
+        instance."""
+        out = apply_events(self.registry, self.get_or_create_index, self.note_lora, batch, ops)
+        self.http_events_applied += out.applied
+        return out
 
     # -- maintenance (ingest thread) ------------------------------------------------------------
     def _maintenance_tick(self) -> None:

@@ -1024,7 +1024,8 @@ def _pack(items: list) -> list[dict]:
 
 def _is_outcome(ex: BaseException) -> bool:
     """An exception that is the answer to a request (4xx/503), not a failure."""
-    from kvconductor.state.conductor import InstanceNotRegistered, RegistrationUnavailable
+    from kvconductor.state.events import InstanceNotRegistered
+    from kvconductor.state.registration import RegistrationUnavailable
     from kvconductor.state.registry import RegistrationError
 
     return isinstance(ex, RegistrationError | RegistrationUnavailable | InstanceNotRegistered)
