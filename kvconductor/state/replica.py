@@ -71,7 +71,6 @@ import threading
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -92,6 +91,7 @@ from kvconductor.state.store import (
     SENTINEL_SCHEMES,
     SNAP,
     TAKE_LEASE,
+    ReplicaStats,
     connect,
     entry_id,
     lease_key,
@@ -124,28 +124,6 @@ READ_COUNT = 64
 WRITE_BATCH = 512
 QUEUE_MAX = 100_000
 SUBMIT_TIMEOUT = 10.0
-
-
-@dataclass
-class ReplicaStats:
-    """Counters of one replica (``/metrics``, ``/workers``)."""
-
-    applied: int = 0
-    #: Engine batches in the applied ``batches`` entries.
-    batches: int = 0
-    appended: int = 0
-    append_failures: int = 0
-    apply_errors: int = 0
-    bootstraps: int = 0
-    seeds: int = 0
-    snapshots: int = 0
-    takeovers: int = 0
-    #: Sources given back because this replica held more than its share.
-    handed_over: int = 0
-    #: The log's newest entry id and length, as last seen by the keeper.
-    log_last_id: str = "0-0"
-    log_length: int = 0
-    replicas: int = 0
 
 
 class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):

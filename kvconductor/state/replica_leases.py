@@ -13,32 +13,22 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
-from kvconductor.state.store import EPOCH, GEN, LEASE, LOG, MEMBERS, lease_key, text
+from kvconductor.state.store import EPOCH, GEN, LEASE, LOG, MEMBERS, ReplicaStats, lease_key, text
 
 if TYPE_CHECKING:
     from valkey import Valkey
+    from valkey.commands.core import Script
 
     from kvconductor.state.conductor import Conductor
 
 log = logging.getLogger("kvconductor.replica")
 
-__all__ = ["SHED_ROUNDS", "LeaseCounts", "ReplicaLeases"]
+__all__ = ["SHED_ROUNDS", "ReplicaLeases"]
 
 #: Keeper rounds over its share before a replica hands a source over.
 SHED_ROUNDS = 3
-
-
-class LeaseCounts(Protocol):
-    """The counters these methods keep (of :class:`kvconductor.state.replica.ReplicaStats`)."""
-
-    replicas: int
-    log_last_id: str
-    log_length: int
-    takeovers: int
-    handed_over: int
 
 
 class ReplicaLeases:
@@ -51,7 +41,7 @@ class ReplicaLeases:
     lease_ms: int
     gen: str | None
     errors: tuple[type[BaseException], ...]
-    stats: LeaseCounts
+    stats: ReplicaStats
     _needs_bootstrap: bool
     #: Sources this replica holds the lease of: key -> lease value (keeper thread).
     _leases: dict[tuple[str, int, str], str]
@@ -59,11 +49,15 @@ class ReplicaLeases:
     _free_rounds: dict[tuple[str, int, str], int]
     #: Keeper rounds in a row this replica held more sources than its share.
     _over_share: int
-    _take_lease: Callable[..., object]
-    _renew: Callable[..., object]
-    _release: Callable[..., object]
-    _set_up: Callable[..., None]
-    _give_up: Callable[[tuple[str, int, str]], None]
+    _take_lease: Script
+    _renew: Script
+    _release: Script
+
+    if TYPE_CHECKING:  # the journal's methods these call
+
+        def _set_up(self, up: bool, ex: BaseException | None = None) -> None: ...
+
+        def _give_up(self, key: tuple[str, int, str]) -> None: ...
 
     def _drop_all_leases(self) -> None:
         """The store is unreachable: the leases cannot be renewed, so they will lapse;

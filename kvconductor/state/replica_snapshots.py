@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, cast
 
 from kvconductor.state import dump
 from kvconductor.state.store import (
@@ -26,25 +25,19 @@ from kvconductor.state.store import (
     SNAP,
     SNAP_CHUNK,
     SNAP_LOCK,
+    ReplicaStats,
     text,
 )
 
 if TYPE_CHECKING:
     from valkey import Valkey
+    from valkey.commands.core import Script
 
     from kvconductor.state.conductor import Conductor
 
 log = logging.getLogger("kvconductor.replica")
 
-__all__ = ["ReplicaSnapshots", "SnapshotCounts"]
-
-
-class SnapshotCounts(Protocol):
-    """The counters these methods keep (of :class:`kvconductor.state.replica.ReplicaStats`)."""
-
-    bootstraps: int
-    seeds: int
-    snapshots: int
+__all__ = ["ReplicaSnapshots"]
 
 
 class ReplicaSnapshots:
@@ -57,17 +50,20 @@ class ReplicaSnapshots:
     where: str
     snapshot_interval: float
     errors: tuple[type[BaseException], ...]
-    stats: SnapshotCounts
+    stats: ReplicaStats
     gen: str | None
     floor: int
     applied_id: str
     bootstrapped: bool
     _needs_bootstrap: bool
     _leases: dict[tuple[str, int, str], str]
-    _release: Callable[..., object]
-    _commit: Callable[..., object]
-    _seed_script: Callable[..., object]
-    _set_up: Callable[..., None]
+    _release: Script
+    _commit: Script
+    _seed_script: Script
+
+    if TYPE_CHECKING:  # the journal's methods these call
+
+        def _set_up(self, up: bool, ex: BaseException | None = None) -> None: ...
 
     def _bootstrap(self) -> None:
         """Load the latest snapshot (or seed an empty store) and read the log after it."""

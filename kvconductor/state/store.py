@@ -1,11 +1,13 @@
 """The state store of ``--state-url`` (docs/operations.md, "Replicas on Valkey"): its
-keys, the scripts run in it, the client of its URL, and the packing of the log's entries.
+keys, the scripts run in it, the client of its URL, the packing of the log's entries and
+a replica's counters of its work with it (:class:`ReplicaStats`).
 
 What a replica does with it is :mod:`kvconductor.state.replica`'s.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -191,3 +193,25 @@ def pack(items: list) -> list[dict]:
     if run:
         out.append({"k": "batches", "b": msgspec.msgpack.encode(run)})
     return out
+
+
+@dataclass
+class ReplicaStats:
+    """Counters of one replica (``/metrics``, ``/workers``)."""
+
+    applied: int = 0
+    #: Engine batches in the applied ``batches`` entries.
+    batches: int = 0
+    appended: int = 0
+    append_failures: int = 0
+    apply_errors: int = 0
+    bootstraps: int = 0
+    seeds: int = 0
+    snapshots: int = 0
+    takeovers: int = 0
+    #: Sources given back because this replica held more than its share.
+    handed_over: int = 0
+    #: The log's newest entry id and length, as last seen by the keeper.
+    log_last_id: str = "0-0"
+    log_length: int = 0
+    replicas: int = 0
