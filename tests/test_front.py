@@ -108,3 +108,40 @@ def test_a_body_past_the_limit_is_refused_without_reading_on():
 
 def test_a_disconnect_ends_the_collection():
     assert collect([b"x" * 10, b"y" * 10, b"z" * 10], disconnect=True)[0] is None
+
+
+def _answer_headers(door) -> list[bytes]:
+    scope = {"type": "http", "method": "POST", "path": "/query", "headers": []}
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    asyncio.run(door(scope, receive, send))
+    return [k for k, _ in sent[0]["headers"]]
+
+
+def test_a_workers_front_door_dates_its_query_answers_once_per_second(monkeypatch):
+    """``FrontDoor(date=True)`` (a worker, whose uvicorn adds no ``Date``) puts one on the
+    query answers; one process's door leaves it to uvicorn (no second one)."""
+    import email.utils
+
+    from kvconductor.http import responses
+
+    class Fresh(Route):
+        async def respond(self, body, msgpack, fresh=False):
+            return 200, b"{}", None
+
+    assert _answer_headers(FrontDoor(None, {"/query": Fresh()}, date=True))[0] == b"date"
+    assert b"date" not in _answer_headers(FrontDoor(None, {"/query": Fresh()}))
+    now = [1_800_000_000.2]
+    monkeypatch.setattr(responses.time, "time", lambda: now[0])
+    first = responses.date_header()
+    assert first == (b"date", email.utils.formatdate(1_800_000_000, usegmt=True).encode())
+    now[0] += 0.7
+    assert responses.date_header() is first  # the same second: not formatted again
+    now[0] += 0.2
+    assert responses.date_header()[1] == b"Fri, 15 Jan 2027 08:00:01 GMT"

@@ -195,6 +195,8 @@ class FrontDoor:
     ``routes``: path -> :class:`QueryRoute` answered here (``POST`` only).
     ``query_handler``: an ASGI callable for the query paths that have no route here
     (a seam for tests; default: the rest). ``health``: answer ``GET /health`` here.
+    ``date``: add ``Date`` to the query answers written here (a worker, whose uvicorn
+    adds none; one process's uvicorn adds its own).
     """
 
     def __init__(
@@ -205,12 +207,14 @@ class FrontDoor:
         *,
         query_handler: ASGIApp | None = None,
         health: bool = False,
+        date: bool = False,
     ) -> None:
         self.rest = rest
         self.routes: dict[str, QueryRoute] = dict(routes or {})
         self.max_body_bytes = max_body_bytes
         self.query_handler = query_handler
         self.health = health
+        self.date = date
 
     @property
     def app(self) -> ASGIApp:
@@ -314,8 +318,8 @@ class FrontDoor:
             status, data, problem = _internal_error(path, ex, msgpack)
         return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
 
-    @staticmethod
     def conclude(
+        self,
         res: QueryRoute,
         path: str,
         status: int,
@@ -339,7 +343,10 @@ class FrontDoor:
                 log.warning(
                     "bad request method=POST path=%s status=%d error=%s", path, status, problem
                 )
-        return _headers(data, msgpack, path, origin, t0, warning)
+        headers = _headers(data, msgpack, path, origin, t0, warning)
+        if self.date:
+            headers.insert(0, date_header())
+        return headers
 
     async def _too_large(
         self,
@@ -361,6 +368,8 @@ class FrontDoor:
         res.seconds.observe(time.perf_counter() - t0)
         res.errors.inc()
         headers = _headers(data, msgpack, path, origin, t0)
+        if self.date:
+            headers.insert(0, date_header())
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 

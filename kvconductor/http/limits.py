@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
+from kvconductor.http.responses import date_header
 from kvconductor.wire import JSON_CONTENT_TYPE, encode_error
 
 log = logging.getLogger("kvconductor.http")
@@ -206,11 +207,13 @@ def _pool(server_state: Any, limits: HttpLimits) -> ConnectionPool:
 
 
 def error_response(status: int, message: str) -> bytes:
-    """A complete ``Connection: close`` HTTP/1.1 response with a JSON error body."""
+    """A complete ``Connection: close`` HTTP/1.1 response with a JSON error body (and a
+    ``Date``, RFC 9110, as every answer of both process models)."""
     body = encode_error(message, False)
     return b"".join(
         [
             b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Error")),
+            b"date: %s\r\n" % date_header()[1],
             b"content-type: %s\r\n" % JSON_CONTENT_TYPE.encode(),
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n",

@@ -289,7 +289,10 @@ def create_worker_app(
         allow_origins=allow_origins,
         query_metrics=query_metrics,
     )
-    return FrontDoor(rest, routes, max_body_bytes, query_handler=query_handler, health=True)
+    # date: the worker's uvicorn adds no Date (the owner's answers carry theirs)
+    return FrontDoor(
+        rest, routes, max_body_bytes, query_handler=query_handler, health=True, date=True
+    )
 
 
 def build_service(
