@@ -32,7 +32,7 @@ from typing import Any
 import uvicorn
 from uvicorn._compat import asyncio_run
 
-from kvconductor.http.front import FrontDoor
+from kvconductor.http.front import AnswerFromHead, FrontDoor
 from kvconductor.http.limits import HttpLimits, h11_buffer_limit, protocol_class
 from kvconductor.serve.bootstrap import (
     STOP_SECS,
@@ -433,11 +433,13 @@ def serve(settings: Settings) -> int:
 
         assert service.conductor is not None
         key = None if settings.mooncake_open else settings.api_key
-        app = create_mooncake_app(
-            service.conductor,
-            max_body_bytes=settings.max_body_bytes,
-            api_key=key,
-            open_services=settings.open_workers,
+        app = AnswerFromHead(  # 401 and 413 from the head, as on the V3 port
+            create_mooncake_app(
+                service.conductor,
+                max_body_bytes=settings.max_body_bytes,
+                api_key=key,
+                open_services=settings.open_workers,
+            )
         )
         side = (SideServer(uvicorn_config(app, settings, "(mooncake dialect)")), side_sock)
         log.info(

@@ -146,3 +146,150 @@ def test_worker_query_answers_carry_the_same_headers_as_one_process_date_include
             status, headers = _head(_exchange(srv.port, big))
             assert status == 431
             _check_date(headers.get("date"))
+
+
+# -- refusals from the head (413, 401, 403) do not wait for the body ---------------------------
+
+KEY = "k"
+LIMIT = 1024 * 1024  # --max-body-mb 1
+TIMEOUT = 6  # --request-timeout-secs: the 408 these answers used to wait for
+
+#: (name, request head without its body, status answered from the head)
+FROM_THE_HEAD = [
+    ("no token, body to come", b"POST /register HTTP/1.1\r\nHost: x\r\nContent-Length: 100", 401),
+    (
+        "wrong token, chunked body to come",
+        b"POST /unregister HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+        b"Transfer-Encoding: chunked",
+        401,
+    ),
+    (
+        "wrong token, Content-Length over the limit",
+        b"POST /events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+        b"Content-Length: 999999999",
+        401,
+    ),
+    (
+        "token, Content-Length over the limit",
+        b"POST /events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nContent-Length: %d"
+        % (LIMIT + 1),
+        413,
+    ),
+    (
+        "token, Content-Length over the limit, /explain",
+        b"POST /explain HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+        b"Content-Length: 999999999",
+        413,
+    ),
+    (
+        "an origin not allowed",
+        b"POST /register HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.test\r\n"
+        b"Authorization: Bearer k\r\nContent-Length: 100",
+        403,
+    ),
+    ("no such route", b"POST /nope HTTP/1.1\r\nHost: x\r\nContent-Length: 100", 404),
+]
+
+
+def _slow_exchange(port: int, pieces: list[bytes], pause: float, bound: float = 10.0):
+    """Send ``pieces`` ``pause`` seconds apart on one connection, keep-alive; the answer
+    and the seconds it took from the first piece."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=bound)
+    t0 = time.monotonic()
+    for i, piece in enumerate(pieces):
+        if i:
+            time.sleep(pause)
+        s.sendall(piece)
+    return s, t0
+
+
+def _read_answer(s: socket.socket, t0: float, bound: float = 10.0) -> tuple[bytes, float]:
+    data = b""
+    s.settimeout(0.1)
+    while time.monotonic() - t0 < bound:
+        if b"\r\n\r\n" in data:
+            head, _, body = data.partition(b"\r\n\r\n")
+            m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+            if m and len(body) >= int(m.group(1)):
+                break
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data, time.monotonic() - t0
+
+
+def _refusals_from_the_head(srv) -> None:
+    for name, head, status in FROM_THE_HEAD:
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        with s:
+            t0 = time.monotonic()
+            s.sendall(head + b"\r\n\r\n")  # and no body: the client waits for an answer
+            raw, secs = _read_answer(s, t0)
+        got, headers = _head(raw)
+        assert got == status, (name, raw[:300])
+        assert secs < 2.0, (name, secs)  # not the request timeout's 408 (6 s)
+        assert headers["content-type"] == "application/json", name
+        assert b'{"error":' in raw.partition(b"\r\n\r\n")[2], name
+        assert headers.get("connection") == "close", name  # the body is never read
+        if status == 401:
+            assert headers["www-authenticate"] == 'Bearer realm="kv-conductor"'
+    # what arrives whole (or late but complete) is served as before, keep-alive
+    reg = (
+        b'{"instance_id":"late-1","type":"vLLM","modelname":"qwen","block_size":4,'
+        b'"dp_rank":0,"store_backend":"YuanRong","medium_endpoints":{"npu":"tcp://127.0.0.1:1"}}'
+    )
+    head = (
+        b"POST /register HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(reg)
+    )
+    s, t0 = _slow_exchange(srv.port, [head, reg[:20], reg[20:]], 0.3)
+    with s:
+        raw, _ = _read_answer(s, t0)
+        status, headers = _head(raw)
+        assert status == 201, raw
+        assert headers.get("connection") != "close"
+        chunked = (
+            b"POST /unregister HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        body = (
+            b'{"instance_id":"late-1","type":"vLLM","modelname":"qwen","block_size":4,"dp_rank":0}'
+        )
+        s.sendall(chunked)
+        time.sleep(0.3)
+        s.sendall(b"%x\r\n%s\r\n" % (10, body[:10]))
+        time.sleep(0.3)
+        s.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body) - 10, body[10:]))
+        raw, _ = _read_answer(s, time.monotonic())
+        assert _head(raw)[0] == 200, raw
+    # a chunked body past the limit, arriving slowly: 413 as soon as it passes
+    big = (
+        b"POST /events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    piece = b"%x\r\n%s\r\n" % (600_000, b" " * 600_000)
+    s, t0 = _slow_exchange(srv.port, [big, piece, piece], 0.3)
+    with s:
+        raw, secs = _read_answer(s, t0)
+    assert _head(raw)[0] == 413 and secs < 3.0, raw[:300]
+    r = srv.http.get("/workers", headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200 and "late-1" not in r.text
+
+
+def test_refusals_come_from_the_head_without_waiting_for_the_body_one_process(tmp_path):
+    flags = ("--api-key", KEY, "--max-body-mb", "1", "--request-timeout-secs", str(TIMEOUT))
+    with running(tmp_path, "--host", "127.0.0.1", *flags) as srv:
+        _refusals_from_the_head(srv)
+
+
+def test_refusals_come_from_the_head_without_waiting_for_the_body_workers(tmp_path):
+    flags = ("--api-key", KEY, "--max-body-mb", "1", "--request-timeout-secs", str(TIMEOUT))
+    with running(tmp_path, "--host", "127.0.0.1", "--workers", "2", *flags) as srv:
+        wait_workers(srv, 2)
+        _refusals_from_the_head(srv)
