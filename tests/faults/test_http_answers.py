@@ -293,3 +293,69 @@ def test_refusals_come_from_the_head_without_waiting_for_the_body_workers(tmp_pa
     with running(tmp_path, "--host", "127.0.0.1", "--workers", "2", *flags) as srv:
         wait_workers(srv, 2)
         _refusals_from_the_head(srv)
+
+
+# -- a complete request followed in the same packet by bytes that do not parse ----------------
+
+GARBAGE = b"\x01\x02 not http \xff\r\n\r\n"
+REG = (
+    b'{"instance_id":"piped-1","type":"vLLM","modelname":"qwen","block_size":4,'
+    b'"dp_rank":0,"store_backend":"YuanRong","medium_endpoints":{"npu":"tcp://127.0.0.1:1"}}'
+)
+#: (name, complete requests, the statuses of their answers), each sent with GARBAGE
+#: after it in one packet: every complete request is answered, in order, then 400.
+PIPELINED = [
+    (
+        "direct path: a query",
+        [_post(b"/query", b'{"model":"m","block_size":4,"token_ids":[1]}')],
+        [404],
+    ),
+    ("ASGI path: a query with another query string", [_post(b"/query?x=1", QUERY)], [404]),
+    ("ASGI path: GET /health", [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"], [200]),
+    ("ASGI path: a registration", [_post(b"/register", REG)], [201]),
+    ("ASGI path: two requests", [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"] * 2, [200, 200]),
+]
+
+
+def _everything(port: int, data: bytes, bound: float = 5.0) -> tuple[bytes, bool]:
+    """Send ``data`` in one packet; all the server sends until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=bound) as s:
+        s.sendall(data)
+        out = b""
+        s.settimeout(0.1)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < bound:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                return out, True
+            if not chunk:
+                return out, True
+            out += chunk
+        return out, False
+
+
+def _pipelined_then_garbage(srv) -> None:
+    for name, requests, statuses in PIPELINED:
+        raw, closed = _everything(srv.port, b"".join(requests) + GARBAGE)
+        got = [int(s) for s in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
+        assert got == [*statuses, 400], (name, raw)
+        assert closed, name
+        last = raw[raw.rindex(b"HTTP/1.1 400") :]
+        assert b"connection: close" in last, name
+        assert last.endswith(b'{"error":"invalid HTTP request: Invalid HTTP request received."}')
+    r = srv.http.get("/workers")
+    assert [w["instance_id"] for w in r.json()["workers"]] == ["piped-1"]  # acted on
+
+
+def test_a_complete_request_before_bytes_that_do_not_parse_is_answered_then_400(tmp_path):
+    with (
+        running(tmp_path, "--host", "127.0.0.1") as one,
+        running(tmp_path, "--host", "127.0.0.1", "--workers", "2") as many,
+    ):
+        wait_workers(many, 2)
+        _pipelined_then_garbage(one)
+        _pipelined_then_garbage(many)
+        assert "Invalid HTTP request received." in one.log()
