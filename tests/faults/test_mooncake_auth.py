@@ -9,6 +9,7 @@ or remove any registration, with only an INFO line to show for it.
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -105,6 +106,14 @@ def test_the_dialect_port_needs_the_api_key_to_change_state(tmp_path):
         )
         unreg = {"instance_id": "prefill-a", "tenant_id": "default", "dp_rank": 0}
         _assert_401(mc.post("/unregister", json=unreg))
+        # from the head, the body not sent (not the request timeout's 408)
+        port = int(str(mc.base_url).rsplit(":", 1)[1].rstrip("/"))
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(b"POST /register HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n")
+            first = s.recv(65536)
+            assert first.startswith(b"HTTP/1.1 401 "), first
+            assert time.monotonic() - t0 < 2.0
         _assert_401(mc.get("/services"))  # it lists every engine's publisher URL
         # /query stays open, as V3's queries do
         q = {"model": "qwen", "block_size": BS, "token_ids": TOKENS}
@@ -132,7 +141,7 @@ def test_the_dialect_port_needs_the_api_key_to_change_state(tmp_path):
         assert _endpoints(srv) == []
 
         log = srv.log()
-        assert log.count("mooncake dialect: bad request method=POST path=/register status=401") == 4
+        assert log.count("mooncake dialect: bad request method=POST path=/register status=401") == 5
         assert "mooncake dialect: bad request method=POST path=/unregister status=401" in log
         assert "mooncake dialect: bad request method=GET path=/services status=401" in log
         assert "auth=token" in log
