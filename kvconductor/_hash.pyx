@@ -158,3 +158,40 @@ def as_u64(values):
                 and mv.format.lstrip("<=@") in ("Q", "L") and mv.c_contiguous):
             return mv
     return _array.array("Q", values)
+
+
+cdef inline uint64_t _sub_block_hash(uint64_t h, uint64_t j) noexcept nogil:
+    # splitmix64 of h + (j + 1) * golden (kvconductor._py.hash.sub_block_hash is the oracle)
+    cdef uint64_t x = h + (j + 1) * <uint64_t>0x9E3779B97F4A7C15ULL
+    x = (x ^ (x >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
+    x = (x ^ (x >> 27)) * <uint64_t>0x94D049BB133111EBULL
+    return x ^ (x >> 31)
+
+
+def split_chunk_hashes(hashes, size_t k):
+    """The engine hashes of the ``k`` registered blocks each chunk hash of ``hashes``
+    stands for (a store-only source's chunk, docs/api.md "Store-only sources"), as one
+    ``array('Q')`` of ``len(hashes) * k``: per chunk ``h``, blocks ``0 .. k-2`` get
+    ``sub_block_hash(h, j)`` and the last keeps ``h`` (the next chunk names it as parent).
+    ``k`` 0 gives an empty array."""
+    src = as_u64(hashes)
+    cdef const uint64_t[::1] sv = src
+    cdef size_t n = sv.shape[0]
+    cdef size_t total
+    if k and n > (<size_t>-1) // 8 // k:
+        raise OverflowError("chunk split too large")
+    total = n * k
+    out = _array.array("Q", bytes(8 * total))
+    cdef uint64_t[::1] ov = out
+    cdef size_t i, j, o = 0
+    cdef uint64_t h
+    if total:
+        with nogil:
+            for i in range(n):
+                h = sv[i]
+                for j in range(k - 1):
+                    ov[o] = _sub_block_hash(h, j)
+                    o += 1
+                ov[o] = h
+                o += 1
+    return out

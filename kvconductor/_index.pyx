@@ -440,6 +440,12 @@ cdef class CoreIndex:
         """
         return _parent_of(self, worker, h)
 
+    def block_of(self, uint32_t worker, uint64_t h):
+        """``(parent, local)`` of ``worker``'s block ``h`` on its tier: :meth:`parent_of`'s
+        parent and the block's local hash (what a tier needs to hold the same block).
+        Raises ``KeyError`` when ``worker`` does not hold ``h``."""
+        return _block_of(self, worker, h)
+
     def hbm_layout(self):
         """Where the HBM tree's bytes go (``RadixTree.layout``): struct sizes, array
         high-water marks, table slots, bytes touched and allocated."""

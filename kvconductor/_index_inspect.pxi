@@ -227,6 +227,40 @@ cdef object _parent_of(CoreIndex self, uint32_t worker, uint64_t h):
         raise KeyError(h)
     return parent if has_parent else None
 
+cdef object _block_of(CoreIndex self, uint32_t worker, uint64_t h):
+    cdef int slot_, stale_ = 0
+    cdef uint32_t node = HM_NIL, p
+    cdef bint found = False, has_parent = False
+    cdef uint64_t parent = 0, local = 0
+    cdef int tier = -1
+    slot_ = self._reader()
+    with nogil:
+        stale_ = _rlock(self, slot_)
+        if stale_ == 0:
+            if worker < self.st.nworkers:
+                tier = self.st.wtier[worker]
+            if tier == 0 and worker < self.st.tree.nrev:
+                node = tree_rev_get(&self.st.tree, worker, h)
+                if node != HM_NIL:
+                    found = True
+                    local = self.st.tree.nodes[node].local
+                    p = self.st.tree.nodes[node].parent
+                    if p != 0 and p != HM_NIL:
+                        has_parent = tree_member_ehash(&self.st.tree, p, worker, &parent)
+            elif tier > 0 and worker < self.st.tiers[tier - 1].nrev:
+                node = lower_rev_get(&self.st.tiers[tier - 1], worker, h)
+                if node != HM_NIL:
+                    found = True
+                    local = self.st.tiers[tier - 1].edges[node].local
+                    has_parent = self.st.tiers[tier - 1].edges[node].has_parent == 1
+                    parent = self.st.tiers[tier - 1].edges[node].parent
+            _runlock(self, slot_)
+    if stale_:
+        self._stale(stale_)
+    if not found:
+        raise KeyError(h)
+    return (parent if has_parent else None, local)
+
 cdef object _hbm_layout(CoreIndex self):
     cdef int slot_, stale_ = 0
     cdef size_t out[TL_N]

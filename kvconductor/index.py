@@ -324,6 +324,14 @@ class Index:
             raise KeyError(h)
         return self.core.parent_of(wid, h)
 
+    def block_of(self, key: WorkerKey, h: int) -> tuple[int | None, int]:
+        """``(parent, local)`` of ``key``'s block ``h`` (:meth:`parent_of` and the block's
+        local hash). Raises ``KeyError`` when ``key`` does not hold ``h``."""
+        wid = self._workers.get(key)
+        if wid is None:
+            raise KeyError(h)
+        return self.core.block_of(wid, h)
+
     def set_muted(self, key: WorkerKey, muted: bool) -> bool:
         """Mute or unmute ``key`` (its blocks stay and take updates; a muted worker gives
         no hits). False when ``key`` holds nothing here yet (nothing to mute)."""

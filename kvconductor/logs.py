@@ -4,12 +4,16 @@ stderr), and the record helpers shared by the formatters and ``GET /workers``.
 :class:`RecentWarnings` keeps the last WARN and ERROR records of the ``kvconductor``
 loggers in a bounded ring, for ``/workers.recent_warnings`` (docs/api.md, GET /workers)
 and the live view ``kv-conductor top``.
+
+No value can forge a line: every message is written with its control characters
+escaped (:func:`escape_controls`), whatever a request, an event or a peer put in it.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import re
 import sys
 from datetime import datetime, timezone
 
@@ -21,6 +25,7 @@ __all__ = [
     "RECENT_WARNINGS",
     "RecentWarnings",
     "configure_logging",
+    "escape_controls",
     "level_name",
     "process_role",
     "set_process_role",
@@ -46,6 +51,23 @@ LEVELS = {
 }
 
 _LEVEL_NAMES = {logging.WARNING: "WARN", logging.CRITICAL: "ERROR"}
+
+#: What a message may not carry raw: C0 (NUL, newline, ESC...), DEL, C1, and the Unicode
+#: line and paragraph separators some viewers break lines on.
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def escape_controls(message: str) -> str:
+    """``message`` with each control character written as ``\\xNN`` (``\\u2028``): a
+    value holding a newline or an ESC sequence stays on its one line, as text."""
+    if message.isprintable() or _CONTROLS.search(message) is None:
+        return message  # isprintable(): no C0, DEL, C1, U+2028/U+2029, in C
+    return _CONTROLS.sub(_escape, message)
 
 
 _ROLE: str | None = None
@@ -91,6 +113,7 @@ class RecentWarnings(logging.Handler):
             message = record.getMessage()
         except Exception:  # a bad format string: the stream handler reports it
             message = str(record.msg)
+        message = escape_controls(message)
         if len(message) > MAX_MESSAGE:
             message = message[: MAX_MESSAGE - 3] + "..."
         self._ring.append(
@@ -126,18 +149,18 @@ class _Formatter(logging.Formatter):
     """``<RFC 3339 UTC time> <LEVEL> <message>`` (the reference hides target names).
 
     With ``--workers N > 1`` the process comes after the level:
-    ``<time> <LEVEL> [worker-3 pid=1234] <message>`` (:func:`set_process_role`).
+    ``<time> <LEVEL> [worker-3 pid=1234] <message>`` (:func:`set_process_role`). The
+    message is one line (:func:`escape_controls`); only a traceback follows it.
     """
 
     def format(self, record: logging.LogRecord) -> str:
         level = level_name(record.levelno, record.levelname)
         role = process_role()
+        message = escape_controls(record.getMessage())
         if role is None:
-            line = f"{utc(record.created)} {level:>5} {record.getMessage()}"
+            line = f"{utc(record.created)} {level:>5} {message}"
         else:
-            line = f"{utc(record.created)} {level:>5} [{role} pid={record.process}] " + (
-                record.getMessage()
-            )
+            line = f"{utc(record.created)} {level:>5} [{role} pid={record.process}] {message}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -152,7 +175,7 @@ class _JsonFormatter(logging.Formatter):
         doc: dict = {
             "ts": utc(record.created),
             "level": level_name(record.levelno, record.levelname),
-            "message": record.getMessage(),
+            "message": escape_controls(record.getMessage()),
         }
         role = process_role()
         if role is not None:

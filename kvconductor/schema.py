@@ -16,6 +16,7 @@ and serve clients and tests.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, TypeAlias
 
 import msgspec
@@ -50,8 +51,52 @@ I64_MAX = (1 << 63) - 1
 #: names").
 NAME_MAX = 400
 
-#: An id or a name: at most :data:`NAME_MAX` characters.
-Name = Annotated[str, Meta(max_length=NAME_MAX)]
+#: What an id or a name may not hold: control characters (C0 with NUL, newline and ESC,
+#: DEL, C1), which would forge or garble a line of the text log or a terminal (docs/api.md,
+#: "Ids and names"). A JSON Schema pattern too (the OpenAPI documents carry it).
+NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*$"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+#: An id or a name: at most :data:`NAME_MAX` characters, no control character.
+Name = Annotated[str, Meta(max_length=NAME_MAX, pattern=NAME_PATTERN)]
+
+#: An id or a name inside an ``/events`` event (``event_type``, ``medium``, ``backend_id``,
+#: ...): a :data:`Name`, whose control characters are looked for after decoding
+#: (:func:`kvconductor.ingest.http_events.normalize_events`, with ``str.isprintable`` in
+#: C; a pattern per string would cost a regex call per event, and a batch holds up to
+#: thousands). The JSON Schema says the same pattern.
+EventName = Annotated[str, Meta(max_length=NAME_MAX, extra_json_schema={"pattern": NAME_PATTERN})]
+#: An event's :data:`EventName` fields, by attribute and by wire name.
+EVENT_NAME_FIELDS: tuple[tuple[str, str], ...] = (
+    ("event_type", "event_type"),
+    ("type_", "type"),
+    ("legacy_type", "legacy_type"),
+    ("medium", "medium"),
+    ("backend_id", "backend_id"),
+    ("lora_name", "lora_name"),
+)
+
+#: An id or a name of a V3 query (``/query``, ``/query_by_hash``, ``/explain``): at most
+#: :data:`NAME_MAX` characters. Control characters are not looked for there: the compiled
+#: parser reads these, a query changes nothing, such a model names no index, and the log
+#: escapes whatever it writes (:func:`kvconductor.logs.escape_controls`).
+QueryName = Annotated[str, Meta(max_length=NAME_MAX)]
+
+#: How msgspec words a :data:`Name` with a control character, and how the errors word it.
+_PATTERN_WORDS = f"Expected `str` matching regex {NAME_PATTERN!r}"
+CONTROL_WORDS = "Expected `str` without control characters (U+0000-U+001F, U+007F-U+009F)"
+
+
+def has_control_character(s: str) -> bool:
+    """True when ``s`` holds a character a :data:`Name` may not hold (``isprintable`` first:
+    a C loop, false for every one of them; the regex only when it is false)."""
+    return not s.isprintable() and _CONTROL.search(s) is not None
+
+
+def decode_error_message(ex: Exception) -> str:
+    """The text of a msgspec decode error, a :data:`Name`'s pattern said in words:
+    ``Expected `str` without control characters (...) - at `$.instance_id```."""
+    return str(ex).replace(_PATTERN_WORDS, CONTROL_WORDS)
 
 
 def name_too_long(path: str) -> str:
@@ -96,9 +141,11 @@ STORE_ONLY_TTL_SECS = 600.0
 STORE_ONLY_CAPACITY = 1_000_000
 
 
-class StoreOnly(Struct, kw_only=True):
+class StoreOnly(Struct, kw_only=True, forbid_unknown_fields=True):
     """``store_only`` of ``POST /register`` as an object: the bound of a publisher that
-    never sends removals for its CPU/Disk blocks (LMCache multiprocess mode)."""
+    never sends removals for its CPU/Disk blocks (LMCache multiprocess mode). Our own
+    extension, so a key it does not know is a 400 (a misspelled ``ttl`` would otherwise
+    leave the 600 s default in place)."""
 
     #: Seconds a block stays after its last announcement.
     ttl_secs: Annotated[float, Meta(gt=0, le=30 * 86400)] = STORE_ONLY_TTL_SECS
@@ -129,6 +176,14 @@ class RegisterRequest(Struct, kw_only=True):
     #: (LMCache multiprocess mode): index them directly, bounded by a TTL and a capacity.
     #: ``true`` takes the default bound.
     store_only: bool | StoreOnly | None = None
+    #: Extension: a cluster pool whose blocks every DP of its (model, tenant) and block
+    #: size shares (Mooncake's store, as its conductor reads it): ``backend_id`` names the
+    #: store, not a node; blocks are keyed by the engines' block hashes.
+    shared_store: bool | None = None
+    #: Extension: the LoRA adapter this registration is of (``""``: the base model; the
+    #: Mooncake dialect's ``lora_name``). A pool's blocks of another adapter are not an
+    #: engine DP's; a pool's are of this adapter unless its events name one. None: any.
+    lora_name: Name | None = None
 
 
 class UnregisterRequest(Struct, kw_only=True):
@@ -167,19 +222,19 @@ class QueryRequest(Struct, kw_only=True):
     also be a msgpack bin of little-endian u32 (packed tokens).
     """
 
-    model: Name
+    model: QueryName
     block_size: PositiveU32
     token_ids: list[int]
-    tenant_id: Name = DEFAULT_TENANT
+    tenant_id: QueryName = DEFAULT_TENANT
 
 
 class QueryByHashRequest(Struct, kw_only=True):
     """``POST /query_by_hash``; ``block_size`` is required here but ignored (docs/api.md)."""
 
-    model: Name
+    model: QueryName
     block_size: U32
     block_hashes: list[int]
-    tenant_id: Name = DEFAULT_TENANT
+    tenant_id: QueryName = DEFAULT_TENANT
 
 
 #: The optional last field of both query bodies (string or null; null, absent or ``""``
@@ -397,9 +452,9 @@ class EventPayload(Struct, kw_only=True):
     :meth:`kind_name` and :meth:`parent`.
     """
 
-    event_type: Name | None = None
-    type_: Name | None = field(default=None, name="type")
-    legacy_type: Name | None = None
+    event_type: EventName | None = None
+    type_: EventName | None = field(default=None, name="type")
+    legacy_type: EventName | None = None
     blocks: list[StoredBlock] | None = None
     parent_hash: int | None = None
     parent_block_hash: int | None = None
@@ -407,10 +462,10 @@ class EventPayload(Struct, kw_only=True):
     block_size: U32 = 0
     seq_hashes: list[int] | None = None
     block_hashes: list[int] | None = None
-    medium: Name | None = None
-    backend_id: Name | None = None
+    medium: EventName | None = None
+    backend_id: EventName | None = None
     #: LoRA adapter of a ``token_ids`` store: its blocks are hashed with ``lora_seed(name)``.
-    lora_name: Name | None = None
+    lora_name: EventName | None = None
 
     def kind_name(self) -> str:
         """The declared type string (``event_type``, else ``type``, else ``legacy_type``)."""

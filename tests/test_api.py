@@ -14,6 +14,7 @@ import pytest
 import kvconductor.http.api as app_module
 from kvconductor import _encode, _hash, _wire, wire
 from kvconductor.http.api import BodyTooLarge, create_app, read_body
+from kvconductor.http.responses import header_text
 from kvconductor.state.conductor import Conductor, ConductorConfig
 from tests.helpers.api import H1, H2, events, query, register, stored, unregister
 from tests.helpers.coro import run_coro
@@ -879,12 +880,16 @@ def test_miss_warnings_are_rate_limited_per_key(caplog):
 
 
 def test_warning_header_cannot_be_split_by_a_name(client):
-    """Names come from request bodies: control characters are escaped in the header."""
-    register(client, modelname="q\r\nSet-Cookie: x=1")
+    """Names come from request bodies: a registration refuses control characters (400),
+    a query's model naming no index is a 404 (its JSON body escapes them), and a warning
+    header's text escapes them anyway (defence in depth)."""
+    r = register(client, modelname="q\r\nSet-Cookie: x=1", expect=400)
+    assert r.json["error"].endswith(
+        "control characters (U+0000-U+001F, U+007F-U+009F) - at `$.modelname`"
+    )
     r = client.simulate_post(
         "/query", json={"model": "q\r\nSet-Cookie: x=1", "block_size": 8, "token_ids": [1]}
     )
-    assert r.status_code == 200 and "set-cookie" not in r.headers
-    assert r.headers["x-kv-conductor-warning"].startswith(
-        "block_size 8 matches no registration of model=q\\x0d\\x0aSet-Cookie: x=1 tenant="
-    )
+    assert r.status_code == 404 and "set-cookie" not in r.headers
+    assert "x-kv-conductor-warning" not in r.headers
+    assert header_text("model=q\r\nSet-Cookie: x=1") == "model=q\\x0d\\x0aSet-Cookie: x=1"

@@ -250,7 +250,9 @@ def test_two_phase_offload_then_pool(conductor, pool_first):
 
 
 def test_pool_unknown_ip_and_model_override(conductor):
-    conductor.ip_index["10.0.0.1"] = [("vllm-prefill-a", 0)]
+    conductor.ip_index["10.0.0.1"] = [("vllm-prefill-a", 0), ("vllm-prefill-b", 0)]
+    conductor.instances["vllm-prefill-a"] = InstanceInfo("other", "x", BS)
+    conductor.instances["vllm-prefill-b"] = InstanceInfo("m", "t", BS)
     pool = Applier(_pool_ctx(), conductor)
     pool.apply_payload(
         _mooncake(
@@ -268,7 +270,9 @@ def test_pool_unknown_ip_and_model_override(conductor):
         "no_hashes": 1,
         "unknown_event_type": 1,
     }
-    # explicit model_name/tenant_id win; no medium -> the pool's non-HBM default media
+    # explicit model_name/tenant_id win, and only the node's DPs registered in them get
+    # the blocks (vllm-prefill-b, of ("m", "t"), does not); no medium -> the pool's
+    # non-HBM default media
     pool.apply_payload(
         msgspec.msgpack.encode(
             {
@@ -291,6 +295,8 @@ def test_pool_unknown_ip_and_model_override(conductor):
         WorkerKey("vllm-prefill-a", "vllm-prefill-a", 0, Medium.CPU),
         WorkerKey("vllm-prefill-a", "vllm-prefill-a", 0, Medium.DISK),
     }
+    assert not idx.workers_of("vllm-prefill-b", 0) and ("m", "t") not in conductor.indexes
+    assert pool.stats.dropped.get("no_dp_of_pool_context") is None
 
 
 def _node_pool_ctx(node_ip="10.0.0.1", model="m"):

@@ -32,7 +32,7 @@ from kvconductor._hash import hash_blocks
 from kvconductor._shlock import proc_stamp
 from kvconductor.http.metrics import QueryMetrics, merge_query_metrics, query_samples
 from kvconductor.logs import set_process_role
-from kvconductor.serve import bootstrap, cli, worker, workermetrics
+from kvconductor.serve import bootstrap, cli, privatedir, worker, workermetrics
 from kvconductor.serve import owner as supervision
 from kvconductor.serve.settings import Settings
 from kvconductor.state.conductor import TRIM_SECS
@@ -138,7 +138,12 @@ def test_events_and_queries_over_many_connections(server):
     path.write_bytes(r.content)
     check = run_cli("load-dump", str(path))
     assert check.returncode == 0, check.stderr
-    assert json.loads(check.stdout)["loaded"] == {"sources": 0, "registrations": 1, "indexes": 1}
+    assert json.loads(check.stdout)["loaded"] == {
+        "sources": 0,
+        "registrations": 1,
+        "indexes": 1,
+        "skipped": 0,
+    }
     # --load-dump: the owner loads it before the workers start.
     with running(path.parent, "--workers", "2", "--load-dump", str(path)) as warm:
         r = httpx.post(
@@ -470,7 +475,12 @@ def test_workers_view_and_metrics_show_the_processes_and_the_shared_lock(server)
     assert lock["reader_stall_ms"] == 500 and lock["write_sections"] > 0
     assert (lock["stalled_readers"], lock["readers_killed"], lock["stalling"]) == (0, 0, None)
     assert lock["recent_stalls"] == []
+    hb = doc["heartbeat"]  # every worker answers: nobody killed, nobody silent for long
+    assert hb == {"interval_ms": 100, "timeout_ms": 500, "kills": 0, "recent_kills": []}
+    assert all(0 <= w["silent_ms"] < 500 for w in doc["workers"]), doc["workers"]
     text = server.http.get("/metrics").text
+    assert metric(text, "kvconductor_worker_heartbeat_kills_total") == 0
+    assert "kvconductor_worker_heartbeat_kills_total 0.0" in text
     assert metric(text, "kvconductor_shared_writer_wait_seconds_count") >= lock["write_sections"]
     assert 'kvconductor_shared_writer_wait_seconds_bucket{le="+Inf"}' in text
     assert 'kvconductor_shared_writer_wait_seconds_bucket{le="0.5"}' in text
@@ -525,7 +535,7 @@ def test_stale_private_directories_are_removed(tmp_path):
         d = tmp_path / name
         d.mkdir(mode=0o700)
         if owner is not None:
-            (d / supervision.OWNER_FILE).write_text(owner)
+            (d / privatedir.OWNER_FILE).write_text(owner)
         return d
 
     dead = make(f"kv-conductor-{child.pid}-aaaa", f"{child.pid} 5\n")
@@ -543,11 +553,11 @@ def test_stale_private_directories_are_removed(tmp_path):
     srv.listen(1)
     unknown = make("kv-conductor-gggg")
     other = make("something-else")
-    old = time.time() - supervision.LEGACY_DIR_AGE - 10
+    old = time.time() - privatedir.LEGACY_DIR_AGE - 10
     for d in (legacy, listening, unknown):
         os.utime(d, (old, old))
     try:
-        removed = supervision.remove_stale_private_dirs(str(tmp_path))
+        removed = privatedir.remove_stale_private_dirs(str(tmp_path))
     finally:
         srv.close()
     assert sorted(removed) == sorted(str(d) for d in (dead, reused, legacy))

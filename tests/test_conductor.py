@@ -579,6 +579,29 @@ def test_unregister(conductor):
     assert conductor.instance_info("vllm-prefill-1") is None
 
 
+def test_unregister_removes_the_dp_from_every_index(conductor):
+    """A DP's blocks credited in another (model, tenant) (a pool event naming it) leave
+    with the DP (issue 36): it no longer answers there, and that index, now empty and
+    registered by no one, is reclaimed."""
+    from kvconductor.keys import WorkerKey
+
+    conductor.call(conductor.register, reg(dp_rank=0))
+    post_events(conductor, events=[stored(1, [100], [1, 2, 3, 4])])
+
+    def credit_elsewhere() -> None:
+        other = conductor.get_or_create_index("other", "t")
+        key = WorkerKey("vllm-prefill-1", "vllm-prefill-1", 0, Medium.CPU)
+        other.store(key, None, [100, 101], [_hash.hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], 4)[0], 7])
+
+    conductor.call(credit_elsewhere)
+    assert query(conductor, [1, 2, 3, 4], "other", "t")["t"]["vllm-prefill-1"]["DP"] == {
+        "0": dp(0, 1, 0)
+    }
+    assert conductor.call(conductor.unregister, unreg()) is True
+    assert conductor.get_index("qwen", "default") is None
+    assert conductor.get_index("other", "t") is None  # emptied and reclaimed
+
+
 def test_unregister_unknown_still_stops_subscriptions(conductor):
     assert conductor.call(conductor.unregister, unreg("nope", 3)) is False
     assert conductor.subs.calls == [("unsubscribe", "nope", 3)]

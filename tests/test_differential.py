@@ -868,9 +868,12 @@ class CoreMachine(_Pair):
             assert held == sorted(self.py.worker_hashes(w)) == self.held(w), w
             for h in held:
                 assert self.c.parent_of(w, h) == self.py.parent_of(w, h), (w, h)
+                assert self.c.block_of(w, h) == self.py.block_of(w, h), (w, h)
+                assert self.c.block_of(w, h)[0] == self.c.parent_of(w, h)
             for h in (0, 1 << 63):
                 if h not in held:
                     assert outcome(self.c.parent_of, w, h) == outcome(self.py.parent_of, w, h)
+                    assert outcome(self.c.block_of, w, h) == outcome(self.py.block_of, w, h)
         for q in FIXED_QUERIES:
             assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
             self.traced(q)

@@ -236,7 +236,7 @@ def test_dump_then_load_dump_gives_the_same_index(tmp_path):
         )
         assert out.returncode == 0, out.stderr
         doc = msgspec.json.decode(out.stdout)
-        assert doc["loaded"] == {"sources": 2, "registrations": 6, "indexes": 2}
+        assert doc["loaded"] == {"sources": 2, "registrations": 6, "indexes": 2, "skipped": 0}
         assert counts(doc["indexer"]) == counts(want)
     finally:
         pub.stop()
@@ -266,7 +266,7 @@ def _load(data: bytes):
 
 def test_bad_dumps_are_refused_with_the_reason(tmp_path):
     data = _sample_dump()
-    assert _load(data) == {"sources": 0, "registrations": 0, "indexes": 0}
+    assert _load(data) == {"sources": 0, "registrations": 0, "indexes": 0, "skipped": 0}
     # one changed byte anywhere (here a digit of the header's time) fails the checksum
     pos = data.index(b"created") + 12
     bad = data[:pos] + bytes([data[pos] ^ 1]) + data[pos + 1 :]
@@ -279,7 +279,7 @@ def test_bad_dumps_are_refused_with_the_reason(tmp_path):
     v1 = dump._frame({"format": "kvconductor-dump", "version": 1}) + dump._frame(
         {"t": "end", "registrations": 0, "indexes": 0}
     )
-    assert _load(v1) == {"sources": 0, "registrations": 0, "indexes": 0}
+    assert _load(v1) == {"sources": 0, "registrations": 0, "indexes": 0, "skipped": 0}
     with pytest.raises(ValueError, match="^truncated dump: the input ends inside a record$"):
         _load(data[:-3])
     end = _last_frame(data)
@@ -354,6 +354,13 @@ def test_registrations_load_back_identical():
                 "endpoint": "tcp://10.0.0.2:1",
             },
             {"instance_id": "pool", "dp_rank": 0, "endpoint": "tcp://10.0.0.3:1"},
+            {  # a shared store of one LoRA adapter (the Mooncake dialect's type Mooncake)
+                "instance_id": "store",
+                "dp_rank": 0,
+                "endpoint": "tcp://10.0.0.3:2",
+                "shared_store": True,
+                "lora_name": "ad-1",
+            },
             {
                 "instance_id": "yuanrong-pool-10.0.0.2-qwen",
                 "dp_rank": 0,
@@ -380,8 +387,15 @@ def test_registrations_load_back_identical():
             req = {"type": "vLLM", "modelname": "qwen", "block_size": BS, **body}
             a.call(a.register, msgspec.convert(req, RegisterRequest))
         data = b"".join(dump.write_dump(a))
-        assert b.call(dump.load_dump, b, [data]) == {"sources": 0, "registrations": 7, "indexes": 2}
+        assert b.call(dump.load_dump, b, [data]) == {
+            "sources": 0,
+            "registrations": 8,
+            "indexes": 2,
+            "skipped": 0,
+        }
         assert b.registry.instances == a.registry.instances
+        store = b.registry.get("store").endpoints[0]
+        assert (store.shared_store, store.lora_name) == (True, "ad-1")
         assert b.registry.get("yuanrong-pool-10.0.0.2-qwen").endpoints[0].node_pool
         assert b.registry.hbm_ip_index == a.registry.hbm_ip_index
         assert b.registry.hbm_ip_index  # the Mooncake engine's HBM IP

@@ -1,5 +1,7 @@
-"""LocalBlockHash: golden vectors of docs/api.md "Block hashing" and agreement with xxhash."""
+"""LocalBlockHash: golden vectors of docs/api.md "Block hashing" and agreement with xxhash; a
+store-only chunk's block hashes (split_chunk_hashes) against their oracle, kvconductor._py.hash."""
 
+import array as _array
 import struct
 
 import pytest
@@ -8,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvconductor import _hash
+from kvconductor._py import hash as py_hash
 
 GOLDEN = [
     ([0, 1, 2, 3], 4, [9143094415614847814]),
@@ -118,3 +121,30 @@ def test_to_u32_tokens_buffers_and_odd_items():
     assert list(_hash.to_u32_tokens([True, 2.0, -1])) == [1, 2, 0xFFFFFFFF]
     with pytest.raises(TypeError):
         _hash.to_u32_tokens(b"\x01\x00\x00\x00")
+
+
+# -- a store-only chunk's block hashes: C against the oracle (kvconductor._py.hash) --------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**64 - 1), max_size=20),
+    st.integers(0, 40),
+)
+def test_split_chunk_hashes_matches_the_oracle(hashes, k):
+    assert _hash.split_chunk_hashes(hashes, k) == py_hash.split_chunk_hashes(hashes, k)
+
+
+def test_split_chunk_hashes_keeps_the_chunk_hash_last():
+    out = _hash.split_chunk_hashes(_array.array("Q", [5, 2**64 - 1]), 3)
+    assert len(out) == 6
+    assert out[2] == 5 and out[5] == 2**64 - 1
+    assert out[0] == py_hash.sub_block_hash(5, 0) and out[1] == py_hash.sub_block_hash(5, 1)
+    assert len(set(out)) == 6
+    assert _hash.split_chunk_hashes([7], 1) == _array.array("Q", [7])
+    assert _hash.split_chunk_hashes([7], 0) == _array.array("Q")
+
+
+def test_sub_block_hash_golden():
+    # splitmix64 (Vigna) of h + (j + 1) * 0x9E3779B97F4A7C15: its first output from seed 0
+    assert py_hash.sub_block_hash(0, 0) == 0xE220A8397B1DCDAF

@@ -970,6 +970,22 @@ def _core_with_workers(impl):
     return core
 
 
+def test_block_of_gives_the_parent_and_local_hash_on_every_tier(impl):
+    """``block_of``: ``parent_of``'s parent and the block's local hash (a shared store
+    places a block after its HBM holder's chain with them)."""
+    core = _core_with_workers(impl)
+    core.store(0, None, [1, 2, 3], [11, 12, 13])
+    assert [core.block_of(0, h) for h in (1, 2, 3)] == [(None, 11), (1, 12), (2, 13)]
+    core.remove(0, [1])
+    assert core.block_of(0, 2) == (None, 12)  # the parent is no longer held
+    with pytest.raises(KeyError):
+        core.block_of(0, 1)
+    with pytest.raises(KeyError):
+        core.block_of(99, 1)
+    core.store(2, 7, [5, 6], [15, 16])  # CPU: the parent is kept as stored
+    assert core.block_of(2, 5) == (7, 15) and core.block_of(2, 6) == (5, 16)
+
+
 def test_restore_hbm_keeps_a_block_whose_parent_its_worker_no_longer_holds(impl):
     core = _core_with_workers(impl)
     core.store(0, None, [1, 2, 3], [11, 12, 13])
@@ -1030,3 +1046,33 @@ def test_restore_twophase_keeps_times_and_refuses_duplicates(impl):
         core.restore_twophase([], [(9, 5, 1.0)])
     with pytest.raises(ValueError, match="two-phase record of kind 3"):
         core.restore_twophase([(3, 1, 1, None, 1.0)], [])
+
+
+def test_a_reannounced_block_goes_with_one_removal(ix):
+    """vLLM's per-request ``kv_cache_report_mode="full"`` re-announces blocks reused from the
+    prefix cache as BlockStored: a re-announcement is no second holding (llm-d's review
+    found the opposite), so one BlockRemoved removes the block, on every tier."""
+    h = H[:3]
+    ix.store_tokens(NPU_A, None, E[:3], toks(3), BS)
+    # the full chain again, then its middle again under its parent
+    ix.store_tokens(NPU_A, None, E[:3], toks(3), BS)
+    ix.store_tokens(NPU_A, E[0], E[1:3], toks(1, 3), BS)
+    assert ix.worker_blocks(NPU_A) == 3
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 12, "DP": {"0": dp(3, 0, 0)}}}
+    # one removal of the last block: 2 blocks left, a second removal finds nothing
+    assert ix.evict(NPU_A, [E[2]]) == 1
+    assert ix.worker_blocks(NPU_A) == 2
+    assert ix.evict(NPU_A, [E[2]]) == 0
+    assert query(ix, 3) == {"inst-a": {"longest_matched": 8, "DP": {"0": dp(2, 0, 0)}}}
+    # the rest, once each: nothing is left
+    assert ix.evict(NPU_A, [E[1]]) == 1
+    assert ix.evict(NPU_A, [E[0]]) == 1
+    assert ix.worker_blocks(NPU_A) == 0
+    assert query(ix, 3) == {}
+    # a CPU block held directly (a store-only source), announced twice, removed once
+    ix.store(CPU_A, None, E[:2], h[:2])
+    ix.store(CPU_A, None, E[:2], h[:2])
+    assert ix.worker_blocks(CPU_A) == 2
+    assert ix.remove(CPU_A, [E[1]]) == 1
+    assert ix.worker_blocks(CPU_A) == 1
+    assert query(ix, 2) == {"inst-a": {"longest_matched": 4, "DP": {"0": dp(0, 1, 0)}}}

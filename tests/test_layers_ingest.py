@@ -19,11 +19,22 @@ PKG = pathlib.Path(kvconductor.ingest.__file__).parent
 LAYERS: list[set[str]] = [
     {"subscriber"},  # the manager and its subscriptions: wires everything below
     {"source", "apply"},  # sockets; the applier (limits, the compiled fast path, typed ops)
-    {"recognize", "replay"},  # a payload's kind; the replay DEALER
+    {"recognize", "replay", "storeonly", "poolguard"},  # a payload's kind; the replay DEALER;
+    # a store-only source's bound; engine batches on a pool's URL
     {"vllm", "pool"},  # the decoders
     {"tracker", "host", "replicated"},  # sequence policy; the owner's seams; --state-url
     {"liveness", "freshness"},  # down / muted / purged policy; the states behind answers
-    {"ops", "stats", "context", "thread", "http_events", "sourcemetrics"},  # plain data, the poller
+    # plain data, the poller, the cluster pool's DPs
+    {
+        "ops",
+        "stats",
+        "context",
+        "thread",
+        "http_events",
+        "sourcemetrics",
+        "poolroute",
+        "sharedstore",
+    },
 ]
 
 

@@ -6,9 +6,18 @@ import logging
 import threading
 
 import falcon.testing as ft
+import msgspec
 
 from kvconductor.http.api import create_app
-from kvconductor.logs import MAX_MESSAGE, RecentWarnings, level_name, utc
+from kvconductor.logs import (
+    MAX_MESSAGE,
+    RecentWarnings,
+    _Formatter,
+    _JsonFormatter,
+    escape_controls,
+    level_name,
+    utc,
+)
 from kvconductor.state.conductor import Conductor, ConductorConfig
 
 
@@ -96,3 +105,19 @@ def test_workers_lists_the_conductors_warnings_while_it_runs():
         assert c.stop(5.0)
     log.warning("after stop")
     assert [g["message"] for g in c.workers()["recent_warnings"]][-1] == "w59"
+
+
+def test_control_characters_are_escaped_in_every_written_message():
+    """No value can forge a line: C0 (newline, NUL, ESC), DEL, C1 and U+2028/U+2029 are
+    written as escapes by the text and JSON formats and kept so in the ring."""
+    forged = "id=x\n2026-01-01T00:00:00.000000Z ERROR forged\x00\x1b[31m\x7f\x85\u2028é\t"
+    want = "id=x\\x0a2026-01-01T00:00:00.000000Z ERROR forged\\x00\\x1b[31m\\x7f\\x85\\u2028é\\x09"
+    assert escape_controls(forged) == want
+    assert escape_controls("plain é ✓") == "plain é ✓"
+    rec = logging.LogRecord("kvconductor.t", logging.WARNING, __file__, 1, "%s", (forged,), None)
+    text = _Formatter().format(rec)
+    assert "\n" not in text and text.endswith(" WARN " + want)
+    assert msgspec.json.decode(_JsonFormatter().format(rec))["message"] == want
+    ring = RecentWarnings()
+    ring.handle(rec)
+    assert ring.snapshot()[0]["message"] == want

@@ -110,6 +110,15 @@ class ReferenceCollector(Collector):
         for kind, n in sorted(c.expired.items()):
             exp.add_metric([kind], n)
         yield exp
+        skipped = CounterMetricFamily(
+            "kvconductor_snapshot_skipped_registrations",
+            "Registrations of a loaded snapshot or dump skipped, by reason: refused (the "
+            "current flags refuse its URLs), max_sources, unavailable (cannot be opened now)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(c.skipped_registrations.items()):
+            skipped.add_metric([reason], n)
+        yield skipped
         rows, retired = _rows(c.subs)
         applied: dict[str, int] = {"http": c.http_events_applied}
         dropped: dict[str, int] = {}

@@ -607,6 +607,7 @@ def test_register_maps_onto_our_registration():
         "block_size": 16,
         "dp_rank": 1,
         "tenant_id": "tenant-a",
+        "lora_name": "adapter-a",  # the DP's adapter: a pool's other adapters are not its
         "medium_endpoints": {"npu": "tcp://prefill-a.test:5558"},
     }
     assert isinstance(req, schema.RegisterRequest) and req.medium_endpoints == {
@@ -620,6 +621,7 @@ def test_register_maps_onto_our_registration():
         "tcp://10.0.0.9:50051",
         None,
     )
+    assert (req.shared_store, req.lora_name) == (True, "adapter-a")
 
 
 def test_cli_mooncake_port_flag():
@@ -701,7 +703,8 @@ def test_mooncake_publisher_is_a_pool_and_never_an_instance_of_the_answer(srv):
     assert r.status_code == 200 and r.json()["instance_id"] == "mooncake-store"
     workers = srv.http.get("/workers").json()["workers"]
     store = [w for w in workers if w["instance_id"] == "mooncake-store"][0]
-    assert store["endpoints"]["0"]["pool"] == {"kind": "cluster"}
+    # a store shared by its context, as Mooncake's conductor reads it (issue 36)
+    assert store["endpoints"]["0"]["pool"] == {"kind": "shared"}
     assert list(_query(srv, m, 16)["instances"]) == ["engine-p"]
 
 

@@ -207,3 +207,29 @@ def test_fuzz_pool():
             continue
         for e in out.events:
             assert isinstance(e, (PoolEvent, Dropped))
+
+
+@pytest.mark.parametrize("bad", ["a\nb", "nul\x00", "\x1b[31mred", "del\x7f", "c1\x85"])
+def test_a_name_with_a_control_character_drops_only_that_event(bad):
+    """Control characters (NUL, newline, ESC, DEL, C1) are refused in a pool event's ids and
+    names, as on the HTTP routes: they would forge or garble a log line."""
+    payload = msgspec.msgpack.encode(
+        [
+            1,
+            [
+                {"event_type": "stored", "seq_hashes": [1], "backend_id": "10.0.0.1"},
+                {"event_type": "stored", "seq_hashes": [1], "model_name": bad},
+                {"event_type": "stored", "seq_hashes": [1], "tenant_id": bad},
+                {"event_type": "stored", "seq_hashes": [1], "backend_id": bad},
+                {"event_type": "stored", "seq_hashes": [1], "medium": bad},
+                {"event_type": bad, "seq_hashes": [1]},
+            ],
+            0,
+        ]
+    )
+    evs = decode_payload(payload).events
+    assert evs[0].backend_id == "10.0.0.1"
+    assert [(e.reason, e.detail) for e in evs[1:]] == [
+        ("invalid_event", f"{key} holds a control character")
+        for key in ("model_name", "tenant_id", "backend_id", "medium", "event_type")
+    ]

@@ -271,6 +271,7 @@ def test_lmcache_store_only_chunks_are_held_on_cpu(fake):
         "blocks": 4,
         "expired_blocks": 0,
         "evicted_blocks": 0,
+        "removed_blocks": 0,
     }
     # a continuation chunk links on the previous chunk's hash (kept by its last block)
     more = list(range(500, 508))
@@ -308,7 +309,7 @@ def test_lmcache_store_only_reannouncement_refreshes_the_ttl(fake):
     eng = Applier(_ctx(store_only=(30.0, 1000)), fake)
     eng.apply_payload(_vllm_batch(k, _lmcache_chunks(k)))
     eng.store_bound.held = type(eng.store_bound.held)(
-        (kh, d - 20) for kh, d in eng.store_bound.held.items()
+        (kh, (d - 20, k)) for kh, (d, k) in eng.store_bound.held.items()
     )  # announced 20 s ago
     eng.apply_payload(_vllm_batch(k, _lmcache_chunks(k)[:1]))  # chunk 0 again, now
     assert eng.expire_store_only(time.monotonic() + 15) == 2  # chunk 1 only

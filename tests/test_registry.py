@@ -614,3 +614,32 @@ def test_counts_follow_register_unregister_and_rollback():
     r.unregister("a", 0)
     r.unregister("b", 0)
     assert check() == (0, {}) and r.instances == {} and r.hbm_ip_index == {}
+
+
+def test_shared_store_registration_and_its_context():
+    """A shared store (issue 36): only a cluster pool may be one; its DPs are the engine
+    DPs of its (model, tenant) with its block size."""
+    from kvconductor.state.registry import RegistrationError
+
+    r = Registry()
+    r.register(reg("a", medium_endpoints={"npu": "tcp://10.0.0.1:5557"}, tenant_id="A"))
+    r.register(reg("a", 1, medium_endpoints={"npu": "tcp://10.0.0.1:5558"}, tenant_id="A"))
+    r.register(reg("b", medium_endpoints={"npu": "tcp://10.0.0.2:5557"}, tenant_id="B"))
+    r.register(reg("c", block_size=16, tenant_id="A"))
+    out = r.register(reg("store", endpoint="tcp://10.0.0.9:5557", tenant_id="A", shared_store=True))
+    assert out.is_pool and out.contexts[0].shared_store
+    assert r.snapshot()[-1]["endpoints"]["0"]["pool"] == {"kind": "shared"}
+    assert r.context_dps("qwen", "A", 128) == [("a", 0), ("a", 1)]
+    assert r.context_dps("qwen", "B", 128) == [("b", 0)]
+    assert r.context_dps("qwen", "A", 16) == [("c", 0)]
+    for bad in (
+        reg("e", medium_endpoints={"npu": "tcp://10.0.0.1:5559"}, shared_store=True),
+        reg(
+            "y",
+            store_backend="YuanRong",
+            medium_endpoints={"cpu": "tcp://10.0.0.1:1"},
+            shared_store=True,
+        ),
+    ):
+        with pytest.raises(RegistrationError, match="shared_store applies to a cluster pool"):
+            r.register(bad)

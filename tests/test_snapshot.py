@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import time
 
 import msgspec
 import pytest
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvconductor.ingest.http_events import normalize_events
-from kvconductor.schema import RegisterRequest, events_decoder
+from kvconductor.schema import RegisterRequest, UnregisterRequest, events_decoder
 from kvconductor.state import dump, snapshot
 from kvconductor.state.conductor import Conductor, ConductorConfig
 from tests.helpers.publishers import FakePublisher, schema, wait_until
@@ -232,6 +233,58 @@ def test_one_store_per_directory(tmp_path):
     assert not tmp.exists()
     assert (tmp_path / "d" / "lock").read_text() == f"{os.getpid()}\n"
     second.release()
+
+
+def test_a_registration_change_is_snapshotted_within_the_follow_delay_coalesced(tmp_path):
+    """Periodic interval 1 h, follow 0.3 s: three registrations at once are one snapshot
+    about 0.3 s later; an unchanged re-registration writes none; an unregistration one."""
+    store = snapshot.SnapshotStore(str(tmp_path))
+    store.prepare()
+    c = _conductor()
+    snapper = snapshot.Snapshotter(c, store, 3600, follow=0.3)
+    c.attach_snapshotter(snapper)
+    snapper.start()
+    try:
+        t0 = time.monotonic()
+        for name in ("a", "b", "c"):
+            _register(c, name)
+        wait_until(lambda: snapper.stats.written == 1, timeout=5, msg="one snapshot")
+        assert 0.25 <= time.monotonic() - t0 < 2.0
+        time.sleep(0.6)
+        assert snapper.stats.written == 1  # coalesced: not one per change
+        loaded = dump.load_file(store.snapshots()[0])
+        assert sorted(w["instance_id"] for w in loaded["workers"]) == ["a", "b", "c"]
+        _register(c, "a")  # the Coordinator's re-register timer: nothing changed
+        time.sleep(0.6)
+        assert snapper.stats.written == 1
+        unreg = UnregisterRequest(
+            instance_id="b", engine_type="vLLM", modelname="qwen", block_size=BS, dp_rank=0
+        )
+        c.call(c.unregister, unreg)
+        wait_until(lambda: snapper.stats.written == 2, timeout=5, msg="a second snapshot")
+        loaded = dump.load_file(store.snapshots()[0])
+        assert sorted(w["instance_id"] for w in loaded["workers"]) == ["a", "c"]
+    finally:
+        snapper.stop(final=False)
+        c.stop()
+
+
+def test_no_follow_snapshot_with_interval_zero(tmp_path):
+    """``--snapshot-interval-secs 0``: only at shutdown, registration changes included."""
+    store = snapshot.SnapshotStore(str(tmp_path))
+    store.prepare()
+    c = _conductor()
+    snapper = snapshot.Snapshotter(c, store, 0, follow=0.1)
+    c.attach_snapshotter(snapper)
+    snapper.start()
+    try:
+        _register(c, "a")
+        time.sleep(0.5)
+        assert snapper.stats.written == 0 and store.snapshots() == []
+    finally:
+        snapper.stop(final=True)
+        c.stop()
+    assert snapper.stats.written == 1
 
 
 def test_no_valid_snapshot_starts_empty(tmp_path, caplog):

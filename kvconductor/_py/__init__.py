@@ -9,7 +9,8 @@ runtime fallback: the models the differential tests hold ``kvconductor._tree``,
 an index use them. Clarity beats speed here.
 
 :mod:`kvconductor._py.shlock` models the slot table of the cross-process lock
-(``kvconductor._shlock``) the same way.
+(``kvconductor._shlock``) the same way; :mod:`kvconductor._py.hash` is the oracle of
+``kvconductor._hash.split_chunk_hashes`` (a store-only chunk's block hashes).
 
 **Threading: exactly one writer thread calls the mutating methods; any number of
 threads may call the matching and introspection methods concurrently.** Every

@@ -528,6 +528,14 @@ class CoreIndex:
             tier = self._tier_of(worker)
             return (self._tree if tier == HBM else self._tiers[tier]).parent_of(worker, h)
 
+    def block_of(self, worker: int, h: int) -> tuple[int | None, int]:
+        """``(parent, local)`` of ``worker``'s block ``h``; KeyError when it is not held."""
+        with self._lock:
+            if worker not in self._workers:
+                raise KeyError(h)
+            tier = self._tier_of(worker)
+            return (self._tree if tier == HBM else self._tiers[tier]).block_of(worker, h)
+
     def stats(self) -> dict:
         """Sizes: nodes, hbm_pairs, cpu_blocks, disk_blocks, offload, content, pending, nbytes."""
         with self._lock:

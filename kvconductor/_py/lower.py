@@ -158,6 +158,12 @@ class LowerTier(PerWorkerBlocks):
             key = self._rev.get(worker, {})[h]
             return key[0]
 
+    def block_of(self, worker: int, h: int) -> tuple[int | None, int]:
+        """(parent engine hash or None, local hash) of ``worker``'s block ``h``."""
+        with self._lock:
+            key = self._rev.get(worker, {})[h]
+            return key[0], key[1]
+
     @property
     def total_blocks(self) -> int:
         """Sum over workers of the blocks each holds."""

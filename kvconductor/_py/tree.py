@@ -241,6 +241,14 @@ class RadixTree(PerWorkerBlocks):
                 return None
             return parent.members.get(worker)
 
+    def block_of(self, worker: int, h: int) -> tuple[int | None, int]:
+        """(:meth:`parent_of`, the local hash) of ``worker``'s ``h``; KeyError if not held."""
+        with self._lock:
+            node = self._rev.get(worker, {})[h]
+            parent = node.parent
+            p = None if parent is None or parent is self._root else parent.members.get(worker)
+            return p, node.local
+
     @property
     def num_nodes(self) -> int:
         """Nodes in the tree, root excluded."""

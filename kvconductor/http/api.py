@@ -46,6 +46,7 @@ import msgspec
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http import openapi
 from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
+from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.front import FrontDoor
 from kvconductor.http.metrics import CONTENT_TYPE, DeferredMetrics, Metrics, QueryMetrics
 from kvconductor.http.responses import (
@@ -67,6 +68,8 @@ from kvconductor.schema import (
     EventsResponse,
     NotReadyResponse,
     ReadyResponse,
+    RegisterRequest,
+    decode_error_message,
     events_decoder,
     json_encoder,
     msgpack_encoder,
@@ -155,7 +158,7 @@ _BAD_JSON = (msgspec.DecodeError, RecursionError)
 def _bad_json(ex: Exception) -> str:
     if isinstance(ex, RecursionError):
         return "invalid JSON request body: nesting too deep"
-    return f"invalid JSON request body: {ex}"
+    return f"invalid JSON request body: {decode_error_message(ex)}"
 
 
 #: Every error answer of the resources (:mod:`kvconductor.http.responses`).
@@ -292,7 +295,12 @@ class OpenApiResource:
 
 
 class RegisterResource(_Resource[Conductor]):
-    """``POST /register``: 201 ``{"status":"ok"}``."""
+    """``POST /register``: 201 ``{"status":"ok"}``; fields it does not know are named in
+    a WARN once per (instance, field) (:mod:`kvconductor.http.fields`)."""
+
+    def __init__(self, conductor: Conductor, **kw: Any) -> None:
+        super().__init__(conductor, **kw)
+        self.unknown = UnknownFieldWarnings(log, "registration")
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         if not self._authorized(req, resp):
@@ -310,6 +318,7 @@ class RegisterResource(_Resource[Conductor]):
             return self._bad(req, resp, str(ex))
         except (RegistrationUnavailable, StateUnavailable) as ex:
             return self._bad(req, resp, str(ex), status=503)
+        self.unknown.warn(request.instance_id, unknown_fields(body, False, RegisterRequest))
         _json(resp, 201, _OK)
 
 

@@ -625,6 +625,15 @@ class ConductorCollector(Collector):
         for kind, n in sorted(c.expired.items()):
             exp.add_metric([kind], n)
         yield exp
+        skipped = CounterMetricFamily(
+            "kvconductor_snapshot_skipped_registrations",
+            "Registrations of a loaded snapshot or dump skipped, by reason: refused (the "
+            "current flags refuse its URLs), max_sources, unavailable (cannot be opened now)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(c.skipped_registrations.items()):
+            skipped.add_metric([reason], n)
+        yield skipped
 
         pause = Pacer()
         snap = c.subs.metrics_snapshot(pause)  # O(sources): columns and totals

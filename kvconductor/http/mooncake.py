@@ -49,6 +49,7 @@ import msgspec
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
+from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.index import DpHit
 from kvconductor.schema import (
     DEFAULT_TENANT,
@@ -68,6 +69,7 @@ from kvconductor.schema import (
     PositiveU32,
     RegisterRequest,
     UnregisterRequest,
+    decode_error_message,
     is_msgpack_content_type,
     json_encoder,
 )
@@ -134,7 +136,9 @@ def _decode(decoder_json: Any, decoder_msgpack: Any, body: bytes, msgpack: bool,
     try:
         return (decoder_msgpack if msgpack else decoder_json).decode(body)
     except msgspec.ValidationError as ex:
-        raise DialectError(400, "invalid_value", f"invalid {what}: {ex}") from None
+        raise DialectError(
+            400, "invalid_value", f"invalid {what}: {decode_error_message(ex)}"
+        ) from None
     except (msgspec.DecodeError, RecursionError):
         raise DialectError(
             400, "invalid_json", _INVALID_QUERY if what == "query" else _INVALID_BODY
@@ -184,15 +188,10 @@ class Service:
         }
 
 
-def _keys(body: bytes, msgpack: bool) -> list[str]:
-    """The top-level keys of a body that decoded as a registration (a map)."""
-    doc = (msgspec.msgpack.decode if msgpack else msgspec.json.decode)(body)
-    return [str(k) for k in doc] if isinstance(doc, dict) else []
-
-
 def parse_register(body: bytes, msgpack: bool) -> tuple[Service, list[str]]:
     """A Mooncake ``/register`` body -> the :class:`Service` and the warnings to log (fields
-    accepted for older clients but not used). :class:`DialectError` (400) on a bad one."""
+    accepted for older clients but not used; fields it does not know are named by
+    :class:`RegisterRoute`, as V3's are). :class:`DialectError` (400) on a bad one."""
     req = _decode(_register_json, _register_msgpack, body, msgpack, "registration")
     for name, value in (
         ("endpoint", req.endpoint),
@@ -208,9 +207,6 @@ def parse_register(body: bytes, msgpack: bool) -> tuple[Service, list[str]]:
     if req.cache_group not in (None, 0):
         raise DialectError(400, "unsupported", "only cache group zero is supported", "cache_group")
     warnings = []
-    unknown = sorted(set(_keys(body, msgpack)) - set(MooncakeRegisterRequest.__struct_fields__))
-    if unknown:
-        warnings.append(f"fields ignored: {', '.join(unknown)}")
     if req.hash_profile is None and publisher != "Mooncake":
         warnings.append("no hash_profile (an older client): accepted")
     if req.additionalsalt:
@@ -244,10 +240,12 @@ def to_v3_register(svc: Service) -> tuple[RegisterRequest, bytes]:
         "block_size": svc.block_size,
         "dp_rank": svc.dp_rank,
         "tenant_id": svc.tenant_id,
+        "lora_name": svc.lora_name,  # "": the base model
     }
     if svc.publisher == "Mooncake":
         doc["store_backend"] = "Mooncake"
         doc["endpoint"] = svc.endpoint
+        doc["shared_store"] = True  # Mooncake's store: shared by its context
     else:
         doc["medium_endpoints"] = {"npu": svc.endpoint}
     if svc.replay_endpoint:
@@ -366,6 +364,8 @@ class Dialect:
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
         self.services: dict[str, Service] = {}
+        #: Fields of a registration the dialect does not know, named once per instance.
+        self.unknown = UnknownFieldWarnings(log, "mooncake dialect: register")
         self.warnings = _Once()
         #: +1 on every change of :attr:`services` (ingest thread; read anywhere).
         self.generation = 0
@@ -553,12 +553,16 @@ class RegisterRoute(_Route):
             return
         msgpack = is_msgpack_content_type(req.content_type)
         try:
-            svc, warnings = parse_register(await self._read(req), msgpack)
+            body = await self._read(req)
+            svc, warnings = parse_register(body, msgpack)
             for w in warnings:
                 self.dialect.warnings.warn(w, "mooncake dialect: register: %s", w)
             await self.dialect.register(svc)
         except DialectError as ex:
             return _fail(req, resp, ex)
+        self.dialect.unknown.warn(
+            svc.instance_id, unknown_fields(body, msgpack, MooncakeRegisterRequest)
+        )
         log.info("mooncake dialect: registered service_key=%s type=%s", svc.key, svc.publisher)
         _answer(resp, 200, MooncakeRegisterResponse(REGISTERED, svc.instance_id), msgpack)
 

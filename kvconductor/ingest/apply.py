@@ -21,8 +21,9 @@ Routing (deviations from the reference are marked FIX):
 * The DP is always the subscription's (FIX: also during replay; the reference used
   the batch's rank there).
 * Pool events: IpOnly (Mooncake/Memcache pool publishers, ``ctx.is_pool``):
-  ``conductor.hbm_ip_lookup(event.backend_id)`` -> every (instance, dp) on that
-  IP x target media; otherwise the subscription's (instance, dp). Target media =
+  ``conductor.hbm_ip_lookup(event.backend_id)`` -> the (instance, dp)s on that IP of
+  the event's (model, tenant) (:mod:`~kvconductor.ingest.poolroute`; FIX: every DP of
+  the node was credited) x target media; otherwise the subscription's (instance, dp). Target media =
   ``[event.medium]`` or the subscription's non-HBM default media (FIX: a pool
   never holds HBM blocks; the reference also put medium-less pool blocks in the
   HBM tree). Index = the event's ``model_name``/``tenant_id`` if present, else
@@ -46,11 +47,10 @@ import logging
 import time
 import weakref
 from array import array
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import kvconductor
-from kvconductor._hash import DEFAULT_SEED, hash_blocks, lora_seed
+from kvconductor._hash import DEFAULT_SEED, hash_blocks, lora_seed, split_chunk_hashes
 from kvconductor._index import CoreIndex as _CCore
 from kvconductor._ingest import FastBatch
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
@@ -70,8 +70,24 @@ from kvconductor.ingest.ops import (
     Stored,
     VllmBatch,
 )
+from kvconductor.ingest.poolguard import ENGINE_BATCH_ON_POOL, engine_batch_on_pool
+from kvconductor.ingest.poolroute import (
+    NO_DP_OF_CONTEXT,
+    cluster_pool_dps,
+    registered_index,
+    registered_lora,
+)
 from kvconductor.ingest.recognize import decode_payload
+from kvconductor.ingest.sharedstore import shared_targets, store_shared
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
+from kvconductor.ingest.storeonly import (
+    WEIGH_BYTES,
+    StoreOnlyBound,
+    chunk_blocks,
+    chunk_factor,
+    claimed_blocks,
+    direct_medium,
+)
 from kvconductor.keys import Medium, WorkerKey, node_of_backend_id, parse_medium
 
 log = logging.getLogger("kvconductor.ingest")
@@ -96,104 +112,11 @@ REJECTED_KINDS = frozenset(
 )
 
 
-def _lower_tier(medium: str) -> bool:
-    """A CPU or Disk medium string."""
-    return parse_medium(medium).tier != 0
-
-
 def kind_rejected(kind: str | None) -> bool:
     """True for attention kinds whose blocks must not be indexed (see REJECTED_KINDS)."""
     if not kind:
         return False
     return kind.lower().replace("_", "") in REJECTED_KINDS
-
-
-_M64 = 0xFFFFFFFFFFFFFFFF
-
-
-def sub_block_hash(h: int, j: int) -> int:
-    """The engine hash kvconductor gives block ``j`` (not the last) of a chunk announced
-    under the one hash ``h`` (a store-only chunk of several registered blocks, see
-    :class:`StoreOnlyBound`): splitmix64 of ``h + (j + 1) * golden``. The chunk's last
-    block keeps ``h`` itself, so that the next chunk, whose parent is ``h``, links on."""
-    x = (h + (j + 1) * 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-class StoreOnlyBound:
-    """The CPU/Disk blocks a store-only source announced (docs/api.md, "Store-only
-    sources"): ``(key, engine hash) -> deadline``, oldest first (a re-announcement moves
-    a block to the end). A block leaves when its deadline passes (``ttl_secs`` after its
-    last announcement) or when the source holds more than ``capacity`` blocks."""
-
-    __slots__ = ("ttl", "capacity", "held", "expired", "evicted")
-
-    def __init__(self, ttl: float, capacity: int) -> None:
-        self.ttl = ttl
-        self.capacity = capacity
-        self.held: OrderedDict[tuple[WorkerKey, int], float] = OrderedDict()
-        #: Blocks that aged out (TTL) / were pushed out (capacity).
-        self.expired = 0
-        self.evicted = 0
-
-    def note(self, key: WorkerKey, hashes: Sequence[int], now: float) -> None:
-        deadline = now + self.ttl
-        held = self.held
-        for h in hashes:
-            k = (key, h)
-            if k in held:
-                held.move_to_end(k)
-            held[k] = deadline
-
-    def due(self, now: float) -> dict[WorkerKey, list[int]]:
-        """Take the blocks past their deadline or over the capacity, by key."""
-        out: dict[WorkerKey, list[int]] = {}
-        held = self.held
-        while held:
-            k, deadline = next(iter(held.items()))
-            over = len(held) > self.capacity
-            if deadline > now and not over:
-                break
-            held.popitem(last=False)
-            if deadline <= now:
-                self.expired += 1
-            else:
-                self.evicted += 1
-            out.setdefault(k[0], []).append(k[1])
-        return out
-
-    def info(self) -> dict[str, object]:
-        return {
-            "ttl_secs": self.ttl,
-            "capacity": self.capacity,
-            "blocks": len(self.held),
-            "expired_blocks": self.expired,
-            "evicted_blocks": self.evicted,
-        }
-
-
-def registered_index(info: object, dp: int) -> tuple[str | None, str | None]:
-    """(model, tenant) of a registration from ``conductor.instance_info``: a dict
-    (``model_name``/``tenant_id``, per-DP values under ``endpoints[dp]`` preferred)
-    or an object with ``model``/``tenant`` attributes; (None, None) if unknown."""
-    if info is None:
-        return None, None
-    if isinstance(info, dict):
-        eps = info.get("endpoints") or {}
-        ep = eps.get(dp) if isinstance(eps, dict) else None
-        if ep is None and isinstance(eps, dict):
-            ep = eps.get(str(dp))
-        src = ep if isinstance(ep, dict) and ep.get("model_name") else info
-        return (
-            src.get("model_name") or src.get("model"),
-            src.get("tenant_id") or src.get("tenant"),
-        )
-    return (
-        getattr(info, "model", None) or getattr(info, "model_name", None),
-        getattr(info, "tenant", None) or getattr(info, "tenant_id", None),
-    )
 
 
 class Applier:
@@ -309,18 +232,29 @@ class Applier:
                 f"{len(payload)} bytes > {lim.max_message_bytes} (--max-message-mb)",
             )
             return False
+        weighed = False
+        if self.store_bound is not None and len(payload) >= WEIGH_BYTES:
+            # PERF: a store-only source's big chunk is weighed (as the registered blocks it
+            # stands for) and refused before anything of it is converted or parsed again
+            pre = claimed_blocks(payload, self.ctx.block_size)
+            if pre is not None:
+                if not self._within_limits(pre):
+                    return False
+                weighed = True
         fb = self._fast
         if fb is not None and self.suspects is None:
             # After a loss the general path runs: it records what is re-announced.
             n = fb.parse(payload, self.ctx.block_size)
             if n >= 0:
-                if not self._within_limits(fb.nhashes):
+                if not weighed and not self._within_limits(fb.nhashes):
                     return False
                 return self._apply_fast(fb, n, payload)
-        return self._apply_general(payload)
+        return self._apply_general(payload, weighed=weighed)
 
     def _within_limits(self, nblocks: int, index=None) -> bool:
-        """False (counted, warned) when a message of ``nblocks`` blocks is over a bound."""
+        """False (counted, warned) when a message of ``nblocks`` blocks is over a bound. A
+        store-only source's chunks count as the registered blocks they stand for, and what
+        its bound holds counts against ``--max-blocks-per-source`` too."""
         lim = self.limits
         if nblocks > lim.max_blocks_per_message:
             self._drop(
@@ -328,10 +262,12 @@ class Applier:
                 f"{nblocks} blocks > {lim.max_blocks_per_message} (--max-blocks-per-message)",
             )
             return False
-        if nblocks and self._engine_hbm:
+        sb = self.store_bound
+        if nblocks and (self._engine_hbm or sb is not None):
+            lower = 0 if sb is None else sb.blocks
             # PERF: an upper bound of what the HBM worker holds (blocks only ever come from
             # accepted messages) spares the index lookup until the bound is near the limit.
-            if self._held_bound + nblocks > lim.max_blocks_per_source:
+            if self._held_bound + lower + nblocks > lim.max_blocks_per_source:
                 try:
                     if index is None:
                         index = self.conductor.get_index(self.ctx.model, self.ctx.tenant)
@@ -339,17 +275,17 @@ class Applier:
                 except Exception:
                     held = 0
                 self._held_bound = held
-                if held + nblocks > lim.max_blocks_per_source:
+                if held + lower + nblocks > lim.max_blocks_per_source:
                     self._drop(
                         "source_block_limit",
-                        f"{held} held + {nblocks} > "
+                        f"{held + lower} held + {nblocks} > "
                         f"{lim.max_blocks_per_source} (--max-blocks-per-source)",
                     )
                     return False
             self._held_bound += nblocks
         return True
 
-    def _apply_general(self, payload: bytes, index=None) -> bool:
+    def _apply_general(self, payload: bytes, index=None, weighed: bool = False) -> bool:
         try:
             batch = decode_payload(payload)
         except DecodeError as ex:
@@ -359,12 +295,20 @@ class Applier:
             self._drop("decoder_error", repr(ex), payload)
             return False
         nblocks = 0
+        so = self.store_bound is not None
+        reg = self.ctx.block_size
         for ev in batch.events:
-            if isinstance(ev, (Stored, Removed)):
+            if isinstance(ev, Stored) and direct_medium(so, ev.medium):
+                nblocks += chunk_blocks(len(ev.block_hashes), ev.block_size or 0, reg)
+            elif isinstance(ev, (Stored, Removed)):
                 nblocks += len(ev.block_hashes)
             elif isinstance(ev, PoolEvent):
                 nblocks += len(ev.hashes)
-        if not self._within_limits(nblocks, index):
+        if not weighed and not self._within_limits(nblocks, index):
+            return False
+        why = engine_batch_on_pool(self.ctx, batch)
+        if why is not None:
+            self._drop(ENGINE_BATCH_ON_POOL, why)
             return False
         self.stats.batches += 1
         if isinstance(batch, VllmBatch):
@@ -408,6 +352,8 @@ class Applier:
             blocks, parent_nf, bad_seq, oom = fb.apply(core, wid, clear)
         except Exception:
             return self._apply_general(payload, index)
+        if fb.has_clear and self.store_bound is not None:
+            self.store_bound.clear(self._clear_keys)
         stats.batches += 1
         stats.events += n
         stats.blocks += blocks
@@ -451,6 +397,9 @@ class Applier:
             except Exception as ex:
                 self._drop("apply_error", f"clear: {ex!r}")
         self.touched.clear()
+        sb = self.store_bound
+        if sb is not None:
+            sb.clear({kh[0] for kh in sb.held})
         return n
 
     # -- after a loss: keep what we have, age out what is never re-announced ---------------
@@ -502,6 +451,8 @@ class Applier:
                 stale = array("Q", [h for h in held if h not in alive])
                 if stale:
                     dropped += index.remove(key, stale)
+                    if self.store_bound is not None and key.medium.tier != 0:
+                        self.store_bound.forget(key, stale, removed=False)
             except Exception as ex:
                 self._drop("apply_error", f"age out: {ex!r}")
         self.stats.aged_out += dropped
@@ -532,6 +483,8 @@ class Applier:
                     for m in ctx.default_media:
                         key = self._key(Medium(m))
                         index.clear(key)
+                    if self.store_bound is not None:
+                        self.store_bound.clear(self._clear_keys)
             except ParentBlockNotFound as ex:
                 self._drop("parent_not_found", str(ex))
             except InvalidBlockSequence as ex:
@@ -542,7 +495,7 @@ class Applier:
     def _stored(self, index, ev: Stored) -> None:
         ctx = self.ctx
         bs = ev.block_size
-        direct = self.store_bound is not None and bool(ev.medium) and _lower_tier(ev.medium)
+        direct = direct_medium(self.store_bound is not None, ev.medium)
         # (a store-only source's chunks of whole registered blocks are split up)
         if (
             bs
@@ -618,18 +571,15 @@ class Applier:
         assert self.store_bound is not None
         ctx = self.ctx
         key = self._key(medium)
-        hashes, tokens, bs = ev.block_hashes, ev.tokens, ev.block_size
+        chunks, tokens, bs = ev.block_hashes, ev.tokens, ev.block_size
         reg = ctx.block_size
+        hashes, k = chunks, 1
         if bs and reg > 0 and bs != reg:
-            if len(tokens) != bs * len(hashes):
+            if len(tokens) != bs * len(chunks):
                 self.stats.drop("block_size_mismatch")
                 return
-            k = bs // reg
-            split = array("Q")
-            for h in hashes:
-                split.extend(sub_block_hash(h, j) for j in range(k - 1))
-                split.append(h)
-            hashes, bs = split, reg
+            k = chunk_factor(bs, reg)
+            hashes, bs = split_chunk_hashes(chunks, k), reg
         self._touch(ctx.model, ctx.tenant, key)
         if self.suspects is not None:
             self._confirm(key, hashes, ev.parent)
@@ -638,8 +588,8 @@ class Applier:
         else:
             n = index.store(key, ev.parent, hashes, hashes)
         self.stats.blocks += n
-        self.store_bound.note(key, hashes, time.monotonic())
-        if len(self.store_bound.held) > self.store_bound.capacity:
+        self.store_bound.note(key, chunks, time.monotonic(), k)
+        if self.store_bound.blocks > self.store_bound.capacity:
             self.expire_store_only()
 
     def seed_store_only(self) -> None:
@@ -655,7 +605,7 @@ class Applier:
             key = self._key(m)
             held = index.worker_hashes(key)
             if len(held):
-                self.store_bound.note(key, held, now)
+                self.store_bound.seed(key, held, now)
 
     def expire_store_only(self, now: float | None = None) -> int:
         """Evict a store-only source's blocks past their TTL or over its capacity (on
@@ -670,7 +620,7 @@ class Applier:
         n = 0
         if index is not None:
             for key, hs in due.items():
-                n += index.remove(key, array("Q", hs))  # its own blocks: no two-phase rule
+                n += index.remove(key, hs)  # its own blocks: no two-phase rule
         return n
 
     def _removed(self, index, ev: Removed) -> None:
@@ -678,13 +628,46 @@ class Applier:
             return
         medium = parse_medium(ev.medium) if ev.medium else self.hbm_medium
         key = self._key(medium)
+        sb = self.store_bound
+        if sb is not None and medium.tier != 0:
+            # a store-only source's chunk goes whole, and leaves its bound
+            index.evict(key, sb.forget(key, ev.block_hashes))
+            return
         index.evict(key, ev.block_hashes)
 
     # -- pools ---------------------------------------------------------------------------------
+    def _registered(self, infos: dict, iid: str, dp: int) -> tuple[str | None, str | None]:
+        """A DP's registered (model, tenant); ``infos``: instance_info per batch."""
+        info = infos.get(iid, infos)
+        if info is infos:
+            info = infos[iid] = self.conductor.instance_info(iid)
+        return registered_index(info, dp)
+
+    def _shared_targets(self, ev, media) -> list[tuple[str, str, WorkerKey]] | None:
+        targets, why = shared_targets(self.conductor, self.ctx, ev, media)
+        if not targets:
+            self._drop(NO_DP_OF_CONTEXT, why)
+            return None
+        return targets
+
+    def _store_shared(self, targets, hashes, now: float) -> None:
+        by_index: dict[tuple[str, str], list[WorkerKey]] = {}
+        for model, tenant, key in targets:
+            by_index.setdefault((model, tenant), []).append(key)
+            self._touch(model, tenant, key)
+            if self.suspects is not None:
+                self._confirm(key, hashes)
+        for (model, tenant), keys in by_index.items():
+            index = self.conductor.get_or_create_index(model, tenant)
+            store_shared(index, keys, hashes, now)
+        self.stats.blocks += len(hashes)
+
     def _pool_targets(self, ev, infos: dict) -> list[tuple[str, str, WorkerKey]] | None:
         ctx = self.ctx
         media = (parse_medium(ev.medium),) if ev.medium else self.pool_media
         out = []
+        if ctx.shared_store:
+            return self._shared_targets(ev, media)
         if ctx.is_pool:
             node = node_of_backend_id(ev.backend_id) if ev.backend_id else ctx.node_ip
             if not node:
@@ -695,29 +678,43 @@ class Applier:
                 # a node pool's backend_id may name the pool daemon, not the engines' node
                 node = ctx.node_ip
                 pairs = self.conductor.hbm_ip_lookup(node) or ()
+            if pairs and not ctx.node_pool:
+                routed = cluster_pool_dps(
+                    pairs,
+                    lambda iid, dp: self._registered(infos, iid, dp),
+                    ev.model_name,
+                    ev.tenant_id,
+                    ctx.model,
+                    ctx.tenant,
+                    ev.lora_name,
+                    ctx.lora_name,
+                    lambda iid, dp: registered_lora(infos.get(iid), dp),
+                )
+                if routed.reason:
+                    self._drop(
+                        routed.reason,
+                        f"{routed.detail} (event backend_id {ev.backend_id!r}, node {node})",
+                    )
+                    return None
+                for iid, dp, model, tenant in routed.dps:
+                    for m in media:
+                        out.append((model, tenant, self._key(Medium(m), iid, dp)))
+                return out
             seen = set()
             for iid, dp in pairs:
                 if (iid, dp) in seen:
                     continue
                 seen.add((iid, dp))
-                model, tenant = ev.model_name, ev.tenant_id
-                if model is None or tenant is None or ctx.node_pool:
-                    info = infos.get(iid, infos)
-                    if info is infos:
-                        info = infos[iid] = self.conductor.instance_info(iid)
-                    m0, t0 = registered_index(info, dp)
-                    if ctx.node_pool:
-                        # a node pool serves the DPs of its own (model, tenant) on its node
-                        want = (
-                            ctx.model if ev.model_name is None else ev.model_name,
-                            ctx.tenant if ev.tenant_id is None else ev.tenant_id,
-                        )
-                        if (m0, t0) != want:
-                            continue
-                    model = model if model is not None else (m0 or ctx.model)
-                    tenant = tenant if tenant is not None else (t0 or ctx.tenant)
+                # a node pool serves the DPs of its own (model, tenant) on its node
+                m0, t0 = self._registered(infos, iid, dp)
+                want = (
+                    ctx.model if ev.model_name is None else ev.model_name,
+                    ctx.tenant if ev.tenant_id is None else ev.tenant_id,
+                )
+                if (m0, t0) != want:
+                    continue
                 for m in media:
-                    out.append((model, tenant, self._key(Medium(m), iid, dp)))
+                    out.append((want[0], want[1], self._key(Medium(m), iid, dp)))
             if not out:
                 if ctx.node_pool:
                     self._drop(
@@ -762,6 +759,9 @@ class Applier:
                 if not targets:
                     continue
                 hashes = array("Q", ev.hashes)
+                if kind == STORED and self.ctx.shared_store:
+                    self._store_shared(targets, hashes, now)
+                    continue
                 indexes: dict = {}
                 for model, tenant, key in targets:
                     index = indexes.get((model, tenant))

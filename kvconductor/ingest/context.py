@@ -34,6 +34,12 @@ class SubscriberContext:
     #: A store-only engine publisher (``store_only`` of the registration): ``(ttl_secs,
     #: capacity)`` bounding the CPU/Disk blocks it announces, which it never removes.
     store_only: tuple[float, int] | None = None
+    #: A shared store (``shared_store`` of a cluster pool's registration): its blocks
+    #: belong to every DP registered in its (model, tenant) with its block size.
+    shared_store: bool = False
+    #: The LoRA adapter of the registration (``lora_name``; ``""`` the base model, None
+    #: any): a pool's context when its events name none.
+    lora_name: str | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
 

@@ -38,7 +38,13 @@ class IngestHost(Protocol):
 
     def instance_info(self, instance_id: str) -> object:
         """An instance's registration (a dict, or an object with ``model``/``tenant``;
-        :func:`~kvconductor.ingest.apply.registered_index`), or None."""
+        :func:`~kvconductor.ingest.poolroute.registered_index`), or None."""
+
+    def context_dps(
+        self, model: str, tenant: str, block_size: int, lora_name: str | None = None
+    ) -> Sequence[tuple[str, int]]:
+        """The engine (instance, DP)s registered in (model, tenant) with ``block_size``
+        (and of adapter ``lora_name``, or of any, when it is given): a shared store's."""
 
     def note_lora(self, model: str, tenant: str, seed: int) -> None:
         """Blocks of the LoRA adapter of hash seed ``seed`` were stored."""

@@ -12,6 +12,7 @@ as a Clear, and hashes take the full u64 range.
 from __future__ import annotations
 
 from array import array
+from operator import attrgetter
 from typing import NamedTuple
 
 import msgspec
@@ -19,11 +20,14 @@ import msgspec
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.keys import Medium, parse_medium
 from kvconductor.schema import (
+    CONTROL_WORDS,
+    EVENT_NAME_FIELDS,
     U32_MAX,
     EventPayload,
     KvCacheEvent,
     KvEventBatch,
     WireValueError,
+    has_control_character,
     to_u64,
 )
 
@@ -84,7 +88,25 @@ def _u32_tokens(values: list[int]) -> array:
         return array("I", [v & U32_MAX for v in values])
 
 
-def _merged_payload(ev: KvCacheEvent) -> EventPayload:
+_EVENT_NAMES = attrgetter(*(attr for attr, _ in EVENT_NAME_FIELDS))
+
+
+def _check_names(payload: EventPayload, at: int, where: str = "") -> None:
+    """Refuse an id or name of event ``at`` holding a control character (schema.EventName):
+    ``isprintable`` (C) per value, the field found and the regex run only on a hit."""
+    for v in _EVENT_NAMES(payload):
+        if v is not None and not v.isprintable():
+            for attr, wire in EVENT_NAME_FIELDS:
+                value = getattr(payload, attr)
+                if value is not None and has_control_character(value):
+                    raise EventError(
+                        f"invalid JSON request body: {CONTROL_WORDS} - at "
+                        f"`$.events[{at}]{where}.{wire}`"
+                    )
+            return
+
+
+def _merged_payload(ev: KvCacheEvent, at: int = 0) -> EventPayload:
     """The event's payload: the flat fields, overridden by a nested ``data`` object.
 
     ``data`` may be a flat payload object, a Dynamo-style one-key object
@@ -115,6 +137,7 @@ def _merged_payload(ev: KvCacheEvent) -> EventPayload:
         raise EventError(
             f"event_id={ev.event_id}: invalid data: {str(ex).replace('`$', '`$.data')}"
         ) from None
+    _check_names(inner, at, ".data")
     merged = {}
     for name in _PAYLOAD_FIELDS:
         value = getattr(inner, name)
@@ -147,11 +170,13 @@ def _event_kind(ev: KvCacheEvent, payload: EventPayload) -> int:
     )
 
 
-def normalize_event(ev: KvCacheEvent) -> EventOp:
-    """Validate one event and turn it into an :class:`EventOp`. Raises :class:`EventError`."""
+def normalize_event(ev: KvCacheEvent, at: int = 0) -> EventOp:
+    """Validate one event (number ``at`` of its batch, for the errors) and turn it into an
+    :class:`EventOp`. Raises :class:`EventError`."""
     if ev.event_id > 0xFFFFFFFFFFFFFFFF:
         raise EventError(f"event_id {ev.event_id} is out of range (u64 expected)")
-    payload = _merged_payload(ev)
+    _check_names(ev, at)
+    payload = _merged_payload(ev, at)
     kind = _event_kind(ev, payload)
     try:
         parent = payload.parent()
@@ -200,6 +225,6 @@ def normalize_event(ev: KvCacheEvent) -> EventOp:
 
 def normalize_events(batch: KvEventBatch) -> list[EventOp]:
     """Validate every event of a batch (all or nothing), stably sorted by dp_rank."""
-    ops = [normalize_event(ev) for ev in batch.events or ()]
+    ops = [normalize_event(ev, i) for i, ev in enumerate(batch.events or ())]
     ops.sort(key=lambda op: op.dp_rank)
     return ops

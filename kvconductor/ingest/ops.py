@@ -221,11 +221,23 @@ class PoolEvent:
         "medium",
         "dp_rank",
         "hashes",
+        "lora_name",
     )
 
     def __init__(
-        self, event_id, kind, type_str, model_name, tenant_id, backend_id, medium, dp_rank, hashes
+        self,
+        event_id,
+        kind,
+        type_str,
+        model_name,
+        tenant_id,
+        backend_id,
+        medium,
+        dp_rank,
+        hashes,
+        lora_name=None,
     ) -> None:
+        self.lora_name = lora_name
         self.event_id = event_id
         self.kind = kind
         self.type_str = type_str

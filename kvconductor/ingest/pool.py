@@ -13,7 +13,9 @@ are ignored. Hashes go through :func:`flex_hash`. Unlike the reference, a bad
 hash (or a field of the wrong type) drops **that event** with a counted reason,
 not the whole batch, and negative integers are read as two's-complement u64
 (the reference failed the whole batch on them; docs/events.md, "Applying"). A string
-field longer than ``NAME_MAX`` characters drops its event too (``invalid_event``).
+field longer than ``NAME_MAX`` characters, or holding a control character (NUL, newline,
+ESC...: what an id or a name may not hold on the HTTP routes either), drops its event too
+(``invalid_event``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from kvconductor.ingest.ops import (
     int_hash,
     parse_hash_str,
 )
-from kvconductor.schema import NAME_MAX
+from kvconductor.schema import NAME_MAX, has_control_character
 
 _ANY_DEC = msgspec.msgpack.Decoder()
 
@@ -74,6 +76,8 @@ def _opt_str(m: dict, key: str) -> str | None:
         raise DecodeError("invalid_event", f"{key} is {type(v).__name__}")
     if len(v) > NAME_MAX:
         raise DecodeError("invalid_event", f"{key} is longer than {NAME_MAX} characters")
+    if has_control_character(v):
+        raise DecodeError("invalid_event", f"{key} holds a control character")
     return v
 
 
@@ -113,6 +117,7 @@ def decode_pool_event(m: object) -> PoolEvent | Dropped:
             _opt_str(m, "medium"),
             dp,
             hashes,
+            _opt_str(m, "lora_name") or None,
         )
     except DecodeError as ex:
         return Dropped(ex.reason, ex.detail)

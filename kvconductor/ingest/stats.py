@@ -185,7 +185,9 @@ class Limits:
     A message over a bound is refused whole (nothing of it applied) and counted
     in the source's ``dropped``: ``message_too_large``,
     ``message_too_many_blocks`` or ``source_block_limit`` (the engine source's
-    HBM worker would hold more blocks than ``max_blocks_per_source``).
+    HBM worker, with what a store-only source's bound holds, would hold more blocks than
+    ``max_blocks_per_source``). A store-only source's chunk counts as the registered
+    blocks it stands for (:mod:`kvconductor.ingest.storeonly`).
     """
 
     __slots__ = ("max_message_bytes", "max_blocks_per_message", "max_blocks_per_source")

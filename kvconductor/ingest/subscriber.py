@@ -226,13 +226,19 @@ class Subscription:
         sb, old_sb = self.applier.store_bound, old.store_bound
         if sb is not None and old_sb is not None:
             # the blocks announced so far keep their deadlines under the new bound
-            sb.held, sb.expired, sb.evicted = old_sb.held, old_sb.expired, old_sb.evicted
+            sb.adopt(old_sb)
         self.replay_endpoint = self._replay_endpoint_of(ctx)
         self.feeds_hbm = self._feeds_hbm(ctx)
         self.tracker.replay_enabled = self.replay_endpoint is not None
 
     @property
     def last_seq(self) -> int | None:
+        """The seq of the last batch applied. ``--state-url``, a source another replica
+        consumes: the replicated cursor (the last batch the log applied here), not this
+        replica's tracker, which stopped when it last owned the source."""
+        if self.passive:
+            applied = self.replica.applied
+            return None if applied is None else applied[0]
         return self.tracker.last_seq
 
     # -- sockets (kvconductor.ingest.source) -------------------------------------------------

@@ -410,6 +410,42 @@ class _MapBatch(msgspec.Struct, array_like=True):
 
 _EVENTS_ARR = msgspec.msgpack.Decoder(list[_AStored | _ARemoved | _ACleared])
 _EVENTS_MAP = msgspec.msgpack.Decoder(list[_MStored | _MRemoved | _MCleared])
+
+
+def event_shapes(payload: bytes) -> list[tuple[bool, int, int, str | None]] | None:
+    """``(stored, block hashes, block_size, medium)`` of each BlockStored/BlockRemoved of a
+    vLLM/SGLang batch, read without converting its token ids (what a message weighs before
+    it is decoded); None when the payload is no batch of one typed form (the decoder then
+    decides)."""
+    try:
+        elems, ei, _ = split_batch(payload)
+        raw = elems[ei]
+        k = msgpack_kind(_first(raw))
+        if k != "array":
+            return None
+        first = _RAW_LIST_DEC.decode(raw)
+        if not first:
+            return []
+        k = msgpack_kind(_first(first[0]))
+        dec = _EVENTS_MAP if k == "map" else (_EVENTS_ARR if k == "array" else None)
+        if dec is None:
+            return None
+        evs = dec.decode(raw)
+    except Exception:
+        return None
+    out: list[tuple[bool, int, int, str | None]] = []
+    for ev in evs:
+        if isinstance(ev, (_ACleared, _MCleared)):
+            continue
+        hs = ev.block_hashes
+        n = len(hs) if isinstance(hs, list) else 0
+        if isinstance(ev, (_AStored, _MStored)):
+            out.append((True, n, ev.block_size or 0, ev.medium))
+        else:
+            out.append((False, n, 0, ev.medium))
+    return out
+
+
 _FAST_ARR = msgspec.msgpack.Decoder(_ArrBatch)
 _FAST_MAP = msgspec.msgpack.Decoder(_MapBatch)
 

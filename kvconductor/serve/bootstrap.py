@@ -68,6 +68,9 @@ class Supervisor(Protocol):
     restarts: int
     shared: Any
 
+    @property
+    def heartbeat_kills(self) -> int: ...
+
     def live_workers(self) -> int: ...
 
     def info(self) -> dict[str, Any]: ...
@@ -173,12 +176,24 @@ class Service:
         if settings.load_dump:
             try:
                 _warm_start(conductor, settings.load_dump)
-            except (OSError, ValueError) as ex:
-                log.error("cannot load dump %s: %s", settings.load_dump, ex)
+            except Exception as ex:  # one line, never a traceback
+                why = ex if isinstance(ex, OSError | ValueError) else f"{type(ex).__name__}: {ex}"
+                log.error(
+                    "cannot load dump %s: %s (fix or remove --load-dump to start)",
+                    settings.load_dump,
+                    why,
+                )
                 conductor.stop(STOP_SECS)
                 return False
         if settings.snapshot_warning:
             log.warning("%s", settings.snapshot_warning)
+        elif not (settings.snapshot_dir or settings.state_url or settings.load_dump):
+            log.info(
+                "no snapshots (snapshots=off): registrations and indexes are kept in memory "
+                "only; after a restart they are gone until the Coordinator registers again, "
+                "and cluster pools (Mooncake/Memcache), which it does not register again, "
+                "until it restarts"
+            )
         if settings.snapshot_dir and not self._start_snapshots(conductor):
             conductor.stop(STOP_SECS)
             return False
@@ -410,9 +425,10 @@ def _warm_start(conductor: Conductor, path: str) -> None:
             s["content"],
         )
     log.info(
-        "warm start from %s: registrations=%d indexes=%d in %.3fs",
+        "warm start from %s: registrations=%d indexes=%d skipped=%d in %.3fs",
         path,
-        loaded["registrations"],
+        loaded["registrations"] - loaded["skipped"],
         loaded["indexes"],
+        loaded["skipped"],
         time.monotonic() - t0,
     )

@@ -267,7 +267,8 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         help="with --workers N: a worker still inside a read of the shared index this many "
         "ms after the ingest thread started waiting for it is stalled (stopped, frozen, "
         "swapping): the other workers' queries go on, the stalled worker is killed and "
-        "restarted (default 500; 0: wait for it without bound)",
+        "restarted; a worker that does not answer the owner's heartbeat for this long "
+        "(at least 500 ms) is too (default 500; 0: wait for either without bound)",
     )
     p.add_argument(
         "--maintenance-interval-secs",
@@ -333,14 +334,15 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "--max-blocks-per-message",
         type=_int_in(1, 2**32 - 1),
         default=1_000_000,
-        help="a message storing or removing more blocks is refused and counted (default 1000000)",
+        help="a message storing or removing more blocks (a store-only chunk counts as the "
+        "blocks it stands for) is refused and counted (default 1000000)",
     )
     p.add_argument(
         "--max-blocks-per-source",
         type=_int_in(1, 2**32 - 1),
         default=4_000_000,
-        help="an engine source's HBM blocks at most; messages that would pass it "
-        "are refused and counted (default 4000000)",
+        help="an engine source's HBM blocks (and a store-only source's CPU/Disk blocks) at "
+        "most; messages that would pass it are refused and counted (default 4000000)",
     )
     p.add_argument(
         "--max-sources",
@@ -468,7 +470,9 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "--snapshot-interval-secs",
         type=_secs,
         default=60,
-        help="seconds between snapshots (default 60; 0: only at shutdown)",
+        help="seconds between snapshots (default 60; 0: only at shutdown); with a "
+        "snapshot directory one is also written about a second after each registration "
+        "change (not with 0)",
     )
     p.add_argument(
         "--state-url",

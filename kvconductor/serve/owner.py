@@ -6,10 +6,10 @@ serves nothing itself. What the processes are and how they share the index:
 docs/design.md, "Processes"; the workers' way to the owner: :mod:`kvconductor.serve.proxy`;
 their metrics: :mod:`kvconductor.serve.workermetrics`.
 
-**The owner's private directory** (:func:`make_private_dir`): its UNIX sockets live in a
-fresh temporary directory (``kv-conductor-<pid>-*``, mode 0700, removed at exit); the
-directories of owners killed before they could remove theirs are removed by the next
-owner that starts (:func:`remove_stale_private_dirs`).
+**The port and the private directory**: the owner holds the public port bound (never
+listening) and the port's lock (:mod:`kvconductor.serve.portlock`: a second ``--workers``
+server on the same port refuses to start), and its UNIX sockets live in a private
+directory (:mod:`kvconductor.serve.privatedir`).
 
 **Supervision** (:class:`Owner`, on the owner's main thread's event loop): a worker that
 exits is logged (WARN), :data:`on_worker_exit` is called, and it is spawned again after a
@@ -17,11 +17,13 @@ back-off (1 s doubling to 30 s; back to 1 s once a worker stayed up 60 s). With 
 worker listening, starting or due within :data:`RESPAWN_ALL_DOWN`, the back-off is cut to
 that (1 s), so the public port is never without a listener for long. A worker the ingest
 thread killed for stalling the shared lock (``--reader-stall-ms``: the lock's stall log,
-:meth:`Owner.check_stalls`, logs each stall at WARN) is restarted after 1 s, its back-off
-unchanged. Each worker holds one end of a socket pair with the owner: it writes one byte
-when it listens (the owner logs ``worker-3 pid=1234 ready``) and exits at once (status 1)
-when the owner's end closes, i.e. when the owner is gone, even by SIGKILL
-(``PR_SET_PDEATHSIG`` sends it SIGTERM too, on Linux).
+which :mod:`kvconductor.serve.stalls` logs at WARN), or one the owner killed for not
+answering its heartbeat (:mod:`kvconductor.serve.heartbeat`: stopped or frozen outside
+a read), is restarted after 1 s, its back-off unchanged. Each worker holds one end of a
+socket pair with the owner: it writes one byte when it listens (the owner logs
+``worker-3 pid=1234 ready``), answers the owner's pings from its event loop, and exits
+at once (status 1) when the owner's end closes, i.e. when the owner is gone, even by
+SIGKILL (``PR_SET_PDEATHSIG`` sends it SIGTERM too, on Linux).
 
 **Shutdown**: SIGTERM/SIGINT to the owner asks every worker to stop (a message on its
 socket pair; a worker signalled directly too, by a terminal's Ctrl-C or systemd, drains
@@ -34,7 +36,6 @@ close their connections at once.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -44,7 +45,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -53,10 +53,13 @@ from typing import Any
 import msgspec
 import uvicorn
 
-from kvconductor._shlock import owner_alive, proc_stamp
 from kvconductor.http.metrics import Sample
 from kvconductor.logs import set_process_role
 from kvconductor.serve.bootstrap import StartFailed, build_service
+from kvconductor.serve.heartbeat import INTERVAL as HEARTBEAT_INTERVAL
+from kvconductor.serve.heartbeat import PONG, Heartbeat, Watch
+from kvconductor.serve.portlock import PortInUse, PortLock
+from kvconductor.serve.privatedir import make_private_dir
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.single import (
     GRACEFUL_SECS,
@@ -66,6 +69,7 @@ from kvconductor.serve.single import (
     report_bind_error,
     uvicorn_config,
 )
+from kvconductor.serve.stalls import RECENT_STALLS, StallLog
 from kvconductor.serve.worker import FORCE, READY, STOP, settings_json
 from kvconductor.serve.workermetrics import fetch_query_samples
 
@@ -79,17 +83,6 @@ RESPAWN_RESET = 60.0
 #: With no worker listening, the next start is at most this far away (seconds) whatever
 #: the back-off, so the public port refuses connections for about this plus a start-up.
 RESPAWN_ALL_DOWN = 1.0
-#: While the ingest thread waits for a stalled reader that is not dead (not killable,
-#: or not dying), a WARN this often (seconds).
-STALL_NAG_SECS = 5.0
-#: Stalls kept for ``/workers`` (``processes.shared_lock.recent_stalls``).
-RECENT_STALLS = 16
-#: The owner's private directory: ``<tmp>/kv-conductor-<pid>-<random>`` (mode 0700).
-PRIVATE_PREFIX = "kv-conductor-"
-#: In it: "<pid> <start stamp>" of the owner, so a later owner can tell it is stale.
-OWNER_FILE = "owner.pid"
-#: A directory of an older version (no pid in its name) is judged only this old (seconds).
-LEGACY_DIR_AGE = 60.0
 #: Seconds past GRACEFUL_SECS the owner waits for its workers to stop before SIGKILL.
 STOP_MARGIN = 2.0
 #: Keep-alive of the owner's UNIX-socket connections (the workers' pools).
@@ -100,100 +93,6 @@ WORKER_MODULE = "kvconductor.serve.worker"
 #: (Owner) callbacks called with the pid of a worker that exited (any cause), on the
 #: owner's main thread, before it is spawned again. An exception is logged and ignored.
 on_worker_exit: list[Callable[[int], None]] = []
-
-#: Process states of ``/proc/<pid>/stat`` (field 3), for the stall lines.
-_STATES = {
-    "R": "running",
-    "S": "sleeping",
-    "D": "uninterruptible sleep",
-    "T": "stopped",
-    "t": "traced",
-    "Z": "zombie",
-    "X": "dead",
-    "I": "idle",
-}
-
-
-def _proc_state(pid: int) -> str:
-    """The state letter of ``pid`` now (``?`` when it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return "?"
-    return stat[stat.rindex(b")") + 2 :][:1].decode("ascii", "replace") or "?"
-
-
-def _stale(path: str, name: str, mtime: float) -> bool:
-    """Whether the private directory ``path`` (``name``, modified at ``mtime``) of an
-    owner is stale: its owner (``kv-conductor-<pid>-...``, with ``owner.pid`` holding pid
-    and start stamp) is no longer running; for a directory of an older version (no pid
-    in its name), nothing listens on its ``owner.sock`` any more and it is older than
-    :data:`LEGACY_DIR_AGE` (an owner starting now binds its socket before it listens)."""
-    rest = name[len(PRIVATE_PREFIX) :]
-    pid_text, sep, _ = rest.partition("-")
-    if sep and pid_text.isdigit():
-        pid = int(pid_text)
-        stamp = 0
-        with contextlib.suppress(OSError, ValueError):
-            with open(os.path.join(path, OWNER_FILE)) as f:
-                fpid, fstamp = f.read().split()
-            if int(fpid) == pid:
-                stamp = int(fstamp)
-        # no owner file yet: a starting owner, judged by its pid alone
-        return not owner_alive(pid, stamp)
-    sock_path = os.path.join(path, "owner.sock")
-    if not os.path.exists(sock_path) or time.time() - mtime < LEGACY_DIR_AGE:
-        return False  # not ours to judge, or too young to tell
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(1.0)
-        try:
-            s.connect(sock_path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return True
-        except OSError:
-            return False
-    return False
-
-
-def remove_stale_private_dirs(base: str | None = None) -> list[str]:
-    """Remove the private directories (``kv-conductor-*``, this user's) that owners
-    killed without a chance to clean up left in ``base`` (default: the temporary
-    directory); returns their paths."""
-    base = base or tempfile.gettempdir()
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(base))
-    except OSError:
-        return removed
-    uid = os.getuid()
-    for entry in entries:
-        if not entry.name.startswith(PRIVATE_PREFIX):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if not entry.is_dir(follow_symlinks=False) or st.st_uid != uid:
-            continue
-        if _stale(entry.path, entry.name, st.st_mtime):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            if not os.path.exists(entry.path):
-                removed.append(entry.path)
-    return removed
-
-
-def make_private_dir() -> str:
-    """The owner's private directory for its UNIX sockets: stale ones of dead owners
-    removed first, then ``<tmp>/kv-conductor-<pid>-<random>`` (mode 0700) with
-    ``owner.pid``."""
-    for path in remove_stale_private_dirs():
-        log.info("removed stale directory %s (its owner process is gone)", path)
-    pid = os.getpid()
-    path = tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{pid}-")  # mode 0700
-    with open(os.path.join(path, OWNER_FILE), "w") as f:
-        f.write(f"{pid} {proc_stamp(pid)}\n")
-    return path
 
 
 @dataclasses.dataclass
@@ -210,6 +109,8 @@ class _Slot:
     restarts: int = 0
     #: When its pending start is due (monotonic seconds; 0: none pending).
     due: float = 0.0
+    #: Its process's pings (from READY on; None before).
+    heartbeat: Heartbeat | None = None
 
     @property
     def name(self) -> str:
@@ -252,12 +153,9 @@ class Owner:
         self._settings_json = settings_json(dataclasses.replace(settings, host=host, port=port))
         # stalled readers of the shared lock (main thread; the deque read by /workers)
         self._names: dict[int, str] = {}  # pid -> worker name, of every worker started
-        self._stall_seq = 0  # last entry of the lock's stall log logged
-        self._stall_killed: dict[int, dict[str, Any]] = {}  # pid -> its stall, killed
-        self._recent_stalls: collections.deque[dict[str, Any]] = collections.deque(
-            maxlen=RECENT_STALLS
-        )
-        self._stall_nagged = 0.0
+        self.stalls = StallLog(shared, settings.reader_stall_ms, self._names)
+        #: Workers stopped or frozen outside a read: pinged, killed when silent.
+        self.heartbeat = Watch(settings.reader_stall_ms, self._on_control)
 
     # -- spawning (main thread only: PR_SET_PDEATHSIG follows the spawning thread)
 
@@ -295,6 +193,7 @@ class Owner:
         child.close()
         parent.setblocking(False)
         slot.proc, slot.control, slot.started, slot.ready = proc, parent, time.monotonic(), False
+        slot.heartbeat = None
         self._names[proc.pid] = slot.name
         if len(self._names) > 4 * len(self.slots) + RECENT_STALLS:
             for pid in list(self._names)[: len(self._names) // 2]:
@@ -321,8 +220,11 @@ class Owner:
         if not data:  # the worker is gone; supervise() reaps it
             self._close_control(slot)
             return
+        if PONG in data and slot.heartbeat is not None:
+            slot.heartbeat.answered(data.count(PONG))
         if READY in data and not slot.ready and slot.proc is not None:
             slot.ready = True
+            slot.heartbeat = Heartbeat()
             with self._lock:
                 self._live[slot.proc.pid] = (slot.name, slot.proc.pid, slot.metrics_path)
             log.info(
@@ -344,72 +246,11 @@ class Owner:
 
     async def supervise(self) -> None:
         while True:
-            self.check_stalls()
+            self.stalls.check()
+            if not self.stopping:
+                self.heartbeat.check(self.slots, time.monotonic())
             self.reap()
-            await asyncio.sleep(0.1)
-
-    def check_stalls(self) -> None:
-        """Log what the ingest thread did about readers of the shared lock stalled past
-        ``--reader-stall-ms`` (the lock's stall log), and keep reminding while it still
-        waits for one that is not dead."""
-        if self.shared is None:
-            return
-        lock = self.shared.lock
-        for e in lock.stall_log(after=self._stall_seq):
-            self._stall_seq = e["seq"]
-            pid = e["pid"]
-            name = self._names.get(pid, "reader")
-            row = {
-                "worker": name,
-                "pid": pid,
-                "waited_ms": round(e["waited_s"] * 1000, 1),
-                "state": e["state"],
-                "killed": e["killed"],
-                "ts": time.time(),
-            }
-            with self._lock:
-                self._recent_stalls.append(row)
-            if e["killed"]:
-                self._stall_killed[pid] = row
-                what = "killed it (SIGKILL); the other workers' queries went on"
-            else:
-                what = (
-                    "it is no worker process of this owner and is not killed: queries go "
-                    "on, events wait until it leaves its read section"
-                )
-            log.warning(
-                "%s pid=%d held a read section of the shared index for %d ms (process state "
-                "%s, %s) while the ingest thread waited (--reader-stall-ms %d); %s",
-                name,
-                pid,
-                int(e["waited_s"] * 1000),
-                e["state"],
-                _STATES.get(e["state"], "unknown"),
-                self.settings.reader_stall_ms,
-                what,
-            )
-        cur = lock.stalling()
-        now = time.monotonic()
-        if (
-            cur is not None
-            and cur["seconds"] >= STALL_NAG_SECS
-            and now - self._stall_nagged >= STALL_NAG_SECS
-        ):
-            self._stall_nagged = now
-            pid = cur["pid"]
-            state = _proc_state(pid)
-            killed = " after SIGKILL" if pid in self._stall_killed else ""
-            log.warning(
-                "the ingest thread has waited %.0fs for %s pid=%d to leave its read "
-                "section of the shared index (process state %s, %s%s); queries go on, "
-                "events wait",
-                cur["seconds"],
-                self._names.get(pid, "reader"),
-                pid,
-                state,
-                _STATES.get(state, "unknown"),
-                killed,
-            )
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
 
     def reap(self) -> None:
         for slot in self.slots:
@@ -438,18 +279,21 @@ class Owner:
         if self.stopping:
             log.info("%s pid=%d stopped (%s)", slot.name, proc.pid, how)
             return
-        self.check_stalls()  # a stall kill logged before the exit it caused
-        stalled = self._stall_killed.pop(proc.pid, None) is not None and code == -signal.SIGKILL
+        self.stalls.check()  # a stall kill logged before the exit it caused
+        stalled = self.stalls.reaped(proc.pid, code)
+        silenced = self.heartbeat.reaped(proc.pid, code)
         if time.monotonic() - slot.started >= RESPAWN_RESET:
             slot.backoff = RESPAWN_FIRST
-        # killed for stalling the shared index: no crash, its back-off stays as it was
-        delay = self._respawn_delay(slot, RESPAWN_FIRST if stalled else None)
-        if stalled:
+        # killed for stalling the shared index or for its silence: no crash, its back-off
+        # stays as it was
+        delay = self._respawn_delay(slot, RESPAWN_FIRST if stalled or silenced else None)
+        if stalled or silenced:
             log.warning(
-                "%s pid=%d exited (%s, killed for stalling the shared index); restarting it in %gs",
+                "%s pid=%d exited (%s, killed for %s); restarting it in %gs",
                 slot.name,
                 proc.pid,
                 how,
+                "stalling the shared index" if stalled else "not answering the owner's heartbeat",
                 delay,
             )
         else:
@@ -612,6 +456,10 @@ class Owner:
 
     # -- metrics (any thread: /metrics scrapes run in a worker thread)
 
+    @property
+    def heartbeat_kills(self) -> int:
+        return self.heartbeat.kills
+
     def live_workers(self) -> int:
         with self._lock:
             return len(self._live)
@@ -632,33 +480,18 @@ class Owner:
                     else ("ready" if slot.ready else "starting"),
                     "up_s": round(now - slot.started, 1) if proc is not None else None,
                     "restarts": slot.restarts,
+                    "silent_ms": None
+                    if proc is None or slot.heartbeat is None
+                    else round(slot.heartbeat.silent(now) * 1000, 1),
                 }
             )
-        doc: dict[str, Any] = {"workers": workers, "restarts": self.restarts}
+        doc: dict[str, Any] = {
+            "workers": workers,
+            "restarts": self.restarts,
+            "heartbeat": self.heartbeat.info(),
+        }
         if self.shared is not None:
-            st = self.shared.stats()
-            hist = self.shared.wait_histogram()
-            stall_ms, _ = self.shared.lock.stall_policy()
-            cur = self.shared.lock.stalling()
-            with self._lock:
-                recent = [dict(r) for r in self._recent_stalls]
-            doc["shared_lock"] = {
-                "reader_stall_ms": stall_ms,
-                "write_sections": hist["count"],
-                "writer_wait_seconds": round(hist["sum"], 6),
-                "writer_waits": st["writer_waits"],
-                "stalled_readers": st["stalled_readers"],
-                "readers_killed": st["readers_killed"],
-                "reclaimed_reader_slots": st["reclaimed_reader_slots"],
-                "stalling": None
-                if cur is None
-                else {
-                    "worker": self._names.get(cur["pid"], "reader"),
-                    "pid": cur["pid"],
-                    "seconds": round(cur["seconds"], 3),
-                },
-                "recent_stalls": recent,
-            }
+            doc["shared_lock"] = self.stalls.info()
         return doc
 
     def worker_query_samples(self) -> list[list[Sample]]:
@@ -704,11 +537,12 @@ class _Ports:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.port_sock: socket.socket | None = None
+        self.port_lock: PortLock | None = None
         self.tmpdir: str | None = None
 
     def supervise(self, shared: Any) -> Owner:
-        """Bind the public port (held, never listened on), make the private directory,
-        and the :class:`Owner` over them (``build_service``'s ``supervise``)."""
+        """Bind the public port (held, never listened on), take its lock, make the private
+        directory, and the :class:`Owner` over them (``build_service``'s ``supervise``)."""
         settings = self.settings
         try:
             self.port_sock = bind_socket(
@@ -722,6 +556,12 @@ class _Ports:
             host = "0.0.0.0"
         port = self.port_sock.getsockname()[1]
         try:
+            self.port_lock = PortLock.acquire(port)
+        except (PortInUse, OSError) as ex:
+            log.error("%s", ex)
+            print(f"kv-conductor: error: {ex}", file=sys.stderr)
+            raise StartFailed(str(ex)) from None
+        try:
             self.tmpdir = make_private_dir()
         except OSError as ex:
             log.error("cannot create the owner's private directory: %s", ex)
@@ -733,6 +573,8 @@ class _Ports:
     def close(self) -> None:
         if self.port_sock is not None:
             self.port_sock.close()
+        if self.port_lock is not None:
+            self.port_lock.close()
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 

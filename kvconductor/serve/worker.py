@@ -16,7 +16,8 @@ socket (:class:`kvconductor.serve.proxy.Forwarder`).
 **What a worker inherits**: the shared arena's and lock's descriptors (``--shared-fds
 5,7``, :meth:`kvconductor.serve.owner.Owner.shared_fds`), one end of a socket pair with
 the owner (``--control-fd``: :data:`READY` once it listens; :data:`STOP` and
-:data:`FORCE` from the owner; the owner's end closing ends the worker at once) and the
+:data:`FORCE` from the owner; the owner's pings, answered from the event loop
+(:mod:`kvconductor.serve.heartbeat`); the owner's end closing ends the worker at once) and the
 settings it needs as JSON (``--settings``, :func:`settings_json`: never the API key, the
 owner checks it).
 """
@@ -24,6 +25,7 @@ owner checks it).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -40,6 +42,7 @@ import uvicorn
 
 from kvconductor.logs import set_process_role
 from kvconductor.serve.bootstrap import StartFailed, build_service
+from kvconductor.serve.heartbeat import PING, PONG
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.single import (
     KvServer,
@@ -100,6 +103,8 @@ class WorkerServer(KvServer):
         self.on_started = on_started
         #: Set by the owner link when the owner asked this worker to stop.
         self.owner_stop = False
+        #: The loop serving the connections (set at startup): answers the owner's pings.
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._signal_after_owner = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -113,6 +118,7 @@ class WorkerServer(KvServer):
         super().handle_exit(sig, frame)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started:
             self.on_started()
@@ -141,6 +147,12 @@ class _OwnerLink:
         with contextlib.suppress(OSError):
             self.control.send(READY)
 
+    def _pong(self, n: int) -> None:
+        """Answer ``n`` pings of the owner (on the event loop: a loop that does not run
+        does not answer)."""
+        with contextlib.suppress(OSError):
+            self.control.send(PONG * n)
+
     def _watch(self) -> None:
         """Exit at once (status 1) when the owner's end closes; stop on its request."""
         while True:
@@ -155,6 +167,10 @@ class _OwnerLink:
                 logging.shutdown()
                 os._exit(1)
             server = self.server
+            loop = server.loop if server is not None else None
+            if PING in data and loop is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: stopping
+                    loop.call_soon_threadsafe(self._pong, data.count(PING))
             if server is None:  # still starting: nothing to drain
                 if STOP in data or FORCE in data:
                     log.info("stop requested by the owner while starting")

@@ -42,6 +42,9 @@ class Supervisor(Protocol):
 
     def live_workers(self) -> int: ...
 
+    @property
+    def heartbeat_kills(self) -> int: ...
+
 
 #: The shared index's metrics: (family, name, help, key of SharedIndexes.stats()).
 _SHARED_METRICS = (
@@ -92,7 +95,8 @@ _SHARED_METRICS = (
 
 
 class WorkerCollector(Collector):
-    """``kvconductor_worker_processes``, ``kvconductor_worker_restarts_total`` and the
+    """``kvconductor_worker_processes``, ``kvconductor_worker_restarts_total``,
+    ``kvconductor_worker_heartbeat_kills_total`` and the
     shared index's ``kvconductor_shared_*``."""
 
     def __init__(self, owner: Supervisor) -> None:
@@ -111,6 +115,12 @@ class WorkerCollector(Collector):
             "kvconductor_worker_restarts",
             "Worker processes started again after one exited",
             value=self.owner.restarts,
+        )
+        yield CounterMetricFamily(
+            "kvconductor_worker_heartbeat_kills",
+            "Worker processes killed (SIGKILL) for not answering the owner's heartbeat "
+            "(stopped or frozen outside a read of the shared index)",
+            value=self.owner.heartbeat_kills,
         )
         shared = self.owner.shared
         if shared is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import errno
 import logging
 import time
 from collections.abc import Callable
@@ -89,6 +90,7 @@ __all__ = [
     "InstanceNotRegistered",
     "RegistrationError",
     "RegistrationUnavailable",
+    "SKIP_REASONS",
 ]
 
 
@@ -125,8 +127,22 @@ class ConductorConfig:
 # ---------------------------------------------------------------------------------------
 
 
+#: Why a registration of a loaded snapshot or dump was skipped
+#: (:mod:`kvconductor.state.restore`): the current flags refuse its URLs
+#: (``--endpoint-networks``, ``--allow-ipc-endpoints``, ``--allow-bind-endpoints``, or any
+#: other validation), ``--max-sources`` is reached, or a subscription cannot be opened now
+#: (a bind-mode port in use, no file descriptor).
+SKIP_REASONS = ("refused", "max_sources", "unavailable")
+
+
 class RegistrationUnavailable(RuntimeError):
-    """A registration the server cannot take now (HTTP 503); nothing was changed."""
+    """A registration the server cannot take now (HTTP 503); nothing was changed.
+    :attr:`reason`: ``max_sources`` (the ``--max-sources`` limit) or ``unavailable``
+    (a subscription cannot be opened now: a bind-mode port in use, no file descriptor)."""
+
+    def __init__(self, message: str, reason: str = "unavailable") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class StateUnavailable(RuntimeError):
@@ -458,6 +474,9 @@ class Conductor:
         #: Two-phase entries expired unmatched (ingest thread; metrics): engine offloads no
         #: pool confirmed, pool confirmations no engine offload came for.
         self.expired = {"offload": 0, "pool_confirmation": 0}
+        #: Registrations of a loaded snapshot or dump skipped, by reason (ingest thread;
+        #: metrics; :mod:`kvconductor.state.restore`).
+        self.skipped_registrations = dict.fromkeys(SKIP_REASONS, 0)
         self._expiry_warned: dict[tuple[str, str, str], float] = {}
         #: The last WARN+ records of the process's ``kvconductor`` loggers (``/workers``),
         #: collected between start() and stop().
@@ -631,6 +650,13 @@ class Conductor:
         """(instance_id, dp_rank) pairs registered with HBM endpoints on ``ip``."""
         return self.registry.hbm_ip_lookup(ip)
 
+    def context_dps(
+        self, model: str, tenant: str, block_size: int, lora_name: str | None = None
+    ) -> list[tuple[str, int]]:
+        """The engine (instance, DP)s registered in (model, tenant) with ``block_size``
+        (and of adapter ``lora_name``, or of any, when it is given)."""
+        return self.registry.context_dps(model, tenant, block_size, lora_name)
+
     def instance_info(self, instance_id: str) -> dict[str, object] | None:
         """Registered model/tenant/block_size/store_backend/endpoints of an instance."""
         entry = self.registry.get(instance_id)
@@ -702,6 +728,7 @@ class Conductor:
             )
         self.get_or_create_index(out.model_name, out.tenant_id)
         self._registrations_changed()
+        self._follow()
         if out.drop_from is not None:
             self._reclaim(out.drop_from)
         if out.replay is not None and out.replay.url in opened:
@@ -745,7 +772,7 @@ class Conductor:
                 f"{self.config.max_sources} are in use (--max-sources)"
             )
             log.warning("registration refused instance_id=%s dp_rank=%d: %s", iid, dp, msg)
-            raise RegistrationUnavailable(msg)
+            raise RegistrationUnavailable(msg, "max_sources")
         if out.reregistered:
             log.info("re-registering existing worker instance_id=%s dp_rank=%d", iid, dp)
         if not out.contexts and not current:
@@ -755,9 +782,11 @@ class Conductor:
             opened = self.subs.replace(iid, dp, out.contexts)
         except (zmq.ZMQError, OSError) as ex:
             self.registry.restore_dp(saved)
-            msg = (
-                f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. "
+            msg = f"cannot open a ZeroMQ subscription now ({ex}); nothing was registered. " + (
                 "Raise the process's open-file limit or lower --max-sources"
+                if ex.errno in (errno.EMFILE, errno.ENFILE)
+                else "Check the endpoint (a bind-mode port may be in use by another process) "
+                "and register again"
             )
             log.error("registration rolled back instance_id=%s dp_rank=%d: %s", iid, dp, msg)
             raise RegistrationUnavailable(msg) from None
@@ -775,6 +804,7 @@ class Conductor:
             log.info("unregister: instance not found instance_id=%s", req.instance_id)
             return False
         self._registrations_changed()
+        self._follow()
         for ip in out.ips_removed:
             log.info(
                 "HBM IP removed from index ip=%s instance_id=%s dp_rank=%d",
@@ -782,22 +812,33 @@ class Conductor:
                 req.instance_id,
                 req.dp_rank,
             )
-        dropped = 0
-        if out.index_key is not None:
-            idx = self.indexes.get(out.index_key)
-            if idx is not None:
-                dropped = idx.remove_dp(req.instance_id, req.dp_rank)
-            self._reclaim(out.index_key)
+        # Every index, not only the registered one: a pool event naming another (model,
+        # tenant) credits the DP there (issue 36: it kept appearing in those answers, and
+        # registered again its old and new blocks added up).
+        per_index = self._remove_dp_everywhere(req.instance_id, req.dp_rank)
+        for key in {*per_index, *(() if out.index_key is None else (out.index_key,))}:
+            self._reclaim(key)
+        others = {k: v for k, v in per_index.items() if k != out.index_key}
         log.info(
             "worker unregistered instance_id=%s dp_rank=%d subscribers_stopped=%d blocks=%d "
-            "instance_removed=%s",
+            "instance_removed=%s%s",
             req.instance_id,
             req.dp_rank,
             n,
-            dropped,
+            sum(per_index.values()),
             out.instance_removed,
+            "".join(f" blocks[{m}/{t}]={v}" for (m, t), v in sorted(others.items())),
         )
         return True
+
+    def _remove_dp_everywhere(self, instance_id: str, dp_rank: int) -> dict[tuple[str, str], int]:
+        """Drop (instance, DP)'s blocks and pending waits from every index holding a worker
+        of it; the blocks removed per index (O(indexes))."""
+        out: dict[tuple[str, str], int] = {}
+        for key, idx in list(self.indexes.items()):
+            if idx.workers_of(instance_id, dp_rank):
+                out[key] = idx.remove_dp(instance_id, dp_rank)
+        return out
 
     def note_lora(self, model: str, tenant: str, seed: int) -> None:
         """An event stored blocks of the LoRA adapter of hash seed ``seed`` (ingest thread)."""
@@ -817,6 +858,13 @@ class Conductor:
         self.registrations = self.registry.registrations
         if changed:
             self._directory_changed()
+
+    def _follow(self) -> None:
+        """A registration changed: the snapshot writer (``--snapshot-dir``) writes one
+        within about a second (coalesced), so a restart keeps it even before the next
+        periodic snapshot."""
+        if self.snapshotter is not None:
+            self.snapshotter.nudge()
 
     def _reclaim(self, key: tuple[str, str]) -> bool:
         """Drop the index of ``key`` if it is empty and no registration refers to it."""

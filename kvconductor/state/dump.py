@@ -114,6 +114,8 @@ def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
             if ep.store_only is None
             else StoreOnly(ttl_secs=ep.store_only[0], capacity=ep.store_only[1])
         ),
+        shared_store=ep.shared_store or None,
+        lora_name=ep.lora_name,
     )
     doc: JSONObject = msgspec.to_builtins(req)
     return doc
@@ -447,12 +449,18 @@ def load_dump(conductor: Conductor, chunks: Iterable[bytes]) -> dict[str, int]:
     """Load a dump into ``conductor`` (ingest thread, or before it starts serving):
     the sources' sequence cursors (each subscription the registrations open resumes
     from its cursor: its replay starts there), registrations through
-    :meth:`Conductor.register`, then each index restored into a fresh index. Returns
-    ``{"registrations": n, "indexes": k, "sources": s}``. ``ValueError`` naming the
+    :meth:`Conductor.register`, then each index restored into a fresh index. A
+    registration the current flags refuse or that cannot be opened now is skipped
+    (:mod:`kvconductor.state.restore`: one WARN, a count) and its blocks dropped. Returns
+    ``{"registrations": n, "indexes": k, "sources": s, "skipped": m}`` (``n`` the
+    registration records read, ``m`` of them skipped). ``ValueError`` naming the
     problem for an unknown format or version, a truncated, corrupt or inconsistent dump;
     the conductor may then hold part of it (:func:`verify` first to avoid that)."""
+    from kvconductor.state import restore
+
     recs, digest, _, version = _open(chunks)
     counts = {"sources": 0, "registrations": 0, "indexes": 0}
+    skipped: list[restore.Skipped] = []
     resume = conductor.subs.resume
     try:
         for r in recs:
@@ -467,7 +475,7 @@ def load_dump(conductor: Conductor, chunks: Iterable[bytes]) -> dict[str, int]:
                 )
                 counts["sources"] += 1
             elif kind == "registration":
-                conductor.register(msgspec.convert(rec["request"], RegisterRequest))
+                restore.register(conductor, rec["request"], skipped)
                 counts["registrations"] += 1
             elif kind == "index":
                 key = (rec["model"], rec["tenant"])
@@ -482,9 +490,10 @@ def load_dump(conductor: Conductor, chunks: Iterable[bytes]) -> dict[str, int]:
                 _check_end(rec, version, digest, counts)
                 if next(recs, None) is not None:
                     raise ValueError("dump has records after its end record")
+                restore.drop_skipped(conductor, skipped)
                 # store-only DPs' restored CPU/Disk blocks: under their bound from now on
                 conductor.subs.seed_store_only()
-                return counts
+                return {**counts, "skipped": len(skipped)}
             else:
                 raise ValueError(f"unexpected dump record {kind!r}")
     finally:

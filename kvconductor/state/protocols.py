@@ -163,6 +163,9 @@ class Snapshots(Protocol):
 
     def start(self) -> None: ...
 
+    def nudge(self) -> None:
+        """A registration changed: write a snapshot soon (any thread; coalesced)."""
+
     def stop(self, final: bool = True) -> None: ...
 
 

@@ -188,6 +188,10 @@ class EndpointInfo:
     node_ip: str | None = None
     #: ``(ttl_secs, capacity)`` of a store-only engine publisher (``store_only``).
     store_only: tuple[float, int] | None = None
+    #: A cluster pool shared by every DP of its (model, tenant) and block size.
+    shared_store: bool = False
+    #: The LoRA adapter of the registration (``lora_name``; None: any).
+    lora_name: str | None = None
 
     @property
     def backend(self) -> StoreBackend:
@@ -215,6 +219,8 @@ class EndpointInfo:
                 "node_ip": self.node_ip,
                 "serves": [{"instance_id": i, "dp_rank": r} for i, r in serves or ()],
             }
+        elif self.shared_store:
+            d["pool"] = {"kind": "shared"}
         elif self.is_pool:
             d["pool"] = {"kind": "cluster"}
         return d
@@ -267,6 +273,7 @@ class WorkerEntry:
                     "node_pool": ep.node_pool,
                     "node_ip": ep.node_ip,
                     "node_id": ep.node_id,
+                    "lora_name": ep.lora_name,
                 }
                 for dp, ep in self.endpoints.items()
             },
@@ -349,6 +356,24 @@ class Registry:
             return None
         ep = entry.endpoints.get(dp_rank)
         return ep.index_key if ep is not None else (entry.model_name, entry.tenant_id)
+
+    def context_dps(
+        self, model: str, tenant: str, block_size: int, lora_name: str | None = None
+    ) -> list[tuple[str, int]]:
+        """The engine (instance, DP)s (not pools) registered in (model, tenant) with
+        ``block_size`` and of adapter ``lora_name`` (None: the base model) or registered
+        without one: a shared store's DPs (O(registered DPs))."""
+        out = []
+        for iid, entry in self.instances.items():
+            for dp, ep in entry.endpoints.items():
+                if (
+                    not ep.is_pool
+                    and ep.block_size == block_size
+                    and ep.index_key == (model, tenant)
+                    and ep.lora_name in (None, lora_name or "")
+                ):
+                    out.append((iid, dp))
+        return out
 
     def node_pool_dps(self, ep: EndpointInfo) -> list[tuple[str, int]]:
         """The (instance, DP) pairs a node pool's blocks go to now: those registered with an
@@ -476,6 +501,12 @@ class Registry:
             raise RegistrationError(
                 "store_only applies to an engine's publisher, not to a pool registration"
             )
+        shared_store = bool(req.shared_store)
+        if shared_store and (not is_pool or node_pool):
+            raise RegistrationError(
+                "shared_store applies to a cluster pool: store_backend Mooncake or Memcache "
+                "with its publisher in endpoint and no medium_endpoints"
+            )
 
         entry = self.instances.get(req.instance_id)
         old = entry.endpoints.get(req.dp_rank) if entry is not None else None
@@ -519,6 +550,8 @@ class Registry:
                 node_pool=node_pool,
                 node_ip=node_ip,
                 store_only=store_only,
+                shared_store=shared_store,
+                lora_name=req.lora_name,
                 extra=extra,
             )
             for url, media in groups.items()
@@ -539,6 +572,8 @@ class Registry:
             node_pool=node_pool,
             node_ip=node_ip,
             store_only=store_only,
+            shared_store=shared_store,
+            lora_name=req.lora_name,
         )
         unchanged = old is not None and old == info
 

@@ -582,11 +582,27 @@ class ValkeyJournal:
         if any(c is None for c in chunks):
             return  # replaced meanwhile: read the new one
         data = b"".join(c for c in chunks if c is not None)
-        dump.verify([data])
         floor = int(meta.get("floor") or 0)
         if gen != self.gen:
             self._leases.clear()  # held in another generation: not renewable here
-        loaded = self.conductor.call(self._load, data, meta["id"], floor, timeout=None)
+        try:
+            dump.verify([data])
+            loaded = self.conductor.call(self._load, data, meta["id"], floor, timeout=None)
+        except Exception as ex:
+            # A snapshot never stops a start: this replica goes on from its position
+            # with an empty state (the log after it still applies).
+            log.error(
+                "replica %s cannot load the state store's snapshot at %s (%s: %s): "
+                "serving from an empty state at that position; the next snapshot another "
+                "replica writes replaces it (restart this replica then), or the engines' "
+                "registrations fill it again",
+                self.id,
+                meta["id"],
+                type(ex).__name__,
+                ex,
+            )
+            self.conductor.call(self._load_empty, meta["id"], floor, timeout=None)
+            loaded = {"registrations": 0, "indexes": 0, "sources": 0, "skipped": 0}
         self.gen = gen
         self.floor = floor
         self._needs_bootstrap = False
@@ -594,12 +610,13 @@ class ValkeyJournal:
         self.stats.bootstraps += 1
         log.info(
             "replica %s loaded the state store's snapshot at %s: registrations=%d "
-            "indexes=%d sources=%d in %.3fs",
+            "indexes=%d sources=%d skipped=%d in %.3fs",
             self.id,
             meta["id"],
-            loaded["registrations"],
+            loaded["registrations"] - loaded["skipped"],
             loaded["indexes"],
             loaded["sources"],
+            loaded["skipped"],
             time.monotonic() - t0,
         )
 
@@ -618,6 +635,15 @@ class ValkeyJournal:
         self.applied_id = position
         c.subs.raise_fence_floor(floor)
         return loaded
+
+    def _load_empty(self, position: str, floor: int) -> None:
+        """Ingest thread: a snapshot that does not load: forget what it loaded, go on from
+        its position."""
+        from kvconductor.state.snapshot import reset
+
+        reset(self.conductor)
+        self.applied_id = position
+        self.conductor.subs.raise_fence_floor(floor)
 
     def _new_generation(self) -> None:
         """The store holds another generation than the one this replica loaded: stop

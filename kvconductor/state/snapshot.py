@@ -18,11 +18,16 @@ the newest. The two newest are kept.
 
 :class:`Snapshotter` writes one every ``--snapshot-interval-secs`` (its own thread:
 the ingest thread only takes the in-memory copy, tens of milliseconds per million
-blocks; encoding and writing happen here) and a last one at shutdown.
+blocks; encoding and writing happen here), one about a second after a registration
+changed (:meth:`Snapshotter.nudge`, coalesced: at most one per :data:`FOLLOW_SECS`;
+only when the periodic snapshots are on), and a last one at shutdown.
 :func:`warm_start` loads the newest snapshot that verifies and loads; one that does not
-(corrupt, truncated, another format version, or an index that breaks its invariants)
-is refused with a log line naming the file and the reason, and the next older one is
-tried; with none, the service starts empty.
+(corrupt, truncated, another format version, an index that breaks its invariants, or
+any other failure while loading it) is refused with a log line naming the file, the
+reason and what to do, and the next older one is tried; with none, the service starts
+empty. A snapshot never stops a start. A registration the current flags refuse or that
+cannot be opened now does not refuse its snapshot: it alone is skipped
+(:mod:`kvconductor.state.restore`).
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ KEEP = 2
 #: Appended to the name of a snapshot refused at start (not loaded, not rotated).
 REFUSED = ".refused"
 DEFAULT_INTERVAL = 60
+#: Seconds a registration change waits for its snapshot: the changes of a burst (a
+#: Coordinator registering every engine) go into one.
+FOLLOW_SECS = 1.0
 
 
 @dataclass
@@ -246,16 +254,25 @@ def _fsync_dir(directory: str) -> None:
 
 
 class Snapshotter:
-    """Writes a snapshot of ``conductor`` every ``interval`` seconds (0: only at
-    :meth:`stop`) from its own thread. ``stop(final=True)`` writes the last one;
+    """Writes a snapshot of ``conductor`` every ``interval`` seconds and
+    :data:`FOLLOW_SECS` after a registration changed (:meth:`nudge`) from its own thread
+    (``interval`` 0: only at :meth:`stop`). ``stop(final=True)`` writes the last one;
     call it after the HTTP server stopped and before the conductor stops."""
 
-    def __init__(self, conductor: Conductor, store: SnapshotStore, interval: float) -> None:
+    def __init__(
+        self,
+        conductor: Conductor,
+        store: SnapshotStore,
+        interval: float,
+        follow: float = FOLLOW_SECS,
+    ) -> None:
         self.conductor = conductor
         self.store = store
         self.interval = float(interval)
+        self.follow = float(follow)
         self.stats = SnapshotStats()
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # stop
+        self._nudged = threading.Event()
         self._lock = threading.Lock()  # one write at a time
         self._thread: threading.Thread | None = None
 
@@ -264,9 +281,22 @@ class Snapshotter:
             self._thread = threading.Thread(target=self._run, name="kvc-snapshot", daemon=True)
             self._thread.start()
 
+    def nudge(self) -> None:
+        """A registration changed (any thread): write a snapshot in :attr:`follow`
+        seconds; the nudges meanwhile go into the same one."""
+        self._nudged.set()
+
     def _run(self) -> None:
-        while not self._wake.wait(self.interval):
+        due = time.monotonic() + self.interval
+        while not self._wake.is_set():
+            if self._nudged.wait(max(0.0, due - time.monotonic())):
+                if self._wake.wait(self.follow):  # coalesce a burst of changes
+                    return
+                self._nudged.clear()
+            elif self._wake.is_set():
+                return
             self.write()
+            due = time.monotonic() + self.interval
 
     def write(self) -> str | None:
         """Write a snapshot now; the path, or None (logged and counted) on a failure."""
@@ -302,6 +332,7 @@ class Snapshotter:
         """Stop the periodic thread; with ``final``, write one last snapshot. Then let go
         of the directory's lock."""
         self._wake.set()
+        self._nudged.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -316,7 +347,7 @@ def _pairs(ix: dump.IndexSnapshot) -> int:
     return len(t["hbm_members"][0]) + len(t["cpu"][0]) + len(t["disk"][0])
 
 
-def _refuse(path: str, why: BaseException) -> None:
+def _refuse(path: str, why: BaseException | str) -> None:
     """One ERROR line; the file is renamed ``<name>.refused``: kept for a post-mortem, out
     of the rotation (a refused newest snapshot must not push the good one out of the two
     kept at the next write)."""
@@ -328,13 +359,24 @@ def _refuse(path: str, why: BaseException) -> None:
     log.error("snapshot %s refused: %s%s", path, why, kept)
 
 
+def _unexpected(ex: BaseException) -> str:
+    """The reason of a failure no check named (a bug): its type, text and what to do."""
+    return (
+        f"{type(ex).__name__}: {ex} (an unexpected failure while loading it: the next "
+        "older snapshot is tried, else the service starts empty and is filled again by "
+        "the engines' registrations; please report it with the kept file)"
+    )
+
+
 def warm_start(conductor: Conductor, store: SnapshotStore) -> dict[str, object] | None:
     """Load the newest snapshot of ``store`` that verifies and loads into the started,
-    empty ``conductor``; None when there is none. Each one refused (it does not verify,
-    or its content does not load: an index that breaks its invariants, a registration
-    refused) is logged with one ERROR line, what it loaded is forgotten, and the next
-    older one is tried. Its registrations reopen their subscriptions, which resume from
-    the snapshot's cursors."""
+    empty ``conductor``; None when there is none. Never raises: each one refused (it
+    does not verify, or its content does not load: an index that breaks its
+    invariants, any other failure) is logged with one ERROR line, what it loaded is
+    forgotten, and the next older one is tried. A registration the current flags refuse
+    or that cannot be opened now is skipped, not its snapshot
+    (:mod:`kvconductor.state.restore`). Its registrations reopen their subscriptions,
+    which resume from the snapshot's cursors."""
     for path in store.snapshots():
         t0 = time.monotonic()
         try:
@@ -342,19 +384,27 @@ def warm_start(conductor: Conductor, store: SnapshotStore) -> dict[str, object] 
         except (OSError, ValueError) as ex:
             _refuse(path, ex)
             continue
+        except Exception as ex:
+            _refuse(path, _unexpected(ex))
+            continue
         try:
             loaded = conductor.call(dump.load_dump, conductor, dump.file_chunks(path), timeout=None)
-        except (OSError, ValueError) as ex:
-            _refuse(path, ex)
-            conductor.call(reset, conductor, timeout=None)  # forget what it loaded
+        except Exception as ex:
+            _refuse(path, ex if isinstance(ex, OSError | ValueError) else _unexpected(ex))
+            try:
+                conductor.call(reset, conductor, timeout=None)  # forget what it loaded
+            except Exception:
+                log.exception("forgetting the refused snapshot's state failed")
             continue
         took = time.monotonic() - t0
         log.info(
-            "warm start from snapshot %s: registrations=%d indexes=%d sources=%d in %.3fs",
+            "warm start from snapshot %s: registrations=%d indexes=%d sources=%d skipped=%d "
+            "in %.3fs",
             path,
-            loaded["registrations"],
+            loaded["registrations"] - loaded["skipped"],
             loaded["indexes"],
             loaded["sources"],
+            loaded["skipped"],
             took,
         )
         return {"path": path, "seconds": took, **loaded}

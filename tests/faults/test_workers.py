@@ -1,6 +1,7 @@
 """``kv-conductor --workers N`` at its edges, through the real owner and worker processes:
-a worker stopped inside a read section of the shared lock, every worker down at once,
-an owner killed with SIGKILL (its private directory).
+a worker stopped inside a read section of the shared lock, one stopped outside (the
+owner's heartbeat), every worker down at once, an owner killed with SIGKILL (its private
+directory).
 
 ``KVC_FAULT_TRIES`` sets how many SIGSTOPs the stalled-worker test makes (default 3;
 the issue's run is 50: ``KVC_FAULT_TRIES=50 pytest tests/faults/test_workers.py -s -k
@@ -434,3 +435,105 @@ def test_a_killed_owner_leaves_no_private_directory_behind(tmp_path):
         assert sorted(p.name for p in tmp.glob("kv-conductor-*")) == [mine.name]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: What a fresh connection may wait for an answer while a worker is stopped outside a
+#: read: the heartbeat's bound (0.5 s at the default --reader-stall-ms) plus a margin for
+#: 2 vCPUs shared by the test, the owner and both workers; well under the stop itself.
+SILENT_BOUND = 0.5
+ANSWER_BOUND = SILENT_BOUND + 1.0
+
+
+def _health(port: int, timeout: float) -> bytes:
+    """GET /health on a new connection: the status line, or the error's name."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return s.recv(64).split(b"\r\n", 1)[0]
+    except OSError as ex:
+        return type(ex).__name__.encode()
+
+
+def test_a_worker_silent_outside_a_read_section_is_replaced(tmp_path):
+    """A worker SIGSTOPped while idle (outside any read section: the shared lock's stall
+    bound never fires) for 2.5 s. The owner's heartbeat finds it silent and kills it
+    within about 0.5 s, so a client is answered within ANSWER_BOUND of its first try: a
+    fresh connection the kernel had queued on the stopped worker is reset when it dies
+    (a retry goes to the other worker), later ones go to the other worker; its
+    keep-alive connection fails instead of hanging. It is started again after 1 s and
+    counted (metric, /workers). Before, a quarter to a half of the tries hung for the
+    whole stop."""
+    with running(tmp_path, "--workers", "2") as srv:
+        pids = wait_workers(srv, 2)
+        victim = pids["worker-1"]
+        (held,) = connections_to(srv.port, list(pids.values()), {victim: 1})[victim]
+        results: list[tuple[int, bytes, float]] = []
+
+        def client(i: int) -> None:
+            time.sleep(0.1 * i)
+            t0 = time.monotonic()
+            attempts, got = 0, b""
+            while attempts < 3 and got not in (b"HTTP/1.1 200 OK", b"TimeoutError"):
+                attempts += 1  # a reset is retried, as a client would
+                got = _health(srv.port, timeout=STOP_SECS + 2)
+            results.append((attempts, got, time.monotonic() - t0))
+
+        os.kill(victim, signal.SIGSTOP)
+        resume = threading.Timer(STOP_SECS, lambda: _cont(victim))
+        resume.start()
+        try:
+            wait_until(lambda: _stopped(victim), timeout=5, interval=0.001, msg="stopped")
+            t_stop = time.monotonic()
+            clients = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+            for t in clients:
+                t.start()
+            t0 = time.monotonic()
+            try:
+                held.get("/health")
+                kept = "answered"
+            except (OSError, http.client.HTTPException) as ex:
+                kept = type(ex).__name__
+            kept_s = time.monotonic() - t0
+            wait_until(lambda: gone(victim), timeout=STOP_SECS + 5, msg="victim gone")
+            gone_s = time.monotonic() - t_stop
+            for t in clients:
+                t.join(STOP_SECS + 10)
+        finally:
+            resume.cancel()
+            _cont(victim)
+            held.close()
+        slowest = max(r[2] for r in results)
+        print(
+            f"keep-alive connection: {kept} after {kept_s:.3f}s; victim gone after "
+            f"{gone_s:.3f}s; tries: {len(results)}, reset and retried "
+            f"{sum(r[0] > 1 for r in results)}, slowest answer {slowest:.3f}s"
+        )
+        assert len(results) == 16
+        assert {r[1] for r in results} == {b"HTTP/1.1 200 OK"}, results
+        assert slowest < ANSWER_BOUND, results
+        assert kept != "answered" and kept_s < ANSWER_BOUND, (kept, kept_s)
+        log = srv.log()
+        assert re.search(
+            rf"worker-1 pid={victim} did not answer the owner's heartbeat for \d+ ms \(process "
+            rf"state T, stopped; bound 500 ms, --reader-stall-ms\); killed it \(SIGKILL\)",
+            log,
+        ), log
+        assert (
+            f"worker-1 pid={victim} exited (signal SIGKILL, killed for not answering the "
+            "owner's heartbeat); restarting it in 1s" in log
+        ), log
+        again = wait_workers(srv, 2, exclude={victim})
+        assert again["worker-2"] == pids["worker-2"]  # the other one was left alone
+        hb = srv.http.get("/workers").json()["processes"]["heartbeat"]
+        assert (hb["interval_ms"], hb["timeout_ms"], hb["kills"]) == (100, 500, 1), hb
+        (row,) = hb["recent_kills"]
+        assert (row["worker"], row["pid"], row["state"]) == ("worker-1", victim, "T"), row
+        assert SILENT_BOUND * 1000 <= row["silent_ms"] < ANSWER_BOUND * 1000, row
+        text = srv.http.get("/metrics").text
+        assert metric(text, "kvconductor_worker_heartbeat_kills_total") == 1
+        assert metric(text, "kvconductor_worker_restarts_total") == 1
+
+
+def _cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)

@@ -20,12 +20,14 @@ def rss_kb(pid: int) -> int:
 
 
 class Rig:
-    """``Rig(tmp_path, *server_flags, replay=...)``: ``pub``, ``srv`` and the registration
-    ``body`` of instance ``vllm-prefill-1`` DP 0; :meth:`start` restarts the server."""
+    """``Rig(tmp_path, *server_flags, replay=..., fields=...)``: ``pub``, ``srv`` and the
+    registration ``body`` of instance ``vllm-prefill-1`` DP 0 (``fields`` added to it, or
+    ``fields(pub)`` when it is a function); :meth:`start` restarts the server."""
 
-    def __init__(self, tmp_path, *args, replay=False):
+    def __init__(self, tmp_path, *args, replay=False, fields=None):
         self.pub = FakePublisher(replay=replay)
         self.tmp_path, self.args = tmp_path, args
+        self.fields = dict((fields(self.pub) if callable(fields) else fields) or {})
         self.srv = self.start()
 
     def start(self):
@@ -44,6 +46,7 @@ class Rig:
         }
         if self.pub.replay_url:
             body["replay_endpoint"] = self.pub.replay_url
+        body.update(self.fields)
         assert srv.http.post("/register", json=body).status_code == 201
         self.body = body
         return srv
@@ -52,12 +55,15 @@ class Rig:
         return self.srv.http.get("/workers").json()["sources"][0]
 
     def npu(self, tokens) -> int:
+        return self.blocks(tokens, "npu")
+
+    def blocks(self, tokens, medium: str = "npu") -> int:
+        """``<medium>_blocks`` of this DP in a ``/query`` answer for ``tokens`` (0 if absent)."""
         r = self.srv.http.post(
             "/query", json={"model": "qwen", "block_size": BS, "token_ids": tokens}
         ).json()
-        return (
-            r["default"].get("vllm-prefill-1", {}).get("DP", {}).get("0", {}).get("npu_blocks", 0)
-        )
+        dp = r["default"].get("vllm-prefill-1", {}).get("DP", {}).get("0", {})
+        return dp.get(f"{medium}_blocks", 0)
 
     def join(self):
         """PUB/SUB slow joiner: wait until the subscription reached the PUB, then publish
