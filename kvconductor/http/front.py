@@ -197,13 +197,17 @@ class HeadFirst:
     (the same messages as before), else at once an empty chunk with ``more_body`` (ASGI
     allows empty chunks), the real one coming on the next call. An answer that starts
     before the whole body was received closes the connection (``Connection: close``):
-    what the client still sends is never read as a next request."""
+    what the client still sends is never read as a next request; unless ``close`` is
+    false (the owner of ``--workers N``, whose client is a worker: it closes the
+    connection itself once it has the answer, and a close here while it still writes
+    the body could reset its read of that answer)."""
 
-    __slots__ = ("_first", "_receive", "_send", "complete")
+    __slots__ = ("_close", "_first", "_receive", "_send", "complete")
 
-    def __init__(self, receive: Any, send: Any) -> None:
+    def __init__(self, receive: Any, send: Any, close: bool = True) -> None:
         self._receive = receive
         self._send = send
+        self._close = close
         self._first: asyncio.Future | None = None
         #: The body was received whole (or the client is gone).
         self.complete = False
@@ -226,7 +230,7 @@ class HeadFirst:
         return msg
 
     async def send(self, message: dict) -> None:
-        if message["type"] == "http.response.start" and not self.complete:
+        if message["type"] == "http.response.start" and not self.complete and self._close:
             headers = [h for h in message["headers"] if h[0] != b"connection"]
             message = dict(message, headers=[*headers, (b"connection", b"close")])
         await self._send(message)
@@ -312,6 +316,9 @@ class FrontDoor:
         self.query_handler = query_handler
         self.health = health
         self.date = date
+        #: An answer of the rest before its request's body arrived closes the
+        #: connection (:class:`HeadFirst`); the owner of ``--workers N`` sets it false.
+        self.close_early = True
 
     @property
     def app(self) -> ASGIApp:
@@ -345,7 +352,7 @@ class FrontDoor:
             elif method == "GET" and self.health and scope["path"] == "/health":
                 return await self._health(scope, send)
             if body_pending(scope):
-                head_first = HeadFirst(receive, send)
+                head_first = HeadFirst(receive, send, self.close_early)
                 try:
                     return await self.rest(scope, head_first.receive, head_first.send)
                 finally:

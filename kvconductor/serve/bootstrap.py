@@ -368,6 +368,9 @@ def _build_owner(settings: Settings, supervise: Callable[[Any], Supervisor]) -> 
         extra=[WorkerCollector(supervisor)],
     )
     app = serving_app(conductor, settings, metrics=metrics)
+    # Its clients are the workers: a worker closes the connection itself after an answer
+    # given before the body (the owner closing while it still writes could reset it).
+    app.close_early = False
     return Service(settings, "owner", app, conductor, supervisor=supervisor)
 
 

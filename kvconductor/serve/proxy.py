@@ -340,10 +340,16 @@ class OwnerClient:
             except OSError as ex:
                 raise OwnerUnavailable(str(ex)) from None
             try:
-                conn.writer.write(head + body if len(body) < _CHUNK else head)
-                if len(body) >= _CHUNK:
-                    conn.writer.write(body)
-                await conn.writer.drain()
+                try:
+                    conn.writer.write(head + body if len(body) < _CHUNK else head)
+                    if len(body) >= _CHUNK:
+                        conn.writer.write(body)
+                    await conn.writer.drain()
+                except OSError:
+                    # The owner may have answered from the head (401, 413: it reads no
+                    # body then) and closed before taking all of it: read that answer.
+                    # A stale pooled connection has none: retried below.
+                    pass
                 answer = await read_head(conn.reader)
             except (OSError, asyncio.IncompleteReadError, ValueError) as ex:
                 conn.close()
