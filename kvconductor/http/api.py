@@ -33,7 +33,6 @@ Network security (Origin rule, CORS, ``/workers`` token, limits, TLS):
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 import time
@@ -46,6 +45,7 @@ import msgspec
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http import openapi
+from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.front import FrontDoor
 from kvconductor.http.metrics import CONTENT_TYPE, DeferredMetrics, Metrics, QueryMetrics
@@ -185,16 +185,11 @@ class _Resource(Generic[_Source]):
         self.large_body_bytes = large_body_bytes
 
     def _authorized(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> bool:
-        if self.api_key is None:
-            return True
-        scheme, _, token = (req.get_header("Authorization") or "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
+        if bearer_ok(req.get_header("Authorization"), self.api_key):
             return True
         log.warning("unauthorized request method=%s path=%s", req.method, req.path)
-        resp.set_header("WWW-Authenticate", 'Bearer realm="kv-conductor"')
-        _error(resp, 401, "missing or invalid bearer token (Authorization: Bearer <api key>)")
+        resp.set_header("WWW-Authenticate", CHALLENGE)
+        _error(resp, 401, UNAUTHORIZED)
         return False
 
     async def _body(
