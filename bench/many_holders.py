@@ -108,8 +108,8 @@ def timed(fn: Any, n: int) -> tuple[float, float, float]:
 
 
 def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
-    from kvconductor.http.api import QueryResource
     from kvconductor.http.metrics import QueryMetrics
+    from kvconductor.http.query import QueryResource
 
     ix, chain = build(workers)
     try:

@@ -108,3 +108,79 @@ def test_a_body_past_the_limit_is_refused_without_reading_on():
 
 def test_a_disconnect_ends_the_collection():
     assert collect([b"x" * 10, b"y" * 10, b"z" * 10], disconnect=True)[0] is None
+
+
+def _answer_headers(door) -> list[bytes]:
+    scope = {"type": "http", "method": "POST", "path": "/query", "headers": []}
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(msg):
+        sent.append(msg)
+
+    asyncio.run(door(scope, receive, send))
+    return [k for k, _ in sent[0]["headers"]]
+
+
+def test_a_workers_front_door_dates_its_query_answers_once_per_second(monkeypatch):
+    """``FrontDoor(date=True)`` (a worker, whose uvicorn adds no ``Date``) puts one on the
+    query answers; one process's door leaves it to uvicorn (no second one)."""
+    import email.utils
+
+    from kvconductor.http import responses
+
+    class Fresh(Route):
+        async def respond(self, body, msgpack, fresh=False):
+            return 200, b"{}", None
+
+    assert _answer_headers(FrontDoor(None, {"/query": Fresh()}, date=True))[0] == b"date"
+    assert b"date" not in _answer_headers(FrontDoor(None, {"/query": Fresh()}))
+    now = [1_800_000_000.2]
+    monkeypatch.setattr(responses.time, "time", lambda: now[0])
+    first = responses.date_header()
+    assert first == (b"date", email.utils.formatdate(1_800_000_000, usegmt=True).encode())
+    now[0] += 0.7
+    assert responses.date_header() is first  # the same second: not formatted again
+    now[0] += 0.2
+    assert responses.date_header()[1] == b"Fri, 15 Jan 2027 08:00:01 GMT"
+
+
+def test_head_first_hands_over_a_body_already_here_and_an_empty_chunk_otherwise():
+    """:class:`HeadFirst`: the first receive is the real message when the body is here
+    (nothing changes), else at once an empty chunk with more to come; an answer started
+    before the body was received whole closes the connection."""
+    from kvconductor.http.front import HeadFirst
+
+    async def run(ready: bool) -> tuple[list[dict], list[dict]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        if ready:
+            queue.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
+        sent: list[dict] = []
+
+        async def send(msg):
+            sent.append(msg)
+
+        h = HeadFirst(queue.get, send)
+        got = [await h.receive()]
+        if not ready:
+            await h.send({"type": "http.response.start", "status": 401, "headers": []})
+            queue.put_nowait({"type": "http.request", "body": b"{}", "more_body": False})
+            got.append(await h.receive())
+            await h.send({"type": "http.response.start", "status": 200, "headers": []})
+        else:
+            await h.send({"type": "http.response.start", "status": 200, "headers": [(b"x", b"1")]})
+        h.close()
+        return got, sent
+
+    got, sent = asyncio.run(run(ready=True))
+    assert got == [{"type": "http.request", "body": b"{}", "more_body": False}]
+    assert sent[0]["headers"] == [(b"x", b"1")]  # received whole: keep-alive as before
+    got, sent = asyncio.run(run(ready=False))
+    assert got == [
+        {"type": "http.request", "body": b"", "more_body": True},
+        {"type": "http.request", "body": b"{}", "more_body": False},
+    ]
+    assert sent[0]["headers"] == [(b"connection", b"close")]  # answered before the body
+    assert sent[1]["headers"] == []

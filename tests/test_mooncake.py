@@ -734,3 +734,57 @@ def test_services_drop_a_rank_re_registered_over_v3_with_another_model(srv):
     # now a V3 registration: listed for the base model of its new model, not the adapter
     assert "instance-m" in _query(srv, "mc-moved-2", 16)["instances"]
     assert _query(srv, "mc-moved-2", 16, lora_name="adapter-m") == {"instances": {}}
+
+
+def test_api_key_guards_the_routes_that_change_state_and_services():
+    """``create_mooncake_app(api_key=...)``: /register, /unregister and /services need the
+    bearer token (the same check as V3's); /query and /health do not; a refusal changes
+    nothing. ``open_services`` (``--open-workers``) opens /services only."""
+    import falcon.testing as ft
+
+    from kvconductor.state.conductor import Conductor, ConductorConfig
+    from tests.helpers.api import RecordingSubs
+
+    c = Conductor(
+        ConductorConfig(index_impl="c", maintenance_interval=3600), subscriptions=RecordingSubs
+    )
+    c.start()
+    try:
+        client = ft.TestClient(mooncake.create_mooncake_app(c, api_key="k"))
+        reg = dict(PROXY_REGISTRATIONS[0])
+        unauthorized = {
+            "error": "missing or invalid bearer token (Authorization: Bearer <api key>)",
+            "reason": "unauthorized",
+        }
+        for headers in ({}, {"Authorization": "Bearer x"}, {"Authorization": "Token k"}):
+            r = client.simulate_post("/register", json=reg, headers=headers)
+            assert (r.status_code, r.json) == (401, unauthorized)
+            assert r.headers["www-authenticate"] == 'Bearer realm="kv-conductor"'
+        assert c.registry.instances == {}
+        r = client.simulate_post("/register", json=reg, headers={"Authorization": "bearer  k "})
+        assert r.status_code == 200, r.text
+        unreg = {"instance_id": "prefill-a", "tenant_id": "tenant-a", "dp_rank": 0}
+        assert client.simulate_post("/unregister", json=unreg).status_code == 401
+        assert client.simulate_get("/services").status_code == 401
+        assert client.simulate_get("/health").status_code == 200
+        q = {"model": "test-model", "block_size": 16, "token_ids": [1], "tenant_id": "tenant-a"}
+        assert client.simulate_post("/query", json=q).status_code == 200
+        r = client.simulate_get("/services", headers={"Authorization": "Bearer k"})
+        assert r.json["count"] == 1
+        opened = ft.TestClient(mooncake.create_mooncake_app(c, api_key="k", open_services=True))
+        # (another app: its own dialect's services, none yet)
+        assert opened.simulate_get("/services").json == {"count": 0, "services": []}
+        assert opened.simulate_post("/unregister", json=unreg).status_code == 401
+        r = client.simulate_post("/unregister", json=unreg, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200, r.text
+    finally:
+        assert c.stop(5.0)
+
+
+def test_cli_mooncake_port_open_flag():
+    p = cli.build_parser(raise_errors=True)
+    args = ["--mooncake-port", "13334", "--mooncake-port-open"]
+    assert cli.settings_from_args(p.parse_args(args)).mooncake_open is True
+    assert cli.settings_from_args(p.parse_args(args[:2])).mooncake_open is False
+    with pytest.raises(cli.FlagError, match="--mooncake-port-open needs --mooncake-port"):
+        p.parse_args(["--mooncake-port-open"])

@@ -4,7 +4,7 @@
 every other request to a *rest* ASGI callable:
 
 * one process (``kv-conductor``, gunicorn): the routes are the Falcon app's own
-  :class:`~kvconductor.http.api.QueryResource` objects over the conductor, the rest is
+  :class:`~kvconductor.http.query.QueryResource` objects over the conductor, the rest is
   the Falcon app (:func:`kvconductor.http.api.create_app` with ``fast_query``);
 * a worker of ``kv-conductor --workers N``: the routes answer from the owner's index in
   shared memory (:func:`kvconductor.http.api.query_routes` over a
@@ -17,12 +17,17 @@ straight from ASGI ``receive`` and the answer (the same ``answer`` Falcon's reso
 uses, so statuses, bodies and encodings are identical) is sent with two ``send`` calls.
 Every other method on these paths (CORS preflight included) goes to the rest.
 
+A request for the rest that announces a body is handed over with :class:`HeadFirst`'s
+``receive`` and ``send``, so what the rest refuses from the head (401, 403, 404, 405,
+413) is answered before the body arrives, in both process models.
+
 Error bodies and CORS headers come from :mod:`kvconductor.http.responses`, as the Falcon
 app's do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -68,7 +73,7 @@ class _Counter(Protocol):
 
 
 class QueryRoute(Protocol):
-    """What the front door needs of a query route (:class:`~kvconductor.http.api.
+    """What the front door needs of a query route (:class:`~kvconductor.http.query.
     QueryResource` is one)."""
 
     @property
@@ -163,6 +168,102 @@ def scan_headers(headers: list[tuple[bytes, bytes]]) -> tuple[bool, int | None, 
     return msgpack, length, origin, chunked
 
 
+def body_pending(scope: dict) -> bool:
+    """The (lower-case) headers of ``scope`` announce a body: a ``Content-Length`` other
+    than 0, or ``Transfer-Encoding``. Headers given as a one-pass iterable (ASGI allows
+    any iterable of iterables; Falcon's test client passes iterators) are made a list
+    of pairs first."""
+    headers = scope["headers"]
+    if not isinstance(headers, list):
+        headers = scope["headers"] = [tuple(h) for h in headers]
+    for k, v in headers:
+        if k == b"content-length":
+            return v.strip() not in (b"0", b"")
+        if k == b"transfer-encoding":
+            return True
+    return False
+
+
+class HeadFirst:
+    """``receive`` and ``send`` for the rest of a request that announces a body: the app
+    may answer from the head while the body is still on its way.
+
+    Falcon waits for a first ``http.request`` message before it routes, and uvicorn
+    gives none before body bytes arrive: a refusal the app decides from the head (401,
+    403, 404, 405, a ``Content-Length`` over the limit: 413) waited for the body, and a
+    client that sends none until it has an answer (``Expect``-less clients holding a
+    large upload, a body that never comes) got the request timeout's 408 instead. Here
+    the first :meth:`receive` returns the body's first message if it is already here
+    (the same messages as before), else at once an empty chunk with ``more_body`` (ASGI
+    allows empty chunks), the real one coming on the next call. An answer that starts
+    before the whole body was received closes the connection (``Connection: close``):
+    what the client still sends is never read as a next request; unless ``close`` is
+    false (the owner of ``--workers N``, whose client is a worker: it closes the
+    connection itself once it has the answer, and a close here while it still writes
+    the body could reset its read of that answer)."""
+
+    __slots__ = ("_close", "_first", "_receive", "_send", "complete")
+
+    def __init__(self, receive: Any, send: Any, close: bool = True) -> None:
+        self._receive = receive
+        self._send = send
+        self._close = close
+        self._first: asyncio.Future | None = None
+        #: The body was received whole (or the client is gone).
+        self.complete = False
+
+    async def receive(self) -> dict:
+        first = self._first
+        if first is None:
+            first = self._first = asyncio.ensure_future(self._receive())
+            if not first.done():
+                await asyncio.sleep(0)  # a body already here is handed over at once
+            if not first.done():
+                return {"type": "http.request", "body": b"", "more_body": True}
+        if first is not _TAKEN:
+            self._first = _TAKEN
+            msg = await first
+        else:
+            msg = await self._receive()
+        if msg["type"] != "http.request" or not msg.get("more_body", False):
+            self.complete = True
+        return msg
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start" and not self.complete and self._close:
+            headers = [h for h in message["headers"] if h[0] != b"connection"]
+            message = dict(message, headers=[*headers, (b"connection", b"close")])
+        await self._send(message)
+
+    def close(self) -> None:
+        """The app is done: a receive still waiting for the body is not waited for."""
+        first = self._first
+        if first is not None and first is not _TAKEN and not first.done():
+            first.cancel()
+
+
+class AnswerFromHead:
+    """ASGI wrapper: every request of ``app`` that announces a body gets its
+    :class:`HeadFirst` (the Mooncake dialect's port; the front door does the same for
+    the rest of the V3 port)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and body_pending(scope):
+            head_first = HeadFirst(receive, send)
+            try:
+                return await self.app(scope, head_first.receive, head_first.send)
+            finally:
+                head_first.close()
+        await self.app(scope, receive, send)
+
+
+#: :attr:`HeadFirst._first` once its message was handed over.
+_TAKEN: asyncio.Future = cast(asyncio.Future, object())
+
+
 def _internal_error(path: str, ex: Exception, msgpack: bool) -> tuple[int, bytes, None]:
     log.exception("internal error method=POST path=%s", path)
     return 500, encode_error(f"internal error: {ex}", msgpack), None
@@ -195,6 +296,8 @@ class FrontDoor:
     ``routes``: path -> :class:`QueryRoute` answered here (``POST`` only).
     ``query_handler``: an ASGI callable for the query paths that have no route here
     (a seam for tests; default: the rest). ``health``: answer ``GET /health`` here.
+    ``date``: add ``Date`` to the query answers written here (a worker, whose uvicorn
+    adds none; one process's uvicorn adds its own).
     """
 
     def __init__(
@@ -205,12 +308,17 @@ class FrontDoor:
         *,
         query_handler: ASGIApp | None = None,
         health: bool = False,
+        date: bool = False,
     ) -> None:
         self.rest = rest
         self.routes: dict[str, QueryRoute] = dict(routes or {})
         self.max_body_bytes = max_body_bytes
         self.query_handler = query_handler
         self.health = health
+        self.date = date
+        #: An answer of the rest before its request's body arrived closes the
+        #: connection (:class:`HeadFirst`); the owner of ``--workers N`` sets it false.
+        self.close_early = True
 
     @property
     def app(self) -> ASGIApp:
@@ -243,6 +351,12 @@ class FrontDoor:
                     return await self.query_handler(scope, receive, send)
             elif method == "GET" and self.health and scope["path"] == "/health":
                 return await self._health(scope, send)
+            if body_pending(scope):
+                head_first = HeadFirst(receive, send, self.close_early)
+                try:
+                    return await self.rest(scope, head_first.receive, head_first.send)
+                finally:
+                    head_first.close()
         await self.rest(scope, receive, send)
 
     async def _serve(self, res: QueryRoute, scope: dict, receive: Any, send: Any) -> None:
@@ -314,8 +428,8 @@ class FrontDoor:
             status, data, problem = _internal_error(path, ex, msgpack)
         return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
 
-    @staticmethod
     def conclude(
+        self,
         res: QueryRoute,
         path: str,
         status: int,
@@ -339,7 +453,10 @@ class FrontDoor:
                 log.warning(
                     "bad request method=POST path=%s status=%d error=%s", path, status, problem
                 )
-        return _headers(data, msgpack, path, origin, t0, warning)
+        headers = _headers(data, msgpack, path, origin, t0, warning)
+        if self.date:
+            headers.insert(0, date_header())
+        return headers
 
     async def _too_large(
         self,
@@ -361,6 +478,8 @@ class FrontDoor:
         res.seconds.observe(time.perf_counter() - t0)
         res.errors.inc()
         headers = _headers(data, msgpack, path, origin, t0)
+        if self.date:
+            headers.insert(0, date_header())
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 

@@ -42,7 +42,8 @@ answer of the app, by the same sweep after a query the protocol answered itself
 (:mod:`kvconductor.http.direct`; a time stamp, not a timer per request, so such a
 connection is closed between ``keep_alive`` and one sweep interval later).
 
-Refusals (431, 408, 503, and 400 for a request the parser rejects) are sent
+Refusals (431, 408, 503, and 400 for a request the parser rejects; bytes that do not
+parse after complete requests get their 400 once those are answered) are sent
 with ``Connection: close``, then the write side is shut and what the client
 still sends is read and dropped for at most :data:`LINGER_SECS` before the
 socket is closed, so the client can read the answer instead of getting a reset.
@@ -56,6 +57,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
+from kvconductor.http.responses import date_header
 from kvconductor.wire import JSON_CONTENT_TYPE, encode_error
 
 log = logging.getLogger("kvconductor.http")
@@ -206,11 +208,13 @@ def _pool(server_state: Any, limits: HttpLimits) -> ConnectionPool:
 
 
 def error_response(status: int, message: str) -> bytes:
-    """A complete ``Connection: close`` HTTP/1.1 response with a JSON error body."""
+    """A complete ``Connection: close`` HTTP/1.1 response with a JSON error body (and a
+    ``Date``, RFC 9110, as every answer of both process models)."""
     body = encode_error(message, False)
     return b"".join(
         [
             b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Error")),
+            b"date: %s\r\n" % date_header()[1],
             b"content-type: %s\r\n" % JSON_CONTENT_TYPE.encode(),
             b"content-length: %d\r\n" % len(body),
             b"connection: close\r\n",
@@ -242,6 +246,9 @@ class _Limits:
         self._rejected = False
         self._head_open = True  # waiting for (the rest of) a request head
         self._head_bytes = 0  # bytes of that head so far
+        #: The 400 owed once the complete requests before bytes that do not parse are
+        #: answered (:meth:`send_400_response`); ``None``: none.
+        self._bad_tail: str | None = None
         self._pool = _pool(self.server_state, self.limits)  # type: ignore[attr-defined]
         if not self._pool.admit(self):
             _throttle(
@@ -268,8 +275,8 @@ class _Limits:
         super().connection_lost(exc)  # type: ignore[misc]
 
     def data_received(self, data: bytes) -> None:
-        if self._rejected:
-            return  # draining before close
+        if self._rejected or self._bad_tail is not None:
+            return  # draining before close, or past bytes that do not parse
         if not self._head_open:
             return self._feed(data)
         if self._started is None:
@@ -413,8 +420,36 @@ class _Limits:
             transport.close()
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request it cannot parse, as ``{"error": ...}``."""
-        self._reject(400, f"invalid HTTP request: {msg}")
+        """uvicorn's answer to a request it cannot parse, as ``{"error": ...}``.
+
+        Bytes that do not parse *after* complete requests still being answered (they
+        came in the same packet, or while the app worked): those are answered first, in
+        order, then the 400 (:meth:`_answered`), as when the protocol answered them
+        itself (:mod:`kvconductor.http.direct`). Nothing more is read meanwhile. Bytes
+        that do not parse inside a request (its body) refuse it at once."""
+        message = f"invalid HTTP request: {msg}"
+        if self._head_open and not self._rejected and self._answers_pending():
+            self._bad_tail = message
+            self._disarm()
+            return
+        self._reject(400, message)
+
+    def _answers_pending(self) -> bool:
+        """Complete requests not answered yet (one in the app, others in line)."""
+        if getattr(self, "pipeline", None):
+            return True
+        return self._in_app()
+
+    def _answered(self) -> None:
+        """A response is complete: the 400 owed past the last complete request goes out
+        once every one before it is answered."""
+        message = self._bad_tail
+        if message is None or self._answers_pending():
+            return
+        self._bad_tail = None
+        if self.transport.is_closing():  # type: ignore[attr-defined]
+            return  # the answer closed the connection: nothing more to say
+        self._reject(400, message)
 
     def _evict(self, count: int, limit: int) -> None:
         _throttle(
@@ -522,6 +557,7 @@ def _httptools_class() -> type:
                 transport.flush()
             super().on_response_complete()
             self._response_complete()
+            self._answered()
 
     return LimitedHttpToolsProtocol
 
@@ -551,6 +587,7 @@ def _h11_class() -> type:
             super().on_response_complete()  # may start a pipelined request
             self._sync()
             self._response_complete()
+            self._answered()
 
         def _sync(self) -> None:
             if self._rejected:

@@ -16,6 +16,13 @@ names, success bodies and status codes (docs/api.md, "The Mooncake conductor dia
 * ``POST /unregister`` by service key ``(instance_id, tenant_id, dp_rank)``,
   ``GET /services``, ``GET /health``, ``GET /openapi.json``.
 
+With ``--api-key`` the routes that change state (``/register``, ``/unregister``) need the
+same bearer token as V3's (:func:`kvconductor.http.auth.bearer_ok`), and ``/services``
+(it lists every engine's publisher URL) needs it as V3's ``/workers`` does, unless
+``--open-workers``; without it: 401 ``{"error", "reason": "unauthorized"}``, a WARN, nothing
+changed. ``--mooncake-port-open`` opens the port instead, for clients that cannot send a
+header (Mooncake's example proxy takes a bare base URL): the start logs a WARN saying so.
+
 Bodies are JSON, or MessagePack when the request's ``Content-Type`` says so (Mooncake's
 newest proxy sends MessagePack, token ids as a bin of little-endian int32); the answer
 is encoded like the request. Errors are ``{"error", "reason"[, "field"]}`` with the
@@ -41,6 +48,7 @@ import falcon.asgi
 import msgspec
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
+from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.index import DpHit
 from kvconductor.schema import (
@@ -506,9 +514,20 @@ def _fail(req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: DialectError
 
 
 class _Route:
-    def __init__(self, dialect: Dialect, max_body_bytes: int) -> None:
+    def __init__(self, dialect: Dialect, max_body_bytes: int, api_key: str | None = None) -> None:
         self.dialect = dialect
         self.max_body_bytes = max_body_bytes
+        #: The bearer token this route needs (``None``: open).
+        self.api_key = api_key
+
+    def _refused(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> bool:
+        """Answer 401 (the dialect's error body, a WARN) unless the request carries the
+        key; before the body is read, so a refused request changes nothing."""
+        if bearer_ok(req.get_header("Authorization"), self.api_key):
+            return False
+        resp.set_header("WWW-Authenticate", CHALLENGE)
+        _fail(req, resp, DialectError(401, "unauthorized", UNAUTHORIZED))
+        return True
 
     async def _read(self, req: falcon.asgi.Request) -> bytes:
         length = req.content_length
@@ -531,6 +550,8 @@ class _Route:
 
 class RegisterRoute(_Route):
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if self._refused(req, resp):
+            return
         msgpack = is_msgpack_content_type(req.content_type)
         try:
             body = await self._read(req)
@@ -549,6 +570,8 @@ class RegisterRoute(_Route):
 
 class UnregisterRoute(_Route):
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if self._refused(req, resp):
+            return
         msgpack = is_msgpack_content_type(req.content_type)
         try:
             body = await self._read(req)
@@ -582,6 +605,8 @@ class QueryRoute(_Route):
 
 class ServicesRoute(_Route):
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if self._refused(req, resp):
+            return
         _answer(resp, 200, await self.dialect.services_doc(), False)
 
 
@@ -629,15 +654,28 @@ async def _exception(
     )
 
 
-def create_mooncake_app(conductor: Conductor, *, max_body_bytes: int = 64 * 1024 * 1024) -> Any:
+def create_mooncake_app(
+    conductor: Conductor,
+    *,
+    max_body_bytes: int = 64 * 1024 * 1024,
+    api_key: str | None = None,
+    open_services: bool = False,
+) -> Any:
     """The Falcon ASGI app of the Mooncake dialect over ``conductor`` (served on its own
-    port by ``kv-conductor --mooncake-port``)."""
+    port by ``kv-conductor --mooncake-port``).
+
+    ``api_key``: the bearer token ``/register`` and ``/unregister`` need (the server's
+    ``--api-key``, ``None`` with ``--mooncake-port-open``), and ``/services`` too unless
+    ``open_services`` (``--open-workers``); ``/query``, ``/health`` and
+    ``/openapi.json`` stay open, as V3's queries do."""
     dialect = Dialect(conductor)
+    key = api_key or None
     app = falcon.asgi.App(cors_enable=False)
-    app.add_route("/register", RegisterRoute(dialect, max_body_bytes))
-    app.add_route("/unregister", UnregisterRoute(dialect, max_body_bytes))
+    app.add_route("/register", RegisterRoute(dialect, max_body_bytes, key))
+    app.add_route("/unregister", UnregisterRoute(dialect, max_body_bytes, key))
     app.add_route("/query", QueryRoute(dialect, max_body_bytes))
-    app.add_route("/services", ServicesRoute(dialect, max_body_bytes))
+    services_key = None if open_services else key
+    app.add_route("/services", ServicesRoute(dialect, max_body_bytes, services_key))
     app.add_route("/health", HealthRoute())
     app.add_route("/openapi.json", OpenApiRoute())
     app.add_error_handler(Exception, _exception)

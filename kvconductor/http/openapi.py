@@ -335,6 +335,8 @@ _MOONCAKE_STRUCTS = (
 _MOONCAKE_ERRORS = {
     "400": "malformed body, wrong type, missing field or value Mooncake's conductor refuses "
     "(reason: invalid_json, invalid_value, unsupported, invalid_registration)",
+    "401": "missing or wrong bearer token (only with --api-key, unless --mooncake-port-open; "
+    "reason: unauthorized)",
     "404": "no such service (instance_id, tenant_id, dp_rank)",
     "405": "wrong method",
     "413": "body over --max-body-mb",
@@ -375,13 +377,13 @@ def mooncake_document() -> dict[str, Any]:
             "register one DP rank of an engine (or a Mooncake pool publisher)",
             schema.MooncakeRegisterRequest,
             schema.MooncakeRegisterResponse,
-            "400 413 500",
+            "400 401 413 500",
         ),
         "/unregister": _mooncake_post(
             "unregister the service (instance_id, tenant_id, dp_rank)",
             schema.MooncakeUnregisterRequest,
             schema.MooncakeUnregisterResponse,
-            "400 404 413 500",
+            "400 401 404 413 500",
         ),
         "/query": _mooncake_post(
             "cumulative matched tokens per instance and rank (gpu <= cpu <= disk)",
@@ -393,7 +395,11 @@ def mooncake_document() -> dict[str, Any]:
             "get": {
                 "summary": "the services registered over this dialect",
                 "responses": {
-                    "200": {"description": "done", "content": _content(services, both=False)}
+                    "200": {"description": "done", "content": _content(services, both=False)},
+                    "401": {
+                        "description": _MOONCAKE_ERRORS["401"] + "; --open-workers opens it",
+                        "content": _content(_ref(schema.MooncakeError), both=False),
+                    },
                 },
             }
         },

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import email.utils
 import re
+import time
 from typing import Any
 
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_error
@@ -122,10 +123,18 @@ def cors_headers(
     return [(b"access-control-allow-origin", allow.encode("latin-1"))]
 
 
+_date: list = [0, (b"date", b"")]  # [the second, its header]
+
+
 def date_header() -> tuple[bytes, bytes]:
-    """``Date`` (a worker's own answers: its uvicorn adds none, the owner's answers carry
-    theirs)."""
-    return (b"date", email.utils.formatdate(usegmt=True).encode())
+    """``Date`` (RFC 9110) of an answer a worker writes itself: its uvicorn adds none,
+    the owner's answers carry theirs. Formatted once per second, as uvicorn's own (its
+    ``default_headers``, refreshed on each tick of its main loop)."""
+    now = int(time.time())
+    if now != _date[0]:
+        _date[1] = (b"date", email.utils.formatdate(now, usegmt=True).encode())
+        _date[0] = now
+    return _date[1]
 
 
 async def send_answer(send: Any, status: int, headers: list, data: bytes) -> None:

@@ -320,7 +320,10 @@ def create_worker_app(
         allow_origins=allow_origins,
         query_metrics=query_metrics,
     )
-    return FrontDoor(rest, routes, max_body_bytes, query_handler=query_handler, health=True)
+    # date: the worker's uvicorn adds no Date (the owner's answers carry theirs)
+    return FrontDoor(
+        rest, routes, max_body_bytes, query_handler=query_handler, health=True, date=True
+    )
 
 
 def build_service(
@@ -381,6 +384,9 @@ def _build_owner(settings: Settings, supervise: Callable[[Any], Supervisor]) -> 
         extra=[WorkerCollector(supervisor)],
     )
     app = serving_app(conductor, settings, metrics=metrics)
+    # Its clients are the workers: a worker closes the connection itself after an answer
+    # given before the body (the owner closing while it still writes could reset it).
+    app.close_early = False
     return Service(settings, "owner", app, conductor, supervisor=supervisor)
 
 

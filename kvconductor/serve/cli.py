@@ -239,7 +239,16 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         help="also serve the Mooncake conductor's HTTP dialect (kvcache-ai/Mooncake "
         "mooncake-conductor: /register, /unregister, /query, /services) on this port, "
         "beside the V3 API (default: off; one process only, not with --workers N; "
-        "docs/api.md)",
+        "docs/api.md). With --api-key its /register, /unregister and /services need the "
+        "same bearer token as V3's",
+    )
+    p.add_argument(
+        "--mooncake-port-open",
+        action="store_true",
+        help="with --api-key, leave the --mooncake-port dialect open: anyone who reaches "
+        "that port may register, re-point and unregister engines without the key (for "
+        "Mooncake clients that cannot send an Authorization header; default: the key is "
+        "needed there too)",
     )
     p.add_argument(
         "--workers",
@@ -550,6 +559,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         lease_secs=args.lease_secs,
         workers=args.workers,
         mooncake_port=args.mooncake_port,
+        mooncake_open=args.mooncake_port_open,
         reader_stall_ms=args.reader_stall_ms,
         **_http_fields(args),
     )
@@ -624,6 +634,8 @@ def _lease(value: str) -> float:
 def _mooncake_problem(args: argparse.Namespace) -> str | None:
     port = args.mooncake_port
     if port is None:
+        if args.mooncake_port_open:
+            return "--mooncake-port-open needs --mooncake-port"
         return None
     if args.workers > 1:
         return (

@@ -340,10 +340,16 @@ class OwnerClient:
             except OSError as ex:
                 raise OwnerUnavailable(str(ex)) from None
             try:
-                conn.writer.write(head + body if len(body) < _CHUNK else head)
-                if len(body) >= _CHUNK:
-                    conn.writer.write(body)
-                await conn.writer.drain()
+                try:
+                    conn.writer.write(head + body if len(body) < _CHUNK else head)
+                    if len(body) >= _CHUNK:
+                        conn.writer.write(body)
+                    await conn.writer.drain()
+                except OSError:
+                    # The owner may have answered from the head (401, 413: it reads no
+                    # body then) and closed before taking all of it: read that answer.
+                    # A stale pooled connection has none: retried below.
+                    pass
                 answer = await read_head(conn.reader)
             except (OSError, asyncio.IncompleteReadError, ValueError) as ex:
                 conn.close()
@@ -379,6 +385,14 @@ class CloseAfter:
         await self.send(message)
 
 
+class _ClientGone(Exception):
+    """The client disconnected while its body was being streamed to the owner."""
+
+
+class _BodyTooLarge(Exception):
+    """A streamed chunked body passed the limit."""
+
+
 class Forwarder:
     """ASGI app: forward the request to the owner and relay its answer unchanged (a
     worker front door's *rest*).
@@ -387,8 +401,9 @@ class Forwarder:
     sent on without the body (the owner answers from the head: 413, or 401/403/404
     first, as with one process) and the client connection is closed; a chunked body
     past it gets the owner's 413 from here (CORS as the owner's, ``allow_origins``;
-    counted in ``query_metrics`` on a query route). The owner unreachable: 503
-    ``{"error": ...}`` (MessagePack for a MessagePack query).
+    counted in ``query_metrics`` on a query route). A body still arriving is streamed
+    to the owner (:meth:`_stream`), so what it refuses from the head comes back at once.
+    The owner unreachable: 503 ``{"error": ...}`` (MessagePack for a MessagePack query).
     """
 
     def __init__(
@@ -444,6 +459,19 @@ class Forwarder:
                     await self._unavailable(send, scope, msgpack, str(ex))
                 return
             body += msg.get("body", b"")
+        elif length != 0:
+            # The front door hands over what of the body is here (an empty chunk when
+            # nothing is, :class:`~kvconductor.http.front.HeadFirst`): a body still on
+            # its way is streamed, so the owner may answer from the head meanwhile.
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            more = msg.get("more_body", False)
+            if more:
+                return await self._stream(
+                    scope, msg.get("body", b""), length, receive, send, (msgpack, origin, t0)
+                )
+            body += msg.get("body", b"")
         while more:
             msg = await receive()
             if msg["type"] != "http.request":
@@ -458,6 +486,91 @@ class Forwarder:
             await self.owner.forward(head, bytes(body), send, head_only=head_only)
         except OwnerUnavailable as ex:
             await self._unavailable(send, scope, msgpack, str(ex))
+
+    async def _stream(
+        self,
+        scope: dict,
+        first: bytes,
+        length: int | None,
+        receive: Any,
+        send: Any,
+        answer: tuple[bool, str | None, float],
+    ) -> None:
+        """Forward a request whose body is still arriving: the head and what is here go
+        to the owner at once (on a connection of its own), the rest as it arrives
+        (chunked to the owner when the client's body is chunked). The owner answers
+        from the head what it refuses there (401, 403, 404, 405, 413, as one process
+        does): that answer is relayed at once and the client connection closed, the
+        rest of the body never read; otherwise the answer follows the whole body.
+        ``answer``: ``(msgpack, origin, t0)`` of the worker's own 413 and 503."""
+        msgpack, origin, t0 = answer
+        chunked = length is None
+        head = request_head(scope, length)
+        if chunked:
+            head = head[:-2] + b"transfer-encoding: chunked\r\n\r\n"
+        try:
+            reader, writer = await asyncio.open_unix_connection(self.owner.path, limit=HEAD_LIMIT)
+        except OSError as ex:
+            return await self._unavailable(send, scope, msgpack, str(ex))
+        conn = _Conn(reader, writer)
+
+        def framed(data: bytes) -> bytes:
+            return b"%x\r\n%s\r\n" % (len(data), data) if chunked and data else data
+
+        async def pump() -> None:
+            size = len(first)
+            writer.write(head + framed(first))
+            await writer.drain()
+            more = True
+            while more:
+                msg = await receive()
+                if msg["type"] != "http.request":
+                    raise _ClientGone
+                data = msg.get("body", b"")
+                more = msg.get("more_body", False)
+                size += len(data)
+                if chunked and size > self.max_body_bytes:
+                    raise _BodyTooLarge
+                if data:
+                    writer.write(framed(data))
+                    await writer.drain()
+            if chunked:
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+
+        pumping = asyncio.ensure_future(pump())
+        heading = asyncio.ensure_future(read_head(reader))
+        try:
+            await asyncio.wait((pumping, heading), return_when=asyncio.FIRST_COMPLETED)
+            if pumping.done() and not pumping.cancelled():
+                problem = pumping.exception()
+                if isinstance(problem, (_ClientGone, _BodyTooLarge)):
+                    heading.cancel()
+                    if isinstance(problem, _BodyTooLarge):
+                        await self._too_large(scope, send, msgpack, origin, t0)
+                    return
+                # written whole, or the owner closed its side after an early answer
+            try:
+                head_in = await heading
+            except (OSError, asyncio.IncompleteReadError, ValueError) as ex:
+                return await self._unavailable(send, scope, msgpack, str(ex) or type(ex).__name__)
+            early = not pumping.done()
+            out = CloseAfter(send) if early else send
+            await out(
+                {
+                    "type": "http.response.start",
+                    "status": head_in.status,
+                    "headers": head_in.headers,
+                }
+            )
+            await relay_body(reader, head_in, out, scope["method"] == "HEAD")
+        finally:
+            for task in (pumping, heading):
+                if not task.done():
+                    task.cancel()
+            with contextlib.suppress(BaseException):
+                await pumping
+            conn.close()
 
     async def _too_large(
         self, scope: dict, send: Any, msgpack: bool, origin: str | None, t0: float

@@ -110,6 +110,8 @@ class Settings:
     workers: int = 1
     # the Mooncake conductor's dialect on its own port (docs/api.md); None: off
     mooncake_port: int | None = None
+    # --mooncake-port-open: the dialect port needs no --api-key (docs/security.md)
+    mooncake_open: bool = False
     # --workers N: a worker inside a read section of the shared index this long after the
     # ingest thread started waiting for it is stalled: the others go on, it is killed
     reader_stall_ms: int = 500

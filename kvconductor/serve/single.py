@@ -32,7 +32,7 @@ from typing import Any
 import uvicorn
 from uvicorn._compat import asyncio_run
 
-from kvconductor.http.front import FrontDoor
+from kvconductor.http.front import AnswerFromHead, FrontDoor
 from kvconductor.http.limits import HttpLimits, h11_buffer_limit, protocol_class
 from kvconductor.serve.bootstrap import (
     STOP_SECS,
@@ -432,9 +432,28 @@ def serve(settings: Settings) -> int:
         from kvconductor.http.mooncake import create_mooncake_app
 
         assert service.conductor is not None
-        app = create_mooncake_app(service.conductor, max_body_bytes=settings.max_body_bytes)
+        key = None if settings.mooncake_open else settings.api_key
+        app = AnswerFromHead(  # 401 and 413 from the head, as on the V3 port
+            create_mooncake_app(
+                service.conductor,
+                max_body_bytes=settings.max_body_bytes,
+                api_key=key,
+                open_services=settings.open_workers,
+            )
+        )
         side = (SideServer(uvicorn_config(app, settings, "(mooncake dialect)")), side_sock)
-        log.info("Mooncake conductor dialect listening on %s", format_address(side_sock))
+        log.info(
+            "Mooncake conductor dialect listening on %s auth=%s",
+            format_address(side_sock),
+            "token" if key else "off",
+        )
+        if settings.api_key and settings.mooncake_open:
+            log.warning(
+                "--mooncake-port-open: the Mooncake dialect on %s takes /register and "
+                "/unregister without the --api-key: anyone who reaches it can re-point or "
+                "remove any engine's registration",
+                format_address(side_sock),
+            )
     server = KvServer(uvicorn_config(service.app, settings))
     service.log_start(format_address(sock))
     if not service.start():
