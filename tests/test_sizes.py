@@ -27,9 +27,7 @@ COMPILED_SUFFIXES = (".pyx", ".pxi", ".pxd")
 #: Files still over their limit (path under ``kvconductor/`` -> lines today, a ceiling).
 #: Only ever lower a number or remove a line.
 ALLOWLIST: dict[str, int] = {
-    "state/conductor.py": 1232,
     "ingest/subscriber.py": 1169,
-    "state/replica.py": 1034,
     "ingest/apply.py": 784,
     "serve/cli.py": 731,
     "_tree.pyx": 1851,
