@@ -21,8 +21,9 @@ LAYERS: list[set[str]] = [
     {"sourcecolumns"},  # what a /metrics scrape reads of the subscriptions, column by column
     {"subscription"},  # one source: wires everything below
     {"source", "apply"},  # sockets; the applier (limits, the compiled fast path, typed ops)
-    {"recognize", "replay", "storeonly", "poolguard"},  # a payload's kind; the replay DEALER;
-    # a store-only source's bound; engine batches on a pool's URL
+    {"recognize", "replay", "storeonly", "poolguard", "pooltargets"},  # a payload's kind; the
+    # replay DEALER; a store-only source's bound; engine batches on a pool's URL; where a
+    # pool event's blocks land
     {"vllm", "pool"},  # the decoders
     {"tracker", "host", "replicated"},  # sequence policy; the owner's seams; --state-url
     {"liveness", "freshness"},  # down / muted / purged policy; the states behind answers
