@@ -38,7 +38,8 @@ def _manager(connected: bool):
     from kvconductor.ingest.liveness import Liveness
     from kvconductor.ingest.replicated import ReplicaState
     from kvconductor.ingest.stats import SourceStats
-    from kvconductor.ingest.subscriber import Subscription, SubscriptionManager
+    from kvconductor.ingest.subscriber import SubscriptionManager
+    from kvconductor.ingest.subscription import Subscription
 
     mgr = SubscriptionManager.__new__(SubscriptionManager)
     mgr.liveness = Liveness(mgr, source_down=10.0, source_purge=600.0)

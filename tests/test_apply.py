@@ -469,7 +469,7 @@ def test_clear_all(conductor):
 
 def test_instance_info_dict_form(conductor):
     """The service's instance_info returns a dict (model_name/tenant_id, per-DP endpoints)."""
-    from kvconductor.ingest.apply import registered_index
+    from kvconductor.ingest.poolroute import registered_index
 
     class DictConductor(FakeConductor):
         def instance_info(self, iid):

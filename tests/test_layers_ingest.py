@@ -17,10 +17,13 @@ PKG = pathlib.Path(kvconductor.ingest.__file__).parent
 
 #: Top to bottom; a module imports only modules of lower layers (never its own layer).
 LAYERS: list[set[str]] = [
-    {"subscriber"},  # the manager and its subscriptions: wires everything below
+    {"subscriber"},  # the manager of the subscriptions' table
+    {"sourcecolumns"},  # what a /metrics scrape reads of the subscriptions, column by column
+    {"subscription"},  # one source: wires everything below
     {"source", "apply"},  # sockets; the applier (limits, the compiled fast path, typed ops)
-    {"recognize", "replay", "storeonly", "poolguard"},  # a payload's kind; the replay DEALER;
-    # a store-only source's bound; engine batches on a pool's URL
+    {"recognize", "replay", "storeonly", "poolguard", "pooltargets"},  # a payload's kind; the
+    # replay DEALER; a store-only source's bound; engine batches on a pool's URL; where a
+    # pool event's blocks land
     {"vllm", "pool"},  # the decoders
     {"tracker", "host", "replicated"},  # sequence policy; the owner's seams; --state-url
     {"liveness", "freshness"},  # down / muted / purged policy; the states behind answers
@@ -100,5 +103,6 @@ def test_the_payload_walk():
     assert g["replicated"] == set()
     assert g["vllm"] <= {"ops"} and g["pool"] <= {"ops"}
     assert g["recognize"] <= {"ops", "vllm", "pool"}
-    assert not g["apply"] & {"vllm", "pool", "tracker", "source", "subscriber"}
-    assert not g["source"] & {"tracker", "apply", "recognize", "vllm", "pool", "subscriber"}
+    top = {"subscriber", "subscription", "sourcecolumns"}
+    assert not g["apply"] & {"vllm", "pool", "tracker", "source", *top}
+    assert not g["source"] & {"tracker", "apply", "recognize", "vllm", "pool", *top}

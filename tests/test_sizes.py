@@ -27,8 +27,6 @@ COMPILED_SUFFIXES = (".pyx", ".pxi", ".pxd")
 #: Files still over their limit (path under ``kvconductor/`` -> lines today, a ceiling).
 #: Only ever lower a number or remove a line.
 ALLOWLIST: dict[str, int] = {
-    "ingest/subscriber.py": 1169,
-    "ingest/apply.py": 784,
     "serve/cli.py": 731,
     "_tree.pyx": 1851,
     "_encode.pyx": 1059,

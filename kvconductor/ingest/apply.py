@@ -20,17 +20,9 @@ Routing (deviations from the reference are marked FIX):
 * ``AllBlocksCleared`` -> ``Index.clear`` for the subscription's default media.
 * The DP is always the subscription's (FIX: also during replay; the reference used
   the batch's rank there).
-* Pool events: IpOnly (Mooncake/Memcache pool publishers, ``ctx.is_pool``):
-  ``conductor.hbm_ip_lookup(event.backend_id)`` -> the (instance, dp)s on that IP of
-  the event's (model, tenant) (:mod:`~kvconductor.ingest.poolroute`; FIX: every DP of
-  the node was credited) x target media; otherwise the subscription's (instance, dp). Target media =
-  ``[event.medium]`` or the subscription's non-HBM default media (FIX: a pool
-  never holds HBM blocks; the reference also put medium-less pool blocks in the
-  HBM tree). Index = the event's ``model_name``/``tenant_id`` if present, else
-  (FIX, IpOnly only) the resolved instance's registered model/tenant via
-  ``conductor.instance_info`` (pools register with ``model_path or "default"``, so
-  with the reference their confirmations landed in another index), else the
-  subscription's.
+* Pool events -> ``Index.pool_store`` / ``evict`` / ``clear`` on each of the targets
+  :func:`~kvconductor.ingest.pooltargets.pool_targets` finds (which DPs, media and
+  index; its FIXes are listed there).
 
 Compiled fast path (HBM subscriptions, ``kvconductor._ingest.FastBatch``): a
 vLLM/SGLang batch whose every event the fast path handles (HBM medium, ASCII
@@ -71,14 +63,9 @@ from kvconductor.ingest.ops import (
     VllmBatch,
 )
 from kvconductor.ingest.poolguard import ENGINE_BATCH_ON_POOL, engine_batch_on_pool
-from kvconductor.ingest.poolroute import (
-    NO_DP_OF_CONTEXT,
-    cluster_pool_dps,
-    registered_index,
-    registered_lora,
-)
+from kvconductor.ingest.pooltargets import Miss, pool_targets
 from kvconductor.ingest.recognize import decode_payload
-from kvconductor.ingest.sharedstore import shared_targets, store_shared
+from kvconductor.ingest.sharedstore import store_shared
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.storeonly import (
     WEIGH_BYTES,
@@ -88,7 +75,7 @@ from kvconductor.ingest.storeonly import (
     claimed_blocks,
     direct_medium,
 )
-from kvconductor.keys import Medium, WorkerKey, node_of_backend_id, parse_medium
+from kvconductor.keys import Medium, WorkerKey, parse_medium
 
 log = logging.getLogger("kvconductor.ingest")
 
@@ -636,20 +623,6 @@ class Applier:
         index.evict(key, ev.block_hashes)
 
     # -- pools ---------------------------------------------------------------------------------
-    def _registered(self, infos: dict, iid: str, dp: int) -> tuple[str | None, str | None]:
-        """A DP's registered (model, tenant); ``infos``: instance_info per batch."""
-        info = infos.get(iid, infos)
-        if info is infos:
-            info = infos[iid] = self.conductor.instance_info(iid)
-        return registered_index(info, dp)
-
-    def _shared_targets(self, ev, media) -> list[tuple[str, str, WorkerKey]] | None:
-        targets, why = shared_targets(self.conductor, self.ctx, ev, media)
-        if not targets:
-            self._drop(NO_DP_OF_CONTEXT, why)
-            return None
-        return targets
-
     def _store_shared(self, targets, hashes, now: float) -> None:
         by_index: dict[tuple[str, str], list[WorkerKey]] = {}
         for model, tenant, key in targets:
@@ -663,80 +636,17 @@ class Applier:
         self.stats.blocks += len(hashes)
 
     def _pool_targets(self, ev, infos: dict) -> list[tuple[str, str, WorkerKey]] | None:
-        ctx = self.ctx
+        """``ev``'s targets (:func:`~kvconductor.ingest.pooltargets.pool_targets`); None:
+        none (the miss counted, and warned unless it says otherwise)."""
         media = (parse_medium(ev.medium),) if ev.medium else self.pool_media
-        out = []
-        if ctx.shared_store:
-            return self._shared_targets(ev, media)
-        if ctx.is_pool:
-            node = node_of_backend_id(ev.backend_id) if ev.backend_id else ctx.node_ip
-            if not node:
-                self.stats.drop("no_backend_id")
-                return None
-            pairs = self.conductor.hbm_ip_lookup(node) or ()
-            if not pairs and ctx.node_ip and node != ctx.node_ip:
-                # a node pool's backend_id may name the pool daemon, not the engines' node
-                node = ctx.node_ip
-                pairs = self.conductor.hbm_ip_lookup(node) or ()
-            if pairs and not ctx.node_pool:
-                routed = cluster_pool_dps(
-                    pairs,
-                    lambda iid, dp: self._registered(infos, iid, dp),
-                    ev.model_name,
-                    ev.tenant_id,
-                    ctx.model,
-                    ctx.tenant,
-                    ev.lora_name,
-                    ctx.lora_name,
-                    lambda iid, dp: registered_lora(infos.get(iid), dp),
-                )
-                if routed.reason:
-                    self._drop(
-                        routed.reason,
-                        f"{routed.detail} (event backend_id {ev.backend_id!r}, node {node})",
-                    )
-                    return None
-                for iid, dp, model, tenant in routed.dps:
-                    for m in media:
-                        out.append((model, tenant, self._key(Medium(m), iid, dp)))
-                return out
-            seen = set()
-            for iid, dp in pairs:
-                if (iid, dp) in seen:
-                    continue
-                seen.add((iid, dp))
-                # a node pool serves the DPs of its own (model, tenant) on its node
-                m0, t0 = self._registered(infos, iid, dp)
-                want = (
-                    ctx.model if ev.model_name is None else ev.model_name,
-                    ctx.tenant if ev.tenant_id is None else ev.tenant_id,
-                )
-                if (m0, t0) != want:
-                    continue
-                for m in media:
-                    out.append((want[0], want[1], self._key(Medium(m), iid, dp)))
-            if not out:
-                if ctx.node_pool:
-                    self._drop(
-                        "no_dp_on_node",
-                        f"no DP is registered with an HBM URL on {node} for model="
-                        f"{ctx.model} tenant={ctx.tenant} (node pool {ctx.instance_id}, event "
-                        f"backend_id {ev.backend_id!r}): its blocks count for the DPs "
-                        "registered there when it publishes them",
-                    )
-                else:
-                    self._drop(
-                        "backend_id_not_in_hbm_ip_index",
-                        f"no DP is registered with an HBM URL on {node} (event backend_id "
-                        f"{ev.backend_id!r})",
-                    )
-                return None
-        else:
-            model = ev.model_name if ev.model_name is not None else ctx.model
-            tenant = ev.tenant_id if ev.tenant_id is not None else ctx.tenant
-            for m in media:
-                out.append((model, tenant, self._key(Medium(m))))
-        return out
+        found = pool_targets(self.conductor, self.ctx, ev, media, infos)
+        if isinstance(found, Miss):
+            if found.warn:
+                self._drop(found.reason, found.detail)
+            else:
+                self.stats.drop(found.reason)
+            return None
+        return found
 
     def apply_pool(self, batch: PoolBatch, payload: bytes | None = None) -> None:
         stats = self.stats

@@ -65,7 +65,7 @@ class _Tracker(Protocol):
 
 class Source(Protocol):
     """What :func:`collect` reads of a subscription
-    (:class:`~kvconductor.ingest.subscriber.Subscription`)."""
+    (:class:`~kvconductor.ingest.subscription.Subscription`)."""
 
     @property
     def ctx(self) -> _Ctx: ...

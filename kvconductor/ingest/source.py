@@ -2,7 +2,7 @@
 
 :class:`SubSource` opens, polls and closes them on the ingest thread; what a message,
 a handshake or a disconnect means is decided by its :class:`SourceEvents` (the
-:class:`~kvconductor.ingest.subscriber.Subscription`). Nothing here knows sequence
+:class:`~kvconductor.ingest.subscription.Subscription`). Nothing here knows sequence
 numbers, payloads or the index.
 
 * SUB ``RCVHWM = 1_000_000`` messages. The reference left ZMQ's default of 1000,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from operator import attrgetter
 
 log = logging.getLogger("kvconductor.ingest")
 
@@ -146,6 +147,14 @@ class SourceStats:
     def purged_blocks(self, n: int) -> None:
         self._purged_blocks = n
         counts_changed()
+
+
+# PERF: what a /metrics scrape reads of many SourceStats at once, in C loops
+# (kvconductor.ingest.sourcecolumns): the attributes behind the properties, no call
+READ_GAPS = attrgetter("_gaps")
+READ_REPLAYS_OK = attrgetter("_replays_ok")
+READ_MUTES = attrgetter("_mutes")
+READ_PURGED = attrgetter("_purged_blocks")
 
 
 class WarnLimiter:

@@ -1,37 +1,12 @@
-"""ZeroMQ subscriptions to engine and pool publishers, with replay and gap recovery.
+"""ZeroMQ subscriptions to engine and pool publishers: the manager of the table.
 
 :class:`SubscriptionManager` lives on the ingest thread
 (:class:`~kvconductor.ingest.thread.IngestThread`); **every method is called on
 that thread** (use ``thread.call(mgr.subscribe, ctx)`` / ``await
-thread.run(...)`` from elsewhere). Each :class:`Subscription` owns one SUB
-socket, its monitor socket and, while replaying, one DEALER
-(:class:`~kvconductor.ingest.replay.ReplaySession`); all are polled by the one
-ingest poller, which blocks when nothing happens (no busy spin; the reference
-busy-spun one core per subscriber).
-
-Sockets: one SUB per subscription and its monitor, in
-:class:`~kvconductor.ingest.source.SubSource` (options, reconnects, heartbeats,
-handshakes). Every handshake, the first one included, triggers a replay when the
-subscription has a replay endpoint: a PUB drops what it sends before our subscription
-reaches it, so only a replay asked once connected covers what the engine published
-before (a replay asked at registration, before the engine is up, would be answered
-empty). With a bound SUB (``--allow-bind-endpoints``) each engine PUB connecting to it is
-such a handshake.
-
-Sequence numbers (frame 1, 8-byte big-endian) per subscription: in order,
-gap, duplicate, publisher restart, replay and its merge with the live batches
-buffered meanwhile are decided by :class:`~kvconductor.ingest.tracker.SequenceTracker`
-(no sockets, no clock); the subscription feeds it and carries out what it decides.
-
-A loss never costs more than what the lost batches carried. Nothing is
-cleared: engines never re-announce the blocks they still cache, so a cleared
-DP would stay empty. Instead the source is marked ``degraded``; the blocks its
-workers hold at that moment become *suspects* and everything the stream
-announces from then on is applied as usual. After the grace period
-(``--loss-grace-secs``, default 600 s) the suspects that were neither
-announced again (stored, offloaded, pool-stored) nor are ancestors of a block
-announced since are dropped (the lost batches may have evicted them), and the
-source is ``live`` again. A new loss during the grace period starts it over.
+thread.run(...)`` from elsewhere), except :meth:`~SubscriptionManager.metrics_snapshot`
+(any thread; the columns are read by :mod:`~kvconductor.ingest.sourcecolumns`). Its
+table holds one :class:`~kvconductor.ingest.subscription.Subscription` per (instance_id,
+dp_rank, url): the sockets, sequence numbers, replay and loss of one source are there.
 
 A source that is not ready (``connecting`` or ``replaying``) for
 ``--source-down-secs`` (default 10 s) has its (instance, DP)'s HBM workers
@@ -45,10 +20,6 @@ dropped. With several HBM subscriptions for one (instance, DP), the DP is muted
 when every one of them is down, for the shortest of their down times. Checked by
 :meth:`SubscriptionManager.check_sources` every
 :data:`~kvconductor.ingest.liveness.SOURCE_CHECK_SECS`.
-
-Only subscriptions that feed HBM workers (engine PUB, ``not ctx.is_pool`` and a
-HBM medium in ``ctx.default_media``) use ``ctx.replay_endpoint``: a replay ROUTER
-serves the engine's sequence, not a pool port's.
 """
 
 from __future__ import annotations
@@ -57,664 +28,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from itertools import chain, compress, repeat
-from operator import and_, attrgetter, is_, itemgetter, not_
-from typing import NamedTuple
 
-import zmq
-
-from kvconductor.ingest.apply import Applier
-from kvconductor.ingest.context import SubscriberContext, source_kind
+from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.freshness import FreshnessTables
 from kvconductor.ingest.host import IngestHost, IngestSettings, SharedWrites, SourceJournal
 from kvconductor.ingest.liveness import Liveness
-from kvconductor.ingest.replay import ReplaySession
-from kvconductor.ingest.replicated import DUPLICATE, HOLE, ReplicaState
-from kvconductor.ingest.source import SubSource
-from kvconductor.ingest.sourcemetrics import SourceSnapshot, label_sets
-from kvconductor.ingest.stats import (
-    COUNTS_STAMP,
-    LABELS_STAMP,
-    STATE_STAMP,
-    Limits,
-    SourceStats,
-    WarnLimiter,
-    labels_changed,
-    state_changed,
-)
+from kvconductor.ingest.replicated import DUPLICATE, HOLE
+from kvconductor.ingest.sourcecolumns import Columns, RetiredTotals, read_columns, replays
+from kvconductor.ingest.sourcemetrics import SourceSnapshot
+from kvconductor.ingest.stats import COUNTS_STAMP, LABELS_STAMP, STATE_STAMP, Limits, WarnLimiter
+from kvconductor.ingest.subscription import Subscription
 from kvconductor.ingest.thread import IngestThread
-from kvconductor.ingest.tracker import SequenceTracker, digest
+from kvconductor.ingest.tracker import digest
 from kvconductor.keys import Medium
 from kvconductor.schema import JSONObject
 
 log = logging.getLogger("kvconductor.ingest")
 
 
-class Subscription:
-    """One SUB socket to one publisher URL for one (instance, DP).
-
-    The sockets are here; what to do with each batch is decided by its
-    :class:`~kvconductor.ingest.tracker.SequenceTracker`, for which this is the
-    :class:`~kvconductor.ingest.tracker.TrackerHost`.
-    """
-
-    def __init__(self, manager: SubscriptionManager, ctx: SubscriberContext) -> None:
-        self.manager = manager
-        self.thread = manager.thread
-        self.ctx = ctx  # also its metric label sets and source kind (the ctx setter)
-        self.key = (ctx.instance_id, ctx.dp_rank, ctx.url)
-        self.stats = SourceStats()
-        #: Wall-clock time of the last batch received (live or replayed); at first, of
-        #: the subscription's creation (``kvconductor_source_last_event_age_seconds``).
-        self.stats.last_event = time.time()
-        self.applier = Applier(
-            ctx, manager.conductor, self.stats, manager.warn, limits=manager.limits
-        )
-        self.replay_endpoint = self._replay_endpoint_of(ctx)
-        #: An engine stream of HBM blocks (:meth:`SubscriptionManager.check_sources`).
-        self.feeds_hbm = self._feeds_hbm(ctx)
-        #: The SUB and its monitor.
-        self.source = SubSource(manager.thread, self, manager.shared)
-        self._connected = False
-        self.closed = False
-        #: Monotonic time since when the source is not ready (None: ready).
-        self.down_since: float | None = time.monotonic()
-        self._muted = False
-        self.replay: ReplaySession | None = None
-        self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        #: --state-url (kvconductor.state.replica): the source's replicated state, the same on
-        #: every replica (:class:`~kvconductor.ingest.replicated.ReplicaState`).
-        self.replica = ReplicaState(manager.fence_floor)
-        if manager.replicator is not None:
-            self.down_since = None  # passive: up until the owner says otherwise
-        cursor = manager.resume.pop(self.key, None)
-        if cursor is not None:
-            # warm start: go on from the snapshot's cursor (the registration's replay
-            # verifies the batch at it and asks for what came after)
-            self.tracker.last_seq = self.stats.last_seq = cursor[0]
-            self.tracker.last_digest = cursor[1]
-            self.replica.applied = (cursor[0], cursor[1])
-            self.replica.fence = max(self.replica.fence, cursor[2])
-
-    # connected, muted and tracker: properties whose setters tell a /metrics scrape to
-    # read the source's state again (kvconductor.ingest.stats.STATE_STAMP)
-    @property
-    def connected(self) -> bool:
-        """The SUB has a publisher (its monitor saw the handshake, or it is bound)."""
-        return self._connected
-
-    @connected.setter
-    def connected(self, on: bool) -> None:
-        if on != getattr(self, "_connected", None):  # (not __dict__: it slows the object)
-            self._connected = on
-            state_changed()
-
-    @property
-    def muted(self) -> bool:
-        """Its (instance, DP)'s HBM hits are muted (down past --source-down-secs)."""
-        return self._muted
-
-    @muted.setter
-    def muted(self, on: bool) -> None:
-        if on != getattr(self, "_muted", None):
-            self._muted = on
-            state_changed()
-
-    @property
-    def tracker(self) -> SequenceTracker:
-        """The sequence and replay state (a new one after a resync or a lease change)."""
-        return self._tracker
-
-    @tracker.setter
-    def tracker(self, t: SequenceTracker) -> None:
-        self._tracker = t
-        state_changed()
-
-    @property
-    def ctx(self) -> SubscriberContext:
-        """The registration facts the subscription applies events under."""
-        return self._ctx
-
-    @ctx.setter
-    def ctx(self, ctx: SubscriberContext) -> None:
-        # PERF: what /metrics shows of the source, rendered once per registration
-        # (and again on retarget), never per scrape.
-        self._ctx = ctx
-        #: ``{dp_rank=..,instance_id=..,medium=..}`` per medium (metrics_snapshot).
-        self.metric_labels = label_sets(ctx.instance_id, ctx.dp_rank, ctx.default_media)
-        #: ``kvconductor_events_applied``'s source_kind.
-        self.kind = source_kind(ctx.is_pool, ctx.engine_type)
-        labels_changed()  # a scrape reads them again
-
-    @property
-    def owned(self) -> bool:
-        """--state-url: this replica holds the source's lease and consumes it."""
-        return self.replica.owned
-
-    @property
-    def lease_epoch(self) -> int:
-        """--state-url: the epoch of this replica's lease on the source."""
-        return self.replica.lease_epoch
-
-    @staticmethod
-    def _feeds_hbm(ctx: SubscriberContext) -> bool:
-        """An engine stream of HBM blocks (what a down source mutes and purges)."""
-        return not ctx.is_pool and any(Medium(m).tier == 0 for m in ctx.default_media)
-
-    @property
-    def dp_key(self) -> tuple[str, str, str, int]:
-        c = self.ctx
-        return (c.model, c.tenant, c.instance_id, c.dp_rank)
-
-    @staticmethod
-    def _replay_endpoint_of(ctx: SubscriberContext) -> str | None:
-        feeds_hbm = any(Medium(m).tier == 0 for m in ctx.default_media)
-        return (
-            ctx.replay_endpoint if (ctx.replay_endpoint and feeds_hbm and not ctx.is_pool) else None
-        )
-
-    def retarget(self, ctx: SubscriberContext) -> None:
-        """A changed registration of the same URL: apply what comes next under ``ctx``,
-        on the same socket, so no batch is lost in a hand-over."""
-        old = self.applier
-        self.ctx = ctx
-        self.applier = Applier(
-            ctx, self.manager.conductor, self.stats, self.manager.warn, limits=self.manager.limits
-        )
-        self.applier.touched = old.touched
-        self.applier.suspects, self.applier.confirmed = old.suspects, old.confirmed
-        sb, old_sb = self.applier.store_bound, old.store_bound
-        if sb is not None and old_sb is not None:
-            # the blocks announced so far keep their deadlines under the new bound
-            sb.adopt(old_sb)
-        self.replay_endpoint = self._replay_endpoint_of(ctx)
-        self.feeds_hbm = self._feeds_hbm(ctx)
-        self.tracker.replay_enabled = self.replay_endpoint is not None
-
-    @property
-    def last_seq(self) -> int | None:
-        """The seq of the last batch applied. ``--state-url``, a source another replica
-        consumes: the replicated cursor (the last batch the log applied here), not this
-        replica's tracker, which stopped when it last owned the source."""
-        if self.passive:
-            applied = self.replica.applied
-            return None if applied is None else applied[0]
-        return self.tracker.last_seq
-
-    # -- sockets (kvconductor.ingest.source) -------------------------------------------------
-    @property
-    def bound(self) -> bool:
-        """The SUB is bound (``--allow-bind-endpoints``): publishers connect to it."""
-        return self.source.bound
-
-    def open(self) -> None:
-        """Open the SUB socket and its monitor (:meth:`SubSource.open`); raises
-        ``zmq.ZMQError`` (nothing left open) when that fails: the registration is then
-        rolled back and answered 503."""
-        if self.closed or self.passive:
-            return
-        self.source.open(self.ctx.url, self.applier.limits.max_message_bytes)
-        if self.source.bound:
-            self.connected = self.tracker.ever_connected = True
-
-    @property
-    def passive(self) -> bool:
-        """--state-url and another replica consumes this source (or none yet)."""
-        return self.manager.replicator is not None and not self.owned
-
-    def close(self) -> None:
-        self.closed = True
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        if self.replay is not None:
-            self.replay.close()
-            self.replay = None
-        self.source.close()
-        self.tracker.close()
-        self.connected = False
-
-    def name(self) -> str:
-        return f"{self.ctx.instance_id}/dp{self.ctx.dp_rank}@{self.ctx.url}"
-
-    # the source's events
-    def handshake(self) -> None:
-        if not self.connected:
-            self._now_connected()
-        elif self.bound:
-            # a publisher connected to our bound SUB: catch up on what it sent
-            self.tracker.connected()
-
-    def disconnected(self) -> None:
-        if self.connected:
-            log.info("%s: disconnected", self.name())
-        self.connected = False
-        if self.down_since is None:
-            self.down_since = time.monotonic()
-
-    def _now_connected(self) -> None:
-        self.connected = True
-        if self.tracker.ever_connected:
-            log.info("%s: reconnected", self.name())
-        self.tracker.connected()
-
-    def receive_error(self, ex: zmq.ZMQError) -> None:
-        self.manager.warn.warn(self.name(), "receive_error", str(ex), None)
-
-    def message(self, frames: list[bytes]) -> None:
-        # PERF: per message, the attributes behind the properties (no property call)
-        if not self._connected:  # data beat the monitor event
-            self._now_connected()
-        if len(frames) < 3:
-            self.stats.drop("short_message")
-            self.manager.warn.warn(
-                self.name(),
-                "short_message",
-                f"{len(frames)} frames",
-                frames[-1] if frames else b"",
-            )
-            return
-        seq_b = frames[1]
-        if len(seq_b) != 8:
-            self.stats.drop("bad_seq_frame")
-            self.manager.warn.warn(self.name(), "bad_seq_frame", f"{len(seq_b)} bytes", seq_b)
-            return
-        now = time.time()
-        self.stats.last_event = now
-        self._tracker.live(int.from_bytes(seq_b, "big"), frames[2], now)
-
-    # -- --state-url: ownership (kvconductor.state.replica) ----------------------------------------
-    def activate(self, epoch: int) -> None:
-        """This replica took the source's lease: consume it from the replicated cursor
-        (a replay from there verifies it and brings what came after). ``zmq.ZMQError``
-        when the socket cannot be opened (passive again)."""
-        st = self.replica
-        st.owned = True
-        st.lease_epoch = epoch
-        st.reported_down = None
-        self.down_since = time.monotonic()  # not ready until connected
-        self.tracker.close()
-        self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        if st.applied is not None:
-            self.tracker.last_seq, self.tracker.last_digest = st.applied
-        try:
-            self.open()
-        except BaseException:
-            st.owned = False
-            raise
-        if self.bound:
-            self.tracker.catch_up()  # connected at once; else the SUB's handshake asks
-        token = st.loss_token
-        if token is not None:
-            # the previous owner's grace period: ours ends it (a full one, to be safe)
-            self.thread.call_later(self.manager.loss_grace, lambda: self._grace_over(token))
-        log.info("%s: consuming (lease epoch %d)", self.name(), epoch)
-
-    def release(self) -> None:
-        """The lease is gone (another replica, or the state store lost): passive again."""
-        if not self.replica.owned:
-            return
-        self.replica.owned = False
-        self._close_sockets()
-        self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
-        self.down_since = None  # as the next owner reports it
-        log.info("%s: no longer consumed here", self.name())
-
-    def _grace_over(self, token: str) -> None:
-        r = self.manager.replicator
-        if r is not None and self.owned and not self.closed and self.replica.loss_token == token:
-            r.append_source(self, "aged", token)
-
-    # -- the tracker's host ----------------------------------------------------------------
-    def apply(self, payload: bytes, seq: int) -> None:
-        r = self.manager.replicator
-        if r is None:
-            self.applier.apply_payload(payload)
-        else:
-            r.append_batch(self, seq, payload)
-
-    def open_replay(self, start: int) -> None:
-        # The tracker replays only when replay_enabled, i.e. with a replay endpoint.
-        assert self.replay_endpoint is not None
-        session = ReplaySession(
-            self.thread,
-            self.replay_endpoint,
-            start,
-            self._on_replayed,
-            self._on_replay_done,
-            self.manager.replay_timeout,
-            self.manager.replay_deadline,
-            2 * self.applier.limits.max_message_bytes,
-        )
-        self.replay = session
-        session.start()
-
-    def no_replay_why(self) -> str:
-        c = self.ctx
-        if c.is_pool:
-            return "a pool stream has no replay"
-        if not self.feeds_hbm:
-            return "only a stream of HBM blocks is replayed"
-        return f"instance {c.instance_id} DP {c.dp_rank} registered no replay_endpoint"
-
-    def lost(self, why: str, epoch: int) -> None:
-        """Keep the state, degrade, age out later (module docstring)."""
-        r = self.manager.replicator
-        if r is not None:
-            # every replica marks the suspects when it applies the loss; the owner ends
-            # the grace period with an ``aged`` entry (Subscription._grace_over)
-            token = f"{self.lease_epoch}.{epoch}"
-            r.append_source(self, "loss", token, why)
-            grace = self.manager.loss_grace
-            self.thread.call_later(grace, lambda: self._grace_over(token))
-            return
-        n = self.applier.begin_suspect()
-        grace = self.manager.loss_grace
-        self.thread.call_later(grace, lambda: self._end_degraded(epoch))
-        log.warning(
-            "%s: %s; source degraded: %d blocks kept, those not announced again "
-            "within %gs will be dropped",
-            self.name(),
-            why,
-            n,
-            grace,
-        )
-
-    def _end_degraded(self, epoch: int) -> None:
-        if not self.tracker.end_degraded(epoch):
-            return  # closed, or superseded by a later loss
-        n = self.applier.end_suspect()
-        log.info(
-            "%s: grace period after the loss is over; %d blocks not announced again "
-            "were dropped; source live",
-            self.name(),
-            n,
-        )
-
-    def _on_replayed(self, seq: int, payload: bytes) -> None:
-        now = time.time()
-        self.stats.last_event = now
-        self.tracker.replayed(seq, payload, now)
-
-    def _on_replay_done(self, ok: bool, why: str) -> None:
-        self.replay = None
-        if not ok and not self.closed:
-            self.manager.warn.warn(self.name(), "replay_failed", why, None)
-        self.tracker.replay_done(ok, why, time.time())
-
-    # -- introspection ---------------------------------------------------------------------------
-    @property
-    def state(self) -> str:
-        if self.passive:
-            return "remote"
-        # PERF: every source at every liveness check: no property calls
-        return self._tracker.state(self._connected)
-
-    def info(self) -> dict[str, object]:
-        s = self.stats
-        down = self.down_since
-        d: dict[str, object] = {
-            "instance_id": self.ctx.instance_id,
-            "dp_rank": self.ctx.dp_rank,
-            "url": self.ctx.url,
-            "media": [Medium(m).display.lower() for m in self.ctx.default_media],
-            "model": self.ctx.model,
-            "tenant": self.ctx.tenant,
-            "is_pool": self.ctx.is_pool,
-            "replay_endpoint": self.replay_endpoint,
-            "state": self.state,
-            "connected": self.connected,
-            "last_seq": self.last_seq,
-            "last_event_age_s": round(max(0.0, time.time() - s.last_event), 3),
-            "batches": s.batches,
-            "events": s.events,
-            "blocks": s.blocks,
-            "gaps": s.gaps,
-            "replays": s.replays,
-            "replayed_batches": s.replayed_batches,
-            "restarts": s.restarts,
-            "resyncs": s.resyncs,
-            "losses": s.resyncs,
-            "degraded_since": self.tracker.degraded_since,
-            "last_loss": self._last_loss(),
-            "aged_out_blocks": s.aged_out,
-            "down_since": None if down is None else time.time() - (time.monotonic() - down),
-            "muted": self.muted,
-            "mutes": s.mutes,
-            "purged_blocks": s.purged_blocks,
-            "duplicates": s.duplicates,
-            "buffered": len(self.tracker.buffer),
-            "dropped": dict(s.dropped),
-        }
-        sb = self.applier.store_bound
-        if sb is not None:
-            d["store_only"] = sb.info()
-        return d
-
-    def _last_loss(self) -> dict[str, object] | None:
-        loss = self.tracker.last_loss
-        return None if loss is None else {"at": loss[0], "why": loss[1]}
-
-
-class RetiredTotals:
-    """Counters of the subscriptions closed so far, so that the metrics' sums over
-    subscriptions never go down when one closes (a counter reset to Prometheus)."""
-
-    __slots__ = (
-        "dropped",
-        "events",
-        "gaps",
-        "mutes",
-        "purged_blocks",
-        "replays_failed",
-        "replays_ok",
-    )
-
-    def __init__(self) -> None:
-        self.events: dict[str, int] = {}
-        self.dropped: dict[str, int] = {}
-        self.gaps = 0
-        self.replays_ok = 0
-        self.replays_failed = 0
-        self.mutes = 0
-        self.purged_blocks = 0
-
-
-_STATS = attrgetter("stats")
-_EVENTS = attrgetter("events")
-# the attributes behind the properties of SourceStats, Subscription and SequenceTracker
-# (read without the property's call)
-_GAPS = attrgetter("_gaps")
-_REPLAYS_OK = attrgetter("_replays_ok")
-_MUTES = attrgetter("_mutes")
-_PURGED = attrgetter("_purged_blocks")
-_DROPPED = attrgetter("dropped")
-_KIND = attrgetter("kind")
-_TRACKER = attrgetter("_tracker")
-_CONNECTED = attrgetter("_connected")
-_REPLAYING = attrgetter("_replaying")
-_DEGRADED = attrgetter("_degraded_since")
-_OWNED = attrgetter("replica.owned")
-_MUTED = attrgetter("_muted")
-_LAST_EVENT = attrgetter("last_event")
-_LABELS = attrgetter("metric_labels")
-_FIRST = itemgetter(0)
-_NONES = repeat(None)  # endless: map() stops at the shorter iterable
-_ZEROS = repeat(0)
-_ONE = 1
-
-
-def _replays(sub: Subscription) -> tuple[int, int]:
-    """(ok, failed) finished replays of ``sub`` (a running one is neither); each counted
-    once, when it ends, so both only grow."""
-    s = sub.stats
-    return s.replays_ok, s.dropped.get("replay_failed", 0)
-
-
 #: Subscriptions read per slice of a ``/metrics`` scrape (metrics_snapshot's ``pause``).
 METRICS_CHUNK = 1024
-
-
-class _Rare(NamedTuple):
-    """The rarely moving counters of a slice of subscriptions, summed."""
-
-    gaps: int
-    replays_ok: int
-    replays_failed: int
-    mutes: int
-    purged_blocks: int
-    dropped: dict[str, int]
-
-
-class _Columns(NamedTuple):
-    """What a slice of subscriptions keeps from one scrape to the next while it stays
-    the same: the same subscriptions, and :data:`~kvconductor.ingest.stats.LABELS_STAMP`
-    unchanged (no label set or source kind changed anywhere); the live and muted flags
-    while :data:`~kvconductor.ingest.stats.STATE_STAMP` is unchanged too, the rare
-    counters' sums while :data:`~kvconductor.ingest.stats.COUNTS_STAMP` is."""
-
-    #: (LABELS_STAMP, STATE_STAMP, COUNTS_STAMP) when read
-    stamps: tuple[int, int, int]
-    subs: list[Subscription]
-    stats: list[SourceStats]
-    #: the stats objects per source kind, in the order of the kinds
-    kinds: list[tuple[str, list[SourceStats]]]
-    #: the label sets flattened
-    labels: list[str]
-    #: None when each subscription has one medium, else what repeats a column's value
-    #: for each medium of its subscription (an itemgetter of the indices after two 0s)
-    ks: itemgetter[tuple[int, ...]] | None
-    rare: _Rare
-    #: per label set: connected, not replaying, not degraded (--state-url: not owned
-    #: yet, which is read at every scrape)
-    live: list[bool]
-    #: per label set: muted
-    muted: list[bool]
-
-
-def _sum_rare(stats: list[SourceStats]) -> _Rare:
-    # PERF: C loops (map/attrgetter, sum). The drops: one sum per reason over the
-    # sources that have any (a few reasons, in C) or, when the reasons are many for the
-    # drops there are, a Python loop over them. The dicts are read in C calls that run
-    # no Python code: the ingest thread cannot add a reason in the middle of one.
-    ds = list(filter(None, map(_DROPPED, stats)))
-    reasons = set(chain.from_iterable(ds))
-    if len(reasons) * len(ds) <= 4 * (sum(map(len, ds)) + len(ds)):
-        dropped = {r: sum(map(dict.get, ds, repeat(r), _ZEROS)) for r in sorted(reasons)}
-    else:
-        dropped = {}
-        for d in ds:
-            for reason, n in list(d.items()):  # a copy in C
-                dropped[reason] = dropped.get(reason, 0) + n
-    return _Rare(
-        sum(map(_GAPS, stats)),
-        sum(map(_REPLAYS_OK, stats)),
-        dropped.get("replay_failed", 0),
-        sum(map(_MUTES, stats)),
-        sum(map(_PURGED, stats)),
-        dropped,
-    )
-
-
-def _repeater(lens: list[int]) -> itemgetter[tuple[int, ...]]:
-    """What repeats a column's value ``lens[i]`` times for each ``i``: an itemgetter of
-    the indices after two 0s (cut off after the call: a tuple even for fewer than two
-    indices)."""
-    # PERF: the indices built a run of single media at a time (a C extend), a Python
-    # statement only for a source of another count
-    idx = [0, 0]
-    start = 0
-    for i in compress(range(len(lens)), map(_ONE.__ne__, lens)):
-        idx += range(start, i)
-        idx += repeat(i, lens[i])
-        start = i + 1
-    idx += range(start, len(lens))
-    return itemgetter(*idx)
-
-
-def _live(subs: list[Subscription]) -> list[bool]:
-    """What Subscription.state calls "live" (connected, not replaying, not degraded),
-    from the columns (passive sources: see ``_read_columns``)."""
-    trackers = list(map(_TRACKER, subs))
-    if any(map(_REPLAYING, trackers)) or not all(map(is_, map(_DEGRADED, trackers), _NONES)):
-        return list(
-            map(
-                and_,
-                map(and_, map(_CONNECTED, subs), map(not_, map(_REPLAYING, trackers))),
-                map(is_, map(_DEGRADED, trackers), _NONES),
-            )
-        )
-    return list(map(_CONNECTED, subs))  # none replaying or degraded (the common case)
-
-
-def _read_columns(
-    snap: SourceSnapshot,
-    subs: list[Subscription],
-    replicated: bool,
-    kept: _Columns | None,
-    stamps: tuple[int, int, int],
-) -> _Columns:
-    """Appends the columns of ``subs`` to ``snap`` and adds their counters to its totals;
-    returns what the next scrape may reuse (``kept``: this slice's from the last one,
-    ``stamps``: :data:`~kvconductor.ingest.stats.LABELS_STAMP`, ``STATE_STAMP`` and
-    ``COUNTS_STAMP``, read before anything else)."""
-    # PERF: every column read by map/attrgetter (C loops); no Python statement per
-    # subscription but for the rare ones with drops. What only changes with the table,
-    # a registration, a source's state or a rare counter (stats objects, kinds, label
-    # sets, the live and muted flags, the rare counters' sums) is reused while the stamps
-    # are the same and the slice's subscriptions compare equal (identity, in C): each
-    # scrape reads only what moves with every batch (events, last event).
-    if kept is None or kept.stamps[0] != stamps[0] or kept.subs != subs:
-        stats = list(map(_STATS, subs))
-        kinds = list(map(_KIND, subs))
-        if len(set(kinds)) == 1:  # one engine type (the common case)
-            groups = [(kinds[0], stats)]
-        else:
-            by_kind: dict[str, list[SourceStats]] = {}
-            for kind, st in zip(kinds, stats, strict=True):
-                by_kind.setdefault(kind, []).append(st)
-            groups = sorted(by_kind.items())
-        sets = list(map(_LABELS, subs))
-        ks: itemgetter[tuple[int, ...]] | None = None
-        live, muted = _live(subs), list(map(_MUTED, subs))
-        lens = list(map(len, sets))
-        if all(map(_ONE.__eq__, lens)):
-            labels = list(map(_FIRST, sets))
-        else:  # sources of several media (or none): a line per medium
-            labels = list(chain.from_iterable(sets))
-            ks = _repeater(lens)
-            live, muted = list(ks(live)[2:]), list(ks(muted)[2:])
-        kept = _Columns(stamps, subs, stats, groups, labels, ks, _sum_rare(stats), live, muted)
-    elif kept.stamps != stamps:
-        if kept.stamps[1] != stamps[1]:  # a source's state moved (one flapping)
-            live, muted = _live(subs), list(map(_MUTED, subs))
-            if kept.ks is not None:
-                live, muted = list(kept.ks(live)[2:]), list(kept.ks(muted)[2:])
-            kept = kept._replace(live=live, muted=muted)
-        if kept.stamps[2] != stamps[2]:  # a rare counter moved (a source dropping)
-            kept = kept._replace(rare=_sum_rare(kept.stats))
-        kept = kept._replace(stamps=stamps)
-    stats, labels, ks, rare = kept.stats, kept.labels, kept.ks, kept.rare
-    applied, dropped = snap.applied, snap.dropped
-    snap.gaps += rare.gaps
-    snap.replays_ok += rare.replays_ok
-    snap.replays_failed += rare.replays_failed
-    snap.mutes += rare.mutes
-    snap.purged_blocks += rare.purged_blocks
-    for reason, n in rare.dropped.items():
-        dropped[reason] = dropped.get(reason, 0) + n
-    for kind, group in kept.kinds:
-        applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, group))
-    live = kept.live
-    if replicated:  # --state-url: a source this replica does not own is remote
-        owned = list(map(_OWNED, subs))
-        live = list(map(and_, live, owned if ks is None else ks(owned)[2:]))
-    last = list(map(_LAST_EVENT, stats))
-    snap.labels += labels
-    snap.live += live
-    snap.muted += kept.muted
-    snap.last_event += last if ks is None else ks(last)[2:]
-    return kept
 
 
 class SubscriptionManager:
@@ -785,8 +118,8 @@ class SubscriptionManager:
         #: closing subscription's counters either in the table or in :attr:`retired`,
         #: never in both or neither. Never taken per batch.
         self._table_lock = threading.Lock()
-        #: What the last scrape read that only changes with the table (_read_columns).
-        self._metric_columns: list[_Columns] = []
+        #: What the last scrape read that only changes with the table (read_columns).
+        self._metric_columns: list[Columns] = []
 
     def _snapshot(self) -> tuple[Subscription, ...]:
         # one C call under the GIL: never a table changing under a reader
@@ -825,7 +158,7 @@ class SubscriptionManager:
             for reason, n in s.dropped.items():
                 r.dropped[reason] = r.dropped.get(reason, 0) + n
             r.gaps += s.gaps
-            ok, failed = _replays(sub)
+            ok, failed = replays(sub)
             r.replays_ok += ok
             r.replays_failed += failed
             r.mutes += s.mutes
@@ -859,7 +192,7 @@ class SubscriptionManager:
             if i and pause is not None:
                 pause()
             last = kept[c] if c < len(kept) else None
-            out.append(_read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last, stamps))
+            out.append(read_columns(snap, subs[i : i + METRICS_CHUNK], replicated, last, stamps))
         self._metric_columns = out
         return snap
 
@@ -915,7 +248,7 @@ class SubscriptionManager:
             sub.stats.gaps += 1
             self.loss_logged(key, epoch, token, f"log gap {st.applied[0]} -> {seq}")
             if sub.owned:
-                self.thread.call_later(self.loss_grace, lambda: sub._grace_over(token))
+                self.thread.call_later(self.loss_grace, lambda: sub.grace_over(token))
         sub.applier.apply_payload(payload)
         st.applied = (seq, digest(payload))
         sub.stats.last_seq = seq

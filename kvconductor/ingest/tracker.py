@@ -3,7 +3,7 @@
 :class:`SequenceTracker` decides what happens to each batch of one publisher's
 stream; it owns no socket and no clock (every input that may start a loss
 carries ``now``, the wall-clock time). What it decides is carried out by its
-host (:class:`TrackerHost`, the :class:`~kvconductor.ingest.subscriber.Subscription`):
+host (:class:`TrackerHost`, the :class:`~kvconductor.ingest.subscription.Subscription`):
 apply a payload to the index, open a replay session, start the grace period of a
 loss. A host may finish a replay inside :meth:`TrackerHost.open_replay` (the
 session failed at once); the tracker expects that.
@@ -48,6 +48,7 @@ degradation ends with :meth:`SequenceTracker.end_degraded` of the newest epoch.
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 from typing import Protocol
 
 from kvconductor._hash import xxh3_64
@@ -412,3 +413,9 @@ class SequenceTracker:
                 self.buffer.extend(buf[i:])
                 return
             self._process(seq, payload, now)
+
+
+# PERF: what a /metrics scrape reads of many trackers at once, in C loops
+# (kvconductor.ingest.sourcecolumns): the attributes behind the properties, no call
+READ_REPLAYING = attrgetter("_replaying")
+READ_DEGRADED = attrgetter("_degraded_since")

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvconductor.index import QueryResult
     from kvconductor.ingest.context import SubscriberContext
     from kvconductor.ingest.host import SourceJournal
-    from kvconductor.ingest.subscriber import Subscription
+    from kvconductor.ingest.subscription import Subscription
 
 __all__ = [
     "IndexView",
@@ -177,7 +177,7 @@ class LastLoss(TypedDict):
 
 class SourceInfo(TypedDict, total=False):
     """The fields of a ``/workers`` ``sources`` entry the state floor reads (docs/api.md,
-    GET /workers; :meth:`kvconductor.ingest.subscriber.Subscription.info` writes it)."""
+    GET /workers; :meth:`kvconductor.ingest.subscription.Subscription.info` writes it)."""
 
     instance_id: str
     dp_rank: int

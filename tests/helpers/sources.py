@@ -1,6 +1,6 @@
 """Hand-built subscriptions (no sockets, no ingest thread) for the ``/metrics`` tests and
 benchmarks: a :class:`~kvconductor.ingest.subscriber.SubscriptionManager` whose table
-holds ``n`` real :class:`~kvconductor.ingest.subscriber.Subscription` objects with real
+holds ``n`` real :class:`~kvconductor.ingest.subscription.Subscription` objects with real
 counters and trackers, in every state a scrape distinguishes."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import types
 
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.replicated import ReplicaState
+from kvconductor.ingest.sourcecolumns import RetiredTotals
 from kvconductor.ingest.stats import SourceStats
-from kvconductor.ingest.subscriber import RetiredTotals, Subscription, SubscriptionManager
+from kvconductor.ingest.subscriber import SubscriptionManager
+from kvconductor.ingest.subscription import Subscription
 from kvconductor.ingest.tracker import SequenceTracker
 from kvconductor.keys import Medium
 
