@@ -498,7 +498,7 @@ def test_ci_runs_the_http_tests_on_the_lower_bound():
         assert test in block, f".ci/run's lower-bound step does not run {test}"
 
 
-def test_fence_module_lists_no_names_outside_this_test():
+def test_no_other_module_names_a_uvicorn_release():
     # the range lives in one module; nothing else in kvconductor/ names a uvicorn version
     hits = []
     for path in (ROOT / "kvconductor").rglob("*.py"):

@@ -1,7 +1,7 @@
 """HTTP/1.1 connection limits on top of uvicorn's protocols.
 
-uvicorn (0.30+) leaves three holes that a client, broken or hostile, can use
-to take the service down:
+uvicorn (the releases of :mod:`kvconductor.http.fence`) leaves three holes that a
+client, broken or hostile, can use to take the service down:
 
 * **no bound on a request head** with httptools (llhttp): a 256 MB header line
   is buffered whole and the request is served;
