@@ -302,6 +302,43 @@ def test_instance_attributes_of_a_connection_and_its_request():
     asyncio.run(main())
 
 
+#: ``H11Protocol`` instance attributes http/limits.py reads (``LimitedH11Protocol._sync``,
+#: the limits mixin).
+H11_CONNECTION_ATTRS = ["conn", "cycle", "transport", "server_state", "loop", "client"]
+
+
+def test_h11_connection_attributes():
+    import h11
+
+    async def main():
+        config = uvicorn.Config(lambda *a: None, http="h11", ws="none", lifespan="off")
+        config.load()
+        proto = h11_impl.H11Protocol(
+            config=config,
+            server_state=ServerState(),
+            app_state={},
+            _loop=asyncio.get_running_loop(),
+        )
+        proto.connection_made(Recorder())
+        for name in H11_CONNECTION_ATTRS:
+            assert hasattr(proto, name), moved(f"H11Protocol().{name}", "http/limits.py")
+        assert isinstance(proto.conn, h11.Connection) and proto.conn.their_state is h11.IDLE, moved(
+            "H11Protocol().conn (an h11.Connection: their_state read)", "http/limits.py"
+        )
+        proto.shutdown()
+
+    asyncio.run(main())
+
+
+def test_config_takes_a_protocol_class_as_http():
+    cls = protocol_class(HttpLimits(), "httptools")
+    config = uvicorn.Config(lambda *a: None, http=cls, ws="none", lifespan="off")
+    config.load()
+    assert config.http_protocol_class is cls, moved(
+        "uvicorn.Config(http=<protocol class>) -> http_protocol_class", "serve/single.py"
+    )
+
+
 def test_server_and_its_lifespan():
     config = _app_config()
     server = uvicorn.Server(config)
