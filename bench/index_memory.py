@@ -4,7 +4,7 @@ Stores ``--blocks`` blocks over ``--workers`` HBM workers in 32-block events (pr
 hashes) into a bare ``CoreIndex`` and reports, per (worker, block) pair:
 
 * ``rss``: the process's RSS growth across the stores, read after the heap is trimmed
-  (``kvconductor.state.conductor.trim_heap``, as the server's ingest thread does every 10 s);
+  (``kvconductor.serve.tuning.trim_heap``, as the server's ingest thread does every 10 s);
 * ``allocated``: the index's own bytes (``stats()["nbytes"]``, what
   ``kvconductor_index_bytes`` reports: allocated capacity);
 * ``touched``: the HBM tree's arrays up to their high-water marks plus every table slot
@@ -44,7 +44,7 @@ def one(workers: int, blocks: int, shared: int) -> dict:
     from bench.conftest import make_tokens
     from kvconductor._hash import hash_blocks
     from kvconductor._index import CoreIndex
-    from kvconductor.state.conductor import trim_heap
+    from kvconductor.serve.tuning import trim_heap
 
     per = blocks // workers
     core = CoreIndex()

@@ -19,7 +19,7 @@ another checkout with the same file), so before/after runs alternate on one mach
 
     python bench/many_holders.py --workers 1024 7000 --repeat 3
 
-glibc's malloc is tuned as the server processes tune it (``kvconductor.state.conductor.
+glibc's malloc is tuned as the server processes tune it (``kvconductor.serve.tuning.
 tune_malloc``, applied here by hand so that older checkouts are measured the same way);
 ``--glibc-defaults`` leaves it alone (each large answer then faults its pages in again).
 """
@@ -108,8 +108,8 @@ def timed(fn: Any, n: int) -> tuple[float, float, float]:
 
 
 def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
-    from kvconductor.http.api import QueryResource
     from kvconductor.http.metrics import QueryMetrics
+    from kvconductor.http.query import QueryResource
 
     ix, chain = build(workers)
     try:
@@ -153,7 +153,7 @@ def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
 
 
 def tune_malloc() -> None:
-    """``kvconductor.state.conductor.tune_malloc``'s settings (both thresholds at 32 MiB)."""
+    """``kvconductor.serve.tuning.tune_malloc``'s settings (both thresholds at 32 MiB)."""
     import ctypes
 
     mallopt = ctypes.CDLL(None).mallopt

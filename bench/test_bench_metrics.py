@@ -35,7 +35,7 @@ def test_scrape_1m_block_index(benchmark, big_index):
 
 
 def server_malloc() -> None:
-    """The server's glibc malloc settings (``kvconductor.state.conductor.tune_malloc``,
+    """The server's glibc malloc settings (``kvconductor.serve.tuning.tune_malloc``,
     applied at start: both thresholds at 32 MiB), by hand so that an older checkout's
     run can be given the same (``MALLOC_MMAP_THRESHOLD_=33554432
     MALLOC_TRIM_THRESHOLD_=33554432`` in its environment): with glibc's defaults each

@@ -1134,11 +1134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--server-malloc",
         action="store_true",
         help="in process, tune glibc's malloc as kv-conductor does at start "
-        "(kvconductor.state.conductor.tune_malloc: freed answer buffers reused, not trimmed)",
+        "(kvconductor.serve.tuning.tune_malloc: freed answer buffers reused, not trimmed)",
     )
     args = ap.parse_args(argv)
     if args.server_malloc:
-        from kvconductor.state.conductor import tune_malloc
+        from kvconductor.serve.tuning import tune_malloc
 
         print(json.dumps({"server_malloc": tune_malloc()}), flush=True)
 

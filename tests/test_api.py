@@ -12,8 +12,11 @@ import msgspec
 import pytest
 
 import kvconductor.http.api as app_module
+import kvconductor.http.query as query_module
 from kvconductor import _encode, _hash, _wire, wire
-from kvconductor.http.api import BodyTooLarge, create_app, read_body
+from kvconductor.http.api import create_app
+from kvconductor.http.query import MissWarnings
+from kvconductor.http.resource import BodyTooLarge, read_body
 from kvconductor.http.responses import header_text
 from kvconductor.state.conductor import Conductor, ConductorConfig
 from tests.helpers.api import H1, H2, events, query, register, stored, unregister
@@ -27,12 +30,15 @@ def wire_impl(request, monkeypatch):
     """Run a test over the msgspec wire twin ("py") and the compiled one ("c")."""
     if request.param == "c":
         monkeypatch.setattr(wire, "_parse_impl", _wire.parse_query)
-        monkeypatch.setattr(app_module, "encode_result", wire.c_encode_result)
-        monkeypatch.setattr(app_module, "encode_error", _encode.encode_error)
+        encode_result, encode_error = wire.c_encode_result, _encode.encode_error
     else:
         monkeypatch.setattr(wire, "_parse_impl", wire.py_parse_query)
-        monkeypatch.setattr(app_module, "encode_result", wire.py_encode_result)
-        monkeypatch.setattr(app_module, "encode_error", wire.py_encode_error)
+        encode_result, encode_error = wire.py_encode_result, wire.py_encode_error
+    # The query resources (http/query.py) encode answers and errors; the app's error
+    # handlers (http/api.py) errors.
+    monkeypatch.setattr(query_module, "encode_result", encode_result)
+    for module in (app_module, query_module):
+        monkeypatch.setattr(module, "encode_error", encode_error)
     return request.param
 
 
@@ -861,7 +867,7 @@ def test_unknown_lora_name_is_loud(client, caplog):
 
 def test_miss_warnings_are_rate_limited_per_key(caplog):
     now = [1000.0]
-    w = app_module.MissWarnings(interval=60.0, clock=lambda: now[0])
+    w = MissWarnings(interval=60.0, clock=lambda: now[0])
     caplog.set_level("WARNING", logger="kvconductor.http")
     sizes = frozenset((4, 16))
     first = w.block_size_mismatch("m", "t", 8, sizes)

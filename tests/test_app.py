@@ -14,7 +14,7 @@ import pytest
 
 import kvconductor.app
 import kvconductor.cli
-from kvconductor.http import api
+from kvconductor.http import api, query, resource
 from kvconductor.serve import cli, gunicorn
 
 
@@ -33,6 +33,13 @@ def test_old_app_names_warn_and_resolve():
         assert kvconductor.app.create_app is api.create_app
     with pytest.warns(DeprecationWarning, match="QueryFastPath"):
         assert kvconductor.app.QueryFastPath is api.QueryFastPath
+
+
+def test_old_app_names_of_the_rooms_split_out_of_the_app_name_their_room():
+    with pytest.warns(DeprecationWarning, match=r"kvconductor\.http\.resource\.read_body"):
+        assert kvconductor.app.read_body is resource.read_body
+    with pytest.warns(DeprecationWarning, match=r"kvconductor\.http\.query\.QueryResource"):
+        assert kvconductor.app.QueryResource is query.QueryResource
 
 
 def test_unknown_names_are_attribute_errors():

@@ -35,7 +35,7 @@ from kvconductor.logs import set_process_role
 from kvconductor.serve import bootstrap, cli, privatedir, worker, workermetrics
 from kvconductor.serve import owner as supervision
 from kvconductor.serve.settings import Settings
-from kvconductor.state.conductor import TRIM_SECS
+from kvconductor.serve.tuning import TRIM_SECS
 from tests.helpers import http_cases
 from tests.helpers.server import WORKER_BOUND as BOUND
 from tests.helpers.server import (

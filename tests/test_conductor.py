@@ -401,7 +401,7 @@ def test_invalid_block_sequence(conductor):
 
 
 def test_unregistered_instance(conductor):
-    from kvconductor.state.conductor import InstanceNotRegistered
+    from kvconductor.state.events import InstanceNotRegistered
 
     for kw in ({}, {"model_name": "m", "tenant_id": "t"}):
         with pytest.raises(InstanceNotRegistered, match="instance ghost not found"):
@@ -791,75 +791,6 @@ def test_concurrent_readers_while_writing(conductor):
 
 def test_hash_vectors_used_here():
     assert list(_hash.hash_blocks(list(range(1, 9)), 4)) == [H1, H2]
-
-
-_TRIM_PROBE = """
-import gc
-from kvconductor.state.conductor import _TRIM, trim_heap
-def rss():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
-assert _TRIM is not None, "malloc_trim not found (glibc is the supported platform)"
-before = rss()
-chunks = [bytes(4096) for _ in range(40_000)]  # ~164 MB of malloc'd blocks
-keep = chunks[::16]  # pins every 16th: the freed runs are not at the heap's top
-del chunks
-gc.collect()
-held = rss() - before
-trim_heap()
-print(held, rss() - before, len(keep))
-"""
-
-
-def test_trim_heap_returns_freed_memory_to_the_system():
-    """Freed 4 kB blocks between live ones stay with the process (glibc trims only its
-    heap's top); trim_heap gives them back. The ingest thread calls it every TRIM_SECS.
-    In a fresh interpreter, so that no earlier test's freed memory is reused."""
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-c", _TRIM_PROBE], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    held, after, kept = map(int, out.stdout.split())
-    assert held > 120_000_000, held  # freed, yet still resident
-    assert after < held / 3, (held, after)
-    assert kept == 2500
-
-
-_MALLINFO = """
-import ctypes, sys
-from kvconductor.state.conductor import tune_malloc
-class MI(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-mallinfo2 = ctypes.CDLL(None).mallinfo2
-mallinfo2.restype = MI
-tuned = sys.argv[1] == "1" and tune_malloc()
-before = mallinfo2().hblkhd
-buf = bytearray(4 << 20)
-print(int(tuned), mallinfo2().hblkhd - before)
-"""
-
-
-def test_tune_malloc_keeps_large_answers_in_the_heap():
-    """A 4 MiB buffer (a large answer) is a fresh mmap with glibc's defaults and comes
-    from the heap once tuned (freed pages are reused instead of faulted in again)."""
-    import ctypes
-    import subprocess
-
-    if not hasattr(ctypes.CDLL(None), "mallinfo2"):
-        pytest.skip("not glibc >= 2.33")
-    out = {}
-    for tuned in ("0", "1"):
-        r = subprocess.run(
-            [sys.executable, "-c", _MALLINFO, tuned], capture_output=True, text=True, check=True
-        )
-        out[tuned] = tuple(int(x) for x in r.stdout.split())
-    assert out["0"][0] == 0 and out["0"][1] >= 4 << 20  # mmapped
-    assert out["1"] == (1, 0)  # tuned: from the heap
 
 
 # -- optional features handed in (kvconductor.state.protocols) ------------------------------

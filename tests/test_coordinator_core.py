@@ -5,15 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvconductor.coordinator.core import (
-    CircuitBreaker,
-    CircuitOpenError,
-    ConductorCore,
-    ConductorError,
-    Reply,
-    TransportFailure,
-    resume,
-)
+from kvconductor.coordinator.breaker import CircuitBreaker, CircuitOpenError, ConductorError
+from kvconductor.coordinator.core import ConductorCore
+from kvconductor.coordinator.exchange import Reply, TransportFailure, resume
 
 JSON = "application/json"
 

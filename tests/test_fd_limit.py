@@ -11,7 +11,7 @@ import pytest
 
 from kvconductor.http.limits import HttpLimits
 from kvconductor.serve.single import fit_connection_cap
-from kvconductor.state.conductor import fds_needed, raise_fd_limit
+from kvconductor.serve.tuning import fds_needed, raise_fd_limit
 
 INF = resource.RLIM_INFINITY
 

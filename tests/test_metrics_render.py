@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvconductor import __version__
+from kvconductor.http import columns as columns_mod
 from kvconductor.http import metrics as metrics_mod
 from kvconductor.http.metrics import Metrics
 from kvconductor.ingest.context import source_kind
@@ -272,13 +273,13 @@ def test_small_slices_match_the_reference(fixed_time, monkeypatch):
 
     pauses = []
     monkeypatch.setattr(subscriber, "METRICS_CHUNK", 5)
-    monkeypatch.setattr(metrics_mod, "CHUNK", 7)
-    monkeypatch.setattr(metrics_mod, "PAUSE", 0.0)
-    monkeypatch.setattr(metrics_mod, "SLICE", 0.0)  # pause at every chance
+    monkeypatch.setattr(columns_mod, "CHUNK", 7)
+    monkeypatch.setattr(columns_mod, "PAUSE", 0.0)
+    monkeypatch.setattr(columns_mod, "SLICE", 0.0)  # pause at every chance
     c = _conductor(manager(300, odd=True))
     try:
         m = Metrics(c)
-        monkeypatch.setattr(metrics_mod.time, "sleep", lambda s: pauses.append(s))
+        monkeypatch.setattr(columns_mod.time, "sleep", lambda s: pauses.append(s))
         got = m.exposition()
         monkeypatch.undo()
         monkeypatch.setattr(time, "time", lambda: NOW)
@@ -444,19 +445,19 @@ def test_ages_are_what_float_to_go_string_writes(monkeypatch, fast):
     elsewhere) against prometheus_client's ``floatToGoString`` of ``max(0, now - t)``:
     the edges, and many ages of the shape a scrape computes (now - a wall-clock time of
     about 1.7e9: 17 significant digits) over every decade of the fast path."""
-    assert metrics_mod._FAST_AGES  # the installed msgspec writes these as repr does
-    monkeypatch.setattr(metrics_mod, "_FAST_AGES", fast)
+    assert columns_mod._FAST_AGES  # the installed msgspec writes these as repr does
+    monkeypatch.setattr(columns_mod, "_FAST_AGES", fast)
     rnd = random.Random(27)
     now = 1_700_000_000.0 + rnd.random() * 1e6
     last = [now - a for a in EDGE_AGES]
     last += [now - rnd.random() * 10 ** rnd.uniform(-5, 7) for _ in range(20_000)]
     last += [rnd.uniform(1e-4, 1e6) for _ in range(5_000)]  # now - t: near now
-    got = metrics_mod._ages(now, last)
+    got = columns_mod._ages(now, last)
     assert got == [floatToGoString(max(0.0, now - t)).encode() for t in last]
     # the edges themselves, exactly (``now - (now - a)`` rounds)
     want = [floatToGoString(max(0.0, a)).encode() for a in EDGE_AGES]
     assert {b"0.0", b"1e-05", b"0.0001", b"1e+06", b"3.00000025e+06", b"+Inf"} <= set(want)
-    fmt = metrics_mod._ages_msgspec if fast else metrics_mod._ages_repr
+    fmt = columns_mod._ages_msgspec if fast else columns_mod._ages_repr
     assert fmt(list(EDGE_AGES)) == want
     for k in range(len(EDGE_AGES)):  # each alone: the checks of a whole chunk
         assert fmt([EDGE_AGES[k]]) == [want[k]]
@@ -469,12 +470,12 @@ def test_random_floats_are_written_as_repr_by_msgspec():
     rnd = random.Random(11)
     lo, hi = (struct.unpack("<q", struct.pack("<d", x))[0] for x in (1e-4, 1e6))
     vals = [struct.unpack("<d", struct.pack("<q", rnd.randrange(lo, hi)))[0] for _ in range(50_000)]
-    assert metrics_mod._ages_msgspec(vals) == [repr(v).encode() for v in vals]
+    assert columns_mod._ages_msgspec(vals) == [repr(v).encode() for v in vals]
 
 
 def test_the_repr_path_matches_the_reference(fixed_time, monkeypatch):
     """Without the msgspec path (an msgspec that writes floats otherwise)."""
-    monkeypatch.setattr(metrics_mod, "_FAST_AGES", False)
+    monkeypatch.setattr(columns_mod, "_FAST_AGES", False)
     c = _conductor(manager(300, odd=True))
     try:
         m = Metrics(c)

@@ -383,8 +383,8 @@ def test_worker_servers_trim_their_heap_every_trim_secs(monkeypatch):
     import uvicorn
 
     from kvconductor.serve import single as srv_mod
+    from kvconductor.serve.tuning import TRIM_SECS
     from kvconductor.serve.worker import WorkerServer
-    from kvconductor.state.conductor import TRIM_SECS
 
     calls: list[int] = []
     monkeypatch.setattr(srv_mod, "trim_heap", lambda: calls.append(1))

@@ -247,6 +247,7 @@ class RadixTree(PerWorkerBlocks):
             node = self._rev.get(worker, {})[h]
             parent = node.parent
             p = None if parent is None or parent is self._root else parent.members.get(worker)
+            assert node.local is not None  # a held block is never the root
             return p, node.local
 
     @property

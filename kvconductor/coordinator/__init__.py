@@ -2,7 +2,10 @@
 front of the engines uses to talk to the conductor and to pick a prefill endpoint.
 
 * :mod:`~kvconductor.coordinator.core`: the sans-I/O client core (requests built,
-  answers decoded and mapped to errors, the circuit breaker, the route plans);
+  answers decoded and mapped to errors, the route plans);
+* :mod:`~kvconductor.coordinator.breaker`: the client's errors and its circuit breaker;
+* :mod:`~kvconductor.coordinator.exchange`: what a plan exchanges with its driver
+  (``Request``, ``Reply``, ``TransportFailure``, ``resume``) and the reading of a reply;
 * :mod:`~kvconductor.coordinator.clients`: ``ConductorClient`` and
   ``AsyncConductorClient``, which only send what the core builds (``httpx``);
 * :mod:`~kvconductor.coordinator.tokens`: token-id encodings of query bodies;
@@ -10,7 +13,7 @@ front of the engines uses to talk to the conductor and to pick a prefill endpoin
   and its registration payloads;
 * :mod:`~kvconductor.coordinator.affinity`: KV-affinity ranking (standard library only).
 
-The names of all five are importable from here; they are loaded on first use, so
+The names of all seven are importable from here; they are loaded on first use, so
 ``import kvconductor.coordinator.affinity`` does not import ``httpx``.
 """
 
@@ -20,7 +23,7 @@ import importlib
 from typing import Any
 
 # Searched in this order: the ones that import less first.
-_MODULES = ("affinity", "tokens", "registration", "core", "clients")
+_MODULES = ("affinity", "tokens", "registration", "breaker", "exchange", "core", "clients")
 
 
 def __getattr__(name: str) -> Any:

@@ -19,14 +19,8 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import httpx
 
-from kvconductor.coordinator.core import (
-    ConductorCore,
-    Plan,
-    Reply,
-    Request,
-    TransportFailure,
-    resume,
-)
+from kvconductor.coordinator.core import ConductorCore
+from kvconductor.coordinator.exchange import Plan, Reply, Request, TransportFailure, resume
 
 if TYPE_CHECKING:
     from typing_extensions import Self

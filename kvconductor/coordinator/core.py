@@ -40,13 +40,28 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
+from kvconductor.coordinator.breaker import (
+    BREAKER_COOLDOWN,
+    BREAKER_THRESHOLD,
+    CircuitBreaker,
+    CircuitOpenError,
+    ConductorError,
+)
+from kvconductor.coordinator.exchange import (
+    Plan,
+    Reply,
+    Request,
+    TransportFailure,
+    content_type_of,
+    decode_reply,
+    server_error,
+)
 from kvconductor.coordinator.tokens import hash_list, pack_tokens, token_list
 from kvconductor.schema import (
     DEFAULT_TENANT,
@@ -59,22 +74,9 @@ from kvconductor.schema import (
     QueryByHashRequest,
     QueryRequest,
     RegisterRequest,
-    is_msgpack_content_type,
 )
 
-__all__ = [
-    "TENANT_ID",
-    "ConductorError",
-    "CircuitOpenError",
-    "CircuitBreaker",
-    "ConductorCore",
-    "Plan",
-    "Reply",
-    "Request",
-    "ReregisterResult",
-    "TransportFailure",
-    "resume",
-]
+__all__ = ["TENANT_ID", "ConductorCore", "ReregisterResult"]
 
 # The logger keeps the name of the module this code lived in (kvconductor.client).
 logger = logging.getLogger("kvconductor.client")
@@ -84,8 +86,6 @@ TENANT_ID = DEFAULT_TENANT
 QUERY_TIMEOUT = 3.0
 REGISTER_TIMEOUT = 15.0
 HEALTH_TIMEOUT = 3.0
-BREAKER_THRESHOLD = 3
-BREAKER_COOLDOWN = 30.0
 
 _MSGPACK_ENCODER = msgspec.msgpack.Encoder()
 _JSON_ENCODER = msgspec.json.Encoder()
@@ -94,233 +94,6 @@ _JSON_ENCODER = msgspec.json.Encoder()
 REGISTER_REQUIRED = tuple(
     f.encode_name for f in msgspec.structs.fields(RegisterRequest) if f.required
 )
-
-
-# ---------------------------------------------------------------------------
-# Errors and the circuit breaker
-
-
-class ConductorError(Exception):
-    """A conductor call failed.
-
-    Attributes: ``route`` (``"POST /query"``), ``status_code`` (``None`` when
-    no HTTP answer was received), ``server_error`` (the server's ``error``
-    field or body text), ``url`` (base URL of the conductor).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        route: str,
-        status_code: int | None = None,
-        server_error: str | None = None,
-        url: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.route = route
-        self.status_code = status_code
-        self.server_error = server_error
-        self.url = url
-
-
-class CircuitOpenError(ConductorError):
-    """The call was not attempted: the circuit breaker is open."""
-
-
-class CircuitBreaker:
-    """Consecutive-failure breaker: closed -> open -> half-open -> closed/open.
-
-    ``clock`` returns seconds (monotonic); inject a fake one in tests.
-    Thread-safe; the async client uses it from one event loop.
-    """
-
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
-
-    def __init__(
-        self,
-        threshold: int = BREAKER_THRESHOLD,
-        cooldown: float = BREAKER_COOLDOWN,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if threshold < 1:
-            raise ValueError("breaker threshold must be >= 1")
-        if cooldown < 0:
-            raise ValueError("breaker cooldown must be >= 0")
-        self.threshold = threshold
-        self.cooldown = cooldown
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._opened_at = 0.0
-        self._probing = False
-        self._state = self.CLOSED
-
-    @property
-    def state(self) -> str:
-        """Current state; an open breaker whose cooldown passed still reads ``open``
-        until a call takes the half-open slot."""
-        return self._state
-
-    @property
-    def failures(self) -> int:
-        return self._failures
-
-    def retry_in(self) -> float:
-        """Seconds until the half-open attempt is allowed (0 when not open)."""
-        with self._lock:
-            if self._state != self.OPEN:
-                return 0.0
-            return max(0.0, self._opened_at + self.cooldown - self._clock())
-
-    def allow(self) -> bool:
-        """May a call go out now? Takes the single half-open slot when due."""
-        with self._lock:
-            if self._state == self.CLOSED:
-                return True
-            if self._state == self.OPEN:
-                if self._clock() - self._opened_at >= self.cooldown:
-                    self._state = self.HALF_OPEN
-                    self._probing = True
-                    logger.info("conductor circuit half-open: trying one call")
-                    return True
-                return False
-            # HALF_OPEN: one probe at a time.
-            if self._probing:
-                return False
-            self._probing = True
-            return True
-
-    def record_success(self) -> None:
-        with self._lock:
-            if self._state != self.CLOSED:
-                logger.info("conductor circuit closed")
-            self._state = self.CLOSED
-            self._failures = 0
-            self._probing = False
-
-    def record_failure(self) -> None:
-        with self._lock:
-            self._failures += 1
-            self._probing = False
-            if self._state == self.HALF_OPEN or self._failures >= self.threshold:
-                if self._state != self.OPEN:
-                    logger.warning(
-                        "conductor circuit OPEN after %d consecutive failures (cooldown %.0f s)",
-                        self._failures,
-                        self.cooldown,
-                    )
-                self._state = self.OPEN
-                self._opened_at = self._clock()
-
-    def release(self) -> None:
-        """The half-open probe ended without a verdict (e.g. cancelled): free the slot."""
-        with self._lock:
-            self._probing = False
-
-
-# ---------------------------------------------------------------------------
-# Requests, replies and plans
-
-
-@dataclasses.dataclass
-class Request:
-    """One HTTP request to send (path relative to the client's base URL)."""
-
-    method: str
-    path: str
-    content: bytes | None
-    headers: dict[str, str]
-    timeout: float
-    breaker: bool = True
-
-    @property
-    def route(self) -> str:
-        return f"{self.method} {self.path}"
-
-
-class Reply(NamedTuple):
-    """What came back: status, ``Content-Type`` header (``""`` when absent) and body."""
-
-    status: int
-    content_type: str
-    body: bytes
-
-    @property
-    def text(self) -> str:
-        """The body as text: the ``charset`` of the Content-Type, else UTF-8 (bad bytes
-        replaced)."""
-        charset = "utf-8"
-        for param in self.content_type.split(";")[1:]:
-            key, _, value = param.partition("=")
-            if key.strip().lower() == "charset" and value.strip():
-                charset = value.strip().strip('"')
-        try:
-            return self.body.decode(charset, errors="replace")
-        except LookupError:
-            return self.body.decode("utf-8", errors="replace")
-
-
-class TransportFailure(Exception):
-    """Thrown into a plan by its driver: no HTTP answer (``error``: the transport's exception)."""
-
-    def __init__(self, error: BaseException, timed_out: bool) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.timed_out = timed_out
-
-
-T = TypeVar("T")
-#: A route: yields requests, is sent a :class:`Reply` for each, returns the result.
-Plan = Generator[Request, Reply, T]
-
-
-def resume(plan: Plan[T], answer: Reply | TransportFailure | None = None) -> tuple[bool, Any]:
-    """Advance ``plan`` with the answer to its last request (``None`` to start it): a
-    :class:`Reply`, or the :class:`TransportFailure` that stands for no answer.
-
-    Returns ``(True, next Request)`` or ``(False, the plan's result)``; a plan's
-    exception propagates.
-    """
-    try:
-        if isinstance(answer, TransportFailure):
-            return True, plan.throw(answer)
-        return True, (next(plan) if answer is None else plan.send(answer))
-    except StopIteration as done:
-        return False, done.value
-
-
-def _content_type(reply: Reply) -> str:
-    return reply.content_type.strip().lower()
-
-
-def _decode(reply: Reply) -> Any:
-    """Body by Content-Type: msgpack when it is application/(x-)msgpack, else JSON."""
-    if not reply.body:
-        return None
-    if is_msgpack_content_type(_content_type(reply)):
-        return msgspec.msgpack.decode(reply.body)
-    return msgspec.json.decode(reply.body)
-
-
-def _server_error(reply: Reply) -> str:
-    try:
-        data = _decode(reply)
-    except (msgspec.DecodeError, ValueError):
-        data = None
-    if isinstance(data, Mapping):
-        err = data.get("error")
-        if isinstance(err, str):
-            return err
-        if "errors" in data:  # /events partial failure
-            return f"{data.get('status', 'error')}: {data.get('errors')}"
-        return str(data)
-    text = reply.text.strip()
-    if len(text) > 500:
-        text = text[:500] + "..."
-    return text or "(empty body)"
 
 
 @dataclasses.dataclass
@@ -555,7 +328,7 @@ class ConductorCore:
                     self.breaker.record_failure()
                 else:
                     self.breaker.record_success()
-            err = _server_error(reply)
+            err = server_error(reply)
             raise ConductorError(
                 f"{req.route} -> HTTP {status}: {err} [{self.base_url}]",
                 route=req.route,
@@ -564,11 +337,11 @@ class ConductorCore:
                 url=self.base_url,
             )
         try:
-            data = _decode(reply)
+            data = decode_reply(reply)
         except (msgspec.DecodeError, ValueError) as exc:
             if req.breaker:
                 self.breaker.record_failure()
-            ct = _content_type(reply) or "no content-type"
+            ct = content_type_of(reply) or "no content-type"
             raise ConductorError(
                 f"{req.route} -> HTTP {status}: undecodable body ({ct}): {exc} [{self.base_url}]",
                 route=req.route,

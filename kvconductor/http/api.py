@@ -6,10 +6,12 @@ Routes: ``GET /health``, ``POST /register``, ``POST /unregister``,
 
 Resources are thin: they read the body (bounded by ``max_body_bytes``: 413
 when ``Content-Length`` says so before anything is read, or as soon as a
-streamed body passes the limit), decode it with msgspec, and either answer a
-query from the index directly (large bodies in a worker thread, so the event
-loop never stalls) or hand the work to the ingest thread with
-``await conductor.run(...)``.
+streamed body passes the limit; what every resource shares is
+:mod:`kvconductor.http.resource`), decode it with msgspec, and either answer a
+query from the index directly (:mod:`kvconductor.http.query`; large bodies in a
+worker thread, so the event loop never stalls) or hand the work to the ingest
+thread with ``await conductor.run(...)``. This module holds the other routes'
+resources, the Origin policy, the error handlers and the app's construction.
 
 Every error body is ``{"error": "..."}``; on the query routes it is encoded
 like the request (MessagePack when the request was), elsewhere JSON. Unlike
@@ -34,42 +36,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar, cast
+from typing import Any
 
 import falcon
 import falcon.asgi
 import msgspec
 
-from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http import openapi
-from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.front import FrontDoor
-from kvconductor.http.metrics import CONTENT_TYPE, DeferredMetrics, Metrics, QueryMetrics
+from kvconductor.http.metrics import CONTENT_TYPE, Metrics, QueryMetrics
+from kvconductor.http.query import FRESHNESS_UNAVAILABLE, MissWarnings, QueryResource
+from kvconductor.http.resource import (
+    BAD_JSON,
+    DEFAULT_MAX_BODY_BYTES,
+    LARGE_BODY_BYTES,
+    Resource,
+    bad_json_message,
+    json_answer,
+)
 from kvconductor.http.responses import (
     MSGPACK_PATHS,
     MUTATING_PATHS,
-    WARNING_HEADER,
     cors_origin,
-    freshness_param,
-    header_text,
     set_error,
-    too_large_message,
 )
-from kvconductor.index import QueryResult
 from kvconductor.ingest.freshness import FreshnessUnavailable, document
 from kvconductor.ingest.http_events import EventError, normalize_events
 from kvconductor.schema import (
     DEFAULT_TENANT,
-    FRESHNESS_FIELD,
     EventsResponse,
     NotReadyResponse,
     ReadyResponse,
     RegisterRequest,
-    decode_error_message,
     events_decoder,
     json_encoder,
     msgpack_encoder,
@@ -89,158 +90,14 @@ from kvconductor.wire import (
     MSGPACK_CONTENT_TYPE,
     WireError,
     encode_error,
-    encode_fresh,
-    encode_result,
     is_msgpack_content_type,
     parse_query,
-    parse_query_ext,
 )
 
 log = logging.getLogger("kvconductor.http")
 
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-#: Query bodies above this size are parsed, hashed and matched in a worker thread.
-LARGE_BODY_BYTES = 256 * 1024
 _OK = json_encoder.encode({"status": "ok"})
-#: A ``"freshness"`` query whose tenant is named ``freshness`` (the answer's own
-#: ``"freshness"`` member would be a second key of that name).
-FRESHNESS_TENANT = (
-    "tenant_id 'freshness' cannot be answered with freshness: the answer's "
-    '"freshness" member would repeat the tenant\'s key'
-)
-#: A ``"freshness"`` query where the states of the sources are not known.
-FRESHNESS_UNAVAILABLE = "freshness is not available"
 _EVENTS_NONE = json_encoder.encode({"status": "ok", "events_applied": 0})
-
-
-class BodyTooLarge(Exception):
-    """The request body exceeds the configured limit."""
-
-
-class BodyIncomplete(Exception):
-    """The connection closed (or was closed by the request deadline) before the whole
-    ``Content-Length`` arrived."""
-
-
-async def read_body(req: falcon.asgi.Request, limit: int) -> bytes:
-    """The whole request body; raises :class:`BodyTooLarge` past ``limit`` bytes and
-    :class:`BodyIncomplete` when fewer than ``Content-Length`` bytes arrived."""
-    length = req.content_length
-    if length is not None:
-        if length > limit:
-            raise BodyTooLarge
-        body = await req.stream.read()
-        if len(body) < length:
-            # Falcon hands over what arrived when the client disconnects: never act on it.
-            raise BodyIncomplete
-        return body
-    chunks = []
-    total = 0
-    async for chunk in req.stream:
-        total += len(chunk)
-        if total > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _json(resp: falcon.asgi.Response, status: int, data: bytes) -> None:
-    resp.status = status
-    resp.content_type = JSON_CONTENT_TYPE
-    resp.data = data
-
-
-#: What a malformed JSON body raises in msgspec: a decode error, or (objects nested
-#: thousands deep) a RecursionError, which is the client's fault as much as any other.
-_BAD_JSON = (msgspec.DecodeError, RecursionError)
-
-
-def _bad_json(ex: Exception) -> str:
-    if isinstance(ex, RecursionError):
-        return "invalid JSON request body: nesting too deep"
-    return f"invalid JSON request body: {decode_error_message(ex)}"
-
-
-#: Every error answer of the resources (:mod:`kvconductor.http.responses`).
-_error = set_error
-
-
-#: What a resource answers from: the :class:`Conductor`, or for the query resources any
-#: :class:`~kvconductor.state.protocols.QuerySource` (a worker's shared view too).
-_Source = TypeVar("_Source", bound=QuerySource)
-
-
-class _Resource(Generic[_Source]):
-    def __init__(
-        self,
-        conductor: _Source,
-        *,
-        max_body_bytes: int,
-        api_key: str | None,
-        large_body_bytes: int,
-    ) -> None:
-        self.conductor = conductor
-        self.max_body_bytes = max_body_bytes
-        self.api_key = api_key or None
-        self.large_body_bytes = large_body_bytes
-
-    def _authorized(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> bool:
-        if bearer_ok(req.get_header("Authorization"), self.api_key):
-            return True
-        log.warning("unauthorized request method=%s path=%s", req.method, req.path)
-        resp.set_header("WWW-Authenticate", CHALLENGE)
-        _error(resp, 401, UNAUTHORIZED)
-        return False
-
-    async def _body(
-        self, req: falcon.asgi.Request, resp: falcon.asgi.Response, msgpack: bool = False
-    ) -> bytes | None:
-        try:
-            return await read_body(req, self.max_body_bytes)
-        except BodyTooLarge:
-            log.warning(
-                "request body too large method=%s path=%s limit=%d content_length=%s",
-                req.method,
-                req.path,
-                self.max_body_bytes,
-                req.content_length,
-            )
-            _error(resp, 413, too_large_message(self.max_body_bytes), msgpack)
-            # NOTE: the unread rest of the body is discarded by the server after the reply.
-            return None
-        except BodyIncomplete:
-            log.debug(
-                "request body incomplete (client gone) method=%s path=%s content_length=%s",
-                req.method,
-                req.path,
-                req.content_length,
-            )
-            _error(resp, 400, "request body shorter than its Content-Length", msgpack)
-            return None
-
-    def _bad(
-        self,
-        req: falcon.asgi.Request,
-        resp: falcon.asgi.Response,
-        message: str,
-        msgpack: bool = False,
-        status: int = 400,
-    ) -> None:
-        log.warning(
-            "bad request method=%s path=%s status=%d error=%s",
-            req.method,
-            req.path,
-            status,
-            message,
-        )
-        _error(resp, status, message, msgpack)
-
-    async def _offload(self, body: bytes | bytearray, fn, *args: Any) -> Any:
-        """``fn(*args)`` inline for small bodies, in a worker thread for large ones."""
-        if len(body) <= self.large_body_bytes:
-            return fn(*args)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.conductor.executor, fn, *args)
 
 
 class HealthResource:
@@ -254,7 +111,7 @@ class HealthResource:
         resp.content_type = falcon.MEDIA_TEXT
 
 
-class ReadyResource(_Resource[Conductor]):
+class ReadyResource(Resource[Conductor]):
     """``GET /ready``: 200 when every registered ZeroMQ source is connected and none is
     replaying; 503 naming the sources that are not (readiness, not liveness: that is
     ``/health``). Open like ``/health``; it names instances, never endpoint URLs."""
@@ -264,17 +121,17 @@ class ReadyResource(_Resource[Conductor]):
         if r is not None and not r.bootstrapped:
             resp.set_header("Retry-After", "1")
             doc = NotReadyResponse("not ready: the state store's state is not loaded yet", [])
-            return _json(resp, 503, json_encoder.encode(doc))
+            return json_answer(resp, 503, json_encoder.encode(doc))
         total, waiting = await self.conductor.run(self.conductor.readiness)
         if not waiting:
-            _json(resp, 200, json_encoder.encode(ReadyResponse("ready", total)))
+            json_answer(resp, 200, json_encoder.encode(ReadyResponse("ready", total)))
             return
         doc = NotReadyResponse(
             f"not ready: {len(waiting)} of {total} ZeroMQ sources are connecting or replaying",
             waiting,
         )
         resp.set_header("Retry-After", "1")
-        _json(resp, 503, json_encoder.encode(doc))
+        json_answer(resp, 503, json_encoder.encode(doc))
 
     async def on_head(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         _, waiting = await self.conductor.run(self.conductor.readiness)
@@ -294,7 +151,7 @@ class OpenApiResource:
         resp.data = self._body
 
 
-class RegisterResource(_Resource[Conductor]):
+class RegisterResource(Resource[Conductor]):
     """``POST /register``: 201 ``{"status":"ok"}``; fields it does not know are named in
     a WARN once per (instance, field) (:mod:`kvconductor.http.fields`)."""
 
@@ -310,8 +167,8 @@ class RegisterResource(_Resource[Conductor]):
             return
         try:
             request = register_decoder.decode(body)
-        except _BAD_JSON as ex:
-            return self._bad(req, resp, _bad_json(ex))
+        except BAD_JSON as ex:
+            return self._bad(req, resp, bad_json_message(ex))
         try:
             await self.conductor.mutate("register", body, request)
         except RegistrationError as ex:
@@ -319,10 +176,10 @@ class RegisterResource(_Resource[Conductor]):
         except (RegistrationUnavailable, StateUnavailable) as ex:
             return self._bad(req, resp, str(ex), status=503)
         self.unknown.warn(request.instance_id, unknown_fields(body, False, RegisterRequest))
-        _json(resp, 201, _OK)
+        json_answer(resp, 201, _OK)
 
 
-class UnregisterResource(_Resource[Conductor]):
+class UnregisterResource(Resource[Conductor]):
     """``POST /unregister``: 200, or 404 for an unknown instance."""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
@@ -333,241 +190,19 @@ class UnregisterResource(_Resource[Conductor]):
             return
         try:
             request = unregister_decoder.decode(body)
-        except _BAD_JSON as ex:
-            return self._bad(req, resp, _bad_json(ex))
+        except BAD_JSON as ex:
+            return self._bad(req, resp, bad_json_message(ex))
         try:
             found = await self.conductor.mutate("unregister", body, request)
         except StateUnavailable as ex:
             return self._bad(req, resp, str(ex), status=503)
         if found:
-            _json(resp, 200, _OK)
+            json_answer(resp, 200, _OK)
         else:
-            _error(resp, 404, f"instance {request.instance_id} not found")
+            set_error(resp, 404, f"instance {request.instance_id} not found")
 
 
-class QueryResource(_Resource[QuerySource]):
-    """``POST /query`` (``by_hash=False``) and ``POST /query_by_hash``, answered from a
-    :class:`~kvconductor.state.protocols.QuerySource` (the conductor, or a worker's
-    shared view)."""
-
-    def __init__(
-        self,
-        conductor: QuerySource,
-        *,
-        by_hash: bool,
-        metrics: QueryMetrics | None = None,
-        **kw: Any,
-    ) -> None:
-        super().__init__(conductor, **kw)
-        self.by_hash = by_hash
-        self.metrics = metrics or QueryMetrics()
-        #: ``kvconductor_query_seconds{route}`` of this route.
-        self.seconds = self.metrics.route_seconds["/query_by_hash" if by_hash else "/query"]
-        #: ``kvconductor_query_errors_total{route}``: answers >= 400 but 404 (a miss).
-        self.errors = self.metrics.route_errors["/query_by_hash" if by_hash else "/query"]
-        #: Warnings of queries that cannot match (``/query``: block size not registered).
-        self.misses = MissWarnings()
-
-    def answer(
-        self,
-        body: bytes,
-        msgpack: bool,
-        metrics: QueryMetrics | DeferredMetrics | None = None,
-        fresh: bool = False,
-    ) -> tuple[int, bytes, str | None]:
-        """Parse, match and encode: ``(status, body, message or None)``. With a 4xx the
-        message is what to log; with a 200 it is a warning for the
-        ``X-KV-Conductor-Warning`` header (a query that cannot match, logged here).
-        ``metrics``: where the answer's blocks and misses are counted (default: the
-        route's; off the event loop a :class:`~kvconductor.http.metrics.DeferredMetrics`).
-        ``fresh``: the answer says how fresh it is (``?freshness=true``; the body's
-        ``"freshness": true`` too)."""
-        try:
-            model, block_size, tenant, values, lora_name, top_k, instances, in_body = (
-                parse_query_ext(body, msgpack, self.by_hash)
-            )
-        except WireError as ex:
-            return self._invalid(str(ex), msgpack)
-        fresh = fresh or in_body
-        if fresh and tenant == FRESHNESS_FIELD:
-            return self._invalid(FRESHNESS_TENANT, msgpack)
-        m = self.metrics if metrics is None else metrics
-        index = self.conductor.get_index(model, tenant)
-        if index is None:
-            m.unknown_index.inc()
-            msg = f"no indexer for model={model} tenant={tenant}"
-            return 404, encode_error(msg, msgpack), msg
-        # PERF: the answer stays in the core's C arrays (QueryResult over MatchRows): the
-        # metrics take its C sums and the encoder renders it without a Python object per
-        # (instance, DP) row.
-        if self.by_hash:
-            # NOTE: the request's block_size is ignored; counts are in blocks (docs/api.md,
-            # POST /query_by_hash).
-            result = index.query_by_hash(values, top_k=top_k, instances=instances)
-            if len(result):
-                m.count_blocks(*result.sums())
-            else:
-                m.no_match.inc()
-            return self._ok(result, model, tenant, 1, msgpack, fresh)
-        # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
-        # them and the other way round.
-        seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
-        result = index.query(values, block_size, seed, top_k=top_k, instances=instances)
-        warning = None
-        if len(result):
-            m.count_blocks(*result.sums())
-        else:
-            sizes = self.conductor.block_sizes.get((model, tenant))
-            if sizes and block_size not in sizes:
-                m.block_size_mismatch.inc()
-                warning = self.misses.block_size_mismatch(model, tenant, block_size, sizes)
-            elif lora_name and seed not in self.conductor.lora_seeds.get((model, tenant), ()):
-                m.unknown_lora.inc()
-                warning = self.misses.unknown_lora(model, tenant, lora_name)
-            else:
-                m.no_match.inc()
-        return self._ok(result, model, tenant, block_size, msgpack, fresh, warning)
-
-    def _ok(
-        self,
-        result: QueryResult,
-        model: str,
-        tenant: str,
-        block_size: int,
-        msgpack: bool,
-        fresh: bool,
-        warning: str | None = None,
-    ) -> tuple[int, bytes, str | None]:
-        if not fresh:
-            return 200, encode_result(result, tenant, block_size, msgpack), warning
-        try:
-            table = self.conductor.freshness(model, tenant)
-        except FreshnessUnavailable as ex:
-            msg = f"{FRESHNESS_UNAVAILABLE}: {ex}"
-            return 503, encode_error(msg, msgpack), msg
-        if table is None:
-            return 501, encode_error(FRESHNESS_UNAVAILABLE, msgpack), FRESHNESS_UNAVAILABLE
-        fr = (table.groups(result.names.keys), time.time(), table.tail[msgpack])
-        return 200, encode_fresh(result, tenant, block_size, msgpack, fr), warning
-
-    @staticmethod
-    def _invalid(detail: str, msgpack: bool) -> tuple[int, bytes, str]:
-        return (
-            400,
-            encode_error(
-                f"invalid {'msgpack' if msgpack else 'JSON'} request body: {detail}", msgpack
-            ),
-            detail,
-        )
-
-    async def respond(
-        self, body: bytes | bytearray | list[bytes], msgpack: bool, fresh: bool = False
-    ) -> tuple[int, bytes, str | None]:
-        """:meth:`answer`, in a worker thread for a large body (the front door's call).
-        ``body`` may be the chunks of a large body: they are joined in that thread.
-        PERF: a bytearray is parsed as it is (the parsers take any buffer), not copied;
-        ``bytes.join`` lets go of the GIL for a large join, so joining 4 MB there does
-        not stop the event loop for the ~0.5 ms of the copy."""
-        if isinstance(body, list):
-            fn: Any = self._answer_chunks
-        else:
-            fn = self.answer
-            if len(body) <= self.large_body_bytes:
-                return self.answer(cast(bytes, body), msgpack, None, fresh)
-        loop = asyncio.get_running_loop()
-        deferred = DeferredMetrics()  # QueryMetrics has one writer: this loop
-        out = await loop.run_in_executor(
-            self.conductor.executor, fn, body, msgpack, deferred, fresh
-        )
-        deferred.replay(self.metrics)
-        return cast(tuple[int, bytes, "str | None"], out)
-
-    def _answer_chunks(
-        self, chunks: list[bytes], msgpack: bool, metrics: DeferredMetrics, fresh: bool = False
-    ) -> tuple[int, bytes, str | None]:
-        return self.answer(b"".join(chunks), msgpack, metrics, fresh)
-
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        t0 = time.perf_counter()
-        msgpack = is_msgpack_content_type(req.content_type)
-        body = await self._body(req, resp, msgpack)
-        if body is None:
-            self.seconds.observe(time.perf_counter() - t0)
-            self.errors.inc()
-            return
-        problem: str | None
-        try:
-            fresh = freshness_param(req.query_string.encode("latin-1"))
-        except ValueError as ex:
-            status, data, problem = 400, encode_error(str(ex), msgpack), str(ex)
-        else:
-            status, data, problem = await self.respond(body, msgpack, fresh)
-        # Server-side time (body read, parse, hash, match, encode) for clients and benches.
-        dt = time.perf_counter() - t0
-        self.seconds.observe(dt)
-        if status >= 400 and status != 404:
-            self.errors.inc()
-        resp.set_header("Server-Timing", f"app;dur={dt * 1e3:.3f}")
-        if status == 200 and problem is not None:
-            resp.set_header(WARNING_HEADER, header_text(problem))
-        elif problem is not None:
-            if status == 404:
-                log.info("query for unknown indexer path=%s error=%s", req.path, problem)
-            else:
-                log.warning(
-                    "bad request method=POST path=%s status=%d error=%s", req.path, status, problem
-                )
-        resp.status = status
-        resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
-        resp.data = data
-
-
-class MissWarnings:
-    """Silent misses made loud: the sentence of a query that cannot match, logged at WARN
-    at most once per (model, tenant, block size or LoRA name) per ``interval`` seconds.
-    Thread-safe (large queries are answered on worker threads)."""
-
-    def __init__(self, interval: float = 60.0, clock=time.monotonic) -> None:
-        self.interval = interval
-        self.clock = clock
-        self._last: dict[tuple, float] = {}
-        self._lock = threading.Lock()
-
-    def block_size_mismatch(
-        self, model: str, tenant: str, block_size: int, registered: frozenset[int]
-    ) -> str:
-        sizes = ", ".join(str(s) for s in sorted(registered))
-        sentence = (
-            f"block_size {block_size} matches no registration of model={model} "
-            f"tenant={tenant} (registered block sizes: {sizes}); blocks are hashed per "
-            "block size, so this query cannot find any"
-        )
-        return self._warn((model, tenant, block_size), sentence)
-
-    def unknown_lora(self, model: str, tenant: str, lora_name: str) -> str:
-        sentence = (
-            f"lora_name {lora_name!r} was carried by no event of model={model} "
-            f"tenant={tenant}; blocks of a LoRA adapter are hashed with its name, so this "
-            "query cannot find any (does the engine publish lora_name? vLLM 0.14+, "
-            "SGLang 0.5.22+)"
-        )
-        return self._warn((model, tenant, "lora:" + lora_name), sentence)
-
-    def _warn(self, key: tuple, sentence: str) -> str:
-        now = self.clock()
-        with self._lock:
-            last = self._last.get(key)
-            due = last is None or now - last >= self.interval
-            if due:
-                if len(self._last) > 10_000:  # bounded: forget everything, warn again
-                    self._last.clear()
-                self._last[key] = now
-        if due:
-            log.warning("query cannot match: %s", sentence)
-        return sentence
-
-
-class ExplainResource(_Resource[Conductor]):
+class ExplainResource(Resource[Conductor]):
     """``POST /explain``: the body of ``/query`` (JSON or MessagePack, same 4xx answers),
     answered in the request's encoding with why each (instance, DP) did or did not match
     (docs/api.md, POST /explain).
@@ -609,7 +244,7 @@ class ExplainResource(_Resource[Conductor]):
         resp.data = (msgpack_encoder if msgpack else json_encoder).encode(doc)
 
 
-class EventsResource(_Resource[Conductor]):
+class EventsResource(Resource[Conductor]):
     """``POST /events``: HTTP event ingestion (JSON)."""
 
     @staticmethod
@@ -625,14 +260,14 @@ class EventsResource(_Resource[Conductor]):
             return
         try:
             batch, ops = await self._offload(body, self.parse, body)
-        except _BAD_JSON as ex:
-            return self._bad(req, resp, _bad_json(ex))
+        except BAD_JSON as ex:
+            return self._bad(req, resp, bad_json_message(ex))
         except EventError as ex:
             return self._bad(req, resp, str(ex))
         if not ops:
             if batch.shutdown:
                 log.info("shutdown flag set in events batch instance_id=%s", batch.instance_id)
-            return _json(resp, 200, _EVENTS_NONE)
+            return json_answer(resp, 200, _EVENTS_NONE)
         try:
             applied, errors = await self.conductor.mutate("events", body, batch, ops)
         except StateUnavailable as ex:
@@ -643,11 +278,13 @@ class EventsResource(_Resource[Conductor]):
             return self._bad(req, resp, str(ex), status=404)
         if errors:
             out = EventsResponse(status="partial", events_applied=applied, errors=errors)
-            return _json(resp, 500, json_encoder.encode(out))
-        _json(resp, 200, json_encoder.encode(EventsResponse(status="ok", events_applied=applied)))
+            return json_answer(resp, 500, json_encoder.encode(out))
+        json_answer(
+            resp, 200, json_encoder.encode(EventsResponse(status="ok", events_applied=applied))
+        )
 
 
-class WorkersResource(_Resource[Conductor]):
+class WorkersResource(Resource[Conductor]):
     """``GET /workers``: registrations, index summaries and subscription sources.
 
     It lists every engine and pool endpoint, so with an API key it needs the
@@ -662,10 +299,10 @@ class WorkersResource(_Resource[Conductor]):
         if not self.open_workers and not self._authorized(req, resp):
             return
         doc = await self.conductor.run(self.conductor.workers)
-        _json(resp, 200, json_encoder.encode(doc))
+        json_answer(resp, 200, json_encoder.encode(doc))
 
 
-class FreshnessResource(_Resource[QuerySource]):
+class FreshnessResource(Resource[QuerySource]):
     """``GET /freshness?model=M[&tenant=T]``: the states behind the (model, tenant)'s
     answers (docs/api.md, "freshness"): per (instance, DP) with sources of its own its
     state, the wall time of its newest event and of its degradation, and the sources per
@@ -683,10 +320,10 @@ class FreshnessResource(_Resource[QuerySource]):
             return self._bad(req, resp, f"{FRESHNESS_UNAVAILABLE}: {ex}", status=503)
         if table is None:
             return self._bad(req, resp, FRESHNESS_UNAVAILABLE, status=501)
-        _json(resp, 200, json_encoder.encode(document(table, model, tenant, time.time())))
+        json_answer(resp, 200, json_encoder.encode(document(table, model, tenant, time.time())))
 
 
-class DumpResource(_Resource[Conductor]):
+class DumpResource(Resource[Conductor]):
     """``GET /debug/dump``: the index and registry as a streamed msgpack dump
     (:mod:`kvconductor.state.dump`, docs/dump.md). With an API key it needs the bearer
     token, like ``/workers``, and ``--open-workers`` does not open it: it holds every
@@ -718,7 +355,7 @@ class DumpResource(_Resource[Conductor]):
         resp.stream = stream()
 
 
-class MetricsResource(_Resource[Conductor]):
+class MetricsResource(Resource[Conductor]):
     """``GET /metrics``: Prometheus text exposition (:mod:`kvconductor.http.metrics`).
 
     Protected like ``/workers`` (its labels name every instance and model): with an
@@ -772,7 +409,7 @@ class OriginPolicy:
         log.warning(
             "cross-origin request refused method=%s path=%s origin=%s", req.method, req.path, origin
         )
-        _error(
+        set_error(
             resp,
             403,
             f"origin {origin} is not allowed to call {req.path} "
@@ -860,7 +497,7 @@ async def _handle_exception(
 ) -> None:
     log.exception("internal error method=%s path=%s", req.method, req.path)
     msgpack = req.path in MSGPACK_PATHS and is_msgpack_content_type(req.content_type)
-    _error(resp, 500, f"internal error: {ex}", msgpack)
+    set_error(resp, 500, f"internal error: {ex}", msgpack)
 
 
 #: The front door's name before both process models shared it.

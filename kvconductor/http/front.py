@@ -4,7 +4,7 @@
 every other request to a *rest* ASGI callable:
 
 * one process (``kv-conductor``, gunicorn): the routes are the Falcon app's own
-  :class:`~kvconductor.http.api.QueryResource` objects over the conductor, the rest is
+  :class:`~kvconductor.http.query.QueryResource` objects over the conductor, the rest is
   the Falcon app (:func:`kvconductor.http.api.create_app` with ``fast_query``);
 * a worker of ``kv-conductor --workers N``: the routes answer from the owner's index in
   shared memory (:func:`kvconductor.http.api.query_routes` over a
@@ -73,7 +73,7 @@ class _Counter(Protocol):
 
 
 class QueryRoute(Protocol):
-    """What the front door needs of a query route (:class:`~kvconductor.http.api.
+    """What the front door needs of a query route (:class:`~kvconductor.http.query.
     QueryResource` is one)."""
 
     @property

@@ -73,7 +73,8 @@ from kvconductor.schema import (
     is_msgpack_content_type,
     json_encoder,
 )
-from kvconductor.state.conductor import Conductor, RegistrationUnavailable, StateUnavailable
+from kvconductor.state.conductor import Conductor, StateUnavailable
+from kvconductor.state.registration import RegistrationUnavailable
 from kvconductor.state.registry import RegistrationError
 from kvconductor.wire import WireError, parse_query_ext
 

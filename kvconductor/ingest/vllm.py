@@ -393,9 +393,10 @@ def _decode_typed(raw: msgspec.Raw, raw_events: list[msgspec.Raw]) -> list[_Type
     if dec is None:
         return None
     try:
-        return dec.decode(raw)
+        evs: list[_TypedEvent] = list(dec.decode(raw))
     except Exception:
         return None
+    return evs
 
 
 # ---------------------------------------------------------------------------------------

@@ -40,10 +40,12 @@ from kvconductor._shlock import SLOTS
 from kvconductor.http.api import create_app, query_routes
 from kvconductor.http.front import ASGIApp, FrontDoor
 from kvconductor.http.metrics import Metrics, QueryMetrics, Sample
+from kvconductor.ingest.thread import IngestThread
 from kvconductor.serve.proxy import Forwarder, OwnerClient, OwnerFreshness
 from kvconductor.serve.settings import Settings
+from kvconductor.serve.tuning import HeapTrim, raise_fd_limit, tune_malloc, zmq_context
 from kvconductor.serve.workermetrics import WorkerCollector
-from kvconductor.state.conductor import Conductor, raise_fd_limit, tune_malloc
+from kvconductor.state.conductor import Conductor
 
 log = logging.getLogger("kvconductor")
 
@@ -98,7 +100,21 @@ def tune_process(settings: Settings, role: Role) -> None:
     else:
         raise_fd_limit(settings.max_sources, settings.max_connections)
     if role != "owner":
-        tune_malloc()  # large answers reuse heap pages (kvconductor.state.conductor.tune_malloc)
+        tune_malloc()  # large answers reuse heap pages (kvconductor.serve.tuning.tune_malloc)
+
+
+def new_conductor(settings: Settings, **features: Any) -> Conductor:
+    """The service's conductor, with the process tuning it needs handed in: its ingest
+    thread's ZeroMQ context sized for ``--max-sources`` and the periodic heap trim
+    (:mod:`kvconductor.serve.tuning`). ``features``: the shared index and the owner's
+    view of its workers (``--workers N``)."""
+    config = settings.conductor_config()
+    return Conductor(
+        config,
+        thread=IngestThread(context=zmq_context(config.max_sources)),
+        heap_trim=HeapTrim(),
+        **features,
+    )
 
 
 class Service:
@@ -332,7 +348,7 @@ def build_service(
     if role == "owner":
         assert supervise is not None
         return _build_owner(settings, supervise)
-    conductor = Conductor(settings.conductor_config())
+    conductor = new_conductor(settings)
     if role == "gunicorn":
         service = Service(settings, role, None, conductor)
         service.app = serving_app(
@@ -361,7 +377,7 @@ def _build_owner(settings: Settings, supervise: Callable[[Any], Supervisor]) -> 
     shared.set_stall_policy(settings.reader_stall_ms, kill=True)
     supervisor = supervise(shared)
     # Handed in at construction: the shared index and the workers' view of /workers.
-    conductor = Conductor(settings.conductor_config(), shared=shared, processes=supervisor.info)
+    conductor = new_conductor(settings, shared=shared, processes=supervisor.info)
     metrics = Metrics(
         conductor,
         other_queries=supervisor.worker_query_samples,

@@ -39,7 +39,7 @@ from kvconductor.serve.bootstrap import (
     build_service,
 )
 from kvconductor.serve.settings import Settings
-from kvconductor.state.conductor import TRIM_SECS, open_file_limits, trim_heap
+from kvconductor.serve.tuning import TRIM_SECS, open_file_limits, trim_heap
 
 log = logging.getLogger("kvconductor")
 
@@ -126,7 +126,7 @@ class KvServer(uvicorn.Server):
       requests (see :class:`_EndQuietlyOnShutdown`) are not produced.
     * ``trim_heap=True`` (the worker processes of ``--workers N``, which have no ingest
       thread to do it): every ``TRIM_SECS`` the event loop gives freed heap memory back
-      to the system (:func:`kvconductor.state.conductor.trim_heap`), so a worker that answered
+      to the system (:func:`kvconductor.serve.tuning.trim_heap`), so a worker that answered
       a few very long prompts does not keep their parse buffers' pages.
     """
 
@@ -280,7 +280,7 @@ def fit_connection_cap(limits: HttpLimits) -> tuple[HttpLimits, int | None]:
     """``limits`` with ``max_connections`` fitted to the open-file limit, and that
     limit (``None``: unlimited or unknown).
 
-    The limit was raised at start (:func:`~kvconductor.state.conductor.raise_fd_limit`). If
+    The limit was raised at start (:func:`~kvconductor.serve.tuning.raise_fd_limit`). If
     ``max_connections + FD_RESERVE`` does not fit in it, the cap is lowered (to
     ``max(limit - FD_RESERVE, limit // 2)``) with a warning, so a flood of connections
     meets the cap before accept() fails with EMFILE.

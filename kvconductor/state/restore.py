@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvconductor.schema import RegisterRequest
-from kvconductor.state.conductor import SKIP_REASONS as REASONS
-from kvconductor.state.conductor import RegistrationUnavailable
+from kvconductor.state.registration import SKIP_REASONS as REASONS
+from kvconductor.state.registration import RegistrationUnavailable
 from kvconductor.state.registry import RegistrationError
 
 if TYPE_CHECKING:
@@ -97,5 +97,5 @@ def drop_skipped(conductor: Conductor, skipped: list[Skipped]) -> int:
                     key[1],
                     n,
                 )
-            conductor._reclaim(key)
+            conductor.reclaim(key)
     return dropped

@@ -423,4 +423,4 @@ def reset(conductor: Conductor) -> None:
     for key in list(conductor.indexes):
         conductor._drop_index(key)
     conductor.lora_seeds = {}
-    conductor._registrations_changed()
+    conductor.registrations_changed()

@@ -15,7 +15,7 @@ import time
 import httpx
 
 from tests.helpers.publishers import wait_until
-from tests.helpers.server import running, wait_workers
+from tests.helpers.server import register_engine, running, wait_workers
 
 BS = 4
 QUERY = b'{"model":"qwen","block_size":4,"token_ids":[1,2,3,4,5,6,7,8]}'
@@ -76,19 +76,13 @@ def _head(raw: bytes) -> tuple[int, dict[str, str]]:
 
 
 def _fill(srv) -> None:
-    r = srv.http.post(
-        "/register",
-        json={
-            "instance_id": "vllm-prefill-1",
-            "type": "vLLM",
-            "modelname": "qwen",
-            "block_size": BS,
-            "dp_rank": 0,
-            "store_backend": "YuanRong",
-            "medium_endpoints": {"npu": "tcp://127.0.0.1:1"},
-        },
+    register_engine(
+        srv,
+        "vllm-prefill-1",
+        block_size=BS,
+        store_backend="YuanRong",
+        medium_endpoints={"npu": "tcp://127.0.0.1:1"},
     )
-    assert r.status_code == 201, r.text
     event = {
         "event_id": 1,
         "dp_rank": 0,
