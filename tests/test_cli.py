@@ -324,3 +324,14 @@ def test_json_log_lines_have_the_text_fields():
 def test_configure_logging_rejects_an_unknown_format():
     with pytest.raises(ValueError, match="unknown log format"):
         logs.configure_logging("info", "xml")
+
+
+def test_query_path_flag_reaches_the_settings_and_the_workers():
+    from kvconductor.serve import worker
+
+    assert parse().query_path == "protocol"
+    s = parse("--query-path", "asgi")
+    assert s.query_path == "asgi" and "query_path=asgi" in s.describe()
+    assert worker.settings_from_json(worker.settings_json(s)).query_path == "asgi"
+    with pytest.raises(cli.FlagError, match="--query-path"):
+        cli.build_parser(raise_errors=True).parse_args(["--query-path", "fast"])

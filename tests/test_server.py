@@ -184,7 +184,7 @@ def test_gunicorn_factory(tmp_path):
             "replay_deadline=60s max_message_mb=256 max_blocks_per_message=1000000 "
             "max_blocks_per_source=4000000 max_body_bytes=67108864 log_level=info "
             f"log_format=text auth=off endpoints=tcp-connect snapshots={snaps}@0s "
-            "switch_interval=0.0005"
+            "query_path=asgi switch_interval=0.0005"
         ) in text, text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(SHUTDOWN_BOUND * 2) == 0

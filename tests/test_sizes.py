@@ -27,7 +27,6 @@ COMPILED_SUFFIXES = (".pyx", ".pxi", ".pxd")
 #: Files still over their limit (path under ``kvconductor/`` -> lines today, a ceiling).
 #: Only ever lower a number or remove a line.
 ALLOWLIST: dict[str, int] = {
-    "serve/cli.py": 731,
     "_tree.pyx": 1851,
     "_encode.pyx": 1059,
 }

@@ -1,7 +1,7 @@
 """HTTP/1.1 connection limits on top of uvicorn's protocols.
 
-uvicorn (0.30+) leaves three holes that a client, broken or hostile, can use
-to take the service down:
+uvicorn (the releases of :mod:`kvconductor.http.fence`) leaves three holes that a
+client, broken or hostile, can use to take the service down:
 
 * **no bound on a request head** with httptools (llhttp): a 256 MB header line
   is buffered whole and the request is served;
@@ -604,18 +604,21 @@ def _h11_class() -> type:
     return LimitedH11Protocol
 
 
-def protocol_class(limits: HttpLimits, http: str = "httptools") -> type:
+def protocol_class(limits: HttpLimits, http: str = "httptools", direct: bool = True) -> type:
     """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits`` (with
-    httptools, small queries are answered by the protocol itself:
-    :mod:`kvconductor.http.direct`).
+    httptools and ``direct``, small queries are answered by the protocol itself:
+    :mod:`kvconductor.http.direct`; ``direct=False`` is ``--query-path asgi``, every
+    request goes to the app).
 
     ``http``: ``"httptools"`` or ``"h11"``. With h11 set the Config's
     ``h11_max_incomplete_event_size`` to :func:`h11_buffer_limit` as well.
     """
-    if http == "httptools":
+    if http == "httptools" and direct:
         from kvconductor.http.direct import DirectQueries
 
         bases: tuple[type, ...] = (DirectQueries, _httptools_class())
+    elif http == "httptools":
+        bases = (_httptools_class(),)
     else:
         bases = (_h11_class(),)
     return type(bases[-1].__name__, bases, {"limits": limits, "__module__": __name__})

@@ -7,24 +7,41 @@ line on stderr (``kv-conductor: error: ...``) and exit status 2.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import sys
 from typing import NoReturn
 
 from kvconductor import __version__
-from kvconductor.logs import LEVELS, LOG_FORMATS, configure_logging
+from kvconductor.http.fence import QUERY_PATHS
+from kvconductor.logs import LOG_FORMATS, configure_logging
+from kvconductor.serve.flagvalues import (  # the flags' values and checks, by job
+    API_KEY_ENV,
+    LOG_ENV,
+    MAX_WORKERS,
+    STATE_PASSWORD_ENV,
+    STATE_URL_ENV,
+    _env_level,
+    _host,
+    _int_in,
+    _lease,
+    _level,
+    _megabytes,
+    _mooncake_problem,
+    _networks,
+    _origin,
+    _port,
+    _readable,
+    _secs,
+    _snapshot_problem,
+    _source_problem,
+    _timeout,
+    _tls_problem,
+    _workers,
+)
 from kvconductor.serve.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
 
-LOG_ENV = "KV_CONDUCTOR_LOG"
-API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
-#: The environment variables ``--state-url`` and the state store's password are read from
-#: (a password on the command line is visible to every user in ``ps``).
-STATE_URL_ENV = "KV_CONDUCTOR_STATE_URL"
-STATE_PASSWORD_ENV = "KV_CONDUCTOR_STATE_PASSWORD"
-#: Upper bound of ``--workers``.
-MAX_WORKERS = 1024
+__all__ = ["API_KEY_ENV", "LOG_ENV", "MAX_WORKERS", "FlagError", "build_parser", "main"]
 
 
 class FlagError(ValueError):
@@ -51,158 +68,6 @@ class _Parser(argparse.ArgumentParser):
         if problem:
             self.error(problem)
         return ns
-
-
-def _host(value: str) -> str:
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid host address {value!r}: an IP literal is required "
-            "(e.g. :: or 0.0.0.0); hostnames are not accepted"
-        ) from None
-    return value
-
-
-def _port(value: str) -> int:
-    try:
-        port = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid port {value!r}: an integer is required"
-        ) from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"invalid port {port}: must be within 0..65535")
-    return port
-
-
-def _secs(value: str) -> int:
-    try:
-        secs = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {value!r}: a whole number of seconds is required"
-        ) from None
-    if not 0 <= secs < 2**64:
-        raise argparse.ArgumentTypeError(f"invalid value {secs}: must be >= 0")
-    return secs
-
-
-def _int_in(lo: int, hi: int | None = None):
-    """A flag type: an integer ``>= lo`` (and ``<= hi`` when given)."""
-
-    def parse(value: str) -> int:
-        try:
-            n = int(value, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"invalid value {value!r}: an integer is required"
-            ) from None
-        if n < lo or (hi is not None and n > hi):
-            raise argparse.ArgumentTypeError(
-                f"invalid value {n}: must be >= {lo}"
-                if hi is None
-                else f"invalid value {n}: must be within {lo}..{hi}"
-            )
-        return n
-
-    return parse
-
-
-def _workers(value: str) -> int:
-    if value.strip().lower() == "auto":
-        return max(1, os.cpu_count() or 1)
-    try:
-        n = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {value!r}: an integer or 'auto' is required"
-        ) from None
-    if not 1 <= n <= MAX_WORKERS:
-        raise argparse.ArgumentTypeError(f"invalid value {n}: must be within 1..{MAX_WORKERS}")
-    return n
-
-
-def _megabytes(value: str) -> float:
-    try:
-        mb = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {value!r}: a number of MiB is required"
-        ) from None
-    if not mb > 0 or mb != mb or mb == float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid size {value!r}: must be > 0")
-    return mb
-
-
-def _networks(value: str) -> tuple:
-    from kvconductor.urls import parse_networks
-
-    try:
-        nets = parse_networks(value)
-    except ValueError as ex:
-        raise argparse.ArgumentTypeError(f"invalid network list {value!r}: {ex}") from None
-    if not nets:
-        raise argparse.ArgumentTypeError("expected at least one CIDR, e.g. 10.0.0.0/8")
-    return nets
-
-
-def _timeout(value: str) -> float:
-    try:
-        secs = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {value!r}: a number of seconds is required"
-        ) from None
-    if not 0 < secs < 86400 * 365:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be > 0")
-    return secs
-
-
-def _origin(value: str) -> str:
-    scheme, sep, rest = value.partition("://")
-    if value == "*":
-        raise argparse.ArgumentTypeError(
-            "invalid origin '*': list each allowed origin (mutating routes never allow all)"
-        )
-    if not sep or scheme not in ("http", "https") or not rest or "/" in rest:
-        raise argparse.ArgumentTypeError(
-            f"invalid origin {value!r}: scheme://host[:port] is required, e.g. "
-            "https://ui.example.com (no path, no trailing slash)"
-        )
-    return value.lower()  # browsers send scheme and host in lower case
-
-
-def _readable(value: str) -> str:
-    try:
-        with open(value, "rb"):
-            pass
-    except OSError as ex:
-        raise argparse.ArgumentTypeError(f"cannot read {value}: {ex.strerror or ex}") from None
-    return value
-
-
-def _level(value: str) -> str:
-    low = value.strip().lower()
-    if low not in LEVELS:
-        raise argparse.ArgumentTypeError(
-            f"invalid log level {value!r}: one of {', '.join(sorted(LEVELS))}"
-        )
-    return low
-
-
-def _env_level() -> tuple[str, str | None]:
-    """Default log level from ``KV_CONDUCTOR_LOG`` (first plain directive of ``info,x=y``)."""
-    raw = os.environ.get(LOG_ENV, "").strip()
-    if not raw:
-        return "info", None
-    for part in raw.split(","):
-        part = part.strip().lower()
-        if part and "=" not in part:
-            if part in LEVELS:
-                return part, None
-            break
-    return "info", f"ignoring invalid {LOG_ENV}={raw!r}; using info"
 
 
 def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
@@ -432,6 +297,14 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "(default 1000; lowered to fit the open-file limit)",
     )
     p.add_argument(
+        "--query-path",
+        choices=QUERY_PATHS,
+        default=QUERY_PATHS[0],
+        help="who answers POST /query and /query_by_hash: protocol (the HTTP protocol "
+        "itself, below ASGI; falls back to asgi, logged, when uvicorn or httptools is "
+        "outside the tested range) or asgi (the ASGI app, same answers) (default protocol)",
+    )
+    p.add_argument(
         "--allow-origin",
         dest="allow_origins",
         action="append",
@@ -572,132 +445,13 @@ def _http_fields(args: argparse.Namespace) -> dict:
         "request_timeout_secs": args.request_timeout_secs,
         "keep_alive_secs": args.keep_alive_secs,
         "max_connections": args.max_connections,
+        "query_path": args.query_path,
         "allow_origins": tuple(args.allow_origins),
         "open_workers": args.open_workers,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "tls_client_ca": args.tls_client_ca,
     }
-
-
-class _EncryptedKey(Exception):
-    pass
-
-
-def _no_password() -> str:
-    raise _EncryptedKey
-
-
-def _snapshot_problem(args: argparse.Namespace) -> str | None:
-    if args.snapshot_dir and args.no_snapshots:
-        return "--no-snapshots and --snapshot-dir exclude each other"
-    if args.snapshot_dir and args.load_dump:
-        return (
-            "--load-dump and --snapshot-dir exclude each other (a snapshot directory "
-            "warm-starts from its own newest snapshot)"
-        )
-    url = args.state_url
-    if url:
-        for flag in ("snapshot_dir", "load_dump"):
-            if vars(args)[flag]:
-                return (
-                    f"--state-url and --{flag.replace('_', '-')} exclude each other (the "
-                    "state store keeps the snapshots)"
-                )
-        from kvconductor.state.replica import SENTINEL_SCHEMES, parse_sentinel_url, safe_url
-
-        schemes = ("redis", "valkey", "unix", "rediss", "valkeys", *SENTINEL_SCHEMES)
-        scheme = url.partition("://")[0]
-        if scheme not in schemes or "://" not in url:
-            return (
-                f"invalid --state-url {safe_url(url)!r}: redis://HOST:PORT/DB, "
-                "unix:///PATH?db=N or redis+sentinel://HOST:PORT[,...]/SERVICE/DB is required"
-            )
-        if scheme in SENTINEL_SCHEMES:
-            try:
-                parse_sentinel_url(url)
-            except ValueError as ex:
-                return f"invalid --state-url {safe_url(url)!r}: {ex}"
-    return None
-
-
-def _lease(value: str) -> float:
-    try:
-        secs = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: seconds are required") from None
-    if not 0.3 <= secs <= 3600:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: 0.3 .. 3600 seconds")
-    return secs
-
-
-def _mooncake_problem(args: argparse.Namespace) -> str | None:
-    port = args.mooncake_port
-    if port is None:
-        if args.mooncake_port_open:
-            return "--mooncake-port-open needs --mooncake-port"
-        return None
-    if args.workers > 1:
-        return (
-            "--mooncake-port serves from the process that owns the index: it does not "
-            "combine with --workers N (N > 1)"
-        )
-    if port and port == args.port:
-        return f"--mooncake-port {port} is the V3 port (--port): give another one"
-    return None
-
-
-def _source_problem(args: argparse.Namespace) -> str | None:
-    purge, down = args.source_purge_secs, args.source_down_secs
-    if purge and purge < down:
-        return (
-            f"--source-purge-secs {purge} is shorter than --source-down-secs {down} "
-            "(0 never purges)"
-        )
-    return None
-
-
-def _tls_problem(args: argparse.Namespace) -> str | None:
-    """Why the ``--tls-*`` flags cannot work together, or ``None``.
-
-    Loads the certificate, key and client CAs the way the server will, so a
-    wrong file stops the process at startup (exit 2), not at the first client.
-    """
-    import ssl
-
-    cert, key, ca = args.tls_cert, args.tls_key, args.tls_client_ca
-    if key and not cert:
-        return "--tls-key needs --tls-cert"
-    if ca and not cert:
-        return "--tls-client-ca needs --tls-cert (client certificates are checked over TLS only)"
-    if not cert:
-        return None
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        ctx.load_cert_chain(cert, key, password=_no_password)
-    except _EncryptedKey:
-        return (
-            f"the private key in {key or cert} is encrypted; give an unencrypted key "
-            "(protect it with file permissions)"
-        )
-    except (ssl.SSLError, OSError, ValueError) as ex:
-        return (
-            f"--tls-cert/--tls-key: cannot load the certificate and key ({cert}, "
-            f"{key or 'no --tls-key: key expected in the same file'}): {_ssl_reason(ex)}"
-        )
-    if ca:
-        try:
-            ctx.load_verify_locations(cafile=ca)
-        except (ssl.SSLError, OSError, ValueError) as ex:
-            return f"--tls-client-ca {ca}: cannot load CA certificates: {_ssl_reason(ex)}"
-    return None
-
-
-def _ssl_reason(ex: Exception) -> str:
-    reason = getattr(ex, "reason", None) or str(ex)
-    if reason == "PEM lib":
-        reason = "not a PEM certificate/key, or the key is missing"
-    return str(reason).replace("_", " ").lower()
 
 
 #: ``kv-conductor <command> ...``: tools that talk to a running service; each module has

@@ -162,6 +162,8 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "gunicorn with -k kvconductor.app.KvConductorWorker",
             getattr(worker_class, "__qualname__", worker_class),
         )
+        # uvicorn's own protocol: every query goes through the ASGI app (the start line says so)
+        settings = dataclasses.replace(settings, query_path="asgi")
     # The same process tuning, conductor, app and start line as `kv-conductor`; the ASGI
     # lifespan starts and stops the service in the worker process.
     service = build_service(settings, "gunicorn")

@@ -115,6 +115,9 @@ class Settings:
     # --workers N: a worker inside a read section of the shared index this long after the
     # ingest thread started waiting for it is stalled: the others go on, it is killed
     reader_stall_ms: int = 500
+    #: ``--query-path``: ``protocol`` (answered by the HTTP protocol,
+    #: :mod:`kvconductor.http.direct`) or ``asgi`` (by the ASGI app); see :meth:`query_path_used`.
+    query_path: str = "protocol"
 
     def with_snapshot_default(
         self, port: int | None, env: Mapping[str, str] | None = None
@@ -163,8 +166,21 @@ class Settings:
             f"log_level={self.log_level} log_format={self.log_format} "
             f"auth={'on' if self.api_key else 'off'} "
             f"endpoints={self._endpoint_rule()} "
-            f"snapshots={self._snapshot_rule()}"
+            f"snapshots={self._snapshot_rule()} "
+            f"query_path={self.query_path_used()}"
         )
+
+    def query_path_used(self) -> str:
+        """The query path the servers take: ``asgi`` when asked, without httptools (the
+        direct path needs its parser callbacks), or when uvicorn or httptools is outside
+        the tested range (:func:`kvconductor.http.fence.query_path`, one WARN)."""
+        import importlib.util
+
+        from kvconductor.http.fence import query_path
+
+        if importlib.util.find_spec("httptools") is None:
+            return "asgi"
+        return query_path(self.query_path)
 
     def _snapshot_rule(self) -> str:
         if self.state_url:

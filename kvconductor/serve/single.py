@@ -25,12 +25,11 @@ import socket
 import ssl
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Coroutine, Generator
 from types import FrameType
 from typing import Any
 
 import uvicorn
-from uvicorn._compat import asyncio_run
 
 from kvconductor.http.front import AnswerFromHead, FrontDoor
 from kvconductor.http.limits import HttpLimits, h11_buffer_limit, protocol_class
@@ -321,7 +320,7 @@ def uvicorn_options(settings: Settings, http: str, where: str = "") -> dict:
         settings.describe_http(),
     )
     options: dict = {
-        "http": protocol_class(limits, http),
+        "http": protocol_class(limits, http, direct=settings.query_path_used() == "protocol"),
         "ws": "none",  # no WebSocket routes: upgrades are plain requests
         "timeout_keep_alive": limits.keep_alive,
         "h11_max_incomplete_event_size": h11_buffer_limit(limits),
@@ -404,7 +403,31 @@ def run_beside(
             side.should_exit = True
             await task
 
-    asyncio_run(both(), loop_factory=server.config.get_loop_factory())
+    run_in_loop(both(), server.config.loop)
+
+
+def run_in_loop(main: Coroutine[Any, Any, None], loop: str) -> None:
+    """Run ``main`` to its end in a new event loop of the kind ``loop`` names (the
+    ``uvicorn.Config``'s ``loop``: ``"uvloop"`` or ``"asyncio"``), as ``uvicorn.Server.run``
+    does for one server. Our own code, not uvicorn's: its loop setup moved between the
+    releases of the tested range (``Config.setup_event_loop`` before 0.36,
+    ``Config.get_loop_factory`` and the private ``uvicorn._compat`` after)."""
+    factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
+    if loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(main)
+        return
+    event_loop = factory()  # pragma: no cover (Python 3.10)
+    asyncio.set_event_loop(event_loop)
+    try:
+        event_loop.run_until_complete(main)
+    finally:
+        asyncio.set_event_loop(None)
+        event_loop.close()
 
 
 def serve(settings: Settings) -> int:

@@ -65,6 +65,7 @@ FORCE = b"F"
 WORKER_PROG = "kvconductor.serve.worker"
 #: Settings a worker needs (never the API key: the owner checks it).
 WORKER_FIELDS = (
+    "query_path",
     "host",
     "port",
     "log_level",
