@@ -49,7 +49,12 @@ def test_load_1m_pairs(benchmark, big_index, dumped):
 
     def load():
         c = _conductor()
-        assert load_dump(c, [dumped]) == {"sources": 0, "registrations": 0, "indexes": 1, "skipped": 0}
+        assert load_dump(c, [dumped]) == {
+            "sources": 0,
+            "registrations": 0,
+            "indexes": 1,
+            "skipped": 0,
+        }
         return c
 
     c = benchmark.pedantic(load, rounds=3, iterations=1)
