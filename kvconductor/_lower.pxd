@@ -5,7 +5,7 @@ from libc.stdint cimport uint32_t, uint64_t
 from kvconductor._cursor cimport HCursor
 from kvconductor._maps cimport FpMap, U64Map
 from kvconductor._pool cimport HM_NIL, Pool
-from kvconductor._tree cimport _TableWrapper
+from kvconductor._rwlock cimport pthread_rwlock_t
 
 cdef struct LEdge:
     # nowners == 1: the sole owner's worker id; >= 2: head of the owner list in Lower.own;
@@ -104,11 +104,7 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
                            uint64_t* out_last) noexcept nogil
 
 
-cdef class LowerTier(_TableWrapper):
+cdef class LowerTier:
     cdef Lower L
-    cdef long _store(self, uint32_t worker, bint has_parent, uint64_t parent,
-                     const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
-    cdef long _remove(self, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil
-    cdef long _clear(self, uint32_t worker) noexcept nogil
-    cdef void _sizes(self, uint32_t worker, size_t* out) noexcept nogil
-    cdef int _check(self, char* msg, size_t cap) noexcept nogil
+    cdef pthread_rwlock_t lock
+    cdef bint lock_ok

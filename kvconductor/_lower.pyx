@@ -23,9 +23,12 @@ from kvconductor._maps cimport (
 from kvconductor._pool cimport (
     HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
 )
-from kvconductor._rwlock cimport pthread_rwlock_rdlock, pthread_rwlock_unlock
+from kvconductor._rwlock cimport (
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
+    rwlock_init,
+)
 
-from kvconductor._tree cimport _TableWrapper
+from kvconductor._tree cimport check_raise
 
 from kvconductor._hash import as_u64
 
@@ -590,7 +593,7 @@ cdef int lower_check(const Lower* L, char* msg, size_t cap) noexcept nogil:
     return rc
 
 
-cdef class LowerTier(_TableWrapper):
+cdef class LowerTier:
     """One lower tier (CPU or Disk) of an index.
 
     **Threading: one writer thread calls store/remove/clear; any number of
@@ -599,31 +602,57 @@ cdef class LowerTier(_TableWrapper):
     """
 
     def __cinit__(self):
+        self.lock_ok = False
         lower_init(&self.L)
-        self._lock_init()
+        if rwlock_init(&self.lock) != 0:
+            raise MemoryError("cannot initialise rwlock")
+        self.lock_ok = True
 
     def __dealloc__(self):
         lower_free(&self.L)
+        if self.lock_ok:
+            pthread_rwlock_destroy(&self.lock)
+            self.lock_ok = False
 
-    cdef long _store(self, uint32_t worker, bint has_parent, uint64_t parent,
-                     const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil:
-        return lower_store(&self.L, worker, has_parent, parent, ehashes, locals, n)
+    def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
+        """Store a chain for ``worker`` after ``parent`` (None = root); returns blocks accepted."""
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef const uint64_t[::1] lv = as_u64(local_hashes)
+        cdef size_t n = min(sv.shape[0], lv.shape[0])
+        cdef bint hp = parent is not None
+        cdef uint64_t p = parent if hp else 0
+        cdef long rc
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = lower_store(&self.L, worker, hp, p, &sv[0], &lv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        if rc < 0:
+            raise MemoryError()
+        return rc
 
-    cdef long _remove(self, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil:
-        return lower_remove(&self.L, worker, ehashes, n)
+    def remove(self, uint32_t worker, engine_hashes):
+        """Drop ``worker``'s ownership of blocks; returns how many it held."""
+        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
+        cdef size_t n = sv.shape[0]
+        cdef long rc
+        if n == 0:
+            return 0
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = lower_remove(&self.L, worker, &sv[0], n)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
 
-    cdef long _clear(self, uint32_t worker) noexcept nogil:
-        return lower_clear(&self.L, worker)
-
-    cdef void _sizes(self, uint32_t worker, size_t* out) noexcept nogil:
-        # (total_blocks, num_edges, nbytes, worker_blocks(worker))
-        out[0] = self.L.total
-        out[1] = self.L.live_edges
-        out[2] = lower_nbytes(&self.L)
-        out[3] = lower_worker_blocks(&self.L, worker)
-
-    cdef int _check(self, char* msg, size_t cap) noexcept nogil:
-        return lower_check(&self.L, msg, cap)
+    def clear(self, uint32_t worker):
+        """Drop every block of ``worker``; returns the count."""
+        cdef long rc
+        with nogil:
+            pthread_rwlock_wrlock(&self.lock)
+            rc = lower_clear(&self.L, worker)
+            pthread_rwlock_unlock(&self.lock)
+        return rc
 
     def lookup_block(self, uint64_t h):
         """``(parent | None, local)`` of block ``h`` (lowest worker id), or None."""
@@ -658,6 +687,35 @@ cdef class LowerTier(_TableWrapper):
         if end == start:
             return (0, None)
         return (end - start, p)
+
+    # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
+    # it takes the read lock like the walks do: one snapshot of every size.
+    def sizes(self, uint32_t worker=0):
+        """``(total_blocks, num_edges, nbytes, worker_blocks(worker))`` under one lock."""
+        cdef size_t total, edges, nb, wb
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            total = self.L.total
+            edges = self.L.live_edges
+            nb = lower_nbytes(&self.L)
+            wb = lower_worker_blocks(&self.L, worker)
+            pthread_rwlock_unlock(&self.lock)
+        return total, edges, nb, wb
+
+    def worker_blocks(self, uint32_t worker):
+        """Number of blocks ``worker`` holds in this tier."""
+        return self.sizes(worker)[3]
+
+    def check_invariants(self):
+        """Walk the C structures under the read lock; ``AssertionError`` naming the first
+        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
+        cdef char msg[256]
+        cdef int rc
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            rc = lower_check(&self.L, msg, sizeof(msg))
+            pthread_rwlock_unlock(&self.lock)
+        check_raise(rc, msg)
 
     def _corrupt_for_test(self, str kind):
         """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
@@ -695,6 +753,11 @@ cdef class LowerTier(_TableWrapper):
     def num_edges(self):
         """Edges in the table."""
         return self.sizes()[1]
+
+    @property
+    def nbytes(self):
+        """Bytes allocated by the tier's C structures."""
+        return self.sizes()[2]
 
 
 def _live_allocations():

@@ -161,30 +161,10 @@ cdef inline size_t tree_match_scratch(size_t nrev) noexcept nogil:
     return 16 * ((nrev + 63) // 64)
 
 
-# The Python face shared by RadixTree and _lower.LowerTier (tests, benchmarks and the
-# differential machines; the index calls the C kernels itself): the C rwlock and the
-# methods that differ only by the kernel they call, which each subclass gives as the
-# cdef methods below (called under the lock, without the GIL).
-cdef class _TableWrapper:
+cdef class RadixTree:
+    cdef Tree t
     cdef pthread_rwlock_t lock
     cdef bint lock_ok
-    cdef int _lock_init(self) except -1
-    cdef long _store(self, uint32_t worker, bint has_parent, uint64_t parent,
-                     const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
-    cdef long _remove(self, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil
-    cdef long _clear(self, uint32_t worker) noexcept nogil
-    cdef void _sizes(self, uint32_t worker, size_t* out) noexcept nogil
-    cdef int _check(self, char* msg, size_t cap) noexcept nogil
-
-
-cdef class RadixTree(_TableWrapper):
-    cdef Tree t
-    cdef long _store(self, uint32_t worker, bint has_parent, uint64_t parent,
-                     const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil
-    cdef long _remove(self, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil
-    cdef long _clear(self, uint32_t worker) noexcept nogil
-    cdef void _sizes(self, uint32_t worker, size_t* out) noexcept nogil
-    cdef int _check(self, char* msg, size_t cap) noexcept nogil
 
 # Dump and restore (CoreIndex.export_hbm / restore_hbm): the node table (parent row,
 # local) in parent-before-child order and the member table (node row, worker, engine hash).

@@ -417,51 +417,29 @@ include "_tree_inspect.pxi"
 
 
 # -- Python API ---------------------------------------------------------------------------
-cdef class _TableWrapper:
-    """The Python face shared by :class:`RadixTree` and ``_lower.LowerTier``: the C
-    reader/writer lock and the methods that differ only by the kernel they call, which a
-    subclass gives as ``cdef`` methods (``_store``, ``_remove``, ``_clear``, ``_sizes``,
-    ``_check``, called under the lock without the GIL). Tests, benchmarks and the
-    differential machines use these wrappers; the index calls the C kernels itself.
+cdef class RadixTree:
+    """HBM radix tree over LocalBlockHashes, shared by every HBM worker of an index.
 
-    **Threading: one writer thread calls store/remove/clear; any number of threads may
-    read concurrently. Each method holds the lock (writers exclusive) and runs without
-    the GIL.**
+    **Threading: one writer thread calls store/remove/clear; any number of
+    threads may call match/stats concurrently. Each method holds a C
+    reader/writer lock (writers exclusive) and runs without the GIL.**
     """
 
     def __cinit__(self):
-        if type(self) is _TableWrapper:
-            raise TypeError("_TableWrapper is the base of RadixTree and LowerTier only")
-
-    cdef int _lock_init(self) except -1:
-        """Initialise the lock (a subclass's ``__cinit__``, once its structure is)."""
         self.lock_ok = False
+        if tree_init(&self.t) < 0:
+            tree_free(&self.t)
+            raise MemoryError()
         if rwlock_init(&self.lock) != 0:
+            tree_free(&self.t)
             raise MemoryError("cannot initialise rwlock")
         self.lock_ok = True
-        return 0
 
     def __dealloc__(self):
-        # runs after the subclass's __dealloc__ has freed its structure
+        tree_free(&self.t)
         if self.lock_ok:
             pthread_rwlock_destroy(&self.lock)
             self.lock_ok = False
-
-    cdef long _store(self, uint32_t worker, bint has_parent, uint64_t parent,
-                     const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil:
-        return T_ERR_OOM
-
-    cdef long _remove(self, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil:
-        return 0
-
-    cdef long _clear(self, uint32_t worker) noexcept nogil:
-        return 0
-
-    cdef void _sizes(self, uint32_t worker, size_t* out) noexcept nogil:
-        memset(out, 0, 4 * sizeof(size_t))
-
-    cdef int _check(self, char* msg, size_t cap) noexcept nogil:
-        return 0
 
     def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
         """Store a chain for ``worker`` under ``parent`` (None = root); returns blocks stored."""
@@ -475,7 +453,7 @@ cdef class _TableWrapper:
             return 0
         with nogil:
             pthread_rwlock_wrlock(&self.lock)
-            rc = self._store(worker, has_parent, p, &sv[0], &lv[0], n)
+            rc = tree_store(&self.t, worker, has_parent, p, &sv[0], &lv[0], n)
             pthread_rwlock_unlock(&self.lock)
         return check_rc(rc)
 
@@ -488,7 +466,7 @@ cdef class _TableWrapper:
             return 0
         with nogil:
             pthread_rwlock_wrlock(&self.lock)
-            rc = self._remove(worker, &sv[0], n)
+            rc = tree_remove(&self.t, worker, &sv[0], n)
             pthread_rwlock_unlock(&self.lock)
         return rc
 
@@ -497,79 +475,9 @@ cdef class _TableWrapper:
         cdef long rc
         with nogil:
             pthread_rwlock_wrlock(&self.lock)
-            rc = self._clear(worker)
+            rc = tree_clear(&self.t, worker)
             pthread_rwlock_unlock(&self.lock)
         return rc
-
-    # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
-    # it takes the read lock like the reads do: one snapshot of every size.
-    def sizes(self, uint32_t worker=0):
-        """Four sizes read under one lock; the last two are ``nbytes`` and
-        ``worker_blocks(worker)`` (the first two: the subclass's ``_sizes``)."""
-        cdef size_t out[4]
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            self._sizes(worker, out)
-            pthread_rwlock_unlock(&self.lock)
-        return out[0], out[1], out[2], out[3]
-
-    def worker_blocks(self, uint32_t worker):
-        """Number of blocks ``worker`` holds."""
-        return self.sizes(worker)[3]
-
-    def check_invariants(self):
-        """Walk the C structures under the read lock; ``AssertionError`` naming the first
-        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
-        cdef char msg[256]
-        cdef int rc
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            rc = self._check(msg, sizeof(msg))
-            pthread_rwlock_unlock(&self.lock)
-        check_raise(rc, msg)
-
-    @property
-    def nbytes(self):
-        """Bytes allocated by the C structures."""
-        return self.sizes()[2]
-
-
-cdef class RadixTree(_TableWrapper):
-    """HBM radix tree over LocalBlockHashes, shared by every HBM worker of an index.
-
-    **Threading: one writer thread calls store/remove/clear; any number of
-    threads may call match/stats concurrently. Each method holds a C
-    reader/writer lock (writers exclusive) and runs without the GIL.**
-    """
-
-    def __cinit__(self):
-        if tree_init(&self.t) < 0:
-            tree_free(&self.t)
-            raise MemoryError()
-        self._lock_init()
-
-    def __dealloc__(self):
-        tree_free(&self.t)
-
-    cdef long _store(self, uint32_t worker, bint has_parent, uint64_t parent,
-                     const uint64_t* ehashes, const uint64_t* locals, size_t n) noexcept nogil:
-        return tree_store(&self.t, worker, has_parent, parent, ehashes, locals, n)
-
-    cdef long _remove(self, uint32_t worker, const uint64_t* ehashes, size_t n) noexcept nogil:
-        return tree_remove(&self.t, worker, ehashes, n)
-
-    cdef long _clear(self, uint32_t worker) noexcept nogil:
-        return tree_clear(&self.t, worker)
-
-    cdef void _sizes(self, uint32_t worker, size_t* out) noexcept nogil:
-        # (num_nodes, num_pairs, nbytes, worker_blocks(worker))
-        out[0] = self.t.live_nodes
-        out[1] = self.t.npairs
-        out[2] = tree_nbytes(&self.t)
-        out[3] = tree_worker_blocks(&self.t, worker)
-
-    cdef int _check(self, char* msg, size_t cap) noexcept nogil:
-        return tree_check(&self.t, msg, cap)
 
     def match(self, local_hashes):
         """``[(worker, depth, last_engine_hash)]`` sorted by worker."""
@@ -641,6 +549,20 @@ cdef class RadixTree(_TableWrapper):
             raise MemoryError()
         return total
 
+    # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
+    # it takes the read lock like match does: one snapshot of every size.
+    def sizes(self, uint32_t worker=0):
+        """``(num_nodes, num_pairs, nbytes, worker_blocks(worker))`` read under one lock."""
+        cdef size_t nodes, pairs, nb, wb
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            nodes = self.t.live_nodes
+            pairs = self.t.npairs
+            nb = tree_nbytes(&self.t)
+            wb = tree_worker_blocks(&self.t, worker)
+            pthread_rwlock_unlock(&self.lock)
+        return nodes, pairs, nb, wb
+
     def layout(self):
         """Where the bytes go, read under the read lock (see :func:`layout_dict`)."""
         cdef size_t out[TL_N]
@@ -649,6 +571,21 @@ cdef class RadixTree(_TableWrapper):
             tree_layout(&self.t, out)
             pthread_rwlock_unlock(&self.lock)
         return layout_dict(out)
+
+    def worker_blocks(self, uint32_t worker):
+        """Number of blocks ``worker`` holds."""
+        return self.sizes(worker)[3]
+
+    def check_invariants(self):
+        """Walk the C structures under the read lock; ``AssertionError`` naming the first
+        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
+        cdef char msg[256]
+        cdef int rc
+        with nogil:
+            pthread_rwlock_rdlock(&self.lock)
+            rc = tree_check(&self.t, msg, sizeof(msg))
+            pthread_rwlock_unlock(&self.lock)
+        check_raise(rc, msg)
 
     def _corrupt_for_test(self, str kind):
         """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
@@ -711,6 +648,11 @@ cdef class RadixTree(_TableWrapper):
     def num_pairs(self):
         """(worker, block) pairs held."""
         return self.sizes()[1]
+
+    @property
+    def nbytes(self):
+        """Bytes allocated by the tree's C structures."""
+        return self.sizes()[2]
 
 
 cdef int check_raise(int rc, const char* msg) except -1:
