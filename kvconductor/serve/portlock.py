@@ -86,7 +86,9 @@ class PortLock:
     def __init__(self, port: int, sock: socket.socket) -> None:
         self.port = port
         self._sock = sock
-        threading.Thread(target=self._answer, name="port-lock", daemon=True).start()
+        self._closing = False
+        self._thread = threading.Thread(target=self._answer, name="port-lock", daemon=True)
+        self._thread.start()
 
     @classmethod
     def acquire(cls, port: int) -> PortLock:
@@ -112,8 +114,21 @@ class PortLock:
             except OSError:
                 return
             conn.close()
+            if self._closing:
+                return
 
     def close(self) -> None:
+        """Release the lock: the name is free for another server when this returns (the
+        answering thread, whose ``accept`` holds the socket open, is woken and joined
+        first; closing under a blocked ``accept`` would free the name only once it
+        returned)."""
+        self._closing = True
+        if self._thread.is_alive():
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(PEER_TIMEOUT)
+                with contextlib.suppress(OSError):
+                    s.connect(_address(self.port))
+            self._thread.join(PEER_TIMEOUT)
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         self._sock.close()
