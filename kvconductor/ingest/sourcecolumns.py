@@ -54,20 +54,11 @@ class RetiredTotals:
 
 _STATS = attrgetter("stats")
 _EVENTS = attrgetter("events")
-# the attributes behind the properties of SourceStats, Subscription and SequenceTracker
-# (read without the property's call), by the readers their modules export
-_GAPS = READ_GAPS
-_REPLAYS_OK = READ_REPLAYS_OK
-_MUTES = READ_MUTES
-_PURGED = READ_PURGED
+# (the attributes behind the properties of SourceStats, Subscription and SequenceTracker
+# are read, without the property's call, by the READ_* readers their modules export)
 _DROPPED = attrgetter("dropped")
 _KIND = attrgetter("kind")
-_TRACKER = READ_TRACKER
-_CONNECTED = READ_CONNECTED
-_REPLAYING = READ_REPLAYING
-_DEGRADED = READ_DEGRADED
 _OWNED = attrgetter("replica.owned")
-_MUTED = READ_MUTED
 _LAST_EVENT = attrgetter("last_event")
 _LABELS = attrgetter("metric_labels")
 _FIRST = itemgetter(0)
@@ -135,11 +126,11 @@ def _sum_rare(stats: list[SourceStats]) -> _Rare:
             for reason, n in list(d.items()):  # a copy in C
                 dropped[reason] = dropped.get(reason, 0) + n
     return _Rare(
-        sum(map(_GAPS, stats)),
-        sum(map(_REPLAYS_OK, stats)),
+        sum(map(READ_GAPS, stats)),
+        sum(map(READ_REPLAYS_OK, stats)),
         dropped.get("replay_failed", 0),
-        sum(map(_MUTES, stats)),
-        sum(map(_PURGED, stats)),
+        sum(map(READ_MUTES, stats)),
+        sum(map(READ_PURGED, stats)),
         dropped,
     )
 
@@ -163,16 +154,17 @@ def _repeater(lens: list[int]) -> itemgetter[tuple[int, ...]]:
 def _live(subs: list[Subscription]) -> list[bool]:
     """What Subscription.state calls "live" (connected, not replaying, not degraded),
     from the columns (passive sources: see ``read_columns``)."""
-    trackers = list(map(_TRACKER, subs))
-    if any(map(_REPLAYING, trackers)) or not all(map(is_, map(_DEGRADED, trackers), _NONES)):
+    trackers = list(map(READ_TRACKER, subs))
+    undegraded = all(map(is_, map(READ_DEGRADED, trackers), _NONES))
+    if any(map(READ_REPLAYING, trackers)) or not undegraded:
         return list(
             map(
                 and_,
-                map(and_, map(_CONNECTED, subs), map(not_, map(_REPLAYING, trackers))),
-                map(is_, map(_DEGRADED, trackers), _NONES),
+                map(and_, map(READ_CONNECTED, subs), map(not_, map(READ_REPLAYING, trackers))),
+                map(is_, map(READ_DEGRADED, trackers), _NONES),
             )
         )
-    return list(map(_CONNECTED, subs))  # none replaying or degraded (the common case)
+    return list(map(READ_CONNECTED, subs))  # none replaying or degraded (the common case)
 
 
 def read_columns(
@@ -204,7 +196,7 @@ def read_columns(
             groups = sorted(by_kind.items())
         sets = list(map(_LABELS, subs))
         ks: itemgetter[tuple[int, ...]] | None = None
-        live, muted = _live(subs), list(map(_MUTED, subs))
+        live, muted = _live(subs), list(map(READ_MUTED, subs))
         lens = list(map(len, sets))
         if all(map(_ONE.__eq__, lens)):
             labels = list(map(_FIRST, sets))
@@ -215,7 +207,7 @@ def read_columns(
         kept = Columns(stamps, subs, stats, groups, labels, ks, _sum_rare(stats), live, muted)
     elif kept.stamps != stamps:
         if kept.stamps[1] != stamps[1]:  # a source's state moved (one flapping)
-            live, muted = _live(subs), list(map(_MUTED, subs))
+            live, muted = _live(subs), list(map(READ_MUTED, subs))
             if kept.ks is not None:
                 live, muted = list(kept.ks(live)[2:]), list(kept.ks(muted)[2:])
             kept = kept._replace(live=live, muted=muted)
