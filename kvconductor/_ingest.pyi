@@ -11,6 +11,11 @@ REMOVED_KEYS: tuple[str, ...]
 CLEARED_KEYS: tuple[str, ...]
 POOL_KEYS: tuple[str, ...]
 DECLINED_KEYS: tuple[str, ...]
+PAYLOAD_UNSURE: int
+PAYLOAD_VLLM: int
+PAYLOAD_POOL: int
+
+def array_payload_kind(payload: bytes | bytearray | memoryview) -> int: ...
 
 @disjoint_base
 class FastBatch:
