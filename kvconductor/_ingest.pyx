@@ -21,7 +21,7 @@ path does)::
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, strlen
 
 from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
 from kvconductor._pool cimport HM_NIL, grow_array, live_allocations, mem_free
@@ -212,6 +212,15 @@ cdef inline int _nil(wcur* c) noexcept nogil:
     return 0
 
 
+cdef inline int _nil_or_array(wcur* c, size_t* n, int other) noexcept nogil:
+    """An array header (``n``: its length) or nil (``n`` = 0): R_OK; else R_TRUNCATED, or
+    ``other`` for a value of another type."""
+    if _nil(c):
+        n[0] = 0
+        return R_OK
+    return _r(_container(c, False, n), other)
+
+
 cdef inline int _hash(wcur* c, uint64_t* h) noexcept nogil:
     """engine_hash: int (negative: two's complement) or non-empty bin (last 8 bytes BE)."""
     cdef uint64_t v = 0
@@ -251,49 +260,50 @@ cdef inline int _tag(wcur* c, int* kind) noexcept nogil:
     return R_OK
 
 
+# Every map key _fid names, grouped by length: the fields, the pool keys, the declined key.
+cdef enum:
+    NKEYS = 19
+    KEY_MAXLEN = 28
+cdef const char* _KEYS[NKEYS]
+cdef int _KEY_FID[NKEYS]
+cdef int _KEY_FROM[KEY_MAXLEN + 2]   # the keys of length n: _KEY_FROM[n] <= k < _KEY_FROM[n + 1]
+
+
+cdef int _index_keys() noexcept:
+    cdef const char* names[NKEYS]
+    cdef int fids[NKEYS]
+    cdef int i, n, k = 0
+    for i in range(14):
+        names[i] = _FID_NAMES[i]
+        fids[i] = i
+    for i in range(4):
+        names[14 + i] = _POOL_NAMES[i]
+        fids[14 + i] = FID_POOL
+    names[18] = b"tokens_hashes"
+    fids[18] = FID_DECLINE
+    for n in range(KEY_MAXLEN + 1):
+        _KEY_FROM[n] = k
+        for i in range(NKEYS):
+            if strlen(names[i]) == <size_t>n:
+                _KEYS[k] = names[i]
+                _KEY_FID[k] = fids[i]
+                k += 1
+    _KEY_FROM[KEY_MAXLEN + 1] = k
+    return k
+
+
+if _index_keys() != NKEYS:
+    raise ImportError("_ingest: a map key longer than KEY_MAXLEN")
+
+
 cdef int _fid(const uint8_t* s, size_t n) noexcept nogil:
     """Field id of a map key (FID_SKIP for keys no decoder declares)."""
-    if n == 4:
-        return FID_TYPE if memcmp(s, b"type", 4) == 0 else FID_SKIP
-    if n == 12:
-        return FID_HASHES if memcmp(s, b"block_hashes", 12) == 0 else FID_SKIP
-    if n == 9:
-        if memcmp(s, b"token_ids", 9) == 0:
-            return FID_TOKENS
-        if memcmp(s, b"lora_name", 9) == 0:
-            return FID_LORA_NAME
-        if memcmp(s, b"group_idx", 9) == 0:
-            return FID_GROUP
-        if memcmp(s, b"ownership", 9) == 0:
-            return FID_OWNERSHIP
+    cdef int k
+    if n > KEY_MAXLEN:
         return FID_SKIP
-    if n == 10:
-        if memcmp(s, b"block_size", 10) == 0:
-            return FID_BLOCK_SIZE
-        if memcmp(s, b"session_id", 10) == 0:
-            return FID_SESSION
-        if (memcmp(s, b"event_type", 10) == 0 or memcmp(s, b"seq_hashes", 10) == 0
-                or memcmp(s, b"backend_id", 10) == 0):
-            return FID_POOL
-        return FID_SKIP
-    if n == 17:
-        return FID_PARENT if memcmp(s, b"parent_block_hash", 17) == 0 else FID_SKIP
-    if n == 6:
-        return FID_MEDIUM if memcmp(s, b"medium", 6) == 0 else FID_SKIP
-    if n == 7:
-        return FID_LORA_ID if memcmp(s, b"lora_id", 7) == 0 else FID_SKIP
-    if n == 8:
-        if memcmp(s, b"locality", 8) == 0:
-            return FID_LOCALITY
-        if memcmp(s, b"event_id", 8) == 0:
-            return FID_POOL
-        return FID_SKIP
-    if n == 18:
-        return FID_KIND if memcmp(s, b"kv_cache_spec_kind", 18) == 0 else FID_SKIP
-    if n == 28:
-        return FID_WINDOW if memcmp(s, b"kv_cache_spec_sliding_window", 28) == 0 else FID_SKIP
-    if n == 13:
-        return FID_DECLINE if memcmp(s, b"tokens_hashes", 13) == 0 else FID_SKIP
+    for k in range(_KEY_FROM[n], _KEY_FROM[n + 1]):
+        if memcmp(s, _KEYS[k], n) == 0:
+            return _KEY_FID[k]
     return FID_SKIP
 
 
@@ -432,28 +442,9 @@ cdef class FastBatch:
     not thread-safe: the ingest thread only)."""
 
     def __cinit__(self, uint64_t seed=KVC_SEED):
+        # (Cython zero-fills the C fields: no scratch, capacities and counts 0, why R_OK)
         self.seed = seed
-        self.hs = NULL
-        self.loc = NULL
-        self.hs_cap = 0
-        self.hs_used = 0
-        self.tok = NULL
-        self.tok_cap = 0
-        self.recs = NULL
-        self.ops = NULL
-        self.rec_cap = 0
-        self.nrec = 0
-        self.clear = NULL
-        self.clear_cap = 0
-        self.flags = 0
         self.nevents = -1
-        self.n_size_mismatch = 0
-        self.n_kind = 0
-        self.nlora = 0
-        self.bad_bs = 0
-        self.why = R_OK
-        self.parsed = 0
-        self.rejected = 0
 
     def __dealloc__(self):
         mem_free(self.hs)
@@ -493,10 +484,8 @@ cdef class FastBatch:
             return _skip(c)
         if fid == FID_HASHES:
             ev.nh = 0
-            if _nil(c):
-                return R_OK
-            rc = _r(_container(c, False, &n), R_HASH)
-            if rc:
+            rc = _nil_or_array(c, &n, R_HASH)
+            if rc or n == 0:
                 return rc
             if self._reserve_hashes(self.hs_used + n) < 0:
                 return R_OOM
@@ -516,10 +505,8 @@ cdef class FastBatch:
             return rc
         if fid == FID_TOKENS:
             ev.ntok = 0
-            if _nil(c):
-                return R_OK
-            rc = _r(_container(c, False, &n), R_TOKENS)
-            if rc:
+            rc = _nil_or_array(c, &n, R_TOKENS)
+            if rc or n == 0:
                 return rc
             if n > self.tok_cap:
                 p = grow_array(self.tok, &self.tok_cap, n, sizeof(uint32_t))
