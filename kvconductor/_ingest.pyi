@@ -14,8 +14,9 @@ DECLINED_KEYS: tuple[str, ...]
 PAYLOAD_UNSURE: int
 PAYLOAD_VLLM: int
 PAYLOAD_POOL: int
+PAYLOAD_VLLM_TAG: int
 
-def array_payload_kind(payload: bytes | bytearray | memoryview) -> int: ...
+def array_payload_kind(payload: bytes | bytearray | memoryview, whole: bool = True) -> int: ...
 
 @disjoint_base
 class FastBatch:

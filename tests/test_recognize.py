@@ -9,7 +9,13 @@ import random
 import msgspec
 import pytest
 
-from kvconductor._ingest import PAYLOAD_POOL, PAYLOAD_UNSURE, PAYLOAD_VLLM, array_payload_kind
+from kvconductor._ingest import (
+    PAYLOAD_POOL,
+    PAYLOAD_UNSURE,
+    PAYLOAD_VLLM,
+    PAYLOAD_VLLM_TAG,
+    array_payload_kind,
+)
 from kvconductor.ingest import recognize as rz
 from kvconductor.ingest.ops import DecodeError
 from tests.helpers.payloads import EX_A_V033, EX_B_V023, EX_C_V092, EX_E_SGL0516, EX_E_SGL0523
@@ -151,7 +157,23 @@ def test_the_route_decodes_as_the_python_reader_alone(monkeypatch):
     ],
 )
 def test_kinds(payload, kind):
-    assert rz.recognize(payload).kind == kind
+    rec = rz.recognize(payload)
+    if rec.by_tag:  # the first event's tag read, its rest not: decode() reads it
+        assert rec.kind == rz.VLLM
+        rec = rz._array(payload, True)
+    assert rec.kind == kind and not rec.by_tag
+
+
+def test_recognition_stops_at_the_tag():
+    """vLLM's map events start with their tag: recognition reads no further; a pool key
+    later in that event makes it a pool tuple when decode() reads the rest."""
+    assert rz.recognize(EX_A_V033).by_tag
+    late = ENC.encode([TS, [{"type": "BlockStored", "event_id": 1, "seq_hashes": [5]}], 0])
+    rec = rz.recognize(late)
+    assert rec.kind == rz.VLLM and rec.by_tag
+    assert type(rz.decode(late, rec)).__name__ == "PoolBatch"
+    assert array_payload_kind(late, False) == PAYLOAD_VLLM_TAG
+    assert array_payload_kind(late) == PAYLOAD_POOL
 
 
 @pytest.mark.parametrize("payload,reason", [(b"", "empty_payload"), (ENC.encode(5), "not_a_batch")])

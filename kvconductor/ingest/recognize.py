@@ -15,8 +15,11 @@ decoder of that kind (docs/events.md, "Payload recognition").
 * anything else, or an empty payload: :class:`~kvconductor.ingest.ops.DecodeError`.
 
 The compiled reader (``kvconductor._ingest.array_payload_kind``) tells the array kinds
-without decoding anything; :func:`_python_kind`, its twin, decides when it cannot (ext
-values, deep nesting, a pool verdict hanging on a non-ASCII key) and when
+without decoding anything, and stops at the first event's vLLM tag (the first key of a
+map event as vLLM writes it: :attr:`Recognized.by_tag`; the fast path refuses the pool
+keys and repeated keys the rest could hold, and :func:`decode` reads the rest before it
+picks a decoder); :func:`_python_kind`, its twin, decides when it cannot (ext values,
+deep nesting, a pool verdict hanging on a non-ASCII key) and when
 ``KVCONDUCTOR_IMPL=py``, keeping the envelope it split and the events it read for the
 decoder. :func:`decode` then runs the one decoder of the kind, handed what recognition
 already read: :func:`~kvconductor.ingest.vllm.decode_vllm_batch` (the split envelope and
@@ -35,7 +38,13 @@ from dataclasses import dataclass
 import msgspec
 
 import kvconductor
-from kvconductor._ingest import PAYLOAD_POOL, PAYLOAD_UNSURE, PAYLOAD_VLLM, array_payload_kind
+from kvconductor._ingest import (
+    PAYLOAD_POOL,
+    PAYLOAD_UNSURE,
+    PAYLOAD_VLLM,
+    PAYLOAD_VLLM_TAG,
+    array_payload_kind,
+)
 from kvconductor.ingest.ops import KNOWN_TAGS, DecodeError, PoolBatch, VllmBatch, msgpack_kind
 from kvconductor.ingest.pool import decode_memcache, decode_pool_events, decode_pool_tuple
 from kvconductor.ingest.vllm import decode_vllm_batch, split_batch
@@ -50,7 +59,7 @@ _KEYS_DEC = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
 _RAW_LIST_DEC = msgspec.msgpack.Decoder(list[msgspec.Raw])
 
 #: The compiled array reader; ``None`` (the Python reader only) when ``KVCONDUCTOR_IMPL=py``.
-_array_kind: Callable[[bytes], int] | None = (
+_array_kind: Callable[[bytes, bool], int] | None = (
     None if kvconductor.IMPL == "py" else array_payload_kind
 )
 
@@ -64,9 +73,17 @@ class Recognized:
     kind: int
     parts: tuple[list[msgspec.Raw], int, int | None] | None = None
     raw_events: list[msgspec.Raw] | None = None
+    #: VLLM read from the first event's tag, the rest of that event unread: what the
+    #: compiled fast path takes is a vLLM batch (it refuses pool keys and repeated
+    #: keys); for anything else :func:`decode` reads the first event to its end.
+    by_tag: bool = False
 
 
-_BY_C = {VLLM: Recognized(VLLM), POOL: Recognized(POOL)}
+_BY_C = {
+    VLLM: Recognized(VLLM),
+    POOL: Recognized(POOL),
+    PAYLOAD_VLLM_TAG: Recognized(VLLM, by_tag=True),
+}
 _MAP = Recognized(MEMCACHE)
 
 
@@ -107,6 +124,14 @@ def _python_kind(payload: bytes) -> Recognized:
     return Recognized(VLLM, parts, raw_events)
 
 
+def _array(payload: bytes, whole: bool) -> Recognized:
+    if _array_kind is not None:
+        k = _array_kind(payload, whole)
+        if k != PAYLOAD_UNSURE:
+            return _BY_C[k]
+    return _python_kind(payload)
+
+
 def recognize(payload: bytes) -> Recognized:
     """The payload's kind (module docstring). Raises DecodeError (``empty_payload``,
     ``not_a_batch``)."""
@@ -114,11 +139,7 @@ def recognize(payload: bytes) -> Recognized:
         raise DecodeError("empty_payload")
     top = msgpack_kind(payload[0])
     if top == "array":
-        if _array_kind is not None:
-            k = _array_kind(payload)
-            if k != PAYLOAD_UNSURE:
-                return _BY_C[k]
-        return _python_kind(payload)
+        return _array(payload, False)
     if top == "map":
         return _MAP
     raise DecodeError("not_a_batch", f"payload is a msgpack {top}")
@@ -134,6 +155,8 @@ def _decode_whole(payload: bytes) -> object:
 def decode(payload: bytes, rec: Recognized) -> VllmBatch | PoolBatch:
     """Decode ``payload`` with the decoder of its kind ``rec``, once. Raises DecodeError
     (reasons: ``undecodable``, ``not_a_batch``, ``invalid_batch``)."""
+    if rec.by_tag:
+        rec = _array(payload, True)
     if rec.kind == VLLM:
         return decode_vllm_batch(payload, rec.parts, rec.raw_events)
     if rec.kind == MEMCACHE:
