@@ -27,16 +27,8 @@ from kvconductor.keys import Medium
 def per_batch(bs: int, payloads: list[bytes], passes: int, fast=True, pool=False) -> float:
     best = float("inf")
     for _ in range(passes):
-        ctx = SubscriberContext(
-            instance_id=IID,
-            dp_rank=0,
-            url="tcp://127.0.0.1:1",
-            model="m",
-            tenant="t",
-            block_size=bs,
-            default_media=(Medium.CPU,) if pool else (Medium.NPU,),
-            is_pool=pool,
-        )
+        media = (Medium.CPU,) if pool else (Medium.NPU,)
+        ctx = SubscriberContext(IID, 0, "tcp://127.0.0.1:1", "m", "t", bs, media, is_pool=pool)
         a = Applier(ctx, Conductor("c"), fast=fast)
         t = time.thread_time()
         for p in payloads:
