@@ -257,6 +257,25 @@ class Service:
         snapshotter.start()
         return True
 
+    def run(
+        self,
+        serve: Callable[[], object],
+        release: Callable[[], object],
+        stopped: str,
+        logger: logging.Logger = log,
+    ) -> int:
+        """Serves HTTP (``serve``: the server's run) until it ends; then lets go of what
+        the entry point holds (``release``: its listening sockets, the owner's workers),
+        stops the service (:meth:`stop`) and logs ``stopped`` on ``logger``. Returns 0,
+        the exit status."""
+        try:
+            serve()
+        finally:
+            release()
+            self.stop()
+            logger.info(stopped)
+        return 0
+
     def stop(self) -> None:
         """After the HTTP server stopped: the last snapshot (and the snapshot directory's
         lock let go), the replication, then the conductor; a worker's pool of

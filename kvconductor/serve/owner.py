@@ -601,12 +601,11 @@ def serve_owner(settings: Settings) -> int:
             service.log_start(format_address(ports.port_sock))
             if not service.start():
                 return 1
-            try:
-                server.run(sockets=[unix_sock])
-            finally:
-                owner.kill_all()
-                service.stop()
-                log.info("KV conductor shut down")
+            return service.run(
+                lambda: server.run(sockets=[unix_sock]),
+                owner.kill_all,
+                "KV conductor shut down",
+                log,
+            )
     finally:
         ports.close()
-    return 0
