@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Generic, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 log = logging.getLogger("kvconductor.ingest")
 T = TypeVar("T")
@@ -59,38 +59,38 @@ def labels_changed() -> None:
     LABELS_STAMP[0] = next(_STAMPS)
 
 
-class Stamped(Generic[T]):
-    """An attribute whose writes call ``changed`` (one of :func:`counts_changed`,
+class Stamped(property, Generic[T]):
+    """The attribute ``name`` whose writes call ``changed`` (one of :func:`counts_changed`,
     :func:`state_changed`), so that what a ``/metrics`` scrape keeps from one scrape to
-    the next is read again. The value is in the attribute of the same name with a
-    leading ``_`` (a slot, or the instance's dict), which a scrape reads without the
-    call (``attrgetter("_name")``: the ``READ_*`` readers). ``only_changes``: a write
-    of the value already there (or of any value before the first) calls
-    ``changed`` only when the value differs."""
+    the next is read again. The value is in the attribute ``_name`` (a slot, or the
+    instance's dict), which a scrape reads without the call (``attrgetter("_name")``:
+    the ``READ_*`` readers). ``only_changes``: a write of the value already there calls
+    nothing (nor writes).
 
-    def __init__(self, changed: Callable[[], None], doc: str, *, only_changes: bool = False):
-        self.changed = changed
-        self.__doc__ = doc
-        self.only_changes = only_changes
-        self.slot = ""
-        self.read = attrgetter("")
+    A property whose getter is that ``attrgetter``: a read is one C call."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.slot = "_" + name
-        self.read = attrgetter(self.slot)
+    def __init__(
+        self, name: str, changed: Callable[[], None], doc: str, *, only_changes: bool = False
+    ) -> None:
+        slot = "_" + name
 
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> Stamped[T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> T: ...
-    def __get__(self, obj: object | None, owner: type | None = None) -> T | Stamped[T]:
-        return self if obj is None else cast(T, self.read(obj))
+        def write(obj: object, value: T) -> None:
+            if only_changes and value == getattr(obj, slot, None):
+                return
+            setattr(obj, slot, value)
+            changed()
 
-    def __set__(self, obj: object, value: T) -> None:
-        if self.only_changes and value == getattr(obj, self.slot, None):
-            return
-        setattr(obj, self.slot, value)
-        self.changed()
+        super().__init__(attrgetter(slot), write, None, doc)
+        self.__doc__ = doc  # (a subclass's own docstring would shadow it)
+
+    if TYPE_CHECKING:  # what a read and a write are, for mypy (property's own at run time)
+
+        @overload
+        def __get__(self, obj: None, owner: type | None = None, /) -> Stamped[T]: ...
+        @overload
+        def __get__(self, obj: object, owner: type | None = None, /) -> T: ...
+        def __get__(self, obj: object | None, owner: type | None = None, /) -> T | Stamped[T]: ...
+        def __set__(self, obj: object, value: T, /) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -132,16 +132,19 @@ class SourceStats:
     _mutes: int = field(default=0, init=False)
     _purged_blocks: int = field(default=0, init=False)
 
-    gaps = Stamped[int](counts_changed, "Sequence gaps seen.")
+    gaps = Stamped[int]("gaps", counts_changed, "Sequence gaps seen.")
     replays_ok = Stamped[int](
+        "replays_ok",
         counts_changed,
         'Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``).',
     )
     mutes = Stamped[int](
+        "mutes",
         counts_changed,
         "Times the source's (instance, DP) HBM hits were muted (down past --source-down-secs).",
     )
     purged_blocks = Stamped[int](
+        "purged_blocks",
         counts_changed,
         "HBM blocks dropped because the source stayed down past --source-purge-secs.",
     )

@@ -140,17 +140,21 @@ class Subscription:
     # connected, muted and tracker: a write tells a /metrics scrape to read the source's
     # state again (kvconductor.ingest.stats.STATE_STAMP)
     connected = Stamped[bool](
+        "connected",
         state_changed,
         "The SUB has a publisher (its monitor saw the handshake, or it is bound).",
         only_changes=True,
     )
     muted = Stamped[bool](
+        "muted",
         state_changed,
         "Its (instance, DP)'s HBM hits are muted (down past --source-down-secs).",
         only_changes=True,
     )
     tracker = Stamped[SequenceTracker](
-        state_changed, "The sequence and replay state (a new one after a resync or a lease change)."
+        "tracker",
+        state_changed,
+        "The sequence and replay state (a new one after a resync or a lease change).",
     )
     _tracker: SequenceTracker
 
