@@ -266,6 +266,17 @@ class Index:
                 self.on_new_group()
         return wid
 
+    @property
+    def worker_keys(self) -> Sequence[WorkerKey]:
+        """Every WorkerKey known, by the core's worker id (read it on the writer thread:
+        a dump)."""
+        return self._worker_keys
+
+    @property
+    def group_keys(self) -> Sequence[tuple[str, int]]:
+        """(instance_id, dp_rank) by the core's group id (``--workers N``' directory)."""
+        return self._group_keys
+
     def workers_of(self, instance_id: str, dp_rank: int | None = None) -> list[WorkerKey]:
         """Every known WorkerKey of an instance (optionally of one DP)."""
         if dp_rank is not None:

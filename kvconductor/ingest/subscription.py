@@ -79,7 +79,7 @@ class SubscriptionOwner(Protocol):
     replay_deadline: float
     loss_grace: float
     resume: dict[tuple[str, int, str], tuple[int, int, int]]
-    replicator: SourceJournal | None
+    journal: SourceJournal
     fence_floor: int
 
 
@@ -116,10 +116,13 @@ class Subscription:
         self._muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
+        #: What its batches and events go through (``--state-url``: the replicated log).
+        self.journal = manager.journal
         #: --state-url (kvconductor.state.replica): the source's replicated state, the same on
-        #: every replica (:class:`~kvconductor.ingest.replicated.ReplicaState`).
-        self.replica = ReplicaState(manager.fence_floor)
-        if manager.replicator is not None:
+        #: every replica (:class:`~kvconductor.ingest.replicated.ReplicaState`); owned from
+        #: the start when the journal claims it (one process: always).
+        self.replica = ReplicaState(manager.fence_floor, owned=self.journal.claims(self.key))
+        if not self.replica.owned:
             self.down_since = None  # passive: up until the owner says otherwise
         cursor = manager.resume.pop(self.key, None)
         if cursor is not None:
@@ -254,7 +257,7 @@ class Subscription:
     @property
     def passive(self) -> bool:
         """--state-url and another replica consumes this source (or none yet)."""
-        return self.manager.replicator is not None and not self.owned
+        return not self.replica.owned
 
     def close(self) -> None:
         self.closed = True
@@ -341,7 +344,7 @@ class Subscription:
         token = st.loss_token
         if token is not None:
             # the previous owner's grace period: ours ends it (a full one, to be safe)
-            self.thread.call_later(self.manager.loss_grace, lambda: self.grace_over(token))
+            self.age_later(token)
         log.info("%s: consuming (lease epoch %d)", self.name(), epoch)
 
     def release(self) -> None:
@@ -354,20 +357,20 @@ class Subscription:
         self.down_since = None  # as the next owner reports it
         log.info("%s: no longer consumed here", self.name())
 
+    def age_later(self, token: str) -> None:
+        """--state-url: end loss ``token``'s grace period in ``--loss-grace-secs``."""
+        self.thread.call_later(self.manager.loss_grace, lambda: self.grace_over(token))
+
     def grace_over(self, token: str) -> None:
         """--state-url: loss ``token``'s grace period is over; the owner says so to every
         replica (an ``aged`` entry)."""
-        r = self.manager.replicator
-        if r is not None and self.owned and not self.closed and self.replica.loss_token == token:
-            r.append_source(self, "aged", token)
+        if self.owned and not self.closed and self.replica.loss_token == token:
+            self.journal.append_source(self, "aged", token)
 
     # -- the tracker's host ----------------------------------------------------------------
     def apply(self, payload: bytes, seq: int) -> None:
-        r = self.manager.replicator
-        if r is None:
-            self.applier.apply_payload(payload)
-        else:
-            r.append_batch(self, seq, payload)
+        # one process: applied at once (LocalSources); --state-url: appended to the log
+        self.journal.append_batch(self, seq, payload)
 
     def open_replay(self, start: int) -> None:
         # The tracker replays only when replay_enabled, i.e. with a replay endpoint.
@@ -394,16 +397,13 @@ class Subscription:
         return f"instance {c.instance_id} DP {c.dp_rank} registered no replay_endpoint"
 
     def lost(self, why: str, epoch: int) -> None:
-        """Keep the state, degrade, age out later (module docstring)."""
-        r = self.manager.replicator
-        if r is not None:
-            # every replica marks the suspects when it applies the loss; the owner ends
-            # the grace period with an ``aged`` entry (Subscription.grace_over)
-            token = f"{self.lease_epoch}.{epoch}"
-            r.append_source(self, "loss", token, why)
-            grace = self.manager.loss_grace
-            self.thread.call_later(grace, lambda: self.grace_over(token))
-            return
+        """Keep the state, degrade, age out later (module docstring): here at once
+        (:meth:`degrade`), or on every replica when the log applies the loss."""
+        self.journal.append_loss(self, why, epoch)
+
+    def degrade(self, why: str, epoch: int) -> None:
+        """Loss ``epoch`` of the tracker: the blocks held now are suspects; those not
+        announced again within the grace period are dropped then."""
         n = self.applier.begin_suspect()
         grace = self.manager.loss_grace
         self.thread.call_later(grace, lambda: self._end_degraded(epoch))

@@ -162,7 +162,13 @@ def _default_subscriptions(thread: IngestThread, conductor: Conductor) -> Subscr
         source_purge=cfg.source_purge,
         limits=cfg.limits,
     )
-    return SubscriptionManager(thread, conductor, settings=settings, shared=conductor.shared)
+    return SubscriptionManager(
+        thread,
+        conductor,
+        settings=settings,
+        shared=conductor.shared,
+        journal=conductor.journal.sources,
+    )
 
 
 class WorkersDoc(TypedDict, total=False):
@@ -208,8 +214,9 @@ class Conductor:
         of its own, of libzmq's default size). ``heap_trim``: called on the ingest thread
         with ``time.monotonic()`` on every source check (the service's gives freed heap
         memory back to the system, :class:`kvconductor.serve.tuning.HeapTrim`; default:
-        none). Features that can only be made after the conductor are handed in with
-        :meth:`attach_journal` and :meth:`attach_snapshotter`."""
+        none). The journal's source role (``journal.sources``) is handed to the
+        subscriptions when they are made; the snapshotter, which can only be made once
+        the snapshot directory is loaded, is handed in with :meth:`attach_snapshotter`."""
         self.config = config or ConductorConfig()
         self.thread = thread or IngestThread(context=zmq.Context())
         self.registry = Registry(self.config.url_policy)
@@ -265,12 +272,6 @@ class Conductor:
         self._heap_trim = heap_trim
 
     # -- optional features made after the conductor -----------------------------------
-    def attach_journal(self, journal: Journal) -> None:
-        """Send every HTTP mutation through ``journal`` from now on (before the HTTP
-        server serves: ``--state-url``'s :class:`~kvconductor.state.replica.ValkeyJournal`
-        is made for a started conductor)."""
-        self.journal = journal
-
     def attach_snapshotter(self, snapshotter: Snapshots) -> None:
         """``--snapshot-dir``: the writer of this conductor's snapshots (made once the
         directory is locked and its newest snapshot loaded)."""
@@ -279,7 +280,8 @@ class Conductor:
     @property
     def replicator(self) -> Replica | None:
         """``--state-url``: the replicated journal's status (None: this process alone
-        holds the state)."""
+        holds the state): the one "is there a replica" of ``/ready``, ``/workers`` and
+        ``/metrics``."""
         return self.journal.replica
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -330,7 +332,7 @@ class Conductor:
         if self.shared is not None:
             # unpublish and free every shared index while this is still the writer thread
             for key in list(self.indexes):
-                self._drop_index(key)
+                self.drop_index(key)
 
     async def run(self, fn: Callable[[Unpack[_Ts]], _T], *args: Unpack[_Ts]) -> _T:
         """Await ``fn(*args)`` on the ingest thread."""
@@ -407,7 +409,7 @@ class Conductor:
         if self.shared is not None:
             self.shared.publish(self)
 
-    def _drop_index(self, key: tuple[str, str]) -> None:
+    def drop_index(self, key: tuple[str, str]) -> None:
         """Forget the index of ``key`` (ingest thread). With ``--workers N`` the directory
         without it is published first, then its shared state is freed."""
         idx = self.indexes.pop(key)
@@ -480,7 +482,7 @@ class Conductor:
         idx = self.indexes.get(key)
         if idx is None or key in self.registry.protected() or not idx.is_empty():
             return False
-        self._drop_index(key)
+        self.drop_index(key)
         log.debug("indexer removed model=%s tenant=%s", key[0], key[1])
         return True
 
@@ -535,7 +537,7 @@ class Conductor:
         reclaimed = 0
         for key, idx in list(self.indexes.items()):
             if key not in protected and idx.is_empty():
-                self._drop_index(key)
+                self.drop_index(key)
                 reclaimed += 1
         log.debug(
             "cache maintenance completed pruned=%d reclaimed=%d indexers=%d",

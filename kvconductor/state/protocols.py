@@ -32,7 +32,6 @@ from kvconductor.schema import JSONObject, JSONValue
 if TYPE_CHECKING:
     from kvconductor.index import QueryResult
     from kvconductor.ingest.context import SubscriberContext
-    from kvconductor.ingest.host import SourceJournal
     from kvconductor.ingest.subscription import Subscription
 
 __all__ = [
@@ -196,9 +195,6 @@ class Subscriptions(Protocol):
     """The ZeroMQ subscriptions of a conductor (ingest thread, except
     :meth:`metrics_snapshot`)."""
 
-    #: ``--state-url``: the replica that logs what the owned sources bring (set by
-    #: :meth:`kvconductor.state.replica.ValkeyJournal.start`; None: not replicated).
-    replicator: SourceJournal | None
     #: The states behind answers (``"freshness"`` queries; any thread).
     freshness: FreshnessTables
 
@@ -226,7 +222,8 @@ class Subscriptions(Protocol):
     def metrics_snapshot(self, pause: Callable[[], None] | None = None) -> SourceSnapshot: ...
     def close(self) -> None: ...
 
-    # the replicated log's source entries (kvconductor.state.replica)
+    # the replicated log's source entries (kvconductor.state.replica; the subscriptions
+    # journal through the conductor's journal's ``sources``, handed in at construction)
     def apply_logged(self, key: SourceKey, seq: int, epoch: int, payload: bytes) -> bool: ...
     def loss_logged(self, key: SourceKey, epoch: int, token: str, why: str) -> None: ...
     def aged_logged(self, key: SourceKey, epoch: int, token: str) -> None: ...
@@ -241,8 +238,6 @@ class NoSubscriptions:
     """:class:`Subscriptions` without sockets: registrations open none, and there is
     nothing to check, resume or report. A conductor has these until it starts; dump
     checks (``kv-conductor load-dump``) and test doubles build on them."""
-
-    replicator: SourceJournal | None = None
 
     def __init__(self, thread: object = None, conductor: object = None) -> None:
         self.freshness = FreshnessTables(tuple, int)  # no sources, generation 0

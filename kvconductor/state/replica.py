@@ -70,6 +70,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -128,9 +129,13 @@ SUBMIT_TIMEOUT = 10.0
 
 class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
     """One replica's link to the shared state (module docstring): the
-    :class:`~kvconductor.state.journal.Journal` of a conductor with ``--state-url``
-    (:meth:`Conductor.attach_journal <kvconductor.state.conductor.Conductor.attach_journal>`),
-    then :meth:`start`."""
+    :class:`~kvconductor.state.journal.Journal` of a conductor with ``--state-url`` (built
+    by the ``journal`` factory handed to :class:`~kvconductor.state.conductor.Conductor`),
+    and the :class:`~kvconductor.ingest.host.SourceJournal` of its subscriptions (handed
+    to them at construction); :meth:`start` once the conductor runs."""
+
+    #: Sources are leased among the replicas (a source not owned here is remote).
+    replicated = True
 
     def __init__(
         self,
@@ -186,9 +191,8 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self, wait: float = 10.0) -> None:
-        """Attach to the conductor (started), bootstrap (up to ``wait`` seconds; the
-        reader goes on trying after that) and start the threads."""
-        self.conductor.call(self._attach)
+        """Bootstrap the started conductor (up to ``wait`` seconds; the reader goes on
+        trying after that) and start the threads."""
         deadline = time.monotonic() + wait
         last: BaseException | None = None
         while time.monotonic() < deadline and not self.bootstrapped:
@@ -212,9 +216,6 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
         t = threading.Thread(target=self._keep_loop, name="kvc-replica-keeper", daemon=True)
         t.start()
         self._threads.append(t)
-
-    def _attach(self) -> None:
-        self.conductor.subs.replicator = self
 
     def stop(self) -> None:
         """Stop the threads and give up this replica's leases (a take-over is then
@@ -249,6 +250,11 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
     @property
     def replica(self) -> ValkeyJournal:
         """This journal is the replica (``/ready``, ``/workers``, ``/metrics``)."""
+        return self
+
+    @property
+    def sources(self) -> ValkeyJournal:
+        """This journal is the subscriptions' too (the sources' entries)."""
         return self
 
     async def submit(self, kind: str, body: bytes, args: Args = ()) -> object:
@@ -289,6 +295,29 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
         return True
 
     # -- source entries (ingest thread, the owner's tracker) -------------------------------
+    def claims(self, key: tuple[str, int, str]) -> bool:
+        """A new source is passive: consumed here only once this replica takes its lease."""
+        return False
+
+    def cursor(self, sub: JournalSource) -> tuple[int, int] | None:
+        """The replicated cursor (what the log applied here), owned or not."""
+        return sub.replica.applied
+
+    def append_loss(self, sub: JournalSource, why: str, epoch: int) -> None:
+        """Every replica marks the suspects when it applies the ``loss`` entry; the owner
+        ends the grace period with an ``aged`` entry (``Subscription.grace_over``)."""
+        token = f"{sub.lease_epoch}.{epoch}"
+        self.append_source(sub, "loss", token, why)
+        sub.age_later(token)
+
+    def report_down(self, subs: Iterable[JournalSource], now: float) -> None:
+        """A ``down`` entry for each owned source that went down or came back, so that
+        every replica mutes and purges alike."""
+        for sub in subs:
+            down = sub.down_since
+            if sub.replica.down_changed(down is not None):
+                self.append_source(sub, "down", "", -1.0 if down is None else now - down)
+
     def append_batch(self, sub: JournalSource, seq: int, payload: bytes) -> None:
         """An engine batch of an owned source (the writer packs consecutive ones into one
         ``batches`` entry)."""

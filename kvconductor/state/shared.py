@@ -92,7 +92,7 @@ def directory_of(conductor: DirectorySource) -> Directory:
     """The directory of ``conductor``'s current state (ingest thread)."""
     return Directory(
         indexes=[
-            (m, t, idx.core.address(), list(idx._group_keys))
+            (m, t, idx.core.address(), list(idx.group_keys))
             for (m, t), idx in conductor.indexes.items()
         ],
         block_sizes=[(m, t, sorted(s)) for (m, t), s in conductor.block_sizes.items()],

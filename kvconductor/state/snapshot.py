@@ -421,6 +421,6 @@ def reset(conductor: Conductor) -> None:
             conductor.subs.unsubscribe(entry.instance_id, dp)
     conductor.registry = Registry(conductor.config.url_policy)
     for key in list(conductor.indexes):
-        conductor._drop_index(key)
+        conductor.drop_index(key)
     conductor.lora_seeds = {}
     conductor.registrations_changed()
