@@ -151,7 +151,7 @@ def test_the_journal_hands_its_source_role_to_the_subscriptions_at_construction(
 def test_both_journals_apply_through_the_one_table(conductor, monkeypatch):
     """The local journal and the replicated log's apply (ValkeyJournal) both find an
     HTTP mutation in MUTATIONS: a kind changed there changes both."""
-    from kvconductor.state.replica import ValkeyJournal
+    from kvconductor.state.replica import ReplicaSettings, ValkeyJournal
 
     seen = []
 
@@ -167,7 +167,7 @@ def test_both_journals_apply_through_the_one_table(conductor, monkeypatch):
     local = LocalJournal(conductor, conductor.thread)
     assert _submit(local, "register", b"{}", ("parsed",)) == "applied"
     # a store that is never contacted: the client connects lazily
-    valkey = ValkeyJournal(conductor, "redis://127.0.0.1:1/0")
+    valkey = ValkeyJournal(conductor, ReplicaSettings("redis://127.0.0.1:1/0"))
     assert conductor.call(valkey._apply_one, "register", b"{}") == "applied"
     assert apply_logged(conductor, "register", b"{}") == "applied"
     assert seen == [

@@ -126,22 +126,17 @@ def valkey_journal(settings: Settings) -> Callable[[Conductor], Journal]:
     """``--state-url``: builds the conductor's :class:`~kvconductor.state.replica.
     ValkeyJournal` (no I/O: its client connects on first use; :meth:`Service.start`
     starts it once the conductor runs)."""
-    from kvconductor.state.replica import ValkeyJournal
+    from kvconductor.state.replica import ReplicaSettings, ValkeyJournal
 
-    url = settings.state_url
-    assert url is not None
-
-    def build(conductor: Conductor) -> Journal:
-        return ValkeyJournal(
-            conductor,
-            url,
-            password=settings.state_password,
-            replica_id=settings.replica_id,
-            lease_secs=settings.lease_secs,
-            snapshot_interval=settings.snapshot_interval_secs,
-        )
-
-    return build
+    assert settings.state_url is not None
+    replication = ReplicaSettings(
+        settings.state_url,
+        password=settings.state_password,
+        replica_id=settings.replica_id,
+        lease_secs=settings.lease_secs,
+        snapshot_interval=settings.snapshot_interval_secs,
+    )
+    return lambda conductor: ValkeyJournal(conductor, replication)
 
 
 class Service:

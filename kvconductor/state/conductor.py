@@ -41,8 +41,7 @@ from kvconductor.index import Index
 from kvconductor.ingest.freshness import FreshnessTable
 from kvconductor.ingest.host import IngestSettings
 from kvconductor.ingest.http_events import EventOp
-from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
-from kvconductor.ingest.stats import Limits
+from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.logs import RecentWarnings
 from kvconductor.schema import (
@@ -110,18 +109,11 @@ class ConductorConfig:
     index_impl: str | None = None
     #: Worker threads for large queries (parse + hash + match off the event loop).
     query_threads: int = 2
-    #: Seconds after a lost batch before blocks not announced again are dropped.
-    loss_grace: float = 600.0
-    #: Seconds a whole vLLM replay may take before it counts as a loss.
-    replay_deadline: float = 60.0
-    #: Seconds a source may be not ready before its HBM hits stop counting.
-    source_down: float = SOURCE_DOWN
-    #: Seconds a source may be not ready before its HBM blocks are dropped (0: never).
-    source_purge: float = SOURCE_PURGE
+    #: The ZeroMQ sources' settings: loss grace, replay deadline, down and purge times,
+    #: the bounds on one message and one source (handed to the subscriptions as is).
+    ingest: IngestSettings = field(default_factory=IngestSettings)
     #: ZeroMQ subscriptions (one per registered instance, DP and URL) at most; more: 503.
     max_sources: int = 4096
-    #: Bounds on one ZeroMQ message and one engine source (refused whole, counted).
-    limits: Limits = field(default_factory=Limits)
     #: Which endpoint URLs registrations may name (bind mode, ipc://, networks).
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
 
@@ -154,18 +146,10 @@ def _default_subscriptions(thread: IngestThread, conductor: Conductor) -> Subscr
     # without its ZeroMQ ingest would answer 0 hits for every engine and say nothing.
     from kvconductor.ingest.subscriber import SubscriptionManager
 
-    cfg = conductor.config
-    settings = IngestSettings(
-        loss_grace=cfg.loss_grace,
-        replay_deadline=cfg.replay_deadline,
-        source_down=cfg.source_down,
-        source_purge=cfg.source_purge,
-        limits=cfg.limits,
-    )
     return SubscriptionManager(
         thread,
         conductor,
-        settings=settings,
+        settings=conductor.config.ingest,
         shared=conductor.shared,
         journal=conductor.journal.sources,
     )

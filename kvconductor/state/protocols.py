@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from kvconductor.ingest.freshness import FreshnessTable, FreshnessTables
@@ -43,6 +44,7 @@ __all__ = [
     "Replica",
     "ReplicaInfo",
     "SnapshotCounts",
+    "SnapshotStats",
     "Snapshots",
     "SourceInfo",
     "SourceKey",
@@ -136,22 +138,24 @@ class Replica(Protocol):
     def info(self) -> ReplicaInfo: ...
 
 
-class SnapshotCounts(Protocol):
-    """What ``/metrics`` reports of the snapshots
-    (:class:`kvconductor.state.snapshot.SnapshotStats`)."""
+@dataclass
+class SnapshotStats:
+    """What ``/metrics`` reports of the snapshots (written by the snapshot thread of
+    :class:`kvconductor.state.snapshot.Snapshotter`)."""
 
-    @property
-    def written(self) -> int: ...
-    @property
-    def failed(self) -> int: ...
-    @property
-    def last_time(self) -> float: ...
-    @property
-    def last_bytes(self) -> int: ...
-    @property
-    def last_seconds(self) -> float: ...
-    @property
-    def last_pause(self) -> float: ...
+    written: int = 0
+    failed: int = 0
+    #: Wall-clock time of the last snapshot written (0: none yet).
+    last_time: float = 0.0
+    last_bytes: int = 0
+    #: Seconds the last snapshot took: copy on the ingest thread, encode, write.
+    last_seconds: float = 0.0
+    #: Seconds the ingest thread was held for the last one's copy.
+    last_pause: float = 0.0
+
+
+#: The snapshots' counts as ``/metrics`` reads them: the record itself.
+SnapshotCounts = SnapshotStats
 
 
 class Snapshots(Protocol):

@@ -72,6 +72,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -112,6 +113,7 @@ log = logging.getLogger("kvconductor.replica")
 # --state-url with them).
 __all__ = [
     "SENTINEL_SCHEMES",
+    "ReplicaSettings",
     "ReplicaStats",
     "Replicator",
     "ValkeyJournal",
@@ -127,6 +129,23 @@ QUEUE_MAX = 100_000
 SUBMIT_TIMEOUT = 10.0
 
 
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """``--state-url`` and the replication's flags (docs/operations.md, "Replicas on
+    Valkey")."""
+
+    url: str
+    #: Used when the URL carries none (``KVCONDUCTOR_STATE_PASSWORD``).
+    password: str | None = None
+    #: This replica's name in the store (default: ``host:pid:random``).
+    replica_id: str | None = None
+    lease_secs: float = LEASE_SECS
+    #: Seconds between the store's snapshots (0: none).
+    snapshot_interval: float = 60.0
+    #: Seconds an HTTP mutation waits for its entry to be applied here (then 503).
+    submit_timeout: float = SUBMIT_TIMEOUT
+
+
 class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
     """One replica's link to the shared state (module docstring): the
     :class:`~kvconductor.state.journal.Journal` of a conductor with ``--state-url`` (built
@@ -137,26 +156,17 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
     #: Sources are leased among the replicas (a source not owned here is remote).
     replicated = True
 
-    def __init__(
-        self,
-        conductor: Conductor,
-        url: str,
-        *,
-        password: str | None = None,
-        replica_id: str | None = None,
-        lease_secs: float = LEASE_SECS,
-        snapshot_interval: float = 60.0,
-        submit_timeout: float = SUBMIT_TIMEOUT,
-    ) -> None:
+    def __init__(self, conductor: Conductor, settings: ReplicaSettings) -> None:
+        s = settings
         self.conductor = conductor
-        self.url = url
+        self.url = s.url
         #: The URL without its password, for log lines and answers.
-        self.where = safe_url(url)
-        self.id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.lease_ms = max(300, int(lease_secs * 1000))
-        self.snapshot_interval = float(snapshot_interval)
-        self.submit_timeout = submit_timeout
-        self.client = connect(url, password)
+        self.where = safe_url(s.url)
+        self.id = s.replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lease_ms = max(300, int(s.lease_secs * 1000))
+        self.snapshot_interval = float(s.snapshot_interval)
+        self.submit_timeout = s.submit_timeout
+        self.client = connect(s.url, s.password)
         self.errors = store_errors()
         self.stats = ReplicaStats()
         #: The store answered the last command (reader or writer).
