@@ -814,3 +814,31 @@ def test_a_replicated_journal_gets_the_batches_losses_and_down_reports():
         thread.call(mgr.close)
     finally:
         thread.stop()
+
+
+def test_logged_loss_and_aged_entries_degrade_and_end_on_a_passive_source(caplog):
+    """What every replica does with a source's ``loss`` and ``aged`` log entries: the
+    cursor is forgotten and the source's blocks are suspects, then the suspects not
+    announced again are dropped (the same lines as a loss of an owned source)."""
+    thread = IngestThread(context=zmq.Context.instance())
+    thread.start()
+    try:
+        mgr = thread.call(
+            lambda: SubscriptionManager(thread, FakeConductor(), journal=RecordingSources())
+        )
+        thread.call(mgr.subscribe, ctx("tcp://127.0.0.1:1"))
+        sub = thread.call(mgr.get, IID, 0, "tcp://127.0.0.1:1")
+        sub.replica.applied = (4, 44)
+        caplog.set_level("INFO", logger="kvconductor.ingest")
+        thread.call(mgr.loss_logged, sub.key, 3, "3.1", "a gap")
+        assert sub.replica.applied is None and sub.replica.loss_token == "3.1"
+        assert sub.stats.resyncs == 1 and sub.tracker.last_loss[1] == "a gap"
+        assert "a gap; source degraded: 0 blocks kept" in caplog.text
+        thread.call(mgr.aged_logged, sub.key, 3, "other")  # not this loss: nothing
+        assert sub.replica.loss_token == "3.1"
+        thread.call(mgr.aged_logged, sub.key, 3, "3.1")
+        assert sub.replica.loss_token is None
+        assert "grace period after the loss is over; 0 blocks" in caplog.text
+        thread.call(mgr.close)
+    finally:
+        thread.stop()

@@ -265,15 +265,7 @@ class SubscriptionManager:
         sub.replica.lost(token)
         sub.tracker.last_loss = (time.time(), why)
         sub.stats.resyncs += 1
-        n = sub.applier.begin_suspect()
-        log.warning(
-            "%s: %s; source degraded: %d blocks kept, those not announced again "
-            "within %gs will be dropped",
-            sub.name(),
-            why,
-            n,
-            self.loss_grace,
-        )
+        sub.begin_suspect(why)
 
     def aged_logged(self, key: tuple[str, int, str], epoch: int, token: str) -> None:
         """An ``aged`` entry: the grace period of loss ``token`` is over."""
@@ -281,13 +273,7 @@ class SubscriptionManager:
         if sub is None or sub.replica.loss_token != token or not sub.replica.current(epoch):
             return
         sub.replica.loss_token = None
-        n = sub.applier.end_suspect()
-        log.info(
-            "%s: grace period after the loss is over; %d blocks not announced again "
-            "were dropped; source live",
-            sub.name(),
-            n,
-        )
+        sub.end_suspect()
 
     def down_logged(self, key: tuple[str, int, str], epoch: int, secs: float) -> None:
         """A ``down`` entry: the owner sees the source not ready for ``secs`` seconds

@@ -256,7 +256,8 @@ class Subscription:
 
     @property
     def passive(self) -> bool:
-        """--state-url and another replica consumes this source (or none yet)."""
+        """Not owned here: --state-url and another replica consumes this source (or none
+        yet). One process owns every source (its journal claims them all)."""
         return not self.replica.owned
 
     def close(self) -> None:
@@ -404,21 +405,27 @@ class Subscription:
     def degrade(self, why: str, epoch: int) -> None:
         """Loss ``epoch`` of the tracker: the blocks held now are suspects; those not
         announced again within the grace period are dropped then."""
+        self.begin_suspect(why)
+        self.thread.call_later(self.manager.loss_grace, lambda: self._end_degraded(epoch))
+
+    def _end_degraded(self, epoch: int) -> None:
+        if self.tracker.end_degraded(epoch):  # else closed, or superseded by a later loss
+            self.end_suspect()
+
+    def begin_suspect(self, why: str) -> None:
+        """A loss (here, or a ``loss`` entry of the log): the blocks held now are suspects."""
         n = self.applier.begin_suspect()
-        grace = self.manager.loss_grace
-        self.thread.call_later(grace, lambda: self._end_degraded(epoch))
         log.warning(
             "%s: %s; source degraded: %d blocks kept, those not announced again "
             "within %gs will be dropped",
             self.name(),
             why,
             n,
-            grace,
+            self.manager.loss_grace,
         )
 
-    def _end_degraded(self, epoch: int) -> None:
-        if not self.tracker.end_degraded(epoch):
-            return  # closed, or superseded by a later loss
+    def end_suspect(self) -> None:
+        """The grace period is over: the suspects not announced again are dropped."""
         n = self.applier.end_suspect()
         log.info(
             "%s: grace period after the loss is over; %d blocks not announced again "
