@@ -33,6 +33,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal, Protocol
 
 from kvconductor import __version__
@@ -46,6 +47,7 @@ from kvconductor.serve.settings import Settings
 from kvconductor.serve.tuning import HeapTrim, raise_fd_limit, tune_malloc, zmq_context
 from kvconductor.serve.workermetrics import WorkerCollector
 from kvconductor.state.conductor import Conductor
+from kvconductor.state.journal import Journal
 
 log = logging.getLogger("kvconductor")
 
@@ -106,9 +108,13 @@ def tune_process(settings: Settings, role: Role) -> None:
 def new_conductor(settings: Settings, **features: Any) -> Conductor:
     """The service's conductor, with the process tuning it needs handed in: its ingest
     thread's ZeroMQ context sized for ``--max-sources`` and the periodic heap trim
-    (:mod:`kvconductor.serve.tuning`). ``features``: the shared index and the owner's
-    view of its workers (``--workers N``)."""
+    (:mod:`kvconductor.serve.tuning`); with ``--state-url``, the replicated journal
+    (:func:`valkey_journal`: the HTTP mutations' and the ZeroMQ sources' journal).
+    ``features``: the shared index and the owner's view of its workers
+    (``--workers N``)."""
     config = settings.conductor_config()
+    if settings.state_url:
+        features["journal"] = valkey_journal(settings)
     return Conductor(
         config,
         thread=IngestThread(context=zmq_context(config.max_sources)),
@@ -117,31 +123,39 @@ def new_conductor(settings: Settings, **features: Any) -> Conductor:
     )
 
 
+def valkey_journal(settings: Settings) -> Callable[[Conductor], Journal]:
+    """``--state-url``: builds the conductor's :class:`~kvconductor.state.replica.
+    ValkeyJournal` (no I/O: its client connects on first use; :meth:`Service.start`
+    starts it once the conductor runs)."""
+    from kvconductor.state.replica import ReplicaSettings, ValkeyJournal
+
+    assert settings.state_url is not None
+    replication = ReplicaSettings(
+        settings.state_url,
+        password=settings.state_password,
+        replica_id=settings.replica_id,
+        lease_secs=settings.lease_secs,
+        snapshot_interval=settings.snapshot_interval_secs,
+    )
+    return lambda conductor: ValkeyJournal(conductor, replication)
+
+
+@dataclass(eq=False)
 class Service:
     """What :func:`build_service` built: the app to serve and, but in a worker, the
     conductor with its start and stop."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        role: Role,
-        app: Any,
-        conductor: Conductor | None = None,
-        *,
-        supervisor: Supervisor | None = None,
-        forwarder: Forwarder | None = None,
-        query_metrics: QueryMetrics | None = None,
-    ) -> None:
-        self.settings = settings
-        self.role = role
-        self.app = app
-        self.conductor = conductor
-        #: ``owner``: the supervision of the workers.
-        self.supervisor = supervisor
-        #: ``worker``: the way to the owner (its pool is closed at the end).
-        self.forwarder = forwarder
-        #: ``worker``: the queries it answered, which the owner's ``/metrics`` sums.
-        self.query_metrics = query_metrics
+    settings: Settings
+    role: Role
+    app: Any
+    conductor: Conductor | None = None
+    _: KW_ONLY
+    #: ``owner``: the supervision of the workers.
+    supervisor: Supervisor | None = None
+    #: ``worker``: the way to the owner (its pool is closed at the end).
+    forwarder: Forwarder | None = None
+    #: ``worker``: the queries it answered, which the owner's ``/metrics`` sums.
+    query_metrics: QueryMetrics | None = None
 
     def log_start(self, address: str | None = None, gunicorn_workers: int | None = None) -> None:
         """The start line: ``KV conductor starting on <address> ...`` (under gunicorn:
@@ -213,20 +227,9 @@ class Service:
         if settings.snapshot_dir and not self._start_snapshots(conductor):
             conductor.stop(STOP_SECS)
             return False
-        if settings.state_url:
-            from kvconductor.state.replica import ValkeyJournal
-
-            # Attached once the conductor runs: the journal bootstraps a started one.
-            journal = ValkeyJournal(
-                conductor,
-                settings.state_url,
-                password=settings.state_password,
-                replica_id=settings.replica_id,
-                lease_secs=settings.lease_secs,
-                snapshot_interval=settings.snapshot_interval_secs,
-            )
-            conductor.attach_journal(journal)
-            journal.start()
+        # --state-url: the ValkeyJournal handed in at construction bootstraps the started
+        # conductor and starts its threads (a LocalJournal has nothing to start)
+        conductor.journal.start()
         return True
 
     def _start_snapshots(self, conductor: Conductor) -> bool:
@@ -264,6 +267,25 @@ class Service:
         conductor.attach_snapshotter(snapshotter)
         snapshotter.start()
         return True
+
+    def run(
+        self,
+        serve: Callable[[], object],
+        release: Callable[[], object],
+        stopped: str,
+        logger: logging.Logger = log,
+    ) -> int:
+        """Serves HTTP (``serve``: the server's run) until it ends; then lets go of what
+        the entry point holds (``release``: its listening sockets, the owner's workers),
+        stops the service (:meth:`stop`) and logs ``stopped`` on ``logger``. Returns 0,
+        the exit status."""
+        try:
+            serve()
+        finally:
+            release()
+            self.stop()
+            logger.info(stopped)
+        return 0
 
     def stop(self) -> None:
         """After the HTTP server stopped: the last snapshot (and the snapshot directory's
