@@ -212,15 +212,6 @@ cdef inline int _nil(wcur* c) noexcept nogil:
     return 0
 
 
-cdef inline int _nil_or_array(wcur* c, size_t* n, int other) noexcept nogil:
-    """An array header (``n``: its length) or nil (``n`` = 0): R_OK; else R_TRUNCATED, or
-    ``other`` for a value of another type."""
-    if _nil(c):
-        n[0] = 0
-        return R_OK
-    return _r(_container(c, False, n), other)
-
-
 cdef inline int _hash(wcur* c, uint64_t* h) noexcept nogil:
     """engine_hash: int (negative: two's complement) or non-empty bin (last 8 bytes BE)."""
     cdef uint64_t v = 0
@@ -488,9 +479,12 @@ cdef class FastBatch:
         cdef void* p
         if fid == FID_SKIP:
             return _skip(c)
+        if fid == FID_POOL:
+            return R_POOL_KEY
+        if _nil(c):
+            return R_OK         # nil: the field's default, which _event set (each field once)
         if fid == FID_HASHES:
-            ev.nh = 0
-            rc = _nil_or_array(c, &n, R_HASH)
+            rc = _r(_container(c, False, &n), R_HASH)
             if rc or n == 0:
                 return rc
             if self._reserve_hashes(self.hs_used + n) < 0:
@@ -502,16 +496,12 @@ cdef class FastBatch:
             ev.nh = n
             return R_OK
         if fid == FID_PARENT:
-            ev.has_parent = 0
-            if _nil(c):
-                return R_OK
             rc = _hash(c, &ev.parent)
             if rc == R_OK:
                 ev.has_parent = 1
             return rc
         if fid == FID_TOKENS:
-            ev.ntok = 0
-            rc = _nil_or_array(c, &n, R_TOKENS)
+            rc = _r(_container(c, False, &n), R_TOKENS)
             if rc or n == 0:
                 return rc
             if n > self.tok_cap:
@@ -519,14 +509,11 @@ cdef class FastBatch:
                 if p == NULL:
                     return R_OOM
                 self.tok = <uint32_t*>p
-            if n and mp_u32_array(c, self.tok, n, &cnt) != WIRE_OK:
+            if mp_u32_array(c, self.tok, n, &cnt) != WIRE_OK:
                 return R_TOKENS     # not an int, truncated, or >= 2**63 (the Python path decides)
             ev.ntok = n
             return R_OK
         if fid == FID_BLOCK_SIZE:
-            ev.bs = 0
-            if _nil(c):
-                return R_OK
             rc = _r(mp_int(c, &v, &neg), R_FIELD)
             if rc:
                 return rc
@@ -535,12 +522,6 @@ cdef class FastBatch:
             ev.bs = v
             return R_OK
         if fid == FID_MEDIUM or fid == FID_LORA_NAME or fid == FID_KIND:
-            if _nil(c):
-                if fid == FID_LORA_NAME:
-                    ev.seed = self.seed
-                elif fid == FID_KIND:
-                    ev.kind_rejected = 0
-                return R_OK
             rc = _r(mp_str(c, &s, &n), R_FIELD)
             if rc:
                 return rc
@@ -553,8 +534,6 @@ cdef class FastBatch:
             else:
                 ev.kind_rejected = _kind_rejected(s, n)
             return R_OK
-        if fid == FID_POOL:
-            return R_POOL_KEY
         return _any(c)          # lora_id, group_idx, sliding window, locality, ownership, session
 
     cdef int _event(self, wcur* c, long long reg) noexcept nogil:
