@@ -164,9 +164,10 @@ def test_kinds(payload, kind):
     assert rec.kind == kind and not rec.by_tag
 
 
-def test_recognition_stops_at_the_tag():
+def test_recognition_stops_at_the_tag(monkeypatch):
     """vLLM's map events start with their tag: recognition reads no further; a pool key
     later in that event makes it a pool tuple when decode() reads the rest."""
+    monkeypatch.setattr(rz, "_array_kind", array_payload_kind)  # KVCONDUCTOR_IMPL=py too
     assert rz.recognize(EX_A_V033).by_tag
     late = ENC.encode([TS, [{"type": "BlockStored", "event_id": 1, "seq_hashes": [5]}], 0])
     rec = rz.recognize(late)

@@ -353,10 +353,10 @@ def decode_vllm_batch(
 
     ``parts``: :func:`split_batch` of the payload and ``raw_events`` its events
     element decoded as ``list[msgspec.Raw]``, when the caller has them already
-    (:func:`kvconductor.ingest.recognize.decode_payload`). The events are decoded in
-    one typed pass when they all have one form, known tags and well-typed fields;
-    otherwise (or with ``typed=False``) one by one, so that a bad event is dropped
-    alone with its reason. Both give the same events.
+    (:func:`kvconductor.ingest.recognize.decode`, after its Python reader recognised
+    the payload). The events are decoded in one typed pass when they all have one form,
+    known tags and well-typed fields; otherwise (or with ``typed=False``) one by one, so
+    that a bad event is dropped alone with its reason. Both give the same events.
     """
     elems, ei, di = parts if parts is not None else split_batch(payload)
     tk = msgpack_kind(_first(elems[0]))
