@@ -161,14 +161,15 @@ class DirectQueries:
         chunks = self._chunks
         self._chunks = []
         self._request_complete()  # type: ignore[attr-defined]
-        if self._length > direct.route.large_body_bytes:
+        if self._length > direct[0].large_body_bytes:
             # PERF: the chunks are joined on a query thread (bytes.join lets go of the
             # GIL), not in one ~0.5 ms copy of 4 MB on the event loop
             return self._answer_later(direct, chunks)
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         status, headers, data = answer_now(direct, body, self._fresh)
         keep_alive = self._direct_keep_alive
-        self._write(status, headers, data, keep_alive)
+        default_headers = self.server_state.default_headers
+        write_response(self.transport, status, default_headers, headers, data, keep_alive)
         self.server_state.total_requests += 1
         if not keep_alive:
             self.transport.close()
@@ -177,12 +178,6 @@ class DirectQueries:
         # timer armed and cancelled per request (3-4 µs with uvloop)
         self._idle_since = self.loop.time()
         self._response_complete()  # type: ignore[attr-defined]
-
-    def _write(
-        self, status: int, headers: list[tuple[bytes, bytes]], data: bytes, keep_alive: bool
-    ) -> None:
-        default_headers = self.server_state.default_headers
-        write_response(self.transport, status, default_headers, headers, data, keep_alive)
 
     def _answer_later(self, direct: Query, body: list[bytes]) -> None:
         """A large body: answered off the event loop (the route's ``respond``), written
@@ -202,7 +197,8 @@ class DirectQueries:
         cycle.response_complete = True
         if cycle.disconnected:
             return  # the connection is gone (closed, refused or shut): nobody to answer
-        self._write(status, headers, data, cycle.keep_alive)
+        default_headers = self.server_state.default_headers
+        write_response(self.transport, status, default_headers, headers, data, cycle.keep_alive)
         if not cycle.keep_alive:
             self.transport.close()
         self.on_response_complete()  # type: ignore[attr-defined]  # uvicorn's: next in line
@@ -234,7 +230,7 @@ class DirectQueries:
         self._head_complete()  # type: ignore[attr-defined]
         self._direct_keep_alive = bool(parser.should_keep_alive())
         self._length = length
-        self._direct = Query(route, path, msgpack, origin, time.perf_counter(), front.date)
+        self._direct = (route, path, msgpack, origin, time.perf_counter(), front.date)
         self._fresh = fresh
         return True
 

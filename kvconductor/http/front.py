@@ -280,7 +280,7 @@ class FrontDoor:
     async def _serve(self, res: QueryRoute, scope: dict, receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
         msgpack, length, origin, _ = scan_headers(scope["headers"])
-        q = Query(res, scope["path"], msgpack, origin, t0, self.date)
+        q: Query = (res, scope["path"], msgpack, origin, t0, self.date)
         limit = self.max_body_bytes
         if length is not None and length > limit:
             return await send_answer(send, *too_large(q, length, limit))

@@ -202,7 +202,7 @@ class QueryResource(Resource[QuerySource]):
         if body is None:  # its 413 or 400, answered and logged: counted here
             querydoor.account(self, req.path, 400, None, t0)
             return
-        q = querydoor.Query(self, req.path, msgpack, None, t0)
+        q: querydoor.Query = (self, req.path, msgpack, None, t0, False)
         query_string = req.query_string.encode("latin-1")
         status, headers, data = await querydoor.answer_target(q, body, query_string)
         resp.status = status
