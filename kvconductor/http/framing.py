@@ -17,7 +17,8 @@ in one call (:func:`write`, :class:`~kvconductor.http.limits.OneWrite`).
   process's uvicorn adds it to the app's answers, a worker's answers carry it from here),
   ``Content-Type``, ``Content-Length``, ``Server-Timing``, the CORS headers
   (:func:`cors_headers`, of :func:`~kvconductor.http.responses.cors_origin`'s policy),
-  ``X-KV-Conductor-Warning`` and ``Connection: close``;
+  ``X-KV-Conductor-Warning`` and ``Connection: close`` (:func:`closing` on an ASGI
+  answer given before its request's body was read);
 * :data:`JOIN_BYTES`: a response is one ``write`` (head and body joined) up to this
   body size, one ``writelines`` above it (the body uncopied).
 """
@@ -41,6 +42,7 @@ from kvconductor.wire import encode_error
 __all__ = [
     "JOIN_BYTES",
     "STATUS_LINE",
+    "closing",
     "cors_headers",
     "date_header",
     "error_answer",
@@ -122,6 +124,13 @@ def query_headers(
     if warning is not None:
         headers.append((WARNING_HEADER_B, header_text(warning).encode("ascii")))
     return headers
+
+
+def closing(start: dict) -> dict:
+    """The ASGI ``http.response.start`` message ``start`` with ``Connection: close`` (an
+    answer given before its request's body was read: the connection is not reused)."""
+    headers = [h for h in start["headers"] if h[0] != b"connection"]
+    return dict(start, headers=[*headers, (b"connection", b"close")])
 
 
 def error_answer(message: str, msgpack: bool) -> tuple[list[tuple[bytes, bytes]], bytes]:

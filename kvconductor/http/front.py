@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, cast
 
-from kvconductor.http.framing import cors_headers, date_header, send_answer
+from kvconductor.http.framing import closing, cors_headers, date_header, send_answer
 from kvconductor.http.querydoor import Query, QueryRoute, answer_target, too_large
 from kvconductor.http.responses import QUERY_PATHS
 from kvconductor.wire import is_msgpack_content_type
@@ -175,8 +175,7 @@ class HeadFirst:
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start" and not self.complete and self._close:
-            headers = [h for h in message["headers"] if h[0] != b"connection"]
-            message = dict(message, headers=[*headers, (b"connection", b"close")])
+            message = closing(message)
         await self._send(message)
 
     def close(self) -> None:

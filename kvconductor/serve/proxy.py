@@ -34,7 +34,13 @@ from typing import Any
 
 import msgspec
 
-from kvconductor.http.framing import cors_headers, date_header, error_answer, send_answer
+from kvconductor.http.framing import (
+    closing,
+    cors_headers,
+    date_header,
+    error_answer,
+    send_answer,
+)
 from kvconductor.http.metrics import QueryMetrics
 from kvconductor.http.responses import (
     MSGPACK_PATHS,
@@ -378,8 +384,7 @@ class CloseAfter:
 
     async def __call__(self, message: dict) -> None:
         if message["type"] == "http.response.start":
-            headers = [h for h in message["headers"] if h[0] != b"connection"]
-            message = dict(message, headers=[*headers, (b"connection", b"close")])
+            message = closing(message)
         await self.send(message)
 
 
