@@ -36,32 +36,27 @@ _LONGEST, _DP = INSTANCE_MATCH_KEYS
 _MATCHED, _NPU, _CPU, _DISK = DP_MATCH_KEYS
 
 
-def _core_class(impl: str | None) -> type:
+def _classes(impl: str | None) -> tuple[type, type]:
+    """The core index and the group name table of an implementation (``"c"``, ``"py"``;
+    ``None``: :data:`kvconductor.IMPL`): the compiled name table pre-encodes each name
+    for :func:`kvconductor._encode.encode_rows`; the twin's keeps names only."""
     impl = impl or kvconductor.IMPL
     if impl == "c":
-        from kvconductor._index import CoreIndex as compiled
+        from kvconductor._encode import GroupNames
+        from kvconductor._index import CoreIndex
 
-        return compiled
+        return CoreIndex, GroupNames
     if impl == "py":
-        from kvconductor._py.index import CoreIndex as twin
+        from kvconductor._py.index import CoreIndex as Twin
+        from kvconductor._py.index import PyGroupNames
 
-        return twin
+        return Twin, PyGroupNames
     raise ValueError(f"unknown index implementation {impl!r}")
 
 
 def names_class(impl: str | None) -> type:
-    """The group name table of an implementation: the compiled one pre-encodes each
-    name for :func:`kvconductor._encode.encode_rows`; the twin's keeps names only."""
-    impl = impl or kvconductor.IMPL
-    if impl == "c":
-        from kvconductor._encode import GroupNames
-
-        return GroupNames
-    if impl == "py":
-        from kvconductor._py.index import PyGroupNames
-
-        return PyGroupNames
-    raise ValueError(f"unknown index implementation {impl!r}")
+    """The group name table of an implementation (:func:`_classes`)."""
+    return _classes(impl)[1]
 
 
 class DpHit(NamedTuple):
@@ -232,12 +227,13 @@ class Index:
     def __init__(self, model: str, tenant: str, *, impl: str | None = None) -> None:
         self.model = model
         self.tenant = tenant
-        self.core = _core_class(impl)()
+        core, names = _classes(impl)
+        self.core = core()
         self._workers: dict[WorkerKey, int] = {}
         self._worker_keys: list[WorkerKey] = []
         self._groups: dict[tuple[str, int], int] = {}
         #: group id -> (instance_id, dp_rank), named once, pre-encoded for the answers
-        self.names = names_class(impl)()
+        self.names = names()
         self._group_keys: list[tuple[str, int]] = self.names.keys
         #: (instance_id, dp_rank) -> its WorkerKeys, in creation order
         self._group_workers: dict[tuple[str, int], list[WorkerKey]] = {}

@@ -86,43 +86,35 @@ class WireError(ValueError):
 # ---------------------------------------------------------------------------------------
 
 
-class _TokensMap(msgspec.Struct):
-    model: str
-    block_size: U32
-    token_ids: msgspec.Raw
-    tenant_id: str | None = DEFAULT_TENANT
-    lora_name: str | None = None
-    # extension fields: any value here, checked by _extension() when asked for
-    top_k: Any = None
-    instances: Any = None
-    freshness: Any = None
+def _query_struct(
+    name: str, values: str, *, array_like: bool = False, block_size: Any = msgspec.NODEFAULT
+) -> type[msgspec.Struct]:
+    """The Struct of one form of a query body: its fields in the order of the array
+    form, ``values`` (``token_ids`` or ``block_hashes``) third; ``block_size``: its
+    default (required unless given)."""
+    return msgspec.defstruct(
+        name,
+        [
+            ("model", str),
+            ("block_size", U32, block_size),
+            (values, msgspec.Raw),
+            ("tenant_id", str | None, DEFAULT_TENANT),
+            ("lora_name", str | None, None),
+            # extension fields: any value here, checked by _extension() when asked for
+            ("top_k", Any, None),
+            ("instances", Any, None),
+            ("freshness", Any, None),
+        ],
+        kw_only=True,
+        array_like=array_like,
+        module=__name__,
+    )
 
 
-class _TokensArray(_TokensMap, array_like=True):
-    pass
-
-
-class _HashesMap(msgspec.Struct, kw_only=True):
-    model: str
-    block_size: U32 = 0
-    block_hashes: msgspec.Raw
-    tenant_id: str | None = DEFAULT_TENANT
-    lora_name: str | None = None
-    top_k: Any = None
-    instances: Any = None
-    freshness: Any = None
-
-
-class _HashesArray(msgspec.Struct, array_like=True):
-    model: str
-    block_size: U32
-    block_hashes: msgspec.Raw
-    tenant_id: str | None = DEFAULT_TENANT
-    lora_name: str | None = None
-    top_k: Any = None
-    instances: Any = None
-    freshness: Any = None
-
+_TokensMap = _query_struct("_TokensMap", "token_ids")
+_TokensArray = _query_struct("_TokensArray", "token_ids", array_like=True)
+_HashesMap = _query_struct("_HashesMap", "block_hashes", block_size=0)
+_HashesArray = _query_struct("_HashesArray", "block_hashes", array_like=True)
 
 _JSON = {False: msgspec.json.Decoder(_TokensMap), True: msgspec.json.Decoder(_HashesMap)}
 _MSGPACK = {

@@ -354,7 +354,7 @@ def test_merge_query_metrics_sums_real_query_metrics():
 def test_owner_keeps_the_counts_of_exited_workers(tmp_path):
     """A worker's last report stays in the sums after it exits (counters never go back);
     the on_worker_exit hooks get its pid."""
-    owner = supervision.Owner(Settings(workers=2), str(tmp_path), "unused", "::", 1)
+    owner = supervision.Owner(Settings(workers=2, host="::", port=1), str(tmp_path), "unused")
     path = str(tmp_path / "w.sock")
     qm = QueryMetrics()
     qm.route_seconds["/query"].observe(0.001)
@@ -490,7 +490,7 @@ def test_workers_view_and_metrics_show_the_processes_and_the_shared_lock(server)
 
 def _owner(tmp_path: Path, workers: int = 3) -> supervision.Owner:
     loop = asyncio.new_event_loop()
-    owner = supervision.Owner(Settings(workers=workers), str(tmp_path), "x.sock", "::", 1)
+    owner = supervision.Owner(Settings(workers=workers, host="::", port=1), str(tmp_path), "x.sock")
     owner._loop = loop
     return owner
 

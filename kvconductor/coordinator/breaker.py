@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 
 __all__ = [
     "BREAKER_COOLDOWN",
@@ -27,6 +28,7 @@ BREAKER_THRESHOLD = 3
 BREAKER_COOLDOWN = 30.0
 
 
+@dataclass(eq=False, repr=False)
 class ConductorError(Exception):
     """A conductor call failed.
 
@@ -35,20 +37,15 @@ class ConductorError(Exception):
     field or body text), ``url`` (base URL of the conductor).
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        route: str,
-        status_code: int | None = None,
-        server_error: str | None = None,
-        url: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.route = route
-        self.status_code = status_code
-        self.server_error = server_error
-        self.url = url
+    message: str
+    _: KW_ONLY
+    route: str
+    status_code: int | None = None
+    server_error: str | None = None
+    url: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)  # str() and args: the message, as before
 
 
 class CircuitOpenError(ConductorError):

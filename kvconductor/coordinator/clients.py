@@ -15,7 +15,7 @@ import inspect
 import os
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import httpx
 
@@ -87,6 +87,35 @@ def _http_options(
     }
 
 
+HttpT = TypeVar("HttpT", httpx.Client, httpx.AsyncClient)
+TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
+
+
+class _Shell(ConductorCore, Generic[HttpT, TransportT]):
+    """What the sync and async shells share: their construction, one ``httpx`` client of
+    the options :func:`_http_options` reads (the parameters: :class:`ConductorClient`)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        pool_size: int = 32,
+        transport: TransportT | None = None,
+        trust_env: bool = False,
+        verify: Any = True,
+        cert: Any = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(base_url, **options)
+        self._http: HttpT = self._open(
+            _http_options(self, pool_size, transport, trust_env, verify, cert)
+        )
+
+    def _open(self, options: dict[str, Any]) -> HttpT:
+        """The shell's ``httpx`` client of ``options``."""
+        raise NotImplementedError
+
+
 def _request_options(req: Request) -> dict[str, Any]:
     return {"content": req.content, "headers": req.headers, "timeout": req.timeout}
 
@@ -129,7 +158,7 @@ def _async(
     return _route(plan, method)
 
 
-class ConductorClient(ConductorCore):
+class ConductorClient(_Shell[httpx.Client, httpx.BaseTransport]):
     """Synchronous conductor client over one pooled ``httpx.Client``.
 
     ``base_url``: ``http://host:13333`` (IPv6: ``http://[::1]:13333``; see
@@ -145,21 +174,8 @@ class ConductorClient(ConductorCore):
     ``cert`` for ``--tls-client-ca``), see :func:`tls_verify`.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        pool_size: int = 32,
-        transport: httpx.BaseTransport | None = None,
-        trust_env: bool = False,
-        verify: Any = True,
-        cert: Any = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(base_url, **options)
-        self._http = httpx.Client(
-            **_http_options(self, pool_size, transport, trust_env, verify, cert)
-        )
+    def _open(self, options: dict[str, Any]) -> httpx.Client:
+        return httpx.Client(**options)
 
     def close(self) -> None:
         self._http.close()
@@ -195,24 +211,11 @@ class ConductorClient(ConductorCore):
     reregister_missing = _sync(ConductorCore.reregister_missing_plan)
 
 
-class AsyncConductorClient(ConductorCore):
+class AsyncConductorClient(_Shell[httpx.AsyncClient, httpx.AsyncBaseTransport]):
     """``asyncio`` twin of :class:`ConductorClient` over one ``httpx.AsyncClient``."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        pool_size: int = 32,
-        transport: httpx.AsyncBaseTransport | None = None,
-        trust_env: bool = False,
-        verify: Any = True,
-        cert: Any = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(base_url, **options)
-        self._http = httpx.AsyncClient(
-            **_http_options(self, pool_size, transport, trust_env, verify, cert)
-        )
+    def _open(self, options: dict[str, Any]) -> httpx.AsyncClient:
+        return httpx.AsyncClient(**options)
 
     async def aclose(self) -> None:
         await self._http.aclose()

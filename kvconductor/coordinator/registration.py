@@ -179,6 +179,29 @@ def _with_tenant(payload: dict, tenant_id: str) -> dict:
     return payload
 
 
+def _registration(
+    cfg: KvConductorConfig,
+    backend: str,
+    instance_id: str,
+    model_name: str,
+    dp_rank: int,
+    tenant_id: str,
+    **more: Any,
+) -> dict:
+    """A ``/register`` payload: the registration's identity, then those of ``more`` that
+    are set (in their order), then ``tenant_id`` unless it is the default tenant."""
+    payload = {
+        "instance_id": instance_id,
+        "type": cfg.engine_type,
+        "store_backend": backend,
+        "modelname": model_name,
+        "block_size": int(cfg.block_size),
+        "dp_rank": int(dp_rank),
+    }
+    payload.update((k, v) for k, v in more.items() if v)
+    return _with_tenant(payload, tenant_id)
+
+
 def build_medium_endpoints(
     config: Mapping[str, Any] | KvConductorConfig, host: str, dp_rank: int, mode: str | None = None
 ) -> dict[str, str]:
@@ -236,16 +259,15 @@ def build_pool_registration(
             )
             return None
         endpoint = endpoint.replace("*", format_host(master))
-    payload = {
-        "instance_id": f"{backend.lower()}-pool",
-        "endpoint": endpoint,
-        "type": cfg.engine_type,
-        "store_backend": backend,
-        "modelname": cfg.model_path or "default",
-        "block_size": int(cfg.block_size),
-        "dp_rank": 0,
-    }
-    return _with_tenant(payload, tenant_id)
+    return _registration(
+        cfg,
+        backend,
+        f"{backend.lower()}-pool",
+        cfg.model_path or "default",
+        0,
+        tenant_id,
+        endpoint=endpoint,
+    )
 
 
 def node_pool_instance_id(store_backend: str, host: str, model_name: str) -> str:
@@ -285,16 +307,10 @@ def build_node_pool_registration(
     media = {k: v for k, v in media.items() if v}
     if not media:
         return None
-    payload = {
-        "instance_id": node_pool_instance_id(backend, host, model_name),
-        "type": cfg.engine_type,
-        "store_backend": backend,
-        "modelname": model_name,
-        "block_size": int(cfg.block_size),
-        "dp_rank": 0,
-        "medium_endpoints": media,
-    }
-    return _with_tenant(payload, tenant_id)
+    instance_id = node_pool_instance_id(backend, host, model_name)
+    return _registration(
+        cfg, backend, instance_id, model_name, 0, tenant_id, medium_endpoints=media
+    )
 
 
 def build_dp_registration(
@@ -318,23 +334,19 @@ def build_dp_registration(
     cfg = KvConductorConfig.coerce(config)
     backend = resolve_store_backend(cfg.store_backend)
     mode = backend_mode(backend)
-    payload: dict[str, Any] = {
-        "instance_id": instance_id,
-        "type": cfg.engine_type,
-        "store_backend": backend,
-        "modelname": model_name,
-        "block_size": int(cfg.block_size),
-        "dp_rank": int(dp_rank),
-    }
     media = build_medium_endpoints(cfg, host, dp_rank, mode)
     if node_pool:
         media = {k: v for k, v in media.items() if k == "npu"}
-    if media:
-        payload["medium_endpoints"] = media
-    replay = resolve_endpoint(cfg.replay_endpoint, host, dp_rank)
-    if replay:
-        payload["replay_endpoint"] = replay
-    return _with_tenant(payload, tenant_id)
+    return _registration(
+        cfg,
+        backend,
+        instance_id,
+        model_name,
+        dp_rank,
+        tenant_id,
+        medium_endpoints=media,
+        replay_endpoint=resolve_endpoint(cfg.replay_endpoint, host, dp_rank),
+    )
 
 
 def build_unregister_payload(

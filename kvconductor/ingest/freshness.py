@@ -28,6 +28,7 @@ from typing import Protocol
 import msgspec
 
 from kvconductor._encode import FRESH_STATES
+from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.stats import LABELS_STAMP, STATE_STAMP
 from kvconductor.schema import FreshnessDocument, FreshnessSummary
 
@@ -45,19 +46,6 @@ class LastEvent(Protocol):
     def last_event(self) -> float: ...
 
 
-class _Ctx(Protocol):
-    @property
-    def model(self) -> str: ...
-    @property
-    def tenant(self) -> str: ...
-    @property
-    def is_pool(self) -> bool: ...
-    @property
-    def instance_id(self) -> str: ...
-    @property
-    def dp_rank(self) -> int: ...
-
-
 class _Tracker(Protocol):
     @property
     def degraded_since(self) -> float | None: ...
@@ -68,7 +56,7 @@ class Source(Protocol):
     (:class:`~kvconductor.ingest.subscription.Subscription`)."""
 
     @property
-    def ctx(self) -> _Ctx: ...
+    def ctx(self) -> SubscriberContext: ...
     @property
     def state(self) -> str: ...
     @property

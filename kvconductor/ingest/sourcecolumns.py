@@ -12,11 +12,12 @@ closed so far.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import and_, attrgetter, is_, itemgetter, not_
 from typing import NamedTuple
 
-from kvconductor.ingest.sourcemetrics import SourceSnapshot
+from kvconductor.ingest.sourcemetrics import SourceSnapshot, Totals
 from kvconductor.ingest.stats import (
     READ_GAPS,
     READ_MUTES,
@@ -28,28 +29,13 @@ from kvconductor.ingest.subscription import READ_CONNECTED, READ_MUTED, READ_TRA
 from kvconductor.ingest.tracker import READ_DEGRADED, READ_REPLAYING
 
 
-class RetiredTotals:
+@dataclass(slots=True, eq=False)
+class RetiredTotals(Totals):
     """Counters of the subscriptions closed so far, so that the metrics' sums over
     subscriptions never go down when one closes (a counter reset to Prometheus)."""
 
-    __slots__ = (
-        "dropped",
-        "events",
-        "gaps",
-        "mutes",
-        "purged_blocks",
-        "replays_failed",
-        "replays_ok",
-    )
-
-    def __init__(self) -> None:
-        self.events: dict[str, int] = {}
-        self.dropped: dict[str, int] = {}
-        self.gaps = 0
-        self.replays_ok = 0
-        self.replays_failed = 0
-        self.mutes = 0
-        self.purged_blocks = 0
+    #: events by source kind
+    events: dict[str, int] = field(default_factory=dict)
 
 
 _STATS = attrgetter("stats")
@@ -74,17 +60,6 @@ def replays(sub: Subscription) -> tuple[int, int]:
     return s.replays_ok, s.dropped.get("replay_failed", 0)
 
 
-class _Rare(NamedTuple):
-    """The rarely moving counters of a slice of subscriptions, summed."""
-
-    gaps: int
-    replays_ok: int
-    replays_failed: int
-    mutes: int
-    purged_blocks: int
-    dropped: dict[str, int]
-
-
 class Columns(NamedTuple):
     """What a slice of subscriptions keeps from one scrape to the next while it stays
     the same: the same subscriptions, and :data:`~kvconductor.ingest.stats.LABELS_STAMP`
@@ -103,7 +78,8 @@ class Columns(NamedTuple):
     #: None when each subscription has one medium, else what repeats a column's value
     #: for each medium of its subscription (an itemgetter of the indices after two 0s)
     ks: itemgetter[tuple[int, ...]] | None
-    rare: _Rare
+    #: the rarely moving counters, summed
+    rare: Totals
     #: per label set: connected, not replaying, not degraded (--state-url: not owned
     #: yet, which is read at every scrape)
     live: list[bool]
@@ -111,7 +87,7 @@ class Columns(NamedTuple):
     muted: list[bool]
 
 
-def _sum_rare(stats: list[SourceStats]) -> _Rare:
+def _sum_rare(stats: list[SourceStats]) -> Totals:
     # PERF: C loops (map/attrgetter, sum). The drops: one sum per reason over the
     # sources that have any (a few reasons, in C) or, when the reasons are many for the
     # drops there are, a Python loop over them. The dicts are read in C calls that run
@@ -125,13 +101,13 @@ def _sum_rare(stats: list[SourceStats]) -> _Rare:
         for d in ds:
             for reason, n in list(d.items()):  # a copy in C
                 dropped[reason] = dropped.get(reason, 0) + n
-    return _Rare(
+    return Totals(
+        dropped,
         sum(map(READ_GAPS, stats)),
         sum(map(READ_REPLAYS_OK, stats)),
         dropped.get("replay_failed", 0),
         sum(map(READ_MUTES, stats)),
         sum(map(READ_PURGED, stats)),
-        dropped,
     )
 
 
@@ -214,15 +190,9 @@ def read_columns(
         if kept.stamps[2] != stamps[2]:  # a rare counter moved (a source dropping)
             kept = kept._replace(rare=_sum_rare(kept.stats))
         kept = kept._replace(stamps=stamps)
-    stats, labels, ks, rare = kept.stats, kept.labels, kept.ks, kept.rare
-    applied, dropped = snap.applied, snap.dropped
-    snap.gaps += rare.gaps
-    snap.replays_ok += rare.replays_ok
-    snap.replays_failed += rare.replays_failed
-    snap.mutes += rare.mutes
-    snap.purged_blocks += rare.purged_blocks
-    for reason, n in rare.dropped.items():
-        dropped[reason] = dropped.get(reason, 0) + n
+    stats, labels, ks = kept.stats, kept.labels, kept.ks
+    snap.add(kept.rare)
+    applied = snap.applied
     for kind, group in kept.kinds:
         applied[kind] = applied.get(kind, 0) + sum(map(_EVENTS, group))
     live = kept.live

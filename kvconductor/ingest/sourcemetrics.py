@@ -10,6 +10,7 @@ the family names and values instead of formatting every sample.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from kvconductor.keys import Medium
 
@@ -27,40 +28,45 @@ def label_sets(instance_id: str, dp_rank: int, media: Iterable[int]) -> tuple[st
     return tuple(f'{head}{escape_label_value(Medium(m).name)}"}}' for m in media)
 
 
-class SourceSnapshot:
+@dataclass(slots=True, eq=False)
+class Totals:
+    """The counters a ``/metrics`` scrape sums over the sources
+    (:class:`~kvconductor.ingest.stats.SourceStats`'s rare ones, and the failed replays
+    among the drops), by a slice of subscriptions, the closed ones or a whole scrape."""
+
+    #: by reason
+    dropped: dict[str, int] = field(default_factory=dict)
+    gaps: int = 0
+    replays_ok: int = 0
+    replays_failed: int = 0
+    mutes: int = 0
+    purged_blocks: int = 0
+
+    def add(self, other: Totals) -> None:
+        """Adds ``other``'s counters to these."""
+        self.gaps += other.gaps
+        self.replays_ok += other.replays_ok
+        self.replays_failed += other.replays_failed
+        self.mutes += other.mutes
+        self.purged_blocks += other.purged_blocks
+        dropped = self.dropped
+        for reason, n in other.dropped.items():
+            dropped[reason] = dropped.get(reason, 0) + n
+
+
+@dataclass(slots=True, eq=False)
+class SourceSnapshot(Totals):
     """One scrape's reading of the subscriptions (``SubscriptionManager.metrics_snapshot``).
 
     Per (source, medium), in table order then the source's media: :attr:`labels` (from
     :func:`label_sets`), :attr:`live`, :attr:`muted`, :attr:`last_event` (wall clock).
     Totals over the live subscriptions and the closed ones (retired), so that no sum goes
-    down when a subscription closes: :attr:`applied` (events by source kind),
-    :attr:`dropped` (by reason), :attr:`gaps`, :attr:`replays_ok`, :attr:`replays_failed`,
-    :attr:`mutes`, :attr:`purged_blocks`.
+    down when a subscription closes: :attr:`applied` (events by source kind) and the
+    :class:`Totals`.
     """
 
-    __slots__ = (
-        "applied",
-        "dropped",
-        "gaps",
-        "labels",
-        "last_event",
-        "live",
-        "muted",
-        "mutes",
-        "purged_blocks",
-        "replays_failed",
-        "replays_ok",
-    )
-
-    def __init__(self) -> None:
-        self.labels: list[str] = []
-        self.live: list[bool] = []
-        self.muted: list[bool] = []
-        self.last_event: list[float] = []
-        self.applied: dict[str, int] = {}
-        self.dropped: dict[str, int] = {}
-        self.gaps = 0
-        self.replays_ok = 0
-        self.replays_failed = 0
-        self.mutes = 0
-        self.purged_blocks = 0
+    labels: list[str] = field(default_factory=list)
+    live: list[bool] = field(default_factory=list)
+    muted: list[bool] = field(default_factory=list)
+    last_event: list[float] = field(default_factory=list)
+    applied: dict[str, int] = field(default_factory=dict)

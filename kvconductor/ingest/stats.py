@@ -11,9 +11,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 log = logging.getLogger("kvconductor.ingest")
+T = TypeVar("T")
 
 
 def hex_preview(payload: bytes, n: int = 32) -> str:
@@ -55,97 +59,98 @@ def labels_changed() -> None:
     LABELS_STAMP[0] = next(_STAMPS)
 
 
+class Stamped(property, Generic[T]):
+    """The attribute ``name`` whose writes call ``changed`` (one of :func:`counts_changed`,
+    :func:`state_changed`), so that what a ``/metrics`` scrape keeps from one scrape to
+    the next is read again. The value is in the attribute ``_name`` (a slot, or the
+    instance's dict), which a scrape reads without the call (``attrgetter("_name")``:
+    the ``READ_*`` readers). ``only_changes``: a write of the value already there calls
+    nothing (nor writes).
+
+    A property whose getter is that ``attrgetter``: a read is one C call."""
+
+    def __init__(
+        self, name: str, changed: Callable[[], None], doc: str, *, only_changes: bool = False
+    ) -> None:
+        slot = "_" + name
+
+        def write(obj: object, value: T) -> None:
+            if only_changes and value == getattr(obj, slot, None):
+                return
+            setattr(obj, slot, value)
+            changed()
+
+        super().__init__(attrgetter(slot), write, None, doc)
+        self.__doc__ = doc  # (a subclass's own docstring would shadow it)
+
+    if TYPE_CHECKING:  # what a read and a write are, for mypy (property's own at run time)
+
+        @overload
+        def __get__(self, obj: None, owner: type | None = None, /) -> Stamped[T]: ...
+        @overload
+        def __get__(self, obj: object, owner: type | None = None, /) -> T: ...
+        def __get__(self, obj: object | None, owner: type | None = None, /) -> T | Stamped[T]: ...
+        def __set__(self, obj: object, value: T, /) -> None: ...
+
+
+@dataclass(slots=True, eq=False)
 class SourceStats:
-    """Counters of one subscription (shown by ``sources()``).
+    """Counters of one subscription (shown by ``sources()``), declared once: the plain
+    fields move with every batch; ``gaps``, ``replays_ok``, ``mutes`` and
+    ``purged_blocks`` move rarely and are :class:`Stamped` (a write calls
+    :func:`counts_changed`; their values: the name with a leading ``_``), and so does
+    ``dropped``, written only through :meth:`drop`. A ``/metrics`` scrape sums the rare
+    ones (:class:`~kvconductor.ingest.sourcemetrics.Totals`)."""
 
-    ``gaps``, ``replays_ok``, ``mutes`` and ``purged_blocks`` are properties whose
-    setters call :func:`counts_changed` (their slots: the name with a leading ``_``);
-    ``dropped`` is written only through :meth:`drop`, which does too. The other
-    counters move with every batch and are plain slots."""
+    #: Batches received (live or replayed).
+    batches: int = 0
+    #: Events of the batches applied.
+    events: int = 0
+    #: Blocks the applied events stored or removed.
+    blocks: int = 0
+    #: The seq of the last batch applied.
+    last_seq: int | None = None
+    #: Wall-clock time of the last batch received (set by the subscription).
+    last_event: float = 0.0
+    #: Messages and events dropped, by reason (written by :meth:`drop` only).
+    dropped: dict[str, int] = field(default_factory=dict)
+    #: Batches whose seq was seen already.
+    duplicates: int = 0
+    #: Publisher restarts seen (the batch replayed at the cursor differs from the applied one).
+    restarts: int = 0
+    #: Losses (``/workers`` shows them as ``losses`` too).
+    resyncs: int = 0
+    #: Blocks dropped because they were not re-announced after a loss.
+    aged_out: int = 0
+    # the values of the Stamped counters below (written through them, never as arguments)
+    _gaps: int = field(default=0, init=False)
+    #: Replays asked.
+    replays: int = 0
+    #: Batches the replays brought.
+    replayed_batches: int = 0
+    _replays_ok: int = field(default=0, init=False)
+    _mutes: int = field(default=0, init=False)
+    _purged_blocks: int = field(default=0, init=False)
 
-    __slots__ = (
-        "batches",
-        "events",
-        "blocks",
-        "dropped",
-        "_gaps",
-        "replays",
-        "_replays_ok",
-        "replayed_batches",
-        "restarts",
-        "resyncs",
-        "duplicates",
-        "last_seq",
-        "aged_out",
-        "last_event",
-        "_mutes",
-        "_purged_blocks",
+    gaps = Stamped[int]("gaps", counts_changed, "Sequence gaps seen.")
+    replays_ok = Stamped[int](
+        "replays_ok",
+        counts_changed,
+        'Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``).',
     )
-
-    def __init__(self) -> None:
-        self.batches = 0
-        self.events = 0
-        self.blocks = 0
-        #: Messages and events dropped, by reason (written by :meth:`drop` only).
-        self.dropped: dict[str, int] = {}
-        self._gaps = 0
-        self.replays = 0
-        self._replays_ok = 0
-        self.replayed_batches = 0
-        self.restarts = 0
-        self.resyncs = 0
-        self.duplicates = 0
-        self.last_seq: int | None = None
-        #: Blocks dropped because they were not re-announced after a loss.
-        self.aged_out = 0
-        #: Wall-clock time of the last batch received (set by the subscription).
-        self.last_event = 0.0
-        self._mutes = 0
-        self._purged_blocks = 0
+    mutes = Stamped[int](
+        "mutes",
+        counts_changed,
+        "Times the source's (instance, DP) HBM hits were muted (down past --source-down-secs).",
+    )
+    purged_blocks = Stamped[int](
+        "purged_blocks",
+        counts_changed,
+        "HBM blocks dropped because the source stayed down past --source-purge-secs.",
+    )
 
     def drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
-        counts_changed()
-
-    @property
-    def gaps(self) -> int:
-        """Sequence gaps seen."""
-        return self._gaps
-
-    @gaps.setter
-    def gaps(self, n: int) -> None:
-        self._gaps = n
-        counts_changed()
-
-    @property
-    def replays_ok(self) -> int:
-        """Replays whose end marker arrived (the failed ones: ``dropped["replay_failed"]``)."""
-        return self._replays_ok
-
-    @replays_ok.setter
-    def replays_ok(self, n: int) -> None:
-        self._replays_ok = n
-        counts_changed()
-
-    @property
-    def mutes(self) -> int:
-        """Times the source's (instance, DP) HBM hits were muted (down past
-        --source-down-secs)."""
-        return self._mutes
-
-    @mutes.setter
-    def mutes(self, n: int) -> None:
-        self._mutes = n
-        counts_changed()
-
-    @property
-    def purged_blocks(self) -> int:
-        """HBM blocks dropped because the source stayed down past --source-purge-secs."""
-        return self._purged_blocks
-
-    @purged_blocks.setter
-    def purged_blocks(self, n: int) -> None:
-        self._purged_blocks = n
         counts_changed()
 
 

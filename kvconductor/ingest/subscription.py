@@ -58,7 +58,14 @@ from kvconductor.ingest.replay import ReplaySession
 from kvconductor.ingest.replicated import ReplicaState
 from kvconductor.ingest.source import SubSource
 from kvconductor.ingest.sourcemetrics import label_sets
-from kvconductor.ingest.stats import Limits, SourceStats, WarnLimiter, labels_changed, state_changed
+from kvconductor.ingest.stats import (
+    Limits,
+    SourceStats,
+    Stamped,
+    WarnLimiter,
+    labels_changed,
+    state_changed,
+)
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.ingest.tracker import SequenceTracker
 from kvconductor.keys import Medium
@@ -130,39 +137,26 @@ class Subscription:
             self.replica.applied = (cursor[0], cursor[1])
             self.replica.fence = max(self.replica.fence, cursor[2])
 
-    # connected, muted and tracker: properties whose setters tell a /metrics scrape to
-    # read the source's state again (kvconductor.ingest.stats.STATE_STAMP)
-    @property
-    def connected(self) -> bool:
-        """The SUB has a publisher (its monitor saw the handshake, or it is bound)."""
-        return self._connected
-
-    @connected.setter
-    def connected(self, on: bool) -> None:
-        if on != getattr(self, "_connected", None):  # (not __dict__: it slows the object)
-            self._connected = on
-            state_changed()
-
-    @property
-    def muted(self) -> bool:
-        """Its (instance, DP)'s HBM hits are muted (down past --source-down-secs)."""
-        return self._muted
-
-    @muted.setter
-    def muted(self, on: bool) -> None:
-        if on != getattr(self, "_muted", None):
-            self._muted = on
-            state_changed()
-
-    @property
-    def tracker(self) -> SequenceTracker:
-        """The sequence and replay state (a new one after a resync or a lease change)."""
-        return self._tracker
-
-    @tracker.setter
-    def tracker(self, t: SequenceTracker) -> None:
-        self._tracker = t
-        state_changed()
+    # connected, muted and tracker: a write tells a /metrics scrape to read the source's
+    # state again (kvconductor.ingest.stats.STATE_STAMP)
+    connected = Stamped[bool](
+        "connected",
+        state_changed,
+        "The SUB has a publisher (its monitor saw the handshake, or it is bound).",
+        only_changes=True,
+    )
+    muted = Stamped[bool](
+        "muted",
+        state_changed,
+        "Its (instance, DP)'s HBM hits are muted (down past --source-down-secs).",
+        only_changes=True,
+    )
+    tracker = Stamped[SequenceTracker](
+        "tracker",
+        state_changed,
+        "The sequence and replay state (a new one after a resync or a lease change).",
+    )
+    _tracker: SequenceTracker
 
     @property
     def ctx(self) -> SubscriberContext:

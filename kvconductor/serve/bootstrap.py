@@ -33,6 +33,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Literal, Protocol
 
 from kvconductor import __version__
@@ -117,31 +118,22 @@ def new_conductor(settings: Settings, **features: Any) -> Conductor:
     )
 
 
+@dataclass(eq=False)
 class Service:
     """What :func:`build_service` built: the app to serve and, but in a worker, the
     conductor with its start and stop."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        role: Role,
-        app: Any,
-        conductor: Conductor | None = None,
-        *,
-        supervisor: Supervisor | None = None,
-        forwarder: Forwarder | None = None,
-        query_metrics: QueryMetrics | None = None,
-    ) -> None:
-        self.settings = settings
-        self.role = role
-        self.app = app
-        self.conductor = conductor
-        #: ``owner``: the supervision of the workers.
-        self.supervisor = supervisor
-        #: ``worker``: the way to the owner (its pool is closed at the end).
-        self.forwarder = forwarder
-        #: ``worker``: the queries it answered, which the owner's ``/metrics`` sums.
-        self.query_metrics = query_metrics
+    settings: Settings
+    role: Role
+    app: Any
+    conductor: Conductor | None = None
+    _: KW_ONLY
+    #: ``owner``: the supervision of the workers.
+    supervisor: Supervisor | None = None
+    #: ``worker``: the way to the owner (its pool is closed at the end).
+    forwarder: Forwarder | None = None
+    #: ``worker``: the queries it answered, which the owner's ``/metrics`` sums.
+    query_metrics: QueryMetrics | None = None
 
     def log_start(self, address: str | None = None, gunicorn_workers: int | None = None) -> None:
         """The start line: ``KV conductor starting on <address> ...`` (under gunicorn:
@@ -264,6 +256,25 @@ class Service:
         conductor.attach_snapshotter(snapshotter)
         snapshotter.start()
         return True
+
+    def run(
+        self,
+        serve: Callable[[], object],
+        release: Callable[[], object],
+        stopped: str,
+        logger: logging.Logger = log,
+    ) -> int:
+        """Serves HTTP (``serve``: the server's run) until it ends; then lets go of what
+        the entry point holds (``release``: its listening sockets, the owner's workers),
+        stops the service (:meth:`stop`) and logs ``stopped`` on ``logger``. Returns 0,
+        the exit status."""
+        try:
+            serve()
+        finally:
+            release()
+            self.stop()
+            logger.info(stopped)
+        return 0
 
     def stop(self) -> None:
         """After the HTTP server stopped: the last snapshot (and the snapshot directory's

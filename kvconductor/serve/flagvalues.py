@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 
 from kvconductor.logs import LEVELS
+from kvconductor.tools.flags import decimal, number
 
 LOG_ENV = "KV_CONDUCTOR_LOG"
 API_KEY_ENV = "KV_CONDUCTOR_API_KEY"
@@ -34,46 +36,41 @@ def _host(value: str) -> str:
 
 
 def _port(value: str) -> int:
-    try:
-        port = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid port {value!r}: an integer is required"
-        ) from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"invalid port {port}: must be within 0..65535")
-    return port
+    return number(
+        value,
+        decimal,
+        "port",
+        "an integer is required",
+        lambda n: 0 <= n <= 65535,
+        "must be within 0..65535",
+    )
 
 
 def _secs(value: str) -> int:
-    try:
-        secs = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {value!r}: a whole number of seconds is required"
-        ) from None
-    if not 0 <= secs < 2**64:
-        raise argparse.ArgumentTypeError(f"invalid value {secs}: must be >= 0")
-    return secs
+    return number(
+        value,
+        decimal,
+        "value",
+        "a whole number of seconds is required",
+        lambda n: 0 <= n < 2**64,
+        "must be >= 0",
+    )
 
 
 def _int_in(lo: int, hi: int | None = None):
     """A flag type: an integer ``>= lo`` (and ``<= hi`` when given)."""
 
+    rule = f"must be >= {lo}" if hi is None else f"must be within {lo}..{hi}"
+
     def parse(value: str) -> int:
-        try:
-            n = int(value, 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"invalid value {value!r}: an integer is required"
-            ) from None
-        if n < lo or (hi is not None and n > hi):
-            raise argparse.ArgumentTypeError(
-                f"invalid value {n}: must be >= {lo}"
-                if hi is None
-                else f"invalid value {n}: must be within {lo}..{hi}"
-            )
-        return n
+        return number(
+            value,
+            decimal,
+            "value",
+            "an integer is required",
+            lambda n: n >= lo and (hi is None or n <= hi),
+            rule,
+        )
 
     return parse
 
@@ -81,27 +78,25 @@ def _int_in(lo: int, hi: int | None = None):
 def _workers(value: str) -> int:
     if value.strip().lower() == "auto":
         return max(1, os.cpu_count() or 1)
-    try:
-        n = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {value!r}: an integer or 'auto' is required"
-        ) from None
-    if not 1 <= n <= MAX_WORKERS:
-        raise argparse.ArgumentTypeError(f"invalid value {n}: must be within 1..{MAX_WORKERS}")
-    return n
+    return number(
+        value,
+        decimal,
+        "value",
+        "an integer or 'auto' is required",
+        lambda n: 1 <= n <= MAX_WORKERS,
+        f"must be within 1..{MAX_WORKERS}",
+    )
 
 
 def _megabytes(value: str) -> float:
-    try:
-        mb = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {value!r}: a number of MiB is required"
-        ) from None
-    if not mb > 0 or mb != mb or mb == float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid size {value!r}: must be > 0")
-    return mb
+    return number(
+        value,
+        float,
+        "size",
+        "a number of MiB is required",
+        lambda mb: 0 < mb < math.inf,
+        "must be > 0",
+    )
 
 
 def _networks(value: str) -> tuple:
@@ -117,15 +112,14 @@ def _networks(value: str) -> tuple:
 
 
 def _timeout(value: str) -> float:
-    try:
-        secs = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid value {value!r}: a number of seconds is required"
-        ) from None
-    if not 0 < secs < 86400 * 365:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: must be > 0")
-    return secs
+    return number(
+        value,
+        float,
+        "value",
+        "a number of seconds is required",
+        lambda secs: 0 < secs < 86400 * 365,
+        "must be > 0",
+    )
 
 
 def _origin(value: str) -> str:
@@ -216,13 +210,14 @@ def _snapshot_problem(args: argparse.Namespace) -> str | None:
 
 
 def _lease(value: str) -> float:
-    try:
-        secs = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: seconds are required") from None
-    if not 0.3 <= secs <= 3600:
-        raise argparse.ArgumentTypeError(f"invalid value {value!r}: 0.3 .. 3600 seconds")
-    return secs
+    return number(
+        value,
+        float,
+        "value",
+        "seconds are required",
+        lambda secs: 0.3 <= secs <= 3600,
+        "0.3 .. 3600 seconds",
+    )
 
 
 def _mooncake_problem(args: argparse.Namespace) -> str | None:

@@ -121,21 +121,14 @@ class Owner:
     """The owner's worker supervision (main thread, in its event loop)."""
 
     def __init__(
-        self,
-        settings: Settings,
-        tmpdir: str,
-        owner_path: str,
-        host: str,
-        port: int,
-        shared: Any = None,
+        self, settings: Settings, tmpdir: str, owner_path: str, shared: Any = None
     ) -> None:
+        #: The flags, with the address the public port is bound to (``host``, ``port``).
         self.settings = settings
         #: The shared index (:class:`~kvconductor.state.shared.SharedIndexes`): its
         #: descriptors go to every worker, its lock's stalls are logged here.
         self.shared = shared
         self.owner_path = owner_path
-        self.host = host
-        self.port = port
         self.slots = [
             _Slot(n, os.path.join(tmpdir, f"worker-{n}.metrics.sock"))
             for n in range(1, settings.workers + 1)
@@ -150,7 +143,7 @@ class Owner:
         self._retired: dict[tuple, Sample] = {}  # summed samples of exited workers
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = asyncio.Event()
-        self._settings_json = settings_json(dataclasses.replace(settings, host=host, port=port))
+        self._settings_json = settings_json(settings)
         # stalled readers of the shared lock (main thread; the deque read by /workers)
         self._names: dict[int, str] = {}  # pid -> worker name, of every worker started
         self.stalls = StallLog(shared, settings.reader_stall_ms, self._names)
@@ -231,8 +224,8 @@ class Owner:
                 "%s pid=%d ready (listening on %s port %d)",
                 slot.name,
                 slot.proc.pid,
-                self.host,
-                self.port,
+                self.settings.host,
+                self.settings.port,
             )
 
     def _close_control(self, slot: _Slot) -> None:
@@ -340,7 +333,7 @@ class Owner:
             log.warning(
                 "no worker is listening on port %d: %s is started in %gs instead of %gs "
                 "(its back-off)",
-                self.port,
+                self.settings.port,
                 slot.name,
                 RESPAWN_ALL_DOWN,
                 delay,
@@ -568,7 +561,8 @@ class _Ports:
             print(f"kv-conductor: error: cannot create a private directory: {ex}", file=sys.stderr)
             raise StartFailed(str(ex)) from None
         owner_path = os.path.join(self.tmpdir, "owner.sock")
-        return Owner(settings, self.tmpdir, owner_path, host, port, shared)
+        bound = dataclasses.replace(settings, host=host, port=port)
+        return Owner(bound, self.tmpdir, owner_path, shared)
 
     def close(self) -> None:
         if self.port_sock is not None:
@@ -607,12 +601,11 @@ def serve_owner(settings: Settings) -> int:
             service.log_start(format_address(ports.port_sock))
             if not service.start():
                 return 1
-            try:
-                server.run(sockets=[unix_sock])
-            finally:
-                owner.kill_all()
-                service.stop()
-                log.info("KV conductor shut down")
+            return service.run(
+                lambda: server.run(sockets=[unix_sock]),
+                owner.kill_all,
+                "KV conductor shut down",
+                log,
+            )
     finally:
         ports.close()
-    return 0

@@ -479,20 +479,15 @@ def serve(settings: Settings) -> int:
             )
     server = KvServer(uvicorn_config(service.app, settings))
     service.log_start(format_address(sock))
+
+    def close() -> None:
+        sock.close()
+        if side is not None:
+            side[1].close()
+
     if not service.start():
-        sock.close()
-        if side is not None:
-            side[1].close()
+        close()
         return 1
-    try:
-        if side is None:
-            server.run(sockets=[sock])
-        else:
-            run_beside(server, sock, *side)
-    finally:
-        service.stop()
-        sock.close()
-        if side is not None:
-            side[1].close()
-        log.info("KV conductor shut down")
-    return 0
+    if side is None:
+        return service.run(lambda: server.run(sockets=[sock]), close, "KV conductor shut down")
+    return service.run(lambda: run_beside(server, sock, *side), close, "KV conductor shut down")

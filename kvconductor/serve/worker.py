@@ -232,13 +232,7 @@ def worker_main(argv: list[str]) -> int:
     config = uvicorn_config(service.app, settings, date_header=False)
     server = WorkerServer(config, link.ready)
     link.server = server
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-        service.stop()
-        log.info("worker stopped")
-    return 0
+    return service.run(lambda: server.run(sockets=[sock]), sock.close, "worker stopped", log)
 
 
 if __name__ == "__main__":

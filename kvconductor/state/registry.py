@@ -201,6 +201,29 @@ class EndpointInfo:
     def index_key(self) -> tuple[str, str]:
         return (self.model_name, self.tenant_id)
 
+    def context(self, instance_id: str, url: str, media: tuple[Medium, ...]) -> SubscriberContext:
+        """The context of the subscription to ``url`` (publishing ``media``) that this
+        registration of ``instance_id`` asks for: its facts, as the subscriber reads them."""
+        return SubscriberContext(
+            instance_id=instance_id,
+            dp_rank=self.dp_rank,
+            url=url,
+            model=self.model_name,
+            tenant=self.tenant_id,
+            block_size=self.block_size,
+            default_media=media,
+            store_backend=self.backend,
+            is_pool=self.is_pool,
+            replay_endpoint=self.replay_endpoint,
+            engine_type=self.engine_type,
+            node_pool=self.node_pool,
+            node_ip=self.node_ip,
+            store_only=self.store_only,
+            shared_store=self.shared_store,
+            lora_name=self.lora_name,
+            extra={"node_id": self.node_id} if self.node_id else {},
+        )
+
     def to_dict(self, serves: list[tuple[str, int]] | None = None) -> JSONObject:
         """The ``/workers`` shape of one endpoint (docs/api.md, GET /workers); a pool's
         has ``pool``: ``{"kind": "cluster"}``, or for a node pool ``{"kind": "node",
@@ -533,30 +556,6 @@ class Registry:
                 if ip is not None and self._add_ip(ip, req.instance_id, req.dp_rank):
                     ips_added.append(ip)
 
-        extra = {"node_id": req.node_id} if req.node_id else {}
-        contexts = [
-            SubscriberContext(
-                instance_id=req.instance_id,
-                dp_rank=req.dp_rank,
-                url=url,
-                model=req.modelname,
-                tenant=tenant,
-                block_size=req.block_size,
-                default_media=media,
-                store_backend=backend,
-                is_pool=is_pool,
-                replay_endpoint=replay_endpoint,
-                engine_type=req.engine_type,
-                node_pool=node_pool,
-                node_ip=node_ip,
-                store_only=store_only,
-                shared_store=shared_store,
-                lora_name=req.lora_name,
-                extra=extra,
-            )
-            for url, media in groups.items()
-        ]
-
         info = EndpointInfo(
             dp_rank=req.dp_rank,
             engine_type=req.engine_type,
@@ -568,13 +567,14 @@ class Registry:
             store_backend=backend_name,
             is_pool=is_pool,
             node_id=req.node_id,
-            sources=tuple((c.url, c.default_media) for c in contexts),
+            sources=tuple(groups.items()),
             node_pool=node_pool,
             node_ip=node_ip,
             store_only=store_only,
             shared_store=shared_store,
             lora_name=req.lora_name,
         )
+        contexts = [info.context(req.instance_id, url, media) for url, media in groups.items()]
         unchanged = old is not None and old == info
 
         # Replay runs per (instance, DP): the reference replayed only the first DP of an

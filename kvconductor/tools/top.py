@@ -33,6 +33,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvconductor.http.metrics import MISS_REASONS
+from kvconductor.tools.flags import decimal, number
 
 __all__ = [
     "DEFAULT_URL",
@@ -538,23 +539,18 @@ def render(frame: Frame, interval: float | None = None) -> Any:
 
 
 def _interval(value: str) -> float:
-    try:
-        secs = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid interval {value!r}: seconds expected") from None
-    if not 0.1 <= secs <= 3600:
-        raise argparse.ArgumentTypeError(f"invalid interval {value!r}: must be within 0.1..3600")
-    return secs
+    return number(
+        value,
+        float,
+        "interval",
+        "seconds expected",
+        lambda s: 0.1 <= s <= 3600,
+        "must be within 0.1..3600",
+    )
 
 
 def _positive(value: str) -> int:
-    try:
-        n = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid count {value!r}: an integer expected") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"invalid count {n}: must be >= 1")
-    return n
+    return number(value, decimal, "count", "an integer expected", lambda n: n >= 1, "must be >= 1")
 
 
 def build_parser() -> argparse.ArgumentParser:
