@@ -546,33 +546,18 @@ class _Route:
     def _too_large(self) -> DialectError:
         return DialectError(413, "too_large", too_large_message(self.max_body_bytes))
 
-    async def _authorized_body(
-        self, req: falcon.asgi.Request, resp: falcon.asgi.Response
-    ) -> tuple[bytes, bool] | None:
-        """The body of a request that needs the key, and whether it is MessagePack;
-        ``None`` once it is answered (401, 413)."""
-        if self._refused(req, resp):
-            return None
-        msgpack = is_msgpack_content_type(req.content_type)
-        try:
-            return await self._read(req), msgpack
-        except DialectError as ex:
-            _fail(req, resp, ex)
-            return None
-
 
 class _Change(_Route):
-    """``POST`` of a registration change: the key, the body (:meth:`_authorized_body`)
+    """``POST`` of a registration change: the key (before the body is read), the body
     and the dialect's errors, once; :meth:`change` makes the change and returns the
     answer (200)."""
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        request = await self._authorized_body(req, resp)
-        if request is None:
+        if self._refused(req, resp):
             return
-        body, msgpack = request
+        msgpack = is_msgpack_content_type(req.content_type)
         try:
-            doc = await self.change(body, msgpack)
+            doc = await self.change(await self._read(req), msgpack)
         except DialectError as ex:
             return _fail(req, resp, ex)
         _answer(resp, 200, doc, msgpack)
