@@ -518,7 +518,8 @@ def create_app(
     ``/health`` and the queries stay open; ``/metrics`` is protected like ``/workers``
     unless ``open_metrics`` (default: ``open_workers``). With ``fast_query`` the
     Falcon app is fronted by :class:`~kvconductor.http.front.FrontDoor` (what the server
-    runs).
+    runs); without it the query routes' ``POST`` is Falcon's, through the same query
+    door (:mod:`kvconductor.http.querydoor`), so the answers are the same.
     ``allow_origins``: web origins allowed on the mutating routes
     (:class:`OriginPolicy`). ``metrics``: the registry ``/metrics`` serves (default: a
     new :class:`~kvconductor.http.metrics.Metrics` of ``conductor``; ``kv-conductor
