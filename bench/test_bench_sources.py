@@ -35,6 +35,7 @@ class _Tracker:
 
 
 def _manager(connected: bool):
+    from kvconductor.ingest.host import LOCAL_SOURCES
     from kvconductor.ingest.liveness import Liveness
     from kvconductor.ingest.replicated import ReplicaState
     from kvconductor.ingest.stats import SourceStats
@@ -47,11 +48,11 @@ def _manager(connected: bool):
     mgr.conductor = types.SimpleNamespace(get_index=lambda model, tenant: None)
     mgr._subs = {}
     mgr._bounded = {}  # no store-only source
-    mgr.replicator = None
+    mgr.journal = LOCAL_SOURCES
     for i in range(N):
         s = Subscription.__new__(Subscription)
         s.manager = mgr
-        s.replica = ReplicaState(0)  # not owned: no --state-url
+        s.replica = ReplicaState(0, owned=True)  # no --state-url: every source owned
         s.ctx = _Ctx(i)
         s.feeds_hbm = Subscription._feeds_hbm(s.ctx)
         s.tracker = _Tracker()

@@ -36,10 +36,10 @@ _LONGEST, _DP = INSTANCE_MATCH_KEYS
 _MATCHED, _NPU, _CPU, _DISK = DP_MATCH_KEYS
 
 
-def _classes(impl: str | None) -> tuple[type, type]:
-    """The core index and the group name table of an implementation (``"c"``, ``"py"``;
-    ``None``: :data:`kvconductor.IMPL`): the compiled name table pre-encodes each name
-    for :func:`kvconductor._encode.encode_rows`; the twin's keeps names only."""
+def impl_classes(impl: str | None) -> tuple[type, type]:
+    """The index core and the group name table of an implementation (``"c"``, ``"py"``;
+    None: :data:`kvconductor.IMPL`): the compiled table pre-encodes each name for
+    :func:`kvconductor._encode.encode_rows`; the twin's keeps names only."""
     impl = impl or kvconductor.IMPL
     if impl == "c":
         from kvconductor._encode import GroupNames
@@ -47,16 +47,16 @@ def _classes(impl: str | None) -> tuple[type, type]:
 
         return CoreIndex, GroupNames
     if impl == "py":
-        from kvconductor._py.index import CoreIndex as Twin
+        from kvconductor._py.index import CoreIndex as TwinCore
         from kvconductor._py.index import PyGroupNames
 
-        return Twin, PyGroupNames
+        return TwinCore, PyGroupNames
     raise ValueError(f"unknown index implementation {impl!r}")
 
 
 def names_class(impl: str | None) -> type:
-    """The group name table of an implementation (:func:`_classes`)."""
-    return _classes(impl)[1]
+    """The group name table of an implementation (:func:`impl_classes`)."""
+    return impl_classes(impl)[1]
 
 
 class DpHit(NamedTuple):
@@ -227,8 +227,8 @@ class Index:
     def __init__(self, model: str, tenant: str, *, impl: str | None = None) -> None:
         self.model = model
         self.tenant = tenant
-        core, names = _classes(impl)
-        self.core = core()
+        core_class, names = impl_classes(impl)
+        self.core = core_class()
         self._workers: dict[WorkerKey, int] = {}
         self._worker_keys: list[WorkerKey] = []
         self._groups: dict[tuple[str, int], int] = {}
@@ -261,6 +261,17 @@ class Index:
             if new_group and self.on_new_group is not None:
                 self.on_new_group()
         return wid
+
+    @property
+    def worker_keys(self) -> Sequence[WorkerKey]:
+        """Every WorkerKey known, by the core's worker id (read it on the writer thread:
+        a dump)."""
+        return self._worker_keys
+
+    @property
+    def group_keys(self) -> Sequence[tuple[str, int]]:
+        """(instance_id, dp_rank) by the core's group id (``--workers N``' directory)."""
+        return self._group_keys
 
     def workers_of(self, instance_id: str, dp_rank: int | None = None) -> list[WorkerKey]:
         """Every known WorkerKey of an instance (optionally of one DP)."""

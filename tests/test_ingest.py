@@ -350,7 +350,7 @@ class Pair:
         for key, fi in self.fc.indexes.items():
             si = self.pc.indexes[key]
             assert fi.workers_of(IID) == si.workers_of(IID)
-            assert fi._group_keys == si._group_keys
+            assert fi.group_keys == si.group_keys
             fs, ss = fi.core.stats(), si.core.stats()
             fs.pop("nbytes", None)
             ss.pop("nbytes", None)

@@ -4,6 +4,7 @@ the local and the replicated journal apply through one table of mutation kinds."
 from __future__ import annotations
 
 import asyncio
+import types
 
 import falcon.testing as ft
 import msgspec
@@ -119,18 +120,38 @@ def test_a_conductor_built_with_a_journal_sends_every_mutation_through_it():
         assert c.stop(5.0)
 
 
-def test_attach_journal_replaces_the_local_one(conductor):
+def test_the_journal_hands_its_source_role_to_the_subscriptions_at_construction():
+    """The subscription manager is built with the conductor's ``journal.sources``: the
+    local journal's owns every source and journals nothing; a replicated journal's (here
+    a double) is the one the subscriptions append to. Nothing plugs itself in later."""
+    from kvconductor.ingest.host import LOCAL_SOURCES
+
+    local = Conductor(ConductorConfig(maintenance_interval=3600))
+    local.start()
+    try:
+        assert local.journal.sources is LOCAL_SOURCES
+        assert local.subs.journal is LOCAL_SOURCES
+        assert LOCAL_SOURCES.claims(("i", 0, "tcp://h:1")) and not LOCAL_SOURCES.replicated
+    finally:
+        assert local.stop(5.0)
+
     rec = RecordingJournal()
-    conductor.attach_journal(rec)
-    body = msgspec.json.encode(UNREG)
-    asyncio.run(conductor.mutate("unregister", body, unregister_decoder.decode(body)))
-    assert len(rec.submits) == 1
+    rec.sources = types.SimpleNamespace(replicated=True)
+    c = Conductor(ConductorConfig(maintenance_interval=3600), journal=lambda c: rec)
+    c.start()
+    try:
+        assert c.subs.journal is rec.sources
+        body = msgspec.json.encode(UNREG)
+        asyncio.run(c.mutate("unregister", body, unregister_decoder.decode(body)))
+        assert len(rec.submits) == 1
+    finally:
+        assert c.stop(5.0)
 
 
 def test_both_journals_apply_through_the_one_table(conductor, monkeypatch):
     """The local journal and the replicated log's apply (ValkeyJournal) both find an
     HTTP mutation in MUTATIONS: a kind changed there changes both."""
-    from kvconductor.state.replica import ValkeyJournal
+    from kvconductor.state.replica import ReplicaSettings, ValkeyJournal
 
     seen = []
 
@@ -146,7 +167,7 @@ def test_both_journals_apply_through_the_one_table(conductor, monkeypatch):
     local = LocalJournal(conductor, conductor.thread)
     assert _submit(local, "register", b"{}", ("parsed",)) == "applied"
     # a store that is never contacted: the client connects lazily
-    valkey = ValkeyJournal(conductor, "redis://127.0.0.1:1/0")
+    valkey = ValkeyJournal(conductor, ReplicaSettings("redis://127.0.0.1:1/0"))
     assert conductor.call(valkey._apply_one, "register", b"{}") == "applied"
     assert apply_logged(conductor, "register", b"{}") == "applied"
     assert seen == [

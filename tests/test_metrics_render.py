@@ -44,7 +44,7 @@ def _rows(subs) -> tuple[list[tuple], object]:
     rows = []
     for sub in getattr(mgr, "_subs", {}).values():
         s, ctx = sub.stats, sub.ctx
-        live = sub.manager.replicator is None or sub.replica.owned
+        live = not sub.manager.journal.replicated or sub.replica.owned
         live = live and sub.tracker.state(sub.connected) == "live"
         rows.append(
             (

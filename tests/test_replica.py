@@ -414,7 +414,7 @@ def test_a_bootstrap_answers_queries_from_the_old_state_meanwhile(valkey_server,
             return real_load(conductor, chunks)
 
         monkeypatch.setattr(dump, "load_dump", load_dump)
-        rep = replica.Replicator(c, valkey_server.url)
+        rep = replica.Replicator(c, replica.ReplicaSettings(valkey_server.url))
         c.call(rep._load, data, "1-0", 3)
         want = {
             "default": {

@@ -93,7 +93,7 @@ def test_view_answers_what_the_owner_holds(owner):
     for tenant in ("t", "u"):
         mine = owner.get_index("m", tenant)
         theirs = view.get_index("m", tenant)
-        assert theirs is not None and theirs.group_keys == mine._group_keys
+        assert theirs is not None and theirs.group_keys == mine.group_keys
         for i, toks in enumerate(prompts):
             got = _answer(theirs.query(toks, BS, 1337))
             assert got == _answer(mine.query(toks, BS))
@@ -140,7 +140,7 @@ def test_new_groups_and_dropped_indexes_reach_the_view(owner):
     assert _answer(first.query(toks, BS, 1337)) == [("inst-1", 0, 2, 0, 0), ("inst-2", 0, 2, 0, 0)]
     with pytest.raises(_index.StaleIndexError):
         old_core.match_tokens(toks, BS, 1337)  # built from an older directory
-    owner.call(owner._drop_index, ("m", "t"))
+    owner.call(owner.drop_index, ("m", "t"))
     assert view.get_index("m", "t") is None
     assert _answer(first.query(toks, BS, 1337)) == []  # a handle kept across the drop
 
@@ -178,7 +178,7 @@ def test_closed_index_answers_empty_and_frees_its_blocks(owner):
 
     idx = owner.call(make)
     assert owner.shared.arena.stats()["live_blocks"] > before
-    owner.call(owner._drop_index, ("m", "t"))
+    owner.call(owner.drop_index, ("m", "t"))
     assert idx.core.closed
     assert idx.query(list(range(BS)), BS).hits == []
     assert idx.sizes()["hbm_pairs"] == 0

@@ -6,6 +6,7 @@ import os
 import random
 import threading
 import time
+import types
 
 import msgspec
 import pytest
@@ -13,6 +14,8 @@ import zmq
 
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.subscriber import SubscriptionManager
+from kvconductor.ingest.thread import IngestThread
 from kvconductor.keys import Medium, StoreBackend
 from tests.helpers.harness import Harness
 from tests.helpers.publishers import (
@@ -740,3 +743,102 @@ def test_unsubscribing_a_muted_dp_unmutes_its_workers(h, pubs):
     h.call(h.mgr.unsubscribe, IID, 0)
     h.call(h.mgr.check_sources, t + 11)
     assert h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}  # the index keeps what unregister decides
+
+
+# --- the sources' journal, handed in at construction (kvconductor.ingest.host) ----------------
+class RecordingSources:
+    """A replicated SourceJournal double: claims nothing, records what it is handed."""
+
+    replicated = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def claims(self, key):
+        return False
+
+    def append_batch(self, sub, seq, payload):
+        self.calls.append(("batch", sub.key, seq, payload))
+
+    def append_loss(self, sub, why, epoch):
+        self.calls.append(("loss", sub.key, why, epoch))
+
+    def append_source(self, sub, kind, token, extra=None):
+        self.calls.append((kind, sub.key, token, extra))
+
+    def report_down(self, subs, now):
+        self.calls.append(("report_down", len(list(subs))))
+
+    def cursor(self, sub):
+        return sub.replica.applied
+
+
+def test_the_local_journal_owns_every_source_and_applies_at_once(h):
+    from kvconductor.ingest.host import LOCAL_SOURCES
+
+    assert h.mgr.journal is LOCAL_SOURCES
+    h.subscribe(ctx("tcp://127.0.0.1:1"))
+    sub = h.call(h.mgr.get, IID, 0, "tcp://127.0.0.1:1")
+    assert sub.owned and not sub.passive and sub.down_since is not None
+    applied = []
+    sub.applier = types.SimpleNamespace(apply_payload=applied.append)
+    h.call(sub.apply, b"payload", 7)
+    assert applied == [b"payload"]
+    assert h.call(h.mgr.cursors) == []  # the tracker applied nothing
+
+
+def test_a_replicated_journal_gets_the_batches_losses_and_down_reports():
+    """Handed to the manager at construction: a new subscription is passive (remote,
+    up until its owner says otherwise, no replay asked), and what an owned one brings
+    goes to the journal, never applied here directly."""
+    thread = IngestThread(context=zmq.Context.instance())
+    thread.start()
+    rec = RecordingSources()
+    try:
+        mgr = thread.call(lambda: SubscriptionManager(thread, FakeConductor(), journal=rec))
+        c = ctx("tcp://127.0.0.1:1", replay="tcp://127.0.0.1:2")
+        thread.call(mgr.subscribe, c)
+        thread.call(mgr.request_replay, c)
+        sub = thread.call(mgr.get, IID, 0, "tcp://127.0.0.1:1")
+        assert sub.passive and not sub.owned and sub.down_since is None
+        assert sub.state == "remote" and sub.replay is None
+        thread.call(sub.apply, b"payload", 7)
+        thread.call(sub.lost, "a gap", 2)
+        thread.call(mgr.check_sources)
+        assert rec.calls == [
+            ("batch", sub.key, 7, b"payload"),
+            ("loss", sub.key, "a gap", 2),
+            ("report_down", 1),
+        ]
+        assert thread.call(mgr.cursors) == []  # the log applied nothing here
+        thread.call(mgr.close)
+    finally:
+        thread.stop()
+
+
+def test_logged_loss_and_aged_entries_degrade_and_end_on_a_passive_source(caplog):
+    """What every replica does with a source's ``loss`` and ``aged`` log entries: the
+    cursor is forgotten and the source's blocks are suspects, then the suspects not
+    announced again are dropped (the same lines as a loss of an owned source)."""
+    thread = IngestThread(context=zmq.Context.instance())
+    thread.start()
+    try:
+        mgr = thread.call(
+            lambda: SubscriptionManager(thread, FakeConductor(), journal=RecordingSources())
+        )
+        thread.call(mgr.subscribe, ctx("tcp://127.0.0.1:1"))
+        sub = thread.call(mgr.get, IID, 0, "tcp://127.0.0.1:1")
+        sub.replica.applied = (4, 44)
+        caplog.set_level("INFO", logger="kvconductor.ingest")
+        thread.call(mgr.loss_logged, sub.key, 3, "3.1", "a gap")
+        assert sub.replica.applied is None and sub.replica.loss_token == "3.1"
+        assert sub.stats.resyncs == 1 and sub.tracker.last_loss[1] == "a gap"
+        assert "a gap; source degraded: 0 blocks kept" in caplog.text
+        thread.call(mgr.aged_logged, sub.key, 3, "other")  # not this loss: nothing
+        assert sub.replica.loss_token == "3.1"
+        thread.call(mgr.aged_logged, sub.key, 3, "3.1")
+        assert sub.replica.loss_token is None
+        assert "grace period after the loss is over; 0 blocks" in caplog.text
+        thread.call(mgr.close)
+    finally:
+        thread.stop()

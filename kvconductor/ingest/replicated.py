@@ -13,7 +13,8 @@ clock, no log.
   below it is a duplicate (a take-over's replay repeats what the old owner appended), one
   past the next a *hole* (appends lost with the store: a loss on every replica);
 * ``loss_token``: the loss whose grace period runs (its ``aged`` entry ends it);
-* ``owned``, ``lease_epoch``: this replica holds the lease and consumes the source;
+* ``owned``, ``lease_epoch``: this replica holds the lease and consumes the source (one
+  process, no ``--state-url``: it owns every source from the start);
 * ``reported_down``: what the owner last appended of the source's readiness.
 """
 
@@ -28,11 +29,11 @@ class ReplicaState:
 
     __slots__ = ("applied", "fence", "loss_token", "owned", "lease_epoch", "reported_down")
 
-    def __init__(self, fence: int = 0) -> None:
+    def __init__(self, fence: int = 0, *, owned: bool = False) -> None:
         self.applied: tuple[int, int] | None = None
         self.fence = fence
         self.loss_token: str | None = None
-        self.owned = False
+        self.owned = owned
         self.lease_epoch = 0
         self.reported_down: bool | None = None
 

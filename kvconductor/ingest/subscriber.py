@@ -31,7 +31,13 @@ from collections.abc import Callable
 
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.freshness import FreshnessTables
-from kvconductor.ingest.host import IngestHost, IngestSettings, SharedWrites, SourceJournal
+from kvconductor.ingest.host import (
+    LOCAL_SOURCES,
+    IngestHost,
+    IngestSettings,
+    SharedWrites,
+    SourceJournal,
+)
 from kvconductor.ingest.liveness import Liveness
 from kvconductor.ingest.replicated import DUPLICATE, HOLE
 from kvconductor.ingest.sourcecolumns import Columns, RetiredTotals, read_columns, replays
@@ -61,6 +67,7 @@ class SubscriptionManager:
         *,
         settings: IngestSettings | None = None,
         shared: SharedWrites | None = None,
+        journal: SourceJournal = LOCAL_SOURCES,
         replay_timeout: float | None = None,
         loss_grace: float | None = None,
         replay_deadline: float | None = None,
@@ -69,7 +76,9 @@ class SubscriptionManager:
     ) -> None:
         """``settings`` (defaults: :class:`~kvconductor.ingest.host.IngestSettings`), each
         overridden by the keyword of the same name when given; ``shared``: ``--workers N``'s
-        shared write section over each socket's drain (None: one process)."""
+        shared write section over each socket's drain (None: one process); ``journal``:
+        what the sources' batches and events go through (``--state-url``: the replicated
+        log; default: applied at once, every source consumed here)."""
         s = settings or IngestSettings()
         s = IngestSettings(
             loss_grace=s.loss_grace if loss_grace is None else loss_grace,
@@ -107,8 +116,9 @@ class SubscriptionManager:
         #: Warm start: (instance_id, dp_rank, url) -> (last applied seq, its digest) from a
         #: snapshot; a subscription of that key created next starts from there.
         self.resume: dict[tuple[str, int, str], tuple[int, int, int]] = {}
-        #: --state-url: the :class:`kvconductor.state.replica.Replicator` (None: one process).
-        self.replicator: SourceJournal | None = None
+        #: What the sources' batches and events go through (--state-url: the
+        #: :class:`kvconductor.state.replica.ValkeyJournal`; one process: LOCAL_SOURCES).
+        self.journal = journal
         #: --state-url: no source entry of an owner epoch below this is applied (raised
         #: when the state store is seeded again: owners of the old store are fenced off).
         self.fence_floor = 0
@@ -185,7 +195,7 @@ class SubscriptionManager:
             snap.mutes, snap.purged_blocks = r.mutes, r.purged_blocks
         # before any counter is read (a change after this: a new stamp)
         stamps = (LABELS_STAMP[0], STATE_STAMP[0], COUNTS_STAMP[0])
-        replicated = self.replicator is not None
+        replicated = self.journal.replicated
         kept = self._metric_columns  # replaced whole: concurrent scrapes never share one
         out = []
         for c, i in enumerate(range(0, len(subs), METRICS_CHUNK)):
@@ -203,16 +213,9 @@ class SubscriptionManager:
         ``fence``: the highest owner epoch its log entries had (``--state-url``)."""
         self._check_thread()
         out: list[JSONObject] = []
+        cursor = self.journal.cursor
         for k, sub in self._subs.items():
-            if self.replicator is not None:
-                cur = sub.replica.applied
-            else:
-                t = sub.tracker
-                cur = (
-                    None
-                    if t.last_seq is None or t.last_digest is None
-                    else (t.last_seq, t.last_digest)
-                )
+            cur = cursor(sub)
             if cur is not None:
                 out.append(
                     {
@@ -248,7 +251,7 @@ class SubscriptionManager:
             sub.stats.gaps += 1
             self.loss_logged(key, epoch, token, f"log gap {st.applied[0]} -> {seq}")
             if sub.owned:
-                self.thread.call_later(self.loss_grace, lambda: sub.grace_over(token))
+                sub.age_later(token)
         sub.applier.apply_payload(payload)
         st.applied = (seq, digest(payload))
         sub.stats.last_seq = seq
@@ -262,15 +265,7 @@ class SubscriptionManager:
         sub.replica.lost(token)
         sub.tracker.last_loss = (time.time(), why)
         sub.stats.resyncs += 1
-        n = sub.applier.begin_suspect()
-        log.warning(
-            "%s: %s; source degraded: %d blocks kept, those not announced again "
-            "within %gs will be dropped",
-            sub.name(),
-            why,
-            n,
-            self.loss_grace,
-        )
+        sub.begin_suspect(why)
 
     def aged_logged(self, key: tuple[str, int, str], epoch: int, token: str) -> None:
         """An ``aged`` entry: the grace period of loss ``token`` is over."""
@@ -278,13 +273,7 @@ class SubscriptionManager:
         if sub is None or sub.replica.loss_token != token or not sub.replica.current(epoch):
             return
         sub.replica.loss_token = None
-        n = sub.applier.end_suspect()
-        log.info(
-            "%s: grace period after the loss is over; %d blocks not announced again "
-            "were dropped; source live",
-            sub.name(),
-            n,
-        )
+        sub.end_suspect()
 
     def down_logged(self, key: tuple[str, int, str], epoch: int, secs: float) -> None:
         """A ``down`` entry: the owner sees the source not ready for ``secs`` seconds
@@ -404,11 +393,10 @@ class SubscriptionManager:
         """A new subscription of an (instance, DP) with a replay endpoint: catch up from 0
         (or verify from the last applied seq) once its SUB is connected."""
         self._check_thread()
-        if not ctx.replay_endpoint:
-            return
-        if self.replicator is not None:
+        key = (ctx.instance_id, ctx.dp_rank, ctx.url)
+        if not ctx.replay_endpoint or not self.journal.claims(key):
             return  # --state-url: the source's owner replays when it takes the lease
-        sub = self._subs.get((ctx.instance_id, ctx.dp_rank, ctx.url))
+        sub = self._subs.get(key)
         if sub is None or not sub.replay_endpoint:
             sub = next(
                 (
@@ -420,7 +408,7 @@ class SubscriptionManager:
             )
         if sub is None:
             self.subscribe(ctx)
-            sub = self._subs[(ctx.instance_id, ctx.dp_rank, ctx.url)]
+            sub = self._subs[key]
         if sub.connected:
             sub.tracker.catch_up()
         # else: the SUB's handshake asks (Subscription._now_connected); asked now, before
@@ -447,14 +435,7 @@ class SubscriptionManager:
         self.liveness.check(subs, now)
         for sub in self._bounded.values():
             sub.applier.expire_store_only(now)
-        r = self.replicator
-        if r is None:
-            return
-        for sub in subs:
-            down = sub.down_since
-            if sub.replica.down_changed(down is not None):
-                # tell every replica, so that they mute and purge alike
-                r.append_source(sub, "down", "", -1.0 if down is None else now - down)
+        self.journal.report_down(subs, now)  # --state-url: every replica mutes alike
 
     def seed_store_only(self) -> None:
         """Put the CPU/Disk blocks each store-only DP holds now under its bound (after a

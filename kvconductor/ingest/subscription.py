@@ -86,7 +86,7 @@ class SubscriptionOwner(Protocol):
     replay_deadline: float
     loss_grace: float
     resume: dict[tuple[str, int, str], tuple[int, int, int]]
-    replicator: SourceJournal | None
+    journal: SourceJournal
     fence_floor: int
 
 
@@ -123,10 +123,13 @@ class Subscription:
         self._muted = False
         self.replay: ReplaySession | None = None
         self.tracker = SequenceTracker(self, self.stats, replay=self.replay_endpoint is not None)
+        #: What its batches and events go through (``--state-url``: the replicated log).
+        self.journal = manager.journal
         #: --state-url (kvconductor.state.replica): the source's replicated state, the same on
-        #: every replica (:class:`~kvconductor.ingest.replicated.ReplicaState`).
-        self.replica = ReplicaState(manager.fence_floor)
-        if manager.replicator is not None:
+        #: every replica (:class:`~kvconductor.ingest.replicated.ReplicaState`); owned from
+        #: the start when the journal claims it (one process: always).
+        self.replica = ReplicaState(manager.fence_floor, owned=self.journal.claims(self.key))
+        if not self.replica.owned:
             self.down_since = None  # passive: up until the owner says otherwise
         cursor = manager.resume.pop(self.key, None)
         if cursor is not None:
@@ -247,8 +250,9 @@ class Subscription:
 
     @property
     def passive(self) -> bool:
-        """--state-url and another replica consumes this source (or none yet)."""
-        return self.manager.replicator is not None and not self.owned
+        """Not owned here: --state-url and another replica consumes this source (or none
+        yet). One process owns every source (its journal claims them all)."""
+        return not self.replica.owned
 
     def close(self) -> None:
         self.closed = True
@@ -335,7 +339,7 @@ class Subscription:
         token = st.loss_token
         if token is not None:
             # the previous owner's grace period: ours ends it (a full one, to be safe)
-            self.thread.call_later(self.manager.loss_grace, lambda: self.grace_over(token))
+            self.age_later(token)
         log.info("%s: consuming (lease epoch %d)", self.name(), epoch)
 
     def release(self) -> None:
@@ -348,20 +352,20 @@ class Subscription:
         self.down_since = None  # as the next owner reports it
         log.info("%s: no longer consumed here", self.name())
 
+    def age_later(self, token: str) -> None:
+        """--state-url: end loss ``token``'s grace period in ``--loss-grace-secs``."""
+        self.thread.call_later(self.manager.loss_grace, lambda: self.grace_over(token))
+
     def grace_over(self, token: str) -> None:
         """--state-url: loss ``token``'s grace period is over; the owner says so to every
         replica (an ``aged`` entry)."""
-        r = self.manager.replicator
-        if r is not None and self.owned and not self.closed and self.replica.loss_token == token:
-            r.append_source(self, "aged", token)
+        if self.owned and not self.closed and self.replica.loss_token == token:
+            self.journal.append_source(self, "aged", token)
 
     # -- the tracker's host ----------------------------------------------------------------
     def apply(self, payload: bytes, seq: int) -> None:
-        r = self.manager.replicator
-        if r is None:
-            self.applier.apply_payload(payload)
-        else:
-            r.append_batch(self, seq, payload)
+        # one process: applied at once (LocalSources); --state-url: appended to the log
+        self.journal.append_batch(self, seq, payload)
 
     def open_replay(self, start: int) -> None:
         # The tracker replays only when replay_enabled, i.e. with a replay endpoint.
@@ -388,31 +392,34 @@ class Subscription:
         return f"instance {c.instance_id} DP {c.dp_rank} registered no replay_endpoint"
 
     def lost(self, why: str, epoch: int) -> None:
-        """Keep the state, degrade, age out later (module docstring)."""
-        r = self.manager.replicator
-        if r is not None:
-            # every replica marks the suspects when it applies the loss; the owner ends
-            # the grace period with an ``aged`` entry (Subscription.grace_over)
-            token = f"{self.lease_epoch}.{epoch}"
-            r.append_source(self, "loss", token, why)
-            grace = self.manager.loss_grace
-            self.thread.call_later(grace, lambda: self.grace_over(token))
-            return
+        """Keep the state, degrade, age out later (module docstring): here at once
+        (:meth:`degrade`), or on every replica when the log applies the loss."""
+        self.journal.append_loss(self, why, epoch)
+
+    def degrade(self, why: str, epoch: int) -> None:
+        """Loss ``epoch`` of the tracker: the blocks held now are suspects; those not
+        announced again within the grace period are dropped then."""
+        self.begin_suspect(why)
+        self.thread.call_later(self.manager.loss_grace, lambda: self._end_degraded(epoch))
+
+    def _end_degraded(self, epoch: int) -> None:
+        if self.tracker.end_degraded(epoch):  # else closed, or superseded by a later loss
+            self.end_suspect()
+
+    def begin_suspect(self, why: str) -> None:
+        """A loss (here, or a ``loss`` entry of the log): the blocks held now are suspects."""
         n = self.applier.begin_suspect()
-        grace = self.manager.loss_grace
-        self.thread.call_later(grace, lambda: self._end_degraded(epoch))
         log.warning(
             "%s: %s; source degraded: %d blocks kept, those not announced again "
             "within %gs will be dropped",
             self.name(),
             why,
             n,
-            grace,
+            self.manager.loss_grace,
         )
 
-    def _end_degraded(self, epoch: int) -> None:
-        if not self.tracker.end_degraded(epoch):
-            return  # closed, or superseded by a later loss
+    def end_suspect(self) -> None:
+        """The grace period is over: the suspects not announced again are dropped."""
         n = self.applier.end_suspect()
         log.info(
             "%s: grace period after the loss is over; %d blocks not announced again "

@@ -47,6 +47,7 @@ from kvconductor.serve.settings import Settings
 from kvconductor.serve.tuning import HeapTrim, raise_fd_limit, tune_malloc, zmq_context
 from kvconductor.serve.workermetrics import WorkerCollector
 from kvconductor.state.conductor import Conductor
+from kvconductor.state.journal import Journal
 
 log = logging.getLogger("kvconductor")
 
@@ -107,15 +108,36 @@ def tune_process(settings: Settings, role: Role) -> None:
 def new_conductor(settings: Settings, **features: Any) -> Conductor:
     """The service's conductor, with the process tuning it needs handed in: its ingest
     thread's ZeroMQ context sized for ``--max-sources`` and the periodic heap trim
-    (:mod:`kvconductor.serve.tuning`). ``features``: the shared index and the owner's
-    view of its workers (``--workers N``)."""
+    (:mod:`kvconductor.serve.tuning`); with ``--state-url``, the replicated journal
+    (:func:`valkey_journal`: the HTTP mutations' and the ZeroMQ sources' journal).
+    ``features``: the shared index and the owner's view of its workers
+    (``--workers N``)."""
     config = settings.conductor_config()
+    if settings.state_url:
+        features["journal"] = valkey_journal(settings)
     return Conductor(
         config,
         thread=IngestThread(context=zmq_context(config.max_sources)),
         heap_trim=HeapTrim(),
         **features,
     )
+
+
+def valkey_journal(settings: Settings) -> Callable[[Conductor], Journal]:
+    """``--state-url``: builds the conductor's :class:`~kvconductor.state.replica.
+    ValkeyJournal` (no I/O: its client connects on first use; :meth:`Service.start`
+    starts it once the conductor runs)."""
+    from kvconductor.state.replica import ReplicaSettings, ValkeyJournal
+
+    assert settings.state_url is not None
+    replication = ReplicaSettings(
+        settings.state_url,
+        password=settings.state_password,
+        replica_id=settings.replica_id,
+        lease_secs=settings.lease_secs,
+        snapshot_interval=settings.snapshot_interval_secs,
+    )
+    return lambda conductor: ValkeyJournal(conductor, replication)
 
 
 @dataclass(eq=False)
@@ -205,20 +227,9 @@ class Service:
         if settings.snapshot_dir and not self._start_snapshots(conductor):
             conductor.stop(STOP_SECS)
             return False
-        if settings.state_url:
-            from kvconductor.state.replica import ValkeyJournal
-
-            # Attached once the conductor runs: the journal bootstraps a started one.
-            journal = ValkeyJournal(
-                conductor,
-                settings.state_url,
-                password=settings.state_password,
-                replica_id=settings.replica_id,
-                lease_secs=settings.lease_secs,
-                snapshot_interval=settings.snapshot_interval_secs,
-            )
-            conductor.attach_journal(journal)
-            journal.start()
+        # --state-url: the ValkeyJournal handed in at construction bootstraps the started
+        # conductor and starts its threads (a LocalJournal has nothing to start)
+        conductor.journal.start()
         return True
 
     def _start_snapshots(self, conductor: Conductor) -> bool:

@@ -220,6 +220,7 @@ class Settings:
         )
 
     def conductor_config(self):
+        from kvconductor.ingest.host import IngestSettings
         from kvconductor.ingest.stats import Limits
         from kvconductor.state.conductor import ConductorConfig
         from kvconductor.urls import UrlPolicy
@@ -229,16 +230,18 @@ class Settings:
             pending_ttl=float(self.pending_ttl_secs),
             content_ttl=float(self.content_ttl_secs),
             offload_ttl=float(self.offload_ttl_secs),
-            loss_grace=float(self.loss_grace_secs),
-            source_down=float(self.source_down_secs),
-            source_purge=float(self.source_purge_secs),
-            max_sources=self.max_sources,
-            replay_deadline=float(max(1, self.replay_deadline_secs)),
-            limits=Limits(
-                max_message_bytes=int(self.max_message_mb * 1024 * 1024),
-                max_blocks_per_message=self.max_blocks_per_message,
-                max_blocks_per_source=self.max_blocks_per_source,
+            ingest=IngestSettings(
+                loss_grace=float(self.loss_grace_secs),
+                replay_deadline=float(max(1, self.replay_deadline_secs)),
+                source_down=float(self.source_down_secs),
+                source_purge=float(self.source_purge_secs),
+                limits=Limits(
+                    max_message_bytes=int(self.max_message_mb * 1024 * 1024),
+                    max_blocks_per_message=self.max_blocks_per_message,
+                    max_blocks_per_source=self.max_blocks_per_source,
+                ),
             ),
+            max_sources=self.max_sources,
             url_policy=UrlPolicy(
                 allow_bind=self.allow_bind_endpoints,
                 allow_ipc=self.allow_ipc_endpoints,

@@ -41,8 +41,7 @@ from kvconductor.index import Index
 from kvconductor.ingest.freshness import FreshnessTable
 from kvconductor.ingest.host import IngestSettings
 from kvconductor.ingest.http_events import EventOp
-from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS, SOURCE_DOWN, SOURCE_PURGE
-from kvconductor.ingest.stats import Limits
+from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.logs import RecentWarnings
 from kvconductor.schema import (
@@ -110,18 +109,11 @@ class ConductorConfig:
     index_impl: str | None = None
     #: Worker threads for large queries (parse + hash + match off the event loop).
     query_threads: int = 2
-    #: Seconds after a lost batch before blocks not announced again are dropped.
-    loss_grace: float = 600.0
-    #: Seconds a whole vLLM replay may take before it counts as a loss.
-    replay_deadline: float = 60.0
-    #: Seconds a source may be not ready before its HBM hits stop counting.
-    source_down: float = SOURCE_DOWN
-    #: Seconds a source may be not ready before its HBM blocks are dropped (0: never).
-    source_purge: float = SOURCE_PURGE
+    #: The ZeroMQ sources' settings: loss grace, replay deadline, down and purge times,
+    #: the bounds on one message and one source (handed to the subscriptions as is).
+    ingest: IngestSettings = field(default_factory=IngestSettings)
     #: ZeroMQ subscriptions (one per registered instance, DP and URL) at most; more: 503.
     max_sources: int = 4096
-    #: Bounds on one ZeroMQ message and one engine source (refused whole, counted).
-    limits: Limits = field(default_factory=Limits)
     #: Which endpoint URLs registrations may name (bind mode, ipc://, networks).
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
 
@@ -154,15 +146,13 @@ def _default_subscriptions(thread: IngestThread, conductor: Conductor) -> Subscr
     # without its ZeroMQ ingest would answer 0 hits for every engine and say nothing.
     from kvconductor.ingest.subscriber import SubscriptionManager
 
-    cfg = conductor.config
-    settings = IngestSettings(
-        loss_grace=cfg.loss_grace,
-        replay_deadline=cfg.replay_deadline,
-        source_down=cfg.source_down,
-        source_purge=cfg.source_purge,
-        limits=cfg.limits,
+    return SubscriptionManager(
+        thread,
+        conductor,
+        settings=conductor.config.ingest,
+        shared=conductor.shared,
+        journal=conductor.journal.sources,
     )
-    return SubscriptionManager(thread, conductor, settings=settings, shared=conductor.shared)
 
 
 class WorkersDoc(TypedDict, total=False):
@@ -208,8 +198,9 @@ class Conductor:
         of its own, of libzmq's default size). ``heap_trim``: called on the ingest thread
         with ``time.monotonic()`` on every source check (the service's gives freed heap
         memory back to the system, :class:`kvconductor.serve.tuning.HeapTrim`; default:
-        none). Features that can only be made after the conductor are handed in with
-        :meth:`attach_journal` and :meth:`attach_snapshotter`."""
+        none). The journal's source role (``journal.sources``) is handed to the
+        subscriptions when they are made; the snapshotter, which can only be made once
+        the snapshot directory is loaded, is handed in with :meth:`attach_snapshotter`."""
         self.config = config or ConductorConfig()
         self.thread = thread or IngestThread(context=zmq.Context())
         self.registry = Registry(self.config.url_policy)
@@ -265,12 +256,6 @@ class Conductor:
         self._heap_trim = heap_trim
 
     # -- optional features made after the conductor -----------------------------------
-    def attach_journal(self, journal: Journal) -> None:
-        """Send every HTTP mutation through ``journal`` from now on (before the HTTP
-        server serves: ``--state-url``'s :class:`~kvconductor.state.replica.ValkeyJournal`
-        is made for a started conductor)."""
-        self.journal = journal
-
     def attach_snapshotter(self, snapshotter: Snapshots) -> None:
         """``--snapshot-dir``: the writer of this conductor's snapshots (made once the
         directory is locked and its newest snapshot loaded)."""
@@ -279,7 +264,8 @@ class Conductor:
     @property
     def replicator(self) -> Replica | None:
         """``--state-url``: the replicated journal's status (None: this process alone
-        holds the state)."""
+        holds the state): the one "is there a replica" of ``/ready``, ``/workers`` and
+        ``/metrics``."""
         return self.journal.replica
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -330,7 +316,7 @@ class Conductor:
         if self.shared is not None:
             # unpublish and free every shared index while this is still the writer thread
             for key in list(self.indexes):
-                self._drop_index(key)
+                self.drop_index(key)
 
     async def run(self, fn: Callable[[Unpack[_Ts]], _T], *args: Unpack[_Ts]) -> _T:
         """Await ``fn(*args)`` on the ingest thread."""
@@ -407,7 +393,7 @@ class Conductor:
         if self.shared is not None:
             self.shared.publish(self)
 
-    def _drop_index(self, key: tuple[str, str]) -> None:
+    def drop_index(self, key: tuple[str, str]) -> None:
         """Forget the index of ``key`` (ingest thread). With ``--workers N`` the directory
         without it is published first, then its shared state is freed."""
         idx = self.indexes.pop(key)
@@ -480,7 +466,7 @@ class Conductor:
         idx = self.indexes.get(key)
         if idx is None or key in self.registry.protected() or not idx.is_empty():
             return False
-        self._drop_index(key)
+        self.drop_index(key)
         log.debug("indexer removed model=%s tenant=%s", key[0], key[1])
         return True
 
@@ -535,7 +521,7 @@ class Conductor:
         reclaimed = 0
         for key, idx in list(self.indexes.items()):
             if key not in protected and idx.is_empty():
-                self._drop_index(key)
+                self.drop_index(key)
                 reclaimed += 1
         log.debug(
             "cache maintenance completed pruned=%d reclaimed=%d indexers=%d",

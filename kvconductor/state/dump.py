@@ -141,8 +141,7 @@ def snapshot(conductor: Conductor) -> Snapshot:
                 "model": idx.model,
                 "tenant": idx.tenant,
                 "workers": [
-                    [k.instance_id, k.backend_id, k.dp_rank, int(k.medium)]
-                    for k in idx._worker_keys
+                    [k.instance_id, k.backend_id, k.dp_rank, int(k.medium)] for k in idx.worker_keys
                 ],
                 "tables": {
                     "hbm_nodes": hbm[:2],

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
+from kvconductor.ingest.host import LOCAL_SOURCES, SourceJournal
 from kvconductor.ingest.http_events import EventOp, normalize_events
 from kvconductor.schema import (
     KvEventBatch,
@@ -153,6 +154,16 @@ class Journal(Protocol):
         None for a journal that is not replicated."""
         ...
 
+    @property
+    def sources(self) -> SourceJournal:
+        """What the ZeroMQ sources' batches and events go through (handed to the
+        subscriptions at construction)."""
+        ...
+
+    def start(self) -> None:
+        """Once the conductor runs, before the HTTP server serves."""
+        ...
+
     async def submit(self, kind: str, body: bytes, args: Args) -> object:
         """Apply the mutation ``kind`` of the request ``body`` (parsed into ``args``) and
         return what applying it did here, or raise what applying it raised."""
@@ -173,10 +184,18 @@ class LocalJournal:
         self.host = host
         self.thread = thread
 
+    @property
+    def sources(self) -> SourceJournal:
+        """Every source consumed here, its batches applied at once."""
+        return LOCAL_SOURCES
+
     async def submit(self, kind: str, body: bytes, args: Args) -> object:
         m = mutation(kind)  # refused before the ingest thread sees it
         result: object = await self.thread.run(m.apply, self.host, args)
         return result
+
+    def start(self) -> None:
+        pass
 
     def stop(self) -> None:
         pass

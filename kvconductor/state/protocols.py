@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from kvconductor.ingest.freshness import FreshnessTable, FreshnessTables
@@ -32,7 +33,6 @@ from kvconductor.schema import JSONObject, JSONValue
 if TYPE_CHECKING:
     from kvconductor.index import QueryResult
     from kvconductor.ingest.context import SubscriberContext
-    from kvconductor.ingest.host import SourceJournal
     from kvconductor.ingest.subscription import Subscription
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "Replica",
     "ReplicaInfo",
     "SnapshotCounts",
+    "SnapshotStats",
     "Snapshots",
     "SourceInfo",
     "SourceKey",
@@ -137,22 +138,24 @@ class Replica(Protocol):
     def info(self) -> ReplicaInfo: ...
 
 
-class SnapshotCounts(Protocol):
-    """What ``/metrics`` reports of the snapshots
-    (:class:`kvconductor.state.snapshot.SnapshotStats`)."""
+@dataclass
+class SnapshotStats:
+    """What ``/metrics`` reports of the snapshots (written by the snapshot thread of
+    :class:`kvconductor.state.snapshot.Snapshotter`)."""
 
-    @property
-    def written(self) -> int: ...
-    @property
-    def failed(self) -> int: ...
-    @property
-    def last_time(self) -> float: ...
-    @property
-    def last_bytes(self) -> int: ...
-    @property
-    def last_seconds(self) -> float: ...
-    @property
-    def last_pause(self) -> float: ...
+    written: int = 0
+    failed: int = 0
+    #: Wall-clock time of the last snapshot written (0: none yet).
+    last_time: float = 0.0
+    last_bytes: int = 0
+    #: Seconds the last snapshot took: copy on the ingest thread, encode, write.
+    last_seconds: float = 0.0
+    #: Seconds the ingest thread was held for the last one's copy.
+    last_pause: float = 0.0
+
+
+#: The snapshots' counts as ``/metrics`` reads them: the record itself.
+SnapshotCounts = SnapshotStats
 
 
 class Snapshots(Protocol):
@@ -196,9 +199,6 @@ class Subscriptions(Protocol):
     """The ZeroMQ subscriptions of a conductor (ingest thread, except
     :meth:`metrics_snapshot`)."""
 
-    #: ``--state-url``: the replica that logs what the owned sources bring (set by
-    #: :meth:`kvconductor.state.replica.ValkeyJournal.start`; None: not replicated).
-    replicator: SourceJournal | None
     #: The states behind answers (``"freshness"`` queries; any thread).
     freshness: FreshnessTables
 
@@ -226,7 +226,8 @@ class Subscriptions(Protocol):
     def metrics_snapshot(self, pause: Callable[[], None] | None = None) -> SourceSnapshot: ...
     def close(self) -> None: ...
 
-    # the replicated log's source entries (kvconductor.state.replica)
+    # the replicated log's source entries (kvconductor.state.replica; the subscriptions
+    # journal through the conductor's journal's ``sources``, handed in at construction)
     def apply_logged(self, key: SourceKey, seq: int, epoch: int, payload: bytes) -> bool: ...
     def loss_logged(self, key: SourceKey, epoch: int, token: str, why: str) -> None: ...
     def aged_logged(self, key: SourceKey, epoch: int, token: str) -> None: ...
@@ -241,8 +242,6 @@ class NoSubscriptions:
     """:class:`Subscriptions` without sockets: registrations open none, and there is
     nothing to check, resume or report. A conductor has these until it starts; dump
     checks (``kv-conductor load-dump``) and test doubles build on them."""
-
-    replicator: SourceJournal | None = None
 
     def __init__(self, thread: object = None, conductor: object = None) -> None:
         self.freshness = FreshnessTables(tuple, int)  # no sources, generation 0

@@ -70,7 +70,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -111,6 +113,7 @@ log = logging.getLogger("kvconductor.replica")
 # --state-url with them).
 __all__ = [
     "SENTINEL_SCHEMES",
+    "ReplicaSettings",
     "ReplicaStats",
     "Replicator",
     "ValkeyJournal",
@@ -126,32 +129,44 @@ QUEUE_MAX = 100_000
 SUBMIT_TIMEOUT = 10.0
 
 
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """``--state-url`` and the replication's flags (docs/operations.md, "Replicas on
+    Valkey")."""
+
+    url: str
+    #: Used when the URL carries none (``KVCONDUCTOR_STATE_PASSWORD``).
+    password: str | None = None
+    #: This replica's name in the store (default: ``host:pid:random``).
+    replica_id: str | None = None
+    lease_secs: float = LEASE_SECS
+    #: Seconds between the store's snapshots (0: none).
+    snapshot_interval: float = 60.0
+    #: Seconds an HTTP mutation waits for its entry to be applied here (then 503).
+    submit_timeout: float = SUBMIT_TIMEOUT
+
+
 class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
     """One replica's link to the shared state (module docstring): the
-    :class:`~kvconductor.state.journal.Journal` of a conductor with ``--state-url``
-    (:meth:`Conductor.attach_journal <kvconductor.state.conductor.Conductor.attach_journal>`),
-    then :meth:`start`."""
+    :class:`~kvconductor.state.journal.Journal` of a conductor with ``--state-url`` (built
+    by the ``journal`` factory handed to :class:`~kvconductor.state.conductor.Conductor`),
+    and the :class:`~kvconductor.ingest.host.SourceJournal` of its subscriptions (handed
+    to them at construction); :meth:`start` once the conductor runs."""
 
-    def __init__(
-        self,
-        conductor: Conductor,
-        url: str,
-        *,
-        password: str | None = None,
-        replica_id: str | None = None,
-        lease_secs: float = LEASE_SECS,
-        snapshot_interval: float = 60.0,
-        submit_timeout: float = SUBMIT_TIMEOUT,
-    ) -> None:
+    #: Sources are leased among the replicas (a source not owned here is remote).
+    replicated = True
+
+    def __init__(self, conductor: Conductor, settings: ReplicaSettings) -> None:
+        s = settings
         self.conductor = conductor
-        self.url = url
+        self.url = s.url
         #: The URL without its password, for log lines and answers.
-        self.where = safe_url(url)
-        self.id = replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.lease_ms = max(300, int(lease_secs * 1000))
-        self.snapshot_interval = float(snapshot_interval)
-        self.submit_timeout = submit_timeout
-        self.client = connect(url, password)
+        self.where = safe_url(s.url)
+        self.id = s.replica_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.lease_ms = max(300, int(s.lease_secs * 1000))
+        self.snapshot_interval = float(s.snapshot_interval)
+        self.submit_timeout = s.submit_timeout
+        self.client = connect(s.url, s.password)
         self.errors = store_errors()
         self.stats = ReplicaStats()
         #: The store answered the last command (reader or writer).
@@ -186,9 +201,8 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self, wait: float = 10.0) -> None:
-        """Attach to the conductor (started), bootstrap (up to ``wait`` seconds; the
-        reader goes on trying after that) and start the threads."""
-        self.conductor.call(self._attach)
+        """Bootstrap the started conductor (up to ``wait`` seconds; the reader goes on
+        trying after that) and start the threads."""
         deadline = time.monotonic() + wait
         last: BaseException | None = None
         while time.monotonic() < deadline and not self.bootstrapped:
@@ -212,9 +226,6 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
         t = threading.Thread(target=self._keep_loop, name="kvc-replica-keeper", daemon=True)
         t.start()
         self._threads.append(t)
-
-    def _attach(self) -> None:
-        self.conductor.subs.replicator = self
 
     def stop(self) -> None:
         """Stop the threads and give up this replica's leases (a take-over is then
@@ -249,6 +260,11 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
     @property
     def replica(self) -> ValkeyJournal:
         """This journal is the replica (``/ready``, ``/workers``, ``/metrics``)."""
+        return self
+
+    @property
+    def sources(self) -> ValkeyJournal:
+        """This journal is the subscriptions' too (the sources' entries)."""
         return self
 
     async def submit(self, kind: str, body: bytes, args: Args = ()) -> object:
@@ -289,6 +305,29 @@ class ValkeyJournal(ReplicaLeases, ReplicaSnapshots):
         return True
 
     # -- source entries (ingest thread, the owner's tracker) -------------------------------
+    def claims(self, key: tuple[str, int, str]) -> bool:
+        """A new source is passive: consumed here only once this replica takes its lease."""
+        return False
+
+    def cursor(self, sub: JournalSource) -> tuple[int, int] | None:
+        """The replicated cursor (what the log applied here), owned or not."""
+        return sub.replica.applied
+
+    def append_loss(self, sub: JournalSource, why: str, epoch: int) -> None:
+        """Every replica marks the suspects when it applies the ``loss`` entry; the owner
+        ends the grace period with an ``aged`` entry (``Subscription.grace_over``)."""
+        token = f"{sub.lease_epoch}.{epoch}"
+        self.append_source(sub, "loss", token, why)
+        sub.age_later(token)
+
+    def report_down(self, subs: Iterable[JournalSource], now: float) -> None:
+        """A ``down`` entry for each owned source that went down or came back, so that
+        every replica mutes and purges alike."""
+        for sub in subs:
+            down = sub.down_since
+            if sub.replica.down_changed(down is not None):
+                self.append_source(sub, "down", "", -1.0 if down is None else now - down)
+
     def append_batch(self, sub: JournalSource, seq: int, payload: bytes) -> None:
         """An engine batch of an owned source (the writer packs consecutive ones into one
         ``batches`` entry)."""

@@ -33,6 +33,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Protocol, cast
 
 import msgspec
@@ -92,7 +93,7 @@ def directory_of(conductor: DirectorySource) -> Directory:
     """The directory of ``conductor``'s current state (ingest thread)."""
     return Directory(
         indexes=[
-            (m, t, idx.core.address(), list(idx._group_keys))
+            (m, t, idx.core.address(), list(idx.group_keys))
             for (m, t), idx in conductor.indexes.items()
         ],
         block_sizes=[(m, t, sorted(s)) for (m, t), s in conductor.block_sizes.items()],
@@ -230,29 +231,25 @@ class GroupNames(Protocol):
     def add(self, instance_id: str, dp_rank: int) -> object: ...
 
 
+@dataclass(slots=True, eq=False)
 class ViewIndex:
     """A worker's read-only index of one (model, tenant): the owner's structures through
     an attached :class:`~kvconductor._index.CoreIndex` handle, and the group names of
-    the directory it was built from (pre-encoded once in ``names``, carried over from the
-    previous directory when it only grew). Same query API as
-    :class:`~kvconductor.index.Index`."""
+    the directory it was built from (pre-encoded once in ``names``, carried over from
+    ``previous``, the names of the previous directory, when it only grew). Same query API
+    as :class:`~kvconductor.index.Index`."""
 
-    __slots__ = ("view", "model", "tenant", "core", "group_keys", "names")
+    view: SharedView
+    model: str
+    tenant: str
+    core: _index.CoreIndex
+    #: (instance_id, dp_rank) by group id, as the directory names them.
+    group_keys: list[tuple[str, int]]
+    previous: InitVar[GroupNames | None] = None
+    names: GroupNames = field(init=False)
 
-    def __init__(
-        self,
-        view: SharedView,
-        model: str,
-        tenant: str,
-        core: _index.CoreIndex,
-        groups: list[tuple[str, int]],
-        names: GroupNames | None = None,
-    ) -> None:
-        self.view = view
-        self.model = model
-        self.tenant = tenant
-        self.core = core
-        self.group_keys = groups
+    def __post_init__(self, previous: GroupNames | None) -> None:
+        groups, names = self.group_keys, previous
         if names is None or names.keys != groups[: len(names)]:
             names = cast(GroupNames, names_class(None)())
         for g in groups[len(names) :]:

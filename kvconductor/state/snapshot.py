@@ -40,10 +40,10 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvconductor.state import dump
+from kvconductor.state.protocols import SnapshotStats
 
 if TYPE_CHECKING:
     from kvconductor.state.conductor import Conductor
@@ -67,21 +67,6 @@ DEFAULT_INTERVAL = 60
 #: Seconds a registration change waits for its snapshot: the changes of a burst (a
 #: Coordinator registering every engine) go into one.
 FOLLOW_SECS = 1.0
-
-
-@dataclass
-class SnapshotStats:
-    """What ``/metrics`` reports of the snapshots (written by the snapshot thread)."""
-
-    written: int = 0
-    failed: int = 0
-    #: Wall-clock time of the last snapshot written (0: none yet).
-    last_time: float = 0.0
-    last_bytes: int = 0
-    #: Seconds the last snapshot took: copy on the ingest thread, encode, write.
-    last_seconds: float = 0.0
-    #: Seconds the ingest thread was held for the last one's copy.
-    last_pause: float = 0.0
 
 
 class DirectoryInUse(Exception):
@@ -421,6 +406,6 @@ def reset(conductor: Conductor) -> None:
             conductor.subs.unsubscribe(entry.instance_id, dp)
     conductor.registry = Registry(conductor.config.url_policy)
     for key in list(conductor.indexes):
-        conductor._drop_index(key)
+        conductor.drop_index(key)
     conductor.lora_seeds = {}
     conductor.registrations_changed()

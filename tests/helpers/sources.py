@@ -10,6 +10,7 @@ import threading
 import types
 
 from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.host import LOCAL_SOURCES
 from kvconductor.ingest.replicated import ReplicaState
 from kvconductor.ingest.sourcecolumns import RetiredTotals
 from kvconductor.ingest.stats import SourceStats
@@ -57,7 +58,7 @@ def manager(
     mgr.thread = types.SimpleNamespace(is_alive=lambda: False)
     mgr._subs = {}
     mgr._by_dp = {}
-    mgr.replicator = types.SimpleNamespace() if replicated else None
+    mgr.journal = types.SimpleNamespace(replicated=True) if replicated else LOCAL_SOURCES
     mgr.retired = RetiredTotals()
     mgr._table_lock = threading.Lock()
     mgr._metric_columns = []
@@ -65,7 +66,7 @@ def manager(
         s = Subscription.__new__(Subscription)
         s.manager = mgr
         s.replica = ReplicaState(0)
-        s.replica.owned = rnd.random() < 0.7
+        s.replica.owned = rnd.random() < 0.7 or not replicated  # one process: all owned
         s.ctx = _ctx(i, rnd, odd)
         s.stats = st = SourceStats()
         s.tracker = SequenceTracker(s, st, replay=False)
