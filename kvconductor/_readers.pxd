@@ -65,107 +65,80 @@ cdef inline bint _eq(const uint8_t* s, size_t n, const char* lit, size_t m) noex
     return n == m and memcmp(s, lit, m) == 0
 
 
+# The big-endian unsigned int of w = 1, 2, 4 or 8 bytes at p: every msgpack width (the
+# length of a str, bin or ext, the count of an array or map, an int) is read here.
+cdef inline uint64_t _be(const uint8_t* p, size_t w) noexcept nogil:
+    if w == 1:
+        return p[0]
+    if w == 2:
+        return _be16(p)
+    if w == 4:
+        return _be32(p)
+    return _be64(p)
+
+
+# The width of the length (or count) that follows tag b, for b in first..first+2 (8, 16 and
+# 32 bits: 1, 2, 4 bytes), else 0.
+cdef inline size_t _mp_width(uint8_t b, uint8_t first) noexcept nogil:
+    if first <= b <= first + 2:
+        return <size_t>1 << (b - first)
+    return 0
+
+
 # Any msgpack int: its 64 bits (two's complement when *neg) and sign.
 cdef inline int mp_int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
     cdef const uint8_t* p = c.p
     cdef size_t left = _left(c)
+    cdef size_t w, sh
     cdef uint8_t b
     cdef int64_t s
     if left == 0:
         return WIRE_EOF
     b = p[0]
-    if b <= 0x7f:
-        bits[0] = b
-        neg[0] = False
+    if b <= 0x7f or b >= 0xe0:
+        # positive / negative fixint
+        s = <int8_t>b
+        bits[0] = <uint64_t>s
+        neg[0] = s < 0
         c.p = p + 1
         return WIRE_OK
-    if b >= 0xe0:
-        bits[0] = <uint64_t><int64_t><int8_t>b
-        neg[0] = True
-        c.p = p + 1
-        return WIRE_OK
-    if b == 0xcc:
-        if left < 2:
-            return WIRE_EOF
-        bits[0] = p[1]
-        neg[0] = False
-        c.p = p + 2
-        return WIRE_OK
-    if b == 0xcd:
-        if left < 3:
-            return WIRE_EOF
-        bits[0] = _be16(p + 1)
-        neg[0] = False
-        c.p = p + 3
-        return WIRE_OK
-    if b == 0xce:
-        if left < 5:
-            return WIRE_EOF
-        bits[0] = _be32(p + 1)
-        neg[0] = False
-        c.p = p + 5
-        return WIRE_OK
-    if b == 0xcf:
-        if left < 9:
-            return WIRE_EOF
-        bits[0] = _be64(p + 1)
-        neg[0] = False
-        c.p = p + 9
-        return WIRE_OK
-    if b == 0xd0:
-        if left < 2:
-            return WIRE_EOF
-        s = <int8_t>p[1]
-        c.p = p + 2
-    elif b == 0xd1:
-        if left < 3:
-            return WIRE_EOF
-        s = <int16_t>_be16(p + 1)
-        c.p = p + 3
-    elif b == 0xd2:
-        if left < 5:
-            return WIRE_EOF
-        s = <int32_t>_be32(p + 1)
-        c.p = p + 5
-    elif b == 0xd3:
-        if left < 9:
-            return WIRE_EOF
-        s = <int64_t>_be64(p + 1)
-        c.p = p + 9
-    else:
+    if not 0xcc <= b <= 0xd3:
         return WIRE_BAD_BYTE if b == 0xc1 else WIRE_TYPE
-    bits[0] = <uint64_t>s
-    neg[0] = s < 0
+    # uint8..64 (0xcc..0xcf), int8..64 (0xd0..0xd3): 1, 2, 4 or 8 bytes
+    w = <size_t>1 << (b & 3)
+    if left <= w:
+        return WIRE_EOF
+    bits[0] = _be(p + 1, w)
+    c.p = p + 1 + w
+    neg[0] = False
+    if b >= 0xd0:
+        sh = 64 - 8 * w
+        s = (<int64_t>(bits[0] << sh)) >> sh
+        bits[0] = <uint64_t>s
+        neg[0] = s < 0
     return WIRE_OK
 
 
-# str: *s, *n = its UTF-8 bytes (not validated).
-cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+# str (str8 = 0xd9 and fixstr 0xa0..0xbf) or bin (bin8 = 0xc4, no fix form): *s, *n = its
+# bytes (a str's UTF-8, not validated).
+cdef inline int _mp_bytes(wcur* c, uint8_t tag8, bint fix, const uint8_t** s,
+                          size_t* n) noexcept nogil:
     cdef const uint8_t* p = c.p
     cdef size_t left = _left(c)
-    cdef size_t hdr, ln
+    cdef size_t w, hdr, ln
     cdef uint8_t b
     if left == 0:
         return WIRE_EOF
     b = p[0]
-    if 0xa0 <= b <= 0xbf:
+    w = _mp_width(b, tag8)
+    if fix and 0xa0 <= b <= 0xbf:
         hdr = 1
         ln = b & 0x1f
-    elif b == 0xd9:
-        hdr = 2
-        if left < 2:
+    elif w:
+        hdr = 1 + w
+        if left < hdr:
             return WIRE_EOF
-        ln = p[1]
-    elif b == 0xda:
-        hdr = 3
-        if left < 3:
-            return WIRE_EOF
-        ln = _be16(p + 1)
-    elif b == 0xdb:
-        hdr = 5
-        if left < 5:
-            return WIRE_EOF
-        ln = _be32(p + 1)
+        ln = _be(p + 1, w)
     else:
         return WIRE_TYPE
     if ln > left - hdr:
@@ -174,6 +147,14 @@ cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
     n[0] = ln
     c.p = p + hdr + ln
     return WIRE_OK
+
+
+cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    return _mp_bytes(c, 0xd9, True, s, n)
+
+
+cdef inline int mp_bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    return _mp_bytes(c, 0xc4, False, s, n)
 
 
 # Array (fix=0x90, m16=0xdc) or map (fix=0x80, m16=0xde) header: *n = elements (map:
@@ -181,6 +162,7 @@ cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
 cdef inline int mp_container(wcur* c, uint8_t fix, uint8_t m16, size_t* n) noexcept nogil:
     cdef const uint8_t* p = c.p
     cdef size_t left = _left(c)
+    cdef size_t w
     cdef uint8_t b
     if left == 0:
         return WIRE_EOF
@@ -188,52 +170,14 @@ cdef inline int mp_container(wcur* c, uint8_t fix, uint8_t m16, size_t* n) noexc
     if (b & 0xf0) == fix:
         n[0] = b & 0x0f
         c.p = p + 1
-    elif b == m16:
-        if left < 3:
-            return WIRE_EOF
-        n[0] = _be16(p + 1)
-        c.p = p + 3
-    elif b == m16 + 1:
-        if left < 5:
-            return WIRE_EOF
-        n[0] = _be32(p + 1)
-        c.p = p + 5
-    else:
+        return WIRE_OK
+    if b != m16 and b != m16 + 1:
         return WIRE_TYPE
-    return WIRE_OK
-
-
-# bin: *s, *n = its bytes.
-cdef inline int mp_bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
-    cdef const uint8_t* p = c.p
-    cdef size_t left = _left(c)
-    cdef size_t hdr, ln
-    cdef uint8_t b
-    if left == 0:
+    w = 2 if b == m16 else 4
+    if left <= w:
         return WIRE_EOF
-    b = p[0]
-    if b == 0xc4:
-        hdr = 2
-        if left < 2:
-            return WIRE_EOF
-        ln = p[1]
-    elif b == 0xc5:
-        hdr = 3
-        if left < 3:
-            return WIRE_EOF
-        ln = _be16(p + 1)
-    elif b == 0xc6:
-        hdr = 5
-        if left < 5:
-            return WIRE_EOF
-        ln = _be32(p + 1)
-    else:
-        return WIRE_TYPE
-    if ln > left - hdr:
-        return WIRE_EOF
-    s[0] = p + hdr
-    n[0] = ln
-    c.p = p + hdr + ln
+    n[0] = _be(p + 1, w)
+    c.p = p + 1 + w
     return WIRE_OK
 
 
@@ -250,7 +194,8 @@ cdef inline int mp_skip(wcur* c, int max_depth, bint ext_ok) noexcept nogil:
     cdef const uint8_t* p = c.p
     cdef const uint8_t* end = c.end
     cdef uint8_t b
-    cdef size_t hdr, ln, left
+    cdef size_t hdr, ln, left, w
+    cdef bint box
     while todo:
         if max_depth:
             while depth and todo == marks[depth - 1]:
@@ -261,62 +206,36 @@ cdef inline int mp_skip(wcur* c, int max_depth, bint ext_ok) noexcept nogil:
             c.p = end
             return WIRE_EOF
         b = p[0]
-        hdr = 1
-        ln = 0
-        kids = 0
         if b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
             p += 1
             continue
-        if 0xa0 <= b <= 0xbf:
-            ln = b & 0x1f
-        elif b == 0xc1:
+        if b == 0xc1:
             c.p = p
             return WIRE_BAD_BYTE
-        elif b == 0xc4 or b == 0xd9:        # bin8 / str8
-            hdr = 2
-            if left < 2:
-                c.p = end
-                return WIRE_EOF
-            ln = p[1]
-        elif b == 0xc5 or b == 0xda:        # bin16 / str16
-            hdr = 3
-            if left < 3:
-                c.p = end
-                return WIRE_EOF
-            ln = _be16(p + 1)
-        elif b == 0xc6 or b == 0xdb:        # bin32 / str32
-            hdr = 5
-            if left < 5:
-                c.p = end
-                return WIRE_EOF
-            ln = _be32(p + 1)
+        # the width of the length (count) after the tag, 0 for none: bin and str 8/16/32,
+        # ext 8/16/32 (the length, then a type byte), array and map 16/32
+        w = _mp_width(b, 0xc4) | _mp_width(b, 0xd9) | _mp_width(b, 0xc7)
+        if b == 0xdc or b == 0xde:
+            w = 2
+        elif b == 0xdd or b == 0xdf:
+            w = 4
+        hdr = 1 + w
+        ln = 0
+        kids = 0
+        box = (0x80 <= b <= 0x9f) or b >= 0xdc     # array or map (fix, 16, 32)
+        if 0xa0 <= b <= 0xbf:
+            ln = b & 0x1f
         elif 0xca <= b <= 0xd3:             # float, int
             hdr = mp_num_size(b)
         elif (0xc7 <= b <= 0xc9) or (0xd4 <= b <= 0xd8):
             if not ext_ok:
                 c.p = p
                 return WIRE_EXT
-            if b == 0xc7:                   # ext8
-                hdr = 3
-                if left < 2:
-                    c.p = end
-                    return WIRE_EOF
-                ln = p[1]
-            elif b == 0xc8:                 # ext16
-                hdr = 4
-                if left < 3:
-                    c.p = end
-                    return WIRE_EOF
-                ln = _be16(p + 1)
-            elif b == 0xc9:                 # ext32
-                hdr = 6
-                if left < 5:
-                    c.p = end
-                    return WIRE_EOF
-                ln = _be32(p + 1)
+            if w:                           # ext 8/16/32: a type byte after the length
+                hdr += 1
             else:                           # fixext 1/2/4/8/16: type byte + data
                 hdr = 2 + (<size_t>1 << (b - 0xd4))
-        else:                               # array or map (fix, 16, 32)
+        elif box:
             if max_depth:
                 if depth >= max_depth:
                     c.p = p
@@ -327,20 +246,17 @@ cdef inline int mp_skip(wcur* c, int max_depth, bint ext_ok) noexcept nogil:
                 kids = 2 * <uint64_t>(b & 0x0f)
             elif b <= 0x9f:                 # fixarray
                 kids = b & 0x0f
-            elif b == 0xdc or b == 0xde:    # array16 / map16
-                hdr = 3
-                if left < 3:
-                    c.p = end
-                    return WIRE_EOF
-                kids = _be16(p + 1)
-            else:                           # array32 / map32
-                hdr = 5
-                if left < 5:
-                    c.p = end
-                    return WIRE_EOF
-                kids = _be32(p + 1)
-            if b >= 0xde:                   # map16 / map32: pairs
-                kids *= 2
+        if w:
+            if left <= w:
+                c.p = end
+                return WIRE_EOF
+            if not box:
+                ln = _be(p + 1, w)
+            elif b >= 0xde:                 # map16 / map32: pairs
+                kids = 2 * _be(p + 1, w)
+            else:
+                kids = _be(p + 1, w)
+        if box:
             if kids > left - hdr:           # every element needs at least one byte
                 c.p = end
                 return WIRE_EOF
@@ -376,6 +292,17 @@ cdef inline uint32_t _mp_fast(const uint8_t* p, uint8_t b) noexcept nogil:
     cdef uint8_t sh = _MP_SH[b]
     cdef uint32_t m = _MP_SGN[b]
     return (<uint32_t>(<int32_t>w >> sh) & m) | ((w >> sh) & ~m)
+
+
+cdef inline uint8_t _mp_fast_step(const uint8_t** pp, uint32_t* out) noexcept nogil:
+    # one element of a fast tag at *pp into *out, *pp moved past it: its length; 0 (nothing
+    # done) for any other tag. 9 readable bytes at *pp
+    cdef const uint8_t* p = pp[0]
+    cdef uint8_t ln = _MP_LEN[p[0]]
+    if ln:
+        out[0] = _mp_fast(p, p[0])
+        pp[0] = p + ln
+    return ln
 
 
 # Parse n msgpack ints at c.p into out, truncated to their low 32 bits; ints of 2**63
@@ -453,7 +380,7 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
     cdef size_t half = n // 2
     cdef size_t cap = n - half
     cdef size_t ia = 0, kb = 0, kj = 0, have, k, guess
-    cdef uint8_t a, b, la, lb
+    cdef uint8_t lb
     cdef bint bgo
     cdef uint32_t* vb
     cdef uint8_t* lens
@@ -466,12 +393,8 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
     lim = c.end - 9                    # a fast step at p needs p <= lim
     # B's start: A's first MP_SPLIT_PROBE elements give the bytes per element
     while ia < MP_SPLIT_PROBE and pa <= lim:
-        a = pa[0]
-        la = _MP_LEN[a]
-        if la == 0:
+        if _mp_fast_step(&pa, out + ia) == 0:
             break
-        out[ia] = _mp_fast(pa, a)
-        pa += la
         ia += 1
     pb = lim + 1                       # no B
     if ia == MP_SPLIT_PROBE:
@@ -484,16 +407,11 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
     bgo = pb <= lim
     # A and B in turns, until A reaches B's start or the middle index
     while ia < half and pa < first and pa <= lim:
-        a = pa[0]
-        la = _MP_LEN[a]
-        if la == 0:
+        if _mp_fast_step(&pa, out + ia) == 0:
             break
-        out[ia] = _mp_fast(pa, a)
-        pa += la
         ia += 1
         if bgo:
-            b = pb[0]
-            lb = _MP_LEN[b]
+            lb = _mp_fast_step(&pb, vb + kb)
             if lb == 0:
                 # not on the array's path yet (or a tag B leaves to A): B starts again at
                 # the next byte, dropping what it recorded (none of it is used yet)
@@ -502,9 +420,7 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
                 kb = 0
                 bgo = pb <= lim
             else:
-                vb[kb] = _mp_fast(pb, b)
                 lens[kb] = lb
-                pb += lb
                 kb += 1
                 bgo = kb < cap and pb <= lim
     # A alone, looking for B's path: `first` walks B's starts (kj: B's element there)
@@ -524,14 +440,8 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
                     pa += lens[k]
                 ia += have
                 break
-        if pa > lim:
+        if pa > lim or _mp_fast_step(&pa, out + ia) == 0:
             break
-        a = pa[0]
-        la = _MP_LEN[a]
-        if la == 0:
-            break
-        out[ia] = _mp_fast(pa, a)
-        pa += la
         ia += 1
     free(vb)
     return _mp_u32_from(c, pa, out, ia, n, count)
