@@ -66,29 +66,19 @@ cdef inline int _wb_byte(wbuf* b, char ch) except -1:
     return 0
 
 
-cdef inline char* _dec_back(char* end, uint64_t v) noexcept nogil:
-    """The decimal digits of ``v`` written just before ``end``; returns where they start."""
-    while True:
-        end -= 1
-        end[0] = <char>(48 + v % 10)
-        v //= 10
-        if v == 0:
-            return end
-
-
 cdef int _wb_dec(wbuf* b, uint64_t v) except -1:
     cdef char tmp[24]
-    cdef char* s = _dec_back(tmp + 24, v)
-    return _wb_raw(b, s, <size_t>(tmp + 24 - s))
+    cdef int i = 24
+    while True:
+        i -= 1
+        tmp[i] = <char>(48 + v % 10)
+        v //= 10
+        if v == 0:
+            break
+    return _wb_raw(b, tmp + i, 24 - i)
 
 
 cdef const char* _HEX = b"0123456789abcdef"
-# The letter of a control character's two-character JSON escape (\b \t \n \f \r), NUL
-# for the others (written \u00XX).
-cdef const char* _JSON_ESC = (b"\0\0\0\0\0\0\0\0btn\0fr\0\0"
-                              b"\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0")
-
-
 cdef int _wb_json_bytes(wbuf* b, const uint8_t* u, size_t n) except -1:
     """A JSON string of UTF-8 bytes, escaped like msgspec."""
     cdef size_t i
@@ -107,9 +97,25 @@ cdef int _wb_json_bytes(wbuf* b, const uint8_t* u, size_t n) except -1:
         elif ch >= 32:
             o[0] = <char>ch
             o += 1
-        elif _JSON_ESC[ch]:
+        elif ch == 10:
             o[0] = b'\\'
-            o[1] = _JSON_ESC[ch]
+            o[1] = b'n'
+            o += 2
+        elif ch == 9:
+            o[0] = b'\\'
+            o[1] = b't'
+            o += 2
+        elif ch == 13:
+            o[0] = b'\\'
+            o[1] = b'r'
+            o += 2
+        elif ch == 8:
+            o[0] = b'\\'
+            o[1] = b'b'
+            o += 2
+        elif ch == 12:
+            o[0] = b'\\'
+            o[1] = b'f'
             o += 2
         else:
             o[0] = b'\\'
@@ -264,7 +270,12 @@ cdef int _wb_dp_key(wbuf* b, const hit_t* h, Py_ssize_t i, dict dp_texts, bint m
         return _wb_str(b, dp_texts[i], mp)
     neg = h.dp < 0
     v = <uint64_t>0 - <uint64_t>h.dp if neg else <uint64_t>h.dp
-    k = <int>(_dec_back(tmp + 24, v) - tmp)
+    while True:
+        k -= 1
+        tmp[k] = <char>(48 + v % 10)
+        v //= 10
+        if v == 0:
+            break
     if neg:
         k -= 1
         tmp[k] = b'-'

@@ -150,8 +150,13 @@ cdef inline char* _p_raw(char* o, const char* s, size_t n) noexcept nogil:
 
 
 cdef inline char* _p_dec(char* o, uint64_t v) noexcept nogil:
-    cdef size_t n = _dec_len(v)
-    _dec_back(o + n, v)
+    cdef size_t n = _dec_len(v), i = n
+    while True:
+        i -= 1
+        o[i] = <char>(48 + v % 10)
+        v //= 10
+        if i == 0:
+            break
     return o + n
 
 

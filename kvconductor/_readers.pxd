@@ -294,17 +294,6 @@ cdef inline uint32_t _mp_fast(const uint8_t* p, uint8_t b) noexcept nogil:
     return (<uint32_t>(<int32_t>w >> sh) & m) | ((w >> sh) & ~m)
 
 
-cdef inline uint8_t _mp_fast_step(const uint8_t** pp, uint32_t* out) noexcept nogil:
-    # one element of a fast tag at *pp into *out, *pp moved past it: its length; 0 (nothing
-    # done) for any other tag. 9 readable bytes at *pp
-    cdef const uint8_t* p = pp[0]
-    cdef uint8_t ln = _MP_LEN[p[0]]
-    if ln:
-        out[0] = _mp_fast(p, p[0])
-        pp[0] = p + ln
-    return ln
-
-
 # Parse n msgpack ints at c.p into out, truncated to their low 32 bits; ints of 2**63
 # or more give WIRE_RANGE (as i64 would not hold them). *count = elements stored (on
 # error: index of the offending element). From MP_SPLIT_MIN elements on, it allocates
@@ -380,7 +369,7 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
     cdef size_t half = n // 2
     cdef size_t cap = n - half
     cdef size_t ia = 0, kb = 0, kj = 0, have, k, guess
-    cdef uint8_t lb
+    cdef uint8_t a, b, la, lb
     cdef bint bgo
     cdef uint32_t* vb
     cdef uint8_t* lens
@@ -393,8 +382,12 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
     lim = c.end - 9                    # a fast step at p needs p <= lim
     # B's start: A's first MP_SPLIT_PROBE elements give the bytes per element
     while ia < MP_SPLIT_PROBE and pa <= lim:
-        if _mp_fast_step(&pa, out + ia) == 0:
+        a = pa[0]
+        la = _MP_LEN[a]
+        if la == 0:
             break
+        out[ia] = _mp_fast(pa, a)
+        pa += la
         ia += 1
     pb = lim + 1                       # no B
     if ia == MP_SPLIT_PROBE:
@@ -407,11 +400,16 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
     bgo = pb <= lim
     # A and B in turns, until A reaches B's start or the middle index
     while ia < half and pa < first and pa <= lim:
-        if _mp_fast_step(&pa, out + ia) == 0:
+        a = pa[0]
+        la = _MP_LEN[a]
+        if la == 0:
             break
+        out[ia] = _mp_fast(pa, a)
+        pa += la
         ia += 1
         if bgo:
-            lb = _mp_fast_step(&pb, vb + kb)
+            b = pb[0]
+            lb = _MP_LEN[b]
             if lb == 0:
                 # not on the array's path yet (or a tag B leaves to A): B starts again at
                 # the next byte, dropping what it recorded (none of it is used yet)
@@ -420,7 +418,9 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
                 kb = 0
                 bgo = pb <= lim
             else:
+                vb[kb] = _mp_fast(pb, b)
                 lens[kb] = lb
+                pb += lb
                 kb += 1
                 bgo = kb < cap and pb <= lim
     # A alone, looking for B's path: `first` walks B's starts (kj: B's element there)
@@ -440,8 +440,14 @@ cdef inline int _mp_u32_split(wcur* c, uint32_t* out, size_t n, size_t* count) n
                     pa += lens[k]
                 ia += have
                 break
-        if pa > lim or _mp_fast_step(&pa, out + ia) == 0:
+        if pa > lim:
             break
+        a = pa[0]
+        la = _MP_LEN[a]
+        if la == 0:
+            break
+        out[ia] = _mp_fast(pa, a)
+        pa += la
         ia += 1
     free(vb)
     return _mp_u32_from(c, pa, out, ia, n, count)
