@@ -89,33 +89,73 @@ cdef inline size_t _mp_width(uint8_t b, uint8_t first) noexcept nogil:
 cdef inline int mp_int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
     cdef const uint8_t* p = c.p
     cdef size_t left = _left(c)
-    cdef size_t w, sh
     cdef uint8_t b
     cdef int64_t s
     if left == 0:
         return WIRE_EOF
     b = p[0]
-    if b <= 0x7f or b >= 0xe0:
-        # positive / negative fixint
-        s = <int8_t>b
-        bits[0] = <uint64_t>s
-        neg[0] = s < 0
+    if b <= 0x7f:
+        bits[0] = b
+        neg[0] = False
         c.p = p + 1
         return WIRE_OK
-    if not 0xcc <= b <= 0xd3:
+    if b >= 0xe0:
+        bits[0] = <uint64_t><int64_t><int8_t>b
+        neg[0] = True
+        c.p = p + 1
+        return WIRE_OK
+    if b == 0xcc:
+        if left < 2:
+            return WIRE_EOF
+        bits[0] = p[1]
+        neg[0] = False
+        c.p = p + 2
+        return WIRE_OK
+    if b == 0xcd:
+        if left < 3:
+            return WIRE_EOF
+        bits[0] = _be16(p + 1)
+        neg[0] = False
+        c.p = p + 3
+        return WIRE_OK
+    if b == 0xce:
+        if left < 5:
+            return WIRE_EOF
+        bits[0] = _be32(p + 1)
+        neg[0] = False
+        c.p = p + 5
+        return WIRE_OK
+    if b == 0xcf:
+        if left < 9:
+            return WIRE_EOF
+        bits[0] = _be64(p + 1)
+        neg[0] = False
+        c.p = p + 9
+        return WIRE_OK
+    if b == 0xd0:
+        if left < 2:
+            return WIRE_EOF
+        s = <int8_t>p[1]
+        c.p = p + 2
+    elif b == 0xd1:
+        if left < 3:
+            return WIRE_EOF
+        s = <int16_t>_be16(p + 1)
+        c.p = p + 3
+    elif b == 0xd2:
+        if left < 5:
+            return WIRE_EOF
+        s = <int32_t>_be32(p + 1)
+        c.p = p + 5
+    elif b == 0xd3:
+        if left < 9:
+            return WIRE_EOF
+        s = <int64_t>_be64(p + 1)
+        c.p = p + 9
+    else:
         return WIRE_BAD_BYTE if b == 0xc1 else WIRE_TYPE
-    # uint8..64 (0xcc..0xcf), int8..64 (0xd0..0xd3): 1, 2, 4 or 8 bytes
-    w = <size_t>1 << (b & 3)
-    if left <= w:
-        return WIRE_EOF
-    bits[0] = _be(p + 1, w)
-    c.p = p + 1 + w
-    neg[0] = False
-    if b >= 0xd0:
-        sh = 64 - 8 * w
-        s = (<int64_t>(bits[0] << sh)) >> sh
-        bits[0] = <uint64_t>s
-        neg[0] = s < 0
+    bits[0] = <uint64_t>s
+    neg[0] = s < 0
     return WIRE_OK
 
 
