@@ -79,8 +79,6 @@ cdef int _wb_dec(wbuf* b, uint64_t v) except -1:
 
 
 cdef const char* _HEX = b"0123456789abcdef"
-
-
 cdef int _wb_json_bytes(wbuf* b, const uint8_t* u, size_t n) except -1:
     """A JSON string of UTF-8 bytes, escaped like msgspec."""
     cdef size_t i
@@ -133,28 +131,49 @@ cdef int _wb_json_bytes(wbuf* b, const uint8_t* u, size_t n) except -1:
     return 0
 
 
+# -- msgpack headers and ints, written at o (room checked by the caller); each returns the
+# byte after. Every width goes through _p_tag_be.
+cdef inline char* _p_tag_be(char* o, uint8_t tag, uint64_t v, size_t w) noexcept nogil:
+    """``tag``, then ``v`` as ``w`` big-endian bytes (1, 2, 4 or 8)."""
+    cdef size_t k
+    o[0] = <char>tag
+    for k in range(w):
+        o[1 + k] = <char>(v >> (8 * (w - 1 - k)))
+    return o + 1 + w
+
+
+cdef inline char* _p_mphead(char* o, uint64_t v, uint8_t fix, uint64_t nfix, uint8_t tag,
+                            size_t w) noexcept nogil:
+    """``v`` in the shortest form of its msgpack family: ``fix | v`` below ``nfix``, else
+    ``tag`` and ``v`` in ``w`` bytes, or the next tag and twice the bytes, as far as ``v``
+    needs (every family's tags follow each other: the caller keeps ``v`` in its range)."""
+    if v < nfix:
+        o[0] = <char>(fix | v)
+        return o + 1
+    while w < 8 and (v >> (8 * w)) != 0:
+        w *= 2
+        tag += 1
+    return _p_tag_be(o, tag, v, w)
+
+
+cdef inline char* _p_mpstr(char* o, size_t n) noexcept nogil:
+    """The header of a str of ``n`` bytes: fixstr, str8/16/32 (at most 5 bytes)."""
+    return _p_mphead(o, n, 0xa0, 32, 0xd9, 1)
+
+
+cdef inline char* _p_mpu(char* o, uint64_t v) noexcept nogil:
+    """An unsigned int: positive fixint, uint8/16/32/64 (at most 9 bytes)."""
+    return _p_mphead(o, v, 0, 128, 0xcc, 1)
+
+
+cdef inline char* _p_mpmap(char* o, size_t n) noexcept nogil:
+    """The header of a map of ``n`` pairs: fixmap, map16/32 (at most 5 bytes)."""
+    return _p_mphead(o, n, 0x80, 16, 0xde, 2)
+
+
 cdef int _wb_mp_str_bytes(wbuf* b, const char* u, size_t n) except -1:
     _wb_reserve(b, n + 5)
-    cdef char* o = b.data + b.len
-    if n < 32:
-        o[0] = <char>(0xa0 | n)
-        o += 1
-    elif n < 256:
-        o[0] = <char>0xd9
-        o[1] = <char>n
-        o += 2
-    elif n < 65536:
-        o[0] = <char>0xda
-        o[1] = <char>(n >> 8)
-        o[2] = <char>n
-        o += 3
-    else:
-        o[0] = <char>0xdb
-        o[1] = <char>(n >> 24)
-        o[2] = <char>(n >> 16)
-        o[3] = <char>(n >> 8)
-        o[4] = <char>n
-        o += 5
+    cdef char* o = _p_mpstr(b.data + b.len, n)
     memcpy(o, u, n)
     b.len = <size_t>(o - b.data) + n
     return 0
@@ -170,53 +189,13 @@ cdef int _wb_str(wbuf* b, str s, bint mp) except -1:
 
 cdef int _wb_mp_uint(wbuf* b, uint64_t v) except -1:
     _wb_reserve(b, 9)
-    cdef char* o = b.data + b.len
-    cdef int k
-    if v < 128:
-        o[0] = <char>v
-        b.len += 1
-    elif v < 256:
-        o[0] = <char>0xcc
-        o[1] = <char>v
-        b.len += 2
-    elif v < 65536:
-        o[0] = <char>0xcd
-        o[1] = <char>(v >> 8)
-        o[2] = <char>v
-        b.len += 3
-    elif v <= 0xFFFFFFFF:
-        o[0] = <char>0xce
-        o[1] = <char>(v >> 24)
-        o[2] = <char>(v >> 16)
-        o[3] = <char>(v >> 8)
-        o[4] = <char>v
-        b.len += 5
-    else:
-        o[0] = <char>0xcf
-        for k in range(8):
-            o[1 + k] = <char>(v >> (56 - 8 * k))
-        b.len += 9
+    b.len = <size_t>(_p_mpu(b.data + b.len, v) - b.data)
     return 0
 
 
 cdef int _wb_mp_map(wbuf* b, size_t n) except -1:
     _wb_reserve(b, 5)
-    cdef char* o = b.data + b.len
-    if n < 16:
-        o[0] = <char>(0x80 | n)
-        b.len += 1
-    elif n < 65536:
-        o[0] = <char>0xde
-        o[1] = <char>(n >> 8)
-        o[2] = <char>n
-        b.len += 3
-    else:
-        o[0] = <char>0xdf
-        o[1] = <char>(n >> 24)
-        o[2] = <char>(n >> 16)
-        o[3] = <char>(n >> 8)
-        o[4] = <char>n
-        b.len += 5
+    b.len = <size_t>(_p_mpmap(b.data + b.len, n) - b.data)
     return 0
 
 

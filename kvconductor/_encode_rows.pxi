@@ -160,54 +160,6 @@ cdef inline char* _p_dec(char* o, uint64_t v) noexcept nogil:
     return o + n
 
 
-cdef inline char* _p_mpu(char* o, uint64_t v) noexcept nogil:
-    if v < 128:
-        o[0] = <char>v
-        return o + 1
-    if v < 256:
-        o[0] = <char>0xcc
-        o[1] = <char>v
-        return o + 2
-    if v < 65536:
-        o[0] = <char>0xcd
-        o[1] = <char>(v >> 8)
-        o[2] = <char>v
-        return o + 3
-    o[0] = <char>0xce           # counts here are u32
-    o[1] = <char>(v >> 24)
-    o[2] = <char>(v >> 16)
-    o[3] = <char>(v >> 8)
-    o[4] = <char>v
-    return o + 5
-
-
-cdef inline char* _p_mpmap(char* o, size_t n) noexcept nogil:
-    if n < 16:
-        o[0] = <char>(0x80 | n)
-        return o + 1
-    if n < 65536:
-        o[0] = <char>0xde
-        o[1] = <char>(n >> 8)
-        o[2] = <char>n
-        return o + 3
-    o[0] = <char>0xdf
-    o[1] = <char>(n >> 24)
-    o[2] = <char>(n >> 16)
-    o[3] = <char>(n >> 8)
-    o[4] = <char>n
-    return o + 5
-
-
-cdef inline char* _p_mpu64(char* o, uint64_t v) noexcept nogil:
-    cdef int k
-    if v <= _U32_MAX:
-        return _p_mpu(o, v)
-    o[0] = <char>0xcf
-    for k in range(8):
-        o[1 + k] = <char>(v >> (56 - 8 * k))
-    return o + 9
-
-
 # -- freshness (docs/api.md, "freshness"): per answered (instance, DP), written in its DP map
 #: The state names, by code (``fresh_t.code``); the worst of a DP's sources is the last.
 FRESH_STATES = ("live", "remote", "connecting", "replaying", "degraded", "muted", "no_source")
@@ -252,10 +204,10 @@ cdef inline char* _p_fresh(char* o, const fresh_t* f, bint mp) noexcept nogil:
         o = _p_raw(o, _fs_mp[f.code], _fs_mp_len[f.code])
         if f.has_age:
             o = _p_raw(o, b"\xb1last_event_age_ms", 18)
-            o = _p_mpu64(o, f.age_ms)
+            o = _p_mpu(o, f.age_ms)
         if f.has_since:
             o = _p_raw(o, b"\xafdegraded_for_ms", 16)
-            o = _p_mpu64(o, f.since_ms)
+            o = _p_mpu(o, f.since_ms)
         return o
     o = _p_raw(o, b",\"freshness\":", 13)
     o = _p_raw(o, b"{\"state\":", 9)

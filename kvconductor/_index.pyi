@@ -6,6 +6,7 @@ from typing_extensions import disjoint_base
 
 from kvconductor._arena import Arena
 from kvconductor._shlock import SharedLock
+from kvconductor._tree import _ChainWriter
 
 class IndexClosedError(ValueError): ...
 class StaleIndexError(RuntimeError): ...
@@ -28,7 +29,7 @@ class MatchRows:
     ) -> MatchRows: ...
 
 @disjoint_base
-class CoreIndex:
+class CoreIndex(_ChainWriter):
     """Index core of one (model, tenant). One writer thread; concurrent readers."""
     def __init__(self) -> None: ...
     def close(self) -> None: ...
@@ -40,13 +41,6 @@ class CoreIndex:
     def set_worker(self, worker: int, group: int, tier: int) -> None: ...
     def set_muted(self, worker: int, muted: bool) -> None: ...
     def is_muted(self, worker: int) -> bool: ...
-    def store(
-        self,
-        worker: int,
-        parent: int | None,
-        engine_hashes: Sequence[int],
-        local_hashes: Sequence[int],
-    ) -> int: ...
     def store_tokens(
         self,
         worker: int,
@@ -56,8 +50,6 @@ class CoreIndex:
         block_size: int,
         seed: int = 1337,
     ) -> int: ...
-    def remove(self, worker: int, engine_hashes: Sequence[int]) -> int: ...
-    def clear(self, worker: int) -> int: ...
     def offload(
         self,
         engine_hashes: Sequence[int],

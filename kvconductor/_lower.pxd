@@ -5,7 +5,6 @@ from libc.stdint cimport uint32_t, uint64_t
 from kvconductor._cursor cimport HCursor
 from kvconductor._maps cimport FpMap, U64Map
 from kvconductor._pool cimport HM_NIL, Pool
-from kvconductor._rwlock cimport pthread_rwlock_t
 
 cdef struct LEdge:
     # nowners == 1: the sole owner's worker id; >= 2: head of the owner list in Lower.own;
@@ -63,7 +62,7 @@ cdef inline uint32_t lower_owner_next(const Lower* L, uint32_t* cur) noexcept no
     return L.own[o].worker
 
 
-cdef void lower_init(Lower* L) noexcept nogil
+cdef int lower_init(Lower* L) noexcept nogil
 cdef void lower_free(Lower* L) noexcept nogil
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil
 # Non-root edge (parent, local), or the FIRST root edge of ``local`` (has_parent false;
@@ -102,9 +101,3 @@ cdef void lower_walk_multi(const Lower* L, HCursor* hc, size_t start,
                            uint64_t parent, const uint32_t* cand, size_t ncand,
                            uint32_t* idx, size_t nidx, size_t* out_end,
                            uint64_t* out_last) noexcept nogil
-
-
-cdef class LowerTier:
-    cdef Lower L
-    cdef pthread_rwlock_t lock
-    cdef bint lock_ok

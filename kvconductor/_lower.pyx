@@ -24,11 +24,11 @@ from kvconductor._pool cimport (
     HM_NIL, live_allocations, mem_free, pool_give, pool_init, pool_mark_free, pool_take,
 )
 from kvconductor._rwlock cimport (
-    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
-    rwlock_init,
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_t, pthread_rwlock_unlock,
+    pthread_rwlock_wrlock, rwlock_init,
 )
 
-from kvconductor._tree cimport check_raise
+from kvconductor._tree cimport check_raise, check_rc
 
 from kvconductor._hash import as_u64
 
@@ -38,7 +38,7 @@ cdef enum:
     NO_SLOT = 0xFFFFFFFFFFFFFFFF     # "no slot" for the FpMap slot finders
 
 
-cdef void lower_init(Lower* L) noexcept nogil:
+cdef int lower_init(Lower* L) noexcept nogil:
     L.edges = NULL
     pool_init(&L.edge_pool)
     L.live_edges = 0
@@ -50,6 +50,7 @@ cdef void lower_init(Lower* L) noexcept nogil:
     L.rev = NULL
     L.nrev = 0
     L.total = 0
+    return 0
 
 
 cdef void lower_free(Lower* L) noexcept nogil:
@@ -64,6 +65,12 @@ cdef void lower_free(Lower* L) noexcept nogil:
 cdef size_t lower_nbytes(const Lower* L) noexcept nogil:
     cdef size_t n = L.edge_pool.cap * sizeof(LEdge) + L.own_pool.cap * sizeof(LOwner)
     return n + fpm_nbytes(&L.pairs) + u64m_nbytes(&L.roots) + revs_nbytes(L.rev, L.nrev)
+
+
+cdef void lower_counts(const Lower* L, size_t* out) noexcept nogil:
+    """``LowerTier.sizes``' first two: (worker, block) pairs and edges."""
+    out[0] = L.total
+    out[1] = L.live_edges
 
 
 # -- non-root edges: (parent, local) -> edge, the key read back from the edge -----------------
@@ -593,66 +600,21 @@ cdef int lower_check(const Lower* L, char* msg, size_t cap) noexcept nogil:
     return rc
 
 
-cdef class LowerTier:
+ctypedef Lower Table
+include "_chains.pxi"
+cdef ChainKernels _KERNELS = ChainKernels(
+    lower_init, lower_free, lower_store, lower_remove, lower_clear, lower_counts, lower_nbytes,
+    lower_check)
+
+
+cdef class LowerTier(_Chains):
     """One lower tier (CPU or Disk) of an index.
 
     **Threading: one writer thread calls store/remove/clear; any number of
     threads may call walk/lookup_block/stats concurrently. Each method holds a C
     reader/writer lock (writers exclusive) and runs without the GIL.**
+    ``sizes()`` is ``(total_blocks, num_edges, nbytes, worker_blocks(worker))``.
     """
-
-    def __cinit__(self):
-        self.lock_ok = False
-        lower_init(&self.L)
-        if rwlock_init(&self.lock) != 0:
-            raise MemoryError("cannot initialise rwlock")
-        self.lock_ok = True
-
-    def __dealloc__(self):
-        lower_free(&self.L)
-        if self.lock_ok:
-            pthread_rwlock_destroy(&self.lock)
-            self.lock_ok = False
-
-    def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
-        """Store a chain for ``worker`` after ``parent`` (None = root); returns blocks accepted."""
-        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
-        cdef const uint64_t[::1] lv = as_u64(local_hashes)
-        cdef size_t n = min(sv.shape[0], lv.shape[0])
-        cdef bint hp = parent is not None
-        cdef uint64_t p = parent if hp else 0
-        cdef long rc
-        if n == 0:
-            return 0
-        with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            rc = lower_store(&self.L, worker, hp, p, &sv[0], &lv[0], n)
-            pthread_rwlock_unlock(&self.lock)
-        if rc < 0:
-            raise MemoryError()
-        return rc
-
-    def remove(self, uint32_t worker, engine_hashes):
-        """Drop ``worker``'s ownership of blocks; returns how many it held."""
-        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
-        cdef size_t n = sv.shape[0]
-        cdef long rc
-        if n == 0:
-            return 0
-        with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            rc = lower_remove(&self.L, worker, &sv[0], n)
-            pthread_rwlock_unlock(&self.lock)
-        return rc
-
-    def clear(self, uint32_t worker):
-        """Drop every block of ``worker``; returns the count."""
-        cdef long rc
-        with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            rc = lower_clear(&self.L, worker)
-            pthread_rwlock_unlock(&self.lock)
-        return rc
 
     def lookup_block(self, uint64_t h):
         """``(parent | None, local)`` of block ``h`` (lowest worker id), or None."""
@@ -660,7 +622,7 @@ cdef class LowerTier:
         cdef uint64_t p = 0, local = 0
         with nogil:
             pthread_rwlock_rdlock(&self.lock)
-            found = lower_lookup(&self.L, h, &hp, &p, &local)
+            found = lower_lookup(&self.t, h, &hp, &p, &local)
             pthread_rwlock_unlock(&self.lock)
         if not found:
             return None
@@ -682,65 +644,36 @@ cdef class LowerTier:
         hc_init_hashes(&hc, &lv[0], n)
         with nogil:
             pthread_rwlock_rdlock(&self.lock)
-            end = lower_walk_one(&self.L, worker, &hc, start, &hp, &p)
+            end = lower_walk_one(&self.t, worker, &hc, start, &hp, &p)
             pthread_rwlock_unlock(&self.lock)
         if end == start:
             return (0, None)
         return (end - start, p)
-
-    # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
-    # it takes the read lock like the walks do: one snapshot of every size.
-    def sizes(self, uint32_t worker=0):
-        """``(total_blocks, num_edges, nbytes, worker_blocks(worker))`` under one lock."""
-        cdef size_t total, edges, nb, wb
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            total = self.L.total
-            edges = self.L.live_edges
-            nb = lower_nbytes(&self.L)
-            wb = lower_worker_blocks(&self.L, worker)
-            pthread_rwlock_unlock(&self.lock)
-        return total, edges, nb, wb
-
-    def worker_blocks(self, uint32_t worker):
-        """Number of blocks ``worker`` holds in this tier."""
-        return self.sizes(worker)[3]
-
-    def check_invariants(self):
-        """Walk the C structures under the read lock; ``AssertionError`` naming the first
-        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
-        cdef char msg[256]
-        cdef int rc
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            rc = lower_check(&self.L, msg, sizeof(msg))
-            pthread_rwlock_unlock(&self.lock)
-        check_raise(rc, msg)
 
     def _corrupt_for_test(self, str kind):
         """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
         fail (the object stays safe to free, not to use). Kinds: ``total``, ``owners``,
         ``owner_freed``, ``rev_entry``; all but ``total`` need a non-root edge two
         workers own."""
-        cdef uint32_t e = self.L.edge_pool.used - 1
+        cdef uint32_t e = self.t.edge_pool.used - 1
         cdef uint32_t o, w
         cdef size_t s
         if kind == "total":
-            self.L.total += 1
+            self.t.total += 1
             return
-        while e != HM_NIL and (self.L.edges[e].has_parent != 1 or self.L.edges[e].nowners < 2):
+        while e != HM_NIL and (self.t.edges[e].has_parent != 1 or self.t.edges[e].nowners < 2):
             e -= 1
         if e == HM_NIL:
             raise ValueError("needs a non-root edge two workers own")
-        o = self.L.edges[e].owners
+        o = self.t.edges[e].owners
         if kind == "owners":
-            self.L.edges[e].nowners += 1
+            self.t.edges[e].nowners += 1
         elif kind == "owner_freed":
-            pool_give(&self.L.own_pool, self.L.own, o, sizeof(LOwner))
+            pool_give(&self.t.own_pool, self.t.own, o, sizeof(LOwner))
         elif kind == "rev_entry":
-            w = self.L.own[o].worker
-            s = _rev_slot(&self.L, &self.L.rev[w], self.L.edges[e].child)
-            fpm_delete_at(&self.L.rev[w], s)
+            w = self.t.own[o].worker
+            s = _rev_slot(&self.t, &self.t.rev[w], self.t.edges[e].child)
+            fpm_delete_at(&self.t.rev[w], s)
         else:
             raise ValueError(kind)
 
@@ -753,11 +686,6 @@ cdef class LowerTier:
     def num_edges(self):
         """Edges in the table."""
         return self.sizes()[1]
-
-    @property
-    def nbytes(self):
-        """Bytes allocated by the tier's C structures."""
-        return self.sizes()[2]
 
 
 def _live_allocations():

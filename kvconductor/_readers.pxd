@@ -65,6 +65,26 @@ cdef inline bint _eq(const uint8_t* s, size_t n, const char* lit, size_t m) noex
     return n == m and memcmp(s, lit, m) == 0
 
 
+# The big-endian unsigned int of w = 1, 2, 4 or 8 bytes at p: every msgpack width (the
+# length of a str, bin or ext, the count of an array or map, an int) is read here.
+cdef inline uint64_t _be(const uint8_t* p, size_t w) noexcept nogil:
+    if w == 1:
+        return p[0]
+    if w == 2:
+        return _be16(p)
+    if w == 4:
+        return _be32(p)
+    return _be64(p)
+
+
+# The width of the length (or count) that follows tag b, for b in first..first+2 (8, 16 and
+# 32 bits: 1, 2, 4 bytes), else 0.
+cdef inline size_t _mp_width(uint8_t b, uint8_t first) noexcept nogil:
+    if first <= b <= first + 2:
+        return <size_t>1 << (b - first)
+    return 0
+
+
 # Any msgpack int: its 64 bits (two's complement when *neg) and sign.
 cdef inline int mp_int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
     cdef const uint8_t* p = c.p
@@ -139,33 +159,26 @@ cdef inline int mp_int(wcur* c, uint64_t* bits, bint* neg) noexcept nogil:
     return WIRE_OK
 
 
-# str: *s, *n = its UTF-8 bytes (not validated).
-cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+# str (str8 = 0xd9 and fixstr 0xa0..0xbf) or bin (bin8 = 0xc4, no fix form): *s, *n = its
+# bytes (a str's UTF-8, not validated).
+cdef inline int _mp_bytes(wcur* c, uint8_t tag8, bint fix, const uint8_t** s,
+                          size_t* n) noexcept nogil:
     cdef const uint8_t* p = c.p
     cdef size_t left = _left(c)
-    cdef size_t hdr, ln
+    cdef size_t w, hdr, ln
     cdef uint8_t b
     if left == 0:
         return WIRE_EOF
     b = p[0]
-    if 0xa0 <= b <= 0xbf:
+    w = _mp_width(b, tag8)
+    if fix and 0xa0 <= b <= 0xbf:
         hdr = 1
         ln = b & 0x1f
-    elif b == 0xd9:
-        hdr = 2
-        if left < 2:
+    elif w:
+        hdr = 1 + w
+        if left < hdr:
             return WIRE_EOF
-        ln = p[1]
-    elif b == 0xda:
-        hdr = 3
-        if left < 3:
-            return WIRE_EOF
-        ln = _be16(p + 1)
-    elif b == 0xdb:
-        hdr = 5
-        if left < 5:
-            return WIRE_EOF
-        ln = _be32(p + 1)
+        ln = _be(p + 1, w)
     else:
         return WIRE_TYPE
     if ln > left - hdr:
@@ -174,6 +187,14 @@ cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
     n[0] = ln
     c.p = p + hdr + ln
     return WIRE_OK
+
+
+cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    return _mp_bytes(c, 0xd9, True, s, n)
+
+
+cdef inline int mp_bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
+    return _mp_bytes(c, 0xc4, False, s, n)
 
 
 # Array (fix=0x90, m16=0xdc) or map (fix=0x80, m16=0xde) header: *n = elements (map:
@@ -181,6 +202,7 @@ cdef inline int mp_str(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
 cdef inline int mp_container(wcur* c, uint8_t fix, uint8_t m16, size_t* n) noexcept nogil:
     cdef const uint8_t* p = c.p
     cdef size_t left = _left(c)
+    cdef size_t w
     cdef uint8_t b
     if left == 0:
         return WIRE_EOF
@@ -188,52 +210,14 @@ cdef inline int mp_container(wcur* c, uint8_t fix, uint8_t m16, size_t* n) noexc
     if (b & 0xf0) == fix:
         n[0] = b & 0x0f
         c.p = p + 1
-    elif b == m16:
-        if left < 3:
-            return WIRE_EOF
-        n[0] = _be16(p + 1)
-        c.p = p + 3
-    elif b == m16 + 1:
-        if left < 5:
-            return WIRE_EOF
-        n[0] = _be32(p + 1)
-        c.p = p + 5
-    else:
+        return WIRE_OK
+    if b != m16 and b != m16 + 1:
         return WIRE_TYPE
-    return WIRE_OK
-
-
-# bin: *s, *n = its bytes.
-cdef inline int mp_bin(wcur* c, const uint8_t** s, size_t* n) noexcept nogil:
-    cdef const uint8_t* p = c.p
-    cdef size_t left = _left(c)
-    cdef size_t hdr, ln
-    cdef uint8_t b
-    if left == 0:
+    w = 2 if b == m16 else 4
+    if left <= w:
         return WIRE_EOF
-    b = p[0]
-    if b == 0xc4:
-        hdr = 2
-        if left < 2:
-            return WIRE_EOF
-        ln = p[1]
-    elif b == 0xc5:
-        hdr = 3
-        if left < 3:
-            return WIRE_EOF
-        ln = _be16(p + 1)
-    elif b == 0xc6:
-        hdr = 5
-        if left < 5:
-            return WIRE_EOF
-        ln = _be32(p + 1)
-    else:
-        return WIRE_TYPE
-    if ln > left - hdr:
-        return WIRE_EOF
-    s[0] = p + hdr
-    n[0] = ln
-    c.p = p + hdr + ln
+    n[0] = _be(p + 1, w)
+    c.p = p + 1 + w
     return WIRE_OK
 
 
@@ -250,7 +234,8 @@ cdef inline int mp_skip(wcur* c, int max_depth, bint ext_ok) noexcept nogil:
     cdef const uint8_t* p = c.p
     cdef const uint8_t* end = c.end
     cdef uint8_t b
-    cdef size_t hdr, ln, left
+    cdef size_t hdr, ln, left, w
+    cdef bint box
     while todo:
         if max_depth:
             while depth and todo == marks[depth - 1]:
@@ -261,62 +246,36 @@ cdef inline int mp_skip(wcur* c, int max_depth, bint ext_ok) noexcept nogil:
             c.p = end
             return WIRE_EOF
         b = p[0]
-        hdr = 1
-        ln = 0
-        kids = 0
         if b <= 0x7f or b >= 0xe0 or b == 0xc0 or b == 0xc2 or b == 0xc3:
             p += 1
             continue
-        if 0xa0 <= b <= 0xbf:
-            ln = b & 0x1f
-        elif b == 0xc1:
+        if b == 0xc1:
             c.p = p
             return WIRE_BAD_BYTE
-        elif b == 0xc4 or b == 0xd9:        # bin8 / str8
-            hdr = 2
-            if left < 2:
-                c.p = end
-                return WIRE_EOF
-            ln = p[1]
-        elif b == 0xc5 or b == 0xda:        # bin16 / str16
-            hdr = 3
-            if left < 3:
-                c.p = end
-                return WIRE_EOF
-            ln = _be16(p + 1)
-        elif b == 0xc6 or b == 0xdb:        # bin32 / str32
-            hdr = 5
-            if left < 5:
-                c.p = end
-                return WIRE_EOF
-            ln = _be32(p + 1)
+        # the width of the length (count) after the tag, 0 for none: bin and str 8/16/32,
+        # ext 8/16/32 (the length, then a type byte), array and map 16/32
+        w = _mp_width(b, 0xc4) | _mp_width(b, 0xd9) | _mp_width(b, 0xc7)
+        if b == 0xdc or b == 0xde:
+            w = 2
+        elif b == 0xdd or b == 0xdf:
+            w = 4
+        hdr = 1 + w
+        ln = 0
+        kids = 0
+        box = (0x80 <= b <= 0x9f) or b >= 0xdc     # array or map (fix, 16, 32)
+        if 0xa0 <= b <= 0xbf:
+            ln = b & 0x1f
         elif 0xca <= b <= 0xd3:             # float, int
             hdr = mp_num_size(b)
         elif (0xc7 <= b <= 0xc9) or (0xd4 <= b <= 0xd8):
             if not ext_ok:
                 c.p = p
                 return WIRE_EXT
-            if b == 0xc7:                   # ext8
-                hdr = 3
-                if left < 2:
-                    c.p = end
-                    return WIRE_EOF
-                ln = p[1]
-            elif b == 0xc8:                 # ext16
-                hdr = 4
-                if left < 3:
-                    c.p = end
-                    return WIRE_EOF
-                ln = _be16(p + 1)
-            elif b == 0xc9:                 # ext32
-                hdr = 6
-                if left < 5:
-                    c.p = end
-                    return WIRE_EOF
-                ln = _be32(p + 1)
+            if w:                           # ext 8/16/32: a type byte after the length
+                hdr += 1
             else:                           # fixext 1/2/4/8/16: type byte + data
                 hdr = 2 + (<size_t>1 << (b - 0xd4))
-        else:                               # array or map (fix, 16, 32)
+        elif box:
             if max_depth:
                 if depth >= max_depth:
                     c.p = p
@@ -327,20 +286,17 @@ cdef inline int mp_skip(wcur* c, int max_depth, bint ext_ok) noexcept nogil:
                 kids = 2 * <uint64_t>(b & 0x0f)
             elif b <= 0x9f:                 # fixarray
                 kids = b & 0x0f
-            elif b == 0xdc or b == 0xde:    # array16 / map16
-                hdr = 3
-                if left < 3:
-                    c.p = end
-                    return WIRE_EOF
-                kids = _be16(p + 1)
-            else:                           # array32 / map32
-                hdr = 5
-                if left < 5:
-                    c.p = end
-                    return WIRE_EOF
-                kids = _be32(p + 1)
-            if b >= 0xde:                   # map16 / map32: pairs
-                kids *= 2
+        if w:
+            if left <= w:
+                c.p = end
+                return WIRE_EOF
+            if not box:
+                ln = _be(p + 1, w)
+            elif b >= 0xde:                 # map16 / map32: pairs
+                kids = 2 * _be(p + 1, w)
+            else:
+                kids = _be(p + 1, w)
+        if box:
             if kids > left - hdr:           # every element needs at least one byte
                 c.p = end
                 return WIRE_EOF

@@ -5,7 +5,6 @@ from libc.stdint cimport uint32_t, uint64_t
 from kvconductor._cursor cimport HCursor
 from kvconductor._maps cimport FpMap, hm_mix
 from kvconductor._pool cimport Pool
-from kvconductor._rwlock cimport pthread_rwlock_t
 
 cdef inline uint64_t member_sig(uint32_t worker) noexcept nogil:
     return hm_mix(<uint64_t>worker + 1)
@@ -160,11 +159,6 @@ cdef inline size_t tree_match_scratch(size_t nrev) noexcept nogil:
     """Bytes of tree_match's scratch for ``nrev`` workers: two bitmaps over them."""
     return 16 * ((nrev + 63) // 64)
 
-
-cdef class RadixTree:
-    cdef Tree t
-    cdef pthread_rwlock_t lock
-    cdef bint lock_ok
 
 # Dump and restore (CoreIndex.export_hbm / restore_hbm): the node table (parent row,
 # local) in parent-before-child order and the member table (node row, worker, engine hash).

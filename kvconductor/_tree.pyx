@@ -35,8 +35,8 @@ from kvconductor._pool cimport (
     pool_mark_free, pool_take,
 )
 from kvconductor._rwlock cimport (
-    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
-    rwlock_init,
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_t, pthread_rwlock_unlock,
+    pthread_rwlock_wrlock, rwlock_init,
 )
 
 from kvconductor._hash import as_u64
@@ -138,6 +138,12 @@ cdef size_t _tables_nbytes(const Tree* t) noexcept nogil:
 cdef size_t tree_nbytes(const Tree* t) noexcept nogil:
     return (t.node_pool.cap * sizeof(TNode) + t.mem_pool.cap * sizeof(TMember)
             + t.wide_pool.cap * sizeof(TWide) + t.wide_bytes + _tables_nbytes(t))
+
+
+cdef void tree_counts(const Tree* t, size_t* out) noexcept nogil:
+    """``RadixTree.sizes``' first two: nodes and (worker, block) pairs."""
+    out[0] = t.live_nodes
+    out[1] = t.npairs
 
 
 cdef size_t tree_used_bytes(const Tree* t) noexcept nogil:
@@ -417,100 +423,74 @@ include "_tree_inspect.pxi"
 
 
 # -- Python API ---------------------------------------------------------------------------
-cdef class RadixTree:
+ctypedef Tree Table
+include "_chains.pxi"
+cdef ChainKernels _KERNELS = ChainKernels(
+    tree_init, tree_free, tree_store, tree_remove, tree_clear, tree_counts, tree_nbytes,
+    tree_check)
+
+
+# tree_match's outputs (worker, depth, each worker's last engine hash) and scratch, for
+# ``nw`` workers.
+cdef struct MatchBufs:
+    uint32_t* worker
+    uint32_t* depth
+    uint64_t* ehash
+    uint64_t* scratch
+
+
+cdef int match_bufs_alloc(MatchBufs* b, size_t nw) noexcept nogil:
+    """``b`` for ``nw`` workers: 1 ready, 0 no worker (nothing to match), -1 out of
+    memory; free it in every case."""
+    if nw == 0:
+        return 0
+    b.worker = <uint32_t*>malloc(nw * sizeof(uint32_t))
+    b.depth = <uint32_t*>malloc(nw * sizeof(uint32_t))
+    b.scratch = <uint64_t*>malloc(tree_match_scratch(nw))
+    b.ehash = <uint64_t*>malloc(nw * sizeof(uint64_t))
+    if b.worker == NULL or b.depth == NULL or b.scratch == NULL or b.ehash == NULL:
+        return -1
+    return 1
+
+
+cdef void match_bufs_free(MatchBufs* b) noexcept nogil:
+    free(b.worker)
+    free(b.depth)
+    free(b.scratch)
+    free(b.ehash)
+
+
+cdef class RadixTree(_Chains):
     """HBM radix tree over LocalBlockHashes, shared by every HBM worker of an index.
 
     **Threading: one writer thread calls store/remove/clear; any number of
     threads may call match/stats concurrently. Each method holds a C
     reader/writer lock (writers exclusive) and runs without the GIL.**
+    ``sizes()`` is ``(num_nodes, num_pairs, nbytes, worker_blocks(worker))``.
     """
-
-    def __cinit__(self):
-        self.lock_ok = False
-        if tree_init(&self.t) < 0:
-            tree_free(&self.t)
-            raise MemoryError()
-        if rwlock_init(&self.lock) != 0:
-            tree_free(&self.t)
-            raise MemoryError("cannot initialise rwlock")
-        self.lock_ok = True
-
-    def __dealloc__(self):
-        tree_free(&self.t)
-        if self.lock_ok:
-            pthread_rwlock_destroy(&self.lock)
-            self.lock_ok = False
-
-    def store(self, uint32_t worker, parent, engine_hashes, local_hashes):
-        """Store a chain for ``worker`` under ``parent`` (None = root); returns blocks stored."""
-        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
-        cdef const uint64_t[::1] lv = as_u64(local_hashes)
-        cdef size_t n = min(sv.shape[0], lv.shape[0])
-        cdef bint has_parent = parent is not None
-        cdef uint64_t p = parent if has_parent else 0
-        cdef long rc
-        if n == 0:
-            return 0
-        with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            rc = tree_store(&self.t, worker, has_parent, p, &sv[0], &lv[0], n)
-            pthread_rwlock_unlock(&self.lock)
-        return check_rc(rc)
-
-    def remove(self, uint32_t worker, engine_hashes):
-        """Remove blocks of ``worker`` by engine hash; returns how many it held."""
-        cdef const uint64_t[::1] sv = as_u64(engine_hashes)
-        cdef size_t n = sv.shape[0]
-        cdef long rc
-        if n == 0:
-            return 0
-        with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            rc = tree_remove(&self.t, worker, &sv[0], n)
-            pthread_rwlock_unlock(&self.lock)
-        return rc
-
-    def clear(self, uint32_t worker):
-        """Remove every block of ``worker``; returns the count."""
-        cdef long rc
-        with nogil:
-            pthread_rwlock_wrlock(&self.lock)
-            rc = tree_clear(&self.t, worker)
-            pthread_rwlock_unlock(&self.lock)
-        return rc
 
     def match(self, local_hashes):
         """``[(worker, depth, last_engine_hash)]`` sorted by worker."""
         cdef const uint64_t[::1] lv = as_u64(local_hashes)
-        cdef size_t n = lv.shape[0], cnt = 0, k, nw
+        cdef size_t n = lv.shape[0], cnt = 0, k
         cdef HCursor hc
-        cdef uint32_t* ow = NULL
-        cdef uint32_t* od = NULL
-        cdef uint64_t* st = NULL
-        cdef uint64_t* os = NULL
+        cdef MatchBufs b = MatchBufs(NULL, NULL, NULL, NULL)
+        cdef int ready
         if n == 0:
             return []
         hc_init_hashes(&hc, &lv[0], n)
         with nogil:
             pthread_rwlock_rdlock(&self.lock)
-            nw = self.t.nrev
-            if nw:
-                ow = <uint32_t*>malloc(nw * sizeof(uint32_t))
-                od = <uint32_t*>malloc(nw * sizeof(uint32_t))
-                st = <uint64_t*>malloc(tree_match_scratch(nw))
-                os = <uint64_t*>malloc(nw * sizeof(uint64_t))
-                if ow != NULL and od != NULL and st != NULL and os != NULL:
-                    cnt = tree_match(&self.t, &hc, ow, od, os, st)
+            ready = match_bufs_alloc(&b, self.t.nrev)
+            if ready > 0:
+                cnt = tree_match(&self.t, &hc, b.worker, b.depth, b.ehash, b.scratch)
             pthread_rwlock_unlock(&self.lock)
         try:
-            if nw and (ow == NULL or od == NULL or st == NULL or os == NULL):
+            if ready < 0:
                 raise MemoryError()
-            return sorted([(ow[k], od[k], os[ow[k]]) for k in range(cnt)])
+            return sorted([(b.worker[k], b.depth[k], b.ehash[b.worker[k]]) for k in range(cnt)])
         finally:
-            free(ow)
-            free(od)
-            free(st)
-            free(os)
+            match_bufs_free(&b)
 
     def _match_count(self, local_hashes, ends):
         """BENCHMARK AID: run the match of each query ``local_hashes[ends[i-1]:ends[i]]``
@@ -518,50 +498,26 @@ cdef class RadixTree:
         results; no Python object per result, so a benchmark times the walk alone."""
         cdef const uint64_t[::1] lv = as_u64(local_hashes)
         cdef const uint64_t[::1] ev = as_u64(ends)
-        cdef size_t nq = ev.shape[0], q, start = 0, total = 0, nw
+        cdef size_t nq = ev.shape[0], q, start = 0, total = 0
         cdef HCursor hc
-        cdef uint32_t* ow = NULL
-        cdef uint32_t* od = NULL
-        cdef uint64_t* st = NULL
-        cdef uint64_t* os = NULL
+        cdef MatchBufs b = MatchBufs(NULL, NULL, NULL, NULL)
+        cdef int ready
         if nq and ev[nq - 1] > <uint64_t>lv.shape[0]:
             raise ValueError("ends past the hashes")
         with nogil:
             pthread_rwlock_rdlock(&self.lock)
-            nw = self.t.nrev
-            if nw:
-                ow = <uint32_t*>malloc(nw * sizeof(uint32_t))
-                od = <uint32_t*>malloc(nw * sizeof(uint32_t))
-                st = <uint64_t*>malloc(tree_match_scratch(nw))
-                os = <uint64_t*>malloc(nw * sizeof(uint64_t))
-                if ow != NULL and od != NULL and st != NULL and os != NULL:
-                    for q in range(nq):
-                        if ev[q] > start:
-                            hc_init_hashes(&hc, &lv[start], ev[q] - start)
-                            total += tree_match(&self.t, &hc, ow, od, os, st)
-                            start = ev[q]
+            ready = match_bufs_alloc(&b, self.t.nrev)
+            if ready > 0:
+                for q in range(nq):
+                    if ev[q] > start:
+                        hc_init_hashes(&hc, &lv[start], ev[q] - start)
+                        total += tree_match(&self.t, &hc, b.worker, b.depth, b.ehash, b.scratch)
+                        start = ev[q]
             pthread_rwlock_unlock(&self.lock)
-        free(ow)
-        free(od)
-        free(st)
-        free(os)
-        if nw and (ow == NULL or od == NULL or st == NULL or os == NULL):
+        match_bufs_free(&b)
+        if ready < 0:
             raise MemoryError()
         return total
-
-    # Introspection reads the C arrays (``rev`` is realloc-ed when a worker appears), so
-    # it takes the read lock like match does: one snapshot of every size.
-    def sizes(self, uint32_t worker=0):
-        """``(num_nodes, num_pairs, nbytes, worker_blocks(worker))`` read under one lock."""
-        cdef size_t nodes, pairs, nb, wb
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            nodes = self.t.live_nodes
-            pairs = self.t.npairs
-            nb = tree_nbytes(&self.t)
-            wb = tree_worker_blocks(&self.t, worker)
-            pthread_rwlock_unlock(&self.lock)
-        return nodes, pairs, nb, wb
 
     def layout(self):
         """Where the bytes go, read under the read lock (see :func:`layout_dict`)."""
@@ -571,21 +527,6 @@ cdef class RadixTree:
             tree_layout(&self.t, out)
             pthread_rwlock_unlock(&self.lock)
         return layout_dict(out)
-
-    def worker_blocks(self, uint32_t worker):
-        """Number of blocks ``worker`` holds."""
-        return self.sizes(worker)[3]
-
-    def check_invariants(self):
-        """Walk the C structures under the read lock; ``AssertionError`` naming the first
-        broken invariant (the twin's ``_check_invariants`` and the C bookkeeping)."""
-        cdef char msg[256]
-        cdef int rc
-        with nogil:
-            pthread_rwlock_rdlock(&self.lock)
-            rc = tree_check(&self.t, msg, sizeof(msg))
-            pthread_rwlock_unlock(&self.lock)
-        check_raise(rc, msg)
 
     def _corrupt_for_test(self, str kind):
         """TEST ONLY: break one invariant on purpose so a test can see ``check_invariants``
@@ -648,11 +589,6 @@ cdef class RadixTree:
     def num_pairs(self):
         """(worker, block) pairs held."""
         return self.sizes()[1]
-
-    @property
-    def nbytes(self):
-        """Bytes allocated by the tree's C structures."""
-        return self.sizes()[2]
 
 
 cdef int check_raise(int rc, const char* msg) except -1:

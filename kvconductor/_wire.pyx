@@ -22,7 +22,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memchr, memcpy
+from libc.string cimport memchr, memcpy, strlen
 
 from kvconductor._readers cimport (WIRE_BAD_BYTE, WIRE_CAPACITY, WIRE_DEPTH, WIRE_EOF,
                                    WIRE_JSON_MAX_DEPTH, WIRE_OK, WIRE_RANGE, WIRE_SYNTAX,
@@ -55,47 +55,27 @@ cdef size_t _NOGIL_BYTES = 1 << 15
 # Request parsing (with the GIL; the big scans release it)
 # =========================================================================================
 
+# The request's field names by field id (FIELD_* in _wire.pxd), and their lengths.
+cdef const char* _FIELD_NAMES[FIELD_FRESHNESS + 1]
+_FIELD_NAMES[:] = [b"", b"model", b"block_size", b"token_ids", b"block_hashes", b"tenant_id",
+                   b"lora_name", b"top_k", b"instances", b"freshness"]
+cdef size_t _FIELD_LENS[FIELD_FRESHNESS + 1]
+for _fid in range(FIELD_FRESHNESS + 1):
+    _FIELD_LENS[_fid] = strlen(_FIELD_NAMES[_fid])
+del _fid
+
+
 cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
-    if _eq(s, n, b"model", 5):
-        return FIELD_MODEL
-    if _eq(s, n, b"token_ids", 9):
-        return FIELD_TOKEN_IDS
-    if _eq(s, n, b"block_size", 10):
-        return FIELD_BLOCK_SIZE
-    if _eq(s, n, b"tenant_id", 9):
-        return FIELD_TENANT
-    if _eq(s, n, b"block_hashes", 12):
-        return FIELD_BLOCK_HASHES
-    if _eq(s, n, b"lora_name", 9):
-        return FIELD_LORA
-    if _eq(s, n, b"top_k", 5):
-        return FIELD_TOP_K
-    if _eq(s, n, b"instances", 9):
-        return FIELD_INSTANCES
-    if _eq(s, n, b"freshness", 9):
-        return FIELD_FRESHNESS
+    cdef int fid
+    for fid in range(FIELD_MODEL, FIELD_FRESHNESS + 1):
+        if _eq(s, n, _FIELD_NAMES[fid], _FIELD_LENS[fid]):
+            return fid
     return FIELD_UNKNOWN
 
 
 cdef str _field_name(int fid):
-    if fid == FIELD_MODEL:
-        return "model"
-    if fid == FIELD_BLOCK_SIZE:
-        return "block_size"
-    if fid == FIELD_TOKEN_IDS:
-        return "token_ids"
-    if fid == FIELD_BLOCK_HASHES:
-        return "block_hashes"
-    if fid == FIELD_TENANT:
-        return "tenant_id"
-    if fid == FIELD_LORA:
-        return "lora_name"
-    if fid == FIELD_TOP_K:
-        return "top_k"
-    if fid == FIELD_INSTANCES:
-        return "instances"
-    if fid == FIELD_FRESHNESS:
-        return "freshness"
+    if FIELD_MODEL <= fid <= FIELD_FRESHNESS:
+        return _FIELD_NAMES[fid].decode("ascii")
     return ""
 
 

@@ -129,7 +129,7 @@ def test_a_workers_front_door_dates_its_query_answers_once_per_second(monkeypatc
     query answers; one process's door leaves it to uvicorn (no second one)."""
     import email.utils
 
-    from kvconductor.http import responses
+    from kvconductor.http import framing
 
     class Fresh(Route):
         async def respond(self, body, msgpack, fresh=False):
@@ -138,13 +138,13 @@ def test_a_workers_front_door_dates_its_query_answers_once_per_second(monkeypatc
     assert _answer_headers(FrontDoor(None, {"/query": Fresh()}, date=True))[0] == b"date"
     assert b"date" not in _answer_headers(FrontDoor(None, {"/query": Fresh()}))
     now = [1_800_000_000.2]
-    monkeypatch.setattr(responses.time, "time", lambda: now[0])
-    first = responses.date_header()
+    monkeypatch.setattr(framing.time, "time", lambda: now[0])
+    first = framing.date_header()
     assert first == (b"date", email.utils.formatdate(1_800_000_000, usegmt=True).encode())
     now[0] += 0.7
-    assert responses.date_header() is first  # the same second: not formatted again
+    assert framing.date_header() is first  # the same second: not formatted again
     now[0] += 0.2
-    assert responses.date_header()[1] == b"Fri, 15 Jan 2027 08:00:01 GMT"
+    assert framing.date_header()[1] == b"Fri, 15 Jan 2027 08:00:01 GMT"
 
 
 def test_head_first_hands_over_a_body_already_here_and_an_empty_chunk_otherwise():

@@ -11,7 +11,8 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
-from kvconductor.http.limits import ConnectionPool, HttpLimits, OneWrite, protocol_class
+from kvconductor.http.framing import JOIN_BYTES
+from kvconductor.http.limits import ConnectionPool, HttpLimits, protocol_class
 from tests.helpers.transport import Recorder
 
 
@@ -78,7 +79,7 @@ def test_a_response_is_one_write():
 
 
 def test_a_large_body_follows_its_head_in_the_same_call_uncopied():
-    body = b"x" * (OneWrite.JOIN_BYTES + 1)
+    body = b"x" * (JOIN_BYTES + 1)
 
     async def go():
         proto, t = connect(make_app(body))

@@ -22,29 +22,13 @@ from kvconductor._hash import hash_blocks
 from kvconductor._py.lower import LowerTier
 from kvconductor._py.tree import RadixTree, u64_list, u64_or_none
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
-from kvconductor.schema import (
-    STOP_END_OF_PROMPT,
-    STOP_MUTED,
-    STOP_NO_FIRST_BLOCK,
-    STOP_NOT_HELD,
-    STOP_PARENT_MISMATCH,
-    STOP_REASONS,
-    STOP_TIER_EXHAUSTED,
-)
+from kvconductor.schema import STOP_REASONS
 
 HBM, CPU, DISK = 0, 1, 2
-#: Stop codes of :meth:`CoreIndex.trace`: positions in ``STOP_REASONS``.
-END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED, MUTED = (
-    STOP_REASONS.index(r)
-    for r in (
-        STOP_END_OF_PROMPT,
-        STOP_PARENT_MISMATCH,
-        STOP_NOT_HELD,
-        STOP_NO_FIRST_BLOCK,
-        STOP_TIER_EXHAUSTED,
-        STOP_MUTED,
-    )
-)
+#: Stop codes of :meth:`CoreIndex.trace`: a reason's code is its position in the schema's
+#: ``STOP_REASONS`` (end_of_prompt, parent_mismatch, not_held, no_first_block,
+#: tier_exhausted, muted; the last, no_worker, is never a core code).
+END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED, MUTED, _NO_WORKER = range(len(STOP_REASONS))
 
 
 U32_MAX = 2**32 - 1
@@ -138,6 +122,27 @@ class PyGroupNames:
         return bytes(out)
 
 
+def _walk_starts(
+    tier: LowerTier, hs: list[int], upstream, group, muted
+) -> list[tuple[int, int, int | None]]:
+    """Where a lower tier's walks start (match and trace alike): the unmuted owners of a
+    root edge of the first block, then, after each upstream breakpoint ``(group, end,
+    last)`` short of the end, the unmuted owners of the edge ``last -> hs[end]`` in that
+    same group only (no cross-DP borrowing; the reference borrowed)."""
+    n = len(hs)
+    starts: list[tuple[int, int, int | None]] = (
+        [(w, 0, None) for w in tier.owners(None, hs[0]) if w not in muted] if n else []
+    )
+    for g, end, last in upstream:
+        if end < n:
+            starts += [
+                (w, end, last)
+                for w in tier.owners(last, hs[end])
+                if group(w) == g and w not in muted
+            ]
+    return starts
+
+
 class CoreIndex:
     """HBM tree + CPU and Disk tiers + two-phase offload/pool state."""
 
@@ -182,6 +187,11 @@ class CoreIndex:
         except (ParentBlockNotFound, InvalidBlockSequence):
             return 0
 
+    def _hbm_hits(self, hs: list[int]) -> list[tuple[int, int, int]]:
+        """The HBM tree's ``(worker, depth, last engine hash)`` of ``hs``, muted workers left
+        out (match and trace alike)."""
+        return [hit for hit in self._tree.match(hs) if hit[0] not in self._muted]
+
     def _match(self, hs: list[int]) -> list[tuple[int, int, int, int]]:
         n = len(hs)
         if n == 0:
@@ -194,9 +204,7 @@ class CoreIndex:
         # 1. HBM breakpoints (group, end, last)
         hbm_bps = []
         muted = self._muted
-        for w, depth, last in self._tree.match(hs):
-            if w in muted:
-                continue
+        for w, depth, last in self._hbm_hits(hs):
             g = group(w)
             hbm_bps.append((g, depth, last))
             npu_end[g] = max(npu_end.get(g, 0), depth)
@@ -204,16 +212,7 @@ class CoreIndex:
         def lower(tier: LowerTier, upstream, ends: dict[int, int]):
             """Root walks plus same-group continuations from ``upstream`` breakpoints."""
             found = []
-            candidates = [(w, 0, None) for w in tier.owners(None, hs[0]) if w not in muted]
-            for g, end, last in upstream:
-                if end < n:
-                    # Same group only: no cross-DP borrowing (the reference borrowed).
-                    candidates += [
-                        (w, end, last)
-                        for w in tier.owners(last, hs[end])
-                        if group(w) == g and w not in muted
-                    ]
-            for w, start, parent in candidates:
+            for w, start, parent in _walk_starts(tier, hs, upstream, group, muted):
                 count, last_ehash = tier.walk(w, hs, start, parent)
                 if count > 0:
                     g = group(w)
@@ -434,25 +433,13 @@ class CoreIndex:
         depth: dict[int, int] = {}
         hbm_bps = []
         muted = self._muted
-        for w, d, last in self._tree.match(hs):
-            if w in muted:
-                continue
+        for w, d, last in self._hbm_hits(hs):
             depth[w] = d
             hbm_bps.append((group(w), d, last))
         # CPU breakpoints, as in _match: walks of more than 0 blocks
         cpu = self._tiers[CPU]
         cpu_bps = []
-        starts: list[tuple[int, int, int | None]] = (
-            [(w, 0, None) for w in cpu.owners(None, hs[0]) if w not in muted] if n else []
-        )
-        for g, end, last in hbm_bps:
-            if end < n:
-                starts += [
-                    (w, end, last)
-                    for w in cpu.owners(last, hs[end])
-                    if group(w) == g and w not in muted
-                ]
-        for w, start, parent in starts:
+        for w, start, parent in _walk_starts(cpu, hs, hbm_bps, group, muted):
             count, last_ehash = cpu.walk(w, hs, start, parent)
             if count > 0:
                 cpu_bps.append((group(w), start + count, last_ehash))

@@ -42,7 +42,6 @@ from typing import Any
 
 import falcon
 import falcon.asgi
-import msgspec
 
 from kvconductor.http import openapi
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
@@ -53,6 +52,7 @@ from kvconductor.http.resource import (
     BAD_JSON,
     DEFAULT_MAX_BODY_BYTES,
     LARGE_BODY_BYTES,
+    JsonDocument,
     Resource,
     bad_json_message,
     json_answer,
@@ -140,63 +140,52 @@ class ReadyResource(Resource[Conductor]):
         resp.content_type = falcon.MEDIA_JSON
 
 
-class OpenApiResource:
-    """``GET /openapi.json``: the API's OpenAPI 3.1 document (:mod:`kvconductor.http.openapi`)."""
+class _Registration(Resource[Conductor]):
+    """``POST`` of a registration change: the token, the body and its decoding by
+    :attr:`decoder` (:meth:`~kvconductor.http.resource.Resource._decoded`) and the
+    change's refusals (400 for a registration the registry refuses, 503 while the state
+    cannot be changed), once; :meth:`change` makes the change and answers."""
 
-    def __init__(self) -> None:
-        self._body = msgspec.json.encode(openapi.document())
+    decoder: Any
 
-    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        resp.content_type = falcon.MEDIA_JSON
-        resp.data = self._body
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        decoded = await self._decoded(req, resp, self.decoder.decode)
+        if decoded is None:
+            return
+        try:
+            await self.change(resp, *decoded)
+        except RegistrationError as ex:
+            return self._bad(req, resp, str(ex))
+        except (RegistrationUnavailable, StateUnavailable) as ex:
+            return self._bad(req, resp, str(ex), status=503)
+
+    async def change(self, resp: falcon.asgi.Response, body: bytes, request: Any) -> None:
+        raise NotImplementedError
 
 
-class RegisterResource(Resource[Conductor]):
+class RegisterResource(_Registration):
     """``POST /register``: 201 ``{"status":"ok"}``; fields it does not know are named in
     a WARN once per (instance, field) (:mod:`kvconductor.http.fields`)."""
+
+    decoder = register_decoder
 
     def __init__(self, conductor: Conductor, **kw: Any) -> None:
         super().__init__(conductor, **kw)
         self.unknown = UnknownFieldWarnings(log, "registration")
 
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if not self._authorized(req, resp):
-            return
-        body = await self._body(req, resp)
-        if body is None:
-            return
-        try:
-            request = register_decoder.decode(body)
-        except BAD_JSON as ex:
-            return self._bad(req, resp, bad_json_message(ex))
-        try:
-            await self.conductor.mutate("register", body, request)
-        except RegistrationError as ex:
-            return self._bad(req, resp, str(ex))
-        except (RegistrationUnavailable, StateUnavailable) as ex:
-            return self._bad(req, resp, str(ex), status=503)
+    async def change(self, resp: falcon.asgi.Response, body: bytes, request: Any) -> None:
+        await self.conductor.mutate("register", body, request)
         self.unknown.warn(request.instance_id, unknown_fields(body, False, RegisterRequest))
         json_answer(resp, 201, _OK)
 
 
-class UnregisterResource(Resource[Conductor]):
+class UnregisterResource(_Registration):
     """``POST /unregister``: 200, or 404 for an unknown instance."""
 
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if not self._authorized(req, resp):
-            return
-        body = await self._body(req, resp)
-        if body is None:
-            return
-        try:
-            request = unregister_decoder.decode(body)
-        except BAD_JSON as ex:
-            return self._bad(req, resp, bad_json_message(ex))
-        try:
-            found = await self.conductor.mutate("unregister", body, request)
-        except StateUnavailable as ex:
-            return self._bad(req, resp, str(ex), status=503)
-        if found:
+    decoder = unregister_decoder
+
+    async def change(self, resp: falcon.asgi.Response, body: bytes, request: Any) -> None:
+        if await self.conductor.mutate("unregister", body, request):
             json_answer(resp, 200, _OK)
         else:
             set_error(resp, 404, f"instance {request.instance_id} not found")
@@ -529,7 +518,8 @@ def create_app(
     ``/health`` and the queries stay open; ``/metrics`` is protected like ``/workers``
     unless ``open_metrics`` (default: ``open_workers``). With ``fast_query`` the
     Falcon app is fronted by :class:`~kvconductor.http.front.FrontDoor` (what the server
-    runs).
+    runs); without it the query routes' ``POST`` is Falcon's, through the same query
+    door (:mod:`kvconductor.http.querydoor`), so the answers are the same.
     ``allow_origins``: web origins allowed on the mutating routes
     (:class:`OriginPolicy`). ``metrics``: the registry ``/metrics`` serves (default: a
     new :class:`~kvconductor.http.metrics.Metrics` of ``conductor``; ``kv-conductor
@@ -560,7 +550,7 @@ def create_app(
     app.add_route("/ready", ReadyResource(conductor, **kw))
     app.add_route("/debug/dump", DumpResource(conductor, **kw))
     app.add_route("/freshness", FreshnessResource(conductor, **kw))
-    app.add_route("/openapi.json", OpenApiResource())
+    app.add_route("/openapi.json", JsonDocument(openapi.document))
     if open_metrics is None:
         open_metrics = open_workers
     app.add_route(

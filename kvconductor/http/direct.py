@@ -2,17 +2,19 @@
 
 A ``POST /query`` or ``POST /query_by_hash`` with a ``Content-Length`` (at most
 ``--max-body-mb``) is answered by the connection's protocol: :class:`DirectQueries`
-collects the body from the parser's callbacks, and once it is complete has the
-:class:`~kvconductor.http.front.FrontDoor` answer it (the same resource, statuses,
-bodies, headers, metrics and log lines as its ASGI path) and writes the whole response
-with one ``write``. A body of at most the route's ``large_body_bytes`` is answered at
-once, on the event loop (:meth:`~kvconductor.http.front.FrontDoor.answer_now`); a larger
-one off it, on the query threads (:meth:`~kvconductor.http.front.FrontDoor.answer_async`),
-while the connection waits in order (:class:`_InFlight`). No ASGI scope, task,
-``receive``/``send`` messages, header validation or body copies per request: that
-machinery is most of what uvicorn costs per small request, more than the query itself,
-and for a 4 MB body its copies and per-chunk wake-ups cost more than the match
-(docs/performance.md, "The request path against the HTTP stack's floor").
+collects the body from the parser's callbacks, and once it is complete has the one
+query door answer it (:mod:`kvconductor.http.querydoor`, over the routes of the
+:class:`~kvconductor.http.front.FrontDoor` the server serves: the same resource,
+statuses, bodies, headers, metrics and log lines as its ASGI path) and writes the whole
+response with one ``write`` (:func:`~kvconductor.http.framing.write_response`). A body
+of at most the route's ``large_body_bytes`` is answered at once, on the event loop
+(:func:`~kvconductor.http.querydoor.answer_now`); a larger one off it, on the query
+threads (:func:`~kvconductor.http.querydoor.answer_async`), while the connection waits
+in order (:class:`_InFlight`). No ASGI scope, task, ``receive``/``send`` messages,
+header validation or body copies per request: that machinery is most of what uvicorn
+costs per small request, more than the query itself, and for a 4 MB body its copies and
+per-chunk wake-ups cost more than the match (docs/performance.md, "The request path
+against the HTTP stack's floor").
 
 Everything else goes to the app as before, and so does a query that could not be
 answered in order: one arriving while an earlier request of the connection is still
@@ -33,13 +35,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from kvconductor.http.framing import write_response
+from kvconductor.http.front import FrontDoor, scan_headers
+from kvconductor.http.querydoor import Query, QueryRoute, answer_async, answer_now
 
-from kvconductor.http.front import FrontDoor, QueryRoute, scan_headers
-
-#: Bodies up to this size are joined to the head; larger ones follow it in the same
-#: ``writelines`` call, uncopied (as :class:`~kvconductor.http.limits.OneWrite`).
-JOIN_BYTES = 16 * 1024
 #: The query strings answered here, and whether each asks for the answer's freshness
 #: (docs/api.md, "freshness"; :func:`~kvconductor.http.responses.freshness_param` reads
 #: the same spellings on the app's path). Any other query string goes to the app.
@@ -86,9 +85,9 @@ class DirectQueries:
     any query route reads it (the resource's own rules)."""
 
     _front: FrontDoor | None = None
-    #: ``(route, path, msgpack, origin, t0, fresh)`` of the query being answered here,
-    #: while its body arrives; ``None`` otherwise.
-    _direct: tuple[QueryRoute, str, bool, str | None, float, bool] | None = None
+    #: The query being answered here, while its body arrives; ``None`` otherwise.
+    _direct: Query | None = None
+    _fresh = False  # its target asked for the answer's freshness
     _direct_keep_alive = True
     _length = 0  # the Content-Length of that query
 
@@ -162,17 +161,15 @@ class DirectQueries:
         chunks = self._chunks
         self._chunks = []
         self._request_complete()  # type: ignore[attr-defined]
-        front = self._front
-        assert front is not None
-        route, path, msgpack, origin, t0, fresh = direct
-        if self._length > route.large_body_bytes:
+        if self._length > direct[0].large_body_bytes:
             # PERF: the chunks are joined on a query thread (bytes.join lets go of the
             # GIL), not in one ~0.5 ms copy of 4 MB on the event loop
-            return self._answer_later(front, direct, chunks)
+            return self._answer_later(direct, chunks)
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        status, headers, data = front.answer_now(route, path, body, msgpack, origin, t0, fresh)
+        status, headers, data = answer_now(direct, body, self._fresh)
         keep_alive = self._direct_keep_alive
-        self._write(status, headers, data, keep_alive)
+        default_headers = self.server_state.default_headers
+        write_response(self.transport, status, default_headers, headers, data, keep_alive)
         self.server_state.total_requests += 1
         if not keep_alive:
             self.transport.close()
@@ -182,55 +179,26 @@ class DirectQueries:
         self._idle_since = self.loop.time()
         self._response_complete()  # type: ignore[attr-defined]
 
-    def _write(
-        self, status: int, headers: list[tuple[bytes, bytes]], data: bytes, keep_alive: bool
-    ) -> None:
-        out = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
-            out += (name, b": ", value, b"\r\n")
-        for name, value in headers:
-            out += (name, b": ", value, b"\r\n")
-        if not keep_alive:
-            out.append(b"connection: close\r\n")
-        out.append(b"\r\n")
-        transport = self.transport
-        if len(data) <= JOIN_BYTES:
-            out.append(data)
-            transport.write(b"".join(out))
-        else:
-            transport.writelines((b"".join(out), data))
-
-    def _answer_later(
-        self,
-        front: FrontDoor,
-        direct: tuple[QueryRoute, str, bool, str | None, float, bool],
-        body: list[bytes],
-    ) -> None:
+    def _answer_later(self, direct: Query, body: list[bytes]) -> None:
         """A large body: answered off the event loop (the route's ``respond``), written
         when done. Meanwhile :class:`_InFlight` stands as uvicorn's current cycle, so a
         request arriving behind it waits in uvicorn's pipeline, in order."""
         cycle = _InFlight(self._direct_keep_alive)
         self.cycle = cycle
-        task = self.loop.create_task(self._respond(front, direct, body, cycle))
+        task = self.loop.create_task(self._respond(direct, self._fresh, body, cycle))
         tasks = self.server_state.tasks  # a graceful shutdown waits for them
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
     async def _respond(
-        self,
-        front: FrontDoor,
-        direct: tuple[QueryRoute, str, bool, str | None, float, bool],
-        body: list[bytes],
-        cycle: _InFlight,
+        self, direct: Query, fresh: bool, body: list[bytes], cycle: _InFlight
     ) -> None:
-        route, path, msgpack, origin, t0, fresh = direct
-        status, headers, data = await front.answer_async(
-            route, path, body, msgpack, origin, t0, fresh
-        )
+        status, headers, data = await answer_async(direct, body, fresh)
         cycle.response_complete = True
         if cycle.disconnected:
             return  # the connection is gone (closed, refused or shut): nobody to answer
-        self._write(status, headers, data, cycle.keep_alive)
+        default_headers = self.server_state.default_headers
+        write_response(self.transport, status, default_headers, headers, data, cycle.keep_alive)
         if not cycle.keep_alive:
             self.transport.close()
         self.on_response_complete()  # type: ignore[attr-defined]  # uvicorn's: next in line
@@ -254,13 +222,16 @@ class DirectQueries:
             or self.transport.is_closing()
         ):
             return False  # answered in order, by the app
+        front = self._front
+        assert front is not None
         msgpack, length, origin, chunked = scan_headers(self.headers)
-        if chunked or length is None or length > self._front.max_body_bytes:  # type: ignore
+        if chunked or length is None or length > front.max_body_bytes:
             return False  # a 413 or a body without a length: the app's
         self._head_complete()  # type: ignore[attr-defined]
         self._direct_keep_alive = bool(parser.should_keep_alive())
         self._length = length
-        self._direct = (route, path, msgpack, origin, time.perf_counter(), fresh)
+        self._direct = (route, path, msgpack, origin, time.perf_counter(), front.date)
+        self._fresh = fresh
         return True
 
     def _build_scope(self) -> None:

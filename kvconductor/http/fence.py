@@ -1,12 +1,12 @@
 """The uvicorn (and httptools) releases the protocol-level query path is tested on.
 
 :mod:`kvconductor.http.direct` and :mod:`kvconductor.http.limits` subclass uvicorn's
-``HttpToolsProtocol`` and rely on its instance attributes, parser callbacks,
-``STATUS_LINE`` and how its request cycle is read (``tests/test_uvicorn_fence.py`` names
-every one and fails, with the name, when one moves). That is only known to hold for the
-releases the HTTP tests run against: :data:`UVICORN_RANGE` and :data:`HTTPTOOLS_RANGE`,
-declared the same in ``pyproject.toml`` (a test ties the two) and run at both ends by CI
-(``.ci/run``).
+``HttpToolsProtocol`` and rely on its instance attributes, parser callbacks, the bytes
+of its ``STATUS_LINE`` (:mod:`kvconductor.http.framing` writes the same) and how its
+request cycle is read (``tests/test_uvicorn_fence.py`` names every one and fails, with
+the name, when one moves). That is only known to hold for the releases the HTTP tests
+run against: :data:`UVICORN_RANGE` and :data:`HTTPTOOLS_RANGE`, declared the same in
+``pyproject.toml`` (a test ties the two) and run at both ends by CI (``.ci/run``).
 
 ``--query-path protocol`` (the default) answers ``/query`` and ``/query_by_hash`` in the
 protocol (:mod:`kvconductor.http.direct`); ``--query-path asgi`` answers them through the

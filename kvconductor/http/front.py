@@ -13,41 +13,30 @@ every other request to a *rest* ASGI callable:
   (``health=True``: a worker is alive while it listens).
 
 PERF: the two hot routes skip Falcon's per-request objects: the body is collected
-straight from ASGI ``receive`` and the answer (the same ``answer`` Falcon's resource
-uses, so statuses, bodies and encodings are identical) is sent with two ``send`` calls.
-Every other method on these paths (CORS preflight included) goes to the rest.
+straight from ASGI ``receive`` and answered by the one query door
+(:mod:`kvconductor.http.querydoor`: the route's answer, metrics, log line and headers, as
+the protocol's and Falcon's ``POST``), sent with two ``send`` calls. Every other method on
+these paths (CORS preflight included) goes to the rest.
 
 A request for the rest that announces a body is handed over with :class:`HeadFirst`'s
 ``receive`` and ``send``, so what the rest refuses from the head (401, 403, 404, 405,
 413) is answered before the body arrives, in both process models.
 
-Error bodies and CORS headers come from :mod:`kvconductor.http.responses`, as the Falcon
-app's do.
+The bytes of the answers written here are :mod:`kvconductor.http.framing`'s, as the
+protocol's are.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
-from kvconductor.http.responses import (
-    CT_JSON,
-    CT_MSGPACK,
-    QUERY_PATHS,
-    WARNING_HEADER_B,
-    cors_headers,
-    date_header,
-    freshness_param,
-    header_text,
-    send_answer,
-    too_large_message,
-)
-from kvconductor.wire import encode_error, is_msgpack_content_type
-
-log = logging.getLogger("kvconductor.http")
+from kvconductor.http.framing import closing, cors_headers, date_header, send_answer
+from kvconductor.http.querydoor import Query, QueryRoute, answer_target, too_large
+from kvconductor.http.responses import QUERY_PATHS
+from kvconductor.wire import is_msgpack_content_type
 
 #: Raw ``Content-Type`` values clients send, and whether each is msgpack (any other
 #: value is parsed by :func:`~kvconductor.wire.is_msgpack_content_type`).
@@ -57,54 +46,9 @@ _CONTENT_TYPES = {
     b"application/json": False,
     b"application/json; charset=utf-8": False,
 }
-_CT_MSGPACK = (b"content-type", CT_MSGPACK)
-_CT_JSON = (b"content-type", CT_JSON)
 
 #: An ASGI application: ``await app(scope, receive, send)``.
 ASGIApp = Callable[[dict, Any, Any], Awaitable[None]]
-
-
-class _Observer(Protocol):
-    def observe(self, amount: float) -> None: ...
-
-
-class _Counter(Protocol):
-    def inc(self) -> None: ...
-
-
-class QueryRoute(Protocol):
-    """What the front door needs of a query route (:class:`~kvconductor.http.query.
-    QueryResource` is one)."""
-
-    @property
-    def seconds(self) -> _Observer:
-        """``kvconductor_query_seconds{route}`` of the route."""
-        ...
-
-    @property
-    def errors(self) -> _Counter:
-        """``kvconductor_query_errors_total{route}``: answers >= 400 but 404 (a miss)."""
-        ...
-
-    @property
-    def large_body_bytes(self) -> int:
-        """Bodies longer than this are answered off the event loop (:meth:`respond`)."""
-        ...
-
-    def answer(
-        self, body: bytes, msgpack: bool, *, fresh: bool = False
-    ) -> tuple[int, bytes, str | None]:
-        """``(status, body, message or None)``, on the calling thread; ``fresh``: the
-        target's ``?freshness=true``."""
-        ...
-
-    async def respond(
-        self, body: bytes | bytearray | list[bytes], msgpack: bool, fresh: bool = False
-    ) -> tuple[int, bytes, str | None]:
-        """:meth:`answer`, off the event loop for a body over :attr:`large_body_bytes`
-        (or given as its chunks, joined off the event loop). ``fresh``: the target's
-        ``?freshness=true``."""
-        ...
 
 
 class _TooLarge(Exception):
@@ -231,8 +175,7 @@ class HeadFirst:
 
     async def send(self, message: dict) -> None:
         if message["type"] == "http.response.start" and not self.complete and self._close:
-            headers = [h for h in message["headers"] if h[0] != b"connection"]
-            message = dict(message, headers=[*headers, (b"connection", b"close")])
+            message = closing(message)
         await self._send(message)
 
     def close(self) -> None:
@@ -262,32 +205,6 @@ class AnswerFromHead:
 
 #: :attr:`HeadFirst._first` once its message was handed over.
 _TAKEN: asyncio.Future = cast(asyncio.Future, object())
-
-
-def _internal_error(path: str, ex: Exception, msgpack: bool) -> tuple[int, bytes, None]:
-    log.exception("internal error method=POST path=%s", path)
-    return 500, encode_error(f"internal error: {ex}", msgpack), None
-
-
-def _headers(
-    data: bytes,
-    msgpack: bool,
-    path: str,
-    origin: str | None,
-    t0: float,
-    warning: str | None = None,
-) -> list[tuple[bytes, bytes]]:
-    """The headers of a query route's answer ``data`` (uvicorn adds its defaults)."""
-    headers = [
-        _CT_MSGPACK if msgpack else _CT_JSON,
-        (b"content-length", b"%d" % len(data)),
-        (b"server-timing", b"app;dur=%.3f" % ((time.perf_counter() - t0) * 1e3)),
-    ]
-    if origin is not None:
-        headers += cors_headers(path, origin)
-    if warning is not None:
-        headers.append((WARNING_HEADER_B, header_text(warning).encode("ascii")))
-    return headers
 
 
 class FrontDoor:
@@ -362,126 +279,18 @@ class FrontDoor:
     async def _serve(self, res: QueryRoute, scope: dict, receive: Any, send: Any) -> None:
         t0 = time.perf_counter()
         msgpack, length, origin, _ = scan_headers(scope["headers"])
-        path = scope["path"]
+        q: Query = (res, scope["path"], msgpack, origin, t0, self.date)
         limit = self.max_body_bytes
         if length is not None and length > limit:
-            return await self._too_large(res, send, path, length, msgpack, origin, t0)
+            return await send_answer(send, *too_large(q, length, limit))
         try:
             body = await _collect(receive, limit)
         except _TooLarge:
-            return await self._too_large(res, send, path, None, msgpack, origin, t0)
+            return await send_answer(send, *too_large(q, None, limit))
         if body is None:
             return  # http.disconnect: nobody to answer
-        problem: str | None
-        try:
-            fresh = freshness_param(scope.get("query_string", b""))
-        except ValueError as ex:
-            status, data, problem = 400, encode_error(str(ex), msgpack), str(ex)
-        else:
-            try:
-                status, data, problem = await res.respond(body, msgpack, fresh)
-            except Exception as ex:
-                status, data, problem = _internal_error(path, ex, msgpack)
-        headers = self.conclude(res, path, status, data, problem, msgpack, origin, t0)
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
-
-    def answer_now(
-        self,
-        res: QueryRoute,
-        path: str,
-        body: bytes,
-        msgpack: bool,
-        origin: str | None,
-        t0: float,
-        fresh: bool = False,
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """``(status, headers, body)`` of a query whose whole body is here and at most
-        ``res.large_body_bytes`` long, answered at once on the calling thread: what
-        :meth:`_serve` sends for it (the protocol's direct path,
-        :mod:`kvconductor.http.direct`). ``t0``: ``perf_counter`` when its head arrived;
-        ``fresh``: its target asked for the answer's freshness."""
-        try:
-            if fresh:
-                status, data, problem = res.answer(body, msgpack, fresh=True)
-            else:
-                status, data, problem = res.answer(body, msgpack)
-        except Exception as ex:
-            status, data, problem = _internal_error(path, ex, msgpack)
-        return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
-
-    async def answer_async(
-        self,
-        res: QueryRoute,
-        path: str,
-        body: bytes | list[bytes],
-        msgpack: bool,
-        origin: str | None,
-        t0: float,
-        fresh: bool = False,
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        """:meth:`answer_now` for a body of any size (over ``res.large_body_bytes``, or
-        as a list of chunks: off the event loop, as :meth:`_serve` answers it)."""
-        try:
-            status, data, problem = await res.respond(body, msgpack, fresh)
-        except Exception as ex:
-            status, data, problem = _internal_error(path, ex, msgpack)
-        return status, self.conclude(res, path, status, data, problem, msgpack, origin, t0), data
-
-    def conclude(
-        self,
-        res: QueryRoute,
-        path: str,
-        status: int,
-        data: bytes,
-        problem: str | None,
-        msgpack: bool,
-        origin: str | None,
-        t0: float,
-    ) -> list[tuple[bytes, bytes]]:
-        """Count and log an answer; its headers (``problem`` of a 200 is its warning)."""
-        res.seconds.observe(time.perf_counter() - t0)
-        if status >= 400 and status != 404:
-            res.errors.inc()
-        warning = None
-        if problem is not None:
-            if status == 200:
-                warning = problem
-            elif status == 404:
-                log.info("query for unknown indexer path=%s error=%s", path, problem)
-            else:
-                log.warning(
-                    "bad request method=POST path=%s status=%d error=%s", path, status, problem
-                )
-        headers = _headers(data, msgpack, path, origin, t0, warning)
-        if self.date:
-            headers.insert(0, date_header())
-        return headers
-
-    async def _too_large(
-        self,
-        res: QueryRoute,
-        send: Any,
-        path: str,
-        length: int | None,
-        msgpack: bool,
-        origin: str | None,
-        t0: float,
-    ) -> None:
-        log.warning(
-            "request body too large method=POST path=%s limit=%d content_length=%s",
-            path,
-            self.max_body_bytes,
-            length,
-        )
-        data = encode_error(too_large_message(self.max_body_bytes), msgpack)
-        res.seconds.observe(time.perf_counter() - t0)
-        res.errors.inc()
-        headers = _headers(data, msgpack, path, origin, t0)
-        if self.date:
-            headers.insert(0, date_header())
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
+        answer = await answer_target(q, body, scope.get("query_string", b""))
+        await send_answer(send, *answer)
 
     @staticmethod
     async def _health(scope: dict, send: Any) -> None:

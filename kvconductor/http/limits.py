@@ -43,7 +43,8 @@ answer of the app, by the same sweep after a query the protocol answered itself
 connection is closed between ``keep_alive`` and one sweep interval later).
 
 Refusals (431, 408, 503, and 400 for a request the parser rejects; bytes that do not
-parse after complete requests get their 400 once those are answered) are sent
+parse after complete requests get their 400 once those are answered; their bytes are
+:func:`kvconductor.http.framing.refusal`'s) are sent
 with ``Connection: close``, then the write side is shut and what the client
 still sends is read and dropped for at most :data:`LINGER_SECS` before the
 socket is closed, so the client can read the answer instead of getting a reset.
@@ -57,19 +58,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kvconductor.http.responses import date_header
-from kvconductor.wire import JSON_CONTENT_TYPE, encode_error
+from kvconductor.http.framing import refusal, write
 
 log = logging.getLogger("kvconductor.http")
 
 #: Seconds a refused connection is drained (its input dropped) before it is closed.
 LINGER_SECS = 1.0
-_REASONS = {
-    400: b"Bad Request",
-    408: b"Request Timeout",
-    431: b"Request Header Fields Too Large",
-    503: b"Service Unavailable",
-}
 
 
 @dataclass(frozen=True)
@@ -205,24 +199,6 @@ def _pool(server_state: Any, limits: HttpLimits) -> ConnectionPool:
             limits.max_connections, limits.request_timeout, limits.keep_alive
         )
     return pool
-
-
-def error_response(status: int, message: str) -> bytes:
-    """A complete ``Connection: close`` HTTP/1.1 response with a JSON error body (and a
-    ``Date``, RFC 9110, as every answer of both process models)."""
-    body = encode_error(message, False)
-    return b"".join(
-        [
-            b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Error")),
-            b"date: %s\r\n" % date_header()[1],
-            b"content-type: %s\r\n" % JSON_CONTENT_TYPE.encode(),
-            b"content-length: %d\r\n" % len(body),
-            b"connection: close\r\n",
-            b"retry-after: 1\r\n" if status == 503 else b"",
-            b"\r\n",
-            body,
-        ]
-    )
 
 
 class _Limits:
@@ -407,7 +383,7 @@ class _Limits:
         if not answer:
             self._close_now()
             return
-        transport.write(error_response(status, message))
+        transport.write(refusal(status, message))
         if transport.can_write_eof():
             try:
                 transport.write_eof()
@@ -493,10 +469,6 @@ class OneWrite:
 
     __slots__ = ("cycle", "head", "transport")
 
-    #: Bodies up to this size are joined to the head; larger ones are written after it
-    #: in the same call (``writelines``), not copied.
-    JOIN_BYTES = 16 * 1024
-
     def __init__(self, transport: Any, cycle: Any) -> None:
         self.transport = transport
         self.cycle = cycle  # None once the head was taken
@@ -506,11 +478,7 @@ class OneWrite:
         head = self.head
         if head is not None:
             self.head = None
-            if len(data) <= self.JOIN_BYTES:
-                self.transport.write(head + data)
-            else:
-                self.transport.writelines((head, data))
-            return
+            return write(self.transport, head, data)
         cycle = self.cycle
         if cycle is not None and cycle.response_started:
             self.cycle = None

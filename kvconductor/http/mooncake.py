@@ -50,6 +50,8 @@ import msgspec
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
+from kvconductor.http.resource import JsonDocument
+from kvconductor.http.responses import too_large_message
 from kvconductor.index import DpHit
 from kvconductor.schema import (
     DEFAULT_TENANT,
@@ -532,58 +534,58 @@ class _Route:
     async def _read(self, req: falcon.asgi.Request) -> bytes:
         length = req.content_length
         if length is not None and length > self.max_body_bytes:
-            raise DialectError(
-                413, "too_large", f"request body exceeds the limit of {self.max_body_bytes} bytes"
-            )
+            raise self._too_large()
         chunks, total = [], 0
         async for chunk in req.stream:
             total += len(chunk)
             if total > self.max_body_bytes:
-                raise DialectError(
-                    413,
-                    "too_large",
-                    f"request body exceeds the limit of {self.max_body_bytes} bytes",
-                )
+                raise self._too_large()
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def _too_large(self) -> DialectError:
+        return DialectError(413, "too_large", too_large_message(self.max_body_bytes))
 
-class RegisterRoute(_Route):
+
+class _Change(_Route):
+    """``POST`` of a registration change: the key (before the body is read), the body
+    and the dialect's errors, once; :meth:`change` makes the change and returns the
+    answer (200)."""
+
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         if self._refused(req, resp):
             return
         msgpack = is_msgpack_content_type(req.content_type)
         try:
-            body = await self._read(req)
-            svc, warnings = parse_register(body, msgpack)
-            for w in warnings:
-                self.dialect.warnings.warn(w, "mooncake dialect: register: %s", w)
-            await self.dialect.register(svc)
+            doc = await self.change(await self._read(req), msgpack)
         except DialectError as ex:
             return _fail(req, resp, ex)
+        _answer(resp, 200, doc, msgpack)
+
+    async def change(self, body: bytes, msgpack: bool) -> Any:
+        raise NotImplementedError
+
+
+class RegisterRoute(_Change):
+    async def change(self, body: bytes, msgpack: bool) -> MooncakeRegisterResponse:
+        svc, warnings = parse_register(body, msgpack)
+        for w in warnings:
+            self.dialect.warnings.warn(w, "mooncake dialect: register: %s", w)
+        await self.dialect.register(svc)
         self.dialect.unknown.warn(
             svc.instance_id, unknown_fields(body, msgpack, MooncakeRegisterRequest)
         )
         log.info("mooncake dialect: registered service_key=%s type=%s", svc.key, svc.publisher)
-        _answer(resp, 200, MooncakeRegisterResponse(REGISTERED, svc.instance_id), msgpack)
+        return MooncakeRegisterResponse(REGISTERED, svc.instance_id)
 
 
-class UnregisterRoute(_Route):
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if self._refused(req, resp):
-            return
-        msgpack = is_msgpack_content_type(req.content_type)
-        try:
-            body = await self._read(req)
-            r = _decode(_unregister_json, _unregister_msgpack, body, msgpack, "unregistration")
-            if not r.instance_id:
-                raise DialectError(
-                    400, "invalid_value", "instance_id must not be empty", "instance_id"
-                )
-            key = await self.dialect.unregister(r.instance_id, _tenant(r.tenant_id), r.dp_rank)
-        except DialectError as ex:
-            return _fail(req, resp, ex)
-        _answer(resp, 200, MooncakeUnregisterResponse(UNREGISTERED, [key]), msgpack)
+class UnregisterRoute(_Change):
+    async def change(self, body: bytes, msgpack: bool) -> MooncakeUnregisterResponse:
+        r = _decode(_unregister_json, _unregister_msgpack, body, msgpack, "unregistration")
+        if not r.instance_id:
+            raise DialectError(400, "invalid_value", "instance_id must not be empty", "instance_id")
+        key = await self.dialect.unregister(r.instance_id, _tenant(r.tenant_id), r.dp_rank)
+        return MooncakeUnregisterResponse(UNREGISTERED, [key])
 
 
 class QueryRoute(_Route):
@@ -614,17 +616,6 @@ class HealthRoute:
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         resp.content_type = falcon.MEDIA_TEXT
         resp.text = "OK"
-
-
-class OpenApiRoute:
-    def __init__(self) -> None:
-        from kvconductor.http import openapi
-
-        self._body = msgspec.json.encode(openapi.mooncake_document())
-
-    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        resp.content_type = falcon.MEDIA_JSON
-        resp.data = self._body
 
 
 async def _http_error(
@@ -668,6 +659,8 @@ def create_mooncake_app(
     ``--api-key``, ``None`` with ``--mooncake-port-open``), and ``/services`` too unless
     ``open_services`` (``--open-workers``); ``/query``, ``/health`` and
     ``/openapi.json`` stay open, as V3's queries do."""
+    from kvconductor.http import openapi
+
     dialect = Dialect(conductor)
     key = api_key or None
     app = falcon.asgi.App(cors_enable=False)
@@ -677,7 +670,7 @@ def create_mooncake_app(
     services_key = None if open_services else key
     app.add_route("/services", ServicesRoute(dialect, max_body_bytes, services_key))
     app.add_route("/health", HealthRoute())
-    app.add_route("/openapi.json", OpenApiRoute())
+    app.add_route("/openapi.json", JsonDocument(openapi.mooncake_document))
     app.add_error_handler(Exception, _exception)
     app.add_error_handler(falcon.HTTPError, _http_error)
     return app

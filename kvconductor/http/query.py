@@ -1,7 +1,8 @@
 """``POST /query`` and ``POST /query_by_hash`` as Falcon resources: the parse, match and
-encode of a query (:meth:`QueryResource.answer`, which the front door,
-:class:`~kvconductor.http.front.FrontDoor`, calls too), its metrics, and the warnings of
-queries that cannot match (:class:`MissWarnings`, shared with ``/explain``).
+encode of a query (:meth:`QueryResource.answer`, which every door calls through
+:mod:`kvconductor.http.querydoor`), its metrics, and the warnings of queries that cannot
+match (:class:`MissWarnings`, shared with ``/explain``). Falcon's own ``POST``
+(:meth:`QueryResource.on_post`) is that door too, over the body Falcon read.
 
 Errors are encoded like the request (MessagePack when the request was); data errors
 are 400, an unknown (model, tenant) 404 (docs/api.md, POST /query).
@@ -18,16 +19,15 @@ from typing import Any, cast
 import falcon.asgi
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
+from kvconductor.http import querydoor
 from kvconductor.http.metrics import DeferredMetrics, QueryMetrics
 from kvconductor.http.resource import Resource
-from kvconductor.http.responses import WARNING_HEADER, freshness_param, header_text
+from kvconductor.http.responses import content_type
 from kvconductor.index import QueryResult
 from kvconductor.ingest.freshness import FreshnessUnavailable
 from kvconductor.schema import FRESHNESS_FIELD
 from kvconductor.state.protocols import QuerySource
 from kvconductor.wire import (
-    JSON_CONTENT_TYPE,
-    MSGPACK_CONTENT_TYPE,
     WireError,
     encode_error,
     encode_fresh,
@@ -193,38 +193,28 @@ class QueryResource(Resource[QuerySource]):
         return self.answer(b"".join(chunks), msgpack, metrics, fresh)
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        """The app's own ``POST``, when no front door stands before it: the one query
+        door (:mod:`kvconductor.http.querydoor`) over the body Falcon read; CORS is the
+        app's (:class:`~kvconductor.http.api.OriginPolicy`), ``Date`` its server's."""
         t0 = time.perf_counter()
         msgpack = is_msgpack_content_type(req.content_type)
         body = await self._body(req, resp, msgpack)
-        if body is None:
-            self.seconds.observe(time.perf_counter() - t0)
-            self.errors.inc()
+        if body is None:  # its 413 or 400, answered and logged: counted here
+            querydoor.account(self, req.path, 400, None, t0)
             return
-        problem: str | None
-        try:
-            fresh = freshness_param(req.query_string.encode("latin-1"))
-        except ValueError as ex:
-            status, data, problem = 400, encode_error(str(ex), msgpack), str(ex)
-        else:
-            status, data, problem = await self.respond(body, msgpack, fresh)
-        # Server-side time (body read, parse, hash, match, encode) for clients and benches.
-        dt = time.perf_counter() - t0
-        self.seconds.observe(dt)
-        if status >= 400 and status != 404:
-            self.errors.inc()
-        resp.set_header("Server-Timing", f"app;dur={dt * 1e3:.3f}")
-        if status == 200 and problem is not None:
-            resp.set_header(WARNING_HEADER, header_text(problem))
-        elif problem is not None:
-            if status == 404:
-                log.info("query for unknown indexer path=%s error=%s", req.path, problem)
-            else:
-                log.warning(
-                    "bad request method=POST path=%s status=%d error=%s", req.path, status, problem
-                )
+        q: querydoor.Query = (self, req.path, msgpack, None, t0, False)
+        query_string = req.query_string.encode("latin-1")
+        status, headers, data = await querydoor.answer_target(q, body, query_string)
         resp.status = status
-        resp.content_type = MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
+        for name, value in headers:
+            if name not in _FRAMED:
+                resp.set_header(name.decode("latin-1"), value.decode("latin-1"))
+        resp.content_type = content_type(msgpack)
         resp.data = data
+
+
+#: Headers Falcon's response writes itself (from ``content_type`` and ``data``).
+_FRAMED = (b"content-type", b"content-length")
 
 
 class MissWarnings:

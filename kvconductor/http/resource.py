@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import falcon
@@ -29,6 +30,7 @@ __all__ = [
     "LARGE_BODY_BYTES",
     "BodyIncomplete",
     "BodyTooLarge",
+    "JsonDocument",
     "Resource",
     "bad_json_message",
     "json_answer",
@@ -90,9 +92,22 @@ def bad_json_message(ex: Exception) -> str:
     return f"invalid JSON request body: {decode_error_message(ex)}"
 
 
+class JsonDocument:
+    """``GET`` of a JSON document built and encoded once (``/openapi.json`` of the V3
+    port and of the Mooncake dialect's)."""
+
+    def __init__(self, document: Callable[[], Any]) -> None:
+        self._body = msgspec.json.encode(document())
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        resp.content_type = falcon.MEDIA_JSON
+        resp.data = self._body
+
+
 #: What a resource answers from: the :class:`Conductor`, or for the query resources any
 #: :class:`~kvconductor.state.protocols.QuerySource` (a worker's shared view too).
 _Source = TypeVar("_Source", bound=QuerySource)
+_Decoded = TypeVar("_Decoded")
 
 
 class Resource(Generic[_Source]):
@@ -116,6 +131,25 @@ class Resource(Generic[_Source]):
         resp.set_header("WWW-Authenticate", CHALLENGE)
         set_error(resp, 401, UNAUTHORIZED)
         return False
+
+    async def _decoded(
+        self,
+        req: falcon.asgi.Request,
+        resp: falcon.asgi.Response,
+        decode: Callable[[bytes], _Decoded],
+    ) -> tuple[bytes, _Decoded] | None:
+        """An authorized request's JSON body and what ``decode`` makes of it; ``None``
+        once it is answered (401, 413, 400)."""
+        if not self._authorized(req, resp):
+            return None
+        body = await self._body(req, resp)
+        if body is None:
+            return None
+        try:
+            return body, decode(body)
+        except BAD_JSON as ex:
+            self._bad(req, resp, bad_json_message(ex))
+            return None
 
     async def _body(
         self, req: falcon.asgi.Request, resp: falcon.asgi.Response, msgpack: bool = False

@@ -1,28 +1,27 @@
-"""The answers both process models write the same way, written only here.
+"""What the answers of both process models say, decided only here (their bytes are
+written by :mod:`kvconductor.http.framing`).
 
 * **Error bodies**: ``{"error": "..."}``, JSON or, on the routes of
   :data:`MSGPACK_PATHS` when the request was MessagePack, MessagePack
-  (:func:`error_answer`, :func:`set_error` for a Falcon response); the sentences of the
-  413 (:func:`too_large_message`) and of the 503 of a worker whose owner process cannot
-  be reached (:data:`OWNER_UNAVAILABLE`).
+  (:func:`set_error` for a Falcon response, :func:`~kvconductor.http.framing.error_answer`
+  for an ASGI one); the sentences of the 413 (:func:`too_large_message`) and of the 503
+  of a worker whose owner process cannot be reached (:data:`OWNER_UNAVAILABLE`).
 * **CORS**: which ``Access-Control-Allow-Origin`` a request gets (:func:`cors_origin`):
   ``*`` on the public reads (:data:`PUBLIC_READ_PATHS`), the origin itself (with ``Vary:
   Origin``) when it is allowed (``--allow-origin``), none otherwise. The Falcon app's
-  :class:`~kvconductor.http.api.OriginPolicy`, the front door
-  (:class:`~kvconductor.http.front.FrontDoor`) and a worker's forwarder
+  :class:`~kvconductor.http.api.OriginPolicy`, the query doors
+  (:func:`~kvconductor.http.framing.cors_headers`) and a worker's forwarder
   (:mod:`kvconductor.serve.proxy`) all ask it.
 * The ``X-KV-Conductor-Warning`` header text (:func:`header_text`).
 
 One process serves the Falcon app behind the front door; ``kv-conductor --workers N``
-serves the front door in each worker and the Falcon app in the owner: an answer written
+serves the front door in each worker and the Falcon app in the owner: an answer decided
 here is byte for byte the same in both (docs/security.md, "CORS").
 """
 
 from __future__ import annotations
 
-import email.utils
 import re
-import time
 from typing import Any
 
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_error
@@ -81,16 +80,6 @@ def content_type(msgpack: bool) -> str:
     return MSGPACK_CONTENT_TYPE if msgpack else JSON_CONTENT_TYPE
 
 
-def error_answer(message: str, msgpack: bool) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    """ASGI headers (content type and length) and body of an error answer."""
-    data = encode_error(message, msgpack)
-    headers = [
-        (b"content-type", CT_MSGPACK if msgpack else CT_JSON),
-        (b"content-length", str(len(data)).encode()),
-    ]
-    return headers, data
-
-
 def set_error(resp: Any, status: int, message: str, msgpack: bool = False) -> None:
     """The same error answer on a Falcon response."""
     resp.status = status
@@ -106,41 +95,6 @@ def cors_origin(path: str, origin: str, allow_origins: frozenset[str]) -> tuple[
     if origin in allow_origins:
         return origin, True
     return None, False
-
-
-def cors_headers(
-    path: str, origin: str | None, allow_origins: frozenset[str] = frozenset()
-) -> list[tuple[bytes, bytes]]:
-    """The CORS headers (ASGI) of an answer the front door or a worker writes itself;
-    none without an ``Origin``."""
-    if origin is None:
-        return []
-    allow, vary = cors_origin(path, origin, allow_origins)
-    if allow is None:
-        return []
-    if vary:
-        return [(b"access-control-allow-origin", allow.encode("latin-1")), (b"vary", b"Origin")]
-    return [(b"access-control-allow-origin", allow.encode("latin-1"))]
-
-
-_date: list = [0, (b"date", b"")]  # [the second, its header]
-
-
-def date_header() -> tuple[bytes, bytes]:
-    """``Date`` (RFC 9110) of an answer a worker writes itself: its uvicorn adds none,
-    the owner's answers carry theirs. Formatted once per second, as uvicorn's own (its
-    ``default_headers``, refreshed on each tick of its main loop)."""
-    now = int(time.time())
-    if now != _date[0]:
-        _date[1] = (b"date", email.utils.formatdate(now, usegmt=True).encode())
-        _date[0] = now
-    return _date[1]
-
-
-async def send_answer(send: Any, status: int, headers: list, data: bytes) -> None:
-    """A whole answer in two ASGI messages."""
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": data})
 
 
 def header_text(sentence: str) -> str:

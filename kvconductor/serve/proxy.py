@@ -14,7 +14,8 @@ chunked, or until close) and :func:`read_chunk` (one chunk of a chunked body) ra
 when the owner closes mid-answer. ``tests/test_proxy.py`` feeds them byte sequences.
 
 The answers a worker writes itself (413 for a chunked body past the limit, 503 when the
-owner cannot be reached) come from :mod:`kvconductor.http.responses`, like the owner's.
+owner cannot be reached) are decided by :mod:`kvconductor.http.responses` and written by
+:mod:`kvconductor.http.framing`, like the owner's.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ from typing import Any
 
 import msgspec
 
+from kvconductor.http.framing import (
+    closing,
+    cors_headers,
+    date_header,
+    error_answer,
+    send_answer,
+)
 from kvconductor.http.metrics import QueryMetrics
 from kvconductor.http.responses import (
     MSGPACK_PATHS,
     OWNER_UNAVAILABLE,
     QUERY_PATHS,
-    cors_headers,
-    date_header,
-    error_answer,
-    send_answer,
     too_large_message,
 )
 from kvconductor.ingest.freshness import FreshnessUnavailable
@@ -380,8 +384,7 @@ class CloseAfter:
 
     async def __call__(self, message: dict) -> None:
         if message["type"] == "http.response.start":
-            headers = [h for h in message["headers"] if h[0] != b"connection"]
-            message = dict(message, headers=[*headers, (b"connection", b"close")])
+            message = closing(message)
         await self.send(message)
 
 

@@ -15,7 +15,7 @@ import time
 import httpx
 
 from tests.helpers.publishers import wait_until
-from tests.helpers.server import register_engine, running, wait_workers
+from tests.helpers.server import exchange, register_engine, running, wait_workers
 
 BS = 4
 QUERY = b'{"model":"qwen","block_size":4,"token_ids":[1,2,3,4,5,6,7,8]}'
@@ -41,29 +41,6 @@ QUERY_REQUESTS = {
     "404 unknown model": _post(b"/query", b'{"model":"nope","block_size":4,"token_ids":[1]}'),
     "413 from the head": b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999\r\n\r\n",
 }
-
-
-def _exchange(port: int, request: bytes, bound: float = 5.0) -> bytes:
-    """Send ``request``; what arrives until one whole answer (head and its
-    Content-Length) is in, or the server closes."""
-    with socket.create_connection(("127.0.0.1", port), timeout=bound) as s:
-        s.sendall(request)
-        data = b""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < bound:
-            if b"\r\n\r\n" in data:
-                head, _, body = data.partition(b"\r\n\r\n")
-                m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
-                if m and len(body) >= int(m.group(1)):
-                    return data
-            try:
-                chunk = s.recv(65536)
-            except TimeoutError:
-                break
-            if not chunk:
-                break
-            data += chunk
-        return data
 
 
 def _head(raw: bytes) -> tuple[int, dict[str, str]]:
@@ -119,13 +96,13 @@ def test_worker_query_answers_carry_the_same_headers_as_one_process_date_include
         for name, request in QUERY_REQUESTS.items():
             # a few times: each worker may take the connection
             for _ in range(4):
-                s1, h1 = _head(_exchange(one.port, request))
-                s2, h2 = _head(_exchange(many.port, request))
+                s1, h1 = _head(exchange(one.port, request))
+                s2, h2 = _head(exchange(many.port, request))
                 assert s1 == s2, name
                 assert sorted(h1) == sorted(h2), (name, h1, h2)
                 _check_date(h1.get("date"))
                 _check_date(h2.get("date"))
-        assert [_head(_exchange(one.port, r))[0] for r in QUERY_REQUESTS.values()] == [
+        assert [_head(exchange(one.port, r))[0] for r in QUERY_REQUESTS.values()] == [
             200,
             200,
             200,
@@ -137,7 +114,7 @@ def test_worker_query_answers_carry_the_same_headers_as_one_process_date_include
         # a refusal written by the protocol (431: the head over --max-header-kb) too
         big = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
         for srv in (one, many):
-            status, headers = _head(_exchange(srv.port, big))
+            status, headers = _head(exchange(srv.port, big))
             assert status == 431
             _check_date(headers.get("date"))
 

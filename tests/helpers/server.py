@@ -2,7 +2,8 @@
 (:class:`Server`, :func:`running`, :func:`run_cli`), under gunicorn (:func:`gunicorn_cmd`),
 over TLS (:func:`tls_server`), with ``--workers`` (:func:`wait_workers`) and as replicas on
 Valkey (:func:`start_replicas`); and what the tests ask of it over HTTP
-(:func:`register_engine`, :func:`dp_entry`, :func:`metric`).
+(:func:`register_engine`, :func:`dp_entry`, :func:`metric`) or raw over a socket
+(:func:`exchange`).
 
 A server started here never writes outside the test's directory: without a snapshot flag
 it runs with ``--no-snapshots``. Teardown sends SIGTERM and fails the test if the process
@@ -275,6 +276,29 @@ def trusting(pki, client: str | None = None) -> ssl.SSLContext:
     if client:
         ctx.load_cert_chain(client)
     return ctx
+
+
+def exchange(port: int, request: bytes, bound: float = 5.0) -> bytes:
+    """Send ``request`` raw on a new connection to 127.0.0.1:``port``; what arrives until
+    one whole answer (head and its Content-Length) is in, or the server closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=bound) as s:
+        s.sendall(request)
+        data = b""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < bound:
+            if b"\r\n\r\n" in data:
+                head, _, body = data.partition(b"\r\n\r\n")
+                m = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+                if m and len(body) >= int(m.group(1)):
+                    return data
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        return data
 
 
 # -- --workers N: the owner and its worker processes
