@@ -11,6 +11,12 @@ REMOVED_KEYS: tuple[str, ...]
 CLEARED_KEYS: tuple[str, ...]
 POOL_KEYS: tuple[str, ...]
 DECLINED_KEYS: tuple[str, ...]
+PAYLOAD_UNSURE: int
+PAYLOAD_VLLM: int
+PAYLOAD_POOL: int
+PAYLOAD_VLLM_TAG: int
+
+def array_payload_kind(payload: bytes | bytearray | memoryview, whole: bool = True) -> int: ...
 
 @disjoint_base
 class FastBatch:

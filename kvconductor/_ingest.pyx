@@ -21,7 +21,7 @@ path does)::
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
-from libc.string cimport memcmp
+from libc.string cimport memcmp, strlen
 
 from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
 from kvconductor._pool cimport HM_NIL, grow_array, live_allocations, mem_free
@@ -251,49 +251,50 @@ cdef inline int _tag(wcur* c, int* kind) noexcept nogil:
     return R_OK
 
 
+# Every map key _fid names, grouped by length: the fields, the pool keys, the declined key.
+cdef enum:
+    NKEYS = 19
+    KEY_MAXLEN = 28
+cdef const char* _KEYS[NKEYS]
+cdef int _KEY_FID[NKEYS]
+cdef int _KEY_FROM[KEY_MAXLEN + 2]   # the keys of length n: _KEY_FROM[n] <= k < _KEY_FROM[n + 1]
+
+
+cdef int _index_keys() noexcept:
+    cdef const char* names[NKEYS]
+    cdef int fids[NKEYS]
+    cdef int i, n, k = 0
+    for i in range(14):
+        names[i] = _FID_NAMES[i]
+        fids[i] = i
+    for i in range(4):
+        names[14 + i] = _POOL_NAMES[i]
+        fids[14 + i] = FID_POOL
+    names[18] = b"tokens_hashes"
+    fids[18] = FID_DECLINE
+    for n in range(KEY_MAXLEN + 1):
+        _KEY_FROM[n] = k
+        for i in range(NKEYS):
+            if strlen(names[i]) == <size_t>n:
+                _KEYS[k] = names[i]
+                _KEY_FID[k] = fids[i]
+                k += 1
+    _KEY_FROM[KEY_MAXLEN + 1] = k
+    return k
+
+
+if _index_keys() != NKEYS:
+    raise ImportError("_ingest: a map key longer than KEY_MAXLEN")
+
+
 cdef int _fid(const uint8_t* s, size_t n) noexcept nogil:
     """Field id of a map key (FID_SKIP for keys no decoder declares)."""
-    if n == 4:
-        return FID_TYPE if memcmp(s, b"type", 4) == 0 else FID_SKIP
-    if n == 12:
-        return FID_HASHES if memcmp(s, b"block_hashes", 12) == 0 else FID_SKIP
-    if n == 9:
-        if memcmp(s, b"token_ids", 9) == 0:
-            return FID_TOKENS
-        if memcmp(s, b"lora_name", 9) == 0:
-            return FID_LORA_NAME
-        if memcmp(s, b"group_idx", 9) == 0:
-            return FID_GROUP
-        if memcmp(s, b"ownership", 9) == 0:
-            return FID_OWNERSHIP
+    cdef int k
+    if n > KEY_MAXLEN:
         return FID_SKIP
-    if n == 10:
-        if memcmp(s, b"block_size", 10) == 0:
-            return FID_BLOCK_SIZE
-        if memcmp(s, b"session_id", 10) == 0:
-            return FID_SESSION
-        if (memcmp(s, b"event_type", 10) == 0 or memcmp(s, b"seq_hashes", 10) == 0
-                or memcmp(s, b"backend_id", 10) == 0):
-            return FID_POOL
-        return FID_SKIP
-    if n == 17:
-        return FID_PARENT if memcmp(s, b"parent_block_hash", 17) == 0 else FID_SKIP
-    if n == 6:
-        return FID_MEDIUM if memcmp(s, b"medium", 6) == 0 else FID_SKIP
-    if n == 7:
-        return FID_LORA_ID if memcmp(s, b"lora_id", 7) == 0 else FID_SKIP
-    if n == 8:
-        if memcmp(s, b"locality", 8) == 0:
-            return FID_LOCALITY
-        if memcmp(s, b"event_id", 8) == 0:
-            return FID_POOL
-        return FID_SKIP
-    if n == 18:
-        return FID_KIND if memcmp(s, b"kv_cache_spec_kind", 18) == 0 else FID_SKIP
-    if n == 28:
-        return FID_WINDOW if memcmp(s, b"kv_cache_spec_sliding_window", 28) == 0 else FID_SKIP
-    if n == 13:
-        return FID_DECLINE if memcmp(s, b"tokens_hashes", 13) == 0 else FID_SKIP
+    for k in range(_KEY_FROM[n], _KEY_FROM[n + 1]):
+        if memcmp(s, _KEYS[k], n) == 0:
+            return _KEY_FID[k]
     return FID_SKIP
 
 
@@ -336,33 +337,111 @@ def _fid_of(str name):
     return _fid(<const uint8_t*>PyBytes_AS_STRING(b), <size_t>PyBytes_GET_SIZE(b))
 
 
+# -- what an array payload carries (ingest/recognize.py's first step) ------------------------
+#: :func:`array_payload_kind`: the first event names a vLLM/SGLang batch, a pool tuple, or
+#: the C reader cannot tell (``recognize.py``'s Python reader decides).
+cdef enum:
+    P_UNSURE = 0
+    P_VLLM = 1
+    P_POOL = 2
+    P_VLLM_TAG = 3      # (not whole) a vLLM tag read, the rest of the first event not
+
+PAYLOAD_UNSURE, PAYLOAD_VLLM, PAYLOAD_POOL, PAYLOAD_VLLM_TAG = P_UNSURE, P_VLLM, P_POOL, P_VLLM_TAG
+
+
+cdef inline bint _array_head(uint8_t b) noexcept nogil:
+    return 0x90 <= b <= 0x9f or b == 0xdc or b == 0xdd
+
+
+cdef inline bint _int_or_nil_head(uint8_t b) noexcept nogil:
+    return b == 0xc0 or b <= 0x7f or b >= 0xe0 or 0xcc <= b <= 0xd3
+
+
+cdef int _first_event_kind(const uint8_t* buf, size_t size, bint whole) noexcept nogil:
+    """``recognize._looks_like_pool`` over the envelope ``split_batch`` reads, without
+    decoding: a first event that is a map with a pool key, without ``type`` or with a
+    ``type`` that is no vLLM tag is a pool tuple. A bad envelope is the vLLM decoder's
+    to report (P_VLLM); what this reader skips no further (ext values, deep
+    nesting, truncation) or a pool verdict that hangs on a non-ASCII key's UTF-8 is
+    P_UNSURE. Not ``whole``: P_VLLM_TAG as soon as a vLLM tag is read with no pool key
+    before it (the first key of a map event as msgspec and vLLM write it), the rest of
+    the event unread (the fast path refuses pool keys and repeated keys)."""
+    cdef wcur c
+    cdef size_t n, npairs, _i
+    cdef const uint8_t* s
+    cdef const uint8_t* save
+    cdef int fid, rc, kind
+    cdef bint pool = False, typed = False, tagged = False, nonascii = False
+    c.base = buf
+    c.p = buf
+    c.end = buf + size
+    if mp_container(&c, 0x90, 0xdc, &n) != WIRE_OK or (n != 2 and n != 3):
+        return P_VLLM
+    if mp_skip(&c, MAX_DEPTH, False) != WIRE_OK or c.p >= c.end:
+        return P_UNSURE
+    if not _array_head(c.p[0]):  # [ts, dp, events]: dp an int or nil
+        if n != 3 or not _int_or_nil_head(c.p[0]):
+            return P_VLLM
+        if mp_skip(&c, MAX_DEPTH, False) != WIRE_OK or c.p >= c.end:
+            return P_UNSURE
+        if not _array_head(c.p[0]):
+            return P_VLLM
+    if mp_container(&c, 0x90, 0xdc, &n) != WIRE_OK:
+        return P_UNSURE
+    if n == 0:
+        return P_VLLM
+    rc = mp_container(&c, 0x80, 0xde, &npairs)
+    if rc != WIRE_OK:  # an event of another form (array, bin, ...) is vLLM's
+        return P_UNSURE if rc == WIRE_EOF else P_VLLM
+    for _i in range(npairs):
+        rc = mp_str(&c, &s, &n)
+        if rc != WIRE_OK:  # a key that is no str: msgspec reads no keys, not a pool
+            return P_UNSURE if rc == WIRE_EOF else P_VLLM
+        if not _ascii(s, n):
+            nonascii = True
+            fid = FID_SKIP
+        else:
+            fid = _fid(s, n)
+        if fid == FID_POOL:
+            pool = True
+        elif fid == FID_TYPE:  # the last "type" counts, as in a decoded dict
+            typed = True
+            save = c.p
+            tagged = _tag(&c, &kind) == R_OK
+            if tagged and not pool and not whole:
+                return P_VLLM_TAG
+            c.p = save
+        if mp_skip(&c, MAX_DEPTH, False) != WIRE_OK:
+            return P_UNSURE
+    if not pool and typed and tagged:
+        return P_VLLM
+    return P_UNSURE if nonascii else P_POOL
+
+
+def array_payload_kind(payload, bint whole=True):
+    """PAYLOAD_VLLM, PAYLOAD_POOL or PAYLOAD_UNSURE (not ``whole``: or PAYLOAD_VLLM_TAG)
+    for a payload whose top value is a msgpack array (``ingest/recognize.py``, the Python
+    reader its twin)."""
+    cdef const uint8_t[::1] view
+    cdef const uint8_t* buf
+    cdef size_t size
+    if PyBytes_Check(payload):
+        return _first_event_kind(<const uint8_t*>PyBytes_AS_STRING(payload),
+                                 <size_t>PyBytes_GET_SIZE(payload), whole)
+    view = payload
+    size = view.shape[0]
+    buf = &view[0] if size else NULL
+    return _first_event_kind(buf, size, whole)
+
+
 cdef class FastBatch:
     """Parse buffer and applier of the vLLM/SGLang HBM fast path (one per subscription;
     not thread-safe: the ingest thread only)."""
 
     def __cinit__(self, uint64_t seed=KVC_SEED):
+        # (Cython zero-fills the C fields: no scratch, capacities and counts 0, why R_OK)
         self.seed = seed
-        self.hs = NULL
-        self.loc = NULL
-        self.hs_cap = 0
-        self.hs_used = 0
-        self.tok = NULL
-        self.tok_cap = 0
-        self.recs = NULL
-        self.ops = NULL
-        self.rec_cap = 0
-        self.nrec = 0
-        self.clear = NULL
-        self.clear_cap = 0
-        self.flags = 0
         self.nevents = -1
-        self.n_size_mismatch = 0
-        self.n_kind = 0
-        self.nlora = 0
-        self.bad_bs = 0
-        self.why = R_OK
-        self.parsed = 0
-        self.rejected = 0
 
     def __dealloc__(self):
         mem_free(self.hs)
@@ -400,12 +479,13 @@ cdef class FastBatch:
         cdef void* p
         if fid == FID_SKIP:
             return _skip(c)
+        if fid == FID_POOL:
+            return R_POOL_KEY
+        if _nil(c):
+            return R_OK         # nil: the field's default, which _event set (each field once)
         if fid == FID_HASHES:
-            ev.nh = 0
-            if _nil(c):
-                return R_OK
             rc = _r(_container(c, False, &n), R_HASH)
-            if rc:
+            if rc or n == 0:
                 return rc
             if self._reserve_hashes(self.hs_used + n) < 0:
                 return R_OOM
@@ -416,33 +496,24 @@ cdef class FastBatch:
             ev.nh = n
             return R_OK
         if fid == FID_PARENT:
-            ev.has_parent = 0
-            if _nil(c):
-                return R_OK
             rc = _hash(c, &ev.parent)
             if rc == R_OK:
                 ev.has_parent = 1
             return rc
         if fid == FID_TOKENS:
-            ev.ntok = 0
-            if _nil(c):
-                return R_OK
             rc = _r(_container(c, False, &n), R_TOKENS)
-            if rc:
+            if rc or n == 0:
                 return rc
             if n > self.tok_cap:
                 p = grow_array(self.tok, &self.tok_cap, n, sizeof(uint32_t))
                 if p == NULL:
                     return R_OOM
                 self.tok = <uint32_t*>p
-            if n and mp_u32_array(c, self.tok, n, &cnt) != WIRE_OK:
+            if mp_u32_array(c, self.tok, n, &cnt) != WIRE_OK:
                 return R_TOKENS     # not an int, truncated, or >= 2**63 (the Python path decides)
             ev.ntok = n
             return R_OK
         if fid == FID_BLOCK_SIZE:
-            ev.bs = 0
-            if _nil(c):
-                return R_OK
             rc = _r(mp_int(c, &v, &neg), R_FIELD)
             if rc:
                 return rc
@@ -451,12 +522,6 @@ cdef class FastBatch:
             ev.bs = v
             return R_OK
         if fid == FID_MEDIUM or fid == FID_LORA_NAME or fid == FID_KIND:
-            if _nil(c):
-                if fid == FID_LORA_NAME:
-                    ev.seed = self.seed
-                elif fid == FID_KIND:
-                    ev.kind_rejected = 0
-                return R_OK
             rc = _r(mp_str(c, &s, &n), R_FIELD)
             if rc:
                 return rc
@@ -469,8 +534,6 @@ cdef class FastBatch:
             else:
                 ev.kind_rejected = _kind_rejected(s, n)
             return R_OK
-        if fid == FID_POOL:
-            return R_POOL_KEY
         return _any(c)          # lora_id, group_idx, sliding window, locality, ownership, session
 
     cdef int _event(self, wcur* c, long long reg) noexcept nogil:

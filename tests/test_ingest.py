@@ -36,6 +36,7 @@ from kvconductor._index import CoreIndex
 from kvconductor._ingest import FastBatch
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
+from kvconductor.ingest.recognize import POOL, recognize
 from kvconductor.keys import Medium
 
 BS = 4
@@ -631,8 +632,13 @@ def test_declined_batches_go_to_the_python_path(payload, reason):
             ]
         )
     )
+    declined = pair.fb.rejected
     assert not pair.apply(payload)
-    assert pair.fb.reason == reason
+    # a first event that names a pool tuple is decoded as one: never tried in C
+    assert pair.fb.rejected == declined + (recognize(payload).kind != POOL)
+    fb = FastBatch()  # what the compiled decoder says of it on its own
+    assert fb.parse(payload, BS) == -1
+    assert fb.reason == reason
     pair.finish()
 
 

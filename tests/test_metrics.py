@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import kvconductor
 from kvconductor.http.api import create_app
 from kvconductor.http.metrics import CONTENT_TYPE
+from kvconductor.ingest.host import IngestSettings
 from kvconductor.ingest.subscriber import SubscriptionManager
 from kvconductor.state.conductor import Conductor, ConductorConfig
 from tests.helpers.publishers import FakePublisher, free_tcp_port, schema, wait_until
@@ -238,7 +239,9 @@ def test_metrics_protected_like_workers(conductor):
 def zmq_conductor():
     c = Conductor(
         ConductorConfig(maintenance_interval=3600),
-        subscriptions=lambda t, cd: SubscriptionManager(t, cd, replay_timeout=0.5),
+        subscriptions=lambda t, cd: SubscriptionManager(
+            t, cd, settings=IngestSettings(replay_timeout=0.5)
+        ),
     )
     c.start()
     yield c

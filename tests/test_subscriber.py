@@ -691,7 +691,7 @@ def test_check_sources_mutes_a_dp_only_when_all_its_hbm_sources_are_down(h, pubs
     p1.publish(V33.batch([stored(V33, 0)]))
     wait_until(lambda: h.hits(toks(0)) == {(IID, 0): (4, 0, 0)}, msg="indexed")
     mgr = h.mgr
-    assert (mgr.source_down, mgr.source_purge) == (10.0, 600.0)  # the defaults
+    assert (mgr.liveness.source_down, mgr.liveness.source_purge) == (10.0, 600.0)  # defaults
     t = time.monotonic()
     h.call(mgr.check_sources, t)
     assert [s["down_since"] for s in h.call(mgr.sources) if not s["is_pool"]] == [None, None]

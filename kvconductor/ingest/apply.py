@@ -1,10 +1,14 @@
-"""Apply decoded engine and pool events to the index (docs/events.md, "Applying").
-
-:func:`~kvconductor.ingest.recognize.decode_payload` recognises the payload
-(vLLM/SGLang batch, pool tuple, Memcache map) and decodes it into the typed
-operations of :mod:`~kvconductor.ingest.ops`; :class:`Applier` applies them with
-one subscription's :class:`~kvconductor.ingest.context.SubscriberContext`. Everything here runs on
-the ingest thread (the index's single writer).
+"""Apply one subscription's payloads to the index (docs/events.md, "Applying"), on the
+ingest thread (the index's single writer). The route, top to bottom in
+:meth:`Applier.apply_payload`: the bounds read from the raw bytes (``--max-message-mb``,
+a store-only source's big chunk weighed by
+:func:`~kvconductor.ingest.storeonly.claimed_blocks`);
+:func:`~kvconductor.ingest.recognize.recognize` names the kind; the decoder of that kind
+runs once: the compiled fast path for a vLLM/SGLang batch on an engine's HBM source
+(below), else (or for what it declines) :func:`~kvconductor.ingest.recognize.decode`,
+into the typed operations of :mod:`~kvconductor.ingest.ops`; then the batch is weighed
+(``--max-blocks-per-message``, ``--max-blocks-per-source``), the engine-batch-on-a-pool
+guard runs, and :meth:`Applier.apply_vllm` or :meth:`Applier.apply_pool` applies it.
 
 Routing (deviations from the reference are marked FIX):
 
@@ -24,13 +28,12 @@ Routing (deviations from the reference are marked FIX):
   :func:`~kvconductor.ingest.pooltargets.pool_targets` finds (which DPs, media and
   index; its FIXes are listed there).
 
-Compiled fast path (HBM subscriptions, ``kvconductor._ingest.FastBatch``): a
-vLLM/SGLang batch whose every event the fast path handles (HBM medium, ASCII
-LoRA name / attention kind, int or bin hashes, plain envelope) is parsed, hashed
-and applied in C under one write lock, with the same results, counters and
-``touched`` keys as the code below; anything else returns -1 from ``parse``
-before any mutation and takes the general path. ``KVCONDUCTOR_IMPL=py`` (or
-``Applier(..., fast=False)``) turns it off.
+Compiled fast path (``kvconductor._ingest.FastBatch``, engine HBM sources outside a
+loss's grace period): a batch whose every event it handles (HBM medium, ASCII LoRA name /
+attention kind, int or bin hashes, plain envelope) is parsed, hashed and applied in C
+under one write lock, with the same results, counters and ``touched`` keys as the code
+below; anything else returns -1 from ``parse`` before any mutation and goes to the Python
+vLLM decoder. ``KVCONDUCTOR_IMPL=py`` (or ``Applier(..., fast=False)``) turns it off.
 """
 
 from __future__ import annotations
@@ -57,20 +60,19 @@ from kvconductor.ingest.ops import (
     DecodeError,
     Dropped,
     PoolBatch,
-    PoolEvent,
     Removed,
     Stored,
     VllmBatch,
 )
 from kvconductor.ingest.poolguard import ENGINE_BATCH_ON_POOL, engine_batch_on_pool
 from kvconductor.ingest.pooltargets import Miss, pool_targets
-from kvconductor.ingest.recognize import decode_payload
+from kvconductor.ingest.recognize import VLLM, decode, recognize
 from kvconductor.ingest.sharedstore import store_shared
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
 from kvconductor.ingest.storeonly import (
     WEIGH_BYTES,
     StoreOnlyBound,
-    chunk_blocks,
+    batch_blocks,
     chunk_factor,
     claimed_blocks,
     direct_medium,
@@ -208,8 +210,8 @@ class Applier:
 
     # -- entry points ---------------------------------------------------------------------
     def apply_payload(self, payload: bytes) -> bool:
-        """Decode and apply one payload; False (counted, warned) if undecodable or over a
-        bound of :class:`Limits`."""
+        """Recognise, decode once and apply one payload (the route of the module docstring);
+        False (counted, warned) if undecodable or over a bound of :class:`Limits`."""
         lim = self.limits
         if self.store_bound is not None and self.store_bound.held:
             self.expire_store_only()
@@ -228,15 +230,45 @@ class Applier:
                 if not self._within_limits(pre):
                     return False
                 weighed = True
+        try:
+            rec = recognize(payload)
+        except DecodeError as ex:
+            self._drop(ex.reason, ex.detail, payload)
+            return False
+        index = None
         fb = self._fast
-        if fb is not None and self.suspects is None:
-            # After a loss the general path runs: it records what is re-announced.
+        if rec.kind == VLLM and fb is not None and self.suspects is None:
+            # The compiled decoder of this kind; after a loss the general path runs (it
+            # records what is re-announced). What it declines goes on below.
             n = fb.parse(payload, self.ctx.block_size)
             if n >= 0:
                 if not weighed and not self._within_limits(fb.nhashes):
                     return False
-                return self._apply_fast(fb, n, payload)
-        return self._apply_general(payload, weighed=weighed)
+                index = self._apply_fast(fb, n, payload)
+                if index is None:
+                    return True
+                weighed = False  # (the general path weighs it again, as it always did)
+        try:
+            batch = decode(payload, rec)
+        except DecodeError as ex:
+            self._drop(ex.reason, ex.detail, payload)
+            return False
+        except Exception as ex:
+            self._drop("decoder_error", repr(ex), payload)
+            return False
+        nblocks = batch_blocks(batch.events, self.store_bound is not None, self.ctx.block_size)
+        if not weighed and not self._within_limits(nblocks, index):
+            return False
+        why = engine_batch_on_pool(self.ctx, batch)
+        if why is not None:
+            self._drop(ENGINE_BATCH_ON_POOL, why)
+            return False
+        self.stats.batches += 1
+        if isinstance(batch, VllmBatch):
+            self.apply_vllm(batch, payload, index)
+        else:
+            self.apply_pool(batch, payload)
+        return True
 
     def _within_limits(self, nblocks: int, index=None) -> bool:
         """False (counted, warned) when a message of ``nblocks`` blocks is over a bound. A
@@ -272,56 +304,26 @@ class Applier:
             self._held_bound += nblocks
         return True
 
-    def _apply_general(self, payload: bytes, index=None, weighed: bool = False) -> bool:
-        try:
-            batch = decode_payload(payload)
-        except DecodeError as ex:
-            self._drop(ex.reason, ex.detail, payload)
-            return False
-        except Exception as ex:
-            self._drop("decoder_error", repr(ex), payload)
-            return False
-        nblocks = 0
-        so = self.store_bound is not None
-        reg = self.ctx.block_size
-        for ev in batch.events:
-            if isinstance(ev, Stored) and direct_medium(so, ev.medium):
-                nblocks += chunk_blocks(len(ev.block_hashes), ev.block_size or 0, reg)
-            elif isinstance(ev, (Stored, Removed)):
-                nblocks += len(ev.block_hashes)
-            elif isinstance(ev, PoolEvent):
-                nblocks += len(ev.hashes)
-        if not weighed and not self._within_limits(nblocks, index):
-            return False
-        why = engine_batch_on_pool(self.ctx, batch)
-        if why is not None:
-            self._drop(ENGINE_BATCH_ON_POOL, why)
-            return False
-        self.stats.batches += 1
-        if isinstance(batch, VllmBatch):
-            self.apply_vllm(batch, payload, index)
-        else:
-            self.apply_pool(batch, payload)
-        return True
-
-    def _apply_fast(self, fb, n: int, payload: bytes) -> bool:
-        """Apply a batch ``fb.parse`` accepted (``n`` events) exactly as apply_vllm would."""
+    def _apply_fast(self, fb, n: int, payload: bytes) -> Index | None:
+        """Apply a batch ``fb.parse`` accepted (``n`` events) exactly as apply_vllm would:
+        None. An index instead: the fast path cannot apply it there (a pure-Python core, a
+        failure before any mutation), the general path applies it."""
         ctx = self.ctx
         stats = self.stats
         if n == 0:
             stats.batches += 1
-            return True
+            return None
         try:
             index = self.conductor.get_or_create_index(ctx.model, ctx.tenant)
         except Exception as ex:
             stats.batches += 1
             stats.events += 1
             self._drop("apply_error", f"get_or_create_index: {ex!r}", payload)
-            return True
+            return None
         core = index.core
         if type(core) is not _CCore:
             self._fast = None  # pure-Python core: this subscription stays on the general path
-            return self._apply_general(payload, index)
+            return index
         try:
             wid = -1
             if fb.needs_worker:
@@ -338,7 +340,7 @@ class Applier:
                 clear = [index.worker_id(k) for k in self._clear_keys if k in known]
             blocks, parent_nf, bad_seq, oom = fb.apply(core, wid, clear)
         except Exception:
-            return self._apply_general(payload, index)
+            return index
         if fb.has_clear and self.store_bound is not None:
             self.store_bound.clear(self._clear_keys)
         stats.batches += 1
@@ -361,7 +363,7 @@ class Applier:
             self._drop("invalid_block_sequence", str(InvalidBlockSequence()))
         for _ in range(oom):
             self._drop("apply_error", repr(MemoryError()), payload)
-        return True
+        return None
 
     def _targets(self) -> dict[tuple[str, str], set[WorkerKey]]:
         """Every worker key this subscription feeds, per (model, tenant)."""

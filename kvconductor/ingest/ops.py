@@ -11,6 +11,9 @@ those to the index. Nothing here imports another ingest module.
 from __future__ import annotations
 
 import re
+from array import array
+
+import msgspec
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 
@@ -88,59 +91,25 @@ def int_hash(h: int) -> int:
 # vLLM / SGLang events
 
 
-class Stored:
+class Stored(msgspec.Struct, gc=False):
     """One ``BlockStored``: hashes are u64 (array('Q')), tokens u32 (array('I'))."""
 
-    __slots__ = (
-        "block_hashes",
-        "parent",
-        "tokens",
-        "block_size",
-        "medium",
-        "lora_name",
-        "lora_id",
-        "group_idx",
-        "kind",
-        "sliding_window",
-        "locality",
-        "ownership",
-        "session_id",
-        "local_hashes",
-    )
-
-    def __init__(
-        self,
-        block_hashes,
-        parent,
-        tokens,
-        block_size,
-        medium=None,
-        lora_name=None,
-        lora_id=None,
-        group_idx=None,
-        kind=None,
-        sliding_window=None,
-        locality=None,
-        ownership=None,
-        session_id=None,
-        local_hashes=None,
-    ) -> None:
-        self.block_hashes = block_hashes
-        self.parent = parent
-        self.tokens = tokens
-        self.block_size = block_size
-        self.medium = medium
-        self.lora_name = lora_name
-        self.lora_id = lora_id
-        self.group_idx = group_idx
-        self.kind = kind
-        self.sliding_window = sliding_window
-        self.locality = locality
-        self.ownership = ownership
-        self.session_id = session_id
-        #: Precomputed LocalBlockHashes, one per block (``tokens_hashes`` of TensorRT-LLM's
-        #: ZeroMQ tee), when the event carries them instead of token ids; else None.
-        self.local_hashes = local_hashes
+    block_hashes: array
+    parent: int | None
+    tokens: array
+    block_size: int
+    medium: str | None = None
+    lora_name: str | None = None
+    lora_id: object = None
+    group_idx: object = None
+    kind: str | None = None
+    sliding_window: object = None
+    locality: object = None
+    ownership: object = None
+    session_id: object = None
+    #: Precomputed LocalBlockHashes, one per block (``tokens_hashes`` of TensorRT-LLM's
+    #: ZeroMQ tee), when the event carries them instead of token ids; else None.
+    local_hashes: array | None = None
 
     def __repr__(self) -> str:
         return (
@@ -150,52 +119,38 @@ class Stored:
         )
 
 
-class Removed:
+class Removed(msgspec.Struct, gc=False):
     """One ``BlockRemoved``."""
 
-    __slots__ = ("block_hashes", "medium", "group_idx")
-
-    def __init__(self, block_hashes, medium=None, group_idx=None) -> None:
-        self.block_hashes = block_hashes
-        self.medium = medium
-        self.group_idx = group_idx
+    block_hashes: array
+    medium: str | None = None
+    group_idx: object = None
 
     def __repr__(self) -> str:
         return f"Removed(hashes={list(self.block_hashes)}, medium={self.medium!r})"
 
 
-class Cleared:
+class Cleared(msgspec.Struct, gc=False):
     """``AllBlocksCleared``."""
 
-    __slots__ = ()
 
-    def __repr__(self) -> str:
-        return "Cleared()"
-
-
-class Dropped:
+class Dropped(msgspec.Struct, gc=False):
     """An event that could not be used; ``reason`` is counted by the caller."""
 
-    __slots__ = ("reason", "detail")
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        self.reason = reason
-        self.detail = detail
+    reason: str
+    detail: str = ""
 
     def __repr__(self) -> str:
         return f"Dropped({self.reason!r}, {self.detail!r})"
 
 
-class VllmBatch:
+class VllmBatch(msgspec.Struct):
     """A decoded batch: ``events`` holds Stored/Removed/Cleared/Dropped in wire order."""
 
-    __slots__ = ("ts", "dp_rank", "events", "layout")
-
-    def __init__(self, ts, dp_rank, events, layout) -> None:
-        self.ts = ts
-        self.dp_rank = dp_rank
-        self.events = events
-        self.layout = layout  # "ts,events,dp" | "ts,events" | "ts,dp,events"
+    ts: float | int
+    dp_rank: int | None
+    events: list  # Stored | Removed | Cleared | Dropped (VllmEvent)
+    layout: str  # "ts,events,dp" | "ts,events" | "ts,dp,events"
 
 
 #: One decoded vLLM/SGLang event.
@@ -208,45 +163,19 @@ VllmEvent = Stored | Removed | Cleared | Dropped
 STORED, REMOVED, CLEARED, OTHER = "stored", "removed", "cleared", "other"
 
 
-class PoolEvent:
+class PoolEvent(msgspec.Struct, gc=False):
     """One decoded pool event. ``hashes`` = seq_hashes then block_hashes, de-duplicated."""
 
-    __slots__ = (
-        "event_id",
-        "kind",
-        "type_str",
-        "model_name",
-        "tenant_id",
-        "backend_id",
-        "medium",
-        "dp_rank",
-        "hashes",
-        "lora_name",
-    )
-
-    def __init__(
-        self,
-        event_id,
-        kind,
-        type_str,
-        model_name,
-        tenant_id,
-        backend_id,
-        medium,
-        dp_rank,
-        hashes,
-        lora_name=None,
-    ) -> None:
-        self.lora_name = lora_name
-        self.event_id = event_id
-        self.kind = kind
-        self.type_str = type_str
-        self.model_name = model_name
-        self.tenant_id = tenant_id
-        self.backend_id = backend_id
-        self.medium = medium
-        self.dp_rank = dp_rank
-        self.hashes = hashes
+    event_id: object
+    kind: str
+    type_str: str
+    model_name: str | None
+    tenant_id: str | None
+    backend_id: str | None
+    medium: str | None
+    dp_rank: int | None
+    hashes: list[int]
+    lora_name: str | None = None
 
     def __repr__(self) -> str:
         return (
@@ -255,11 +184,8 @@ class PoolEvent:
         )
 
 
-class PoolBatch:
-    __slots__ = ("ts", "dp_rank", "events", "layout")
-
-    def __init__(self, ts, dp_rank, events, layout) -> None:
-        self.ts = ts
-        self.dp_rank = dp_rank
-        self.events = events
-        self.layout = layout  # "tuple" | "memcache"
+class PoolBatch(msgspec.Struct):
+    ts: object
+    dp_rank: int | None
+    events: list  # PoolEvent | Dropped
+    layout: str  # "tuple" | "memcache"

@@ -127,13 +127,36 @@ def decode_pool_tuple(obj: object) -> PoolBatch:
     """``[ts_ms, [events], dp_rank]`` (already decoded) -> PoolBatch."""
     if not isinstance(obj, list) or len(obj) not in (2, 3):
         raise DecodeError("not_a_batch", "pool tuple is not an array of 2 or 3")
-    ts, events = obj[0], obj[1]
-    dp = obj[2] if len(obj) == 3 else None
+    return _pool_tuple(obj[0], obj[1], obj[2] if len(obj) == 3 else None)
+
+
+def _pool_tuple(ts: object, events: object, dp: object) -> PoolBatch:
     if type(ts) not in (int, float) or not isinstance(events, list):
         raise DecodeError("not_a_batch", "pool tuple is not [ts_ms, [events], dp]")
     if dp is not None and type(dp) is not int:
         raise DecodeError("invalid_batch", f"dp_rank is {type(dp).__name__}")
     return PoolBatch(ts, dp, [decode_pool_event(e) for e in events], "tuple")
+
+
+def decode_pool_events(
+    payload: bytes, parts: tuple[list[msgspec.Raw], int, int | None], raw_events: list[msgspec.Raw]
+) -> PoolBatch:
+    """A pool tuple from what recognition read of it (``parts``: the envelope split by
+    :func:`~kvconductor.ingest.vllm.split_batch`, ``raw_events``: its events element's
+    elements): each element decoded once, with the result of
+    :func:`decode_pool_payload`. A payload that does not decode element by element (or
+    has its events third) is decoded whole, for the reason and detail of the whole."""
+    elems, ei, _ = parts
+    if ei == 1:
+        try:
+            ts = _ANY_DEC.decode(elems[0])
+            dp = _ANY_DEC.decode(elems[2]) if len(elems) == 3 else None
+            events = [_ANY_DEC.decode(r) for r in raw_events]
+        except Exception:
+            pass
+        else:
+            return _pool_tuple(ts, events, dp)
+    return decode_pool_payload(payload)
 
 
 def decode_memcache(obj: object) -> PoolBatch:

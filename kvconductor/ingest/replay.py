@@ -24,8 +24,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import zmq
+
+from kvconductor.ingest.thread import IngestThread
 
 log = logging.getLogger("kvconductor.ingest")
 
@@ -57,6 +60,7 @@ def drain(
         yield frames
 
 
+@dataclass(slots=True, eq=False)
 class ReplaySession:
     """One replay request/response exchange.
 
@@ -64,33 +68,23 @@ class ReplaySession:
     order; ``on_done(ok, why)`` exactly once (``ok`` = the end marker arrived).
     """
 
-    def __init__(
-        self,
-        thread,
-        endpoint: str,
-        start_seq: int,
-        on_batch: Callable[[int, bytes], None],
-        on_done: Callable[[bool, str], None],
-        timeout: float = 5.0,
-        deadline: float = 60.0,
-        max_msg: int = -1,
-    ) -> None:
-        self.thread = thread
-        self.endpoint = endpoint
-        self.start_seq = start_seq
-        self.on_batch = on_batch
-        self.on_done = on_done
-        self.timeout = timeout
-        #: Seconds the whole replay may take.
-        self.deadline = deadline
-        #: ZMQ_MAXMSGSIZE of the DEALER (-1: unlimited).
-        self.max_msg = max_msg
-        self._ends_at = 0.0
-        self.sock: zmq.Socket | None = None
-        self.received = 0
-        self.layout: str | None = None  # "seq,payload" | "topic,seq,payload"
-        self.done = False
-        self._last_activity = 0.0
+    thread: IngestThread
+    endpoint: str
+    start_seq: int
+    on_batch: Callable[[int, bytes], None]
+    on_done: Callable[[bool, str], None]
+    timeout: float = 5.0
+    #: Seconds the whole replay may take.
+    deadline: float = 60.0
+    #: ZMQ_MAXMSGSIZE of the DEALER (-1: unlimited).
+    max_msg: int = -1
+    # the exchange's state, from start() on
+    _ends_at: float = field(default=0.0, init=False)
+    sock: zmq.Socket | None = field(default=None, init=False)
+    received: int = field(default=0, init=False)
+    layout: str | None = field(default=None, init=False)  # "seq,payload" | "topic,seq,payload"
+    done: bool = field(default=False, init=False)
+    _last_activity: float = field(default=0.0, init=False)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvconductor._hash import split_chunk_hashes
+from kvconductor.ingest.ops import PoolEvent, Removed, Stored
 from kvconductor.ingest.vllm import event_shapes
 from kvconductor.keys import WorkerKey, parse_medium
 
@@ -66,6 +67,21 @@ def claimed_blocks(payload: bytes, registered: int) -> int | None:
             n += chunk_blocks(nhashes, bs, registered)
         else:
             n += nhashes
+    return n
+
+
+def batch_blocks(events: Iterable[object], store_only: bool, registered: int) -> int:
+    """The blocks a decoded batch's events stand for (:func:`claimed_blocks`'s rule,
+    for any source: stores and removals by their hashes, a store-only source's chunks by
+    the registered blocks they stand for, pool events by their hashes)."""
+    n = 0
+    for ev in events:
+        if isinstance(ev, Stored) and direct_medium(store_only, ev.medium):
+            n += chunk_blocks(len(ev.block_hashes), ev.block_size or 0, registered)
+        elif isinstance(ev, (Stored, Removed)):
+            n += len(ev.block_hashes)
+        elif isinstance(ev, PoolEvent):
+            n += len(ev.hashes)
     return n
 
 

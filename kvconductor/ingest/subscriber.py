@@ -68,26 +68,13 @@ class SubscriptionManager:
         settings: IngestSettings | None = None,
         shared: SharedWrites | None = None,
         journal: SourceJournal = LOCAL_SOURCES,
-        replay_timeout: float | None = None,
-        loss_grace: float | None = None,
-        replay_deadline: float | None = None,
-        source_down: float | None = None,
-        source_purge: float | None = None,
     ) -> None:
-        """``settings`` (defaults: :class:`~kvconductor.ingest.host.IngestSettings`), each
-        overridden by the keyword of the same name when given; ``shared``: ``--workers N``'s
+        """``settings``: the flags of ingest (defaults:
+        :class:`~kvconductor.ingest.host.IngestSettings`); ``shared``: ``--workers N``'s
         shared write section over each socket's drain (None: one process); ``journal``:
         what the sources' batches and events go through (``--state-url``: the replicated
         log; default: applied at once, every source consumed here)."""
         s = settings or IngestSettings()
-        s = IngestSettings(
-            loss_grace=s.loss_grace if loss_grace is None else loss_grace,
-            replay_deadline=s.replay_deadline if replay_deadline is None else replay_deadline,
-            replay_timeout=s.replay_timeout if replay_timeout is None else replay_timeout,
-            source_down=s.source_down if source_down is None else source_down,
-            source_purge=s.source_purge if source_purge is None else source_purge,
-            limits=s.limits,
-        )
         self.thread = thread
         self.conductor = conductor
         self.shared = shared
@@ -415,14 +402,6 @@ class SubscriptionManager:
         # the engine is up, the replay would be answered before anything is published
 
     # -- dead engines (kvconductor.ingest.liveness) -----------------------------------------
-    @property
-    def source_down(self) -> float:
-        return self.liveness.source_down
-
-    @property
-    def source_purge(self) -> float:
-        return self.liveness.source_purge
-
     def check_sources(self, now: float | None = None) -> None:
         """Mute the HBM workers of every (instance, DP) whose HBM sources have all been
         down for ``source_down`` seconds, unmute those back, purge those down for

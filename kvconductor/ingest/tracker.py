@@ -48,6 +48,7 @@ degradation ends with :meth:`SequenceTracker.end_degraded` of the newest epoch.
 from __future__ import annotations
 
 import logging
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from operator import attrgetter
 from typing import Protocol
 
@@ -88,55 +89,53 @@ class TrackerHost(Protocol):
         words for a loss line: which registration would need one."""
 
 
+@dataclass(slots=True, eq=False)
 class SequenceTracker:
     """The sequence and replay state of one subscription (see the module docstring)."""
 
-    def __init__(
-        self,
-        host: TrackerHost,
-        stats: SourceStats,
-        *,
-        replay: bool,
-        max_buffer: int = MAX_REPLAY_BUFFER,
-    ) -> None:
-        self.host = host
-        self.stats = stats
-        #: The subscription has a replay endpoint.
+    host: TrackerHost
+    stats: SourceStats
+    _: KW_ONLY
+    #: The subscription has a replay endpoint (``replay_enabled``).
+    replay: InitVar[bool]
+    max_buffer: int = MAX_REPLAY_BUFFER
+    replay_enabled: bool = field(init=False)
+    closed: bool = field(default=False, init=False)
+    ever_connected: bool = field(default=False, init=False)
+    #: A batch was applied or a loss declared: the stream has a beginning.
+    started: bool = field(default=False, init=False)
+    last_seq: int | None = field(default=None, init=False)
+    last_digest: int | None = field(default=None, init=False)
+    _replaying: bool = field(default=False, init=False)
+    buffer: list[tuple[int, bytes]] = field(default_factory=list, init=False)
+    #: Digests of the batches applied by replay, while the live stream may repeat them.
+    dedup: dict[int, int] = field(default_factory=dict, init=False)
+    dedup_high: int = field(default=-1, init=False)
+    _degraded_since: float | None = field(default=None, init=False)
+    loss_epoch: int = field(default=0, init=False)
+    #: The last loss: (wall-clock time, why), for ``/workers`` and ``/explain``.
+    last_loss: tuple[float, str] | None = field(default=None, init=False)
+    # The running replay: where it started, whether its first batch must be the
+    # overlap batch ``last_seq``, whether it has delivered a batch, whether a
+    # restart was seen (its batches are ignored, a replay from 0 follows).
+    _replay_start: int = field(default=0, init=False)
+    _verify: bool = field(default=False, init=False)
+    _first: bool = field(default=True, init=False)
+    _restart: bool = field(default=False, init=False)
+    #: While merging after a failed replay: a gap is a loss, no second replay.
+    _no_replay: bool = field(default=False, init=False)
+    #: The SUB (re)connected while a replay ran: that replay may have been answered
+    #: before our subscription reached the PUB; catch up once more when it ends.
+    _again: bool = field(default=False, init=False)
+    #: Nothing applied yet, and a replay from this seq came back empty: the stream
+    #: starts there, so a first live batch past it means batches were missed (the
+    #: PUB drops what it sends before our SUB is connected): replay them.
+    _expect: int | None = field(default=None, init=False)
+    #: The running replay is the one asked for such a missed start.
+    _expect_replay: bool = field(default=False, init=False)
+
+    def __post_init__(self, replay: bool) -> None:
         self.replay_enabled = replay
-        self.max_buffer = max_buffer
-        self.closed = False
-        self.ever_connected = False
-        #: A batch was applied or a loss declared: the stream has a beginning.
-        self.started = False
-        self.last_seq: int | None = None
-        self.last_digest: int | None = None
-        self._replaying = False
-        self.buffer: list[tuple[int, bytes]] = []
-        #: Digests of the batches applied by replay, while the live stream may repeat them.
-        self.dedup: dict[int, int] = {}
-        self.dedup_high = -1
-        self._degraded_since: float | None = None
-        self.loss_epoch = 0
-        #: The last loss: (wall-clock time, why), for ``/workers`` and ``/explain``.
-        self.last_loss: tuple[float, str] | None = None
-        # The running replay: where it started, whether its first batch must be the
-        # overlap batch ``last_seq``, whether it has delivered a batch, whether a
-        # restart was seen (its batches are ignored, a replay from 0 follows).
-        self._replay_start = 0
-        self._verify = False
-        self._first = True
-        self._restart = False
-        #: While merging after a failed replay: a gap is a loss, no second replay.
-        self._no_replay = False
-        #: The SUB (re)connected while a replay ran: that replay may have been answered
-        #: before our subscription reached the PUB; catch up once more when it ends.
-        self._again = False
-        #: Nothing applied yet, and a replay from this seq came back empty: the stream
-        #: starts there, so a first live batch past it means batches were missed (the
-        #: PUB drops what it sends before our SUB is connected): replay them.
-        self._expect: int | None = None
-        #: The running replay is the one asked for such a missed start.
-        self._expect_replay = False
 
     # -- inputs from the subscription ---------------------------------------------------
     def live(self, seq: int, payload: bytes, now: float) -> None:

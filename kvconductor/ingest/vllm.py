@@ -132,7 +132,9 @@ _RAW_NIL = msgspec.Raw(b"\xc0")
 _Str = str | None
 
 
-class _AStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+class _Stored(msgspec.Struct):
+    """The fields of ``BlockStored`` both forms declare first (array positions 1-7)."""
+
     block_hashes: object = None
     parent_block_hash: object = None
     token_ids: msgspec.Raw = _RAW_NIL
@@ -140,30 +142,32 @@ class _AStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     lora_id: object = None
     medium: _Str = None
     lora_name: _Str = None
+
+
+class _Removed(msgspec.Struct):
+    """The fields of ``BlockRemoved`` (array positions 1-3)."""
+
+    block_hashes: object = None
+    medium: _Str = None
+    group_idx: object = None
+
+
+class _AStored(_Stored, array_like=True, tag="BlockStored"):
     extra_keys: msgspec.Raw = _RAW_NIL
     group_idx: object = None
     kv_cache_spec_kind: _Str = None
     kv_cache_spec_sliding_window: object = None
 
 
-class _ARemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
-    block_hashes: object = None
-    medium: _Str = None
-    group_idx: object = None
+class _ARemoved(_Removed, array_like=True, tag="BlockRemoved"):
+    pass
 
 
 class _ACleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
     pass
 
 
-class _MStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
-    block_hashes: object = None
-    parent_block_hash: object = None
-    token_ids: msgspec.Raw = _RAW_NIL
-    block_size: int | None = None
-    lora_id: object = None
-    medium: _Str = None
-    lora_name: _Str = None
+class _MStored(_Stored, tag_field="type", tag="BlockStored"):
     group_idx: object = None
     kv_cache_spec_kind: _Str = None
     kv_cache_spec_sliding_window: object = None
@@ -179,11 +183,8 @@ class _MStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     backend_id: object = None
 
 
-class _MRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
-    block_hashes: object = None
-    medium: _Str = None
-    group_idx: object = None
-    event_type: object = None
+class _MRemoved(_Removed, tag_field="type", tag="BlockRemoved"):
+    event_type: object = None  # (pool-event keys, as in _MStored)
     seq_hashes: object = None
     backend_id: object = None
 
@@ -352,10 +353,10 @@ def decode_vllm_batch(
 
     ``parts``: :func:`split_batch` of the payload and ``raw_events`` its events
     element decoded as ``list[msgspec.Raw]``, when the caller has them already
-    (:func:`kvconductor.ingest.recognize.decode_payload`). The events are decoded in
-    one typed pass when they all have one form, known tags and well-typed fields;
-    otherwise (or with ``typed=False``) one by one, so that a bad event is dropped
-    alone with its reason. Both give the same events.
+    (:func:`kvconductor.ingest.recognize.decode`, after its Python reader recognised
+    the payload). The events are decoded in one typed pass when they all have one form,
+    known tags and well-typed fields; otherwise (or with ``typed=False``) one by one, so
+    that a bad event is dropped alone with its reason. Both give the same events.
     """
     elems, ei, di = parts if parts is not None else split_batch(payload)
     tk = msgpack_kind(_first(elems[0]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import zmq
 
+from kvconductor.ingest.host import IngestSettings
 from kvconductor.ingest.subscriber import SubscriptionManager
 from kvconductor.ingest.thread import IngestThread
 from tests.helpers.publishers import FakeConductor, hits
@@ -19,7 +20,10 @@ class Harness:
         self.thread = IngestThread(context=zmq.Context.instance())
         self.thread.start()
         self.mgr = self.thread.call(
-            lambda: SubscriptionManager(self.thread, self.conductor, replay_timeout=5.0), timeout=10
+            lambda: SubscriptionManager(
+                self.thread, self.conductor, settings=IngestSettings(replay_timeout=5.0)
+            ),
+            timeout=10,
         )
 
     def call(self, fn, *a):
