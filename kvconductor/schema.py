@@ -247,6 +247,9 @@ LORA_FIELD = "lora_name"
 #: V3 answer. Positional MessagePack form: the 6th and 7th elements.
 TOP_K_FIELD = "top_k"
 INSTANCES_FIELD = "instances"
+#: The response header of a query with ``top_k`` (docs/api.md, "top_k and instances"):
+#: how many (instance, DP) rows tied at the cut depth the answer leaves out.
+TOP_K_OMITTED_HEADER = "X-KV-Conductor-Top-K-Omitted"
 #: Extension (docs/api.md, "freshness"): a boolean or null; true adds the state and age of
 #: the sources behind each answered (instance, DP). Positional form: the 8th element.
 FRESHNESS_FIELD = "freshness"

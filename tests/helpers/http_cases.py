@@ -9,7 +9,7 @@ import httpx
 import msgspec
 
 from kvconductor._hash import hash_blocks
-from kvconductor.http.responses import TOP_K_OMITTED_HEADER
+from kvconductor.schema import TOP_K_OMITTED_HEADER
 from tests.helpers.server import HAS_IPV6, registration
 
 
