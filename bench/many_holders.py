@@ -138,6 +138,8 @@ def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
     ext = msgspec.msgpack.encode({**body, "top_k": 8})
     status, data, *_ = res.answer(ext, True)
     if status == 200 and len(msgspec.msgpack.decode(data)["default"]) < workers:
+        n = len(msgspec.msgpack.decode(data)["default"])
+        print(f"# answer top_k=8: msgpack {len(data)} bytes, {n} instances")
         rows.append(("answer msgpack top_k=8", *timed(lambda: res.answer(ext, True), calls)))
     if table is not None:
         fmp = msgspec.msgpack.encode({**body, "freshness": True})

@@ -179,37 +179,42 @@ cdef inline uint64_t _mix64(uint64_t x) noexcept nogil:
 
 cdef size_t _select_rows(const uint32_t* rows, size_t n, const uint8_t* mask, size_t mlen,
                          bint use_mask, const uint32_t* rank, size_t rlen, bint use_rank,
-                         size_t k, uint64_t seed, uint32_t* out, uint64_t* tot,
+                         size_t k, uint64_t seed, uint32_t* out, uint64_t* keys,
                          uint64_t* heap, size_t* omitted) noexcept nogil:
-    """Copy to ``out`` the rows whose group the mask keeps (and, with ``rank``, whose rank
-    is not 0; all without either), then (k > 0) keep the k deepest: every row deeper than
+    """Write to ``out`` the rows whose group the mask keeps (and, with ``rank``, whose rank
+    is not 0; all without either), then (k > 0) only the k deepest: every row deeper than
     the k-th largest total (npu + cpu + disk), and of the ``t`` rows tied at that depth
     the ``need`` first by (rank, order) with ``rank``, else ``need`` consecutive ones of
     them (in order, wrapping) from ``_mix64(seed) % t``. ``omitted``: the tied rows left
-    out. Order is kept. ``tot``: 2n entries; ``heap``: k. Returns the rows written."""
-    cdef size_t i, m = 0, j = 0, t = 0, above = 0, need, start
+    out. Order is kept. Without a mask or ranks the rows are read in place (k < n; ``out``:
+    k rows), else filtered into ``out`` first (n rows). ``keys``: n entries with ``rank``;
+    ``heap``: k. Returns the rows written."""
+    cdef size_t i, m = n, j = 0, t = 0, above = 0, need, start
     cdef uint32_t g
-    cdef uint64_t thr, kthr = 0
-    cdef uint64_t* keys = tot + n
+    cdef uint64_t thr, d, kthr = 0
+    cdef const uint32_t* src = rows
     omitted[0] = 0
-    for i in range(n):
-        g = rows[4 * i]
-        if use_mask and (g >= mlen or mask[g] == 0):
-            continue
-        if use_rank and (g >= rlen or rank[g] == 0):
-            continue
-        memcpy(out + 4 * m, rows + 4 * i, 4 * sizeof(uint32_t))
-        tot[m] = _row_total(out, m)
-        m += 1
-    if k == 0 or k >= m:
-        return m
-    thr = _kth_largest(tot, NULL, m, k, heap)
+    if use_mask or use_rank:
+        m = 0
+        for i in range(n):
+            g = rows[4 * i]
+            if use_mask and (g >= mlen or mask[g] == 0):
+                continue
+            if use_rank and (g >= rlen or rank[g] == 0):
+                continue
+            memcpy(out + 4 * m, rows + 4 * i, 4 * sizeof(uint32_t))
+            m += 1
+        src = out
+        if k == 0 or k >= m:
+            return m
+    thr = _kth_largest(NULL, src, m, k, heap)
     for i in range(m):
-        if tot[i] > thr:
+        d = _row_total(src, i)
+        if d > thr:
             above += 1
-        elif tot[i] == thr:
+        elif d == thr:
             if use_rank:     # smaller (rank, tie index) first: the largest complement
-                keys[t] = ~((<uint64_t>rank[out[4 * i]] << 32) | t)
+                keys[t] = ~((<uint64_t>rank[src[4 * i]] << 32) | t)
             t += 1
     need = k - above
     omitted[0] = t - need
@@ -218,17 +223,18 @@ cdef size_t _select_rows(const uint32_t* rows, size_t n, const uint8_t* mask, si
     start = <size_t>(_mix64(seed) % t)
     t = 0
     for i in range(m):
-        if tot[i] < thr:
+        d = _row_total(src, i)
+        if d < thr:
             continue
-        if tot[i] == thr:
+        if d == thr:
             t += 1
             if use_rank:
                 if keys[t - 1] < kthr:
                     continue
             elif (t - 1 + omitted[0] + need - start) % (omitted[0] + need) >= need:
                 continue
-        if j != i:
-            memcpy(out + 4 * j, out + 4 * i, 4 * sizeof(uint32_t))
+        if src + 4 * i != out + 4 * j:
+            memcpy(out + 4 * j, src + 4 * i, 4 * sizeof(uint32_t))
         j += 1
     return j
 
@@ -330,7 +336,7 @@ cdef class MatchRows:
         cdef bint use_rank = ranks is not None
         cdef uint64_t sd = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
         cdef uint32_t* out = NULL
-        cdef uint64_t* tot = NULL
+        cdef uint64_t* keys = NULL
         cdef uint64_t* heap = NULL
         cdef MatchRows r
         if top_k is not None:
@@ -353,18 +359,19 @@ cdef class MatchRows:
             return self
         if n == 0:
             return rows_wrap(NULL, 0)
-        out = <uint32_t*>malloc(4 * n * sizeof(uint32_t))
-        tot = <uint64_t*>malloc(2 * n * sizeof(uint64_t))
+        out = <uint32_t*>malloc(4 * (n if use_mask or use_rank else k) * sizeof(uint32_t))
+        if use_rank:
+            keys = <uint64_t*>malloc(n * sizeof(uint64_t))
         heap = <uint64_t*>malloc((k + 1) * sizeof(uint64_t))
-        if out == NULL or tot == NULL or heap == NULL:
+        if out == NULL or heap == NULL or (use_rank and keys == NULL):
             free(out)
-            free(tot)
+            free(keys)
             free(heap)
             raise MemoryError()
         with nogil:
             m = _select_rows(self.data, n, mp, mlen, use_mask, rp, rlen, use_rank, k, sd,
-                             out, tot, heap, &om)
-        free(tot)
+                             out, keys, heap, &om)
+        free(keys)
         free(heap)
         if m == 0:
             free(out)
