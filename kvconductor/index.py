@@ -220,13 +220,15 @@ def result_of(rows, group_keys: Sequence[tuple[str, int]]) -> QueryResult:
 def request_seed(values: Any, typecode: str) -> int:
     """The seed of a request's rotation of ties at the ``top_k`` cut (docs/api.md, "top_k
     and instances"): XXH3-64 of its values' bytes as the wire parser reads them (token ids
-    as u32, block hashes as u64: ``typecode``), a sequence of ints packed that way first.
+    as u32, block hashes as u64: ``typecode``), a sequence of ints packed that way first
+    (a buffer is hashed as it is).
     Two requests that differ anywhere get unrelated rotations; the same request, the
     same rows."""
     try:
         return xxh3_64_intdigest(values)
-    except TypeError:
-        return xxh3_64_intdigest(array(typecode, values))
+    except TypeError:  # not a buffer: ints, truncated as the wire parser truncates them
+        mask = U32_MAX if typecode == "I" else (1 << 64) - 1
+        return xxh3_64_intdigest(array(typecode, [int(v) & mask for v in values]))
 
 
 def select_answer(

@@ -482,3 +482,19 @@ def test_freshness_members_by_hand():
         b'"freshness":{"all_live":false}}'
     )
     assert encode_result(res, "default", 4, False) == msgspec.json.encode(res.to_dict("default", 4))
+
+
+def test_request_seed_is_the_wire_s_bytes():
+    from kvconductor.index import request_seed
+
+    toks = [5, 2**32 + 7, 9]  # the wire parser truncates token ids to 32 bits
+    assert request_seed(toks, "I") == request_seed(array("I", [5, 7, 9]), "I")
+    assert request_seed([1, 2**64 - 1], "Q") == request_seed(array("Q", [1, 2**64 - 1]), "Q")
+    assert request_seed([1, 2], "Q") != request_seed([2, 1], "Q")
+    # an Index answers a list of token ids as it answers the parser's array
+    ix = Index("m", "t")
+    for i in range(12):
+        ix.store(key(f"w{i}"), None, [100 + i], H[:1])
+    a = ix.query(TOK[: 2 * BS], BS, top_k=3)
+    b = ix.query(array("I", TOK[: 2 * BS]), BS, top_k=3)
+    assert a.hits == b.hits and len(a) == 3 and a.omitted == 9
