@@ -608,6 +608,16 @@ class CoreMachine(_Pair):
             else:
                 self.both(op, w, [held[data.draw(st.integers(0, len(held) - 1))]])
 
+    @rule(k=st.integers(WORD_WALK_MEMBERS + 1, MANY_HBM), data=st.data())
+    def many_hbm_match_wide(self, k, data):
+        # more than WORD_WALK_MEMBERS workers hold the first block of [A, B, C, D], then
+        # both cores answer it: a match walked word-wise whenever this rule runs, whatever
+        # the other rules drew before it (test_the_machines_take_the_wide_paths)
+        self.many_hbm_hold_prefix(k, data.draw(st.integers(1, 4), label="n"), True, data)
+        for q in (FIXED_QUERIES[0][:1], FIXED_QUERIES[0]):
+            assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
+        note_wide(self.c.hbm_layout(), len(self.py._tree.match(FIXED_QUERIES[0][:1])))
+
     @rule(k=st.integers(13, MANY_HBM), keep=st.integers(0, 7), data=st.data())
     def many_hbm_come_and_go(self, k, keep, data):
         # a node turns wide and back in one step: k bulk HBM workers store the first
