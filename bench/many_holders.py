@@ -127,7 +127,7 @@ def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
     )
     body = {"model": "m", "block_hashes": chain}
     mp, js = msgspec.msgpack.encode(body), msgspec.json.encode(body)
-    status, data, _ = res.answer(mp, True)
+    status, data, *_ = res.answer(mp, True)
     assert status == 200 and len(msgspec.msgpack.decode(data)["default"]) == workers, data[:200]
     rows: list[tuple[str, float, float, float]] = [
         ("core.match", *timed(lambda: ix.core.match(chain), calls)),
@@ -136,13 +136,15 @@ def run(workers: int, calls: int) -> list[tuple[str, float, float, float]]:
         ("answer json", *timed(lambda: res.answer(js, False), calls)),
     ]
     ext = msgspec.msgpack.encode({**body, "top_k": 8})
-    status, data, _ = res.answer(ext, True)
+    status, data, *_ = res.answer(ext, True)
     if status == 200 and len(msgspec.msgpack.decode(data)["default"]) < workers:
+        n = len(msgspec.msgpack.decode(data)["default"])
+        print(f"# answer top_k=8: msgpack {len(data)} bytes, {n} instances")
         rows.append(("answer msgpack top_k=8", *timed(lambda: res.answer(ext, True), calls)))
     if table is not None:
         fmp = msgspec.msgpack.encode({**body, "freshness": True})
         fjs = msgspec.json.encode({**body, "freshness": True})
-        status, data, _ = res.answer(fmp, True)
+        status, data, *_ = res.answer(fmp, True)
         assert status == 200 and b"degraded_for_ms" in data, data[:200]
         rows.append(("answer msgpack freshness", *timed(lambda: res.answer(fmp, True), calls)))
         rows.append(("answer json freshness", *timed(lambda: res.answer(fjs, False), calls)))

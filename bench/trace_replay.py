@@ -80,6 +80,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from xxhash import xxh3_64_intdigest
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -428,14 +430,28 @@ def digest(items: Iterable[int]) -> Answer:
     return Answer(len(fs), hash(fs))
 
 
-def top_items(items: list[int], k: int) -> list[int]:
-    """The answer items of a ``top_k=k`` query: the k deepest, every item as deep as the
-    k-th kept (ties at the k-th depth all included)."""
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser (docs/api.md, "top_k and instances": the rotation's start)."""
+    m = (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def top_items(items: list[int], k: int, order: dict[int, int], seed: int) -> list[int]:
+    """The answer items of a ``top_k=k`` query without ``instances`` (docs/api.md, "top_k
+    and instances"): every item deeper than the k-th depth and, of those tied there in
+    group order (``order``: engine -> its group id in the index, the order of first
+    stores), a run from ``_mix64(seed) % tied``, ``seed`` the XXH3-64 of the query's
+    hashes as u64."""
     if len(items) <= k:
         return items
     mask = (1 << DEPTH_BITS) - 1
     kth = sorted((x & mask for x in items), reverse=True)[k - 1]
-    return [x for x in items if x & mask >= kth]
+    deeper = [x for x in items if x & mask > kth]
+    tied = sorted((x for x in items if x & mask == kth), key=lambda x: order[x >> DEPTH_BITS])
+    start = _mix64(seed) % len(tied)
+    return deeper + [tied[(start + j) % len(tied)] for j in range(k - len(deeper))]
 
 
 def simulate_answer(chain: Sequence[int], holders: dict[int, set[int]]) -> list[int]:
@@ -479,7 +495,8 @@ class Stream:
     #: the engines' caches at the end: chain identity -> engines holding it
     final_holders: dict[int, set[int]] = field(default_factory=dict)
     expected: list[Answer] = field(default_factory=list)
-    #: the expected answers of ``top_k=TOP_K`` queries (the TOP_K deepest rows, ties kept)
+    #: the expected answers of ``top_k=TOP_K`` queries (the TOP_K deepest rows, the ties
+    #: at the cut by the rotation of docs/api.md)
     expected_top: list[Answer] = field(default_factory=list)
     blocks_requested: int = 0
     blocks_saved: int = 0
@@ -535,6 +552,7 @@ def record(
     holders: dict[int, set[int]] = {}
     intern: dict[tuple[int, int], int] = {}
     ehash_of: list[int] = []
+    group_of: dict[int, int] = {}  # engine -> its group id in an index fed this stream
     loads = Loads(workers)
     ix = rank = keys = cands_of = None
     if policy == "kv-aware":
@@ -576,7 +594,8 @@ def record(
         st.queries.append(locals_)
         st.chains.append(chain)
         st.expected.append(digest(items))
-        st.expected_top.append(digest(top_items(items, TOP_K)))
+        seed = xxh3_64_intdigest(array("Q", locals_))
+        st.expected_top.append(digest(top_items(items, TOP_K, group_of, seed)))
         st.ops.append((Q, qi))
         # routing
         if policy == "round-robin":
@@ -639,6 +658,7 @@ def record(
             eh = [ehash_of[x] for x in new]
             lh = locals_[m:n]
             st.ops.append((STORE, w, par, eh, lh))
+            group_of.setdefault(w, len(group_of))
             st.blocks_stored += len(eh)
             if ix is not None:
                 ix.store(keys[w], par, eh, lh)  # type: ignore[index]
@@ -776,9 +796,9 @@ class KvcCoreBackend(Backend):
 
 
 class KvcTopBackend(KvcBackend):
-    """``kvc`` asking ``query_by_hash(..., top_k=TOP_K)``: only the TOP_K deepest
-    (instance, DP) rows (ties at the TOP_K-th depth included), what a router that ranks a
-    few candidates asks."""
+    """``kvc`` asking ``query_by_hash(..., top_k=TOP_K)``: at most the TOP_K deepest
+    (instance, DP) rows (ties at the cut by the request's rotation), what a router that
+    ranks a few candidates asks."""
 
     name = f"kvc-top{TOP_K}"
 

@@ -13,6 +13,7 @@ The answer straight from the core's arrays (``GroupNames``, ``encode_rows``) is 
 job, in ``_encode_rows.pxi``, included where it stood (one extension, as ``_index.pyx``
 includes its ``_index_*.pxi``); ``encode_answer`` picks one path or the other.
 """
+from cpython cimport array
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.exc cimport PyErr_Clear, PyErr_Occurred
 from cpython.unicode cimport PyUnicode_AsUTF8AndSize
@@ -22,6 +23,7 @@ from libc.string cimport memcpy, memset
 
 from kvconductor._index cimport MatchRows
 
+import array as _array
 from operator import index as _index
 
 

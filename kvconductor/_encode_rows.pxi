@@ -10,6 +10,10 @@ cdef extern from "kvconductor/c/encode.h":
     unsigned kvc_log2_u64(unsigned long long x) noexcept nogil
 
 
+#: The template of ``GroupNames.instances_rank``'s array.
+cdef array.array _RANK_TMPL = _array.array("I")
+
+
 cdef class GroupNames:
     """The names of an index's (instance, DP) groups, pre-encoded once when a group is
     named, so an answer copies bytes per row instead of encoding strings.
@@ -117,6 +121,29 @@ cdef class GroupNames:
             for g in range(self.count):
                 o[g] = w[self.entry(g).inst]
         return bytes(out)
+
+    def instances_rank(self, instance_ids):
+        """One u32 per group id (an ``array('I')``): 1 + the position of its instance's
+        first mention in ``instance_ids``, 0 for the groups of instances not named (unknown
+        names are ignored), the ``ranks`` argument of ``MatchRows.select``: the order of
+        ``instances`` is the preference among rows tied at the ``top_k`` cut."""
+        cdef array.array want = array.clone(_RANK_TMPL, <Py_ssize_t>self.ninst, True)
+        cdef array.array out = array.clone(_RANK_TMPL, <Py_ssize_t>self.count, True)
+        cdef uint32_t* w = want.data.as_uints
+        cdef uint32_t* o = out.data.as_uints
+        cdef size_t g
+        cdef uint32_t pos = 0
+        cdef bint any_ = False
+        for name in instance_ids:
+            pos += 1
+            i = self._inst.get(name)
+            if i is not None and w[<size_t>i] == 0:
+                w[<size_t>i] = pos
+                any_ = True
+        if any_:
+            for g in range(self.count):
+                o[g] = w[self.entry(g).inst]
+        return out
 
 
 # -- exact sizes and raw writers (the answer is sized first, then written without realloc) ---

@@ -106,7 +106,8 @@ cdef enum:
 cdef class MatchRows:
     cdef uint32_t* data
     cdef size_t n
-    cdef MatchRows _top(self, size_t k)
+    #: rows tied at the cut depth of ``select(top_k=...)`` that it left out
+    cdef readonly size_t omitted
 
 
 cdef MatchRows rows_wrap(uint32_t* data, size_t n)

@@ -170,31 +170,72 @@ cdef uint64_t _kth_largest(const uint64_t* t, const uint32_t* rows, size_t n, si
     return heap[0]
 
 
+cdef inline uint64_t _mix64(uint64_t x) noexcept nogil:
+    """SplitMix64's finaliser: the start of the rotation of ties from a request's seed."""
+    x = (x ^ (x >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
+    x = (x ^ (x >> 27)) * <uint64_t>0x94D049BB133111EBULL
+    return x ^ (x >> 31)
+
+
 cdef size_t _select_rows(const uint32_t* rows, size_t n, const uint8_t* mask, size_t mlen,
-                         bint use_mask, size_t k, uint32_t* out, uint64_t* tot,
-                         uint64_t* heap) noexcept nogil:
-    """Copy to ``out`` the rows whose group the mask keeps (all without a mask), then keep
-    those whose total (npu + cpu + disk) is at least the k-th largest total (k == 0: no
-    cut). Order is kept. Returns the rows written."""
-    cdef size_t i, m = 0, j = 0
+                         bint use_mask, const uint32_t* rank, size_t rlen, bint use_rank,
+                         size_t k, uint64_t seed, uint32_t* out, uint64_t* keys,
+                         uint64_t* heap, size_t* omitted) noexcept nogil:
+    """Write to ``out`` the rows whose group the mask keeps (and, with ``rank``, whose rank
+    is not 0; all without either), then (k > 0) only the k deepest: every row deeper than
+    the k-th largest total (npu + cpu + disk), and of the ``t`` rows tied at that depth
+    the ``need`` first by (rank, order) with ``rank``, else ``need`` consecutive ones of
+    them (in order, wrapping) from ``_mix64(seed) % t``. ``omitted``: the tied rows left
+    out. Order is kept. Without a mask or ranks the rows are read in place (k < n; ``out``:
+    k rows), else filtered into ``out`` first (n rows). ``keys``: n entries with ``rank``;
+    ``heap``: k. Returns the rows written."""
+    cdef size_t i, m = n, j = 0, t = 0, above = 0, need, start
     cdef uint32_t g
-    cdef uint64_t thr
-    for i in range(n):
-        g = rows[4 * i]
-        if use_mask and (g >= mlen or mask[g] == 0):
+    cdef uint64_t thr, d, kthr = 0
+    cdef const uint32_t* src = rows
+    omitted[0] = 0
+    if use_mask or use_rank:
+        m = 0
+        for i in range(n):
+            g = rows[4 * i]
+            if use_mask and (g >= mlen or mask[g] == 0):
+                continue
+            if use_rank and (g >= rlen or rank[g] == 0):
+                continue
+            memcpy(out + 4 * m, rows + 4 * i, 4 * sizeof(uint32_t))
+            m += 1
+        src = out
+        if k == 0 or k >= m:
+            return m
+    thr = _kth_largest(NULL, src, m, k, heap)
+    for i in range(m):
+        d = _row_total(src, i)
+        if d > thr:
+            above += 1
+        elif d == thr:
+            if use_rank:     # smaller (rank, tie index) first: the largest complement
+                keys[t] = ~((<uint64_t>rank[src[4 * i]] << 32) | t)
+            t += 1
+    need = k - above
+    omitted[0] = t - need
+    if use_rank:
+        kthr = _kth_largest(keys, NULL, t, need, heap)
+    start = <size_t>(_mix64(seed) % t)
+    t = 0
+    for i in range(m):
+        d = _row_total(src, i)
+        if d < thr:
             continue
-        memcpy(out + 4 * m, rows + 4 * i, 4 * sizeof(uint32_t))
-        m += 1
-    if k == 0 or k >= m:
-        return m
-    for i in range(m):
-        tot[i] = _row_total(out, i)
-    thr = _kth_largest(tot, NULL, m, k, heap)
-    for i in range(m):
-        if tot[i] >= thr:
-            if j != i:
-                memcpy(out + 4 * j, out + 4 * i, 4 * sizeof(uint32_t))
-            j += 1
+        if d == thr:
+            t += 1
+            if use_rank:
+                if keys[t - 1] < kthr:
+                    continue
+            elif (t - 1 + omitted[0] + need - start) % (omitted[0] + need) >= need:
+                continue
+        if src + 4 * i != out + 4 * j:
+            memcpy(out + 4 * j, src + 4 * i, 4 * sizeof(uint32_t))
+        j += 1
     return j
 
 
@@ -217,6 +258,7 @@ cdef class MatchRows:
     def __cinit__(self, *args, **kwargs):
         self.data = NULL
         self.n = 0
+        self.omitted = 0
 
     def __init__(self, rows=()):
         cdef list rs = list(rows)
@@ -275,20 +317,28 @@ cdef class MatchRows:
         """The largest group id of the rows (the last one), -1 when empty."""
         return <long long>self.data[4 * (self.n - 1)] if self.n else -1
 
-    def select(self, top_k=None, groups=None):
+    def select(self, top_k=None, groups=None, seed=0, ranks=None):
         """The rows an extended query answers (docs/api.md, "top_k and instances"):
         with ``groups`` (bytes-like, one byte per group id, non-zero = kept; ids past its
-        end are left out) only those groups, then with ``top_k`` only the rows whose total
-        blocks (npu + cpu + disk) is at least the ``top_k``-th largest total, so rows tied
-        at that depth are all kept. Order is kept. ``top_k`` < 1 is a ValueError; more
-        than the rows keeps them all."""
-        cdef size_t k = 0, mlen = 0, m = 0, n = self.n
+        end are left out) and ``ranks`` (a u32 buffer, one per group id: 0 = left out,
+        else its preference, smaller first) only those groups, then with ``top_k`` at
+        most ``top_k`` rows: every row deeper than the ``top_k``-th largest total blocks
+        (npu + cpu + disk), and of the rows tied at that depth the first ones by
+        (rank, order) with ``ranks``, else a rotation of them seeded by ``seed`` (a u64;
+        the same seed, the same rows). The answer's ``omitted``: the tied rows left out.
+        Order is kept. ``top_k`` < 1 is a ValueError; more than the rows keeps them all."""
+        cdef size_t k = 0, mlen = 0, rlen = 0, m = 0, n = self.n, om = 0
         cdef const uint8_t[::1] mv
+        cdef const uint32_t[::1] rv
         cdef const uint8_t* mp = NULL
+        cdef const uint32_t* rp = NULL
         cdef bint use_mask = groups is not None
+        cdef bint use_rank = ranks is not None
+        cdef uint64_t sd = <uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)
         cdef uint32_t* out = NULL
-        cdef uint64_t* tot = NULL
+        cdef uint64_t* keys = NULL
         cdef uint64_t* heap = NULL
+        cdef MatchRows r
         if top_k is not None:
             top_k = _index_int(top_k)
             if top_k < 1:
@@ -300,59 +350,35 @@ cdef class MatchRows:
             mlen = <size_t>mv.shape[0]
             if mlen:
                 mp = &mv[0]
-        if not use_mask and k == 0:
+        if use_rank:
+            rv = ranks
+            rlen = <size_t>rv.shape[0]
+            if rlen:
+                rp = &rv[0]
+        if not use_mask and not use_rank and k == 0:
             return self
         if n == 0:
             return rows_wrap(NULL, 0)
-        if not use_mask:
-            return self._top(k)
-        out = <uint32_t*>malloc(4 * n * sizeof(uint32_t))
-        if k:
-            tot = <uint64_t*>malloc(n * sizeof(uint64_t))
-            heap = <uint64_t*>malloc(k * sizeof(uint64_t))
-        if out == NULL or (k and (tot == NULL or heap == NULL)):
+        out = <uint32_t*>malloc(4 * (n if use_mask or use_rank else k) * sizeof(uint32_t))
+        if use_rank:
+            keys = <uint64_t*>malloc(n * sizeof(uint64_t))
+        heap = <uint64_t*>malloc((k + 1) * sizeof(uint64_t))
+        if out == NULL or heap == NULL or (use_rank and keys == NULL):
             free(out)
-            free(tot)
+            free(keys)
             free(heap)
             raise MemoryError()
         with nogil:
-            m = _select_rows(self.data, n, mp, mlen, use_mask, k, out, tot, heap)
-        free(tot)
+            m = _select_rows(self.data, n, mp, mlen, use_mask, rp, rlen, use_rank, k, sd,
+                             out, keys, heap, &om)
+        free(keys)
         free(heap)
         if m == 0:
             free(out)
             out = NULL
-        return rows_wrap(out, m)
-
-    cdef MatchRows _top(self, size_t k):
-        """``select(top_k=k)`` (1 <= k < n): the k-th largest total read from the rows in
-        place; the rows themselves when every row is kept (ties at the k-th depth: a
-        round-robin fleet where thousands hold the same prefix), else a copy of the kept
-        ones. No buffer of n entries is allocated."""
-        cdef size_t n = self.n, i, m = 0
-        cdef uint64_t thr
-        cdef uint32_t* out
-        cdef uint64_t* heap = <uint64_t*>malloc(k * sizeof(uint64_t))
-        if heap == NULL:
-            raise MemoryError()
-        with nogil:
-            thr = _kth_largest(NULL, self.data, n, k, heap)
-            for i in range(n):
-                if _row_total(self.data, i) >= thr:
-                    m += 1
-        free(heap)
-        if m == n:
-            return self
-        out = <uint32_t*>malloc(4 * m * sizeof(uint32_t))
-        if out == NULL:
-            raise MemoryError()
-        with nogil:
-            m = 0
-            for i in range(n):
-                if _row_total(self.data, i) >= thr:
-                    memcpy(out + 4 * m, self.data + 4 * i, 4 * sizeof(uint32_t))
-                    m += 1
-        return rows_wrap(out, m)
+        r = rows_wrap(out, m)
+        r.omitted = om
+        return r
 
 
 # -- query ---------------------------------------------------------------------------------

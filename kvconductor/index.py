@@ -17,6 +17,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from xxhash import xxh3_64_intdigest
+
 import kvconductor
 from kvconductor._hash import DEFAULT_SEED
 from kvconductor.keys import Medium, WorkerKey
@@ -171,6 +173,12 @@ class QueryResult:
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else len(self._hits or ())
 
+    @property
+    def omitted(self) -> int:
+        """The rows tied at the ``top_k`` cut depth that the answer leaves out (0 without
+        ``top_k``): the ``X-KV-Conductor-Top-K-Omitted`` header."""
+        return self.rows.omitted if self.rows is not None else 0
+
     def sums(self) -> tuple[int, int, int]:
         """``(npu, cpu, disk)`` blocks summed over the answer (C sums for array rows)."""
         if self.rows is not None:
@@ -209,15 +217,41 @@ def result_of(rows, group_keys: Sequence[tuple[str, int]]) -> QueryResult:
     return QueryResult([DpHit(group_keys[g][0], group_keys[g][1], n, c, d) for g, n, c, d in rows])
 
 
+def request_seed(values: Any, typecode: str) -> int:
+    """The seed of a request's rotation of ties at the ``top_k`` cut (docs/api.md, "top_k
+    and instances"): XXH3-64 of its values' bytes as the wire parser reads them (token ids
+    as u32, block hashes as u64: ``typecode``), a sequence of ints packed that way first
+    (a buffer is hashed as it is).
+    Two requests that differ anywhere get unrelated rotations; the same request, the
+    same rows."""
+    try:
+        return xxh3_64_intdigest(values)
+    except TypeError:  # not a buffer: ints, truncated as the wire parser truncates them
+        mask = U32_MAX if typecode == "I" else (1 << 64) - 1
+        return xxh3_64_intdigest(array(typecode, [int(v) & mask for v in values]))
+
+
 def select_answer(
-    rows: Any, names: Any, top_k: int | None, instances: Sequence[str] | None
+    rows: Any,
+    names: Any,
+    top_k: int | None,
+    instances: Sequence[str] | None,
+    values: Any = (),
+    typecode: str = "Q",
 ) -> QueryResult:
     """The answer of ``rows`` named by ``names``, cut to the ``instances`` named (when
-    given) and then to the ``top_k`` deepest rows, ties at the k-th depth included
-    (docs/api.md, "top_k and instances"). ``ValueError`` for ``top_k`` < 1."""
-    if top_k is not None or instances is not None:
-        mask = None if instances is None else names.instances_mask(instances)
-        rows = rows.select(top_k, mask)
+    given) and then to at most ``top_k`` rows, the deepest; ties at the k-th depth broken
+    by the order of ``instances``, else by a rotation seeded from the request's
+    ``values`` (:func:`request_seed`; docs/api.md, "top_k and instances"). The answer's
+    :attr:`QueryResult.omitted` counts the tied rows left out. ``ValueError`` for
+    ``top_k`` < 1."""
+    if instances is not None:
+        rows = rows.select(top_k, None, 0, names.instances_rank(instances))
+    elif top_k is not None:
+        if top_k < len(rows):
+            rows = rows.select(top_k, None, request_seed(values, typecode))
+        else:
+            rows = rows.select(top_k)
     return QueryResult(None, rows, names)
 
 
@@ -401,7 +435,7 @@ class Index:
         rows = self.core.match_tokens_rows(tokens, block_size, seed)
         if top_k is None and instances is None:  # PERF: the plain V3 query
             return QueryResult(None, rows, self.names)
-        return select_answer(rows, self.names, top_k, instances)
+        return select_answer(rows, self.names, top_k, instances, tokens, "I")
 
     def query_by_hash(
         self,
@@ -414,7 +448,7 @@ class Index:
         rows = self.core.match_rows(local_hashes)
         if top_k is None and instances is None:  # PERF: the plain V3 query
             return QueryResult(None, rows, self.names)
-        return select_answer(rows, self.names, top_k, instances)
+        return select_answer(rows, self.names, top_k, instances, local_hashes)
 
     def trace(self, tokens, block_size: int, seed: int = DEFAULT_SEED) -> list[GroupTrace]:
         """Why each (instance, DP) holding workers in this index matches what it does

@@ -242,11 +242,15 @@ class QueryByHashRequest(Struct, kw_only=True):
 #: base-model bodies carry no ``lora_name`` key.
 LORA_FIELD = "lora_name"
 #: Extension fields of both query bodies, beyond the V3 contract (docs/api.md, "top_k and
-#: instances"): only the ``top_k`` deepest (instance, DP) rows (an int in [1, 2**32) or
+#: instances"): at most ``top_k`` (instance, DP) rows, the deepest, ties at the cut by the
+#: order of ``instances`` else a rotation the request seeds (an int in [1, 2**32) or
 #: null), only the named instances (an array of strings or null). Absent or null: the
 #: V3 answer. Positional MessagePack form: the 6th and 7th elements.
 TOP_K_FIELD = "top_k"
 INSTANCES_FIELD = "instances"
+#: The response header of a query with ``top_k`` (docs/api.md, "top_k and instances"):
+#: how many (instance, DP) rows tied at the cut depth the answer leaves out.
+TOP_K_OMITTED_HEADER = "X-KV-Conductor-Top-K-Omitted"
 #: Extension (docs/api.md, "freshness"): a boolean or null; true adds the state and age of
 #: the sources behind each answered (instance, DP). Positional form: the 8th element.
 FRESHNESS_FIELD = "freshness"

@@ -432,9 +432,12 @@ def _cut_answer(answer, instances):
 def test_query_options_name_the_candidates():
     from kvconductor.affinity import query_options
 
+    # in load order, least loaded first (the server's preference at the top_k cut): an
+    # instance at the place of its least-loaded DP
     cands = [("a", 0, 5.0), ("b", 1, 1.0), ("a", 1, 2.0), ("c", 0, 0.5)]
-    assert query_options(cands) == {"instances": ["a", "b", "c"]}
-    assert query_options(cands, top_k=0) == {"instances": ["a", "b", "c"], "top_k": 1}
+    assert query_options(cands) == {"instances": ["c", "b", "a"]}
+    assert query_options(cands, top_k=0) == {"instances": ["c", "b", "a"], "top_k": 1}
+    assert query_options([("x", 0, 1.0), ("y", 0, 1.0)])["instances"] == ["x", "y"]  # stable
     gated = KvAffinityConfig(mode="load_gated", load_gate_topn=2)
     # the two least loaded: c (0.5) and b (1.0)
     assert query_options(cands, gated) == {"instances": ["c", "b"]}
@@ -462,6 +465,38 @@ def test_rank_over_the_filtered_answer_is_the_rank_over_the_whole_answer(mode):
         want = rank(answer, cands, ISL, BS, cfg)
         opts = query_options(cands, cfg)
         assert rank(_cut_answer(answer, set(opts["instances"])), cands, ISL, BS, cfg) == want
+
+
+def test_top_k_in_load_order_keeps_the_best_candidate():
+    # load_gated, one DP per instance: the server's top_k cut (ties by the instances'
+    # order, here load order) answers the candidate rank() would pick over the whole answer
+    import random
+
+    from kvconductor._hash import hash_blocks
+    from kvconductor.affinity import query_options
+    from kvconductor.index import Index
+    from kvconductor.keys import Medium, WorkerKey
+
+    rng = random.Random(11)
+    hashes = list(hash_blocks(list(range(4 * BS)), BS))
+    cfg = KvAffinityConfig(mode="load_gated", load_gate_topn=6)
+    for _ in range(60):
+        ix = Index("m", "default")
+        n = rng.randrange(1, 20)
+        for i in range(n):
+            depth = rng.randrange(0, 4)
+            if depth:
+                key = WorkerKey(f"i{i}", f"i{i}", 0, Medium.NPU)
+                ix.store(key, None, [1000 * i + b for b in range(depth)], hashes[:depth])
+        cands = [(f"i{i}", 0, float(rng.randrange(0, 5))) for i in rng.sample(range(n), n)]
+        whole = ix.query_by_hash(hashes).to_dict("default", BS)
+        want = rank(whole, cands, 4 * BS, BS, cfg, top_k=1)
+        for k in (1, 2):
+            opts = query_options(cands, cfg, top_k=k)
+            cut = ix.query_by_hash(hashes, **opts)
+            assert len(cut) <= k
+            got = rank(cut.to_dict("default", BS), cands, 4 * BS, BS, cfg, top_k=1)
+            assert got == want
 
 
 # -- not_live_weight: holders whose answer says their sources are not live (freshness) -------

@@ -4,8 +4,10 @@ renders V3 answers straight from the arrays, and the ``top_k`` / ``instances`` s
 
 Every array-backed answer is checked against the DpHit path it replaces (the same bytes,
 JSON and msgpack) and the selection against an independent model written from its
-definition (docs/api.md, "top_k and instances"): a row is kept when fewer than ``top_k``
-of the candidate rows have strictly more blocks (npu + cpu + disk).
+definition (docs/api.md, "top_k and instances"): at most ``top_k`` rows, every row
+deeper (npu + cpu + disk blocks) than the ``top_k``-th largest depth, and of the rows tied
+at that depth the first by ``instances`` order (a rank per group), else ``need``
+consecutive ones (wrapping) from a start the request's seed picks.
 """
 
 from __future__ import annotations
@@ -32,13 +34,32 @@ ROW_IMPLS = [MatchRows, PyMatchRows]
 
 
 # -- an independent model of the selection ---------------------------------------------------
-def model_select(rows, top_k=None, keep_groups=None):
-    """Rows kept by ``select``, from the definition (not from the implementation)."""
+def _splitmix(x):
+    """SplitMix64's finaliser, written from its definition."""
+    m = 2**64 - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def model_select(rows, top_k=None, keep_groups=None, seed=0, ranks=None):
+    """``(rows kept by select, omitted)``, from the definition (not the implementation)."""
     cand = [r for r in rows if keep_groups is None or r[0] in keep_groups]
-    if top_k is None:
-        return cand
+    if ranks is not None:
+        cand = [r for r in cand if r[0] < len(ranks) and ranks[r[0]]]
+    if top_k is None or top_k >= len(cand):
+        return cand, 0
     totals = [r[1] + r[2] + r[3] for r in cand]
-    return [r for r, t in zip(cand, totals, strict=True) if sum(u > t for u in totals) < top_k]
+    kth = sorted(totals, reverse=True)[top_k - 1]
+    tied = [i for i, t in enumerate(totals) if t == kth]
+    need = top_k - sum(t > kth for t in totals)
+    if ranks is not None:
+        chosen = set(sorted(tied, key=lambda i: (ranks[cand[i][0]], i))[:need])
+    else:
+        start = _splitmix(seed) % len(tied)
+        chosen = {tied[(start + j) % len(tied)] for j in range(need)}
+    kept = [r for i, r in enumerate(cand) if totals[i] > kth or i in chosen]
+    return kept, len(tied) - need
 
 
 def mask_of(groups, size):
@@ -84,29 +105,68 @@ def test_rows_reject_bad_rows(cls):
 def test_select_boundaries(cls):
     rows = [(0, 3, 0, 0), (1, 1, 1, 0), (2, 5, 0, 0), (3, 0, 0, 2), (4, 1, 0, 0), (5, 0, 3, 0)]
     r = cls(rows)
-    # totals 3, 2, 5, 2, 1, 3: top 1 = the 5; top 2 = 5 and both 3s (tie at the 2nd depth)
-    assert r.select(1).tolist() == [(2, 5, 0, 0)]
-    assert r.select(2).tolist() == [(0, 3, 0, 0), (2, 5, 0, 0), (5, 0, 3, 0)]
+    # totals 3, 2, 5, 2, 1, 3: top 1 = the 5; top 2 = the 5 and one of the two 3s
+    assert r.select(1).tolist() == [(2, 5, 0, 0)] and r.select(1).omitted == 0
+    two = r.select(2)
+    assert two.omitted == 1 and two.tolist() in (
+        [(0, 3, 0, 0), (2, 5, 0, 0)],
+        [(2, 5, 0, 0), (5, 0, 3, 0)],
+    )
+    # the seed picks which: the same seed the same rows, and both come up over seeds
+    assert r.select(2, None, 7).tolist() == r.select(2, None, 7).tolist()
+    assert len({tuple(r.select(2, None, s).tolist()) for s in range(32)}) == 2
+    # ranks (the instances' order): the smaller rank wins the tie, then the row order
+    prefer5 = array("I", [2, 1, 1, 1, 1, 1])
+    assert r.select(2, None, 0, prefer5).tolist() == [(2, 5, 0, 0), (5, 0, 3, 0)]
+    same = array("I", [1] * 6)
+    assert r.select(2, None, 0, same).tolist() == [(0, 3, 0, 0), (2, 5, 0, 0)]
+    # deeper holders always win: rank never lets a shallower row past a deeper one
+    prefer4 = array("I", [9, 9, 9, 9, 1, 9])
+    assert r.select(1, None, 0, prefer4).tolist() == [(2, 5, 0, 0)]
     assert r.select(3).tolist() == [(0, 3, 0, 0), (2, 5, 0, 0), (5, 0, 3, 0)]
-    # the 4th depth is 2, held twice: both kept
-    assert r.select(4).tolist() == [
-        (0, 3, 0, 0),
-        (1, 1, 1, 0),
-        (2, 5, 0, 0),
-        (3, 0, 0, 2),
-        (5, 0, 3, 0),
-    ]
+    assert r.select(3).omitted == 0
+    # the 4th depth is 2, held twice: one of them
+    four = r.select(4)
+    assert len(four) == 4 and four.omitted == 1
+    assert {g for g, *_ in four.tolist()} in ({0, 1, 2, 5}, {0, 2, 3, 5})
     assert r.select(6).tolist() == rows
     assert r.select(10**9).tolist() == rows  # more than the rows: all of them
-    assert r.select(None).tolist() == rows
+    assert r.select(None).tolist() == rows and r.select(None).omitted == 0
     for bad in (0, -1):
         with pytest.raises(ValueError):
             r.select(bad)
-    # instances filter (as a group mask), then top_k among what is left
+    # instances filter (as a group mask or ranks), then top_k among what is left
     assert r.select(None, mask_of({1, 3, 4, 77}, 6)).tolist() == [rows[1], rows[3], rows[4]]
-    assert r.select(1, mask_of({1, 3, 4}, 6)).tolist() == [rows[1], rows[3]]
+    assert r.select(1, mask_of({1, 3, 4}, 6), 0, array("I", [0, 2, 0, 1])).tolist() == [rows[3]]
     assert r.select(None, b"").tolist() == []  # a short mask leaves the rest out
+    assert r.select(None, None, 0, array("I")).tolist() == []
     assert r.select(2, mask_of({5}, 6)).tolist() == [rows[5]]
+
+
+@pytest.mark.parametrize("cls", ROW_IMPLS)
+def test_select_a_fleet_holding_one_prefix(cls):
+    # 1,024 round-robin workers all holding the system prompt's one block: k rows, not 1,024
+    r = cls([(g, 1, 0, 0) for g in range(1024)])
+    top = r.select(8, None, 12345)
+    assert len(top) == 8 and top.omitted == 1016
+    groups = [g for g, *_ in top.tolist()]
+    start = _splitmix(12345) % 1024
+    assert sorted(groups) == sorted((start + j) % 1024 for j in range(8))
+    # ties spread: different requests name different workers
+    assert len({tuple(r.select(8, None, s).tolist()) for s in range(50)}) > 40
+    # the instances' order steers the tie: the first 8 named, whatever their group ids
+    order = list(range(1023, -1, -3))
+    ranks = array("I", [0] * 1024)
+    for pos, g in enumerate(order):
+        ranks[g] = pos + 1
+    steered = r.select(8, None, 0, ranks)
+    assert [g for g, *_ in steered.tolist()] == sorted(order[:8])
+    assert steered.omitted == len(order) - 8
+    # one deeper holder always wins over the tied crowd
+    deeper = cls([(g, 2 if g == 600 else 1, 0, 0) for g in range(1024)])
+    assert 600 in [g for g, *_ in deeper.select(1, None, 3).tolist()]
+    assert deeper.select(1, None, 3).omitted == 0
+    assert 600 in [g for g, *_ in deeper.select(2, None, 0, ranks).tolist()]
 
 
 @settings(max_examples=300, deadline=None)
@@ -115,13 +175,17 @@ def test_select_boundaries(cls):
     k=st.one_of(st.none(), st.integers(1, 30)),
     keep=st.one_of(st.none(), st.sets(st.integers(0, 45))),
     size=st.integers(0, 50),
+    seed=st.integers(0, 2**64 - 1),
+    rank=st.one_of(st.none(), st.lists(st.integers(0, 4), max_size=50)),
 )
-def test_select_matches_the_model(rows, k, keep, size):
+def test_select_matches_the_model(rows, k, keep, size, seed, rank):
     mask = None if keep is None else mask_of(keep, size)
     kept_groups = None if keep is None else {g for g in keep if g < size}
-    want = model_select(rows, k, kept_groups)
+    want = model_select(rows, k, kept_groups, seed, rank)
+    ranks = None if rank is None else array("I", rank)
     for cls in ROW_IMPLS:
-        assert cls(rows).select(k, mask).tolist() == want
+        got = cls(rows).select(k, mask, seed, ranks)
+        assert (got.tolist(), got.omitted) == want
 
 
 # -- the core returns MatchRows ---------------------------------------------------------------
@@ -208,6 +272,9 @@ def test_group_names_api():
     assert names.keys == [("a", 0), ('b"\\\n\u00e9', -3), ("a", 1)]
     assert names.instances_mask(["a", "zz"]) == b"\x01\x00\x01"
     assert names.instances_mask([]) == b"\x00\x00\x00"
+    # the first mention of an instance is its rank: 1 + its position in the list
+    assert names.instances_rank(["zz", 'b"\\\n\u00e9', "a", "a"]).tolist() == [3, 2, 3]
+    assert names.instances_rank([]).tolist() == [0, 0, 0]
     assert names.nbytes() > 0
     with pytest.raises(TypeError):
         names.add(3, 0)
@@ -216,6 +283,7 @@ def test_group_names_api():
         py.add(*k)
     assert py.keys == names.keys and len(py) == 3
     assert py.instances_mask(["a", "zz"]) == b"\x01\x00\x01"
+    assert py.instances_rank(["zz", 'b"\\\n\u00e9', "a", "a"]).tolist() == [3, 2, 3]
 
 
 def test_encode_rows_refuses_an_unnamed_group():
@@ -287,7 +355,16 @@ def test_index_top_k_and_instances(impl):
     ix = _filled(impl)
     # totals: a/0 4, a/1 2, b/0 4, c/0 1, d/0 3
     top1 = ix.query_by_hash(H[:6], top_k=1)
-    assert [(h.instance_id, h.dp_rank) for h in top1.hits] == [("a", 0), ("b", 0)]  # tie
+    assert [(h.instance_id, h.dp_rank) for h in top1.hits] in ([("a", 0)], [("b", 0)])  # tie
+    assert top1.omitted == 1 and ix.query_by_hash(H[:6], top_k=1).hits == top1.hits
+    # the instances' order breaks the tie (the rows not named are left out)
+    for first in ("a", "b"):
+        steered = ix.query_by_hash(H[:6], top_k=1, instances=[first, "a", "b", "d"])
+        assert [(h.instance_id, h.dp_rank) for h in steered.hits] == [(first, 0)]
+        assert steered.omitted == 1
+    assert ix.query(TOK[: 6 * BS], BS, top_k=1, instances=["b", "a"]).hits == [
+        DpHit("b", 0, 0, 4, 0)
+    ]
     top3 = ix.query(TOK[: 6 * BS], BS, top_k=3)
     assert [(h.instance_id, h.dp_rank) for h in top3.hits] == [("a", 0), ("b", 0), ("d", 0)]
     only = ix.query_by_hash(H[:6], instances=["a", "c", "nobody"])
@@ -296,20 +373,22 @@ def test_index_top_k_and_instances(impl):
     assert [(h.instance_id, h.dp_rank) for h in both.hits] == [("d", 0)]
     assert ix.query_by_hash(H[:6], instances=[]).hits == []
     assert len(ix.query_by_hash(H[:6], top_k=99)) == 5
+    assert ix.query_by_hash(H[:6], top_k=99).omitted == ix.query_by_hash(H[:6]).omitted == 0
     with pytest.raises(ValueError):
         ix.query_by_hash(H[:6], top_k=0)
     # the whole answer of a top_k query keeps the V3 shape (longest over the kept DPs)
-    assert top1.to_dict("t", 2)["t"]["a"]["longest_matched"] == 8
+    top_a = ix.query_by_hash(H[:6], top_k=1, instances=["a", "b"])
+    assert top_a.to_dict("t", 2)["t"]["a"]["longest_matched"] == 8
 
 
 def test_index_answers_agree_between_core_and_twin():
     c, p = _filled("c"), _filled("py")
     for n in range(7):
         for k in (None, 1, 2, 5):
-            for insts in (None, ["a"], ["b", "d"]):
+            for insts in (None, ["a"], ["b", "d"], ["b", "a"], ["d", "c", "b", "a"]):
                 a = c.query_by_hash(H[:n], top_k=k, instances=insts)
                 b = p.query_by_hash(H[:n], top_k=k, instances=insts)
-                assert a.hits == b.hits
+                assert a.hits == b.hits and a.omitted == b.omitted
                 for mp in (False, True):
                     assert encode_result(a, "t", 3, mp) == py_encode_result(b, "t", 3, mp)
 
@@ -403,3 +482,19 @@ def test_freshness_members_by_hand():
         b'"freshness":{"all_live":false}}'
     )
     assert encode_result(res, "default", 4, False) == msgspec.json.encode(res.to_dict("default", 4))
+
+
+def test_request_seed_is_the_wire_s_bytes():
+    from kvconductor.index import request_seed
+
+    toks = [5, 2**32 + 7, 9]  # the wire parser truncates token ids to 32 bits
+    assert request_seed(toks, "I") == request_seed(array("I", [5, 7, 9]), "I")
+    assert request_seed([1, 2**64 - 1], "Q") == request_seed(array("Q", [1, 2**64 - 1]), "Q")
+    assert request_seed([1, 2], "Q") != request_seed([2, 1], "Q")
+    # an Index answers a list of token ids as it answers the parser's array
+    ix = Index("m", "t")
+    for i in range(12):
+        ix.store(key(f"w{i}"), None, [100 + i], H[:1])
+    a = ix.query(TOK[: 2 * BS], BS, top_k=3)
+    b = ix.query(array("I", TOK[: 2 * BS]), BS, top_k=3)
+    assert a.hits == b.hits and len(a) == 3 and a.omitted == 9

@@ -46,6 +46,7 @@ from kvconductor.client import (
     strip_decode_instances,
     token_list,
 )
+from kvconductor.coordinator.exchange import QueryAnswer
 from tests.helpers.coro import run_coro
 
 BASE = "http://conductor.test:13333"
@@ -1318,6 +1319,30 @@ def test_live_query_with_freshness(server, loaded, encoding, packed):
             "default": {},
             "freshness": {"all_live": True, "sources": 0, "states": {}},
         }
+
+
+@pytest.mark.server
+def test_live_query_top_k_says_what_it_left_out(server, loaded):
+    """``top_k``: at most k rows, the header's count as the answer's ``top_k_omitted``; the
+    first block is held by all three (depth 1): the instances' order breaks the tie."""
+    with ConductorClient(server.url) as c:
+        got = c.query(loaded, PROMPT, 4, top_k=2)
+        assert isinstance(got, QueryAnswer) and got.top_k_omitted == 0
+        assert set(got["default"]) == {"vllm-prefill-1", "vllm-prefill-2"}
+        order = ["vllm-prefill-3", "vllm-prefill-1", "vllm-prefill-2"]
+        got = c.query(loaded, PROMPT[:4], 4, top_k=1, instances=order)
+        assert list(got["default"]) == ["vllm-prefill-3"] and got.top_k_omitted == 2
+        got = c.query_by_hash(loaded, [14643705804678351452], top_k=2, instances=order[::-1])
+        assert set(got["default"]) == {"vllm-prefill-2", "vllm-prefill-1"}
+        assert got.top_k_omitted == 1
+        assert type(c.query(loaded, PROMPT, 4)) is dict  # no top_k: a plain dict
+
+    async def run():
+        async with AsyncConductorClient(server.url) as ac:
+            return await ac.query(loaded, PROMPT[:4], 4, top_k=1, instances=order)
+
+    got = run_coro(run())
+    assert list(got["default"]) == ["vllm-prefill-3"] and got.top_k_omitted == 2
 
 
 @pytest.mark.server

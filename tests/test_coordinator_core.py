@@ -7,7 +7,13 @@ import pytest
 
 from kvconductor.coordinator.breaker import CircuitBreaker, CircuitOpenError, ConductorError
 from kvconductor.coordinator.core import ConductorCore
-from kvconductor.coordinator.exchange import Reply, TransportFailure, resume
+from kvconductor.coordinator.exchange import (
+    QueryAnswer,
+    Reply,
+    TransportFailure,
+    omitted_header,
+    resume,
+)
 
 JSON = "application/json"
 
@@ -106,6 +112,33 @@ def test_the_affinity_module_and_the_old_names_stay_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_top_k_answer_carries_the_omitted_count():
+    core = ConductorCore("conductor:13333", query_encoding="json")
+    answer = {"default": {"a": {"longest_matched": 4, "DP": {}}}}
+    body = msgspec.json.encode(answer)
+    for plan in (
+        core.query_plan("qwen", [1, 2], 4, top_k=1),
+        core.query_by_hash_plan("qwen", [5], top_k=1),
+    ):
+        resume(plan)
+        more, got = resume(plan, Reply(200, JSON, body, 1016))
+        assert not more and got == answer
+        assert isinstance(got, QueryAnswer) and got.top_k_omitted == 1016
+    # no header (no top_k, or a server without the extension): a plain dict
+    plan = core.query_plan("qwen", [1, 2], 4, top_k=1)
+    resume(plan)
+    got = resume(plan, Reply(200, JSON, body))[1]
+    assert type(got) is dict and got == answer
+    assert [omitted_header(v) for v in (None, "", "x", "-1", " 7 ", "0")] == [
+        None,
+        None,
+        None,
+        None,
+        7,
+        0,
+    ]
 
 
 def test_query_plans_send_top_k_and_instances_only_when_set():

@@ -169,6 +169,27 @@ def outcome(fn, *args):
     return ("ok", r)
 
 
+def check_cut(cand, sel, omitted, k, rank):
+    """``sel`` is the ``top_k`` cut of ``cand`` by its definition (docs/api.md, "top_k and
+    instances"): all of them without ``k`` or with ``k`` at least their number; else
+    exactly ``k`` in order, every row deeper than the k-th depth, the ones tied there left
+    out counted by ``omitted`` and, with ``rank``, none of them before a kept tied row."""
+    if k is None or k >= len(cand):
+        assert sel == cand and omitted == 0
+        return
+    depth = {r: sum(r[1:]) for r in cand}
+    kth = sorted(depth.values(), reverse=True)[k - 1]
+    assert len(sel) == k and [r for r in cand if r in set(sel)] == sel
+    assert all(depth[r] >= kth for r in sel)
+    assert all(r in sel for r in cand if depth[r] > kth)
+    left = [i for i, r in enumerate(cand) if depth[r] == kth and r not in sel]
+    assert omitted == len(left)
+    if rank is not None:
+        kept = [i for i, r in enumerate(cand) if depth[r] == kth and r in sel]
+        key = [(rank[r[0]], i) for i, r in enumerate(cand)]
+        assert max(key[i] for i in kept) < min((key[i] for i in left), default=(9, 0))
+
+
 class _Pair(RuleBasedStateMachine):
     """Calls the same method on ``self.c`` and ``self.py`` and compares.
 
@@ -587,6 +608,16 @@ class CoreMachine(_Pair):
             else:
                 self.both(op, w, [held[data.draw(st.integers(0, len(held) - 1))]])
 
+    @rule(k=st.integers(WORD_WALK_MEMBERS + 1, MANY_HBM), data=st.data())
+    def many_hbm_match_wide(self, k, data):
+        # more than WORD_WALK_MEMBERS workers hold the first block of [A, B, C, D], then
+        # both cores answer it: a match walked word-wise whenever this rule runs, whatever
+        # the other rules drew before it (test_the_machines_take_the_wide_paths)
+        self.many_hbm_hold_prefix(k, data.draw(st.integers(1, 4), label="n"), True, data)
+        for q in (FIXED_QUERIES[0][:1], FIXED_QUERIES[0]):
+            assert [tuple(r) for r in self.c.match(q)] == self.py.match(q), q
+        note_wide(self.c.hbm_layout(), len(self.py._tree.match(FIXED_QUERIES[0][:1])))
+
     @rule(k=st.integers(13, MANY_HBM), keep=st.integers(0, 7), data=st.data())
     def many_hbm_come_and_go(self, k, keep, data):
         # a node turns wide and back in one step: k bulk HBM workers store the first
@@ -782,31 +813,36 @@ class CoreMachine(_Pair):
         self.both("match_tokens", toks, BS)
 
     # answers: the compact rows of both cores, and their selection (an instances filter as a
-    # group mask, then top_k), also against the definition: a row stays when fewer than k
-    # of the candidates have strictly more blocks
+    # group mask or as ranks, then top_k), also against the definition: at most k rows,
+    # every row deeper than the k-th depth, and the rows tied there chosen by rank (then
+    # order) with ranks, else a run of them from the seed's start
     @rule(
         q=QUERY,
         b=BUF,
         tokens=TOKENS,
         k=st.one_of(st.none(), st.integers(1, 5)),
         keep=st.one_of(st.none(), st.sets(st.integers(0, 7))),
+        seed=st.integers(0, 2**64 - 1),
+        rank=st.one_of(st.none(), st.lists(st.integers(0, 3), max_size=7)),
     )
-    def answer_rows(self, q, b, tokens, k, keep):
+    def answer_rows(self, q, b, tokens, k, keep, seed, rank):
         mask = None if keep is None else bytes(int(g in keep) for g in range(6))
+        ranks = None if rank is None else array("I", rank)
         for name, args in (("match_rows", (buf(q, b),)), ("match_tokens_rows", (tokens, BS))):
             rc, rp = (getattr(core, name)(*args) for core in (self.c, self.py))
             assert rc.tolist() == rp.tolist() == getattr(self.py, name[:-5])(*args), args
             assert rc.sums() == rp.sums() and rc.last_group() == rp.last_group()
-            sel = rc.select(k, mask).tolist()
-            assert sel == rp.select(k, mask).tolist(), (args, k, keep)
-            cand = [r for r in rc.tolist() if mask is None or (r[0] < len(mask) and mask[r[0]])]
-            tot = [sum(r[1:]) for r in cand]
-            want = [
+            got = rc.select(k, mask, seed, ranks)
+            sel = got.tolist()
+            twin = rp.select(k, mask, seed, rank)
+            assert (sel, got.omitted) == (twin.tolist(), twin.omitted), (args, k, keep)
+            cand = [
                 r
-                for r, t in zip(cand, tot, strict=True)
-                if k is None or sum(u > t for u in tot) < k
+                for r in rc.tolist()
+                if (mask is None or (r[0] < len(mask) and mask[r[0]]))
+                and (rank is None or (r[0] < len(rank) and rank[r[0]]))
             ]
-            assert sel == want
+            check_cut(cand, sel, got.omitted, k, rank)
 
     # explain: the trace of both cores agrees, and its per-group counts are match's
     def traced(self, q):

@@ -143,6 +143,13 @@ def test_real_answers_conform(client):
     )
     assert r.status_code == 200
     _check(r.json, *_answer_schema("/query_by_hash", "post", 200))
+    assert "X-KV-Conductor-Top-K-Omitted" not in r.headers  # only with top_k
+    for path, body in (("/query", q), ("/query_by_hash", {"model": "qwen", "block_hashes": [H1]})):
+        r = client.simulate_post(path, json={**body, "top_k": 1})
+        assert r.status_code == 200
+        head = DOC["paths"][path]["post"]["responses"]["200"]["headers"]
+        omitted = head["X-KV-Conductor-Top-K-Omitted"]
+        jsonschema.validate(int(r.headers["X-KV-Conductor-Top-K-Omitted"]), omitted["schema"])
     r = client.simulate_post("/query", json={**q, "block_size": 8})  # logs a WARN
     assert r.status_code == 200 and "X-KV-Conductor-Warning" in r.headers
     r = client.simulate_get("/workers")

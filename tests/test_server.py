@@ -18,6 +18,7 @@ import httpx
 import msgspec
 import pytest
 
+from kvconductor._hash import hash_blocks
 from tests.helpers import http_cases
 from tests.helpers.http_cases import register
 from tests.helpers.server import (
@@ -408,3 +409,78 @@ def test_worker_servers_trim_their_heap_every_trim_secs(monkeypatch):
 
 def test_top_k_and_instances_over_http(server):
     http_cases.top_k_and_instances_over_http(server)
+
+
+def test_top_k_over_a_fleet_holding_one_prefix(tmp_path):
+    # 1,024 engines all holding the prompt's first block (a system prompt on a round-robin
+    # fleet) and one holding two: top_k=8 answers 8 rows, not 1,024, and says how many
+    # rows tied at the cut it left out
+    n, tokens = 1024, list(range(1, 9))
+    names = [f"w{i:04d}" for i in range(n)]
+    with running(tmp_path) as srv:
+        http = srv.http
+        for i, iid in enumerate(names):
+            assert register(http, instance_id=iid, modelname="fleet").status_code == 201
+            blocks = 2 if i == 700 else 1
+            ev = {
+                "event_id": 1,
+                "dp_rank": 0,
+                "type": "BlockStored",
+                "block_hashes": [1000 * (i + 1) + b for b in range(blocks)],
+                "token_ids": tokens[: 4 * blocks],
+                "block_size": 4,
+            }
+            r = http.post("/events", json={"instance_id": iid, "events": [ev]})
+            assert r.status_code == 200, r.text
+        q = {"model": "fleet", "block_size": 4, "token_ids": tokens}
+        # without top_k: the whole V3 answer, byte for byte, and no new header
+        whole = {
+            iid: {
+                "longest_matched": 8 if i == 700 else 4,
+                "DP": {
+                    "0": {
+                        "matched_tokens": 8 if i == 700 else 4,
+                        "npu_blocks": 2 if i == 700 else 1,
+                        "cpu_blocks": 0,
+                        "disk_blocks": 0,
+                    }
+                },
+            }
+            for i, iid in enumerate(names)
+        }
+        r = http.post("/query", json=q)
+        assert r.content == msgspec.json.encode({"default": whole})
+        assert http_cases.TOP_K_OMITTED_HEADER not in r.headers
+        # top_k=8: the deeper holder and 7 of the 1,023 tied at one block
+        r = http.post("/query", json={**q, "top_k": 8})
+        got = r.json()["default"]
+        assert len(got) == 8 and "w0700" in got
+        assert r.headers[http_cases.TOP_K_OMITTED_HEADER] == "1016"
+        assert all(v == whole[i] for i, v in got.items())
+        # the same request, the same rows; other requests, other rows (ties spread)
+        assert http.post("/query", json={**q, "top_k": 8}).json()["default"] == got
+        seen = set()
+        for extra in range(20):
+            other = {**q, "token_ids": [*tokens, 100 + extra], "top_k": 8}
+            seen |= set(http.post("/query", json=other).json()["default"])
+        assert len(seen) > 50
+        # instances in a given order (a router's candidates by load): the first 8 of that
+        # order among the tied rows, the deeper holder first whatever its place
+        order = names[::-3]  # w0700 is not in it
+        for k, named, want in (
+            (8, order, order[:8]),
+            (8, [*order, "w0700"], ["w0700", *order[:7]]),
+            (3, [*order, "w0700"], ["w0700", *order[:2]]),
+        ):
+            tied_out = len(order) - len(want) + ("w0700" in want)
+            r = http.post("/query", json={**q, "top_k": k, "instances": named})
+            assert sorted(r.json()["default"]) == sorted(want)
+            assert r.headers[http_cases.TOP_K_OMITTED_HEADER] == str(tied_out)
+            hq = {
+                "model": "fleet",
+                "block_hashes": list(hash_blocks(tokens, 4)),
+                "top_k": k,
+                "instances": named,
+            }
+            code, _, doc = http_cases.msgpack_post(http, "/query_by_hash", hq)
+            assert code == 200 and sorted(doc["default"]) == sorted(want)

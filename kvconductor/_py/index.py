@@ -17,6 +17,8 @@ of the two-phase maps.
 from __future__ import annotations
 
 import threading
+from array import array
+from collections.abc import Sequence
 
 from kvconductor._hash import hash_blocks
 from kvconductor._py.lower import LowerTier
@@ -32,13 +34,14 @@ END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED, MUTED, _NO_WORKER = range(len(STOP
 
 
 U32_MAX = 2**32 - 1
+U64_MASK = 2**64 - 1
 
 
 class MatchRows:
     """Twin of ``kvconductor._index.MatchRows``: the rows ``(group, npu, cpu, disk)`` of one
     answer by increasing group, here a plain list of tuples."""
 
-    __slots__ = ("_rows",)
+    __slots__ = ("_rows", "omitted")
 
     def __init__(self, rows=()) -> None:
         out = []
@@ -53,6 +56,8 @@ class MatchRows:
             prev = g
             out.append((g, a, b, c))
         self._rows = out
+        #: rows tied at the cut depth of ``select(top_k=...)`` that it left out
+        self.omitted = 0
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -73,21 +78,49 @@ class MatchRows:
     def last_group(self) -> int:
         return self._rows[-1][0] if self._rows else -1
 
-    def select(self, top_k: int | None = None, groups: bytes | None = None) -> MatchRows:
-        """Same rule as the compiled one, by sorting: the mask first, then every row whose
-        total is at least the ``top_k``-th largest total."""
+    def select(
+        self,
+        top_k: int | None = None,
+        groups: bytes | None = None,
+        seed: int = 0,
+        ranks: Sequence[int] | None = None,
+    ) -> MatchRows:
+        """Same rule as the compiled one, by sorting: the masks first, then every row
+        deeper than the ``top_k``-th largest total, and of the rows tied at that depth
+        the first by (rank, order) with ``ranks``, else a rotation from ``mix64(seed)``."""
         rows = self._rows
+        omitted = 0
         if groups is not None:
             rows = [r for r in rows if r[0] < len(groups) and groups[r[0]]]
+        if ranks is not None:
+            rows = [r for r in rows if r[0] < len(ranks) and ranks[r[0]]]
         if top_k is not None:
             if top_k < 1:
                 raise ValueError(f"top_k must be at least 1, not {top_k}")
             if top_k < len(rows):
-                kth = sorted((r[1] + r[2] + r[3] for r in rows), reverse=True)[top_k - 1]
-                rows = [r for r in rows if r[1] + r[2] + r[3] >= kth]
+                depth = [r[1] + r[2] + r[3] for r in rows]
+                kth = sorted(depth, reverse=True)[top_k - 1]
+                tied = [i for i, d in enumerate(depth) if d == kth]
+                need = top_k - sum(d > kth for d in depth)
+                if ranks is not None:
+                    keep = sorted(tied, key=lambda i: (ranks[rows[i][0]], i))[:need]
+                else:
+                    start = mix64(seed & U64_MASK) % len(tied)
+                    keep = (tied + tied)[start : start + need]
+                omitted = len(tied) - need
+                kept = set(keep)
+                rows = [r for i, r in enumerate(rows) if depth[i] > kth or i in kept]
         out = MatchRows()
         out._rows = list(rows)
+        out.omitted = omitted
         return out
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finaliser (the compiled ``_mix64``): where the rotation of ties starts."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & U64_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & U64_MASK
+    return x ^ (x >> 31)
 
 
 class PyGroupNames:
@@ -120,6 +153,13 @@ class PyGroupNames:
             for g in self._inst.get(name, ()):
                 out[g] = 1
         return bytes(out)
+
+    def instances_rank(self, instance_ids) -> array:
+        out = array("I", bytes(4 * len(self.keys)))
+        for pos, name in reversed(list(enumerate(instance_ids))):
+            for g in self._inst.get(name, ()):
+                out[g] = pos + 1
+        return out
 
 
 def _walk_starts(

@@ -326,23 +326,27 @@ def query_options(
     """Keyword arguments of ``ConductorClient.query`` / ``query_by_hash`` so that the
     conductor answers only what :func:`rank` of these ``candidates`` reads (extension
     fields, docs/api.md "top_k and instances"): ``instances``, the candidates' instance
-    ids in first-seen order (in ``load_gated`` mode those of the ``load_gate_topn``
-    least-loaded candidates only, the only ones ranked). With a prefix held by thousands
-    of engines the answer then lists the candidates, not every holder; the ranking is the
-    same as over the whole answer.
+    ids in load order, least loaded first (an instance at the place of its least-loaded
+    DP; equal loads in first-seen order; in ``load_gated`` mode those of the
+    ``load_gate_topn`` least-loaded candidates only, the only ones ranked). With a prefix
+    held by thousands of engines the answer then lists the candidates, not every holder;
+    the ranking is the same as over the whole answer.
 
-    ``top_k`` (optional) also asks for only the ``top_k`` deepest (instance, DP) rows
-    among them (ties at that depth included): cheaper still, but a candidate cut by it
+    ``top_k`` (optional) also asks for at most ``top_k`` (instance, DP) rows among them,
+    the deepest: the server breaks ties at the cut depth by the order of ``instances``, so
+    of the candidates tied there it keeps the least loaded, those the ranking prefers
+    among equals. In ``load_gated`` mode with one DP per instance the best candidate is
+    then the same as over the whole answer; otherwise a candidate shallower than the cut
     ranks as an unreported one (a zero match), so only use it when matched depth decides.
 
     With a ``not_live_weight`` other than 1 it asks for ``freshness`` too (the states
     that weight reads).
     """
     cfg = config or _DEFAULT_CONFIG
-    cands = [(c[0], float(c[2])) for c in candidates]
+    # a stable sort by load: the gate of rank() and the server's preference at the cut
+    cands = sorted(((c[0], float(c[2])) for c in candidates), key=lambda c: c[1])
     if cfg.mode == MODE_LOAD_GATED:
-        # the same gate as rank(): a stable sort by load, the first load_gate_topn
-        cands = sorted(cands, key=lambda c: c[1])[: cfg.effective_topn]
+        cands = cands[: cfg.effective_topn]
     out: dict[str, Any] = {"instances": list(dict.fromkeys(iid for iid, _ in cands))}
     if top_k is not None:
         out["top_k"] = max(1, int(top_k))

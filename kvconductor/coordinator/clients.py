@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
 import httpx
 
 from kvconductor.coordinator.core import ConductorCore
-from kvconductor.coordinator.exchange import Plan, Reply, Request, TransportFailure, resume
+from kvconductor.coordinator.exchange import (
+    Plan,
+    Reply,
+    Request,
+    TransportFailure,
+    omitted_header,
+    resume,
+)
+from kvconductor.schema import TOP_K_OMITTED_HEADER
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -121,7 +129,13 @@ def _request_options(req: Request) -> dict[str, Any]:
 
 
 def _reply(resp: httpx.Response) -> Reply:
-    return Reply(resp.status_code, resp.headers.get("content-type", ""), resp.content)
+    headers = resp.headers
+    return Reply(
+        resp.status_code,
+        headers.get("content-type", ""),
+        resp.content,
+        omitted_header(headers.get(TOP_K_OMITTED_HEADER)),
+    )
 
 
 def _failure(exc: httpx.HTTPError) -> TransportFailure:

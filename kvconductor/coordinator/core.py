@@ -55,6 +55,7 @@ from kvconductor.coordinator.breaker import (
 )
 from kvconductor.coordinator.exchange import (
     Plan,
+    QueryAnswer,
     Reply,
     Request,
     TransportFailure,
@@ -350,6 +351,8 @@ class ConductorCore:
             ) from None
         if req.breaker:
             self.breaker.record_success()
+        if reply.top_k_omitted is not None and isinstance(data, dict):
+            return QueryAnswer(data, reply.top_k_omitted)  # a query with top_k
         return data
 
     def _expect_map(self, req: Request, data: Any, status: int = 200) -> dict:
@@ -419,9 +422,12 @@ class ConductorCore:
 
         ``lora_name`` asks for the blocks of that LoRA adapter (engines publish them with
         ``lora_name``); ``None`` or ``""`` asks for the base model's. ``top_k`` and
-        ``instances`` (extension, docs/api.md "top_k and instances"): only the ``top_k``
-        deepest (instance, DP) rows, only the named instances; a server without the
-        extension ignores them (the whole V3 answer). ``freshness`` (extension,
+        ``instances`` (extension, docs/api.md "top_k and instances"): at most ``top_k``
+        (instance, DP) rows, the deepest, ties at the cut taken in the order of
+        ``instances`` (else a rotation the request seeds), only the named instances; the
+        answer is then a :class:`~kvconductor.coordinator.exchange.QueryAnswer` whose
+        ``top_k_omitted`` counts the tied rows left out. A server without the extension
+        ignores them (the whole V3 answer, a plain dict). ``freshness`` (extension,
         docs/api.md "freshness"): each answered DP also says the state and the age of
         the last event of its sources, and the answer has a ``"freshness"`` summary
         beside the tenant (a server without the extension answers without them).

@@ -14,7 +14,7 @@ import msgspec
 
 from kvconductor.schema import is_msgpack_content_type
 
-__all__ = ["Plan", "Reply", "Request", "TransportFailure", "resume"]
+__all__ = ["Plan", "QueryAnswer", "Reply", "Request", "TransportFailure", "resume"]
 
 
 @dataclasses.dataclass
@@ -34,11 +34,14 @@ class Request:
 
 
 class Reply(NamedTuple):
-    """What came back: status, ``Content-Type`` header (``""`` when absent) and body."""
+    """What came back: status, ``Content-Type`` header (``""`` when absent), body and,
+    for a query with ``top_k``, its ``X-KV-Conductor-Top-K-Omitted`` header as an int
+    (``None`` when absent: no ``top_k``, or a server without the extension)."""
 
     status: int
     content_type: str
     body: bytes
+    top_k_omitted: int | None = None
 
     @property
     def text(self) -> str:
@@ -82,6 +85,28 @@ def resume(plan: Plan[T], answer: Reply | TransportFailure | None = None) -> tup
         return True, (next(plan) if answer is None else plan.send(answer))
     except StopIteration as done:
         return False, done.value
+
+
+class QueryAnswer(dict[str, Any]):
+    """The answer of a query with ``top_k`` (docs/api.md, "top_k and instances"): the V3
+    answer ``{tenant: {instance: {...}}}`` as a dict, with ``top_k_omitted``, the
+    (instance, DP) rows tied at the cut depth that the server left out (its
+    ``X-KV-Conductor-Top-K-Omitted`` header). A server without the extension answers a
+    plain dict (the whole answer)."""
+
+    __slots__ = ("top_k_omitted",)
+
+    def __init__(self, data: Mapping[str, Any], top_k_omitted: int) -> None:
+        super().__init__(data)
+        self.top_k_omitted = top_k_omitted
+
+
+def omitted_header(value: str | None) -> int | None:
+    """The ``X-KV-Conductor-Top-K-Omitted`` header's value as an int, ``None`` when absent
+    or not a decimal count."""
+    if value is None or not value.strip().isdigit():
+        return None
+    return int(value)
 
 
 def content_type_of(reply: Reply) -> str:

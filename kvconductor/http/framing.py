@@ -33,6 +33,7 @@ from typing import Any
 from kvconductor.http.responses import (
     CT_JSON,
     CT_MSGPACK,
+    TOP_K_OMITTED_HEADER_B,
     WARNING_HEADER_B,
     cors_origin,
     header_text,
@@ -107,11 +108,12 @@ def query_headers(
     t0: float,
     warning: str | None = None,
     date: bool = False,
+    omitted: int | None = None,
 ) -> list[tuple[bytes, bytes]]:
     """The headers of a query route's answer ``data`` (ASGI pairs): ``Date`` when
     ``date`` (a worker), the content type and length, ``Server-Timing`` (since ``t0``,
-    ``perf_counter`` when the request's head arrived), CORS for ``origin`` and
-    ``warning``'s header."""
+    ``perf_counter`` when the request's head arrived), CORS for ``origin``,
+    ``warning``'s header and, with ``top_k``, the count of rows ``omitted`` at the cut."""
     headers = [
         _CT[msgpack],
         (b"content-length", b"%d" % len(data)),
@@ -123,6 +125,8 @@ def query_headers(
         headers += cors_headers(path, origin)
     if warning is not None:
         headers.append((WARNING_HEADER_B, header_text(warning).encode("ascii")))
+    if omitted is not None:
+        headers.append((TOP_K_OMITTED_HEADER_B, b"%d" % omitted))
     return headers
 
 

@@ -105,9 +105,12 @@ def _query_request(doc: dict[str, Any]) -> None:
     props[schema.TOP_K_FIELD] = {
         "anyOf": [{"type": "integer", "minimum": 1, "maximum": 2**32 - 1}, {"type": "null"}],
         "default": None,
-        "description": "Extension (not V3): answer only the (instance, DP) rows whose "
-        "npu+cpu+disk blocks are at least the top_k-th largest (ties at that depth all "
-        "included); null or absent: every row",
+        "description": "Extension (not V3): answer at most top_k (instance, DP) rows, the "
+        "deepest by npu+cpu+disk blocks: every row deeper than the top_k-th largest depth, "
+        "and of the rows tied at that depth the first by the order of instances when it is "
+        "given, else a run of them chosen by the request (the same request, the same "
+        "rows); header X-KV-Conductor-Top-K-Omitted: the tied rows left out; null or "
+        "absent: every row",
         "x-kvconductor-extension": True,
     }
     props[schema.INSTANCES_FIELD] = {
@@ -301,12 +304,22 @@ def document() -> dict[str, Any]:
         },
         "/openapi.json": _self_route(),
     }
+    omitted = {
+        "description": "only with top_k (extension): the (instance, DP) rows tied at the "
+        "cut depth that the answer leaves out",
+        "schema": {"type": "integer", "minimum": 0},
+        "x-kvconductor-extension": True,
+    }
     paths["/query"]["post"]["responses"]["200"]["headers"] = {
         "X-KV-Conductor-Warning": {
             "description": "why this query cannot match (its block size is none of the "
             "(model, tenant)'s registrations); the body is the usual answer",
             "schema": {"type": "string"},
-        }
+        },
+        schema.TOP_K_OMITTED_HEADER: omitted,
+    }
+    paths["/query_by_hash"]["post"]["responses"]["200"]["headers"] = {
+        schema.TOP_K_OMITTED_HEADER: omitted
     }
     return {
         "openapi": "3.1.0",

@@ -79,10 +79,12 @@ class QueryResource(Resource[QuerySource]):
         msgpack: bool,
         metrics: QueryMetrics | DeferredMetrics | None = None,
         fresh: bool = False,
-    ) -> tuple[int, bytes, str | None]:
-        """Parse, match and encode: ``(status, body, message or None)``. With a 4xx the
-        message is what to log; with a 200 it is a warning for the
-        ``X-KV-Conductor-Warning`` header (a query that cannot match, logged here).
+    ) -> querydoor.RouteAnswer:
+        """Parse, match and encode: ``(status, body, message or None, omitted or
+        None)``. With a 4xx the message is what to log; with a 200 it is a warning for the
+        ``X-KV-Conductor-Warning`` header (a query that cannot match, logged here);
+        ``omitted``, with ``top_k``, the rows tied at the cut it left out (the
+        ``X-KV-Conductor-Top-K-Omitted`` header).
         ``metrics``: where the answer's blocks and misses are counted (default: the
         route's; off the event loop a :class:`~kvconductor.http.metrics.DeferredMetrics`).
         ``fresh``: the answer says how fresh it is (``?freshness=true``; the body's
@@ -101,7 +103,7 @@ class QueryResource(Resource[QuerySource]):
         if index is None:
             m.unknown_index.inc()
             msg = f"no indexer for model={model} tenant={tenant}"
-            return 404, encode_error(msg, msgpack), msg
+            return 404, encode_error(msg, msgpack), msg, None
         # PERF: the answer stays in the core's C arrays (QueryResult over MatchRows): the
         # metrics take its C sums and the encoder renders it without a Python object per
         # (instance, DP) row.
@@ -113,7 +115,7 @@ class QueryResource(Resource[QuerySource]):
                 m.count_blocks(*result.sums())
             else:
                 m.no_match.inc()
-            return self._ok(result, model, tenant, 1, msgpack, fresh)
+            return self._ok(result, model, tenant, 1, msgpack, fresh, None, top_k)
         # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
         # them and the other way round.
         seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
@@ -131,7 +133,7 @@ class QueryResource(Resource[QuerySource]):
                 warning = self.misses.unknown_lora(model, tenant, lora_name)
             else:
                 m.no_match.inc()
-        return self._ok(result, model, tenant, block_size, msgpack, fresh, warning)
+        return self._ok(result, model, tenant, block_size, msgpack, fresh, warning, top_k)
 
     def _ok(
         self,
@@ -142,32 +144,36 @@ class QueryResource(Resource[QuerySource]):
         msgpack: bool,
         fresh: bool,
         warning: str | None = None,
-    ) -> tuple[int, bytes, str | None]:
+        top_k: int | None = None,
+    ) -> querydoor.RouteAnswer:
+        omitted = None if top_k is None else result.omitted
         if not fresh:
-            return 200, encode_result(result, tenant, block_size, msgpack), warning
+            return 200, encode_result(result, tenant, block_size, msgpack), warning, omitted
         try:
             table = self.conductor.freshness(model, tenant)
         except FreshnessUnavailable as ex:
             msg = f"{FRESHNESS_UNAVAILABLE}: {ex}"
-            return 503, encode_error(msg, msgpack), msg
+            return 503, encode_error(msg, msgpack), msg, None
         if table is None:
-            return 501, encode_error(FRESHNESS_UNAVAILABLE, msgpack), FRESHNESS_UNAVAILABLE
+            msg = FRESHNESS_UNAVAILABLE
+            return 501, encode_error(msg, msgpack), msg, None
         fr = (table.groups(result.names.keys), time.time(), table.tail[msgpack])
-        return 200, encode_fresh(result, tenant, block_size, msgpack, fr), warning
+        return 200, encode_fresh(result, tenant, block_size, msgpack, fr), warning, omitted
 
     @staticmethod
-    def _invalid(detail: str, msgpack: bool) -> tuple[int, bytes, str]:
+    def _invalid(detail: str, msgpack: bool) -> querydoor.RouteAnswer:
         return (
             400,
             encode_error(
                 f"invalid {'msgpack' if msgpack else 'JSON'} request body: {detail}", msgpack
             ),
             detail,
+            None,
         )
 
     async def respond(
         self, body: bytes | bytearray | list[bytes], msgpack: bool, fresh: bool = False
-    ) -> tuple[int, bytes, str | None]:
+    ) -> querydoor.RouteAnswer:
         """:meth:`answer`, in a worker thread for a large body (the front door's call).
         ``body`` may be the chunks of a large body: they are joined in that thread.
         PERF: a bytearray is parsed as it is (the parsers take any buffer), not copied;
@@ -185,11 +191,11 @@ class QueryResource(Resource[QuerySource]):
             self.conductor.executor, fn, body, msgpack, deferred, fresh
         )
         deferred.replay(self.metrics)
-        return cast(tuple[int, bytes, "str | None"], out)
+        return cast(querydoor.RouteAnswer, out)
 
     def _answer_chunks(
         self, chunks: list[bytes], msgpack: bool, metrics: DeferredMetrics, fresh: bool = False
-    ) -> tuple[int, bytes, str | None]:
+    ) -> querydoor.RouteAnswer:
         return self.answer(b"".join(chunks), msgpack, metrics, fresh)
 
     async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:

@@ -40,6 +40,11 @@ log = logging.getLogger("kvconductor.http")
 #: ``(status, headers, body)`` of an answer.
 Answer = tuple[int, list[tuple[bytes, bytes]], bytes]
 
+#: ``(status, body, message or None, omitted or None)`` of a route: ``omitted``, with
+#: ``top_k``, the rows tied at the cut depth it left out (the ``X-KV-Conductor-Top-K-
+#: Omitted`` header of a 200), else ``None``.
+RouteAnswer = tuple[int, bytes, "str | None", "int | None"]
+
 
 class _Observer(Protocol):
     def observe(self, amount: float) -> None: ...
@@ -68,16 +73,14 @@ class QueryRoute(Protocol):
         """Bodies longer than this are answered off the event loop (:meth:`respond`)."""
         ...
 
-    def answer(
-        self, body: bytes, msgpack: bool, *, fresh: bool = False
-    ) -> tuple[int, bytes, str | None]:
-        """``(status, body, message or None)``, on the calling thread; ``fresh``: the
-        target's ``?freshness=true``."""
+    def answer(self, body: bytes, msgpack: bool, *, fresh: bool = False) -> RouteAnswer:
+        """``(status, body, message or None, omitted or None)``, on the calling thread;
+        ``fresh``: the target's ``?freshness=true``."""
         ...
 
     async def respond(
         self, body: bytes | bytearray | list[bytes], msgpack: bool, fresh: bool = False
-    ) -> tuple[int, bytes, str | None]:
+    ) -> RouteAnswer:
         """:meth:`answer`, off the event loop for a body over :attr:`large_body_bytes`
         (or given as its chunks, joined off the event loop). ``fresh``: the target's
         ``?freshness=true``."""
@@ -107,17 +110,19 @@ def account(res: QueryRoute, path: str, status: int, problem: str | None, t0: fl
     return None
 
 
-def conclude(q: Query, status: int, data: bytes, problem: str | None) -> Answer:
+def conclude(
+    q: Query, status: int, data: bytes, problem: str | None, omitted: int | None = None
+) -> Answer:
     """The answer ``(status, headers, data)`` of ``q``, counted and logged
-    (:func:`account`; ``problem``: its message, see :meth:`QueryRoute.answer`)."""
+    (:func:`account`; ``problem`` and ``omitted``: see :meth:`QueryRoute.answer`)."""
     route, path, msgpack, origin, t0, date = q
     warning = account(route, path, status, problem, t0)
-    return status, query_headers(data, msgpack, path, origin, t0, warning, date), data
+    return status, query_headers(data, msgpack, path, origin, t0, warning, date, omitted), data
 
 
-def _internal_error(path: str, ex: Exception, msgpack: bool) -> tuple[int, bytes, None]:
+def _internal_error(path: str, ex: Exception, msgpack: bool) -> RouteAnswer:
     log.exception("internal error method=POST path=%s", path)
-    return 500, encode_error(f"internal error: {ex}", msgpack), None
+    return 500, encode_error(f"internal error: {ex}", msgpack), None, None
 
 
 def answer_now(q: Query, body: bytes, fresh: bool = False) -> Answer:
@@ -128,12 +133,12 @@ def answer_now(q: Query, body: bytes, fresh: bool = False) -> Answer:
     route, path, msgpack = q[:3]
     try:
         if fresh:
-            status, data, problem = route.answer(body, msgpack, fresh=True)
+            status, data, problem, omitted = route.answer(body, msgpack, fresh=True)
         else:
-            status, data, problem = route.answer(body, msgpack)
+            status, data, problem, omitted = route.answer(body, msgpack)
     except Exception as ex:
-        status, data, problem = _internal_error(path, ex, msgpack)
-    return conclude(q, status, data, problem)
+        status, data, problem, omitted = _internal_error(path, ex, msgpack)
+    return conclude(q, status, data, problem, omitted)
 
 
 async def answer_async(
@@ -143,10 +148,10 @@ async def answer_async(
     or as a list of chunks: off the event loop)."""
     route, path, msgpack = q[:3]
     try:
-        status, data, problem = await route.respond(body, msgpack, fresh)
+        status, data, problem, omitted = await route.respond(body, msgpack, fresh)
     except Exception as ex:
-        status, data, problem = _internal_error(path, ex, msgpack)
-    return conclude(q, status, data, problem)
+        status, data, problem, omitted = _internal_error(path, ex, msgpack)
+    return conclude(q, status, data, problem, omitted)
 
 
 async def answer_target(q: Query, body: bytes | bytearray, query_string: bytes) -> Answer:

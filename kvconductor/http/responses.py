@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvconductor.schema import TOP_K_OMITTED_HEADER
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_error
 
 QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
@@ -43,6 +44,7 @@ OWNER_UNAVAILABLE = "the index owner process is unavailable; retry later"
 #: can fix (the body keeps the V3 shape).
 WARNING_HEADER = "X-KV-Conductor-Warning"
 WARNING_HEADER_B = WARNING_HEADER.lower().encode()
+TOP_K_OMITTED_HEADER_B = TOP_K_OMITTED_HEADER.lower().encode()
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

@@ -261,6 +261,8 @@ class ViewIndex:
         fn: Callable[[_index.CoreIndex], _index.MatchRows],
         top_k: int | None,
         instances: Sequence[str] | None,
+        values: object = (),
+        typecode: str = "Q",
     ) -> QueryResult:
         idx: ViewIndex | None = self
         for _ in range(STALE_RETRIES):
@@ -271,7 +273,7 @@ class ViewIndex:
                 if len(rows) and rows.last_group() >= len(idx.names):
                     # a group named after this directory was read: reload it
                     raise IndexError(rows.last_group())
-                return select_answer(rows, idx.names, top_k, instances)
+                return select_answer(rows, idx.names, top_k, instances, values, typecode)
             except (_index.StaleIndexError, IndexError):
                 idx = self.view.reload().get((self.model, self.tenant))
         raise RuntimeError("the shared directory kept changing during a query")
@@ -286,7 +288,11 @@ class ViewIndex:
         instances: Sequence[str] | None = None,
     ) -> QueryResult:
         return self._run(
-            lambda core: core.match_tokens_rows(tokens, block_size, seed), top_k, instances
+            lambda core: core.match_tokens_rows(tokens, block_size, seed),
+            top_k,
+            instances,
+            tokens,
+            "I",
         )
 
     def query_by_hash(
@@ -296,7 +302,7 @@ class ViewIndex:
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
     ) -> QueryResult:
-        return self._run(lambda core: core.match_rows(local_hashes), top_k, instances)
+        return self._run(lambda core: core.match_rows(local_hashes), top_k, instances, local_hashes)
 
 
 def _same_core(idx: ViewIndex, address: int) -> bool:

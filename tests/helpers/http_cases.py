@@ -9,6 +9,7 @@ import httpx
 import msgspec
 
 from kvconductor._hash import hash_blocks
+from kvconductor.schema import TOP_K_OMITTED_HEADER
 from tests.helpers.server import HAS_IPV6, registration
 
 
@@ -236,21 +237,24 @@ def top_k_and_instances_over_http(server) -> None:
         # without the extension: exactly the V3 answer, every (instance, DP)
         assert http.post("/query", json=q).json() == {"default": full}
         full_keys = {("a", 0), ("a", 1), ("b", 0), ("c", 0), ("d", 0), ("e", 0)}
-        # top_k=1: a/0 (5 blocks); top_k=2: b/0 and c/0 tie at the 2nd depth (4 blocks)
+        # top_k=1: a/0 (5 blocks); top_k=2: a/0 and one of b/0, c/0 (tied at 4 blocks): the
+        # instances' order picks it; top_k=3: a/0, b/0, c/0. (extra, rows, omitted header)
         cases = [
-            ({"top_k": 1}, {("a", 0)}),
-            ({"top_k": 2}, {("a", 0), ("b", 0), ("c", 0)}),
-            ({"top_k": 3}, {("a", 0), ("b", 0), ("c", 0)}),
-            ({"top_k": 100}, full_keys),
-            ({"instances": ["a", "d", "nobody"]}, {("a", 0), ("a", 1), ("d", 0)}),
-            ({"instances": ["d", "e"], "top_k": 1}, {("e", 0)}),
-            ({"instances": []}, set()),
-            ({"top_k": None, "instances": None}, full_keys),
+            ({"top_k": 1}, {("a", 0)}, "0"),
+            ({"top_k": 2, "instances": ["c", "b", "a"]}, {("a", 0), ("c", 0)}, "1"),
+            ({"top_k": 2, "instances": ["a", "b", "c"]}, {("a", 0), ("b", 0)}, "1"),
+            ({"top_k": 3}, {("a", 0), ("b", 0), ("c", 0)}, "0"),
+            ({"top_k": 100}, full_keys, "0"),
+            ({"instances": ["a", "d", "nobody"]}, {("a", 0), ("a", 1), ("d", 0)}, None),
+            ({"instances": ["d", "e"], "top_k": 1}, {("e", 0)}, "0"),
+            ({"instances": []}, set(), None),
+            ({"top_k": None, "instances": None}, full_keys, None),
         ]
-        for extra, keep in cases:
+        for extra, keep, omitted in cases:
             want = {"default": _cut(full, keep)}
             r = http.post("/query", json={**q, **extra})
             assert r.status_code == 200 and r.json() == want, extra
+            assert r.headers.get(TOP_K_OMITTED_HEADER) == omitted, extra
             code, ct, doc = msgpack_post(http, "/query", {**q, **extra})
             assert (code, ct, doc) == (200, "application/msgpack", want), extra
             # the positional form: top_k and instances are the 6th and 7th elements
@@ -263,6 +267,15 @@ def top_k_and_instances_over_http(server) -> None:
             assert {i: v["longest_matched"] for i, v in doc["default"].items()} == {
                 i: v["longest_matched"] // 4 for i, v in want["default"].items()
             }
+        # top_k=2 without instances: one of the two tied rows, the same for the same request
+        # in every encoding (the rotation is seeded by the request's token ids)
+        both = [{"default": _cut(full, {("a", 0), tied})} for tied in (("b", 0), ("c", 0))]
+        r = http.post("/query", json={**q, "top_k": 2})
+        assert r.json() in both and r.headers[TOP_K_OMITTED_HEADER] == "1"
+        assert msgpack_post(http, "/query", {**q, "top_k": 2})[2] == r.json()
+        hq = {"model": "topk", "block_hashes": list(hash_blocks(tokens, 4)), "top_k": 2}
+        r = http.post("/query_by_hash", json=hq)
+        assert len(r.json()["default"]) == 2 and r.headers[TOP_K_OMITTED_HEADER] == "1"
         # bad values: 400 with {"error": ...} in the request's encoding
         for extra, detail in (
             ({"top_k": 0}, "top_k must be between 1 and 4294967295"),
