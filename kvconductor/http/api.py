@@ -58,8 +58,10 @@ from kvconductor.http.resource import (
     json_answer,
 )
 from kvconductor.http.responses import (
+    EXPOSE_HEADERS_B,
     MSGPACK_PATHS,
     MUTATING_PATHS,
+    QUERY_PATHS,
     cors_origin,
     set_error,
 )
@@ -422,6 +424,8 @@ class OriginPolicy:
         if vary:
             resp.append_header("Vary", "Origin")
         resp.set_header("Access-Control-Allow-Origin", allow)
+        if req.path in QUERY_PATHS and req.method == "POST":
+            resp.set_header(*(v.decode("ascii") for v in EXPOSE_HEADERS_B))
         if req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method"):
             # Preflight: the methods of the route (Falcon's OPTIONS responder sets Allow).
             methods = resp.get_header("Allow")

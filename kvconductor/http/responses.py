@@ -45,6 +45,12 @@ OWNER_UNAVAILABLE = "the index owner process is unavailable; retry later"
 WARNING_HEADER = "X-KV-Conductor-Warning"
 WARNING_HEADER_B = WARNING_HEADER.lower().encode()
 TOP_K_OMITTED_HEADER_B = TOP_K_OMITTED_HEADER.lower().encode()
+#: A query answer's own headers that a web page reading it across origins may see (a
+#: browser hides every response header but a few safe ones unless the answer names it).
+EXPOSE_HEADERS_B = (
+    b"access-control-expose-headers",
+    f"{WARNING_HEADER}, {TOP_K_OMITTED_HEADER}".encode("ascii"),
+)
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
