@@ -540,6 +540,32 @@ class EventsResponse(Struct, kw_only=True, omit_defaults=True):
     errors: list[str] = []
 
 
+class PredictTarget(Struct, kw_only=True):
+    """``POST /predict`` and ``/predict_by_hash`` (docs/api.md): the body of ``/query``
+    (``/query_by_hash``), as a map, plus the (instance, DP) the router chose."""
+
+    instance_id: Name
+    dp_rank: U32 = 0
+
+
+class PredictRecord(Struct, array_like=True):
+    """A prediction as the journal logs and applies it: the prompt's full blocks hashed."""
+
+    model: str
+    tenant_id: str
+    instance_id: str
+    dp_rank: int
+    block_hashes: list[int]
+
+
+class PredictResponse(Struct):
+    """``{"status": "ok", "predicted_blocks": N, "ttl_s": T}`` (0 blocks: predictions off)."""
+
+    status: str
+    predicted_blocks: int
+    ttl_s: float
+
+
 # ---------------------------------------------------------------------------------------
 # Shared decoders (msgspec decoders are thread-safe)
 # ---------------------------------------------------------------------------------------
@@ -547,6 +573,12 @@ class EventsResponse(Struct, kw_only=True, omit_defaults=True):
 register_decoder = msgspec.json.Decoder(RegisterRequest)
 unregister_decoder = msgspec.json.Decoder(UnregisterRequest)
 events_decoder = msgspec.json.Decoder(KvEventBatch)
+#: A logged prediction (the journal's ``predict`` entry: :class:`PredictRecord`, JSON).
+predict_record_decoder = msgspec.json.Decoder(PredictRecord)
+predict_target_decoders = (
+    msgspec.json.Decoder(PredictTarget),
+    msgspec.msgpack.Decoder(PredictTarget),
+)
 json_encoder = msgspec.json.Encoder()
 msgpack_encoder = msgspec.msgpack.Encoder()
 

@@ -37,6 +37,7 @@ from kvconductor.serve.flagvalues import (  # the flags' values and checks, by j
     _source_problem,
     _timeout,
     _tls_problem,
+    _ttl,
     _workers,
 )
 from kvconductor.serve.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
@@ -158,6 +159,25 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         type=_secs,
         default=600,
         help="TTL of unconfirmed engine offloads (default 600)",
+    )
+    p.add_argument(
+        "--prediction-ttl-s",
+        type=_ttl,
+        default=2.0,
+        help="how long a router's prediction (POST /predict) counts in answers, in "
+        "seconds (default 2; 0: predictions off)",
+    )
+    p.add_argument(
+        "--prediction-max-per-dp",
+        type=_int_in(1, 1_000_000),
+        default=64,
+        help="live predictions per (instance, DP) at most; over it the oldest go (default 64)",
+    )
+    p.add_argument(
+        "--prediction-max",
+        type=_int_in(1, 100_000_000),
+        default=100_000,
+        help="live predictions in all at most; over it the oldest go (default 100000)",
     )
     p.add_argument(
         "--loss-grace-secs",
@@ -407,6 +427,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         pending_ttl_secs=args.pending_ttl_secs,
         content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs,
+        prediction_ttl_s=args.prediction_ttl_s,
+        prediction_max_per_dp=args.prediction_max_per_dp,
+        prediction_max=args.prediction_max,
         loss_grace_secs=args.loss_grace_secs,
         source_down_secs=args.source_down_secs,
         source_purge_secs=args.source_purge_secs,

@@ -122,6 +122,17 @@ def _timeout(value: str) -> float:
     )
 
 
+def _ttl(value: str) -> float:
+    return number(
+        value,
+        float,
+        "value",
+        "a number of seconds is required",
+        lambda secs: 0 <= secs <= 3600,
+        "must be within 0..3600",
+    )
+
+
 def _origin(value: str) -> str:
     scheme, sep, rest = value.partition("://")
     if value == "*":
