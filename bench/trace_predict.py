@@ -5,10 +5,11 @@ KV-aware routing over the trace, as :func:`bench.trace_replay.record` routes it,
 the engines' publish delay modelled: a request's remove and store events become visible
 to the index only after its prefill, ``uncached tokens / --prefill-tps`` seconds after it
 arrived (an engine's batches in order), and the trace's clock is divided by a clock scale
-(``--predictions 1 10 100``) so that bursts sharing a new prefix overlap that delay. Run twice over the same requests: without predictions, and
-with the router reporting each decision (:class:`kvconductor.predict.Predictions` on the
-same :class:`~kvconductor.index.Index`, TTL ``--prediction-ttl-s`` of the compressed
-clock; the events confirm or contradict them as in the service). Reported: the prefill
+(``--predictions 1 10 100``) so that bursts sharing a new prefix overlap that delay. Run
+twice over the same requests: without predictions, and with the router reporting each
+decision (:class:`kvconductor.predict.Predictions` on the same
+:class:`~kvconductor.index.Index`, TTL ``--prediction-ttl-s`` of the compressed clock;
+the events confirm or contradict them as in the service). Reported: the prefill
 blocks found cached on the chosen engine (hit ratio) each way, and the cost of a
 prediction per request (the time inside ``Predictions.add``) beside a query's.
 """
