@@ -403,9 +403,20 @@ class ExplainSource(Struct):
     dropped: dict[str, int] = {}
 
 
-class ExplainInstance(Struct):
+class ExplainPrediction(Struct):
+    """A live prediction of the (instance, DP) (``POST /predict``): the query's leading
+    blocks it covers, its own length, its age and the seconds it has left."""
+
+    blocks: int
+    predicted_blocks: int
+    age_s: float
+    expires_in_s: float
+
+
+class ExplainInstance(Struct, omit_defaults=True):
     """One (instance, DP): ``registered`` false for a holder of blocks of this index that no
-    registration names (data under a DP rank nobody registered, say)."""
+    registration names (data under a DP rank nobody registered, say); ``predictions``
+    only when it has live ones."""
 
     instance_id: str
     dp_rank: int
@@ -417,6 +428,7 @@ class ExplainInstance(Struct):
     tiers: dict[str, ExplainTier]
     workers: list[ExplainWorker]
     sources: list[ExplainSource]
+    predictions: list[ExplainPrediction] = []
 
 
 class ExplainResponse(Struct):

@@ -386,3 +386,25 @@ def _record():
     from kvconductor.schema import PredictRecord
 
     return PredictRecord
+
+
+def test_explain_shows_a_predicted_row_as_predicted_with_its_age(conductor):
+    from kvconductor.schema import PredictRecord, RegisterRequest
+    from kvconductor.tools.explain import report
+
+    c = conductor
+    c.call(c.register, msgspec.convert(_reg("eng-a"), RegisterRequest))
+    hs = list(hash_blocks(TOKENS[:16], BS))
+    assert c.call(c.predict, PredictRecord("qwen", "default", "eng-a", 0, hs)) == 4
+    doc = msgspec.to_builtins(c.call(c.explain, "qwen", "default", BS, TOKENS, None))
+    (inst,) = doc["instances"]
+    assert (inst["npu_blocks"], inst["cpu_blocks"], inst["disk_blocks"]) == (4, 0, 0)
+    assert [(w["backend_id"], w["held"]) for w in inst["workers"]] == [("predicted", 4)]
+    (p,) = inst["predictions"]
+    assert (p["blocks"], p["predicted_blocks"]) == (4, 4)
+    assert 0 <= p["age_s"] < 1.0 and 1.0 < p["expires_in_s"] <= 2.0  # the default TTL, 2 s
+    assert any("predicted by a router: 4 blocks" in line for line in report(doc))
+    # without predictions the document has no such member
+    c.call(c.predictions.sweep, c.predictions.clock() + 3)
+    doc = msgspec.to_builtins(c.call(c.explain, "qwen", "default", BS, TOKENS, None))
+    assert "predictions" not in doc["instances"][0] and doc["instances"][0]["workers"] == []

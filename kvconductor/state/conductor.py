@@ -636,5 +636,12 @@ class Conductor:
         """``POST /explain`` (ingest thread: a consistent view of the registry, the sources
         and the index): why each (instance, DP) of (model, tenant) matches what it does
         for this query (docs/api.md, POST /explain; :mod:`kvconductor.state.explain`)."""
-        state = ExplainState(self.registry, self.indexes, self.block_sizes, self.sources, self.subs)
+        state = ExplainState(
+            self.registry,
+            self.indexes,
+            self.block_sizes,
+            self.sources,
+            self.subs,
+            self.predictions,
+        )
         return explain(state, model, tenant, block_size, tokens, lora_name)
