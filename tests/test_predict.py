@@ -19,7 +19,7 @@ from kvconductor.keys import Medium, WorkerKey
 from kvconductor.predict import PredictionLimits, Predictions, chain_hashes, predicted_key
 from tests.helpers.http_cases import msgpack_post
 from tests.helpers.publishers import FakePublisher, schema, wait_until
-from tests.helpers.server import dp_entry, register_engine, running, started
+from tests.helpers.server import dp_entry, register_engine, replica, running, started
 
 BS = 4
 TOKENS = list(range(100, 124))  # 6 blocks of 4 tokens
@@ -251,6 +251,24 @@ def test_workers_2_every_process_sees_a_prediction(tmp_path):
                 )
                 assert dp_entry(r.json(), "eng-a", 3)["npu_blocks"] == 6, r.text
         assert prediction_counts(srv)["live"] == 1
+
+
+@pytest.mark.server
+def test_a_prediction_on_one_replica_is_answered_by_the_other(tmp_path, valkey_server):
+    """--state-url: a prediction is a logged mutation (the prompt hashed); every replica
+    applies it and expires it by its own clock."""
+    with (
+        replica(tmp_path, valkey_server, "a", "--prediction-ttl-s", "1") as a,
+        replica(tmp_path, valkey_server, "b", "--prediction-ttl-s", "1") as b,
+    ):
+        assert a.http.post("/register", json=_reg("eng-a")).status_code == 201
+        wait_until(lambda: b.http.get("/workers").json()["workers"] != [], msg="registered on b")
+        assert predict(b, TOKENS, "eng-a", 0)["predicted_blocks"] == 6
+        wait_until(lambda: rows(a, TOKENS) == {("eng-a", 0): (6, 0, 0)}, msg="on a")
+        assert rows(b, TOKENS) == {("eng-a", 0): (6, 0, 0)}
+        assert predict(a, TOKENS, "nobody", expect=404)["error"] == "instance nobody not found"
+        for srv in (a, b):  # each replica's own sweep
+            wait_until(lambda srv=srv: rows(srv, TOKENS) == {}, timeout=5, msg="expired")
 
 
 def _reg(instance: str) -> dict:
