@@ -20,23 +20,26 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from bench import trace_replay as tr
 
 
+@dataclass(frozen=True)
+class Model:
+    """The predictions' TTL (seconds of the compressed clock) and the engines' rates."""
+
+    ttl: float = 2.0
+    prefill_tps: float = 10_000.0
+    decode_tps: float = 50.0
+
+
 def route(
-    requests: Sequence[tr.Request],
-    workers: int,
-    capacity: int,
-    *,
-    clock_scale: float,
-    predictions: bool,
-    ttl: float = 2.0,
-    prefill_tps: float = 10_000.0,
-    decode_tps: float = 50.0,
+    reqs: Sequence[tr.Request], workers: int, capacity: int, model: Model, scale: float, on: bool
 ) -> dict[str, Any]:
-    """One KV-aware routing run with the publish delay; its hit ratio and costs."""
+    """One KV-aware routing run with the publish delay, the clock divided by ``scale``,
+    predictions ``on`` or off: its hit ratio and costs."""
     from kvconductor.coordinator.affinity import Candidate, KvAffinityConfig, rank
     from kvconductor.index import Index
     from kvconductor.keys import Medium, WorkerKey
@@ -51,13 +54,13 @@ def route(
     intern: dict[tuple[int, int], int] = {}
     ehash_of: list[int] = []
     loads = tr.Loads(workers)
-    preds = Predictions(PredictionLimits(ttl=ttl)) if predictions else None
+    preds = Predictions(PredictionLimits(ttl=model.ttl)) if on else None
     pending: list[tuple[float, int, int, Any, Any]] = []  # (visible at, seq, w, removed, store)
     last = [0.0] * workers  # when each engine's latest batch becomes visible
     requested = saved = 0
     predict_s = query_s = 0.0
-    for i, req in enumerate(requests):
-        t = req.timestamp / 1000 / clock_scale
+    for i, req in enumerate(reqs):
+        t = req.timestamp / 1000 / scale
         loads.advance(t)
         while pending and pending[0][0] <= t:  # what the engines published by now
             _, _, w, removed, store = heapq.heappop(pending)
@@ -92,7 +95,7 @@ def route(
         requested += len(chain)
         saved += m
         uncached = max(0, req.input_length - m * tr.BLOCK_TOKENS)
-        prefill = uncached / prefill_tps
+        prefill = uncached / model.prefill_tps
         removed = [ehash_of[x] for x in evicted]
         store = None
         if new:
@@ -101,35 +104,32 @@ def route(
         if removed or store is not None:  # an engine publishes in order
             last[w] = max(last[w], t + prefill)
             heapq.heappush(pending, (last[w], i, w, removed, store))
-        loads.assign(w, t, req.input_length, prefill + req.output_length / decode_tps)
+        loads.assign(w, t, req.input_length, prefill + req.output_length / model.decode_tps)
     out: dict[str, Any] = {
-        "clock_scale": clock_scale,
-        "predictions": predictions,
+        "clock_scale": scale,
+        "predictions": on,
         "blocks_requested": requested,
         "blocks_saved": saved,
         "hit_ratio": round(saved / requested, 4) if requested else 0.0,
-        "query_us": round(query_s / max(1, len(requests)) * 1e6, 1),
+        "query_us": round(query_s / max(1, len(reqs)) * 1e6, 1),
     }
     if preds is not None:
-        out["predict_us"] = round(predict_s / max(1, len(requests)) * 1e6, 1)
+        out["predict_us"] = round(predict_s / max(1, len(reqs)) * 1e6, 1)
         out |= preds.counts()
     return out
 
 
 def compare(
-    requests: Sequence[tr.Request],
-    workers: int,
-    capacity: int,
-    clock_scales: Sequence[float],
-    **kw: Any,
+    requests: Sequence[tr.Request], workers: int, capacity: int, scales: Sequence[float], **kw
 ) -> list[dict[str, Any]]:
-    """Per clock scale: the run without predictions, then the one with them."""
-    runs = []
-    for scale in clock_scales:
-        for on in (False, True):
-            r = route(requests, workers, capacity, clock_scale=scale, predictions=on, **kw)
-            runs.append({"workers": workers, **r})
-    return runs
+    """Per clock scale: the run without predictions, then the one with them (``kw``: the
+    fields of :class:`Model`)."""
+    model = Model(**kw)
+    return [
+        {"workers": workers, **route(requests, workers, capacity, model, scale, on)}
+        for scale in scales
+        for on in (False, True)
+    ]
 
 
 HEADER = (

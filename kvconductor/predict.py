@@ -57,6 +57,10 @@ __all__ = [
 #: The backend id of an (instance, DP)'s predicted worker (never a registered backend:
 #: registrations refuse control characters).
 PREDICTED_BACKEND = "\x00predicted"
+#: What becomes of predictions (``kvconductor_predictions_total{outcome}``): made, then
+#: gone because events confirmed them, their TTL passed, a bound was reached, or a removal
+#: or clear of their DP contradicted them.
+OUTCOMES = ("added", "confirmed", "expired", "dropped", "contradicted")
 #: The seed of :func:`chain_hashes` (so the predicted hashes are no engine's).
 CHAIN_SEED = 0x9E3779B97F4A7C15
 
@@ -130,26 +134,16 @@ class Predictions:
         self.clock = clock
         self._order: deque[Prediction] = deque()  # every prediction, oldest first
         self.live = 0
-        self.added = 0
-        self.confirmed = 0
-        self.expired = 0
-        self.dropped = 0  # over a bound
-        self.contradicted = 0
+        #: :data:`OUTCOMES` -> how many (``added``: made; the others: gone that way)
+        self.outcomes = dict.fromkeys(OUTCOMES, 0)
 
     @property
     def enabled(self) -> bool:
         return self.limits.ttl > 0
 
     def counts(self) -> dict[str, int]:
-        """The ``kvconductor_predictions_*`` numbers."""
-        return {
-            "added": self.added,
-            "confirmed": self.confirmed,
-            "expired": self.expired,
-            "dropped": self.dropped,
-            "contradicted": self.contradicted,
-            "live": self.live,
-        }
+        """The ``kvconductor_predictions_*`` numbers: :attr:`outcomes` and ``live``."""
+        return {**self.outcomes, "live": self.live}
 
     # -- writes ----------------------------------------------------------------------------
     def add(
@@ -174,7 +168,7 @@ class Predictions:
             refs[h] = refs.get(h, 0) + 1
         gp.records.append(rec)
         self._order.append(rec)
-        self.added += 1
+        self.outcomes["added"] += 1
         self.live += 1
         while len(gp.records) > self.limits.per_dp:
             self._drop(gp.records[0], "dropped")
@@ -238,7 +232,7 @@ class Predictions:
             return
         rec.live = False
         self.live -= 1
-        setattr(self, why, getattr(self, why) + 1)
+        self.outcomes[why] += 1
         index = rec.index
         gp = index.predicted.get(rec.group)
         if gp is None:

@@ -59,17 +59,13 @@ def prediction_counts(srv) -> dict[str, float]:
     return out
 
 
+#: TTL 1 s, at most 2 predictions per DP and 3 in all
+FLAGS = ("--prediction-ttl-s", "1", "--prediction-max-per-dp", "2", "--prediction-max", "3")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running(
-        tmp_path_factory.mktemp("pred"),
-        "--prediction-ttl-s",
-        "1",
-        "--prediction-max-per-dp",
-        "2",
-        "--prediction-max",
-        "3",
-    ) as srv:
+    with running(tmp_path_factory.mktemp("pred"), *FLAGS) as srv:
         for inst in ("eng-a", "eng-b"):
             for dp in (0, 1):
                 register_engine(srv, inst, dp, medium_endpoints={"npu": "tcp://127.0.0.1:1"})
@@ -207,13 +203,11 @@ def test_events_confirm_and_removals_contradict(tmp_path):
             )
             v = schema("vllm", "0.33.0")
             first = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
-
-            def indexed():
-                pub.publish(first)
-                return rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)}
-
             pub.wait_subscribed()
-            wait_until(indexed, msg="first block indexed")
+            wait_until(  # published again until the subscription is connected
+                lambda: pub.publish(first) or rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)},
+                msg="first block indexed",
+            )
             # predicted 4 blocks: max(event 1, predicted 4) = 4
             assert predict(srv, TOKENS[:16])["predicted_blocks"] == 4
             predict(srv, TOKENS, "eng-a", 0)  # and 6, a longer prompt of the same prefix

@@ -167,18 +167,13 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         help="how long a router's prediction (POST /predict) counts in answers, in "
         "seconds (default 2; 0: predictions off)",
     )
-    p.add_argument(
-        "--prediction-max-per-dp",
-        type=_int_in(1, 1_000_000),
-        default=64,
-        help="live predictions per (instance, DP) at most; over it the oldest go (default 64)",
-    )
-    p.add_argument(
-        "--prediction-max",
-        type=_int_in(1, 100_000_000),
-        default=100_000,
-        help="live predictions in all at most; over it the oldest go (default 100000)",
-    )
+    for flag, where, most in (("-per-dp", "per (instance, DP)", 64), ("", "in all", 100_000)):
+        p.add_argument(
+            "--prediction-max" + flag,
+            type=_int_in(1, 100_000_000),
+            default=most,
+            help=f"live predictions {where} at most; over it the oldest go (default {most})",
+        )
     p.add_argument(
         "--loss-grace-secs",
         type=_secs,
