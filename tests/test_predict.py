@@ -13,6 +13,9 @@ import time
 import httpx
 import msgspec
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvconductor._hash import hash_blocks
 from kvconductor.keys import Medium, WorkerKey
@@ -420,3 +423,116 @@ def test_explain_shows_a_predicted_row_as_predicted_with_its_age(conductor):
     c.call(c.predictions.sweep, c.predictions.clock() + 3)
     doc = msgspec.to_builtins(c.call(c.explain, "qwen", "default", BS, TOKENS, None))
     assert "predictions" not in doc["instances"][0] and doc["instances"][0]["workers"] == []
+
+
+# -- the lifetime rules against an independent model (Hypothesis) ------------------------------
+
+
+DPS = (0, 1, 2)
+PROMPT = st.lists(st.integers(1, 3), min_size=1, max_size=4)  # few blocks: prefixes collide
+
+
+class PredictionMachine(RuleBasedStateMachine):
+    """The index with predictions (C core) against a model: an index fed the same events
+    and nothing else (the twin), plus a plain list of live predictions kept by the rules of
+    docs/api.md; every query's rows are ``merged(event row, deepest covering prediction)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kvconductor.index import Index
+
+        self.idx = Index("m", "t", impl="c")
+        self.events = Index("m", "t", impl="py")
+        self.preds = Predictions(PredictionLimits(ttl=3.0, per_dp=2, total=4))
+        self.model: list[tuple[int, list[int], float]] = []  # (dp, blocks, expires), oldest first
+        self.now = 0.0
+
+    def teardown(self) -> None:
+        self.idx.close()
+
+    def _keys(self, dp: int, tier: Medium) -> WorkerKey:
+        return WorkerKey("i", tier.name, dp, tier)
+
+    def _drop_dp(self, dp: int) -> None:
+        self.model = [m for m in self.model if m[0] != dp]
+
+    @rule(dt=st.sampled_from([0.0, 0.5, 1.0, 2.5]))
+    def tick(self, dt):
+        self.now += dt
+        self.preds.sweep(self.now)
+        self.model = [m for m in self.model if m[2] > self.now]
+
+    @rule(dp=st.sampled_from(DPS), blocks=PROMPT)
+    def predict(self, dp, blocks):
+        self.preds.add(self.idx, "i", dp, blocks, now=self.now)
+        self.model = [m for m in self.model if m[2] > self.now]
+        self.model.append((dp, blocks, self.now + 3.0))
+        mine = [m for m in self.model if m[0] == dp]
+        if len(mine) > 2:
+            self.model.remove(mine[0])
+        if len(self.model) > 4:
+            del self.model[0]
+
+    @rule(dp=st.sampled_from(DPS), blocks=PROMPT, cpu=st.booleans())
+    def store(self, dp, blocks, cpu):
+        key = self._keys(dp, Medium.CPU if cpu else Medium.NPU)
+        eh = [hash((dp, cpu, tuple(blocks[: i + 1]))) & ((1 << 63) - 1) for i in range(len(blocks))]
+        for ix in (self.idx, self.events):
+            ix.store(key, None, eh, blocks)
+        if not cpu:  # HBM stores confirm what the DP's worker now holds whole
+            got = {(h.dp_rank): h.npu_blocks for h in self.events.query_by_hash(blocks).hits}
+            self.model = [
+                m
+                for m in self.model
+                if m[0] != dp
+                or {h.dp_rank: h.npu_blocks for h in self.events.query_by_hash(m[1]).hits}.get(
+                    dp, 0
+                )
+                < len(m[1])
+            ]
+            assert got.get(dp, 0) == len(blocks)
+
+    @rule(dp=st.sampled_from(DPS), cpu=st.booleans(), data=st.data())
+    def remove(self, dp, cpu, data):
+        key = self._keys(dp, Medium.CPU if cpu else Medium.NPU)
+        held = sorted(self.events.worker_hashes(key))
+        hs = data.draw(st.lists(st.sampled_from(held), max_size=2)) if held else []
+        for ix in (self.idx, self.events):
+            ix.remove(key, hs)
+        self._drop_dp(dp)  # any removal of the DP contradicts its predictions
+
+    @rule(dp=st.sampled_from(DPS))
+    def clear(self, dp):
+        for ix in (self.idx, self.events):
+            ix.clear(self._keys(dp, Medium.NPU))
+        self._drop_dp(dp)
+
+    @invariant()
+    def answers_are_the_merge(self):
+        assert self.preds.live == len(self.model)
+        for q in ([1], [1, 2], [1, 2, 3, 1], [2, 1, 3], [3, 3, 3, 3]):
+            ev = {
+                h.dp_rank: (h.npu_blocks, h.cpu_blocks, h.disk_blocks)
+                for h in self.events.query_by_hash(q).hits
+            }
+            want = {}
+            for dp in DPS:
+                p = 0
+                for mdp, blocks, _ in self.model:
+                    if mdp == dp:
+                        n = 0
+                        while n < min(len(q), len(blocks)) and q[n] == blocks[n]:
+                            n += 1
+                        p = max(p, n)
+                row = merged(ev.get(dp, (0, 0, 0)), p)
+                if row != (0, 0, 0):
+                    want[dp] = row
+            got = {
+                h.dp_rank: (h.npu_blocks, h.cpu_blocks, h.disk_blocks)
+                for h in self.idx.query_by_hash(q).hits
+            }
+            assert got == want, (q, self.model)
+
+
+TestPredictionMachine = PredictionMachine.TestCase
+TestPredictionMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
