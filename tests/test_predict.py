@@ -127,6 +127,35 @@ def test_predict_by_hash_and_msgpack(server):
 
 
 @pytest.mark.server
+@pytest.mark.parametrize(
+    "encoding,packed", [("json", False), ("msgpack", False), ("msgpack", True)]
+)
+def test_the_client_predicts_sync_and_async(server, encoding, packed):
+    from kvconductor.client import AsyncConductorClient, ConductorClient, ConductorError
+    from tests.helpers.coro import run_coro
+
+    settle(server)
+    opts = {"query_encoding": encoding, "packed": packed}
+    with ConductorClient(server.url, **opts) as c:
+        got = c.predict("qwen", "eng-b", 0, token_ids=TOKENS[:9], block_size=BS)
+        assert got == {"status": "ok", "predicted_blocks": 2, "ttl_s": 1.0}
+        assert rows(server, TOKENS) == {("eng-b", 0): (2, 0, 0)}
+        with pytest.raises(ConductorError) as err:
+            c.predict("qwen", "nobody", token_ids=TOKENS, block_size=BS)
+        assert err.value.status_code == 404
+        with pytest.raises(ValueError):
+            c.predict("qwen", "eng-b", token_ids=TOKENS, block_hashes=[1])
+
+    async def by_hash():
+        async with AsyncConductorClient(server.url, **opts) as c:
+            hs = list(hash_blocks(TOKENS[:16], BS))
+            return await c.predict("qwen", "eng-b", 1, block_hashes=hs)
+
+    assert run_coro(by_hash())["predicted_blocks"] == 4
+    assert rows(server, TOKENS) == {("eng-b", 0): (2, 0, 0), ("eng-b", 1): (4, 0, 0)}
+
+
+@pytest.mark.server
 def test_bounds_drop_the_oldest_never_an_error(server):
     settle(server)
     before = prediction_counts(server)
