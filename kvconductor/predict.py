@@ -35,7 +35,7 @@ from __future__ import annotations
 import struct
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -122,7 +122,7 @@ class GroupPredictions:
 
     def __init__(self) -> None:
         self.records: deque[Prediction] = deque()
-        self.refs: dict[int, int] = {}
+        self.refs: Counter[int] = Counter()
 
 
 class Predictions:
@@ -163,9 +163,7 @@ class Predictions:
             index.on_group_write = self.on_write
         wid = index.worker_id(predicted_key(instance_id, dp_rank))
         index.core.store(wid, None, rec.ehashes, rec.locals)
-        refs = gp.refs
-        for h in rec.ehashes:
-            refs[h] = refs.get(h, 0) + 1
+        gp.refs.update(rec.ehashes)  # PERF: counted in C
         gp.records.append(rec)
         self._order.append(rec)
         self.outcomes["added"] += 1
@@ -239,14 +237,10 @@ class Predictions:
             return
         gp.records.remove(rec)
         refs = gp.refs
-        gone = array("Q")
-        for h in rec.ehashes:
-            n = refs[h] - 1
-            if n:
-                refs[h] = n
-            else:
-                del refs[h]
-                gone.append(h)
+        refs.subtract(rec.ehashes)
+        gone = array("Q", [h for h in rec.ehashes if not refs[h]])
+        for h in gone:
+            del refs[h]
         if not gp.records:
             del index.predicted[rec.group]
         if gone and held:
