@@ -22,7 +22,14 @@ from kvconductor.keys import Medium, WorkerKey
 from kvconductor.predict import PredictionLimits, Predictions, chain_hashes, predicted_key
 from tests.helpers.http_cases import msgpack_post
 from tests.helpers.publishers import FakePublisher, schema, wait_until
-from tests.helpers.server import dp_entry, register_engine, replica, running, started
+from tests.helpers.server import (
+    dp_entry,
+    register_engine,
+    replica,
+    run_cli,
+    running,
+    started,
+)
 
 BS = 4
 TOKENS = list(range(100, 124))  # 6 blocks of 4 tokens
@@ -197,6 +204,15 @@ def test_bad_requests(server):
     assert status == 400 and "error" in doc
     r = http.post("/predict_by_hash", json={**ok, "token_ids": None, "block_hashes": [-1]})
     assert r.status_code == 400
+    # a web page may not post it (the Origin policy of the mutating routes)
+    r = http.post("/predict", json=ok, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 403 and "error" in r.json()
+
+
+@pytest.mark.parametrize("value", ["-1", "x", "3601"])
+def test_the_ttl_flag_is_checked(value):
+    r = run_cli("--prediction-ttl-s", value)
+    assert r.returncode == 2 and "--prediction-ttl-s" in r.stderr, r.stderr
 
 
 @pytest.mark.server
@@ -382,6 +398,24 @@ def test_shared_prefixes_are_held_until_their_last_prediction_goes(impl):
         "contradicted": 0,
         "live": 0,
     }
+
+
+@pytest.mark.parametrize("impl", ["c", "py"])
+def test_top_k_and_instances_apply_after_the_merge(impl):
+    from kvconductor.index import Index
+
+    idx = Index("qwen", "default", impl=impl)
+    hs = list(hash_blocks(TOKENS, BS))
+    for i, dp in enumerate((0, 1, 2)):  # events: DP 0, 1, 2 hold 1, 2, 3 blocks
+        idx.store(WorkerKey("a", "gpu", dp, Medium.NPU), None, hs[: i + 1], hs[: i + 1])
+    Predictions(PredictionLimits(ttl=5.0)).add(idx, "b", 0, hs, now=0.0)  # a new DP, 6
+    top = idx.query_by_hash(hs, top_k=2)
+    assert [(h.instance_id, h.dp_rank, h.npu_blocks) for h in top.hits] == [
+        ("a", 2, 3),
+        ("b", 0, 6),
+    ]
+    only = idx.query_by_hash(hs, instances=["b"])
+    assert [(h.instance_id, h.dp_rank, h.npu_blocks) for h in only.hits] == [("b", 0, 6)]
 
 
 def test_chain_hashes_name_the_prefix():
