@@ -25,9 +25,10 @@ seconds (swept at least every ``ttl / 8``); an HBM ``BlockStored`` of that (inst
 DP) whose worker then holds the whole predicted prefix confirms it (it goes: events now
 say it); any removal or clear of a worker of that (instance, DP), its unregistration and
 a source reset drop all of its predictions (contradicted). Over the bounds (``per_dp``
-predictions per (instance, DP), ``total`` in all) the oldest go (``dropped``), never an
-error. A block several live predictions of one DP share is held until the last goes
-(reference counts per predicted engine hash), so a dropped prediction leaves no trace.
+predictions per (instance, DP), ``total`` in all, ``blocks`` summed) the oldest go
+(``dropped``), never an error; a prediction longer than ``blocks`` is not held. A block
+several live predictions of one DP share is held until the last goes (reference counts
+per predicted engine hash), so a dropped prediction leaves no trace.
 """
 
 from __future__ import annotations
@@ -91,11 +92,13 @@ def chain_hashes(local_hashes: Iterable[int]) -> array:
 @dataclass(frozen=True)
 class PredictionLimits:
     """``--prediction-ttl-s`` (0: predictions off), ``--prediction-max-per-dp``,
-    ``--prediction-max``."""
+    ``--prediction-max``, ``--prediction-max-blocks``."""
 
     ttl: float = 2.0
     per_dp: int = 64
     total: int = 100_000
+    #: the blocks of the live predictions, summed, at most (their memory)
+    blocks: int = 4_000_000
 
 
 class Prediction:
@@ -134,6 +137,8 @@ class Predictions:
         self.clock = clock
         self._order: deque[Prediction] = deque()  # every prediction, oldest first
         self.live = 0
+        #: the blocks of the live predictions, summed
+        self.blocks = 0
         #: :data:`OUTCOMES` -> how many (``added``: made; the others: gone that way)
         self.outcomes = dict.fromkeys(OUTCOMES, 0)
 
@@ -151,7 +156,7 @@ class Predictions:
     ) -> int:
         """Predict ``local_hashes`` (a prompt's full blocks) for (instance, DP) in
         ``index``; the blocks predicted (0 when predictions are off or none)."""
-        if not self.enabled or not len(local_hashes):
+        if not self.enabled or not len(local_hashes) or len(local_hashes) > self.limits.blocks:
             return 0
         now = self.clock() if now is None else now
         self.sweep(now)
@@ -168,9 +173,10 @@ class Predictions:
         self._order.append(rec)
         self.outcomes["added"] += 1
         self.live += 1
+        self.blocks += len(rec.locals)
         while len(gp.records) > self.limits.per_dp:
             self._drop(gp.records[0], "dropped")
-        while self.live > self.limits.total:
+        while self.live > self.limits.total or self.blocks > self.limits.blocks:
             self._drop(self._oldest(), "dropped")
         return len(rec.locals)
 
@@ -230,6 +236,7 @@ class Predictions:
             return
         rec.live = False
         self.live -= 1
+        self.blocks -= len(rec.locals)
         self.outcomes[why] += 1
         index = rec.index
         gp = index.predicted.get(rec.group)

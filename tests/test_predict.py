@@ -418,6 +418,19 @@ def test_top_k_and_instances_apply_after_the_merge(impl):
     assert [(h.instance_id, h.dp_rank, h.npu_blocks) for h in only.hits] == [("b", 0, 6)]
 
 
+def test_the_blocks_bound_drops_the_oldest_and_refuses_a_longer_one():
+    from kvconductor.index import Index
+
+    idx = Index("qwen", "default")
+    preds = Predictions(PredictionLimits(ttl=5.0, blocks=5))
+    a, b = list(hash_blocks(TOKENS[:12], BS)), list(hash_blocks(OTHER[:12], BS))
+    assert preds.add(idx, "x", 0, a, now=0.0) == 3
+    assert preds.add(idx, "x", 1, b, now=0.0) == 3  # 6 blocks > 5: the oldest goes
+    assert len(idx.query_by_hash(a)) == 0 and idx.query_by_hash(b).hits[0][2] == 3
+    assert preds.add(idx, "x", 0, list(hash_blocks(TOKENS, BS)), now=0.0) == 0  # 6 > 5
+    assert (preds.live, preds.blocks, preds.outcomes["dropped"]) == (1, 3, 1)
+
+
 def test_chain_hashes_name_the_prefix():
     a = chain_hashes([1, 2, 3])
     assert list(chain_hashes([1, 2])) == list(a[:2])

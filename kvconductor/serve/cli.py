@@ -167,12 +167,16 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         help="how long a router's prediction (POST /predict) counts in answers, in "
         "seconds (default 2; 0: predictions off)",
     )
-    for flag, where, most in (("-per-dp", "per (instance, DP)", 64), ("", "in all", 100_000)):
+    for flag, what, most in (
+        ("-per-dp", "predictions per (instance, DP)", 64),
+        ("", "predictions in all", 100_000),
+        ("-blocks", "predicted blocks in all", 4_000_000),
+    ):
         p.add_argument(
             "--prediction-max" + flag,
-            type=_int_in(1, 100_000_000),
+            type=_int_in(1, 2**32 - 1),
             default=most,
-            help=f"live predictions {where} at most; over it the oldest go (default {most})",
+            help=f"live {what} at most; over it the oldest go (default {most})",
         )
     p.add_argument(
         "--loss-grace-secs",
@@ -425,6 +429,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         prediction_ttl_s=args.prediction_ttl_s,
         prediction_max_per_dp=args.prediction_max_per_dp,
         prediction_max=args.prediction_max,
+        prediction_max_blocks=args.prediction_max_blocks,
         loss_grace_secs=args.loss_grace_secs,
         source_down_secs=args.source_down_secs,
         source_purge_secs=args.source_purge_secs,

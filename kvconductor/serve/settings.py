@@ -63,6 +63,7 @@ class Settings:
     prediction_ttl_s: float = 2.0
     prediction_max_per_dp: int = 64
     prediction_max: int = 100_000
+    prediction_max_blocks: int = 4_000_000
     loss_grace_secs: int = 600
     source_down_secs: int = 10
     source_purge_secs: int = 600
@@ -235,7 +236,10 @@ class Settings:
             content_ttl=float(self.content_ttl_secs),
             offload_ttl=float(self.offload_ttl_secs),
             predictions=PredictionLimits(
-                self.prediction_ttl_s, self.prediction_max_per_dp, self.prediction_max
+                self.prediction_ttl_s,
+                self.prediction_max_per_dp,
+                self.prediction_max,
+                self.prediction_max_blocks,
             ),
             ingest=IngestSettings(
                 loss_grace=float(self.loss_grace_secs),
