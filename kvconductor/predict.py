@@ -23,8 +23,9 @@ hashes, which the predicted ones are not).
 **Lifetime** (the writer thread only, as every mutation): a prediction lives ``ttl``
 seconds (swept at least every ``ttl / 8``); an HBM ``BlockStored`` of that (instance,
 DP) whose worker then holds the whole predicted prefix confirms it (it goes: events now
-say it); any removal or clear of a worker of that (instance, DP), its unregistration and
-a source reset drop all of its predictions (contradicted). Over the bounds (``per_dp``
+say it), and a prediction such a worker already holds is confirmed at once (never held);
+any removal or clear of a worker of that (instance, DP), its unregistration and a source
+reset drop all of its predictions (contradicted). Over the bounds (``per_dp``
 predictions per (instance, DP), ``total`` in all, ``blocks`` summed) the oldest go
 (``dropped``), never an error; a prediction longer than ``blocks`` is not held. A block
 several live predictions of one DP share is held until the last goes (reference counts
@@ -161,7 +162,12 @@ class Predictions:
         now = self.clock() if now is None else now
         self.sweep(now)
         group = (instance_id, dp_rank)
-        rec = Prediction(index, group, array("Q", local_hashes), now, self.limits.ttl)
+        hashes = array("Q", local_hashes)
+        if self._held(index, group, hashes):  # events already say it: confirmed at once
+            self.outcomes["added"] += 1
+            self.outcomes["confirmed"] += 1
+            return len(hashes)
+        rec = Prediction(index, group, hashes, now, self.limits.ttl)
         gp = index.predicted.get(group)
         if gp is None:
             gp = index.predicted[group] = GroupPredictions()
@@ -223,6 +229,18 @@ class Predictions:
         return [] if gp is None else list(gp.records)
 
     # -- internals ----------------------------------------------------------------------
+    @staticmethod
+    def _held(index, group: tuple[str, int], hashes: array) -> bool:
+        """An HBM worker of ``group`` (events', not muted) holds all of ``hashes`` on their
+        path."""
+        return any(
+            Medium(key.medium).tier == 0
+            and not is_predicted(key)
+            and not index.is_muted(key)
+            and index.core.hbm_reach(index.worker_id(key), hashes) >= len(hashes)
+            for key in index.workers_of(*group)
+        )
+
     def _oldest(self) -> Prediction:
         order = self._order
         while not order[0].live:

@@ -542,6 +542,8 @@ class PredictionMachine(RuleBasedStateMachine):
     def predict(self, dp, blocks):
         self.preds.add(self.idx, "i", dp, blocks, now=self.now)
         self.model = [m for m in self.model if m[2] > self.now]
+        if self._held(dp, blocks):  # the DP's events hold it already: confirmed at once
+            return
         self.model.append((dp, blocks, self.now + 3.0))
         mine = [m for m in self.model if m[0] == dp]
         if len(mine) > 2:
@@ -556,17 +558,13 @@ class PredictionMachine(RuleBasedStateMachine):
         for ix in (self.idx, self.events):
             ix.store(key, None, eh, blocks)
         if not cpu:  # HBM stores confirm what the DP's worker now holds whole
-            got = {(h.dp_rank): h.npu_blocks for h in self.events.query_by_hash(blocks).hits}
-            self.model = [
-                m
-                for m in self.model
-                if m[0] != dp
-                or {h.dp_rank: h.npu_blocks for h in self.events.query_by_hash(m[1]).hits}.get(
-                    dp, 0
-                )
-                < len(m[1])
-            ]
-            assert got.get(dp, 0) == len(blocks)
+            self.model = [m for m in self.model if m[0] != dp or not self._held(dp, m[1])]
+            assert self._held(dp, blocks)
+
+    def _held(self, dp: int, blocks: list[int]) -> bool:
+        """The DP's HBM events hold ``blocks`` whole (one HBM worker per DP here)."""
+        depth = {h.dp_rank: h.npu_blocks for h in self.events.query_by_hash(blocks).hits}
+        return depth.get(dp, 0) >= len(blocks)
 
     @rule(dp=st.sampled_from(DPS), cpu=st.booleans(), data=st.data())
     def remove(self, dp, cpu, data):
