@@ -346,11 +346,10 @@ class Conductor:
     async def mutate(self, kind: Literal["predict"], body: bytes, rec: PredictRecord, /) -> int: ...
     async def mutate(self, kind: str, body: bytes, /, *args: object) -> object:
         """An HTTP mutation: ``kind`` (``register``, ``unregister``, ``events``,
-        ``predict``: the
-        table :data:`kvconductor.state.journal.MUTATIONS`) of the request ``body`` parsed
-        into ``args``, through :attr:`journal`. Alone: applied at once on the ingest
-        thread. With ``--state-url``: ``body`` is appended to the replicated log, and what
-        applying it did here is returned (every replica applies it), or
+        ``predict``: the table :data:`kvconductor.state.journal.MUTATIONS`) of the request
+        ``body`` parsed into ``args``, through :attr:`journal`. Alone: applied at once on
+        the ingest thread. With ``--state-url``: ``body`` is appended to the replicated
+        log, and what applying it did here is returned (every replica applies it), or
         :class:`StateUnavailable` raised."""
         return await self.journal.submit(kind, body, args)
 
