@@ -29,9 +29,9 @@ from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_err
 
 QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
 #: Routes whose error bodies are encoded like the request (JSON or MessagePack).
-MSGPACK_PATHS = QUERY_PATHS | {"/explain"}
+MSGPACK_PATHS = QUERY_PATHS | {"/explain", "/predict", "/predict_by_hash"}
 #: Routes that change state: a request with an ``Origin`` not in the allow-list is 403.
-MUTATING_PATHS = frozenset(("/register", "/unregister", "/events"))
+MUTATING_PATHS = frozenset(("/register", "/unregister", "/events", "/predict", "/predict_by_hash"))
 #: Routes any web page may read (``Access-Control-Allow-Origin: *``).
 PUBLIC_READ_PATHS = frozenset(("/health", "/query", "/query_by_hash"))
 
