@@ -262,10 +262,14 @@ class Predictions:
             return
         gp.records.remove(rec)
         refs = gp.refs
-        refs.subtract(rec.ehashes)
-        gone = array("Q", [h for h in rec.ehashes if not refs[h]])
-        for h in gone:
-            del refs[h]
+        gone = array("Q")
+        for h in rec.ehashes:  # PERF: Counter.subtract and its __delitem__ are Python code
+            c = refs[h] - 1
+            if c:
+                refs[h] = c
+            else:
+                refs.pop(h)
+                gone.append(h)
         if not gp.records:
             del index.predicted[rec.group]
         if gone and held:
