@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -327,6 +328,56 @@ def test_workers_2_every_process_sees_a_prediction(tmp_path):
                 )
                 assert dp_entry(r.json(), "eng-a", 3)["npu_blocks"] == 6, r.text
         assert prediction_counts(srv)["live"] == 1
+
+
+def _rows_everywhere(srv, tokens, n: int = 6) -> set:
+    """``rows`` over ``n`` new connections (``--workers 2``: spread over both workers)."""
+    out = set()
+    for _ in range(n):
+        with httpx.Client(base_url=srv.url, timeout=10) as http:
+            out.add(tuple(sorted(rows(SimpleNamespace(http=http), tokens).items())))
+    return out
+
+
+@pytest.mark.server
+def test_workers_2_events_over_zeromq_confirm_a_prediction(tmp_path):
+    """--workers 2: predictions posted to the workers, the engine's stores over ZeroMQ
+    (applied by the owner) confirm them; every worker's answer stays exact meanwhile."""
+    pub = FakePublisher(replay=False)
+    try:
+        with running(tmp_path, "--workers", "2", "--prediction-ttl-s", "30") as srv:
+            register_engine(srv, "eng-a", medium_endpoints={"npu": pub.url})
+            v = schema("vllm", "0.33.0")
+            first = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
+            pub.wait_subscribed()
+            wait_until(
+                lambda: pub.publish(first) or rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)},
+                msg="first block indexed",
+            )
+            for _ in range(4):  # new connections: both workers take predictions
+                with httpx.Client(base_url=srv.url, timeout=10) as http:
+                    predict(SimpleNamespace(http=http), TOKENS[:16])
+            c0 = prediction_counts(srv)
+            assert (c0["added"], c0["live"]) == (4, 4)
+            assert _rows_everywhere(srv, TOKENS) == {((("eng-a", 0), (4, 0, 0)),)}
+            # the engine stores blocks 2..4: the four predictions are confirmed
+            pub.publish(v.batch([v.stored(HASHES[1:4], HASHES[0], TOKENS[4:16], BS, medium="GPU")]))
+            wait_until(lambda: prediction_counts(srv)["confirmed"] == 4, msg="confirmed")
+            assert prediction_counts(srv)["live"] == 0
+            assert _rows_everywhere(srv, TOKENS) == {((("eng-a", 0), (4, 0, 0)),)}
+            # a longer one, then the engine's store of the rest: confirmed too
+            predict(srv, TOKENS)
+            assert _rows_everywhere(srv, TOKENS) == {((("eng-a", 0), (6, 0, 0)),)}
+            pub.publish(v.batch([v.stored(HASHES[4:6], HASHES[3], TOKENS[16:], BS, medium="GPU")]))
+            wait_until(lambda: prediction_counts(srv)["confirmed"] == 5, msg="confirmed")
+            c = prediction_counts(srv)
+            assert (c["added"], c["live"], c["contradicted"], c["expired"]) == (5, 0, 0, 0)
+            assert _rows_everywhere(srv, TOKENS) == {((("eng-a", 0), (6, 0, 0)),)}
+            # the predicted worker left no block behind: the index holds the engine's 6
+            doc = srv.http.get("/workers").json()
+            assert sum(i["hbm_blocks"] for i in doc["indexer"]) == 6
+    finally:
+        pub.stop()
 
 
 @pytest.mark.server
