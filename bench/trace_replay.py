@@ -498,6 +498,8 @@ class Stream:
     #: the expected answers of ``top_k=TOP_K`` queries (the TOP_K deepest rows, the ties
     #: at the cut by the rotation of docs/api.md)
     expected_top: list[Answer] = field(default_factory=list)
+    #: the engine each query's request was routed to (the router's prediction)
+    routed: list[int] = field(default_factory=list)
     blocks_requested: int = 0
     blocks_saved: int = 0
     blocks_stored: int = 0
@@ -662,6 +664,7 @@ def record(
                 top_k=1,
             )
             w = wid_of[(ranked[0].instance_id, ranked[0].dp_rank)] if ranked else i % workers
+        st.routed.append(w)
         m, n, evicted, new = engine_step(engines[w], holders, w, chain, capacity)
         st.blocks_requested += len(chain)
         st.blocks_saved += m
@@ -1098,8 +1101,10 @@ SERVER_HEADER = (
     "| trace | workers | policy | pace | event batches/s | drain after the last publish | "
     "queries/s | query p50 / p99 (round trip) | floor p50 / p99 (bare ASGI app) | "
     "server p50 / p99 | answer bytes | event-to-visible p50 / p99 | "
-    "losses | mismatches at quiescence |\n"
-    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- | ---: | ---: |"
+    "losses | mismatches at quiescence | /predict p50 / p99 (confirmed, expired, "
+    "contradicted) |\n"
+    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- | ---: | ---: "
+    "| --- |"
 )
 
 
@@ -1121,7 +1126,19 @@ def server_row(stream: Stream, r: dict[str, Any]) -> str:
         f"{_fmt_rate(r['queries_per_s'])} | {_fmt_us(r['query_p50_us'])} / "
         f"{_fmt_us(r['query_p99_us'])} | {floor} | {srv} | {r.get('answer_bytes_mean', 0):,} | "
         f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms | "
-        f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} |"
+        f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} | "
+        f"{_predict_cell(r)} |"
+    )
+
+
+def _predict_cell(r: dict[str, Any]) -> str:
+    """``--server-predictions``: the /predict round trips and what became of them."""
+    if not r.get("predicts"):
+        return "-"
+    c = r["prediction_outcomes"]
+    return (
+        f"{_fmt_us(r['predict_p50_us'])} / {_fmt_us(r['predict_p99_us'])} "
+        f"({c.get('confirmed', 0):,}, {c.get('expired', 0):,}, {c.get('contradicted', 0):,})"
     )
 
 
@@ -1165,7 +1182,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engines' publish delay modelled (bench/trace_predict.py), the trace's clock divided "
         "by each CLOCK_SCALE (default: 1 10 100)",
     )
-    ap.add_argument("--prediction-ttl-s", type=float, default=2.0, help="--predictions: their TTL")
+    ap.add_argument(
+        "--prediction-ttl-s",
+        type=float,
+        default=2.0,
+        help="--predictions, --server-predictions: their TTL",
+    )
+    ap.add_argument(
+        "--server-predictions",
+        action="store_true",
+        help="--server: each PACE played twice, the second time the query clients also post "
+        "the router's prediction (POST /predict_by_hash, the engine the request went to) "
+        "after each query",
+    )
     ap.add_argument("--publishers", type=int, default=4, help="--server: publisher processes")
     ap.add_argument("--clients", type=int, default=2, help="--server: query client processes")
     ap.add_argument("--json", help="write every run here")
@@ -1272,13 +1301,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.server is not None:
                 from bench.trace_server import run_server
 
-                for pace in args.server or [10.0, 0.0]:
+                modes = (False, True) if args.server_predictions else (False,)
+                for pace, predict in ((p, m) for p in args.server or [10.0, 0.0] for m in modes):
                     sr = run_server(
                         stream,
                         requests,
                         pace=pace,
                         publishers=args.publishers,
                         clients=args.clients,
+                        predictions=predict,
+                        prediction_ttl=args.prediction_ttl_s,
                     )
                     print(json.dumps(sr), flush=True)
                     server_runs.append(sr)

@@ -9,15 +9,20 @@ kvconductor``:
   registered (``POST /register``, its own ``medium_endpoints.npu`` URL);
 * **queries** as ``POST /query_by_hash`` MessagePack bodies from ``clients`` processes
   (keep-alive connections), each timing its own round trips;
-* at the trace's pace times ``pace`` (``pace=0``: as fast as possible, saturation).
+* at the trace's pace times ``pace`` (``pace=0``: as fast as possible, saturation);
+* with ``predictions`` (``trace_replay.py --server-predictions``), each query followed by
+  the router's prediction (``POST /predict_by_hash``: the query's blocks, for the engine the
+  request was routed to), timed apart, so the cost of predictions through HTTP is measured
+  beside the same run without them.
 
 A server needs token ids: each trace id stands for one block of :data:`SERVER_BLOCK`
 tokens derived from the id (distinct ids, distinct tokens), so the server's local hash of a
 block is XXH3 of those tokens (``kvconductor._hash.hash_blocks``), what the queries send.
 
 Queries run while events are still in flight, so their answers are not compared during the
-run. At quiescence (every published batch applied, per ``GET /workers``' sources) every
-query is asked again and its answer compared with the simulator's final state.
+run. At quiescence (every published batch applied, per ``GET /workers``' sources; with
+predictions, none live any more) every query is asked again and its answer compared with
+the simulator's final state.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import http.client
 import json
 import multiprocessing as mp
 import os
+import re
 import resource
 import socket
 import subprocess
@@ -226,8 +232,11 @@ def _publisher(conn, workers: list[int]) -> None:
 
 
 def _client(conn, port: int) -> None:
-    """One query client: keep-alive HTTP, MessagePack bodies; times every round trip."""
-    items, pace = conn.recv()
+    """One query client: keep-alive HTTP, MessagePack bodies; times every round trip. With
+    ``predicts`` (one body per item), each query is followed by the router's prediction
+    (``POST /predict_by_hash``), timed apart."""
+    items, pace, *more = conn.recv()
+    predicts = more[0] if more else None
     c = Conn(port)
     conn.send("ready")
     start = conn.recv()
@@ -236,11 +245,12 @@ def _client(conn, port: int) -> None:
         time.sleep(d0)
     hdr = {"Content-Type": "application/msgpack"}
     lat: list[int] = []
+    plat: list[int] = []
     server: list[float] = []
-    errors = 0
+    errors = perrors = 0
     clock = time.perf_counter_ns
     t0 = time.perf_counter()
-    for t, _qi, body in items:
+    for i, (t, _qi, body) in enumerate(items):
         if pace > 0:
             d = start + t / pace - time.time()
             if d > 0:
@@ -256,7 +266,12 @@ def _client(conn, port: int) -> None:
                 server.append(float(st.split("dur=")[1].split(";")[0].split(",")[0]))
             except ValueError:
                 pass
-    conn.send((lat, server, errors, time.perf_counter() - t0))
+        if predicts is not None:
+            a = clock()
+            r, _ = c.request("POST", "/predict_by_hash", predicts[i], hdr)
+            plat.append(clock() - a)
+            perrors += r.status != 200
+    conn.send((lat, server, errors, time.perf_counter() - t0, plat, perrors))
     c.close()
 
 
@@ -424,7 +439,7 @@ def _free_port() -> int:
 class Server:
     """``python -m kvconductor`` on a free loopback port, its log in a temporary directory."""
 
-    def __init__(self, workers: int, logdir: str) -> None:
+    def __init__(self, workers: int, logdir: str, *args: str) -> None:
         self.port = _free_port()
         self.log = open(Path(logdir) / "server.log", "wb")
         self.proc = subprocess.Popen(
@@ -441,6 +456,7 @@ class Server:
                 str(workers + 16),
                 "--log-level",
                 "WARNING",
+                *args,
             ],
             cwd=ROOT,
             stdout=self.log,
@@ -504,6 +520,32 @@ def _applied(server: Server) -> tuple[int, dict[str, int]]:
     return sum(s.get("batches", 0) for s in sources), losses
 
 
+def _prediction_counts(server: Server) -> dict[str, int]:
+    """``kvconductor_predictions_total{outcome}`` and ``kvconductor_predictions_live``."""
+    text = server.get("/metrics")[1].decode()
+    out = {
+        k: int(float(v))
+        for k, v in re.findall(r'kvconductor_predictions_total\{outcome="(\w+)"\} (\S+)', text)
+    }
+    live = re.search(r"^kvconductor_predictions_live (\S+)$", text, re.M)
+    out["live"] = int(float(live.group(1))) if live else -1
+    return out
+
+
+def _predict_bodies(stream: tr.Stream, queries: list, sl, id_of: dict[int, int]) -> list[bytes]:
+    """Per query, the router's prediction: the query's blocks, for the engine its request
+    was routed to (``POST /predict_by_hash``)."""
+    enc = msgspec.msgpack.Encoder()
+    out = []
+    for _t, qi, _body in queries:
+        iid, d = tr.instance_of(stream.routed[qi], stream.dp)
+        hashes = [sl(id_of[x]) for x in stream.queries[qi]]
+        out.append(
+            enc.encode({"model": MODEL, "block_hashes": hashes, "instance_id": iid, "dp_rank": d})
+        )
+    return out
+
+
 def run_server(
     stream: tr.Stream,
     requests: Sequence[tr.Request],
@@ -513,10 +555,14 @@ def run_server(
     clients: int = 2,
     check: int | None = None,
     floor: bool = True,
+    predictions: bool = False,
+    prediction_ttl: float = 2.0,
 ) -> dict[str, Any]:
     """Play ``stream`` against a fresh server; see the module docstring. ``check``: how many
     queries to ask again at quiescence (None: all). ``floor``: then play the same queries
-    against a bare ASGI app on the same uvicorn (:func:`run_floor`)."""
+    against a bare ASGI app on the same uvicorn (:func:`run_floor`). ``predictions``: each
+    query is followed by the router's prediction (``--prediction-ttl-s prediction_ttl``);
+    the check at quiescence waits until none is live (every one left no trace)."""
     id_of = {tr.local_hash(h): h for r in requests for h in r.hash_ids}
     # the time of each op: its request's arrival (queries and events alike)
     ts: list[float] = []
@@ -528,9 +574,10 @@ def run_server(
         ts.append(cur)
     per_worker, queries, sl = encode_ops(stream, id_of, ts)
     batches = sum(len(x) for x in per_worker)
+    predicts = _predict_bodies(stream, queries, sl, id_of) if predictions else None
     out: dict[str, Any] = {"backend": "server", "pace": pace, "batches": batches}
     with tempfile.TemporaryDirectory(prefix="kvc-trace-") as tmp:
-        server = Server(stream.workers, tmp)
+        server = Server(stream.workers, tmp, "--prediction-ttl-s", f"{prediction_ttl:g}")
         procs = []
         try:
             ctx = mp.get_context("spawn")
@@ -596,7 +643,7 @@ def run_server(
                 proc = ctx.Process(target=_client, args=(b, server.port), daemon=True)
                 proc.start()
                 procs.append(proc)
-                a.send((queries[c::clients], pace))
+                a.send((queries[c::clients], pace, predicts[c::clients] if predicts else None))
                 cl.append(a)
             for conn in pubs + cl:
                 conn.recv()  # ready
@@ -608,14 +655,17 @@ def run_server(
             last_publish = max(x[2] for x in pub_done)
             lat: list[int] = []
             srv: list[float] = []
-            errors = 0
+            plat: list[int] = []
+            errors = perrors = 0
             q_wall = 0.0
             for conn in cl:
-                lat_c, srv_c, e, wall = conn.recv()
+                lat_c, srv_c, e, wall, plat_c, pe = conn.recv()
                 lat.extend(lat_c)
                 srv.extend(srv_c)
                 errors += e
                 q_wall = max(q_wall, wall)
+                plat.extend(plat_c)
+                perrors += pe
             # quiescence: every batch applied
             probe.stop()
             deadline = time.monotonic() + 600
@@ -646,6 +696,15 @@ def run_server(
                     "lag_max_ms": max(probe.lags, default=0.0) * 1e3,
                 }
             )
+            if predicts:  # the predictions' outcomes, once none is live (TTL * 9/8 at most)
+                deadline = time.monotonic() + 2 * prediction_ttl + 5
+                while _prediction_counts(server)["live"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                out["predicts"] = len(plat)
+                out["predict_errors"] = perrors
+                out["predict_p50_us"] = tr.quantile(plat, 0.5) / 1e3
+                out["predict_p99_us"] = tr.quantile(plat, 0.99) / 1e3
+                out["prediction_outcomes"] = _prediction_counts(server)
             # every answer at quiescence against the simulator's final state
             base = {
                 tr.instance_of(w, stream.dp)[0]: w - w % stream.dp for w in range(stream.workers)

@@ -241,6 +241,20 @@ def test_ttl_zero_turns_predictions_off(tmp_path):
         assert rows(srv, TOKENS) == {}
 
 
+def engine_with_a_block(srv, pub, **kw):
+    """``eng-a`` (DP 0) registered with ``pub`` as its HBM publisher, its first block
+    (``HASHES[0]``) indexed; the vLLM 0.33 schema the test publishes with."""
+    register_engine(srv, "eng-a", medium_endpoints={"npu": pub.url}, **kw)
+    v = schema("vllm", "0.33.0")
+    first = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
+    pub.wait_subscribed()
+    wait_until(  # published again until the subscription is connected
+        lambda: pub.publish(first) or rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)},
+        msg="first block indexed",
+    )
+    return v
+
+
 @pytest.mark.server
 def test_events_confirm_and_removals_contradict(tmp_path):
     """Over ZeroMQ: a store of the predicted prefix confirms the prediction (it goes, the
@@ -248,16 +262,7 @@ def test_events_confirm_and_removals_contradict(tmp_path):
     pub = FakePublisher(replay=False)
     try:
         with started(tmp_path, "--prediction-ttl-s", "30") as srv:
-            register_engine(
-                srv, "eng-a", store_backend="YuanRong", medium_endpoints={"npu": pub.url}
-            )
-            v = schema("vllm", "0.33.0")
-            first = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
-            pub.wait_subscribed()
-            wait_until(  # published again until the subscription is connected
-                lambda: pub.publish(first) or rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)},
-                msg="first block indexed",
-            )
+            v = engine_with_a_block(srv, pub, store_backend="YuanRong")
             # predicted 4 blocks: max(event 1, predicted 4) = 4
             assert predict(srv, TOKENS[:16])["predicted_blocks"] == 4
             predict(srv, TOKENS, "eng-a", 0)  # and 6, a longer prompt of the same prefix
@@ -291,14 +296,7 @@ def test_a_dp_whose_source_is_down_answers_no_prediction(tmp_path):
     port = pub.port
     try:
         with started(tmp_path, "--prediction-ttl-s", "60", "--source-down-secs", "1") as srv:
-            register_engine(srv, "eng-a", medium_endpoints={"npu": pub.url})
-            v = schema("vllm", "0.33.0")
-            first = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
-            pub.wait_subscribed()
-            wait_until(
-                lambda: pub.publish(first) or rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)},
-                msg="first block indexed",
-            )
+            engine_with_a_block(srv, pub)
             seq = pub.seq
             pub.stop()
             wait_until(lambda: rows(srv, TOKENS) == {}, msg="muted")
@@ -346,14 +344,7 @@ def test_workers_2_events_over_zeromq_confirm_a_prediction(tmp_path):
     pub = FakePublisher(replay=False)
     try:
         with running(tmp_path, "--workers", "2", "--prediction-ttl-s", "30") as srv:
-            register_engine(srv, "eng-a", medium_endpoints={"npu": pub.url})
-            v = schema("vllm", "0.33.0")
-            first = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
-            pub.wait_subscribed()
-            wait_until(
-                lambda: pub.publish(first) or rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)},
-                msg="first block indexed",
-            )
+            v = engine_with_a_block(srv, pub)
             for _ in range(4):  # new connections: both workers take predictions
                 with httpx.Client(base_url=srv.url, timeout=10) as http:
                     predict(SimpleNamespace(http=http), TOKENS[:16])
