@@ -15,6 +15,10 @@ cdef extern from "kvconductor/c/encode.h":
     uint64_t kvc_sat_u32_mul(uint64_t a, uint64_t b) noexcept nogil
 
 
+cdef extern from "kvconductor/c/answers.h":
+    dict kvc_dict_presized(Py_ssize_t n)
+
+
 cdef extern from "Python.h":
     ctypedef PyObject* (*allocfunc)(PyTypeObject* tp, Py_ssize_t n)
     void* PyType_GetSlot(PyTypeObject* tp, int slot) except? NULL
@@ -43,7 +47,7 @@ cdef inline object _key(list keys, const uint32_t* d, size_t i):
 
 
 cdef dict _answer_scores(MatchRows r, list keys):
-    cdef dict out = {}
+    cdef dict out = kvc_dict_presized(<Py_ssize_t>r.n)
     cdef size_t i
     cdef const uint32_t* d = r.data
     for i in range(r.n):
