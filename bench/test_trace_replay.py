@@ -231,3 +231,35 @@ def test_server_answers_equal_the_simulator_at_quiescence():
     assert out["gaps"] == out["losses"] == out["dropped"] == 0
     assert out["queries"] == 200 and out["query_errors"] == 0
     assert out["checked"] == 200 and out["mismatches"] == 0
+
+
+def test_predictions_mode_saves_more_prefill_blocks_never_fewer():
+    # the engines' publish delay modelled, the clock compressed so bursts overlap it
+    from bench import trace_predict as tp
+
+    reqs = tr.generate("conversation", seed=2, requests=600)
+    runs = tp.compare(reqs, 8, 256, [1.0, 100.0], ttl=2.0)
+    assert [(r["clock_scale"], r["predictions"]) for r in runs] == [
+        (1.0, False),
+        (1.0, True),
+        (100.0, False),
+        (100.0, True),
+    ]
+    for off, on in zip(runs[::2], runs[1::2], strict=True):
+        assert (
+            off["blocks_requested"] == on["blocks_requested"] == sum(len(r.hash_ids) for r in reqs)
+        )
+        assert on["blocks_saved"] >= off["blocks_saved"], (off, on)
+        assert on["added"] == len(reqs)
+        assert (
+            on["live"] + on["confirmed"] + on["expired"] + on["contradicted"] + on["dropped"]
+            == on["added"]
+        )
+    assert runs[3]["blocks_saved"] > runs[2]["blocks_saved"]
+    assert len(tp.rows(runs)) == 2
+
+
+def test_predictions_mode_from_the_command_line(capsys):
+    assert tr.main(["--requests", "200", "--workers", "4", "--predictions", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "| 4 | 50 |" in out

@@ -539,6 +539,57 @@ def instance_of(w: int, dp: int) -> tuple[str, int]:
     return f"e{w // dp}", w % dp
 
 
+def chain_of(req: Request, intern: dict[tuple[int, int], int], ehash_of: list[int]) -> list[int]:
+    """The chain identities of ``req``'s blocks (new ones interned, their engine hashes
+    appended to ``ehash_of``)."""
+    chain = []
+    parent = -1
+    for h in req.hash_ids:
+        node = intern.get((parent, h))
+        if node is None:
+            node = len(ehash_of)
+            intern[(parent, h)] = node
+            ehash_of.append(engine_hash(node))
+        chain.append(node)
+        parent = node
+    return chain
+
+
+def engine_step(
+    cache: OrderedDict[int, None],
+    holders: dict[int, set[int]],
+    w: int,
+    chain: list[int],
+    capacity: int,
+) -> tuple[int, int, list[int], list[int]]:
+    """Engine ``w`` (its LRU ``cache``) serves ``chain``: reuse, evict, store. Returns
+    ``(m, n, evicted, new)``: the leading blocks it held, the blocks it keeps (at most
+    ``capacity``), the chain identities it evicted and those it stored."""
+    n = min(len(chain), capacity)
+    m = 0
+    while m < n and chain[m] in cache:
+        m += 1
+    for j in range(m - 1, -1, -1):
+        cache.move_to_end(chain[j])
+    need = len(cache) + (n - m) - capacity
+    evicted = []
+    while need > 0:
+        node, _ = cache.popitem(last=False)
+        evicted.append(node)
+        hs = holders[node]
+        hs.discard(w)
+        if not hs:
+            del holders[node]
+        need -= 1
+    new = chain[m:n]
+    for node in reversed(new):
+        cache[node] = None
+        holders.setdefault(node, set()).add(w)
+    for j in range(m - 1, -1, -1):
+        cache.move_to_end(chain[j])
+    return m, n, evicted, new
+
+
 def record(
     requests: Sequence[Request],
     workers: int,
@@ -591,17 +642,7 @@ def record(
     for i, req in enumerate(requests):
         t = req.timestamp / 1000 / speedup
         loads.advance(t)
-        # the chain identities of the request's blocks
-        chain = []
-        parent = -1
-        for h in req.hash_ids:
-            node = intern.get((parent, h))
-            if node is None:
-                node = len(ehash_of)
-                intern[(parent, h)] = node
-                ehash_of.append(engine_hash(node))
-            chain.append(node)
-            parent = node
+        chain = chain_of(req, intern, ehash_of)
         locals_ = [local_hash(h) for h in req.hash_ids]
         # the query and its expected answer
         items = simulate_answer(chain, holders)
@@ -635,30 +676,7 @@ def record(
                 top_k=1,
             )
             w = wid_of[(ranked[0].instance_id, ranked[0].dp_rank)] if ranked else i % workers
-        # the engine: reuse, evict, store
-        cache = engines[w]
-        n = min(len(chain), capacity)
-        m = 0
-        while m < n and chain[m] in cache:
-            m += 1
-        for j in range(m - 1, -1, -1):
-            cache.move_to_end(chain[j])
-        need = len(cache) + (n - m) - capacity
-        evicted = []
-        while need > 0:
-            node, _ = cache.popitem(last=False)
-            evicted.append(node)
-            hs = holders[node]
-            hs.discard(w)
-            if not hs:
-                del holders[node]
-            need -= 1
-        new = chain[m:n]
-        for node in reversed(new):
-            cache[node] = None
-            holders.setdefault(node, set()).add(w)
-        for j in range(m - 1, -1, -1):
-            cache.move_to_end(chain[j])
+        m, n, evicted, new = engine_step(engines[w], holders, w, chain, capacity)
         st.blocks_requested += len(chain)
         st.blocks_saved += m
         if evicted:
@@ -1272,6 +1290,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also play each stream against a real kv-conductor server, once per PACE: the "
         "trace's pace times PACE, 0 = as fast as possible (default: 10 0)",
     )
+    ap.add_argument(
+        "--predictions",
+        type=float,
+        nargs="*",
+        metavar="CLOCK_SCALE",
+        help="only measure KV-aware routing with and without the router's predictions, the "
+        "engines' publish delay modelled (bench/trace_predict.py), the trace's clock divided "
+        "by each CLOCK_SCALE (default: 1 10 100)",
+    )
+    ap.add_argument("--prediction-ttl-s", type=float, default=2.0, help="--predictions: their TTL")
     ap.add_argument("--publishers", type=int, default=4, help="--server: publisher processes")
     ap.add_argument("--clients", type=int, default=2, help="--server: query client processes")
     ap.add_argument("--json", help="write every run here")
@@ -1307,6 +1335,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_trace(requests, args.write_trace)
         return 0
     if args.stats:
+        return 0
+    if args.predictions is not None:
+        from bench.trace_predict import HEADER as PHEADER
+        from bench.trace_predict import compare, rows
+
+        ptable = []
+        for workers in args.workers:
+            runs = compare(
+                requests,
+                workers,
+                args.capacity,
+                args.predictions or [1.0, 10.0, 100.0],
+                ttl=args.prediction_ttl_s,
+                prefill_tps=args.prefill_tps,
+                decode_tps=args.decode_tps,
+            )
+            for r in runs:
+                print(json.dumps(r), flush=True)
+            ptable += rows(runs)
+        print()
+        print(PHEADER)
+        print("\n".join(ptable))
         return 0
     backends = args.backends.split(",") if args.backends else default_backends()
     for b in backends:

@@ -53,7 +53,7 @@ from kvconductor._tree cimport (
     tree_path, tree_remove, tree_rev_get, tree_store, tree_worker_blocks, TL_N, layout_dict,
     tree_layout,
 )
-from kvconductor._tree cimport tree_export, tree_restore
+from kvconductor._tree cimport T_ROOT, tree_child, tree_export, tree_restore
 from kvconductor._tree cimport TreeMatch, tree_match_resume, tree_match_start, tree_match_valid
 
 import array as _array
@@ -440,6 +440,11 @@ cdef class CoreIndex:
         parent block. Raises ``KeyError`` when ``worker`` does not hold ``h``.
         """
         return _parent_of(self, worker, h)
+
+    def hbm_reach(self, uint32_t worker, local_hashes):
+        """How many leading blocks of ``local_hashes`` the HBM ``worker`` holds on the tree's
+        path (its ``match`` depth, muting aside; 0 for a worker of another tier)."""
+        return _hbm_reach(self, worker, local_hashes)
 
     def block_of(self, uint32_t worker, uint64_t h):
         """``(parent, local)`` of ``worker``'s block ``h`` on its tier: :meth:`parent_of`'s

@@ -227,6 +227,28 @@ cdef object _parent_of(CoreIndex self, uint32_t worker, uint64_t h):
         raise KeyError(h)
     return parent if has_parent else None
 
+cdef object _hbm_reach(CoreIndex self, uint32_t worker, local_hashes):
+    cdef const uint64_t[::1] lv = as_u64(local_hashes)
+    cdef size_t k, n = lv.shape[0], d = 0
+    cdef int slot_, stale_ = 0
+    cdef uint32_t node = T_ROOT
+    cdef uint64_t x
+    slot_ = self._reader()
+    with nogil:
+        stale_ = _rlock(self, slot_)
+        if stale_ == 0:
+            if (worker < self.st.nworkers and self.st.wtier[worker] == 0
+                    and worker < self.st.tree.nrev):
+                for k in range(n):
+                    node = tree_child(&self.st.tree, node, lv[k])
+                    if node == HM_NIL or not tree_member_ehash(&self.st.tree, node, worker, &x):
+                        break
+                    d += 1
+            _runlock(self, slot_)
+    if stale_:
+        self._stale(stale_)
+    return d
+
 cdef object _block_of(CoreIndex self, uint32_t worker, uint64_t h):
     cdef int slot_, stale_ = 0
     cdef uint32_t node = HM_NIL, p

@@ -277,6 +277,11 @@ class Index:
         #: Called (writer thread) after a new group id was named, before any block of it
         #: is stored: ``--workers N`` publishes the names there (kvconductor.state.shared).
         self.on_new_group: Callable[[], None] | None = None
+        #: (instance_id, dp_rank) -> its live predictions (``kvconductor.predict``; writer
+        #: thread), and what an event of one of those groups is reported to:
+        #: ``on_group_write(index, key, stored)`` (a store, else a removal or clear).
+        self.predicted: dict[tuple[str, int], Any] = {}
+        self.on_group_write: Callable[[Index, WorkerKey, bool], None] | None = None
 
     # -- interning ---------------------------------------------------------------
     def worker_id(self, key: WorkerKey) -> int:
@@ -329,7 +334,10 @@ class Index:
         local_hashes: Sequence[int],
     ) -> int:
         """Store a chain of blocks for ``key`` under ``parent`` (or the root)."""
-        return self.core.store(self.worker_id(key), parent, engine_hashes, local_hashes)
+        n = self.core.store(self.worker_id(key), parent, engine_hashes, local_hashes)
+        if self.predicted:
+            self._written(key, True)
+        return n
 
     def store_tokens(
         self,
@@ -341,13 +349,18 @@ class Index:
         seed: int = DEFAULT_SEED,
     ) -> int:
         """Like :meth:`store`, hashing ``tokens`` (u32 buffer or ints) in C."""
-        return self.core.store_tokens(
+        n = self.core.store_tokens(
             self.worker_id(key), parent, engine_hashes, tokens, block_size, seed
         )
+        if self.predicted:
+            self._written(key, True)
+        return n
 
     def remove(self, key: WorkerKey, engine_hashes: Sequence[int]) -> int:
         """Remove blocks of ``key`` directly (no two-phase rule)."""
         wid = self._workers.get(key)
+        if self.predicted:
+            self._written(key, False)
         return 0 if wid is None else self.core.remove(wid, engine_hashes)
 
     def worker_blocks(self, key: WorkerKey) -> int:
@@ -392,11 +405,19 @@ class Index:
     def clear(self, key: WorkerKey) -> int:
         """Drop every block and pending wait of ``key``."""
         wid = self._workers.get(key)
+        if self.predicted:
+            self._written(key, False)
         return 0 if wid is None else self.core.clear(wid)
 
     def remove_dp(self, instance_id: str, dp_rank: int) -> int:
         """Drop everything of (instance, DP) on every medium (unregister)."""
         return sum(self.clear(k) for k in self.workers_of(instance_id, dp_rank))
+
+    def _written(self, key: WorkerKey, stored: bool) -> None:
+        """An event of ``key`` changed this index while some group has predictions."""
+        hook = self.on_group_write
+        if hook is not None and (key.instance_id, key.dp_rank) in self.predicted:
+            hook(self, key, stored)
 
     # -- two-phase offload / pool join ---------------------------------------------
     def offload(
@@ -421,6 +442,8 @@ class Index:
 
     def evict(self, key: WorkerKey, engine_hashes: Sequence[int]) -> int:
         """Removal with the two-phase rule (engine BlockRemoved, pool removed)."""
+        if self.predicted:
+            self._written(key, False)
         return self.core.evict(self.worker_id(key), engine_hashes)
 
     # -- queries ---------------------------------------------------------------------

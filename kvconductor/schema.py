@@ -403,9 +403,20 @@ class ExplainSource(Struct):
     dropped: dict[str, int] = {}
 
 
-class ExplainInstance(Struct):
+class ExplainPrediction(Struct):
+    """A live prediction of the (instance, DP) (``POST /predict``): the query's leading
+    blocks it covers, its own length, its age and the seconds it has left."""
+
+    blocks: int
+    predicted_blocks: int
+    age_s: float
+    expires_in_s: float
+
+
+class ExplainInstance(Struct, omit_defaults=True):
     """One (instance, DP): ``registered`` false for a holder of blocks of this index that no
-    registration names (data under a DP rank nobody registered, say)."""
+    registration names (data under a DP rank nobody registered, say); ``predictions``
+    only when it has live ones."""
 
     instance_id: str
     dp_rank: int
@@ -417,6 +428,7 @@ class ExplainInstance(Struct):
     tiers: dict[str, ExplainTier]
     workers: list[ExplainWorker]
     sources: list[ExplainSource]
+    predictions: list[ExplainPrediction] = []
 
 
 class ExplainResponse(Struct):
@@ -540,6 +552,32 @@ class EventsResponse(Struct, kw_only=True, omit_defaults=True):
     errors: list[str] = []
 
 
+class PredictTarget(Struct, kw_only=True):
+    """``POST /predict`` and ``/predict_by_hash`` (docs/api.md): the body of ``/query``
+    (``/query_by_hash``), as a map, plus the (instance, DP) the router chose."""
+
+    instance_id: Name
+    dp_rank: U32 = 0
+
+
+class PredictRecord(Struct, array_like=True):
+    """A prediction as the journal logs and applies it: the prompt's full blocks hashed."""
+
+    model: str
+    tenant_id: str
+    instance_id: str
+    dp_rank: int
+    block_hashes: list[int]
+
+
+class PredictResponse(Struct):
+    """``{"status": "ok", "predicted_blocks": N, "ttl_s": T}`` (0 blocks: predictions off)."""
+
+    status: str
+    predicted_blocks: int
+    ttl_s: float
+
+
 # ---------------------------------------------------------------------------------------
 # Shared decoders (msgspec decoders are thread-safe)
 # ---------------------------------------------------------------------------------------
@@ -547,6 +585,12 @@ class EventsResponse(Struct, kw_only=True, omit_defaults=True):
 register_decoder = msgspec.json.Decoder(RegisterRequest)
 unregister_decoder = msgspec.json.Decoder(UnregisterRequest)
 events_decoder = msgspec.json.Decoder(KvEventBatch)
+#: A logged prediction (the journal's ``predict`` entry: :class:`PredictRecord`, JSON).
+predict_record_decoder = msgspec.json.Decoder(PredictRecord)
+predict_target_decoders = (
+    msgspec.json.Decoder(PredictTarget),
+    msgspec.msgpack.Decoder(PredictTarget),
+)
 json_encoder = msgspec.json.Encoder()
 msgpack_encoder = msgspec.msgpack.Encoder()
 

@@ -828,6 +828,15 @@ class CoreMachine(_Pair):
         toks = array("I", tokens) if tb else tokens
         self.both("match_tokens", toks, BS)
 
+    @rule(q=QUERY, b=BUF)
+    def hbm_reach(self, q, b):
+        # one worker's depth on the query's path (the predictions' confirmation): each
+        # worker's, equal in both cores and to its match depth (0 off HBM)
+        for w in range(len(CORE_WORKERS)):
+            got = self.both("hbm_reach", w, buf(q, b))
+            hits = {hw: d for hw, d, _ in self.py._tree.match(list(q))}
+            assert got == ("ok", hits.get(w, 0) if self.py._tier_of(w) == 0 else 0), (w, q)
+
     # answers: the compact rows of both cores, and their selection (an instances filter as a
     # group mask or as ranks, then top_k), also against the definition: at most k rows,
     # every row deeper than the k-th depth, and the rows tied there chosen by rank (then

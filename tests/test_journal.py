@@ -48,7 +48,7 @@ def _submit(j, kind: str, body: bytes, args: tuple) -> object:
 
 
 def test_the_table_names_the_http_mutations():
-    assert sorted(MUTATIONS) == ["events", "register", "unregister"]
+    assert sorted(MUTATIONS) == ["events", "predict", "register", "unregister"]
 
 
 def test_local_journal_applies_at_once_and_returns_the_result(conductor):

@@ -118,6 +118,17 @@ class ReferenceCollector(Collector):
             c.expired,
         )
         yield _by_key(
+            "kvconductor_predictions",
+            "Routers' predictions (POST /predict) by outcome: added, confirmed (an event "
+            "of its DP stored it), expired (TTL), dropped (over a bound), contradicted (a "
+            "removal or clear of its DP)",
+            ["outcome"],
+            c.predictions.outcomes,
+        )
+        yield GaugeMetricFamily(
+            "kvconductor_predictions_live", "Predictions held now", value=c.predictions.live
+        )
+        yield _by_key(
             "kvconductor_snapshot_skipped_registrations",
             "Registrations of a loaded snapshot or dump skipped, by reason: refused (the "
             "current flags refuse its URLs), max_sources, unavailable (cannot be opened now)",

@@ -92,6 +92,15 @@ CASES = [
     ("another query string", _post(b"/query?x=1", _json(Q))),
     ("CORS origin", _post(b"/query", _json(Q), b"application/json", b"Origin: http://ui.test")),
     (
+        "CORS origin, top_k and a warning",
+        _post(
+            b"/query",
+            _json({**Q, "top_k": 1, "block_size": 16}),
+            b"application/json",
+            b"Origin: http://ui.test",
+        ),
+    ),
+    (
         "CORS origin on a 404",
         _post(b"/query", _json({**Q, "model": "nope"}), b"application/json", b"Origin: http://a"),
     ),
@@ -186,6 +195,22 @@ def test_every_door_answers_alike(doors, name, request_):
     worker = doors["worker"]
     for _ in range(3):
         assert normalized(exchange(worker.port, request_)) == first
+
+
+def test_a_web_page_may_read_the_query_headers(doors):
+    """A cross-origin query answer names its own headers (the warning and the rows left
+    out at the top_k cut) in Access-Control-Expose-Headers, else a browser hides them;
+    an answer to a request without Origin has no CORS header at all."""
+    raw = dict(CASES)["CORS origin, top_k and a warning"]
+    head = exchange(doors["protocol"].port, raw).partition(b"\r\n\r\n")[0].decode().lower() + "\r\n"
+    assert "access-control-allow-origin: *\r\n" in head, head
+    assert (
+        "access-control-expose-headers: x-kv-conductor-warning, x-kv-conductor-top-k-omitted\r\n"
+        in head
+    ), head
+    assert "x-kv-conductor-top-k-omitted: 0\r\n" in head and "x-kv-conductor-warning: " in head
+    plain = exchange(doors["protocol"].port, dict(CASES)["top_k 1"]).partition(b"\r\n\r\n")[0]
+    assert b"access-control" not in plain.lower(), plain
 
 
 def test_the_doors_count_their_answers_alike(doors):

@@ -425,6 +425,15 @@ class CoreIndex:
             tier = self._tier_of(worker)
             return (self._tree if tier == HBM else self._tiers[tier]).parent_of(worker, h)
 
+    def hbm_reach(self, worker: int, local_hashes) -> int:
+        """Leading blocks of ``local_hashes`` the HBM ``worker`` holds on the tree's path (its
+        ``match`` depth, muting aside; 0 for a worker of another tier)."""
+        with self._lock:
+            if worker not in self._workers or self._tier_of(worker) != HBM:
+                return 0
+            hs = [int(h) for h in local_hashes]
+            return next((d for w, d, _ in self._tree.match(hs) if w == worker), 0)
+
     def block_of(self, worker: int, h: int) -> tuple[int | None, int]:
         """``(parent, local)`` of ``worker``'s block ``h``; KeyError when it is not held."""
         with self._lock:

@@ -183,8 +183,8 @@ class ConductorClient(_Shell[httpx.Client, httpx.BaseTransport]):
     ``trust_env`` is off by default so proxy variables cannot capture
     cluster-internal traffic. ``clock`` drives the breaker (tests).
     ``api_key``: sent as ``Authorization: Bearer <key>`` (a server started
-    with ``--api-key`` requires it on ``/register``, ``/unregister``, ``/events``
-    and ``/workers``). ``verify`` / ``cert``: for an HTTPS server (``--tls-cert``;
+    with ``--api-key`` requires it on ``/register``, ``/unregister``, ``/events``,
+    ``/predict`` and ``/workers``). ``verify`` / ``cert``: for an HTTPS server (``--tls-cert``;
     ``cert`` for ``--tls-client-ca``), see :func:`tls_verify`.
     """
 
@@ -221,6 +221,7 @@ class ConductorClient(_Shell[httpx.Client, httpx.BaseTransport]):
     query_by_hash = _sync(ConductorCore.query_by_hash_plan)
     workers = _sync(ConductorCore.workers_plan)
     post_events = _sync(ConductorCore.post_events_plan)
+    predict = _sync(ConductorCore.predict_plan)
     registered_services = _sync(ConductorCore.registered_services_plan)
     reregister_missing = _sync(ConductorCore.reregister_missing_plan)
 
@@ -261,5 +262,6 @@ class AsyncConductorClient(_Shell[httpx.AsyncClient, httpx.AsyncBaseTransport]):
     query_by_hash = _async(ConductorCore.query_by_hash_plan)
     workers = _async(ConductorCore.workers_plan)
     post_events = _async(ConductorCore.post_events_plan)
+    predict = _async(ConductorCore.predict_plan)
     registered_services = _async(ConductorCore.registered_services_plan)
     reregister_missing = _async(ConductorCore.reregister_missing_plan)

@@ -17,7 +17,7 @@ route's result. :mod:`kvconductor.coordinator.clients` drives the plans over
 Error contract (docs/client.md):
 
 * ``query``/``query_by_hash``/``register``/``unregister``/``workers``/
-  ``post_events`` raise :class:`ConductorError` on any failure: transport
+  ``post_events``/``predict`` raise :class:`ConductorError` on any failure: transport
   error, timeout, HTTP status >= 400, undecodable body, open circuit
   (:class:`CircuitOpenError`, a subclass).
 * ``query_or_empty`` returns ``{}`` instead of raising, like the reference
@@ -111,12 +111,18 @@ class ReregisterResult:
 
 
 def _extension_fields(
-    top_k: int | None, instances: Sequence[str] | None, freshness: bool = False
+    top_k: int | None,
+    instances: Sequence[str] | None,
+    freshness: bool = False,
+    predict: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """The extension fields of a query body that are set (docs/api.md, "top_k and
-    instances", "freshness"); a ``top_k`` below 1 or a bare string as ``instances`` is a
-    ValueError here rather than a 400 from the server."""
+    instances", "freshness"; ``predict``: the (instance, DP) of a ``/predict`` body); a
+    ``top_k`` below 1 or a bare string as ``instances`` is a ValueError here rather than a
+    400 from the server."""
     out: dict[str, Any] = {}
+    if predict is not None:
+        out["instance_id"], out["dp_rank"] = str(predict[0]), int(predict[1])
     if top_k is not None:
         if isinstance(top_k, bool) or int(top_k) < 1:
             raise ValueError(f"top_k must be at least 1, not {top_k!r}")
@@ -202,6 +208,7 @@ class ConductorCore:
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
         freshness: bool = False,
+        predict: tuple[str, int] | None = None,
     ) -> Request:
         use_packed = self.packed if packed is None else bool(packed)
         if use_packed and self.query_encoding != "msgpack":
@@ -211,12 +218,12 @@ class ConductorCore:
             model=model, block_size=int(block_size), token_ids=tokens, tenant_id=tenant_id
         )
         # Only sent when set, so plain queries stay byte-identical for older servers.
-        extra = _extension_fields(top_k, instances, freshness)
+        extra = _extension_fields(top_k, instances, freshness, predict)
         if lora_name:
             extra[LORA_FIELD] = lora_name
         if extra:
             body = {**msgspec.structs.asdict(body), **extra}
-        return self._encoded("/query", body)
+        return self._encoded("/query" if predict is None else "/predict", body)
 
     def _query_by_hash_req(
         self,
@@ -227,6 +234,7 @@ class ConductorCore:
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
         freshness: bool = False,
+        predict: tuple[str, int] | None = None,
     ) -> Request:
         # Always an array of integers: the server takes no packed form for hashes.
         body: Any = QueryByHashRequest(
@@ -235,10 +243,10 @@ class ConductorCore:
             block_hashes=hash_list(block_hashes),
             tenant_id=tenant_id,
         )
-        extra = _extension_fields(top_k, instances, freshness)
+        extra = _extension_fields(top_k, instances, freshness, predict)
         if extra:
             body = {**msgspec.structs.asdict(body), **extra}
-        return self._encoded("/query_by_hash", body)
+        return self._encoded("/query_by_hash" if predict is None else "/predict_by_hash", body)
 
     def _encoded(self, path: str, body: Any) -> Request:
         if self.query_encoding == "msgpack":
@@ -477,6 +485,38 @@ class ConductorCore:
                 )
             )
         )
+
+    def predict_plan(
+        self,
+        model: str,
+        instance_id: str,
+        dp_rank: int = 0,
+        *,
+        token_ids: Any = None,
+        block_hashes: Any = None,
+        block_size: int = 1,
+        tenant_id: str = TENANT_ID,
+        lora_name: str | None = None,
+        packed: bool | None = None,
+    ) -> Plan[dict]:
+        """``POST /predict`` (``token_ids``, hashed by the server with ``block_size`` and
+        ``lora_name`` as ``/query`` hashes them) or ``POST /predict_by_hash``
+        (``block_hashes``): the router sent this prompt to (``instance_id``, ``dp_rank``);
+        the server answers as if that DP held its full blocks in HBM for its
+        ``--prediction-ttl-s`` (docs/api.md, "POST /predict"). Returns
+        ``{"status": "ok", "predicted_blocks": N, "ttl_s": T}``; raises ConductorError."""
+        if (token_ids is None) == (block_hashes is None):
+            raise ValueError("predict needs token_ids or block_hashes (one of them)")
+        target = (instance_id, dp_rank)
+        if token_ids is not None:
+            req = self._query_req(
+                model, token_ids, block_size, tenant_id, packed, lora_name, predict=target
+            )
+        else:
+            req = self._query_by_hash_req(
+                model, block_hashes, tenant_id, block_size, predict=target
+            )
+        return (yield from self._map_exchange(req))
 
     def workers_plan(self) -> Plan[dict]:
         """``GET /workers`` (debug view of registrations and indexes)."""

@@ -1,7 +1,8 @@
 """The HTTP API (docs/api.md) as a Falcon ASGI app over a :class:`Conductor`.
 
 Routes: ``GET /health``, ``POST /register``, ``POST /unregister``,
-``POST /query``, ``POST /query_by_hash``, ``POST /explain``, ``POST /events``, ``GET /workers``,
+``POST /query``, ``POST /query_by_hash``, ``POST /explain``, ``POST /events``,
+``POST /predict``, ``POST /predict_by_hash`` (:mod:`kvconductor.http.predict`), ``GET /workers``,
 ``GET /metrics`` (:mod:`kvconductor.http.metrics`).
 
 Resources are thin: they read the body (bounded by ``max_body_bytes``: 413
@@ -47,6 +48,7 @@ from kvconductor.http import openapi
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.front import FrontDoor
 from kvconductor.http.metrics import CONTENT_TYPE, Metrics, QueryMetrics
+from kvconductor.http.predict import PredictResource
 from kvconductor.http.query import FRESHNESS_UNAVAILABLE, MissWarnings, QueryResource
 from kvconductor.http.resource import (
     BAD_JSON,
@@ -58,8 +60,10 @@ from kvconductor.http.resource import (
     json_answer,
 )
 from kvconductor.http.responses import (
+    EXPOSE_HEADERS_B,
     MSGPACK_PATHS,
     MUTATING_PATHS,
+    QUERY_PATHS,
     cors_origin,
     set_error,
 )
@@ -422,6 +426,8 @@ class OriginPolicy:
         if vary:
             resp.append_header("Vary", "Origin")
         resp.set_header("Access-Control-Allow-Origin", allow)
+        if req.path in QUERY_PATHS and req.method == "POST":
+            resp.set_header(*(v.decode("ascii") for v in EXPOSE_HEADERS_B))
         if req.method == "OPTIONS" and req.get_header("Access-Control-Request-Method"):
             # Preflight: the methods of the route (Falcon's OPTIONS responder sets Allow).
             methods = resp.get_header("Allow")
@@ -513,7 +519,8 @@ def create_app(
     lifespan events (gunicorn), with ``lifecycle``'s ``(start, stop)`` when given
     (the service's warm start and snapshots too); otherwise the caller does (server,
     tests).
-    ``api_key`` protects ``/register``, ``/unregister``, ``/events``, ``/workers`` and
+    ``api_key`` protects ``/register``, ``/unregister``, ``/events``, ``/predict``,
+    ``/predict_by_hash``, ``/workers`` and
     ``/explain`` (unless ``open_workers``) with ``Authorization: Bearer <key>``;
     ``/health`` and the queries stay open; ``/metrics`` is protected like ``/workers``
     unless ``open_metrics`` (default: ``open_workers``). With ``fast_query`` the
@@ -545,6 +552,8 @@ def create_app(
     app.add_route("/query", query)
     app.add_route("/query_by_hash", query_by_hash)
     app.add_route("/events", EventsResource(conductor, **kw))
+    app.add_route("/predict", PredictResource(conductor, by_hash=False, **kw))
+    app.add_route("/predict_by_hash", PredictResource(conductor, by_hash=True, **kw))
     app.add_route("/workers", WorkersResource(conductor, open_workers=open_workers, **kw))
     app.add_route("/explain", ExplainResource(conductor, open_workers=open_workers, **kw))
     app.add_route("/ready", ReadyResource(conductor, **kw))

@@ -33,6 +33,7 @@ from typing import Any
 from kvconductor.http.responses import (
     CT_JSON,
     CT_MSGPACK,
+    EXPOSE_HEADERS_B,
     TOP_K_OMITTED_HEADER_B,
     WARNING_HEADER_B,
     cors_origin,
@@ -113,7 +114,9 @@ def query_headers(
     """The headers of a query route's answer ``data`` (ASGI pairs): ``Date`` when
     ``date`` (a worker), the content type and length, ``Server-Timing`` (since ``t0``,
     ``perf_counter`` when the request's head arrived), CORS for ``origin``,
-    ``warning``'s header and, with ``top_k``, the count of rows ``omitted`` at the cut."""
+    ``warning``'s header and, with ``top_k``, the count of rows ``omitted`` at the cut.
+    A CORS answer names those two headers in ``Access-Control-Expose-Headers``, so a
+    web page can read them."""
     headers = [
         _CT[msgpack],
         (b"content-length", b"%d" % len(data)),
@@ -122,7 +125,10 @@ def query_headers(
     if date:
         headers.insert(0, date_header())
     if origin is not None:
-        headers += cors_headers(path, origin)
+        cors = cors_headers(path, origin)
+        if cors:
+            headers += cors
+            headers.append(EXPOSE_HEADERS_B)
     if warning is not None:
         headers.append((WARNING_HEADER_B, header_text(warning).encode("ascii")))
     if omitted is not None:

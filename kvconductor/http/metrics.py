@@ -463,6 +463,17 @@ class ConductorCollector(Collector):
             "kind",
             sorted(c.expired.items()),
         )
+        pc = c.predictions.counts()
+        held = pc.pop("live")
+        yield _counts(
+            "kvconductor_predictions",
+            "Routers' predictions (POST /predict) by outcome: added, confirmed (an event "
+            "of its DP stored it), expired (TTL), dropped (over a bound), contradicted (a "
+            "removal or clear of its DP)",
+            "outcome",
+            sorted(pc.items()),
+        )
+        yield GaugeMetricFamily("kvconductor_predictions_live", "Predictions held now", value=held)
         yield _counts(
             "kvconductor_snapshot_skipped_registrations",
             "Registrations of a loaded snapshot or dump skipped, by reason: refused (the "

@@ -38,6 +38,8 @@ _STRUCTS = (
     schema.DpFreshness,
     schema.FreshnessSummary,
     schema.FreshnessDocument,
+    schema.PredictTarget,
+    schema.PredictResponse,
 )
 _ERRORS = {
     "400": "malformed body, wrong type, missing field or out-of-range number",
@@ -91,6 +93,14 @@ def _post(summary: str, request: type, ok: str, answer: dict, errors: str, both=
             },
         }
     }
+
+
+def _predict(summary: str, query: type) -> dict[str, Any]:
+    """``POST /predict`` (``/predict_by_hash``): the query's body and the chosen DP."""
+    body = {"allOf": [_ref(query), _ref(schema.PredictTarget)]}
+    route = _post(summary, query, "200", _ref(schema.PredictResponse), "400 401 403 404 413 503")
+    route["post"]["requestBody"]["content"] = _content(body, both=True)
+    return route
 
 
 def _query_request(doc: dict[str, Any]) -> None:
@@ -221,6 +231,14 @@ def document() -> dict[str, Any]:
             "200",
             _ref(schema.EventsResponse),
             "400 401 403 404 413 500 503",
+        ),
+        "/predict": _predict(
+            "a router's decision: this prompt goes to (instance_id, dp_rank); answered as "
+            "held in HBM there for --prediction-ttl-s",
+            schema.QueryRequest,
+        ),
+        "/predict_by_hash": _predict(
+            "a router's decision, the prompt as local block hashes", schema.QueryByHashRequest
         ),
         "/workers": {
             "get": {

@@ -29,9 +29,9 @@ from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE, encode_err
 
 QUERY_PATHS = frozenset(("/query", "/query_by_hash"))
 #: Routes whose error bodies are encoded like the request (JSON or MessagePack).
-MSGPACK_PATHS = QUERY_PATHS | {"/explain"}
+MSGPACK_PATHS = QUERY_PATHS | {"/explain", "/predict", "/predict_by_hash"}
 #: Routes that change state: a request with an ``Origin`` not in the allow-list is 403.
-MUTATING_PATHS = frozenset(("/register", "/unregister", "/events"))
+MUTATING_PATHS = frozenset(("/register", "/unregister", "/events", "/predict", "/predict_by_hash"))
 #: Routes any web page may read (``Access-Control-Allow-Origin: *``).
 PUBLIC_READ_PATHS = frozenset(("/health", "/query", "/query_by_hash"))
 
@@ -45,6 +45,12 @@ OWNER_UNAVAILABLE = "the index owner process is unavailable; retry later"
 WARNING_HEADER = "X-KV-Conductor-Warning"
 WARNING_HEADER_B = WARNING_HEADER.lower().encode()
 TOP_K_OMITTED_HEADER_B = TOP_K_OMITTED_HEADER.lower().encode()
+#: A query answer's own headers that a web page reading it across origins may see (a
+#: browser hides every response header but a few safe ones unless the answer names it).
+EXPOSE_HEADERS_B = (
+    b"access-control-expose-headers",
+    f"{WARNING_HEADER}, {TOP_K_OMITTED_HEADER}".encode("ascii"),
+)
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

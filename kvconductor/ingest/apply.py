@@ -324,6 +324,8 @@ class Applier:
         if type(core) is not _CCore:
             self._fast = None  # pure-Python core: this subscription stays on the general path
             return index
+        if index.predicted and (ctx.instance_id, ctx.dp_rank) in index.predicted:
+            return index  # predictions of this DP: the general path confirms or drops them
         try:
             wid = -1
             if fb.needs_worker:

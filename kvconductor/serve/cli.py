@@ -37,6 +37,7 @@ from kvconductor.serve.flagvalues import (  # the flags' values and checks, by j
     _source_problem,
     _timeout,
     _tls_problem,
+    _ttl,
     _workers,
 )
 from kvconductor.serve.settings import DEFAULT_HOST, DEFAULT_PORT, Settings
@@ -159,6 +160,24 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         default=600,
         help="TTL of unconfirmed engine offloads (default 600)",
     )
+    p.add_argument(
+        "--prediction-ttl-s",
+        type=_ttl,
+        default=2.0,
+        help="how long a router's prediction (POST /predict) counts in answers, in "
+        "seconds (default 2; 0: predictions off)",
+    )
+    for flag, what, most in (
+        ("-per-dp", "predictions per (instance, DP)", 64),
+        ("", "predictions in all", 100_000),
+        ("-blocks", "predicted blocks in all", 4_000_000),
+    ):
+        p.add_argument(
+            "--prediction-max" + flag,
+            type=_int_in(1, 2**32 - 1),
+            default=most,
+            help=f"live {what} at most; over it the oldest go (default {most})",
+        )
     p.add_argument(
         "--loss-grace-secs",
         type=_secs,
@@ -407,6 +426,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         pending_ttl_secs=args.pending_ttl_secs,
         content_ttl_secs=args.content_ttl_secs,
         offload_ttl_secs=args.offload_ttl_secs,
+        prediction_ttl_s=args.prediction_ttl_s,
+        prediction_max_per_dp=args.prediction_max_per_dp,
+        prediction_max=args.prediction_max,
+        prediction_max_blocks=args.prediction_max_blocks,
         loss_grace_secs=args.loss_grace_secs,
         source_down_secs=args.source_down_secs,
         source_purge_secs=args.source_purge_secs,

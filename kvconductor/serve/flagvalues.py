@@ -10,6 +10,7 @@ import argparse
 import ipaddress
 import math
 import os
+from collections.abc import Callable
 
 from kvconductor.logs import LEVELS
 from kvconductor.tools.flags import decimal, number
@@ -111,15 +112,18 @@ def _networks(value: str) -> tuple:
     return nets
 
 
-def _timeout(value: str) -> float:
-    return number(
-        value,
-        float,
-        "value",
-        "a number of seconds is required",
-        lambda secs: 0 < secs < 86400 * 365,
-        "must be > 0",
-    )
+def _seconds_if(ok: Callable[[float], bool], rule: str) -> Callable[[str], float]:
+    """A flag type: a number of seconds (fractions allowed) that ``ok`` accepts."""
+
+    def parse(value: str) -> float:
+        return number(value, float, "value", "a number of seconds is required", ok, rule)
+
+    return parse
+
+
+_timeout = _seconds_if(lambda secs: 0 < secs < 86400 * 365, "must be > 0")
+#: ``--prediction-ttl-s``: 0 (off) up to an hour.
+_ttl = _seconds_if(lambda secs: 0 <= secs <= 3600, "must be within 0..3600")
 
 
 def _origin(value: str) -> str:

@@ -60,6 +60,10 @@ class Settings:
     pending_ttl_secs: int = 60
     content_ttl_secs: int = 300
     offload_ttl_secs: int = 600
+    prediction_ttl_s: float = 2.0
+    prediction_max_per_dp: int = 64
+    prediction_max: int = 100_000
+    prediction_max_blocks: int = 4_000_000
     loss_grace_secs: int = 600
     source_down_secs: int = 10
     source_purge_secs: int = 600
@@ -222,6 +226,7 @@ class Settings:
     def conductor_config(self):
         from kvconductor.ingest.host import IngestSettings
         from kvconductor.ingest.stats import Limits
+        from kvconductor.predict import PredictionLimits
         from kvconductor.state.conductor import ConductorConfig
         from kvconductor.urls import UrlPolicy
 
@@ -230,6 +235,12 @@ class Settings:
             pending_ttl=float(self.pending_ttl_secs),
             content_ttl=float(self.content_ttl_secs),
             offload_ttl=float(self.offload_ttl_secs),
+            predictions=PredictionLimits(
+                self.prediction_ttl_s,
+                self.prediction_max_per_dp,
+                self.prediction_max,
+                self.prediction_max_blocks,
+            ),
             ingest=IngestSettings(
                 loss_grace=float(self.loss_grace_secs),
                 replay_deadline=float(max(1, self.replay_deadline_secs)),

@@ -44,9 +44,11 @@ from kvconductor.ingest.http_events import EventOp
 from kvconductor.ingest.liveness import READY_STATES, SOURCE_CHECK_SECS
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.logs import RecentWarnings
+from kvconductor.predict import PredictionLimits, Predictions
 from kvconductor.schema import (
     ExplainResponse,
     KvEventBatch,
+    PredictRecord,
     RegisterRequest,
     SourceNotReady,
     UnregisterRequest,
@@ -116,6 +118,8 @@ class ConductorConfig:
     max_sources: int = 4096
     #: Which endpoint URLs registrations may name (bind mode, ipc://, networks).
     url_policy: UrlPolicy = field(default_factory=UrlPolicy)
+    #: The routers' predictions (``POST /predict``): TTL (0: off) and bounds.
+    predictions: PredictionLimits = field(default_factory=PredictionLimits)
 
 
 # ---------------------------------------------------------------------------------------
@@ -254,6 +258,9 @@ class Conductor:
         #: ``--snapshot-dir``: the :class:`kvconductor.state.snapshot.Snapshotter` (None: off).
         self.snapshotter: Snapshots | None = snapshotter(self) if snapshotter is not None else None
         self._heap_trim = heap_trim
+        #: The routers' live predictions (``POST /predict``; ingest thread).
+        self.predictions = Predictions(self.config.predictions)
+        self._prediction_sweep = False
 
     # -- optional features made after the conductor -----------------------------------
     def attach_snapshotter(self, snapshotter: Snapshots) -> None:
@@ -335,12 +342,14 @@ class Conductor:
     async def mutate(
         self, kind: Literal["events"], body: bytes, batch: KvEventBatch, ops: list[EventOp], /
     ) -> EventsOutcome: ...
+    @overload
+    async def mutate(self, kind: Literal["predict"], body: bytes, rec: PredictRecord, /) -> int: ...
     async def mutate(self, kind: str, body: bytes, /, *args: object) -> object:
-        """An HTTP mutation: ``kind`` (``register``, ``unregister``, ``events``: the
-        table :data:`kvconductor.state.journal.MUTATIONS`) of the request ``body`` parsed
-        into ``args``, through :attr:`journal`. Alone: applied at once on the ingest
-        thread. With ``--state-url``: ``body`` is appended to the replicated log, and what
-        applying it did here is returned (every replica applies it), or
+        """An HTTP mutation: ``kind`` (``register``, ``unregister``, ``events``,
+        ``predict``: the table :data:`kvconductor.state.journal.MUTATIONS`) of the request
+        ``body`` parsed into ``args``, through :attr:`journal`. Alone: applied at once on
+        the ingest thread. With ``--state-url``: ``body`` is appended to the replicated
+        log, and what applying it did here is returned (every replica applies it), or
         :class:`StateUnavailable` raised."""
         return await self.journal.submit(kind, body, args)
 
@@ -397,6 +406,7 @@ class Conductor:
         """Forget the index of ``key`` (ingest thread). With ``--workers N`` the directory
         without it is published first, then its shared state is freed."""
         idx = self.indexes.pop(key)
+        self.predictions.drop_index(idx)
         if self.shared is not None:
             self.shared.publish(self)
             idx.close()
@@ -479,6 +489,29 @@ class Conductor:
         out = apply_events(self.registry, self.get_or_create_index, self.note_lora, batch, ops)
         self.http_events_applied += out.applied
         return out
+
+    # -- /predict (ingest thread) -------------------------------------------------------------
+    def predict(self, rec: PredictRecord) -> int:
+        """Hold a router's prediction (docs/api.md, POST /predict): the blocks predicted.
+        :class:`InstanceNotRegistered` for an instance no registration names."""
+        if self.registry.get(rec.instance_id) is None:
+            raise InstanceNotRegistered(rec.instance_id)
+        if not self.predictions.enabled or not rec.block_hashes:
+            return 0
+        idx = self.get_or_create_index(rec.model, rec.tenant_id)
+        n = self.predictions.add(idx, rec.instance_id, rec.dp_rank, rec.block_hashes)
+        if not self._prediction_sweep and not self._stopping:
+            self._prediction_sweep = True
+            self.thread.call_later(self.predictions.limits.ttl / 8, self._prediction_tick)
+        return n
+
+    def _prediction_tick(self) -> None:
+        """Expire predictions every ``ttl / 8`` while some live (no timer otherwise)."""
+        self.predictions.sweep()
+        if self.predictions.live and not self._stopping:
+            self.thread.call_later(self.predictions.limits.ttl / 8, self._prediction_tick)
+        else:
+            self._prediction_sweep = False
 
     # -- maintenance (ingest thread) ------------------------------------------------------------
     def _maintenance_tick(self) -> None:
@@ -602,5 +635,12 @@ class Conductor:
         """``POST /explain`` (ingest thread: a consistent view of the registry, the sources
         and the index): why each (instance, DP) of (model, tenant) matches what it does
         for this query (docs/api.md, POST /explain; :mod:`kvconductor.state.explain`)."""
-        state = ExplainState(self.registry, self.indexes, self.block_sizes, self.sources, self.subs)
+        state = ExplainState(
+            self.registry,
+            self.indexes,
+            self.block_sizes,
+            self.sources,
+            self.subs,
+            self.predictions,
+        )
         return explain(state, model, tenant, block_size, tokens, lora_name)

@@ -28,6 +28,7 @@ import xxhash
 
 import kvconductor
 from kvconductor.keys import Medium, WorkerKey
+from kvconductor.predict import is_predicted
 from kvconductor.schema import RegisterRequest, StoreOnly
 from kvconductor.state.protocols import JSONObject, NoSubscriptions
 
@@ -436,6 +437,9 @@ def _load_index(conductor: Conductor, head: dict, recs: Iterator[object]) -> Non
         [(k, h, loc, p, now - age) for k, h, loc, p, age in records],
         [(h, ids[w], now - age) for h, w, age in waits],
     )
+    for wid, key in enumerate(idx.worker_keys):
+        if is_predicted(key):  # a router's predictions do not outlive their process
+            core.clear(wid)
     try:
         core.check_invariants()
     except AssertionError as ex:

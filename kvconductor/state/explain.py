@@ -12,14 +12,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, TypedDict
 
-from kvconductor._hash import DEFAULT_SEED, lora_seed
+from kvconductor._hash import DEFAULT_SEED, hash_blocks, lora_seed
 from kvconductor.index import Index
+from kvconductor.predict import Predictions, is_predicted
 from kvconductor.schema import (
     EXPLAIN_TIERS,
     STOP_MUTED,
     STOP_NO_FIRST_BLOCK,
     ExplainInstance,
     ExplainLoss,
+    ExplainPrediction,
     ExplainResponse,
     ExplainSource,
     ExplainTier,
@@ -43,6 +45,8 @@ class ExplainState(NamedTuple):
     #: The subscriptions' ``/workers`` ``sources`` entries.
     sources: Callable[[], list[SourceInfo]]
     subs: Subscriptions
+    #: The routers' live predictions (``POST /predict``).
+    predictions: Predictions | None = None
 
 
 class _LossFields(TypedDict, total=False):
@@ -123,6 +127,26 @@ def explain_sources(
     return out
 
 
+def _predictions(
+    state: ExplainState, idx: Index | None, gk: tuple[str, int], tokens, bs: int, seed: int
+) -> list[ExplainPrediction]:
+    """The live predictions of (instance, DP) ``gk``: how much of the query each covers."""
+    if state.predictions is None or idx is None or gk not in idx.predicted:
+        return []
+    now = state.predictions.clock()
+    query = hash_blocks(tokens, bs, seed) if bs else []
+    out = []
+    for rec in state.predictions.of_group(idx, *gk):
+        n = 0
+        for a, b in zip(query, rec.locals, strict=False):
+            if a != b:
+                break
+            n += 1
+        age, left = round(now - rec.t, 3), round(max(0.0, rec.expires - now), 3)
+        out.append(ExplainPrediction(n, len(rec.locals), age, left))
+    return out
+
+
 def explain(
     state: ExplainState,
     model: str,
@@ -178,9 +202,14 @@ def explain(
             }
             workers = [
                 ExplainWorker(
-                    w.key.medium.display.lower(), w.key.backend_id, w.held, w.reach, w.stop
+                    w.key.medium.display.lower(),
+                    "predicted" if is_predicted(w.key) else w.key.backend_id,
+                    w.held,
+                    w.reach,
+                    w.stop,
                 )
                 for w in g.workers
+                if w.held or not is_predicted(w.key)
             ]
         hits = hits or sum(blocks) > 0
         sources = explain_sources(state, iid, dp, now)
@@ -207,6 +236,7 @@ def explain(
             )
         for s in sources:
             warnings += _source_warnings(s, f"source {s.url} of instance {iid} DP {dp}", now)
+        preds = _predictions(state, idx, gk, tokens, block_size, seed)
         instances.append(
             ExplainInstance(
                 instance_id=iid,
@@ -219,6 +249,7 @@ def explain(
                 tiers=tiers,
                 workers=workers,
                 sources=sources,
+                predictions=preds,
             )
         )
     if idx is not None and nblocks and not hits:

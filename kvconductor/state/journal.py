@@ -1,8 +1,8 @@
 """The journal: the one path every HTTP mutation of the state goes through.
 
 :meth:`Conductor.mutate <kvconductor.state.conductor.Conductor.mutate>` hands each
-``register``, ``unregister`` and ``events`` request to the conductor's :class:`Journal`,
-with the request body as received and the arguments parsed from it:
+``register``, ``unregister``, ``events`` and ``predict`` request to the conductor's
+:class:`Journal`, with the request body as received and the arguments parsed from it:
 
 * :class:`LocalJournal` (one process, the default) applies it at once on the ingest
   thread and returns what applying it did;
@@ -30,9 +30,11 @@ from kvconductor.ingest.host import LOCAL_SOURCES, SourceJournal
 from kvconductor.ingest.http_events import EventOp, normalize_events
 from kvconductor.schema import (
     KvEventBatch,
+    PredictRecord,
     RegisterRequest,
     UnregisterRequest,
     events_decoder,
+    predict_record_decoder,
     register_decoder,
     unregister_decoder,
 )
@@ -65,6 +67,8 @@ class MutationHost(Protocol):
     def unregister(self, req: UnregisterRequest) -> bool: ...
 
     def apply_events(self, batch: KvEventBatch, ops: list[EventOp]) -> object: ...
+
+    def predict(self, rec: PredictRecord) -> int: ...
 
 
 class UnknownMutation(ValueError):
@@ -114,6 +118,15 @@ def _events(host: MutationHost, args: Args) -> object:
     return host.apply_events(cast(KvEventBatch, batch), cast("list[EventOp]", ops))
 
 
+def _decode_predict(body: bytes) -> Args:
+    return (predict_record_decoder.decode(body),)
+
+
+def _predict(host: MutationHost, args: Args) -> object:
+    (rec,) = args
+    return host.predict(cast(PredictRecord, rec))
+
+
 #: The HTTP mutations, by kind: the one table both journals apply through.
 MUTATIONS: dict[str, Mutation] = {
     m.kind: m
@@ -121,6 +134,7 @@ MUTATIONS: dict[str, Mutation] = {
         Mutation("register", _decode_register, _register),
         Mutation("unregister", _decode_unregister, _unregister),
         Mutation("events", _decode_events, _events),
+        Mutation("predict", _decode_predict, _predict),
     )
 }
 

@@ -150,6 +150,12 @@ def report(doc: dict[str, Any]) -> list[str]:
                 f"{s['events']} events, {since}"
             )
             lines += _source_details(s, "        ")
+        for p in inst.get("predictions", []):
+            lines.append(
+                f"    predicted by a router: {p['blocks']} blocks of this query "
+                f"({p['predicted_blocks']} predicted, {p['age_s']:.1f}s ago, "
+                f"expires in {p['expires_in_s']:.1f}s; counted in HBM)"
+            )
     for s in doc.get("pool_sources", []):
         lines.append(f"pool source {s['url']}: {s['state']}, {s['events']} events")
         lines += _source_details(s, "    ")
