@@ -98,9 +98,36 @@ def test_top8_and_phases_backends_equal_the_simulator():
     pairs = list(zip(stream.expected, stream.expected_top, strict=True))
     assert all(t.count <= min(a.count, tr.TOP_K) for a, t in pairs)
     assert sum(a != t for a, t in pairs) > 0  # some answers are cut
-    runs = _check(stream, [f"kvc-top{tr.TOP_K}", "kvc-phases"])
+    names = [f"kvc-top{tr.TOP_K}", "kvc-phases", "kvc-dict", "kvc-hits"]
+    if tr.dynamo_radix_tree() is not None:
+        names.append(f"dynamo-top{tr.TOP_K}")
+    runs = _check(stream, names)
     phases = runs["kvc-phases"][0]
     assert phases["phase_match_s"] > 0 and phases["phase_encode_s"] > 0
+    top = runs[f"kvc-top{tr.TOP_K}"][0]
+    assert top["rows_max"] == tr.TOP_K and top["rows_mean"] <= tr.TOP_K
+    assert runs["kvc-dict"][0]["rows_max"] == runs["kvc-hits"][0]["rows_max"] == 32
+    for b in names[3:]:
+        assert runs[b][0]["rows_max"] <= (32 if b == "kvc-hits" else tr.TOP_K)
+
+
+def test_the_top_depths_a_dynamo_top8_answer_must_have():
+    d = tr.DEPTH_BITS
+    items = [(w << d) | depth for w, depth in enumerate([1, 4, 1, 2, 4, 3, 1, 1, 1, 1, 1])]
+    assert tr.top_depths(items, 3) == (4, 4, 3)
+    assert tr.top_depths(items) == (4, 4, 3, 2, 1, 1, 1, 1)
+    assert tr.top_depths([]) == ()
+
+
+def test_scores_of_an_old_query_result_is_the_dict_a_router_made():
+    from kvconductor.index import DpHit, QueryResult
+
+    class Old:  # a QueryResult from before scores(): its DpHit rows only
+        def __init__(self, hits):
+            self.hits = hits
+
+    hits = [DpHit("a", 0, 3, 1, 0), DpHit("b", 2, 1, 0, 0)]
+    assert tr.scores_of(Old(hits)) == tr.scores_of(QueryResult(hits)) == {("a", 0): 4, ("b", 2): 1}
 
 
 def test_separate_check_reports_the_checked_replay(monkeypatch):
