@@ -39,7 +39,11 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    ``--server [PACE ...]`` also plays the stream against a real ``kv-conductor``
    (:mod:`bench.trace_server`: vLLM 0.33 batches over ZeroMQ from publisher processes,
    ``/query_by_hash`` MessagePack queries from client processes, at the trace's pace times
-   PACE or, with 0, as fast as possible; every answer checked again at quiescence).
+   PACE or, with 0, as fast as possible; every answer checked again at quiescence);
+   ``--server-top-k 0 8`` once whole and once with ``top_k=8`` (the cut answers checked
+   against :func:`top_items`); ``--server-dynamo`` the same stream (the same ZeroMQ bytes)
+   and queries by hash against NVIDIA Dynamo's standalone indexer service
+   (:mod:`bench.trace_dynamo_server`, ``python -m dynamo.indexer``) in the same run.
 
 Block identity: a trace id names a prefix block, so a block is identified by its place in
 a chain (its parent's identity and its id). The index keys blocks the same way: a tree
@@ -1079,7 +1083,7 @@ HEADER = (
 SERVER_HEADER = (
     "| trace | workers | policy | service | top_k | pace | ops/s | event batches/s | "
     "drain after the last publish | queries/s | query p50 / p99 (round trip) | "
-    "floor p50 / p99 (bare ASGI app) | server p50 / p99 | answer bytes | "
+    "floor p50 / p99, queries/s (bare ASGI app) | server p50 / p99 | answer bytes | "
     "event-to-visible p50 / p99 | losses | mismatches at quiescence |\n"
     "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | "
     "---: | --- | ---: | ---: |"
@@ -1093,14 +1097,21 @@ def _pair_us(r: dict[str, Any], key: str) -> str:
 
 def server_row(stream: Stream, r: dict[str, Any]) -> str:
     pace = "saturation" if not r["pace"] else f"x{r['pace']:g}"
+    if "error" in r:
+        return f"| {stream.label} | {stream.workers:,} | {stream.policy} | kv-conductor | " + (
+            f"{r.get('top_k') or 'all'} | {pace} | not run: {r['error']} |"
+        )
     lag = "-"
     if r.get("lag_p50_ms") is not None:
         lag = f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms"
+    floor = _pair_us(r, "floor")
+    if r.get("floor_queries_per_s"):
+        floor += f", {_fmt_rate(r['floor_queries_per_s'])} q/s"
     return (
         f"| {stream.label} | {stream.workers:,} | {stream.policy} | {r['backend']} | "
         f"{r.get('top_k') or 'all'} | {pace} | {_fmt_rate(r['ops_per_s'])} | "
         f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
-        f"{_fmt_rate(r['queries_per_s'])} | {_pair_us(r, 'query')} | {_pair_us(r, 'floor')} | "
+        f"{_fmt_rate(r['queries_per_s'])} | {_pair_us(r, 'query')} | {floor} | "
         f"{_pair_us(r, 'server')} | {r.get('answer_bytes_mean', 0):,} | {lag} | "
         f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} |"
     )
@@ -1271,10 +1282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for sr in server_runs_of(stream, requests, args):
                     print(json.dumps(sr), flush=True)
                     server_runs.append(sr)
-                    if "error" not in sr:
-                        row = server_row(stream, sr)
-                        server_table.append(row)
-                        print(row, flush=True)
+                    row = server_row(stream, sr)
+                    server_table.append(row)
+                    print(row, flush=True)
             results.append({**info, "runs": runs, "server": server_runs})
             del stream, runs
             gc.unfreeze()

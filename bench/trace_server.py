@@ -435,9 +435,10 @@ def run_floor(queries: list, size: int, pace: float, clients: int, target) -> di
             ctx = mp.get_context("spawn")
             cl = _start_clients(ctx, port, queries, pace, clients, target, procs)
             _start_together(cl)
-            lat = _gather(cl)[0]
+            lat, _, _, wall = _gather(cl)
             return {
                 "floor_answer_bytes": size,
+                "floor_queries_per_s": len(lat) / wall if wall else 0.0,
                 "floor_p50_us": tr.quantile(lat, 0.5) / 1e3,
                 "floor_p99_us": tr.quantile(lat, 0.99) / 1e3,
             }
