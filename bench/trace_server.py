@@ -255,9 +255,12 @@ def _publisher(conn, workers: list[int]) -> None:
 
 
 def _client(conn, port: int) -> None:
-    """One query client: keep-alive HTTP, the target's bodies; times every round trip."""
-    items, pace, path, ctype = conn.recv()
+    """One query client: keep-alive HTTP, the target's bodies; times every round trip.
+    With a floor port, each query's twin (the same body, ``x-floor-size``: the length of
+    the target's answer) goes to the floor beside it, first or second in turn."""
+    items, pace, path, ctype, floor_port = conn.recv()
     c = Conn(port)
+    f = Conn(floor_port) if floor_port else None
     conn.send("ready")
     start = conn.recv()
     d0 = start - time.time()
@@ -265,18 +268,29 @@ def _client(conn, port: int) -> None:
         time.sleep(d0)
     hdr = {"Content-Type": ctype}
     lat: list[int] = []
+    floor: list[int] = []
     server: list[float] = []
     errors = 0
     clock = time.perf_counter_ns
+    size = 0
     t0 = time.perf_counter()
-    for t, _qi, body in items:
+    for j, (t, _qi, body) in enumerate(items):
         if pace > 0:
             d = start + t / pace - time.time()
             if d > 0:
                 time.sleep(d)
+        if f is not None and j & 1:
+            a = clock()
+            f.request("POST", path, body, {**hdr, "x-floor-size": str(size)})
+            floor.append(clock() - a)
         a = clock()
-        r, _ = c.request("POST", path, body, hdr)
+        r, answer = c.request("POST", path, body, hdr)
         lat.append(clock() - a)
+        size = len(answer)
+        if f is not None and not j & 1:
+            a = clock()
+            f.request("POST", path, body, {**hdr, "x-floor-size": str(size)})
+            floor.append(clock() - a)
         if r.status != 200:
             errors += 1
         st = r.getheader("Server-Timing")
@@ -285,8 +299,10 @@ def _client(conn, port: int) -> None:
                 server.append(float(st.split("dur=")[1].split(";")[0].split(",")[0]))
             except ValueError:
                 pass
-    conn.send((lat, server, errors, time.perf_counter() - t0))
+    conn.send((lat, server, errors, time.perf_counter() - t0, floor))
     c.close()
+    if f is not None:
+        f.close()
 
 
 class Probe:
@@ -358,7 +374,9 @@ class Probe:
         self.ctx.term()
 
 
-def _start_clients(ctx, port: int, queries: list, pace: float, clients: int, target, procs):
+def _start_clients(
+    ctx, port: int, queries: list, pace: float, clients: int, target, procs, floor_port=0
+):
     """``clients`` query client processes, each given its share of ``queries``."""
     cl = []
     for c in range(clients):
@@ -366,24 +384,27 @@ def _start_clients(ctx, port: int, queries: list, pace: float, clients: int, tar
         p = ctx.Process(target=_client, args=(b, port), daemon=True)
         p.start()
         procs.append(p)
-        a.send((queries[c::clients], pace, target.path, target.ctype))
+        a.send((queries[c::clients], pace, target.path, target.ctype, floor_port))
         cl.append(a)
     return cl
 
 
-def _gather(cl) -> tuple[list[int], list[float], int, float]:
-    """The clients' round trips (ns), ``Server-Timing`` durations (ms), errors, wall time."""
+def _gather(cl) -> tuple[list[int], list[float], int, float, list[int]]:
+    """The clients' round trips (ns), ``Server-Timing`` durations (ms), errors, wall time,
+    and the paired floor's round trips (ns)."""
     lat: list[int] = []
     srv: list[float] = []
+    floor: list[int] = []
     errors = 0
     wall = 0.0
     for conn in cl:
-        lat_c, srv_c, e, w = conn.recv()
+        lat_c, srv_c, e, w, floor_c = conn.recv()
         lat.extend(lat_c)
         srv.extend(srv_c)
+        floor.extend(floor_c)
         errors += e
         wall = max(wall, w)
-    return lat, srv, errors, wall
+    return lat, srv, errors, wall, floor
 
 
 def _start_together(conns) -> float:
@@ -407,48 +428,64 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
             time.sleep(0.05)
 
 
-def run_floor(queries: list, size: int, pace: float, clients: int, target) -> dict[str, Any]:
-    """The same queries, clients and pace against the floor of the HTTP stack: the bare
-    ASGI app of ``bench/floor_app.py`` on the same uvicorn (same loop and HTTP parser as
-    kv-conductor) answering every query with ``size`` bytes (the mean size of the target's
-    answers) and doing nothing else. What the target adds is the difference."""
-    from kvconductor.serve.single import _uvicorn_impls
+class Floor:
+    """The floor of the HTTP stack: ``bench/floor_app.py`` (``app``: ``size`` bytes to every
+    request; ``sized_app``: as many as the request's ``x-floor-size``) on the same uvicorn
+    as kv-conductor (same loop and HTTP parser), doing nothing else. What a target adds
+    is the difference."""
 
-    loop, http_impl = _uvicorn_impls()
-    port = _free_port()
-    procs: list = []
-    with tempfile.NamedTemporaryFile(prefix="kvc-floor-") as answer:
-        answer.write(bytes(size))
-        answer.flush()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "floor_app:app", "--app-dir", str(ROOT / "bench")]
-            + ["--host", "127.0.0.1", "--port", str(port), "--loop", loop, "--http", http_impl]
-            + ["--lifespan", "off", "--no-access-log", "--no-server-header"]
-            + ["--log-level", "warning"],
+    def __init__(self, size: int | None = None) -> None:
+        from kvconductor.serve.single import _uvicorn_impls
+
+        loop, http_impl = _uvicorn_impls()
+        self.port = _free_port()
+        self.answer = tempfile.NamedTemporaryFile(prefix="kvc-floor-")
+        self.answer.write(bytes(size or 0))
+        self.answer.flush()
+        app = "floor_app:sized_app" if size is None else "floor_app:app"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", app, "--app-dir", str(ROOT / "bench")]
+            + ["--host", "127.0.0.1", "--port", str(self.port), "--loop", loop]
+            + ["--http", http_impl, "--lifespan", "off", "--no-access-log"]
+            + ["--no-server-header", "--log-level", "warning"],
             cwd=ROOT,
-            env={**os.environ, "FLOOR_ANSWER": answer.name},
+            env={**os.environ, "FLOOR_ANSWER": self.answer.name},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        try:
-            _wait_port(port, proc, "the floor app")
-            ctx = mp.get_context("spawn")
-            cl = _start_clients(ctx, port, queries, pace, clients, target, procs)
-            _start_together(cl)
-            lat, _, _, wall = _gather(cl)
-            return {
-                "floor_answer_bytes": size,
-                "floor_queries_per_s": len(lat) / wall if wall else 0.0,
-                "floor_p50_us": tr.quantile(lat, 0.5) / 1e3,
-                "floor_p99_us": tr.quantile(lat, 0.99) / 1e3,
-            }
-        finally:
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-            proc.terminate()
-            proc.wait(10)
+        _wait_port(self.port, self.proc, "the floor app")
+
+    @staticmethod
+    def row(lat: list[int], wall: float) -> dict[str, Any]:
+        return {
+            "floor_p50_us": tr.quantile(lat, 0.5) / 1e3,
+            "floor_p99_us": tr.quantile(lat, 0.99) / 1e3,
+            "floor_queries_per_s": len(lat) / wall if wall else 0.0,
+        }
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.answer.close()
+
+
+def run_floor(queries: list, size: int, pace: float, clients: int, target) -> dict[str, Any]:
+    """The same queries, clients and pace against the :class:`Floor` alone, every answer
+    ``size`` bytes (the mean of the target's answers)."""
+    floor = Floor(size)
+    procs: list = []
+    try:
+        ctx = mp.get_context("spawn")
+        cl = _start_clients(ctx, floor.port, queries, pace, clients, target, procs)
+        _start_together(cl)
+        lat, _, _, wall, _ = _gather(cl)
+        return {"floor_answer_bytes": size, **Floor.row(lat, wall)}
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        floor.stop()
 
 
 def _free_port() -> int:
@@ -642,8 +679,10 @@ def run_server(
 ) -> dict[str, Any]:
     """Play ``stream`` against a fresh ``target`` (``target(workers, logdir, dp)``); see
     the module docstring. ``check``: how many queries to ask again at quiescence (None:
-    all). ``top_k``: the queries ask for it. ``floor``: then play the same queries against
-    a bare ASGI app on the same uvicorn (:func:`run_floor`)."""
+    all). ``top_k``: the queries ask for it. ``floor``: the same queries against a bare
+    ASGI app on the same uvicorn (:class:`Floor`): paced, each query's twin beside it (the
+    same noise of a shared machine on both, the same answer size); at saturation, a run
+    of its own afterwards (:func:`run_floor`: the load generator's ceiling)."""
     fit = sources_that_fit() if target is Server else None
     if fit is not None and stream.workers + 1 > fit:
         raise DoesNotFit(
@@ -670,6 +709,7 @@ def run_server(
         procs = []
         pubs = []
         probe = None
+        paired = Floor() if floor and pace > 0 else None
         try:
             ctx = mp.get_context("spawn")
             owned: list[list[int]] = [[] for _ in range(publishers)]
@@ -703,12 +743,15 @@ def run_server(
                     items.extend((t, k, payload) for t, payload in per_worker[w])
                 items.sort(key=lambda x: x[0])  # stable: each engine keeps its order
                 conn.send((items, pace))
-            cl = _start_clients(ctx, server.port, queries, pace, clients, server, procs)
+            fport = paired.port if paired is not None else 0
+            cl = _start_clients(ctx, server.port, queries, pace, clients, server, procs, fport)
             start = _start_together(pubs + cl)
             if probe is not None:
                 probe.start(server.port)
             last_publish = max(conn.recv()[2] for conn in pubs)
-            lat, srv, errors, q_wall = _gather(cl)
+            lat, srv, errors, q_wall, floor_lat = _gather(cl)
+            if paired is not None:
+                out.update(Floor.row(floor_lat, q_wall), floor_answer_bytes="same")
             # quiescence: every batch applied
             sent = 0
             lags: list[float] = []
@@ -758,8 +801,10 @@ def run_server(
                     proc.kill()
             if probe is not None:
                 probe.stop()
+            if paired is not None:
+                paired.stop()
             server.stop()
-        if floor and "answer_bytes_mean" in out:
+        if floor and paired is None and "answer_bytes_mean" in out:
             out.update(run_floor(queries, out["answer_bytes_mean"], pace, clients, server))
     return out
 
