@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from bench import trace_replay as tr
-from bench.trace_server import MODEL, SERVER_BLOCK, Service, _free_port
+from bench.trace_services import MODEL, SERVER_BLOCK, Service, _free_port
 
 #: ``--threads`` of the service (its default: 4 indexer threads)
 THREADS = 4
