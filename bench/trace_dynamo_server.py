@@ -33,7 +33,7 @@ import sys
 from typing import Any
 
 from bench import trace_replay as tr
-from bench.trace_services import MODEL, SERVER_BLOCK, Service, _free_port
+from bench.trace_services import MODEL, SERVER_BLOCK, Conn, Service, _free_port
 
 #: ``--threads`` of the service (its default: 4 indexer threads)
 THREADS = 4
@@ -69,7 +69,7 @@ class DynamoIndexer(Service):
         cmd = [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port)]
         super().__init__(cmd + ["--threads", str(threads)], logdir, dp)
 
-    def register(self, w: int, url: str, iid: str | None = None) -> None:
+    def register(self, w: int, url: str, iid: str | None = None, conn: Conn | None = None):
         st, body = self.post_json(
             "/register",
             {
@@ -79,6 +79,7 @@ class DynamoIndexer(Service):
                 "block_size": SERVER_BLOCK,
                 "dp_rank": w % self.dp,
             },
+            conn,
         )
         if st not in (200, 201):
             raise RuntimeError(f"register {w}: {st} {body[:200]!r}")

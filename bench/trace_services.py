@@ -177,16 +177,18 @@ class Service:
         self.log.flush()
         return (Path(self.log.name)).read_text(errors="replace")[-3000:]
 
-    def request(self, method: str, path: str, body: bytes | None = None, ctype: str = ""):
+    def request(
+        self, method: str, path: str, body: bytes | None = None, ctype: str = "", conn=None
+    ):
         hdr = {"Content-Type": ctype} if ctype else {}
-        r, data = self.http.request(method, path, body, hdr)
+        r, data = (conn or self.http).request(method, path, body, hdr)
         return r.status, data
 
     def get(self, path: str):
         return self.request("GET", path)
 
-    def post_json(self, path: str, obj: Any):
-        return self.request("POST", path, json.dumps(obj).encode(), "application/json")
+    def post_json(self, path: str, obj: Any, conn: Conn | None = None):
+        return self.request("POST", path, json.dumps(obj).encode(), "application/json", conn)
 
     def ask(self, hashes: list[int], top_k: int | None = None) -> tuple[int, bytes]:
         return self.request("POST", self.path, self.body(hashes, top_k), self.ctype)
@@ -224,7 +226,7 @@ class Server(Service):
                 raise RuntimeError(f"server not ready: {self.log_text()}")
             time.sleep(0.1)
 
-    def register(self, w: int, url: str, iid: str | None = None) -> None:
+    def register(self, w: int, url: str, iid: str | None = None, conn: Conn | None = None):
         iid, d = (iid, 0) if iid is not None else tr.instance_of(w, self.dp)
         st, body = self.post_json(
             "/register",
@@ -236,6 +238,7 @@ class Server(Service):
                 "dp_rank": d,
                 "medium_endpoints": {"npu": url},
             },
+            conn,
         )
         if st != 201:
             raise RuntimeError(f"register {iid}/{d}: {st} {body[:200]!r}")
