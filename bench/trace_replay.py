@@ -44,7 +44,11 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    ``--server [PACE ...]`` also plays the stream against a real ``kv-conductor``
    (:mod:`bench.trace_server`: vLLM 0.33 batches over ZeroMQ from publisher processes,
    ``/query_by_hash`` MessagePack queries from client processes, at the trace's pace times
-   PACE or, with 0, as fast as possible; every answer checked again at quiescence).
+   PACE or, with 0, as fast as possible; every answer checked again at quiescence);
+   ``--server-top-k 0 8`` once whole and once with ``top_k=8`` (the cut answers checked
+   against :func:`top_items`); ``--server-dynamo`` the same stream (the same ZeroMQ bytes)
+   and queries by hash against NVIDIA Dynamo's standalone indexer service
+   (:mod:`bench.trace_dynamo_server`, ``python -m dynamo.indexer``) in the same run.
 
 Block identity: a trace id names a prefix block, so a block is identified by its place in
 a chain (its parent's identity and its id). The index keys blocks the same way: a tree
@@ -1222,34 +1226,72 @@ HEADER = (
 
 
 SERVER_HEADER = (
-    "| trace | workers | policy | pace | event batches/s | drain after the last publish | "
-    "queries/s | query p50 / p99 (round trip) | floor p50 / p99 (bare ASGI app) | "
-    "server p50 / p99 | answer bytes | event-to-visible p50 / p99 | "
-    "losses | mismatches at quiescence |\n"
-    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- | ---: | ---: |"
+    "| trace | workers | policy | service | top_k | pace | ops/s | event batches/s | "
+    "drain after the last publish | queries/s | query p50 / p99 (round trip) | "
+    "floor p50 / p99, queries/s (bare ASGI app) | server p50 / p99 | answer bytes | "
+    "event-to-visible p50 / p99 | losses | mismatches at quiescence |\n"
+    "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | "
+    "---: | --- | ---: | ---: |"
 )
+
+
+def _pair_us(r: dict[str, Any], key: str) -> str:
+    p50, p99 = r.get(f"{key}_p50_us"), r.get(f"{key}_p99_us")
+    return "-" if p50 is None else f"{_fmt_us(p50)} / {_fmt_us(p99)}"
 
 
 def server_row(stream: Stream, r: dict[str, Any]) -> str:
     pace = "saturation" if not r["pace"] else f"x{r['pace']:g}"
-    srv = (
-        f"{_fmt_us(r['server_p50_us'])} / {_fmt_us(r['server_p99_us'])}"
-        if r.get("server_p50_us") is not None
-        else "-"
-    )
-    floor = (
-        f"{_fmt_us(r['floor_p50_us'])} / {_fmt_us(r['floor_p99_us'])}"
-        if r.get("floor_p50_us") is not None
-        else "-"
-    )
+    if "error" in r:
+        return f"| {stream.label} | {stream.workers:,} | {stream.policy} | kv-conductor | " + (
+            f"{r.get('top_k') or 'all'} | {pace} | not run: {r['error']} |"
+        )
+    lag = "-"
+    if r.get("lag_p50_ms") is not None:
+        lag = f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms"
+    floor = _pair_us(r, "floor")
+    if r.get("floor_queries_per_s"):
+        floor += f", {_fmt_rate(r['floor_queries_per_s'])} q/s"
     return (
-        f"| {stream.label} | {stream.workers:,} | {stream.policy} | {pace} | "
+        f"| {stream.label} | {stream.workers:,} | {stream.policy} | {r['backend']} | "
+        f"{r.get('top_k') or 'all'} | {pace} | {_fmt_rate(r['ops_per_s'])} | "
         f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
-        f"{_fmt_rate(r['queries_per_s'])} | {_fmt_us(r['query_p50_us'])} / "
-        f"{_fmt_us(r['query_p99_us'])} | {floor} | {srv} | {r.get('answer_bytes_mean', 0):,} | "
-        f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms | "
+        f"{_fmt_rate(r['queries_per_s'])} | {_pair_us(r, 'query')} | {floor} | "
+        f"{_pair_us(r, 'server')} | {r.get('answer_bytes_mean', 0):,} | {lag} | "
         f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} |"
     )
+
+
+def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> Iterable[dict]:
+    """``--server``'s runs of one stream: per round, per PACE, kv-conductor once per
+    ``--server-top-k`` and Dynamo's indexer service once (``--server-dynamo``), the order
+    of the services rotating each round; a size that does not fit the machine is a row
+    with its reason."""
+    from bench.trace_server import DoesNotFit, run_server
+
+    targets: list[tuple[Any, int | None]] = [(None, k or None) for k in args.server_top_k]
+    if args.server_dynamo:
+        from bench.trace_dynamo_server import DynamoIndexer, available
+
+        if not available():
+            raise SystemExit("--server-dynamo: ai-dynamo-runtime is not installed")
+        targets.append((DynamoIndexer, None))
+    for r in range(args.server_rounds):
+        for pace in args.server or [10.0, 0.0]:
+            for target, top_k in targets[r % len(targets) :] + targets[: r % len(targets)]:
+                kw: dict[str, Any] = {} if target is None else {"target": target}
+                try:
+                    yield run_server(
+                        stream,
+                        requests,
+                        pace=pace,
+                        publishers=args.publishers,
+                        clients=args.clients,
+                        top_k=top_k,
+                        **kw,
+                    )
+                except DoesNotFit as ex:
+                    yield {"pace": pace, "top_k": top_k, "error": str(ex), "mismatches": 0}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1300,6 +1342,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "by each CLOCK_SCALE (default: 1 10 100)",
     )
     ap.add_argument("--prediction-ttl-s", type=float, default=2.0, help="--predictions: their TTL")
+    ap.add_argument(
+        "--server-top-k",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="K",
+        help="--server: the queries ask top_k=K, once per K (0: the whole answer)",
+    )
+    ap.add_argument(
+        "--server-dynamo",
+        action="store_true",
+        help="--server: also play each PACE against Dynamo's indexer service "
+        "(python -m dynamo.indexer, bench/trace_dynamo_server.py), whole answers",
+    )
+    ap.add_argument(
+        "--server-rounds", type=int, default=1, help="--server: rounds, the order rotating"
+    )
     ap.add_argument("--publishers", type=int, default=4, help="--server: publisher processes")
     ap.add_argument("--clients", type=int, default=2, help="--server: query client processes")
     ap.add_argument("--json", help="write every run here")
@@ -1405,16 +1464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(rows), flush=True)
             server_runs = []
             if args.server is not None:
-                from bench.trace_server import run_server
-
-                for pace in args.server or [10.0, 0.0]:
-                    sr = run_server(
-                        stream,
-                        requests,
-                        pace=pace,
-                        publishers=args.publishers,
-                        clients=args.clients,
-                    )
+                for sr in server_runs_of(stream, requests, args):
                     print(json.dumps(sr), flush=True)
                     server_runs.append(sr)
                     row = server_row(stream, sr)
