@@ -26,16 +26,37 @@ _HEADERS = [
 ]
 
 
-async def app(scope, receive, send) -> None:
-    if scope["type"] != "http":
-        return
+async def _drained(receive) -> bool:
+    """Read the whole request body; False when the client went away first."""
     more = True
-    size = 0
     while more:
         msg = await receive()
         if msg["type"] != "http.request":
-            return
-        size += len(msg.get("body", b""))
+            return False
         more = msg.get("more_body", False)
+    return True
+
+
+async def app(scope, receive, send) -> None:
+    if scope["type"] != "http" or not await _drained(receive):
+        return
     await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
     await send({"type": "http.response.body", "body": ANSWER})
+
+
+_SIZED: dict[int, tuple[list, bytes]] = {}
+
+
+async def sized_app(scope, receive, send) -> None:
+    """``app`` answering as many bytes as the request's ``x-floor-size`` header says: the
+    floor paired with each query of ``bench/trace_server.py`` (the query's twin, sent
+    beside it, gets the size of the service's answer to it)."""
+    if scope["type"] != "http" or not await _drained(receive):
+        return
+    n = next((int(v) for k, v in scope["headers"] if k == b"x-floor-size"), 0)
+    answer = _SIZED.get(n)
+    if answer is None:
+        hdr = [(b"content-type", b"application/msgpack"), (b"content-length", b"%d" % n)]
+        answer = _SIZED[n] = (hdr, bytes(n))
+    await send({"type": "http.response.start", "status": 200, "headers": answer[0]})
+    await send({"type": "http.response.body", "body": answer[1]})

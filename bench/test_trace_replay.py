@@ -98,9 +98,36 @@ def test_top8_and_phases_backends_equal_the_simulator():
     pairs = list(zip(stream.expected, stream.expected_top, strict=True))
     assert all(t.count <= min(a.count, tr.TOP_K) for a, t in pairs)
     assert sum(a != t for a, t in pairs) > 0  # some answers are cut
-    runs = _check(stream, [f"kvc-top{tr.TOP_K}", "kvc-phases"])
+    names = [f"kvc-top{tr.TOP_K}", "kvc-phases", "kvc-dict", "kvc-hits"]
+    if tr.dynamo_radix_tree() is not None:
+        names.append(f"dynamo-top{tr.TOP_K}")
+    runs = _check(stream, names)
     phases = runs["kvc-phases"][0]
     assert phases["phase_match_s"] > 0 and phases["phase_encode_s"] > 0
+    top = runs[f"kvc-top{tr.TOP_K}"][0]
+    assert top["rows_max"] == tr.TOP_K and top["rows_mean"] <= tr.TOP_K
+    assert runs["kvc-dict"][0]["rows_max"] == runs["kvc-hits"][0]["rows_max"] == 32
+    for b in names[3:]:
+        assert runs[b][0]["rows_max"] <= (32 if b == "kvc-hits" else tr.TOP_K)
+
+
+def test_the_top_depths_a_dynamo_top8_answer_must_have():
+    d = tr.DEPTH_BITS
+    items = [(w << d) | depth for w, depth in enumerate([1, 4, 1, 2, 4, 3, 1, 1, 1, 1, 1])]
+    assert tr.top_depths(items, 3) == (4, 4, 3)
+    assert tr.top_depths(items) == (4, 4, 3, 2, 1, 1, 1, 1)
+    assert tr.top_depths([]) == ()
+
+
+def test_scores_of_an_old_query_result_is_the_dict_a_router_made():
+    from kvconductor.index import DpHit, QueryResult
+
+    class Old:  # a QueryResult from before scores(): its DpHit rows only
+        def __init__(self, hits):
+            self.hits = hits
+
+    hits = [DpHit("a", 0, 3, 1, 0), DpHit("b", 2, 1, 0, 0)]
+    assert tr.scores_of(Old(hits)) == tr.scores_of(QueryResult(hits)) == {("a", 0): 4, ("b", 2): 1}
 
 
 def test_separate_check_reports_the_checked_replay(monkeypatch):
@@ -264,3 +291,112 @@ def test_predictions_mode_from_the_command_line(capsys):
     assert tr.main(["--requests", "200", "--workers", "4", "--predictions", "50"]) == 0
     out = capsys.readouterr().out
     assert "| 4 | 50 |" in out
+
+
+@pytest.mark.server
+def test_server_top_k_answers_are_the_simulators_cut_at_300_workers():
+    """``top_k=8`` through the server at 300 round-robin workers: every whole answer equal
+    to the simulator's, and every cut answer the simulator's eight deepest with the ties at
+    the cut as docs/api.md rotates them (``top_items`` in the whole answer's group order)."""
+    from bench import trace_server as ts
+
+    fit = ts.sources_that_fit()
+    if fit is not None and fit < 301:
+        pytest.skip(f"the hard open-file limit fits {fit} sources")
+    reqs = tr.generate("conversation", seed=13, requests=300)
+    stream = tr.record(reqs, 300, 32, "round-robin")
+    out = ts.run_server(stream, reqs, pace=0, publishers=2, clients=1, top_k=8, floor=False)
+    assert out["applied"] == out["batches"] > 0
+    assert out["gaps"] == out["losses"] == out["dropped"] == 0
+    assert out["queries"] == 300 and out["query_errors"] == 0
+    assert out["whole_mismatches"] == out["top_mismatches"] == out["mismatches"] == 0
+    # the system prompt is held by every worker that served a request: the cut is real
+    assert max(len(tr.simulate_answer(c, stream.final_holders)) for c in stream.chains) > 8
+
+
+def test_cut_check_catches_a_wrong_tie_and_a_ninth_row():
+    """The quiescence check's cut (``_is_cut``): the rotation's ties with one DP per
+    instance, a valid cut with several; a row too many or a wrong tie is a mismatch."""
+    from array import array
+
+    from xxhash import xxh3_64_intdigest
+
+    from bench import trace_server as ts
+
+    d = tr.DEPTH_BITS
+    want = [(w << d) | (3 if w < 2 else 1) for w in range(12)]  # two at depth 3, ten at 1
+    whole = list(want)
+    hashes = [5, 6, 7]
+    order = {w: w for w in range(12)}
+    cut = tr.top_items(want, 4, order, xxh3_64_intdigest(array("Q", hashes)))
+    assert ts._is_cut(cut, want, whole, 4, hashes, 1)
+    wrong = [x for x in want if x not in cut][-1]
+    assert not ts._is_cut(cut[:-1] + [wrong], want, whole, 4, hashes, 1)
+    assert not ts._is_cut(cut + [wrong], want, whole, 4, hashes, 1)
+    assert ts._is_cut(cut[:-1] + [wrong], want, whole, 4, hashes, 2)  # any tie, several DPs
+    assert not ts._is_cut([want[0], *want[2:5]], want, whole, 4, hashes, 2)  # a deeper row left out
+    assert not ts._is_cut(cut + [wrong], want, whole, 4, hashes, 2)
+
+
+def test_a_size_the_servers_open_files_cannot_hold_is_refused_before_it_starts(monkeypatch):
+    from bench import trace_server as ts
+
+    monkeypatch.setattr(ts, "sources_that_fit", lambda: 7)
+    reqs = tr.generate("conversation", seed=1, requests=20)
+    stream = tr.record(reqs, 8, 16, "round-robin")
+    with pytest.raises(ts.DoesNotFit, match="fits 7"):
+        ts.run_server(stream, reqs)
+
+
+def _dynamo_indexer():
+    from bench import trace_dynamo_server as tds
+
+    if not tds.available():
+        pytest.skip("ai-dynamo-runtime is not installed")
+    return tds
+
+
+@pytest.mark.server
+def test_dynamo_indexer_service_gets_the_same_stream_and_answers_exactly():
+    """The same ZeroMQ bytes and queries by hash played against Dynamo's standalone indexer
+    service (``python -m dynamo.indexer``): every batch applied, every answer (matched
+    tokens per instance and DP) equal to the simulator's at quiescence."""
+    tds = _dynamo_indexer()
+    from bench import trace_server as ts
+
+    reqs = tr.generate("conversation", seed=11, requests=200)
+    stream = tr.record(reqs, 16, 48, "round-robin", dp=2)
+    out = ts.run_server(
+        stream, reqs, pace=0, publishers=2, clients=1, floor=False, target=tds.DynamoIndexer
+    )
+    assert out["backend"] == "dynamo-indexer"
+    assert out["applied"] == out["batches"] > 0 and out["dropped"] == 0
+    assert out["queries"] == 200 and out["query_errors"] == 0
+    assert out["checked"] == 200 and out["mismatches"] == 0
+
+
+def test_dynamo_indexer_hashes_are_signed_and_scores_are_tokens():
+    tds = _dynamo_indexer()
+    assert tds.signed((1 << 64) - 1) == -1 and tds.signed(5) == 5
+    svc = object.__new__(tds.DynamoIndexer)
+    svc.dp = 2
+    raw = b'{"scores": {"3": {"1": 48}, "0": {"0": 16}}, "frequencies": [], "instances": {}}'
+    assert sorted(svc.items(raw)) == [(0 << tr.DEPTH_BITS) | 1, (7 << tr.DEPTH_BITS) | 3]
+
+
+@pytest.mark.server
+def test_command_line_server_modes(tmp_path, capsys):
+    """``--server 0 --server-top-k 0 8 [--server-dynamo]``: one row per service and top_k,
+    all exact."""
+    argv = ["--requests", "120", "--workers", "24", "--capacity", "32", "--repeats", "0"]
+    argv += ["--policy", "round-robin", "--server", "0", "--server-top-k", "0", "8"]
+    argv += ["--clients", "1", "--publishers", "2", "--json", str(tmp_path / "r.json")]
+    from bench import trace_dynamo_server as tds
+
+    if tds.available():
+        argv.append("--server-dynamo")
+    assert tr.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "| kv-conductor | all | saturation |" in text
+    assert "| kv-conductor | 8 | saturation |" in text
+    assert ("| dynamo-indexer | all | saturation |" in text) == tds.available()

@@ -27,11 +27,16 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    unchanged through every backend, alternating backends between repeats:
 
    * ``kvc``: the public :class:`kvconductor.index.Index` (``store``, ``remove``,
-     ``query_by_hash``: a :class:`~kvconductor.index.QueryResult` of ``DpHit`` rows);
-   * ``kvc-core``: the compiled ``CoreIndex`` alone (``match`` rows, no Python result);
+     ``query_by_hash``: a :class:`~kvconductor.index.QueryResult`, not read);
+   * ``kvc-dict``: ``kvc`` taking every holder as a router does, the answer's
+     ``{(instance_id, dp_rank): depth}`` dict (``QueryResult.scores()``); ``kvc-hits``:
+     its ``DpHit`` rows (``.hits``); ``kvc-top8``: ``top_k=8``, taken as that dict;
+   * ``kvc-core``: the compiled ``CoreIndex`` alone (``match_rows``: its native
+     ``MatchRows``, no Python object per row);
    * ``dynamo``: NVIDIA Dynamo's ``RadixTree`` (PyPI ``ai-dynamo-runtime``), when it is
      installed: ``apply_event`` with its JSON ``KvCacheEvent`` bytes, ``find_matches``
-     and its ``scores`` map.
+     and its ``scores`` map; ``dynamo-native``: ``find_matches`` alone; ``dynamo-top8``:
+     the ``scores`` map's 8 best (``heapq.nlargest``).
 
    Every answer is compared with the simulator's (outside the timed calls): a mismatch
    is a per-(instance, DP) ``npu_blocks`` that differs, or a holder too many or missing.
@@ -39,7 +44,13 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    ``--server [PACE ...]`` also plays the stream against a real ``kv-conductor``
    (:mod:`bench.trace_server`: vLLM 0.33 batches over ZeroMQ from publisher processes,
    ``/query_by_hash`` MessagePack queries from client processes, at the trace's pace times
-   PACE or, with 0, as fast as possible; every answer checked again at quiescence).
+   PACE or, with 0, as fast as possible; every answer checked again at quiescence);
+   ``--server-top-k 0 8`` once whole and once with ``top_k=8`` (the cut answers checked
+   against :func:`top_items`); ``--server-dynamo`` the same stream (the same ZeroMQ bytes)
+   and queries by hash against NVIDIA Dynamo's standalone indexer service
+   (:mod:`bench.trace_dynamo_server`, ``python -m dynamo.indexer``) in the same run;
+   ``--server-predictions`` kv-conductor once more, each query followed by the router's
+   prediction (``POST /predict_by_hash``), timed apart.
 
 Block identity: a trace id names a prefix block, so a block is identified by its place in
 a chain (its parent's identity and its id). The index keys blocks the same way: a tree
@@ -77,6 +88,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -454,6 +466,12 @@ def top_items(items: list[int], k: int, order: dict[int, int], seed: int) -> lis
     return deeper + [tied[(start + j) % len(tied)] for j in range(k - len(deeper))]
 
 
+def top_depths(items: Iterable[int], k: int = TOP_K) -> tuple[int, ...]:
+    """The depths of the ``k`` deepest answer items, deepest first."""
+    mask = (1 << DEPTH_BITS) - 1
+    return tuple(heapq.nlargest(k, (x & mask for x in items)))
+
+
 def simulate_answer(chain: Sequence[int], holders: dict[int, set[int]]) -> list[int]:
     """Per engine holding the first block, the number of leading blocks of ``chain`` it
     holds, as ``(engine << DEPTH_BITS) | depth`` items."""
@@ -500,6 +518,9 @@ class Stream:
     expected_top: list[Answer] = field(default_factory=list)
     #: the engine each query's request was routed to (the router's prediction)
     routed: list[int] = field(default_factory=list)
+    #: the depths of the TOP_K deepest holders, deepest first (what any top-TOP_K answer
+    #: has, whatever its rule among ties: ``dynamo-top8``'s check)
+    expected_top_depths: list[tuple[int, ...]] = field(default_factory=list)
     blocks_requested: int = 0
     blocks_saved: int = 0
     blocks_stored: int = 0
@@ -639,6 +660,7 @@ def record(
         st.expected.append(digest(items))
         seed = xxh3_64_intdigest(array("Q", locals_))
         st.expected_top.append(digest(top_items(items, TOP_K, group_of, seed)))
+        st.expected_top_depths.append(top_depths(items))
         st.ops.append((Q, qi))
         # routing
         if policy == "round-robin":
@@ -648,15 +670,13 @@ def record(
         else:
             assert ix is not None and rank is not None and cands_of is not None
             res = ix.query_by_hash(locals_)
-            got = digest(
-                ((wid_of[(h.instance_id, h.dp_rank)]) << DEPTH_BITS) | h.npu_blocks
-                for h in res.hits
-            )
+            rows = res.tuples()
+            got = digest((wid_of[(r[0], r[1])] << DEPTH_BITS) | r[2] for r in rows)
             if got != st.expected[qi]:
                 st.record_mismatches += 1
-            reported = {wid_of[(h.instance_id, h.dp_rank)] for h in res.hits}
+            reported = {wid_of[(r[0], r[1])] for r in rows}
             ranked = rank(
-                res.to_dict("default", BLOCK_TOKENS),
+                res,  # read in process: its C-made tuples, no V3 body
                 cands_of(reported, t),
                 req.input_length,
                 BLOCK_TOKENS,
@@ -714,6 +734,10 @@ class Backend:
 
     def answer(self, result: Any) -> Answer:
         raise NotImplementedError
+
+    def rows(self, result: Any) -> int:
+        """The rows (holders) of an answer."""
+        return len(result)
 
     def expected(self) -> list[Answer]:
         """The simulator's answers this backend's queries must give."""
@@ -777,8 +801,9 @@ class KvcBackend(Backend):
 
 
 class KvcCoreBackend(Backend):
-    """The compiled ``CoreIndex`` alone: ``match`` rows ``(group, npu, cpu, disk)``, no
-    Python result objects (group = worker here)."""
+    """The compiled ``CoreIndex`` alone: ``match_rows``, its native answer (the rows
+    ``(group, npu, cpu, disk)`` in a C buffer, a ``MatchRows``), no Python object per row
+    (group = worker here)."""
 
     name = "kvc-core"
 
@@ -803,10 +828,12 @@ class KvcCoreBackend(Backend):
         return out
 
     def calls(self) -> tuple[Callable, Callable, Callable]:
-        return self.core.match, self.core.store, self.core.remove
+        return self.core.match_rows, self.core.store, self.core.remove
 
     def answer(self, result: Any) -> Answer:
-        return digest((g << DEPTH_BITS) | (n + (c << 10) + (d << 10)) for g, n, c, d in result)
+        return digest(
+            (g << DEPTH_BITS) | (n + (c << 10) + (d << 10)) for g, n, c, d in result.tolist()
+        )
 
     def nbytes(self) -> dict[str, int] | None:
         s = self.core.stats()
@@ -816,10 +843,59 @@ class KvcCoreBackend(Backend):
         self.core.close()
 
 
-class KvcTopBackend(KvcBackend):
+def scores_of(res: Any) -> dict:
+    """The router's ``{(instance_id, dp_rank): depth}`` of a ``QueryResult``: its
+    ``scores()`` (built in C), or on a tree from before it (the before/after runs of
+    docs/performance.md) the same dict made from its ``DpHit`` rows, as a router did."""
+    scores = getattr(res, "scores", None)
+    if scores is not None:
+        return scores()
+    return {
+        (h.instance_id, h.dp_rank): h.npu_blocks + h.cpu_blocks + h.disk_blocks for h in res.hits
+    }
+
+
+class KvcDictBackend(KvcBackend):
+    """``kvc`` with every holder taken as a router takes Dynamo's ``.scores``: the
+    ``{(instance_id, dp_rank): depth}`` dict of the answer, inside the timed call."""
+
+    name = "kvc-dict"
+
+    def calls(self) -> tuple[Callable, Callable, Callable]:
+        q = self.ix.query_by_hash
+
+        def query(hashes: Any) -> Any:
+            return scores_of(q(hashes))
+
+        return query, self.ix.store, self.ix.remove
+
+    def answer(self, result: Any) -> Answer:
+        base = self.base
+        return digest(((base[i] + d) << DEPTH_BITS) | s for (i, d), s in result.items())
+
+
+class KvcHitsBackend(KvcBackend):
+    """``kvc`` with the answer's ``DpHit`` rows (``QueryResult.hits``) made in the timed
+    call."""
+
+    name = "kvc-hits"
+
+    def calls(self) -> tuple[Callable, Callable, Callable]:
+        q = self.ix.query_by_hash
+
+        def query(hashes: Any) -> Any:
+            res = q(hashes)
+            res.hits  # noqa: B018 (made here, timed)
+            return res
+
+        return query, self.ix.store, self.ix.remove
+
+
+class KvcTopBackend(KvcDictBackend):
     """``kvc`` asking ``query_by_hash(..., top_k=TOP_K)``: at most the TOP_K deepest
     (instance, DP) rows (ties at the cut by the request's rotation), what a router that
-    ranks a few candidates asks."""
+    ranks a few candidates asks, taken as its ``{(instance_id, dp_rank): depth}`` dict
+    inside the timed call."""
 
     name = f"kvc-top{TOP_K}"
 
@@ -827,7 +903,7 @@ class KvcTopBackend(KvcBackend):
         q = self.ix.query_by_hash
 
         def query(hashes: Any) -> Any:
-            return q(hashes, top_k=TOP_K)
+            return scores_of(q(hashes, top_k=TOP_K))
 
         return query, self.ix.store, self.ix.remove
 
@@ -940,19 +1016,63 @@ class DynamoBackend(Backend):
         return digest(((wid * dp + d) << DEPTH_BITS) | s for (wid, d), s in result.items())
 
 
+class DynamoNativeBackend(DynamoBackend):
+    """``dynamo``'s native answer: ``find_matches`` alone (its ``OverlapScores``, the
+    ``.scores`` map not asked for in the timed call), beside ``kvc-core``."""
+
+    name = "dynamo-native"
+
+    def calls(self) -> tuple[Callable, Callable, Callable]:
+        return self.tree.find_matches, self.tree.apply_event, self.tree.apply_event
+
+    def answer(self, result: Any) -> Answer:
+        return super().answer(result.scores)
+
+    def rows(self, result: Any) -> int:
+        return len(result.scores)
+
+
+class DynamoTopBackend(DynamoBackend):
+    """``dynamo`` taken as a router takes its TOP_K best: ``.scores`` then
+    ``heapq.nlargest(TOP_K)`` by depth (Dynamo's answer is whole). Checked by the depths
+    of the TOP_K deepest holders (its ties are its own)."""
+
+    name = f"dynamo-top{TOP_K}"
+
+    def calls(self) -> tuple[Callable, Callable, Callable]:
+        find = self.tree.find_matches
+        nlargest = heapq.nlargest
+        depth = itemgetter(1)
+
+        def query(seq: list[int]) -> list:
+            return nlargest(TOP_K, find(seq).scores.items(), key=depth)
+
+        return query, self.tree.apply_event, self.tree.apply_event
+
+    def answer(self, result: Any) -> Any:
+        return tuple(s for _, s in result)
+
+    def expected(self) -> list[Any]:
+        return self.stream.expected_top_depths
+
+
 BACKENDS: dict[str, type[Backend]] = {
     "kvc": KvcBackend,
     "kvc-core": KvcCoreBackend,
+    "kvc-dict": KvcDictBackend,
+    "kvc-hits": KvcHitsBackend,
     "kvc-phases": KvcPhasesBackend,
     KvcTopBackend.name: KvcTopBackend,
     "dynamo": DynamoBackend,
+    "dynamo-native": DynamoNativeBackend,
+    DynamoTopBackend.name: DynamoTopBackend,
 }
 
 
 def default_backends() -> list[str]:
-    names = ["kvc", KvcTopBackend.name, "kvc-core"]
+    names = ["kvc", "kvc-dict", KvcTopBackend.name, "kvc-core"]
     if dynamo_radix_tree() is not None:
-        names.append("dynamo")
+        names += ["dynamo", "dynamo-native", DynamoTopBackend.name]
     return names
 
 
@@ -975,6 +1095,7 @@ def replay(stream: Stream, backend_name: str, check: bool = True) -> dict[str, A
     answer = be.answer
     mismatches = 0
     first_bad: list[int] = []
+    nrows: list[int] = []
     clock = time.perf_counter_ns
     wall0 = time.perf_counter()
     for kind, qi, args in prepared:
@@ -983,6 +1104,8 @@ def replay(stream: Stream, backend_name: str, check: bool = True) -> dict[str, A
         result = fn(*args)
         t1 = clock()
         times[kind].append(t1 - t0)
+        if kind == Q:
+            nrows.append(be.rows(result))
         if check and kind == Q and answer(result) != expected[qi]:
             mismatches += 1
             if len(first_bad) < 5:
@@ -1009,6 +1132,8 @@ def replay(stream: Stream, backend_name: str, check: bool = True) -> dict[str, A
         "event_s": (sum(times[STORE]) + sum(times[REMOVE])) / 1e9,
         "mismatches": mismatches,
         "first_mismatches": first_bad,
+        "rows_mean": sum(nrows) / len(nrows) if nrows else 0.0,
+        "rows_max": max(nrows, default=0),
         "checked": check,
     }
     if phases is not None:
@@ -1076,56 +1201,69 @@ def _fmt_us(x: float) -> str:
 def report_rows(stream: Stream, meds: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     c = stream.counts()
-    ref = meds.get("dynamo")
     for b, m in meds.items():
-        ratio = f"{m['ops_per_s'] / ref['ops_per_s']:.2f}x" if ref and b != "dynamo" else ""
+        # a top-k backend against Dynamo's top-k (.scores + nlargest), the native result
+        # against Dynamo's (find_matches alone), the others against Dynamo's .scores
+        peer = PEERS.get(b, "dynamo")
+        ref = meds.get(peer) or meds.get("dynamo")
+        ratio = f"{m['ops_per_s'] / ref['ops_per_s']:.2f}x" if ref and ref is not m else ""
+        rows = f"{m['rows_mean']:.1f} / {m['rows_max']}" if m.get("rows_max") is not None else "-"
         bpp = f"{m['bytes_per_pair']:.1f}" if "bytes_per_pair" in m else "-"
         lines.append(
             f"| {stream.label} | {stream.workers:,} | {stream.policy} | "
             f"{stream.hit_ratio:.3f} | {c['ops']:,} | {b} | {_fmt_rate(m['ops_per_s'])} | "
             f"{ratio} | {_fmt_us(m['query_p50_us'])} / {_fmt_us(m['query_p99_us'])} | "
-            f"{_fmt_us(m['store_p50_us'])} / {_fmt_us(m['store_p99_us'])} | {bpp} | "
+            f"{_fmt_us(m['store_p50_us'])} / {_fmt_us(m['store_p99_us'])} | {rows} | {bpp} | "
             f"{m['mismatches']} |"
         )
     return lines
 
 
+#: The Dynamo backend each backend's "vs Dynamo" ratio is taken against (else ``dynamo``).
+PEERS = {"kvc-core": "dynamo-native", f"kvc-top{TOP_K}": f"dynamo-top{TOP_K}"}
+
 HEADER = (
     "| trace | workers | policy | hit ratio | ops | backend | ops/s | vs Dynamo | "
-    "query p50 / p99 | store p50 / p99 | B per (worker, block) | mismatches |\n"
-    "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | --- | --- | ---: | ---: |"
+    "query p50 / p99 | store p50 / p99 | rows per answer (mean / max) | "
+    "B per (worker, block) | mismatches |\n"
+    "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |"
 )
 
 
 SERVER_HEADER = (
-    "| trace | workers | policy | pace | event batches/s | drain after the last publish | "
-    "queries/s | query p50 / p99 (round trip) | floor p50 / p99 (bare ASGI app) | "
-    "server p50 / p99 | answer bytes | event-to-visible p50 / p99 | "
-    "losses | mismatches at quiescence | /predict p50 / p99 (confirmed, expired, "
-    "contradicted) |\n"
-    "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | --- | ---: | --- | ---: | ---: "
-    "| --- |"
+    "| trace | workers | policy | service | top_k | pace | ops/s | event batches/s | "
+    "drain after the last publish | queries/s | query p50 / p99 (round trip) | "
+    "floor p50 / p99, queries/s (bare ASGI app) | server p50 / p99 | answer bytes | "
+    "event-to-visible p50 / p99 | losses | mismatches at quiescence | "
+    "/predict p50 / p99 (confirmed, expired, contradicted) |\n"
+    "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | "
+    "---: | --- | ---: | ---: | --- |"
 )
+
+
+def _pair_us(r: dict[str, Any], key: str) -> str:
+    p50, p99 = r.get(f"{key}_p50_us"), r.get(f"{key}_p99_us")
+    return "-" if p50 is None else f"{_fmt_us(p50)} / {_fmt_us(p99)}"
 
 
 def server_row(stream: Stream, r: dict[str, Any]) -> str:
     pace = "saturation" if not r["pace"] else f"x{r['pace']:g}"
-    srv = (
-        f"{_fmt_us(r['server_p50_us'])} / {_fmt_us(r['server_p99_us'])}"
-        if r.get("server_p50_us") is not None
-        else "-"
-    )
-    floor = (
-        f"{_fmt_us(r['floor_p50_us'])} / {_fmt_us(r['floor_p99_us'])}"
-        if r.get("floor_p50_us") is not None
-        else "-"
-    )
+    if "error" in r:
+        return f"| {stream.label} | {stream.workers:,} | {stream.policy} | kv-conductor | " + (
+            f"{r.get('top_k') or 'all'} | {pace} | not run: {r['error']} |"
+        )
+    lag = "-"
+    if r.get("lag_p50_ms") is not None:
+        lag = f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms"
+    floor = _pair_us(r, "floor")
+    if r.get("floor_queries_per_s"):
+        floor += f", {_fmt_rate(r['floor_queries_per_s'])} q/s"
     return (
-        f"| {stream.label} | {stream.workers:,} | {stream.policy} | {pace} | "
+        f"| {stream.label} | {stream.workers:,} | {stream.policy} | {r['backend']} | "
+        f"{r.get('top_k') or 'all'} | {pace} | {_fmt_rate(r['ops_per_s'])} | "
         f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
-        f"{_fmt_rate(r['queries_per_s'])} | {_fmt_us(r['query_p50_us'])} / "
-        f"{_fmt_us(r['query_p99_us'])} | {floor} | {srv} | {r.get('answer_bytes_mean', 0):,} | "
-        f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms | "
+        f"{_fmt_rate(r['queries_per_s'])} | {_pair_us(r, 'query')} | {floor} | "
+        f"{_pair_us(r, 'server')} | {r.get('answer_bytes_mean', 0):,} | {lag} | "
         f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} | "
         f"{_predict_cell(r)} |"
     )
@@ -1137,9 +1275,45 @@ def _predict_cell(r: dict[str, Any]) -> str:
         return "-"
     c = r["prediction_outcomes"]
     return (
-        f"{_fmt_us(r['predict_p50_us'])} / {_fmt_us(r['predict_p99_us'])} "
+        f"{_pair_us(r, 'predict')} "
         f"({c.get('confirmed', 0):,}, {c.get('expired', 0):,}, {c.get('contradicted', 0):,})"
     )
+
+
+def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> Iterable[dict]:
+    """``--server``'s runs of one stream: per round, per PACE, kv-conductor once per
+    ``--server-top-k`` and Dynamo's indexer service once (``--server-dynamo``), the order
+    of the services rotating each round; a size that does not fit the machine is a row
+    with its reason."""
+    from bench.trace_server import DoesNotFit, run_server
+
+    targets: list[tuple[Any, int | None]] = [(None, k or None) for k in args.server_top_k]
+    if args.server_predictions:
+        targets.append(("predictions", None))
+    if args.server_dynamo:
+        from bench.trace_dynamo_server import DynamoIndexer, available
+
+        if not available():
+            raise SystemExit("--server-dynamo: ai-dynamo-runtime is not installed")
+        targets.append((DynamoIndexer, None))
+    for r in range(args.server_rounds):
+        for pace in args.server or [10.0, 0.0]:
+            for target, top_k in targets[r % len(targets) :] + targets[: r % len(targets)]:
+                kw: dict[str, Any] = {} if target is None else {"target": target}
+                if target == "predictions":
+                    kw = {"predictions": True, "prediction_ttl": args.prediction_ttl_s}
+                try:
+                    yield run_server(
+                        stream,
+                        requests,
+                        pace=pace,
+                        publishers=args.publishers,
+                        clients=args.clients,
+                        top_k=top_k,
+                        **kw,
+                    )
+                except DoesNotFit as ex:
+                    yield {"pace": pace, "top_k": top_k, "error": str(ex), "mismatches": 0}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1153,7 +1327,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=1, help="DP ranks per engine instance")
     ap.add_argument("--capacity", type=int, default=2048, help="LRU blocks per worker")
     ap.add_argument("--policy", nargs="+", default=["round-robin", "kv-aware"], choices=POLICIES)
-    ap.add_argument("--backends", help="comma-separated: kvc,kvc-core,dynamo")
+    ap.add_argument(
+        "--backends",
+        help="comma-separated, of: "
+        + ",".join(BACKENDS)
+        + " (default: "
+        + ",".join(default_backends())
+        + ")",
+    )
     ap.add_argument(
         "--repeats", type=int, default=3, help="in-process replays per backend (0: none)"
     )
@@ -1189,11 +1370,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--predictions, --server-predictions: their TTL",
     )
     ap.add_argument(
+        "--server-top-k",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="K",
+        help="--server: the queries ask top_k=K, once per K (0: the whole answer)",
+    )
+    ap.add_argument(
+        "--server-dynamo",
+        action="store_true",
+        help="--server: also play each PACE against Dynamo's indexer service "
+        "(python -m dynamo.indexer, bench/trace_dynamo_server.py), whole answers",
+    )
+    ap.add_argument(
         "--server-predictions",
         action="store_true",
-        help="--server: each PACE played twice, the second time the query clients also post "
-        "the router's prediction (POST /predict_by_hash, the engine the request went to) "
-        "after each query",
+        help="--server: also play each PACE with the router's prediction posted after each "
+        "query (POST /predict_by_hash, for the engine the request went to), timed apart",
+    )
+    ap.add_argument(
+        "--server-rounds", type=int, default=1, help="--server: rounds, the order rotating"
     )
     ap.add_argument("--publishers", type=int, default=4, help="--server: publisher processes")
     ap.add_argument("--clients", type=int, default=2, help="--server: query client processes")
@@ -1257,8 +1454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for b in backends:
         if b not in BACKENDS:
             ap.error(f"unknown backend {b!r}")
-    if "dynamo" in backends and dynamo_radix_tree() is None:
-        ap.error("backend dynamo: ai-dynamo-runtime is not installed")
+    for b in backends:
+        if b.startswith("dynamo") and dynamo_radix_tree() is None:
+            ap.error(f"backend {b}: ai-dynamo-runtime is not installed")
     results = []
     table: list[str] = []
     server_table: list[str] = []
@@ -1299,19 +1497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\n".join(rows), flush=True)
             server_runs = []
             if args.server is not None:
-                from bench.trace_server import run_server
-
-                modes = (False, True) if args.server_predictions else (False,)
-                for pace, predict in ((p, m) for p in args.server or [10.0, 0.0] for m in modes):
-                    sr = run_server(
-                        stream,
-                        requests,
-                        pace=pace,
-                        publishers=args.publishers,
-                        clients=args.clients,
-                        predictions=predict,
-                        prediction_ttl=args.prediction_ttl_s,
-                    )
+                for sr in server_runs_of(stream, requests, args):
                     print(json.dumps(sr), flush=True)
                     server_runs.append(sr)
                     row = server_row(stream, sr)

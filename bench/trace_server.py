@@ -12,45 +12,53 @@ kvconductor``:
 * at the trace's pace times ``pace`` (``pace=0``: as fast as possible, saturation);
 * with ``predictions`` (``trace_replay.py --server-predictions``), each query followed by
   the router's prediction (``POST /predict_by_hash``: the query's blocks, for the engine the
-  request was routed to), timed apart, so the cost of predictions through HTTP is measured
-  beside the same run without them.
+  request was routed to), timed apart: the cost of predictions through HTTP, beside the
+  same stream without them; at quiescence, once none is live.
 
 A server needs token ids: each trace id stands for one block of :data:`SERVER_BLOCK`
 tokens derived from the id (distinct ids, distinct tokens), so the server's local hash of a
 block is XXH3 of those tokens (``kvconductor._hash.hash_blocks``), what the queries send.
 
 Queries run while events are still in flight, so their answers are not compared during the
-run. At quiescence (every published batch applied, per ``GET /workers``' sources; with
-predictions, none live any more) every query is asked again and its answer compared with
-the simulator's final state.
+run. At quiescence (every published batch applied, per ``GET /workers``' sources) every
+query is asked again and its answer compared with the simulator's final state; with
+``top_k`` the queries ask for it, and at quiescence each is asked whole (the rows and their
+group order) and cut (compared with :func:`bench.trace_replay.top_items` of the whole).
+
+The service under test is a *target* (:class:`Server` here; Dynamo's standalone indexer
+in :mod:`bench.trace_dynamo_server`): it registers an engine, says how many batches it
+applied, builds a query body and reads an answer into the simulator's items.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import multiprocessing as mp
 import os
-import re
-import resource
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from array import array
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import zmq
+from xxhash import xxh3_64_intdigest
 
 from bench import trace_replay as tr
+from bench.trace_services import (
+    MODEL,
+    SERVER_BLOCK,
+    Conn,
+    DoesNotFit,
+    Floor,
+    Server,
+    Service,
+    _raise_nofile,
+    resource_limit,
+    sources_that_fit,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-SERVER_BLOCK = 16  # tokens per block on the wire
-MODEL = "trace"
 TOPIC = b"kv-events"
 
 
@@ -107,9 +115,11 @@ def server_locals(ids: Sequence[int]) -> list[int]:
     return list(hash_blocks(toks, SERVER_BLOCK))
 
 
-def encode_ops(stream: tr.Stream, id_of: dict[int, int], ts: Sequence[float]):
+def encode_ops(
+    stream: tr.Stream, id_of: dict[int, int], ts: Sequence[float], body_of: Callable
+) -> tuple[list[list[tuple[float, bytes]]], list[tuple[float, int, bytes]], Callable]:
     """Per engine, its event batches in stream order: ``(time, payload)``; and the queries:
-    ``(time, query index, msgpack body)``."""
+    ``(time, query index, body_of(server local hashes))``."""
     enc = msgspec.msgpack.Encoder()
     per_worker: list[list[tuple[float, bytes]]] = [[] for _ in range(stream.workers)]
     queries: list[tuple[float, int, bytes]] = []
@@ -124,9 +134,7 @@ def encode_ops(stream: tr.Stream, id_of: dict[int, int], ts: Sequence[float]):
     for op, t in zip(stream.ops, ts, strict=True):
         if op[0] == tr.Q:
             qi = op[1]
-            hashes = [sl(id_of[x]) for x in stream.queries[qi]]
-            body = enc.encode({"model": MODEL, "block_hashes": hashes})
-            queries.append((t, qi, body))
+            queries.append((t, qi, body_of([sl(id_of[x]) for x in stream.queries[qi]])))
         elif op[0] == tr.STORE:
             w, par, eh, lh = op[1], op[2], op[3], op[4]
             toks: list[int] = []
@@ -139,45 +147,6 @@ def encode_ops(stream: tr.Stream, id_of: dict[int, int], ts: Sequence[float]):
             ev2 = BlockRemoved(list(eh), "GPU")
             per_worker[w].append((t, enc.encode(KVEventBatch(t, [ev2], w % stream.dp))))
     return per_worker, queries, sl
-
-
-_GONE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
-
-
-class Conn:
-    """A keep-alive HTTP connection that reconnects once when the server closed it (an idle
-    keep-alive connection is closed after a few seconds, as in a paced run's pauses)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-
-    def request(self, method: str, path: str, body: bytes | None = None, hdr=None):
-        for attempt in (0, 1):
-            try:
-                self.c.request(method, path, body, hdr or {})
-                r = self.c.getresponse()
-                return r, r.read()
-            except _GONE:
-                self.c.close()
-                self.c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        self.c.close()
-
-
-def _raise_nofile() -> None:
-    """Open files up to the hard limit, or to 65,536 where allowed (root): a subscription
-    holds about 4 files on the server, 7,000 engines need more than a usual 20,000."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, 65536), max(hard, 65536)))
-    except (ValueError, OSError):
-        if soft < hard:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _publisher(conn, workers: list[int]) -> None:
@@ -197,14 +166,14 @@ def _publisher(conn, workers: list[int]) -> None:
     conn.send(ports)
     # wait until every engine's SUB subscribed (a batch sent before would be lost)
     poller = zmq.Poller()
-    pending = set(range(len(socks)))
+    pending = {s: k for k, s in enumerate(socks)}
     for s in socks:
         poller.register(s, zmq.POLLIN)
     deadline = time.monotonic() + 120
     while pending and time.monotonic() < deadline:
         for s, _ in poller.poll(500):
             s.recv()
-            pending.discard(socks.index(s))
+            pending.pop(s, None)
     conn.send(len(pending))
     items, pace = conn.recv()  # [(t, local index, payload)] and pace
     conn.send("ready")
@@ -232,32 +201,45 @@ def _publisher(conn, workers: list[int]) -> None:
 
 
 def _client(conn, port: int) -> None:
-    """One query client: keep-alive HTTP, MessagePack bodies; times every round trip. With
-    ``predicts`` (one body per item), each query is followed by the router's prediction
+    """One query client: keep-alive HTTP, the target's bodies; times every round trip.
+    With a floor port, each query's twin (the same body, ``x-floor-size``: the length of
+    the target's answer) goes to the floor beside it, first or second in turn. With
+    ``predicts`` (a body per query), each query is followed by the router's prediction
     (``POST /predict_by_hash``), timed apart."""
-    items, pace, *more = conn.recv()
-    predicts = more[0] if more else None
+    items, pace, path, ctype, floor_port, predicts = conn.recv()
     c = Conn(port)
+    f = Conn(floor_port) if floor_port else None
     conn.send("ready")
     start = conn.recv()
     d0 = start - time.time()
     if d0 > 0:
         time.sleep(d0)
-    hdr = {"Content-Type": "application/msgpack"}
+    hdr = {"Content-Type": ctype}
     lat: list[int] = []
+    floor: list[int] = []
     plat: list[int] = []
     server: list[float] = []
     errors = perrors = 0
     clock = time.perf_counter_ns
+    size = 0
     t0 = time.perf_counter()
-    for i, (t, _qi, body) in enumerate(items):
+    for j, (t, _qi, body) in enumerate(items):
         if pace > 0:
             d = start + t / pace - time.time()
             if d > 0:
                 time.sleep(d)
+        if f is not None and j & 1:
+            a = clock()
+            f.request("POST", path, body, {**hdr, "x-floor-size": str(size)})
+            floor.append(clock() - a)
         a = clock()
-        r, _ = c.request("POST", "/query_by_hash", body, hdr)
+        r, answer = c.request("POST", path, body, hdr)
         lat.append(clock() - a)
+        size = len(answer)
+        if f is not None and not j & 1:
+            a = clock()
+            f.request("POST", path, body, {**hdr, "x-floor-size": str(size)})
+            floor.append(clock() - a)
         if r.status != 200:
             errors += 1
         st = r.getheader("Server-Timing")
@@ -268,11 +250,13 @@ def _client(conn, port: int) -> None:
                 pass
         if predicts is not None:
             a = clock()
-            r, _ = c.request("POST", "/predict_by_hash", predicts[i], hdr)
+            r, _ = c.request("POST", "/predict_by_hash", predicts[j], hdr)
             plat.append(clock() - a)
             perrors += r.status != 200
-    conn.send((lat, server, errors, time.perf_counter() - t0, plat, perrors))
+    conn.send((lat, server, errors, time.perf_counter() - t0, floor, plat, perrors))
     c.close()
+    if f is not None:
+        f.close()
 
 
 class Probe:
@@ -344,205 +328,150 @@ class Probe:
         self.ctx.term()
 
 
-FLOOR_APP = """
-import sys
-
-import uvicorn
-
-from kvconductor.serve.single import _uvicorn_impls
-
-BODY = bytes(int(sys.argv[2]))
-
-
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    more = True
-    while more:
-        more = (await receive()).get("more_body", False)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [(b"content-type", b"application/msgpack")],
-        }
-    )
-    await send({"type": "http.response.body", "body": BODY})
-
-
-loop, http = _uvicorn_impls()
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), loop=loop, http=http,
-            lifespan="off", log_level="warning", server_header=False)
-"""
+def _start_clients(
+    ctx,
+    port: int,
+    queries: list,
+    pace: float,
+    clients: int,
+    target,
+    procs,
+    floor_port=0,
+    predicts: list | None = None,
+):
+    """``clients`` query client processes, each given its share of ``queries`` (and of
+    ``predicts``)."""
+    cl = []
+    for c in range(clients):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_client, args=(b, port), daemon=True)
+        p.start()
+        procs.append(p)
+        mine = predicts[c::clients] if predicts is not None else None
+        a.send((queries[c::clients], pace, target.path, target.ctype, floor_port, mine))
+        cl.append(a)
+    return cl
 
 
-def run_floor(queries: list, size: int, pace: float, clients: int) -> dict[str, Any]:
-    """The same queries, clients and pace against the floor of the HTTP stack: a bare ASGI
-    app on the same uvicorn (same loop and HTTP parser as kv-conductor) that answers every
-    query with ``size`` bytes (the mean size of kv-conductor's answers) and does nothing
-    else. What kv-conductor adds is the difference between the two runs."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FLOOR_APP, str(port), str(size)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    procs = []
+def _gather(cl, out: dict[str, Any] | None = None):
+    """The clients' round trips (ns), ``Server-Timing`` durations (ms), errors, wall time,
+    and the paired floor's round trips (ns); their predictions' round trips into ``out``."""
+    lat: list[int] = []
+    srv: list[float] = []
+    floor: list[int] = []
+    plat: list[int] = []
+    errors = perrors = 0
+    wall = 0.0
+    for conn in cl:
+        lat_c, srv_c, e, w, floor_c, plat_c, pe = conn.recv()
+        lat.extend(lat_c)
+        srv.extend(srv_c)
+        floor.extend(floor_c)
+        plat.extend(plat_c)
+        errors += e
+        perrors += pe
+        wall = max(wall, w)
+    if out is not None and plat:
+        out["predicts"] = len(plat)
+        out["predict_errors"] = perrors
+        out["predict_p50_us"] = tr.quantile(plat, 0.5) / 1e3
+        out["predict_p99_us"] = tr.quantile(plat, 0.99) / 1e3
+    return lat, srv, errors, wall, floor
+
+
+def _start_together(conns) -> float:
+    for conn in conns:
+        conn.recv()  # ready
+    start = time.time() + 0.2
+    for conn in conns:
+        conn.send(start)
+    return start
+
+
+def run_floor(queries: list, size: int, pace: float, clients: int, target) -> dict[str, Any]:
+    """The same queries, clients and pace against the :class:`Floor` alone, every answer
+    ``size`` bytes (the mean of the target's answers)."""
+    floor = Floor(size)
+    procs: list = []
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the floor app did not start") from None
-                time.sleep(0.05)
         ctx = mp.get_context("spawn")
-        cl = []
-        for c in range(clients):
-            a, b = ctx.Pipe()
-            p = ctx.Process(target=_client, args=(b, port), daemon=True)
-            p.start()
-            procs.append(p)
-            a.send((queries[c::clients], pace))
-            cl.append(a)
-        for conn in cl:
-            conn.recv()  # ready
-        start = time.time() + 0.2
-        for conn in cl:
-            conn.send(start)
-        lat: list[int] = []
-        for conn in cl:
-            lat.extend(conn.recv()[0])
-        return {
-            "floor_answer_bytes": size,
-            "floor_p50_us": tr.quantile(lat, 0.5) / 1e3,
-            "floor_p99_us": tr.quantile(lat, 0.99) / 1e3,
-        }
+        cl = _start_clients(ctx, floor.port, queries, pace, clients, target, procs)
+        _start_together(cl)
+        lat, _, _, wall, _ = _gather(cl)
+        return {"floor_answer_bytes": size, **Floor.row(lat, wall)}
     finally:
         for p in procs:
             p.join(10)
             if p.is_alive():
                 p.kill()
-        proc.terminate()
-        proc.wait(10)
+        floor.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Keep-alive connections registering the engines at once (the server registers them one
+#: after another; the round trips overlap): 2,000 engines in 2.0-2.2 s instead of 3.1 s.
+REGISTER_CONNECTIONS = 4
 
 
-class Server:
-    """``python -m kvconductor`` on a free loopback port, its log in a temporary directory."""
+def register_all(server: Service, urls: dict[int, str], n: int) -> None:
+    """Register engines ``0..n-1`` over :data:`REGISTER_CONNECTIONS` connections."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    def __init__(self, workers: int, logdir: str, *args: str) -> None:
-        self.port = _free_port()
-        self.log = open(Path(logdir) / "server.log", "wb")
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvconductor",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--no-snapshots",
-                "--max-sources",
-                str(workers + 16),
-                "--log-level",
-                "WARNING",
-                *args,
-            ],
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_raise_nofile,
-        )
-        self.http = Conn(self.port)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.log_text()}")
-            try:
-                if self.get("/health")[1] == b"OK":
-                    break
-            except OSError:
-                self.http = Conn(self.port)
-            if time.monotonic() > deadline:
-                raise RuntimeError("server not ready")
-            time.sleep(0.1)
-
-    def log_text(self) -> str:
-        self.log.flush()
-        return (Path(self.log.name)).read_text(errors="replace")[-3000:]
-
-    def request(self, method: str, path: str, body: bytes | None = None, ctype: str = ""):
-        hdr = {"Content-Type": ctype} if ctype else {}
-        r, data = self.http.request(method, path, body, hdr)
-        return r.status, data
-
-    def get(self, path: str):
-        return self.request("GET", path)
-
-    def post_json(self, path: str, obj: Any):
-        return self.request("POST", path, json.dumps(obj).encode(), "application/json")
-
-    def post_msgpack(self, path: str, body: bytes):
-        st, data = self.request("POST", path, body, "application/msgpack")
-        return st, msgspec.msgpack.decode(data)
-
-    def stop(self) -> None:
-        self.http.close()
-        self.proc.terminate()
+    def part(k: int) -> None:
+        c = Conn(server.port)
         try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.log.close()
+            for w in range(k, n, REGISTER_CONNECTIONS):
+                server.register(w, urls[w], conn=c)
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(REGISTER_CONNECTIONS) as ex:
+        list(ex.map(part, range(REGISTER_CONNECTIONS)))
 
 
-def _applied(server: Server) -> tuple[int, dict[str, int]]:
-    st, data = server.get("/workers")
-    if st != 200:
-        return -1, {}
-    sources = json.loads(data).get("sources", [])
-    losses = {
-        "gaps": sum(s.get("gaps", 0) for s in sources),
-        "losses": sum(s.get("losses", 0) for s in sources),
-        "dropped": sum(sum((s.get("dropped") or {}).values()) for s in sources),
-    }
-    return sum(s.get("batches", 0) for s in sources), losses
+def _is_cut(got: list[int], want: list[int], whole: list[int], k: int, hashes, dp: int) -> bool:
+    """Whether ``got`` is the ``top_k=k`` answer of the simulator's items ``want``: with one
+    DP per instance, :func:`tr.top_items` in the group order of the whole answer ``whole``;
+    with several, the whole answer's map (instance, then its DPs) does not show the group
+    order across instances, so a valid cut: min(k, holders) rows of the simulator's, every
+    row deeper than the k-th depth among them."""
+    if dp == 1:
+        order = {x >> tr.DEPTH_BITS: j for j, x in enumerate(whole)}
+        cut = tr.top_items(want, k, order, xxh3_64_intdigest(array("Q", hashes)))
+        return len(got) <= k and tr.digest(got) == tr.digest(cut)
+    mask = (1 << tr.DEPTH_BITS) - 1
+    kth = sorted((x & mask for x in want), reverse=True)[min(k, len(want)) - 1] if want else 0
+    deeper = {x for x in want if x & mask > kth}
+    gs = set(got)
+    return len(gs) == len(got) == min(k, len(want)) and gs <= set(want) and deeper <= gs
 
 
-def _prediction_counts(server: Server) -> dict[str, int]:
-    """``kvconductor_predictions_total{outcome}`` and ``kvconductor_predictions_live``."""
-    text = server.get("/metrics")[1].decode()
-    out = {
-        k: int(float(v))
-        for k, v in re.findall(r'kvconductor_predictions_total\{outcome="(\w+)"\} (\S+)', text)
-    }
-    live = re.search(r"^kvconductor_predictions_live (\S+)$", text, re.M)
-    out["live"] = int(float(live.group(1))) if live else -1
-    return out
-
-
-def _predict_bodies(stream: tr.Stream, queries: list, sl, id_of: dict[int, int]) -> list[bytes]:
-    """Per query, the router's prediction: the query's blocks, for the engine its request
-    was routed to (``POST /predict_by_hash``)."""
-    enc = msgspec.msgpack.Encoder()
-    out = []
-    for _t, qi, _body in queries:
-        iid, d = tr.instance_of(stream.routed[qi], stream.dp)
+def check_answers(target, stream: tr.Stream, sl, id_of, qs, top_k: int | None) -> dict[str, Any]:
+    """Every query of ``qs`` asked again (whole, and cut to ``top_k`` when given) and
+    compared with the simulator's final state; a cut answer with :func:`tr.top_items` of
+    the whole, in the whole answer's group order (the server names groups in the order
+    their first batch was applied, which concurrent sources make the server's own)."""
+    mismatches = top_mismatches = answer_bytes = 0
+    for qi in qs:
+        want = tr.simulate_answer(stream.chains[qi], stream.final_holders)
         hashes = [sl(id_of[x]) for x in stream.queries[qi]]
-        out.append(
-            enc.encode({"model": MODEL, "block_hashes": hashes, "instance_id": iid, "dp_rank": d})
-        )
+        st, raw = target.ask(hashes)
+        whole = target.items(raw) if st == 200 else []
+        ok = st == 200 and tr.digest(whole) == tr.digest(want)
+        mismatches += not ok
+        if not top_k:
+            answer_bytes += len(raw)
+            continue
+        st, raw = target.ask(hashes, top_k)
+        answer_bytes += len(raw)
+        if not ok or st != 200:
+            top_mismatches += 1
+            continue
+        got = target.items(raw)
+        top_mismatches += not _is_cut(got, want, whole, top_k, hashes, target.dp)
+    out: dict[str, Any] = {"checked": len(qs), "mismatches": mismatches + top_mismatches}
+    out["answer_bytes_mean"] = answer_bytes // max(1, len(qs))
+    if top_k:
+        out["whole_mismatches"], out["top_mismatches"] = mismatches, top_mismatches
     return out
 
 
@@ -555,14 +484,28 @@ def run_server(
     clients: int = 2,
     check: int | None = None,
     floor: bool = True,
+    top_k: int | None = None,
+    target: Callable[..., Service] = Server,
     predictions: bool = False,
     prediction_ttl: float = 2.0,
 ) -> dict[str, Any]:
-    """Play ``stream`` against a fresh server; see the module docstring. ``check``: how many
-    queries to ask again at quiescence (None: all). ``floor``: then play the same queries
-    against a bare ASGI app on the same uvicorn (:func:`run_floor`). ``predictions``: each
-    query is followed by the router's prediction (``--prediction-ttl-s prediction_ttl``);
-    the check at quiescence waits until none is live (every one left no trace)."""
+    """Play ``stream`` against a fresh ``target`` (``target(workers, logdir, dp)``); see
+    the module docstring. ``check``: how many queries to ask again at quiescence (None:
+    all). ``top_k``: the queries ask for it. ``floor``: the same queries against a bare
+    ASGI app on the same uvicorn (:class:`Floor`): paced, each query's twin beside it (the
+    same noise of a shared machine on both, the same answer size); at saturation, a run
+    of its own afterwards (:func:`run_floor`: the load generator's ceiling).
+    ``predictions`` (kv-conductor): each query followed by the router's prediction for the
+    engine its request went to (``--prediction-ttl-s prediction_ttl``); the check at
+    quiescence waits until none is live (each left no trace)."""
+    fit = sources_that_fit() if target is Server else None
+    if fit is not None and stream.workers + 1 > fit:
+        raise DoesNotFit(
+            f"{stream.workers:,} engines (+1 probe) need more ZeroMQ sources than the "
+            f"server can open: the hard open-file limit "
+            f"{resource_limit():,} fits {fit:,} "
+            "(4 files a source); raise it (ulimit -Hn) to run this size"
+        )
     id_of = {tr.local_hash(h): h for r in requests for h in r.hash_ids}
     # the time of each op: its request's arrival (queries and events alike)
     ts: list[float] = []
@@ -572,16 +515,30 @@ def run_server(
         if op[0] == tr.Q:
             cur = qi_time[op[1]] - qi_time[0]
         ts.append(cur)
-    per_worker, queries, sl = encode_ops(stream, id_of, ts)
-    batches = sum(len(x) for x in per_worker)
-    predicts = _predict_bodies(stream, queries, sl, id_of) if predictions else None
-    out: dict[str, Any] = {"backend": "server", "pace": pace, "batches": batches}
+    out: dict[str, Any] = {"pace": pace, "top_k": top_k}
     with tempfile.TemporaryDirectory(prefix="kvc-trace-") as tmp:
-        server = Server(stream.workers, tmp, "--prediction-ttl-s", f"{prediction_ttl:g}")
+        if predictions:
+            server = Server(
+                stream.workers, tmp, stream.dp, ("--prediction-ttl-s", f"{prediction_ttl:g}")
+            )
+            out["backend"] = f"{server.name} + predictions"
+        else:
+            server = target(stream.workers, tmp, stream.dp)
+            out["backend"] = server.name
+        per_worker, queries, sl = encode_ops(stream, id_of, ts, lambda h: server.body(h, top_k))
+        predicts = None
+        if predictions:
+            predicts = [
+                server.predict_body([sl(id_of[x]) for x in stream.queries[qi]], stream.routed[qi])
+                for _t, qi, _b in queries
+            ]
+        batches = out["batches"] = sum(len(x) for x in per_worker)
         procs = []
+        pubs = []
+        probe = None
+        paired = Floor() if floor and pace > 0 else None
         try:
             ctx = mp.get_context("spawn")
-            pubs = []
             owned: list[list[int]] = [[] for _ in range(publishers)]
             for w in range(stream.workers):
                 owned[w % publishers].append(w)
@@ -596,37 +553,12 @@ def run_server(
                 for w, port in zip(owned[p], conn.recv(), strict=True):
                     urls[w] = f"tcp://127.0.0.1:{port}"
             t_reg = time.perf_counter()
-            for w in range(stream.workers):
-                iid, d = tr.instance_of(w, stream.dp)
-                st, body = server.post_json(
-                    "/register",
-                    {
-                        "instance_id": iid,
-                        "type": "vLLM",
-                        "modelname": MODEL,
-                        "block_size": SERVER_BLOCK,
-                        "dp_rank": d,
-                        "medium_endpoints": {"npu": urls[w]},
-                    },
-                )
-                if st != 201:
-                    raise RuntimeError(f"register {iid}/{d}: {st} {body[:200]!r}")
+            register_all(server, urls, stream.workers)
             out["register_s"] = round(time.perf_counter() - t_reg, 2)
-            probe = Probe()
-            st, body = server.post_json(
-                "/register",
-                {
-                    "instance_id": "probe",
-                    "type": "vLLM",
-                    "modelname": MODEL,
-                    "block_size": SERVER_BLOCK,
-                    "dp_rank": 0,
-                    "medium_endpoints": {"npu": probe.url},
-                },
-            )
-            if st != 201:
-                raise RuntimeError(f"register probe: {st} {body[:200]!r}")
-            probe.wait_subscribed()
+            if server.probe:
+                probe = Probe()
+                server.register(-1, probe.url, "probe")
+                probe.wait_subscribed()
             unsubscribed = sum(conn.recv() for conn in pubs)
             if unsubscribed:
                 raise RuntimeError(f"{unsubscribed} engines never saw their subscription")
@@ -637,41 +569,27 @@ def run_server(
                     items.extend((t, k, payload) for t, payload in per_worker[w])
                 items.sort(key=lambda x: x[0])  # stable: each engine keeps its order
                 conn.send((items, pace))
-            cl = []
-            for c in range(clients):
-                a, b = ctx.Pipe()
-                proc = ctx.Process(target=_client, args=(b, server.port), daemon=True)
-                proc.start()
-                procs.append(proc)
-                a.send((queries[c::clients], pace, predicts[c::clients] if predicts else None))
-                cl.append(a)
-            for conn in pubs + cl:
-                conn.recv()  # ready
-            start = time.time() + 0.2
-            for conn in pubs + cl:
-                conn.send(start)
-            probe.start(server.port)
-            pub_done = [conn.recv() for conn in pubs]
-            last_publish = max(x[2] for x in pub_done)
-            lat: list[int] = []
-            srv: list[float] = []
-            plat: list[int] = []
-            errors = perrors = 0
-            q_wall = 0.0
-            for conn in cl:
-                lat_c, srv_c, e, wall, plat_c, pe = conn.recv()
-                lat.extend(lat_c)
-                srv.extend(srv_c)
-                errors += e
-                q_wall = max(q_wall, wall)
-                plat.extend(plat_c)
-                perrors += pe
+            fport = paired.port if paired is not None else 0
+            cl = _start_clients(
+                ctx, server.port, queries, pace, clients, server, procs, fport, predicts
+            )
+            start = _start_together(pubs + cl)
+            if probe is not None:
+                probe.start(server.port)
+            last_publish = max(conn.recv()[2] for conn in pubs)
+            lat, srv, errors, q_wall, floor_lat = _gather(cl, out)
+            if paired is not None:
+                out.update(Floor.row(floor_lat, q_wall), floor_answer_bytes="same")
             # quiescence: every batch applied
-            probe.stop()
+            sent = 0
+            lags: list[float] = []
+            if probe is not None:
+                probe.stop()
+                sent, lags, probe = probe.sent, probe.lags, None
             deadline = time.monotonic() + 600
             while True:
-                applied, losses = _applied(server)
-                applied -= probe.sent
+                applied, losses = server.applied()
+                applied -= sent
                 if applied >= batches or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
@@ -682,6 +600,7 @@ def run_server(
                     **losses,
                     "events_wall_s": round(drained - start, 3),
                     "events_per_s": batches / max(1e-9, drained - start),
+                    "ops_per_s": (batches + len(lat)) / max(1e-9, drained - start, q_wall),
                     "drain_after_last_publish_s": round(drained - last_publish, 3),
                     "queries": len(lat),
                     "query_errors": errors,
@@ -690,53 +609,19 @@ def run_server(
                     "query_p99_us": tr.quantile(lat, 0.99) / 1e3,
                     "server_p50_us": tr.quantile(srv, 0.5) * 1e3 if srv else None,
                     "server_p99_us": tr.quantile(srv, 0.99) * 1e3 if srv else None,
-                    "probes": len(probe.lags),
-                    "lag_p50_ms": tr.quantile(probe.lags, 0.5) * 1e3,
-                    "lag_p99_ms": tr.quantile(probe.lags, 0.99) * 1e3,
-                    "lag_max_ms": max(probe.lags, default=0.0) * 1e3,
+                    "probes": len(lags),
+                    "lag_p50_ms": tr.quantile(lags, 0.5) * 1e3 if lags else None,
+                    "lag_p99_ms": tr.quantile(lags, 0.99) * 1e3 if lags else None,
                 }
             )
-            if predicts:  # the predictions' outcomes, once none is live (TTL * 9/8 at most)
+            if predictions:  # their outcomes, once none is live (TTL * 9/8 at most)
                 deadline = time.monotonic() + 2 * prediction_ttl + 5
-                while _prediction_counts(server)["live"] and time.monotonic() < deadline:
+                while server.prediction_counts()["live"] and time.monotonic() < deadline:
                     time.sleep(0.05)
-                out["predicts"] = len(plat)
-                out["predict_errors"] = perrors
-                out["predict_p50_us"] = tr.quantile(plat, 0.5) / 1e3
-                out["predict_p99_us"] = tr.quantile(plat, 0.99) / 1e3
-                out["prediction_outcomes"] = _prediction_counts(server)
-            # every answer at quiescence against the simulator's final state
-            base = {
-                tr.instance_of(w, stream.dp)[0]: w - w % stream.dp for w in range(stream.workers)
-            }
-            enc = msgspec.msgpack.Encoder()
-            qs = (
-                range(len(stream.queries))
-                if check is None
-                else range(min(check, len(stream.queries)))
-            )
-            mismatches = 0
-            answer_bytes = 0
-            for qi in qs:
-                want = tr.digest(tr.simulate_answer(stream.chains[qi], stream.final_holders))
-                body = enc.encode(
-                    {"model": MODEL, "block_hashes": [sl(id_of[x]) for x in stream.queries[qi]]}
-                )
-                st, raw = server.request("POST", "/query_by_hash", body, "application/msgpack")
-                answer_bytes += len(raw)
-                ans = msgspec.msgpack.decode(raw)
-                items2 = []
-                for iid, inst in (ans.get("default") or {}).items():
-                    for rank, e in inst["DP"].items():
-                        blocks = (
-                            e["npu_blocks"] + (e["cpu_blocks"] << 10) + (e["disk_blocks"] << 10)
-                        )
-                        items2.append(((base[iid] + int(rank)) << tr.DEPTH_BITS) | blocks)
-                if st != 200 or tr.digest(items2) != want:
-                    mismatches += 1
-            out["checked"] = len(qs)
-            out["mismatches"] = mismatches
-            out["answer_bytes_mean"] = answer_bytes // max(1, len(qs))
+                out["prediction_outcomes"] = server.prediction_counts()
+            n = len(stream.queries)
+            qs = range(n if check is None else min(check, n))
+            out.update(check_answers(server, stream, sl, id_of, qs, top_k))
         finally:
             for conn in pubs:
                 try:
@@ -747,9 +632,13 @@ def run_server(
                 proc.join(10)
                 if proc.is_alive():
                     proc.kill()
+            if probe is not None:
+                probe.stop()
+            if paired is not None:
+                paired.stop()
             server.stop()
-    if floor and "answer_bytes_mean" in out:
-        out.update(run_floor(queries, out["answer_bytes_mean"], pace, clients))
+        if floor and paired is None and "answer_bytes_mean" in out:
+            out.update(run_floor(queries, out["answer_bytes_mean"], pace, clients, server))
     return out
 
 

@@ -46,6 +46,7 @@ cdef class GroupNames:
     cdef size_t ninst
     cdef size_t nbytes_
     cdef readonly list keys
+    cdef readonly list dp_keys
     cdef dict _inst
 
     cdef gname_t* entry(self, size_t g) noexcept nogil

@@ -239,14 +239,9 @@ cdef inline uint64_t _sat_add(uint64_t a, uint64_t b) noexcept nogil:
     return s if s >= a else 0xFFFFFFFFFFFFFFFF
 
 
-cdef inline uint64_t _sat_u32_mul(uint64_t a, uint64_t b) noexcept nogil:
-    """min(a * b, 2^32-1)."""
-    if a == 0 or b == 0:
-        return 0
-    if a > _U32_MAX or b > _U32_MAX:
-        return _U32_MAX
-    a = a * b
-    return a if a < _U32_MAX else _U32_MAX
+cdef extern from "kvconductor/c/encode.h":
+    # min(a * b, 2^32-1): a row's matched tokens
+    uint64_t kvc_sat_u32_mul(uint64_t a, uint64_t b) noexcept nogil
 
 
 ctypedef struct hit_t:
@@ -343,7 +338,7 @@ cdef int _write_result(wbuf* b, list hits, str tenant, uint64_t bs, bint mp) exc
             h.npu = <uint32_t>(npu if npu < _U32_MAX else _U32_MAX)
             h.cpu = <uint32_t>(cpu if cpu < _U32_MAX else _U32_MAX)
             h.disk = <uint32_t>(disk if disk < _U32_MAX else _U32_MAX)
-            h.matched = <uint32_t>_sat_u32_mul(_sat_add(_sat_add(npu, cpu), disk), bs)
+            h.matched = <uint32_t>kvc_sat_u32_mul(_sat_add(_sat_add(npu, cpu), disk), bs)
             h.next = -1
             h.dead = False
             h.dp_text = False

@@ -19,7 +19,9 @@ cdef class GroupNames:
     named, so an answer copies bytes per row instead of encoding strings.
 
     ``add(instance_id, dp_rank)`` names the next group id (writer thread; the GIL orders it
-    with readers); ``keys[g]`` is ``(instance_id, dp_rank)``. :func:`encode_rows` reads
+    with readers); ``keys[g]`` is ``(instance_id, dp_rank)`` and ``dp_keys[g]``
+    ``str(dp_rank)``, made once: ``MatchRows.scores``/``tuples``/``hits``/``v3`` put
+    these very objects in every answer naming the group. :func:`encode_rows` reads
     entries without the GIL: they never move (fixed chunks, never reallocated)."""
 
     def __cinit__(self):
@@ -30,6 +32,7 @@ cdef class GroupNames:
         self.ninst = 0
         self.nbytes_ = 0
         self.keys = []
+        self.dp_keys = []
         self._inst = {}
 
     def __dealloc__(self):
@@ -65,7 +68,8 @@ cdef class GroupNames:
         cdef wbuf b
         cdef size_t ji, mi, jd
         cdef bytes dk
-        dk = str(_index(dp_rank)).encode()
+        cdef str ds = str(_index(dp_rank))
+        dk = ds.encode()
         if c >= GN_NCHUNKS:
             raise OverflowError("too many groups")
         if self.chunks[c] == NULL:
@@ -100,6 +104,7 @@ cdef class GroupNames:
         e.md = <uint32_t>(b.len - ji - mi - jd)
         self.nbytes_ += b.cap
         self.keys.append((instance_id, dp_rank))
+        self.dp_keys.append(ds)
         self.count = g + 1          # published last: readers check groups against it
         return g
 
@@ -270,7 +275,7 @@ cdef size_t _plan_rows(const uint32_t* rows, size_t n, gname_t** ents, uint64_t 
     cdef rinst_t* ins
     for i in range(n):
         tot = <uint64_t>rows[4 * i + 1] + rows[4 * i + 2] + rows[4 * i + 3]
-        matched[i] = <uint32_t>_sat_u32_mul(tot, bs)
+        matched[i] = <uint32_t>kvc_sat_u32_mul(tot, bs)
         nxt[i] = <size_t>-1
         key = ents[i].inst
         j = (<size_t>key * <size_t>0x9E3779B1) & smask

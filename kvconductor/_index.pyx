@@ -11,7 +11,8 @@ call the functions of the included files (Cython allows no ``include`` inside a 
 body, so those take the ``CoreIndex`` as their first argument): ``_index_write.pxi``
 (workers, direct mutations, the ingest batch), ``_index_twophase.pxi`` (offload, pool
 confirmations, eviction, sweep), ``_index_query.pxi`` (scratch, answers, the tiered
-query), ``_index_inspect.pxi`` (checker, introspection, stats), ``_index_trace.pxi``
+query), ``_index_answers.pxi`` (an answer as Python objects, built in C),
+``_index_inspect.pxi`` (checker, introspection, stats), ``_index_trace.pxi``
 (explain), ``_index_io.pxi`` (dump and restore), ``_index_shared.pxi`` (``--workers N``).
 """
 from cpython cimport array
@@ -528,6 +529,7 @@ def _live_allocations():
 # -- the jobs, one included file each --------------------------------------------------
 include "_index_write.pxi"
 include "_index_twophase.pxi"
+include "_index_answers.pxi"
 include "_index_query.pxi"
 include "_index_inspect.pxi"
 include "_index_trace.pxi"

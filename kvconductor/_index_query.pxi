@@ -317,6 +317,35 @@ cdef class MatchRows:
         """The largest group id of the rows (the last one), -1 when empty."""
         return <long long>self.data[4 * (self.n - 1)] if self.n else -1
 
+    # -- the answer as Python objects (_index_answers.pxi; docs/api.md, "Reading an
+    # answer in Python"). ``names``: the index's group names (``GroupNames`` or its twin):
+    # ``keys`` (group id -> (instance_id, dp_rank)), ``dp_keys`` (group id -> str(dp_rank)).
+    def scores(self, names):
+        """``{(instance_id, dp_rank): depth}``, depth the row's npu + cpu + disk blocks
+        (what Dynamo's ``find_matches(...).scores`` gives a router); keys are the name
+        table's own tuples."""
+        return _answer_scores(self, _names_keys(self, names, False))
+
+    def tuples(self, names):
+        """``[(instance_id, dp_rank, npu, cpu, disk)]`` in row (group) order."""
+        return _answer_rows(self, _names_keys(self, names, False), NULL)
+
+    def hits(self, names, cls):
+        """:meth:`tuples` as instances of ``cls``, a tuple subclass adding no field (the
+        ``DpHit`` NamedTuple), made as ``tuple.__new__(cls, row)`` makes them."""
+        return _answer_rows(self, _names_keys(self, names, False), _row_type(cls))
+
+    def v3(self, names, str tenant not None, block_size):
+        """The V3 body ``{tenant: {instance_id: {"longest_matched", "DP": {str(dp_rank):
+        {"matched_tokens", "npu_blocks", "cpu_blocks", "disk_blocks"}}}}}``, matched tokens
+        ``min(blocks * block_size, 2^32 - 1)``; ``block_size`` < 0 is a ValueError."""
+        bs = _index_int(block_size)
+        if bs < 0:
+            raise ValueError(f"block_size must be at least 0, not {bs}")
+        cdef list keys = _names_keys(self, names, True)
+        return _answer_v3(self, keys, names.dp_keys, tenant,
+                          <uint64_t>bs if bs <= 0xFFFFFFFF else <uint64_t>0x100000000)
+
     def select(self, top_k=None, groups=None, seed=0, ranks=None):
         """The rows an extended query answers (docs/api.md, "top_k and instances"):
         with ``groups`` (bytes-like, one byte per group id, non-zero = kept; ids past its

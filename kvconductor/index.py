@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
 import kvconductor
 from kvconductor._hash import DEFAULT_SEED
+from kvconductor._py.rows import v3_body
 from kvconductor.keys import Medium, WorkerKey
 from kvconductor.schema import (
-    DP_MATCH_KEYS,
-    INSTANCE_MATCH_KEYS,
     STOP_NO_WORKER,
     STOP_REASONS,
     U32_MAX,
@@ -33,9 +32,6 @@ from kvconductor.schema import (
 # The service needs every compiled module, not only those this file names: a broken
 # install fails here, at the first import of the index.
 kvconductor.load_compiled()
-
-_LONGEST, _DP = INSTANCE_MATCH_KEYS
-_MATCHED, _NPU, _CPU, _DISK = DP_MATCH_KEYS
 
 
 def impl_classes(impl: str | None) -> tuple[type, type]:
@@ -141,8 +137,11 @@ class QueryResult:
 
     An index's answer is backed by the core's rows (``rows``: a ``MatchRows``, group ids
     and the three exclusive counts in C arrays) and the index's group names (``names``);
-    :attr:`hits` (``DpHit`` rows) and :meth:`to_dict` are built from them on demand, and
-    the server's encoder renders the rows directly (``kvconductor.wire.encode_result``).
+    every Python form of it is built from them in C on demand (docs/api.md, "Reading an
+    answer in Python"): :attr:`hits` (``DpHit`` rows, also what iterating gives),
+    :meth:`to_dict` (the V3 body), and for routers :meth:`scores` (``{(instance_id,
+    dp_rank): depth}``) and :meth:`tuples` (``(instance_id, dp_rank, npu, cpu, disk)``).
+    The server's encoder renders the rows directly (``kvconductor.wire.encode_result``).
     ``QueryResult(hits)`` wraps a list of ``DpHit`` (tests, tools)."""
 
     __slots__ = ("rows", "names", "_hits")
@@ -162,13 +161,14 @@ class QueryResult:
 
     @property
     def hits(self) -> list[DpHit]:
-        """One ``DpHit`` per (instance, DP), in group order (built on first use)."""
+        """One ``DpHit`` per (instance, DP), in group order (built in C on first use)."""
         if self._hits is None:
-            keys = self.names.keys
-            self._hits = [
-                DpHit(keys[g][0], keys[g][1], n, c, d) for g, n, c, d in self.rows.tolist()
-            ]
+            self._hits = self.rows.hits(self.names, DpHit)
         return self._hits
+
+    def __iter__(self) -> Iterator[DpHit]:
+        """The :attr:`hits`."""
+        return iter(self.hits)
 
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else len(self._hits or ())
@@ -178,6 +178,21 @@ class QueryResult:
         """The rows tied at the ``top_k`` cut depth that the answer leaves out (0 without
         ``top_k``): the ``X-KV-Conductor-Top-K-Omitted`` header."""
         return self.rows.omitted if self.rows is not None else 0
+
+    def scores(self) -> dict[tuple[str, int], int]:
+        """``{(instance_id, dp_rank): depth}``, depth the (instance, DP)'s npu + cpu + disk
+        blocks (the prefix it holds on any tier, as Dynamo's ``.scores``): a router's
+        compact form, one dict built in C (the keys are the index's own tuples)."""
+        if self.rows is not None:
+            return self.rows.scores(self.names)
+        return {(h[0], h[1]): h[2] + h[3] + h[4] for h in self.hits}
+
+    def tuples(self) -> list[tuple[str, int, int, int, int]]:
+        """``[(instance_id, dp_rank, npu_blocks, cpu_blocks, disk_blocks)]`` in group
+        order, plain tuples built in C: per tier, for a router that weighs the tiers."""
+        if self.rows is not None:
+            return self.rows.tuples(self.names)
+        return [(h[0], h[1], h[2], h[3], h[4]) for h in self.hits]
 
     def sums(self) -> tuple[int, int, int]:
         """``(npu, cpu, disk)`` blocks summed over the answer (C sums for array rows)."""
@@ -192,23 +207,11 @@ class QueryResult:
 
     def to_dict(self, tenant: str, block_size: int) -> dict[str, Any]:
         """The V3 response body ``{tenant: {instance: {...}}}``; its keys are those of
-        :mod:`kvconductor.schema`'s ``InstanceMatch`` and ``DpMatch``."""
-        out: dict[str, Any] = {}
-        for h in self.hits:
-            blocks = h.npu_blocks + h.cpu_blocks + h.disk_blocks
-            matched = min(blocks * block_size, U32_MAX)
-            inst = out.get(h.instance_id)
-            if inst is None:
-                inst = out[h.instance_id] = {_LONGEST: 0, _DP: {}}
-            inst[_DP][str(h.dp_rank)] = {
-                _MATCHED: matched,
-                _NPU: min(h.npu_blocks, U32_MAX),
-                _CPU: min(h.cpu_blocks, U32_MAX),
-                _DISK: min(h.disk_blocks, U32_MAX),
-            }
-            if matched > inst[_LONGEST]:
-                inst[_LONGEST] = matched
-        return {tenant: out}
+        :mod:`kvconductor.schema`'s ``InstanceMatch`` and ``DpMatch`` (built in C for
+        array rows; ``block_size`` < 0 is a ValueError there)."""
+        if self.rows is not None:
+            return self.rows.v3(self.names, tenant, block_size)
+        return v3_body(((h[0], str(h[1]), h[2], h[3], h[4]) for h in self.hits), tenant, block_size)
 
 
 def result_of(rows, group_keys: Sequence[tuple[str, int]]) -> QueryResult:

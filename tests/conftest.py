@@ -88,6 +88,7 @@ _LEAK_CHECKED = {
     "test_differential",
     "test_ingest",
     "test_answers",
+    "test_index_answers",
 }
 _COUNTED = ("kvconductor._tree", "kvconductor._lower", "kvconductor._index", "kvconductor._ingest")
 

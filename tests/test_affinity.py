@@ -563,3 +563,47 @@ def test_not_live_weight_asks_for_freshness_and_is_validated():
             KvAffinityConfig(not_live_weight=bad)
     cfg = KvAffinityConfig.from_dict({"not_live_weight": 0})
     assert cfg.not_live_weight == 0.0 and cfg.to_dict()["not_live_weight"] == 0.0
+
+
+# -- an answer read in process (kvconductor.index.QueryResult): its C-made tuples ------------
+def _in_process_answer():
+    from kvconductor.index import Index
+    from kvconductor.keys import Medium, WorkerKey
+
+    ix = Index("m", "t")
+    h = [0x5000 + i for i in range(6)]
+    ix.store(WorkerKey("a", "a", 0, Medium.NPU), None, [1, 2, 3], h[:3])
+    ix.store(WorkerKey("a", "a", 1, Medium.NPU), None, [1, 2], h[:2])
+    ix.store(WorkerKey("b", "b", 0, Medium.CPU), None, [5, 6, 7, 8], h[:4])
+    ix.store(WorkerKey("c", "c", 0, Medium.DISK), None, [9], h[:1])
+    ix.store(WorkerKey("c", "c", 0, Medium.NPU), None, [11], h[:1])
+    return ix.query_by_hash(h)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        KvAffinityConfig(),
+        KvAffinityConfig(w_cpu=0.5, w_disk=0.25, load_weight=0.01),
+        KvAffinityConfig(mode="load_gated", load_gate_topn=3),
+        KvAffinityConfig(overlap_credit=0.5, w_npu=0.3),
+    ],
+)
+@pytest.mark.parametrize("include", [True, False])
+@pytest.mark.parametrize("bs", [16, 0])
+def test_an_in_process_answer_ranks_as_its_v3_body(cfg, include, bs):
+    from kvconductor.coordinator.affinity import InProcessAnswer
+
+    res = _in_process_answer()
+    assert isinstance(res, InProcessAnswer) and not isinstance({}, InProcessAnswer)
+    want_rows = [("a", 0, 3, 0, 0), ("a", 1, 2, 0, 0), ("b", 0, 0, 4, 0), ("c", 0, 1, 0, 0)]
+    assert res.tuples() == want_rows
+    body = res.to_dict("default", bs)  # block size 0: every matched_tokens is 0
+    cands = [("a", 0, 40.0), ("a", 1, 5.0), ("a", 2, 0.0), ("b", 0, 20.0), ("z", 0, 1.0)]
+    for isl in (0, 20, 64, 10_000):
+        kw = {"include_unreported": include}
+        want_dbg: dict = {}
+        got_dbg: dict = {}
+        want = rank(body, cands, isl, bs, cfg, debug=want_dbg, **kw)
+        assert rank(res, cands, isl, bs, cfg, debug=got_dbg, **kw) == want
+        assert got_dbg == want_dbg

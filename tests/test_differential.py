@@ -40,14 +40,16 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvconductor import _arena, _index, _lower, _shlock, _tree
+from kvconductor import _arena, _encode, _index, _lower, _shlock, _tree
 from kvconductor._hash import hash_blocks
 from kvconductor._py import arena as py_arena
 from kvconductor._py import index as py_index
 from kvconductor._py import lower as py_lower
+from kvconductor._py import rows as py_rows
 from kvconductor._py import shlock as py_shlock
 from kvconductor._py import tree as py_tree
-from kvconductor.index import tier_walks, walk_counts
+from kvconductor._py.rows import v3_body
+from kvconductor.index import DpHit, tier_walks, walk_counts
 
 U64_MAX = 2**64 - 1
 
@@ -555,6 +557,20 @@ def core_restore(core, exp):
     core.restore_twophase(records, waits)
 
 
+def _answer_names():
+    """The group names the answer forms are read through: every group of ALL_WORKERS, an
+    instance's DP ranks not adjacent (group g: instance ``i{g % 3}``, DP g), in the
+    compiled table and its twin."""
+    out = (_encode.GroupNames(), py_rows.PyGroupNames())
+    for g in range(max(gr for gr, _ in ALL_WORKERS) + 1):
+        for names in out:
+            names.add(f"i{g % 3}", g)
+    return out
+
+
+ANSWER_NAMES = _answer_names()
+
+
 class CoreMachine(_Pair):
     def __init__(self):
         super().__init__()
@@ -852,6 +868,20 @@ class CoreMachine(_Pair):
                 and (rank is None or (r[0] < len(rank) and rank[r[0]]))
             ]
             check_cut(cand, sel, got.omitted, k, rank)
+            # the answer read in Python (docs/api.md, "Reading an answer in Python"): the
+            # C-made forms, the twin's, and the definition from the selected rows
+            keys = ANSWER_NAMES[0].keys
+            want = (
+                {keys[g]: n + c + d for g, n, c, d in sel},
+                [(*keys[g], n, c, d) for g, n, c, d in sel],
+            )
+            for rows in (got, twin):
+                for names in ANSWER_NAMES:
+                    assert (rows.scores(names), rows.tuples(names)) == want
+                    assert rows.hits(names, DpHit) == want[1]
+                    assert rows.v3(names, "t", BS) == v3_body(
+                        ((i, str(d), n, c, k_) for i, d, n, c, k_ in want[1]), "t", BS
+                    )
 
     # explain: the trace of both cores agrees, and its per-group counts are match's
     def traced(self, q):

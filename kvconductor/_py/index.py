@@ -17,11 +17,10 @@ of the two-phase maps.
 from __future__ import annotations
 
 import threading
-from array import array
-from collections.abc import Sequence
 
 from kvconductor._hash import hash_blocks
 from kvconductor._py.lower import LowerTier
+from kvconductor._py.rows import MatchRows, PyGroupNames, mix64  # noqa: F401 (also here)
 from kvconductor._py.tree import RadixTree, u64_list, u64_or_none
 from kvconductor.errors import InvalidBlockSequence, ParentBlockNotFound
 from kvconductor.schema import STOP_REASONS
@@ -31,135 +30,6 @@ HBM, CPU, DISK = 0, 1, 2
 #: ``STOP_REASONS`` (end_of_prompt, parent_mismatch, not_held, no_first_block,
 #: tier_exhausted, muted; the last, no_worker, is never a core code).
 END, MISMATCH, NOT_HELD, NO_FIRST, EXHAUSTED, MUTED, _NO_WORKER = range(len(STOP_REASONS))
-
-
-U32_MAX = 2**32 - 1
-U64_MASK = 2**64 - 1
-
-
-class MatchRows:
-    """Twin of ``kvconductor._index.MatchRows``: the rows ``(group, npu, cpu, disk)`` of one
-    answer by increasing group, here a plain list of tuples."""
-
-    __slots__ = ("_rows", "omitted")
-
-    def __init__(self, rows=()) -> None:
-        out = []
-        prev = -1
-        for row in rows:
-            g, a, b, c = (int(v) for v in row)
-            for v in (g, a, b, c):
-                if not 0 <= v <= U32_MAX:
-                    raise OverflowError(f"MatchRows: {v} is not a u32")
-            if g <= prev:
-                raise ValueError("MatchRows: group ids must strictly increase")
-            prev = g
-            out.append((g, a, b, c))
-        self._rows = out
-        #: rows tied at the cut depth of ``select(top_k=...)`` that it left out
-        self.omitted = 0
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __repr__(self) -> str:
-        return f"MatchRows({self._rows!r})"
-
-    def tolist(self) -> list[tuple[int, int, int, int]]:
-        return list(self._rows)
-
-    def sums(self) -> tuple[int, int, int]:
-        return (
-            sum(r[1] for r in self._rows),
-            sum(r[2] for r in self._rows),
-            sum(r[3] for r in self._rows),
-        )
-
-    def last_group(self) -> int:
-        return self._rows[-1][0] if self._rows else -1
-
-    def select(
-        self,
-        top_k: int | None = None,
-        groups: bytes | None = None,
-        seed: int = 0,
-        ranks: Sequence[int] | None = None,
-    ) -> MatchRows:
-        """Same rule as the compiled one, by sorting: the masks first, then every row
-        deeper than the ``top_k``-th largest total, and of the rows tied at that depth
-        the first by (rank, order) with ``ranks``, else a rotation from ``mix64(seed)``."""
-        rows = self._rows
-        omitted = 0
-        if groups is not None:
-            rows = [r for r in rows if r[0] < len(groups) and groups[r[0]]]
-        if ranks is not None:
-            rows = [r for r in rows if r[0] < len(ranks) and ranks[r[0]]]
-        if top_k is not None:
-            if top_k < 1:
-                raise ValueError(f"top_k must be at least 1, not {top_k}")
-            if top_k < len(rows):
-                depth = [r[1] + r[2] + r[3] for r in rows]
-                kth = sorted(depth, reverse=True)[top_k - 1]
-                tied = [i for i, d in enumerate(depth) if d == kth]
-                need = top_k - sum(d > kth for d in depth)
-                if ranks is not None:
-                    keep = sorted(tied, key=lambda i: (ranks[rows[i][0]], i))[:need]
-                else:
-                    start = mix64(seed & U64_MASK) % len(tied)
-                    keep = (tied + tied)[start : start + need]
-                omitted = len(tied) - need
-                kept = set(keep)
-                rows = [r for i, r in enumerate(rows) if depth[i] > kth or i in kept]
-        out = MatchRows()
-        out._rows = list(rows)
-        out.omitted = omitted
-        return out
-
-
-def mix64(x: int) -> int:
-    """SplitMix64's finaliser (the compiled ``_mix64``): where the rotation of ties starts."""
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & U64_MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & U64_MASK
-    return x ^ (x >> 31)
-
-
-class PyGroupNames:
-    """Twin of ``kvconductor._encode.GroupNames`` for the pure-Python path: the names
-    only (the msgspec encoder needs no pre-encoded bytes)."""
-
-    __slots__ = ("keys", "_inst")
-
-    def __init__(self) -> None:
-        self.keys: list[tuple[str, int]] = []
-        self._inst: dict[str, list[int]] = {}
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def nbytes(self) -> int:
-        return 0
-
-    def add(self, instance_id: str, dp_rank: int) -> int:
-        if not isinstance(instance_id, str):
-            raise TypeError(f"instance_id must be a str, not {type(instance_id).__name__}")
-        g = len(self.keys)
-        self.keys.append((instance_id, dp_rank))
-        self._inst.setdefault(instance_id, []).append(g)
-        return g
-
-    def instances_mask(self, instance_ids) -> bytes:
-        out = bytearray(len(self.keys))
-        for name in instance_ids:
-            for g in self._inst.get(name, ()):
-                out[g] = 1
-        return bytes(out)
-
-    def instances_rank(self, instance_ids) -> array:
-        out = array("I", bytes(4 * len(self.keys)))
-        for pos, name in reversed(list(enumerate(instance_ids))):
-            for g in self._inst.get(name, ()):
-                out[g] = pos + 1
-        return out
 
 
 def _walk_starts(

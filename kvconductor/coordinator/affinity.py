@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 __all__ = [
     "MODE_UNIFIED",
@@ -41,6 +41,7 @@ __all__ = [
     "KvAffinityConfig",
     "NOT_LIVE_STATES",
     "Candidate",
+    "InProcessAnswer",
     "Ranked",
     "Scored",
     "affinity_matched",
@@ -257,12 +258,14 @@ def affinity_matched(raw: Any, block_size: int, config: KvAffinityConfig | None 
             if isinstance(fresh, Mapping) and fresh.get("state") in NOT_LIVE_STATES:
                 factor = cfg.not_live_weight
         if block_size > 0 and any(k in raw for k in _BLOCK_KEYS):
-            weighted = (
-                _num(raw.get("npu_blocks", 0)) * cfg.w_npu
-                + _num(raw.get("cpu_blocks", 0)) * cfg.w_cpu
-                + _num(raw.get("disk_blocks", 0)) * cfg.w_disk
+            return _weighted(
+                _num(raw.get("npu_blocks", 0)),
+                _num(raw.get("cpu_blocks", 0)),
+                _num(raw.get("disk_blocks", 0)),
+                block_size,
+                cfg,
+                factor,
             )
-            return int(round(weighted * factor * block_size))
         matched = _num(raw.get("matched_tokens", 0))
         return int(matched) if factor == 1.0 else int(round(matched * factor))
     if isinstance(raw, bool):
@@ -270,6 +273,24 @@ def affinity_matched(raw: Any, block_size: int, config: KvAffinityConfig | None 
     if isinstance(raw, (int, float)):
         return int(raw)
     return 0
+
+
+def _weighted(
+    npu: float, cpu: float, disk: float, block_size: int, cfg: KvAffinityConfig, factor: float
+) -> int:
+    """``round((npu*w_npu + cpu*w_cpu + disk*w_disk) * factor * block_size)``."""
+    weighted = npu * cfg.w_npu + cpu * cfg.w_cpu + disk * cfg.w_disk
+    return int(round(weighted * factor * block_size))
+
+
+@runtime_checkable
+class InProcessAnswer(Protocol):
+    """An answer read in process (``kvconductor.index.QueryResult``, from ``Index.query``
+    or ``query_by_hash``): its rows as ``(instance_id, dp_rank, npu_blocks, cpu_blocks,
+    disk_blocks)`` tuples, made in C (docs/api.md, "Reading an answer in Python"). Ranked
+    as its decoded V3 body ranks (without ``freshness``: every row counts as live)."""
+
+    def tuples(self) -> list[tuple[str, int, int, int, int]]: ...
 
 
 def _num(v: Any) -> float:
@@ -287,7 +308,7 @@ def _tenant_map(query_response: Any, tenant_id: str) -> Mapping[str, Any] | None
 
 
 def score_candidates(
-    tenant: Mapping[str, Any],
+    tenant: Mapping[str, Any] | InProcessAnswer,
     candidates: Iterable[Candidate | Sequence[Any]],
     prompt_len: int,
     block_size: int,
@@ -295,26 +316,56 @@ def score_candidates(
     *,
     include_unreported: bool = True,
 ) -> list[Scored]:
-    """Per-candidate ``(matched, load_cost, prefill_cost)`` against one tenant map.
+    """Per-candidate ``(matched, load_cost, prefill_cost)`` against one tenant map (or an
+    :class:`InProcessAnswer`, its rows per tier: what the map's blocks say).
 
     ``matched = min(affinity_matched, isl)`` when ``isl > 0`` else 0, and
     ``prefill_cost = max(0, isl - overlap_credit * matched)`` with ``isl = prompt_len``.
     """
     cfg = config or _DEFAULT_CONFIG
     isl = max(0, int(prompt_len))
+    matched_of = _matched_lookup(tenant, block_size, cfg)
     out: list[Scored] = []
     for cand in candidates:
         iid, dp, load = cand[0], int(cand[1]), float(cand[2])
-        inst = tenant.get(iid)
-        if inst is None and not include_unreported:
-            continue
-        dp_map = inst.get("DP", {}) if isinstance(inst, Mapping) else {}
-        raw = dp_map.get(str(dp), 0) if isinstance(dp_map, Mapping) else 0
-        aff = affinity_matched(raw, block_size, cfg)
+        aff = matched_of(iid, dp)
+        if aff is None:  # the instance is not in the answer
+            if not include_unreported:
+                continue
+            aff = 0
         matched = min(aff, isl) if isl > 0 else 0
         prefill = max(0.0, isl - cfg.overlap_credit * matched)
         out.append(Scored(iid, dp, matched, load, prefill))
     return out
+
+
+def _matched_lookup(
+    tenant: Mapping[str, Any] | InProcessAnswer, block_size: int, cfg: KvAffinityConfig
+) -> Callable[[str, int], int | None]:
+    """``(instance_id, dp_rank) -> affinity-weighted matched tokens`` of an answer, None
+    when the instance is not in it."""
+    if isinstance(tenant, Mapping):
+
+        def from_map(iid: str, dp: int) -> int | None:
+            inst = tenant.get(iid)
+            if inst is None:
+                return None
+            dp_map = inst.get("DP", {}) if isinstance(inst, Mapping) else {}
+            raw = dp_map.get(str(dp), 0) if isinstance(dp_map, Mapping) else 0
+            return affinity_matched(raw, block_size, cfg)
+
+        return from_map
+    rows = {(r[0], r[1]): r for r in tenant.tuples()}
+    insts = {iid for iid, _ in rows}
+
+    def from_rows(iid: str, dp: int) -> int | None:
+        r = rows.get((iid, dp))
+        if r is None:
+            return 0 if iid in insts else None
+        # block_size <= 0: the V3 body's matched_tokens (blocks x block_size) says 0
+        return _weighted(r[2], r[3], r[4], block_size, cfg, 1.0) if block_size > 0 else 0
+
+    return from_rows
 
 
 def query_options(
@@ -356,7 +407,7 @@ def query_options(
 
 
 def rank(
-    query_response: Mapping[str, Any] | None,
+    query_response: Mapping[str, Any] | InProcessAnswer | None,
     candidates: Iterable[Candidate | Sequence[Any]],
     prompt_len: int,
     block_size: int,
@@ -370,7 +421,9 @@ def rank(
     """Rank ``candidates`` best first; ``None`` means "fall back to load balance".
 
     ``query_response`` is the decoded ``/query`` answer (``{tenant: {instance:
-    {"longest_matched", "DP": {...}}}}``). When :func:`needs_query` is false
+    {"longest_matched", "DP": {...}}}}``), or an answer read in process (an
+    :class:`InProcessAnswer`: ``Index.query``'s ``QueryResult``, the tenant's already,
+    read through its C-made tuples, with no V3 body built). When :func:`needs_query` is false
     (prompt shorter than one block) it is not looked at and every candidate
     gets a zero match. Otherwise ``None`` is returned when the response is
     ``None`` (no answer) or lacks ``tenant_id``. ``None`` is also returned when
@@ -386,9 +439,12 @@ def rank(
     a soft unified score.
     """
     cfg = config or _DEFAULT_CONFIG
+    tenant: Mapping[str, Any] | InProcessAnswer
     if not needs_query(prompt_len, block_size):
-        tenant: Mapping[str, Any] = {}
+        tenant = {}
         include_unreported = True
+    elif isinstance(query_response, InProcessAnswer):
+        tenant = query_response
     else:
         found = _tenant_map(query_response, tenant_id)
         if found is None:

@@ -52,7 +52,6 @@ from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.resource import JsonDocument
 from kvconductor.http.responses import too_large_message
-from kvconductor.index import DpHit
 from kvconductor.schema import (
     DEFAULT_TENANT,
     JSON_CONTENT_TYPE,
@@ -300,10 +299,13 @@ def parse_query(body: bytes, msgpack: bool) -> Query:
 
 
 def cumulative_answer(
-    hits: Iterable[DpHit], registered: Iterable[tuple[str, int]], block_size: int
+    hits: Iterable[tuple[str, int, int, int, int]],
+    registered: Iterable[tuple[str, int]],
+    block_size: int,
 ) -> dict[str, MooncakeInstanceMatch]:
     """The Mooncake answer of an index answer ``hits`` (exclusive blocks per tier per
-    (instance, DP)), with every ``registered`` (instance, DP) present (zeros when it
+    (instance, DP): ``(instance_id, dp_rank, npu, cpu, disk)`` tuples, ``QueryResult.tuples()``
+    or ``DpHit`` rows), with every ``registered`` (instance, DP) present (zeros when it
     holds nothing).
 
     Per rank, in tokens: ``gpu`` = the HBM run; ``cpu`` = the HBM run continued on CPU
@@ -314,11 +316,11 @@ def cumulative_answer(
     ranks: dict[str, dict[int, tuple[int, int, int]]] = {}
     for iid, rank in registered:
         ranks.setdefault(iid, {})[rank] = (0, 0, 0)
-    for h in hits:
-        gpu = h.npu_blocks * block_size
-        cpu = gpu + h.cpu_blocks * block_size
-        disk = cpu + h.disk_blocks * block_size
-        ranks.setdefault(h.instance_id, {})[h.dp_rank] = (gpu, cpu, disk)
+    for iid, rank, npu, cpu_blocks, disk_blocks in hits:
+        gpu = npu * block_size
+        cpu = gpu + cpu_blocks * block_size
+        disk = cpu + disk_blocks * block_size
+        ranks.setdefault(iid, {})[rank] = (gpu, cpu, disk)
     out: dict[str, MooncakeInstanceMatch] = {}
     for iid in sorted(ranks):
         per = ranks[iid]
@@ -467,12 +469,13 @@ class Dialect:
 
     async def query(self, q: Query) -> MooncakeQueryResponse:
         registered = await self._registered(q)
-        hits: Sequence[DpHit] = ()
+        hits: Sequence[tuple[str, int, int, int, int]] = ()
         index = self.conductor.get_index(q.model, q.tenant_id)
         if index is not None and len(q.tokens):
             seed = lora_seed(q.lora_name) if q.lora_name else DEFAULT_SEED
             instances = None if q.instance_id is None else [q.instance_id]
-            hits = index.query(q.tokens, q.block_size, seed, instances=instances).hits
+            # the rows as plain tuples made in C (docs/api.md, "Reading an answer in Python")
+            hits = index.query(q.tokens, q.block_size, seed, instances=instances).tuples()
         return MooncakeQueryResponse(cumulative_answer(hits, registered, q.block_size))
 
     async def _registered(self, q: Query) -> list[tuple[str, int]]:

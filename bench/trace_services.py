@@ -1,0 +1,298 @@
+"""The processes the trace replay's ``--server`` mode talks to (:mod:`bench.trace_server`):
+a keep-alive HTTP connection, the open-file limits, the services under test (``Service``:
+kv-conductor's :class:`Server` here, Dynamo's indexer in :mod:`bench.trace_dynamo_server`)
+and the HTTP stack's :class:`Floor`."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench import trace_replay as tr
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER_BLOCK = 16  # tokens per block on the wire
+MODEL = "trace"
+
+
+def resource_limit() -> int:
+    """The hard open-file limit."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+
+_GONE = (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected)
+
+
+class Conn:
+    """A keep-alive HTTP connection that reconnects once when the server closed it (an idle
+    keep-alive connection is closed after a few seconds, as in a paced run's pauses)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+
+    def request(self, method: str, path: str, body: bytes | None = None, hdr=None):
+        for attempt in (0, 1):
+            try:
+                self.c.request(method, path, body, hdr or {})
+                r = self.c.getresponse()
+                return r, r.read()
+            except _GONE:
+                self.c.close()
+                self.c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.c.close()
+
+
+def _raise_nofile() -> None:
+    """Open files up to 65,536 where the hard limit may be raised, else up to the hard
+    limit: a subscription holds 4 files on the server (:func:`sources_that_fit`)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, 65536), max(hard, 65536)))
+    except (ValueError, OSError):
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+#: The server's HTTP connections (``--max-connections``): the clients, the probe, the check.
+MAX_CONNECTIONS = 64
+
+
+def sources_that_fit() -> int | None:
+    """ZeroMQ sources a server started by this process can open (None: no limit): the hard
+    open-file limit less the HTTP connections and the headroom, at
+    ``kvconductor.serve.tuning.FDS_PER_SOURCE`` files a source (its SUB socket and TCP
+    connection, its monitor's PAIR pair)."""
+    from kvconductor.serve.tuning import FD_HEADROOM, FDS_PER_SOURCE
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        return None
+    try:  # as _raise_nofile: a limit that may be raised is no limit here
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, 65536))
+        return None
+    except (ValueError, OSError):
+        pass
+    return (hard - MAX_CONNECTIONS - FD_HEADROOM) // FDS_PER_SOURCE
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.05)
+
+
+class Floor:
+    """The floor of the HTTP stack: ``bench/floor_app.py`` (``app``: ``size`` bytes to every
+    request; ``sized_app``: as many as the request's ``x-floor-size``) on the same uvicorn
+    as kv-conductor (same loop and HTTP parser), doing nothing else. What a target adds
+    is the difference."""
+
+    def __init__(self, size: int | None = None) -> None:
+        from kvconductor.serve.single import _uvicorn_impls
+
+        loop, http_impl = _uvicorn_impls()
+        self.port = _free_port()
+        self.answer = tempfile.NamedTemporaryFile(prefix="kvc-floor-")
+        self.answer.write(bytes(size or 0))
+        self.answer.flush()
+        app = "floor_app:sized_app" if size is None else "floor_app:app"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", app, "--app-dir", str(ROOT / "bench")]
+            + ["--host", "127.0.0.1", "--port", str(self.port), "--loop", loop]
+            + ["--http", http_impl, "--lifespan", "off", "--no-access-log"]
+            + ["--no-server-header", "--log-level", "warning"],
+            cwd=ROOT,
+            env={**os.environ, "FLOOR_ANSWER": self.answer.name},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_port(self.port, self.proc, "the floor app")
+
+    @staticmethod
+    def row(lat: list[int], wall: float) -> dict[str, Any]:
+        return {
+            "floor_p50_us": tr.quantile(lat, 0.5) / 1e3,
+            "floor_p99_us": tr.quantile(lat, 0.99) / 1e3,
+            "floor_queries_per_s": len(lat) / wall if wall else 0.0,
+        }
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.answer.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """A service under test in a subprocess on a free loopback port, its log in a temporary
+    directory; the target interface :func:`run_server` drives (``register``, ``applied``,
+    ``body``, ``items``) is the subclass's."""
+
+    name = ""
+    path = "/query_by_hash"
+    ctype = "application/msgpack"
+    #: a kv-conductor probe engine measures the event-to-visible lag
+    probe = False
+
+    def __init__(self, cmd: list[str], logdir: str, dp: int, preexec=None) -> None:
+        self.dp = dp
+        self.log = open(Path(logdir) / f"{self.name}.log", "wb")
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec
+        )
+        _wait_port(self.port, self.proc, self.name)
+        self.http = Conn(self.port)
+
+    port = 0
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return (Path(self.log.name)).read_text(errors="replace")[-3000:]
+
+    def request(
+        self, method: str, path: str, body: bytes | None = None, ctype: str = "", conn=None
+    ):
+        hdr = {"Content-Type": ctype} if ctype else {}
+        r, data = (conn or self.http).request(method, path, body, hdr)
+        return r.status, data
+
+    def get(self, path: str):
+        return self.request("GET", path)
+
+    def post_json(self, path: str, obj: Any, conn: Conn | None = None):
+        return self.request("POST", path, json.dumps(obj).encode(), "application/json", conn)
+
+    def ask(self, hashes: list[int], top_k: int | None = None) -> tuple[int, bytes]:
+        return self.request("POST", self.path, self.body(hashes, top_k), self.ctype)
+
+    def body(self, hashes: list[int], top_k: int | None = None) -> bytes:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self.http.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+class Server(Service):
+    """``python -m kvconductor``."""
+
+    name = "kv-conductor"
+    probe = True
+
+    def __init__(self, workers: int, logdir: str, dp: int = 1, extra: Sequence[str] = ()) -> None:
+        self.port = _free_port()
+        cmd = [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1"]
+        cmd += ["--port", str(self.port), "--no-snapshots", "--log-level", "WARNING"]
+        cmd += ["--max-sources", str(workers + 16), "--max-connections", str(MAX_CONNECTIONS)]
+        cmd += extra
+        super().__init__(cmd, logdir, dp, _raise_nofile)
+        self.enc = msgspec.msgpack.Encoder()
+        deadline = time.monotonic() + 60
+        while self.get("/health")[1] != b"OK":
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready: {self.log_text()}")
+            time.sleep(0.1)
+
+    def register(self, w: int, url: str, iid: str | None = None, conn: Conn | None = None):
+        iid, d = (iid, 0) if iid is not None else tr.instance_of(w, self.dp)
+        st, body = self.post_json(
+            "/register",
+            {
+                "instance_id": iid,
+                "type": "vLLM",
+                "modelname": MODEL,
+                "block_size": SERVER_BLOCK,
+                "dp_rank": d,
+                "medium_endpoints": {"npu": url},
+            },
+            conn,
+        )
+        if st != 201:
+            raise RuntimeError(f"register {iid}/{d}: {st} {body[:200]!r}")
+
+    def applied(self) -> tuple[int, dict[str, int]]:
+        """Batches applied over every source, and the losses (``GET /workers``)."""
+        st, data = self.get("/workers")
+        if st != 200:
+            return -1, {}
+        sources = json.loads(data).get("sources", [])
+        losses = {
+            "gaps": sum(s.get("gaps", 0) for s in sources),
+            "losses": sum(s.get("losses", 0) for s in sources),
+            "dropped": sum(sum((s.get("dropped") or {}).values()) for s in sources),
+        }
+        return sum(s.get("batches", 0) for s in sources), losses
+
+    def body(self, hashes: list[int], top_k: int | None = None) -> bytes:
+        q: dict[str, Any] = {"model": MODEL, "block_hashes": hashes}
+        if top_k:
+            q["top_k"] = top_k
+        return self.enc.encode(q)
+
+    def predict_body(self, hashes: list[int], w: int) -> bytes:
+        """``POST /predict_by_hash``'s body: ``hashes`` predicted for engine ``w``."""
+        iid, d = tr.instance_of(w, self.dp)
+        q = {"model": MODEL, "block_hashes": hashes, "instance_id": iid, "dp_rank": d}
+        return self.enc.encode(q)
+
+    def prediction_counts(self) -> dict[str, int]:
+        """``kvconductor_predictions_total{outcome}`` and ``kvconductor_predictions_live``."""
+        text = self.get("/metrics")[1].decode()
+        out = {
+            k: int(float(v))
+            for k, v in re.findall(r'kvconductor_predictions_total\{outcome="(\w+)"\} (\S+)', text)
+        }
+        live = re.search(r"^kvconductor_predictions_live (\S+)$", text, re.M)
+        out["live"] = int(float(live.group(1))) if live else -1
+        return out
+
+    def items(self, raw: bytes) -> list[int]:
+        """The answer's ``(worker << DEPTH_BITS) | blocks`` items, in the answer's order."""
+        ans = msgspec.msgpack.decode(raw)
+        dp = self.dp
+        out = []
+        for iid, inst in (ans.get("default") or {}).items():
+            for rank, e in inst["DP"].items():
+                blocks = e["npu_blocks"] + (e["cpu_blocks"] << 10) + (e["disk_blocks"] << 10)
+                out.append(((int(iid[1:]) * dp + int(rank)) << tr.DEPTH_BITS) | blocks)
+        return out
+
+
+class DoesNotFit(RuntimeError):
+    """The engines need more open files than this machine lets the server have."""
