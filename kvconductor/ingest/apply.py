@@ -32,8 +32,9 @@ Compiled fast path (``kvconductor._ingest.FastBatch``, engine HBM sources outsid
 loss's grace period): a batch whose every event it handles (HBM medium, ASCII LoRA name /
 attention kind, int or bin hashes, plain envelope) is parsed, hashed and applied in C
 under one write lock, with the same results, counters and ``touched`` keys as the code
-below (and a DP's live predictions told the same: :mod:`~kvconductor.ingest.predicted`); anything else returns -1 from ``parse`` before any mutation and goes to the Python
-vLLM decoder. ``KVCONDUCTOR_IMPL=py`` (or ``Applier(..., fast=False)``) turns it off.
+below (a DP's live predictions told the same: :mod:`~kvconductor.ingest.predicted`);
+anything else returns -1 from ``parse`` before any mutation and goes to the Python vLLM
+decoder. ``KVCONDUCTOR_IMPL=py`` (or ``Applier(..., fast=False)``) turns it off.
 """
 
 from __future__ import annotations
