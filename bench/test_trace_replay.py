@@ -233,6 +233,34 @@ def test_server_answers_equal_the_simulator_at_quiescence():
     assert out["checked"] == 200 and out["mismatches"] == 0
 
 
+@pytest.mark.server
+def test_server_predictions_are_posted_and_leave_no_trace_at_quiescence():
+    """--server-predictions: every query followed by its prediction (200), each one gone by
+    quiescence (confirmed, expired or contradicted), every answer exact then."""
+    from bench import trace_server as ts
+
+    reqs = tr.generate("conversation", seed=11, requests=200)
+    stream = tr.record(reqs, 8, 48, "round-robin", dp=2)
+    assert len(stream.routed) == 200
+    out = ts.run_server(
+        stream,
+        reqs,
+        pace=0,
+        publishers=2,
+        clients=1,
+        floor=False,
+        predictions=True,
+        prediction_ttl=0.5,
+    )
+    assert out["queries"] == out["predicts"] == 200
+    assert out["query_errors"] == out["predict_errors"] == 0
+    c = out["prediction_outcomes"]
+    assert c["added"] == 200 and c["live"] == 0
+    assert c["confirmed"] + c["expired"] + c["contradicted"] + c["dropped"] == 200
+    assert out["checked"] == 200 and out["mismatches"] == 0
+    assert "| 0 of 200 | " in tr.server_row(stream, out)
+
+
 def test_predictions_mode_saves_more_prefill_blocks_never_fewer():
     # the engines' publish delay modelled, the clock compressed so bursts overlap it
     from bench import trace_predict as tp

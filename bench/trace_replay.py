@@ -48,7 +48,9 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    ``--server-top-k 0 8`` once whole and once with ``top_k=8`` (the cut answers checked
    against :func:`top_items`); ``--server-dynamo`` the same stream (the same ZeroMQ bytes)
    and queries by hash against NVIDIA Dynamo's standalone indexer service
-   (:mod:`bench.trace_dynamo_server`, ``python -m dynamo.indexer``) in the same run.
+   (:mod:`bench.trace_dynamo_server`, ``python -m dynamo.indexer``) in the same run;
+   ``--server-predictions`` kv-conductor once more, each query followed by the router's
+   prediction (``POST /predict_by_hash``), timed apart.
 
 Block identity: a trace id names a prefix block, so a block is identified by its place in
 a chain (its parent's identity and its id). The index keys blocks the same way: a tree
@@ -514,6 +516,8 @@ class Stream:
     #: the expected answers of ``top_k=TOP_K`` queries (the TOP_K deepest rows, the ties
     #: at the cut by the rotation of docs/api.md)
     expected_top: list[Answer] = field(default_factory=list)
+    #: the engine each query's request was routed to (the router's prediction)
+    routed: list[int] = field(default_factory=list)
     #: the depths of the TOP_K deepest holders, deepest first (what any top-TOP_K answer
     #: has, whatever its rule among ties: ``dynamo-top8``'s check)
     expected_top_depths: list[tuple[int, ...]] = field(default_factory=list)
@@ -680,6 +684,7 @@ def record(
                 top_k=1,
             )
             w = wid_of[(ranked[0].instance_id, ranked[0].dp_rank)] if ranked else i % workers
+        st.routed.append(w)
         m, n, evicted, new = engine_step(engines[w], holders, w, chain, capacity)
         st.blocks_requested += len(chain)
         st.blocks_saved += m
@@ -1229,9 +1234,10 @@ SERVER_HEADER = (
     "| trace | workers | policy | service | top_k | pace | ops/s | event batches/s | "
     "drain after the last publish | queries/s | query p50 / p99 (round trip) | "
     "floor p50 / p99, queries/s (bare ASGI app) | server p50 / p99 | answer bytes | "
-    "event-to-visible p50 / p99 | losses | mismatches at quiescence |\n"
+    "event-to-visible p50 / p99 | losses | mismatches at quiescence | "
+    "/predict p50 / p99 (confirmed, expired, contradicted) |\n"
     "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | "
-    "---: | --- | ---: | ---: |"
+    "---: | --- | ---: | ---: | --- |"
 )
 
 
@@ -1258,7 +1264,19 @@ def server_row(stream: Stream, r: dict[str, Any]) -> str:
         f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
         f"{_fmt_rate(r['queries_per_s'])} | {_pair_us(r, 'query')} | {floor} | "
         f"{_pair_us(r, 'server')} | {r.get('answer_bytes_mean', 0):,} | {lag} | "
-        f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} |"
+        f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} | "
+        f"{_predict_cell(r)} |"
+    )
+
+
+def _predict_cell(r: dict[str, Any]) -> str:
+    """``--server-predictions``: the /predict round trips and what became of them."""
+    if not r.get("predicts"):
+        return "-"
+    c = r["prediction_outcomes"]
+    return (
+        f"{_pair_us(r, 'predict')} "
+        f"({c.get('confirmed', 0):,}, {c.get('expired', 0):,}, {c.get('contradicted', 0):,})"
     )
 
 
@@ -1270,6 +1288,8 @@ def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> It
     from bench.trace_server import DoesNotFit, run_server
 
     targets: list[tuple[Any, int | None]] = [(None, k or None) for k in args.server_top_k]
+    if args.server_predictions:
+        targets.append(("predictions", None))
     if args.server_dynamo:
         from bench.trace_dynamo_server import DynamoIndexer, available
 
@@ -1280,6 +1300,8 @@ def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> It
         for pace in args.server or [10.0, 0.0]:
             for target, top_k in targets[r % len(targets) :] + targets[: r % len(targets)]:
                 kw: dict[str, Any] = {} if target is None else {"target": target}
+                if target == "predictions":
+                    kw = {"predictions": True, "prediction_ttl": args.prediction_ttl_s}
                 try:
                     yield run_server(
                         stream,
@@ -1341,7 +1363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engines' publish delay modelled (bench/trace_predict.py), the trace's clock divided "
         "by each CLOCK_SCALE (default: 1 10 100)",
     )
-    ap.add_argument("--prediction-ttl-s", type=float, default=2.0, help="--predictions: their TTL")
+    ap.add_argument(
+        "--prediction-ttl-s",
+        type=float,
+        default=2.0,
+        help="--predictions, --server-predictions: their TTL",
+    )
     ap.add_argument(
         "--server-top-k",
         type=int,
@@ -1355,6 +1382,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="--server: also play each PACE against Dynamo's indexer service "
         "(python -m dynamo.indexer, bench/trace_dynamo_server.py), whole answers",
+    )
+    ap.add_argument(
+        "--server-predictions",
+        action="store_true",
+        help="--server: also play each PACE with the router's prediction posted after each "
+        "query (POST /predict_by_hash, for the engine the request went to), timed apart",
     )
     ap.add_argument(
         "--server-rounds", type=int, default=1, help="--server: rounds, the order rotating"

@@ -9,7 +9,11 @@ kvconductor``:
   registered (``POST /register``, its own ``medium_endpoints.npu`` URL);
 * **queries** as ``POST /query_by_hash`` MessagePack bodies from ``clients`` processes
   (keep-alive connections), each timing its own round trips;
-* at the trace's pace times ``pace`` (``pace=0``: as fast as possible, saturation).
+* at the trace's pace times ``pace`` (``pace=0``: as fast as possible, saturation);
+* with ``predictions`` (``trace_replay.py --server-predictions``), each query followed by
+  the router's prediction (``POST /predict_by_hash``: the query's blocks, for the engine the
+  request was routed to), timed apart: the cost of predictions through HTTP, beside the
+  same stream without them; at quiescence, once none is live.
 
 A server needs token ids: each trace id stands for one block of :data:`SERVER_BLOCK`
 tokens derived from the id (distinct ids, distinct tokens), so the server's local hash of a
@@ -199,8 +203,10 @@ def _publisher(conn, workers: list[int]) -> None:
 def _client(conn, port: int) -> None:
     """One query client: keep-alive HTTP, the target's bodies; times every round trip.
     With a floor port, each query's twin (the same body, ``x-floor-size``: the length of
-    the target's answer) goes to the floor beside it, first or second in turn."""
-    items, pace, path, ctype, floor_port = conn.recv()
+    the target's answer) goes to the floor beside it, first or second in turn. With
+    ``predicts`` (a body per query), each query is followed by the router's prediction
+    (``POST /predict_by_hash``), timed apart."""
+    items, pace, path, ctype, floor_port, predicts = conn.recv()
     c = Conn(port)
     f = Conn(floor_port) if floor_port else None
     conn.send("ready")
@@ -211,8 +217,9 @@ def _client(conn, port: int) -> None:
     hdr = {"Content-Type": ctype}
     lat: list[int] = []
     floor: list[int] = []
+    plat: list[int] = []
     server: list[float] = []
-    errors = 0
+    errors = perrors = 0
     clock = time.perf_counter_ns
     size = 0
     t0 = time.perf_counter()
@@ -241,7 +248,12 @@ def _client(conn, port: int) -> None:
                 server.append(float(st.split("dur=")[1].split(";")[0].split(",")[0]))
             except ValueError:
                 pass
-    conn.send((lat, server, errors, time.perf_counter() - t0, floor))
+        if predicts is not None:
+            a = clock()
+            r, _ = c.request("POST", "/predict_by_hash", predicts[j], hdr)
+            plat.append(clock() - a)
+            perrors += r.status != 200
+    conn.send((lat, server, errors, time.perf_counter() - t0, floor, plat, perrors))
     c.close()
     if f is not None:
         f.close()
@@ -317,35 +329,53 @@ class Probe:
 
 
 def _start_clients(
-    ctx, port: int, queries: list, pace: float, clients: int, target, procs, floor_port=0
+    ctx,
+    port: int,
+    queries: list,
+    pace: float,
+    clients: int,
+    target,
+    procs,
+    floor_port=0,
+    predicts: list | None = None,
 ):
-    """``clients`` query client processes, each given its share of ``queries``."""
+    """``clients`` query client processes, each given its share of ``queries`` (and of
+    ``predicts``)."""
     cl = []
     for c in range(clients):
         a, b = ctx.Pipe()
         p = ctx.Process(target=_client, args=(b, port), daemon=True)
         p.start()
         procs.append(p)
-        a.send((queries[c::clients], pace, target.path, target.ctype, floor_port))
+        mine = predicts[c::clients] if predicts is not None else None
+        a.send((queries[c::clients], pace, target.path, target.ctype, floor_port, mine))
         cl.append(a)
     return cl
 
 
-def _gather(cl) -> tuple[list[int], list[float], int, float, list[int]]:
+def _gather(cl, out: dict[str, Any] | None = None):
     """The clients' round trips (ns), ``Server-Timing`` durations (ms), errors, wall time,
-    and the paired floor's round trips (ns)."""
+    and the paired floor's round trips (ns); their predictions' round trips into ``out``."""
     lat: list[int] = []
     srv: list[float] = []
     floor: list[int] = []
-    errors = 0
+    plat: list[int] = []
+    errors = perrors = 0
     wall = 0.0
     for conn in cl:
-        lat_c, srv_c, e, w, floor_c = conn.recv()
+        lat_c, srv_c, e, w, floor_c, plat_c, pe = conn.recv()
         lat.extend(lat_c)
         srv.extend(srv_c)
         floor.extend(floor_c)
+        plat.extend(plat_c)
         errors += e
+        perrors += pe
         wall = max(wall, w)
+    if out is not None and plat:
+        out["predicts"] = len(plat)
+        out["predict_errors"] = perrors
+        out["predict_p50_us"] = tr.quantile(plat, 0.5) / 1e3
+        out["predict_p99_us"] = tr.quantile(plat, 0.99) / 1e3
     return lat, srv, errors, wall, floor
 
 
@@ -455,14 +485,19 @@ def run_server(
     check: int | None = None,
     floor: bool = True,
     top_k: int | None = None,
-    target: Callable[[int, str, int], Service] = Server,
+    target: Callable[..., Service] = Server,
+    predictions: bool = False,
+    prediction_ttl: float = 2.0,
 ) -> dict[str, Any]:
     """Play ``stream`` against a fresh ``target`` (``target(workers, logdir, dp)``); see
     the module docstring. ``check``: how many queries to ask again at quiescence (None:
     all). ``top_k``: the queries ask for it. ``floor``: the same queries against a bare
     ASGI app on the same uvicorn (:class:`Floor`): paced, each query's twin beside it (the
     same noise of a shared machine on both, the same answer size); at saturation, a run
-    of its own afterwards (:func:`run_floor`: the load generator's ceiling)."""
+    of its own afterwards (:func:`run_floor`: the load generator's ceiling).
+    ``predictions`` (kv-conductor): each query followed by the router's prediction for the
+    engine its request went to (``--prediction-ttl-s prediction_ttl``); the check at
+    quiescence waits until none is live (each left no trace)."""
     fit = sources_that_fit() if target is Server else None
     if fit is not None and stream.workers + 1 > fit:
         raise DoesNotFit(
@@ -482,9 +517,21 @@ def run_server(
         ts.append(cur)
     out: dict[str, Any] = {"pace": pace, "top_k": top_k}
     with tempfile.TemporaryDirectory(prefix="kvc-trace-") as tmp:
-        server = target(stream.workers, tmp, stream.dp)
-        out["backend"] = server.name
+        if predictions:
+            server = Server(
+                stream.workers, tmp, stream.dp, ("--prediction-ttl-s", f"{prediction_ttl:g}")
+            )
+            out["backend"] = f"{server.name} + predictions"
+        else:
+            server = target(stream.workers, tmp, stream.dp)
+            out["backend"] = server.name
         per_worker, queries, sl = encode_ops(stream, id_of, ts, lambda h: server.body(h, top_k))
+        predicts = None
+        if predictions:
+            predicts = [
+                server.predict_body([sl(id_of[x]) for x in stream.queries[qi]], stream.routed[qi])
+                for _t, qi, _b in queries
+            ]
         batches = out["batches"] = sum(len(x) for x in per_worker)
         procs = []
         pubs = []
@@ -523,12 +570,14 @@ def run_server(
                 items.sort(key=lambda x: x[0])  # stable: each engine keeps its order
                 conn.send((items, pace))
             fport = paired.port if paired is not None else 0
-            cl = _start_clients(ctx, server.port, queries, pace, clients, server, procs, fport)
+            cl = _start_clients(
+                ctx, server.port, queries, pace, clients, server, procs, fport, predicts
+            )
             start = _start_together(pubs + cl)
             if probe is not None:
                 probe.start(server.port)
             last_publish = max(conn.recv()[2] for conn in pubs)
-            lat, srv, errors, q_wall, floor_lat = _gather(cl)
+            lat, srv, errors, q_wall, floor_lat = _gather(cl, out)
             if paired is not None:
                 out.update(Floor.row(floor_lat, q_wall), floor_answer_bytes="same")
             # quiescence: every batch applied
@@ -565,6 +614,11 @@ def run_server(
                     "lag_p99_ms": tr.quantile(lags, 0.99) * 1e3 if lags else None,
                 }
             )
+            if predictions:  # their outcomes, once none is live (TTL * 9/8 at most)
+                deadline = time.monotonic() + 2 * prediction_ttl + 5
+                while server.prediction_counts()["live"] and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                out["prediction_outcomes"] = server.prediction_counts()
             n = len(stream.queries)
             qs = range(n if check is None else min(check, n))
             out.update(check_answers(server, stream, sl, id_of, qs, top_k))

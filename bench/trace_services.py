@@ -8,12 +8,14 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import resource
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,11 +215,12 @@ class Server(Service):
     name = "kv-conductor"
     probe = True
 
-    def __init__(self, workers: int, logdir: str, dp: int = 1) -> None:
+    def __init__(self, workers: int, logdir: str, dp: int = 1, extra: Sequence[str] = ()) -> None:
         self.port = _free_port()
         cmd = [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--no-snapshots", "--log-level", "WARNING"]
         cmd += ["--max-sources", str(workers + 16), "--max-connections", str(MAX_CONNECTIONS)]
+        cmd += extra
         super().__init__(cmd, logdir, dp, _raise_nofile)
         self.enc = msgspec.msgpack.Encoder()
         deadline = time.monotonic() + 60
@@ -261,6 +264,23 @@ class Server(Service):
         if top_k:
             q["top_k"] = top_k
         return self.enc.encode(q)
+
+    def predict_body(self, hashes: list[int], w: int) -> bytes:
+        """``POST /predict_by_hash``'s body: ``hashes`` predicted for engine ``w``."""
+        iid, d = tr.instance_of(w, self.dp)
+        q = {"model": MODEL, "block_hashes": hashes, "instance_id": iid, "dp_rank": d}
+        return self.enc.encode(q)
+
+    def prediction_counts(self) -> dict[str, int]:
+        """``kvconductor_predictions_total{outcome}`` and ``kvconductor_predictions_live``."""
+        text = self.get("/metrics")[1].decode()
+        out = {
+            k: int(float(v))
+            for k, v in re.findall(r'kvconductor_predictions_total\{outcome="(\w+)"\} (\S+)', text)
+        }
+        live = re.search(r"^kvconductor_predictions_live (\S+)$", text, re.M)
+        out["live"] = int(float(live.group(1))) if live else -1
+        return out
 
     def items(self, raw: bytes) -> list[int]:
         """The answer's ``(worker << DEPTH_BITS) | blocks`` items, in the answer's order."""

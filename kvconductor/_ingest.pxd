@@ -39,6 +39,7 @@ cdef class FastBatch:
     cdef BatchOp* ops
     cdef size_t rec_cap
     cdef size_t nrec
+    cdef size_t done            # records applied by a partial apply(upto=)
     cdef uint32_t* clear        # worker ids cleared by AllBlocksCleared
     cdef size_t clear_cap
     cdef int flags              # BATCH_* flags of the parsed batch

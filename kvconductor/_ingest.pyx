@@ -703,7 +703,7 @@ cdef class FastBatch:
         cdef int rc
         cdef uint64_t v
         cdef bint neg
-        self.nrec = 0
+        self.nrec = self.done = 0
         self.hs_used = 0
         self.flags = 0
         self.n_size_mismatch = 0
@@ -835,23 +835,46 @@ cdef class FastBatch:
         """BlockStored events of the parsed batch dropped for their attention kind."""
         return self.n_kind
 
-    def apply(self, CoreIndex core not None, long long hbm_worker=-1, clear_workers=()):
+    @property
+    def nrecords(self):
+        """The parsed batch's events that mutate the index (stores, removals, clears)
+        not applied yet."""
+        return self.nrec - self.done if self.nevents >= 0 else 0
+
+    @property
+    def leading_stores(self):
+        """Of :attr:`nrecords`, the stores before the first removal or clear."""
+        cdef size_t i = self.done
+        if self.nevents < 0:
+            return 0
+        while i < self.nrec and self.recs[i].kind == OP_STORE:
+            i += 1
+        return i - self.done
+
+    def apply(self, CoreIndex core not None, long long hbm_worker=-1, clear_workers=(),
+              long long upto=-1):
         """Apply the parsed batch to ``core`` under one write lock.
 
         ``hbm_worker``: the HBM worker id (required when :attr:`needs_worker`);
         ``clear_workers``: ids cleared by each AllBlocksCleared. Returns
         ``(blocks, parent_not_found, invalid_sequence, out_of_memory)``: blocks
         stored and the stores that failed (counted and skipped, like the Python
-        path). Consumes the parse; raises before mutating anything on bad ids."""
-        cdef size_t i, nclear = 0, nops = 0
+        path). Consumes the parse; raises before mutating anything on bad ids.
+        ``upto`` (0 <= upto < :attr:`nrecords`): apply only that many of the records
+        left and keep the parse for the next call (the rest)."""
+        cdef size_t i, nclear = 0, nops = 0, end = self.nrec
         cdef void* p
         cdef EvRec* r
         cdef BatchOp* op
         cdef long blocks = 0, pnf = 0, bad = 0, oom = 0
         cdef long long x
         cdef uint32_t w = 0
+        cdef long keep = -1
         if self.nevents < 0:
             raise RuntimeError("apply() needs a successful parse()")
+        if 0 <= upto < <long long>(self.nrec - self.done):
+            end = self.done + <size_t>upto
+            keep = self.nevents
         self.nevents = -1
         if self.flags & BATCH_NEEDS_WORKER:
             if (hbm_worker < 0 or hbm_worker >= <long long>HM_NIL
@@ -875,7 +898,7 @@ cdef class FastBatch:
                 core._tier(<uint32_t>x)
                 self.clear[i] = <uint32_t>x
         with nogil:
-            for i in range(self.nrec):
+            for i in range(self.done, end):
                 r = &self.recs[i]
                 op = &self.ops[nops]
                 op.kind = r.kind
@@ -901,7 +924,11 @@ cdef class FastBatch:
                     bad += 1
                 else:
                     oom += 1
-        self.nrec = 0
+        if keep >= 0:
+            self.nevents = keep
+            self.done = end
+        else:
+            self.nrec = self.done = 0
         return (blocks, pnf, bad, oom)
 
 

@@ -336,7 +336,7 @@ class Index:
         """Store a chain of blocks for ``key`` under ``parent`` (or the root)."""
         n = self.core.store(self.worker_id(key), parent, engine_hashes, local_hashes)
         if self.predicted:
-            self._written(key, True)
+            self.note_write(key, True)
         return n
 
     def store_tokens(
@@ -353,14 +353,14 @@ class Index:
             self.worker_id(key), parent, engine_hashes, tokens, block_size, seed
         )
         if self.predicted:
-            self._written(key, True)
+            self.note_write(key, True)
         return n
 
     def remove(self, key: WorkerKey, engine_hashes: Sequence[int]) -> int:
         """Remove blocks of ``key`` directly (no two-phase rule)."""
         wid = self._workers.get(key)
         if self.predicted:
-            self._written(key, False)
+            self.note_write(key, False)
         return 0 if wid is None else self.core.remove(wid, engine_hashes)
 
     def worker_blocks(self, key: WorkerKey) -> int:
@@ -406,15 +406,17 @@ class Index:
         """Drop every block and pending wait of ``key``."""
         wid = self._workers.get(key)
         if self.predicted:
-            self._written(key, False)
+            self.note_write(key, False)
         return 0 if wid is None else self.core.clear(wid)
 
     def remove_dp(self, instance_id: str, dp_rank: int) -> int:
         """Drop everything of (instance, DP) on every medium (unregister)."""
         return sum(self.clear(k) for k in self.workers_of(instance_id, dp_rank))
 
-    def _written(self, key: WorkerKey, stored: bool) -> None:
-        """An event of ``key`` changed this index while some group has predictions."""
+    def note_write(self, key: WorkerKey, stored: bool) -> None:
+        """An event of ``key`` changed this index (``stored``: a store, else a removal or
+        clear): its group's predictions are told (the mutations here call it; so does the
+        compiled ingest path, which writes the core itself)."""
         hook = self.on_group_write
         if hook is not None and (key.instance_id, key.dp_rank) in self.predicted:
             hook(self, key, stored)
@@ -443,7 +445,7 @@ class Index:
     def evict(self, key: WorkerKey, engine_hashes: Sequence[int]) -> int:
         """Removal with the two-phase rule (engine BlockRemoved, pool removed)."""
         if self.predicted:
-            self._written(key, False)
+            self.note_write(key, False)
         return self.core.evict(self.worker_id(key), engine_hashes)
 
     # -- queries ---------------------------------------------------------------------

@@ -25,7 +25,9 @@ seconds (swept at least every ``ttl / 8``); an HBM ``BlockStored`` of that (inst
 DP) whose worker then holds the whole predicted prefix confirms it (it goes: events now
 say it), and a prediction such a worker already holds is confirmed at once (never held);
 any removal or clear of a worker of that (instance, DP), its unregistration and a source
-reset drop all of its predictions (contradicted). Over the bounds (``per_dp``
+reset drop all of its predictions (contradicted). A muted DP's (its HBM sources down)
+predicted worker is muted with it (:meth:`Predictions.add` mutes a new one; the liveness
+policy mutes and unmutes every HBM worker of the DP). Over the bounds (``per_dp``
 predictions per (instance, DP), ``total`` in all, ``blocks`` summed) the oldest go
 (``dropped``), never an error; a prediction longer than ``blocks`` is not held. A block
 several live predictions of one DP share is held until the last goes (reference counts
@@ -169,10 +171,14 @@ class Predictions:
             return len(hashes)
         rec = Prediction(index, group, hashes, now, self.limits.ttl)
         gp = index.predicted.get(group)
+        key = predicted_key(instance_id, dp_rank)
+        wid = index.worker_id(key)
         if gp is None:
             gp = index.predicted[group] = GroupPredictions()
             index.on_group_write = self.on_write
-        wid = index.worker_id(predicted_key(instance_id, dp_rank))
+            # a muted DP (its source down) gives no hits: neither does its predicted
+            # worker (which the liveness policy mutes and unmutes with the DP from now on)
+            index.set_muted(key, self._muted(index, group))
         index.core.store(wid, None, rec.ehashes, rec.locals)
         gp.refs.update(rec.ehashes)  # PERF: counted in C
         gp.records.append(rec)
@@ -241,6 +247,14 @@ class Predictions:
             for key in index.workers_of(*group)
         )
 
+    @staticmethod
+    def _muted(index, group: tuple[str, int]) -> bool:
+        """The DP's HBM workers (events') are muted (a source down or quiet)."""
+        return any(
+            Medium(key.medium).tier == 0 and not is_predicted(key) and index.is_muted(key)
+            for key in index.workers_of(*group)
+        )
+
     def _oldest(self) -> Prediction:
         order = self._order
         while not order[0].live:
@@ -262,10 +276,14 @@ class Predictions:
             return
         gp.records.remove(rec)
         refs = gp.refs
-        refs.subtract(rec.ehashes)
-        gone = array("Q", [h for h in rec.ehashes if not refs[h]])
-        for h in gone:
-            del refs[h]
+        gone = array("Q")
+        for h in rec.ehashes:  # PERF: Counter.subtract and its __delitem__ are Python code
+            c = refs[h] - 1
+            if c:
+                refs[h] = c
+            else:
+                refs.pop(h)
+                gone.append(h)
         if not gp.records:
             del index.predicted[rec.group]
         if gone and held:

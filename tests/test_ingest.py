@@ -31,13 +31,14 @@ from tests.helpers.publishers import H1, H2, FakeConductor, schema
 if _apply_mod._FastBatch is None:  # KVCONDUCTOR_IMPL=py
     pytest.skip("ingest fast path disabled", allow_module_level=True)
 
-from kvconductor._hash import lora_seed
+from kvconductor._hash import hash_blocks, lora_seed
 from kvconductor._index import CoreIndex
 from kvconductor._ingest import FastBatch
 from kvconductor.ingest.apply import Applier
 from kvconductor.ingest.context import SubscriberContext
 from kvconductor.ingest.recognize import POOL, recognize
 from kvconductor.keys import Medium
+from kvconductor.predict import Predictions
 
 BS = 4
 IID = "vllm-a"
@@ -432,6 +433,72 @@ def test_differential_byte_mutations(seed):
                 del p[i : i + r.randint(1, 4)]
         pair.apply(bytes(p))
     pair.finish()
+
+
+# --------------------------------------------------------------------------------------
+# live predictions on the DP: both paths tell them the same (kvconductor.ingest.predicted)
+
+# Predicted prompts (local hashes): token chains of BLOCKS, and engine hashes standing as
+# local hashes (a store without tokens), so that some are confirmed by the batches.
+PREDICTED = [
+    hash_blocks([t for b in chain for t in b], BS)
+    for chain in ([BLOCKS[0]], [BLOCKS[0], BLOCKS[1]], [BLOCKS[1], BLOCKS[2], BLOCKS[3]])
+] + [[1], [1, 2], [3, 7], [2**64 - 1]]
+
+
+class PredictedPair(Pair):
+    """A :class:`Pair` whose DP has predictions on both sides, made before each batch."""
+
+    def __init__(self, media) -> None:
+        super().__init__(media=media)
+        self.preds = [Predictions(clock=lambda: 0.0) for _ in (0, 1)]
+        self.with_predictions = 0  # batches the fast path took with predictions live
+
+    def predict(self, locals_) -> None:
+        for conductor, pred in zip((self.fc, self.pc), self.preds, strict=True):
+            pred.add(conductor.get_or_create_index("m", "t"), IID, 0, locals_)
+
+    def apply(self, payload: bytes) -> bool:
+        live = self.preds[0].live
+        took = super().apply(payload)
+        self.with_predictions += took and live > 0
+        assert self.preds[0].counts() == self.preds[1].counts(), payload.hex(" ")
+        return took
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_path_with_live_predictions_tells_them_as_the_general_path(seed):
+    """The same batches, predictions made before each: the same confirmed, contradicted
+    and live counts, the same answers (the predicted rows included) on both paths."""
+    r = random.Random(seed)
+    pair = PredictedPair(media=MEDIA_SETS[seed % 3])
+    for _ in range(200):
+        for _ in range(r.randint(0, 2)):
+            pair.predict(r.choice(PREDICTED))
+        pair.apply(gen_payload(r))
+    pair.check()
+    out = pair.preds[0].outcomes
+    assert out["confirmed"] > 0 and out["contradicted"] > 0, out
+    assert pair.with_predictions > 20, pair.with_predictions
+
+
+def test_stores_before_a_removal_confirm_then_the_removal_contradicts():
+    """One batch [store A, remove X, store B]: the prediction of A is confirmed by the
+    store before the removal, the one of B contradicted, on the fast path too."""
+    pair = PredictedPair(media=(Medium.NPU,))
+    a, b = BLOCKS[0], BLOCKS[1]
+    pair.predict(hash_blocks(a, BS))
+    pair.predict(hash_blocks(b, BS))
+    evs = [
+        ["BlockStored", [1], None, a, BS],
+        ["BlockRemoved", [9]],
+        ["BlockStored", [2], None, b, BS],
+    ]
+    assert pair.apply(ENC.encode([TS, evs, 0]))
+    assert pair.with_predictions == 1
+    out = pair.preds[0].outcomes
+    assert (out["confirmed"], out["contradicted"], pair.preds[0].live) == (1, 1, 0)
+    pair.check()
 
 
 # --------------------------------------------------------------------------------------

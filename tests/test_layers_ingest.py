@@ -37,6 +37,7 @@ LAYERS: list[set[str]] = [
         "sourcemetrics",
         "poolroute",
         "sharedstore",
+        "predicted",
     },
 ]
 

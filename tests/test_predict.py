@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from types import SimpleNamespace
 
 import httpx
 import msgspec
@@ -193,6 +194,7 @@ def test_bad_requests(server):
         ({**ok, "token_ids": "x"}, 400, "token_ids"),
         ({**ok, "instance_id": "a\x01"}, 400, "control"),
         ({**ok, "instance_id": "nobody"}, 404, "nobody"),
+        ({**ok, "dp_rank": 7}, 404, "dp_rank 7 of instance eng-a not found (registered: 0, 1)"),
     ]
     for body, status, word in cases:
         r = http.post("/predict", json=body)
@@ -239,6 +241,20 @@ def test_ttl_zero_turns_predictions_off(tmp_path):
         assert rows(srv, TOKENS) == {}
 
 
+def engine_with_a_block(srv, pub, **kw):
+    """``eng-a`` (DP 0) registered with ``pub`` as its HBM publisher, its first block
+    (``HASHES[0]``) indexed; the vLLM 0.33 schema the test publishes with."""
+    register_engine(srv, "eng-a", medium_endpoints={"npu": pub.url}, **kw)
+    v = schema("vllm", "0.33.0")
+    first = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
+    pub.wait_subscribed()
+    wait_until(  # published again until the subscription is connected
+        lambda: pub.publish(first) or rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)},
+        msg="first block indexed",
+    )
+    return v
+
+
 @pytest.mark.server
 def test_events_confirm_and_removals_contradict(tmp_path):
     """Over ZeroMQ: a store of the predicted prefix confirms the prediction (it goes, the
@@ -246,16 +262,7 @@ def test_events_confirm_and_removals_contradict(tmp_path):
     pub = FakePublisher(replay=False)
     try:
         with started(tmp_path, "--prediction-ttl-s", "30") as srv:
-            register_engine(
-                srv, "eng-a", store_backend="YuanRong", medium_endpoints={"npu": pub.url}
-            )
-            v = schema("vllm", "0.33.0")
-            first = v.batch([v.stored(HASHES[:1], None, TOKENS[:4], BS, medium="GPU")])
-            pub.wait_subscribed()
-            wait_until(  # published again until the subscription is connected
-                lambda: pub.publish(first) or rows(srv, TOKENS) == {("eng-a", 0): (1, 0, 0)},
-                msg="first block indexed",
-            )
+            v = engine_with_a_block(srv, pub, store_backend="YuanRong")
             # predicted 4 blocks: max(event 1, predicted 4) = 4
             assert predict(srv, TOKENS[:16])["predicted_blocks"] == 4
             predict(srv, TOKENS, "eng-a", 0)  # and 6, a longer prompt of the same prefix
@@ -282,6 +289,32 @@ def test_events_confirm_and_removals_contradict(tmp_path):
 
 
 @pytest.mark.server
+def test_a_dp_whose_source_is_down_answers_no_prediction(tmp_path):
+    """Over ZeroMQ, --source-down-secs 1: the engine's publisher gone, its DP is muted and
+    so are the predictions made meanwhile; back, they answer again."""
+    pub = FakePublisher(replay=False)
+    port = pub.port
+    try:
+        with started(tmp_path, "--prediction-ttl-s", "60", "--source-down-secs", "1") as srv:
+            engine_with_a_block(srv, pub)
+            seq = pub.seq
+            pub.stop()
+            wait_until(lambda: rows(srv, TOKENS) == {}, msg="muted")
+            # the DP's first predictions, made while it is muted: held, muted
+            assert predict(srv, TOKENS)["predicted_blocks"] == 6
+            assert predict(srv, OTHER)["predicted_blocks"] == 6
+            assert rows(srv, TOKENS) == rows(srv, OTHER) == {}
+            assert prediction_counts(srv)["live"] == 2
+            pub = FakePublisher(port=port, replay=False, start_seq=seq)  # back
+            wait_until(lambda: rows(srv, TOKENS) == {("eng-a", 0): (6, 0, 0)}, msg="unmuted")
+            assert rows(srv, OTHER) == {("eng-a", 0): (6, 0, 0)}
+            c = prediction_counts(srv)
+            assert (c["live"], c["confirmed"], c["contradicted"]) == (2, 0, 0)
+    finally:
+        pub.stop()
+
+
+@pytest.mark.server
 def test_workers_2_every_process_sees_a_prediction(tmp_path):
     with running(tmp_path, "--workers", "2", "--prediction-ttl-s", "30") as srv:
         register_engine(srv, "eng-a", dp_rank=3)
@@ -293,6 +326,49 @@ def test_workers_2_every_process_sees_a_prediction(tmp_path):
                 )
                 assert dp_entry(r.json(), "eng-a", 3)["npu_blocks"] == 6, r.text
         assert prediction_counts(srv)["live"] == 1
+
+
+def _rows_everywhere(srv, tokens, n: int = 6) -> set:
+    """``rows`` over ``n`` new connections (``--workers 2``: spread over both workers)."""
+    out = set()
+    for _ in range(n):
+        with httpx.Client(base_url=srv.url, timeout=10) as http:
+            out.add(tuple(sorted(rows(SimpleNamespace(http=http), tokens).items())))
+    return out
+
+
+@pytest.mark.server
+def test_workers_2_events_over_zeromq_confirm_a_prediction(tmp_path):
+    """--workers 2: predictions posted to the workers, the engine's stores over ZeroMQ
+    (applied by the owner) confirm them; every worker's answer stays exact meanwhile."""
+    pub = FakePublisher(replay=False)
+    try:
+        with running(tmp_path, "--workers", "2", "--prediction-ttl-s", "30") as srv:
+            v = engine_with_a_block(srv, pub)
+            for _ in range(4):  # new connections: both workers take predictions
+                with httpx.Client(base_url=srv.url, timeout=10) as http:
+                    predict(SimpleNamespace(http=http), TOKENS[:16])
+            c0 = prediction_counts(srv)
+            assert (c0["added"], c0["live"]) == (4, 4)
+            assert _rows_everywhere(srv, TOKENS) == {((("eng-a", 0), (4, 0, 0)),)}
+            # the engine stores blocks 2..4: the four predictions are confirmed
+            pub.publish(v.batch([v.stored(HASHES[1:4], HASHES[0], TOKENS[4:16], BS, medium="GPU")]))
+            wait_until(lambda: prediction_counts(srv)["confirmed"] == 4, msg="confirmed")
+            assert prediction_counts(srv)["live"] == 0
+            assert _rows_everywhere(srv, TOKENS) == {((("eng-a", 0), (4, 0, 0)),)}
+            # a longer one, then the engine's store of the rest: confirmed too
+            predict(srv, TOKENS)
+            assert _rows_everywhere(srv, TOKENS) == {((("eng-a", 0), (6, 0, 0)),)}
+            pub.publish(v.batch([v.stored(HASHES[4:6], HASHES[3], TOKENS[16:], BS, medium="GPU")]))
+            wait_until(lambda: prediction_counts(srv)["confirmed"] == 5, msg="confirmed")
+            c = prediction_counts(srv)
+            assert (c["added"], c["live"], c["contradicted"], c["expired"]) == (5, 0, 0, 0)
+            assert _rows_everywhere(srv, TOKENS) == {((("eng-a", 0), (6, 0, 0)),)}
+            # the predicted worker left no block behind: the index holds the engine's 6
+            doc = srv.http.get("/workers").json()
+            assert sum(i["hbm_blocks"] for i in doc["indexer"]) == 6
+    finally:
+        pub.stop()
 
 
 @pytest.mark.server
@@ -416,6 +492,60 @@ def test_top_k_and_instances_apply_after_the_merge(impl):
     ]
     only = idx.query_by_hash(hs, instances=["b"])
     assert [(h.instance_id, h.dp_rank, h.npu_blocks) for h in only.hits] == [("b", 0, 6)]
+
+
+def _mute_dp(idx, instance: str, dp: int, muted: bool) -> None:
+    """What the liveness policy does to a DP whose HBM sources are down (or back):
+    ``SubscriptionManager.set_dp_muted``, every HBM worker of the DP."""
+    for key in idx.workers_of(instance, dp):
+        if Medium(key.medium).tier == 0:
+            idx.set_muted(key, muted)
+
+
+def _npu(idx, tokens) -> dict[tuple[str, int], int]:
+    return {(h.instance_id, h.dp_rank): h.npu_blocks for h in idx.query(tokens, BS).hits}
+
+
+@pytest.mark.parametrize("impl", ["c", "py"])
+def test_a_muted_dps_predictions_give_no_hits_until_it_is_unmuted(impl):
+    """Made during the mute (the DP's first) or before it: a muted DP's predictions answer
+    nothing (its events' blocks do not either); unmuted, both answer again; the DP's muted
+    events do not confirm a prediction at once."""
+    from kvconductor.index import Index
+
+    idx = Index("qwen", "default", impl=impl)
+    hs = list(hash_blocks(TOKENS, BS))
+    idx.store(WorkerKey("a", "a", 0, Medium.NPU), None, hs[:2], hs[:2])
+    preds = Predictions(PredictionLimits(ttl=10.0))
+    _mute_dp(idx, "a", 0, True)  # before the DP has a predicted worker
+    assert preds.add(idx, "a", 0, hs[:2], now=0.0) == 2
+    assert preds.add(idx, "a", 0, hs, now=0.0) == 6
+    assert (preds.outcomes["confirmed"], preds.live) == (0, 2)
+    assert _npu(idx, TOKENS) == {}
+    _mute_dp(idx, "a", 0, False)
+    assert _npu(idx, TOKENS) == {("a", 0): 6}
+    _mute_dp(idx, "a", 0, True)  # muted again, with its predictions live
+    assert _npu(idx, TOKENS) == {}
+    _mute_dp(idx, "a", 0, False)
+    assert _npu(idx, TOKENS) == {("a", 0): 6}
+    preds.sweep(100.0)
+    assert preds.live == 0 and _npu(idx, TOKENS) == {("a", 0): 2}
+    # a DP with no events' worker is never muted by the liveness policy: it answers
+    preds.add(idx, "b", 0, hs[:3], now=100.0)
+    assert _npu(idx, TOKENS)[("b", 0)] == 3
+
+
+def test_a_dp_the_instance_does_not_register_is_refused(conductor):
+    from kvconductor.schema import PredictRecord, RegisterRequest
+    from kvconductor.state.conductor import DpNotRegistered
+
+    c = conductor
+    c.call(c.register, msgspec.convert(_reg("eng-a"), RegisterRequest))
+    hs = list(hash_blocks(TOKENS[:8], BS))
+    with pytest.raises(DpNotRegistered, match=r"dp_rank 2 of instance eng-a not found.*: 0\)"):
+        c.call(c.predict, PredictRecord("qwen", "default", "eng-a", 2, hs))
+    assert c.predictions.live == 0 and c.predictions.outcomes["added"] == 0
+    assert c.call(c.predict, PredictRecord("qwen", "default", "eng-a", 0, hs)) == 2
 
 
 def test_the_blocks_bound_drops_the_oldest_and_refuses_a_longer_one():

@@ -32,8 +32,9 @@ Compiled fast path (``kvconductor._ingest.FastBatch``, engine HBM sources outsid
 loss's grace period): a batch whose every event it handles (HBM medium, ASCII LoRA name /
 attention kind, int or bin hashes, plain envelope) is parsed, hashed and applied in C
 under one write lock, with the same results, counters and ``touched`` keys as the code
-below; anything else returns -1 from ``parse`` before any mutation and goes to the Python
-vLLM decoder. ``KVCONDUCTOR_IMPL=py`` (or ``Applier(..., fast=False)``) turns it off.
+below (a DP's live predictions told the same: :mod:`~kvconductor.ingest.predicted`);
+anything else returns -1 from ``parse`` before any mutation and goes to the Python vLLM
+decoder. ``KVCONDUCTOR_IMPL=py`` (or ``Applier(..., fast=False)``) turns it off.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from kvconductor.ingest.ops import (
 )
 from kvconductor.ingest.poolguard import ENGINE_BATCH_ON_POOL, engine_batch_on_pool
 from kvconductor.ingest.pooltargets import Miss, pool_targets
+from kvconductor.ingest.predicted import apply_reported
 from kvconductor.ingest.recognize import VLLM, decode, recognize
 from kvconductor.ingest.sharedstore import store_shared
 from kvconductor.ingest.stats import DEFAULT_WARN, Limits, SourceStats, WarnLimiter
@@ -324,8 +326,6 @@ class Applier:
         if type(core) is not _CCore:
             self._fast = None  # pure-Python core: this subscription stays on the general path
             return index
-        if index.predicted and (ctx.instance_id, ctx.dp_rank) in index.predicted:
-            return index  # predictions of this DP: the general path confirms or drops them
         try:
             wid = -1
             if fb.needs_worker:
@@ -340,7 +340,7 @@ class Applier:
             if fb.has_clear:  # Index.clear skips keys it never saw; so do we
                 known = set(index.workers_of(ctx.instance_id, ctx.dp_rank))
                 clear = [index.worker_id(k) for k in self._clear_keys if k in known]
-            blocks, parent_nf, bad_seq, oom = fb.apply(core, wid, clear)
+            blocks, parent_nf, bad_seq, oom = apply_reported(fb, index, wid, clear, self._hbm_key)
         except Exception:
             return index
         if fb.has_clear and self.store_bound is not None:

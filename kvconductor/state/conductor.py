@@ -53,7 +53,12 @@ from kvconductor.schema import (
     SourceNotReady,
     UnregisterRequest,
 )
-from kvconductor.state.events import EventsOutcome, InstanceNotRegistered, apply_events
+from kvconductor.state.events import (
+    DpNotRegistered,
+    EventsOutcome,
+    InstanceNotRegistered,
+    apply_events,
+)
 from kvconductor.state.explain import ExplainState, explain
 from kvconductor.state.journal import Journal, LocalJournal
 from kvconductor.state.protocols import (
@@ -90,6 +95,7 @@ _T = TypeVar("_T")
 __all__ = [
     "Conductor",
     "ConductorConfig",
+    "DpNotRegistered",
     "EventsOutcome",
     "InstanceNotRegistered",
     "RegistrationError",
@@ -493,9 +499,13 @@ class Conductor:
     # -- /predict (ingest thread) -------------------------------------------------------------
     def predict(self, rec: PredictRecord) -> int:
         """Hold a router's prediction (docs/api.md, POST /predict): the blocks predicted.
-        :class:`InstanceNotRegistered` for an instance no registration names."""
-        if self.registry.get(rec.instance_id) is None:
+        :class:`InstanceNotRegistered` for an instance no registration names,
+        :class:`DpNotRegistered` for a dp_rank it does not register."""
+        entry = self.registry.get(rec.instance_id)
+        if entry is None:
             raise InstanceNotRegistered(rec.instance_id)
+        if rec.dp_rank not in entry.endpoints:
+            raise DpNotRegistered(rec.instance_id, rec.dp_rank, entry.endpoints)
         if not self.predictions.enabled or not rec.block_hashes:
             return 0
         idx = self.get_or_create_index(rec.model, rec.tenant_id)

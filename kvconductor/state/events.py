@@ -22,7 +22,14 @@ from kvconductor.state.registry import Registry
 
 log = logging.getLogger("kvconductor")
 
-__all__ = ["EventsOutcome", "InstanceNotRegistered", "apply_events", "apply_op", "error_text"]
+__all__ = [
+    "DpNotRegistered",
+    "EventsOutcome",
+    "InstanceNotRegistered",
+    "apply_events",
+    "apply_op",
+    "error_text",
+]
 
 
 class InstanceNotRegistered(LookupError):
@@ -34,6 +41,18 @@ class InstanceNotRegistered(LookupError):
 
     def __init__(self, instance_id: str) -> None:
         super().__init__(f"instance {instance_id} not found")
+
+
+class DpNotRegistered(InstanceNotRegistered):
+    """A ``POST /predict`` for a dp_rank its instance does not register (HTTP 404, nothing
+    held): a prediction there would name a DP no event can confirm or contradict."""
+
+    def __init__(self, instance_id: str, dp_rank: int, registered) -> None:
+        LookupError.__init__(
+            self,
+            f"dp_rank {dp_rank} of instance {instance_id} not found "
+            f"(registered: {', '.join(map(str, sorted(registered)))})",
+        )
 
 
 def error_text(ex: IndexUpdateError) -> str:
