@@ -5,6 +5,7 @@ measures, and from a server that sends chunked bodies or closes its keep-alive c
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -62,6 +63,24 @@ def test_raw_client_reads_what_http_client_reads_from_kv_conductor(tmp_path):
         raw.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("size", [64, 1 << 17])
+def test_an_answer_read_in_one_recv_or_many(size):
+    """The whole answer already waiting (headers far before the end of the first read), then
+    two answers in one read: each answer where it is, the second kept for the next read."""
+    a, b = socket.socketpair()
+    raw = RawConn(0, size=size)
+    raw.sock = a
+    body = bytes(range(256)) * 80
+    one = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nServer-Timing: q;dur=2\r\n\r\n" % len(body)
+    b.sendall(one + body)
+    assert raw.send(b"GET / HTTP/1.1\r\n\r\n") == (200, body, b"q;dur=2")
+    b.sendall(one + body + b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nno")
+    assert raw.send(b"GET / HTTP/1.1\r\n\r\n") == (200, body, b"q;dur=2")
+    assert raw.send(b"GET / HTTP/1.1\r\n\r\n") == (404, b"no", b"")
+    raw.close()
+    b.close()
 
 
 def test_server_timing_is_read_as_milliseconds():

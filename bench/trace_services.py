@@ -120,8 +120,9 @@ class RawConn:
         buf = self.buf
         end = buf.find(b"\r\n\r\n", 0, self.have)
         while end < 0:
+            seen = max(0, self.have - 3)
             self._fill(s, self.have + 1)
-            end = buf.find(b"\r\n\r\n", max(0, self.have - 4096), self.have)
+            end = buf.find(b"\r\n\r\n", seen, self.have)
         head = bytes(buf[: end + 2]).lower()
         status = int(head[9:12])
         start = end + 4
