@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import msgspec
 import pytest
 
-from bench.trace_services import Conn, RawConn, Server, server_ms
+from bench.trace_services import Conn, Floor, RawConn, Server, server_ms
 
 
 def _both(port: int, method: str, path: str, body: bytes = b"", ctype: str = ""):
@@ -161,3 +161,18 @@ def test_raw_client_reads_what_http_client_reads_from_dynamos_indexer(tmp_path):
         assert _both(svc.port, "GET", "/no-such-route") == ((404, b"", False),) * 2
     finally:
         svc.stop()
+
+
+@pytest.mark.server
+def test_a_floor_twin_gets_as_many_bytes_as_its_size_header():
+    """The paired floor's twin: the query's prepared bytes with ``x-floor-size`` spliced in."""
+    floor = Floor()
+    try:
+        raw = RawConn(floor.port)
+        head, tail = raw.prepare("POST", "/query_by_hash", b"\x80", "application/msgpack")
+        for size in (0, 673, 84918, 5):
+            st, body, _ = raw.send(b"%sx-floor-size: %d\r\n%s" % (head, size, tail))
+            assert (st, body) == (200, bytes(size))
+        raw.close()
+    finally:
+        floor.stop()
