@@ -52,10 +52,12 @@ from bench.trace_services import (
     Conn,
     DoesNotFit,
     Floor,
+    RawConn,
     Server,
     Service,
     _raise_nofile,
     resource_limit,
+    server_ms,
     sources_that_fit,
 )
 
@@ -201,20 +203,26 @@ def _publisher(conn, workers: list[int]) -> None:
 
 
 def _client(conn, port: int) -> None:
-    """One query client: keep-alive HTTP, the target's bodies; times every round trip.
-    With a floor port, each query's twin (the same body, ``x-floor-size``: the length of
-    the target's answer) goes to the floor beside it, first or second in turn. With
-    ``predicts`` (a body per query), each query is followed by the router's prediction
+    """One query client: keep-alive HTTP (:class:`RawConn`, each request's bytes built
+    before the clock starts), the target's bodies; times every round trip. With a floor
+    port, each query's twin (the same body, ``x-floor-size``: the length of the target's
+    answer) goes to the floor beside it, first or second in turn. With ``predicts`` (a
+    body per query), each query is followed by the router's prediction
     (``POST /predict_by_hash``), timed apart."""
     items, pace, path, ctype, floor_port, predicts = conn.recv()
-    c = Conn(port)
-    f = Conn(floor_port) if floor_port else None
+    c = RawConn(port)
+    f = RawConn(floor_port) if floor_port else None
+    reqs = [(t, c.prepare("POST", path, body, ctype)) for t, _qi, body in items]
+    preds = (
+        None
+        if predicts is None
+        else [c.prepare("POST", "/predict_by_hash", body, ctype) for body in predicts]
+    )
     conn.send("ready")
     start = conn.recv()
     d0 = start - time.time()
     if d0 > 0:
         time.sleep(d0)
-    hdr = {"Content-Type": ctype}
     lat: list[int] = []
     floor: list[int] = []
     plat: list[int] = []
@@ -223,36 +231,37 @@ def _client(conn, port: int) -> None:
     clock = time.perf_counter_ns
     size = 0
     t0 = time.perf_counter()
-    for j, (t, _qi, body) in enumerate(items):
+    for j, (t, (head, tail)) in enumerate(reqs):
         if pace > 0:
             d = start + t / pace - time.time()
             if d > 0:
                 time.sleep(d)
         if f is not None and j & 1:
+            twin = b"%sx-floor-size: %d\r\n%s" % (head, size, tail)
             a = clock()
-            f.request("POST", path, body, {**hdr, "x-floor-size": str(size)})
+            f.send(twin)
             floor.append(clock() - a)
+        req = head + tail
         a = clock()
-        r, answer = c.request("POST", path, body, hdr)
+        status, answer, timing = c.send(req)
         lat.append(clock() - a)
         size = len(answer)
         if f is not None and not j & 1:
+            twin = b"%sx-floor-size: %d\r\n%s" % (head, size, tail)
             a = clock()
-            f.request("POST", path, body, {**hdr, "x-floor-size": str(size)})
+            f.send(twin)
             floor.append(clock() - a)
-        if r.status != 200:
+        if status != 200:
             errors += 1
-        st = r.getheader("Server-Timing")
-        if st and "dur=" in st:
-            try:
-                server.append(float(st.split("dur=")[1].split(";")[0].split(",")[0]))
-            except ValueError:
-                pass
-        if predicts is not None:
+        ms = server_ms(timing)
+        if ms is not None:
+            server.append(ms)
+        if preds is not None:
+            ph, pt = preds[j]
             a = clock()
-            r, _ = c.request("POST", "/predict_by_hash", predicts[j], hdr)
+            pstatus = c.send(ph + pt)[0]
             plat.append(clock() - a)
-            perrors += r.status != 200
+            perrors += pstatus != 200
     conn.send((lat, server, errors, time.perf_counter() - t0, floor, plat, perrors))
     c.close()
     if f is not None:
