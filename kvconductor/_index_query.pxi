@@ -612,10 +612,11 @@ cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
             if stale_ == 0:
                 _runlock(self, slot_)
         if stale_ == 0 and rc == 0:
-            # the answer: one u32 row per group with a hit, in C (no Python per row)
+            # the answer: one u32 row per group with a hit, in C (no Python per row);
+            # counted without a branch per group (the compiler vectorizes it: a miss at
+            # 7,000 groups spent most of its time in this scan)
             for g in range(G):
-                if s.ends[g] or s.ends[G + g] or s.ends[2 * G + g]:
-                    m += 1
+                m += (s.ends[g] | s.ends[G + g] | s.ends[2 * G + g]) != 0
             if m:
                 rows = <uint32_t*>malloc(4 * m * sizeof(uint32_t))
                 if rows == NULL:
