@@ -89,7 +89,16 @@ class Snapshot(TypedDict):
 
 # -- writing ------------------------------------------------------------------------------
 def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
-    """The ``POST /register`` body that recreates one registered DP.
+    """The ``POST /register`` body that recreates one registered DP
+    (:func:`registration_request`; ``engine_url`` only when it has one)."""
+    doc: JSONObject = msgspec.to_builtins(registration_request(entry, ep))
+    if ep.engine_url is None:
+        del doc["engine_url"]
+    return doc
+
+
+def registration_request(entry: WorkerEntry, ep: EndpointInfo) -> RegisterRequest:
+    """The ``POST /register`` request that recreates one registered DP.
 
     A legacy ``endpoint`` is kept only by cluster pools (it decides ``is_pool``); any
     other was stored as the three media on its URL, which registers the same way (HBM-IP
@@ -98,7 +107,7 @@ def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
     endpoint = None
     if ep.is_pool and not ep.node_pool and ep.sources:
         endpoint, meds = ep.sources[0][0], {}
-    req = RegisterRequest(
+    return RegisterRequest(
         instance_id=entry.instance_id,
         engine_type=ep.engine_type,
         modelname=ep.model_name,
@@ -117,9 +126,8 @@ def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
         ),
         shared_store=ep.shared_store or None,
         lora_name=ep.lora_name,
+        engine_url=ep.engine_url,
     )
-    doc: JSONObject = msgspec.to_builtins(req)
-    return doc
 
 
 def snapshot(conductor: Conductor) -> Snapshot:

@@ -134,6 +134,10 @@ def register(host: RegistrationHost, req: RegisterRequest, max_sources: int) -> 
     host.follow()
     if out.drop_from is not None:
         host.reclaim(out.drop_from)
+    if req.engine_url and out.reregistered and opened:
+        # The engine's URL named new publishers: the engine restarted on new ports. Its
+        # cache is new, as when a sequence goes back (the old blocks age out).
+        host.subs.restarted(out.instance_id, out.dp_rank, opened, "found on new endpoints")
     if out.replay is not None and out.replay.url in opened:
         # A new subscription: catch up from the engine's replay buffer. A URL that was
         # already subscribed kept its socket and lost nothing.

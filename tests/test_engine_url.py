@@ -1,0 +1,258 @@
+"""Registration from an engine's URL (``engine_url``; kvconductor/state/engineroute.py and
+enginefollow.py): through a real server, with vLLM 0.33.0's own publishers
+(``ZmqEventPublisher``, binding port 0 as an engine with ``tcp://*:0`` does) and the body
+its API server answers on ``GET /kv_event_sources`` made by vLLM's own route function
+and ``KVEventsConfig`` (tests/helpers/realpub.py). The engine's HTTP side is a plain HTTP
+server serving that body (vLLM's API server needs torch).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+
+import pytest
+
+from kvconductor.state.engineroute import MAX_BYTES, READ_SECS
+from tests.helpers.publishers import free_tcp_port, wait_until
+from tests.helpers.realpub import vllm_kv_events, vllm_route
+from tests.helpers.server import Server, dp_entry, registration, running
+
+BS = 4
+IID = "vllm-a"
+
+
+class EngineHttp:
+    """The engine's API server as far as the route goes: ``GET /kv_event_sources`` answers
+    :attr:`body` (with :attr:`status`, :attr:`headers`), after :attr:`delay` seconds."""
+
+    def __init__(self) -> None:
+        self.body = b"{}"
+        self.status = 200
+        self.headers: dict[str, str] = {}
+        self.delay = 0.0
+        self.gets = 0
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                owner.gets += 1
+                time.sleep(owner.delay)
+                if self.path != "/kv_event_sources":
+                    self.send_error(404)
+                    return
+                self.send_response(owner.status)
+                for k, v in owner.headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(owner.body)))
+                self.end_headers()
+                try:
+                    self.wfile.write(owner.body)
+                except OSError:
+                    pass
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def serve(self, sources: dict) -> None:
+        """Answer what vLLM 0.33's API server answers for an engine client with
+        ``sources`` (DP rank -> the publisher's ``get_publisher_config()``)."""
+        _, render = vllm_route()
+        self.body, self.status, self.headers = render(sources), 200, {}
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def engine():
+    e = EngineHttp()
+    yield e
+    e.close()
+
+
+class Engine:
+    """One vLLM engine: a publisher per DP rank (vLLM's own, binding ``endpoints[rank]``,
+    replay on port 0 too) and its API server's route."""
+
+    def __init__(self, http: EngineHttp, endpoints: dict[int, str]) -> None:
+        k = vllm_kv_events()
+        self.k = k
+        self.pubs = {
+            rank: k.ZmqEventPublisher(
+                data_parallel_rank=rank, endpoint=ep, replay_endpoint="tcp://*:0"
+            )
+            for rank, ep in endpoints.items()
+        }
+        http.serve({r: p.get_publisher_config() for r, p in self.pubs.items()})
+
+    def store(self, rank: int, hashes: list[int], tokens: list[int]) -> None:
+        k = self.k
+        ev = k.BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=None,
+            token_ids=tokens,
+            block_size=BS,
+            lora_id=None,
+            medium=k.MEDIUM_GPU,
+            lora_name=None,
+        )
+        self.pubs[rank].publish(k.KVEventBatch(ts=time.time(), events=[ev]))
+
+    def shutdown(self) -> None:
+        for p in self.pubs.values():
+            p.shutdown()
+
+
+def _hits(srv: Server, tokens: list[int], dp: int) -> int:
+    r = srv.http.post("/query", json={"model": "qwen", "block_size": BS, "token_ids": tokens})
+    assert r.status_code == 200, r.text
+    e = dp_entry(r.json(), IID, dp)
+    return 0 if e is None else e["npu_blocks"]
+
+
+def _until_hits(srv: Server, eng: Engine, rank: int, hashes: list[int], tokens: list[int]):
+    """Publish until the blocks are answered (the SUB may connect after a first send)."""
+
+    def answered() -> bool:
+        if _hits(srv, tokens, rank) == len(hashes):
+            return True
+        eng.store(rank, hashes, tokens)
+        return False
+
+    wait_until(answered, timeout=30, interval=0.2, msg=f"DP {rank}'s blocks answered")
+
+
+def _endpoints(srv: Server) -> dict:
+    return srv.http.get("/workers").json()["workers"][0]["endpoints"]
+
+
+TOK_A = list(range(100, 108))
+TOK_B = list(range(200, 208))
+TOK_C = list(range(300, 308))
+
+
+def test_registered_from_the_engine_url_and_followed_to_new_ports(tmp_path, engine):
+    fixed = free_tcp_port()  # vLLM adds the DP rank to a configured port
+    eng = Engine(engine, {0: "tcp://*:0", 1: f"tcp://*:{fixed - 1}"})
+    try:
+        with running(tmp_path) as srv:
+            r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
+            assert r.status_code == 201, r.text
+            assert r.json() == {"status": "ok"}
+            eps = _endpoints(srv)
+            cfg0 = eng.pubs[0].get_publisher_config()
+            assert eps["0"]["medium_endpoints"] == {"npu": cfg0.endpoint}
+            assert eps["0"]["replay_endpoint"] == cfg0.replay_endpoint
+            # DP 1 binds the wildcard: the host is the engine URL's
+            assert eps["1"]["medium_endpoints"] == {"npu": f"tcp://127.0.0.1:{fixed}"}
+            for dp in ("0", "1"):
+                assert eps[dp]["engine_url"] == engine.url
+                assert eps[dp]["engine_url_state"] == "ok"
+                assert eps[dp]["engine_url_error"] is None
+            _until_hits(srv, eng, 0, [1, 2], TOK_A)
+            _until_hits(srv, eng, 1, [3, 4], TOK_B)
+
+            # The engine restarts on new ports (its publishers bind port 0 again); for a
+            # while its API server does not answer the route.
+            eng.pubs[0].shutdown()
+            engine.status, engine.body = 503, b"{}"
+
+            def errored() -> bool:
+                return _endpoints(srv)["0"]["engine_url_state"] == "error"
+
+            wait_until(errored, timeout=20, interval=0.2, msg="the failed read shown")
+            assert "answered HTTP 503" in _endpoints(srv)["0"]["engine_url_error"]
+            t0 = time.monotonic()
+            eng.pubs[0] = eng.k.ZmqEventPublisher(
+                data_parallel_rank=0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+            )
+            engine.serve({r: p.get_publisher_config() for r, p in eng.pubs.items()})
+            new = eng.pubs[0].get_publisher_config()
+            assert new.endpoint != cfg0.endpoint
+            _until_hits(srv, eng, 0, [5, 6], TOK_C)
+            took = time.monotonic() - t0
+            print(f"engine restarted on new ports: its new blocks answered after {took:.2f}s")
+            eps = _endpoints(srv)
+            assert eps["0"]["medium_endpoints"] == {"npu": new.endpoint}
+            assert eps["0"]["engine_url_state"] == "ok"
+            assert eps["0"]["engine_url_error"] is None
+            # the move is a restart of the publisher, as a sequence going back is
+            src = next(
+                s for s in srv.http.get("/workers").json()["sources"] if s["url"] == new.endpoint
+            )
+            assert src["restarts"] == 1
+            assert "found on new endpoints" in srv.log()
+            # DP 1 was not touched
+            assert _hits(srv, TOK_B, 1) == 2
+    finally:
+        eng.shutdown()
+
+
+def _refused(srv: Server, engine_url: str, status: int, *words: str) -> None:
+    r = srv.http.post("/register", json=registration(IID, engine_url=engine_url))
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    for w in words:
+        assert w in err, err
+    assert srv.http.get("/workers").json()["workers"] == []
+
+
+def test_engines_that_do_not_serve_the_route(tmp_path, engine):
+    with running(tmp_path) as srv:
+        engine.status = 404
+        _refused(srv, engine.url, 502, "answered HTTP 404", "vLLM serves it from 0.33")
+        engine.status, engine.body = 200, b"<html>"
+        _refused(srv, engine.url, 502, "/kv_event_sources is not JSON")
+        engine.body = b"[]"
+        _refused(srv, engine.url, 502, "expected an object of DP ranks, got list")
+        engine.body = b'{"0": {"topic": ""}}'
+        _refused(srv, engine.url, 502, "DP rank 0: expected a KVEventsConfig with an endpoint")
+        engine.body = b'{"rank0": {"endpoint": "tcp://*:5557"}}'
+        _refused(srv, engine.url, 502, "key 'rank0' is not a DP rank")
+        engine.body = b"{}"
+        _refused(srv, engine.url, 502, "lists no KV-event publisher")
+        engine.body = b'{"0": {"endpoint": "tcp://*:5557", "publisher": "null"}}'
+        _refused(srv, engine.url, 502, "publishes no events")
+        engine.body = b'{"1": {"endpoint": "tcp://*:5557"}}'
+        _refused(srv, engine.url, 502, "lists DP rank(s) [1], not the registration's dp_rank 0")
+        engine.status, engine.headers = 302, {"Location": "http://10.9.9.9/kv_event_sources"}
+        _refused(srv, engine.url, 502, "answered 302", "redirects are not followed")
+        engine.status, engine.headers = 200, {}
+        engine.body = json.dumps({"0": {"endpoint": "tcp://*:5557", "pad": "x" * MAX_BYTES}})
+        engine.body = engine.body.encode()
+        _refused(srv, engine.url, 502, f"over {MAX_BYTES} bytes")
+        engine.body, engine.delay = b'{"0": {"endpoint": "tcp://*:5557"}}', READ_SECS + 1
+        t0 = time.monotonic()
+        _refused(srv, engine.url, 502, "no answer within")
+        assert time.monotonic() - t0 < READ_SECS + 1
+        engine.delay = 0.0
+        closed = f"http://127.0.0.1:{free_tcp_port()}"
+        _refused(srv, closed, 502, "the engine cannot be reached")
+        _refused(srv, "tcp://127.0.0.1:5557", 400, "expected http://HOST")
+        assert "path=/register status=502" in srv.log()
+
+
+def test_the_url_rules_apply_to_the_engine_and_its_endpoints(tmp_path, engine):
+    with running(tmp_path, "--endpoint-networks", "10.0.0.0/8") as srv:
+        engine.body = b'{"0": {"endpoint": "tcp://10.1.2.3:5557"}}'
+        _refused(srv, engine.url, 400, "127.0.0.1 is outside --endpoint-networks")
+        _refused(srv, "http://engine.example:8000", 400, "host names are not accepted")
+    with running(tmp_path, "--endpoint-networks", "127.0.0.0/8") as srv:
+        engine.body = b'{"0": {"endpoint": "tcp://10.1.2.3:5557"}}'
+        _refused(srv, engine.url, 502, "DP rank 0 endpoint", "10.1.2.3 is outside")
+        engine.body = b'{"0": {"endpoint": "ipc:///tmp/kv"}}'
+        _refused(srv, engine.url, 502, "ipc:// endpoints are disabled")
+        engine.body = b'{"0": {"endpoint": "tcp://*:5557"}}'
+        r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
+        assert r.status_code == 201, r.text
+        assert _endpoints(srv)["0"]["medium_endpoints"] == {"npu": "tcp://127.0.0.1:5557"}
