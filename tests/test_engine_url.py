@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from kvconductor.coordinator import ConductorClient, ConductorError
 from kvconductor.state.engineroute import MAX_BYTES, READ_SECS
 from tests.helpers.publishers import free_tcp_port, wait_until
 from tests.helpers.realpub import vllm_kv_events, vllm_route
@@ -210,36 +211,36 @@ def _refused(srv: Server, engine_url: str, status: int, *words: str) -> None:
 def test_engines_that_do_not_serve_the_route(tmp_path, engine):
     with running(tmp_path) as srv:
         engine.status = 404
-        _refused(srv, engine.url, 502, "answered HTTP 404", "vLLM serves it from 0.33")
+        _refused(srv, engine.url, 422, "answered HTTP 404", "vLLM serves it from 0.33")
         engine.status, engine.body = 200, b"<html>"
-        _refused(srv, engine.url, 502, "/kv_event_sources is not JSON")
+        _refused(srv, engine.url, 422, "/kv_event_sources is not JSON")
         engine.body = b"[]"
-        _refused(srv, engine.url, 502, "expected an object of DP ranks, got list")
+        _refused(srv, engine.url, 422, "expected an object of DP ranks, got list")
         engine.body = b'{"0": {"topic": ""}}'
-        _refused(srv, engine.url, 502, "DP rank 0: expected a KVEventsConfig with an endpoint")
+        _refused(srv, engine.url, 422, "DP rank 0: expected a KVEventsConfig with an endpoint")
         engine.body = b'{"rank0": {"endpoint": "tcp://*:5557"}}'
-        _refused(srv, engine.url, 502, "key 'rank0' is not a DP rank")
+        _refused(srv, engine.url, 422, "key 'rank0' is not a DP rank")
         engine.body = b"{}"
-        _refused(srv, engine.url, 502, "lists no KV-event publisher")
+        _refused(srv, engine.url, 422, "lists no KV-event publisher")
         engine.body = b'{"0": {"endpoint": "tcp://*:5557", "publisher": "null"}}'
-        _refused(srv, engine.url, 502, "publishes no events")
+        _refused(srv, engine.url, 422, "publishes no events")
         engine.body = b'{"1": {"endpoint": "tcp://*:5557"}}'
-        _refused(srv, engine.url, 502, "lists DP rank(s) [1], not the registration's dp_rank 0")
+        _refused(srv, engine.url, 422, "lists DP rank(s) [1], not the registration's dp_rank 0")
         engine.status, engine.headers = 302, {"Location": "http://10.9.9.9/kv_event_sources"}
-        _refused(srv, engine.url, 502, "answered 302", "redirects are not followed")
+        _refused(srv, engine.url, 422, "answered 302", "redirects are not followed")
         engine.status, engine.headers = 200, {}
         engine.body = json.dumps({"0": {"endpoint": "tcp://*:5557", "pad": "x" * MAX_BYTES}})
         engine.body = engine.body.encode()
-        _refused(srv, engine.url, 502, f"over {MAX_BYTES} bytes")
+        _refused(srv, engine.url, 422, f"over {MAX_BYTES} bytes")
         engine.body, engine.delay = b'{"0": {"endpoint": "tcp://*:5557"}}', READ_SECS + 1
         t0 = time.monotonic()
-        _refused(srv, engine.url, 502, "no answer within")
+        _refused(srv, engine.url, 422, "no answer within")
         assert time.monotonic() - t0 < READ_SECS + 1
         engine.delay = 0.0
         closed = f"http://127.0.0.1:{free_tcp_port()}"
-        _refused(srv, closed, 502, "the engine cannot be reached")
+        _refused(srv, closed, 422, "the engine cannot be reached")
         _refused(srv, "tcp://127.0.0.1:5557", 400, "expected http://HOST")
-        assert "path=/register status=502" in srv.log()
+        assert "path=/register status=422" in srv.log()
 
 
 def test_the_url_rules_apply_to_the_engine_and_its_endpoints(tmp_path, engine):
@@ -249,10 +250,50 @@ def test_the_url_rules_apply_to_the_engine_and_its_endpoints(tmp_path, engine):
         _refused(srv, "http://engine.example:8000", 400, "host names are not accepted")
     with running(tmp_path, "--endpoint-networks", "127.0.0.0/8") as srv:
         engine.body = b'{"0": {"endpoint": "tcp://10.1.2.3:5557"}}'
-        _refused(srv, engine.url, 502, "DP rank 0 endpoint", "10.1.2.3 is outside")
+        _refused(srv, engine.url, 422, "DP rank 0 endpoint", "10.1.2.3 is outside")
         engine.body = b'{"0": {"endpoint": "ipc:///tmp/kv"}}'
-        _refused(srv, engine.url, 502, "ipc:// endpoints are disabled")
+        _refused(srv, engine.url, 422, "ipc:// endpoints are disabled")
         engine.body = b'{"0": {"endpoint": "tcp://*:5557"}}'
         r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
         assert r.status_code == 201, r.text
         assert _endpoints(srv)["0"]["medium_endpoints"] == {"npu": "tcp://127.0.0.1:5557"}
+
+
+def test_with_workers_and_across_a_warm_restart(tmp_path, engine):
+    """``--workers 2``: the registration (made by the owner, to which a worker hands it)
+    and the answers from the workers; the snapshot keeps ``engine_url``, and the restarted
+    server reads it again: the engine, restarted meanwhile on new ports, is followed."""
+    snap = tmp_path / "snap"
+    eng = Engine(engine, {0: "tcp://*:0"})
+    try:
+        with running(tmp_path, "--workers", "2", "--snapshot-dir", str(snap)) as srv:
+            r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
+            assert r.status_code == 201, r.text
+            _until_hits(srv, eng, 0, [1, 2], TOK_A)
+        eng.shutdown()
+        eng = Engine(engine, {0: "tcp://*:0"})  # new ports while the server was down
+        new = eng.pubs[0].get_publisher_config()
+        with running(tmp_path, "--snapshot-dir", str(snap)) as srv:
+            _until_hits(srv, eng, 0, [5, 6], TOK_C)
+            eps = _endpoints(srv)
+            assert eps["0"]["medium_endpoints"] == {"npu": new.endpoint}
+            assert eps["0"]["engine_url"] == engine.url
+            assert eps["0"]["engine_url_state"] == "ok"
+    finally:
+        eng.shutdown()
+
+
+def test_the_client_registers_an_engine_url(tmp_path, engine):
+    eng = Engine(engine, {0: "tcp://*:0"})
+    try:
+        with running(tmp_path) as srv, ConductorClient(srv.url) as c:
+            fields = {"instance_id": IID, "type": "vLLM", "modelname": "qwen", "block_size": BS}
+            assert c.register(**fields, dp_rank=0, engine_url=engine.url) == {"status": "ok"}
+            _until_hits(srv, eng, 0, [1, 2], TOK_A)
+            engine.status = 404
+            with pytest.raises(ConductorError) as ex:
+                c.register(**fields, dp_rank=0, engine_url=engine.url)
+            assert ex.value.status_code == 422
+            assert "answered HTTP 404" in str(ex.value)
+    finally:
+        eng.shutdown()

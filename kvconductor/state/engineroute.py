@@ -15,7 +15,7 @@ check_http_url`, ``--endpoint-networks`` included) and so is every endpoint it h
 back (:func:`kvconductor.urls.check_url`); no redirect is followed; at most
 :data:`MAX_BYTES` are read, within :data:`CONNECT_SECS` to connect and
 :data:`READ_SECS` for the whole answer. A failure is an :class:`EngineRouteError`:
-``status`` 400 for an engine URL the flags refuse, 502 for everything the engine did or
+``status`` 400 for an engine URL the flags refuse, 422 for everything the engine did or
 did not answer (docs/api.md, POST /register).
 """
 
@@ -62,9 +62,10 @@ _REDIRECTS = frozenset((301, 302, 303, 307, 308))
 
 class EngineRouteError(Exception):
     """The engine's list of publishers cannot be had or used; ``status``: the HTTP answer
-    of a registration that meets it (400: the URL is refused; 502: the engine's answer)."""
+    of a registration that meets it (400: the URL is refused; 422: the engine's answer or
+    its silence: a 4xx, so a Coordinator's circuit breaker keeps the conductor alive)."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 422) -> None:
         super().__init__(message)
         self.status = status
 
