@@ -8,70 +8,18 @@ server serving that body (vLLM's API server needs torch).
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
 
 import pytest
 
 from kvconductor.coordinator import ConductorClient, ConductorError
 from kvconductor.state.engineroute import MAX_BYTES, READ_SECS
+from tests.helpers.enginehttp import BS, Engine, EngineHttp, hits, until_hits
 from tests.helpers.publishers import free_tcp_port, wait_until
-from tests.helpers.realpub import vllm_kv_events, vllm_route
-from tests.helpers.server import Server, dp_entry, registration, running
+from tests.helpers.server import Server, registration, running
 
-BS = 4
 IID = "vllm-a"
-
-
-class EngineHttp:
-    """The engine's API server as far as the route goes: ``GET /kv_event_sources`` answers
-    :attr:`body` (with :attr:`status`, :attr:`headers`), after :attr:`delay` seconds."""
-
-    def __init__(self) -> None:
-        self.body = b"{}"
-        self.status = 200
-        self.headers: dict[str, str] = {}
-        self.delay = 0.0
-        self.gets = 0
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                owner.gets += 1
-                time.sleep(owner.delay)
-                if self.path != "/kv_event_sources":
-                    self.send_error(404)
-                    return
-                self.send_response(owner.status)
-                for k, v in owner.headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(owner.body)))
-                self.end_headers()
-                try:
-                    self.wfile.write(owner.body)
-                except OSError:
-                    pass
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def serve(self, sources: dict) -> None:
-        """Answer what vLLM 0.33's API server answers for an engine client with
-        ``sources`` (DP rank -> the publisher's ``get_publisher_config()``)."""
-        _, render = vllm_route()
-        self.body, self.status, self.headers = render(sources), 200, {}
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 @pytest.fixture
@@ -79,58 +27,6 @@ def engine():
     e = EngineHttp()
     yield e
     e.close()
-
-
-class Engine:
-    """One vLLM engine: a publisher per DP rank (vLLM's own, binding ``endpoints[rank]``,
-    replay on port 0 too) and its API server's route."""
-
-    def __init__(self, http: EngineHttp, endpoints: dict[int, str]) -> None:
-        k = vllm_kv_events()
-        self.k = k
-        self.pubs = {
-            rank: k.ZmqEventPublisher(
-                data_parallel_rank=rank, endpoint=ep, replay_endpoint="tcp://*:0"
-            )
-            for rank, ep in endpoints.items()
-        }
-        http.serve({r: p.get_publisher_config() for r, p in self.pubs.items()})
-
-    def store(self, rank: int, hashes: list[int], tokens: list[int]) -> None:
-        k = self.k
-        ev = k.BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=None,
-            token_ids=tokens,
-            block_size=BS,
-            lora_id=None,
-            medium=k.MEDIUM_GPU,
-            lora_name=None,
-        )
-        self.pubs[rank].publish(k.KVEventBatch(ts=time.time(), events=[ev]))
-
-    def shutdown(self) -> None:
-        for p in self.pubs.values():
-            p.shutdown()
-
-
-def _hits(srv: Server, tokens: list[int], dp: int) -> int:
-    r = srv.http.post("/query", json={"model": "qwen", "block_size": BS, "token_ids": tokens})
-    assert r.status_code == 200, r.text
-    e = dp_entry(r.json(), IID, dp)
-    return 0 if e is None else e["npu_blocks"]
-
-
-def _until_hits(srv: Server, eng: Engine, rank: int, hashes: list[int], tokens: list[int]):
-    """Publish until the blocks are answered (the SUB may connect after a first send)."""
-
-    def answered() -> bool:
-        if _hits(srv, tokens, rank) == len(hashes):
-            return True
-        eng.store(rank, hashes, tokens)
-        return False
-
-    wait_until(answered, timeout=30, interval=0.2, msg=f"DP {rank}'s blocks answered")
 
 
 def _endpoints(srv: Server) -> dict:
@@ -160,8 +56,8 @@ def test_registered_from_the_engine_url_and_followed_to_new_ports(tmp_path, engi
                 assert eps[dp]["engine_url"] == engine.url
                 assert eps[dp]["engine_url_state"] == "ok"
                 assert eps[dp]["engine_url_error"] is None
-            _until_hits(srv, eng, 0, [1, 2], TOK_A)
-            _until_hits(srv, eng, 1, [3, 4], TOK_B)
+            until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
+            until_hits(srv.http, IID, eng, 1, [3, 4], TOK_B)
 
             # The engine restarts on new ports (its publishers bind port 0 again); for a
             # while its API server does not answer the route.
@@ -174,27 +70,21 @@ def test_registered_from_the_engine_url_and_followed_to_new_ports(tmp_path, engi
             wait_until(errored, timeout=20, interval=0.2, msg="the failed read shown")
             assert "answered HTTP 503" in _endpoints(srv)["0"]["engine_url_error"]
             t0 = time.monotonic()
-            eng.pubs[0] = eng.k.ZmqEventPublisher(
-                data_parallel_rank=0, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
-            )
-            engine.serve({r: p.get_publisher_config() for r, p in eng.pubs.items()})
-            new = eng.pubs[0].get_publisher_config()
-            assert new.endpoint != cfg0.endpoint
-            _until_hits(srv, eng, 0, [5, 6], TOK_C)
+            new = eng.up(0)
+            assert new != cfg0.endpoint
+            until_hits(srv.http, IID, eng, 0, [5, 6], TOK_C)
             took = time.monotonic() - t0
             print(f"engine restarted on new ports: its new blocks answered after {took:.2f}s")
             eps = _endpoints(srv)
-            assert eps["0"]["medium_endpoints"] == {"npu": new.endpoint}
+            assert eps["0"]["medium_endpoints"] == {"npu": new}
             assert eps["0"]["engine_url_state"] == "ok"
             assert eps["0"]["engine_url_error"] is None
             # the move is a restart of the publisher, as a sequence going back is
-            src = next(
-                s for s in srv.http.get("/workers").json()["sources"] if s["url"] == new.endpoint
-            )
+            src = next(s for s in srv.http.get("/workers").json()["sources"] if s["url"] == new)
             assert src["restarts"] == 1
             assert "found on new endpoints" in srv.log()
             # DP 1 was not touched
-            assert _hits(srv, TOK_B, 1) == 2
+            assert hits(srv.http, IID, TOK_B, 1) == 2
     finally:
         eng.shutdown()
 
@@ -241,6 +131,9 @@ def test_engines_that_do_not_serve_the_route(tmp_path, engine):
         _refused(srv, closed, 422, "the engine cannot be reached")
         _refused(srv, "tcp://127.0.0.1:5557", 400, "expected http://HOST")
         assert "path=/register status=422" in srv.log()
+        doc = srv.http.get("/openapi.json").json()
+        assert "422" in doc["paths"]["/register"]["post"]["responses"]
+        assert "engine_url" in doc["components"]["schemas"]["RegisterRequest"]["properties"]
 
 
 def test_the_url_rules_apply_to_the_engine_and_its_endpoints(tmp_path, engine):
@@ -269,12 +162,12 @@ def test_with_workers_and_across_a_warm_restart(tmp_path, engine):
         with running(tmp_path, "--workers", "2", "--snapshot-dir", str(snap)) as srv:
             r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
             assert r.status_code == 201, r.text
-            _until_hits(srv, eng, 0, [1, 2], TOK_A)
+            until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
         eng.shutdown()
         eng = Engine(engine, {0: "tcp://*:0"})  # new ports while the server was down
         new = eng.pubs[0].get_publisher_config()
         with running(tmp_path, "--snapshot-dir", str(snap)) as srv:
-            _until_hits(srv, eng, 0, [5, 6], TOK_C)
+            until_hits(srv.http, IID, eng, 0, [5, 6], TOK_C)
             eps = _endpoints(srv)
             assert eps["0"]["medium_endpoints"] == {"npu": new.endpoint}
             assert eps["0"]["engine_url"] == engine.url
@@ -289,7 +182,7 @@ def test_the_client_registers_an_engine_url(tmp_path, engine):
         with running(tmp_path) as srv, ConductorClient(srv.url) as c:
             fields = {"instance_id": IID, "type": "vLLM", "modelname": "qwen", "block_size": BS}
             assert c.register(**fields, dp_rank=0, engine_url=engine.url) == {"status": "ok"}
-            _until_hits(srv, eng, 0, [1, 2], TOK_A)
+            until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
             engine.status = 404
             with pytest.raises(ConductorError) as ex:
                 c.register(**fields, dp_rank=0, engine_url=engine.url)
