@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ TICK_SECS = 0.5
 REREAD_AFTER_SECS = 2.0
 #: The wait between reads of one DP while it stays down: doubled up to the maximum.
 BACKOFF_MIN_SECS = 1.0
-BACKOFF_MAX_SECS = 30.0
+BACKOFF_MAX_SECS = 5.0
 
 #: (instance_id, dp_rank).
 DpKey = tuple[str, int]
@@ -69,9 +70,16 @@ DpKey = tuple[str, int]
 
 @dataclass
 class _Watch:
+    """One DP's follow-up (follower thread): since when it is down, its next read (None:
+    none planned), the wait after that one."""
+
+    next_read: float | None
     down_since: float | None = None
-    next_read: float = 0.0
     backoff: float = BACKOFF_MIN_SECS
+
+    def reset(self) -> None:
+        self.next_read = self.down_since = None
+        self.backoff = BACKOFF_MIN_SECS
 
 
 @dataclass(frozen=True)
@@ -122,13 +130,14 @@ class EngineFollower:
             if w is None:
                 w = self._watches[key] = _Watch(next_read=now)  # read once when first seen
             if not down:
-                w.down_since, w.backoff = None, BACKOFF_MIN_SECS
+                if w.down_since is not None:
+                    w.reset()  # up again: no read planned
             elif w.down_since is None:
                 w.down_since = now
-                w.next_read = min(w.next_read, now + REREAD_AFTER_SECS)
-            if now >= w.next_read:
+                w.next_read = min(w.next_read or math.inf, now + REREAD_AFTER_SECS)
+            if w.next_read is not None and now >= w.next_read:
                 due.append(_Due(key, url, req))
-                w.next_read = now + w.backoff if down else float("inf")
+                w.next_read = now + w.backoff if down else None
                 if down:
                     w.backoff = min(BACKOFF_MAX_SECS, w.backoff * 2)
         for key in set(self._watches) - set(looked):
@@ -182,7 +191,9 @@ class EngineFollower:
         except StateUnavailable as ex:
             await self._state(d, "error", str(ex))
             return
-        self._watches.pop(d.key, None)
+        w = self._watches.get(d.key)
+        if w is not None:
+            w.reset()
         log.info(
             "engine found again instance_id=%s dp_rank=%d engine_url=%s endpoint=%s "
             "replay_endpoint=%s",
