@@ -115,20 +115,12 @@ def _check(url: str, policy: UrlPolicy, replay: bool) -> str:
     if ";" in rest:
         raise UrlError("the source-address form tcp://iface;host:port is not supported")
     host, port, bracketed = _split_tcp(rest)
-    if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise UrlError(f"invalid port {port!r} (1..65535)")
+    _check_port(port)
     ip = None
     if host == "*":
         bind = True
     else:
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            if bracketed or not _HOSTNAME.match(host):
-                raise UrlError(f"invalid host {host!r}") from None
-        else:
-            if bracketed != (ip.version == 6):
-                raise UrlError("IPv6 addresses must be bracketed, IPv4 ones not")
+        ip = _host_ip(host, bracketed)
         bind = ip is not None and ip.is_unspecified
     if bind:
         if replay:
@@ -142,6 +134,25 @@ def _check(url: str, policy: UrlPolicy, replay: bool) -> str:
         return "bind"
     _check_network(ip, policy)
     return "connect"
+
+
+def _check_port(port: str) -> int:
+    if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UrlError(f"invalid port {port!r} (1..65535)")
+    return int(port)
+
+
+def _host_ip(host: str, bracketed: bool):
+    """A URL's host: its address when it is an IP literal, None for a DNS name."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        if bracketed or not _HOSTNAME.match(host):
+            raise UrlError(f"invalid host {host!r}") from None
+        return None
+    if bracketed != (ip.version == 6):
+        raise UrlError("IPv6 addresses must be bracketed, IPv4 ones not")
+    return ip
 
 
 def _check_network(ip, policy: UrlPolicy) -> None:
@@ -209,25 +220,12 @@ def _check_http(url: str, policy: UrlPolicy) -> HttpTarget:
     else:
         host, colon, port = authority.partition(":")
         port, bracketed = (port if colon else None), False
-    default = 443 if scheme == "https" else 80
-    if port is not None and (
-        not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535
-    ):
-        raise UrlError(f"invalid port {port!r} (1..65535)")
-    ip = None
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        if bracketed or not _HOSTNAME.match(host):
-            raise UrlError(f"invalid host {host!r}") from None
-    else:
-        if bracketed != (ip.version == 6):
-            raise UrlError("IPv6 addresses must be bracketed, IPv4 ones not")
-        if ip.is_unspecified:
-            raise UrlError("an unspecified address names no engine")
+    number = (443 if scheme == "https" else 80) if port is None else _check_port(port)
+    ip = _host_ip(host, bracketed)
+    if ip is not None and ip.is_unspecified:
+        raise UrlError("an unspecified address names no engine")
     _check_network(ip, policy)
-    base = ("/" + path if slash else "").rstrip("/")
-    return HttpTarget(scheme, host, default if port is None else int(port), base)
+    return HttpTarget(scheme, host, number, ("/" + path if slash else "").rstrip("/"))
 
 
 def is_bind_url(url: str) -> bool:

@@ -14,19 +14,21 @@ import time
 import pytest
 
 from kvconductor.coordinator import ConductorClient, ConductorError
-from kvconductor.state.engineroute import MAX_BYTES, READ_SECS
+from kvconductor.state.engineroute import MAX_BYTES, READ_SECS, RankSource, parse_sources
+from kvconductor.urls import UrlPolicy
 from tests.helpers.enginehttp import BS, Engine, EngineHttp, hits, until_hits
 from tests.helpers.publishers import free_tcp_port, wait_until
+from tests.helpers.realpub import vllm_route
 from tests.helpers.server import Server, registration, running
 
 IID = "vllm-a"
 
 
 @pytest.fixture
-def engine():
+def engine(request):
     e = EngineHttp()
-    yield e
-    e.close()
+    request.addfinalizer(e.close)
+    return e
 
 
 def _endpoints(srv: Server) -> dict:
@@ -102,20 +104,21 @@ def test_engines_that_do_not_serve_the_route(tmp_path, engine):
     with running(tmp_path) as srv:
         engine.status = 404
         _refused(srv, engine.url, 422, "answered HTTP 404", "vLLM serves it from 0.33")
-        engine.status, engine.body = 200, b"<html>"
-        _refused(srv, engine.url, 422, "/kv_event_sources is not JSON")
-        engine.body = b"[]"
-        _refused(srv, engine.url, 422, "expected an object of DP ranks, got list")
-        engine.body = b'{"0": {"topic": ""}}'
-        _refused(srv, engine.url, 422, "DP rank 0: expected a KVEventsConfig with an endpoint")
-        engine.body = b'{"rank0": {"endpoint": "tcp://*:5557"}}'
-        _refused(srv, engine.url, 422, "key 'rank0' is not a DP rank")
-        engine.body = b"{}"
-        _refused(srv, engine.url, 422, "lists no KV-event publisher")
-        engine.body = b'{"0": {"endpoint": "tcp://*:5557", "publisher": "null"}}'
-        _refused(srv, engine.url, 422, "publishes no events")
-        engine.body = b'{"1": {"endpoint": "tcp://*:5557"}}'
-        _refused(srv, engine.url, 422, "lists DP rank(s) [1], not the registration's dp_rank 0")
+        engine.status = 200
+        for body, error in [
+            (b"<html>", "/kv_event_sources is not JSON"),
+            (b"[]", "expected an object of DP ranks, got list"),
+            (b'{"0": {"topic": ""}}', "DP rank 0: expected a KVEventsConfig with an endpoint"),
+            (b'{"rank0": {"endpoint": "tcp://*:5557"}}', "key 'rank0' is not a DP rank"),
+            (b"{}", "lists no KV-event publisher"),
+            (b'{"0": {"endpoint": "tcp://*:5557", "publisher": "null"}}', "publishes no events"),
+            (
+                b'{"1": {"endpoint": "tcp://*:5557"}}',
+                "lists DP rank(s) [1], not the registration's",
+            ),
+        ]:
+            engine.body = body
+            _refused(srv, engine.url, 422, error)
         engine.status, engine.headers = 302, {"Location": "http://10.9.9.9/kv_event_sources"}
         _refused(srv, engine.url, 422, "answered 302", "redirects are not followed")
         engine.status, engine.headers = 200, {}
@@ -190,3 +193,26 @@ def test_the_client_registers_an_engine_url(tmp_path, engine):
             assert "answered HTTP 404" in str(ex.value)
     finally:
         eng.shutdown()
+
+
+def test_wildcard_hosts_are_the_engines():
+    """vLLM's rendering of publishers binding every interface (DP rank offsets applied
+    by vLLM's publisher, so given here as they are listed): the host is the engine's."""
+    cfg, render = vllm_route()
+    body = render(
+        {
+            0: cfg(
+                enable_kv_cache_events=True, endpoint="tcp://*:5557", replay_endpoint="tcp://*:6667"
+            ),
+            1: cfg(enable_kv_cache_events=True, endpoint="tcp://0.0.0.0:5558"),
+            2: cfg(enable_kv_cache_events=True, endpoint="tcp://[::]:5559", topic="kv"),
+            3: cfg(enable_kv_cache_events=True, endpoint="tcp://10.0.0.9:41001"),
+        }
+    )
+    got = parse_sources(body, "[fd00::5]", UrlPolicy())
+    assert got == {
+        0: RankSource("tcp://[fd00::5]:5557", "tcp://[fd00::5]:6667"),
+        1: RankSource("tcp://[fd00::5]:5558", None),
+        2: RankSource("tcp://[fd00::5]:5559", None),
+        3: RankSource("tcp://10.0.0.9:41001", None),  # port 0 bound on the node's IP
+    }
