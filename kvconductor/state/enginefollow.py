@@ -41,7 +41,7 @@ from kvconductor.state.engineroute import (
     registrations_from,
 )
 from kvconductor.state.registration import RegistrationUnavailable
-from kvconductor.state.registry import RegistrationError
+from kvconductor.state.registry import EndpointInfo, RegistrationError, WorkerEntry
 
 if TYPE_CHECKING:
     from kvconductor.state.conductor import Conductor
@@ -86,7 +86,7 @@ class _Watch:
 class _Due:
     key: DpKey
     engine_url: str
-    req: RegisterRequest
+    down: bool
 
 
 class EngineFollower:
@@ -125,7 +125,7 @@ class EngineFollower:
         registered again where their publisher moved."""
         looked = await self.conductor.run(self._look)
         due: list[_Due] = []
-        for key, (url, req, down) in looked.items():
+        for key, (url, down) in looked.items():
             w = self._watches.get(key)
             if w is None:
                 w = self._watches[key] = _Watch(next_read=now)  # read once when first seen
@@ -136,7 +136,7 @@ class EngineFollower:
                 w.down_since = now
                 w.next_read = min(w.next_read or math.inf, now + REREAD_AFTER_SECS)
             if w.next_read is not None and now >= w.next_read:
-                due.append(_Due(key, url, req))
+                due.append(_Due(key, url, down))
                 w.next_read = now + w.backoff if down else None
                 if down:
                     w.backoff = min(BACKOFF_MAX_SECS, w.backoff * 2)
@@ -146,7 +146,11 @@ class EngineFollower:
         for d in due:
             if d.engine_url not in reads:
                 reads[d.engine_url] = await asyncio.to_thread(self._read, d.engine_url)
-            await self._follow(d, reads[d.engine_url], looked[d.key][2])
+            # the registration as it is now, after the read (a Coordinator's may have
+            # changed it meanwhile)
+            req = await self.conductor.run(self._registration, d)
+            if req is not None:
+                await self._follow(d, req, reads[d.engine_url])
 
     def _read(self, url: str) -> dict[int, RankSource] | EngineRouteError:
         try:
@@ -154,34 +158,46 @@ class EngineFollower:
         except EngineRouteError as ex:
             return ex
 
-    def _look(self) -> dict[DpKey, tuple[str, RegisterRequest, bool]]:
-        """Ingest thread: every DP registered with an engine URL, its registration and
-        whether all its subscriptions are disconnected."""
+    def _look(self) -> dict[DpKey, tuple[str, bool]]:
+        """Ingest thread: every DP registered with an engine URL, and whether all its
+        subscriptions are disconnected."""
         subs = self.conductor.subs
-        out: dict[DpKey, tuple[str, RegisterRequest, bool]] = {}
+        out: dict[DpKey, tuple[str, bool]] = {}
         for entry in self.conductor.registry.instances.values():
             for dp, ep in entry.endpoints.items():
                 if ep.engine_url is None:
                     continue
                 live = (subs.get(entry.instance_id, dp, url) for url, _ in ep.sources)
                 down = not any(s is not None and (s.connected or s.passive) for s in live)
-                req = registration_request(entry, ep)
-                out[(entry.instance_id, dp)] = (ep.engine_url, req, down)
+                out[(entry.instance_id, dp)] = (ep.engine_url, down)
         return out
 
+    def _endpoint(self, d: _Due) -> tuple[WorkerEntry, EndpointInfo] | None:
+        """Ingest thread: the DP's registration, None when it is gone or no longer of
+        ``d.engine_url``."""
+        entry = self.conductor.registry.get(d.key[0])
+        ep = entry.endpoints.get(d.key[1]) if entry is not None else None
+        if entry is None or ep is None or ep.engine_url != d.engine_url:
+            return None
+        return entry, ep
+
+    def _registration(self, d: _Due) -> RegisterRequest | None:
+        found = self._endpoint(d)
+        return None if found is None else registration_request(*found)
+
     async def _follow(
-        self, d: _Due, read: dict[int, RankSource] | EngineRouteError, down: bool
+        self, d: _Due, was: RegisterRequest, read: dict[int, RankSource] | EngineRouteError
     ) -> None:
         iid, dp = d.key
         try:
             if isinstance(read, EngineRouteError):
                 raise read
-            ((body, req),) = registrations_from(d.req, {dp: read[dp]} if dp in read else read)[:1]
+            ((body, req),) = registrations_from(was, {dp: read[dp]} if dp in read else read)[:1]
             if (req.medium_endpoints, req.replay_endpoint) == (
-                d.req.medium_endpoints,
-                d.req.replay_endpoint,
+                was.medium_endpoints,
+                was.replay_endpoint,
             ):
-                await self._state(d, "rereading" if down else "ok", None)
+                await self._state(d, "rereading" if d.down else "ok", None)
                 return
             await self.conductor.mutate("register", body, req)
         except (EngineRouteError, RegistrationError, RegistrationUnavailable) as ex:
@@ -208,7 +224,6 @@ class EngineFollower:
         await self.conductor.run(self._set_state, d, state, error)
 
     def _set_state(self, d: _Due, state: str, error: str | None) -> None:
-        entry = self.conductor.registry.get(d.key[0])
-        ep = entry.endpoints.get(d.key[1]) if entry is not None else None
-        if ep is not None and ep.engine_url == d.engine_url:
-            ep.engine_url_state, ep.engine_url_error = state, error
+        found = self._endpoint(d)
+        if found is not None:
+            found[1].engine_url_state, found[1].engine_url_error = state, error

@@ -74,7 +74,7 @@ def register(host: RegistrationHost, req: RegisterRequest, max_sources: int) -> 
     log.info(
         "register request instance_id=%s dp_rank=%d type=%s modelname=%s tenant_id=%s "
         "block_size=%d store_backend=%s medium_endpoints=%s endpoint=%s "
-        "replay_endpoint=%s",
+        "replay_endpoint=%s engine_url=%s",
         req.instance_id,
         req.dp_rank,
         req.engine_type,
@@ -85,6 +85,7 @@ def register(host: RegistrationHost, req: RegisterRequest, max_sources: int) -> 
         req.medium_endpoints or {},
         req.endpoint,
         req.replay_endpoint,
+        req.engine_url,
     )
     saved = host.registry.save_dp(req.instance_id, req.dp_rank)
     out = host.registry.register(req)  # validates before changing anything
