@@ -19,7 +19,7 @@ from kvconductor.urls import UrlPolicy
 from tests.helpers.enginehttp import BS, Engine, EngineHttp, hits, until_hits
 from tests.helpers.publishers import free_tcp_port, wait_until
 from tests.helpers.realpub import vllm_route
-from tests.helpers.server import Server, registration, running
+from tests.helpers.server import Server, registration, replica, running, workers
 
 IID = "vllm-a"
 
@@ -216,3 +216,31 @@ def test_wildcard_hosts_are_the_engines():
         2: RankSource("tcp://[fd00::5]:5559", None),
         3: RankSource("tcp://10.0.0.9:41001", None),  # port 0 bound on the node's IP
     }
+
+
+def test_replicas_apply_the_endpoints_read_and_follow_alike(tmp_path, engine, valkey_server):
+    """``--state-url``: the replica that took the registration read the engine; the log
+    carries the endpoints read, so the other applies the same; both follow the engine to
+    its new ports (their re-registrations are identical)."""
+    eng = Engine(engine, {0: "tcp://*:0"})
+    try:
+        with (
+            replica(tmp_path, valkey_server, "a") as a,
+            replica(tmp_path, valkey_server, "b") as b,
+        ):
+            r = a.http.post("/register", json=registration(IID, engine_url=engine.url))
+            assert r.status_code == 201, r.text
+            want = {"npu": eng.pubs[0].get_publisher_config().endpoint}
+            wait_until(lambda: workers(b)["workers"] != [], msg="the registration on b")
+            assert _endpoints(b)["0"]["medium_endpoints"] == want
+            assert _endpoints(b)["0"]["engine_url"] == engine.url
+            until_hits(a.http, IID, eng, 0, [1, 2], TOK_A)
+            wait_until(lambda: hits(b.http, IID, TOK_A, 0) == 2, msg="the blocks on b")
+            eng.pubs[0].shutdown()
+            new = eng.up(0)
+            until_hits(b.http, IID, eng, 0, [5, 6], TOK_C)
+            wait_until(lambda: hits(a.http, IID, TOK_C, 0) == 2, msg="the new blocks on a")
+            for s in (a, b):
+                assert _endpoints(s)["0"]["medium_endpoints"] == {"npu": new}
+    finally:
+        eng.shutdown()
