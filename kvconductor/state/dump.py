@@ -107,7 +107,7 @@ def registration_request(entry: WorkerEntry, ep: EndpointInfo) -> RegisterReques
     endpoint = None
     if ep.is_pool and not ep.node_pool and ep.sources:
         endpoint, meds = ep.sources[0][0], {}
-    return RegisterRequest(
+    req = RegisterRequest(
         instance_id=entry.instance_id,
         engine_type=ep.engine_type,
         modelname=ep.model_name,
@@ -128,6 +128,7 @@ def registration_request(entry: WorkerEntry, ep: EndpointInfo) -> RegisterReques
         lora_name=ep.lora_name,
         engine_url=ep.engine_url,
     )
+    return req
 
 
 def snapshot(conductor: Conductor) -> Snapshot:
