@@ -14,7 +14,13 @@ import time
 import pytest
 
 from kvconductor.coordinator import ConductorClient, ConductorError
-from kvconductor.state.engineroute import MAX_BYTES, READ_SECS, RankSource, parse_sources
+from kvconductor.state.engineroute import (
+    MAX_BYTES,
+    READ_SECS,
+    EngineRouteError,
+    RankSource,
+    parse_sources,
+)
 from kvconductor.urls import UrlPolicy
 from tests.helpers.enginehttp import BS, Engine, EngineHttp, hits, until_hits
 from tests.helpers.publishers import free_tcp_port, wait_until
@@ -244,3 +250,22 @@ def test_replicas_apply_the_endpoints_read_and_follow_alike(tmp_path, engine, va
                 assert _endpoints(s)["0"]["medium_endpoints"] == {"npu": new}
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize(
+    "body,error",
+    [
+        (b"[" * 100_000, "is not JSON"),
+        (b'{"' + b"1" * 5000 + b'": {"endpoint": "tcp://*:1"}}', "is not a DP rank"),
+        (b'{"4294967296": {"endpoint": "tcp://*:1"}}', "is not a DP rank"),
+        (b'{"0": {"endpoint": "tcp://*:1", "enable_kv_cache_events": false}}', "no events"),
+        (b'{"0": {"endpoint": "tcp://*:1", "replay_endpoint": 5}}', "replay_endpoint is int"),
+        (b'{"0": {"endpoint": 5557}}', "expected a KVEventsConfig with an endpoint"),
+        (b'{"0": "tcp://*:1"}', "expected a KVEventsConfig with an endpoint"),
+        (b"\xff\xfe", "is not JSON"),
+    ],
+)
+def test_what_an_engine_sends_is_an_error_never_a_crash(body, error):
+    with pytest.raises(EngineRouteError) as ex:
+        parse_sources(body, "10.0.0.5", UrlPolicy())
+    assert ex.value.status == 422 and error in str(ex.value)

@@ -132,7 +132,7 @@ def _get(t: HttpTarget, engine_url: str) -> bytes:
         raise EngineRouteError(
             f"{where}: no answer within {CONNECT_SECS:g}s to connect and {READ_SECS:g}s to read it"
         ) from None
-    except (OSError, http.client.HTTPException) as ex:
+    except (OSError, ValueError, http.client.HTTPException) as ex:
         raise EngineRouteError(f"{where}: the engine cannot be reached ({ex})") from None
     finally:
         conn.close()
@@ -146,7 +146,7 @@ def parse_sources(
     where = f"engine_url {engine_url!r}: {ROUTE}"
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # a nesting too deep too
         raise EngineRouteError(f"{where} is not JSON") from None
     if not isinstance(doc, dict):
         raise EngineRouteError(f"{where}: expected an object of DP ranks, got {_kind(doc)}")
@@ -157,14 +157,17 @@ def parse_sources(
         )
     out: dict[int, RankSource] = {}
     for key, cfg in doc.items():
-        if not key.isascii() or not key.isdigit() or int(key) > 0xFFFFFFFF:
+        if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) > 0xFFFFFFFF:
             raise EngineRouteError(f"{where}: key {key!r} is not a DP rank")
         rank = int(key)
         what = f"{where} DP rank {rank}"
         if not isinstance(cfg, dict) or not isinstance(cfg.get("endpoint"), str):
             raise EngineRouteError(f"{what}: expected a KVEventsConfig with an endpoint")
         if cfg.get("publisher", "zmq") != "zmq" or cfg.get("enable_kv_cache_events") is False:
-            raise EngineRouteError(f"{what}: publishes no events (publisher {cfg['publisher']!r})")
+            raise EngineRouteError(
+                f"{what}: publishes no events (publisher {cfg.get('publisher')!r}, "
+                f"enable_kv_cache_events {cfg.get('enable_kv_cache_events')!r})"
+            )
         replay = cfg.get("replay_endpoint")
         if replay is not None and not isinstance(replay, str):
             raise EngineRouteError(f"{what}: replay_endpoint is {_kind(replay)}")
