@@ -77,6 +77,18 @@ def test_registered_from_the_engine_url_and_followed_to_new_ports(tmp_path, engi
 
             wait_until(errored, timeout=20, interval=0.2, msg="the failed read shown")
             assert "answered HTTP 503" in _endpoints(srv)["0"]["engine_url_error"]
+            ex = srv.http.post(
+                "/explain",
+                json={"model": "qwen", "token_ids": TOK_A, "block_size": BS},
+            )
+            assert ex.status_code == 200, ex.text
+            said = [w for w in ex.json()["warnings"] if "kv_event_sources" in w]
+            assert said == [
+                f"instance {IID} DP 0: its publishers are read from {engine.url}"
+                "/kv_event_sources, and the last read failed (error: "
+                f"{_endpoints(srv)['0']['engine_url_error']}); it is read again while its "
+                "subscriptions stay down"
+            ]
             t0 = time.monotonic()
             new = eng.up(0)
             assert new != cfg0.endpoint
