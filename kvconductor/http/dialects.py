@@ -28,9 +28,11 @@ from kvconductor.http.responses import too_large_message
 from kvconductor.schema import (
     JSON_CONTENT_TYPE,
     MSGPACK_CONTENT_TYPE,
+    UnregisterRequest,
     is_msgpack_content_type,
     json_encoder,
 )
+from kvconductor.state.registry import Registry
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
 
@@ -138,6 +140,45 @@ class Route:
 
     def _too_large(self) -> DialectError:
         return DialectError(413, "too_large", too_large_message(self.max_body_bytes))
+
+
+class PostRoute(Route):
+    """A ``POST`` route: the key (before the body is read), the body and the dialect's
+    errors, once; :meth:`answer` reads the request and returns the answer (``status``)."""
+
+    status = 200
+
+    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if self.refused(req, resp):
+            return
+        msgpack = self.voice.encoded(req)
+        try:
+            doc = await self.answer(req, await self.read(req), msgpack)
+        except DialectError as ex:
+            return self.voice.fail(req, resp, ex)
+        answer(resp, self.status, doc, msgpack)
+
+    async def answer(self, req: falcon.asgi.Request, body: bytes, msgpack: bool) -> Any:
+        raise NotImplementedError
+
+
+def unregister_request(
+    registry: Registry, instance_id: str, dp_rank: int, tenant: str | None = None
+) -> UnregisterRequest | None:
+    """V3's unregistration of one registered DP (``tenant``: only in that tenant), or
+    ``None`` when it is not registered (ingest thread: it reads the registry)."""
+    entry = registry.get(instance_id)
+    ep = None if entry is None else entry.endpoints.get(dp_rank)
+    if ep is None or (tenant is not None and ep.tenant_id != tenant):
+        return None
+    return UnregisterRequest(
+        instance_id=instance_id,
+        engine_type=ep.engine_type,
+        modelname=ep.model_name,
+        block_size=ep.block_size,
+        dp_rank=dp_rank,
+        tenant_id=ep.tenant_id,
+    )
 
 
 class HealthRoute:

@@ -50,10 +50,12 @@ from kvconductor.http.dialects import (
     DialectError,
     HealthRoute,
     OnceWarnings,
+    PostRoute,
     Route,
     Voice,
     answer,
     dialect_app,
+    unregister_request,
 )
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.resource import JsonDocument
@@ -72,7 +74,6 @@ from kvconductor.schema import (
     Name,
     PositiveU32,
     RegisterRequest,
-    UnregisterRequest,
     decode_error_message,
     json_encoder,
 )
@@ -400,20 +401,6 @@ class Dialect:
         self.services.pop(key, None)
         self.generation += 1
 
-    def _dp_of(self, instance_id: str, tenant: str, dp_rank: int) -> UnregisterRequest | None:
-        entry = self.conductor.registry.get(instance_id)
-        ep = None if entry is None else entry.endpoints.get(dp_rank)
-        if ep is None or ep.tenant_id != tenant:
-            return None
-        return UnregisterRequest(
-            instance_id=instance_id,
-            engine_type=ep.engine_type,
-            modelname=ep.model_name,
-            block_size=ep.block_size,
-            dp_rank=dp_rank,
-            tenant_id=tenant,
-        )
-
     # event loop ------------------------------------------------------------------------
     async def register(self, svc: Service) -> None:
         req, body = to_v3_register(svc)
@@ -427,7 +414,8 @@ class Dialect:
 
     async def unregister(self, instance_id: str, tenant: str, dp_rank: int) -> str:
         key = service_key(instance_id, tenant, dp_rank)
-        req = await self.conductor.run(self._dp_of, instance_id, tenant, dp_rank)
+        reg = self.conductor.registry
+        req = await self.conductor.run(unregister_request, reg, instance_id, dp_rank, tenant)
         if req is None:
             raise DialectError(404, "not_found", f"service not found: {key}")
         body = json_encoder.encode(req)
@@ -478,27 +466,14 @@ class _Route(Route):
         self.dialect = dialect
 
 
-class _Change(_Route):
-    """``POST`` of a registration change: the key (before the body is read), the body
-    and the dialect's errors, once; :meth:`change` makes the change and returns the
-    answer (200)."""
-
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if self.refused(req, resp):
-            return
-        msgpack = VOICE.encoded(req)
-        try:
-            doc = await self.change(await self.read(req), msgpack)
-        except DialectError as ex:
-            return VOICE.fail(req, resp, ex)
-        answer(resp, 200, doc, msgpack)
-
-    async def change(self, body: bytes, msgpack: bool) -> Any:
-        raise NotImplementedError
+class _Post(PostRoute, _Route):
+    """A ``POST`` route of this dialect."""
 
 
-class RegisterRoute(_Change):
-    async def change(self, body: bytes, msgpack: bool) -> MooncakeRegisterResponse:
+class RegisterRoute(_Post):
+    async def answer(
+        self, req: falcon.asgi.Request, body: bytes, msgpack: bool
+    ) -> MooncakeRegisterResponse:
         svc, warnings = parse_register(body, msgpack)
         for w in warnings:
             self.dialect.warnings.warn(w, "mooncake dialect: register: %s", w)
@@ -510,8 +485,10 @@ class RegisterRoute(_Change):
         return MooncakeRegisterResponse(REGISTERED, svc.instance_id)
 
 
-class UnregisterRoute(_Change):
-    async def change(self, body: bytes, msgpack: bool) -> MooncakeUnregisterResponse:
+class UnregisterRoute(_Post):
+    async def answer(
+        self, req: falcon.asgi.Request, body: bytes, msgpack: bool
+    ) -> MooncakeUnregisterResponse:
         r = _decode(_unregister_json, _unregister_msgpack, body, msgpack, "unregistration")
         if not r.instance_id:
             raise DialectError(400, "invalid_value", "instance_id must not be empty", "instance_id")
@@ -519,13 +496,11 @@ class UnregisterRoute(_Change):
         return MooncakeUnregisterResponse(UNREGISTERED, [key])
 
 
-class QueryRoute(_Route):
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        msgpack = VOICE.encoded(req)
-        try:
-            q = parse_query(await self.read(req), msgpack)
-        except DialectError as ex:
-            return VOICE.fail(req, resp, ex)
+class QueryRoute(_Post):
+    async def answer(
+        self, req: falcon.asgi.Request, body: bytes, msgpack: bool
+    ) -> MooncakeQueryResponse:
+        q = parse_query(body, msgpack)
         if q.cache_salt is not None:
             self.dialect.warnings.warn(
                 "cache_salt",
@@ -533,7 +508,7 @@ class QueryRoute(_Route):
                 "matches blocks by token ids, so salted and unsalted blocks of the same "
                 "tokens match alike (docs/api.md)",
             )
-        answer(resp, 200, await self.dialect.query(q), msgpack)
+        return await self.dialect.query(q)
 
 
 class ServicesRoute(_Route):
