@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import falcon
 import falcon.asgi
@@ -107,12 +107,23 @@ class OnceWarnings:
         self.log.warning(msg, *args)
 
 
-class Route:
-    """A dialect route: the bearer check and the bounded body read, in the dialect's
-    voice. ``api_key``: the bearer token this route needs (``None``: open)."""
+class Spoken(Protocol):
+    """A dialect's state object, which its routes are over: it says its :class:`Voice`."""
 
-    def __init__(self, voice: Voice, max_body_bytes: int, api_key: str | None = None) -> None:
-        self.voice = voice
+    @property
+    def voice(self) -> Voice: ...
+
+
+_D = TypeVar("_D", bound=Spoken)
+
+
+class Route(Generic[_D]):
+    """A route of a dialect (``dialect``, in its voice): the bearer check and the
+    bounded body read. ``api_key``: the bearer token this route needs (``None``: open)."""
+
+    def __init__(self, dialect: _D, max_body_bytes: int, api_key: str | None = None) -> None:
+        self.dialect = dialect
+        self.voice = dialect.voice
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key
 
@@ -142,7 +153,7 @@ class Route:
         return DialectError(413, "too_large", too_large_message(self.max_body_bytes))
 
 
-class PostRoute(Route):
+class PostRoute(Route[_D]):
     """A ``POST`` route: the key (before the body is read), the body and the dialect's
     errors, once; :meth:`answer` reads the request and returns the answer (``status``)."""
 

@@ -342,6 +342,8 @@ class Dialect:
     #: Contexts whose registered ranks are kept between registration changes.
     CACHED_CONTEXTS = 4096
 
+    voice = VOICE
+
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
         self.services: dict[str, Service] = {}
@@ -458,19 +460,7 @@ class Dialect:
         return {"count": len(live), "services": [s.to_json() for s in live]}
 
 
-class _Route(Route):
-    """A route of this dialect: over its :class:`Dialect`, in its voice."""
-
-    def __init__(self, dialect: Dialect, max_body_bytes: int, api_key: str | None = None) -> None:
-        super().__init__(VOICE, max_body_bytes, api_key)
-        self.dialect = dialect
-
-
-class _Post(PostRoute, _Route):
-    """A ``POST`` route of this dialect."""
-
-
-class RegisterRoute(_Post):
+class RegisterRoute(PostRoute[Dialect]):
     async def answer(
         self, req: falcon.asgi.Request, body: bytes, msgpack: bool
     ) -> MooncakeRegisterResponse:
@@ -485,7 +475,7 @@ class RegisterRoute(_Post):
         return MooncakeRegisterResponse(REGISTERED, svc.instance_id)
 
 
-class UnregisterRoute(_Post):
+class UnregisterRoute(PostRoute[Dialect]):
     async def answer(
         self, req: falcon.asgi.Request, body: bytes, msgpack: bool
     ) -> MooncakeUnregisterResponse:
@@ -496,7 +486,7 @@ class UnregisterRoute(_Post):
         return MooncakeUnregisterResponse(UNREGISTERED, [key])
 
 
-class QueryRoute(_Post):
+class QueryRoute(PostRoute[Dialect]):
     async def answer(
         self, req: falcon.asgi.Request, body: bytes, msgpack: bool
     ) -> MooncakeQueryResponse:
@@ -511,7 +501,7 @@ class QueryRoute(_Post):
         return await self.dialect.query(q)
 
 
-class ServicesRoute(_Route):
+class ServicesRoute(Route[Dialect]):
     async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
         if self.refused(req, resp):
             return
