@@ -11,8 +11,10 @@ service beside kvconductor, both fed by the same vLLM 0.33 publishers
 from __future__ import annotations
 
 import importlib.util
+import random
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -20,7 +22,8 @@ import pytest
 from kvconductor._hash import hash_blocks
 from kvconductor.http.dynamo import dynamo_answer
 from kvconductor.serve import cli
-from tests.helpers.publishers import wait_until
+from tests.helpers.publishers import free_tcp_port, wait_until
+from tests.helpers.realpub import vllm_kv_events
 from tests.helpers.server import free_port, running
 
 BS = 16
@@ -377,3 +380,182 @@ def dynamo_indexer(tmp_path):
         proc.terminate()
         proc.wait(10)
         log.close()
+
+
+#: The equivalence run: engines (instance, DP), prompt families, blocks per family.
+ENGINES = ((1, 0), (2, 0), (3, 0), (4, 0), (4, 1))
+FAMILIES, DEPTH = 24, 12
+
+
+def _ehash(family: int, block: int) -> int:
+    """A block's engine hash: the same block (family, position) on every engine, as
+    vLLM's content hashes are."""
+    return 1_000_000 * (family + 1) + block
+
+
+class _Engine:
+    """One vLLM 0.33 ZmqEventPublisher (its own code) and what it holds per family:
+    a GPU prefix of ``gpu`` blocks, then ``cpu`` blocks offloaded after it (to CPU or
+    to storage)."""
+
+    def __init__(self, k, iid: int, dp: int, rng: random.Random) -> None:
+        self.k, self.iid, self.dp, self.rng = k, iid, dp, rng
+        port = free_tcp_port()
+        # vLLM binds its endpoint's port + the DP rank
+        self.pub = k.ZmqEventPublisher(
+            data_parallel_rank=dp, endpoint=f"tcp://*:{port - dp}", topic="kv-events"
+        )
+        self.url = f"tcp://127.0.0.1:{port}"
+        self.gpu = [0] * FAMILIES
+        self.cpu = [0] * FAMILIES
+
+    def publish(self, events: list) -> None:
+        self.pub.publish(
+            self.k.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp)
+        )
+
+    def stored(self, tokens: list[int], family: int, first: int, n: int, medium: str):
+        parent = _ehash(family, first - 1) if first else None
+        return self.k.BlockStored(
+            block_hashes=[_ehash(family, b) for b in range(first, first + n)],
+            parent_block_hash=parent,
+            token_ids=tokens[first * BS : (first + n) * BS],
+            block_size=BS,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+        )
+
+    def step(self, fams: list[list[int]]):
+        """One random event: a GPU prefix stored or extended, a CPU or storage offload
+        after it, or the GPU prefix's tail removed."""
+        f = self.rng.randrange(FAMILIES)
+        g, c = self.gpu[f], self.cpu[f]
+        kind = self.rng.choice(("gpu", "gpu", "cpu", "remove"))
+        if kind == "remove" and g > 1 and not c:
+            n = self.rng.randint(1, g - 1)
+            self.gpu[f] = g - n
+            hashes = [_ehash(f, b) for b in range(g - n, g)]
+            return self.k.BlockRemoved(block_hashes=hashes, medium="GPU")
+        if kind == "cpu" and g and not c and g < DEPTH:
+            n = self.rng.randint(1, DEPTH - g)
+            self.cpu[f] = n
+            return self.stored(fams[f], f, g, n, self.rng.choice(("CPU", "STORAGE")))
+        if not c and g < DEPTH:
+            n = self.rng.randint(1, DEPTH - g)
+            self.gpu[f] = g + n
+            return self.stored(fams[f], f, g, n, "GPU")
+        return None
+
+
+def _seen(clients, iid: int, dp: int, tokens: list[int]) -> bool:
+    """Every service answers ``tokens`` (one block) with (iid, dp) matching."""
+    for c in clients:
+        r = c.post("/query", json={"token_ids": tokens, "model_name": MODEL})
+        if r.status_code != 200 or str(dp) not in r.json()["instances"].get(str(iid), {}).get(
+            "dp", {}
+        ):
+            return False
+    return True
+
+
+def _mark(e: _Engine, clients, tokens: list[int], ehash: int) -> None:
+    """Publish a block of ``tokens`` on ``e`` until every service answers it: its
+    subscriptions are connected (warm-up) or everything before it is applied (an
+    engine's batches are applied in order on both)."""
+    ev = e.k.BlockStored(
+        block_hashes=[ehash],
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+    def arrived() -> bool:
+        if _seen(clients, e.iid, e.dp, tokens):
+            return True
+        e.publish([ev])
+        return False
+
+    wait_until(arrived, timeout=30, interval=0.3, msg=f"engine {e.iid}/{e.dp} marker")
+
+
+def test_answers_equal_dynamos_on_the_same_events(tmp_path, dynamo_indexer):
+    """kvconductor's Dynamo dialect and the real ``python -m dynamo.indexer``, fed the same
+    vLLM 0.33 publishers (4 instances, one with 2 DP ranks; GPU prefixes stored, extended
+    and cut, CPU and storage offloads after them), answer 300+ ``/query`` and ``/query_by_hash``
+    requests alike: same status, same JSON (docs/api.md, "The Dynamo indexer dialect":
+    nothing to normalize for these)."""
+    k = vllm_kv_events()
+    rng = random.Random(39)
+    fams = [[rng.randrange(1, 50_000) for _ in range(DEPTH * BS)] for _ in range(FAMILIES)]
+    port = free_port()
+    flags = ("--dynamo-port", str(port), "--source-down-secs", "86400", "--source-purge-secs", "0")
+    engines = [_Engine(k, iid, dp, rng) for iid, dp in ENGINES]
+    try:
+        with running(tmp_path, *flags) as s:
+            ours = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+            clients = (ours, dynamo_indexer)
+            for e in engines:
+                body = {
+                    "instance_id": e.iid,
+                    "endpoint": e.url,
+                    "model_name": MODEL,
+                    "block_size": BS,
+                    "dp_rank": e.dp,
+                }
+                for c in clients:
+                    r = c.post("/register", json=body)
+                    assert r.status_code == 201, r.text
+            marks = iter(range(10**9, 10**9 + 100))
+            for e in engines:  # both subscribed before the events
+                _mark(e, clients, [rng.randrange(60_000, 70_000) for _ in range(BS)], next(marks))
+            for _ in range(30):
+                for e in engines:
+                    events = [ev for ev in (e.step(fams) for _ in range(3)) if ev is not None]
+                    if events:
+                        e.publish(events)
+            for e in engines:  # everything applied on both
+                _mark(e, clients, [rng.randrange(70_000, 80_000) for _ in range(BS)], next(marks))
+
+            queries: list[tuple[str, dict]] = []
+            for toks in fams:
+                for blocks in (1, 2, 4, 6, 9, 12):
+                    cut = blocks * BS + rng.randrange(BS)
+                    queries.append(("/query", {"token_ids": toks[:cut], "model_name": MODEL}))
+                for _ in range(2):
+                    changed = list(toks)
+                    changed[rng.randrange(len(changed))] += 1  # diverges at a random block
+                    queries.append(("/query", {"token_ids": changed, "model_name": MODEL}))
+                for blocks in (1, 3, 5, 8, 12):
+                    hashes = _hashes(toks[: blocks * BS])
+                    queries.append(
+                        ("/query_by_hash", {"block_hashes": hashes, "model_name": MODEL})
+                    )
+            for _ in range(10):
+                unknown = [rng.randrange(80_000, 90_000) for _ in range(4 * BS)]
+                queries.append(("/query", {"token_ids": unknown, "model_name": MODEL}))
+            queries.append(("/query", {"token_ids": fams[0], "model_name": "not-registered"}))
+            assert len(queries) >= 300
+
+            differ, matched, lower, disk = [], 0, 0, 0
+            for path, q in queries:
+                a, b = ours.post(path, json=q), dynamo_indexer.post(path, json=q)
+                if (a.status_code, a.json()) != (b.status_code, b.json()):
+                    differ.append(
+                        (path, q.get("token_ids", q.get("block_hashes"))[:3], a.text, b.text)
+                    )
+                elif a.status_code == 200 and a.json()["instances"]:
+                    matched += 1
+                    inst = a.json()["instances"].values()
+                    lower += any(m["cpu"] > m["gpu"] for m in inst)
+                    disk += any(m["disk"] > m["cpu"] for m in inst)
+            assert not differ, f"{len(differ)} of {len(queries)} differ, e.g. {differ[:3]}"
+            # most answers hold blocks, many of them on CPU or disk beyond the GPU run
+            assert matched > len(queries) // 2 and lower > 20 and disk > 20, (matched, lower, disk)
+            assert "ERROR" not in s.log()
+    finally:
+        for e in engines:
+            e.pub.shutdown()

@@ -53,7 +53,7 @@ from kvconductor.http.dialects import (
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.mooncake import cumulative_answer
 from kvconductor.http.resource import JsonDocument
-from kvconductor.schema import U64_MAX, RegisterRequest, decode_error_message, json_encoder
+from kvconductor.schema import U32_MAX, U64_MAX, RegisterRequest, decode_error_message, json_encoder
 from kvconductor.schema_dynamo import (
     DynamoError,
     DynamoHashQueryRequest,
@@ -103,9 +103,15 @@ def no_indexer(model: str, group: str) -> DialectError:
     return DialectError(404, "not_found", f"no indexer for model={model} routing_group={group}")
 
 
+#: A Dynamo registration's ``store_only`` bound: the largest (Dynamo has none).
+STORE_ONLY = {"ttl_secs": 30 * 24 * 3600, "capacity": U32_MAX}
+
+
 def to_v3_register(r: DynamoRegisterRequest) -> tuple[RegisterRequest, bytes]:
     """Our registration of a Dynamo one and its V3 JSON body (what the journal logs): a
-    vLLM engine publishing on ``endpoint`` (its HBM publisher), any LoRA."""
+    vLLM engine publishing on ``endpoint`` (its HBM publisher), any LoRA, its CPU and
+    disk events indexed as they come (``store_only`` with the largest bounds: Dynamo
+    trusts an engine's offload events, no pool confirms them; docs/api.md)."""
     doc: dict[str, Any] = {
         "instance_id": str(r.instance_id),
         "type": "vLLM",
@@ -114,6 +120,7 @@ def to_v3_register(r: DynamoRegisterRequest) -> tuple[RegisterRequest, bytes]:
         "dp_rank": r.dp_rank,
         "tenant_id": r.routing_group,
         "medium_endpoints": {"npu": r.endpoint},
+        "store_only": STORE_ONLY,
     }
     if r.replay_endpoint:
         doc["replay_endpoint"] = r.replay_endpoint
