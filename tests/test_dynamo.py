@@ -277,6 +277,34 @@ def test_cli_dynamo_port_flags():
         p.parse_args(["--mooncake-port", "13336", "--dynamo-port", "13336"])
 
 
+def test_gunicorn_refuses_the_dynamo_port(monkeypatch):
+    from gunicorn.errors import AppImportError
+
+    from kvconductor.serve.gunicorn import gunicorn_app
+
+    monkeypatch.delenv("KV_CONDUCTOR_ARGS", raising=False)
+    with pytest.raises(AppImportError, match="--dynamo-port is not supported under gunicorn"):
+        gunicorn_app("--dynamo-port", "13335", "--no-snapshots")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_dynamo_port_in_use_fails_the_start(workers):
+    import socket
+
+    from tests.helpers.server import run_cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = run_cli(
+            "--host", "127.0.0.1", "--port", str(free_port()), "--dynamo-port", str(port),
+            "--workers", workers, "--no-snapshots",
+        )  # fmt: skip
+    assert r.returncode == 1
+    assert f"failed to bind TCP listener on 127.0.0.1 port {port}" in r.stderr
+
+
 # -- --workers N: both dialects, served by the owner ----------------------------------------
 
 
