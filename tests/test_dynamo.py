@@ -21,10 +21,9 @@ import pytest
 
 from kvconductor._hash import hash_blocks
 from kvconductor.http.dynamo import dynamo_answer
-from kvconductor.serve import cli
 from tests.helpers.publishers import free_tcp_port, wait_until
 from tests.helpers.realpub import vllm_kv_events
-from tests.helpers.server import free_port, running
+from tests.helpers.server import dialect_server, free_port, running
 
 BS = 16
 MODEL = "dyn-model"
@@ -41,14 +40,9 @@ def _hashes(tokens: list[int]) -> list[int]:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    port = free_port()
-    flags = ("--dynamo-port", str(port), "--source-down-secs", "86400", "--source-purge-secs", "0")
-    with running(tmp_path_factory.mktemp("dynamo"), *flags) as s:
-        s.dyn = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
-        try:
-            yield s
-        finally:
-            s.dyn.close()
+    with dialect_server(tmp_path_factory.mktemp("dynamo"), "--dynamo-port") as (s, client):
+        s.dyn = client
+        yield s
 
 
 def _reg(iid: int, dp: int = 0, model: str = MODEL, **extra) -> dict:
@@ -265,46 +259,6 @@ def test_api_key_guards_register_unregister_and_workers(tmp_path):
         assert "--dynamo-port-open: the Dynamo indexer dialect" in s.log()
 
 
-def test_cli_dynamo_port_flags():
-    p = cli.build_parser(raise_errors=True)
-    ns = p.parse_args(["--dynamo-port", "13335", "--workers", "2"])
-    assert ns.dynamo_port == 13335
-    with pytest.raises(cli.FlagError, match="--dynamo-port-open needs --dynamo-port"):
-        p.parse_args(["--dynamo-port-open"])
-    with pytest.raises(cli.FlagError, match="is the V3 port"):
-        p.parse_args(["--port", "13335", "--dynamo-port", "13335"])
-    with pytest.raises(cli.FlagError, match="--dynamo-port 13336 is --mooncake-port"):
-        p.parse_args(["--mooncake-port", "13336", "--dynamo-port", "13336"])
-
-
-def test_gunicorn_refuses_the_dynamo_port(monkeypatch):
-    from gunicorn.errors import AppImportError
-
-    from kvconductor.serve.gunicorn import gunicorn_app
-
-    monkeypatch.delenv("KV_CONDUCTOR_ARGS", raising=False)
-    with pytest.raises(AppImportError, match="--dynamo-port is not supported under gunicorn"):
-        gunicorn_app("--dynamo-port", "13335", "--no-snapshots")
-
-
-@pytest.mark.parametrize("workers", ["1", "2"])
-def test_dynamo_port_in_use_fails_the_start(workers):
-    import socket
-
-    from tests.helpers.server import run_cli
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        r = run_cli(
-            "--host", "127.0.0.1", "--port", str(free_port()), "--dynamo-port", str(port),
-            "--workers", workers, "--no-snapshots",
-        )  # fmt: skip
-    assert r.returncode == 1
-    assert f"failed to bind TCP listener on 127.0.0.1 port {port}" in r.stderr
-
-
 # -- --workers N: both dialects, served by the owner ----------------------------------------
 
 
@@ -442,17 +396,15 @@ class _Engine:
             self.k.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp)
         )
 
+    def block(self, hashes: list[int], parent: int | None, tokens: list[int], medium: str):
+        """vLLM's BlockStored (its fields in order: hashes, parent, tokens, block size,
+        LoRA id, medium, LoRA name)."""
+        return self.k.BlockStored(hashes, parent, tokens, BS, None, medium, None)
+
     def stored(self, tokens: list[int], family: int, first: int, n: int, medium: str):
         parent = _ehash(family, first - 1) if first else None
-        return self.k.BlockStored(
-            block_hashes=[_ehash(family, b) for b in range(first, first + n)],
-            parent_block_hash=parent,
-            token_ids=tokens[first * BS : (first + n) * BS],
-            block_size=BS,
-            lora_id=None,
-            medium=medium,
-            lora_name=None,
-        )
+        hashes = [_ehash(family, b) for b in range(first, first + n)]
+        return self.block(hashes, parent, tokens[first * BS : (first + n) * BS], medium)
 
     def step(self, fams: list[list[int]]):
         """One random event: a GPU prefix stored or extended, a CPU or storage offload
@@ -491,15 +443,7 @@ def _mark(e: _Engine, clients, tokens: list[int], ehash: int) -> None:
     """Publish a block of ``tokens`` on ``e`` until every service answers it: its
     subscriptions are connected (warm-up) or everything before it is applied (an
     engine's batches are applied in order on both)."""
-    ev = e.k.BlockStored(
-        block_hashes=[ehash],
-        parent_block_hash=None,
-        token_ids=tokens,
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    ev = e.block([ehash], None, tokens, "GPU")
 
     def arrived() -> bool:
         if _seen(clients, e.iid, e.dp, tokens):

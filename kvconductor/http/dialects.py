@@ -28,13 +28,36 @@ from kvconductor.http.responses import too_large_message
 from kvconductor.schema import (
     JSON_CONTENT_TYPE,
     MSGPACK_CONTENT_TYPE,
+    RegisterRequest,
     UnregisterRequest,
     is_msgpack_content_type,
     json_encoder,
 )
-from kvconductor.state.registry import Registry
+from kvconductor.state.conductor import Conductor, StateUnavailable
+from kvconductor.state.registration import RegistrationUnavailable
+from kvconductor.state.registry import RegistrationError, Registry
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True)
+class Door:
+    """What a dialect's port is served with, from the V3 port's flags: the body limit
+    (``--max-body-mb``), the bearer token of the routes that change state (``--api-key``;
+    ``None``: open, also with ``--NAME-port-open``) and whether the listing of what is
+    registered is open without it (``--open-workers``)."""
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    api_key: str | None = None
+    open_listing: bool = False
+
+    @property
+    def key(self) -> str | None:
+        return self.api_key or None
+
+    @property
+    def listing_key(self) -> str | None:
+        return None if self.open_listing else self.key
 
 
 class DialectError(Exception):
@@ -108,10 +131,13 @@ class OnceWarnings:
 
 
 class Spoken(Protocol):
-    """A dialect's state object, which its routes are over: it says its :class:`Voice`."""
+    """A dialect's state object, which its routes are over: it says its :class:`Voice`,
+    and lists what is registered over it (:class:`ListingRoute`)."""
 
     @property
     def voice(self) -> Voice: ...
+
+    async def listing(self) -> Any: ...
 
 
 _D = TypeVar("_D", bound=Spoken)
@@ -173,6 +199,33 @@ class PostRoute(Route[_D]):
         raise NotImplementedError
 
 
+class ListingRoute(Route[_D]):
+    """``GET`` of what is registered (Mooncake's ``/services``, Dynamo's ``/workers``):
+    it names every engine's publisher URL, so it needs the key as V3's ``/workers`` does
+    (unless ``--open-workers``: the route's ``api_key`` is then ``None``)."""
+
+    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
+        if self.refused(req, resp):
+            return
+        answer(resp, 200, await self.dialect.listing(), False)
+
+
+async def register_v3(conductor: Conductor, req: RegisterRequest, body: bytes, failed: str) -> None:
+    """Our registration ``req`` (its V3 JSON ``body``, what the journal logs) made through
+    the conductor's journal: a registration we refuse is a 400, a subscription that
+    cannot be opened (or a replicated log out of reach) a 500 (``failed: <why>``)."""
+    try:
+        await conductor.mutate("register", body, req)
+    except RegistrationError as ex:
+        raise DialectError(400, "invalid_registration", str(ex)) from None
+    except (RegistrationUnavailable, StateUnavailable) as ex:
+        raise DialectError(500, "subscription_failed", f"{failed}: {ex}") from None
+
+
+#: V3's ``/unregister`` fields, by their wire names.
+_UNREGISTER_FIELDS = ("instance_id", "type", "modelname", "block_size", "dp_rank", "tenant_id")
+
+
 def unregister_request(
     registry: Registry, instance_id: str, dp_rank: int, tenant: str | None = None
 ) -> UnregisterRequest | None:
@@ -182,14 +235,9 @@ def unregister_request(
     ep = None if entry is None else entry.endpoints.get(dp_rank)
     if ep is None or (tenant is not None and ep.tenant_id != tenant):
         return None
-    return UnregisterRequest(
-        instance_id=instance_id,
-        engine_type=ep.engine_type,
-        modelname=ep.model_name,
-        block_size=ep.block_size,
-        dp_rank=dp_rank,
-        tenant_id=ep.tenant_id,
-    )
+    values = (instance_id, ep.engine_type, ep.model_name, ep.block_size, dp_rank, ep.tenant_id)
+    fields = dict(zip(_UNREGISTER_FIELDS, values, strict=True))
+    return msgspec.convert(fields, UnregisterRequest)
 
 
 class HealthRoute:

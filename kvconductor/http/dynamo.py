@@ -42,12 +42,13 @@ import msgspec
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http.dialects import (
     DialectError,
+    Door,
     HealthRoute,
+    ListingRoute,
     PostRoute,
-    Route,
     Voice,
-    answer,
     dialect_app,
+    register_v3,
     unregister_request,
 )
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
@@ -67,8 +68,6 @@ from kvconductor.schema_dynamo import (
     DynamoWorker,
 )
 from kvconductor.state.conductor import Conductor, StateUnavailable
-from kvconductor.state.registration import RegistrationUnavailable
-from kvconductor.state.registry import RegistrationError
 
 log = logging.getLogger("kvconductor.dynamo")
 
@@ -233,13 +232,7 @@ class Dialect:
         problem = await self.conductor.run(self._conflict, r)
         if problem is not None:
             raise DialectError(409, "conflict", problem)
-        req, body = to_v3_register(r)
-        try:
-            await self.conductor.mutate("register", body, req)
-        except RegistrationError as ex:
-            raise DialectError(400, "invalid_registration", str(ex)) from None
-        except (RegistrationUnavailable, StateUnavailable) as ex:
-            raise DialectError(500, "subscription_failed", f"failed to register: {ex}") from None
+        await register_v3(self.conductor, *to_v3_register(r), "failed to register")
 
     async def unregister(self, r: DynamoUnregisterRequest) -> None:
         reqs = await self.conductor.run(self._unregistrations, r)
@@ -282,7 +275,8 @@ class Dialect:
             hits = index.query_by_hash(hashes).tuples()
         return dynamo_answer(hits, size)
 
-    async def workers(self) -> list[DynamoWorker]:
+    async def listing(self) -> list[DynamoWorker]:
+        """``GET /workers``."""
         return await self.conductor.run(self._workers)
 
 
@@ -327,39 +321,23 @@ class HashQueryRoute(PostRoute[Dialect]):
         return await self.dialect.query_by_hash(decode(req, body, DynamoHashQueryRequest))
 
 
-class WorkersRoute(Route[Dialect]):
-    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if self.refused(req, resp):
-            return
-        answer(resp, 200, await self.dialect.workers(), False)
-
-
-def create_dynamo_app(
-    conductor: Conductor,
-    *,
-    max_body_bytes: int = 64 * 1024 * 1024,
-    api_key: str | None = None,
-    open_workers: bool = False,
-) -> Any:
-    """The Falcon ASGI app of Dynamo's indexer dialect over ``conductor`` (served on its
-    own port by ``kv-conductor --dynamo-port``).
-
-    ``api_key``: the bearer token ``/register`` and ``/unregister`` need (the server's
-    ``--api-key``; ``None`` with ``--dynamo-port-open``), and ``/workers`` too unless
-    ``open_workers`` (``--open-workers``); the queries, ``/health`` and
-    ``/openapi.json`` stay open, as V3's queries do."""
+def create_dynamo_app(conductor: Conductor, door: Door = Door()) -> Any:
+    """The Falcon ASGI app of Dynamo's indexer dialect over ``conductor``, served on its
+    own port by ``kv-conductor --dynamo-port`` with ``door``: ``/register`` and
+    ``/unregister`` need its key, ``/workers`` too unless it is open; the queries,
+    ``/health`` and ``/openapi.json`` stay open, as V3's queries do."""
     from kvconductor.http import openapi
 
     dialect = Dialect(conductor)
-    key = api_key or None
+    limit = door.max_body_bytes
     return dialect_app(
         VOICE,
         {
-            "/register": RegisterRoute(dialect, max_body_bytes, key),
-            "/unregister": UnregisterRoute(dialect, max_body_bytes, key),
-            "/query": QueryRoute(dialect, max_body_bytes),
-            "/query_by_hash": HashQueryRoute(dialect, max_body_bytes),
-            "/workers": WorkersRoute(dialect, max_body_bytes, None if open_workers else key),
+            "/register": RegisterRoute(dialect, limit, door.key),
+            "/unregister": UnregisterRoute(dialect, limit, door.key),
+            "/query": QueryRoute(dialect, limit),
+            "/query_by_hash": HashQueryRoute(dialect, limit),
+            "/workers": ListingRoute(dialect, limit, door.listing_key),
             "/health": HealthRoute(""),
             "/openapi.json": JsonDocument(openapi.dynamo_document),
         },

@@ -49,12 +49,12 @@ from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.http.dialects import (
     DialectError,
     HealthRoute,
+    ListingRoute,
     OnceWarnings,
     PostRoute,
-    Route,
     Voice,
-    answer,
     dialect_app,
+    register_v3,
     unregister_request,
 )
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
@@ -78,8 +78,6 @@ from kvconductor.schema import (
     json_encoder,
 )
 from kvconductor.state.conductor import Conductor, StateUnavailable
-from kvconductor.state.registration import RegistrationUnavailable
-from kvconductor.state.registry import RegistrationError
 from kvconductor.wire import WireError, parse_query_ext
 
 log = logging.getLogger("kvconductor.mooncake")
@@ -405,13 +403,7 @@ class Dialect:
 
     # event loop ------------------------------------------------------------------------
     async def register(self, svc: Service) -> None:
-        req, body = to_v3_register(svc)
-        try:
-            await self.conductor.mutate("register", body, req)
-        except RegistrationError as ex:
-            raise DialectError(400, "invalid_registration", str(ex)) from None
-        except (RegistrationUnavailable, StateUnavailable) as ex:
-            raise DialectError(500, "subscription_failed", f"Failed to subscribe: {ex}") from None
+        await register_v3(self.conductor, *to_v3_register(svc), "Failed to subscribe")
         await self.conductor.run(self._remember, svc)
 
     async def unregister(self, instance_id: str, tenant: str, dp_rank: int) -> str:
@@ -455,7 +447,8 @@ class Dialect:
         self._ranks[ctx] = (gen, ranks)  # the generation read before: never newer than ranks
         return ranks
 
-    async def services_doc(self) -> dict[str, Any]:
+    async def listing(self) -> dict[str, Any]:
+        """``GET /services``."""
         live = await self.conductor.run(self._live_services)
         return {"count": len(live), "services": [s.to_json() for s in live]}
 
@@ -501,13 +494,6 @@ class QueryRoute(PostRoute[Dialect]):
         return await self.dialect.query(q)
 
 
-class ServicesRoute(Route[Dialect]):
-    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if self.refused(req, resp):
-            return
-        answer(resp, 200, await self.dialect.services_doc(), False)
-
-
 def create_mooncake_app(
     conductor: Conductor,
     *,
@@ -533,7 +519,7 @@ def create_mooncake_app(
             "/register": RegisterRoute(dialect, max_body_bytes, key),
             "/unregister": UnregisterRoute(dialect, max_body_bytes, key),
             "/query": QueryRoute(dialect, max_body_bytes),
-            "/services": ServicesRoute(dialect, max_body_bytes, services_key),
+            "/services": ListingRoute(dialect, max_body_bytes, services_key),
             "/health": HealthRoute(),
             "/openapi.json": JsonDocument(openapi.mooncake_document),
         },

@@ -410,6 +410,23 @@ def _dialect_document(
     }
 
 
+def _listing(summary: str, body: dict[str, Any], refused: str, error: type) -> dict[str, Any]:
+    """A dialect's ``GET`` of its registrations (401 without the key, unless
+    ``--open-workers``)."""
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "done", "content": _content(body, both=False)},
+                "401": {
+                    "description": refused + "; --open-workers opens it",
+                    "content": _content(_ref(error), both=False),
+                },
+            },
+        }
+    }
+
+
 def _health(body: str) -> dict[str, Any]:
     return {
         "get": {
@@ -456,18 +473,12 @@ def mooncake_document() -> dict[str, Any]:
             schema.MooncakeQueryResponse,
             "400 413",
         ),
-        "/services": {
-            "get": {
-                "summary": "the services registered over this dialect",
-                "responses": {
-                    "200": {"description": "done", "content": _content(services, both=False)},
-                    "401": {
-                        "description": _MOONCAKE_ERRORS["401"] + "; --open-workers opens it",
-                        "content": _content(_ref(schema.MooncakeError), both=False),
-                    },
-                },
-            }
-        },
+        "/services": _listing(
+            "the services registered over this dialect",
+            services,
+            _MOONCAKE_ERRORS["401"],
+            schema.MooncakeError,
+        ),
         "/health": _health("OK"),
     }
     return _dialect_document(
@@ -536,18 +547,12 @@ def dynamo_document() -> dict[str, Any]:
             queries,
             dynamo=True,
         ),
-        "/workers": {
-            "get": {
-                "summary": "the engines registered (instances with a u64 id)",
-                "responses": {
-                    "200": {"description": "done", "content": _content(workers, both=False)},
-                    "401": {
-                        "description": _DYNAMO_ERRORS["401"] + "; --open-workers opens it",
-                        "content": _content(_ref(sd.DynamoError), both=False),
-                    },
-                },
-            }
-        },
+        "/workers": _listing(
+            "the engines registered (instances with a u64 id)",
+            workers,
+            _DYNAMO_ERRORS["401"],
+            sd.DynamoError,
+        ),
         "/health": _health(""),
     }
     return _dialect_document(

@@ -397,6 +397,7 @@ _DIALECTS = (("mooncake", "Mooncake conductor"), ("dynamo", "Dynamo indexer"))
 
 
 def _dialect_app(name: str, conductor: Conductor, settings: Settings, key: str | None) -> Any:
+    from kvconductor.http.dialects import Door
     from kvconductor.http.dynamo import create_dynamo_app
     from kvconductor.http.mooncake import create_mooncake_app
 
@@ -406,9 +407,7 @@ def _dialect_app(name: str, conductor: Conductor, settings: Settings, key: str |
             conductor, max_body_bytes=limit, api_key=key, open_services=open_workers
         )
     else:
-        app = create_dynamo_app(
-            conductor, max_body_bytes=limit, api_key=key, open_workers=open_workers
-        )
+        app = create_dynamo_app(conductor, Door(limit, key, open_workers))
     return AnswerFromHead(app)  # 401 and 413 from the head, as on the V3 port
 
 
