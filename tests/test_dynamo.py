@@ -367,6 +367,8 @@ def dynamo_indexer(tmp_path):
 #: The equivalence run: engines (instance, DP), prompt families, blocks per family.
 ENGINES = ((1, 0), (2, 0), (3, 0), (4, 0), (4, 1))
 FAMILIES, DEPTH = 24, 12
+#: A LoRA adapter's chains: their engine hashes are offset by this.
+LORA, LORA_HASHES = "adapter-a", 10**8
 
 
 def _ehash(family: int, block: int) -> int:
@@ -457,9 +459,10 @@ def _mark(e: _Engine, clients, tokens: list[int], ehash: int) -> None:
 def test_answers_equal_dynamos_on_the_same_events(tmp_path, dynamo_indexer):
     """kvconductor's Dynamo dialect and the real ``python -m dynamo.indexer``, fed the same
     vLLM 0.33 publishers (4 instances, one with 2 DP ranks; GPU prefixes stored, extended
-    and cut, CPU and storage offloads after them), answer 300+ ``/query`` and ``/query_by_hash``
-    requests alike: same status, same JSON (docs/api.md, "The Dynamo indexer dialect":
-    nothing to normalize for these)."""
+    and cut, CPU and storage offloads after them, a LoRA adapter's chains), answer 335
+    ``/query`` (with and without ``lora_name``) and ``/query_by_hash`` requests alike: same
+    status, same JSON (docs/api.md, "The Dynamo indexer dialect": nothing to normalize
+    for these)."""
     k = vllm_kv_events()
     rng = random.Random(39)
     fams = [[rng.randrange(1, 50_000) for _ in range(DEPTH * BS)] for _ in range(FAMILIES)]
@@ -489,6 +492,11 @@ def test_answers_equal_dynamos_on_the_same_events(tmp_path, dynamo_indexer):
                     events = [ev for ev in (e.step(fams) for _ in range(3)) if ev is not None]
                     if events:
                         e.publish(events)
+            for i, e in enumerate(engines):  # a LoRA adapter's chains: other blocks
+                f, n = i % 4, 4 + i
+                hashes = [LORA_HASHES + _ehash(f, b) for b in range(n)]
+                lora = e.k.BlockStored(hashes, None, fams[f][: n * BS], BS, None, "GPU", LORA)
+                e.publish([lora])
             for e in engines:  # everything applied on both
                 _mark(e, clients, [rng.randrange(70_000, 80_000) for _ in range(BS)], next(marks))
 
@@ -510,6 +518,11 @@ def test_answers_equal_dynamos_on_the_same_events(tmp_path, dynamo_indexer):
                 unknown = [rng.randrange(80_000, 90_000) for _ in range(4 * BS)]
                 queries.append(("/query", {"token_ids": unknown, "model_name": MODEL}))
             queries.append(("/query", {"token_ids": fams[0], "model_name": "not-registered"}))
+            for toks in fams[:6]:
+                for name in (LORA, "another-adapter"):
+                    queries.append(
+                        ("/query", {"token_ids": toks, "model_name": MODEL, "lora_name": name})
+                    )
             assert len(queries) >= 300
 
             differ, matched, lower, disk = [], 0, 0, 0
