@@ -15,17 +15,19 @@ whether the two services' answers were equal; nothing here asserts timings.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import msgspec
 import zmq
 
-from bench.mooncake_query import ROOT, _free_port, _wait
+from bench.mooncake_query import ROOT, _free_port, _wait, round_trips
+from bench.trace_dynamo_server import DynamoIndexer
 from bench.trace_server import TOPIC, BlockStored, KVEventBatch
 from bench.trace_services import Conn
 from kvconductor._hash import hash_blocks
@@ -51,23 +53,6 @@ def _post(conn: Conn, path: str, body: bytes, ctype: str = JSON) -> bytes:
     return data
 
 
-def _start(cmd: list[str], port: int) -> subprocess.Popen:
-    """Dynamo's service, its log lines discarded, once it answers ``GET /health``."""
-    out = subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
-            c.request("GET", "/health")
-            if c.getresponse().status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"{cmd[2]} not ready")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", type=int, default=8)
@@ -76,17 +61,18 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000, help="per route and round")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    v3_port, dyn_port, ref_port = _free_port(), _free_port(), _free_port()
+    v3_port, dyn_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "kvconductor", "--port", str(v3_port), "--no-snapshots"]
     cmd += ["--dynamo-port", str(dyn_port), "--log-level", "warning"]
     cmd += ["--workers", str(args.workers)]
     ours = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     ref = None
     ctx = zmq.Context()
+    logdir = tempfile.mkdtemp(prefix="dynamo-query-")
     try:
         _wait(v3_port, ours)
-        ref_cmd = [sys.executable, "-m", "dynamo.indexer", "--port", str(ref_port)]
-        ref = _start(ref_cmd + ["--threads", "1"], ref_port)
+        ref = DynamoIndexer(0, logdir, threads=1)  # python -m dynamo.indexer, its log there
+        ref_port = ref.port
         conns = {
             name: Conn(port)
             for name, port in (("v3", v3_port), ("ours", dyn_port), ("dynamo", ref_port))
@@ -145,21 +131,20 @@ def main() -> int:
         print(f"{'round':>5}  {'route':<24} {'p50 us':>8} {'p99 us':>8}")
         for rnd in range(args.rounds):
             for label, name, path, body in routes:
-                ts = []
-                for _ in range(args.requests):
-                    t0 = time.perf_counter()
-                    _post(conns[name], path, body, JSON)
-                    ts.append(time.perf_counter() - t0)
-                ts.sort()
-                p50, p99 = ts[len(ts) // 2] * 1e6, ts[int(len(ts) * 0.99)] * 1e6
+
+                def ask(conn=conns[name], path=path, body=body) -> bytes:
+                    return _post(conn, path, body)
+
+                p50, p99 = round_trips(ask, args.requests)
                 print(f"{rnd:>5}  {label:<24} {p50:>8.0f} {p99:>8.0f}")
         return 0
     finally:
         ctx.destroy(linger=0)
-        for proc in (ours, ref):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(15)
+        if ref is not None:
+            ref.stop()
+        ours.terminate()
+        ours.wait(15)
+        shutil.rmtree(logdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
