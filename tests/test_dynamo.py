@@ -23,7 +23,7 @@ from kvconductor._hash import hash_blocks
 from kvconductor.http.dynamo import dynamo_answer
 from tests.helpers.publishers import free_tcp_port, wait_until
 from tests.helpers.realpub import vllm_kv_events
-from tests.helpers.server import dialect_server, free_port, running
+from tests.helpers.server import dialect_server, free_port, running, tls_server, trusting
 
 BS = 16
 MODEL = "dyn-model"
@@ -257,6 +257,30 @@ def test_api_key_guards_register_unregister_and_workers(tmp_path):
         d = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
         assert d.post("/register", json=_reg(402)).status_code == 201
         assert "--dynamo-port-open: the Dynamo indexer dialect" in s.log()
+
+
+def test_tls_and_the_body_limit_as_on_v3(tmp_path, pki):
+    """The dialect's port takes the V3 port's TLS and --max-body-mb."""
+    port = free_port()
+    srv = tls_server(tmp_path, pki, "--dynamo-port", str(port), "--max-body-mb", "1")
+    try:
+        srv.wait_ready()
+        with httpx.Client(
+            base_url=f"https://127.0.0.1:{port}", timeout=10.0, verify=trusting(pki)
+        ) as d:
+            assert d.get("/health").status_code == 200
+            big = {"token_ids": list(range(300_000)), "model_name": MODEL}
+            r = d.post("/query", json=big)
+            assert (r.status_code, r.json()) == (
+                413,
+                {"error": "request body exceeds the limit of 1048576 bytes"},
+            )
+            r = d.post("/query", json={"token_ids": [1], "model_name": MODEL})
+            assert r.status_code == 404  # served on: nothing registered yet
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP there
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5.0)
+    finally:
+        srv.terminate()
 
 
 # -- --workers N: both dialects, served by the owner ----------------------------------------
