@@ -23,7 +23,14 @@ from kvconductor._hash import hash_blocks
 from kvconductor.http.dynamo import dynamo_answer
 from tests.helpers.publishers import free_tcp_port, wait_until
 from tests.helpers.realpub import vllm_kv_events
-from tests.helpers.server import dialect_server, free_port, running, tls_server, trusting
+from tests.helpers.server import (
+    dialect_server,
+    free_port,
+    register_engine,
+    running,
+    tls_server,
+    trusting,
+)
 
 BS = 16
 MODEL = "dyn-model"
@@ -123,6 +130,14 @@ def test_register_query_and_workers(srv):
     # the registration is ours too: V3's /workers lists it under its string id
     v3_workers = srv.http.get("/workers").json()["workers"]
     assert any(x["instance_id"] == "101" for x in v3_workers)
+    # instances registered over V3 whose id is no u64 in decimal are not Dynamo's to list
+    for other in ("prefill-a", "007", "\u00b2"):
+        register_engine(srv, other, modelname=MODEL, block_size=BS)
+    assert [w["instance_id"] for w in srv.dyn.get("/workers").json()] == [101]
+    for other in ("prefill-a", "007", "\u00b2"):
+        unregister = {"instance_id": other, "type": "vLLM", "modelname": MODEL,
+                      "block_size": BS, "dp_rank": 0}  # fmt: skip
+        assert srv.http.post("/unregister", json=unregister).status_code == 200
     assert srv.dyn.post("/unregister", json={"instance_id": 101, "model_name": MODEL}).json() == {
         "status": "ok"
     }

@@ -213,8 +213,8 @@ class Dialect:
         }
         out: dict[str, DynamoWorker] = {}
         for iid, ep in self._engines():
-            if not iid.isdigit() or int(iid) > U64_MAX:
-                continue  # not a name a Dynamo client can give
+            if not (iid.isascii() and iid.isdigit()) or str(int(iid)) != iid or int(iid) > U64_MAX:
+                continue  # not a name a Dynamo client can give (a u64 in decimal)
             w = out.get(iid)
             if w is None:
                 w = out[iid] = DynamoWorker(
