@@ -47,6 +47,9 @@ _ERRORS = {
     "403": "browser Origin not allowed (--allow-origin)",
     "404": "unknown instance, or no index for (model, tenant)",
     "413": "body over --max-body-mb",
+    "422": "engine_url: the engine's GET /kv_event_sources failed or cannot be used "
+    "(not served, not JSON, unknown shape, redirect, over 1 MiB, no answer in time, "
+    "endpoints the URL rules refuse)",
     "500": "unexpected failure",
     "503": "the change cannot be taken now: --max-sources or a socket (registration), or "
     "the state store is unreachable (--state-url)",
@@ -164,6 +167,10 @@ def document() -> dict[str, Any]:
     for cls in (schema.QueryRequest, schema.QueryByHashRequest):
         _query_request(components[cls.__name__])
     _freshness_answer(response, components)
+    components["RegisterRequest"]["properties"]["engine_url"]["description"] = (
+        "the engine's HTTP base URL (http or https): its GET /kv_event_sources names the "
+        "publisher of every DP rank, each registered (docs/engines.md)"
+    )
     status = _ref(schema.StatusResponse)
     workers = {
         "type": "object",
@@ -192,7 +199,7 @@ def document() -> dict[str, Any]:
             schema.RegisterRequest,
             "201",
             status,
-            "400 401 403 413 503",
+            "400 401 403 413 422 503",
         ),
         "/unregister": _post(
             "unregister one DP rank",

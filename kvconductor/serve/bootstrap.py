@@ -47,6 +47,7 @@ from kvconductor.serve.settings import Settings
 from kvconductor.serve.tuning import HeapTrim, raise_fd_limit, tune_malloc, zmq_context
 from kvconductor.serve.workermetrics import WorkerCollector
 from kvconductor.state.conductor import Conductor
+from kvconductor.state.enginefollow import EngineFollower
 from kvconductor.state.journal import Journal
 
 log = logging.getLogger("kvconductor")
@@ -156,6 +157,8 @@ class Service:
     forwarder: Forwarder | None = None
     #: ``worker``: the queries it answered, which the owner's ``/metrics`` sums.
     query_metrics: QueryMetrics | None = None
+    #: The registrations with an ``engine_url`` followed (started with the conductor).
+    follower: EngineFollower | None = None
 
     def log_start(self, address: str | None = None, gunicorn_workers: int | None = None) -> None:
         """The start line: ``KV conductor starting on <address> ...`` (under gunicorn:
@@ -230,6 +233,8 @@ class Service:
         # --state-url: the ValkeyJournal handed in at construction bootstraps the started
         # conductor and starts its threads (a LocalJournal has nothing to start)
         conductor.journal.start()
+        self.follower = EngineFollower(conductor)
+        self.follower.start()
         return True
 
     def _start_snapshots(self, conductor: Conductor) -> bool:
@@ -296,6 +301,8 @@ class Service:
         conductor = self.conductor
         if conductor is None:
             return
+        if self.follower is not None:
+            self.follower.stop()
         if conductor.snapshotter is not None:
             conductor.snapshotter.stop(final=True)
         conductor.journal.stop()
