@@ -68,6 +68,7 @@ from kvconductor.schema_dynamo import (
     DynamoWorker,
 )
 from kvconductor.state.conductor import Conductor, StateUnavailable
+from kvconductor.state.protocols import QuerySource
 
 log = logging.getLogger("kvconductor.dynamo")
 
@@ -147,19 +148,57 @@ def dynamo_answer(
     return DynamoQueryResponse(scores, [], instances)
 
 
-class Dialect:
-    """The Dynamo dialect over a :class:`Conductor`. Its registrations are the
-    registry's (the truth of what is registered); the (model, group) -> block size of
-    the registered engines is read on the ingest thread and kept until the registry
-    changes."""
+class Answers:
+    """The dialect's two queries over an index ``source``: the :class:`Conductor` (one
+    process, the owner) or a worker's :class:`~kvconductor.state.shared.SharedView`
+    (``--workers N``: the queries answered in the worker). Both say ``get_index`` and
+    ``block_sizes``, the registered block sizes per (model, tenant)."""
 
     voice = VOICE
 
+    def __init__(self, source: QuerySource) -> None:
+        self.source = source
+
+    async def listing(self) -> Any:
+        raise DialectError(404, "not_found", "not served here")  # the owner's
+
+    def block_size(self, model: str, group: str) -> int:
+        """The block size of (model, group)'s registrations (the smallest, if V3 added
+        others; Dynamo allows one); 404 when none is registered (any thread)."""
+        self.source.get_index(model, group)  # a worker's view: reloaded if it changed
+        sizes = self.source.block_sizes.get((model, group))
+        if not sizes:
+            raise no_indexer(model, group)
+        return min(sizes)
+
+    async def query(self, q: DynamoQueryRequest) -> DynamoQueryResponse:
+        size = self.block_size(q.model_name, q.routing_group)
+        index = self.source.get_index(q.model_name, q.routing_group)
+        full = len(q.token_ids) - len(q.token_ids) % size  # complete blocks only
+        hits: Sequence[tuple[str, int, int, int, int]] = ()
+        if index is not None and full:
+            seed = lora_seed(q.lora_name) if q.lora_name else DEFAULT_SEED
+            hits = index.query(array("I", q.token_ids[:full]), size, seed).tuples()
+        return dynamo_answer(hits, size)
+
+    async def query_by_hash(self, q: DynamoHashQueryRequest) -> DynamoQueryResponse:
+        size = self.block_size(q.model_name, q.routing_group)
+        index = self.source.get_index(q.model_name, q.routing_group)
+        hits: Sequence[tuple[str, int, int, int, int]] = ()
+        if index is not None and q.block_hashes:
+            hashes = array("Q", [h & U64_MAX for h in q.block_hashes])  # i64 -> u64
+            hits = index.query_by_hash(hashes).tuples()
+        return dynamo_answer(hits, size)
+
+
+class Dialect(Answers):
+    """The Dynamo dialect over a :class:`Conductor`: its queries (:class:`Answers`), and
+    its registrations, which are the registry's (the truth of what is registered)."""
+
     def __init__(self, conductor: Conductor) -> None:
+        super().__init__(conductor)
         self.conductor = conductor
         self.unknown = UnknownFieldWarnings(log, "dynamo dialect: register")
-        #: (registry generation, {(model, tenant): block size}) (event loop).
-        self._groups: tuple[int, dict[tuple[str, str], int]] = (-1, {})
 
     # ingest thread ---------------------------------------------------------------------
     def _engines(self) -> Iterable[tuple[str, Any]]:
@@ -168,23 +207,17 @@ class Dialect:
                 if not ep.is_pool:
                     yield iid, ep
 
-    def _block_sizes(self) -> dict[tuple[str, str], int]:
-        out: dict[tuple[str, str], int] = {}
-        for _, ep in self._engines():
-            out.setdefault(ep.index_key, ep.block_size)
-        return out
-
     def _conflict(self, r: DynamoRegisterRequest) -> str | None:
         """Dynamo's 409s: the (instance, DP) registered, another block size in the group."""
         iid = str(r.instance_id)
         entry = self.conductor.registry.get(iid)
         if entry is not None and r.dp_rank in entry.endpoints:
             return f"instance {iid} dp_rank {r.dp_rank} already registered"
-        size = self._block_sizes().get((r.model_name, r.routing_group))
-        if size is not None and size != r.block_size:
+        sizes = self.conductor.block_sizes.get((r.model_name, r.routing_group), ())
+        if sizes and r.block_size not in sizes:
             return (
                 f"block_size mismatch for model={r.model_name} routing_group={r.routing_group}: "
-                f"existing={size}, requested={r.block_size}"
+                f"existing={min(sizes)}, requested={r.block_size}"
             )
         return None
 
@@ -246,35 +279,6 @@ class Dialect:
                     500, "unregister_failed", f"failed to unregister: {ex}"
                 ) from None
 
-    async def block_size(self, model: str, group: str) -> int:
-        """The block size of (model, group)'s engines; 404 when none is registered."""
-        gen = self.conductor.registry_generation
-        if self._groups[0] != gen:
-            self._groups = (gen, await self.conductor.run(self._block_sizes))
-        size = self._groups[1].get((model, group))
-        if size is None:
-            raise no_indexer(model, group)
-        return size
-
-    async def query(self, q: DynamoQueryRequest) -> DynamoQueryResponse:
-        size = await self.block_size(q.model_name, q.routing_group)
-        index = self.conductor.get_index(q.model_name, q.routing_group)
-        full = len(q.token_ids) - len(q.token_ids) % size  # complete blocks only
-        hits: Sequence[tuple[str, int, int, int, int]] = ()
-        if index is not None and full:
-            seed = lora_seed(q.lora_name) if q.lora_name else DEFAULT_SEED
-            hits = index.query(array("I", q.token_ids[:full]), size, seed).tuples()
-        return dynamo_answer(hits, size)
-
-    async def query_by_hash(self, q: DynamoHashQueryRequest) -> DynamoQueryResponse:
-        size = await self.block_size(q.model_name, q.routing_group)
-        index = self.conductor.get_index(q.model_name, q.routing_group)
-        hits: Sequence[tuple[str, int, int, int, int]] = ()
-        if index is not None and q.block_hashes:
-            hashes = array("Q", [h & U64_MAX for h in q.block_hashes])  # i64 -> u64
-            hits = index.query_by_hash(hashes).tuples()
-        return dynamo_answer(hits, size)
-
     async def listing(self) -> list[DynamoWorker]:
         """``GET /workers``."""
         return await self.conductor.run(self._workers)
@@ -307,18 +311,32 @@ class UnregisterRoute(PostRoute[Dialect]):
         return OK
 
 
-class QueryRoute(PostRoute[Dialect]):
+class QueryRoute(PostRoute[Answers]):
     async def answer(
         self, req: falcon.asgi.Request, body: bytes, msgpack: bool
     ) -> DynamoQueryResponse:
         return await self.dialect.query(decode(req, body, DynamoQueryRequest))
 
 
-class HashQueryRoute(PostRoute[Dialect]):
+class HashQueryRoute(PostRoute[Answers]):
     async def answer(
         self, req: falcon.asgi.Request, body: bytes, msgpack: bool
     ) -> DynamoQueryResponse:
         return await self.dialect.query_by_hash(decode(req, body, DynamoHashQueryRequest))
+
+
+def query_routes(answers: Answers, max_body_bytes: int) -> dict[str, object]:
+    """The query routes over ``answers`` (the app's; a worker's, :func:`create_query_app`)."""
+    return {
+        "/query": QueryRoute(answers, max_body_bytes),
+        "/query_by_hash": HashQueryRoute(answers, max_body_bytes),
+    }
+
+
+def create_query_app(source: QuerySource, max_body_bytes: int) -> Any:
+    """The dialect's query routes over ``source`` alone: a worker of ``--workers N``
+    answers them from its view of the shared index (its other routes are the owner's)."""
+    return dialect_app(VOICE, query_routes(Answers(source), max_body_bytes))
 
 
 def create_dynamo_app(conductor: Conductor, door: Door = Door()) -> Any:
@@ -335,8 +353,7 @@ def create_dynamo_app(conductor: Conductor, door: Door = Door()) -> Any:
         {
             "/register": RegisterRoute(dialect, limit, door.key),
             "/unregister": UnregisterRoute(dialect, limit, door.key),
-            "/query": QueryRoute(dialect, limit),
-            "/query_by_hash": HashQueryRoute(dialect, limit),
+            **query_routes(dialect, limit),
             "/workers": ListingRoute(dialect, limit, door.listing_key),
             "/health": HealthRoute(""),
             "/openapi.json": JsonDocument(openapi.dynamo_document),
