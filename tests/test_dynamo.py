@@ -11,7 +11,9 @@ service beside kvconductor, both fed by the same vLLM 0.33 publishers
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -302,6 +304,11 @@ def test_tls_and_the_body_limit_as_on_v3(tmp_path, pki):
 
 
 def test_both_dialects_with_workers(tmp_path):
+    """Both dialects' ports are the workers' (SO_REUSEPORT, as the V3 port): a
+    registration made on one worker (forwarded to the owner) is answered by every worker;
+    the Dynamo dialect's queries are answered in the workers from the shared index, so
+    they are answered with the owner stopped (SIGSTOP; --reader-stall-ms 0: no worker is
+    killed for the owner's silence)."""
     mc, dy = free_port(), free_port()
     flags = (
         "--workers",
@@ -313,6 +320,8 @@ def test_both_dialects_with_workers(tmp_path):
         "--source-down-secs",
         "86400",
         "--source-purge-secs",
+        "0",
+        "--reader-stall-ms",
         "0",
     )
     with running(tmp_path, *flags) as s:
@@ -340,6 +349,18 @@ def test_both_dialects_with_workers(tmp_path):
         got = m.post("/query", json={"model": MODEL, "block_size": BS, "token_ids": tokens})
         inst = got.json()["instances"]
         assert (inst["501"]["gpu"], inst["moon-1"]["gpu"]) == (3 * BS, 2 * BS)
+        # the workers answer the Dynamo dialect's queries themselves: the owner stopped
+        hashes = {"block_hashes": _hashes(tokens), "model_name": MODEL}
+        os.kill(s.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(10):  # new connections: spread over the workers
+                for path, q in (("/query", {"token_ids": tokens, "model_name": MODEL}),
+                                ("/query_by_hash", hashes)):  # fmt: skip
+                    r = httpx.post(f"http://127.0.0.1:{dy}{path}", json=q, timeout=5.0)
+                    assert r.status_code == 200 and r.json()["scores"] == want_dyn
+                    assert r.headers["date"]
+        finally:
+            os.kill(s.proc.pid, signal.SIGCONT)
         # the V3 port's workers read the same shared index
         for _ in range(20):
             v3 = httpx.post(

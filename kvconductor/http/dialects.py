@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -24,6 +24,7 @@ import falcon.asgi
 import msgspec
 
 from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
+from kvconductor.http.framing import date_header
 from kvconductor.http.responses import too_large_message
 from kvconductor.schema import (
     JSON_CONTENT_TYPE,
@@ -285,3 +286,26 @@ def dialect_app(voice: Voice, routes: Mapping[str, object]) -> Any:
     app.add_error_handler(Exception, exception)
     app.add_error_handler(falcon.HTTPError, http_error)
     return app
+
+
+class LocalFirst:
+    """ASGI: the ``POST`` requests of ``paths`` answered by ``local`` (with a ``Date``,
+    which a worker's uvicorn does not add), every other request by ``rest``: a dialect's
+    port in a worker of ``--workers N``, its queries answered from the shared index
+    there, the rest forwarded to the owner (whose answers carry their ``Date``)."""
+
+    def __init__(self, local: Any, paths: Iterable[str], rest: Any) -> None:
+        self.local = local
+        self.paths = frozenset(paths)
+        self.rest = rest
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.paths:
+            return await self.rest(scope, receive, send)
+
+        async def dated(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [date_header(), *message.get("headers", ())]}
+            await send(message)
+
+        await self.local(scope, receive, dated)

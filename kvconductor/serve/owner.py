@@ -603,8 +603,9 @@ def serve_owner(settings: Settings) -> int:
             )
             server = OwnerServer(uvicorn_config(service.app, private, "(owner socket)"), owner)
             assert service.conductor is not None
-            try:  # the dialects' ports: served here, from the owner's conductor
-                sides = dialect_servers(settings, service.conductor)
+            try:  # the dialects' ports: the workers' too, the rest forwarded here
+                private_dir = os.path.dirname(owner.owner_path)
+                sides = dialect_servers(settings, service.conductor, (private_dir, private))
             except OSError:
                 return 1
 
@@ -616,8 +617,10 @@ def serve_owner(settings: Settings) -> int:
 
             def close() -> None:
                 owner.kill_all()
-                for _, side_sock in sides:
+                for side, side_sock in sides:
                     side_sock.close()
+                    if side.held is not None:
+                        side.held.close()
 
             service.log_start(format_address(ports.port_sock))
             if not service.start():

@@ -20,12 +20,13 @@ import errno
 import importlib.util
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import ssl
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -386,9 +387,19 @@ class SideServer(KvServer):
     ``--dynamo-port``): it leaves the signals to the main one, which stops it after its
     own drain (:func:`run_beside`)."""
 
+    #: ``--workers N``: the dialect's public port, bound and held by the owner (its
+    #: workers listen there), closed with the server's own socket.
+    held: socket.socket | None = None
+
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+
+def dialect_socket_path(private_dir: str, name: str) -> str:
+    """The owner's UNIX socket of dialect ``name`` in its private directory (``--workers
+    N``: its workers forward there what they do not answer themselves)."""
+    return os.path.join(private_dir, f"{name}.sock")
 
 
 #: The dialects' ports: the flag's name (``--NAME-port``, ``--NAME-port-open``, the
@@ -412,29 +423,42 @@ def _dialect_app(name: str, conductor: Conductor, settings: Settings, key: str |
 
 
 def dialect_servers(
-    settings: Settings, conductor: Conductor
-) -> list[tuple[KvServer, socket.socket]]:
+    settings: Settings, conductor: Conductor, private: tuple[str, Settings] | None = None
+) -> list[tuple[SideServer, socket.socket]]:
     """The dialects' servers of ``settings`` (``--mooncake-port``, ``--dynamo-port``), each
-    with its bound socket, over ``conductor`` (one process's, or the owner's of
-    ``--workers N``), with the V3 port's HTTP limits and TLS. :class:`OSError` (logged,
-    the sockets bound so far closed) when a port cannot be bound."""
-    out: list[tuple[KvServer, socket.socket]] = []
+    with its socket, over ``conductor``: one process's, on the dialect's port with the V3
+    port's HTTP limits and TLS; or the owner's of ``--workers N`` (``private``: its
+    private directory and the settings of its private socket), on a UNIX socket there
+    (:func:`dialect_socket_path`), the public port bound and held (``SideServer.held``)
+    for its workers, which listen on it. :class:`OSError` (logged, the sockets bound so
+    far closed) when a port cannot be bound."""
+    out: list[tuple[SideServer, socket.socket]] = []
     for name, title in _DIALECTS:
         port = getattr(settings, f"{name}_port")
         if port is None:
             continue
         try:
-            sock = bind_socket(settings.host, port)
+            sock = bind_socket(settings.host, port, reuse_port=bool(private), listen=not private)
         except OSError as ex:
             report_bind_error(dataclasses.replace(settings, port=port), ex)
-            for _, s in out:
+            for server, s in out:
                 s.close()
+                if server.held is not None:
+                    server.held.close()
             raise
         is_open = getattr(settings, f"{name}_open")
         key = None if is_open else settings.api_key
         app = _dialect_app(name, conductor, settings, key)
         where = format_address(sock)
-        out.append((SideServer(uvicorn_config(app, settings, f"({name} dialect)")), sock))
+        served_as, held = settings, None
+        if private is not None:
+            held, served_as = sock, private[1]
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(dialect_socket_path(private[0], name))
+            sock.listen(2048)
+        side = SideServer(uvicorn_config(app, served_as, f"({name} dialect)"))
+        side.held = held
+        out.append((side, sock))
         log.info("%s dialect listening on %s auth=%s", title, where, "token" if key else "off")
         if settings.api_key and is_open:
             log.warning(
@@ -449,7 +473,7 @@ def dialect_servers(
 
 
 def run_beside(
-    server: KvServer, sock: socket.socket, sides: list[tuple[KvServer, socket.socket]]
+    server: KvServer, sock: socket.socket, sides: Sequence[tuple[KvServer, socket.socket]]
 ) -> None:
     """Serve ``server`` on ``sock`` and each of ``sides`` on its socket in one event loop
     until a shutdown signal (the main server's); the sides drain after ``server``."""
