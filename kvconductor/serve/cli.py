@@ -101,7 +101,7 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         metavar="PORT",
         help="also serve the Mooncake conductor's HTTP dialect (kvcache-ai/Mooncake "
         "mooncake-conductor: /register, /unregister, /query, /services) on this port, "
-        "beside the V3 API (default: off; with --workers N the owner process serves it; "
+        "beside the V3 API (default: off; with --workers N the workers listen on it; "
         "docs/api.md). With --api-key its /register, /unregister and /services need the "
         "same bearer token as V3's",
     )
@@ -121,7 +121,7 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         help="also serve the HTTP API of Dynamo's standalone KV indexer (python -m "
         "dynamo.indexer: /register, /unregister, /query, /query_by_hash, /workers) on this "
         "port, beside the V3 API, from the same index (default: off; with --workers N the "
-        "owner process serves it; docs/api.md). With --api-key its /register, /unregister "
+        "workers answer its queries; docs/api.md). With --api-key its /register, /unregister "
         "and /workers need the same bearer token as V3's",
     )
     p.add_argument(

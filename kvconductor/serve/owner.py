@@ -1,12 +1,12 @@
 """``kv-conductor --workers N``: the owner's supervision of its worker processes.
 
 Modelled on uvicorn's ``supervisors/multiprocess.py``: this module starts the workers
-(:mod:`kvconductor.serve.worker`), watches them, starts them again and stops them; of
-HTTP it serves only its private socket and the dialects' ports (``--mooncake-port``,
-``--dynamo-port``: their registrations are the owner's, their queries read the shared
-index here, in one process; the V3 port is the workers'). What the processes are and
-how they share the index: docs/design.md, "Processes"; the workers' way to the owner:
-:mod:`kvconductor.serve.proxy`; their metrics: :mod:`kvconductor.serve.workermetrics`.
+(:mod:`kvconductor.serve.worker`), watches them, starts them again and stops them; it
+serves nothing itself but its private sockets (the V3 app, and each dialect's,
+``--mooncake-port``, ``--dynamo-port``, whose public ports it holds for the workers).
+What the processes are and how they share the index: docs/design.md, "Processes"; the
+workers' way to the owner: :mod:`kvconductor.serve.proxy`; their metrics:
+:mod:`kvconductor.serve.workermetrics`.
 
 **The port and the private directory**: the owner holds the public port bound (never
 listening) and the port's lock (:mod:`kvconductor.serve.portlock`: a second ``--workers``

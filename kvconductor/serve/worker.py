@@ -11,7 +11,9 @@ process, and runs the one front door (:class:`~kvconductor.http.front.FrontDoor`
 :class:`~kvconductor.state.shared.SharedView`, counting in a
 :class:`~kvconductor.http.metrics.QueryMetrics` the owner's ``/metrics`` sums), ``GET
 /health`` answered here, and every other request forwarded to the owner over its UNIX
-socket (:class:`kvconductor.serve.proxy.Forwarder`).
+socket (:class:`kvconductor.serve.proxy.Forwarder`). The dialects' ports likewise
+(:func:`dialect_sides`): Dynamo's queries answered here, the rest forwarded to the
+owner's socket of that dialect.
 
 **What a worker inherits**: the shared arena's and lock's descriptors (``--shared-fds
 5,7``, :meth:`kvconductor.serve.owner.Owner.shared_fds`), one end of a socket pair with
