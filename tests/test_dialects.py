@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from kvconductor.serve import cli
-from tests.helpers.server import free_port, run_cli
+from tests.helpers.server import free_port, run_cli, running
 
 FLAGS = ["--mooncake-port", "--dynamo-port"]
 
@@ -53,3 +53,17 @@ def test_the_dialect_ports_are_their_own():
             p.parse_args([f"{flag}-open"])
         with pytest.raises(cli.FlagError, match="is the V3 port"):
             p.parse_args(["--port", "13338", flag, "13338"])
+
+
+def test_a_dialect_port_of_a_workers_server_is_its_own(tmp_path):
+    """With --workers N the workers share the dialect's port (SO_REUSEPORT) as the V3
+    port: a second such server with the same dialect port refuses to start (the port's
+    lock), rather than splitting its connections with the first."""
+    port = free_port()
+    with running(tmp_path, "--workers", "2", "--dynamo-port", str(port)):
+        r = run_cli(
+            "--port", str(free_port()), "--workers", "2", "--dynamo-port", str(port),
+            "--no-snapshots",
+        )  # fmt: skip
+    assert r.returncode == 1
+    assert f"port {port} is already served by kv-conductor pid" in r.stderr

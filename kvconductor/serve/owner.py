@@ -619,8 +619,7 @@ def serve_owner(settings: Settings) -> int:
                 owner.kill_all()
                 for side, side_sock in sides:
                     side_sock.close()
-                    if side.held is not None:
-                        side.held.close()
+                    side.release()
 
             service.log_start(format_address(ports.port_sock))
             if not service.start():

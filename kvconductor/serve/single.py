@@ -39,6 +39,7 @@ from kvconductor.serve.bootstrap import (
     StartFailed,
     build_service,
 )
+from kvconductor.serve.portlock import PortInUse, PortLock
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.tuning import TRIM_SECS, open_file_limits, trim_heap
 from kvconductor.state.conductor import Conductor
@@ -388,8 +389,15 @@ class SideServer(KvServer):
     own drain (:func:`run_beside`)."""
 
     #: ``--workers N``: the dialect's public port, bound and held by the owner (its
-    #: workers listen there), closed with the server's own socket.
+    #: workers listen there), and its lock (a second ``--workers`` server of the same
+    #: user could share the port otherwise), released with the server's own socket.
     held: socket.socket | None = None
+    lock: PortLock | None = None
+
+    def release(self) -> None:
+        for held in (self.held, self.lock):
+            if held is not None:
+                held.close()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -443,21 +451,31 @@ def dialect_servers(
             report_bind_error(dataclasses.replace(settings, port=port), ex)
             for server, s in out:
                 s.close()
-                if server.held is not None:
-                    server.held.close()
+                server.release()
             raise
         is_open = getattr(settings, f"{name}_open")
         key = None if is_open else settings.api_key
         app = _dialect_app(name, conductor, settings, key)
         where = format_address(sock)
-        served_as, held = settings, None
+        served_as = settings
         if private is not None:
+            try:
+                lock = PortLock.acquire(sock.getsockname()[1])
+            except (PortInUse, OSError) as ex:
+                log.error("%s", ex)
+                print(f"kv-conductor: error: {ex}", file=sys.stderr)
+                sock.close()
+                for server, s in out:
+                    s.close()
+                    server.release()
+                raise OSError(str(ex)) from None
             held, served_as = sock, private[1]
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.bind(dialect_socket_path(private[0], name))
             sock.listen(2048)
         side = SideServer(uvicorn_config(app, served_as, f"({name} dialect)"))
-        side.held = held
+        if private is not None:
+            side.held, side.lock = held, lock
         out.append((side, sock))
         log.info("%s dialect listening on %s auth=%s", title, where, "token" if key else "off")
         if settings.api_key and is_open:
