@@ -49,6 +49,7 @@ from kvconductor.serve.workermetrics import WorkerCollector
 from kvconductor.state.conductor import Conductor
 from kvconductor.state.enginefollow import EngineFollower
 from kvconductor.state.journal import Journal
+from kvconductor.state.protocols import QuerySource
 
 log = logging.getLogger("kvconductor")
 
@@ -157,6 +158,8 @@ class Service:
     forwarder: Forwarder | None = None
     #: ``worker``: the queries it answered, which the owner's ``/metrics`` sums.
     query_metrics: QueryMetrics | None = None
+    #: ``worker``: its view of the shared index (None: the queries are forwarded too).
+    view: QuerySource | None = None
     #: The registrations with an ``engine_url`` followed (started with the conductor).
     follower: EngineFollower | None = None
 
@@ -421,7 +424,7 @@ def _build_owner(settings: Settings, supervise: Callable[[Any], Supervisor]) -> 
 
 def _build_worker(settings: Settings, owner_socket: str, shared_fds: tuple[int, ...]) -> Service:
     query_metrics = QueryMetrics()
-    routes = None
+    routes, view = None, None
     if len(shared_fds) >= 2:
         # /query and /query_by_hash answered here, from the owner's index in shared memory
         from kvconductor.state.shared import SharedView
@@ -449,7 +452,9 @@ def _build_worker(settings: Settings, owner_socket: str, shared_fds: tuple[int, 
     )
     forwarder = app.rest
     assert isinstance(forwarder, Forwarder)
-    return Service(settings, "worker", app, forwarder=forwarder, query_metrics=query_metrics)
+    return Service(
+        settings, "worker", app, forwarder=forwarder, query_metrics=query_metrics, view=view
+    )
 
 
 def _warm_start(conductor: Conductor, path: str) -> None:
