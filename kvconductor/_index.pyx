@@ -18,7 +18,7 @@ query), ``_index_answers.pxi`` (an answer as Python objects, built in C),
 from cpython cimport array
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from kvconductor._cursor cimport HCursor, hc_free, hc_get, hc_init_hashes, hc_init_tokens
@@ -85,6 +85,11 @@ cdef extern from "kvconductor/c/index.h":
     uint32_t kvc_load_u32(const uint32_t* p) noexcept nogil
     void kvc_count_yield(int restart) noexcept nogil
     uint64_t kvc_query_count(int restart) noexcept nogil
+    void* kvc_scratch_get() noexcept nogil
+    int kvc_scratch_set(void* p) noexcept nogil
+
+cdef extern from "kvconductor/c/bits.h":
+    unsigned ctz64 "kvc_ctz64"(uint64_t x) noexcept nogil
 
 
 cdef void _state_init(CoreState* st) noexcept nogil:
