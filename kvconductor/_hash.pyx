@@ -195,3 +195,33 @@ def split_chunk_hashes(hashes, size_t k):
                 ov[o] = h
                 o += 1
     return out
+
+
+cdef inline uint64_t _le64(uint64_t x) noexcept nogil:
+    """``x`` as the u64 whose bytes in memory are ``x`` little-endian."""
+    if _LITTLE:
+        return x
+    x = ((x & 0x00000000FFFFFFFFULL) << 32) | (x >> 32)
+    x = ((x & 0x0000FFFF0000FFFFULL) << 16) | ((x >> 16) & 0x0000FFFF0000FFFFULL)
+    return ((x & 0x00FF00FF00FF00FFULL) << 8) | ((x >> 8) & 0x00FF00FF00FF00FFULL)
+
+
+def chain_hashes(local_hashes, unsigned long long seed):
+    """A chain's hashes, each naming its whole prefix: ``c[i] = XXH3-64(c[i-1] ||
+    local[i], seed)`` over the two u64 little-endian (16 bytes), ``c[-1] = 0``, as one
+    ``array('Q')`` (hashed without the GIL; its oracle: ``_py/hash.py``)."""
+    src = as_u64(local_hashes)
+    cdef const uint64_t[::1] sv = src
+    cdef size_t n = sv.shape[0], i
+    out = _array.array("Q", bytes(8 * n))
+    cdef uint64_t[::1] ov = out
+    cdef uint64_t pair[2]
+    cdef uint64_t prev = 0
+    if n:
+        with nogil:
+            for i in range(n):
+                pair[0] = _le64(prev)
+                pair[1] = _le64(sv[i])
+                prev = _XXH3(<const void*>pair, 16, seed)
+                ov[i] = prev
+    return out
