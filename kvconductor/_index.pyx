@@ -16,6 +16,7 @@ query), ``_index_answers.pxi`` (an answer as Python objects, built in C),
 (explain), ``_index_io.pxi`` (dump and restore), ``_index_shared.pxi`` (``--workers N``).
 """
 from cpython cimport array
+from cpython.buffer cimport PyBuffer_Release
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
 from libc.stdlib cimport calloc, free, malloc
@@ -35,7 +36,7 @@ from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
 )
-from kvconductor._hash cimport hash_token_blocks
+from kvconductor._hash cimport hash_token_blocks, u64_view
 from kvconductor._arena cimport Arena
 from kvconductor._shlock cimport (
     SHL_EBUSY, SHL_OK, SharedLock, shl_read_enter, shl_read_exit, shl_write_enter,

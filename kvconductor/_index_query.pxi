@@ -866,13 +866,18 @@ cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
     return rows_wrap(rows, m)
 
 cdef object _match_rows(CoreIndex self, local_hashes):
-    cdef const uint64_t[::1] lv = as_u64(local_hashes)
-    cdef size_t n = lv.shape[0]
+    cdef Py_buffer lv
+    cdef size_t n
     cdef HCursor hc
-    if n == 0:
-        return rows_wrap(NULL, 0)
-    hc_init_hashes(&hc, &lv[0], n)
-    return _run_query(self, &hc)
+    u64_view(&lv, local_hashes)
+    try:
+        n = <size_t>lv.len // sizeof(uint64_t)
+        if n == 0:
+            return rows_wrap(NULL, 0)
+        hc_init_hashes(&hc, <const uint64_t*>lv.buf, n)
+        return _run_query(self, &hc)
+    finally:
+        PyBuffer_Release(&lv)
 
 cdef object _match_tokens_rows(CoreIndex self, tokens, size_t block_size, uint64_t seed):
     cdef const uint32_t[::1] tv = to_u32_tokens(tokens)
