@@ -8,6 +8,10 @@ cdef inline size_t _max(size_t a, size_t b) noexcept nogil:
     return a if a > b else b
 
 
+cdef inline size_t _min(size_t a, size_t b) noexcept nogil:
+    return a if a < b else b
+
+
 # -- query scratch -------------------------------------------------------------------------
 cdef void _scratch_zero(Scratch* s) noexcept nogil:
     """Nothing allocated (``_scratch_free`` frees nothing)."""
@@ -125,9 +129,11 @@ cdef int _scratch_thread(Scratch* s, size_t W, size_t G) noexcept nogil:
 cdef inline void _touch(Scratch* s, uint32_t g) noexcept nogil:
     """Before group ``g``'s cpu or disk end is raised: listed in ``tl`` if it was 0."""
     cdef size_t G = s.G
-    if not s.dense:
+    if s.dense:
+        s.nt += 1
+    else:
         s.tl[s.nt] = g
-    s.nt += (s.ends[g] | s.ends[G + g] | s.ends[2 * G + g]) == 0
+        s.nt += (s.ends[g] | s.ends[G + g] | s.ends[2 * G + g]) == 0
     s.lower = True
 
 
@@ -613,9 +619,9 @@ cdef int _tier_walk(CoreIndex self, int tier, HCursor* hc, Scratch* s, size_t ni
 
 cdef void _hbm_ends(const CoreState* st, Scratch* s, size_t nh) noexcept nogil:
     """The HBM depths per group of the walk's ``nh`` results (muted workers have none),
-    each group listed in ``s.tl`` on its first depth, or (``s.dense``) only counted in
-    ``s.nt``. Branch-free per result (PERF: a round-robin fleet's wide answer: every
-    engine is a result)."""
+    each group listed in ``s.tl`` on its first depth and counted in ``s.nt``; with
+    ``s.dense`` not listed, and ``s.nt`` only a bound: ``nh`` (PERF: a round-robin fleet's
+    wide answer: every engine is a result; branch-free, the fewest instructions)."""
     cdef size_t k, nt = s.nt, nw = st.nworkers
     cdef const uint32_t* hw = s.hw
     cdef const uint32_t* hd = s.hd
@@ -632,8 +638,8 @@ cdef void _hbm_ends(const CoreState* st, Scratch* s, size_t nh) noexcept nogil:
             d = hd[k] & ((wmute[w] != 0) - <uint32_t>1)
             g = wgroup[w]
             old = npu[g]
-            nt += (old == 0) & (d != 0)
             npu[g] = d if d > old else old
+        nt += nh
     else:
         for k in range(nh):
             w = hw[k]
@@ -758,11 +764,11 @@ cdef int _query_sections(CoreIndex self, HCursor* hc, Scratch* s, int slot, size
 
 cdef size_t _rows_take(Scratch* s, uint32_t* rows) noexcept nogil:
     """The answer's rows (group, npu, cpu, disk) by increasing group, from the ends of
-    the ``s.nt`` touched groups, which go back to 0 (``rows``: room for ``s.nt + 1``
-    rows). Many touched: one pass over the groups, a row written for every group and
-    kept for those with an end (no branch per group: a round-robin fleet's answer has
-    most of them); few: their bits in ``tb`` and the rows by bit order. Returns the
-    rows written."""
+    the touched groups, which go back to 0 (``rows``: room for ``min(s.nt, s.G) + 1``
+    rows). ``s.dense`` (many results): one pass over the groups, a row written for every
+    group and kept for those with an end (no branch per group: a round-robin fleet's
+    answer has most of them); else the ``s.nt`` touched groups' bits in ``tb`` and the
+    rows in bit order. Returns the rows written."""
     cdef size_t G = s.G, nt = s.nt, m = 0, i, g, nwords
     cdef uint32_t* npu = s.ends
     cdef uint32_t* cpu = s.ends + G
@@ -843,7 +849,7 @@ cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
         if stale_ == 0 and rc == 0 and s.nt:
             # the answer: one u32 row per group with a hit, in C (no Python per row),
             # from the groups the query touched (this thread's scratch left all 0)
-            rows = <uint32_t*>malloc(4 * (s.nt + 1) * sizeof(uint32_t))
+            rows = <uint32_t*>malloc(4 * (_min(s.nt, s.G) + 1) * sizeof(uint32_t))
             if rows == NULL:
                 rc = -1
             else:
