@@ -67,9 +67,9 @@ cdef struct ThreadScratch:
 cdef size_t _scratch_carve(Scratch* s, char* p, size_t W, size_t G) noexcept nogil:
     """Set ``s``'s arrays in the block at ``p`` for a capacity of W workers and G groups
     (``p`` NULL: only the size). Each array starts on its own page at its own offset,
-    640 B further each (PERF: arrays a loop walks in step at the same offset mod 4 KiB
-    stall its loads behind its stores, 4K aliasing: the wide answer's per-result loop
-    spent 40 % of its time there). Returns the block's bytes."""
+    640 B further each: arrays a loop walks in step (``hw``, ``hd``, ``tl``, ``ends``)
+    never sit at the same offset mod 4 KiB, where a load can wait behind an unrelated
+    store (4K aliasing). Returns the block's bytes."""
     cdef size_t off = 0, k
     cdef size_t sizes[7]
     cdef void* a[7]
