@@ -222,7 +222,9 @@ cdef class CoreIndex:
     remove/clear/offload/pool_store/evict/sweep; any number of threads may call
     match/match_tokens/stats/worker_blocks concurrently. Every method holds one C
     reader/writer lock for its whole duration (writers exclusive, writer
-    preferred) and runs its C part without the GIL.**
+    preferred) and runs its C part without the GIL.** A query's scratch is its
+    thread's own (one block per reader thread, shared by every index it queries,
+    freed when the thread exits): readers share nothing but the index.
 
     The state lives in one C struct (``CoreState``). **Shared mode** (``--workers N``,
     :func:`install_shared`): the state and every structure array come from the shared
