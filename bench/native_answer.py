@@ -28,6 +28,15 @@ from typing import Any
 from bench import trace_replay as tr
 
 MISS = [0x1234_5678_9ABC, 0x0FED_CBA9_8765]
+#: the number flags and their defaults (the issue's trace: 3,000 requests, 1,024 workers)
+NUMBERS = {
+    "requests": 3000,
+    "seed": 0,
+    "workers": 1024,
+    "capacity": 2048,
+    "calls": 200,
+    "rounds": 30,
+}
 
 
 def best_per_call(fn: Callable[[Any], Any], args: Sequence[Any], rounds: int) -> float:
@@ -96,12 +105,8 @@ def measure(stream: tr.Stream, calls: int, rounds: int) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(tr.SHAPES), default="conversation")
-    ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=1024)
-    ap.add_argument("--capacity", type=int, default=2048)
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=30)
+    for flag, default in NUMBERS.items():
+        ap.add_argument(f"--{flag}", type=int, default=default)
     args = ap.parse_args(argv)
     requests = tr.generate(args.shape, args.seed, args.requests)
     stream = tr.record(requests, args.workers, args.capacity, "round-robin", label=args.shape)
