@@ -14,3 +14,8 @@ cdef size_t hash_token_blocks(const uint32_t* tokens, size_t n_tokens, size_t bl
 
 # XXH3-64 of one byte range (the real xxHash function from the xxhash package).
 cdef uint64_t xxh3(const void* data, size_t length, uint64_t seed) noexcept nogil
+
+# ``values``' u64 items in ``v`` (the caller releases it: PyBuffer_Release): a C-contiguous
+# u64 buffer (``array('Q')``, a u64 memoryview) without a copy, else what ``as_u64`` makes
+# of it (ints in [0, 2**64), else OverflowError). No Cython memoryview made.
+cdef int u64_view(Py_buffer* v, object values) except -1
