@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.jsonvalues import json_values
 from tests.helpers.server import free_port, running
 
 BS = 16
@@ -269,20 +270,11 @@ def test_registrations_come_and_go(dyn):
     assert _refused(d, s, h, 404) == "no indexer for model=gone routing_group=default"
 
 
-#: JSON values, with the numbers and strings that break parsers.
-_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
-    | st.sampled_from(["", MODEL, "default", "tcp://127.0.0.1:1", "\u0000", "\ud7ff"])
-)
-_values = st.recursive(
-    _scalars,
-    lambda inner: (
-        st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
+#: JSON values, with the strings that mean something to the dialect.
+_values = json_values(
+    ["", MODEL, "default", "tcp://127.0.0.1:1", "\u0000", "\ud7ff"],
+    nan=False,
+    max_size=6,
     max_leaves=20,
 )
 _names = st.sampled_from(

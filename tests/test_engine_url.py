@@ -26,6 +26,7 @@ from kvconductor.state.engineroute import (
 )
 from kvconductor.urls import UrlError, UrlPolicy, check_url
 from tests.helpers.enginehttp import BS, SLOW_MODES, Engine, EngineHttp, hits, until_hits
+from tests.helpers.jsonvalues import json_values
 from tests.helpers.publishers import free_tcp_port, wait_until
 from tests.helpers.realpub import vllm_route
 from tests.helpers.server import Server, registration, replica, running, workers
@@ -344,25 +345,14 @@ def test_what_an_engine_sends_is_an_error_never_a_crash(body, error):
 
 #: JSON values near what an engine answers: DP-rank-like keys, KVEventsConfig-like
 #: entries whose fields hold any JSON value, endpoints the URL rules take and refuse.
-_scalars = (
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats()
-    | st.text(max_size=24)
-    | st.sampled_from(
-        ["tcp://*:5557", "tcp://0.0.0.0:1", "tcp://[::]:2", "tcp://10.0.0.9:41001",
-         "tcp://[::1", "tcp://*:99999", "tcp://*:", "ipc:///tmp/kv", "tcp://\x00:1",
-         "tcp://[fe80::1%eth0]:5", "zmq", "null", "", "http://10.0.0.5:8000"]
-    )
-)  # fmt: skip
-_values = st.recursive(
-    _scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
-    ),
+_values = json_values(
+    ["tcp://*:5557", "tcp://0.0.0.0:1", "tcp://[::]:2", "tcp://10.0.0.9:41001",
+     "tcp://[::1", "tcp://*:99999", "tcp://*:", "ipc:///tmp/kv", "tcp://\x00:1",
+     "tcp://[fe80::1%eth0]:5", "zmq", "null", "", "http://10.0.0.5:8000"],
+    nan=True,
+    max_size=4,
     max_leaves=12,
-)
+)  # fmt: skip
 _fields = st.sampled_from(
     ["endpoint", "replay_endpoint", "publisher", "enable_kv_cache_events", "topic"]
 )

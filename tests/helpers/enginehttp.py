@@ -89,26 +89,28 @@ def _slow(out, mode: str, body: bytes) -> None:
     end = time.monotonic() + TRICKLE_FOR_SECS
     try:
         if mode == "headers":
-            for i in range(len(head)):
-                out.write(head[i : i + 1])
-                out.flush()
-                time.sleep(TRICKLE_SECS)
-                if time.monotonic() > end:
-                    return
-        out.write(head if mode != "headers" else b"")
-        if mode == "open":
-            out.write(body)
-            out.flush()
-            time.sleep(TRICKLE_FOR_SECS)  # never closes (within the bound)
+            _trickle(out, head, end)
             return
-        for i in range(len(body)):
-            out.write(body[i : i + 1])
-            out.flush()
-            time.sleep(TRICKLE_SECS)
-            if time.monotonic() > end:
-                return
+        out.write(head)
+        if mode == "body":
+            _trickle(out, body, end)
+            return
+        out.write(body)
+        out.flush()
+        time.sleep(TRICKLE_FOR_SECS)  # never closes (within the bound)
     except OSError:
         return  # the reader hung up
+
+
+def _trickle(out, data: bytes, end: float) -> None:
+    """``data`` a byte every :data:`TRICKLE_SECS` until done or ``end`` (the rest, if
+    any, is never sent)."""
+    for i in range(len(data)):
+        out.write(data[i : i + 1])
+        out.flush()
+        time.sleep(TRICKLE_SECS)
+        if time.monotonic() > end:
+            return
 
 
 class Engine:
