@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvconductor.http.dialects import DialectError
+from kvconductor.http.dynamo import decode, decode_tokens, i64_as_u64
+from kvconductor.schema_dynamo import DynamoQueryRequest
 from tests.helpers.jsonvalues import json_values
 from tests.helpers.server import free_port, running
 
@@ -311,3 +315,63 @@ def test_fuzzed_bodies_never_crash(dyn, path, body):
         d.post("/unregister", json={**gone, "routing_group": doc.get("routing_group", "default")})
     r = d.post("/query", json=GOOD)
     assert r.status_code == 200 and r.json()["scores"]["1"] == {"0": 4 * BS}
+
+
+class _Req:
+    """What the dialect's decoders read of a Falcon request."""
+
+    content_type = "application/json"
+
+
+def _outcome(fn, *args):
+    try:
+        return "ok", fn(*args)
+    except DialectError as ex:
+        return "error", (ex.status, ex.message)
+
+
+_token_lists = st.lists(
+    st.integers(min_value=0, max_value=2**32 - 1)
+    | st.integers(min_value=-(2**65), max_value=2**65)
+    | st.sampled_from([0, 2**32 - 1, 2**32, -1, 2**63, 2**64 - 1, 2**64]),
+    max_size=40,
+)
+_token_values = _token_lists | _values
+
+
+@settings(max_examples=EXAMPLES * 4, deadline=None)
+@given(
+    tokens=_token_values,
+    others=st.dictionaries(_names, _values, max_size=3),
+    raw=st.sampled_from([None, "[-0]", "[1.0]", "[1e3]", "[01]", "[ 1 , 2 ]", "[NaN]"]),
+)
+def test_the_fast_decode_answers_as_the_typed_one(tokens, others, raw):
+    """``/query``'s hot-path decode (the ids read by V3's parser into an ``array('I')``)
+    against the typed decode it replaced: the same ids, fields and errors for any body."""
+    doc = {**others, "token_ids": tokens}
+    if "model_name" not in others:
+        doc["model_name"] = MODEL
+    body = json.dumps(doc).encode()
+    if raw is not None:
+        body = body.replace(
+            b'"token_ids": ' + json.dumps(tokens).encode(), b'"token_ids": ' + raw.encode()
+        )
+    fast = _outcome(decode_tokens, _Req, body)
+    typed = _outcome(decode, _Req, body, DynamoQueryRequest)
+    assert fast[0] == typed[0], (body, fast, typed)
+    if fast[0] == "error":
+        assert fast[1] == typed[1]
+        return
+    head, ids = fast[1]
+    q = typed[1]
+    assert ids == array("I", q.token_ids)
+    assert (head.model_name, head.routing_group, head.lora_name) == (
+        q.model_name,
+        q.routing_group,
+        q.lora_name,
+    )
+
+
+@given(st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=40))
+def test_signed_hashes_are_the_index_u64(hashes):
+    assert i64_as_u64(hashes) == array("Q", [h & (2**64 - 1) for h in hashes])
