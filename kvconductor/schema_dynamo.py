@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from msgspec import Meta, Struct
+from msgspec import Meta, Raw, Struct
 
 from kvconductor.schema import DEFAULT_TENANT, I64_MAX, I64_MIN, U32_MAX, U64, Name
 
@@ -49,6 +49,17 @@ class DynamoQueryRequest(Struct, kw_only=True):
     """``POST /query``: token ids, hashed with the (model, group)'s block size."""
 
     token_ids: list[U32]
+    model_name: Name
+    routing_group: Name = DEFAULT_GROUP
+    lora_name: Name | None = None
+
+
+class DynamoQueryHead(Struct, kw_only=True):
+    """``POST /query`` read for its hot path: the same fields as
+    :class:`DynamoQueryRequest`, ``token_ids`` kept as the raw JSON of its array (read
+    into a C buffer by V3's query parser, never a Python int per token)."""
+
+    token_ids: Raw
     model_name: Name
     routing_group: Name = DEFAULT_GROUP
     lora_name: Name | None = None

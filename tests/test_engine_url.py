@@ -9,9 +9,12 @@ server serving that body (vLLM's API server needs torch).
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from kvconductor.coordinator import ConductorClient, ConductorError
 from kvconductor.state.engineroute import (
@@ -21,8 +24,9 @@ from kvconductor.state.engineroute import (
     RankSource,
     parse_sources,
 )
-from kvconductor.urls import UrlPolicy
-from tests.helpers.enginehttp import BS, Engine, EngineHttp, hits, until_hits
+from kvconductor.urls import UrlError, UrlPolicy, check_url
+from tests.helpers.enginehttp import BS, SLOW_MODES, Engine, EngineHttp, hits, until_hits
+from tests.helpers.jsonvalues import json_values
 from tests.helpers.publishers import free_tcp_port, wait_until
 from tests.helpers.realpub import vllm_route
 from tests.helpers.server import Server, registration, replica, running, workers
@@ -157,6 +161,62 @@ def test_engines_that_do_not_serve_the_route(tmp_path, engine):
         assert "engine_url" in doc["components"]["schemas"]["RegisterRequest"]["properties"]
 
 
+def test_slow_engines_are_a_422_within_the_time_limit(tmp_path, engine):
+    """A slow-loris engine (its headers a byte at a time; its body a byte at a time; its
+    body without Content-Length and the connection never closed) is a 422 within the
+    documented limits: the whole answer within READ_SECS, however the bytes trickle."""
+    engine.body = b'{"0": {"endpoint": "tcp://*:5557"}}'
+    with running(tmp_path) as srv:
+        for mode in SLOW_MODES:
+            engine.slow = mode
+            t0 = time.monotonic()
+            _refused(srv, engine.url, 422, "no answer within 2s to connect and 3s to read it")
+            took = time.monotonic() - t0
+            assert READ_SECS - 0.5 < took < READ_SECS + 1.5, (mode, took)
+        engine.slow = None
+        r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
+        assert r.status_code == 201, r.text
+
+
+def test_the_follower_survives_every_bad_answer(tmp_path, engine):
+    """A registered engine restarts; while it comes back its route answers slowly, in
+    another shape, not at all or with a 500: each is the DP's ``error`` state, never the
+    end of the follower, which finds the engine on its new ports once it answers well."""
+    eng = Engine(engine, {0: "tcp://*:0"})
+    try:
+        with running(tmp_path) as srv:
+            r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
+            assert r.status_code == 201, r.text
+            until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
+            eng.pubs[0].shutdown()
+            bad = [
+                ("slow", "body", b'{"0": {"endpoint": "tcp://*:5557"}}', "no answer within"),
+                ("slow", "open", b'{"0": {"endpoint": "tcp://*:5557"}}', "no answer within"),
+                ("body", None, b'{"0": {"endpoint": 5}}', "expected a KVEventsConfig"),
+                ("body", None, b"\xff[", "is not JSON"),
+                ("status", None, b"{}", "answered HTTP 500"),
+            ]
+            for kind, slow, body, said in bad:
+                engine.slow, engine.body = slow, body
+                engine.status = 500 if kind == "status" else 200
+                gets = engine.gets
+
+                def shown(said=said, gets=gets) -> bool:
+                    ep = _endpoints(srv)["0"]
+                    return engine.gets > gets and said in (ep["engine_url_error"] or "")
+
+                wait_until(shown, timeout=30, interval=0.2, msg=f"the error {said!r} shown")
+                assert _endpoints(srv)["0"]["engine_url_state"] == "error"
+            engine.slow, engine.status = None, 200
+            new = eng.up(0)
+            until_hits(srv.http, IID, eng, 0, [5, 6], TOK_C)
+            ep = _endpoints(srv)["0"]
+            assert (ep["medium_endpoints"], ep["engine_url_state"]) == ({"npu": new}, "ok")
+            assert "engine URL follower: look failed" not in srv.log()
+    finally:
+        eng.shutdown()
+
+
 def test_the_url_rules_apply_to_the_engine_and_its_endpoints(tmp_path, engine):
     with running(tmp_path, "--endpoint-networks", "10.0.0.0/8") as srv:
         engine.body = b'{"0": {"endpoint": "tcp://10.1.2.3:5557"}}'
@@ -281,3 +341,56 @@ def test_what_an_engine_sends_is_an_error_never_a_crash(body, error):
     with pytest.raises(EngineRouteError) as ex:
         parse_sources(body, "10.0.0.5", UrlPolicy())
     assert ex.value.status == 422 and error in str(ex.value)
+
+
+#: JSON values near what an engine answers: DP-rank-like keys, KVEventsConfig-like
+#: entries whose fields hold any JSON value, endpoints the URL rules take and refuse.
+_values = json_values(
+    ["tcp://*:5557", "tcp://0.0.0.0:1", "tcp://[::]:2", "tcp://10.0.0.9:41001",
+     "tcp://[::1", "tcp://*:99999", "tcp://*:", "ipc:///tmp/kv", "tcp://\x00:1",
+     "tcp://[fe80::1%eth0]:5", "zmq", "null", "", "http://10.0.0.5:8000"],
+    nan=True,
+    max_size=4,
+    max_leaves=12,
+)  # fmt: skip
+_fields = st.sampled_from(
+    ["endpoint", "replay_endpoint", "publisher", "enable_kv_cache_events", "topic"]
+)
+_keys = (
+    st.integers(min_value=0, max_value=2**40).map(str)
+    | st.sampled_from(["0", "00", "-1", "1_0", " 1", "\u0663", "4294967295"])
+    | st.text(max_size=12)
+)
+_answers = _values | st.dictionaries(
+    _keys, st.dictionaries(_fields, _values, max_size=5) | _values, max_size=4
+)
+
+
+@settings(max_examples=int(os.environ.get("KVC_DIFFERENTIAL_EXAMPLES", "200")) * 2)
+@given(doc=_answers, host=st.sampled_from(["10.0.0.5", "[fd00::5]", "127.0.0.1"]))
+@example(
+    doc={"0": {"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}}, host="10.0.0.5"
+)
+def test_any_json_an_engine_sends_is_its_sources_or_a_422(doc, host):
+    """Whatever JSON the route answers: the DP ranks and their publishers, every endpoint
+    one the URL rules take and a wildcard host the engine's, or an EngineRouteError 422;
+    never another exception (which would end a registration in a 500)."""
+    policy = UrlPolicy()
+    body = json.dumps(doc).encode()
+    try:
+        got = parse_sources(body, host, policy)
+    except EngineRouteError as ex:
+        assert ex.status == 422 and str(ex).startswith("engine_url 'the engine': ")
+        return
+    assert isinstance(doc, dict) and got and set(got) == {int(k) for k in doc}
+    for rank, src in got.items():
+        cfg = [v for k, v in doc.items() if int(k) == rank][-1]  # the last of "0", "00"
+        for url in (src.endpoint, src.replay_endpoint):
+            if url is None:
+                continue
+            try:
+                check_url(url, "endpoint", policy)
+            except UrlError as ex:  # only a replay endpoint may be refused as a data one
+                assert url == src.replay_endpoint, ex
+            assert "*" not in url and "0.0.0.0" not in url and "[::]" not in url
+        assert src.endpoint.split(":")[-1] == cfg["endpoint"].split(":")[-1]

@@ -31,6 +31,7 @@ V3 bearer token, unless ``--dynamo-port-open``.
 from __future__ import annotations
 
 import logging
+import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -60,6 +61,7 @@ from kvconductor.schema_dynamo import (
     DynamoHashQueryRequest,
     DynamoInstanceMatch,
     DynamoListener,
+    DynamoQueryHead,
     DynamoQueryRequest,
     DynamoQueryResponse,
     DynamoRegisterRequest,
@@ -69,6 +71,7 @@ from kvconductor.schema_dynamo import (
 )
 from kvconductor.state.conductor import Conductor, StateUnavailable
 from kvconductor.state.protocols import QuerySource
+from kvconductor.wire import WireError, parse_query
 
 log = logging.getLogger("kvconductor.dynamo")
 
@@ -80,12 +83,17 @@ DESERIALIZE = "Failed to deserialize the JSON body into the target type: "
 PARSE = "Failed to parse the request body as JSON: "
 
 
-def decode(req: falcon.asgi.Request, body: bytes, shape: type[Any]) -> Any:
-    """``body`` as ``shape``: 415 without a JSON content type, 400 for bad JSON, 422 for
-    a body of another shape (Dynamo's statuses)."""
+def media_type(req: falcon.asgi.Request) -> None:
+    """415 without a JSON content type (Dynamo's status)."""
     ctype = (req.content_type or "").split(";", 1)[0].strip().lower()
     if ctype != "application/json" and not ctype.endswith("+json"):
         raise DialectError(415, "unsupported_media_type", MEDIA_TYPE)
+
+
+def decode(req: falcon.asgi.Request, body: bytes, shape: type[Any]) -> Any:
+    """``body`` as ``shape``: 415 without a JSON content type, 400 for bad JSON, 422 for
+    a body of another shape (Dynamo's statuses)."""
+    media_type(req)
     try:
         doc = msgspec.json.decode(body, type=shape)
     except msgspec.ValidationError as ex:
@@ -97,6 +105,51 @@ def decode(req: falcon.asgi.Request, body: bytes, shape: type[Any]) -> Any:
             422, "invalid_value", f"{DESERIALIZE}Expected `int` <= {U64_MAX} - at `$.instance_id`"
         )
     return doc
+
+
+#: A V3 ``/query_by_hash`` body around a raw JSON array: V3's parser reads it as u64s.
+_WIDE_HEAD = b'{"model":"dynamo","block_hashes":'
+#: Where the low and the high half of a u64 stand in its two u32 items.
+_LO, _HI = (0, 1) if sys.byteorder == "little" else (1, 0)
+
+
+def u32_array(raw: msgspec.Raw) -> array | None:
+    """``raw``, the JSON text of an array of u32, as ``array('I')``, read by V3's query
+    parser (:func:`kvconductor.wire.parse_query`) straight into a C buffer: no Python
+    int per token. ``None`` for anything else (the caller's typed decode says why)."""
+    try:
+        wide = parse_query(b"".join((_WIDE_HEAD, raw, b"}")), False, True)[3]
+    except WireError:
+        return None  # a negative, a float, a string, not an array, beyond u64
+    halves = array("I", wide.tobytes())
+    high = halves[_HI::2].tobytes()
+    if high != bytes(len(high)):
+        return None  # beyond u32
+    return halves[_LO::2]
+
+
+def decode_tokens(
+    req: falcon.asgi.Request, body: bytes
+) -> tuple[DynamoQueryHead | DynamoQueryRequest, array]:
+    """A ``/query`` body and its token ids as ``array('I')``: the hot path reads the
+    names with msgspec and the ids with V3's parser (:func:`u32_array`); a body it
+    refuses is decoded again by :func:`decode`, whose error (Dynamo's status, the
+    element named) is the answer, so errors are those of the typed decode."""
+    media_type(req)
+    try:
+        head = msgspec.json.decode(body, type=DynamoQueryHead)
+    except (msgspec.DecodeError, RecursionError):
+        head = None
+    tokens = None if head is None else u32_array(head.token_ids)
+    if head is None or tokens is None:
+        q = decode(req, body, DynamoQueryRequest)
+        return q, array("I", q.token_ids)
+    return head, tokens
+
+
+def i64_as_u64(block_hashes: list[int]) -> array:
+    """Dynamo's signed hashes as the index's u64 (two's complement, in C)."""
+    return array("Q", array("q", block_hashes).tobytes())
 
 
 def no_indexer(model: str, group: str) -> DialectError:
@@ -171,14 +224,18 @@ class Answers:
             raise no_indexer(model, group)
         return min(sizes)
 
-    async def query(self, q: DynamoQueryRequest) -> DynamoQueryResponse:
+    async def query(
+        self, q: DynamoQueryHead | DynamoQueryRequest, tokens: array
+    ) -> DynamoQueryResponse:
+        """``q``'s answer; ``tokens``: its token ids (:func:`decode_tokens`)."""
         size = self.block_size(q.model_name, q.routing_group)
         index = self.source.get_index(q.model_name, q.routing_group)
-        full = len(q.token_ids) - len(q.token_ids) % size  # complete blocks only
+        full = len(tokens) - len(tokens) % size  # complete blocks only
         hits: Sequence[tuple[str, int, int, int, int]] = ()
         if index is not None and full:
             seed = lora_seed(q.lora_name) if q.lora_name else DEFAULT_SEED
-            hits = index.query(array("I", q.token_ids[:full]), size, seed).tuples()
+            values = tokens if full == len(tokens) else tokens[:full]
+            hits = index.query(values, size, seed).tuples()
         return dynamo_answer(hits, size)
 
     async def query_by_hash(self, q: DynamoHashQueryRequest) -> DynamoQueryResponse:
@@ -186,8 +243,7 @@ class Answers:
         index = self.source.get_index(q.model_name, q.routing_group)
         hits: Sequence[tuple[str, int, int, int, int]] = ()
         if index is not None and q.block_hashes:
-            hashes = array("Q", [h & U64_MAX for h in q.block_hashes])  # i64 -> u64
-            hits = index.query_by_hash(hashes).tuples()
+            hits = index.query_by_hash(i64_as_u64(q.block_hashes)).tuples()
         return dynamo_answer(hits, size)
 
 
@@ -315,7 +371,7 @@ class QueryRoute(PostRoute[Answers]):
     async def answer(
         self, req: falcon.asgi.Request, body: bytes, msgpack: bool
     ) -> DynamoQueryResponse:
-        return await self.dialect.query(decode(req, body, DynamoQueryRequest))
+        return await self.dialect.query(*decode_tokens(req, body))
 
 
 class HashQueryRoute(PostRoute[Answers]):

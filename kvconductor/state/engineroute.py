@@ -24,8 +24,9 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import socket
 import ssl
-import time
+import threading
 from dataclasses import dataclass
 
 import msgspec
@@ -89,6 +90,33 @@ def read_sources(engine_url: str, policy: UrlPolicy) -> dict[int, RankSource]:
     return parse_sources(body, target.zmq_host, policy, engine_url)
 
 
+class _Watchdog:
+    """Shuts a connection's socket down ``secs`` after :meth:`start`: a read blocked on
+    an engine that trickles its headers or its body (each byte within the socket's
+    timeout) returns then, so the whole answer is bounded, not each read."""
+
+    def __init__(self, conn: http.client.HTTPConnection, secs: float) -> None:
+        self.conn = conn
+        self.fired = False
+        self._timer = threading.Timer(secs, self._fire)
+        self._timer.daemon = True
+
+    def start(self) -> None:
+        self._timer.start()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self.conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
+
+
 def _get(t: HttpTarget, engine_url: str) -> bytes:
     where = f"engine_url {engine_url!r}: GET {ROUTE}"
     conn: http.client.HTTPConnection
@@ -97,9 +125,13 @@ def _get(t: HttpTarget, engine_url: str) -> bytes:
         conn = http.client.HTTPSConnection(t.host, t.port, timeout=CONNECT_SECS, context=ctx)
     else:
         conn = http.client.HTTPConnection(t.host, t.port, timeout=CONNECT_SECS)
-    deadline = time.monotonic() + READ_SECS
+    late = EngineRouteError(
+        f"{where}: no answer within {CONNECT_SECS:g}s to connect and {READ_SECS:g}s to read it"
+    )
+    dog = _Watchdog(conn, READ_SECS)
     try:
         conn.connect()
+        dog.start()  # the whole answer, headers and body, within READ_SECS
         if conn.sock is not None:
             conn.sock.settimeout(READ_SECS)
         conn.request("GET", t.path + ROUTE, headers={"Accept": "application/json"})
@@ -117,24 +149,22 @@ def _get(t: HttpTarget, engine_url: str) -> bytes:
             raise EngineRouteError(f"{where}: the answer is over {MAX_BYTES} bytes")
         chunks: list[bytes] = []
         n = 0
-        while True:
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            chunk = resp.read1(65536)
-            if not chunk:
-                break
+        while chunk := resp.read1(65536):
             n += len(chunk)
             if n > MAX_BYTES:
                 raise EngineRouteError(f"{where}: the answer is over {MAX_BYTES} bytes")
             chunks.append(chunk)
+        if dog.fired:  # the end of the body was the watchdog's shutdown
+            raise late
         return b"".join(chunks)
     except TimeoutError:
-        raise EngineRouteError(
-            f"{where}: no answer within {CONNECT_SECS:g}s to connect and {READ_SECS:g}s to read it"
-        ) from None
+        raise late from None
     except (OSError, ValueError, http.client.HTTPException) as ex:
+        if dog.fired:
+            raise late from None
         raise EngineRouteError(f"{where}: the engine cannot be reached ({ex})") from None
     finally:
+        dog.cancel()
         conn.close()
 
 

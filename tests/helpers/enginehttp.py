@@ -15,15 +15,27 @@ from tests.helpers.realpub import vllm_kv_events, vllm_route
 BS = 4
 
 
+#: How a slow engine answers (:attr:`EngineHttp.slow`): its headers a byte at a time;
+#: its headers, then its body a byte at a time; its body without ``Content-Length``, the
+#: connection then kept open with nothing more.
+SLOW_MODES = ("headers", "body", "open")
+#: Seconds between two trickled bytes (within the reader's per-read timeout), and the
+#: longest a slow answer goes on.
+TRICKLE_SECS = 0.4
+TRICKLE_FOR_SECS = 30.0
+
+
 class EngineHttp:
     """The engine's API server as far as the route goes: ``GET /kv_event_sources`` answers
-    :attr:`body` (with :attr:`status`, :attr:`headers`), after :attr:`delay` seconds."""
+    :attr:`body` (with :attr:`status`, :attr:`headers`), after :attr:`delay` seconds;
+    :attr:`slow`, one of :data:`SLOW_MODES`, answers it as a slow-loris server does."""
 
     def __init__(self) -> None:
         self.body = b"{}"
         self.status = 200
         self.headers: dict[str, str] = {}
         self.delay = 0.0
+        self.slow: str | None = None
         self.gets = 0
         owner = self
 
@@ -33,6 +45,10 @@ class EngineHttp:
                 time.sleep(owner.delay)
                 if self.path != "/kv_event_sources":
                     self.send_error(404)
+                    return
+                if owner.slow is not None:
+                    _slow(self.wfile, owner.slow, owner.body)
+                    self.close_connection = True
                     return
                 self.send_response(owner.status)
                 for k, v in owner.headers.items():
@@ -62,6 +78,39 @@ class EngineHttp:
     def close(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+def _slow(out, mode: str, body: bytes) -> None:
+    """Answer ``body`` as slow ``mode`` does (:data:`SLOW_MODES`), until the reader hangs
+    up or :data:`TRICKLE_FOR_SECS` passed."""
+    length = b"" if mode == "open" else b"Content-Length: %d\r\n" % len(body)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + length
+    head += b"X-Pad: " + b"p" * 200 + b"\r\n\r\n"
+    end = time.monotonic() + TRICKLE_FOR_SECS
+    try:
+        if mode == "headers":
+            _trickle(out, head, end)
+            return
+        out.write(head)
+        if mode == "body":
+            _trickle(out, body, end)
+            return
+        out.write(body)
+        out.flush()
+        time.sleep(TRICKLE_FOR_SECS)  # never closes (within the bound)
+    except OSError:
+        return  # the reader hung up
+
+
+def _trickle(out, data: bytes, end: float) -> None:
+    """``data`` a byte every :data:`TRICKLE_SECS` until done or ``end`` (the rest, if
+    any, is never sent)."""
+    for i in range(len(data)):
+        out.write(data[i : i + 1])
+        out.flush()
+        time.sleep(TRICKLE_SECS)
+        if time.monotonic() > end:
+            return
 
 
 class Engine:
