@@ -166,7 +166,7 @@ def test_mooncake_port_open_takes_registrations_without_the_key_and_says_so(tmp_
         assert r.status_code == 401
         log = srv.log()
         assert "auth=off" in log
-        assert " WARN --mooncake-port-open: the Mooncake dialect on" in log
+        assert " WARN --mooncake-port-open: the Mooncake conductor dialect on" in log
     finally:
         mc.close()
         srv.terminate()
