@@ -252,9 +252,11 @@ INSTANCES_FIELD = "instances"
 #: how many (instance, DP) rows tied at the cut depth the answer leaves out.
 TOP_K_OMITTED_HEADER = "X-KV-Conductor-Top-K-Omitted"
 #: Extension (docs/api.md, "freshness"): a boolean or null; true adds the state and age of
-#: the sources behind each answered (instance, DP). Positional form: the 8th element.
+#: the sources behind each answered (instance, DP). Positional form: the 8th element. The
+#: extra keys (docs/api.md, "Extra keys"; ``kvconductor.extrakeys``): the 9th and 10th.
 FRESHNESS_FIELD = "freshness"
 EXTENSION_FIELDS: tuple[str, ...] = (TOP_K_FIELD, INSTANCES_FIELD, FRESHNESS_FIELD)
+EXTENSION_FIELDS += (CACHE_SALT_FIELD := "cache_salt", MM_INPUTS_FIELD := "mm_inputs")
 #: Field names of a ``/query`` body, in the order of the positional MessagePack form.
 QUERY_FIELDS: tuple[str, ...] = (*QueryRequest.__struct_fields__, LORA_FIELD, *EXTENSION_FIELDS)
 #: Field names of a ``/query_by_hash`` body, in the order of the positional form.

@@ -38,12 +38,16 @@ def test_positional_order_is_the_schema_order():
             "top_k": 3,
             "instances": ["a", "b"],
             "freshness": True,
+            "cache_salt": "s",
+            "mm_inputs": [{"identifier": "i", "offset": 0, "length": 1}],
         }
         body = msgspec.msgpack.encode([row[n] for n in names])
         for ext in (False, True):
             got = _wire.parse_query(body, True, by_hash, ext)
             assert got == wire.py_parse_query(msgspec.msgpack.encode(row), True, by_hash, ext)
-            assert got[5:] == ((3, ["a", "b"], True) if ext else ())
+            assert got[5:] == ((3, ["a", "b"], True, True) if ext else ())
+        ext = wire.parse_query_ext(body, True, by_hash)  # the extra keys read from position
+        assert ext[8] == ("s", (("i", 0, 1),))
 
 
 def test_encoded_response_keys_are_the_schema():

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from kvconductor import __version__, schema
+from kvconductor.extrakeys import MM_INPUTS_MAX, MmInput
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
 
 _REF = "#/components/schemas/{name}"
@@ -29,6 +30,7 @@ _STRUCTS = (
     schema.ErrorResponse,
     schema.QueryRequest,
     schema.QueryByHashRequest,
+    MmInput,
     schema.KvEventBatch,
     schema.EventsResponse,
     schema.ReadyResponse,
@@ -137,6 +139,31 @@ def _query_request(doc: dict[str, Any]) -> None:
         "the state and last-event age of its sources (DpMatch.freshness) and to the answer "
         "a summary of the (model, tenant)'s sources (FreshnessSummary, key freshness "
         "beside the tenant); also ?freshness=true on the route",
+        "x-kvconductor-extension": True,
+    }
+    props[schema.CACHE_SALT_FIELD] = {
+        "anyOf": [{"type": "string"}, {"type": "null"}],
+        "default": None,
+        "description": "Extension (not V3): the request's cache_salt, as vLLM mixes it into "
+        "the first block's hash (docs/api.md, Block hashing, Extra keys); null, absent or "
+        "empty: none",
+        "x-kvconductor-extension": True,
+    }
+    props[schema.MM_INPUTS_FIELD] = {
+        "anyOf": [
+            {
+                "type": "array",
+                "maxItems": MM_INPUTS_MAX,
+                "items": _ref(MmInput),
+            },
+            {"type": "null"},
+        ],
+        "default": None,
+        "description": "Extension (not V3): the multimodal inputs (vLLM's "
+        "MultiModalFeatureSpec: identifier, the mm hash, and its placeholder tokens from "
+        "offset, length tokens; none overlapping), mixed into the hash of each block they "
+        "overlap as vLLM does (docs/api.md, Block hashing, Extra keys); null, absent or "
+        "[]: none",
         "x-kvconductor-extension": True,
     }
 

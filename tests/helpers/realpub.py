@@ -23,14 +23,18 @@ fails them.
 
 from __future__ import annotations
 
+import ast
 import glob
+import hashlib
 import importlib.metadata
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
 import types
+import typing
 import zipfile
 
 import pytest
@@ -60,17 +64,24 @@ _VLLM: types.ModuleType | None = None
 
 
 _MODULE = "vllm/distributed/kv_events.py"
+#: vLLM's block hashing (:func:`vllm_block_hashing`): its functions, read from the source.
+_HASHING = "vllm/v1/core/kv_cache_utils.py"
+_HASH_FN = "vllm/utils/hashing.py"
+_SOURCES: dict[str, tuple[str, str]] = {}
 
 
-def _kv_events_source() -> tuple[str, str]:
-    """The text of vLLM 0.33.0's ``kv_events.py`` and where it came from: the installed
-    distribution, else the wheel downloaded (not installed) into a temporary directory."""
+def _kv_events_source(module: str = _MODULE) -> tuple[str, str]:
+    """The text of one of vLLM 0.33.0's modules (``kv_events.py`` by default) and where it
+    came from: the installed distribution, else the wheel downloaded (not installed) into a
+    temporary directory, once per session for the modules the tests read."""
+    if module in _SOURCES:
+        return _SOURCES[module]
     try:
         dist = importlib.metadata.distribution("vllm")
     except importlib.metadata.PackageNotFoundError:
         dist = None
     if dist is not None and dist.version == VLLM_VERSION:
-        path = str(dist.locate_file(_MODULE))
+        path = str(dist.locate_file(module))
         with open(path, encoding="utf-8") as f:
             return f.read(), path
     with tempfile.TemporaryDirectory(prefix="kvc-vllm-wheel-") as d:
@@ -84,8 +95,47 @@ def _kv_events_source() -> tuple[str, str]:
         if r.returncode or not wheels:
             _need(f"vllm=={VLLM_VERSION}", f"pip download failed: {r.stderr.strip()[-300:]}")
         with zipfile.ZipFile(wheels[0]) as z:
-            source = z.read(_MODULE).decode("utf-8")
-        return source, f"{os.path.basename(wheels[0])}/{_MODULE}"
+            for m in (_MODULE, _HASHING, _HASH_FN):
+                _SOURCES[m] = (z.read(m).decode("utf-8"), f"{os.path.basename(wheels[0])}/{m}")
+    return _SOURCES[module]
+
+
+#: The functions of vLLM's block hashing :func:`vllm_block_hashing` takes from its source.
+HASHING_FUNCTIONS = (
+    "_gen_mm_extra_hash_keys",
+    "_gen_lora_extra_hash_keys",
+    "_gen_prompt_embeds_extra_hash_keys",
+    "generate_block_hash_extra_keys",
+    "to_event_extra_keys",
+    "hash_block_tokens",
+)
+
+
+def _functions(module: str, names: tuple[str, ...], namespace: dict) -> None:
+    """Execute the top-level functions ``names`` of vLLM's ``module`` (their own source,
+    nothing else of the module) in ``namespace``."""
+    source, path = _kv_events_source(module)
+    tree = ast.parse(source, path)
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert sorted(n.name for n in defs) == sorted(names), path
+    exec(compile(ast.Module(body=defs, type_ignores=[]), path, "exec"), namespace)
+
+
+def vllm_block_hashing() -> types.SimpleNamespace:
+    """vLLM 0.33.0's block hashing (``vllm/v1/core/kv_cache_utils.py``): the extra keys of
+    a block (multimodal inputs with their offsets, LoRA, cache_salt), the event's untagged
+    form of them and ``hash_block_tokens``, as released, over ``vllm.utils.hashing.sha256``
+    (vLLM's own too); ``NONE_HASH`` from its default seed as ``init_none_hash`` derives it.
+    The module itself imports torch and vLLM's config: only these functions are taken from
+    its source and executed, with what they name (``Any``, ``BlockHash``, ``hashlib``)."""
+    ns: dict = {"__name__": "vllm_0_33_kv_cache_utils", "Any": typing.Any, "hashlib": hashlib}
+    ns["pickle"] = pickle
+    ns["BlockHash"] = bytes  # NewType("BlockHash", bytes)
+    ns["tensor_data"] = None  # prompt embeds only: not used here
+    _functions(_HASH_FN, ("sha256",), ns)
+    _functions(_HASHING, HASHING_FUNCTIONS, ns)
+    ns["NONE_HASH"] = ns["sha256"]("vllm-none-hash")  # DEFAULT_NONE_HASH_SEED
+    return types.SimpleNamespace(**{k: v for k, v in ns.items() if not k.startswith("__")})
 
 
 def vllm_kv_events() -> types.ModuleType:
