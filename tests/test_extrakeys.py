@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import httpx
 import pytest
 
 from kvconductor._hash import hash_blocks, lora_seed
@@ -224,3 +225,47 @@ def test_plain_query_bytes_unchanged_and_bad_extra_keys_are_400(tmp_path):
         by_hash = {"model": "qwen", "block_hashes": [1], "cache_salt": "s"}
         r = server.http.post("/query_by_hash", json=by_hash)
         assert r.status_code == 400 and "block_size" in r.json()["error"]
+
+
+def test_mooncake_dialect_takes_the_salt(tmp_path):
+    """The Mooncake dialect's ``cache_salt`` (accepted and ignored before) is the request's
+    salt as vLLM hashes it: a salted engine's blocks answer the same salt only."""
+    h = vllm_block_hashing()
+    k = vllm_kv_events()
+    salted = vllm_blocks(h, _request(salt="salt-a"))
+    mc_port, port = free_tcp_port(), free_tcp_port()
+    pub = k.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
+    with started(tmp_path, "--mooncake-port", str(mc_port)):
+        mc = httpx.Client(base_url=f"http://127.0.0.1:{mc_port}", timeout=10.0)
+        try:
+            reg = {"endpoint": f"tcp://127.0.0.1:{port}", "type": "vLLM", "modelname": "qwen"}
+            reg |= {"instance_id": "eng", "block_size": BS, "dp_rank": 0}
+            reg["hash_profile"] = {"strategy": "vllm_v1", "algorithm": "sha256_cbor"}
+            reg["hash_profile"] |= {"python_hash_seed": "0", "index_projection": "low64_be"}
+            r = mc.post("/register", json=reg)
+            assert r.status_code == 200, r.text
+            ev = k.BlockStored(
+                block_hashes=salted[0],
+                parent_block_hash=None,
+                token_ids=PROMPT,
+                block_size=BS,
+                lora_id=None,
+                medium=k.MEDIUM_GPU,
+                lora_name=None,
+                extra_keys=h.to_event_extra_keys(salted[1]),
+            )
+            body = {"model": "qwen", "block_size": BS, "token_ids": PROMPT}
+
+            def gpu(**extra) -> int:
+                doc = mc.post("/query", json={**body, **extra}).json()["instances"]
+                return doc.get("eng", {}).get("gpu", 0)
+
+            def indexed():
+                pub.publish(k.KVEventBatch(ts=time.time(), events=[ev]))
+                return gpu(cache_salt="salt-a") == len(PROMPT)
+
+            wait_until(indexed, msg="salted blocks indexed", interval=0.2)
+            assert gpu() == 0 and gpu(cache_salt="salt-b") == 0 and gpu(cache_salt=None) == 0
+        finally:
+            mc.close()
+            pub.shutdown()
