@@ -29,6 +29,8 @@ cdef struct Ev:                 # the event being parsed
     size_t xkn
     const uint8_t* lora         # lora_name (lora_n bytes; 0: none)
     size_t lora_n
+    const uint8_t* salt         # SGLang's cache_salt (salt_n bytes; 0: none or not a str)
+    size_t salt_n
 
 
 cdef class FastBatch:

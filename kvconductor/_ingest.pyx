@@ -83,12 +83,13 @@ cdef enum:
     FID_OWNERSHIP = 12
     FID_SESSION = 13
     FID_EXTRA = 14              # extra_keys: mixed into the blocks' local hashes
-    FID_POOL = 15               # event_type / seq_hashes / backend_id / event_id
-    FID_SKIP = 16               # ignored by the decoders (skipped as raw msgpack)
-    FID_DECLINE = 17            # tokens_hashes: the general path applies such an event
+    FID_SALT = 15               # SGLang's cache_salt: mixed into a chain's first block
+    FID_POOL = 16               # event_type / seq_hashes / backend_id / event_id
+    FID_SKIP = 17               # ignored by the decoders (skipped as raw msgpack)
+    FID_DECLINE = 18            # tokens_hashes: the general path applies such an event
 
 # Map keys each event struct of kvconductor.ingest.vllm declares (others are skipped).
-cdef uint32_t _KNOWN_STORED = (1 << 15) - 1
+cdef uint32_t _KNOWN_STORED = (1 << 16) - 1
 cdef uint32_t _KNOWN_REMOVED = ((1 << FID_TYPE) | (1 << FID_HASHES) | (1 << FID_MEDIUM)
                                 | (1 << FID_GROUP))
 cdef uint32_t _KNOWN_CLEARED = 1 << FID_TYPE
@@ -110,13 +111,13 @@ cdef extern from "kvconductor/c/ingest.h":
     const lit_t _HBM_MEDIA "kvi_hbm_media"[10]
     const lit_t _REJECTED_KINDS "kvi_rejected_kinds"[6]
 
-# Map key of each field id FID_TYPE .. FID_EXTRA (what _fid recognises), and the
+# Map key of each field id FID_TYPE .. FID_SALT (what _fid recognises), and the
 # pool-event keys that make it FID_POOL.
-cdef const char* _FID_NAMES[15]
+cdef const char* _FID_NAMES[16]
 _FID_NAMES[:] = [b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size",
                  b"lora_id", b"medium", b"lora_name", b"group_idx", b"kv_cache_spec_kind",
                  b"kv_cache_spec_sliding_window", b"locality", b"ownership", b"session_id",
-                 b"extra_keys"]
+                 b"extra_keys", b"cache_salt"]
 cdef const char* _POOL_NAMES[4]
 _POOL_NAMES[:] = [b"event_type", b"seq_hashes", b"backend_id", b"event_id"]
 
@@ -127,7 +128,7 @@ cdef tuple _names(const int* fids, int n):
 
 
 cdef tuple _known(uint32_t mask):
-    return tuple([_FID_NAMES[i].decode() for i in range(15) if mask & (1u << i)])
+    return tuple([_FID_NAMES[i].decode() for i in range(16) if mask & (1u << i)])
 
 
 #: Medium strings the fast path takes as HBM ("" too); keys.parse_medium's NPU aliases.
@@ -259,7 +260,7 @@ cdef inline int _tag(wcur* c, int* kind) noexcept nogil:
 
 # Every map key _fid names, grouped by length: the fields, the pool keys, the declined key.
 cdef enum:
-    NKEYS = 20
+    NKEYS = 21
     KEY_MAXLEN = 28
 cdef const char* _KEYS[NKEYS]
 cdef int _KEY_FID[NKEYS]
@@ -270,14 +271,14 @@ cdef int _index_keys() noexcept:
     cdef const char* names[NKEYS]
     cdef int fids[NKEYS]
     cdef int i, n, k = 0
-    for i in range(15):
+    for i in range(16):
         names[i] = _FID_NAMES[i]
         fids[i] = i
     for i in range(4):
-        names[15 + i] = _POOL_NAMES[i]
-        fids[15 + i] = FID_POOL
-    names[19] = b"tokens_hashes"
-    fids[19] = FID_DECLINE
+        names[16 + i] = _POOL_NAMES[i]
+        fids[16 + i] = FID_POOL
+    names[20] = b"tokens_hashes"
+    fids[20] = FID_DECLINE
     for n in range(KEY_MAXLEN + 1):
         _KEY_FROM[n] = k
         for i in range(NKEYS):
@@ -525,6 +526,14 @@ cdef class FastBatch:
                 return R_TOKENS     # not an int, truncated, or >= 2**63 (the Python path decides)
             ev.ntok = n
             return R_OK
+        if fid == FID_SALT:
+            if mp_str(c, &s, &n) != WIRE_OK:
+                return _any(c)      # not a string: no salt (as the Python decoder)
+            if not _utf8_ok(s, n):
+                return R_FIELD
+            ev.salt = s
+            ev.salt_n = n
+            return R_OK
         if fid == FID_EXTRA:
             ev.xk = c.p             # read once the event's LoRA name and blocks are known
             rc = _skip(c)
@@ -563,6 +572,7 @@ cdef class FastBatch:
         cdef int kind = -1, rc, fid, k2
         cdef uint32_t known, bit
         cdef bint xk
+        cdef uint64_t salt
         cdef EvRec* r
         ev.nh = 0
         ev.ntok = 0
@@ -572,7 +582,7 @@ cdef class FastBatch:
         ev.seen = 0
         ev.has_parent = 0
         ev.kind_rejected = 0
-        ev.xkn = ev.lora_n = 0
+        ev.xkn = ev.lora_n = ev.salt_n = 0
         rc = _r(_container(c, False, &n), R_EVENT)     # R_EVENT: not an array, a map?
         if rc == R_TRUNCATED:
             return rc
@@ -680,6 +690,11 @@ cdef class FastBatch:
         if ev.xkn and _extra_digests(ev.xk, ev.xkn, ev.lora, ev.lora_n, ev.nh,
                                      self.xd + self.hs_used, &xk) < 0:
             return R_EXTRA      # the Python path drops the event (counted, warned)
+        salt = 0
+        if not ev.xkn and ev.salt_n and not ev.has_parent:
+            # SGLang's salt namespaces the request's whole chain: salting the chain's first
+            # block does that in the prefix tree (and is what a salted query hashes)
+            salt = extra_fold(0, extra_item(XK_SALT, ev.salt, ev.salt_n, 0))
         if ev.bs and reg > 0 and ev.bs != <uint64_t>reg:
             self.n_size_mismatch += 1
             self.bad_bs = ev.bs
@@ -715,6 +730,8 @@ cdef class FastBatch:
             if xk:
                 mix_extra_locals(self.loc + self.hs_used, self.xd + self.hs_used, nstore,
                                  ev.seed)
+            elif salt:
+                mix_extra_locals(self.loc + self.hs_used, &salt, 1, ev.seed)
             r.n = nstore
             r.ehash_locals = 0
         else:

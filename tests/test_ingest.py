@@ -110,7 +110,7 @@ EXTRA = {
     ),
     "lookahead_token_ids": ([[[1, 2], [3]]], []),
     "kv_cache_spec_sliding_window": ([None, 128], []),
-    "cache_salt": (["salt", "é"], []),
+    "cache_salt": (["salt", "é", ""], [5, None, b"x", ["s"]]),
     "whatever": ([{"x": [1, {"y": None}]}], [msgspec.msgpack.Ext(1, b"x")]),
 }
 JUNK = [
@@ -961,3 +961,52 @@ def test_fast_batch_scratch_is_counted_and_freed():
     del fb
     gc.collect()
     assert _ingest._live_allocations() == base
+
+
+def test_extra_keys_and_sglang_salt_make_other_blocks():
+    """vLLM's ``extra_keys`` and SGLang's ``cache_salt`` (docs/api.md, "Extra keys"): both
+    paths store the blocks under the local hashes a query with the same extra keys makes
+    (``kvconductor._py.hash``, the twin, computes them here), and not under the plain ones."""
+    from kvconductor._py import hash as py_hash
+
+    toks = list(range(50, 62))  # 3 blocks
+    plain = list(hash_blocks(toks, BS))
+    mm = [["img", 2], ["img", -2]]
+    vllm_keys = [[mm[0]], [mm[1], "ignored-salt-like"], None]
+    v = schema("vllm", "0.33.0")
+    sg = schema("sglang", "0.5.22")
+    for payload, want in (
+        (
+            v.batch([v.stored([1, 2, 3], None, toks, BS, extra_keys=vllm_keys)]),
+            py_hash.mix_extra(
+                plain,
+                [
+                    py_hash.extra_digest([("mm", "img", 2)]),
+                    py_hash.extra_digest([("mm", "img", -2), ("salt", "ignored-salt-like")]),
+                    0,
+                ],
+            ),
+        ),
+        (
+            sg.batch([sg.stored([1, 2, 3], None, toks, BS, cache_salt="s")]),
+            py_hash.mix_extra(plain, py_hash.query_extra_digests(len(toks), BS, "s")),
+        ),
+        (sg.batch([sg.stored([1, 2, 3], None, toks, BS, cache_salt="")]), plain),
+    ):
+        pair = Pair()
+        assert pair.apply(payload)  # the fast path takes them
+        for conductor in (pair.fc, pair.pc):
+            idx = next(iter(conductor.indexes.values()))
+            assert idx.query_by_hash(list(want)).hits == [(IID, 0, 3, 0, 0)]
+            if list(want) != plain:
+                assert idx.query_by_hash(plain).hits == []
+        pair.finish()
+    # a salted SGLang event with a parent: its chain's first block carried the salt
+    pair = Pair()
+    salted = py_hash.mix_extra(plain, py_hash.query_extra_digests(len(toks), BS, "s"))
+    assert pair.apply(sg.batch([sg.stored([1], None, toks[:4], BS, cache_salt="s")]))
+    assert pair.apply(sg.batch([sg.stored([2, 3], 1, toks[4:], BS, cache_salt="s")]))
+    for conductor in (pair.fc, pair.pc):
+        idx = next(iter(conductor.indexes.values()))
+        assert idx.query_by_hash(list(salted)).hits == [(IID, 0, 3, 0, 0)]
+    pair.finish()
