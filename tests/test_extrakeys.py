@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from kvconductor._hash import hash_blocks, lora_seed
+from kvconductor.client import ConductorClient
 from tests.helpers.http_cases import msgpack_post
 from tests.helpers.publishers import free_tcp_port, wait_until
 from tests.helpers.realpub import vllm_block_hashing, vllm_kv_events
@@ -182,6 +183,12 @@ def test_extra_keys_match_what_vllm_reuses(tmp_path):
                 del by_hash["token_ids"]
                 got = server.http.post("/query_by_hash", json=by_hash).json()
                 assert {i: d["DP"]["0"]["npu_blocks"] for i, d in got["default"].items()} == want
+                # the client's query call
+                with ConductorClient(server.url) as client:
+                    doc = client.query(
+                        "qwen", PROMPT, BS, lora_name=lora, cache_salt=salt, mm_inputs=mm
+                    )
+                assert _blocks(doc) == want
         finally:
             for pub, _ in pubs.values():
                 pub.shutdown()
