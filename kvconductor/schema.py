@@ -184,6 +184,7 @@ class RegisterRequest(Struct, kw_only=True):
     #: Mooncake dialect's ``lora_name``). A pool's blocks of another adapter are not an
     #: engine DP's; a pool's are of this adapter unless its events name one. None: any.
     lora_name: Name | None = None
+    engine_url: str | None = None  # extension: the engine's HTTP base URL (docs/engines.md)
 
 
 class UnregisterRequest(Struct, kw_only=True):

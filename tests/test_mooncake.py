@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import struct
 
-import httpx
 import msgspec
 import pytest
 
@@ -36,7 +35,7 @@ from kvconductor import schema
 from kvconductor.http import mooncake
 from kvconductor.index import DpHit
 from kvconductor.serve import cli
-from tests.helpers.server import free_port, running
+from tests.helpers.server import dialect_server, free_port
 
 BS = 16
 _event_ids = itertools.count(1)
@@ -70,23 +69,9 @@ PROXY_REGISTRATIONS = [
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    port = free_port()
-    # The registered endpoints never connect (the blocks come over POST /events): keep
-    # their HBM hits counting however slowly the module runs.
-    flags = (
-        "--mooncake-port",
-        str(port),
-        "--source-down-secs",
-        "86400",
-        "--source-purge-secs",
-        "0",
-    )
-    with running(tmp_path_factory.mktemp("mooncake"), *flags) as s:
-        s.mc = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
-        try:
-            yield s
-        finally:
-            s.mc.close()
+    with dialect_server(tmp_path_factory.mktemp("mooncake"), "--mooncake-port") as (s, client):
+        s.mc = client
+        yield s
 
 
 def _tokens(n: int) -> list[int]:
@@ -628,20 +613,11 @@ def test_cli_mooncake_port_flag():
     p = cli.build_parser(raise_errors=True)
     assert cli.settings_from_args(p.parse_args(["--mooncake-port", "13334"])).mooncake_port == 13334
     assert cli.settings_from_args(p.parse_args([])).mooncake_port is None
-    with pytest.raises(cli.FlagError, match="does not combine with --workers"):
-        p.parse_args(["--mooncake-port", "13334", "--workers", "2"])
+    # served by the owner with --workers N (tests/test_dynamo.py, both dialects)
+    ns = p.parse_args(["--mooncake-port", "13334", "--workers", "2"])
+    assert cli.settings_from_args(ns).mooncake_port == 13334
     with pytest.raises(cli.FlagError, match="is the V3 port"):
         p.parse_args(["--port", "13334", "--mooncake-port", "13334"])
-
-
-def test_gunicorn_refuses_the_mooncake_port(monkeypatch):
-    from gunicorn.errors import AppImportError
-
-    from kvconductor.serve.gunicorn import gunicorn_app
-
-    monkeypatch.delenv("KV_CONDUCTOR_ARGS", raising=False)
-    with pytest.raises(AppImportError, match="--mooncake-port is not supported under gunicorn"):
-        gunicorn_app("--mooncake-port", "13335", "--no-snapshots")
 
 
 def test_body_over_the_limit_is_413_and_the_port_keeps_serving():
@@ -706,23 +682,6 @@ def test_mooncake_publisher_is_a_pool_and_never_an_instance_of_the_answer(srv):
     # a store shared by its context, as Mooncake's conductor reads it (issue 36)
     assert store["endpoints"]["0"]["pool"] == {"kind": "shared"}
     assert list(_query(srv, m, 16)["instances"]) == ["engine-p"]
-
-
-def test_mooncake_port_in_use_fails_the_start():
-    import socket
-
-    from tests.helpers.server import run_cli
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        r = run_cli(
-            "--host", "127.0.0.1", "--port", str(free_port()), "--mooncake-port", str(port),
-            "--no-snapshots",
-        )  # fmt: skip
-    assert r.returncode == 1
-    assert f"failed to bind TCP listener on 127.0.0.1 port {port}" in r.stderr
 
 
 def test_services_drop_a_rank_re_registered_over_v3_with_another_model(srv):

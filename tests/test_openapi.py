@@ -282,3 +282,51 @@ def test_mooncake_real_answers_conform(mc_client):
     r = client.simulate_post("/unregister", json=un)
     assert r.status_code == 404
     _mc_check(r.json, *_answer_schema("/unregister", "post", 404))
+
+
+# -- Dynamo's indexer dialect's document (GET /openapi.json on --dynamo-port) -------------
+
+DYN_DOC = openapi.dynamo_document()
+_DYN_VALIDATE = Registry().with_resource("urn:kvc-dyn", DRAFT202012.create_resource(DYN_DOC))
+
+
+def test_dynamo_document_describes_every_route_and_real_answers_conform(conductor):
+    """Every route of the app is in the document, and what it takes and answers (success
+    and errors alike) validates against it."""
+    from kvconductor.http.dynamo import create_dynamo_app
+
+    client, v3 = ft.TestClient(create_dynamo_app(conductor)), ft.TestClient(create_app(conductor))
+
+    def conform(instance, *where: str) -> None:
+        ref = {"$ref": "urn:kvc-dyn#/" + "/".join(_escape(w) for w in where)}
+        jsonschema.Draft202012Validator(ref, registry=_DYN_VALIDATE).validate(instance)
+
+    routes = {n.uri_template for n in client.app._router._roots if n.resource is not None}
+    assert routes == set(DYN_DOC["paths"])
+    assert client.simulate_get("/openapi.json").json == msgspec.json.decode(
+        msgspec.json.encode(DYN_DOC)
+    )
+    reg = {"instance_id": 1, "endpoint": "tcp://127.0.0.1:5557", "model_name": "qwen",
+           "block_size": 4}  # fmt: skip
+    query = {"token_ids": list(range(1, 9)), "model_name": "qwen"}
+    steps = [
+        ("/register", reg, 201),
+        ("/register", reg, 409),
+        ("/query", query, 200),
+        ("/query_by_hash", {"block_hashes": [-1, 7], "model_name": "qwen"}, 200),
+        ("/query", {"token_ids": [1], "model_name": "other"}, 404),
+        ("/query", {"model_name": "qwen"}, 422),
+        ("/unregister", {"instance_id": 1, "model_name": "qwen"}, 200),
+        ("/unregister", {"instance_id": 1, "model_name": "qwen"}, 404),
+    ]
+    for path, body, status in steps:
+        if status < 400:
+            conform(body, *_request_schema(path))
+        r = client.simulate_post(path, json=body)
+        assert r.status_code == status, (path, r.text)
+        conform(r.json, *_answer_schema(path, "post", status))
+        if (path, status) == ("/register", 409):  # blocks for the queries
+            r = events(v3, [stored(1, [H1, H2], list(range(1, 9)))], instance_id="1")
+            assert r.status_code == 200, r.text
+            assert client.simulate_post("/query", json=query).json["scores"] == {"1": {"0": 8}}
+    conform(client.simulate_get("/workers").json, *_answer_schema("/workers", "get", 200))

@@ -226,6 +226,21 @@ def test_engine_restart_without_replay_applies_the_batch():
     assert stats.restarts == 1 and host.applied == [b(10), b(0, "-new")] and t.last_seq == 0
 
 
+def test_publisher_found_on_new_endpoints_is_a_restart_then_caught_up_from_0():
+    # A new subscription of an engine followed to its new ports (engine_url): the same
+    # loss as a sequence going back, then the usual catch-up from 0 at the handshake.
+    t, host, stats = make()
+    t.restarted("found on new endpoints", 2.0)
+    assert host.losses == [("publisher restarted (found on new endpoints)", 1)]
+    assert stats.restarts == 1 and t.degraded_since == 2.0 and t.last_seq is None
+    t.connected()
+    assert host.replays == [0]
+    t.replayed(0, b(0), 3.0)
+    t.replay_done(True, "complete", 3.0)
+    feed(t, 1)
+    assert host.applied == [b(0), b(1)] and t.last_seq == 1
+
+
 def test_overlap_batch_that_differs_means_a_restart_and_a_replay_from_0():
     t, host, stats = make()
     feed(t, 1, 2)

@@ -6,7 +6,15 @@ import ipaddress
 
 import pytest
 
-from kvconductor.urls import UrlError, UrlPolicy, check_url, is_bind_url, parse_networks
+from kvconductor.urls import (
+    HttpTarget,
+    UrlError,
+    UrlPolicy,
+    check_http_url,
+    check_url,
+    is_bind_url,
+    parse_networks,
+)
 
 DEFAULT = UrlPolicy()
 OPEN = UrlPolicy(allow_bind=True, allow_ipc=True)
@@ -97,3 +105,54 @@ def test_parse_networks():
     assert parse_networks(" ") == ()
     with pytest.raises(ValueError):
         parse_networks("10.0.0.0/33")
+
+
+# -- engine_url (an engine's HTTP base URL) ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "url,target",
+    [
+        ("http://10.0.0.5:8000", HttpTarget("http", "10.0.0.5", 8000, "")),
+        ("HTTPS://[fd00::5]/", HttpTarget("https", "fd00::5", 443, "")),
+        (
+            "http://vllm-0.engines.svc:8000/v1/",
+            HttpTarget("http", "vllm-0.engines.svc", 8000, "/v1"),
+        ),
+        ("http://[::1]", HttpTarget("http", "::1", 80, "")),
+    ],
+)
+def test_engine_urls_accepted(url, target):
+    assert check_http_url(url, "engine_url", DEFAULT) == target
+
+
+@pytest.mark.parametrize(
+    "url,error",
+    [
+        ("tcp://10.0.0.5:5557", "expected http://HOST[:PORT] or https://HOST[:PORT]"),
+        ("http://::1:8000", "IPv6 addresses must be bracketed"),
+        ("http://[10.0.0.5]:8000", "IPv6 addresses must be bracketed, IPv4 ones not"),
+        ("http://[::1:8000", "expected http://[IPv6]:PORT"),
+        ("http://0.0.0.0:8000", "an unspecified address names no engine"),
+        ("http://10.0.0.5:", "invalid port ''"),
+        ("http://10.0.0.5:0", "invalid port '0'"),
+        ("http://user@10.0.0.5", "a user, a query or a fragment is not allowed"),
+        ("http://10.0.0.5/?a=1", "a user, a query or a fragment is not allowed"),
+        ("http://bad_host:80", "invalid host 'bad_host'"),
+        ("http://10.0.0.5 ", "whitespace or control characters"),
+    ],
+)
+def test_engine_urls_refused(url, error):
+    with pytest.raises(UrlError) as ex:
+        check_http_url(url, "engine_url", DEFAULT)
+    assert str(ex.value).startswith(f"engine_url {url!r}: ")
+    assert error in str(ex.value)
+
+
+def test_engine_urls_and_the_networks():
+    nets = UrlPolicy(networks=parse_networks("10.0.0.0/8"))
+    assert check_http_url("http://10.0.0.5:8000", "engine_url", nets).host == "10.0.0.5"
+    with pytest.raises(UrlError, match="outside --endpoint-networks"):
+        check_http_url("http://192.168.0.5:8000", "engine_url", nets)
+    with pytest.raises(UrlError, match="host names are not accepted"):
+        check_http_url("http://vllm-0:8000", "engine_url", nets)

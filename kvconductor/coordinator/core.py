@@ -423,7 +423,9 @@ class ConductorCore:
         return reply.status == 200
 
     def register_plan(self, payload: Mapping[str, Any] | None = None, **kwargs: Any) -> Plan[dict]:
-        """``POST /register`` (JSON). ``payload`` and ``kwargs`` are merged (kwargs win)."""
+        """``POST /register`` (JSON). ``payload`` and ``kwargs`` are merged (kwargs win).
+        ``engine_url="http://10.0.0.5:8000"`` (extension) registers every DP rank the
+        engine lists on its ``GET /kv_event_sources`` (vLLM 0.33+)."""
         req = self._register_req(payload, kwargs)
         return (yield from self._exchange(req)) or {}
 

@@ -87,6 +87,7 @@ from kvconductor.state.conductor import (
     RegistrationUnavailable,
     StateUnavailable,
 )
+from kvconductor.state.engineroute import EngineRouteError, engine_registrations
 from kvconductor.state.protocols import QuerySource
 from kvconductor.state.registry import RegistrationError
 from kvconductor.wire import (
@@ -162,6 +163,8 @@ class _Registration(Resource[Conductor]):
             return self._bad(req, resp, str(ex))
         except (RegistrationUnavailable, StateUnavailable) as ex:
             return self._bad(req, resp, str(ex), status=503)
+        except EngineRouteError as ex:
+            return self._bad(req, resp, str(ex), status=ex.status)
 
     async def change(self, resp: falcon.asgi.Response, body: bytes, request: Any) -> None:
         raise NotImplementedError
@@ -178,7 +181,12 @@ class RegisterResource(_Registration):
         self.unknown = UnknownFieldWarnings(log, "registration")
 
     async def change(self, resp: falcon.asgi.Response, body: bytes, request: Any) -> None:
-        await self.conductor.mutate("register", body, request)
+        changes = [(body, request)]
+        if request.engine_url:  # every DP rank the engine lists, read off the event loop
+            policy = self.conductor.registry.url_policy
+            changes = await asyncio.to_thread(engine_registrations, request, policy)
+        for b, r in changes:
+            await self.conductor.mutate("register", b, r)
         self.unknown.warn(request.instance_id, unknown_fields(body, False, RegisterRequest))
         json_answer(resp, 201, _OK)
 

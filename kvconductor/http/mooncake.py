@@ -37,8 +37,6 @@ and the V3 port's query fast path (:mod:`kvconductor.http.direct`) stays untouch
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,14 +47,21 @@ import msgspec
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
 from kvconductor.extrakeys import QueryExtras, extra_local_hashes
-from kvconductor.http.auth import CHALLENGE, UNAUTHORIZED, bearer_ok
+from kvconductor.http.dialects import (
+    DialectError,
+    HealthRoute,
+    ListingRoute,
+    OnceWarnings,
+    PostRoute,
+    Voice,
+    dialect_app,
+    register_v3,
+    unregister_request,
+)
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.resource import JsonDocument
-from kvconductor.http.responses import too_large_message
 from kvconductor.schema import (
     DEFAULT_TENANT,
-    JSON_CONTENT_TYPE,
-    MSGPACK_CONTENT_TYPE,
     MooncakeError,
     MooncakeHashProfile,
     MooncakeInstanceMatch,
@@ -70,14 +75,10 @@ from kvconductor.schema import (
     Name,
     PositiveU32,
     RegisterRequest,
-    UnregisterRequest,
     decode_error_message,
-    is_msgpack_content_type,
     json_encoder,
 )
 from kvconductor.state.conductor import Conductor, StateUnavailable
-from kvconductor.state.registration import RegistrationUnavailable
-from kvconductor.state.registry import RegistrationError
 from kvconductor.wire import WireError, parse_query_ext
 
 log = logging.getLogger("kvconductor.mooncake")
@@ -112,18 +113,9 @@ class _QueryFields(msgspec.Struct, kw_only=True):
 assert _QueryFields.__struct_fields__ == MooncakeQueryRequest.__struct_fields__
 _query_json = msgspec.json.Decoder(_QueryFields)
 _query_msgpack = msgspec.msgpack.Decoder(_QueryFields)
-_msgpack_encoder = msgspec.msgpack.Encoder()
 
-
-class DialectError(Exception):
-    """A request the dialect answers with ``status`` and ``{"error", "reason"}``."""
-
-    def __init__(self, status: int, reason: str, message: str, field: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.field = field
+#: The dialect's errors: ``{"error", "reason"[, "field"]}``, in the request's encoding.
+VOICE = Voice(log, "mooncake dialect", lambda ex: MooncakeError(ex.message, ex.reason, ex.field))
 
 
 def service_key(instance_id: str, tenant_id: str, dp_rank: int) -> str:
@@ -340,24 +332,6 @@ def cumulative_answer(
 # -- the app --------------------------------------------------------------------------------
 
 
-class _Once:
-    """A WARN line at most once per key per ``interval`` seconds (thread-safe)."""
-
-    def __init__(self, interval: float = 60.0) -> None:
-        self.interval = interval
-        self._last: dict[object, float] = {}
-        self._lock = threading.Lock()
-
-    def warn(self, key: object, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self.interval:
-                return
-            self._last[key] = now
-        log.warning(msg, *args)
-
-
 class Dialect:
     """The Mooncake-dialect registrations (service key -> :class:`Service`) over a
     :class:`Conductor`, read and written on its ingest thread only. The registry stays
@@ -367,12 +341,14 @@ class Dialect:
     #: Contexts whose registered ranks are kept between registration changes.
     CACHED_CONTEXTS = 4096
 
+    voice = VOICE
+
     def __init__(self, conductor: Conductor) -> None:
         self.conductor = conductor
         self.services: dict[str, Service] = {}
         #: Fields of a registration the dialect does not know, named once per instance.
         self.unknown = UnknownFieldWarnings(log, "mooncake dialect: register")
-        self.warnings = _Once()
+        self.warnings = OnceWarnings(log)
         #: +1 on every change of :attr:`services` (ingest thread; read anywhere).
         self.generation = 0
         #: query context -> ((registry generation, ours), its registered ranks): a query
@@ -426,34 +402,15 @@ class Dialect:
         self.services.pop(key, None)
         self.generation += 1
 
-    def _dp_of(self, instance_id: str, tenant: str, dp_rank: int) -> UnregisterRequest | None:
-        entry = self.conductor.registry.get(instance_id)
-        ep = None if entry is None else entry.endpoints.get(dp_rank)
-        if ep is None or ep.tenant_id != tenant:
-            return None
-        return UnregisterRequest(
-            instance_id=instance_id,
-            engine_type=ep.engine_type,
-            modelname=ep.model_name,
-            block_size=ep.block_size,
-            dp_rank=dp_rank,
-            tenant_id=tenant,
-        )
-
     # event loop ------------------------------------------------------------------------
     async def register(self, svc: Service) -> None:
-        req, body = to_v3_register(svc)
-        try:
-            await self.conductor.mutate("register", body, req)
-        except RegistrationError as ex:
-            raise DialectError(400, "invalid_registration", str(ex)) from None
-        except (RegistrationUnavailable, StateUnavailable) as ex:
-            raise DialectError(500, "subscription_failed", f"Failed to subscribe: {ex}") from None
+        await register_v3(self.conductor, *to_v3_register(svc), "Failed to subscribe")
         await self.conductor.run(self._remember, svc)
 
     async def unregister(self, instance_id: str, tenant: str, dp_rank: int) -> str:
         key = service_key(instance_id, tenant, dp_rank)
-        req = await self.conductor.run(self._dp_of, instance_id, tenant, dp_rank)
+        reg = self.conductor.registry
+        req = await self.conductor.run(unregister_request, reg, instance_id, dp_rank, tenant)
         if req is None:
             raise DialectError(404, "not_found", f"service not found: {key}")
         body = json_encoder.encode(req)
@@ -496,87 +453,16 @@ class Dialect:
         self._ranks[ctx] = (gen, ranks)  # the generation read before: never newer than ranks
         return ranks
 
-    async def services_doc(self) -> dict[str, Any]:
+    async def listing(self) -> dict[str, Any]:
+        """``GET /services``."""
         live = await self.conductor.run(self._live_services)
         return {"count": len(live), "services": [s.to_json() for s in live]}
 
 
-def _answer(resp: falcon.asgi.Response, status: int, doc: Any, msgpack: bool) -> None:
-    resp.status = status
-    if msgpack:
-        resp.content_type = MSGPACK_CONTENT_TYPE
-        resp.data = _msgpack_encoder.encode(doc)
-    else:
-        resp.content_type = JSON_CONTENT_TYPE
-        resp.data = json_encoder.encode(doc)
-
-
-def _fail(req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: DialectError) -> None:
-    msgpack = is_msgpack_content_type(req.content_type)
-    log.warning(
-        "mooncake dialect: bad request method=%s path=%s status=%d reason=%s error=%s",
-        req.method,
-        req.path,
-        ex.status,
-        ex.reason,
-        ex.message,
-    )
-    _answer(resp, ex.status, MooncakeError(ex.message, ex.reason, ex.field), msgpack)
-
-
-class _Route:
-    def __init__(self, dialect: Dialect, max_body_bytes: int, api_key: str | None = None) -> None:
-        self.dialect = dialect
-        self.max_body_bytes = max_body_bytes
-        #: The bearer token this route needs (``None``: open).
-        self.api_key = api_key
-
-    def _refused(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> bool:
-        """Answer 401 (the dialect's error body, a WARN) unless the request carries the
-        key; before the body is read, so a refused request changes nothing."""
-        if bearer_ok(req.get_header("Authorization"), self.api_key):
-            return False
-        resp.set_header("WWW-Authenticate", CHALLENGE)
-        _fail(req, resp, DialectError(401, "unauthorized", UNAUTHORIZED))
-        return True
-
-    async def _read(self, req: falcon.asgi.Request) -> bytes:
-        length = req.content_length
-        if length is not None and length > self.max_body_bytes:
-            raise self._too_large()
-        chunks, total = [], 0
-        async for chunk in req.stream:
-            total += len(chunk)
-            if total > self.max_body_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _too_large(self) -> DialectError:
-        return DialectError(413, "too_large", too_large_message(self.max_body_bytes))
-
-
-class _Change(_Route):
-    """``POST`` of a registration change: the key (before the body is read), the body
-    and the dialect's errors, once; :meth:`change` makes the change and returns the
-    answer (200)."""
-
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if self._refused(req, resp):
-            return
-        msgpack = is_msgpack_content_type(req.content_type)
-        try:
-            doc = await self.change(await self._read(req), msgpack)
-        except DialectError as ex:
-            return _fail(req, resp, ex)
-        _answer(resp, 200, doc, msgpack)
-
-    async def change(self, body: bytes, msgpack: bool) -> Any:
-        raise NotImplementedError
-
-
-class RegisterRoute(_Change):
-    async def change(self, body: bytes, msgpack: bool) -> MooncakeRegisterResponse:
+class RegisterRoute(PostRoute[Dialect]):
+    async def answer(
+        self, req: falcon.asgi.Request, body: bytes, msgpack: bool
+    ) -> MooncakeRegisterResponse:
         svc, warnings = parse_register(body, msgpack)
         for w in warnings:
             self.dialect.warnings.warn(w, "mooncake dialect: register: %s", w)
@@ -588,8 +474,10 @@ class RegisterRoute(_Change):
         return MooncakeRegisterResponse(REGISTERED, svc.instance_id)
 
 
-class UnregisterRoute(_Change):
-    async def change(self, body: bytes, msgpack: bool) -> MooncakeUnregisterResponse:
+class UnregisterRoute(PostRoute[Dialect]):
+    async def answer(
+        self, req: falcon.asgi.Request, body: bytes, msgpack: bool
+    ) -> MooncakeUnregisterResponse:
         r = _decode(_unregister_json, _unregister_msgpack, body, msgpack, "unregistration")
         if not r.instance_id:
             raise DialectError(400, "invalid_value", "instance_id must not be empty", "instance_id")
@@ -597,54 +485,11 @@ class UnregisterRoute(_Change):
         return MooncakeUnregisterResponse(UNREGISTERED, [key])
 
 
-class QueryRoute(_Route):
-    async def on_post(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        msgpack = is_msgpack_content_type(req.content_type)
-        try:
-            q = parse_query(await self._read(req), msgpack)
-        except DialectError as ex:
-            return _fail(req, resp, ex)
-        _answer(resp, 200, await self.dialect.query(q), msgpack)
-
-
-class ServicesRoute(_Route):
-    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        if self._refused(req, resp):
-            return
-        _answer(resp, 200, await self.dialect.services_doc(), False)
-
-
-class HealthRoute:
-    async def on_get(self, req: falcon.asgi.Request, resp: falcon.asgi.Response) -> None:
-        resp.content_type = falcon.MEDIA_TEXT
-        resp.text = "OK"
-
-
-async def _http_error(
-    req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: falcon.HTTPError, params: dict
-) -> None:
-    if isinstance(ex, falcon.HTTPMethodNotAllowed):
-        status, reason, message = 405, "method_not_allowed", "Method not allowed"
-        if ex.headers:
-            resp.set_headers(ex.headers)
-    elif isinstance(ex, falcon.HTTPRouteNotFound):
-        status, reason, message = 404, "not_found", f"no route for {req.method} {req.path}"
-    else:
-        status, reason = int(str(ex.status).split()[0]), "bad_request"
-        message = ex.description or ex.title or str(ex.status)
-    _fail(req, resp, DialectError(status, reason, message))
-
-
-async def _exception(
-    req: falcon.asgi.Request, resp: falcon.asgi.Response, ex: Exception, params: dict
-) -> None:
-    log.exception("mooncake dialect: internal error method=%s path=%s", req.method, req.path)
-    _answer(
-        resp,
-        500,
-        MooncakeError(f"internal error: {ex}", "internal_error"),
-        is_msgpack_content_type(req.content_type),
-    )
+class QueryRoute(PostRoute[Dialect]):
+    async def answer(
+        self, req: falcon.asgi.Request, body: bytes, msgpack: bool
+    ) -> MooncakeQueryResponse:
+        return await self.dialect.query(parse_query(body, msgpack))
 
 
 def create_mooncake_app(
@@ -665,14 +510,15 @@ def create_mooncake_app(
 
     dialect = Dialect(conductor)
     key = api_key or None
-    app = falcon.asgi.App(cors_enable=False)
-    app.add_route("/register", RegisterRoute(dialect, max_body_bytes, key))
-    app.add_route("/unregister", UnregisterRoute(dialect, max_body_bytes, key))
-    app.add_route("/query", QueryRoute(dialect, max_body_bytes))
     services_key = None if open_services else key
-    app.add_route("/services", ServicesRoute(dialect, max_body_bytes, services_key))
-    app.add_route("/health", HealthRoute())
-    app.add_route("/openapi.json", JsonDocument(openapi.mooncake_document))
-    app.add_error_handler(Exception, _exception)
-    app.add_error_handler(falcon.HTTPError, _http_error)
-    return app
+    return dialect_app(
+        VOICE,
+        {
+            "/register": RegisterRoute(dialect, max_body_bytes, key),
+            "/unregister": UnregisterRoute(dialect, max_body_bytes, key),
+            "/query": QueryRoute(dialect, max_body_bytes),
+            "/services": ListingRoute(dialect, max_body_bytes, services_key),
+            "/health": HealthRoute(),
+            "/openapi.json": JsonDocument(openapi.mooncake_document),
+        },
+    )

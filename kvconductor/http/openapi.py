@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kvconductor import __version__, schema
+from kvconductor import __version__, schema, schema_dynamo
 from kvconductor.extrakeys import MM_INPUTS_MAX, MmInput
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
 
@@ -49,6 +49,9 @@ _ERRORS = {
     "403": "browser Origin not allowed (--allow-origin)",
     "404": "unknown instance, or no index for (model, tenant)",
     "413": "body over --max-body-mb",
+    "422": "engine_url: the engine's GET /kv_event_sources failed or cannot be used "
+    "(not served, not JSON, unknown shape, redirect, over 1 MiB, no answer in time, "
+    "endpoints the URL rules refuse)",
     "500": "unexpected failure",
     "503": "the change cannot be taken now: --max-sources or a socket (registration), or "
     "the state store is unreachable (--state-url)",
@@ -191,6 +194,10 @@ def document() -> dict[str, Any]:
     for cls in (schema.QueryRequest, schema.QueryByHashRequest):
         _query_request(components[cls.__name__])
     _freshness_answer(response, components)
+    components["RegisterRequest"]["properties"]["engine_url"]["description"] = (
+        "the engine's HTTP base URL (http or https): its GET /kv_event_sources names the "
+        "publisher of every DP rank, each registered (docs/engines.md)"
+    )
     status = _ref(schema.StatusResponse)
     workers = {
         "type": "object",
@@ -219,7 +226,7 @@ def document() -> dict[str, Any]:
             schema.RegisterRequest,
             "201",
             status,
-            "400 401 403 413 503",
+            "400 401 403 413 422 503",
         ),
         "/unregister": _post(
             "unregister one DP rank",
@@ -402,15 +409,67 @@ _MOONCAKE_ERRORS = {
 }
 
 
-def _mooncake_post(summary: str, request: type, answer: type, errors: str) -> dict[str, Any]:
-    err = _content(_ref(schema.MooncakeError), both=True)
+def _dialect_post(
+    summary: str, request: type, answer: type, errors: str, *, dynamo: bool = False
+) -> dict[str, Any]:
+    """A dialect's ``POST`` route: Mooncake's (JSON or MessagePack, 200) or Dynamo's
+    (JSON, its ``ok`` status: 201 for ``/register``)."""
+    error: type = schema.MooncakeError
+    table, both = _MOONCAKE_ERRORS, True
+    if dynamo:
+        table, error, both = _DYNAMO_ERRORS, schema_dynamo.DynamoError, False
+    ok = "201" if dynamo and request is schema_dynamo.DynamoRegisterRequest else "200"
+    err = _content(_ref(error), both=both)
     return {
         "post": {
             "summary": summary,
-            "requestBody": {"required": True, "content": _content(_ref(request), both=True)},
+            "requestBody": {"required": True, "content": _content(_ref(request), both=both)},
             "responses": {
-                "200": {"description": "done", "content": _content(_ref(answer), both=True)},
-                **{c: {"description": _MOONCAKE_ERRORS[c], "content": err} for c in errors.split()},
+                ok: {"description": "done", "content": _content(_ref(answer), both=both)},
+                **{c: {"description": table[c], "content": err} for c in errors.split()},
+            },
+        }
+    }
+
+
+def _dialect_document(
+    title: str, description: str, structs: tuple, paths: dict[str, Any]
+) -> dict[str, Any]:
+    _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": __version__, "description": description},
+        "paths": {**paths, "/openapi.json": _self_route()},
+        "components": {"schemas": components},
+    }
+
+
+def _listing(summary: str, body: dict[str, Any], refused: str, error: type) -> dict[str, Any]:
+    """A dialect's ``GET`` of its registrations (401 without the key, unless
+    ``--open-workers``)."""
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {"description": "done", "content": _content(body, both=False)},
+                "401": {
+                    "description": refused + "; --open-workers opens it",
+                    "content": _content(_ref(error), both=False),
+                },
+            },
+        }
+    }
+
+
+def _health(body: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": "liveness",
+            "responses": {
+                "200": {
+                    "description": body or "empty",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
             },
         }
     }
@@ -421,7 +480,6 @@ def mooncake_document() -> dict[str, Any]:
     /openapi.json`` on ``--mooncake-port`` (docs/api.md, "The Mooncake conductor
     dialect"). MessagePack bodies take the JSON shapes; a query's ``token_ids`` may also
     be one bin of little-endian int32."""
-    _, components = msgspec.json.schema_components(_MOONCAKE_STRUCTS, ref_template=_REF)
     services = {
         "type": "object",
         "required": ["count", "services"],
@@ -431,57 +489,110 @@ def mooncake_document() -> dict[str, Any]:
         },
     }
     paths: dict[str, Any] = {
-        "/register": _mooncake_post(
+        "/register": _dialect_post(
             "register one DP rank of an engine (or a Mooncake pool publisher)",
             schema.MooncakeRegisterRequest,
             schema.MooncakeRegisterResponse,
             "400 401 413 500",
         ),
-        "/unregister": _mooncake_post(
+        "/unregister": _dialect_post(
             "unregister the service (instance_id, tenant_id, dp_rank)",
             schema.MooncakeUnregisterRequest,
             schema.MooncakeUnregisterResponse,
             "400 401 404 413 500",
         ),
-        "/query": _mooncake_post(
+        "/query": _dialect_post(
             "cumulative matched tokens per instance and rank (gpu <= cpu <= disk)",
             schema.MooncakeQueryRequest,
             schema.MooncakeQueryResponse,
             "400 413",
         ),
-        "/services": {
-            "get": {
-                "summary": "the services registered over this dialect",
-                "responses": {
-                    "200": {"description": "done", "content": _content(services, both=False)},
-                    "401": {
-                        "description": _MOONCAKE_ERRORS["401"] + "; --open-workers opens it",
-                        "content": _content(_ref(schema.MooncakeError), both=False),
-                    },
-                },
-            }
-        },
-        "/health": {
-            "get": {
-                "summary": "liveness",
-                "responses": {
-                    "200": {
-                        "description": "OK",
-                        "content": {"text/plain": {"schema": {"type": "string"}}},
-                    }
-                },
-            }
-        },
-        "/openapi.json": _self_route(),
+        "/services": _listing(
+            "the services registered over this dialect",
+            services,
+            _MOONCAKE_ERRORS["401"],
+            schema.MooncakeError,
+        ),
+        "/health": _health("OK"),
     }
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "kv-conductor: Mooncake conductor dialect",
-            "version": __version__,
-            "description": "kvcache-ai/Mooncake mooncake-conductor's HTTP API, served on "
-            "--mooncake-port (docs/api.md)",
-        },
-        "paths": paths,
-        "components": {"schemas": components},
+    return _dialect_document(
+        "kv-conductor: Mooncake conductor dialect",
+        "kvcache-ai/Mooncake mooncake-conductor's HTTP API, served on --mooncake-port "
+        "(docs/api.md)",
+        _MOONCAKE_STRUCTS,
+        paths,
+    )
+
+
+_DYNAMO_STRUCTS = (
+    schema_dynamo.DynamoRegisterRequest,
+    schema_dynamo.DynamoUnregisterRequest,
+    schema_dynamo.DynamoQueryRequest,
+    schema_dynamo.DynamoHashQueryRequest,
+    schema_dynamo.DynamoStatus,
+    schema_dynamo.DynamoQueryResponse,
+    schema_dynamo.DynamoWorker,
+    schema_dynamo.DynamoError,
+)
+_DYNAMO_ERRORS = {
+    "400": "malformed JSON, or a registration kvconductor refuses (its endpoint)",
+    "401": "missing or wrong bearer token (only with --api-key, unless --dynamo-port-open)",
+    "404": "no engine registered for (model_name, routing_group), or no such instance",
+    "409": "the (instance, DP) is registered, or the group has another block size",
+    "413": "body over --max-body-mb",
+    "415": "not Content-Type: application/json",
+    "422": "a body of another shape (a missing field, a wrong type or range)",
+    "500": "a subscription cannot be opened, or an unexpected failure",
+}
+
+
+def dynamo_document() -> dict[str, Any]:
+    """The OpenAPI document of Dynamo's standalone indexer dialect, served as ``GET
+    /openapi.json`` on ``--dynamo-port`` (docs/api.md, "The Dynamo indexer dialect")."""
+    sd = schema_dynamo
+    workers = {"type": "array", "items": _ref(sd.DynamoWorker)}
+    queries = "400 404 413 415 422"
+    paths: dict[str, Any] = {
+        "/register": _dialect_post(
+            "register one DP of a vLLM engine",
+            sd.DynamoRegisterRequest,
+            sd.DynamoStatus,
+            "400 401 409 413 415 422 500",
+            dynamo=True,
+        ),
+        "/unregister": _dialect_post(
+            "unregister one DP, or the instance",
+            sd.DynamoUnregisterRequest,
+            sd.DynamoStatus,
+            "401 404 413 415 422 500",
+            dynamo=True,
+        ),
+        "/query": _dialect_post(
+            "matched tokens per instance and rank, by token ids",
+            sd.DynamoQueryRequest,
+            sd.DynamoQueryResponse,
+            queries,
+            dynamo=True,
+        ),
+        "/query_by_hash": _dialect_post(
+            "matched tokens per instance and rank, by local block hashes (i64)",
+            sd.DynamoHashQueryRequest,
+            sd.DynamoQueryResponse,
+            queries,
+            dynamo=True,
+        ),
+        "/workers": _listing(
+            "the engines registered (instances with a u64 id)",
+            workers,
+            _DYNAMO_ERRORS["401"],
+            sd.DynamoError,
+        ),
+        "/health": _health(""),
     }
+    return _dialect_document(
+        "kv-conductor: Dynamo indexer dialect",
+        "NVIDIA Dynamo's standalone KV indexer API (python -m dynamo.indexer), served on "
+        "--dynamo-port (docs/api.md)",
+        _DYNAMO_STRUCTS,
+        paths,
+    )

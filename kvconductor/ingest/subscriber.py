@@ -376,6 +376,16 @@ class SubscriptionManager:
             self._remove(k).close()
         return len(keys)
 
+    def restarted(self, instance_id: str, dp_rank: int, urls: set[str], why: str) -> None:
+        """(instance, DP)'s engine came back on new URLs (``urls``, just opened by
+        :meth:`replace`): its cache is new, as for a restart seen in a sequence
+        (:meth:`~kvconductor.ingest.tracker.SequenceTracker.restarted`)."""
+        self._check_thread()
+        now = time.time()
+        for url, sub in self._by_dp.get((instance_id, dp_rank), {}).items():
+            if url in urls:
+                sub.tracker.restarted(why, now)
+
     def request_replay(self, ctx: SubscriberContext) -> None:
         """A new subscription of an (instance, DP) with a replay endpoint: catch up from 0
         (or verify from the last applied seq) once its SUB is connected."""

@@ -379,10 +379,16 @@ class SequenceTracker:
         self._loss(f"seq {seq} arrived first, the stream starts at {start}: the replay failed", now)
         self._apply(seq, payload)
 
-    def _restarted(self, seq: int, payload: bytes, why: str, now: float) -> None:
-        """The publisher restarted: its cache is new; forget ours and catch up from 0."""
+    def restarted(self, why: str, now: float) -> None:
+        """The publisher restarted (seen in the sequence, or its engine found again on new
+        URLs): its cache is new, ours a loss (degraded; blocks not announced again within
+        the grace period are dropped)."""
         self.stats.restarts += 1
         self._loss(f"publisher restarted ({why})", now)
+
+    def _restarted(self, seq: int, payload: bytes, why: str, now: float) -> None:
+        """The publisher restarted: its cache is new; forget ours and catch up from 0."""
+        self.restarted(why, now)
         if seq > 0 and self.replay_enabled and not self._no_replay:
             self.buffer.append((seq, payload))
             self.start_replay(0, verify=False)

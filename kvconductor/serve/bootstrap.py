@@ -47,7 +47,9 @@ from kvconductor.serve.settings import Settings
 from kvconductor.serve.tuning import HeapTrim, raise_fd_limit, tune_malloc, zmq_context
 from kvconductor.serve.workermetrics import WorkerCollector
 from kvconductor.state.conductor import Conductor
+from kvconductor.state.enginefollow import EngineFollower
 from kvconductor.state.journal import Journal
+from kvconductor.state.protocols import QuerySource
 
 log = logging.getLogger("kvconductor")
 
@@ -156,6 +158,10 @@ class Service:
     forwarder: Forwarder | None = None
     #: ``worker``: the queries it answered, which the owner's ``/metrics`` sums.
     query_metrics: QueryMetrics | None = None
+    #: ``worker``: its view of the shared index (None: the queries are forwarded too).
+    view: QuerySource | None = None
+    #: The registrations with an ``engine_url`` followed (started with the conductor).
+    follower: EngineFollower | None = None
 
     def log_start(self, address: str | None = None, gunicorn_workers: int | None = None) -> None:
         """The start line: ``KV conductor starting on <address> ...`` (under gunicorn:
@@ -230,6 +236,8 @@ class Service:
         # --state-url: the ValkeyJournal handed in at construction bootstraps the started
         # conductor and starts its threads (a LocalJournal has nothing to start)
         conductor.journal.start()
+        self.follower = EngineFollower(conductor)
+        self.follower.start()
         return True
 
     def _start_snapshots(self, conductor: Conductor) -> bool:
@@ -296,6 +304,8 @@ class Service:
         conductor = self.conductor
         if conductor is None:
             return
+        if self.follower is not None:
+            self.follower.stop()
         if conductor.snapshotter is not None:
             conductor.snapshotter.stop(final=True)
         conductor.journal.stop()
@@ -414,7 +424,7 @@ def _build_owner(settings: Settings, supervise: Callable[[Any], Supervisor]) -> 
 
 def _build_worker(settings: Settings, owner_socket: str, shared_fds: tuple[int, ...]) -> Service:
     query_metrics = QueryMetrics()
-    routes = None
+    routes, view = None, None
     if len(shared_fds) >= 2:
         # /query and /query_by_hash answered here, from the owner's index in shared memory
         from kvconductor.state.shared import SharedView
@@ -442,7 +452,9 @@ def _build_worker(settings: Settings, owner_socket: str, shared_fds: tuple[int, 
     )
     forwarder = app.rest
     assert isinstance(forwarder, Forwarder)
-    return Service(settings, "worker", app, forwarder=forwarder, query_metrics=query_metrics)
+    return Service(
+        settings, "worker", app, forwarder=forwarder, query_metrics=query_metrics, view=view
+    )
 
 
 def _warm_start(conductor: Conductor, path: str) -> None:

@@ -21,13 +21,13 @@ from kvconductor.serve.flagvalues import (  # the flags' values and checks, by j
     MAX_WORKERS,
     STATE_PASSWORD_ENV,
     STATE_URL_ENV,
+    _dialect_problem,
     _env_level,
     _host,
     _int_in,
     _lease,
     _level,
     _megabytes,
-    _mooncake_problem,
     _networks,
     _origin,
     _port,
@@ -61,10 +61,7 @@ class _Parser(argparse.ArgumentParser):
         ns = super().parse_args(args, namespace)
         # flags wrong together
         problem = (
-            _tls_problem(ns)
-            or _source_problem(ns)
-            or _snapshot_problem(ns)
-            or _mooncake_problem(ns)
+            _tls_problem(ns) or _source_problem(ns) or _snapshot_problem(ns) or _dialect_problem(ns)
         )
         if problem:
             self.error(problem)
@@ -104,7 +101,7 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         metavar="PORT",
         help="also serve the Mooncake conductor's HTTP dialect (kvcache-ai/Mooncake "
         "mooncake-conductor: /register, /unregister, /query, /services) on this port, "
-        "beside the V3 API (default: off; one process only, not with --workers N; "
+        "beside the V3 API (default: off; with --workers N the workers listen on it; "
         "docs/api.md). With --api-key its /register, /unregister and /services need the "
         "same bearer token as V3's",
     )
@@ -115,6 +112,24 @@ def build_parser(raise_errors: bool = False) -> argparse.ArgumentParser:
         "that port may register, re-point and unregister engines without the key (for "
         "Mooncake clients that cannot send an Authorization header; default: the key is "
         "needed there too)",
+    )
+    p.add_argument(
+        "--dynamo-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="also serve the HTTP API of Dynamo's standalone KV indexer (python -m "
+        "dynamo.indexer: /register, /unregister, /query, /query_by_hash, /workers) on this "
+        "port, beside the V3 API, from the same index (default: off; with --workers N the "
+        "workers answer its queries; docs/api.md). With --api-key its /register, /unregister "
+        "and /workers need the same bearer token as V3's",
+    )
+    p.add_argument(
+        "--dynamo-port-open",
+        action="store_true",
+        help="with --api-key, leave the --dynamo-port dialect open: anyone who reaches "
+        "that port may register and unregister engines without the key (Dynamo's clients "
+        "send no Authorization header; default: the key is needed there too)",
     )
     p.add_argument(
         "--workers",
@@ -456,6 +471,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         workers=args.workers,
         mooncake_port=args.mooncake_port,
         mooncake_open=args.mooncake_port_open,
+        dynamo_port=args.dynamo_port,
+        dynamo_open=args.dynamo_port_open,
         reader_stall_ms=args.reader_stall_ms,
         **_http_fields(args),
     )

@@ -224,19 +224,18 @@ def _lease(value: str) -> float:
     )
 
 
-def _mooncake_problem(args: argparse.Namespace) -> str | None:
-    port = args.mooncake_port
-    if port is None:
-        if args.mooncake_port_open:
-            return "--mooncake-port-open needs --mooncake-port"
-        return None
-    if args.workers > 1:
-        return (
-            "--mooncake-port serves from the process that owns the index: it does not "
-            "combine with --workers N (N > 1)"
-        )
-    if port and port == args.port:
-        return f"--mooncake-port {port} is the V3 port (--port): give another one"
+def _dialect_problem(args: argparse.Namespace) -> str | None:
+    """The dialects' ports (``--mooncake-port``, ``--dynamo-port``): each its own."""
+    taken = {args.port: "the V3 port (--port)"}
+    for name in ("mooncake", "dynamo"):
+        port = getattr(args, f"{name}_port")
+        if port is None:
+            if getattr(args, f"{name}_port_open"):
+                return f"--{name}-port-open needs --{name}-port"
+            continue
+        if port and port in taken:
+            return f"--{name}-port {port} is {taken[port]}: give another one"
+        taken[port] = f"--{name}-port"
     return None
 
 

@@ -137,11 +137,15 @@ def gunicorn_app(*argv: str) -> falcon.asgi.App:
             "kv-conductor: error: --workers is not supported under gunicorn (gunicorn "
             "forks the workers itself); run `kv-conductor --workers N` instead"
         )
-    if settings.mooncake_port is not None:
-        raise AppImportError(
-            "kv-conductor: error: --mooncake-port is not supported under gunicorn (gunicorn "
-            "binds one address); run `kv-conductor --mooncake-port PORT` instead"
-        )
+    for flag, port in (
+        ("--mooncake-port", settings.mooncake_port),
+        ("--dynamo-port", settings.dynamo_port),
+    ):
+        if port is not None:
+            raise AppImportError(
+                f"kv-conductor: error: {flag} is not supported under gunicorn (gunicorn "
+                f"binds one address); run `kv-conductor {flag} PORT` instead"
+            )
     configure_logging(settings.log_level, settings.log_format)
     # The default snapshot directory is that of the port gunicorn binds; a reload
     # (SIGHUP) starts the new worker before the old one stops: wait for its lock.

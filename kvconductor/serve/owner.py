@@ -2,9 +2,11 @@
 
 Modelled on uvicorn's ``supervisors/multiprocess.py``: this module starts the workers
 (:mod:`kvconductor.serve.worker`), watches them, starts them again and stops them; it
-serves nothing itself. What the processes are and how they share the index:
-docs/design.md, "Processes"; the workers' way to the owner: :mod:`kvconductor.serve.proxy`;
-their metrics: :mod:`kvconductor.serve.workermetrics`.
+serves nothing itself but its private sockets (the V3 app, and each dialect's,
+``--mooncake-port``, ``--dynamo-port``, whose public ports it holds for the workers).
+What the processes are and how they share the index: docs/design.md, "Processes"; the
+workers' way to the owner: :mod:`kvconductor.serve.proxy`; their metrics:
+:mod:`kvconductor.serve.workermetrics`.
 
 **The port and the private directory**: the owner holds the public port bound (never
 listening) and the port's lock (:mod:`kvconductor.serve.portlock`: a second ``--workers``
@@ -65,8 +67,10 @@ from kvconductor.serve.single import (
     GRACEFUL_SECS,
     KvServer,
     bind_socket,
+    dialect_servers,
     format_address,
     report_bind_error,
+    run_beside,
     uvicorn_config,
 )
 from kvconductor.serve.stalls import RECENT_STALLS, StallLog
@@ -598,14 +602,29 @@ def serve_owner(settings: Settings) -> int:
                 max_connections=settings.max_connections * settings.workers,
             )
             server = OwnerServer(uvicorn_config(service.app, private, "(owner socket)"), owner)
+            assert service.conductor is not None
+            try:  # the dialects' ports: the workers' too, the rest forwarded here
+                private_dir = os.path.dirname(owner.owner_path)
+                sides = dialect_servers(settings, service.conductor, (private_dir, private))
+            except OSError:
+                return 1
+
+            def serve() -> None:
+                if sides:
+                    run_beside(server, unix_sock, sides)
+                else:
+                    server.run(sockets=[unix_sock])
+
+            def close() -> None:
+                owner.kill_all()
+                for side, side_sock in sides:
+                    side_sock.close()
+                    side.release()
+
             service.log_start(format_address(ports.port_sock))
             if not service.start():
+                close()
                 return 1
-            return service.run(
-                lambda: server.run(sockets=[unix_sock]),
-                owner.kill_all,
-                "KV conductor shut down",
-                log,
-            )
+            return service.run(serve, close, "KV conductor shut down", log)
     finally:
         ports.close()

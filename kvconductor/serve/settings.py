@@ -116,6 +116,10 @@ class Settings:
     mooncake_port: int | None = None
     # --mooncake-port-open: the dialect port needs no --api-key (docs/security.md)
     mooncake_open: bool = False
+    # Dynamo's standalone indexer dialect on its own port (docs/api.md); None: off
+    dynamo_port: int | None = None
+    # --dynamo-port-open: that port needs no --api-key (docs/security.md)
+    dynamo_open: bool = False
     # --workers N: a worker inside a read section of the shared index this long after the
     # ingest thread started waiting for it is stalled: the others go on, it is killed
     reader_stall_ms: int = 500

@@ -20,12 +20,13 @@ import errno
 import importlib.util
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import ssl
 import sys
 import threading
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from types import FrameType
 from typing import Any
 
@@ -38,8 +39,10 @@ from kvconductor.serve.bootstrap import (
     StartFailed,
     build_service,
 )
+from kvconductor.serve.portlock import PortInUse, PortLock
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.tuning import TRIM_SECS, open_file_limits, trim_heap
+from kvconductor.state.conductor import Conductor
 
 log = logging.getLogger("kvconductor")
 
@@ -381,29 +384,128 @@ def report_bind_error(settings: Settings, ex: OSError) -> None:
 
 
 class SideServer(KvServer):
-    """A second server in the main server's event loop (``--mooncake-port``): it leaves
-    the signals to the main one, which stops it after its own drain (:func:`run_beside`)."""
+    """A second server in the main server's event loop (a dialect's port: ``--mooncake-port``,
+    ``--dynamo-port``): it leaves the signals to the main one, which stops it after its
+    own drain (:func:`run_beside`)."""
+
+    #: ``--workers N``: the dialect's public port, bound and held by the owner (its
+    #: workers listen there), and its lock (a second ``--workers`` server of the same
+    #: user could share the port otherwise), released with the server's own socket.
+    held: socket.socket | None = None
+    lock: PortLock | None = None
+
+    def release(self) -> None:
+        for held in (self.held, self.lock):
+            if held is not None:
+                held.close()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
 
-def run_beside(
-    server: KvServer, sock: socket.socket, side: KvServer, side_sock: socket.socket
-) -> None:
-    """Serve ``server`` on ``sock`` and ``side`` on ``side_sock`` in one event loop until a
-    shutdown signal (the main server's); ``side`` drains after ``server``."""
+def dialect_socket_path(private_dir: str, name: str) -> str:
+    """The owner's UNIX socket of dialect ``name`` in its private directory (``--workers
+    N``: its workers forward there what they do not answer themselves)."""
+    return os.path.join(private_dir, f"{name}.sock")
 
-    async def both() -> None:
-        task = asyncio.ensure_future(side.serve(sockets=[side_sock]))
+
+#: The dialects' ports: the flag's name (``--NAME-port``, ``--NAME-port-open``, the
+#: settings' ``NAME_port`` and ``NAME_open``) and the name in the start line.
+_DIALECTS = (("mooncake", "Mooncake conductor"), ("dynamo", "Dynamo indexer"))
+
+
+def _dialect_app(name: str, conductor: Conductor, settings: Settings, key: str | None) -> Any:
+    from kvconductor.http.dialects import Door
+    from kvconductor.http.dynamo import create_dynamo_app
+    from kvconductor.http.mooncake import create_mooncake_app
+
+    limit, open_workers = settings.max_body_bytes, settings.open_workers
+    if name == "mooncake":
+        app = create_mooncake_app(
+            conductor, max_body_bytes=limit, api_key=key, open_services=open_workers
+        )
+    else:
+        app = create_dynamo_app(conductor, Door(limit, key, open_workers))
+    return AnswerFromHead(app)  # 401 and 413 from the head, as on the V3 port
+
+
+def dialect_servers(
+    settings: Settings, conductor: Conductor, private: tuple[str, Settings] | None = None
+) -> list[tuple[SideServer, socket.socket]]:
+    """The dialects' servers of ``settings`` (``--mooncake-port``, ``--dynamo-port``), each
+    with its socket, over ``conductor``: one process's, on the dialect's port with the V3
+    port's HTTP limits and TLS; or the owner's of ``--workers N`` (``private``: its
+    private directory and the settings of its private socket), on a UNIX socket there
+    (:func:`dialect_socket_path`), the public port bound and held (``SideServer.held``)
+    for its workers, which listen on it. :class:`OSError` (logged, the sockets bound so
+    far closed) when a port cannot be bound."""
+    out: list[tuple[SideServer, socket.socket]] = []
+    for name, title in _DIALECTS:
+        port = getattr(settings, f"{name}_port")
+        if port is None:
+            continue
+        try:
+            sock = bind_socket(settings.host, port, reuse_port=bool(private), listen=not private)
+        except OSError as ex:
+            report_bind_error(dataclasses.replace(settings, port=port), ex)
+            for server, s in out:
+                s.close()
+                server.release()
+            raise
+        is_open = getattr(settings, f"{name}_open")
+        key = None if is_open else settings.api_key
+        app = _dialect_app(name, conductor, settings, key)
+        where = format_address(sock)
+        served_as = settings
+        if private is not None:
+            try:
+                lock = PortLock.acquire(sock.getsockname()[1])
+            except (PortInUse, OSError) as ex:
+                log.error("%s", ex)
+                print(f"kv-conductor: error: {ex}", file=sys.stderr)
+                sock.close()
+                for server, s in out:
+                    s.close()
+                    server.release()
+                raise OSError(str(ex)) from None
+            held, served_as = sock, private[1]
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(dialect_socket_path(private[0], name))
+            sock.listen(2048)
+        side = SideServer(uvicorn_config(app, served_as, f"({name} dialect)"))
+        if private is not None:
+            side.held, side.lock = held, lock
+        out.append((side, sock))
+        log.info("%s dialect listening on %s auth=%s", title, where, "token" if key else "off")
+        if settings.api_key and is_open:
+            log.warning(
+                "--%s-port-open: the %s dialect on %s takes /register and /unregister "
+                "without the --api-key: anyone who reaches it can re-point or remove any "
+                "engine's registration",
+                name,
+                title,
+                where,
+            )
+    return out
+
+
+def run_beside(
+    server: KvServer, sock: socket.socket, sides: Sequence[tuple[KvServer, socket.socket]]
+) -> None:
+    """Serve ``server`` on ``sock`` and each of ``sides`` on its socket in one event loop
+    until a shutdown signal (the main server's); the sides drain after ``server``."""
+
+    async def all_of_them() -> None:
+        tasks = [asyncio.ensure_future(side.serve(sockets=[s])) for side, s in sides]
         try:
             await server.serve(sockets=[sock])
         finally:
-            side.should_exit = True
-            await task
+            for side, _ in sides:
+                side.should_exit = True
+            await asyncio.gather(*tasks)
 
-    run_in_loop(both(), server.config.loop)
+    run_in_loop(all_of_them(), server.config.loop)
 
 
 def run_in_loop(main: Coroutine[Any, Any, None], loop: str) -> None:
@@ -433,8 +535,8 @@ def run_in_loop(main: Coroutine[Any, Any, None], loop: str) -> None:
 def serve(settings: Settings) -> int:
     """Serve in this one process until a shutdown signal; returns the process exit status
     (``--workers N > 1`` is :func:`kvconductor.serve.owner.serve_owner`). With
-    ``--mooncake-port`` the Mooncake conductor's dialect is served on that port too, in
-    the same event loop (:mod:`kvconductor.http.mooncake`)."""
+    ``--mooncake-port`` and ``--dynamo-port`` the dialects are served on those ports too,
+    in the same event loop (:func:`dialect_servers`)."""
     try:
         service = build_service(settings, "single")
     except StartFailed:
@@ -444,50 +546,23 @@ def serve(settings: Settings) -> int:
     except OSError as ex:
         report_bind_error(settings, ex)
         return 1
-    side: tuple[KvServer, socket.socket] | None = None
-    if settings.mooncake_port is not None:
-        try:
-            side_sock = bind_socket(settings.host, settings.mooncake_port)
-        except OSError as ex:
-            report_bind_error(dataclasses.replace(settings, port=settings.mooncake_port), ex)
-            sock.close()
-            return 1
-        from kvconductor.http.mooncake import create_mooncake_app
-
+    try:
         assert service.conductor is not None
-        key = None if settings.mooncake_open else settings.api_key
-        app = AnswerFromHead(  # 401 and 413 from the head, as on the V3 port
-            create_mooncake_app(
-                service.conductor,
-                max_body_bytes=settings.max_body_bytes,
-                api_key=key,
-                open_services=settings.open_workers,
-            )
-        )
-        side = (SideServer(uvicorn_config(app, settings, "(mooncake dialect)")), side_sock)
-        log.info(
-            "Mooncake conductor dialect listening on %s auth=%s",
-            format_address(side_sock),
-            "token" if key else "off",
-        )
-        if settings.api_key and settings.mooncake_open:
-            log.warning(
-                "--mooncake-port-open: the Mooncake dialect on %s takes /register and "
-                "/unregister without the --api-key: anyone who reaches it can re-point or "
-                "remove any engine's registration",
-                format_address(side_sock),
-            )
+        sides = dialect_servers(settings, service.conductor)
+    except OSError:
+        sock.close()
+        return 1
     server = KvServer(uvicorn_config(service.app, settings))
     service.log_start(format_address(sock))
 
     def close() -> None:
         sock.close()
-        if side is not None:
-            side[1].close()
+        for _, side_sock in sides:
+            side_sock.close()
 
     if not service.start():
         close()
         return 1
-    if side is None:
+    if not sides:
         return service.run(lambda: server.run(sockets=[sock]), close, "KV conductor shut down")
-    return service.run(lambda: run_beside(server, sock, *side), close, "KV conductor shut down")
+    return service.run(lambda: run_beside(server, sock, sides), close, "KV conductor shut down")

@@ -11,7 +11,9 @@ process, and runs the one front door (:class:`~kvconductor.http.front.FrontDoor`
 :class:`~kvconductor.state.shared.SharedView`, counting in a
 :class:`~kvconductor.http.metrics.QueryMetrics` the owner's ``/metrics`` sums), ``GET
 /health`` answered here, and every other request forwarded to the owner over its UNIX
-socket (:class:`kvconductor.serve.proxy.Forwarder`).
+socket (:class:`kvconductor.serve.proxy.Forwarder`). The dialects' ports likewise
+(:func:`dialect_sides`): Dynamo's queries answered here, the rest forwarded to the
+owner's socket of that dialect.
 
 **What a worker inherits**: the shared arena's and lock's descriptors (``--shared-fds
 5,7``, :meth:`kvconductor.serve.owner.Owner.shared_fds`), one end of a socket pair with
@@ -28,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
@@ -36,18 +39,23 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import msgspec
 import uvicorn
 
 from kvconductor.logs import set_process_role
-from kvconductor.serve.bootstrap import StartFailed, build_service
+from kvconductor.serve.bootstrap import Service, StartFailed, build_service
 from kvconductor.serve.heartbeat import PING, PONG
+from kvconductor.serve.proxy import Forwarder, OwnerClient
 from kvconductor.serve.settings import Settings
 from kvconductor.serve.single import (
     KvServer,
+    SideServer,
     bind_socket,
+    dialect_socket_path,
     report_bind_error,
+    run_beside,
     uvicorn_config,
 )
 from kvconductor.serve.workermetrics import serve_query_metrics
@@ -76,6 +84,8 @@ WORKER_FIELDS = (
     "keep_alive_secs",
     "max_connections",
     "allow_origins",
+    "mooncake_port",
+    "dynamo_port",
     "tls_cert",
     "tls_key",
     "tls_client_ca",
@@ -228,11 +238,58 @@ def worker_main(argv: list[str]) -> int:
         return 1
     assert service.query_metrics is not None
     serve_query_metrics(args.metrics_socket, service.query_metrics)
+    try:
+        sides = dialect_sides(settings, service, os.path.dirname(args.owner_socket))
+    except OSError:
+        sock.close()
+        return 1
     # date_header off: the owner's answers carry theirs
     config = uvicorn_config(service.app, settings, date_header=False)
     server = WorkerServer(config, link.ready)
     link.server = server
-    return service.run(lambda: server.run(sockets=[sock]), sock.close, "worker stopped", log)
+
+    def close() -> None:
+        sock.close()
+        for _, side_sock in sides:
+            side_sock.close()
+
+    if not sides:
+        return service.run(lambda: server.run(sockets=[sock]), close, "worker stopped", log)
+    return service.run(lambda: run_beside(server, sock, sides), close, "worker stopped", log)
+
+
+def dialect_sides(
+    settings: Settings, service: Service, private_dir: str
+) -> list[tuple[SideServer, socket.socket]]:
+    """The dialects' ports (``--mooncake-port``, ``--dynamo-port``) in this worker, bound
+    with ``SO_REUSEPORT`` as the V3 port: Dynamo's queries answered here from the shared
+    index (:func:`kvconductor.http.dynamo.create_query_app`), everything else forwarded
+    to the owner's dialect socket (its registrations, the Mooncake dialect's queries,
+    whose zero rows are the registry's). :class:`OSError` (logged) when a port cannot be
+    bound."""
+    from kvconductor.http.dialects import LocalFirst
+    from kvconductor.http.dynamo import create_query_app
+    from kvconductor.http.front import AnswerFromHead
+
+    out: list[tuple[SideServer, socket.socket]] = []
+    for name, port in (("mooncake", settings.mooncake_port), ("dynamo", settings.dynamo_port)):
+        if port is None:
+            continue
+        try:
+            sock = bind_socket(settings.host, port, reuse_port=True)
+        except OSError as ex:
+            report_bind_error(dataclasses.replace(settings, port=port), ex)
+            for _, s in out:
+                s.close()
+            raise
+        path = dialect_socket_path(private_dir, name)
+        app: Any = Forwarder(OwnerClient(path), max_body_bytes=settings.max_body_bytes)
+        if name == "dynamo" and service.view is not None:
+            local = create_query_app(service.view, settings.max_body_bytes)
+            app = LocalFirst(AnswerFromHead(local), ("/query", "/query_by_hash"), app)
+        where = f"({name} dialect)"
+        out.append((SideServer(uvicorn_config(app, settings, where, date_header=False)), sock))
+    return out
 
 
 if __name__ == "__main__":

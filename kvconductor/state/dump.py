@@ -89,7 +89,16 @@ class Snapshot(TypedDict):
 
 # -- writing ------------------------------------------------------------------------------
 def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
-    """The ``POST /register`` body that recreates one registered DP.
+    """The ``POST /register`` body that recreates one registered DP
+    (:func:`registration_request`; ``engine_url`` only when it has one)."""
+    doc: JSONObject = msgspec.to_builtins(registration_request(entry, ep))
+    if ep.engine_url is None:
+        del doc["engine_url"]
+    return doc
+
+
+def registration_request(entry: WorkerEntry, ep: EndpointInfo) -> RegisterRequest:
+    """The ``POST /register`` request that recreates one registered DP.
 
     A legacy ``endpoint`` is kept only by cluster pools (it decides ``is_pool``); any
     other was stored as the three media on its URL, which registers the same way (HBM-IP
@@ -117,9 +126,9 @@ def _registration(entry: WorkerEntry, ep: EndpointInfo) -> JSONObject:
         ),
         shared_store=ep.shared_store or None,
         lora_name=ep.lora_name,
+        engine_url=ep.engine_url,
     )
-    doc: JSONObject = msgspec.to_builtins(req)
-    return doc
+    return req
 
 
 def snapshot(conductor: Conductor) -> Snapshot:

@@ -165,6 +165,7 @@ def explain(
     nblocks = (len(tokens) + block_size - 1) // block_size
     sizes = sorted(state.block_sizes.get(key, ()))
     registered: dict[tuple[str, int], int] = {}
+    unread: dict[tuple[str, int], str] = {}  # engine_url reads that failed, by DP
     pool_sources: list[ExplainSource] = []
     for iid in sorted(state.registry.instances):
         for dp, ep in sorted(state.registry.instances[iid].endpoints.items()):
@@ -174,6 +175,13 @@ def explain(
                 pool_sources += explain_sources(state, iid, dp, now)
             else:
                 registered[(iid, dp)] = ep.block_size
+                if ep.engine_url is not None and ep.engine_url_state != "ok":
+                    unread[(iid, dp)] = (
+                        f"instance {iid} DP {dp}: its publishers are read from "
+                        f"{ep.engine_url}/kv_event_sources, and the last read failed "
+                        f"({ep.engine_url_state}: {ep.engine_url_error}); it is read again "
+                        "while its subscriptions stay down"
+                    )
     groups = (
         {(g.instance_id, g.dp_rank): g for g in idx.trace(tokens, block_size, seed)} if idx else {}
     )
@@ -236,6 +244,8 @@ def explain(
             )
         for s in sources:
             warnings += _source_warnings(s, f"source {s.url} of instance {iid} DP {dp}", now)
+        if gk in unread:
+            warnings.append(unread[gk])
         preds = _predictions(state, idx, gk, tokens, block_size, seed)
         instances.append(
             ExplainInstance(

@@ -214,6 +214,7 @@ class Subscriptions(Protocol):
         self, instance_id: str, dp_rank: int, contexts: list[SubscriberContext]
     ) -> set[str]: ...
     def unsubscribe(self, instance_id: str, dp_rank: int) -> int: ...
+    def restarted(self, instance_id: str, dp_rank: int, urls: set[str], why: str) -> None: ...
     def request_replay(self, ctx: SubscriberContext) -> None: ...
     def sources(self) -> list[dict[str, object]]:
         """Per subscription its ``/workers`` ``sources`` entry (:class:`SourceInfo`)."""
@@ -263,6 +264,9 @@ class NoSubscriptions:
 
     def unsubscribe(self, instance_id: str, dp_rank: int) -> int:
         return 0
+
+    def restarted(self, instance_id: str, dp_rank: int, urls: set[str], why: str) -> None:
+        pass
 
     def request_replay(self, ctx: SubscriberContext) -> None:
         pass

@@ -74,7 +74,7 @@ def register(host: RegistrationHost, req: RegisterRequest, max_sources: int) -> 
     log.info(
         "register request instance_id=%s dp_rank=%d type=%s modelname=%s tenant_id=%s "
         "block_size=%d store_backend=%s medium_endpoints=%s endpoint=%s "
-        "replay_endpoint=%s",
+        "replay_endpoint=%s engine_url=%s",
         req.instance_id,
         req.dp_rank,
         req.engine_type,
@@ -85,6 +85,7 @@ def register(host: RegistrationHost, req: RegisterRequest, max_sources: int) -> 
         req.medium_endpoints or {},
         req.endpoint,
         req.replay_endpoint,
+        req.engine_url,
     )
     saved = host.registry.save_dp(req.instance_id, req.dp_rank)
     out = host.registry.register(req)  # validates before changing anything
@@ -134,6 +135,10 @@ def register(host: RegistrationHost, req: RegisterRequest, max_sources: int) -> 
     host.follow()
     if out.drop_from is not None:
         host.reclaim(out.drop_from)
+    if req.engine_url and out.reregistered and opened:
+        # The engine's URL named new publishers: the engine restarted on new ports. Its
+        # cache is new, as when a sequence goes back (the old blocks age out).
+        host.subs.restarted(out.instance_id, out.dp_rank, opened, "found on new endpoints")
     if out.replay is not None and out.replay.url in opened:
         # A new subscription: catch up from the engine's replay buffer. A URL that was
         # already subscribed kept its socket and lost nothing.

@@ -51,7 +51,7 @@ from kvconductor.schema import (
     StoreOnly,
 )
 from kvconductor.state.protocols import JSONObject
-from kvconductor.urls import UrlError, UrlPolicy, check_url
+from kvconductor.urls import UrlError, UrlPolicy, check_http_url, check_url
 
 _ALL_MEDIA = (Medium.NPU, Medium.CPU, Medium.DISK)
 
@@ -192,6 +192,11 @@ class EndpointInfo:
     shared_store: bool = False
     #: The LoRA adapter of the registration (``lora_name``; None: any).
     lora_name: str | None = None
+    #: The engine's HTTP base URL its publishers were read from, and how the last read
+    #: went (:mod:`kvconductor.state.enginefollow`; not part of the registration).
+    engine_url: str | None = None
+    engine_url_state: str = field(default="ok", compare=False)
+    engine_url_error: str | None = field(default=None, compare=False)
 
     @property
     def backend(self) -> StoreBackend:
@@ -234,6 +239,10 @@ class EndpointInfo:
             "dp_rank": self.dp_rank,
             "replay_endpoint": self.replay_endpoint,
         }
+        if self.engine_url is not None:
+            d["engine_url"] = self.engine_url
+            d["engine_url_state"] = self.engine_url_state
+            d["engine_url_error"] = self.engine_url_error
         if self.store_only is not None:
             d["store_only"] = {"ttl_secs": self.store_only[0], "capacity": self.store_only[1]}
         if self.node_pool:
@@ -499,6 +508,8 @@ class Registry:
                 check_url(endpoint, "endpoint", self.url_policy)
             if req.replay_endpoint:
                 check_url(req.replay_endpoint, "replay_endpoint", self.url_policy, replay=True)
+            if req.engine_url:
+                check_http_url(req.engine_url, "engine_url", self.url_policy)
         except UrlError as ex:
             raise RegistrationError(str(ex)) from None
         groups = resolve_endpoints(medium_endpoints, endpoint)
@@ -573,6 +584,7 @@ class Registry:
             store_only=store_only,
             shared_store=shared_store,
             lora_name=req.lora_name,
+            engine_url=req.engine_url or None,
         )
         contexts = [info.context(req.instance_id, url, media) for url, media in groups.items()]
         unchanged = old is not None and old == info

@@ -191,6 +191,22 @@ def running(tmp_dir: Path, *args: str, **kw):
             assert code == 0, srv.log()
 
 
+@contextlib.contextmanager
+def dialect_server(tmp_dir: Path, flag: str, *args: str):
+    """A :func:`running` server with a dialect's port (``flag``: ``--mooncake-port``,
+    ``--dynamo-port``) and an ``httpx.Client`` of that port, as ``(server, client)``.
+    Registered endpoints that never connect stay live (blocks come over ``POST
+    /events``): no source goes down or is purged however slowly the test runs."""
+    port = free_port()
+    keep = ("--source-down-secs", "86400", "--source-purge-secs", "0")
+    url = f"http://127.0.0.1:{port}"
+    with (
+        running(tmp_dir, flag, str(port), *keep, *args) as srv,
+        httpx.Client(base_url=url, timeout=10.0) as client,
+    ):
+        yield srv, client
+
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvconductor", *args],
