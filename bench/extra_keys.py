@@ -37,15 +37,8 @@ IMG = 151655  # an image placeholder token (the same for every image)
 
 
 def _ctx() -> SubscriberContext:
-    return SubscriberContext(
-        instance_id="eng",
-        dp_rank=0,
-        url="tcp://127.0.0.1:1",
-        model="m",
-        tenant="t",
-        block_size=BS,
-        default_media=(Medium.NPU,),
-    )
+    """One engine's HBM subscription: instance, DP, URL, model, tenant, block size."""
+    return SubscriberContext("eng", 0, "tcp://127.0.0.1:1", "m", "t", BS, (Medium.NPU,))
 
 
 def _prompt(rng: random.Random):

@@ -78,6 +78,22 @@ def vllm_blocks(h, req: _Request) -> tuple[list[bytes], list]:
     return hashes, keys
 
 
+def _event(k, h, chain: tuple[list[bytes], list], lora: str | None = None):
+    """The ``BlockStored`` vLLM's block pool sends for a request's full blocks
+    (``_build_block_stored_event``): its hashes, tokens, LoRA and event extra keys."""
+    hashes, keys = chain
+    return k.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=PROMPT[: len(hashes) * BS],
+        block_size=BS,
+        lora_id=1 if lora else None,
+        medium=k.MEDIUM_GPU,
+        lora_name=lora,
+        extra_keys=h.to_event_extra_keys(keys),
+    )
+
+
 def _reuse(query: list[bytes], stored: list[bytes]) -> int:
     """Blocks vLLM's prefix cache reuses: the leading query hashes it holds (chained)."""
     held = set(stored)
@@ -147,18 +163,7 @@ def test_extra_keys_match_what_vllm_reuses(tmp_path):
                     medium_endpoints={"npu": f"tcp://127.0.0.1:{port}"},
                 )
             for iid, s in STORED.items():
-                hashes, keys = chains[iid]
-                lora = s.get("lora")
-                ev = k.BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=PROMPT[: len(hashes) * BS],
-                    block_size=BS,
-                    lora_id=1 if lora else None,
-                    medium=k.MEDIUM_GPU,
-                    lora_name=lora,
-                    extra_keys=h.to_event_extra_keys(keys),
-                )
+                ev = _event(k, h, chains[iid], s.get("lora"))
                 pub = pubs[iid][0]
 
                 def stored(pub=pub, ev=ev, iid=iid, s=s):
@@ -251,16 +256,7 @@ def test_mooncake_dialect_takes_the_salt(tmp_path):
             reg["hash_profile"] |= {"python_hash_seed": "0", "index_projection": "low64_be"}
             r = mc.post("/register", json=reg)
             assert r.status_code == 200, r.text
-            ev = k.BlockStored(
-                block_hashes=salted[0],
-                parent_block_hash=None,
-                token_ids=PROMPT,
-                block_size=BS,
-                lora_id=None,
-                medium=k.MEDIUM_GPU,
-                lora_name=None,
-                extra_keys=h.to_event_extra_keys(salted[1]),
-            )
+            ev = _event(k, h, salted)
             body = {"model": "qwen", "block_size": BS, "token_ids": PROMPT}
 
             def gpu(**extra) -> int:
