@@ -188,6 +188,10 @@ def test_extra_keys_match_what_vllm_reuses(tmp_path):
                 del by_hash["token_ids"]
                 got = server.http.post("/query_by_hash", json=by_hash).json()
                 assert {i: d["DP"]["0"]["npu_blocks"] for i, d in got["default"].items()} == want
+                # /explain tells the same blocks
+                doc = server.http.post("/explain", json=body).json()
+                told = {i["instance_id"]: i["npu_blocks"] for i in doc["instances"]}
+                assert {i: n for i, n in told.items() if n} == want, body
                 # the client's query call
                 with ConductorClient(server.url) as client:
                     doc = client.query(
@@ -234,6 +238,8 @@ def test_plain_query_bytes_unchanged_and_bad_extra_keys_are_400(tmp_path):
             assert r.status_code == 400 and word in r.json()["error"], r.text
             st, ctype, doc = msgpack_post(server.http, "/query", {**plain, **extra})
             assert st == 400 and ctype.startswith("application/msgpack") and word in doc["error"]
+        r = server.http.post("/explain", json={**plain, "mm_inputs": 5})
+        assert r.status_code == 400 and "mm_inputs" in r.json()["error"], r.text
         by_hash = {"model": "qwen", "block_hashes": [1], "cache_salt": "s"}
         r = server.http.post("/query_by_hash", json=by_hash)
         assert r.status_code == 400 and "block_size" in r.json()["error"]
