@@ -143,12 +143,15 @@ def _blocks(doc: dict) -> dict[str, int]:
     return out
 
 
-def test_extra_keys_match_what_vllm_reuses(tmp_path):
+@pytest.mark.parametrize("workers", [(), ("--workers", "2")], ids=["single", "workers"])
+def test_extra_keys_match_what_vllm_reuses(tmp_path, workers):
+    """One process, and ``--workers 2`` (the queries answered in the workers from the
+    shared index, /explain by the owner)."""
     h = vllm_block_hashing()
     k = vllm_kv_events()
     chains = {iid: vllm_blocks(h, _request(**s)) for iid, s in STORED.items()}
     pubs = {}
-    with started(tmp_path) as server:
+    with started(tmp_path, *workers) as server:
         try:
             for iid in STORED:
                 port = free_tcp_port()
