@@ -400,3 +400,20 @@ def test_command_line_server_modes(tmp_path, capsys):
     assert "| kv-conductor | all | saturation |" in text
     assert "| kv-conductor | 8 | saturation |" in text
     assert ("| dynamo-indexer | all | saturation |" in text) == tds.available()
+
+
+def test_native_answer_times_both_indexes_on_the_replayed_state(capsys):
+    """``bench/native_answer.py`` small: a wide answer has a row per worker, in both."""
+    import json
+
+    from bench import native_answer as na
+
+    argv = ["--requests", "200", "--workers", "16", "--calls", "3", "--rounds", "1"]
+    assert na.main(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["backend"] for r in rows][0] == "kvc-core"
+    assert len(rows) == (2 if tr.dynamo_radix_tree() is not None else 1)
+    for r in rows:
+        assert r["rows"] == 16 and r["wide_calls"] >= 1
+        assert r["wide_us"] > 0 and r["miss_us"] > 0
+    assert rows[0]["store_held_us"] > 0

@@ -30,3 +30,7 @@ cdef uint64_t extra_fold(uint64_t digest, uint64_t item) noexcept nogil
 # ``local[i]`` mixed with ``digests[i]`` where that is not 0.
 cdef void mix_extra_locals(uint64_t* local, const uint64_t* digests, size_t n,
                            uint64_t seed) noexcept nogil
+# ``values``' u64 items in ``v`` (the caller releases it: PyBuffer_Release): a C-contiguous
+# u64 buffer (``array('Q')``, a u64 memoryview) without a copy, else what ``as_u64`` makes
+# of it (ints in [0, 2**64), else OverflowError). No Cython memoryview made.
+cdef int u64_view(Py_buffer* v, object values) except -1

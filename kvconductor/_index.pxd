@@ -46,10 +46,17 @@ cdef struct BatchOp:
 
 cdef struct Scratch:
     size_t W                    # worker-indexed capacity
+    size_t G                    # the groups of ``ends`` (npu, cpu, disk: G each)
+    bint owned                  # hw, hd, hs, stamp, ends, tl malloc'd for this call
+    bint lower                  # a lower tier's walk wrote cpu/disk ends
+    bint dense                  # many results: ``tl`` not kept, ``nt`` only counted
     uint32_t* hw                # tree results: worker
     uint32_t* hd                # tree results: depth
     uint64_t* hs                # tree: ehash by worker
     uint32_t* stamp             # tree scratch
+    uint32_t* tl                # the groups whose ends are not 0, first touch order
+    size_t nt                   # ... how many (tl: G + 1 entries)
+    uint64_t* tb                # a bitmap of G bits, all 0 at rest (thread scratch)
     uint32_t* idx               # walk scratch (HM_NIL filled)
     uint32_t* cand              # walk candidates
     size_t* oend                # walk results: end

@@ -16,9 +16,10 @@ query), ``_index_answers.pxi`` (an answer as Python objects, built in C),
 (explain), ``_index_io.pxi`` (dump and restore), ``_index_shared.pxi`` (``--workers N``).
 """
 from cpython cimport array
+from cpython.buffer cimport PyBuffer_Release
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdio cimport snprintf
-from libc.stdlib cimport free, malloc
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
 
 from kvconductor._cursor cimport HCursor, hc_free, hc_get, hc_init_hashes, hc_init_tokens
@@ -35,7 +36,7 @@ from kvconductor._rwlock cimport (
     pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
 )
-from kvconductor._hash cimport hash_token_blocks
+from kvconductor._hash cimport hash_token_blocks, u64_view
 from kvconductor._arena cimport Arena
 from kvconductor._shlock cimport (
     SHL_EBUSY, SHL_OK, SharedLock, shl_read_enter, shl_read_exit, shl_write_enter,
@@ -85,6 +86,11 @@ cdef extern from "kvconductor/c/index.h":
     uint32_t kvc_load_u32(const uint32_t* p) noexcept nogil
     void kvc_count_yield(int restart) noexcept nogil
     uint64_t kvc_query_count(int restart) noexcept nogil
+    void* kvc_scratch_get() noexcept nogil
+    int kvc_scratch_set(void* p) noexcept nogil
+
+cdef extern from "kvconductor/c/bits.h":
+    unsigned ctz64 "kvc_ctz64"(uint64_t x) noexcept nogil
 
 
 cdef void _state_init(CoreState* st) noexcept nogil:
@@ -216,7 +222,9 @@ cdef class CoreIndex:
     remove/clear/offload/pool_store/evict/sweep; any number of threads may call
     match/match_tokens/stats/worker_blocks concurrently. Every method holds one C
     reader/writer lock for its whole duration (writers exclusive, writer
-    preferred) and runs its C part without the GIL.**
+    preferred) and runs its C part without the GIL.** A query's scratch is its
+    thread's own (one block per reader thread, shared by every index it queries,
+    freed when the thread exits): readers share nothing but the index.
 
     The state lives in one C struct (``CoreState``). **Shared mode** (``--workers N``,
     :func:`install_shared`): the state and every structure array come from the shared

@@ -8,6 +8,10 @@ cdef inline size_t _max(size_t a, size_t b) noexcept nogil:
     return a if a > b else b
 
 
+cdef inline size_t _min(size_t a, size_t b) noexcept nogil:
+    return a if a < b else b
+
+
 # -- query scratch -------------------------------------------------------------------------
 cdef void _scratch_zero(Scratch* s) noexcept nogil:
     """Nothing allocated (``_scratch_free`` frees nothing)."""
@@ -15,12 +19,31 @@ cdef void _scratch_zero(Scratch* s) noexcept nogil:
 
 
 cdef int _scratch_init(Scratch* s, size_t W, size_t G) noexcept nogil:
+    """A scratch of this call's own (``explain``): ``ends`` zeroed; ``_scratch_free``
+    frees it."""
     s.W = W
+    s.G = G
+    s.owned = True
+    s.lower = False
+    s.dense = False
+    s.nt = 0
+    s.tb = NULL
     s.hw = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.hd = <uint32_t*>malloc(W * sizeof(uint32_t) + 1)
     s.hs = <uint64_t*>malloc(W * sizeof(uint64_t) + 1)
     # worker marks of the tier walks, and tree_match's scratch (malloc: 8-byte aligned)
     s.stamp = <uint32_t*>malloc(_max(W * sizeof(uint32_t), tree_match_scratch(W)) + 1)
+    s.tl = <uint32_t*>malloc((G + 1) * sizeof(uint32_t))
+    _scratch_no_tiers(s)
+    s.ends = <uint32_t*>malloc(3 * G * sizeof(uint32_t) + 1)
+    if (s.hw == NULL or s.hd == NULL or s.hs == NULL or s.stamp == NULL or s.ends == NULL
+            or s.tl == NULL):
+        return -1
+    memset(s.ends, 0, 3 * G * sizeof(uint32_t))
+    return 0
+
+
+cdef inline void _scratch_no_tiers(Scratch* s) noexcept nogil:
     # the lower tiers' arrays: on their first use (_scratch_tiers), as most queries of
     # a fleet without CPU/Disk offload never walk a lower tier (PERF: four W-sized
     # mallocs and an O(W) fill less per query, 7,000 engines: ~20 % of the query)
@@ -28,14 +51,106 @@ cdef int _scratch_init(Scratch* s, size_t W, size_t G) noexcept nogil:
     s.cand = NULL
     s.oend = NULL
     s.olast = NULL
-    s.ends = <uint32_t*>malloc(3 * G * sizeof(uint32_t) + 1)
     s.bps = NULL
     s.nbp = 0
     s.bpcap = 0
-    if s.hw == NULL or s.hd == NULL or s.hs == NULL or s.stamp == NULL or s.ends == NULL:
-        return -1
-    memset(s.ends, 0, 3 * G * sizeof(uint32_t))
+
+
+cdef struct ThreadScratch:
+    # the head of a reader thread's scratch block (kvc_scratch_get); the arrays follow
+    # (``_scratch_carve``): hs (W u64), stamp, tb (G bits), hw, hd (W u32), tl (G + 1
+    # u32), ends (3 G u32); tb and ends are all 0 between two queries
+    size_t W
+    size_t G
+
+
+cdef size_t _scratch_carve(Scratch* s, char* p, size_t W, size_t G) noexcept nogil:
+    """Set ``s``'s arrays in the block at ``p`` for a capacity of W workers and G groups
+    (``p`` NULL: only the size). Each array starts on its own page at its own offset,
+    640 B further each: arrays a loop walks in step (``hw``, ``hd``, ``tl``, ``ends``)
+    never sit at the same offset mod 4 KiB, where a load can wait behind an unrelated
+    store (4K aliasing). Returns the block's bytes."""
+    cdef size_t off = 0, k
+    cdef size_t sizes[7]
+    cdef void* a[7]
+    sizes[0] = W * sizeof(uint64_t)
+    sizes[1] = _max(W * sizeof(uint32_t), tree_match_scratch(W))
+    sizes[2] = (G + 63) // 64 * sizeof(uint64_t)
+    sizes[3] = W * sizeof(uint32_t)
+    sizes[4] = W * sizeof(uint32_t)
+    sizes[5] = (G + 1) * sizeof(uint32_t)
+    sizes[6] = 3 * G * sizeof(uint32_t)
+    for k in range(7):
+        off = ((off + 4095) & ~(<size_t>4095)) + 640 * k
+        a[k] = p + off if p != NULL else NULL
+        off += sizes[k]
+    if p != NULL:
+        s.hs = <uint64_t*>a[0]
+        s.stamp = <uint32_t*>a[1]
+        s.tb = <uint64_t*>a[2]
+        s.hw = <uint32_t*>a[3]
+        s.hd = <uint32_t*>a[4]
+        s.tl = <uint32_t*>a[5]
+        s.ends = <uint32_t*>a[6]
+    return off
+
+
+cdef int _scratch_thread(Scratch* s, size_t W, size_t G) noexcept nogil:
+    """The query's scratch from this thread's block, grown (to at least W workers and G
+    groups) when the fleet outgrew it: no allocation and no O(G) clearing per query
+    (PERF: 5 mallocs and 3 x G zeroed per query before). The caller leaves ``tb`` and
+    ``ends`` all 0 again (``_rows_take`` or ``_scratch_untouch``). -1: out of memory."""
+    cdef ThreadScratch* b = <ThreadScratch*>kvc_scratch_get()
+    cdef size_t wc, gc
+    cdef char* p
+    if b == NULL or b.W < W or b.G < G:
+        wc = _max(W, 64 if b == NULL else b.W)
+        gc = _max(G, 64 if b == NULL else b.G)
+        p = <char*>calloc(1, 4096 + _scratch_carve(s, NULL, wc, gc))
+        if p == NULL:
+            return -1
+        if kvc_scratch_set(p) < 0:
+            free(p)
+            return -1
+        b = <ThreadScratch*>p
+        b.W = wc
+        b.G = gc
+    _scratch_carve(s, <char*>b + 4096, b.W, b.G)
+    s.W = W
+    s.G = G
+    s.owned = False
+    s.lower = False
+    s.dense = False
+    s.nt = 0
+    _scratch_no_tiers(s)
     return 0
+
+
+cdef inline void _touch(Scratch* s, uint32_t g) noexcept nogil:
+    """Before group ``g``'s cpu or disk end is raised: listed in ``tl`` if it was 0."""
+    cdef size_t G = s.G
+    if s.dense:
+        s.nt += 1
+    else:
+        s.tl[s.nt] = g
+        s.nt += (s.ends[g] | s.ends[G + g] | s.ends[2 * G + g]) == 0
+    s.lower = True
+
+
+cdef void _scratch_untouch(Scratch* s) noexcept nogil:
+    """The ends of the touched groups back to 0 (a query that builds no rows)."""
+    cdef size_t i, G = s.G
+    cdef uint32_t g
+    if s.dense:
+        memset(s.ends, 0, 3 * G * sizeof(uint32_t))
+        s.nt = 0
+        return
+    for i in range(s.nt):
+        g = s.tl[i]
+        s.ends[g] = 0
+        s.ends[G + g] = 0
+        s.ends[2 * G + g] = 0
+    s.nt = 0
 
 
 cdef int _scratch_tiers(Scratch* s) noexcept nogil:
@@ -56,15 +171,18 @@ cdef int _scratch_tiers(Scratch* s) noexcept nogil:
 
 
 cdef void _scratch_free(Scratch* s) noexcept nogil:
-    free(s.hw)
-    free(s.hd)
-    free(s.hs)
-    free(s.stamp)
+    """Frees what this call allocated (a thread's scratch stays its thread's)."""
+    if s.owned:
+        free(s.hw)
+        free(s.hd)
+        free(s.hs)
+        free(s.stamp)
+        free(s.tl)
+        free(s.ends)
     free(s.idx)
     free(s.cand)
     free(s.oend)
     free(s.olast)
-    free(s.ends)
     mem_free(s.bps)           # grown by grow_array (counted)
     _scratch_zero(s)
 
@@ -447,6 +565,7 @@ cdef int _tier_walk(CoreIndex self, int tier, HCursor* hc, Scratch* s, size_t ni
             if _bp_add(s, g, s.oend[k], last) < 0:
                 return -1
             if s.oend[k] > ends[g]:
+                _touch(s, g)
                 ends[g] = <uint32_t>s.oend[k]
         e = L.edges[e].next_root
     # (b) continuation from the same group's breakpoints only: no cross-DP borrowing
@@ -493,44 +612,86 @@ cdef int _tier_walk(CoreIndex self, int tier, HCursor* hc, Scratch* s, size_t ni
                     free(gws)
                     return -1
                 if s.oend[k] > ends[g]:
+                    _touch(s, g)
                     ends[g] = <uint32_t>s.oend[k]
     free(gws)
     return 0
 
-cdef int _query_rest(CoreIndex self, HCursor* hc, Scratch* s, size_t nh) noexcept nogil:
-    """The query after the HBM walk (``nh`` results in ``s``): HBM depths per group,
-    then the lower tiers from the breakpoints."""
-    cdef size_t k, ncpu_from
-    cdef uint32_t w, g
-    cdef size_t G = self.st.ngroups
+cdef void _hbm_ends(const CoreState* st, Scratch* s, size_t nh) noexcept nogil:
+    """The HBM depths per group of the walk's ``nh`` results (muted workers have none),
+    each group listed in ``s.tl`` on its first depth and counted in ``s.nt``; with
+    ``s.dense`` not listed, and ``s.nt`` only a bound: ``nh`` (PERF: a round-robin fleet's
+    wide answer: every engine is a result; branch-free, the fewest instructions)."""
+    cdef size_t k, nt = s.nt, nw = st.nworkers
+    cdef const uint32_t* hw = s.hw
+    cdef const uint32_t* hd = s.hd
+    cdef const uint32_t* wgroup = st.wgroup
+    cdef const uint8_t* wmute = st.wmute
     cdef uint32_t* npu = s.ends
-    cdef uint32_t* cpu = s.ends + G
-    cdef uint32_t* dsk = s.ends + 2 * G
-    if self.st.tiers[0].live_edges == 0 and self.st.tiers[1].live_edges == 0:
+    cdef uint32_t* tl = s.tl
+    cdef uint32_t w, g, d, old
+    if s.dense:
+        for k in range(nh):
+            w = hw[k]
+            if w >= nw:
+                continue
+            d = hd[k] & ((wmute[w] != 0) - <uint32_t>1)
+            g = wgroup[w]
+            old = npu[g]
+            npu[g] = d if d > old else old
+        nt += nh
+    else:
+        for k in range(nh):
+            w = hw[k]
+            if w >= nw:
+                continue
+            d = hd[k] & ((wmute[w] != 0) - <uint32_t>1)
+            g = wgroup[w]
+            old = npu[g]
+            tl[nt] = g
+            nt += (old == 0) & (d != 0)
+            npu[g] = d if d > old else old
+    s.nt = nt
+
+
+cdef void _hbm_breakpoints(const CoreState* st, Scratch* s, size_t nh) noexcept nogil:
+    """Every unmuted result of the walk a breakpoint (room reserved), for the lower
+    tiers' walks."""
+    cdef size_t k
+    cdef uint32_t w
+    for k in range(nh):
+        w = s.hw[k]
+        if w < st.nworkers and not st.wmute[w]:
+            _bp_add(s, st.wgroup[w], s.hd[k], s.hs[w])     # room reserved: cannot fail
+
+
+cdef inline bint _lower_live(const CoreState* st) noexcept nogil:
+    """Whether a lower tier has edges (else a query walks the HBM tree alone)."""
+    return st.tiers[0].live_edges != 0 or st.tiers[1].live_edges != 0
+
+
+cdef int _query_rest(CoreIndex self, HCursor* hc, Scratch* s, size_t nh,
+                     bint lower) noexcept nogil:
+    """The query after the HBM walk (``nh`` results in ``s``): HBM depths per group,
+    then (``lower``: the walk kept the breakpoints' engine hashes) the lower tiers from
+    the breakpoints."""
+    cdef size_t ncpu_from
+    cdef size_t G = self.st.ngroups
+    # many results: the rows are taken by one pass over the groups, which clears them
+    s.dense = nh * 8 >= G
+    _hbm_ends(self.st, s, nh)
+    if not lower:
         # no lower tier to continue in: the HBM depths alone, no breakpoints (PERF:
         # a round-robin fleet's answer lists every engine; 16 B per holder less)
-        for k in range(nh):
-            w = s.hw[k]
-            if w < self.st.nworkers and not self.st.wmute[w]:
-                g = self.st.wgroup[w]
-                if s.hd[k] > npu[g]:
-                    npu[g] = s.hd[k]
         return 0
     if _bp_reserve(s, nh) < 0:
         return -1
-    for k in range(nh):
-        w = s.hw[k]
-        if w >= self.st.nworkers or self.st.wmute[w]:
-            continue
-        g = self.st.wgroup[w]
-        _bp_add(s, g, s.hd[k], s.hs[w])     # room reserved: cannot fail
-        if s.hd[k] > npu[g]:
-            npu[g] = s.hd[k]
+    _hbm_breakpoints(self.st, s, nh)
     ncpu_from = s.nbp
-    if _tier_walk(self, 0, hc, s, ncpu_from, cpu) < 0:
+    if _tier_walk(self, 0, hc, s, ncpu_from, s.ends + G) < 0:
         return -1
     # Disk continues from every HBM and CPU breakpoint of the same group.
-    if _tier_walk(self, 1, hc, s, s.nbp, dsk) < 0:
+    if _tier_walk(self, 1, hc, s, s.nbp, s.ends + 2 * G) < 0:
         return -1
     return 0
 
@@ -557,21 +718,26 @@ cdef int _query_sections(CoreIndex self, HCursor* hc, Scratch* s, int slot, size
     unchanged and ``tree_match_valid`` holds, else it starts again (at most
     QUERY_RESTARTS times, then in one section). ``stale[0]`` not 0: the handle went
     stale meanwhile (not inside a section then). Returns 0, or -1 out of memory; the
-    caller frees ``s`` either way (initialised here)."""
+    caller frees ``s`` either way (this thread's scratch, set here) and leaves its ends
+    0 again (``_rows_take``, ``_scratch_untouch``)."""
     cdef CoreState* st = self.st
     cdef TreeMatch tm
     cdef size_t W, limit, restarts = 0, nrev0, nw0
     cdef int paused
+    cdef bint lower
     while True:
         W = _query_w(st)
         G[0] = st.ngroups
         nw0 = st.nworkers
         nrev0 = st.tree.nrev
-        if _scratch_init(s, W, G[0]) < 0:
+        lower = _lower_live(st)
+        if _scratch_thread(s, W, G[0]) < 0:
             return -1
         limit = chunk if chunk else hc.n
-        paused = tree_match_start(&st.tree, hc, s.hw, s.hd, s.hs, <uint64_t*>s.stamp, &tm,
-                                  limit)
+        # the breakpoints' engine hashes only when a lower tier may continue from them
+        # (PERF: W x 8 B written and the wide nodes' hashes read less)
+        paused = tree_match_start(&st.tree, hc, s.hw, s.hd, s.hs if lower else NULL,
+                                  <uint64_t*>s.stamp, &tm, limit)
         while paused:
             if kvc_load_u32(&self.lk.xl.writer):
                 kvc_count_yield(0)
@@ -581,13 +747,14 @@ cdef int _query_sections(CoreIndex self, HCursor* hc, Scratch* s, int slot, size
                     return 0
                 st = self.st
                 if (_query_w(st) != W or st.ngroups != G[0] or st.nworkers != nw0
-                        or st.tree.nrev != nrev0
+                        or st.tree.nrev != nrev0 or _lower_live(st) != lower
                         or not tree_match_valid(&st.tree, hc, &tm)):
                     break
             limit += chunk
-            paused = tree_match_resume(&st.tree, hc, s.hw, s.hd, s.hs, &tm, limit)
+            paused = tree_match_resume(&st.tree, hc, s.hw, s.hd, s.hs if lower else NULL,
+                                       &tm, limit)
         if not paused:
-            return _query_rest(self, hc, s, tm.cnt)
+            return _query_rest(self, hc, s, tm.cnt, lower)
         _scratch_free(s)
         kvc_count_yield(1)
         restarts += 1
@@ -595,13 +762,81 @@ cdef int _query_sections(CoreIndex self, HCursor* hc, Scratch* s, int slot, size
             chunk = 0
 
 
+cdef size_t _rows_take(Scratch* s, uint32_t* rows) noexcept nogil:
+    """The answer's rows (group, npu, cpu, disk) by increasing group, from the ends of
+    the touched groups, which go back to 0 (``rows``: room for ``min(s.nt, s.G) + 1``
+    rows). ``s.dense`` (many results): one pass over the groups, a row written for every
+    group and kept for those with an end (no branch per group: a round-robin fleet's
+    answer has most of them); else the ``s.nt`` touched groups' bits in ``tb`` and the
+    rows in bit order. Returns the rows written."""
+    cdef size_t G = s.G, nt = s.nt, m = 0, i, g, nwords
+    cdef uint32_t* npu = s.ends
+    cdef uint32_t* cpu = s.ends + G
+    cdef uint32_t* dsk = s.ends + 2 * G
+    cdef uint64_t* tb = s.tb
+    cdef uint32_t n_, c_, d_, top
+    cdef uint64_t x
+    s.nt = 0
+    if nt == 0:
+        return 0
+    if s.dense:
+        if not s.lower:
+            for g in range(G):
+                n_ = npu[g]
+                npu[g] = 0
+                rows[4 * m] = <uint32_t>g
+                rows[4 * m + 1] = n_
+                rows[4 * m + 2] = 0
+                rows[4 * m + 3] = 0
+                m += n_ != 0
+            return m
+        for g in range(G):
+            n_ = npu[g]
+            c_ = cpu[g]
+            d_ = dsk[g]
+            npu[g] = 0
+            cpu[g] = 0
+            dsk[g] = 0
+            top = n_ if n_ > c_ else c_
+            rows[4 * m] = <uint32_t>g
+            rows[4 * m + 1] = n_
+            rows[4 * m + 2] = c_ - n_ if c_ > n_ else 0
+            rows[4 * m + 3] = d_ - top if d_ > top else 0
+            m += (n_ | c_ | d_) != 0
+        return m
+    for i in range(nt):
+        g = s.tl[i]
+        tb[g >> 6] |= (<uint64_t>1) << (g & 63)
+    nwords = (G + 63) >> 6
+    for i in range(nwords):
+        x = tb[i]
+        if x == 0:
+            continue
+        tb[i] = 0
+        while x:
+            g = i * 64 + ctz64(x)
+            x &= x - 1
+            n_ = npu[g]
+            c_ = cpu[g]
+            d_ = dsk[g]
+            npu[g] = 0
+            cpu[g] = 0
+            dsk[g] = 0
+            top = n_ if n_ > c_ else c_
+            rows[4 * m] = <uint32_t>g
+            rows[4 * m + 1] = n_
+            rows[4 * m + 2] = c_ - n_ if c_ > n_ else 0
+            rows[4 * m + 3] = d_ - top if d_ > top else 0
+            m += 1
+    return m
+
+
 cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
     cdef int slot_, stale_ = 0
     cdef Scratch s
     cdef int rc = 0
-    cdef size_t G = 0, g, m = 0
+    cdef size_t G = 0, m = 0
     cdef size_t chunk = QUERY_CHUNK if self.attached else 0
-    cdef uint32_t n_, c_, d_, top
     cdef uint32_t* rows = NULL
     _scratch_zero(&s)
     slot_ = self._reader()
@@ -611,47 +846,44 @@ cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
             rc = _query_sections(self, hc, &s, slot_, chunk, &G, &stale_)
             if stale_ == 0:
                 _runlock(self, slot_)
-        if stale_ == 0 and rc == 0:
-            # the answer: one u32 row per group with a hit, in C (no Python per row);
-            # counted without a branch per group (the compiler vectorizes it: a miss at
-            # 7,000 groups spent most of its time in this scan)
-            for g in range(G):
-                m += (s.ends[g] | s.ends[G + g] | s.ends[2 * G + g]) != 0
-            if m:
-                rows = <uint32_t*>malloc(4 * m * sizeof(uint32_t))
-                if rows == NULL:
-                    rc = -1
-                else:
-                    m = 0
-                    for g in range(G):
-                        n_ = s.ends[g]
-                        c_ = s.ends[G + g]
-                        d_ = s.ends[2 * G + g]
-                        if n_ or c_ or d_:
-                            top = n_ if n_ > c_ else c_
-                            rows[4 * m] = <uint32_t>g
-                            rows[4 * m + 1] = n_
-                            rows[4 * m + 2] = c_ - n_ if c_ > n_ else 0
-                            rows[4 * m + 3] = d_ - top if d_ > top else 0
-                            m += 1
+        if stale_ == 0 and rc == 0 and s.nt:
+            # the answer: one u32 row per group with a hit, in C (no Python per row),
+            # from the groups the query touched (this thread's scratch left all 0)
+            rows = <uint32_t*>malloc(4 * (_min(s.nt, s.G) + 1) * sizeof(uint32_t))
+            if rows == NULL:
+                rc = -1
+            else:
+                m = _rows_take(&s, rows)
+        if s.nt:
+            _scratch_untouch(&s)
     _scratch_free(&s)
     if stale_ == CORE_CLOSED and not self.attached:
+        free(rows)
         return rows_wrap(NULL, 0)   # closed meanwhile (reclaimed): an empty index
     if stale_:
+        free(rows)
         self._stale(stale_)
     if rc < 0:
         free(rows)
         raise MemoryError()
+    if m == 0:
+        free(rows)
+        rows = NULL
     return rows_wrap(rows, m)
 
 cdef object _match_rows(CoreIndex self, local_hashes):
-    cdef const uint64_t[::1] lv = as_u64(local_hashes)
-    cdef size_t n = lv.shape[0]
+    cdef Py_buffer lv
+    cdef size_t n
     cdef HCursor hc
-    if n == 0:
-        return rows_wrap(NULL, 0)
-    hc_init_hashes(&hc, &lv[0], n)
-    return _run_query(self, &hc)
+    u64_view(&lv, local_hashes)
+    try:
+        n = <size_t>lv.len // sizeof(uint64_t)
+        if n == 0:
+            return rows_wrap(NULL, 0)
+        hc_init_hashes(&hc, <const uint64_t*>lv.buf, n)
+        return _run_query(self, &hc)
+    finally:
+        PyBuffer_Release(&lv)
 
 cdef object _match_tokens_rows(CoreIndex self, tokens, size_t block_size, uint64_t seed):
     cdef const uint32_t[::1] tv = to_u32_tokens(tokens)

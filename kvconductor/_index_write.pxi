@@ -77,20 +77,31 @@ cdef long _store_c(CoreIndex self, uint32_t worker, int tier, bint hp, uint64_t 
 
 cdef object _store(CoreIndex self, uint32_t worker, parent, engine_hashes, local_hashes):
     cdef int tier = self._tier(worker)
-    cdef const uint64_t[::1] sv = as_u64(engine_hashes)
-    cdef const uint64_t[::1] lv = as_u64(local_hashes)
-    cdef size_t n = min(sv.shape[0], lv.shape[0])
+    cdef Py_buffer sv, lv
+    cdef size_t n
     cdef bint hp = parent is not None
     cdef uint64_t p = parent if hp else 0
     cdef long rc
-    self._writable()
-    if n == 0:
-        return 0
-    with nogil:
-        _wlock(self)
-        rc = _store_c(self, worker, tier, hp, p, &sv[0], &lv[0], n)
-        _wunlock(self)
-    return check_rc(rc)
+    u64_view(&sv, engine_hashes)
+    try:
+        u64_view(&lv, local_hashes)
+    except BaseException:
+        PyBuffer_Release(&sv)
+        raise
+    try:
+        n = <size_t>min(sv.len, lv.len) // sizeof(uint64_t)
+        self._writable()
+        if n == 0:
+            return 0
+        with nogil:
+            _wlock(self)
+            rc = _store_c(self, worker, tier, hp, p, <const uint64_t*>sv.buf,
+                          <const uint64_t*>lv.buf, n)
+            _wunlock(self)
+        return check_rc(rc)
+    finally:
+        PyBuffer_Release(&lv)
+        PyBuffer_Release(&sv)
 
 cdef object _store_tokens(CoreIndex self, uint32_t worker, parent, engine_hashes, tokens,
                           size_t block_size, uint64_t seed):

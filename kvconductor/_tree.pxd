@@ -116,7 +116,8 @@ cdef uint32_t tree_rev_get(const Tree* t, uint32_t worker, uint64_t ehash) noexc
 cdef bint tree_member_ehash(const Tree* t, uint32_t node, uint32_t worker,
                             uint64_t* out) noexcept nogil
 # Match: fills out_worker[k]/out_depth[k] for result k and out_ehash[w] (indexed by
-# worker id) -- all of capacity t.nrev; ``scratch`` holds tree_match_scratch(t.nrev)
+# worker id) -- all of capacity t.nrev; ``out_ehash`` may be NULL (no breakpoints wanted:
+# the walk skips the engine hashes); ``scratch`` holds tree_match_scratch(t.nrev)
 # bytes, 8-byte aligned. Returns the number of results.
 cdef size_t tree_match(const Tree* t, HCursor* hc, uint32_t* out_worker, uint32_t* out_depth,
                        uint64_t* out_ehash, uint64_t* scratch) noexcept nogil

@@ -61,8 +61,9 @@ cdef size_t _settle(const Tree* t, uint32_t node, const uint64_t* A, const uint6
                     size_t NW, uint32_t depth, uint32_t* out_worker, uint32_t* out_depth,
                     uint64_t* out_ehash, size_t nout, uint64_t* sig) noexcept nogil:
     """The candidates of ``A`` not in ``K`` (all members of ``node``) end on ``node``:
-    ``out_ehash[w]`` = w's engine hash there; when ``out_worker`` is not NULL each is also
-    appended as (w, ``depth``) at ``nout``; ``sig`` (when not NULL) adds their
+    ``out_ehash[w]`` = w's engine hash there (when ``out_ehash`` is not NULL); when
+    ``out_worker`` is not NULL each is also appended as (w, ``depth``) at ``nout``;
+    ``sig`` (when not NULL) adds their
     fingerprints. Returns the new ``nout``. O(members) for a member list, O(NW + leavers)
     for a wide node."""
     cdef const TNode* n = &t.nodes[node]
@@ -82,8 +83,9 @@ cdef size_t _settle(const Tree* t, uint32_t node, const uint64_t* A, const uint6
                 # every member of the word ends here (the common case): ranks in a row
                 while x:
                     w = <uint32_t>(i * 64 + ctz64(x))
-                    out_ehash[w] = ehs[rank]
-                    rank += 1
+                    if out_ehash != NULL:
+                        out_ehash[w] = ehs[rank]
+                        rank += 1
                     if out_worker != NULL:
                         out_worker[nout] = w
                         out_depth[nout] = depth
@@ -95,8 +97,8 @@ cdef size_t _settle(const Tree* t, uint32_t node, const uint64_t* A, const uint6
             while x:
                 b = ctz64(x)
                 w = <uint32_t>(i * 64 + b)
-                e = ehs[rank + popc64(word & (((<uint64_t>1) << b) - 1))]
-                out_ehash[w] = e
+                if out_ehash != NULL:
+                    out_ehash[w] = ehs[rank + popc64(word & (((<uint64_t>1) << b) - 1))]
                 if out_worker != NULL:
                     out_worker[nout] = w
                     out_depth[nout] = depth
@@ -118,7 +120,8 @@ cdef size_t _settle(const Tree* t, uint32_t node, const uint64_t* A, const uint6
         return nout
     while True:
         if _bit(A, w) and not _bit(K, w):
-            out_ehash[w] = e
+            if out_ehash != NULL:
+                out_ehash[w] = e
             if out_worker != NULL:
                 out_worker[nout] = w
                 out_depth[nout] = depth
@@ -262,7 +265,8 @@ cdef int _match_list(const Tree* t, HCursor* hc, TreeMatch* ms, uint32_t* L, uin
             step += 1
             continue
         # ... the others stop at depth ``step`` with their ehash on ``node``.
-        _settle(t, node, A, K, NW, step, NULL, NULL, out_ehash, 0, NULL)
+        if out_ehash != NULL:
+            _settle(t, node, A, K, NW, step, NULL, NULL, out_ehash, 0, NULL)
         j = 0
         asig = 0
         for k in range(alive):
@@ -285,7 +289,8 @@ cdef int _match_list(const Tree* t, HCursor* hc, TreeMatch* ms, uint32_t* L, uin
         node = child
         step += 1
     # The survivors end on ``node`` at depth ``step``.
-    _settle(t, node, A, K, NW, step, NULL, NULL, out_ehash, 0, NULL)
+    if out_ehash != NULL:
+        _settle(t, node, A, K, NW, step, NULL, NULL, out_ehash, 0, NULL)
     for k in range(alive):
         D[k] = step
     ms.alive = 0

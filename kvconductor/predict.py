@@ -36,15 +36,13 @@ per predicted engine hash), so a dropped prediction leaves no trace.
 
 from __future__ import annotations
 
-import struct
 import time
 from array import array
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from xxhash import xxh3_64_intdigest
-
+from kvconductor import _hash
 from kvconductor.keys import Medium, WorkerKey
 
 __all__ = [
@@ -68,8 +66,6 @@ OUTCOMES = ("added", "confirmed", "expired", "dropped", "contradicted")
 #: The seed of :func:`chain_hashes` (so the predicted hashes are no engine's).
 CHAIN_SEED = 0x9E3779B97F4A7C15
 
-_PAIR = struct.Struct("<QQ")
-
 
 def predicted_key(instance_id: str, dp_rank: int) -> WorkerKey:
     """The HBM worker that holds the predictions of (instance, DP)."""
@@ -82,14 +78,10 @@ def is_predicted(key: WorkerKey) -> bool:
 
 def chain_hashes(local_hashes: Iterable[int]) -> array:
     """The predicted blocks' engine hashes: ``c[i] = XXH3-64(c[i-1] || local[i])`` (u64
-    LE, ``c[-1] = 0``, seeded): a block's hash names its whole prefix."""
-    out = array("Q")
-    prev = 0
-    pack = _PAIR.pack
-    for h in local_hashes:
-        prev = xxh3_64_intdigest(pack(prev, h), CHAIN_SEED)
-        out.append(prev)
-    return out
+    LE, ``c[-1] = 0``, seeded): a block's hash names its whole prefix. Hashed in C
+    without the GIL (``_hash.chain_hashes``; PERF: 62,500 blocks on the ingest thread
+    took 11 ms in Python)."""
+    return _hash.chain_hashes(local_hashes, CHAIN_SEED)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """LocalBlockHash: golden vectors of docs/api.md "Block hashing" and agreement with xxhash; a
-store-only chunk's block hashes (split_chunk_hashes) against their oracle, kvconductor._py.hash."""
+store-only chunk's block hashes (split_chunk_hashes) and a chain's prefix hashes
+(chain_hashes) against their oracles, kvconductor._py.hash."""
 
 import array as _array
 import struct
@@ -143,6 +144,30 @@ def test_split_chunk_hashes_keeps_the_chunk_hash_last():
     assert len(set(out)) == 6
     assert _hash.split_chunk_hashes([7], 1) == _array.array("Q", [7])
     assert _hash.split_chunk_hashes([7], 0) == _array.array("Q")
+
+
+# -- a chain's prefix hashes: C against the oracle and xxhash itself ----------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**64 - 1), max_size=40),
+    st.integers(0, 2**64 - 1),
+)
+def test_chain_hashes_match_the_oracle(hashes, seed):
+    assert _hash.chain_hashes(hashes, seed) == py_hash.chain_hashes(hashes, seed)
+
+
+def test_chain_hashes_are_xxh3_of_the_previous_and_the_block():
+    out = _hash.chain_hashes(_array.array("Q", [5, 2**64 - 1]), 7)
+    first = xxhash.xxh3_64_intdigest(struct.pack("<QQ", 0, 5), 7)
+    assert list(out) == [
+        first,
+        xxhash.xxh3_64_intdigest(struct.pack("<QQ", first, 2**64 - 1), 7),
+    ]
+    assert _hash.chain_hashes([], 7) == _array.array("Q")
+    with pytest.raises(OverflowError):
+        _hash.chain_hashes([2**64], 7)
 
 
 def test_sub_block_hash_golden():

@@ -180,3 +180,57 @@ def test_introspection_while_the_writer_grows_the_arrays(kind):
             th.join(10)
     assert bad == []
     assert all(t.worker_blocks(w) == 1 for w in range(0, nworkers, 97))
+
+
+def test_reader_threads_keep_their_own_scratch_across_fleets():
+    """A query's scratch is its reader thread's own (grown with the fleet, freed when the
+    thread exits): threads that come and go, each querying a small and a wide index in
+    turn (a sparse answer, then a dense one, then a miss), get every answer exact."""
+    from array import array
+
+    from kvconductor._index import CoreIndex
+
+    def fleet(workers):
+        c = CoreIndex()
+        for w in range(workers):
+            c.set_worker(w, w // 2, 0)  # two workers per group: the per-group maximum
+            c.store(w, None, array("Q", [w + 1, 10**6 + w]), array("Q", [7, 100 + w % 3]))
+            if w % 500 == 1:  # a root block six workers hold: a sparse answer of the wide
+                c.store(w, None, array("Q", [2 * 10**6 + w]), array("Q", [55]))
+        return c
+
+    small, wide = fleet(6), fleet(3000)
+    queries = [
+        (small, array("Q", [7, 101])),
+        (wide, array("Q", [7, 102])),
+        (wide, array("Q", [7])),
+        (small, array("Q", [99])),
+        (wide, array("Q", [55, 3])),
+    ]
+    expected = [c.match_rows(q).tolist() for c, q in queries]
+    assert expected[0] == [(0, 2, 0, 0), (1, 1, 0, 0), (2, 2, 0, 0)]
+    assert len(expected[1]) == 1500 and expected[1][1] == (1, 2, 0, 0)
+    assert expected[2] == [(g, 1, 0, 0) for g in range(1500)]
+    assert expected[3] == []
+    assert expected[4] == [(g, 1, 0, 0) for g in (0, 250, 500, 750, 1000, 1250)]
+    errors = []
+
+    def reader(k):
+        try:
+            for i in range(60):
+                c, q = queries[(i + k) % len(queries)]
+                got = c.match_rows(q).tolist()
+                if got != expected[(i + k) % len(queries)]:
+                    errors.append((k, i, len(got)))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    for wave in range(3):
+        threads = [threading.Thread(target=reader, args=(k + wave,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    small.close()
+    wide.close()

@@ -1,19 +1,23 @@
 """Pure-Python twins of ``kvconductor._hash`` (test oracles): ``split_chunk_hashes``, the
 engine hashes kvconductor gives the registered blocks of a store-only source's chunk
-(docs/api.md, "Store-only sources"); the extra keys of a block (``extra_digest``,
-``mix_extra``, ``query_extra_digests``; docs/api.md, "Block hashing") and of a vLLM event
-(``event_extra_digests``, the twin of ``kvconductor._ingest.extra_key_digests``)."""
+(docs/api.md, "Store-only sources"); ``chain_hashes``, a chain's prefix hashes (a
+router's predicted blocks, ``kvconductor.predict``); the extra keys of a block
+(``extra_digest``, ``mix_extra``, ``query_extra_digests``; docs/api.md, "Block hashing")
+and of a vLLM event (``event_extra_digests``, the twin of
+``kvconductor._ingest.extra_key_digests``)."""
 
 from __future__ import annotations
 
+import struct
 from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
-import xxhash
+from xxhash import xxh3_64_intdigest
 
 _M64 = 0xFFFFFFFFFFFFFFFF
+_PAIR = struct.Struct("<QQ")
 
 
 def sub_block_hash(h: int, j: int) -> int:
@@ -42,20 +46,16 @@ def split_chunk_hashes(hashes: Iterable[int], k: int) -> array:
 _MM, _SALT, _EMBEDS = 0x6D, 0x73, 0x65
 
 
-def _xxh3(data: bytes, seed: int) -> int:
-    return xxhash.xxh3_64_intdigest(data, seed)
-
-
 def pair_hash(a: int, b: int, seed: int) -> int:
     """XXH3-64 of ``a`` and ``b`` as 16 little-endian bytes."""
-    return _xxh3((a & _M64).to_bytes(8, "little") + (b & _M64).to_bytes(8, "little"), seed)
+    return xxh3_64_intdigest(_PAIR.pack(a & _M64, b & _M64), seed)
 
 
 def _item(kind: str, value: str | bytes, offset: int = 0) -> int:
     data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
     if kind == "mm":
-        return pair_hash(_xxh3(data, _MM), offset, _MM)
-    return _xxh3(data, _SALT if kind == "salt" else _EMBEDS)
+        return pair_hash(xxh3_64_intdigest(data, _MM), offset, _MM)
+    return xxh3_64_intdigest(data, _SALT if kind == "salt" else _EMBEDS)
 
 
 def extra_digest(items: Iterable[tuple]) -> int:
@@ -142,3 +142,13 @@ def event_extra_digests(raw: bytes, lora_name: str | None, nblocks: int) -> arra
                 raise ValueError(f"an extra key of unknown shape: {it!r}"[:120])
         out.append(extra_digest(items))
     return out if any(out) else None
+
+
+def chain_hashes(local_hashes: Iterable[int], seed: int) -> array:
+    """``c[i] = XXH3-64(c[i-1] || local[i], seed)`` (u64 LE, ``c[-1] = 0``)."""
+    out = array("Q")
+    prev = 0
+    for h in local_hashes:
+        prev = pair_hash(prev, h, seed)
+        out.append(prev)
+    return out
