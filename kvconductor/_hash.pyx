@@ -231,6 +231,124 @@ cdef inline uint64_t _le64(uint64_t x) noexcept nogil:
     return ((x & 0x00FF00FF00FF00FFULL) << 8) | ((x >> 8) & 0x00FF00FF00FF00FFULL)
 
 
+# -- extra keys (docs/api.md, "Block hashing": "Extra keys") ---------------------------------
+# A block's extra keys (vLLM's per-block multimodal hashes with their offsets, cache_salt,
+# prompt-embeds digests; the LoRA name is the seed already) fold into one digest, which
+# mixes into the block's LocalBlockHash. No extra keys: no digest (0), the hash unchanged.
+
+cdef uint64_t pair_hash(uint64_t a, uint64_t b, uint64_t seed) noexcept nogil:
+    cdef uint64_t buf[2]
+    buf[0] = _le64(a)
+    buf[1] = _le64(b)
+    return _XXH3(<const void*>buf, 16, seed)
+
+
+cdef uint64_t extra_item(int tag, const void* data, size_t n, uint64_t offset) noexcept nogil:
+    if tag == XK_MM:
+        return pair_hash(_XXH3(data, n, XK_MM), offset, XK_MM)
+    return _XXH3(data, n, <uint64_t>tag)
+
+
+cdef uint64_t extra_fold(uint64_t digest, uint64_t item) noexcept nogil:
+    cdef uint64_t d = pair_hash(digest, item, 0)
+    return d if d else 1
+
+
+cdef void mix_extra_locals(uint64_t* local, const uint64_t* digests, size_t n,
+                           uint64_t seed) noexcept nogil:
+    cdef size_t i
+    for i in range(n):
+        if digests[i]:
+            local[i] = pair_hash(local[i], digests[i], seed)
+
+
+def extra_digest(items):
+    """The digest of one block's extra keys: ``items`` in vLLM's order, each
+    ``("mm", identifier, offset)``, ``("salt", cache_salt)`` or ``("embeds", digest
+    bytes)``; 0 for no items."""
+    cdef uint64_t d = 0
+    cdef const uint8_t[::1] view
+    for item in items:
+        kind = item[0]
+        data = item[1].encode("utf-8") if isinstance(item[1], str) else bytes(item[1])
+        view = data
+        tag = XK_MM if kind == "mm" else (XK_SALT if kind == "salt" else XK_EMBEDS)
+        if kind not in ("mm", "salt", "embeds"):
+            raise ValueError(f"unknown extra key kind {kind!r}")
+        off = (item[2] & 0xFFFFFFFFFFFFFFFF) if kind == "mm" else 0
+        d = extra_fold(d, extra_item(tag, &view[0] if view.shape[0] else <const uint8_t*>b"",
+                                     view.shape[0], off))
+    return d
+
+
+def mix_extra(local_hashes, digests, unsigned long long seed=KVC_SEED):
+    """``local_hashes`` with each block's extra-key digest mixed in (a digest of 0 leaves
+    its block's hash as it is), as a new ``array('Q')``; ``digests`` may be shorter."""
+    out = _array.array("Q", as_u64(local_hashes))
+    dig = as_u64(digests)
+    cdef uint64_t[::1] ov = out
+    cdef const uint64_t[::1] dv = dig
+    cdef size_t n = min(ov.shape[0], dv.shape[0])
+    if n:
+        with nogil:
+            mix_extra_locals(&ov[0], &dv[0], n, seed)
+    return out
+
+
+def query_extra_digests(size_t n_tokens, size_t block_size, cache_salt=None, mm_inputs=()):
+    """The extra-key digests of a query's blocks (``ceil(n_tokens / block_size)``, as
+    ``array('Q')``), placed as vLLM's ``generate_block_hash_extra_keys`` places them:
+    ``cache_salt`` on the first block; each ``(identifier, offset, length)`` of
+    ``mm_inputs`` (sorted by offset) on every block it overlaps, with its offset relative
+    to the block's start."""
+    cdef size_t nb = 0 if block_size == 0 else (n_tokens + block_size - 1) // block_size
+    out = _array.array("Q", bytes(8 * nb))
+    if nb == 0:
+        return out
+    cdef uint64_t[::1] ov = out
+    feats = sorted(mm_inputs, key=lambda f: f[1])
+    cdef size_t nf = len(feats), f, cur = 0, b
+    cdef long long start, end, off, length
+    ids = _array.array("Q", [_mm_id(x[0]) for x in feats])
+    offs = _array.array("q", [x[1] for x in feats])
+    lens = _array.array("q", [x[2] for x in feats])
+    cdef const uint64_t[::1] idv = ids if nf else _array.array("Q", [0])
+    cdef const long long[::1] offv = offs if nf else _array.array("q", [0])
+    cdef const long long[::1] lenv = lens if nf else _array.array("q", [0])
+    cdef uint64_t d
+    for b in range(nb):
+        start = <long long>(b * block_size)
+        end = start + <long long>block_size
+        d = 0
+        # vLLM's _gen_mm_extra_hash_keys: the inputs overlapping [start, end), in order
+        f = cur
+        while f < nf:
+            off = offv[f]
+            length = lenv[f]
+            if end <= off:
+                break
+            if start >= off + length:
+                f += 1
+                cur = f
+                continue
+            d = extra_fold(d, pair_hash(idv[f], <uint64_t>(off - start), XK_MM))
+            if end >= off + length:
+                f += 1
+                cur = f
+            else:
+                break
+        if b == 0 and cache_salt:
+            salt = cache_salt.encode("utf-8")
+            d = extra_fold(d, _XXH3(<const char*>salt, len(salt), XK_SALT))
+        ov[b] = d
+    return out
+
+
+def _mm_id(identifier):
+    data = identifier.encode("utf-8")
+    return _XXH3(<const char*>data, len(data), XK_MM)
+
+
 def chain_hashes(local_hashes, unsigned long long seed):
     """A chain's hashes, each naming its whole prefix: ``c[i] = XXH3-64(c[i-1] ||
     local[i], seed)`` over the two u64 little-endian (16 bytes), ``c[-1] = 0``, as one

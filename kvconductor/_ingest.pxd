@@ -25,12 +25,19 @@ cdef struct Ev:                 # the event being parsed
     uint32_t seen               # bit per field id already read (duplicate keys)
     uint8_t has_parent
     uint8_t kind_rejected       # kv_cache_spec_kind names a non-prefix attention kind
+    const uint8_t* xk           # extra_keys: its msgpack value (xkn bytes; 0: nil/absent)
+    size_t xkn
+    const uint8_t* lora         # lora_name (lora_n bytes; 0: none)
+    size_t lora_n
+    const uint8_t* salt         # SGLang's cache_salt (salt_n bytes; 0: none or not a str)
+    size_t salt_n
 
 
 cdef class FastBatch:
     cdef uint64_t seed          # base seed of token hashing (LoRA events derive their own)
     cdef uint64_t* hs           # engine hashes of every event, in wire order
     cdef uint64_t* loc          # LocalBlockHashes, parallel to hs
+    cdef uint64_t* xd           # extra-key digests of the stored blocks, parallel to hs
     cdef size_t hs_cap
     cdef size_t hs_used
     cdef uint32_t* tok          # token ids of the event being parsed

@@ -1,3 +1,5 @@
+from array import array
+
 from typing_extensions import Self, disjoint_base
 
 from kvconductor._index import CoreIndex
@@ -17,6 +19,9 @@ PAYLOAD_POOL: int
 PAYLOAD_VLLM_TAG: int
 
 def array_payload_kind(payload: bytes | bytearray | memoryview, whole: bool = True) -> int: ...
+def extra_key_digests(
+    raw: bytes | bytearray | memoryview, lora_name: str | None, nblocks: int
+) -> array | None: ...
 
 @disjoint_base
 class FastBatch:

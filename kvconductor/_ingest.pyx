@@ -23,12 +23,15 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, strlen
 
-from kvconductor._hash cimport KVC_SEED, hash_token_blocks, xxh3
+from kvconductor._hash cimport (KVC_SEED, XK_EMBEDS, XK_MM, XK_SALT, extra_fold, extra_item,
+                                hash_token_blocks, mix_extra_locals, xxh3)
 from kvconductor._pool cimport HM_NIL, grow_array, live_allocations, mem_free
 from kvconductor._index cimport OP_CLEAR, OP_EVICT, OP_STORE, BatchOp, CoreIndex
 from kvconductor._tree cimport T_ERR_PARENT, T_ERR_SEQUENCE
 from kvconductor._readers cimport (WIRE_EOF, WIRE_OK, _eq, _left, mp_bin, mp_container, mp_int,
                                    mp_skip, mp_str, mp_u32_array, wcur)
+
+import array as _array
 
 # -- result flags of a parsed batch ------------------------------------------------------
 cdef enum:
@@ -52,10 +55,11 @@ cdef enum:
     R_SKIPPED_VALUE = 11
     R_OOM = 12
     R_LORAS = 13            # more distinct LoRA names than LORA_MAX in one batch
+    R_EXTRA = 14            # extra_keys of a shape that is not vLLM's (the Python path drops)
 
 _REASONS = ("", "envelope", "truncated", "event", "medium", "hash", "field", "pool_key",
             "duplicate_key", "tokens", "block_size", "skipped_value", "out_of_memory",
-            "too_many_loras")
+            "too_many_loras", "extra_keys")
 
 # -- event kinds and field ids -------------------------------------------------------------
 cdef enum:
@@ -78,12 +82,14 @@ cdef enum:
     FID_LOCALITY = 11
     FID_OWNERSHIP = 12
     FID_SESSION = 13
-    FID_POOL = 14               # event_type / seq_hashes / backend_id / event_id
-    FID_SKIP = 15               # ignored by the decoders (skipped as raw msgpack)
-    FID_DECLINE = 16            # tokens_hashes: the general path applies such an event
+    FID_EXTRA = 14              # extra_keys: mixed into the blocks' local hashes
+    FID_SALT = 15               # SGLang's cache_salt: mixed into a chain's first block
+    FID_POOL = 16               # event_type / seq_hashes / backend_id / event_id
+    FID_SKIP = 17               # ignored by the decoders (skipped as raw msgpack)
+    FID_DECLINE = 18            # tokens_hashes: the general path applies such an event
 
 # Map keys each event struct of kvconductor.ingest.vllm declares (others are skipped).
-cdef uint32_t _KNOWN_STORED = (1 << 14) - 1
+cdef uint32_t _KNOWN_STORED = (1 << 16) - 1
 cdef uint32_t _KNOWN_REMOVED = ((1 << FID_TYPE) | (1 << FID_HASHES) | (1 << FID_MEDIUM)
                                 | (1 << FID_GROUP))
 cdef uint32_t _KNOWN_CLEARED = 1 << FID_TYPE
@@ -91,7 +97,7 @@ cdef uint32_t _KNOWN_CLEARED = 1 << FID_TYPE
 # Array (positional) events: field id of position 1, 2, ... (beyond the table: skipped).
 cdef int _POS_STORED[11]
 _POS_STORED[:] = [FID_HASHES, FID_PARENT, FID_TOKENS, FID_BLOCK_SIZE, FID_LORA_ID, FID_MEDIUM,
-                  FID_LORA_NAME, FID_SKIP, FID_GROUP, FID_KIND, FID_WINDOW]
+                  FID_LORA_NAME, FID_EXTRA, FID_GROUP, FID_KIND, FID_WINDOW]
 cdef int _POS_REMOVED[3]
 _POS_REMOVED[:] = [FID_HASHES, FID_MEDIUM, FID_GROUP]
 
@@ -105,12 +111,13 @@ cdef extern from "kvconductor/c/ingest.h":
     const lit_t _HBM_MEDIA "kvi_hbm_media"[10]
     const lit_t _REJECTED_KINDS "kvi_rejected_kinds"[6]
 
-# Map key of each field id FID_TYPE .. FID_SESSION (what _fid recognises), and the
+# Map key of each field id FID_TYPE .. FID_SALT (what _fid recognises), and the
 # pool-event keys that make it FID_POOL.
-cdef const char* _FID_NAMES[14]
+cdef const char* _FID_NAMES[16]
 _FID_NAMES[:] = [b"type", b"block_hashes", b"parent_block_hash", b"token_ids", b"block_size",
                  b"lora_id", b"medium", b"lora_name", b"group_idx", b"kv_cache_spec_kind",
-                 b"kv_cache_spec_sliding_window", b"locality", b"ownership", b"session_id"]
+                 b"kv_cache_spec_sliding_window", b"locality", b"ownership", b"session_id",
+                 b"extra_keys", b"cache_salt"]
 cdef const char* _POOL_NAMES[4]
 _POOL_NAMES[:] = [b"event_type", b"seq_hashes", b"backend_id", b"event_id"]
 
@@ -121,7 +128,7 @@ cdef tuple _names(const int* fids, int n):
 
 
 cdef tuple _known(uint32_t mask):
-    return tuple([_FID_NAMES[i].decode() for i in range(14) if mask & (1u << i)])
+    return tuple([_FID_NAMES[i].decode() for i in range(16) if mask & (1u << i)])
 
 
 #: Medium strings the fast path takes as HBM ("" too); keys.parse_medium's NPU aliases.
@@ -253,7 +260,7 @@ cdef inline int _tag(wcur* c, int* kind) noexcept nogil:
 
 # Every map key _fid names, grouped by length: the fields, the pool keys, the declined key.
 cdef enum:
-    NKEYS = 19
+    NKEYS = 21
     KEY_MAXLEN = 28
 cdef const char* _KEYS[NKEYS]
 cdef int _KEY_FID[NKEYS]
@@ -264,14 +271,14 @@ cdef int _index_keys() noexcept:
     cdef const char* names[NKEYS]
     cdef int fids[NKEYS]
     cdef int i, n, k = 0
-    for i in range(14):
+    for i in range(16):
         names[i] = _FID_NAMES[i]
         fids[i] = i
     for i in range(4):
-        names[14 + i] = _POOL_NAMES[i]
-        fids[14 + i] = FID_POOL
-    names[18] = b"tokens_hashes"
-    fids[18] = FID_DECLINE
+        names[16 + i] = _POOL_NAMES[i]
+        fids[16 + i] = FID_POOL
+    names[20] = b"tokens_hashes"
+    fids[20] = FID_DECLINE
     for n in range(KEY_MAXLEN + 1):
         _KEY_FROM[n] = k
         for i in range(NKEYS):
@@ -446,6 +453,7 @@ cdef class FastBatch:
     def __dealloc__(self):
         mem_free(self.hs)
         mem_free(self.loc)
+        mem_free(self.xd)
         mem_free(self.tok)
         mem_free(self.recs)
         mem_free(self.ops)
@@ -466,6 +474,11 @@ cdef class FastBatch:
         if p == NULL:
             return -1
         self.loc = <uint64_t*>p
+        cap = self.hs_cap
+        p = grow_array(self.xd, &cap, need, sizeof(uint64_t))
+        if p == NULL:
+            return -1
+        self.xd = <uint64_t*>p
         self.hs_cap = cap
         return 0
 
@@ -513,6 +526,19 @@ cdef class FastBatch:
                 return R_TOKENS     # not an int, truncated, or >= 2**63 (the Python path decides)
             ev.ntok = n
             return R_OK
+        if fid == FID_SALT:
+            if mp_str(c, &s, &n) != WIRE_OK:
+                return _any(c)      # not a string: no salt (as the Python decoder)
+            if not _utf8_ok(s, n):
+                return R_FIELD
+            ev.salt = s
+            ev.salt_n = n
+            return R_OK
+        if fid == FID_EXTRA:
+            ev.xk = c.p             # read once the event's LoRA name and blocks are known
+            rc = _skip(c)
+            ev.xkn = c.p - ev.xk
+            return rc
         if fid == FID_BLOCK_SIZE:
             rc = _r(mp_int(c, &v, &neg), R_FIELD)
             if rc:
@@ -531,6 +557,8 @@ cdef class FastBatch:
                 return R_FIELD
             if fid == FID_LORA_NAME:
                 ev.seed = <uint64_t>KVC_SEED + xxh3(s, n, 0) if n else self.seed
+                ev.lora = s
+                ev.lora_n = n
             else:
                 ev.kind_rejected = _kind_rejected(s, n)
             return R_OK
@@ -543,6 +571,8 @@ cdef class FastBatch:
         cdef const uint8_t* save
         cdef int kind = -1, rc, fid, k2
         cdef uint32_t known, bit
+        cdef bint xk
+        cdef uint64_t salt
         cdef EvRec* r
         ev.nh = 0
         ev.ntok = 0
@@ -552,6 +582,7 @@ cdef class FastBatch:
         ev.seen = 0
         ev.has_parent = 0
         ev.kind_rejected = 0
+        ev.xkn = ev.lora_n = ev.salt_n = 0
         rc = _r(_container(c, False, &n), R_EVENT)     # R_EVENT: not an array, a map?
         if rc == R_TRUNCATED:
             return rc
@@ -655,6 +686,15 @@ cdef class FastBatch:
             self.hs_used += ev.nh
             self.nrec += 1
             return R_OK
+        xk = False
+        if ev.xkn and _extra_digests(ev.xk, ev.xkn, ev.lora, ev.lora_n, ev.nh,
+                                     self.xd + self.hs_used, &xk) < 0:
+            return R_EXTRA      # the Python path drops the event (counted, warned)
+        salt = 0
+        if not ev.xkn and ev.salt_n and not ev.has_parent:
+            # SGLang's salt namespaces the request's whole chain: salting the chain's first
+            # block does that in the prefix tree (and is what a salted query hashes)
+            salt = extra_fold(0, extra_item(XK_SALT, ev.salt, ev.salt_n, 0))
         if ev.bs and reg > 0 and ev.bs != <uint64_t>reg:
             self.n_size_mismatch += 1
             self.bad_bs = ev.bs
@@ -687,6 +727,11 @@ cdef class FastBatch:
             nstore = ev.nh if ev.nh < nb else nb
             hash_token_blocks(self.tok, ev.ntok if ev.ntok < nstore * ev.bs else nstore * ev.bs,
                               ev.bs, ev.seed, self.loc + self.hs_used)
+            if xk:
+                mix_extra_locals(self.loc + self.hs_used, self.xd + self.hs_used, nstore,
+                                 ev.seed)
+            elif salt:
+                mix_extra_locals(self.loc + self.hs_used, &salt, 1, ev.seed)
             r.n = nstore
             r.ehash_locals = 0
         else:
@@ -777,7 +822,8 @@ cdef class FastBatch:
         if self.hs_cap > TRIM_ITEMS:
             mem_free(self.hs)
             mem_free(self.loc)
-            self.hs = self.loc = NULL
+            mem_free(self.xd)
+            self.hs = self.loc = self.xd = NULL
             self.hs_cap = 0
         if self.tok_cap > TRIM_ITEMS:
             mem_free(self.tok)
@@ -930,6 +976,9 @@ cdef class FastBatch:
         else:
             self.nrec = self.done = 0
         return (blocks, pnf, bad, oom)
+
+
+include "_ingest_extra.pxi"
 
 
 def _live_allocations():

@@ -19,3 +19,5 @@ cdef enum:
     FIELD_TOP_K = 7             # extension (docs/api.md, "top_k and instances")
     FIELD_INSTANCES = 8         # extension
     FIELD_FRESHNESS = 9         # extension (docs/api.md, "freshness")
+    FIELD_CACHE_SALT = 10       # extension (docs/api.md, "Extra keys"): only seen here,
+    FIELD_MM_INPUTS = 11        # read by kvconductor.extrakeys when present

@@ -56,25 +56,26 @@ cdef size_t _NOGIL_BYTES = 1 << 15
 # =========================================================================================
 
 # The request's field names by field id (FIELD_* in _wire.pxd), and their lengths.
-cdef const char* _FIELD_NAMES[FIELD_FRESHNESS + 1]
+cdef const char* _FIELD_NAMES[FIELD_MM_INPUTS + 1]
 _FIELD_NAMES[:] = [b"", b"model", b"block_size", b"token_ids", b"block_hashes", b"tenant_id",
-                   b"lora_name", b"top_k", b"instances", b"freshness"]
-cdef size_t _FIELD_LENS[FIELD_FRESHNESS + 1]
-for _fid in range(FIELD_FRESHNESS + 1):
+                   b"lora_name", b"top_k", b"instances", b"freshness", b"cache_salt",
+                   b"mm_inputs"]
+cdef size_t _FIELD_LENS[FIELD_MM_INPUTS + 1]
+for _fid in range(FIELD_MM_INPUTS + 1):
     _FIELD_LENS[_fid] = strlen(_FIELD_NAMES[_fid])
 del _fid
 
 
 cdef int _field_id(const uint8_t* s, size_t n) noexcept nogil:
     cdef int fid
-    for fid in range(FIELD_MODEL, FIELD_FRESHNESS + 1):
+    for fid in range(FIELD_MODEL, FIELD_MM_INPUTS + 1):
         if _eq(s, n, _FIELD_NAMES[fid], _FIELD_LENS[fid]):
             return fid
     return FIELD_UNKNOWN
 
 
 cdef str _field_name(int fid):
-    if FIELD_MODEL <= fid <= FIELD_FRESHNESS:
+    if FIELD_MODEL <= fid <= FIELD_MM_INPUTS:
         return _FIELD_NAMES[fid].decode("ascii")
     return ""
 
@@ -85,7 +86,7 @@ def _field_table():
     cdef int fid
     cdef bytes key
     out = []
-    for fid in range(FIELD_MODEL, FIELD_FRESHNESS + 1):
+    for fid in range(FIELD_MODEL, FIELD_MM_INPUTS + 1):
         name = _field_name(fid)
         key = name.encode()
         out.append((fid, name, _field_id(<const uint8_t*>PyBytes_AS_STRING(key),
@@ -155,7 +156,7 @@ cdef inline array.array _new_array(bint u64, size_t n):
 
 
 cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash, lora, bint ext,
-                   top_k, instances, bint fresh):
+                   top_k, instances, bint fresh, bint extra):
     if model is None:
         raise WireError("missing field `model`")
     if not have_bs and not by_hash:
@@ -164,7 +165,7 @@ cdef tuple _finish(model, block_size, bint have_bs, tenant, values, bint by_hash
         raise WireError("missing field `block_hashes`" if by_hash else "missing field `token_ids`")
     if ext:
         return (model, block_size, "default" if tenant is None else tenant, values, lora or None,
-                top_k, instances, fresh)
+                top_k, instances, fresh, extra)
     return (model, block_size, "default" if tenant is None else tenant, values, lora or None)
 
 
@@ -181,9 +182,11 @@ def parse_query(body, bint msgpack, bint by_hash, bint ext=False):
     null or empty. ``block_size`` defaults to 0 for /query_by_hash. Raises
     :class:`WireError` on any malformed body.
 
-    With ``ext`` the extension fields are read too and three more items follow:
+    With ``ext`` the extension fields are read too and four more items follow:
     ``top_k`` (int in [1, 2**32) or ``None``), ``instances`` (list of str or
-    ``None``) and ``freshness`` (bool; null and absent are False); without it they are
+    ``None``), ``freshness`` (bool; null and absent are False) and whether
+    ``cache_salt`` or ``mm_inputs`` is there and not null (their values are skipped
+    here: ``kvconductor.extrakeys`` reads them, only then); without it they are
     skipped like any unknown field.
     """
     cdef const uint8_t[::1] view

@@ -620,7 +620,7 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash, bint ext):
     values = None
     top_k = None
     instances = None
-    cdef bint fresh = False
+    cdef bint fresh = False, xs = False, xm = False
     c.base = buf
     c.end = buf + size
     c.p = _ws(buf)
@@ -703,6 +703,12 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash, bint ext):
                     fresh = False
                 else:
                     _json_type_error(&c, fid, "a boolean or null")
+            elif (fid == FIELD_CACHE_SALT or fid == FIELD_MM_INPUTS) and ext:
+                if fid == FIELD_CACHE_SALT:
+                    xs = not _lit(c.p, b'n', b'u', b'l', b'l')
+                else:
+                    xm = not _lit(c.p, b'n', b'u', b'l', b'l')
+                _check(_json_skip(&c), &c, True, FIELD_UNKNOWN, -1)
             else:
                 _check(_json_skip(&c), &c, True, FIELD_UNKNOWN, -1)
             c.p = _ws(c.p)
@@ -717,4 +723,4 @@ cdef tuple _parse_json(const uint8_t* buf, size_t size, bint by_hash, bint ext):
     if c.p < c.end:
         raise WireError("trailing data")
     return _finish(model, block_size, have_bs, tenant, values, by_hash, lora, ext, top_k,
-                   instances, fresh)
+                   instances, fresh, xs or xm)

@@ -183,7 +183,7 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
     values = None
     top_k = None
     instances = None
-    cdef bint fresh = False
+    cdef bint fresh = False, xs = False, xm = False
     c.base = buf
     c.p = buf
     c.end = buf + size
@@ -217,6 +217,12 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
                 instances = _mp_instances(&c)
             elif fid == FIELD_FRESHNESS and ext:
                 fresh = _mp_freshness(&c)
+            elif fid == FIELD_CACHE_SALT and ext:
+                xs = c.p < c.end and c.p[0] != 0xc0
+                _mp_skip_checked(&c)
+            elif fid == FIELD_MM_INPUTS and ext:
+                xm = c.p < c.end and c.p[0] != 0xc0
+                _mp_skip_checked(&c)
             else:
                 _mp_skip_checked(&c)
     elif rc == WIRE_TYPE:
@@ -228,7 +234,8 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
             c.p = c.end
             _check(WIRE_EOF, &c, False, FIELD_UNKNOWN, -1)
         # positional form [model, block_size, values, tenant_id, lora_name, top_k, instances,
-        # freshness, <ignored>...] (the last three only with ``ext``; skipped without)
+        # freshness, cache_salt, mm_inputs, <ignored>...] (the last five only with ``ext``;
+        # skipped without)
         if n < 1:
             raise WireError("missing field `model`")
         model = _mp_str_value(&c, FIELD_MODEL, False)
@@ -253,6 +260,14 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
                 if n >= 8:
                     fresh = _mp_freshness(&c)
                     i = 8
+                    if n >= 9:
+                        xs = c.p < c.end and c.p[0] != 0xc0
+                        _mp_skip_checked(&c)
+                        i = 9
+                    if n >= 10:
+                        xm = c.p < c.end and c.p[0] != 0xc0
+                        _mp_skip_checked(&c)
+                        i = 10
         while i < n:
             _mp_skip_checked(&c)
             i += 1
@@ -261,4 +276,4 @@ cdef tuple _parse_msgpack(const uint8_t* buf, size_t size, bint by_hash, bint ex
     if c.p != c.end:
         raise WireError("trailing data")
     return _finish(model, block_size, have_bs, tenant, values, by_hash, lora, ext, top_k,
-                   instances, fresh)
+                   instances, fresh, xs or xm)

@@ -22,6 +22,7 @@ from xxhash import xxh3_64_intdigest
 import kvconductor
 from kvconductor._hash import DEFAULT_SEED
 from kvconductor._py.rows import v3_body
+from kvconductor.extrakeys import QueryExtras, extra_local_hashes
 from kvconductor.keys import Medium, WorkerKey
 from kvconductor.schema import (
     STOP_NO_WORKER,
@@ -478,10 +479,16 @@ class Index:
             return QueryResult(None, rows, self.names)
         return select_answer(rows, self.names, top_k, instances, local_hashes)
 
-    def trace(self, tokens, block_size: int, seed: int = DEFAULT_SEED) -> list[GroupTrace]:
+    def trace(
+        self, tokens, block_size: int, seed: int = DEFAULT_SEED, extras: QueryExtras | None = None
+    ) -> list[GroupTrace]:
         """Why each (instance, DP) holding workers in this index matches what it does
-        (``POST /explain``), in group order; its ``blocks`` equal :meth:`query`'s."""
-        rows = self.core.trace_tokens(tokens, block_size, seed)
+        (``POST /explain``), in group order; its ``blocks`` equal :meth:`query`'s (with the
+        query's ``extras``: its blocks' extra keys, docs/api.md "Extra keys")."""
+        if extras is None:
+            rows = self.core.trace_tokens(tokens, block_size, seed)
+        else:
+            rows = self.core.trace(extra_local_hashes(tokens, block_size, seed, extras, False))
         keys = self._worker_keys
         placement = {
             w: (self._groups[(keys[w].instance_id, keys[w].dp_rank)], Medium(keys[w].medium).tier)

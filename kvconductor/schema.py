@@ -252,10 +252,11 @@ INSTANCES_FIELD = "instances"
 #: The response header of a query with ``top_k`` (docs/api.md, "top_k and instances"):
 #: how many (instance, DP) rows tied at the cut depth the answer leaves out.
 TOP_K_OMITTED_HEADER = "X-KV-Conductor-Top-K-Omitted"
-#: Extension (docs/api.md, "freshness"): a boolean or null; true adds the state and age of
-#: the sources behind each answered (instance, DP). Positional form: the 8th element.
+#: Extensions: "freshness" (a boolean or null; true adds the state and age of the sources
+#: behind each answered (instance, DP)), positional element 8; "Extra keys", 9 and 10.
 FRESHNESS_FIELD = "freshness"
 EXTENSION_FIELDS: tuple[str, ...] = (TOP_K_FIELD, INSTANCES_FIELD, FRESHNESS_FIELD)
+EXTENSION_FIELDS += (CACHE_SALT_FIELD := "cache_salt", MM_INPUTS_FIELD := "mm_inputs")
 #: Field names of a ``/query`` body, in the order of the positional MessagePack form.
 QUERY_FIELDS: tuple[str, ...] = (*QueryRequest.__struct_fields__, LORA_FIELD, *EXTENSION_FIELDS)
 #: Field names of a ``/query_by_hash`` body, in the order of the positional form.

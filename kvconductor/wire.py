@@ -40,6 +40,7 @@ import msgspec
 
 import kvconductor
 from kvconductor import _encode, _wire
+from kvconductor.extrakeys import ExtraKeysError, QueryExtras, parse_extras
 from kvconductor.index import QueryResult
 from kvconductor.schema import (
     DEFAULT_TENANT,
@@ -104,6 +105,8 @@ def _query_struct(
             ("top_k", Any, None),
             ("instances", Any, None),
             ("freshness", Any, None),
+            ("cache_salt", Any, None),
+            ("mm_inputs", Any, None),
         ],
         kw_only=True,
         array_like=array_like,
@@ -196,7 +199,8 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool, ext: bool = False)
     ``values`` is ``array('I')`` of u32-truncated token ids, or ``array('Q')``
     of hashes when ``by_hash``; ``lora_name`` is ``None`` when absent, null or
     empty. With ``ext`` three more items: ``top_k`` and ``instances`` (the extension
-    fields, ``None`` when absent or null) and ``freshness`` (False when absent or null).
+    fields, ``None`` when absent or null), ``freshness`` (False when absent or null) and
+    whether ``cache_salt`` or ``mm_inputs`` is there and not null.
     Raises :class:`WireError`.
     """
     decoder: Any = _MSGPACK[by_hash, _is_msgpack_array(body)] if msgpack else _JSON[by_hash]
@@ -216,7 +220,8 @@ def py_parse_query(body: bytes, msgpack: bool, by_hash: bool, ext: bool = False)
     if ext:
         top_k, instances, fresh = _extension(req, msgpack)
         lora = req.lora_name or None
-        return req.model, req.block_size, tenant, values, lora, top_k, instances, fresh
+        extra = req.cache_salt is not None or req.mm_inputs is not None
+        return req.model, req.block_size, tenant, values, lora, top_k, instances, fresh, extra
     return req.model, req.block_size, tenant, values, req.lora_name or None
 
 
@@ -338,19 +343,27 @@ def parse_query(
 
 def parse_query_ext(
     body: bytes, msgpack: bool, by_hash: bool
-) -> tuple[str, int, str, array, str | None, int | None, list[str] | None, bool]:
+) -> tuple[
+    str, int, str, array, str | None, int | None, list[str] | None, bool, QueryExtras | None
+]:
     """:func:`parse_query` plus the extension fields: ``(model, block_size, tenant,
-    values, lora_name, top_k, instances, freshness)``, ``top_k`` in ``[1, 2**32)`` or
-    ``None``, ``instances`` a list of names (each at most ``NAME_MAX`` characters) or
-    ``None``, ``freshness`` a bool."""
+    values, lora_name, top_k, instances, freshness, extras)``, ``top_k`` in ``[1, 2**32)``
+    or ``None``, ``instances`` a list of names (each at most ``NAME_MAX`` characters) or
+    ``None``, ``freshness`` a bool, ``extras`` the ``cache_salt`` and ``mm_inputs`` when
+    either is there (read by :func:`~kvconductor.extrakeys.parse_extras` only then) or
+    ``None``."""
     out = _parse_checked(body, msgpack, by_hash, True)
     instances = out[6]
     if instances is not None:
         for i, name in enumerate(instances):
             if len(name) > NAME_MAX:
                 raise WireError(name_too_long(f"$.instances[{i}]"))
-    model, block_size, tenant, values, lora_name, top_k, _, fresh = out
-    return model, block_size, tenant, values, lora_name, top_k, instances, fresh
+    model, block_size, tenant, values, lora_name, top_k, _, fresh, extra = out
+    try:
+        extras = parse_extras(body, msgpack) if extra else None
+    except ExtraKeysError as ex:
+        raise WireError(str(ex)) from None
+    return model, block_size, tenant, values, lora_name, top_k, instances, fresh, extras
 
 
 def _parse_checked(body: bytes, msgpack: bool, by_hash: bool, ext: bool) -> tuple:

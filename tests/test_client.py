@@ -215,6 +215,21 @@ def test_json_answer_to_msgpack_request():
     assert client.query("m", [1, 2, 3, 4], 4) == ANSWER
 
 
+@pytest.mark.parametrize("encoding", ["msgpack", "json"])
+def test_query_extra_keys_sent_only_when_set(encoding):
+    """``cache_salt`` and ``mm_inputs`` (docs/api.md, "Extra keys"): mappings or triples,
+    sent as the server reads them; absent, None or empty: the plain body."""
+    client, rec = make(negotiated_reply(ANSWER), query_encoding=encoding)
+    plain = {"model": "qwen", "block_size": 4, "token_ids": [1, 2, 3, 4], "tenant_id": "default"}
+    mm = [("img", 2, 8), {"identifier": "vid", "offset": 12, "length": 3}]
+    client.query("qwen", [1, 2, 3, 4], 4, cache_salt="s", mm_inputs=mm)
+    inputs = [{"identifier": "img", "offset": 2, "length": 8}, mm[1]]
+    assert decode_body(rec.last) == {**plain, "cache_salt": "s", "mm_inputs": inputs}
+    for salt, inputs in ((None, None), ("", []), (None, ())):
+        client.query("qwen", [1, 2, 3, 4], 4, cache_salt=salt, mm_inputs=inputs)
+        assert decode_body(rec.last) == plain
+
+
 def test_query_by_hash_body():
     client, rec = make(negotiated_reply({"default": {}}))
     assert client.query_by_hash("qwen", [14643705804678351452, 7]) == {"default": {}}

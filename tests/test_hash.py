@@ -173,3 +173,113 @@ def test_chain_hashes_are_xxh3_of_the_previous_and_the_block():
 def test_sub_block_hash_golden():
     # splitmix64 (Vigna) of h + (j + 1) * 0x9E3779B97F4A7C15: its first output from seed 0
     assert py_hash.sub_block_hash(0, 0) == 0xE220A8397B1DCDAF
+
+
+# -- extra keys (docs/api.md, "Block hashing") -----------------------------------------------
+
+_IDS = st.sampled_from(["img-a", "img-b", "vid-é", ""])
+_ITEM = st.one_of(
+    st.tuples(st.just("mm"), _IDS, st.integers(-(2**63), 2**64 - 1)),
+    st.tuples(st.just("salt"), st.text(max_size=6)),
+    st.tuples(st.just("embeds"), st.binary(max_size=40)),
+)
+
+
+@given(st.lists(_ITEM, max_size=5))
+@settings(max_examples=200, deadline=None)
+def test_extra_digest_matches_the_twin(items):
+    assert _hash.extra_digest(items) == py_hash.extra_digest(items)
+    assert (_hash.extra_digest(items) == 0) == (not items)
+
+
+def test_extra_digest_golden():
+    """The mixing written out with the xxhash package (docs/api.md, "Block hashing")."""
+
+    def pair(a, b, seed):
+        return xxhash.xxh3_64_intdigest(struct.pack("<QQ", a, b), seed)
+
+    mm = pair(xxhash.xxh3_64_intdigest(b"img", 0x6D), 2**64 - 3, 0x6D)
+    salt = xxhash.xxh3_64_intdigest(b"s", 0x73)
+    d = pair(pair(0, mm, 0), salt, 0)
+    assert _hash.extra_digest([("mm", "img", -3), ("salt", "s")]) == d
+    local = _hash.hash_blocks([1, 2, 3, 4], 4)[0]
+    assert list(_hash.mix_extra([local, 7], [d, 0])) == [pair(local, d, 1337), 7]
+
+
+@st.composite
+def _mm_inputs(draw):
+    """Non-overlapping inputs, as vLLM's placeholders are."""
+    out, pos = [], draw(st.integers(0, 12))
+    for _ in range(draw(st.integers(0, 4))):
+        n = draw(st.integers(1, 20))
+        out.append((draw(_IDS), pos, n))
+        pos += n + draw(st.integers(0, 9))
+    return draw(st.permutations(out))
+
+
+@given(
+    st.integers(0, 80),
+    st.integers(1, 16),
+    st.one_of(st.none(), st.text(max_size=4)),
+    _mm_inputs(),
+    st.lists(st.integers(0, 2**64 - 1), max_size=8),
+)
+@settings(max_examples=200, deadline=None)
+def test_query_extra_digests_and_mix_match_the_twin(n, bs, salt, mm, local):
+    c = _hash.query_extra_digests(n, bs, salt, mm)
+    assert c == py_hash.query_extra_digests(n, bs, salt, mm)
+    assert len(c) == -(-n // bs)
+    assert _hash.mix_extra(local, c, 99) == py_hash.mix_extra(local, c, 99)
+
+
+_EVENT_ITEM = st.one_of(
+    st.text(max_size=4),
+    st.binary(max_size=8),
+    st.tuples(_IDS, st.integers(-(2**63), 2**64 - 1)).map(list),
+    st.sampled_from([7, None, 1.5, [1, 2], ["x", 1.5], ["x"], {"a": 1}, ["x", 1, 2], True]),
+)
+
+
+@given(
+    st.one_of(
+        st.none(),
+        st.lists(st.one_of(st.none(), st.lists(_EVENT_ITEM, max_size=4)), max_size=4),
+        st.sampled_from([5, "x", {"a": [1]}, b"\x00"]),
+    ),
+    st.sampled_from([None, "", "lora-a", "x"]),
+    st.integers(0, 4),
+)
+@settings(max_examples=300, deadline=None)
+def test_event_extra_digests_match_the_twin(value, lora, nblocks):
+    """The compiled reader of an event's extra_keys (``_ingest``) and its twin agree on
+    every value: the same digests, or both refuse the shape."""
+    import msgspec
+
+    from kvconductor import _ingest
+
+    raw = msgspec.msgpack.encode(value)
+    try:
+        want = py_hash.event_extra_digests(raw, lora, nblocks)
+    except ValueError:
+        with pytest.raises(ValueError):
+            _ingest.extra_key_digests(raw, lora, nblocks)
+        return
+    assert _ingest.extra_key_digests(raw, lora, nblocks) == want
+
+
+def test_event_extra_digests_skip_only_the_leading_lora_name():
+    import msgspec
+
+    from kvconductor import _ingest
+
+    enc = msgspec.msgpack.encode
+    salt = _hash.extra_digest([("salt", "a")])
+    for fn in (_ingest.extra_key_digests, py_hash.event_extra_digests):
+        assert fn(enc([["a"]]), "a", 1) is None  # LoRA only: its seed says it
+        assert list(fn(enc([["a", "a"]]), "a", 1)) == [salt]  # then a salt "a"
+        assert list(fn(enc([["a"]]), None, 1)) == [salt]
+        assert fn(enc([None, []]), None, 2) is None
+        with pytest.raises(ValueError):
+            fn(enc([None]), None, 2)
+        with pytest.raises(ValueError):
+            fn(b"\xa3\xed\xa0\x80", None, 1)

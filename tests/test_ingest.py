@@ -110,7 +110,7 @@ EXTRA = {
     ),
     "lookahead_token_ids": ([[[1, 2], [3]]], []),
     "kv_cache_spec_sliding_window": ([None, 128], []),
-    "cache_salt": (["salt", "é"], []),
+    "cache_salt": (["salt", "é", ""], [5, None, b"x", ["s"]]),
     "whatever": ([{"x": [1, {"y": None}]}], [msgspec.msgpack.Ext(1, b"x")]),
 }
 JUNK = [
@@ -165,6 +165,26 @@ def _tokens(r, nblocks: int) -> list:
     return toks
 
 
+def _extra_keys(r, n: int, lora) -> list:
+    """vLLM's per-block ``extra_keys`` (docs/api.md, "Block hashing"), now and then off."""
+    out: list = []
+    for i in range(n):
+        if r.random() < 0.3:
+            out.append(None)
+            continue
+        e: list = [lora] if isinstance(lora, str) and lora and r.random() < 0.7 else []
+        for _ in range(r.randint(0, 2)):
+            e.append([r.choice(["img-a", "img-b", "é"]), r.randint(-40, 40)])
+        if i == 0 and r.random() < 0.5:
+            e.append(r.choice(["salt", "ß", ""]))
+        if r.random() < 0.1:
+            e.append(r.choice([b"\x01" * 32, [1, 2], 7, ["x", 1.5], "ok"]))
+        out.append(e)
+    if r.random() < 0.05:
+        out.append(None)  # one entry too many
+    return out
+
+
 def _stored(r, as_map: bool):
     n = r.randint(0, 4)
     hashes = [_hash(r) for _ in range(n)]
@@ -191,6 +211,8 @@ def _stored(r, as_map: bool):
     for k, vals in EXTRA.items():
         if r.random() < 0.12:
             fields[k] = _pick(r, vals)
+    if r.random() < 0.25 and isinstance(hashes, list):
+        fields["extra_keys"] = _extra_keys(r, len(hashes), fields["lora_name"])
     if not as_map:
         order = [
             "block_hashes",
@@ -673,6 +695,11 @@ STORED_HEAD = _s("type") + _s("BlockStored") + _s("block_hashes") + b"\x91\x05"
             _map_batch(b"\x83" + STORED_HEAD + _s("extra_keys") + b"\x91" * 40 + b"\xc0"),
             "skipped_value",
         ),
+        (
+            _map_batch(b"\x83" + STORED_HEAD + _s("extra_keys") + b"\x91" * 20 + b"\xc0"),
+            "extra_keys",  # not vLLM's shape: the Python path drops the event
+        ),
+        (ENC.encode([TS, [{"type": "BlockStored", "extra_keys": [["a", 1]]}], 0]), "extra_keys"),
         (_map_batch(b"\x83" + STORED_HEAD + _s("block_hashes") + b"\x91\x06"), "duplicate_key"),
         (_map_batch(b"\x82" + STORED_HEAD, dp=b"\x00\x00"), "envelope"),
         (_map_batch(b"\x82" + STORED_HEAD, dp=b"\xa1x"), "envelope"),
@@ -715,7 +742,8 @@ def test_accepted_oddities():
     cases = [
         _map_batch(b"\x83" + _s("block_size") + b"\x04" + STORED_HEAD),  # "type" not first
         _map_batch(b"\x83" + STORED_HEAD + _s("zzz") + b"\xa2\xff\xfe"),  # bad UTF-8, skipped
-        _map_batch(b"\x83" + STORED_HEAD + _s("extra_keys") + b"\x91" * 20 + b"\xc0"),  # nesting 20
+        # vLLM's extra_keys: the LoRA name skipped, an [identifier, offset] pair, a salt
+        _map_batch(b"\x83" + STORED_HEAD + _s("extra_keys") + b"\x91\x92\x92\xa1i\x03\xa1s"),
         ENC.encode(
             [
                 TS,
@@ -933,3 +961,52 @@ def test_fast_batch_scratch_is_counted_and_freed():
     del fb
     gc.collect()
     assert _ingest._live_allocations() == base
+
+
+def test_extra_keys_and_sglang_salt_make_other_blocks():
+    """vLLM's ``extra_keys`` and SGLang's ``cache_salt`` (docs/api.md, "Extra keys"): both
+    paths store the blocks under the local hashes a query with the same extra keys makes
+    (``kvconductor._py.hash``, the twin, computes them here), and not under the plain ones."""
+    from kvconductor._py import hash as py_hash
+
+    toks = list(range(50, 62))  # 3 blocks
+    plain = list(hash_blocks(toks, BS))
+    mm = [["img", 2], ["img", -2]]
+    vllm_keys = [[mm[0]], [mm[1], "ignored-salt-like"], None]
+    v = schema("vllm", "0.33.0")
+    sg = schema("sglang", "0.5.22")
+    for payload, want in (
+        (
+            v.batch([v.stored([1, 2, 3], None, toks, BS, extra_keys=vllm_keys)]),
+            py_hash.mix_extra(
+                plain,
+                [
+                    py_hash.extra_digest([("mm", "img", 2)]),
+                    py_hash.extra_digest([("mm", "img", -2), ("salt", "ignored-salt-like")]),
+                    0,
+                ],
+            ),
+        ),
+        (
+            sg.batch([sg.stored([1, 2, 3], None, toks, BS, cache_salt="s")]),
+            py_hash.mix_extra(plain, py_hash.query_extra_digests(len(toks), BS, "s")),
+        ),
+        (sg.batch([sg.stored([1, 2, 3], None, toks, BS, cache_salt="")]), plain),
+    ):
+        pair = Pair()
+        assert pair.apply(payload)  # the fast path takes them
+        for conductor in (pair.fc, pair.pc):
+            idx = next(iter(conductor.indexes.values()))
+            assert idx.query_by_hash(list(want)).hits == [(IID, 0, 3, 0, 0)]
+            if list(want) != plain:
+                assert idx.query_by_hash(plain).hits == []
+        pair.finish()
+    # a salted SGLang event with a parent: its chain's first block carried the salt
+    pair = Pair()
+    salted = py_hash.mix_extra(plain, py_hash.query_extra_digests(len(toks), BS, "s"))
+    assert pair.apply(sg.batch([sg.stored([1], None, toks[:4], BS, cache_salt="s")]))
+    assert pair.apply(sg.batch([sg.stored([2, 3], 1, toks[4:], BS, cache_salt="s")]))
+    for conductor in (pair.fc, pair.pc):
+        idx = next(iter(conductor.indexes.values()))
+        assert idx.query_by_hash(list(salted)).hits == [(IID, 0, 3, 0, 0)]
+    pair.finish()

@@ -1217,7 +1217,8 @@ def _both_ext(body, mp, by_hash):
             wire.py_parse_query(body, mp, by_hash, True)
         raise ex
     assert wire.py_parse_query(body, mp, by_hash, True) == got
-    return got
+    assert got[8] is False  # no cache_salt / mm_inputs (test_extra_keys_flag has them)
+    return got[:8]
 
 
 def test_extension_fields_map_forms():
@@ -1244,7 +1245,9 @@ def test_extension_fields_map_forms():
 
 
 def test_extension_fields_positional_form():
-    body = msgspec.msgpack.encode(["m", 4, [1], None, None, 2, ["a"], True, {"later": 1}])
+    body = msgspec.msgpack.encode(
+        ["m", 4, [1], None, None, 2, ["a"], True, None, None, {"later": 1}]
+    )
     want = ("m", 4, "default", array("I", [1]), None, 2, ["a"], True)
     assert _both_ext(body, True, False) == want
     body = msgspec.msgpack.encode(["m", 4, [1], None, None, 2, ["a"], None])
@@ -1320,7 +1323,7 @@ def test_extension_body_truncated_at_every_offset(mp):
     d = {"model": "m", "block_size": 4, "token_ids": [1], "top_k": 300, "instances": ["ab", "c"]}
     d["freshness"] = True
     body = msgspec.msgpack.encode(d) if mp else msgspec.json.encode(d)
-    assert parse_query(body, mp, False, True)[5:] == (300, ["ab", "c"], True)
+    assert parse_query(body, mp, False, True)[5:] == (300, ["ab", "c"], True, False)
     for i in range(len(body)):
         with pytest.raises(WireError):
             parse_query(body[:i], mp, False, True)
@@ -1443,3 +1446,28 @@ def test_a_long_int_array_decodes_as_one_chain_would(toks, same, edit, cut):
         assert error is not None and f"out of range in `token_ids` at index {what}" in error
     else:
         assert error is not None and "truncated" in error
+
+
+@pytest.mark.parametrize("fmt", ["json", "msgpack", "msgpack_array"])
+def test_extra_keys_flag(fmt):
+    """``cache_salt`` / ``mm_inputs`` not null: the parsers say so (the values are read by
+    ``kvconductor.extrakeys`` only then); null or absent: not."""
+    from kvconductor import wire
+
+    mm = [{"identifier": "img", "offset": 1, "length": 2}]
+    cases = [({}, False), ({"cache_salt": None, "mm_inputs": None}, False)]
+    cases += [({"cache_salt": "s"}, True), ({"mm_inputs": mm}, True), ({"mm_inputs": 5}, True)]
+    cases += [({"cache_salt": "", "mm_inputs": None}, True)]
+    for extra, want in cases:
+        doc = {"model": "m", "block_size": 4, "token_ids": [1, 2], **extra}
+        mp = fmt != "json"
+        if fmt == "msgpack_array":
+            row = ["m", 4, [1, 2], None, None, None, None, None]
+            row += [extra.get("cache_salt"), extra.get("mm_inputs")]
+            body = msgspec.msgpack.encode(row if extra else row[:3])
+        else:
+            body = (msgspec.msgpack.encode if mp else msgspec.json.encode)(doc)
+        got = parse_query(body, mp, False, True)
+        assert got == wire.py_parse_query(body, mp, False, True)
+        assert got[8] is want, extra
+        assert len(parse_query(body, mp, False)) == 5

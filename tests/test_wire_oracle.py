@@ -80,6 +80,12 @@ def _field(draw, name, by_hash, good):
     if name == "freshness":
         good_f = st.one_of(st.none(), st.booleans())
         return draw(good_f if good else st.one_of(good_f, scalars, nested))
+    if name == "mm_inputs":
+        one = st.fixed_dictionaries(
+            {"identifier": texts, "offset": st.integers(0, 40), "length": st.integers(1, 9)}
+        )
+        good_m = st.one_of(st.none(), st.lists(one, max_size=3))
+        return draw(good_m if good else st.one_of(good_m, scalars, nested))
     return draw(good_names if good else st.one_of(st.none(), texts, scalars, nested))
 
 
@@ -140,10 +146,11 @@ def _parse(impl, body, msgpack, by_hash, ext=False):
     wire._parse_impl = impl
     try:
         if ext:
-            model, bs, tenant, vals, lora, top_k, insts, fresh = wire.parse_query_ext(
+            model, bs, tenant, vals, lora, top_k, insts, fresh, extras = wire.parse_query_ext(
                 body, msgpack, by_hash
             )
-            return ("ok", model, bs, tenant, vals.typecode, list(vals), lora, top_k, insts, fresh)
+            out = ("ok", model, bs, tenant, vals.typecode, list(vals), lora, top_k, insts, fresh)
+            return (*out, extras)
         model, bs, tenant, vals, lora = wire.parse_query(body, msgpack, by_hash)
         return ("ok", model, bs, tenant, vals.typecode, list(vals), lora)
     except wire.WireError:

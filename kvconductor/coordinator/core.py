@@ -65,11 +65,13 @@ from kvconductor.coordinator.exchange import (
 )
 from kvconductor.coordinator.tokens import hash_list, pack_tokens, token_list
 from kvconductor.schema import (
+    CACHE_SALT_FIELD,
     DEFAULT_TENANT,
     FRESHNESS_FIELD,
     INSTANCES_FIELD,
     JSON_CONTENT_TYPE,
     LORA_FIELD,
+    MM_INPUTS_FIELD,
     MSGPACK_CONTENT_TYPE,
     TOP_K_FIELD,
     QueryByHashRequest,
@@ -133,6 +135,24 @@ def _extension_fields(
         out[INSTANCES_FIELD] = [str(i) for i in instances]
     if freshness:
         out[FRESHNESS_FIELD] = True
+    return out
+
+
+def _extra_keys(cache_salt: str | None, mm_inputs: Sequence[Any] | None) -> dict[str, Any]:
+    """A query's extra keys that are set (docs/api.md, "Extra keys"): ``cache_salt`` and
+    ``mm_inputs``, each input a mapping with ``identifier``, ``offset`` and ``length`` or
+    an ``(identifier, offset, length)`` triple."""
+    out: dict[str, Any] = {}
+    if cache_salt:
+        out[CACHE_SALT_FIELD] = str(cache_salt)
+    if mm_inputs:
+        items = []
+        for m in mm_inputs:
+            ident, off, n = (
+                (m["identifier"], m["offset"], m["length"]) if isinstance(m, Mapping) else m
+            )
+            items.append({"identifier": str(ident), "offset": int(off), "length": int(n)})
+        out[MM_INPUTS_FIELD] = items
     return out
 
 
@@ -209,6 +229,7 @@ class ConductorCore:
         instances: Sequence[str] | None = None,
         freshness: bool = False,
         predict: tuple[str, int] | None = None,
+        extra_keys: dict[str, Any] | None = None,
     ) -> Request:
         use_packed = self.packed if packed is None else bool(packed)
         if use_packed and self.query_encoding != "msgpack":
@@ -221,6 +242,7 @@ class ConductorCore:
         extra = _extension_fields(top_k, instances, freshness, predict)
         if lora_name:
             extra[LORA_FIELD] = lora_name
+        extra.update(extra_keys or {})
         if extra:
             body = {**msgspec.structs.asdict(body), **extra}
         return self._encoded("/query" if predict is None else "/predict", body)
@@ -427,6 +449,8 @@ class ConductorCore:
         top_k: int | None = None,
         instances: Sequence[str] | None = None,
         freshness: bool = False,
+        cache_salt: str | None = None,
+        mm_inputs: Sequence[Any] | None = None,
     ) -> Plan[dict]:
         """``POST /query``; returns ``{tenant_id: {instance: {...}}}``. Raises ConductorError.
 
@@ -441,6 +465,11 @@ class ConductorCore:
         docs/api.md "freshness"): each answered DP also says the state and the age of
         the last event of its sources, and the answer has a ``"freshness"`` summary
         beside the tenant (a server without the extension answers without them).
+        ``cache_salt`` and ``mm_inputs`` (extension, docs/api.md "Extra keys"): the
+        request's salt and its multimodal inputs (``{"identifier", "offset", "length"}``
+        mappings or triples, as vLLM's ``MultiModalFeatureSpec`` places them), which make
+        its blocks other blocks than the same tokens without them, as in vLLM; only sent
+        when set.
         """
         req = self._query_req(
             model,
@@ -452,6 +481,7 @@ class ConductorCore:
             top_k,
             instances,
             freshness,
+            extra_keys=_extra_keys(cache_salt, mm_inputs),
         )
         data = yield from self._map_exchange(req)
         self._log_query(tenant_id, data)

@@ -44,6 +44,7 @@ from typing import Any
 import falcon
 import falcon.asgi
 
+from kvconductor.extrakeys import ExtraKeysError, parse_extras
 from kvconductor.http import openapi
 from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.front import FrontDoor
@@ -229,11 +230,12 @@ class ExplainResource(Resource[Conductor]):
             model, block_size, tenant, tokens, lora_name = await self._offload(
                 body, parse_query, body, msgpack, False
             )
-        except WireError as ex:
+            extras = await self._offload(body, parse_extras, body, msgpack)
+        except (WireError, ExtraKeysError) as ex:
             kind = "msgpack" if msgpack else "JSON"
             return self._bad(req, resp, f"invalid {kind} request body: {ex}", msgpack)
         doc = await self.conductor.run(
-            self.conductor.explain, model, tenant, block_size, tokens, lora_name
+            self.conductor.explain, model, tenant, block_size, tokens, lora_name, extras
         )
         sizes = self.conductor.block_sizes.get((model, tenant))
         if sizes and block_size not in sizes:

@@ -46,6 +46,7 @@ import falcon.asgi
 import msgspec
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
+from kvconductor.extrakeys import QueryExtras, extra_local_hashes
 from kvconductor.http.dialects import (
     DialectError,
     HealthRoute,
@@ -432,7 +433,12 @@ class Dialect:
             seed = lora_seed(q.lora_name) if q.lora_name else DEFAULT_SEED
             instances = None if q.instance_id is None else [q.instance_id]
             # the rows as plain tuples made in C (docs/api.md, "Reading an answer in Python")
-            hits = index.query(q.tokens, q.block_size, seed, instances=instances).tuples()
+            if q.cache_salt is None:
+                hits = index.query(q.tokens, q.block_size, seed, instances=instances).tuples()
+            else:  # the salt in the first block's hash, as vLLM's (docs/api.md, "Extra keys")
+                salted = QueryExtras(q.cache_salt, ())
+                local = extra_local_hashes(q.tokens, q.block_size, seed, salted, False)
+                hits = index.query_by_hash(local, instances=instances).tuples()
         return MooncakeQueryResponse(cumulative_answer(hits, registered, q.block_size))
 
     async def _registered(self, q: Query) -> list[tuple[str, int]]:
@@ -483,15 +489,7 @@ class QueryRoute(PostRoute[Dialect]):
     async def answer(
         self, req: falcon.asgi.Request, body: bytes, msgpack: bool
     ) -> MooncakeQueryResponse:
-        q = parse_query(body, msgpack)
-        if q.cache_salt is not None:
-            self.dialect.warnings.warn(
-                "cache_salt",
-                "mooncake dialect: query: cache_salt is accepted and ignored: kvconductor "
-                "matches blocks by token ids, so salted and unsalted blocks of the same "
-                "tokens match alike (docs/api.md)",
-            )
-        return await self.dialect.query(q)
+        return await self.dialect.query(parse_query(body, msgpack))
 
 
 def create_mooncake_app(

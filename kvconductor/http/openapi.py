@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from kvconductor import __version__, schema, schema_dynamo
+from kvconductor.extrakeys import MM_INPUTS_MAX, MmInput
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
 
 _REF = "#/components/schemas/{name}"
@@ -29,6 +30,7 @@ _STRUCTS = (
     schema.ErrorResponse,
     schema.QueryRequest,
     schema.QueryByHashRequest,
+    MmInput,
     schema.KvEventBatch,
     schema.EventsResponse,
     schema.ReadyResponse,
@@ -115,31 +117,47 @@ def _query_request(doc: dict[str, Any]) -> None:
         "default": None,
         "description": "LoRA adapter; null, absent or empty mean the base model",
     }
-    props[schema.TOP_K_FIELD] = {
-        "anyOf": [{"type": "integer", "minimum": 1, "maximum": 2**32 - 1}, {"type": "null"}],
-        "default": None,
-        "description": "Extension (not V3): answer at most top_k (instance, DP) rows, the "
+    props[schema.TOP_K_FIELD] = _extension(
+        {"type": "integer", "minimum": 1, "maximum": 2**32 - 1},
+        "answer at most top_k (instance, DP) rows, the "
         "deepest by npu+cpu+disk blocks: every row deeper than the top_k-th largest depth, "
         "and of the rows tied at that depth the first by the order of instances when it is "
         "given, else a run of them chosen by the request (the same request, the same "
         "rows); header X-KV-Conductor-Top-K-Omitted: the tied rows left out; null or "
         "absent: every row",
-        "x-kvconductor-extension": True,
-    }
-    props[schema.INSTANCES_FIELD] = {
-        "anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}],
-        "default": None,
-        "description": "Extension (not V3): answer only these instances (unknown names "
+    )
+    props[schema.INSTANCES_FIELD] = _extension(
+        {"type": "array", "items": {"type": "string"}},
+        "answer only these instances (unknown names "
         "are ignored; applied before top_k); null or absent: every instance",
-        "x-kvconductor-extension": True,
-    }
-    props[schema.FRESHNESS_FIELD] = {
-        "anyOf": [{"type": "boolean"}, {"type": "null"}],
-        "default": None,
-        "description": "Extension (not V3): true adds to each answered (instance, DP) "
+    )
+    props[schema.FRESHNESS_FIELD] = _extension(
+        {"type": "boolean"},
+        "true adds to each answered (instance, DP) "
         "the state and last-event age of its sources (DpMatch.freshness) and to the answer "
         "a summary of the (model, tenant)'s sources (FreshnessSummary, key freshness "
         "beside the tenant); also ?freshness=true on the route",
+    )
+    props[schema.CACHE_SALT_FIELD] = _extension(
+        {"type": "string"},
+        "the request's cache_salt, as vLLM mixes it into the first block's hash (docs/api.md, "
+        "Block hashing, Extra keys); null, absent or empty: none",
+    )
+    props[schema.MM_INPUTS_FIELD] = _extension(
+        {"type": "array", "maxItems": MM_INPUTS_MAX, "items": _ref(MmInput)},
+        "the multimodal inputs (vLLM's MultiModalFeatureSpec: identifier, the mm hash, and "
+        "its placeholder tokens from offset, length tokens; none overlapping), mixed into the "
+        "hash of each block they overlap as vLLM does (docs/api.md, Block hashing, Extra "
+        "keys); null, absent or []: none",
+    )
+
+
+def _extension(value: dict[str, Any], description: str) -> dict[str, Any]:
+    """An extension field of the query bodies (not V3): ``value`` or null, null by default."""
+    return {
+        "anyOf": [value, {"type": "null"}],
+        "default": None,
+        "description": "Extension (not V3): " + description,
         "x-kvconductor-extension": True,
     }
 

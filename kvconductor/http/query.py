@@ -19,6 +19,7 @@ from typing import Any, cast
 import falcon.asgi
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
+from kvconductor.extrakeys import ExtraKeysError, extra_local_hashes
 from kvconductor.http import querydoor
 from kvconductor.http.metrics import DeferredMetrics, QueryMetrics
 from kvconductor.http.resource import Resource
@@ -90,10 +91,15 @@ class QueryResource(Resource[QuerySource]):
         ``fresh``: the answer says how fresh it is (``?freshness=true``; the body's
         ``"freshness": true`` too)."""
         try:
-            model, block_size, tenant, values, lora_name, top_k, instances, in_body = (
+            model, block_size, tenant, values, lora_name, top_k, instances, in_body, extras = (
                 parse_query_ext(body, msgpack, self.by_hash)
             )
-        except WireError as ex:
+            # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
+            # them and the other way round.
+            seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
+            if extras is not None:  # the blocks' extra keys mixed in (docs/api.md)
+                values = extra_local_hashes(values, block_size, seed, extras, self.by_hash)
+        except (WireError, ExtraKeysError) as ex:
             return self._invalid(str(ex), msgpack)
         fresh = fresh or in_body
         if fresh and tenant == FRESHNESS_FIELD:
@@ -108,18 +114,18 @@ class QueryResource(Resource[QuerySource]):
         # metrics take its C sums and the encoder renders it without a Python object per
         # (instance, DP) row.
         if self.by_hash:
-            # NOTE: the request's block_size is ignored; counts are in blocks (docs/api.md,
-            # POST /query_by_hash).
+            # NOTE: the request's block_size is ignored (but to place extra keys); counts are
+            # in blocks (docs/api.md, POST /query_by_hash).
             result = index.query_by_hash(values, top_k=top_k, instances=instances)
             if len(result):
                 m.count_blocks(*result.sums())
             else:
                 m.no_match.inc()
             return self._ok(result, model, tenant, 1, msgpack, fresh, None, top_k)
-        # LoRA blocks are hashed with the adapter's seed, so base-model queries never see
-        # them and the other way round.
-        seed = lora_seed(lora_name) if lora_name else DEFAULT_SEED
-        result = index.query(values, block_size, seed, top_k=top_k, instances=instances)
+        if extras is None:
+            result = index.query(values, block_size, seed, top_k=top_k, instances=instances)
+        else:  # ``values``: the blocks' local hashes, their extra keys mixed in
+            result = index.query_by_hash(values, top_k=top_k, instances=instances)
         warning = None
         if len(result):
             m.count_blocks(*result.sums())

@@ -14,7 +14,9 @@ on its own msgpack type:
   missing keys take their defaults.
 
 Decoding uses typed :mod:`msgspec` structs, so only the fields we use become
-Python objects (``extra_keys`` / ``lookahead_token_ids`` stay raw bytes). Token
+Python objects (``extra_keys`` stays raw bytes, read in C into one digest per block and
+mixed into the blocks' local hashes, docs/api.md "Block hashing"; an ``extra_keys`` of
+another shape than vLLM's drops its event, ``invalid_extra_keys``). Token
 ids end up in an ``array('I')`` and block hashes in an ``array('Q')``, both
 handed to the index as C buffers.
 
@@ -31,6 +33,10 @@ from typing import cast
 import msgspec
 
 import kvconductor
+from kvconductor._hash import DEFAULT_SEED, extra_digest, hash_blocks, lora_seed, mix_extra
+from kvconductor._ingest import extra_key_digests
+from kvconductor._py.hash import event_extra_digests
+from kvconductor._py.hash import extra_digest as py_extra_digest
 from kvconductor._wire import WireError as _WireError
 from kvconductor._wire import read_u32_array
 from kvconductor.ingest.ops import (
@@ -176,7 +182,10 @@ class _MStored(_Stored, tag_field="type", tag="BlockStored"):
     session_id: object = None
     #: TensorRT-LLM's ZeroMQ tee: one LocalBlockHash per block instead of token ids.
     tokens_hashes: object = None
-    # extra_keys, lookahead_token_ids, cache_salt: not declared, skipped by msgspec.
+    extra_keys: msgspec.Raw = _RAW_NIL
+    #: SGLang >= 0.5.20: the salt of the request that stored the blocks (a string counts).
+    cache_salt: object = None
+    # lookahead_token_ids: not declared, skipped by msgspec.
     # Pool-event keys: present only when a pool map was mistaken for an engine event.
     event_type: object = None
     seq_hashes: object = None
@@ -243,6 +252,13 @@ def _convert(ev: _WireEvent) -> Stored | Removed | Cleared:
                     "invalid_event",
                     f"{len(local)} tokens_hashes for {len(hashes)} block_hashes",
                 )
+        if local is None and _first(ev.extra_keys) not in (-1, 0xC0):
+            hashes, local = _with_extra_keys(ev, hashes, tokens, bs, None)
+        elif local is None and isinstance(ev, _MStored) and parent is None:
+            salt = ev.cache_salt
+            if isinstance(salt, str) and salt:  # SGLang: salted chains, from their first block
+                digest = array("Q", [_extra_digest([("salt", salt)])])
+                hashes, local = _with_extra_keys(ev, hashes, tokens, bs, digest)
         st = Stored(
             hashes,
             parent,
@@ -261,6 +277,37 @@ def _convert(ev: _WireEvent) -> Stored | Removed | Cleared:
     if isinstance(ev, (_ARemoved, _MRemoved)):
         return Removed(_hashes_of(ev.block_hashes), ev.medium, ev.group_idx)
     return Cleared()
+
+
+#: The reader of an event's ``extra_keys`` (its twin when ``KVCONDUCTOR_IMPL=py``).
+_extra_digests: Callable[[bytes, str | None, int], array | None] = (
+    event_extra_digests if kvconductor.IMPL == "py" else extra_key_digests
+)
+_extra_digest: Callable[[list[tuple]], int] = (
+    py_extra_digest if kvconductor.IMPL == "py" else extra_digest
+)
+
+
+def _with_extra_keys(
+    ev: _AStored | _MStored, hashes: array, tokens: array, bs: int, digests: array | None
+) -> tuple[array, array | None]:
+    """``(block hashes, local hashes or None)`` of a BlockStored with extra keys (its
+    ``extra_keys``' digests unless ``digests`` are given): the blocks the token ids cover
+    (``CoreIndex.store_tokens``'s count) with each block's digest mixed into its local
+    hash; None when no block has extra keys or the event has no token ids (its engine
+    hashes are its local hashes). DecodeError ``invalid_extra_keys`` for an
+    ``extra_keys`` of a shape that is not vLLM's."""
+    if digests is None:
+        try:
+            digests = _extra_digests(bytes(ev.extra_keys), ev.lora_name, len(hashes))
+        except ValueError as ex:
+            raise DecodeError("invalid_extra_keys", str(ex)) from None
+    if digests is None or not (len(tokens) and bs):
+        return hashes, None
+    seed = lora_seed(ev.lora_name) if ev.lora_name else DEFAULT_SEED
+    local = hash_blocks(tokens, bs, seed)
+    n = min(len(local), len(hashes))
+    return hashes[:n], mix_extra(local[:n], digests, seed)
 
 
 def _why_invalid(raw: msgspec.Raw | bytes, kind: str, err: Exception) -> Dropped:

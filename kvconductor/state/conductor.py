@@ -640,11 +640,12 @@ class Conductor:
         return doc
 
     def explain(
-        self, model: str, tenant: str, block_size: int, tokens, lora_name: str | None
+        self, model: str, tenant: str, block_size: int, tokens, lora_name: str | None, extras=None
     ) -> ExplainResponse:
         """``POST /explain`` (ingest thread: a consistent view of the registry, the sources
         and the index): why each (instance, DP) of (model, tenant) matches what it does
-        for this query (docs/api.md, POST /explain; :mod:`kvconductor.state.explain`)."""
+        for this query (docs/api.md, POST /explain; :mod:`kvconductor.state.explain`), with its
+        ``extras`` (:class:`~kvconductor.extrakeys.QueryExtras` or None)."""
         state = ExplainState(
             self.registry,
             self.indexes,
@@ -653,4 +654,4 @@ class Conductor:
             self.subs,
             self.predictions,
         )
-        return explain(state, model, tenant, block_size, tokens, lora_name)
+        return explain(state, model, tenant, block_size, tokens, lora_name, extras)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple, TypedDict
 
 from kvconductor._hash import DEFAULT_SEED, hash_blocks, lora_seed
+from kvconductor.extrakeys import QueryExtras
 from kvconductor.index import Index
 from kvconductor.predict import Predictions, is_predicted
 from kvconductor.schema import (
@@ -154,6 +155,7 @@ def explain(
     block_size: int,
     tokens,
     lora_name: str | None,
+    extras: QueryExtras | None = None,
 ) -> ExplainResponse:
     """``POST /explain`` (ingest thread: a consistent view of the registry, the sources
     and the index): why each (instance, DP) of (model, tenant) matches what it does
@@ -183,7 +185,9 @@ def explain(
                         "while its subscriptions stay down"
                     )
     groups = (
-        {(g.instance_id, g.dp_rank): g for g in idx.trace(tokens, block_size, seed)} if idx else {}
+        {(g.instance_id, g.dp_rank): g for g in idx.trace(tokens, block_size, seed, extras)}
+        if idx
+        else {}
     )
     warnings: list[str] = []
     if idx is None:

@@ -30,15 +30,19 @@ fails them.
 
 from __future__ import annotations
 
+import ast
 import glob
+import hashlib
 import importlib.metadata
 import importlib.util
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
 import types
+import typing
 import zipfile
 
 import pytest
@@ -67,6 +71,8 @@ _MODULES = (
     "vllm/utils/network_utils.py",
     "vllm/config/kv_events.py",
     "vllm/entrypoints/serve/instrumentator/basic.py",
+    "vllm/v1/core/kv_cache_utils.py",  # vllm_block_hashing
+    "vllm/utils/hashing.py",
 )
 _SOURCES: dict[str, tuple[str, str]] = {}
 
@@ -244,3 +250,41 @@ def vllm_route() -> tuple:
 
     _ROUTE = (kv_cfg, render)
     return _ROUTE
+
+
+#: The functions of vLLM's block hashing :func:`vllm_block_hashing` takes from its source.
+HASHING_FUNCTIONS = (
+    "_gen_mm_extra_hash_keys",
+    "_gen_lora_extra_hash_keys",
+    "_gen_prompt_embeds_extra_hash_keys",
+    "generate_block_hash_extra_keys",
+    "to_event_extra_keys",
+    "hash_block_tokens",
+)
+
+
+def _functions(module: str, names: tuple[str, ...], namespace: dict) -> None:
+    """Execute the top-level functions ``names`` of vLLM's ``module`` (their own source,
+    nothing else of the module) in ``namespace``."""
+    source, path = wheel_source(module)
+    tree = ast.parse(source, path)
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert sorted(n.name for n in defs) == sorted(names), path
+    exec(compile(ast.Module(body=defs, type_ignores=[]), path, "exec"), namespace)
+
+
+def vllm_block_hashing() -> types.SimpleNamespace:
+    """vLLM 0.33.0's block hashing (``vllm/v1/core/kv_cache_utils.py``): the extra keys of
+    a block (multimodal inputs with their offsets, LoRA, cache_salt), the event's untagged
+    form of them and ``hash_block_tokens``, as released, over ``vllm.utils.hashing.sha256``
+    (vLLM's own too); ``NONE_HASH`` from its default seed as ``init_none_hash`` derives it.
+    The module itself imports torch and vLLM's config: only these functions are taken from
+    its source and executed, with what they name (``Any``, ``BlockHash``, ``hashlib``)."""
+    ns: dict = {"__name__": "vllm_0_33_kv_cache_utils", "Any": typing.Any, "hashlib": hashlib}
+    ns["pickle"] = pickle
+    ns["BlockHash"] = bytes  # NewType("BlockHash", bytes)
+    ns["tensor_data"] = None  # prompt embeds only: not used here
+    _functions("vllm/utils/hashing.py", ("sha256",), ns)
+    _functions("vllm/v1/core/kv_cache_utils.py", HASHING_FUNCTIONS, ns)
+    ns["NONE_HASH"] = ns["sha256"]("vllm-none-hash")  # DEFAULT_NONE_HASH_SEED
+    return types.SimpleNamespace(**{k: v for k, v in ns.items() if not k.startswith("__")})
