@@ -61,6 +61,9 @@ POOL_MAX_IDLE = 64
 #: Bytes of an answer's head (and of a chunk-size line) read at most.
 HEAD_LIMIT = 1 << 20
 _CHUNK = 1 << 16
+#: How long a worker waits for the owner to answer a request from its head alone (a
+#: body past the limit: 413) before it sends the withheld body's first chunk.
+HEAD_ANSWER_SECS = 0.5
 
 #: Request headers not forwarded (hop-by-hop, and the framing the worker sets itself).
 _HOP = frozenset(
@@ -336,7 +339,8 @@ class OwnerClient:
         when the owner cannot be reached, closes before answering or answers with a
         malformed head (nothing was sent to the client then). A stale pooled connection
         is retried once on a new one. ``reuse=False``: the connection is closed after
-        the answer (a body was withheld).
+        the answer (a body was withheld): the head goes first, and ``body`` only when
+        the owner has not answered from the head within :data:`HEAD_ANSWER_SECS`.
         """
         for attempt in (0, 1):
             try:
@@ -344,17 +348,7 @@ class OwnerClient:
             except OSError as ex:
                 raise OwnerUnavailable(str(ex)) from None
             try:
-                try:
-                    conn.writer.write(head + body if len(body) < _CHUNK else head)
-                    if len(body) >= _CHUNK:
-                        conn.writer.write(body)
-                    await conn.writer.drain()
-                except OSError:
-                    # The owner may have answered from the head (401, 413: it reads no
-                    # body then) and closed before taking all of it: read that answer.
-                    # A stale pooled connection has none: retried below.
-                    pass
-                answer = await read_head(conn.reader)
+                answer = await self._exchange(conn, head, body, early=not reuse)
             except (OSError, asyncio.IncompleteReadError, ValueError) as ex:
                 conn.close()
                 if reused and attempt == 0:
@@ -373,6 +367,41 @@ class OwnerClient:
             self._release(conn)
         else:
             conn.close()
+
+    @staticmethod
+    async def _exchange(conn: _Conn, head: bytes, body: bytes, *, early: bool) -> Head:
+        """Write one request and read the head of its answer. ``early``: the owner
+        is expected to answer from the head alone (413 for a body past the limit, 401,
+        404), then close without reading the body; writing the body into that close
+        would fail, and asyncio drops an answer already on its way when a write fails
+        (the transport closes), so the body waits for the owner's silence."""
+        heading = None
+        try:
+            try:
+                if early and body:
+                    conn.writer.write(head)
+                    await conn.writer.drain()
+                    heading = asyncio.ensure_future(read_head(conn.reader))
+                    done, _ = await asyncio.wait((heading,), timeout=HEAD_ANSWER_SECS)
+                    if done:
+                        return heading.result()
+                    conn.writer.write(body)
+                else:
+                    conn.writer.write(head + body if len(body) < _CHUNK else head)
+                    if len(body) >= _CHUNK:
+                        conn.writer.write(body)
+                await conn.writer.drain()
+            except OSError:
+                # The owner may have answered from the head (401, 413: it reads no
+                # body then) and closed before taking all of it: read that answer.
+                # A stale pooled connection has none: retried by the caller.
+                pass
+            if heading is None:
+                return await read_head(conn.reader)
+            return await heading
+        finally:
+            if heading is not None and not heading.done():
+                heading.cancel()
 
 
 class CloseAfter:
