@@ -17,7 +17,7 @@ from msgspec import Meta
 from kvconductor._hash import hash_blocks, mix_extra, query_extra_digests
 
 __all__ = ["MM_INPUTS_MAX", "ExtraKeysError", "MmInput", "QueryExtras", "extra_local_hashes"]
-__all__ += ["parse_extras"]
+__all__ += ["parse_extras", "salted_local_hashes"]
 
 #: At most this many ``mm_inputs`` in one query.
 MM_INPUTS_MAX = 4096
@@ -111,3 +111,10 @@ def extra_local_hashes(
         local, n_tokens = hash_blocks(values, block_size, seed), len(values)
     digests = query_extra_digests(n_tokens, block_size, extras.cache_salt, extras.mm_inputs)
     return mix_extra(local, digests, seed)
+
+
+def salted_local_hashes(tokens: array, block_size: int, seed: int, salt: str) -> array:
+    """The local hashes of ``tokens`` (hashed with ``block_size`` and ``seed``) with
+    ``salt`` mixed into the first block's, as vLLM mixes a request's ``cache_salt``: the
+    ``cache_salt`` of the Mooncake and Dynamo dialects' ``/query`` (no ``mm_inputs``)."""
+    return extra_local_hashes(tokens, block_size, seed, QueryExtras(salt, ()), False)

@@ -46,12 +46,15 @@ class DynamoUnregisterRequest(Struct, kw_only=True):
 
 
 class DynamoQueryRequest(Struct, kw_only=True):
-    """``POST /query``: token ids, hashed with the (model, group)'s block size."""
+    """``POST /query``: token ids, hashed with the (model, group)'s block size;
+    ``cache_salt`` (a string; ``""`` and null: none) mixed into the first block's hash as
+    vLLM mixes a request's salt (docs/api.md, "Extra keys")."""
 
     token_ids: list[U32]
     model_name: Name
     routing_group: Name = DEFAULT_GROUP
     lora_name: Name | None = None
+    cache_salt: str | None = None
 
 
 class DynamoQueryHead(Struct, kw_only=True):
@@ -63,15 +66,19 @@ class DynamoQueryHead(Struct, kw_only=True):
     model_name: Name
     routing_group: Name = DEFAULT_GROUP
     lora_name: Name | None = None
+    cache_salt: str | None = None
 
 
 class DynamoHashQueryRequest(Struct, kw_only=True):
     """``POST /query_by_hash``: local block hashes (XXH3-64 seed 1337 of each block's
-    token ids, the same hash as V3's ``/query_by_hash``) as signed 64-bit integers."""
+    token ids, the same hash as V3's ``/query_by_hash``) as signed 64-bit integers.
+    ``cache_salt``: declared to be refused as Dynamo refuses it (a string: 400, the hashes
+    carry any salt already; null: none)."""
 
     block_hashes: list[I64]
     model_name: Name
     routing_group: Name = DEFAULT_GROUP
+    cache_salt: str | None = None
 
 
 class DynamoStatus(Struct):

@@ -12,10 +12,14 @@ from __future__ import annotations
 import gc
 import importlib
 import importlib.util
+import subprocess
 import sys
 
+import httpx
 import pytest
 
+from tests.helpers.publishers import wait_until
+from tests.helpers.server import free_port
 from tests.helpers.valkey_server import ValkeyServer
 
 IMPLS = ("py", "c")
@@ -203,6 +207,49 @@ def valkey_server(request):
         yield server
     finally:
         server.close()
+
+
+# -- the real python -m dynamo.indexer (ai-dynamo-runtime; CI installs it) ---------------------
+
+
+def _dynamo_available() -> bool:
+    try:
+        return importlib.util.find_spec("dynamo.indexer") is not None
+    except ImportError:
+        return False
+
+
+@pytest.fixture
+def dynamo_indexer(tmp_path):
+    """A started ``python -m dynamo.indexer`` (an httpx client of it) writing its log in the
+    test's dir; the test skips when ai-dynamo-runtime is not installed."""
+    if not _dynamo_available():
+        pytest.skip("ai-dynamo-runtime (python -m dynamo.indexer) is not installed")
+    port = free_port()
+    log = open(tmp_path / "dynamo-indexer.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
+    )
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
+
+    def up():
+        assert proc.poll() is None, (tmp_path / "dynamo-indexer.log").read_text()
+        try:
+            return client.get("/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(up, timeout=30, msg="dynamo.indexer up")
+        yield client
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+        log.close()
 
 
 @pytest.hookimpl(wrapper=True)

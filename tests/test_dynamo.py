@@ -10,12 +10,9 @@ service beside kvconductor, both fed by the same vLLM 0.33 publishers
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -386,44 +383,6 @@ def test_both_dialects_with_workers(tmp_path):
 # -- answer for answer against the real python -m dynamo.indexer ----------------------------
 
 
-def _dynamo_available() -> bool:
-    try:
-        return importlib.util.find_spec("dynamo.indexer") is not None
-    except ImportError:
-        return False
-
-
-@pytest.fixture
-def dynamo_indexer(tmp_path):
-    if not _dynamo_available():
-        pytest.skip("ai-dynamo-runtime (python -m dynamo.indexer) is not installed")
-    port = free_port()
-    log = open(tmp_path / "dynamo-indexer.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dynamo.indexer", "--port", str(port), "--threads", "1"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=tmp_path,
-    )
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0)
-
-    def up():
-        assert proc.poll() is None, (tmp_path / "dynamo-indexer.log").read_text()
-        try:
-            return client.get("/health").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(up, timeout=30, msg="dynamo.indexer up")
-        yield client
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(10)
-        log.close()
-
-
 #: The equivalence run: engines (instance, DP), prompt families, blocks per family.
 ENGINES = ((1, 0), (2, 0), (3, 0), (4, 0), (4, 1))
 FAMILIES, DEPTH = 24, 12
@@ -519,8 +478,9 @@ def _mark(e: _Engine, clients, tokens: list[int], ehash: int) -> None:
 def test_answers_equal_dynamos_on_the_same_events(tmp_path, dynamo_indexer):
     """kvconductor's Dynamo dialect and the real ``python -m dynamo.indexer``, fed the same
     vLLM 0.33 publishers (4 instances, one with 2 DP ranks; GPU prefixes stored, extended
-    and cut, CPU and storage offloads after them, a LoRA adapter's chains), answer 335
-    ``/query`` (with and without ``lora_name``) and ``/query_by_hash`` requests alike: same
+    and cut, CPU and storage offloads after them, a LoRA adapter's chains), answer 359
+    ``/query`` (with and without ``lora_name``, ``cache_salt``) and ``/query_by_hash``
+    (with a ``cache_salt``: Dynamo's 400) requests alike: same
     status, same JSON (docs/api.md, "The Dynamo indexer dialect": nothing to normalize
     for these)."""
     k = vllm_kv_events()
@@ -583,6 +543,16 @@ def test_answers_equal_dynamos_on_the_same_events(tmp_path, dynamo_indexer):
                     queries.append(
                         ("/query", {"token_ids": toks, "model_name": MODEL, "lora_name": name})
                     )
+            for toks in fams[6:10]:  # salts: none ("", null); one no event carries (no
+                # extra keys here: both match nothing; test_extrakeys.py for salted events)
+                for salt in (None, "", "salt-a"):
+                    queries.append(
+                        ("/query", {"token_ids": toks, "model_name": MODEL, "cache_salt": salt})
+                    )
+                hashes = _hashes(toks)
+                for salt in (None, "", "salt-a"):  # a string: Dynamo's 400
+                    body = {"block_hashes": hashes, "model_name": MODEL, "cache_salt": salt}
+                    queries.append(("/query_by_hash", body))
             assert len(queries) >= 300
 
             differ, matched, lower, disk = [], 0, 0, 0

@@ -14,8 +14,8 @@ unchanged: same routes, bodies, field names, success bodies and status codes
   conductor's journal like a V3 one.
 * ``POST /unregister`` ``{instance_id, model_name[, dp_rank]}``: one DP, or every DP of
   the instance; 404 ``instance N not found``.
-* ``POST /query`` ``{token_ids, model_name[, routing_group, lora_name]}`` and ``POST
-  /query_by_hash`` ``{block_hashes: [i64], model_name}``: answered from the same index
+* ``POST /query`` ``{token_ids, model_name[, routing_group, lora_name, cache_salt]}``
+  and ``POST /query_by_hash`` ``{block_hashes: [i64], model_name}``: answered from the same index
   as V3's with the (model, group)'s block size, in Dynamo's shape and units (matched
   tokens): ``scores`` the GPU (HBM) tokens per instance and rank, ``instances`` the
   cumulative tiers per instance (:func:`dynamo_answer`); 404 ``no indexer for model=...
@@ -41,6 +41,7 @@ import falcon.asgi
 import msgspec
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
+from kvconductor.extrakeys import salted_local_hashes
 from kvconductor.http.dialects import (
     DialectError,
     Door,
@@ -81,6 +82,11 @@ OK = DynamoStatus("ok")
 MEDIA_TYPE = "Expected request with `Content-Type: application/json`"
 DESERIALIZE = "Failed to deserialize the JSON body into the target type: "
 PARSE = "Failed to parse the request body as JSON: "
+#: Dynamo's 400 for a ``cache_salt`` (even ``""``) on ``/query_by_hash``.
+SALTED_HASHES = (
+    "cache_salt is not accepted by /query_by_hash; "
+    "block_hashes must already include the intended cache salt"
+)
 
 
 def media_type(req: falcon.asgi.Request) -> None:
@@ -235,10 +241,16 @@ class Answers:
         if index is not None and full:
             seed = lora_seed(q.lora_name) if q.lora_name else DEFAULT_SEED
             values = tokens if full == len(tokens) else tokens[:full]
-            hits = index.query(values, size, seed).tuples()
+            if not q.cache_salt:
+                hits = index.query(values, size, seed).tuples()
+            else:  # the salt in the first block's hash, as vLLM's (docs/api.md)
+                hits = index.query_by_hash(salted_local_hashes(values, size, seed, q.cache_salt))
+                hits = hits.tuples()
         return dynamo_answer(hits, size)
 
     async def query_by_hash(self, q: DynamoHashQueryRequest) -> DynamoQueryResponse:
+        if q.cache_salt is not None:
+            raise DialectError(400, "invalid_value", SALTED_HASHES)
         size = self.block_size(q.model_name, q.routing_group)
         index = self.source.get_index(q.model_name, q.routing_group)
         hits: Sequence[tuple[str, int, int, int, int]] = ()

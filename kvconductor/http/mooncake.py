@@ -46,7 +46,7 @@ import falcon.asgi
 import msgspec
 
 from kvconductor._hash import DEFAULT_SEED, lora_seed
-from kvconductor.extrakeys import QueryExtras, extra_local_hashes
+from kvconductor.extrakeys import salted_local_hashes
 from kvconductor.http.dialects import (
     DialectError,
     HealthRoute,
@@ -436,8 +436,7 @@ class Dialect:
             if q.cache_salt is None:
                 hits = index.query(q.tokens, q.block_size, seed, instances=instances).tuples()
             else:  # the salt in the first block's hash, as vLLM's (docs/api.md, "Extra keys")
-                salted = QueryExtras(q.cache_salt, ())
-                local = extra_local_hashes(q.tokens, q.block_size, seed, salted, False)
+                local = salted_local_hashes(q.tokens, q.block_size, seed, q.cache_salt)
                 hits = index.query_by_hash(local, instances=instances).tuples()
         return MooncakeQueryResponse(cumulative_answer(hits, registered, q.block_size))
 
