@@ -478,7 +478,7 @@ def _mark(e: _Engine, clients, tokens: list[int], ehash: int) -> None:
 def test_answers_equal_dynamos_on_the_same_events(tmp_path, dynamo_indexer):
     """kvconductor's Dynamo dialect and the real ``python -m dynamo.indexer``, fed the same
     vLLM 0.33 publishers (4 instances, one with 2 DP ranks; GPU prefixes stored, extended
-    and cut, CPU and storage offloads after them, a LoRA adapter's chains), answer 359
+    and cut, CPU and storage offloads after them, a LoRA adapter's chains), answer 360
     ``/query`` (with and without ``lora_name``, ``cache_salt``) and ``/query_by_hash``
     (with a ``cache_salt``: Dynamo's 400) requests alike: same
     status, same JSON (docs/api.md, "The Dynamo indexer dialect": nothing to normalize
@@ -553,6 +553,8 @@ def test_answers_equal_dynamos_on_the_same_events(tmp_path, dynamo_indexer):
                 for salt in (None, "", "salt-a"):  # a string: Dynamo's 400
                     body = {"block_hashes": hashes, "model_name": MODEL, "cache_salt": salt}
                     queries.append(("/query_by_hash", body))
+            salted = {"block_hashes": [1], "model_name": "not-registered", "cache_salt": "s"}
+            queries.append(("/query_by_hash", salted))  # Dynamo's 400 before its 404
             assert len(queries) >= 300
 
             differ, matched, lower, disk = [], 0, 0, 0

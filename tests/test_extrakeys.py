@@ -8,6 +8,7 @@ reuse: the longest prefix of the query's vLLM block hashes among the stored ones
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -283,76 +284,22 @@ def test_mooncake_dialect_takes_the_salt(tmp_path):
             pub.shutdown()
 
 
-def test_dynamo_dialect_takes_the_salt_as_vllm(tmp_path):
-    """The Dynamo dialect's ``cache_salt`` on ``/query`` is the request's salt as vLLM
-    hashes it: each engine's blocks answer the queries vLLM would reuse them for (a salted
-    engine: the same salt only; an unsalted one: no salt, ``""`` or null). Dynamo 1.6.1
-    means something else (docs/api.md, "The Dynamo indexer dialect"); its type error and
-    its ``/query_by_hash`` refusal are kept."""
+def _gpu(c: httpx.Client, **extra) -> dict[int, int]:
+    """A Dynamo ``/query`` of the prompt: the GPU tokens per instance."""
+    r = c.post("/query", json={"token_ids": PROMPT, "model_name": "qwen", **extra})
+    assert r.status_code == 200, r.text
+    return {int(i): m["gpu"] for i, m in r.json()["instances"].items()}
+
+
+@contextmanager
+def _salted_engines(tmp_path, engines: dict[int, str | None], *others: httpx.Client):
+    """A server with ``--dynamo-port`` and vLLM 0.33 publishers, one per instance of
+    ``engines`` (its id -> the salt of the request it stored), registered there and on
+    ``others`` (the real Dynamo indexer), their blocks indexed by all: yields the dialect's
+    client. ``others``: the block hashes sent as ints (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``,
+    which Dynamo needs) instead of vLLM's default bytes."""
     h = vllm_block_hashing()
     k = vllm_kv_events()
-    engines = {1: "salt-a", 2: None}  # instance id -> the salt of the request it stored
-    chains = {iid: vllm_blocks(h, _request(salt=salt)) for iid, salt in engines.items()}
-    dyn_port = free_tcp_port()
-    pubs = {}
-    with started(tmp_path, "--dynamo-port", str(dyn_port)):
-        dyn = httpx.Client(base_url=f"http://127.0.0.1:{dyn_port}", timeout=10.0)
-        try:
-            for iid in engines:
-                port = free_tcp_port()
-                pubs[iid] = k.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
-                reg = {"instance_id": iid, "endpoint": f"tcp://127.0.0.1:{port}"}
-                r = dyn.post("/register", json={**reg, "model_name": "qwen", "block_size": BS})
-                assert r.status_code == 201, r.text
-
-            def query(**extra) -> dict[int, int]:
-                r = dyn.post("/query", json={"token_ids": PROMPT, "model_name": "qwen", **extra})
-                assert r.status_code == 200, r.text
-                return {int(i): m["gpu"] for i, m in r.json()["instances"].items()}
-
-            for iid, salt in engines.items():
-
-                def indexed(iid=iid, salt=salt):
-                    ev = _event(k, h, chains[iid])
-                    pubs[iid].publish(k.KVEventBatch(ts=time.time(), events=[ev]))
-                    return iid in query(cache_salt=salt)
-
-                wait_until(indexed, msg=f"engine {iid}'s blocks indexed", interval=0.2)
-            for salt in (None, "", "salt-a", "salt-b"):
-                q = vllm_blocks(h, _request(salt=salt or None))[0]
-                want = {i: BS * n for i in engines if (n := _reuse(q, chains[i][0]))}
-                assert query(cache_salt=salt) == want, salt
-            assert query() == {2: len(PROMPT)} and query(cache_salt="salt-a") == {1: len(PROMPT)}
-            bad = dyn.post(
-                "/query", json={"token_ids": PROMPT, "model_name": "qwen", "cache_salt": 5}
-            )
-            assert bad.status_code == 422 and "cache_salt" in bad.json()["error"], bad.text
-            by_hash = {"block_hashes": [1, 2], "model_name": "qwen"}
-            for salt, status in (("salt-a", 400), ("", 400), (None, 200)):
-                r = dyn.post("/query_by_hash", json={**by_hash, "cache_salt": salt})
-                assert r.status_code == status, r.text
-            assert r.json() == {"scores": {}, "frequencies": [], "instances": {}}
-            assert dyn.post("/query_by_hash", json={**by_hash, "cache_salt": "s"}).json() == {
-                "error": "cache_salt is not accepted by /query_by_hash; "
-                "block_hashes must already include the intended cache salt"
-            }
-        finally:
-            dyn.close()
-            for pub in pubs.values():
-                pub.shutdown()
-
-
-def test_dynamo_indexer_itself_on_salted_events(tmp_path, dynamo_indexer):
-    """What the real ``python -m dynamo.indexer`` 1.6.1 does with salts, fed the same vLLM
-    0.33 publishers as ours (block hashes as ints: ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``,
-    which Dynamo needs): it skips the events' ``extra_keys``, so a salted engine's blocks
-    answer an unsalted query (blocks vLLM cannot reuse), and it mixes a query's
-    ``cache_salt`` into its own hashes, which no event carries, so a salted query matches
-    nothing. Ours answers what vLLM reuses (docs/api.md, "where the meanings differ")."""
-    h = vllm_block_hashing()
-    k = vllm_kv_events()
-    engines = {11: "salt-a", 12: None}
-    chains = {iid: vllm_blocks(h, _request(salt=salt)) for iid, salt in engines.items()}
     dyn_port = free_tcp_port()
     pubs = {}
     with started(tmp_path, "--dynamo-port", str(dyn_port)):
@@ -362,33 +309,69 @@ def test_dynamo_indexer_itself_on_salted_events(tmp_path, dynamo_indexer):
                 port = free_tcp_port()
                 pubs[iid] = k.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://*:{port}")
                 reg = {"instance_id": iid, "endpoint": f"tcp://127.0.0.1:{port}"}
-                for c in (ours, dynamo_indexer):
+                for c in (ours, *others):
                     r = c.post("/register", json={**reg, "model_name": "qwen", "block_size": BS})
                     assert r.status_code == 201, r.text
-
-            def query(c, **extra) -> dict[int, int]:
-                r = c.post("/query", json={"token_ids": PROMPT, "model_name": "qwen", **extra})
-                assert r.status_code == 200, r.text
-                return {int(i): m["gpu"] for i, m in r.json()["instances"].items()}
-
             for iid, salt in engines.items():
-                hashes, keys = chains[iid]
-                ints = [int.from_bytes(b, "big") & (2**64 - 1) for b in hashes]
-                ev = _event(k, h, (ints, keys))
+                hashes, keys = vllm_blocks(h, _request(salt=salt))
+                if others:
+                    hashes = [int.from_bytes(b, "big") & (2**64 - 1) for b in hashes]
+                ev = _event(k, h, (hashes, keys))
 
                 def indexed(iid=iid, salt=salt, ev=ev):
                     pubs[iid].publish(k.KVEventBatch(ts=time.time(), events=[ev]))
-                    return iid in query(ours, cache_salt=salt) and iid in query(dynamo_indexer)
+                    return iid in _gpu(ours, cache_salt=salt) and all(
+                        iid in _gpu(c) for c in others
+                    )
 
                 wait_until(indexed, msg=f"engine {iid}'s blocks indexed", interval=0.3)
-            full = len(PROMPT)
-            for salt in (None, ""):
-                assert query(dynamo_indexer, cache_salt=salt) == {11: full, 12: full}
-                assert query(ours, cache_salt=salt) == {12: full}
-            for salt, mine in (("salt-a", {11: full}), ("salt-b", {})):
-                assert query(dynamo_indexer, cache_salt=salt) == {}
-                assert query(ours, cache_salt=salt) == mine
+            yield ours
         finally:
             ours.close()
             for pub in pubs.values():
                 pub.shutdown()
+
+
+def test_dynamo_dialect_takes_the_salt_as_vllm(tmp_path):
+    """The Dynamo dialect's ``cache_salt`` on ``/query`` is the request's salt as vLLM
+    hashes it: each engine's blocks answer the queries vLLM would reuse them for (a salted
+    engine: the same salt only; an unsalted one: no salt, ``""`` or null). Dynamo 1.6.1
+    means something else (docs/api.md, "The Dynamo indexer dialect"); its type error and
+    its ``/query_by_hash`` refusal are kept."""
+    h = vllm_block_hashing()
+    engines = {1: "salt-a", 2: None}  # instance id -> the salt of the request it stored
+    chains = {iid: vllm_blocks(h, _request(salt=salt))[0] for iid, salt in engines.items()}
+    with _salted_engines(tmp_path, engines) as dyn:
+        for salt in (None, "", "salt-a", "salt-b"):
+            q = vllm_blocks(h, _request(salt=salt or None))[0]
+            want = {i: BS * n for i in engines if (n := _reuse(q, chains[i]))}
+            assert _gpu(dyn, cache_salt=salt) == want, salt
+        full = len(PROMPT)
+        assert _gpu(dyn) == {2: full} and _gpu(dyn, cache_salt="salt-a") == {1: full}
+        bad = dyn.post("/query", json={"token_ids": PROMPT, "model_name": "qwen", "cache_salt": 5})
+        assert bad.status_code == 422 and "cache_salt" in bad.json()["error"], bad.text
+        by_hash = {"block_hashes": [1, 2], "model_name": "qwen"}
+        for salt, status in (("salt-a", 400), ("", 400), (None, 200)):
+            r = dyn.post("/query_by_hash", json={**by_hash, "cache_salt": salt})
+            assert r.status_code == status, r.text
+        assert r.json() == {"scores": {}, "frequencies": [], "instances": {}}
+        assert dyn.post("/query_by_hash", json={**by_hash, "cache_salt": "s"}).json() == {
+            "error": "cache_salt is not accepted by /query_by_hash; "
+            "block_hashes must already include the intended cache salt"
+        }
+
+
+def test_dynamo_indexer_itself_on_salted_events(tmp_path, dynamo_indexer):
+    """What the real ``python -m dynamo.indexer`` 1.6.1 does with salts, fed the same vLLM
+    0.33 publishers as ours: it skips the events' ``extra_keys``, so a salted engine's
+    blocks answer an unsalted query (blocks vLLM cannot reuse), and it mixes a query's
+    ``cache_salt`` into its own hashes, which no event carries, so a salted query matches
+    nothing. Ours answers what vLLM reuses (docs/api.md, "where the meanings differ")."""
+    full = len(PROMPT)
+    with _salted_engines(tmp_path, {11: "salt-a", 12: None}, dynamo_indexer) as ours:
+        for salt in (None, ""):
+            assert _gpu(dynamo_indexer, cache_salt=salt) == {11: full, 12: full}
+            assert _gpu(ours, cache_salt=salt) == {12: full}
+        for salt, mine in (("salt-a", {11: full}), ("salt-b", {})):
+            assert _gpu(dynamo_indexer, cache_salt=salt) == {}
+            assert _gpu(ours, cache_salt=salt) == mine

@@ -244,8 +244,8 @@ class Answers:
             if not q.cache_salt:
                 hits = index.query(values, size, seed).tuples()
             else:  # the salt in the first block's hash, as vLLM's (docs/api.md)
-                hits = index.query_by_hash(salted_local_hashes(values, size, seed, q.cache_salt))
-                hits = hits.tuples()
+                local = salted_local_hashes(values, size, seed, q.cache_salt)
+                hits = index.query_by_hash(local).tuples()
         return dynamo_answer(hits, size)
 
     async def query_by_hash(self, q: DynamoHashQueryRequest) -> DynamoQueryResponse:
