@@ -8,8 +8,9 @@ registered with both over Dynamo's ``POST /register``. Every engine stores an HB
 ``depth - (e + p) % 8``); once both answer every engine's chains, the same 1,024-token
 prompt is asked over one keep-alive connection per route, in alternating rounds: our
 dialect's ``/query`` and ``/query_by_hash``, Dynamo's ``/query`` and ``/query_by_hash``,
-and V3's ``/query`` for reference. Prints the client round trip's p50 and p99 per round and
-whether the two services' answers were equal; nothing here asserts timings.
+and V3's ``/query`` for reference (``--salt``: also our dialect's ``/query`` with a
+``cache_salt``, which matches nothing here). Prints the client round trip's p50 and p99
+per round and whether the two services' answers were equal; nothing here asserts timings.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=1, help="kv-conductor --workers N")
     ap.add_argument("--requests", type=int, default=2000, help="per route and round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--salt", action="store_true", help="also our salted /query")
     args = ap.parse_args()
     v3_port, dyn_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "kvconductor", "--port", str(v3_port), "--no-snapshots"]
@@ -124,6 +126,9 @@ def main() -> int:
             ("dynamo /query_by_hash", "dynamo", "/query_by_hash", qh),
             ("V3 /query", "v3", "/query", v3),
         ]
+        if args.salt:  # our dialect's salted /query (Dynamo's meaning differs: docs/api.md)
+            salted = json.dumps({"token_ids": tokens, "model_name": MODEL, "cache_salt": "s"})
+            routes.append(("ours /query cache_salt", "ours", "/query", salted.encode()))
         print(
             f"{args.engines} engines x {PROMPTS} prompts, {len(tokens)}-token prompt, block "
             f"size {BS}, kv-conductor --workers {args.workers}; answers equal: {equal}"
