@@ -415,5 +415,5 @@ def test_native_answer_times_both_indexes_on_the_replayed_state(capsys):
     assert len(rows) == (2 if tr.dynamo_radix_tree() is not None else 1)
     for r in rows:
         assert r["rows"] == 16 and r["wide_calls"] >= 1
-        assert r["wide_us"] > 0 and r["miss_us"] > 0
+        assert r["wide_us"] > 0 and r["miss_us"] > 0 and r["replay_store_ns_per_block"] > 0
     assert rows[0]["store_held_us"] > 0

@@ -27,8 +27,8 @@ from libc.string cimport memcpy, memmove, memset
 from kvconductor._cursor cimport HCursor, hc_get, hc_init_hashes
 from kvconductor._maps cimport (
     FpMap, U64Map, em_hash, fpm_check, fpm_delete_at, fpm_first, fpm_free, fpm_home, fpm_init,
-    fpm_insert, fpm_nbytes, fpm_next, fpm_reserve_one, hm_mix, prefetch, revs_count, revs_ensure,
-    revs_free, revs_nbytes, u64m_free, u64m_init, u64m_put,
+    fpm_insert, fpm_nbytes, fpm_next, fpm_reserve, fpm_reserve_one, hm_mix, prefetch, revs_count,
+    revs_ensure, revs_free, revs_nbytes, u64m_free, u64m_init, u64m_put,
 )
 from kvconductor._pool cimport (
     HM_NIL, live_allocations, mem_alloc, mem_free, mem_realloc, pool_give, pool_init,
@@ -342,6 +342,8 @@ cdef long tree_store(Tree* t, uint32_t worker, bint has_parent, uint64_t parent,
     if revs_ensure(&t.rev, &t.nrev, worker) < 0:
         return T_ERR_OOM
     rev = &t.rev[worker]        # t.rev is reallocated by revs_ensure only
+    if fpm_reserve(rev, n) < 0:
+        return T_ERR_OOM
     for i in range(n):
         e = ehashes[i]
         child = _child(t, node, locals[i])

@@ -347,6 +347,21 @@ def test_nbytes_accounts_the_c_arrays():
     assert PyTree().nbytes == 0
 
 
+def test_one_store_sizes_the_reverse_map_as_block_by_block():
+    """A store of n blocks reserves its worker's reverse map once, ahead; it reaches the
+    capacity (so the bytes) that storing the same chain one block at a time reaches."""
+    from kvconductor._tree import RadixTree as CTree
+
+    for n in (1, 7, 8, 9, 23, 100, 1000):
+        whole, steps = CTree(), CTree()
+        whole.store(W1, None, list(range(1, n + 1)), list(range(1, n + 1)))
+        steps.store(W1, None, [1], [1])
+        for b in range(2, n + 1):
+            steps.store(W1, b - 1, [b], [b])
+        assert whole.layout() == steps.layout(), n
+        assert whole.nbytes == steps.nbytes, n
+
+
 def test_large_u64_values(RadixTree):
     t = RadixTree()
     top = 2**64 - 1
