@@ -217,6 +217,44 @@ def test_the_follower_survives_every_bad_answer(tmp_path, engine):
         eng.shutdown()
 
 
+def test_back_on_the_same_port_is_ok_again(tmp_path, engine):
+    """An engine on a fixed port goes down and its route fails meanwhile (``error``); it
+    comes back on the same port: its sources connect again and the state is ``ok``, the
+    warning gone from explain, with no registration again."""
+    fixed, replay = free_tcp_port(), free_tcp_port()
+    eng = Engine(engine, {0: f"tcp://*:{fixed}"}, {0: f"tcp://*:{replay}"})
+    try:
+        with running(tmp_path) as srv:
+            r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
+            assert r.status_code == 201, r.text
+            until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
+            eng.pubs[0].shutdown()
+            engine.status, engine.body = 503, b"{}"
+            wait_until(
+                lambda: _endpoints(srv)["0"]["engine_url_state"] == "error",
+                timeout=20,
+                interval=0.2,
+                msg="the failed read shown",
+            )
+            back = eng.up(0, f"tcp://*:{fixed}", f"tcp://*:{replay}")
+            assert back.endswith(f":{fixed}")
+            until_hits(srv.http, IID, eng, 0, [5, 6], TOK_C)
+            wait_until(
+                lambda: _endpoints(srv)["0"]["engine_url_state"] == "ok",
+                timeout=10,
+                interval=0.2,
+                msg="ok again once its sources connected",
+            )
+            assert _endpoints(srv)["0"]["engine_url_error"] is None
+            ex = srv.http.post(
+                "/explain", json={"model": "qwen", "token_ids": TOK_A, "block_size": BS}
+            )
+            assert [w for w in ex.json()["warnings"] if "kv_event_sources" in w] == []
+            assert "engine found again" not in srv.log()  # the same endpoints: no move
+    finally:
+        eng.shutdown()
+
+
 def test_the_url_rules_apply_to_the_engine_and_its_endpoints(tmp_path, engine):
     with running(tmp_path, "--endpoint-networks", "10.0.0.0/8") as srv:
         engine.body = b'{"0": {"endpoint": "tcp://10.1.2.3:5557"}}'

@@ -125,6 +125,7 @@ class EngineFollower:
         registered again where their publisher moved."""
         looked = await self.conductor.run(self._look)
         due: list[_Due] = []
+        back: list[_Due] = []
         for key, (url, down) in looked.items():
             w = self._watches.get(key)
             if w is None:
@@ -132,6 +133,7 @@ class EngineFollower:
             if not down:
                 if w.down_since is not None:
                     w.reset()  # up again: no read planned
+                    back.append(_Due(key, url, False))
             elif w.down_since is None:
                 w.down_since = now
                 w.next_read = min(w.next_read or math.inf, now + REREAD_AFTER_SECS)
@@ -142,6 +144,8 @@ class EngineFollower:
                     w.backoff = min(BACKOFF_MAX_SECS, w.backoff * 2)
         for key in set(self._watches) - set(looked):
             del self._watches[key]
+        for d in back:  # its sources connected again: what a read said before is past
+            await self._state(d, "ok", None)
         reads: dict[str, dict[int, RankSource] | EngineRouteError] = {}
         for d in due:
             if d.engine_url not in reads:

@@ -117,23 +117,27 @@ class Engine:
     """One vLLM engine: a publisher per DP rank (vLLM's own, binding ``endpoints[rank]``,
     replay on port 0 too) and its API server's route."""
 
-    def __init__(self, http: EngineHttp, endpoints: dict[int, str]) -> None:
+    def __init__(
+        self, http: EngineHttp, endpoints: dict[int, str], replay: dict[int, str] | None = None
+    ) -> None:
         k = vllm_kv_events()
         self.k = k
         self.http = http
         self.pubs = {
             rank: k.ZmqEventPublisher(
-                data_parallel_rank=rank, endpoint=ep, replay_endpoint="tcp://*:0"
+                data_parallel_rank=rank,
+                endpoint=ep,
+                replay_endpoint=(replay or {}).get(rank, "tcp://*:0"),
             )
             for rank, ep in endpoints.items()
         }
         http.serve({r: p.get_publisher_config() for r, p in self.pubs.items()})
 
-    def up(self, rank: int) -> str:
-        """Rank ``rank``'s publisher (re)started on port 0 (its replay too), the route
-        answering its new endpoint; returns it."""
+    def up(self, rank: int, endpoint: str = "tcp://*:0", replay: str = "tcp://*:0") -> str:
+        """Rank ``rank``'s publisher (re)started on ``endpoint`` and ``replay`` (port 0:
+        new ports), the route answering its endpoint; returns it."""
         self.pubs[rank] = self.k.ZmqEventPublisher(
-            data_parallel_rank=rank, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+            data_parallel_rank=rank, endpoint=endpoint, replay_endpoint=replay
         )
         self.http.serve({r: p.get_publisher_config() for r, p in self.pubs.items()})
         return self.pubs[rank].get_publisher_config().endpoint
