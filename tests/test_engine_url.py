@@ -178,6 +178,15 @@ def test_slow_engines_are_a_422_within_the_time_limit(tmp_path, engine):
         assert r.status_code == 201, r.text
 
 
+def _answered_then_down(srv: Server, engine: EngineHttp, eng: Engine) -> None:
+    """DP 0 registered from the engine's URL, its first blocks answered, then its
+    publisher down."""
+    r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
+    assert r.status_code == 201, r.text
+    until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
+    eng.pubs[0].shutdown()
+
+
 def test_the_follower_survives_every_bad_answer(tmp_path, engine):
     """A registered engine restarts; while it comes back its route answers slowly, in
     another shape, not at all or with a 500: each is the DP's ``error`` state, never the
@@ -185,10 +194,7 @@ def test_the_follower_survives_every_bad_answer(tmp_path, engine):
     eng = Engine(engine, {0: "tcp://*:0"})
     try:
         with running(tmp_path) as srv:
-            r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
-            assert r.status_code == 201, r.text
-            until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
-            eng.pubs[0].shutdown()
+            _answered_then_down(srv, engine, eng)
             bad = [
                 ("slow", "body", b'{"0": {"endpoint": "tcp://*:5557"}}', "no answer within"),
                 ("slow", "open", b'{"0": {"endpoint": "tcp://*:5557"}}', "no answer within"),
@@ -225,10 +231,7 @@ def test_back_on_the_same_port_is_ok_again(tmp_path, engine):
     eng = Engine(engine, {0: f"tcp://*:{fixed}"}, {0: f"tcp://*:{replay}"})
     try:
         with running(tmp_path) as srv:
-            r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
-            assert r.status_code == 201, r.text
-            until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
-            eng.pubs[0].shutdown()
+            _answered_then_down(srv, engine, eng)
             engine.status, engine.body = 503, b"{}"
             wait_until(
                 lambda: _endpoints(srv)["0"]["engine_url_state"] == "error",
