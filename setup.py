@@ -4,7 +4,8 @@ Only the index (``_tree``, ``_lower``, ``_index``), the block hasher (``_hash``)
 the structure allocator (``_alloc``), the hot parsers and encoder (``_wire`` for
 query bodies, ``_encode`` for query responses, ``_ingest`` for vLLM event batches) and
 the shared-memory arena and cross-process lock of the multi-process design
-(``_arena``, ``_shlock``) are compiled. Everything else
+(``_arena``, ``_shlock``) and the ZeroMQ receive of the ingest thread (``_recv``) are
+compiled. Everything else
 (Falcon app, registry, ingest glue) stays plain Python on purpose.
 
 The extensions list their ``.pyx`` sources and are cythonized by ``build_ext``
@@ -50,6 +51,7 @@ MODULES = [
     "_ingest",
     "_arena",
     "_shlock",
+    "_recv",
 ]
 
 

@@ -81,6 +81,7 @@ import itertools
 import json
 import math
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -957,7 +958,7 @@ class KvcPhasesBackend(KvcBackend):
 def dynamo_radix_tree() -> Any:
     """Dynamo's ``RadixTree`` class, or None when ``ai-dynamo-runtime`` is not installed."""
     try:
-        from dynamo._core import RadixTree
+        from dynamo.llm import RadixTree
     except Exception:
         return None
     return RadixTree
@@ -1392,6 +1393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--server-rounds", type=int, default=1, help="--server: rounds, the order rotating"
     )
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help='--server: more kv-conductor flags, one string (e.g. "--workers 2")',
+    )
     ap.add_argument("--publishers", type=int, default=4, help="--server: publisher processes")
     ap.add_argument("--clients", type=int, default=2, help="--server: query client processes")
     ap.add_argument("--json", help="write every run here")
@@ -1411,6 +1417,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(kvconductor.serve.tuning.tune_malloc: freed answer buffers reused, not trimmed)",
     )
     args = ap.parse_args(argv)
+    if args.server_args:
+        from bench import trace_services
+
+        trace_services.SERVER_ARGS[:] = shlex.split(args.server_args)
     if args.server_malloc:
         from kvconductor.serve.tuning import tune_malloc
 

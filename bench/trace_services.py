@@ -191,6 +191,8 @@ def _raise_nofile() -> None:
 
 #: The server's HTTP connections (``--max-connections``): the clients, the probe, the check.
 MAX_CONNECTIONS = 64
+#: More flags for every kv-conductor server started here (``trace_replay.py --server-args``).
+SERVER_ARGS: list[str] = []
 
 
 def sources_that_fit() -> int | None:
@@ -337,7 +339,7 @@ class Server(Service):
         cmd = [sys.executable, "-m", "kvconductor", "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--no-snapshots", "--log-level", "WARNING"]
         cmd += ["--max-sources", str(workers + 16), "--max-connections", str(MAX_CONNECTIONS)]
-        cmd += extra
+        cmd += [*SERVER_ARGS, *extra]
         super().__init__(cmd, logdir, dp, _raise_nofile)
         self.enc = msgspec.msgpack.Encoder()
         deadline = time.monotonic() + 60

@@ -33,6 +33,7 @@ COMPILED_MODULES = (
     "_ingest",
     "_arena",
     "_shlock",
+    "_recv",
 )
 
 

@@ -449,6 +449,24 @@ cdef int _fill_fresh(fresh_t* fr, const uint32_t* rv, size_t n, list groups, dou
     return 0
 
 
+cdef enum:
+    # Answers of up to this many rows are planned and written with the GIL held.
+    ENCODE_GIL_ROWS = 2048
+
+
+cdef size_t _plan_all(const uint32_t* rv, size_t n, gname_t** ents, uint64_t bs, size_t tlen,
+                      bint msgpack, uint32_t* matched, size_t* nxt, rinst_t* iv,
+                      uint32_t* slots, size_t smask, size_t* ni, const fresh_t* fr,
+                      size_t taillen, GroupNames names) noexcept nogil:
+    """``encode_rows``' first pass: the slots cleared, each row's name entry, the plan."""
+    cdef size_t i
+    memset(slots, 0xFF, smask * sizeof(uint32_t))
+    for i in range(n):
+        ents[i] = names.entry(rv[4 * i])
+    return _plan_rows(rv, n, ents, bs, tlen, msgpack, matched, nxt, iv, slots, smask - 1, ni,
+                      fr, taillen)
+
+
 def encode_rows(MatchRows rows not None, GroupNames names not None, str tenant not None,
                 block_size, bint msgpack, fresh=None):
     """The V3 answer of ``rows`` (``kvconductor._index.MatchRows``) named by ``names``:
@@ -501,15 +519,22 @@ def encode_rows(MatchRows rows not None, GroupNames names not None, str tenant n
             _fill_fresh(fr, rv, n, groups, now)
             tail = PyBytes_AS_STRING(tailb)
             taillen = <size_t>len(tailb)
-        with nogil:
-            memset(slots, 0xFF, smask * sizeof(uint32_t))
-            for i in range(n):
-                ents[i] = names.entry(rv[4 * i])
-            size = _plan_rows(rv, n, ents, bs, tlen, msgpack, matched, nxt, iv, slots,
-                              smask - 1, &ni, fr, taillen)
+        # PERF: a short answer is encoded with the GIL held (a release hands it to a
+        # busy ingest thread and waits for it back: see _recv.pyx)
+        if n > ENCODE_GIL_ROWS:
+            with nogil:
+                size = _plan_all(rv, n, ents, bs, tlen, msgpack, matched, nxt, iv, slots,
+                                 smask, &ni, fr, taillen, names)
+        else:
+            size = _plan_all(rv, n, ents, bs, tlen, msgpack, matched, nxt, iv, slots,
+                             smask, &ni, fr, taillen, names)
         out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>size)
         o = PyBytes_AS_STRING(out)
-        with nogil:
+        if n > ENCODE_GIL_ROWS:
+            with nogil:
+                end = _write_rows(o, rv, ents, t.data, tlen, msgpack, matched, nxt, iv, ni,
+                                  fr, tail, taillen)
+        else:
             end = _write_rows(o, rv, ents, t.data, tlen, msgpack, matched, nxt, iv, ni, fr,
                               tail, taillen)
         if <size_t>(end - o) != size:

@@ -155,3 +155,7 @@ cdef class CoreIndex:
     # with ``_tier`` and holds no lock); OP_CLEAR clears each of ``clear[0:nclear]``.
     cdef void _apply_ops(self, BatchOp* ops, size_t n, const uint32_t* clear,
                          size_t nclear) noexcept nogil
+    # The same if the write lock is free this instant, else nothing and False (never
+    # waits: callable with the GIL held; the shared kind always answers False).
+    cdef bint _try_apply_ops(self, BatchOp* ops, size_t n, const uint32_t* clear,
+                             size_t nclear) noexcept nogil

@@ -33,7 +33,8 @@ from kvconductor._pool cimport (
 )
 from kvconductor._alloc cimport alloc_arena_leaked, alloc_arena_writing
 from kvconductor._rwlock cimport (
-    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
+    pthread_rwlock_destroy, pthread_rwlock_rdlock, pthread_rwlock_tryrdlock,
+    pthread_rwlock_trywrlock, pthread_rwlock_unlock, pthread_rwlock_wrlock,
     rwlock_init,
 )
 from kvconductor._hash cimport hash_token_blocks, u64_view
@@ -222,7 +223,10 @@ cdef class CoreIndex:
     remove/clear/offload/pool_store/evict/sweep; any number of threads may call
     match/match_tokens/stats/worker_blocks concurrently. Every method holds one C
     reader/writer lock for its whole duration (writers exclusive, writer
-    preferred) and runs its C part without the GIL.** A query's scratch is its
+    preferred) and runs its C part without the GIL. Exception: a short query or
+    ingest batch keeps the GIL, and then only try-locks (never waits for the lock with
+    the GIL held: it releases the GIL and waits like the others when the lock is
+    taken).** A query's scratch is its
     thread's own (one block per reader thread, shared by every index it queries,
     freed when the thread exits): readers share nothing but the index.
 
@@ -384,6 +388,14 @@ cdef class CoreIndex:
                          size_t nclear) noexcept nogil:
         """The ingest fast path's batch under one write lock (``_apply_batch``)."""
         _apply_batch(self, ops, n, clear, nclear)
+
+    cdef bint _try_apply_ops(self, BatchOp* ops, size_t n, const uint32_t* clear,
+                             size_t nclear) noexcept nogil:
+        """``_apply_ops`` if the write lock is free this instant (this process's lock
+        only, not the shared kind), else nothing and False: never waits, so a caller
+        holding the GIL cannot deadlock with a reader that needs the GIL inside its read
+        section."""
+        return _try_apply_batch(self, ops, n, clear, nclear)
 
     # -- two-phase records ---------------------------------------------------------------------
     # -- two-phase operations ------------------------------------------------------------------

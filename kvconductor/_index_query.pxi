@@ -515,7 +515,11 @@ cdef class MatchRows:
             free(keys)
             free(heap)
             raise MemoryError()
-        with nogil:
+        if n > SELECT_GIL_ROWS:
+            with nogil:
+                m = _select_rows(self.data, n, mp, mlen, use_mask, rp, rlen, use_rank, k, sd,
+                                 out, keys, heap, &om)
+        else:   # PERF: with the GIL held (a release costs more: see _recv.pyx)
             m = _select_rows(self.data, n, mp, mlen, use_mask, rp, rlen, use_rank, k, sd,
                              out, keys, heap, &om)
         free(keys)
@@ -700,6 +704,10 @@ cdef enum:
     # step; between steps it lets a waiting writer in (docs/design.md, "Long queries and
     # the writer"). About 100 us of walking.
     QUERY_CHUNK = 2048
+    # Queries of up to this many blocks run with the GIL held when the read lock is free;
+    # answers of up to this many rows are selected (top_k, instances) with it held.
+    QUERY_GIL_BLOCKS = 512
+    SELECT_GIL_ROWS = 4096
     # Starts again at most this many times (the tree changed under its path), then walks
     # the rest in one read section.
     QUERY_RESTARTS = 4
@@ -831,6 +839,32 @@ cdef size_t _rows_take(Scratch* s, uint32_t* rows) noexcept nogil:
     return m
 
 
+cdef inline bint _try_rlock(CoreIndex self) noexcept nogil:
+    """This process's read lock if it is free this instant (never waits; never for an
+    attached handle, whose read side is the cross-process lock)."""
+    if self.attached or pthread_rwlock_tryrdlock(&self.lk.rw) != 0:
+        return False
+    if self.st == NULL:
+        pthread_rwlock_unlock(&self.lk.rw)
+        return False
+    return True
+
+
+cdef int _query_rows(Scratch* s, int rc, int stale, uint32_t** rows, size_t* m) noexcept nogil:
+    """After the read section: the answer, one u32 row per group with a hit, in C (no
+    Python per row), from the groups the query touched (this thread's scratch left all
+    0 again). Returns ``rc``, or -1 out of memory."""
+    if stale == 0 and rc == 0 and s.nt:
+        rows[0] = <uint32_t*>malloc(4 * (_min(s.nt, s.G) + 1) * sizeof(uint32_t))
+        if rows[0] == NULL:
+            rc = -1
+        else:
+            m[0] = _rows_take(s, rows[0])
+    if s.nt:
+        _scratch_untouch(s)
+    return rc
+
+
 cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
     cdef int slot_, stale_ = 0
     cdef Scratch s
@@ -840,22 +874,21 @@ cdef MatchRows _run_query(CoreIndex self, HCursor* hc):
     cdef uint32_t* rows = NULL
     _scratch_zero(&s)
     slot_ = self._reader()
-    with nogil:
-        stale_ = _rlock(self, slot_)
-        if stale_ == 0:
-            rc = _query_sections(self, hc, &s, slot_, chunk, &G, &stale_)
+    if hc.n <= QUERY_GIL_BLOCKS and _try_rlock(self):
+        # PERF: a short query runs with the GIL held when the read lock is free: a GIL
+        # release for a few microseconds hands the GIL to a busy ingest thread and waits
+        # up to the switch interval for it back (see _recv.pyx).
+        rc = _query_sections(self, hc, &s, slot_, 0, &G, &stale_)
+        pthread_rwlock_unlock(&self.lk.rw)
+        rc = _query_rows(&s, rc, stale_, &rows, &m)
+    else:
+        with nogil:
+            stale_ = _rlock(self, slot_)
             if stale_ == 0:
-                _runlock(self, slot_)
-        if stale_ == 0 and rc == 0 and s.nt:
-            # the answer: one u32 row per group with a hit, in C (no Python per row),
-            # from the groups the query touched (this thread's scratch left all 0)
-            rows = <uint32_t*>malloc(4 * (_min(s.nt, s.G) + 1) * sizeof(uint32_t))
-            if rows == NULL:
-                rc = -1
-            else:
-                m = _rows_take(&s, rows)
-        if s.nt:
-            _scratch_untouch(&s)
+                rc = _query_sections(self, hc, &s, slot_, chunk, &G, &stale_)
+                if stale_ == 0:
+                    _runlock(self, slot_)
+            rc = _query_rows(&s, rc, stale_, &rows, &m)
     _scratch_free(&s)
     if stale_ == CORE_CLOSED and not self.attached:
         free(rows)

@@ -169,21 +169,12 @@ cdef object _clear(CoreIndex self, uint32_t worker):
         _wunlock(self)
     return rc
 
-cdef void _apply_batch(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* clear,
-                       size_t nclear) noexcept nogil:
-    """A batch of stores/evictions/clears under one write lock (the ingest fast path).
-
-    Each op does exactly what the matching Python method does inside its lock
-    (``store``/``store_tokens``, ``evict``, ``clear`` per worker), so a batch
-    equals that sequence of calls; ``ops[i].rc`` gets the method's result."""
+cdef void _batch_locked(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* clear,
+                        size_t nclear) noexcept nogil:
+    """The ops of ``_apply_batch``, its write lock held."""
     cdef size_t i, k
     cdef BatchOp* op
     cdef long rc
-    if self.st == NULL or (self.shared and not alloc_arena_writing()):
-        for i in range(n):      # the caller checked with _tier: never reached
-            ops[i].rc = T_ERR_OOM
-        return
-    _wlock(self)
     for i in range(n):
         op = &ops[i]
         if op.kind == OP_STORE:
@@ -196,4 +187,33 @@ cdef void _apply_batch(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* c
             for k in range(nclear):
                 rc += _clear_c(self, clear[k])
             op.rc = rc
+
+
+cdef void _apply_batch(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* clear,
+                       size_t nclear) noexcept nogil:
+    """A batch of stores/evictions/clears under one write lock (the ingest fast path).
+
+    Each op does exactly what the matching Python method does inside its lock
+    (``store``/``store_tokens``, ``evict``, ``clear`` per worker), so a batch
+    equals that sequence of calls; ``ops[i].rc`` gets the method's result."""
+    cdef size_t i
+    if self.st == NULL or (self.shared and not alloc_arena_writing()):
+        for i in range(n):      # the caller checked with _tier: never reached
+            ops[i].rc = T_ERR_OOM
+        return
+    _wlock(self)
+    _batch_locked(self, ops, n, clear, nclear)
     _wunlock(self)
+
+
+cdef bint _try_apply_batch(CoreIndex self, BatchOp* ops, size_t n, const uint32_t* clear,
+                           size_t nclear) noexcept nogil:
+    """``_apply_batch`` if this process's write lock is free this instant; False (nothing
+    done) when it is taken, the state is shared (its writer also waits for the workers'
+    readers) or closed."""
+    if (self.st == NULL or self.shared or self.attached
+            or pthread_rwlock_trywrlock(&self.lk.rw) != 0):
+        return False
+    _batch_locked(self, ops, n, clear, nclear)
+    pthread_rwlock_unlock(&self.lk.rw)
+    return True

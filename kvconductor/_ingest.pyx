@@ -153,6 +153,11 @@ cdef enum:
     # _readers.MP_SKIP_MAX_DEPTH
     MAX_DEPTH = 32
     TRIM_ITEMS = 1 << 20        # scratch above this many items is freed after a batch
+    # Up to these sizes a batch is parsed, and applied (when the write lock is free), with
+    # the GIL held: tens of microseconds at most, less than a GIL handoff costs a busy
+    # server. Larger ones release it.
+    PARSE_GIL_BYTES = 32 * 1024
+    APPLY_GIL_BLOCKS = 256
 
 
 cdef inline int _r(int rc, int other) noexcept nogil:
@@ -344,101 +349,7 @@ def _fid_of(str name):
     return _fid(<const uint8_t*>PyBytes_AS_STRING(b), <size_t>PyBytes_GET_SIZE(b))
 
 
-# -- what an array payload carries (ingest/recognize.py's first step) ------------------------
-#: :func:`array_payload_kind`: the first event names a vLLM/SGLang batch, a pool tuple, or
-#: the C reader cannot tell (``recognize.py``'s Python reader decides).
-cdef enum:
-    P_UNSURE = 0
-    P_VLLM = 1
-    P_POOL = 2
-    P_VLLM_TAG = 3      # (not whole) a vLLM tag read, the rest of the first event not
-
-PAYLOAD_UNSURE, PAYLOAD_VLLM, PAYLOAD_POOL, PAYLOAD_VLLM_TAG = P_UNSURE, P_VLLM, P_POOL, P_VLLM_TAG
-
-
-cdef inline bint _array_head(uint8_t b) noexcept nogil:
-    return 0x90 <= b <= 0x9f or b == 0xdc or b == 0xdd
-
-
-cdef inline bint _int_or_nil_head(uint8_t b) noexcept nogil:
-    return b == 0xc0 or b <= 0x7f or b >= 0xe0 or 0xcc <= b <= 0xd3
-
-
-cdef int _first_event_kind(const uint8_t* buf, size_t size, bint whole) noexcept nogil:
-    """``recognize._looks_like_pool`` over the envelope ``split_batch`` reads, without
-    decoding: a first event that is a map with a pool key, without ``type`` or with a
-    ``type`` that is no vLLM tag is a pool tuple. A bad envelope is the vLLM decoder's
-    to report (P_VLLM); what this reader skips no further (ext values, deep
-    nesting, truncation) or a pool verdict that hangs on a non-ASCII key's UTF-8 is
-    P_UNSURE. Not ``whole``: P_VLLM_TAG as soon as a vLLM tag is read with no pool key
-    before it (the first key of a map event as msgspec and vLLM write it), the rest of
-    the event unread (the fast path refuses pool keys and repeated keys)."""
-    cdef wcur c
-    cdef size_t n, npairs, _i
-    cdef const uint8_t* s
-    cdef const uint8_t* save
-    cdef int fid, rc, kind
-    cdef bint pool = False, typed = False, tagged = False, nonascii = False
-    c.base = buf
-    c.p = buf
-    c.end = buf + size
-    if mp_container(&c, 0x90, 0xdc, &n) != WIRE_OK or (n != 2 and n != 3):
-        return P_VLLM
-    if mp_skip(&c, MAX_DEPTH, False) != WIRE_OK or c.p >= c.end:
-        return P_UNSURE
-    if not _array_head(c.p[0]):  # [ts, dp, events]: dp an int or nil
-        if n != 3 or not _int_or_nil_head(c.p[0]):
-            return P_VLLM
-        if mp_skip(&c, MAX_DEPTH, False) != WIRE_OK or c.p >= c.end:
-            return P_UNSURE
-        if not _array_head(c.p[0]):
-            return P_VLLM
-    if mp_container(&c, 0x90, 0xdc, &n) != WIRE_OK:
-        return P_UNSURE
-    if n == 0:
-        return P_VLLM
-    rc = mp_container(&c, 0x80, 0xde, &npairs)
-    if rc != WIRE_OK:  # an event of another form (array, bin, ...) is vLLM's
-        return P_UNSURE if rc == WIRE_EOF else P_VLLM
-    for _i in range(npairs):
-        rc = mp_str(&c, &s, &n)
-        if rc != WIRE_OK:  # a key that is no str: msgspec reads no keys, not a pool
-            return P_UNSURE if rc == WIRE_EOF else P_VLLM
-        if not _ascii(s, n):
-            nonascii = True
-            fid = FID_SKIP
-        else:
-            fid = _fid(s, n)
-        if fid == FID_POOL:
-            pool = True
-        elif fid == FID_TYPE:  # the last "type" counts, as in a decoded dict
-            typed = True
-            save = c.p
-            tagged = _tag(&c, &kind) == R_OK
-            if tagged and not pool and not whole:
-                return P_VLLM_TAG
-            c.p = save
-        if mp_skip(&c, MAX_DEPTH, False) != WIRE_OK:
-            return P_UNSURE
-    if not pool and typed and tagged:
-        return P_VLLM
-    return P_UNSURE if nonascii else P_POOL
-
-
-def array_payload_kind(payload, bint whole=True):
-    """PAYLOAD_VLLM, PAYLOAD_POOL or PAYLOAD_UNSURE (not ``whole``: or PAYLOAD_VLLM_TAG)
-    for a payload whose top value is a msgpack array (``ingest/recognize.py``, the Python
-    reader its twin)."""
-    cdef const uint8_t[::1] view
-    cdef const uint8_t* buf
-    cdef size_t size
-    if PyBytes_Check(payload):
-        return _first_event_kind(<const uint8_t*>PyBytes_AS_STRING(payload),
-                                 <size_t>PyBytes_GET_SIZE(payload), whole)
-    view = payload
-    size = view.shape[0]
-    buf = &view[0] if size else NULL
-    return _first_event_kind(buf, size, whole)
+include "_ingest_kind.pxi"
 
 
 cdef class FastBatch:
@@ -804,6 +715,8 @@ cdef class FastBatch:
         self._trim()
         if size < 11:
             rc = -R_ENVELOPE
+        elif size <= PARSE_GIL_BYTES:
+            rc = self._parse(buf, size, registered_block_size)  # PERF: see apply()
         else:
             with nogil:
                 rc = self._parse(buf, size, registered_block_size)
@@ -913,6 +826,7 @@ cdef class FastBatch:
         cdef EvRec* r
         cdef BatchOp* op
         cdef long blocks = 0, pnf = 0, bad = 0, oom = 0
+        cdef size_t nblocks = 0
         cdef long long x
         cdef uint32_t w = 0
         cdef long keep = -1
@@ -943,21 +857,28 @@ cdef class FastBatch:
                     raise ValueError(f"bad worker id {x}")
                 core._tier(<uint32_t>x)
                 self.clear[i] = <uint32_t>x
-        with nogil:
-            for i in range(self.done, end):
-                r = &self.recs[i]
-                op = &self.ops[nops]
-                op.kind = r.kind
-                op.worker = w
-                op.n = r.n
-                op.ehashes = self.hs + r.off
-                op.locals = op.ehashes if r.ehash_locals else self.loc + r.off
-                op.has_parent = r.has_parent
-                op.parent = r.parent
-                op.rc = 0
-                nops += 1
-            if nops:
+        for i in range(self.done, end):
+            r = &self.recs[i]
+            op = &self.ops[nops]
+            op.kind = r.kind
+            op.worker = w
+            op.n = r.n
+            op.ehashes = self.hs + r.off
+            op.locals = op.ehashes if r.ehash_locals else self.loc + r.off
+            op.has_parent = r.has_parent
+            op.parent = r.parent
+            op.rc = 0
+            nops += 1
+            nblocks += r.n
+        # PERF: a small batch is applied with the GIL held when the write lock is free
+        # (``_try_apply_ops`` never waits): releasing the GIL for a few microseconds of
+        # work hands it to the waiting event loop and waits for it back, which on a
+        # busy server cost more than the work (see _recv.pyx).
+        if nops and (nblocks + nclear > APPLY_GIL_BLOCKS
+                     or not core._try_apply_ops(self.ops, nops, self.clear, nclear)):
+            with nogil:
                 core._apply_ops(self.ops, nops, self.clear, nclear)
+        with nogil:
             for i in range(nops):
                 op = &self.ops[i]
                 if op.kind != OP_STORE:

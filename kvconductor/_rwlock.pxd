@@ -6,7 +6,9 @@ cdef extern from "<pthread.h>" nogil:
         pass
     int pthread_rwlock_destroy(pthread_rwlock_t* lock)
     int pthread_rwlock_rdlock(pthread_rwlock_t* lock)
+    int pthread_rwlock_tryrdlock(pthread_rwlock_t* lock)
     int pthread_rwlock_wrlock(pthread_rwlock_t* lock)
+    int pthread_rwlock_trywrlock(pthread_rwlock_t* lock)
     int pthread_rwlock_unlock(pthread_rwlock_t* lock)
 
 # glibc's pthread_rwlock_t prefers readers unless told otherwise, through a GNU

@@ -1010,3 +1010,65 @@ def test_extra_keys_and_sglang_salt_make_other_blocks():
         idx = next(iter(conductor.indexes.values()))
         assert idx.query_by_hash(list(salted)).hits == [(IID, 0, 3, 0, 0)]
     pair.finish()
+
+
+# --------------------------------------------------------------------------------------
+# the GIL held through small batches and queries (never while waiting for a lock)
+
+_GIL_RACE = r"""
+import sys, threading, time
+import msgspec
+from kvconductor._hash import hash_blocks
+from kvconductor._index import CoreIndex
+from kvconductor._ingest import FastBatch
+
+BS = 4
+enc = msgspec.msgpack.Encoder()
+core = CoreIndex()
+core.set_worker(0, 0, 0)
+fb = FastBatch()
+tokens = list(range(BS * 64))
+locs = list(hash_blocks(tokens, BS))
+stop = threading.Event()
+exports = [0]
+
+def export_loop():
+    # a read section that takes the GIL back inside it (arrays built under the lock)
+    while not stop.is_set():
+        core.export_hbm()
+        exports[0] += 1
+
+t = threading.Thread(target=export_loop)
+t.start()
+deadline = time.monotonic() + float(sys.argv[1])
+rounds = 0
+while time.monotonic() < deadline:
+    hs = [rounds * 1000 + i + 1 for i in range(64)]
+    p = enc.encode([1.0, [["BlockStored", hs, None, tokens, BS]], 0])
+    assert fb.parse(p, BS) == 1
+    assert fb.apply(core, 0) == (64, 0, 0, 0)
+    assert core.match_rows(locs).tolist()[0][1] == 64
+    p = enc.encode([1.0, [["BlockRemoved", hs]], 0])
+    assert fb.parse(p, BS) == 1
+    fb.apply(core, 0)
+    rounds += 1
+stop.set()
+t.join()
+print(rounds, exports[0])
+"""
+
+
+def test_small_batches_and_queries_hold_the_gil_without_deadlock():
+    """A small batch is applied, and a short query answered, with the GIL held only when
+    the lock is free at once (try-lock): a reader that takes the GIL back inside its read
+    section (``export_hbm``) must never wait for a writer that holds the GIL while waiting
+    for the lock. A blocking lock taken with the GIL held hangs this within milliseconds."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _GIL_RACE, "1.5"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    rounds, exports = map(int, out.stdout.split())
+    assert rounds > 10 and exports > 10

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 
 import zmq
 
+import kvconductor
 from kvconductor.ingest.thread import IngestThread
+
+try:
+    from kvconductor import _recv
+except ImportError:  # no compiled modules: the twins (KVCONDUCTOR_IMPL=py)
+    _recv = None  # type: ignore[assignment]
 
 log = logging.getLogger("kvconductor.ingest")
 
@@ -36,6 +42,21 @@ END_MARKER = b"\xff" * 8
 #: Messages handled per readiness callback, so one busy replay cannot starve the
 #: other sockets of the ingest thread.
 DRAIN_LIMIT = 512
+#: The compiled receive of :func:`drain` (None: pyzmq's ``recv_multipart``).
+_recv_messages = (
+    _recv.recv_messages
+    if _recv is not None and _recv.AVAILABLE and kvconductor.IMPL != "py"
+    else None
+)
+
+
+def warn_slow_receive() -> None:
+    """WARN, at start, when ZeroMQ messages are received through pyzmq's
+    ``recv_multipart`` although the compiled modules are in use (slower on a busy
+    server: see :func:`drain`)."""
+    if _recv_messages is None and kvconductor.IMPL != "py":
+        why = _recv.WHY if _recv is not None else "kvconductor._recv did not load"
+        log.warning("ZeroMQ batches are received through pyzmq's recv_multipart: %s", why)
 
 
 def drain(
@@ -46,7 +67,27 @@ def drain(
 ) -> Iterator[list[bytes]]:
     """The multipart messages already queued on ``sock``, at most ``limit`` (one
     readiness callback's share), until ``stopped()`` is true. A receive error is
-    passed to ``on_error`` and ends the draining. Used by the SUB sockets too."""
+    passed to ``on_error`` and ends the draining. Used by the SUB sockets too.
+
+    PERF: received by :func:`kvconductor._recv.recv_messages`, all at once and with the
+    GIL held; pyzmq's ``recv_multipart`` (used when that is not available, and with
+    ``KVCONDUCTOR_IMPL=py``) hands the GIL to the event loop and waits for it back at
+    every frame. The messages it received that ``stopped()`` keeps from being yielded go
+    with the socket, which the caller closes (a closed subscription, a finished replay)."""
+    if sock.closed:
+        return
+    if _recv_messages is not None:
+        if stopped():
+            return
+        msgs: list[list[bytes]] = []
+        err = _recv_messages(sock.underlying, limit, msgs)
+        for frames in msgs:
+            if stopped():
+                return
+            yield frames
+        if err:
+            on_error(zmq.ZMQError(err))
+        return
     for _ in range(limit):
         if stopped():
             return

@@ -41,6 +41,7 @@ from kvconductor._shlock import SLOTS
 from kvconductor.http.api import create_app, query_routes
 from kvconductor.http.front import ASGIApp, FrontDoor
 from kvconductor.http.metrics import Metrics, QueryMetrics, Sample
+from kvconductor.ingest.replay import warn_slow_receive
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.serve.proxy import Forwarder, OwnerClient, OwnerFreshness
 from kvconductor.serve.settings import Settings
@@ -167,6 +168,8 @@ class Service:
         """The start line: ``KV conductor starting on <address> ...`` (under gunicorn:
         ``... under gunicorn pid=<pid> workers=<gunicorn_workers>``)."""
         s = self.settings
+        if self.role != "worker":
+            warn_slow_receive()
         if self.role == "owner":
             log.info(
                 "KV conductor starting on %s workers=%d reader_stall=%dms version=%s %s "
