@@ -71,7 +71,7 @@ class build_ext(_build_ext):
     """Cythonize the ``.pyx`` sources right before compiling them, on every core.
 
     Without ``--parallel``/``-j`` the modules are cythonized and compiled in parallel,
-    one job per CPU (nine modules; ``pip install`` and CI build them several times).
+    one job per CPU (eleven modules; ``pip install`` and CI build them several times).
     """
 
     def finalize_options(self):

@@ -50,7 +50,8 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    and queries by hash against NVIDIA Dynamo's standalone indexer service
    (:mod:`bench.trace_dynamo_server`, ``python -m dynamo.indexer``) in the same run;
    ``--server-predictions`` kv-conductor once more, each query followed by the router's
-   prediction (``POST /predict_by_hash``), timed apart.
+   prediction (``POST /predict_by_hash``), timed apart; ``--server-args "--workers 2"``
+   more flags for every kv-conductor started.
 
 Block identity: a trace id names a prefix block, so a block is identified by its place in
 a chain (its parent's identity and its id). The index keys blocks the same way: a tree
