@@ -418,7 +418,9 @@ class ExplainPrediction(Struct):
 class ExplainInstance(Struct, omit_defaults=True):
     """One (instance, DP): ``registered`` false for a holder of blocks of this index that no
     registration names (data under a DP rank nobody registered, say); ``predictions``
-    only when it has live ones."""
+    only when it has live ones; ``engine_url``, ``engine_url_state`` and
+    ``engine_url_error`` (as in ``GET /workers``) only when it was registered from an
+    engine URL."""
 
     instance_id: str
     dp_rank: int
@@ -431,6 +433,9 @@ class ExplainInstance(Struct, omit_defaults=True):
     workers: list[ExplainWorker]
     sources: list[ExplainSource]
     predictions: list[ExplainPrediction] = []
+    engine_url: str | None = None
+    engine_url_state: str | None = None
+    engine_url_error: str | None = None
 
 
 class ExplainResponse(Struct):

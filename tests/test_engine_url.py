@@ -24,6 +24,7 @@ from kvconductor.state.engineroute import (
     RankSource,
     parse_sources,
 )
+from kvconductor.tools.explain import report as explain_report
 from kvconductor.urls import UrlError, UrlPolicy, check_url
 from tests.helpers.enginehttp import BS, SLOW_MODES, Engine, EngineHttp, hits, until_hits
 from tests.helpers.jsonvalues import json_values
@@ -87,12 +88,25 @@ def test_registered_from_the_engine_url_and_followed_to_new_ports(tmp_path, engi
             )
             assert ex.status_code == 200, ex.text
             said = [w for w in ex.json()["warnings"] if "kv_event_sources" in w]
+            err = _endpoints(srv)["0"]["engine_url_error"]
             assert said == [
                 f"instance {IID} DP 0: its publishers are read from {engine.url}"
-                "/kv_event_sources, and the last read failed (error: "
-                f"{_endpoints(srv)['0']['engine_url_error']}); it is read again while its "
-                "subscriptions stay down"
+                f"/kv_event_sources, and the last read failed (error: {err}); it is read "
+                "again while its subscriptions stay down"
             ]
+            # each DP's row says how its engine URL was read, as /workers does
+            rows = {i["dp_rank"]: i for i in ex.json()["instances"]}
+            assert (
+                rows[0]["engine_url"],
+                rows[0]["engine_url_state"],
+                rows[0]["engine_url_error"],
+            ) == (engine.url, "error", err)
+            assert (rows[1]["engine_url"], rows[1]["engine_url_state"]) == (engine.url, "ok")
+            assert "engine_url_error" not in rows[1]  # omitted when none
+            assert (
+                f"    engine URL {engine.url}/kv_event_sources: last read error: {err}"
+                in explain_report(ex.json())
+            )
             t0 = time.monotonic()
             new = eng.up(0)
             assert new != cfg0.endpoint
@@ -253,6 +267,8 @@ def test_back_on_the_same_port_is_ok_again(tmp_path, engine):
                 "/explain", json={"model": "qwen", "token_ids": TOK_A, "block_size": BS}
             )
             assert [w for w in ex.json()["warnings"] if "kv_event_sources" in w] == []
+            (row,) = ex.json()["instances"]
+            assert (row["engine_url"], row["engine_url_state"]) == (engine.url, "ok")
             assert "engine found again" not in srv.log()  # the same endpoints: no move
     finally:
         eng.shutdown()

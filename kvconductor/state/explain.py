@@ -168,6 +168,7 @@ def explain(
     sizes = sorted(state.block_sizes.get(key, ()))
     registered: dict[tuple[str, int], int] = {}
     unread: dict[tuple[str, int], str] = {}  # engine_url reads that failed, by DP
+    followed: dict[tuple[str, int], tuple[str, str, str | None]] = {}  # engine_url, by DP
     pool_sources: list[ExplainSource] = []
     for iid in sorted(state.registry.instances):
         for dp, ep in sorted(state.registry.instances[iid].endpoints.items()):
@@ -177,6 +178,8 @@ def explain(
                 pool_sources += explain_sources(state, iid, dp, now)
             else:
                 registered[(iid, dp)] = ep.block_size
+                if ep.engine_url is not None:
+                    followed[(iid, dp)] = (ep.engine_url, ep.engine_url_state, ep.engine_url_error)
                 if ep.engine_url is not None and ep.engine_url_state != "ok":
                     unread[(iid, dp)] = (
                         f"instance {iid} DP {dp}: its publishers are read from "
@@ -251,6 +254,7 @@ def explain(
         if gk in unread:
             warnings.append(unread[gk])
         preds = _predictions(state, idx, gk, tokens, block_size, seed)
+        url, url_state, url_error = followed.get(gk, (None, None, None))
         instances.append(
             ExplainInstance(
                 instance_id=iid,
@@ -264,6 +268,9 @@ def explain(
                 workers=workers,
                 sources=sources,
                 predictions=preds,
+                engine_url=url,
+                engine_url_state=url_state,
+                engine_url_error=url_error,
             )
         )
     if idx is not None and nblocks and not hits:

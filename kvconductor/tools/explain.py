@@ -150,6 +150,13 @@ def report(doc: dict[str, Any]) -> list[str]:
                 f"{s['events']} events, {since}"
             )
             lines += _source_details(s, "        ")
+        if inst.get("engine_url"):
+            state = inst.get("engine_url_state")
+            err = inst.get("engine_url_error")
+            lines.append(
+                f"    engine URL {inst['engine_url']}/kv_event_sources: last read {state}"
+                + (f": {err}" if err else "")
+            )
         for p in inst.get("predictions", []):
             lines.append(
                 f"    predicted by a router: {p['blocks']} blocks of this query "
