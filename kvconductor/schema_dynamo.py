@@ -4,8 +4,8 @@
 Names, types and defaults are those of ``python -m dynamo.indexer`` (PyPI
 ``ai-dynamo-runtime`` 1.6.1, Rust ``dynamo_kv_router``'s ``services/indexer``), read from
 what it takes and answers: ids are u64, DP ranks u32, hashes i64, ``routing_group``
-defaults to ``"default"``. Kept beside :mod:`kvconductor.schema` (which holds V3's and
-the Mooncake dialect's shapes) because that module is at its size limit.
+defaults to ``"default"``. Kept beside :mod:`kvconductor.schema` (V3's shapes), as
+:mod:`kvconductor.schema_mooncake` is.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ import logging
 import msgspec
 
 from kvconductor.http.fields import NAMED, UnknownFieldWarnings, unknown_fields
-from kvconductor.schema import MooncakeRegisterRequest, RegisterRequest
+from kvconductor.schema import RegisterRequest
+from kvconductor.schema_mooncake import MooncakeRegisterRequest
 
 BODY = {"instance_id": "a", "type": "vLLM", "modelname": "m", "block_size": 4, "dp_rank": 0}
 

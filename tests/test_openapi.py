@@ -9,7 +9,7 @@ import pytest
 from referencing import Registry
 from referencing.jsonschema import DRAFT202012
 
-from kvconductor import __version__, schema
+from kvconductor import __version__, schema, schema_mooncake
 from kvconductor.http import openapi
 from kvconductor.http.api import create_app
 from kvconductor.state.conductor import Conductor, ConductorConfig
@@ -232,7 +232,7 @@ def test_mooncake_document_describes_every_route_and_resolves(mc_client):
     )
     comps = MC_DOC["components"]["schemas"]
     assert list(comps["MooncakeInstanceMatch"]["properties"]) == list(
-        schema.MooncakeInstanceMatch.__struct_fields__
+        schema_mooncake.MooncakeInstanceMatch.__struct_fields__
     )
     assert comps["MooncakeError"]["required"] == ["error", "reason"]
 

@@ -62,6 +62,13 @@ from kvconductor.http.fields import UnknownFieldWarnings, unknown_fields
 from kvconductor.http.resource import JsonDocument
 from kvconductor.schema import (
     DEFAULT_TENANT,
+    Name,
+    PositiveU32,
+    RegisterRequest,
+    decode_error_message,
+    json_encoder,
+)
+from kvconductor.schema_mooncake import (
     MooncakeError,
     MooncakeHashProfile,
     MooncakeInstanceMatch,
@@ -72,11 +79,6 @@ from kvconductor.schema import (
     MooncakeRegisterResponse,
     MooncakeUnregisterRequest,
     MooncakeUnregisterResponse,
-    Name,
-    PositiveU32,
-    RegisterRequest,
-    decode_error_message,
-    json_encoder,
 )
 from kvconductor.state.conductor import Conductor, StateUnavailable
 from kvconductor.wire import WireError, parse_query_ext
@@ -98,7 +100,7 @@ _unregister_msgpack = msgspec.msgpack.Decoder(MooncakeUnregisterRequest)
 
 
 class _QueryFields(msgspec.Struct, kw_only=True):
-    """:class:`~kvconductor.schema.MooncakeQueryRequest` with ``token_ids`` left undecoded
+    """:class:`~kvconductor.schema_mooncake.MooncakeQueryRequest` with ``token_ids`` left undecoded
     (the V3 parser reads them into a C buffer): no Python int per token."""
 
     model: Name
@@ -268,7 +270,7 @@ class Query:
 def parse_query(body: bytes, msgpack: bool) -> Query:
     """A Mooncake ``/query`` body. The token ids go straight into a C buffer (the V3
     parser, which skips the fields it does not know); the other fields are checked with
-    :class:`~kvconductor.schema.MooncakeQueryRequest`. Only complete blocks count
+    :class:`~kvconductor.schema_mooncake.MooncakeQueryRequest`. Only complete blocks count
     (Mooncake's rule), so a trailing partial block is cut off here."""
     req = _decode(_query_json, _query_msgpack, body, msgpack, "query")
     if not req.model:

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from kvconductor import __version__, schema, schema_dynamo
+from kvconductor import __version__, schema, schema_dynamo, schema_mooncake
 from kvconductor.extrakeys import MM_INPUTS_MAX, MmInput
 from kvconductor.wire import JSON_CONTENT_TYPE, MSGPACK_CONTENT_TYPE
 
@@ -380,13 +380,13 @@ def document() -> dict[str, Any]:
 
 
 _MOONCAKE_STRUCTS = (
-    schema.MooncakeRegisterRequest,
-    schema.MooncakeUnregisterRequest,
-    schema.MooncakeQueryRequest,
-    schema.MooncakeRegisterResponse,
-    schema.MooncakeUnregisterResponse,
-    schema.MooncakeQueryResponse,
-    schema.MooncakeError,
+    schema_mooncake.MooncakeRegisterRequest,
+    schema_mooncake.MooncakeUnregisterRequest,
+    schema_mooncake.MooncakeQueryRequest,
+    schema_mooncake.MooncakeRegisterResponse,
+    schema_mooncake.MooncakeUnregisterResponse,
+    schema_mooncake.MooncakeQueryResponse,
+    schema_mooncake.MooncakeError,
 )
 _MOONCAKE_ERRORS = {
     "400": "malformed body, wrong type, missing field or value Mooncake's conductor refuses "
@@ -405,7 +405,7 @@ def _dialect_post(
 ) -> dict[str, Any]:
     """A dialect's ``POST`` route: Mooncake's (JSON or MessagePack, 200) or Dynamo's
     (JSON, its ``ok`` status: 201 for ``/register``)."""
-    error: type = schema.MooncakeError
+    error: type = schema_mooncake.MooncakeError
     table, both = _MOONCAKE_ERRORS, True
     if dynamo:
         table, error, both = _DYNAMO_ERRORS, schema_dynamo.DynamoError, False
@@ -482,27 +482,27 @@ def mooncake_document() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/register": _dialect_post(
             "register one DP rank of an engine (or a Mooncake pool publisher)",
-            schema.MooncakeRegisterRequest,
-            schema.MooncakeRegisterResponse,
+            schema_mooncake.MooncakeRegisterRequest,
+            schema_mooncake.MooncakeRegisterResponse,
             "400 401 413 500",
         ),
         "/unregister": _dialect_post(
             "unregister the service (instance_id, tenant_id, dp_rank)",
-            schema.MooncakeUnregisterRequest,
-            schema.MooncakeUnregisterResponse,
+            schema_mooncake.MooncakeUnregisterRequest,
+            schema_mooncake.MooncakeUnregisterResponse,
             "400 401 404 413 500",
         ),
         "/query": _dialect_post(
             "cumulative matched tokens per instance and rank (gpu <= cpu <= disk)",
-            schema.MooncakeQueryRequest,
-            schema.MooncakeQueryResponse,
+            schema_mooncake.MooncakeQueryRequest,
+            schema_mooncake.MooncakeQueryResponse,
             "400 413",
         ),
         "/services": _listing(
             "the services registered over this dialect",
             services,
             _MOONCAKE_ERRORS["401"],
-            schema.MooncakeError,
+            schema_mooncake.MooncakeError,
         ),
         "/health": _health("OK"),
     }
