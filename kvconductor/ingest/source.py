@@ -189,7 +189,11 @@ class SubSource:
 
     def _drain(self, sock: zmq.Socket, batch: WriteSection | None) -> None:
         events = self.events
+        pause = self.thread.pause_point
         for frames in drain(sock, DRAIN_LIMIT, lambda: events.closed, events.receive_error):
             if batch is not None:
                 batch.tick()
-            events.message(frames)
+                events.message(frames)
+            else:  # one process: the event loop shares the GIL (never inside a write section)
+                events.message(frames)
+                pause()

@@ -46,6 +46,9 @@ import zmq
 
 log = logging.getLogger("kvconductor.ingest")
 
+#: :meth:`IngestThread.pause_point`: the work between two yields of the GIL and the CPU.
+YIELD_AFTER_NS = 300_000
+
 
 class _HasFileno(Protocol):
     def fileno(self) -> int: ...
@@ -103,6 +106,8 @@ class IngestThread:
         self._stopped = threading.Event()
         #: Exceptions raised by handlers/timers (logged, counted, never fatal).
         self.errors = 0
+        #: :meth:`pause_point`: when the thread last let the others have the GIL.
+        self._ran_since = time.monotonic_ns()
 
     # -- any thread ---------------------------------------------------------------
     def submit(
@@ -200,6 +205,19 @@ class IngestThread:
                 fut.set_result(fn(*args))
             except BaseException as ex:
                 fut.set_exception(ex)
+
+    def pause_point(self) -> None:
+        """Between two messages: after :data:`YIELD_AFTER_NS` of work, give the GIL and
+        the CPU to a thread that waits for them (the event loop answering queries).
+
+        PERF: the ingest keeps the GIL through short batches (``kvconductor._recv``); a
+        voluntary release is taken back at once, so a waiting event loop would wait for
+        the switch interval, and longer when the OS deschedules the ingest thread while it
+        holds the GIL. ``os.sched_yield`` releases the GIL and lets the woken thread run."""
+        now = time.monotonic_ns()
+        if now - self._ran_since >= YIELD_AFTER_NS:
+            os.sched_yield()
+            self._ran_since = time.monotonic_ns()
 
     def _run_timers(self) -> float | None:
         now = time.monotonic()
