@@ -60,3 +60,105 @@ async def sized_app(scope, receive, send) -> None:
         answer = _SIZED[n] = (hdr, bytes(n))
     await send({"type": "http.response.start", "status": 200, "headers": answer[0]})
     await send({"type": "http.response.body", "body": answer[1]})
+
+
+class _Receiver:
+    """The event stream's floor: one SUB socket connected to every engine registered, on a
+    thread of its own that receives each message (``kvconductor._recv.recv_messages``, as
+    kv-conductor's ingest thread does, else pyzmq's ``recv_multipart``), counts it and
+    drops it; like the ingest thread, it gives the GIL and the CPU away every 0.3 ms of
+    work (``os.sched_yield``). No parse, no index: what any Python service on this stack
+    pays to take the stream in beside its queries."""
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self.pending: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.count = 0
+        threading.Thread(target=self._run, name="floor-ingest", daemon=True).start()
+
+    def _run(self) -> None:
+        import queue
+        import time
+
+        import zmq
+
+        try:
+            from kvconductor._recv import AVAILABLE
+            from kvconductor._recv import recv_messages as fast
+        except ImportError:
+            AVAILABLE = False
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        ran = time.monotonic_ns()
+        while True:
+            try:
+                while True:
+                    sub.connect(self.pending.get_nowait())
+            except queue.Empty:
+                pass
+            if not poller.poll(20):
+                ran = time.monotonic_ns()
+                continue
+            if AVAILABLE:
+                msgs: list[list[bytes]] = []
+                fast(sub.underlying, 64, msgs)
+                self.count += len(msgs)
+            else:
+                for _ in range(64):
+                    try:
+                        sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.count += 1
+            now = time.monotonic_ns()
+            if now - ran >= 300_000:
+                os.sched_yield()
+                ran = time.monotonic_ns()
+
+
+_RECEIVER: _Receiver | None = None
+_TEXT = [(b"content-type", b"text/plain")]
+
+
+async def _body(receive) -> bytes | None:
+    parts = []
+    more = True
+    while more:
+        msg = await receive()
+        if msg["type"] != "http.request":
+            return None
+        parts.append(msg.get("body", b""))
+        more = msg.get("more_body", False)
+    return b"".join(parts)
+
+
+async def ingest_app(scope, receive, send) -> None:
+    """``app`` that also takes in the engines' event stream (:class:`_Receiver`):
+    ``POST /register`` ``{"endpoint": "tcp://..."}`` subscribes to one more engine,
+    ``GET /applied`` answers the messages received so far; any other request gets
+    ``app``'s answer. The floor of a service that ingests while it answers."""
+    global _RECEIVER
+    if scope["type"] != "http":
+        return
+    body = await _body(receive)
+    if body is None:
+        return
+    path = scope["path"]
+    if path == "/register":
+        import json
+
+        if _RECEIVER is None:
+            _RECEIVER = _Receiver()
+        _RECEIVER.pending.put(json.loads(body)["endpoint"])
+        status, headers, answer = 201, _TEXT, b"subscribed"
+    elif path == "/applied":
+        status, headers, answer = 200, _TEXT, b"%d" % (_RECEIVER.count if _RECEIVER else 0)
+    else:
+        status, headers, answer = 200, _HEADERS, ANSWER
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})

@@ -1257,6 +1257,7 @@ def server_row(stream: Stream, r: dict[str, Any]) -> str:
     lag = "-"
     if r.get("lag_p50_ms") is not None:
         lag = f"{r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} ms"
+    checked = f"{r['mismatches']} of {r['checked']:,}" if r.get("checked") else "-"
     floor = _pair_us(r, "floor")
     if r.get("floor_queries_per_s"):
         floor += f", {_fmt_rate(r['floor_queries_per_s'])} q/s"
@@ -1266,7 +1267,7 @@ def server_row(stream: Stream, r: dict[str, Any]) -> str:
         f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
         f"{_fmt_rate(r['queries_per_s'])} | {_pair_us(r, 'query')} | {floor} | "
         f"{_pair_us(r, 'server')} | {r.get('answer_bytes_mean', 0):,} | {lag} | "
-        f"{r['gaps'] + r['losses'] + r['dropped']} | {r['mismatches']} of {r['checked']:,} | "
+        f"{r['gaps'] + r['losses'] + r['dropped']} | {checked} | "
         f"{_predict_cell(r)} |"
     )
 
@@ -1298,14 +1299,21 @@ def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> It
         if not available():
             raise SystemExit("--server-dynamo: ai-dynamo-runtime is not installed")
         targets.append((DynamoIndexer, None))
+    if args.server_floor_ingest:
+        targets.extend(("floor", k or None) for k in args.server_top_k)
+    sizes: dict[tuple[float, int | None], int] = {}  # kv-conductor's mean answer bytes
     for r in range(args.server_rounds):
         for pace in args.server or [10.0, 0.0]:
             for target, top_k in targets[r % len(targets) :] + targets[: r % len(targets)]:
                 kw: dict[str, Any] = {} if target is None else {"target": target}
                 if target == "predictions":
                     kw = {"predictions": True, "prediction_ttl": args.prediction_ttl_s}
+                elif target == "floor":  # answers kv-conductor's last mean size for top_k
+                    if (pace, top_k) not in sizes:
+                        continue  # first in this round's order: no kv-conductor run yet
+                    kw = {"target": _ingest_floor(sizes[pace, top_k]), "floor": False}
                 try:
-                    yield run_server(
+                    row = run_server(
                         stream,
                         requests,
                         pace=pace,
@@ -1315,7 +1323,17 @@ def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> It
                         **kw,
                     )
                 except DoesNotFit as ex:
-                    yield {"pace": pace, "top_k": top_k, "error": str(ex), "mismatches": 0}
+                    row = {"pace": pace, "top_k": top_k, "error": str(ex), "mismatches": 0}
+                if target is None and "answer_bytes_mean" in row:
+                    sizes[pace, top_k] = row["answer_bytes_mean"]
+                yield row
+
+
+def _ingest_floor(size: int) -> Callable[..., Any]:
+    """:class:`bench.trace_services.IngestFloor` answering ``size`` bytes, as a target."""
+    from bench.trace_services import IngestFloor
+
+    return lambda workers, logdir, dp: IngestFloor(workers, logdir, dp, size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1384,6 +1402,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="--server: also play each PACE against Dynamo's indexer service "
         "(python -m dynamo.indexer, bench/trace_dynamo_server.py), whole answers",
+    )
+    ap.add_argument(
+        "--server-floor-ingest",
+        action="store_true",
+        help="--server: also play each PACE and top_k against the floor of a service "
+        "that ingests (bench/floor_app.py's ingest_app: the same uvicorn receiving every "
+        "event and answering kv-conductor's mean answer size), after kv-conductor",
     )
     ap.add_argument(
         "--server-predictions",

@@ -232,19 +232,13 @@ class Floor:
     is the difference."""
 
     def __init__(self, size: int | None = None) -> None:
-        from kvconductor.serve.single import _uvicorn_impls
-
-        loop, http_impl = _uvicorn_impls()
         self.port = _free_port()
         self.answer = tempfile.NamedTemporaryFile(prefix="kvc-floor-")
         self.answer.write(bytes(size or 0))
         self.answer.flush()
         app = "floor_app:sized_app" if size is None else "floor_app:app"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", app, "--app-dir", str(ROOT / "bench")]
-            + ["--host", "127.0.0.1", "--port", str(self.port), "--loop", loop]
-            + ["--http", http_impl, "--lifespan", "off", "--no-access-log"]
-            + ["--no-server-header", "--log-level", "warning"],
+            floor_cmd(app, self.port),
             cwd=ROOT,
             env={**os.environ, "FLOOR_ANSWER": self.answer.name},
             stdout=subprocess.DEVNULL,
@@ -266,6 +260,20 @@ class Floor:
         self.answer.close()
 
 
+def floor_cmd(app: str, port: int) -> list[str]:
+    """``bench/floor_app.py``'s ``app`` on the uvicorn kv-conductor runs on (its loop and
+    HTTP parser), on ``port``."""
+    from kvconductor.serve.single import _uvicorn_impls
+
+    loop, http_impl = _uvicorn_impls()
+    return (
+        [sys.executable, "-m", "uvicorn", app, "--app-dir", str(ROOT / "bench")]
+        + ["--host", "127.0.0.1", "--port", str(port), "--loop", loop]
+        + ["--http", http_impl, "--lifespan", "off", "--no-access-log"]
+        + ["--no-server-header", "--log-level", "warning"]
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -282,12 +290,16 @@ class Service:
     ctype = "application/msgpack"
     #: a kv-conductor probe engine measures the event-to-visible lag
     probe = False
+    #: its answers are checked at quiescence (a floor has none)
+    answers = True
+    #: a floor's answer size (bytes)
+    size = 0
 
-    def __init__(self, cmd: list[str], logdir: str, dp: int, preexec=None) -> None:
+    def __init__(self, cmd: list[str], logdir: str, dp: int, preexec=None, env=None) -> None:
         self.dp = dp
         self.log = open(Path(logdir) / f"{self.name}.log", "wb")
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec
+            cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec, env=env
         )
         _wait_port(self.port, self.proc, self.name)
         self.http = Conn(self.port)
@@ -411,6 +423,39 @@ class Server(Service):
                 blocks = e["npu_blocks"] + (e["cpu_blocks"] << 10) + (e["disk_blocks"] << 10)
                 out.append(((int(iid[1:]) * dp + int(rank)) << tr.DEPTH_BITS) | blocks)
         return out
+
+
+class IngestFloor(Service):
+    """The floor of a service that takes the event stream in while it answers:
+    ``bench/floor_app.py``'s ``ingest_app`` on the same uvicorn as kv-conductor, which
+    subscribes to every engine registered and receives (and drops) every message on a
+    thread of its own, and answers every query ``size`` bytes (kv-conductor's mean answer
+    to the same queries). Played the same stream, the same queries and the same load
+    beside it as the services (:func:`bench.trace_server.run_server`); it has no answers to
+    check."""
+
+    name = "floor + ingest"
+    answers = False
+
+    def __init__(self, workers: int, logdir: str, dp: int = 1, size: int = 0) -> None:
+        self.port, self.size = _free_port(), size
+        answer = Path(logdir) / "floor-answer.bin"
+        answer.write_bytes(bytes(size))
+        self.enc = msgspec.msgpack.Encoder()
+        env = {**os.environ, "FLOOR_ANSWER": str(answer)}
+        cmd = floor_cmd("floor_app:ingest_app", self.port)
+        super().__init__(cmd, logdir, dp, _raise_nofile, env)
+
+    def register(self, w: int, url: str, iid: str | None = None, conn: Conn | None = None):
+        st, body = self.post_json("/register", {"endpoint": url}, conn)
+        if st != 201:
+            raise RuntimeError(f"register {w}: {st} {body[:200]!r}")
+
+    def applied(self) -> tuple[int, dict[str, int]]:
+        st, data = self.get("/applied")
+        return (int(data) if st == 200 else -1), {"gaps": 0, "losses": 0, "dropped": 0}
+
+    body = Server.body
 
 
 class DoesNotFit(RuntimeError):
