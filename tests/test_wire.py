@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from kvconductor import _encode, _wire
 from kvconductor.index import DpHit, QueryResult
+from tests.helpers.examples import scaled
 
 WireError = _wire.WireError
 parse_query = _wire.parse_query
@@ -1405,7 +1406,7 @@ _token = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=scaled(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     toks=st.lists(_token, min_size=250, max_size=1500),
     same=st.sampled_from([None, 1, 3, 5]),

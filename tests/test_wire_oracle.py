@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvconductor import _wire, wire
 from kvconductor.schema import QUERY_BY_HASH_FIELDS, QUERY_FIELDS
+from tests.helpers.examples import scaled
 
 _EDGES = [
     0,
@@ -166,7 +167,7 @@ def _assert_same(body, msgpack, by_hash):
         ), (body, ext)
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=scaled(3000), deadline=None, suppress_health_check=list(HealthCheck))
 @given(bodies())
 def test_compiled_parser_matches_the_oracle(case):
     _assert_same(*case)
