@@ -78,3 +78,23 @@ def test_check_4096_muted_sources(benchmark, caplog):
     mgr.check_sources(now)
     benchmark(mgr.check_sources, now + 20)
     assert len(mgr.liveness.muted_dps) == N
+
+
+def test_heartbeat_cost_measures_idle_subscriptions(capsys):
+    """``bench/heartbeat_cost.py`` small: a row per I/O thread count, and one without
+    heartbeats, each with the CPU of the subscribing process."""
+    import json
+
+    from bench import heartbeat_cost as hc
+
+    assert (
+        hc.main(["--sources", "8", "--io-threads", "1", "2", "--seconds", "0.3", "--no-heartbeats"])
+        == 0
+    )
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["sources"], r["io_threads"], r["heartbeats"]) for r in rows] == [
+        (8, 1, True),
+        (8, 2, True),
+        (8, 1, False),
+    ]
+    assert all(r["core_percent"] >= 0 for r in rows)

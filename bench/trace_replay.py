@@ -1235,11 +1235,12 @@ HEADER = (
 SERVER_HEADER = (
     "| trace | workers | policy | service | top_k | pace | ops/s | event batches/s | "
     "drain after the last publish | queries/s | query p50 / p99 (round trip) | "
-    "floor p50 / p99, queries/s (bare ASGI app) | server p50 / p99 | answer bytes | "
+    "floor p50 / p99, queries/s (bare ASGI app) | server p50 / p99 | "
+    "service CPU per op (event batch or query) | answer bytes | "
     "event-to-visible p50 / p99 | losses | mismatches at quiescence | "
     "/predict p50 / p99 (confirmed, expired, contradicted) |\n"
     "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- | "
-    "---: | --- | ---: | ---: | --- |"
+    "---: | ---: | --- | ---: | ---: | --- |"
 )
 
 
@@ -1266,7 +1267,8 @@ def server_row(stream: Stream, r: dict[str, Any]) -> str:
         f"{r.get('top_k') or 'all'} | {pace} | {_fmt_rate(r['ops_per_s'])} | "
         f"{_fmt_rate(r['events_per_s'])} | {r['drain_after_last_publish_s']:.2f} s | "
         f"{_fmt_rate(r['queries_per_s'])} | {_pair_us(r, 'query')} | {floor} | "
-        f"{_pair_us(r, 'server')} | {r.get('answer_bytes_mean', 0):,} | {lag} | "
+        f"{_pair_us(r, 'server')} | {_fmt_us(r.get('server_cpu_us_per_op') or 0)} | "
+        f"{r.get('answer_bytes_mean', 0):,} | {lag} | "
         f"{r['gaps'] + r['losses'] + r['dropped']} | {checked} | "
         f"{_predict_cell(r)} |"
     )

@@ -582,6 +582,7 @@ def run_server(
             cl = _start_clients(
                 ctx, server.port, queries, pace, clients, server, procs, fport, predicts
             )
+            cpu0 = server.cpu_s()
             start = _start_together(pubs + cl)
             if probe is not None:
                 probe.start(server.port)
@@ -603,6 +604,7 @@ def run_server(
                     break
                 time.sleep(0.05)
             drained = time.time()
+            cpu = server.cpu_s() - cpu0
             out.update(
                 {
                     "applied": applied,
@@ -612,6 +614,8 @@ def run_server(
                     "ops_per_s": (batches + len(lat)) / max(1e-9, drained - start, q_wall),
                     "drain_after_last_publish_s": round(drained - last_publish, 3),
                     "queries": len(lat),
+                    "server_cpu_s": round(cpu, 2),
+                    "server_cpu_us_per_op": cpu * 1e6 / max(1, batches + len(lat)),
                     "query_errors": errors,
                     "queries_per_s": len(lat) / q_wall if q_wall else 0.0,
                     "query_p50_us": tr.quantile(lat, 0.5) / 1e3,

@@ -329,6 +329,22 @@ class Service:
     def body(self, hashes: list[int], top_k: int | None = None) -> bytes:
         raise NotImplementedError
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) the service's processes have used so far: its own
+        and its children's (``--workers``), from ``/proc`` (0.0 where there is none)."""
+        total, todo = 0, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+            except (OSError, ValueError, IndexError):
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime (stat's 14th, 15th)
+        return total / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.http.close()
         self.proc.terminate()

@@ -89,6 +89,19 @@ def test_zmq_context_is_sized_for_max_sources():
     ctx = tuning.zmq_context(4096)
     try:
         assert ctx.get(zmq.MAX_SOCKETS) == tuning.SOCKETS_PER_SOURCE * 4096 + 256
+        assert ctx.get(zmq.IO_THREADS) == 4
+    finally:
+        ctx.term()
+
+
+def test_io_threads_grow_with_max_sources_up_to_four():
+    """One libzmq I/O thread per 1,024 subscriptions (a heartbeat's timer cancel walks
+    every timer of its I/O thread), 1 to 4."""
+    got = {n: tuning.io_threads(n) for n in (0, 1, 16, 1024, 1025, 2048, 3000, 4096, 20_000)}
+    assert got == {0: 1, 1: 1, 16: 1, 1024: 1, 1025: 2, 2048: 2, 3000: 3, 4096: 4, 20_000: 4}
+    ctx = tuning.zmq_context(16)
+    try:
+        assert ctx.get(zmq.IO_THREADS) == 1
     finally:
         ctx.term()
 

@@ -28,12 +28,34 @@ FDS_PER_SOURCE = 4
 FD_HEADROOM = 256
 
 
+#: Subscriptions per ZeroMQ I/O thread that :func:`zmq_context` plans for, and its most
+#: I/O threads.
+SOURCES_PER_IO_THREAD = 1024
+MAX_IO_THREADS = 4
+
+
+def io_threads(max_sources: int) -> int:
+    """libzmq I/O threads for ``max_sources`` subscriptions: one per
+    :data:`SOURCES_PER_IO_THREAD`, at least 1, at most :data:`MAX_IO_THREADS`.
+
+    PERF: each subscription's ZMTP heartbeat (a PING a second,
+    :data:`kvconductor.ingest.source.HEARTBEAT_IVL_MS`) cancels its timeout timer when the
+    PONG comes back, and libzmq cancels a timer by walking every timer of its I/O thread
+    (``poller_base_t::cancel_timer``, "O(n). We assume it is rarely used"): one I/O
+    thread for every subscription costs the square of the subscriptions. Measured with
+    idle sources (``bench/heartbeat_cost.py``): 4,096 on one I/O thread took 24 % of a
+    core, on 4 I/O threads 12 % (what is left is the PINGs themselves, linear); the
+    subscriptions are spread over the I/O threads by libzmq (the least loaded)."""
+    return max(1, min(MAX_IO_THREADS, -(-max_sources // SOURCES_PER_IO_THREAD)))
+
+
 def zmq_context(max_sources: int) -> zmq.Context:
-    """A ZeroMQ context sized for ``max_sources`` subscriptions (plus replay DEALERs).
+    """A ZeroMQ context sized for ``max_sources`` subscriptions (plus replay DEALERs):
+    its sockets, and its I/O threads (:func:`io_threads`).
 
     libzmq's default of 1023 sockets capped a process at 341 subscriptions.
     """
-    ctx = zmq.Context()
+    ctx = zmq.Context(io_threads=io_threads(max_sources))
     ctx.set(zmq.MAX_SOCKETS, SOCKETS_PER_SOURCE * max_sources + 256)
     return ctx
 
