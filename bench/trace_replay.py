@@ -51,7 +51,10 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    (:mod:`bench.trace_dynamo_server`, ``python -m dynamo.indexer``) in the same run;
    ``--server-predictions`` kv-conductor once more, each query followed by the router's
    prediction (``POST /predict_by_hash``), timed apart; ``--server-args "--workers 2"``
-   more flags for every kv-conductor started.
+   more flags for every kv-conductor started; ``--server-floor-ingest`` the floor of a
+   service that ingests (:class:`bench.trace_services.IngestFloor`: a bare ASGI app on
+   the same uvicorn receiving the same stream and load, answering kv-conductor's mean
+   answer size). Each row has the service's CPU per op (event batch or query).
 
 Block identity: a trace id names a prefix block, so a block is identified by its place in
 a chain (its parent's identity and its id). The index keys blocks the same way: a tree
