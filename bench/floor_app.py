@@ -26,15 +26,22 @@ _HEADERS = [
 ]
 
 
-async def _drained(receive) -> bool:
-    """Read the whole request body; False when the client went away first."""
+async def _body(receive) -> bytes | None:
+    """The whole request body; None when the client went away first."""
+    parts = []
     more = True
     while more:
         msg = await receive()
         if msg["type"] != "http.request":
-            return False
+            return None
+        parts.append(msg.get("body", b""))
         more = msg.get("more_body", False)
-    return True
+    return b"".join(parts)
+
+
+async def _drained(receive) -> bool:
+    """Read the whole request body; False when the client went away first."""
+    return await _body(receive) is not None
 
 
 async def app(scope, receive, send) -> None:
@@ -66,9 +73,9 @@ class _Receiver:
     """The event stream's floor: one SUB socket connected to every engine registered, on a
     thread of its own that receives each message (``kvconductor._recv.recv_messages``, as
     kv-conductor's ingest thread does, else pyzmq's ``recv_multipart``), counts it and
-    drops it; like the ingest thread, it gives the GIL and the CPU away every 0.3 ms of
-    work (``os.sched_yield``). No parse, no index: what any Python service on this stack
-    pays to take the stream in beside its queries."""
+    drops it; like the ingest thread, it gives the GIL and the CPU away every
+    ``YIELD_AFTER_NS`` of work (``os.sched_yield``). No parse, no index: what any Python
+    service on this stack pays to take the stream in beside its queries."""
 
     def __init__(self) -> None:
         import queue
@@ -83,6 +90,8 @@ class _Receiver:
         import time
 
         import zmq
+
+        from kvconductor.ingest.thread import YIELD_AFTER_NS
 
         try:
             from kvconductor._recv import AVAILABLE
@@ -116,25 +125,13 @@ class _Receiver:
                         break
                     self.count += 1
             now = time.monotonic_ns()
-            if now - ran >= 300_000:
+            if now - ran >= YIELD_AFTER_NS:
                 os.sched_yield()
                 ran = time.monotonic_ns()
 
 
 _RECEIVER: _Receiver | None = None
 _TEXT = [(b"content-type", b"text/plain")]
-
-
-async def _body(receive) -> bytes | None:
-    parts = []
-    more = True
-    while more:
-        msg = await receive()
-        if msg["type"] != "http.request":
-            return None
-        parts.append(msg.get("body", b""))
-        more = msg.get("more_body", False)
-    return b"".join(parts)
 
 
 async def ingest_app(scope, receive, send) -> None:

@@ -430,3 +430,15 @@ def test_native_answer_times_both_indexes_on_the_replayed_state(capsys):
         assert r["rows"] == 16 and r["wide_calls"] >= 1
         assert r["wide_us"] > 0 and r["miss_us"] > 0 and r["replay_store_ns_per_block"] > 0
     assert rows[0]["store_held_us"] > 0
+
+
+def test_a_run_not_made_names_its_service_and_why():
+    """A row that could not run says which service and why (an ingesting floor whose
+    kv-conductor run gave no answer size; a size that does not fit)."""
+    stream = tr.Stream("t", 8, 1, 32, "round-robin")
+    row = {"backend": "floor + ingest", "pace": 0.0, "top_k": 8, "error": "no size"}
+    assert tr.server_row(stream, {**row, "mismatches": 0}) == (
+        "| t | 8 | round-robin | floor + ingest | 8 | saturation | not run: no size |"
+    )
+    del row["backend"]
+    assert "| kv-conductor | 8 | saturation | not run: no size |" in tr.server_row(stream, row)

@@ -1255,7 +1255,8 @@ def _pair_us(r: dict[str, Any], key: str) -> str:
 def server_row(stream: Stream, r: dict[str, Any]) -> str:
     pace = "saturation" if not r["pace"] else f"x{r['pace']:g}"
     if "error" in r:
-        return f"| {stream.label} | {stream.workers:,} | {stream.policy} | kv-conductor | " + (
+        svc = r.get("backend", "kv-conductor")
+        return f"| {stream.label} | {stream.workers:,} | {stream.policy} | {svc} | " + (
             f"{r.get('top_k') or 'all'} | {pace} | not run: {r['error']} |"
         )
     lag = "-"
@@ -1314,8 +1315,16 @@ def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> It
                 if target == "predictions":
                     kw = {"predictions": True, "prediction_ttl": args.prediction_ttl_s}
                 elif target == "floor":  # answers kv-conductor's last mean size for top_k
-                    if (pace, top_k) not in sizes:
-                        continue  # first in this round's order: no kv-conductor run yet
+                    if (pace, top_k) not in sizes:  # its kv-conductor run did not answer
+                        why = "no kv-conductor answer size to mirror (its run did not answer)"
+                        yield {
+                            "backend": "floor + ingest",
+                            "pace": pace,
+                            "top_k": top_k,
+                            "error": why,
+                            "mismatches": 0,
+                        }
+                        continue
                     kw = {"target": _ingest_floor(sizes[pace, top_k]), "floor": False}
                 try:
                     row = run_server(
