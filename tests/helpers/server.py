@@ -12,6 +12,7 @@ had to be killed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -49,14 +50,24 @@ def _has_ipv6() -> bool:
 HAS_IPV6 = _has_ipv6()
 
 
+#: The ports :func:`free_port` gave out last: the kernel may hand a port just closed out
+#: again, and a test that asks for two ports (``--port`` and ``--dynamo-port``) before its
+#: server binds either must not get the same one twice.
+_GIVEN: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port() -> int:
-    """A port free on IPv4 and (when available) IPv6."""
+    """A port free on IPv4 and (when available) IPv6, none of the last 256 given out."""
     family, addr = (socket.AF_INET6, ("::", 0)) if HAS_IPV6 else (socket.AF_INET, ("", 0))
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        if family == socket.AF_INET6:
-            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        s.bind(addr)
-        return s.getsockname()[1]
+    while True:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind(addr)
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.append(port)
+            return port
 
 
 #: Flags that choose the snapshot directory; without one a test's server gets
