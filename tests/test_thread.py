@@ -223,23 +223,3 @@ def test_wake_after_stop_never_writes_to_a_reused_fd():
         for p in pipes:
             for fd in p:
                 os.close(fd)
-
-
-def test_pause_point_yields_after_its_share_of_work(monkeypatch):
-    """``pause_point`` gives the GIL and the CPU away (``os.sched_yield``) once per
-    ``YIELD_AFTER_NS`` of work, never more often, and counts the work again from there."""
-    from kvconductor.ingest import thread as thread_mod
-
-    clock = [1_000_000_000]
-    yields: list[int] = []
-    monkeypatch.setattr(thread_mod.time, "monotonic_ns", lambda: clock[0])
-    monkeypatch.setattr(thread_mod.os, "sched_yield", lambda: yields.append(clock[0]))
-    t = thread_mod.IngestThread.__new__(thread_mod.IngestThread)
-    t._ran_since = clock[0]
-    step = thread_mod.YIELD_AFTER_NS // 4
-    for _ in range(12):
-        clock[0] += step
-        t.pause_point()
-    start = 1_000_000_000
-    assert yields == [start + 4 * step, start + 8 * step, start + 12 * step]
-    assert t._ran_since == clock[0]
