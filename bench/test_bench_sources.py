@@ -98,3 +98,16 @@ def test_heartbeat_cost_measures_idle_subscriptions(capsys):
         (8, 1, False),
     ]
     assert all(r["core_percent"] >= 0 for r in rows)
+
+
+def test_ingest_loop_counts_every_message_and_its_cpu(capsys):
+    """``bench/ingest_loop.py`` small: every message sent over every socket is received
+    by the ingest thread's handlers, and its CPU per message is read."""
+    import json
+
+    from bench import ingest_loop as il
+
+    assert il.main(["--sockets", "4", "--messages", "200", "--runs", "1"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (row["sockets"], row["messages"], row["sent"]) == (4, 200, 200)
+    assert row["cpu_us_per_message"] >= 0
