@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -59,8 +60,7 @@ def measure(sockets: int, messages: int) -> dict[str, float | int]:
 
         thread.submit(subscribe).result(30)
         time.sleep(1.0)  # every subscription reached its PUB (else the PUB drops)
-        tid = thread._thread.native_id
-        assert tid is not None
+        tid = thread.submit(threading.get_native_id).result(5)
         c0, w0 = _thread_cpu_s(tid), time.perf_counter()
         for j in range(messages):
             pubs[j % sockets].send_multipart(PAYLOAD)
