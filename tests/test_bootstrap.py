@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
+import threading
 
 import falcon.asgi
 import pytest
@@ -57,12 +60,36 @@ def test_one_process_gets_the_conductor_behind_the_front_door(tuned, role):
     assert sorted(app.routes) == ["/query", "/query_by_hash"] and not app.health
     assert service.supervisor is None and service.forwarder is None
     # start and stop: the conductor runs in between (no dump, no snapshots, no replica)
+    # the ingest thread gives the event loop the CPU first (kvconductor.serve.tuning)
+    assert service.conductor.thread.nice == bootstrap.INGEST_NICE == 5
     assert service.start() is True
     try:
         assert service.conductor.thread.is_alive()
+        if sys.platform.startswith("linux"):
+            main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            ingest = service.conductor.thread.call(
+                lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            )
+            assert ingest == min(19, main + 5)
     finally:
         service.stop()
     assert not service.conductor.thread.is_alive()
+
+
+def test_the_owner_of_shared_workers_keeps_its_ingest_threads_priority(monkeypatch):
+    """``--workers N``: the owner's ingest thread holds the write sections the workers'
+    readers wait for; it is not lowered."""
+    handed: dict[str, object] = {}
+
+    def conductor(config, **kwargs):
+        handed.update(kwargs)
+        return None
+
+    monkeypatch.setattr(bootstrap, "Conductor", conductor)
+    bootstrap.new_conductor(Settings(workers=2), shared=object())
+    assert handed["thread"].nice == 0
+    bootstrap.new_conductor(Settings())
+    assert handed["thread"].nice == bootstrap.INGEST_NICE
 
 
 def test_owner_refuses_more_workers_than_reader_slots(tuned, capsys):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 
 import pytest
 import zmq
 
-from kvconductor.ingest.thread import IngestThread
+from kvconductor.ingest.thread import IngestThread, lower_priority
 from tests.helpers.coro import run_coro
 
 
@@ -223,3 +224,44 @@ def test_wake_after_stop_never_writes_to_a_reused_fd():
         for p in pipes:
             for fd in p:
                 os.close(fd)
+
+
+def _own_nice() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice: Linux")
+@pytest.mark.parametrize("nice", [0, 5])
+def test_nice_lowers_the_ingest_threads_priority_only(nice):
+    """``IngestThread(nice=N)``: the thread's own nice value is the process's plus N
+    (capped at 19, the lowest), read on the thread; the threads that started it keep theirs."""
+    before = _own_nice()
+    t = IngestThread(zmq.Context.instance(), nice=nice)
+    t.start()
+    try:
+        assert t.call(_own_nice) == min(19, before + nice)
+        assert t.call(lambda: (lower_priority(0), _own_nice())) == (before + nice, before + nice)
+    finally:
+        t.stop(5)
+    assert _own_nice() == before
+
+
+def test_a_refused_priority_change_is_logged_and_changes_nothing(monkeypatch, caplog):
+    """A sandbox that refuses ``setpriority``: a WARN naming the thread, the thread runs on."""
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "setpriority", refuse)
+    t = IngestThread(zmq.Context.instance(), nice=5, name="kv-ingest-refused")
+    with caplog.at_level("WARNING", "kvconductor.ingest"):
+        t.start()
+        try:
+            assert t.call(lambda: 41 + 1) == 42
+        finally:
+            t.stop(5)
+    if sys.platform.startswith("linux"):
+        assert any(
+            "kv-ingest-refused: could not lower its priority by 5" in r.getMessage()
+            for r in caplog.records
+        )

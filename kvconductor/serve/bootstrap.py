@@ -45,7 +45,13 @@ from kvconductor.ingest.replay import warn_slow_receive
 from kvconductor.ingest.thread import IngestThread
 from kvconductor.serve.proxy import Forwarder, OwnerClient, OwnerFreshness
 from kvconductor.serve.settings import Settings
-from kvconductor.serve.tuning import HeapTrim, raise_fd_limit, tune_malloc, zmq_context
+from kvconductor.serve.tuning import (
+    INGEST_NICE,
+    HeapTrim,
+    raise_fd_limit,
+    tune_malloc,
+    zmq_context,
+)
 from kvconductor.serve.workermetrics import WorkerCollector
 from kvconductor.state.conductor import Conductor
 from kvconductor.state.enginefollow import EngineFollower
@@ -110,7 +116,8 @@ def tune_process(settings: Settings, role: Role) -> None:
 
 def new_conductor(settings: Settings, **features: Any) -> Conductor:
     """The service's conductor, with the process tuning it needs handed in: its ingest
-    thread's ZeroMQ context sized for ``--max-sources`` and the periodic heap trim
+    thread's ZeroMQ context sized for ``--max-sources``, the thread's lower priority in one
+    process (:data:`~kvconductor.serve.tuning.INGEST_NICE`) and the periodic heap trim
     (:mod:`kvconductor.serve.tuning`); with ``--state-url``, the replicated journal
     (:func:`valkey_journal`: the HTTP mutations' and the ZeroMQ sources' journal).
     ``features``: the shared index and the owner's view of its workers
@@ -118,9 +125,11 @@ def new_conductor(settings: Settings, **features: Any) -> Conductor:
     config = settings.conductor_config()
     if settings.state_url:
         features["journal"] = valkey_journal(settings)
+    # one process: the event loop gets the CPU first (never under --workers N's write sections)
+    nice = 0 if features.get("shared") is not None else INGEST_NICE
     return Conductor(
         config,
-        thread=IngestThread(context=zmq_context(config.max_sources)),
+        thread=IngestThread(context=zmq_context(config.max_sources), nice=nice),
         heap_trim=HeapTrim(),
         **features,
     )

@@ -28,6 +28,12 @@ FDS_PER_SOURCE = 4
 FD_HEADROOM = 256
 
 
+#: Added to the one-process server's ingest thread's nice value
+#: (:func:`kvconductor.ingest.thread.lower_priority`): the event loop answering queries gets
+#: the CPU first. Not with ``--workers N``: the owner's ingest thread holds write sections
+#: the workers' readers wait for.
+INGEST_NICE = 5
+
 #: Subscriptions per ZeroMQ I/O thread that :func:`zmq_context` plans for, and its most
 #: I/O threads.
 SOURCES_PER_IO_THREAD = 1024
