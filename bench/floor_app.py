@@ -75,8 +75,9 @@ class _Receiver:
     kv-conductor's ingest thread does, else pyzmq's ``recv_multipart``), counts it and
     drops it; like the ingest thread, it gives the GIL and the CPU away (``os.sched_yield``)
     after each receive (at most 64 messages: here nothing is done per message, the ingest
-    thread yields after each one it applies). No parse, no index: what any Python
-    service on this stack pays to take the stream in beside its queries."""
+    thread yields after each one it applies) and runs at kv-conductor's ingest priority
+    (``INGEST_NICE``). No parse, no index: what any Python service on this stack pays to
+    take the stream in beside its queries."""
 
     def __init__(self) -> None:
         import queue
@@ -96,6 +97,10 @@ class _Receiver:
             from kvconductor._recv import recv_messages as fast
         except ImportError:
             AVAILABLE = False
+        from kvconductor.ingest.thread import lower_priority
+        from kvconductor.serve.tuning import INGEST_NICE
+
+        lower_priority(INGEST_NICE)  # as kv-conductor's ingest thread
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -123,7 +128,60 @@ class _Receiver:
             os.sched_yield()
 
 
-_RECEIVER: _Receiver | None = None
+class _Counter:
+    """What each engine's source reports, as a subscription's events: only the count."""
+
+    closed = False
+
+    def __init__(self, receiver: _SourcesReceiver) -> None:
+        self.receiver = receiver
+
+    def handshake(self) -> None:
+        pass
+
+    def disconnected(self) -> None:
+        pass
+
+    def message(self, frames: list[bytes]) -> None:
+        self.receiver.count += 1
+
+    def receive_error(self, ex: Exception) -> None:
+        pass
+
+
+class _SourcesReceiver:
+    """The event stream's floor with one SUB socket per engine (``FLOOR_SOURCES=1``), as a
+    service must have that knows which engine sent a message: kv-conductor's own ingest
+    loop (:class:`~kvconductor.ingest.thread.IngestThread`, each engine's SUB and monitor
+    in a :class:`~kvconductor.ingest.source.SubSource`, the same options, drain, yield
+    after every message and priority), whose handler only counts. No sequence check, no
+    parse, no index: what kv-conductor's ingest costs apart from what it does with a
+    message."""
+
+    def __init__(self) -> None:
+        from kvconductor.ingest.thread import IngestThread
+        from kvconductor.serve.tuning import INGEST_NICE, zmq_context
+
+        self.count = 0
+        most = int(os.environ.get("FLOOR_SOURCES_MAX", "8192"))
+        self.thread = IngestThread(zmq_context(most), nice=INGEST_NICE)
+        self.thread.start()
+        self.sources: list = []
+
+    def _open(self, url: str) -> None:
+        from kvconductor.ingest.source import SubSource
+
+        src = SubSource(self.thread, _Counter(self), None)
+        src.open(url, 64 << 20)
+        self.sources.append(src)
+
+    async def subscribe(self, url: str) -> None:
+        import asyncio
+
+        await asyncio.wrap_future(self.thread.submit(self._open, url))
+
+
+_RECEIVER: _Receiver | _SourcesReceiver | None = None
 _TEXT = [(b"content-type", b"text/plain")]
 
 
@@ -131,7 +189,9 @@ async def ingest_app(scope, receive, send) -> None:
     """``app`` that also takes in the engines' event stream (:class:`_Receiver`):
     ``POST /register`` ``{"endpoint": "tcp://..."}`` subscribes to one more engine,
     ``GET /applied`` answers the messages received so far; any other request gets
-    ``app``'s answer. The floor of a service that ingests while it answers."""
+    ``app``'s answer. The floor of a service that ingests while it answers: through one
+    SUB for every engine (:class:`_Receiver`), or with ``FLOOR_SOURCES=1`` through a SUB
+    per engine on kv-conductor's ingest loop (:class:`_SourcesReceiver`)."""
     global _RECEIVER
     if scope["type"] != "http":
         return
@@ -142,9 +202,13 @@ async def ingest_app(scope, receive, send) -> None:
     if path == "/register":
         import json
 
+        url = json.loads(body)["endpoint"]
         if _RECEIVER is None:
-            _RECEIVER = _Receiver()
-        _RECEIVER.pending.put(json.loads(body)["endpoint"])
+            _RECEIVER = _SourcesReceiver() if os.environ.get("FLOOR_SOURCES") else _Receiver()
+        if isinstance(_RECEIVER, _SourcesReceiver):
+            await _RECEIVER.subscribe(url)
+        else:
+            _RECEIVER.pending.put(url)
         status, headers, answer = 201, _TEXT, b"subscribed"
     elif path == "/applied":
         status, headers, answer = 200, _TEXT, b"%d" % (_RECEIVER.count if _RECEIVER else 0)

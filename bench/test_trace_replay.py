@@ -386,15 +386,16 @@ def test_dynamo_indexer_hashes_are_signed_and_scores_are_tokens():
 
 @pytest.mark.server
 def test_command_line_server_modes(tmp_path, capsys):
-    """``--server 0 --server-top-k 0 8 [--server-dynamo] --server-floor-ingest``: one row
-    per service and top_k, all exact; the ingesting floor received every event batch and
-    answered kv-conductor's mean answer size."""
+    """``--server 0 --server-top-k 0 8 [--server-dynamo] --server-floor-ingest
+    --server-floor-sources``: one row per service and top_k, all exact; both ingesting
+    floors (one SUB, a SUB per engine) received every event batch and answered
+    kv-conductor's mean answer size."""
     import json
 
     argv = ["--requests", "120", "--workers", "24", "--capacity", "32", "--repeats", "0"]
     argv += ["--policy", "round-robin", "--server", "0", "--server-top-k", "0", "8"]
     argv += ["--clients", "1", "--publishers", "2", "--json", str(tmp_path / "r.json")]
-    argv += ["--server-floor-ingest"]
+    argv += ["--server-floor-ingest", "--server-floor-sources"]
     from bench import trace_dynamo_server as tds
 
     if tds.available():
@@ -409,10 +410,12 @@ def test_command_line_server_modes(tmp_path, capsys):
         for r in json.loads((tmp_path / "r.json").read_text())[0]["server"]
     }
     for k in (None, 8):
-        floor, ours = rows["floor + ingest", k], rows["kv-conductor", k]
-        assert floor["applied"] == floor["batches"] == ours["batches"] > 0
-        assert floor["answer_bytes_mean"] == ours["answer_bytes_mean"] > 0
-        assert floor["queries"] == ours["queries"] and floor["query_errors"] == 0
+        ours = rows["kv-conductor", k]
+        for name in ("floor + ingest", "floor + sources"):
+            floor = rows[name, k]
+            assert floor["applied"] == floor["batches"] == ours["batches"] > 0
+            assert floor["answer_bytes_mean"] == ours["answer_bytes_mean"] > 0
+            assert floor["queries"] == ours["queries"] and floor["query_errors"] == 0
 
 
 def test_native_answer_times_both_indexes_on_the_replayed_state(capsys):

@@ -54,7 +54,9 @@ The method (NVIDIA Dynamo's indexer benchmark, made reproducible):
    more flags for every kv-conductor started; ``--server-floor-ingest`` the floor of a
    service that ingests (:class:`bench.trace_services.IngestFloor`: a bare ASGI app on
    the same uvicorn receiving the same stream and load, answering kv-conductor's mean
-   answer size). Each row has the service's CPU per op (event batch or query).
+   answer size); ``--server-floor-sources`` that floor with a SUB per engine on
+   kv-conductor's own ingest loop, which only counts. Each row has the service's CPU per
+   op (event batch or query).
 
 Block identity: a trace id names a prefix block, so a block is identified by its place in
 a chain (its parent's identity and its id). The index keys blocks the same way: a tree
@@ -1307,6 +1309,8 @@ def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> It
         targets.append((DynamoIndexer, None))
     if args.server_floor_ingest:
         targets.extend(("floor", k or None) for k in args.server_top_k)
+    if args.server_floor_sources:
+        targets.extend(("floor-sources", k or None) for k in args.server_top_k)
     sizes: dict[tuple[float, int | None], int] = {}  # kv-conductor's mean answer bytes
     for r in range(args.server_rounds):
         for pace in args.server or [10.0, 0.0]:
@@ -1314,18 +1318,19 @@ def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> It
                 kw: dict[str, Any] = {} if target is None else {"target": target}
                 if target == "predictions":
                     kw = {"predictions": True, "prediction_ttl": args.prediction_ttl_s}
-                elif target == "floor":  # answers kv-conductor's last mean size for top_k
+                elif target in ("floor", "floor-sources"):  # kv-conductor's last mean size
                     if (pace, top_k) not in sizes:  # its kv-conductor run did not answer
                         why = "no kv-conductor answer size to mirror (its run did not answer)"
                         yield {
-                            "backend": "floor + ingest",
+                            "backend": "floor + ingest" if target == "floor" else "floor + sources",
                             "pace": pace,
                             "top_k": top_k,
                             "error": why,
                             "mismatches": 0,
                         }
                         continue
-                    kw = {"target": _ingest_floor(sizes[pace, top_k]), "floor": False}
+                    floor = _ingest_floor(sizes[pace, top_k], target == "floor-sources")
+                    kw = {"target": floor, "floor": False}
                 try:
                     row = run_server(
                         stream,
@@ -1343,11 +1348,12 @@ def server_runs_of(stream: Stream, requests: Sequence[Request], args: Any) -> It
                 yield row
 
 
-def _ingest_floor(size: int) -> Callable[..., Any]:
-    """:class:`bench.trace_services.IngestFloor` answering ``size`` bytes, as a target."""
+def _ingest_floor(size: int, sources: bool) -> Callable[..., Any]:
+    """:class:`bench.trace_services.IngestFloor` answering ``size`` bytes, as a target
+    (``sources``: a SUB per engine)."""
     from bench.trace_services import IngestFloor
 
-    return lambda workers, logdir, dp: IngestFloor(workers, logdir, dp, size)
+    return lambda workers, logdir, dp: IngestFloor(workers, logdir, dp, size, sources)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1423,6 +1429,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="--server: also play each PACE and top_k against the floor of a service "
         "that ingests (bench/floor_app.py's ingest_app: the same uvicorn receiving every "
         "event and answering kv-conductor's mean answer size), after kv-conductor",
+    )
+    ap.add_argument(
+        "--server-floor-sources",
+        action="store_true",
+        help="--server: as --server-floor-ingest, with a SUB per engine on kv-conductor's "
+        "own ingest loop that only counts each message (the floor of a service that knows "
+        "which engine sent it)",
     )
     ap.add_argument(
         "--server-predictions",

@@ -446,19 +446,26 @@ class IngestFloor(Service):
     ``bench/floor_app.py``'s ``ingest_app`` on the same uvicorn as kv-conductor, which
     subscribes to every engine registered and receives (and drops) every message on a
     thread of its own, and answers every query ``size`` bytes (kv-conductor's mean answer
-    to the same queries). Played the same stream, the same queries and the same load
-    beside it as the services (:func:`bench.trace_server.run_server`); it has no answers to
-    check."""
+    to the same queries). With ``sources``, "floor + sources": a SUB per engine on
+    kv-conductor's own ingest loop, whose handler only counts (the floor of a service that
+    knows which engine sent each message). Played the same stream, the same queries and
+    the same load beside it as the services (:func:`bench.trace_server.run_server`); it has
+    no answers to check."""
 
     name = "floor + ingest"
     answers = False
 
-    def __init__(self, workers: int, logdir: str, dp: int = 1, size: int = 0) -> None:
+    def __init__(
+        self, workers: int, logdir: str, dp: int = 1, size: int = 0, sources: bool = False
+    ) -> None:
         self.port, self.size = _free_port(), size
         answer = Path(logdir) / "floor-answer.bin"
         answer.write_bytes(bytes(size))
         self.enc = msgspec.msgpack.Encoder()
         env = {**os.environ, "FLOOR_ANSWER": str(answer)}
+        if sources:  # a SUB per engine on kv-conductor's ingest loop (floor_app.py)
+            self.name = "floor + sources"
+            env |= {"FLOOR_SOURCES": "1", "FLOOR_SOURCES_MAX": str(workers * dp)}
         cmd = floor_cmd("floor_app:ingest_app", self.port)
         super().__init__(cmd, logdir, dp, _raise_nofile, env)
 
