@@ -451,3 +451,46 @@ def test_any_json_an_engine_sends_is_its_sources_or_a_422(doc, host):
                 assert url == src.replay_endpoint, ex
             assert "*" not in url and "0.0.0.0" not in url and "[::]" not in url
         assert src.endpoint.split(":")[-1] == cfg["endpoint"].split(":")[-1]
+
+
+def test_a_rank_the_engine_no_longer_lists_stays_registered_in_error(tmp_path, engine):
+    """The engine comes back with fewer DP ranks. The rank it no longer lists stays
+    registered (a registration is the Coordinator's to end: ``POST /unregister``), in
+    ``error`` naming the ranks listed; its sources are down, so its HBM hits are muted
+    after ``--source-down-secs`` as any down engine's; the rank still listed is untouched.
+    Listed again, on a new port, the rank is found there and answered again."""
+    eng = Engine(engine, {0: "tcp://*:0", 1: "tcp://*:0"})
+    try:
+        with running(tmp_path, "--source-down-secs", "1") as srv:
+            r = srv.http.post("/register", json=registration(IID, engine_url=engine.url))
+            assert r.status_code == 201, r.text
+            until_hits(srv.http, IID, eng, 0, [1, 2], TOK_A)
+            until_hits(srv.http, IID, eng, 1, [3, 4], TOK_B)
+            eng.pubs.pop(1).shutdown()
+            engine.serve({0: eng.pubs[0].get_publisher_config()})
+            wait_until(
+                lambda: _endpoints(srv)["1"]["engine_url_state"] == "error",
+                timeout=20,
+                interval=0.2,
+                msg="the unlisted rank's error shown",
+            )
+            ep = _endpoints(srv)["1"]
+            assert "lists DP rank(s) [0], not the registration's dp_rank 1" in (
+                ep["engine_url_error"]
+            )
+            wait_until(
+                lambda: hits(srv.http, IID, TOK_B, 1) == 0,
+                timeout=20,
+                interval=0.2,
+                msg="the down rank's hits muted",
+            )
+            assert hits(srv.http, IID, TOK_A, 0) == 2
+            assert _endpoints(srv)["0"]["engine_url_state"] == "ok"
+            assert sorted(_endpoints(srv)) == ["0", "1"]  # still registered
+            new = eng.up(1)
+            until_hits(srv.http, IID, eng, 1, [5, 6], TOK_C)
+            ep = _endpoints(srv)["1"]
+            assert (ep["medium_endpoints"], ep["engine_url_state"]) == ({"npu": new}, "ok")
+            assert ep["engine_url_error"] is None
+    finally:
+        eng.shutdown()
