@@ -74,8 +74,9 @@ if TYPE_CHECKING:
 
 def lower_priority(nice: int) -> int | None:
     """Add ``nice`` to the calling thread's nice value (Linux: each thread has its own;
-    elsewhere nothing is changed); the new value, None when unchanged. Lowering one's own
-    priority needs no privilege; a refusal (a sandbox) is logged and changes nothing.
+    elsewhere nothing is changed) and return the value it has then; None when nothing was
+    changed (not Linux, or refused). Lowering one's own priority needs no privilege; a
+    refusal (a sandbox) is logged and changes nothing.
 
     PERF: the one-process server's ingest thread runs at nice 5
     (:data:`kvconductor.serve.tuning.INGEST_NICE`). When it and the event loop answering
@@ -84,7 +85,7 @@ def lower_priority(nice: int) -> int | None:
     a CPU; a quiet event loop leaves the ingest thread all it needs. At 1,024 round-robin
     engines and saturation the queries' p99 went to a median of 0.86 ms from 1.21 ms, at
     more ops/s and the same event-to-visible times (docs/performance.md, "The ingest
-    thread's priority")."""
+    thread's priority, and the floor with a SUB per engine")."""
     if not sys.platform.startswith("linux"):
         return None
     tid = threading.get_native_id()
