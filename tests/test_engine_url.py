@@ -474,10 +474,8 @@ def test_a_rank_the_engine_no_longer_lists_stays_registered_in_error(tmp_path, e
                 interval=0.2,
                 msg="the unlisted rank's error shown",
             )
-            ep = _endpoints(srv)["1"]
-            assert "lists DP rank(s) [0], not the registration's dp_rank 1" in (
-                ep["engine_url_error"]
-            )
+            said = _endpoints(srv)["1"]["engine_url_error"]
+            assert "lists DP rank(s) [0], not the registration's dp_rank 1" in said
             wait_until(
                 lambda: hits(srv.http, IID, TOK_B, 1) == 0,
                 timeout=20,
